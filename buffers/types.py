@@ -1,0 +1,53 @@
+"""The sample types every role exchanges.
+
+A ``Sample`` is one response to one prompt. The ``n`` samples drawn for one admitted prompt form a
+``Group`` (GRPO-style advantages are computed within a group). Every generated token carries the
+policy version that produced it (DESIGN.md invariant 1); a sample's version is the oldest of its
+tokens, so a response continued across a weight update counts as old as its first token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class Sample:
+    prompt_id: int  # the admitted prompt this sample answers (unique per admission)
+    sample_index: int  # position within the group, 0..n-1
+    prompt_ids: list[int]
+    response_ids: list[int] = field(default_factory=list)
+    behav_logprobs: list[float] = field(default_factory=list)  # engine logprob per response token
+    versions: list[int] = field(default_factory=list)  # policy version per response token
+    reward: float = 0.0
+    finish_reason: str = ""  # "stop" | "length" | "abort"
+    admitted_version: int = 0  # policy version when the prompt was admitted
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def version(self) -> int:
+        """Oldest policy version among the tokens (the admission version if no tokens)."""
+        return min(self.versions) if self.versions else self.admitted_version
+
+    @property
+    def group_id(self) -> int:
+        return self.prompt_id
+
+
+@dataclass
+class Group:
+    """All ``n`` samples of one admitted prompt, complete and scored."""
+
+    prompt_id: int
+    samples: list[Sample]
+    admitted_version: int = 0
+    data_index: int = 0  # position of the prompt in the task's prompt stream
+
+    @property
+    def version(self) -> int:
+        return min(s.version for s in self.samples)
+
+    @property
+    def rewards(self) -> list[float]:
+        return [s.reward for s in self.samples]
