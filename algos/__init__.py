@@ -1,0 +1,28 @@
+"""Off-policy losses and advantage estimators, each a registry entry looked up by name.
+
+Losses (``policy_loss``): vanilla, ppo, decoupled_ppo, tis, cispo, topr, gspo; every loss also
+takes the ``kl_coef`` / ``kl_estimator`` / ``entropy_coef`` add-ons. Aggregations: token-mean,
+seq-mean-token-mean, seq-mean-token-sum, seq-mean-token-sum-norm (``max_len``).
+Estimators (``compute_advantages``): grpo, dr_grpo, rloo, reinforce_pp (alias reinforce++), gae;
+every estimator also takes ``whiten`` and ``clip``.
+
+Plugins: ``@register_loss`` / ``@register_advantage`` in a user module named to ``load_plugins``,
+or a ``flash.losses`` / ``flash.advantages`` entry point (loaded on first lookup).
+"""
+
+from .aggregate import AGGREGATIONS, aggregate, masked_mean
+from .policy import (ADDON_KNOBS, LOSSES, LossInputs, describe_aggregations, describe_losses,
+                     kl_penalty, policy_loss, register_loss, validate_loss)
+from . import losses as _builtin_losses  # noqa: F401  (registers the built-in losses)
+from .advantages import (ADV_ADDON_KNOBS, ADVANTAGES, AdvantageInputs, compute_advantages,
+                         describe_advantages, gae_advantages_and_returns, register_advantage,
+                         validate_advantage)
+from .registry import Registry, load_plugins
+
+__all__ = [
+    "AGGREGATIONS", "ADDON_KNOBS", "ADV_ADDON_KNOBS", "ADVANTAGES", "AdvantageInputs", "LOSSES",
+    "LossInputs", "Registry", "aggregate", "compute_advantages", "describe_advantages",
+    "describe_aggregations", "describe_losses", "gae_advantages_and_returns", "kl_penalty",
+    "load_plugins", "masked_mean", "policy_loss", "register_advantage", "register_loss",
+    "validate_advantage", "validate_loss",
+]

@@ -1,0 +1,184 @@
+"""The policy-loss API: ``LossInputs``, the loss registry, and ``policy_loss`` (the one caller).
+
+A loss is a pure function ``fn(inputs: LossInputs, *, knob=default, ...) -> (per_token, metrics)``
+with ``per_token`` ``[batch, tokens]``. ``policy_loss`` looks it up, checks the knobs, adds the
+optional add-ons every loss takes, aggregates once (``algos.aggregate``) and returns
+``(loss, metrics)``. Add-ons (knob names reserved for them):
+
+- ``kl_coef`` (default 0.0) · KL(π‖π_ref) per token with ``kl_estimator`` ``k1|k2|k3`` (default
+  ``k3``), Schulman, "Approximating KL divergence" (2020); k3 is GRPO's estimator (arXiv
+  2402.03300). With ``x = ref_logp − logp``: k1 = −x, k2 = x²/2, k3 = eˣ − 1 − x. Gradient flows
+  through ``logp``. Needs ``inputs.ref_logp``. The tokens come from the behaviour policy, not π, so
+  every estimator carries that (usually small) bias, as in GRPO and its peers.
+- ``entropy_coef`` (default 0.0) · (−entropy) per token: an entropy bonus. Needs
+  ``inputs.entropy`` (``[batch, tokens]``, carrying gradient).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, Callable, Literal
+
+import torch
+
+from .aggregate import AGG_KNOBS, AGGREGATIONS, aggregate, check_agg, masked_mean, masked_stats
+from .registry import Registry
+
+ADDON_KNOBS: dict[str, Any] = {"kl_coef": 0.0, "kl_estimator": "k3", "entropy_coef": 0.0}
+_ADDON_HINTS = {"kl_coef": float, "kl_estimator": Literal["k1", "k2", "k3"], "entropy_coef": float}
+_AGG_KNOB_NAMES = {k for knobs in AGG_KNOBS.values() for k in knobs}
+
+LOSSES = Registry("loss", "flash.losses", reserved={*ADDON_KNOBS, *_AGG_KNOB_NAMES, "agg"})
+
+_TOKEN_FIELDS = ("logp", "prox_logp", "behav_logp", "advantages", "mask")
+
+
+@dataclass
+class LossInputs:
+    """What every loss sees. ``[B, T]`` float tensors unless noted; ``mask`` is 1 on the response
+    tokens that count. ``advantages`` may be given per sample (``[B]``); it is then broadcast
+    over tokens.
+
+    - ``logp``: the policy being optimised (carries gradient).
+    - ``prox_logp``: the proximal policy (trainer weights at the start of the step); equal to
+      ``behav_logp`` when not recomputed.
+    - ``behav_logp``: the behaviour policy that generated the tokens (engine logprobs).
+    - ``rewards`` ``[B]``, ``versions`` ``[B, T]``, ``ref_logp`` ``[B, T]`` (KL add-on),
+      ``entropy`` ``[B, T]`` (entropy bonus): optional; a loss that needs a missing one says so.
+    """
+
+    logp: torch.Tensor
+    prox_logp: torch.Tensor
+    behav_logp: torch.Tensor
+    advantages: torch.Tensor
+    mask: torch.Tensor
+    rewards: torch.Tensor | None = None
+    versions: torch.Tensor | None = None
+    ref_logp: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        shape = tuple(self.logp.shape)
+        if len(shape) != 2:
+            raise ValueError(f"LossInputs.logp must be [batch, tokens], got {list(shape)}")
+        if self.advantages.dim() == 1:
+            self.advantages = self.advantages[:, None].expand(shape)
+        for name in (*_TOKEN_FIELDS, "versions", "ref_logp", "entropy"):
+            value = getattr(self, name)
+            if value is not None and tuple(value.shape) != shape:
+                raise ValueError(f"LossInputs.{name} has shape {list(value.shape)}, "
+                                 f"expected {list(shape)} like logp")
+        if self.rewards is not None and tuple(self.rewards.shape) != shape[:1]:
+            raise ValueError(f"LossInputs.rewards must be [batch]={[shape[0]]}, "
+                             f"got {list(self.rewards.shape)}")
+
+    def require(self, name: str, who: str) -> torch.Tensor:
+        """``getattr(self, name)``, or a ``ValueError`` saying that ``who`` needs it."""
+        value = getattr(self, name)
+        if value is None:
+            raise ValueError(f"{who} needs LossInputs.{name}, which is None; pass it when "
+                             f"building LossInputs (fields: {[f.name for f in fields(self)]})")
+        return value
+
+
+def register_loss(name: str, description: str | None = None, *,
+                  check: Callable[[dict], None] | None = None, aliases=()) -> Callable:
+    """Decorator registering ``fn(inputs, *, knob=default, ...) -> (per_token [B, T], metrics)``.
+
+    Knobs and defaults come from the keyword-only parameters; ``description`` defaults to the
+    docstring's first line; ``check(knobs)`` may raise ``ValueError`` for out-of-range values.
+    """
+    return LOSSES.register(name, description, check=check, aliases=aliases)
+
+
+def _resolve(name: str, knobs: dict[str, Any], agg: str):
+    check_agg(agg, {k: v for k, v in knobs.items() if k in _AGG_KNOB_NAMES})
+    loss_knobs = {k: v for k, v in knobs.items() if k not in _AGG_KNOB_NAMES}
+    entry, full = LOSSES.resolve(name, loss_knobs, ADDON_KNOBS, _ADDON_HINTS)
+    return entry, full, {k: v for k, v in knobs.items() if k in _AGG_KNOB_NAMES}
+
+
+def validate_loss(name: str, knobs: dict[str, Any] | None = None, agg: str | None = None) -> None:
+    """Raise ``ValueError`` unless ``policy_loss(name, ..., **knobs)`` would accept ``knobs``.
+
+    ``knobs`` may hold ``agg`` (as it does when passed on as ``**knobs``) or it may come alone.
+    """
+    knobs = dict(knobs or {})
+    agg = knobs.pop("agg", agg) or "token-mean"
+    _resolve(name, knobs, agg)
+
+
+def describe_losses() -> list[dict[str, Any]]:
+    """``[{name, description, knobs: {knob: default}, aliases}]``; knobs include the add-ons."""
+    rows = LOSSES.describe()
+    for row in rows:
+        row["knobs"].update(ADDON_KNOBS)
+    return rows
+
+
+def describe_aggregations() -> list[dict[str, Any]]:
+    """``[{name, description, knobs}]`` for every aggregation mode."""
+    return [{"name": n, "description": d, "knobs": dict(AGG_KNOBS.get(n, {}))}
+            for n, d in AGGREGATIONS.items()]
+
+
+def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
+    """Per-token estimate of KL(π‖π_ref); ``x = ref_logp − logp``: k1 = −x, k2 = x²/2,
+    k3 = eˣ − 1 − x (Schulman 2020)."""
+    x = ref_logp - logp
+    if estimator == "k1":
+        return -x
+    if estimator == "k2":
+        return 0.5 * x.square()
+    if estimator == "k3":
+        return torch.expm1(x) - x
+    raise ValueError(f"unknown kl_estimator {estimator!r} (valid: k1, k2, k3)")
+
+
+def _common_metrics(inputs: LossInputs) -> dict[str, float]:
+    """Ratio stats and approximate KLs (k3) of the current policy to the proximal and behaviour
+    policies, all over masked tokens."""
+    m = inputs.mask
+    with torch.no_grad():
+        to_prox = inputs.logp - inputs.prox_logp
+        to_behav = inputs.logp - inputs.behav_logp
+        out = {**masked_stats("ratio", to_prox.exp(), m),
+               **masked_stats("ratio_behav", to_behav.exp(), m),
+               "approx_kl/prox": float(masked_mean(torch.expm1(to_prox) - to_prox, m)),
+               "approx_kl/behav": float(masked_mean(torch.expm1(to_behav) - to_behav, m)),
+               "tokens": float(m.sum())}
+        if inputs.entropy is not None:
+            out["entropy"] = float(masked_mean(inputs.entropy, m))
+    return out
+
+
+def policy_loss(name: str, inputs: LossInputs, agg: str = "token-mean",
+                **knobs: Any) -> tuple[torch.Tensor, dict[str, float]]:
+    """Loss ``name`` on ``inputs``, plus the KL / entropy add-ons, aggregated with ``agg``.
+
+    Returns ``(loss, metrics)``: ``loss`` a scalar tensor carrying gradient, ``metrics`` a dict of
+    floats (``loss``, ``pg_loss``, the loss's own clip / IS-weight stats, ratio stats,
+    ``approx_kl/*``, and ``kl_ref`` / ``entropy`` when those inputs are given).
+    Unknown ``name``, knob or ``agg`` raises ``ValueError`` naming the closest valid one.
+    """
+    entry, full, agg_knobs = _resolve(name, knobs, agg)
+    per_token, loss_metrics = entry.fn(inputs, **{k: full[k] for k in entry.knobs})
+    if tuple(per_token.shape) != tuple(inputs.mask.shape):
+        raise ValueError(f"loss {name!r} returned per-token loss of shape "
+                         f"{list(per_token.shape)}, expected {list(inputs.mask.shape)}")
+    pg_loss = aggregate(per_token, inputs.mask, agg, **agg_knobs)
+    total = per_token
+    if full["kl_coef"] != 0:
+        ref = inputs.require("ref_logp", f"kl_coef={full['kl_coef']}")
+        total = total + full["kl_coef"] * kl_penalty(inputs.logp, ref, full["kl_estimator"])
+    if full["entropy_coef"] != 0:
+        ent = inputs.require("entropy", f"entropy_coef={full['entropy_coef']}")
+        total = total - full["entropy_coef"] * ent
+    loss = pg_loss if total is per_token else aggregate(total, inputs.mask, agg, **agg_knobs)
+    metrics = {k: float(v) for k, v in loss_metrics.items()}
+    metrics.update(loss=float(loss.detach()), pg_loss=float(pg_loss.detach()),
+                   **_common_metrics(inputs))
+    if inputs.ref_logp is not None:
+        metrics["kl_ref"] = float(masked_mean(
+            kl_penalty(inputs.logp.detach(), inputs.ref_logp, full["kl_estimator"]), inputs.mask))
+    return loss, metrics
