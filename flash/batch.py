@@ -1,0 +1,79 @@
+"""Groups of samples → padded tensors the trainer and the losses read.
+
+Layout: each row is ``prompt + response`` right-padded to the longest row. Token-level tensors are
+``[N, L-1]`` and aligned with *targets*: column ``j`` scores token ``j+1`` given tokens ``0..j``,
+so a response token at sequence position ``p`` lives in column ``p-1``. ``mask`` is 1 exactly on
+response-token columns; ``behav_logp`` and ``versions`` are filled there and zero elsewhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from buffers.types import Group, Sample
+
+
+@dataclass
+class TrainBatch:
+    input_ids: torch.Tensor  # [N, L] long
+    attention_mask: torch.Tensor  # [N, L] long
+    mask: torch.Tensor  # [N, L-1] float, 1 on response tokens
+    behav_logp: torch.Tensor  # [N, L-1] float
+    versions: torch.Tensor  # [N, L-1] long
+    rewards: torch.Tensor  # [N] float
+    group_ids: torch.Tensor  # [N] long
+
+    def __len__(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    def rows(self, start: int, stop: int) -> "TrainBatch":
+        """Rows ``start:stop``, trimmed to the longest of them (micro-batches stay small)."""
+        length = int(self.attention_mask[start:stop].sum(dim=1).max())
+        return TrainBatch(
+            input_ids=self.input_ids[start:stop, :length],
+            attention_mask=self.attention_mask[start:stop, :length],
+            mask=self.mask[start:stop, : length - 1],
+            behav_logp=self.behav_logp[start:stop, : length - 1],
+            versions=self.versions[start:stop, : length - 1],
+            rewards=self.rewards[start:stop],
+            group_ids=self.group_ids[start:stop],
+        )
+
+
+def flatten(groups: list[Group]) -> list[Sample]:
+    """Samples in batch order: groups by prompt id, samples by index (deterministic)."""
+    out: list[Sample] = []
+    for group in sorted(groups, key=lambda g: g.prompt_id):
+        out.extend(sorted(group.samples, key=lambda s: s.sample_index))
+    return out
+
+
+def collate(samples: list[Sample], pad_id: int = 0) -> TrainBatch:
+    n = len(samples)
+    length = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
+    length = max(length, 2)
+    input_ids = torch.full((n, length), pad_id, dtype=torch.long)
+    attention = torch.zeros((n, length), dtype=torch.long)
+    mask = torch.zeros((n, length - 1))
+    behav = torch.zeros((n, length - 1))
+    versions = torch.zeros((n, length - 1), dtype=torch.long)
+    for i, s in enumerate(samples):
+        seq = list(s.prompt_ids) + list(s.response_ids)
+        input_ids[i, : len(seq)] = torch.tensor(seq, dtype=torch.long)
+        attention[i, : len(seq)] = 1
+        first, last = len(s.prompt_ids) - 1, len(seq) - 1  # target columns of the response
+        if s.response_ids:
+            mask[i, first:last] = 1.0
+            behav[i, first:last] = torch.tensor(s.behav_logprobs, dtype=torch.float32)
+            versions[i, first:last] = torch.tensor(s.versions, dtype=torch.long)
+    return TrainBatch(
+        input_ids=input_ids,
+        attention_mask=attention,
+        mask=mask,
+        behav_logp=behav,
+        versions=versions,
+        rewards=torch.tensor([s.reward for s in samples], dtype=torch.float32),
+        group_ids=torch.tensor([s.prompt_id for s in samples], dtype=torch.long),
+    )

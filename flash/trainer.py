@@ -1,0 +1,131 @@
+"""The policy trainer: proximal-logprob recompute and one optimizer step per batch.
+
+One process here (the multi-worker FSDP2 trainer has its own issue). A step is split into
+micro-batches of ``micro_batch_size`` rows whose gradients accumulate; each micro-batch's loss is
+weighted by its share of the batch under the aggregation mode, so the accumulated gradient equals
+the full-batch gradient whatever the micro-batch size (tested).
+
+Logprobs are taken at the rollout temperature (``log_softmax(logits / T)``), the same distribution
+the engine sampled from and reported as the behaviour logprobs, so ``prox == behav`` on the same
+weights up to float error.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+import algos
+from flash.batch import TrainBatch
+
+
+@dataclass
+class TrainerSettings:
+    lr: float
+    weight_decay: float
+    betas: tuple[float, float]
+    grad_clip: float
+    micro_batch_size: int
+    temperature: float
+    loss: dict[str, Any]  # name + knobs
+    agg: str
+    max_len: int = 0  # seq-mean-token-sum-norm's constant length when the loss config has none
+
+
+def token_logprobs(model, batch: TrainBatch, temperature: float, with_entropy: bool = False):
+    """Per-target-column logprob ``[N, L-1]`` (and entropy when asked) under ``model``."""
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+    logits = logits[:, :-1].float() / temperature
+    logp_all = F.log_softmax(logits, dim=-1)
+    logp = logp_all.gather(-1, batch.input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    if not with_entropy:
+        return logp, None
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logp, entropy
+
+
+def micro_weight(agg: str, part: TrainBatch, whole_tokens: float, whole_rows: int) -> float:
+    """Share of the full-batch aggregate that a micro-batch's own aggregate stands for."""
+    if agg == "token-mean":
+        return float(part.mask.sum()) / max(whole_tokens, 1.0)
+    return len(part) / max(whole_rows, 1)
+
+
+class Trainer:
+    def __init__(self, model, settings: TrainerSettings, seed: int = 0):
+        torch.manual_seed(seed)
+        self.model = model
+        self.model.train()
+        self.s = settings
+        self.knobs = {k: v for k, v in settings.loss.items() if k != "name"}
+        self.loss_name = settings.loss["name"]
+        if settings.agg == "seq-mean-token-sum-norm" and settings.max_len and "max_len" not in self.knobs:
+            # a constant across micro-batches, or each would divide by its own padded width
+            self.knobs["max_len"] = settings.max_len
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=settings.lr, weight_decay=settings.weight_decay,
+            betas=tuple(settings.betas),
+        )
+        self.needs_entropy = float(self.knobs.get("entropy_coef", 0.0) or 0.0) != 0.0
+        self.ref_model = None
+        if float(self.knobs.get("kl_coef", 0.0) or 0.0) != 0.0:
+            self.ref_model = copy.deepcopy(model).eval()
+        self.steps = 0
+        self.busy_s = 0.0
+
+    @torch.no_grad()
+    def logprobs(self, batch: TrainBatch, model=None) -> torch.Tensor:
+        """Proximal logprobs: the current weights, no gradient, micro-batched."""
+        start = time.monotonic()
+        model = model or self.model
+        out = torch.zeros_like(batch.mask)
+        for lo in range(0, len(batch), self.s.micro_batch_size):
+            part = batch.rows(lo, min(lo + self.s.micro_batch_size, len(batch)))
+            logp, _ = token_logprobs(model, part, self.s.temperature)
+            out[lo : lo + len(part), : logp.shape[1]] = logp * part.mask
+        self.busy_s += time.monotonic() - start
+        return out
+
+    def train_step(self, batch: TrainBatch, advantages: torch.Tensor, prox_logp: torch.Tensor) -> dict:
+        """One optimizer step over the whole batch; returns loss and metrics as floats."""
+        start = time.monotonic()
+        ref = self.logprobs(batch, self.ref_model) if self.ref_model is not None else None
+        self.optimizer.zero_grad(set_to_none=True)
+        tokens, rows = float(batch.mask.sum()), len(batch)
+        total, metrics = 0.0, {}
+        for lo in range(0, rows, self.s.micro_batch_size):
+            hi = min(lo + self.s.micro_batch_size, rows)
+            part = batch.rows(lo, hi)
+            width = part.mask.shape[1]
+            loss, m = self._micro_loss(part, advantages[lo:hi, :width], prox_logp[lo:hi, :width],
+                                       None if ref is None else ref[lo:hi, :width])
+            weight = micro_weight(self.s.agg, part, tokens, rows)
+            (loss * weight).backward()
+            total += float(loss.detach()) * weight
+            for key, value in m.items():
+                metrics[key] = metrics.get(key, 0.0) + float(value) * weight
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.s.grad_clip)
+        finite = bool(torch.isfinite(grad_norm)) and bool(torch.isfinite(torch.tensor(total)))
+        if finite:
+            self.optimizer.step()
+        self.steps += 1
+        self.busy_s += time.monotonic() - start
+        metrics.update(loss=total, grad_norm=float(grad_norm), skipped=float(not finite))
+        return metrics
+
+    def _micro_loss(self, part: TrainBatch, adv, prox, ref):
+        logp, entropy = token_logprobs(self.model, part, self.s.temperature, self.needs_entropy)
+        inputs = algos.LossInputs(
+            logp=logp, prox_logp=prox, behav_logp=part.behav_logp, advantages=adv,
+            mask=part.mask, rewards=part.rewards, versions=part.versions,
+            ref_logp=ref, entropy=entropy,
+        )
+        return algos.policy_loss(self.loss_name, inputs, agg=self.s.agg, **self.knobs)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
