@@ -1,0 +1,468 @@
+"""The embedded rollout engine: continuous batching over a Hugging Face causal LM (CPU or GPU).
+
+How it works
+- A sequence is prompt + response so far. All of its tokens but the last are in the KV cache; the
+  last one is *pending*. One decode step feeds every running sequence's pending token in one
+  batched forward pass and samples one new token per sequence, so a step costs one token of compute
+  per sequence, never a recompute of the whole sequence.
+- Admission prefills the newcomers' ``(prompt + partial response)[:-1]`` as one left-padded batch
+  straight into free rows of the running batch; a finished or aborted row leaves at once, so a
+  request added mid-decode joins at the next step and a freed slot is refilled at the next step.
+- The running batch is one left-padded KV cache (``_KVBatch``): per layer, K/V buffers
+  ``[max_num_seqs, kv_heads, capacity, head_dim]`` with spare columns, so a decode step writes its
+  column in place instead of re-concatenating the cache (as ``DynamicCache`` would), plus a 2D
+  attention mask (0 = padding) and explicit per-row position ids. A leaving row is swap-removed
+  (only the moved row is copied) and the window skips columns that are padding in every row, so
+  attention spans the longest live sequence. Whole buffers are copied only to grow (amortised).
+- Sampling is seeded per request: each request owns a CPU ``torch.Generator`` and draws one uniform
+  per sampled token (inverse-CDF sampling), so its tokens do not depend on its batch mates.
+- A weight update invalidates the KV cache. Running sequences go back to the head of the waiting
+  queue *with* their partial responses and generator state and are re-prefilled under the new
+  weights (interrupt mode ``continue``); ``restart`` and ``wait`` are handled by ``preempt``.
+
+Not threaded: ``flash.engine.loop.EngineLoop`` drives ``step`` from a background thread.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+from collections import deque
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
+
+from flash.engine.base import INTERRUPT_MODES, GenerationOutput, GenerationRequest
+
+_SLACK = 64  # spare KV columns allocated past the current width, so appends rarely reallocate
+
+
+def derive_seed(engine_seed: int, request_id: str) -> int:
+    """A stable 63-bit seed from (engine seed, request id); Python's ``hash`` is salted per process."""
+    digest = hashlib.sha256(f"{engine_seed}:{request_id}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+
+class _KVLayer(DynamicLayer):
+    """A ``DynamicLayer`` over preallocated buffers ``[max_rows, kv_heads, capacity, head_dim]``.
+
+    The model sees the window ``rows r0:r1, columns c0:c1`` as its cache; ``update`` writes the new
+    columns at ``c1`` in place and returns views. Buffers are allocated on the first update, so head
+    counts, head_dim, dtype and device come from the model itself (GQA and any head_dim work).
+    """
+
+    def __init__(self, max_rows: int, capacity: int):
+        super().__init__()
+        self.max_rows, self.capacity = max_rows, capacity
+        self.k_buf: torch.Tensor | None = None
+        self.v_buf: torch.Tensor | None = None
+        self.set_window(0, 0, 0, 0)
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.allocate(key_states, value_states)
+
+    def allocate(self, like_k: torch.Tensor, like_v: torch.Tensor) -> None:
+        self.dtype, self.device = like_k.dtype, like_k.device
+        self.k_buf = like_k.new_zeros(self.max_rows, like_k.shape[1], self.capacity, like_k.shape[-1])
+        self.v_buf = like_v.new_zeros(self.max_rows, like_v.shape[1], self.capacity, like_v.shape[-1])
+        self.is_initialized = True
+        self.set_window(self.r0, self.r1, self.c0, self.c1)
+
+    def set_window(self, r0: int, r1: int, c0: int, c1: int) -> None:
+        self.r0, self.r1, self.c0, self.c1 = r0, r1, c0, c1
+        if self.is_initialized:
+            self.keys, self.values = self.k_buf[r0:r1, :, c0:c1], self.v_buf[r0:r1, :, c0:c1]
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.allocate(key_states, value_states)
+        c1 = self.c1 + key_states.shape[-2]
+        if c1 > self.capacity:  # _KVBatch.reserve prevents this; never silently overflow
+            raise RuntimeError(f"KV buffer overflow: {c1} > capacity {self.capacity}")
+        self.k_buf[self.r0 : self.r1, :, self.c1 : c1] = key_states
+        self.v_buf[self.r0 : self.r1, :, self.c1 : c1] = value_states
+        self.set_window(self.r0, self.r1, self.c0, c1)
+        return self.keys, self.values
+
+
+class _LayerCache(DynamicCache):
+    """A ``DynamicCache`` (so models treat it as one) whose layers are our ``_KVLayer``s."""
+
+    def __init__(self, layers: list[_KVLayer]):
+        Cache.__init__(self, layers=layers)
+
+
+class _KVBatch:
+    """Left-padded KV cache of the running batch; live row i belongs to running sequence i.
+
+    Rows ``0:n`` are live. Their real tokens are right-aligned at column ``end`` (exclusive) and
+    fit in the window ``start:end``; ``mask`` is 1 exactly at real tokens, ``pos[i]`` counts row
+    i's real tokens (the position id of its next token). Columns are absolute: ``start`` moves
+    right as long sequences leave, and the buffers are only copied (``_rebuild``) when a new
+    column or a long newcomer no longer fits, at most about once per ``width`` decode steps.
+    Finished rows are swap-removed (the last live rows move into the holes), which copies only
+    the moved rows. K/V outside a row's real tokens are finite and masked out.
+    """
+
+    def __init__(self, max_rows: int, num_layers: int, capacity: int, device: torch.device):
+        self.layers = [_KVLayer(max_rows, capacity) for _ in range(num_layers)]
+        self.cache = _LayerCache(self.layers)
+        self.mask = torch.zeros(max_rows, capacity, dtype=torch.long, device=device)
+        self.pos = torch.zeros(max_rows, dtype=torch.long, device=device)
+        self.max_rows, self.capacity = max_rows, capacity
+        self.n = self.start = self.end = 0
+
+    def set_window(self, r0: int, r1: int, c0: int, c1: int) -> None:
+        for layer in self.layers:
+            layer.set_window(r0, r1, c0, c1)
+
+    def set_live(self) -> None:
+        """Point the cache at the live rows, trimming columns that are padding in every row."""
+        self.start = self.end - int(self.pos[: self.n].max()) if self.n else self.end
+        self.set_window(0, self.n, self.start, self.end)
+
+    def reserve(self, left: int = 0, right: int = 0) -> None:
+        """Make room for ``left`` columns before ``end`` and ``right`` columns after it."""
+        if self.end < left or self.end + right > self.capacity:
+            self._rebuild(left, right)
+
+    def _rebuild(self, left: int, right: int) -> None:
+        """Copy the live window into fresh buffers with slack on both sides (amortised growth)."""
+        width = self.end - self.start
+        new_end = max(width, left)
+        cap = new_end + max(right, new_end, _SLACK)
+        src, dst = slice(self.start, self.end), slice(new_end - width, new_end)
+        mask = self.mask.new_zeros(self.max_rows, cap)
+        mask[: self.n, dst] = self.mask[: self.n, src]
+        for layer in self.layers:
+            layer.capacity = cap
+            if layer.is_initialized:
+                for name in ("k_buf", "v_buf"):
+                    old = getattr(layer, name)
+                    new = old.new_zeros(old.shape[0], old.shape[1], cap, old.shape[3])
+                    new[: self.n, :, dst] = old[: self.n, :, src]
+                    setattr(layer, name, new)
+        self.mask, self.capacity = mask, cap
+        self.start, self.end = new_end - width, new_end
+        self.set_live()
+
+    def remove(self, rows: list[int]) -> list[int]:
+        """Drop live ``rows``; returns the old row index of each remaining row, in new row order."""
+        order = list(range(self.n))
+        for r in sorted(rows, reverse=True):
+            last = self.n - 1
+            if r != last:
+                self.mask[r, : self.end] = self.mask[last, : self.end]
+                self.pos[r] = self.pos[last]
+                for layer in self.layers:
+                    if layer.is_initialized:
+                        layer.k_buf[r, :, self.start : self.end] = layer.k_buf[last, :, self.start : self.end]
+                        layer.v_buf[r, :, self.start : self.end] = layer.v_buf[last, :, self.start : self.end]
+                order[r] = order[last]
+            order.pop()
+            self.n -= 1
+        self.set_live()
+        return order
+
+
+@dataclass(eq=False)
+class _Seq:
+    """A request in flight: its response so far and its own random generator."""
+
+    req: GenerationRequest
+    seed: int
+    gen: torch.Generator
+    arrival: int  # order of add_request: requeued requests keep their place in the FIFO
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+
+    @property
+    def context(self) -> list[int]:
+        return self.req.prompt_ids + self.tokens
+
+    def reset(self) -> None:
+        """Drop the response and rewind the generator, so the request regenerates identically."""
+        self.tokens, self.logprobs, self.versions = [], [], []
+        self.gen.manual_seed(self.seed)
+
+    def finish_reason(self) -> str | None:
+        p = self.req.params
+        if self.tokens and self.tokens[-1] in p.stop_token_ids:
+            return "stop"
+        return "length" if len(self.tokens) >= p.max_new_tokens else None
+
+    def output(self, reason: str) -> GenerationOutput:
+        r = self.req
+        return GenerationOutput(r.request_id, list(r.prompt_ids), list(self.tokens), list(self.logprobs),
+                                list(self.versions), reason)
+
+
+def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor, top_p: torch.Tensor | None) -> torch.Tensor:
+    """Per row, the token whose CDF bucket holds ``u`` in (0, 1]; nucleus-truncated if ``top_p``.
+
+    With top-p the vocabulary is sorted by probability (stable) and tokens whose preceding mass is
+    already >= top_p get zero weight; the top token always stays. ``u > 0`` and a strict ``<``
+    mean a zero-weight token is never picked.
+    """
+    order = None
+    if top_p is not None:
+        probs, order = probs.sort(dim=-1, descending=True, stable=True)
+        probs = probs.masked_fill(probs.cumsum(-1) - probs >= top_p[:, None], 0.0)
+    cdf = probs.cumsum(-1)
+    pick = (cdf < u[:, None] * cdf[:, -1:]).sum(-1).clamp(max=probs.shape[-1] - 1)
+    return pick if order is None else order.gather(-1, pick[:, None]).squeeze(-1)
+
+
+def sample(logits: torch.Tensor, seqs: list[_Seq]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next token and its logprob per row of ``logits`` ``[rows, vocab]`` (float32).
+
+    The logprob is ``log_softmax(logits / T)`` at the chosen token over the *full* vocabulary, not
+    the top-p-truncated one: it is the behaviour policy at temperature T that the trainer's
+    recomputation (which knows nothing of top-p) is compared with. Greedy (T = 0) takes the argmax
+    and reports the raw-logit log_softmax. Each sampled row draws one uniform from its own
+    generator, and rows with and without top-p take separate paths, so a row's result depends
+    only on its own logits and generator.
+    """
+    temps = [s.req.params.temperature for s in seqs]
+    t = torch.tensor([x if x > 0 else 1.0 for x in temps], dtype=logits.dtype, device=logits.device)
+    logp = torch.log_softmax(logits / t[:, None], dim=-1)
+    tokens = logits.argmax(dim=-1)
+    for nucleus in (False, True):
+        rows = [i for i, s in enumerate(seqs) if temps[i] > 0 and (s.req.params.top_p < 1.0) == nucleus]
+        if not rows:
+            continue
+        u = 1.0 - torch.cat([torch.rand(1, generator=seqs[i].gen) for i in rows]).to(logits.device)
+        top_p = torch.tensor([seqs[i].req.params.top_p for i in rows], device=logits.device) if nucleus else None
+        idx = torch.tensor(rows, device=logits.device)
+        tokens[idx] = _inverse_cdf(logp[idx].exp(), u, top_p)
+    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+class TorchEngine:
+    """Single-threaded continuous-batching engine; see the module docstring for the design."""
+
+    def __init__(self, model, *, max_num_seqs: int = 64, version: int = 0, seed: int = 0):
+        if max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be >= 1")
+        self.model = model.eval()
+        self.max_num_seqs, self.seed, self._version = max_num_seqs, seed, version
+        self._num_layers = model.config.get_text_config(decoder=True).num_hidden_layers
+        self._device = next(model.parameters()).device
+        self._waiting: deque[_Seq] = deque()
+        self._running: list[_Seq] = []
+        self._kv: _KVBatch | None = None
+        self._ids: set[str] = set()
+        self.admitting = True  # False after preempt("wait") until resume()
+        self.tokens_generated = 0
+        self._arrivals = 0
+
+    # ---- state -------------------------------------------------------------------------------
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._running or self._waiting)
+
+    @property
+    def can_step(self) -> bool:
+        """Whether ``step`` would make progress (False when only waiting and admission is off)."""
+        return bool(self._running or (self.admitting and self._waiting))
+
+    # ---- requests ----------------------------------------------------------------------------
+    def add_request(self, req: GenerationRequest) -> None:
+        p = req.params
+        if not req.prompt_ids:
+            raise ValueError(f"request {req.request_id!r}: empty prompt")
+        if p.temperature < 0 or not 0.0 < p.top_p <= 1.0:
+            raise ValueError(f"request {req.request_id!r}: need temperature >= 0 and 0 < top_p <= 1")
+        if req.request_id in self._ids:
+            raise ValueError(f"request {req.request_id!r} is already in the engine")
+        seed = p.seed if p.seed is not None else derive_seed(self.seed, req.request_id)
+        self._ids.add(req.request_id)
+        self._arrivals += 1
+        self._waiting.append(_Seq(req, seed, torch.Generator().manual_seed(seed), self._arrivals))
+
+    @torch.inference_mode()
+    def step(self) -> list[GenerationOutput]:
+        """Admit waiting requests into free slots (prefilling them), then one batched decode step.
+
+        Returns the requests that finished in this step.
+        """
+        finished = self._admit() if self.admitting else []
+        if self._running:
+            finished += self._decode()
+        return finished
+
+    @torch.inference_mode()
+    def abort(self, request_ids: list[str] | None = None) -> list[GenerationOutput]:
+        """Remove requests (None = all), running or waiting; returns their partial outputs.
+
+        Unknown ids are ignored (the request may have finished already). Aborted requests are
+        reported only here, never again by ``step``.
+        """
+        hit = (lambda s: True) if request_ids is None else (lambda s, ids=set(request_ids): s.req.request_id in ids)
+        keep = [i for i, s in enumerate(self._running) if not hit(s)]
+        outs = [s.output("abort") for s in self._running if hit(s)]
+        outs += [s.output("abort") for s in self._waiting if hit(s)]
+        self._waiting = deque(s for s in self._waiting if not hit(s))
+        if len(keep) < len(self._running):
+            self._retain(keep)
+        self._ids -= {o.request_id for o in outs}
+        return outs
+
+    def generate(self, requests: list[GenerationRequest]) -> list[GenerationOutput]:
+        """Run ``requests`` to completion on an idle engine; outputs in request order.
+
+        Requires an idle engine so that no other request's output is swallowed.
+        """
+        if self.has_unfinished():
+            raise RuntimeError("generate() needs an idle engine; use add_request/step instead")
+        for r in requests:
+            self.add_request(r)
+        done: dict[str, GenerationOutput] = {}
+        while self.has_unfinished():
+            if not self.can_step:
+                raise RuntimeError("admission is paused (preempt('wait')); call resume() first")
+            done.update((o.request_id, o) for o in self.step())
+        return [done[r.request_id] for r in requests]
+
+    # ---- interruption and weights ------------------------------------------------------------
+    def preempt(self, mode: str) -> None:
+        """Apply an interrupt mode (``base.INTERRUPT_MODES``) at a step boundary.
+
+        - ``continue``: nothing to do now; ``update_weights`` invalidates the KV cache and requeues
+          running requests with their partial responses (a pause without an update keeps the cache).
+        - ``restart``: running requests go back to the head of the queue, and every request with a
+          partial response drops it and rewinds its generator to its seed.
+        - ``wait``: stop admitting; running requests drain through ``step``.
+        """
+        if mode not in INTERRUPT_MODES:
+            raise ValueError(f"unknown interrupt mode {mode!r}; expected one of {INTERRUPT_MODES}")
+        if mode == "restart":
+            self._requeue_running()
+            for s in self._waiting:
+                s.reset()
+        elif mode == "wait":
+            self.admitting = False
+
+    def resume(self) -> None:
+        """Re-open admission after ``preempt``."""
+        self.admitting = True
+
+    @torch.no_grad()
+    def update_weights(self, named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+                       version: int) -> None:
+        """Copy tensors into the model's parameters/buffers in place (names as in ``state_dict``).
+
+        A partial set is fine (bucketed pushes). An unknown name or a shape mismatch raises before
+        ``version`` changes; tensors copied before the bad one stay copied. The KV cache was made by
+        the old weights, so running requests are requeued (head of the queue, partial responses
+        kept) and re-prefilled at their next admission.
+        """
+        items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
+        state = self.model.state_dict()
+        for name, tensor in items:
+            if name not in state:
+                near = difflib.get_close_matches(name, list(state), n=1)
+                raise KeyError(f"unknown parameter {name!r}" + (f"; did you mean {near[0]!r}?" if near else ""))
+            if state[name].shape != tensor.shape:
+                raise ValueError(f"{name}: shape {tuple(tensor.shape)} != model's {tuple(state[name].shape)}")
+            state[name].copy_(tensor)
+        self._requeue_running()
+        self._version = version
+
+    # ---- internals ---------------------------------------------------------------------------
+    def _requeue_running(self) -> None:
+        """Running requests back to the head of the queue, in arrival order; the KV cache is dropped."""
+        self._waiting.extendleft(sorted(self._running, key=lambda s: s.arrival, reverse=True))
+        self._running, self._kv = [], None
+
+    def _retain(self, rows: list[int]) -> None:
+        """Keep only these running rows; the others leave the batch (their slots free at once)."""
+        kept = set(rows)
+        order = self._kv.remove([i for i in range(len(self._running)) if i not in kept])
+        self._running = [self._running[i] for i in order]
+        if not self._running:
+            self._kv = None  # free the buffers while idle (e.g. during a weight sync)
+
+    def _admit(self) -> list[GenerationOutput]:
+        finished, new = [], []
+        while self._waiting and len(self._running) + len(new) < self.max_num_seqs:
+            s = self._waiting.popleft()
+            if s.req.params.max_new_tokens <= 0:
+                finished.append(s.output("length"))
+                self._ids.discard(s.req.request_id)
+            else:
+                new.append(s)
+        if new:
+            self._prefill([s.context[:-1] for s in new])
+            self._running += new
+        return finished
+
+    def _prefill(self, prefixes: list[list[int]]) -> None:
+        """Write the KV of the left-padded ``prefixes`` (all tokens but each pending one) into free rows."""
+        width = max(len(p) for p in prefixes)
+        if self._kv is None:
+            self._kv = _KVBatch(self.max_num_seqs, self._num_layers, width + _SLACK, self._device)
+        kv = self._kv
+        kv.reserve(left=width, right=1)
+        r0, r1, c0 = kv.n, kv.n + len(prefixes), kv.end - width
+        kv.mask[r0:r1] = 0
+        kv.pos[r0:r1] = torch.tensor([len(p) for p in prefixes], device=self._device)
+        if width:
+            ids = torch.zeros(r1 - r0, width, dtype=torch.long, device=self._device)
+            for i, p in enumerate(prefixes):
+                if p:
+                    ids[i, width - len(p) :] = torch.tensor(p, device=self._device)
+                    kv.mask[r0 + i, kv.end - len(p) : kv.end] = 1
+            mask = kv.mask[r0:r1, c0 : kv.end]
+            kv.set_window(r0, r1, c0, c0)
+            self.model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+                       past_key_values=kv.cache, use_cache=True, logits_to_keep=1)
+            pad = (mask == 0)[:, None, :, None]
+            for layer in kv.layers:  # padding rows attended to nothing: keep their K/V clean zeros
+                layer.keys.masked_fill_(pad, 0.0)
+                layer.values.masked_fill_(pad, 0.0)
+        kv.n = r1
+        kv.set_live()
+
+    def _decode(self) -> list[GenerationOutput]:
+        """One token for every running sequence; drops the finished ones from the batch."""
+        kv = self._kv
+        kv.reserve(right=1)
+        n, start, end = kv.n, kv.start, kv.end
+        kv.mask[:n, end] = 1
+        ids = torch.tensor([s.context[-1] for s in self._running], device=self._device)[:, None]
+        logits = self.model(input_ids=ids, attention_mask=kv.mask[:n, start : end + 1], position_ids=kv.pos[:n, None],
+                            past_key_values=kv.cache, use_cache=True, logits_to_keep=1).logits[:, -1].float()
+        kv.end += 1
+        kv.pos[:n] += 1
+        kv.set_live()
+        tokens, logprobs = sample(logits, self._running)
+        finished, keep = [], []
+        for i, (s, tok, lp) in enumerate(zip(self._running, tokens.tolist(), logprobs.tolist())):
+            s.tokens.append(tok)
+            s.logprobs.append(lp)
+            s.versions.append(self._version)
+            reason = s.finish_reason()
+            if reason is None:
+                keep.append(i)
+            else:
+                finished.append(s.output(reason))
+                self._ids.discard(s.req.request_id)
+        self.tokens_generated += len(self._running)
+        if len(keep) < len(self._running):
+            self._retain(keep)
+        return finished
