@@ -1,0 +1,209 @@
+"""AsyncController: the training cycle, written once as named, timed phases.
+
+    get_batch → recompute_prox → advantages → train → suspend → push_weights → resume
+
+``get_batch`` waits on the SampleBuffer for a batch the staleness rule accepts
+(``StalenessManager.select_batch``); ``recompute_prox`` takes the trainer's logprobs at the start of
+the step (the proximal policy of decoupled PPO); ``advantages`` runs the configured estimator;
+``train`` is one optimizer step; ``suspend`` pauses the engines under the ``rollout.interrupt``
+mode; ``push_weights`` copies the new weights into every engine and advances the version; ``resume``
+lets the engines go on and the scheduler admit the prompts the new version allows.
+
+With ``async_ratio = 0`` the scheduler has admitted exactly the batch's prompts, so rollout and
+training alternate: the synchronous on-policy loop. With ``r > 0`` rollout of later batches goes on
+while ``train`` runs; only ``suspend → resume`` stops it, briefly.
+
+The controller only wires components (engine and trainer handles, scheduler, buffer); none of them
+imports it.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import ray
+
+import algos
+from buffers import Group, SampleBuffer
+from controllers.rollout_scheduler import RolloutScheduler
+from controllers.staleness import StalenessManager
+from flash.batch import collate, flatten
+
+PHASES = ("get_batch", "recompute_prox", "advantages", "train", "suspend", "push_weights", "resume")
+
+
+@dataclass
+class ControllerSettings:
+    prompts_per_step: int
+    interrupt: str
+    advantage: dict[str, Any]
+    recompute_prox: bool
+    pad_id: int = 0
+
+
+@dataclass
+class StepRecord:
+    step: int
+    metrics: dict[str, float]
+    groups: list[Group] = field(default_factory=list)
+
+
+class AsyncController:
+    def __init__(self, engine, trainer, scheduler: RolloutScheduler, buffer: SampleBuffer,
+                 staleness: StalenessManager, settings: ControllerSettings, ledger=None):
+        self.engine, self.trainer = engine, trainer
+        self.scheduler, self.buffer, self.staleness = scheduler, buffer, staleness
+        self.s = settings
+        self.ledger = ledger
+        self.version = 0
+        self._times: dict[str, float] = {}
+        self._engine_prev: dict[str, float] = {}
+
+    @contextmanager
+    def phase(self, name: str):
+        start = time.monotonic()
+        try:
+            yield
+        finally:
+            self._times[name] = self._times.get(name, 0.0) + time.monotonic() - start
+
+    def run(self, steps: int, on_step: Callable[[StepRecord], None] | None = None) -> list[StepRecord]:
+        records = []
+        for t in range(steps):
+            record = self.step(t, admit_more=t + 1 < steps)
+            records.append(record)
+            if on_step:
+                on_step(record)
+        return records
+
+    def step(self, t: int, admit_more: bool = True) -> StepRecord:
+        """One pass of the cycle for train step ``t`` (the policy is at version ``t``).
+
+        ``admit_more=False`` on the last step: the new version admits no prompts nobody will train.
+        """
+        self._times = {}
+        start = time.monotonic()
+        with self.phase("get_batch"):
+            groups = self._get_batch(t)
+        samples = flatten(groups)
+        batch = collate(samples, pad_id=self.s.pad_id)
+        with self.phase("recompute_prox"):
+            prox = ray.get(self.trainer.logprobs.remote(batch)) if self.s.recompute_prox else batch.behav_logp
+        with self.phase("advantages"):
+            knobs = {k: v for k, v in self.s.advantage.items() if k != "name"}
+            adv = algos.compute_advantages(self.s.advantage["name"], batch.rewards,
+                                           batch.group_ids, batch.mask, **knobs)
+        with self.phase("train"):
+            train_metrics = ray.get(self.trainer.train_step.remote(batch, adv, prox))
+        self._update_weights(t + 1, admit_more)
+        self._write_ledger(t, groups)
+        metrics = self._metrics(t, samples, batch, prox, train_metrics, time.monotonic() - start)
+        return StepRecord(step=t, metrics=metrics, groups=groups)
+
+    def _get_batch(self, t: int) -> list[Group]:
+        def select(groups: list[Group]):
+            self.scheduler.check()
+            versions = [g.version for g in groups]
+            return self.staleness.select_batch(t, versions, self.scheduler.pending_versions())
+
+        while True:
+            try:
+                return self.buffer.get_batch(self.s.prompts_per_step, select=select, timeout=1.0)
+            except TimeoutError:
+                self.scheduler.check()
+
+    def _update_weights(self, new_version: int, admit_more: bool) -> None:
+        with self.phase("suspend"):
+            ray.get(self.engine.pause.remote(self.s.interrupt))
+        with self.phase("push_weights"):
+            weights = self.trainer.get_weights.remote()
+            ray.get(self.engine.update_weights.remote(weights, new_version))
+            self.version = new_version
+        with self.phase("resume"):
+            ray.get(self.engine.resume.remote())
+        if admit_more:
+            self.scheduler.set_version(new_version)
+
+    def _write_ledger(self, t: int, groups: list[Group]) -> None:
+        if self.ledger is None:
+            return
+        for g in sorted(groups, key=lambda g: g.prompt_id):
+            for s in g.samples:
+                self.ledger.write(json.dumps({
+                    "prompt_id": g.prompt_id, "data_index": g.data_index, "sample": s.sample_index,
+                    "outcome": "trained", "step": t, "version": s.version, "reward": s.reward,
+                }) + "\n")
+        self.ledger.flush()
+
+    def _metrics(self, t, samples, batch, prox, train_metrics, step_s) -> dict[str, float]:
+        rewards = batch.rewards
+        stale = [t - s.version for s in samples]
+        lengths = [len(s.response_ids) for s in samples]
+        m = {f"train/{k}": float(v) for k, v in train_metrics.items()}
+        m.update({f"time/{k}": v for k, v in self._times.items()})
+        m.update({
+            "time/step": step_s,
+            "reward/mean": float(rewards.mean()),
+            "reward/std": float(rewards.std()) if len(rewards) > 1 else 0.0,
+            "staleness/max": float(max(stale)),
+            "staleness/mean": sum(stale) / len(stale),
+            "rollout/response_len_mean": sum(lengths) / len(lengths),
+            "rollout/response_len_max": float(max(lengths)),
+            "buffer/depth": float(len(self.buffer)),
+            "rollout/admitted": float(self.scheduler.admitted),
+        })
+        m.update(self._mismatch(batch, prox))
+        m.update(self._engine_metrics(step_s))
+        return m
+
+    def _mismatch(self, batch, prox) -> dict[str, float]:
+        """Train–inference mismatch |behav − prox| on tokens generated by the current weights."""
+        if not self.s.recompute_prox:
+            return {}
+        fresh = batch.mask * (batch.versions == self.version - 1).float()
+        if float(fresh.sum()) == 0:
+            return {}
+        diff = (batch.behav_logp - prox).abs() * fresh
+        return {"rollout/mismatch_mean": float(diff.sum() / fresh.sum()),
+                "rollout/mismatch_max": float(diff.max())}
+
+    def _engine_metrics(self, step_s: float) -> dict[str, float]:
+        stats = ray.get(self.engine.stats.remote())
+        prev, self._engine_prev = self._engine_prev, stats
+        busy = stats.get("busy_s", 0.0) - prev.get("busy_s", 0.0)
+        idle = stats.get("idle_s", 0.0) - prev.get("idle_s", 0.0)
+        tokens = stats.get("tokens_generated", 0.0) - prev.get("tokens_generated", 0.0)
+        total = busy + idle
+        return {
+            "rollout/idle_ratio": idle / total if total > 0 else 0.0,
+            "rollout/tokens_per_s": tokens / step_s if step_s > 0 else 0.0,
+        }
+
+    def shutdown_rollout(self) -> dict[str, list[int]]:
+        """Stop admitting, abort training requests in flight; return what was left unfinished."""
+        self.scheduler.stop_admission()
+        ray.get(self.engine.pause.remote("continue"))
+        ray.get(self.engine.abort.remote(None))
+        ray.get(self.engine.resume.remote())
+        self.scheduler.quiesce()
+        pending = self.scheduler.pending_ids()
+        buffered = sorted(g.prompt_id for g in self.buffer.drain())
+        if self.ledger is not None:
+            for pid in pending:
+                self.ledger.write(json.dumps({"prompt_id": pid, "outcome": "in_flight"}) + "\n")
+            for pid in buffered:
+                self.ledger.write(json.dumps({"prompt_id": pid, "outcome": "buffered"}) + "\n")
+            self.ledger.flush()
+        return {"in_flight": pending, "buffered": buffered}
+
+
+def recompute_needed(mode: str, async_ratio: float) -> bool:
+    """``auto``: only when samples can be off-policy (r > 0); at r = 0 prox equals behav."""
+    if mode == "auto":
+        return async_ratio > 0
+    return mode == "always"
+

@@ -1,0 +1,114 @@
+"""The `flash` command: a few verbs, each one function.
+
+    flash run RECIPE [key=value ...]       train (RECIPE: a name from `flash ls`, or a YAML path)
+    flash validate RECIPE [key=value ...]  check a recipe and overrides without running
+    flash ls                               recipes with one-line descriptions
+    flash losses                           registered losses and advantage estimators, with knobs
+
+Errors a user can fix (unknown key, bad value, missing recipe) print one line and exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from flash.errors import FlashError, RecipeNotFound
+
+import recipes as _recipes_pkg
+
+RECIPES_DIR = Path(_recipes_pkg.__file__).resolve().parent
+
+
+def recipe_paths() -> dict[str, Path]:
+    return {p.stem: p for p in sorted(RECIPES_DIR.glob("*.yaml"))}
+
+
+def resolve_recipe(name: str) -> Path:
+    path = Path(name)
+    if path.suffix in (".yaml", ".yml") or "/" in name:
+        if path.is_file():
+            return path
+        raise RecipeNotFound(f"recipe file '{name}' does not exist")
+    known = recipe_paths()
+    if name in known:
+        return known[name]
+    from flash.config import closest
+
+    raise RecipeNotFound(f"no recipe named '{name}'{closest(name, list(known))}; "
+                         f"known recipes: {', '.join(known) or 'none'} (see `flash ls`)")
+
+
+def cmd_ls(_: argparse.Namespace) -> int:
+    from omegaconf import OmegaConf
+
+    rows = [(name, str(OmegaConf.load(path).get("description", ""))) for name, path in recipe_paths().items()]
+    width = max((len(n) for n, _ in rows), default=0)
+    for name, desc in rows:
+        print(f"{name:<{width}}  {desc}")
+    return 0
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    from flash.config import load_config
+
+    path = resolve_recipe(args.recipe)
+    cfg = load_config(path, args.overrides)
+    print(f"ok: {path} (async_ratio={cfg.async_ratio}, loss={cfg.algo.loss['name']}, "
+          f"steps={cfg.train.steps})")
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from flash.config import load_config
+    from flash.runner import run
+
+    path = resolve_recipe(args.recipe)
+    cfg = load_config(path, args.overrides)
+    summary = run(cfg, recipe_name=path.stem)
+    print(f"flash: accuracy {summary['eval_accuracy_initial']:.3f} -> {summary['eval_accuracy_final']:.3f} "
+          f"in {summary['steps']} steps, {summary['wall_seconds']:.0f}s; summary: "
+          f"{summary['run_dir']}/summary.json")
+    return 0
+
+
+def cmd_losses(_: argparse.Namespace) -> int:
+    import algos
+
+    for title, rows in (("losses", algos.describe_losses()), ("advantage estimators", algos.describe_advantages())):
+        print(f"{title}:")
+        for row in rows:
+            knobs = ", ".join(f"{k}={v!r}" for k, v in row["knobs"].items()) or "-"
+            print(f"  {row['name']:<16} {row['description']}\n  {'':<16} knobs: {knobs}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="flash", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="verb", required=True)
+    for verb, fn, help_ in (("run", cmd_run, "train with a recipe"),
+                            ("validate", cmd_validate, "check a recipe without running")):
+        p = sub.add_parser(verb, help=help_)
+        p.add_argument("recipe", help="a name from `flash ls` or a path to a YAML recipe")
+        p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. async_ratio=2")
+        p.set_defaults(fn=fn)
+    sub.add_parser("ls", help="list recipes").set_defaults(fn=cmd_ls)
+    sub.add_parser("losses", help="list losses and advantage estimators").set_defaults(fn=cmd_losses)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except FlashError as exc:
+        print(f"flash: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("flash: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

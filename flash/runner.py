@@ -1,0 +1,217 @@
+"""`flash run`: build every role from a validated config, train, evaluate, write the summary.
+
+Order of work: run dir and resolved config → task → model (warm start, cached) → Ray and the two
+actors → initial held-out evaluation → the controller's steps (progress bar, trackers, periodic
+evaluation) → stop rollout (what is left unfinished goes to the ledger) → final evaluation →
+``summary.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from datetime import datetime
+from pathlib import Path
+
+import ray
+
+import algos
+from buffers import SampleBuffer
+from controllers.async_controller import AsyncController, ControllerSettings, recompute_needed
+from controllers.rollout_scheduler import PromptSource, RolloutScheduler
+from controllers.staleness import StalenessManager
+from flash.config import FlashConfig, to_yaml
+from flash.engine.base import SamplingParams
+from flash.tracking import ConsoleTracker, MultiTracker, Progress, TensorBoardTracker
+from flash.trainer import TrainerSettings
+from flash.workers import init_ray, quiet, start_engine, start_trainer, wait_ready
+
+
+def default_cache_dir(cfg: FlashConfig) -> str:
+    return cfg.cache_dir or os.environ.get("FLASH_CACHE") or str(Path.home() / ".cache" / "flash")
+
+
+def make_run_dir(cfg: FlashConfig, recipe_name: str) -> Path:
+    if cfg.run_dir:
+        path = Path(cfg.run_dir)
+    else:
+        stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+        path = Path("runs") / f"{recipe_name}-{stamp}"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def resolve_threads(cfg: FlashConfig) -> tuple[int, int]:
+    """(engine, trainer) torch threads: all cores each when phases alternate, split otherwise."""
+    cores = cfg.ray.num_cpus or os.cpu_count() or 2
+    if cfg.async_ratio == 0:
+        auto_engine = auto_trainer = cores
+    else:
+        auto_engine, auto_trainer = max(1, cores // 2), max(1, cores - cores // 2)
+    return (cfg.resources.engine_threads or auto_engine, cfg.resources.trainer_threads or auto_trainer)
+
+
+def prepare_model(cfg: FlashConfig, task) -> str:
+    if cfg.model.path:
+        return cfg.model.path
+    from flash.sft import warm_start
+
+    return warm_start(cfg.model.tiny, cfg.sft, task, default_cache_dir(cfg))
+
+
+def build_source(task, tokenizer) -> PromptSource:
+    from flash.models import decode_response, encode_prompt
+
+    return PromptSource(
+        item=lambda i: task.item(i, split="train"),
+        encode=lambda text: encode_prompt(tokenizer, text),
+        decode=lambda ids: decode_response(tokenizer, ids),
+        reward=task.reward,
+    )
+
+
+def sampling_params(cfg: FlashConfig, tokenizer, *, eval_mode: bool = False) -> SamplingParams:
+    max_new = cfg.eval.max_new_tokens if eval_mode and cfg.eval.max_new_tokens else cfg.rollout.max_new_tokens
+    return SamplingParams(
+        max_new_tokens=max_new,
+        temperature=cfg.eval.temperature if eval_mode else cfg.rollout.temperature,
+        top_p=cfg.rollout.top_p,
+        stop_token_ids=[tokenizer.eos_token_id],
+    )
+
+
+def trainer_settings(cfg: FlashConfig) -> TrainerSettings:
+    return TrainerSettings(
+        lr=cfg.train.lr, weight_decay=cfg.train.weight_decay, betas=tuple(cfg.train.betas),
+        grad_clip=cfg.train.grad_clip, micro_batch_size=cfg.train.micro_batch_size,
+        temperature=cfg.rollout.temperature, loss=dict(cfg.algo.loss), agg=cfg.algo.agg,
+        max_len=cfg.rollout.max_new_tokens,
+    )
+
+
+class Run:
+    """One training run's live parts, so ``run`` reads as its steps."""
+
+    def __init__(self, cfg: FlashConfig, recipe_name: str):
+        from recipes.tasks import make_task
+        from transformers import AutoTokenizer
+
+        self.t0 = time.monotonic()
+        quiet()
+        self.cfg = cfg
+        self.dir = make_run_dir(cfg, recipe_name)
+        (self.dir / "config.yaml").write_text(to_yaml(cfg))
+        algos.load_plugins(list(cfg.plugins))
+        task_opts = {k: v for k, v in cfg.task.items() if k != "name"}
+        self.task = make_task(cfg.task["name"], **task_opts)
+        self.model_path = prepare_model(cfg, self.task)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        self.eval_items = self.task.eval_items()
+        self.metrics_file = open(self.dir / "metrics.jsonl", "w")
+        self._start_roles()
+
+    def _start_roles(self) -> None:
+        cfg = self.cfg
+        engine_threads, trainer_threads = resolve_threads(cfg)
+        init_ray(cfg.ray.address, cfg.ray.num_cpus)
+        settings = trainer_settings(cfg)
+        self.engine = start_engine(self.model_path, cfg.rollout.max_num_seqs, cfg.seed, engine_threads)
+        self.trainer = start_trainer(self.model_path, settings, cfg.seed, trainer_threads, list(cfg.plugins))
+        wait_ready(self.engine, self.trainer)
+        B = cfg.train.prompts_per_step
+        self.staleness = StalenessManager(cfg.async_ratio, B)
+        self.buffer = SampleBuffer(capacity=int(math.ceil((cfg.async_ratio + 2) * B)))
+        self.scheduler = RolloutScheduler(
+            self.engine, build_source(self.task, self.tokenizer), self.buffer, self.staleness,
+            sampling_params(cfg, self.tokenizer), n=cfg.rollout.n, seed=cfg.seed,
+            reward_workers=cfg.rollout.reward_workers, inject_delay_s=cfg.rollout.inject_delay_s,
+        )
+        self.ledger = open(self.dir / "ledger.jsonl", "w")
+        self.controller = AsyncController(
+            self.engine, self.trainer, self.scheduler, self.buffer, self.staleness,
+            ControllerSettings(
+                prompts_per_step=B, interrupt=cfg.rollout.interrupt, advantage=dict(cfg.algo.advantage),
+                recompute_prox=recompute_needed(cfg.algo.recompute_prox, cfg.async_ratio),
+                pad_id=self.tokenizer.pad_token_id or 0,
+            ),
+            ledger=self.ledger,
+        )
+
+    def evaluate(self, tag: str) -> float:
+        params = sampling_params(self.cfg, self.tokenizer, eval_mode=True)
+        rewards = self.scheduler.evaluate(self.eval_items, params, tag=tag, seed=self.cfg.seed + 991)
+        return sum(1.0 for r in rewards if r > 0) / max(len(rewards), 1)
+
+    def close(self) -> None:
+        self.scheduler.stop()
+        self.ledger.close()
+        self.metrics_file.close()
+        for actor in (self.engine, self.trainer):
+            ray.kill(actor)
+
+
+def run(cfg: FlashConfig, recipe_name: str = "run") -> dict:
+    """Train as configured; returns (and writes) the run summary."""
+    r = Run(cfg, recipe_name)
+    tracker = MultiTracker([ConsoleTracker(cfg.tracking.console_every)]
+                           + ([TensorBoardTracker(str(r.dir / "tb"))] if cfg.tracking.tensorboard else []))
+    progress = Progress(cfg.train.steps, cfg.tracking.progress)
+    progress.write(f"flash: run dir {r.dir}")
+    try:
+        r.scheduler.start()
+        acc0 = r.evaluate("initial")
+        tracker.log({"eval/accuracy": acc0}, 0)
+        progress.write(f"flash: held-out accuracy before training {acc0:.3f}")
+        r.scheduler.start_admission()
+        train_start = time.monotonic()
+        records = r.controller.run(cfg.train.steps, on_step=lambda rec: _on_step(r, rec, tracker, progress))
+        train_s = time.monotonic() - train_start
+        left = r.controller.shutdown_rollout()
+        acc1 = r.evaluate("final")
+        tracker.log({"eval/accuracy": acc1}, cfg.train.steps)
+        progress.write(f"flash: held-out accuracy after training {acc1:.3f}")
+    finally:
+        progress.close()
+        tracker.close()
+        r.close()
+    summary = _summary(cfg, r, records, acc0, acc1, train_s, left)
+    (r.dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def _on_step(r: Run, rec, tracker, progress) -> None:
+    every = r.cfg.eval.every_steps
+    step = rec.step + 1
+    if every and step % every == 0 and step < r.cfg.train.steps:
+        rec.metrics["eval/accuracy"] = r.evaluate(f"step{step}")
+    tracker.log(rec.metrics, step)
+    r.metrics_file.write(json.dumps({"step": step, **rec.metrics}) + "\n")
+    r.metrics_file.flush()
+    progress.update(rec.metrics)
+
+
+def _summary(cfg, r: Run, records, acc0, acc1, train_s, left) -> dict:
+    steps = len(records)
+    trained = sum(len(g.samples) for rec in records for g in rec.groups)
+    phase_keys = sorted({k for rec in records for k in rec.metrics if k.startswith("time/")})
+    return {
+        "eval_accuracy_initial": acc0,
+        "eval_accuracy_final": acc1,
+        "steps": steps,
+        "wall_seconds": time.monotonic() - r.t0,
+        "train_seconds": train_s,
+        "seconds_per_step": train_s / max(steps, 1),
+        "samples_trained": trained,
+        "max_staleness_observed": max((rec.metrics["staleness/max"] for rec in records), default=0.0),
+        "async_ratio": cfg.async_ratio,
+        "interrupt": cfg.rollout.interrupt,
+        "loss": cfg.algo.loss["name"],
+        "prompts_admitted": r.scheduler.admitted,
+        "prompts_unfinished": {k: len(v) for k, v in left.items()},
+        "reward_errors": r.scheduler.counters["reward_errors"],
+        "phase_seconds_mean": {k[5:]: sum(rec.metrics.get(k, 0.0) for rec in records) / max(steps, 1)
+                               for k in phase_keys},
+        "run_dir": str(r.dir),
+    }

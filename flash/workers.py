@@ -1,0 +1,135 @@
+"""Ray actors for the two compute roles: the rollout engine and the trainer.
+
+Each actor owns its torch thread count, so that a synchronous run lets every phase use all the
+cores (the phases alternate) while an asynchronous run splits them between roles that overlap.
+The engine actor is threaded (``max_concurrency``): the scheduler's blocking ``get_finished`` and
+the controller's ``pause`` must not queue behind each other.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import Any
+
+import ray
+import torch
+
+
+QUIET_ENV = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "error",
+             "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def quiet() -> None:
+    """No per-process download/loading progress bars or advisory warnings in the run's output."""
+    for key, value in QUIET_ENV.items():
+        os.environ.setdefault(key, value)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
+def load_model(path: str):
+    from transformers import AutoModelForCausalLM
+
+    quiet()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return model
+
+
+class EngineWorker:
+    def __init__(self, model_path: str, max_num_seqs: int, seed: int, threads: int):
+        from flash.engine.loop import EngineLoop
+        from flash.engine.torch_engine import TorchEngine
+
+        torch.set_num_threads(max(1, threads))
+        model = load_model(model_path).eval()
+        self.loop = EngineLoop(TorchEngine(model, max_num_seqs=max_num_seqs, seed=seed))
+
+    def submit(self, requests) -> int:
+        self.loop.submit(requests)
+        return len(requests)
+
+    def get_finished(self, timeout: float):
+        return self.loop.get_finished(timeout=timeout)
+
+    def pause(self, mode: str) -> None:
+        self.loop.pause(mode)
+
+    def resume(self) -> None:
+        self.loop.resume()
+
+    def update_weights(self, named_tensors: dict, version: int) -> None:
+        self.loop.update_weights(named_tensors, version)
+
+    def abort(self, request_ids=None):
+        return self.loop.abort(request_ids)
+
+    def stats(self) -> dict:
+        return self.loop.stats()
+
+    def shutdown(self) -> None:
+        self.loop.shutdown()
+
+
+class TrainerWorker:
+    def __init__(self, model_path: str, settings, seed: int, threads: int, plugins: list[str]):
+        import algos
+        from flash.trainer import Trainer
+
+        torch.set_num_threads(max(1, threads))
+        algos.load_plugins(list(plugins))
+        self.trainer = Trainer(load_model(model_path), settings, seed=seed)
+
+    def logprobs(self, batch):
+        return self.trainer.logprobs(batch)
+
+    def train_step(self, batch, advantages, prox_logp) -> dict:
+        return self.trainer.train_step(batch, advantages, prox_logp)
+
+    def get_weights(self) -> dict:
+        return self.trainer.state_dict()
+
+    def save(self, path: str) -> str:
+        self.trainer.model.save_pretrained(path)
+        return path
+
+    def stats(self) -> dict:
+        return {"busy_s": self.trainer.busy_s, "steps": float(self.trainer.steps)}
+
+
+def init_ray(address: str | None, num_cpus: int, extra_paths: list[str] = ()) -> None:
+    """Join ``address`` or start a quiet local Ray whose workers see the driver's import path."""
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    if ray.is_initialized():
+        return
+    paths = [p for p in [*extra_paths, os.getcwd(), *sys.path] if p and os.path.isdir(p)]
+    env = {"PYTHONPATH": os.pathsep.join(dict.fromkeys(paths)), **QUIET_ENV}
+    kwargs: dict[str, Any] = dict(
+        include_dashboard=False, log_to_driver=True, runtime_env={"env_vars": env},
+        logging_level="ERROR", configure_logging=True,
+    )
+    if address:
+        ray.init(address=address, **kwargs)
+    else:
+        ray.init(num_cpus=num_cpus or os.cpu_count() or 2, **kwargs)
+
+
+def start_engine(model_path: str, max_num_seqs: int, seed: int, threads: int):
+    actor = ray.remote(EngineWorker).options(num_cpus=0, max_concurrency=8)
+    return actor.remote(model_path, max_num_seqs, seed, threads)
+
+
+def start_trainer(model_path: str, settings, seed: int, threads: int, plugins: list[str]):
+    actor = ray.remote(TrainerWorker).options(num_cpus=0, max_concurrency=2)
+    return actor.remote(model_path, settings, seed, threads, plugins)
+
+
+def wait_ready(*actors, timeout: float = 300.0) -> float:
+    """Block until every actor answers (model loaded); returns the seconds it took."""
+    start = time.monotonic()
+    ray.get([a.stats.remote() for a in actors], timeout=timeout)
+    return time.monotonic() - start

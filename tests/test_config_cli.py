@@ -1,0 +1,85 @@
+"""Strict config and the CLI: typos name the right key, bad values and missing recipes exit non-zero."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from flash.cli import main, recipe_paths
+from flash.config import load_config
+from flash.errors import ConfigError
+
+RECIPES = sorted(recipe_paths().values())
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.stem)
+def test_every_shipped_recipe_validates_and_opens_with_its_command(path):
+    cfg = load_config(path)
+    assert path.read_text().splitlines()[0] == f"# flash run {path.stem}"
+    assert cfg.description  # `flash ls` shows it
+
+
+def test_overrides_are_typed_and_applied():
+    cfg = load_config(RECIPES[0], ["async_ratio=0.5", "algo.loss.name=ppo", "algo.loss.clip_high=0.28",
+                                    "train.steps=3"])
+    assert cfg.async_ratio == 0.5 and cfg.train.steps == 3
+    assert cfg.algo.loss == {"name": "ppo", "clip_high": 0.28}
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("asyn_ratio=2", "did you mean 'async_ratio'"),
+    ("rollout.temprature=0.5", "did you mean 'temperature'"),
+    ("train.stpes=3", "did you mean 'steps'"),
+    ("algo.loss.clip_hihg=0.3", "clip_high"),
+    ("algo.advantage.name=grop", "grpo"),
+    ("task.slip_prb=0.1", "slip_prob"),
+    ("algo.loss.name=decoupled_pp", "decoupled_ppo"),
+])
+def test_misspelled_keys_name_the_closest_valid_one(override, needle):
+    with pytest.raises(ConfigError) as err:
+        load_config(RECIPES[0], [override])
+    assert needle in str(err.value)
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("async_ratio=abc", "async_ratio"),
+    ("async_ratio=-1", "async_ratio must be"),
+    ("rollout.interrupt=pause", "rollout.interrupt must be one of"),
+    ("train.steps=0", "train.steps"),
+    ("algo.agg=token-sum", "algo.agg"),
+    ("noequals", "key=value"),
+])
+def test_invalid_values_are_one_clear_error(override, needle):
+    with pytest.raises(ConfigError) as err:
+        load_config(RECIPES[0], [override])
+    assert needle in str(err.value)
+
+
+def test_cli_errors_exit_nonzero_with_one_line(capsys):
+    assert main(["validate", "chainsum", "asyn_ratio=2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "async_ratio" in err and "Traceback" not in err
+    assert main(["run", "chainsun"]) == 2
+    assert "did you mean 'chainsum'" in capsys.readouterr().err
+    assert main(["validate", "nope/missing.yaml"]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_cli_ls_validate_and_losses(capsys):
+    assert main(["ls"]) == 0
+    out = capsys.readouterr().out
+    assert "chainsum" in out and "decoupled PPO" in out
+    assert main(["validate", "chainsum", "async_ratio=0"]) == 0
+    assert "ok:" in capsys.readouterr().out
+    assert main(["losses"]) == 0
+    out = capsys.readouterr().out
+    for name in ("vanilla", "ppo", "decoupled_ppo", "tis", "cispo", "topr", "gspo", "grpo", "rloo"):
+        assert f"  {name} " in out
+
+
+def test_console_script_is_installed():
+    proc = subprocess.run([str(Path(sys.executable).parent / "flash"), "validate", "chainsum", "train.stpes=1"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert "did you mean 'steps'" in proc.stderr and "Traceback" not in proc.stderr
