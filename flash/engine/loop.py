@@ -127,7 +127,8 @@ class EngineLoop:
             self._paused = mode
         if mode == "wait":
             with self._cv:
-                while self._error is None and (self._in_step or self._engine.num_running):
+                # A concurrent pause in another mode parks the thread: stop waiting for the drain then.
+                while self._error is None and self._paused == "wait" and (self._in_step or self._engine.num_running):
                     self._cv.wait()
                 self._check()
 

@@ -183,6 +183,11 @@ class _Seq:
     def context(self) -> list[int]:
         return self.req.prompt_ids + self.tokens
 
+    @property
+    def pending(self) -> int:
+        """The last token: not yet in the KV cache, fed by the next decode step."""
+        return self.tokens[-1] if self.tokens else self.req.prompt_ids[-1]
+
     def reset(self) -> None:
         """Drop the response and rewind the generator, so the request regenerates identically."""
         self.tokens, self.logprobs, self.versions = [], [], []
@@ -444,7 +449,7 @@ class TorchEngine:
         kv.reserve(right=1)
         n, start, end = kv.n, kv.start, kv.end
         kv.mask[:n, end] = 1
-        ids = torch.tensor([s.context[-1] for s in self._running], device=self._device)[:, None]
+        ids = torch.tensor([s.pending for s in self._running], device=self._device)[:, None]
         logits = self.model(input_ids=ids, attention_mask=kv.mask[:n, start : end + 1], position_ids=kv.pos[:n, None],
                             past_key_values=kv.cache, use_cache=True, logits_to_keep=1).logits[:, -1].float()
         kv.end += 1
