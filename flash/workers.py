@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -74,12 +75,27 @@ class EngineWorker:
         self.loop.shutdown()
 
 
+def plugin_paths(modules: list[str]) -> list[str]:
+    """Directories the driver imports ``modules`` from, so a worker process can import them too."""
+    import importlib.util
+
+    paths = []
+    for name in modules:
+        spec = importlib.util.find_spec(name.split(".")[0])
+        if spec is not None and spec.origin:
+            root = Path(spec.origin).parent
+            paths.append(str(root.parent if spec.submodule_search_locations else root))
+    return paths
+
+
 class TrainerWorker:
-    def __init__(self, model_path: str, settings, seed: int, threads: int, plugins: list[str]):
+    def __init__(self, model_path: str, settings, seed: int, threads: int, plugins: list[str],
+                 paths: list[str] = ()):
         import algos
         from flash.trainer import Trainer
 
         torch.set_num_threads(max(1, threads))
+        sys.path[:0] = [p for p in paths if p not in sys.path]
         algos.load_plugins(list(plugins))
         self.trainer = Trainer(load_model(model_path), settings, seed=seed)
 
@@ -125,7 +141,7 @@ def start_engine(model_path: str, max_num_seqs: int, seed: int, threads: int):
 
 def start_trainer(model_path: str, settings, seed: int, threads: int, plugins: list[str]):
     actor = ray.remote(TrainerWorker).options(num_cpus=0, max_concurrency=2)
-    return actor.remote(model_path, settings, seed, threads, plugins)
+    return actor.remote(model_path, settings, seed, threads, plugins, plugin_paths(plugins))
 
 
 def wait_ready(*actors, timeout: float = 300.0) -> float:

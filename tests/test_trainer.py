@@ -78,13 +78,25 @@ def test_micro_batches_give_the_full_batch_update(model, agg):
     assert sum(float(g.abs().sum()) for g in results[0][1]) > 0
 
 
-def test_loss_knobs_reach_the_loss(model):
-    """ppo with a tiny clip range clips many tokens after one step; the default clips fewer."""
+def test_loss_knobs_in_recipe_yaml_reach_the_loss(model, tmp_path):
+    """ppo with a tiny clip range set in YAML clips most tokens after one step; 0.2 clips fewer.
+
+    The knob travels recipe YAML -> load_config -> trainer_settings -> Trainer -> policy_loss; a
+    layer that dropped it would leave both runs at the default and the assertions would fail.
+    """
+    from flash.config import load_config
+    from flash.runner import trainer_settings
+
     batch = collate(samples())
     adv = torch.ones(batch.mask.shape) * batch.mask
     clipfrac = {}
     for clip in (0.2, 1e-4):
-        tr = Trainer(copy.deepcopy(model), settings(lr=3e-4, loss={"name": "ppo", "clip_low": clip, "clip_high": clip}))
+        recipe = tmp_path / f"r{clip}.yaml"
+        recipe.write_text(f"train: {{lr: 3.0e-4}}\nrollout: {{temperature: 0.7}}\n"
+                          f"algo:\n  loss: {{name: ppo, clip_low: {clip}, clip_high: {clip}}}\n")
+        s = trainer_settings(load_config(recipe))
+        assert s.loss == {"name": "ppo", "clip_low": clip, "clip_high": clip}
+        tr = Trainer(copy.deepcopy(model), s)
         prox = tr.logprobs(batch)
         tr.train_step(batch, adv, prox)  # moves the policy away from prox
         m = tr.train_step(batch, adv, prox)
