@@ -32,6 +32,7 @@ from buffers import Group, SampleBuffer
 from controllers.rollout_scheduler import RolloutScheduler
 from controllers.staleness import StalenessManager
 from flash.batch import collate, flatten
+from flash.usage import IdleMeter
 
 PHASES = ("get_batch", "recompute_prox", "advantages", "train", "suspend", "push_weights", "resume")
 
@@ -50,6 +51,9 @@ class StepRecord:
     step: int
     metrics: dict[str, float]
     groups: list[Group] = field(default_factory=list)
+    # Wall-clock (time.time()) spans for the run's timeline: each phase, the engine's busy spans
+    # since the previous step, and the trainer's busy phases (flash.usage, `flash plot`).
+    timeline: dict[str, Any] = field(default_factory=dict)
 
 
 class AsyncController:
@@ -61,15 +65,20 @@ class AsyncController:
         self.ledger = ledger
         self.version = 0
         self._times: dict[str, float] = {}
+        self._spans: dict[str, list[float]] = {}
         self._engine_prev: dict[str, float] = {}
+        self._engine_spans: list[list[float]] = []
+        self._meters = {"rollout": IdleMeter(), "train": IdleMeter()}
+        self._update_bytes = 0.0
 
     @contextmanager
     def phase(self, name: str):
-        start = time.monotonic()
+        start, wall = time.monotonic(), time.time()
         try:
             yield
         finally:
             self._times[name] = self._times.get(name, 0.0) + time.monotonic() - start
+            self._spans[name] = [wall, time.time()]
 
     def run(self, steps: int, on_step: Callable[[StepRecord], None] | None = None) -> list[StepRecord]:
         records = []
@@ -85,7 +94,9 @@ class AsyncController:
 
         ``admit_more=False`` on the last step: the new version admits no prompts nobody will train.
         """
-        self._times = {}
+        self._times, self._spans = {}, {}
+        if not self._meters["train"].started:
+            self._start_usage()
         start = time.monotonic()
         with self.phase("get_batch"):
             groups = self._get_batch(t)
@@ -102,7 +113,7 @@ class AsyncController:
         self._update_weights(t + 1, admit_more)
         self._write_ledger(t, groups)
         metrics = self._metrics(t, samples, batch, prox, train_metrics, time.monotonic() - start)
-        return StepRecord(step=t, metrics=metrics, groups=groups)
+        return StepRecord(step=t, metrics=metrics, groups=groups, timeline=self._timeline())
 
     def _get_batch(self, t: int) -> list[Group]:
         def select(groups: list[Group]):
@@ -121,7 +132,7 @@ class AsyncController:
             ray.get(self.engine.pause.remote(self.s.interrupt))
         with self.phase("push_weights"):
             weights = self.trainer.get_weights.remote()
-            ray.get(self.engine.update_weights.remote(weights, new_version))
+            self._update_bytes = float(ray.get(self.engine.update_weights.remote(weights, new_version)) or 0.0)
             self.version = new_version
         with self.phase("resume"):
             ray.get(self.engine.resume.remote())
@@ -156,8 +167,12 @@ class AsyncController:
             "buffer/depth": float(len(self.buffer)),
             "rollout/admitted": float(self.scheduler.admitted),
         })
+        m.update({f"staleness/count_{k}": float(stale.count(k)) for k in range(max(stale) + 1)})
+        tokens = float(batch.mask.sum())
+        m.update({"train/batch_tokens": tokens, "train/tokens_per_s": tokens / step_s if step_s > 0 else 0.0,
+                  "rollout/update_bytes": self._update_bytes})
         m.update(self._mismatch(batch, prox))
-        m.update(self._engine_metrics(step_s))
+        m.update(self._role_metrics(step_s))
         return m
 
     def _mismatch(self, batch, prox) -> dict[str, float]:
@@ -171,17 +186,32 @@ class AsyncController:
         return {"rollout/mismatch_mean": float(diff.sum() / fresh.sum()),
                 "rollout/mismatch_max": float(diff.max())}
 
-    def _engine_metrics(self, step_s: float) -> dict[str, float]:
-        stats = ray.get(self.engine.stats.remote())
-        prev, self._engine_prev = self._engine_prev, stats
-        busy = stats.get("busy_s", 0.0) - prev.get("busy_s", 0.0)
-        idle = stats.get("idle_s", 0.0) - prev.get("idle_s", 0.0)
-        tokens = stats.get("tokens_generated", 0.0) - prev.get("tokens_generated", 0.0)
-        total = busy + idle
+    def _start_usage(self) -> None:
+        """Open the first idle-ratio window of each role at the start of the first step."""
+        engine, trainer = ray.get([self.engine.stats.remote(), self.trainer.stats.remote()])
+        self._engine_prev = engine
+        self._meters["rollout"].start(engine.get("busy_s", 0.0))
+        self._meters["train"].start(trainer.get("busy_s", 0.0))
+
+    def _role_metrics(self, step_s: float) -> dict[str, float]:
+        """Idle ratio per role (``1 − Δbusy/Δwall`` since the previous step's read, so time spent
+        between steps -- evaluation, logging -- counts too) and generated tokens/s."""
+        engine, trainer, self._engine_spans = ray.get(
+            [self.engine.stats.remote(), self.trainer.stats.remote(), self.engine.busy_spans.remote()])
+        prev, self._engine_prev = self._engine_prev, engine
+        tokens = engine.get("tokens_generated", 0.0) - prev.get("tokens_generated", 0.0)
         return {
-            "rollout/idle_ratio": idle / total if total > 0 else 0.0,
+            "rollout/idle_ratio": self._meters["rollout"].read(engine.get("busy_s", 0.0)),
+            "train/idle_ratio": self._meters["train"].read(trainer.get("busy_s", 0.0)),
+            "rollout/tokens_generated": tokens,
             "rollout/tokens_per_s": tokens / step_s if step_s > 0 else 0.0,
         }
+
+    def _timeline(self) -> dict[str, Any]:
+        """This step's spans; the trainer is busy in ``recompute_prox`` (when it runs) and ``train``."""
+        busy = ["recompute_prox", "train"] if self.s.recompute_prox else ["train"]
+        return {"phases": dict(self._spans), "engine_busy": self._engine_spans,
+                "trainer_busy": [self._spans[p] for p in busy if p in self._spans]}
 
     def shutdown_rollout(self) -> dict[str, list[int]]:
         """Stop admitting, abort training requests in flight; return what was left unfinished."""

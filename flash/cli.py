@@ -4,6 +4,8 @@
     flash validate RECIPE [key=value ...]  check a recipe and overrides without running
     flash ls                               recipes with one-line descriptions
     flash losses                           registered losses and advantage estimators, with knobs
+    flash sweep RECIPE key=v1,v2 ...       run a grid of overrides, tabulate, plot, recommend a setting
+    flash plot RUN_DIR... [-o FILE]        reward, accuracy, throughput, staleness, role timeline
 
 Errors a user can fix (unknown key, bad value, missing recipe) print one line and exit 2.
 """
@@ -84,6 +86,36 @@ def cmd_losses(_: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from flash.sweep import sweep
+
+    points, _ = sweep(args.recipe, args.grid, out=args.out, tolerance=args.tolerance, parallel=args.parallel)
+    return 0 if all(p.row.get("status") == "ok" for p in points) else 1
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    from flash.plot import main as plot_main
+
+    plot_main(args.run_dirs, args.output, args.steps)
+    return 0
+
+
+def _add_sweep_plot(sub) -> None:
+    p = sub.add_parser("sweep", help="run a grid of overrides and recommend a setting")
+    p.add_argument("recipe", help="a name from `flash ls` or a path to a YAML recipe")
+    p.add_argument("grid", nargs="*", help="key=v1,v2,... (swept) or key=value (fixed), e.g. async_ratio=0,1,2")
+    p.add_argument("--out", help="sweep dir (default: sweeps/<recipe>-<hash of the arguments>, so a re-run resumes)")
+    p.add_argument("--tolerance", type=float, default=0.02,
+                   help="how far (absolute) below the synchronous run's final accuracy a setting may be")
+    p.add_argument("--parallel", type=int, default=1, help="runs side by side, sharing the cores (default 1)")
+    p.set_defaults(fn=cmd_sweep)
+    p = sub.add_parser("plot", help="plot one or more run dirs into a PNG")
+    p.add_argument("run_dirs", nargs="+", help="run dirs (each holds metrics.jsonl)")
+    p.add_argument("-o", "--output", default="flash-plot.png", help="PNG file to write")
+    p.add_argument("--steps", help="timeline window A:B (train steps, inclusive); default: mid-run")
+    p.set_defaults(fn=cmd_plot)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flash", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="verb", required=True)
@@ -95,6 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(fn=fn)
     sub.add_parser("ls", help="list recipes").set_defaults(fn=cmd_ls)
     sub.add_parser("losses", help="list losses and advantage estimators").set_defaults(fn=cmd_losses)
+    _add_sweep_plot(sub)
     return parser
 
 

@@ -92,9 +92,14 @@ class RayConfig:
 
 @dataclass
 class TrackingConfig:
-    tensorboard: bool = True
+    # where metrics go (flash.tracking): tensorboard, console, and the optional extras wandb and
+    # swanlab (`pip install 'flash-rl[wandb]'`); a missing package fails validation with that command
+    backends: List[str] = field(default_factory=lambda: ["tensorboard", "console"])
+    tensorboard: bool = True  # shorthand: false drops 'tensorboard' from backends
     console_every: int = 0  # print a metrics line every k steps when not on a terminal; 0 = off
     progress: bool = True
+    project: str = "flash"  # wandb / swanlab project
+    run_name: Optional[str] = None  # wandb / swanlab run name; unset: the run dir's name
 
 
 @dataclass
@@ -220,6 +225,9 @@ def validate(cfg: FlashConfig) -> None:
                           lambda name, knobs: algos.validate_loss(name, knobs, agg=cfg.algo.agg))
     _check_plugin_section("algo.advantage", cfg.algo.advantage, algos.validate_advantage)
     _check_task(cfg.task, task_options)
+    from flash.tracking import check_backends
+
+    check_backends(list(cfg.tracking.backends))
 
 
 def _check_plugin_section(where: str, section: dict, validator) -> None:

@@ -22,9 +22,9 @@ from buffers import SampleBuffer
 from controllers.async_controller import AsyncController, ControllerSettings, recompute_needed
 from controllers.rollout_scheduler import PromptSource, RolloutScheduler
 from controllers.staleness import StalenessManager
-from flash.config import FlashConfig, to_yaml
+from flash.config import FlashConfig, to_dict, to_yaml
 from flash.engine.base import SamplingParams
-from flash.tracking import ConsoleTracker, MultiTracker, Progress, TensorBoardTracker
+from flash.tracking import Progress, make_tracker
 from flash.trainer import TrainerSettings
 from flash.workers import init_ray, quiet, start_engine, start_trainer, wait_ready
 
@@ -110,6 +110,10 @@ class Run:
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.eval_items = self.task.eval_items()
         self.metrics_file = open(self.dir / "metrics.jsonl", "w")
+        self.timeline_file = open(self.dir / "timeline.jsonl", "w")  # per-step spans, `flash plot`
+        self.eval_file = open(self.dir / "eval.jsonl", "w")  # every held-out evaluation
+        self.train_start: float | None = None
+        self.last_eval_s = 0.0
         self._start_roles()
 
     def _start_roles(self) -> None:
@@ -139,15 +143,24 @@ class Run:
             ledger=self.ledger,
         )
 
-    def evaluate(self, tag: str) -> float:
+    def evaluate(self, tag: str, step: int = 0) -> float:
+        """Held-out accuracy now; also a line in ``eval.jsonl`` (step, seconds since training began)."""
+        start = time.monotonic()
         params = sampling_params(self.cfg, self.tokenizer, eval_mode=True)
         rewards = self.scheduler.evaluate(self.eval_items, params, tag=tag, seed=self.cfg.seed + 991)
-        return sum(1.0 for r in rewards if r > 0) / max(len(rewards), 1)
+        acc = sum(1.0 for r in rewards if r > 0) / max(len(rewards), 1)
+        self.last_eval_s = time.monotonic() - start
+        elapsed = start - self.train_start if self.train_start is not None else 0.0
+        self.eval_file.write(json.dumps({"tag": tag, "step": step, "elapsed": elapsed, "accuracy": acc,
+                                         "seconds": self.last_eval_s}) + "\n")
+        self.eval_file.flush()
+        return acc
 
     def close(self) -> None:
         self.scheduler.stop()
         self.ledger.close()
-        self.metrics_file.close()
+        for f in (self.metrics_file, self.timeline_file, self.eval_file):
+            f.close()
         for actor in (self.engine, self.trainer):
             ray.kill(actor)
 
@@ -155,22 +168,21 @@ class Run:
 def run(cfg: FlashConfig, recipe_name: str = "run") -> dict:
     """Train as configured; returns (and writes) the run summary."""
     r = Run(cfg, recipe_name)
-    tracker = MultiTracker([ConsoleTracker(cfg.tracking.console_every)]
-                           + ([TensorBoardTracker(str(r.dir / "tb"))] if cfg.tracking.tensorboard else []))
+    tracker = make_tracker(cfg.tracking, str(r.dir), config=to_dict(cfg))
     progress = Progress(cfg.train.steps, cfg.tracking.progress)
     progress.write(f"flash: run dir {r.dir}")
     try:
         r.scheduler.start()
         acc0 = r.evaluate("initial")
-        tracker.log({"eval/accuracy": acc0}, 0)
+        tracker.log({"eval/accuracy": acc0, "time/eval": r.last_eval_s}, 0)
         progress.write(f"flash: held-out accuracy before training {acc0:.3f}")
         r.scheduler.start_admission()
-        train_start = time.monotonic()
+        train_start = r.train_start = time.monotonic()
         records = r.controller.run(cfg.train.steps, on_step=lambda rec: _on_step(r, rec, tracker, progress))
         train_s = time.monotonic() - train_start
         left = r.controller.shutdown_rollout()
-        acc1 = r.evaluate("final")
-        tracker.log({"eval/accuracy": acc1}, cfg.train.steps)
+        acc1 = r.evaluate("final", cfg.train.steps)
+        tracker.log({"eval/accuracy": acc1, "time/eval": r.last_eval_s}, cfg.train.steps)
         progress.write(f"flash: held-out accuracy after training {acc1:.3f}")
     finally:
         progress.close()
@@ -182,14 +194,25 @@ def run(cfg: FlashConfig, recipe_name: str = "run") -> dict:
 
 
 def _on_step(r: Run, rec, tracker, progress) -> None:
+    """Periodic evaluation, then log the step (metrics.jsonl, timeline.jsonl, trackers).
+
+    The evaluation blocks only the controller: its requests join the training requests in the same
+    engine (continuous batching), so rollout of training samples goes on meanwhile, up to the
+    admission bound. Rollout therefore waits at most as long as the evaluation takes (``time/eval``).
+    """
     every = r.cfg.eval.every_steps
     step = rec.step + 1
+    logged = dict(rec.metrics)
     if every and step % every == 0 and step < r.cfg.train.steps:
-        rec.metrics["eval/accuracy"] = r.evaluate(f"step{step}")
-    tracker.log(rec.metrics, step)
-    r.metrics_file.write(json.dumps({"step": step, **rec.metrics}) + "\n")
+        rec.metrics["eval/accuracy"] = r.evaluate(f"step{step}", step)
+        logged.update({"eval/accuracy": rec.metrics["eval/accuracy"], "time/eval": r.last_eval_s})
+    logged["time/elapsed"] = time.monotonic() - r.train_start
+    tracker.log(logged, step)
+    r.metrics_file.write(json.dumps({"step": step, **logged}) + "\n")
     r.metrics_file.flush()
-    progress.update(rec.metrics)
+    r.timeline_file.write(json.dumps({"step": step, **rec.timeline}) + "\n")
+    r.timeline_file.flush()
+    progress.update(logged)
 
 
 def _summary(cfg, r: Run, records, acc0, acc1, train_s, left) -> dict:

@@ -1,13 +1,24 @@
 """Trackers: where metrics go. Small on purpose: ``log(metrics, step)`` and ``close()``.
 
-TensorBoard is the default; a console tracker prints a line every k steps for logs that are not a
-terminal (CI), where the progress bar stays quiet.
+Chosen by ``tracking.backends``: ``tensorboard`` (default, in ``RUN_DIR/tb``), ``console`` (a line
+every ``tracking.console_every`` steps, for logs that are not a terminal -- CI -- where the progress
+bar stays quiet), and the optional extras ``wandb`` and ``swanlab``. An extra whose package is
+missing is a ``ConfigError`` at validation time naming the ``pip install`` that fixes it, not an
+ImportError an hour into a run.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import sys
-from typing import Protocol
+from typing import Any, Protocol
+
+from flash.errors import ConfigError
+
+# backend name -> (python package, pip extra); None: ships with flash's own requirements
+BACKENDS: dict[str, tuple[str, str] | None] = {
+    "tensorboard": None, "console": None, "wandb": ("wandb", "wandb"), "swanlab": ("swanlab", "swanlab"),
+}
 
 
 class Tracker(Protocol):
@@ -45,6 +56,71 @@ class ConsoleTracker:
 
     def close(self) -> None:
         pass
+
+
+class WandbTracker:
+    """Weights & Biases (optional extra). ``WANDB_MODE=offline`` works without an account."""
+
+    def __init__(self, project: str, name: str, run_dir: str, config: dict[str, Any]):
+        import wandb
+
+        self.run = wandb.init(project=project, name=name, dir=run_dir, config=config)
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        self.run.log(dict(metrics), step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class SwanLabTracker:
+    """SwanLab (optional extra)."""
+
+    def __init__(self, project: str, name: str, run_dir: str, config: dict[str, Any]):
+        import swanlab
+
+        self.swanlab = swanlab
+        swanlab.init(project=project, experiment_name=name, logdir=run_dir, config=config)
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        self.swanlab.log(dict(metrics), step=step)
+
+    def close(self) -> None:
+        self.swanlab.finish()
+
+
+def _installed(package: str) -> bool:
+    if package in sys.modules:  # None there means "import blocked" (tests use that)
+        return sys.modules[package] is not None
+    return importlib.util.find_spec(package) is not None
+
+
+def check_backends(backends: list[str]) -> None:
+    """Raise ConfigError for an unknown backend or an optional one whose package is missing."""
+    from flash.config import closest
+
+    for name in backends:
+        if name not in BACKENDS:
+            raise ConfigError(f"unknown tracking backend '{name}'{closest(name, list(BACKENDS))}; "
+                              f"valid: {', '.join(BACKENDS)}")
+        extra = BACKENDS[name]
+        if extra is not None and not _installed(extra[0]):
+            raise ConfigError(f"tracking backend '{name}' needs the '{extra[0]}' package, which is not "
+                              f"installed: pip install 'flash-rl[{extra[1]}]' (or pip install {extra[0]})")
+
+
+def make_tracker(cfg, run_dir: str, config: dict[str, Any] | None = None) -> "MultiTracker":
+    """The trackers ``cfg`` (a ``TrackingConfig``) selects, behind one ``MultiTracker``."""
+    names = [b for b in cfg.backends if b != "tensorboard" or cfg.tensorboard]
+    check_backends(names)
+    name = cfg.run_name or run_dir.rstrip("/").rsplit("/", 1)[-1]
+    make = {
+        "tensorboard": lambda: TensorBoardTracker(f"{run_dir}/tb"),
+        "console": lambda: ConsoleTracker(cfg.console_every),
+        "wandb": lambda: WandbTracker(cfg.project, name, run_dir, config or {}),
+        "swanlab": lambda: SwanLabTracker(cfg.project, name, run_dir, config or {}),
+    }
+    return MultiTracker([make[n]() for n in dict.fromkeys(names)])
 
 
 class MultiTracker:

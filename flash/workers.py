@@ -62,14 +62,20 @@ class EngineWorker:
     def resume(self) -> None:
         self.loop.resume()
 
-    def update_weights(self, named_tensors: dict, version: int) -> None:
+    def update_weights(self, named_tensors: dict, version: int) -> float:
+        """Load the pushed weights; returns the bytes received (the model-update size metric)."""
         self.loop.update_weights(named_tensors, version)
+        tensors = named_tensors.values() if hasattr(named_tensors, "values") else (t for _, t in named_tensors)
+        return float(sum(t.numel() * t.element_size() for t in tensors))
 
     def abort(self, request_ids=None):
         return self.loop.abort(request_ids)
 
     def stats(self) -> dict:
         return self.loop.stats()
+
+    def busy_spans(self) -> list[list[float]]:
+        return self.loop.busy_spans()
 
     def shutdown(self) -> None:
         self.loop.shutdown()

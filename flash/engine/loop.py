@@ -24,6 +24,7 @@ from contextlib import contextmanager
 
 from flash.engine.base import INTERRUPT_MODES, GenerationOutput, GenerationRequest
 from flash.engine.torch_engine import TorchEngine
+from flash.usage import SpanRecorder
 
 
 class EngineLoopError(RuntimeError):
@@ -42,6 +43,7 @@ class EngineLoop:
         self._error: BaseException | None = None
         self._error_reported = False
         self._busy_s = self._idle_s = 0.0
+        self._spans = SpanRecorder()  # busy spans for the run's timeline (flash.usage)
         self._thread = threading.Thread(target=self._run, name="flash-engine-loop", daemon=True)
         self._thread.start()
 
@@ -63,8 +65,9 @@ class EngineLoop:
                     if self._stopping:
                         return
                     self._in_step = True
-                t0 = time.perf_counter()
+                t0, wall0 = time.perf_counter(), time.time()
                 outputs = self._engine.step()
+                self._spans.add(wall0, time.time())
                 with self._cv:
                     self._busy_s += time.perf_counter() - t0
                     self._in_step = False
@@ -156,6 +159,10 @@ class EngineLoop:
             return {"tokens_generated": float(e.tokens_generated), "busy_s": self._busy_s, "idle_s": self._idle_s,
                     "num_running": float(e.num_running), "num_waiting": float(e.num_waiting),
                     "version": float(e.version)}
+
+    def busy_spans(self) -> list[list[float]]:
+        """Busy spans ``[start, end]`` (``time.time()`` s) since the previous call, merged."""
+        return self._spans.drain()
 
     def shutdown(self) -> None:
         """Stop the thread after its current step; idempotent. Raises a thread error never reported."""

@@ -1,0 +1,266 @@
+"""`flash plot RUN_DIR... [-o FILE]`: one picture of how runs compare, drawn from their run dirs.
+
+Panels (each overlaid for every run given): reward and held-out accuracy against the train step
+and against wall-clock seconds since training began; throughput (tokens/s generated and trained);
+the staleness histogram of trained samples; and a per-role timeline of busy and idle time for a
+window of steps -- what shows whether rollout and training truly overlap, which a single idle ratio
+can only summarise.
+
+Reads ``metrics.jsonl``, ``eval.jsonl``, ``timeline.jsonl`` and ``summary.json``; runs that predate
+a file fall back to what the others hold. Figures are built with ``matplotlib.figure.Figure`` and
+saved by the Agg canvas: no pyplot global state, no display needed.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+from flash.usage import busy_fraction, clip_spans
+
+
+@dataclass
+class RunData:
+    dir: Path
+    label: str
+    metrics: list[dict] = field(default_factory=list)
+    evals: list[dict] = field(default_factory=list)  # {step, elapsed, accuracy}
+    timeline: list[dict] = field(default_factory=list)
+    summary: dict = field(default_factory=dict)
+
+
+def _jsonl(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def run_label(path: Path) -> str:
+    """The sweep settings of a run (``sweep_point.json``), else its directory name."""
+    point = path / "sweep_point.json"
+    if point.is_file():
+        settings = json.loads(point.read_text()).get("settings", {})
+        return " ".join(f"{k}={v}" for k, v in settings.items()) or path.name
+    return path.name
+
+
+def load_run(path: str | Path, label: str | None = None) -> RunData:
+    path = Path(path)
+    summary_file = path / "summary.json"
+    run = RunData(dir=path, label=label or run_label(path), metrics=_jsonl(path / "metrics.jsonl"),
+                  timeline=_jsonl(path / "timeline.jsonl"),
+                  summary=json.loads(summary_file.read_text()) if summary_file.is_file() else {})
+    run.evals = _jsonl(path / "eval.jsonl") or _fallback_evals(run)
+    return run
+
+
+def _fallback_evals(run: RunData) -> list[dict]:
+    """Evaluations of a run without ``eval.jsonl``: summary's initial/final plus periodic ones."""
+    evals = []
+    if "eval_accuracy_initial" in run.summary:
+        evals.append({"step": 0, "elapsed": 0.0, "accuracy": run.summary["eval_accuracy_initial"]})
+    for m in run.metrics:
+        if "eval/accuracy" in m:
+            evals.append({"step": m["step"], "elapsed": m.get("time/elapsed", 0.0), "accuracy": m["eval/accuracy"]})
+    if "eval_accuracy_final" in run.summary:
+        evals.append({"step": run.summary.get("steps", len(run.metrics)),
+                      "elapsed": run.summary.get("train_seconds", 0.0), "accuracy": run.summary["eval_accuracy_final"]})
+    return evals
+
+
+def elapsed(run: RunData) -> list[float]:
+    """Seconds since training began at the end of each step (cumulative step time if not logged)."""
+    out, total = [], 0.0
+    for m in run.metrics:
+        total += m.get("time/step", 0.0)
+        out.append(m.get("time/elapsed", total))
+    return out
+
+
+def smooth(values: list[float], k: int) -> list[float]:
+    """Trailing moving average over ``k`` points (RL rewards are noisy step to step)."""
+    out, acc = [], 0.0
+    for i, v in enumerate(values):
+        acc += v - (values[i - k] if i >= k else 0.0)
+        out.append(acc / min(i + 1, k))
+    return out
+
+
+def staleness_histogram(run: RunData) -> dict[int, float]:
+    """Trained samples per staleness (steps behind the policy), summed over the run."""
+    hist: dict[int, float] = {}
+    for m in run.metrics:
+        for key, value in m.items():
+            if key.startswith("staleness/count_"):
+                k = int(key.rsplit("_", 1)[1])
+                hist[k] = hist.get(k, 0.0) + value
+    return hist
+
+
+def throughput(run: RunData) -> tuple[float, float]:
+    """(generated, trained) tokens per second of training wall time."""
+    seconds = run.summary.get("train_seconds") or (elapsed(run) or [0.0])[-1]
+    if seconds <= 0:
+        return 0.0, 0.0
+    gen = sum(m.get("rollout/tokens_generated", 0.0) for m in run.metrics)
+    trained = sum(m.get("train/batch_tokens", 0.0) for m in run.metrics)
+    return gen / seconds, trained / seconds
+
+
+def default_window(steps: int, width: int = 3) -> tuple[int, int]:
+    """A few steps just past the middle of the run: warmed up, not yet winding down."""
+    lo = max(1, min(steps // 2, steps - width + 1))
+    return lo, min(steps, lo + width - 1)
+
+
+def _series(ax) -> int:
+    return len(ax.get_lines()) + len(ax.containers)
+
+
+def plot_runs(runs: list[RunData], out: str | Path, window: tuple[int, int] | None = None) -> dict[str, int]:
+    """Draw every panel for ``runs`` into one PNG; returns series drawn per panel (for tests)."""
+    fig = Figure(figsize=(16, 12), layout="constrained")
+    FigureCanvasAgg(fig)
+    grid = fig.add_gridspec(3, 3, height_ratios=[1, 1, 1.2])
+    ax = {name: fig.add_subplot(grid[r, c]) for name, (r, c) in {
+        "reward_vs_step": (0, 0), "reward_vs_time": (0, 1), "throughput": (0, 2),
+        "eval_vs_step": (1, 0), "eval_vs_time": (1, 1), "staleness": (1, 2)}.items()}
+    ax["timeline"] = fig.add_subplot(grid[2, :])
+    _reward_panels(ax["reward_vs_step"], ax["reward_vs_time"], runs)
+    _eval_panels(ax["eval_vs_step"], ax["eval_vs_time"], runs)
+    _throughput_panel(ax["throughput"], runs)
+    _staleness_panel(ax["staleness"], runs)
+    drawn = _timeline_panel(ax["timeline"], runs, window)
+    fig.savefig(out, dpi=100)
+    return {**{name: _series(a) for name, a in ax.items()}, "timeline": drawn}
+
+
+def _reward_panels(by_step, by_time, runs: list[RunData]) -> None:
+    for run in runs:
+        steps = [m["step"] for m in run.metrics]
+        rewards = smooth([m.get("reward/mean", 0.0) for m in run.metrics], max(1, len(steps) // 12))
+        by_step.plot(steps, rewards, label=run.label)
+        by_time.plot(elapsed(run), rewards, label=run.label)
+    by_step.set(title="training reward (moving average)", xlabel="train step", ylabel="reward/mean")
+    by_time.set(title="training reward vs wall-clock", xlabel="seconds since training began", ylabel="reward/mean")
+    by_step.legend(fontsize=8)
+
+
+def _eval_panels(by_step, by_time, runs: list[RunData]) -> None:
+    for run in runs:
+        evals = sorted(run.evals, key=lambda e: e["step"])
+        acc = [e["accuracy"] for e in evals]
+        by_step.plot([e["step"] for e in evals], acc, marker="o", label=run.label)
+        by_time.plot([e["elapsed"] for e in evals], acc, marker="o", label=run.label)
+    by_step.set(title="held-out accuracy", xlabel="train step", ylabel="accuracy")
+    by_time.set(title="held-out accuracy vs wall-clock", xlabel="seconds since training began", ylabel="accuracy")
+    by_step.legend(fontsize=8)
+
+
+def _throughput_panel(ax, runs: list[RunData]) -> None:
+    xs = range(len(runs))
+    rates = [throughput(r) for r in runs]
+    ax.bar([x - 0.2 for x in xs], [g for g, _ in rates], width=0.4, label="generated")
+    ax.bar([x + 0.2 for x in xs], [t for _, t in rates], width=0.4, label="trained")
+    ax.set_xticks(list(xs), [r.label for r in runs], rotation=20, ha="right", fontsize=8)
+    ax.set(title="throughput", ylabel="tokens / s of training time")
+    ax.legend(fontsize=8)
+
+
+def _staleness_panel(ax, runs: list[RunData]) -> None:
+    hists = [staleness_histogram(r) for r in runs]
+    ks = sorted({k for h in hists for k in h}) or [0]
+    width = 0.8 / max(len(runs), 1)
+    for i, (run, hist) in enumerate(zip(runs, hists)):
+        total = sum(hist.values()) or 1.0
+        ax.bar([k - 0.4 + width * (i + 0.5) for k in ks], [hist.get(k, 0.0) / total for k in ks],
+               width=width, label=run.label)
+    ax.set_xticks(ks)
+    ax.set(title="staleness of trained samples", xlabel="policy versions behind", ylabel="fraction of samples")
+    ax.legend(fontsize=8)
+
+
+def _timeline_panel(ax, runs: list[RunData], window: tuple[int, int] | None) -> int:
+    """Per run, two lanes (engine, trainer): busy spans coloured, idle blank, weight sync in red.
+
+    Returns how many runs had timeline data in the window.
+    """
+    ticks, labels, drawn = [], [], 0
+    for i, run in enumerate(runs):
+        steps = len(run.timeline)
+        lo, hi = window or default_window(steps)
+        rows = [t for t in run.timeline if lo <= t["step"] <= hi and t.get("phases")]
+        base = (len(runs) - 1 - i) * 3
+        ticks += [base + 1.5, base + 0.5]
+        labels += [f"{run.label}  engine", f"{run.label}  trainer"]
+        if not rows:
+            continue
+        drawn += 1
+        t0 = min(min(s[0] for s in t["phases"].values()) for t in rows)
+        t1 = max(max(s[1] for s in t["phases"].values()) for t in rows)
+        engine = [s for t in run.timeline for s in t.get("engine_busy", [])]
+        trainer = [s for t in rows for s in t.get("trainer_busy", [])]
+        sync = [t["phases"][p] for t in rows for p in ("suspend", "push_weights", "resume") if p in t["phases"]]
+        for lane, spans, color in ((base + 1.1, engine, "tab:blue"), (base + 0.1, trainer, "tab:orange")):
+            ax.broken_barh([(a - t0, b - a) for a, b in clip_spans(spans, t0, t1)], (lane, 0.8), color=color)
+            ax.broken_barh([(a - t0, b - a) for a, b in sync], (lane, 0.8), color="tab:red", alpha=0.6)
+            ax.text(t1 - t0, lane + 0.4, f" idle {1 - busy_fraction(spans, t0, t1):.0%}", va="center", fontsize=8)
+        ends = [t["phases"].get("resume", [t1, t1])[1] - t0 for t in rows]
+        ax.vlines(ends, base, base + 2, color="grey", lw=0.5, linestyles="dotted")  # step ends
+    ax.set_yticks(ticks, labels, fontsize=8)
+    ax.set(title="busy (colour) and idle (blank) per role, weight sync in red, one window of steps per run",
+           xlabel="seconds from the window's first step")
+    return drawn
+
+
+def plot_sweep(rows: list[tuple[str, dict]], out: str | Path, tolerance: float) -> dict[str, int]:
+    """Seconds per step (bars, speedup on top) and final held-out accuracy (line) per setting.
+
+    ``rows`` are (label, results row) pairs from ``flash.sweep``; the band is the synchronous run's
+    accuracy minus the tolerance, the line a setting must stay above to be recommended.
+    """
+    fig = Figure(figsize=(max(6, 1.4 * len(rows) + 3), 4.5), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    xs = list(range(len(rows)))
+    bars = ax.bar(xs, [r["s_per_step"] for _, r in rows], color="tab:blue", alpha=0.7, label="s / step")
+    for bar, (_, r) in zip(bars, rows):
+        if "speedup" in r:
+            ax.annotate(f"{r['speedup']:.2f}x", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                        ha="center", va="bottom", fontsize=9)
+    ax.set_xticks(xs, [label for label, _ in rows], rotation=15, ha="right", fontsize=9)
+    ax.set(ylabel="training seconds per step", title="async-ratio sweep: speed (bars) and held-out accuracy (line)")
+    acc = ax.twinx()
+    acc.plot(xs, [r["acc_final"] for _, r in rows], color="tab:green", marker="o", label="final accuracy")
+    sync = [r for _, r in rows if r.get("async_ratio_value") == 0]
+    if len(sync) == 1:
+        acc.axhspan(sync[0]["acc_final"] - tolerance, sync[0]["acc_final"], color="tab:green", alpha=0.12)
+    acc.set_ylim(0, max(0.05, 1.15 * max(r["acc_final"] for _, r in rows)))
+    acc.set_ylabel("final held-out accuracy", color="tab:green")
+    fig.savefig(out, dpi=100)
+    return {"seconds_per_step": len(ax.containers), "accuracy": len(acc.get_lines())}
+
+
+def main(run_dirs: list[str], out: str, window: str | None = None) -> dict[str, int]:
+    """The `flash plot` verb: load, draw, say where the PNG went."""
+    runs = [load_run(d) for d in run_dirs]
+    missing = [str(r.dir) for r in runs if not r.metrics]
+    if missing:
+        from flash.errors import FlashError
+
+        raise FlashError(f"no metrics.jsonl in {', '.join(missing)} (is it a flash run dir?)")
+    counts = plot_runs(runs, out, parse_window(window))
+    print(f"flash: wrote {out} ({len(runs)} run{'s' * (len(runs) != 1)})")
+    return counts
+
+
+def parse_window(text: str | None) -> tuple[int, int] | None:
+    """``A:B`` (inclusive train steps) or ``A`` → a window; None → the default one per run."""
+    if not text:
+        return None
+    lo, _, hi = text.partition(":")
+    return int(lo), int(hi or lo)

@@ -1,0 +1,152 @@
+"""Observability: idle ratios on a controlled case, tracker selection, TensorBoard scalars.
+
+The idle-ratio case drives the real ``EngineLoop`` with a stub engine whose every step sleeps a
+known time, and a stub trainer that sleeps a known time, and reads both through the controller's
+own ``_role_metrics`` -- the same arithmetic a run uses, with the answer known in advance.
+"""
+
+import sys
+import time
+from types import SimpleNamespace
+
+import pytest
+
+import controllers.async_controller as ac
+from flash.config import load_config
+from flash.engine.loop import EngineLoop
+from flash.errors import ConfigError
+from flash.tracking import make_tracker
+from flash.usage import IdleMeter, SpanRecorder, busy_fraction
+
+RECIPE = "recipes/chainsum.yaml"
+
+
+class SleepyEngine:
+    """Stub engine: one unit of submitted work per step, each step sleeps ``step_s``."""
+
+    def __init__(self, step_s: float):
+        self.step_s, self.work = step_s, 0
+        self.tokens_generated = self.num_running = self.num_waiting = self.version = 0
+
+    @property
+    def can_step(self) -> bool:
+        return self.work > 0
+
+    def add_request(self, units: int) -> None:
+        self.work += units
+
+    def step(self):
+        time.sleep(self.step_s)
+        self.work -= 1
+        self.tokens_generated += 1
+        return []
+
+
+class SleepyTrainer:
+    def __init__(self):
+        self.busy_s = 0.0
+
+    def work(self, seconds: float) -> None:
+        start = time.monotonic()
+        time.sleep(seconds)
+        self.busy_s += time.monotonic() - start
+
+    def stats(self) -> dict:
+        return {"busy_s": self.busy_s}
+
+
+class Handle:
+    """Looks like a Ray actor handle (``h.method.remote(...)``) but calls in-process."""
+
+    def __init__(self, obj):
+        self._obj = obj
+
+    def __getattr__(self, name):
+        return SimpleNamespace(remote=getattr(self._obj, name))
+
+
+def test_idle_meter_arithmetic():
+    now = [0.0]
+    meter = IdleMeter(clock=lambda: now[0])
+    assert meter.read(0.0) == 0.0  # first read opens the window
+    now[0] = 2.0
+    assert meter.read(0.5) == pytest.approx(0.75)  # 0.5 s busy of 2 s
+    now[0] = 3.0
+    assert meter.read(1.5) == pytest.approx(0.0)  # busy the whole second
+    now[0] = 5.0
+    assert meter.read(1.5) == pytest.approx(1.0)
+
+
+def test_span_recorder_merges_close_spans_and_bounds_memory():
+    rec = SpanRecorder(gap_s=0.01, max_spans=3)
+    for a, b in [(0, 1), (1.005, 2), (3, 4), (5, 6), (7, 8)]:
+        rec.add(a, b)
+    assert rec.drain() == [[0, 2], [3, 4], [5, 8]]
+    assert rec.drain() == []
+    assert busy_fraction([[0, 1], [2, 3]], 0.5, 2.5) == pytest.approx(0.5)
+
+
+def test_idle_ratios_per_role_on_a_controlled_case(monkeypatch):
+    """Engine: 10 steps × 30 ms = 0.3 s busy; trainer: 0.25 s busy; window 0.75 s."""
+    monkeypatch.setattr(ac, "ray", SimpleNamespace(get=lambda refs, **_: refs))
+    loop = EngineLoop(SleepyEngine(0.03))
+    trainer = SleepyTrainer()
+    ctrl = ac.AsyncController(Handle(loop), Handle(trainer), None, None, None,
+                              ac.ControllerSettings(1, "continue", {"name": "grpo"}, False))
+    try:
+        start = time.monotonic()
+        ctrl._start_usage()
+        loop.submit([10])
+        trainer.work(0.25)
+        while loop.stats()["tokens_generated"] < 10:
+            time.sleep(0.01)
+        time.sleep(max(0.0, 0.75 - (time.monotonic() - start)))
+        busy_engine = loop.stats()["busy_s"]
+        m = ctrl._role_metrics(step_s=0.75)
+        wall = time.monotonic() - start
+    finally:
+        loop.shutdown()
+    assert 0.3 <= busy_engine < 0.36  # the stub's sleeps, measured by the loop
+    assert m["rollout/idle_ratio"] == pytest.approx(1 - 0.3 / 0.75, abs=0.07)
+    assert m["rollout/idle_ratio"] == pytest.approx(1 - busy_engine / wall, abs=0.02)
+    assert m["train/idle_ratio"] == pytest.approx(1 - 0.25 / 0.75, abs=0.07)
+    assert m["rollout/tokens_generated"] == 10
+    spans = ctrl._engine_spans  # the timeline agrees with the counters
+    assert sum(b - a for a, b in spans) == pytest.approx(busy_engine, abs=0.03)
+
+
+def test_tensorboard_holds_the_namespaced_scalars(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    cfg = load_config(RECIPE, ["tracking.backends=[tensorboard]"]).tracking
+    tracker = make_tracker(cfg, str(tmp_path))
+    metrics = {"rollout/idle_ratio": 0.4, "train/idle_ratio": 0.6, "time/push_weights": 0.01,
+               "staleness/max": 1.0, "buffer/depth": 3.0, "reward/mean": 0.5, "eval/accuracy": 0.25}
+    for step in (1, 2):
+        tracker.log(metrics, step)
+    tracker.close()
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert set(metrics) <= set(events.Tags()["scalars"])
+    assert [e.value for e in events.Scalars("rollout/idle_ratio")] == pytest.approx([0.4, 0.4])
+
+
+@pytest.mark.parametrize("backend", ["wandb", "swanlab"])
+def test_a_missing_optional_tracker_names_the_extra(monkeypatch, backend):
+    monkeypatch.setitem(sys.modules, backend, None)  # as if not installed
+    with pytest.raises(ConfigError, match=rf"pip install 'flash-rl\[{backend}\]'"):
+        load_config(RECIPE, [f"tracking.backends=[tensorboard,{backend}]"])
+
+
+def test_an_unknown_tracker_names_the_closest():
+    with pytest.raises(ConfigError, match="did you mean 'tensorboard'"):
+        load_config(RECIPE, ["tracking.backends=[tensorbord]"])
+
+
+def test_console_backend_and_tensorboard_shorthand(tmp_path, capsys):
+    cfg = load_config(RECIPE, ["tracking.tensorboard=false", "tracking.console_every=1"]).tracking
+    tracker = make_tracker(cfg, str(tmp_path))
+    tracker.log({"reward/mean": 0.5, "time/step": 1.0}, 1)
+    tracker.close()
+    assert "reward/mean=0.5" in capsys.readouterr().out
+    assert not (tmp_path / "tb").exists()

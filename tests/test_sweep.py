@@ -1,0 +1,168 @@
+"""`flash sweep` and `flash plot`.
+
+Fast tests replace the run subprocess with one that writes a made-up run dir, so the grid,
+resume, tables, plots and recommendation are checked in seconds; the slow test runs a real
+two-point sweep of the default recipe (tiny overrides) through `python -m flash.cli`.
+"""
+
+import csv
+import io
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import flash.sweep as sw
+from flash.errors import ConfigError
+from flash.plot import load_run, plot_runs
+
+PNG = b"\x89PNG\r\n\x1a\n"
+LINE_PANELS = ("reward_vs_step", "reward_vs_time", "eval_vs_step", "eval_vs_time")
+
+
+def fake_run(run_dir: Path, ratio: float, acc: float, s_per_step: float, steps: int = 4) -> None:
+    """A run dir as `flash run` writes it, with chosen speed and final accuracy."""
+    stale = min(int(ratio), 1)
+    t0 = 1000.0
+    metrics, timeline = [], []
+    for k in range(1, steps + 1):
+        metrics.append({"step": k, "reward/mean": 0.1 * k, "time/step": s_per_step, "time/elapsed": k * s_per_step,
+                        "staleness/mean": stale / 2, "staleness/max": float(stale), "staleness/count_0": 4.0,
+                        f"staleness/count_{stale}": 4.0 if stale else 4.0, "rollout/idle_ratio": 0.5 - 0.1 * stale,
+                        "train/idle_ratio": 0.6, "rollout/tokens_generated": 100.0, "train/batch_tokens": 80.0})
+        a = t0 + (k - 1) * s_per_step
+        timeline.append({"step": k, "phases": {"get_batch": [a, a + 0.3 * s_per_step],
+                                               "train": [a + 0.3 * s_per_step, a + 0.9 * s_per_step],
+                                               "push_weights": [a + 0.9 * s_per_step, a + s_per_step]},
+                         "engine_busy": [[a, a + 0.5 * s_per_step]], "trainer_busy": [[a + 0.3 * s_per_step, a + 0.9 * s_per_step]]})
+    evals = [{"step": 0, "elapsed": 0.0, "accuracy": 0.1}, {"step": steps, "elapsed": steps * s_per_step, "accuracy": acc}]
+    summary = {"eval_accuracy_initial": 0.1, "eval_accuracy_final": acc, "steps": steps, "wall_seconds": 10.0,
+               "train_seconds": steps * s_per_step, "seconds_per_step": s_per_step, "samples_trained": 8 * steps,
+               "max_staleness_observed": float(stale), "async_ratio": ratio}
+    for name, rows in (("metrics", metrics), ("timeline", timeline), ("eval", evals)):
+        (run_dir / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (run_dir / "summary.json").write_text(json.dumps(summary))
+
+
+@pytest.fixture
+def fake_launch(monkeypatch):
+    """Replace the `flash run` subprocess: async ratio r runs at 1/(1+r/2) s/step, accuracy 0.5 − 0.01·r."""
+    launched = []
+
+    def launch(recipe, point, out, extra):
+        ratio = float(dict(o.split("=", 1) for o in point.overrides).get("async_ratio", 0))
+        fake_run(out / point.slug, ratio, 0.5 - 0.01 * ratio, 1.0 / (1 + ratio / 2))
+        launched.append(point.slug)
+        return subprocess.Popen([sys.executable, "-c", "pass"])
+
+    monkeypatch.setattr(sw, "_launch", launch)
+    return launched
+
+
+def test_split_values_keeps_lists_whole():
+    assert sw.split_values("0,1,2.5") == ["0", "1", "2.5"]
+    assert sw.split_values("[0.9,0.99],[0.9,0.999]") == ["[0.9,0.99]", "[0.9,0.999]"]
+    assert sw.split_values("'a,b',c") == ["'a,b'", "c"]
+    fixed, swept = sw.parse_grid(["async_ratio=0,2", "train.steps=3", "train.betas=[0.9,0.99],[0.9,0.999]"])
+    assert fixed == ["train.steps=3"]
+    assert swept == {"async_ratio": ["0", "2"], "train.betas": ["[0.9,0.99]", "[0.9,0.999]"]}
+    points = sw.make_points(fixed, swept)
+    assert len(points) == 4 and len({p.slug for p in points}) == 4
+    assert points[1].overrides == ["train.steps=3", "async_ratio=0", "train.betas=[0.9,0.999]"]
+
+
+def test_bad_grids_fail_before_any_run(tmp_path, fake_launch):
+    with pytest.raises(ConfigError, match="did you mean 'async_ratio'"):
+        sw.sweep("chainsum", ["asyn_ratio=0,1"], out=str(tmp_path), stream=io.StringIO())
+    with pytest.raises(ConfigError, match="run_dir is set by the sweep"):
+        sw.parse_grid(["run_dir=x"])
+    assert fake_launch == []
+
+
+def test_sweep_tables_plots_recommendation_and_resume(tmp_path, fake_launch):
+    out = tmp_path / "sweep"
+    log = io.StringIO()
+    points, rec = sw.sweep("chainsum", ["async_ratio=0,1,2,4", "train.steps=4"], out=str(out),
+                           tolerance=0.025, stream=log)
+    assert fake_launch == ["async_ratio-0", "async_ratio-1", "async_ratio-2", "async_ratio-4"]
+    # r=4 is fastest but 0.04 below sync; r=2 is the fastest within 0.025
+    assert rec.startswith("recommendation: async_ratio=2 -- 2.00x the synchronous speed")
+    rows = list(csv.DictReader(open(out / "results.csv")))
+    assert [r["async_ratio"] for r in rows] == ["0", "1", "2", "4"]
+    assert float(rows[3]["speedup"]) == pytest.approx(3.0) and float(rows[0]["idle_rollout"]) == pytest.approx(0.5)
+    md = (out / "results.md").read_text()
+    assert "| async_ratio | status |" in md and rec in md and rec in log.getvalue()
+    for png in ("runs.png", "sweep.png"):
+        assert (out / "plots" / png).read_bytes()[:8] == PNG
+    counts = plot_runs([load_run(out / p.slug) for p in points], tmp_path / "check.png")
+    assert all(counts[k] == 4 for k in (*LINE_PANELS, "staleness", "timeline"))
+    assert counts["throughput"] == 2  # generated and trained
+
+    again = io.StringIO()
+    points2, rec2 = sw.sweep("chainsum", ["async_ratio=0,1,2,4", "train.steps=4"], out=str(out),
+                             tolerance=0.025, stream=again)
+    assert len(fake_launch) == 4 and rec2 == rec  # nothing re-run
+    assert again.getvalue().count("finished earlier, skipped") == 4
+
+
+def test_no_synchronous_run_means_no_recommendation(tmp_path, fake_launch):
+    _, rec = sw.sweep("chainsum", ["async_ratio=1,2"], out=str(tmp_path), stream=io.StringIO())
+    assert rec.startswith("recommendation: none qualifies") and "async_ratio=0" in rec
+
+
+def test_resume_refuses_a_dir_made_with_other_overrides(tmp_path, fake_launch):
+    sw.sweep("chainsum", ["async_ratio=0,1", "train.steps=4"], out=str(tmp_path), stream=io.StringIO())
+    with pytest.raises(ConfigError, match="other overrides"):
+        sw.sweep("chainsum", ["async_ratio=0,1", "train.steps=5"], out=str(tmp_path), stream=io.StringIO())
+
+
+def test_flash_plot_cli(tmp_path):
+    from flash.cli import main
+
+    for i, ratio in enumerate((0, 2)):
+        (tmp_path / f"r{i}").mkdir()
+        fake_run(tmp_path / f"r{i}", ratio, 0.4, 0.5)
+    out = tmp_path / "p.png"
+    assert main(["plot", str(tmp_path / "r0"), str(tmp_path / "r1"), "-o", str(out), "--steps", "2:3"]) == 0
+    assert out.read_bytes()[:8] == PNG
+    assert main(["plot", str(tmp_path), "-o", str(out)]) == 2  # not a run dir: one-line error
+
+
+SMALL = ["sft.steps=40", "sft.eval_after=false", "model.tiny.num_layers=2", "train.prompts_per_step=4", "rollout.n=4",
+         "rollout.max_new_tokens=32", "task.eval_size=16", "resources.engine_threads=1",
+         "resources.trainer_threads=1", "ray.num_cpus=2", "train.steps=3", "eval.every_steps=2"]
+
+
+@pytest.mark.slow
+def test_two_point_sweep_of_the_default_recipe(tmp_path, monkeypatch):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = tmp_path / "sweep"
+    args = [sys.executable, "-m", "flash.cli", "sweep", "chainsum", "async_ratio=0,1", *SMALL,
+            f"cache_dir={tmp_path / 'cache'}", "--out", str(out)]
+    first = subprocess.run(args, capture_output=True, text=True, timeout=900)
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert "recommendation: " in first.stdout
+    rows = list(csv.DictReader(open(out / "results.csv")))
+    assert [(r["async_ratio"], r["status"]) for r in rows] == [("0", "ok"), ("1", "ok")]
+    assert float(rows[1]["staleness_max"]) <= 1 and 0 <= float(rows[0]["idle_rollout"]) <= 1
+    assert "recommendation: " in (out / "results.md").read_text()
+    for png in ("runs.png", "sweep.png"):
+        assert (out / "plots" / png).read_bytes()[:8] == PNG
+    runs = [load_run(out / slug) for slug in ("async_ratio-0", "async_ratio-1")]
+    counts = plot_runs(runs, tmp_path / "check.png")
+    assert all(counts[k] == 2 for k in LINE_PANELS)
+    for run in runs:  # periodic eval at step 2 is timed and logged; every step has its timeline
+        assert [e["step"] for e in run.evals] == [0, 2, 3]
+        assert "time/eval" in run.metrics[1] and len(run.timeline) == 3
+        events = EventAccumulator(str(run.dir / "tb"))
+        events.Reload()
+        assert {"rollout/idle_ratio", "train/idle_ratio", "time/push_weights", "time/eval", "staleness/max",
+                "staleness/count_0", "buffer/depth", "rollout/update_bytes", "train/tokens_per_s",
+                "eval/accuracy", "reward/mean"} <= set(events.Tags()["scalars"])
+    mtimes = [(out / s / "summary.json").stat().st_mtime for s in ("async_ratio-0", "async_ratio-1")]
+    second = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    assert second.returncode == 0 and second.stdout.count("finished earlier, skipped") == 2
+    assert [(out / s / "summary.json").stat().st_mtime for s in ("async_ratio-0", "async_ratio-1")] == mtimes
