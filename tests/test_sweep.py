@@ -118,6 +118,18 @@ def test_resume_refuses_a_dir_made_with_other_overrides(tmp_path, fake_launch):
         sw.sweep("chainsum", ["async_ratio=0,1", "train.steps=5"], out=str(tmp_path), stream=io.StringIO())
 
 
+def test_parallel_runs_split_the_cores_and_need_room(tmp_path, fake_launch, monkeypatch):
+    monkeypatch.setattr(sw.os, "cpu_count", lambda: 4)
+    points = sw.make_points([], {"async_ratio": ["0", "1"]})
+    assert sw._core_split(points, 2) == ["ray.num_cpus=2"]
+    assert sw._core_split(sw.make_points(["ray.num_cpus=1"], {}), 2) == []  # the user placed them
+    with pytest.raises(ConfigError, match="no room"):
+        sw._core_split(points, 5)
+    _, rec = sw.sweep("chainsum", ["async_ratio=0,1,2"], out=str(tmp_path), parallel=2, stream=io.StringIO())
+    assert sorted(fake_launch) == ["async_ratio-0", "async_ratio-1", "async_ratio-2"]
+    assert rec.startswith("recommendation: async_ratio=2")
+
+
 def test_flash_plot_cli(tmp_path):
     from flash.cli import main
 
