@@ -263,7 +263,8 @@ def write_results(points: list[Point], out: Path, header: str, recommendation: s
     table = "\n".join(["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
                       + ["| " + " | ".join(_fmt({**p.settings, **p.row}.get(c)) for c in cols) + " |"
                          for p in points])
-    legend = ("s_per_step: training wall seconds per step (periodic evals included); speedup: vs the "
+    legend = ("wall_s: the whole run, setup included (a run that builds the warm-start cache pays for it); "
+              "s_per_step: training wall seconds per step (periodic evals included); speedup: vs the "
               "synchronous run; tokens_per_s: trained tokens; acc_*: held-out accuracy; "
               "idle_*: fraction of wall time the role had no work")
     (out / "results.md").write_text(f"{header}\n\n{table}\n\n{legend}\n\n{recommendation}\n")
