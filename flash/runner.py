@@ -121,7 +121,8 @@ class Run:
         engine_threads, trainer_threads = resolve_threads(cfg)
         init_ray(cfg.ray.address, cfg.ray.num_cpus)
         settings = trainer_settings(cfg)
-        self.engine = start_engine(self.model_path, cfg.rollout.max_num_seqs, cfg.seed, engine_threads)
+        self.engine = start_engine(self.model_path, cfg.rollout.max_num_seqs, cfg.seed, engine_threads,
+                                   engine=cfg.rollout.engine)
         self.trainer = start_trainer(self.model_path, settings, cfg.seed, trainer_threads, list(cfg.plugins))
         wait_ready(self.engine, self.trainer)
         B = cfg.train.prompts_per_step

