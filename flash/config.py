@@ -110,7 +110,7 @@ class FlashConfig:
     cache_dir: Optional[str] = None  # warm-start cache; unset: $FLASH_CACHE or ~/.cache/flash
     async_ratio: float = 0.0  # r: staleness bound ceil(r); 0 = synchronous on-policy
     plugins: List[str] = field(default_factory=list)  # modules imported first (user losses, tasks)
-    task: Dict[str, Any] = field(default_factory=lambda: {"name": "chainsum"})
+    task: Dict[str, Any] = field(default_factory=lambda: {"name": "stutter"})
     model: ModelConfig = field(default_factory=ModelConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)

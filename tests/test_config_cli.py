@@ -57,11 +57,11 @@ def test_invalid_values_are_one_clear_error(override, needle):
 
 
 def test_cli_errors_exit_nonzero_with_one_line(capsys):
-    assert main(["validate", "chainsum", "asyn_ratio=2"]) == 2
+    assert main(["validate", "stutter", "asyn_ratio=2"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "async_ratio" in err and "Traceback" not in err
-    assert main(["run", "chainsun"]) == 2
-    assert "did you mean 'chainsum'" in capsys.readouterr().err
+    assert main(["run", "stuter"]) == 2
+    assert "did you mean 'stutter'" in capsys.readouterr().err
     assert main(["validate", "nope/missing.yaml"]) == 2
     assert "does not exist" in capsys.readouterr().err
 
@@ -69,8 +69,8 @@ def test_cli_errors_exit_nonzero_with_one_line(capsys):
 def test_cli_ls_validate_and_losses(capsys):
     assert main(["ls"]) == 0
     out = capsys.readouterr().out
-    assert "chainsum" in out and "decoupled PPO" in out
-    assert main(["validate", "chainsum", "async_ratio=0"]) == 0
+    assert "stutter" in out and "decoupled PPO" in out
+    assert main(["validate", "stutter", "async_ratio=0"]) == 0
     assert "ok:" in capsys.readouterr().out
     assert main(["losses"]) == 0
     out = capsys.readouterr().out
@@ -79,7 +79,7 @@ def test_cli_ls_validate_and_losses(capsys):
 
 
 def test_console_script_is_installed():
-    proc = subprocess.run([str(Path(sys.executable).parent / "flash"), "validate", "chainsum", "train.stpes=1"],
+    proc = subprocess.run([str(Path(sys.executable).parent / "flash"), "validate", "stutter", "train.stpes=1"],
                           capture_output=True, text=True)
     assert proc.returncode == 2
     assert "did you mean 'steps'" in proc.stderr and "Traceback" not in proc.stderr

@@ -42,7 +42,7 @@ def cache(tmp_path_factory):
 
 
 def small_cfg(tmp_path, cache, *extra):
-    return load_config("recipes/chainsum.yaml", [*SMALL, f"cache_dir={cache}", f"run_dir={tmp_path}", *extra])
+    return load_config("recipes/stutter.yaml", [*SMALL, f"cache_dir={cache}", f"run_dir={tmp_path}", *extra])
 
 
 def plain_sync_loop(cfg, model_path, task, tokenizer, steps):

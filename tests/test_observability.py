@@ -18,7 +18,7 @@ from flash.errors import ConfigError
 from flash.tracking import make_tracker
 from flash.usage import IdleMeter, SpanRecorder, busy_fraction
 
-RECIPE = "recipes/chainsum.yaml"
+RECIPE = "recipes/stutter.yaml"
 
 
 class SleepyEngine:

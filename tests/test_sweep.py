@@ -75,7 +75,7 @@ def test_split_values_keeps_lists_whole():
 
 def test_bad_grids_fail_before_any_run(tmp_path, fake_launch):
     with pytest.raises(ConfigError, match="did you mean 'async_ratio'"):
-        sw.sweep("chainsum", ["asyn_ratio=0,1"], out=str(tmp_path), stream=io.StringIO())
+        sw.sweep("stutter", ["asyn_ratio=0,1"], out=str(tmp_path), stream=io.StringIO())
     with pytest.raises(ConfigError, match="run_dir is set by the sweep"):
         sw.parse_grid(["run_dir=x"])
     assert fake_launch == []
@@ -84,7 +84,7 @@ def test_bad_grids_fail_before_any_run(tmp_path, fake_launch):
 def test_sweep_tables_plots_recommendation_and_resume(tmp_path, fake_launch):
     out = tmp_path / "sweep"
     log = io.StringIO()
-    points, rec = sw.sweep("chainsum", ["async_ratio=0,1,2,4", "train.steps=4"], out=str(out),
+    points, rec = sw.sweep("stutter", ["async_ratio=0,1,2,4", "train.steps=4"], out=str(out),
                            tolerance=0.025, stream=log)
     assert fake_launch == ["async_ratio-0", "async_ratio-1", "async_ratio-2", "async_ratio-4"]
     # r=4 is fastest but 0.04 below sync; r=2 is the fastest within 0.025
@@ -101,21 +101,21 @@ def test_sweep_tables_plots_recommendation_and_resume(tmp_path, fake_launch):
     assert counts["throughput"] == 2  # generated and trained
 
     again = io.StringIO()
-    points2, rec2 = sw.sweep("chainsum", ["async_ratio=0,1,2,4", "train.steps=4"], out=str(out),
+    points2, rec2 = sw.sweep("stutter", ["async_ratio=0,1,2,4", "train.steps=4"], out=str(out),
                              tolerance=0.025, stream=again)
     assert len(fake_launch) == 4 and rec2 == rec  # nothing re-run
     assert again.getvalue().count("finished earlier, skipped") == 4
 
 
 def test_no_synchronous_run_means_no_recommendation(tmp_path, fake_launch):
-    _, rec = sw.sweep("chainsum", ["async_ratio=1,2"], out=str(tmp_path), stream=io.StringIO())
+    _, rec = sw.sweep("stutter", ["async_ratio=1,2"], out=str(tmp_path), stream=io.StringIO())
     assert rec.startswith("recommendation: none qualifies") and "async_ratio=0" in rec
 
 
 def test_resume_refuses_a_dir_made_with_other_overrides(tmp_path, fake_launch):
-    sw.sweep("chainsum", ["async_ratio=0,1", "train.steps=4"], out=str(tmp_path), stream=io.StringIO())
+    sw.sweep("stutter", ["async_ratio=0,1", "train.steps=4"], out=str(tmp_path), stream=io.StringIO())
     with pytest.raises(ConfigError, match="other overrides"):
-        sw.sweep("chainsum", ["async_ratio=0,1", "train.steps=5"], out=str(tmp_path), stream=io.StringIO())
+        sw.sweep("stutter", ["async_ratio=0,1", "train.steps=5"], out=str(tmp_path), stream=io.StringIO())
 
 
 def test_parallel_runs_split_the_cores_and_need_room(tmp_path, fake_launch, monkeypatch):
@@ -125,7 +125,7 @@ def test_parallel_runs_split_the_cores_and_need_room(tmp_path, fake_launch, monk
     assert sw._core_split(sw.make_points(["ray.num_cpus=1"], {}), 2) == []  # the user placed them
     with pytest.raises(ConfigError, match="no room"):
         sw._core_split(points, 5)
-    _, rec = sw.sweep("chainsum", ["async_ratio=0,1,2"], out=str(tmp_path), parallel=2, stream=io.StringIO())
+    _, rec = sw.sweep("stutter", ["async_ratio=0,1,2"], out=str(tmp_path), parallel=2, stream=io.StringIO())
     assert sorted(fake_launch) == ["async_ratio-0", "async_ratio-1", "async_ratio-2"]
     assert rec.startswith("recommendation: async_ratio=2")
 
@@ -152,7 +152,7 @@ def test_two_point_sweep_of_the_default_recipe(tmp_path, monkeypatch):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     out = tmp_path / "sweep"
-    args = [sys.executable, "-m", "flash.cli", "sweep", "chainsum", "async_ratio=0,1", *SMALL,
+    args = [sys.executable, "-m", "flash.cli", "sweep", "stutter", "async_ratio=0,1", *SMALL,
             f"cache_dir={tmp_path / 'cache'}", "--out", str(out)]
     first = subprocess.run(args, capture_output=True, text=True, timeout=900)
     assert first.returncode == 0, first.stdout + first.stderr

@@ -1,0 +1,132 @@
+"""Tiny models and tokenizers built offline, so the default recipe needs no model hub.
+
+The tokenizer is character level: every character of a small alphabet is one token, plus
+``<pad>``, ``<bos>``, ``<eos>`` and ``<unk>``. A character vocabulary keeps the embedding table
+tiny (tens of rows) and makes every token of a task's text visible to the reader of a rollout.
+It *is* a ``Qwen2Tokenizer`` (a ``PreTrainedTokenizerFast``) whose byte-level BPE vocabulary holds
+single characters and no merges. Why not a bare ``tokenizers`` object: transformers 5 re-creates
+the tokenizer of any ``qwen2`` checkpoint as ``Qwen2Tokenizer`` (byte-level pre-tokenizer and
+decoder) whatever ``tokenizer_config.json`` says, which silently drops the spaces of a plain
+character vocabulary. Built as that class, what we save is what ``AutoTokenizer`` loads.
+
+The model is a Hugging Face ``Qwen2ForCausalLM`` with a small ``Qwen2Config``: every engine and
+trainer in flash (and vLLM later) treats it exactly like a real checkpoint. ``head_dim`` must be
+at least 32 because vLLM's CPU attention kernels do not support 16.
+"""
+
+from __future__ import annotations
+
+import string
+from dataclasses import asdict, dataclass
+
+from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers.convert_slow_tokenizer import bytes_to_unicode
+from transformers.models.qwen2.tokenization_qwen2 import Qwen2Tokenizer
+
+PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
+SPECIAL_TOKENS = (PAD, BOS, EOS, UNK)
+# Digits, lowercase letters, space and a little punctuation: enough for symbolic tasks.
+DEFAULT_ALPHABET = string.digits + string.ascii_lowercase + " =+-*/%?:.,;()<>#|"
+
+
+def build_tokenizer(alphabet: str = DEFAULT_ALPHABET) -> PreTrainedTokenizerFast:
+    """A character-level tokenizer over ``alphabet`` (ids: specials first, then characters).
+
+    Ids are stable: ``<pad>``=0, ``<bos>``=1, ``<eos>``=2, ``<unk>``=3, then ``alphabet`` in order.
+    """
+    chars = list(dict.fromkeys(alphabet))  # unique, order kept
+    if any(len(c) != 1 or ord(c) > 255 or c in "\r\n" for c in chars):
+        raise ValueError("alphabet must be single latin-1 characters, newlines excluded")
+    to_bytelevel = bytes_to_unicode()  # ' ' -> 'Ġ', printable ASCII maps to itself
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+    for ch in chars:
+        vocab[to_bytelevel[ord(ch)]] = len(vocab)
+    return Qwen2Tokenizer(
+        vocab=vocab, merges=[], unk_token=UNK, bos_token=BOS, eos_token=EOS, pad_token=PAD,
+        padding_side="left", model_max_length=1024,
+    )
+
+
+def _encode_chars(tokenizer: PreTrainedTokenizerFast, text: str) -> list[int]:
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    if len(ids) != len(text):  # byte-level BPE drops characters it has no token for
+        known = set(tokenizer.decode(list(range(len(SPECIAL_TOKENS), len(tokenizer)))))
+        missing = sorted(set(text) - known)
+        raise ValueError(f"characters outside the tokenizer's alphabet: {missing!r}")
+    return ids
+
+
+def encode_prompt(tokenizer: PreTrainedTokenizerFast, text: str) -> list[int]:
+    """Prompt ids: ``<bos>`` then one id per character. The response follows directly."""
+    return [tokenizer.bos_token_id] + _encode_chars(tokenizer, text)
+
+
+def encode_response(tokenizer: PreTrainedTokenizerFast, text: str) -> list[int]:
+    """Response ids as the policy should emit them: one id per character, then ``<eos>``."""
+    return _encode_chars(tokenizer, text) + [tokenizer.eos_token_id]
+
+
+def decode_response(tokenizer: PreTrainedTokenizerFast, ids: list[int]) -> str:
+    """Text of a generated response: cut at the first ``<eos>``, padding and specials dropped."""
+    ids = list(ids)
+    if tokenizer.eos_token_id in ids:
+        ids = ids[: ids.index(tokenizer.eos_token_id)]
+    return tokenizer.decode(ids, skip_special_tokens=True)
+
+
+@dataclass(frozen=True)
+class TinyModelConfig:
+    """Shape of the tiny Qwen2 policy (~0.8 M parameters at the defaults).
+
+    ``hidden_size / num_heads`` is the head dimension and must be >= 32 (vLLM CPU kernels).
+    """
+
+    hidden_size: int = 128
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 4
+    intermediate_size: int = 384
+    max_positions: int = 256
+    rope_theta: float = 10000.0
+    tie_embeddings: bool = True
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
+            raise ValueError("hidden_size must divide by num_heads, num_heads by num_kv_heads")
+        if self.hidden_size // self.num_heads < 32:
+            raise ValueError(
+                f"head_dim {self.hidden_size // self.num_heads} < 32 (vLLM needs >= 32)"
+            )
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def build_tiny_model(tokenizer: PreTrainedTokenizerFast, cfg: TinyModelConfig) -> Qwen2ForCausalLM:
+    """A freshly initialised (seeded) Qwen2 causal LM sized for ``tokenizer``'s vocabulary."""
+    import torch
+
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=cfg.hidden_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads,
+        head_dim=cfg.hidden_size // cfg.num_heads,
+        intermediate_size=cfg.intermediate_size,
+        max_position_embeddings=cfg.max_positions,
+        rope_theta=cfg.rope_theta,
+        tie_word_embeddings=cfg.tie_embeddings,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        use_cache=True,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.seed)
+        model = Qwen2ForCausalLM(config)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.bos_token_id = tokenizer.bos_token_id
+    return model

@@ -1,0 +1,145 @@
+"""What a task is: a deterministic stream of prompts, a verifiable reward, and SFT demonstrations.
+
+A task is the smallest unit a recipe names. It owns no model and no tokenizer: prompts and
+responses are text, and the reward is a pure function of the item and the response text, so the
+reward workers, the engines and the trainer can all be swapped without touching it.
+
+Determinism: ``item(index, split)`` depends only on the task's options (its seed included), the
+split and the index. Train and eval items come from separate random streams, so held-out accuracy
+is measured on prompts the policy was not trained on (short items can still coincide by chance
+when the space of prompts is small; a task documents this if it matters).
+
+Options: each task declares a frozen dataclass of options. ``make_task(name, **options)`` rejects
+an unknown option with an error naming the closest valid one (DESIGN.md invariant 6), and
+``task_options(name)`` hands the dataclass to the config layer so it can validate YAML before
+anything runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import hashlib
+import random
+from dataclasses import dataclass, field
+from typing import Callable, ClassVar, Literal
+
+Split = Literal["train", "eval"]
+SPLITS: tuple[str, ...] = ("train", "eval")
+
+
+@dataclass(frozen=True)
+class TaskItem:
+    """One prompt of a task. ``answer`` is the reference the reward checks against; ``meta``
+    holds task-specific facts (e.g. operands, expected response length) for metrics and tests."""
+
+    index: int
+    prompt: str
+    answer: str
+    meta: dict = field(default_factory=dict)
+
+
+class Task:
+    """Base class of every task. Subclasses set ``name`` and ``Options`` and implement
+    ``_make_item``, ``reward`` and ``sft_pair``; ``item`` handles seeding and splits."""
+
+    name: ClassVar[str] = ""
+    Options: ClassVar[type] = type(None)
+
+    def __init__(self, options) -> None:
+        self.options = options
+
+    def rng(self, index: int, split: str, stream: str = "item") -> random.Random:
+        """A ``random.Random`` seeded from (task name, seed, split, stream, index) through a hash,
+        so neighbouring indices and the two splits give unrelated streams."""
+        if split not in SPLITS:
+            raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+        if index < 0:
+            raise ValueError(f"index must be >= 0, got {index}")
+        seed = getattr(self.options, "seed", 0)
+        key = f"{self.name}|{seed}|{split}|{stream}|{index}".encode()
+        return random.Random(int.from_bytes(hashlib.sha256(key).digest()[:8], "little"))
+
+    def item(self, index: int, split: Split = "train") -> TaskItem:
+        """The ``index``-th prompt of ``split``; the same arguments always give the same item."""
+        return self._make_item(index, split, self.rng(index, split))
+
+    def eval_items(self) -> list[TaskItem]:
+        """The held-out set: ``options.eval_size`` items of the eval split."""
+        return [self.item(i, "eval") for i in range(self.options.eval_size)]
+
+    def max_response_tokens(self) -> int:
+        """Longest correct response in tokens of a character-level tokenizer (one per character,
+        plus ``<eos>``): what an engine's ``max_new_tokens`` should allow."""
+        return 64
+
+    def _make_item(self, index: int, split: str, rng: random.Random) -> TaskItem:
+        raise NotImplementedError
+
+    def reward(self, item: TaskItem, response: str) -> float:
+        """1.0 if ``response`` solves ``item``, else 0.0. Pure and cheap: reward workers call it."""
+        raise NotImplementedError
+
+    def sft_pair(self, index: int) -> tuple[str, str]:
+        """(prompt, response) for supervised warm start on train item ``index``. A task may make
+        these deliberately imperfect so that RL has something left to learn (see its docstring)."""
+        raise NotImplementedError
+
+
+_REGISTRY: dict[str, type[Task]] = {}
+
+
+def register_task(name: str) -> Callable[[type[Task]], type[Task]]:
+    """Class decorator: ``@register_task("chainsum")`` makes the task available to ``make_task``."""
+
+    def wrap(cls: type[Task]) -> type[Task]:
+        if name in _REGISTRY and _REGISTRY[name] is not cls:
+            raise ValueError(f"task {name!r} is already registered by {_REGISTRY[name].__name__}")
+        if not dataclasses.is_dataclass(cls.Options):
+            raise TypeError(f"{cls.__name__}.Options must be a dataclass")
+        cls.name = name
+        _REGISTRY[name] = cls
+        return cls
+
+    return wrap
+
+
+def registered_tasks() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def _lookup(name: str) -> type[Task]:
+    if name not in _REGISTRY:
+        close = difflib.get_close_matches(name, _REGISTRY, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise ValueError(f"unknown task {name!r}{hint} (registered: {registered_tasks()})")
+    return _REGISTRY[name]
+
+
+def task_options(name: str) -> type:
+    """The options dataclass of task ``name`` (for config validation)."""
+    return _lookup(name).Options
+
+
+def check_options(options_cls: type, given: dict) -> None:
+    """Raise ValueError for the first key of ``given`` that ``options_cls`` has no field for,
+    naming the closest valid field."""
+    valid = [f.name for f in dataclasses.fields(options_cls)]
+    for key in given:
+        if key not in valid:
+            close = difflib.get_close_matches(key, valid, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ValueError(f"unknown option {key!r} for {options_cls.__name__}{hint} "
+                             f"(valid: {valid})")
+
+
+def make_task(name: str, **options) -> Task:
+    """Build task ``name`` with ``options`` (unknown option names raise ValueError)."""
+    cls = _lookup(name)
+    check_options(cls.Options, options)
+    return cls(cls.Options(**options))
+
+
+def task_fingerprint(task: Task) -> dict:
+    """Everything that identifies a task's data: its name and all its options (for cache keys)."""
+    return {"name": task.name, "options": dataclasses.asdict(task.options)}
