@@ -13,10 +13,15 @@ Errors a user can fix (unknown key, bad value, missing recipe) print one line an
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
 from flash.errors import FlashError, RecipeNotFound
+
+# Before torch loads OpenMP: spinning waits collapse throughput on a shared or loaded machine
+# (see flash.workers.PERF_ENV); the SFT warm start runs in this process.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import recipes as _recipes_pkg
 
