@@ -19,7 +19,7 @@ import ray
 
 import algos
 from buffers import SampleBuffer
-from controllers.async_controller import AsyncController, ControllerSettings, recompute_needed
+from controllers.async_controller import AsyncController, ControllerSettings, prox_mode
 from controllers.rollout_scheduler import PromptSource, RolloutScheduler
 from controllers.staleness import StalenessManager
 from flash.config import FlashConfig, to_dict, to_yaml
@@ -138,7 +138,7 @@ class Run:
             self.engine, self.trainer, self.scheduler, self.buffer, self.staleness,
             ControllerSettings(
                 prompts_per_step=B, interrupt=cfg.rollout.interrupt, advantage=dict(cfg.algo.advantage),
-                recompute_prox=recompute_needed(cfg.algo.recompute_prox, cfg.async_ratio),
+                prox=prox_mode(cfg.algo.recompute_prox, cfg.async_ratio),
                 pad_id=self.tokenizer.pad_token_id or 0,
             ),
             ledger=self.ledger,

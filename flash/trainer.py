@@ -1,4 +1,4 @@
-"""The policy trainer: proximal-logprob recompute and one optimizer step per batch.
+"""The policy trainer: proximal logprobs (recomputed, or fused into the step) and one optimizer step.
 
 One process here (the multi-worker FSDP2 trainer has its own issue). A step is split into
 micro-batches of ``micro_batch_size`` rows whose gradients accumulate; each micro-batch's loss is
@@ -91,18 +91,26 @@ class Trainer:
         self.busy_s += time.monotonic() - start
         return out
 
-    def train_step(self, batch: TrainBatch, advantages: torch.Tensor, prox_logp: torch.Tensor) -> dict:
-        """One optimizer step over the whole batch; returns loss and metrics as floats."""
+    def train_step(self, batch: TrainBatch, advantages: torch.Tensor, prox_logp: torch.Tensor | None) -> dict:
+        """One optimizer step over the whole batch; returns loss and metrics as floats.
+
+        ``prox_logp=None`` fuses the proximal recompute into this step's forward pass: with one
+        optimizer step per batch, the weights at the start of the step *are* the weights of this
+        forward, so ``prox = sg(logp)`` exactly -- one forward instead of two. The train–inference
+        mismatch |behav − prox| on tokens the current weights generated comes back as metrics.
+        """
         start = time.monotonic()
         ref = self.logprobs(batch, self.ref_model) if self.ref_model is not None else None
         self.optimizer.zero_grad(set_to_none=True)
+        self._mismatch, self._mismatch_acc = {}, [0.0, 0.0, 0.0]
         tokens, rows = float(batch.mask.sum()), len(batch)
         total, metrics = 0.0, {}
         for lo in range(0, rows, self.s.micro_batch_size):
             hi = min(lo + self.s.micro_batch_size, rows)
             part = batch.rows(lo, hi)
             width = part.mask.shape[1]
-            loss, m = self._micro_loss(part, advantages[lo:hi, :width], prox_logp[lo:hi, :width],
+            prox = None if prox_logp is None else prox_logp[lo:hi, :width]
+            loss, m = self._micro_loss(part, advantages[lo:hi, :width], prox,
                                        None if ref is None else ref[lo:hi, :width])
             weight = micro_weight(self.s.agg, part, tokens, rows)
             (loss * weight).backward()
@@ -116,16 +124,32 @@ class Trainer:
         self.steps += 1
         self.busy_s += time.monotonic() - start
         metrics.update(loss=total, grad_norm=float(grad_norm), skipped=float(not finite))
+        metrics.update(self._mismatch)
         return metrics
 
     def _micro_loss(self, part: TrainBatch, adv, prox, ref):
         logp, entropy = token_logprobs(self.model, part, self.s.temperature, self.needs_entropy)
+        if prox is None:
+            prox = logp.detach() * part.mask
+            self._track_mismatch(part, prox)
         inputs = algos.LossInputs(
             logp=logp, prox_logp=prox, behav_logp=part.behav_logp, advantages=adv,
             mask=part.mask, rewards=part.rewards, versions=part.versions,
             ref_logp=ref, entropy=entropy,
         )
         return algos.policy_loss(self.loss_name, inputs, agg=self.s.agg, **self.knobs)
+
+    def _track_mismatch(self, part: TrainBatch, prox: torch.Tensor) -> None:
+        fresh = part.mask * (part.versions == self.steps).float()  # made by these very weights
+        n = float(fresh.sum())
+        if n == 0:
+            return
+        diff = (part.behav_logp - prox).abs() * fresh
+        acc = self._mismatch_acc
+        acc[0] += float(diff.sum())
+        acc[1] += n
+        acc[2] = max(acc[2], float(diff.max()))
+        self._mismatch = {"mismatch_mean": acc[0] / acc[1], "mismatch_max": acc[2]}
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().clone() for k, v in self.model.state_dict().items()}

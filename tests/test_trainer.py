@@ -103,3 +103,21 @@ def test_loss_knobs_in_recipe_yaml_reach_the_loss(model, tmp_path):
         clipfrac[clip] = m["clipfrac"]
     assert clipfrac[1e-4] > 0.5
     assert clipfrac[1e-4] > clipfrac[0.2]
+
+
+def test_fused_proximal_equals_a_separate_recompute(model):
+    """prox_logp=None (sg(logp) of the step's own forward) == prox from a forward before the step."""
+    batch = collate(samples())
+    batch.behav_logp = (batch.behav_logp - 0.3 * batch.mask)  # behaviour policy differs from current
+    adv = torch.randn(batch.mask.shape, generator=torch.Generator().manual_seed(2)) * batch.mask
+    grads = []
+    for fused in (False, True):
+        tr = Trainer(copy.deepcopy(model), settings(loss={"name": "decoupled_ppo"}, micro_batch_size=4))
+        prox = None if fused else tr.logprobs(batch)
+        m = tr.train_step(batch, adv, prox)
+        grads.append((m["loss"], [p.grad.clone() for p in tr.model.parameters()], m))
+    assert grads[0][0] == pytest.approx(grads[1][0], rel=1e-6)
+    for a, b in zip(grads[0][1], grads[1][1]):
+        assert torch.allclose(a, b, atol=1e-7, rtol=1e-5)
+    # the fused path reports the train–inference mismatch on tokens of the current version (0)
+    assert grads[1][2]["mismatch_mean"] > 0.2 and "mismatch_mean" not in grads[0][2]
