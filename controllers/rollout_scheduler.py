@@ -70,7 +70,8 @@ class RolloutScheduler:
         self._error: BaseException | None = None
         self._eval: dict[str, GenerationOutput] = {}
         self._pool = ThreadPoolExecutor(max_workers=max(1, reward_workers), thread_name_prefix="reward")
-        self.counters = {"samples_generated": 0, "tokens_generated": 0, "reward_errors": 0}
+        self.counters = {"samples_generated": 0, "tokens_generated": 0, "reward_errors": 0,
+                         "request_errors": 0}
         self._threads = [threading.Thread(target=self._guard(f), daemon=True, name=f.__name__)
                          for f in (self._admit_loop, self._collect_loop)]
 
@@ -192,6 +193,8 @@ class RolloutScheduler:
                     if out.request_id.startswith("eval/"):
                         self._eval[out.request_id] = out
                     elif out.finish_reason != "abort":
+                        if out.finish_reason == "error":  # refused by the engine: scores 0, counted
+                            self.counters["request_errors"] += 1
                         self.counters["samples_generated"] += 1
                         self.counters["tokens_generated"] += len(out.token_ids)
                         self._scoring += 1

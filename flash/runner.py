@@ -235,6 +235,7 @@ def _summary(cfg, r: Run, records, acc0, acc1, train_s, left) -> dict:
         "prompts_admitted": r.scheduler.admitted,
         "prompts_unfinished": {k: len(v) for k, v in left.items()},
         "reward_errors": r.scheduler.counters["reward_errors"],
+        "request_errors": r.scheduler.counters["request_errors"],
         "phase_seconds_mean": {k[5:]: sum(rec.metrics.get(k, 0.0) for rec in records) / max(steps, 1)
                                for k in phase_keys},
         "run_dir": str(r.dir),
