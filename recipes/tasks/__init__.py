@@ -8,6 +8,6 @@ from recipes.tasks.base import (
     registered_tasks,
     task_options,
 )
-from recipes.tasks import chainsum, stutter  # noqa: F401  (registers "chainsum", "stutter")
+from recipes.tasks import chainsum, echo, stutter  # noqa: F401  (registers the built-in tasks)
 
 __all__ = ["Task", "TaskItem", "make_task", "register_task", "registered_tasks", "task_options"]

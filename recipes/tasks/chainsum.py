@@ -1,4 +1,4 @@
-"""``chainsum``: the default task, a running sum of lettered digits modulo 10.
+"""``chainsum``: a running sum of lettered digits modulo 10 (a harder arithmetic task).
 
 Example (``n = 4`` terms)::
 
@@ -11,25 +11,20 @@ then ``=`` and the final sum (the answer). The reward is verifiable: 1.0 when th
 response's last ``=`` is the right digit, else 0.0 (answer-only, as in math RLVR; a wrong chain
 that ends on the right digit by luck still scores, about 1 time in 10).
 
-Why this task:
+What it is for: an arithmetic task with a long tail of response lengths (``n`` is geometric with
+mean ``mean_terms``, resampled into ``[min_terms, max_terms]``; a response has ``3n + 2``
+characters plus ``<eos>``: median ~12 tokens, p90 ~30, max ~51) and structured SFT noise (at each
+step, with probability ``slip_prob``, the demonstrated running sum is one too high and the chain
+carries on from the wrong value), so a sampled warm start solves an ``n``-term item with
+probability ~``(1 - slip_prob)^n``.
 
-- **A tiny transformer learns it in about a minute.** Every step is local: the next letter
-  follows the previous one, the digit to add sits after the same letter in the prompt (one
-  "find the letter, read the next character" lookup), and addition modulo 10 is a 100-entry
-  table. There is no carry and no long-range arithmetic.
-- **Tiny vocabulary**: digits, 16 letters, space, ``:`` and ``=``.
-- **Response lengths with a long tail.** ``n`` is geometric with mean ``mean_terms`` (resampled
-  into ``[min_terms, max_terms]``) and a response has ``3n + 2`` characters plus ``<eos>``. At the
-  defaults most responses are 8-20 tokens, one in ten is over ~30, and the longest are ~50: the
-  stragglers that make synchronous rollout wait and that async rollout hides.
-- **RL has real room after the warm start.** SFT demonstrations carry *structured* noise: at
-  each step, with probability ``slip_prob``, the demonstrated running sum is one too high (and
-  the chain carries on consistently from the wrong value). Cross-entropy teaches the policy to
-  *reproduce* that rate, so sampled at temperature 1.0 it slips about ``slip_prob`` per step and
-  solves an ``n``-term item with probability ``~(1 - slip_prob)^n``: 20-45 % held-out accuracy
-  at the defaults, with long items failing most. The mistake is one consistent direction in the
-  policy (a "+1" token at every step), which a reward signal can find and suppress quickly, so a
-  few minutes of GRPO on a laptop CPU raise accuracy by tens of points.
+Why it does not suit the default recipe (measured on 2 CPU cores, hidden 128, 4 layers): a tiny
+transformer learns it slowly. Each sum needs two operands (the digit after the current letter in
+the prompt, found by an induction-style lookup, and the previous sum), and modulo-10 addition
+gives no first-order signal for attending to either operand alone: after 900 clean SFT steps
+greedy accuracy was ~35 %. The warm start then fails for lack of skill rather than by the
+structured slip, which RL fixes slowly. ``echo`` suits the default recipe; this task stays as a
+harder one.
 
 Train and eval items come from separate seeded streams; the prompt space is large for ``n >= 3``
 (``10^n`` digit strings), so overlap between the splits is confined to the shortest items.
