@@ -93,6 +93,13 @@ class EngineWorker:
         tensors = named_tensors.values() if hasattr(named_tensors, "values") else (t for _, t in named_tensors)
         return float(sum(t.numel() * t.element_size() for t in tensors))
 
+    def sleep(self, level: int = 1) -> dict:
+        """Release memory for a colocated trainer while paused; see ``TorchEngine.sleep``."""
+        return self.loop.sleep(level)
+
+    def wake_up(self) -> dict:
+        return self.loop.wake_up()
+
     def abort(self, request_ids=None):
         return self.loop.abort(request_ids)
 
