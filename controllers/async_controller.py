@@ -58,8 +58,8 @@ class StepRecord:
 
 class AsyncController:
     def __init__(self, engine, trainer, scheduler: RolloutScheduler, buffer: SampleBuffer,
-                 staleness: StalenessManager, settings: ControllerSettings, ledger=None):
-        self.engine, self.trainer = engine, trainer
+                 staleness: StalenessManager, settings: ControllerSettings, ledger=None, critic=None):
+        self.engine, self.trainer, self.critic = engine, trainer, critic
         self.scheduler, self.buffer, self.staleness = scheduler, buffer, staleness
         self.s = settings
         self.ledger = ledger
@@ -107,15 +107,29 @@ class AsyncController:
             if self.s.prox == "separate":
                 prox = ray.get(self.trainer.logprobs.remote(batch))
         with self.phase("advantages"):
-            knobs = {k: v for k, v in self.s.advantage.items() if k != "name"}
-            adv = algos.compute_advantages(self.s.advantage["name"], batch.rewards,
-                                           batch.group_ids, batch.mask, **knobs)
+            adv, critic_step = self._advantages(batch)
         with self.phase("train"):
             train_metrics = ray.get(self.trainer.train_step.remote(batch, adv, prox))
+            if critic_step is not None:  # the critic trained beside the policy
+                train_metrics.update(ray.get(critic_step))
         self._update_weights(t + 1, admit_more)
         self._write_ledger(t, groups)
         metrics = self._metrics(t, samples, batch, prox, train_metrics, time.monotonic() - start)
         return StepRecord(step=t, metrics=metrics, groups=groups, timeline=self._timeline())
+
+    def _advantages(self, batch):
+        """Advantages from the configured estimator; with a critic (``gae``), its values first,
+        and its own train step launched at once (it needs only the batch, values and returns)."""
+        knobs = {k: v for k, v in self.s.advantage.items() if k != "name"}
+        values = critic_step = None
+        if self.critic is not None:
+            values = ray.get(self.critic.values.remote(batch))
+            returns = algos.gae_returns(batch.rewards, values, batch.mask,
+                                        knobs.get("gamma", 1.0), knobs.get("lam", 1.0))
+            critic_step = self.critic.train_step.remote(batch, returns, values)
+        adv = algos.compute_advantages(self.s.advantage["name"], batch.rewards, batch.group_ids, batch.mask,
+                                       values=values, **knobs)
+        return adv, critic_step
 
     def _get_batch(self, t: int) -> list[Group]:
         def select(groups: list[Group]):

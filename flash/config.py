@@ -69,6 +69,16 @@ class TrainConfig:
 
 
 @dataclass
+class CriticConfig:
+    # The critic role (flash.critic): started when algo.advantage.name is gae, which needs values.
+    lr: float = 5e-4
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    value_clip: Optional[float] = 0.2  # PPO value clip around the values the advantages used; null: off
+    micro_batch_size: int = 64
+
+
+@dataclass
 class EvalConfig:
     every_steps: int = 0  # 0: only before the first and after the last step (the held-out
     # set is the task's own: its size is a task option, e.g. task.eval_size)
@@ -116,6 +126,7 @@ class FlashConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     resources: ResourcesConfig = field(default_factory=ResourcesConfig)
     ray: RayConfig = field(default_factory=RayConfig)

@@ -8,6 +8,7 @@ evaluation) → stop rollout (what is left unfinished goes to the ledger) → fi
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -25,8 +26,9 @@ from controllers.staleness import StalenessManager
 from flash.config import FlashConfig, to_dict, to_yaml
 from flash.engine.base import SamplingParams
 from flash.tracking import Progress, make_tracker
+from flash.critic import CriticSettings
 from flash.trainer import TrainerSettings
-from flash.workers import init_ray, quiet, start_engine, start_trainer, wait_ready
+from flash.workers import init_ray, quiet, start_critic, start_engine, start_trainer, wait_ready
 
 
 def default_cache_dir(cfg: FlashConfig) -> str:
@@ -124,7 +126,11 @@ class Run:
         self.engine = start_engine(self.model_path, cfg.rollout.max_num_seqs, cfg.seed, engine_threads,
                                    engine=cfg.rollout.engine)
         self.trainer = start_trainer(self.model_path, settings, cfg.seed, trainer_threads, list(cfg.plugins))
-        wait_ready(self.engine, self.trainer)
+        self.critic = None
+        if cfg.algo.advantage["name"] == "gae":  # the only estimator that reads values
+            self.critic = start_critic(self.model_path, CriticSettings(**dataclasses.asdict(cfg.critic)), cfg.seed,
+                                       trainer_threads)
+        wait_ready(self.engine, self.trainer, *([self.critic] if self.critic else []))
         B = cfg.train.prompts_per_step
         self.staleness = StalenessManager(cfg.async_ratio, B)
         self.buffer = SampleBuffer(capacity=int(math.ceil((cfg.async_ratio + 2) * B)))
@@ -141,7 +147,7 @@ class Run:
                 prox=prox_mode(cfg.algo.recompute_prox, cfg.async_ratio),
                 pad_id=self.tokenizer.pad_token_id or 0,
             ),
-            ledger=self.ledger,
+            ledger=self.ledger, critic=self.critic,
         )
 
     def evaluate(self, tag: str, step: int = 0) -> float:
@@ -162,8 +168,9 @@ class Run:
         self.ledger.close()
         for f in (self.metrics_file, self.timeline_file, self.eval_file):
             f.close()
-        for actor in (self.engine, self.trainer):
-            ray.kill(actor)
+        for actor in (self.engine, self.trainer, self.critic):
+            if actor is not None:
+                ray.kill(actor)
 
 
 def run(cfg: FlashConfig, recipe_name: str = "run") -> dict:

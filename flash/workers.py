@@ -205,6 +205,13 @@ def start_trainer(model_path: str, settings, seed: int, threads: int, plugins: l
     return actor.remote(model_path, settings, seed, threads, plugins, plugin_paths(plugins))
 
 
+def start_critic(model_path: str, settings, seed: int, threads: int):
+    """The critic role (``flash.critic.Critic``) as its own actor, for the ``gae`` estimator."""
+    from flash.critic import Critic
+
+    return ray.remote(Critic).options(num_cpus=0).remote(model_path, settings, seed, threads)
+
+
 def wait_ready(*actors, timeout: float = 300.0) -> float:
     """Block until every actor answers (model loaded); returns the seconds it took."""
     start = time.monotonic()
