@@ -66,6 +66,10 @@ class TrainConfig:
     betas: List[float] = field(default_factory=lambda: [0.9, 0.999])
     grad_clip: float = 1.0
     micro_batch_size: int = 64  # samples per forward/backward
+    # Stream trainer (RollPacker): at async_ratio 0, backward each group as soon as it is scored,
+    # while the rest of the batch still decodes; one optimizer step when the batch is complete
+    # (the same update as the plain synchronous step). Needs a group-local advantage estimator.
+    stream: bool = False
 
 
 @dataclass
@@ -237,9 +241,26 @@ def validate(cfg: FlashConfig) -> None:
                           lambda name, knobs: algos.validate_loss(name, knobs, agg=cfg.algo.agg))
     _check_plugin_section("algo.advantage", cfg.algo.advantage, algos.validate_advantage)
     _check_task(cfg.task, task_options)
+    _check_stream(cfg)
     from flash.tracking import check_backends
 
     check_backends(list(cfg.tracking.backends))
+
+
+STREAM_ESTIMATORS = ("grpo", "dr_grpo", "rloo")  # advantages of a group need only that group
+
+
+def _check_stream(cfg: FlashConfig) -> None:
+    if not cfg.train.stream:
+        return
+    _require(cfg.async_ratio == 0, "train.stream trains the synchronous batch as it arrives: it needs "
+             f"async_ratio: 0 (got {cfg.async_ratio}); with async_ratio > 0 set train.stream: false")
+    adv = dict(cfg.algo.advantage)
+    _require(adv.get("name") in STREAM_ESTIMATORS and not adv.get("whiten"),
+             f"train.stream needs a group-local advantage estimator ({', '.join(STREAM_ESTIMATORS)}, "
+             f"whiten off): '{adv.get('name')}' normalises over the whole batch")
+    _require(cfg.algo.recompute_prox != "always", "train.stream uses the behaviour logprobs as the proximal "
+             "policy (exact at async_ratio 0); set algo.recompute_prox: auto")
 
 
 def _check_plugin_section(where: str, section: dict, validator) -> None:

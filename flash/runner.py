@@ -145,7 +145,7 @@ class Run:
             ControllerSettings(
                 prompts_per_step=B, interrupt=cfg.rollout.interrupt, advantage=dict(cfg.algo.advantage),
                 prox=prox_mode(cfg.algo.recompute_prox, cfg.async_ratio),
-                pad_id=self.tokenizer.pad_token_id or 0,
+                pad_id=self.tokenizer.pad_token_id or 0, stream=cfg.train.stream,
             ),
             ledger=self.ledger, critic=self.critic,
         )

@@ -151,6 +151,15 @@ class TrainerWorker:
     def train_step(self, batch, advantages, prox_logp) -> dict:
         return self.trainer.train_step(batch, advantages, prox_logp)
 
+    def begin_step(self) -> None:
+        self.trainer.begin_step()
+
+    def accumulate(self, batch, advantages, prox_logp) -> float:
+        return self.trainer.accumulate(batch, advantages, prox_logp)
+
+    def finish_step(self) -> dict:
+        return self.trainer.finish_step()
+
     def get_weights(self) -> dict:
         return self.trainer.state_dict()
 
