@@ -101,16 +101,18 @@ class Limits:
 
 
 def execute(source: str, stdin: str = "", timeout_s: float = 5.0, memory_mb: int = 512,
-            isolation: str = "auto", **limits) -> SandboxResult:
+            isolation: str = "auto", files: dict[str, str] | None = None,
+            **limits) -> SandboxResult:
     """Run ``source`` as ``main.py`` in a fresh sandbox; never raises for anything the code
-    does. ``limits``: the other fields of ``Limits``. ``isolation``: ``auto`` (the best this
+    does. ``files``: more files for the working directory (name -> text; plain names only).
+    ``limits``: the other fields of ``Limits``. ``isolation``: ``auto`` (the best this
     host allows) or one of ISOLATION_LEVELS (``namespaces`` raises SandboxSetupError where the
     host refuses it)."""
     lim = Limits(timeout_s=timeout_s, memory_mb=memory_mb, **limits)
     level = isolation_level() if isolation == "auto" else isolation
     if level not in ISOLATION_LEVELS:
         raise ValueError(f"isolation must be 'auto' or one of {ISOLATION_LEVELS}, got {isolation!r}")
-    workdir = _make_workdir(source)
+    workdir = _make_workdir(source, files or {})
     try:
         return _run(workdir, stdin.encode(), lim, level)
     finally:
@@ -163,13 +165,19 @@ def sandbox_python() -> str:
                             "install a system python3 or run the sandbox as a non-root user")
 
 
-def _make_workdir(source: str) -> str:
+def _make_workdir(source: str, files: dict[str, str] | None = None) -> str:
+    files = {**(files or {}), "main.py": source}
+    for name in files:
+        if not name or "/" in name or name.startswith("."):
+            raise ValueError(f"sandbox file names must be plain names like 'tests.json', got {name!r}")
     workdir = tempfile.mkdtemp(prefix="flash-sandbox-")
-    Path(workdir, "main.py").write_text(source)
     drop = _drop_to()
+    for name, text in files.items():
+        Path(workdir, name).write_text(text)
+        if drop is not None:
+            os.chown(os.path.join(workdir, name), *drop)
     if drop is not None:
-        for path in (workdir, os.path.join(workdir, "main.py")):
-            os.chown(path, *drop)
+        os.chown(workdir, *drop)
     return workdir
 
 
