@@ -230,3 +230,24 @@ def test_pool_concurrency_limit_is_honoured(ray_local, tmp_path):
         assert len({p.name.split("-")[1] for p in tmp_path.iterdir()}) == 2  # both workers used
     finally:
         pool.close()
+
+
+# ---- config --------------------------------------------------------------------------------
+
+
+def test_reward_config_section_is_strict():
+    from flash.config import load_config
+
+    recipe = "recipes/stutter.yaml"
+    cfg = load_config(recipe, ["reward.fn.name=code", "reward.fn.all_or_nothing=true",
+                               "reward.num_workers=3"])
+    assert (dict(cfg.reward.fn), cfg.reward.num_workers) == ({"name": "code", "all_or_nothing": True}, 3)
+    assert load_config(recipe).reward.fn == {}  # unset: the task's own reward, no workers
+    for overrides, message in [
+        (["reward.fn.name=maht"], "reward.fn: unknown reward 'maht'; did you mean 'math'"),
+        (["reward.fn.name=code", "reward.fn.t_mx=3"], "unknown knob 't_mx' for reward 'code'"),
+        (["reward.num_worker=3"], "unknown config key 'reward.num_worker' .did you mean 'num_workers'"),
+        (["reward.fn.name=math", "reward.timeout_s=0"], "timeout_s must be a finite number > 0"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            load_config(recipe, overrides)

@@ -21,8 +21,11 @@ import difflib
 import functools
 import importlib
 import inspect
+import math
 from dataclasses import dataclass
 from typing import Any, Callable
+
+from flash.errors import ConfigError
 
 Scorer = Callable[[Any, str], Any]
 
@@ -117,3 +120,22 @@ def build_reward(section: dict) -> Scorer:
     if entry.builder:
         return entry.fn(**knobs)
     return functools.partial(entry.fn, **knobs) if knobs else entry.fn
+
+
+def check_pool_args(section: dict, num_workers: int, concurrency: int, timeout_s: float,
+                    plugins: tuple[str, ...] = ()) -> None:
+    """ConfigError for anything that would make the pool fail later (checked in the driver)."""
+    for module in plugins:
+        try:
+            importlib.import_module(module)
+        except ImportError as exc:
+            raise ConfigError(f"cannot import plugin module {module!r}: {exc}") from None
+    try:
+        validate_reward(section)
+    except ValueError as exc:
+        raise ConfigError(f"reward.fn: {exc}") from None
+    if num_workers < 1 or concurrency < 1:
+        raise ConfigError(f"reward workers need num_workers >= 1 and concurrency >= 1, "
+                          f"got {num_workers} and {concurrency}")
+    if not (math.isfinite(timeout_s) and timeout_s > 0):
+        raise ConfigError(f"reward timeout_s must be a finite number > 0, got {timeout_s}")

@@ -28,8 +28,7 @@ from dataclasses import dataclass
 
 import ray
 
-from flash.errors import ConfigError
-from flash.rewards.registry import build_reward, validate_reward
+from flash.rewards.registry import build_reward, check_pool_args
 
 GRACE_S = 5.0  # extra client-side wait beyond the worker's own deadline (actor call overhead)
 
@@ -194,20 +193,12 @@ class RewardPool:
         self._workers = []
 
 
-def check_pool_args(section: dict, num_workers: int, concurrency: int, timeout_s: float,
-                    plugins: tuple[str, ...] = ()) -> None:
-    """ConfigError for anything that would make the pool fail later (checked in the driver)."""
-    for module in plugins:
-        try:
-            importlib.import_module(module)
-        except ImportError as exc:
-            raise ConfigError(f"cannot import plugin module {module!r}: {exc}") from None
-    try:
-        validate_reward(section)
-    except ValueError as exc:
-        raise ConfigError(f"reward: {exc}") from None
-    if num_workers < 1 or concurrency < 1:
-        raise ConfigError(f"reward workers need num_workers >= 1 and concurrency >= 1, "
-                          f"got {num_workers} and {concurrency}")
-    if not (math.isfinite(timeout_s) and timeout_s > 0):
-        raise ConfigError(f"reward timeout_s must be a finite number > 0, got {timeout_s}")
+
+def pool_from_config(reward_cfg, plugins: tuple[str, ...] = ()) -> RewardPool | None:
+    """The pool for a recipe's ``reward`` section, or None when ``reward.fn`` is empty (the task's
+    own reward then runs in the scheduler's threads)."""
+    if not reward_cfg.fn:
+        return None
+    return RewardPool(dict(reward_cfg.fn), num_workers=reward_cfg.num_workers,
+                      concurrency=reward_cfg.concurrency, timeout_s=reward_cfg.timeout_s,
+                      plugins=tuple(plugins), max_stuck=reward_cfg.max_stuck)
