@@ -2,7 +2,6 @@
 reward on hidden tests, and the Ray reward pool (failures as named reasons, timeouts, measured
 concurrency limit, worker replacement)."""
 
-import os
 
 import pytest
 import ray

@@ -5,11 +5,21 @@ reward workers (Ray actors) with the ``RewardPool`` client the rollout scheduler
 ``RewardResult`` load ``flash.rewards.workers`` (and Ray) on first use.
 """
 
-from flash.rewards.registry import (build_reward, register_reward, registered_rewards,
-                                    validate_reward)
+from flash.rewards.registry import (
+    build_reward,
+    register_reward,
+    registered_rewards,
+    validate_reward,
+)
 
-__all__ = ["build_reward", "register_reward", "registered_rewards", "validate_reward",
-           "RewardPool", "RewardResult"]
+__all__ = [
+    "RewardPool",
+    "RewardResult",
+    "build_reward",
+    "register_reward",
+    "registered_rewards",
+    "validate_reward",
+]
 
 
 def __getattr__(name: str):

@@ -22,8 +22,9 @@ import functools
 import importlib
 import inspect
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from flash.errors import ConfigError
 
