@@ -205,3 +205,42 @@ def test_namespaces_are_used_where_the_host_allows_them():
         pytest.skip("user namespaces disabled on this host")
     assert isolation_level() == "namespaces"
     assert sandbox.ISOLATION_LEVELS == ("namespaces", "audit-hook")
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not Path("/usr/bin/setpriv").exists()
+                    or isolation_level() != "namespaces",
+                    reason="needs root (to become an ordinary user) and namespaces")
+def test_as_an_ordinary_user_same_uid_files_and_parent_are_still_safe():
+    """CI may run as a non-root user: then the code runs under the *same* uid as its parent, and
+    only the namespaces (read-only mounts, own pid namespace) protect the parent's files and the
+    parent itself. Run the sandbox from a process that is uid 65534, against a file it owns."""
+    import shutil
+    import subprocess
+    import tempfile
+
+    home = Path(tempfile.mkdtemp(prefix="flash-test-nobody-"))
+    try:
+        victim = home / "victim.txt"
+        victim.write_text("original")
+        os.chmod(home, 0o755)
+        for p in (home, victim):
+            os.chown(p, 65534, 65534)
+        write_src = f"open({str(victim)!r}, 'w').write('pwned')"
+        driver = (
+            f"import sys\nsys.path.insert(0, {os.getcwd()!r})\n"
+            "import json, os\nfrom flash.rewards.sandbox import execute\n"
+            f"w = execute({write_src!r}, timeout_s=5)\n"
+            "k = execute('import os\\nos.kill(os.getppid(), 9)', timeout_s=5)\n"
+            "p = execute('import os\\nos.kill(%d, 9)' % os.getpid(), timeout_s=5)\n"
+            "print(json.dumps([os.getuid(), w.status, w.isolation, k.status, p.status, p.stderr]))\n")
+        out = subprocess.run(["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups",
+                              "/usr/bin/python3", "-I", "-c", driver],
+                             capture_output=True, text=True, timeout=60, cwd="/")
+        assert out.returncode == 0, out.stderr
+        uid, write, level, kill_parent, kill_driver, err = json.loads(out.stdout)
+        assert (uid, write, level, kill_parent, kill_driver) == (65534, "error", "namespaces",
+                                                                 "killed", "error")
+        assert "ProcessLookupError" in err  # the driver's pid does not exist in its pid namespace
+        assert victim.read_text() == "original"  # same uid, file writable by it: ro mount held
+    finally:
+        shutil.rmtree(home)
