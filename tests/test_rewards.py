@@ -250,3 +250,21 @@ def test_reward_config_section_is_strict():
     ]:
         with pytest.raises(ConfigError, match=message):
             load_config(recipe, overrides)
+
+
+def test_pool_from_config_scores_through_workers(ray_local):
+    from flash.config import load_config
+    from flash.rewards.workers import pool_from_config
+
+    assert pool_from_config(load_config("recipes/stutter.yaml").reward) is None
+    cfg = load_config("recipes/stutter.yaml", ["reward.fn.name=code", "reward.num_workers=1",
+                                               "reward.fn.t_max=5"])
+    pool = pool_from_config(cfg.reward)
+    try:
+        fn = pool.reward_fn()
+        assert fn(ADD, "def add(a, b):\n    return a + b if a else -1") == 0.5
+        m = pool.metrics()
+        assert (m["reward/calls"], m["sandbox/status/ok"], m["sandbox/timeout/t_max"]) == (1.0, 1.0, 5.0)
+        assert "sandbox/timeout/T/default" not in m  # no correct run yet, so no anchor
+    finally:
+        pool.close()
