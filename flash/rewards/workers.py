@@ -31,6 +31,7 @@ import ray
 from flash.rewards.registry import build_reward, check_pool_args
 
 GRACE_S = 5.0  # extra client-side wait beyond the worker's own deadline (actor call overhead)
+STARTUP_S = 300.0  # a worker must be ready (process up, reward built) within this
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,9 @@ class RewardScorer:
         self.timeout_s = timeout_s
         self._stuck = 0
         self._lock = threading.Lock()
+
+    def ready(self) -> bool:
+        return True
 
     def score(self, item, response: str) -> tuple[RewardResult, int]:
         """(result, calls still stuck in this worker)."""
@@ -116,15 +120,25 @@ class RewardPool:
         self.concurrency, self.timeout_s, self.max_stuck = concurrency, timeout_s, max_stuck
         self._lock = threading.Lock()
         self._slots = threading.BoundedSemaphore(num_workers * concurrency)
-        self._workers = [self._spawn() for _ in range(num_workers)]
+        self._workers = self._spawn(num_workers)
         self._inflight = [0] * num_workers
+        self._replacing: set[int] = set()
         self.counters: Counter[str] = Counter()
         self._wall_total = 0.0
         self._wall_max = 0.0
 
-    def _spawn(self):
-        return RewardWorker.options(max_concurrency=self.concurrency).remote(
-            self.section, self.timeout_s, self.plugins)
+    def _spawn(self, n: int) -> list:
+        """Start ``n`` workers and wait until they are ready, so that a call's deadline never
+        includes a worker's start (seconds on a loaded machine)."""
+        workers = [RewardWorker.options(max_concurrency=self.concurrency).remote(
+            self.section, self.timeout_s, self.plugins) for _ in range(n)]
+        try:
+            ray.get([w.ready.remote() for w in workers], timeout=STARTUP_S)
+        except ray.exceptions.GetTimeoutError:
+            for w in workers:
+                ray.kill(w, no_restart=True)
+            raise RuntimeError(f"reward workers not ready after {STARTUP_S:.0f} s") from None
+        return workers
 
     def score(self, item, response: str) -> RewardResult:
         with self._slots:
@@ -153,11 +167,20 @@ class RewardPool:
             return RewardResult(0.0, "error:WorkerDied", time.monotonic() - t0), 0
 
     def _replace(self, i: int, worker) -> None:
+        """Swap in a fresh worker, then kill the old one (which serves on meanwhile). Calls
+        still running on it end as ``error:WorkerDied``."""
         with self._lock:
-            if self._workers[i] is not worker:
-                return  # another thread already replaced it
-            self._workers[i] = self._spawn()
-            self.counters["worker_restarts"] += 1
+            if self._workers[i] is not worker or i in self._replacing:
+                return  # another thread replaced it or is replacing it
+            self._replacing.add(i)
+        try:
+            fresh = self._spawn(1)[0]
+            with self._lock:
+                self._workers[i] = fresh
+                self.counters["worker_restarts"] += 1
+        finally:
+            with self._lock:
+                self._replacing.discard(i)
         ray.kill(worker, no_restart=True)
 
     def _record(self, result: RewardResult) -> None:
