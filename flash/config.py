@@ -47,6 +47,18 @@ class RolloutConfig:
 
 
 @dataclass
+class RewardConfig:
+    # The reward function and its knobs: {name: math}, {name: code, all_or_nothing: true} or
+    # {name: 'my_pkg.rewards:fn', ...}; names and knobs are checked (flash.rewards.registry).
+    # Empty: the task's own reward, in the scheduler's threads. Set: scored by reward workers.
+    fn: Dict[str, Any] = field(default_factory=dict)
+    num_workers: int = 2  # reward actors (flash.rewards.workers)
+    concurrency: int = 4  # calls at once per worker
+    timeout_s: float = 30.0  # a call running longer scores 0 with reason 'timeout'
+    max_stuck: int = 4  # timed-out calls still running in a worker before it is replaced
+
+
+@dataclass
 class AlgoConfig:
     # Knobs of the named loss / estimator sit beside `name` and are checked against its signature.
     loss: Dict[str, Any] = field(default_factory=lambda: {"name": "decoupled_ppo"})
@@ -128,6 +140,7 @@ class FlashConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
@@ -242,6 +255,7 @@ def validate(cfg: FlashConfig) -> None:
     _check_plugin_section("algo.advantage", cfg.algo.advantage, algos.validate_advantage)
     _check_task(cfg.task, task_options)
     _check_stream(cfg)
+    _check_reward(cfg)
     from flash.tracking import check_backends
 
     check_backends(list(cfg.tracking.backends))
@@ -278,6 +292,14 @@ def _check_agg(agg: str) -> None:
 
     valid = list(algos.AGGREGATIONS)
     _require(agg in valid, f"algo.agg '{agg}' is not valid{closest(agg, valid)}; valid: {', '.join(valid)}")
+
+
+def _check_reward(cfg: FlashConfig) -> None:
+    if cfg.reward.fn:
+        from flash.rewards.registry import check_pool_args
+
+        r = cfg.reward
+        check_pool_args(dict(r.fn), r.num_workers, r.concurrency, r.timeout_s, tuple(cfg.plugins))
 
 
 def _check_task(section: dict, task_options) -> None:

@@ -63,14 +63,15 @@ def prepare_model(cfg: FlashConfig, task) -> str:
     return warm_start(cfg.model.tiny, cfg.sft, task, default_cache_dir(cfg))
 
 
-def build_source(task, tokenizer) -> PromptSource:
+def build_source(task, tokenizer, reward=None) -> PromptSource:
+    """``reward``: a RewardPool's ``reward_fn()``; unset: the task's own reward."""
     from flash.models import decode_response, encode_prompt
 
     return PromptSource(
         item=lambda i: task.item(i, split="train"),
         encode=lambda text: encode_prompt(tokenizer, text),
         decode=lambda ids: decode_response(tokenizer, ids),
-        reward=task.reward,
+        reward=reward or task.reward,
     )
 
 
@@ -134,8 +135,12 @@ class Run:
         B = cfg.train.prompts_per_step
         self.staleness = StalenessManager(cfg.async_ratio, B)
         self.buffer = SampleBuffer(capacity=int(math.ceil((cfg.async_ratio + 2) * B)))
+        from flash.rewards.workers import pool_from_config
+
+        self.reward_pool = pool_from_config(cfg.reward, tuple(cfg.plugins))
+        reward_fn = self.reward_pool.reward_fn() if self.reward_pool else None
         self.scheduler = RolloutScheduler(
-            self.engine, build_source(self.task, self.tokenizer), self.buffer, self.staleness,
+            self.engine, build_source(self.task, self.tokenizer, reward_fn), self.buffer, self.staleness,
             sampling_params(cfg, self.tokenizer), n=cfg.rollout.n, seed=cfg.seed,
             reward_workers=cfg.rollout.reward_workers, inject_delay_s=cfg.rollout.inject_delay_s,
         )
@@ -171,6 +176,8 @@ class Run:
         for actor in (self.engine, self.trainer, self.critic):
             if actor is not None:
                 ray.kill(actor)
+        if self.reward_pool is not None:
+            self.reward_pool.close()
 
 
 def run(cfg: FlashConfig, recipe_name: str = "run") -> dict:
@@ -215,6 +222,8 @@ def _on_step(r: Run, rec, tracker, progress) -> None:
         rec.metrics["eval/accuracy"] = r.evaluate(f"step{step}", step)
         logged.update({"eval/accuracy": rec.metrics["eval/accuracy"], "time/eval": r.last_eval_s})
     logged["time/elapsed"] = time.monotonic() - r.train_start
+    if r.reward_pool is not None:  # reward/calls, reward/failures/<reason>, sandbox/timeout/T/...
+        logged.update(r.reward_pool.metrics())
     tracker.log(logged, step)
     r.metrics_file.write(json.dumps({"step": step, **logged}) + "\n")
     r.metrics_file.flush()
