@@ -1,0 +1,7 @@
+"""Environments for agentic, multi-turn RL: the protocol and registry, a native text game,
+a Gymnasium adapter, episodes as token sequences, and the environment worker actor."""
+
+from flash.envs.base import Env, StepResult, env_options, make_env, register_env, registered_envs
+from flash.envs import corridor, gym  # noqa: F401  (registers the built-in environments)
+
+__all__ = ["Env", "StepResult", "env_options", "make_env", "register_env", "registered_envs"]
