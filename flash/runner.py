@@ -27,6 +27,8 @@ from flash.config import FlashConfig, to_dict, to_yaml
 from flash.engine.base import SamplingParams
 from flash.tracking import Progress, make_tracker
 from flash.critic import CriticSettings
+from flash.envs.runtime import build_episode_scheduler, check_episode_config
+from flash.envs.task import EnvTask
 from flash.trainer import TrainerSettings
 from flash.workers import init_ray, quiet, start_critic, start_engine, start_trainer, wait_ready
 
@@ -108,6 +110,8 @@ class Run:
         algos.load_plugins(list(cfg.plugins))
         task_opts = {k: v for k, v in cfg.task.items() if k != "name"}
         self.task = make_task(cfg.task["name"], **task_opts)
+        if isinstance(self.task, EnvTask):
+            check_episode_config(cfg, self.task)
         self.model_path = prepare_model(cfg, self.task)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.eval_items = self.task.eval_items()
@@ -134,11 +138,15 @@ class Run:
         B = cfg.train.prompts_per_step
         self.staleness = StalenessManager(cfg.async_ratio, B)
         self.buffer = SampleBuffer(capacity=int(math.ceil((cfg.async_ratio + 2) * B)))
-        self.scheduler = RolloutScheduler(
-            self.engine, build_source(self.task, self.tokenizer), self.buffer, self.staleness,
-            sampling_params(cfg, self.tokenizer), n=cfg.rollout.n, seed=cfg.seed,
-            reward_workers=cfg.rollout.reward_workers, inject_delay_s=cfg.rollout.inject_delay_s,
-        )
+        if isinstance(self.task, EnvTask):  # multi-turn episodes on EnvWorker actors
+            self.scheduler = build_episode_scheduler(cfg, self.task, self.tokenizer, self.engine, self.buffer,
+                                                     self.staleness, sampling_params(cfg, self.tokenizer))
+        else:
+            self.scheduler = RolloutScheduler(
+                self.engine, build_source(self.task, self.tokenizer), self.buffer, self.staleness,
+                sampling_params(cfg, self.tokenizer), n=cfg.rollout.n, seed=cfg.seed,
+                reward_workers=cfg.rollout.reward_workers, inject_delay_s=cfg.rollout.inject_delay_s,
+            )
         self.ledger = open(self.dir / "ledger.jsonl", "w")
         self.controller = AsyncController(
             self.engine, self.trainer, self.scheduler, self.buffer, self.staleness,
@@ -168,7 +176,7 @@ class Run:
         self.ledger.close()
         for f in (self.metrics_file, self.timeline_file, self.eval_file):
             f.close()
-        for actor in (self.engine, self.trainer, self.critic):
+        for actor in (self.engine, self.trainer, self.critic, *getattr(self.scheduler, "workers", [])):
             if actor is not None:
                 ray.kill(actor)
 
@@ -243,6 +251,7 @@ def _summary(cfg, r: Run, records, acc0, acc1, train_s, left) -> dict:
         "prompts_unfinished": {k: len(v) for k, v in left.items()},
         "reward_errors": r.scheduler.counters["reward_errors"],
         "request_errors": r.scheduler.counters["request_errors"],
+        "rollout_counters": dict(r.scheduler.counters),
         "phase_seconds_mean": {k[5:]: sum(rec.metrics.get(k, 0.0) for rec in records) / max(steps, 1)
                                for k in phase_keys},
         "run_dir": str(r.dir),
