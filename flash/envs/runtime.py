@@ -23,16 +23,22 @@ def check_episode_config(cfg, task) -> None:
 
 def build_episode_scheduler(cfg, task, tokenizer, engine, buffer, staleness, params):
     """Start the task's EnvWorker actors and the EpisodeScheduler that drives them."""
-    from controllers.episode_scheduler import EpisodeCodec, EpisodeScheduler
+    from controllers.episode_scheduler import EpisodeScheduler
     from flash.envs.worker import start_env_workers
-    from flash.models import decode_response, encode_prompt
 
     options = dataclasses.asdict(task.options)
     workers = start_env_workers(task.options.env_workers, task.name, options, task.options.step_delay_s)
-    codec = EpisodeCodec(
+    return EpisodeScheduler(engine, workers, task, episode_codec(tokenizer), buffer, staleness, params,
+                            n=cfg.rollout.n, seed=cfg.seed, max_turns=task.options.max_turns)
+
+
+def episode_codec(tokenizer):
+    """Character-tokenizer codec: the same ids for a character in prompts and observations."""
+    from controllers.episode_scheduler import EpisodeCodec
+    from flash.models import decode_response, encode_prompt
+
+    return EpisodeCodec(
         encode_prompt=lambda text: encode_prompt(tokenizer, text),
-        encode_observation=lambda text: encode_prompt(tokenizer, text)[1:],  # same ids, no <bos>
+        encode_observation=lambda text: encode_prompt(tokenizer, text)[1:],  # no <bos>
         decode=lambda ids: decode_response(tokenizer, ids),
     )
-    return EpisodeScheduler(engine, workers, task, codec, buffer, staleness, params, n=cfg.rollout.n,
-                            seed=cfg.seed, max_turns=task.options.max_turns)
