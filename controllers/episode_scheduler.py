@@ -279,10 +279,12 @@ class EpisodeScheduler:
             ep = self._turns.pop(out.request_id, None)
             if ep is None:
                 raise RuntimeError(f"engine returned unknown request {out.request_id!r}")
-            if out.finish_reason == "abort":  # partial turn taken away (engine abort): cannot go on
+            if out.finish_reason == "abort":  # an engine that reports aborted turns: play the turn again
                 self.counters["turns_aborted"] += 1
-                ep.worker.close.remote(ep.key)
-                return
+        if out.finish_reason == "abort":
+            self._submit_turn(ep)  # same context, same seed: the turn the engine would have given
+            return
+        with self._lock:
             if out.finish_reason == "error":
                 self.counters["request_errors"] += 1
             else:

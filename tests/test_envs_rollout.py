@@ -30,7 +30,7 @@ from recipes.tasks import make_task
 
 TINY = TinyModelConfig(hidden_size=64, num_layers=1, num_heads=2, num_kv_heads=2, intermediate_size=64,
                        max_positions=128)
-TINY_OVERRIDES = ["model.tiny.num_layers=1", "model.tiny.intermediate_size=64", "sft.steps=30",
+TINY_OVERRIDES = ["model.tiny.num_layers=1", "model.tiny.intermediate_size=64", "sft.steps=80",
                   "sft.eval_after=false"]
 
 
@@ -41,7 +41,7 @@ def cache(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def model_path(cache):
-    return warm_start(TINY, SFTConfig(steps=30, eval_after=False), make_task("corridor"), cache)
+    return warm_start(TINY, SFTConfig(steps=80, eval_after=False), make_task("corridor"), cache)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -148,3 +148,31 @@ def test_flash_run_episodes_nothing_lost(tmp_path, cache):
     c = summary["rollout_counters"]
     assert sum(v for k, v in c.items() if k.startswith("outcome/")) == c["episodes"] >= 12 + 4 + 4
     assert 0.0 <= summary["eval_accuracy_final"] <= 1.0 and summary["max_staleness_observed"] <= 1
+
+
+@pytest.mark.slow
+def test_an_episode_past_the_context_ends_as_a_counted_request_error(model_path):
+    """Width 50: the third turn's context (1 + 3 x 51 + 2 tokens) exceeds the 128-token context,
+    so the engine refuses it; the episode ends 'request_error' with its two turns, nothing hangs."""
+    init_ray(None, 2)
+    task = make_task("corridor", width=50, slack=40)
+    tok = AutoTokenizer.from_pretrained(model_path)
+    engine = start_engine(model_path, 64, 0, 1)
+    workers = start_env_workers(1, "corridor", dataclasses.asdict(task.options))
+    wait_ready(engine)
+    buffer = SampleBuffer(16)
+    params = SamplingParams(max_new_tokens=1, temperature=1.0, stop_token_ids=[tok.eos_token_id])
+    sched = EpisodeScheduler(engine, workers, task, episode_codec(tok), buffer, StalenessManager(0, 4), params,
+                             n=2, seed=0, max_turns=10)
+    sched.start()
+    sched.start_admission()
+    samples = [s for _ in range(4) for s in buffer.get_batch(1, timeout=240)[0].samples]
+    sched.stop()
+    refused = [s for s in samples if s.finish_reason == "request_error"]
+    assert len(refused) == sched.counters["request_errors"] == sched.counters.get("outcome/request_error", 0)
+    assert refused, [s.finish_reason for s in samples]
+    for s in refused:
+        assert len(s.meta["actions"]) == 2 and s.loss_mask == [1] + [0] * 51 + [1] and s.reward == 0.0
+    assert {s.finish_reason for s in samples} <= {"success", "request_error", "invalid_action", "out_of_moves"}
+    for actor in (engine, *workers):
+        ray.kill(actor)
