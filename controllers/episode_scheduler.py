@@ -27,9 +27,10 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import ray
 
@@ -194,7 +195,7 @@ class EpisodeScheduler:
                 fn()
             except BufferClosed:
                 pass
-            except BaseException as exc:  # surfaced to the controller by check()
+            except BaseException as exc:  # noqa: BLE001 - surfaced to the controller by check()
                 self._error = exc
                 with self._lock:
                     self._lock.notify_all()

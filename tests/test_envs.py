@@ -1,21 +1,28 @@
 """Environments: protocol and registry, the corridor game, the FrozenLake adapter, episodes as
-token sequences (observations masked out of the loss, per-turn versions), and episode rollout on
-Ray (a suspend during an environment step does not corrupt the episode; nothing is lost)."""
-
-import json
-import time
+token sequences (observations masked out of the loss, per-turn versions). Episode rollout on Ray
+is in test_envs_rollout.py."""
 
 import pytest
-import ray
 import torch
 
 from buffers import Sample
 from flash.batch import collate
 from flash.envs import make_env, register_env
 from flash.envs.corridor import Corridor, CorridorOptions, move, render
-from flash.envs.episode import Transcript, add_observation, add_turn, to_sample, transcript_text
+from flash.envs.episode import (
+    Transcript,
+    add_observation,
+    add_turn,
+    to_sample,
+    transcript_text,
+)
 from flash.errors import ConfigError
-from flash.models import TinyModelConfig, build_tiny_model, build_tokenizer, encode_prompt
+from flash.models import (
+    TinyModelConfig,
+    build_tiny_model,
+    build_tokenizer,
+    encode_prompt,
+)
 from flash.trainer import token_logprobs
 from recipes.tasks import make_task
 
@@ -92,7 +99,7 @@ def test_corridor_reset_is_deterministic_and_expert_solves_every_seed():
     for seed in range(50):
         env.reset(seed)
         for _ in range(10):
-            obs, reward, done, info = env.step(env.expert_action())
+            _, reward, done, info = env.step(env.expert_action())
             if done:
                 break
         assert info["outcome"] == "success" and reward == 1.0

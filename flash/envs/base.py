@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-from typing import Any, Callable, NamedTuple, Protocol, runtime_checkable
+from collections.abc import Callable
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 
 class StepResult(NamedTuple):
