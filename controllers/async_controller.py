@@ -187,14 +187,19 @@ class AsyncController:
                 self.scheduler.check()
 
     def _update_weights(self, new_version: int, admit_more: bool) -> None:
+        env_hold = getattr(self.scheduler, "suspend", None)  # episodes: environment steps are atomic
         with self.phase("suspend"):
             ray.get(self.engine.pause.remote(self.s.interrupt))
+            if env_hold:
+                env_hold()  # waits for the steps in flight, holds new ones until resume
         with self.phase("push_weights"):
             weights = self.trainer.get_weights.remote()
             self._update_bytes = float(ray.get(self.engine.update_weights.remote(weights, new_version)) or 0.0)
             self.version = new_version
         with self.phase("resume"):
             ray.get(self.engine.resume.remote())
+            if env_hold:
+                self.scheduler.resume()
         if admit_more:
             self.scheduler.set_version(new_version)
 

@@ -27,6 +27,8 @@ from flash.config import FlashConfig, to_dict, to_yaml
 from flash.engine.base import SamplingParams
 from flash.tracking import Progress, make_tracker
 from flash.critic import CriticSettings
+from flash.envs.runtime import build_episode_scheduler, check_episode_config
+from flash.envs.task import EnvTask
 from flash.trainer import TrainerSettings
 from flash.workers import init_ray, quiet, start_critic, start_engine, start_trainer, wait_ready
 
@@ -109,6 +111,8 @@ class Run:
         algos.load_plugins(list(cfg.plugins))
         task_opts = {k: v for k, v in cfg.task.items() if k != "name"}
         self.task = make_task(cfg.task["name"], **task_opts)
+        if isinstance(self.task, EnvTask):
+            check_episode_config(cfg, self.task)
         self.model_path = prepare_model(cfg, self.task)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.eval_items = self.task.eval_items()
@@ -135,15 +139,7 @@ class Run:
         B = cfg.train.prompts_per_step
         self.staleness = StalenessManager(cfg.async_ratio, B)
         self.buffer = SampleBuffer(capacity=int(math.ceil((cfg.async_ratio + 2) * B)))
-        from flash.rewards.workers import pool_from_config
-
-        self.reward_pool = pool_from_config(cfg.reward, tuple(cfg.plugins))
-        reward_fn = self.reward_pool.reward_fn() if self.reward_pool else None
-        self.scheduler = RolloutScheduler(
-            self.engine, build_source(self.task, self.tokenizer, reward_fn), self.buffer, self.staleness,
-            sampling_params(cfg, self.tokenizer), n=cfg.rollout.n, seed=cfg.seed,
-            reward_workers=cfg.rollout.reward_workers, inject_delay_s=cfg.rollout.inject_delay_s,
-        )
+        self.scheduler = self._make_scheduler()
         self.ledger = open(self.dir / "ledger.jsonl", "w")
         self.controller = AsyncController(
             self.engine, self.trainer, self.scheduler, self.buffer, self.staleness,
@@ -153,6 +149,24 @@ class Run:
                 pad_id=self.tokenizer.pad_token_id or 0, stream=cfg.train.stream,
             ),
             ledger=self.ledger, critic=self.critic,
+        )
+
+    def _make_scheduler(self):
+        """Episodes on EnvWorker actors for env tasks; else single-turn requests, scored by the
+        task's reward or by a reward-worker pool when ``reward.fn`` is set."""
+        cfg, params = self.cfg, sampling_params(self.cfg, self.tokenizer)
+        self.reward_pool = None
+        if isinstance(self.task, EnvTask):  # multi-turn episodes on EnvWorker actors
+            return build_episode_scheduler(cfg, self.task, self.tokenizer, self.engine, self.buffer,
+                                           self.staleness, params)
+        from flash.rewards.workers import pool_from_config
+
+        self.reward_pool = pool_from_config(cfg.reward, tuple(cfg.plugins))
+        reward_fn = self.reward_pool.reward_fn() if self.reward_pool else None
+        return RolloutScheduler(
+            self.engine, build_source(self.task, self.tokenizer, reward_fn), self.buffer, self.staleness,
+            params, n=cfg.rollout.n, seed=cfg.seed,
+            reward_workers=cfg.rollout.reward_workers, inject_delay_s=cfg.rollout.inject_delay_s,
         )
 
     def evaluate(self, tag: str, step: int = 0) -> float:
@@ -173,7 +187,7 @@ class Run:
         self.ledger.close()
         for f in (self.metrics_file, self.timeline_file, self.eval_file):
             f.close()
-        for actor in (self.engine, self.trainer, self.critic):
+        for actor in (self.engine, self.trainer, self.critic, *getattr(self.scheduler, "workers", [])):
             if actor is not None:
                 ray.kill(actor)
         if self.reward_pool is not None:
@@ -252,6 +266,7 @@ def _summary(cfg, r: Run, records, acc0, acc1, train_s, left) -> dict:
         "prompts_unfinished": {k: len(v) for k, v in left.items()},
         "reward_errors": r.scheduler.counters["reward_errors"],
         "request_errors": r.scheduler.counters["request_errors"],
+        "rollout_counters": dict(r.scheduler.counters),
         "phase_seconds_mean": {k[5:]: sum(rec.metrics.get(k, 0.0) for rec in records) / max(steps, 1)
                                for k in phase_keys},
         "run_dir": str(r.dir),
