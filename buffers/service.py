@@ -1,0 +1,302 @@
+"""BufferService: one SampleBuffer served over zmq (ROUTER) with msgpack frames.
+
+Producers in any process or host push groups (``BufferProducer``); consumers pull batches
+(``RemoteSampleBuffer``, or ``service.buffer`` directly in the service's own process). One
+background thread owns the socket and answers every request in arrival order, so the store needs
+no cross-process locking and a slow client cannot block another.
+
+Requests (all msgpack maps with ``op`` and ``rid``; the reply echoes ``rid``):
+
+    put         {producer, seq, group: bytes} -> stored | duplicate | full | closed
+    wait_space  {wait_ms}                     -> ok once the buffer has room (or timeout)
+    meta        {since, wait_ms}              -> epoch, closed, capacity, per-group metadata;
+                                                 parked until the epoch moves past ``since``
+    take        {keys}                        -> ok + the groups' frames | missing (all or none)
+    drain / stats / close
+
+Exactly once: a put carries ``(producer, seq)`` and a producer has one put in flight, so a put
+whose ``seq`` is not above the last one stored from that producer is a retry: acknowledged as
+``duplicate``, not stored again. Backpressure: a put on a full buffer is answered ``full`` and
+the producer parks a ``wait_space`` request, answered the moment a take frees room.
+
+Hostile input: every frame is size-checked before it is parsed and schema-checked after
+(``buffers.wire``); a refused frame is answered ``rejected`` with its reason, counted under
+``rejected_<reason>``, and the service goes on serving.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+from buffers.buffer import BufferClosed
+from buffers.store import KeyedSampleBuffer
+from buffers.wire import REASONS, WireError, decode_group, pack, unpack
+
+OPS: dict[str, dict[str, type]] = {
+    "put": {"rid": int, "producer": str, "seq": int, "group": bytes},
+    "wait_space": {"rid": int, "wait_ms": int},
+    "meta": {"rid": int, "since": int, "wait_ms": int},
+    "take": {"rid": int, "keys": list},
+    "drain": {"rid": int},
+    "stats": {"rid": int},
+    "close": {"rid": int},
+}
+COUNTERS = ("frames_in", "puts", "gets", "duplicates", "full_replies", "bytes_in", "bytes_out",
+            "producer_blocked_s", "rejected")
+
+
+@dataclass
+class _Parked:
+    """A long-poll the service answers later: when its condition holds or at its deadline."""
+
+    identity: bytes
+    op: str
+    rid: int
+    since: int
+    deadline: float
+
+
+class BufferService:
+    def __init__(self, capacity: int, bind: str = "tcp://127.0.0.1:0", max_frame_bytes: int = 64 << 20,
+                 max_waiters: int = 1024):
+        self.bind, self.max_frame_bytes, self.max_waiters = bind, max_frame_bytes, max_waiters
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self.buffer = KeyedSampleBuffer(capacity, on_change=self._poke)
+        self.address = ""
+        self._counts: dict[str, float] = {k: 0.0 for k in COUNTERS} | {f"rejected_{r}": 0.0 for r in REASONS}
+        self._lock = threading.Lock()
+        self._seen: dict[str, int] = {}  # producer -> last stored seq
+        self._blocked_since: dict[str, float] = {}  # producer -> when it was first told 'full'
+        self._parked: list[_Parked] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+
+    # ------------------------------------------------------------------------------ lifecycle
+    def start(self) -> "BufferService":
+        """Bind (port 0: an ephemeral port; ``address`` says which) and serve in a daemon thread."""
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.bind(self.bind)
+        self.address = self._sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self._thread = threading.Thread(target=self._serve, name="buffer-service", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop serving (the store stays readable in-process); idempotent."""
+        self._stop.set()
+        self._poke()
+        if self._thread is not None:
+            self._thread.join(5.0)
+            self._thread = None
+        if not self._sock.closed:
+            self._sock.close(0)
+            self._ctx.term()
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+
+    def __enter__(self) -> "BufferService":
+        return self.start() if self._thread is None else self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def stats(self) -> dict[str, float]:
+        """The store's SampleBuffer stats plus the service's counters (all floats, for metrics)."""
+        with self._lock:
+            out = dict(self._counts)
+            out["waiters"] = float(len(self._parked))
+        out.update(self.buffer.stats())
+        out["capacity"] = float(self.buffer.capacity)
+        return out
+
+    # ------------------------------------------------------------------------------ the loop
+    def _poke(self) -> None:
+        """Wake the service thread (any thread may call it: a pipe write is thread-safe)."""
+        try:
+            os.write(self._wake_w, b"x")
+        except (BlockingIOError, OSError):
+            pass  # pipe full (a wake is already pending) or closed at stop
+
+    def _serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        while not self._stop.is_set():
+            events = dict(poller.poll(self._poll_timeout_ms()))
+            if self._wake_r in events:
+                try:
+                    os.read(self._wake_r, 4096)
+                except BlockingIOError:
+                    pass
+            if self._sock in events:
+                for _ in range(256):  # a bounded burst, then parked requests get a look
+                    try:
+                        parts = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    self._handle(parts)
+            self._serve_parked()
+
+    def _poll_timeout_ms(self) -> int:
+        if not self._parked:
+            return 1000
+        soonest = min(p.deadline for p in self._parked)
+        return max(0, int((soonest - time.monotonic()) * 1000) + 1)
+
+    def _reply(self, identity: bytes, message: dict) -> None:
+        frame = pack(message)
+        self._sock.send_multipart([identity, frame], copy=False)
+
+    def _count(self, key: str, value: float = 1.0) -> None:
+        with self._lock:
+            self._counts[key] += value
+
+    def _handle(self, parts: list[zmq.Frame]) -> None:
+        identity = parts[0].bytes
+        self._count("frames_in")
+        rid = -1
+        try:
+            if len(parts) != 2:
+                raise WireError("multipart", f"{len(parts) - 1} parts; a request is one frame")
+            payload = parts[1].buffer
+            self._count("bytes_in", len(payload))
+            msg = unpack(payload, self.max_frame_bytes)
+            rid = _request_rid(msg)
+            _check_request(msg)
+            reply = getattr(self, f"_op_{msg['op']}")(identity, msg)
+        except WireError as exc:
+            self._count("rejected")
+            self._count(f"rejected_{exc.reason}")
+            reply = {"status": "rejected", "reason": exc.reason, "detail": str(exc)[:500]}
+        if reply is not None:  # None: parked, answered later
+            reply["rid"] = rid
+            self._reply(identity, reply)
+
+    # ------------------------------------------------------------------------------ operations
+    def _op_put(self, identity: bytes, msg: dict) -> dict:
+        producer, seq = msg["producer"], msg["seq"]
+        if seq <= self._seen.get(producer, -1):
+            self._count("duplicates")
+            return {"status": "duplicate"}
+        frame = msg["group"]
+        group = decode_group(unpack(frame, self.max_frame_bytes))
+        try:
+            stored = self.buffer.try_put(group, frame=frame)
+        except BufferClosed:
+            return {"status": "closed"}
+        now = time.monotonic()
+        if not stored:
+            self._blocked_since.setdefault(producer, now)
+            self._count("full_replies")
+            return {"status": "full"}
+        self._seen[producer] = seq
+        self._count("puts")
+        if producer in self._blocked_since:
+            self._count("producer_blocked_s", now - self._blocked_since.pop(producer))
+        return {"status": "stored"}
+
+    def _op_wait_space(self, identity: bytes, msg: dict) -> dict | None:
+        return self._park_or_answer(identity, msg, since=0)
+
+    def _op_meta(self, identity: bytes, msg: dict) -> dict | None:
+        return self._park_or_answer(identity, msg, since=msg["since"])
+
+    def _op_take(self, identity: bytes, msg: dict) -> dict:
+        keys = msg["keys"]
+        if any(not isinstance(k, int) or isinstance(k, bool) for k in keys):
+            raise WireError("bad_type", "take.keys must be a list of ints")
+        try:
+            taken = self.buffer.take(keys)
+        except BufferClosed:
+            return {"status": "closed"}
+        if taken is None:
+            return {"status": "missing"}
+        return self._groups_reply([frame for _, frame in taken])
+
+    def _op_drain(self, identity: bytes, msg: dict) -> dict:
+        _, _, metas = self.buffer.meta()
+        taken = self.buffer.take([m.key for m in metas]) or []
+        return self._groups_reply([frame for _, frame in taken])
+
+    def _op_stats(self, identity: bytes, msg: dict) -> dict:
+        return {"status": "ok", "stats": self.stats()}
+
+    def _op_close(self, identity: bytes, msg: dict) -> dict:
+        self.buffer.close()
+        return {"status": "ok"}
+
+    def _groups_reply(self, frames: list[bytes]) -> dict:
+        self._count("gets", len(frames))
+        self._count("bytes_out", sum(len(f) for f in frames))
+        return {"status": "ok", "groups": frames}
+
+    # ------------------------------------------------------------------------------ long-polls
+    def _park_or_answer(self, identity: bytes, msg: dict, since: int) -> dict | None:
+        p = _Parked(identity, msg["op"], msg["rid"], since, time.monotonic() + max(msg["wait_ms"], 0) / 1000)
+        answer = self._answer(p, timed_out=msg["wait_ms"] <= 0)
+        if answer is not None:
+            return answer
+        if len(self._parked) >= self.max_waiters:
+            raise WireError("too_many_waiters", f"{self.max_waiters} long-polls already parked")
+        with self._lock:
+            self._parked.append(p)
+        return None
+
+    def _answer(self, p: _Parked, timed_out: bool) -> dict | None:
+        """The reply to a parked request if it is due now, else None."""
+        epoch, closed, metas = self.buffer.meta()
+        if p.op == "wait_space":
+            if closed or len(metas) < self.buffer.capacity:
+                return {"status": "closed" if closed else "ok"}
+            return {"status": "timeout"} if timed_out else None
+        if epoch == p.since and not timed_out:
+            return None
+        return {"status": "ok", "epoch": epoch, "closed": closed, "capacity": self.buffer.capacity,
+                "groups": [m.to_wire() for m in metas]}
+
+    def _serve_parked(self) -> None:
+        if not self._parked:
+            return
+        now, keep = time.monotonic(), []
+        for p in self._parked:
+            answer = self._answer(p, timed_out=now >= p.deadline)
+            if answer is None:
+                keep.append(p)
+            else:
+                answer["rid"] = p.rid
+                self._reply(p.identity, answer)
+        with self._lock:
+            self._parked = keep
+
+
+def _request_rid(msg: Any) -> int:
+    """The request id to echo, if there is a usable one (so even a rejection reaches its caller)."""
+    if isinstance(msg, dict) and isinstance(msg.get("rid"), int) and not isinstance(msg.get("rid"), bool):
+        return msg["rid"]
+    return -1
+
+
+def _check_request(msg: Any) -> None:
+    if not isinstance(msg, dict):
+        raise WireError("bad_schema", f"a request is a map, got {type(msg).__name__}")
+    op = msg.get("op")
+    if op not in OPS:
+        raise WireError("unknown_op", f"op {op!r} is not one of {', '.join(OPS)}")
+    schema = OPS[op]
+    keys = set(msg) - {"op"}
+    if keys != set(schema):
+        raise WireError("bad_schema", f"{op}: expected keys {sorted(schema)}, got {sorted(keys)}")
+    for key, typ in schema.items():
+        value = msg[key]
+        if (typ is int and isinstance(value, bool)) or not isinstance(value, typ):
+            raise WireError("bad_type", f"{op}.{key} must be {typ.__name__}, got {type(value).__name__}")
