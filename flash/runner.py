@@ -18,7 +18,7 @@ from pathlib import Path
 import ray
 
 import algos
-from buffers import SampleBuffer
+from buffers.factory import make_buffer
 from controllers.async_controller import AsyncController, ControllerSettings, prox_mode
 from controllers.rollout_scheduler import PromptSource, RolloutScheduler
 from controllers.staleness import StalenessManager
@@ -127,7 +127,8 @@ class Run:
         wait_ready(self.engine, self.trainer)
         B = cfg.train.prompts_per_step
         self.staleness = StalenessManager(cfg.async_ratio, B)
-        self.buffer = SampleBuffer(capacity=int(math.ceil((cfg.async_ratio + 2) * B)))
+        # transport local: the in-process buffer; zmq: a BufferService here and a proxy on it
+        self.buffer, self.buffer_service = make_buffer(cfg.buffer, int(math.ceil((cfg.async_ratio + 2) * B)))
         self.scheduler = RolloutScheduler(
             self.engine, build_source(self.task, self.tokenizer), self.buffer, self.staleness,
             sampling_params(cfg, self.tokenizer), n=cfg.rollout.n, seed=cfg.seed,
@@ -164,6 +165,9 @@ class Run:
             f.close()
         for actor in (self.engine, self.trainer):
             ray.kill(actor)
+        if self.buffer_service is not None:
+            self.buffer.disconnect()
+            self.buffer_service.stop()
 
 
 def run(cfg: FlashConfig, recipe_name: str = "run") -> dict:
