@@ -141,17 +141,20 @@ def unpack(frame: bytes | memoryview, max_bytes: int) -> Any:
     """One frame → plain msgpack values, or a WireError naming why not."""
     if len(frame) > max_bytes:
         raise WireError("oversized", f"{len(frame)} bytes > limit {max_bytes}")
-    limit = max(len(frame), 1)
+    # A declared container length can never exceed the frame's byte count (each element takes a
+    # byte at least), so no header can make msgpack allocate more than the frame justifies.
+    items = max(len(frame), 1)
     try:
         return msgpack.unpackb(frame, raw=False, strict_map_key=True, ext_hook=_refuse_ext,
-                               max_bin_len=limit, max_str_len=limit, max_array_len=limit,
-                               max_map_len=limit, max_ext_len=0)
+                               max_bin_len=max_bytes, max_str_len=max_bytes, max_array_len=items,
+                               max_map_len=items)
     except WireError:
         raise
     except msgpack.ExtraData:
         raise WireError("extra_data", "bytes after the end of the message") from None
     except ValueError as exc:
-        reason = "truncated" if "incomplete" in str(exc) else "malformed"
+        # "exceeds max_*": a header declares more than the frame holds -- also a cut-off frame
+        reason = "truncated" if "incomplete" in str(exc) or "exceeds max_" in str(exc) else "malformed"
         raise WireError(reason, str(exc) or type(exc).__name__) from None
     except Exception as exc:  # noqa: BLE001 - msgpack may raise TypeError etc. on hostile input
         raise WireError("malformed", f"{type(exc).__name__}: {exc}") from None
