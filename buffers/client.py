@@ -1,6 +1,6 @@
-"""Clients of the BufferService: ``BufferProducer`` (put) and ``RemoteSampleBuffer`` (the full API).
+"""RemoteSampleBuffer: the SampleBuffer API over a BufferService (puts go through a BufferProducer).
 
-``RemoteSampleBuffer`` keeps ``SampleBuffer``'s API so the controller takes either. Its
+It keeps ``SampleBuffer``'s API so the controller takes either. Its
 ``get_batch(n, select)`` cannot ship ``select`` (a callable) to the service, so it long-polls the
 service's metadata (``GroupMeta``: key, version, prompt id, size), runs ``select`` on it here, and
 takes exactly the chosen keys; if another consumer got one first, the take is refused as a whole
@@ -13,157 +13,19 @@ threads may call it at any time and the rule is re-evaluated at once.
 
 from __future__ import annotations
 
-import itertools
 import os
 import threading
 import time
-import uuid
 from typing import Any
 
-import zmq
-
 from buffers.buffer import BufferClosed, Select, _oldest
+from buffers.producer import BufferProducer
+from buffers.rpc import BufferUnavailable, Rpc
 from buffers.store import GroupMeta
 from buffers.types import Group
-from buffers.wire import WireError, decode_group, encode_group, pack, unpack
+from buffers.wire import WireError, decode_group, unpack
 
-
-class BufferUnavailable(ConnectionError):
-    """The service did not answer in time; the request may be retried (puts are idempotent)."""
-
-
-class _Rpc:
-    """One DEALER socket; replies are matched to requests by ``rid`` and stale ones dropped.
-
-    ``wait`` also returns early (None) when ``wake_fd`` becomes readable.
-    """
-
-    def __init__(self, address: str, max_frame_bytes: int, wake_fd: int | None = None):
-        self.address, self.max_frame_bytes, self.wake_fd = address, max_frame_bytes, wake_fd
-        self._ctx = zmq.Context()
-        self.sock = self._ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(address)
-        self._rids = itertools.count()
-        self._poller, self._wake_poller = zmq.Poller(), zmq.Poller()
-        self._poller.register(self.sock, zmq.POLLIN)
-        self._wake_poller.register(self.sock, zmq.POLLIN)
-        if wake_fd is not None:
-            self._wake_poller.register(wake_fd, zmq.POLLIN)
-
-    def send(self, message: dict) -> int:
-        rid = next(self._rids)
-        self.sock.send(pack({**message, "rid": rid}), copy=False)
-        return rid
-
-    def wait(self, rid: int, timeout_s: float, limit: int | None = None, wakeable: bool = False) -> dict | None:
-        """The reply to ``rid``; None on timeout (or on a wake, if ``wakeable``).
-
-        A rejection raises its WireError: the service refused what this client sent (a bug here).
-        """
-        deadline = time.monotonic() + timeout_s
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return None
-            poller = self._wake_poller if wakeable else self._poller
-            events = dict(poller.poll(max(1, int(left * 1000))))
-            if wakeable and self.wake_fd in events:
-                return None
-            if self.sock not in events:
-                continue
-            reply = unpack(self.sock.recv(copy=False).buffer, limit or self.max_frame_bytes)
-            if not isinstance(reply, dict) or reply.get("rid") != rid:
-                continue  # the late answer to a request we stopped waiting for
-            if reply.get("status") == "rejected":
-                raise WireError(reply.get("reason", "malformed"), f"service refused: {reply.get('detail')}")
-            return reply
-
-    def call(self, message: dict, timeout_s: float, limit: int | None = None) -> dict:
-        rid = self.send(message)
-        reply = self.wait(rid, timeout_s, limit)
-        if reply is None:
-            raise BufferUnavailable(f"no answer from the buffer service at {self.address} in {timeout_s}s")
-        return reply
-
-    def close(self) -> None:
-        self.sock.close(0)
-        self._ctx.term()
-
-
-class BufferProducer:
-    """Puts groups into a BufferService: acknowledged, idempotent, blocking while it is full."""
-
-    def __init__(self, address: str, max_frame_mb: float = 64.0, rpc_timeout_s: float = 10.0,
-                 wait_ms: int = 500):
-        self.max_frame_bytes = int(max_frame_mb * (1 << 20))
-        self.rpc_timeout_s, self.wait_ms = rpc_timeout_s, wait_ms
-        self._rpc = _Rpc(address, self.max_frame_bytes)
-        self.producer_id = uuid.uuid4().hex
-        self._seqs = itertools.count()
-        self._pending: tuple[Group, int, bytes] | None = None  # handed to us, not yet acknowledged
-        self._lock = threading.Lock()
-        self.counters = {"puts": 0.0, "duplicates": 0.0, "full": 0.0, "retries": 0.0, "blocked_s": 0.0}
-
-    def put(self, group: Group, timeout: float | None = None) -> None:
-        """Store ``group`` exactly once. Blocks while the service is full (backpressure).
-
-        TimeoutError: still full after ``timeout`` s (not stored). BufferUnavailable: no answer;
-        ``put`` the same Group object again to retry -- it keeps its put id, so it cannot be
-        stored twice. A different group first settles the pending one (nothing is dropped).
-        """
-        with self._lock:
-            if self._pending is not None and self._pending[0] is not group:
-                self._deliver(*self._pending[1:], deadline=None)
-            if self._pending is not None:
-                self.counters["retries"] += 1  # the same group again after BufferUnavailable
-            else:
-                frame = encode_group(group)
-                if len(frame) > self.max_frame_bytes:
-                    raise WireError("oversized", f"group {group.prompt_id} encodes to {len(frame)} bytes > "
-                                                 f"{self.max_frame_bytes}; raise buffer.max_frame_mb")
-                self._pending = (group, next(self._seqs), frame)
-            deadline = None if timeout is None else time.monotonic() + timeout
-            self._deliver(*self._pending[1:], deadline=deadline)
-
-    def _deliver(self, seq: int, frame: bytes, deadline: float | None) -> None:
-        message = {"op": "put", "producer": self.producer_id, "seq": seq, "group": frame}
-        blocked_at: float | None = None
-        while True:
-            reply = self._rpc.call(message, self.rpc_timeout_s, limit=1 << 16)
-            status = reply.get("status")
-            if status in ("stored", "duplicate"):
-                self._pending = None
-                self.counters["puts"] += 1
-                self.counters["duplicates"] += status == "duplicate"
-                if blocked_at is not None:
-                    self.counters["blocked_s"] += time.monotonic() - blocked_at
-                return
-            if status == "closed":
-                self._pending = None
-                raise BufferClosed("put on a closed SampleBuffer (service)")
-            if status != "full":
-                raise WireError("bad_schema", f"unexpected put reply {reply!r}")
-            self.counters["full"] += 1
-            blocked_at = blocked_at if blocked_at is not None else time.monotonic()
-            self._wait_space(deadline)
-
-    def _wait_space(self, deadline: float | None) -> None:
-        left = None if deadline is None else deadline - time.monotonic()
-        if left is not None and left <= 0:
-            self._pending = None  # the service said full: it does not hold the group
-            raise TimeoutError("SampleBuffer service full for the whole put timeout")
-        wait_ms = self.wait_ms if left is None else max(1, min(self.wait_ms, int(left * 1000)))
-        self._rpc.call({"op": "wait_space", "wait_ms": wait_ms}, wait_ms / 1000 + self.rpc_timeout_s)
-
-    def wake(self) -> None:
-        """SampleBuffer API: nothing to wake on the producer side."""
-
-    def stats(self) -> dict[str, float]:
-        return dict(self.counters)
-
-    def close(self) -> None:
-        self._rpc.close()
+__all__ = ["BufferProducer", "BufferUnavailable", "RemoteSampleBuffer"]
 
 
 class RemoteSampleBuffer:
@@ -177,8 +39,8 @@ class RemoteSampleBuffer:
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
-        self._data = _Rpc(address, self.max_frame_bytes, wake_fd=self._wake_r)
-        self._ctl = _Rpc(address, self.max_frame_bytes)
+        self._data = Rpc(address, self.max_frame_bytes, wake_fd=self._wake_r)
+        self._ctl = Rpc(address, self.max_frame_bytes)
         self._get_lock, self._ctl_lock = threading.Lock(), threading.Lock()
         self._producer: BufferProducer | None = None
         self._producer_lock = threading.Lock()

@@ -7,16 +7,17 @@ no cross-process locking and a slow client cannot block another.
 
 Requests (all msgpack maps with ``op`` and ``rid``; the reply echoes ``rid``):
 
-    put         {producer, seq, group: bytes} -> stored | duplicate | full | closed
+    put         {producer, seq, group: bytes} -> stored | duplicate | gap | full | closed
     wait_space  {wait_ms}                     -> ok once the buffer has room (or timeout)
     meta        {since, wait_ms}              -> epoch, closed, capacity, per-group metadata;
                                                  parked until the epoch moves past ``since``
     take        {keys}                        -> ok + the groups' frames | missing (all or none)
     drain / stats / close
 
-Exactly once: a put carries ``(producer, seq)`` and a producer has one put in flight, so a put
-whose ``seq`` is not above the last one stored from that producer is a retry: acknowledged as
-``duplicate``, not stored again. Backpressure: a put on a full buffer is answered ``full`` and
+Exactly once, in order: a put carries ``(producer, seq)``; a ``seq`` not above the last one stored
+from that producer is a retry (``duplicate``: acknowledged, not stored again), one past the next
+expected is refused (``gap``: an earlier put was refused, and the producer resends from there;
+see ``buffers.producer``). Backpressure: a put on a full buffer is answered ``full`` and
 the producer parks a ``wait_space`` request, answered the moment a take frees room.
 
 Hostile input: every frame is size-checked before it is parsed and schema-checked after
@@ -47,7 +48,7 @@ OPS: dict[str, dict[str, type]] = {
     "stats": {"rid": int},
     "close": {"rid": int},
 }
-COUNTERS = ("frames_in", "puts", "gets", "duplicates", "full_replies", "bytes_in", "bytes_out",
+COUNTERS = ("frames_in", "puts", "gets", "duplicates", "full_replies", "gap_replies", "bytes_in", "bytes_out",
             "producer_blocked_s", "rejected")
 
 
@@ -69,7 +70,8 @@ class BufferService:
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
-        self.buffer = KeyedSampleBuffer(capacity, on_change=self._poke)
+        self.buffer = KeyedSampleBuffer(capacity, on_change=self._changed)
+        self._ident = -1  # the service thread's id: its own changes need no wake-up
         self.address = ""
         self._counts: dict[str, float] = {k: 0.0 for k in COUNTERS} | {f"rejected_{r}": 0.0 for r in REASONS}
         self._lock = threading.Lock()
@@ -120,6 +122,11 @@ class BufferService:
         return out
 
     # ------------------------------------------------------------------------------ the loop
+    def _changed(self) -> None:
+        """The store changed: wake the service thread, unless it made the change itself."""
+        if threading.get_ident() != self._ident:
+            self._poke()
+
     def _poke(self) -> None:
         """Wake the service thread (any thread may call it: a pipe write is thread-safe)."""
         try:
@@ -128,6 +135,7 @@ class BufferService:
             pass  # pipe full (a wake is already pending) or closed at stop
 
     def _serve(self) -> None:
+        self._ident = threading.get_ident()
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
@@ -185,25 +193,29 @@ class BufferService:
     # ------------------------------------------------------------------------------ operations
     def _op_put(self, identity: bytes, msg: dict) -> dict:
         producer, seq = msg["producer"], msg["seq"]
-        if seq <= self._seen.get(producer, -1):
+        last = self._seen.get(producer, -1)
+        if seq <= last:
             self._count("duplicates")
-            return {"status": "duplicate"}
+            return {"status": "duplicate", "seq": seq}
+        if seq > last + 1:  # an earlier put of this producer was refused: keep its order
+            self._count("gap_replies")
+            return {"status": "gap", "seq": seq}
         frame = msg["group"]
         group = decode_group(unpack(frame, self.max_frame_bytes))
         try:
             stored = self.buffer.try_put(group, frame=frame)
         except BufferClosed:
-            return {"status": "closed"}
+            return {"status": "closed", "seq": seq}
         now = time.monotonic()
         if not stored:
             self._blocked_since.setdefault(producer, now)
             self._count("full_replies")
-            return {"status": "full"}
+            return {"status": "full", "seq": seq}
         self._seen[producer] = seq
         self._count("puts")
         if producer in self._blocked_since:
             self._count("producer_blocked_s", now - self._blocked_since.pop(producer))
-        return {"status": "stored"}
+        return {"status": "stored", "seq": seq}
 
     def _op_wait_space(self, identity: bytes, msg: dict) -> dict | None:
         return self._park_or_answer(identity, msg, since=0)

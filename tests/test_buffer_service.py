@@ -240,6 +240,22 @@ def test_a_retried_put_is_stored_once_even_across_an_outage():
     producer.close()
 
 
+def test_puts_are_stored_in_seq_order_per_producer(service):
+    ctx = zmq.Context()
+    sock = _raw_socket(ctx, service.address)
+    for seq in (0, 2, 1, 2, 1):
+        sock.send(put_frame("p", seq, make_group(seq)))
+    assert [unpack(sock.recv(), MB)["status"] for _ in range(5)] == \
+        ["stored", "gap", "stored", "stored", "duplicate"]
+    sock.send(put_frame("q", 1, make_group(9)))  # another producer's seqs are its own
+    assert unpack(sock.recv(), MB)["status"] == "gap"
+    assert [m.prompt_id for m in service.buffer.meta()[2]] == [0, 1, 2]
+    stats = service.stats()
+    assert (stats["puts"], stats["gap_replies"], stats["duplicates"]) == (3.0, 2.0, 1.0)
+    sock.close()
+    ctx.term()
+
+
 def test_timeout_and_close_reach_remote_waiters():
     with BufferService(capacity=1) as svc:
         consumer, producer = RemoteSampleBuffer(svc.address), BufferProducer(svc.address)
@@ -273,11 +289,12 @@ def test_timeout_and_close_reach_remote_waiters():
 
 # ------------------------------------------------------------------------------------------ processes
 
-def _produce(address: str, pids: list[int], out) -> None:
+def _produce(address: str, pids: list[int], out, window: int = 1) -> None:
     """A producer process: put every group (array-typed, lengths vary), report its counters."""
-    producer = BufferProducer(address, wait_ms=200)
+    producer = BufferProducer(address, wait_ms=200, window=window)
     for pid in pids:
         producer.put(make_group(pid, length=5 + pid % 50, version=pid % 3, arrays=True))
+    producer.flush()
     out.put(producer.stats())
     producer.close()
 
@@ -287,7 +304,9 @@ def test_producer_processes_exactly_once_under_backpressure():
     out = ctx.Queue()
     work = {p: [p * 1000 + i for i in range(25)] for p in range(3)}
     with BufferService(capacity=4) as svc:
-        procs = [ctx.Process(target=_produce, args=(svc.address, pids, out)) for pids in work.values()]
+        # window 1: each put acknowledged before the next; 3 and 8: go-back-N with puts in flight
+        procs = [ctx.Process(target=_produce, args=(svc.address, pids, out, window))
+                 for pids, window in zip(work.values(), (1, 3, 8))]
         for p in procs:
             p.start()
         consumer = RemoteSampleBuffer(svc.address)
@@ -313,6 +332,7 @@ def test_producer_processes_exactly_once_under_backpressure():
         mine = [i for i in ids if i in set(pids)]
         assert mine == pids
     assert sum(s["puts"] for s in stats) == 75 and sum(s["full"] for s in stats) > 0
+    assert all(s["unacknowledged"] == 0 and s["full"] > 0 for s in stats)  # every one was held back
     assert sum(s["blocked_s"] for s in stats) > 0
     consumer.disconnect()
 
