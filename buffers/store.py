@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 from buffers.buffer import BufferClosed, SampleBuffer, Select
 from buffers.types import Group
 
 
-@dataclass(frozen=True)
-class GroupMeta:
+class GroupMeta(NamedTuple):
     """What ``select`` sees of a group in a remote buffer (duck-types Group's ``version``/``prompt_id``)."""
 
     key: int
@@ -34,8 +33,7 @@ class GroupMeta:
     nbytes: int  # its frame's size (0 until a local put is first encoded)
 
     def to_wire(self) -> list[int]:
-        return [self.key, self.prompt_id, self.version, self.admitted_version, self.data_index,
-                self.num_samples, self.nbytes]
+        return list(self)
 
 
 @dataclass

@@ -7,10 +7,18 @@ against an allow-list and its byte length against ``shape × itemsize``, and tha
 arrays of a sample agree in length. Anything else is a ``WireError`` whose ``reason`` is one of
 ``REASONS`` -- the service counts rejections by that name and keeps serving.
 
-Per-token arrays travel as ``{"dtype", "shape", "data", "list"}``. A NumPy array goes as its own
-dtype (int32 token ids cost 4 bytes a token) and comes back as a NumPy array; a Python list goes
-as int64/float64 (exact for every Python int in range and every float) and comes back as a list:
-what a producer puts is what the consumer gets, value for value and type for type.
+Layout (positional msgpack arrays: the schema is the field order below, checked on decode; no
+key strings repeated in every frame):
+
+    group  = [prompt_id, admitted_version, data_index, [sample, ...]]
+    sample = [prompt_id, sample_index, reward, finish_reason, admitted_version, meta,
+              prompt_ids, response_ids, behav_logprobs, versions]
+    array  = [dtype, shape, data, was_list]      e.g. ["<i4", [1024], <4096 bytes>, false]
+
+A NumPy array goes as its own dtype (int32 token ids cost 4 bytes a token) and comes back as a
+read-only NumPy view over the received bytes (no copy; ``.copy()`` it to write); a Python list
+goes as int64/float64 (exact for every Python int in range and every float) and comes back as a
+list: what a producer puts is what the consumer gets, value for value and type for type.
 """
 
 from __future__ import annotations
@@ -27,14 +35,14 @@ REASONS = ("oversized", "multipart", "truncated", "malformed", "extra_data", "ba
            "bad_dtype", "bad_shape", "length_mismatch", "unknown_op", "too_many_waiters")
 
 # Little-endian only, so a frame means the same on every host.
-INT_DTYPES = ("<i4", "<i8")
-FLOAT_DTYPES = ("<f2", "<f4", "<f8")
+INT_DTYPES = {d: np.dtype(d) for d in ("<i4", "<i8")}
+FLOAT_DTYPES = {d: np.dtype(d) for d in ("<f2", "<f4", "<f8")}
 ARRAY_FIELDS = {"prompt_ids": INT_DTYPES, "response_ids": INT_DTYPES,
                 "behav_logprobs": FLOAT_DTYPES, "versions": INT_DTYPES}
-SAMPLE_KEYS = {"prompt_id": int, "sample_index": int, "reward": float, "finish_reason": str,
-               "admitted_version": int, "meta": dict, **{k: dict for k in ARRAY_FIELDS}}
-GROUP_KEYS = {"prompt_id": int, "admitted_version": int, "data_index": int, "samples": list}
-ARRAY_KEYS = {"dtype": str, "shape": list, "data": bytes, "list": bool}
+GROUP_FIELDS = (("prompt_id", int), ("admitted_version", int), ("data_index", int), ("samples", list))
+SAMPLE_FIELDS = (("prompt_id", int), ("sample_index", int), ("reward", float), ("finish_reason", str),
+                 ("admitted_version", int), ("meta", dict)) + tuple((k, list) for k in ARRAY_FIELDS)
+ARRAY_PARTS = (("dtype", str), ("shape", list), ("data", bytes), ("was_list", bool))
 META_TYPES = (type(None), bool, int, float, str, bytes)
 MAX_META_DEPTH = 8
 
@@ -59,27 +67,24 @@ def encode_group(group: Group) -> bytes:
     """A Group → its frame. Checked on this side too, so a producer's bug fails in the producer."""
     if not group.samples:
         raise WireError("bad_schema", f"group {group.prompt_id} has no samples")
-    return pack({
-        "prompt_id": _int(group.prompt_id, "group.prompt_id"),
-        "admitted_version": _int(group.admitted_version, "group.admitted_version"),
-        "data_index": _int(group.data_index, "group.data_index"),
-        "samples": [_encode_sample(s, group.prompt_id) for s in group.samples],
-    })
+    return pack([_int(group.prompt_id, "group.prompt_id"), _int(group.admitted_version, "group.admitted_version"),
+                 _int(group.data_index, "group.data_index"),
+                 [_encode_sample(s, group.prompt_id) for s in group.samples]])
 
 
-def _encode_sample(s: Sample, prompt_id: int) -> dict:
+def _encode_sample(s: Sample, prompt_id: int) -> list:
     if s.prompt_id != prompt_id:
         raise WireError("bad_schema", f"sample of prompt {s.prompt_id} in group {prompt_id}")
-    out = {name: _encode_array(getattr(s, name), name, allowed) for name, allowed in ARRAY_FIELDS.items()}
-    _check_lengths({k: v["shape"][0] for k, v in out.items()}, s.prompt_id)
+    arrays = [_encode_array(getattr(s, name), name, allowed) for name, allowed in ARRAY_FIELDS.items()]
+    _check_lengths(dict(zip(ARRAY_FIELDS, (a[1][0] for a in arrays))), s.prompt_id)
+    if not isinstance(s.meta, dict):
+        raise WireError("bad_type", f"meta must be a dict, got {type(s.meta).__name__}")
     _check_meta(s.meta, "meta", 0)
-    out.update(prompt_id=_int(s.prompt_id, "prompt_id"), sample_index=_int(s.sample_index, "sample_index"),
-               reward=float(s.reward), finish_reason=str(s.finish_reason),
-               admitted_version=_int(s.admitted_version, "admitted_version"), meta=s.meta)
-    return out
+    return [_int(s.prompt_id, "prompt_id"), _int(s.sample_index, "sample_index"), float(s.reward),
+            str(s.finish_reason), _int(s.admitted_version, "admitted_version"), s.meta, *arrays]
 
 
-def _encode_array(value: Any, name: str, allowed: tuple[str, ...]) -> dict:
+def _encode_array(value: Any, name: str, allowed: dict[str, np.dtype]) -> list:
     """NumPy array: its own (little-endian) dtype; list/tuple: int64 or float64, exact."""
     is_list = not isinstance(value, np.ndarray)
     if is_list:
@@ -90,8 +95,7 @@ def _encode_array(value: Any, name: str, allowed: tuple[str, ...]) -> dict:
         raise WireError("bad_dtype", f"{name}: dtype {value.dtype} not in {', '.join(allowed)}")
     if arr.ndim != 1:
         raise WireError("bad_shape", f"{name}: must be 1-D, got shape {arr.shape}")
-    return {"dtype": arr.dtype.str, "shape": [int(arr.shape[0])], "data": np.ascontiguousarray(arr).tobytes(),
-            "list": is_list}
+    return [arr.dtype.str, [int(arr.shape[0])], np.ascontiguousarray(arr).tobytes(), is_list]
 
 
 def _list_array(value: Any, name: str, integer: bool) -> np.ndarray:
@@ -154,7 +158,9 @@ def unpack(frame: bytes | memoryview, max_bytes: int) -> Any:
         raise WireError("extra_data", "bytes after the end of the message") from None
     except ValueError as exc:
         # "exceeds max_*": a header declares more than the frame holds -- also a cut-off frame
-        reason = "truncated" if "incomplete" in str(exc) or "exceeds max_" in str(exc) else "malformed"
+        text = str(exc)
+        reason = ("truncated" if "incomplete" in text or "exceeds max_" in text
+                  else "bad_type" if "map key" in text else "malformed")  # keys must be str
         raise WireError(reason, str(exc) or type(exc).__name__) from None
     except Exception as exc:  # noqa: BLE001 - msgpack may raise TypeError etc. on hostile input
         raise WireError("malformed", f"{type(exc).__name__}: {exc}") from None
@@ -166,52 +172,51 @@ def _refuse_ext(code: int, data: bytes) -> Any:
 
 def decode_group(raw: Any) -> Group:
     """Validated plain values (from ``unpack``) → a Group, or a WireError."""
-    g = _fields(raw, GROUP_KEYS, "group")
-    if not g["samples"]:
-        raise WireError("bad_schema", f"group {g['prompt_id']} has no samples")
-    samples = [_decode_sample(s, g["prompt_id"]) for s in g["samples"]]
-    return Group(prompt_id=g["prompt_id"], samples=samples, admitted_version=g["admitted_version"],
-                 data_index=g["data_index"])
+    prompt_id, admitted_version, data_index, samples = _fields(raw, GROUP_FIELDS, "group")
+    if not samples:
+        raise WireError("bad_schema", f"group {prompt_id} has no samples")
+    return Group(prompt_id=prompt_id, samples=[_decode_sample(s, prompt_id) for s in samples],
+                 admitted_version=admitted_version, data_index=data_index)
 
 
-def _decode_sample(raw: Any, prompt_id: int) -> Sample:
-    s = _fields(raw, SAMPLE_KEYS, "sample")
-    if s["prompt_id"] != prompt_id:
-        raise WireError("bad_schema", f"sample of prompt {s['prompt_id']} in group {prompt_id}")
-    arrays = {name: _decode_array(s[name], name, allowed) for name, allowed in ARRAY_FIELDS.items()}
-    _check_lengths({k: len(v) for k, v in arrays.items()}, prompt_id)
-    _check_meta(s["meta"], "meta", 0)
-    return Sample(prompt_id=prompt_id, sample_index=s["sample_index"], reward=s["reward"],
-                  finish_reason=s["finish_reason"], admitted_version=s["admitted_version"], meta=s["meta"],
-                  **arrays)
+def _decode_sample(raw: Any, group_id: int) -> Sample:
+    prompt_id, index, reward, finish, admitted, meta, *arrays = _fields(raw, SAMPLE_FIELDS, "sample")
+    if prompt_id != group_id:
+        raise WireError("bad_schema", f"sample of prompt {prompt_id} in group {group_id}")
+    values = {name: _decode_array(a, name, allowed) for a, (name, allowed) in zip(arrays, ARRAY_FIELDS.items())}
+    _check_lengths({k: len(v) for k, v in values.items()}, prompt_id)
+    _check_meta(meta, "meta", 0)
+    return Sample(prompt_id=prompt_id, sample_index=index, reward=reward, finish_reason=finish,
+                  admitted_version=admitted, meta=meta, **values)
 
 
-def _decode_array(raw: Any, name: str, allowed: tuple[str, ...]) -> Any:
-    a = _fields(raw, ARRAY_KEYS, name)
-    if a["dtype"] not in allowed:
-        raise WireError("bad_dtype", f"{name}: dtype {a['dtype']!r} not in {', '.join(allowed)}")
-    shape = a["shape"]
-    if len(shape) != 1 or not isinstance(shape[0], int) or isinstance(shape[0], bool) or shape[0] < 0:
+def _decode_array(raw: Any, name: str, allowed: dict[str, np.dtype]) -> Any:
+    dtype, shape, data, was_list = _fields(raw, ARRAY_PARTS, name)
+    dt = allowed.get(dtype)
+    if dt is None:
+        raise WireError("bad_dtype", f"{name}: dtype {dtype!r} not in {', '.join(allowed)}")
+    if len(shape) != 1 or type(shape[0]) is not int or shape[0] < 0:
         raise WireError("bad_shape", f"{name}: shape must be [n] with n >= 0, got {shape!r}")
-    dtype = np.dtype(a["dtype"])
-    if len(a["data"]) != shape[0] * dtype.itemsize:
-        raise WireError("bad_shape", f"{name}: {len(a['data'])} bytes for shape {shape} of {dtype.str}")
-    arr = np.frombuffer(a["data"], dtype=dtype)
-    return arr.tolist() if a["list"] else arr.copy()  # copy: a writable array that owns its memory
+    if len(data) != shape[0] * dt.itemsize:
+        raise WireError("bad_shape", f"{name}: {len(data)} bytes for shape {shape} of {dtype}")
+    arr = np.frombuffer(data, dtype=dt)  # a read-only view: no copy
+    return arr.tolist() if was_list else arr
 
 
-def _fields(raw: Any, schema: dict[str, type], where: str) -> dict:
-    """Exactly the schema's keys, each of its type (bool is not an int; an int is not a float)."""
-    if not isinstance(raw, dict):
-        raise WireError("bad_schema", f"{where} must be a map, got {type(raw).__name__}")
-    if set(raw) != set(schema):
-        missing, extra = sorted(set(schema) - set(raw)), sorted(set(raw) - set(schema))
-        raise WireError("bad_schema", f"{where}: missing keys {missing}, unexpected keys {extra}")
-    for key, typ in schema.items():
-        value = raw[key]
-        if (typ is int and isinstance(value, bool)) or not isinstance(value, typ):
+def _fields(raw: Any, schema: tuple[tuple[str, type], ...], where: str) -> list:
+    """Exactly the schema's fields, in order, each of its type (a bool is not an int, an int not a
+    float: ``type(v) is t``, which is also the fast check)."""
+    if type(raw) is not list or len(raw) != len(schema):
+        raise WireError("bad_schema", f"{where} must be an array of {len(schema)} fields "
+                                      f"({', '.join(n for n, _ in schema)}), got {_describe(raw)}")
+    for value, (key, typ) in zip(raw, schema):
+        if type(value) is not typ:
             raise WireError("bad_type", f"{where}.{key} must be {typ.__name__}, got {type(value).__name__}")
     return raw
+
+
+def _describe(raw: Any) -> str:
+    return f"{len(raw)} fields" if isinstance(raw, list) else type(raw).__name__
 
 
 def _check_lengths(lengths: dict[str, int], prompt_id: int) -> None:

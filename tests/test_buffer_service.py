@@ -90,30 +90,43 @@ def test_codec_round_trip_is_exact_for_lists_and_arrays():
         assert same(back, g) and back.version == g.version
     assert len(encode_group(arrays)) < len(encode_group(make_group(4, length=6)))  # int32 ids: smaller
     back = decode_group(unpack(encode_group(arrays), MB))
-    assert back.samples[0].response_ids.flags.writeable and back.version == 0 and empty.version == 4
+    assert not back.samples[0].response_ids.flags.writeable  # a view over the frame: no copy
+    assert back.version == 0 and empty.version == 4
     assert back.samples[0].response_ids.tobytes() == arrays.samples[0].response_ids.tobytes()
+
+
+# positions in the wire layout (buffers.wire): group [pid, admitted, data_index, samples];
+# sample [pid, index, reward, finish, admitted, meta, prompt_ids, response_ids, logprobs, versions];
+# array [dtype, shape, data, was_list]
+RESPONSE, LOGPROBS, VERSIONS = 7, 8, 9
 
 
 def _mutations():
     """(how to spoil a valid group frame, the reason the decoder must name)."""
-    def arr(field, key, value):
-        return lambda g: g["samples"][0][field].__setitem__(key, value)
+    def arr(field, part, value):
+        return lambda g: g[3][0][field].__setitem__(part, value)
 
     return [
-        (lambda g: g.__setitem__("prompt_id", True), "bad_type"),  # a bool is not an int
-        (lambda g: g.__setitem__("extra", 1), "bad_schema"),
-        (lambda g: g.pop("data_index"), "bad_schema"),
-        (lambda g: g.__setitem__("samples", []), "bad_schema"),
-        (lambda g: g["samples"][0].__setitem__("reward", "1"), "bad_type"),
-        (lambda g: g["samples"][0].__setitem__("prompt_id", 99), "bad_schema"),
-        (arr("response_ids", "dtype", "<u1"), "bad_dtype"),
-        (arr("response_ids", "dtype", ">i8"), "bad_dtype"),  # big-endian: refused, not misread
-        (arr("behav_logprobs", "dtype", "<i8"), "bad_dtype"),  # logprobs must be floats
-        (arr("versions", "dtype", "|O"), "bad_dtype"),  # objects never
-        (arr("response_ids", "shape", [2, 3]), "bad_shape"),
-        (arr("response_ids", "shape", [-1]), "bad_shape"),
-        (arr("response_ids", "data", b"\x00" * 7), "bad_shape"),
-        (arr("versions", "shape", [0]), "bad_shape"),
+        (lambda g: g.__setitem__(0, True), "bad_type"),  # a bool is not an int
+        (lambda g: g.append(1), "bad_schema"),
+        (lambda g: g.pop(2), "bad_schema"),
+        (lambda g: g.__setitem__(3, []), "bad_schema"),
+        (lambda g: g.__setitem__(3, {}), "bad_type"),
+        (lambda g: g[3][0].__setitem__(2, "1"), "bad_type"),  # reward
+        (lambda g: g[3][0].__setitem__(2, 1), "bad_type"),  # an int is not a float
+        (lambda g: g[3][0].__setitem__(0, 99), "bad_schema"),  # sample of another prompt
+        (lambda g: g[3][0].__setitem__(5, {1: 2}), "bad_type"),  # (re-packed: a non-str meta key)
+        (arr(RESPONSE, 0, "<u1"), "bad_dtype"),
+        (arr(RESPONSE, 0, ">i8"), "bad_dtype"),  # big-endian: refused, not misread
+        (arr(LOGPROBS, 0, "<i8"), "bad_dtype"),  # logprobs must be floats
+        (arr(VERSIONS, 0, "|O"), "bad_dtype"),  # objects never
+        (arr(RESPONSE, 1, [2, 3]), "bad_shape"),
+        (arr(RESPONSE, 1, [-1]), "bad_shape"),
+        (arr(RESPONSE, 2, b"\x00" * 7), "bad_shape"),
+        (arr(VERSIONS, 1, [0]), "bad_shape"),
+        (arr(VERSIONS, 3, 0), "bad_type"),
+        (lambda g: g[3][0].__setitem__(RESPONSE, {"dtype": "<i8"}), "bad_type"),  # a map, not an array
+        (lambda g: g[3][0].__setitem__(RESPONSE, ["<i8", [0], b""]), "bad_schema"),  # 3 parts of 4
     ]
 
 
@@ -122,10 +135,10 @@ def test_decoder_names_the_reason_for_each_bad_field():
         raw = unpack(encode_group(make_group(5)), MB)
         mutate(raw)
         with pytest.raises(WireError) as err:
-            decode_group(unpack(msgpack.packb(raw), MB))
+            decode_group(unpack(msgpack.packb(raw, strict_types=False), MB))
         assert err.value.reason == reason, (reason, err.value)
     raw = unpack(encode_group(make_group(5)), MB)  # consistent bytes and shape, wrong length
-    raw["samples"][1]["versions"] = {"dtype": "<i8", "shape": [4], "data": b"\x00" * 32, "list": True}
+    raw[3][1][VERSIONS] = ["<i8", [4], b"\x00" * 32, True]
     with pytest.raises(WireError, match="length_mismatch: prompt 5: 5 response tokens, 5 logprobs, 4 versions"):
         decode_group(unpack(msgpack.packb(raw), MB))
 
