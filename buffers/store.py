@@ -65,7 +65,11 @@ class KeyedSampleBuffer(SampleBuffer):
                 raise BufferClosed("put on a closed SampleBuffer")
             if len(self._groups) >= self.capacity:
                 return False
-            self.put(group, frame=frame)
+            self._groups.append(group)  # SampleBuffer.put without its wait (the hot path)
+            self._puts += 1
+            self._register(group, frame)
+            self._cond.notify_all()
+        self._on_change()
         return True
 
     def get_batch(self, n: int, select: Select | None = None, timeout: float | None = None) -> list[Group]:

@@ -86,6 +86,8 @@ def _encode_sample(s: Sample, prompt_id: int) -> list:
 
 def _encode_array(value: Any, name: str, allowed: dict[str, np.dtype]) -> list:
     """NumPy array: its own (little-endian) dtype; list/tuple: int64 or float64, exact."""
+    if type(value) is np.ndarray and value.dtype.str in allowed and value.ndim == 1 and value.flags.c_contiguous:
+        return [value.dtype.str, [len(value)], memoryview(value).cast("B"), False]  # packed without a copy
     is_list = not isinstance(value, np.ndarray)
     if is_list:
         arr = _list_array(value, name, allowed is INT_DTYPES)

@@ -83,6 +83,8 @@ def test_codec_round_trip_is_exact_for_lists_and_arrays():
     arrays = make_group(4, length=6, arrays=True)
     arrays.samples[1].behav_logprobs = arrays.samples[1].behav_logprobs.astype(np.float16)
     arrays.samples[1].response_ids = arrays.samples[1].response_ids.astype(np.int64)
+    vs = arrays.samples[1].versions
+    arrays.samples[1].versions = np.stack([vs, vs + 1], axis=1)[:, 0]  # a strided view: still exact
     empty = Group(prompt_id=9, samples=[Sample(prompt_id=9, sample_index=0, prompt_ids=[1], admitted_version=4)],
                   admitted_version=4)
     for g in (lists, arrays, empty):
