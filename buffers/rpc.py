@@ -35,7 +35,8 @@ class Rpc:
 
     def send(self, message: dict) -> int:
         rid = next(self._rids)
-        self.sock.send(pack({**message, "rid": rid}), copy=False)
+        frame = pack({**message, "rid": rid})
+        self.sock.send(frame, copy=len(frame) < (1 << 16))  # zero-copy only pays when large
         return rid
 
     def wait(self, rid: int, timeout_s: float, limit: int | None = None, wakeable: bool = False) -> dict | None:

@@ -153,6 +153,7 @@ class BufferService:
                     except zmq.Again:
                         break
                     self._handle(parts)
+                self.buffer.wake()  # in-process get_batch waiters: once per burst, not per put
             self._serve_parked()
 
     def _poll_timeout_ms(self) -> int:
@@ -163,7 +164,7 @@ class BufferService:
 
     def _reply(self, identity: bytes, message: dict) -> None:
         frame = pack(message)
-        self._sock.send_multipart([identity, frame], copy=False)
+        self._sock.send_multipart([identity, frame], copy=len(frame) < (1 << 16))  # zero-copy only pays when large
 
     def _count(self, key: str, value: float = 1.0) -> None:
         with self._lock:
@@ -203,7 +204,7 @@ class BufferService:
         frame = msg["group"]
         group = decode_group(unpack(frame, self.max_frame_bytes))
         try:
-            stored = self.buffer.try_put(group, frame=frame)
+            stored = self.buffer.try_put(group, frame=frame, notify=False)
         except BufferClosed:
             return {"status": "closed", "seq": seq}
         now = time.monotonic()

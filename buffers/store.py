@@ -58,8 +58,12 @@ class KeyedSampleBuffer(SampleBuffer):
             self._register(group, frame)
         self._on_change()
 
-    def try_put(self, group: Group, frame: bytes | None = None) -> bool:
-        """Put without waiting: False when full (the service answers 'full'), BufferClosed if closed."""
+    def try_put(self, group: Group, frame: bytes | None = None, notify: bool = True) -> bool:
+        """Put without waiting: False when full (the service answers 'full'), BufferClosed if closed.
+
+        ``notify=False`` leaves waking in-process waiters to the caller (``wake`` once per burst:
+        each wake is a thread switch, and the service stores puts in bursts).
+        """
         with self._cond:
             if self._closed:
                 raise BufferClosed("put on a closed SampleBuffer")
@@ -68,7 +72,8 @@ class KeyedSampleBuffer(SampleBuffer):
             self._groups.append(group)  # SampleBuffer.put without its wait (the hot path)
             self._puts += 1
             self._register(group, frame)
-            self._cond.notify_all()
+            if notify:
+                self._cond.notify_all()
         self._on_change()
         return True
 
