@@ -17,7 +17,9 @@ through a bound of ``capacity`` items, and the consumer checks it got each promp
 - ``zmq_bare``: PUSH/PULL of the service's own frame bytes, encoded once, no acks, no decode: the
   limit of the transport.
 
-Producer processes start once and wait for a "go" per run, so start-up is not timed. Each repeat
+Producer processes start once and wait for a "go" per run, so start-up is not timed. On a shared
+machine wall-clock rates swing with the load, so the report adds CPU microseconds per sample
+(producers' send loops + the consumer's process, service thread included) for the zmq systems. Each repeat
 runs every system back to back (the order rotates); the report is the median samples/s and GB/s
 and the median per-repeat ratios. The last line is JSON.
 """
@@ -76,9 +78,12 @@ def producer_main(commands, results) -> None:
             producer = BufferProducer(address, window=window)
             results.put("ready")
             commands.get()  # go
+            cpu = time.process_time()
             for pid in pids:
                 producer.put(trajectory(pid, length, arrays))
-            producer.close()  # flushes: every put acknowledged
+            producer.flush()  # every put acknowledged
+            cpu = time.process_time() - cpu
+            producer.close()
         else:
             sock = ctx.socket(zmq.PUSH)
             sock.setsockopt(zmq.SNDHWM, 64)
@@ -86,10 +91,12 @@ def producer_main(commands, results) -> None:
             frame = encode_group(trajectory(0, length, arrays))
             results.put("ready")
             commands.get()
+            cpu = time.process_time()
             for _ in pids:
                 sock.send(frame, copy=False)
             sock.close(linger=-1)
-        results.put("done")
+            cpu = time.process_time() - cpu
+        results.put(("done", cpu))
 
 
 class Pool:
@@ -103,21 +110,24 @@ class Pool:
         for p in self.procs:
             p.start()
 
-    def run(self, kind: str, address: str, length: int, n: int, consume, window: int = 1) -> float:
-        """Seconds from 'go' until ``consume`` has taken all ``n`` items."""
+    def run(self, kind: str, address: str, length: int, n: int, consume, window: int = 1) -> tuple[float, float]:
+        """(seconds from 'go' until ``consume`` has taken all ``n`` items, CPU seconds of every process
+        involved: the producers' send loops and this process -- with the service thread -- meanwhile)."""
         share = n // PRODUCERS
         for i, q in enumerate(self.commands):
             q.put((kind, address, length, list(range(i * share, (i + 1) * share)), window))
         for _ in self.commands:
             assert self.results.get(timeout=120) == "ready"
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         for q in self.commands:
             q.put("go")
         consume(share * PRODUCERS)
-        secs = time.perf_counter() - start
+        secs, cpu = time.perf_counter() - start, time.process_time() - cpu
         for _ in self.commands:
-            assert self.results.get(timeout=120) == "done"
-        return secs
+            tag, producer_cpu = self.results.get(timeout=120)
+            assert tag == "done"
+            cpu += producer_cpu
+        return secs, cpu
 
     def close(self) -> None:
         for q in self.commands:
@@ -128,7 +138,8 @@ class Pool:
 
 # ------------------------------------------------------------------------------ systems
 
-def run_service(pool: Pool, length: int, n: int, capacity: int, batch: int, remote: bool, window: int) -> float:
+def run_service(pool: Pool, length: int, n: int, capacity: int, batch: int, remote: bool,
+                window: int) -> tuple[float, float]:
     from buffers.client import RemoteSampleBuffer
     from buffers.service import BufferService
 
@@ -150,7 +161,7 @@ def run_service(pool: Pool, length: int, n: int, capacity: int, batch: int, remo
     return secs
 
 
-def run_zmq_bare(pool: Pool, length: int, n: int, capacity: int, batch: int) -> float:
+def run_zmq_bare(pool: Pool, length: int, n: int, capacity: int, batch: int) -> tuple[float, float]:
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.PULL)
     sock.setsockopt(zmq.RCVHWM, capacity)
@@ -167,7 +178,8 @@ def run_zmq_bare(pool: Pool, length: int, n: int, capacity: int, batch: int) -> 
     return secs
 
 
-def run_ray_queue(actors, length: int, n: int, capacity: int, batch: int) -> float:
+def run_ray_queue(actors, length: int, n: int, capacity: int, batch: int) -> tuple[float, float]:
+    """(seconds, NaN): Ray's CPU is spread over its actor, raylet and GCS processes; not counted."""
     import ray
     from ray.util.queue import Empty, Queue
 
@@ -188,7 +200,7 @@ def run_ray_queue(actors, length: int, n: int, capacity: int, batch: int) -> flo
     secs = time.perf_counter() - start
     ray.get(refs)
     queue.shutdown()
-    return secs
+    return secs, float("nan")
 
 
 def ray_producers():
@@ -215,7 +227,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--lengths", default="1024,8192")
     ap.add_argument("--capacity", type=int, default=64)
     ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--window", type=int, default=8, help="BufferProducer puts in flight")
+    ap.add_argument("--window", type=int, default=16, help="BufferProducer puts in flight (4 x 16 = capacity)")
     ap.add_argument("--mb", type=float, default=48.0, help="payload MB per run (Ray's queue: a quarter)")
     args = ap.parse_args(argv)
     lengths = [int(x) for x in args.lengths.split(",")]
@@ -227,6 +239,7 @@ def main(argv: list[str] | None = None) -> dict:
         "zmq_bare": lambda L, n: run_zmq_bare(pool, L, n, args.capacity, args.batch),
     }
     rates: dict[int, dict[str, list[float]]] = {L: {s: [] for s in SYSTEMS} for L in lengths}
+    cpu_us: dict[int, dict[str, list[float]]] = {L: {s: [] for s in SYSTEMS} for L in lengths}
     try:
         for L in lengths:
             n = max(PRODUCERS * 8, int(args.mb * 1e6 / payload_bytes(L)) // PRODUCERS * PRODUCERS)
@@ -234,16 +247,18 @@ def main(argv: list[str] | None = None) -> dict:
                 order = SYSTEMS[rep % len(SYSTEMS):] + SYSTEMS[: rep % len(SYSTEMS)]
                 for name in order:
                     count = n // 4 // PRODUCERS * PRODUCERS if name == "ray_queue" else n
-                    secs = runs[name](L, n)
+                    secs, cpu = runs[name](L, n)
                     rates[L][name].append(count / secs)
+                    cpu_us[L][name].append(cpu / count * 1e6)
                     print(f"L={L:5d} repeat {rep} {name:15s} {count:6d} samples in {secs:6.2f} s = "
-                          f"{count / secs:8.0f} samples/s {count * payload_bytes(L) / secs / 1e9:6.3f} GB/s", flush=True)
+                          f"{count / secs:8.0f} samples/s {count * payload_bytes(L) / secs / 1e9:6.3f} GB/s "
+                          f"{cpu / count * 1e6:7.1f} CPU us/sample", flush=True)
     finally:
         pool.close()
-    return report(rates, args)
+    return report(rates, cpu_us, args)
 
 
-def report(rates: dict[int, dict[str, list[float]]], args) -> dict:
+def report(rates: dict[int, dict[str, list[float]]], cpu_us: dict[int, dict[str, list[float]]], args) -> dict:
     result = {"bench": "buffer", "producers": PRODUCERS, "repeats": args.repeats, "capacity": args.capacity,
               "batch": args.batch, "window": args.window, "per_length": {}}
     for L, per in rates.items():
@@ -255,6 +270,8 @@ def report(rates: dict[int, dict[str, list[float]]], args) -> dict:
         result["per_length"][str(L)] = {
             "samples_per_s": {s: round(v, 1) for s, v in med.items()},
             "gb_per_s": {s: round(v * payload_bytes(L) / 1e9, 4) for s, v in med.items()},
+            "cpu_us_per_sample": {s: round(statistics.median(v), 1) for s, v in cpu_us[L].items()
+                                  if s != "ray_queue"},
             "service_local_vs_ray_queue": ratio("service_local", "ray_queue"),
             "service_remote_vs_ray_queue": ratio("service_remote", "ray_queue"),
             "zmq_bare_vs_service_local": ratio("zmq_bare", "service_local"),

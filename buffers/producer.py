@@ -8,9 +8,10 @@ service answers ``full``, park a ``wait_space`` request and then resend from the
 (go-back-N): nothing is stored twice, nothing is skipped, one producer's groups stay in order.
 
 ``window = 1`` (the default) is the strict form: ``put`` returns once its group is stored. With a
-window of ``w``, ``put`` returns once at most ``w - 1`` puts are unacknowledged -- round trips
-overlap, which is what a streaming producer wants -- and ``flush`` (also run by ``close``) waits
-for the rest. Unacknowledged groups stay in this object; if the service goes silent, ``put``
+window of ``w``, ``put`` returns at once while fewer than ``w`` puts are unacknowledged, and else
+waits until at most ``w // 2`` are (so it wakes once per burst of acks, not once per put) --
+round trips overlap, which is what a streaming producer wants -- and ``flush`` (also run by
+``close``) waits for the rest. Unacknowledged groups stay in this object; if the service goes silent, ``put``
 raises ``BufferUnavailable`` and the next ``put`` or ``flush`` resends them with their own seqs.
 """
 
@@ -66,7 +67,8 @@ class BufferProducer:
             else:
                 self._enqueue(group)
             try:
-                self._settle(self.window - 1, deadline)
+                if len(self._inflight) >= self.window:  # down to half: fewer, larger waits
+                    self._settle(self.window // 2, deadline)
             except TimeoutError:
                 self._drop_tail(group)
                 self._stalled = True  # earlier puts refused with it go out again on the next put
@@ -109,6 +111,8 @@ class BufferProducer:
                                         f"{self.rpc_timeout_s}s; {len(self._inflight)} puts unacknowledged "
                                         "(the next put or flush resends them)")
             self._on_reply(reply, deadline)
+            while len(self._inflight) > most and (reply := self._rpc.recv_nowait(limit=1 << 16)) is not None:
+                self._on_reply(reply, deadline)
 
     def _on_reply(self, reply: dict, deadline: float | None) -> None:
         seq, status = reply.get("seq"), reply.get("status")

@@ -64,12 +64,22 @@ class Rpc:
                 return None
             if self.sock not in events:
                 continue
-            reply = unpack(self.sock.recv(copy=False).buffer, limit or self.max_frame_bytes)
-            if not isinstance(reply, dict):
-                raise WireError("bad_schema", f"a reply is a map, got {type(reply).__name__}")
-            if reply.get("status") == "rejected":
-                raise WireError(reply.get("reason", "malformed"), f"service refused: {reply.get('detail')}")
-            return reply
+            return self._parse(self.sock.recv(copy=False), limit)
+
+    def recv_nowait(self, limit: int | None = None) -> dict | None:
+        """A reply already here, else None (draining a burst costs no wake-ups)."""
+        try:
+            return self._parse(self.sock.recv(zmq.NOBLOCK, copy=False), limit)
+        except zmq.Again:
+            return None
+
+    def _parse(self, frame: zmq.Frame, limit: int | None) -> dict:
+        reply = unpack(frame.buffer, limit or self.max_frame_bytes)
+        if not isinstance(reply, dict):
+            raise WireError("bad_schema", f"a reply is a map, got {type(reply).__name__}")
+        if reply.get("status") == "rejected":
+            raise WireError(reply.get("reason", "malformed"), f"service refused: {reply.get('detail')}")
+        return reply
 
     def call(self, message: dict, timeout_s: float, limit: int | None = None) -> dict:
         rid = self.send(message)
