@@ -13,7 +13,7 @@ through a bound of ``capacity`` items, and the consumer checks it got each promp
 - ``service_remote``: the same producers; the consumer is a ``RemoteSampleBuffer`` over TCP
   (metadata long-poll, local ``select``, take, decode: a second hop).
 - ``ray_queue``: ``ray.util.queue.Queue(maxsize=capacity)`` carrying the same Group objects, put by 4
-  Ray actors one by one; the consumer takes ``get_nowait_batch(batch)`` when that many are there.
+  Ray actors one by one (fewer of them per run: ``--ray-mb``, it is slow); the consumer takes ``get_nowait_batch(batch)`` when that many are there.
 - ``zmq_bare``: PUSH/PULL of the service's own frame bytes, encoded once, no acks, no decode: the
   limit of the transport.
 
@@ -228,25 +228,26 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--capacity", type=int, default=64)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--window", type=int, default=16, help="BufferProducer puts in flight (4 x 16 = capacity)")
-    ap.add_argument("--mb", type=float, default=48.0, help="payload MB per run (Ray's queue: a quarter)")
+    ap.add_argument("--mb", type=float, default=48.0, help="payload MB per run of the zmq systems")
+    ap.add_argument("--ray-mb", type=float, default=4.0, help="payload MB per run of Ray's queue (slow)")
     args = ap.parse_args(argv)
     lengths = [int(x) for x in args.lengths.split(",")]
     pool, actors = Pool(), ray_producers()
     runs = {
         "service_local": lambda L, n: run_service(pool, L, n, args.capacity, args.batch, remote=False, window=args.window),
         "service_remote": lambda L, n: run_service(pool, L, n, args.capacity, args.batch, remote=True, window=args.window),
-        "ray_queue": lambda L, n: run_ray_queue(actors, L, n // 4, args.capacity, args.batch),
+        "ray_queue": lambda L, n: run_ray_queue(actors, L, count_for(args.ray_mb, L), args.capacity, args.batch),
         "zmq_bare": lambda L, n: run_zmq_bare(pool, L, n, args.capacity, args.batch),
     }
     rates: dict[int, dict[str, list[float]]] = {L: {s: [] for s in SYSTEMS} for L in lengths}
     cpu_us: dict[int, dict[str, list[float]]] = {L: {s: [] for s in SYSTEMS} for L in lengths}
     try:
         for L in lengths:
-            n = max(PRODUCERS * 8, int(args.mb * 1e6 / payload_bytes(L)) // PRODUCERS * PRODUCERS)
+            n = count_for(args.mb, L)
             for rep in range(args.repeats):
                 order = SYSTEMS[rep % len(SYSTEMS):] + SYSTEMS[: rep % len(SYSTEMS)]
                 for name in order:
-                    count = n // 4 // PRODUCERS * PRODUCERS if name == "ray_queue" else n
+                    count = count_for(args.ray_mb, L) if name == "ray_queue" else n
                     secs, cpu = runs[name](L, n)
                     rates[L][name].append(count / secs)
                     cpu_us[L][name].append(cpu / count * 1e6)
@@ -258,9 +259,15 @@ def main(argv: list[str] | None = None) -> dict:
     return report(rates, cpu_us, args)
 
 
+def count_for(mb: float, length: int) -> int:
+    """Trajectories carrying ``mb`` MB of payload, a multiple of the producer count (>= 8 each)."""
+    return max(PRODUCERS * 8, int(mb * 1e6 / payload_bytes(length)) // PRODUCERS * PRODUCERS)
+
+
 def report(rates: dict[int, dict[str, list[float]]], cpu_us: dict[int, dict[str, list[float]]], args) -> dict:
     result = {"bench": "buffer", "producers": PRODUCERS, "repeats": args.repeats, "capacity": args.capacity,
-              "batch": args.batch, "window": args.window, "per_length": {}}
+              "batch": args.batch, "window": args.window, "mb": args.mb, "ray_mb": args.ray_mb,
+              "per_length": {}}
     for L, per in rates.items():
         med = {s: statistics.median(r) for s, r in per.items()}
 

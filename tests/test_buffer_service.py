@@ -420,3 +420,35 @@ def test_controller_select_runs_through_the_proxy_and_wake_reruns_it():
         # within 0.5 s: the wake re-ran select (the controller's own 1 s retry would come later)
         assert sorted(g.prompt_id for g in got) == [12, 13] and time.monotonic() - t0 < 0.5
         buf.disconnect()
+
+
+# ------------------------------------------------------------------------------------------ end to end
+
+@pytest.mark.slow
+def test_a_run_through_the_zmq_buffer_loses_nothing(tmp_path):
+    """``buffer.transport=zmq``: the scheduler's puts and the controller's batches cross the wire,
+    and the ledger still shows every admitted prompt ending exactly once within the bound."""
+    import json
+    import math
+
+    import ray
+
+    from flash.config import load_config
+    from flash.runner import run
+    from tests.test_controller_e2e import SMALL
+
+    steps, ratio = 4, 1
+    cfg = load_config("recipes/stutter.yaml", [*SMALL, f"cache_dir={tmp_path / 'cache'}", f"run_dir={tmp_path}",
+                                               f"async_ratio={ratio}", f"train.steps={steps}",
+                                               "rollout.inject_delay_s=0.05", "buffer.transport=zmq"])
+    try:
+        summary = run(cfg, "zmq")
+    finally:
+        ray.shutdown()
+    assert summary["steps"] == steps and summary["max_staleness_observed"] <= ratio
+    lines = [json.loads(x) for x in (tmp_path / "ledger.jsonl").read_text().splitlines()]
+    trained = {x["prompt_id"] for x in lines if x["outcome"] == "trained"}
+    left = [x["prompt_id"] for x in lines if x["outcome"] != "trained"]
+    assert len(trained) == steps * cfg.train.prompts_per_step
+    assert sorted([*trained, *left]) == list(range(summary["prompts_admitted"]))
+    assert summary["prompts_admitted"] == math.floor((steps + ratio) * cfg.train.prompts_per_step)
