@@ -14,6 +14,10 @@ class BufferUnavailable(ConnectionError):
     """The service did not answer in time; the request may be retried (puts are idempotent)."""
 
 
+class BufferServiceError(RuntimeError):
+    """The service failed on a request (a bug there, counted as ``internal_errors``; it keeps serving)."""
+
+
 class Rpc:
     """One DEALER socket; replies are matched to requests by ``rid`` and stale ones dropped.
 
@@ -79,6 +83,8 @@ class Rpc:
             raise WireError("bad_schema", f"a reply is a map, got {type(reply).__name__}")
         if reply.get("status") == "rejected":
             raise WireError(reply.get("reason", "malformed"), f"service refused: {reply.get('detail')}")
+        if reply.get("status") == "error":
+            raise BufferServiceError(f"buffer service at {self.address}: {reply.get('detail')}")
         return reply
 
     def call(self, message: dict, timeout_s: float, limit: int | None = None) -> dict:

@@ -27,6 +27,7 @@ Hostile input: every frame is size-checked before it is parsed and schema-checke
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -39,6 +40,8 @@ from buffers.buffer import BufferClosed
 from buffers.store import KeyedSampleBuffer
 from buffers.wire import REASONS, WireError, decode_group, pack, unpack
 
+log = logging.getLogger(__name__)
+
 OPS: dict[str, dict[str, type]] = {
     "put": {"rid": int, "producer": str, "seq": int, "group": bytes},
     "wait_space": {"rid": int, "wait_ms": int},
@@ -49,7 +52,7 @@ OPS: dict[str, dict[str, type]] = {
     "close": {"rid": int},
 }
 COUNTERS = ("frames_in", "puts", "gets", "duplicates", "full_replies", "gap_replies", "bytes_in", "bytes_out",
-            "producer_blocked_s", "rejected")
+            "producer_blocked_s", "rejected", "internal_errors")
 
 
 @dataclass
@@ -187,6 +190,10 @@ class BufferService:
             self._count("rejected")
             self._count(f"rejected_{exc.reason}")
             reply = {"status": "rejected", "reason": exc.reason, "detail": str(exc)[:500]}
+        except Exception as exc:  # noqa: BLE001 - a bug here must not stop the service for everyone
+            self._count("internal_errors")
+            log.exception("buffer service: request failed")
+            reply = {"status": "error", "detail": f"{type(exc).__name__}: {exc}"[:500]}
         if reply is not None:  # None: parked, answered later
             reply["rid"] = rid
             self._reply(identity, reply)
@@ -238,7 +245,7 @@ class BufferService:
 
     def _op_drain(self, identity: bytes, msg: dict) -> dict:
         _, _, metas = self.buffer.meta()
-        taken = self.buffer.take([m.key for m in metas]) or []
+        taken = self.buffer.take([m.key for m in metas], closed_ok=True) or []
         return self._groups_reply([frame for _, frame in taken])
 
     def _op_stats(self, identity: bytes, msg: dict) -> dict:

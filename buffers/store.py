@@ -98,12 +98,15 @@ class KeyedSampleBuffer(SampleBuffer):
         with self._cond:
             return self.epoch, self._closed, [self._entries[id(g)].meta for g in self._groups]
 
-    def take(self, keys: list[int]) -> list[tuple[Group, bytes]] | None:
-        """Remove exactly these groups and return them with their frames; None if any is gone."""
+    def take(self, keys: list[int], closed_ok: bool = False) -> list[tuple[Group, bytes]] | None:
+        """Remove exactly these groups and return them with their frames; None if any is gone.
+
+        ``closed_ok``: ``drain`` empties a closed buffer too (as SampleBuffer.drain does).
+        """
         from buffers.wire import encode_group
 
         with self._cond:
-            if self._closed:
+            if self._closed and not closed_ok:
                 raise BufferClosed("take on a closed SampleBuffer")
             where = {self._entries[id(g)].meta.key: i for i, g in enumerate(self._groups)}
             if len(set(keys)) != len(keys) or any(k not in where for k in keys):

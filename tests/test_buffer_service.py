@@ -25,6 +25,7 @@ import zmq
 
 from buffers import BufferClosed, Group, Sample
 from buffers.client import BufferProducer, BufferUnavailable, RemoteSampleBuffer
+from buffers.rpc import BufferServiceError
 from buffers.service import BufferService
 from buffers.wire import REASONS, WireError, decode_group, encode_group, pack, unpack
 
@@ -271,6 +272,20 @@ def test_puts_are_stored_in_seq_order_per_producer(service):
     ctx.term()
 
 
+def test_a_failing_request_is_answered_counted_and_the_service_goes_on(service, monkeypatch):
+    producer, consumer = BufferProducer(service.address), RemoteSampleBuffer(service.address)
+    producer.put(make_group(1))
+    real_take = service.buffer.take
+    monkeypatch.setattr(service.buffer, "take", lambda keys, **kw: 1 / 0)
+    with pytest.raises(BufferServiceError, match="ZeroDivisionError"):
+        consumer.get_batch(1, timeout=5)
+    monkeypatch.setattr(service.buffer, "take", real_take)
+    assert [g.prompt_id for g in consumer.get_batch(1, timeout=5)] == [1]
+    assert service.stats()["internal_errors"] == 1.0
+    consumer.disconnect()
+    producer.close()
+
+
 def test_timeout_and_close_reach_remote_waiters():
     with BufferService(capacity=1) as svc:
         consumer, producer = RemoteSampleBuffer(svc.address), BufferProducer(svc.address)
@@ -298,6 +313,7 @@ def test_timeout_and_close_reach_remote_waiters():
         assert len(errors) == 1
         with pytest.raises(BufferClosed):
             producer.put(make_group(3))
+        assert [g.prompt_id for g in consumer.drain()] == [1]  # what was in it is not lost
         consumer.disconnect()
         producer.close()
 
