@@ -13,7 +13,8 @@ through a bound of ``capacity`` items, and the consumer checks it got each promp
 - ``service_remote``: the same producers; the consumer is a ``RemoteSampleBuffer`` over TCP
   (metadata long-poll, local ``select``, take, decode: a second hop).
 - ``ray_queue``: ``ray.util.queue.Queue(maxsize=capacity)`` carrying the same Group objects, put by 4
-  Ray actors one by one (fewer of them per run: ``--ray-mb``, it is slow); the consumer takes ``get_nowait_batch(batch)`` when that many are there.
+  Ray actors one by one (fewer of them per run: ``--ray-mb``, it is slow); the consumer takes
+  ``get_nowait_batch(batch)`` when that many are there.
 - ``zmq_bare``: PUSH/PULL of the service's own frame bytes, encoded once, no acks, no decode: the
   limit of the transport.
 
@@ -271,7 +272,7 @@ def report(rates: dict[int, dict[str, list[float]]], cpu_us: dict[int, dict[str,
     for L, per in rates.items():
         med = {s: statistics.median(r) for s, r in per.items()}
 
-        def ratio(a: str, b: str) -> float:
+        def ratio(a: str, b: str, per: dict[str, list[float]] = per) -> float:
             return round(statistics.median(x / y for x, y in zip(per[a], per[b])), 3)
 
         result["per_length"][str(L)] = {

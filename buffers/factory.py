@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import difflib
 from dataclasses import dataclass
-from typing import Optional, Union
 
 from buffers.buffer import SampleBuffer
 from buffers.client import RemoteSampleBuffer
@@ -39,8 +38,7 @@ class BufferConfig:
             raise ValueError(f"buffer.capacity must be >= 0 (0 = auto), got {self.capacity}")
 
 
-def make_buffer(cfg: BufferConfig, capacity: int) -> tuple[Union[SampleBuffer, RemoteSampleBuffer],
-                                                         Optional[BufferService]]:
+def make_buffer(cfg: BufferConfig, capacity: int) -> tuple[SampleBuffer | RemoteSampleBuffer, BufferService | None]:
     """(the buffer the scheduler and controller share, the service to stop at the end or None).
 
     ``capacity`` is the caller's default; ``cfg.capacity`` > 0 overrides it.

@@ -87,7 +87,7 @@ class BufferService:
         self._sock = self._ctx.socket(zmq.ROUTER)
 
     # ------------------------------------------------------------------------------ lifecycle
-    def start(self) -> "BufferService":
+    def start(self) -> BufferService:
         """Bind (port 0: an ephemeral port; ``address`` says which) and serve in a daemon thread."""
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.bind(self.bind)
@@ -109,7 +109,7 @@ class BufferService:
             os.close(self._wake_r)
             os.close(self._wake_w)
 
-    def __enter__(self) -> "BufferService":
+    def __enter__(self) -> BufferService:
         return self.start() if self._thread is None else self
 
     def __exit__(self, *exc) -> None:
@@ -190,7 +190,7 @@ class BufferService:
             self._count("rejected")
             self._count(f"rejected_{exc.reason}")
             reply = {"status": "rejected", "reason": exc.reason, "detail": str(exc)[:500]}
-        except Exception as exc:  # noqa: BLE001 - a bug here must not stop the service for everyone
+        except Exception as exc:  # a bug here must not stop the service for everyone
             self._count("internal_errors")
             log.exception("buffer service: request failed")
             reply = {"status": "error", "detail": f"{type(exc).__name__}: {exc}"[:500]}

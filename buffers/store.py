@@ -14,8 +14,9 @@ Every change bumps ``epoch`` and calls ``on_change`` (the service wakes parked l
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, NamedTuple, Optional
+from typing import NamedTuple
 
 from buffers.buffer import BufferClosed, SampleBuffer, Select
 from buffers.types import Group
@@ -39,7 +40,7 @@ class GroupMeta(NamedTuple):
 @dataclass
 class _Entry:
     meta: GroupMeta
-    frame: Optional[bytes]  # the encoded group as it arrived (None: put in-process, encoded on demand)
+    frame: bytes | None  # the encoded group as it arrived (None: put in-process, encoded on demand)
 
 
 class KeyedSampleBuffer(SampleBuffer):
