@@ -13,9 +13,11 @@ threads may call it at any time and the rule is re-evaluated at once.
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 import time
+import uuid
 from typing import Any
 
 from buffers.buffer import BufferClosed, Select, _oldest
@@ -42,6 +44,7 @@ class RemoteSampleBuffer:
         self._data = Rpc(address, self.max_frame_bytes, wake_fd=self._wake_r)
         self._ctl = Rpc(address, self.max_frame_bytes)
         self._get_lock, self._ctl_lock = threading.Lock(), threading.Lock()
+        self.consumer_id, self._tids, self.take_tries = uuid.uuid4().hex, itertools.count(), 3
         self._producer: BufferProducer | None = None
         self._producer_lock = threading.Lock()
 
@@ -82,17 +85,28 @@ class RemoteSampleBuffer:
             wait_ms = self.poll_ms if left is None else max(0, min(self.poll_ms, int(left * 1000)))
             rid = self._data.send({"op": "meta", "since": since, "wait_ms": wait_ms})
             reply = self._data.wait(rid, wait_ms / 1000 + self.rpc_timeout_s, wakeable=True)
-            if reply is None and self._drain_wakes() and view is not None:
-                return view  # woken: re-run select on what we last saw
-            if reply is None:
+            if reply is None and self._drain_wakes():
+                if view is not None:
+                    return view  # woken: re-run select on what we last saw
                 continue
+            if reply is None:  # the service answers a long-poll by its deadline: it is gone
+                raise BufferUnavailable(f"no answer from the buffer service at {self.address}")
             fresh = _parse_meta(reply)
             if fresh["epoch"] != since or fresh["closed"]:
                 return fresh
 
     def _take(self, keys: list[int]) -> list[Group] | None:
+        """Take exactly ``keys``; a lost answer is asked for again under the same take id (the
+        service replays it), so groups taken for us are never lost in transit."""
         limit = self.max_frame_bytes * (len(keys) + 1)
-        reply = self._data.call({"op": "take", "keys": keys}, self.rpc_timeout_s, limit=limit)
+        tid = next(self._tids)
+        message = {"op": "take", "keys": keys, "consumer": self.consumer_id, "tid": tid}
+        for _ in range(self.take_tries - 1):
+            reply = self._data.wait(self._data.send(message), self.rpc_timeout_s, limit=limit)
+            if reply is not None:
+                break
+        else:
+            reply = self._data.call(message, self.rpc_timeout_s, limit=limit)
         if reply.get("status") == "closed":
             raise BufferClosed("get_batch on a closed SampleBuffer (service)")
         if reply.get("status") != "ok":

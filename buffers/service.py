@@ -11,7 +11,8 @@ Requests (all msgpack maps with ``op`` and ``rid``; the reply echoes ``rid``):
     wait_space  {wait_ms}                     -> ok once the buffer has room (or timeout)
     meta        {since, wait_ms}              -> epoch, closed, capacity, per-group metadata;
                                                  parked until the epoch moves past ``since``
-    take        {keys}                        -> ok + the groups' frames | missing (all or none)
+    take        {keys, consumer, tid}         -> ok + the groups' frames | missing (all or none);
+                                                 the same (consumer, tid) again replays the answer
     drain / stats / close
 
 Exactly once, in order: a put carries ``(producer, seq)``; a ``seq`` not above the last one stored
@@ -46,13 +47,13 @@ OPS: dict[str, dict[str, type]] = {
     "put": {"rid": int, "producer": str, "seq": int, "group": bytes},
     "wait_space": {"rid": int, "wait_ms": int},
     "meta": {"rid": int, "since": int, "wait_ms": int},
-    "take": {"rid": int, "keys": list},
+    "take": {"rid": int, "keys": list, "consumer": str, "tid": int},
     "drain": {"rid": int},
     "stats": {"rid": int},
     "close": {"rid": int},
 }
 COUNTERS = ("frames_in", "puts", "gets", "duplicates", "full_replies", "gap_replies", "bytes_in", "bytes_out",
-            "producer_blocked_s", "rejected", "internal_errors")
+            "producer_blocked_s", "take_replays", "rejected", "internal_errors")
 
 
 @dataclass
@@ -80,6 +81,7 @@ class BufferService:
         self._lock = threading.Lock()
         self._seen: dict[str, int] = {}  # producer -> last stored seq
         self._blocked_since: dict[str, float] = {}  # producer -> when it was first told 'full'
+        self._last_take: dict[str, tuple[int, list[bytes]]] = {}  # consumer -> (tid, frames)
         self._parked: list[_Parked] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -232,16 +234,24 @@ class BufferService:
         return self._park_or_answer(identity, msg, since=msg["since"])
 
     def _op_take(self, identity: bytes, msg: dict) -> dict:
-        keys = msg["keys"]
-        if any(not isinstance(k, int) or isinstance(k, bool) for k in keys):
+        """All the keys or none. A consumer's last answer is kept until its next take, so a take
+        retried after a lost reply gets the same groups again instead of losing them."""
+        keys, consumer, tid = msg["keys"], msg["consumer"], msg["tid"]
+        if any(type(k) is not int for k in keys):
             raise WireError("bad_type", "take.keys must be a list of ints")
+        last = self._last_take.get(consumer)
+        if last is not None and last[0] == tid:
+            self._count("take_replays")
+            return {"status": "ok", "groups": last[1]}
         try:
             taken = self.buffer.take(keys)
         except BufferClosed:
             return {"status": "closed"}
         if taken is None:
             return {"status": "missing"}
-        return self._groups_reply([frame for _, frame in taken])
+        frames = [frame for _, frame in taken]
+        self._last_take[consumer] = (tid, frames)
+        return self._groups_reply(frames)
 
     def _op_drain(self, identity: bytes, msg: dict) -> dict:
         _, _, metas = self.buffer.meta()

@@ -256,7 +256,7 @@ def test_a_retried_put_is_stored_once_even_across_an_outage():
     producer.close()
 
 
-def test_puts_are_stored_in_seq_order_per_producer(service):
+def test_puts_stored_in_seq_order_and_takes_replayed(service):
     ctx = zmq.Context()
     sock = _raw_socket(ctx, service.address)
     for seq in (0, 2, 1, 2, 1):
@@ -265,9 +265,19 @@ def test_puts_are_stored_in_seq_order_per_producer(service):
         ["stored", "gap", "stored", "stored", "duplicate"]
     sock.send(put_frame("q", 1, make_group(9)))  # another producer's seqs are its own
     assert unpack(sock.recv(), MB)["status"] == "gap"
-    assert [m.prompt_id for m in service.buffer.meta()[2]] == [0, 1, 2]
+    metas = service.buffer.meta()[2]
+    assert [m.prompt_id for m in metas] == [0, 1, 2]
     stats = service.stats()
     assert (stats["puts"], stats["gap_replies"], stats["duplicates"]) == (3.0, 2.0, 1.0)
+    # a take retried under the same id (its answer lost) gets the same groups, not nothing
+    take = {"op": "take", "rid": 0, "keys": [metas[1].key], "consumer": "c", "tid": 7}
+    for _ in range(2):
+        sock.send(pack(take))
+        reply = unpack(sock.recv(), MB)
+        assert [decode_group(unpack(f, MB)).prompt_id for f in reply["groups"]] == [1]
+    sock.send(pack({**take, "tid": 8}))  # a new take of the same key: it is gone now
+    assert unpack(sock.recv(), MB)["status"] == "missing"
+    assert service.stats()["take_replays"] == 1.0 and service.stats()["gets"] == 1.0
     sock.close()
     ctx.term()
 
