@@ -212,6 +212,8 @@ def _on_step(r: Run, rec, tracker, progress) -> None:
         rec.metrics["eval/accuracy"] = r.evaluate(f"step{step}", step)
         logged.update({"eval/accuracy": rec.metrics["eval/accuracy"], "time/eval": r.last_eval_s})
     logged["time/elapsed"] = time.monotonic() - r.train_start
+    if r.buffer_service is not None:  # zmq transport: puts, gets, bytes, rejected_<reason>, ...
+        logged.update({f"buffer/{k}": v for k, v in r.buffer_service.stats().items() if k != "depth"})
     tracker.log(logged, step)
     r.metrics_file.write(json.dumps({"step": step, **logged}) + "\n")
     r.metrics_file.flush()
