@@ -8,6 +8,7 @@ evaluation) → stop rollout (what is left unfinished goes to the ledger) → fi
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -25,8 +26,9 @@ from controllers.staleness import StalenessManager
 from flash.config import FlashConfig, to_dict, to_yaml
 from flash.engine.base import SamplingParams
 from flash.tracking import Progress, make_tracker
+from flash.critic import CriticSettings
 from flash.trainer import TrainerSettings
-from flash.workers import init_ray, quiet, start_engine, start_trainer, wait_ready
+from flash.workers import init_ray, quiet, start_critic, start_engine, start_trainer, wait_ready
 
 
 def default_cache_dir(cfg: FlashConfig) -> str:
@@ -61,14 +63,15 @@ def prepare_model(cfg: FlashConfig, task) -> str:
     return warm_start(cfg.model.tiny, cfg.sft, task, default_cache_dir(cfg))
 
 
-def build_source(task, tokenizer) -> PromptSource:
+def build_source(task, tokenizer, reward=None) -> PromptSource:
+    """``reward``: a RewardPool's ``reward_fn()``; unset: the task's own reward."""
     from flash.models import decode_response, encode_prompt
 
     return PromptSource(
         item=lambda i: task.item(i, split="train"),
         encode=lambda text: encode_prompt(tokenizer, text),
         decode=lambda ids: decode_response(tokenizer, ids),
-        reward=task.reward,
+        reward=reward or task.reward,
     )
 
 
@@ -124,13 +127,21 @@ class Run:
         self.engine = start_engine(self.model_path, cfg.rollout.max_num_seqs, cfg.seed, engine_threads,
                                    engine=cfg.rollout.engine)
         self.trainer = start_trainer(self.model_path, settings, cfg.seed, trainer_threads, list(cfg.plugins))
-        wait_ready(self.engine, self.trainer)
+        self.critic = None
+        if cfg.algo.advantage["name"] == "gae":  # the only estimator that reads values
+            self.critic = start_critic(self.model_path, CriticSettings(**dataclasses.asdict(cfg.critic)), cfg.seed,
+                                       trainer_threads)
+        wait_ready(self.engine, self.trainer, *([self.critic] if self.critic else []))
         B = cfg.train.prompts_per_step
         self.staleness = StalenessManager(cfg.async_ratio, B)
         # transport local: the in-process buffer; zmq: a BufferService here and a proxy on it
         self.buffer, self.buffer_service = make_buffer(cfg.buffer, int(math.ceil((cfg.async_ratio + 2) * B)))
+        from flash.rewards.workers import pool_from_config
+
+        self.reward_pool = pool_from_config(cfg.reward, tuple(cfg.plugins))
+        reward_fn = self.reward_pool.reward_fn() if self.reward_pool else None
         self.scheduler = RolloutScheduler(
-            self.engine, build_source(self.task, self.tokenizer), self.buffer, self.staleness,
+            self.engine, build_source(self.task, self.tokenizer, reward_fn), self.buffer, self.staleness,
             sampling_params(cfg, self.tokenizer), n=cfg.rollout.n, seed=cfg.seed,
             reward_workers=cfg.rollout.reward_workers, inject_delay_s=cfg.rollout.inject_delay_s,
         )
@@ -140,9 +151,9 @@ class Run:
             ControllerSettings(
                 prompts_per_step=B, interrupt=cfg.rollout.interrupt, advantage=dict(cfg.algo.advantage),
                 prox=prox_mode(cfg.algo.recompute_prox, cfg.async_ratio),
-                pad_id=self.tokenizer.pad_token_id or 0,
+                pad_id=self.tokenizer.pad_token_id or 0, stream=cfg.train.stream,
             ),
-            ledger=self.ledger,
+            ledger=self.ledger, critic=self.critic,
         )
 
     def evaluate(self, tag: str, step: int = 0) -> float:
@@ -163,8 +174,11 @@ class Run:
         self.ledger.close()
         for f in (self.metrics_file, self.timeline_file, self.eval_file):
             f.close()
-        for actor in (self.engine, self.trainer):
-            ray.kill(actor)
+        for actor in (self.engine, self.trainer, self.critic):
+            if actor is not None:
+                ray.kill(actor)
+        if self.reward_pool is not None:
+            self.reward_pool.close()
         if self.buffer_service is not None:
             self.buffer.disconnect()
             self.buffer_service.stop()
@@ -212,6 +226,8 @@ def _on_step(r: Run, rec, tracker, progress) -> None:
         rec.metrics["eval/accuracy"] = r.evaluate(f"step{step}", step)
         logged.update({"eval/accuracy": rec.metrics["eval/accuracy"], "time/eval": r.last_eval_s})
     logged["time/elapsed"] = time.monotonic() - r.train_start
+    if r.reward_pool is not None:  # reward/calls, reward/failures/<reason>, sandbox/timeout/T/...
+        logged.update(r.reward_pool.metrics())
     if r.buffer_service is not None:  # zmq transport: puts, gets, bytes, rejected_<reason>, ...
         logged.update({f"buffer/{k}": v for k, v in r.buffer_service.stats().items() if k != "depth"})
     tracker.log(logged, step)
