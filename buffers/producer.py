@@ -115,6 +115,10 @@ class BufferProducer:
                 self._on_reply(reply, deadline)
 
     def _on_reply(self, reply: dict, deadline: float | None) -> None:
+        if reply.get("status") == "acks":  # a burst's answers, in order
+            for rid, seq, status in reply["acks"]:
+                self._on_reply({"rid": rid, "seq": seq, "status": status}, deadline)
+            return
         seq, status = reply.get("seq"), reply.get("status")
         put = self._inflight.get(seq)
         if put is None or reply.get("rid") != put.rid:

@@ -7,7 +7,9 @@ no cross-process locking and a slow client cannot block another.
 
 Requests (all msgpack maps with ``op`` and ``rid``; the reply echoes ``rid``):
 
-    put         {producer, seq, group: bytes} -> stored | duplicate | gap | full | closed
+    put         {producer, seq, group: bytes} -> stored | duplicate | gap | full | closed; the
+                                                 answers to one client's puts in a burst go as
+                                                 one message {status: acks, acks: [[rid, seq, status]]}
     wait_space  {wait_ms}                     -> ok once the buffer has room (or timeout)
     meta        {since, wait_ms}              -> epoch, closed, capacity, per-group metadata;
                                                  parked until the epoch moves past ``since``
@@ -82,6 +84,7 @@ class BufferService:
         self._seen: dict[str, int] = {}  # producer -> last stored seq
         self._blocked_since: dict[str, float] = {}  # producer -> when it was first told 'full'
         self._last_take: dict[str, tuple[int, list[bytes]]] = {}  # consumer -> (tid, frames)
+        self._acks: dict[bytes, list[list]] = {}  # identity -> [rid, seq, status] not yet sent
         self._parked: list[_Parked] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -158,6 +161,7 @@ class BufferService:
                     except zmq.Again:
                         break
                     self._handle(parts)
+                self._flush_acks()
                 self.buffer.wake()  # in-process get_batch waiters: once per burst, not per put
             self._serve_parked()
 
@@ -196,9 +200,25 @@ class BufferService:
             self._count("internal_errors")
             log.exception("buffer service: request failed")
             reply = {"status": "error", "detail": f"{type(exc).__name__}: {exc}"[:500]}
-        if reply is not None:  # None: parked, answered later
-            reply["rid"] = rid
+        if reply is None:  # parked, answered later
+            return
+        reply["rid"] = rid
+        if "seq" in reply:  # a put's answer: sent with the burst's others to this producer
+            self._acks.setdefault(identity, []).append([rid, reply["seq"], reply["status"]])
+        else:
+            self._flush_acks(identity)  # keep this client's answers in order
             self._reply(identity, reply)
+
+    def _flush_acks(self, identity: bytes | None = None) -> None:
+        """Send the put answers of a burst: one message per producer, not one per put (each
+        message is a wake-up of the producer and a send here)."""
+        for ident in [identity] if identity is not None else list(self._acks):
+            acks = self._acks.pop(ident, None)
+            if acks and len(acks) == 1:
+                rid, seq, status = acks[0]
+                self._reply(ident, {"rid": rid, "seq": seq, "status": status})
+            elif acks:
+                self._reply(ident, {"rid": -1, "status": "acks", "acks": acks})
 
     # ------------------------------------------------------------------------------ operations
     def _op_put(self, identity: bytes, msg: dict) -> dict:

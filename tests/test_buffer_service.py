@@ -178,6 +178,19 @@ def service():
     svc.stop()
 
 
+def answers(sock: zmq.Socket, n: int) -> list[dict]:
+    """The next ``n`` answers, in order; a burst's put answers come as one ``acks`` message."""
+    out: list[dict] = []
+    while len(out) < n:
+        reply = unpack(sock.recv(), MB)
+        if reply["status"] == "acks":
+            out += [{"rid": rid, "seq": seq, "status": status} for rid, seq, status in reply["acks"]]
+        else:
+            out.append(reply)
+    assert len(out) == n
+    return out
+
+
 def _raw_socket(ctx: zmq.Context, address: str) -> zmq.Socket:
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -215,7 +228,7 @@ def test_fuzz_every_valid_group_exactly_once_rejections_counted(service):
                 frames.append([pack({"op": "exec", "rid": 0})])
     for parts in frames:
         sock.send_multipart(parts)
-    replies = [unpack(sock.recv(), MB) for _ in frames]  # one answer per frame, in order
+    replies = answers(sock, len(frames))  # one answer per frame
     statuses = [r["status"] for r in replies]
     assert statuses.count("stored") == len(valid) and statuses.count("duplicate") == sent["duplicate"]
     assert statuses.count("rejected") == len(frames) - len(valid) - sent["duplicate"]
@@ -261,10 +274,9 @@ def test_puts_stored_in_seq_order_and_takes_replayed(service):
     sock = _raw_socket(ctx, service.address)
     for seq in (0, 2, 1, 2, 1):
         sock.send(put_frame("p", seq, make_group(seq)))
-    assert [unpack(sock.recv(), MB)["status"] for _ in range(5)] == \
-        ["stored", "gap", "stored", "stored", "duplicate"]
+    assert [a["status"] for a in answers(sock, 5)] == ["stored", "gap", "stored", "stored", "duplicate"]
     sock.send(put_frame("q", 1, make_group(9)))  # another producer's seqs are its own
-    assert unpack(sock.recv(), MB)["status"] == "gap"
+    assert answers(sock, 1)[0]["status"] == "gap"
     metas = service.buffer.meta()[2]
     assert [m.prompt_id for m in metas] == [0, 1, 2]
     stats = service.stats()
