@@ -91,7 +91,7 @@ class BufferProducer:
             self._send(seq, put)
 
     def _send(self, seq: int, put: _Put) -> None:
-        put.rid = self._rpc.send({"op": "put", "producer": self.producer_id, "seq": seq, "group": put.frame})
+        put.rid = self._rpc.send({"op": "put", "producer": self.producer_id, "seq": seq}, payload=put.frame)
 
     def _resend_from(self, first: int) -> None:
         for seq, put in self._inflight.items():

@@ -37,10 +37,14 @@ class Rpc:
         if wake_fd is not None:
             self._wake_poller.register(wake_fd, zmq.POLLIN)
 
-    def send(self, message: dict) -> int:
+    def send(self, message: dict, payload: bytes | None = None) -> int:
+        """Send ``message`` (and ``payload`` as a second part, uncopied when large); its ``rid``."""
         rid = next(self._rids)
-        frame = pack({**message, "rid": rid})
-        self.sock.send(frame, copy=len(frame) < (1 << 16))  # zero-copy only pays when large
+        header = pack({**message, "rid": rid})
+        if payload is None:
+            self.sock.send(header)
+        else:  # zero-copy only pays when large
+            self.sock.send_multipart([header, payload], copy=len(payload) < (1 << 16))
         return rid
 
     def wait(self, rid: int, timeout_s: float, limit: int | None = None, wakeable: bool = False) -> dict | None:

@@ -7,7 +7,7 @@ no cross-process locking and a slow client cannot block another.
 
 Requests (all msgpack maps with ``op`` and ``rid``; the reply echoes ``rid``):
 
-    put         {producer, seq, group: bytes} -> stored | duplicate | gap | full | closed; the
+    put         {producer, seq} + group frame -> stored | duplicate | gap | full | closed; the
                                                  answers to one client's puts in a burst go as
                                                  one message {status: acks, acks: [[rid, seq, status]]}
     wait_space  {wait_ms}                     -> ok once the buffer has room (or timeout)
@@ -46,7 +46,7 @@ from buffers.wire import REASONS, WireError, decode_group, pack, unpack
 log = logging.getLogger(__name__)
 
 OPS: dict[str, dict[str, type]] = {
-    "put": {"rid": int, "producer": str, "seq": int, "group": bytes},
+    "put": {"rid": int, "producer": str, "seq": int},  # + the group's frame as a second part
     "wait_space": {"rid": int, "wait_ms": int},
     "meta": {"rid": int, "since": int, "wait_ms": int},
     "take": {"rid": int, "keys": list, "consumer": str, "tid": int},
@@ -184,13 +184,19 @@ class BufferService:
         self._count("frames_in")
         rid = -1
         try:
-            if len(parts) != 2:
-                raise WireError("multipart", f"{len(parts) - 1} parts; a request is one frame")
-            payload = parts[1].buffer
-            self._count("bytes_in", len(payload))
-            msg = unpack(payload, self.max_frame_bytes)
+            self._count("bytes_in", sum(len(p.buffer) for p in parts[1:]))
+            if len(parts) not in (2, 3):
+                raise WireError("multipart", f"{len(parts) - 1} parts; a request is one (a put two)")
+            msg = unpack(parts[1].buffer, self.max_frame_bytes)
             rid = _request_rid(msg)
             _check_request(msg)
+            if len(parts) != (3 if msg["op"] == "put" else 2):
+                raise WireError("multipart", f"{msg['op']} with {len(parts) - 1} parts; a request is one "
+                                             "part, a put two (header, group)")
+            if msg["op"] == "put":
+                msg["group"] = parts[2].buffer  # the group's frame, kept as received (no copy)
+                if len(msg["group"]) > self.max_frame_bytes:  # refused before anything else
+                    raise WireError("oversized", f"group frame of {len(msg['group'])} bytes > {self.max_frame_bytes}")
             reply = getattr(self, f"_op_{msg['op']}")(identity, msg)
         except WireError as exc:
             self._count("rejected")

@@ -40,7 +40,7 @@ class GroupMeta(NamedTuple):
 @dataclass
 class _Entry:
     meta: GroupMeta
-    frame: bytes | None  # the encoded group as it arrived (None: put in-process, encoded on demand)
+    frame: bytes | memoryview | None  # the encoded group as it arrived (None: put in-process, encoded on demand)
 
 
 class KeyedSampleBuffer(SampleBuffer):
@@ -51,7 +51,7 @@ class KeyedSampleBuffer(SampleBuffer):
         self.epoch = 0
         self._on_change = on_change or (lambda: None)
 
-    def put(self, group: Group, timeout: float | None = None, frame: bytes | None = None) -> None:
+    def put(self, group: Group, timeout: float | None = None, frame: bytes | memoryview | None = None) -> None:
         with self._cond:
             if id(group) in self._entries:
                 raise ValueError(f"group {group.prompt_id}: this Group object is already in the buffer")
@@ -59,7 +59,7 @@ class KeyedSampleBuffer(SampleBuffer):
             self._register(group, frame)
         self._on_change()
 
-    def try_put(self, group: Group, frame: bytes | None = None, notify: bool = True) -> bool:
+    def try_put(self, group: Group, frame: bytes | memoryview | None = None, notify: bool = True) -> bool:
         """Put without waiting: False when full (the service answers 'full'), BufferClosed if closed.
 
         ``notify=False`` leaves waking in-process waiters to the caller (``wake`` once per burst:
@@ -121,7 +121,7 @@ class KeyedSampleBuffer(SampleBuffer):
         self._forget([g for g, _ in out])
         return [(g, frame if frame is not None else encode_group(g)) for g, frame in out]
 
-    def _register(self, group: Group, frame: bytes | None) -> None:
+    def _register(self, group: Group, frame: bytes | memoryview | None) -> None:
         meta = GroupMeta(key=next(self._keys), prompt_id=group.prompt_id, version=group.version,
                          admitted_version=group.admitted_version, data_index=group.data_index,
                          num_samples=len(group.samples), nbytes=len(frame) if frame else 0)

@@ -70,8 +70,9 @@ def same(a: Group, b: Group) -> bool:
     return True
 
 
-def put_frame(producer: str, seq: int, group: Group, rid: int = 0) -> bytes:
-    return pack({"op": "put", "rid": rid, "producer": producer, "seq": seq, "group": encode_group(group)})
+def put_parts(producer: str, seq: int, group: Group, rid: int = 0) -> list[bytes]:
+    """A put as a producer sends it: a header frame and the group's frame."""
+    return [pack({"op": "put", "rid": rid, "producer": producer, "seq": seq}), encode_group(group)]
 
 
 # ------------------------------------------------------------------------------------------ codec
@@ -205,25 +206,28 @@ def test_fuzz_every_valid_group_exactly_once_rejections_counted(service):
     valid = {pid: make_group(pid, length=rng.randint(1, 40), arrays=pid % 2 == 0) for pid in range(40)}
     sent = {r: 0 for r in REASONS} | {"random": 0, "duplicate": 0}
     frames: list[list[bytes]] = []
+    bad_header = pack({"op": "put", "rid": 0, "producer": "bad", "seq": 0})  # never stored: always decoded
     for seq, (pid, g) in enumerate(valid.items()):
-        good = put_frame("fuzz", seq, g, rid=seq)
-        frames.append([good])
+        header, good = put_parts("fuzz", seq, g, rid=seq)
+        frames.append([header, good])
         if rng.random() < 0.3:  # a retried put: same producer and seq
-            frames.append([good])
+            frames.append([header, good])
             sent["duplicate"] += 1
         for _ in range(3):
             kind = rng.choice(["random", "truncated", "oversized", "multipart", "bad_type", "unknown_op"])
             sent[kind] += 1
             if kind == "random":
                 frames.append([rng.randbytes(rng.randint(0, 300))])
-            elif kind == "truncated":
-                frames.append([good[: rng.randint(1, len(good) - 1)]])
+            elif kind == "truncated":  # the group cut short, or the header
+                cut = rng.choice([good, header])
+                part = cut[: rng.randint(1, len(cut) - 1)]
+                frames.append([bad_header, part] if cut is good else [part])
             elif kind == "oversized":
-                frames.append([good + b"\x00" * (64 * 1024)])
+                frames.append([header, good + b"\x00" * (64 * 1024)])  # refused before the seq is looked at
             elif kind == "multipart":
-                frames.append([good, b"tail"])
+                frames.append(rng.choice([[header, good, b"tail"], [header], [pack({"op": "stats", "rid": 0}), good]]))
             elif kind == "bad_type":
-                frames.append([pack({"op": "put", "rid": 0, "producer": "fuzz", "seq": "7", "group": b""})])
+                frames.append([pack({"op": "put", "rid": 0, "producer": "fuzz", "seq": "7"}), good])
             else:
                 frames.append([pack({"op": "exec", "rid": 0})])
     for parts in frames:
@@ -273,9 +277,9 @@ def test_puts_stored_in_seq_order_and_takes_replayed(service):
     ctx = zmq.Context()
     sock = _raw_socket(ctx, service.address)
     for seq in (0, 2, 1, 2, 1):
-        sock.send(put_frame("p", seq, make_group(seq)))
+        sock.send_multipart(put_parts("p", seq, make_group(seq)))
     assert [a["status"] for a in answers(sock, 5)] == ["stored", "gap", "stored", "stored", "duplicate"]
-    sock.send(put_frame("q", 1, make_group(9)))  # another producer's seqs are its own
+    sock.send_multipart(put_parts("q", 1, make_group(9)))  # another producer's seqs are its own
     assert answers(sock, 1)[0]["status"] == "gap"
     metas = service.buffer.meta()[2]
     assert [m.prompt_id for m in metas] == [0, 1, 2]
