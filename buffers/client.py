@@ -46,6 +46,7 @@ class RemoteSampleBuffer:
         self._get_lock, self._ctl_lock = threading.Lock(), threading.Lock()
         self.consumer_id, self._tids, self.take_tries = uuid.uuid4().hex, itertools.count(), 3
         self._producer: BufferProducer | None = None
+        self._puts_done = 0
         self._producer_lock = threading.Lock()
 
     def put(self, group: Group, timeout: float | None = None) -> None:
@@ -53,6 +54,8 @@ class RemoteSampleBuffer:
             if self._producer is None:
                 self._producer = BufferProducer(self.address, self.max_frame_mb, self.rpc_timeout_s)
         self._producer.put(group, timeout)
+        with self._producer_lock:
+            self._puts_done += 1
 
     def get_batch(self, n: int, select: Select | None = None, timeout: float | None = None) -> list[Group]:
         """Remove and return a batch: ``select(metas)`` picks indices, or None to keep waiting."""
@@ -69,6 +72,9 @@ class RemoteSampleBuffer:
                     raise BufferClosed("get_batch on a closed SampleBuffer (service)")
                 metas = view["metas"]
                 picked = select(list(metas))
+                if self._puts_done != view["puts_before"]:
+                    view = None  # a put of ours landed meanwhile: look again (see _next_view)
+                    continue
                 if picked is None:
                     continue
                 batch = self._take([metas[i].key for i in sorted(set(picked))])
@@ -76,8 +82,16 @@ class RemoteSampleBuffer:
                     return batch
 
     def _next_view(self, view: dict | None, deadline: float | None) -> dict | None:
-        """The service's metadata once it changes (or at once the first time, or on ``wake``)."""
+        """The service's metadata once it changes (at once when ``view`` is None; on ``wake``, the
+        last one again).
+
+        ``puts_before`` counts this proxy's puts done before the view was asked for. A ``select``
+        that reads state those puts change (the scheduler drops a group from its pending list once
+        ``put`` returns) must not run on a view older than such a put: the group would be in
+        neither. So a pick made while a put of ours completed is thrown away and made again.
+        """
         since = -1 if view is None else view["epoch"]
+        puts_before = self._puts_done
         while True:
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
@@ -93,7 +107,7 @@ class RemoteSampleBuffer:
                 raise BufferUnavailable(f"no answer from the buffer service at {self.address}")
             fresh = _parse_meta(reply)
             if fresh["epoch"] != since or fresh["closed"]:
-                return fresh
+                return fresh | {"puts_before": puts_before}
 
     def _take(self, keys: list[int]) -> list[Group] | None:
         """Take exactly ``keys``; a lost answer is asked for again under the same take id (the

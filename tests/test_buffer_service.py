@@ -420,6 +420,25 @@ def test_a_blocked_producer_resumes_when_space_frees():
 
 # ------------------------------------------------------------------------------------------ controller
 
+def test_a_pick_made_while_a_put_of_ours_landed_is_made_again():
+    """The scheduler drops a group from pending once ``put`` returns; a select that ran on a view
+    from before that put would see the group nowhere. The proxy re-runs select instead."""
+    with BufferService(capacity=8) as svc:
+        buf = RemoteSampleBuffer(svc.address)
+        buf.put(make_group(1))
+        seen: list[list[int]] = []
+
+        def select(metas):
+            seen.append([m.prompt_id for m in metas])
+            if len(seen) == 1:
+                buf.put(make_group(2))  # lands after the view was taken, before the pick is used
+            return list(range(len(metas)))
+
+        assert [g.prompt_id for g in buf.get_batch(2, select=select, timeout=5)] == [1, 2]
+        assert seen == [[1], [1, 2]]
+        buf.disconnect()
+
+
 class _Scheduler:
     """The two things the controller's select reads from the scheduler."""
 
