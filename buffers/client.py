@@ -9,6 +9,12 @@ and it looks again. ``select`` sees metadata, not samples: a rule may read ``ver
 
 ``wake()`` is a byte on a pipe the waiting ``get_batch`` polls beside its socket, so scheduler
 threads may call it at any time and the rule is re-evaluated at once.
+
+A rule that reads state other than the buffer (the controller's reads the scheduler's pending
+groups) is only as consistent as the view: a pick made while one of this proxy's own puts completed
+is made again (``_next_view``), which covers the runner's wiring (scheduler and controller share one
+proxy). Producers in other processes keep their own pending state; a rule reading it would need the
+same care.
 """
 
 from __future__ import annotations
