@@ -36,7 +36,7 @@ class Sample:
     @property
     def version(self) -> int:
         """Oldest policy version among the tokens (the admission version if no tokens)."""
-        return min(self.versions) if self.versions else self.admitted_version
+        return _oldest(self.versions) if len(self.versions) else self.admitted_version
 
     @property
     def group_id(self) -> int:
@@ -59,3 +59,9 @@ class Group:
     @property
     def rewards(self) -> list[float]:
         return [s.reward for s in self.samples]
+
+
+def _oldest(versions: Any) -> int:
+    """``min`` of a list, or of a NumPy array without a Python-level loop (the buffer service hands
+    back per-token arrays as NumPy arrays when they were put as such)."""
+    return int(versions.min()) if hasattr(versions, "min") else min(versions)

@@ -18,6 +18,7 @@ from typing import Any, Dict, List, Optional
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from buffers.factory import BufferConfig
 from flash.errors import ConfigError
 from flash.models import TinyModelConfig
 from flash.sft import SFTConfig
@@ -141,6 +142,7 @@ class FlashConfig:
     sft: SFTConfig = field(default_factory=SFTConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    buffer: BufferConfig = field(default_factory=BufferConfig)  # in-process, or the zmq service
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)

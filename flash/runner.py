@@ -19,7 +19,7 @@ from pathlib import Path
 import ray
 
 import algos
-from buffers import SampleBuffer
+from buffers.factory import make_buffer
 from controllers.async_controller import AsyncController, ControllerSettings, prox_mode
 from controllers.rollout_scheduler import PromptSource, RolloutScheduler
 from controllers.staleness import StalenessManager
@@ -138,7 +138,8 @@ class Run:
         wait_ready(self.engine, self.trainer, *([self.critic] if self.critic else []))
         B = cfg.train.prompts_per_step
         self.staleness = StalenessManager(cfg.async_ratio, B)
-        self.buffer = SampleBuffer(capacity=int(math.ceil((cfg.async_ratio + 2) * B)))
+        # transport local: the in-process buffer; zmq: a BufferService here and a proxy on it
+        self.buffer, self.buffer_service = make_buffer(cfg.buffer, int(math.ceil((cfg.async_ratio + 2) * B)))
         self.scheduler = self._make_scheduler()
         self.ledger = open(self.dir / "ledger.jsonl", "w")
         self.controller = AsyncController(
@@ -192,6 +193,9 @@ class Run:
                 ray.kill(actor)
         if self.reward_pool is not None:
             self.reward_pool.close()
+        if self.buffer_service is not None:
+            self.buffer.disconnect()
+            self.buffer_service.stop()
 
 
 def run(cfg: FlashConfig, recipe_name: str = "run") -> dict:
@@ -238,6 +242,8 @@ def _on_step(r: Run, rec, tracker, progress) -> None:
     logged["time/elapsed"] = time.monotonic() - r.train_start
     if r.reward_pool is not None:  # reward/calls, reward/failures/<reason>, sandbox/timeout/T/...
         logged.update(r.reward_pool.metrics())
+    if r.buffer_service is not None:  # zmq transport: puts, gets, bytes, rejected_<reason>, ...
+        logged.update({f"buffer/{k}": v for k, v in r.buffer_service.stats().items() if k != "depth"})
     tracker.log(logged, step)
     r.metrics_file.write(json.dumps({"step": step, **logged}) + "\n")
     r.metrics_file.flush()
