@@ -1,0 +1,188 @@
+"""FSDP2 trainer group: planning, equality with the single-process Trainer, checkpoints, HF export.
+
+Tolerances: the group and the plain Trainer add the same per-row terms in a different order
+(other micro-batches, a reduce-scatter across ranks), so float32 sums differ in the last bits:
+losses and grad norms agree to rel 1e-5; parameters after two AdamW steps (lr 1e-3) to 1e-5
+absolute (1% of one step; AdamW divides by |g|, so where a gradient is ~0 its last-bit noise moves a
+weight by a few 1e-6). A weighting error would show as a different loss and grad norm (AdamW alone
+is blind to a uniform gradient scale) or as steps of a different sign (~lr apart). Checkpoint round
+trips are exact (torch.equal).
+"""
+
+import copy
+
+import pytest
+import ray
+import torch
+
+from buffers import Sample
+from flash.batch import collate
+from flash.fsdp import GroupSettings
+from flash.microbatch import equalize, micro_batches, plan_batch, shard_rows
+from flash.trainer import Trainer, TrainerSettings
+
+LR = 1e-3
+
+
+# ---------------------------------------------------------------- planning (pure, no processes)
+
+def test_plan_by_hand():
+    """lengths 5,5,5,5,2 on 2 ranks, budget 10 padded tokens: worked out on paper."""
+    plan = plan_batch([5, 5, 5, 5, 2], world=2, max_tokens=10, max_rows=64)
+    # shard: longest first to the least-loaded rank: 0->r0, 1->r1, 2->r0, 3->r1, 4 (tie 10/10)->r0
+    # r0 rows [0,2,4]: [0,2] is 2x5=10 <= 10, adding 4 would be 3x5=15 -> [4] alone
+    # r1 rows [1,3]: [[1,3]] has one micro-batch, r0 two -> split into [1], [3]
+    assert plan.ranks == [[[0, 2], [4]], [[1], [3]]]
+    assert (plan.count, plan.pad_micro_batches, plan.over_budget) == (2, 0, 0)
+
+
+def test_plan_covers_every_row_once_within_budget():
+    g = torch.Generator().manual_seed(3)
+    for trial in range(50):
+        n, world = int(torch.randint(1, 40, (1,), generator=g)), int(torch.randint(1, 5, (1,), generator=g))
+        lengths = torch.randint(1, 30, (n,), generator=g).tolist()
+        budget, max_rows = int(torch.randint(0, 80, (1,), generator=g)), int(torch.randint(1, 9, (1,), generator=g))
+        plan = plan_batch(lengths, world, budget, max_rows)
+        rows = sorted(i for p in plan.ranks for mb in p if mb for i in mb)
+        assert rows == list(range(n))  # nothing lost, nothing twice
+        assert len({len(p) for p in plan.ranks}) == 1  # every rank runs as many passes
+        for p in plan.ranks:
+            for mb in p:
+                if mb and len(mb) > 1:
+                    assert len(mb) <= max_rows
+                    assert budget == 0 or len(mb) * max(lengths[i] for i in mb) <= budget
+        assert plan.over_budget == (sum(l > budget for l in lengths) if budget else 0)
+
+
+def test_shard_rows_balances_tokens():
+    # 10->r0 (10,0), 9->r1 (10,9), 8->r1 (10,17), then the 1s to the lighter r0: (13,17)
+    assert shard_rows([10, 9, 8, 1, 1, 1], 2) == [[0, 3, 4, 5], [1, 2]]
+    assert shard_rows([3, 3], 4) == [[0], [1], [], []]  # fewer rows than ranks: empty shards
+
+
+def test_equalize_pads_when_nothing_splits():
+    ranks, pads = equalize([[[0], [1], [2]], [[3]], []])
+    assert ranks == [[[0], [1], [2]], [[3], None, None], [None, None, None]]
+    assert pads == 5
+
+
+def test_oversized_row_trains_alone_and_is_counted():
+    mbs, over = micro_batches([0, 1, 2], [50, 3, 3], max_tokens=8, max_rows=64)
+    assert mbs == [[0], [1, 2]] and over == 1
+
+
+def test_bad_group_settings_name_the_fix():
+    with pytest.raises(ValueError, match="train.mixed_precision must be one of fp32, bf16"):
+        GroupSettings(mixed_precision="fp16")
+    with pytest.raises(ValueError, match="train.workers must be >= 1"):
+        GroupSettings(workers=0)
+
+
+# ---------------------------------------------------------------- the group (Ray processes)
+
+@pytest.fixture(scope="module")
+def ray_session():
+    from flash.workers import init_ray
+
+    init_ray(None, num_cpus=2)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from flash.models import TinyModelConfig, build_tiny_model, build_tokenizer
+
+    tok = build_tokenizer()
+    model = build_tiny_model(tok, TinyModelConfig(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=2,
+                                                  intermediate_size=128, max_positions=64))
+    path = tmp_path_factory.mktemp("tiny")
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+def make_batch(seed=0, n=7, vocab=40):
+    """Rows of mixed lengths; behaviour logprobs off the policy so the ratio terms are non-trivial."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        p = torch.randint(4, vocab, (int(torch.randint(2, 6, (1,), generator=g)),), generator=g).tolist()
+        r = torch.randint(4, vocab, (int(torch.randint(1, 12, (1,), generator=g)),), generator=g).tolist()
+        out.append(Sample(prompt_id=i // 2, sample_index=i % 2, prompt_ids=p, response_ids=r,
+                          behav_logprobs=[-3.0 - 0.1 * j for j in range(len(r))], versions=[0] * len(r),
+                          reward=float(i % 3 == 0)))
+    batch = collate(out)
+    adv = torch.randn(batch.mask.shape, generator=torch.Generator().manual_seed(seed + 1)) * batch.mask
+    return batch, adv
+
+
+def settings(agg="token-mean", **kw):
+    base = dict(lr=LR, weight_decay=0.0, betas=(0.9, 0.999), grad_clip=100.0, micro_batch_size=64,
+                temperature=0.7, loss={"name": "decoupled_ppo"}, agg=agg)
+    base.update(kw)
+    return TrainerSettings(**base)
+
+
+def start_group(model_dir, s, **group):
+    from flash.trainer_group import start_trainer_group
+
+    return start_trainer_group(model_dir, s, GroupSettings(**group), seed=0, threads=2, plugins=[])
+
+
+def reference_run(model_dir, s, batch, adv):
+    """The plain single-process Trainer: step 1 fused prox, step 2 with recomputed prox."""
+    from flash.workers import load_model
+
+    tr = Trainer(load_model(model_dir), s)
+    m1 = tr.train_step(batch, adv, None)
+    prox = tr.logprobs(batch)
+    m2 = tr.train_step(batch, adv, prox)
+    return [m1, m2], prox, tr.state_dict()
+
+
+def group_run(handle, batch, adv):
+    m1 = ray.get(handle.train_step.remote(batch, adv, None))
+    prox = ray.get(handle.logprobs.remote(batch))
+    m2 = ray.get(handle.train_step.remote(batch, adv, prox))
+    return [m1, m2], prox, ray.get(handle.get_weights.remote())
+
+
+def assert_same_run(got, want):
+    (gm, gprox, gw), (wm, wprox, ww) = got, want
+    for g, w in zip(gm, wm):
+        for key in ("loss", "grad_norm", "clipfrac"):
+            assert g[key] == pytest.approx(w[key], rel=1e-5, abs=1e-7), key
+        assert g["skipped"] == w["skipped"] == 0.0
+    assert gm[0]["mismatch_mean"] == pytest.approx(wm[0]["mismatch_mean"], rel=1e-5)
+    assert gm[0]["mismatch_max"] == pytest.approx(wm[0]["mismatch_max"], rel=1e-5)
+    assert torch.allclose(gprox, wprox, atol=1e-5)
+    assert sorted(gw) == sorted(ww)
+    worst = max(float((gw[k] - ww[k]).abs().max()) for k in ww)
+    assert worst <= 1e-5, worst
+    moved = max(float((ww[k] - w0).abs().max()) for k, w0 in INITIAL.items())
+    assert moved > LR  # the steps did move the weights (two AdamW steps of ~lr each)
+
+
+INITIAL: dict = {}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+def test_two_workers_equal_one_worker_and_the_plain_trainer(ray_session, model_dir, agg):
+    """2 FSDP2 ranks with a small token budget (several micro-batches, accumulation, uneven
+    counts) == 1 rank with one micro-batch == the single-process Trainer, over two steps."""
+    from flash.workers import load_model
+
+    INITIAL.update({k: v.clone() for k, v in load_model(model_dir).state_dict().items()})
+    batch, adv = make_batch()
+    s = settings(agg)
+    want = reference_run(model_dir, s, batch, adv)
+    two, one = start_group(model_dir, s, workers=2, micro_tokens=24), start_group(model_dir, s, workers=1)
+    try:
+        got2, got1 = group_run(two, batch, adv), group_run(one, batch, adv)
+    finally:
+        ray.kill(two), ray.kill(one)
+    assert got2[0][0]["micro_batches"] >= 3 and got1[0][0]["micro_batches"] == 1  # budget did split
+    assert_same_run(got1, want)
+    assert_same_run(got2, want)
