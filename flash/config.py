@@ -66,6 +66,11 @@ class TrainConfig:
     betas: List[float] = field(default_factory=lambda: [0.9, 0.999])
     grad_clip: float = 1.0
     micro_batch_size: int = 64  # samples per forward/backward
+    # FSDP2 trainer group (flash.trainer_group): used when workers > 1 or any knob below is set.
+    workers: int = 1  # trainer processes; parameters, gradients and AdamW state sharded over them
+    micro_tokens: int = 0  # padded tokens per micro-batch (length-grouped rows); 0 = rows only
+    mixed_precision: str = "fp32"  # fp32 | bf16 (bf16 compute, fp32 master weights and reduction)
+    activation_checkpointing: bool = False  # recompute decoder layers in backward (less memory)
 
 
 @dataclass
@@ -218,6 +223,7 @@ def validate(cfg: FlashConfig) -> None:
     _require(cfg.train.steps >= 1, f"train.steps must be >= 1, got {cfg.train.steps}")
     _require(cfg.train.prompts_per_step >= 1, "train.prompts_per_step must be >= 1")
     _require(cfg.train.micro_batch_size >= 1, "train.micro_batch_size must be >= 1")
+    _check_group(cfg.train)
     _require(cfg.train.lr > 0, f"train.lr must be > 0, got {cfg.train.lr}")
     _require(cfg.algo.recompute_prox in ("auto", "always", "never"),
              f"algo.recompute_prox must be auto, always or never, got '{cfg.algo.recompute_prox}'")
@@ -257,3 +263,13 @@ def _check_task(section: dict, task_options) -> None:
     except (ValueError, KeyError) as exc:
         raise ConfigError(f"task: {exc}") from None
     check_keys(options, schema, prefix="task.")
+
+
+def _check_group(train: TrainConfig) -> None:
+    from flash.fsdp import MIXED_PRECISION
+
+    valid = list(MIXED_PRECISION)
+    _require(train.mixed_precision in valid, f"train.mixed_precision must be one of {', '.join(valid)}, got "
+             f"'{train.mixed_precision}'{closest(train.mixed_precision, valid)}")
+    _require(train.workers >= 1, f"train.workers must be >= 1, got {train.workers}")
+    _require(train.micro_tokens >= 0, f"train.micro_tokens must be >= 0 (0 = no token budget), got {train.micro_tokens}")

@@ -75,7 +75,8 @@ def batch_to(batch: TrainBatch, device: torch.device) -> TrainBatch:
 def decoder_layers(model) -> list[torch.nn.Module]:
     """The model's repeated blocks (HF names their class in ``_no_split_modules``): FSDP units."""
     names = set(getattr(model, "_no_split_modules", None) or [])
-    layers = [m for m in model.modules() if type(m).__name__ in names]
+    # by ancestry: fully_shard swaps a module's class for an FSDP subclass of it
+    layers = [m for m in model.modules() if any(c.__name__ in names for c in type(m).__mro__)]
     if not layers:
         raise ValueError(f"{type(model).__name__} names no decoder-layer class in _no_split_modules; "
                          "cannot choose FSDP units")

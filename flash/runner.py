@@ -26,6 +26,7 @@ from flash.config import FlashConfig, to_dict, to_yaml
 from flash.engine.base import SamplingParams
 from flash.tracking import Progress, make_tracker
 from flash.trainer import TrainerSettings
+from flash.trainer_group import group_settings, start_trainer_group
 from flash.workers import init_ray, quiet, start_engine, start_trainer, wait_ready
 
 
@@ -123,7 +124,12 @@ class Run:
         settings = trainer_settings(cfg)
         self.engine = start_engine(self.model_path, cfg.rollout.max_num_seqs, cfg.seed, engine_threads,
                                    engine=cfg.rollout.engine)
-        self.trainer = start_trainer(self.model_path, settings, cfg.seed, trainer_threads, list(cfg.plugins))
+        group = group_settings(cfg.train)  # FSDP2 trainer group, or None: one trainer process
+        if group is None:
+            self.trainer = start_trainer(self.model_path, settings, cfg.seed, trainer_threads, list(cfg.plugins))
+        else:
+            self.trainer = start_trainer_group(self.model_path, settings, group, cfg.seed, trainer_threads,
+                                               list(cfg.plugins))
         wait_ready(self.engine, self.trainer)
         B = cfg.train.prompts_per_step
         self.staleness = StalenessManager(cfg.async_ratio, B)

@@ -78,6 +78,65 @@ def test_bad_group_settings_name_the_fix():
         GroupSettings(workers=0)
 
 
+# ---------------------------------------------------------------- one rank in this process
+
+@pytest.fixture(scope="module")
+def one_rank_group():
+    """A one-rank gloo group in the test process: ShardedTrainer without Ray, fast."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from flash.fsdp import free_port
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    yield init_device_mesh("cpu", (1,))
+    dist.destroy_process_group()
+
+
+def sharded(model_dir, mesh, s=None, **group):
+    from flash.fsdp import ShardedTrainer, decoder_layers
+    from flash.workers import load_model
+
+    tr = ShardedTrainer(load_model(model_dir), s or settings(), GroupSettings(**group), mesh, torch.device("cpu"))
+    seen = []  # a layer's input dtype per decoder-layer call, recompute included (a pre-hook: the
+    # recompute stops early, before a forward hook would run)
+    for layer in decoder_layers(tr.model):
+        layer.register_forward_pre_hook(
+            lambda m, args, kwargs: seen.append((args[0] if args else kwargs["hidden_states"]).dtype),
+            with_kwargs=True)
+    return tr, seen
+
+
+def one_step(tr, batch, adv):
+    plan = [list(range(len(batch)))]
+    m = tr.planned_step(batch, adv, batch.behav_logp, plan, float(batch.mask.sum()), len(batch))
+    return m, {n: p.grad.full_tensor().clone() for n, p in tr.model.named_parameters()}
+
+
+def test_activation_checkpointing_recomputes_layers_with_the_same_gradients(model_dir, one_rank_group):
+    batch, adv = make_batch(seed=2)
+    (plain, seen_plain), (ckpt, seen_ckpt) = sharded(model_dir, one_rank_group), sharded(
+        model_dir, one_rank_group, activation_checkpointing=True)
+    m0, g0 = one_step(plain, batch, adv)
+    m1, g1 = one_step(ckpt, batch, adv)
+    assert len(seen_plain) == 2 and len(seen_ckpt) == 4  # 2 layers; each runs again in backward
+    assert m1["partial"]["loss"] == m0["partial"]["loss"]
+    assert all(torch.allclose(g1[k], g0[k], atol=1e-7, rtol=1e-6) for k in g0)
+
+
+def test_bf16_mixed_precision_computes_in_bf16_and_keeps_fp32_master_weights(model_dir, one_rank_group):
+    from flash.fsdp_checkpoint import full_state_dict
+
+    batch, adv = make_batch(seed=3)
+    (fp32, seen32), (bf16, seen16) = sharded(model_dir, one_rank_group), sharded(
+        model_dir, one_rank_group, mixed_precision="bf16")
+    m32, _ = one_step(fp32, batch, adv)
+    m16, _ = one_step(bf16, batch, adv)
+    assert set(seen32) == {torch.float32} and set(seen16) == {torch.bfloat16}
+    assert m16["partial"]["loss"] == pytest.approx(m32["partial"]["loss"], rel=3e-2)  # bf16: ~3 digits
+    assert m16["partial"]["loss"] != m32["partial"]["loss"]
+    assert {v.dtype for v in full_state_dict(bf16.model).values()} == {torch.float32}
+
+
 # ---------------------------------------------------------------- the group (Ray processes)
 
 @pytest.fixture(scope="module")
@@ -186,3 +245,55 @@ def test_two_workers_equal_one_worker_and_the_plain_trainer(ray_session, model_d
     assert got2[0][0]["micro_batches"] >= 3 and got1[0][0]["micro_batches"] == 1  # budget did split
     assert_same_run(got1, want)
     assert_same_run(got2, want)
+
+
+def hf_logprobs(model, batch, temperature=0.7):
+    from flash.trainer import token_logprobs
+
+    with torch.no_grad():
+        logp, _ = token_logprobs(model.eval(), batch, temperature)
+    return logp * batch.mask
+
+
+@pytest.mark.slow
+def test_checkpoint_round_trip_and_hf_export(ray_session, model_dir, tmp_path):
+    """Activation checkpointing on (same loss as the plain Trainer); DCP save -> step -> load ->
+    the same step gives bit-identical weights (model *and* AdamW moments restored); the HF export
+    loads in transformers with the group's weights and logprobs."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    batch, adv = make_batch(seed=5)
+    s = settings("token-mean")
+    want = reference_run(model_dir, s, batch, adv)[0][0]
+    group = start_group(model_dir, s, workers=2, micro_tokens=32, activation_checkpointing=True)
+    try:
+        m1 = ray.get(group.train_step.remote(batch, adv, None))
+        assert m1["loss"] == pytest.approx(want["loss"], rel=1e-5)
+        assert m1["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)
+        ckpt = ray.get(group.save.remote(str(tmp_path / "ckpt")))
+        ray.get(group.train_step.remote(batch, adv, None))
+        after = ray.get(group.get_weights.remote())
+        assert ray.get(group.load.remote(ckpt)) == 1
+        back = ray.get(group.get_weights.remote())
+        assert any(not torch.equal(back[k], after[k]) for k in after)  # load really rewound
+        ray.get(group.train_step.remote(batch, adv, None))
+        again = ray.get(group.get_weights.remote())
+        assert all(torch.equal(again[k], after[k]) for k in after)
+        assert ray.get(group.stats.remote())["steps"] == 2.0
+        info = ray.get(group.export_hf.remote(str(tmp_path / "hf")))
+        group_logp = ray.get(group.logprobs.remote(batch))
+    finally:
+        ray.kill(group)
+    assert info["tokenizer"] is True
+    model = AutoModelForCausalLM.from_pretrained(info["path"], dtype=torch.float32)
+    assert AutoTokenizer.from_pretrained(info["path"]).get_vocab() == AutoTokenizer.from_pretrained(model_dir).get_vocab()
+    loaded = model.state_dict()
+    assert all(torch.equal(loaded[k], again[k]) for k in again)
+    assert torch.allclose(hf_logprobs(model, batch), group_logp, atol=1e-5)
+
+
+def test_bad_checkpoint_path_names_the_fix(tmp_path):
+    from flash.fsdp_checkpoint import load_dcp
+
+    with pytest.raises(FileNotFoundError, match="no torch distributed checkpoint"):
+        load_dcp(None, None, str(tmp_path))
