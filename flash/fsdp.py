@@ -16,14 +16,9 @@ gradient is exactly the full-batch gradient of the single-process trainer.
 
 from __future__ import annotations
 
-import datetime
-import json
-import os
 import socket
-import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -152,12 +147,12 @@ class ShardedTrainer(Trainer):
         self._mismatch, self._mismatch_acc = {}, [0.0, 0.0, 0.0]
         total, metrics = 0.0, {}
         for mb in plan:
-            part = take_rows(batch, mb or self._pad_row(plan))
-            index, width = torch.tensor(mb or self._pad_row(plan), device=self.device), part.mask.shape[1]
-            cut = lambda t: None if t is None else t.index_select(0, index)[:, :width]
+            idx = mb or self._pad_row(plan)
+            part = take_rows(batch, idx)
+            width = part.mask.shape[1]
             # a padding pass: weight 0, and prox given so it adds nothing to the mismatch metrics
-            prox = cut(prox_logp) if mb is not None else part.behav_logp
-            loss, m = self._micro_loss(part, cut(advantages), prox, cut(ref))
+            prox = _cut(prox_logp, idx, width) if mb is not None else part.behav_logp
+            loss, m = self._micro_loss(part, _cut(advantages, idx, width), prox, _cut(ref, idx, width))
             weight = micro_weight(self.s.agg, part, tokens, rows) if mb is not None else 0.0
             (loss * weight).backward()
             total += float(loss.detach()) * weight
@@ -176,15 +171,27 @@ class ShardedTrainer(Trainer):
                 "skipped": float(not finite), "mismatch": list(self._mismatch_acc)}
 
 
+def _cut(t: torch.Tensor | None, idx: list[int], width: int) -> torch.Tensor | None:
+    """Rows ``idx`` of a token-level ``[N, L-1]`` tensor, trimmed to a micro-batch's width."""
+    return None if t is None else t.index_select(0, torch.tensor(idx, device=t.device))[:, :width]
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on ``host`` now (the OS picks; a race with another binder is possible)."""
+    """A TCP port free on ``host`` now (the OS picks; another process could take it before rank 0
+    binds it, which fails ``setup`` loudly rather than joining the wrong group)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
 
 
-def pick_device() -> tuple[torch.device, str]:
-    """(device, backend): the first visible GPU with NCCL, else the CPU with gloo."""
+def pick_device(rank: int) -> tuple[torch.device, str]:
+    """(device, backend): a GPU with NCCL when one is visible, else the CPU with gloo.
+
+    With one visible GPU (Ray gave this rank ``num_gpus=1``) it is ``cuda:0``; with several (no
+    per-rank assignment) rank ``r`` takes GPU ``r mod count``, so ranks never share one by accident.
+    """
     if torch.cuda.is_available():
-        return torch.device("cuda", 0), "nccl"
+        device = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        return device, "nccl"
     return torch.device("cpu"), "gloo"

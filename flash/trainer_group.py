@@ -46,12 +46,17 @@ class FSDPRank:
         algos.load_plugins(list(plugins))
         self.rank, self.world, self.model_path = rank, world, model_path
         self.settings, self.group, self.seed = settings, group, seed
-        self.device, self.backend = pick_device()
+        self.device, self.backend = pick_device(rank)
         self.trainer: ShardedTrainer | None = None
 
-    def rendezvous(self) -> tuple[str, int]:
-        """Rank 0's address and a port free on its host, for every rank's ``setup``."""
-        return "127.0.0.1", free_port("127.0.0.1")
+    def node(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
+    def rendezvous(self, spread: bool) -> tuple[str, int]:
+        """Rank 0's address and a port free on it, for every rank's ``setup``: loopback when all
+        ranks share this host (nothing listens outside it), else this node's IP."""
+        host = ray.util.get_node_ip_address() if spread else "127.0.0.1"
+        return host, free_port(host)
 
     def setup(self, addr: str, port: int) -> str:
         """Join the process group (blocks until all ranks join), then load and shard the model."""
@@ -137,7 +142,8 @@ class TrainerGroup:
         per_rank = max(1, threads // n)
         self.ranks = [cls.options(**{"num_cpus": 0, "max_concurrency": 2, **o}).remote(
             r, n, model_path, settings, group, seed, per_rank, list(plugins), list(paths)) for r, o in enumerate(opts)]
-        addr, port = ray.get(self.ranks[0].rendezvous.remote())
+        spread = len(set(ray.get([r.node.remote() for r in self.ranks]))) > 1
+        addr, port = ray.get(self.ranks[0].rendezvous.remote(spread))
         self.backend = ray.get([r.setup.remote(addr, port) for r in self.ranks])[0]
         self.settings, self.group = settings, group
         self.lock = threading.Lock()  # collectives in one order on every rank
@@ -145,6 +151,8 @@ class TrainerGroup:
         self.busy_s = 0.0
 
     def _plan(self, batch: TrainBatch) -> MicroPlan:
+        if len(batch) == 0:
+            raise ValueError("the trainer group got an empty batch (0 rows); nothing to train on")
         lengths = batch.attention_mask.sum(dim=1).tolist()
         return plan_batch(lengths, self.group.workers, self.group.micro_tokens, self.settings.micro_batch_size)
 
@@ -157,7 +165,7 @@ class TrainerGroup:
         start = time.monotonic()
         plan, ref = self._plan(batch), ray.put(batch)
         with self.lock:
-            parts = ray.get([r.logprobs.remote(ref, p) for r, p in zip(self.ranks, plan.ranks)])
+            parts = ray.get([r.logprobs.remote(ref, p) for r, p in zip(self.ranks, plan.ranks, strict=True)])
         self.busy_s += time.monotonic() - start
         return torch.stack(parts).sum(0)
 
@@ -168,7 +176,7 @@ class TrainerGroup:
         tokens, rows = float(batch.mask.sum()), len(batch)
         refs = [ray.put(batch), ray.put(advantages), ray.put(prox_logp)]
         with self.lock:
-            results = ray.get([r.train_step.remote(*refs, p, tokens, rows) for r, p in zip(self.ranks, plan.ranks)])
+            results = ray.get([r.train_step.remote(*refs, p, tokens, rows) for r, p in zip(self.ranks, plan.ranks, strict=True)])
         self.steps += 1
         self.busy_s += time.monotonic() - start
         return combine_steps(results, plan)

@@ -9,8 +9,6 @@ is blind to a uniform gradient scale) or as steps of a different sign (~lr apart
 trips are exact (torch.equal).
 """
 
-import copy
-
 import pytest
 import ray
 import torch
@@ -38,7 +36,7 @@ def test_plan_by_hand():
 
 def test_plan_covers_every_row_once_within_budget():
     g = torch.Generator().manual_seed(3)
-    for trial in range(50):
+    for _ in range(50):
         n, world = int(torch.randint(1, 40, (1,), generator=g)), int(torch.randint(1, 5, (1,), generator=g))
         lengths = torch.randint(1, 30, (n,), generator=g).tolist()
         budget, max_rows = int(torch.randint(0, 80, (1,), generator=g)), int(torch.randint(1, 9, (1,), generator=g))
@@ -209,7 +207,7 @@ def group_run(handle, batch, adv):
 
 def assert_same_run(got, want):
     (gm, gprox, gw), (wm, wprox, ww) = got, want
-    for g, w in zip(gm, wm):
+    for g, w in zip(gm, wm, strict=True):
         for key in ("loss", "grad_norm", "clipfrac"):
             assert g[key] == pytest.approx(w[key], rel=1e-5, abs=1e-7), key
         assert g["skipped"] == w["skipped"] == 0.0
@@ -339,7 +337,7 @@ def test_controller_through_a_two_worker_group_is_the_plain_synchronous_loop(tmp
         r.close()
     ours = [([s.response_ids for s in flatten(rec.groups)], rec.metrics["train/loss"]) for rec in records]
     ref = plain_sync_loop(cfg, r.model_path, r.task, r.tokenizer, 3)
-    for t, ((tok_a, loss_a), (tok_b, loss_b)) in enumerate(zip(ours, ref)):
+    for t, ((tok_a, loss_a), (tok_b, loss_b)) in enumerate(zip(ours, ref, strict=True)):
         assert tok_a == tok_b, f"step {t}: different samples"
         assert loss_a == pytest.approx(loss_b, rel=1e-5, abs=1e-7), f"step {t}"
     assert all(rec.metrics["train/micro_batches"] >= 2 for rec in records)
