@@ -1,11 +1,13 @@
 """Trainer throughput: the single-process trainer vs FSDP2 groups of 1 and 2 ranks, side by side.
 
     python -m bench.trainer [--repeats 5] [--rows 128] [--threads 2] [--hidden 128 --layers 4]
+                            [--groups fsdp1,fsdp2,fsdp2_micro1024]
 
 Every variant gets the same batch (the default recipe's shape: 128 rows, prompts of ~20 tokens,
 long-tailed responses up to 48) and the same total torch threads (split over a group's ranks), and
 runs the same train steps; repeats are interleaved (one step of each variant in turn) so machine
-noise hits all alike. Reported: median tokens/s (real, unpadded tokens of the batch per second of
+noise hits all alike. The plain trainer's micro-batches are rows in batch order; a group's are
+length-grouped (``flash.microbatch``), so part of any difference is padding saved. Reported: median tokens/s (real, unpadded tokens of the batch per second of
 ``train_step`` as the controller sees it) and the median per-repeat ratio to the plain trainer.
 On a 2-core CPU machine a second rank mostly buys memory (1/N of weights, grads and AdamW state per
 rank), not speed: both ranks share the same cores and add gloo traffic. The last line is JSON.
@@ -55,7 +57,7 @@ def build_model_dir(hidden: int, layers: int) -> str:
     return path
 
 
-def start_variants(path: str, threads: int, micro_tokens: int) -> dict:
+def start_variants(path: str, threads: int, names: list[str]) -> dict:
     from flash.fsdp import GroupSettings
     from flash.trainer import TrainerSettings
     from flash.trainer_group import start_trainer_group
@@ -63,13 +65,11 @@ def start_variants(path: str, threads: int, micro_tokens: int) -> dict:
 
     s = TrainerSettings(lr=1e-5, weight_decay=0.0, betas=(0.9, 0.999), grad_clip=1.0, micro_batch_size=64,
                         temperature=1.0, loss={"name": "decoupled_ppo"}, agg="token-mean")
-    variants = {
-        "plain": start_trainer(path, s, 0, threads, []),
-        "fsdp1": start_trainer_group(path, s, GroupSettings(workers=1), 0, threads, []),
-        "fsdp2": start_trainer_group(path, s, GroupSettings(workers=2), 0, threads, []),
-        f"fsdp2_micro{micro_tokens}": start_trainer_group(
-            path, s, GroupSettings(workers=2, micro_tokens=micro_tokens), 0, threads, []),
-    }
+    variants = {"plain": start_trainer(path, s, 0, threads, [])}  # the ratios' denominator
+    for name in names:
+        workers, _, budget = name.removeprefix("fsdp").partition("_micro")
+        group = GroupSettings(workers=int(workers), micro_tokens=int(budget or 0))
+        variants[name] = start_trainer_group(path, s, group, 0, threads, [])
     wait_ready(*variants.values(), timeout=900)
     return variants
 
@@ -81,7 +81,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--micro-tokens", type=int, default=1024)
+    ap.add_argument("--groups", default="fsdp1,fsdp2",
+                    help="FSDP2 variants beside the plain trainer: fsdpN[_microT] (N ranks, T-token budget)")
     args = ap.parse_args(argv)
     from flash.workers import init_ray
 
@@ -89,7 +90,7 @@ def main(argv: list[str] | None = None) -> dict:
     path = build_model_dir(args.hidden, args.layers)
     batch, adv = make_batch(args.rows, vocab=40)
     tokens = float(batch.attention_mask.sum())
-    variants = start_variants(path, args.threads, args.micro_tokens)
+    variants = start_variants(path, args.threads, args.groups.split(","))
     for handle in variants.values():  # warm-up step: first-touch allocations, AdamW state
         ray.get(handle.train_step.remote(batch, adv, None))
     seconds: dict[str, list[float]] = {k: [] for k in variants}

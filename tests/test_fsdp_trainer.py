@@ -256,8 +256,9 @@ def hf_logprobs(model, batch, temperature=0.7):
 @pytest.mark.slow
 def test_checkpoint_round_trip_and_hf_export(ray_session, model_dir, tmp_path):
     """Activation checkpointing on (same loss as the plain Trainer); DCP save -> step -> load ->
-    the same step gives bit-identical weights (model *and* AdamW moments restored); the HF export
-    loads in transformers with the group's weights and logprobs."""
+    the same step gives bit-identical weights (model *and* AdamW moments restored); a one-rank
+    group loads the two-rank checkpoint; the HF export loads in transformers with the group's
+    weights and logprobs."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     batch, adv = make_batch(seed=5)
@@ -282,6 +283,15 @@ def test_checkpoint_round_trip_and_hf_export(ray_session, model_dir, tmp_path):
         group_logp = ray.get(group.logprobs.remote(batch))
     finally:
         ray.kill(group)
+    one = start_group(model_dir, s, workers=1)  # DCP reshards: 2 ranks wrote it, 1 rank reads it
+    try:
+        assert ray.get(one.load.remote(ckpt)) == 1
+        assert all(torch.equal(v, back[k]) for k, v in ray.get(one.get_weights.remote()).items())
+        ray.get(one.train_step.remote(batch, adv, None))  # AdamW moments came along: same step 2
+        resumed = ray.get(one.get_weights.remote())
+    finally:
+        ray.kill(one)
+    assert max(float((resumed[k] - after[k]).abs().max()) for k in after) <= 1e-5
     assert info["tokenizer"] is True
     model = AutoModelForCausalLM.from_pretrained(info["path"], dtype=torch.float32)
     assert AutoTokenizer.from_pretrained(info["path"]).get_vocab() == AutoTokenizer.from_pretrained(model_dir).get_vocab()
