@@ -135,6 +135,22 @@ def test_bf16_mixed_precision_computes_in_bf16_and_keeps_fp32_master_weights(mod
     assert {v.dtype for v in full_state_dict(bf16.model).values()} == {torch.float32}
 
 
+def test_kl_reference_is_a_sharded_copy_of_the_initial_weights(model_dir, one_rank_group):
+    """kl_coef > 0: the sharded trainer's frozen reference gives the plain Trainer's KL and loss."""
+    from flash.workers import load_model
+
+    batch, adv = make_batch(seed=4)
+    s = settings(loss={"name": "decoupled_ppo", "kl_coef": 0.5}, lr=1e-2)
+    tr, _ = sharded(model_dir, one_rank_group, s)
+    plain = Trainer(load_model(model_dir), s)
+    for step in range(2):  # step 0: policy == reference (KL 0); step 1: they differ
+        got, _ = one_step(tr, batch, adv)
+        want = plain.train_step(batch, adv, batch.behav_logp)
+        assert got["partial"]["loss"] == pytest.approx(want["loss"], rel=1e-5)
+        assert got["partial"]["kl_ref"] == pytest.approx(want["kl_ref"], rel=1e-4, abs=1e-9)
+    assert want["kl_ref"] > 1e-5
+
+
 # ---------------------------------------------------------------- the group (Ray processes)
 
 @pytest.fixture(scope="module")
