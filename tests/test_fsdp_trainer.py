@@ -409,3 +409,21 @@ def test_vllm_serves_the_hf_export(ray_session, model_dir, tmp_path):
     initial = hf_logprobs(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), sampled)
     assert float(((sampled.behav_logp - trained).abs() * sampled.mask).max()) < 1e-4
     assert float(((sampled.behav_logp - initial).abs() * sampled.mask).max()) > 1e-2  # the step mattered
+
+
+@pytest.mark.slow
+def test_two_workers_in_bf16_over_gloo(ray_session, model_dir):
+    """bf16 all-gathers between two processes (fp32 gradient reduction and master weights): the
+    loss is the fp32 loss to bf16 precision, and the gathered weights stay fp32."""
+    batch, adv = make_batch(seed=6)
+    s = settings("token-mean")
+    want = reference_run(model_dir, s, batch, adv)[0][0]
+    group = start_group(model_dir, s, workers=2, mixed_precision="bf16")
+    try:
+        got = ray.get(group.train_step.remote(batch, adv, None))
+        weights = ray.get(group.get_weights.remote())
+    finally:
+        ray.kill(group)
+    assert got["loss"] == pytest.approx(want["loss"], rel=3e-2) and got["loss"] != want["loss"]
+    assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=5e-2) and got["skipped"] == 0.0
+    assert {v.dtype for v in weights.values()} == {torch.float32}
