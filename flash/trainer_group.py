@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import sys
 import threading
 import time
@@ -32,6 +33,10 @@ from flash.microbatch import MicroPlan, plan_batch
 from flash.trainer import TrainerSettings
 
 META_FILE = "flash_trainer.json"  # beside the DCP shards: steps and the world size that wrote them
+
+
+class TrainerGroupError(RuntimeError):
+    """A rank failed: its peers may be stuck in a collective, so the group takes no more calls."""
 
 
 class FSDPRank:
@@ -108,6 +113,9 @@ class FSDPRank:
         t = self.trainer
         return {"busy_s": t.busy_s if t else 0.0, "steps": float(t.steps) if t else 0.0}
 
+    def pid(self) -> int:
+        return os.getpid()
+
 
 def combine_steps(results: list[dict], plan: MicroPlan) -> dict:
     """The ranks' partial step results → the single-trainer metrics dict (all floats).
@@ -149,6 +157,7 @@ class TrainerGroup:
         self.lock = threading.Lock()  # collectives in one order on every rank
         self.steps = 0
         self.busy_s = 0.0
+        self.failed: str | None = None  # why the group broke (a rank failed), once it has
 
     def _plan(self, batch: TrainBatch) -> MicroPlan:
         if len(batch) == 0:
@@ -156,16 +165,36 @@ class TrainerGroup:
         lengths = batch.attention_mask.sum(dim=1).tolist()
         return plan_batch(lengths, self.group.workers, self.group.micro_tokens, self.settings.micro_batch_size)
 
-    def _all(self, method: str, *args) -> list:
+    def _call(self, method: str, per_rank: list[tuple]) -> list:
+        """``method`` on every rank (rank r gets ``per_rank[r]``), in one order; their results.
+
+        Results are taken as they come, so a rank that dies or raises is reported at once (its
+        peers would wait in a collective until the timeout); the group is then broken for good.
+        """
+        if self.failed:
+            raise TrainerGroupError(f"trainer group is broken ({self.failed}); start a new one and load "
+                                    "the last checkpoint")
         with self.lock:
-            return ray.get([getattr(r, method).remote(*args) for r in self.ranks])
+            refs = [getattr(r, method).remote(*args) for r, args in zip(self.ranks, per_rank, strict=True)]
+            pending = list(refs)
+            while pending:
+                ready, pending = ray.wait(pending, num_returns=1)
+                try:
+                    ray.get(ready)
+                except ray.exceptions.RayError as exc:
+                    rank = refs.index(ready[0])
+                    self.failed = f"rank {rank} failed in {method}: {type(exc).__name__}: {str(exc).splitlines()[0]}"
+                    raise TrainerGroupError(self.failed) from None
+            return ray.get(refs)
+
+    def _all(self, method: str, *args) -> list:
+        return self._call(method, [args] * len(self.ranks))
 
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
         """Proximal logprobs ``[N, L-1]``: each rank's rows, added up (zeros elsewhere)."""
         start = time.monotonic()
         plan, ref = self._plan(batch), ray.put(batch)
-        with self.lock:
-            parts = ray.get([r.logprobs.remote(ref, p) for r, p in zip(self.ranks, plan.ranks, strict=True)])
+        parts = self._call("logprobs", [(ref, p) for p in plan.ranks])
         self.busy_s += time.monotonic() - start
         return torch.stack(parts).sum(0)
 
@@ -175,8 +204,7 @@ class TrainerGroup:
         plan = self._plan(batch)
         tokens, rows = float(batch.mask.sum()), len(batch)
         refs = [ray.put(batch), ray.put(advantages), ray.put(prox_logp)]
-        with self.lock:
-            results = ray.get([r.train_step.remote(*refs, p, tokens, rows) for r, p in zip(self.ranks, plan.ranks, strict=True)])
+        results = self._call("train_step", [(*refs, p, tokens, rows) for p in plan.ranks])
         self.steps += 1
         self.busy_s += time.monotonic() - start
         return combine_steps(results, plan)
@@ -207,9 +235,16 @@ class TrainerGroup:
         return self._all("export_hf", str(path))[0]
 
     def stats(self) -> dict:
-        ranks = ray.get([r.stats.remote() for r in self.ranks])
-        return {"busy_s": self.busy_s, "steps": float(self.steps),
-                "rank_busy_s_max": max(r["busy_s"] for r in ranks), "workers": float(len(ranks))}
+        """Busy time and steps (as ``TrainerWorker``), plus ``failed`` (1.0 once a rank failed)."""
+        out = {"busy_s": self.busy_s, "steps": float(self.steps), "workers": float(len(self.ranks)),
+               "failed": float(self.failed is not None)}
+        if not self.failed:
+            out["rank_busy_s_max"] = max(r["busy_s"] for r in ray.get([r.stats.remote() for r in self.ranks]))
+        return out
+
+    def pids(self) -> list[int]:
+        """Each rank's process id (profilers, and the tests' way to kill one)."""
+        return ray.get([r.pid.remote() for r in self.ranks])
 
 
 def group_settings(train) -> GroupSettings | None:

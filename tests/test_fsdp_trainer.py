@@ -427,3 +427,26 @@ def test_two_workers_in_bf16_over_gloo(ray_session, model_dir):
     assert got["loss"] == pytest.approx(want["loss"], rel=3e-2) and got["loss"] != want["loss"]
     assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=5e-2) and got["skipped"] == 0.0
     assert {v.dtype for v in weights.values()} == {torch.float32}
+
+
+@pytest.mark.slow
+def test_a_dead_rank_is_a_named_error_not_a_hang(ray_session, model_dir):
+    """A rank process killed (as by the OOM killer): the step fails at once naming a rank, not after
+    the collective timeout; the group refuses later calls and says so in stats."""
+    import os
+    import signal
+    import time
+
+    batch, adv = make_batch(seed=8)
+    group = start_group(model_dir, settings(), workers=2)
+    try:
+        os.kill(ray.get(group.pids.remote())[1], signal.SIGKILL)
+        start = time.monotonic()
+        with pytest.raises(Exception, match=r"rank \d failed in train_step"):
+            ray.get(group.train_step.remote(batch, adv, None))
+        assert time.monotonic() - start < 120  # the collective timeout is 600 s
+        with pytest.raises(Exception, match="trainer group is broken.*load the last checkpoint"):
+            ray.get(group.logprobs.remote(batch))
+        assert ray.get(group.stats.remote())["failed"] == 1.0
+    finally:
+        ray.kill(group)
