@@ -16,6 +16,7 @@ gradient is exactly the full-batch gradient of the single-process trainer.
 
 from __future__ import annotations
 
+import difflib
 import socket
 import time
 from dataclasses import dataclass
@@ -46,8 +47,21 @@ class GroupSettings:
         if self.micro_tokens < 0:
             raise ValueError(f"train.micro_tokens must be >= 0 (0 = no token budget), got {self.micro_tokens}")
         if self.mixed_precision not in MIXED_PRECISION:
+            near = difflib.get_close_matches(str(self.mixed_precision), list(MIXED_PRECISION), n=1, cutoff=0.5)
             raise ValueError(f"train.mixed_precision must be one of {', '.join(MIXED_PRECISION)}, "
-                             f"got '{self.mixed_precision}'")
+                             f"got '{self.mixed_precision}'" + (f" (did you mean '{near[0]}'?)" if near else ""))
+
+
+def group_settings(train) -> GroupSettings | None:
+    """The group's knobs from the ``train`` config section, or None for the single-process trainer.
+
+    A group is used when ``workers`` > 1 or any group knob is set (a one-rank group then), so that
+    no knob the user set is silently ignored.
+    """
+    group = GroupSettings(workers=train.workers, micro_tokens=train.micro_tokens,
+                          mixed_precision=train.mixed_precision,
+                          activation_checkpointing=train.activation_checkpointing)
+    return None if group == GroupSettings() else group
 
 
 def take_rows(batch: TrainBatch, idx: list[int]) -> TrainBatch:

@@ -26,7 +26,8 @@ from flash.config import FlashConfig, to_dict, to_yaml
 from flash.engine.base import SamplingParams
 from flash.tracking import Progress, make_tracker
 from flash.trainer import TrainerSettings
-from flash.trainer_group import group_settings, start_trainer_group
+from flash.fsdp import group_settings
+from flash.trainer_group import start_trainer_group
 from flash.workers import init_ray, quiet, start_engine, start_trainer, wait_ready
 
 

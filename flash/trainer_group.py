@@ -247,18 +247,6 @@ class TrainerGroup:
         return ray.get([r.pid.remote() for r in self.ranks])
 
 
-def group_settings(train) -> GroupSettings | None:
-    """The group's knobs from the ``train`` config section, or None for the single-process trainer.
-
-    A group is used when ``workers`` > 1 or any group knob is set (a one-rank group then), so that
-    no knob the user set is silently ignored.
-    """
-    group = GroupSettings(workers=train.workers, micro_tokens=train.micro_tokens,
-                          mixed_precision=train.mixed_precision,
-                          activation_checkpointing=train.activation_checkpointing)
-    return None if group == GroupSettings() else group
-
-
 def start_trainer_group(model_path: str, settings: TrainerSettings, group: GroupSettings, seed: int,
                         threads: int, plugins: list[str], rank_options: list[dict] | None = None):
     """The group actor (``threads`` torch threads split over its ranks); ``rank_options`` are Ray

@@ -328,7 +328,7 @@ def test_bad_checkpoint_path_names_the_fix(tmp_path):
 def test_group_knobs_are_strict_and_route_to_the_group():
     from flash.config import load_config
     from flash.errors import ConfigError
-    from flash.trainer_group import group_settings
+    from flash.fsdp import group_settings
 
     with pytest.raises(ConfigError, match="did you mean 'workers'"):
         load_config("recipes/stutter.yaml", ["train.worker=2"])
