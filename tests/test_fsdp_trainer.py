@@ -143,7 +143,7 @@ def test_kl_reference_is_a_sharded_copy_of_the_initial_weights(model_dir, one_ra
     s = settings(loss={"name": "decoupled_ppo", "kl_coef": 0.5}, lr=1e-2)
     tr, _ = sharded(model_dir, one_rank_group, s)
     plain = Trainer(load_model(model_dir), s)
-    for step in range(2):  # step 0: policy == reference (KL 0); step 1: they differ
+    for _ in range(2):  # step 0: policy == reference (KL 0); step 1: they differ
         got, _ = one_step(tr, batch, adv)
         want = plain.train_step(batch, adv, batch.behav_logp)
         assert got["partial"]["loss"] == pytest.approx(want["loss"], rel=1e-5)
@@ -221,7 +221,7 @@ def group_run(handle, batch, adv):
     return [m1, m2], prox, ray.get(handle.get_weights.remote())
 
 
-def assert_same_run(got, want):
+def assert_same_run(got, want, initial):
     (gm, gprox, gw), (wm, wprox, ww) = got, want
     for g, w in zip(gm, wm, strict=True):
         for key in ("loss", "grad_norm", "clipfrac"):
@@ -233,11 +233,9 @@ def assert_same_run(got, want):
     assert sorted(gw) == sorted(ww)
     worst = max(float((gw[k] - ww[k]).abs().max()) for k in ww)
     assert worst <= 1e-5, worst
-    moved = max(float((ww[k] - w0).abs().max()) for k, w0 in INITIAL.items())
+    moved = max(float((ww[k] - w0).abs().max()) for k, w0 in initial.items())
     assert moved > LR  # the steps did move the weights (two AdamW steps of ~lr each)
 
-
-INITIAL: dict = {}
 
 
 @pytest.mark.slow
@@ -247,7 +245,7 @@ def test_two_workers_equal_one_worker_and_the_plain_trainer(ray_session, model_d
     counts) == 1 rank with one micro-batch == the single-process Trainer, over two steps."""
     from flash.workers import load_model
 
-    INITIAL.update({k: v.clone() for k, v in load_model(model_dir).state_dict().items()})
+    initial = load_model(model_dir).state_dict()
     batch, adv = make_batch()
     s = settings(agg)
     want = reference_run(model_dir, s, batch, adv)
@@ -257,8 +255,8 @@ def test_two_workers_equal_one_worker_and_the_plain_trainer(ray_session, model_d
     finally:
         ray.kill(two), ray.kill(one)
     assert got2[0][0]["micro_batches"] >= 3 and got1[0][0]["micro_batches"] == 1  # budget did split
-    assert_same_run(got1, want)
-    assert_same_run(got2, want)
+    assert_same_run(got1, want, initial)
+    assert_same_run(got2, want, initial)
 
 
 def hf_logprobs(model, batch, temperature=0.7):
