@@ -93,6 +93,13 @@ class EngineWorker:
         tensors = named_tensors.values() if hasattr(named_tensors, "values") else (t for _, t in named_tensors)
         return float(sum(t.numel() * t.element_size() for t in tensors))
 
+    def sleep(self, level: int = 1) -> dict:
+        """Release memory for a colocated trainer while paused; see ``TorchEngine.sleep``."""
+        return self.loop.sleep(level)
+
+    def wake_up(self) -> dict:
+        return self.loop.wake_up()
+
     def abort(self, request_ids=None):
         return self.loop.abort(request_ids)
 
@@ -143,6 +150,15 @@ class TrainerWorker:
 
     def train_step(self, batch, advantages, prox_logp) -> dict:
         return self.trainer.train_step(batch, advantages, prox_logp)
+
+    def begin_step(self) -> None:
+        self.trainer.begin_step()
+
+    def accumulate(self, batch, advantages, prox_logp) -> float:
+        return self.trainer.accumulate(batch, advantages, prox_logp)
+
+    def finish_step(self) -> dict:
+        return self.trainer.finish_step()
 
     def get_weights(self) -> dict:
         return self.trainer.state_dict()
@@ -196,6 +212,13 @@ def start_engine(model_path: str, max_num_seqs: int, seed: int, threads: int, en
 def start_trainer(model_path: str, settings, seed: int, threads: int, plugins: list[str]):
     actor = ray.remote(TrainerWorker).options(num_cpus=0, max_concurrency=2)
     return actor.remote(model_path, settings, seed, threads, plugins, plugin_paths(plugins))
+
+
+def start_critic(model_path: str, settings, seed: int, threads: int):
+    """The critic role (``flash.critic.Critic``) as its own actor, for the ``gae`` estimator."""
+    from flash.critic import Critic
+
+    return ray.remote(Critic).options(num_cpus=0).remote(model_path, settings, seed, threads)
 
 
 def wait_ready(*actors, timeout: float = 300.0) -> float:
