@@ -5,13 +5,14 @@ decoder layer and the root model are ``fully_shard``-ed: each rank stores 1/N of
 gradient and AdamW moment; a layer's full weights exist only while it runs (all-gather), and
 gradients are reduce-scattered as each layer's backward ends.
 
-The algorithm is the single-process ``Trainer``'s, reused, not forked: the loss of a micro-batch
-(``Trainer._micro_loss`` → ``algos.policy_loss``), its weight (``micro_weight``) and the fused
-proximal policy with its mismatch tracking. What differs is only *which rows* a rank trains on (a
-plan from ``flash.microbatch``, made by the group) and the weight's denominator: the *global*
-token/row count of the whole batch, not the rank's. Gradients are reduced with SUM (FSDP's default
-is the mean over ranks, which would divide each rank's share by N a second time), so the summed
-gradient is exactly the full-batch gradient of the single-process trainer.
+The algorithm is the single-process ``Trainer``'s, reused, not forked: the step in parts
+(``begin_step`` / accumulate / finish), the loss of a micro-batch (``Trainer._micro_loss`` →
+``algos.policy_loss``), its weight (``part_weight``: masked tokens for token-mean, rows for the
+seq-mean modes) and the fused proximal policy with its mismatch tracking. What differs is only
+*which rows* a rank trains on (a plan from ``flash.microbatch``, made by the group) and the divisor
+of the summed gradient: the *global* weight of the whole step (all ranks' tokens or rows), not the
+rank's. Gradients are reduced with SUM (FSDP's default is the mean over ranks, which would divide
+by N a second time), so the result is the full-batch gradient of the single-process trainer.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import torch.distributed as dist
 
 from flash.batch import TrainBatch
 from flash.microbatch import Plan
-from flash.trainer import Trainer, TrainerSettings, micro_weight, token_logprobs
+from flash.trainer import Trainer, TrainerSettings, part_weight, token_logprobs
 
 MIXED_PRECISION = {"fp32": None, "bf16": torch.bfloat16}
 COLLECTIVE_TIMEOUT_S = 600  # a dead peer fails the step after this, instead of hanging forever
@@ -95,8 +96,8 @@ def decoder_layers(model) -> list[torch.nn.Module]:
 def shard_model(model, group: GroupSettings, mesh) -> None:
     """``fully_shard`` each decoder layer, then the root (embeddings, final norm, LM head).
 
-    Gradient reduction is a plain SUM (divide factor 1, and gloo has no premultiplied sum): each
-    rank's loss is already weighted by its share of the *global* batch.
+    Gradient reduction is a plain SUM (divide factor 1, and gloo has no premultiplied sum): the
+    step divides the summed gradient by the *global* weight itself (``planned_finish``).
     """
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
@@ -152,37 +153,62 @@ class ShardedTrainer(Trainer):
         rows = [i for mb in plan if mb for i in mb]
         return rows[:1] or [0]
 
-    def planned_step(self, batch: TrainBatch, advantages, prox_logp, plan: Plan,
-                     tokens: float, rows: int) -> dict:
-        """This rank's share of one optimizer step; returns partial sums the group adds up."""
+    def planned_accumulate(self, batch: TrainBatch, advantages, prox_logp, plan: Plan) -> float:
+        """``Trainer.accumulate`` over this rank's planned rows: backward into the open step
+        (``begin_step``), each micro-batch weighted by what it stands for (``part_weight``); a
+        padding pass weighs 0. Returns this rank's weight; the group sums them over ranks."""
         start = time.monotonic()
+        acc = self._acc
         ref = self.planned_logprobs(batch, plan, self.ref_model) if self.ref_model is not None else None
-        self.optimizer.zero_grad(set_to_none=True)
-        self._mismatch, self._mismatch_acc = {}, [0.0, 0.0, 0.0]
-        total, metrics = 0.0, {}
+        added = 0.0
         for mb in plan:
             idx = mb or self._pad_row(plan)
             part = take_rows(batch, idx)
             width = part.mask.shape[1]
-            # a padding pass: weight 0, and prox given so it adds nothing to the mismatch metrics
+            # a padding pass: prox given, so it adds nothing to the mismatch metrics either
             prox = _cut(prox_logp, idx, width) if mb is not None else part.behav_logp
             loss, m = self._micro_loss(part, _cut(advantages, idx, width), prox, _cut(ref, idx, width))
-            weight = micro_weight(self.s.agg, part, tokens, rows) if mb is not None else 0.0
+            weight = part_weight(self.s.agg, part) if mb is not None else 0.0
             (loss * weight).backward()
-            total += float(loss.detach()) * weight
+            acc["loss"] += float(loss.detach()) * weight
             for key, value in m.items():
-                metrics[key] = metrics.get(key, 0.0) + float(value) * weight
+                acc["metrics"][key] = acc["metrics"].get(key, 0.0) + float(value) * weight
+            added += weight
+        acc["weight"] += added
+        acc["busy"] += time.monotonic() - start
+        return added
+
+    def planned_finish(self, total: float) -> dict:
+        """``Trainer.finish_step`` with the step's *global* weight ``total`` (all ranks' parts).
+
+        The reduce-scattered gradient is the sum over ranks; dividing it by the global total gives
+        the single-process gradient. Returns this rank's partial sums (already divided by
+        ``total``), which the group adds up.
+        """
+        start = time.monotonic()
+        acc, total = self._acc, max(total, 1e-12)
+        for p in self.model.parameters():
+            if p.grad is not None:
+                p.grad.div_(total)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.s.grad_clip)
         grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-        global_loss = torch.tensor([total], dtype=torch.float64, device=self.device)
+        global_loss = torch.tensor([acc["loss"]], dtype=torch.float64, device=self.device)
         dist.all_reduce(global_loss)  # every rank must agree on skipping a non-finite step
         finite = bool(torch.isfinite(grad_norm)) and bool(torch.isfinite(global_loss).all())
         if finite:
             self.optimizer.step()
         self.steps += 1
-        self.busy_s += time.monotonic() - start
-        return {"partial": dict(metrics, loss=total), "grad_norm": float(grad_norm),
-                "skipped": float(not finite), "mismatch": list(self._mismatch_acc)}
+        self.busy_s += acc["busy"] + time.monotonic() - start
+        partial = {k: v / total for k, v in acc["metrics"].items()}
+        partial["loss"] = acc["loss"] / total
+        return {"partial": partial, "grad_norm": float(grad_norm), "skipped": float(not finite),
+                "mismatch": list(self._mismatch_acc)}
+
+    def planned_step(self, batch: TrainBatch, advantages, prox_logp, plan: Plan, total: float) -> dict:
+        """One optimizer step over this rank's rows; ``total``: the batch's global weight."""
+        self.begin_step()
+        self.planned_accumulate(batch, advantages, prox_logp, plan)
+        return self.planned_finish(total)
 
 
 def _cut(t: torch.Tensor | None, idx: list[int], width: int) -> torch.Tensor | None:

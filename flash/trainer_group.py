@@ -83,10 +83,15 @@ class FSDPRank:
         self.trainer.busy_s += time.monotonic() - start
         return out
 
-    def train_step(self, batch: TrainBatch, advantages, prox_logp, plan, tokens: float, rows: int) -> dict:
-        dev = lambda t: None if t is None else t.to(self.device)
-        return self.trainer.planned_step(batch_to(batch, self.device), dev(advantages), dev(prox_logp),
-                                         plan, tokens, rows)
+    def begin_step(self) -> None:
+        self.trainer.begin_step()
+
+    def accumulate(self, batch: TrainBatch, advantages, prox_logp, plan) -> float:
+        dev = lambda t: None if t is None else t.to(self.device)  # noqa: E731
+        return self.trainer.planned_accumulate(batch_to(batch, self.device), dev(advantages), dev(prox_logp), plan)
+
+    def finish_step(self, total: float) -> dict:
+        return self.trainer.planned_finish(total)
 
     def full_state_dict(self):
         from flash.fsdp_checkpoint import full_state_dict
@@ -117,12 +122,12 @@ class FSDPRank:
         return os.getpid()
 
 
-def combine_steps(results: list[dict], plan: MicroPlan) -> dict:
+def combine_steps(results: list[dict], counts: dict[str, float]) -> dict:
     """The ranks' partial step results → the single-trainer metrics dict (all floats).
 
-    Partial loss and metrics are already weighted by global shares, so they add; grad norm and
-    skip are global (every rank holds the same); the mismatch accumulators add (sums, counts) and
-    take the max.
+    Partial loss and metrics are already divided by the step's global weight, so they add; grad
+    norm and skip are global (every rank holds the same); the mismatch accumulators add (sums,
+    counts) and take the max. ``counts``: the step's micro-batch plan counters.
     """
     metrics: dict[str, float] = {}
     for r in results:
@@ -132,9 +137,13 @@ def combine_steps(results: list[dict], plan: MicroPlan) -> dict:
     total, count = sum(r["mismatch"][0] for r in results), sum(r["mismatch"][1] for r in results)
     if count > 0:
         metrics.update(mismatch_mean=total / count, mismatch_max=max(r["mismatch"][2] for r in results))
-    metrics.update(micro_batches=float(plan.count), pad_micro_batches=float(plan.pad_micro_batches),
-                   over_budget_rows=float(plan.over_budget))
+    metrics.update(counts)
     return metrics
+
+
+def plan_counts(plan: MicroPlan) -> dict[str, float]:
+    return {"micro_batches": float(plan.count), "pad_micro_batches": float(plan.pad_micro_batches),
+            "over_budget_rows": float(plan.over_budget)}
 
 
 class TrainerGroup:
@@ -158,6 +167,7 @@ class TrainerGroup:
         self.steps = 0
         self.busy_s = 0.0
         self.failed: str | None = None  # why the group broke (a rank failed), once it has
+        self._open: dict[str, float] = {}  # the open step's weight and plan counters
 
     def _plan(self, batch: TrainBatch) -> MicroPlan:
         if len(batch) == 0:
@@ -200,14 +210,35 @@ class TrainerGroup:
 
     def train_step(self, batch: TrainBatch, advantages: torch.Tensor, prox_logp: torch.Tensor | None) -> dict:
         """One optimizer step over the whole batch, sharded over the ranks (``Trainer.train_step``)."""
+        self.begin_step()
+        self.accumulate(batch, advantages, prox_logp)
+        return self.finish_step()
+
+    # ---- one step in parts, as ``Trainer`` (the stream trainer feeds groups as they finish) ----
+    def begin_step(self) -> None:
+        self._all("begin_step")
+        self._open = {"weight": 0.0, "micro_batches": 0.0, "pad_micro_batches": 0.0, "over_budget_rows": 0.0}
+
+    def accumulate(self, batch: TrainBatch, advantages: torch.Tensor, prox_logp: torch.Tensor | None) -> float:
+        """Backward over ``batch``, its rows planned over the ranks; returns its weight."""
         start = time.monotonic()
         plan = self._plan(batch)
-        tokens, rows = float(batch.mask.sum()), len(batch)
         refs = [ray.put(batch), ray.put(advantages), ray.put(prox_logp)]
-        results = self._call("train_step", [(*refs, p, tokens, rows) for p in plan.ranks])
+        added = sum(self._call("accumulate", [(*refs, p) for p in plan.ranks]))
+        for key, value in plan_counts(plan).items():
+            self._open[key] += value
+        self._open["weight"] += added
+        self.busy_s += time.monotonic() - start
+        return added
+
+    def finish_step(self) -> dict:
+        """Divide by the step's global weight, clip, step on every rank; the step's metrics."""
+        start = time.monotonic()
+        counts = dict(self._open)
+        results = self._all("finish_step", counts.pop("weight"))
         self.steps += 1
         self.busy_s += time.monotonic() - start
-        return combine_steps(results, plan)
+        return combine_steps(results, counts)
 
     def get_weights(self) -> dict[str, torch.Tensor]:
         """The full (gathered) state dict, keys as the plain model's ``state_dict``."""
