@@ -357,15 +357,17 @@ def test_group_knobs_are_strict_and_route_to_the_group():
 
 
 @pytest.mark.slow
-def test_controller_through_a_two_worker_group_is_the_plain_synchronous_loop(tmp_path, ray_session):
+@pytest.mark.parametrize("stream", [False, True])
+def test_controller_through_a_two_worker_group_is_the_plain_synchronous_loop(tmp_path, ray_session, stream):
     """The real controller, engine and a 2-rank group (token budget on): the same samples and
-    losses as the textbook loop with the plain Trainer, step for step."""
+    losses as the textbook loop with the plain Trainer, step for step; also when the stream
+    trainer feeds the group each prompt's group as it finishes."""
     from flash.batch import flatten
     from flash.runner import Run
     from tests.test_controller_e2e import plain_sync_loop, small_cfg
 
     cfg = small_cfg(tmp_path / "run", str(tmp_path / "cache"), "async_ratio=0", "algo.loss.name=ppo",
-                    "train.workers=2", "train.micro_tokens=96")
+                    "train.workers=2", "train.micro_tokens=96", f"train.stream={stream}")
     r = Run(cfg, "sync-fsdp")
     try:
         assert ray.get(r.trainer.stats.remote())["workers"] == 2.0
