@@ -221,6 +221,7 @@ class TrainerGroup:
 
     def accumulate(self, batch: TrainBatch, advantages: torch.Tensor, prox_logp: torch.Tensor | None) -> float:
         """Backward over ``batch``, its rows planned over the ranks; returns its weight."""
+        self._require_open("accumulate")
         start = time.monotonic()
         plan = self._plan(batch)
         refs = [ray.put(batch), ray.put(advantages), ray.put(prox_logp)]
@@ -233,12 +234,17 @@ class TrainerGroup:
 
     def finish_step(self) -> dict:
         """Divide by the step's global weight, clip, step on every rank; the step's metrics."""
+        self._require_open("finish_step")
         start = time.monotonic()
-        counts = dict(self._open)
+        counts, self._open = dict(self._open), {}
         results = self._all("finish_step", counts.pop("weight"))
         self.steps += 1
         self.busy_s += time.monotonic() - start
         return combine_steps(results, counts)
+
+    def _require_open(self, method: str) -> None:
+        if not self._open:
+            raise RuntimeError(f"{method} outside a step: call begin_step first")
 
     def get_weights(self) -> dict[str, torch.Tensor]:
         """The full (gathered) state dict, keys as the plain model's ``state_dict``."""
