@@ -35,7 +35,7 @@ def make_batch(rows: int, vocab: int, seed: int = 0):
     samples = []
     for i in range(rows):
         p = torch.randint(4, vocab, (int(torch.randint(12, 29, (1,), generator=g)),), generator=g).tolist()
-        n = min(48, 4 + int(torch.distributions.Exponential(1 / 10.0).sample()))
+        n = min(48, 4 + int(-10.0 * torch.log1p(-torch.rand(1, generator=g))))  # exponential, mean 10
         r = torch.randint(4, vocab, (n,), generator=g).tolist()
         samples.append(Sample(prompt_id=i // 8, sample_index=i % 8, prompt_ids=p, response_ids=r,
                               behav_logprobs=[-2.0] * n, versions=[0] * n, reward=float(i % 3 == 0)))
