@@ -83,6 +83,11 @@ class TrainConfig:
     # while the rest of the batch still decodes; one optimizer step when the batch is complete
     # (the same update as the plain synchronous step). Needs a group-local advantage estimator.
     stream: bool = False
+    # FSDP2 trainer group (flash.trainer_group): used when workers > 1 or any knob below is set.
+    workers: int = 1  # trainer processes; parameters, gradients and AdamW state sharded over them
+    micro_tokens: int = 0  # padded tokens per micro-batch (length-grouped rows); 0 = rows only
+    mixed_precision: str = "fp32"  # fp32 | bf16 (bf16 compute, fp32 master weights and reduction)
+    activation_checkpointing: bool = False  # recompute decoder layers in backward (less memory)
 
 
 @dataclass
@@ -248,6 +253,7 @@ def validate(cfg: FlashConfig) -> None:
     _require(cfg.train.steps >= 1, f"train.steps must be >= 1, got {cfg.train.steps}")
     _require(cfg.train.prompts_per_step >= 1, "train.prompts_per_step must be >= 1")
     _require(cfg.train.micro_batch_size >= 1, "train.micro_batch_size must be >= 1")
+    _check_group(cfg.train)
     _require(cfg.train.lr > 0, f"train.lr must be > 0, got {cfg.train.lr}")
     _require(cfg.algo.recompute_prox in ("auto", "always", "never"),
              f"algo.recompute_prox must be auto, always or never, got '{cfg.algo.recompute_prox}'")
@@ -313,3 +319,13 @@ def _check_task(section: dict, task_options) -> None:
     except (ValueError, KeyError) as exc:
         raise ConfigError(f"task: {exc}") from None
     check_keys(options, schema, prefix="task.")
+
+
+def _check_group(train: TrainConfig) -> None:
+    """The FSDP2 group's knobs, checked by the group's own settings (one place says what is valid)."""
+    from flash.fsdp import group_settings
+
+    try:
+        group_settings(train)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None

@@ -30,6 +30,8 @@ from flash.critic import CriticSettings
 from flash.envs.runtime import build_episode_scheduler, check_episode_config
 from flash.envs.task import EnvTask
 from flash.trainer import TrainerSettings
+from flash.fsdp import group_settings
+from flash.trainer_group import start_trainer_group
 from flash.workers import init_ray, quiet, start_critic, start_engine, start_trainer, wait_ready
 
 
@@ -130,7 +132,12 @@ class Run:
         settings = trainer_settings(cfg)
         self.engine = start_engine(self.model_path, cfg.rollout.max_num_seqs, cfg.seed, engine_threads,
                                    engine=cfg.rollout.engine)
-        self.trainer = start_trainer(self.model_path, settings, cfg.seed, trainer_threads, list(cfg.plugins))
+        group = group_settings(cfg.train)  # FSDP2 trainer group, or None: one trainer process
+        if group is None:
+            self.trainer = start_trainer(self.model_path, settings, cfg.seed, trainer_threads, list(cfg.plugins))
+        else:
+            self.trainer = start_trainer_group(self.model_path, settings, group, cfg.seed, trainer_threads,
+                                               list(cfg.plugins))
         self.critic = None
         if cfg.algo.advantage["name"] == "gae":  # the only estimator that reads values
             self.critic = start_critic(self.model_path, CriticSettings(**dataclasses.asdict(cfg.critic)), cfg.seed,

@@ -80,9 +80,13 @@ class Trainer:
         self.needs_entropy = float(self.knobs.get("entropy_coef", 0.0) or 0.0) != 0.0
         self.ref_model = None
         if float(self.knobs.get("kl_coef", 0.0) or 0.0) != 0.0:
-            self.ref_model = copy.deepcopy(model).eval()
+            self.ref_model = self._reference_model(model)
         self.steps = 0
         self.busy_s = 0.0
+
+    def _reference_model(self, model):
+        """The frozen KL reference: a copy of the initial weights (a sharded trainer overrides it)."""
+        return copy.deepcopy(model).eval()
 
     @torch.no_grad()
     def logprobs(self, batch: TrainBatch, model=None) -> torch.Tensor:
