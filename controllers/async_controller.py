@@ -44,6 +44,9 @@ class ControllerSettings:
     advantage: dict[str, Any]
     prox: str  # "behav" (prox = behaviour), "fused" (in the train forward), "separate" (own phase)
     pad_id: int = 0
+    # The engines share the trainer's devices (flash.placement): they are paused and put to sleep
+    # (memory released) before the trainer runs; resume after the weight push wakes them.
+    colocated: bool = False
 
 
 @dataclass
@@ -102,6 +105,10 @@ class AsyncController:
             groups = self._get_batch(t)
         samples = flatten(groups)
         batch = collate(samples, pad_id=self.s.pad_id)
+        if self.s.colocated:
+            with self.phase("sleep"):
+                ray.get(self.engine.pause.remote(self.s.interrupt))
+                ray.get(self.engine.sleep.remote())
         with self.phase("recompute_prox"):
             prox = {"behav": batch.behav_logp, "fused": None}.get(self.s.prox)
             if self.s.prox == "separate":

@@ -20,6 +20,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from flash.errors import ConfigError
 from flash.models import TinyModelConfig
+from flash.placement import PlacementConfig
 from flash.sft import SFTConfig
 
 
@@ -44,6 +45,9 @@ class RolloutConfig:
     # before it is scored, so groups finish out of admission order.
     inject_delay_s: float = 0.0
     reward_workers: int = 4  # threads scoring finished responses as they arrive
+    # With several engine replicas (placement.roles.actor_infer.num_workers): keep the n samples
+    # of a prompt on one replica (shared prefix) instead of spreading every request by load.
+    prompt_affinity: bool = False
 
 
 @dataclass
@@ -119,6 +123,7 @@ class FlashConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     resources: ResourcesConfig = field(default_factory=ResourcesConfig)
     ray: RayConfig = field(default_factory=RayConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)  # flash.placement
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
 
@@ -226,9 +231,16 @@ def validate(cfg: FlashConfig) -> None:
                           lambda name, knobs: algos.validate_loss(name, knobs, agg=cfg.algo.agg))
     _check_plugin_section("algo.advantage", cfg.algo.advantage, algos.validate_advantage)
     _check_task(cfg.task, task_options)
+    _check_placement(cfg)
     from flash.tracking import check_backends
 
     check_backends(list(cfg.tracking.backends))
+
+
+def _check_placement(cfg: FlashConfig) -> None:
+    from flash.placement import check_runnable, plan_placement
+
+    check_runnable(plan_placement(cfg.placement, engine=cfg.rollout.engine))  # PlacementError: a ConfigError
 
 
 def _check_plugin_section(where: str, section: dict, validator) -> None:

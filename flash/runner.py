@@ -24,6 +24,8 @@ from controllers.rollout_scheduler import PromptSource, RolloutScheduler
 from controllers.staleness import StalenessManager
 from flash.config import FlashConfig, to_dict, to_yaml
 from flash.engine.base import SamplingParams
+from flash.engine.router import start_router
+from flash.placement import Placement, plan_placement
 from flash.tracking import Progress, make_tracker
 from flash.trainer import TrainerSettings
 from flash.workers import init_ray, quiet, start_engine, start_trainer, wait_ready
@@ -119,11 +121,17 @@ class Run:
     def _start_roles(self) -> None:
         cfg = self.cfg
         engine_threads, trainer_threads = resolve_threads(cfg)
-        init_ray(cfg.ray.address, cfg.ray.num_cpus)
+        plan = plan_placement(cfg.placement, engine=cfg.rollout.engine)
+        init_ray(cfg.ray.address, cfg.ray.num_cpus, num_gpus=cfg.placement.num_gpus)
+        self.placement = Placement.create(plan, cfg.placement.cpus_per_bundle)
         settings = trainer_settings(cfg)
-        self.engine = start_engine(self.model_path, cfg.rollout.max_num_seqs, cfg.seed, engine_threads,
-                                   engine=cfg.rollout.engine)
-        self.trainer = start_trainer(self.model_path, settings, cfg.seed, trainer_threads, list(cfg.plugins))
+        n = len(plan.workers["actor_infer"])  # engine replicas share the role's threads
+        self.replicas = [start_engine(self.model_path, cfg.rollout.max_num_seqs, cfg.seed,
+                                      max(1, engine_threads // n), engine=cfg.rollout.engine,
+                                      options=self.placement.options("actor_infer", i)) for i in range(n)]
+        self.engine = self.replicas[0] if n == 1 else start_router(self.replicas, cfg.rollout.prompt_affinity)
+        self.trainer = start_trainer(self.model_path, settings, cfg.seed, trainer_threads, list(cfg.plugins),
+                                     options=self.placement.options("actor_train", 0))
         wait_ready(self.engine, self.trainer)
         B = cfg.train.prompts_per_step
         self.staleness = StalenessManager(cfg.async_ratio, B)
@@ -140,6 +148,7 @@ class Run:
                 prompts_per_step=B, interrupt=cfg.rollout.interrupt, advantage=dict(cfg.algo.advantage),
                 prox=prox_mode(cfg.algo.recompute_prox, cfg.async_ratio),
                 pad_id=self.tokenizer.pad_token_id or 0,
+                colocated=plan.colocated("actor_infer", "actor_train"),
             ),
             ledger=self.ledger,
         )
@@ -162,8 +171,9 @@ class Run:
         self.ledger.close()
         for f in (self.metrics_file, self.timeline_file, self.eval_file):
             f.close()
-        for actor in (self.engine, self.trainer):
+        for actor in dict.fromkeys([self.engine, *self.replicas, self.trainer]):
             ray.kill(actor)
+        self.placement.remove()
 
 
 def run(cfg: FlashConfig, recipe_name: str = "run") -> dict:

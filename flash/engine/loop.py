@@ -147,6 +147,13 @@ class EngineLoop:
                 raise RuntimeError("update_weights needs a paused EngineLoop; call pause(mode) first")
             engine.update_weights(named_tensors, version)
 
+    def sleep(self) -> dict[str, float]:
+        """Release the engine's memory while paused (``TorchEngine.sleep``); ``resume`` reloads it."""
+        with self._engine_at_boundary() as engine:
+            if self._paused is None:
+                raise RuntimeError("sleep needs a paused EngineLoop; call pause(mode) first")
+            return engine.sleep()
+
     def abort(self, request_ids: list[str] | None = None) -> list[GenerationOutput]:
         """Abort requests (None = all); their partial outputs are returned here, not by get_finished."""
         with self._engine_at_boundary() as engine:

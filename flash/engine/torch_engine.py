@@ -261,6 +261,7 @@ class TorchEngine:
         self._kv: _KVBatch | None = None
         self._ids: set[str] = set()
         self.admitting = True  # False after preempt("wait") until resume()
+        self.asleep = False  # after sleep() until resume(): weights may be off the device
         self.tokens_generated = 0
         self._arrivals = 0
 
@@ -283,7 +284,7 @@ class TorchEngine:
     @property
     def can_step(self) -> bool:
         """Whether ``step`` would make progress (False when only waiting and admission is off)."""
-        return bool(self._running or (self.admitting and self._waiting))
+        return not self.asleep and bool(self._running or (self.admitting and self._waiting))
 
     # ---- requests ----------------------------------------------------------------------------
     def add_request(self, req: GenerationRequest) -> None:
@@ -363,8 +364,40 @@ class TorchEngine:
             self.admitting = False
 
     def resume(self) -> None:
-        """Re-open admission after ``preempt``."""
+        """Re-open admission after ``preempt``; first ``wake_up`` if asleep."""
+        if self.asleep:
+            self.wake_up()
         self.admitting = True
+
+    def sleep(self) -> dict[str, float]:
+        """Free memory for a role colocated on this device; returns the bytes released, by kind.
+
+        Released: the KV cache (running requests go back to the queue with their partial
+        responses, as after a weight update, and are re-prefilled on wake) and, on an accelerator,
+        the weights, moved to host memory, then the allocator's cache is emptied. On CPU the
+        weights stay where they are (host memory is where they would go) and the freed KV buffers
+        return to the process allocator, which may or may not give them back to the OS.
+        Not released: the model's code, the CUDA context, per-request generator state.
+        """
+        kv = 0.0
+        if self._kv is not None:
+            kv = float(sum(t.numel() * t.element_size() for layer in self._kv.layers if layer.is_initialized
+                           for t in (layer.k_buf, layer.v_buf)))
+        self._requeue_running()
+        weights = 0.0
+        if self._device.type != "cpu" and not self.asleep:
+            weights = float(sum(p.numel() * p.element_size() for p in self.model.parameters()))
+            self.model.to("cpu")
+            getattr(torch, self._device.type).empty_cache()
+        self.asleep = True
+        return {"kv_bytes": kv, "weight_bytes": weights}
+
+    def wake_up(self) -> None:
+        """Reload what ``sleep`` released: the weights go back to the device; the KV cache is
+        rebuilt lazily by the next prefill."""
+        if self._device.type != "cpu":
+            self.model.to(self._device)
+        self.asleep = False
 
     @torch.no_grad()
     def update_weights(self, named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
