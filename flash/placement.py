@@ -14,11 +14,13 @@ Two steps, so that the decisions can be tested without Ray:
   device index, so that device ``d`` is bundle ``d`` (on a machine flash has to itself, GPU ``d``).
   Each bundle is probed once for the GPU id Ray gave it. A worker is scheduled into the bundle of
   its first device and asks Ray for ``1/k`` of it, ``k`` = the roles sharing that device, so Ray's
-  accounting refuses oversubscription while colocated actors share. Ray cannot give one actor
-  devices from several bundles, so flash sets ``CUDA_VISIBLE_DEVICES`` itself (Ray told not to,
-  ``RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES``) to the worker's devices in mapping order; its
-  other devices are held by the placement group, so no one else gets them. This is ROLL's scheme.
-  ``FLASH_DEVICES`` carries the logical indices. CPU-only roles see no GPU at all.
+  accounting refuses oversubscription while colocated actors share. A one-device worker gets its
+  GPU from Ray itself (``CUDA_VISIBLE_DEVICES``, ``ray.get_gpu_ids()``). Ray cannot give one actor
+  devices from several bundles, so for a multi-device worker flash sets ``CUDA_VISIBLE_DEVICES``
+  itself (Ray told not to, ``RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES``; ``ray.get_gpu_ids()``
+  is then not meaningful there) to its devices in mapping order; its other devices are held by
+  the placement group, so no one else gets them. This is ROLL's scheme. ``FLASH_DEVICES`` carries
+  the logical indices for every placed worker. CPU-only roles see no GPU at all.
 
 On CPU, ``ray.init(num_gpus=N)`` simulates N GPUs: the bundles, shares and environment variables are
 the same, which is what the tests pin.
@@ -241,8 +243,9 @@ class Placement:
             return {}
         if not w.devices:  # a CPU-only role on a machine with GPUs: it must not grab one
             return {"runtime_env": {"env_vars": {NOSET_ENV: "1", "CUDA_VISIBLE_DEVICES": ""}}}
-        env = {NOSET_ENV: "1", "CUDA_VISIBLE_DEVICES": ",".join(self.gpu_ids[d] for d in w.devices),
-               "FLASH_DEVICES": ",".join(str(d) for d in w.devices)}
+        env = {"FLASH_DEVICES": ",".join(str(d) for d in w.devices)}
+        if len(w.devices) > 1:  # Ray would show only the first bundle's GPU: flash sets them all
+            env.update({NOSET_ENV: "1", "CUDA_VISIBLE_DEVICES": ",".join(self.gpu_ids[d] for d in w.devices)})
         return {"num_gpus": float(w.gpu_share), "scheduling_strategy": _strategy(self.pg, w.devices[0]),
                 "runtime_env": {"env_vars": env}}
 
