@@ -136,10 +136,10 @@ class Router:
         self._polls: dict[int, ray.ObjectRef] = {}
         self._carry: list[GenerationOutput] = []  # outputs taken while another replica failed
 
-    def _get(self, refs: list, what: str) -> list:
-        """``ray.get`` of one call per replica, naming the replica that failed."""
+    def _get(self, refs: dict, what: str) -> list:
+        """``ray.get`` of calls keyed by replica index (in key order), naming a replica that failed."""
         out = []
-        for i, ref in enumerate(refs):
+        for i, ref in sorted(refs.items()):
             try:
                 out.append(ray.get(ref))
             except Exception as exc:  # noqa: BLE001 - re-raised with the replica's name
@@ -147,7 +147,7 @@ class Router:
         return out
 
     def _all(self, method: str, *args) -> list:
-        return self._get([getattr(r, method).remote(*args) for r in self.replicas], method)
+        return self._get({i: getattr(r, method).remote(*args) for i, r in enumerate(self.replicas)}, method)
 
     # ---- requests ------------------------------------------------------------------------------
     def submit(self, requests: list[GenerationRequest]) -> int:
@@ -156,8 +156,7 @@ class Router:
         per: dict[int, list[GenerationRequest]] = {}
         for r, i in zip(requests, where):
             per.setdefault(i, []).append(r)
-        order = sorted(per)
-        self._get([self.replicas[i].submit.remote(per[i]) for i in order], "submit")
+        self._get({i: self.replicas[i].submit.remote(rs) for i, rs in per.items()}, "submit")
         return len(requests)
 
     def routes(self, request_ids: list[str]) -> list[int | None]:
@@ -180,7 +179,7 @@ class Router:
                 i = by_ref[ref]
                 del self._polls[i]
                 try:
-                    outs += self._get([ref], f"get_finished (replica {i})")[0]
+                    outs += self._get({i: ref}, "get_finished")[0]
                 except ReplicaError as exc:
                     failed = exc
             with self._lock:
@@ -201,8 +200,7 @@ class Router:
             for rid, i in owners.items():
                 if i is not None:
                     per.setdefault(i, []).append(rid)
-            order = sorted(per)
-            parts = self._get([self.replicas[i].abort.remote(per[i]) for i in order], "abort")
+            parts = self._get({i: self.replicas[i].abort.remote(ids) for i, ids in per.items()}, "abort")
             outs = [o for part in parts for o in part]
         with self._lock:
             self.balancer.done([o.request_id for o in outs])
