@@ -31,6 +31,10 @@ from flash.engine.base import GenerationOutput, GenerationRequest
 class ReplicaError(RuntimeError):
     """An engine replica failed (its actor died or raised); the message names its index."""
 
+    def __init__(self, message: str, replica: int = -1):  # default: unpickling passes only args
+        super().__init__(message)
+        self.replica = replica
+
 
 @dataclass
 class _Out:
@@ -143,7 +147,7 @@ class Router:
             try:
                 out.append(ray.get(ref))
             except Exception as exc:  # noqa: BLE001 - re-raised with the replica's name
-                raise ReplicaError(f"engine replica {i} failed in {what}: {exc!r}") from exc
+                raise ReplicaError(f"engine replica {i} failed in {what}: {exc!r}", i) from exc
         return out
 
     def _all(self, method: str, *args) -> list:
@@ -156,7 +160,12 @@ class Router:
         per: dict[int, list[GenerationRequest]] = {}
         for r, i in zip(requests, where):
             per.setdefault(i, []).append(r)
-        self._get({i: self.replicas[i].submit.remote(rs) for i, rs in per.items()}, "submit")
+        try:
+            self._get({i: self.replicas[i].submit.remote(rs) for i, rs in per.items()}, "submit")
+        except ReplicaError as exc:  # what that replica refused is not outstanding there
+            with self._lock:
+                self.balancer.done([r.request_id for r in per[exc.replica]])
+            raise
         return len(requests)
 
     def routes(self, request_ids: list[str]) -> list[int | None]:
