@@ -84,6 +84,7 @@ class EvalConfig:
 class ResourcesConfig:
     # torch threads per role; 0 = auto: with async_ratio 0 the phases alternate, so each may use
     # every core (colocated); with async_ratio > 0 they overlap, so the cores are split (disjoint).
+    # Several engine replicas (placement.roles.actor_infer.num_workers) split engine_threads.
     engine_threads: int = 0
     trainer_threads: int = 0
 
