@@ -182,6 +182,8 @@ def run(cfg: FlashConfig, recipe_name: str = "run") -> dict:
     tracker = make_tracker(cfg.tracking, str(r.dir), config=to_dict(cfg))
     progress = Progress(cfg.train.steps, cfg.tracking.progress)
     progress.write(f"flash: run dir {r.dir}")
+    if r.placement.plan.num_gpus or len(r.replicas) > 1:
+        progress.write(f"flash: {r.placement.plan.describe()}")
     try:
         r.scheduler.start()
         acc0 = r.evaluate("initial")

@@ -47,6 +47,8 @@ def test_disaggregated_mapping():
     assert plan.groups == (("actor_train",), ("actor_infer",))
     assert not plan.colocated("actor_train", "actor_infer")
     assert {w.gpu_share for ws in plan.workers.values() for w in ws} == {Fraction(1)}
+    assert plan.describe() == ("placement: 4 device(s)\n  actor_train: 1 worker(s) w0:[0, 1]\n"
+                               "  actor_infer: 2 worker(s) w0:[2] w1:[3]")
 
 
 def test_colocated_mapping_shares_each_device_between_roles():
@@ -56,6 +58,8 @@ def test_colocated_mapping_shares_each_device_between_roles():
     assert plan.groups == (("actor_train", "actor_infer"),)
     assert devices(plan, "actor_infer") == [(1,), (0,)]  # mapping order, not sorted
     assert [w.gpu_share for w in plan.workers["actor_infer"]] == [Fraction(1, 2)] * 2
+    assert plan.describe().splitlines()[1:] == ["  actor_train: 1 worker(s) w0:[0, 1] colocated with actor_infer",
+                                                "  actor_infer: 2 worker(s) w0:[1] w1:[0] colocated with actor_train"]
 
 
 def test_three_roles_on_one_device_set_and_a_tensor_parallel_engine():
