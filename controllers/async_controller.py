@@ -44,8 +44,9 @@ class ControllerSettings:
     advantage: dict[str, Any]
     prox: str  # "behav" (prox = behaviour), "fused" (in the train forward), "separate" (own phase)
     pad_id: int = 0
+    stream: bool = False  # stream trainer: backward each group on arrival (async_ratio 0 only)
     # The engines share the trainer's devices (flash.placement): they are paused and put to sleep
-    # (memory released) before the trainer runs; resume after the weight push wakes them.
+    # (memory released) before the trainer runs, and woken before the weight push.
     colocated: bool = False
 
 
@@ -61,8 +62,8 @@ class StepRecord:
 
 class AsyncController:
     def __init__(self, engine, trainer, scheduler: RolloutScheduler, buffer: SampleBuffer,
-                 staleness: StalenessManager, settings: ControllerSettings, ledger=None):
-        self.engine, self.trainer = engine, trainer
+                 staleness: StalenessManager, settings: ControllerSettings, ledger=None, critic=None):
+        self.engine, self.trainer, self.critic = engine, trainer, critic
         self.scheduler, self.buffer, self.staleness = scheduler, buffer, staleness
         self.s = settings
         self.ledger = ledger
@@ -101,6 +102,8 @@ class AsyncController:
         if not self._meters["train"].started:
             self._start_usage()
         start = time.monotonic()
+        if self.s.stream:
+            return self._stream_step(t, admit_more, start)
         with self.phase("get_batch"):
             groups = self._get_batch(t)
         samples = flatten(groups)
@@ -114,15 +117,72 @@ class AsyncController:
             if self.s.prox == "separate":
                 prox = ray.get(self.trainer.logprobs.remote(batch))
         with self.phase("advantages"):
-            knobs = {k: v for k, v in self.s.advantage.items() if k != "name"}
-            adv = algos.compute_advantages(self.s.advantage["name"], batch.rewards,
-                                           batch.group_ids, batch.mask, **knobs)
+            adv, critic_step = self._advantages(batch)
         with self.phase("train"):
             train_metrics = ray.get(self.trainer.train_step.remote(batch, adv, prox))
+            if critic_step is not None:  # the critic trained beside the policy
+                train_metrics.update(ray.get(critic_step))
+        if self.s.colocated:  # still paused: the weight push below finds the weights on the device
+            with self.phase("wake_up"):
+                ray.get(self.engine.wake_up.remote())
         self._update_weights(t + 1, admit_more)
         self._write_ledger(t, groups)
         metrics = self._metrics(t, samples, batch, prox, train_metrics, time.monotonic() - start)
         return StepRecord(step=t, metrics=metrics, groups=groups, timeline=self._timeline())
+
+    def _stream_step(self, t: int, admit_more: bool, start: float) -> StepRecord:
+        """The stream trainer (RollPacker): each group is backpropagated as soon as it is in the
+        buffer, while the rest of the batch still decodes; the optimizer steps once the batch is
+        complete. ``Trainer.accumulate`` weights each part by what it stands for in the batch's
+        aggregate, so the update equals the plain step on the whole batch (up to float summation
+        order). Validation keeps it to async_ratio 0 and group-local estimators, where a group's
+        advantages and proximal policy (= behaviour) are final when the group is.
+
+        Timeline: ``get_batch`` spans the streaming (the trainer works inside it, one group behind
+        the rollout); ``train`` is the tail after the last group (its backward and the step).
+        """
+        ray.get(self.trainer.begin_step.remote())
+        groups, pending = [], None
+        with self.phase("get_batch"):
+            while len(groups) < self.s.prompts_per_step:
+                group = self._next_group()
+                part = collate(flatten(group), pad_id=self.s.pad_id)
+                adv, _ = self._advantages(part)
+                if pending is not None:
+                    ray.get(pending)  # keep one part in flight: the actor runs them in order
+                pending = self.trainer.accumulate.remote(part, adv, part.behav_logp)
+                groups += group
+        with self.phase("train"):
+            ray.get(pending)
+            train_metrics = ray.get(self.trainer.finish_step.remote())
+        samples = flatten(groups)
+        batch = collate(samples, pad_id=self.s.pad_id)
+        self._update_weights(t + 1, admit_more)
+        self._write_ledger(t, groups)
+        metrics = self._metrics(t, samples, batch, batch.behav_logp, train_metrics, time.monotonic() - start)
+        return StepRecord(step=t, metrics=metrics, groups=groups, timeline=self._timeline())
+
+    def _next_group(self) -> list[Group]:
+        """Any one finished group (at async_ratio 0 every buffered group is of this step)."""
+        while True:
+            try:
+                return self.buffer.get_batch(1, timeout=1.0)
+            except TimeoutError:
+                self.scheduler.check()
+
+    def _advantages(self, batch):
+        """Advantages from the configured estimator; with a critic (``gae``), its values first,
+        and its own train step launched at once (it needs only the batch, values and returns)."""
+        knobs = {k: v for k, v in self.s.advantage.items() if k != "name"}
+        values = critic_step = None
+        if self.critic is not None:
+            values = ray.get(self.critic.values.remote(batch))
+            returns = algos.gae_returns(batch.rewards, values, batch.mask,
+                                        knobs.get("gamma", 1.0), knobs.get("lam", 1.0))
+            critic_step = self.critic.train_step.remote(batch, returns, values)
+        adv = algos.compute_advantages(self.s.advantage["name"], batch.rewards, batch.group_ids, batch.mask,
+                                       values=values, **knobs)
+        return adv, critic_step
 
     def _get_batch(self, t: int) -> list[Group]:
         def select(groups: list[Group]):
@@ -137,14 +197,19 @@ class AsyncController:
                 self.scheduler.check()
 
     def _update_weights(self, new_version: int, admit_more: bool) -> None:
+        env_hold = getattr(self.scheduler, "suspend", None)  # episodes: environment steps are atomic
         with self.phase("suspend"):
             ray.get(self.engine.pause.remote(self.s.interrupt))
+            if env_hold:
+                env_hold()  # waits for the steps in flight, holds new ones until resume
         with self.phase("push_weights"):
             weights = self.trainer.get_weights.remote()
             self._update_bytes = float(ray.get(self.engine.update_weights.remote(weights, new_version)) or 0.0)
             self.version = new_version
         with self.phase("resume"):
             ray.get(self.engine.resume.remote())
+            if env_hold:
+                self.scheduler.resume()
         if admit_more:
             self.scheduler.set_version(new_version)
 

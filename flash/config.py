@@ -51,6 +51,18 @@ class RolloutConfig:
 
 
 @dataclass
+class RewardConfig:
+    # The reward function and its knobs: {name: math}, {name: code, all_or_nothing: true} or
+    # {name: 'my_pkg.rewards:fn', ...}; names and knobs are checked (flash.rewards.registry).
+    # Empty: the task's own reward, in the scheduler's threads. Set: scored by reward workers.
+    fn: Dict[str, Any] = field(default_factory=dict)
+    num_workers: int = 2  # reward actors (flash.rewards.workers)
+    concurrency: int = 4  # calls at once per worker
+    timeout_s: float = 30.0  # a call running longer scores 0 with reason 'timeout'
+    max_stuck: int = 4  # timed-out calls still running in a worker before it is replaced
+
+
+@dataclass
 class AlgoConfig:
     # Knobs of the named loss / estimator sit beside `name` and are checked against its signature.
     loss: Dict[str, Any] = field(default_factory=lambda: {"name": "decoupled_ppo"})
@@ -70,6 +82,20 @@ class TrainConfig:
     betas: List[float] = field(default_factory=lambda: [0.9, 0.999])
     grad_clip: float = 1.0
     micro_batch_size: int = 64  # samples per forward/backward
+    # Stream trainer (RollPacker): at async_ratio 0, backward each group as soon as it is scored,
+    # while the rest of the batch still decodes; one optimizer step when the batch is complete
+    # (the same update as the plain synchronous step). Needs a group-local advantage estimator.
+    stream: bool = False
+
+
+@dataclass
+class CriticConfig:
+    # The critic role (flash.critic): started when algo.advantage.name is gae, which needs values.
+    lr: float = 5e-4
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    value_clip: Optional[float] = 0.2  # PPO value clip around the values the advantages used; null: off
+    micro_batch_size: int = 64
 
 
 @dataclass
@@ -119,8 +145,10 @@ class FlashConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     resources: ResourcesConfig = field(default_factory=ResourcesConfig)
     ray: RayConfig = field(default_factory=RayConfig)
@@ -232,6 +260,8 @@ def validate(cfg: FlashConfig) -> None:
                           lambda name, knobs: algos.validate_loss(name, knobs, agg=cfg.algo.agg))
     _check_plugin_section("algo.advantage", cfg.algo.advantage, algos.validate_advantage)
     _check_task(cfg.task, task_options)
+    _check_stream(cfg)
+    _check_reward(cfg)
     _check_placement(cfg)
     from flash.tracking import check_backends
 
@@ -241,7 +271,28 @@ def validate(cfg: FlashConfig) -> None:
 def _check_placement(cfg: FlashConfig) -> None:
     from flash.placement import check_runnable, plan_placement
 
-    check_runnable(plan_placement(cfg.placement, engine=cfg.rollout.engine))  # PlacementError: a ConfigError
+    plan = plan_placement(cfg.placement, engine=cfg.rollout.engine)  # PlacementError: a ConfigError
+    check_runnable(plan)
+    _require(not (cfg.train.stream and plan.colocated("actor_infer", "actor_train")),
+             "train.stream trains while the engines generate, but placement colocates actor_train and "
+             "actor_infer (their engines sleep while training); give them disjoint devices or set "
+             "train.stream: false")
+
+
+STREAM_ESTIMATORS = ("grpo", "dr_grpo", "rloo")  # advantages of a group need only that group
+
+
+def _check_stream(cfg: FlashConfig) -> None:
+    if not cfg.train.stream:
+        return
+    _require(cfg.async_ratio == 0, "train.stream trains the synchronous batch as it arrives: it needs "
+             f"async_ratio: 0 (got {cfg.async_ratio}); with async_ratio > 0 set train.stream: false")
+    adv = dict(cfg.algo.advantage)
+    _require(adv.get("name") in STREAM_ESTIMATORS and not adv.get("whiten"),
+             f"train.stream needs a group-local advantage estimator ({', '.join(STREAM_ESTIMATORS)}, "
+             f"whiten off): '{adv.get('name')}' normalises over the whole batch")
+    _require(cfg.algo.recompute_prox != "always", "train.stream uses the behaviour logprobs as the proximal "
+             "policy (exact at async_ratio 0); set algo.recompute_prox: auto")
 
 
 def _check_plugin_section(where: str, section: dict, validator) -> None:
@@ -259,6 +310,14 @@ def _check_agg(agg: str) -> None:
 
     valid = list(algos.AGGREGATIONS)
     _require(agg in valid, f"algo.agg '{agg}' is not valid{closest(agg, valid)}; valid: {', '.join(valid)}")
+
+
+def _check_reward(cfg: FlashConfig) -> None:
+    if cfg.reward.fn:
+        from flash.rewards.registry import check_pool_args
+
+        r = cfg.reward
+        check_pool_args(dict(r.fn), r.num_workers, r.concurrency, r.timeout_s, tuple(cfg.plugins))
 
 
 def _check_task(section: dict, task_options) -> None:

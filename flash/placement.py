@@ -36,9 +36,11 @@ from typing import List
 from flash.errors import ConfigError
 
 ROLES = ("actor_train", "actor_infer", "reward", "env", "reference", "critic")
-# Engines whose worker can release its memory (sleep) while a colocated role runs; see
-# EngineWorker.sleep. flash's vLLM worker has no sleep/wake_up, so it cannot share devices.
-SLEEPABLE_ENGINES = ("torch",)
+# Engines whose worker can release its memory (sleep/wake_up) while a colocated role runs: the
+# torch engine drops its KV cache and offloads weights from an accelerator; vLLM uses its sleep mode
+# (accelerators only; on CPU it releases nothing and says so). An engine added without them may not
+# share devices.
+SLEEPABLE_ENGINES = ("torch", "vllm")
 NOSET_ENV = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
 
 
@@ -60,8 +62,8 @@ def _absent() -> RoleConfig:
 class RolesConfig:
     actor_train: RoleConfig = field(default_factory=RoleConfig)
     actor_infer: RoleConfig = field(default_factory=RoleConfig)  # num_workers = engine replicas
-    # Roles flash runs in the driver today (rewards: rollout.reward_workers threads) or not at all;
-    # a worker count > 0 is planned and checked, and the runner says it cannot start them.
+    # Roles whose workers flash starts from their own sections (reward.*, the env task, critic.*)
+    # on CPU, or not at all (reference): planned and checked here, refused by check_runnable.
     reward: RoleConfig = field(default_factory=_absent)
     env: RoleConfig = field(default_factory=_absent)
     reference: RoleConfig = field(default_factory=_absent)
@@ -273,8 +275,9 @@ def check_runnable(plan: Plan) -> None:
         if not ws:
             continue
         if role not in RUNNABLE:
-            raise PlacementError(f"placement.roles.{role} asks for {len(ws)} worker(s), but flash runs no "
-                                 f"separate {role} workers yet; set placement.roles.{role}.num_workers=0")
+            raise PlacementError(f"placement.roles.{role} asks for {len(ws)} worker(s), but flash does not "
+                                 f"place {role} workers yet (any it runs are sized by their own config "
+                                 f"section, on CPU); set placement.roles.{role}.num_workers=0")
         limit = RUNNABLE[role]
         if limit is not None and len(ws) > limit:
             raise PlacementError(f"placement.roles.{role}.num_workers={len(ws)}, but this runner starts at "

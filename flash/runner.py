@@ -8,6 +8,7 @@ evaluation) → stop rollout (what is left unfinished goes to the ledger) → fi
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -27,8 +28,11 @@ from flash.engine.base import SamplingParams
 from flash.engine.router import start_router
 from flash.placement import Placement, plan_placement
 from flash.tracking import Progress, make_tracker
+from flash.critic import CriticSettings
+from flash.envs.runtime import build_episode_scheduler, check_episode_config
+from flash.envs.task import EnvTask
 from flash.trainer import TrainerSettings
-from flash.workers import init_ray, quiet, start_engine, start_trainer, wait_ready
+from flash.workers import init_ray, quiet, start_critic, start_engine, start_trainer, wait_ready
 
 
 def default_cache_dir(cfg: FlashConfig) -> str:
@@ -63,14 +67,15 @@ def prepare_model(cfg: FlashConfig, task) -> str:
     return warm_start(cfg.model.tiny, cfg.sft, task, default_cache_dir(cfg))
 
 
-def build_source(task, tokenizer) -> PromptSource:
+def build_source(task, tokenizer, reward=None) -> PromptSource:
+    """``reward``: a RewardPool's ``reward_fn()``; unset: the task's own reward."""
     from flash.models import decode_response, encode_prompt
 
     return PromptSource(
         item=lambda i: task.item(i, split="train"),
         encode=lambda text: encode_prompt(tokenizer, text),
         decode=lambda ids: decode_response(tokenizer, ids),
-        reward=task.reward,
+        reward=reward or task.reward,
     )
 
 
@@ -108,6 +113,8 @@ class Run:
         algos.load_plugins(list(cfg.plugins))
         task_opts = {k: v for k, v in cfg.task.items() if k != "name"}
         self.task = make_task(cfg.task["name"], **task_opts)
+        if isinstance(self.task, EnvTask):
+            check_episode_config(cfg, self.task)
         self.model_path = prepare_model(cfg, self.task)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.eval_items = self.task.eval_items()
@@ -126,31 +133,51 @@ class Run:
         self.placement = Placement.create(plan, cfg.placement.cpus_per_bundle)
         settings = trainer_settings(cfg)
         n = len(plan.workers["actor_infer"])  # engine replicas share the role's threads
+        colocated = plan.colocated("actor_infer", "actor_train")
         self.replicas = [start_engine(self.model_path, cfg.rollout.max_num_seqs, cfg.seed,
                                       max(1, engine_threads // n), engine=cfg.rollout.engine,
-                                      options=self.placement.options("actor_infer", i)) for i in range(n)]
+                                      options=self.placement.options("actor_infer", i), sleep_mode=colocated)
+                         for i in range(n)]
         self.engine = self.replicas[0] if n == 1 else start_router(self.replicas, cfg.rollout.prompt_affinity)
         self.trainer = start_trainer(self.model_path, settings, cfg.seed, trainer_threads, list(cfg.plugins),
                                      options=self.placement.options("actor_train", 0))
-        wait_ready(self.engine, self.trainer)
+        self.critic = None
+        if cfg.algo.advantage["name"] == "gae":  # the only estimator that reads values
+            self.critic = start_critic(self.model_path, CriticSettings(**dataclasses.asdict(cfg.critic)), cfg.seed,
+                                       trainer_threads)
+        wait_ready(self.engine, self.trainer, *([self.critic] if self.critic else []))
         B = cfg.train.prompts_per_step
         self.staleness = StalenessManager(cfg.async_ratio, B)
         self.buffer = SampleBuffer(capacity=int(math.ceil((cfg.async_ratio + 2) * B)))
-        self.scheduler = RolloutScheduler(
-            self.engine, build_source(self.task, self.tokenizer), self.buffer, self.staleness,
-            sampling_params(cfg, self.tokenizer), n=cfg.rollout.n, seed=cfg.seed,
-            reward_workers=cfg.rollout.reward_workers, inject_delay_s=cfg.rollout.inject_delay_s,
-        )
+        self.scheduler = self._make_scheduler()
         self.ledger = open(self.dir / "ledger.jsonl", "w")
         self.controller = AsyncController(
             self.engine, self.trainer, self.scheduler, self.buffer, self.staleness,
             ControllerSettings(
                 prompts_per_step=B, interrupt=cfg.rollout.interrupt, advantage=dict(cfg.algo.advantage),
                 prox=prox_mode(cfg.algo.recompute_prox, cfg.async_ratio),
-                pad_id=self.tokenizer.pad_token_id or 0,
-                colocated=plan.colocated("actor_infer", "actor_train"),
+                pad_id=self.tokenizer.pad_token_id or 0, stream=cfg.train.stream,
+                colocated=colocated,
             ),
-            ledger=self.ledger,
+            ledger=self.ledger, critic=self.critic,
+        )
+
+    def _make_scheduler(self):
+        """Episodes on EnvWorker actors for env tasks; else single-turn requests, scored by the
+        task's reward or by a reward-worker pool when ``reward.fn`` is set."""
+        cfg, params = self.cfg, sampling_params(self.cfg, self.tokenizer)
+        self.reward_pool = None
+        if isinstance(self.task, EnvTask):  # multi-turn episodes on EnvWorker actors
+            return build_episode_scheduler(cfg, self.task, self.tokenizer, self.engine, self.buffer,
+                                           self.staleness, params)
+        from flash.rewards.workers import pool_from_config
+
+        self.reward_pool = pool_from_config(cfg.reward, tuple(cfg.plugins))
+        reward_fn = self.reward_pool.reward_fn() if self.reward_pool else None
+        return RolloutScheduler(
+            self.engine, build_source(self.task, self.tokenizer, reward_fn), self.buffer, self.staleness,
+            params, n=cfg.rollout.n, seed=cfg.seed,
+            reward_workers=cfg.rollout.reward_workers, inject_delay_s=cfg.rollout.inject_delay_s,
         )
 
     def evaluate(self, tag: str, step: int = 0) -> float:
@@ -171,8 +198,12 @@ class Run:
         self.ledger.close()
         for f in (self.metrics_file, self.timeline_file, self.eval_file):
             f.close()
-        for actor in dict.fromkeys([self.engine, *self.replicas, self.trainer]):
-            ray.kill(actor)
+        for actor in dict.fromkeys([self.engine, *self.replicas, self.trainer, self.critic,
+                                    *getattr(self.scheduler, "workers", [])]):
+            if actor is not None:
+                ray.kill(actor)
+        if self.reward_pool is not None:
+            self.reward_pool.close()
         self.placement.remove()
 
 
@@ -220,6 +251,8 @@ def _on_step(r: Run, rec, tracker, progress) -> None:
         rec.metrics["eval/accuracy"] = r.evaluate(f"step{step}", step)
         logged.update({"eval/accuracy": rec.metrics["eval/accuracy"], "time/eval": r.last_eval_s})
     logged["time/elapsed"] = time.monotonic() - r.train_start
+    if r.reward_pool is not None:  # reward/calls, reward/failures/<reason>, sandbox/timeout/T/...
+        logged.update(r.reward_pool.metrics())
     tracker.log(logged, step)
     r.metrics_file.write(json.dumps({"step": step, **logged}) + "\n")
     r.metrics_file.flush()
@@ -248,6 +281,7 @@ def _summary(cfg, r: Run, records, acc0, acc1, train_s, left) -> dict:
         "prompts_unfinished": {k: len(v) for k, v in left.items()},
         "reward_errors": r.scheduler.counters["reward_errors"],
         "request_errors": r.scheduler.counters["request_errors"],
+        "rollout_counters": dict(r.scheduler.counters),
         "phase_seconds_mean": {k[5:]: sum(rec.metrics.get(k, 0.0) for rec in records) / max(steps, 1)
                                for k in phase_keys},
         "run_dir": str(r.dir),

@@ -88,18 +88,20 @@ class EngineWorker:
         self.loop.pause(mode)
 
     def resume(self) -> None:
-        """Go on generating; a sleeping engine first reloads what ``sleep`` released."""
         self.loop.resume()
-
-    def sleep(self) -> dict:
-        """Release memory for a colocated role (paused engines only); see ``TorchEngine.sleep``."""
-        return self.loop.sleep()
 
     def update_weights(self, named_tensors: dict, version: int) -> float:
         """Load the pushed weights; returns the bytes received (the model-update size metric)."""
         self.loop.update_weights(named_tensors, version)
         tensors = named_tensors.values() if hasattr(named_tensors, "values") else (t for _, t in named_tensors)
         return float(sum(t.numel() * t.element_size() for t in tensors))
+
+    def sleep(self, level: int = 1) -> dict:
+        """Release memory for a colocated trainer while paused; see ``TorchEngine.sleep``."""
+        return self.loop.sleep(level)
+
+    def wake_up(self) -> dict:
+        return self.loop.wake_up()
 
     def abort(self, request_ids=None):
         return self.loop.abort(request_ids)
@@ -152,6 +154,15 @@ class TrainerWorker:
     def train_step(self, batch, advantages, prox_logp) -> dict:
         return self.trainer.train_step(batch, advantages, prox_logp)
 
+    def begin_step(self) -> None:
+        self.trainer.begin_step()
+
+    def accumulate(self, batch, advantages, prox_logp) -> float:
+        return self.trainer.accumulate(batch, advantages, prox_logp)
+
+    def finish_step(self) -> dict:
+        return self.trainer.finish_step()
+
     def get_weights(self) -> dict:
         return self.trainer.state_dict()
 
@@ -189,11 +200,13 @@ ENGINES = ("torch", "vllm")
 
 
 def start_engine(model_path: str, max_num_seqs: int, seed: int, threads: int, engine: str = "torch",
-                 options: dict | None = None):
+                 options: dict | None = None, sleep_mode: bool = False):
     """The engine actor: ``torch`` (embedded, ``EngineWorker``) or ``vllm`` (``VLLMEngineWorker``).
 
     Both answer the same methods, so the controller and the scheduler never know which one runs.
     ``options``: extra actor options, e.g. ``Placement.options`` (devices, placement group).
+    ``sleep_mode``: the engine shares its devices and must be able to release memory (vLLM
+    reserves its sleep allocator at start; the torch engine always can).
     """
     if engine == "vllm":
         from flash.engine.vllm_engine import VLLMEngineWorker
@@ -204,13 +217,21 @@ def start_engine(model_path: str, max_num_seqs: int, seed: int, threads: int, en
     else:
         raise ValueError(f"unknown rollout engine {engine!r}; expected one of {ENGINES}")
     actor = ray.remote(cls).options(num_cpus=0, max_concurrency=8, **(options or {}))
-    return actor.remote(model_path, max_num_seqs, seed, threads)
+    kwargs = {"sleep_mode": True} if sleep_mode and engine == "vllm" else {}
+    return actor.remote(model_path, max_num_seqs, seed, threads, **kwargs)
 
 
 def start_trainer(model_path: str, settings, seed: int, threads: int, plugins: list[str],
                   options: dict | None = None):
     actor = ray.remote(TrainerWorker).options(num_cpus=0, max_concurrency=2, **(options or {}))
     return actor.remote(model_path, settings, seed, threads, plugins, plugin_paths(plugins))
+
+
+def start_critic(model_path: str, settings, seed: int, threads: int):
+    """The critic role (``flash.critic.Critic``) as its own actor, for the ``gae`` estimator."""
+    from flash.critic import Critic
+
+    return ray.remote(Critic).options(num_cpus=0).remote(model_path, settings, seed, threads)
 
 
 def wait_ready(*actors, timeout: float = 300.0) -> float:

@@ -62,7 +62,7 @@ def test_colocated_replicas_sleep_through_training_and_lose_nothing(tmp_path, ca
     summary = run(cfg, "colocated")
     assert summary["steps"] == steps and summary["max_staleness_observed"] <= math.ceil(ratio)
     metrics = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert all("time/sleep" in m for m in metrics)  # the engines were put to sleep every step
+    assert all("time/sleep" in m and "time/wake_up" in m for m in metrics)  # engines slept every step
     lines = [json.loads(x) for x in (tmp_path / "ledger.jsonl").read_text().splitlines()]
     trained = {}
     for x in lines:

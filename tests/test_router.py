@@ -171,13 +171,17 @@ def test_abort_goes_to_the_owner(replicas):
     assert sorted(o.request_id for o in outs) == ["a0", "a2"] and all(len(o.token_ids) == 200 for o in outs)
 
 
-def test_sleep_fans_out_and_resume_wakes(replicas):
+def test_sleep_and_wake_up_fan_out(replicas):
     router = start_router(replicas)
     reqs = [req(f"z{i}", PROMPTS[i], n=60) for i in range(2)]
     ray.get(router.submit.remote(reqs))
     ray.get(router.pause.remote("continue"))
     freed = ray.get(router.sleep.remote())
-    assert set(freed) == {"kv_bytes", "weight_bytes"} and freed["weight_bytes"] == 0.0
+    assert [f["weights"] for f in freed] == ["kept", "kept"]  # CPU: only the KV cache goes
+    assert [s["asleep"] for s in ray.get([r.stats.remote() for r in replicas])] == [1.0, 1.0]
+    with pytest.raises(ray.exceptions.RayTaskError, match="engine replica 0 failed in resume.*asleep"):
+        ray.get(router.resume.remote())
+    ray.get(router.wake_up.remote())
     ray.get(router.resume.remote())
     assert sorted(o.request_id for o in collect(router, ["z0", "z1"])) == ["z0", "z1"]
 

@@ -11,8 +11,8 @@ The scheduler and the controller talk to *an engine* (``submit``, ``get_finished
 - ``get_finished`` keeps one poll in flight per replica and returns whatever is ready as soon as
   any replica answers, so a busy replica never delays another's outputs; an unanswered poll stays
   in flight for the next call, so no output is ever dropped.
-- ``abort`` goes to the replicas that own the requests; ``pause``, ``resume``, ``sleep`` and
-  ``update_weights`` go to every replica and return only when all are done, so a version
+- ``abort`` goes to the replicas that own the requests; ``pause``, ``resume``, ``sleep``,
+  ``wake_up`` and ``update_weights`` go to every replica and return only when all are done, so a version
   advances only once every replica holds the new weights.
 
 A replica that dies surfaces as ``ReplicaError`` naming it, on the next call that touches it.
@@ -222,9 +222,12 @@ class Router:
     def resume(self) -> None:
         self._all("resume")
 
-    def sleep(self) -> dict:
-        parts = self._all("sleep")
-        return {k: float(sum(p.get(k, 0.0) for p in parts)) for k in parts[0]}
+    def sleep(self, level: int = 1) -> list[dict]:
+        """Every replica releases its memory (``TorchEngine.sleep``); what each released, in order."""
+        return self._all("sleep", level)
+
+    def wake_up(self) -> list[dict]:
+        return self._all("wake_up")
 
     def update_weights(self, named_tensors, version: int) -> float:
         """Every replica loads the weights (one object-store copy, read by all); bytes summed."""
