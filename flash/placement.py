@@ -203,7 +203,7 @@ class Placement:
         self.gpu_ids, self.nodes = list(gpu_ids), list(nodes)  # per device index
 
     @classmethod
-    def create(cls, plan: Plan, cpus_per_bundle: float = 0.0, timeout: float = 60.0) -> "Placement":
+    def create(cls, plan: Plan, cpus_per_bundle: float = 0.0, timeout: float = 60.0) -> Placement:
         """Reserve the plan's devices in the running Ray cluster (no-op when the plan has none)."""
         import ray
         from ray.util.placement_group import placement_group

@@ -16,8 +16,15 @@ import torch
 
 from flash.config import load_config
 from flash.errors import ConfigError
-from flash.placement import (Placement, PlacementConfig, PlacementError, RoleConfig, RolesConfig,
-                             check_runnable, plan_placement)
+from flash.placement import (
+    Placement,
+    PlacementConfig,
+    PlacementError,
+    RoleConfig,
+    RolesConfig,
+    check_runnable,
+    plan_placement,
+)
 from tests.ray_probe import Probe
 
 
@@ -77,16 +84,16 @@ def test_cpu_roles_beside_mapped_ones():
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(actor_train=([0, 4], 1)),
+    ({"actor_train": ([0, 4], 1)},
      "placement.roles.actor_train.device_mapping uses device 4, outside the 4 device(s) of placement.num_gpus=4"),
-    (dict(actor_train=([-1], 1)), "uses device -1, outside the 4 device(s)"),
-    (dict(actor_infer=([0, 1, 2], 2)),
+    ({"actor_train": ([-1], 1)}, "uses device -1, outside the 4 device(s)"),
+    ({"actor_infer": ([0, 1, 2], 2)},
      "placement.roles.actor_infer: 3 device(s) [0, 1, 2] do not divide among num_workers=2"),
-    (dict(actor_train=([0, 1, 1], 1)), "lists device(s) [1] more than once"),
-    (dict(actor_train=([0, 1], 1), actor_infer=([1, 2], 2)),
+    ({"actor_train": ([0, 1, 1], 1)}, "lists device(s) [1] more than once"),
+    ({"actor_train": ([0, 1], 1), "actor_infer": ([1, 2], 2)},
      "actor_train [0, 1] and actor_infer [1, 2] share device(s) [1] but not all"),
-    (dict(actor_train=([0], 0)), "placement.roles.actor_train maps devices [0] but num_workers is 0"),
-    (dict(actor_train=([], -1)), "placement.roles.actor_train.num_workers must be >= 0, got -1"),
+    ({"actor_train": ([0], 0)}, "placement.roles.actor_train maps devices [0] but num_workers is 0"),
+    ({"actor_train": ([], -1)}, "placement.roles.actor_train.num_workers must be >= 0, got -1"),
 ])
 def test_planning_errors_name_the_conflict(kwargs, message):
     with pytest.raises(PlacementError) as err:

@@ -146,7 +146,7 @@ class Router:
         for i, ref in sorted(refs.items()):
             try:
                 out.append(ray.get(ref))
-            except Exception as exc:  # noqa: BLE001 - re-raised with the replica's name
+            except Exception as exc:
                 raise ReplicaError(f"engine replica {i} failed in {what}: {exc!r}", i) from exc
         return out
 
