@@ -45,6 +45,9 @@ class ControllerSettings:
     prox: str  # "behav" (prox = behaviour), "fused" (in the train forward), "separate" (own phase)
     pad_id: int = 0
     stream: bool = False  # stream trainer: backward each group on arrival (async_ratio 0 only)
+    # The engines share the trainer's devices (flash.placement): they are paused and put to sleep
+    # (memory released) before the trainer runs, and woken before the weight push.
+    colocated: bool = False
 
 
 @dataclass
@@ -105,6 +108,10 @@ class AsyncController:
             groups = self._get_batch(t)
         samples = flatten(groups)
         batch = collate(samples, pad_id=self.s.pad_id)
+        if self.s.colocated:
+            with self.phase("sleep"):
+                ray.get(self.engine.pause.remote(self.s.interrupt))
+                ray.get(self.engine.sleep.remote())
         with self.phase("recompute_prox"):
             prox = {"behav": batch.behav_logp, "fused": None}.get(self.s.prox)
             if self.s.prox == "separate":
@@ -115,6 +122,9 @@ class AsyncController:
             train_metrics = ray.get(self.trainer.train_step.remote(batch, adv, prox))
             if critic_step is not None:  # the critic trained beside the policy
                 train_metrics.update(ray.get(critic_step))
+        if self.s.colocated:  # still paused: the weight push below finds the weights on the device
+            with self.phase("wake_up"):
+                ray.get(self.engine.wake_up.remote())
         self._update_weights(t + 1, admit_more)
         self._write_ledger(t, groups)
         metrics = self._metrics(t, samples, batch, prox, train_metrics, time.monotonic() - start)

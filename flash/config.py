@@ -21,6 +21,7 @@ from omegaconf.errors import OmegaConfBaseException
 from buffers.factory import BufferConfig
 from flash.errors import ConfigError
 from flash.models import TinyModelConfig
+from flash.placement import PlacementConfig
 from flash.sft import SFTConfig
 
 
@@ -45,6 +46,9 @@ class RolloutConfig:
     # before it is scored, so groups finish out of admission order.
     inject_delay_s: float = 0.0
     reward_workers: int = 4  # threads scoring finished responses as they arrive
+    # With several engine replicas (placement.roles.actor_infer.num_workers): keep the n samples
+    # of a prompt on one replica (shared prefix) instead of spreading every request by load.
+    prompt_affinity: bool = False
 
 
 @dataclass
@@ -112,6 +116,7 @@ class EvalConfig:
 class ResourcesConfig:
     # torch threads per role; 0 = auto: with async_ratio 0 the phases alternate, so each may use
     # every core (colocated); with async_ratio > 0 they overlap, so the cores are split (disjoint).
+    # Several engine replicas (placement.roles.actor_infer.num_workers) split engine_threads.
     engine_threads: int = 0
     trainer_threads: int = 0
 
@@ -154,6 +159,7 @@ class FlashConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     resources: ResourcesConfig = field(default_factory=ResourcesConfig)
     ray: RayConfig = field(default_factory=RayConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)  # flash.placement
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
 
@@ -264,9 +270,21 @@ def validate(cfg: FlashConfig) -> None:
     _check_task(cfg.task, task_options)
     _check_stream(cfg)
     _check_reward(cfg)
+    _check_placement(cfg)
     from flash.tracking import check_backends
 
     check_backends(list(cfg.tracking.backends))
+
+
+def _check_placement(cfg: FlashConfig) -> None:
+    from flash.placement import check_runnable, plan_placement
+
+    plan = plan_placement(cfg.placement, engine=cfg.rollout.engine)  # PlacementError: a ConfigError
+    check_runnable(plan)
+    _require(not (cfg.train.stream and plan.colocated("actor_infer", "actor_train")),
+             "train.stream trains while the engines generate, but placement colocates actor_train and "
+             "actor_infer (their engines sleep while training); give them disjoint devices or set "
+             "train.stream: false")
 
 
 STREAM_ESTIMATORS = ("grpo", "dr_grpo", "rloo")  # advantages of a group need only that group

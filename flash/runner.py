@@ -25,6 +25,8 @@ from controllers.rollout_scheduler import PromptSource, RolloutScheduler
 from controllers.staleness import StalenessManager
 from flash.config import FlashConfig, to_dict, to_yaml
 from flash.engine.base import SamplingParams
+from flash.engine.router import start_router
+from flash.placement import Placement, plan_placement
 from flash.tracking import Progress, make_tracker
 from flash.critic import CriticSettings
 from flash.envs.runtime import build_episode_scheduler, check_episode_config
@@ -128,16 +130,13 @@ class Run:
     def _start_roles(self) -> None:
         cfg = self.cfg
         engine_threads, trainer_threads = resolve_threads(cfg)
-        init_ray(cfg.ray.address, cfg.ray.num_cpus)
+        plan = plan_placement(cfg.placement, engine=cfg.rollout.engine)
+        init_ray(cfg.ray.address, cfg.ray.num_cpus, num_gpus=cfg.placement.num_gpus)
+        self.placement = Placement.create(plan, cfg.placement.cpus_per_bundle)
         settings = trainer_settings(cfg)
-        self.engine = start_engine(self.model_path, cfg.rollout.max_num_seqs, cfg.seed, engine_threads,
-                                   engine=cfg.rollout.engine)
-        group = group_settings(cfg.train)  # FSDP2 trainer group, or None: one trainer process
-        if group is None:
-            self.trainer = start_trainer(self.model_path, settings, cfg.seed, trainer_threads, list(cfg.plugins))
-        else:
-            self.trainer = start_trainer_group(self.model_path, settings, group, cfg.seed, trainer_threads,
-                                               list(cfg.plugins))
+        colocated = plan.colocated("actor_infer", "actor_train")
+        self._start_engines(plan, engine_threads, colocated)
+        self._start_trainer(settings, trainer_threads)
         self.critic = None
         if cfg.algo.advantage["name"] == "gae":  # the only estimator that reads values
             self.critic = start_critic(self.model_path, CriticSettings(**dataclasses.asdict(cfg.critic)), cfg.seed,
@@ -155,9 +154,31 @@ class Run:
                 prompts_per_step=B, interrupt=cfg.rollout.interrupt, advantage=dict(cfg.algo.advantage),
                 prox=prox_mode(cfg.algo.recompute_prox, cfg.async_ratio),
                 pad_id=self.tokenizer.pad_token_id or 0, stream=cfg.train.stream,
+                colocated=colocated,
             ),
             ledger=self.ledger, critic=self.critic,
         )
+
+    def _start_engines(self, plan, engine_threads: int, colocated: bool) -> None:
+        """The actor_infer replicas (they share the role's threads), behind a router when several."""
+        cfg = self.cfg
+        n = len(plan.workers["actor_infer"])
+        self.replicas = [start_engine(self.model_path, cfg.rollout.max_num_seqs, cfg.seed,
+                                      max(1, engine_threads // n), engine=cfg.rollout.engine,
+                                      options=self.placement.options("actor_infer", i), sleep_mode=colocated)
+                         for i in range(n)]
+        self.engine = self.replicas[0] if n == 1 else start_router(self.replicas, cfg.rollout.prompt_affinity)
+
+    def _start_trainer(self, settings, trainer_threads: int) -> None:
+        """One trainer process, or an FSDP2 group when ``train.workers`` > 1 (or a group knob) is set."""
+        cfg = self.cfg
+        group = group_settings(cfg.train)
+        if group is None:
+            self.trainer = start_trainer(self.model_path, settings, cfg.seed, trainer_threads, list(cfg.plugins),
+                                         options=self.placement.options("actor_train", 0))
+        else:
+            self.trainer = start_trainer_group(self.model_path, settings, group, cfg.seed, trainer_threads,
+                                               list(cfg.plugins))
 
     def _make_scheduler(self):
         """Episodes on EnvWorker actors for env tasks; else single-turn requests, scored by the
@@ -195,7 +216,8 @@ class Run:
         self.ledger.close()
         for f in (self.metrics_file, self.timeline_file, self.eval_file):
             f.close()
-        for actor in (self.engine, self.trainer, self.critic, *getattr(self.scheduler, "workers", [])):
+        for actor in dict.fromkeys([self.engine, *self.replicas, self.trainer, self.critic,
+                                    *getattr(self.scheduler, "workers", [])]):
             if actor is not None:
                 ray.kill(actor)
         if self.reward_pool is not None:
@@ -203,6 +225,7 @@ class Run:
         if self.buffer_service is not None:
             self.buffer.disconnect()
             self.buffer_service.stop()
+        self.placement.remove()
 
 
 def run(cfg: FlashConfig, recipe_name: str = "run") -> dict:
@@ -211,6 +234,8 @@ def run(cfg: FlashConfig, recipe_name: str = "run") -> dict:
     tracker = make_tracker(cfg.tracking, str(r.dir), config=to_dict(cfg))
     progress = Progress(cfg.train.steps, cfg.tracking.progress)
     progress.write(f"flash: run dir {r.dir}")
+    if r.placement.plan.num_gpus or len(r.replicas) > 1:
+        progress.write(f"flash: {r.placement.plan.describe()}")
     try:
         r.scheduler.start()
         acc0 = r.evaluate("initial")

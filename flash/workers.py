@@ -49,9 +49,12 @@ class EngineWorker:
     def __init__(self, model_path: str, max_num_seqs: int, seed: int, threads: int):
         from flash.engine.loop import EngineLoop
         from flash.engine.torch_engine import TorchEngine
+        from flash.placement import visible_devices
 
         torch.set_num_threads(max(1, threads))
         model = load_model(model_path).eval()
+        if visible_devices() and torch.cuda.is_available():  # placed on a device (flash.placement)
+            model = model.to("cuda")
         text = model.config.get_text_config(decoder=True)
         self.vocab_size, self.max_context = text.vocab_size, text.max_position_embeddings
         self.loop = EngineLoop(TorchEngine(model, max_num_seqs=max_num_seqs, seed=seed))
@@ -171,8 +174,12 @@ class TrainerWorker:
         return {"busy_s": self.trainer.busy_s, "steps": float(self.trainer.steps)}
 
 
-def init_ray(address: str | None, num_cpus: int, extra_paths: list[str] = ()) -> None:
-    """Join ``address`` or start a quiet local Ray whose workers see the driver's import path."""
+def init_ray(address: str | None, num_cpus: int, extra_paths: list[str] = (), num_gpus: int = 0) -> None:
+    """Join ``address`` or start a quiet local Ray whose workers see the driver's import path.
+
+    ``num_gpus`` (local Ray only, 0 = Ray's own detection): GPUs to declare; on a CPU-only machine
+    they are simulated, which is enough for placement groups (flash.placement).
+    """
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     if ray.is_initialized():
@@ -186,16 +193,20 @@ def init_ray(address: str | None, num_cpus: int, extra_paths: list[str] = ()) ->
     if address:
         ray.init(address=address, **kwargs)
     else:
-        ray.init(num_cpus=num_cpus or os.cpu_count() or 2, **kwargs)
+        ray.init(num_cpus=num_cpus or os.cpu_count() or 2, num_gpus=num_gpus or None, **kwargs)
 
 
 ENGINES = ("torch", "vllm")
 
 
-def start_engine(model_path: str, max_num_seqs: int, seed: int, threads: int, engine: str = "torch"):
+def start_engine(model_path: str, max_num_seqs: int, seed: int, threads: int, engine: str = "torch",
+                 options: dict | None = None, sleep_mode: bool = False):
     """The engine actor: ``torch`` (embedded, ``EngineWorker``) or ``vllm`` (``VLLMEngineWorker``).
 
     Both answer the same methods, so the controller and the scheduler never know which one runs.
+    ``options``: extra actor options, e.g. ``Placement.options`` (devices, placement group).
+    ``sleep_mode``: the engine shares its devices and must be able to release memory (vLLM
+    reserves its sleep allocator at start; the torch engine always can).
     """
     if engine == "vllm":
         from flash.engine.vllm_engine import VLLMEngineWorker
@@ -205,12 +216,14 @@ def start_engine(model_path: str, max_num_seqs: int, seed: int, threads: int, en
         cls = EngineWorker
     else:
         raise ValueError(f"unknown rollout engine {engine!r}; expected one of {ENGINES}")
-    actor = ray.remote(cls).options(num_cpus=0, max_concurrency=8)
-    return actor.remote(model_path, max_num_seqs, seed, threads)
+    actor = ray.remote(cls).options(num_cpus=0, max_concurrency=8, **(options or {}))
+    kwargs = {"sleep_mode": True} if sleep_mode and engine == "vllm" else {}
+    return actor.remote(model_path, max_num_seqs, seed, threads, **kwargs)
 
 
-def start_trainer(model_path: str, settings, seed: int, threads: int, plugins: list[str]):
-    actor = ray.remote(TrainerWorker).options(num_cpus=0, max_concurrency=2)
+def start_trainer(model_path: str, settings, seed: int, threads: int, plugins: list[str],
+                  options: dict | None = None):
+    actor = ray.remote(TrainerWorker).options(num_cpus=0, max_concurrency=2, **(options or {}))
     return actor.remote(model_path, settings, seed, threads, plugins, plugin_paths(plugins))
 
 
