@@ -58,7 +58,7 @@ class StepRecord:
 
 class AsyncController:
     def __init__(self, engine, trainer, scheduler: RolloutScheduler, buffer: SampleBuffer,
-                 staleness: StalenessManager, settings: ControllerSettings, ledger=None):
+                 staleness: StalenessManager, settings: ControllerSettings, ledger=None, model_update=None):
         self.engine, self.trainer = engine, trainer
         self.scheduler, self.buffer, self.staleness = scheduler, buffer, staleness
         self.s = settings
@@ -70,6 +70,9 @@ class AsyncController:
         self._engine_spans: list[list[float]] = []
         self._meters = {"rollout": IdleMeter(), "train": IdleMeter()}
         self._update_bytes = 0.0
+        # flash.model_update_group.ModelUpdateGroup (set up); None: the state dict through Ray's object store
+        self.model_update = model_update
+        self._update_metrics: dict[str, float] = {}
 
     @contextmanager
     def phase(self, name: str):
@@ -133,8 +136,12 @@ class AsyncController:
         with self.phase("suspend"):
             ray.get(self.engine.pause.remote(self.s.interrupt))
         with self.phase("push_weights"):
-            weights = self.trainer.get_weights.remote()
-            self._update_bytes = float(ray.get(self.engine.update_weights.remote(weights, new_version)) or 0.0)
+            if self.model_update is not None:  # returns after every replica acknowledged
+                self._update_metrics = self.model_update.push(new_version)
+                self._update_bytes = self._update_metrics["model_update/bytes"]
+            else:
+                weights = self.trainer.get_weights.remote()
+                self._update_bytes = float(ray.get(self.engine.update_weights.remote(weights, new_version)) or 0.0)
             self.version = new_version
         with self.phase("resume"):
             ray.get(self.engine.resume.remote())
@@ -173,6 +180,7 @@ class AsyncController:
         tokens = float(batch.mask.sum())
         m.update({"train/batch_tokens": tokens, "train/tokens_per_s": tokens / step_s if step_s > 0 else 0.0,
                   "rollout/update_bytes": self._update_bytes})
+        m.update(self._update_metrics)
         m.update(self._mismatch(batch, prox))
         m.update(self._role_metrics(step_s))
         return m

@@ -24,6 +24,7 @@ from controllers.rollout_scheduler import PromptSource, RolloutScheduler
 from controllers.staleness import StalenessManager
 from flash.config import FlashConfig, to_dict, to_yaml
 from flash.engine.base import SamplingParams
+from flash.model_update_group import ModelUpdateGroup
 from flash.tracking import Progress, make_tracker
 from flash.trainer import TrainerSettings
 from flash.workers import init_ray, quiet, start_engine, start_trainer, wait_ready
@@ -125,6 +126,8 @@ class Run:
                                    engine=cfg.rollout.engine)
         self.trainer = start_trainer(self.model_path, settings, cfg.seed, trainer_threads, list(cfg.plugins))
         wait_ready(self.engine, self.trainer)
+        self.model_update = ModelUpdateGroup(self.trainer, [self.engine], **vars(cfg.model_update))
+        self.model_update.setup()
         B = cfg.train.prompts_per_step
         self.staleness = StalenessManager(cfg.async_ratio, B)
         self.buffer = SampleBuffer(capacity=int(math.ceil((cfg.async_ratio + 2) * B)))
@@ -141,7 +144,7 @@ class Run:
                 prox=prox_mode(cfg.algo.recompute_prox, cfg.async_ratio),
                 pad_id=self.tokenizer.pad_token_id or 0,
             ),
-            ledger=self.ledger,
+            ledger=self.ledger, model_update=self.model_update,
         )
 
     def evaluate(self, tag: str, step: int = 0) -> float:
@@ -162,6 +165,7 @@ class Run:
         self.ledger.close()
         for f in (self.metrics_file, self.timeline_file, self.eval_file):
             f.close()
+        self.model_update.close()
         for actor in (self.engine, self.trainer):
             ray.kill(actor)
 

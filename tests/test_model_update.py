@@ -1,0 +1,279 @@
+"""Model-update group: trainer → 2 engine replicas (real Ray actors, tiny Qwen2 of hidden 64).
+
+- Pure parts pinned with hand-computed numbers: bucket plan offsets, tied-weight folding, the
+  pre-collective plan check, backend choice, pack/unpack of mixed dtypes.
+- After a train step and a push, every replica's state dict equals the trainer's full state dict
+  exactly (``torch.equal``), for gloo with buckets smaller than the largest tensor, a few tensors
+  per bucket and one bucket; for colocated shared memory; and for the object-store baseline.
+- The group's version advances only after every replica acknowledged (one replica made slow).
+- Greedy outputs change to those of the new weights.
+- A replica whose model differs fails the push before any collective, with a named error, counted,
+  and no version moves.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import ray
+import torch
+
+import algos
+from buffers import Sample
+from flash.batch import collate
+from flash.config import ConfigError, load_config
+from flash.engine.base import GenerationRequest, SamplingParams
+from flash.engine.torch_engine import TorchEngine
+from flash.model_update import (
+    ModelUpdateError, TensorMeta, bucket_sizes, check_plan, pack, plan_buckets, unique_tensors, unpack,
+)
+from flash.model_update_group import ModelUpdateGroup, choose_backend
+from flash.models import TinyModelConfig, build_tiny_model, build_tokenizer
+from flash.trainer import TrainerSettings
+from flash.workers import EngineWorker, init_ray, load_model, start_trainer
+
+TINY = TinyModelConfig(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=2, intermediate_size=128, seed=3)
+PROMPTS = [[1, 5, 9, 12], [1, 20, 21], [1, 7, 7, 30, 31, 2]]
+
+
+# ---- pure parts --------------------------------------------------------------------------------
+def test_plan_buckets_offsets_and_sizes_by_hand():
+    entries = [(("a",), (10,), "float32"), (("b",), (3,), "float16"), (("c",), (100,), "float32"),
+               (("d",), (4,), "int64")]
+    metas = plan_buckets(entries, bucket_bytes=128)
+    # a: 40 B at 0; b: 6 B at 64 (40 aligned up); c: 400 B > 128 -> its own bucket; d: 32 B -> next
+    assert [(m.names, m.bucket, m.offset, m.nbytes) for m in metas] == [
+        (("a",), 0, 0, 40), (("b",), 0, 64, 6), (("c",), 1, 0, 400), (("d",), 2, 0, 32)]
+    assert bucket_sizes(metas) == [70, 400, 32]
+    assert [m.bucket for m in plan_buckets(entries, bucket_bytes=10**6)] == [0, 0, 0, 0]
+    with pytest.raises(ModelUpdateError, match="> 0"):
+        plan_buckets(entries, 0)
+
+
+def test_pack_unpack_round_trip_mixed_dtypes_is_exact():
+    g = torch.Generator().manual_seed(0)
+    tensors = {"w": torch.randn(5, 7, generator=g), "h": torch.randn(9, generator=g).half(),
+               "b": torch.randn(3, 3, generator=g).bfloat16(), "i": torch.arange(-4, 7),
+               "t": torch.randn(6, 4, generator=g).t()}  # non-contiguous
+    metas = plan_buckets([((k,), tuple(v.shape), str(v.dtype)[6:]) for k, v in tensors.items()], 1 << 20)
+    buf = torch.empty(bucket_sizes(metas)[0], dtype=torch.uint8)
+    pack([tensors[m.names[0]] for m in metas], metas, buf)
+    out = dict(unpack(buf, metas))
+    assert out.keys() == tensors.keys()
+    for k, v in tensors.items():
+        assert out[k].dtype == v.dtype and torch.equal(out[k], v), k
+
+
+def test_tied_weights_are_sent_once_and_loaded_under_both_names():
+    model = build_tiny_model(build_tokenizer(), TINY)
+    state = model.state_dict()
+    assert state["lm_head.weight"].data_ptr() == state["model.embed_tokens.weight"].data_ptr()
+    uniq = unique_tensors(state)
+    assert ("model.embed_tokens.weight", "lm_head.weight") in [names for names, _ in uniq]
+    assert len(uniq) == len(state) - 1
+    params = sum(t.numel() for _, t in uniq)
+    assert params == sum(p.numel() for p in model.parameters())  # parameters() counts a tied one once
+
+
+def test_check_plan_names_the_problem():
+    shapes = {"a": (2, 3), "b": (4,)}
+    ok = [TensorMeta(("a",), (2, 3), "float32", 0, 0, 24), TensorMeta(("b",), (4,), "float32", 0, 64, 16)]
+    check_plan(ok, shapes)
+    with pytest.raises(ModelUpdateError, match=r"no parameter 'bb' \(did you mean 'b'\?\)"):
+        check_plan([ok[0], TensorMeta(("bb",), (4,), "float32", 0, 64, 16)], shapes)
+    with pytest.raises(ModelUpdateError, match=r"a: trainer shape \(3, 2\) != engine shape \(2, 3\)"):
+        check_plan([TensorMeta(("a",), (3, 2), "float32", 0, 0, 24), ok[1]], shapes)
+    with pytest.raises(ModelUpdateError, match=r"sends no value for 1 engine parameter\(s\), e.g. \['b'\]"):
+        check_plan(ok[:1], shapes)
+    with pytest.raises(ModelUpdateError, match="unsupported dtype 'complex64'"):
+        TensorMeta.from_wire([["a"], [2], "complex64", 0, 0, 16])
+
+
+def test_choose_backend():
+    cpu = {"node": "n1", "device": "cpu"}
+    gpu = lambda node, uid: {"node": node, "device": f"cuda:{uid}"}  # noqa: E731
+    assert choose_backend("auto", [cpu, cpu, cpu]) == "shm"  # one host, one device: colocated
+    assert choose_backend("auto", [cpu, {"node": "n2", "device": "cpu"}]) == "gloo"
+    assert choose_backend("auto", [gpu("n1", 0), gpu("n1", 1), gpu("n2", 0)]) == "nccl"
+    assert choose_backend("auto", [gpu("n1", 0), gpu("n1", 0)]) == "shm"
+    assert choose_backend("gloo", [cpu, cpu]) == "gloo"
+    with pytest.raises(ModelUpdateError, match="needs every member on a GPU"):
+        choose_backend("nccl", [cpu, cpu])
+    with pytest.raises(ModelUpdateError, match="one GPU"):
+        choose_backend("nccl", [gpu("n1", 0), gpu("n1", 0)])
+    with pytest.raises(ModelUpdateError, match="one node"):
+        choose_backend("shm", [cpu, {"node": "n2", "device": "cpu"}])
+    with pytest.raises(ModelUpdateError, match="not one of"):
+        choose_backend("mpi", [cpu])
+
+
+def test_config_section_is_strict():
+    cfg = load_config("recipes/stutter.yaml", ["model_update.bucket_mb=8", "model_update.backend=gloo"])
+    assert cfg.model_update.bucket_mb == 8.0 and cfg.model_update.backend == "gloo"
+    with pytest.raises(ConfigError, match="did you mean 'bucket_mb'"):
+        load_config("recipes/stutter.yaml", ["model_update.bucket_md=8"])
+    with pytest.raises(ConfigError, match="did you mean 'gloo'"):
+        load_config("recipes/stutter.yaml", ["model_update.backend=glo"])
+    with pytest.raises(ConfigError, match="bucket_mb must be > 0"):
+        load_config("recipes/stutter.yaml", ["model_update.bucket_mb=0"])
+
+
+# ---- on Ray ------------------------------------------------------------------------------------
+class ProbeEngine(EngineWorker):
+    """The real engine actor plus a read of its live weights, and an optional delay before loading."""
+
+    def __init__(self, *args, delay_s: float = 0.0):
+        super().__init__(*args)
+        self.delay_s = delay_s
+
+    def weights(self) -> dict:
+        return {k: v.clone() for k, v in self.loop._engine.model.state_dict().items()}  # noqa: SLF001
+
+    def greedy(self, prompts: list[list[int]], n: int) -> list[list[int]]:
+        reqs = [GenerationRequest(f"g{time.monotonic_ns()}-{i}", p, SamplingParams(max_new_tokens=n, temperature=0.0))
+                for i, p in enumerate(prompts)]
+        self.submit(reqs)
+        done: dict = {}
+        while len(done) < len(reqs):
+            done.update((o.request_id, o.token_ids) for o in self.get_finished(timeout=5.0))
+        return [done[r.request_id] for r in reqs]
+
+    def _mu_apply(self, items, version: int) -> None:
+        time.sleep(self.delay_s)
+        super()._mu_apply(items, version)
+
+
+def save_tiny(path, cfg: TinyModelConfig) -> str:
+    tok = build_tokenizer()
+    build_tiny_model(tok, cfg).save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def roles(tmp_path_factory):
+    init_ray(None, num_cpus=2)
+    path = save_tiny(tmp_path_factory.mktemp("tiny"), TINY)
+    settings = TrainerSettings(lr=0.05, weight_decay=0.0, betas=(0.9, 0.999), grad_clip=1.0, micro_batch_size=64,
+                               temperature=1.0, loss={"name": "ppo"}, agg="token-mean")
+    trainer = start_trainer(path, settings, seed=0, threads=1, plugins=[])
+    probe = ray.remote(ProbeEngine).options(num_cpus=0, max_concurrency=8)
+    engines = [probe.remote(path, 16, 0, 1), probe.remote(path, 16, 0, 1, delay_s=1.0)]
+    ray.get([trainer.stats.remote()] + [e.stats.remote() for e in engines])
+    yield {"path": path, "trainer": trainer, "engines": engines}
+    ray.shutdown()
+
+
+def train_step(trainer, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    samples = []
+    for i in range(8):
+        resp = torch.randint(4, 40, (6,), generator=g).tolist()
+        samples.append(Sample(prompt_id=i // 4, sample_index=i % 4, prompt_ids=PROMPTS[i % 3], response_ids=resp,
+                              behav_logprobs=[-1.0] * 6, versions=[0] * 6, reward=float(i % 2)))
+    batch = collate(samples)
+    adv = algos.compute_advantages("grpo", batch.rewards, batch.group_ids, batch.mask)
+    ray.get(trainer.train_step.remote(batch, adv, None))
+
+
+def push(group, engines, version):
+    ray.get([e.pause.remote("continue") for e in engines])
+    try:
+        return group.push(version)
+    finally:
+        ray.get([e.resume.remote() for e in engines])
+
+
+def assert_replicas_equal_trainer(trainer, engines):
+    full = ray.get(trainer.get_weights.remote())
+    for r, e in enumerate(engines):
+        got = ray.get(e.weights.remote())
+        assert got.keys() == full.keys()
+        for name, t in full.items():
+            assert torch.equal(got[name], t), f"replica {r}: {name} differs"
+
+
+@pytest.mark.parametrize("backend, bucket_mb", [("gloo", 0.01), ("gloo", 0.05), ("gloo", 64.0), ("shm", 0.01),
+                                                ("object_store", 64.0)])
+def test_after_update_every_replica_equals_trainer_exactly(roles, backend, bucket_mb):
+    trainer, engines = roles["trainer"], roles["engines"]
+    largest = max(t.numel() * t.element_size() for t in ray.get(trainer.get_weights.remote()).values())
+    group = ModelUpdateGroup(trainer, engines, backend=backend, bucket_mb=bucket_mb, timeout_s=60)
+    assert group.setup() == backend
+    try:
+        base = ray.get(engines[0].version.remote())
+        before = ray.get(engines[0].weights.remote())
+        train_step(trainer, seed=base)
+        after = ray.get(trainer.get_weights.remote())
+        assert any(not torch.equal(before[k], after[k]) for k in after)  # the step did change weights
+        stats = push(group, engines, base + 1)
+        assert_replicas_equal_trainer(trainer, engines)
+        assert ray.get([e.version.remote() for e in engines]) == [base + 1, base + 1] and group.version == base + 1
+        if backend != "object_store":
+            # tied embedding sent once: bytes = unique parameters (+ alignment padding inside buckets)
+            unique = sum(t.numel() * 4 for k, t in after.items() if k != "lm_head.weight")  # tied
+            assert unique <= stats["model_update/bytes"] < unique + 64 * len(after)
+            if bucket_mb * 2**20 < largest:
+                assert stats["model_update/buckets"] >= 2
+            if bucket_mb == 64.0:
+                assert stats["model_update/buckets"] == 1
+        assert stats["model_update/time_s"] > 0 and stats["model_update/failures"] == 0
+    finally:
+        group.close()
+
+
+def test_version_advances_only_after_every_replica_acks(roles):
+    trainer, engines = roles["trainer"], roles["engines"]  # engines[1] waits 1 s before loading
+    group = ModelUpdateGroup(trainer, engines, backend="shm", bucket_mb=0.05, timeout_s=60)
+    group.setup()
+    base = ray.get(engines[0].version.remote())
+    group.version = base
+    train_step(trainer, seed=100 + base)
+    ray.get([e.pause.remote("continue") for e in engines])
+    pusher = threading.Thread(target=group.push, args=(base + 1,))
+    pusher.start()
+    deadline = time.monotonic() + 10
+    while ray.get(engines[0].version.remote()) != base + 1 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    # the fast replica has acknowledged; the slow one has not, so the group's version has not moved
+    assert ray.get(engines[0].version.remote()) == base + 1
+    assert ray.get(engines[1].version.remote()) == base
+    assert group.version == base and pusher.is_alive()
+    pusher.join(timeout=30)
+    ray.get([e.resume.remote() for e in engines])
+    assert group.version == base + 1 and ray.get(engines[1].version.remote()) == base + 1
+    group.close()
+
+
+def test_greedy_outputs_change_to_those_of_the_new_weights(roles):
+    trainer, engines = roles["trainer"], roles["engines"]
+    group = ModelUpdateGroup(trainer, engines, backend="gloo", bucket_mb=0.02, timeout_s=60)
+    group.setup()
+    old = ray.get(engines[0].greedy.remote(PROMPTS, 8))
+    train_step(trainer, seed=7)
+    push(group, engines, ray.get(engines[0].version.remote()) + 1)
+    reference = load_model(roles["path"]).eval()
+    reference.load_state_dict(ray.get(trainer.get_weights.remote()))
+    torch.set_num_threads(1)
+    expected = [o.token_ids for o in TorchEngine(reference).generate(
+        [GenerationRequest(f"r{i}", p, SamplingParams(max_new_tokens=8, temperature=0.0)) for i, p in enumerate(PROMPTS)])]
+    assert ray.get([e.greedy.remote(PROMPTS, 8) for e in engines]) == [expected, expected]
+    assert expected != old  # the update did change what the engines generate
+    group.close()
+
+
+def test_mismatched_replica_fails_before_any_collective(roles, tmp_path):
+    trainer, engines = roles["trainer"], roles["engines"]
+    other = save_tiny(tmp_path / "one_layer", TinyModelConfig(**{**TINY.to_dict(), "num_layers": 1}))
+    odd = ray.remote(ProbeEngine).options(num_cpus=0, max_concurrency=8).remote(other, 16, 0, 1)
+    group = ModelUpdateGroup(trainer, [engines[0], odd], backend="gloo", bucket_mb=0.05, timeout_s=60)
+    group.setup()
+    versions = ray.get([engines[0].version.remote(), odd.version.remote()])
+    with pytest.raises(ModelUpdateError, match=r"check failed on replica 1: .*no parameter 'model.layers.1"):
+        push(group, [engines[0], odd], versions[0] + 1)
+    assert group.counters["failures"] == 1 and group.broken is None  # failed before any collective
+    assert group.version == 0 and ray.get([engines[0].version.remote(), odd.version.remote()]) == versions
+    group.close()
+    ray.kill(odd)
