@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from dataclasses import dataclass, field
 from typing import Any
 
 import ray
@@ -23,7 +24,7 @@ import torch
 
 from flash.model_update import (
     BACKENDS, ModelUpdateError, TensorMeta, _Buffers, bucket_sizes, check_plan, connect, dtype_name,
-    make_group, open_store, plan_buckets, receive, send, unique_tensors,
+    make_group, open_store, plan_buckets, receive, redundant_names, send, unique_tensors,
 )
 from flash.model_update_shm import ShmSender, read
 
@@ -62,6 +63,32 @@ def _where(device: torch.device) -> dict[str, str]:
     return {"node": node, "device": "cpu"}
 
 
+@dataclass
+class _Member:
+    """One actor's side of one group (an actor may be in several, e.g. a trainer feeding two pools)."""
+
+    backend: str
+    pg: Any = None
+    store: Any = None
+    buffers: _Buffers | None = None
+    shm: ShmSender | None = None
+    metas: list[TensorMeta] = field(default_factory=list)
+    skip: set[str] = field(default_factory=set)  # aliases tied in the receiver's own model too
+
+
+def _groups(actor) -> dict[str, _Member]:
+    if not hasattr(actor, "_mu_groups"):
+        actor._mu_groups = {}
+    return actor._mu_groups
+
+
+def _member(actor, group: str) -> _Member:
+    try:
+        return _groups(actor)[group]
+    except KeyError:
+        raise ModelUpdateError(f"this actor is not in model-update group {group!r}; call setup() first") from None
+
+
 class UpdateSender:
     """Mixin for the trainer actor. The host defines ``_mu_state() -> {name: tensor}`` (full weights)."""
 
@@ -71,81 +98,89 @@ class UpdateSender:
     def mu_where(self) -> dict[str, str]:
         return _where(self._mu_device())
 
-    def mu_open(self, host: str, timeout_s: float) -> int:
-        """Start the rendezvous store (this member is rank 0); returns its port."""
-        self._mu_store = open_store(host, timeout_s)
-        return int(self._mu_store.port)
+    def mu_open(self, group: str, backend: str, host: str, timeout_s: float) -> int:
+        """Start the group's rendezvous store (this member is rank 0); returns its port."""
+        m = _groups(self)[group] = _Member(backend)
+        m.store = open_store(host, timeout_s)
+        return int(m.store.port)
 
-    def mu_join(self, backend: str, prefix: str, world: int, timeout_s: float) -> None:
-        self._mu_backend = backend
-        self._mu_pg = None if backend == "shm" else make_group(backend, self._mu_store, prefix, 0, world, timeout_s)
-        self._mu_buffers = _Buffers(torch.device("cuda" if backend == "nccl" else "cpu"))
-        self._mu_shm = ShmSender() if backend == "shm" else None
+    def mu_join(self, group: str, world: int, timeout_s: float) -> None:
+        m = _member(self, group)
+        if m.backend == "shm":
+            m.shm = ShmSender()
+        else:
+            m.pg = make_group(m.backend, m.store, group, 0, world, timeout_s)
+            m.buffers = _Buffers(torch.device("cuda" if m.backend == "nccl" else "cpu"))
 
-    def mu_plan(self, bucket_bytes: int) -> list:
+    def mu_plan(self, group: str, bucket_bytes: int) -> list:
         """Plan this push (names, shapes, dtypes, buckets) as plain lists; kept for ``mu_send``."""
+        m = _member(self, group)
         entries = [(names, tuple(t.shape), dtype_name(t.dtype)) for names, t in unique_tensors(self._mu_state())]
-        self._mu_metas = plan_buckets(entries, bucket_bytes)
-        return [m.to_wire() for m in self._mu_metas]
+        m.metas = plan_buckets(entries, bucket_bytes)
+        return [meta.to_wire() for meta in m.metas]
 
-    def mu_send(self) -> dict[str, Any]:
+    def mu_send(self, group: str) -> dict[str, Any]:
         """Broadcast (or, with shm, write) the planned tensors; returns bytes and the segment, if any."""
-        start = time.perf_counter()
+        m, start = _member(self, group), time.perf_counter()
         state = self._mu_state()
         with torch.no_grad():
-            if self._mu_shm is not None:
-                path, nbytes = self._mu_shm.write(state, self._mu_metas)
+            if m.shm is not None:
+                path, nbytes = m.shm.write(state, m.metas)
                 return {"bytes": nbytes, "path": path, "send_s": time.perf_counter() - start}
-            nbytes = send(self._mu_pg, state, self._mu_metas, self._mu_buffers)
+            nbytes = send(m.pg, state, m.metas, m.buffers)
         return {"bytes": nbytes, "path": None, "send_s": time.perf_counter() - start}
 
-    def mu_close(self) -> None:
-        if getattr(self, "_mu_shm", None) is not None:
-            self._mu_shm.close()
-        self._mu_pg = self._mu_store = self._mu_shm = None
+    def mu_close(self, group: str) -> None:
+        m = _groups(self).pop(group, None)
+        if m is not None and m.shm is not None:
+            m.shm.close()
 
 
 class UpdateReceiver:
     """Mixin for an engine actor. The host defines ``_mu_shapes() -> {name: shape}`` and
     ``_mu_apply(items, version)``, which copies each ``(name, tensor)`` of the iterator at once and
-    sets its version last; it may define ``_mu_device()`` (default CPU)."""
+    sets its version last; it may define ``_mu_device()`` (default CPU) and ``_mu_ties()`` (groups
+    of names sharing one storage in its model, loaded once; default none)."""
 
     def _mu_device(self) -> torch.device:
         return torch.device("cpu")
 
+    def _mu_ties(self) -> list[tuple[str, ...]]:
+        return []
+
     def mu_where(self) -> dict[str, str]:
         return _where(self._mu_device())
 
-    def mu_join(self, backend: str, host: str, port: int, prefix: str, rank: int, world: int,
+    def mu_join(self, group: str, backend: str, host: str, port: int, rank: int, world: int,
                 timeout_s: float) -> None:
-        self._mu_pg = None
+        m = _groups(self)[group] = _Member(backend)
         if backend != "shm":
-            store = connect(host, port, timeout_s)
-            self._mu_pg = make_group(backend, store, prefix, rank, world, timeout_s)
-        self._mu_buffers = _Buffers(torch.device("cuda" if backend == "nccl" else "cpu"))
+            m.store = connect(host, port, timeout_s)
+            m.pg = make_group(backend, m.store, group, rank, world, timeout_s)
+            m.buffers = _Buffers(torch.device("cuda" if backend == "nccl" else "cpu"))
 
-    def mu_check(self, wire: list) -> int:
+    def mu_check(self, group: str, wire: list) -> int:
         """Validate a plan against this engine's parameters before any byte moves; keep it."""
         metas = [TensorMeta.from_wire(item) for item in wire]
         check_plan(metas, self._mu_shapes())
-        self._mu_metas = metas
+        m = _member(self, group)
+        m.metas, m.skip = metas, redundant_names(metas, self._mu_ties())
         return len(metas)
 
-    def mu_receive(self, version: int, path: str | None = None, nbytes: int = 0) -> dict[str, float]:
+    def mu_receive(self, group: str, version: int, path: str | None = None, nbytes: int = 0) -> dict[str, float]:
         """Load the pushed weights in place and take ``version``; the ack is this method's return."""
-        start = time.perf_counter()
-        metas = self._mu_metas
-        items = read(path, nbytes, metas) if path is not None else receive(self._mu_pg, metas, self._mu_buffers)
-        expected = sum(len(m.names) for m in metas)
-        counted = _Counted(items)
+        m, start = _member(self, group), time.perf_counter()
+        items = read(path, nbytes, m.metas) if path is not None else receive(m.pg, m.metas, m.buffers)
+        expected = sum(len(meta.names) for meta in m.metas) - len(m.skip)
+        counted = _Counted((name, t) for name, t in items if name not in m.skip)
         with torch.no_grad():
             self._mu_apply(counted, version)
         if counted.n != expected:
             raise ModelUpdateError(f"the engine loaded {counted.n} of {expected} pushed tensors")
         return {"version": float(version), "ack_time": time.time(), "receive_s": time.perf_counter() - start}
 
-    def mu_close(self) -> None:
-        self._mu_pg = None
+    def mu_close(self, group: str) -> None:
+        _groups(self).pop(group, None)
 
 
 class _Counted:
@@ -179,6 +214,7 @@ class ModelUpdateGroup:
         self.version = 0
         self.broken: str | None = None
         self.counters = {"pushes": 0, "failures": 0}
+        self.group = f"flash-mu-{uuid.uuid4().hex[:8]}"  # the members' key for this group (and store prefix)
 
     def setup(self) -> str:
         """Choose the backend from where the members run and form the group; returns the backend."""
@@ -186,10 +222,11 @@ class ModelUpdateGroup:
         self.backend = choose_backend(self.requested, where)
         if self.backend == "object_store":
             return self.backend
-        world, prefix = len(self.engines) + 1, f"flash-mu-{uuid.uuid4().hex[:8]}"
-        port = self._get([self.trainer.mu_open.remote(self.host, self.timeout_s)], "rendezvous", ["trainer"])[0]
-        refs = [self.trainer.mu_join.remote(self.backend, prefix, world, self.timeout_s)]
-        refs += [e.mu_join.remote(self.backend, self.host, port, prefix, rank + 1, world, self.timeout_s)
+        world, g = len(self.engines) + 1, self.group
+        port = self._get([self.trainer.mu_open.remote(g, self.backend, self.host, self.timeout_s)], "rendezvous",
+                         ["trainer"])[0]
+        refs = [self.trainer.mu_join.remote(g, world, self.timeout_s)]
+        refs += [e.mu_join.remote(g, self.backend, self.host, port, rank + 1, world, self.timeout_s)
                  for rank, e in enumerate(self.engines)]
         self._get(refs, "join")
         return self.backend
@@ -214,14 +251,16 @@ class ModelUpdateGroup:
                 "model_update/failures": float(self.counters["failures"])}
 
     def _collective(self, version: int) -> dict[str, float]:
-        wire = self._get([self.trainer.mu_plan.remote(self.bucket_bytes)], "plan", ["trainer"])[0]
-        self._get([e.mu_check.remote(wire) for e in self.engines], "check")  # before any collective
+        wire = self._get([self.trainer.mu_plan.remote(self.group, self.bucket_bytes)], "plan", ["trainer"])[0]
+        self._get([e.mu_check.remote(self.group, wire) for e in self.engines], "check")  # before any collective
         try:
             if self.backend == "shm":  # write first, then the replicas read the same pages
-                sent = self._get([self.trainer.mu_send.remote()], "send", ["trainer"])[0]
-                self._get([e.mu_receive.remote(version, sent["path"], sent["bytes"]) for e in self.engines], "receive")
+                sent = self._get([self.trainer.mu_send.remote(self.group)], "send", ["trainer"])[0]
+                self._get([e.mu_receive.remote(self.group, version, sent["path"], sent["bytes"])
+                           for e in self.engines], "receive")
             else:
-                refs = [self.trainer.mu_send.remote()] + [e.mu_receive.remote(version) for e in self.engines]
+                refs = [self.trainer.mu_send.remote(self.group)]
+                refs += [e.mu_receive.remote(self.group, version) for e in self.engines]
                 sent = self._get(refs, "broadcast")[0]
         except ModelUpdateError as exc:
             exc.collective = True
@@ -258,7 +297,7 @@ class ModelUpdateGroup:
     def close(self) -> None:
         for m in [self.trainer, *self.engines]:
             try:
-                ray.get(m.mu_close.remote(), timeout=30)
+                ray.get(m.mu_close.remote(self.group), timeout=30)
             except ray.exceptions.RayError:
                 pass
 

@@ -18,6 +18,7 @@ from typing import Any
 import ray
 import torch
 
+from flash.model_update import unique_tensors
 from flash.model_update_group import UpdateReceiver, UpdateSender
 
 
@@ -57,6 +58,7 @@ class EngineWorker(UpdateReceiver):
         text = model.config.get_text_config(decoder=True)
         self.vocab_size, self.max_context = text.vocab_size, text.max_position_embeddings
         self._shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}  # model-update check
+        self._ties = [names for names, _ in unique_tensors(model.state_dict()) if len(names) > 1]
         self.loop = EngineLoop(TorchEngine(model, max_num_seqs=max_num_seqs, seed=seed))
         self._refused: list = []  # outputs of requests check_request refused, not yet taken
         self._refused_lock = threading.Lock()  # submit and get_finished run on different threads
@@ -98,6 +100,9 @@ class EngineWorker(UpdateReceiver):
 
     def _mu_shapes(self) -> dict:
         return self._shapes
+
+    def _mu_ties(self) -> list:
+        return self._ties
 
     def _mu_apply(self, items, version: int) -> None:
         """Model-update group: copy each pushed tensor into the live model as it arrives."""

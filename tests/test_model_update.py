@@ -27,7 +27,8 @@ from flash.config import ConfigError, load_config
 from flash.engine.base import GenerationRequest, SamplingParams
 from flash.engine.torch_engine import TorchEngine
 from flash.model_update import (
-    ModelUpdateError, TensorMeta, bucket_sizes, check_plan, pack, plan_buckets, unique_tensors, unpack,
+    ModelUpdateError, TensorMeta, bucket_sizes, check_plan, pack, plan_buckets, redundant_names, unique_tensors,
+    unpack,
 )
 from flash.model_update_group import ModelUpdateGroup, choose_backend
 from flash.models import TinyModelConfig, build_tiny_model, build_tokenizer
@@ -75,6 +76,13 @@ def test_tied_weights_are_sent_once_and_loaded_under_both_names():
     assert len(uniq) == len(state) - 1
     params = sum(t.numel() for _, t in uniq)
     assert params == sum(p.numel() for p in model.parameters())  # parameters() counts a tied one once
+
+
+def test_redundant_names_only_where_the_receiver_is_tied_too():
+    metas = [TensorMeta(("embed", "head"), (4, 2), "float32", 0, 0, 32), TensorMeta(("x",), (2,), "float32", 0, 64, 8)]
+    assert redundant_names(metas, [("embed", "head")]) == {"head"}  # one storage: load once
+    assert redundant_names(metas, []) == set()  # untied receiver: both names loaded
+    assert redundant_names(metas, [("head", "x")]) == set()  # tied to something else: loaded
 
 
 def test_check_plan_names_the_problem():

@@ -1,0 +1,174 @@
+"""Weight sync: SmolLM2-135M-sized weights from a trainer actor to 2 engine replicas, side by side.
+
+    python -m bench.weight_sync [--repeats 5] [--bucket-mb 64] [--layers 30]
+
+A random-init ``LlamaConfig`` with SmolLM2-135M's shape (hidden 576, 30 layers, 9 heads, 3 KV heads,
+intermediate 1536, vocab 49152, tied embeddings; 134.5 M parameters, 538 MB in fp32) is saved once;
+the trainer (``flash.workers.TrainerWorker``) and two real engine replicas
+(``flash.workers.EngineWorker``) load it as Ray actors. Per repeat, every method pushes once
+(order rotating), after one warm-up push each; the report is the median seconds and the ratio to
+``raw_broadcast``:
+
+- ``raw_broadcast`` (the limit): one gloo broadcast of a pre-flattened buffer holding the same
+  bytes as our push (tied weights once), from the trainer to both replicas, nothing else: no
+  packing, no copy into parameters, no plan.
+- ``ours_gloo``: ``ModelUpdateGroup.push`` over gloo (disaggregated placement): plan, check,
+  bucketed broadcast, in-place copy into each replica's live parameters, version after both acks.
+- ``ours_shm``: the same push over the colocated shared-memory path (``backend=shm``).
+- ``object_store``: the skeleton's path: ``get_weights`` (a cloned state dict) through Ray's object
+  store into each replica's ``update_weights``.
+
+After the runs each replica's weights are checked against the trainer's (a per-tensor float64 sum
+and the first/last values), so a fast but wrong push cannot pass. The last line is JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import tempfile
+import time
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import ray  # noqa: E402
+import torch  # noqa: E402
+
+from flash.model_update import as_bytes, broadcast, connect, make_group, open_store  # noqa: E402
+from flash.model_update_group import ModelUpdateGroup  # noqa: E402
+from flash.workers import EngineWorker, TrainerWorker, init_ray  # noqa: E402
+
+METHODS = ("raw_broadcast", "ours_gloo", "ours_shm", "object_store")
+SMOLLM2_135M = dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                    intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True, max_position_embeddings=2048,
+                    rms_norm_eps=1e-5, rope_theta=100000.0)
+
+
+def digest(state: dict) -> list[list[float]]:
+    """Per tensor: float64 sum, first and last value (cheap to ship, fails on any misplaced bucket)."""
+    return [[float(t.double().sum()), float(t.reshape(-1)[0]), float(t.reshape(-1)[-1])] for _, t in sorted(state.items())]
+
+
+class RawMember:
+    """Bench-only methods: a raw broadcast group of its own, and a digest of the live weights."""
+
+    def raw_open(self) -> int:
+        self._raw_store = open_store("127.0.0.1", 120)
+        return int(self._raw_store.port)
+
+    def raw_join(self, host: str, port: int, rank: int, world: int, nbytes: int) -> None:
+        store = self._raw_store if rank == 0 else connect(host, port, 120)
+        self._raw_pg = make_group("gloo", store, "raw", rank, world, 120)
+        self._raw_buf = torch.zeros(nbytes, dtype=torch.uint8)
+        if rank == 0:  # the same bytes our push sends: the unique tensors end to end
+            from flash.model_update import unique_tensors
+            flat = torch.cat([as_bytes(t.detach().contiguous()) for _, t in unique_tensors(self._mu_state())])
+            self._raw_buf[:flat.numel()] = flat
+
+    def raw_broadcast(self) -> int:
+        broadcast(self._raw_pg, self._raw_buf).wait()
+        return int(self._raw_buf.numel())
+
+
+class BenchTrainer(TrainerWorker, RawMember):
+    def digest(self) -> list:
+        return digest(self._mu_state())
+
+
+class BenchEngine(EngineWorker, RawMember):
+    def digest(self) -> list:
+        return digest(self.loop._engine.model.state_dict())  # noqa: SLF001 - read while paused
+
+
+def build(path: str, layers: int) -> int:
+    """Save the random-init model in a child process (its 0.5 GB leaves with it); returns params."""
+    code = ("import sys, torch; from transformers import LlamaConfig, LlamaForCausalLM; "
+            f"torch.manual_seed(0); m = LlamaForCausalLM(LlamaConfig(**{dict(SMOLLM2_135M, num_hidden_layers=layers)!r})); "
+            "m.save_pretrained(sys.argv[1]); print(sum(p.numel() for p in m.parameters()))")
+    out = subprocess.run(["python", "-c", code, path], check=True, capture_output=True, text=True)
+    return int(out.stdout.strip().splitlines()[-1])
+
+
+def start(path: str):
+    from flash.trainer import TrainerSettings
+
+    settings = TrainerSettings(lr=1e-5, weight_decay=0.0, betas=(0.9, 0.999), grad_clip=1.0, micro_batch_size=8,
+                               temperature=1.0, loss={"name": "ppo"}, agg="token-mean")
+    trainer = ray.remote(BenchTrainer).options(num_cpus=0, max_concurrency=4).remote(path, settings, 0, 1, [])
+    engines = [ray.remote(BenchEngine).options(num_cpus=0, max_concurrency=8).remote(path, 4, 0, 1) for _ in range(2)]
+    ray.get([trainer.stats.remote()] + [e.stats.remote() for e in engines])
+    return trainer, engines
+
+
+class Runner:
+    """One callable per method; each returns (seconds, bytes per replica)."""
+
+    def __init__(self, trainer, engines, bucket_mb: float):
+        self.trainer, self.engines = trainer, engines
+        self.groups = {b: ModelUpdateGroup(trainer, engines, backend=b, bucket_mb=bucket_mb, timeout_s=600)
+                       for b in ("gloo", "shm", "object_store")}
+        for g in self.groups.values():
+            g.setup()
+        nbytes = self._plan_bytes()
+        port = ray.get(trainer.raw_open.remote())
+        ray.get([trainer.raw_join.remote("127.0.0.1", port, 0, 3, nbytes)]
+                + [e.raw_join.remote("127.0.0.1", port, i + 1, 3, nbytes) for i, e in enumerate(engines)])
+        self.version = 0
+
+    def _plan_bytes(self) -> int:
+        wire = ray.get(self.trainer.mu_plan.remote(self.groups["gloo"].group, 1 << 40))  # one bucket: the payload
+        return max(offset + nbytes for _, _, _, _, offset, nbytes in wire)
+
+    def run(self, method: str) -> tuple[float, float]:
+        ray.get([e.pause.remote("continue") for e in self.engines])
+        start = time.perf_counter()
+        if method == "raw_broadcast":
+            sent = ray.get([self.trainer.raw_broadcast.remote()] + [e.raw_broadcast.remote() for e in self.engines])[0]
+        else:
+            self.version += 1
+            sent = self.groups[method.removeprefix("ours_")].push(self.version)["model_update/bytes"]
+        seconds = time.perf_counter() - start
+        ray.get([e.resume.remote() for e in self.engines])
+        return seconds, float(sent)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--bucket-mb", type=float, default=64.0)
+    ap.add_argument("--layers", type=int, default=30, help="fewer for a quick check (30 = SmolLM2-135M)")
+    args = ap.parse_args()
+    init_ray(None, num_cpus=2)
+    with tempfile.TemporaryDirectory() as tmp:
+        params = build(tmp, args.layers)
+        trainer, engines = start(tmp)
+    runner = Runner(trainer, engines, args.bucket_mb)
+    times: dict[str, list[float]] = {m: [] for m in METHODS}
+    sizes: dict[str, float] = {}
+    for m in METHODS:  # warm-up: buffers allocated, pages touched
+        runner.run(m)
+    for r in range(args.repeats):
+        for m in METHODS[r % len(METHODS):] + METHODS[:r % len(METHODS)]:
+            seconds, sizes[m] = runner.run(m)
+            times[m].append(seconds)
+    want = ray.get(trainer.digest.remote())
+    correct = all(d == want for d in ray.get([e.digest.remote() for e in engines]))
+    med = {m: statistics.median(v) for m, v in times.items()}
+    limit = med["raw_broadcast"]
+    print(f"{params / 1e6:.1f} M parameters, {sizes['ours_gloo'] / 1e6:.0f} MB per push, 2 replicas, "
+          f"bucket {args.bucket_mb:g} MB, {args.repeats} repeats; uptime: {os.getloadavg()[0]:.2f} load")
+    for m in METHODS:
+        print(f"{m:14s} median {med[m]:7.3f} s  {sizes[m] / med[m] / 1e9:6.2f} GB/s per replica  "
+              f"x{med[m] / limit:.2f} of raw_broadcast  (all: {', '.join(f'{t:.3f}' for t in times[m])})")
+    print(json.dumps({"bench": "weight_sync", "params": params, "bytes": sizes, "replicas": 2,
+                      "bucket_mb": args.bucket_mb, "repeats": args.repeats, "median_s": med,
+                      "ratio_to_raw_broadcast": {m: med[m] / limit for m in METHODS},
+                      "weights_equal": correct, "load1": os.getloadavg()[0]}))
+    ray.shutdown()
+
+
+if __name__ == "__main__":
+    main()
