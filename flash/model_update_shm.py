@@ -21,7 +21,7 @@ from collections.abc import Iterator, Mapping
 
 import torch
 
-from flash.model_update import TensorMeta, bucket_sizes, by_bucket, pack, unpack
+from flash.model_update import ModelUpdateError, TensorMeta, bucket_sizes, by_bucket, pack, unpack
 
 SHM_DIR = "/dev/shm"  # tmpfs: a file here is shared memory; torch.from_file(shared=True) maps it
 
@@ -40,6 +40,20 @@ def _map(path: str, nbytes: int) -> torch.Tensor:
     return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
 
 
+def _allocate(path: str, nbytes: int) -> None:
+    """Create the segment with its pages reserved: a tmpfs too small fails here, by name, instead
+    of killing the trainer with SIGBUS at the first write past its end (Docker's /dev/shm is 64 MB)."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as exc:
+        os.close(fd)
+        os.unlink(path)
+        raise ModelUpdateError(f"cannot reserve {nbytes / 2**20:.0f} MiB in {SHM_DIR} ({exc.strerror}): "
+                               "enlarge it (docker --shm-size) or set model_update.backend=gloo") from None
+    os.close(fd)
+
+
 class ShmSender:
     """Trainer side: owns the segment; ``write`` packs the state into it and returns its path."""
 
@@ -53,11 +67,10 @@ class ShmSender:
         if self.seg is None or self.seg.numel() < total:
             self.close()
             if not os.path.isdir(SHM_DIR):
-                raise RuntimeError(f"{SHM_DIR} is missing: the shm backend needs Linux shared memory; "
+                raise ModelUpdateError(f"{SHM_DIR} is missing: the shm backend needs Linux shared memory; "
                                    "set model_update.backend=gloo")
             self.path = os.path.join(SHM_DIR, f"flash-mu-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-            with open(self.path, "wb") as f:
-                f.truncate(max(total, 1))
+            _allocate(self.path, max(total, 1))
             self.seg = _map(self.path, max(total, 1))
         for k, group in enumerate(by_bucket(metas)):
             tensors = [state[m.names[0]].detach().cpu() for m in group]
@@ -81,6 +94,6 @@ def read(path: str, total: int, metas: list[TensorMeta]) -> Iterator[tuple[str, 
     seg = _map(path, total)
     starts = bucket_starts(metas)
     if starts[-1] != total:
-        raise RuntimeError(f"segment {path}: {total} bytes, the plan needs {starts[-1]}")
+        raise ModelUpdateError(f"segment {path}: {total} bytes, the plan needs {starts[-1]}")
     for k, group in enumerate(by_bucket(metas)):
         yield from unpack(seg[starts[k]:starts[k + 1]], group)

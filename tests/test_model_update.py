@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -76,6 +77,31 @@ def test_tied_weights_are_sent_once_and_loaded_under_both_names():
     assert len(uniq) == len(state) - 1
     params = sum(t.numel() for _, t in uniq)
     assert params == sum(p.numel() for p in model.parameters())  # parameters() counts a tied one once
+
+
+def test_shm_segment_round_trip_and_full_tmpfs(monkeypatch):
+    from flash import model_update_shm
+
+    g = torch.Generator().manual_seed(1)
+    state = {"a": torch.randn(300, generator=g), "b": torch.randn(7, 5, generator=g).half(), "c": torch.arange(9)}
+    metas = plan_buckets([((k,), tuple(v.shape), str(v.dtype)[6:]) for k, v in state.items()], 1024)
+    assert [m.bucket for m in metas] == [0, 1, 1]  # a: 1200 B alone; b (70 B) and c (72 B) together
+    sender = model_update_shm.ShmSender()
+    path, total = sender.write(state, metas)
+    # bucket 0: 1200 B -> 1216 aligned; bucket 1: b at 0, c at 128 (70 aligned), ends at 200 -> 256
+    assert total == model_update_shm.bucket_starts(metas)[-1] == 1216 + 256
+    got = {name: t.clone() for name, t in model_update_shm.read(path, total, metas)}
+    assert all(torch.equal(got[k], v) for k, v in state.items()) and got.keys() == state.keys()
+    sender.close()
+    assert not os.path.exists(path)
+
+    def full(fd, offset, length):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(model_update_shm.os, "posix_fallocate", full)
+    with pytest.raises(ModelUpdateError, match=r"cannot reserve .* \(No space left on device\).*shm-size"):
+        model_update_shm.ShmSender().write(state, metas)
+    assert not [f for f in os.listdir("/dev/shm") if f.startswith(f"flash-mu-{os.getpid()}-")]  # nothing left
 
 
 def test_redundant_names_only_where_the_receiver_is_tied_too():
