@@ -236,6 +236,7 @@ class ModelUpdateGroup:
         if self.backend is None:
             raise ModelUpdateError("ModelUpdateGroup.push before setup()")
         if self.broken:
+            self.counters["failures"] += 1
             raise ModelUpdateError(f"the model-update group is broken ({self.broken}); restart the run")
         start = time.perf_counter()
         try:

@@ -174,8 +174,14 @@ class ProbeEngine(EngineWorker):
             done.update((o.request_id, o.token_ids) for o in self.get_finished(timeout=5.0))
         return [done[r.request_id] for r in reqs]
 
+    def set_fault(self, on: bool) -> None:
+        self.fault = on
+
     def _mu_apply(self, items, version: int) -> None:
         time.sleep(self.delay_s)
+        if getattr(self, "fault", False):  # die mid-broadcast: one tensor loaded, then an error
+            next(iter(items))
+            raise RuntimeError("injected fault after the first tensor")
         super()._mu_apply(items, version)
 
 
@@ -311,3 +317,22 @@ def test_mismatched_replica_fails_before_any_collective(roles, tmp_path):
     assert group.version == 0 and ray.get([engines[0].version.remote(), odd.version.remote()]) == versions
     group.close()
     ray.kill(odd)
+
+
+def test_failure_inside_the_broadcast_breaks_the_group_by_name(roles):
+    """Last in the file: the trainer's send stays blocked until gloo's timeout (15 s) frees it."""
+    trainer, engines = roles["trainer"], roles["engines"]
+    group = ModelUpdateGroup(trainer, engines, backend="gloo", bucket_mb=0.01, timeout_s=15)
+    group.setup()
+    versions = ray.get([e.version.remote() for e in engines])
+    ray.get(engines[0].set_fault.remote(True))
+    try:
+        with pytest.raises(ModelUpdateError, match=r"broadcast failed on replica 0: RuntimeError: injected fault"):
+            push(group, engines, versions[0] + 1)
+        assert group.broken and group.counters["failures"] == 1 and group.version == 0
+        with pytest.raises(ModelUpdateError, match="broken .*restart the run"):
+            group.push(versions[0] + 1)  # refused at once: no member enters a collective again
+        assert group.counters["failures"] == 2
+        assert ray.get(engines[0].version.remote()) == versions[0]  # the failed replica kept its version
+    finally:
+        ray.get(engines[0].set_fault.remote(False))
