@@ -178,6 +178,30 @@ def measure(runner: Runner, methods: tuple[str, ...], repeats: int) -> tuple[dic
     return times, sizes
 
 
+def report_line(m: str, times: list[float], nbytes: float, ratio: float) -> str:
+    med = statistics.median(times)
+    return (f"{m:16s} median {med:7.3f} s  {nbytes / med / 1e9:6.2f} GB/s per replica  x{ratio:.2f} of "
+            f"raw_broadcast  (all: {', '.join(f'{t:.3f}' for t in times)})")
+
+
+def phase2(runner: Runner, repeats: int, gloo_ratio: float) -> dict:
+    """object_store beside ours_gloo; its ratio to raw goes through ours_gloo's. An OOM is reported."""
+    try:
+        times, sizes = measure(runner, PHASE2, repeats)
+        ok = runner.verify("object_store")
+    except Exception as exc:  # noqa: BLE001 - the naive path may not fit beside other jobs: say so
+        print(f"object_store     failed: {str(exc).splitlines()[0][:300]}")
+        return {"object_store_error": str(exc).splitlines()[0][:300]}
+    med = {m: statistics.median(v) for m, v in times.items()}
+    ratio = med["object_store"] / med["ours_gloo"] * gloo_ratio
+    print(report_line("object_store", times["object_store"], sizes["object_store"], ratio))
+    print(f"(phase 2: ours_gloo median {med['ours_gloo']:.3f} s; object_store / ours_gloo "
+          f"x{med['object_store'] / med['ours_gloo']:.2f})")
+    return {"median_s": {"object_store": med["object_store"], "ours_gloo_phase2": med["ours_gloo"]},
+            "ratio": ratio, "bytes": sizes["object_store"], "weights_equal": ok,
+            "times_s": {"object_store": times["object_store"], "ours_gloo_phase2": times["ours_gloo"]}}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeats", type=int, default=5)
@@ -191,29 +215,23 @@ def main() -> None:
     runner = Runner(trainer, engines, args.bucket_mb)
     times, sizes = measure(runner, PHASE1, args.repeats)
     correct = {m: runner.verify(m) for m in ("ours_gloo", "ours_shm")}
-    runner.release(PHASE1)
-    times2, sizes2 = measure(runner, PHASE2, args.repeats)
-    correct["object_store"] = runner.verify("object_store")
-    sizes.update(sizes2)
     med = {m: statistics.median(v) for m, v in times.items()}
-    limit = med["raw_broadcast"]
-    ratio = {m: med[m] / limit for m in PHASE1}
-    ratio["object_store"] = statistics.median(times2["object_store"]) / statistics.median(times2["ours_gloo"]) \
-        * ratio["ours_gloo"]
-    med["object_store"] = statistics.median(times2["object_store"])
-    med["ours_gloo_phase2"] = statistics.median(times2["ours_gloo"])
+    ratio = {m: med[m] / med["raw_broadcast"] for m in PHASE1}
     print(f"{params / 1e6:.1f} M parameters, {sizes['ours_gloo'] / 1e6:.0f} MB per push, 2 replicas, "
-          f"bucket {args.bucket_mb:g} MB, {args.repeats} repeats; uptime: {os.getloadavg()[0]:.2f} load")
-    times["object_store"], times["ours_gloo_phase2"] = times2["object_store"], times2["ours_gloo"]
-    for m in METHODS:
-        print(f"{m:14s} median {med[m]:7.3f} s  {sizes[m] / med[m] / 1e9:6.2f} GB/s per replica  "
-              f"x{ratio[m]:.2f} of raw_broadcast  (all: {', '.join(f'{t:.3f}' for t in times[m])})")
-    print(f"(phase 2: ours_gloo median {med['ours_gloo_phase2']:.3f} s, object_store / ours_gloo "
-          f"x{med['object_store'] / med['ours_gloo_phase2']:.2f})")
+          f"bucket {args.bucket_mb:g} MB, {args.repeats} repeats; load {os.getloadavg()[0]:.2f}", flush=True)
+    for m in PHASE1:
+        print(report_line(m, times[m], sizes[m], ratio[m]), flush=True)
+    runner.release(PHASE1)
+    second = phase2(runner, args.repeats, ratio["ours_gloo"])
+    med.update(second.get("median_s", {}))
+    times.update(second.get("times_s", {}))
+    if "ratio" in second:
+        ratio["object_store"], sizes["object_store"] = second["ratio"], second["bytes"]
+        correct["object_store"] = second["weights_equal"]
     print(json.dumps({"bench": "weight_sync", "params": params, "bytes": sizes, "replicas": 2,
                       "bucket_mb": args.bucket_mb, "repeats": args.repeats, "median_s": med,
-                      "ratio_to_raw_broadcast": ratio, "times_s": times,
-                      "weights_equal": correct, "load1": os.getloadavg()[0]}))
+                      "ratio_to_raw_broadcast": ratio, "times_s": times, "weights_equal": correct,
+                      "object_store_error": second.get("object_store_error"), "load1": os.getloadavg()[0]}))
     ray.shutdown()
 
 

@@ -56,6 +56,11 @@ def choose_backend(requested: str, where: list[dict[str, str]]) -> str:
     return requested
 
 
+def _transport_device(backend: str) -> torch.device:
+    """Where a member's bucket buffers live: this process's GPU for NCCL, else host memory."""
+    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+
+
 def _where(device: torch.device) -> dict[str, str]:
     node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else "local"
     if device.type == "cuda":
@@ -110,7 +115,7 @@ class UpdateSender:
             m.shm = ShmSender()
         else:
             m.pg = make_group(m.backend, m.store, group, 0, world, timeout_s)
-            m.buffers = _Buffers(torch.device("cuda" if m.backend == "nccl" else "cpu"))
+            m.buffers = _Buffers(_transport_device(m.backend))
 
     def mu_plan(self, group: str, bucket_bytes: int) -> list:
         """Plan this push (names, shapes, dtypes, buckets) as plain lists; kept for ``mu_send``."""
@@ -157,7 +162,7 @@ class UpdateReceiver:
         if backend != "shm":
             m.store = connect(host, port, timeout_s)
             m.pg = make_group(backend, m.store, group, rank, world, timeout_s)
-            m.buffers = _Buffers(torch.device("cuda" if backend == "nccl" else "cpu"))
+            m.buffers = _Buffers(_transport_device(backend))
 
     def mu_check(self, group: str, wire: list) -> int:
         """Validate a plan against this engine's parameters before any byte moves; keep it."""
