@@ -144,14 +144,19 @@ class UpdateSender:
 class UpdateReceiver:
     """Mixin for an engine actor. The host defines ``_mu_shapes() -> {name: shape}`` and
     ``_mu_apply(items, version)``, which copies each ``(name, tensor)`` of the iterator at once and
-    sets its version last; it may define ``_mu_device()`` (default CPU) and ``_mu_ties()`` (groups
-    of names sharing one storage in its model, loaded once; default none)."""
+    sets its version last; it may define ``_mu_device()`` (default CPU), ``_mu_ties()`` (groups of
+    names sharing one storage in its model, loaded once; default none) and ``_mu_targets()`` (its
+    live tensors, written directly by ``_mu_apply``'s iteration; default none)."""
 
     def _mu_device(self) -> torch.device:
         return torch.device("cpu")
 
     def _mu_ties(self) -> list[tuple[str, ...]]:
         return []
+
+    def _mu_targets(self):
+        """``{name: live tensor}`` that lone tensors may be received into directly; None: never."""
+        return None
 
     def mu_where(self) -> dict[str, str]:
         return _where(self._mu_device())
@@ -175,7 +180,8 @@ class UpdateReceiver:
     def mu_receive(self, group: str, version: int, path: str | None = None, nbytes: int = 0) -> dict[str, float]:
         """Load the pushed weights in place and take ``version``; the ack is this method's return."""
         m, start = _member(self, group), time.perf_counter()
-        items = read(path, nbytes, m.metas) if path is not None else receive(m.pg, m.metas, m.buffers)
+        items = (read(path, nbytes, m.metas) if path is not None
+                 else receive(m.pg, m.metas, m.buffers, self._mu_targets()))
         expected = sum(len(meta.names) for meta in m.metas) - len(m.skip)
         counted = _Counted((name, t) for name, t in items if name not in m.skip)
         with torch.no_grad():

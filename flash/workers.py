@@ -59,6 +59,7 @@ class EngineWorker(UpdateReceiver):
         self.vocab_size, self.max_context = text.vocab_size, text.max_position_embeddings
         self._shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}  # model-update check
         self._ties = [names for names, _ in unique_tensors(model.state_dict()) if len(names) > 1]
+        self._model = model  # the model-update group receives large tensors straight into it
         self.loop = EngineLoop(TorchEngine(model, max_num_seqs=max_num_seqs, seed=seed))
         self._refused: list = []  # outputs of requests check_request refused, not yet taken
         self._refused_lock = threading.Lock()  # submit and get_finished run on different threads
@@ -103,6 +104,10 @@ class EngineWorker(UpdateReceiver):
 
     def _mu_ties(self) -> list:
         return self._ties
+
+    def _mu_targets(self) -> dict:
+        """Written only while ``_mu_apply`` iterates, i.e. inside the paused loop's update."""
+        return self._model.state_dict()
 
     def _mu_apply(self, items, version: int) -> None:
         """Model-update group: copy each pushed tensor into the live model as it arrives."""
