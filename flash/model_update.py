@@ -13,9 +13,12 @@ a few large broadcasts straight into the replicas' live parameters:
    every replica parameter is covered. A replica that would fail mid-broadcast would leave the
    others blocked inside a collective (the "weight sync hangs" users of peers report); failing
    here instead is a clean, named error.
-3. **broadcast**: each bucket is packed into one contiguous byte buffer (a bucket of one tensor is
-   sent as is, no copy), broadcast, and unpacked as views the engine copies in place. Two buffers
-   alternate, so packing/unpacking bucket k overlaps the wire time of its neighbour.
+3. **broadcast**: small tensors are packed into one contiguous byte buffer per bucket, broadcast,
+   and unpacked as views the engine copies in place; two buffers alternate, so packing/unpacking
+   bucket k overlaps the wire time of its neighbour. A tensor of at least ``ALONE_BYTES`` travels
+   alone and zero-copy: broadcast from the trainer's own storage, received straight into the
+   paused engine's live parameter (on CPU every extra memcpy pass costs about as much as the
+   loopback transfer itself, so this is what keeps a push near the raw broadcast).
 4. **ack**: each replica sets its engine version when its last bucket is in; the controller's
    version advances only after *every* replica has acknowledged (``ModelUpdateGroup.push``).
 
