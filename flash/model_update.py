@@ -124,26 +124,30 @@ def _aligned(n: int) -> int:
 
 def plan_buckets(entries: list[tuple[tuple[str, ...], tuple[int, ...], str]], bucket_bytes: int,
                  alone_bytes: int = ALONE_BYTES) -> list[TensorMeta]:
-    """Greedy, in order: small tensors share buckets of up to ``bucket_bytes``; large ones go alone.
+    """Large tensors travel alone; all small ones share as few buckets of ``bucket_bytes`` as fit.
 
     A tensor of at least ``min(alone_bytes, bucket_bytes)`` gets a bucket of its own (never split):
     it is broadcast from the trainer's own storage and received straight into the replica's live
-    parameter, with no packing or unpacking copy at either end. Order is kept, so a replica loads
-    layer by layer.
+    parameter, with no packing or unpacking copy at either end. Small tensors (norms, small
+    projections) fill the open small bucket wherever they sit in the model, so a 30-layer model
+    costs one broadcast per large tensor plus one or two for all the rest, not one per layer.
+    Buckets are numbered in the order they open; the result is sorted by (bucket, offset).
     """
     if bucket_bytes <= 0:
         raise ModelUpdateError(f"bucket size must be > 0 bytes, got {bucket_bytes}")
     alone = min(alone_bytes, bucket_bytes)
-    metas, bucket, fill = [], 0, 0
+    metas, next_id, small, fill = [], 0, None, 0
     for names, shape, dtype in entries:
         nbytes = DTYPES[dtype].itemsize * _numel(shape)
-        if fill and (fill + nbytes > bucket_bytes or nbytes >= alone):
-            bucket, fill = bucket + 1, 0
-        metas.append(TensorMeta(tuple(names), tuple(shape), dtype, bucket, fill, nbytes))
-        fill = _aligned(fill + nbytes)
         if nbytes >= alone:
-            bucket, fill = bucket + 1, 0
-    return metas
+            metas.append(TensorMeta(tuple(names), tuple(shape), dtype, next_id, 0, nbytes))
+            next_id += 1
+            continue
+        if small is None or fill + nbytes > bucket_bytes:
+            small, fill, next_id = next_id, 0, next_id + 1
+        metas.append(TensorMeta(tuple(names), tuple(shape), dtype, small, fill, nbytes))
+        fill = _aligned(fill + nbytes)
+    return sorted(metas, key=lambda m: (m.bucket, m.offset))
 
 
 def _numel(shape) -> int:

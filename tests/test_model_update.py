@@ -50,8 +50,10 @@ def test_plan_buckets_offsets_and_sizes_by_hand():
         (("a",), 0, 0, 40), (("b",), 0, 64, 6), (("c",), 1, 0, 400), (("d",), 2, 0, 32)]
     assert bucket_sizes(metas) == [70, 400, 32]
     assert [m.bucket for m in plan_buckets(entries, bucket_bytes=10**6)] == [0, 0, 0, 0]
-    # c (400 B) >= alone_bytes travels alone even though the bucket could hold it
-    assert [m.bucket for m in plan_buckets(entries, bucket_bytes=10**6, alone_bytes=100)] == [0, 0, 1, 2]
+    # c (400 B) >= alone_bytes travels alone; d joins the still-open small bucket 0 after b (64+6 -> 128)
+    lone = plan_buckets(entries, bucket_bytes=10**6, alone_bytes=100)
+    assert [(m.names[0], m.bucket, m.offset) for m in lone] == [("a", 0, 0), ("b", 0, 64), ("d", 0, 128), ("c", 1, 0)]
+    assert bucket_sizes(lone) == [160, 400]
     with pytest.raises(ModelUpdateError, match="> 0"):
         plan_buckets(entries, 0)
 
