@@ -39,12 +39,12 @@ import time
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import ray  # noqa: E402
-import torch  # noqa: E402
+import ray
+import torch
 
-from flash.model_update import as_bytes, broadcast, connect, make_group, open_store  # noqa: E402
-from flash.model_update_group import ModelUpdateGroup  # noqa: E402
-from flash.workers import EngineWorker, TrainerWorker, init_ray  # noqa: E402
+from flash.model_update import as_bytes, broadcast, connect, make_group, open_store
+from flash.model_update_group import ModelUpdateGroup
+from flash.workers import EngineWorker, TrainerWorker, init_ray
 
 METHODS = ("raw_broadcast", "ours_gloo", "ours_shm", "object_store")
 LIMIT_PHASE, NAIVE_PHASE = ("raw_broadcast", "ours_gloo", "ours_shm"), ("object_store", "ours_gloo")
@@ -99,7 +99,7 @@ class BenchTrainer(TrainerWorker, RawMember):
 
 class BenchEngine(EngineWorker, RawMember):
     def digest(self) -> list:
-        return digest(self.loop._engine.model.state_dict())  # noqa: SLF001 - read while paused
+        return digest(self.loop._engine.model.state_dict())
 
 
 def build(path: str, layers: int) -> int:

@@ -36,7 +36,6 @@ baseline), ``auto`` (``choose_backend``).
 from __future__ import annotations
 
 import datetime
-import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
@@ -75,7 +74,7 @@ class TensorMeta:
         return [list(self.names), list(self.shape), self.dtype, self.bucket, self.offset, self.nbytes]
 
     @classmethod
-    def from_wire(cls, item: list) -> "TensorMeta":
+    def from_wire(cls, item: list) -> TensorMeta:
         names, shape, dtype, bucket, offset, nbytes = item
         if dtype not in DTYPES:
             raise ModelUpdateError(f"tensor {names[0]!r}: unsupported dtype {dtype!r}; one of {sorted(DTYPES)}")
@@ -94,7 +93,8 @@ def unique_tensors(state: Mapping[str, torch.Tensor]) -> list[tuple[tuple[str, .
     seen: dict[tuple, int] = {}
     out: list[tuple[list[str], torch.Tensor]] = []
     for name, t in state.items():
-        key = (t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride()) if t.numel() else None
+        real = t.numel() and t.device.type != "meta"  # no storage: nothing to alias
+        key = (t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride()) if real else None
         if key is not None and key in seen:
             out[seen[key]][0].append(name)
             continue
@@ -104,7 +104,7 @@ def unique_tensors(state: Mapping[str, torch.Tensor]) -> list[tuple[tuple[str, .
     return [(tuple(names), t) for names, t in out]
 
 
-def redundant_names(metas: list["TensorMeta"], ties: list[tuple[str, ...]]) -> set[str]:
+def redundant_names(metas: list[TensorMeta], ties: list[tuple[str, ...]]) -> set[str]:
     """Alias names a receiver need not load: tied to the tensor's first name in its *own* model too.
 
     Loading a tied LM head under both names would copy the embedding twice into one storage (on

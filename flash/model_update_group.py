@@ -23,8 +23,21 @@ import ray
 import torch
 
 from flash.model_update import (
-    BACKENDS, ModelUpdateError, TensorMeta, _Buffers, bucket_sizes, check_plan, connect, dtype_name,
-    make_group, open_store, plan_buckets, receive, redundant_names, send, unique_tensors,
+    BACKENDS,
+    ModelUpdateError,
+    TensorMeta,
+    _Buffers,
+    bucket_sizes,
+    check_plan,
+    connect,
+    dtype_name,
+    make_group,
+    open_store,
+    plan_buckets,
+    receive,
+    redundant_names,
+    send,
+    unique_tensors,
 )
 from flash.model_update_shm import ShmSender, read
 
@@ -154,9 +167,9 @@ class UpdateReceiver:
     def _mu_ties(self) -> list[tuple[str, ...]]:
         return []
 
-    def _mu_targets(self):
+    def _mu_targets(self) -> dict[str, torch.Tensor] | None:
         """``{name: live tensor}`` that lone tensors may be received into directly; None: never."""
-        return None
+        return None  # noqa: RET501 - None is the meaningful answer here
 
     def mu_where(self) -> dict[str, str]:
         return _where(self._mu_device())

