@@ -247,6 +247,8 @@ def main() -> None:
                       "bucket_mb": args.bucket_mb, "repeats": args.repeats, "median_s": med,
                       "ratio_to_raw_broadcast": ratio, "times_s": times, "weights_equal": correct,
                       "object_store_error": second.get("object_store_error"), "load1": os.getloadavg()[0]}))
+    for group in runner.groups.values():
+        group.close()
     ray.shutdown()
 
 

@@ -54,12 +54,39 @@ def _allocate(path: str, nbytes: int) -> None:
     os.close(fd)
 
 
+def sweep_stale(directory: str = SHM_DIR) -> list[str]:
+    """Unlink segments whose owning process is gone; returns their paths.
+
+    A trainer killed without ``close`` (OOM killer, ``ray.kill``) leaves its segment in tmpfs, i.e.
+    in RAM, until reboot. Segments are named ``flash-mu-<pid>-<id>``; a later sender removes those
+    whose pid no longer runs (a reused pid only keeps a stale file, never removes a live one).
+    """
+    removed = []
+    for name in os.listdir(directory) if os.path.isdir(directory) else []:
+        parts = name.split("-")
+        if len(parts) != 4 or parts[:2] != ["flash", "mu"] or not parts[2].isdigit():
+            continue
+        try:
+            os.kill(int(parts[2]), 0)
+        except ProcessLookupError:
+            path = os.path.join(directory, name)
+            try:
+                os.unlink(path)
+                removed.append(path)
+            except FileNotFoundError:
+                pass
+        except PermissionError:
+            pass  # alive, another user's
+    return removed
+
+
 class ShmSender:
     """Trainer side: owns the segment; ``write`` packs the state into it and returns its path."""
 
     def __init__(self) -> None:
         self.path: str | None = None
         self.seg: torch.Tensor | None = None
+        sweep_stale()
 
     def write(self, state: Mapping[str, torch.Tensor], metas: list[TensorMeta]) -> tuple[str, int]:
         starts = bucket_starts(metas)

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import threading
 import time
 
@@ -113,6 +114,24 @@ def test_shm_segment_round_trip_and_full_tmpfs(monkeypatch):
     with pytest.raises(ModelUpdateError, match=r"cannot reserve .* \(No space left on device\).*shm-size"):
         model_update_shm.ShmSender().write(state, metas)
     assert not [f for f in os.listdir("/dev/shm") if f.startswith(f"flash-mu-{os.getpid()}-")]  # nothing left
+
+
+def test_stale_segments_of_dead_processes_are_swept(tmp_path):
+    from flash.model_update_shm import sweep_stale
+
+    dead = _dead_pid()
+    names = [f"flash-mu-{dead}-aa", f"flash-mu-{os.getpid()}-bb", "flash-mu-x-cc", "other"]
+    for n in names:
+        (tmp_path / n).write_bytes(b"x")
+    assert sweep_stale(str(tmp_path)) == [str(tmp_path / names[0])]
+    assert sorted(os.listdir(tmp_path)) == sorted(names[1:])  # live owner, odd names: kept
+
+
+def _dead_pid() -> int:
+    """The pid of a process that has exited (and been reaped)."""
+    p = subprocess.Popen(["true"])
+    p.wait()
+    return p.pid
 
 
 def test_redundant_names_only_where_the_receiver_is_tied_too():
