@@ -6,7 +6,8 @@
 (``StalenessManager.select_batch``); ``recompute_prox`` takes the trainer's logprobs at the start of
 the step (the proximal policy of decoupled PPO); ``advantages`` runs the configured estimator;
 ``train`` is one optimizer step; ``suspend`` pauses the engines under the ``rollout.interrupt``
-mode; ``push_weights`` copies the new weights into every engine and advances the version; ``resume``
+mode; ``push_weights`` copies the new weights into every engine (the model-update group,
+``flash.model_update_group``) and advances the version once every replica has them; ``resume``
 lets the engines go on and the scheduler admit the prompts the new version allows.
 
 With ``async_ratio = 0`` the scheduler has admitted exactly the batch's prompts, so rollout and
