@@ -6,7 +6,8 @@
 (``StalenessManager.select_batch``); ``recompute_prox`` takes the trainer's logprobs at the start of
 the step (the proximal policy of decoupled PPO); ``advantages`` runs the configured estimator;
 ``train`` is one optimizer step; ``suspend`` pauses the engines under the ``rollout.interrupt``
-mode; ``push_weights`` copies the new weights into every engine and advances the version; ``resume``
+mode; ``push_weights`` copies the new weights into every engine (the model-update group,
+``flash.model_update_group``) and advances the version once every replica has them; ``resume``
 lets the engines go on and the scheduler admit the prompts the new version allows.
 
 With ``async_ratio = 0`` the scheduler has admitted exactly the batch's prompts, so rollout and
@@ -62,7 +63,8 @@ class StepRecord:
 
 class AsyncController:
     def __init__(self, engine, trainer, scheduler: RolloutScheduler, buffer: SampleBuffer,
-                 staleness: StalenessManager, settings: ControllerSettings, ledger=None, critic=None):
+                 staleness: StalenessManager, settings: ControllerSettings, ledger=None, critic=None,
+                 model_update=None):
         self.engine, self.trainer, self.critic = engine, trainer, critic
         self.scheduler, self.buffer, self.staleness = scheduler, buffer, staleness
         self.s = settings
@@ -74,6 +76,9 @@ class AsyncController:
         self._engine_spans: list[list[float]] = []
         self._meters = {"rollout": IdleMeter(), "train": IdleMeter()}
         self._update_bytes = 0.0
+        # flash.model_update_group.ModelUpdateGroup (set up); None: the state dict through Ray's object store
+        self.model_update = model_update
+        self._update_metrics: dict[str, float] = {}
 
     @contextmanager
     def phase(self, name: str):
@@ -203,8 +208,12 @@ class AsyncController:
             if env_hold:
                 env_hold()  # waits for the steps in flight, holds new ones until resume
         with self.phase("push_weights"):
-            weights = self.trainer.get_weights.remote()
-            self._update_bytes = float(ray.get(self.engine.update_weights.remote(weights, new_version)) or 0.0)
+            if self.model_update is not None:  # returns after every replica acknowledged
+                self._update_metrics = self.model_update.push(new_version)
+                self._update_bytes = self._update_metrics["model_update/bytes"]
+            else:
+                weights = self.trainer.get_weights.remote()
+                self._update_bytes = float(ray.get(self.engine.update_weights.remote(weights, new_version)) or 0.0)
             self.version = new_version
         with self.phase("resume"):
             ray.get(self.engine.resume.remote())
@@ -245,6 +254,7 @@ class AsyncController:
         tokens = float(batch.mask.sum())
         m.update({"train/batch_tokens": tokens, "train/tokens_per_s": tokens / step_s if step_s > 0 else 0.0,
                   "rollout/update_bytes": self._update_bytes})
+        m.update(self._update_metrics)
         m.update(self._mismatch(batch, prox))
         m.update(self._role_metrics(step_s))
         return m

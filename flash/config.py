@@ -128,6 +128,17 @@ class RayConfig:
 
 
 @dataclass
+class ModelUpdateConfig:
+    # How trainer weights reach the engines (flash.model_update). auto: shm when every role shares
+    # one device (colocated, no copy across processes), nccl across GPUs, gloo across CPU hosts;
+    # object_store: the whole state dict through Ray's object store (the skeleton's path).
+    backend: str = "auto"  # auto | gloo | nccl | shm | object_store
+    bucket_mb: float = 64.0  # bytes per broadcast; a larger tensor goes alone in its own bucket
+    host: str = "127.0.0.1"  # the group's rendezvous address (the trainer's host)
+    timeout_s: float = 300.0  # a member not done in time fails the push (no silent hang)
+
+
+@dataclass
 class TrackingConfig:
     # where metrics go (flash.tracking): tensorboard, console, and the optional extras wandb and
     # swanlab (`pip install 'flash-rl[wandb]'`); a missing package fails validation with that command
@@ -160,6 +171,7 @@ class FlashConfig:
     resources: ResourcesConfig = field(default_factory=ResourcesConfig)
     ray: RayConfig = field(default_factory=RayConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)  # flash.placement
+    model_update: ModelUpdateConfig = field(default_factory=ModelUpdateConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
 
@@ -264,6 +276,7 @@ def validate(cfg: FlashConfig) -> None:
     _require(cfg.algo.recompute_prox in ("auto", "always", "never"),
              f"algo.recompute_prox must be auto, always or never, got '{cfg.algo.recompute_prox}'")
     _check_agg(cfg.algo.agg)
+    _check_model_update(cfg.model_update)
     _check_plugin_section("algo.loss", cfg.algo.loss,
                           lambda name, knobs: algos.validate_loss(name, knobs, agg=cfg.algo.agg))
     _check_plugin_section("algo.advantage", cfg.algo.advantage, algos.validate_advantage)
@@ -301,6 +314,14 @@ def _check_stream(cfg: FlashConfig) -> None:
              f"whiten off): '{adv.get('name')}' normalises over the whole batch")
     _require(cfg.algo.recompute_prox != "always", "train.stream uses the behaviour logprobs as the proximal "
              "policy (exact at async_ratio 0); set algo.recompute_prox: auto")
+
+def _check_model_update(mu: ModelUpdateConfig) -> None:
+    from flash.model_update import BACKENDS
+
+    _require(mu.backend in BACKENDS, f"model_update.backend '{mu.backend}' is not valid"
+             f"{closest(mu.backend, list(BACKENDS))}; valid: {', '.join(BACKENDS)}")
+    _require(mu.bucket_mb > 0 and math.isfinite(mu.bucket_mb), f"model_update.bucket_mb must be > 0, got {mu.bucket_mb}")
+    _require(mu.timeout_s > 0, f"model_update.timeout_s must be > 0, got {mu.timeout_s}")
 
 
 def _check_plugin_section(where: str, section: dict, validator) -> None:

@@ -27,6 +27,7 @@ from flash.config import FlashConfig, to_dict, to_yaml
 from flash.engine.base import SamplingParams
 from flash.engine.router import start_router
 from flash.placement import Placement, plan_placement
+from flash.model_update_group import ModelUpdateGroup
 from flash.tracking import Progress, make_tracker
 from flash.critic import CriticSettings
 from flash.envs.runtime import build_episode_scheduler, check_episode_config
@@ -142,6 +143,10 @@ class Run:
             self.critic = start_critic(self.model_path, CriticSettings(**dataclasses.asdict(cfg.critic)), cfg.seed,
                                        trainer_threads)
         wait_ready(self.engine, self.trainer, *([self.critic] if self.critic else []))
+        self.model_update = None  # an FSDP2 group pushes its gathered state dict through the object store
+        if group_settings(cfg.train) is None:
+            self.model_update = ModelUpdateGroup(self.trainer, list(self.replicas), **vars(cfg.model_update))
+            self.model_update.setup()
         B = cfg.train.prompts_per_step
         self.staleness = StalenessManager(cfg.async_ratio, B)
         # transport local: the in-process buffer; zmq: a BufferService here and a proxy on it
@@ -156,7 +161,7 @@ class Run:
                 pad_id=self.tokenizer.pad_token_id or 0, stream=cfg.train.stream,
                 colocated=colocated,
             ),
-            ledger=self.ledger, critic=self.critic,
+            ledger=self.ledger, critic=self.critic, model_update=self.model_update,
         )
 
     def _start_engines(self, plan, engine_threads: int, colocated: bool) -> None:
@@ -216,6 +221,8 @@ class Run:
         self.ledger.close()
         for f in (self.metrics_file, self.timeline_file, self.eval_file):
             f.close()
+        if self.model_update is not None:
+            self.model_update.close()
         for actor in dict.fromkeys([self.engine, *self.replicas, self.trainer, self.critic,
                                     *getattr(self.scheduler, "workers", [])]):
             if actor is not None:

@@ -18,6 +18,9 @@ from typing import Any
 import ray
 import torch
 
+from flash.model_update import unique_tensors
+from flash.model_update_group import UpdateReceiver, UpdateSender
+
 
 QUIET_ENV = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "error",
              "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -45,7 +48,7 @@ def load_model(path: str):
     return model
 
 
-class EngineWorker:
+class EngineWorker(UpdateReceiver):
     def __init__(self, model_path: str, max_num_seqs: int, seed: int, threads: int):
         from flash.engine.loop import EngineLoop
         from flash.engine.torch_engine import TorchEngine
@@ -57,6 +60,9 @@ class EngineWorker:
             model = model.to("cuda")
         text = model.config.get_text_config(decoder=True)
         self.vocab_size, self.max_context = text.vocab_size, text.max_position_embeddings
+        self._shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}  # model-update check
+        self._ties = [names for names, _ in unique_tensors(model.state_dict()) if len(names) > 1]
+        self._model = model  # the model-update group receives large tensors straight into it
         self.loop = EngineLoop(TorchEngine(model, max_num_seqs=max_num_seqs, seed=seed))
         self._refused: list = []  # outputs of requests check_request refused, not yet taken
         self._refused_lock = threading.Lock()  # submit and get_finished run on different threads
@@ -102,6 +108,19 @@ class EngineWorker:
 
     def wake_up(self) -> dict:
         return self.loop.wake_up()
+    def _mu_shapes(self) -> dict:
+        return self._shapes
+
+    def _mu_ties(self) -> list:
+        return self._ties
+
+    def _mu_targets(self) -> dict:
+        """Written only while ``_mu_apply`` iterates, i.e. inside the paused loop's update."""
+        return self._model.state_dict()
+
+    def _mu_apply(self, items, version: int) -> None:
+        """Model-update group: copy each pushed tensor into the live model as it arrives."""
+        self.loop.update_weights(items, version)
 
     def abort(self, request_ids=None):
         return self.loop.abort(request_ids)
@@ -137,7 +156,7 @@ def plugin_paths(modules: list[str]) -> list[str]:
     return paths
 
 
-class TrainerWorker:
+class TrainerWorker(UpdateSender):
     def __init__(self, model_path: str, settings, seed: int, threads: int, plugins: list[str],
                  paths: list[str] = ()):
         import algos
@@ -165,6 +184,10 @@ class TrainerWorker:
 
     def get_weights(self) -> dict:
         return self.trainer.state_dict()
+
+    def _mu_state(self) -> dict:
+        """The full weights the model-update group pushes (live tensors: the push copies them)."""
+        return self.trainer.model.state_dict()
 
     def save(self, path: str) -> str:
         self.trainer.model.save_pretrained(path)

@@ -61,6 +61,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from flash.engine.base import INTERRUPT_MODES, GenerationOutput, GenerationRequest, check_request, error_output
+from flash.model_update_group import UpdateReceiver
 
 # Set in this process before vLLM starts its children (which inherit them); a value already in the
 # environment wins.
@@ -137,7 +138,7 @@ def checkpoint_shapes(model_path: str) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-class VLLMEngineWorker:
+class VLLMEngineWorker(UpdateReceiver):
     """The engine actor over ``AsyncLLM``; see the module docstring for the design."""
 
     def __init__(self, model_path: str, max_num_seqs: int, seed: int, threads: int, *,
@@ -398,6 +399,17 @@ class VLLMEngineWorker:
     def resume(self) -> None:
         self._check()
         self._call(self._resume())
+
+    def _mu_shapes(self) -> dict:
+        """Model-update group: the checkpoint's shapes, plus a tied LM head's (trainers send it)."""
+        embed = self._shapes.get("model.embed_tokens.weight")
+        return {**self._shapes, **({n: embed for n in self._tied} if embed is not None else {})}
+
+    def _mu_apply(self, items, version: int) -> None:
+        """Model-update group: vLLM's worker is a child process outside the group, so the tensors
+        arrive here (over the group) and go on as one blob (``update_weights``); owned copies, as
+        the group reuses its buffers."""
+        self.update_weights({name: t.clone() for name, t in items}, version)
 
     def update_weights(self, named_tensors, version: int) -> float:
         """Load weights in place (only while paused); returns the bytes sent to vLLM's worker."""
