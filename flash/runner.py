@@ -132,6 +132,8 @@ class Run:
             self.engine, build_source(self.task, self.tokenizer), self.buffer, self.staleness,
             sampling_params(cfg, self.tokenizer), n=cfg.rollout.n, seed=cfg.seed,
             reward_workers=cfg.rollout.reward_workers, inject_delay_s=cfg.rollout.inject_delay_s,
+            queue_scheduling=cfg.rollout.queue_scheduling, redundancy=cfg.rollout.redundancy,
+            max_additional_prompts=cfg.rollout.max_additional_prompts, filters=cfg.rollout.filter,
         )
         self.ledger = open(self.dir / "ledger.jsonl", "w")
         self.controller = AsyncController(
@@ -236,6 +238,9 @@ def _summary(cfg, r: Run, records, acc0, acc1, train_s, left) -> dict:
         "prompts_unfinished": {k: len(v) for k, v in left.items()},
         "reward_errors": r.scheduler.counters["reward_errors"],
         "request_errors": r.scheduler.counters["request_errors"],
+        "filtered_groups": dict(r.scheduler.lifecycle.filtered),
+        "aborted_samples": dict(r.scheduler.lifecycle.aborted),
+        "lifecycle": r.scheduler.lifecycle.snapshot(),
         "phase_seconds_mean": {k[5:]: sum(rec.metrics.get(k, 0.0) for rec in records) / max(steps, 1)
                                for k in phase_keys},
         "run_dir": str(r.dir),
