@@ -154,7 +154,8 @@ class AsyncController:
             for s in g.samples:
                 self.ledger.write(json.dumps({
                     "prompt_id": g.prompt_id, "data_index": g.data_index, "sample": s.sample_index,
-                    "outcome": "trained", "step": t, "version": s.version, "reward": s.reward,
+                    "request": s.meta.get("request", s.sample_index), "outcome": "trained", "step": t,
+                    "version": s.version, "reward": s.reward,
                 }) + "\n")
         self.ledger.flush()
 

@@ -30,11 +30,14 @@ from typing import Any, Callable
 import ray
 
 from buffers import BufferClosed, Group, Sample, SampleBuffer
-from controllers.filters import FilterConfig, filter_reason
+from controllers.filters import RULES, FilterConfig, filter_reason
 from controllers.lifecycle import Lifecycle
 from controllers.provisioning import Provisioning, WaveGate
 from controllers.staleness import StalenessManager
 from flash.engine.base import GenerationOutput, GenerationRequest, SamplingParams
+
+
+ABORT_REASONS = ("redundant", "surplus")  # why a sample ends aborted (rollout/aborted/<reason>)
 
 
 def request_seed(run_seed: int, prompt_id: int, sample_index: int) -> int:
@@ -151,7 +154,11 @@ class RolloutScheduler:
         return self.lifecycle.drain_events()
 
     def metrics(self) -> dict[str, float]:
-        m = self.lifecycle.metrics()
+        """Lifecycle counts, filtered groups by rule, aborted samples by reason (every rule and
+        reason present, zero until it happens, so a tracker's series start at step 1)."""
+        m = {f"rollout/filtered/{rule}": 0.0 for rule in RULES}
+        m.update({f"rollout/aborted/{reason}": 0.0 for reason in ABORT_REASONS})
+        m.update(self.lifecycle.metrics())
         with self._lock:
             m.update({"rollout/late_outputs": float(self.counters["late_outputs"]),
                       "reward/seconds_total": float(self.counters["reward_seconds"]),
@@ -348,7 +355,8 @@ class RolloutScheduler:
             pending = self._pending.get(pid)
             if pending is None or self.lifecycle.state(out.request_id) != "scoring":
                 return  # its group was aborted (surplus) while the response waited
-        if self.inject_delay_s > 0:
+        start = time.monotonic()
+        if self.inject_delay_s > 0:  # a slow reward, for tests and benchmarks
             time.sleep(self._rng.uniform(0, self.inject_delay_s))
         sample = Sample(
             prompt_id=pid, sample_index=k, prompt_ids=list(out.prompt_ids),
@@ -359,6 +367,7 @@ class RolloutScheduler:
         )
         sample.reward = self._score(pending.item, out.token_ids)
         with self._lock:
+            self.counters["reward_seconds"] += time.monotonic() - start
             if self._pending.get(pid) is not pending or self.lifecycle.state(out.request_id) != "scoring":
                 return
             pending.samples[k] = sample
@@ -407,13 +416,9 @@ class RolloutScheduler:
 
     def _score(self, item, token_ids: list[int]) -> float:
         """Reward of one response; a reward function that raises scores 0 and is counted."""
-        start = time.monotonic()
         try:
             return float(self.source.reward(item, self.source.decode(token_ids)))
         except Exception:  # noqa: BLE001 - a user's reward bug must not kill the run
             with self._lock:
                 self.counters["reward_errors"] += 1
             return 0.0
-        finally:
-            with self._lock:
-                self.counters["reward_seconds"] += time.monotonic() - start

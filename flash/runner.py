@@ -238,6 +238,7 @@ def _summary(cfg, r: Run, records, acc0, acc1, train_s, left) -> dict:
         "prompts_unfinished": {k: len(v) for k, v in left.items()},
         "reward_errors": r.scheduler.counters["reward_errors"],
         "request_errors": r.scheduler.counters["request_errors"],
+        "reward_seconds": r.scheduler.counters["reward_seconds"],
         "filtered_groups": dict(r.scheduler.lifecycle.filtered),
         "aborted_samples": dict(r.scheduler.lifecycle.aborted),
         "lifecycle": r.scheduler.lifecycle.snapshot(),
