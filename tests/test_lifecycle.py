@@ -135,11 +135,9 @@ def _simulate(r: float, B: int, spares: int, p_filter: float, steps: int, seed: 
 @pytest.mark.parametrize("spares, p_filter", [(0, 0.0), (0, 0.5), (3, 0.3), (2, 0.8)])
 def test_staleness_bound_holds_with_filtering_and_spares(r, spares, p_filter):
     """Counting only trainable groups (filtered ones free their slot) keeps the bound and never
-    starves the batch, whatever the finishing order and filtering; at 50 random schedules each."""
-    worst = max(_simulate(r, 3, spares, p_filter, steps=12, seed=s) for s in range(50))
-    assert worst <= math.ceil(r)
-    if r >= 1:
-        assert worst == math.ceil(r)  # the schedules do reach the bound (the test can see a breach)
+    starves the batch, whatever the finishing order and filtering; 30 random schedules each."""
+    worst = max(_simulate(r, 3, spares, p_filter, steps=12, seed=s) for s in range(30))
+    assert worst == math.ceil(r)  # never beyond the bound, and the schedules do reach it
 
 
 def test_wave_gate_holds_a_wave_until_every_request_ended():
@@ -159,7 +157,7 @@ class Item:
     prompt: str = "p"
 
 
-@pytest.fixture(scope="module", autouse=True)
+@pytest.fixture(scope="module")
 def ray_session():
     init_ray(None, 2)
     yield
@@ -215,6 +213,7 @@ def _rollout_time(queue: bool, B: int, n: int, gap: float, sleep_s: float) -> tu
     return took, gen, score
 
 
+@pytest.mark.usefixtures("ray_session")
 def test_queue_scheduling_overlaps_scoring_with_generation():
     """Responses finish 0.2 s apart (1.6 s of generation); each takes 0.2 s to score (1.6 s of
     scoring on one worker). Scored on arrival, the batch is ready one score after the last
@@ -229,6 +228,7 @@ def test_queue_scheduling_overlaps_scoring_with_generation():
     assert q_took < 0.75 * b_took
 
 
+@pytest.mark.usefixtures("ray_session")
 def test_redundancy_keeps_first_n_aborts_the_rest_never_buffers_them():
     # prompt 0: requests 0 and 2 finish first, 1 and 3 are still running -> aborted in the engine;
     # prompt 1: all four finish together -> 0 and 1 kept, 2 and 3 arrive after the abort decision.
@@ -259,6 +259,7 @@ def test_redundancy_keeps_first_n_aborts_the_rest_never_buffers_them():
     sched.stop()
 
 
+@pytest.mark.usefixtures("ray_session")
 def test_filters_count_by_rule_and_refill_the_batch():
     rewards = {(0, 0): 1.0, (0, 1): 1.0, (1, 1): 1.0, (2, 0): 0.4, (2, 1): 0.6, (3, 1): 1.0, (4, 0): 1.0}
     engine = scripted({}, lengths={"3:0": 9, "3:1": 9})
@@ -283,6 +284,7 @@ def test_filters_count_by_rule_and_refill_the_batch():
     sched.stop()
 
 
+@pytest.mark.usefixtures("ray_session")
 def test_spares_fill_a_filtered_slot_and_expire_at_the_next_version():
     # prompt 0 (regular) is slow and all-same; prompt 1 (spare) finishes first and waits, unseen
     engine = scripted({"0:0": 1.0, "0:1": 1.0, "1:0": 0.05, "1:1": 0.05}, default=30.0)
