@@ -13,8 +13,10 @@ Each repeat runs both modes back to back (interleaved, so machine noise hits bot
   finished generating (the batch-then-score loop).
 
 Reports median seconds per train step per mode, the median of the per-repeat ratios
-batch/queue (> 1: queue scheduling is faster), the median ``get_batch`` phase (the time the
-trainer waited for rollout and reward), and the summed reward seconds. The last line is JSON.
+batch/queue (> 1: queue scheduling is faster) of the step time and of the ``get_batch`` phase (the
+time the trainer waited for rollout and reward: the part scheduling can change; queue scheduling
+can save at most min(generation, reward) seconds of it per step), and the summed reward seconds.
+The last line is JSON.
 """
 
 from __future__ import annotations
@@ -53,8 +55,13 @@ def run_once(recipe: str, mode: str, run_dir: Path, overrides: list[str], retrie
 
 def summarize(runs: dict[str, list[dict]]) -> dict:
     ratios = [b["seconds_per_step"] / q["seconds_per_step"] for q, b in zip(runs["queue"], runs["batch"])]
+    waits = [b["phase_seconds_mean"]["get_batch"] / q["phase_seconds_mean"]["get_batch"]
+             for q, b in zip(runs["queue"], runs["batch"])]
     out = {"batch_over_queue_step_time_median": statistics.median(ratios),
-           "batch_over_queue_step_time": [round(x, 3) for x in ratios]}
+           "batch_over_queue_step_time": [round(x, 3) for x in ratios],
+           # get_batch: the trainer waiting for rollout + reward, the part scheduling can change
+           "batch_over_queue_get_batch_median": statistics.median(waits),
+           "batch_over_queue_get_batch": [round(x, 3) for x in waits]}
     for mode, rs in runs.items():
         out[mode] = {
             "seconds_per_step_median": statistics.median(s["seconds_per_step"] for s in rs),
