@@ -131,6 +131,7 @@ class AsyncController:
             with self.phase("wake_up"):
                 ray.get(self.engine.wake_up.remote())
         self._update_weights(t + 1, admit_more)
+        self.scheduler.mark_trained(groups)
         self._write_ledger(t, groups)
         metrics = self._metrics(t, samples, batch, prox, train_metrics, time.monotonic() - start)
         return StepRecord(step=t, metrics=metrics, groups=groups, timeline=self._timeline())
@@ -223,13 +224,19 @@ class AsyncController:
             self.scheduler.set_version(new_version)
 
     def _write_ledger(self, t: int, groups: list[Group]) -> None:
+        """Trained samples, then the scheduler's filtered groups and aborted samples since the last
+        step (one line each, with the rule or reason: DESIGN.md invariant 5)."""
+        outcomes = self.scheduler.drain_outcomes()
         if self.ledger is None:
             return
+        for event in outcomes:
+            self.ledger.write(json.dumps({**event, "step": t}) + "\n")
         for g in sorted(groups, key=lambda g: g.prompt_id):
             for s in g.samples:
                 self.ledger.write(json.dumps({
                     "prompt_id": g.prompt_id, "data_index": g.data_index, "sample": s.sample_index,
-                    "outcome": "trained", "step": t, "version": s.version, "reward": s.reward,
+                    "request": s.meta.get("request", s.sample_index), "outcome": "trained", "step": t,
+                    "version": s.version, "reward": s.reward,
                 }) + "\n")
         self.ledger.flush()
 
@@ -250,6 +257,7 @@ class AsyncController:
             "buffer/depth": float(len(self.buffer)),
             "rollout/admitted": float(self.scheduler.admitted),
         })
+        m.update(self.scheduler.metrics())  # lifecycle counts, filtered by rule, aborted by reason
         m.update({f"staleness/count_{k}": float(stale.count(k)) for k in range(max(stale) + 1)})
         tokens = float(batch.mask.sum())
         m.update({"train/batch_tokens": tokens, "train/tokens_per_s": tokens / step_s if step_s > 0 else 0.0,
@@ -309,7 +317,10 @@ class AsyncController:
         self.scheduler.quiesce()
         pending = self.scheduler.pending_ids()
         buffered = sorted(g.prompt_id for g in self.buffer.drain())
+        outcomes = self.scheduler.drain_outcomes()
         if self.ledger is not None:
+            for event in outcomes:
+                self.ledger.write(json.dumps(event) + "\n")
             for pid in pending:
                 self.ledger.write(json.dumps({"prompt_id": pid, "outcome": "in_flight"}) + "\n")
             for pid in buffered:

@@ -19,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from buffers.factory import BufferConfig
+from controllers.filters import FilterConfig, check_filter
 from flash.errors import ConfigError
 from flash.models import TinyModelConfig
 from flash.placement import PlacementConfig
@@ -49,6 +50,13 @@ class RolloutConfig:
     # With several engine replicas (placement.roles.actor_infer.num_workers): keep the n samples
     # of a prompt on one replica (shared prefix) instead of spreading every request by load.
     prompt_affinity: bool = False
+    # Sample lifecycle (controllers/rollout_scheduler.py). true: score each response as soon as it
+    # finishes, overlapping generation; false: the batch-then-score baseline (for comparison).
+    queue_scheduling: bool = True
+    redundancy: int = 0  # launch n + k requests per prompt, keep the first n to finish, abort the rest
+    # Dynamic sampling (DAPO): drop groups by rule; filtered groups free their admission slot.
+    filter: FilterConfig = field(default_factory=FilterConfig)
+    max_additional_prompts: int = 0  # spare prompts beyond the staleness bound, to refill filtered slots
 
 
 @dataclass
@@ -268,6 +276,7 @@ def validate(cfg: FlashConfig) -> None:
     _require(cfg.rollout.temperature > 0, "rollout.temperature must be > 0 for RL sampling")
     _require(0 < cfg.rollout.top_p <= 1, f"rollout.top_p must be in (0, 1], got {cfg.rollout.top_p}")
     _require(cfg.rollout.max_new_tokens >= 1, "rollout.max_new_tokens must be >= 1")
+    _check_lifecycle(cfg.rollout)
     _require(cfg.train.steps >= 1, f"train.steps must be >= 1, got {cfg.train.steps}")
     _require(cfg.train.prompts_per_step >= 1, "train.prompts_per_step must be >= 1")
     _require(cfg.train.micro_batch_size >= 1, "train.micro_batch_size must be >= 1")
@@ -322,6 +331,18 @@ def _check_model_update(mu: ModelUpdateConfig) -> None:
              f"{closest(mu.backend, list(BACKENDS))}; valid: {', '.join(BACKENDS)}")
     _require(mu.bucket_mb > 0 and math.isfinite(mu.bucket_mb), f"model_update.bucket_mb must be > 0, got {mu.bucket_mb}")
     _require(mu.timeout_s > 0, f"model_update.timeout_s must be > 0, got {mu.timeout_s}")
+
+
+def _check_lifecycle(rollout: RolloutConfig) -> None:
+    _require(rollout.redundancy >= 0, f"rollout.redundancy must be >= 0 (extra requests per prompt), "
+             f"got {rollout.redundancy}")
+    _require(rollout.max_additional_prompts >= 0,
+             f"rollout.max_additional_prompts must be >= 0, got {rollout.max_additional_prompts}")
+    _require(rollout.max_additional_prompts == 0 or rollout.filter.enabled,
+             "rollout.max_additional_prompts only refills filtered groups; set a rollout.filter rule "
+             "(all_same_reward, min_reward_std, max_response_len) or set it to 0")
+    problem = check_filter(rollout.filter, rollout.n, rollout.max_new_tokens)
+    _require(problem is None, problem or "")
 
 
 def _check_plugin_section(where: str, section: dict, validator) -> None:

@@ -201,6 +201,8 @@ class Run:
             self.engine, build_source(self.task, self.tokenizer, reward_fn), self.buffer, self.staleness,
             params, n=cfg.rollout.n, seed=cfg.seed,
             reward_workers=cfg.rollout.reward_workers, inject_delay_s=cfg.rollout.inject_delay_s,
+            queue_scheduling=cfg.rollout.queue_scheduling, redundancy=cfg.rollout.redundancy,
+            max_additional_prompts=cfg.rollout.max_additional_prompts, filters=cfg.rollout.filter,
         )
 
     def evaluate(self, tag: str, step: int = 0) -> float:
@@ -312,6 +314,10 @@ def _summary(cfg, r: Run, records, acc0, acc1, train_s, left) -> dict:
         "reward_errors": r.scheduler.counters["reward_errors"],
         "request_errors": r.scheduler.counters["request_errors"],
         "rollout_counters": dict(r.scheduler.counters),
+        "reward_seconds": r.scheduler.counters.get("reward_seconds", 0.0),
+        **({"filtered_groups": dict(r.scheduler.lifecycle.filtered),
+            "aborted_samples": dict(r.scheduler.lifecycle.aborted),
+            "lifecycle": r.scheduler.lifecycle.snapshot()} if hasattr(r.scheduler, "lifecycle") else {}),
         "phase_seconds_mean": {k[5:]: sum(rec.metrics.get(k, 0.0) for rec in records) / max(steps, 1)
                                for k in phase_keys},
         "run_dir": str(r.dir),
