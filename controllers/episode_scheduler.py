@@ -124,6 +124,19 @@ class EpisodeScheduler:
         with self._lock:
             return self._admitted
 
+    # ---- the lifecycle hooks the controller calls on every scheduler --------------------------
+    def mark_trained(self, groups) -> None:
+        """Nothing to move: an episode's outcome is counted when it finishes (``counters``)."""
+
+    def drain_outcomes(self) -> list[dict]:
+        """Episodes are never filtered or aborted by rule here: no ledger events beyond trained."""
+        return []
+
+    def metrics(self) -> dict[str, float]:
+        """Episode counters (episodes, turns, outcomes, errors) as ``rollout/episodes/<name>``."""
+        with self._lock:
+            return {f"rollout/episodes/{k}": float(v) for k, v in self.counters.items()}
+
     def check(self) -> None:
         if self._error is not None:
             raise RuntimeError(f"episode scheduler failed: {self._error!r}") from self._error
