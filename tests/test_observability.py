@@ -27,6 +27,7 @@ class SleepyEngine:
     def __init__(self, step_s: float):
         self.step_s, self.work = step_s, 0
         self.tokens_generated = self.num_running = self.num_waiting = self.version = 0
+        self.asleep = False  # the EngineLoop reports it in stats()
 
     @property
     def can_step(self) -> bool:
