@@ -70,6 +70,11 @@ class AsyncController:
         self._engine_spans: list[list[float]] = []
         self._meters = {"rollout": IdleMeter(), "train": IdleMeter()}
         self._update_bytes = 0.0
+        # Hooks (flash.runner): ``supervisor`` routes engine calls through flash.faults (restart on
+        # death/hang); ``on_update(version)`` runs after a weight push and before the new version
+        # admits prompts -- the quiet point where a checkpoint is taken.
+        self.supervisor = None
+        self.on_update: Callable[[int], None] | None = None
 
     @contextmanager
     def phase(self, name: str):
@@ -80,9 +85,11 @@ class AsyncController:
             self._times[name] = self._times.get(name, 0.0) + time.monotonic() - start
             self._spans[name] = [wall, time.time()]
 
-    def run(self, steps: int, on_step: Callable[[StepRecord], None] | None = None) -> list[StepRecord]:
+    def run(self, steps: int, on_step: Callable[[StepRecord], None] | None = None,
+            start: int = 0) -> list[StepRecord]:
+        """Steps ``start .. steps-1`` (``start > 0``: resumed from a checkpoint)."""
         records = []
-        for t in range(steps):
+        for t in range(start, steps):
             record = self.step(t, admit_more=t + 1 < steps)
             records.append(record)
             if on_step:
@@ -112,8 +119,12 @@ class AsyncController:
                                            batch.group_ids, batch.mask, **knobs)
         with self.phase("train"):
             train_metrics = ray.get(self.trainer.train_step.remote(batch, adv, prox))
-        self._update_weights(t + 1, admit_more)
+        self._update_weights(t + 1)
         self._write_ledger(t, groups)
+        if self.on_update is not None:
+            self.on_update(t + 1)
+        if admit_more:
+            self.scheduler.set_version(t + 1)
         metrics = self._metrics(t, samples, batch, prox, train_metrics, time.monotonic() - start)
         return StepRecord(step=t, metrics=metrics, groups=groups, timeline=self._timeline())
 
@@ -129,17 +140,28 @@ class AsyncController:
             except TimeoutError:
                 self.scheduler.check()
 
-    def _update_weights(self, new_version: int, admit_more: bool) -> None:
-        with self.phase("suspend"):
-            ray.get(self.engine.pause.remote(self.s.interrupt))
-        with self.phase("push_weights"):
-            weights = self.trainer.get_weights.remote()
-            self._update_bytes = float(ray.get(self.engine.update_weights.remote(weights, new_version)) or 0.0)
-            self.version = new_version
-        with self.phase("resume"):
-            ray.get(self.engine.resume.remote())
-        if admit_more:
-            self.scheduler.set_version(new_version)
+    def _update_weights(self, new_version: int) -> None:
+        weights = self.trainer.get_weights.remote()
+
+        def cycle():
+            with self.phase("suspend"):
+                ray.get(self.engine.pause.remote(self.s.interrupt))
+            with self.phase("push_weights"):
+                self._update_bytes = float(ray.get(self.engine.update_weights.remote(weights, new_version)) or 0.0)
+            with self.phase("resume"):
+                ray.get(self.engine.resume.remote())
+
+        if self.supervisor is None:
+            cycle()
+        else:  # an engine fault anywhere in the cycle: restart it, then the whole cycle again
+            self.supervisor.run(cycle)
+            self.supervisor.pushed(weights, new_version)
+        self.version = new_version
+
+    def _engine_get(self, name: str, *args):
+        if self.supervisor is None:
+            return ray.get(getattr(self.engine, name).remote(*args))
+        return self.supervisor.call(name, *args)
 
     def _write_ledger(self, t: int, groups: list[Group]) -> None:
         if self.ledger is None:
@@ -193,7 +215,7 @@ class AsyncController:
 
     def _start_usage(self) -> None:
         """Open the first idle-ratio window of each role at the start of the first step."""
-        engine, trainer = ray.get([self.engine.stats.remote(), self.trainer.stats.remote()])
+        engine, trainer = self._engine_get("stats"), ray.get(self.trainer.stats.remote())
         self._engine_prev = engine
         self._meters["rollout"].start(engine.get("busy_s", 0.0))
         self._meters["train"].start(trainer.get("busy_s", 0.0))
@@ -201,10 +223,12 @@ class AsyncController:
     def _role_metrics(self, step_s: float) -> dict[str, float]:
         """Idle ratio per role (``1 − Δbusy/Δwall`` since the previous step's read, so time spent
         between steps -- evaluation, logging -- counts too) and generated tokens/s."""
-        engine, trainer, self._engine_spans = ray.get(
-            [self.engine.stats.remote(), self.trainer.stats.remote(), self.engine.busy_spans.remote()])
+        engine, self._engine_spans = self._engine_get("stats"), self._engine_get("busy_spans")
+        trainer = ray.get(self.trainer.stats.remote())
         prev, self._engine_prev = self._engine_prev, engine
+        # a restarted engine counts from zero again: its tokens since the restart, not a negative delta
         tokens = engine.get("tokens_generated", 0.0) - prev.get("tokens_generated", 0.0)
+        tokens = tokens if tokens >= 0 else engine.get("tokens_generated", 0.0)
         return {
             "rollout/idle_ratio": self._meters["rollout"].read(engine.get("busy_s", 0.0)),
             "train/idle_ratio": self._meters["train"].read(trainer.get("busy_s", 0.0)),
@@ -221,9 +245,8 @@ class AsyncController:
     def shutdown_rollout(self) -> dict[str, list[int]]:
         """Stop admitting, abort training requests in flight; return what was left unfinished."""
         self.scheduler.stop_admission()
-        ray.get(self.engine.pause.remote("continue"))
-        ray.get(self.engine.abort.remote(None))
-        ray.get(self.engine.resume.remote())
+        for name, args in (("pause", ("continue",)), ("abort", (None,)), ("resume", ())):
+            self._engine_get(name, *args)
         self.scheduler.quiesce()
         pending = self.scheduler.pending_ids()
         buffered = sorted(g.prompt_id for g in self.buffer.drain())

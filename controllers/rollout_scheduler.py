@@ -40,6 +40,14 @@ class PromptSource:
     encode: Callable[[str], list[int]]
     decode: Callable[[list[int]], str]
     reward: Callable[[Any, str], float]
+    guard: Any = None  # flash.guards.InputGuard: skips (or rejects) malformed/empty/too long prompts
+
+    def take(self, index: int) -> tuple[int, Any, list[int]]:
+        """The first usable prompt at data position >= ``index``: (its index, item, token ids)."""
+        if self.guard is not None:
+            return self.guard.take(index, self.item, self.encode)
+        item = self.item(index)
+        return index, item, self.encode(item.prompt)
 
 
 @dataclass
@@ -72,6 +80,9 @@ class RolloutScheduler:
         self._pool = ThreadPoolExecutor(max_workers=max(1, reward_workers), thread_name_prefix="reward")
         self.counters = {"samples_generated": 0, "tokens_generated": 0, "reward_errors": 0,
                          "request_errors": 0}
+        self.supervisor = None  # flash.faults.EngineSupervisor, when engine faults are handled
+        self._received: set[str] = set()  # request ids taken from the engine for pending prompts
+        self._eval_reqs: dict[str, GenerationRequest] = {}  # evaluation requests not yet answered
         self._threads = [threading.Thread(target=self._guard(f), daemon=True, name=f.__name__)
                          for f in (self._admit_loop, self._collect_loop)]
 
@@ -140,12 +151,16 @@ class RolloutScheduler:
         for i, (rid, item) in enumerate(zip(ids, items)):
             p = SamplingParams(**{**params.__dict__, "seed": request_seed(seed, 10**6 + i, 0)})
             reqs.append(GenerationRequest(rid, self.source.encode(item.prompt), p))
-        ray.get(self.engine.submit.remote(reqs))
+        with self._lock:
+            self._eval_reqs.update((r.request_id, r) for r in reqs)
+        self._submit(reqs)
         with self._lock:
             while not all(r in self._eval for r in ids):
                 self.check()
                 self._lock.wait(timeout=0.5)
             outs = [self._eval.pop(r) for r in ids]
+            for r in ids:
+                self._eval_reqs.pop(r, None)
         return [self._score(item, out.token_ids) for item, out in zip(items, outs)]
 
     # ---- threads -------------------------------------------------------------------------
@@ -171,15 +186,14 @@ class RolloutScheduler:
                 batch = []
                 while self.staleness.can_admit(self._admitted, self._version):
                     batch.extend(self._admit_one())
-            ray.get(self.engine.submit.remote(batch))
+            self._submit(batch)
 
     def _admit_one(self) -> list[GenerationRequest]:
-        prompt_id, index = self._admitted, self._next_index
-        item = self.source.item(index)
+        prompt_id = self._admitted
+        index, item, ids = self.source.take(self._next_index)
         self._pending[prompt_id] = _Pending(item=item, data_index=index, version=self._version)
         self._admitted += 1
-        self._next_index += 1
-        ids = self.source.encode(item.prompt)
+        self._next_index = index + 1
         return [GenerationRequest(f"{prompt_id}:{k}", ids,
                                   SamplingParams(**{**self.params.__dict__,
                                                     "seed": request_seed(self.seed, prompt_id, k)}))
@@ -187,7 +201,7 @@ class RolloutScheduler:
 
     def _collect_loop(self) -> None:
         while not self._stop.is_set():
-            outs = ray.get(self.engine.get_finished.remote(0.2))
+            outs = self._poll()
             with self._lock:
                 for out in outs:
                     if out.request_id.startswith("eval/"):
@@ -243,3 +257,80 @@ class RolloutScheduler:
             with self._lock:
                 self.counters["reward_errors"] += 1
             return 0.0
+
+    # ---- checkpoint and fault hooks (flash.checkpoint, flash.faults) ---------------------------
+    def state_dict(self) -> dict:
+        """Data position, admissions, version, counters, RNG and the prompts in flight."""
+        with self._lock:
+            version, state, gauss = self._rng.getstate()
+            return {
+                "admitted": self._admitted, "next_index": self._next_index, "version": self._version,
+                "counters": dict(self.counters), "rng": [version, list(state), gauss],
+                "pending": [{"prompt_id": pid, "data_index": p.data_index, "version": p.version}
+                            for pid, p in sorted(self._pending.items())],
+            }
+
+    def load_state_dict(self, state: dict) -> int:
+        """Restore a checkpoint's state before ``start``; the prompts that were in flight restart
+        from scratch (same prompt ids, same request seeds). Returns how many prompts restarted."""
+        with self._lock:
+            self._admitted, self._next_index = state["admitted"], state["next_index"]
+            self._version = state["version"]
+            self.counters.update(state["counters"])
+            version, rng, gauss = state["rng"]
+            self._rng.setstate((version, tuple(rng), gauss))
+            reqs = []
+            for p in state["pending"]:
+                item = self.source.item(p["data_index"])
+                self._pending[p["prompt_id"]] = _Pending(item=item, data_index=p["data_index"], version=p["version"])
+                reqs += self._requests(p["prompt_id"], self.source.encode(item.prompt), range(self.n))
+        self._submit(reqs)
+        return len(state["pending"])
+
+    def requeue_lost(self) -> int:
+        """After an engine restart: resubmit every request of a pending prompt (and of an evaluation)
+        whose output was not taken from the engine yet. Returns how many were resubmitted."""
+        with self._lock:
+            reqs = [r for r in self._eval_reqs.values() if r.request_id not in self._eval]
+            for pid, p in sorted(self._pending.items()):
+                lost = [k for k in range(self.n) if f"{pid}:{k}" not in self._received]
+                if lost:
+                    reqs += self._requests(pid, self.source.encode(p.item.prompt), lost)
+        self._submit(reqs)
+        return len(reqs)
+
+    def _requests(self, prompt_id: int, ids: list[int], ks) -> list[GenerationRequest]:
+        return [GenerationRequest(f"{prompt_id}:{k}", ids,
+                                  SamplingParams(**{**self.params.__dict__,
+                                                    "seed": request_seed(self.seed, prompt_id, k)}))
+                for k in ks]
+
+    def _submit(self, reqs: list[GenerationRequest]) -> None:
+        """Submit to the engine; with a supervisor a dead engine is restarted and the requests of
+        pending prompts are resubmitted by ``requeue_lost``, so a failed submit loses nothing."""
+        if not reqs:
+            return
+        if self.supervisor is None:
+            ray.get(self.engine.submit.remote(reqs))
+        else:
+            self.supervisor.submit(reqs)
+
+    def _poll(self) -> list[GenerationOutput]:
+        """Finished outputs; with a supervisor, engine faults are recovered here and an output for a
+        request already taken (resubmitted around a fault) or for a prompt no longer pending is dropped."""
+        if self.supervisor is None:
+            return ray.get(self.engine.get_finished.remote(0.2))
+        outs = self.supervisor.poll(0.2)
+        keep = []
+        with self._lock:
+            for out in outs:
+                rid = out.request_id
+                if not rid.startswith("eval/") and out.finish_reason != "abort":
+                    if rid in self._received or int(rid.split(":")[0]) not in self._pending:
+                        self.counters["duplicate_outputs"] = self.counters.get("duplicate_outputs", 0) + 1
+                        continue
+                    self._received.add(rid)
+                keep.append(out)
+            if self._polls % 50 == 0:
+                self._received = {r for r in self._received if int(r.split(":")[0]) in self._pending}
+        return keep

@@ -44,6 +44,10 @@ class RolloutConfig:
     # before it is scored, so groups finish out of admission order.
     inject_delay_s: float = 0.0
     reward_workers: int = 4  # threads scoring finished responses as they arrive
+    # Engine faults (flash.faults): a dead engine actor is restarted by Ray up to this many times;
+    # one that answers no poll for hang_timeout_s is treated as dead (killed, then restarted).
+    max_engine_restarts: int = 3
+    hang_timeout_s: float = 120.0
 
 
 @dataclass
@@ -66,6 +70,9 @@ class TrainConfig:
     betas: List[float] = field(default_factory=lambda: [0.9, 0.999])
     grad_clip: float = 1.0
     micro_batch_size: int = 64  # samples per forward/backward
+    # a non-finite loss or gradient norm skips the optimizer step (train/skipped_nonfinite);
+    # this many skips in a row stop the run (flash.guards.SkipGuard)
+    max_consecutive_skips: int = 3
 
 
 @dataclass
@@ -103,6 +110,24 @@ class TrackingConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    # flash.checkpoint: trainer model + optimizer, RNG, data position, controller state, the
+    # buffer's groups and the prompts in flight; written atomically (tmp dir + manifest + rename)
+    enabled: bool = True
+    every_steps: int = 0  # 0: only at the end of the run
+    keep_last: int = 2  # complete checkpoints kept; older ones are deleted
+    async_write: bool = True  # snapshot in the step, write to disk in a background thread
+
+
+@dataclass
+class DataConfig:
+    # Prompts that are malformed, empty or longer than max_prompt_tokens are skipped and counted
+    # (data/skipped_*; the first of each kind is logged), or stop the run when strict.
+    strict: bool = False
+    max_prompt_tokens: int = 0  # 0: the model's context minus rollout.max_new_tokens
+
+
+@dataclass
 class FlashConfig:
     description: str = ""
     seed: int = 0
@@ -120,6 +145,11 @@ class FlashConfig:
     resources: ResourcesConfig = field(default_factory=ResourcesConfig)
     ray: RayConfig = field(default_factory=RayConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    # continue a run from its newest valid checkpoint: a run dir, or 'latest' (newest run dir
+    # of this recipe under runs/); step numbers, metrics and the ledger continue
+    resume: Optional[str] = None
 
 
 def closest(name: str, valid: list[str]) -> str:
@@ -229,6 +259,9 @@ def validate(cfg: FlashConfig) -> None:
     from flash.tracking import check_backends
 
     check_backends(list(cfg.tracking.backends))
+    from flash.guards import check_consistency
+
+    check_consistency(cfg)
 
 
 def _check_plugin_section(where: str, section: dict, validator) -> None:

@@ -2,8 +2,11 @@
 
 Order of work: run dir and resolved config → task → model (warm start, cached) → Ray and the two
 actors → initial held-out evaluation → the controller's steps (progress bar, trackers, periodic
-evaluation) → stop rollout (what is left unfinished goes to the ledger) → final evaluation →
-``summary.json``.
+evaluation, checkpoints) → stop rollout (what is left unfinished goes to the ledger) → final
+evaluation → ``summary.json``.
+
+``resume=RUN_DIR`` (flash.resume): the same run dir, its newest valid checkpoint restored
+(flash.run_state) instead of the initial evaluation, and the steps continue from there.
 """
 
 from __future__ import annotations
@@ -16,14 +19,21 @@ from datetime import datetime
 from pathlib import Path
 
 import ray
+from ray.exceptions import RayActorError
 
 import algos
 from buffers import SampleBuffer
 from controllers.async_controller import AsyncController, ControllerSettings, prox_mode
 from controllers.rollout_scheduler import PromptSource, RolloutScheduler
 from controllers.staleness import StalenessManager
+from flash import resume as resume_mod
+from flash import run_state
+from flash.checkpoint import Checkpointer, latest_valid
 from flash.config import FlashConfig, to_dict, to_yaml
 from flash.engine.base import SamplingParams
+from flash.errors import FlashError
+from flash.faults import EngineSupervisor
+from flash.guards import InputGuard, SkipGuard
 from flash.tracking import Progress, make_tracker
 from flash.trainer import TrainerSettings
 from flash.workers import init_ray, quiet, start_engine, start_trainer, wait_ready
@@ -61,7 +71,7 @@ def prepare_model(cfg: FlashConfig, task) -> str:
     return warm_start(cfg.model.tiny, cfg.sft, task, default_cache_dir(cfg))
 
 
-def build_source(task, tokenizer) -> PromptSource:
+def build_source(task, tokenizer, guard: InputGuard | None = None) -> PromptSource:
     from flash.models import decode_response, encode_prompt
 
     return PromptSource(
@@ -69,7 +79,22 @@ def build_source(task, tokenizer) -> PromptSource:
         encode=lambda text: encode_prompt(tokenizer, text),
         decode=lambda ids: decode_response(tokenizer, ids),
         reward=task.reward,
+        guard=guard,
     )
+
+
+def max_prompt_tokens(cfg: FlashConfig, model_path: str) -> int:
+    """``data.max_prompt_tokens``, or the model's context minus the response budget."""
+    if cfg.data.max_prompt_tokens:
+        return cfg.data.max_prompt_tokens
+    from transformers import AutoConfig
+
+    text = AutoConfig.from_pretrained(model_path).get_text_config(decoder=True)
+    return max(1, text.max_position_embeddings - cfg.rollout.max_new_tokens)
+
+
+class TrainerDied(FlashError):
+    """The trainer worker died; the run stopped at its last checkpoint."""
 
 
 def sampling_params(cfg: FlashConfig, tokenizer, *, eval_mode: bool = False) -> SamplingParams:
@@ -101,7 +126,12 @@ class Run:
         self.t0 = time.monotonic()
         quiet()
         self.cfg = cfg
+        resume_dir = resume_mod.resolve_resume(cfg.resume, recipe_name)
+        if resume_dir is not None:
+            resume_mod.check_same_run(to_dict(cfg), resume_dir)
+            cfg.run_dir = str(resume_dir)
         self.dir = make_run_dir(cfg, recipe_name)
+        self.ckpt, self.state = self._find_checkpoint(resume_dir)
         (self.dir / "config.yaml").write_text(to_yaml(cfg))
         algos.load_plugins(list(cfg.plugins))
         task_opts = {k: v for k, v in cfg.task.items() if k != "name"}
@@ -109,12 +139,28 @@ class Run:
         self.model_path = prepare_model(cfg, self.task)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.eval_items = self.task.eval_items()
-        self.metrics_file = open(self.dir / "metrics.jsonl", "w")
-        self.timeline_file = open(self.dir / "timeline.jsonl", "w")  # per-step spans, `flash plot`
-        self.eval_file = open(self.dir / "eval.jsonl", "w")  # every held-out evaluation
+        mode = "a" if resume_dir is not None else "w"  # resumed: logs were cut back to the checkpoint
+        self.metrics_file = open(self.dir / "metrics.jsonl", mode)
+        self.timeline_file = open(self.dir / "timeline.jsonl", mode)  # per-step spans, `flash plot`
+        self.eval_file = open(self.dir / "eval.jsonl", mode)  # every held-out evaluation
+        self.ledger = open(self.dir / "ledger.jsonl", mode)
         self.train_start: float | None = None
         self.last_eval_s = 0.0
+        self.acc0: float | None = None
+        self.start_step = 0
         self._start_roles()
+
+    def _find_checkpoint(self, resume_dir):
+        """(checkpoint dir, its state) to resume from, or (None, None): a fresh start."""
+        if resume_dir is None:
+            resume_mod.append_event(self.dir, "start")
+            return None, None
+        ckpt, skipped = latest_valid(self.dir / "checkpoints")
+        state = resume_mod.load_state(ckpt) if ckpt is not None else None
+        resume_mod.restore_logs(self.dir, state["logs"] if state else None)
+        resume_mod.append_event(self.dir, "resume", checkpoint=str(ckpt) if ckpt else None,
+                                step=state["step"] if state else 0, skipped=skipped)
+        return ckpt, state
 
     def _start_roles(self) -> None:
         cfg = self.cfg
@@ -122,18 +168,19 @@ class Run:
         init_ray(cfg.ray.address, cfg.ray.num_cpus)
         settings = trainer_settings(cfg)
         self.engine = start_engine(self.model_path, cfg.rollout.max_num_seqs, cfg.seed, engine_threads,
-                                   engine=cfg.rollout.engine)
+                                   engine=cfg.rollout.engine, max_restarts=cfg.rollout.max_engine_restarts)
         self.trainer = start_trainer(self.model_path, settings, cfg.seed, trainer_threads, list(cfg.plugins))
         wait_ready(self.engine, self.trainer)
         B = cfg.train.prompts_per_step
         self.staleness = StalenessManager(cfg.async_ratio, B)
         self.buffer = SampleBuffer(capacity=int(math.ceil((cfg.async_ratio + 2) * B)))
+        self.input_guard = InputGuard(max_prompt_tokens(cfg, self.model_path), strict=cfg.data.strict)
+        self.skip_guard = SkipGuard(cfg.train.max_consecutive_skips)
         self.scheduler = RolloutScheduler(
-            self.engine, build_source(self.task, self.tokenizer), self.buffer, self.staleness,
+            self.engine, build_source(self.task, self.tokenizer, self.input_guard), self.buffer, self.staleness,
             sampling_params(cfg, self.tokenizer), n=cfg.rollout.n, seed=cfg.seed,
             reward_workers=cfg.rollout.reward_workers, inject_delay_s=cfg.rollout.inject_delay_s,
         )
-        self.ledger = open(self.dir / "ledger.jsonl", "w")
         self.controller = AsyncController(
             self.engine, self.trainer, self.scheduler, self.buffer, self.staleness,
             ControllerSettings(
@@ -143,6 +190,19 @@ class Run:
             ),
             ledger=self.ledger,
         )
+        self._start_durability()
+
+    def _start_durability(self) -> None:
+        """Engine fault recovery, checkpoints, and the restore of a resumed run."""
+        cfg = self.cfg
+        self.supervisor = EngineSupervisor(self.engine, cfg.rollout.hang_timeout_s, cfg.rollout.max_engine_restarts)
+        self.supervisor.requeue = self.scheduler.requeue_lost
+        self.supervisor.on_event = lambda event: resume_mod.append_event(self.dir, **event)
+        self.scheduler.supervisor = self.controller.supervisor = self.supervisor
+        self.checkpointer = Checkpointer(self.dir, cfg.checkpoint, self.trainer, cfg.train.steps)
+        self.controller.on_update = lambda version: run_state.on_update(self, version)
+        if self.state is not None:
+            self.start_step = run_state.restore(self, self.ckpt, self.state)
 
     def evaluate(self, tag: str, step: int = 0) -> float:
         """Held-out accuracy now; also a line in ``eval.jsonl`` (step, seconds since training began)."""
@@ -158,6 +218,10 @@ class Run:
         return acc
 
     def close(self) -> None:
+        try:
+            self.checkpointer.wait()
+        except RuntimeError as exc:  # the last checkpoint is the one before; say so, do not hide it
+            print(f"flash: {exc}", flush=True)
         self.scheduler.stop()
         self.ledger.close()
         for f in (self.metrics_file, self.timeline_file, self.eval_file):
@@ -169,17 +233,28 @@ class Run:
 def run(cfg: FlashConfig, recipe_name: str = "run") -> dict:
     """Train as configured; returns (and writes) the run summary."""
     r = Run(cfg, recipe_name)
-    tracker = make_tracker(cfg.tracking, str(r.dir), config=to_dict(cfg))
+    start = r.start_step
+    tracker = make_tracker(cfg.tracking, str(r.dir), config=to_dict(cfg), purge_step=start + 1 if r.ckpt else None)
     progress = Progress(cfg.train.steps, cfg.tracking.progress)
-    progress.write(f"flash: run dir {r.dir}")
+    progress.write(f"flash: run dir {r.dir}" + (f" (resumed at step {start} from {r.ckpt})" if r.ckpt else ""))
     try:
         r.scheduler.start()
-        acc0 = r.evaluate("initial")
-        tracker.log({"eval/accuracy": acc0, "time/eval": r.last_eval_s}, 0)
+        if r.acc0 is None:
+            r.acc0 = r.evaluate("initial")
+            tracker.log({"eval/accuracy": r.acc0, "time/eval": r.last_eval_s}, 0)
+        acc0 = r.acc0
         progress.write(f"flash: held-out accuracy before training {acc0:.3f}")
+        if start < cfg.train.steps:
+            r.scheduler.set_version(r.controller.version)
         r.scheduler.start_admission()
         train_start = r.train_start = time.monotonic()
-        records = r.controller.run(cfg.train.steps, on_step=lambda rec: _on_step(r, rec, tracker, progress))
+        try:
+            records = r.controller.run(cfg.train.steps, on_step=lambda rec: _on_step(r, rec, tracker, progress),
+                                       start=start)
+        except RayActorError as exc:  # engine faults are recovered (flash.faults); this is the trainer
+            raise TrainerDied(f"the trainer worker died ({exc.__class__.__name__}); the run stopped. Resume "
+                              f"from its last checkpoint: flash run RECIPE resume={r.dir}") from exc
+        r.checkpointer.wait()
         train_s = time.monotonic() - train_start
         left = r.controller.shutdown_rollout()
         acc1 = r.evaluate("final", cfg.train.steps)
@@ -208,11 +283,15 @@ def _on_step(r: Run, rec, tracker, progress) -> None:
         rec.metrics["eval/accuracy"] = r.evaluate(f"step{step}", step)
         logged.update({"eval/accuracy": rec.metrics["eval/accuracy"], "time/eval": r.last_eval_s})
     logged["time/elapsed"] = time.monotonic() - r.train_start
+    logged.update(r.skip_guard.update(step, rec.metrics.get("train/skipped", 0.0) > 0,
+                                      rec.metrics.get("train/loss", 0.0), rec.metrics.get("train/grad_norm", 0.0)))
+    logged.update({**r.input_guard.metrics(), **r.supervisor.metrics(), **r.checkpointer.metrics()})
     tracker.log(logged, step)
     r.metrics_file.write(json.dumps({"step": step, **logged}) + "\n")
     r.metrics_file.flush()
     r.timeline_file.write(json.dumps({"step": step, **rec.timeline}) + "\n")
     r.timeline_file.flush()
+    run_state.commit_checkpoint(r)
     progress.update(logged)
 
 
@@ -235,6 +314,11 @@ def _summary(cfg, r: Run, records, acc0, acc1, train_s, left) -> dict:
         "prompts_admitted": r.scheduler.admitted,
         "prompts_unfinished": {k: len(v) for k, v in left.items()},
         "reward_errors": r.scheduler.counters["reward_errors"],
+        "resumed_from_step": r.start_step if r.ckpt else None,
+        "faults_engine": r.supervisor.faults,
+        "train_skipped_nonfinite": r.skip_guard.total,
+        "data_skipped": dict(r.input_guard.counts),
+        "checkpoint": dict(r.checkpointer.last),
         "request_errors": r.scheduler.counters["request_errors"],
         "phase_seconds_mean": {k[5:]: sum(rec.metrics.get(k, 0.0) for rec in records) / max(steps, 1)
                                for k in phase_keys},

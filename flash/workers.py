@@ -110,6 +110,10 @@ class EngineWorker:
     def busy_spans(self) -> list[list[float]]:
         return self.loop.busy_spans()
 
+    def pid(self) -> int:
+        """The actor's process id (fault-injection tests and benchmarks kill it)."""
+        return os.getpid()
+
     def shutdown(self) -> None:
         self.loop.shutdown()
 
@@ -137,12 +141,37 @@ class TrainerWorker:
         sys.path[:0] = [p for p in paths if p not in sys.path]
         algos.load_plugins(list(plugins))
         self.trainer = Trainer(load_model(model_path), settings, seed=seed)
+        self._lock = threading.Lock()  # a checkpoint snapshot never sees half a step
+        self._snapshot: dict | None = None
 
     def logprobs(self, batch):
         return self.trainer.logprobs(batch)
 
     def train_step(self, batch, advantages, prox_logp) -> dict:
-        return self.trainer.train_step(batch, advantages, prox_logp)
+        with self._lock:
+            return self.trainer.train_step(batch, advantages, prox_logp)
+
+    # Checkpoint hooks (flash.checkpoint): a copy taken between steps, written while training goes
+    # on. An FSDP2 trainer replaces the three functions with torch.distributed.checkpoint.
+    def checkpoint_snapshot(self) -> None:
+        from flash.checkpoint import trainer_state
+
+        with self._lock:
+            self._snapshot = trainer_state(self.trainer)
+
+    def checkpoint_write(self, directory: str) -> None:
+        from flash.checkpoint import save_trainer_state
+
+        snapshot, self._snapshot = self._snapshot, None
+        if snapshot is None:
+            raise RuntimeError("checkpoint_write without a checkpoint_snapshot first")
+        save_trainer_state(snapshot, directory)
+
+    def load_checkpoint(self, directory: str) -> int:
+        from flash.checkpoint import load_trainer_state
+
+        with self._lock:
+            return load_trainer_state(self.trainer, directory)
 
     def get_weights(self) -> dict:
         return self.trainer.state_dict()
@@ -176,10 +205,12 @@ def init_ray(address: str | None, num_cpus: int, extra_paths: list[str] = ()) ->
 ENGINES = ("torch", "vllm")
 
 
-def start_engine(model_path: str, max_num_seqs: int, seed: int, threads: int, engine: str = "torch"):
+def start_engine(model_path: str, max_num_seqs: int, seed: int, threads: int, engine: str = "torch",
+                 max_restarts: int = 0):
     """The engine actor: ``torch`` (embedded, ``EngineWorker``) or ``vllm`` (``VLLMEngineWorker``).
 
     Both answer the same methods, so the controller and the scheduler never know which one runs.
+    ``max_restarts``: Ray re-creates a dead engine this many times (flash.faults recovers its work).
     """
     if engine == "vllm":
         from flash.engine.vllm_engine import VLLMEngineWorker
@@ -189,12 +220,12 @@ def start_engine(model_path: str, max_num_seqs: int, seed: int, threads: int, en
         cls = EngineWorker
     else:
         raise ValueError(f"unknown rollout engine {engine!r}; expected one of {ENGINES}")
-    actor = ray.remote(cls).options(num_cpus=0, max_concurrency=8)
+    actor = ray.remote(cls).options(num_cpus=0, max_concurrency=8, max_restarts=max_restarts)
     return actor.remote(model_path, max_num_seqs, seed, threads)
 
 
 def start_trainer(model_path: str, settings, seed: int, threads: int, plugins: list[str]):
-    actor = ray.remote(TrainerWorker).options(num_cpus=0, max_concurrency=2)
+    actor = ray.remote(TrainerWorker).options(num_cpus=0, max_concurrency=4)
     return actor.remote(model_path, settings, seed, threads, plugins, plugin_paths(plugins))
 
 
