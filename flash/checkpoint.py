@@ -146,8 +146,10 @@ def prune(root: Path, keep_last: int) -> list[Path]:
 
 def commit(tmp: Path, final: Path) -> None:
     """The atomic step: one rename, then the parent dir's entry made durable."""
-    if final.exists():  # a re-run of the same step after a resume: the new one replaces it
-        shutil.rmtree(final)
+    if final.exists():  # a damaged one of the same step (the resume fell back past it): set aside,
+        trash = final.with_name(final.name + ".replaced.tmp")  # pruned later, never read
+        shutil.rmtree(trash, ignore_errors=True)
+        os.rename(final, trash)
     os.rename(tmp, final)
     fsync_path(final.parent)
 

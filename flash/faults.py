@@ -59,7 +59,7 @@ class EngineSupervisor:
         self.requeue: Callable[[], int] | None = None  # RolloutScheduler.requeue_lost
         self.on_event: Callable[[dict], None] | None = None  # each fault, as soon as recovered
         self._warn = warn
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # a fault inside a recovery (requeue's submit) recovers again
         self._weights = None  # object ref of the weights last pushed, and their version
         self._version = 0
 
@@ -125,7 +125,8 @@ class EngineSupervisor:
             requeued = self.requeue() if self.requeue is not None else 0
             self.epoch += 1
             event = {"event": "engine_fault", "kind": kind, "error": type(exc).__name__, "time": wall,
-                     "recovery_s": time.monotonic() - start, "requeued": requeued, "version": self._version}
+                     "recovery_s": time.monotonic() - start, "requeued": requeued, "version": self._version,
+                     "pid": ray.get(self.engine.pid.remote())}
             self.events.append(event)
             if self.on_event is not None:
                 self.on_event(event)

@@ -203,6 +203,7 @@ class Run:
         self.controller.on_update = lambda version: run_state.on_update(self, version)
         if self.state is not None:
             self.start_step = run_state.restore(self, self.ckpt, self.state)
+        resume_mod.append_event(self.dir, "roles_ready", step=self.start_step, engine_pid=ray.get(self.engine.pid.remote()))
 
     def evaluate(self, tag: str, step: int = 0) -> float:
         """Held-out accuracy now; also a line in ``eval.jsonl`` (step, seconds since training began)."""
