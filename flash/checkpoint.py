@@ -138,7 +138,14 @@ def latest_valid(root: Path, warn: Callable[[str], None] = log.warning) -> tuple
 def prune(root: Path, keep_last: int) -> list[Path]:
     """Delete complete checkpoints beyond the newest ``keep_last``, and leftover ``.tmp`` dirs."""
     gone = complete_checkpoints(root)[keep_last:]
-    gone += [p for p in root.glob(f"{PREFIX}*.tmp") if p.is_dir()] if root.is_dir() else []
+    for path in gone:
+        shutil.rmtree(path, ignore_errors=True)
+    return gone + remove_partial(root)
+
+
+def remove_partial(root: Path) -> list[Path]:
+    """Delete ``.tmp`` dirs: writes that never reached their rename (a kill mid-checkpoint)."""
+    gone = [p for p in root.glob(f"{PREFIX}*.tmp") if p.is_dir()] if root.is_dir() else []
     for path in gone:
         shutil.rmtree(path, ignore_errors=True)
     return gone

@@ -40,15 +40,23 @@ class EngineFailed(FlashError):
     """The engine kept failing after every restart it was allowed."""
 
 
-def is_engine_fault(exc: BaseException) -> bool:
-    """A failure that a restart can cure: the actor or its generation thread is gone, or it hung."""
-    return isinstance(exc, (RayActorError, GetTimeoutError, EngineLoopError))
+def is_engine_fault(exc: BaseException, engine_id: str | None = None) -> bool:
+    """A failure that a restart can cure: the actor or its generation thread is gone, or it hung.
+
+    A ``RayActorError`` that names another actor is not one: the trainer dying while the engine
+    waits for its weights surfaces in the engine call, and must stop the run, not restart engines.
+    """
+    if isinstance(exc, RayActorError):
+        other = getattr(exc, "actor_id", None)
+        return not (other and engine_id and other != engine_id)
+    return isinstance(exc, (GetTimeoutError, EngineLoopError))
 
 
 class EngineSupervisor:
     def __init__(self, engine, hang_timeout_s: float, max_restarts: int,
                  warn: Callable[[str], None] = log.warning, start_timeout_s: float = 300.0):
         self.engine = engine
+        self.engine_id = engine._actor_id.hex() if hasattr(engine, "_actor_id") else None
         self.hang_timeout_s = hang_timeout_s
         self.max_restarts = max_restarts
         self.start_timeout_s = start_timeout_s
@@ -75,7 +83,7 @@ class EngineSupervisor:
             try:
                 return fn()
             except Exception as exc:  # noqa: BLE001 - only engine faults are handled, others re-raised
-                if not is_engine_fault(exc):
+                if not is_engine_fault(exc, self.engine_id):
                     raise
                 self.recover(epoch, exc)
 
@@ -89,7 +97,7 @@ class EngineSupervisor:
         try:
             ray.get(self.engine.submit.remote(reqs), timeout=self.hang_timeout_s)
         except Exception as exc:  # noqa: BLE001
-            if not is_engine_fault(exc):
+            if not is_engine_fault(exc, self.engine_id):
                 raise
             self.recover(epoch, exc)
 

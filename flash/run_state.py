@@ -11,6 +11,7 @@ were in flight resubmitted from scratch (same prompt ids and request seeds) → 
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ def driver_state(r: Any, version: int) -> dict:
     state.update({
         "version": version,
         "eval_initial": r.acc0,
+        "elapsed": time.monotonic() - r.train_start,  # time/elapsed continues from here on resume
         "skips": {"total": r.skip_guard.total, "consecutive": r.skip_guard.consecutive},
         "data_skipped": dict(r.input_guard.counts),
         "faults": {"engine": r.supervisor.faults},
@@ -61,4 +63,5 @@ def restore(r: Any, ckpt: Path, state: dict) -> int:
     r.input_guard.counts.update(state["data_skipped"])
     r.supervisor.faults = state["faults"]["engine"]
     r.acc0 = state.get("eval_initial")
+    r.elapsed0 = state.get("elapsed", 0.0)
     return int(state["step"])

@@ -28,7 +28,7 @@ from controllers.rollout_scheduler import PromptSource, RolloutScheduler
 from controllers.staleness import StalenessManager
 from flash import resume as resume_mod
 from flash import run_state
-from flash.checkpoint import Checkpointer, latest_valid
+from flash.checkpoint import Checkpointer, latest_valid, remove_partial
 from flash.config import FlashConfig, to_dict, to_yaml
 from flash.engine.base import SamplingParams
 from flash.errors import FlashError
@@ -148,6 +148,7 @@ class Run:
         self.last_eval_s = 0.0
         self.acc0: float | None = None
         self.start_step = 0
+        self.elapsed0 = 0.0  # training seconds before a resume
         self._start_roles()
 
     def _find_checkpoint(self, resume_dir):
@@ -156,6 +157,7 @@ class Run:
             resume_mod.append_event(self.dir, "start")
             return None, None
         ckpt, skipped = latest_valid(self.dir / "checkpoints")
+        remove_partial(self.dir / "checkpoints")  # writes a kill interrupted: never read, now gone
         state = resume_mod.load_state(ckpt) if ckpt is not None else None
         resume_mod.restore_logs(self.dir, state["logs"] if state else None)
         resume_mod.append_event(self.dir, "resume", checkpoint=str(ckpt) if ckpt else None,
@@ -203,7 +205,8 @@ class Run:
         self.controller.on_update = lambda version: run_state.on_update(self, version)
         if self.state is not None:
             self.start_step = run_state.restore(self, self.ckpt, self.state)
-        resume_mod.append_event(self.dir, "roles_ready", step=self.start_step, engine_pid=ray.get(self.engine.pid.remote()))
+        resume_mod.append_event(self.dir, "roles_ready", step=self.start_step,
+                                engine_pid=ray.get(self.engine.pid.remote()), trainer_pid=ray.get(self.trainer.pid.remote()))
 
     def evaluate(self, tag: str, step: int = 0) -> float:
         """Held-out accuracy now; also a line in ``eval.jsonl`` (step, seconds since training began)."""
@@ -248,7 +251,7 @@ def run(cfg: FlashConfig, recipe_name: str = "run") -> dict:
         if start < cfg.train.steps:
             r.scheduler.set_version(r.controller.version)
         r.scheduler.start_admission()
-        train_start = r.train_start = time.monotonic()
+        train_start = r.train_start = time.monotonic() - r.elapsed0
         try:
             records = r.controller.run(cfg.train.steps, on_step=lambda rec: _on_step(r, rec, tracker, progress),
                                        start=start)
@@ -297,7 +300,7 @@ def _on_step(r: Run, rec, tracker, progress) -> None:
 
 
 def _summary(cfg, r: Run, records, acc0, acc1, train_s, left) -> dict:
-    steps = len(records)
+    steps = r.start_step + len(records)  # a resumed run: all of its steps (train_s spans them too)
     trained = sum(len(g.samples) for rec in records for g in rec.groups)
     phase_keys = sorted({k for rec in records for k in rec.metrics if k.startswith("time/")})
     return {

@@ -183,6 +183,9 @@ class TrainerWorker:
     def stats(self) -> dict:
         return {"busy_s": self.trainer.busy_s, "steps": float(self.trainer.steps)}
 
+    def pid(self) -> int:
+        return os.getpid()
+
 
 def init_ray(address: str | None, num_cpus: int, extra_paths: list[str] = ()) -> None:
     """Join ``address`` or start a quiet local Ray whose workers see the driver's import path."""

@@ -15,6 +15,8 @@ import time
 
 import pytest
 
+from flash.checkpoint import latest_valid
+
 from tests.test_resume_e2e import B, N, STEPS, finish, launch, read_jsonl, wait_for
 
 
@@ -30,7 +32,7 @@ def steps_done(run_dir) -> int:
 
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("cache"))
+    return os.environ.get("FLASH_TEST_CACHE") or str(tmp_path_factory.mktemp("cache"))
 
 
 @pytest.mark.slow
@@ -67,3 +69,16 @@ def test_engine_killed_then_hung_mid_run_is_restarted_and_nothing_is_lost(tmp_pa
     left = [e["prompt_id"] for e in ledger if e["outcome"] in ("buffered", "in_flight")]
     assert sorted(trained | set(left)) == list(range(summary["prompts_admitted"]))
     assert len(left) == len(set(left)) and not set(left) & trained
+
+
+@pytest.mark.slow
+def test_trainer_death_stops_the_run_naming_the_resume_command(tmp_path, cache):
+    run_dir = tmp_path / "trainer"
+    proc = launch(run_dir, cache, [f"run_dir={run_dir}", "async_ratio=0", "checkpoint.every_steps=1"])
+    assert wait_for(lambda: steps_done(run_dir) >= 2, proc)
+    os.kill(events(run_dir, "roles_ready")[0]["trainer_pid"], signal.SIGKILL)
+    assert proc.wait(timeout=300) == 2
+    out = (tmp_path / "trainer.log").read_text()
+    assert "the trainer worker died" in out and f"resume={run_dir}" in out
+    assert latest_valid(run_dir / "checkpoints")[0] is not None  # what the resume starts from
+    assert not (run_dir / "summary.json").exists()

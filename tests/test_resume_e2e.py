@@ -35,7 +35,8 @@ SMALL = ["sft.steps=40", "sft.eval_after=false", "model.tiny.num_layers=2", f"tr
 
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("cache"))
+    # FLASH_TEST_CACHE: reuse a warm-start cache across local runs (CI starts empty)
+    return os.environ.get("FLASH_TEST_CACHE") or str(tmp_path_factory.mktemp("cache"))
 
 
 def launch(run_dir: Path, cache: str, extra: list[str], env_extra: dict | None = None) -> subprocess.Popen:
@@ -100,21 +101,35 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+def steps_done(run_dir: Path) -> int:
+    path = run_dir / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def roles_ready(run_dir: Path) -> int:
+    path = run_dir / "events.jsonl"
+    return sum(e["event"] == "roles_ready" for e in read_jsonl(path)) if path.exists() else 0
+
+
 def kill_and_resume(run_dir: Path, cache: str, extra: list[str], rng: random.Random) -> list[dict]:
-    """Run, kill at a random moment after the first checkpoint, resume and kill mid-checkpoint,
-    truncate the newest checkpoint, resume to the end. Returns the resume events."""
-    proc = launch(run_dir, cache, [f"run_dir={run_dir}", *extra])
-    if wait_for(lambda: checkpoints(run_dir), proc):
-        time.sleep(rng.uniform(0.0, 4.0))
-        kill_run(proc)
+    """Run and kill at a random moment (after 1-3 steps, then up to 1.5 s more; each checkpoint
+    write held 1 s so steps last long enough to land anywhere in one), resume and kill inside a
+    checkpoint write, truncate the newest checkpoint, resume to the end. Returns the resume events."""
+    proc = launch(run_dir, cache, [f"run_dir={run_dir}", *extra], {"FLASH_CKPT_PAUSE_S": "1"})
+    k = rng.randint(1, 3)
+    assert wait_for(lambda: steps_done(run_dir) >= k, proc)
+    time.sleep(rng.uniform(0.0, 1.5))
+    kill_run(proc)
+    assert steps_done(run_dir) < STEPS
     proc = launch(run_dir, cache, [f"resume={run_dir}", *extra], {"FLASH_CKPT_PAUSE_S": "4"})
-    if wait_for(lambda: checkpoints(run_dir, tmp=True), proc):
-        kill_run(proc)  # inside a checkpoint write: its .tmp dir is there, its manifest is not
+    # stale .tmp dirs of the killed run are removed at resume, before roles_ready
+    assert wait_for(lambda: roles_ready(run_dir) == 2 and checkpoints(run_dir, tmp=True), proc)
+    kill_run(proc)  # inside a checkpoint write: its .tmp dir is there, its manifest is not
     complete = checkpoints(run_dir)
-    if len(complete) >= 2:
-        newest = max(complete, key=lambda p: int(p.name.split("-")[1]))
-        with open(newest / "trainer.pt", "r+b") as f:
-            f.truncate(f.seek(0, 2) // 2)
+    assert len(complete) >= 2, complete
+    newest = max(complete, key=lambda p: int(p.name.split("-")[1]))
+    with open(newest / "trainer.pt", "r+b") as f:
+        f.truncate(f.seek(0, 2) // 2)
     finish(launch(run_dir, cache, [f"resume={run_dir}", *extra]), run_dir)
     return [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "resume"]
 
