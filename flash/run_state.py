@@ -26,7 +26,8 @@ def driver_state(r: Any, version: int) -> dict:
     state.update({
         "version": version,
         "eval_initial": r.acc0,
-        "elapsed": time.monotonic() - r.train_start,  # time/elapsed continues from here on resume
+        # time/elapsed continues from here on resume
+        "elapsed": time.monotonic() - r.train_start if r.train_start is not None else 0.0,
         "skips": {"total": r.skip_guard.total, "consecutive": r.skip_guard.consecutive},
         "data_skipped": dict(r.input_guard.counts),
         "faults": {"engine": r.supervisor.faults},

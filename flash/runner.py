@@ -257,7 +257,7 @@ def run(cfg: FlashConfig, recipe_name: str = "run") -> dict:
                                        start=start)
         except RayActorError as exc:  # engine faults are recovered (flash.faults); this is the trainer
             raise TrainerDied(f"the trainer worker died ({exc.__class__.__name__}); the run stopped. Resume "
-                              f"from its last checkpoint: flash run RECIPE resume={r.dir}") from exc
+                              f"from its last checkpoint: flash run {recipe_name} resume={r.dir}") from exc
         r.checkpointer.wait()
         train_s = time.monotonic() - train_start
         left = r.controller.shutdown_rollout()

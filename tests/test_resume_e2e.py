@@ -112,12 +112,13 @@ def roles_ready(run_dir: Path) -> int:
 
 
 def kill_and_resume(run_dir: Path, cache: str, extra: list[str], rng: random.Random) -> list[dict]:
-    """Run and kill at a random moment (after 1-3 steps, then up to 1.5 s more; each checkpoint
-    write held 1 s so steps last long enough to land anywhere in one), resume and kill inside a
-    checkpoint write, truncate the newest checkpoint, resume to the end. Returns the resume events."""
+    """Run and kill at a random moment (after 2-4 steps and two complete checkpoints, then up to
+    1.5 s more; each checkpoint write held 1 s so steps last long enough to land anywhere in one),
+    resume and kill inside a checkpoint write, truncate the newest checkpoint, resume to the end.
+    Returns the resume events."""
     proc = launch(run_dir, cache, [f"run_dir={run_dir}", *extra], {"FLASH_CKPT_PAUSE_S": "1"})
-    k = rng.randint(1, 3)
-    assert wait_for(lambda: steps_done(run_dir) >= k, proc)
+    k = rng.randint(2, 4)
+    assert wait_for(lambda: steps_done(run_dir) >= k and len(checkpoints(run_dir)) >= 2, proc)
     time.sleep(rng.uniform(0.0, 1.5))
     kill_run(proc)
     assert steps_done(run_dir) < STEPS
