@@ -237,3 +237,14 @@ def test_checkpoint_keys_are_strict():
     cfg = load_config("recipes/stutter.yaml", ["async_ratio=0", "ray.num_cpus=1", "checkpoint.every_steps=3"])
     assert cfg.checkpoint.every_steps == 3 and cfg.checkpoint.keep_last == 2
 
+
+
+def test_the_scheduler_takes_prompts_through_the_guard_and_moves_past_skipped_rows():
+    from controllers.rollout_scheduler import PromptSource
+
+    encode = lambda text: list(range(len(text)))  # noqa: E731
+    guarded = PromptSource(item=_item, encode=encode, decode=str, reward=lambda i, r: 0.0,
+                           guard=InputGuard(max_prompt_tokens=10, warn=lambda m: None))
+    assert guarded.take(1)[0] == 4  # rows 1-3 skipped; the scheduler's next data position is 5
+    plain = PromptSource(item=_item, encode=encode, decode=str, reward=lambda i, r: 0.0)
+    assert plain.take(0)[0] == 0 and plain.take(0)[2] == [0, 1, 2]
