@@ -19,6 +19,7 @@ The last line is JSON.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import signal
@@ -46,7 +47,7 @@ def start(recipe: str, run_dir: Path, overrides: list[str]) -> subprocess.Popen:
 
 def step_walls(metrics: list[dict]) -> list[float]:
     ends = [m["time/elapsed"] for m in metrics]
-    return [b - a for a, b in zip(ends, ends[1:])]  # step 1 left out (it opens the windows)
+    return [b - a for a, b in itertools.pairwise(ends)]  # step 1 left out (it opens the windows)
 
 
 def checkpoint_run(recipe: str, mode: str, run_dir: Path, overrides: list[str]) -> dict:
@@ -109,7 +110,7 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"repeat {rep} checkpoint {mode}: {runs[mode][-1]}", flush=True)
         runs["fault"].append(fault_run(args.recipe, out / f"fault-{rep}", args.steps, overrides))
         print(f"repeat {rep} engine kill: {runs['fault'][-1]}", flush=True)
-    med = lambda rows, key: statistics.median(r[key] for r in rows)  # noqa: E731
+    med = lambda rows, key: statistics.median(r[key] for r in rows)
     result = {"recipe": args.recipe, "repeats": args.repeats, "overrides": overrides, "checkpoint": {}}
     for mode in MODES:
         ratios = [r["step_s"] / o["step_s"] for r, o in zip(runs[mode], runs["off"])]

@@ -25,7 +25,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
@@ -82,7 +83,7 @@ class EngineSupervisor:
             epoch = self.epoch
             try:
                 return fn()
-            except Exception as exc:  # noqa: BLE001 - only engine faults are handled, others re-raised
+            except Exception as exc:
                 if not is_engine_fault(exc, self.engine_id):
                     raise
                 self.recover(epoch, exc)
@@ -96,7 +97,7 @@ class EngineSupervisor:
         epoch = self.epoch
         try:
             ray.get(self.engine.submit.remote(reqs), timeout=self.hang_timeout_s)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             if not is_engine_fault(exc, self.engine_id):
                 raise
             self.recover(epoch, exc)

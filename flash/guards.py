@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from flash.errors import ConfigError, FlashError
 
@@ -121,26 +122,26 @@ def _contradictions(cfg):
     both_set = cfg.resources.engine_threads and cfg.resources.trainer_threads
     ck = cfg.checkpoint
     yield (cfg.async_ratio == 0 or not cores or cores >= 2,
-           f"async_ratio={cfg.async_ratio} overlaps rollout and training, but ray.num_cpus={cores} leaves one "
-           f"core, so they could only take turns; set async_ratio=0 (synchronous) or ray.num_cpus>=2")
+           (f"async_ratio={cfg.async_ratio} overlaps rollout and training, but ray.num_cpus={cores} leaves one "
+           f"core, so they could only take turns; set async_ratio=0 (synchronous) or ray.num_cpus>=2"))
     yield (cfg.async_ratio == 0 or not cores or not both_set or threads <= cores,
-           f"resources.engine_threads + resources.trainer_threads = {threads} > {cores} cores with "
+           (f"resources.engine_threads + resources.trainer_threads = {threads} > {cores} cores with "
            f"async_ratio={cfg.async_ratio}: the overlapping roles would fight for cores; lower them so they "
-           f"sum to <= {cores}, or leave them 0 (auto split)")
+           f"sum to <= {cores}, or leave them 0 (auto split)"))
     yield ck.keep_last >= 1, f"checkpoint.keep_last must be >= 1, got {ck.keep_last}"
     yield ck.every_steps >= 0, f"checkpoint.every_steps must be >= 0 (0: only at the end), got {ck.every_steps}"
     yield (ck.enabled or not ck.every_steps,
            f"checkpoint.every_steps={ck.every_steps} but checkpoint.enabled=false; drop one of them")
     yield (ck.enabled or not cfg.resume, "resume needs checkpoints; remove checkpoint.enabled=false")
     yield (not (cfg.resume and cfg.run_dir) or cfg.resume == cfg.run_dir,
-           f"resume={cfg.resume} and run_dir={cfg.run_dir} name different run dirs; a resumed run continues "
-           f"in its own dir, so drop run_dir")
+           (f"resume={cfg.resume} and run_dir={cfg.run_dir} name different run dirs; a resumed run continues "
+           f"in its own dir, so drop run_dir"))
     yield cfg.rollout.hang_timeout_s > 0, f"rollout.hang_timeout_s must be > 0, got {cfg.rollout.hang_timeout_s}"
     yield cfg.rollout.max_engine_restarts >= 0, "rollout.max_engine_restarts must be >= 0"
     yield cfg.train.max_consecutive_skips >= 1, "train.max_consecutive_skips must be >= 1"
     yield cfg.data.max_prompt_tokens >= 0, "data.max_prompt_tokens must be >= 0 (0: context minus max_new_tokens)"
     ctx = cfg.model.tiny.max_positions
     yield (cfg.model.path or cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens <= ctx,
-           f"data.max_prompt_tokens={cfg.data.max_prompt_tokens} + rollout.max_new_tokens="
+           (f"data.max_prompt_tokens={cfg.data.max_prompt_tokens} + rollout.max_new_tokens="
            f"{cfg.rollout.max_new_tokens} exceeds the tiny model's context model.tiny.max_positions={ctx}; "
-           f"lower one of them or raise model.tiny.max_positions")
+           f"lower one of them or raise model.tiny.max_positions"))

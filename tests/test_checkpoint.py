@@ -197,7 +197,7 @@ def _item(i):
 def test_input_guard_skips_bad_rows_with_a_count_and_one_log_line_each():
     logged = []
     guard = InputGuard(max_prompt_tokens=10, warn=logged.append)
-    encode = lambda text: list(range(len(text)))  # noqa: E731 - one token per character
+    encode = lambda text: list(range(len(text)))
     assert guard.take(0, _item, encode)[0] == 0
     index, item, ids = guard.take(1, _item, encode)
     assert (index, item.prompt, ids) == (4, "ok", [0, 1])
@@ -242,7 +242,7 @@ def test_checkpoint_keys_are_strict():
 def test_the_scheduler_takes_prompts_through_the_guard_and_moves_past_skipped_rows():
     from controllers.rollout_scheduler import PromptSource
 
-    encode = lambda text: list(range(len(text)))  # noqa: E731
+    encode = lambda text: list(range(len(text)))
     guarded = PromptSource(item=_item, encode=encode, decode=str, reward=lambda i, r: 0.0,
                            guard=InputGuard(max_prompt_tokens=10, warn=lambda m: None))
     assert guarded.take(1)[0] == 4  # rows 1-3 skipped; the scheduler's next data position is 5

@@ -16,8 +16,7 @@ import time
 import pytest
 
 from flash.checkpoint import latest_valid
-
-from tests.test_resume_e2e import B, N, STEPS, finish, launch, read_jsonl, wait_for
+from tests.test_resume_e2e import STEPS, B, N, finish, launch, read_jsonl, wait_for
 
 
 def events(run_dir, kind):

@@ -41,9 +41,9 @@ def cache(tmp_path_factory):
 
 def launch(run_dir: Path, cache: str, extra: list[str], env_extra: dict | None = None) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_USAGE_STATS_ENABLED": "0", **(env_extra or {})}
-    log = open(run_dir.parent / f"{run_dir.name}.log", "a")
     cmd = [sys.executable, "-m", "flash.cli", "run", "recipes/stutter.yaml", *SMALL, f"cache_dir={cache}", *extra]
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    with open(run_dir.parent / f"{run_dir.name}.log", "a") as log:  # the child keeps its own copy
+        return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def session_pids(sid: int) -> list[int]:
