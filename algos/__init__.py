@@ -15,8 +15,9 @@ from .policy import (ADDON_KNOBS, LOSSES, LossInputs, describe_aggregations, des
                      kl_penalty, policy_loss, register_loss, validate_loss)
 from . import losses as _builtin_losses  # noqa: F401  (registers the built-in losses)
 from .advantages import (ADV_ADDON_KNOBS, ADVANTAGES, AdvantageInputs, compute_advantages,
-                         describe_advantages, gae_advantages_and_returns, register_advantage,
-                         validate_advantage)
+                         describe_advantages, gae_advantages_and_returns, gae_returns,
+                         register_advantage, validate_advantage)
+from .value import value_loss
 from .registry import Registry, load_plugins
 
 __all__ = [
@@ -24,5 +25,5 @@ __all__ = [
     "LossInputs", "Registry", "aggregate", "compute_advantages", "describe_advantages",
     "describe_aggregations", "describe_losses", "gae_advantages_and_returns", "kl_penalty",
     "load_plugins", "masked_mean", "policy_loss", "register_advantage", "register_loss",
-    "validate_advantage", "validate_loss",
+    "validate_advantage", "validate_loss", "value_loss",
 ]

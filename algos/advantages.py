@@ -229,10 +229,23 @@ def gae(inputs: AdvantageInputs, *, gamma: float = 1.0, lam: float = 1.0) -> tor
     if inputs.values is None:
         raise ValueError("estimator 'gae' needs values [batch, tokens] from a critic; "
                          "pass compute_advantages(..., values=...)")
-    m = inputs.mask
-    if inputs.rewards.dim() == 2:
-        token_rewards = inputs.rewards * m
-    else:
-        last = (m.flip(-1).cumsum(-1).flip(-1) == 1) & (m > 0)  # last masked token of each row
-        token_rewards = inputs.rewards[:, None] * last.to(m.dtype)
-    return gae_advantages_and_returns(token_rewards, inputs.values, m, gamma, lam)[0]
+    token_rewards = _token_rewards(inputs.rewards, inputs.mask)
+    return gae_advantages_and_returns(token_rewards, inputs.values, inputs.mask, gamma, lam)[0]
+
+
+def _token_rewards(rewards: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """``[B, T]`` rewards: given per token, or a sample's reward on its last masked token."""
+    if rewards.dim() == 2:
+        return rewards * m
+    last = (m.flip(-1).cumsum(-1).flip(-1) == 1) & (m > 0)
+    return rewards[:, None] * last.to(m.dtype)
+
+
+def gae_returns(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                gamma: float = 1.0, lam: float = 1.0) -> torch.Tensor:
+    """The critic's regression targets for ``gae``: raw GAE advantages + values (before any
+    ``whiten``/``clip`` of the policy's advantages, which must not move the value targets)."""
+    mask = mask.detach().to(values.dtype)
+    rewards = torch.as_tensor(rewards, dtype=values.dtype)
+    with torch.no_grad():
+        return gae_advantages_and_returns(_token_rewards(rewards, mask), values.detach(), mask, gamma, lam)[1]

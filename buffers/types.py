@@ -4,6 +4,13 @@ A ``Sample`` is one response to one prompt. The ``n`` samples drawn for one admi
 ``Group`` (GRPO-style advantages are computed within a group). Every generated token carries the
 policy version that produced it (DESIGN.md invariant 1); a sample's version is the oldest of its
 tokens, so a response continued across a weight update counts as old as its first token.
+
+Multi-turn episodes (``flash.envs``) put the environment's observation tokens inside the response:
+they are context for later turns but not the policy's output, so ``loss_mask`` is 0 on them (None:
+every response token is the policy's, the single-turn case). On observation tokens
+``behav_logprobs`` is a 0.0 placeholder and ``versions`` holds the version of the next LLM turn,
+which is never older than the turn before, so ``version`` (the oldest token) stays the oldest
+*generated* token.
 """
 
 from __future__ import annotations
@@ -24,11 +31,12 @@ class Sample:
     finish_reason: str = ""  # "stop" | "length" | "abort"
     admitted_version: int = 0  # policy version when the prompt was admitted
     meta: dict[str, Any] = field(default_factory=dict)
+    loss_mask: list[int] | None = None  # per response token: 1 = trained on; None = all ones
 
     @property
     def version(self) -> int:
         """Oldest policy version among the tokens (the admission version if no tokens)."""
-        return min(self.versions) if self.versions else self.admitted_version
+        return _oldest(self.versions) if len(self.versions) else self.admitted_version
 
     @property
     def group_id(self) -> int:
@@ -51,3 +59,9 @@ class Group:
     @property
     def rewards(self) -> list[float]:
         return [s.reward for s in self.samples]
+
+
+def _oldest(versions: Any) -> int:
+    """``min`` of a list, or of a NumPy array without a Python-level loop (the buffer service hands
+    back per-token arrays as NumPy arrays when they were put as such)."""
+    return int(versions.min()) if hasattr(versions, "min") else min(versions)

@@ -6,7 +6,8 @@
 (``StalenessManager.select_batch``); ``recompute_prox`` takes the trainer's logprobs at the start of
 the step (the proximal policy of decoupled PPO); ``advantages`` runs the configured estimator;
 ``train`` is one optimizer step; ``suspend`` pauses the engines under the ``rollout.interrupt``
-mode; ``push_weights`` copies the new weights into every engine and advances the version; ``resume``
+mode; ``push_weights`` copies the new weights into every engine (the model-update group,
+``flash.model_update_group``) and advances the version once every replica has them; ``resume``
 lets the engines go on and the scheduler admit the prompts the new version allows.
 
 With ``async_ratio = 0`` the scheduler has admitted exactly the batch's prompts, so rollout and
@@ -44,6 +45,10 @@ class ControllerSettings:
     advantage: dict[str, Any]
     prox: str  # "behav" (prox = behaviour), "fused" (in the train forward), "separate" (own phase)
     pad_id: int = 0
+    stream: bool = False  # stream trainer: backward each group on arrival (async_ratio 0 only)
+    # The engines share the trainer's devices (flash.placement): they are paused and put to sleep
+    # (memory released) before the trainer runs, and woken before the weight push.
+    colocated: bool = False
 
 
 @dataclass
@@ -58,8 +63,9 @@ class StepRecord:
 
 class AsyncController:
     def __init__(self, engine, trainer, scheduler: RolloutScheduler, buffer: SampleBuffer,
-                 staleness: StalenessManager, settings: ControllerSettings, ledger=None):
-        self.engine, self.trainer = engine, trainer
+                 staleness: StalenessManager, settings: ControllerSettings, ledger=None, critic=None,
+                 model_update=None):
+        self.engine, self.trainer, self.critic = engine, trainer, critic
         self.scheduler, self.buffer, self.staleness = scheduler, buffer, staleness
         self.s = settings
         self.ledger = ledger
@@ -70,11 +76,15 @@ class AsyncController:
         self._engine_spans: list[list[float]] = []
         self._meters = {"rollout": IdleMeter(), "train": IdleMeter()}
         self._update_bytes = 0.0
+        # flash.model_update_group.ModelUpdateGroup (set up); None: the state dict through Ray's object store
+        self.model_update = model_update
+        self._update_metrics: dict[str, float] = {}
         # Hooks (flash.runner): ``supervisor`` routes engine calls through flash.faults (restart on
         # death/hang); ``on_update(version)`` runs after a weight push and before the new version
         # admits prompts -- the quiet point where a checkpoint is taken.
         self.supervisor = None
         self.on_update: Callable[[int], None] | None = None
+        self._mu_epoch = 0  # supervisor epoch the model-update group was formed at
 
     @contextmanager
     def phase(self, name: str):
@@ -105,28 +115,96 @@ class AsyncController:
         if not self._meters["train"].started:
             self._start_usage()
         start = time.monotonic()
+        if self.s.stream:
+            return self._stream_step(t, admit_more, start)
         with self.phase("get_batch"):
             groups = self._get_batch(t)
         samples = flatten(groups)
         batch = collate(samples, pad_id=self.s.pad_id)
+        if self.s.colocated:
+            with self.phase("sleep"):
+                self._engine_get("pause", self.s.interrupt)
+                self._engine_get("sleep")
         with self.phase("recompute_prox"):
             prox = {"behav": batch.behav_logp, "fused": None}.get(self.s.prox)
             if self.s.prox == "separate":
                 prox = ray.get(self.trainer.logprobs.remote(batch))
         with self.phase("advantages"):
-            knobs = {k: v for k, v in self.s.advantage.items() if k != "name"}
-            adv = algos.compute_advantages(self.s.advantage["name"], batch.rewards,
-                                           batch.group_ids, batch.mask, **knobs)
+            adv, critic_step = self._advantages(batch)
         with self.phase("train"):
             train_metrics = ray.get(self.trainer.train_step.remote(batch, adv, prox))
+            if critic_step is not None:  # the critic trained beside the policy
+                train_metrics.update(ray.get(critic_step))
+        if self.s.colocated:  # still paused: the weight push below finds the weights on the device
+            with self.phase("wake_up"):
+                self._engine_get("wake_up")
+        self._after_train(t, groups, admit_more)
+        metrics = self._metrics(t, samples, batch, prox, train_metrics, time.monotonic() - start)
+        return StepRecord(step=t, metrics=metrics, groups=groups, timeline=self._timeline())
+
+    def _stream_step(self, t: int, admit_more: bool, start: float) -> StepRecord:
+        """The stream trainer (RollPacker): each group is backpropagated as soon as it is in the
+        buffer, while the rest of the batch still decodes; the optimizer steps once the batch is
+        complete. ``Trainer.accumulate`` weights each part by what it stands for in the batch's
+        aggregate, so the update equals the plain step on the whole batch (up to float summation
+        order). Validation keeps it to async_ratio 0 and group-local estimators, where a group's
+        advantages and proximal policy (= behaviour) are final when the group is.
+
+        Timeline: ``get_batch`` spans the streaming (the trainer works inside it, one group behind
+        the rollout); ``train`` is the tail after the last group (its backward and the step).
+        """
+        ray.get(self.trainer.begin_step.remote())
+        groups, pending = [], None
+        with self.phase("get_batch"):
+            while len(groups) < self.s.prompts_per_step:
+                group = self._next_group()
+                part = collate(flatten(group), pad_id=self.s.pad_id)
+                adv, _ = self._advantages(part)
+                if pending is not None:
+                    ray.get(pending)  # keep one part in flight: the actor runs them in order
+                pending = self.trainer.accumulate.remote(part, adv, part.behav_logp)
+                groups += group
+        with self.phase("train"):
+            ray.get(pending)
+            train_metrics = ray.get(self.trainer.finish_step.remote())
+        samples = flatten(groups)
+        batch = collate(samples, pad_id=self.s.pad_id)
+        self._after_train(t, groups, admit_more)
+        metrics = self._metrics(t, samples, batch, batch.behav_logp, train_metrics, time.monotonic() - start)
+        return StepRecord(step=t, metrics=metrics, groups=groups, timeline=self._timeline())
+
+    def _after_train(self, t: int, groups: list[Group], admit_more: bool) -> None:
+        """Push the new weights, settle the batch (lifecycle, ledger), then the ``on_update`` hook
+        (a checkpoint's quiet point: nothing admitted under the new version yet), then admission."""
         self._update_weights(t + 1)
+        self.scheduler.mark_trained(groups)
         self._write_ledger(t, groups)
         if self.on_update is not None:
             self.on_update(t + 1)
         if admit_more:
             self.scheduler.set_version(t + 1)
-        metrics = self._metrics(t, samples, batch, prox, train_metrics, time.monotonic() - start)
-        return StepRecord(step=t, metrics=metrics, groups=groups, timeline=self._timeline())
+
+    def _next_group(self) -> list[Group]:
+        """Any one finished group (at async_ratio 0 every buffered group is of this step)."""
+        while True:
+            try:
+                return self.buffer.get_batch(1, timeout=1.0)
+            except TimeoutError:
+                self.scheduler.check()
+
+    def _advantages(self, batch):
+        """Advantages from the configured estimator; with a critic (``gae``), its values first,
+        and its own train step launched at once (it needs only the batch, values and returns)."""
+        knobs = {k: v for k, v in self.s.advantage.items() if k != "name"}
+        values = critic_step = None
+        if self.critic is not None:
+            values = ray.get(self.critic.values.remote(batch))
+            returns = algos.gae_returns(batch.rewards, values, batch.mask,
+                                        knobs.get("gamma", 1.0), knobs.get("lam", 1.0))
+            critic_step = self.critic.train_step.remote(batch, returns, values)
+        adv = algos.compute_advantages(self.s.advantage["name"], batch.rewards, batch.group_ids, batch.mask,
+                                       values=values, **knobs)
+        return adv, critic_step
 
     def _get_batch(self, t: int) -> list[Group]:
         def select(groups: list[Group]):
@@ -141,22 +219,64 @@ class AsyncController:
                 self.scheduler.check()
 
     def _update_weights(self, new_version: int) -> None:
-        weights = self.trainer.get_weights.remote()
+        """suspend → push_weights → resume. With a supervisor (flash.faults) an engine fault anywhere
+        in it restarts the engine and runs the whole cycle again; a restarted engine is given the
+        weights last pushed (``EngineSupervisor.pushed``)."""
+        env_hold = getattr(self.scheduler, "suspend", None)  # episodes: environment steps are atomic
+        weights = None
 
         def cycle():
+            nonlocal weights
             with self.phase("suspend"):
-                ray.get(self.engine.pause.remote(self.s.interrupt))
+                self._engine_get_once("pause", self.s.interrupt)
+                if env_hold:
+                    env_hold()  # waits for the steps in flight, holds new ones until resume
             with self.phase("push_weights"):
-                self._update_bytes = float(ray.get(self.engine.update_weights.remote(weights, new_version)) or 0.0)
+                if self.model_update is not None:  # returns after every replica acknowledged
+                    self._push_group(new_version)
+                else:
+                    weights = self.trainer.get_weights.remote()
+                    self._update_bytes = float(self._engine_get_once("update_weights", weights, new_version) or 0.0)
             with self.phase("resume"):
-                ray.get(self.engine.resume.remote())
+                self._engine_get_once("resume")
+                if env_hold:
+                    self.scheduler.resume()
 
         if self.supervisor is None:
             cycle()
-        else:  # an engine fault anywhere in the cycle: restart it, then the whole cycle again
+        else:
             self.supervisor.run(cycle)
-            self.supervisor.pushed(weights, new_version)
+            # with the model-update group nothing sits in the object store: a restarted engine
+            # fetches the trainer's weights then (flash.faults.EngineSupervisor.pushed)
+            self.supervisor.pushed(weights if weights is not None else self.trainer.get_weights.remote,
+                                   new_version)
         self.version = new_version
+
+    def _push_group(self, version: int) -> None:
+        """``model_update.push``; after an engine restart the group is formed again first (the new
+        engine process is in no group), and a push that fails on the engine side is an engine fault."""
+        try:
+            if self.supervisor is not None and self.supervisor.epoch != self._mu_epoch:
+                epoch = self.supervisor.epoch
+                self.model_update.reset()
+                self._mu_epoch = epoch
+            self._update_metrics = self.model_update.push(version)
+        except Exception as exc:
+            ray.get(self.trainer.stats.remote())  # the trainer gone: its RayActorError (the run stops)
+            if self.supervisor is None:
+                raise
+            # the trainer is alive: the engine side failed (died, restarted meanwhile, not in the
+            # group): an engine fault -- restart it, form the group again, run the cycle again;
+            # after rollout.max_engine_restarts the run stops with this error
+            from flash.faults import EngineFault
+
+            raise EngineFault(f"model-update push of version {version} failed: {exc}") from exc
+        self._update_bytes = self._update_metrics["model_update/bytes"]
+
+    def _engine_get_once(self, name: str, *args):
+        """One engine call, its faults left to the caller (inside ``supervisor.run``; a hung engine
+        is caught by the collector's poll, which kills it, so this call then fails too)."""
+        return ray.get(getattr(self.engine, name).remote(*args))
 
     def _engine_get(self, name: str, *args):
         if self.supervisor is None:
@@ -164,13 +284,19 @@ class AsyncController:
         return self.supervisor.call(name, *args)
 
     def _write_ledger(self, t: int, groups: list[Group]) -> None:
+        """Trained samples, then the scheduler's filtered groups and aborted samples since the last
+        step (one line each, with the rule or reason: DESIGN.md invariant 5)."""
+        outcomes = self.scheduler.drain_outcomes()
         if self.ledger is None:
             return
+        for event in outcomes:
+            self.ledger.write(json.dumps({**event, "step": t}) + "\n")
         for g in sorted(groups, key=lambda g: g.prompt_id):
             for s in g.samples:
                 self.ledger.write(json.dumps({
                     "prompt_id": g.prompt_id, "data_index": g.data_index, "sample": s.sample_index,
-                    "outcome": "trained", "step": t, "version": s.version, "reward": s.reward,
+                    "request": s.meta.get("request", s.sample_index), "outcome": "trained", "step": t,
+                    "version": s.version, "reward": s.reward,
                 }) + "\n")
         self.ledger.flush()
 
@@ -191,10 +317,12 @@ class AsyncController:
             "buffer/depth": float(len(self.buffer)),
             "rollout/admitted": float(self.scheduler.admitted),
         })
+        m.update(self.scheduler.metrics())  # lifecycle counts, filtered by rule, aborted by reason
         m.update({f"staleness/count_{k}": float(stale.count(k)) for k in range(max(stale) + 1)})
         tokens = float(batch.mask.sum())
         m.update({"train/batch_tokens": tokens, "train/tokens_per_s": tokens / step_s if step_s > 0 else 0.0,
                   "rollout/update_bytes": self._update_bytes})
+        m.update(self._update_metrics)
         m.update(self._mismatch(batch, prox))
         m.update(self._role_metrics(step_s))
         return m
@@ -250,7 +378,10 @@ class AsyncController:
         self.scheduler.quiesce()
         pending = self.scheduler.pending_ids()
         buffered = sorted(g.prompt_id for g in self.buffer.drain())
+        outcomes = self.scheduler.drain_outcomes()
         if self.ledger is not None:
+            for event in outcomes:
+                self.ledger.write(json.dumps(event) + "\n")
             for pid in pending:
                 self.ledger.write(json.dumps({"prompt_id": pid, "outcome": "in_flight"}) + "\n")
             for pid in buffered:

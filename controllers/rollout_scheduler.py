@@ -1,15 +1,21 @@
 """Rollout scheduler: admits prompts under the staleness bound and turns responses into groups.
 
 Three kinds of threads, all in the driver:
-- *admission*: whenever ``StalenessManager.can_admit`` allows, takes the next prompt from the
-  task's stream and submits its ``n`` samples to the engine as ``n`` independent requests;
-- *collector*: pulls finished responses from the engine as they finish;
+- *admission*: whenever ``Provisioning`` allows (the staleness bound, counting trainable groups
+  only, plus ``max_additional_prompts`` spares), takes the next prompt from the task's stream and
+  submits its ``n + redundancy`` samples as independent requests (prompt replication: each its
+  own request id and seed, so engines or a router may spread them freely);
+- *collector*: pulls finished responses from the engine as they finish; once ``n`` of a prompt's
+  requests finished, the redundant rest are aborted in the engine (``aborted(redundant)``);
 - *reward pool*: scores each response as soon as it arrives (queue scheduling), concurrently with
-  generation; when a group's ``n`` samples are scored the group goes into the SampleBuffer.
+  generation -- or, with ``queue_scheduling=False``, only once its admission wave has finished
+  generating (``WaveGate``). A group's ``n`` scored samples then pass the dynamic-sampling filters
+  (``controllers.filters``) into the SampleBuffer, or are filtered and free their slot.
 
-Every admitted prompt is in exactly one place at any time: in flight here, in the buffer, or
-trained (the controller's ledger) -- the bookkeeping that DESIGN.md invariant 5 rests on.
-Request seeds depend only on (run seed, prompt id, sample index), never on timing.
+Every sample moves through ``controllers.lifecycle`` (admitted → generating → scoring → buffered |
+filtered | aborted → trained), and every admitted prompt is in exactly one place at any time: in
+flight here, in the buffer, trained, filtered or aborted -- DESIGN.md invariant 5. Request seeds
+depend only on (run seed, prompt id, request index), never on timing.
 """
 
 from __future__ import annotations
@@ -24,8 +30,14 @@ from typing import Any, Callable
 import ray
 
 from buffers import BufferClosed, Group, Sample, SampleBuffer
+from controllers.filters import RULES, FilterConfig, filter_reason
+from controllers.lifecycle import Lifecycle
+from controllers.provisioning import Provisioning, WaveGate
 from controllers.staleness import StalenessManager
 from flash.engine.base import GenerationOutput, GenerationRequest, SamplingParams
+
+
+ABORT_REASONS = ("redundant", "surplus")  # why a sample ends aborted (rollout/aborted/<reason>)
 
 
 def request_seed(run_seed: int, prompt_id: int, sample_index: int) -> int:
@@ -55,20 +67,47 @@ class _Pending:
     item: Any
     data_index: int
     version: int
-    samples: dict[int, Sample] = field(default_factory=dict)
+    wave: int
+    requests: int  # n + redundancy
+    finished: list[int] = field(default_factory=list)  # request indices kept (first n to finish)
+    samples: dict[int, Sample] = field(default_factory=dict)  # request index -> scored sample
+    parked: Group | None = None  # a spare's kept group, waiting for promotion
+
+
+def request_id(prompt_id: int, k: int) -> str:
+    return f"{prompt_id}:{k}"
+
+
+def parse_request_id(rid: str) -> tuple[int, int]:
+    prompt_id, k = rid.split(":")
+    return int(prompt_id), int(k)
+
 
 
 class RolloutScheduler:
     def __init__(self, engine, source: PromptSource, buffer: SampleBuffer,
                  staleness: StalenessManager, params: SamplingParams, n: int, seed: int,
-                 reward_workers: int = 4, inject_delay_s: float = 0.0, start_index: int = 0):
+                 reward_workers: int = 4, inject_delay_s: float = 0.0, start_index: int = 0, *,
+                 queue_scheduling: bool = True, redundancy: int = 0, max_additional_prompts: int = 0,
+                 filters: FilterConfig | None = None):
+        if redundancy < 0:
+            raise ValueError(f"redundancy must be >= 0, got {redundancy}")
         self.engine, self.source, self.buffer = engine, source, buffer
         self.staleness, self.params, self.n, self.seed = staleness, params, n, seed
-        self.inject_delay_s = inject_delay_s
+        self.inject_delay_s, self.redundancy = inject_delay_s, int(redundancy)
+        self.filters = filters or FilterConfig()
+        self.lifecycle = Lifecycle()
+        self._prov = Provisioning(staleness, max_additional_prompts)
+        self._gate = WaveGate(queue=queue_scheduling)
         self._rng = random.Random(seed + 17)
         self._lock = threading.Condition()
+        # Engine submits and aborts are ordered: admission takes this lock before it releases
+        # ``_lock``, so an abort decided after a prompt was admitted reaches the engine after its
+        # requests did (else the abort would miss them and they would run to the end, unused).
+        self._engine_io = threading.Lock()
         self._pending: dict[int, _Pending] = {}
         self._admitted = 0
+        self._waves = 0
         self._next_index = start_index
         self._version = 0
         self._stop = threading.Event()
@@ -78,8 +117,9 @@ class RolloutScheduler:
         self._error: BaseException | None = None
         self._eval: dict[str, GenerationOutput] = {}
         self._pool = ThreadPoolExecutor(max_workers=max(1, reward_workers), thread_name_prefix="reward")
+        # late_outputs: a finished response of a request already aborted (it raced the abort)
         self.counters = {"samples_generated": 0, "tokens_generated": 0, "reward_errors": 0,
-                         "request_errors": 0}
+                         "request_errors": 0, "late_outputs": 0, "reward_seconds": 0.0}
         self.supervisor = None  # flash.faults.EngineSupervisor, when engine faults are handled
         self._received: set[str] = set()  # request ids taken from the engine for pending prompts
         self._eval_reqs: dict[str, GenerationRequest] = {}  # evaluation requests not yet answered
@@ -95,15 +135,18 @@ class RolloutScheduler:
         self._threads[0].start()
 
     def set_version(self, version: int) -> None:
-        """The policy moved to ``version``: more prompts may be admitted."""
+        """The policy moved to ``version``: more prompts may be admitted; older spares end."""
         with self._lock:
             self._version = version
+            abort_ids = self._expire_spares(version)
             self._lock.notify_all()
+        self._abort(abort_ids)
+        self.buffer.wake()
 
     def pending_versions(self) -> list[int]:
-        """Admission versions of groups not yet complete (one entry per group)."""
+        """Admission versions of trainable groups not yet complete (spares excluded)."""
         with self._lock:
-            return [p.version for p in self._pending.values()]
+            return [p.version for pid, p in self._pending.items() if not self._prov.is_spare(pid)]
 
     def pending_ids(self) -> list[int]:
         with self._lock:
@@ -113,6 +156,25 @@ class RolloutScheduler:
     def admitted(self) -> int:
         with self._lock:
             return self._admitted
+
+    def mark_trained(self, groups: list[Group]) -> None:
+        self.lifecycle.move([s.meta["request_id"] for g in groups for s in g.samples], "trained")
+
+    def drain_outcomes(self) -> list[dict]:
+        """Ledger events of filtered groups and aborted samples since the last call."""
+        return self.lifecycle.drain_events()
+
+    def metrics(self) -> dict[str, float]:
+        """Lifecycle counts, filtered groups by rule, aborted samples by reason (every rule and
+        reason present, zero until it happens, so a tracker's series start at step 1)."""
+        m = {f"rollout/filtered/{rule}": 0.0 for rule in RULES}
+        m.update({f"rollout/aborted/{reason}": 0.0 for reason in ABORT_REASONS})
+        m.update(self.lifecycle.metrics())
+        with self._lock:
+            m.update({"rollout/late_outputs": float(self.counters["late_outputs"]),
+                      "reward/seconds_total": float(self.counters["reward_seconds"]),
+                      "rollout/counted_admissions": float(self._prov.counted)})
+        return m
 
     def check(self) -> None:
         """Re-raise an error from a scheduler thread in the caller."""
@@ -180,41 +242,123 @@ class RolloutScheduler:
         while not self._admit_stop.is_set():
             with self._lock:
                 self._lock.wait_for(lambda: self._admit_stop.is_set() or
-                                    self.staleness.can_admit(self._admitted, self._version))
+                                    self._prov.next_action(self._version) is not None)
                 if self._admit_stop.is_set():
                     return
-                batch = []
-                while self.staleness.can_admit(self._admitted, self._version):
-                    batch.extend(self._admit_one())
-            self._submit(batch)
+                batch, promoted = self._admit_wave()
+                self._engine_io.acquire()
+            try:
+                self._submit(batch)
+            finally:
+                self._engine_io.release()
+            for pid, group in promoted:
+                self._to_buffer(pid, group)
 
-    def _admit_one(self) -> list[GenerationRequest]:
+    def _admit_wave(self) -> tuple[list[GenerationRequest], list[tuple[int, Group]]]:
+        """Everything admission allows now (under the lock): promotions first, then new prompts."""
+        wave, self._waves = self._waves, self._waves + 1
+        batch, promoted = [], []
+        while (action := self._prov.next_action(self._version)) is not None:
+            kind, pid = action
+            if kind == "promote":
+                self._prov.promote(pid)
+                group = self._pending[pid].parked
+                if group is not None:  # already scored and kept: straight to the buffer
+                    self.lifecycle.move([s.meta["request_id"] for s in group.samples], "buffered")
+                    promoted.append((pid, group))
+            else:
+                batch.extend(self._admit_one(wave, spare=kind == "spare"))
+        self._gate.open(wave, len(batch))
+        return batch, promoted
+
+    def _admit_one(self, wave: int, spare: bool) -> list[GenerationRequest]:
+        """The next usable prompt (``PromptSource.take``: the input guard skips bad rows)."""
         prompt_id = self._admitted
         index, item, ids = self.source.take(self._next_index)
-        self._pending[prompt_id] = _Pending(item=item, data_index=index, version=self._version)
+        requests = self.n + self.redundancy
+        self._pending[prompt_id] = _Pending(item=item, data_index=index, version=self._version,
+                                            wave=wave, requests=requests)
+        self._prov.admitted(prompt_id, self._version, spare)
         self._admitted += 1
         self._next_index = index + 1
-        return [GenerationRequest(f"{prompt_id}:{k}", ids,
+        reqs = [GenerationRequest(request_id(prompt_id, k), ids,
                                   SamplingParams(**{**self.params.__dict__,
                                                     "seed": request_seed(self.seed, prompt_id, k)}))
-                for k in range(self.n)]
+                for k in range(requests)]
+        rids = [r.request_id for r in reqs]
+        self.lifecycle.admit(rids)
+        self.lifecycle.move(rids, "generating")
+        return reqs
 
     def _collect_loop(self) -> None:
         while not self._stop.is_set():
             outs = self._poll()
+            to_abort: list[str] = []
             with self._lock:
                 for out in outs:
                     if out.request_id.startswith("eval/"):
                         self._eval[out.request_id] = out
-                    elif out.finish_reason != "abort":
-                        if out.finish_reason == "error":  # refused by the engine: scores 0, counted
-                            self.counters["request_errors"] += 1
-                        self.counters["samples_generated"] += 1
-                        self.counters["tokens_generated"] += len(out.token_ids)
-                        self._scoring += 1
-                        self._pool.submit(self._guard(lambda o=out: self._file_sample(o)))
+                    elif out.finish_reason != "abort":  # partials of an abort are not results
+                        self._dispatch(self._on_generated(out, to_abort))
                 self._polls += 1
                 self._lock.notify_all()
+            self._abort(to_abort)
+
+    def _abort(self, ids: list[str]) -> None:
+        """Stop ``ids`` in the engine (never under ``_lock``). Their partial outputs are dropped:
+        the lifecycle already counted them as aborted."""
+        if ids:
+            with self._engine_io:
+                if self.supervisor is None:
+                    ray.get(self.engine.abort.remote(ids))
+                else:  # a dead engine is restarted; aborted requests are not requeued
+                    self.supervisor.call("abort", ids)
+
+    def _on_generated(self, out: GenerationOutput, to_abort: list[str]) -> list[GenerationOutput]:
+        """A response finished generating (under the lock); returns outputs ready for scoring."""
+        rid = out.request_id
+        if self.lifecycle.state(rid) != "generating":  # aborted (redundant / surplus) meanwhile
+            self.counters["late_outputs"] += 1
+            return []
+        pid, k = parse_request_id(rid)
+        p = self._pending[pid]
+        if out.finish_reason == "error":  # refused by the engine: scores 0, counted
+            self.counters["request_errors"] += 1
+        self.counters["samples_generated"] += 1
+        self.counters["tokens_generated"] += len(out.token_ids)
+        p.finished.append(k)
+        self.lifecycle.move([rid], "scoring")
+        ready = self._gate.finished(p.wave, out)
+        if len(p.finished) == self.n and p.requests > self.n:
+            # still generating (after a restore, requests that had ended before the checkpoint are gone)
+            rest = [request_id(pid, j) for j in range(p.requests)
+                    if j not in p.finished and self.lifecycle.state(request_id(pid, j)) == "generating"]
+            self.lifecycle.abort(rest, "redundant", [{"prompt_id": pid, "request": parse_request_id(r)[1]}
+                                                     for r in rest])
+            to_abort.extend(rest)
+            ready += self._gate.resolved(p.wave, len(rest))
+        return ready
+
+    def _dispatch(self, outs: list[GenerationOutput]) -> None:
+        """Hand responses to the reward pool (under the lock)."""
+        for out in outs:
+            self._scoring += 1
+            self._pool.submit(self._guard(lambda o=out: self._file_sample(o)))
+
+    def _expire_spares(self, version: int) -> list[str]:
+        """Abort spares of versions before ``version`` (under the lock); engine ids to abort."""
+        engine_ids: list[str] = []
+        for pid in self._prov.expire(version):
+            p = self._pending.pop(pid)
+            rids = [request_id(pid, j) for j in range(p.requests)]
+            states = {r: self.lifecycle.state(r) for r in rids}
+            live = [r for r in rids if states[r] is not None]
+            generating = [r for r in live if states[r] == "generating"]
+            self.lifecycle.abort(live, "surplus", [{"prompt_id": pid, "data_index": p.data_index,
+                                                    "samples": len(live)}])
+            engine_ids += generating
+            self._dispatch(self._gate.resolved(p.wave, len(generating)))
+        return engine_ids
 
     def _file_sample(self, out: GenerationOutput) -> None:
         try:
@@ -225,29 +369,69 @@ class RolloutScheduler:
                 self._lock.notify_all()
 
     def _finish_sample(self, out: GenerationOutput) -> None:
-        prompt_id, k = (int(x) for x in out.request_id.split(":"))
+        pid, k = parse_request_id(out.request_id)
         with self._lock:
-            pending = self._pending[prompt_id]
-        if self.inject_delay_s > 0:
+            pending = self._pending.get(pid)
+            if pending is None or self.lifecycle.state(out.request_id) != "scoring":
+                return  # its group was aborted (surplus) while the response waited
+        start = time.monotonic()
+        if self.inject_delay_s > 0:  # a slow reward, for tests and benchmarks
             time.sleep(self._rng.uniform(0, self.inject_delay_s))
         sample = Sample(
-            prompt_id=prompt_id, sample_index=k, prompt_ids=list(out.prompt_ids),
+            prompt_id=pid, sample_index=k, prompt_ids=list(out.prompt_ids),
             response_ids=list(out.token_ids), behav_logprobs=list(out.logprobs),
             versions=list(out.versions), finish_reason=out.finish_reason,
-            admitted_version=pending.version, meta={"data_index": pending.data_index},
+            admitted_version=pending.version,
+            meta={"data_index": pending.data_index, "request_id": out.request_id, "request": k},
         )
         sample.reward = self._score(pending.item, out.token_ids)
         with self._lock:
+            self.counters["reward_seconds"] += time.monotonic() - start
+            if self._pending.get(pid) is not pending or self.lifecycle.state(out.request_id) != "scoring":
+                return
             pending.samples[k] = sample
-            done = len(pending.samples) == self.n
-        if done:
-            group = Group(prompt_id=prompt_id, admitted_version=pending.version,
-                          data_index=pending.data_index,
-                          samples=[pending.samples[i] for i in range(self.n)])
-            self.buffer.put(group)  # in the buffer before it leaves pending: never in neither
-            with self._lock:
-                del self._pending[prompt_id]
-            self.buffer.wake()
+            if len(pending.samples) < self.n:
+                return
+            group = self._make_group(pid, pending)
+            to_buffer = self._group_done(pid, pending, group)
+        if to_buffer:
+            self._to_buffer(pid, group)
+        else:
+            self.buffer.wake()  # a filtered group left the pending versions
+
+    def _make_group(self, pid: int, p: _Pending) -> Group:
+        """The kept samples in request order, renumbered 0..n-1 (``meta['request']`` keeps k)."""
+        samples = [p.samples[k] for k in sorted(p.samples)]
+        for i, s in enumerate(samples):
+            s.sample_index = i
+        return Group(prompt_id=pid, admitted_version=p.version, data_index=p.data_index, samples=samples)
+
+    def _group_done(self, pid: int, p: _Pending, group: Group) -> bool:
+        """Filter, park (a spare) or send to the buffer (under the lock); True: put it in the buffer."""
+        rids = [s.meta["request_id"] for s in group.samples]
+        rule = None
+        if self.filters.enabled:
+            rule = filter_reason(group.rewards, [len(s.response_ids) for s in group.samples], self.filters)
+        if rule is not None:
+            self.lifecycle.filter_group(rids, rule, {"prompt_id": pid, "data_index": p.data_index,
+                                                     "version": group.version, "rewards": group.rewards})
+            self._prov.filtered(pid)
+            del self._pending[pid]
+            self._lock.notify_all()  # a slot (or a spare's place) is free
+            return False
+        if self._prov.is_spare(pid):
+            p.parked = group
+            self._prov.spare_finished(pid)
+            self._lock.notify_all()
+            return False
+        self.lifecycle.move(rids, "buffered")
+        return True
+
+    def _to_buffer(self, pid: int, group: Group) -> None:
+        self.buffer.put(group)  # in the buffer before it leaves pending: never in neither
+        with self._lock:
+            del self._pending[pid]
+        self.buffer.wake()
 
     def _score(self, item, token_ids: list[int]) -> float:
         """Reward of one response; a reward function that raises scores 0 and is counted."""
@@ -260,47 +444,84 @@ class RolloutScheduler:
 
     # ---- checkpoint and fault hooks (flash.checkpoint, flash.faults) ---------------------------
     def state_dict(self) -> dict:
-        """Data position, admissions, version, counters, RNG and the prompts in flight."""
+        """Data position, admissions, version, counters, RNG, the prompts in flight, the admission
+        accounting (``Provisioning``: counted groups and spares) and the lifecycle counters.
+
+        A prompt in flight (regular or spare, generating, scoring, or a spare's parked group) is
+        restarted from scratch on resume: same prompt id, data index, admission version and request
+        seeds, for the requests of it still live here; its partial responses are dropped, never its
+        prompt. The restore takes those requests out of the lifecycle's ``admitted`` count and admits
+        them again, so ``admitted = ended + live`` still holds after it.
+        """
         with self._lock:
             version, state, gauss = self._rng.getstate()
+            pending = []
+            for pid, p in sorted(self._pending.items()):
+                live = [k for k in range(p.requests) if self.lifecycle.state(request_id(pid, k)) is not None]
+                pending.append({"prompt_id": pid, "data_index": p.data_index, "version": p.version,
+                                "spare": self._prov.is_spare(pid), "requests": live})
             return {
                 "admitted": self._admitted, "next_index": self._next_index, "version": self._version,
                 "counters": dict(self.counters), "rng": [version, list(state), gauss],
-                "pending": [{"prompt_id": pid, "data_index": p.data_index, "version": p.version}
-                            for pid, p in sorted(self._pending.items())],
+                "pending": pending, "waves": self._waves,
+                "provisioning": {"counted": self._prov.counted},
+                "lifecycle": self.lifecycle.state_dict(),
             }
 
     def load_state_dict(self, state: dict) -> int:
-        """Restore a checkpoint's state before ``start``; the prompts that were in flight restart
-        from scratch (same prompt ids, same request seeds). Returns how many prompts restarted."""
+        """Restore a checkpoint's state before ``start`` (the buffer's groups already put back); the
+        prompts that were in flight restart from scratch (same prompt ids, same request seeds).
+        Returns how many prompts restarted."""
+        buffered = [s.meta["request_id"] for g in self.buffer.snapshot()[0] for s in g.samples]
         with self._lock:
             self._admitted, self._next_index = state["admitted"], state["next_index"]
             self._version = state["version"]
             self.counters.update(state["counters"])
             version, rng, gauss = state["rng"]
             self._rng.setstate((version, tuple(rng), gauss))
+            self._waves = state.get("waves", 0)
+            self._prov.counted = state.get("provisioning", {}).get("counted", self._admitted)
+            restarted = sum(len(p.get("requests", ())) for p in state["pending"])
+            if "lifecycle" in state:
+                self.lifecycle.load_state_dict(state["lifecycle"], {rid: "buffered" for rid in buffered},
+                                               readmitted=restarted)
+            wave, self._waves = self._waves, self._waves + 1
             reqs = []
             for p in state["pending"]:
+                pid = p["prompt_id"]
                 item = self.source.item(p["data_index"])
-                self._pending[p["prompt_id"]] = _Pending(item=item, data_index=p["data_index"], version=p["version"])
-                reqs += self._requests(p["prompt_id"], self.source.encode(item.prompt), range(self.n))
+                ks = p.get("requests", list(range(self.n + self.redundancy)))
+                self._pending[pid] = _Pending(item=item, data_index=p["data_index"], version=p["version"],
+                                              wave=wave, requests=self.n + self.redundancy)
+                if p.get("spare"):  # not counted: the checkpoint's count never included it
+                    self._prov.admitted(pid, p["version"], spare=True)
+                new = self._requests(pid, self.source.encode(item.prompt), ks)
+                rids = [r.request_id for r in new]
+                self.lifecycle.admit(rids)
+                self.lifecycle.move(rids, "generating")
+                reqs += new
+            self._gate.open(wave, len(reqs))
         self._submit(reqs)
         return len(state["pending"])
 
     def requeue_lost(self) -> int:
-        """After an engine restart: resubmit every request of a pending prompt (and of an evaluation)
-        whose output was not taken from the engine yet. Returns how many were resubmitted."""
+        """After an engine restart: resubmit every request still generating for a pending prompt (and
+        of an evaluation) whose output was not taken from the engine yet. Returns how many.
+
+        Called inside the supervisor's recovery, possibly from a thread that holds ``_engine_io``:
+        it submits without that lock (an abort racing a recovery at worst lets a request run on)."""
         with self._lock:
             reqs = [r for r in self._eval_reqs.values() if r.request_id not in self._eval]
             for pid, p in sorted(self._pending.items()):
-                lost = [k for k in range(self.n) if f"{pid}:{k}" not in self._received]
+                lost = [k for k in range(p.requests) if request_id(pid, k) not in self._received
+                        and self.lifecycle.state(request_id(pid, k)) == "generating"]
                 if lost:
                     reqs += self._requests(pid, self.source.encode(p.item.prompt), lost)
         self._submit(reqs)
         return len(reqs)
 
     def _requests(self, prompt_id: int, ids: list[int], ks) -> list[GenerationRequest]:
-        return [GenerationRequest(f"{prompt_id}:{k}", ids,
+        return [GenerationRequest(request_id(prompt_id, k), ids,
                                   SamplingParams(**{**self.params.__dict__,
                                                     "seed": request_seed(self.seed, prompt_id, k)}))
                 for k in ks]

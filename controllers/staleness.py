@@ -17,6 +17,10 @@ step; only when it cannot does the controller wait for more groups to finish. On
 ``ceil(r)`` steps need checking: every group already admitted has a version <= t, so for later
 deadlines the admission formula itself guarantees room. ``r = 0`` admits exactly ``B`` prompts per
 version and so is plain synchronous on-policy training.
+
+With dynamic sampling, ``admitted`` counts trainable groups only (a filtered group frees its slot;
+spare prompts beyond the bound are promoted only at their own version): ``controllers/provisioning``
+carries the argument over, and tests/test_lifecycle.py checks it on random schedules.
 """
 
 from __future__ import annotations

@@ -3,7 +3,9 @@
 Layout: each row is ``prompt + response`` right-padded to the longest row. Token-level tensors are
 ``[N, L-1]`` and aligned with *targets*: column ``j`` scores token ``j+1`` given tokens ``0..j``,
 so a response token at sequence position ``p`` lives in column ``p-1``. ``mask`` is 1 exactly on
-response-token columns; ``behav_logp`` and ``versions`` are filled there and zero elsewhere.
+response-token columns whose ``Sample.loss_mask`` is 1 (all of them when it is None; observation
+tokens of a multi-turn episode are 0); ``behav_logp`` and ``versions`` are filled on every
+response-token column and zero elsewhere.
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ def collate(samples: list[Sample], pad_id: int = 0) -> TrainBatch:
         attention[i, : len(seq)] = 1
         first, last = len(s.prompt_ids) - 1, len(seq) - 1  # target columns of the response
         if s.response_ids:
-            mask[i, first:last] = 1.0
+            mask[i, first:last] = 1.0 if s.loss_mask is None else _loss_mask(s)
             behav[i, first:last] = torch.tensor(s.behav_logprobs, dtype=torch.float32)
             versions[i, first:last] = torch.tensor(s.versions, dtype=torch.long)
     return TrainBatch(
@@ -77,3 +79,11 @@ def collate(samples: list[Sample], pad_id: int = 0) -> TrainBatch:
         rewards=torch.tensor([s.reward for s in samples], dtype=torch.float32),
         group_ids=torch.tensor([s.prompt_id for s in samples], dtype=torch.long),
     )
+
+
+def _loss_mask(s: Sample) -> torch.Tensor:
+    """The sample's per-response-token loss mask as floats; its length must match the response."""
+    if len(s.loss_mask) != len(s.response_ids):
+        raise ValueError(f"sample {s.prompt_id}:{s.sample_index}: loss_mask has {len(s.loss_mask)} entries "
+                         f"for {len(s.response_ids)} response tokens")
+    return torch.tensor(s.loss_mask, dtype=torch.float32)

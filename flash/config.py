@@ -18,8 +18,11 @@ from typing import Any, Dict, List, Optional
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from buffers.factory import BufferConfig
+from controllers.filters import FilterConfig, check_filter
 from flash.errors import ConfigError
 from flash.models import TinyModelConfig
+from flash.placement import PlacementConfig
 from flash.sft import SFTConfig
 
 
@@ -48,6 +51,28 @@ class RolloutConfig:
     # one that answers no poll for hang_timeout_s is treated as dead (killed, then restarted).
     max_engine_restarts: int = 3
     hang_timeout_s: float = 120.0
+    # With several engine replicas (placement.roles.actor_infer.num_workers): keep the n samples
+    # of a prompt on one replica (shared prefix) instead of spreading every request by load.
+    prompt_affinity: bool = False
+    # Sample lifecycle (controllers/rollout_scheduler.py). true: score each response as soon as it
+    # finishes, overlapping generation; false: the batch-then-score baseline (for comparison).
+    queue_scheduling: bool = True
+    redundancy: int = 0  # launch n + k requests per prompt, keep the first n to finish, abort the rest
+    # Dynamic sampling (DAPO): drop groups by rule; filtered groups free their admission slot.
+    filter: FilterConfig = field(default_factory=FilterConfig)
+    max_additional_prompts: int = 0  # spare prompts beyond the staleness bound, to refill filtered slots
+
+
+@dataclass
+class RewardConfig:
+    # The reward function and its knobs: {name: math}, {name: code, all_or_nothing: true} or
+    # {name: 'my_pkg.rewards:fn', ...}; names and knobs are checked (flash.rewards.registry).
+    # Empty: the task's own reward, in the scheduler's threads. Set: scored by reward workers.
+    fn: Dict[str, Any] = field(default_factory=dict)
+    num_workers: int = 2  # reward actors (flash.rewards.workers)
+    concurrency: int = 4  # calls at once per worker
+    timeout_s: float = 30.0  # a call running longer scores 0 with reason 'timeout'
+    max_stuck: int = 4  # timed-out calls still running in a worker before it is replaced
 
 
 @dataclass
@@ -73,6 +98,25 @@ class TrainConfig:
     # a non-finite loss or gradient norm skips the optimizer step (train/skipped_nonfinite);
     # this many skips in a row stop the run (flash.guards.SkipGuard)
     max_consecutive_skips: int = 3
+    # Stream trainer (RollPacker): at async_ratio 0, backward each group as soon as it is scored,
+    # while the rest of the batch still decodes; one optimizer step when the batch is complete
+    # (the same update as the plain synchronous step). Needs a group-local advantage estimator.
+    stream: bool = False
+    # FSDP2 trainer group (flash.trainer_group): used when workers > 1 or any knob below is set.
+    workers: int = 1  # trainer processes; parameters, gradients and AdamW state sharded over them
+    micro_tokens: int = 0  # padded tokens per micro-batch (length-grouped rows); 0 = rows only
+    mixed_precision: str = "fp32"  # fp32 | bf16 (bf16 compute, fp32 master weights and reduction)
+    activation_checkpointing: bool = False  # recompute decoder layers in backward (less memory)
+
+
+@dataclass
+class CriticConfig:
+    # The critic role (flash.critic): started when algo.advantage.name is gae, which needs values.
+    lr: float = 5e-4
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    value_clip: Optional[float] = 0.2  # PPO value clip around the values the advantages used; null: off
+    micro_batch_size: int = 64
 
 
 @dataclass
@@ -87,6 +131,7 @@ class EvalConfig:
 class ResourcesConfig:
     # torch threads per role; 0 = auto: with async_ratio 0 the phases alternate, so each may use
     # every core (colocated); with async_ratio > 0 they overlap, so the cores are split (disjoint).
+    # Several engine replicas (placement.roles.actor_infer.num_workers) split engine_threads.
     engine_threads: int = 0
     trainer_threads: int = 0
 
@@ -95,6 +140,17 @@ class ResourcesConfig:
 class RayConfig:
     address: Optional[str] = None  # unset: start a local Ray; else join this cluster
     num_cpus: int = 0  # local Ray only; 0 = os.cpu_count()
+
+
+@dataclass
+class ModelUpdateConfig:
+    # How trainer weights reach the engines (flash.model_update). auto: shm when every role shares
+    # one device (colocated, no copy across processes), nccl across GPUs, gloo across CPU hosts;
+    # object_store: the whole state dict through Ray's object store (the skeleton's path).
+    backend: str = "auto"  # auto | gloo | nccl | shm | object_store
+    bucket_mb: float = 64.0  # bytes per broadcast; a larger tensor goes alone in its own bucket
+    host: str = "127.0.0.1"  # the group's rendezvous address (the trainer's host)
+    timeout_s: float = 300.0  # a member not done in time fails the push (no silent hang)
 
 
 @dataclass
@@ -139,11 +195,16 @@ class FlashConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    buffer: BufferConfig = field(default_factory=BufferConfig)  # in-process, or the zmq service
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     resources: ResourcesConfig = field(default_factory=ResourcesConfig)
     ray: RayConfig = field(default_factory=RayConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)  # flash.placement
+    model_update: ModelUpdateConfig = field(default_factory=ModelUpdateConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -245,23 +306,76 @@ def validate(cfg: FlashConfig) -> None:
     _require(cfg.rollout.temperature > 0, "rollout.temperature must be > 0 for RL sampling")
     _require(0 < cfg.rollout.top_p <= 1, f"rollout.top_p must be in (0, 1], got {cfg.rollout.top_p}")
     _require(cfg.rollout.max_new_tokens >= 1, "rollout.max_new_tokens must be >= 1")
+    _check_lifecycle(cfg.rollout)
     _require(cfg.train.steps >= 1, f"train.steps must be >= 1, got {cfg.train.steps}")
     _require(cfg.train.prompts_per_step >= 1, "train.prompts_per_step must be >= 1")
     _require(cfg.train.micro_batch_size >= 1, "train.micro_batch_size must be >= 1")
+    _check_group(cfg.train)
     _require(cfg.train.lr > 0, f"train.lr must be > 0, got {cfg.train.lr}")
     _require(cfg.algo.recompute_prox in ("auto", "always", "never"),
              f"algo.recompute_prox must be auto, always or never, got '{cfg.algo.recompute_prox}'")
     _check_agg(cfg.algo.agg)
+    _check_model_update(cfg.model_update)
     _check_plugin_section("algo.loss", cfg.algo.loss,
                           lambda name, knobs: algos.validate_loss(name, knobs, agg=cfg.algo.agg))
     _check_plugin_section("algo.advantage", cfg.algo.advantage, algos.validate_advantage)
     _check_task(cfg.task, task_options)
+    _check_stream(cfg)
+    _check_reward(cfg)
+    _check_placement(cfg)
     from flash.tracking import check_backends
 
     check_backends(list(cfg.tracking.backends))
     from flash.guards import check_consistency
 
     check_consistency(cfg)
+
+
+def _check_placement(cfg: FlashConfig) -> None:
+    from flash.placement import check_runnable, plan_placement
+
+    plan = plan_placement(cfg.placement, engine=cfg.rollout.engine)  # PlacementError: a ConfigError
+    check_runnable(plan)
+    _require(not (cfg.train.stream and plan.colocated("actor_infer", "actor_train")),
+             "train.stream trains while the engines generate, but placement colocates actor_train and "
+             "actor_infer (their engines sleep while training); give them disjoint devices or set "
+             "train.stream: false")
+
+
+STREAM_ESTIMATORS = ("grpo", "dr_grpo", "rloo")  # advantages of a group need only that group
+
+
+def _check_stream(cfg: FlashConfig) -> None:
+    if not cfg.train.stream:
+        return
+    _require(cfg.async_ratio == 0, "train.stream trains the synchronous batch as it arrives: it needs "
+             f"async_ratio: 0 (got {cfg.async_ratio}); with async_ratio > 0 set train.stream: false")
+    adv = dict(cfg.algo.advantage)
+    _require(adv.get("name") in STREAM_ESTIMATORS and not adv.get("whiten"),
+             f"train.stream needs a group-local advantage estimator ({', '.join(STREAM_ESTIMATORS)}, "
+             f"whiten off): '{adv.get('name')}' normalises over the whole batch")
+    _require(cfg.algo.recompute_prox != "always", "train.stream uses the behaviour logprobs as the proximal "
+             "policy (exact at async_ratio 0); set algo.recompute_prox: auto")
+
+def _check_model_update(mu: ModelUpdateConfig) -> None:
+    from flash.model_update import BACKENDS
+
+    _require(mu.backend in BACKENDS, f"model_update.backend '{mu.backend}' is not valid"
+             f"{closest(mu.backend, list(BACKENDS))}; valid: {', '.join(BACKENDS)}")
+    _require(mu.bucket_mb > 0 and math.isfinite(mu.bucket_mb), f"model_update.bucket_mb must be > 0, got {mu.bucket_mb}")
+    _require(mu.timeout_s > 0, f"model_update.timeout_s must be > 0, got {mu.timeout_s}")
+
+
+def _check_lifecycle(rollout: RolloutConfig) -> None:
+    _require(rollout.redundancy >= 0, f"rollout.redundancy must be >= 0 (extra requests per prompt), "
+             f"got {rollout.redundancy}")
+    _require(rollout.max_additional_prompts >= 0,
+             f"rollout.max_additional_prompts must be >= 0, got {rollout.max_additional_prompts}")
+    _require(rollout.max_additional_prompts == 0 or rollout.filter.enabled,
+             "rollout.max_additional_prompts only refills filtered groups; set a rollout.filter rule "
+             "(all_same_reward, min_reward_std, max_response_len) or set it to 0")
+    problem = check_filter(rollout.filter, rollout.n, rollout.max_new_tokens)
+    _require(problem is None, problem or "")
 
 
 def _check_plugin_section(where: str, section: dict, validator) -> None:
@@ -281,6 +395,14 @@ def _check_agg(agg: str) -> None:
     _require(agg in valid, f"algo.agg '{agg}' is not valid{closest(agg, valid)}; valid: {', '.join(valid)}")
 
 
+def _check_reward(cfg: FlashConfig) -> None:
+    if cfg.reward.fn:
+        from flash.rewards.registry import check_pool_args
+
+        r = cfg.reward
+        check_pool_args(dict(r.fn), r.num_workers, r.concurrency, r.timeout_s, tuple(cfg.plugins))
+
+
 def _check_task(section: dict, task_options) -> None:
     options = dict(section)
     name = options.pop("name", None)
@@ -290,3 +412,13 @@ def _check_task(section: dict, task_options) -> None:
     except (ValueError, KeyError) as exc:
         raise ConfigError(f"task: {exc}") from None
     check_keys(options, schema, prefix="task.")
+
+
+def _check_group(train: TrainConfig) -> None:
+    """The FSDP2 group's knobs, checked by the group's own settings (one place says what is valid)."""
+    from flash.fsdp import group_settings
+
+    try:
+        group_settings(train)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None

@@ -41,6 +41,11 @@ class EngineFailed(FlashError):
     """The engine kept failing after every restart it was allowed."""
 
 
+class EngineFault(RuntimeError):
+    """An engine-side failure that a caller wrapped (e.g. a model-update push to the engine failed,
+    with the trainer alive): recovered like a dead engine -- restart, then the caller retries."""
+
+
 def is_engine_fault(exc: BaseException, engine_id: str | None = None) -> bool:
     """A failure that a restart can cure: the actor or its generation thread is gone, or it hung.
 
@@ -50,7 +55,7 @@ def is_engine_fault(exc: BaseException, engine_id: str | None = None) -> bool:
     if isinstance(exc, RayActorError):
         other = getattr(exc, "actor_id", None)
         return not (other and engine_id and other != engine_id)
-    return isinstance(exc, (GetTimeoutError, EngineLoopError))
+    return isinstance(exc, (GetTimeoutError, EngineLoopError, EngineFault))
 
 
 class EngineSupervisor:
@@ -102,9 +107,14 @@ class EngineSupervisor:
                 raise
             self.recover(epoch, exc)
 
-    def pushed(self, weights_ref, version: int) -> None:
-        """The controller pushed ``weights_ref`` as ``version``: what a restarted engine gets."""
-        self._weights, self._version = weights_ref, version
+    def pushed(self, weights, version: int) -> None:
+        """The controller pushed ``weights`` as ``version``: what a restarted engine gets. ``weights``
+        is an object ref, or a callable returning one, called only at a restart (the model-update
+        group keeps no copy in the object store: ``trainer.get_weights.remote``). A restart between
+        a train step and the push that follows it then loads the just-trained weights under the
+        previous version, until that push relabels them: token versions are never newer than the
+        weights that produced them, so the staleness bound still holds."""
+        self._weights, self._version = weights, version
 
     # ---- recovery --------------------------------------------------------------------------
     def recover(self, epoch: int, exc: BaseException) -> None:
@@ -128,8 +138,9 @@ class EngineSupervisor:
                 ray.kill(self.engine, no_restart=False)  # Ray restarts it (max_restarts)
             self._wait_alive(exc)
             if self._weights is not None:
+                weights = self._weights if isinstance(self._weights, ray.ObjectRef) else self._weights()
                 ray.get(self.engine.pause.remote("continue"))
-                ray.get(self.engine.update_weights.remote(self._weights, self._version))
+                ray.get(self.engine.update_weights.remote(weights, self._version))
                 ray.get(self.engine.resume.remote())
             requeued = self.requeue() if self.requeue is not None else 0
             self.epoch += 1

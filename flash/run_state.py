@@ -30,7 +30,7 @@ def driver_state(r: Any, version: int) -> dict:
         "elapsed": time.monotonic() - r.train_start if r.train_start is not None else 0.0,
         "skips": {"total": r.skip_guard.total, "consecutive": r.skip_guard.consecutive},
         "data_skipped": dict(r.input_guard.counts),
-        "faults": {"engine": r.supervisor.faults},
+        "faults": {"engine": r.supervisor.faults if r.supervisor is not None else 0},
     })
     return state
 
@@ -51,18 +51,24 @@ def restore(r: Any, ckpt: Path, state: dict) -> int:
     """Bring every role to the checkpoint; returns the step to continue from."""
     ray.get(r.trainer.load_checkpoint.remote(str(ckpt)))
     version = int(state["version"])
-    weights = r.trainer.get_weights.remote()
     ray.get(r.engine.pause.remote("continue"))
-    ray.get(r.engine.update_weights.remote(weights, version))
+    if r.model_update is not None:  # every replica, through the model-update group
+        r.model_update.push(version)
+        weights = r.trainer.get_weights.remote  # a restarted engine fetches them (flash.faults)
+    else:
+        weights = r.trainer.get_weights.remote()
+        ray.get(r.engine.update_weights.remote(weights, version))
     ray.get(r.engine.resume.remote())
-    r.supervisor.pushed(weights, version)
+    if r.supervisor is not None:
+        r.supervisor.pushed(weights, version)
     r.controller.version = version
     r.buffer.restore([group_from_dict(g) for g in state["buffer"]])
     r.scheduler.load_state_dict(state["scheduler"])
     r.skip_guard.total = state["skips"]["total"]
     r.skip_guard.consecutive = state["skips"]["consecutive"]
     r.input_guard.counts.update(state["data_skipped"])
-    r.supervisor.faults = state["faults"]["engine"]
+    if r.supervisor is not None:
+        r.supervisor.faults = state["faults"]["engine"]
     r.acc0 = state.get("eval_initial")
     r.elapsed0 = state.get("elapsed", 0.0)
     return int(state["step"])

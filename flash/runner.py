@@ -11,6 +11,7 @@ evaluation → ``summary.json``.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -23,6 +24,7 @@ from ray.exceptions import RayActorError
 
 import algos
 from buffers import SampleBuffer
+from buffers.factory import make_buffer
 from controllers.async_controller import AsyncController, ControllerSettings, prox_mode
 from controllers.rollout_scheduler import PromptSource, RolloutScheduler
 from controllers.staleness import StalenessManager
@@ -31,12 +33,20 @@ from flash import run_state
 from flash.checkpoint import Checkpointer, latest_valid, remove_partial
 from flash.config import FlashConfig, to_dict, to_yaml
 from flash.engine.base import SamplingParams
-from flash.errors import FlashError
+from flash.errors import ConfigError, FlashError
 from flash.faults import EngineSupervisor
 from flash.guards import InputGuard, SkipGuard
+from flash.engine.router import start_router
+from flash.placement import Placement, plan_placement
+from flash.model_update_group import ModelUpdateGroup
 from flash.tracking import Progress, make_tracker
+from flash.critic import CriticSettings
+from flash.envs.runtime import build_episode_scheduler, check_episode_config
+from flash.envs.task import EnvTask
 from flash.trainer import TrainerSettings
-from flash.workers import init_ray, quiet, start_engine, start_trainer, wait_ready
+from flash.fsdp import group_settings
+from flash.trainer_group import start_trainer_group
+from flash.workers import init_ray, quiet, start_critic, start_engine, start_trainer, wait_ready
 
 
 def default_cache_dir(cfg: FlashConfig) -> str:
@@ -71,14 +81,16 @@ def prepare_model(cfg: FlashConfig, task) -> str:
     return warm_start(cfg.model.tiny, cfg.sft, task, default_cache_dir(cfg))
 
 
-def build_source(task, tokenizer, guard: InputGuard | None = None) -> PromptSource:
+def build_source(task, tokenizer, guard: InputGuard | None = None, reward=None) -> PromptSource:
+    """``guard``: the input guard prompts are taken through; ``reward``: a RewardPool's
+    ``reward_fn()``; unset: the task's own reward."""
     from flash.models import decode_response, encode_prompt
 
     return PromptSource(
         item=lambda i: task.item(i, split="train"),
         encode=lambda text: encode_prompt(tokenizer, text),
         decode=lambda ids: decode_response(tokenizer, ids),
-        reward=task.reward,
+        reward=reward or task.reward,
         guard=guard,
     )
 
@@ -136,6 +148,8 @@ class Run:
         algos.load_plugins(list(cfg.plugins))
         task_opts = {k: v for k, v in cfg.task.items() if k != "name"}
         self.task = make_task(cfg.task["name"], **task_opts)
+        if isinstance(self.task, EnvTask):
+            check_episode_config(cfg, self.task)
         self.model_path = prepare_model(cfg, self.task)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.eval_items = self.task.eval_items()
@@ -167,46 +181,130 @@ class Run:
     def _start_roles(self) -> None:
         cfg = self.cfg
         engine_threads, trainer_threads = resolve_threads(cfg)
-        init_ray(cfg.ray.address, cfg.ray.num_cpus)
+        plan = plan_placement(cfg.placement, engine=cfg.rollout.engine)
+        init_ray(cfg.ray.address, cfg.ray.num_cpus, num_gpus=cfg.placement.num_gpus)
+        self.placement = Placement.create(plan, cfg.placement.cpus_per_bundle)
         settings = trainer_settings(cfg)
-        self.engine = start_engine(self.model_path, cfg.rollout.max_num_seqs, cfg.seed, engine_threads,
-                                   engine=cfg.rollout.engine, max_restarts=cfg.rollout.max_engine_restarts)
-        self.trainer = start_trainer(self.model_path, settings, cfg.seed, trainer_threads, list(cfg.plugins))
-        wait_ready(self.engine, self.trainer)
+        colocated = plan.colocated("actor_infer", "actor_train")
+        self._start_engines(plan, engine_threads, colocated)
+        self._start_trainer(settings, trainer_threads)
+        self.critic = None
+        if cfg.algo.advantage["name"] == "gae":  # the only estimator that reads values
+            self.critic = start_critic(self.model_path, CriticSettings(**dataclasses.asdict(cfg.critic)), cfg.seed,
+                                       trainer_threads)
+        wait_ready(self.engine, self.trainer, *([self.critic] if self.critic else []))
+        self.model_update = None  # an FSDP2 group pushes its gathered state dict through the object store
+        if group_settings(cfg.train) is None:
+            self.model_update = ModelUpdateGroup(self.trainer, list(self.replicas), **vars(cfg.model_update))
+            self.model_update.setup()
         B = cfg.train.prompts_per_step
         self.staleness = StalenessManager(cfg.async_ratio, B)
-        self.buffer = SampleBuffer(capacity=int(math.ceil((cfg.async_ratio + 2) * B)))
+        # transport local: the in-process buffer; zmq: a BufferService here and a proxy on it
+        self.buffer, self.buffer_service = make_buffer(cfg.buffer, int(math.ceil((cfg.async_ratio + 2) * B)))
         self.input_guard = InputGuard(max_prompt_tokens(cfg, self.model_path), strict=cfg.data.strict)
         self.skip_guard = SkipGuard(cfg.train.max_consecutive_skips)
-        self.scheduler = RolloutScheduler(
-            self.engine, build_source(self.task, self.tokenizer, self.input_guard), self.buffer, self.staleness,
-            sampling_params(cfg, self.tokenizer), n=cfg.rollout.n, seed=cfg.seed,
-            reward_workers=cfg.rollout.reward_workers, inject_delay_s=cfg.rollout.inject_delay_s,
-        )
+        self.scheduler = self._make_scheduler()
         self.controller = AsyncController(
             self.engine, self.trainer, self.scheduler, self.buffer, self.staleness,
             ControllerSettings(
                 prompts_per_step=B, interrupt=cfg.rollout.interrupt, advantage=dict(cfg.algo.advantage),
                 prox=prox_mode(cfg.algo.recompute_prox, cfg.async_ratio),
-                pad_id=self.tokenizer.pad_token_id or 0,
+                pad_id=self.tokenizer.pad_token_id or 0, stream=cfg.train.stream,
+                colocated=colocated,
             ),
-            ledger=self.ledger,
+            ledger=self.ledger, critic=self.critic, model_update=self.model_update,
         )
         self._start_durability()
 
-    def _start_durability(self) -> None:
-        """Engine fault recovery, checkpoints, and the restore of a resumed run."""
+    def _start_engines(self, plan, engine_threads: int, colocated: bool) -> None:
+        """The actor_infer replicas (they share the role's threads), behind a router when several."""
         cfg = self.cfg
-        self.supervisor = EngineSupervisor(self.engine, cfg.rollout.hang_timeout_s, cfg.rollout.max_engine_restarts)
-        self.supervisor.requeue = self.scheduler.requeue_lost
-        self.supervisor.on_event = lambda event: resume_mod.append_event(self.dir, **event)
-        self.scheduler.supervisor = self.controller.supervisor = self.supervisor
-        self.checkpointer = Checkpointer(self.dir, cfg.checkpoint, self.trainer, cfg.train.steps)
+        n = len(plan.workers["actor_infer"])
+        self.replicas = [start_engine(self.model_path, cfg.rollout.max_num_seqs, cfg.seed,
+                                      max(1, engine_threads // n), engine=cfg.rollout.engine,
+                                      options=self.placement.options("actor_infer", i), sleep_mode=colocated,
+                                      # one engine: Ray restarts it and flash.faults recovers its work
+                                      max_restarts=cfg.rollout.max_engine_restarts if n == 1 else 0)
+                         for i in range(n)]
+        self.engine = self.replicas[0] if n == 1 else start_router(self.replicas, cfg.rollout.prompt_affinity)
+
+    def _start_trainer(self, settings, trainer_threads: int) -> None:
+        """One trainer process, or an FSDP2 group when ``train.workers`` > 1 (or a group knob) is set."""
+        cfg = self.cfg
+        group = group_settings(cfg.train)
+        if group is None:
+            self.trainer = start_trainer(self.model_path, settings, cfg.seed, trainer_threads, list(cfg.plugins),
+                                         options=self.placement.options("actor_train", 0))
+        else:
+            self.trainer = start_trainer_group(self.model_path, settings, group, cfg.seed, trainer_threads,
+                                               list(cfg.plugins))
+
+    def _make_scheduler(self):
+        """Episodes on EnvWorker actors for env tasks; else single-turn requests, scored by the
+        task's reward or by a reward-worker pool when ``reward.fn`` is set."""
+        cfg, params = self.cfg, sampling_params(self.cfg, self.tokenizer)
+        self.reward_pool = None
+        if isinstance(self.task, EnvTask):  # multi-turn episodes on EnvWorker actors
+            return build_episode_scheduler(cfg, self.task, self.tokenizer, self.engine, self.buffer,
+                                           self.staleness, params)
+        from flash.rewards.workers import pool_from_config
+
+        self.reward_pool = pool_from_config(cfg.reward, tuple(cfg.plugins))
+        reward_fn = self.reward_pool.reward_fn() if self.reward_pool else None
+        return RolloutScheduler(
+            self.engine, build_source(self.task, self.tokenizer, self.input_guard, reward_fn), self.buffer, self.staleness,
+            params, n=cfg.rollout.n, seed=cfg.seed,
+            reward_workers=cfg.rollout.reward_workers, inject_delay_s=cfg.rollout.inject_delay_s,
+            queue_scheduling=cfg.rollout.queue_scheduling, redundancy=cfg.rollout.redundancy,
+            max_additional_prompts=cfg.rollout.max_additional_prompts, filters=cfg.rollout.filter,
+        )
+
+    def _start_durability(self) -> None:
+        """Engine fault recovery, checkpoints, and the restore of a resumed run.
+
+        The supervisor (flash.faults) handles one engine replica driven by the RolloutScheduler;
+        with several replicas (a Router) or environment episodes it is off, and an engine fault
+        stops the run. Checkpoints need the in-process buffer, the single trainer worker and the
+        RolloutScheduler (their state is what a checkpoint holds); otherwise they are off. Both
+        say so once at the start (``self.notes``)."""
+        cfg = self.cfg
+        self.notes: list[str] = []
+        single = len(self.replicas) == 1 and isinstance(self.scheduler, RolloutScheduler)
+        self.supervisor = None
+        if single:
+            self.supervisor = EngineSupervisor(self.engine, cfg.rollout.hang_timeout_s,
+                                               cfg.rollout.max_engine_restarts)
+            self.supervisor.requeue = self.scheduler.requeue_lost
+            self.supervisor.on_event = lambda event: resume_mod.append_event(self.dir, **event)
+            self.scheduler.supervisor = self.controller.supervisor = self.supervisor
+        else:
+            why = (f"{len(self.replicas)} engine replicas behind a router" if len(self.replicas) > 1
+                   else "environment episodes")
+            self.notes.append(f"flash: engine fault recovery is off with {why} (rollout.max_engine_restarts "
+                              f"applies to a single engine); an engine fault stops the run")
+        unsupported = [why for ok, why in (
+            (isinstance(self.buffer, SampleBuffer), f"buffer.transport={cfg.buffer.transport}"),
+            (group_settings(cfg.train) is None, "an FSDP2 trainer group (train.workers > 1 or a group knob)"),
+            (isinstance(self.scheduler, RolloutScheduler), "environment episodes"),
+        ) if not ok]
+        ckpt_cfg = cfg.checkpoint
+        if unsupported and ckpt_cfg.enabled:
+            self.notes.append(f"flash: checkpoints are off with {', '.join(unsupported)} (they hold the "
+                              f"in-process buffer, the single trainer's state and the scheduler's)")
+            ckpt_cfg = dataclasses.replace(ckpt_cfg, enabled=False)
+        if unsupported and self.state is not None:
+            raise ConfigError(f"resume={self.dir}: cannot resume with {', '.join(unsupported)} "
+                              f"(no checkpoint support); start a new run")
+        self.checkpointer = Checkpointer(self.dir, ckpt_cfg, self.trainer, cfg.train.steps)
         self.controller.on_update = lambda version: run_state.on_update(self, version)
         if self.state is not None:
             self.start_step = run_state.restore(self, self.ckpt, self.state)
-        resume_mod.append_event(self.dir, "roles_ready", step=self.start_step,
-                                engine_pid=ray.get(self.engine.pid.remote()), trainer_pid=ray.get(self.trainer.pid.remote()))
+        pids = {}
+        if single:
+            pids["engine_pid"] = ray.get(self.engine.pid.remote())
+        if group_settings(cfg.train) is None:
+            pids["trainer_pid"] = ray.get(self.trainer.pid.remote())
+        resume_mod.append_event(self.dir, "roles_ready", step=self.start_step, **pids)
 
     def evaluate(self, tag: str, step: int = 0) -> float:
         """Held-out accuracy now; also a line in ``eval.jsonl`` (step, seconds since training began)."""
@@ -230,8 +328,18 @@ class Run:
         self.ledger.close()
         for f in (self.metrics_file, self.timeline_file, self.eval_file):
             f.close()
-        for actor in (self.engine, self.trainer):
-            ray.kill(actor)
+        if self.model_update is not None:
+            self.model_update.close()
+        for actor in dict.fromkeys([self.engine, *self.replicas, self.trainer, self.critic,
+                                    *getattr(self.scheduler, "workers", [])]):
+            if actor is not None:
+                ray.kill(actor)
+        if self.reward_pool is not None:
+            self.reward_pool.close()
+        if self.buffer_service is not None:
+            self.buffer.disconnect()
+            self.buffer_service.stop()
+        self.placement.remove()
 
 
 def run(cfg: FlashConfig, recipe_name: str = "run") -> dict:
@@ -241,6 +349,10 @@ def run(cfg: FlashConfig, recipe_name: str = "run") -> dict:
     tracker = make_tracker(cfg.tracking, str(r.dir), config=to_dict(cfg), purge_step=start + 1 if r.ckpt else None)
     progress = Progress(cfg.train.steps, cfg.tracking.progress)
     progress.write(f"flash: run dir {r.dir}" + (f" (resumed at step {start} from {r.ckpt})" if r.ckpt else ""))
+    if r.placement.plan.num_gpus or len(r.replicas) > 1:
+        progress.write(f"flash: {r.placement.plan.describe()}")
+    for line in r.notes:
+        progress.write(line)
     try:
         r.scheduler.start()
         if r.acc0 is None:
@@ -287,9 +399,15 @@ def _on_step(r: Run, rec, tracker, progress) -> None:
         rec.metrics["eval/accuracy"] = r.evaluate(f"step{step}", step)
         logged.update({"eval/accuracy": rec.metrics["eval/accuracy"], "time/eval": r.last_eval_s})
     logged["time/elapsed"] = time.monotonic() - r.train_start
+    if r.reward_pool is not None:  # reward/calls, reward/failures/<reason>, sandbox/timeout/T/...
+        logged.update(r.reward_pool.metrics())
+    if r.buffer_service is not None:  # zmq transport: puts, gets, bytes, rejected_<reason>, ...
+        logged.update({f"buffer/{k}": v for k, v in r.buffer_service.stats().items() if k != "depth"})
     logged.update(r.skip_guard.update(step, rec.metrics.get("train/skipped", 0.0) > 0,
                                       rec.metrics.get("train/loss", 0.0), rec.metrics.get("train/grad_norm", 0.0)))
-    logged.update({**r.input_guard.metrics(), **r.supervisor.metrics(), **r.checkpointer.metrics()})
+    logged.update({**r.input_guard.metrics(), **r.checkpointer.metrics()})
+    if r.supervisor is not None:
+        logged.update(r.supervisor.metrics())
     tracker.log(logged, step)
     r.metrics_file.write(json.dumps({"step": step, **logged}) + "\n")
     r.metrics_file.flush()
@@ -319,11 +437,16 @@ def _summary(cfg, r: Run, records, acc0, acc1, train_s, left) -> dict:
         "prompts_unfinished": {k: len(v) for k, v in left.items()},
         "reward_errors": r.scheduler.counters["reward_errors"],
         "resumed_from_step": r.start_step if r.ckpt else None,
-        "faults_engine": r.supervisor.faults,
+        "faults_engine": r.supervisor.faults if r.supervisor is not None else 0,
         "train_skipped_nonfinite": r.skip_guard.total,
         "data_skipped": dict(r.input_guard.counts),
         "checkpoint": dict(r.checkpointer.last),
         "request_errors": r.scheduler.counters["request_errors"],
+        "rollout_counters": dict(r.scheduler.counters),
+        "reward_seconds": r.scheduler.counters.get("reward_seconds", 0.0),
+        **({"filtered_groups": dict(r.scheduler.lifecycle.filtered),
+            "aborted_samples": dict(r.scheduler.lifecycle.aborted),
+            "lifecycle": r.scheduler.lifecycle.snapshot()} if hasattr(r.scheduler, "lifecycle") else {}),
         "phase_seconds_mean": {k[5:]: sum(rec.metrics.get(k, 0.0) for rec in records) / max(steps, 1)
                                for k in phase_keys},
         "run_dir": str(r.dir),

@@ -13,6 +13,7 @@ weights up to float error.
 from __future__ import annotations
 
 import copy
+import math
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -49,11 +50,16 @@ def token_logprobs(model, batch: TrainBatch, temperature: float, with_entropy: b
     return logp, entropy
 
 
+def part_weight(agg: str, part: TrainBatch) -> float:
+    """What a part's own aggregate stands for in a batch's: its masked tokens for ``token-mean``
+    (a token mean of token means weights them by token count), its rows for ``seq-mean-*``."""
+    return float(part.mask.sum()) if agg == "token-mean" else float(len(part))
+
+
 def micro_weight(agg: str, part: TrainBatch, whole_tokens: float, whole_rows: int) -> float:
     """Share of the full-batch aggregate that a micro-batch's own aggregate stands for."""
-    if agg == "token-mean":
-        return float(part.mask.sum()) / max(whole_tokens, 1.0)
-    return len(part) / max(whole_rows, 1)
+    whole = max(whole_tokens, 1.0) if agg == "token-mean" else max(whole_rows, 1)
+    return part_weight(agg, part) / whole
 
 
 class Trainer:
@@ -74,9 +80,13 @@ class Trainer:
         self.needs_entropy = float(self.knobs.get("entropy_coef", 0.0) or 0.0) != 0.0
         self.ref_model = None
         if float(self.knobs.get("kl_coef", 0.0) or 0.0) != 0.0:
-            self.ref_model = copy.deepcopy(model).eval()
+            self.ref_model = self._reference_model(model)
         self.steps = 0
         self.busy_s = 0.0
+
+    def _reference_model(self, model):
+        """The frozen KL reference: a copy of the initial weights (a sharded trainer overrides it)."""
+        return copy.deepcopy(model).eval()
 
     @torch.no_grad()
     def logprobs(self, batch: TrainBatch, model=None) -> torch.Tensor:
@@ -99,31 +109,63 @@ class Trainer:
         forward, so ``prox = sg(logp)`` exactly -- one forward instead of two. The train–inference
         mismatch |behav − prox| on tokens the current weights generated comes back as metrics.
         """
-        start = time.monotonic()
-        ref = self.logprobs(batch, self.ref_model) if self.ref_model is not None else None
+        self.begin_step()
+        self.accumulate(batch, advantages, prox_logp)
+        return self.finish_step()
+
+    # ---- one optimizer step in parts (the stream trainer feeds groups as they finish) -----------
+    def begin_step(self) -> None:
+        """Open a step: gradients zeroed, sums empty. ``accumulate`` parts, then ``finish_step``."""
         self.optimizer.zero_grad(set_to_none=True)
         self._mismatch, self._mismatch_acc = {}, [0.0, 0.0, 0.0]
-        tokens, rows = float(batch.mask.sum()), len(batch)
-        total, metrics = 0.0, {}
-        for lo in range(0, rows, self.s.micro_batch_size):
-            hi = min(lo + self.s.micro_batch_size, rows)
+        self._acc = {"loss": 0.0, "weight": 0.0, "busy": 0.0, "metrics": {}}
+
+    def accumulate(self, batch: TrainBatch, advantages: torch.Tensor, prox_logp: torch.Tensor | None) -> float:
+        """Backward over ``batch`` (micro-batched) into the open step; returns its weight.
+
+        Each micro-batch's aggregate is weighted by what it stands for in the step's aggregate
+        -- its masked tokens for ``token-mean``, its rows for the ``seq-mean-*`` modes -- and the
+        gradient is divided by the step's total weight in ``finish_step``. So the step does not
+        need to know the batch's size in advance, and any split of the batch into parts, in any
+        order, gives the full-batch update (up to float summation order).
+        """
+        start = time.monotonic()
+        acc = self._acc
+        ref = self.logprobs(batch, self.ref_model) if self.ref_model is not None else None
+        added = 0.0
+        for lo in range(0, len(batch), self.s.micro_batch_size):
+            hi = min(lo + self.s.micro_batch_size, len(batch))
             part = batch.rows(lo, hi)
             width = part.mask.shape[1]
             prox = None if prox_logp is None else prox_logp[lo:hi, :width]
             loss, m = self._micro_loss(part, advantages[lo:hi, :width], prox,
                                        None if ref is None else ref[lo:hi, :width])
-            weight = micro_weight(self.s.agg, part, tokens, rows)
+            weight = part_weight(self.s.agg, part)
             (loss * weight).backward()
-            total += float(loss.detach()) * weight
+            acc["loss"] += float(loss.detach()) * weight
             for key, value in m.items():
-                metrics[key] = metrics.get(key, 0.0) + float(value) * weight
+                acc["metrics"][key] = acc["metrics"].get(key, 0.0) + float(value) * weight
+            added += weight
+        acc["weight"] += added
+        acc["busy"] += time.monotonic() - start
+        return added
+
+    def finish_step(self) -> dict:
+        """Scale the summed gradient to the step's aggregate, clip, and step (skipped if not finite)."""
+        start = time.monotonic()
+        acc, total = self._acc, max(self._acc["weight"], 1e-12)
+        for p in self.model.parameters():
+            if p.grad is not None:
+                p.grad.div_(total)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.s.grad_clip)
-        finite = bool(torch.isfinite(grad_norm)) and bool(torch.isfinite(torch.tensor(total)))
+        loss = acc["loss"] / total
+        finite = bool(torch.isfinite(grad_norm)) and math.isfinite(loss)
         if finite:
             self.optimizer.step()
         self.steps += 1
-        self.busy_s += time.monotonic() - start
-        metrics.update(loss=total, grad_norm=float(grad_norm), skipped=float(not finite))
+        self.busy_s += acc["busy"] + time.monotonic() - start
+        metrics = {k: v / total for k, v in acc["metrics"].items()}
+        metrics.update(loss=loss, grad_norm=float(grad_norm), skipped=float(not finite))
         metrics.update(self._mismatch)
         return metrics
 

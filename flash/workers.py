@@ -18,6 +18,9 @@ from typing import Any
 import ray
 import torch
 
+from flash.model_update import unique_tensors
+from flash.model_update_group import UpdateReceiver, UpdateSender
+
 
 QUIET_ENV = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "error",
              "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -45,15 +48,21 @@ def load_model(path: str):
     return model
 
 
-class EngineWorker:
+class EngineWorker(UpdateReceiver):
     def __init__(self, model_path: str, max_num_seqs: int, seed: int, threads: int):
         from flash.engine.loop import EngineLoop
         from flash.engine.torch_engine import TorchEngine
+        from flash.placement import visible_devices
 
         torch.set_num_threads(max(1, threads))
         model = load_model(model_path).eval()
+        if visible_devices() and torch.cuda.is_available():  # placed on a device (flash.placement)
+            model = model.to("cuda")
         text = model.config.get_text_config(decoder=True)
         self.vocab_size, self.max_context = text.vocab_size, text.max_position_embeddings
+        self._shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}  # model-update check
+        self._ties = [names for names, _ in unique_tensors(model.state_dict()) if len(names) > 1]
+        self._model = model  # the model-update group receives large tensors straight into it
         self.loop = EngineLoop(TorchEngine(model, max_num_seqs=max_num_seqs, seed=seed))
         self._refused: list = []  # outputs of requests check_request refused, not yet taken
         self._refused_lock = threading.Lock()  # submit and get_finished run on different threads
@@ -93,6 +102,26 @@ class EngineWorker:
         tensors = named_tensors.values() if hasattr(named_tensors, "values") else (t for _, t in named_tensors)
         return float(sum(t.numel() * t.element_size() for t in tensors))
 
+    def sleep(self, level: int = 1) -> dict:
+        """Release memory for a colocated trainer while paused; see ``TorchEngine.sleep``."""
+        return self.loop.sleep(level)
+
+    def wake_up(self) -> dict:
+        return self.loop.wake_up()
+    def _mu_shapes(self) -> dict:
+        return self._shapes
+
+    def _mu_ties(self) -> list:
+        return self._ties
+
+    def _mu_targets(self) -> dict:
+        """Written only while ``_mu_apply`` iterates, i.e. inside the paused loop's update."""
+        return self._model.state_dict()
+
+    def _mu_apply(self, items, version: int) -> None:
+        """Model-update group: copy each pushed tensor into the live model as it arrives."""
+        self.loop.update_weights(items, version)
+
     def abort(self, request_ids=None):
         return self.loop.abort(request_ids)
 
@@ -131,7 +160,7 @@ def plugin_paths(modules: list[str]) -> list[str]:
     return paths
 
 
-class TrainerWorker:
+class TrainerWorker(UpdateSender):
     def __init__(self, model_path: str, settings, seed: int, threads: int, plugins: list[str],
                  paths: list[str] = ()):
         import algos
@@ -173,8 +202,23 @@ class TrainerWorker:
         with self._lock:
             return load_trainer_state(self.trainer, directory)
 
+    def begin_step(self) -> None:
+        self.trainer.begin_step()
+
+    def accumulate(self, batch, advantages, prox_logp) -> float:
+        return self.trainer.accumulate(batch, advantages, prox_logp)
+
+    def finish_step(self) -> dict:
+        with self._lock:
+            return self.trainer.finish_step()
+
     def get_weights(self) -> dict:
-        return self.trainer.state_dict()
+        with self._lock:  # never half a step (a restarted engine may ask during one: flash.faults)
+            return self.trainer.state_dict()
+
+    def _mu_state(self) -> dict:
+        """The full weights the model-update group pushes (live tensors: the push copies them)."""
+        return self.trainer.model.state_dict()
 
     def save(self, path: str) -> str:
         self.trainer.model.save_pretrained(path)
@@ -187,8 +231,12 @@ class TrainerWorker:
         return os.getpid()
 
 
-def init_ray(address: str | None, num_cpus: int, extra_paths: list[str] = ()) -> None:
-    """Join ``address`` or start a quiet local Ray whose workers see the driver's import path."""
+def init_ray(address: str | None, num_cpus: int, extra_paths: list[str] = (), num_gpus: int = 0) -> None:
+    """Join ``address`` or start a quiet local Ray whose workers see the driver's import path.
+
+    ``num_gpus`` (local Ray only, 0 = Ray's own detection): GPUs to declare; on a CPU-only machine
+    they are simulated, which is enough for placement groups (flash.placement).
+    """
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     if ray.is_initialized():
@@ -202,17 +250,20 @@ def init_ray(address: str | None, num_cpus: int, extra_paths: list[str] = ()) ->
     if address:
         ray.init(address=address, **kwargs)
     else:
-        ray.init(num_cpus=num_cpus or os.cpu_count() or 2, **kwargs)
+        ray.init(num_cpus=num_cpus or os.cpu_count() or 2, num_gpus=num_gpus or None, **kwargs)
 
 
 ENGINES = ("torch", "vllm")
 
 
 def start_engine(model_path: str, max_num_seqs: int, seed: int, threads: int, engine: str = "torch",
-                 max_restarts: int = 0):
+                 options: dict | None = None, sleep_mode: bool = False, max_restarts: int = 0):
     """The engine actor: ``torch`` (embedded, ``EngineWorker``) or ``vllm`` (``VLLMEngineWorker``).
 
     Both answer the same methods, so the controller and the scheduler never know which one runs.
+    ``options``: extra actor options, e.g. ``Placement.options`` (devices, placement group).
+    ``sleep_mode``: the engine shares its devices and must be able to release memory (vLLM
+    reserves its sleep allocator at start; the torch engine always can).
     ``max_restarts``: Ray re-creates a dead engine this many times (flash.faults recovers its work).
     """
     if engine == "vllm":
@@ -223,13 +274,24 @@ def start_engine(model_path: str, max_num_seqs: int, seed: int, threads: int, en
         cls = EngineWorker
     else:
         raise ValueError(f"unknown rollout engine {engine!r}; expected one of {ENGINES}")
-    actor = ray.remote(cls).options(num_cpus=0, max_concurrency=8, max_restarts=max_restarts)
-    return actor.remote(model_path, max_num_seqs, seed, threads)
+    actor = ray.remote(cls).options(num_cpus=0, max_concurrency=8, max_restarts=max_restarts,
+                                    **(options or {}))
+    kwargs = {"sleep_mode": True} if sleep_mode and engine == "vllm" else {}
+    return actor.remote(model_path, max_num_seqs, seed, threads, **kwargs)
 
 
-def start_trainer(model_path: str, settings, seed: int, threads: int, plugins: list[str]):
-    actor = ray.remote(TrainerWorker).options(num_cpus=0, max_concurrency=4)
+def start_trainer(model_path: str, settings, seed: int, threads: int, plugins: list[str],
+                  options: dict | None = None):
+    # max_concurrency 4: checkpoint snapshot/write and pid() run beside a train step (flash.checkpoint)
+    actor = ray.remote(TrainerWorker).options(num_cpus=0, max_concurrency=4, **(options or {}))
     return actor.remote(model_path, settings, seed, threads, plugins, plugin_paths(plugins))
+
+
+def start_critic(model_path: str, settings, seed: int, threads: int):
+    """The critic role (``flash.critic.Critic``) as its own actor, for the ``gae`` estimator."""
+    from flash.critic import Critic
+
+    return ray.remote(Critic).options(num_cpus=0).remote(model_path, settings, seed, threads)
 
 
 def wait_ready(*actors, timeout: float = 300.0) -> float:

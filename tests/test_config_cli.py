@@ -11,6 +11,7 @@ from flash.config import load_config
 from flash.errors import ConfigError
 
 RECIPES = sorted(recipe_paths().values())
+STUTTER = recipe_paths()["stutter"]  # the default recipe: its task has slip_prob
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.stem)
@@ -21,7 +22,7 @@ def test_every_shipped_recipe_validates_and_opens_with_its_command(path):
 
 
 def test_overrides_are_typed_and_applied():
-    cfg = load_config(RECIPES[0], ["async_ratio=0.5", "algo.loss.name=ppo", "algo.loss.clip_high=0.28",
+    cfg = load_config(STUTTER, ["async_ratio=0.5", "algo.loss.name=ppo", "algo.loss.clip_high=0.28",
                                     "train.steps=3"])
     assert cfg.async_ratio == 0.5 and cfg.train.steps == 3
     assert cfg.algo.loss == {"name": "ppo", "clip_high": 0.28}
@@ -38,7 +39,7 @@ def test_overrides_are_typed_and_applied():
 ])
 def test_misspelled_keys_name_the_closest_valid_one(override, needle):
     with pytest.raises(ConfigError) as err:
-        load_config(RECIPES[0], [override])
+        load_config(STUTTER, [override])
     assert needle in str(err.value)
 
 
@@ -52,7 +53,7 @@ def test_misspelled_keys_name_the_closest_valid_one(override, needle):
 ])
 def test_invalid_values_are_one_clear_error(override, needle):
     with pytest.raises(ConfigError) as err:
-        load_config(RECIPES[0], [override])
+        load_config(STUTTER, [override])
     assert needle in str(err.value)
 
 

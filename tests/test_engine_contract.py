@@ -289,3 +289,39 @@ def test_many_seeded_requests_at_once(engine):
     outs = run(engine, reqs)
     assert all(o.finish_reason == "length" and len(o.token_ids) == 6 for o in outs.values())
     assert ray.get(engine.health.remote()) is True
+
+
+def test_sleep_wake_around_an_update(engine, models):
+    """Colocated protocol: pause → sleep → (trainer runs) → wake_up → update_weights → resume.
+
+    Sleep is refused unless paused; while asleep, update_weights and resume are refused; requests
+    submitted while asleep are held, not lost, and run on the new weights after resume. What
+    sleep releases depends on the engine and platform (on CPU: the torch engine's KV cache; vLLM
+    has no sleep mode on CPU and says so), and the returned dict says which.
+    """
+    _, a, b = models
+    with pytest.raises(Exception, match="paused"):
+        ray.get(engine.sleep.remote(1))
+    base = ray.get(engine.stats.remote())["tokens_generated"]
+    ray.get(engine.submit.remote([req("s-run", PROMPTS[2], n=LONG)]))
+    tokens_after(engine, base, 4)  # a request is running: its KV cache is live
+    ray.get(engine.pause.remote("continue"))
+    info = ray.get(engine.sleep.remote(1))
+    assert info["level"] == 1 and ray.get(engine.stats.remote())["asleep"] == 1.0
+    if "kv_bytes_released" in info:  # the torch engine frees its KV buffers
+        assert info["kv_bytes_released"] > 0 and info["weights"] == "kept"
+    else:
+        assert info["released"] is False and "CPU" in info["reason"]
+    ray.get(engine.submit.remote([req("s-held", PROMPTS[3])]))
+    for refused in (lambda: engine.resume.remote(), lambda: engine.update_weights.remote(b.state_dict(), 0)):
+        with pytest.raises(Exception, match="wake_up"):
+            ray.get(refused())
+    version = ray.get(engine.version.remote()) + 1
+    ray.get(engine.wake_up.remote())
+    ray.get(engine.update_weights.remote(b.state_dict(), version))
+    ray.get(engine.resume.remote())
+    outs = collect(engine, ["s-run", "s-held"])
+    assert outs["s-held"].token_ids == hf_greedy(b, PROMPTS[3], 12) and outs["s-held"].versions == [version] * 12
+    assert outs["s-run"].finish_reason == "length" and outs["s-run"].versions[-1] == version
+    assert ray.get(engine.stats.remote())["asleep"] == 0.0
+    push(engine, a)

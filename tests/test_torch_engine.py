@@ -368,3 +368,26 @@ def test_loop_thread_error_surfaces(model):
     with pytest.raises(EngineLoopError):
         loop.submit([req("b", PROMPTS[0])])
     loop.shutdown()  # already reported: shutdown stays quiet
+
+
+def test_level2_sleep_discards_weights_until_a_full_push():
+    """After sleep(2) the weights are gone: resume is refused until every tensor was pushed again."""
+    from flash.models import TinyModelConfig, build_tiny_model, build_tokenizer
+    from flash.engine.torch_engine import TorchEngine
+
+    tok = build_tokenizer()
+    model = build_tiny_model(tok, TinyModelConfig(hidden_size=64, num_layers=1, num_heads=2, num_kv_heads=1,
+                                                  intermediate_size=64, max_positions=64))
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    engine = TorchEngine(model, max_num_seqs=2)
+    engine.preempt("continue")
+    info = engine.sleep(2)
+    assert info["weights"] == "discarded" and all(t.numel() == 0 for t in model.state_dict().values())
+    engine.wake_up()
+    names = sorted(state)
+    engine.update_weights({n: state[n] for n in names[:-1]}, 1)
+    with pytest.raises(RuntimeError, match=r"1 missing, e.g. '" + names[-1].replace(".", r"\.")):
+        engine.resume()
+    engine.update_weights({names[-1]: state[names[-1]]}, 1)
+    engine.resume()
+    assert all(torch.equal(model.state_dict()[n], state[n]) for n in names)

@@ -147,6 +147,17 @@ class EngineLoop:
                 raise RuntimeError("update_weights needs a paused EngineLoop; call pause(mode) first")
             engine.update_weights(named_tensors, version)
 
+    def sleep(self, level: int = 1) -> dict:
+        """Release memory while paused (``TorchEngine.sleep``); returns what was released."""
+        with self._engine_at_boundary() as engine:
+            if self._paused is None:
+                raise RuntimeError("sleep needs a paused engine; call pause(mode) first")
+            return engine.sleep(level)
+
+    def wake_up(self) -> dict:
+        with self._engine_at_boundary() as engine:
+            return engine.wake_up()
+
     def abort(self, request_ids: list[str] | None = None) -> list[GenerationOutput]:
         """Abort requests (None = all); their partial outputs are returned here, not by get_finished."""
         with self._engine_at_boundary() as engine:
@@ -158,7 +169,7 @@ class EngineLoop:
             e = self._engine
             return {"tokens_generated": float(e.tokens_generated), "busy_s": self._busy_s, "idle_s": self._idle_s,
                     "num_running": float(e.num_running), "num_waiting": float(e.num_waiting),
-                    "version": float(e.version)}
+                    "version": float(e.version), "asleep": float(e.asleep)}
 
     def busy_spans(self) -> list[list[float]]:
         """Busy spans ``[start, end]`` (``time.time()`` s) since the previous call, merged."""

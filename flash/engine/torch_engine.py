@@ -256,11 +256,14 @@ class TorchEngine:
         self.max_num_seqs, self.seed, self._version = max_num_seqs, seed, version
         self._num_layers = model.config.get_text_config(decoder=True).num_hidden_layers
         self._device = next(model.parameters()).device
+        self._shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
         self._waiting: deque[_Seq] = deque()
         self._running: list[_Seq] = []
         self._kv: _KVBatch | None = None
         self._ids: set[str] = set()
         self.admitting = True  # False after preempt("wait") until resume()
+        self._asleep: dict | None = None  # what sleep() released, until wake_up()
+        self._missing: set[str] = set()  # weights a level-2 sleep discarded, not yet pushed again
         self.tokens_generated = 0
         self._arrivals = 0
 
@@ -268,6 +271,10 @@ class TorchEngine:
     @property
     def version(self) -> int:
         return self._version
+
+    @property
+    def asleep(self) -> bool:
+        return self._asleep is not None
 
     @property
     def num_running(self) -> int:
@@ -363,8 +370,54 @@ class TorchEngine:
             self.admitting = False
 
     def resume(self) -> None:
-        """Re-open admission after ``preempt``."""
+        """Re-open admission after ``preempt``; refused while asleep or missing weights."""
+        if self._asleep is not None:
+            raise RuntimeError("the engine is asleep; call wake_up() before resume()")
+        if self._missing:
+            raise RuntimeError(f"a level-2 sleep discarded the weights; push all of them before resume() "
+                               f"({len(self._missing)} missing, e.g. {sorted(self._missing)[0]!r})")
         self.admitting = True
+
+    def sleep(self, level: int = 1) -> dict:
+        """Release memory for a colocated trainer (DESIGN.md: overlapping device mappings).
+
+        Level 1 drops the KV cache (running requests are requeued with their partial responses,
+        as after a weight update) and moves the weights to host memory when they live on an
+        accelerator; level 2 discards the weights too (their shapes are kept), so the next
+        ``update_weights`` must bring every tensor before ``resume``. On CPU the weights already
+        are in host memory: level 1 releases the KV cache only. Returns what was released.
+        """
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level}")
+        if self._asleep is not None:
+            return self._asleep
+        kv = 0 if self._kv is None else sum(t.numel() * t.element_size() for layer in self._kv.layers
+                                            for t in (layer.k_buf, layer.v_buf) if t is not None)
+        self._requeue_running()
+        weights = "kept"
+        if level == 2:
+            for name, t in self.model.state_dict(keep_vars=True).items():
+                t.data = torch.empty(0, dtype=t.dtype, device=t.device)
+                self._missing.add(name)
+            weights = "discarded"
+        elif self._device.type != "cpu":
+            self.model.to("cpu")
+            weights = "offloaded"
+        self._asleep = {"level": level, "kv_bytes_released": kv, "weights": weights, "device": str(self._device)}
+        return self._asleep
+
+    def wake_up(self) -> dict:
+        """Undo ``sleep``: weights back on the device (or re-allocated, to be pushed, after level 2)."""
+        info, self._asleep = self._asleep, None
+        if info is None:
+            return {"level": 0}
+        if info["weights"] == "offloaded":
+            self.model.to(self._device)
+        elif info["weights"] == "discarded":
+            for name, t in self.model.state_dict(keep_vars=True).items():
+                if name in self._missing:
+                    t.data = torch.empty(self._shapes[name], dtype=t.dtype, device=self._device)
+        return info
 
     @torch.no_grad()
     def update_weights(self, named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
@@ -376,15 +429,18 @@ class TorchEngine:
         the old weights, so running requests are requeued (head of the queue, partial responses
         kept) and re-prefilled at their next admission.
         """
+        if self._asleep is not None:
+            raise RuntimeError("the engine is asleep; call wake_up() before update_weights()")
         items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
         state = self.model.state_dict()
         for name, tensor in items:
             if name not in state:
                 near = difflib.get_close_matches(name, list(state), n=1)
                 raise KeyError(f"unknown parameter {name!r}" + (f"; did you mean {near[0]!r}?" if near else ""))
-            if state[name].shape != tensor.shape:
-                raise ValueError(f"{name}: shape {tuple(tensor.shape)} != model's {tuple(state[name].shape)}")
+            if tuple(self._shapes[name]) != tuple(tensor.shape):
+                raise ValueError(f"{name}: shape {tuple(tensor.shape)} != model's {tuple(self._shapes[name])}")
             state[name].copy_(tensor)
+            self._missing.discard(name)
         self._requeue_running()
         self._version = version
 

@@ -61,6 +61,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from flash.engine.base import INTERRUPT_MODES, GenerationOutput, GenerationRequest, check_request, error_output
+from flash.model_update_group import UpdateReceiver
 
 # Set in this process before vLLM starts its children (which inherit them); a value already in the
 # environment wins.
@@ -137,11 +138,11 @@ def checkpoint_shapes(model_path: str) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-class VLLMEngineWorker:
+class VLLMEngineWorker(UpdateReceiver):
     """The engine actor over ``AsyncLLM``; see the module docstring for the design."""
 
     def __init__(self, model_path: str, max_num_seqs: int, seed: int, threads: int, *,
-                 kv_cache_gib: int = 1, dtype: str = "float32"):
+                 kv_cache_gib: int = 1, dtype: str = "float32", sleep_mode: bool = False):
         from transformers import AutoConfig
 
         for key, value in {**VLLM_ENV, "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib)}.items():
@@ -158,6 +159,7 @@ class VLLMEngineWorker:
         self._reqs: dict[str, _Req] = {}  # in vLLM now
         self._held: list[_Req] = []  # waiting for resume (interrupted first, then new ones)
         self._paused: str | None = None
+        self._asleep: dict | None = None
         self._arrivals = self._launches = 0
         self._cv = threading.Condition()
         self._finished: list[GenerationOutput] = []
@@ -171,7 +173,8 @@ class VLLMEngineWorker:
                     seed=seed, enable_prefix_caching=True, logprobs_mode="processed_logprobs",
                     skip_tokenizer_init=True, enforce_eager=True, generation_config="vllm",
                     enable_chunked_prefill=False, max_num_batched_tokens=max(2048, self.max_context),
-                    disable_log_stats=True, worker_extension_cls=f"{__name__}.WeightSync")
+                    disable_log_stats=True, worker_extension_cls=f"{__name__}.WeightSync",
+                    enable_sleep_mode=sleep_mode and _sleep_mode_available())
         self._drained = asyncio.Condition()  # notified whenever a request leaves vLLM
         self._llm = self._call(self._start(args))
 
@@ -300,7 +303,32 @@ class VLLMEngineWorker:
                 r.reset()
         self._held[:0] = stopped
 
+    async def _sleep(self, level: int) -> dict:
+        """See ``sleep``: vLLM's own sleep where its platform has one, else nothing to release."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level}")
+        if self._paused is None:
+            raise RuntimeError("sleep needs a paused engine; call pause(mode) first")
+        if self._asleep is None:
+            if self._llm.vllm_config.model_config.enable_sleep_mode:
+                await self._llm.sleep(level)
+                self._asleep = {"level": level, "released": True,
+                                "weights": "offloaded" if level == 1 else "discarded"}
+            else:
+                self._asleep = {"level": level, "released": False, "weights": "kept",
+                                "reason": "vLLM has no sleep mode on this platform (CPU) or the engine was "
+                                          "started without sleep_mode; its KV cache stays allocated"}
+        return self._asleep
+
+    async def _wake_up(self) -> dict:
+        info, self._asleep = self._asleep, None
+        if info is not None and info["released"]:
+            await self._llm.wake_up()
+        return info or {"level": 0}
+
     async def _resume(self) -> None:
+        if self._asleep is not None:
+            raise RuntimeError("the engine is asleep; call wake_up() before resume()")
         self._paused = None
         held, self._held = self._held, []
         for r in held:
@@ -329,6 +357,8 @@ class VLLMEngineWorker:
     async def _update_weights(self, named_tensors, version: int) -> float:
         if self._paused is None:
             raise RuntimeError("update_weights needs a paused engine; call pause(mode) first")
+        if self._asleep is not None:
+            raise RuntimeError("the engine is asleep; call wake_up() before update_weights()")
         if self._reqs:
             raise RuntimeError(f"update_weights with {len(self._reqs)} requests still running in vLLM")
         blob = self._weights_blob(named_tensors)
@@ -370,10 +400,37 @@ class VLLMEngineWorker:
         self._check()
         self._call(self._resume())
 
+    def _mu_shapes(self) -> dict:
+        """Model-update group: the checkpoint's shapes, plus a tied LM head's (trainers send it)."""
+        embed = self._shapes.get("model.embed_tokens.weight")
+        return {**self._shapes, **({n: embed for n in self._tied} if embed is not None else {})}
+
+    def _mu_apply(self, items, version: int) -> None:
+        """Model-update group: vLLM's worker is a child process outside the group, so the tensors
+        arrive here (over the group) and go on as one blob (``update_weights``); owned copies, as
+        the group reuses its buffers."""
+        self.update_weights({name: t.clone() for name, t in items}, version)
+
     def update_weights(self, named_tensors, version: int) -> float:
         """Load weights in place (only while paused); returns the bytes sent to vLLM's worker."""
         self._check()
         return self._call(self._update_weights(named_tensors, version))
+
+    def sleep(self, level: int = 1) -> dict:
+        """Release memory for a colocated trainer while paused (level 1: weights offloaded, KV
+        cache dropped; level 2: weights discarded, so a full push must follow ``wake_up``).
+
+        Uses vLLM's sleep mode, which exists on CUDA/ROCm/XPU only and needs ``sleep_mode=True``
+        at start; vLLM's CPU worker ignores sleep, so on CPU this releases nothing and says so in
+        the returned dict (``released: False``). Either way the engine refuses ``resume`` and
+        ``update_weights`` until ``wake_up``, so the protocol is the same on every platform.
+        """
+        self._check()
+        return self._call(self._sleep(level))
+
+    def wake_up(self) -> dict:
+        self._check()
+        return self._call(self._wake_up())
 
     def abort(self, request_ids: list[str] | None = None) -> list[GenerationOutput]:
         """Abort requests (None = all); their partial outputs are returned here, not by get_finished."""
@@ -388,7 +445,8 @@ class VLLMEngineWorker:
         busy = self._busy_s + (time.time() - self._busy_since if self._busy_since is not None else 0.0)
         return {"tokens_generated": float(self.tokens_generated), "busy_s": busy,
                 "idle_s": max(0.0, time.monotonic() - self._t0 - busy), "num_running": float(len(self._reqs)),
-                "num_waiting": float(len(self._held)), "version": float(self._version)}
+                "num_waiting": float(len(self._held)), "version": float(self._version),
+                "asleep": float(self._asleep is not None)}
 
     def busy_spans(self) -> list[list[float]]:
         """Busy spans ``[start, end]`` (``time.time()`` s) since the previous call."""
@@ -431,6 +489,12 @@ class VLLMEngineWorker:
             self._thread.join(timeout=30)
             with self._cv:
                 self._cv.notify_all()
+
+
+def _sleep_mode_available() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_sleep_mode_available()
 
 
 _FUSED = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up", "up_proj": "gate_up"}

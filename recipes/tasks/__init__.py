@@ -9,5 +9,6 @@ from recipes.tasks.base import (
     task_options,
 )
 from recipes.tasks import chainsum, echo, stutter  # noqa: F401  (registers the built-in tasks)
+from flash.envs import task as _env_tasks  # noqa: F401,E402  (registers corridor, frozenlake)
 
 __all__ = ["Task", "TaskItem", "make_task", "register_task", "registered_tasks", "task_options"]

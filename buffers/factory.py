@@ -1,0 +1,50 @@
+"""The ``buffer`` config section and ``make_buffer``: the in-process SampleBuffer or the zmq service.
+
+``transport: local`` (default) is the skeleton's in-process buffer. ``transport: zmq`` starts a
+``BufferService`` on ``bind`` in this process and returns a ``RemoteSampleBuffer`` on it, so the
+scheduler's puts and the controller's ``get_batch`` both cross the wire, exactly as producers on
+other hosts do; ``service.address`` is what those producers connect to.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass
+
+from buffers.buffer import SampleBuffer
+from buffers.client import RemoteSampleBuffer
+from buffers.service import BufferService
+
+TRANSPORTS = ("local", "zmq")
+
+
+@dataclass
+class BufferConfig:
+    transport: str = "local"  # local (in-process) | zmq (BufferService + msgpack frames)
+    bind: str = "tcp://127.0.0.1:0"  # zmq: where the service listens; port 0 = any free port
+    max_frame_mb: float = 64.0  # zmq: a larger frame (one group) is refused and counted
+    capacity: int = 0  # groups held before producers block; 0 = ceil((async_ratio + 2) * prompts_per_step)
+
+    def __post_init__(self) -> None:
+        if self.transport not in TRANSPORTS:
+            near = difflib.get_close_matches(self.transport, TRANSPORTS, n=1, cutoff=0.5)
+            hint = f" (did you mean '{near[0]}'?)" if near else ""
+            raise ValueError(f"buffer.transport must be one of: local, zmq (got '{self.transport}'){hint}")
+        if not self.bind.startswith(("tcp://", "ipc://")):
+            raise ValueError(f"buffer.bind must be a zmq endpoint like tcp://127.0.0.1:0, got '{self.bind}'")
+        if not self.max_frame_mb > 0:
+            raise ValueError(f"buffer.max_frame_mb must be > 0, got {self.max_frame_mb}")
+        if self.capacity < 0:
+            raise ValueError(f"buffer.capacity must be >= 0 (0 = auto), got {self.capacity}")
+
+
+def make_buffer(cfg: BufferConfig, capacity: int) -> tuple[SampleBuffer | RemoteSampleBuffer, BufferService | None]:
+    """(the buffer the scheduler and controller share, the service to stop at the end or None).
+
+    ``capacity`` is the caller's default; ``cfg.capacity`` > 0 overrides it.
+    """
+    capacity = cfg.capacity or capacity
+    if cfg.transport == "local":
+        return SampleBuffer(capacity=capacity), None
+    service = BufferService(capacity, bind=cfg.bind, max_frame_bytes=int(cfg.max_frame_mb * (1 << 20))).start()
+    return RemoteSampleBuffer(service.address, max_frame_mb=cfg.max_frame_mb), service

@@ -1,0 +1,358 @@
+"""BufferService: one SampleBuffer served over zmq (ROUTER) with msgpack frames.
+
+Producers in any process or host push groups (``BufferProducer``); consumers pull batches
+(``RemoteSampleBuffer``, or ``service.buffer`` directly in the service's own process). One
+background thread owns the socket and answers every request in arrival order, so the store needs
+no cross-process locking and a slow client cannot block another.
+
+Requests (all msgpack maps with ``op`` and ``rid``; the reply echoes ``rid``):
+
+    put         {producer, seq} + group frame -> stored | duplicate | gap | full | closed; the
+                                                 answers to one client's puts in a burst go as
+                                                 one message {status: acks, acks: [[rid, seq, status]]}
+    wait_space  {wait_ms}                     -> ok once the buffer has room (or timeout)
+    meta        {since, wait_ms}              -> epoch, closed, capacity, per-group metadata;
+                                                 parked until the epoch moves past ``since``
+    take        {keys, consumer, tid}         -> ok + the groups' frames | missing (all or none);
+                                                 the same (consumer, tid) again replays the answer
+    drain / stats / close
+
+Exactly once, in order: a put carries ``(producer, seq)``; a ``seq`` not above the last one stored
+from that producer is a retry (``duplicate``: acknowledged, not stored again), one past the next
+expected is refused (``gap``: an earlier put was refused, and the producer resends from there;
+see ``buffers.producer``). Backpressure: a put on a full buffer is answered ``full`` and
+the producer parks a ``wait_space`` request, answered the moment a take frees room.
+
+Hostile input: every frame is size-checked before it is parsed and schema-checked after
+(``buffers.wire``); a refused frame is answered ``rejected`` with its reason, counted under
+``rejected_<reason>``, and the service goes on serving.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+from buffers.buffer import BufferClosed
+from buffers.store import KeyedSampleBuffer
+from buffers.wire import REASONS, WireError, decode_group, pack, unpack
+
+log = logging.getLogger(__name__)
+
+OPS: dict[str, dict[str, type]] = {
+    "put": {"rid": int, "producer": str, "seq": int},  # + the group's frame as a second part
+    "wait_space": {"rid": int, "wait_ms": int},
+    "meta": {"rid": int, "since": int, "wait_ms": int},
+    "take": {"rid": int, "keys": list, "consumer": str, "tid": int},
+    "drain": {"rid": int},
+    "stats": {"rid": int},
+    "close": {"rid": int},
+}
+COUNTERS = ("frames_in", "puts", "gets", "duplicates", "full_replies", "gap_replies", "bytes_in", "bytes_out",
+            "producer_blocked_s", "take_replays", "rejected", "internal_errors")
+
+
+@dataclass
+class _Parked:
+    """A long-poll the service answers later: when its condition holds or at its deadline."""
+
+    identity: bytes
+    op: str
+    rid: int
+    since: int
+    deadline: float
+
+
+class BufferService:
+    def __init__(self, capacity: int, bind: str = "tcp://127.0.0.1:0", max_frame_bytes: int = 64 << 20,
+                 max_waiters: int = 1024):
+        self.bind, self.max_frame_bytes, self.max_waiters = bind, max_frame_bytes, max_waiters
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self.buffer = KeyedSampleBuffer(capacity, on_change=self._changed)
+        self._ident = -1  # the service thread's id: its own changes need no wake-up
+        self.address = ""
+        self._counts: dict[str, float] = {k: 0.0 for k in COUNTERS} | {f"rejected_{r}": 0.0 for r in REASONS}
+        self._lock = threading.Lock()
+        self._seen: dict[str, int] = {}  # producer -> last stored seq
+        self._blocked_since: dict[str, float] = {}  # producer -> when it was first told 'full'
+        self._last_take: dict[str, tuple[int, list[bytes]]] = {}  # consumer -> (tid, frames)
+        self._acks: dict[bytes, list[list]] = {}  # identity -> [rid, seq, status] not yet sent
+        self._parked: list[_Parked] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+
+    # ------------------------------------------------------------------------------ lifecycle
+    def start(self) -> BufferService:
+        """Bind (port 0: an ephemeral port; ``address`` says which) and serve in a daemon thread."""
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.bind(self.bind)
+        self.address = self._sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self._thread = threading.Thread(target=self._serve, name="buffer-service", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop serving (the store stays readable in-process); idempotent."""
+        self._stop.set()
+        self._poke()
+        if self._thread is not None:
+            self._thread.join(5.0)
+            self._thread = None
+        if not self._sock.closed:
+            self._sock.close(0)
+            self._ctx.term()
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+
+    def __enter__(self) -> BufferService:
+        return self.start() if self._thread is None else self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def stats(self) -> dict[str, float]:
+        """The store's SampleBuffer stats plus the service's counters (all floats, for metrics)."""
+        with self._lock:
+            out = dict(self._counts)
+            out["waiters"] = float(len(self._parked))
+        out.update(self.buffer.stats())
+        out["capacity"] = float(self.buffer.capacity)
+        return out
+
+    # ------------------------------------------------------------------------------ the loop
+    def _changed(self) -> None:
+        """The store changed: wake the service thread, unless it made the change itself."""
+        if threading.get_ident() != self._ident:
+            self._poke()
+
+    def _poke(self) -> None:
+        """Wake the service thread (any thread may call it: a pipe write is thread-safe)."""
+        try:
+            os.write(self._wake_w, b"x")
+        except (BlockingIOError, OSError):
+            pass  # pipe full (a wake is already pending) or closed at stop
+
+    def _serve(self) -> None:
+        self._ident = threading.get_ident()
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        while not self._stop.is_set():
+            events = dict(poller.poll(self._poll_timeout_ms()))
+            if self._wake_r in events:
+                try:
+                    os.read(self._wake_r, 4096)
+                except BlockingIOError:
+                    pass
+            if self._sock in events:
+                for _ in range(256):  # a bounded burst, then parked requests get a look
+                    try:
+                        parts = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    self._handle(parts)
+                self._flush_acks()
+                self.buffer.wake()  # in-process get_batch waiters: once per burst, not per put
+            self._serve_parked()
+
+    def _poll_timeout_ms(self) -> int:
+        if not self._parked:
+            return 1000
+        soonest = min(p.deadline for p in self._parked)
+        return max(0, int((soonest - time.monotonic()) * 1000) + 1)
+
+    def _reply(self, identity: bytes, message: dict) -> None:
+        frame = pack(message)
+        self._sock.send_multipart([identity, frame], copy=len(frame) < (1 << 16))  # zero-copy only pays when large
+
+    def _count(self, key: str, value: float = 1.0) -> None:
+        with self._lock:
+            self._counts[key] += value
+
+    def _handle(self, parts: list[zmq.Frame]) -> None:
+        identity = parts[0].bytes
+        self._count("frames_in")
+        rid = -1
+        try:
+            self._count("bytes_in", sum(len(p.buffer) for p in parts[1:]))
+            if len(parts) not in (2, 3):
+                raise WireError("multipart", f"{len(parts) - 1} parts; a request is one (a put two)")
+            msg = unpack(parts[1].buffer, self.max_frame_bytes)
+            rid = _request_rid(msg)
+            _check_request(msg)
+            if len(parts) != (3 if msg["op"] == "put" else 2):
+                raise WireError("multipart", f"{msg['op']} with {len(parts) - 1} parts; a request is one "
+                                             "part, a put two (header, group)")
+            if msg["op"] == "put":
+                msg["group"] = parts[2].buffer  # the group's frame, kept as received (no copy)
+                if len(msg["group"]) > self.max_frame_bytes:  # refused before anything else
+                    raise WireError("oversized", f"group frame of {len(msg['group'])} bytes > {self.max_frame_bytes}")
+            reply = getattr(self, f"_op_{msg['op']}")(identity, msg)
+        except WireError as exc:
+            self._count("rejected")
+            self._count(f"rejected_{exc.reason}")
+            reply = {"status": "rejected", "reason": exc.reason, "detail": str(exc)[:500]}
+        except Exception as exc:  # a bug here must not stop the service for everyone
+            self._count("internal_errors")
+            log.exception("buffer service: request failed")
+            reply = {"status": "error", "detail": f"{type(exc).__name__}: {exc}"[:500]}
+        if reply is None:  # parked, answered later
+            return
+        reply["rid"] = rid
+        if "seq" in reply:  # a put's answer: sent with the burst's others to this producer
+            self._acks.setdefault(identity, []).append([rid, reply["seq"], reply["status"]])
+        else:
+            self._flush_acks(identity)  # keep this client's answers in order
+            self._reply(identity, reply)
+
+    def _flush_acks(self, identity: bytes | None = None) -> None:
+        """Send the put answers of a burst: one message per producer, not one per put (each
+        message is a wake-up of the producer and a send here)."""
+        for ident in [identity] if identity is not None else list(self._acks):
+            acks = self._acks.pop(ident, None)
+            if acks and len(acks) == 1:
+                rid, seq, status = acks[0]
+                self._reply(ident, {"rid": rid, "seq": seq, "status": status})
+            elif acks:
+                self._reply(ident, {"rid": -1, "status": "acks", "acks": acks})
+
+    # ------------------------------------------------------------------------------ operations
+    def _op_put(self, identity: bytes, msg: dict) -> dict:
+        producer, seq = msg["producer"], msg["seq"]
+        last = self._seen.get(producer, -1)
+        if seq <= last:
+            self._count("duplicates")
+            return {"status": "duplicate", "seq": seq}
+        if seq > last + 1:  # an earlier put of this producer was refused: keep its order
+            self._count("gap_replies")
+            return {"status": "gap", "seq": seq}
+        frame = msg["group"]
+        group = decode_group(unpack(frame, self.max_frame_bytes))
+        try:
+            stored = self.buffer.try_put(group, frame=frame, notify=False)
+        except BufferClosed:
+            return {"status": "closed", "seq": seq}
+        now = time.monotonic()
+        if not stored:
+            self._blocked_since.setdefault(producer, now)
+            self._count("full_replies")
+            return {"status": "full", "seq": seq}
+        self._seen[producer] = seq
+        self._count("puts")
+        if producer in self._blocked_since:
+            self._count("producer_blocked_s", now - self._blocked_since.pop(producer))
+        return {"status": "stored", "seq": seq}
+
+    def _op_wait_space(self, identity: bytes, msg: dict) -> dict | None:
+        return self._park_or_answer(identity, msg, since=0)
+
+    def _op_meta(self, identity: bytes, msg: dict) -> dict | None:
+        return self._park_or_answer(identity, msg, since=msg["since"])
+
+    def _op_take(self, identity: bytes, msg: dict) -> dict:
+        """All the keys or none. A consumer's last answer is kept until its next take, so a take
+        retried after a lost reply gets the same groups again instead of losing them."""
+        keys, consumer, tid = msg["keys"], msg["consumer"], msg["tid"]
+        if any(type(k) is not int for k in keys):
+            raise WireError("bad_type", "take.keys must be a list of ints")
+        last = self._last_take.get(consumer)
+        if last is not None and last[0] == tid:
+            self._count("take_replays")
+            return {"status": "ok", "groups": last[1]}
+        try:
+            taken = self.buffer.take(keys)
+        except BufferClosed:
+            return {"status": "closed"}
+        if taken is None:
+            return {"status": "missing"}
+        frames = [frame for _, frame in taken]
+        self._last_take[consumer] = (tid, frames)
+        return self._groups_reply(frames)
+
+    def _op_drain(self, identity: bytes, msg: dict) -> dict:
+        _, _, metas = self.buffer.meta()
+        taken = self.buffer.take([m.key for m in metas], closed_ok=True) or []
+        return self._groups_reply([frame for _, frame in taken])
+
+    def _op_stats(self, identity: bytes, msg: dict) -> dict:
+        return {"status": "ok", "stats": self.stats()}
+
+    def _op_close(self, identity: bytes, msg: dict) -> dict:
+        self.buffer.close()
+        return {"status": "ok"}
+
+    def _groups_reply(self, frames: list[bytes]) -> dict:
+        self._count("gets", len(frames))
+        self._count("bytes_out", sum(len(f) for f in frames))
+        return {"status": "ok", "groups": frames}
+
+    # ------------------------------------------------------------------------------ long-polls
+    def _park_or_answer(self, identity: bytes, msg: dict, since: int) -> dict | None:
+        p = _Parked(identity, msg["op"], msg["rid"], since, time.monotonic() + max(msg["wait_ms"], 0) / 1000)
+        answer = self._answer(p, timed_out=msg["wait_ms"] <= 0)
+        if answer is not None:
+            return answer
+        if len(self._parked) >= self.max_waiters:
+            raise WireError("too_many_waiters", f"{self.max_waiters} long-polls already parked")
+        with self._lock:
+            self._parked.append(p)
+        return None
+
+    def _answer(self, p: _Parked, timed_out: bool) -> dict | None:
+        """The reply to a parked request if it is due now, else None."""
+        epoch, closed, metas = self.buffer.meta()
+        if p.op == "wait_space":
+            if closed or len(metas) < self.buffer.capacity:
+                return {"status": "closed" if closed else "ok"}
+            return {"status": "timeout"} if timed_out else None
+        if epoch == p.since and not timed_out:
+            return None
+        return {"status": "ok", "epoch": epoch, "closed": closed, "capacity": self.buffer.capacity,
+                "groups": [m.to_wire() for m in metas]}
+
+    def _serve_parked(self) -> None:
+        if not self._parked:
+            return
+        now, keep = time.monotonic(), []
+        for p in self._parked:
+            answer = self._answer(p, timed_out=now >= p.deadline)
+            if answer is None:
+                keep.append(p)
+            else:
+                answer["rid"] = p.rid
+                self._reply(p.identity, answer)
+        with self._lock:
+            self._parked = keep
+
+
+def _request_rid(msg: Any) -> int:
+    """The request id to echo, if there is a usable one (so even a rejection reaches its caller)."""
+    if isinstance(msg, dict) and isinstance(msg.get("rid"), int) and not isinstance(msg.get("rid"), bool):
+        return msg["rid"]
+    return -1
+
+
+def _check_request(msg: Any) -> None:
+    if not isinstance(msg, dict):
+        raise WireError("bad_schema", f"a request is a map, got {type(msg).__name__}")
+    op = msg.get("op")
+    if op not in OPS:
+        raise WireError("unknown_op", f"op {op!r} is not one of {', '.join(OPS)}")
+    schema = OPS[op]
+    keys = set(msg) - {"op"}
+    if keys != set(schema):
+        raise WireError("bad_schema", f"{op}: expected keys {sorted(schema)}, got {sorted(keys)}")
+    for key, typ in schema.items():
+        value = msg[key]
+        if (typ is int and isinstance(value, bool)) or not isinstance(value, typ):
+            raise WireError("bad_type", f"{op}.{key} must be {typ.__name__}, got {type(value).__name__}")

@@ -1,0 +1,229 @@
+"""The buffer service's wire format: msgpack frames, arrays as raw bytes + dtype + shape, no pickle.
+
+A frame from the network must never execute code, so nothing here can build an arbitrary object:
+msgpack yields only None/bool/int/float/str/bytes/list/dict, extension types are refused, and the
+decoder turns that into a ``Group`` only after checking every field's type, every array's dtype
+against an allow-list and its byte length against ``shape × itemsize``, and that the per-token
+arrays of a sample agree in length. Anything else is a ``WireError`` whose ``reason`` is one of
+``REASONS`` -- the service counts rejections by that name and keeps serving.
+
+Layout (positional msgpack arrays: the schema is the field order below, checked on decode; no
+key strings repeated in every frame):
+
+    group  = [prompt_id, admitted_version, data_index, [sample, ...]]
+    sample = [prompt_id, sample_index, reward, finish_reason, admitted_version, meta,
+              prompt_ids, response_ids, behav_logprobs, versions]
+    array  = [dtype, shape, data, was_list]      e.g. ["<i4", [1024], <4096 bytes>, false]
+
+A NumPy array goes as its own dtype (int32 token ids cost 4 bytes a token) and comes back as a
+read-only NumPy view over the received bytes (no copy; ``.copy()`` it to write); a Python list
+goes as int64/float64 (exact for every Python int in range and every float) and comes back as a
+list: what a producer puts is what the consumer gets, value for value and type for type.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from buffers.types import Group, Sample
+
+# Every way a frame can be refused; the service keeps a counter per name.
+REASONS = ("oversized", "multipart", "truncated", "malformed", "extra_data", "bad_type", "bad_schema",
+           "bad_dtype", "bad_shape", "length_mismatch", "unknown_op", "too_many_waiters")
+
+# Little-endian only, so a frame means the same on every host.
+INT_DTYPES = {d: np.dtype(d) for d in ("<i4", "<i8")}
+FLOAT_DTYPES = {d: np.dtype(d) for d in ("<f2", "<f4", "<f8")}
+ARRAY_FIELDS = {"prompt_ids": INT_DTYPES, "response_ids": INT_DTYPES,
+                "behav_logprobs": FLOAT_DTYPES, "versions": INT_DTYPES}
+GROUP_FIELDS = (("prompt_id", int), ("admitted_version", int), ("data_index", int), ("samples", list))
+SAMPLE_FIELDS = (("prompt_id", int), ("sample_index", int), ("reward", float), ("finish_reason", str),
+                 ("admitted_version", int), ("meta", dict)) + tuple((k, list) for k in ARRAY_FIELDS)
+ARRAY_PARTS = (("dtype", str), ("shape", list), ("data", bytes), ("was_list", bool))
+META_TYPES = (type(None), bool, int, float, str, bytes)
+MAX_META_DEPTH = 8
+
+
+class WireError(ValueError):
+    """A frame (or a value to encode) the schema refuses; ``reason`` is one of ``REASONS``."""
+
+    def __init__(self, reason: str, detail: str):
+        assert reason in REASONS, reason
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+
+
+# ---------------------------------------------------------------------------------------- encoding
+
+def pack(message: dict) -> bytes:
+    """A control message (already plain msgpack types) → one frame."""
+    return msgpack.packb(message, use_bin_type=True)
+
+
+def encode_group(group: Group) -> bytes:
+    """A Group → its frame. Checked on this side too, so a producer's bug fails in the producer."""
+    if not group.samples:
+        raise WireError("bad_schema", f"group {group.prompt_id} has no samples")
+    return pack([_int(group.prompt_id, "group.prompt_id"), _int(group.admitted_version, "group.admitted_version"),
+                 _int(group.data_index, "group.data_index"),
+                 [_encode_sample(s, group.prompt_id) for s in group.samples]])
+
+
+def _encode_sample(s: Sample, prompt_id: int) -> list:
+    if s.prompt_id != prompt_id:
+        raise WireError("bad_schema", f"sample of prompt {s.prompt_id} in group {prompt_id}")
+    arrays = [_encode_array(getattr(s, name), name, allowed) for name, allowed in ARRAY_FIELDS.items()]
+    _check_lengths(dict(zip(ARRAY_FIELDS, (a[1][0] for a in arrays))), s.prompt_id)
+    if not isinstance(s.meta, dict):
+        raise WireError("bad_type", f"meta must be a dict, got {type(s.meta).__name__}")
+    _check_meta(s.meta, "meta", 0)
+    return [_int(s.prompt_id, "prompt_id"), _int(s.sample_index, "sample_index"), float(s.reward),
+            str(s.finish_reason), _int(s.admitted_version, "admitted_version"), s.meta, *arrays]
+
+
+def _encode_array(value: Any, name: str, allowed: dict[str, np.dtype]) -> list:
+    """NumPy array: its own (little-endian) dtype; list/tuple: int64 or float64, exact."""
+    if type(value) is np.ndarray and value.dtype.str in allowed and value.ndim == 1 and value.flags.c_contiguous:
+        return [value.dtype.str, [len(value)], memoryview(value).cast("B"), False]  # packed without a copy
+    is_list = not isinstance(value, np.ndarray)
+    if is_list:
+        arr = _list_array(value, name, allowed is INT_DTYPES)
+    else:
+        arr = value.astype(value.dtype.newbyteorder("<"), copy=False)
+    if arr.dtype.str not in allowed:
+        raise WireError("bad_dtype", f"{name}: dtype {value.dtype} not in {', '.join(allowed)}")
+    if arr.ndim != 1:
+        raise WireError("bad_shape", f"{name}: must be 1-D, got shape {arr.shape}")
+    return [arr.dtype.str, [int(arr.shape[0])], np.ascontiguousarray(arr).tobytes(), is_list]
+
+
+def _list_array(value: Any, name: str, integer: bool) -> np.ndarray:
+    """A list → int64 / float64 without silent conversion: a float among token ids is an error."""
+    if not isinstance(value, (list, tuple)):
+        raise WireError("bad_type", f"{name} must be a list or a NumPy array, got {type(value).__name__}")
+    wide = "<i8" if integer else "<f8"
+    if not value:
+        return np.zeros(0, dtype=wide)
+    try:
+        arr = np.asarray(value)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise WireError("bad_type", f"{name}: {exc}") from None
+    kinds = "iu" if integer else "iuf"
+    if arr.dtype.kind not in kinds or (arr.dtype.kind == "u" and arr.size and arr.max() >= 2**63):
+        raise WireError("bad_type", f"{name}: list of {arr.dtype} values, expected "
+                                    f"{'ints' if integer else 'floats'} (int64/float64 range)")
+    return arr.astype(wide, copy=False)
+
+
+def _int(value: Any, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise WireError("bad_type", f"{name} must be an int, got {type(value).__name__}")
+    return int(value)
+
+
+def _check_meta(value: Any, where: str, depth: int) -> None:
+    """``meta`` travels as plain msgpack: scalars, str-keyed dicts and lists, nested ≤ 8 deep."""
+    if depth > MAX_META_DEPTH:
+        raise WireError("bad_schema", f"{where} nests deeper than {MAX_META_DEPTH}")
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise WireError("bad_type", f"{where} key {k!r} is not a str")
+            _check_meta(v, f"{where}[{k!r}]", depth + 1)
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            _check_meta(v, f"{where}[{i}]", depth + 1)
+    elif not isinstance(value, META_TYPES):
+        raise WireError("bad_type", f"{where} is a {type(value).__name__}; meta holds only "
+                                    "None/bool/int/float/str/bytes and lists/str-keyed dicts of them")
+
+
+# ---------------------------------------------------------------------------------------- decoding
+
+def unpack(frame: bytes | memoryview, max_bytes: int) -> Any:
+    """One frame → plain msgpack values, or a WireError naming why not."""
+    if len(frame) > max_bytes:
+        raise WireError("oversized", f"{len(frame)} bytes > limit {max_bytes}")
+    # A declared container length can never exceed the frame's byte count (each element takes a
+    # byte at least), so no header can make msgpack allocate more than the frame justifies.
+    items = max(len(frame), 1)
+    try:
+        return msgpack.unpackb(frame, raw=False, strict_map_key=True, ext_hook=_refuse_ext,
+                               max_bin_len=max_bytes, max_str_len=max_bytes, max_array_len=items,
+                               max_map_len=items)
+    except WireError:
+        raise
+    except msgpack.ExtraData:
+        raise WireError("extra_data", "bytes after the end of the message") from None
+    except ValueError as exc:
+        # "exceeds max_*": a header declares more than the frame holds -- also a cut-off frame
+        text = str(exc)
+        reason = ("truncated" if "incomplete" in text or "exceeds max_" in text
+                  else "bad_type" if "map key" in text else "malformed")  # keys must be str
+        raise WireError(reason, str(exc) or type(exc).__name__) from None
+    except Exception as exc:  # noqa: BLE001 - msgpack may raise TypeError etc. on hostile input
+        raise WireError("malformed", f"{type(exc).__name__}: {exc}") from None
+
+
+def _refuse_ext(code: int, data: bytes) -> Any:
+    raise WireError("bad_type", f"msgpack extension type {code} is not accepted")
+
+
+def decode_group(raw: Any) -> Group:
+    """Validated plain values (from ``unpack``) → a Group, or a WireError."""
+    prompt_id, admitted_version, data_index, samples = _fields(raw, GROUP_FIELDS, "group")
+    if not samples:
+        raise WireError("bad_schema", f"group {prompt_id} has no samples")
+    return Group(prompt_id=prompt_id, samples=[_decode_sample(s, prompt_id) for s in samples],
+                 admitted_version=admitted_version, data_index=data_index)
+
+
+def _decode_sample(raw: Any, group_id: int) -> Sample:
+    prompt_id, index, reward, finish, admitted, meta, *arrays = _fields(raw, SAMPLE_FIELDS, "sample")
+    if prompt_id != group_id:
+        raise WireError("bad_schema", f"sample of prompt {prompt_id} in group {group_id}")
+    values = {name: _decode_array(a, name, allowed) for a, (name, allowed) in zip(arrays, ARRAY_FIELDS.items())}
+    _check_lengths({k: len(v) for k, v in values.items()}, prompt_id)
+    _check_meta(meta, "meta", 0)
+    return Sample(prompt_id=prompt_id, sample_index=index, reward=reward, finish_reason=finish,
+                  admitted_version=admitted, meta=meta, **values)
+
+
+def _decode_array(raw: Any, name: str, allowed: dict[str, np.dtype]) -> Any:
+    dtype, shape, data, was_list = _fields(raw, ARRAY_PARTS, name)
+    dt = allowed.get(dtype)
+    if dt is None:
+        raise WireError("bad_dtype", f"{name}: dtype {dtype!r} not in {', '.join(allowed)}")
+    if len(shape) != 1 or type(shape[0]) is not int or shape[0] < 0:
+        raise WireError("bad_shape", f"{name}: shape must be [n] with n >= 0, got {shape!r}")
+    if len(data) != shape[0] * dt.itemsize:
+        raise WireError("bad_shape", f"{name}: {len(data)} bytes for shape {shape} of {dtype}")
+    arr = np.frombuffer(data, dtype=dt)  # a read-only view: no copy
+    return arr.tolist() if was_list else arr
+
+
+def _fields(raw: Any, schema: tuple[tuple[str, type], ...], where: str) -> list:
+    """Exactly the schema's fields, in order, each of its type (a bool is not an int, an int not a
+    float: ``type(v) is t``, which is also the fast check)."""
+    if type(raw) is not list or len(raw) != len(schema):
+        raise WireError("bad_schema", f"{where} must be an array of {len(schema)} fields "
+                                      f"({', '.join(n for n, _ in schema)}), got {_describe(raw)}")
+    for value, (key, typ) in zip(raw, schema):
+        if type(value) is not typ:
+            raise WireError("bad_type", f"{where}.{key} must be {typ.__name__}, got {type(value).__name__}")
+    return raw
+
+
+def _describe(raw: Any) -> str:
+    return f"{len(raw)} fields" if isinstance(raw, list) else type(raw).__name__
+
+
+def _check_lengths(lengths: dict[str, int], prompt_id: int) -> None:
+    """Each response token has exactly one behaviour logprob and one version (invariants 1, 3)."""
+    n = lengths["response_ids"]
+    if lengths["behav_logprobs"] != n or lengths["versions"] != n:
+        raise WireError("length_mismatch", f"prompt {prompt_id}: {n} response tokens, "
+                                           f"{lengths['behav_logprobs']} logprobs, {lengths['versions']} versions")

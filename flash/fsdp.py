@@ -1,0 +1,237 @@
+"""One rank of the FSDP2 trainer: a ``Trainer`` whose model is sharded with ``fully_shard``.
+
+Each rank is a Ray actor process in one torch.distributed group (gloo on CPU, NCCL on GPU). Every
+decoder layer and the root model are ``fully_shard``-ed: each rank stores 1/N of every parameter,
+gradient and AdamW moment; a layer's full weights exist only while it runs (all-gather), and
+gradients are reduce-scattered as each layer's backward ends.
+
+The algorithm is the single-process ``Trainer``'s, reused, not forked: the step in parts
+(``begin_step`` / accumulate / finish), the loss of a micro-batch (``Trainer._micro_loss`` →
+``algos.policy_loss``), its weight (``part_weight``: masked tokens for token-mean, rows for the
+seq-mean modes) and the fused proximal policy with its mismatch tracking. What differs is only
+*which rows* a rank trains on (a plan from ``flash.microbatch``, made by the group) and the divisor
+of the summed gradient: the *global* weight of the whole step (all ranks' tokens or rows), not the
+rank's. Gradients are reduced with SUM (FSDP's default is the mean over ranks, which would divide
+by N a second time), so the result is the full-batch gradient of the single-process trainer.
+"""
+
+from __future__ import annotations
+
+import difflib
+import socket
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from flash.batch import TrainBatch
+from flash.microbatch import Plan
+from flash.trainer import Trainer, TrainerSettings, part_weight, token_logprobs
+
+MIXED_PRECISION = {"fp32": None, "bf16": torch.bfloat16}
+COLLECTIVE_TIMEOUT_S = 600  # a dead peer fails the step after this, instead of hanging forever
+
+
+@dataclass
+class GroupSettings:
+    """The FSDP2 group's own knobs (``train.workers`` and friends in the config)."""
+
+    workers: int = 1
+    micro_tokens: int = 0  # padded tokens per micro-batch; 0: only train.micro_batch_size rows
+    mixed_precision: str = "fp32"  # fp32 | bf16 (bf16 params in compute, fp32 master and reduce)
+    activation_checkpointing: bool = False  # recompute each decoder layer in backward
+
+    def __post_init__(self) -> None:
+        if self.workers < 1:
+            raise ValueError(f"train.workers must be >= 1, got {self.workers}")
+        if self.micro_tokens < 0:
+            raise ValueError(f"train.micro_tokens must be >= 0 (0 = no token budget), got {self.micro_tokens}")
+        if self.mixed_precision not in MIXED_PRECISION:
+            near = difflib.get_close_matches(str(self.mixed_precision), list(MIXED_PRECISION), n=1, cutoff=0.5)
+            raise ValueError(f"train.mixed_precision must be one of {', '.join(MIXED_PRECISION)}, "
+                             f"got '{self.mixed_precision}'" + (f" (did you mean '{near[0]}'?)" if near else ""))
+
+
+def group_settings(train) -> GroupSettings | None:
+    """The group's knobs from the ``train`` config section, or None for the single-process trainer.
+
+    A group is used when ``workers`` > 1 or any group knob is set (a one-rank group then), so that
+    no knob the user set is silently ignored.
+    """
+    group = GroupSettings(workers=train.workers, micro_tokens=train.micro_tokens,
+                          mixed_precision=train.mixed_precision,
+                          activation_checkpointing=train.activation_checkpointing)
+    return None if group == GroupSettings() else group
+
+
+def take_rows(batch: TrainBatch, idx: list[int]) -> TrainBatch:
+    """Rows ``idx`` (any order) of ``batch``, trimmed to the longest of them."""
+    index = torch.tensor(idx, dtype=torch.long, device=batch.input_ids.device)
+    length = int(batch.attention_mask.index_select(0, index).sum(dim=1).max())
+    pick = lambda t, cols=None: t.index_select(0, index) if cols is None else t.index_select(0, index)[:, :cols]
+    return TrainBatch(
+        input_ids=pick(batch.input_ids, length), attention_mask=pick(batch.attention_mask, length),
+        mask=pick(batch.mask, length - 1), behav_logp=pick(batch.behav_logp, length - 1),
+        versions=pick(batch.versions, length - 1), rewards=pick(batch.rewards),
+        group_ids=pick(batch.group_ids),
+    )
+
+
+def batch_to(batch: TrainBatch, device: torch.device) -> TrainBatch:
+    return TrainBatch(**{k: v.to(device) for k, v in vars(batch).items()})
+
+
+def decoder_layers(model) -> list[torch.nn.Module]:
+    """The model's repeated blocks (HF names their class in ``_no_split_modules``): FSDP units."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    # by ancestry: fully_shard swaps a module's class for an FSDP subclass of it
+    layers = [m for m in model.modules() if any(c.__name__ in names for c in type(m).__mro__)]
+    if not layers:
+        raise ValueError(f"{type(model).__name__} names no decoder-layer class in _no_split_modules; "
+                         "cannot choose FSDP units")
+    return layers
+
+
+def shard_model(model, group: GroupSettings, mesh) -> None:
+    """``fully_shard`` each decoder layer, then the root (embeddings, final norm, LM head).
+
+    Gradient reduction is a plain SUM (divide factor 1, and gloo has no premultiplied sum): the
+    step divides the summed gradient by the *global* weight itself (``planned_finish``).
+    """
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    if group.activation_checkpointing:
+        if not getattr(model, "supports_gradient_checkpointing", False):
+            raise ValueError(f"{type(model).__name__} does not support activation checkpointing; "
+                             "set train.activation_checkpointing=false")
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    dtype = MIXED_PRECISION[group.mixed_precision]
+    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if dtype else MixedPrecisionPolicy()
+    for layer in decoder_layers(model):
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+
+
+class ShardedTrainer(Trainer):
+    """The Trainer's algorithm over a sharded model and a planned slice of the batch."""
+
+    def __init__(self, model, settings: TrainerSettings, group: GroupSettings, mesh, device, seed: int = 0):
+        import copy
+
+        self.device = device
+        kl = float(settings.loss.get("kl_coef", 0.0) or 0.0) != 0.0
+        self._ref = copy.deepcopy(model).eval() if kl else None  # before sharding: its own FSDP units
+        model.to(device)
+        shard_model(model, group, mesh)
+        if self._ref is not None:
+            self._ref.to(device)
+            shard_model(self._ref, GroupSettings(mixed_precision=group.mixed_precision), mesh)
+        super().__init__(model, settings, seed=seed)
+
+    def _reference_model(self, model):
+        return self._ref
+
+    @torch.no_grad()
+    def planned_logprobs(self, batch: TrainBatch, plan: Plan, model=None) -> torch.Tensor:
+        """``[N, L-1]`` logprobs on this rank's rows, zeros elsewhere (ranks' outputs add up)."""
+        model = model or self.model
+        out = torch.zeros_like(batch.mask)
+        for mb in plan:
+            part = take_rows(batch, mb or self._pad_row(plan))
+            logp, _ = token_logprobs(model, part, self.s.temperature)
+            if mb is not None:  # a padding pass only keeps the collectives in step
+                out[torch.tensor(mb, device=out.device), : logp.shape[1]] = logp * part.mask
+        return out
+
+    @staticmethod
+    def _pad_row(plan: Plan) -> list[int]:
+        rows = [i for mb in plan if mb for i in mb]
+        return rows[:1] or [0]
+
+    def planned_accumulate(self, batch: TrainBatch, advantages, prox_logp, plan: Plan) -> float:
+        """``Trainer.accumulate`` over this rank's planned rows: backward into the open step
+        (``begin_step``), each micro-batch weighted by what it stands for (``part_weight``); a
+        padding pass weighs 0. Returns this rank's weight; the group sums them over ranks."""
+        start = time.monotonic()
+        acc = self._acc
+        ref = self.planned_logprobs(batch, plan, self.ref_model) if self.ref_model is not None else None
+        added = 0.0
+        for mb in plan:
+            idx = mb or self._pad_row(plan)
+            part = take_rows(batch, idx)
+            width = part.mask.shape[1]
+            # a padding pass: prox given, so it adds nothing to the mismatch metrics either
+            prox = _cut(prox_logp, idx, width) if mb is not None else part.behav_logp
+            loss, m = self._micro_loss(part, _cut(advantages, idx, width), prox, _cut(ref, idx, width))
+            weight = part_weight(self.s.agg, part) if mb is not None else 0.0
+            (loss * weight).backward()
+            acc["loss"] += float(loss.detach()) * weight
+            for key, value in m.items():
+                acc["metrics"][key] = acc["metrics"].get(key, 0.0) + float(value) * weight
+            added += weight
+        acc["weight"] += added
+        acc["busy"] += time.monotonic() - start
+        return added
+
+    def planned_finish(self, total: float) -> dict:
+        """``Trainer.finish_step`` with the step's *global* weight ``total`` (all ranks' parts).
+
+        The reduce-scattered gradient is the sum over ranks; dividing it by the global total gives
+        the single-process gradient. Returns this rank's partial sums (already divided by
+        ``total``), which the group adds up.
+        """
+        start = time.monotonic()
+        acc, total = self._acc, max(total, 1e-12)
+        for p in self.model.parameters():
+            if p.grad is not None:
+                p.grad.div_(total)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.s.grad_clip)
+        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+        global_loss = torch.tensor([acc["loss"]], dtype=torch.float64, device=self.device)
+        dist.all_reduce(global_loss)  # every rank must agree on skipping a non-finite step
+        finite = bool(torch.isfinite(grad_norm)) and bool(torch.isfinite(global_loss).all())
+        if finite:
+            self.optimizer.step()
+        self.steps += 1
+        self.busy_s += acc["busy"] + time.monotonic() - start
+        partial = {k: v / total for k, v in acc["metrics"].items()}
+        partial["loss"] = acc["loss"] / total
+        return {"partial": partial, "grad_norm": float(grad_norm), "skipped": float(not finite),
+                "mismatch": list(self._mismatch_acc)}
+
+    def planned_step(self, batch: TrainBatch, advantages, prox_logp, plan: Plan, total: float) -> dict:
+        """One optimizer step over this rank's rows; ``total``: the batch's global weight."""
+        self.begin_step()
+        self.planned_accumulate(batch, advantages, prox_logp, plan)
+        return self.planned_finish(total)
+
+
+def _cut(t: torch.Tensor | None, idx: list[int], width: int) -> torch.Tensor | None:
+    """Rows ``idx`` of a token-level ``[N, L-1]`` tensor, trimmed to a micro-batch's width."""
+    return None if t is None else t.index_select(0, torch.tensor(idx, device=t.device))[:, :width]
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` now (the OS picks; another process could take it before rank 0
+    binds it, which fails ``setup`` loudly rather than joining the wrong group)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def pick_device(rank: int) -> tuple[torch.device, str]:
+    """(device, backend): a GPU with NCCL when one is visible, else the CPU with gloo.
+
+    With one visible GPU (Ray gave this rank ``num_gpus=1``) it is ``cuda:0``; with several (no
+    per-rank assignment) rank ``r`` takes GPU ``r mod count``, so ranks never share one by accident.
+    """
+    if torch.cuda.is_available():
+        device = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        return device, "nccl"
+    return torch.device("cpu"), "gloo"

@@ -1,0 +1,84 @@
+"""Checkpoints of a sharded trainer: torch distributed checkpoints, and a Hugging Face export.
+
+- ``save_dcp`` / ``load_dcp``: model *and* AdamW state as a torch.distributed.checkpoint (DCP)
+  folder. Every rank writes only its own shards, in parallel, never gathering the whole model in
+  one process; DCP records the global layout, so a checkpoint loads into a group of another size.
+  (Across hosts, ``path`` must be on a file system every rank sees.)
+- ``export_hf``: the full weights gathered on rank 0 and written as a Hugging Face folder
+  (``model.safetensors`` + ``config.json`` + generation config + the tokenizer files of the model
+  the run started from), which ``transformers.AutoModelForCausalLM.from_pretrained`` and vLLM load.
+
+Every function here is collective: all ranks call it, in the same order.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+
+def full_state_dict(model) -> dict[str, torch.Tensor] | None:
+    """The unsharded state dict on rank 0 (CPU tensors, every key the plain model has); None elsewhere."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {k: v.detach().clone() for k, v in sd.items()} if dist.get_rank() == 0 else None
+
+
+def save_dcp(model, optimizer, path: str) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    msd, osd = get_state_dict(model, optimizer)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+
+
+def load_dcp(model, optimizer, path: str) -> None:
+    """Load model and optimizer state saved by ``save_dcp`` (any world size) into the live shards."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    if not (Path(path) / ".metadata").is_file():
+        raise FileNotFoundError(f"no torch distributed checkpoint at {path} (missing .metadata); "
+                                "pass the folder that TrainerGroup.save wrote")
+    msd, osd = get_state_dict(model, optimizer)
+    state = {"model": msd, "optim": osd}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+def export_hf(model, path: str, tokenizer_source: str | None) -> dict | None:
+    """Write a Hugging Face folder at ``path`` from rank 0; returns what was written (rank 0 only).
+
+    Tensors are saved as they are in the state dict (tied weights included once per key, as the
+    plain model's ``state_dict`` lists them); ``from_pretrained`` re-ties them.
+    """
+    from safetensors.torch import save_file
+
+    sd = full_state_dict(model)
+    if dist.get_rank() != 0:
+        return None
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in sd.items()}, str(out / "model.safetensors"),
+              metadata={"format": "pt"})
+    model.config.save_pretrained(out)
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(out)
+    return {"path": str(out), "tensors": len(sd), "tokenizer": _copy_tokenizer(tokenizer_source, out)}
+
+
+def _copy_tokenizer(source: str | None, out: Path) -> bool:
+    """Save the start model's tokenizer beside the weights; False (reported) when it has none."""
+    if not source:
+        return False
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source)
+    except (OSError, ValueError):
+        return False
+    tokenizer.save_pretrained(out)
+    return True

@@ -1,0 +1,156 @@
+"""Built-in rewards: ``math`` (answer checking with math-verify) and ``code`` (hidden tests in the
+sandbox, with RollPacker's adaptive timeout).
+
+``code`` reads its hidden tests from ``item.meta``:
+
+- ``entry_point`` + ``tests: [{"input": [args...], "output": value}, ...]``: the response defines a
+  function; one sandbox run calls it on every input and prints one JSON result per line;
+- ``tests: [{"stdin": "...", "stdout": "..."}, ...]`` (no entry point): the response is a program,
+  run once per test.
+
+Expected outputs never enter the sandbox, so code cannot pass by printing "all passed" or by
+calling ``os._exit(0)``: only lines that carry the right values count. A run that ends in
+``timeout``/``memory``/``killed`` keeps whatever results it printed before.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import re
+import threading
+from collections import Counter
+
+from flash.rewards import sandbox
+from flash.rewards.registry import register_reward
+from flash.rewards.timeout import AdaptiveTimeout
+
+_FENCE = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)```", re.DOTALL)
+
+# Calls the entry point on each input of inputs.json. The solution's own prints go to stderr so
+# they do not mix with result lines (it could still write to fd 1, but a forged line counts only
+# if it carries the right value -- which is solving the test).
+_HARNESS = """\
+import json, sys
+_out = sys.stdout
+sys.stdout = sys.stderr
+_ns = {"__name__": "solution"}
+exec(compile(open("solution.py").read(), "solution.py", "exec"), _ns)
+_fn = _ns[%r]
+for _i, _args in enumerate(json.load(open("inputs.json"))):
+    try:
+        _r = _fn(*_args)
+        _out.write("%%d\\t%%s\\n" %% (_i, json.dumps(_r)))
+        _out.flush()
+    except Exception as _e:
+        print("test %%d raised %%r" %% (_i, _e), file=sys.stderr)
+"""
+
+
+@register_reward("math")
+def math_reward(item, response: str) -> float:
+    """1.0 if ``response``'s final answer equals ``item.answer`` mathematically ("1/2", "0.5" and
+    "\\frac{1}{2}" all match), else 0.0. math-verify's own timeouts use SIGALRM, which only works
+    in the main thread, so they are off here: the reward pool's deadline bounds the call."""
+    from math_verify import parse, verify
+
+    logging.getLogger("math_verify").setLevel(logging.ERROR)
+    gold = parse(str(item.answer), parsing_timeout=None)
+    pred = parse(response, parsing_timeout=None)
+    if not gold:
+        raise ValueError(f"reference answer {item.answer!r} could not be parsed by math-verify")
+    return 1.0 if pred and verify(gold, pred, timeout_seconds=None) else 0.0
+
+
+def extract_code(response: str) -> str:
+    """The last fenced code block of the response, or the whole response if it has none."""
+    blocks = _FENCE.findall(response)
+    return blocks[-1] if blocks else response
+
+
+def _same(got, want) -> bool:
+    if isinstance(want, float) or isinstance(got, float):
+        return (isinstance(got, (int, float)) and isinstance(want, (int, float))
+                and math.isclose(got, want, rel_tol=1e-6, abs_tol=1e-9))
+    return got == want
+
+
+def count_function_passes(stdout: str, tests: list[dict]) -> int:
+    """Tests whose result line ``i<TAB>json`` matches the expected output (each counted once)."""
+    passed: set[int] = set()
+    for line in stdout.splitlines():
+        idx, _, payload = line.partition("\t")
+        if not idx.isdigit() or int(idx) >= len(tests):
+            continue
+        try:
+            got = json.loads(payload)
+        except ValueError:
+            continue
+        if _same(got, tests[int(idx)]["output"]):
+            passed.add(int(idx))
+    return len(passed)
+
+
+def _normalise(text: str) -> str:
+    return "\n".join(line.rstrip() for line in text.strip().splitlines())
+
+
+class CodeReward:
+    """Scorer for ``reward.name: code``: fraction of hidden tests passed (or 1/0 when
+    ``all_or_nothing``). Keeps an AdaptiveTimeout per task family (``item.meta["family"]``)."""
+
+    def __init__(self, all_or_nothing: bool = False, adaptive: bool = True, t_min: float = 1.0,
+                 t_max: float = 10.0, lam: float = 3.0, memory_mb: int = 512) -> None:
+        self.all_or_nothing, self.adaptive, self.memory_mb = all_or_nothing, adaptive, memory_mb
+        self.timeouts = AdaptiveTimeout(t_min, t_max, lam)
+        self._statuses: Counter[str] = Counter()
+        self._lock = threading.Lock()
+
+    def __call__(self, item, response: str) -> float:
+        tests = item.meta.get("tests")
+        if not tests:
+            raise ValueError(f"code reward: item {item.index} has no meta['tests']")
+        family = str(item.meta.get("family", "default"))
+        timeout = self.timeouts.timeout(family) if self.adaptive else self.timeouts.t_max
+        code = extract_code(response)
+        entry = item.meta.get("entry_point")
+        passed, wall, ok = (self._run_function(code, entry, tests, timeout) if entry
+                            else self._run_programs(code, tests, timeout))
+        self.timeouts.observe(wall, correct=ok and passed == len(tests), family=family)
+        if self.all_or_nothing:
+            return 1.0 if passed == len(tests) else 0.0
+        return passed / len(tests)
+
+    def _execute(self, source: str, timeout: float, **kw) -> sandbox.SandboxResult:
+        res = sandbox.execute(source, timeout_s=timeout, memory_mb=self.memory_mb, **kw)
+        with self._lock:
+            self._statuses[res.status] += 1
+        return res
+
+    def _run_function(self, code: str, entry: str, tests: list[dict],
+                      timeout: float) -> tuple[int, float, bool]:
+        files = {"solution.py": code, "inputs.json": json.dumps([t["input"] for t in tests])}
+        res = self._execute(_HARNESS % entry, timeout, files=files)
+        return count_function_passes(res.stdout, tests), res.wall_s, res.status == "ok"
+
+    def _run_programs(self, code: str, tests: list[dict], timeout: float) -> tuple[int, float, bool]:
+        passed, slowest, all_ok = 0, 0.0, True
+        for test in tests:
+            res = self._execute(code, timeout, stdin=test.get("stdin", ""))
+            slowest, all_ok = max(slowest, res.wall_s), all_ok and res.status == "ok"
+            passed += res.status == "ok" and _normalise(res.stdout) == _normalise(test["stdout"])
+        return passed, slowest, all_ok
+
+    def metrics(self) -> dict[str, float]:
+        with self._lock:
+            out = {f"sandbox/status/{s}": float(n) for s, n in sorted(self._statuses.items())}
+        return {**out, **self.timeouts.metrics()}
+
+
+@register_reward("code", builder=True)
+def code_reward(all_or_nothing: bool = False, adaptive: bool = True, t_min: float = 1.0,
+                t_max: float = 10.0, lam: float = 3.0, memory_mb: int = 512) -> CodeReward:
+    """Knobs: ``all_or_nothing`` (1/0 instead of the fraction passed), ``adaptive`` (RollPacker's
+    T = min(max(t_min, lam * slowest correct run), t_max); off: always t_max), ``memory_mb``."""
+    return CodeReward(all_or_nothing, adaptive, t_min, t_max, lam, memory_mb)

@@ -1,0 +1,227 @@
+"""Reward workers (Ray actors) and the ``RewardPool`` client the rollout scheduler calls.
+
+Why actors: a code reward spends seconds in sandboxes and a math reward in sympy; scoring must
+not share the driver's GIL with the scheduler's threads, and it scales by adding workers.
+
+Failure is an outcome, never a crash (issue 6): a reward function that raises scores 0.0 with
+reason ``error:<ExcType>``; one that overruns ``timeout_s`` scores 0.0 with reason ``timeout``;
+a worker that dies scores ``error:WorkerDied`` and is replaced. Each reason is counted in
+``metrics()`` as ``reward/failures/<reason>``; the run continues.
+
+Concurrency: each worker runs at most ``concurrency`` calls at once (Ray ``max_concurrency``), and
+the pool submits at most ``num_workers * concurrency`` calls (a semaphore), so a call's deadline
+starts when it starts running, not while it waits in an actor's queue.
+
+A Python thread cannot be killed, so a call that overruns keeps running in the worker after it
+has been answered ``timeout``; such *stuck* calls are counted, and a worker with more than
+``max_stuck`` is killed and replaced (``reward/worker_restarts``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass
+
+import ray
+
+from flash.rewards.registry import build_reward, check_pool_args
+
+GRACE_S = 5.0  # extra client-side wait beyond the worker's own deadline (actor call overhead)
+STARTUP_S = 300.0  # a worker must be ready (process up, reward built) within this
+
+
+@dataclass(frozen=True)
+class RewardResult:
+    reward: float
+    reason: str = "ok"  # ok | timeout | error:<ExcType>
+    wall_s: float = 0.0
+
+
+def _as_result(value, wall_s: float) -> RewardResult:
+    """A scorer's return value (float or RewardResult) as a RewardResult; NaN/inf are errors."""
+    reward = value.reward if isinstance(value, RewardResult) else float(value)
+    if not math.isfinite(reward):
+        return RewardResult(0.0, "error:NonFiniteReward", wall_s)
+    reason = value.reason if isinstance(value, RewardResult) else "ok"
+    return RewardResult(float(reward), reason, wall_s)
+
+
+class RewardScorer:
+    """One worker's state: the built scorer, a per-call deadline, the stuck-call count.
+    Plain class so it is testable without Ray; ``RewardWorker`` is its actor form."""
+
+    def __init__(self, section: dict, timeout_s: float, plugins: tuple[str, ...] = ()) -> None:
+        for module in plugins:
+            importlib.import_module(module)
+        self.scorer = build_reward(section)
+        self.timeout_s = timeout_s
+        self._stuck = 0
+        self._lock = threading.Lock()
+
+    def ready(self) -> bool:
+        return True
+
+    def score(self, item, response: str) -> tuple[RewardResult, int]:
+        """(result, calls still stuck in this worker)."""
+        box: dict = {}
+        t0 = time.monotonic()
+        done = threading.Event()
+
+        def run() -> None:
+            try:
+                box["value"] = self.scorer(item, response)
+            except BaseException as exc:  # noqa: BLE001 - any failure is a named outcome
+                box["error"] = exc
+            finally:
+                box["wall"] = time.monotonic() - t0
+                with self._lock:
+                    if box.get("abandoned"):
+                        self._stuck -= 1
+                    done.set()
+
+        threading.Thread(target=run, daemon=True, name="reward-call").start()
+        finished = done.wait(self.timeout_s)
+        with self._lock:
+            if not finished and not done.is_set():
+                box["abandoned"] = True
+                self._stuck += 1
+            stuck = self._stuck
+        if "wall" not in box or box.get("abandoned"):
+            return RewardResult(0.0, "timeout", time.monotonic() - t0), stuck
+        if "error" in box:
+            return RewardResult(0.0, f"error:{type(box['error']).__name__}", box["wall"]), stuck
+        try:
+            return _as_result(box["value"], box["wall"]), stuck
+        except (TypeError, ValueError) as exc:
+            return RewardResult(0.0, f"error:{type(exc).__name__}", box["wall"]), stuck
+
+    def metrics(self) -> dict[str, float]:
+        own = getattr(self.scorer, "metrics", None)
+        out = dict(own()) if callable(own) else {}
+        with self._lock:
+            out["reward/stuck_calls"] = float(self._stuck)
+        return out
+
+
+RewardWorker = ray.remote(num_cpus=0)(RewardScorer)
+
+
+class RewardPool:
+    """Client of ``num_workers`` reward actors; ``score`` is thread-safe and blocking."""
+
+    def __init__(self, section: dict, num_workers: int = 2, concurrency: int = 4,
+                 timeout_s: float = 30.0, plugins: tuple[str, ...] = (), max_stuck: int = 4) -> None:
+        check_pool_args(section, num_workers, concurrency, timeout_s, plugins)
+        self.section, self.plugins = dict(section), tuple(plugins)
+        self.concurrency, self.timeout_s, self.max_stuck = concurrency, timeout_s, max_stuck
+        self._lock = threading.Lock()
+        self._slots = threading.BoundedSemaphore(num_workers * concurrency)
+        self._workers = self._spawn(num_workers)
+        self._inflight = [0] * num_workers
+        self._replacing: set[int] = set()
+        self.counters: Counter[str] = Counter()
+        self._wall_total = 0.0
+        self._wall_max = 0.0
+
+    def _spawn(self, n: int) -> list:
+        """Start ``n`` workers and wait until they are ready, so that a call's deadline never
+        includes a worker's start (seconds on a loaded machine)."""
+        workers = [RewardWorker.options(max_concurrency=self.concurrency).remote(
+            self.section, self.timeout_s, self.plugins) for _ in range(n)]
+        try:
+            ray.get([w.ready.remote() for w in workers], timeout=STARTUP_S)
+        except ray.exceptions.GetTimeoutError:
+            for w in workers:
+                ray.kill(w, no_restart=True)
+            raise RuntimeError(f"reward workers not ready after {STARTUP_S:.0f} s") from None
+        return workers
+
+    def score(self, item, response: str) -> RewardResult:
+        with self._slots:
+            with self._lock:
+                i = min(range(len(self._workers)), key=self._inflight.__getitem__)
+                worker = self._workers[i]
+                self._inflight[i] += 1
+            try:
+                result, stuck = self._call(worker, item, response)
+            finally:
+                with self._lock:
+                    self._inflight[i] -= 1
+        if stuck > self.max_stuck or result.reason == "error:WorkerDied":
+            self._replace(i, worker)
+        self._record(result)
+        return result
+
+    def _call(self, worker, item, response: str) -> tuple[RewardResult, int]:
+        t0 = time.monotonic()
+        ref = worker.score.remote(item, response)
+        try:
+            return ray.get(ref, timeout=self.timeout_s + GRACE_S)
+        except ray.exceptions.GetTimeoutError:
+            return RewardResult(0.0, "timeout", time.monotonic() - t0), self.max_stuck + 1
+        except ray.exceptions.RayActorError:
+            return RewardResult(0.0, "error:WorkerDied", time.monotonic() - t0), 0
+
+    def _replace(self, i: int, worker) -> None:
+        """Swap in a fresh worker, then kill the old one (which serves on meanwhile). Calls
+        still running on it end as ``error:WorkerDied``."""
+        with self._lock:
+            if self._workers[i] is not worker or i in self._replacing:
+                return  # another thread replaced it or is replacing it
+            self._replacing.add(i)
+        try:
+            fresh = self._spawn(1)[0]
+            with self._lock:
+                self._workers[i] = fresh
+                self.counters["worker_restarts"] += 1
+        finally:
+            with self._lock:
+                self._replacing.discard(i)
+        ray.kill(worker, no_restart=True)
+
+    def _record(self, result: RewardResult) -> None:
+        with self._lock:
+            self.counters["calls"] += 1
+            if result.reason != "ok":
+                self.counters[f"failures/{result.reason}"] += 1
+            self._wall_total += result.wall_s
+            self._wall_max = max(self._wall_max, result.wall_s)
+
+    def reward_fn(self):
+        """``(item, response) -> float`` for ``PromptSource.reward`` (reasons stay in metrics)."""
+        return lambda item, response: self.score(item, response).reward
+
+    def metrics(self) -> dict[str, float]:
+        """Pool counters, call wall times, and each worker's scorer metrics (summed counts,
+        max of everything else, e.g. the adaptive timeout's running T)."""
+        with self._lock:
+            out = {f"reward/{k}": float(v) for k, v in self.counters.items()}
+            calls = self.counters["calls"]
+            out["reward/wall_s/mean"] = self._wall_total / calls if calls else 0.0
+            out["reward/wall_s/max"] = self._wall_max
+            workers = list(self._workers)
+        for m in ray.get([w.metrics.remote() for w in workers], timeout=30):
+            for key, value in m.items():
+                summed = key.startswith(("sandbox/status/", "reward/stuck"))
+                out[key] = out.get(key, 0.0) + value if summed else max(out.get(key, value), value)
+        return out
+
+    def close(self) -> None:
+        for worker in self._workers:
+            ray.kill(worker, no_restart=True)
+        self._workers = []
+
+
+
+def pool_from_config(reward_cfg, plugins: tuple[str, ...] = ()) -> RewardPool | None:
+    """The pool for a recipe's ``reward`` section, or None when ``reward.fn`` is empty (the task's
+    own reward then runs in the scheduler's threads)."""
+    if not reward_cfg.fn:
+        return None
+    return RewardPool(dict(reward_cfg.fn), num_workers=reward_cfg.num_workers,
+                      concurrency=reward_cfg.concurrency, timeout_s=reward_cfg.timeout_s,
+                      plugins=tuple(plugins), max_stuck=reward_cfg.max_stuck)

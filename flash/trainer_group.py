@@ -1,0 +1,295 @@
+"""The FSDP2 trainer group: N rank processes behind the same methods as ``TrainerWorker``.
+
+Parts:
+- ``FSDPRank`` (one Ray actor per rank): joins the torch.distributed group, loads the model, shards
+  it (``flash.fsdp.ShardedTrainer``) and runs its share of each call.
+- ``TrainerGroup`` (one Ray actor): the controller's handle. It answers ``logprobs``,
+  ``train_step``, ``get_weights``, ``save`` and ``stats`` like ``TrainerWorker``, so the controller
+  cannot tell a group from a single trainer; plus ``load`` and ``export_hf``. Per call it plans the
+  batch (``flash.microbatch.plan_batch``: rows to ranks, micro-batches under the token budget,
+  equal counts), sends the batch once through the object store, starts every rank's share and adds
+  the ranks' partial results up.
+
+Every collective call goes to all ranks in the same order (one lock), or the group would deadlock.
+Rank actors are owned by the group actor: killing the group kills them too (Ray fate-sharing).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+import ray
+import torch
+
+from flash.batch import TrainBatch
+from flash.fsdp import COLLECTIVE_TIMEOUT_S, GroupSettings, ShardedTrainer, batch_to, free_port, pick_device
+from flash.microbatch import MicroPlan, plan_batch
+from flash.trainer import TrainerSettings
+
+META_FILE = "flash_trainer.json"  # beside the DCP shards: steps and the world size that wrote them
+
+
+class TrainerGroupError(RuntimeError):
+    """A rank failed: its peers may be stuck in a collective, so the group takes no more calls."""
+
+
+class FSDPRank:
+    """One rank: a process-group member holding 1/N of the model and optimizer."""
+
+    def __init__(self, rank: int, world: int, model_path: str, settings: TrainerSettings,
+                 group: GroupSettings, seed: int, threads: int, plugins: list[str], paths: list[str]):
+        import algos
+
+        torch.set_num_threads(max(1, threads))
+        sys.path[:0] = [p for p in paths if p not in sys.path]
+        algos.load_plugins(list(plugins))
+        self.rank, self.world, self.model_path = rank, world, model_path
+        self.settings, self.group, self.seed = settings, group, seed
+        self.device, self.backend = pick_device(rank)
+        self.trainer: ShardedTrainer | None = None
+
+    def node(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
+    def rendezvous(self, spread: bool) -> tuple[str, int]:
+        """Rank 0's address and a port free on it, for every rank's ``setup``: loopback when all
+        ranks share this host (nothing listens outside it), else this node's IP."""
+        host = ray.util.get_node_ip_address() if spread else "127.0.0.1"
+        return host, free_port(host)
+
+    def setup(self, addr: str, port: int) -> str:
+        """Join the process group (blocks until all ranks join), then load and shard the model."""
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from flash.workers import load_model
+
+        dist.init_process_group(self.backend, init_method=f"tcp://{addr}:{port}", rank=self.rank,
+                                world_size=self.world, timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+        mesh = init_device_mesh(self.device.type, (self.world,))
+        self.trainer = ShardedTrainer(load_model(self.model_path), self.settings, self.group, mesh,
+                                      self.device, seed=self.seed)
+        return self.backend
+
+    def logprobs(self, batch: TrainBatch, plan) -> torch.Tensor:
+        start = time.monotonic()
+        out = self.trainer.planned_logprobs(batch_to(batch, self.device), plan).cpu()
+        self.trainer.busy_s += time.monotonic() - start
+        return out
+
+    def begin_step(self) -> None:
+        self.trainer.begin_step()
+
+    def accumulate(self, batch: TrainBatch, advantages, prox_logp, plan) -> float:
+        dev = lambda t: None if t is None else t.to(self.device)  # noqa: E731
+        return self.trainer.planned_accumulate(batch_to(batch, self.device), dev(advantages), dev(prox_logp), plan)
+
+    def finish_step(self, total: float) -> dict:
+        return self.trainer.planned_finish(total)
+
+    def full_state_dict(self):
+        from flash.fsdp_checkpoint import full_state_dict
+
+        return full_state_dict(self.trainer.model)
+
+    def save(self, path: str) -> None:
+        from flash.fsdp_checkpoint import save_dcp
+
+        save_dcp(self.trainer.model, self.trainer.optimizer, path)
+
+    def load(self, path: str, steps: int) -> None:
+        from flash.fsdp_checkpoint import load_dcp
+
+        load_dcp(self.trainer.model, self.trainer.optimizer, path)
+        self.trainer.steps = steps
+
+    def export_hf(self, path: str):
+        from flash.fsdp_checkpoint import export_hf
+
+        return export_hf(self.trainer.model, path, self.model_path)
+
+    def stats(self) -> dict:
+        t = self.trainer
+        return {"busy_s": t.busy_s if t else 0.0, "steps": float(t.steps) if t else 0.0}
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+def combine_steps(results: list[dict], counts: dict[str, float]) -> dict:
+    """The ranks' partial step results → the single-trainer metrics dict (all floats).
+
+    Partial loss and metrics are already divided by the step's global weight, so they add; grad
+    norm and skip are global (every rank holds the same); the mismatch accumulators add (sums,
+    counts) and take the max. ``counts``: the step's micro-batch plan counters.
+    """
+    metrics: dict[str, float] = {}
+    for r in results:
+        for key, value in r["partial"].items():
+            metrics[key] = metrics.get(key, 0.0) + value
+    metrics.update(grad_norm=results[0]["grad_norm"], skipped=results[0]["skipped"])
+    total, count = sum(r["mismatch"][0] for r in results), sum(r["mismatch"][1] for r in results)
+    if count > 0:
+        metrics.update(mismatch_mean=total / count, mismatch_max=max(r["mismatch"][2] for r in results))
+    metrics.update(counts)
+    return metrics
+
+
+def plan_counts(plan: MicroPlan) -> dict[str, float]:
+    return {"micro_batches": float(plan.count), "pad_micro_batches": float(plan.pad_micro_batches),
+            "over_budget_rows": float(plan.over_budget)}
+
+
+class TrainerGroup:
+    """The controller's trainer handle when ``train.workers`` > 1 (or FSDP knobs are set)."""
+
+    def __init__(self, model_path: str, settings: TrainerSettings, group: GroupSettings, seed: int,
+                 threads: int, plugins: list[str], paths: list[str] = (), rank_options: list[dict] | None = None):
+        n = group.workers
+        opts = rank_options or [{} for _ in range(n)]
+        if len(opts) != n:
+            raise ValueError(f"rank_options has {len(opts)} entries for {n} workers")
+        cls = ray.remote(FSDPRank)
+        per_rank = max(1, threads // n)
+        self.ranks = [cls.options(**{"num_cpus": 0, "max_concurrency": 2, **o}).remote(
+            r, n, model_path, settings, group, seed, per_rank, list(plugins), list(paths)) for r, o in enumerate(opts)]
+        spread = len(set(ray.get([r.node.remote() for r in self.ranks]))) > 1
+        addr, port = ray.get(self.ranks[0].rendezvous.remote(spread))
+        self.backend = ray.get([r.setup.remote(addr, port) for r in self.ranks])[0]
+        self.settings, self.group = settings, group
+        self.lock = threading.Lock()  # collectives in one order on every rank
+        self.steps = 0
+        self.busy_s = 0.0
+        self.failed: str | None = None  # why the group broke (a rank failed), once it has
+        self._open: dict[str, float] = {}  # the open step's weight and plan counters
+
+    def _plan(self, batch: TrainBatch) -> MicroPlan:
+        if len(batch) == 0:
+            raise ValueError("the trainer group got an empty batch (0 rows); nothing to train on")
+        lengths = batch.attention_mask.sum(dim=1).tolist()
+        return plan_batch(lengths, self.group.workers, self.group.micro_tokens, self.settings.micro_batch_size)
+
+    def _call(self, method: str, per_rank: list[tuple]) -> list:
+        """``method`` on every rank (rank r gets ``per_rank[r]``), in one order; their results.
+
+        Results are taken as they come, so a rank that dies or raises is reported at once (its
+        peers would wait in a collective until the timeout); the group is then broken for good.
+        """
+        if self.failed:
+            raise TrainerGroupError(f"trainer group is broken ({self.failed}); start a new one and load "
+                                    "the last checkpoint")
+        with self.lock:
+            refs = [getattr(r, method).remote(*args) for r, args in zip(self.ranks, per_rank, strict=True)]
+            pending = list(refs)
+            while pending:
+                ready, pending = ray.wait(pending, num_returns=1)
+                try:
+                    ray.get(ready)
+                except ray.exceptions.RayError as exc:
+                    rank = refs.index(ready[0])
+                    self.failed = f"rank {rank} failed in {method}: {type(exc).__name__}: {str(exc).splitlines()[0]}"
+                    raise TrainerGroupError(self.failed) from None
+            return ray.get(refs)
+
+    def _all(self, method: str, *args) -> list:
+        return self._call(method, [args] * len(self.ranks))
+
+    def logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        """Proximal logprobs ``[N, L-1]``: each rank's rows, added up (zeros elsewhere)."""
+        start = time.monotonic()
+        plan, ref = self._plan(batch), ray.put(batch)
+        parts = self._call("logprobs", [(ref, p) for p in plan.ranks])
+        self.busy_s += time.monotonic() - start
+        return torch.stack(parts).sum(0)
+
+    def train_step(self, batch: TrainBatch, advantages: torch.Tensor, prox_logp: torch.Tensor | None) -> dict:
+        """One optimizer step over the whole batch, sharded over the ranks (``Trainer.train_step``)."""
+        self.begin_step()
+        self.accumulate(batch, advantages, prox_logp)
+        return self.finish_step()
+
+    # ---- one step in parts, as ``Trainer`` (the stream trainer feeds groups as they finish) ----
+    def begin_step(self) -> None:
+        self._all("begin_step")
+        self._open = {"weight": 0.0, "micro_batches": 0.0, "pad_micro_batches": 0.0, "over_budget_rows": 0.0}
+
+    def accumulate(self, batch: TrainBatch, advantages: torch.Tensor, prox_logp: torch.Tensor | None) -> float:
+        """Backward over ``batch``, its rows planned over the ranks; returns its weight."""
+        self._require_open("accumulate")
+        start = time.monotonic()
+        plan = self._plan(batch)
+        refs = [ray.put(batch), ray.put(advantages), ray.put(prox_logp)]
+        added = sum(self._call("accumulate", [(*refs, p) for p in plan.ranks]))
+        for key, value in plan_counts(plan).items():
+            self._open[key] += value
+        self._open["weight"] += added
+        self.busy_s += time.monotonic() - start
+        return added
+
+    def finish_step(self) -> dict:
+        """Divide by the step's global weight, clip, step on every rank; the step's metrics."""
+        self._require_open("finish_step")
+        start = time.monotonic()
+        counts, self._open = dict(self._open), {}
+        results = self._all("finish_step", counts.pop("weight"))
+        self.steps += 1
+        self.busy_s += time.monotonic() - start
+        return combine_steps(results, counts)
+
+    def _require_open(self, method: str) -> None:
+        if not self._open:
+            raise RuntimeError(f"{method} outside a step: call begin_step first")
+
+    def get_weights(self) -> dict[str, torch.Tensor]:
+        """The full (gathered) state dict, keys as the plain model's ``state_dict``."""
+        return self._all("full_state_dict")[0]
+
+    def save(self, path: str) -> str:
+        """A torch distributed checkpoint (model + optimizer) at ``path``, plus the step count."""
+        Path(path).mkdir(parents=True, exist_ok=True)
+        self._all("save", str(path))
+        (Path(path) / META_FILE).write_text(json.dumps({"steps": self.steps, "workers": self.group.workers}))
+        return str(path)
+
+    def load(self, path: str) -> int:
+        """Restore model, optimizer and step count from ``save``'s folder; returns the step count."""
+        meta = Path(path) / META_FILE
+        if not meta.is_file():
+            raise FileNotFoundError(f"{meta} not found: {path} is not a checkpoint TrainerGroup.save wrote")
+        steps = int(json.loads(meta.read_text())["steps"])
+        self._all("load", str(path), steps)
+        self.steps = steps
+        return steps
+
+    def export_hf(self, path: str) -> dict:
+        """A Hugging Face folder (safetensors, config, tokenizer) of the current weights."""
+        return self._all("export_hf", str(path))[0]
+
+    def stats(self) -> dict:
+        """Busy time and steps (as ``TrainerWorker``), plus ``failed`` (1.0 once a rank failed)."""
+        out = {"busy_s": self.busy_s, "steps": float(self.steps), "workers": float(len(self.ranks)),
+               "failed": float(self.failed is not None)}
+        if not self.failed:
+            out["rank_busy_s_max"] = max(r["busy_s"] for r in ray.get([r.stats.remote() for r in self.ranks]))
+        return out
+
+    def pids(self) -> list[int]:
+        """Each rank's process id (profilers, and the tests' way to kill one)."""
+        return ray.get([r.pid.remote() for r in self.ranks])
+
+
+def start_trainer_group(model_path: str, settings: TrainerSettings, group: GroupSettings, seed: int,
+                        threads: int, plugins: list[str], rank_options: list[dict] | None = None):
+    """The group actor (``threads`` torch threads split over its ranks); ``rank_options`` are Ray
+    actor options per rank (e.g. a placement group bundle), for device mapping."""
+    from flash.workers import plugin_paths
+
+    actor = ray.remote(TrainerGroup).options(num_cpus=0, max_concurrency=2)
+    return actor.remote(model_path, settings, group, seed, threads, list(plugins), plugin_paths(plugins),
+                        rank_options)

@@ -1,0 +1,34 @@
+"""User reward functions named by import path in tests/test_rewards.py (``tests.reward_fns:NAME``);
+imported inside Ray reward workers, so this module has no test-only imports."""
+
+import os
+import time
+
+
+def exact(item, response, case_sensitive: bool = True):
+    """1.0 if the response equals the answer."""
+    a, b = str(item.answer), response.strip()
+    return float(a == b if case_sensitive else a.lower() == b.lower())
+
+
+def divide_by_zero(item, response):
+    return 1 / 0
+
+
+def slow(item, response, seconds: float = 5.0):
+    time.sleep(seconds)
+    return 1.0
+
+
+def not_a_number(item, response):
+    return float("nan")
+
+
+def logged_sleep(item, response, log_dir: str = "", seconds: float = 0.3):
+    """Sleeps and records (start, end) in ``log_dir`` so a test can measure how many overlap."""
+    start = time.time()
+    time.sleep(seconds)
+    end = time.time()
+    with open(os.path.join(log_dir, f"{item.index}-{os.getpid()}-{start}"), "w") as f:
+        f.write(f"{start} {end}")
+    return 1.0

@@ -1,0 +1,66 @@
+"""A scripted stand-in for the rollout engine, for unit tests of the rollout scheduler only.
+
+It answers the engine actor's methods the scheduler calls (``submit``, ``get_finished``, ``abort``)
+and finishes each request at a scripted wall-clock delay after its submission, with scripted
+tokens, so that scheduling decisions (which response finishes first, how long generation takes)
+are exact instead of depending on a model and a loaded CPU. Run it as a threaded Ray actor, as
+``flash.workers.start_engine`` runs the real ones.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from flash.engine.base import GenerationOutput, GenerationRequest
+
+
+class ScriptedEngine:
+    def __init__(self, delays: dict[str, float], default_delay: float = 0.05,
+                 lengths: dict[str, int] | None = None):
+        self.delays, self.default_delay = delays, default_delay
+        self.lengths = lengths or {}
+        self._cv = threading.Condition()
+        self._due: dict[str, tuple[float, GenerationRequest]] = {}
+        self.submitted: list[GenerationRequest] = []
+        self.aborted: list[str] = []  # ids aborted while still running
+        self.delivered: list[tuple[str, float]] = []  # (id, time.time()) as handed out
+
+    def submit(self, requests: list[GenerationRequest]) -> int:
+        now = time.time()
+        with self._cv:
+            for r in requests:
+                self._due[r.request_id] = (now + self.delays.get(r.request_id, self.default_delay), r)
+                self.submitted.append(r)
+            self._cv.notify_all()
+        return len(requests)
+
+    def _output(self, r: GenerationRequest, reason: str) -> GenerationOutput:
+        k = int(r.request_id.split(":")[1])
+        n = self.lengths.get(r.request_id, 3) if reason != "abort" else 1
+        return GenerationOutput(r.request_id, list(r.prompt_ids), [k + 1] * n, [-0.5] * n, [0] * n, reason)
+
+    def get_finished(self, timeout: float) -> list[GenerationOutput]:
+        end = time.time() + timeout
+        with self._cv:
+            while True:
+                now = time.time()
+                ready = sorted((d, rid) for rid, (d, _) in self._due.items() if d <= now)
+                if ready or now >= end:
+                    break
+                nxt = min((d for d, _ in self._due.values()), default=end)
+                self._cv.wait(max(0.0, min(end, nxt) - now))
+            outs = [self._output(self._due.pop(rid)[1], "stop") for _, rid in ready]
+            self.delivered += [(o.request_id, now) for o in outs]
+            return outs
+
+    def abort(self, request_ids=None) -> list[GenerationOutput]:
+        with self._cv:
+            ids = list(self._due) if request_ids is None else [i for i in request_ids if i in self._due]
+            self.aborted += ids
+            return [self._output(self._due.pop(i)[1], "abort") for i in ids]
+
+    def log(self) -> dict:
+        with self._cv:
+            return {"submitted": [(r.request_id, r.params.seed) for r in self.submitted],
+                    "aborted": list(self.aborted), "delivered": list(self.delivered)}
