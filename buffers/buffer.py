@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from buffers.types import Group
 
@@ -92,6 +92,19 @@ class SampleBuffer:
             out, self._groups = self._groups, []
             self._cond.notify_all()
             return out
+
+    def snapshot(self, also: Callable[[], Any] | None = None) -> tuple[list[Group], Any]:
+        """A copy of the contents, plus ``also()`` called under the same lock (a checkpoint's one
+        consistent view of the buffer and whatever feeds it)."""
+        with self._cond:
+            return list(self._groups), (also() if also is not None else None)
+
+    def restore(self, groups: list[Group]) -> None:
+        """Put back a checkpoint's groups (before producers start; capacity is not enforced, so
+        nothing a checkpoint holds can be refused)."""
+        with self._cond:
+            self._groups.extend(groups)
+            self._cond.notify_all()
 
     def close(self) -> None:
         with self._cond:

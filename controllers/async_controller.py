@@ -79,6 +79,12 @@ class AsyncController:
         # flash.model_update_group.ModelUpdateGroup (set up); None: the state dict through Ray's object store
         self.model_update = model_update
         self._update_metrics: dict[str, float] = {}
+        # Hooks (flash.runner): ``supervisor`` routes engine calls through flash.faults (restart on
+        # death/hang); ``on_update(version)`` runs after a weight push and before the new version
+        # admits prompts -- the quiet point where a checkpoint is taken.
+        self.supervisor = None
+        self.on_update: Callable[[int], None] | None = None
+        self._mu_epoch = 0  # supervisor epoch the model-update group was formed at
 
     @contextmanager
     def phase(self, name: str):
@@ -89,9 +95,11 @@ class AsyncController:
             self._times[name] = self._times.get(name, 0.0) + time.monotonic() - start
             self._spans[name] = [wall, time.time()]
 
-    def run(self, steps: int, on_step: Callable[[StepRecord], None] | None = None) -> list[StepRecord]:
+    def run(self, steps: int, on_step: Callable[[StepRecord], None] | None = None,
+            start: int = 0) -> list[StepRecord]:
+        """Steps ``start .. steps-1`` (``start > 0``: resumed from a checkpoint)."""
         records = []
-        for t in range(steps):
+        for t in range(start, steps):
             record = self.step(t, admit_more=t + 1 < steps)
             records.append(record)
             if on_step:
@@ -115,8 +123,8 @@ class AsyncController:
         batch = collate(samples, pad_id=self.s.pad_id)
         if self.s.colocated:
             with self.phase("sleep"):
-                ray.get(self.engine.pause.remote(self.s.interrupt))
-                ray.get(self.engine.sleep.remote())
+                self._engine_get("pause", self.s.interrupt)
+                self._engine_get("sleep")
         with self.phase("recompute_prox"):
             prox = {"behav": batch.behav_logp, "fused": None}.get(self.s.prox)
             if self.s.prox == "separate":
@@ -129,10 +137,8 @@ class AsyncController:
                 train_metrics.update(ray.get(critic_step))
         if self.s.colocated:  # still paused: the weight push below finds the weights on the device
             with self.phase("wake_up"):
-                ray.get(self.engine.wake_up.remote())
-        self._update_weights(t + 1, admit_more)
-        self.scheduler.mark_trained(groups)
-        self._write_ledger(t, groups)
+                self._engine_get("wake_up")
+        self._after_train(t, groups, admit_more)
         metrics = self._metrics(t, samples, batch, prox, train_metrics, time.monotonic() - start)
         return StepRecord(step=t, metrics=metrics, groups=groups, timeline=self._timeline())
 
@@ -163,10 +169,20 @@ class AsyncController:
             train_metrics = ray.get(self.trainer.finish_step.remote())
         samples = flatten(groups)
         batch = collate(samples, pad_id=self.s.pad_id)
-        self._update_weights(t + 1, admit_more)
-        self._write_ledger(t, groups)
+        self._after_train(t, groups, admit_more)
         metrics = self._metrics(t, samples, batch, batch.behav_logp, train_metrics, time.monotonic() - start)
         return StepRecord(step=t, metrics=metrics, groups=groups, timeline=self._timeline())
+
+    def _after_train(self, t: int, groups: list[Group], admit_more: bool) -> None:
+        """Push the new weights, settle the batch (lifecycle, ledger), then the ``on_update`` hook
+        (a checkpoint's quiet point: nothing admitted under the new version yet), then admission."""
+        self._update_weights(t + 1)
+        self.scheduler.mark_trained(groups)
+        self._write_ledger(t, groups)
+        if self.on_update is not None:
+            self.on_update(t + 1)
+        if admit_more:
+            self.scheduler.set_version(t + 1)
 
     def _next_group(self) -> list[Group]:
         """Any one finished group (at async_ratio 0 every buffered group is of this step)."""
@@ -202,26 +218,70 @@ class AsyncController:
             except TimeoutError:
                 self.scheduler.check()
 
-    def _update_weights(self, new_version: int, admit_more: bool) -> None:
+    def _update_weights(self, new_version: int) -> None:
+        """suspend → push_weights → resume. With a supervisor (flash.faults) an engine fault anywhere
+        in it restarts the engine and runs the whole cycle again; a restarted engine is given the
+        weights last pushed (``EngineSupervisor.pushed``)."""
         env_hold = getattr(self.scheduler, "suspend", None)  # episodes: environment steps are atomic
-        with self.phase("suspend"):
-            ray.get(self.engine.pause.remote(self.s.interrupt))
-            if env_hold:
-                env_hold()  # waits for the steps in flight, holds new ones until resume
-        with self.phase("push_weights"):
-            if self.model_update is not None:  # returns after every replica acknowledged
-                self._update_metrics = self.model_update.push(new_version)
-                self._update_bytes = self._update_metrics["model_update/bytes"]
-            else:
-                weights = self.trainer.get_weights.remote()
-                self._update_bytes = float(ray.get(self.engine.update_weights.remote(weights, new_version)) or 0.0)
-            self.version = new_version
-        with self.phase("resume"):
-            ray.get(self.engine.resume.remote())
-            if env_hold:
-                self.scheduler.resume()
-        if admit_more:
-            self.scheduler.set_version(new_version)
+        weights = None
+
+        def cycle():
+            nonlocal weights
+            with self.phase("suspend"):
+                self._engine_get_once("pause", self.s.interrupt)
+                if env_hold:
+                    env_hold()  # waits for the steps in flight, holds new ones until resume
+            with self.phase("push_weights"):
+                if self.model_update is not None:  # returns after every replica acknowledged
+                    self._push_group(new_version)
+                else:
+                    weights = self.trainer.get_weights.remote()
+                    self._update_bytes = float(self._engine_get_once("update_weights", weights, new_version) or 0.0)
+            with self.phase("resume"):
+                self._engine_get_once("resume")
+                if env_hold:
+                    self.scheduler.resume()
+
+        if self.supervisor is None:
+            cycle()
+        else:
+            self.supervisor.run(cycle)
+            # with the model-update group nothing sits in the object store: a restarted engine
+            # fetches the trainer's weights then (flash.faults.EngineSupervisor.pushed)
+            self.supervisor.pushed(weights if weights is not None else self.trainer.get_weights.remote,
+                                   new_version)
+        self.version = new_version
+
+    def _push_group(self, version: int) -> None:
+        """``model_update.push``; after an engine restart the group is formed again first (the new
+        engine process is in no group), and a push that fails on the engine side is an engine fault."""
+        try:
+            if self.supervisor is not None and self.supervisor.epoch != self._mu_epoch:
+                epoch = self.supervisor.epoch
+                self.model_update.reset()
+                self._mu_epoch = epoch
+            self._update_metrics = self.model_update.push(version)
+        except Exception as exc:
+            ray.get(self.trainer.stats.remote())  # the trainer gone: its RayActorError (the run stops)
+            if self.supervisor is None:
+                raise
+            # the trainer is alive: the engine side failed (died, restarted meanwhile, not in the
+            # group): an engine fault -- restart it, form the group again, run the cycle again;
+            # after rollout.max_engine_restarts the run stops with this error
+            from flash.faults import EngineFault
+
+            raise EngineFault(f"model-update push of version {version} failed: {exc}") from exc
+        self._update_bytes = self._update_metrics["model_update/bytes"]
+
+    def _engine_get_once(self, name: str, *args):
+        """One engine call, its faults left to the caller (inside ``supervisor.run``; a hung engine
+        is caught by the collector's poll, which kills it, so this call then fails too)."""
+        return ray.get(getattr(self.engine, name).remote(*args))
+
+    def _engine_get(self, name: str, *args):
+        if self.supervisor is None:
+            return ray.get(getattr(self.engine, name).remote(*args))
+        return self.supervisor.call(name, *args)
 
     def _write_ledger(self, t: int, groups: list[Group]) -> None:
         """Trained samples, then the scheduler's filtered groups and aborted samples since the last
@@ -283,7 +343,7 @@ class AsyncController:
 
     def _start_usage(self) -> None:
         """Open the first idle-ratio window of each role at the start of the first step."""
-        engine, trainer = ray.get([self.engine.stats.remote(), self.trainer.stats.remote()])
+        engine, trainer = self._engine_get("stats"), ray.get(self.trainer.stats.remote())
         self._engine_prev = engine
         self._meters["rollout"].start(engine.get("busy_s", 0.0))
         self._meters["train"].start(trainer.get("busy_s", 0.0))
@@ -291,10 +351,12 @@ class AsyncController:
     def _role_metrics(self, step_s: float) -> dict[str, float]:
         """Idle ratio per role (``1 − Δbusy/Δwall`` since the previous step's read, so time spent
         between steps -- evaluation, logging -- counts too) and generated tokens/s."""
-        engine, trainer, self._engine_spans = ray.get(
-            [self.engine.stats.remote(), self.trainer.stats.remote(), self.engine.busy_spans.remote()])
+        engine, self._engine_spans = self._engine_get("stats"), self._engine_get("busy_spans")
+        trainer = ray.get(self.trainer.stats.remote())
         prev, self._engine_prev = self._engine_prev, engine
+        # a restarted engine counts from zero again: its tokens since the restart, not a negative delta
         tokens = engine.get("tokens_generated", 0.0) - prev.get("tokens_generated", 0.0)
+        tokens = tokens if tokens >= 0 else engine.get("tokens_generated", 0.0)
         return {
             "rollout/idle_ratio": self._meters["rollout"].read(engine.get("busy_s", 0.0)),
             "train/idle_ratio": self._meters["train"].read(trainer.get("busy_s", 0.0)),
@@ -311,9 +373,8 @@ class AsyncController:
     def shutdown_rollout(self) -> dict[str, list[int]]:
         """Stop admitting, abort training requests in flight; return what was left unfinished."""
         self.scheduler.stop_admission()
-        ray.get(self.engine.pause.remote("continue"))
-        ray.get(self.engine.abort.remote(None))
-        ray.get(self.engine.resume.remote())
+        for name, args in (("pause", ("continue",)), ("abort", (None,)), ("resume", ())):
+            self._engine_get(name, *args)
         self.scheduler.quiesce()
         pending = self.scheduler.pending_ids()
         buffered = sorted(g.prompt_id for g in self.buffer.drain())

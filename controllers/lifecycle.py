@@ -110,6 +110,25 @@ class Lifecycle:
             snap.update({f"{s}_now": self._now[s] for s in LIVE})
             return snap
 
+    def state_dict(self) -> dict[str, Any]:
+        """Counters and undrained ledger events, for a checkpoint (flash.checkpoint)."""
+        with self._lock:
+            return {"entered": dict(self._entered), "filtered": dict(self.filtered),
+                    "aborted": dict(self.aborted), "events": list(self._events)}
+
+    def load_state_dict(self, state: dict[str, Any], live: dict[str, str], readmitted: int = 0) -> None:
+        """Restore a checkpoint's counters with ``live`` (request id -> state: the restored buffer's
+        samples) as the only live samples. ``readmitted``: samples live at the checkpoint that the
+        restore admits again (restarted prompts); they leave the ``admitted`` count here, so it
+        counts them once."""
+        with self._lock:
+            self._entered = Counter(state["entered"])
+            self._entered["admitted"] -= readmitted
+            self.filtered, self.aborted = Counter(state["filtered"]), Counter(state["aborted"])
+            self._events = list(state["events"])
+            self._state = dict(live)
+            self._now = Counter(live.values())
+
     def metrics(self) -> dict[str, float]:
         with self._lock:
             filtered, aborted = dict(self.filtered), dict(self.aborted)

@@ -52,6 +52,14 @@ class PromptSource:
     encode: Callable[[str], list[int]]
     decode: Callable[[list[int]], str]
     reward: Callable[[Any, str], float]
+    guard: Any = None  # flash.guards.InputGuard: skips (or rejects) malformed/empty/too long prompts
+
+    def take(self, index: int) -> tuple[int, Any, list[int]]:
+        """The first usable prompt at data position >= ``index``: (its index, item, token ids)."""
+        if self.guard is not None:
+            return self.guard.take(index, self.item, self.encode)
+        item = self.item(index)
+        return index, item, self.encode(item.prompt)
 
 
 @dataclass
@@ -112,6 +120,9 @@ class RolloutScheduler:
         # late_outputs: a finished response of a request already aborted (it raced the abort)
         self.counters = {"samples_generated": 0, "tokens_generated": 0, "reward_errors": 0,
                          "request_errors": 0, "late_outputs": 0, "reward_seconds": 0.0}
+        self.supervisor = None  # flash.faults.EngineSupervisor, when engine faults are handled
+        self._received: set[str] = set()  # request ids taken from the engine for pending prompts
+        self._eval_reqs: dict[str, GenerationRequest] = {}  # evaluation requests not yet answered
         self._threads = [threading.Thread(target=self._guard(f), daemon=True, name=f.__name__)
                          for f in (self._admit_loop, self._collect_loop)]
 
@@ -202,12 +213,16 @@ class RolloutScheduler:
         for i, (rid, item) in enumerate(zip(ids, items)):
             p = SamplingParams(**{**params.__dict__, "seed": request_seed(seed, 10**6 + i, 0)})
             reqs.append(GenerationRequest(rid, self.source.encode(item.prompt), p))
-        ray.get(self.engine.submit.remote(reqs))
+        with self._lock:
+            self._eval_reqs.update((r.request_id, r) for r in reqs)
+        self._submit(reqs)
         with self._lock:
             while not all(r in self._eval for r in ids):
                 self.check()
                 self._lock.wait(timeout=0.5)
             outs = [self._eval.pop(r) for r in ids]
+            for r in ids:
+                self._eval_reqs.pop(r, None)
         return [self._score(item, out.token_ids) for item, out in zip(items, outs)]
 
     # ---- threads -------------------------------------------------------------------------
@@ -233,8 +248,7 @@ class RolloutScheduler:
                 batch, promoted = self._admit_wave()
                 self._engine_io.acquire()
             try:
-                if batch:
-                    ray.get(self.engine.submit.remote(batch))
+                self._submit(batch)
             finally:
                 self._engine_io.release()
             for pid, group in promoted:
@@ -258,15 +272,15 @@ class RolloutScheduler:
         return batch, promoted
 
     def _admit_one(self, wave: int, spare: bool) -> list[GenerationRequest]:
-        prompt_id, index = self._admitted, self._next_index
-        item = self.source.item(index)
+        """The next usable prompt (``PromptSource.take``: the input guard skips bad rows)."""
+        prompt_id = self._admitted
+        index, item, ids = self.source.take(self._next_index)
         requests = self.n + self.redundancy
         self._pending[prompt_id] = _Pending(item=item, data_index=index, version=self._version,
                                             wave=wave, requests=requests)
         self._prov.admitted(prompt_id, self._version, spare)
         self._admitted += 1
-        self._next_index += 1
-        ids = self.source.encode(item.prompt)
+        self._next_index = index + 1
         reqs = [GenerationRequest(request_id(prompt_id, k), ids,
                                   SamplingParams(**{**self.params.__dict__,
                                                     "seed": request_seed(self.seed, prompt_id, k)}))
@@ -278,7 +292,7 @@ class RolloutScheduler:
 
     def _collect_loop(self) -> None:
         while not self._stop.is_set():
-            outs = ray.get(self.engine.get_finished.remote(0.2))
+            outs = self._poll()
             to_abort: list[str] = []
             with self._lock:
                 for out in outs:
@@ -295,7 +309,10 @@ class RolloutScheduler:
         the lifecycle already counted them as aborted."""
         if ids:
             with self._engine_io:
-                ray.get(self.engine.abort.remote(ids))
+                if self.supervisor is None:
+                    ray.get(self.engine.abort.remote(ids))
+                else:  # a dead engine is restarted; aborted requests are not requeued
+                    self.supervisor.call("abort", ids)
 
     def _on_generated(self, out: GenerationOutput, to_abort: list[str]) -> list[GenerationOutput]:
         """A response finished generating (under the lock); returns outputs ready for scoring."""
@@ -313,7 +330,9 @@ class RolloutScheduler:
         self.lifecycle.move([rid], "scoring")
         ready = self._gate.finished(p.wave, out)
         if len(p.finished) == self.n and p.requests > self.n:
-            rest = [request_id(pid, j) for j in range(p.requests) if j not in p.finished]
+            # still generating (after a restore, requests that had ended before the checkpoint are gone)
+            rest = [request_id(pid, j) for j in range(p.requests)
+                    if j not in p.finished and self.lifecycle.state(request_id(pid, j)) == "generating"]
             self.lifecycle.abort(rest, "redundant", [{"prompt_id": pid, "request": parse_request_id(r)[1]}
                                                      for r in rest])
             to_abort.extend(rest)
@@ -422,3 +441,117 @@ class RolloutScheduler:
             with self._lock:
                 self.counters["reward_errors"] += 1
             return 0.0
+
+    # ---- checkpoint and fault hooks (flash.checkpoint, flash.faults) ---------------------------
+    def state_dict(self) -> dict:
+        """Data position, admissions, version, counters, RNG, the prompts in flight, the admission
+        accounting (``Provisioning``: counted groups and spares) and the lifecycle counters.
+
+        A prompt in flight (regular or spare, generating, scoring, or a spare's parked group) is
+        restarted from scratch on resume: same prompt id, data index, admission version and request
+        seeds, for the requests of it still live here; its partial responses are dropped, never its
+        prompt. The restore takes those requests out of the lifecycle's ``admitted`` count and admits
+        them again, so ``admitted = ended + live`` still holds after it.
+        """
+        with self._lock:
+            version, state, gauss = self._rng.getstate()
+            pending = []
+            for pid, p in sorted(self._pending.items()):
+                live = [k for k in range(p.requests) if self.lifecycle.state(request_id(pid, k)) is not None]
+                pending.append({"prompt_id": pid, "data_index": p.data_index, "version": p.version,
+                                "spare": self._prov.is_spare(pid), "requests": live})
+            return {
+                "admitted": self._admitted, "next_index": self._next_index, "version": self._version,
+                "counters": dict(self.counters), "rng": [version, list(state), gauss],
+                "pending": pending, "waves": self._waves,
+                "provisioning": {"counted": self._prov.counted},
+                "lifecycle": self.lifecycle.state_dict(),
+            }
+
+    def load_state_dict(self, state: dict) -> int:
+        """Restore a checkpoint's state before ``start`` (the buffer's groups already put back); the
+        prompts that were in flight restart from scratch (same prompt ids, same request seeds).
+        Returns how many prompts restarted."""
+        buffered = [s.meta["request_id"] for g in self.buffer.snapshot()[0] for s in g.samples]
+        with self._lock:
+            self._admitted, self._next_index = state["admitted"], state["next_index"]
+            self._version = state["version"]
+            self.counters.update(state["counters"])
+            version, rng, gauss = state["rng"]
+            self._rng.setstate((version, tuple(rng), gauss))
+            self._waves = state.get("waves", 0)
+            self._prov.counted = state.get("provisioning", {}).get("counted", self._admitted)
+            restarted = sum(len(p.get("requests", ())) for p in state["pending"])
+            if "lifecycle" in state:
+                self.lifecycle.load_state_dict(state["lifecycle"], {rid: "buffered" for rid in buffered},
+                                               readmitted=restarted)
+            wave, self._waves = self._waves, self._waves + 1
+            reqs = []
+            for p in state["pending"]:
+                pid = p["prompt_id"]
+                item = self.source.item(p["data_index"])
+                ks = p.get("requests", list(range(self.n + self.redundancy)))
+                self._pending[pid] = _Pending(item=item, data_index=p["data_index"], version=p["version"],
+                                              wave=wave, requests=self.n + self.redundancy)
+                if p.get("spare"):  # not counted: the checkpoint's count never included it
+                    self._prov.admitted(pid, p["version"], spare=True)
+                new = self._requests(pid, self.source.encode(item.prompt), ks)
+                rids = [r.request_id for r in new]
+                self.lifecycle.admit(rids)
+                self.lifecycle.move(rids, "generating")
+                reqs += new
+            self._gate.open(wave, len(reqs))
+        self._submit(reqs)
+        return len(state["pending"])
+
+    def requeue_lost(self) -> int:
+        """After an engine restart: resubmit every request still generating for a pending prompt (and
+        of an evaluation) whose output was not taken from the engine yet. Returns how many.
+
+        Called inside the supervisor's recovery, possibly from a thread that holds ``_engine_io``:
+        it submits without that lock (an abort racing a recovery at worst lets a request run on)."""
+        with self._lock:
+            reqs = [r for r in self._eval_reqs.values() if r.request_id not in self._eval]
+            for pid, p in sorted(self._pending.items()):
+                lost = [k for k in range(p.requests) if request_id(pid, k) not in self._received
+                        and self.lifecycle.state(request_id(pid, k)) == "generating"]
+                if lost:
+                    reqs += self._requests(pid, self.source.encode(p.item.prompt), lost)
+        self._submit(reqs)
+        return len(reqs)
+
+    def _requests(self, prompt_id: int, ids: list[int], ks) -> list[GenerationRequest]:
+        return [GenerationRequest(request_id(prompt_id, k), ids,
+                                  SamplingParams(**{**self.params.__dict__,
+                                                    "seed": request_seed(self.seed, prompt_id, k)}))
+                for k in ks]
+
+    def _submit(self, reqs: list[GenerationRequest]) -> None:
+        """Submit to the engine; with a supervisor a dead engine is restarted and the requests of
+        pending prompts are resubmitted by ``requeue_lost``, so a failed submit loses nothing."""
+        if not reqs:
+            return
+        if self.supervisor is None:
+            ray.get(self.engine.submit.remote(reqs))
+        else:
+            self.supervisor.submit(reqs)
+
+    def _poll(self) -> list[GenerationOutput]:
+        """Finished outputs; with a supervisor, engine faults are recovered here and an output for a
+        request already taken (resubmitted around a fault) or for a prompt no longer pending is dropped."""
+        if self.supervisor is None:
+            return ray.get(self.engine.get_finished.remote(0.2))
+        outs = self.supervisor.poll(0.2)
+        keep = []
+        with self._lock:
+            for out in outs:
+                rid = out.request_id
+                if not rid.startswith("eval/") and out.finish_reason != "abort":
+                    if rid in self._received or int(rid.split(":")[0]) not in self._pending:
+                        self.counters["duplicate_outputs"] = self.counters.get("duplicate_outputs", 0) + 1
+                        continue
+                    self._received.add(rid)
+                keep.append(out)
+            if self._polls % 50 == 0:
+                self._received = {r for r in self._received if int(r.split(":")[0]) in self._pending}
+        return keep

@@ -47,6 +47,10 @@ class RolloutConfig:
     # before it is scored, so groups finish out of admission order.
     inject_delay_s: float = 0.0
     reward_workers: int = 4  # threads scoring finished responses as they arrive
+    # Engine faults (flash.faults): a dead engine actor is restarted by Ray up to this many times;
+    # one that answers no poll for hang_timeout_s is treated as dead (killed, then restarted).
+    max_engine_restarts: int = 3
+    hang_timeout_s: float = 120.0
     # With several engine replicas (placement.roles.actor_infer.num_workers): keep the n samples
     # of a prompt on one replica (shared prefix) instead of spreading every request by load.
     prompt_affinity: bool = False
@@ -91,6 +95,9 @@ class TrainConfig:
     betas: List[float] = field(default_factory=lambda: [0.9, 0.999])
     grad_clip: float = 1.0
     micro_batch_size: int = 64  # samples per forward/backward
+    # a non-finite loss or gradient norm skips the optimizer step (train/skipped_nonfinite);
+    # this many skips in a row stop the run (flash.guards.SkipGuard)
+    max_consecutive_skips: int = 3
     # Stream trainer (RollPacker): at async_ratio 0, backward each group as soon as it is scored,
     # while the rest of the batch still decodes; one optimizer step when the batch is complete
     # (the same update as the plain synchronous step). Needs a group-local advantage estimator.
@@ -159,6 +166,24 @@ class TrackingConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    # flash.checkpoint: trainer model + optimizer, RNG, data position, controller state, the
+    # buffer's groups and the prompts in flight; written atomically (tmp dir + manifest + rename)
+    enabled: bool = True
+    every_steps: int = 0  # 0: only at the end of the run
+    keep_last: int = 2  # complete checkpoints kept; older ones are deleted
+    async_write: bool = True  # snapshot in the step, write to disk in a background thread
+
+
+@dataclass
+class DataConfig:
+    # Prompts that are malformed, empty or longer than max_prompt_tokens are skipped and counted
+    # (data/skipped_*; the first of each kind is logged), or stop the run when strict.
+    strict: bool = False
+    max_prompt_tokens: int = 0  # 0: the model's context minus rollout.max_new_tokens
+
+
+@dataclass
 class FlashConfig:
     description: str = ""
     seed: int = 0
@@ -181,6 +206,11 @@ class FlashConfig:
     placement: PlacementConfig = field(default_factory=PlacementConfig)  # flash.placement
     model_update: ModelUpdateConfig = field(default_factory=ModelUpdateConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    # continue a run from its newest valid checkpoint: a run dir, or 'latest' (newest run dir
+    # of this recipe under runs/); step numbers, metrics and the ledger continue
+    resume: Optional[str] = None
 
 
 def closest(name: str, valid: list[str]) -> str:
@@ -296,6 +326,9 @@ def validate(cfg: FlashConfig) -> None:
     from flash.tracking import check_backends
 
     check_backends(list(cfg.tracking.backends))
+    from flash.guards import check_consistency
+
+    check_consistency(cfg)
 
 
 def _check_placement(cfg: FlashConfig) -> None:

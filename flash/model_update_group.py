@@ -255,6 +255,14 @@ class ModelUpdateGroup:
         self._get(refs, "join")
         return self.backend
 
+    def reset(self) -> str:
+        """Form the group again under a new key, after a member actor was restarted (flash.faults:
+        the new engine process is in no group); returns the backend."""
+        self.close()
+        self.group = f"flash-mu-{uuid.uuid4().hex[:8]}"
+        self.broken = None
+        return self.setup()
+
     def push(self, version: int) -> dict[str, float]:
         """Push the trainer's weights to every replica; ``self.version`` advances after all acks."""
         if self.backend is None:

@@ -2,8 +2,11 @@
 
 Order of work: run dir and resolved config → task → model (warm start, cached) → Ray and the two
 actors → initial held-out evaluation → the controller's steps (progress bar, trackers, periodic
-evaluation) → stop rollout (what is left unfinished goes to the ledger) → final evaluation →
-``summary.json``.
+evaluation, checkpoints) → stop rollout (what is left unfinished goes to the ledger) → final
+evaluation → ``summary.json``.
+
+``resume=RUN_DIR`` (flash.resume): the same run dir, its newest valid checkpoint restored
+(flash.run_state) instead of the initial evaluation, and the steps continue from there.
 """
 
 from __future__ import annotations
@@ -17,14 +20,22 @@ from datetime import datetime
 from pathlib import Path
 
 import ray
+from ray.exceptions import RayActorError
 
 import algos
+from buffers import SampleBuffer
 from buffers.factory import make_buffer
 from controllers.async_controller import AsyncController, ControllerSettings, prox_mode
 from controllers.rollout_scheduler import PromptSource, RolloutScheduler
 from controllers.staleness import StalenessManager
+from flash import resume as resume_mod
+from flash import run_state
+from flash.checkpoint import Checkpointer, latest_valid, remove_partial
 from flash.config import FlashConfig, to_dict, to_yaml
 from flash.engine.base import SamplingParams
+from flash.errors import ConfigError, FlashError
+from flash.faults import EngineSupervisor
+from flash.guards import InputGuard, SkipGuard
 from flash.engine.router import start_router
 from flash.placement import Placement, plan_placement
 from flash.model_update_group import ModelUpdateGroup
@@ -70,8 +81,9 @@ def prepare_model(cfg: FlashConfig, task) -> str:
     return warm_start(cfg.model.tiny, cfg.sft, task, default_cache_dir(cfg))
 
 
-def build_source(task, tokenizer, reward=None) -> PromptSource:
-    """``reward``: a RewardPool's ``reward_fn()``; unset: the task's own reward."""
+def build_source(task, tokenizer, guard: InputGuard | None = None, reward=None) -> PromptSource:
+    """``guard``: the input guard prompts are taken through; ``reward``: a RewardPool's
+    ``reward_fn()``; unset: the task's own reward."""
     from flash.models import decode_response, encode_prompt
 
     return PromptSource(
@@ -79,7 +91,22 @@ def build_source(task, tokenizer, reward=None) -> PromptSource:
         encode=lambda text: encode_prompt(tokenizer, text),
         decode=lambda ids: decode_response(tokenizer, ids),
         reward=reward or task.reward,
+        guard=guard,
     )
+
+
+def max_prompt_tokens(cfg: FlashConfig, model_path: str) -> int:
+    """``data.max_prompt_tokens``, or the model's context minus the response budget."""
+    if cfg.data.max_prompt_tokens:
+        return cfg.data.max_prompt_tokens
+    from transformers import AutoConfig
+
+    text = AutoConfig.from_pretrained(model_path).get_text_config(decoder=True)
+    return max(1, text.max_position_embeddings - cfg.rollout.max_new_tokens)
+
+
+class TrainerDied(FlashError):
+    """The trainer worker died; the run stopped at its last checkpoint."""
 
 
 def sampling_params(cfg: FlashConfig, tokenizer, *, eval_mode: bool = False) -> SamplingParams:
@@ -111,7 +138,12 @@ class Run:
         self.t0 = time.monotonic()
         quiet()
         self.cfg = cfg
+        resume_dir = resume_mod.resolve_resume(cfg.resume, recipe_name)
+        if resume_dir is not None:
+            resume_mod.check_same_run(to_dict(cfg), resume_dir)
+            cfg.run_dir = str(resume_dir)
         self.dir = make_run_dir(cfg, recipe_name)
+        self.ckpt, self.state = self._find_checkpoint(resume_dir)
         (self.dir / "config.yaml").write_text(to_yaml(cfg))
         algos.load_plugins(list(cfg.plugins))
         task_opts = {k: v for k, v in cfg.task.items() if k != "name"}
@@ -121,12 +153,30 @@ class Run:
         self.model_path = prepare_model(cfg, self.task)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.eval_items = self.task.eval_items()
-        self.metrics_file = open(self.dir / "metrics.jsonl", "w")
-        self.timeline_file = open(self.dir / "timeline.jsonl", "w")  # per-step spans, `flash plot`
-        self.eval_file = open(self.dir / "eval.jsonl", "w")  # every held-out evaluation
+        mode = "a" if resume_dir is not None else "w"  # resumed: logs were cut back to the checkpoint
+        self.metrics_file = open(self.dir / "metrics.jsonl", mode)
+        self.timeline_file = open(self.dir / "timeline.jsonl", mode)  # per-step spans, `flash plot`
+        self.eval_file = open(self.dir / "eval.jsonl", mode)  # every held-out evaluation
+        self.ledger = open(self.dir / "ledger.jsonl", mode)
         self.train_start: float | None = None
         self.last_eval_s = 0.0
+        self.acc0: float | None = None
+        self.start_step = 0
+        self.elapsed0 = 0.0  # training seconds before a resume
         self._start_roles()
+
+    def _find_checkpoint(self, resume_dir):
+        """(checkpoint dir, its state) to resume from, or (None, None): a fresh start."""
+        if resume_dir is None:
+            resume_mod.append_event(self.dir, "start")
+            return None, None
+        ckpt, skipped = latest_valid(self.dir / "checkpoints")
+        remove_partial(self.dir / "checkpoints")  # writes a kill interrupted: never read, now gone
+        state = resume_mod.load_state(ckpt) if ckpt is not None else None
+        resume_mod.restore_logs(self.dir, state["logs"] if state else None)
+        resume_mod.append_event(self.dir, "resume", checkpoint=str(ckpt) if ckpt else None,
+                                step=state["step"] if state else 0, skipped=skipped)
+        return ckpt, state
 
     def _start_roles(self) -> None:
         cfg = self.cfg
@@ -151,8 +201,9 @@ class Run:
         self.staleness = StalenessManager(cfg.async_ratio, B)
         # transport local: the in-process buffer; zmq: a BufferService here and a proxy on it
         self.buffer, self.buffer_service = make_buffer(cfg.buffer, int(math.ceil((cfg.async_ratio + 2) * B)))
+        self.input_guard = InputGuard(max_prompt_tokens(cfg, self.model_path), strict=cfg.data.strict)
+        self.skip_guard = SkipGuard(cfg.train.max_consecutive_skips)
         self.scheduler = self._make_scheduler()
-        self.ledger = open(self.dir / "ledger.jsonl", "w")
         self.controller = AsyncController(
             self.engine, self.trainer, self.scheduler, self.buffer, self.staleness,
             ControllerSettings(
@@ -163,6 +214,7 @@ class Run:
             ),
             ledger=self.ledger, critic=self.critic, model_update=self.model_update,
         )
+        self._start_durability()
 
     def _start_engines(self, plan, engine_threads: int, colocated: bool) -> None:
         """The actor_infer replicas (they share the role's threads), behind a router when several."""
@@ -170,7 +222,9 @@ class Run:
         n = len(plan.workers["actor_infer"])
         self.replicas = [start_engine(self.model_path, cfg.rollout.max_num_seqs, cfg.seed,
                                       max(1, engine_threads // n), engine=cfg.rollout.engine,
-                                      options=self.placement.options("actor_infer", i), sleep_mode=colocated)
+                                      options=self.placement.options("actor_infer", i), sleep_mode=colocated,
+                                      # one engine: Ray restarts it and flash.faults recovers its work
+                                      max_restarts=cfg.rollout.max_engine_restarts if n == 1 else 0)
                          for i in range(n)]
         self.engine = self.replicas[0] if n == 1 else start_router(self.replicas, cfg.rollout.prompt_affinity)
 
@@ -198,12 +252,59 @@ class Run:
         self.reward_pool = pool_from_config(cfg.reward, tuple(cfg.plugins))
         reward_fn = self.reward_pool.reward_fn() if self.reward_pool else None
         return RolloutScheduler(
-            self.engine, build_source(self.task, self.tokenizer, reward_fn), self.buffer, self.staleness,
+            self.engine, build_source(self.task, self.tokenizer, self.input_guard, reward_fn), self.buffer, self.staleness,
             params, n=cfg.rollout.n, seed=cfg.seed,
             reward_workers=cfg.rollout.reward_workers, inject_delay_s=cfg.rollout.inject_delay_s,
             queue_scheduling=cfg.rollout.queue_scheduling, redundancy=cfg.rollout.redundancy,
             max_additional_prompts=cfg.rollout.max_additional_prompts, filters=cfg.rollout.filter,
         )
+
+    def _start_durability(self) -> None:
+        """Engine fault recovery, checkpoints, and the restore of a resumed run.
+
+        The supervisor (flash.faults) handles one engine replica driven by the RolloutScheduler;
+        with several replicas (a Router) or environment episodes it is off, and an engine fault
+        stops the run. Checkpoints need the in-process buffer, the single trainer worker and the
+        RolloutScheduler (their state is what a checkpoint holds); otherwise they are off. Both
+        say so once at the start (``self.notes``)."""
+        cfg = self.cfg
+        self.notes: list[str] = []
+        single = len(self.replicas) == 1 and isinstance(self.scheduler, RolloutScheduler)
+        self.supervisor = None
+        if single:
+            self.supervisor = EngineSupervisor(self.engine, cfg.rollout.hang_timeout_s,
+                                               cfg.rollout.max_engine_restarts)
+            self.supervisor.requeue = self.scheduler.requeue_lost
+            self.supervisor.on_event = lambda event: resume_mod.append_event(self.dir, **event)
+            self.scheduler.supervisor = self.controller.supervisor = self.supervisor
+        else:
+            why = (f"{len(self.replicas)} engine replicas behind a router" if len(self.replicas) > 1
+                   else "environment episodes")
+            self.notes.append(f"flash: engine fault recovery is off with {why} (rollout.max_engine_restarts "
+                              f"applies to a single engine); an engine fault stops the run")
+        unsupported = [why for ok, why in (
+            (isinstance(self.buffer, SampleBuffer), f"buffer.transport={cfg.buffer.transport}"),
+            (group_settings(cfg.train) is None, "an FSDP2 trainer group (train.workers > 1 or a group knob)"),
+            (isinstance(self.scheduler, RolloutScheduler), "environment episodes"),
+        ) if not ok]
+        ckpt_cfg = cfg.checkpoint
+        if unsupported and ckpt_cfg.enabled:
+            self.notes.append(f"flash: checkpoints are off with {', '.join(unsupported)} (they hold the "
+                              f"in-process buffer, the single trainer's state and the scheduler's)")
+            ckpt_cfg = dataclasses.replace(ckpt_cfg, enabled=False)
+        if unsupported and self.state is not None:
+            raise ConfigError(f"resume={self.dir}: cannot resume with {', '.join(unsupported)} "
+                              f"(no checkpoint support); start a new run")
+        self.checkpointer = Checkpointer(self.dir, ckpt_cfg, self.trainer, cfg.train.steps)
+        self.controller.on_update = lambda version: run_state.on_update(self, version)
+        if self.state is not None:
+            self.start_step = run_state.restore(self, self.ckpt, self.state)
+        pids = {}
+        if single:
+            pids["engine_pid"] = ray.get(self.engine.pid.remote())
+        if group_settings(cfg.train) is None:
+            pids["trainer_pid"] = ray.get(self.trainer.pid.remote())
+        resume_mod.append_event(self.dir, "roles_ready", step=self.start_step, **pids)
 
     def evaluate(self, tag: str, step: int = 0) -> float:
         """Held-out accuracy now; also a line in ``eval.jsonl`` (step, seconds since training began)."""
@@ -219,6 +320,10 @@ class Run:
         return acc
 
     def close(self) -> None:
+        try:
+            self.checkpointer.wait()
+        except RuntimeError as exc:  # the last checkpoint is the one before; say so, do not hide it
+            print(f"flash: {exc}", flush=True)
         self.scheduler.stop()
         self.ledger.close()
         for f in (self.metrics_file, self.timeline_file, self.eval_file):
@@ -240,19 +345,32 @@ class Run:
 def run(cfg: FlashConfig, recipe_name: str = "run") -> dict:
     """Train as configured; returns (and writes) the run summary."""
     r = Run(cfg, recipe_name)
-    tracker = make_tracker(cfg.tracking, str(r.dir), config=to_dict(cfg))
+    start = r.start_step
+    tracker = make_tracker(cfg.tracking, str(r.dir), config=to_dict(cfg), purge_step=start + 1 if r.ckpt else None)
     progress = Progress(cfg.train.steps, cfg.tracking.progress)
-    progress.write(f"flash: run dir {r.dir}")
+    progress.write(f"flash: run dir {r.dir}" + (f" (resumed at step {start} from {r.ckpt})" if r.ckpt else ""))
     if r.placement.plan.num_gpus or len(r.replicas) > 1:
         progress.write(f"flash: {r.placement.plan.describe()}")
+    for line in r.notes:
+        progress.write(line)
     try:
         r.scheduler.start()
-        acc0 = r.evaluate("initial")
-        tracker.log({"eval/accuracy": acc0, "time/eval": r.last_eval_s}, 0)
+        if r.acc0 is None:
+            r.acc0 = r.evaluate("initial")
+            tracker.log({"eval/accuracy": r.acc0, "time/eval": r.last_eval_s}, 0)
+        acc0 = r.acc0
         progress.write(f"flash: held-out accuracy before training {acc0:.3f}")
+        if start < cfg.train.steps:
+            r.scheduler.set_version(r.controller.version)
         r.scheduler.start_admission()
-        train_start = r.train_start = time.monotonic()
-        records = r.controller.run(cfg.train.steps, on_step=lambda rec: _on_step(r, rec, tracker, progress))
+        train_start = r.train_start = time.monotonic() - r.elapsed0
+        try:
+            records = r.controller.run(cfg.train.steps, on_step=lambda rec: _on_step(r, rec, tracker, progress),
+                                       start=start)
+        except RayActorError as exc:  # engine faults are recovered (flash.faults); this is the trainer
+            raise TrainerDied(f"the trainer worker died ({exc.__class__.__name__}); the run stopped. Resume "
+                              f"from its last checkpoint: flash run {recipe_name} resume={r.dir}") from exc
+        r.checkpointer.wait()
         train_s = time.monotonic() - train_start
         left = r.controller.shutdown_rollout()
         acc1 = r.evaluate("final", cfg.train.steps)
@@ -285,16 +403,22 @@ def _on_step(r: Run, rec, tracker, progress) -> None:
         logged.update(r.reward_pool.metrics())
     if r.buffer_service is not None:  # zmq transport: puts, gets, bytes, rejected_<reason>, ...
         logged.update({f"buffer/{k}": v for k, v in r.buffer_service.stats().items() if k != "depth"})
+    logged.update(r.skip_guard.update(step, rec.metrics.get("train/skipped", 0.0) > 0,
+                                      rec.metrics.get("train/loss", 0.0), rec.metrics.get("train/grad_norm", 0.0)))
+    logged.update({**r.input_guard.metrics(), **r.checkpointer.metrics()})
+    if r.supervisor is not None:
+        logged.update(r.supervisor.metrics())
     tracker.log(logged, step)
     r.metrics_file.write(json.dumps({"step": step, **logged}) + "\n")
     r.metrics_file.flush()
     r.timeline_file.write(json.dumps({"step": step, **rec.timeline}) + "\n")
     r.timeline_file.flush()
+    run_state.commit_checkpoint(r)
     progress.update(logged)
 
 
 def _summary(cfg, r: Run, records, acc0, acc1, train_s, left) -> dict:
-    steps = len(records)
+    steps = r.start_step + len(records)  # a resumed run: all of its steps (train_s spans them too)
     trained = sum(len(g.samples) for rec in records for g in rec.groups)
     phase_keys = sorted({k for rec in records for k in rec.metrics if k.startswith("time/")})
     return {
@@ -312,6 +436,11 @@ def _summary(cfg, r: Run, records, acc0, acc1, train_s, left) -> dict:
         "prompts_admitted": r.scheduler.admitted,
         "prompts_unfinished": {k: len(v) for k, v in left.items()},
         "reward_errors": r.scheduler.counters["reward_errors"],
+        "resumed_from_step": r.start_step if r.ckpt else None,
+        "faults_engine": r.supervisor.faults if r.supervisor is not None else 0,
+        "train_skipped_nonfinite": r.skip_guard.total,
+        "data_skipped": dict(r.input_guard.counts),
+        "checkpoint": dict(r.checkpointer.last),
         "request_errors": r.scheduler.counters["request_errors"],
         "rollout_counters": dict(r.scheduler.counters),
         "reward_seconds": r.scheduler.counters.get("reward_seconds", 0.0),

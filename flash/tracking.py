@@ -27,10 +27,12 @@ class Tracker(Protocol):
 
 
 class TensorBoardTracker:
-    def __init__(self, log_dir: str):
+    def __init__(self, log_dir: str, purge_step: int | None = None):
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(log_dir=log_dir)
+        # purge_step (a resumed run): TensorBoard drops points at steps >= it that the killed run
+        # logged after its checkpoint, so the curves continue instead of doubling back
+        self.writer = SummaryWriter(log_dir=log_dir, purge_step=purge_step)
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         for key, value in metrics.items():
@@ -109,13 +111,14 @@ def check_backends(backends: list[str]) -> None:
                               f"installed: pip install 'flash-rl[{extra[1]}]' (or pip install {extra[0]})")
 
 
-def make_tracker(cfg, run_dir: str, config: dict[str, Any] | None = None) -> "MultiTracker":
+def make_tracker(cfg, run_dir: str, config: dict[str, Any] | None = None,
+                 purge_step: int | None = None) -> "MultiTracker":
     """The trackers ``cfg`` (a ``TrackingConfig``) selects, behind one ``MultiTracker``."""
     names = [b for b in cfg.backends if b != "tensorboard" or cfg.tensorboard]
     check_backends(names)
     name = cfg.run_name or run_dir.rstrip("/").rsplit("/", 1)[-1]
     make = {
-        "tensorboard": lambda: TensorBoardTracker(f"{run_dir}/tb"),
+        "tensorboard": lambda: TensorBoardTracker(f"{run_dir}/tb", purge_step),
         "console": lambda: ConsoleTracker(cfg.console_every),
         "wandb": lambda: WandbTracker(cfg.project, name, run_dir, config or {}),
         "swanlab": lambda: SwanLabTracker(cfg.project, name, run_dir, config or {}),

@@ -139,6 +139,10 @@ class EngineWorker(UpdateReceiver):
     def busy_spans(self) -> list[list[float]]:
         return self.loop.busy_spans()
 
+    def pid(self) -> int:
+        """The actor's process id (fault-injection tests and benchmarks kill it)."""
+        return os.getpid()
+
     def shutdown(self) -> None:
         self.loop.shutdown()
 
@@ -166,12 +170,37 @@ class TrainerWorker(UpdateSender):
         sys.path[:0] = [p for p in paths if p not in sys.path]
         algos.load_plugins(list(plugins))
         self.trainer = Trainer(load_model(model_path), settings, seed=seed)
+        self._lock = threading.Lock()  # a checkpoint snapshot never sees half a step
+        self._snapshot: dict | None = None
 
     def logprobs(self, batch):
         return self.trainer.logprobs(batch)
 
     def train_step(self, batch, advantages, prox_logp) -> dict:
-        return self.trainer.train_step(batch, advantages, prox_logp)
+        with self._lock:
+            return self.trainer.train_step(batch, advantages, prox_logp)
+
+    # Checkpoint hooks (flash.checkpoint): a copy taken between steps, written while training goes
+    # on. An FSDP2 trainer replaces the three functions with torch.distributed.checkpoint.
+    def checkpoint_snapshot(self) -> None:
+        from flash.checkpoint import trainer_state
+
+        with self._lock:
+            self._snapshot = trainer_state(self.trainer)
+
+    def checkpoint_write(self, directory: str) -> None:
+        from flash.checkpoint import save_trainer_state
+
+        snapshot, self._snapshot = self._snapshot, None
+        if snapshot is None:
+            raise RuntimeError("checkpoint_write without a checkpoint_snapshot first")
+        save_trainer_state(snapshot, directory)
+
+    def load_checkpoint(self, directory: str) -> int:
+        from flash.checkpoint import load_trainer_state
+
+        with self._lock:
+            return load_trainer_state(self.trainer, directory)
 
     def begin_step(self) -> None:
         self.trainer.begin_step()
@@ -180,10 +209,12 @@ class TrainerWorker(UpdateSender):
         return self.trainer.accumulate(batch, advantages, prox_logp)
 
     def finish_step(self) -> dict:
-        return self.trainer.finish_step()
+        with self._lock:
+            return self.trainer.finish_step()
 
     def get_weights(self) -> dict:
-        return self.trainer.state_dict()
+        with self._lock:  # never half a step (a restarted engine may ask during one: flash.faults)
+            return self.trainer.state_dict()
 
     def _mu_state(self) -> dict:
         """The full weights the model-update group pushes (live tensors: the push copies them)."""
@@ -195,6 +226,9 @@ class TrainerWorker(UpdateSender):
 
     def stats(self) -> dict:
         return {"busy_s": self.trainer.busy_s, "steps": float(self.trainer.steps)}
+
+    def pid(self) -> int:
+        return os.getpid()
 
 
 def init_ray(address: str | None, num_cpus: int, extra_paths: list[str] = (), num_gpus: int = 0) -> None:
@@ -223,13 +257,14 @@ ENGINES = ("torch", "vllm")
 
 
 def start_engine(model_path: str, max_num_seqs: int, seed: int, threads: int, engine: str = "torch",
-                 options: dict | None = None, sleep_mode: bool = False):
+                 options: dict | None = None, sleep_mode: bool = False, max_restarts: int = 0):
     """The engine actor: ``torch`` (embedded, ``EngineWorker``) or ``vllm`` (``VLLMEngineWorker``).
 
     Both answer the same methods, so the controller and the scheduler never know which one runs.
     ``options``: extra actor options, e.g. ``Placement.options`` (devices, placement group).
     ``sleep_mode``: the engine shares its devices and must be able to release memory (vLLM
     reserves its sleep allocator at start; the torch engine always can).
+    ``max_restarts``: Ray re-creates a dead engine this many times (flash.faults recovers its work).
     """
     if engine == "vllm":
         from flash.engine.vllm_engine import VLLMEngineWorker
@@ -239,14 +274,16 @@ def start_engine(model_path: str, max_num_seqs: int, seed: int, threads: int, en
         cls = EngineWorker
     else:
         raise ValueError(f"unknown rollout engine {engine!r}; expected one of {ENGINES}")
-    actor = ray.remote(cls).options(num_cpus=0, max_concurrency=8, **(options or {}))
+    actor = ray.remote(cls).options(num_cpus=0, max_concurrency=8, max_restarts=max_restarts,
+                                    **(options or {}))
     kwargs = {"sleep_mode": True} if sleep_mode and engine == "vllm" else {}
     return actor.remote(model_path, max_num_seqs, seed, threads, **kwargs)
 
 
 def start_trainer(model_path: str, settings, seed: int, threads: int, plugins: list[str],
                   options: dict | None = None):
-    actor = ray.remote(TrainerWorker).options(num_cpus=0, max_concurrency=2, **(options or {}))
+    # max_concurrency 4: checkpoint snapshot/write and pid() run beside a train step (flash.checkpoint)
+    actor = ray.remote(TrainerWorker).options(num_cpus=0, max_concurrency=4, **(options or {}))
     return actor.remote(model_path, settings, seed, threads, plugins, plugin_paths(plugins))
 
 

@@ -310,3 +310,40 @@ def test_spares_fill_a_filtered_slot_and_expire_at_the_next_version():
     assert sched.pending_versions() == [1]
     assert unbalance(sched.lifecycle.snapshot()) == 0
     sched.stop()
+
+
+def test_checkpoint_restarts_prompts_in_flight_once_and_keeps_the_lifecycle_balanced(ray_session):
+    """A checkpoint mid-flight (flash.checkpoint.snapshot_rollout): buffered groups come back as
+    they were; prompts in flight restart with the same ids and seeds; the lifecycle counts each
+    sample once (``admitted = ended + live``), redundant requests included."""
+    import json
+
+    from flash.checkpoint import group_from_dict, snapshot_rollout
+
+    slow = {f"{p}:{k}": 5.0 for p in (2, 3) for k in range(3)}
+    sched, buffer = make(scripted(slow), B=2, r=1, n=2, redundancy=1)
+    sched.start()
+    sched.start_admission()
+    wait_until(lambda: len(buffer) >= 2)  # prompts 0 and 1 buffered, 2 and 3 still generating
+    state = json.loads(json.dumps(snapshot_rollout(buffer, sched)))
+    sched.stop()
+    assert sorted(g["prompt_id"] for g in state["buffer"]) == [0, 1]
+    assert [p["prompt_id"] for p in state["scheduler"]["pending"]] == [2, 3]
+
+    engine = scripted({})
+    sched2, buffer2 = make(engine, B=2, r=1, n=2, redundancy=1)
+    buffer2.restore([group_from_dict(g) for g in state["buffer"]])
+    assert sched2.load_state_dict(state["scheduler"]) == 2
+    sched2.start()
+    groups = take(buffer2, 4)
+    sched2.mark_trained(groups)
+    sched2.stop()
+    assert sorted(g.prompt_id for g in groups) == [0, 1, 2, 3]
+    assert sorted(g.data_index for g in groups) == [0, 1, 2, 3]
+    resubmitted = ray.get(engine.log.remote())["submitted"]
+    assert sorted(rid for rid, _ in resubmitted) == [f"{p}:{k}" for p in (2, 3) for k in range(3)]
+    assert all(seed == request_seed(3, *map(int, rid.split(":"))) for rid, seed in resubmitted)
+    snap = sched2.lifecycle.snapshot()
+    assert unbalance(snap) == 0
+    assert snap["admitted"] == 4 * 3 and snap["trained"] == 4 * 2 and snap["aborted"] == 4
+    assert sched2.metrics()["rollout/counted_admissions"] == 4.0

@@ -453,6 +453,12 @@ class VLLMEngineWorker(UpdateReceiver):
         spans, self._spans = self._spans, []
         return spans
 
+    def pid(self) -> int:
+        """The actor's process id (fault-injection tests and benchmarks kill it)."""
+        import os
+
+        return os.getpid()
+
     def health(self) -> bool:
         """True, or raises: vLLM's engine process is dead or this engine was shut down."""
         self._check()

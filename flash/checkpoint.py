@@ -1,0 +1,308 @@
+"""Checkpoints: everything a run needs to continue with no prompt lost or repeated (invariant 5).
+
+A checkpoint after ``step`` completed train steps is a directory ``RUN_DIR/checkpoints/ckpt-<step>``:
+
+- ``trainer.pt``: model and optimizer state dicts, the trainer's torch RNG state and step count
+  (written by the trainer actor itself -- the hook an FSDP2 trainer replaces with
+  ``torch.distributed.checkpoint``: every rank writes its shard into the same directory and the
+  manifest covers every file);
+- ``state.json``: the controller's step and policy version, the scheduler's data position, admission
+  count, counters and RNG, **the buffer's groups** (complete, scored samples) and **the prompts in
+  flight** (restarted from scratch on resume: their partial responses are dropped, their prompts are
+  not), the guards' counters, and the byte length of each run log (ledger, metrics, timeline, eval)
+  at this step, so a resume cuts the logs back to exactly this point and they continue from it;
+- ``manifest.json``: size and sha256 of every file, written last.
+
+Atomic: everything goes into ``ckpt-<step>.tmp/``, each file fsynced, then the manifest, then one
+``rename`` (and an fsync of the parent dir). A crash at any moment leaves either the complete new
+checkpoint or none; a checkpoint damaged later (truncated, edited) fails its manifest check and
+``latest_valid`` falls back to the previous one.
+
+Cost in the step: only the snapshot (the trainer clones its state; the driver copies the buffer and
+the scheduler state). Hashing and disk writes run in a background thread (``checkpoint.async_write``)
+while training goes on; the next checkpoint waits for the previous write.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import logging
+import os
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import ray
+import torch
+
+from buffers import Group, Sample
+
+log = logging.getLogger("flash")
+
+PREFIX = "ckpt-"
+MANIFEST = "manifest.json"
+STATE = "state.json"
+TRAINER = "trainer.pt"
+# Test hook: seconds to sleep inside a checkpoint write, after the trainer's file and before the
+# manifest, so a test can SIGKILL the run mid-checkpoint.
+PAUSE_ENV = "FLASH_CKPT_PAUSE_S"
+
+
+# ---- files -----------------------------------------------------------------------------------
+def fsync_path(path: Path) -> None:
+    """Flush a file's (or a directory's entries') data to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def write_json(path: Path, obj: Any) -> None:
+    with open(path, "w") as f:
+        json.dump(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def write_manifest(tmp: Path, step: int) -> dict:
+    """Size and sha256 of every file under ``tmp``; written (and fsynced) as the last file."""
+    files = {}
+    for path in sorted(p for p in tmp.rglob("*") if p.is_file() and p.name != MANIFEST):
+        files[str(path.relative_to(tmp))] = {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
+    manifest = {"step": step, "files": files, "bytes": sum(f["bytes"] for f in files.values())}
+    write_json(tmp / MANIFEST, manifest)
+    return manifest
+
+
+def verify(path: Path) -> str | None:
+    """None when the checkpoint at ``path`` matches its manifest, else what is wrong with it."""
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except (OSError, ValueError) as exc:
+        return f"no readable manifest ({exc.__class__.__name__})"
+    for name, want in manifest.get("files", {}).items():
+        f = path / name
+        if not f.is_file():
+            return f"{name} is missing"
+        if f.stat().st_size != want["bytes"]:
+            return f"{name} has {f.stat().st_size} bytes, the manifest says {want['bytes']}"
+        if sha256_file(f) != want["sha256"]:
+            return f"{name} does not match its sha256"
+    return None
+
+
+def step_of(path: Path) -> int | None:
+    name = path.name
+    if not name.startswith(PREFIX) or name.endswith(".tmp"):
+        return None
+    try:
+        return int(name[len(PREFIX):])
+    except ValueError:
+        return None
+
+
+def complete_checkpoints(root: Path) -> list[Path]:
+    """Renamed (never ``.tmp``) checkpoint dirs, newest first."""
+    if not root.is_dir():
+        return []
+    found = [(step_of(p), p) for p in root.iterdir() if p.is_dir()]
+    return [p for s, p in sorted((x for x in found if x[0] is not None), reverse=True)]
+
+
+def latest_valid(root: Path, warn: Callable[[str], None] = log.warning) -> tuple[Path | None, list[str]]:
+    """The newest checkpoint that passes ``verify``; each one skipped is reported and returned."""
+    skipped = []
+    for path in complete_checkpoints(root):
+        why = verify(path)
+        if why is None:
+            return path, skipped
+        skipped.append(f"{path.name}: {why}")
+        warn(f"flash: checkpoint {path} is damaged ({why}); falling back to the previous one")
+    return None, skipped
+
+
+def prune(root: Path, keep_last: int) -> list[Path]:
+    """Delete complete checkpoints beyond the newest ``keep_last``, and leftover ``.tmp`` dirs."""
+    gone = complete_checkpoints(root)[keep_last:]
+    for path in gone:
+        shutil.rmtree(path, ignore_errors=True)
+    return gone + remove_partial(root)
+
+
+def remove_partial(root: Path) -> list[Path]:
+    """Delete ``.tmp`` dirs: writes that never reached their rename (a kill mid-checkpoint)."""
+    gone = [p for p in root.glob(f"{PREFIX}*.tmp") if p.is_dir()] if root.is_dir() else []
+    for path in gone:
+        shutil.rmtree(path, ignore_errors=True)
+    return gone
+
+
+def commit(tmp: Path, final: Path) -> None:
+    """The atomic step: one rename, then the parent dir's entry made durable."""
+    if final.exists():  # a damaged one of the same step (the resume fell back past it): set aside,
+        trash = final.with_name(final.name + ".replaced.tmp")  # pruned later, never read
+        shutil.rmtree(trash, ignore_errors=True)
+        os.rename(final, trash)
+    os.rename(tmp, final)
+    fsync_path(final.parent)
+
+
+# ---- trainer state (called inside the trainer actor) -------------------------------------------
+def trainer_state(trainer) -> dict:
+    """A copy of everything the trainer needs to continue bit-for-bit (taken between steps)."""
+    return {
+        "model": {k: v.detach().clone() for k, v in trainer.model.state_dict().items()},
+        "optimizer": copy.deepcopy(trainer.optimizer.state_dict()),
+        "rng": torch.get_rng_state(),
+        "steps": trainer.steps,
+    }
+
+
+def save_trainer_state(state: dict, directory: str) -> None:
+    path = Path(directory) / TRAINER
+    with open(path, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def load_trainer_state(trainer, directory: str) -> int:
+    """Restore model, optimizer, RNG and step count; returns the step count."""
+    state = torch.load(Path(directory) / TRAINER, map_location="cpu", weights_only=False)
+    trainer.model.load_state_dict(state["model"])
+    trainer.optimizer.load_state_dict(state["optimizer"])
+    torch.set_rng_state(state["rng"])
+    trainer.steps = int(state["steps"])
+    return trainer.steps
+
+
+# ---- driver state ----------------------------------------------------------------------------
+def group_to_dict(g: Group) -> dict:
+    return asdict(g)
+
+
+def group_from_dict(d: dict) -> Group:
+    samples = [Sample(**s) for s in d["samples"]]
+    return Group(prompt_id=d["prompt_id"], samples=samples, admitted_version=d["admitted_version"],
+                 data_index=d["data_index"])
+
+
+def snapshot_rollout(buffer, scheduler) -> dict:
+    """The buffer's groups and the scheduler's state as one consistent view.
+
+    Both are read under the buffer's lock (the scheduler's own lock nests inside it, the order
+    ``get_batch`` already uses). A group that was just put but not yet removed from the
+    scheduler's pending set counts as buffered only.
+    """
+    groups, sched = buffer.snapshot(also=scheduler.state_dict)
+    buffered = {g.prompt_id for g in groups}
+    sched["pending"] = [p for p in sched["pending"] if p["prompt_id"] not in buffered]
+    return {"buffer": [group_to_dict(g) for g in groups], "scheduler": sched}
+
+
+def log_offsets(files: dict[str, Any]) -> dict[str, int]:
+    """Byte length of each open run log (flushed first): where a resume cuts it back to."""
+    out = {}
+    for name, f in files.items():
+        f.flush()
+        out[name] = f.tell()
+    return out
+
+
+class Checkpointer:
+    """Takes snapshots in the step and writes them atomically, in the background when asked."""
+
+    def __init__(self, run_dir: Path, cfg, trainer, total_steps: int,
+                 on_written: Callable[[dict], None] | None = None):
+        self.root = Path(run_dir) / "checkpoints"
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.cfg, self.trainer, self.total_steps = cfg, trainer, total_steps
+        self.on_written = on_written
+        self.pause_s = float(os.environ.get(PAUSE_ENV, "0") or 0)
+        self._pending: tuple[int, dict] | None = None
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.last: dict[str, float] = {}  # the newest finished write: step, bytes, seconds
+        self.snapshot_s = 0.0
+
+    def due(self, step: int) -> bool:
+        every = self.cfg.every_steps
+        return self.cfg.enabled and (step == self.total_steps or bool(every and step % every == 0))
+
+    def snapshot(self, step: int, state: dict) -> None:
+        """In the step, between weight push and new admissions: the trainer clones its state."""
+        start = time.monotonic()
+        self.wait()  # one write at a time; the trainer holds one snapshot
+        ray.get(self.trainer.checkpoint_snapshot.remote())
+        self.snapshot_s = time.monotonic() - start
+        self._pending = (step, {**state, "snapshot_s": self.snapshot_s})
+
+    def commit(self, offsets: dict[str, int]) -> None:
+        """After the step's logs are written: record where they end, write (maybe in background)."""
+        if self._pending is None:
+            return
+        step, state = self._pending
+        self._pending = None
+        state = {**state, "step": step, "logs": offsets}
+        if self.cfg.async_write:
+            self._thread = threading.Thread(target=self._write_guarded, args=(step, state),
+                                            name="flash-checkpoint", daemon=True)
+            self._thread.start()
+        else:
+            self._write(step, state)
+
+    def wait(self) -> None:
+        """Block until the write in progress is on disk; re-raise its error."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise RuntimeError(f"checkpoint write failed: {err!r}") from err
+
+    def _write_guarded(self, step: int, state: dict) -> None:
+        try:
+            self._write(step, state)
+        except BaseException as exc:  # noqa: BLE001 - re-raised by wait()
+            self._error = exc
+
+    def _write(self, step: int, state: dict) -> None:
+        start = time.monotonic()
+        tmp = self.root / f"{PREFIX}{step}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        ray.get(self.trainer.checkpoint_write.remote(str(tmp)))
+        write_json(tmp / STATE, state)
+        if self.pause_s:
+            time.sleep(self.pause_s)
+        manifest = write_manifest(tmp, step)
+        fsync_path(tmp)
+        commit(tmp, self.root / f"{PREFIX}{step}")
+        prune(self.root, self.cfg.keep_last)
+        self.last = {"step": float(step), "bytes": float(manifest["bytes"]),
+                     "write_s": time.monotonic() - start, "snapshot_s": state["snapshot_s"]}
+        if self.on_written:
+            self.on_written(self.last)
+
+    def metrics(self) -> dict[str, float]:
+        m = {"checkpoint/snapshot_s": self.snapshot_s} if self.snapshot_s else {}
+        self.snapshot_s = 0.0  # reported in the step that took it only
+        if self.last:
+            m.update({"checkpoint/bytes": self.last["bytes"], "checkpoint/write_s": self.last["write_s"],
+                      "checkpoint/step": self.last["step"]})
+        return m

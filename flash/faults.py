@@ -1,0 +1,170 @@
+"""Engine faults: a rollout engine that dies or hangs costs seconds, not the run.
+
+``EngineSupervisor`` stands between the driver's threads (scheduler collector and admission,
+controller) and the engine actor. Every engine call goes through it; a call that fails because the
+actor died (``RayActorError``: the process was killed, crashed, ran out of memory), because its
+generation thread died (``EngineLoopError``), or because it did not answer within
+``rollout.hang_timeout_s`` (a hung process: treated as dead and killed) starts one recovery:
+
+1. count the fault (``faults/engine``) and log it once (later ones are counted, not logged);
+2. kill the actor if it is still there (hung / broken thread); Ray restarts it (the actor was
+   created with ``max_restarts = rollout.max_engine_restarts``) from the same model path;
+3. wait until the new incarnation answers;
+4. load the weights and version last pushed by the controller (the object ref is kept for this),
+   so tokens from the new engine carry the right version (invariant 1);
+5. ask the scheduler to resubmit every request of a pending prompt whose output had not been
+   taken yet (``RolloutScheduler.requeue_lost``): same prompt ids, same request seeds.
+
+Callers that raced with the fault see the recovery's new ``epoch`` and retry their call (the
+controller retries its whole suspend → push → resume sequence); only one recovery runs per fault.
+After ``max_engine_restarts`` recoveries the next fault raises ``EngineFailed`` naming the knob.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError
+
+from flash.engine.loop import EngineLoopError
+from flash.errors import FlashError
+
+log = logging.getLogger("flash")
+
+
+class EngineFailed(FlashError):
+    """The engine kept failing after every restart it was allowed."""
+
+
+class EngineFault(RuntimeError):
+    """An engine-side failure that a caller wrapped (e.g. a model-update push to the engine failed,
+    with the trainer alive): recovered like a dead engine -- restart, then the caller retries."""
+
+
+def is_engine_fault(exc: BaseException, engine_id: str | None = None) -> bool:
+    """A failure that a restart can cure: the actor or its generation thread is gone, or it hung.
+
+    A ``RayActorError`` that names another actor is not one: the trainer dying while the engine
+    waits for its weights surfaces in the engine call, and must stop the run, not restart engines.
+    """
+    if isinstance(exc, RayActorError):
+        other = getattr(exc, "actor_id", None)
+        return not (other and engine_id and other != engine_id)
+    return isinstance(exc, (GetTimeoutError, EngineLoopError, EngineFault))
+
+
+class EngineSupervisor:
+    def __init__(self, engine, hang_timeout_s: float, max_restarts: int,
+                 warn: Callable[[str], None] = log.warning, start_timeout_s: float = 300.0):
+        self.engine = engine
+        self.engine_id = engine._actor_id.hex() if hasattr(engine, "_actor_id") else None
+        self.hang_timeout_s = hang_timeout_s
+        self.max_restarts = max_restarts
+        self.start_timeout_s = start_timeout_s
+        self.epoch = 0  # recoveries completed
+        self.faults = 0  # every fault of the run (restored on resume): faults/engine
+        self.restarts = 0  # recoveries by this process: bounded by max_restarts (Ray's budget)
+        self.events: list[dict[str, Any]] = []  # one per fault, for events.jsonl and benchmarks
+        self.requeue: Callable[[], int] | None = None  # RolloutScheduler.requeue_lost
+        self.on_event: Callable[[dict], None] | None = None  # each fault, as soon as recovered
+        self._warn = warn
+        self._lock = threading.RLock()  # a fault inside a recovery (requeue's submit) recovers again
+        self._weights = None  # object ref of the weights last pushed, and their version
+        self._version = 0
+
+    # ---- calls -----------------------------------------------------------------------------
+    def call(self, name: str, *args, timeout: float | None = None):
+        """``ray.get(engine.name.remote(*args))``, recovering from engine faults and retrying."""
+        return self.run(lambda: ray.get(getattr(self.engine, name).remote(*args), timeout=timeout))
+
+    def run(self, fn: Callable[[], Any]):
+        """Run ``fn`` (engine calls); on an engine fault recover, then run all of ``fn`` again."""
+        while True:
+            epoch = self.epoch
+            try:
+                return fn()
+            except Exception as exc:
+                if not is_engine_fault(exc, self.engine_id):
+                    raise
+                self.recover(epoch, exc)
+
+    def poll(self, timeout: float) -> list:
+        """The collector's ``get_finished``; no answer within the hang timeout counts as a hang."""
+        return self.call("get_finished", timeout, timeout=timeout + self.hang_timeout_s)
+
+    def submit(self, reqs: list) -> None:
+        """Submit; a fault here needs no retry: the recovery resubmits what is pending."""
+        epoch = self.epoch
+        try:
+            ray.get(self.engine.submit.remote(reqs), timeout=self.hang_timeout_s)
+        except Exception as exc:
+            if not is_engine_fault(exc, self.engine_id):
+                raise
+            self.recover(epoch, exc)
+
+    def pushed(self, weights, version: int) -> None:
+        """The controller pushed ``weights`` as ``version``: what a restarted engine gets. ``weights``
+        is an object ref, or a callable returning one, called only at a restart (the model-update
+        group keeps no copy in the object store: ``trainer.get_weights.remote``). A restart between
+        a train step and the push that follows it then loads the just-trained weights under the
+        previous version, until that push relabels them: token versions are never newer than the
+        weights that produced them, so the staleness bound still holds."""
+        self._weights, self._version = weights, version
+
+    # ---- recovery --------------------------------------------------------------------------
+    def recover(self, epoch: int, exc: BaseException) -> None:
+        """Restart the engine and requeue its work, unless another caller already did (``epoch``)."""
+        with self._lock:
+            if self.epoch != epoch:
+                return
+            start, wall = time.monotonic(), time.time()
+            self.faults += 1
+            self.restarts += 1
+            kind = "hung" if isinstance(exc, GetTimeoutError) else "died"
+            if self.restarts > self.max_restarts:
+                raise EngineFailed(
+                    f"rollout engine {kind} again after {self.max_restarts} restarts "
+                    f"(rollout.max_engine_restarts={self.max_restarts}); last error: {exc!r}. Raise "
+                    f"rollout.max_engine_restarts, or look for what kills it (memory, a bad request)") from exc
+            if self.restarts == 1:
+                self._warn(f"flash: rollout engine {kind} ({type(exc).__name__}); restarting it and "
+                           f"requeueing its requests (faults counted in faults/engine, logged once)")
+            if kind == "hung" or not isinstance(exc, RayActorError):
+                ray.kill(self.engine, no_restart=False)  # Ray restarts it (max_restarts)
+            self._wait_alive(exc)
+            if self._weights is not None:
+                weights = self._weights if isinstance(self._weights, ray.ObjectRef) else self._weights()
+                ray.get(self.engine.pause.remote("continue"))
+                ray.get(self.engine.update_weights.remote(weights, self._version))
+                ray.get(self.engine.resume.remote())
+            requeued = self.requeue() if self.requeue is not None else 0
+            self.epoch += 1
+            event = {"event": "engine_fault", "kind": kind, "error": type(exc).__name__, "time": wall,
+                     "recovery_s": time.monotonic() - start, "requeued": requeued, "version": self._version,
+                     "pid": ray.get(self.engine.pid.remote())}
+            self.events.append(event)
+            if self.on_event is not None:
+                self.on_event(event)
+
+    def _wait_alive(self, exc: BaseException) -> None:
+        deadline = time.monotonic() + self.start_timeout_s
+        while True:
+            try:
+                ray.get(self.engine.health.remote(), timeout=max(1.0, deadline - time.monotonic()))
+                return
+            except (RayActorError, GetTimeoutError) as err:
+                if time.monotonic() >= deadline:
+                    raise EngineFailed(f"rollout engine did not come back within {self.start_timeout_s:.0f}s "
+                                       f"after it failed ({exc!r}); last error: {err!r}") from err
+                time.sleep(0.2)
+
+    def metrics(self) -> dict[str, float]:
+        m = {"faults/engine": float(self.faults)}
+        if self.events:
+            m["faults/engine_recovery_s"] = self.events[-1]["recovery_s"]
+        return m

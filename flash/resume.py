@@ -1,0 +1,97 @@
+"""Resume: find the run and its newest valid checkpoint, check the settings match, cut the logs back.
+
+``flash run RECIPE resume=RUN_DIR`` (or ``resume=latest``: the newest run dir of this recipe under
+``runs/``) continues in the same run dir. The run's logs (ledger, metrics, timeline, eval) are cut
+back to their length at the checkpoint, so lines the killed run wrote after it -- steps it will
+now redo -- are not there twice; TensorBoard drops them by ``purge_step``. ``events.jsonl`` is never
+cut: it records every start, resume, fallback and fault, including the ones of killed runs.
+
+Settings that shape what is trained (seed, task, async ratio, batch shape, loss, ...) must match the
+checkpointed run, or resuming would silently mix two experiments. What may change is listed in
+``MAY_CHANGE`` (more steps, checkpoint and tracking knobs, resources, timeouts).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from flash.errors import ConfigError
+
+LOGS = ("ledger", "metrics", "timeline", "eval")  # RUN_DIR/<name>.jsonl, cut back on resume
+MAY_CHANGE = ("train.steps", "train.max_consecutive_skips", "checkpoint.", "tracking.", "resume", "run_dir",
+              "cache_dir", "description", "eval.every_steps", "rollout.hang_timeout_s",
+              "rollout.max_engine_restarts", "resources.", "ray.", "data.strict")
+
+
+def resolve_resume(resume: str | None, recipe_name: str, runs_root: Path = Path("runs")) -> Path | None:
+    """The run dir ``resume`` names (``latest``: newest ``runs/<recipe>-*`` with a config)."""
+    if not resume:
+        return None
+    if resume == "latest":
+        runs = sorted((p for p in runs_root.glob(f"{recipe_name}-*") if (p / "config.yaml").is_file()),
+                      key=lambda p: (p / "config.yaml").stat().st_mtime)
+        if not runs:
+            raise ConfigError(f"resume=latest: no run of recipe '{recipe_name}' under {runs_root}/; "
+                              f"pass resume=RUN_DIR")
+        return runs[-1]
+    path = Path(resume)
+    if not (path / "config.yaml").is_file():
+        raise ConfigError(f"resume={resume}: not a run dir (no config.yaml there); pass the dir a run "
+                          f"printed as 'flash: run dir ...', or resume=latest")
+    return path
+
+
+def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(d, dict):
+        return {prefix.rstrip("."): d}
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        out.update(_flat(v, f"{prefix}{k}."))
+    return out
+
+
+def config_differences(saved: dict, now: dict) -> list[str]:
+    """``key: saved -> now`` for every setting that differs and may not change on resume."""
+    a, b = _flat(saved), _flat(now)
+    diffs = []
+    for key in sorted(set(a) | set(b)):
+        if any(key == m or key.startswith(m) for m in MAY_CHANGE):
+            continue
+        if a.get(key) != b.get(key):
+            diffs.append(f"{key}: {a.get(key)!r} -> {b.get(key)!r}")
+    return diffs
+
+
+def check_same_run(now: dict, run_dir: Path) -> None:
+    saved = OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml"))
+    diffs = config_differences(saved, now)
+    if diffs:
+        raise ConfigError(f"resume={run_dir}: settings differ from the checkpointed run ({'; '.join(diffs[:3])}"
+                          f"{'; ...' if len(diffs) > 3 else ''}); pass the same recipe and overrides (only "
+                          f"{', '.join(MAY_CHANGE[:4])}, ... may change), or start a new run without resume")
+
+
+def load_state(ckpt: Path) -> dict:
+    from flash.checkpoint import STATE
+
+    return json.loads((ckpt / STATE).read_text())
+
+
+def restore_logs(run_dir: Path, offsets: dict[str, int] | None) -> None:
+    """Cut each run log back to its length at the checkpoint (``None``: no checkpoint, empty)."""
+    for name in LOGS:
+        path = run_dir / f"{name}.jsonl"
+        if path.exists():
+            with open(path, "r+b") as f:
+                f.truncate((offsets or {}).get(name, 0))
+
+
+def append_event(run_dir: Path, event: str, **fields) -> None:
+    """One line in ``events.jsonl``: starts, resumes, checkpoint fallbacks, faults."""
+    with open(run_dir / "events.jsonl", "a") as f:
+        f.write(json.dumps({"event": event, "time": time.time(), **fields}) + "\n")

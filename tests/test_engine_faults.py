@@ -1,0 +1,83 @@
+"""A rollout engine that dies or hangs mid-run costs seconds, not the run (flash.faults).
+
+A real `flash run` subprocess (async ratio 2). After the first step its engine actor's process
+(pid from the engine's ``pid()`` method, logged in events.jsonl) is SIGKILLed; after a later step
+the restarted engine is frozen with SIGSTOP, so it answers nothing: the hang timeout must catch it.
+The run must finish, count both faults, and its ledger must still show every admitted prompt ending
+exactly once, every trained sample once.
+"""
+
+import collections
+import json
+import os
+import signal
+import time
+
+import pytest
+
+from flash.checkpoint import latest_valid
+from tests.test_resume_e2e import STEPS, B, N, finish, launch, read_jsonl, wait_for
+
+
+def events(run_dir, kind):
+    path = run_dir / "events.jsonl"
+    return [e for e in read_jsonl(path) if e["event"] == kind] if path.exists() else []
+
+
+def steps_done(run_dir) -> int:
+    path = run_dir / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return os.environ.get("FLASH_TEST_CACHE") or str(tmp_path_factory.mktemp("cache"))
+
+
+@pytest.mark.slow
+def test_engine_killed_then_hung_mid_run_is_restarted_and_nothing_is_lost(tmp_path, cache):
+    run_dir = tmp_path / "faults"
+    proc = launch(run_dir, cache, [f"run_dir={run_dir}", "async_ratio=2", "rollout.hang_timeout_s=8",
+                                   "rollout.inject_delay_s=0.05", "checkpoint.every_steps=0"])
+    assert wait_for(lambda: steps_done(run_dir) >= 1, proc)
+    os.kill(events(run_dir, "roles_ready")[0]["engine_pid"], signal.SIGKILL)
+    assert wait_for(lambda: events(run_dir, "engine_fault"), proc)
+    died = events(run_dir, "engine_fault")[0]
+    assert wait_for(lambda: steps_done(run_dir) >= 3, proc)
+    os.kill(died["pid"], signal.SIGSTOP)  # the restarted engine: alive, silent
+    stopped = time.time()
+    try:
+        finish(proc, run_dir)
+    finally:
+        try:
+            os.kill(died["pid"], signal.SIGKILL)  # normally gone already (Ray killed it)
+        except ProcessLookupError:
+            pass
+
+    faults = events(run_dir, "engine_fault")
+    assert [f["kind"] for f in faults] == ["died", "hung"]
+    assert faults[1]["time"] - stopped >= 8 - 0.5  # caught by the hang timeout, not earlier
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["faults_engine"] == 2 and summary["steps"] == STEPS
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    assert metrics[-1]["faults/engine"] == 2.0
+    ledger = read_jsonl(run_dir / "ledger.jsonl")
+    pairs = collections.Counter((e["prompt_id"], e["sample"]) for e in ledger if e["outcome"] == "trained")
+    assert set(pairs.values()) == {1} and len(pairs) == STEPS * B * N
+    trained = {p for p, _ in pairs}
+    left = [e["prompt_id"] for e in ledger if e["outcome"] in ("buffered", "in_flight")]
+    assert sorted(trained | set(left)) == list(range(summary["prompts_admitted"]))
+    assert len(left) == len(set(left)) and not set(left) & trained
+
+
+@pytest.mark.slow
+def test_trainer_death_stops_the_run_naming_the_resume_command(tmp_path, cache):
+    run_dir = tmp_path / "trainer"
+    proc = launch(run_dir, cache, [f"run_dir={run_dir}", "async_ratio=0", "checkpoint.every_steps=1"])
+    assert wait_for(lambda: steps_done(run_dir) >= 2, proc)
+    os.kill(events(run_dir, "roles_ready")[0]["trainer_pid"], signal.SIGKILL)
+    assert proc.wait(timeout=300) == 2
+    out = (tmp_path / "trainer.log").read_text()
+    assert "the trainer worker died" in out and f"resume={run_dir}" in out
+    assert latest_valid(run_dir / "checkpoints")[0] is not None  # what the resume starts from
+    assert not (run_dir / "summary.json").exists()
