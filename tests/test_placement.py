@@ -149,10 +149,14 @@ def gpus4():
     ray.shutdown()
 
 
-def start_probes(placement, role):
+def start_probes(placement, role, keep: list | None = None):
+    """What each worker of ``role`` sees; ``keep`` holds the actors alive (a dropped handle kills
+    its actor, and the resources it held free up asynchronously)."""
     actor = ray.remote(Probe)
     handles = [actor.options(num_cpus=0, **placement.options(role, w.rank)).remote()
                for w in placement.plan.workers[role]]
+    if keep is not None:
+        keep.extend(handles)
     return ray.get([h.seen.remote() for h in handles], timeout=60)
 
 
@@ -176,10 +180,10 @@ def test_disaggregated_actors_see_their_gpus(gpus4):
 
 def test_colocated_actors_share_a_gpu_and_ray_refuses_a_third(gpus4):
     plan = plan_placement(cfg(num_gpus=2, actor_train=([0, 1], 2), actor_infer=([0, 1], 2)))
-    placement = Placement.create(plan)
+    placement, alive = Placement.create(plan), []
     try:
-        assert start_probes(placement, "actor_train") == [(["0"], "0", "0"), (["1"], "1", "1")]
-        assert start_probes(placement, "actor_infer") == [(["0"], "0", "0"), (["1"], "1", "1")]
+        assert start_probes(placement, "actor_train", alive) == [(["0"], "0", "0"), (["1"], "1", "1")]
+        assert start_probes(placement, "actor_infer", alive) == [(["0"], "0", "0"), (["1"], "1", "1")]
         # both halves of bundle 0 are taken: one more half-GPU actor there cannot be scheduled
         extra = ray.remote(Probe).options(num_cpus=0, **placement.options("actor_infer", 0)).remote()
         ready, _ = ray.wait([extra.seen.remote()], timeout=3)
