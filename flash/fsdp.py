@@ -167,13 +167,8 @@ class ShardedTrainer(Trainer):
             width = part.mask.shape[1]
             # a padding pass: prox given, so it adds nothing to the mismatch metrics either
             prox = _cut(prox_logp, idx, width) if mb is not None else part.behav_logp
-            loss, m = self._micro_loss(part, _cut(advantages, idx, width), prox, _cut(ref, idx, width))
             weight = part_weight(self.s.agg, part) if mb is not None else 0.0
-            (loss * weight).backward()
-            acc["loss"] += float(loss.detach()) * weight
-            for key, value in m.items():
-                acc["metrics"][key] = acc["metrics"].get(key, 0.0) + float(value) * weight
-            added += weight
+            added += self._backward_part(part, _cut(advantages, idx, width), prox, _cut(ref, idx, width), weight)
         acc["weight"] += added
         acc["busy"] += time.monotonic() - start
         return added

@@ -138,17 +138,23 @@ class Trainer:
             part = batch.rows(lo, hi)
             width = part.mask.shape[1]
             prox = None if prox_logp is None else prox_logp[lo:hi, :width]
-            loss, m = self._micro_loss(part, advantages[lo:hi, :width], prox,
-                                       None if ref is None else ref[lo:hi, :width])
-            weight = part_weight(self.s.agg, part)
-            (loss * weight).backward()
-            acc["loss"] += float(loss.detach()) * weight
-            for key, value in m.items():
-                acc["metrics"][key] = acc["metrics"].get(key, 0.0) + float(value) * weight
-            added += weight
+            added += self._backward_part(part, advantages[lo:hi, :width], prox,
+                                         None if ref is None else ref[lo:hi, :width],
+                                         part_weight(self.s.agg, part))
         acc["weight"] += added
         acc["busy"] += time.monotonic() - start
         return added
+
+    def _backward_part(self, part: TrainBatch, adv, prox, ref, weight: float) -> float:
+        """Backward one micro-batch's loss at ``weight`` into the open step and add its loss and
+        metrics to the step's sums; returns ``weight``."""
+        acc = self._acc
+        loss, m = self._micro_loss(part, adv, prox, ref)
+        (loss * weight).backward()
+        acc["loss"] += float(loss.detach()) * weight
+        for key, value in m.items():
+            acc["metrics"][key] = acc["metrics"].get(key, 0.0) + float(value) * weight
+        return weight
 
     def finish_step(self) -> dict:
         """Scale the summed gradient to the step's aggregate, clip, and step (skipped if not finite)."""
