@@ -58,6 +58,8 @@ class _Pending:
     finished: list[int] = field(default_factory=list)  # request indices kept (first n to finish)
     samples: dict[int, Sample] = field(default_factory=dict)  # request index -> scored sample
     parked: Group | None = None  # a spare's kept group, waiting for promotion
+    cap: int | None = None  # max_new_tokens of its requests when below the run's (tail batching)
+    meta: dict = field(default_factory=dict)  # copied into each sample's meta (e.g. the round)
 
 
 def request_id(prompt_id: int, k: int) -> str:
@@ -77,9 +79,14 @@ class Admission:
         with self._lock:
             self._version = version
             abort_ids = self._expire_spares(version)
+            self._on_version(version)
             self._lock.notify_all()
         self._abort(abort_ids)
         self.buffer.wake()
+
+    def _on_version(self, version: int) -> None:
+        """Hook under the lock when the policy moved to ``version``, before admission goes on."""
+
     def _admit_loop(self) -> None:
         while not self._admit_stop.is_set():
             with self._lock:
@@ -114,37 +121,49 @@ class Admission:
         return batch, promoted
 
     def _admit_one(self, wave: int, spare: bool) -> list[GenerationRequest]:
-        """The next usable prompt (``PromptSource.take``: the input guard skips bad rows)."""
+        """Admit the next prompt (``_take_prompt``) under a new prompt id; its requests."""
         prompt_id = self._admitted
-        index, item, ids = self.source.take(self._next_index)
+        index, item, ids, cap, meta = self._take_prompt(spare)
         requests = self.n + self.redundancy
         self._pending[prompt_id] = _Pending(item=item, data_index=index, version=self._version,
-                                            wave=wave, requests=requests)
+                                            wave=wave, requests=requests, cap=cap, meta=meta)
         self._prov.admitted(prompt_id, self._version, spare)
         self._admitted += 1
-        self._next_index = index + 1
-        reqs = [GenerationRequest(request_id(prompt_id, k), ids,
-                                  SamplingParams(**{**self.params.__dict__,
-                                                    "seed": request_seed(self.seed, prompt_id, k)}))
-                for k in range(requests)]
+        reqs = self._requests(prompt_id, ids, range(requests), cap)
         rids = [r.request_id for r in reqs]
         self.lifecycle.admit(rids)
         self.lifecycle.move(rids, "generating")
         return reqs
+
+    def _take_prompt(self, spare: bool) -> tuple[int, Any, list[int], int | None, dict]:
+        """The next usable prompt of the stream (``PromptSource.take``: the input guard skips bad
+        rows): (data index, item, token ids, length cap or None, sample meta)."""
+        index, item, ids = self.source.take(self._next_index)
+        self._next_index = index + 1
+        return index, item, ids, None, {}
+
     def _expire_spares(self, version: int) -> list[str]:
         """Abort spares of versions before ``version`` (under the lock); engine ids to abort."""
         engine_ids: list[str] = []
         for pid in self._prov.expire(version):
-            p = self._pending.pop(pid)
-            rids = [request_id(pid, j) for j in range(p.requests)]
-            states = {r: self.lifecycle.state(r) for r in rids}
-            live = [r for r in rids if states[r] is not None]
-            generating = [r for r in live if states[r] == "generating"]
-            self.lifecycle.abort(live, "surplus", [{"prompt_id": pid, "data_index": p.data_index,
-                                                    "samples": len(live)}])
-            engine_ids += generating
-            self._dispatch(self._gate.resolved(p.wave, len(generating)))
+            engine_ids += self._drop_prompt(pid, self.expire_reason, {})
         return engine_ids
+
+    expire_reason = "surplus"  # why an expired spare ends (rollout/aborted/<reason>)
+
+    def _drop_prompt(self, pid: int, reason: str, event: dict) -> list[str]:
+        """End every live request of pending prompt ``pid`` as aborted(reason), one ledger event for
+        the prompt (under the lock); returns the ids still generating, to abort in the engine."""
+        p = self._pending.pop(pid)
+        rids = [request_id(pid, j) for j in range(p.requests)]
+        states = {r: self.lifecycle.state(r) for r in rids}
+        live = [r for r in rids if states[r] is not None]
+        generating = [r for r in live if states[r] == "generating"]
+        self.lifecycle.abort(live, reason, [{"prompt_id": pid, "data_index": p.data_index,
+                                             "samples": len(live), **event}])
+        self._dispatch(self._gate.resolved(p.wave, len(generating)))
+        return generating
+
     # ---- checkpoint and fault hooks (flash.checkpoint, flash.faults) ---------------------------
     def state_dict(self) -> dict:
         """Data position, admissions, version, counters, RNG, the prompts in flight, the admission
@@ -162,7 +181,8 @@ class Admission:
             for pid, p in sorted(self._pending.items()):
                 live = [k for k in range(p.requests) if self.lifecycle.state(request_id(pid, k)) is not None]
                 pending.append({"prompt_id": pid, "data_index": p.data_index, "version": p.version,
-                                "spare": self._prov.is_spare(pid), "requests": live})
+                                "spare": self._prov.is_spare(pid), "requests": live,
+                                "cap": p.cap, "meta": dict(p.meta)})
             return {
                 "admitted": self._admitted, "next_index": self._next_index, "version": self._version,
                 "counters": dict(self.counters), "rng": [version, list(state), gauss],
@@ -195,10 +215,11 @@ class Admission:
                 item = self.source.item(p["data_index"])
                 ks = p.get("requests", list(range(self.n + self.redundancy)))
                 self._pending[pid] = _Pending(item=item, data_index=p["data_index"], version=p["version"],
-                                              wave=wave, requests=self.n + self.redundancy)
+                                              wave=wave, requests=self.n + self.redundancy,
+                                              cap=p.get("cap"), meta=dict(p.get("meta", {})))
                 if p.get("spare"):  # not counted: the checkpoint's count never included it
                     self._prov.admitted(pid, p["version"], spare=True)
-                new = self._requests(pid, self.source.encode(item.prompt), ks)
+                new = self._requests(pid, self.source.encode(item.prompt), ks, p.get("cap"))
                 rids = [r.request_id for r in new]
                 self.lifecycle.admit(rids)
                 self.lifecycle.move(rids, "generating")
@@ -219,14 +240,15 @@ class Admission:
                 lost = [k for k in range(p.requests) if request_id(pid, k) not in self._received
                         and self.lifecycle.state(request_id(pid, k)) == "generating"]
                 if lost:
-                    reqs += self._requests(pid, self.source.encode(p.item.prompt), lost)
+                    reqs += self._requests(pid, self.source.encode(p.item.prompt), lost, p.cap)
         self._submit(reqs)
         return len(reqs)
 
-    def _requests(self, prompt_id: int, ids: list[int], ks) -> list[GenerationRequest]:
+    def _requests(self, prompt_id: int, ids: list[int], ks, cap: int | None = None) -> list[GenerationRequest]:
+        """Requests ``ks`` of a prompt: seeds from (run seed, prompt id, k); ``cap`` lowers max_new_tokens."""
+        knobs = {**self.params.__dict__, **({"max_new_tokens": cap} if cap is not None else {})}
         return [GenerationRequest(request_id(prompt_id, k), ids,
-                                  SamplingParams(**{**self.params.__dict__,
-                                                    "seed": request_seed(self.seed, prompt_id, k)}))
+                                  SamplingParams(**{**knobs, "seed": request_seed(self.seed, prompt_id, k)}))
                 for k in ks]
 
     def _submit(self, reqs: list[GenerationRequest]) -> None:

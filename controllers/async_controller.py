@@ -35,6 +35,8 @@ from controllers.staleness import StalenessManager
 from flash.batch import collate, flatten
 from flash.usage import IdleMeter
 
+# sample meta copied into a trained sample's ledger line when present (tail batching's rounds)
+LEDGER_META = ("round", "cut_from")
 PHASES = ("get_batch", "recompute_prox", "advantages", "train", "suspend", "push_weights", "resume")
 
 
@@ -297,6 +299,7 @@ class AsyncController:
                     "prompt_id": g.prompt_id, "data_index": g.data_index, "sample": s.sample_index,
                     "request": s.meta.get("request", s.sample_index), "outcome": "trained", "step": t,
                     "version": s.version, "reward": s.reward,
+                    **{k: s.meta[k] for k in LEDGER_META if k in s.meta},
                 }) + "\n")
         self.ledger.flush()
 
@@ -386,6 +389,8 @@ class AsyncController:
                 self.ledger.write(json.dumps({"prompt_id": pid, "outcome": "in_flight"}) + "\n")
             for pid in buffered:
                 self.ledger.write(json.dumps({"prompt_id": pid, "outcome": "buffered"}) + "\n")
+            for line in getattr(self.scheduler, "leftover", list)():  # tail batching's long-prompt queue
+                self.ledger.write(json.dumps(line) + "\n")
             self.ledger.flush()
         return {"in_flight": pending, "buffered": buffered}
 

@@ -82,6 +82,7 @@ class RolloutScheduler(Admission):
         self.counters = {"samples_generated": 0, "tokens_generated": 0, "reward_errors": 0,
                          "request_errors": 0, "late_outputs": 0, "reward_seconds": 0.0}
         self.supervisor = None  # flash.faults.EngineSupervisor, when engine faults are handled
+        self._later_aborts: list[str] = []  # engine ids a subclass's _group_done decided to abort
         self._received: set[str] = set()  # request ids taken from the engine for pending prompts
         self._eval_reqs: dict[str, GenerationRequest] = {}  # evaluation requests not yet answered
         self._threads = [threading.Thread(target=self._guard(f), daemon=True, name=f.__name__)
@@ -267,7 +268,7 @@ class RolloutScheduler(Admission):
             response_ids=list(out.token_ids), behav_logprobs=list(out.logprobs),
             versions=list(out.versions), finish_reason=out.finish_reason,
             admitted_version=pending.version,
-            meta={"data_index": pending.data_index, "request_id": out.request_id, "request": k},
+            meta={**pending.meta, "data_index": pending.data_index, "request_id": out.request_id, "request": k},
         )
         sample.reward = self._score(pending.item, out.token_ids)
         with self._lock:
@@ -283,6 +284,9 @@ class RolloutScheduler(Admission):
             self._to_buffer(pid, group)
         else:
             self.buffer.wake()  # a filtered group left the pending versions
+        with self._lock:
+            later, self._later_aborts = self._later_aborts, []
+        self._abort(later)
 
     def _make_group(self, pid: int, p: _Pending) -> Group:
         """The kept samples in request order, renumbered 0..n-1 (``meta['request']`` keeps k)."""
