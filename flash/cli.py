@@ -109,7 +109,11 @@ def cmd_plot(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     from flash.planner import plan
 
-    plan(args.run_dir, args.grid, p={"engine": args.p_engine, "trainer": args.p_trainer})
+    from flash.planner import DEFAULT_P
+
+    p = {"engine": DEFAULT_P["engine"] if args.p_engine is None else args.p_engine,
+         "trainer": DEFAULT_P["trainer"] if args.p_trainer is None else args.p_trainer}
+    plan(args.run_dir, args.grid, p=p, calibrate=args.calibrate)
     return 0
 
 
@@ -117,9 +121,11 @@ def _add_plan(sub) -> None:
     p = sub.add_parser("plan", help="predict seconds per step of other settings from a finished run")
     p.add_argument("run_dir", help="a finished run dir (metrics.jsonl, ledger.jsonl, config.yaml, summary.json)")
     p.add_argument("grid", nargs="*", help="key=v1,v2,... candidates, e.g. async_ratio=0,1,2 "
-                   "rollout.scheduler=default,tail_batching rollout.tail.threshold=24,p75")
-    p.add_argument("--p-engine", type=float, default=0.5, help="engine's parallel fraction (Amdahl)")
-    p.add_argument("--p-trainer", type=float, default=0.5, help="trainer's parallel fraction (Amdahl)")
+                   "rollout.scheduler=plain,tail_batching rollout.tail_batching.threshold=24,p75")
+    p.add_argument("--calibrate", metavar="RUN_DIR2", help="a second run with another thread split (e.g. "
+                   "async beside a sync RUN_DIR): its measured time sets how threads scale on this machine")
+    p.add_argument("--p-engine", type=float, help="engine's parallel fraction (Amdahl; default 0.35)")
+    p.add_argument("--p-trainer", type=float, help="trainer's parallel fraction (Amdahl; default 0.35)")
     p.set_defaults(fn=cmd_plan)
 
 

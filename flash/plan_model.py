@@ -66,7 +66,8 @@ class Setting:
     tail: bool = False
     tail_threshold: float = math.inf  # τ, tokens
     tail_overprovision: float = 1.0  # o ≥ 1
-    tail_long_every: int = 0  # 0: a long round when the queue holds B groups; k: also every k steps
+    tail_long_queue: int = 0  # a long round once the queue holds this many groups; 0: B
+    tail_long_every: int = 0  # also one every k steps when the queue is not empty; 0: off
 
 
 @dataclass
@@ -148,15 +149,19 @@ def short_round(groups: list[list[int]], B: int, tau: float) -> tuple[Round, lis
     the ``B``-th group with every response ≤ ``τ`` is complete (or at ``τ``, if fewer are short).
     Returns (the round, the groups cut to the long queue, how many groups it trains).
 
-    Cut: a group with a response past ``τ`` that reached ``τ`` before the round ended; the other
-    unfinished groups are aborted and their prompts go back to the stream (their tokens are lost)."""
-    short = sorted(max(g) for g in groups if max(g) <= tau)
-    end = float(short[B - 1]) if len(short) >= B else float(min(tau, max((max(g) for g in groups), default=0)))
+    Cut (controllers/tail_policy.py): every launched group not kept -- one with a response that
+    reached ``τ``, or one still running when the round was full; it runs whole in a long round
+    (its short-round tokens are spent for nothing)."""
+    order = sorted(range(len(groups)), key=lambda i: max(groups[i]))
+    short = [i for i in order if max(groups[i]) <= tau]
     kept = short[:B]
+    end = (float(max(groups[kept[-1]])) if len(short) >= B
+           else float(min(tau, max((max(g) for g in groups), default=0))))
     tokens = sum(min(x, end) for g in groups for x in g)
-    cut = [g for g in groups if max(g) > tau and end >= tau]
+    cut = [g for i, g in enumerate(groups) if i not in set(kept)]
     rows = len(kept) * (len(groups[0]) if groups else 0)
-    return Round(end, float(tokens), rows, float(kept[-1]) if kept else 0.0, cut_groups=len(cut)), cut, len(kept)
+    max_len = float(max(groups[kept[-1]])) if kept else 0.0
+    return Round(end, float(tokens), rows, max_len, cut_groups=len(cut)), cut, len(kept)
 
 
 def long_round(queue: list[list[int]]) -> Round:
@@ -168,15 +173,17 @@ def long_round(queue: list[list[int]]) -> Round:
 
 def simulate_tail(groups: list[list[int]], B: int, s: Setting, rounds: int = 400, seed: int = 0) -> list[Round]:
     """Monte Carlo of ``rounds`` tail-batching steps, drawing launched groups (with replacement)
-    from the recorded ``groups`` (each a list of its n response lengths). A long round runs when
-    the long queue holds ``B`` groups, or every ``tail_long_every`` steps when set and non-empty."""
+    from the recorded ``groups`` (each a list of its n response lengths). A long round runs ``B``
+    queued groups when the queue holds ``tail_long_queue`` (0: ``B``), or every ``tail_long_every``
+    steps when set and the queue is not empty (controllers/tail_policy.long_round_due)."""
     rng = random.Random(seed)
     launch = max(B, math.ceil(s.tail_overprovision * B))
+    trigger = s.tail_long_queue or B
     queue: list[list[int]] = []
     out: list[Round] = []
     for i in range(rounds):
         periodic = s.tail_long_every > 0 and (i + 1) % s.tail_long_every == 0 and queue
-        if len(queue) >= B or periodic:
+        if len(queue) >= trigger or periodic:
             take, queue = queue[:B], queue[B:]
             out.append(long_round(take))
             continue

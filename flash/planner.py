@@ -32,14 +32,21 @@ KEYS = {
     "resources.engine_threads": ("engine_threads", int),
     "resources.trainer_threads": ("trainer_threads", int),
     "placement.roles.actor_infer.num_workers": ("replicas", int),
-    "rollout.scheduler": ("tail", lambda v: {"default": False, "tail_batching": True}[v]),
-    "rollout.tail.threshold": ("tail_threshold", float),
-    "rollout.tail.overprovision": ("tail_overprovision", float),
-    "rollout.tail.long_every": ("tail_long_every", int),
+    "rollout.scheduler": ("tail", lambda v: {"plain": False, "tail_batching": True}[v]),
+    "rollout.tail_batching.threshold": ("tail_threshold", float),
+    "rollout.tail_batching.over_provision": ("tail_overprovision", float),
+    "rollout.tail_batching.long_round_queue": ("tail_long_queue", int),
+    "rollout.tail_batching.long_round_every": ("tail_long_every", int),
 }
-SCHEDULERS = ("default", "tail_batching")
-# Amdahl parallel fractions (flash.plan_model.amdahl); see BENCHMARKS.md (issue 8) for how they were set
-DEFAULT_P = {"engine": 0.5, "trainer": 0.5}
+SCHEDULERS = ("plain", "tail_batching")
+TAIL = "rollout.tail_batching."
+TAIL_DEFAULTS = {"threshold": "p90", "over_provision": 1.25}  # controllers/tail_policy.TailConfig
+# Amdahl parallel fraction of both roles (flash.plan_model.amdahl) when no second run calibrates it:
+# 0.35 from the issue-2 sweep on a lightly loaded machine (train 0.48 s at 2 threads vs about
+# 0.58 s at 1); on a machine shared with other jobs it is lower, even negative (see
+# ``calibrate_p`` and BENCHMARKS.md, issue 8)
+DEFAULT_P = {"engine": 0.35, "trainer": 0.35}
+P_GRID = [round(-0.9 + 0.01 * i, 2) for i in range(186)]  # -0.9 .. 0.95
 
 
 @dataclass
@@ -51,7 +58,7 @@ class Trace:
     steps: list[list[list[int]]]  # per steady step: its groups' lengths
     setting: pm.Setting  # the setting the run had (threads as configured: 0 = auto)
     B: int
-    measured_step_s: float  # median seconds per steady step
+    measured_step_s: float  # mean seconds per steady step
 
 
 def _jsonl(path: Path) -> list[dict]:
@@ -87,18 +94,19 @@ def fit_costs(rows: list[dict], steps: list[list[list[int]]], prompt_len: float,
     """Costs from the steady steps' metrics rows and their groups' lengths (same order).
 
     engine: ``busy_s ≈ a·decode_steps + c·tokens`` (non-negative least squares); trainer:
-    ``train ≈ u1·rows·width`` (width = prompt + the step's longest response), the median ratio;
-    update, other and g0: medians."""
+    ``train ≈ u1·rows·width`` (width = prompt + the step's longest response): total train seconds
+    over total padded tokens; update, other and g0: means. Means, not medians, because the
+    planner predicts seconds per step as a run reports them: total time over steps."""
     a, c = _lstsq2([float(r.get("rollout/decode_steps", 0.0)) for r in rows],
                    [float(r.get("rollout/tokens_generated", 0.0)) for r in rows],
                    [float(r.get("rollout/busy_s", 0.0)) for r in rows])
     padded = [sum(len(g) for g in st) * (prompt_len + max((max(g) for g in st), default=0)) for st in steps]
-    u1 = statistics.median(_phase(r, "train", "recompute_prox") / p for r, p in zip(rows, padded) if p > 0)
-    update = statistics.median(_phase(r, "suspend", "push_weights", "resume", "sleep", "wake_up") for r in rows)
-    other = statistics.median(max(0.0, float(r["time/step"]) - _phase(
+    u1 = sum(_phase(r, "train", "recompute_prox") for r in rows) / max(sum(padded), 1e-9)
+    update = statistics.fmean(_phase(r, "suspend", "push_weights", "resume", "sleep", "wake_up") for r in rows)
+    other = statistics.fmean(max(0.0, float(r["time/step"]) - _phase(
         r, "get_batch", "train", "recompute_prox", "suspend", "push_weights", "resume", "sleep", "wake_up"))
         for r in rows)
-    g0 = statistics.median(max(0.0, _phase(r, "get_batch") - float(r.get("rollout/busy_s", 0.0))) for r in rows)
+    g0 = statistics.fmean(max(0.0, _phase(r, "get_batch") - float(r.get("rollout/busy_s", 0.0))) for r in rows)
     return pm.Costs(a=a, c=c, u0=0.0, u1=u1, update_s=update, other_s=other, g0=g0,
                     engine_threads=threads[0], trainer_threads=threads[1], cores=cores, prompt_len=prompt_len)
 
@@ -138,7 +146,7 @@ def load_trace(run_dir: str | Path, skip: int = SKIP_STEPS) -> Trace:
     setting = pm.Setting(async_ratio=r, engine_threads=int(cfg.resources.engine_threads),
                          trainer_threads=int(cfg.resources.trainer_threads), replicas=replicas)
     return Trace(costs=costs, groups=[g for st in steps for g in st], steps=steps, setting=setting,
-                 B=int(cfg.train.prompts_per_step), measured_step_s=statistics.median(x["time/step"] for x in rows))
+                 B=int(cfg.train.prompts_per_step), measured_step_s=statistics.fmean(x["time/step"] for x in rows))
 
 
 def predict(trace: Trace, s: pm.Setting, p: dict[str, float] | None = None) -> pm.Prediction:
@@ -169,11 +177,33 @@ def predict(trace: Trace, s: pm.Setting, p: dict[str, float] | None = None) -> p
     return pm.Prediction(parts["step_s"], parts)
 
 
+def calibrate_p(trace: Trace, other: Trace) -> float:
+    """The parallel fraction ``p`` (both roles) with which ``trace`` best predicts ``other``'s
+    measured seconds per step: a run at another thread split (e.g. an async run beside a sync one)
+    is what measures how the cores split on this machine, under its present load. ``p < 0`` means
+    a second thread costs more than it gives (an oversubscribed machine); a grid search over
+    ``P_GRID``."""
+    if (other.costs.engine_threads, other.costs.trainer_threads) == (trace.costs.engine_threads,
+                                                                      trace.costs.trainer_threads):
+        raise ConfigError("--calibrate needs a run with another thread split than RUN_DIR's (e.g. "
+                          "async_ratio > 0 beside a synchronous run); both ran with "
+                          f"{trace.costs.engine_threads}/{trace.costs.trainer_threads} threads")
+    target = pm.Setting(async_ratio=other.setting.async_ratio, engine_threads=other.costs.engine_threads,
+                        trainer_threads=other.costs.trainer_threads, replicas=other.setting.replicas)
+
+    def err(p: float) -> float:
+        return abs(predict(trace, target, {"engine": p, "trainer": p}).step_s - other.measured_step_s)
+
+    return min(P_GRID, key=err)
+
+
 def _parse_value(key: str, raw: str, lengths: list[int]):
     """One candidate value, checked; a tail threshold may be ``pNN`` (that percentile of the
     recorded response lengths)."""
     field_name, parse = KEYS[key]
-    if key == "rollout.tail.threshold" and raw.startswith("p"):
+    if key == TAIL + "threshold" and raw.lower() in ("inf", "infinity", "none"):
+        return field_name, math.inf
+    if key == TAIL + "threshold" and raw.startswith("p"):
         q = float(raw[1:])
         if not 0 < q <= 100:
             raise ConfigError(f"{key}={raw}: a percentile must be in (0, 100]")
@@ -187,8 +217,8 @@ def _parse_value(key: str, raw: str, lengths: list[int]):
         hint = closest(raw, list(SCHEDULERS)) if key == "rollout.scheduler" else ""
         raise ConfigError(f"invalid value '{raw}' for '{key}'{hint}") from None
     lows = {"async_ratio": 0, "resources.engine_threads": 0, "resources.trainer_threads": 0,
-            "placement.roles.actor_infer.num_workers": 1, "rollout.tail.threshold": 1,
-            "rollout.tail.overprovision": 1, "rollout.tail.long_every": 0}
+            "placement.roles.actor_infer.num_workers": 1, TAIL + "threshold": 1,
+            TAIL + "over_provision": 1, TAIL + "long_round_queue": 0, TAIL + "long_round_every": 0}
     if key in lows and not (value >= lows[key] and math.isfinite(value)):
         raise ConfigError(f"'{key}' must be a finite number >= {lows[key]}, got {raw}")
     return field_name, value
@@ -205,27 +235,40 @@ def parse_candidates(items: list[str], trace: Trace) -> list[tuple[dict[str, str
     for key in grid:
         if key not in KEYS:
             raise ConfigError(f"unknown plan key '{key}'{closest(key, list(KEYS))}; valid: {', '.join(KEYS)}")
-    tail_keys = [k for k in grid if k.startswith("rollout.tail.")]
+    tail_keys = [k for k in grid if k.startswith(TAIL)]
     if tail_keys and "tail_batching" not in grid.get("rollout.scheduler", []):
         raise ConfigError(f"{tail_keys[0]} is a tail-batching knob: add rollout.scheduler=tail_batching "
-                          f"(or rollout.scheduler=default,tail_batching to compare)")
+                          f"(or rollout.scheduler=plain,tail_batching to compare)")
     lengths = [x for g in trace.groups for x in g]
-    out = []
+    out, seen = [], set()
     for combo in itertools.product(*grid.values()):
         written = dict(zip(grid, combo))
-        values = dict(_parse_value(k, v, lengths) for k, v in written.items())
+        if written.get("rollout.scheduler") == "plain":  # tail knobs mean nothing there: one row
+            written = {k: ("-" if k.startswith(TAIL) else v) for k, v in written.items()}
+        if tuple(written.items()) in seen:
+            continue
+        seen.add(tuple(written.items()))
+        values = dict(_parse_value(k, v, lengths) for k, v in written.items() if v != "-")
         base = trace.setting
-        if values.get("tail"):
-            values.setdefault("tail_threshold", float(sorted(lengths)[int(0.9 * (len(lengths) - 1))]))
+        if values.get("tail"):  # the scheduler's defaults for knobs not given
+            for knob, default in TAIL_DEFAULTS.items():
+                if TAIL + knob not in written:
+                    values.update([_parse_value(TAIL + knob, default, lengths)])
         out.append((written, replace(base, **values)))
     return out
 
 
-def plan(run_dir: str, items: list[str], p: dict[str, float] | None = None, out=print) -> list[dict]:
+def plan(run_dir: str, items: list[str], p: dict[str, float] | None = None, out=print,
+         calibrate: str | None = None) -> list[dict]:
     """Predict every candidate, print the ranked table (fastest first) and a final JSON line;
-    returns the rows (the JSON line's ``candidates``)."""
+    returns the rows (the JSON line's ``candidates``). ``calibrate``: a second run dir whose
+    measured time sets the parallel fraction (``calibrate_p``); else ``p`` or ``DEFAULT_P``."""
     trace = load_trace(run_dir)
     p = {**DEFAULT_P, **(p or {})}
+    if calibrate:
+        q = calibrate_p(trace, load_trace(calibrate))
+        p = {"engine": q, "trainer": q}
+        out(f"flash plan: parallel fraction p = {q:.2f}, calibrated on {calibrate}")
     rows = []
     for written, setting in parse_candidates(items, trace):
         pred = predict(trace, setting, p)
@@ -252,3 +295,23 @@ def plan(run_dir: str, items: list[str], p: dict[str, float] | None = None, out=
                     "fit": {f: round(getattr(k, f), 7) for f in ("a", "c", "u1", "update_s", "other_s", "g0")},
                     "candidates": rows}))
     return rows
+
+
+def trim_trace(src: str | Path, dst: str | Path) -> Path:
+    """Copy what ``load_trace`` reads from run dir ``src`` to ``dst``, nothing else (small enough
+    to commit as a test fixture): the step rows' timing keys, trained samples' lengths, the config,
+    the summary's thread split."""
+    src, dst = Path(src), Path(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    keep = ("rollout/busy_s", "rollout/decode_steps", "rollout/tokens_generated")
+    rows = [{k: v for k, v in r.items() if k == "step" or k.startswith("time/") or k in keep}
+            for r in _jsonl(src / "metrics.jsonl")]
+    (dst / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    lines = [{k: e[k] for k in ("step", "prompt_id", "len", "plen") if k in e}
+             for e in _jsonl(src / "ledger.jsonl") if e.get("outcome") == "trained"]
+    (dst / "ledger.jsonl").write_text("".join(json.dumps({"outcome": "trained", **e}) + "\n" for e in lines))
+    (dst / "config.yaml").write_text((src / "config.yaml").read_text())
+    summary = json.loads((src / "summary.json").read_text())
+    (dst / "summary.json").write_text(json.dumps({k: summary.get(k) for k in ("threads", "cores", "seconds_per_step",
+                                                                              "steps", "async_ratio")}))
+    return dst
