@@ -35,6 +35,8 @@ from controllers.staleness import StalenessManager
 from flash.batch import collate, flatten
 from flash.usage import IdleMeter
 
+# sample meta copied into a trained sample's ledger line when present (tail batching's rounds)
+LEDGER_META = ("round", "cut_from")
 PHASES = ("get_batch", "recompute_prox", "advantages", "train", "suspend", "push_weights", "resume")
 
 
@@ -300,6 +302,7 @@ class AsyncController:
                     "version": s.version, "reward": s.reward,
                     # for `flash plan` (flash.planner): response and prompt tokens, how it ended
                     "len": len(s.response_ids), "plen": len(s.prompt_ids), "finish": s.finish_reason,
+                    **{k: s.meta[k] for k in LEDGER_META if k in s.meta},
                 }) + "\n")
         self.ledger.flush()
 
@@ -395,6 +398,8 @@ class AsyncController:
                 self.ledger.write(json.dumps({"prompt_id": pid, "outcome": "in_flight"}) + "\n")
             for pid in buffered:
                 self.ledger.write(json.dumps({"prompt_id": pid, "outcome": "buffered"}) + "\n")
+            for line in getattr(self.scheduler, "leftover", list)():  # tail batching's long-prompt queue
+                self.ledger.write(json.dumps(line) + "\n")
             self.ledger.flush()
         return {"in_flight": pending, "buffered": buffered}
 

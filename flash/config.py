@@ -20,6 +20,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from buffers.factory import BufferConfig
 from controllers.filters import FilterConfig, check_filter
+from controllers.tail_policy import TailConfig, check_tail
 from flash.errors import ConfigError
 from flash.models import TinyModelConfig
 from flash.placement import PlacementConfig
@@ -61,6 +62,10 @@ class RolloutConfig:
     # Dynamic sampling (DAPO): drop groups by rule; filtered groups free their admission slot.
     filter: FilterConfig = field(default_factory=FilterConfig)
     max_additional_prompts: int = 0  # spare prompts beyond the staleness bound, to refill filtered slots
+    # plain | tail_batching (RollPacker: short rounds cut long groups into a long-prompt queue that
+    # runs whole in long rounds; knobs below, controllers/tail_policy.py)
+    scheduler: str = "plain"
+    tail_batching: TailConfig = field(default_factory=TailConfig)
 
 
 @dataclass
@@ -383,6 +388,16 @@ def _check_lifecycle(rollout: RolloutConfig) -> None:
              "(all_same_reward, min_reward_std, max_response_len) or set it to 0")
     problem = check_filter(rollout.filter, rollout.n, rollout.max_new_tokens)
     _require(problem is None, problem or "")
+    _require(rollout.scheduler in SCHEDULERS, f"rollout.scheduler must be one of {', '.join(SCHEDULERS)}, "
+             f"got '{rollout.scheduler}'{closest(rollout.scheduler, list(SCHEDULERS))}")
+    problem = check_tail(rollout.tail_batching, rollout.max_new_tokens)
+    _require(problem is None, problem or "")
+    _require(rollout.scheduler == "tail_batching" or rollout.tail_batching == TailConfig(),
+             "rollout.tail_batching.* is set but rollout.scheduler is 'plain' (the knobs would be unused); "
+             "set rollout.scheduler: tail_batching or remove them")
+
+
+SCHEDULERS = ("plain", "tail_batching")
 
 
 def _check_plugin_section(where: str, section: dict, validator) -> None:

@@ -28,6 +28,7 @@ from buffers.factory import make_buffer
 from controllers.async_controller import AsyncController, ControllerSettings, prox_mode
 from controllers.rollout_scheduler import PromptSource, RolloutScheduler
 from controllers.staleness import StalenessManager
+from controllers.tail_batching import TailBatchingScheduler
 from flash import resume as resume_mod
 from flash import run_state
 from flash.checkpoint import Checkpointer, latest_valid, remove_partial
@@ -245,18 +246,23 @@ class Run:
         cfg, params = self.cfg, sampling_params(self.cfg, self.tokenizer)
         self.reward_pool = None
         if isinstance(self.task, EnvTask):  # multi-turn episodes on EnvWorker actors
+            if cfg.rollout.scheduler != "plain":
+                raise ConfigError(f"rollout.scheduler: {cfg.rollout.scheduler} works on single-turn tasks; "
+                                  f"'{cfg.task.get('name')}' runs multi-turn episodes: set rollout.scheduler: plain")
             return build_episode_scheduler(cfg, self.task, self.tokenizer, self.engine, self.buffer,
                                            self.staleness, params)
         from flash.rewards.workers import pool_from_config
 
         self.reward_pool = pool_from_config(cfg.reward, tuple(cfg.plugins))
         reward_fn = self.reward_pool.reward_fn() if self.reward_pool else None
-        return RolloutScheduler(
+        tail = cfg.rollout.scheduler == "tail_batching"
+        cls, extra = (TailBatchingScheduler, {"tail": cfg.rollout.tail_batching}) if tail else (RolloutScheduler, {})
+        return cls(
             self.engine, build_source(self.task, self.tokenizer, self.input_guard, reward_fn), self.buffer, self.staleness,
             params, n=cfg.rollout.n, seed=cfg.seed,
             reward_workers=cfg.rollout.reward_workers, inject_delay_s=cfg.rollout.inject_delay_s,
             queue_scheduling=cfg.rollout.queue_scheduling, redundancy=cfg.rollout.redundancy,
-            max_additional_prompts=cfg.rollout.max_additional_prompts, filters=cfg.rollout.filter,
+            max_additional_prompts=cfg.rollout.max_additional_prompts, filters=cfg.rollout.filter, **extra,
         )
 
     def _start_durability(self) -> None:
