@@ -26,15 +26,17 @@ work hides behind ``U + W_u``:
 ``r = 0`` gives the synchronous sum; ``r ≥ 1`` gives ``O + max(U + W_u, E + g0)``.
 
 Tail batching (RollPacker, ``simulate_tail``): the rounds are simulated from the recorded groups'
-response lengths: a short round launches ``ceil(o·B)`` prompts, ends when ``B`` groups have all
-their responses under the threshold ``τ`` (at most at ``τ`` iterations), and sends the groups that
-ran past ``τ`` to a long queue; a long round runs ``B`` queued groups at full length.
+response lengths: a short round launches ``ceil(o·B)`` prompts, cuts a group when a response
+reaches the threshold ``τ`` (a fresh prompt takes its slot), ends when ``B`` groups have finished,
+and sends every group it did not keep to a long queue; a long round runs ``B`` queued groups at
+full length. Cut work is spent: its tokens count in the round's ``K``.
 """
 
 from __future__ import annotations
 
 import math
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 
@@ -144,24 +146,36 @@ def sync_round(lengths: list[list[int]]) -> Round:
                  max_len=float(max(flat, default=0)))
 
 
-def short_round(groups: list[list[int]], B: int, tau: float) -> tuple[Round, list[list[int]], int]:
-    """A short round over the launched ``groups`` (``o·B`` of them): it ends at the iteration where
-    the ``B``-th group with every response ≤ ``τ`` is complete (or at ``τ``, if fewer are short).
-    Returns (the round, the groups cut to the long queue, how many groups it trains).
-
-    Cut (controllers/tail_policy.py): every launched group not kept -- one with a response that
-    reached ``τ``, or one still running when the round was full; it runs whole in a long round
-    (its short-round tokens are spent for nothing)."""
-    order = sorted(range(len(groups)), key=lambda i: max(groups[i]))
-    short = [i for i in order if max(groups[i]) <= tau]
-    kept = short[:B]
-    end = (float(max(groups[kept[-1]])) if len(short) >= B
-           else float(min(tau, max((max(g) for g in groups), default=0))))
-    tokens = sum(min(x, end) for g in groups for x in g)
-    cut = [g for i, g in enumerate(groups) if i not in set(kept)]
-    rows = len(kept) * (len(groups[0]) if groups else 0)
-    max_len = float(max(groups[kept[-1]])) if kept else 0.0
-    return Round(end, float(tokens), rows, max_len, cut_groups=len(cut)), cut, len(kept)
+def short_round(groups: list[list[int]], B: int, tau: float,
+                refill: Iterator[list[int]] | None = None) -> tuple[Round, list[list[int]], int]:
+    """A short round (controllers/tail_batching.py) over the launched ``groups`` (``o·B`` of them),
+    in decode iterations: a group whose responses all end within ``τ`` finishes at its longest
+    one; a group with a longer response is cut when it reaches ``τ`` and, when ``refill`` is
+    given, a fresh group from it starts in its slot at that iteration. The round ends when ``B``
+    groups have finished (or when nothing is left running). Returns (the round, the groups cut to
+    the long queue: every launched group not kept, how many groups it trains)."""
+    live = [(0.0, g) for g in groups]  # (start iteration, group)
+    done: list[tuple[float, list[int]]] = []
+    cut: list[list[int]] = []
+    spent: list[tuple[float, list[int]]] = []  # every group that ran, with its start
+    while live and len(done) < B:
+        live.sort(key=lambda sg: sg[0] + min(max(sg[1]), tau))
+        start, g = live.pop(0)
+        spent.append((start, g))
+        if max(g) <= tau:
+            done.append((start + max(g), g))
+        else:
+            cut.append(g)
+            if refill is not None:
+                live.append((start + tau, next(refill)))
+    end = max((t for t, _ in done[:B]), default=max((s + min(max(g), tau) for s, g in spent), default=0.0))
+    spent += live
+    cut += [g for _, g in live]  # still running when the round was full
+    tokens = sum(max(0.0, min(x, tau, end - s)) for s, g in spent for x in g)
+    kept = [g for _, g in done[:B]]
+    rows = sum(len(g) for g in kept)
+    max_len = float(max((max(g) for g in kept), default=0))
+    return Round(float(end), float(tokens), rows, max_len, cut_groups=len(cut)), cut, len(kept)
 
 
 def long_round(queue: list[list[int]]) -> Round:
@@ -187,7 +201,8 @@ def simulate_tail(groups: list[list[int]], B: int, s: Setting, rounds: int = 400
             take, queue = queue[:B], queue[B:]
             out.append(long_round(take))
             continue
-        rnd, cut, _ = short_round([rng.choice(groups) for _ in range(launch)], B, s.tail_threshold)
+        draws = iter(lambda: rng.choice(groups), None)  # endless: refills of cut slots
+        rnd, cut, _ = short_round([rng.choice(groups) for _ in range(launch)], B, s.tail_threshold, draws)
         queue += cut
         out.append(rnd)
     return out

@@ -52,6 +52,9 @@ def test_rounds_hand_computed():
     rnd, cut, kept = pm.short_round(groups, B=2, tau=4)
     assert (rnd.iterations, rnd.tokens, kept, rnd.cut_groups) == (4, 3 + 4 + 4 + 2 + 4 + 4 + 4 + 1, 1, 3)
     assert cut == [[10, 2], [5, 5], [20, 1]]
+    # a refill takes a cut group's slot at τ: [10, 2] is cut at 4, [2, 2] runs 4..6 and completes B = 2
+    rnd, cut, kept = pm.short_round([[3, 4], [10, 2]], B=2, tau=4, refill=iter([[2, 2]]))
+    assert (rnd.iterations, rnd.tokens, rnd.rows, rnd.max_len, cut, kept) == (6, 7 + 6 + 4, 4, 4, [[10, 2]], 2)
     assert pm.train_s(8, 26.0, 0.5, 0.01) == pytest.approx(0.5 + 0.01 * 8 * 26)
 
 
@@ -65,7 +68,7 @@ def test_simulate_tail_infinite_threshold_is_plain_rounds_and_long_rounds_drain_
     # long rounds run B = 2 queued groups whole (iterations = their longest response, here past τ)
     assert longs and all(r.rows == 4 and r.iterations == r.max_len for r in longs)
     assert any(r.iterations == 20 for r in longs)
-    assert all(r.iterations <= 6 for r in rounds if not r.long)  # short rounds never pass τ
+    assert all(r.max_len <= 6 for r in rounds if not r.long)  # short rounds train nothing past τ
     # every cut group runs in exactly one long round or is still queued at the end (a short
     # round adds at most its 4 launched groups to a queue that is drained once it holds B = 2)
     assert sum(r.cut_groups for r in rounds) - 2 * len(longs) in range(0, 2 + 4)
