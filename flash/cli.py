@@ -107,9 +107,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from flash.planner import plan
-
-    from flash.planner import DEFAULT_P
+    from flash.planner import DEFAULT_P, plan
 
     p = {"engine": DEFAULT_P["engine"] if args.p_engine is None else args.p_engine,
          "trainer": DEFAULT_P["trainer"] if args.p_trainer is None else args.p_trainer}

@@ -3,7 +3,6 @@ values, the fit recovering known costs from a synthetic run dir, strict candidat
 predictions from a recorded trace of the default recipe against the measured runs."""
 
 import json
-import math
 from pathlib import Path
 
 import pytest
@@ -71,7 +70,7 @@ def test_simulate_tail_infinite_threshold_is_plain_rounds_and_long_rounds_drain_
     assert all(r.max_len <= 6 for r in rounds if not r.long)  # short rounds train nothing past τ
     # every cut group runs in exactly one long round or is still queued at the end (a short
     # round adds at most its 4 launched groups to a queue that is drained once it holds B = 2)
-    assert sum(r.cut_groups for r in rounds) - 2 * len(longs) in range(0, 2 + 4)
+    assert sum(r.cut_groups for r in rounds) - 2 * len(longs) in range(2 + 4)
 
 
 # ---- fit and predict on a synthetic run ---------------------------------------------------------
@@ -114,7 +113,7 @@ def test_fit_recovers_the_costs_and_predicts_hand_computed_settings(tmp_path):
     # T = O + max(U' + W, E' + g0) with E' = 2E, U' = 2U
     p = {"engine": 0.0, "trainer": 0.0}
     s = pm.Setting(async_ratio=1.0, engine_threads=2, trainer_threads=2)
-    want = sum(OTHER + max(2 * U1 * len(sum(st, [])) * (6 + max(map(max, st))) + UPD,
+    want = sum(OTHER + max(2 * U1 * sum(map(len, st)) * (6 + max(map(max, st))) + UPD,
                            2 * (A * max(map(max, st)) + C * sum(map(sum, st))) + G0) for st in trace.steps)
     assert planner.predict(trace, s, p).step_s == pytest.approx(want / len(trace.steps))
 

@@ -9,7 +9,12 @@ import pytest
 import ray
 
 from flash.errors import ConfigError
-from flash.rewards.autoscale import AutoscaleConfig, Autoscaler, ResizableSlots, desired_workers
+from flash.rewards.autoscale import (
+    AutoscaleConfig,
+    Autoscaler,
+    ResizableSlots,
+    desired_workers,
+)
 from flash.workers import init_ray
 from recipes.tasks.base import TaskItem
 

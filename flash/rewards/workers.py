@@ -228,6 +228,10 @@ class RewardPool:
                 with self._lock:
                     self.counters["scale_failures"] += 1
                 return
+            if self._stop.is_set():  # closed meanwhile: the new workers must not outlive the pool
+                for worker in fresh:
+                    ray.kill(worker, no_restart=True)
+                return
             with self._lock:
                 self._workers += fresh
                 self._inflight += [0] * len(fresh)
