@@ -228,11 +228,11 @@ class RewardPool:
                 with self._lock:
                     self.counters["scale_failures"] += 1
                 return
-            if self._stop.is_set():  # closed meanwhile: the new workers must not outlive the pool
-                for worker in fresh:
-                    ray.kill(worker, no_restart=True)
-                return
             with self._lock:
+                if self._stop.is_set():  # closed meanwhile: the new workers must not outlive the pool
+                    for worker in fresh:
+                        ray.kill(worker, no_restart=True)
+                    return
                 self._workers += fresh
                 self._inflight += [0] * len(fresh)
                 self.counters["scale_ups"] += 1
@@ -278,10 +278,11 @@ class RewardPool:
         return out
 
     def close(self) -> None:
-        self._stop.set()
-        for worker in self._workers:
+        with self._lock:  # under the lock: a scale-up that ends now sees the stop and kills its own
+            self._stop.set()
+            workers, self._workers = self._workers, []
+        for worker in workers:
             ray.kill(worker, no_restart=True)
-        self._workers = []
 
 
 
