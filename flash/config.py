@@ -78,6 +78,13 @@ class RewardConfig:
     concurrency: int = 4  # calls at once per worker
     timeout_s: float = 30.0  # a call running longer scores 0 with reason 'timeout'
     max_stuck: int = 4  # timed-out calls still running in a worker before it is replaced
+    # Autoscaling (flash.rewards.autoscale), on when max_workers > 0: the pool starts at num_workers
+    # and follows its queue within [min_workers, max_workers]: more workers when the calls per worker
+    # (running + waiting) exceed scale_up_queue, one fewer after scale_down_idle_s with a worker spare
+    min_workers: int = 1
+    max_workers: int = 0
+    scale_up_queue: float = 4.0
+    scale_down_idle_s: float = 10.0
 
 
 @dataclass
@@ -416,6 +423,21 @@ def _check_reward(cfg: FlashConfig) -> None:
 
         r = cfg.reward
         check_pool_args(dict(r.fn), r.num_workers, r.concurrency, r.timeout_s, tuple(cfg.plugins))
+    _check_autoscale(cfg.reward)
+
+
+def _check_autoscale(r: RewardConfig) -> None:
+    if not r.max_workers:
+        return
+    from flash.rewards.workers import autoscale_config
+
+    try:
+        autoscale_config(r)
+    except ValueError as exc:
+        raise ConfigError(f"reward: {exc}") from None
+    _require(r.min_workers <= r.num_workers <= r.max_workers,
+             f"reward.num_workers ({r.num_workers}) is the autoscaled pool's starting size: it must lie in "
+             f"[reward.min_workers, reward.max_workers] = [{r.min_workers}, {r.max_workers}]")
 
 
 def _check_task(section: dict, task_options) -> None:

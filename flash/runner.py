@@ -456,4 +456,7 @@ def _summary(cfg, r: Run, records, acc0, acc1, train_s, left) -> dict:
         "phase_seconds_mean": {k[5:]: sum(rec.metrics.get(k, 0.0) for rec in records) / max(steps, 1)
                                for k in phase_keys},
         "run_dir": str(r.dir),
+        # the CPU split the roles ran with (flash plan scales costs measured here to other splits)
+        "threads": dict(zip(("engine", "trainer"), resolve_threads(cfg))),
+        "cores": cfg.ray.num_cpus or os.cpu_count() or 2,
     }

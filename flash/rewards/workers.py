@@ -28,6 +28,12 @@ from dataclasses import dataclass
 
 import ray
 
+from flash.rewards.autoscale import (
+    AutoscaleConfig,
+    Autoscaler,
+    ResizableSlots,
+    run_scaler,
+)
 from flash.rewards.registry import build_reward, check_pool_args
 
 GRACE_S = 5.0  # extra client-side wait beyond the worker's own deadline (actor call overhead)
@@ -111,21 +117,30 @@ RewardWorker = ray.remote(num_cpus=0)(RewardScorer)
 
 
 class RewardPool:
-    """Client of ``num_workers`` reward actors; ``score`` is thread-safe and blocking."""
+    """Client of ``num_workers`` reward actors; ``score`` is thread-safe and blocking.
+
+    ``autoscale`` (flash.rewards.autoscale): the worker count follows the pool's queue within
+    ``[min_workers, max_workers]``, starting at ``num_workers``; a worker leaves only when idle."""
 
     def __init__(self, section: dict, num_workers: int = 2, concurrency: int = 4,
-                 timeout_s: float = 30.0, plugins: tuple[str, ...] = (), max_stuck: int = 4) -> None:
+                 timeout_s: float = 30.0, plugins: tuple[str, ...] = (), max_stuck: int = 4,
+                 autoscale: AutoscaleConfig | None = None) -> None:
         check_pool_args(section, num_workers, concurrency, timeout_s, plugins)
         self.section, self.plugins = dict(section), tuple(plugins)
         self.concurrency, self.timeout_s, self.max_stuck = concurrency, timeout_s, max_stuck
         self._lock = threading.Lock()
-        self._slots = threading.BoundedSemaphore(num_workers * concurrency)
+        self._slots = ResizableSlots(num_workers * concurrency)
+        self._queued = 0  # calls in score(): waiting for a slot or running
         self._workers = self._spawn(num_workers)
         self._inflight = [0] * num_workers
         self._replacing: set[int] = set()
         self.counters: Counter[str] = Counter()
         self._wall_total = 0.0
         self._wall_max = 0.0
+        self._stop = threading.Event()
+        if autoscale is not None:
+            threading.Thread(target=run_scaler, args=(self, Autoscaler(autoscale), self._stop),
+                             daemon=True, name="reward-autoscale").start()
 
     def _spawn(self, n: int) -> list:
         """Start ``n`` workers and wait until they are ready, so that a call's deadline never
@@ -141,6 +156,15 @@ class RewardPool:
         return workers
 
     def score(self, item, response: str) -> RewardResult:
+        with self._lock:
+            self._queued += 1
+        try:
+            return self._score(item, response)
+        finally:
+            with self._lock:
+                self._queued -= 1
+
+    def _score(self, item, response: str) -> RewardResult:
         with self._slots:
             with self._lock:
                 i = min(range(len(self._workers)), key=self._inflight.__getitem__)
@@ -170,7 +194,7 @@ class RewardPool:
         """Swap in a fresh worker, then kill the old one (which serves on meanwhile). Calls
         still running on it end as ``error:WorkerDied``."""
         with self._lock:
-            if self._workers[i] is not worker or i in self._replacing:
+            if i >= len(self._workers) or self._workers[i] is not worker or i in self._replacing:
                 return  # another thread replaced it or is replacing it
             self._replacing.add(i)
         try:
@@ -182,6 +206,48 @@ class RewardPool:
             with self._lock:
                 self._replacing.discard(i)
         ray.kill(worker, no_restart=True)
+
+    @property
+    def num_workers(self) -> int:
+        with self._lock:
+            return len(self._workers)
+
+    @property
+    def queued(self) -> int:
+        with self._lock:
+            return self._queued
+
+    def resize(self, n: int) -> None:
+        """Grow to ``n`` workers (started and ready before they take calls), or shrink towards it
+        by removing idle workers from the end (a busy one stays until a later call)."""
+        grow = n - self.num_workers
+        if grow > 0:
+            try:
+                fresh = self._spawn(grow)
+            except RuntimeError:
+                with self._lock:
+                    self.counters["scale_failures"] += 1
+                return
+            with self._lock:
+                if self._stop.is_set():  # closed meanwhile: the new workers must not outlive the pool
+                    for worker in fresh:
+                        ray.kill(worker, no_restart=True)
+                    return
+                self._workers += fresh
+                self._inflight += [0] * len(fresh)
+                self.counters["scale_ups"] += 1
+                self._slots.resize(len(self._workers) * self.concurrency)
+            return
+        removed = []
+        with self._lock:
+            while (len(self._workers) > max(1, n) and self._inflight[-1] == 0
+                   and len(self._workers) - 1 not in self._replacing):
+                removed.append(self._workers.pop())
+                self._inflight.pop()
+            self._slots.resize(len(self._workers) * self.concurrency)
+            self.counters["scale_downs"] += len(removed)
+        for worker in removed:
+            ray.kill(worker, no_restart=True)
 
     def _record(self, result: RewardResult) -> None:
         with self._lock:
@@ -203,6 +269,7 @@ class RewardPool:
             calls = self.counters["calls"]
             out["reward/wall_s/mean"] = self._wall_total / calls if calls else 0.0
             out["reward/wall_s/max"] = self._wall_max
+            out["reward/workers"], out["reward/queue"] = float(len(self._workers)), float(self._queued)
             workers = list(self._workers)
         for m in ray.get([w.metrics.remote() for w in workers], timeout=30):
             for key, value in m.items():
@@ -211,9 +278,11 @@ class RewardPool:
         return out
 
     def close(self) -> None:
-        for worker in self._workers:
+        with self._lock:  # under the lock: a scale-up that ends now sees the stop and kills its own
+            self._stop.set()
+            workers, self._workers = self._workers, []
+        for worker in workers:
             ray.kill(worker, no_restart=True)
-        self._workers = []
 
 
 
@@ -224,4 +293,14 @@ def pool_from_config(reward_cfg, plugins: tuple[str, ...] = ()) -> RewardPool | 
         return None
     return RewardPool(dict(reward_cfg.fn), num_workers=reward_cfg.num_workers,
                       concurrency=reward_cfg.concurrency, timeout_s=reward_cfg.timeout_s,
-                      plugins=tuple(plugins), max_stuck=reward_cfg.max_stuck)
+                      plugins=tuple(plugins), max_stuck=reward_cfg.max_stuck,
+                      autoscale=autoscale_config(reward_cfg))
+
+
+def autoscale_config(reward_cfg) -> AutoscaleConfig | None:
+    """``reward.max_workers > 0`` turns autoscaling on (``reward.min_workers`` .. ``max_workers``)."""
+    if not reward_cfg.max_workers:
+        return None
+    return AutoscaleConfig(min_workers=reward_cfg.min_workers or 1, max_workers=reward_cfg.max_workers,
+                           scale_up_queue=reward_cfg.scale_up_queue,
+                           scale_down_idle_s=reward_cfg.scale_down_idle_s)
