@@ -87,8 +87,8 @@ def ray_session():
 @pytest.mark.slow
 def test_group_checkpoint_is_written_beside_training_covered_by_the_manifest_and_reshards(
         ray_session, tmp_path):
-    from tests.test_fsdp_trainer import make_batch, settings, start_group
     from flash.models import TinyModelConfig, build_tiny_model, build_tokenizer
+    from tests.test_fsdp_trainer import make_batch, settings, start_group
 
     tok = build_tokenizer()
     model = build_tiny_model(tok, TinyModelConfig(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=2,

@@ -12,6 +12,7 @@ group, and with environment episodes, each killed with SIGKILL after a checkpoin
 """
 
 import json
+import os
 import random
 from pathlib import Path
 
@@ -19,8 +20,25 @@ import pytest
 
 from flash.checkpoint import complete_checkpoints, latest_valid
 from tests.test_envs_rollout import TINY_OVERRIDES
-from tests.test_resume_e2e import (B, N, STEPS, cache, finish, kill_and_resume, kill_run, launch,  # noqa: F401
-                                   read_jsonl, steps_done, trained_pairs, wait_for)
+from tests.test_resume_e2e import (
+    STEPS,
+    B,
+    N,
+    finish,
+    kill_and_resume,
+    kill_run,
+    launch,
+    read_jsonl,
+    steps_done,
+    trained_pairs,
+    wait_for,
+)
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    # FLASH_TEST_CACHE: reuse a warm-start cache across local runs (CI starts empty)
+    return os.environ.get("FLASH_TEST_CACHE") or str(tmp_path_factory.mktemp("cache"))
 
 
 def newest_state(run_dir: Path) -> dict:
