@@ -88,6 +88,22 @@ class KeyedSampleBuffer(SampleBuffer):
         self._forget(out)
         return out
 
+    def restore(self, groups: list[Group]) -> None:
+        """Put back a checkpoint's groups, each under a fresh key (a resumed service starts over).
+
+        They enter the store directly, never through a producer's ``put``: the ``(producer, seq)``
+        exactly-once check applies to puts over the wire only, so a restored group is neither
+        refused as a duplicate of an old seq nor stored twice (the checkpoint holds it once).
+        """
+        with self._cond:
+            for g in groups:
+                if id(g) in self._entries:
+                    raise ValueError(f"group {g.prompt_id}: this Group object is already in the buffer")
+            super().restore(groups)
+            for g in groups:
+                self._register(g, None)
+        self._on_change()
+
     def close(self) -> None:
         super().close()
         with self._cond:

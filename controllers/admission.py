@@ -191,11 +191,13 @@ class Admission:
                 "lifecycle": self.lifecycle.state_dict(),
             }
 
-    def load_state_dict(self, state: dict) -> int:
-        """Restore a checkpoint's state before ``start`` (the buffer's groups already put back); the
-        prompts that were in flight restart from scratch (same prompt ids, same request seeds).
-        Returns how many prompts restarted."""
-        buffered = [s.meta["request_id"] for g in self.buffer.snapshot()[0] for s in g.samples]
+    def load_state_dict(self, state: dict, buffered_groups: list[Group] | None = None) -> int:
+        """Restore a checkpoint's state before ``start`` (the buffer's groups already put back:
+        ``buffered_groups``, or read from an in-process buffer); the prompts that were in flight
+        restart from scratch (same prompt ids, same request seeds). Returns how many prompts restarted."""
+        if buffered_groups is None:
+            buffered_groups = self.buffer.snapshot()[0]
+        buffered = [s.meta["request_id"] for g in buffered_groups for s in g.samples]
         with self._lock:
             self._admitted, self._next_index = state["admitted"], state["next_index"]
             self._version = state["version"]

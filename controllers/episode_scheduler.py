@@ -29,7 +29,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import ray
@@ -201,6 +201,40 @@ class EpisodeScheduler:
                 self._lock.wait(timeout=0.5)
             return [self._eval.pop(k) for k in keys]
 
+    # ---- checkpoint hooks (flash.run_state) ------------------------------------------------
+    def state_dict(self) -> dict:
+        """Data position, admissions, version, counters and the seeds in flight.
+
+        A seed in flight keeps its finished episodes (complete, scored samples); its unfinished ones
+        restart on resume from the start: the same environment seed and turn seeds, fresh env
+        workers. Its prompt is never lost, and no episode is kept twice.
+        """
+        with self._lock:
+            pending = [{"prompt_id": pid, "data_index": p.data_index, "version": p.version, "seed": p.seed,
+                        "samples": [asdict(smp) for _, smp in sorted(p.samples.items())]}
+                       for pid, p in sorted(self._pending.items())]
+            return {"admitted": self._admitted, "next_index": self._next_index, "version": self._version,
+                    "counters": dict(self.counters), "pending": pending}
+
+    def load_state_dict(self, state: dict, buffered_groups: list[Group] | None = None) -> int:
+        """Restore a checkpoint's state before ``start`` and restart the unfinished episodes of the
+        seeds in flight; returns how many episodes restarted. (``buffered_groups``: the restored
+        buffer's, unused here -- a buffered group is no longer pending.)"""
+        episodes = []
+        with self._lock:
+            self._admitted, self._next_index = state["admitted"], state["next_index"]
+            self._version = state["version"]
+            self.counters.update(state["counters"])
+            for p in state["pending"]:
+                pid = p["prompt_id"]
+                done = {d["sample_index"]: Sample(**d) for d in p["samples"]}
+                self._pending[pid] = _Pending(data_index=p["data_index"], version=p["version"], seed=p["seed"],
+                                              samples=done)
+                episodes += [self._episode(pid, k, p["seed"]) for k in range(self.n) if k not in done]
+        for ep in episodes:
+            self._launch(lambda ep=ep: self._reset(ep))
+        return len(episodes)
+
     # ---- threads -------------------------------------------------------------------------
     def _guard(self, fn):
         def run():
@@ -235,9 +269,12 @@ class EpisodeScheduler:
         self._pending[prompt_id] = _Pending(data_index=index, version=self._version, seed=seed)
         self._admitted += 1
         self._next_index += 1
-        return [_Episode(f"{prompt_id}:{k}", seed, self.workers[(prompt_id * self.n + k) % len(self.workers)],
-                         request_seed(self.seed, prompt_id, k), self.params, prompt_id=prompt_id, sample_index=k)
-                for k in range(self.n)]
+        return [self._episode(prompt_id, k, seed) for k in range(self.n)]
+
+    def _episode(self, prompt_id: int, k: int, seed: int) -> _Episode:
+        """Episode ``k`` of a seed: its worker, env seed and turn seeds depend on nothing else."""
+        return _Episode(f"{prompt_id}:{k}", seed, self.workers[(prompt_id * self.n + k) % len(self.workers)],
+                        request_seed(self.seed, prompt_id, k), self.params, prompt_id=prompt_id, sample_index=k)
 
     def _collect_loop(self) -> None:
         while not self._stop.is_set():

@@ -180,7 +180,7 @@ class TailBatchingScheduler(RolloutScheduler):
                              "max_additional": self._prov.max_additional}
         return state
 
-    def load_state_dict(self, state: dict) -> int:
+    def load_state_dict(self, state: dict, buffered_groups=None) -> int:
         tail = state.get("tail")
         if tail is None:
             raise ValueError("this checkpoint was written without tail batching (no long-prompt queue); "
@@ -192,4 +192,4 @@ class TailBatchingScheduler(RolloutScheduler):
             self._threshold.lengths.extend(tail["lengths"])
             self.tail_counters.update(tail["counters"])
             self._prov.max_additional = tail["max_additional"]
-        return super().load_state_dict(state)
+        return super().load_state_dict(state, buffered_groups)

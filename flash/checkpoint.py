@@ -3,13 +3,15 @@
 A checkpoint after ``step`` completed train steps is a directory ``RUN_DIR/checkpoints/ckpt-<step>``:
 
 - ``trainer.pt``: model and optimizer state dicts, the trainer's torch RNG state and step count
-  (written by the trainer actor itself -- the hook an FSDP2 trainer replaces with
-  ``torch.distributed.checkpoint``: every rank writes its shard into the same directory and the
-  manifest covers every file);
+  (written by the trainer actor itself); with an FSDP2 trainer group instead ``trainer/``, a torch
+  distributed checkpoint (every rank writes its own shards of model and optimizer, plus its RNG)
+  with the step count and world size (``flash.trainer_group``); a group of another size reshards
+  it on load;
 - ``state.json``: the controller's step and policy version, the scheduler's data position, admission
-  count, counters and RNG, **the buffer's groups** (complete, scored samples) and **the prompts in
-  flight** (restarted from scratch on resume: their partial responses are dropped, their prompts are
-  not), the guards' counters, and the byte length of each run log (ledger, metrics, timeline, eval)
+  count, counters and RNG, **the buffer's groups** (complete, scored samples; with ``buffer.transport=zmq`` the
+  service's store, which lives in the driver) and **the prompts in flight** (restarted from scratch
+  on resume: their partial responses are dropped, their prompts are not; for environment episodes
+  a seed's finished episodes are kept and its unfinished ones restart from the same env seed), the guards' counters, and the byte length of each run log (ledger, metrics, timeline, eval)
   at this step, so a resume cuts the logs back to exactly this point and they continue from it;
 - ``manifest.json``: size and sha256 of every file, written last.
 
@@ -42,6 +44,7 @@ import ray
 import torch
 
 from buffers import Group, Sample
+from flash.errors import ConfigError
 
 log = logging.getLogger("flash")
 
@@ -49,6 +52,7 @@ PREFIX = "ckpt-"
 MANIFEST = "manifest.json"
 STATE = "state.json"
 TRAINER = "trainer.pt"
+TRAINER_DIR = "trainer"  # an FSDP2 group's DCP folder (flash.trainer_group) instead of trainer.pt
 # Test hook: seconds to sleep inside a checkpoint write, after the trainer's file and before the
 # manifest, so a test can SIGKILL the run mid-checkpoint.
 PAUSE_ENV = "FLASH_CKPT_PAUSE_S"
@@ -173,12 +177,24 @@ def trainer_state(trainer) -> dict:
     }
 
 
-def save_trainer_state(state: dict, directory: str) -> None:
-    path = Path(directory) / TRAINER
+def save_trainer_state(state: Any, directory: str, name: str = TRAINER) -> None:
+    path = Path(directory) / name
     with open(path, "wb") as f:
         torch.save(state, f)
         f.flush()
         os.fsync(f.fileno())
+
+
+def check_trainer_files(ckpt: Path, group: bool) -> None:
+    """The checkpoint holds what this run's trainer reads: ``trainer.pt`` (one trainer process) or
+    ``trainer/`` (an FSDP2 group, any size). A mismatch names the setting to resume with."""
+    has_dir, has_file = (ckpt / TRAINER_DIR).is_dir(), (ckpt / TRAINER).is_file()
+    if group and not has_dir and has_file:
+        raise ConfigError(f"{ckpt} was written by a single trainer process (trainer.pt); an FSDP2 group "
+                          f"cannot load it: resume with train.workers=1 and no group knobs")
+    if not group and not has_file and has_dir:
+        raise ConfigError(f"{ckpt} was written by an FSDP2 trainer group (trainer/, a torch distributed "
+                          f"checkpoint); resume with an FSDP2 group: train.workers > 1, any number (it reshards)")
 
 
 def load_trainer_state(trainer, directory: str) -> int:
@@ -291,7 +307,8 @@ class Checkpointer:
         if self.pause_s:
             time.sleep(self.pause_s)
         manifest = write_manifest(tmp, step)
-        fsync_path(tmp)
+        for d in [*(p for p in tmp.rglob("*") if p.is_dir()), tmp]:  # every dir's entries (trainer/ too)
+            fsync_path(d)
         commit(tmp, self.root / f"{PREFIX}{step}")
         prune(self.root, self.cfg.keep_last)
         self.last = {"step": float(step), "bytes": float(manifest["bytes"]),

@@ -49,6 +49,37 @@ def load_dcp(model, optimizer, path: str) -> None:
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 
+def clone_state(obj):
+    """A deep copy of a (nested) state dict: tensors cloned (a DTensor stays a DTensor, its local
+    shard copied), everything else copied as is."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, dict):
+        return {k: clone_state(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(clone_state(v) for v in obj)
+    return obj
+
+
+def snapshot_dcp(model, optimizer) -> dict:
+    """This rank's shards of model and optimizer state, copied between steps (no communication:
+    each rank copies only what it holds), for ``save_snapshot`` to write while training goes on."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    msd, osd = get_state_dict(model, optimizer)
+    return {"model": clone_state(msd), "optim": clone_state(osd)}
+
+
+def save_snapshot(state: dict, path: str, process_group) -> None:
+    """Write a ``snapshot_dcp`` copy as a DCP folder (the layout ``load_dcp`` reads, any world
+    size). ``process_group``: a group of its own, so the save's collectives (plan exchange,
+    barrier) run beside the training collectives of the default group instead of interleaving
+    with them. Files are fsynced (DCP's ``sync_files``)."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(state, checkpoint_id=path, process_group=process_group)
+
+
 def export_hf(model, path: str, tokenizer_source: str | None) -> dict | None:
     """Write a Hugging Face folder at ``path`` from rank 0; returns what was written (rank 0 only).
 

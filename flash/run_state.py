@@ -17,12 +17,25 @@ from typing import Any
 
 import ray
 
-from flash.checkpoint import group_from_dict, log_offsets, snapshot_rollout
+from flash.checkpoint import (
+    check_trainer_files,
+    group_from_dict,
+    log_offsets,
+    snapshot_rollout,
+)
+from flash.fsdp import group_settings
+
+
+def rollout_buffer(r: Any):
+    """The buffer a checkpoint reads and a resume fills: with ``buffer.transport=zmq`` the service's
+    own store (it lives in the driver; the runner's proxy on it only crosses the wire), else the
+    in-process SampleBuffer. Both answer ``snapshot``/``restore``."""
+    return r.buffer_service.buffer if getattr(r, "buffer_service", None) is not None else r.buffer
 
 
 def driver_state(r: Any, version: int) -> dict:
     """Everything but the trainer's tensors, at the quiet point after the weight push of ``version``."""
-    state = snapshot_rollout(r.buffer, r.scheduler)
+    state = snapshot_rollout(rollout_buffer(r), r.scheduler)
     state.update({
         "version": version,
         "eval_initial": r.acc0,
@@ -49,6 +62,7 @@ def commit_checkpoint(r: Any) -> None:
 
 def restore(r: Any, ckpt: Path, state: dict) -> int:
     """Bring every role to the checkpoint; returns the step to continue from."""
+    check_trainer_files(ckpt, group=group_settings(r.cfg.train) is not None)
     ray.get(r.trainer.load_checkpoint.remote(str(ckpt)))
     version = int(state["version"])
     ray.get(r.engine.pause.remote("continue"))
@@ -62,8 +76,9 @@ def restore(r: Any, ckpt: Path, state: dict) -> int:
     if r.supervisor is not None:
         r.supervisor.pushed(weights, version)
     r.controller.version = version
-    r.buffer.restore([group_from_dict(g) for g in state["buffer"]])
-    r.scheduler.load_state_dict(state["scheduler"])
+    groups = [group_from_dict(g) for g in state["buffer"]]
+    rollout_buffer(r).restore(groups)
+    r.scheduler.load_state_dict(state["scheduler"], buffered_groups=groups)
     r.skip_guard.total = state["skips"]["total"]
     r.skip_guard.consecutive = state["skips"]["consecutive"]
     r.input_guard.counts.update(state["data_skipped"])

@@ -23,7 +23,6 @@ import ray
 from ray.exceptions import RayActorError
 
 import algos
-from buffers import SampleBuffer
 from buffers.factory import make_buffer
 from controllers.async_controller import AsyncController, ControllerSettings, prox_mode
 from controllers.rollout_scheduler import PromptSource, RolloutScheduler
@@ -34,7 +33,7 @@ from flash import run_state
 from flash.checkpoint import Checkpointer, latest_valid, remove_partial
 from flash.config import FlashConfig, to_dict, to_yaml
 from flash.engine.base import SamplingParams
-from flash.errors import ConfigError, FlashError
+from flash.errors import FlashError
 from flash.faults import EngineSupervisor
 from flash.guards import InputGuard, SkipGuard
 from flash.engine.router import start_router
@@ -270,9 +269,9 @@ class Run:
 
         The supervisor (flash.faults) handles one engine replica driven by the RolloutScheduler;
         with several replicas (a Router) or environment episodes it is off, and an engine fault
-        stops the run. Checkpoints need the in-process buffer, the single trainer worker and the
-        RolloutScheduler (their state is what a checkpoint holds); otherwise they are off. Both
-        say so once at the start (``self.notes``)."""
+        stops the run; it says so once at the start (``self.notes``). Checkpoints cover every
+        setup (flash.run_state: either buffer transport, one trainer or an FSDP2 group, single-turn
+        requests or environment episodes)."""
         cfg = self.cfg
         self.notes: list[str] = []
         single = len(self.replicas) == 1 and isinstance(self.scheduler, RolloutScheduler)
@@ -288,20 +287,7 @@ class Run:
                    else "environment episodes")
             self.notes.append(f"flash: engine fault recovery is off with {why} (rollout.max_engine_restarts "
                               f"applies to a single engine); an engine fault stops the run")
-        unsupported = [why for ok, why in (
-            (isinstance(self.buffer, SampleBuffer), f"buffer.transport={cfg.buffer.transport}"),
-            (group_settings(cfg.train) is None, "an FSDP2 trainer group (train.workers > 1 or a group knob)"),
-            (isinstance(self.scheduler, RolloutScheduler), "environment episodes"),
-        ) if not ok]
-        ckpt_cfg = cfg.checkpoint
-        if unsupported and ckpt_cfg.enabled:
-            self.notes.append(f"flash: checkpoints are off with {', '.join(unsupported)} (they hold the "
-                              f"in-process buffer, the single trainer's state and the scheduler's)")
-            ckpt_cfg = dataclasses.replace(ckpt_cfg, enabled=False)
-        if unsupported and self.state is not None:
-            raise ConfigError(f"resume={self.dir}: cannot resume with {', '.join(unsupported)} "
-                              f"(no checkpoint support); start a new run")
-        self.checkpointer = Checkpointer(self.dir, ckpt_cfg, self.trainer, cfg.train.steps)
+        self.checkpointer = Checkpointer(self.dir, cfg.checkpoint, self.trainer, cfg.train.steps)
         self.controller.on_update = lambda version: run_state.on_update(self, version)
         if self.state is not None:
             self.start_step = run_state.restore(self, self.ckpt, self.state)

@@ -53,6 +53,8 @@ class FSDPRank:
         self.settings, self.group, self.seed = settings, group, seed
         self.device, self.backend = pick_device(rank)
         self.trainer: ShardedTrainer | None = None
+        self.ckpt_group = None
+        self._snapshot: dict | None = None
 
     def node(self) -> str:
         return ray.get_runtime_context().get_node_id()
@@ -73,6 +75,7 @@ class FSDPRank:
         dist.init_process_group(self.backend, init_method=f"tcp://{addr}:{port}", rank=self.rank,
                                 world_size=self.world, timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
         mesh = init_device_mesh(self.device.type, (self.world,))
+        self.ckpt_group = dist.new_group(backend="gloo")  # checkpoint writes beside training (flash.checkpoint)
         self.trainer = ShardedTrainer(load_model(self.model_path), self.settings, self.group, mesh,
                                       self.device, seed=self.seed)
         return self.backend
@@ -104,10 +107,31 @@ class FSDPRank:
         save_dcp(self.trainer.model, self.trainer.optimizer, path)
 
     def load(self, path: str, steps: int) -> None:
+        """Model and optimizer from a DCP folder (any world size wrote it), and this rank's RNG
+        when the folder has one for it (a checkpoint written by ``checkpoint_write``)."""
         from flash.fsdp_checkpoint import load_dcp
 
         load_dcp(self.trainer.model, self.trainer.optimizer, path)
         self.trainer.steps = steps
+        rng = Path(path) / f"rng-{self.rank}.pt"
+        if rng.is_file():
+            torch.set_rng_state(torch.load(rng, weights_only=True))
+
+    def checkpoint_snapshot(self) -> None:
+        from flash.fsdp_checkpoint import snapshot_dcp
+
+        self._snapshot = {"dcp": snapshot_dcp(self.trainer.model, self.trainer.optimizer),
+                          "rng": torch.get_rng_state()}
+
+    def checkpoint_write(self, path: str) -> None:
+        from flash.checkpoint import save_trainer_state
+        from flash.fsdp_checkpoint import save_snapshot
+
+        snapshot, self._snapshot = self._snapshot, None
+        if snapshot is None:
+            raise RuntimeError("checkpoint_write without a checkpoint_snapshot first")
+        save_snapshot(snapshot["dcp"], path, self.ckpt_group)
+        save_trainer_state(snapshot["rng"], path, name=f"rng-{self.rank}.pt")
 
     def export_hf(self, path: str):
         from flash.fsdp_checkpoint import export_hf
@@ -157,7 +181,8 @@ class TrainerGroup:
             raise ValueError(f"rank_options has {len(opts)} entries for {n} workers")
         cls = ray.remote(FSDPRank)
         per_rank = max(1, threads // n)
-        self.ranks = [cls.options(**{"num_cpus": 0, "max_concurrency": 2, **o}).remote(
+        # max_concurrency 3: a checkpoint write runs beside a step's call (and a stats call)
+        self.ranks = [cls.options(**{"num_cpus": 0, "max_concurrency": 3, **o}).remote(
             r, n, model_path, settings, group, seed, per_rank, list(plugins), list(paths)) for r, o in enumerate(opts)]
         spread = len(set(ray.get([r.node.remote() for r in self.ranks]))) > 1
         addr, port = ray.get(self.ranks[0].rendezvous.remote(spread))
@@ -168,6 +193,7 @@ class TrainerGroup:
         self.busy_s = 0.0
         self.failed: str | None = None  # why the group broke (a rank failed), once it has
         self._open: dict[str, float] = {}  # the open step's weight and plan counters
+        self._snapshot_steps: int | None = None  # steps at the checkpoint snapshot not yet written
 
     def _plan(self, batch: TrainBatch) -> MicroPlan:
         if len(batch) == 0:
@@ -267,6 +293,36 @@ class TrainerGroup:
         self.steps = steps
         return steps
 
+    # ---- checkpoint hooks (flash.checkpoint), the same three as TrainerWorker's ----
+    def checkpoint_snapshot(self) -> None:
+        """Every rank copies its own shards (between steps, in the collectives' order)."""
+        self._all("checkpoint_snapshot")
+        self._snapshot_steps = self.steps
+
+    def checkpoint_write(self, directory: str) -> None:
+        """The snapshot as a DCP folder ``directory/trainer/`` (model + optimizer shards, each rank's
+        RNG, the step count and world size), every rank writing its shards in parallel.
+
+        Runs while training goes on (the Checkpointer's background thread): not under the
+        collectives' lock, the ranks' save uses its own process group. The Checkpointer's manifest
+        then covers every file of the folder, and its rename makes the whole checkpoint appear at once.
+        """
+        from flash.checkpoint import TRAINER_DIR, write_json
+
+        steps, self._snapshot_steps = self._snapshot_steps, None
+        if steps is None:
+            raise RuntimeError("checkpoint_write without a checkpoint_snapshot first")
+        path = Path(directory) / TRAINER_DIR
+        path.mkdir(parents=True, exist_ok=True)
+        ray.get([r.checkpoint_write.remote(str(path)) for r in self.ranks])
+        write_json(path / META_FILE, {"steps": steps, "workers": self.group.workers})
+
+    def load_checkpoint(self, directory: str) -> int:
+        """Restore a checkpoint ``checkpoint_write`` wrote; a group of another size reshards it (DCP)."""
+        from flash.checkpoint import TRAINER_DIR
+
+        return self.load(str(Path(directory) / TRAINER_DIR))
+
     def export_hf(self, path: str) -> dict:
         """A Hugging Face folder (safetensors, config, tokenizer) of the current weights."""
         return self._all("export_hf", str(path))[0]
@@ -290,6 +346,6 @@ def start_trainer_group(model_path: str, settings: TrainerSettings, group: Group
     actor options per rank (e.g. a placement group bundle), for device mapping."""
     from flash.workers import plugin_paths
 
-    actor = ray.remote(TrainerGroup).options(num_cpus=0, max_concurrency=2)
+    actor = ray.remote(TrainerGroup).options(num_cpus=0, max_concurrency=3)  # + a checkpoint write
     return actor.remote(model_path, settings, group, seed, threads, list(plugins), plugin_paths(plugins),
                         rank_options)

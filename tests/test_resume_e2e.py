@@ -39,9 +39,10 @@ def cache(tmp_path_factory):
     return os.environ.get("FLASH_TEST_CACHE") or str(tmp_path_factory.mktemp("cache"))
 
 
-def launch(run_dir: Path, cache: str, extra: list[str], env_extra: dict | None = None) -> subprocess.Popen:
+def launch(run_dir: Path, cache: str, extra: list[str], env_extra: dict | None = None,
+           recipe: str = "recipes/stutter.yaml", base: list[str] = SMALL) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_USAGE_STATS_ENABLED": "0", **(env_extra or {})}
-    cmd = [sys.executable, "-m", "flash.cli", "run", "recipes/stutter.yaml", *SMALL, f"cache_dir={cache}", *extra]
+    cmd = [sys.executable, "-m", "flash.cli", "run", recipe, *base, f"cache_dir={cache}", *extra]
     with open(run_dir.parent / f"{run_dir.name}.log", "a") as log:  # the child keeps its own copy
         return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -111,11 +112,12 @@ def roles_ready(run_dir: Path) -> int:
     return sum(e["event"] == "roles_ready" for e in read_jsonl(path)) if path.exists() else 0
 
 
-def kill_and_resume(run_dir: Path, cache: str, extra: list[str], rng: random.Random) -> list[dict]:
+def kill_and_resume(run_dir: Path, cache: str, extra: list[str], rng: random.Random,
+                    damage: str = "trainer.pt") -> list[dict]:
     """Run and kill at a random moment (after 2-4 steps and two complete checkpoints, then up to
     1.5 s more; each checkpoint write held 1 s so steps last long enough to land anywhere in one),
     resume and kill inside a checkpoint write, truncate the newest checkpoint, resume to the end.
-    Returns the resume events."""
+    ``damage``: the file of the newest checkpoint truncated. Returns the resume events."""
     proc = launch(run_dir, cache, [f"run_dir={run_dir}", *extra], {"FLASH_CKPT_PAUSE_S": "1"})
     k = rng.randint(2, 4)
     assert wait_for(lambda: steps_done(run_dir) >= k and len(checkpoints(run_dir)) >= 2, proc)
@@ -129,7 +131,7 @@ def kill_and_resume(run_dir: Path, cache: str, extra: list[str], rng: random.Ran
     complete = checkpoints(run_dir)
     assert len(complete) >= 2, complete
     newest = max(complete, key=lambda p: int(p.name.split("-")[1]))
-    with open(newest / "trainer.pt", "r+b") as f:
+    with open(newest / damage, "r+b") as f:
         f.truncate(f.seek(0, 2) // 2)
     finish(launch(run_dir, cache, [f"resume={run_dir}", *extra]), run_dir)
     return [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "resume"]
