@@ -103,7 +103,9 @@ class TrainConfig:
     # (the same update as the plain synchronous step). Needs a group-local advantage estimator.
     stream: bool = False
     # FSDP2 trainer group (flash.trainer_group): used when workers > 1 or any knob below is set.
-    workers: int = 1  # trainer processes; parameters, gradients and AdamW state sharded over them
+    # trainer processes; parameters, gradients and AdamW state sharded over them. One rank per
+    # placement.roles.actor_train worker: either count implies the other (imply_trainer_workers)
+    workers: int = 1
     micro_tokens: int = 0  # padded tokens per micro-batch (length-grouped rows); 0 = rows only
     mixed_precision: str = "fp32"  # fp32 | bf16 (bf16 compute, fp32 master weights and reduction)
     activation_checkpointing: bool = False  # recompute decoder layers in backward (less memory)

@@ -130,3 +130,30 @@ def test_colocated_replicas_sleep_through_training_and_lose_nothing(tmp_path, ca
     left = [x["prompt_id"] for x in lines if x["outcome"] != "trained"]
     assert sorted([*trained, *left]) == list(range(summary["prompts_admitted"]))
     assert len(trained) == steps * cfg.train.prompts_per_step
+
+
+RECIPE_LAYOUTS = {  # the README's 2 + 2 commands: train.workers=2 implies actor_train.num_workers=2
+    "disaggregated": ["placement.num_gpus=4", "placement.roles.actor_train.device_mapping=[0,1]",
+                      "placement.roles.actor_infer.device_mapping=[2,3]", "placement.roles.actor_infer.num_workers=2"],
+    "colocated": COLOCATED,
+}
+
+
+@pytest.mark.slow  # the whole default recipe (a few minutes on 2 cores), like tests/test_default_recipe.py
+@pytest.mark.parametrize("layout", sorted(RECIPE_LAYOUTS))
+def test_default_recipe_learns_with_two_ranks_and_two_replicas(tmp_path, cache, layout):
+    """The default recipe, unchanged but for 2 FSDP2 ranks and 2 engine replicas placed on simulated
+    GPUs: the skeleton's learning result (+20 points of held-out accuracy) holds in both layouts."""
+    from flash.config import load_config
+
+    ray.shutdown()
+    cfg = load_config("recipes/stutter.yaml", ["train.workers=2", *RECIPE_LAYOUTS[layout], f"run_dir={tmp_path}",
+                                               f"cache_dir={cache}", "tracking.progress=false"])
+    s = run(cfg, "stutter")
+    gain = s["eval_accuracy_final"] - s["eval_accuracy_initial"]
+    assert gain >= 0.20, s
+    assert s["steps"] == cfg.train.steps and s["max_staleness_observed"] <= math.ceil(cfg.async_ratio)
+    assert s["samples_trained"] == cfg.train.steps * cfg.train.prompts_per_step * cfg.rollout.n
+    metrics = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert all(m["model_update/replicas"] == 2.0 and m["model_update/bytes"] > 0 for m in metrics)
+    assert all(("time/sleep" in m) == (layout == "colocated") for m in metrics)
