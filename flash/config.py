@@ -115,7 +115,9 @@ class TrainConfig:
     # (the same update as the plain synchronous step). Needs a group-local advantage estimator.
     stream: bool = False
     # FSDP2 trainer group (flash.trainer_group): used when workers > 1 or any knob below is set.
-    workers: int = 1  # trainer processes; parameters, gradients and AdamW state sharded over them
+    # trainer processes; parameters, gradients and AdamW state sharded over them. One rank per
+    # placement.roles.actor_train worker: either count implies the other (imply_trainer_workers)
+    workers: int = 1
     micro_tokens: int = 0  # padded tokens per micro-batch (length-grouped rows); 0 = rows only
     mixed_precision: str = "fp32"  # fp32 | bf16 (bf16 compute, fp32 master weights and reduction)
     activation_checkpointing: bool = False  # recompute decoder layers in backward (less memory)
@@ -272,8 +274,20 @@ def load_config(recipe_path: str | Path, overrides: list[str] = ()) -> FlashConf
         raise ConfigError(f"invalid value for '{key}': {msg}" if key else msg) from None
     except ValueError as exc:  # a section's own __post_init__ check
         raise ConfigError(f"invalid config: {exc}") from None
+    imply_trainer_workers(cfg)
     validate(cfg)
     return cfg
+
+
+def imply_trainer_workers(cfg: FlashConfig) -> None:
+    """``train.workers`` and ``placement.roles.actor_train.num_workers`` are one number: the FSDP2
+    group runs one rank per actor_train worker. Set either alone and the other follows it; set both
+    to different counts and ``validate`` names the conflict."""
+    role = cfg.placement.roles.actor_train
+    if cfg.train.workers > 1 and role.num_workers == 1:
+        role.num_workers = cfg.train.workers
+    elif role.num_workers > 1 and cfg.train.workers == 1:
+        cfg.train.workers = role.num_workers
 
 
 def _check_dotlist(items: list[str]) -> list[str]:
@@ -348,6 +362,11 @@ def _check_placement(cfg: FlashConfig) -> None:
 
     plan = plan_placement(cfg.placement, engine=cfg.rollout.engine)  # PlacementError: a ConfigError
     check_runnable(plan)
+    ranks = cfg.placement.roles.actor_train.num_workers
+    _require(ranks == cfg.train.workers,
+             f"train.workers={cfg.train.workers} but placement.roles.actor_train.num_workers={ranks}: the "
+             f"trainer group runs one rank per actor_train worker; set both to the same count (or only one "
+             f"of them, the other follows)")
     _require(not (cfg.train.stream and plan.colocated("actor_infer", "actor_train")),
              "train.stream trains while the engines generate, but placement colocates actor_train and "
              "actor_infer (their engines sleep while training); give them disjoint devices or set "

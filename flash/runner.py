@@ -193,10 +193,7 @@ class Run:
             self.critic = start_critic(self.model_path, CriticSettings(**dataclasses.asdict(cfg.critic)), cfg.seed,
                                        trainer_threads)
         wait_ready(self.engine, self.trainer, *([self.critic] if self.critic else []))
-        self.model_update = None  # an FSDP2 group pushes its gathered state dict through the object store
-        if group_settings(cfg.train) is None:
-            self.model_update = ModelUpdateGroup(self.trainer, list(self.replicas), **vars(cfg.model_update))
-            self.model_update.setup()
+        self._start_model_update()
         B = cfg.train.prompts_per_step
         self.staleness = StalenessManager(cfg.async_ratio, B)
         # transport local: the in-process buffer; zmq: a BufferService here and a proxy on it
@@ -229,15 +226,23 @@ class Run:
         self.engine = self.replicas[0] if n == 1 else start_router(self.replicas, cfg.rollout.prompt_affinity)
 
     def _start_trainer(self, settings, trainer_threads: int) -> None:
-        """One trainer process, or an FSDP2 group when ``train.workers`` > 1 (or a group knob) is set."""
+        """One trainer process, or an FSDP2 group when ``train.workers`` > 1 (or a group knob) is set:
+        one rank per ``actor_train`` worker, each in its own devices' placement bundle."""
         cfg = self.cfg
         group = group_settings(cfg.train)
         if group is None:
             self.trainer = start_trainer(self.model_path, settings, cfg.seed, trainer_threads, list(cfg.plugins),
                                          options=self.placement.options("actor_train", 0))
         else:
+            ranks = [self.placement.options("actor_train", i) for i in range(group.workers)]
             self.trainer = start_trainer_group(self.model_path, settings, group, cfg.seed, trainer_threads,
-                                               list(cfg.plugins))
+                                               list(cfg.plugins), rank_options=ranks)
+
+    def _start_model_update(self) -> None:
+        """The model-update group from the trainer (a single process, or an FSDP2 group's rank 0) to
+        every engine replica; the backend follows the placement (``model_update.backend``)."""
+        self.model_update = ModelUpdateGroup(self.trainer, list(self.replicas), **vars(self.cfg.model_update))
+        self.model_update.setup()
 
     def _make_scheduler(self):
         """Episodes on EnvWorker actors for env tasks; else single-turn requests, scored by the
