@@ -35,6 +35,7 @@ from controllers.lifecycle import Lifecycle
 from controllers.provisioning import Provisioning, WaveGate
 from controllers.staleness import StalenessManager
 from flash.engine.base import GenerationOutput, GenerationRequest, SamplingParams
+from flash.errors import FlashError
 
 
 ABORT_REASONS = ("redundant", "surplus")  # why a sample ends aborted (rollout/aborted/<reason>)
@@ -437,6 +438,8 @@ class RolloutScheduler:
         """Reward of one response; a reward function that raises scores 0 and is counted."""
         try:
             return float(self.source.reward(item, self.source.decode(token_ids)))
+        except FlashError:  # e.g. reward workers that keep dying (RewardFailed): stops the run
+            raise
         except Exception:  # noqa: BLE001 - a user's reward bug must not kill the run
             with self._lock:
                 self.counters["reward_errors"] += 1

@@ -215,6 +215,18 @@ class Run:
             ledger=self.ledger, critic=self.critic, model_update=self.model_update,
         )
         self._start_durability()
+        self._start_worker_faults()
+
+    def _start_worker_faults(self) -> None:
+        """Reward and environment worker deaths (recovered in their pools) go to ``events.jsonl``;
+        their pids too, so tests and benchmarks can kill one."""
+        pids: dict[str, list[int]] = {}
+        for name, part in (("reward", self.reward_pool), ("env", self.scheduler)):
+            if hasattr(part, "on_event") and hasattr(part, "pids"):
+                part.on_event = lambda event: resume_mod.append_event(self.dir, **event)
+                pids[f"{name}_pids"] = part.pids()
+        if pids:
+            resume_mod.append_event(self.dir, "workers_ready", **pids)
 
     def _start_engines(self, plan, engine_threads: int, colocated: bool) -> None:
         """The actor_infer replicas (they share the role's threads), behind a router when several."""
@@ -249,7 +261,7 @@ class Run:
                                            self.staleness, params)
         from flash.rewards.workers import pool_from_config
 
-        self.reward_pool = pool_from_config(cfg.reward, tuple(cfg.plugins))
+        self.reward_pool = pool_from_config(cfg.reward, tuple(cfg.plugins), cfg.rollout.max_worker_restarts)
         reward_fn = self.reward_pool.reward_fn() if self.reward_pool else None
         return RolloutScheduler(
             self.engine, build_source(self.task, self.tokenizer, self.input_guard, reward_fn), self.buffer, self.staleness,
@@ -408,6 +420,8 @@ def _on_step(r: Run, rec, tracker, progress) -> None:
     logged.update({**r.input_guard.metrics(), **r.checkpointer.metrics()})
     if r.supervisor is not None:
         logged.update(r.supervisor.metrics())
+    if hasattr(r.scheduler, "fault_metrics"):  # environment worker deaths (faults/env)
+        logged.update(r.scheduler.fault_metrics())
     tracker.log(logged, step)
     r.metrics_file.write(json.dumps({"step": step, **logged}) + "\n")
     r.metrics_file.flush()
@@ -438,6 +452,8 @@ def _summary(cfg, r: Run, records, acc0, acc1, train_s, left) -> dict:
         "reward_errors": r.scheduler.counters["reward_errors"],
         "resumed_from_step": r.start_step if r.ckpt else None,
         "faults_engine": r.supervisor.faults if r.supervisor is not None else 0,
+        "faults_reward": r.reward_pool.faults if r.reward_pool is not None else 0,
+        "faults_env": getattr(r.scheduler, "faults", 0),
         "train_skipped_nonfinite": r.skip_guard.total,
         "data_skipped": dict(r.input_guard.counts),
         "checkpoint": dict(r.checkpointer.last),
