@@ -235,10 +235,12 @@ class Run:
         self.replicas = [start_engine(self.model_path, cfg.rollout.max_num_seqs, cfg.seed,
                                       max(1, engine_threads // n), engine=cfg.rollout.engine,
                                       options=self.placement.options("actor_infer", i), sleep_mode=colocated,
-                                      # one engine: Ray restarts it and flash.faults recovers its work
-                                      max_restarts=cfg.rollout.max_engine_restarts if n == 1 else 0)
+                                      # Ray restarts a dead replica; flash.faults recovers its work
+                                      max_restarts=0 if isinstance(self.task, EnvTask)  # episodes: no recovery
+                                      else cfg.rollout.max_engine_restarts)
                          for i in range(n)]
-        self.engine = self.replicas[0] if n == 1 else start_router(self.replicas, cfg.rollout.prompt_affinity)
+        self.engine = self.replicas[0] if n == 1 else start_router(self.replicas, cfg.rollout.prompt_affinity,
+                                                                   cfg.rollout.hang_timeout_s)
 
     def _start_trainer(self, settings, trainer_threads: int) -> None:
         """One trainer process, or an FSDP2 group when ``train.workers`` > 1 (or a group knob) is set."""
@@ -274,26 +276,24 @@ class Run:
     def _start_durability(self) -> None:
         """Engine fault recovery, checkpoints, and the restore of a resumed run.
 
-        The supervisor (flash.faults) handles one engine replica driven by the RolloutScheduler;
-        with several replicas (a Router) or environment episodes it is off, and an engine fault
+        The supervisor (flash.faults) handles the engine, or each replica behind the router,
+        driven by the RolloutScheduler; with environment episodes it is off, and an engine fault
         stops the run. Checkpoints need the in-process buffer, the single trainer worker and the
         RolloutScheduler (their state is what a checkpoint holds); otherwise they are off. Both
         say so once at the start (``self.notes``)."""
         cfg = self.cfg
         self.notes: list[str] = []
-        single = len(self.replicas) == 1 and isinstance(self.scheduler, RolloutScheduler)
+        supervised = isinstance(self.scheduler, RolloutScheduler)
         self.supervisor = None
-        if single:
-            self.supervisor = EngineSupervisor(self.engine, cfg.rollout.hang_timeout_s,
-                                               cfg.rollout.max_engine_restarts)
+        if supervised:
+            self.supervisor = EngineSupervisor(self.engine, cfg.rollout.hang_timeout_s, cfg.rollout.max_engine_restarts,
+                                               replicas=self.replicas if len(self.replicas) > 1 else None)
             self.supervisor.requeue = self.scheduler.requeue_lost
             self.supervisor.on_event = lambda event: resume_mod.append_event(self.dir, **event)
             self.scheduler.supervisor = self.controller.supervisor = self.supervisor
         else:
-            why = (f"{len(self.replicas)} engine replicas behind a router" if len(self.replicas) > 1
-                   else "environment episodes")
-            self.notes.append(f"flash: engine fault recovery is off with {why} (rollout.max_engine_restarts "
-                              f"applies to a single engine); an engine fault stops the run")
+            self.notes.append("flash: engine fault recovery is off with environment episodes; an engine "
+                              "fault stops the run")
         unsupported = [why for ok, why in (
             (isinstance(self.buffer, SampleBuffer), f"buffer.transport={cfg.buffer.transport}"),
             (group_settings(cfg.train) is None, "an FSDP2 trainer group (train.workers > 1 or a group knob)"),
@@ -312,8 +312,9 @@ class Run:
         if self.state is not None:
             self.start_step = run_state.restore(self, self.ckpt, self.state)
         pids = {}
-        if single:
-            pids["engine_pid"] = ray.get(self.engine.pid.remote())
+        if supervised:
+            pids["engine_pids"] = ray.get([r.pid.remote() for r in self.replicas])
+            pids["engine_pid"] = pids["engine_pids"][0]
         if group_settings(cfg.train) is None:
             pids["trainer_pid"] = ray.get(self.trainer.pid.remote())
         resume_mod.append_event(self.dir, "roles_ready", step=self.start_step, **pids)

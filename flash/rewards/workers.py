@@ -266,10 +266,21 @@ class RewardPool:
             out["reward/wall_s/mean"] = self._wall_total / calls if calls else 0.0
             out["reward/wall_s/max"] = self._wall_max
             workers = list(self._workers)
-        for m in ray.get([w.metrics.remote() for w in workers], timeout=30):
+        for m in self._worker_metrics(workers):
             for key, value in m.items():
                 summed = key.startswith(("sandbox/status/", "reward/stuck"))
                 out[key] = out.get(key, 0.0) + value if summed else max(out.get(key, value), value)
+        return out
+
+    @staticmethod
+    def _worker_metrics(workers: list) -> list[dict]:
+        """Each live worker's metrics; a dead one is skipped (its next call replaces it)."""
+        out = []
+        for ref in [w.metrics.remote() for w in workers]:
+            try:
+                out.append(ray.get(ref, timeout=30))
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                continue
         return out
 
     def close(self) -> None:
