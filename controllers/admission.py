@@ -230,17 +230,21 @@ class Admission:
         self._submit(reqs)
         return len(state["pending"])
 
-    def requeue_lost(self) -> int:
+    def requeue_lost(self, ids: list[str] | None = None) -> int:
         """After an engine restart: resubmit every request still generating for a pending prompt (and
-        of an evaluation) whose output was not taken from the engine yet. Returns how many.
+        of an evaluation) whose output was not taken from the engine yet -- of those ``ids`` only, when
+        given (the requests a restarted replica behind a router held). Returns how many.
 
         Called inside the supervisor's recovery, possibly from a thread that holds ``_engine_io``:
         it submits without that lock (an abort racing a recovery at worst lets a request run on)."""
+        only = None if ids is None else set(ids)
         with self._lock:
-            reqs = [r for r in self._eval_reqs.values() if r.request_id not in self._eval]
+            reqs = [r for r in self._eval_reqs.values() if r.request_id not in self._eval
+                    and (only is None or r.request_id in only)]
             for pid, p in sorted(self._pending.items()):
                 lost = [k for k in range(p.requests) if request_id(pid, k) not in self._received
-                        and self.lifecycle.state(request_id(pid, k)) == "generating"]
+                        and self.lifecycle.state(request_id(pid, k)) == "generating"
+                        and (only is None or request_id(pid, k) in only)]
                 if lost:
                     reqs += self._requests(pid, self.source.encode(p.item.prompt), lost, p.cap)
         self._submit(reqs)

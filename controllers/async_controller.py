@@ -245,14 +245,17 @@ class AsyncController:
                 if env_hold:
                     self.scheduler.resume()
 
-        if self.supervisor is None:
+        def cycle_and_record():
             cycle()
-        else:
-            self.supervisor.run(cycle)
             # with the model-update group nothing sits in the object store: a restarted engine
             # fetches the trainer's weights then (flash.faults.EngineSupervisor.pushed)
             self.supervisor.pushed(weights if weights is not None else self.trainer.get_weights.remote,
                                    new_version)
+
+        if self.supervisor is None:
+            cycle()
+        else:  # exclusive: no replica recovery loads older weights in the middle of this push
+            self.supervisor.run(cycle_and_record, exclusive=True)
         self.version = new_version
 
     def _push_group(self, version: int) -> None:

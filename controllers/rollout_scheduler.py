@@ -39,6 +39,7 @@ from controllers.lifecycle import Lifecycle
 from controllers.provisioning import Provisioning, WaveGate
 from controllers.staleness import StalenessManager
 from flash.engine.base import GenerationOutput, GenerationRequest, SamplingParams
+from flash.errors import FlashError
 
 __all__ = ["PromptSource", "RolloutScheduler", "parse_request_id", "request_id", "request_seed"]
 
@@ -326,6 +327,8 @@ class RolloutScheduler(Admission):
         """Reward of one response; a reward function that raises scores 0 and is counted."""
         try:
             return float(self.source.reward(item, self.source.decode(token_ids)))
+        except FlashError:  # e.g. reward workers that keep dying (RewardFailed): stops the run
+            raise
         except Exception:  # noqa: BLE001 - a user's reward bug must not kill the run
             with self._lock:
                 self.counters["reward_errors"] += 1

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from buffers.factory import BufferConfig
@@ -52,6 +52,9 @@ class RolloutConfig:
     # one that answers no poll for hang_timeout_s is treated as dead (killed, then restarted).
     max_engine_restarts: int = 3
     hang_timeout_s: float = 120.0
+    # Reward and environment worker actors (flash.rewards.workers, flash.envs.worker) that die are
+    # replaced / restarted and their calls issued again, up to this many times per run.
+    max_worker_restarts: int = 10
     # With several engine replicas (placement.roles.actor_infer.num_workers): keep the n samples
     # of a prompt on one replica (shared prefix) instead of spreading every request by load.
     prompt_affinity: bool = False
