@@ -49,6 +49,23 @@ def test_threshold_forms_and_bad_values_name_the_forms():
     assert check_tail(TailConfig(), 16) is None
 
 
+@pytest.mark.parametrize("overrides, needle", [
+    (["rollout.scheduler=tail_batchin"], "did you mean 'tail_batching'"),
+    (["rollout.tail_batching.over_provision=2"], "rollout.scheduler is 'plain'"),
+    (["rollout.scheduler=tail_batching", "rollout.tail_batching.threshold=p0"], "p<percentile"),
+    (["rollout.scheduler=tail_batching", "rollout.tail_batching.overprovision=2"], "did you mean 'over_provision'"),
+])
+def test_config_is_strict(overrides, needle):
+    from flash.config import load_config, validate
+    from flash.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=needle):
+        validate(load_config("recipes/stutter.yaml", overrides))
+    cfg = load_config("recipes/stutter.yaml", ["rollout.scheduler=tail_batching", "rollout.tail_batching.threshold=16"])
+    validate(cfg)
+    assert cfg.rollout.tail_batching.threshold == "16"
+
+
 def test_percentile_and_cap_by_hand():
     assert percentile([5, 1, 3, 2, 4], 60) == 3  # nearest rank: ceil(0.6 * 5) = 3rd smallest
     assert percentile([5, 1, 3, 2, 4], 100) == 5
