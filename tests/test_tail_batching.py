@@ -246,6 +246,10 @@ def _drive(sched, buffer, engine, steps, B, r):
         batch = buffer.get_batch(B, select=select, timeout=60)
         trained.append((t, batch))
         sched.mark_trained(batch)
+        m = sched.metrics()  # spares never count: the admissions that do stay within the formula
+        assert m["rollout/counted_admissions"] <= st.admission_limit(t)
+        snap = {k[len("rollout/lifecycle/"):]: int(v) for k, v in m.items() if k.startswith("rollout/lifecycle/")}
+        assert unbalance(snap) == 0
         if t + 1 < steps:
             ray.get(engine.set_version.remote(t + 1))
             sched.set_version(t + 1)
