@@ -6,10 +6,11 @@
 Each repeat runs every setting back to back (interleaved, so machine noise hits all alike) as a
 fresh `flash run` process on the same recipe with the same number of steps, so the same number of
 samples is trained in each; the runner's automatic thread split keeps the cores equal (sync: each
-phase uses all cores; async: engine and trainer share them). Reports per setting the median
-seconds per train step, the median of the per-repeat ratios to the first setting, the median
-held-out accuracy at the end, and tail batching's own counts (groups cut, long rounds, tokens
-the engine decoded in all -- cut work included). The last line is JSON.
+phase uses all cores; async: engine and trainer share them). Reports per setting the median over
+repeats of the seconds per train step (a run's mean, and its median step), the median of the
+per-repeat ratios to the first setting, the median held-out accuracy at the end, and tail
+batching's own counts (groups cut, long rounds, tokens the engine decoded in all -- cut work
+included). The last line is JSON.
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ def run_once(recipe: str, setting: list[str], run_dir: Path, overrides: list[str
     summary["tail"] = {k.split("/")[-1]: steps[-1][k] for k in TAIL_KEYS if k in steps[-1]}
     # every token the engine decoded, cut and aborted work included (the engine's own counter)
     summary["engine_tokens"] = sum(m.get("rollout/tokens_generated", 0.0) for m in steps)
+    # the median step resists a neighbour's load spike better than the mean (train_s / steps)
+    summary["step_median_s"] = statistics.median(m["time/step"] for m in steps)
     return summary
 
 
@@ -61,7 +64,7 @@ def main(argv: list[str] | None = None) -> dict:
             setting = SETTINGS[name] + (tail if name.endswith("_tail") else [])
             s = run_once(args.recipe, setting, out / f"{name}-{rep}", args.overrides)
             runs[name].append(s)
-            print(f"repeat {rep} {name}: {s['seconds_per_step']:.3f} s/step, acc "
+            print(f"repeat {rep} {name}: {s['seconds_per_step']:.3f} s/step (median {s['step_median_s']:.3f}), acc "
                   f"{s['eval_accuracy_initial']:.3f}->{s['eval_accuracy_final']:.3f}, "
                   f"engine tokens {s['engine_tokens']:.0f}, {s['tail']}", flush=True)
     base = names[0]
@@ -71,6 +74,7 @@ def main(argv: list[str] | None = None) -> dict:
         rs = runs[name]
         result["per_setting"][name] = {
             "seconds_per_step_median": statistics.median(s["seconds_per_step"] for s in rs),
+            "step_median_s_median": statistics.median(s["step_median_s"] for s in rs),
             "speedup_vs_first_median": statistics.median(
                 a["seconds_per_step"] / b["seconds_per_step"] for a, b in zip(runs[base], rs)),
             "eval_accuracy_final_median": statistics.median(s["eval_accuracy_final"] for s in rs),
