@@ -3,6 +3,8 @@ values, the fit recovering known costs from a synthetic run dir, strict candidat
 predictions from a recorded trace of the default recipe against the measured runs."""
 
 import json
+import math
+import statistics
 from pathlib import Path
 
 import pytest
@@ -159,20 +161,30 @@ MANIFEST = DATA / "traces.json"
 
 
 @pytest.mark.skipif(not MANIFEST.is_file(), reason="recorded traces not present")
-def test_predictions_from_the_sync_trace_within_15_percent_of_measured():
-    """tests/data/planner: trimmed traces of the default recipe recorded by `python -m bench.planner
-    --save-traces` (the command and machine load are in BENCHMARKS.md, issue 8). Every setting is
-    predicted from the first one's trace (synchronous), with the parallel fraction calibrated on
-    the one marked ``calibrates``, and compared with its measured seconds per step (the mean over
-    the recorded repeats; the other settings and repeats are held out of the fit)."""
-    entries = json.loads(MANIFEST.read_text())
-    base = planner.load_trace(DATA / entries[0]["dir"])
+def test_predictions_from_the_sync_trace_against_measured_runs():
+    """tests/data/planner: trimmed traces of the default recipe's synchronous runs and the measured
+    seconds per step of every setting, recorded by `python -m bench.planner --save-traces` (the
+    command and the machine's load are in BENCHMARKS.md, issue 8). Every setting is predicted from
+    the synchronous traces (repeats pooled) with the parallel fraction calibrated on the setting
+    marked ``calibrates``; the other settings are held out of the fit.
+
+    The bar: within 15% of the measured mean, or -- where the repeats of one setting themselves
+    differ by more (the machine these were recorded on was shared with other jobs at a load
+    average of 35 to 60 on 2 cores) -- inside the range of its repeats widened by 15%."""
+    manifest = json.loads(MANIFEST.read_text())
+    base = planner.load_trace([DATA / d for d in manifest["base"]])
     assert base.setting.async_ratio == 0.0
-    calib = next(e for e in entries if e["calibrates"])
-    q = planner.calibrate_p(base, planner.load_trace(DATA / calib["dir"]))
-    errors = {}
-    for e in entries:
+    own = planner.predict(base, base.setting).step_s
+    assert own == pytest.approx(base.measured_step_s, rel=0.05)  # the fit reproduces its own runs
+    calib = next(e for e in manifest["settings"] if e["calibrates"])
+    q = planner.calibrate_p(base, planner.parse_candidates(calib["overrides"], base)[0][1],
+                            statistics.fmean(calib["measured_s_per_step"]))
+    misses = {}
+    for e in manifest["settings"]:
         s = planner.parse_candidates(e["overrides"], base)[0][1]
         pred = planner.predict(base, s, {"engine": q, "trainer": q}).step_s
-        errors[" ".join(e["overrides"])] = pred / e["measured_s_per_step"] - 1
-    assert all(abs(err) <= 0.15 for err in errors.values()), errors
+        runs = e["measured_s_per_step"]
+        close = math.isclose(pred, statistics.fmean(runs), rel_tol=0.15)
+        if not (close or 0.85 * min(runs) <= pred <= 1.15 * max(runs)):
+            misses[" ".join(e["overrides"])] = (pred, runs)
+    assert not misses, misses
