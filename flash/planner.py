@@ -14,6 +14,7 @@ in ``flash.plan_model``'s docstring; ``bench/planner.py`` checks predictions aga
 
 from __future__ import annotations
 
+import gzip
 import itertools
 import json
 import math
@@ -62,7 +63,12 @@ class Trace:
 
 
 def _jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """A JSON-lines file, or its gzipped form ``<path>.gz`` (trimmed traces, ``trim_trace``)."""
+    if not path.is_file() and path.with_name(path.name + ".gz").is_file():
+        text = gzip.decompress(path.with_name(path.name + ".gz").read_bytes()).decode()
+    else:
+        text = path.read_text()
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
 def _lstsq2(x1: list[float], x2: list[float], y: list[float]) -> tuple[float, float]:
@@ -124,7 +130,7 @@ def _read_run(d: Path, skip: int) -> tuple:
     from omegaconf import OmegaConf
 
     for name in ("metrics.jsonl", "ledger.jsonl", "config.yaml", "summary.json"):
-        if not (d / name).is_file():
+        if not (d / name).is_file() and not (d / f"{name}.gz").is_file():
             raise ConfigError(f"{d} is not a finished run dir: {name} is missing")
     cfg = OmegaConf.load(d / "config.yaml")
     if OmegaConf.select(cfg, "rollout.scheduler", default="plain") != "plain":
@@ -330,8 +336,8 @@ def plan(run_dir: str | list, items: list[str], p: dict[str, float] | None = Non
 
 def trim_trace(src: str | Path, dst: str | Path) -> Path:
     """Copy what ``load_trace`` reads from run dir ``src`` to ``dst``, nothing else (small enough
-    to commit as a test fixture): the step rows' timing keys, trained samples' lengths, the config,
-    the summary's thread split."""
+    to commit as a test fixture): the step rows' timing keys, trained samples' lengths (gzipped),
+    the config, the summary's thread split."""
     src, dst = Path(src), Path(dst)
     dst.mkdir(parents=True, exist_ok=True)
     keep = ("rollout/busy_s", "rollout/decode_steps", "rollout/tokens_generated")
@@ -340,7 +346,8 @@ def trim_trace(src: str | Path, dst: str | Path) -> Path:
     (dst / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     lines = [{k: e[k] for k in ("step", "prompt_id", "len", "plen") if k in e}
              for e in _jsonl(src / "ledger.jsonl") if e.get("outcome") == "trained"]
-    (dst / "ledger.jsonl").write_text("".join(json.dumps({"outcome": "trained", **e}) + "\n" for e in lines))
+    text = "".join(json.dumps({"outcome": "trained", **e}, separators=(",", ":")) + "\n" for e in lines)
+    (dst / "ledger.jsonl.gz").write_bytes(gzip.compress(text.encode(), mtime=0))
     (dst / "config.yaml").write_text((src / "config.yaml").read_text())
     summary = json.loads((src / "summary.json").read_text())
     (dst / "summary.json").write_text(json.dumps({k: summary.get(k) for k in ("threads", "cores", "seconds_per_step",
