@@ -300,12 +300,14 @@ def plan(run_dir: str | list, items: list[str], p: dict[str, float] | None = Non
     setting; ``calibrate``: run dir(s) of another setting whose measured time sets the parallel
     fraction (``calibrate_p``); else ``p`` or ``DEFAULT_P``."""
     trace = load_trace(run_dir)
+    dirs = [str(d) for d in (run_dir if isinstance(run_dir, (list, tuple)) else [run_dir])]
     p = {**DEFAULT_P, **(p or {})}
     if calibrate:
         other = load_trace(calibrate)
         q = calibrate_p(trace, other.setting, other.measured_step_s)
         p = {"engine": q, "trainer": q}
-        out(f"flash plan: parallel fraction p = {q:.2f}, calibrated on {calibrate}")
+        out(f"flash plan: parallel fraction p = {q:.2f}, calibrated on {calibrate} "
+            f"(measured {other.measured_step_s:.3f} s/step)")
     rows = []
     for written, setting in parse_candidates(items, trace):
         pred = predict(trace, setting, p)
@@ -314,7 +316,7 @@ def plan(run_dir: str | list, items: list[str], p: dict[str, float] | None = Non
     rows.sort(key=lambda r: r["predicted_s_per_step"])
     own = predict(trace, trace.setting, p).step_s
     k = trace.costs
-    out(f"flash plan: {run_dir}: measured {trace.measured_step_s:.3f} s/step over {len(trace.steps)} steady "
+    out(f"flash plan: {', '.join(dirs)}: measured {trace.measured_step_s:.3f} s/step over {len(trace.steps)} steady "
         f"steps (the model reproduces {own:.3f}); fit: a={k.a * 1e3:.2f} ms/iteration, c={k.c * 1e3:.3f} "
         f"ms/token, train {k.u1 * 1e6:.2f} us/padded token, update {k.update_s:.3f} s, other {k.other_s:.3f} s, "
         f"wait {k.g0:.3f} s (threads engine {k.engine_threads}, trainer {k.trainer_threads}, {k.cores} cores)")
@@ -327,7 +329,7 @@ def plan(run_dir: str | list, items: list[str], p: dict[str, float] | None = Non
     widths = [max(len(h), *(len(row[j]) for row in table)) if table else len(h) for j, h in enumerate(header)]
     for line in [header, *table]:
         out("  ".join(cell.ljust(w) for cell, w in zip(line, widths)))
-    out(json.dumps({"run_dir": str(run_dir), "measured_s_per_step": round(trace.measured_step_s, 4),
+    out(json.dumps({"run_dirs": dirs, "measured_s_per_step": round(trace.measured_step_s, 4),
                     "model_s_per_step": round(own, 4), "parallel_fraction": p,
                     "fit": {f: round(getattr(k, f), 7) for f in ("a", "c", "u1", "update_s", "other_s", "g0")},
                     "candidates": rows}))
