@@ -201,3 +201,17 @@ def test_calibration_reproduces_the_calibrating_run():
     assert planner.predict(base, setting, {"engine": q, "trainer": q}).step_s == pytest.approx(measured, rel=0.02)
     with pytest.raises(ConfigError, match="another thread split"):
         planner.calibrate_p(base, base.setting, measured)
+
+
+def test_cli_plan_prints_a_table_and_json_and_rejects_bad_keys(tmp_path, capsys):
+    from flash.cli import main
+
+    d = str(_synthetic_run(tmp_path))
+    assert main(["plan", d, "async_ratio=0,1"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    result = json.loads(out[-1])
+    assert [r["settings"]["async_ratio"] for r in result["candidates"]] == ["1", "0"]  # fastest first
+    assert result["run_dirs"] == [d] and out[1].split()[:3] == ["#", "async_ratio", "s/step"]
+    assert main(["plan", d, "asyn_ratio=1"]) == 2
+    assert "did you mean 'async_ratio'" in capsys.readouterr().err
+    assert main(["plan", "async_ratio=1"]) == 2  # no run dir
