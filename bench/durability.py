@@ -1,6 +1,7 @@
 """What durability costs: checkpoint size, write time and step-time cost; engine-death recovery time.
 
     python -m bench.durability [--repeats 3] [--steps 12] [--no-fault] [key=value ...]
+    python -m bench.durability --reward-only [--repeats 5]
 
 Part 1, side by side in one run (interleaved repeats, so machine noise hits all alike), the same
 recipe as fresh `flash run` processes with checkpoints ``off``, written every step in the step
@@ -13,6 +14,12 @@ steps. Reported (medians): the supervisor's recovery (restart + weight push + re
 from the kill until the engine answers again with its work requeued, and the time from the kill
 to full throughput: the start of the first step window after the kill whose generated tokens/s is
 at least 90% of the median before the kill.
+
+Part 3 (``--reward-only`` runs just this; cheap, no training): a ``RewardPool`` of 2 workers
+scoring a steady stream of 0.5 s calls; one worker is SIGKILLed inside a call. Reported (medians):
+kill → scoring again on the replacement (the first call that starts in the new process, timed by a
+marker file the reward writes as it starts: the killed calls are issued again then), and the
+pool's own replacement time (failed call → new worker ready).
 The last line is JSON.
 """
 
@@ -94,6 +101,58 @@ def time_to_full(run_dir: Path, killed: float, share: float = 0.9) -> float:
     return float("nan")
 
 
+def marked_reward(item, response, mark_dir: str = "", seconds: float = 0.5):
+    """A reward taking ``seconds``; a file ``<pid>-<start ns>`` in ``mark_dir`` per call started."""
+    open(os.path.join(mark_dir, f"{os.getpid()}-{time.time_ns()}"), "w").close()
+    time.sleep(seconds)
+    return 1.0
+
+
+def reward_fault_run(calls: int = 24, seconds: float = 0.5) -> dict:
+    """One pool, one worker killed mid-call; times to running and to scoring its call again."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from flash.rewards.workers import RewardPool
+    from recipes.tasks.base import TaskItem
+
+    marks = Path(tempfile.mkdtemp(prefix="flash-bench-reward-"))
+    pool = RewardPool({"name": "bench.durability:marked_reward", "mark_dir": str(marks), "seconds": seconds},
+                      num_workers=2, concurrency=2, timeout_s=60)
+    try:
+        pids = set(pool.pids())
+        done: list[float] = []
+        with ThreadPoolExecutor(4) as ex:
+            futures = [ex.submit(lambda i=i: (pool.score(TaskItem(i, "p", ""), "x"), done.append(time.time())))
+                       for i in range(calls)]
+            while len(list(marks.iterdir())) < 4:  # both workers busy
+                time.sleep(0.01)
+            victim = int(max(marks.iterdir(), key=lambda p: int(p.name.split("-")[1])).name.split("-")[0])
+            killed = time.time()
+            os.kill(victim, signal.SIGKILL)
+            for f in futures:
+                f.result(timeout=600)
+        fresh = [int(p.name.split("-")[1]) / 1e9 for p in marks.iterdir() if int(p.name.split("-")[0]) not in pids]
+        event = pool.events[0]
+        return {"kill_to_call_running_again_s": min(fresh) - killed, "replacement_s": event["recovery_s"],
+                "faults": pool.faults, "reissued": pool.counters["reissued"], "calls_ok": len(done)}
+    finally:
+        pool.close()
+
+
+def reward_only(repeats: int) -> dict:
+    from flash.workers import init_ray
+
+    init_ray(None, num_cpus=2)
+    rows = []
+    for rep in range(repeats):
+        rows.append(reward_fault_run())
+        print(f"repeat {rep} reward worker kill: {rows[-1]}", flush=True)
+    result = {"repeats": repeats, "reward_fault": {k: statistics.median(r[k] for r in rows) for k in rows[0]},
+              "reward_fault_runs": rows}
+    print(json.dumps(result))
+    return result
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--recipe", default="stutter")
@@ -101,8 +160,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--no-fault", action="store_true", help="part 1 only (e.g. with train.workers=2: an FSDP2 "
                     "group's checkpoints; engine faults do not depend on the trainer)")
+    ap.add_argument("--reward-only", action="store_true", help="only part 3: a reward worker killed")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
+    if args.reward_only:
+        return reward_only(args.repeats)
     overrides = [f"train.steps={args.steps}", *args.overrides]
     out = Path(tempfile.mkdtemp(prefix="flash-bench-durability-"))
     runs: dict[str, list[dict]] = {m: [] for m in [*MODES, "fault"]}

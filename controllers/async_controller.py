@@ -35,6 +35,8 @@ from controllers.staleness import StalenessManager
 from flash.batch import collate, flatten
 from flash.usage import IdleMeter
 
+# sample meta copied into a trained sample's ledger line when present (tail batching's rounds)
+LEDGER_META = ("round", "cut_from")
 PHASES = ("get_batch", "recompute_prox", "advantages", "train", "suspend", "push_weights", "resume")
 
 
@@ -73,6 +75,7 @@ class AsyncController:
         self._times: dict[str, float] = {}
         self._spans: dict[str, list[float]] = {}
         self._engine_prev: dict[str, float] = {}
+        self._trainer_prev = 0.0
         self._engine_spans: list[list[float]] = []
         self._meters = {"rollout": IdleMeter(), "train": IdleMeter()}
         self._update_bytes = 0.0
@@ -242,14 +245,17 @@ class AsyncController:
                 if env_hold:
                     self.scheduler.resume()
 
-        if self.supervisor is None:
+        def cycle_and_record():
             cycle()
-        else:
-            self.supervisor.run(cycle)
             # with the model-update group nothing sits in the object store: a restarted engine
             # fetches the trainer's weights then (flash.faults.EngineSupervisor.pushed)
             self.supervisor.pushed(weights if weights is not None else self.trainer.get_weights.remote,
                                    new_version)
+
+        if self.supervisor is None:
+            cycle()
+        else:  # exclusive: no replica recovery loads older weights in the middle of this push
+            self.supervisor.run(cycle_and_record, exclusive=True)
         self.version = new_version
 
     def _push_group(self, version: int) -> None:
@@ -297,6 +303,9 @@ class AsyncController:
                     "prompt_id": g.prompt_id, "data_index": g.data_index, "sample": s.sample_index,
                     "request": s.meta.get("request", s.sample_index), "outcome": "trained", "step": t,
                     "version": s.version, "reward": s.reward,
+                    # for `flash plan` (flash.planner): response and prompt tokens, how it ended
+                    "len": len(s.response_ids), "plen": len(s.prompt_ids), "finish": s.finish_reason,
+                    **{k: s.meta[k] for k in LEDGER_META if k in s.meta},
                 }) + "\n")
         self.ledger.flush()
 
@@ -344,7 +353,7 @@ class AsyncController:
     def _start_usage(self) -> None:
         """Open the first idle-ratio window of each role at the start of the first step."""
         engine, trainer = self._engine_get("stats"), ray.get(self.trainer.stats.remote())
-        self._engine_prev = engine
+        self._engine_prev, self._trainer_prev = engine, trainer.get("busy_s", 0.0)
         self._meters["rollout"].start(engine.get("busy_s", 0.0))
         self._meters["train"].start(trainer.get("busy_s", 0.0))
 
@@ -354,10 +363,16 @@ class AsyncController:
         engine, self._engine_spans = self._engine_get("stats"), self._engine_get("busy_spans")
         trainer = ray.get(self.trainer.stats.remote())
         prev, self._engine_prev = self._engine_prev, engine
+        self._trainer_prev, trainer_prev = trainer.get("busy_s", 0.0), self._trainer_prev
         # a restarted engine counts from zero again: its tokens since the restart, not a negative delta
         tokens = engine.get("tokens_generated", 0.0) - prev.get("tokens_generated", 0.0)
         tokens = tokens if tokens >= 0 else engine.get("tokens_generated", 0.0)
+        delta = {k: max(0.0, engine.get(k, 0.0) - prev.get(k, 0.0)) for k in ("busy_s", "decode_steps")}
         return {
+            # per-step deltas for `flash plan` (flash.planner): engine busy seconds, decode iterations,
+            # trainer busy seconds
+            "rollout/busy_s": delta["busy_s"], "rollout/decode_steps": delta["decode_steps"],
+            "train/busy_s": max(0.0, trainer.get("busy_s", 0.0) - trainer_prev),
             "rollout/idle_ratio": self._meters["rollout"].read(engine.get("busy_s", 0.0)),
             "train/idle_ratio": self._meters["train"].read(trainer.get("busy_s", 0.0)),
             "rollout/tokens_generated": tokens,
@@ -386,6 +401,8 @@ class AsyncController:
                 self.ledger.write(json.dumps({"prompt_id": pid, "outcome": "in_flight"}) + "\n")
             for pid in buffered:
                 self.ledger.write(json.dumps({"prompt_id": pid, "outcome": "buffered"}) + "\n")
+            for line in getattr(self.scheduler, "leftover", list)():  # tail batching's long-prompt queue
+                self.ledger.write(json.dumps(line) + "\n")
             self.ledger.flush()
         return {"in_flight": pending, "buffered": buffered}
 

@@ -18,6 +18,13 @@ Suspend (DESIGN.md invariant 4 for episodes): LLM turns follow ``rollout.interru
 engine; environment calls are atomic. ``suspend`` waits for every call in flight to return and
 holds back new ones until ``resume``, so no step is ever cut and none runs across a weight update.
 
+Worker faults: an EnvWorker that dies (or hangs past ``hang_timeout_s``: then it is killed) is
+restarted by Ray, without its environments. Each episode that was on it is played again from its
+reset, same environment seed and same turn seeds, when it next touches the worker (a call in
+flight fails; a later one finds no environment, ``EnvLost``); its partial transcript is dropped, so
+the episode is filed once. Each death is counted once (``faults/env``: the worker's pid changed),
+logged once, and reported to ``on_event``; past ``max_worker_restarts`` the run stops.
+
 Every admitted seed is in exactly one place: in flight here, in the buffer, or trained. Every
 finished episode is counted by outcome (``outcome/<name>``), every refused turn in
 ``request_errors``. Turn seeds depend only on (run seed, seed id, episode index, turn).
@@ -25,6 +32,7 @@ finished episode is counted by outcome (``outcome/<name>``), every refused turn 
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -39,6 +47,18 @@ from controllers.rollout_scheduler import request_seed
 from controllers.staleness import StalenessManager
 from flash.engine.base import GenerationOutput, GenerationRequest, SamplingParams
 from flash.envs.episode import Transcript, add_observation, add_turn, to_sample
+from flash.envs.worker import EnvLost
+from flash.errors import FlashError
+
+log = logging.getLogger("flash")
+
+
+class EnvFailed(FlashError):
+    """Environment workers kept dying after every restart the run allowed."""
+
+
+class _EpisodeLost(Exception):
+    """The episode's environment died with its worker: play it again from the reset."""
 
 
 @dataclass
@@ -58,6 +78,7 @@ class _Episode:
     base_seed: int  # turn t samples with seed base_seed + t
     params: SamplingParams
     prompt_id: int = -1  # -1: an evaluation episode
+    slot: int = 0  # index of ``worker`` in the scheduler's workers
     sample_index: int = 0
     transcript: Transcript | None = None
     turns: int = 0
@@ -74,7 +95,8 @@ class _Pending:
 class EpisodeScheduler:
     def __init__(self, engine, workers: list, task, codec: EpisodeCodec, buffer: SampleBuffer,
                  staleness: StalenessManager, params: SamplingParams, n: int, seed: int,
-                 max_turns: int, start_index: int = 0, env_threads: int = 16):
+                 max_turns: int, start_index: int = 0, env_threads: int = 16, *,
+                 hang_timeout_s: float = 120.0, max_worker_restarts: int = 0):
         if not workers:
             raise ValueError("EpisodeScheduler needs at least one EnvWorker")
         self.engine, self.workers, self.task, self.codec = engine, workers, task, codec
@@ -96,12 +118,30 @@ class EpisodeScheduler:
                                            "reward_errors": 0, "turns_aborted": 0, "episodes_halted": 0,
                                            "suspend_wait_s": 0.0}
         self.last_env_error = ""
+        self.hang_timeout_s, self.max_worker_restarts = hang_timeout_s, max_worker_restarts
+        self.faults = 0  # environment workers that died (faults/env)
+        self.events: list[dict] = []
+        self.on_event: Callable[[dict], None] | None = None  # each death (flash.runner: events.jsonl)
+        self._pids: list[int] | None = None  # each worker's process as last seen
         self._threads = [threading.Thread(target=self._guard(f), daemon=True, name=f.__name__)
                          for f in (self._admit_loop, self._collect_loop)]
 
     # ---- controller-facing API -------------------------------------------------------------
     def start(self) -> None:
+        if self._pids is None:
+            self.pids()
         self._threads[1].start()
+
+    def pids(self) -> list[int]:
+        """Each EnvWorker's process id (a changed one means Ray restarted it)."""
+        pids = ray.get([w.pid.remote() for w in self.workers], timeout=self.hang_timeout_s)
+        with self._lock:
+            self._pids = list(pids)
+        return list(pids)
+
+    def fault_metrics(self) -> dict[str, float]:
+        with self._lock:
+            return {"faults/env": float(self.faults)}
 
     def start_admission(self) -> None:
         self._threads[0].start()
@@ -192,8 +232,9 @@ class EpisodeScheduler:
         """Play one episode per item (its seed) through the same engine; rewards in item order."""
         keys = [f"eval/{tag}/{i}" for i in range(len(items))]
         for i, (key, item) in enumerate(zip(keys, items)):
-            ep = _Episode(key, item.meta["seed"], self.workers[i % len(self.workers)],
-                          request_seed(seed, 10**6 + i, 0), params)
+            slot = i % len(self.workers)
+            ep = _Episode(key, item.meta["seed"], self.workers[slot], request_seed(seed, 10**6 + i, 0), params,
+                          slot=slot)
             self._launch(lambda ep=ep: self._reset(ep))
         with self._lock:
             while not all(k in self._eval for k in keys):
@@ -272,9 +313,10 @@ class EpisodeScheduler:
         return [self._episode(prompt_id, k, seed) for k in range(self.n)]
 
     def _episode(self, prompt_id: int, k: int, seed: int) -> _Episode:
-        """Episode ``k`` of a seed: its worker, env seed and turn seeds depend on nothing else."""
-        return _Episode(f"{prompt_id}:{k}", seed, self.workers[(prompt_id * self.n + k) % len(self.workers)],
-                        request_seed(self.seed, prompt_id, k), self.params, prompt_id=prompt_id, sample_index=k)
+        """Episode ``k`` of a seed: its worker slot, env seed and turn seeds depend on nothing else."""
+        slot = (prompt_id * self.n + k) % len(self.workers)
+        return _Episode(f"{prompt_id}:{k}", seed, self.workers[slot], request_seed(self.seed, prompt_id, k),
+                        self.params, prompt_id=prompt_id, sample_index=k, slot=slot)
 
     def _collect_loop(self) -> None:
         while not self._stop.is_set():
@@ -304,9 +346,66 @@ class EpisodeScheduler:
                 self._lock.notify_all()
 
     def _reset(self, ep: _Episode) -> None:
-        obs = ray.get(ep.worker.reset.remote(ep.key, ep.seed))
+        """Start (or, after its worker died, start again) the episode: same environment seed; turn
+        ``t`` samples with seed ``base_seed + 7919 t`` again, so it replays what it would have."""
+        while True:
+            ep.transcript, ep.turns = None, 0
+            try:
+                obs = self._env(ep, "reset", ep.key, ep.seed)
+                break
+            except _EpisodeLost:
+                continue
         ep.transcript = Transcript(prompt_ids=self.codec.encode_prompt(obs), observations=[obs])
         self._submit_turn(ep)
+
+    def _env(self, ep: _Episode, method: str, *args):
+        """One call on the episode's EnvWorker, bounded by ``hang_timeout_s``. Its worker dead,
+        hung (then killed) or restarted since the reset: the fault is handled (``_worker_lost``)
+        and ``_EpisodeLost`` raised; an exception the environment raised passes through."""
+        try:
+            return ray.get(getattr(ep.worker, method).remote(*args), timeout=self.hang_timeout_s)
+        except ray.exceptions.GetTimeoutError as exc:
+            ray.kill(ep.worker, no_restart=False)  # hung: treated as dead; Ray restarts it
+            self._worker_lost(ep.slot, "hung", exc)
+        except ray.exceptions.RayActorError as exc:
+            self._worker_lost(ep.slot, "died", exc)
+        except ray.exceptions.RayTaskError as exc:
+            if not isinstance(exc.cause, EnvLost):
+                raise
+            self._worker_lost(ep.slot, "died", exc)
+        with self._lock:
+            self.counters["episodes_restarted"] = self.counters.get("episodes_restarted", 0) + 1
+        raise _EpisodeLost
+
+    def _worker_lost(self, slot: int, kind: str, exc: BaseException) -> None:
+        """Wait until Ray restarted worker ``slot``; count the fault once per new process (many
+        episodes notice one death), log the first, stop the run past ``max_worker_restarts``."""
+        start, wall = time.monotonic(), time.time()
+        try:
+            pid = ray.get(self.workers[slot].pid.remote(), timeout=max(self.hang_timeout_s, 300.0))
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as err:
+            raise EnvFailed(f"environment worker {slot} did not come back after it {kind} ({exc!r}): {err!r}. "
+                            f"It is restarted at most rollout.max_worker_restarts={self.max_worker_restarts} "
+                            f"times") from err
+        with self._lock:
+            if self._pids is not None and self._pids[slot] == pid:
+                return  # this death was counted by another episode of the worker
+            if self._pids is not None:
+                self._pids[slot] = pid
+            self.faults += 1
+            faults = self.faults
+        if faults > self.max_worker_restarts:
+            raise EnvFailed(f"environment workers died {faults} times (rollout.max_worker_restarts="
+                            f"{self.max_worker_restarts}); last: {exc!r}")
+        if faults == 1:
+            log.warning("flash: an environment worker %s (%s); Ray restarted it and its episodes play again "
+                        "from their reset (faults counted in faults/env, logged once)", kind, type(exc).__name__)
+        event = {"event": "env_fault", "kind": kind, "error": type(exc).__name__, "time": wall, "worker": slot,
+                 "recovery_s": time.monotonic() - start, "pid": pid}
+        with self._lock:
+            self.events.append(event)
+        if self.on_event is not None:
+            self.on_event(event)
 
     def _submit_turn(self, ep: _Episode) -> None:
         rid = f"{ep.key}/{ep.turns}"
@@ -352,7 +451,10 @@ class EpisodeScheduler:
 
     def _step(self, ep: _Episode, action: str) -> None:
         try:
-            obs, reward, done, info = ray.get(ep.worker.step.remote(ep.key, action))
+            obs, reward, done, info = self._env(ep, "step", ep.key, action)
+        except _EpisodeLost:  # its worker died: the episode plays again from the start
+            self._reset(ep)
+            return
         except ray.exceptions.RayTaskError as exc:  # the game raised: this episode ends, the run goes on
             with self._lock:
                 self.counters["env_errors"] = self.counters.get("env_errors", 0) + 1

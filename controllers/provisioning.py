@@ -68,6 +68,14 @@ class Provisioning:
         self._finished.discard(pid)
         self.counted += 1
 
+    def demote(self, pid: int, version: int) -> None:
+        """A regular group of the current ``version`` gives its slot back and becomes a spare of
+        that version (tail batching: a finished spare takes the slot of a group still running, so
+        the first groups to finish are kept). For the bound this is the group filtered and admitted
+        again as a spare at the same version, both covered above."""
+        self.counted -= 1
+        self._spares[pid] = version
+
     def is_spare(self, pid: int) -> bool:
         return pid in self._spares
 

@@ -1,10 +1,8 @@
 """Rollout scheduler: admits prompts under the staleness bound and turns responses into groups.
 
 Three kinds of threads, all in the driver:
-- *admission*: whenever ``Provisioning`` allows (the staleness bound, counting trainable groups
-  only, plus ``max_additional_prompts`` spares), takes the next prompt from the task's stream and
-  submits its ``n + redundancy`` samples as independent requests (prompt replication: each its
-  own request id and seed, so engines or a router may spread them freely);
+- *admission* (``controllers.admission.Admission``, this class's base): whenever ``Provisioning``
+  allows, takes the next prompt and submits its ``n + redundancy`` requests;
 - *collector*: pulls finished responses from the engine as they finish; once ``n`` of a prompt's
   requests finished, the redundant rest are aborted in the engine (``aborted(redundant)``);
 - *reward pool*: scores each response as soon as it arrives (queue scheduling), concurrently with
@@ -24,67 +22,31 @@ import random
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Any, Callable
 
 import ray
 
 from buffers import BufferClosed, Group, Sample, SampleBuffer
+from controllers.admission import (
+    Admission,
+    PromptSource,
+    _Pending,
+    parse_request_id,
+    request_id,
+    request_seed,
+)
 from controllers.filters import RULES, FilterConfig, filter_reason
 from controllers.lifecycle import Lifecycle
 from controllers.provisioning import Provisioning, WaveGate
 from controllers.staleness import StalenessManager
 from flash.engine.base import GenerationOutput, GenerationRequest, SamplingParams
+from flash.errors import FlashError
 
+__all__ = ["PromptSource", "RolloutScheduler", "parse_request_id", "request_id", "request_seed"]
 
 ABORT_REASONS = ("redundant", "surplus")  # why a sample ends aborted (rollout/aborted/<reason>)
 
 
-def request_seed(run_seed: int, prompt_id: int, sample_index: int) -> int:
-    return (run_seed * 1_000_003 + prompt_id * 1_009 + sample_index * 7 + 1) % (2**31 - 1)
-
-
-@dataclass
-class PromptSource:
-    """The task's prompt stream as the scheduler needs it: item, token ids, reward."""
-
-    item: Callable[[int], Any]  # data index -> TaskItem
-    encode: Callable[[str], list[int]]
-    decode: Callable[[list[int]], str]
-    reward: Callable[[Any, str], float]
-    guard: Any = None  # flash.guards.InputGuard: skips (or rejects) malformed/empty/too long prompts
-
-    def take(self, index: int) -> tuple[int, Any, list[int]]:
-        """The first usable prompt at data position >= ``index``: (its index, item, token ids)."""
-        if self.guard is not None:
-            return self.guard.take(index, self.item, self.encode)
-        item = self.item(index)
-        return index, item, self.encode(item.prompt)
-
-
-@dataclass
-class _Pending:
-    item: Any
-    data_index: int
-    version: int
-    wave: int
-    requests: int  # n + redundancy
-    finished: list[int] = field(default_factory=list)  # request indices kept (first n to finish)
-    samples: dict[int, Sample] = field(default_factory=dict)  # request index -> scored sample
-    parked: Group | None = None  # a spare's kept group, waiting for promotion
-
-
-def request_id(prompt_id: int, k: int) -> str:
-    return f"{prompt_id}:{k}"
-
-
-def parse_request_id(rid: str) -> tuple[int, int]:
-    prompt_id, k = rid.split(":")
-    return int(prompt_id), int(k)
-
-
-
-class RolloutScheduler:
+class RolloutScheduler(Admission):
     def __init__(self, engine, source: PromptSource, buffer: SampleBuffer,
                  staleness: StalenessManager, params: SamplingParams, n: int, seed: int,
                  reward_workers: int = 4, inject_delay_s: float = 0.0, start_index: int = 0, *,
@@ -121,6 +83,7 @@ class RolloutScheduler:
         self.counters = {"samples_generated": 0, "tokens_generated": 0, "reward_errors": 0,
                          "request_errors": 0, "late_outputs": 0, "reward_seconds": 0.0}
         self.supervisor = None  # flash.faults.EngineSupervisor, when engine faults are handled
+        self._later_aborts: list[str] = []  # engine ids a subclass's _group_done decided to abort
         self._received: set[str] = set()  # request ids taken from the engine for pending prompts
         self._eval_reqs: dict[str, GenerationRequest] = {}  # evaluation requests not yet answered
         self._threads = [threading.Thread(target=self._guard(f), daemon=True, name=f.__name__)
@@ -133,15 +96,6 @@ class RolloutScheduler:
 
     def start_admission(self) -> None:
         self._threads[0].start()
-
-    def set_version(self, version: int) -> None:
-        """The policy moved to ``version``: more prompts may be admitted; older spares end."""
-        with self._lock:
-            self._version = version
-            abort_ids = self._expire_spares(version)
-            self._lock.notify_all()
-        self._abort(abort_ids)
-        self.buffer.wake()
 
     def pending_versions(self) -> list[int]:
         """Admission versions of trainable groups not yet complete (spares excluded)."""
@@ -238,58 +192,6 @@ class RolloutScheduler:
         run.__name__ = fn.__name__
         return run
 
-    def _admit_loop(self) -> None:
-        while not self._admit_stop.is_set():
-            with self._lock:
-                self._lock.wait_for(lambda: self._admit_stop.is_set() or
-                                    self._prov.next_action(self._version) is not None)
-                if self._admit_stop.is_set():
-                    return
-                batch, promoted = self._admit_wave()
-                self._engine_io.acquire()
-            try:
-                self._submit(batch)
-            finally:
-                self._engine_io.release()
-            for pid, group in promoted:
-                self._to_buffer(pid, group)
-
-    def _admit_wave(self) -> tuple[list[GenerationRequest], list[tuple[int, Group]]]:
-        """Everything admission allows now (under the lock): promotions first, then new prompts."""
-        wave, self._waves = self._waves, self._waves + 1
-        batch, promoted = [], []
-        while (action := self._prov.next_action(self._version)) is not None:
-            kind, pid = action
-            if kind == "promote":
-                self._prov.promote(pid)
-                group = self._pending[pid].parked
-                if group is not None:  # already scored and kept: straight to the buffer
-                    self.lifecycle.move([s.meta["request_id"] for s in group.samples], "buffered")
-                    promoted.append((pid, group))
-            else:
-                batch.extend(self._admit_one(wave, spare=kind == "spare"))
-        self._gate.open(wave, len(batch))
-        return batch, promoted
-
-    def _admit_one(self, wave: int, spare: bool) -> list[GenerationRequest]:
-        """The next usable prompt (``PromptSource.take``: the input guard skips bad rows)."""
-        prompt_id = self._admitted
-        index, item, ids = self.source.take(self._next_index)
-        requests = self.n + self.redundancy
-        self._pending[prompt_id] = _Pending(item=item, data_index=index, version=self._version,
-                                            wave=wave, requests=requests)
-        self._prov.admitted(prompt_id, self._version, spare)
-        self._admitted += 1
-        self._next_index = index + 1
-        reqs = [GenerationRequest(request_id(prompt_id, k), ids,
-                                  SamplingParams(**{**self.params.__dict__,
-                                                    "seed": request_seed(self.seed, prompt_id, k)}))
-                for k in range(requests)]
-        rids = [r.request_id for r in reqs]
-        self.lifecycle.admit(rids)
-        self.lifecycle.move(rids, "generating")
-        return reqs
-
     def _collect_loop(self) -> None:
         while not self._stop.is_set():
             outs = self._poll()
@@ -345,21 +247,6 @@ class RolloutScheduler:
             self._scoring += 1
             self._pool.submit(self._guard(lambda o=out: self._file_sample(o)))
 
-    def _expire_spares(self, version: int) -> list[str]:
-        """Abort spares of versions before ``version`` (under the lock); engine ids to abort."""
-        engine_ids: list[str] = []
-        for pid in self._prov.expire(version):
-            p = self._pending.pop(pid)
-            rids = [request_id(pid, j) for j in range(p.requests)]
-            states = {r: self.lifecycle.state(r) for r in rids}
-            live = [r for r in rids if states[r] is not None]
-            generating = [r for r in live if states[r] == "generating"]
-            self.lifecycle.abort(live, "surplus", [{"prompt_id": pid, "data_index": p.data_index,
-                                                    "samples": len(live)}])
-            engine_ids += generating
-            self._dispatch(self._gate.resolved(p.wave, len(generating)))
-        return engine_ids
-
     def _file_sample(self, out: GenerationOutput) -> None:
         try:
             self._finish_sample(out)
@@ -382,7 +269,7 @@ class RolloutScheduler:
             response_ids=list(out.token_ids), behav_logprobs=list(out.logprobs),
             versions=list(out.versions), finish_reason=out.finish_reason,
             admitted_version=pending.version,
-            meta={"data_index": pending.data_index, "request_id": out.request_id, "request": k},
+            meta={**pending.meta, "data_index": pending.data_index, "request_id": out.request_id, "request": k},
         )
         sample.reward = self._score(pending.item, out.token_ids)
         with self._lock:
@@ -398,6 +285,9 @@ class RolloutScheduler:
             self._to_buffer(pid, group)
         else:
             self.buffer.wake()  # a filtered group left the pending versions
+        with self._lock:
+            later, self._later_aborts = self._later_aborts, []
+        self._abort(later)
 
     def _make_group(self, pid: int, p: _Pending) -> Group:
         """The kept samples in request order, renumbered 0..n-1 (``meta['request']`` keeps k)."""
@@ -437,106 +327,12 @@ class RolloutScheduler:
         """Reward of one response; a reward function that raises scores 0 and is counted."""
         try:
             return float(self.source.reward(item, self.source.decode(token_ids)))
+        except FlashError:  # e.g. reward workers that keep dying (RewardFailed): stops the run
+            raise
         except Exception:  # noqa: BLE001 - a user's reward bug must not kill the run
             with self._lock:
                 self.counters["reward_errors"] += 1
             return 0.0
-
-    # ---- checkpoint and fault hooks (flash.checkpoint, flash.faults) ---------------------------
-    def state_dict(self) -> dict:
-        """Data position, admissions, version, counters, RNG, the prompts in flight, the admission
-        accounting (``Provisioning``: counted groups and spares) and the lifecycle counters.
-
-        A prompt in flight (regular or spare, generating, scoring, or a spare's parked group) is
-        restarted from scratch on resume: same prompt id, data index, admission version and request
-        seeds, for the requests of it still live here; its partial responses are dropped, never its
-        prompt. The restore takes those requests out of the lifecycle's ``admitted`` count and admits
-        them again, so ``admitted = ended + live`` still holds after it.
-        """
-        with self._lock:
-            version, state, gauss = self._rng.getstate()
-            pending = []
-            for pid, p in sorted(self._pending.items()):
-                live = [k for k in range(p.requests) if self.lifecycle.state(request_id(pid, k)) is not None]
-                pending.append({"prompt_id": pid, "data_index": p.data_index, "version": p.version,
-                                "spare": self._prov.is_spare(pid), "requests": live})
-            return {
-                "admitted": self._admitted, "next_index": self._next_index, "version": self._version,
-                "counters": dict(self.counters), "rng": [version, list(state), gauss],
-                "pending": pending, "waves": self._waves,
-                "provisioning": {"counted": self._prov.counted},
-                "lifecycle": self.lifecycle.state_dict(),
-            }
-
-    def load_state_dict(self, state: dict, buffered_groups: list[Group] | None = None) -> int:
-        """Restore a checkpoint's state before ``start`` (the buffer's groups already put back:
-        ``buffered_groups``, or read from an in-process buffer); the prompts that were in flight
-        restart from scratch (same prompt ids, same request seeds). Returns how many prompts restarted."""
-        if buffered_groups is None:
-            buffered_groups = self.buffer.snapshot()[0]
-        buffered = [s.meta["request_id"] for g in buffered_groups for s in g.samples]
-        with self._lock:
-            self._admitted, self._next_index = state["admitted"], state["next_index"]
-            self._version = state["version"]
-            self.counters.update(state["counters"])
-            version, rng, gauss = state["rng"]
-            self._rng.setstate((version, tuple(rng), gauss))
-            self._waves = state.get("waves", 0)
-            self._prov.counted = state.get("provisioning", {}).get("counted", self._admitted)
-            restarted = sum(len(p.get("requests", ())) for p in state["pending"])
-            if "lifecycle" in state:
-                self.lifecycle.load_state_dict(state["lifecycle"], {rid: "buffered" for rid in buffered},
-                                               readmitted=restarted)
-            wave, self._waves = self._waves, self._waves + 1
-            reqs = []
-            for p in state["pending"]:
-                pid = p["prompt_id"]
-                item = self.source.item(p["data_index"])
-                ks = p.get("requests", list(range(self.n + self.redundancy)))
-                self._pending[pid] = _Pending(item=item, data_index=p["data_index"], version=p["version"],
-                                              wave=wave, requests=self.n + self.redundancy)
-                if p.get("spare"):  # not counted: the checkpoint's count never included it
-                    self._prov.admitted(pid, p["version"], spare=True)
-                new = self._requests(pid, self.source.encode(item.prompt), ks)
-                rids = [r.request_id for r in new]
-                self.lifecycle.admit(rids)
-                self.lifecycle.move(rids, "generating")
-                reqs += new
-            self._gate.open(wave, len(reqs))
-        self._submit(reqs)
-        return len(state["pending"])
-
-    def requeue_lost(self) -> int:
-        """After an engine restart: resubmit every request still generating for a pending prompt (and
-        of an evaluation) whose output was not taken from the engine yet. Returns how many.
-
-        Called inside the supervisor's recovery, possibly from a thread that holds ``_engine_io``:
-        it submits without that lock (an abort racing a recovery at worst lets a request run on)."""
-        with self._lock:
-            reqs = [r for r in self._eval_reqs.values() if r.request_id not in self._eval]
-            for pid, p in sorted(self._pending.items()):
-                lost = [k for k in range(p.requests) if request_id(pid, k) not in self._received
-                        and self.lifecycle.state(request_id(pid, k)) == "generating"]
-                if lost:
-                    reqs += self._requests(pid, self.source.encode(p.item.prompt), lost)
-        self._submit(reqs)
-        return len(reqs)
-
-    def _requests(self, prompt_id: int, ids: list[int], ks) -> list[GenerationRequest]:
-        return [GenerationRequest(request_id(prompt_id, k), ids,
-                                  SamplingParams(**{**self.params.__dict__,
-                                                    "seed": request_seed(self.seed, prompt_id, k)}))
-                for k in ks]
-
-    def _submit(self, reqs: list[GenerationRequest]) -> None:
-        """Submit to the engine; with a supervisor a dead engine is restarted and the requests of
-        pending prompts are resubmitted by ``requeue_lost``, so a failed submit loses nothing."""
-        if not reqs:
-            return
-        if self.supervisor is None:
-            ray.get(self.engine.submit.remote(reqs))
-        else:
-            self.supervisor.submit(reqs)
 
     def _poll(self) -> list[GenerationOutput]:
         """Finished outputs; with a supervisor, engine faults are recovered here and an output for a

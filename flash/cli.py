@@ -6,6 +6,7 @@
     flash losses                           registered losses and advantage estimators, with knobs
     flash sweep RECIPE key=v1,v2 ...       run a grid of overrides, tabulate, plot, recommend a setting
     flash plot RUN_DIR... [-o FILE]        reward, accuracy, throughput, staleness, role timeline
+    flash plan RUN_DIR [key=v1,v2 ...]     predict seconds per step of other settings from a run
 
 Errors a user can fix (unknown key, bad value, missing recipe) print one line and exit 2.
 """
@@ -105,6 +106,27 @@ def cmd_plot(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    from flash.planner import DEFAULT_P, plan
+
+    p = {"engine": DEFAULT_P["engine"] if args.p_engine is None else args.p_engine,
+         "trainer": DEFAULT_P["trainer"] if args.p_trainer is None else args.p_trainer}
+    plan(args.run_dir, args.grid, p=p, calibrate=args.calibrate)
+    return 0
+
+
+def _add_plan(sub) -> None:
+    p = sub.add_parser("plan", help="predict seconds per step of other settings from a finished run")
+    p.add_argument("run_dir", help="a finished run dir (metrics.jsonl, ledger.jsonl, config.yaml, summary.json)")
+    p.add_argument("grid", nargs="*", help="key=v1,v2,... candidates, e.g. async_ratio=0,1,2 "
+                   "rollout.scheduler=plain,tail_batching rollout.tail_batching.threshold=24,p75")
+    p.add_argument("--calibrate", metavar="RUN_DIR2", help="a second run with another thread split (e.g. "
+                   "async beside a sync RUN_DIR): its measured time sets how threads scale on this machine")
+    p.add_argument("--p-engine", type=float, help="engine's parallel fraction (Amdahl; default 0.35)")
+    p.add_argument("--p-trainer", type=float, help="trainer's parallel fraction (Amdahl; default 0.35)")
+    p.set_defaults(fn=cmd_plan)
+
+
 def _add_sweep_plot(sub) -> None:
     p = sub.add_parser("sweep", help="run a grid of overrides and recommend a setting")
     p.add_argument("recipe", help="a name from `flash ls` or a path to a YAML recipe")
@@ -133,6 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("ls", help="list recipes").set_defaults(fn=cmd_ls)
     sub.add_parser("losses", help="list losses and advantage estimators").set_defaults(fn=cmd_losses)
     _add_sweep_plot(sub)
+    _add_plan(sub)
     return parser
 
 

@@ -15,11 +15,12 @@ from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from buffers.factory import BufferConfig
 from controllers.filters import FilterConfig, check_filter
+from controllers.tail_policy import TailConfig, check_tail
 from flash.errors import ConfigError
 from flash.models import TinyModelConfig
 from flash.placement import PlacementConfig
@@ -51,6 +52,9 @@ class RolloutConfig:
     # one that answers no poll for hang_timeout_s is treated as dead (killed, then restarted).
     max_engine_restarts: int = 3
     hang_timeout_s: float = 120.0
+    # Reward and environment worker actors (flash.rewards.workers, flash.envs.worker) that die are
+    # replaced / restarted and their calls issued again, up to this many times per run.
+    max_worker_restarts: int = 10
     # With several engine replicas (placement.roles.actor_infer.num_workers): keep the n samples
     # of a prompt on one replica (shared prefix) instead of spreading every request by load.
     prompt_affinity: bool = False
@@ -61,6 +65,10 @@ class RolloutConfig:
     # Dynamic sampling (DAPO): drop groups by rule; filtered groups free their admission slot.
     filter: FilterConfig = field(default_factory=FilterConfig)
     max_additional_prompts: int = 0  # spare prompts beyond the staleness bound, to refill filtered slots
+    # plain | tail_batching (RollPacker: short rounds cut long groups into a long-prompt queue that
+    # runs whole in long rounds; knobs below, controllers/tail_policy.py)
+    scheduler: str = "plain"
+    tail_batching: TailConfig = field(default_factory=TailConfig)
 
 
 @dataclass
@@ -73,6 +81,13 @@ class RewardConfig:
     concurrency: int = 4  # calls at once per worker
     timeout_s: float = 30.0  # a call running longer scores 0 with reason 'timeout'
     max_stuck: int = 4  # timed-out calls still running in a worker before it is replaced
+    # Autoscaling (flash.rewards.autoscale), on when max_workers > 0: the pool starts at num_workers
+    # and follows its queue within [min_workers, max_workers]: more workers when the calls per worker
+    # (running + waiting) exceed scale_up_queue, one fewer after scale_down_idle_s with a worker spare
+    min_workers: int = 1
+    max_workers: int = 0
+    scale_up_queue: float = 4.0
+    scale_down_idle_s: float = 10.0
 
 
 @dataclass
@@ -103,7 +118,9 @@ class TrainConfig:
     # (the same update as the plain synchronous step). Needs a group-local advantage estimator.
     stream: bool = False
     # FSDP2 trainer group (flash.trainer_group): used when workers > 1 or any knob below is set.
-    workers: int = 1  # trainer processes; parameters, gradients and AdamW state sharded over them
+    # trainer processes; parameters, gradients and AdamW state sharded over them. One rank per
+    # placement.roles.actor_train worker: either count implies the other (imply_trainer_workers)
+    workers: int = 1
     micro_tokens: int = 0  # padded tokens per micro-batch (length-grouped rows); 0 = rows only
     mixed_precision: str = "fp32"  # fp32 | bf16 (bf16 compute, fp32 master weights and reduction)
     activation_checkpointing: bool = False  # recompute decoder layers in backward (less memory)
@@ -260,8 +277,20 @@ def load_config(recipe_path: str | Path, overrides: list[str] = ()) -> FlashConf
         raise ConfigError(f"invalid value for '{key}': {msg}" if key else msg) from None
     except ValueError as exc:  # a section's own __post_init__ check
         raise ConfigError(f"invalid config: {exc}") from None
+    imply_trainer_workers(cfg)
     validate(cfg)
     return cfg
+
+
+def imply_trainer_workers(cfg: FlashConfig) -> None:
+    """``train.workers`` and ``placement.roles.actor_train.num_workers`` are one number: the FSDP2
+    group runs one rank per actor_train worker. Set either alone and the other follows it; set both
+    to different counts and ``validate`` names the conflict."""
+    role = cfg.placement.roles.actor_train
+    if cfg.train.workers > 1 and role.num_workers == 1:
+        role.num_workers = cfg.train.workers
+    elif role.num_workers > 1 and cfg.train.workers == 1:
+        cfg.train.workers = role.num_workers
 
 
 def _check_dotlist(items: list[str]) -> list[str]:
@@ -336,6 +365,11 @@ def _check_placement(cfg: FlashConfig) -> None:
 
     plan = plan_placement(cfg.placement, engine=cfg.rollout.engine)  # PlacementError: a ConfigError
     check_runnable(plan)
+    ranks = cfg.placement.roles.actor_train.num_workers
+    _require(ranks == cfg.train.workers,
+             f"train.workers={cfg.train.workers} but placement.roles.actor_train.num_workers={ranks}: the "
+             f"trainer group runs one rank per actor_train worker; set both to the same count (or only one "
+             f"of them, the other follows)")
     _require(not (cfg.train.stream and plan.colocated("actor_infer", "actor_train")),
              "train.stream trains while the engines generate, but placement colocates actor_train and "
              "actor_infer (their engines sleep while training); give them disjoint devices or set "
@@ -376,6 +410,16 @@ def _check_lifecycle(rollout: RolloutConfig) -> None:
              "(all_same_reward, min_reward_std, max_response_len) or set it to 0")
     problem = check_filter(rollout.filter, rollout.n, rollout.max_new_tokens)
     _require(problem is None, problem or "")
+    _require(rollout.scheduler in SCHEDULERS, f"rollout.scheduler must be one of {', '.join(SCHEDULERS)}, "
+             f"got '{rollout.scheduler}'{closest(rollout.scheduler, list(SCHEDULERS))}")
+    problem = check_tail(rollout.tail_batching, rollout.max_new_tokens)
+    _require(problem is None, problem or "")
+    _require(rollout.scheduler == "tail_batching" or rollout.tail_batching == TailConfig(),
+             "rollout.tail_batching.* is set but rollout.scheduler is 'plain' (the knobs would be unused); "
+             "set rollout.scheduler: tail_batching or remove them")
+
+
+SCHEDULERS = ("plain", "tail_batching")
 
 
 def _check_plugin_section(where: str, section: dict, validator) -> None:
@@ -401,6 +445,21 @@ def _check_reward(cfg: FlashConfig) -> None:
 
         r = cfg.reward
         check_pool_args(dict(r.fn), r.num_workers, r.concurrency, r.timeout_s, tuple(cfg.plugins))
+    _check_autoscale(cfg.reward)
+
+
+def _check_autoscale(r: RewardConfig) -> None:
+    if not r.max_workers:
+        return
+    from flash.rewards.workers import autoscale_config
+
+    try:
+        autoscale_config(r)
+    except ValueError as exc:
+        raise ConfigError(f"reward: {exc}") from None
+    _require(r.min_workers <= r.num_workers <= r.max_workers,
+             f"reward.num_workers ({r.num_workers}) is the autoscaled pool's starting size: it must lie in "
+             f"[reward.min_workers, reward.max_workers] = [{r.min_workers}, {r.max_workers}]")
 
 
 def _check_task(section: dict, task_options) -> None:

@@ -15,6 +15,9 @@ generation thread died (``EngineLoopError``), or because it did not answer withi
 5. ask the scheduler to resubmit every request of a pending prompt whose output had not been
    taken yet (``RolloutScheduler.requeue_lost``): same prompt ids, same request seeds.
 
+With several replicas behind a router the same happens to the one replica that failed, while the
+others serve on (``EngineSupervisor`` below).
+
 Callers that raced with the fault see the recovery's new ``epoch`` and retry their call (the
 controller retries its whole suspend → push → resume sequence); only one recovery runs per fault.
 After ``max_engine_restarts`` recoveries the next fault raises ``EngineFailed`` naming the knob.
@@ -32,6 +35,7 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
 from flash.engine.loop import EngineLoopError
+from flash.engine.router import ReplicaError
 from flash.errors import FlashError
 
 log = logging.getLogger("flash")
@@ -52,6 +56,8 @@ def is_engine_fault(exc: BaseException, engine_id: str | None = None) -> bool:
     A ``RayActorError`` that names another actor is not one: the trainer dying while the engine
     waits for its weights surfaces in the engine call, and must stop the run, not restart engines.
     """
+    if isinstance(exc, ReplicaError):  # a replica behind the router (the router itself is alive)
+        return True
     if isinstance(exc, RayActorError):
         other = getattr(exc, "actor_id", None)
         return not (other and engine_id and other != engine_id)
@@ -59,53 +65,85 @@ def is_engine_fault(exc: BaseException, engine_id: str | None = None) -> bool:
 
 
 class EngineSupervisor:
+    """One engine, or several replicas behind a ``Router`` (``replicas`` and ``router`` given).
+
+    With a router every fault names its replica (``ReplicaError``); recovery is per replica: it is
+    taken out of service (``Router.replica_down`` hands back the ids it held), restarted, given
+    the weights and version last pushed, brought back (``replica_up``), and only its requests are
+    resubmitted (``requeue(ids)``, spread by load over the replicas); the others serve on. Each
+    replica has its own epoch; ``epoch`` (their sum) tells the controller to form the model-update
+    group again after any restart.
+    """
+
     def __init__(self, engine, hang_timeout_s: float, max_restarts: int,
-                 warn: Callable[[str], None] = log.warning, start_timeout_s: float = 300.0):
-        self.engine = engine
+                 warn: Callable[[str], None] = log.warning, start_timeout_s: float = 300.0,
+                 replicas: list | None = None):
+        self.engine = engine  # the engine, or the Router in front of ``replicas``
+        self.router = engine if replicas else None
+        self.replicas = list(replicas) if replicas else [engine]
         self.engine_id = engine._actor_id.hex() if hasattr(engine, "_actor_id") else None
         self.hang_timeout_s = hang_timeout_s
         self.max_restarts = max_restarts
         self.start_timeout_s = start_timeout_s
-        self.epoch = 0  # recoveries completed
+        self.epochs = [0] * len(self.replicas)  # recoveries completed, per replica
         self.faults = 0  # every fault of the run (restored on resume): faults/engine
         self.restarts = 0  # recoveries by this process: bounded by max_restarts (Ray's budget)
         self.events: list[dict[str, Any]] = []  # one per fault, for events.jsonl and benchmarks
-        self.requeue: Callable[[], int] | None = None  # RolloutScheduler.requeue_lost
+        self.requeue: Callable[..., int] | None = None  # RolloutScheduler.requeue_lost
         self.on_event: Callable[[dict], None] | None = None  # each fault, as soon as recovered
         self._warn = warn
         self._lock = threading.RLock()  # a fault inside a recovery (requeue's submit) recovers again
+        self._hung: set[int] = set()  # replicas killed for hanging, not yet recovered
         self._weights = None  # object ref of the weights last pushed, and their version
         self._version = 0
+
+    @property
+    def epoch(self) -> int:
+        return sum(self.epochs)
 
     # ---- calls -----------------------------------------------------------------------------
     def call(self, name: str, *args, timeout: float | None = None):
         """``ray.get(engine.name.remote(*args))``, recovering from engine faults and retrying."""
         return self.run(lambda: ray.get(getattr(self.engine, name).remote(*args), timeout=timeout))
 
-    def run(self, fn: Callable[[], Any]):
-        """Run ``fn`` (engine calls); on an engine fault recover, then run all of ``fn`` again."""
+    def run(self, fn: Callable[[], Any], exclusive: bool = False):
+        """Run ``fn`` (engine calls); on an engine fault recover, then run all of ``fn`` again.
+        ``exclusive``: no recovery by another thread overlaps ``fn`` (the controller's weight
+        update: a recovery's weight load must not interleave with a push of newer weights)."""
         while True:
-            epoch = self.epoch
+            epochs = list(self.epochs)
             try:
-                return fn()
+                if not exclusive:
+                    return fn()
+                with self._lock:
+                    return fn()
             except Exception as exc:
                 if not is_engine_fault(exc, self.engine_id):
                     raise
-                self.recover(epoch, exc)
+                self.recover(epochs, exc)
 
     def poll(self, timeout: float) -> list:
-        """The collector's ``get_finished``; no answer within the hang timeout counts as a hang."""
-        return self.call("get_finished", timeout, timeout=timeout + self.hang_timeout_s)
+        """The collector's ``get_finished``; no answer within the hang timeout counts as a hang
+        (a router watches each replica's poll itself, and answers within ``timeout`` + 5 s)."""
+        grace = self.hang_timeout_s + (30.0 if self.router is not None else 0.0)
+        return self.call("get_finished", timeout, timeout=timeout + grace)
 
     def submit(self, reqs: list) -> None:
-        """Submit; a fault here needs no retry: the recovery resubmits what is pending."""
-        epoch = self.epoch
-        try:
-            ray.get(self.engine.submit.remote(reqs), timeout=self.hang_timeout_s)
-        except Exception as exc:
-            if not is_engine_fault(exc, self.engine_id):
-                raise
-            self.recover(epoch, exc)
+        """Submit; a fault here needs no retry: the recovery resubmits what is pending (a router
+        keeps a failed replica's requests outstanding on it, and hands them back at recovery)."""
+        while True:
+            epochs = list(self.epochs)
+            try:
+                ray.get(self.engine.submit.remote(reqs), timeout=self.hang_timeout_s)
+                return
+            except Exception as exc:
+                if not is_engine_fault(exc, self.engine_id):
+                    raise
+                if self._replica(exc) >= 0:
+                    self.recover(epochs, exc)
+                    return
+                with self._lock:  # no replica in service: wait out the recoveries, submit again
+                    pass
 
     def pushed(self, weights, version: int) -> None:
         """The controller pushed ``weights`` as ``version``: what a restarted engine gets. ``weights``
@@ -117,45 +155,96 @@ class EngineSupervisor:
         self._weights, self._version = weights, version
 
     # ---- recovery --------------------------------------------------------------------------
-    def recover(self, epoch: int, exc: BaseException) -> None:
-        """Restart the engine and requeue its work, unless another caller already did (``epoch``)."""
-        with self._lock:
-            if self.epoch != epoch:
-                return
-            start, wall = time.monotonic(), time.time()
-            self.faults += 1
-            self.restarts += 1
-            kind = "hung" if isinstance(exc, GetTimeoutError) else "died"
-            if self.restarts > self.max_restarts:
-                raise EngineFailed(
-                    f"rollout engine {kind} again after {self.max_restarts} restarts "
-                    f"(rollout.max_engine_restarts={self.max_restarts}); last error: {exc!r}. Raise "
-                    f"rollout.max_engine_restarts, or look for what kills it (memory, a bad request)") from exc
-            if self.restarts == 1:
-                self._warn(f"flash: rollout engine {kind} ({type(exc).__name__}); restarting it and "
-                           f"requeueing its requests (faults counted in faults/engine, logged once)")
-            if kind == "hung" or not isinstance(exc, RayActorError):
-                ray.kill(self.engine, no_restart=False)  # Ray restarts it (max_restarts)
-            self._wait_alive(exc)
-            if self._weights is not None:
-                weights = self._weights if isinstance(self._weights, ray.ObjectRef) else self._weights()
-                ray.get(self.engine.pause.remote("continue"))
-                ray.get(self.engine.update_weights.remote(weights, self._version))
-                ray.get(self.engine.resume.remote())
-            requeued = self.requeue() if self.requeue is not None else 0
-            self.epoch += 1
-            event = {"event": "engine_fault", "kind": kind, "error": type(exc).__name__, "time": wall,
-                     "recovery_s": time.monotonic() - start, "requeued": requeued, "version": self._version,
-                     "pid": ray.get(self.engine.pid.remote())}
-            self.events.append(event)
-            if self.on_event is not None:
-                self.on_event(event)
+    def _replica(self, exc: BaseException) -> int:
+        """The replica a fault names: 0 for the single engine; -1 if a router's fault names none."""
+        if self.router is None:
+            return 0
+        replica = getattr(exc, "replica", -1) if isinstance(exc, ReplicaError) else -1
+        return replica if 0 <= replica < len(self.replicas) else -1
 
-    def _wait_alive(self, exc: BaseException) -> None:
+    def recover(self, epochs: list[int], exc: BaseException) -> None:
+        """Restart the failed replica and requeue its work, unless another caller already did
+        (its epoch moved since ``epochs`` was read)."""
+        i = self._replica(exc)
+        if i < 0:
+            return self._recover_unnamed(epochs, exc)
+        kind = self._kind(exc)
+        if kind == "hung" and self.epochs[i] == epochs[i]:
+            # killed before taking the lock: a weight update holding it may be blocked on this replica
+            self._hung.add(i)
+            ray.kill(self.replicas[i], no_restart=False)  # Ray restarts it (max_restarts)
+        with self._lock:
+            if self.epochs[i] != epochs[i]:
+                return
+            self._recover(i, "hung" if i in self._hung else kind, exc)
+
+    def _recover_unnamed(self, epochs: list[int], exc: BaseException) -> None:
+        """A fault behind the router that names no replica (a model-update push failed, the router
+        did not answer): done once another caller recovered a replica meanwhile (a dead replica's
+        poll fails in the collector within seconds); else the replica that does not answer
+        ``health`` is recovered; none within ``hang_timeout_s``: ``EngineFailed``."""
+        deadline = time.monotonic() + self.hang_timeout_s
+        while time.monotonic() < deadline:
+            with self._lock:
+                if self.epochs != epochs:
+                    return
+                for i, replica in enumerate(self.replicas):
+                    try:
+                        ray.get(replica.health.remote(), timeout=min(10.0, self.hang_timeout_s))
+                    except (RayActorError, GetTimeoutError) as err:
+                        return self.recover(epochs, ReplicaError(f"engine replica {i}: {err!r}", i, self._kind(err)))
+            time.sleep(1.0)
+        raise EngineFailed(f"rollout engine fault ({exc!r}) and every replica answers; stopping") from exc
+
+    def _kind(self, exc: BaseException) -> str:
+        if isinstance(exc, ReplicaError):
+            return getattr(exc, "kind", "broken")
+        if isinstance(exc, GetTimeoutError):
+            return "hung"
+        return "died" if isinstance(exc, RayActorError) else "broken"
+
+    def _recover(self, i: int, kind: str, exc: BaseException) -> None:
+        start, wall = time.monotonic(), time.time()
+        self.faults += 1
+        self.restarts += 1
+        what = "rollout engine" if self.router is None else f"rollout engine replica {i}"
+        if self.restarts > self.max_restarts:
+            raise EngineFailed(
+                f"{what} {kind} again after {self.max_restarts} restarts "
+                f"(rollout.max_engine_restarts={self.max_restarts}); last error: {exc!r}. Raise "
+                f"rollout.max_engine_restarts, or look for what kills it (memory, a bad request)") from exc
+        if self.restarts == 1:
+            self._warn(f"flash: {what} {kind} ({type(exc).__name__}); restarting it and requeueing its "
+                       f"requests (faults counted in faults/engine, logged once)")
+        lost = ray.get(self.router.replica_down.remote(i)) if self.router is not None else None
+        replica = self.replicas[i]
+        if kind == "broken":
+            ray.kill(replica, no_restart=False)  # Ray restarts it (max_restarts)
+        self._wait_alive(replica, exc)
+        if self._weights is not None:
+            weights = self._weights if isinstance(self._weights, ray.ObjectRef) else self._weights()
+            ray.get(replica.pause.remote("continue"))
+            ray.get(replica.update_weights.remote(weights, self._version))
+            ray.get(replica.resume.remote())
+        if self.router is not None:
+            ray.get(self.router.replica_up.remote(i))
+        self._hung.discard(i)
+        requeued = 0
+        if self.requeue is not None:
+            requeued = self.requeue() if lost is None else self.requeue(lost)
+        self.epochs[i] += 1
+        event = {"event": "engine_fault", "kind": kind, "error": type(exc).__name__, "time": wall,
+                 "recovery_s": time.monotonic() - start, "requeued": requeued, "version": self._version,
+                 "replica": i, "pid": ray.get(replica.pid.remote())}
+        self.events.append(event)
+        if self.on_event is not None:
+            self.on_event(event)
+
+    def _wait_alive(self, replica, exc: BaseException) -> None:
         deadline = time.monotonic() + self.start_timeout_s
         while True:
             try:
-                ray.get(self.engine.health.remote(), timeout=max(1.0, deadline - time.monotonic()))
+                ray.get(replica.health.remote(), timeout=max(1.0, deadline - time.monotonic()))
                 return
             except (RayActorError, GetTimeoutError) as err:
                 if time.monotonic() >= deadline:

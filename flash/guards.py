@@ -138,6 +138,7 @@ def _contradictions(cfg):
            f"in its own dir, so drop run_dir"))
     yield cfg.rollout.hang_timeout_s > 0, f"rollout.hang_timeout_s must be > 0, got {cfg.rollout.hang_timeout_s}"
     yield cfg.rollout.max_engine_restarts >= 0, "rollout.max_engine_restarts must be >= 0"
+    yield cfg.rollout.max_worker_restarts >= 0, "rollout.max_worker_restarts must be >= 0"
     yield cfg.train.max_consecutive_skips >= 1, "train.max_consecutive_skips must be >= 1"
     yield cfg.data.max_prompt_tokens >= 0, "data.max_prompt_tokens must be >= 0 (0: context minus max_new_tokens)"
     ctx = cfg.model.tiny.max_positions

@@ -45,9 +45,10 @@ from flash.model_update_shm import ShmSender, read
 def choose_backend(requested: str, where: list[dict[str, str]]) -> str:
     """The backend for members at ``where`` (``{"node", "device"}`` each; the trainer first).
 
-    ``auto``: every member on one node and one device (CPU, or one GPU) → ``shm`` (colocated: no copy
-    across processes); GPUs otherwise → ``nccl``; else ``gloo``. An explicit choice that cannot work
-    is an error naming the fix.
+    ``auto``: every member on one node and some of them sharing a device (CPU, or a GPU that a
+    trainer rank and a replica share) → ``shm`` (colocated: no copy across processes; NCCL cannot
+    join two members on one GPU); GPUs otherwise → ``nccl``; else ``gloo``. An explicit choice that
+    cannot work is an error naming the fix.
     """
     if requested not in BACKENDS:
         raise ModelUpdateError(f"model_update.backend {requested!r} is not one of {', '.join(BACKENDS)}")
@@ -55,7 +56,7 @@ def choose_backend(requested: str, where: list[dict[str, str]]) -> str:
     devices = {w["device"] for w in where}
     cuda = any(d.startswith("cuda") for d in devices)
     if requested == "auto":
-        if len(nodes) == 1 and len(devices) == 1:
+        if len(nodes) == 1 and len(devices) < len(where):
             return "shm"
         return "nccl" if cuda else "gloo"
     if requested == "nccl" and not all(d.startswith("cuda") for d in devices):

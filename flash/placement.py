@@ -265,8 +265,10 @@ def _strategy(pg, bundle: int):
     return PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=bundle)
 
 
-# Roles the runner starts workers for, and how many workers of each it can run today.
-RUNNABLE = {"actor_train": 1, "actor_infer": None}  # None: any number (engine replicas)
+# Roles the runner starts workers for, and how many workers of each it can run today (None: any
+# number). actor_train workers are the FSDP2 group's ranks (one rank per worker, train.workers),
+# actor_infer workers the engine replicas behind the router.
+RUNNABLE = {"actor_train": None, "actor_infer": None}
 
 
 def check_runnable(plan: Plan) -> None:

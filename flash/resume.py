@@ -26,7 +26,7 @@ from flash.errors import ConfigError
 LOGS = ("ledger", "metrics", "timeline", "eval")  # RUN_DIR/<name>.jsonl, cut back on resume
 MAY_CHANGE = ("train.steps", "train.max_consecutive_skips", "train.workers", "checkpoint.", "tracking.", "resume", "run_dir",
               "cache_dir", "description", "eval.every_steps", "rollout.hang_timeout_s",
-              "rollout.max_engine_restarts", "resources.", "ray.", "data.strict")
+              "rollout.max_engine_restarts", "rollout.max_worker_restarts", "resources.", "ray.", "data.strict")
 
 
 def resolve_resume(resume: str | None, recipe_name: str, runs_root: Path = Path("runs")) -> Path | None:

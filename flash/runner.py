@@ -27,12 +27,13 @@ from buffers.factory import make_buffer
 from controllers.async_controller import AsyncController, ControllerSettings, prox_mode
 from controllers.rollout_scheduler import PromptSource, RolloutScheduler
 from controllers.staleness import StalenessManager
+from controllers.tail_batching import TailBatchingScheduler
 from flash import resume as resume_mod
 from flash import run_state
 from flash.checkpoint import Checkpointer, latest_valid, remove_partial
 from flash.config import FlashConfig, to_dict, to_yaml
 from flash.engine.base import SamplingParams
-from flash.errors import FlashError
+from flash.errors import ConfigError, FlashError
 from flash.faults import EngineSupervisor
 from flash.guards import InputGuard, SkipGuard
 from flash.engine.router import start_router
@@ -192,10 +193,7 @@ class Run:
             self.critic = start_critic(self.model_path, CriticSettings(**dataclasses.asdict(cfg.critic)), cfg.seed,
                                        trainer_threads)
         wait_ready(self.engine, self.trainer, *([self.critic] if self.critic else []))
-        self.model_update = None  # an FSDP2 group pushes its gathered state dict through the object store
-        if group_settings(cfg.train) is None:
-            self.model_update = ModelUpdateGroup(self.trainer, list(self.replicas), **vars(cfg.model_update))
-            self.model_update.setup()
+        self._start_model_update()
         B = cfg.train.prompts_per_step
         self.staleness = StalenessManager(cfg.async_ratio, B)
         # transport local: the in-process buffer; zmq: a BufferService here and a proxy on it
@@ -214,6 +212,18 @@ class Run:
             ledger=self.ledger, critic=self.critic, model_update=self.model_update,
         )
         self._start_durability()
+        self._start_worker_faults()
+
+    def _start_worker_faults(self) -> None:
+        """Reward and environment worker deaths (recovered in their pools) go to ``events.jsonl``;
+        their pids too, so tests and benchmarks can kill one."""
+        pids: dict[str, list[int]] = {}
+        for name, part in (("reward", self.reward_pool), ("env", self.scheduler)):
+            if hasattr(part, "on_event") and hasattr(part, "pids"):
+                part.on_event = lambda event: resume_mod.append_event(self.dir, **event)
+                pids[f"{name}_pids"] = part.pids()
+        if pids:
+            resume_mod.append_event(self.dir, "workers_ready", **pids)
 
     def _start_engines(self, plan, engine_threads: int, colocated: bool) -> None:
         """The actor_infer replicas (they share the role's threads), behind a router when several."""
@@ -222,21 +232,31 @@ class Run:
         self.replicas = [start_engine(self.model_path, cfg.rollout.max_num_seqs, cfg.seed,
                                       max(1, engine_threads // n), engine=cfg.rollout.engine,
                                       options=self.placement.options("actor_infer", i), sleep_mode=colocated,
-                                      # one engine: Ray restarts it and flash.faults recovers its work
-                                      max_restarts=cfg.rollout.max_engine_restarts if n == 1 else 0)
+                                      # Ray restarts a dead replica; flash.faults recovers its work
+                                      max_restarts=0 if isinstance(self.task, EnvTask)  # episodes: no recovery
+                                      else cfg.rollout.max_engine_restarts)
                          for i in range(n)]
-        self.engine = self.replicas[0] if n == 1 else start_router(self.replicas, cfg.rollout.prompt_affinity)
+        self.engine = self.replicas[0] if n == 1 else start_router(self.replicas, cfg.rollout.prompt_affinity,
+                                                                   cfg.rollout.hang_timeout_s)
 
     def _start_trainer(self, settings, trainer_threads: int) -> None:
-        """One trainer process, or an FSDP2 group when ``train.workers`` > 1 (or a group knob) is set."""
+        """One trainer process, or an FSDP2 group when ``train.workers`` > 1 (or a group knob) is set:
+        one rank per ``actor_train`` worker, each in its own devices' placement bundle."""
         cfg = self.cfg
         group = group_settings(cfg.train)
         if group is None:
             self.trainer = start_trainer(self.model_path, settings, cfg.seed, trainer_threads, list(cfg.plugins),
                                          options=self.placement.options("actor_train", 0))
         else:
+            ranks = [self.placement.options("actor_train", i) for i in range(group.workers)]
             self.trainer = start_trainer_group(self.model_path, settings, group, cfg.seed, trainer_threads,
-                                               list(cfg.plugins))
+                                               list(cfg.plugins), rank_options=ranks)
+
+    def _start_model_update(self) -> None:
+        """The model-update group from the trainer (a single process, or an FSDP2 group's rank 0) to
+        every engine replica; the backend follows the placement (``model_update.backend``)."""
+        self.model_update = ModelUpdateGroup(self.trainer, list(self.replicas), **vars(self.cfg.model_update))
+        self.model_update.setup()
 
     def _make_scheduler(self):
         """Episodes on EnvWorker actors for env tasks; else single-turn requests, scored by the
@@ -244,50 +264,54 @@ class Run:
         cfg, params = self.cfg, sampling_params(self.cfg, self.tokenizer)
         self.reward_pool = None
         if isinstance(self.task, EnvTask):  # multi-turn episodes on EnvWorker actors
+            if cfg.rollout.scheduler != "plain":
+                raise ConfigError(f"rollout.scheduler: {cfg.rollout.scheduler} works on single-turn tasks; "
+                                  f"'{cfg.task.get('name')}' runs multi-turn episodes: set rollout.scheduler: plain")
             return build_episode_scheduler(cfg, self.task, self.tokenizer, self.engine, self.buffer,
                                            self.staleness, params)
         from flash.rewards.workers import pool_from_config
 
-        self.reward_pool = pool_from_config(cfg.reward, tuple(cfg.plugins))
+        self.reward_pool = pool_from_config(cfg.reward, tuple(cfg.plugins), cfg.rollout.max_worker_restarts)
         reward_fn = self.reward_pool.reward_fn() if self.reward_pool else None
-        return RolloutScheduler(
+        tail = cfg.rollout.scheduler == "tail_batching"
+        cls, extra = (TailBatchingScheduler, {"tail": cfg.rollout.tail_batching}) if tail else (RolloutScheduler, {})
+        return cls(
             self.engine, build_source(self.task, self.tokenizer, self.input_guard, reward_fn), self.buffer, self.staleness,
             params, n=cfg.rollout.n, seed=cfg.seed,
             reward_workers=cfg.rollout.reward_workers, inject_delay_s=cfg.rollout.inject_delay_s,
             queue_scheduling=cfg.rollout.queue_scheduling, redundancy=cfg.rollout.redundancy,
-            max_additional_prompts=cfg.rollout.max_additional_prompts, filters=cfg.rollout.filter,
+            max_additional_prompts=cfg.rollout.max_additional_prompts, filters=cfg.rollout.filter, **extra,
         )
 
     def _start_durability(self) -> None:
         """Engine fault recovery, checkpoints, and the restore of a resumed run.
 
-        The supervisor (flash.faults) handles one engine replica driven by the RolloutScheduler;
-        with several replicas (a Router) or environment episodes it is off, and an engine fault
+        The supervisor (flash.faults) handles the engine, or each replica behind the router,
+        driven by the RolloutScheduler; with environment episodes it is off, and an engine fault
         stops the run; it says so once at the start (``self.notes``). Checkpoints cover every
         setup (flash.run_state: either buffer transport, one trainer or an FSDP2 group, single-turn
         requests or environment episodes)."""
         cfg = self.cfg
         self.notes: list[str] = []
-        single = len(self.replicas) == 1 and isinstance(self.scheduler, RolloutScheduler)
+        supervised = isinstance(self.scheduler, RolloutScheduler)
         self.supervisor = None
-        if single:
-            self.supervisor = EngineSupervisor(self.engine, cfg.rollout.hang_timeout_s,
-                                               cfg.rollout.max_engine_restarts)
+        if supervised:
+            self.supervisor = EngineSupervisor(self.engine, cfg.rollout.hang_timeout_s, cfg.rollout.max_engine_restarts,
+                                               replicas=self.replicas if len(self.replicas) > 1 else None)
             self.supervisor.requeue = self.scheduler.requeue_lost
             self.supervisor.on_event = lambda event: resume_mod.append_event(self.dir, **event)
             self.scheduler.supervisor = self.controller.supervisor = self.supervisor
         else:
-            why = (f"{len(self.replicas)} engine replicas behind a router" if len(self.replicas) > 1
-                   else "environment episodes")
-            self.notes.append(f"flash: engine fault recovery is off with {why} (rollout.max_engine_restarts "
-                              f"applies to a single engine); an engine fault stops the run")
+            self.notes.append("flash: engine fault recovery is off with environment episodes; an engine "
+                              "fault stops the run")
         self.checkpointer = Checkpointer(self.dir, cfg.checkpoint, self.trainer, cfg.train.steps)
         self.controller.on_update = lambda version: run_state.on_update(self, version)
         if self.state is not None:
             self.start_step = run_state.restore(self, self.ckpt, self.state)
         pids = {}
-        if single:
-            pids["engine_pid"] = ray.get(self.engine.pid.remote())
+        if supervised:
+            pids["engine_pids"] = ray.get([r.pid.remote() for r in self.replicas])
+            pids["engine_pid"] = pids["engine_pids"][0]
         if group_settings(cfg.train) is None:
             pids["trainer_pid"] = ray.get(self.trainer.pid.remote())
         resume_mod.append_event(self.dir, "roles_ready", step=self.start_step, **pids)
@@ -394,6 +418,8 @@ def _on_step(r: Run, rec, tracker, progress) -> None:
     logged.update({**r.input_guard.metrics(), **r.checkpointer.metrics()})
     if r.supervisor is not None:
         logged.update(r.supervisor.metrics())
+    if hasattr(r.scheduler, "fault_metrics"):  # environment worker deaths (faults/env)
+        logged.update(r.scheduler.fault_metrics())
     tracker.log(logged, step)
     r.metrics_file.write(json.dumps({"step": step, **logged}) + "\n")
     r.metrics_file.flush()
@@ -424,6 +450,8 @@ def _summary(cfg, r: Run, records, acc0, acc1, train_s, left) -> dict:
         "reward_errors": r.scheduler.counters["reward_errors"],
         "resumed_from_step": r.start_step if r.ckpt else None,
         "faults_engine": r.supervisor.faults if r.supervisor is not None else 0,
+        "faults_reward": r.reward_pool.faults if r.reward_pool is not None else 0,
+        "faults_env": getattr(r.scheduler, "faults", 0),
         "train_skipped_nonfinite": r.skip_guard.total,
         "data_skipped": dict(r.input_guard.counts),
         "checkpoint": dict(r.checkpointer.last),
@@ -436,4 +464,7 @@ def _summary(cfg, r: Run, records, acc0, acc1, train_s, left) -> dict:
         "phase_seconds_mean": {k[5:]: sum(rec.metrics.get(k, 0.0) for rec in records) / max(steps, 1)
                                for k in phase_keys},
         "run_dir": str(r.dir),
+        # the CPU split the roles ran with (flash plan scales costs measured here to other splits)
+        "threads": dict(zip(("engine", "trainer"), resolve_threads(cfg))),
+        "cores": cfg.ray.num_cpus or os.cpu_count() or 2,
     }

@@ -5,7 +5,10 @@ Parts:
   it (``flash.fsdp.ShardedTrainer``) and runs its share of each call.
 - ``TrainerGroup`` (one Ray actor): the controller's handle. It answers ``logprobs``,
   ``train_step``, ``get_weights``, ``save`` and ``stats`` like ``TrainerWorker``, so the controller
-  cannot tell a group from a single trainer; plus ``load`` and ``export_hf``. Per call it plans the
+  cannot tell a group from a single trainer; plus ``load`` and ``export_hf``. It is also the
+  model-update group's sender (``mu_*``, as ``UpdateSender``): every rank takes part in gathering
+  the full state dict, rank 0 keeps it and is the member that broadcasts (or writes the shared
+  segment) to the replicas; the bytes never pass through this actor or Ray's object store. Per call it plans the
   batch (``flash.microbatch.plan_batch``: rows to ranks, micro-batches under the token budget,
   equal counts), sends the batch once through the object store, starts every rank's share and adds
   the ranks' partial results up.
@@ -30,6 +33,8 @@ import torch
 from flash.batch import TrainBatch
 from flash.fsdp import COLLECTIVE_TIMEOUT_S, GroupSettings, ShardedTrainer, batch_to, free_port, pick_device
 from flash.microbatch import MicroPlan, plan_batch
+from flash.model_update import ModelUpdateError, unique_tensors
+from flash.model_update_group import UpdateSender
 from flash.trainer import TrainerSettings
 
 META_FILE = "flash_trainer.json"  # beside the DCP shards: steps and the world size that wrote them
@@ -39,8 +44,9 @@ class TrainerGroupError(RuntimeError):
     """A rank failed: its peers may be stuck in a collective, so the group takes no more calls."""
 
 
-class FSDPRank:
-    """One rank: a process-group member holding 1/N of the model and optimizer."""
+class FSDPRank(UpdateSender):
+    """One rank: a process-group member holding 1/N of the model and optimizer. Rank 0 is also the
+    model-update group's sender, pushing the state dict the ranks gathered (``mu_gather``)."""
 
     def __init__(self, rank: int, world: int, model_path: str, settings: TrainerSettings,
                  group: GroupSettings, seed: int, threads: int, plugins: list[str], paths: list[str]):
@@ -55,6 +61,8 @@ class FSDPRank:
         self.trainer: ShardedTrainer | None = None
         self.ckpt_group = None
         self._snapshot: dict | None = None
+        self._ties: list[tuple[str, ...]] = []  # names sharing one tensor in the unsharded model
+        self._mu_full: dict[str, torch.Tensor] | None = None  # rank 0: the gathered weights to push
 
     def node(self) -> str:
         return ray.get_runtime_context().get_node_id()
@@ -76,9 +84,43 @@ class FSDPRank:
                                 world_size=self.world, timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
         mesh = init_device_mesh(self.device.type, (self.world,))
         self.ckpt_group = dist.new_group(backend="gloo")  # checkpoint writes beside training (flash.checkpoint)
-        self.trainer = ShardedTrainer(load_model(self.model_path), self.settings, self.group, mesh,
-                                      self.device, seed=self.seed)
+        model = load_model(self.model_path)
+        self._ties = [names for names, _ in unique_tensors(model.state_dict()) if len(names) > 1]
+        self.trainer = ShardedTrainer(model, self.settings, self.group, mesh, self.device, seed=self.seed)
         return self.backend
+
+    def devices(self) -> list[int]:
+        """The logical devices the placement gave this rank (``flash.placement``; empty: CPU only)."""
+        from flash.placement import visible_devices
+
+        return visible_devices()
+
+    # ---- model-update group: every rank gathers, rank 0 sends (TrainerGroup.mu_*) ----
+    def mu_gather(self) -> None:
+        """Collective: the full state dict on rank 0 (CPU), kept for its next ``mu_plan``/``mu_send``.
+
+        Tied names (a tied LM head) are tied again in the gathered dict, so the push sends them once."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        state = get_model_state_dict(self.trainer.model, options=opts)
+        if self.rank == 0:
+            for names in self._ties:
+                for alias in names[1:]:
+                    state[alias] = state[names[0]]
+            self._mu_full = state
+
+    def mu_release(self) -> None:
+        self._mu_full = None
+
+    def _mu_state(self) -> dict[str, torch.Tensor]:
+        if self._mu_full is None:
+            raise ModelUpdateError(f"trainer rank {self.rank} holds no gathered weights: only rank 0 sends, "
+                                   "after TrainerGroup.mu_plan gathered them")
+        return self._mu_full
+
+    def _mu_device(self) -> torch.device:
+        return self.device  # where this rank computes: the backend choice compares it with the replicas'
 
     def logprobs(self, batch: TrainBatch, plan) -> torch.Tensor:
         start = time.monotonic()
@@ -338,6 +380,35 @@ class TrainerGroup:
     def pids(self) -> list[int]:
         """Each rank's process id (profilers, and the tests' way to kill one)."""
         return ray.get([r.pid.remote() for r in self.ranks])
+
+    def devices(self) -> list[list[int]]:
+        """Each rank's logical devices from the placement (empty lists: CPU only)."""
+        return ray.get([r.devices.remote() for r in self.ranks])
+
+    # ---- the model-update group's sender (flash.model_update_group.UpdateSender's methods) ----
+    # Rank 0 is the member: it opens the rendezvous, joins the group and sends. Planning a push first
+    # gathers the full state dict (a collective over all ranks, so it takes the group's lock).
+    def mu_where(self) -> dict[str, str]:
+        return ray.get(self.ranks[0].mu_where.remote())
+
+    def mu_open(self, group: str, backend: str, host: str, timeout_s: float) -> int:
+        return ray.get(self.ranks[0].mu_open.remote(group, backend, host, timeout_s))
+
+    def mu_join(self, group: str, world: int, timeout_s: float) -> None:
+        ray.get(self.ranks[0].mu_join.remote(group, world, timeout_s))
+
+    def mu_plan(self, group: str, bucket_bytes: int) -> list:
+        self._all("mu_gather")
+        return ray.get(self.ranks[0].mu_plan.remote(group, bucket_bytes))
+
+    def mu_send(self, group: str) -> dict:
+        try:
+            return ray.get(self.ranks[0].mu_send.remote(group))
+        finally:
+            self.ranks[0].mu_release.remote()  # the gathered copy is not kept between pushes
+
+    def mu_close(self, group: str) -> None:
+        ray.get(self.ranks[0].mu_close.remote(group))
 
 
 def start_trainer_group(model_path: str, settings: TrainerSettings, group: GroupSettings, seed: int,

@@ -102,12 +102,17 @@ class EngineWorker(UpdateReceiver):
         tensors = named_tensors.values() if hasattr(named_tensors, "values") else (t for _, t in named_tensors)
         return float(sum(t.numel() * t.element_size() for t in tensors))
 
+    def get_weights(self) -> dict:
+        """The weights this replica serves (CPU copies): what a check against the trainer compares."""
+        return {k: v.detach().cpu().clone() for k, v in self._model.state_dict().items()}
+
     def sleep(self, level: int = 1) -> dict:
         """Release memory for a colocated trainer while paused; see ``TorchEngine.sleep``."""
         return self.loop.sleep(level)
 
     def wake_up(self) -> dict:
         return self.loop.wake_up()
+
     def _mu_shapes(self) -> dict:
         return self._shapes
 

@@ -32,3 +32,15 @@ def logged_sleep(item, response, log_dir: str = "", seconds: float = 0.3):
     with open(os.path.join(log_dir, f"{item.index}-{os.getpid()}-{start}"), "w") as f:
         f.write(f"{start} {end}")
     return 1.0
+
+
+def marked_exact(item, response, mark_dir: str = "", seconds: float = 0.2):
+    """``exact`` after ``seconds``; while it runs, a file ``<pid>-<n>`` in ``mark_dir`` says which
+    worker process is mid-call (a fault test kills that process then)."""
+    path = os.path.join(mark_dir, f"{os.getpid()}-{time.monotonic_ns()}")
+    open(path, "w").close()
+    try:
+        time.sleep(seconds)
+        return exact(item, response)
+    finally:
+        os.remove(path)

@@ -162,6 +162,9 @@ def test_choose_backend():
     assert choose_backend("auto", [cpu, {"node": "n2", "device": "cpu"}]) == "gloo"
     assert choose_backend("auto", [gpu("n1", 0), gpu("n1", 1), gpu("n2", 0)]) == "nccl"
     assert choose_backend("auto", [gpu("n1", 0), gpu("n1", 0)]) == "shm"
+    # a 2-rank trainer group colocated with 2 replicas: rank 0 shares GPU 0 with replica 0
+    assert choose_backend("auto", [gpu("n1", 0), gpu("n1", 0), gpu("n1", 1)]) == "shm"
+    assert choose_backend("auto", [gpu("n1", 0), gpu("n1", 1), gpu("n1", 2)]) == "nccl"
     assert choose_backend("gloo", [cpu, cpu]) == "gloo"
     with pytest.raises(ModelUpdateError, match="needs every member on a GPU"):
         choose_backend("nccl", [cpu, cpu])

@@ -116,8 +116,7 @@ def test_runnable_roles():
     with pytest.raises(PlacementError, match="flash does not place reward workers yet.*set "
                                              "placement.roles.reward.num_workers=0"):
         check_runnable(plan_placement(cfg(reward=([], 2))))
-    with pytest.raises(PlacementError, match="actor_train.num_workers=2, but this runner starts at most 1"):
-        check_runnable(plan_placement(cfg(actor_train=([0, 1], 2))))
+    check_runnable(plan_placement(cfg(actor_train=([0, 1], 2))))  # a 2-rank FSDP2 group, a rank per device
     with pytest.raises(PlacementError, match="need num_workers >= 1"):
         check_runnable(plan_placement(cfg(actor_infer=([], 0))))
     check_runnable(plan_placement(cfg(actor_train=([0], 1), actor_infer=([1, 2, 3], 3))))
@@ -137,6 +136,24 @@ def test_config_section_is_strict_and_checked():
                            "placement.roles.actor_infer.num_workers=2", "rollout.prompt_affinity=true"])
     assert c.placement.roles.actor_infer.device_mapping == [2, 3] and c.rollout.prompt_affinity
     assert load_config(base).placement == PlacementConfig()  # default: today's CPU engine + trainer
+
+
+def test_trainer_workers_and_actor_train_workers_are_one_number():
+    base, gpus = "recipes/stutter.yaml", ["placement.num_gpus=4", "placement.roles.actor_train.device_mapping=[0,1]"]
+    for given in (["train.workers=2"], ["placement.roles.actor_train.num_workers=2"],
+                  ["train.workers=2", "placement.roles.actor_train.num_workers=2"]):
+        c = load_config(base, [*gpus, *given])  # either one alone implies the other
+        assert c.train.workers == c.placement.roles.actor_train.num_workers == 2
+        assert [w.devices for w in plan_placement(c.placement).workers["actor_train"]] == [(0,), (1,)]
+    c = load_config(base, ["train.workers=2"])  # no devices: two CPU ranks
+    assert c.placement.roles.actor_train.num_workers == 2
+    with pytest.raises(ConfigError, match=r"train.workers=2 but placement.roles.actor_train.num_workers=4: .*"
+                                          r"set both to the same count"):
+        load_config(base, ["placement.num_gpus=4", "placement.roles.actor_train.device_mapping=[0,1,2,3]",
+                           "placement.roles.actor_train.num_workers=4", "train.workers=2"])
+    with pytest.raises(ConfigError, match=r"1 device\(s\) \[0\] do not divide among num_workers=2"):
+        load_config(base, ["placement.num_gpus=2", "placement.roles.actor_train.device_mapping=[0]",
+                           "train.workers=2"])
 
 
 # ---- on Ray, 4 simulated GPUs ------------------------------------------------------------------

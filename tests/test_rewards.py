@@ -2,6 +2,8 @@
 reward on hidden tests, and the Ray reward pool (failures as named reasons, timeouts, measured
 concurrency limit, worker replacement)."""
 
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import ray
@@ -267,5 +269,59 @@ def test_pool_from_config_scores_through_workers(ray_local):
         m = pool.metrics()
         assert (m["reward/calls"], m["sandbox/status/ok"], m["sandbox/timeout/t_max"]) == (1.0, 1.0, 5.0)
         assert "sandbox/timeout/T/default" not in m  # no correct run yet, so no anchor
+    finally:
+        pool.close()
+
+
+def _kill_mid_call(mark_dir, timeout=60.0) -> int:
+    """SIGKILL the worker process that is inside a ``marked_exact`` call; returns its pid."""
+    import os
+    import signal
+
+    deadline = time.monotonic() + timeout
+    while not os.listdir(mark_dir):
+        assert time.monotonic() < deadline, "no reward call started"
+        time.sleep(0.02)
+    pid = int(os.listdir(mark_dir)[0].split("-")[0])
+    os.kill(pid, signal.SIGKILL)
+    return pid
+
+
+def test_pool_worker_killed_mid_call_is_replaced_and_the_call_scored_again(ray_local, tmp_path):
+    from flash.rewards.workers import RewardPool
+
+    pool = RewardPool({"name": "tests.reward_fns:marked_exact", "mark_dir": str(tmp_path), "seconds": 2.0},
+                      num_workers=1, concurrency=2, timeout_s=30)
+    events = []
+    pool.on_event = events.append
+    try:
+        old = pool.pids()
+        with ThreadPoolExecutor(2) as ex:  # two calls in flight on the one worker when it dies
+            futures = [ex.submit(pool.score, TaskItem(i, "p", "ab"), "ab") for i in range(2)]
+            killed = _kill_mid_call(tmp_path)
+            results = [f.result(timeout=120) for f in futures]
+        assert killed == old[0] and pool.pids() != old
+        assert [(r.reward, r.reason) for r in results] == [(1.0, "ok"), (1.0, "ok")]  # scored, not 0
+        m = pool.metrics()
+        assert (m["faults/reward"], m["reward/reissued"], m["reward/worker_restarts"], m["reward/calls"]) == \
+            (1.0, 2.0, 1.0, 2.0)  # one death, counted once; both calls issued again; no failure outcome
+        assert not [k for k in m if k.startswith("reward/failures/")]
+        assert [e["event"] for e in events] == ["reward_fault"] and events[0]["recovery_s"] > 0
+    finally:
+        pool.close()
+
+
+def test_pool_stops_the_run_when_workers_keep_dying(ray_local, tmp_path):
+    from flash.rewards.workers import RewardFailed, RewardPool
+
+    pool = RewardPool({"name": "tests.reward_fns:marked_exact", "mark_dir": str(tmp_path), "seconds": 2.0},
+                      num_workers=1, timeout_s=30, max_restarts=0)
+    try:
+        with ThreadPoolExecutor(1) as ex:
+            future = ex.submit(pool.score, TaskItem(0, "p", "ab"), "ab")
+            _kill_mid_call(tmp_path)
+            with pytest.raises(RewardFailed, match="rollout.max_worker_restarts=0"):
+                future.result(timeout=60)
+        assert pool.faults == 1
     finally:
         pool.close()

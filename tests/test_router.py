@@ -56,6 +56,29 @@ def test_affinity_keeps_a_prompt_on_one_replica_while_it_is_out():
     assert lb.assign([req("B4", B), req("C1", C)]) == [1, 0]  # B free again → 1; C pinned → 0
 
 
+def test_replicas_out_of_service_get_nothing_and_hand_back_what_they_held():
+    lb = LoadBalancer(2, affinity=True)
+    A, B = [1, 1], [2, 2]  # cost 10 each
+    assert lb.assign([req("A0", A), req("B0", B), req("A1", A)]) == [0, 1, 0]
+    lb.down.add(0)  # Router.replica_down(0): what 0 held comes back, unpinned
+    lost = lb.outstanding_on(0)
+    lb.done(lost)
+    assert lost == ["A0", "A1"] and lb.load == [0, 10] and lb.owner("A0") is None
+    assert lb.assign([req("A0", A), req("A1", A), req("C0", [3])]) == [1, 1, 1]  # only 1 in service
+    lb.down.add(1)
+    with pytest.raises(ReplicaError, match="no engine replica is in service"):
+        lb.assign([req("D0", [4])])
+    lb.down.clear()  # replica_up
+    assert lb.assign([req("D0", [4])]) == [0]
+
+
+def test_replica_error_keeps_its_replica_and_kind_across_pickling():
+    import pickle
+
+    err = pickle.loads(pickle.dumps(ReplicaError("engine replica 1 failed in get_finished: x", 1, "hung")))
+    assert (str(err), err.replica, err.kind) == ("engine replica 1 failed in get_finished: x", 1, "hung")
+
+
 def test_merge_spans_is_the_union():
     assert merge_spans([[5, 6], [1, 3], [2, 4], [4, 4.5]]) == [[1, 4.5], [5, 6]]
     assert merge_spans([]) == []

@@ -169,7 +169,8 @@ class EngineLoop:
             e = self._engine
             return {"tokens_generated": float(e.tokens_generated), "busy_s": self._busy_s, "idle_s": self._idle_s,
                     "num_running": float(e.num_running), "num_waiting": float(e.num_waiting),
-                    "version": float(e.version), "asleep": float(e.asleep)}
+                    "version": float(e.version), "asleep": float(e.asleep),
+                    "decode_steps": float(getattr(e, "decode_steps", 0))}
 
     def busy_spans(self) -> list[list[float]]:
         """Busy spans ``[start, end]`` (``time.time()`` s) since the previous call, merged."""

@@ -15,12 +15,18 @@ The scheduler and the controller talk to *an engine* (``submit``, ``get_finished
   ``wake_up`` and ``update_weights`` go to every replica and return only when all are done, so a version
   advances only once every replica holds the new weights.
 
-A replica that dies surfaces as ``ReplicaError`` naming it, on the next call that touches it.
+A replica that dies surfaces as ``ReplicaError`` naming it (and whether it ``died``, ``hung`` or
+broke), on the next call that touches it; one whose poll stays unanswered for ``hang_timeout_s``
+past its own timeout is ``hung``. Recovery (``flash.faults.EngineSupervisor``) takes it out of
+service (``replica_down``: no requests, polls or fan-outs reach it; the ids it held are returned to
+be resubmitted), restarts it, gives it the current weights, and brings it back (``replica_up``);
+the live replicas serve on meanwhile.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
 
 import ray
@@ -29,11 +35,21 @@ from flash.engine.base import GenerationOutput, GenerationRequest
 
 
 class ReplicaError(RuntimeError):
-    """An engine replica failed (its actor died or raised); the message names its index."""
+    """An engine replica failed (its actor died, hung or raised); the message names its index,
+    ``kind`` says how: ``died``, ``hung`` or ``broken`` (e.g. its generation thread died)."""
 
-    def __init__(self, message: str, replica: int = -1):  # default: unpickling passes only args
+    def __init__(self, message: str, replica: int = -1, kind: str = "broken"):
         super().__init__(message)
-        self.replica = replica
+        self.replica, self.kind = replica, kind
+
+    def __reduce__(self):  # across Ray: the index and kind travel with the message
+        return (ReplicaError, (str(self), self.replica, self.kind))
+
+
+def failure_kind(exc: BaseException) -> str:
+    if isinstance(exc, ray.exceptions.RayActorError):
+        return "died"
+    return "hung" if isinstance(exc, ray.exceptions.GetTimeoutError) else "broken"
 
 
 @dataclass
@@ -60,14 +76,22 @@ class LoadBalancer:
         self.load = [0] * replicas
         self.count = [0] * replicas
         self.routed = [0] * replicas  # requests ever sent to each replica
+        self.down: set[int] = set()  # replicas out of service (being restarted)
         self._out: dict[str, _Out] = {}
         self._pinned: dict[tuple, list[int]] = {}  # prompt key -> [replica, outstanding requests]
 
     def _least_loaded(self) -> int:
-        return min(range(len(self.load)), key=lambda i: (self.load[i], self.count[i], i))
+        live = [i for i in range(len(self.load)) if i not in self.down]
+        if not live:
+            raise ReplicaError("no engine replica is in service (all are being restarted)")
+        return min(live, key=lambda i: (self.load[i], self.count[i], i))
+
+    def outstanding_on(self, replica: int) -> list[str]:
+        return [rid for rid, out in self._out.items() if out.replica == replica]
 
     def assign(self, requests: list[GenerationRequest]) -> list[int]:
-        """Route ``requests`` (recorded as outstanding); returns each one's replica index."""
+        """Route ``requests`` (recorded as outstanding) to replicas in service (not in ``down``);
+        returns each one's replica index."""
         ids = [r.request_id for r in requests]
         dup = next((i for i in ids if i in self._out), None) or next((i for i in ids if ids.count(i) > 1), None)
         if dup is not None:
@@ -132,12 +156,14 @@ def merge_spans(spans: list[list[float]]) -> list[list[float]]:
 class Router:
     """A Ray actor (threaded) in front of engine replica actors; see the module docstring."""
 
-    def __init__(self, replicas: list, prompt_affinity: bool = False):
+    def __init__(self, replicas: list, prompt_affinity: bool = False, hang_timeout_s: float | None = None):
         self.replicas = list(replicas)
+        self.hang_timeout_s = hang_timeout_s  # None: a silent replica is never called hung
         self.balancer = LoadBalancer(len(self.replicas), prompt_affinity)
         self._lock = threading.Lock()  # the balancer
         self._poll_lock = threading.Lock()  # the in-flight polls (one collector at a time)
         self._polls: dict[int, ray.ObjectRef] = {}
+        self._poll_since: dict[int, float] = {}  # when each in-flight poll was sent
         self._carry: list[GenerationOutput] = []  # outputs taken while another replica failed
 
     def _get(self, refs: dict, what: str) -> list:
@@ -147,11 +173,32 @@ class Router:
             try:
                 out.append(ray.get(ref))
             except Exception as exc:
-                raise ReplicaError(f"engine replica {i} failed in {what}: {exc!r}", i) from exc
+                raise ReplicaError(f"engine replica {i} failed in {what}: {exc!r}", i, failure_kind(exc)) from exc
         return out
 
+    def _live(self) -> list[int]:
+        with self._lock:
+            return [i for i in range(len(self.replicas)) if i not in self.balancer.down]
+
     def _all(self, method: str, *args) -> list:
-        return self._get({i: getattr(r, method).remote(*args) for i, r in enumerate(self.replicas)}, method)
+        """``method`` on every replica in service (in index order)."""
+        return self._get({i: getattr(self.replicas[i], method).remote(*args) for i in self._live()}, method)
+
+    # ---- recovery (flash.faults) ---------------------------------------------------------------
+    def replica_down(self, replica: int) -> list[str]:
+        """Take ``replica`` out of service; returns the ids of the requests it held (now not
+        outstanding anywhere: the caller resubmits them)."""
+        with self._poll_lock, self._lock:
+            self.balancer.down.add(replica)
+            self._polls.pop(replica, None)
+            self._poll_since.pop(replica, None)
+            lost = self.balancer.outstanding_on(replica)
+            self.balancer.done(lost)
+        return lost
+
+    def replica_up(self, replica: int) -> None:
+        with self._lock:
+            self.balancer.down.discard(replica)
 
     # ---- requests ------------------------------------------------------------------------------
     def submit(self, requests: list[GenerationRequest]) -> int:
@@ -160,12 +207,8 @@ class Router:
         per: dict[int, list[GenerationRequest]] = {}
         for r, i in zip(requests, where):
             per.setdefault(i, []).append(r)
-        try:
-            self._get({i: self.replicas[i].submit.remote(rs) for i, rs in per.items()}, "submit")
-        except ReplicaError as exc:  # what that replica refused is not outstanding there
-            with self._lock:
-                self.balancer.done([r.request_id for r in per[exc.replica]])
-            raise
+        # a replica that fails here keeps its requests outstanding: replica_down hands them back
+        self._get({i: self.replicas[i].submit.remote(rs) for i, rs in per.items()}, "submit")
         return len(requests)
 
     def routes(self, request_ids: list[str]) -> list[int | None]:
@@ -176,9 +219,10 @@ class Router:
     def get_finished(self, timeout: float) -> list[GenerationOutput]:
         """Outputs from any replica; waits up to ``timeout`` s for the first one."""
         with self._poll_lock:
-            for i, r in enumerate(self.replicas):
+            for i in self._live():
                 if i not in self._polls:
-                    self._polls[i] = r.get_finished.remote(timeout)
+                    self._polls[i] = self.replicas[i].get_finished.remote(timeout)
+                    self._poll_since[i] = time.monotonic()
             by_ref = {ref: i for i, ref in self._polls.items()}
             ready, _ = ray.wait(list(by_ref), num_returns=1, timeout=timeout + 5.0)
             ready, _ = ray.wait(list(by_ref), num_returns=len(by_ref), timeout=0) if ready else ([], [])
@@ -191,12 +235,26 @@ class Router:
                     outs += self._get({i: ref}, "get_finished")[0]
                 except ReplicaError as exc:
                     failed = exc
+            failed = failed or self._hung(timeout)
             with self._lock:
                 self.balancer.done([o.request_id for o in outs])
             if failed is not None:  # the healthy replicas' outputs wait for the next call
                 self._carry = outs
                 raise failed
         return outs
+
+    def _hung(self, timeout: float) -> ReplicaError | None:
+        """A replica whose poll is unanswered ``hang_timeout_s`` past its own ``timeout`` (under the
+        poll lock); its poll is dropped, so the error is raised once."""
+        if self.hang_timeout_s is None:
+            return None
+        now = time.monotonic()
+        for i, since in list(self._poll_since.items()):
+            if i in self._polls and now - since > timeout + self.hang_timeout_s:
+                del self._polls[i], self._poll_since[i]
+                return ReplicaError(f"engine replica {i} failed in get_finished: no answer for {now - since:.0f} s "
+                                    f"(rollout.hang_timeout_s={self.hang_timeout_s:g})", i, "hung")
+        return None
 
     def abort(self, request_ids: list[str] | None = None) -> list[GenerationOutput]:
         """Abort on the owning replicas (None = everything everywhere); partial outputs returned."""
@@ -235,7 +293,7 @@ class Router:
         return float(sum(self._all("update_weights", ref, version)))
 
     def version(self) -> int:
-        """The version every replica has reached (the smallest)."""
+        """The version every replica in service has reached (the smallest)."""
         return min(int(v) for v in self._all("version"))
 
     def health(self) -> bool:
@@ -246,12 +304,13 @@ class Router:
         idle ratio is the pool's mean), version the smallest; plus per-replica routing figures."""
         parts = self._all("stats")
         n = len(parts)
-        out = {k: float(sum(p.get(k, 0.0) for p in parts)) for k in ("tokens_generated", "num_running", "num_waiting")}
+        out = {k: float(sum(p.get(k, 0.0) for p in parts)) for k in ("tokens_generated", "num_running", "num_waiting",
+                                                                  "decode_steps")}
         out.update({k: sum(p.get(k, 0.0) for p in parts) / n for k in ("busy_s", "idle_s")})
         out["version"] = float(min(p.get("version", 0.0) for p in parts))
-        out["replicas"] = float(n)
+        out["replicas"] = float(n)  # in service
         with self._lock:
-            for i in range(n):
+            for i in range(len(self.replicas)):
                 out[f"replica{i}/outstanding"] = float(self.balancer.count[i])
                 out[f"replica{i}/routed"] = float(self.balancer.routed[i])
         return out
@@ -263,7 +322,7 @@ class Router:
         self._all("shutdown")
 
 
-def start_router(replicas: list, prompt_affinity: bool = False):
+def start_router(replicas: list, prompt_affinity: bool = False, hang_timeout_s: float | None = None):
     """The ``Router`` actor over ``replicas`` (engine actor handles); threaded like an engine."""
     actor = ray.remote(Router).options(num_cpus=0, max_concurrency=16)
-    return actor.remote(replicas, prompt_affinity)
+    return actor.remote(replicas, prompt_affinity, hang_timeout_s)

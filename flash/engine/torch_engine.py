@@ -265,6 +265,7 @@ class TorchEngine:
         self._asleep: dict | None = None  # what sleep() released, until wake_up()
         self._missing: set[str] = set()  # weights a level-2 sleep discarded, not yet pushed again
         self.tokens_generated = 0
+        self.decode_steps = 0  # batched decode iterations (flash.planner fits time per iteration)
         self._arrivals = 0
 
     # ---- state -------------------------------------------------------------------------------
@@ -524,6 +525,7 @@ class TorchEngine:
                 finished.append(s.output(reason))
                 self._ids.discard(s.req.request_id)
         self.tokens_generated += len(self._running)
+        self.decode_steps += 1
         if len(keep) < len(self._running):
             self._retain(keep)
         return finished

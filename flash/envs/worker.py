@@ -6,6 +6,10 @@ its interpreter. The actor is threaded (``max_concurrency``): steps of different
 once, each on its own environment; one episode has at most one step outstanding (the scheduler's
 rule), so a single environment is never stepped concurrently.
 
+A worker that dies (SIGKILL, out of memory) is restarted by Ray (``max_restarts``) with no
+environments: a call for an episode it does not hold raises ``EnvLost``, and the scheduler re-runs
+that episode from its reset (``controllers.episode_scheduler``).
+
 A step is atomic: it runs to completion once called. ``applied(key)`` is the worker's own record
 of the actions it applied to an episode, which the tests compare with the scheduler's transcript
 ("every action applied exactly once").
@@ -13,10 +17,15 @@ of the actions it applied to an episode, which the tests compare with the schedu
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
 from flash.envs.base import StepResult
+
+
+class EnvLost(KeyError):
+    """The worker holds no environment for this episode: it was restarted since the reset."""
 
 
 class EnvWorker:
@@ -41,7 +50,8 @@ class EnvWorker:
     def step(self, key: str, action: str) -> tuple:
         with self._lock:
             if key not in self._envs:
-                raise KeyError(f"no live environment for episode {key!r} (reset it first)")
+                raise EnvLost(f"no live environment for episode {key!r} in worker {os.getpid()} "
+                              f"(reset it first; a restarted worker holds none)")
             env = self._envs[key]
             self.counters["in_step"] += 1
         start = time.monotonic()
@@ -67,14 +77,19 @@ class EnvWorker:
         with self._lock:
             return list(self._applied.get(key, []))
 
+    def pid(self) -> int:
+        return os.getpid()
+
     def stats(self) -> dict:
         with self._lock:
             return {**self.counters, "live": float(len(self._envs))}
 
 
-def start_env_workers(count: int, task_name: str, task_options: dict, step_delay_s: float = 0.0) -> list:
-    """``count`` EnvWorker actors (no CPU reserved: they mostly wait on the engine)."""
+def start_env_workers(count: int, task_name: str, task_options: dict, step_delay_s: float = 0.0,
+                      max_restarts: int = 0) -> list:
+    """``count`` EnvWorker actors (no CPU reserved: they mostly wait on the engine); Ray restarts
+    one that dies up to ``max_restarts`` times."""
     import ray
 
-    actor = ray.remote(EnvWorker).options(num_cpus=0, max_concurrency=16)
+    actor = ray.remote(EnvWorker).options(num_cpus=0, max_concurrency=16, max_restarts=max_restarts)
     return [actor.remote(task_name, dict(task_options), step_delay_s) for _ in range(count)]

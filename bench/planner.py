@@ -1,0 +1,97 @@
+"""The planner's live check: run, plan, run the predicted settings, compare.
+
+    python -m bench.planner [--steps 20] [--repeats 1] [--settings "async_ratio=0;async_ratio=1;async_ratio=2"]
+                            [--calibrate "async_ratio=1"] [--out DIR] [--save-traces DIR] [key=value ...]
+
+Each repeat runs every setting (``;``-separated, each a space-separated list of overrides; the
+first is the base whose trace the planner reads) back to back as a fresh ``flash run`` of the
+default recipe, so machine noise hits them alike. Then ``flash plan`` predicts every setting from
+the first repeat's base run: with the default parallel fraction, and with it calibrated
+(``flash.planner.calibrate_p``) on the ``--calibrate`` setting's first run. Reports predicted and
+measured seconds per steady step (mean over the repeats) and the relative error; ``--save-traces``
+writes the trimmed traces (``flash.planner.trim_trace``) that tests/test_planner.py reads. The last
+line is JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from flash import plan_model as pm
+from flash import planner
+
+
+def run_once(recipe: str, overrides: list[str], run_dir: Path, steps: int) -> Path:
+    """One ``flash run`` (short: ``steps`` steps, a small held-out set, no checkpoint)."""
+    if not (run_dir / "summary.json").is_file():
+        cmd = [sys.executable, "-m", "flash.cli", "run", recipe, f"train.steps={steps}", "task.eval_size=32",
+               "checkpoint.enabled=false", "tracking.progress=false", "tracking.backends=[console]",
+               f"run_dir={run_dir}", *overrides]
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    return run_dir
+
+
+def setting_of(overrides: list[str], trace: planner.Trace) -> pm.Setting:
+    """The planner's Setting for a list of ``key=value`` overrides (its strict keys only)."""
+    return planner.parse_candidates(overrides, trace)[0][1]
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--recipe", default="stutter")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--settings", default="async_ratio=0;async_ratio=1;async_ratio=2")
+    ap.add_argument("--calibrate", default="async_ratio=1", help="the setting whose run calibrates p ('' = none)")
+    ap.add_argument("--out", help="run dirs here (a re-run reuses finished runs)")
+    ap.add_argument("--save-traces", help="write trimmed traces of the first repeat here")
+    ap.add_argument("overrides", nargs="*", help="key=value for every run")
+    args = ap.parse_args(argv)
+    settings = [s.split() for s in args.settings.split(";")]
+    out = Path(args.out or tempfile.mkdtemp(prefix="flash-bench-planner-"))
+    dirs: dict[int, list[Path]] = {i: [] for i in range(len(settings))}
+    for rep in range(args.repeats):
+        for i, ov in enumerate(settings):
+            load = os.getloadavg()[0]
+            d = run_once(args.recipe, [*args.overrides, *ov], out / f"s{i}-{rep}", args.steps)
+            dirs[i].append(d)
+            print(f"repeat {rep} {' '.join(ov)}: {planner.load_trace(d).measured_step_s:.3f} s/step "
+                  f"(load average {load:.1f} -> {os.getloadavg()[0]:.1f})", flush=True)
+    base = planner.load_trace(dirs[0][0])
+    ps = {"default": planner.DEFAULT_P}
+    if args.calibrate:
+        q = planner.calibrate_p(base, planner.load_trace(dirs[settings.index(args.calibrate.split())][0]))
+        ps["calibrated"] = {"engine": q, "trainer": q}
+    rows = []
+    for i, ov in enumerate(settings):
+        measured = statistics.fmean(planner.load_trace(d).measured_step_s for d in dirs[i])
+        row = {"setting": " ".join(ov), "measured_s_per_step": round(measured, 4)}
+        for name, p in ps.items():
+            pred = planner.predict(base, setting_of(ov, base), p).step_s
+            row[f"predicted_{name}"] = round(pred, 4)
+            row[f"error_{name}"] = round(pred / measured - 1, 4)
+        rows.append(row)
+        print("  ".join(f"{k}={v}" for k, v in row.items()), flush=True)
+    if args.save_traces:  # the first repeat's traces, and every setting's measured mean
+        save = Path(args.save_traces)
+        for i in range(len(settings)):
+            planner.trim_trace(dirs[i][0], save / f"s{i}")
+        manifest = [{"dir": f"s{i}", "overrides": ov, "measured_s_per_step": r["measured_s_per_step"],
+                     "repeats": args.repeats, "calibrates": " ".join(ov) == args.calibrate}
+                    for i, (ov, r) in enumerate(zip(settings, rows))]
+        (save / "traces.json").write_text(json.dumps(manifest, indent=1) + "\n")
+    result = {"recipe": args.recipe, "steps": args.steps, "repeats": args.repeats, "out": str(out),
+              "parallel_fraction": ps, "rows": rows}
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,317 @@
+"""`flash plan RUN_DIR [key=v1,v2 ...]`: predict seconds per train step for other settings.
+
+Reads a finished run's measurements (``metrics.jsonl``: per-step phase times, engine busy seconds,
+decode iterations, tokens; ``ledger.jsonl``: every trained sample's response and prompt length;
+``config.yaml`` and ``summary.json``: the settings and the thread split it ran with), fits the
+costs of ``flash.plan_model`` to them (``fit_costs``), and predicts the candidate grid: the
+cartesian product of the values given, every other setting as in the run. Prints a table ranked
+fastest first and, last, one JSON line.
+
+The costs are fitted on the steady steps (the first ``SKIP_STEPS`` are warm-up: compilation,
+caches, the first admissions). What the model assumes, and where it departs from a real run, is
+in ``flash.plan_model``'s docstring; ``bench/planner.py`` checks predictions against runs.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import statistics
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from flash import plan_model as pm
+from flash.errors import ConfigError
+
+SKIP_STEPS = 2
+
+# candidate key -> (Setting field, parser); config keys, so a row can be pasted into `flash run`
+KEYS = {
+    "async_ratio": ("async_ratio", float),
+    "resources.engine_threads": ("engine_threads", int),
+    "resources.trainer_threads": ("trainer_threads", int),
+    "placement.roles.actor_infer.num_workers": ("replicas", int),
+    "rollout.scheduler": ("tail", lambda v: {"plain": False, "tail_batching": True}[v]),
+    "rollout.tail_batching.threshold": ("tail_threshold", float),
+    "rollout.tail_batching.over_provision": ("tail_overprovision", float),
+    "rollout.tail_batching.long_round_queue": ("tail_long_queue", int),
+    "rollout.tail_batching.long_round_every": ("tail_long_every", int),
+}
+SCHEDULERS = ("plain", "tail_batching")
+TAIL = "rollout.tail_batching."
+TAIL_DEFAULTS = {"threshold": "p90", "over_provision": 1.25}  # controllers/tail_policy.TailConfig
+# Amdahl parallel fraction of both roles (flash.plan_model.amdahl) when no second run calibrates it:
+# 0.35 from the issue-2 sweep on a lightly loaded machine (train 0.48 s at 2 threads vs about
+# 0.58 s at 1); on a machine shared with other jobs it is lower, even negative (see
+# ``calibrate_p`` and BENCHMARKS.md, issue 8)
+DEFAULT_P = {"engine": 0.35, "trainer": 0.35}
+P_GRID = [round(-0.9 + 0.01 * i, 2) for i in range(186)]  # -0.9 .. 0.95
+
+
+@dataclass
+class Trace:
+    """What a run dir says, reduced to what the model needs."""
+
+    costs: pm.Costs
+    groups: list[list[int]]  # every trained group's n response lengths
+    steps: list[list[list[int]]]  # per steady step: its groups' lengths
+    setting: pm.Setting  # the setting the run had (threads as configured: 0 = auto)
+    B: int
+    measured_step_s: float  # mean seconds per steady step
+
+
+def _jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _lstsq2(x1: list[float], x2: list[float], y: list[float]) -> tuple[float, float]:
+    """Non-negative least squares for ``y ≈ b1·x1 + b2·x2`` (two columns, no intercept): the
+    unconstrained solution, or the better one-column fit when it has a negative coefficient."""
+    s11, s22 = sum(a * a for a in x1), sum(b * b for b in x2)
+    s12 = sum(a * b for a, b in zip(x1, x2))
+    s1y, s2y = sum(a * c for a, c in zip(x1, y)), sum(b * c for b, c in zip(x2, y))
+    det = s11 * s22 - s12 * s12
+    if det > 1e-12 * max(s11 * s22, 1e-30):
+        b1, b2 = (s1y * s22 - s2y * s12) / det, (s2y * s11 - s1y * s12) / det
+        if b1 >= 0 and b2 >= 0:
+            return b1, b2
+    only1 = (s1y / s11 if s11 else 0.0, 0.0)
+    only2 = (0.0, s2y / s22 if s22 else 0.0)
+
+    def sse(b):
+        return sum((c - b[0] * a - b[1] * d) ** 2 for a, d, c in zip(x1, x2, y))
+
+    return min((max(0.0, only1[0]), 0.0), (0.0, max(0.0, only2[1])), key=sse)
+
+
+def _phase(row: dict, *names: str) -> float:
+    return sum(float(row.get(f"time/{n}", 0.0)) for n in names)
+
+
+def fit_costs(rows: list[dict], steps: list[list[list[int]]], prompt_len: float, threads: tuple[int, int],
+              cores: int) -> pm.Costs:
+    """Costs from the steady steps' metrics rows and their groups' lengths (same order).
+
+    engine: ``busy_s ≈ a·decode_steps + c·tokens`` (non-negative least squares); trainer:
+    ``train ≈ u1·rows·width`` (width = prompt + the step's longest response): total train seconds
+    over total padded tokens; update, other and g0: means. Means, not medians, because the
+    planner predicts seconds per step as a run reports them: total time over steps."""
+    a, c = _lstsq2([float(r.get("rollout/decode_steps", 0.0)) for r in rows],
+                   [float(r.get("rollout/tokens_generated", 0.0)) for r in rows],
+                   [float(r.get("rollout/busy_s", 0.0)) for r in rows])
+    padded = [sum(len(g) for g in st) * (prompt_len + max((max(g) for g in st), default=0)) for st in steps]
+    u1 = sum(_phase(r, "train", "recompute_prox") for r in rows) / max(sum(padded), 1e-9)
+    update = statistics.fmean(_phase(r, "suspend", "push_weights", "resume", "sleep", "wake_up") for r in rows)
+    other = statistics.fmean(max(0.0, float(r["time/step"]) - _phase(
+        r, "get_batch", "train", "recompute_prox", "suspend", "push_weights", "resume", "sleep", "wake_up"))
+        for r in rows)
+    g0 = statistics.fmean(max(0.0, _phase(r, "get_batch") - float(r.get("rollout/busy_s", 0.0))) for r in rows)
+    return pm.Costs(a=a, c=c, u0=0.0, u1=u1, update_s=update, other_s=other, g0=g0,
+                    engine_threads=threads[0], trainer_threads=threads[1], cores=cores, prompt_len=prompt_len)
+
+
+def load_trace(run_dir: str | Path, skip: int = SKIP_STEPS) -> Trace:
+    """Read and fit a finished run dir (see the module docstring for the files it needs)."""
+    from omegaconf import OmegaConf
+
+    d = Path(run_dir)
+    for name in ("metrics.jsonl", "ledger.jsonl", "config.yaml", "summary.json"):
+        if not (d / name).is_file():
+            raise ConfigError(f"{d} is not a finished run dir: {name} is missing")
+    cfg = OmegaConf.load(d / "config.yaml")
+    summary = json.loads((d / "summary.json").read_text())
+    metrics = [r for r in _jsonl(d / "metrics.jsonl") if "time/step" in r]
+    by_step: dict[int, dict[int, list[int]]] = {}
+    plens = []
+    for e in _jsonl(d / "ledger.jsonl"):
+        if e.get("outcome") == "trained":
+            if "len" not in e:
+                raise ConfigError(f"{d}/ledger.jsonl has no response lengths ('len'): the run predates "
+                                  f"`flash plan`; record a new run")
+            by_step.setdefault(int(e["step"]) + 1, {}).setdefault(int(e["prompt_id"]), []).append(int(e["len"]))
+            plens.append(int(e.get("plen", 0)))
+    rows = [r for r in metrics if r["step"] > skip and r["step"] in by_step]
+    if len(rows) < 3:
+        raise ConfigError(f"{d}: {len(rows)} steady steps after skipping {skip}; need at least 3")
+    steps = [list(by_step[r["step"]].values()) for r in rows]
+    r = float(cfg.async_ratio)
+    cores = int(summary.get("cores") or cfg.ray.num_cpus or 2)
+    threads = summary.get("threads") or {}
+    e_t, t_t = pm.auto_threads(cores, r, int(threads.get("engine", cfg.resources.engine_threads)),
+                               int(threads.get("trainer", cfg.resources.trainer_threads)))
+    costs = fit_costs(rows, steps, statistics.fmean(plens) if plens else 0.0, (e_t, t_t), cores)
+    replicas = int(OmegaConf.select(cfg, "placement.roles.actor_infer.num_workers", default=1) or 1)
+    # the config's own thread settings (0 = auto): a candidate keeps them unless it sets its own
+    setting = pm.Setting(async_ratio=r, engine_threads=int(cfg.resources.engine_threads),
+                         trainer_threads=int(cfg.resources.trainer_threads), replicas=replicas)
+    return Trace(costs=costs, groups=[g for st in steps for g in st], steps=steps, setting=setting,
+                 B=int(cfg.train.prompts_per_step), measured_step_s=statistics.fmean(x["time/step"] for x in rows))
+
+
+def predict(trace: Trace, s: pm.Setting, p: dict[str, float] | None = None) -> pm.Prediction:
+    """Seconds per step of setting ``s``: the trace's costs moved to ``s``'s threads, replicas and
+    overlap (``flash.plan_model``), averaged over its rounds (the trace's steps, or simulated
+    tail-batching rounds)."""
+    p = p or DEFAULT_P
+    k, ref = trace.costs, trace.setting  # k: at the threads the run resolved (k.engine_threads, ...)
+    e, t = pm.auto_threads(k.cores, s.async_ratio, s.engine_threads, s.trainer_threads)
+    e_rep, ref_rep = max(1, e // s.replicas), max(1, k.engine_threads // ref.replicas)
+    over = (pm.oversubscription(e, t, k.cores, s.async_ratio > 0)
+            / pm.oversubscription(k.engine_threads, k.trainer_threads, k.cores, ref.async_ratio > 0))
+    a = pm.scale(k.a, ref_rep, e_rep, p["engine"]) * over
+    c = pm.scale(k.c, ref_rep, e_rep, p["engine"]) * over
+    u1 = pm.scale(k.u1, k.trainer_threads, t, p["trainer"]) * over
+    rounds = (pm.simulate_tail(trace.groups, trace.B, s) if s.tail
+              else [pm.sync_round(st) for st in trace.steps])
+    parts = {"engine_s": 0.0, "train_s": 0.0, "step_s": 0.0, "long_rounds": 0.0}
+    for rnd in rounds:
+        eng = pm.replica_engine_s(rnd.iterations, rnd.tokens, a, c, s.replicas)
+        tr = pm.train_s(rnd.rows, k.prompt_len + rnd.max_len, k.u0, u1)
+        parts["engine_s"] += eng
+        parts["train_s"] += tr
+        parts["step_s"] += pm.step_time(eng, tr, k.update_s, k.other_s, k.g0, s.async_ratio)
+        parts["long_rounds"] += rnd.long
+    parts = {name: v / len(rounds) for name, v in parts.items()}
+    parts.update(engine_threads=e, trainer_threads=t)
+    return pm.Prediction(parts["step_s"], parts)
+
+
+def calibrate_p(trace: Trace, other: Trace) -> float:
+    """The parallel fraction ``p`` (both roles) with which ``trace`` best predicts ``other``'s
+    measured seconds per step: a run at another thread split (e.g. an async run beside a sync one)
+    is what measures how the cores split on this machine, under its present load. ``p < 0`` means
+    a second thread costs more than it gives (an oversubscribed machine); a grid search over
+    ``P_GRID``."""
+    if (other.costs.engine_threads, other.costs.trainer_threads) == (trace.costs.engine_threads,
+                                                                      trace.costs.trainer_threads):
+        raise ConfigError("--calibrate needs a run with another thread split than RUN_DIR's (e.g. "
+                          "async_ratio > 0 beside a synchronous run); both ran with "
+                          f"{trace.costs.engine_threads}/{trace.costs.trainer_threads} threads")
+    target = pm.Setting(async_ratio=other.setting.async_ratio, engine_threads=other.costs.engine_threads,
+                        trainer_threads=other.costs.trainer_threads, replicas=other.setting.replicas)
+
+    def err(p: float) -> float:
+        return abs(predict(trace, target, {"engine": p, "trainer": p}).step_s - other.measured_step_s)
+
+    return min(P_GRID, key=err)
+
+
+def _parse_value(key: str, raw: str, lengths: list[int]):
+    """One candidate value, checked; a tail threshold may be ``pNN`` (that percentile of the
+    recorded response lengths)."""
+    field_name, parse = KEYS[key]
+    if key == TAIL + "threshold" and raw.lower() in ("inf", "infinity", "none"):
+        return field_name, math.inf
+    if key == TAIL + "threshold" and raw.startswith("p"):
+        q = float(raw[1:])
+        if not 0 < q <= 100:
+            raise ConfigError(f"{key}={raw}: a percentile must be in (0, 100]")
+        ranked = sorted(lengths)
+        return field_name, float(ranked[min(len(ranked) - 1, math.ceil(q / 100 * len(ranked)) - 1)])
+    try:
+        value = parse(raw)
+    except (ValueError, KeyError):
+        from flash.config import closest
+
+        hint = closest(raw, list(SCHEDULERS)) if key == "rollout.scheduler" else ""
+        raise ConfigError(f"invalid value '{raw}' for '{key}'{hint}") from None
+    lows = {"async_ratio": 0, "resources.engine_threads": 0, "resources.trainer_threads": 0,
+            "placement.roles.actor_infer.num_workers": 1, TAIL + "threshold": 1,
+            TAIL + "over_provision": 1, TAIL + "long_round_queue": 0, TAIL + "long_round_every": 0}
+    if key in lows and not (value >= lows[key] and math.isfinite(value)):
+        raise ConfigError(f"'{key}' must be a finite number >= {lows[key]}, got {raw}")
+    return field_name, value
+
+
+def parse_candidates(items: list[str], trace: Trace) -> list[tuple[dict[str, str], pm.Setting]]:
+    """``key=v1,v2`` items → every combination as (the values as written, its Setting); keys not
+    given keep the run's values. Unknown keys name the closest valid one."""
+    from flash.config import closest
+    from flash.sweep import parse_grid
+
+    fixed, swept = parse_grid(items)
+    grid = {k: [v] for k, v in (f.split("=", 1) for f in fixed)} | swept
+    for key in grid:
+        if key not in KEYS:
+            raise ConfigError(f"unknown plan key '{key}'{closest(key, list(KEYS))}; valid: {', '.join(KEYS)}")
+    tail_keys = [k for k in grid if k.startswith(TAIL)]
+    if tail_keys and "tail_batching" not in grid.get("rollout.scheduler", []):
+        raise ConfigError(f"{tail_keys[0]} is a tail-batching knob: add rollout.scheduler=tail_batching "
+                          f"(or rollout.scheduler=plain,tail_batching to compare)")
+    lengths = [x for g in trace.groups for x in g]
+    out, seen = [], set()
+    for combo in itertools.product(*grid.values()):
+        written = dict(zip(grid, combo))
+        if written.get("rollout.scheduler") == "plain":  # tail knobs mean nothing there: one row
+            written = {k: ("-" if k.startswith(TAIL) else v) for k, v in written.items()}
+        if tuple(written.items()) in seen:
+            continue
+        seen.add(tuple(written.items()))
+        values = dict(_parse_value(k, v, lengths) for k, v in written.items() if v != "-")
+        base = trace.setting
+        if values.get("tail"):  # the scheduler's defaults for knobs not given
+            for knob, default in TAIL_DEFAULTS.items():
+                if TAIL + knob not in written:
+                    values.update([_parse_value(TAIL + knob, default, lengths)])
+        out.append((written, replace(base, **values)))
+    return out
+
+
+def plan(run_dir: str, items: list[str], p: dict[str, float] | None = None, out=print,
+         calibrate: str | None = None) -> list[dict]:
+    """Predict every candidate, print the ranked table (fastest first) and a final JSON line;
+    returns the rows (the JSON line's ``candidates``). ``calibrate``: a second run dir whose
+    measured time sets the parallel fraction (``calibrate_p``); else ``p`` or ``DEFAULT_P``."""
+    trace = load_trace(run_dir)
+    p = {**DEFAULT_P, **(p or {})}
+    if calibrate:
+        q = calibrate_p(trace, load_trace(calibrate))
+        p = {"engine": q, "trainer": q}
+        out(f"flash plan: parallel fraction p = {q:.2f}, calibrated on {calibrate}")
+    rows = []
+    for written, setting in parse_candidates(items, trace):
+        pred = predict(trace, setting, p)
+        rows.append({"settings": written, "predicted_s_per_step": round(pred.step_s, 4),
+                     **{k: round(v, 4) for k, v in pred.parts.items() if k != "step_s"}})
+    rows.sort(key=lambda r: r["predicted_s_per_step"])
+    own = predict(trace, trace.setting, p).step_s
+    k = trace.costs
+    out(f"flash plan: {run_dir}: measured {trace.measured_step_s:.3f} s/step over {len(trace.steps)} steady "
+        f"steps (the model reproduces {own:.3f}); fit: a={k.a * 1e3:.2f} ms/iteration, c={k.c * 1e3:.3f} "
+        f"ms/token, train {k.u1 * 1e6:.2f} us/padded token, update {k.update_s:.3f} s, other {k.other_s:.3f} s, "
+        f"wait {k.g0:.3f} s (threads engine {k.engine_threads}, trainer {k.trainer_threads}, {k.cores} cores)")
+    keys = list(rows[0]["settings"]) if rows else []
+    header = ["#", *keys, "s/step", "vs run", "engine s", "train s", "threads e/t", "long rounds"]
+    table = [[str(i + 1), *(r["settings"][key] for key in keys), f"{r['predicted_s_per_step']:.3f}",
+              f"{trace.measured_step_s / r['predicted_s_per_step']:.2f}x", f"{r['engine_s']:.3f}",
+              f"{r['train_s']:.3f}", f"{int(r['engine_threads'])}/{int(r['trainer_threads'])}",
+              f"{r['long_rounds']:.2f}"] for i, r in enumerate(rows)]
+    widths = [max(len(h), *(len(row[j]) for row in table)) if table else len(h) for j, h in enumerate(header)]
+    for line in [header, *table]:
+        out("  ".join(cell.ljust(w) for cell, w in zip(line, widths)))
+    out(json.dumps({"run_dir": str(run_dir), "measured_s_per_step": round(trace.measured_step_s, 4),
+                    "model_s_per_step": round(own, 4), "parallel_fraction": p,
+                    "fit": {f: round(getattr(k, f), 7) for f in ("a", "c", "u1", "update_s", "other_s", "g0")},
+                    "candidates": rows}))
+    return rows
+
+
+def trim_trace(src: str | Path, dst: str | Path) -> Path:
+    """Copy what ``load_trace`` reads from run dir ``src`` to ``dst``, nothing else (small enough
+    to commit as a test fixture): the step rows' timing keys, trained samples' lengths, the config,
+    the summary's thread split."""
+    src, dst = Path(src), Path(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    keep = ("rollout/busy_s", "rollout/decode_steps", "rollout/tokens_generated")
+    rows = [{k: v for k, v in r.items() if k == "step" or k.startswith("time/") or k in keep}
+            for r in _jsonl(src / "metrics.jsonl")]
+    (dst / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    lines = [{k: e[k] for k in ("step", "prompt_id", "len", "plen") if k in e}
+             for e in _jsonl(src / "ledger.jsonl") if e.get("outcome") == "trained"]
+    (dst / "ledger.jsonl").write_text("".join(json.dumps({"outcome": "trained", **e}) + "\n" for e in lines))
+    (dst / "config.yaml").write_text((src / "config.yaml").read_text())
+    summary = json.loads((src / "summary.json").read_text())
+    (dst / "summary.json").write_text(json.dumps({k: summary.get(k) for k in ("threads", "cores", "seconds_per_step",
+                                                                              "steps", "async_ratio")}))
+    return dst

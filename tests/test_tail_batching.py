@@ -1,0 +1,360 @@
+"""Tail batching (controllers/tail_batching.py, controllers/tail_policy.py).
+
+The rules are tested directly; the scheduler against a scripted engine whose responses have
+scripted lengths and take time in proportion to the tokens generated, and which honours
+``max_new_tokens`` (a capped request ends early with ``finish_reason='length'``), so which groups
+are cut, swapped or re-run is exact. A driver loop plays the controller (batch selection under the
+staleness rule, version bumps). The real controller with a real engine: tests/test_controller_e2e.py
+(the threshold at infinity equals the plain synchronous loop).
+"""
+
+import math
+import random
+import time
+from dataclasses import dataclass
+
+import pytest
+import ray
+
+from buffers import SampleBuffer
+from controllers.lifecycle import unbalance
+from controllers.rollout_scheduler import PromptSource
+from controllers.staleness import StalenessManager
+from controllers.tail_batching import TailBatchingScheduler
+from controllers.tail_policy import (
+    LengthThreshold,
+    TailConfig,
+    check_tail,
+    long_round_due,
+    parse_threshold,
+    percentile,
+)
+from flash.engine.base import GenerationOutput, SamplingParams
+from flash.workers import init_ray
+from tests.scripted_engine import ScriptedEngine
+
+MAX_NEW = 16
+
+
+# ---- pure rules ----------------------------------------------------------------------------------
+def test_threshold_forms_and_bad_values_name_the_forms():
+    assert parse_threshold("p90") == ("percentile", 90.0)
+    assert parse_threshold("48") == ("tokens", 48.0)
+    assert parse_threshold("inf") == ("inf", math.inf)
+    for bad in ("p0", "p101", "0", "-3", "4.5", "fast"):
+        with pytest.raises(ValueError, match="p<percentile"):
+            parse_threshold(bad)
+    assert check_tail(TailConfig(over_provision=0.5), 16) == (
+        "rollout.tail_batching.over_provision must be a finite number >= 1, got 0.5")
+    assert check_tail(TailConfig(), 16) is None
+
+
+def test_percentile_and_cap_by_hand():
+    assert percentile([5, 1, 3, 2, 4], 60) == 3  # nearest rank: ceil(0.6 * 5) = 3rd smallest
+    assert percentile([5, 1, 3, 2, 4], 100) == 5
+    assert percentile([7], 1) == 7
+    lt = LengthThreshold("p50", window=4, max_new_tokens=10, min_history=3)
+    lt.observe(2)
+    lt.observe(9)
+    assert lt.cap() is None  # fewer than min_history lengths: the round runs whole
+    lt.observe(4)
+    assert lt.cap() == 4  # sorted 2, 4, 9: the 2nd
+    for x in (12, 12, 12):
+        lt.observe(x)
+    assert lt.cap() is None  # window keeps 4, 12, 12, 12 -> p50 = 12 >= max_new_tokens: no cap
+    assert LengthThreshold("6", 4, 10, 99).cap() == 6  # absolute: no history needed
+    assert LengthThreshold("10", 4, 10, 0).cap() is None and LengthThreshold("inf", 4, 10, 0).cap() is None
+
+
+def test_long_round_trigger():
+    assert not long_round_due(0, 5, queue_trigger=1, every=1)  # nothing queued: never
+    assert long_round_due(4, 0, queue_trigger=4, every=0) and not long_round_due(3, 0, 4, 0)
+    assert [long_round_due(1, v, 4, 3) for v in range(6)] == [False, False, True, False, False, True]
+
+
+# ---- the scheduler against a scripted engine ------------------------------------------------------
+class LengthEngine(ScriptedEngine):
+    """Responses of ``length(data index, request index)`` tokens at ``per_token`` s each, cut at the
+    request's ``max_new_tokens`` (then ``finish_reason='length'``, sooner). Tokens carry the version
+    the engine had when the request was submitted."""
+
+    def __init__(self, length, per_token=0.01):
+        super().__init__({})
+        self.length, self.per_token, self.version = length, per_token, 0
+        self.caps: dict[str, int] = {}
+        self.submit_version: dict[str, int] = {}
+
+    def set_version(self, v):
+        self.version = v
+
+    def submit(self, requests):
+        now = time.time()
+        with self._cv:
+            for r in requests:
+                n = min(self._len(r), r.params.max_new_tokens)
+                self._due[r.request_id] = (now + n * self.per_token, r)
+                self.caps[r.request_id] = r.params.max_new_tokens
+                self.submitted.append(r)
+                self.submit_version[r.request_id] = self.version
+            self._cv.notify_all()
+        return len(requests)
+
+    def _len(self, r):
+        return self.length(r.prompt_ids[-1], int(r.request_id.split(":")[1]))
+
+    def _output(self, r, reason):
+        full, cap = self._len(r), r.params.max_new_tokens
+        n = min(full, cap) if reason != "abort" else 1
+        reason = reason if reason == "abort" or full <= cap else "length"
+        return GenerationOutput(r.request_id, list(r.prompt_ids), [1] * n, [-0.5] * n,
+                                [self.submit_version[r.request_id]] * n, reason)
+
+    def request_caps(self):
+        with self._cv:
+            return dict(self.caps)
+
+
+@dataclass
+class Item:
+    index: int
+
+    @property
+    def prompt(self):
+        return str(self.index)
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    init_ray(None, 2)
+    yield
+    ray.shutdown()
+
+
+def make(length, *, B=2, r=0.0, n=2, per_token=0.01, **tail):
+    engine = ray.remote(LengthEngine).options(num_cpus=0, max_concurrency=8).remote(length, per_token)
+    source = PromptSource(item=Item, encode=lambda s: [5, int(s)], decode=lambda ids: str(len(ids)),
+                          reward=lambda item, text: float(item.index % 2))
+    buffer = SampleBuffer(capacity=64)
+    sched = TailBatchingScheduler(engine, source, buffer, StalenessManager(r, B),
+                                  SamplingParams(max_new_tokens=MAX_NEW), n=n, seed=3, reward_workers=4,
+                                  tail=TailConfig(**tail))
+    return sched, buffer, engine
+
+
+def take(buffer, count, timeout=30.0):
+    return buffer.get_batch(count, select=lambda gs: list(range(count)) if len(gs) >= count else None,
+                            timeout=timeout)
+
+
+def wait_until(pred, timeout=30.0):
+    end = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < end, "condition not reached"
+        time.sleep(0.01)
+
+
+@pytest.mark.usefixtures("ray_session")
+def test_a_group_past_the_threshold_is_cut_whole_and_reruns_whole_in_a_long_round():
+    # data 1, request 1 runs to 12 tokens: past the threshold 4, so prompt 1's group is cut (its
+    # request 0, of 3 tokens, is dropped with it) and prompt 2 (data 2) refills the slot.
+    lengths = {(1, 1): 12}
+    sched, buffer, engine = make(lambda d, k: lengths.get((d, k), 3), threshold="4", over_provision=1.0,
+                                 long_round_queue=1)
+    sched.start()
+    sched.start_admission()
+    groups = take(buffer, 2)
+    assert sorted(g.data_index for g in groups) == [0, 2]
+    assert all(len(s.response_ids) <= 4 and s.meta["round"] == "short" for g in groups for s in g.samples)
+    sched.quiesce()
+    events = sched.drain_outcomes()
+    assert [(e["prompt_id"], e["data_index"], e["reason"], e["why"], e["samples"]) for e in events] == [
+        (1, 1, "tail_cut", "threshold", 2)]
+    m = sched.metrics()
+    assert m["rollout/aborted/tail_cut"] == 2 and m["rollout/tail/long_queue"] == 1
+    assert m["rollout/tail/threshold"] == 4 and m["rollout/counted_admissions"] == 2
+    caps = ray.get(engine.request_caps.remote())
+    assert {rid: c for rid, c in caps.items()} == {f"{p}:{k}": 4 for p in range(3) for k in range(2)}
+    sched.mark_trained(groups)
+    sched.set_version(1)  # the queue holds 1 = long_round_queue: a long round
+    groups = take(buffer, 2)
+    rerun = [g for g in groups if g.data_index == 1]
+    assert len(rerun) == 1 and [len(s.response_ids) for s in rerun[0].samples] == [3, 12]  # whole, full length
+    assert all(s.meta["round"] == "long" for g in groups for s in g.samples)
+    assert rerun[0].samples[0].meta["cut_from"] == 1
+    caps = ray.get(engine.request_caps.remote())
+    assert caps[f"{rerun[0].prompt_id}:1"] == MAX_NEW
+    m = sched.metrics()
+    assert (m["rollout/tail/long_rounds"], m["rollout/tail/short_rounds"], m["rollout/tail/long_queue"]) == (1, 1, 0)
+    sched.mark_trained(groups)
+    assert unbalance(sched.lifecycle.snapshot()) == 0
+    sched.stop()
+
+
+@pytest.mark.usefixtures("ray_session")
+def test_over_provisioning_keeps_the_first_groups_to_finish():
+    # B = 2 with over_provision 2: prompts 0, 1 regular, 2, 3 spares. Data 0 takes 10 tokens,
+    # data 3 takes 8, the others 2. Prompts 1 and 2 finish first and are trained; 2 takes the slot
+    # of 0 (a swap: 2 ends after 1, so 0 is the only regular group still out); the round is then full and 0 and 3 are cut into the long-prompt queue.
+    lengths = {0: 10, 3: 8, 2: 3}
+    sched, buffer, engine = make(lambda d, k: lengths.get(d, 2), threshold="inf", over_provision=2.0,
+                                 per_token=0.05)
+    sched.start()
+    sched.start_admission()
+    groups = take(buffer, 2)
+    assert sorted(g.data_index for g in groups) == [1, 2]
+    sched.quiesce()
+    events = sched.drain_outcomes()
+    assert sorted((e["prompt_id"], e["why"]) for e in events) == [(0, "round_full"), (3, "round_full")]
+    assert sorted(ray.get(engine.log.remote())["aborted"]) == ["0:0", "0:1", "3:0", "3:1"]
+    m = sched.metrics()
+    assert m["rollout/tail/swaps"] == 1 and m["rollout/tail/long_queue"] == 2
+    assert m["rollout/counted_admissions"] == 2 and sched.admitted == 4  # no spares after the round is full
+    sched.mark_trained(groups)
+    sched.set_version(1)  # 2 queued = B: a long round runs data 0 and 3 whole, with no spares
+    groups = take(buffer, 2)
+    assert sorted(g.data_index for g in groups) == [0, 3]
+    assert sorted(len(s.response_ids) for g in groups for s in g.samples) == [8, 8, 10, 10]
+    time.sleep(0.2)
+    assert sched.admitted == 6
+    sched.stop()
+
+
+def _drive(sched, buffer, engine, steps, B, r):
+    """Play the controller: the staleness rule picks each batch, then the version moves on."""
+    st, trained = StalenessManager(r, B), []
+    for t in range(steps):
+        def select(groups, t=t):
+            sched.check()
+            return st.select_batch(t, [g.version for g in groups], sched.pending_versions())
+        batch = buffer.get_batch(B, select=select, timeout=60)
+        trained.append((t, batch))
+        sched.mark_trained(batch)
+        if t + 1 < steps:
+            ray.get(engine.set_version.remote(t + 1))
+            sched.set_version(t + 1)
+    sched.stop_admission()
+    ray.get(engine.abort.remote(None))
+    sched.quiesce()
+    return trained
+
+
+@pytest.mark.usefixtures("ray_session")
+@pytest.mark.parametrize("r, seed", [(0, 0), (1, 1), (2, 2), (1.5, 3)])
+def test_staleness_bound_and_every_cut_prompt_trained_once_under_random_lengths(r, seed):
+    """Heavy-tailed random lengths (and so random finish order): short-round responses stay within
+    the threshold, the bound holds, and each cut prompt re-runs in a later long round exactly once."""
+    rng = random.Random(seed)
+    table = {(d, k): (rng.choice([2, 3, 4, 5]) if rng.random() < 0.85 else rng.randint(7, MAX_NEW))
+             for d in range(400) for k in range(3)}
+    B, n, steps, cap = 3, 3, 10, 6
+    sched, buffer, engine = make(lambda d, k: table[(d, k)], B=B, r=r, n=n, per_token=0.004,
+                                 threshold=str(cap), over_provision=1.5, long_round_queue=3)
+    sched.start()
+    sched.start_admission()
+    trained = _drive(sched, buffer, engine, steps, B, r)
+    events = sched.drain_outcomes()
+    leftover = sched.leftover()
+    in_flight = sched.pending_ids()
+    rerun_out = [sched._pending[p].meta.get("cut_from") for p in in_flight]  # re-runs still decoding
+    buffered = buffer.drain()  # with r > 0 finished groups wait for later steps
+    rerun_out += [g.samples[0].meta.get("cut_from") for g in buffered]
+    sched.stop()
+    samples = [(t, g, s) for t, batch in trained for g in batch for s in g.samples]
+    assert all(t - s.version <= math.ceil(r) for t, _, s in samples)
+    assert all(len(s.response_ids) <= cap for _, _, s in samples if s.meta["round"] == "short")
+    long_groups = {g.prompt_id: g for _, batch in trained for g in batch if g.samples[0].meta["round"] == "long"}
+    assert any(len(s.response_ids) > cap for g in long_groups.values() for s in g.samples)  # the tail was trained
+    cuts = [e for e in events if e.get("reason") == "tail_cut"]
+    assert cuts and {e["why"] for e in cuts} >= {"threshold"}
+    reruns = [g.samples[0].meta.get("cut_from") for g in long_groups.values()]
+    queued = [x["cut_prompt_id"] for x in leftover]
+    for e in cuts:  # each cut admission re-runs exactly once later (trained or still out), or is queued
+        later = reruns.count(e["prompt_id"]) + rerun_out.count(e["prompt_id"]) + queued.count(e["prompt_id"])
+        assert later == 1, e
+    trained_data = [g.data_index for _, batch in trained for g in batch]
+    assert len(trained_data) == len(set(trained_data)) == steps * B  # each prompt trained once at most
+    assert not set(trained_data) & {x["data_index"] for x in leftover}
+    ended = sorted([g.prompt_id for _, batch in trained for g in batch] + [e["prompt_id"] for e in events]
+                   + in_flight + [g.prompt_id for g in buffered])
+    assert ended == list(range(sched.admitted))  # every admission ends exactly once
+    snap = sched.lifecycle.snapshot()
+    assert unbalance(snap) == 0 and snap["aborted"] == sched.metrics()["rollout/aborted/tail_cut"]
+
+
+# ---- the real controller, engine and trainer ----------------------------------------------------
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("cache"))
+
+
+def _run_steps(cfg, steps):
+    from flash.runner import Run
+
+    r = Run(cfg, "tail")
+    try:
+        r.scheduler.start()
+        r.scheduler.start_admission()
+        records = r.controller.run(steps)
+        r.controller.shutdown_rollout()
+    finally:
+        r.close()
+    return r, records
+
+
+@pytest.mark.slow
+def test_threshold_at_infinity_is_the_plain_synchronous_loop(tmp_path, cache):
+    """``threshold: inf`` with no over-provisioning cuts nothing and launches nothing extra: the
+    same samples and the same losses as the textbook synchronous loop, step for step."""
+    from flash.batch import flatten
+    from tests.test_controller_e2e import plain_sync_loop, small_cfg
+
+    if ray.is_initialized():
+        ray.shutdown()
+    cfg = small_cfg(tmp_path, cache, "async_ratio=0", "algo.loss.name=ppo", "rollout.scheduler=tail_batching",
+                    "rollout.tail_batching.threshold=inf", "rollout.tail_batching.over_provision=1")
+    r, records = _run_steps(cfg, 3)
+    ours = [([s.response_ids for s in flatten(rec.groups)], rec.metrics["train/loss"]) for rec in records]
+    ref = plain_sync_loop(cfg, r.model_path, r.task, r.tokenizer, 3)
+    for t, ((tok_a, loss_a), (tok_b, loss_b)) in enumerate(zip(ours, ref)):
+        assert tok_a == tok_b, f"step {t}: different samples"
+        assert loss_a == pytest.approx(loss_b, rel=1e-6, abs=1e-7), f"step {t}"
+    assert all(rec.metrics["rollout/tail/cut_groups"] == 0 for rec in records)
+    assert records[-1].metrics["rollout/tail/short_rounds"] == 3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ratio", [0, 2])
+def test_ledger_cut_prompts_rerun_in_long_rounds_exactly_once(tmp_path, cache, ratio):
+    """A real engine at an absolute threshold: short-round samples stay within it, the ledger has
+    every cut with its reason, each cut prompt is trained once in a long round (or is still queued
+    or in flight at the end, in the ledger), every admission ends once, the bound holds."""
+    import json
+
+    if ray.is_initialized():
+        ray.shutdown()
+    from tests.test_controller_e2e import small_cfg
+
+    cap, steps = 8, 6
+    cfg = small_cfg(tmp_path, cache, f"async_ratio={ratio}", f"train.steps={steps}",
+                    "rollout.scheduler=tail_batching", f"rollout.tail_batching.threshold={cap}",
+                    "rollout.tail_batching.over_provision=1.5", "rollout.tail_batching.long_round_queue=2")
+    r, records = _run_steps(cfg, steps)
+    samples = [(rec.step, s) for rec in records for g in rec.groups for s in g.samples]
+    assert all(len(s.response_ids) <= cap for _, s in samples if s.meta["round"] == "short")
+    assert all(t - s.version <= math.ceil(ratio) for t, s in samples)
+    assert any(len(s.response_ids) > cap for _, s in samples)  # long rounds trained the tail
+    lines = [json.loads(x) for x in (tmp_path / "ledger.jsonl").read_text().splitlines()]
+    trained = [x for x in lines if x["outcome"] == "trained"]
+    cuts = [x for x in lines if x.get("reason") == "tail_cut"]
+    assert cuts and records[-1].metrics["rollout/aborted/tail_cut"] == sum(x["samples"] for x in cuts)
+    reruns = {x["prompt_id"]: x["cut_from"] for x in trained if "cut_from" in x}
+    queued = [x["cut_prompt_id"] for x in lines if x["outcome"] == "long_queue"]
+    in_flight = {x["prompt_id"] for x in lines if x["outcome"] in ("in_flight", "buffered")}
+    for c in cuts:
+        done = list(reruns.values()).count(c["prompt_id"]) + queued.count(c["prompt_id"])
+        assert done == 1 or (done == 0 and in_flight), c
+    assert all(x["round"] == "long" for x in trained if "cut_from" in x)
+    data = [x["data_index"] for x in trained if x["sample"] == 0]
+    assert len(data) == len(set(data)) == steps * cfg.train.prompts_per_step  # each prompt trained once
+    ended = sorted({x["prompt_id"] for x in trained} | {x["prompt_id"] for x in cuts} | in_flight)
+    assert ended == list(range(r.scheduler.admitted))
