@@ -1,6 +1,6 @@
 """What durability costs: checkpoint size, write time and step-time cost; engine-death recovery time.
 
-    python -m bench.durability [--repeats 3] [--steps 12] [key=value ...]
+    python -m bench.durability [--repeats 3] [--steps 12] [--no-fault] [key=value ...]
     python -m bench.durability --reward-only [--repeats 5]
 
 Part 1, side by side in one run (interleaved repeats, so machine noise hits all alike), the same
@@ -158,6 +158,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--recipe", default="stutter")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--no-fault", action="store_true", help="part 1 only (e.g. with train.workers=2: an FSDP2 "
+                    "group's checkpoints; engine faults do not depend on the trainer)")
     ap.add_argument("--reward-only", action="store_true", help="only part 3: a reward worker killed")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
@@ -170,8 +172,9 @@ def main(argv: list[str] | None = None) -> dict:
         for mode in MODES:
             runs[mode].append(checkpoint_run(args.recipe, mode, out / f"{mode}-{rep}", overrides))
             print(f"repeat {rep} checkpoint {mode}: {runs[mode][-1]}", flush=True)
-        runs["fault"].append(fault_run(args.recipe, out / f"fault-{rep}", args.steps, overrides))
-        print(f"repeat {rep} engine kill: {runs['fault'][-1]}", flush=True)
+        if not args.no_fault:
+            runs["fault"].append(fault_run(args.recipe, out / f"fault-{rep}", args.steps, overrides))
+            print(f"repeat {rep} engine kill: {runs['fault'][-1]}", flush=True)
     med = lambda rows, key: statistics.median(r[key] for r in rows)
     result = {"recipe": args.recipe, "repeats": args.repeats, "overrides": overrides, "checkpoint": {}}
     for mode in MODES:
@@ -181,7 +184,8 @@ def main(argv: list[str] | None = None) -> dict:
                                       "write_s_median": med(runs[mode], "write_s"),
                                       "snapshot_s_median": med(runs[mode], "snapshot_s"),
                                       "bytes": med(runs[mode], "bytes")}
-    result["engine_fault"] = {k: med(runs["fault"], k) for k in runs["fault"][0]}
+    if runs["fault"]:
+        result["engine_fault"] = {k: med(runs["fault"], k) for k in runs["fault"][0]}
     print(json.dumps(result))
     return result
 

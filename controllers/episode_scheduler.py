@@ -255,7 +255,7 @@ class EpisodeScheduler:
                         "samples": [asdict(smp) for _, smp in sorted(p.samples.items())]}
                        for pid, p in sorted(self._pending.items())]
             return {"admitted": self._admitted, "next_index": self._next_index, "version": self._version,
-                    "counters": dict(self.counters), "pending": pending}
+                    "counters": dict(self.counters), "pending": pending, "faults": self.faults}
 
     def load_state_dict(self, state: dict, buffered_groups: list[Group] | None = None) -> int:
         """Restore a checkpoint's state before ``start`` and restart the unfinished episodes of the
@@ -266,6 +266,7 @@ class EpisodeScheduler:
             self._admitted, self._next_index = state["admitted"], state["next_index"]
             self._version = state["version"]
             self.counters.update(state["counters"])
+            self.faults = state.get("faults", 0)  # faults/env continues its curve
             for p in state["pending"]:
                 pid = p["prompt_id"]
                 done = {d["sample_index"]: Sample(**d) for d in p["samples"]}

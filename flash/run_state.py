@@ -43,7 +43,8 @@ def driver_state(r: Any, version: int) -> dict:
         "elapsed": time.monotonic() - r.train_start if r.train_start is not None else 0.0,
         "skips": {"total": r.skip_guard.total, "consecutive": r.skip_guard.consecutive},
         "data_skipped": dict(r.input_guard.counts),
-        "faults": {"engine": r.supervisor.faults if r.supervisor is not None else 0},
+        "faults": {"engine": r.supervisor.faults if r.supervisor is not None else 0,
+                   "reward": r.reward_pool.faults if getattr(r, "reward_pool", None) is not None else 0},
     })
     return state
 
@@ -84,6 +85,8 @@ def restore(r: Any, ckpt: Path, state: dict) -> int:
     r.input_guard.counts.update(state["data_skipped"])
     if r.supervisor is not None:
         r.supervisor.faults = state["faults"]["engine"]
+    if getattr(r, "reward_pool", None) is not None:  # faults/reward continues its curve
+        r.reward_pool.faults = state["faults"].get("reward", 0)
     r.acc0 = state.get("eval_initial")
     r.elapsed0 = state.get("elapsed", 0.0)
     return int(state["step"])

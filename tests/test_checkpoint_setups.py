@@ -174,12 +174,13 @@ def test_episode_state_keeps_finished_episodes_and_restarts_the_rest_from_the_sa
         fresh = [a._admit_one() for _ in range(2)]  # seeds 0 and 1 in flight, 3 episodes each
     a._pending[1].samples[2] = _sample(1, 2)  # seed 1's third episode has finished
     a.counters["episodes"] = 1
+    a.faults = 2  # env workers that died before the checkpoint: faults/env continues from there
     state = json.loads(json.dumps(a.state_dict()))
     assert [(p["prompt_id"], p["seed"], len(p["samples"])) for p in state["pending"]] == [(0, 1000, 0), (1, 1001, 1)]
 
     b, launched = _episodes()
     assert b.load_state_dict(state) == 5
-    assert (b.admitted, b._next_index, b.counters["episodes"]) == (2, 2, 1)
+    assert (b.admitted, b._next_index, b.counters["episodes"], b.faults) == (2, 2, 1, 2)
     assert b._pending[1].samples == {2: _sample(1, 2)}
     restarted = [call.__defaults__[0] for call in launched]  # each call is `lambda ep=ep: ...`
     want = [ep for eps in fresh for ep in eps if (ep.prompt_id, ep.sample_index) != (1, 2)]
