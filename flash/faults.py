@@ -94,6 +94,9 @@ class EngineSupervisor:
         self._warn = warn
         self._lock = threading.RLock()  # a fault inside a recovery (requeue's submit) recovers again
         self._hung: set[int] = set()  # replicas killed for hanging, not yet recovered
+        self._recovering: dict[int, int] = {}  # replica -> outputs collected meanwhile (background recovery)
+        self._async_error: BaseException | None = None
+        self._rec_lock = threading.Lock()
         self._weights = None  # object ref of the weights last pushed, and their version
         self._version = 0
 
@@ -124,9 +127,48 @@ class EngineSupervisor:
 
     def poll(self, timeout: float) -> list:
         """The collector's ``get_finished``; no answer within the hang timeout counts as a hang
-        (a router watches each replica's poll itself, and answers within ``timeout`` + 5 s)."""
-        grace = self.hang_timeout_s + (30.0 if self.router is not None else 0.0)
-        return self.call("get_finished", timeout, timeout=timeout + grace)
+        (a router watches each replica's poll itself, and answers within ``timeout`` + 5 s).
+
+        Behind a router a failed replica is recovered in a background thread, so the collector
+        goes on taking the live replicas' outputs meanwhile (counted in the fault's event as
+        ``outputs_meanwhile``); a recovery that fails stops the run at the next poll."""
+        if self.router is None:
+            return self.call("get_finished", timeout, timeout=timeout + self.hang_timeout_s)
+        if self._async_error is not None:
+            raise self._async_error
+        epochs = list(self.epochs)
+        try:
+            outs = ray.get(self.engine.get_finished.remote(timeout), timeout=timeout + self.hang_timeout_s + 30.0)
+        except Exception as exc:
+            if not is_engine_fault(exc, self.engine_id):
+                raise
+            i = self._replica(exc)
+            if i < 0:
+                self.recover(epochs, exc)
+            elif self._start_recovering(i):
+                threading.Thread(target=self._recover_in_background, args=(i, epochs, exc), daemon=True,
+                                 name=f"recover-replica{i}").start()
+            return []
+        with self._rec_lock:
+            for i in self._recovering:
+                self._recovering[i] += len(outs)
+        return outs
+
+    def _start_recovering(self, i: int) -> bool:
+        with self._rec_lock:
+            if i in self._recovering:
+                return False
+            self._recovering[i] = 0
+            return True
+
+    def _recover_in_background(self, i: int, epochs: list[int], exc: BaseException) -> None:
+        try:
+            self.recover(epochs, exc)
+        except BaseException as err:  # noqa: BLE001 - raised in the collector by the next poll
+            self._async_error = err
+        finally:
+            with self._rec_lock:
+                self._recovering.pop(i, None)
 
     def submit(self, reqs: list) -> None:
         """Submit; a fault here needs no retry: the recovery resubmits what is pending (a router
@@ -236,6 +278,9 @@ class EngineSupervisor:
         event = {"event": "engine_fault", "kind": kind, "error": type(exc).__name__, "time": wall,
                  "recovery_s": time.monotonic() - start, "requeued": requeued, "version": self._version,
                  "replica": i, "pid": ray.get(replica.pid.remote())}
+        if self.router is not None:
+            with self._rec_lock:
+                event["outputs_meanwhile"] = self._recovering.get(i, 0)  # the live replicas served on
         self.events.append(event)
         if self.on_event is not None:
             self.on_event(event)
