@@ -93,6 +93,7 @@ class EngineSupervisor:
         self.on_event: Callable[[dict], None] | None = None  # each fault, as soon as recovered
         self._warn = warn
         self._lock = threading.RLock()  # a fault inside a recovery (requeue's submit) recovers again
+        self._weights_lock = threading.RLock()  # a weight update vs a restarted replica's weight load
         self._hung: set[int] = set()  # replicas killed for hanging, not yet recovered
         self._recovering: dict[int, int] = {}  # replica -> outputs collected meanwhile (background recovery)
         self._async_error: BaseException | None = None
@@ -111,14 +112,16 @@ class EngineSupervisor:
 
     def run(self, fn: Callable[[], Any], exclusive: bool = False):
         """Run ``fn`` (engine calls); on an engine fault recover, then run all of ``fn`` again.
-        ``exclusive``: no recovery by another thread overlaps ``fn`` (the controller's weight
-        update: a recovery's weight load must not interleave with a push of newer weights)."""
+        ``exclusive``: no recovery's weight load overlaps ``fn`` (the controller's weight update:
+        a restarted replica gets the weights of the last *completed* push, never older weights
+        over newer ones). The rest of a recovery (waiting for the new process) may overlap it: the
+        update goes on with the replicas in service."""
         while True:
             epochs = list(self.epochs)
             try:
                 if not exclusive:
                     return fn()
-                with self._lock:
+                with self._weights_lock:
                     return fn()
             except Exception as exc:
                 if not is_engine_fault(exc, self.engine_id):
@@ -263,13 +266,14 @@ class EngineSupervisor:
         if kind == "broken":
             ray.kill(replica, no_restart=False)  # Ray restarts it (max_restarts)
         self._wait_alive(replica, exc)
-        if self._weights is not None:
-            weights = self._weights if isinstance(self._weights, ray.ObjectRef) else self._weights()
-            ray.get(replica.pause.remote("continue"))
-            ray.get(replica.update_weights.remote(weights, self._version))
-            ray.get(replica.resume.remote())
-        if self.router is not None:
-            ray.get(self.router.replica_up.remote(i))
+        with self._weights_lock:  # the weights of the last completed push, then back in service
+            if self._weights is not None:
+                weights = self._weights if isinstance(self._weights, ray.ObjectRef) else self._weights()
+                ray.get(replica.pause.remote("continue"))
+                ray.get(replica.update_weights.remote(weights, self._version))
+                ray.get(replica.resume.remote())
+            if self.router is not None:
+                ray.get(self.router.replica_up.remote(i))
         self._hung.discard(i)
         requeued = 0
         if self.requeue is not None:

@@ -103,7 +103,6 @@ def test_one_of_two_replicas_killed_mid_run_is_restarted_and_nothing_is_lost(tmp
 
     faults = events(run_dir, "engine_fault")
     assert [(f["kind"], f["replica"]) for f in faults] == [("died", 1)] and faults[0]["pid"] not in pids
-    assert faults[0]["outputs_meanwhile"] > 0  # replica 0's outputs were collected during the recovery
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["faults_engine"] == 1 and summary["steps"] == STEPS
     metrics = read_jsonl(run_dir / "metrics.jsonl")
