@@ -112,6 +112,11 @@ def _convert(path: Path, out: str) -> None:
     tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
                                                  dtype=torch.float32)
+    # the weights are dequantised fp32; drop the GGUF "quantizer" so the model saves and reloads
+    # as a plain checkpoint
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
     if tokenizer.pad_token is None:  # batched generation and training pad; never trained on
         tokenizer.pad_token = tokenizer.eos_token
     model.generation_config.pad_token_id = tokenizer.pad_token_id
