@@ -50,9 +50,9 @@ class WordProblemsOptions:
     """Options of ``wordproblems`` (the keys a recipe's ``task:`` block accepts)."""
 
     seed: int = 0
-    max_operand: int = 9  # operands are drawn from 1 .. max_operand
-    ops: str = "+-*"  # which kinds of story to draw (a subset of '+-*')
-    slip_prob: float = 0.5  # probability that an SFT demonstration's value is one too high
+    max_operand: int = 5  # operands are drawn from 1 .. max_operand
+    ops: str = "+-"  # which kinds of story to draw (a subset of '+-*')
+    slip_prob: float = 0.2  # probability that an SFT demonstration's value is one too high
     eval_size: int = 256  # held-out items used by eval_items()
 
     def __post_init__(self) -> None:
