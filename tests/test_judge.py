@@ -10,7 +10,13 @@ import pytest
 import torch
 
 from flash.errors import ConfigError
-from flash.models import TinyModelConfig, build_tiny_model, build_tokenizer, decode_response, encode_prompt
+from flash.models import (
+    TinyModelConfig,
+    build_tiny_model,
+    build_tokenizer,
+    decode_response,
+    encode_prompt,
+)
 from flash.rewards import build_reward, registered_rewards
 from flash.rewards.judge import JudgeReward, parse_verdict, with_default_model
 from recipes.tasks.base import TaskItem
@@ -128,3 +134,33 @@ def test_registered_and_validated():
     assert with_default_model(dict(cfg.reward.fn), "/ckpt")["model"] == "/ckpt"
     assert with_default_model({"name": "judge", "model": "/j"}, "/ckpt")["model"] == "/j"
     assert "model" not in with_default_model({"name": "math"}, "/ckpt")
+
+
+@pytest.mark.slow
+def test_math_recipe_runs_two_steps_with_the_judge(tmp_path):
+    """`reward.fn.name: judge` end to end: the judge (the policy's initial checkpoint, the default)
+    scores every trained and evaluated response through the reward pool; the run finishes."""
+    import json
+
+    import ray
+
+    from flash.config import load_config
+    from flash.runner import run
+
+    overrides = [f"run_dir={tmp_path / 'run'}", f"cache_dir={tmp_path / 'cache'}", "tracking.progress=false",
+                 "sft.steps=20", "sft.eval_after=false", "task.eval_size=4", "train.steps=2",
+                 "train.prompts_per_step=2", "rollout.n=2", "reward.fn.name=judge",
+                 "reward.fn.pattern='([0-9])'", "reward.fn.scale=0.1", "reward.fn.max_new_tokens=4",
+                 "reward.fn.template='q: {prompt} a: {response} score:'", "checkpoint.enabled=false"]
+    cfg = load_config("recipes/math.yaml", overrides)
+    try:
+        s = run(cfg, "math")
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+    assert s["steps"] == 2 and s["samples_trained"] == 2 * 2 * 2
+    last = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()][-1]
+    # every call reached the judge; failures, if any, are the judge's named ones
+    assert last["judge/calls"] == last["reward/calls"] >= 2 * 2 * 2 + 4
+    assert all(k.startswith("reward/failures/judge:") for k in last if k.startswith("reward/failures/"))
+    assert 1 <= last["judge/max_inflight"] <= 4
