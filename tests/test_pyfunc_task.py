@@ -90,3 +90,21 @@ def test_options_are_checked():
         make_task("pyfunc", min_ops=3, max_ops=2)
     with pytest.raises(ValueError, match="num_tests"):
         make_task("pyfunc", num_tests=0)
+
+
+def test_code_recipe_scores_with_the_adaptive_sandbox_timeout_by_default():
+    """Issue 8's reward scheduler: the adaptive timeout is on in the code recipe, and it is the
+    default of the ``code`` reward itself (a recipe that names only ``{name: code}`` gets it)."""
+    from flash.config import load_config
+    from flash.rewards import build_reward
+
+    cfg = load_config("recipes/code.yaml")
+    scorer = build_reward(dict(cfg.reward.fn))
+    assert scorer.adaptive and scorer.all_or_nothing
+    assert build_reward({"name": "code"}).adaptive
+    task = make_task(cfg.task["name"], **{k: v for k, v in cfg.task.items() if k != "name"})
+    assert cfg.rollout.max_new_tokens >= task.max_response_tokens()
+    item = task.item(0)
+    assert scorer(item, item.answer) == 1.0
+    fam = item.meta["family"]
+    assert scorer.timeouts.timeout(fam) == max(1.0, 3.0 * scorer.timeouts.anchor(fam)) < 10.0
