@@ -1,11 +1,14 @@
-"""`flash plan RUN_DIR [key=v1,v2 ...]`: predict seconds per train step for other settings.
+"""`flash plan RUN_DIR... [key=v1,v2 ...] [--calibrate RUN_DIR2]`: predict seconds per train step
+for other settings.
 
 Reads a finished run's measurements (``metrics.jsonl``: per-step phase times, engine busy seconds,
 decode iterations, tokens; ``ledger.jsonl``: every trained sample's response and prompt length;
 ``config.yaml`` and ``summary.json``: the settings and the thread split it ran with), fits the
 costs of ``flash.plan_model`` to them (``fit_costs``), and predicts the candidate grid: the
 cartesian product of the values given, every other setting as in the run. Prints a table ranked
-fastest first and, last, one JSON line.
+fastest first and, last, one JSON line. Several run dirs of one setting (repeats) are pooled; a
+run at another thread split (``--calibrate``) sets how threads scale (``calibrate_p``), else the
+parallel fraction is ``DEFAULT_P``.
 
 The costs are fitted on the steady steps (the first ``SKIP_STEPS`` are warm-up: compilation,
 caches, the first admissions). What the model assumes, and where it departs from a real run, is
