@@ -6,8 +6,8 @@
 Each repeat runs every setting (``;``-separated, each a space-separated list of overrides; the
 first is the base whose trace the planner reads) back to back as a fresh ``flash run`` of the
 default recipe, so machine noise hits them alike. Then ``flash plan`` predicts every setting from
-the first repeat's base run: with the default parallel fraction, and with it calibrated
-(``flash.planner.calibrate_p``) on the ``--calibrate`` setting's first run. Reports predicted and
+the base setting's runs (every repeat, pooled): with the default parallel fraction, and with it
+calibrated (``flash.planner.calibrate_p``) on the ``--calibrate`` setting's measured mean. Reports predicted and
 measured seconds per steady step (mean over the repeats) and the relative error; ``--save-traces``
 writes the trimmed traces (``flash.planner.trim_trace``) that tests/test_planner.py reads. The last
 line is JSON.
@@ -62,30 +62,34 @@ def main(argv: list[str] | None = None) -> dict:
             load = os.getloadavg()[0]
             d = run_once(args.recipe, [*args.overrides, *ov], out / f"s{i}-{rep}", args.steps)
             dirs[i].append(d)
-            print(f"repeat {rep} {' '.join(ov)}: {planner.load_trace(d).measured_step_s:.3f} s/step "
+            print(f"repeat {rep} {' '.join(ov)}: {planner.measured_step_s(d):.3f} s/step "
                   f"(load average {load:.1f} -> {os.getloadavg()[0]:.1f})", flush=True)
-    base = planner.load_trace(dirs[0][0])
+    measured = {i: [planner.measured_step_s(d) for d in dirs[i]] for i in dirs}
+    base = planner.load_trace(dirs[0])  # every repeat of the first setting, pooled
     ps = {"default": planner.DEFAULT_P}
     if args.calibrate:
-        q = planner.calibrate_p(base, planner.load_trace(dirs[settings.index(args.calibrate.split())][0]))
+        i = settings.index(args.calibrate.split())
+        q = planner.calibrate_p(base, setting_of(settings[i], base), statistics.fmean(measured[i]))
         ps["calibrated"] = {"engine": q, "trainer": q}
     rows = []
     for i, ov in enumerate(settings):
-        measured = statistics.fmean(planner.load_trace(d).measured_step_s for d in dirs[i])
-        row = {"setting": " ".join(ov), "measured_s_per_step": round(measured, 4)}
+        mean = statistics.fmean(measured[i])
+        row = {"setting": " ".join(ov), "measured_s_per_step": round(mean, 4),
+               "measured_repeats": [round(m, 4) for m in measured[i]]}
         for name, p in ps.items():
             pred = planner.predict(base, setting_of(ov, base), p).step_s
             row[f"predicted_{name}"] = round(pred, 4)
-            row[f"error_{name}"] = round(pred / measured - 1, 4)
+            row[f"error_{name}"] = round(pred / mean - 1, 4)
         rows.append(row)
         print("  ".join(f"{k}={v}" for k, v in row.items()), flush=True)
-    if args.save_traces:  # the first repeat's traces, and every setting's measured mean
+    if args.save_traces:  # the base setting's traces (trimmed), every setting's measured repeats
         save = Path(args.save_traces)
-        for i in range(len(settings)):
-            planner.trim_trace(dirs[i][0], save / f"s{i}")
-        manifest = [{"dir": f"s{i}", "overrides": ov, "measured_s_per_step": r["measured_s_per_step"],
-                     "repeats": args.repeats, "calibrates": " ".join(ov) == args.calibrate}
-                    for i, (ov, r) in enumerate(zip(settings, rows))]
+        for rep, d in enumerate(dirs[0]):
+            planner.trim_trace(d, save / f"base-{rep}")
+        manifest = {"base": [f"base-{rep}" for rep in range(len(dirs[0]))], "steps": args.steps,
+                    "settings": [{"overrides": ov, "measured_s_per_step": r["measured_repeats"],
+                                  "calibrates": " ".join(ov) == args.calibrate}
+                                 for ov, r in zip(settings, rows)]}
         (save / "traces.json").write_text(json.dumps(manifest, indent=1) + "\n")
     result = {"recipe": args.recipe, "steps": args.steps, "repeats": args.repeats, "out": str(out),
               "parallel_fraction": ps, "rows": rows}

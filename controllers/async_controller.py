@@ -255,6 +255,7 @@ class AsyncController:
         if self.supervisor is None:
             cycle()
         else:  # exclusive: no replica recovery loads older weights in the middle of this push
+            # (behind a router the update goes on with the replicas in service meanwhile)
             self.supervisor.run(cycle_and_record, exclusive=True)
         self.version = new_version
 

@@ -382,12 +382,7 @@ class EpisodeScheduler:
         """Wait until Ray restarted worker ``slot``; count the fault once per new process (many
         episodes notice one death), log the first, stop the run past ``max_worker_restarts``."""
         start, wall = time.monotonic(), time.time()
-        try:
-            pid = ray.get(self.workers[slot].pid.remote(), timeout=max(self.hang_timeout_s, 300.0))
-        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as err:
-            raise EnvFailed(f"environment worker {slot} did not come back after it {kind} ({exc!r}): {err!r}. "
-                            f"It is restarted at most rollout.max_worker_restarts={self.max_worker_restarts} "
-                            f"times") from err
+        pid = self._wait_restarted(slot, kind, exc)
         with self._lock:
             if self._pids is not None and self._pids[slot] == pid:
                 return  # this death was counted by another episode of the worker
@@ -407,6 +402,21 @@ class EpisodeScheduler:
             self.events.append(event)
         if self.on_event is not None:
             self.on_event(event)
+
+    def _wait_restarted(self, slot: int, kind: str, exc: BaseException) -> int:
+        """The pid of worker ``slot`` once it answers again (``ActorUnavailableError`` while Ray
+        restarts it); dead for good or not back within ``max(hang_timeout_s, 300)`` s: ``EnvFailed``."""
+        deadline = time.monotonic() + max(self.hang_timeout_s, 300.0)
+        while True:
+            try:
+                return ray.get(self.workers[slot].pid.remote(), timeout=max(1.0, deadline - time.monotonic()))
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as err:
+                restarting = isinstance(err, ray.exceptions.ActorUnavailableError)
+                if not restarting or time.monotonic() >= deadline:
+                    raise EnvFailed(f"environment worker {slot} did not come back after it {kind} ({exc!r}): "
+                                    f"{err!r}. It is restarted at most rollout.max_worker_restarts="
+                                    f"{self.max_worker_restarts} times") from err
+                time.sleep(0.2)
 
     def _submit_turn(self, ep: _Episode) -> None:
         rid = f"{ep.key}/{ep.turns}"

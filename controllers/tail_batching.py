@@ -57,7 +57,7 @@ class TailBatchingScheduler(RolloutScheduler):
         self._base_spares = self._prov.max_additional
         self._trigger = self.tail.long_round_queue or B
         self._long: deque[dict] = deque()  # {"data_index", "prompt_id" (the cut admission)}
-        self._round, self._cap = "short", None
+        self._round, self._cap, self._round_version = "short", None, -1
         self._longest: dict[int, int] = {}  # prompt id -> longest finished response so far
         self.tail_counters = {"long_rounds": 0, "short_rounds": 0, "cut_groups": 0, "swaps": 0}
         with self._lock:
@@ -65,6 +65,9 @@ class TailBatchingScheduler(RolloutScheduler):
 
     # ---- rounds and admission (under the lock) ---------------------------------------------
     def _on_version(self, version: int) -> None:
+        if version == self._round_version:  # the run's start (or a resume) repeats the version: same round
+            return
+        self._round_version = version
         long = long_round_due(len(self._long), version, self._trigger, self.tail.long_round_every)
         self._round = "long" if long else "short"
         self._cap = None if long else self._threshold.cap()
@@ -176,6 +179,7 @@ class TailBatchingScheduler(RolloutScheduler):
         state = super().state_dict()
         with self._lock:
             state["tail"] = {"long_queue": list(self._long), "round": self._round, "cap": self._cap,
+                             "round_version": self._round_version,
                              "lengths": list(self._threshold.lengths), "counters": dict(self.tail_counters),
                              "max_additional": self._prov.max_additional}
         return state
@@ -187,7 +191,7 @@ class TailBatchingScheduler(RolloutScheduler):
                              "resume it with rollout.scheduler: plain")
         with self._lock:
             self._long = deque(tail["long_queue"])
-            self._round, self._cap = tail["round"], tail["cap"]
+            self._round, self._cap, self._round_version = tail["round"], tail["cap"], tail["round_version"]
             self._threshold.lengths.clear()
             self._threshold.lengths.extend(tail["lengths"])
             self.tail_counters.update(tail["counters"])

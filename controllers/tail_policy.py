@@ -11,7 +11,7 @@ has finished long before, and the engine idles. RollPacker splits rollout into r
   steps) take their prompts from that queue and run them whole, at full length, so long responses
   decode beside each other instead of beside a batch of short ones.
 
-The threshold is an absolute token count, a percentile of recent response lengths, or ``inf``
+The threshold is an absolute token count, a percentile of recent groups' longest responses, or ``inf``
 (never cut: with ``over_provision = 1`` the mode is then plain synchronous training, tested).
 Departure from the paper: RollPacker's short rounds end by wall-clock once enough prompts finish;
 here a response is cut by its length (the engine stops it at the threshold), which depends on
@@ -27,10 +27,11 @@ from dataclasses import dataclass
 
 @dataclass
 class TailConfig:
-    # "p90": cut at the 90th percentile of recent response lengths; "48": at 48 tokens;
-    # "inf": never cut. A response is cut when it reaches the threshold without ending.
+    # "p90": cut at the 90th percentile of recent groups' longest responses (the group rule cuts
+    # by the longest, so ~10% of groups are cut); "48": at 48 tokens; "inf": never cut. A response
+    # is cut when it reaches the threshold without ending.
     threshold: str = "p90"
-    window: int = 512  # recent response lengths the percentile is taken over
+    window: int = 512  # recent groups the percentile is taken over
     over_provision: float = 1.25  # a short round launches ceil(f * B) prompts, keeps the first B
     long_round_queue: int = 0  # run a long round once this many prompts wait; 0 = train.prompts_per_step
     long_round_every: int = 0  # also run one every k steps when the queue is not empty; 0 = off
@@ -76,11 +77,11 @@ def percentile(values, p: float) -> int:
 
 
 class LengthThreshold:
-    """The short-round cap in tokens, from the configured rule and recent response lengths.
+    """The short-round cap in tokens, from the configured rule and recent (group) lengths.
 
     ``cap()`` is None when nothing is cut: threshold ``inf``, a threshold at or past
     ``max_new_tokens`` (no response can pass it), or a percentile before ``min_history`` lengths
-    were seen (the first rounds run whole and teach the length distribution). A cut response is
+    were seen (the first rounds run whole and teach the length distribution). A cut group is
     recorded at the cap (it is at least that long), so the percentile sees the tail it cuts.
     """
 

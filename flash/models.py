@@ -56,9 +56,23 @@ def _encode_chars(tokenizer: PreTrainedTokenizerFast, text: str) -> list[int]:
     return ids
 
 
+def is_char_tokenizer(tokenizer: PreTrainedTokenizerFast) -> bool:
+    """True for the character tokenizer ``build_tokenizer`` makes (its special tokens say so)."""
+    return (tokenizer.bos_token, tokenizer.eos_token, tokenizer.pad_token) == (BOS, EOS, PAD)
+
+
 def encode_prompt(tokenizer: PreTrainedTokenizerFast, text: str) -> list[int]:
-    """Prompt ids: ``<bos>`` then one id per character. The response follows directly."""
-    return [tokenizer.bos_token_id] + _encode_chars(tokenizer, text)
+    """Prompt ids. The character tokenizer: ``<bos>`` then one id per character, the response
+    follows directly. A pretrained tokenizer with a chat template (e.g. SmolLM2-Instruct): the
+    text as one user turn, then the assistant header, as the model was tuned to see it. Any
+    other tokenizer: its own encoding with its special tokens."""
+    if is_char_tokenizer(tokenizer):
+        return [tokenizer.bos_token_id] + _encode_chars(tokenizer, text)
+    if tokenizer.chat_template:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                            add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    return tokenizer.encode(text)
 
 
 def encode_response(tokenizer: PreTrainedTokenizerFast, text: str) -> list[int]:

@@ -14,6 +14,7 @@ in ``flash.plan_model``'s docstring; ``bench/planner.py`` checks predictions aga
 
 from __future__ import annotations
 
+import gzip
 import itertools
 import json
 import math
@@ -62,7 +63,12 @@ class Trace:
 
 
 def _jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """A JSON-lines file, or its gzipped form ``<path>.gz`` (trimmed traces, ``trim_trace``)."""
+    if not path.is_file() and path.with_name(path.name + ".gz").is_file():
+        text = gzip.decompress(path.with_name(path.name + ".gz").read_bytes()).decode()
+    else:
+        text = path.read_text()
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
 def _lstsq2(x1: list[float], x2: list[float], y: list[float]) -> tuple[float, float]:
@@ -111,17 +117,25 @@ def fit_costs(rows: list[dict], steps: list[list[list[int]]], prompt_len: float,
                     engine_threads=threads[0], trainer_threads=threads[1], cores=cores, prompt_len=prompt_len)
 
 
-def load_trace(run_dir: str | Path, skip: int = SKIP_STEPS) -> Trace:
-    """Read and fit a finished run dir (see the module docstring for the files it needs)."""
+def measured_step_s(run_dir: str | Path, skip: int = SKIP_STEPS) -> float:
+    """A run's seconds per step as the planner predicts it: the mean over its steady steps."""
+    rows = [r for r in _jsonl(Path(run_dir) / "metrics.jsonl") if "time/step" in r and r["step"] > skip]
+    if not rows:
+        raise ConfigError(f"{run_dir}: no steps after the first {skip} in metrics.jsonl")
+    return statistics.fmean(r["time/step"] for r in rows)
+
+
+def _read_run(d: Path, skip: int) -> tuple:
+    """One run dir: (config, summary, steady metrics rows, their steps' groups, prompt lengths)."""
     from omegaconf import OmegaConf
 
-    d = Path(run_dir)
     for name in ("metrics.jsonl", "ledger.jsonl", "config.yaml", "summary.json"):
-        if not (d / name).is_file():
+        if not (d / name).is_file() and not (d / f"{name}.gz").is_file():
             raise ConfigError(f"{d} is not a finished run dir: {name} is missing")
     cfg = OmegaConf.load(d / "config.yaml")
-    summary = json.loads((d / "summary.json").read_text())
-    metrics = [r for r in _jsonl(d / "metrics.jsonl") if "time/step" in r]
+    if OmegaConf.select(cfg, "rollout.scheduler", default="plain") != "plain":
+        raise ConfigError(f"{d}: plan from a run with rollout.scheduler=plain (a tail-batching run's "
+                          f"response lengths are cut at its threshold, so they understate the tail)")
     by_step: dict[int, dict[int, list[int]]] = {}
     plens = []
     for e in _jsonl(d / "ledger.jsonl"):
@@ -131,22 +145,46 @@ def load_trace(run_dir: str | Path, skip: int = SKIP_STEPS) -> Trace:
                                   f"`flash plan`; record a new run")
             by_step.setdefault(int(e["step"]) + 1, {}).setdefault(int(e["prompt_id"]), []).append(int(e["len"]))
             plens.append(int(e.get("plen", 0)))
-    rows = [r for r in metrics if r["step"] > skip and r["step"] in by_step]
+    rows = [r for r in _jsonl(d / "metrics.jsonl") if "time/step" in r and r["step"] > skip and r["step"] in by_step]
     if len(rows) < 3:
         raise ConfigError(f"{d}: {len(rows)} steady steps after skipping {skip}; need at least 3")
     steps = [list(by_step[r["step"]].values()) for r in rows]
+    return cfg, json.loads((d / "summary.json").read_text()), rows, steps, plens
+
+
+def _run_setting(cfg, summary) -> tuple[pm.Setting, tuple[int, int], int, int]:
+    """(the run's Setting with its configured threads, the threads it resolved, cores, B)."""
+    from omegaconf import OmegaConf
+
     r = float(cfg.async_ratio)
     cores = int(summary.get("cores") or cfg.ray.num_cpus or 2)
     threads = summary.get("threads") or {}
-    e_t, t_t = pm.auto_threads(cores, r, int(threads.get("engine", cfg.resources.engine_threads)),
+    resolved = pm.auto_threads(cores, r, int(threads.get("engine", cfg.resources.engine_threads)),
                                int(threads.get("trainer", cfg.resources.trainer_threads)))
-    costs = fit_costs(rows, steps, statistics.fmean(plens) if plens else 0.0, (e_t, t_t), cores)
     replicas = int(OmegaConf.select(cfg, "placement.roles.actor_infer.num_workers", default=1) or 1)
     # the config's own thread settings (0 = auto): a candidate keeps them unless it sets its own
     setting = pm.Setting(async_ratio=r, engine_threads=int(cfg.resources.engine_threads),
                          trainer_threads=int(cfg.resources.trainer_threads), replicas=replicas)
+    return setting, resolved, cores, int(cfg.train.prompts_per_step)
+
+
+def load_trace(run_dirs: str | Path | list, skip: int = SKIP_STEPS) -> Trace:
+    """Read and fit one finished run dir, or several runs of one setting (repeats: their steady
+    steps are pooled, which halves the machine's noise in the fit twice as fast)."""
+    dirs = [Path(d) for d in (run_dirs if isinstance(run_dirs, (list, tuple)) else [run_dirs])]
+    rows, steps, plens, first = [], [], [], None
+    for d in dirs:
+        cfg, summary, r, st, pl = _read_run(d, skip)
+        here = _run_setting(cfg, summary)
+        if first is not None and here != first:
+            raise ConfigError(f"{d} ran another setting than {dirs[0]} ({here[0]} vs {first[0]}); pool only "
+                              f"repeats of one setting")
+        first = first or here
+        rows, steps, plens = rows + r, steps + st, plens + pl
+    setting, resolved, cores, B = first
+    costs = fit_costs(rows, steps, statistics.fmean(plens) if plens else 0.0, resolved, cores)
     return Trace(costs=costs, groups=[g for st in steps for g in st], steps=steps, setting=setting,
-                 B=int(cfg.train.prompts_per_step), measured_step_s=statistics.fmean(x["time/step"] for x in rows))
+                 B=B, measured_step_s=statistics.fmean(x["time/step"] for x in rows))
 
 
 def predict(trace: Trace, s: pm.Setting, p: dict[str, float] | None = None) -> pm.Prediction:
@@ -177,22 +215,19 @@ def predict(trace: Trace, s: pm.Setting, p: dict[str, float] | None = None) -> p
     return pm.Prediction(parts["step_s"], parts)
 
 
-def calibrate_p(trace: Trace, other: Trace) -> float:
-    """The parallel fraction ``p`` (both roles) with which ``trace`` best predicts ``other``'s
-    measured seconds per step: a run at another thread split (e.g. an async run beside a sync one)
-    is what measures how the cores split on this machine, under its present load. ``p < 0`` means
-    a second thread costs more than it gives (an oversubscribed machine); a grid search over
-    ``P_GRID``."""
-    if (other.costs.engine_threads, other.costs.trainer_threads) == (trace.costs.engine_threads,
-                                                                      trace.costs.trainer_threads):
-        raise ConfigError("--calibrate needs a run with another thread split than RUN_DIR's (e.g. "
-                          "async_ratio > 0 beside a synchronous run); both ran with "
-                          f"{trace.costs.engine_threads}/{trace.costs.trainer_threads} threads")
-    target = pm.Setting(async_ratio=other.setting.async_ratio, engine_threads=other.costs.engine_threads,
-                        trainer_threads=other.costs.trainer_threads, replicas=other.setting.replicas)
+def calibrate_p(trace: Trace, target: pm.Setting, measured_s: float) -> float:
+    """The parallel fraction ``p`` (both roles) with which ``trace`` best predicts ``measured_s``,
+    the seconds per step measured at ``target``: a run at another thread split (e.g. an async run
+    beside a sync one) is what measures how the cores split on this machine under its present
+    load. ``p < 0`` means a second thread costs more than it gives (an oversubscribed machine).
+    A grid search over ``P_GRID``."""
+    e, t = pm.auto_threads(trace.costs.cores, target.async_ratio, target.engine_threads, target.trainer_threads)
+    if (e, t) == (trace.costs.engine_threads, trace.costs.trainer_threads):
+        raise ConfigError("calibration needs a run with another thread split than the planned run's (e.g. "
+                          f"async_ratio > 0 beside a synchronous run); both ran with {e}/{t} threads")
 
     def err(p: float) -> float:
-        return abs(predict(trace, target, {"engine": p, "trainer": p}).step_s - other.measured_step_s)
+        return abs(predict(trace, target, {"engine": p, "trainer": p}).step_s - measured_s)
 
     return min(P_GRID, key=err)
 
@@ -258,17 +293,21 @@ def parse_candidates(items: list[str], trace: Trace) -> list[tuple[dict[str, str
     return out
 
 
-def plan(run_dir: str, items: list[str], p: dict[str, float] | None = None, out=print,
-         calibrate: str | None = None) -> list[dict]:
+def plan(run_dir: str | list, items: list[str], p: dict[str, float] | None = None, out=print,
+         calibrate: str | list | None = None) -> list[dict]:
     """Predict every candidate, print the ranked table (fastest first) and a final JSON line;
-    returns the rows (the JSON line's ``candidates``). ``calibrate``: a second run dir whose
-    measured time sets the parallel fraction (``calibrate_p``); else ``p`` or ``DEFAULT_P``."""
+    returns the rows (the JSON line's ``candidates``). ``run_dir``: one run dir or repeats of one
+    setting; ``calibrate``: run dir(s) of another setting whose measured time sets the parallel
+    fraction (``calibrate_p``); else ``p`` or ``DEFAULT_P``."""
     trace = load_trace(run_dir)
+    dirs = [str(d) for d in (run_dir if isinstance(run_dir, (list, tuple)) else [run_dir])]
     p = {**DEFAULT_P, **(p or {})}
     if calibrate:
-        q = calibrate_p(trace, load_trace(calibrate))
+        other = load_trace(calibrate)
+        q = calibrate_p(trace, other.setting, other.measured_step_s)
         p = {"engine": q, "trainer": q}
-        out(f"flash plan: parallel fraction p = {q:.2f}, calibrated on {calibrate}")
+        out(f"flash plan: parallel fraction p = {q:.2f}, calibrated on {calibrate} "
+            f"(measured {other.measured_step_s:.3f} s/step)")
     rows = []
     for written, setting in parse_candidates(items, trace):
         pred = predict(trace, setting, p)
@@ -277,7 +316,7 @@ def plan(run_dir: str, items: list[str], p: dict[str, float] | None = None, out=
     rows.sort(key=lambda r: r["predicted_s_per_step"])
     own = predict(trace, trace.setting, p).step_s
     k = trace.costs
-    out(f"flash plan: {run_dir}: measured {trace.measured_step_s:.3f} s/step over {len(trace.steps)} steady "
+    out(f"flash plan: {', '.join(dirs)}: measured {trace.measured_step_s:.3f} s/step over {len(trace.steps)} steady "
         f"steps (the model reproduces {own:.3f}); fit: a={k.a * 1e3:.2f} ms/iteration, c={k.c * 1e3:.3f} "
         f"ms/token, train {k.u1 * 1e6:.2f} us/padded token, update {k.update_s:.3f} s, other {k.other_s:.3f} s, "
         f"wait {k.g0:.3f} s (threads engine {k.engine_threads}, trainer {k.trainer_threads}, {k.cores} cores)")
@@ -290,7 +329,7 @@ def plan(run_dir: str, items: list[str], p: dict[str, float] | None = None, out=
     widths = [max(len(h), *(len(row[j]) for row in table)) if table else len(h) for j, h in enumerate(header)]
     for line in [header, *table]:
         out("  ".join(cell.ljust(w) for cell, w in zip(line, widths)))
-    out(json.dumps({"run_dir": str(run_dir), "measured_s_per_step": round(trace.measured_step_s, 4),
+    out(json.dumps({"run_dirs": dirs, "measured_s_per_step": round(trace.measured_step_s, 4),
                     "model_s_per_step": round(own, 4), "parallel_fraction": p,
                     "fit": {f: round(getattr(k, f), 7) for f in ("a", "c", "u1", "update_s", "other_s", "g0")},
                     "candidates": rows}))
@@ -299,8 +338,8 @@ def plan(run_dir: str, items: list[str], p: dict[str, float] | None = None, out=
 
 def trim_trace(src: str | Path, dst: str | Path) -> Path:
     """Copy what ``load_trace`` reads from run dir ``src`` to ``dst``, nothing else (small enough
-    to commit as a test fixture): the step rows' timing keys, trained samples' lengths, the config,
-    the summary's thread split."""
+    to commit as a test fixture): the step rows' timing keys, trained samples' lengths (gzipped),
+    the config, the summary's thread split."""
     src, dst = Path(src), Path(dst)
     dst.mkdir(parents=True, exist_ok=True)
     keep = ("rollout/busy_s", "rollout/decode_steps", "rollout/tokens_generated")
@@ -309,7 +348,8 @@ def trim_trace(src: str | Path, dst: str | Path) -> Path:
     (dst / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     lines = [{k: e[k] for k in ("step", "prompt_id", "len", "plen") if k in e}
              for e in _jsonl(src / "ledger.jsonl") if e.get("outcome") == "trained"]
-    (dst / "ledger.jsonl").write_text("".join(json.dumps({"outcome": "trained", **e}) + "\n" for e in lines))
+    text = "".join(json.dumps({"outcome": "trained", **e}, separators=(",", ":")) + "\n" for e in lines)
+    (dst / "ledger.jsonl.gz").write_bytes(gzip.compress(text.encode(), mtime=0))
     (dst / "config.yaml").write_text((src / "config.yaml").read_text())
     summary = json.loads((src / "summary.json").read_text())
     (dst / "summary.json").write_text(json.dumps({k: summary.get(k) for k in ("threads", "cores", "seconds_per_step",

@@ -74,8 +74,14 @@ def resolve_threads(cfg: FlashConfig) -> tuple[int, int]:
 
 
 def prepare_model(cfg: FlashConfig, task) -> str:
+    """The policy's initial checkpoint: ``model.path``; ``model.gguf`` converted once (flash.gguf);
+    else the tiny model warm-started on the task (flash.sft)."""
     if cfg.model.path:
         return cfg.model.path
+    if cfg.model.gguf:
+        from flash.gguf import gguf_checkpoint
+
+        return gguf_checkpoint(cfg.model.gguf, default_cache_dir(cfg))
     from flash.sft import warm_start
 
     return warm_start(cfg.model.tiny, cfg.sft, task, default_cache_dir(cfg))
@@ -269,9 +275,12 @@ class Run:
                                   f"'{cfg.task.get('name')}' runs multi-turn episodes: set rollout.scheduler: plain")
             return build_episode_scheduler(cfg, self.task, self.tokenizer, self.engine, self.buffer,
                                            self.staleness, params)
+        from flash.rewards.judge import with_default_model
         from flash.rewards.workers import pool_from_config
 
-        self.reward_pool = pool_from_config(cfg.reward, tuple(cfg.plugins), cfg.rollout.max_worker_restarts)
+        # a judge without a model judges with the policy's initial checkpoint
+        reward_cfg = dataclasses.replace(cfg.reward, fn=with_default_model(dict(cfg.reward.fn), self.model_path))
+        self.reward_pool = pool_from_config(reward_cfg, tuple(cfg.plugins), cfg.rollout.max_worker_restarts)
         reward_fn = self.reward_pool.reward_fn() if self.reward_pool else None
         tail = cfg.rollout.scheduler == "tail_batching"
         cls, extra = (TailBatchingScheduler, {"tail": cfg.rollout.tail_batching}) if tail else (RolloutScheduler, {})

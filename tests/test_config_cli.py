@@ -9,6 +9,7 @@ import pytest
 from flash.cli import main, recipe_paths
 from flash.config import load_config
 from flash.errors import ConfigError
+from flash.gguf import MissingModelPackage
 
 RECIPES = sorted(recipe_paths().values())
 STUTTER = recipe_paths()["stutter"]  # the default recipe: its task has slip_prob
@@ -16,8 +17,11 @@ STUTTER = recipe_paths()["stutter"]  # the default recipe: its task has slip_pro
 
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.stem)
 def test_every_shipped_recipe_validates_and_opens_with_its_command(path):
-    cfg = load_config(path)
     assert path.read_text().splitlines()[0] == f"# flash run {path.stem}"
+    try:
+        cfg = load_config(path)
+    except MissingModelPackage as exc:  # a recipe on an optional extra's model (math_smollm2)
+        pytest.skip(str(exc))
     assert cfg.description  # `flash ls` shows it
 
 

@@ -4,7 +4,8 @@ A real `flash run` subprocess (async ratio 2). After the first step its engine a
 (pid from the engine's ``pid()`` method, logged in events.jsonl) is SIGKILLed; after a later step
 the restarted engine is frozen with SIGSTOP, so it answers nothing: the hang timeout must catch it.
 The run must finish, count both faults, and its ledger must still show every admitted prompt ending
-exactly once, every trained sample once.
+exactly once, every trained sample once. The same with two engine replicas behind the router, one
+of them SIGKILLed: only it is restarted, and the staleness bound still holds for every sample.
 """
 
 import collections

@@ -49,6 +49,23 @@ def test_threshold_forms_and_bad_values_name_the_forms():
     assert check_tail(TailConfig(), 16) is None
 
 
+@pytest.mark.parametrize("overrides, needle", [
+    (["rollout.scheduler=tail_batchin"], "did you mean 'tail_batching'"),
+    (["rollout.tail_batching.over_provision=2"], "rollout.scheduler is 'plain'"),
+    (["rollout.scheduler=tail_batching", "rollout.tail_batching.threshold=p0"], "p<percentile"),
+    (["rollout.scheduler=tail_batching", "rollout.tail_batching.overprovision=2"], "did you mean 'over_provision'"),
+])
+def test_config_is_strict(overrides, needle):
+    from flash.config import load_config, validate
+    from flash.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=needle):
+        validate(load_config("recipes/stutter.yaml", overrides))
+    cfg = load_config("recipes/stutter.yaml", ["rollout.scheduler=tail_batching", "rollout.tail_batching.threshold=16"])
+    validate(cfg)
+    assert cfg.rollout.tail_batching.threshold == "16"
+
+
 def test_percentile_and_cap_by_hand():
     assert percentile([5, 1, 3, 2, 4], 60) == 3  # nearest rank: ceil(0.6 * 5) = 3rd smallest
     assert percentile([5, 1, 3, 2, 4], 100) == 5
@@ -141,12 +158,12 @@ def make(length, *, B=2, r=0.0, n=2, per_token=0.01, **tail):
     return sched, buffer, engine
 
 
-def take(buffer, count, timeout=30.0):
+def take(buffer, count, timeout=120.0):
     return buffer.get_batch(count, select=lambda gs: list(range(count)) if len(gs) >= count else None,
                             timeout=timeout)
 
 
-def wait_until(pred, timeout=30.0):
+def wait_until(pred, timeout=120.0):
     end = time.monotonic() + timeout
     while not pred():
         assert time.monotonic() < end, "condition not reached"
@@ -229,6 +246,10 @@ def _drive(sched, buffer, engine, steps, B, r):
         batch = buffer.get_batch(B, select=select, timeout=60)
         trained.append((t, batch))
         sched.mark_trained(batch)
+        m = sched.metrics()  # spares never count: the admissions that do stay within the formula
+        assert m["rollout/counted_admissions"] <= st.admission_limit(t)
+        snap = {k[len("rollout/lifecycle/"):]: int(v) for k, v in m.items() if k.startswith("rollout/lifecycle/")}
+        assert unbalance(snap) == 0
         if t + 1 < steps:
             ray.get(engine.set_version.remote(t + 1))
             sched.set_version(t + 1)
@@ -358,3 +379,39 @@ def test_ledger_cut_prompts_rerun_in_long_rounds_exactly_once(tmp_path, cache, r
     assert len(data) == len(set(data)) == steps * cfg.train.prompts_per_step  # each prompt trained once
     ended = sorted({x["prompt_id"] for x in trained} | {x["prompt_id"] for x in cuts} | in_flight)
     assert ended == list(range(r.scheduler.admitted))
+
+
+@pytest.mark.usefixtures("ray_session")
+def test_a_checkpoint_keeps_the_long_prompt_queue():
+    """Cut at version 0, checkpointed, restored into a fresh scheduler: the queued prompt re-runs in
+    the long round of version 1 there, once; the tail counters carry over."""
+    import json
+
+    from flash.checkpoint import group_from_dict, snapshot_rollout
+
+    lengths = {(1, 1): 12}
+    knobs = {"threshold": "4", "over_provision": 1.0, "long_round_queue": 1}
+    sched, buffer, _ = make(lambda d, k: lengths.get((d, k), 3), **knobs)
+    sched.start()
+    sched.start_admission()
+    groups = take(buffer, 2)
+    sched.mark_trained(groups)
+    sched.quiesce()
+    state = json.loads(json.dumps(snapshot_rollout(buffer, sched)))
+    sched.stop()
+    assert state["scheduler"]["tail"]["long_queue"] == [{"data_index": 1, "prompt_id": 1}]
+
+    sched2, buffer2, _ = make(lambda d, k: lengths.get((d, k), 3), **knobs)
+    buffer2.restore([group_from_dict(g) for g in state["buffer"]])
+    sched2.load_state_dict(state["scheduler"])
+    sched2.start()
+    sched2.set_version(0)  # the runner's start repeats the version: the same (short) round
+    assert sched2.metrics()["rollout/tail/short_rounds"] == 1
+    sched2.set_version(1)
+    sched2.start_admission()
+    groups = take(buffer2, 2)
+    assert sorted((g.data_index, g.samples[0].meta.get("cut_from")) for g in groups) == [(1, 1), (3, None)]
+    m = sched2.metrics()
+    assert (m["rollout/tail/cut_groups"], m["rollout/tail/long_rounds"], m["rollout/tail/long_queue"]) == (1, 1, 0)
+    assert sched2.admitted == 5  # prompt ids go on from the checkpoint's 3
+    sched2.stop()

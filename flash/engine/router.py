@@ -173,8 +173,17 @@ class Router:
             try:
                 out.append(ray.get(ref))
             except Exception as exc:
+                self._quarantine(i)
                 raise ReplicaError(f"engine replica {i} failed in {what}: {exc!r}", i, failure_kind(exc)) from exc
         return out
+
+    def _quarantine(self, replica: int) -> None:
+        """With fault recovery on (``hang_timeout_s`` set), a replica that failed is out of service
+        at once: no request is routed to it (a restarted process would serve it with its initial
+        weights) until the recovery brings it back (``replica_up``)."""
+        if self.hang_timeout_s is not None:
+            with self._lock:
+                self.balancer.down.add(replica)
 
     def _live(self) -> list[int]:
         with self._lock:
@@ -252,6 +261,7 @@ class Router:
         for i, since in list(self._poll_since.items()):
             if i in self._polls and now - since > timeout + self.hang_timeout_s:
                 del self._polls[i], self._poll_since[i]
+                self._quarantine(i)
                 return ReplicaError(f"engine replica {i} failed in get_finished: no answer for {now - since:.0f} s "
                                     f"(rollout.hang_timeout_s={self.hang_timeout_s:g})", i, "hung")
         return None

@@ -59,6 +59,7 @@ def registered_rewards() -> list[str]:
 
 def _load_builtins() -> None:
     from flash.rewards import builtin  # noqa: F401  (registers math and code)
+    from flash.rewards import judge  # noqa: F401  (registers judge)
 
 
 def _lookup(name: str) -> _Entry:

@@ -8,7 +8,7 @@ from recipes.tasks.base import (
     registered_tasks,
     task_options,
 )
-from recipes.tasks import chainsum, echo, stutter  # noqa: F401  (registers the built-in tasks)
+from recipes.tasks import chainsum, echo, pyfunc, stutter, wordproblems  # noqa: F401  (registers the built-in tasks)
 from flash.envs import task as _env_tasks  # noqa: F401,E402  (registers corridor, frozenlake)
 
 __all__ = ["Task", "TaskItem", "make_task", "register_task", "registered_tasks", "task_options"]

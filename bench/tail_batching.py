@@ -1,0 +1,93 @@
+"""Tail batching (RollPacker) with and without asynchrony: time per step and held-out accuracy.
+
+    python -m bench.tail_batching [--repeats 2] [--settings sync,sync_tail,async2,async2_tail]
+                                  [--tail threshold=p90,over_provision=1.25] [key=value ...]
+
+Each repeat runs every setting back to back (interleaved, so machine noise hits all alike) as a
+fresh `flash run` process on the same recipe with the same number of steps, so the same number of
+samples is trained in each; the runner's automatic thread split keeps the cores equal (sync: each
+phase uses all cores; async: engine and trainer share them). Reports per setting the median over
+repeats of the seconds per train step (a run's mean, and its median step), the median of the
+per-repeat ratios to the first setting, the median held-out accuracy at the end, and tail
+batching's own counts (groups cut, long rounds, tokens the engine decoded in all -- cut work
+included). The last line is JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+SETTINGS = {
+    "sync": ["async_ratio=0"],
+    "sync_tail": ["async_ratio=0", "rollout.scheduler=tail_batching"],
+    "async2": ["async_ratio=2"],
+    "async2_tail": ["async_ratio=2", "rollout.scheduler=tail_batching"],
+}
+TAIL_KEYS = ("rollout/tail/cut_groups", "rollout/tail/long_rounds", "rollout/tail/swaps",
+             "rollout/aborted/tail_cut", "rollout/tail/long_queue")
+
+
+def run_once(recipe: str, setting: list[str], run_dir: Path, overrides: list[str]) -> dict:
+    cmd = [sys.executable, "-m", "flash.cli", "run", recipe, *setting, f"run_dir={run_dir}",
+           "tracking.progress=false", *overrides]
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    summary["tail"] = {k.split("/")[-1]: steps[-1][k] for k in TAIL_KEYS if k in steps[-1]}
+    # every token the engine decoded, cut and aborted work included (the engine's own counter)
+    summary["engine_tokens"] = sum(m.get("rollout/tokens_generated", 0.0) for m in steps)
+    # the median step resists a neighbour's load spike better than the mean (train_s / steps)
+    summary["step_median_s"] = statistics.median(m["time/step"] for m in steps)
+    return summary
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--recipe", default="stutter")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--settings", default=",".join(SETTINGS))
+    ap.add_argument("--tail", default="", help="tail-batching knobs for the *_tail settings: k=v,k=v")
+    ap.add_argument("overrides", nargs="*")
+    args = ap.parse_args(argv)
+    names = args.settings.split(",")
+    tail = [f"rollout.tail_batching.{kv}" for kv in args.tail.split(",") if kv]
+    out = Path(tempfile.mkdtemp(prefix="flash-bench-tail-"))
+    runs: dict[str, list[dict]] = {n: [] for n in names}
+    for rep in range(args.repeats):
+        for name in names:
+            setting = SETTINGS[name] + (tail if name.endswith("_tail") else [])
+            s = run_once(args.recipe, setting, out / f"{name}-{rep}", args.overrides)
+            runs[name].append(s)
+            print(f"repeat {rep} {name}: {s['seconds_per_step']:.3f} s/step (median {s['step_median_s']:.3f}), acc "
+                  f"{s['eval_accuracy_initial']:.3f}->{s['eval_accuracy_final']:.3f}, "
+                  f"engine tokens {s['engine_tokens']:.0f}, {s['tail']}", flush=True)
+    base = names[0]
+    result = {"recipe": args.recipe, "repeats": args.repeats, "overrides": args.overrides, "tail": tail,
+              "per_setting": {}}
+    for name in names:
+        rs = runs[name]
+        result["per_setting"][name] = {
+            "seconds_per_step_median": statistics.median(s["seconds_per_step"] for s in rs),
+            "step_median_s_median": statistics.median(s["step_median_s"] for s in rs),
+            "speedup_vs_first_median": statistics.median(
+                a["seconds_per_step"] / b["seconds_per_step"] for a, b in zip(runs[base], rs)),
+            "eval_accuracy_final_median": statistics.median(s["eval_accuracy_final"] for s in rs),
+            "eval_accuracy_initial": rs[0]["eval_accuracy_initial"],
+            "samples_trained": rs[0]["samples_trained"],
+            "engine_tokens_median": statistics.median(s["engine_tokens"] for s in rs),
+            "max_staleness": max(s["max_staleness_observed"] for s in rs),
+            **({"tail_median": {k: statistics.median(s["tail"][k] for s in rs) for k in rs[0]["tail"]}}
+               if rs[0]["tail"] else {}),
+        }
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()
