@@ -9,7 +9,8 @@ cut: it records every start, resume, fallback and fault, including the ones of k
 Settings that shape what is trained (seed, task, async ratio, batch shape, loss, ...) must match the
 checkpointed run, or resuming would silently mix two experiments. What may change is listed in
 ``MAY_CHANGE`` (more steps, checkpoint and tracking knobs, resources, timeouts, and an FSDP2
-group's worker count: its torch distributed checkpoint reshards to the new size on load).
+group's worker count and devices -- ``train.workers`` with ``placement.roles.actor_train``, which
+it implies: its torch distributed checkpoint reshards to the new size on load).
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from omegaconf import OmegaConf
 from flash.errors import ConfigError
 
 LOGS = ("ledger", "metrics", "timeline", "eval")  # RUN_DIR/<name>.jsonl, cut back on resume
-MAY_CHANGE = ("train.steps", "train.max_consecutive_skips", "train.workers", "checkpoint.", "tracking.", "resume", "run_dir",
+MAY_CHANGE = ("train.steps", "train.max_consecutive_skips", "train.workers", "placement.roles.actor_train.",
+              "checkpoint.", "tracking.", "resume", "run_dir",
               "cache_dir", "description", "eval.every_steps", "rollout.hang_timeout_s",
               "rollout.max_engine_restarts", "rollout.max_worker_restarts", "resources.", "ray.", "data.strict")
 

@@ -146,11 +146,16 @@ def test_a_checkpoint_of_the_other_trainer_kind_names_the_setting_to_resume_with
 
 
 def test_resume_may_change_the_worker_count_only():
+    from flash.config import load_config, to_dict
     from flash.resume import config_differences
 
-    saved = {"train": {"workers": 2, "micro_tokens": 0}}
-    assert config_differences(saved, {"train": {"workers": 3, "micro_tokens": 0}}) == []
-    assert config_differences(saved, {"train": {"workers": 2, "micro_tokens": 64}}) == ["train.micro_tokens: 0 -> 64"]
+    def resolved(*overrides):  # as config.yaml holds it (train.workers sets actor_train.num_workers)
+        return to_dict(load_config("recipes/stutter.yaml", list(overrides)))
+
+    saved = resolved("train.workers=2")
+    assert config_differences(saved, resolved("train.workers=3")) == []
+    assert config_differences(saved, resolved("train.workers=2", "train.micro_tokens=64")) == \
+        ["train.micro_tokens: 0 -> 64"]
 
 
 # ---------------------------------------------------------------- environment episodes
