@@ -5,13 +5,13 @@ Parts:
   it (``flash.fsdp.ShardedTrainer``) and runs its share of each call.
 - ``TrainerGroup`` (one Ray actor): the controller's handle. It answers ``logprobs``,
   ``train_step``, ``get_weights``, ``save`` and ``stats`` like ``TrainerWorker``, so the controller
-  cannot tell a group from a single trainer; plus ``load`` and ``export_hf``. It is also the
-  model-update group's sender (``mu_*``, as ``UpdateSender``): every rank takes part in gathering
-  the full state dict, rank 0 keeps it and is the member that broadcasts (or writes the shared
-  segment) to the replicas; the bytes never pass through this actor or Ray's object store. Per call it plans the
+  cannot tell a group from a single trainer; plus ``load`` and ``export_hf``. Per call it plans the
   batch (``flash.microbatch.plan_batch``: rows to ranks, micro-batches under the token budget,
   equal counts), sends the batch once through the object store, starts every rank's share and adds
-  the ranks' partial results up.
+  the ranks' partial results up. It is also the model-update group's sender (``mu_*``, as
+  ``UpdateSender``): every rank takes part in gathering the full state dict, rank 0 keeps it and is
+  the member that broadcasts (or writes the shared segment) to the replicas; the weights never
+  pass through this actor or Ray's object store.
 
 Every collective call goes to all ranks in the same order (one lock), or the group would deadlock.
 Rank actors are owned by the group actor: killing the group kills them too (Ray fate-sharing).
