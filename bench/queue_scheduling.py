@@ -1,6 +1,6 @@
 """Queue scheduling vs batch-then-score with a slow reward: time per step and the ratio, side by side.
 
-    python -m bench.queue_scheduling [--repeats 3] [--recipe stutter] [key=value ...]
+    python -m bench.queue_scheduling [--repeats 3] [--recipe stutter|code] [key=value ...]
 
 On the default recipe (``--recipe stutter``) the reward is made slow with
 ``rollout.inject_delay_s=X``: every response waits uniform(0, X) seconds before it is scored (an
