@@ -1,0 +1,12 @@
+"""Test-session environment, set before any test module imports torch or starts Ray.
+
+OpenMP's default spin-waiting collapses throughput when the cores are shared (CI runs beside
+other jobs on 2 cores): the `flash` CLI sets ``OMP_WAIT_POLICY=PASSIVE`` for the same reason, and
+tests that train in-process (warm starts, controller loops) or start Ray workers (which inherit the
+driver's environment) need it as much. Ray's usage-stats prompt is off so no test waits on it.
+"""
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
