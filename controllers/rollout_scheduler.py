@@ -161,7 +161,8 @@ class RolloutScheduler(Admission):
         self._pool.shutdown(wait=True, cancel_futures=True)
 
     def evaluate(self, items: list, params: SamplingParams, tag: str, seed: int) -> list[float]:
-        """Generate one response per item through the same engine; rewards in item order."""
+        """Generate one response per item through the same engine; rewards in item order, scored
+        concurrently on the reward threads."""
         ids = [f"eval/{tag}/{i}" for i in range(len(items))]
         reqs = []
         for i, (rid, item) in enumerate(zip(ids, items)):
@@ -177,7 +178,9 @@ class RolloutScheduler(Admission):
             outs = [self._eval.pop(r) for r in ids]
             for r in ids:
                 self._eval_reqs.pop(r, None)
-        return [self._score(item, out.token_ids) for item, out in zip(items, outs)]
+        # scored concurrently on the reward threads (a code reward's sandbox runs dominate an eval)
+        futures = [self._pool.submit(self._score, item, out.token_ids) for item, out in zip(items, outs)]
+        return [f.result() for f in futures]
 
     # ---- threads -------------------------------------------------------------------------
     def _guard(self, fn):
