@@ -21,10 +21,9 @@ import hashlib
 import importlib.metadata
 import importlib.util
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
+from flash.cache import build_once
 from flash.errors import ConfigError
 
 META_FILE = "flash_gguf.json"
@@ -85,21 +84,7 @@ def gguf_checkpoint(spec: str, cache_root: str | os.PathLike) -> str:
     check_loaders()
     cache_root = os.fspath(cache_root)
     final = os.path.join(cache_root, f"gguf-{path.stem}-{checkpoint_key(path)}")
-    if os.path.exists(os.path.join(final, META_FILE)):
-        return final
-    os.makedirs(cache_root, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".tmp-gguf-", dir=cache_root)
-    try:
-        _convert(path, tmp)
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            if not os.path.exists(os.path.join(final, META_FILE)):
-                raise
-            shutil.rmtree(tmp, ignore_errors=True)  # another process converted it first
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    build_once(final, META_FILE, lambda tmp: _convert(path, tmp))
     return final
 
 

@@ -28,13 +28,12 @@ import json
 import logging
 import math
 import os
-import shutil
-import tempfile
 import time
 from dataclasses import dataclass
 
 import torch
 
+from flash.cache import build_once
 from flash.models import (
     DEFAULT_ALPHABET,
     TinyModelConfig,
@@ -104,21 +103,9 @@ def warm_start(model_cfg: TinyModelConfig, sft_cfg: SFTConfig, task: Task,
     """
     cache_root = os.fspath(cache_root)
     final = os.path.join(cache_root, f"sft-{task.name}-{cache_key(model_cfg, sft_cfg, task)}")
-    if os.path.exists(os.path.join(final, META_FILE)):
+    meta = build_once(final, META_FILE, lambda tmp: _train_and_save(model_cfg, sft_cfg, task, tmp))
+    if meta is None:  # cached (or another process built it meanwhile)
         return final
-    os.makedirs(cache_root, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".tmp-sft-", dir=cache_root)
-    try:
-        meta = _train_and_save(model_cfg, sft_cfg, task, tmp)
-        try:
-            os.rename(tmp, final)  # atomic on one filesystem
-        except OSError:
-            if not os.path.exists(os.path.join(final, META_FILE)):
-                raise  # not a lost race with another writer: a real error
-            shutil.rmtree(tmp, ignore_errors=True)  # someone else finished first
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     acc = meta.get("eval_accuracy")
     log.info("warm start %s: %d SFT steps in %.1fs, final loss %.3f%s -> %s",
              task.name, sft_cfg.steps, meta["train_seconds"], meta["final_loss"],

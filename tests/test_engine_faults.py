@@ -35,6 +35,19 @@ def cache(tmp_path_factory):
     return os.environ.get("FLASH_TEST_CACHE") or str(tmp_path_factory.mktemp("cache"))
 
 
+def assert_ledger_complete(run_dir, summary) -> list[dict]:
+    """Every planned sample trained exactly once, and every admitted prompt either trained or left
+    (buffered / in flight) exactly once; returns the ledger."""
+    ledger = read_jsonl(run_dir / "ledger.jsonl")
+    pairs = collections.Counter((e["prompt_id"], e["sample"]) for e in ledger if e["outcome"] == "trained")
+    assert set(pairs.values()) == {1} and len(pairs) == STEPS * B * N
+    trained = {p for p, _ in pairs}
+    left = [e["prompt_id"] for e in ledger if e["outcome"] in ("buffered", "in_flight")]
+    assert sorted(trained | set(left)) == list(range(summary["prompts_admitted"]))
+    assert len(left) == len(set(left)) and not set(left) & trained
+    return ledger
+
+
 @pytest.mark.slow
 def test_engine_killed_then_hung_mid_run_is_restarted_and_nothing_is_lost(tmp_path, cache):
     run_dir = tmp_path / "faults"
@@ -62,13 +75,7 @@ def test_engine_killed_then_hung_mid_run_is_restarted_and_nothing_is_lost(tmp_pa
     assert summary["faults_engine"] == 2 and summary["steps"] == STEPS
     metrics = read_jsonl(run_dir / "metrics.jsonl")
     assert metrics[-1]["faults/engine"] == 2.0
-    ledger = read_jsonl(run_dir / "ledger.jsonl")
-    pairs = collections.Counter((e["prompt_id"], e["sample"]) for e in ledger if e["outcome"] == "trained")
-    assert set(pairs.values()) == {1} and len(pairs) == STEPS * B * N
-    trained = {p for p, _ in pairs}
-    left = [e["prompt_id"] for e in ledger if e["outcome"] in ("buffered", "in_flight")]
-    assert sorted(trained | set(left)) == list(range(summary["prompts_admitted"]))
-    assert len(left) == len(set(left)) and not set(left) & trained
+    assert_ledger_complete(run_dir, summary)
 
 
 @pytest.mark.slow
@@ -108,12 +115,6 @@ def test_one_of_two_replicas_killed_mid_run_is_restarted_and_nothing_is_lost(tmp
     assert summary["faults_engine"] == 1 and summary["steps"] == STEPS
     metrics = read_jsonl(run_dir / "metrics.jsonl")
     assert metrics[-1]["faults/engine"] == 1.0
-    ledger = read_jsonl(run_dir / "ledger.jsonl")
-    pairs = collections.Counter((e["prompt_id"], e["sample"]) for e in ledger if e["outcome"] == "trained")
-    assert set(pairs.values()) == {1} and len(pairs) == STEPS * B * N
-    trained = {p for p, _ in pairs}
-    left = [e["prompt_id"] for e in ledger if e["outcome"] in ("buffered", "in_flight")]
-    assert sorted(trained | set(left)) == list(range(summary["prompts_admitted"]))
-    assert len(left) == len(set(left)) and not set(left) & trained
+    ledger = assert_ledger_complete(run_dir, summary)
     # the restarted replica generates under the current version: the staleness bound (r = 2) holds
     assert all(e["step"] - 2 <= e["version"] <= e["step"] for e in ledger if e["outcome"] == "trained")
