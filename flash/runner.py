@@ -386,9 +386,9 @@ def run(cfg: FlashConfig, recipe_name: str = "run") -> dict:
         try:
             records = r.controller.run(cfg.train.steps, on_step=lambda rec: _on_step(r, rec, tracker, progress),
                                        start=start)
-        except RayActorError as exc:  # engine faults are recovered (flash.faults); this is the trainer
-            raise TrainerDied(f"the trainer worker died ({exc.__class__.__name__}); the run stopped. Resume "
-                              f"from its last checkpoint: flash run {recipe_name} resume={r.dir}") from exc
+        except RayActorError as exc:  # engine, reward and env faults are recovered (flash.faults, pools)
+            raise TrainerDied(f"the {_dead_role(r, exc)} died ({exc.__class__.__name__}); the run stopped. "
+                              f"Resume from its last checkpoint: flash run {recipe_name} resume={r.dir}") from exc
         r.checkpointer.wait()
         train_s = time.monotonic() - train_start
         left = r.controller.shutdown_rollout()
@@ -402,6 +402,17 @@ def run(cfg: FlashConfig, recipe_name: str = "run") -> dict:
     summary = _summary(cfg, r, records, acc0, acc1, train_s, left)
     (r.dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
+
+
+def _dead_role(r: Run, exc: RayActorError) -> str:
+    """Which of the run's actors a RayActorError names (the message a user acts on): the trainer
+    unless the error's actor id is another role's."""
+    dead = getattr(exc, "actor_id", None)
+    roles = {"critic worker": [r.critic], "rollout engine": [r.engine, *r.replicas]}
+    for role, actors in roles.items():
+        if dead and any(a is not None and a._actor_id.hex() == dead for a in actors):
+            return role
+    return "trainer worker"
 
 
 def _on_step(r: Run, rec, tracker, progress) -> None:
