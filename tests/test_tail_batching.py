@@ -367,7 +367,11 @@ def test_ledger_cut_prompts_rerun_in_long_rounds_exactly_once(tmp_path, cache, r
     lines = [json.loads(x) for x in (tmp_path / "ledger.jsonl").read_text().splitlines()]
     trained = [x for x in lines if x["outcome"] == "trained"]
     cuts = [x for x in lines if x.get("reason") == "tail_cut"]
-    assert cuts and records[-1].metrics["rollout/aborted/tail_cut"] == sum(x["samples"] for x in cuts)
+    # the counter agrees with the ledger once rollout has stopped (with r > 0, rollout goes on after
+    # the last step's metrics were taken, and its cuts are in the ledger too)
+    cut_samples = sum(x["samples"] for x in cuts)
+    assert cuts and r.scheduler.metrics()["rollout/aborted/tail_cut"] == cut_samples
+    assert records[-1].metrics["rollout/aborted/tail_cut"] <= cut_samples
     reruns = {x["prompt_id"]: x["cut_from"] for x in trained if "cut_from" in x}
     queued = [x["cut_prompt_id"] for x in lines if x["outcome"] == "long_queue"]
     in_flight = {x["prompt_id"] for x in lines if x["outcome"] in ("in_flight", "buffered")}
