@@ -33,7 +33,7 @@ from flash import run_state
 from flash.checkpoint import Checkpointer, latest_valid, remove_partial
 from flash.config import FlashConfig, to_dict, to_yaml
 from flash.engine.base import SamplingParams
-from flash.errors import ConfigError, FlashError
+from flash.errors import FlashError
 from flash.faults import EngineSupervisor
 from flash.guards import InputGuard, SkipGuard
 from flash.engine.router import start_router
@@ -270,9 +270,6 @@ class Run:
         cfg, params = self.cfg, sampling_params(self.cfg, self.tokenizer)
         self.reward_pool = None
         if isinstance(self.task, EnvTask):  # multi-turn episodes on EnvWorker actors
-            if cfg.rollout.scheduler != "plain":
-                raise ConfigError(f"rollout.scheduler: {cfg.rollout.scheduler} works on single-turn tasks; "
-                                  f"'{cfg.task.get('name')}' runs multi-turn episodes: set rollout.scheduler: plain")
             return build_episode_scheduler(cfg, self.task, self.tokenizer, self.engine, self.buffer,
                                            self.staleness, params)
         from flash.rewards.judge import with_default_model

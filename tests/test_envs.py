@@ -220,3 +220,12 @@ def test_runner_rejects_multi_token_turns_for_single_character_actions(tmp_path)
     cfg = load_config("recipes/corridor.yaml", ["rollout.max_new_tokens=8"])
     with pytest.raises(ConfigError, match="set rollout.max_new_tokens=1"):
         check_episode_config(cfg, make_task("corridor"))
+
+
+def test_tail_batching_is_refused_for_episode_tasks_before_anything_starts():
+    from flash.config import load_config
+    from flash.envs.runtime import check_episode_config
+
+    cfg = load_config("recipes/corridor.yaml", ["rollout.scheduler=tail_batching"])
+    with pytest.raises(ConfigError, match="runs multi-turn episodes: set rollout.scheduler: plain"):
+        check_episode_config(cfg, make_task("corridor"))

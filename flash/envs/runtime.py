@@ -19,6 +19,9 @@ def check_episode_config(cfg, task) -> None:
             f"actions of {action} token(s): set rollout.max_new_tokens={action}")
     if cfg.eval.max_new_tokens not in (0, action):
         raise ConfigError(f"eval.max_new_tokens must be 0 or {action} (one action) for task '{task.name}'")
+    if cfg.rollout.scheduler != "plain":
+        raise ConfigError(f"rollout.scheduler: {cfg.rollout.scheduler} works on single-turn tasks; "
+                          f"'{task.name}' runs multi-turn episodes: set rollout.scheduler: plain")
 
 
 def build_episode_scheduler(cfg, task, tokenizer, engine, buffer, staleness, params):
