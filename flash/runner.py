@@ -63,9 +63,14 @@ def make_run_dir(cfg: FlashConfig, recipe_name: str) -> Path:
     return path
 
 
+def run_cores(cfg: FlashConfig) -> int:
+    """The CPU cores the run's local Ray gets (``ray.num_cpus``, else the machine's)."""
+    return cfg.ray.num_cpus or os.cpu_count() or 2
+
+
 def resolve_threads(cfg: FlashConfig) -> tuple[int, int]:
     """(engine, trainer) torch threads: all cores each when phases alternate, split otherwise."""
-    cores = cfg.ray.num_cpus or os.cpu_count() or 2
+    cores = run_cores(cfg)
     if cfg.async_ratio == 0:
         auto_engine = auto_trainer = cores
     else:
@@ -483,5 +488,5 @@ def _summary(cfg, r: Run, records, acc0, acc1, train_s, left) -> dict:
         "run_dir": str(r.dir),
         # the CPU split the roles ran with (flash plan scales costs measured here to other splits)
         "threads": dict(zip(("engine", "trainer"), resolve_threads(cfg))),
-        "cores": cfg.ray.num_cpus or os.cpu_count() or 2,
+        "cores": run_cores(cfg),
     }
