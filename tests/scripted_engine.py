@@ -36,7 +36,7 @@ class ScriptedEngine:
         return len(requests)
 
     def _output(self, r: GenerationRequest, reason: str) -> GenerationOutput:
-        k = int(r.request_id.split(":")[1])
+        k = int(r.request_id.split(":")[1]) if ":" in r.request_id else 0  # evaluation ids have no index
         n = self.lengths.get(r.request_id, 3) if reason != "abort" else 1
         return GenerationOutput(r.request_id, list(r.prompt_ids), [k + 1] * n, [-0.5] * n, [0] * n, reason)
 

@@ -347,3 +347,20 @@ def test_checkpoint_restarts_prompts_in_flight_once_and_keeps_the_lifecycle_bala
     assert unbalance(snap) == 0
     assert snap["admitted"] == 4 * 3 and snap["trained"] == 4 * 2 and snap["aborted"] == 4
     assert sched2.metrics()["rollout/counted_admissions"] == 4.0
+
+
+@pytest.mark.usefixtures("ray_session")
+def test_evaluation_scores_its_responses_concurrently():
+    """8 held-out responses, each 0.3 s to score, 4 reward threads: scored side by side the
+    evaluation takes about 2 × 0.3 s after generation; one after another it would take 2.4 s."""
+    engine = scripted({}, default=0.05)
+    sched, _ = make(engine, workers=4, sleep_s=0.3)
+    items = [Item(i) for i in range(8)]
+    ray.get(engine.log.remote())  # the actor is up: time only the evaluation
+    sched.start()
+    t0 = time.monotonic()
+    rewards = sched.evaluate(items, SamplingParams(max_new_tokens=8), tag="t", seed=1)
+    took = time.monotonic() - t0
+    sched.stop()
+    assert rewards == [0.0] * 8
+    assert 2 * 0.3 <= took < 0.6 * 8 * 0.3, took
