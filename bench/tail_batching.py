@@ -10,7 +10,9 @@ phase uses all cores; async: engine and trainer share them). Reports per setting
 repeats of the seconds per train step (a run's mean, and its median step), the median of the
 per-repeat ratios to the first setting, the median held-out accuracy at the end, and tail
 batching's own counts (groups cut, long rounds, tokens the engine decoded in all -- cut work
-included). The last line is JSON.
+included), and beside each the planner's prediction (``flash plan`` on the first setting's runs,
+pooled; it must be a plain-scheduler setting) against the planner's own measured figure (mean
+seconds per step after the warm-up steps). The last line is JSON.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from flash import planner
+
 SETTINGS = {
     "sync": ["async_ratio=0"],
     "sync_tail": ["async_ratio=0", "rollout.scheduler=tail_batching"],
@@ -34,10 +38,13 @@ TAIL_KEYS = ("rollout/tail/cut_groups", "rollout/tail/long_rounds", "rollout/tai
 
 
 def run_once(recipe: str, setting: list[str], run_dir: Path, overrides: list[str]) -> dict:
-    cmd = [sys.executable, "-m", "flash.cli", "run", recipe, *setting, f"run_dir={run_dir}",
-           "tracking.progress=false", *overrides]
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    if not (run_dir / "summary.json").is_file():  # a re-run with the same --out reuses finished runs
+        cmd = [sys.executable, "-m", "flash.cli", "run", recipe, *setting, f"run_dir={run_dir}",
+               "tracking.progress=false", *overrides]
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     summary = json.loads((run_dir / "summary.json").read_text())
+    summary["run_dir"] = str(run_dir)
+    summary["planner_measured_s"] = planner.measured_step_s(run_dir)
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     summary["tail"] = {k.split("/")[-1]: steps[-1][k] for k in TAIL_KEYS if k in steps[-1]}
     # every token the engine decoded, cut and aborted work included (the engine's own counter)
@@ -53,11 +60,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--settings", default=",".join(SETTINGS))
     ap.add_argument("--tail", default="", help="tail-batching knobs for the *_tail settings: k=v,k=v")
+    ap.add_argument("--out", help="run dirs here (a re-run reuses finished runs)")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
     names = args.settings.split(",")
     tail = [f"rollout.tail_batching.{kv}" for kv in args.tail.split(",") if kv]
-    out = Path(tempfile.mkdtemp(prefix="flash-bench-tail-"))
+    out = Path(args.out or tempfile.mkdtemp(prefix="flash-bench-tail-"))
     runs: dict[str, list[dict]] = {n: [] for n in names}
     for rep in range(args.repeats):
         for name in names:
@@ -85,8 +93,24 @@ def main(argv: list[str] | None = None) -> dict:
             **({"tail_median": {k: statistics.median(s["tail"][k] for s in rs) for k in rs[0]["tail"]}}
                if rs[0]["tail"] else {}),
         }
+    add_predictions(result, runs, names, tail)
     print(json.dumps(result))
     return result
+
+
+def add_predictions(result: dict, runs: dict[str, list[dict]], names: list[str], tail: list[str]) -> None:
+    """The planner's seconds per step for every setting, predicted from the first setting's runs
+    (pooled), beside the planner's measured figure for that setting (median over repeats)."""
+    trace = planner.load_trace([s["run_dir"] for s in runs[names[0]]])
+    for name in names:
+        setting = SETTINGS[name] + (tail if name.endswith("_tail") else [])
+        pred = planner.predict(trace, planner.parse_candidates(setting, trace)[0][1]).step_s
+        measured = statistics.median(s["planner_measured_s"] for s in runs[name])
+        row = result["per_setting"][name]
+        row.update(planner_predicted_s=round(pred, 4), planner_measured_s=round(measured, 4),
+                   planner_error=round(pred / measured - 1, 4))
+        print(f"{name}: planner predicts {pred:.3f} s/step, measured {measured:.3f} ({pred / measured - 1:+.1%})",
+              flush=True)
 
 
 if __name__ == "__main__":
