@@ -355,6 +355,7 @@ class AsyncController:
         """Open the first idle-ratio window of each role at the start of the first step."""
         engine, trainer = self._engine_get("stats"), ray.get(self.trainer.stats.remote())
         self._engine_prev, self._trainer_prev = engine, trainer.get("busy_s", 0.0)
+        self._cpu_prev = {"train": trainer.get("cpu_s", 0.0), "driver": time.process_time()}
         self._meters["rollout"].start(engine.get("busy_s", 0.0))
         self._meters["train"].start(trainer.get("busy_s", 0.0))
 
@@ -368,8 +369,14 @@ class AsyncController:
         # a restarted engine counts from zero again: its tokens since the restart, not a negative delta
         tokens = engine.get("tokens_generated", 0.0) - prev.get("tokens_generated", 0.0)
         tokens = tokens if tokens >= 0 else engine.get("tokens_generated", 0.0)
-        delta = {k: max(0.0, engine.get(k, 0.0) - prev.get(k, 0.0)) for k in ("busy_s", "decode_steps")}
+        delta = {k: max(0.0, engine.get(k, 0.0) - prev.get(k, 0.0)) for k in ("busy_s", "decode_steps", "cpu_s")}
+        cpu = {"train": trainer.get("cpu_s", 0.0), "driver": time.process_time()}
+        cpu_prev, self._cpu_prev = self._cpu_prev, cpu
         return {
+            # CPU seconds per step of each role's processes (engine: its tree, e.g. vLLM's core; the
+            # driver: the controller's process alone): what bounds an overlapped step on shared cores
+            "rollout/cpu_s": delta["cpu_s"], "train/cpu_s": max(0.0, cpu["train"] - cpu_prev["train"]),
+            "driver/cpu_s": max(0.0, cpu["driver"] - cpu_prev["driver"]),
             # per-step deltas for `flash plan` (flash.planner): engine busy seconds, decode iterations,
             # trainer busy seconds
             "rollout/busy_s": delta["busy_s"], "rollout/decode_steps": delta["decode_steps"],

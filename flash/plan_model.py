@@ -25,6 +25,18 @@ work hides behind ``U + W_u``:
 
 ``r = 0`` gives the synchronous sum; ``r ≥ 1`` gives ``O + max(U + W_u, E + g0)``.
 
+CPU bound (``cpu_bound_step``): overlapped roles share the cores, and so do the processes no
+phase timer sees (the controller's collector and reward threads, Ray). A synchronous run hides
+that: each role runs while the other waits. So runs record CPU seconds per step (the engine's
+process tree, the trainer's, the driver's); CPU per busy second ``ρ`` is fitted per role, and an
+overlapped step can be no shorter than its serial phases plus the CPU of everything else spread
+over the ``C`` cores:
+
+    T ≥ O + W_u + (ρ_e·E_ref + ρ_t·U_ref + d) / C
+
+(``E_ref``, ``U_ref``: the round's engine and trainer seconds at the trace's threads, since CPU
+seconds, unlike wall seconds, do not shrink with threads; ``d``: the driver's CPU per step).
+
 Tail batching (RollPacker, ``simulate_tail``): the rounds are simulated from the recorded groups'
 response lengths: a short round launches ``ceil(o·B)`` prompts, cuts a group when a response
 reaches the threshold ``τ`` (a fresh prompt takes its slot), ends when ``B`` groups have finished,
@@ -55,6 +67,9 @@ class Costs:
     trainer_threads: int
     cores: int
     prompt_len: float = 0.0  # mean prompt tokens (padded width = prompt + longest response)
+    cpu_engine: float = 0.0  # ρ_e: engine CPU seconds per busy second (0: the trace has no CPU counts)
+    cpu_train: float = 0.0  # ρ_t: trainer CPU seconds per train second
+    cpu_driver_s: float = 0.0  # d: the driver's CPU seconds per step
 
 
 @dataclass(frozen=True)
@@ -137,6 +152,14 @@ def step_time(engine_s: float, train: float, update: float, other: float, g0: fl
     gen = engine_s + g0
     hidden = min(min(max(r, 0.0), 1.0) * gen, train + update)
     return other + train + update + gen - hidden
+
+
+def cpu_bound_step(engine_ref_s: float, train_ref_s: float, update: float, other: float, k: "Costs") -> float:
+    """The shortest an overlapped step can be on ``k.cores`` cores (module docstring): its serial
+    phases plus every role's CPU seconds over the cores; 0 when the trace has no CPU counts."""
+    if not (k.cpu_engine or k.cpu_train):
+        return 0.0
+    return other + update + (k.cpu_engine * engine_ref_s + k.cpu_train * train_ref_s + k.cpu_driver_s) / k.cores
 
 
 def sync_round(lengths: list[list[int]]) -> Round:

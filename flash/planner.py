@@ -117,7 +117,20 @@ def fit_costs(rows: list[dict], steps: list[list[list[int]]], prompt_len: float,
         for r in rows)
     g0 = statistics.fmean(max(0.0, _phase(r, "get_batch") - float(r.get("rollout/busy_s", 0.0))) for r in rows)
     return pm.Costs(a=a, c=c, u0=0.0, u1=u1, update_s=update, other_s=other, g0=g0,
-                    engine_threads=threads[0], trainer_threads=threads[1], cores=cores, prompt_len=prompt_len)
+                    engine_threads=threads[0], trainer_threads=threads[1], cores=cores, prompt_len=prompt_len,
+                    **_cpu_rates(rows))
+
+
+def _cpu_rates(rows: list[dict]) -> dict[str, float]:
+    """CPU per busy second of engine and trainer, and the driver's CPU per step (``Costs``), from
+    the runs' ``*/cpu_s`` counts; zeros when the run predates them (no CPU bound then)."""
+    if not all("rollout/cpu_s" in r and "train/cpu_s" in r for r in rows):
+        return {}
+    busy_e = sum(float(r.get("rollout/busy_s", 0.0)) for r in rows)
+    busy_t = sum(_phase(r, "train", "recompute_prox") for r in rows)
+    return {"cpu_engine": sum(r["rollout/cpu_s"] for r in rows) / max(busy_e, 1e-9),
+            "cpu_train": sum(r["train/cpu_s"] for r in rows) / max(busy_t, 1e-9),
+            "cpu_driver_s": statistics.fmean(float(r.get("driver/cpu_s", 0.0)) for r in rows)}
 
 
 def measured_step_s(run_dir: str | Path, skip: int = SKIP_STEPS) -> float:
@@ -211,7 +224,12 @@ def predict(trace: Trace, s: pm.Setting, p: dict[str, float] | None = None) -> p
         tr = pm.train_s(rnd.rows, k.prompt_len + rnd.max_len, k.u0, u1)
         parts["engine_s"] += eng
         parts["train_s"] += tr
-        parts["step_s"] += pm.step_time(eng, tr, k.update_s, k.other_s, k.g0, s.async_ratio)
+        step = pm.step_time(eng, tr, k.update_s, k.other_s, k.g0, s.async_ratio)
+        if s.async_ratio > 0:  # overlapped roles: no faster than the cores can do all of it
+            step = max(step, pm.cpu_bound_step(pm.round_engine_s(rnd.iterations, rnd.tokens, k.a, k.c),
+                                               pm.train_s(rnd.rows, k.prompt_len + rnd.max_len, k.u0, k.u1),
+                                               k.update_s, k.other_s, k))
+        parts["step_s"] += step
         parts["long_rounds"] += rnd.long
     parts = {name: v / len(rounds) for name, v in parts.items()}
     parts.update(engine_threads=e, trainer_threads=t)

@@ -33,6 +33,7 @@ import torch
 from flash.batch import TrainBatch
 from flash.fsdp import COLLECTIVE_TIMEOUT_S, GroupSettings, ShardedTrainer, batch_to, free_port, pick_device
 from flash.microbatch import MicroPlan, plan_batch
+from flash.usage import process_tree_cpu_s
 from flash.model_update import ModelUpdateError, unique_tensors
 from flash.model_update_group import UpdateSender
 from flash.trainer import TrainerSettings
@@ -182,7 +183,7 @@ class FSDPRank(UpdateSender):
 
     def stats(self) -> dict:
         t = self.trainer
-        return {"busy_s": t.busy_s if t else 0.0, "steps": float(t.steps) if t else 0.0}
+        return {"busy_s": t.busy_s if t else 0.0, "steps": float(t.steps) if t else 0.0, "cpu_s": process_tree_cpu_s()}
 
     def pid(self) -> int:
         return os.getpid()
@@ -374,7 +375,9 @@ class TrainerGroup:
         out = {"busy_s": self.busy_s, "steps": float(self.steps), "workers": float(len(self.ranks)),
                "failed": float(self.failed is not None)}
         if not self.failed:
-            out["rank_busy_s_max"] = max(r["busy_s"] for r in ray.get([r.stats.remote() for r in self.ranks]))
+            ranks = ray.get([r.stats.remote() for r in self.ranks])
+            out["rank_busy_s_max"] = max(r["busy_s"] for r in ranks)
+            out["cpu_s"] = sum(r.get("cpu_s", 0.0) for r in ranks)
         return out
 
     def pids(self) -> list[int]:

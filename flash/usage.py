@@ -18,6 +18,7 @@ so that an engine stepping every few milliseconds yields a handful of spans per 
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from typing import Callable
@@ -84,3 +85,36 @@ def busy_fraction(spans: list[list[float]], lo: float, hi: float) -> float:
     if hi <= lo:
         return 0.0
     return sum(b - a for a, b in clip_spans(spans, lo, hi)) / (hi - lo)
+
+
+def _ticks_and_children(pid: int) -> tuple[float, list[int]]:
+    """(utime + stime in clock ticks, child pids) of ``pid`` from /proc; (0, []) once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()  # after "(comm)", which may hold spaces
+        kids = []
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                kids += [int(k) for k in f.read().split()]
+    except (OSError, ValueError):
+        return 0.0, []
+    return float(int(fields[11]) + int(fields[12])), kids  # utime, stime
+
+
+def process_tree_cpu_s(pid: int | None = None) -> float:
+    """CPU seconds (user + system, every thread) of a process and its live descendants.
+
+    Why: the planner (``flash plan``) predicts an asynchronous step from a synchronous run, and
+    when the roles overlap on shared cores what bounds a step is the CPU they need together, not
+    each role's wall time alone. A vLLM engine does its work in child processes, so the count must
+    follow the tree. Linux's /proc; elsewhere only this process (``time.process_time``)."""
+    if not os.path.exists("/proc/self/task"):
+        return time.process_time() if pid in (None, os.getpid()) else 0.0
+    pid = os.getpid() if pid is None else pid
+    total, frontier, seen = 0.0, [pid], {pid}
+    while frontier:
+        ticks, kids = _ticks_and_children(frontier.pop())
+        total += ticks
+        frontier += [k for k in kids if k not in seen]
+        seen.update(kids)
+    return total / os.sysconf("SC_CLK_TCK")

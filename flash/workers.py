@@ -20,6 +20,7 @@ import torch
 
 from flash.model_update import unique_tensors
 from flash.model_update_group import UpdateReceiver, UpdateSender
+from flash.usage import process_tree_cpu_s
 
 
 QUIET_ENV = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "error",
@@ -131,7 +132,7 @@ class EngineWorker(UpdateReceiver):
         return self.loop.abort(request_ids)
 
     def stats(self) -> dict:
-        return self.loop.stats()
+        return {**self.loop.stats(), "cpu_s": process_tree_cpu_s()}
 
     def version(self) -> int:
         return int(self.loop.stats()["version"])
@@ -230,7 +231,7 @@ class TrainerWorker(UpdateSender):
         return path
 
     def stats(self) -> dict:
-        return {"busy_s": self.trainer.busy_s, "steps": float(self.trainer.steps)}
+        return {"busy_s": self.trainer.busy_s, "steps": float(self.trainer.steps), "cpu_s": process_tree_cpu_s()}
 
     def pid(self) -> int:
         return os.getpid()

@@ -38,6 +38,15 @@ def test_amdahl_scaling_and_auto_threads():
     assert pm.oversubscription(2, 2, 2, overlap=False) == 1.0
 
 
+def test_cpu_bound_step_hand_computed():
+    k = pm.Costs(a=0.0, c=0.0, u0=0.0, u1=0.0, update_s=0.0, other_s=0.0, g0=0.0, engine_threads=2,
+                 trainer_threads=2, cores=2, cpu_engine=1.5, cpu_train=1.8, cpu_driver_s=0.1)
+    # E_ref = 0.2 s at 1.5 cores, U_ref = 0.3 s at 1.8 cores, 0.1 s driver: 0.94 CPU-s over 2 cores
+    assert pm.cpu_bound_step(0.2, 0.3, 0.02, 0.01, k) == pytest.approx(0.01 + 0.02 + (0.3 + 0.54 + 0.1) / 2)
+    no_counts = pm.Costs(**{**k.__dict__, "cpu_engine": 0.0, "cpu_train": 0.0})
+    assert pm.cpu_bound_step(0.2, 0.3, 0.02, 0.01, no_counts) == 0.0  # an old trace: no bound
+
+
 def test_rounds_hand_computed():
     groups = [[3, 4], [10, 2], [5, 5], [20, 1]]
     r = pm.sync_round(groups)

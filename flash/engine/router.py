@@ -315,7 +315,7 @@ class Router:
         parts = self._all("stats")
         n = len(parts)
         out = {k: float(sum(p.get(k, 0.0) for p in parts)) for k in ("tokens_generated", "num_running", "num_waiting",
-                                                                  "decode_steps")}
+                                                                  "decode_steps", "cpu_s")}
         out.update({k: sum(p.get(k, 0.0) for p in parts) / n for k in ("busy_s", "idle_s")})
         out["version"] = float(min(p.get("version", 0.0) for p in parts))
         out["replicas"] = float(n)  # in service

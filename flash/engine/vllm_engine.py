@@ -62,6 +62,7 @@ from pathlib import Path
 
 from flash.engine.base import INTERRUPT_MODES, GenerationOutput, GenerationRequest, check_request, error_output
 from flash.model_update_group import UpdateReceiver
+from flash.usage import process_tree_cpu_s
 
 # Set in this process before vLLM starts its children (which inherit them); a value already in the
 # environment wins.
@@ -446,7 +447,7 @@ class VLLMEngineWorker(UpdateReceiver):
         return {"tokens_generated": float(self.tokens_generated), "busy_s": busy,
                 "idle_s": max(0.0, time.monotonic() - self._t0 - busy), "num_running": float(len(self._reqs)),
                 "num_waiting": float(len(self._held)), "version": float(self._version),
-                "asleep": float(self._asleep is not None)}
+                "asleep": float(self._asleep is not None), "cpu_s": process_tree_cpu_s()}
 
     def busy_spans(self) -> list[list[float]]:
         """Busy spans ``[start, end]`` (``time.time()`` s) since the previous call."""
