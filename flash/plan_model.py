@@ -154,7 +154,7 @@ def step_time(engine_s: float, train: float, update: float, other: float, g0: fl
     return other + train + update + gen - hidden
 
 
-def cpu_bound_step(engine_ref_s: float, train_ref_s: float, update: float, other: float, k: "Costs") -> float:
+def cpu_bound_step(engine_ref_s: float, train_ref_s: float, update: float, other: float, k: Costs) -> float:
     """The shortest an overlapped step can be on ``k.cores`` cores (module docstring): its serial
     phases plus every role's CPU seconds over the cores; 0 when the trace has no CPU counts."""
     if not (k.cpu_engine or k.cpu_train):

@@ -363,7 +363,8 @@ def trim_trace(src: str | Path, dst: str | Path) -> Path:
     the config, the summary's thread split."""
     src, dst = Path(src), Path(dst)
     dst.mkdir(parents=True, exist_ok=True)
-    keep = ("rollout/busy_s", "rollout/decode_steps", "rollout/tokens_generated")
+    keep = ("rollout/busy_s", "rollout/decode_steps", "rollout/tokens_generated", "rollout/cpu_s", "train/cpu_s",
+            "driver/cpu_s")
     rows = [{k: v for k, v in r.items() if k == "step" or k.startswith("time/") or k in keep}
             for r in _jsonl(src / "metrics.jsonl")]
     (dst / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
