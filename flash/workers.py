@@ -22,7 +22,6 @@ from flash.model_update import unique_tensors
 from flash.model_update_group import UpdateReceiver, UpdateSender
 from flash.usage import process_tree_cpu_s
 
-
 QUIET_ENV = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "error",
              "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1", "TOKENIZERS_PARALLELISM": "false"}
 # OpenMP threads that spin while waiting for a busy core collapse throughput (measured: 2-thread

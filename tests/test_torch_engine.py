@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from flash.engine import torch_engine
+from flash.engine import kv_cache
 from flash.engine.base import GenerationRequest, SamplingParams
 from flash.engine.loop import EngineLoop, EngineLoopError
 from flash.engine.torch_engine import TorchEngine
@@ -150,7 +150,7 @@ def test_request_added_mid_decode_joins_next_step(model):
 def test_random_arrivals_match_solo_greedy(model, monkeypatch):
     """Requests of random lengths arrive at random steps; slack 1 forces KV rebuilds, swap-removals
     and window moves all the time. Every output must still equal its solo greedy continuation."""
-    monkeypatch.setattr(torch_engine, "_SLACK", 1)
+    monkeypatch.setattr(kv_cache, "SLACK", 1)
     rng = torch.Generator().manual_seed(7)
     draw = lambda lo, hi: int(torch.randint(lo, hi + 1, (1,), generator=rng))  # noqa: E731
     reqs = [req(f"q{i}", [draw(0, 63) for _ in range(draw(1, 12))], n=draw(1, 10)) for i in range(12)]

@@ -8,7 +8,7 @@ How it works
 - Admission prefills the newcomers' ``(prompt + partial response)[:-1]`` as one left-padded batch
   straight into free rows of the running batch; a finished or aborted row leaves at once, so a
   request added mid-decode joins at the next step and a freed slot is refilled at the next step.
-- The running batch is one left-padded KV cache (``_KVBatch``): per layer, K/V buffers
+- The running batch is one left-padded KV cache (``flash.engine.kv_cache.KVBatch``): per layer, K/V buffers
   ``[max_num_seqs, kv_heads, capacity, head_dim]`` with spare columns, so a decode step writes its
   column in place instead of re-concatenating the cache (as ``DynamicCache`` would), plus a 2D
   attention mask (0 = padding) and explicit per-row position ids. A leaving row is swap-removed
@@ -32,139 +32,16 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 import torch
-from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
+from flash.engine import kv_cache
 from flash.engine.base import INTERRUPT_MODES, GenerationOutput, GenerationRequest
-
-_SLACK = 64  # spare KV columns allocated past the current width, so appends rarely reallocate
+from flash.engine.kv_cache import KVBatch
 
 
 def derive_seed(engine_seed: int, request_id: str) -> int:
     """A stable 63-bit seed from (engine seed, request id); Python's ``hash`` is salted per process."""
     digest = hashlib.sha256(f"{engine_seed}:{request_id}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & (2**63 - 1)
-
-
-class _KVLayer(DynamicLayer):
-    """A ``DynamicLayer`` over preallocated buffers ``[max_rows, kv_heads, capacity, head_dim]``.
-
-    The model sees the window ``rows r0:r1, columns c0:c1`` as its cache; ``update`` writes the new
-    columns at ``c1`` in place and returns views. Buffers are allocated on the first update, so head
-    counts, head_dim, dtype and device come from the model itself (GQA and any head_dim work).
-    """
-
-    def __init__(self, max_rows: int, capacity: int):
-        super().__init__()
-        self.max_rows, self.capacity = max_rows, capacity
-        self.k_buf: torch.Tensor | None = None
-        self.v_buf: torch.Tensor | None = None
-        self.set_window(0, 0, 0, 0)
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.allocate(key_states, value_states)
-
-    def allocate(self, like_k: torch.Tensor, like_v: torch.Tensor) -> None:
-        self.dtype, self.device = like_k.dtype, like_k.device
-        self.k_buf = like_k.new_zeros(self.max_rows, like_k.shape[1], self.capacity, like_k.shape[-1])
-        self.v_buf = like_v.new_zeros(self.max_rows, like_v.shape[1], self.capacity, like_v.shape[-1])
-        self.is_initialized = True
-        self.set_window(self.r0, self.r1, self.c0, self.c1)
-
-    def set_window(self, r0: int, r1: int, c0: int, c1: int) -> None:
-        self.r0, self.r1, self.c0, self.c1 = r0, r1, c0, c1
-        if self.is_initialized:
-            self.keys, self.values = self.k_buf[r0:r1, :, c0:c1], self.v_buf[r0:r1, :, c0:c1]
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        if not self.is_initialized:
-            self.allocate(key_states, value_states)
-        c1 = self.c1 + key_states.shape[-2]
-        if c1 > self.capacity:  # _KVBatch.reserve prevents this; never silently overflow
-            raise RuntimeError(f"KV buffer overflow: {c1} > capacity {self.capacity}")
-        self.k_buf[self.r0 : self.r1, :, self.c1 : c1] = key_states
-        self.v_buf[self.r0 : self.r1, :, self.c1 : c1] = value_states
-        self.set_window(self.r0, self.r1, self.c0, c1)
-        return self.keys, self.values
-
-
-class _LayerCache(DynamicCache):
-    """A ``DynamicCache`` (so models treat it as one) whose layers are our ``_KVLayer``s."""
-
-    def __init__(self, layers: list[_KVLayer]):
-        Cache.__init__(self, layers=layers)
-
-
-class _KVBatch:
-    """Left-padded KV cache of the running batch; live row i belongs to running sequence i.
-
-    Rows ``0:n`` are live. Their real tokens are right-aligned at column ``end`` (exclusive) and
-    fit in the window ``start:end``; ``mask`` is 1 exactly at real tokens, ``pos[i]`` counts row
-    i's real tokens (the position id of its next token). Columns are absolute: ``start`` moves
-    right as long sequences leave, and the buffers are only copied (``_rebuild``) when a new
-    column or a long newcomer no longer fits, at most about once per ``width`` decode steps.
-    Finished rows are swap-removed (the last live rows move into the holes), which copies only
-    the moved rows. K/V outside a row's real tokens are finite and masked out.
-    """
-
-    def __init__(self, max_rows: int, num_layers: int, capacity: int, device: torch.device):
-        self.layers = [_KVLayer(max_rows, capacity) for _ in range(num_layers)]
-        self.cache = _LayerCache(self.layers)
-        self.mask = torch.zeros(max_rows, capacity, dtype=torch.long, device=device)
-        self.pos = torch.zeros(max_rows, dtype=torch.long, device=device)
-        self.max_rows, self.capacity = max_rows, capacity
-        self.n = self.start = self.end = 0
-
-    def set_window(self, r0: int, r1: int, c0: int, c1: int) -> None:
-        for layer in self.layers:
-            layer.set_window(r0, r1, c0, c1)
-
-    def set_live(self) -> None:
-        """Point the cache at the live rows, trimming columns that are padding in every row."""
-        self.start = self.end - int(self.pos[: self.n].max()) if self.n else self.end
-        self.set_window(0, self.n, self.start, self.end)
-
-    def reserve(self, left: int = 0, right: int = 0) -> None:
-        """Make room for ``left`` columns before ``end`` and ``right`` columns after it."""
-        if self.end < left or self.end + right > self.capacity:
-            self._rebuild(left, right)
-
-    def _rebuild(self, left: int, right: int) -> None:
-        """Copy the live window into fresh buffers with slack on both sides (amortised growth)."""
-        width = self.end - self.start
-        new_end = max(width, left)
-        cap = new_end + max(right, new_end, _SLACK)
-        src, dst = slice(self.start, self.end), slice(new_end - width, new_end)
-        mask = self.mask.new_zeros(self.max_rows, cap)
-        mask[: self.n, dst] = self.mask[: self.n, src]
-        for layer in self.layers:
-            layer.capacity = cap
-            if layer.is_initialized:
-                for name in ("k_buf", "v_buf"):
-                    old = getattr(layer, name)
-                    new = old.new_zeros(old.shape[0], old.shape[1], cap, old.shape[3])
-                    new[: self.n, :, dst] = old[: self.n, :, src]
-                    setattr(layer, name, new)
-        self.mask, self.capacity = mask, cap
-        self.start, self.end = new_end - width, new_end
-        self.set_live()
-
-    def remove(self, rows: list[int]) -> list[int]:
-        """Drop live ``rows``; returns the old row index of each remaining row, in new row order."""
-        order = list(range(self.n))
-        for r in sorted(rows, reverse=True):
-            last = self.n - 1
-            if r != last:
-                self.mask[r, : self.end] = self.mask[last, : self.end]
-                self.pos[r] = self.pos[last]
-                for layer in self.layers:
-                    if layer.is_initialized:
-                        layer.k_buf[r, :, self.start : self.end] = layer.k_buf[last, :, self.start : self.end]
-                        layer.v_buf[r, :, self.start : self.end] = layer.v_buf[last, :, self.start : self.end]
-                order[r] = order[last]
-            order.pop()
-            self.n -= 1
-        self.set_live()
-        return order
 
 
 @dataclass(eq=False)
@@ -259,7 +136,7 @@ class TorchEngine:
         self._shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
         self._waiting: deque[_Seq] = deque()
         self._running: list[_Seq] = []
-        self._kv: _KVBatch | None = None
+        self._kv: KVBatch | None = None
         self._ids: set[str] = set()
         self.admitting = True  # False after preempt("wait") until resume()
         self._asleep: dict | None = None  # what sleep() released, until wake_up()
@@ -477,7 +354,7 @@ class TorchEngine:
         """Write the KV of the left-padded ``prefixes`` (all tokens but each pending one) into free rows."""
         width = max(len(p) for p in prefixes)
         if self._kv is None:
-            self._kv = _KVBatch(self.max_num_seqs, self._num_layers, width + _SLACK, self._device)
+            self._kv = KVBatch(self.max_num_seqs, self._num_layers, width + kv_cache.SLACK, self._device)
         kv = self._kv
         kv.reserve(left=width, right=1)
         r0, r1, c0 = kv.n, kv.n + len(prefixes), kv.end - width
