@@ -31,14 +31,7 @@ import ray
 import torch
 
 from flash.batch import TrainBatch
-from flash.fsdp import (
-    COLLECTIVE_TIMEOUT_S,
-    GroupSettings,
-    ShardedTrainer,
-    batch_to,
-    free_port,
-    pick_device,
-)
+from flash.fsdp import COLLECTIVE_TIMEOUT_S, GroupSettings, ShardedTrainer, batch_to, free_port, pick_device
 from flash.microbatch import MicroPlan, plan_batch
 from flash.model_update import ModelUpdateError, unique_tensors
 from flash.model_update_group import UpdateSender
@@ -108,10 +101,7 @@ class FSDPRank(UpdateSender):
         """Collective: the full state dict on rank 0 (CPU), kept for its next ``mu_plan``/``mu_send``.
 
         Tied names (a tied LM head) are tied again in the gathered dict, so the push sends them once."""
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            get_model_state_dict,
-        )
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
         state = get_model_state_dict(self.trainer.model, options=opts)

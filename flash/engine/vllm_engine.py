@@ -60,13 +60,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from flash.engine.base import (
-    INTERRUPT_MODES,
-    GenerationOutput,
-    GenerationRequest,
-    check_request,
-    error_output,
-)
+from flash.engine.base import INTERRUPT_MODES, GenerationOutput, GenerationRequest, check_request, error_output
 from flash.model_update_group import UpdateReceiver
 from flash.usage import process_tree_cpu_s
 
