@@ -29,7 +29,7 @@ How the contract of ``flash.engine.base`` maps onto vLLM:
   new requests are held and ``pause`` returns once the running ones have finished. Requests
   submitted while paused are held here and start at ``resume``, after the interrupted ones.
 - **Weights** are pushed in place: the tensors travel to vLLM's worker as one safetensors blob
-  through ``collective_rpc`` and the worker extension ``WeightSync`` loads them with vLLM's
+  through ``collective_rpc`` and the worker extension ``vllm_weights.WeightSync`` loads them with vLLM's
   in-place ``reload_weights`` (the model's own ``load_weights``, layer by layer), never from disk.
   Then the prefix cache is reset: its KV was computed by the old weights.
 - **Bad requests** (``base.check_request``) finish at once with ``finish_reason="error"``; a
@@ -43,7 +43,7 @@ the cores, and spinning threads starved the EngineCore (2 threads on 2 busy core
 tokens/s on ``bench.engine``'s mix); ``enforce_eager`` skips an inductor compile that costs
 minutes on 2 cores. On CPU vLLM packs linear weights into oneDNN
 handles; after an in-place reload a *tied* LM head keeps its old handle, so ``WeightSync``
-re-packs every weight-keeping GEMM (see ``_refresh_cpu_gemms``). Chunked prefill is off: when a
+re-packs every weight-keeping GEMM (see ``vllm_weights._refresh_cpu_gemms``). Chunked prefill is off: when a
 seeded request's prefill is split over steps, vLLM rewinds its generator with ``set_offset``, which
 CPU generators lack, and the engine dies ("CPU Generator does not use offset"); whole prefills
 never rewind. Prompts + responses fit one step's token budget (``max_num_batched_tokens``).
@@ -52,15 +52,13 @@ never rewind. Prompts + responses fit one step's token budget (``max_num_batched
 from __future__ import annotations
 
 import asyncio
-import difflib
 import os
 import threading
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from flash.engine.base import INTERRUPT_MODES, GenerationOutput, GenerationRequest, check_request, error_output
+from flash.engine.vllm_weights import checkpoint_shapes, weights_blob
 from flash.model_update_group import UpdateReceiver
 from flash.usage import process_tree_cpu_s
 
@@ -69,39 +67,6 @@ from flash.usage import process_tree_cpu_s
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_WAIT_POLICY": "PASSIVE",
             "VLLM_LOGGING_LEVEL": "ERROR", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
-
-
-class WeightSync:
-    """vLLM worker extension (``worker_extension_cls``): load pushed weights in place."""
-
-    def flash_load_weights(self, blob: bytes) -> int:
-        from safetensors.torch import load
-        from vllm.config import set_current_vllm_config
-
-        weights = load(bytes(blob))
-        with set_current_vllm_config(self.vllm_config):
-            self.model_runner.reload_weights(weights_iterator=iter(weights.items()), is_checkpoint_format=True)
-            _refresh_cpu_gemms(self.model_runner.get_model())
-        return len(weights)
-
-
-def _refresh_cpu_gemms(model) -> None:
-    """Re-pack the oneDNN GEMMs of layers that keep their weight (embedding, LM head) on CPU.
-
-    A tied LM head shares the embedding's weight, so the layer-wise reload updates that tensor
-    but never re-processes the head, whose packed copy would go on computing old logits. Layers
-    whose weight was dropped after packing (plain linears) were re-packed by the reload itself.
-    """
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu():
-        return
-    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
-
-    for module in model.modules():
-        weight = getattr(module, "weight", None)
-        if hasattr(module, "cpu_linear") and weight is not None and weight.ndim == 2 and weight.numel():
-            dispatch_cpu_unquantized_gemm(module, remove_weight=False)
 
 
 @dataclass(eq=False)
@@ -126,17 +91,6 @@ class _Req:
         r = self.req
         return GenerationOutput(r.request_id, list(r.prompt_ids), list(self.tokens), list(self.logprobs),
                                 list(self.versions), reason, error)
-
-
-def checkpoint_shapes(model_path: str) -> dict[str, tuple[int, ...]]:
-    """Name → shape of every tensor in the checkpoint's safetensors files (headers only)."""
-    from safetensors import safe_open
-
-    shapes = {}
-    for f in sorted(Path(model_path).glob("*.safetensors")):
-        with safe_open(str(f), framework="pt") as st:
-            shapes.update({k: tuple(st.get_slice(k).get_shape()) for k in st.keys()})
-    return shapes
 
 
 class VLLMEngineWorker(UpdateReceiver):
@@ -174,7 +128,7 @@ class VLLMEngineWorker(UpdateReceiver):
                     seed=seed, enable_prefix_caching=True, logprobs_mode="processed_logprobs",
                     skip_tokenizer_init=True, enforce_eager=True, generation_config="vllm",
                     enable_chunked_prefill=False, max_num_batched_tokens=max(2048, self.max_context),
-                    disable_log_stats=True, worker_extension_cls=f"{__name__}.WeightSync",
+                    disable_log_stats=True, worker_extension_cls="flash.engine.vllm_weights.WeightSync",
                     enable_sleep_mode=sleep_mode and _sleep_mode_available())
         self._drained = asyncio.Condition()  # notified whenever a request leaves vLLM
         self._llm = self._call(self._start(args))
@@ -337,24 +291,6 @@ class VLLMEngineWorker(UpdateReceiver):
         async with self._drained:
             self._drained.notify_all()
 
-    def _weights_blob(self, named_tensors) -> bytes:
-        """Check names and shapes against the checkpoint (before anything is loaded), then pack."""
-        from safetensors.torch import save
-
-        items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
-        tensors = {}
-        for name, tensor in items:
-            if name in self._tied:
-                continue
-            if name not in self._shapes:
-                near = difflib.get_close_matches(name, list(self._shapes), n=1)
-                raise KeyError(f"unknown parameter {name!r}" + (f"; did you mean {near[0]!r}?" if near else ""))
-            if tuple(tensor.shape) != self._shapes[name]:
-                raise ValueError(f"{name}: shape {tuple(tensor.shape)} != model's {self._shapes[name]}")
-            tensors[name] = tensor.detach().to("cpu").contiguous().clone()  # owned: no shared storage
-        _check_whole_layers(tensors, self._shapes)
-        return save(tensors)
-
     async def _update_weights(self, named_tensors, version: int) -> float:
         if self._paused is None:
             raise RuntimeError("update_weights needs a paused engine; call pause(mode) first")
@@ -362,7 +298,7 @@ class VLLMEngineWorker(UpdateReceiver):
             raise RuntimeError("the engine is asleep; call wake_up() before update_weights()")
         if self._reqs:
             raise RuntimeError(f"update_weights with {len(self._reqs)} requests still running in vLLM")
-        blob = self._weights_blob(named_tensors)
+        blob = weights_blob(named_tensors, self._shapes, self._tied)
         await self._llm.collective_rpc("flash_load_weights", args=(blob,))
         if not await self._llm.reset_prefix_cache():
             raise RuntimeError("vLLM refused to reset its prefix cache after a weight update")
@@ -496,27 +432,3 @@ def _sleep_mode_available() -> bool:
     from vllm.platforms import current_platform
 
     return current_platform.is_sleep_mode_available()
-
-
-_FUSED = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up", "up_proj": "gate_up"}
-
-
-def _check_whole_layers(tensors: Mapping, shapes: Mapping) -> None:
-    """A push may be partial (buckets) but must hold whole vLLM layers.
-
-    vLLM fuses q/k/v and gate/up into one layer and re-processes a layer once all of its tensors
-    arrived; a layer given only in part would be re-processed from half-loaded memory.
-    """
-    def layer(name: str) -> str:
-        module, _, _ = name.rpartition(".")
-        parent, _, leaf = module.rpartition(".")
-        return f"{parent}.{_FUSED.get(leaf, leaf)}"
-
-    wanted: dict[str, set[str]] = {}
-    for name in shapes:
-        wanted.setdefault(layer(name), set()).add(name)
-    for key in {layer(n) for n in tensors}:
-        missing = sorted(wanted[key] - set(tensors))
-        if missing:
-            raise ValueError(f"a weight push must hold whole layers: {key} lacks {', '.join(missing)}")
-
