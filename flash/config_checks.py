@@ -1,0 +1,217 @@
+"""Value checks of a loaded ``FlashConfig`` (``flash.config.validate``): the ranges, the plugin
+knobs (loss, advantage, task, reward, filters) and the combinations that cannot run, each refused
+with a message that names the key and the fix. Kept apart from the schema so that ``config.py``
+stays the one place to read what a key is.
+"""
+
+from __future__ import annotations
+
+import math
+
+from controllers.filters import check_filter
+from controllers.tail_policy import TailConfig, check_tail
+from flash.config import (
+    FlashConfig,
+    ModelConfig,
+    ModelUpdateConfig,
+    RewardConfig,
+    RolloutConfig,
+    TrainConfig,
+    check_keys,
+    closest,
+)
+from flash.errors import ConfigError
+
+
+def _require(ok: bool, msg: str) -> None:
+    if not ok:
+        raise ConfigError(msg)
+
+
+def validate(cfg: FlashConfig) -> None:
+    """Value checks and plugin-knob checks; everything `flash validate` promises short of running."""
+    import algos
+    from flash.engine.base import INTERRUPT_MODES
+    from recipes.tasks import task_options
+
+    try:
+        algos.load_plugins(list(cfg.plugins))
+    except ImportError as exc:
+        raise ConfigError(f"cannot import plugin module: {exc}") from None
+    _require(cfg.async_ratio >= 0 and math.isfinite(cfg.async_ratio),
+             f"async_ratio must be a finite number >= 0, got {cfg.async_ratio}")
+    _require(cfg.rollout.interrupt in INTERRUPT_MODES,
+             f"rollout.interrupt must be one of {', '.join(INTERRUPT_MODES)}, got "
+             f"'{cfg.rollout.interrupt}'{closest(cfg.rollout.interrupt, list(INTERRUPT_MODES))}")
+    _require(cfg.rollout.engine in ("torch", "vllm"),
+             f"rollout.engine must be one of: torch, vllm (got '{cfg.rollout.engine}')"
+             f"{closest(cfg.rollout.engine, ['torch', 'vllm'])}")
+    _require(cfg.rollout.n >= 1, f"rollout.n must be >= 1, got {cfg.rollout.n}")
+    _require(cfg.rollout.temperature > 0, "rollout.temperature must be > 0 for RL sampling")
+    _require(0 < cfg.rollout.top_p <= 1, f"rollout.top_p must be in (0, 1], got {cfg.rollout.top_p}")
+    _require(cfg.rollout.max_new_tokens >= 1, "rollout.max_new_tokens must be >= 1")
+    _check_lifecycle(cfg.rollout)
+    _require(cfg.train.steps >= 1, f"train.steps must be >= 1, got {cfg.train.steps}")
+    _require(cfg.train.prompts_per_step >= 1, "train.prompts_per_step must be >= 1")
+    _require(cfg.train.micro_batch_size >= 1, "train.micro_batch_size must be >= 1")
+    _check_group(cfg.train)
+    _require(cfg.train.lr > 0, f"train.lr must be > 0, got {cfg.train.lr}")
+    _require(cfg.algo.recompute_prox in ("auto", "always", "never"),
+             f"algo.recompute_prox must be auto, always or never, got '{cfg.algo.recompute_prox}'")
+    _check_agg(cfg.algo.agg)
+    _check_model_update(cfg.model_update)
+    _check_plugin_section("algo.loss", cfg.algo.loss,
+                          lambda name, knobs: algos.validate_loss(name, knobs, agg=cfg.algo.agg))
+    _check_plugin_section("algo.advantage", cfg.algo.advantage, algos.validate_advantage)
+    _check_task(cfg.task, task_options)
+    _check_model(cfg.model)
+    _check_stream(cfg)
+    _check_reward(cfg)
+    _check_placement(cfg)
+    from flash.tracking import check_backends
+
+    check_backends(list(cfg.tracking.backends))
+    from flash.guards import check_consistency
+
+    check_consistency(cfg)
+
+
+def _check_placement(cfg: FlashConfig) -> None:
+    from flash.placement import check_runnable, plan_placement
+
+    plan = plan_placement(cfg.placement, engine=cfg.rollout.engine)  # PlacementError: a ConfigError
+    check_runnable(plan)
+    ranks = cfg.placement.roles.actor_train.num_workers
+    _require(ranks == cfg.train.workers,
+             f"train.workers={cfg.train.workers} but placement.roles.actor_train.num_workers={ranks}: the "
+             f"trainer group runs one rank per actor_train worker; set both to the same count (or only one "
+             f"of them, the other follows)")
+    _require(not (cfg.train.stream and plan.colocated("actor_infer", "actor_train")),
+             "train.stream trains while the engines generate, but placement colocates actor_train and "
+             "actor_infer (their engines sleep while training); give them disjoint devices or set "
+             "train.stream: false")
+
+
+STREAM_ESTIMATORS = ("grpo", "dr_grpo", "rloo")  # advantages of a group need only that group
+
+
+def _check_stream(cfg: FlashConfig) -> None:
+    if not cfg.train.stream:
+        return
+    _require(cfg.async_ratio == 0, "train.stream trains the synchronous batch as it arrives: it needs "
+             f"async_ratio: 0 (got {cfg.async_ratio}); with async_ratio > 0 set train.stream: false")
+    adv = dict(cfg.algo.advantage)
+    _require(adv.get("name") in STREAM_ESTIMATORS and not adv.get("whiten"),
+             f"train.stream needs a group-local advantage estimator ({', '.join(STREAM_ESTIMATORS)}, "
+             f"whiten off): '{adv.get('name')}' normalises over the whole batch")
+    _require(cfg.algo.recompute_prox != "always", "train.stream uses the behaviour logprobs as the proximal "
+             "policy (exact at async_ratio 0); set algo.recompute_prox: auto")
+
+def _check_model_update(mu: ModelUpdateConfig) -> None:
+    from flash.model_update import BACKENDS
+
+    _require(mu.backend in BACKENDS, f"model_update.backend '{mu.backend}' is not valid"
+             f"{closest(mu.backend, list(BACKENDS))}; valid: {', '.join(BACKENDS)}")
+    _require(mu.bucket_mb > 0 and math.isfinite(mu.bucket_mb), f"model_update.bucket_mb must be > 0, got {mu.bucket_mb}")
+    _require(mu.timeout_s > 0, f"model_update.timeout_s must be > 0, got {mu.timeout_s}")
+
+
+def _check_lifecycle(rollout: RolloutConfig) -> None:
+    _require(rollout.redundancy >= 0, f"rollout.redundancy must be >= 0 (extra requests per prompt), "
+             f"got {rollout.redundancy}")
+    _require(rollout.max_additional_prompts >= 0,
+             f"rollout.max_additional_prompts must be >= 0, got {rollout.max_additional_prompts}")
+    _require(rollout.max_additional_prompts == 0 or rollout.filter.enabled,
+             "rollout.max_additional_prompts only refills filtered groups; set a rollout.filter rule "
+             "(all_same_reward, min_reward_std, max_response_len) or set it to 0")
+    problem = check_filter(rollout.filter, rollout.n, rollout.max_new_tokens)
+    _require(problem is None, problem or "")
+    _require(rollout.scheduler in SCHEDULERS, f"rollout.scheduler must be one of {', '.join(SCHEDULERS)}, "
+             f"got '{rollout.scheduler}'{closest(rollout.scheduler, list(SCHEDULERS))}")
+    problem = check_tail(rollout.tail_batching, rollout.max_new_tokens)
+    _require(problem is None, problem or "")
+    _require(rollout.scheduler == "tail_batching" or rollout.tail_batching == TailConfig(),
+             "rollout.tail_batching.* is set but rollout.scheduler is 'plain' (the knobs would be unused); "
+             "set rollout.scheduler: tail_batching or remove them")
+
+
+SCHEDULERS = ("plain", "tail_batching")
+
+
+def _check_plugin_section(where: str, section: dict, validator) -> None:
+    knobs = dict(section)
+    name = knobs.pop("name", None)
+    _require(isinstance(name, str), f"{where}.name is required")
+    try:
+        validator(name, knobs)
+    except (ValueError, KeyError) as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+
+
+def _check_agg(agg: str) -> None:
+    import algos
+
+    valid = list(algos.AGGREGATIONS)
+    _require(agg in valid, f"algo.agg '{agg}' is not valid{closest(agg, valid)}; valid: {', '.join(valid)}")
+
+
+def _check_model(model: ModelConfig) -> None:
+    """``model.gguf`` excludes ``model.path``; its file (or package) and GGUF loaders must be here."""
+    if model.gguf is None:
+        return
+    _require(model.path is None, "model.path and model.gguf both name the model; set one of them")
+    from flash.gguf import check_loaders, resolve_gguf
+
+    resolve_gguf(model.gguf)
+    check_loaders()
+
+
+def _check_reward(cfg: FlashConfig) -> None:
+    if cfg.reward.fn:
+        from flash.rewards.registry import check_pool_args
+
+        r = cfg.reward
+        check_pool_args(dict(r.fn), r.num_workers, r.concurrency, r.timeout_s, tuple(cfg.plugins))
+        if r.fn.get("name") == "judge":
+            from flash.rewards.judge import check_section
+
+            try:
+                check_section(dict(r.fn))
+            except ValueError as exc:
+                raise ConfigError(f"reward.fn: {exc}") from None
+    _check_autoscale(cfg.reward)
+
+
+def _check_autoscale(r: RewardConfig) -> None:
+    if not r.max_workers:
+        return
+    from flash.rewards.workers import autoscale_config
+
+    try:
+        autoscale_config(r)
+    except ValueError as exc:
+        raise ConfigError(f"reward: {exc}") from None
+    _require(r.min_workers <= r.num_workers <= r.max_workers,
+             f"reward.num_workers ({r.num_workers}) is the autoscaled pool's starting size: it must lie in "
+             f"[reward.min_workers, reward.max_workers] = [{r.min_workers}, {r.max_workers}]")
+
+
+def _check_task(section: dict, task_options) -> None:
+    options = dict(section)
+    name = options.pop("name", None)
+    _require(isinstance(name, str), "task.name is required")
+    try:
+        schema = task_options(name)
+    except (ValueError, KeyError) as exc:
+        raise ConfigError(f"task: {exc}") from None
+    check_keys(options, schema, prefix="task.")
+
+
+def _check_group(train: TrainConfig) -> None:
+    """The FSDP2 group's knobs, checked by the group's own settings (one place says what is valid)."""
+    from flash.fsdp import group_settings
+
+    try:
+        group_settings(train)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
