@@ -218,7 +218,7 @@ def predict(trace: Trace, s: pm.Setting, p: dict[str, float] | None = None) -> p
     u1 = pm.scale(k.u1, k.trainer_threads, t, p["trainer"]) * over
     rounds = (pm.simulate_tail(trace.groups, trace.B, s) if s.tail
               else [pm.sync_round(st) for st in trace.steps])
-    parts = {"engine_s": 0.0, "train_s": 0.0, "step_s": 0.0, "long_rounds": 0.0}
+    parts = {"engine_s": 0.0, "train_s": 0.0, "cpu_bound_s": 0.0, "step_s": 0.0, "long_rounds": 0.0}
     for rnd in rounds:
         eng = pm.replica_engine_s(rnd.iterations, rnd.tokens, a, c, s.replicas)
         tr = pm.train_s(rnd.rows, k.prompt_len + rnd.max_len, k.u0, u1)
@@ -226,9 +226,11 @@ def predict(trace: Trace, s: pm.Setting, p: dict[str, float] | None = None) -> p
         parts["train_s"] += tr
         step = pm.step_time(eng, tr, k.update_s, k.other_s, k.g0, s.async_ratio)
         if s.async_ratio > 0:  # overlapped roles: no faster than the cores can do all of it
-            step = max(step, pm.cpu_bound_step(pm.round_engine_s(rnd.iterations, rnd.tokens, k.a, k.c),
-                                               pm.train_s(rnd.rows, k.prompt_len + rnd.max_len, k.u0, k.u1),
-                                               k.update_s, k.other_s, k))
+            bound = pm.cpu_bound_step(pm.round_engine_s(rnd.iterations, rnd.tokens, k.a, k.c),
+                                      pm.train_s(rnd.rows, k.prompt_len + rnd.max_len, k.u0, k.u1),
+                                      k.update_s, k.other_s, k)
+            parts["cpu_bound_s"] += bound
+            step = max(step, bound)
         parts["step_s"] += step
         parts["long_rounds"] += rnd.long
     parts = {name: v / len(rounds) for name, v in parts.items()}
@@ -340,19 +342,23 @@ def plan(run_dir: str | list, items: list[str], p: dict[str, float] | None = Non
     out(f"flash plan: {', '.join(dirs)}: measured {trace.measured_step_s:.3f} s/step over {len(trace.steps)} steady "
         f"steps (the model reproduces {own:.3f}); fit: a={k.a * 1e3:.2f} ms/iteration, c={k.c * 1e3:.3f} "
         f"ms/token, train {k.u1 * 1e6:.2f} us/padded token, update {k.update_s:.3f} s, other {k.other_s:.3f} s, "
-        f"wait {k.g0:.3f} s (threads engine {k.engine_threads}, trainer {k.trainer_threads}, {k.cores} cores)")
+        f"wait {k.g0:.3f} s, CPU per busy second engine {k.cpu_engine:.2f} trainer {k.cpu_train:.2f}, driver "
+        f"{k.cpu_driver_s:.3f} CPU-s/step (threads engine {k.engine_threads}, trainer {k.trainer_threads}, "
+        f"{k.cores} cores)")
     keys = list(rows[0]["settings"]) if rows else []
-    header = ["#", *keys, "s/step", "vs run", "engine s", "train s", "threads e/t", "long rounds"]
+    header = ["#", *keys, "s/step", "vs run", "engine s", "train s", "CPU bound s", "threads e/t", "long rounds"]
     table = [[str(i + 1), *(r["settings"][key] for key in keys), f"{r['predicted_s_per_step']:.3f}",
               f"{trace.measured_step_s / r['predicted_s_per_step']:.2f}x", f"{r['engine_s']:.3f}",
-              f"{r['train_s']:.3f}", f"{int(r['engine_threads'])}/{int(r['trainer_threads'])}",
+              f"{r['train_s']:.3f}", f"{r['cpu_bound_s']:.3f}" if r["cpu_bound_s"] else "-",
+              f"{int(r['engine_threads'])}/{int(r['trainer_threads'])}",
               f"{r['long_rounds']:.2f}"] for i, r in enumerate(rows)]
     widths = [max(len(h), *(len(row[j]) for row in table)) if table else len(h) for j, h in enumerate(header)]
     for line in [header, *table]:
         out("  ".join(cell.ljust(w) for cell, w in zip(line, widths)))
     out(json.dumps({"run_dirs": dirs, "measured_s_per_step": round(trace.measured_step_s, 4),
                     "model_s_per_step": round(own, 4), "parallel_fraction": p,
-                    "fit": {f: round(getattr(k, f), 7) for f in ("a", "c", "u1", "update_s", "other_s", "g0")},
+                    "fit": {f: round(getattr(k, f), 7) for f in ("a", "c", "u1", "update_s", "other_s", "g0",
+                                                                 "cpu_engine", "cpu_train", "cpu_driver_s")},
                     "candidates": rows}))
     return rows
 
