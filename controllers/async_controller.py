@@ -79,6 +79,7 @@ class AsyncController:
         self._engine_spans: list[list[float]] = []
         self._meters = {"rollout": IdleMeter(), "train": IdleMeter()}
         self._update_bytes = 0.0
+        self._reward_cpu_prev = 0.0  # the reward pool's CPU seconds at the previous step
         # flash.model_update_group.ModelUpdateGroup (set up); None: the state dict through Ray's object store
         self.model_update = model_update
         self._update_metrics: dict[str, float] = {}
@@ -328,6 +329,10 @@ class AsyncController:
             "rollout/admitted": float(self.scheduler.admitted),
         })
         m.update(self.scheduler.metrics())  # lifecycle counts, filtered by rule, aborted by reason
+        if "reward/cpu_s" in m:  # the reward pool's CPU seconds since it started -> this step's
+            total = m["reward/cpu_s"]  # (a replaced or retired worker's count leaves the sum: >= 0)
+            m["reward/cpu_s"] = max(0.0, total - self._reward_cpu_prev)
+            self._reward_cpu_prev = total
         m.update({f"staleness/count_{k}": float(stale.count(k)) for k in range(max(stale) + 1)})
         tokens = float(batch.mask.sum())
         m.update({"train/batch_tokens": tokens, "train/tokens_per_s": tokens / step_s if step_s > 0 else 0.0,

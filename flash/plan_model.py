@@ -26,16 +26,17 @@ work hides behind ``U + W_u``:
 ``r = 0`` gives the synchronous sum; ``r ≥ 1`` gives ``O + max(U + W_u, E + g0)``.
 
 CPU bound (``cpu_bound_step``): overlapped roles share the cores, and so do the processes no
-phase timer sees (the controller's collector and reward threads, Ray). A synchronous run hides
-that: each role runs while the other waits. So runs record CPU seconds per step (the engine's
-process tree, the trainer's, the driver's); CPU per busy second ``ρ`` is fitted per role, and an
-overlapped step can be no shorter than its serial phases plus the CPU of everything else spread
-over the ``C`` cores:
+phase timer sees (the controller's collector and reward threads, reward workers, Ray). A
+synchronous run hides that: each role runs while the other waits. So runs record CPU seconds per
+step (the engine's process tree, the trainer's, the driver's, the reward workers'); CPU per busy
+second ``ρ`` is fitted per role, and an overlapped step can be no shorter than its serial phases
+plus the CPU of everything else spread over the ``C`` cores:
 
     T ≥ O + W_u + (ρ_e·E_ref + ρ_t·U_ref + d) / C
 
 (``E_ref``, ``U_ref``: the round's engine and trainer seconds at the trace's threads, since CPU
-seconds, unlike wall seconds, do not shrink with threads; ``d``: the driver's CPU per step).
+seconds, unlike wall seconds, do not shrink with threads; ``d``: the CPU per step of the driver
+and of the reward pool's workers, sandbox runs included).
 
 Tail batching (RollPacker, ``simulate_tail``): the rounds are simulated from the recorded groups'
 response lengths: a short round launches ``ceil(o·B)`` prompts, cuts a group when a response
@@ -69,7 +70,7 @@ class Costs:
     prompt_len: float = 0.0  # mean prompt tokens (padded width = prompt + longest response)
     cpu_engine: float = 0.0  # ρ_e: engine CPU seconds per busy second (0: the trace has no CPU counts)
     cpu_train: float = 0.0  # ρ_t: trainer CPU seconds per train second
-    cpu_driver_s: float = 0.0  # d: the driver's CPU seconds per step
+    cpu_driver_s: float = 0.0  # d: the driver's and the reward pool's CPU seconds per step
 
 
 @dataclass(frozen=True)

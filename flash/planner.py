@@ -130,7 +130,9 @@ def _cpu_rates(rows: list[dict]) -> dict[str, float]:
     busy_t = sum(_phase(r, "train", "recompute_prox") for r in rows)
     return {"cpu_engine": sum(r["rollout/cpu_s"] for r in rows) / max(busy_e, 1e-9),
             "cpu_train": sum(r["train/cpu_s"] for r in rows) / max(busy_t, 1e-9),
-            "cpu_driver_s": statistics.fmean(float(r.get("driver/cpu_s", 0.0)) for r in rows)}
+            # the driver and the reward pool (its workers and their sandbox runs): per step
+            "cpu_driver_s": statistics.fmean(float(r.get("driver/cpu_s", 0.0)) + float(r.get("reward/cpu_s", 0.0))
+                                             for r in rows)}
 
 
 def measured_step_s(run_dir: str | Path, skip: int = SKIP_STEPS) -> float:
@@ -370,7 +372,7 @@ def trim_trace(src: str | Path, dst: str | Path) -> Path:
     src, dst = Path(src), Path(dst)
     dst.mkdir(parents=True, exist_ok=True)
     keep = ("rollout/busy_s", "rollout/decode_steps", "rollout/tokens_generated", "rollout/cpu_s", "train/cpu_s",
-            "driver/cpu_s")
+            "driver/cpu_s", "reward/cpu_s")
     rows = [{k: v for k, v in r.items() if k == "step" or k.startswith("time/") or k in keep}
             for r in _jsonl(src / "metrics.jsonl")]
     (dst / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))

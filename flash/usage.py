@@ -98,11 +98,13 @@ def _ticks_and_children(pid: int) -> tuple[float, list[int]]:
                 kids += [int(k) for k in f.read().split()]
     except (OSError, ValueError):
         return 0.0, []
-    return float(int(fields[11]) + int(fields[12])), kids  # utime, stime
+    # utime, stime, and cutime + cstime: children it has reaped (a sandbox run that ended) count too
+    return float(sum(int(f) for f in fields[11:15])), kids
 
 
 def process_tree_cpu_s(pid: int | None = None) -> float:
-    """CPU seconds (user + system, every thread) of a process and its live descendants.
+    """CPU seconds (user + system, every thread) of a process, its live descendants and the children
+    they have reaped.
 
     Why: the planner (``flash plan``) predicts an asynchronous step from a synchronous run, and
     when the roles overlap on shared cores what bounds a step is the CPU they need together, not

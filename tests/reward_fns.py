@@ -44,3 +44,13 @@ def marked_exact(item, response, mark_dir: str = "", seconds: float = 0.2):
         return exact(item, response)
     finally:
         os.remove(path)
+
+
+def burn_in_child(item, response, cpu_s: float = 0.4):
+    """Runs a child process that burns ``cpu_s`` CPU seconds and is reaped (as a sandbox run is)."""
+    import subprocess
+    import sys
+
+    prog = f"import time\nt = time.process_time()\nwhile time.process_time() - t < {cpu_s}: pass\n"
+    subprocess.run([sys.executable, "-c", prog], check=True)
+    return 1.0

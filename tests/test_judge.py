@@ -159,7 +159,11 @@ def test_math_recipe_runs_two_steps_with_the_judge(tmp_path):
         if ray.is_initialized():
             ray.shutdown()
     assert s["steps"] == 2 and s["samples_trained"] == 2 * 2 * 2
-    last = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()][-1]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    last = rows[-1]
+    # the reward pool's CPU per step (the judge's engine runs in the reward worker): counted, never negative
+    per_step = [r["reward/cpu_s"] for r in rows if "time/step" in r]
+    assert len(per_step) == 2 and min(per_step) >= 0 and sum(per_step) > 0
     # every call reached the judge; failures, if any, are the judge's named ones
     assert last["judge/calls"] == last["reward/calls"] >= 2 * 2 * 2 + 4
     assert all(k.startswith("reward/failures/judge:") for k in last if k.startswith("reward/failures/"))

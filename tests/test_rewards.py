@@ -205,6 +205,20 @@ def test_pool_timeout_scores_zero_and_replaces_stuck_worker(ray_local):
         pool.close()
 
 
+def test_pool_counts_its_workers_cpu_with_the_sandbox_children_they_reaped(ray_local):
+    """``reward/cpu_s`` (what the planner's CPU bound adds per step): a reward that runs a child
+    burning 0.4 CPU-s, as a sandbox run does, grows the pool's count by that much at least."""
+    from flash.rewards.workers import RewardPool
+
+    pool = RewardPool({"name": "tests.reward_fns:burn_in_child", "cpu_s": 0.4}, num_workers=1, timeout_s=30.0)
+    try:
+        before = pool.metrics()["reward/cpu_s"]
+        assert pool.score(TaskItem(0, "p", ""), "x").reward == 1.0
+        assert pool.metrics()["reward/cpu_s"] - before >= 0.4 - 0.02  # clock ticks: 10 ms
+    finally:
+        pool.close()
+
+
 def _max_overlap(intervals: list[tuple[float, float]]) -> int:
     events = sorted([(s, 1) for s, _ in intervals] + [(e, -1) for _, e in intervals],
                     key=lambda x: (x[0], x[1]))  # an end before a start at the same instant

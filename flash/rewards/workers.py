@@ -43,6 +43,7 @@ from flash.rewards.autoscale import (
     run_scaler,
 )
 from flash.rewards.registry import build_reward, check_pool_args
+from flash.usage import process_tree_cpu_s
 
 log = logging.getLogger("flash")
 
@@ -124,6 +125,7 @@ class RewardScorer:
         out = dict(own()) if callable(own) else {}
         with self._lock:
             out["reward/stuck_calls"] = float(self._stuck)
+        out["reward/cpu_s"] = process_tree_cpu_s()  # this worker's process and its sandbox runs
         return out
 
 
@@ -333,7 +335,7 @@ class RewardPool:
             workers = list(self._workers)
         for m in self._worker_metrics(workers):
             for key, value in m.items():
-                summed = key.startswith(("sandbox/status/", "reward/stuck"))
+                summed = key.startswith(("sandbox/status/", "reward/stuck", "reward/cpu_s"))
                 out[key] = out.get(key, 0.0) + value if summed else max(out.get(key, value), value)
         return out
 
