@@ -125,6 +125,7 @@ class EpisodeScheduler:
         self._pids: list[int] | None = None  # each worker's process as last seen
         self._threads = [threading.Thread(target=self._guard(f), daemon=True, name=f.__name__)
                          for f in (self._admit_loop, self._collect_loop)]
+        self.supervisor = None  # flash.faults.EngineSupervisor: engine faults recovered (requeue_lost)
 
     # ---- controller-facing API -------------------------------------------------------------
     def start(self) -> None:
@@ -321,7 +322,7 @@ class EpisodeScheduler:
 
     def _collect_loop(self) -> None:
         while not self._stop.is_set():
-            outs = ray.get(self.engine.get_finished.remote(0.2))
+            outs = ray.get(self.engine.get_finished.remote(0.2)) if self.supervisor is None else self.supervisor.poll(0.2)
             for out in outs:
                 self._on_turn(out)
             with self._lock:
@@ -418,14 +419,38 @@ class EpisodeScheduler:
                                     f"{self.max_worker_restarts} times") from err
                 time.sleep(0.2)
 
-    def _submit_turn(self, ep: _Episode) -> None:
-        rid = f"{ep.key}/{ep.turns}"
+    @staticmethod
+    def _turn_request(ep: _Episode) -> GenerationRequest:
+        """The episode's next LLM turn: its context so far, a seed of (episode, turn), so the same
+        turn asked again (an aborted turn, an engine restart) gives the same tokens."""
         params = SamplingParams(**{**ep.params.__dict__, "seed": (ep.base_seed + 7919 * ep.turns) % (2**31 - 1)})
+        return GenerationRequest(f"{ep.key}/{ep.turns}", ep.transcript.context, params)
+
+    def _submit_turn(self, ep: _Episode) -> None:
+        req = self._turn_request(ep)
         with self._lock:
             if self._halted(ep):
                 return
-            self._turns[rid] = ep
-        ray.get(self.engine.submit.remote([GenerationRequest(rid, ep.transcript.context, params)]))
+            self._turns[req.request_id] = ep
+        self._submit([req])
+
+    def _submit(self, reqs: list[GenerationRequest]) -> None:
+        """To the engine; with a supervisor a dead engine is restarted and every turn still waiting
+        is asked again by ``requeue_lost``, so a failed submit loses nothing."""
+        if self.supervisor is None:
+            ray.get(self.engine.submit.remote(reqs))
+        else:
+            self.supervisor.submit(reqs)
+
+    def requeue_lost(self, ids: list[str] | None = None) -> int:
+        """After an engine restart (``flash.faults``): ask again every turn an episode still waits
+        for -- of those ``ids`` only, when given (a restarted replica's) -- with the same context and
+        seed. Environment state is untouched: the episode only waited on the LLM. Returns how many."""
+        with self._lock:
+            reqs = [self._turn_request(ep) for rid, ep in self._turns.items() if ids is None or rid in set(ids)]
+        if reqs:
+            self._submit(reqs)
+        return len(reqs)
 
     def _halted(self, ep: _Episode) -> bool:
         """After ``stop_admission`` a training episode goes no further (called under the lock)."""
@@ -438,6 +463,9 @@ class EpisodeScheduler:
     def _on_turn(self, out: GenerationOutput) -> None:
         with self._lock:
             ep = self._turns.pop(out.request_id, None)
+            if ep is None and self.supervisor is not None:  # a turn answered twice around a restart
+                self.counters["duplicate_outputs"] = self.counters.get("duplicate_outputs", 0) + 1
+                return
             if ep is None:
                 raise RuntimeError(f"engine returned unknown request {out.request_id!r}")
             if out.finish_reason == "abort":  # an engine that reports aborted turns: play the turn again

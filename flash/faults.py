@@ -13,7 +13,9 @@ generation thread died (``EngineLoopError``), or because it did not answer withi
 4. load the weights and version last pushed by the controller (the object ref is kept for this),
    so tokens from the new engine carry the right version (invariant 1);
 5. ask the scheduler to resubmit every request of a pending prompt whose output had not been
-   taken yet (``RolloutScheduler.requeue_lost``): same prompt ids, same request seeds.
+   taken yet (``RolloutScheduler.requeue_lost``): same prompt ids, same request seeds; with
+   environment episodes, every LLM turn an episode still waits for (``EpisodeScheduler.
+   requeue_lost``): same context, same seed, the environments untouched.
 
 With several replicas behind a router the same happens to the one replica that failed, while the
 others serve on (``EngineSupervisor`` below).
@@ -89,7 +91,7 @@ class EngineSupervisor:
         self.faults = 0  # every fault of the run (restored on resume): faults/engine
         self.restarts = 0  # recoveries by this process: bounded by max_restarts (Ray's budget)
         self.events: list[dict[str, Any]] = []  # one per fault, for events.jsonl and benchmarks
-        self.requeue: Callable[..., int] | None = None  # RolloutScheduler.requeue_lost
+        self.requeue: Callable[..., int] | None = None  # the scheduler's requeue_lost
         self.on_event: Callable[[dict], None] | None = None  # each fault, as soon as recovered
         self._warn = warn
         self._lock = threading.RLock()  # a fault inside a recovery (requeue's submit) recovers again

@@ -244,8 +244,7 @@ class Run:
                                       max(1, engine_threads // n), engine=cfg.rollout.engine,
                                       options=self.placement.options("actor_infer", i), sleep_mode=colocated,
                                       # Ray restarts a dead replica; flash.faults recovers its work
-                                      max_restarts=0 if isinstance(self.task, EnvTask)  # episodes: no recovery
-                                      else cfg.rollout.max_engine_restarts)
+                                      max_restarts=cfg.rollout.max_engine_restarts)
                          for i in range(n)]
         self.engine = self.replicas[0] if n == 1 else start_router(self.replicas, cfg.rollout.prompt_affinity,
                                                                    cfg.rollout.hang_timeout_s)
@@ -298,31 +297,23 @@ class Run:
         """Engine fault recovery, checkpoints, and the restore of a resumed run.
 
         The supervisor (flash.faults) handles the engine, or each replica behind the router,
-        driven by the RolloutScheduler; with environment episodes it is off, and an engine fault
-        stops the run; it says so once at the start (``self.notes``). Checkpoints cover every
-        setup (flash.run_state: either buffer transport, one trainer or an FSDP2 group, single-turn
+        driven by the scheduler (single-turn requests or environment episodes: each resubmits what
+        a restarted engine lost, ``requeue_lost``). Checkpoints cover every setup
+        (flash.run_state: either buffer transport, one trainer or an FSDP2 group, single-turn
         requests or environment episodes)."""
         cfg = self.cfg
         self.notes: list[str] = []
-        supervised = isinstance(self.scheduler, RolloutScheduler)
-        self.supervisor = None
-        if supervised:
-            self.supervisor = EngineSupervisor(self.engine, cfg.rollout.hang_timeout_s, cfg.rollout.max_engine_restarts,
-                                               replicas=self.replicas if len(self.replicas) > 1 else None)
-            self.supervisor.requeue = self.scheduler.requeue_lost
-            self.supervisor.on_event = lambda event: resume_mod.append_event(self.dir, **event)
-            self.scheduler.supervisor = self.controller.supervisor = self.supervisor
-        else:
-            self.notes.append("flash: engine fault recovery is off with environment episodes; an engine "
-                              "fault stops the run")
+        self.supervisor = EngineSupervisor(self.engine, cfg.rollout.hang_timeout_s, cfg.rollout.max_engine_restarts,
+                                           replicas=self.replicas if len(self.replicas) > 1 else None)
+        self.supervisor.requeue = self.scheduler.requeue_lost
+        self.supervisor.on_event = lambda event: resume_mod.append_event(self.dir, **event)
+        self.scheduler.supervisor = self.controller.supervisor = self.supervisor
         self.checkpointer = Checkpointer(self.dir, cfg.checkpoint, self.trainer, cfg.train.steps)
         self.controller.on_update = lambda version: run_state.on_update(self, version)
         if self.state is not None:
             self.start_step = run_state.restore(self, self.ckpt, self.state)
-        pids = {}
-        if supervised:
-            pids["engine_pids"] = ray.get([r.pid.remote() for r in self.replicas])
-            pids["engine_pid"] = pids["engine_pids"][0]
+        pids = {"engine_pids": ray.get([r.pid.remote() for r in self.replicas])}
+        pids["engine_pid"] = pids["engine_pids"][0]
         if group_settings(cfg.train) is None:
             pids["trainer_pid"] = ray.get(self.trainer.pid.remote())
         resume_mod.append_event(self.dir, "roles_ready", step=self.start_step, **pids)

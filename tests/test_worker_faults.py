@@ -7,7 +7,10 @@ SIGKILL while it is busy, after the first train step:
   process while a call runs): the pool replaces it and issues that call again, so the response is
   scored for real, never 0 for the crash (no ``reward/failures/*``, no reward errors);
 - an environment worker of the corridor game while episodes live in it: Ray restarts it and each
-  of its episodes plays again from its reset, filed once.
+  of its episodes plays again from its reset, filed once;
+- the rollout engine of the same corridor run while episodes wait on their LLM turns: Ray restarts
+  it, it gets the last pushed weights, and every waiting turn is asked again (same context, same
+  seed); the environments are not touched.
 
 Both runs must finish, count the fault exactly once (metrics, summary, one event), and their ledger
 must show every admitted prompt ending exactly once: each trained sample once, the rest buffered
@@ -125,3 +128,26 @@ def test_env_worker_killed_mid_episode_is_restarted_and_its_episodes_replayed(tm
     counters = summary["rollout_counters"]
     assert counters["episodes_restarted"] >= 1 and not counters.get("env_errors")
     assert read_jsonl(run_dir / "metrics.jsonl")[-1]["faults/env"] == 1.0
+
+
+@pytest.mark.slow
+def test_engine_killed_mid_episodes_is_restarted_and_their_turns_asked_again(tmp_path, cache):
+    run_dir = tmp_path / "env_engine"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_USAGE_STATS_ENABLED": "0"}
+    cmd = [sys.executable, "-m", "flash.cli", "run", "recipes/corridor.yaml", *CORRIDOR, f"cache_dir={cache}",
+           f"run_dir={run_dir}"]
+    with open(tmp_path / "env_engine.log", "w") as log:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    assert wait_for(lambda: steps_done(run_dir) >= 1, proc)
+    pid = events(run_dir, "roles_ready")[0]["engine_pid"]
+    os.kill(pid, signal.SIGKILL)
+    killed = time.time()
+    finish(proc, run_dir)
+
+    faults = events(run_dir, "engine_fault")
+    assert len(faults) == 1 and faults[0]["kind"] == "died" and faults[0]["pid"] != pid
+    assert faults[0]["time"] >= killed - 1.0
+    summary = check_ledger(run_dir, CORRIDOR_STEPS, CORRIDOR_B, CORRIDOR_N)
+    assert summary["faults_engine"] == 1 and summary["faults_env"] == 0
+    assert not summary["rollout_counters"].get("request_errors")  # no turn was lost or refused
+    assert read_jsonl(run_dir / "metrics.jsonl")[-1]["faults/engine"] == 1.0
