@@ -23,7 +23,9 @@ restarted by Ray, without its environments. Each episode that was on it is playe
 reset, same environment seed and same turn seeds, when it next touches the worker (a call in
 flight fails; a later one finds no environment, ``EnvLost``); its partial transcript is dropped, so
 the episode is filed once. Each death is counted once (``faults/env``: the worker's pid changed),
-logged once, and reported to ``on_event``; past ``max_worker_restarts`` the run stops.
+logged once, and reported to ``on_event``; past ``max_worker_restarts`` the run stops
+(``controllers.env_faults``). Engine faults: with a supervisor (``flash.faults``) a restarted
+engine's lost turns are asked again (``requeue_lost``), the environments untouched.
 
 Every admitted seed is in exactly one place: in flight here, in the buffer, or trained. Every
 finished episode is counted by outcome (``outcome/<name>``), every refused turn in
@@ -32,7 +34,6 @@ finished episode is counted by outcome (``outcome/<name>``), every refused turn 
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections.abc import Callable
@@ -43,22 +44,11 @@ from typing import Any
 import ray
 
 from buffers import BufferClosed, Group, Sample, SampleBuffer
+from controllers.env_faults import EnvWorkerFaults, _EpisodeLost
 from controllers.rollout_scheduler import request_seed
 from controllers.staleness import StalenessManager
 from flash.engine.base import GenerationOutput, GenerationRequest, SamplingParams
 from flash.envs.episode import Transcript, add_observation, add_turn, to_sample
-from flash.envs.worker import EnvLost
-from flash.errors import FlashError
-
-log = logging.getLogger("flash")
-
-
-class EnvFailed(FlashError):
-    """Environment workers kept dying after every restart the run allowed."""
-
-
-class _EpisodeLost(Exception):
-    """The episode's environment died with its worker: play it again from the reset."""
 
 
 @dataclass
@@ -92,7 +82,7 @@ class _Pending:
     samples: dict[int, Sample] = field(default_factory=dict)
 
 
-class EpisodeScheduler:
+class EpisodeScheduler(EnvWorkerFaults):
     def __init__(self, engine, workers: list, task, codec: EpisodeCodec, buffer: SampleBuffer,
                  staleness: StalenessManager, params: SamplingParams, n: int, seed: int,
                  max_turns: int, start_index: int = 0, env_threads: int = 16, *,
@@ -132,17 +122,6 @@ class EpisodeScheduler:
         if self._pids is None:
             self.pids()
         self._threads[1].start()
-
-    def pids(self) -> list[int]:
-        """Each EnvWorker's process id (a changed one means Ray restarted it)."""
-        pids = ray.get([w.pid.remote() for w in self.workers], timeout=self.hang_timeout_s)
-        with self._lock:
-            self._pids = list(pids)
-        return list(pids)
-
-    def fault_metrics(self) -> dict[str, float]:
-        with self._lock:
-            return {"faults/env": float(self.faults)}
 
     def start_admission(self) -> None:
         self._threads[0].start()
@@ -322,7 +301,10 @@ class EpisodeScheduler:
 
     def _collect_loop(self) -> None:
         while not self._stop.is_set():
-            outs = ray.get(self.engine.get_finished.remote(0.2)) if self.supervisor is None else self.supervisor.poll(0.2)
+            if self.supervisor is None:
+                outs = ray.get(self.engine.get_finished.remote(0.2))
+            else:  # engine faults recovered there; the turns it lost are asked again (requeue_lost)
+                outs = self.supervisor.poll(0.2)
             for out in outs:
                 self._on_turn(out)
             with self._lock:
@@ -359,65 +341,6 @@ class EpisodeScheduler:
                 continue
         ep.transcript = Transcript(prompt_ids=self.codec.encode_prompt(obs), observations=[obs])
         self._submit_turn(ep)
-
-    def _env(self, ep: _Episode, method: str, *args):
-        """One call on the episode's EnvWorker, bounded by ``hang_timeout_s``. Its worker dead,
-        hung (then killed) or restarted since the reset: the fault is handled (``_worker_lost``)
-        and ``_EpisodeLost`` raised; an exception the environment raised passes through."""
-        try:
-            return ray.get(getattr(ep.worker, method).remote(*args), timeout=self.hang_timeout_s)
-        except ray.exceptions.GetTimeoutError as exc:
-            ray.kill(ep.worker, no_restart=False)  # hung: treated as dead; Ray restarts it
-            self._worker_lost(ep.slot, "hung", exc)
-        except ray.exceptions.RayActorError as exc:
-            self._worker_lost(ep.slot, "died", exc)
-        except ray.exceptions.RayTaskError as exc:
-            if not isinstance(exc.cause, EnvLost):
-                raise
-            self._worker_lost(ep.slot, "died", exc)
-        with self._lock:
-            self.counters["episodes_restarted"] = self.counters.get("episodes_restarted", 0) + 1
-        raise _EpisodeLost
-
-    def _worker_lost(self, slot: int, kind: str, exc: BaseException) -> None:
-        """Wait until Ray restarted worker ``slot``; count the fault once per new process (many
-        episodes notice one death), log the first, stop the run past ``max_worker_restarts``."""
-        start, wall = time.monotonic(), time.time()
-        pid = self._wait_restarted(slot, kind, exc)
-        with self._lock:
-            if self._pids is not None and self._pids[slot] == pid:
-                return  # this death was counted by another episode of the worker
-            if self._pids is not None:
-                self._pids[slot] = pid
-            self.faults += 1
-            faults = self.faults
-        if faults > self.max_worker_restarts:
-            raise EnvFailed(f"environment workers died {faults} times (rollout.max_worker_restarts="
-                            f"{self.max_worker_restarts}); last: {exc!r}")
-        if faults == 1:
-            log.warning("flash: an environment worker %s (%s); Ray restarted it and its episodes play again "
-                        "from their reset (faults counted in faults/env, logged once)", kind, type(exc).__name__)
-        event = {"event": "env_fault", "kind": kind, "error": type(exc).__name__, "time": wall, "worker": slot,
-                 "recovery_s": time.monotonic() - start, "pid": pid}
-        with self._lock:
-            self.events.append(event)
-        if self.on_event is not None:
-            self.on_event(event)
-
-    def _wait_restarted(self, slot: int, kind: str, exc: BaseException) -> int:
-        """The pid of worker ``slot`` once it answers again (``ActorUnavailableError`` while Ray
-        restarts it); dead for good or not back within ``max(hang_timeout_s, 300)`` s: ``EnvFailed``."""
-        deadline = time.monotonic() + max(self.hang_timeout_s, 300.0)
-        while True:
-            try:
-                return ray.get(self.workers[slot].pid.remote(), timeout=max(1.0, deadline - time.monotonic()))
-            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as err:
-                restarting = isinstance(err, ray.exceptions.ActorUnavailableError)
-                if not restarting or time.monotonic() >= deadline:
-                    raise EnvFailed(f"environment worker {slot} did not come back after it {kind} ({exc!r}): "
-                                    f"{err!r}. It is restarted at most rollout.max_worker_restarts="
-                                    f"{self.max_worker_restarts} times") from err
-                time.sleep(0.2)
 
     @staticmethod
     def _turn_request(ep: _Episode) -> GenerationRequest:

@@ -1,0 +1,103 @@
+"""Environment-worker faults for ``EpisodeScheduler``: an EnvWorker that dies or hangs costs its
+episodes a replay from their reset, not the run.
+
+Why a module of its own: this is the one part of the episode scheduler that talks to Ray about
+processes (pids, restarts, the hang timeout, the restart budget); the scheduler itself only sees
+``_EpisodeLost`` and plays the episode again. The mixin expects the scheduler's ``workers``,
+``_lock``, ``counters``, ``faults``, ``events``, ``on_event``, ``_pids``, ``hang_timeout_s`` and
+``max_worker_restarts``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import ray
+
+from flash.envs.worker import EnvLost
+from flash.errors import FlashError
+
+log = logging.getLogger("flash")
+
+
+class EnvFailed(FlashError):
+    """Environment workers kept dying after every restart the run allowed."""
+
+
+class _EpisodeLost(Exception):
+    """The episode's environment died with its worker: play it again from the reset."""
+
+
+class EnvWorkerFaults:
+    """Fault handling of the scheduler's EnvWorkers (see the module docstring)."""
+
+    def pids(self) -> list[int]:
+        """Each EnvWorker's process id (a changed one means Ray restarted it)."""
+        pids = ray.get([w.pid.remote() for w in self.workers], timeout=self.hang_timeout_s)
+        with self._lock:
+            self._pids = list(pids)
+        return list(pids)
+
+    def fault_metrics(self) -> dict[str, float]:
+        with self._lock:
+            return {"faults/env": float(self.faults)}
+
+    def _env(self, ep, method: str, *args):
+        """One call on the episode's EnvWorker, bounded by ``hang_timeout_s``. Its worker dead,
+        hung (then killed) or restarted since the reset: the fault is handled (``_worker_lost``)
+        and ``_EpisodeLost`` raised; an exception the environment raised passes through."""
+        try:
+            return ray.get(getattr(ep.worker, method).remote(*args), timeout=self.hang_timeout_s)
+        except ray.exceptions.GetTimeoutError as exc:
+            ray.kill(ep.worker, no_restart=False)  # hung: treated as dead; Ray restarts it
+            self._worker_lost(ep.slot, "hung", exc)
+        except ray.exceptions.RayActorError as exc:
+            self._worker_lost(ep.slot, "died", exc)
+        except ray.exceptions.RayTaskError as exc:
+            if not isinstance(exc.cause, EnvLost):
+                raise
+            self._worker_lost(ep.slot, "died", exc)
+        with self._lock:
+            self.counters["episodes_restarted"] = self.counters.get("episodes_restarted", 0) + 1
+        raise _EpisodeLost
+
+    def _worker_lost(self, slot: int, kind: str, exc: BaseException) -> None:
+        """Wait until Ray restarted worker ``slot``; count the fault once per new process (many
+        episodes notice one death), log the first, stop the run past ``max_worker_restarts``."""
+        start, wall = time.monotonic(), time.time()
+        pid = self._wait_restarted(slot, kind, exc)
+        with self._lock:
+            if self._pids is not None and self._pids[slot] == pid:
+                return  # this death was counted by another episode of the worker
+            if self._pids is not None:
+                self._pids[slot] = pid
+            self.faults += 1
+            faults = self.faults
+        if faults > self.max_worker_restarts:
+            raise EnvFailed(f"environment workers died {faults} times (rollout.max_worker_restarts="
+                            f"{self.max_worker_restarts}); last: {exc!r}")
+        if faults == 1:
+            log.warning("flash: an environment worker %s (%s); Ray restarted it and its episodes play again "
+                        "from their reset (faults counted in faults/env, logged once)", kind, type(exc).__name__)
+        event = {"event": "env_fault", "kind": kind, "error": type(exc).__name__, "time": wall, "worker": slot,
+                 "recovery_s": time.monotonic() - start, "pid": pid}
+        with self._lock:
+            self.events.append(event)
+        if self.on_event is not None:
+            self.on_event(event)
+
+    def _wait_restarted(self, slot: int, kind: str, exc: BaseException) -> int:
+        """The pid of worker ``slot`` once it answers again (``ActorUnavailableError`` while Ray
+        restarts it); dead for good or not back within ``max(hang_timeout_s, 300)`` s: ``EnvFailed``."""
+        deadline = time.monotonic() + max(self.hang_timeout_s, 300.0)
+        while True:
+            try:
+                return ray.get(self.workers[slot].pid.remote(), timeout=max(1.0, deadline - time.monotonic()))
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as err:
+                restarting = isinstance(err, ray.exceptions.ActorUnavailableError)
+                if not restarting or time.monotonic() >= deadline:
+                    raise EnvFailed(f"environment worker {slot} did not come back after it {kind} ({exc!r}): "
+                                    f"{err!r}. It is restarted at most rollout.max_worker_restarts="
+                                    f"{self.max_worker_restarts} times") from err
+                time.sleep(0.2)
