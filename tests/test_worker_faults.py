@@ -106,14 +106,19 @@ CORRIDOR = ["model.tiny.num_layers=1", "model.tiny.intermediate_size=64", "sft.s
             "ray.num_cpus=2", "checkpoint.every_steps=0"]
 
 
-@pytest.mark.slow
-def test_env_worker_killed_mid_episode_is_restarted_and_its_episodes_replayed(tmp_path, cache):
-    run_dir = tmp_path / "env"
+def launch_corridor(run_dir: Path, cache: str) -> tuple[subprocess.Popen, Path]:
+    """The small corridor run as a `flash run` subprocess (its log beside ``run_dir``)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_USAGE_STATS_ENABLED": "0"}
     cmd = [sys.executable, "-m", "flash.cli", "run", "recipes/corridor.yaml", *CORRIDOR, f"cache_dir={cache}",
            f"run_dir={run_dir}"]
-    with open(tmp_path / "env.log", "w") as log:
+    with open(run_dir.parent / f"{run_dir.name}.log", "w") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    return proc, run_dir
+
+
+@pytest.mark.slow
+def test_env_worker_killed_mid_episode_is_restarted_and_its_episodes_replayed(tmp_path, cache):
+    proc, run_dir = launch_corridor(tmp_path / "env", cache)
     assert wait_for(lambda: steps_done(run_dir) >= 1, proc)
     pid = events(run_dir, "workers_ready")[0]["env_pids"][0]
     os.kill(pid, signal.SIGKILL)
@@ -132,12 +137,7 @@ def test_env_worker_killed_mid_episode_is_restarted_and_its_episodes_replayed(tm
 
 @pytest.mark.slow
 def test_engine_killed_mid_episodes_is_restarted_and_their_turns_asked_again(tmp_path, cache):
-    run_dir = tmp_path / "env_engine"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_USAGE_STATS_ENABLED": "0"}
-    cmd = [sys.executable, "-m", "flash.cli", "run", "recipes/corridor.yaml", *CORRIDOR, f"cache_dir={cache}",
-           f"run_dir={run_dir}"]
-    with open(tmp_path / "env_engine.log", "w") as log:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc, run_dir = launch_corridor(tmp_path / "env_engine", cache)
     assert wait_for(lambda: steps_done(run_dir) >= 1, proc)
     pid = events(run_dir, "roles_ready")[0]["engine_pid"]
     os.kill(pid, signal.SIGKILL)
