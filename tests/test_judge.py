@@ -164,7 +164,11 @@ def test_math_recipe_runs_two_steps_with_the_judge(tmp_path):
     # the reward pool's CPU per step (the judge's engine runs in the reward worker): counted, never negative
     per_step = [r["reward/cpu_s"] for r in rows if "time/step" in r]
     assert len(per_step) == 2 and min(per_step) >= 0 and sum(per_step) > 0
-    # every call reached the judge; failures, if any, are the judge's named ones
-    assert last["judge/calls"] == last["reward/calls"] >= 2 * 2 * 2 + 4
+    # every call reached the judge; failures, if any, are the judge's named ones. The judge counts a
+    # call when it has scored it, the pool when the result is back: at async_ratio 1 rollout goes on
+    # while the step is logged, so the snapshot may hold calls between the two (at most one per slot)
+    slots = last["reward/workers"] * cfg.reward.concurrency
+    assert last["reward/calls"] >= 2 * 2 * 2 + 4
+    assert last["reward/calls"] <= last["judge/calls"] <= last["reward/calls"] + slots
     assert all(k.startswith("reward/failures/judge:") for k in last if k.startswith("reward/failures/"))
     assert 1 <= last["judge/max_inflight"] <= 4
