@@ -36,6 +36,7 @@ import time
 import numpy as np
 import zmq
 
+from buffers.factory import BufferConfig
 from buffers.types import Group, Sample
 
 SYSTEMS = ("service_local", "service_remote", "ray_queue", "zmq_bare")
@@ -73,10 +74,10 @@ def producer_main(commands, results) -> None:
         cmd = commands.get()
         if cmd is None:
             return
-        kind, address, length, pids, window = cmd
+        kind, address, length, pids, knobs = cmd
         arrays = template(length)
         if kind == "service":
-            producer = BufferProducer(address, window=window)
+            producer = BufferProducer(address, **knobs)
             results.put("ready")
             commands.get()  # go
             cpu = time.process_time()
@@ -111,12 +112,12 @@ class Pool:
         for p in self.procs:
             p.start()
 
-    def run(self, kind: str, address: str, length: int, n: int, consume, window: int = 1) -> tuple[float, float]:
+    def run(self, kind: str, address: str, length: int, n: int, consume, knobs: dict | None = None) -> tuple[float, float]:
         """(seconds from 'go' until ``consume`` has taken all ``n`` items, CPU seconds of every process
         involved: the producers' send loops and this process -- with the service thread -- meanwhile)."""
         share = n // PRODUCERS
         for i, q in enumerate(self.commands):
-            q.put((kind, address, length, list(range(i * share, (i + 1) * share)), window))
+            q.put((kind, address, length, list(range(i * share, (i + 1) * share)), knobs or {}))
         for _ in self.commands:
             assert self.results.get(timeout=120) == "ready"
         start, cpu = time.perf_counter(), time.process_time()
@@ -140,7 +141,7 @@ class Pool:
 # ------------------------------------------------------------------------------ systems
 
 def run_service(pool: Pool, length: int, n: int, capacity: int, batch: int, remote: bool,
-                window: int) -> tuple[float, float]:
+                knobs: dict) -> tuple[float, float]:
     from buffers.client import RemoteSampleBuffer
     from buffers.service import BufferService
 
@@ -156,7 +157,7 @@ def run_service(pool: Pool, length: int, n: int, capacity: int, batch: int, remo
                     assert g.prompt_id not in seen and len(g.samples[0].response_ids) == length
                     seen.add(g.prompt_id)
 
-        secs = pool.run("service", svc.address, length, n, consume, window)
+        secs = pool.run("service", svc.address, length, n, consume, knobs)
         if remote:
             consumer.disconnect()
     return secs
@@ -229,14 +230,19 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--capacity", type=int, default=64)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--window", type=int, default=16, help="BufferProducer puts in flight (4 x 16 = capacity)")
+    ap.add_argument("--batch-groups", type=int, default=BufferConfig.batch_groups,
+                    help="BufferProducer: groups per put message (1: one message per group)")
+    ap.add_argument("--linger-ms", type=float, default=BufferConfig.linger_ms,
+                    help="BufferProducer: how long a batch waits to fill (0: send each put at once)")
     ap.add_argument("--mb", type=float, default=48.0, help="payload MB per run of the zmq systems")
     ap.add_argument("--ray-mb", type=float, default=4.0, help="payload MB per run of Ray's queue (slow)")
     args = ap.parse_args(argv)
     lengths = [int(x) for x in args.lengths.split(",")]
     pool, actors = Pool(), ray_producers()
+    knobs = {"window": args.window, "batch_groups": args.batch_groups, "linger_ms": args.linger_ms}
     runs = {
-        "service_local": lambda L, n: run_service(pool, L, n, args.capacity, args.batch, remote=False, window=args.window),
-        "service_remote": lambda L, n: run_service(pool, L, n, args.capacity, args.batch, remote=True, window=args.window),
+        "service_local": lambda L, n: run_service(pool, L, n, args.capacity, args.batch, remote=False, knobs=knobs),
+        "service_remote": lambda L, n: run_service(pool, L, n, args.capacity, args.batch, remote=True, knobs=knobs),
         "ray_queue": lambda L, n: run_ray_queue(actors, L, count_for(args.ray_mb, L), args.capacity, args.batch),
         "zmq_bare": lambda L, n: run_zmq_bare(pool, L, n, args.capacity, args.batch),
     }
@@ -267,7 +273,8 @@ def count_for(mb: float, length: int) -> int:
 
 def report(rates: dict[int, dict[str, list[float]]], cpu_us: dict[int, dict[str, list[float]]], args) -> dict:
     result = {"bench": "buffer", "producers": PRODUCERS, "repeats": args.repeats, "capacity": args.capacity,
-              "batch": args.batch, "window": args.window, "mb": args.mb, "ray_mb": args.ray_mb,
+              "batch": args.batch, "window": args.window, "batch_groups": args.batch_groups,
+              "linger_ms": args.linger_ms, "mb": args.mb, "ray_mb": args.ray_mb,
               "per_length": {}}
     for L, per in rates.items():
         med = {s: statistics.median(r) for s, r in per.items()}

@@ -3,7 +3,13 @@
 ``transport: local`` (default) is the skeleton's in-process buffer. ``transport: zmq`` starts a
 ``BufferService`` on ``bind`` in this process and returns a ``RemoteSampleBuffer`` on it, so the
 scheduler's puts and the controller's ``get_batch`` both cross the wire, exactly as producers on
-other hosts do; ``service.address`` is what those producers connect to.
+other hosts do; ``service.address`` is what those producers connect to (``make_producer`` builds
+one from this section).
+
+The producer knobs (``window``, ``batch_groups``, ``batch_kb``, ``linger_ms``) shape how a
+streaming producer batches its puts (see ``buffers.producer``). The driver's own proxy ignores
+``window``: the scheduler must know a group is stored before it drops it from its pending list, so
+its puts are strict (one acknowledged round trip each) and never linger.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from dataclasses import dataclass
 
 from buffers.buffer import SampleBuffer
 from buffers.client import RemoteSampleBuffer
+from buffers.producer import BufferProducer
 from buffers.service import BufferService
 
 TRANSPORTS = ("local", "zmq")
@@ -24,6 +31,10 @@ class BufferConfig:
     bind: str = "tcp://127.0.0.1:0"  # zmq: where the service listens; port 0 = any free port
     max_frame_mb: float = 64.0  # zmq: a larger frame (one group) is refused and counted
     capacity: int = 0  # groups held before producers block; 0 = ceil((async_ratio + 2) * prompts_per_step)
+    window: int = 16  # zmq producer: groups put but not yet acknowledged before put waits (1 = strict)
+    batch_groups: int = 16  # zmq producer: groups per put message at most
+    batch_kb: int = 1024  # zmq producer: a put message is sent once its groups reach this many KiB
+    linger_ms: float = 1.0  # zmq producer: a batch not yet full is sent after this wait (0 = at once)
 
     def __post_init__(self) -> None:
         if self.transport not in TRANSPORTS:
@@ -36,6 +47,11 @@ class BufferConfig:
             raise ValueError(f"buffer.max_frame_mb must be > 0, got {self.max_frame_mb}")
         if self.capacity < 0:
             raise ValueError(f"buffer.capacity must be >= 0 (0 = auto), got {self.capacity}")
+        for key in ("window", "batch_groups", "batch_kb"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"buffer.{key} must be >= 1, got {getattr(self, key)}")
+        if not self.linger_ms >= 0:
+            raise ValueError(f"buffer.linger_ms must be >= 0 (0 = send each put at once), got {self.linger_ms}")
 
 
 def make_buffer(cfg: BufferConfig, capacity: int) -> tuple[SampleBuffer | RemoteSampleBuffer, BufferService | None]:
@@ -48,3 +64,9 @@ def make_buffer(cfg: BufferConfig, capacity: int) -> tuple[SampleBuffer | Remote
         return SampleBuffer(capacity=capacity), None
     service = BufferService(capacity, bind=cfg.bind, max_frame_bytes=int(cfg.max_frame_mb * (1 << 20))).start()
     return RemoteSampleBuffer(service.address, max_frame_mb=cfg.max_frame_mb), service
+
+
+def make_producer(cfg: BufferConfig, address: str) -> BufferProducer:
+    """A streaming producer for the service at ``address`` (a rollout worker in another process)."""
+    return BufferProducer(address, max_frame_mb=cfg.max_frame_mb, window=cfg.window,
+                          batch_groups=cfg.batch_groups, batch_kb=cfg.batch_kb, linger_ms=cfg.linger_ms)

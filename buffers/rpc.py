@@ -37,14 +37,21 @@ class Rpc:
         if wake_fd is not None:
             self._wake_poller.register(wake_fd, zmq.POLLIN)
 
-    def send(self, message: dict, payload: bytes | None = None) -> int:
-        """Send ``message`` (and ``payload`` as a second part, uncopied when large); its ``rid``."""
+    def send(self, message: dict, payloads: list[bytes] | tuple = ()) -> int:
+        """Send ``message`` and each of ``payloads`` as a further part of one message; its ``rid``.
+
+        A large payload goes uncopied (zero-copy only pays above ~64 KiB: below, the bookkeeping
+        of a borrowed buffer costs more than the copy).
+        """
         rid = next(self._rids)
         header = pack({**message, "rid": rid})
-        if payload is None:
+        if not payloads:
             self.sock.send(header)
-        else:  # zero-copy only pays when large
-            self.sock.send_multipart([header, payload], copy=len(payload) < (1 << 16))
+            return rid
+        self.sock.send(header, zmq.SNDMORE)
+        last = len(payloads) - 1
+        for i, part in enumerate(payloads):
+            self.sock.send(part, zmq.SNDMORE if i < last else 0, copy=len(part) < (1 << 16))
         return rid
 
     def wait(self, rid: int, timeout_s: float, limit: int | None = None, wakeable: bool = False) -> dict | None:

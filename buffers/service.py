@@ -7,9 +7,11 @@ no cross-process locking and a slow client cannot block another.
 
 Requests (all msgpack maps with ``op`` and ``rid``; the reply echoes ``rid``):
 
-    put         {producer, seq} + group frame -> stored | duplicate | gap | full | closed; the
-                                                 answers to one client's puts in a burst go as
-                                                 one message {status: acks, acks: [[rid, seq, status]]}
+    put         {producer, seq} + 1..MAX_BATCH group frames (seqs seq, seq + 1, ...)
+                                              -> per group: stored | duplicate | gap | full | closed
+                                                 | rejected_<reason>; the answers to one client's
+                                                 puts in a burst go as one message
+                                                 {status: acks, acks: [[rid, seq, [status, ...]], ...]}
     wait_space  {wait_ms}                     -> ok once the buffer has room (or timeout)
     meta        {since, wait_ms}              -> epoch, closed, capacity, per-group metadata;
                                                  parked until the epoch moves past ``since``
@@ -17,11 +19,15 @@ Requests (all msgpack maps with ``op`` and ``rid``; the reply echoes ``rid``):
                                                  the same (consumer, tid) again replays the answer
     drain / stats / close
 
-Exactly once, in order: a put carries ``(producer, seq)``; a ``seq`` not above the last one stored
-from that producer is a retry (``duplicate``: acknowledged, not stored again), one past the next
-expected is refused (``gap``: an earlier put was refused, and the producer resends from there;
-see ``buffers.producer``). Backpressure: a put on a full buffer is answered ``full`` and
-the producer parks a ``wait_space`` request, answered the moment a take frees room.
+Exactly once, in order: each group of a put carries ``(producer, seq)``; a ``seq`` not above the
+last one decided for that producer is a retry (``duplicate``: acknowledged, not stored again), one
+past the next expected is refused (``gap``: an earlier group was refused, and the producer resends
+from there; see ``buffers.producer``). A group the schema refuses is answered
+``rejected_<reason>`` and its seq counts as decided, so the groups after it in the batch are still
+stored. Once a group of a batch is refused with ``gap``, ``full`` or ``closed``, the rest of the
+batch gets the same answer (they would have to wait for it anyway). Backpressure: a put on a full
+buffer is answered ``full`` and the producer parks a ``wait_space`` request, answered the moment a
+take frees room.
 
 Hostile input: every frame is size-checked before it is parsed and schema-checked after
 (``buffers.wire``); a refused frame is answered ``rejected`` with its reason, counted under
@@ -41,12 +47,13 @@ import zmq
 
 from buffers.buffer import BufferClosed
 from buffers.store import KeyedSampleBuffer
+from buffers.types import Group
 from buffers.wire import REASONS, WireError, decode_group, pack, unpack
 
 log = logging.getLogger(__name__)
 
 OPS: dict[str, dict[str, type]] = {
-    "put": {"rid": int, "producer": str, "seq": int},  # + the group's frame as a second part
+    "put": {"rid": int, "producer": str, "seq": int},  # + the groups' frames, one part each
     "wait_space": {"rid": int, "wait_ms": int},
     "meta": {"rid": int, "since": int, "wait_ms": int},
     "take": {"rid": int, "keys": list, "consumer": str, "tid": int},
@@ -54,7 +61,8 @@ OPS: dict[str, dict[str, type]] = {
     "stats": {"rid": int},
     "close": {"rid": int},
 }
-COUNTERS = ("frames_in", "puts", "gets", "duplicates", "full_replies", "gap_replies", "bytes_in", "bytes_out",
+MAX_BATCH = 1024  # groups in one put message
+COUNTERS = ("frames_in", "put_batches", "puts", "gets", "duplicates", "full_replies", "gap_replies", "bytes_in", "bytes_out",
             "producer_blocked_s", "take_replays", "rejected", "internal_errors")
 
 
@@ -185,18 +193,16 @@ class BufferService:
         rid = -1
         try:
             self._count("bytes_in", sum(len(p.buffer) for p in parts[1:]))
-            if len(parts) not in (2, 3):
-                raise WireError("multipart", f"{len(parts) - 1} parts; a request is one (a put two)")
+            if not 2 <= len(parts) <= 2 + MAX_BATCH:
+                raise WireError("multipart", f"{len(parts) - 1} parts; a request is one (a put 2..{MAX_BATCH + 1})")
             msg = unpack(parts[1].buffer, self.max_frame_bytes)
             rid = _request_rid(msg)
             _check_request(msg)
-            if len(parts) != (3 if msg["op"] == "put" else 2):
+            if (len(parts) > 2) != (msg["op"] == "put"):
                 raise WireError("multipart", f"{msg['op']} with {len(parts) - 1} parts; a request is one "
-                                             "part, a put two (header, group)")
+                                             "part, a put a header and its groups")
             if msg["op"] == "put":
-                msg["group"] = parts[2].buffer  # the group's frame, kept as received (no copy)
-                if len(msg["group"]) > self.max_frame_bytes:  # refused before anything else
-                    raise WireError("oversized", f"group frame of {len(msg['group'])} bytes > {self.max_frame_bytes}")
+                msg["groups"] = [p.buffer for p in parts[2:]]  # the groups' frames, as received (no copy)
             reply = getattr(self, f"_op_{msg['op']}")(identity, msg)
         except WireError as exc:
             self._count("rejected")
@@ -209,8 +215,8 @@ class BufferService:
         if reply is None:  # parked, answered later
             return
         reply["rid"] = rid
-        if "seq" in reply:  # a put's answer: sent with the burst's others to this producer
-            self._acks.setdefault(identity, []).append([rid, reply["seq"], reply["status"]])
+        if "statuses" in reply:  # a put's answers: sent with the burst's others to this producer
+            self._acks.setdefault(identity, []).append([rid, reply["seq"], reply["statuses"]])
         else:
             self._flush_acks(identity)  # keep this client's answers in order
             self._reply(identity, reply)
@@ -220,38 +226,59 @@ class BufferService:
         message is a wake-up of the producer and a send here)."""
         for ident in [identity] if identity is not None else list(self._acks):
             acks = self._acks.pop(ident, None)
-            if acks and len(acks) == 1:
-                rid, seq, status = acks[0]
-                self._reply(ident, {"rid": rid, "seq": seq, "status": status})
-            elif acks:
+            if acks:
                 self._reply(ident, {"rid": -1, "status": "acks", "acks": acks})
 
     # ------------------------------------------------------------------------------ operations
     def _op_put(self, identity: bytes, msg: dict) -> dict:
-        producer, seq = msg["producer"], msg["seq"]
+        """Each group in seq order; after a gap, full or closed the rest get the same answer."""
+        producer, first, frames = msg["producer"], msg["seq"], msg["groups"]
+        self._count("put_batches")
+        statuses: list[str] = []
+        for i, frame in enumerate(frames):
+            status = self._put_one(producer, first + i, frame)
+            statuses.append(status)
+            if status in ("gap", "full", "closed"):
+                statuses += [status] * (len(frames) - i - 1)
+                break
+        return {"seq": first, "statuses": statuses}
+
+    def _put_one(self, producer: str, seq: int, frame: memoryview) -> str:
+        """Store one group exactly once; a refused one is decided (its seq used) and counted."""
         last = self._seen.get(producer, -1)
-        if seq <= last:
-            self._count("duplicates")
-            return {"status": "duplicate", "seq": seq}
-        if seq > last + 1:  # an earlier put of this producer was refused: keep its order
-            self._count("gap_replies")
-            return {"status": "gap", "seq": seq}
-        frame = msg["group"]
-        group = decode_group(unpack(frame, self.max_frame_bytes))
+        try:
+            if len(frame) > self.max_frame_bytes:  # refused before the seq is looked at
+                raise WireError("oversized", f"group frame of {len(frame)} bytes > {self.max_frame_bytes}")
+            if seq <= last:
+                self._count("duplicates")
+                return "duplicate"
+            if seq > last + 1:  # an earlier group of this producer was refused: keep its order
+                self._count("gap_replies")
+                return "gap"
+            group = decode_group(unpack(frame, self.max_frame_bytes))
+        except WireError as exc:
+            self._count("rejected")
+            self._count(f"rejected_{exc.reason}")
+            if seq == last + 1:
+                self._seen[producer] = seq
+            return f"rejected_{exc.reason}"
+        return self._store(producer, seq, group, frame)
+
+    def _store(self, producer: str, seq: int, group: Group, frame: memoryview) -> str:
         try:
             stored = self.buffer.try_put(group, frame=frame, notify=False)
         except BufferClosed:
-            return {"status": "closed", "seq": seq}
+            return "closed"
         now = time.monotonic()
         if not stored:
             self._blocked_since.setdefault(producer, now)
             self._count("full_replies")
-            return {"status": "full", "seq": seq}
+            return "full"
         self._seen[producer] = seq
         self._count("puts")
         if producer in self._blocked_since:
             self._count("producer_blocked_s", now - self._blocked_since.pop(producer))
-        return {"status": "stored", "seq": seq}
+        return "stored"
 
     def _op_wait_space(self, identity: bytes, msg: dict) -> dict | None:
         return self._park_or_answer(identity, msg, since=0)

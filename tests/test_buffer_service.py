@@ -70,9 +70,9 @@ def same(a: Group, b: Group) -> bool:
     return True
 
 
-def put_parts(producer: str, seq: int, group: Group, rid: int = 0) -> list[bytes]:
-    """A put as a producer sends it: a header frame and the group's frame."""
-    return [pack({"op": "put", "rid": rid, "producer": producer, "seq": seq}), encode_group(group)]
+def put_parts(producer: str, seq: int, *groups: Group, rid: int = 0) -> list[bytes]:
+    """A put as a producer sends it: a header frame (naming the first seq) and one frame per group."""
+    return [pack({"op": "put", "rid": rid, "producer": producer, "seq": seq}), *map(encode_group, groups)]
 
 
 # ------------------------------------------------------------------------------------------ codec
@@ -180,12 +180,14 @@ def service():
 
 
 def answers(sock: zmq.Socket, n: int) -> list[dict]:
-    """The next ``n`` answers, in order; a burst's put answers come as one ``acks`` message."""
+    """The next ``n`` answers, in order, one per group of a put (``rejected_<reason>`` read as
+    ``rejected``, with its ``reason``); a burst's put answers come as one ``acks`` message."""
     out: list[dict] = []
     while len(out) < n:
         reply = unpack(sock.recv(), MB)
         if reply["status"] == "acks":
-            out += [{"rid": rid, "seq": seq, "status": status} for rid, seq, status in reply["acks"]]
+            out += [{"rid": rid, "seq": seq + i, "status": status.split("_")[0], "reason": status[9:]}
+                    for rid, seq, statuses in reply["acks"] for i, status in enumerate(statuses)]
         else:
             out.append(reply)
     assert len(out) == n
@@ -206,7 +208,7 @@ def test_fuzz_every_valid_group_exactly_once_rejections_counted(service):
     valid = {pid: make_group(pid, length=rng.randint(1, 40), arrays=pid % 2 == 0) for pid in range(40)}
     sent = {r: 0 for r in REASONS} | {"random": 0, "duplicate": 0}
     frames: list[list[bytes]] = []
-    bad_header = pack({"op": "put", "rid": 0, "producer": "bad", "seq": 0})  # never stored: always decoded
+    bad = iter(range(10**6))  # a bad group decides its seq: a fresh producer each, so each is decoded
     for seq, (pid, g) in enumerate(valid.items()):
         header, good = put_parts("fuzz", seq, g, rid=seq)
         frames.append([header, good])
@@ -221,11 +223,13 @@ def test_fuzz_every_valid_group_exactly_once_rejections_counted(service):
             elif kind == "truncated":  # the group cut short, or the header
                 cut = rng.choice([good, header])
                 part = cut[: rng.randint(1, len(cut) - 1)]
-                frames.append([bad_header, part] if cut is good else [part])
+                frames.append([pack({"op": "put", "rid": 0, "producer": f"bad{next(bad)}", "seq": 0}), part]
+                              if cut is good else [part])
             elif kind == "oversized":
                 frames.append([header, good + b"\x00" * (64 * 1024)])  # refused before the seq is looked at
             elif kind == "multipart":
-                frames.append(rng.choice([[header, good, b"tail"], [header], [pack({"op": "stats", "rid": 0}), good]]))
+                frames.append(rng.choice([[header], [pack({"op": "stats", "rid": 0}), good],
+                                          [pack({"op": "meta", "rid": 0, "since": 0, "wait_ms": 0}), good, good]]))
             elif kind == "bad_type":
                 frames.append([pack({"op": "put", "rid": 0, "producer": "fuzz", "seq": "7"}), good])
             else:
@@ -346,10 +350,13 @@ def test_timeout_and_close_reach_remote_waiters():
 
 # ------------------------------------------------------------------------------------------ processes
 
-def _produce(address: str, pids: list[int], out, window: int = 1) -> None:
-    """A producer process: put every group (array-typed, lengths vary), report its counters."""
-    producer = BufferProducer(address, wait_ms=200, window=window)
+def _produce(address: str, pids: list[int], out, knobs: dict | None = None, pause_s: float = 0.0) -> None:
+    """A producer process: put every group (array-typed, lengths vary) with random pauses of up to
+    ``pause_s`` between puts (so batches go out both full and by their linger), report its counters."""
+    producer = BufferProducer(address, wait_ms=200, **(knobs or {}))
+    rng = random.Random(pids[0])
     for pid in pids:
+        time.sleep(rng.uniform(0, pause_s))
         producer.put(make_group(pid, length=5 + pid % 50, version=pid % 3, arrays=True))
     producer.flush()
     out.put(producer.stats())
@@ -360,10 +367,13 @@ def test_producer_processes_exactly_once_under_backpressure():
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     work = {p: [p * 1000 + i for i in range(25)] for p in range(3)}
+    # window 1: each put acknowledged before the next; 3 and 8: go-back-N with puts in flight, sent
+    # in batches of up to 2 and 4 groups (a batch of 4 meets a buffer of 4: stored in part, then full)
+    knobs = ({"window": 1}, {"window": 3, "batch_groups": 2, "linger_ms": 1},
+             {"window": 8, "batch_groups": 4, "linger_ms": 5})
     with BufferService(capacity=4) as svc:
-        # window 1: each put acknowledged before the next; 3 and 8: go-back-N with puts in flight
-        procs = [ctx.Process(target=_produce, args=(svc.address, pids, out, window))
-                 for pids, window in zip(work.values(), (1, 3, 8))]
+        procs = [ctx.Process(target=_produce, args=(svc.address, pids, out, k, 0.004))
+                 for pids, k in zip(work.values(), knobs)]
         for p in procs:
             p.start()
         consumer = RemoteSampleBuffer(svc.address)

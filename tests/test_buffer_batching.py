@@ -1,0 +1,231 @@
+"""Batched puts to the buffer service: several groups per message, each with its own (producer, seq).
+
+- A batch with one malformed group: the others are stored, the bad one is answered and counted by
+  its reason, and its seq counts as decided (no gap behind it); a retried batch stores nothing twice.
+- A batch meeting a full buffer: the groups that fit are stored, the rest answered ``full``.
+- The producer: a batch fills and goes out without a flush; a lone put goes out when its linger
+  ends; a group the service refuses is raised by name while its batch-mates are stored.
+- Exactly once through a lossy link (requests and answers dropped and delayed at random, the
+  producer timing out and resending batches).
+- The knobs are part of the typed config (a misspelled one is caught).
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import msgpack
+import pytest
+import zmq
+
+from buffers.client import BufferProducer, BufferUnavailable
+from buffers.service import BufferService
+from buffers.wire import WireError, encode_group, unpack
+from tests.test_buffer_service import MB, _raw_socket, answers, make_group, put_parts, same
+
+
+def _spoiled(pid: int) -> bytes:
+    """A group frame whose response ids claim a dtype outside the allow-list."""
+    raw = unpack(encode_group(make_group(pid)), MB)
+    raw[3][0][7][0] = "<u1"
+    return msgpack.packb(raw)
+
+
+def _wait_for(cond, timeout: float = 10.0) -> float:
+    t0 = time.monotonic()
+    while not cond():
+        assert time.monotonic() - t0 < timeout, "timed out"
+        time.sleep(0.005)
+    return time.monotonic() - t0
+
+
+# ------------------------------------------------------------------------------------------ service
+
+def test_a_bad_group_in_a_batch_is_rejected_by_name_and_the_others_stored():
+    with BufferService(capacity=16) as svc:
+        ctx = zmq.Context()
+        sock = _raw_socket(ctx, svc.address)
+        header, good0, good2 = put_parts("p", 0, make_group(0), make_group(2))
+        sock.send_multipart([header, good0, _spoiled(1), good2])
+        got = answers(sock, 3)
+        assert [a["status"] for a in got] == ["stored", "rejected", "stored"]
+        assert [a["seq"] for a in got] == [0, 1, 2] and got[1]["reason"] == "bad_dtype"
+        sock.send_multipart(put_parts("p", 3, make_group(3)))  # seq 1 is decided: no gap behind it
+        assert answers(sock, 1)[0]["status"] == "stored"
+        sock.send_multipart([header, good0, _spoiled(1), good2])  # the batch retried: nothing twice
+        assert [a["status"] for a in answers(sock, 3)] == ["duplicate"] * 3
+        stats = svc.stats()
+        assert (stats["puts"], stats["rejected"], stats["rejected_bad_dtype"]) == (3.0, 1.0, 1.0)
+        assert (stats["put_batches"], stats["duplicates"], stats["frames_in"]) == (3.0, 3.0, 3.0)
+        assert [m.prompt_id for m in svc.buffer.meta()[2]] == [0, 2, 3]
+        sock.close()
+        ctx.term()
+
+
+def test_a_batch_meeting_a_full_buffer_stores_what_fits_and_the_rest_waits():
+    with BufferService(capacity=3) as svc:
+        ctx = zmq.Context()
+        sock = _raw_socket(ctx, svc.address)
+        sock.send_multipart(put_parts("p", 0, *map(make_group, range(5))))
+        assert [a["status"] for a in answers(sock, 5)] == ["stored"] * 3 + ["full"] * 2
+        sock.send_multipart(put_parts("p", 4, make_group(4)))  # seq 3 still missing: the order holds
+        assert answers(sock, 1)[0]["status"] == "gap"
+        svc.buffer.get_batch(2)
+        sock.send_multipart(put_parts("p", 3, make_group(3), make_group(4)))  # go-back-N from the full one
+        assert [a["status"] for a in answers(sock, 2)] == ["stored", "stored"]
+        assert [m.prompt_id for m in svc.buffer.meta()[2]] == [2, 3, 4]
+        assert svc.stats()["full_replies"] == 1.0  # counted once per batch, where it was refused
+        sock.close()
+        ctx.term()
+
+
+# ------------------------------------------------------------------------------------------ producer
+
+def test_a_full_batch_goes_out_at_once_and_a_lone_put_when_its_linger_ends():
+    with BufferService(capacity=64) as svc:
+        held = BufferProducer(svc.address, window=32, batch_groups=8, linger_ms=60_000)
+        for pid in range(9):
+            held.put(make_group(pid))
+        _wait_for(lambda: len(svc.buffer) == 8)  # the full batch: one message, no flush
+        time.sleep(0.2)
+        assert len(svc.buffer) == 8 and svc.stats()["put_batches"] == 1.0  # the 9th lingers
+        held.flush()
+        assert len(svc.buffer) == 9 and held.stats()["batches"] == 2.0
+
+        lone = BufferProducer(svc.address, window=32, batch_groups=8, linger_ms=300)
+        t0 = time.monotonic()
+        lone.put(make_group(100))
+        _wait_for(lambda: len(svc.buffer) == 10)
+        waited = time.monotonic() - t0
+        assert 0.3 <= waited < 2.0, waited  # held for the linger, then sent by itself
+        assert lone.stats()["batches"] == 1.0 and svc.stats()["put_batches"] == 3.0
+
+        at_once = BufferProducer(svc.address, window=32, linger_ms=0)
+        for pid in range(200, 203):
+            at_once.put(make_group(pid))
+        _wait_for(lambda: len(svc.buffer) == 13)
+        assert at_once.stats()["batches"] == 3.0  # linger 0: a message per put
+        for p in (held, lone, at_once):
+            p.close()
+        assert [g.prompt_id for g in svc.buffer.drain()] == [*range(9), 100, 200, 201, 202]
+
+
+def test_a_group_the_service_refuses_is_raised_by_name_and_its_batch_mates_stored():
+    with BufferService(capacity=16, max_frame_bytes=64 * 1024) as svc:
+        producer = BufferProducer(svc.address, window=8, batch_groups=8, linger_ms=60_000)
+        big = make_group(2, length=6000)  # int64 lists: ~140 KiB, over the service's limit, not ours
+        for g in (make_group(1), big, make_group(3)):
+            producer.put(g)
+        with pytest.raises(WireError, match="oversized: the service refused group 2 .seq 1."):
+            producer.flush()
+        producer.put(make_group(4))
+        producer.flush()
+        assert [g.prompt_id for g in svc.buffer.drain()] == [1, 3, 4]
+        stats = producer.stats()
+        assert (stats["puts"], stats["rejected"], stats["unacknowledged"]) == (3.0, 1.0, 0.0)
+        assert svc.stats()["rejected_oversized"] == 1.0
+        producer.close()
+
+
+# ------------------------------------------------------------------------------------------ lossy link
+
+class LossyLink:
+    """A ROUTER/DEALER relay that drops and delays messages at random, both ways (seeded)."""
+
+    def __init__(self, target: str, drop: float, seed: int):
+        self.target, self.drop, self.rng = target, drop, random.Random(seed)
+        self.dropped = 0
+        self._stop, self._ready = threading.Event(), threading.Event()
+        self._thread = threading.Thread(target=self._relay, daemon=True)
+        self._thread.start()
+        self._ready.wait(5)
+
+    def _relay(self) -> None:
+        ctx = zmq.Context()
+        front, back = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
+        front.bind("tcp://127.0.0.1:0")
+        back.connect(self.target)
+        self.address = front.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self._ready.set()
+        poller, ident = zmq.Poller(), b""
+        poller.register(front, zmq.POLLIN)
+        poller.register(back, zmq.POLLIN)
+        while not self._stop.is_set():
+            for sock, _ in poller.poll(20):
+                parts = sock.recv_multipart()
+                if sock is front:
+                    ident, parts = parts[0], parts[1:]
+                if self.rng.random() < self.drop:
+                    self.dropped += 1
+                    continue
+                if self.rng.random() < 0.2:
+                    time.sleep(self.rng.uniform(0, 0.01))
+                (back if sock is front else front).send_multipart(parts if sock is front else [ident, *parts])
+        for s in (front, back):
+            s.close(0)
+        ctx.term()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+
+def _flush_until_done(producer: BufferProducer) -> int:
+    """Flush, resending after each timeout (a dropped answer), until all is acknowledged."""
+    for tries in range(100):
+        try:
+            producer.flush()
+            return tries
+        except BufferUnavailable:
+            pass
+    raise AssertionError("never acknowledged")
+
+
+def test_exactly_once_in_order_through_a_lossy_link_with_batches():
+    groups = [make_group(pid, length=3 + pid % 7) for pid in range(60)]
+    with BufferService(capacity=6) as svc:
+        link = LossyLink(svc.address, drop=0.15, seed=3)
+        producer = BufferProducer(link.address, rpc_timeout_s=0.15, wait_ms=50, window=8, batch_groups=4,
+                                  linger_ms=2)
+        got: list = []
+        rng = random.Random(4)
+
+        def consume() -> None:  # beside the service, slower than the producer: the buffer fills
+            while len(got) < len(groups):
+                time.sleep(rng.uniform(0, 0.01))
+                got.extend(svc.buffer.get_batch(1, timeout=30))
+
+        th = threading.Thread(target=consume)
+        th.start()
+        timeouts = 0
+        for g in groups:
+            try:
+                producer.put(g)  # after a timeout the group is held: never put it twice
+            except BufferUnavailable:
+                timeouts += 1 + _flush_until_done(producer)
+        timeouts += _flush_until_done(producer)
+        th.join(30)
+        link.close()
+        stats, service = producer.stats(), svc.stats()
+    assert [g.prompt_id for g in got] == list(range(60))  # each exactly once, in put order
+    assert all(same(g, groups[g.prompt_id]) for g in got)
+    assert link.dropped > 0 and timeouts > 0  # the link did lose messages and the producer resent
+    assert service["puts"] == 60 and stats["puts"] == 60 and stats["unacknowledged"] == 0
+    assert stats["batches"] < 60 + 8 * timeouts  # batched: fewer messages than groups, resends aside
+    assert service["full_replies"] > 0  # and the producer was held back by a full buffer meanwhile
+    producer.close()
+
+
+# ------------------------------------------------------------------------------------------ config
+
+def test_batching_knobs_are_typed_config_and_misspellings_are_caught():
+    from flash.config import ConfigError, load_config
+
+    cfg = load_config("recipes/stutter.yaml", ["buffer.linger_ms=0.5", "buffer.batch_groups=4", "buffer.window=8"])
+    assert (cfg.buffer.linger_ms, cfg.buffer.batch_groups, cfg.buffer.window) == (0.5, 4, 8)
+    with pytest.raises(ConfigError, match="did you mean 'linger_ms'"):
+        load_config("recipes/stutter.yaml", ["buffer.lingr_ms=2"])
+    with pytest.raises(ConfigError, match="buffer.batch_groups must be >= 1"):
+        load_config("recipes/stutter.yaml", ["buffer.batch_groups=0"])
