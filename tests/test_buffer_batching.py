@@ -5,6 +5,9 @@
 - A batch meeting a full buffer: the groups that fit are stored, the rest answered ``full``.
 - The producer: a batch fills and goes out without a flush; a lone put goes out when its linger
   ends; a group the service refuses is raised by name while its batch-mates are stored.
+- Producers in separate processes (strict, and batched with lingers), a consumer here, a buffer
+  smaller than the work: exactly once and in order; a producer blocked on a full buffer resumes
+  when space frees.
 - Exactly once through a lossy link (requests and answers dropped and delayed at random, the
   producer timing out and resending batches).
 - The knobs are part of the typed config (a misspelled one is caught).
@@ -12,6 +15,7 @@
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import random
 import threading
 import time
@@ -20,7 +24,7 @@ import msgpack
 import pytest
 import zmq
 
-from buffers.client import BufferProducer, BufferUnavailable
+from buffers.client import BufferProducer, BufferUnavailable, RemoteSampleBuffer
 from buffers.service import BufferService
 from buffers.wire import WireError, encode_group, unpack
 from tests.test_buffer_service import MB, _raw_socket, answers, make_group, put_parts, same
@@ -127,6 +131,86 @@ def test_a_group_the_service_refuses_is_raised_by_name_and_its_batch_mates_store
         assert (stats["puts"], stats["rejected"], stats["unacknowledged"]) == (3.0, 1.0, 0.0)
         assert svc.stats()["rejected_oversized"] == 1.0
         producer.close()
+
+
+# ------------------------------------------------------------------------------------------ processes
+
+def _produce(address: str, pids: list[int], out, knobs: dict | None = None, pause_s: float = 0.0) -> None:
+    """A producer process: put every group (array-typed, lengths vary) with random pauses of up to
+    ``pause_s`` between puts (so batches go out both full and by their linger), report its counters."""
+    producer = BufferProducer(address, wait_ms=200, **(knobs or {}))
+    rng = random.Random(pids[0])
+    for pid in pids:
+        time.sleep(rng.uniform(0, pause_s))
+        producer.put(make_group(pid, length=5 + pid % 50, version=pid % 3, arrays=True))
+    producer.flush()
+    out.put(producer.stats())
+    producer.close()
+
+
+def test_producer_processes_exactly_once_under_backpressure():
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    work = {p: [p * 1000 + i for i in range(25)] for p in range(3)}
+    # window 1: each put acknowledged before the next; 3 and 8: go-back-N with puts in flight, sent
+    # in batches of up to 2 and 4 groups (a batch of 4 meets a buffer of 4: stored in part, then full)
+    knobs = ({"window": 1}, {"window": 3, "batch_groups": 2, "linger_ms": 1},
+             {"window": 8, "batch_groups": 4, "linger_ms": 5})
+    with BufferService(capacity=4) as svc:
+        procs = [ctx.Process(target=_produce, args=(svc.address, pids, out, k, 0.004))
+                 for pids, k in zip(work.values(), knobs)]
+        for p in procs:
+            p.start()
+        consumer = RemoteSampleBuffer(svc.address)
+        deadline = time.monotonic() + 60  # spawn start under load
+        while svc.stats()["full_replies"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(consumer) == 4  # full, producers told to wait
+        rng, got = random.Random(1), []
+        while len(got) < 75:
+            time.sleep(rng.uniform(0, 0.02))
+            k = min(rng.randint(1, 4), 75 - len(got))
+            fifo = (lambda gs, k=k: list(range(k)) if len(gs) >= k else None)  # arrival order
+            got += consumer.get_batch(k, select=fifo, timeout=30)
+        for p in procs:
+            p.join(30)
+            assert p.exitcode == 0
+        stats = [out.get(timeout=5) for _ in procs]
+    ids = [g.prompt_id for g in got]
+    assert sorted(ids) == sorted(pid for pids in work.values() for pid in pids)  # each exactly once
+    assert all(same(g, make_group(g.prompt_id, length=5 + g.prompt_id % 50, version=g.prompt_id % 3,
+                                  arrays=True)) for g in got)
+    for pids in work.values():  # with a FIFO rule, one producer's groups keep their order
+        mine = [i for i in ids if i in set(pids)]
+        assert mine == pids
+    assert sum(s["puts"] for s in stats) == 75 and sum(s["full"] for s in stats) > 0
+    assert all(s["unacknowledged"] == 0 and s["full"] > 0 for s in stats)  # every one was held back
+    assert sum(s["blocked_s"] for s in stats) > 0
+    consumer.disconnect()
+
+
+def test_a_blocked_producer_resumes_when_space_frees():
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    with BufferService(capacity=4) as svc:
+        proc = ctx.Process(target=_produce, args=(svc.address, list(range(5)), out))
+        proc.start()
+        consumer = RemoteSampleBuffer(svc.address)
+        deadline = time.monotonic() + 60  # spawn start under load
+        while svc.stats()["full_replies"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)
+        assert proc.is_alive() and len(consumer) == 4  # blocked: the 5th group is not in
+        assert svc.stats()["waiters"] == 1.0  # parked on wait_space, not spinning
+        t0 = time.monotonic()
+        assert [g.prompt_id for g in consumer.get_batch(1)] == [0]
+        proc.join(10)
+        resumed_s = time.monotonic() - t0
+        assert proc.exitcode == 0 and resumed_s < 2.0
+        assert sorted(g.prompt_id for g in consumer.drain()) == [1, 2, 3, 4]
+        assert out.get(timeout=5)["blocked_s"] >= 0.5
+        assert svc.stats()["producer_blocked_s"] >= 0.5
+        consumer.disconnect()
 
 
 # ------------------------------------------------------------------------------------------ lossy link
