@@ -12,7 +12,7 @@ from flash.fsdp_gather import Entry, pack, plan_buckets, rank_rows, unpack
 
 
 def test_rank_rows_follow_torch_chunk():
-    for d0 in range(0, 12):
+    for d0 in range(12):
         for world in (1, 2, 3, 4):
             chunks = torch.arange(d0).chunk(world) if d0 else ()
             want = [len(c) for c in chunks] + [0] * (world - len(chunks))
@@ -26,18 +26,19 @@ def test_pack_then_unpack_is_the_identity_on_uneven_shards():
     shapes = [(5, 3), (1, 4), (7,), (2, 2, 2), (0, 3), (4, 1)]
     full = [torch.randn(s, generator=g) for s in shapes]
     bucket = [Entry((f"t{i}",), s, torch.float32, True) for i, s in enumerate(shapes)]
+    def local(t, r, world):
+        rows = -(-t.shape[0] // world)
+        return t[r * rows: (r + 1) * rows]
+
     for world in (1, 2, 3, 4):
-        def local(t, r):
-            rows = -(-t.shape[0] // world)
-            return t[r * rows: (r + 1) * rows]
-        flats = [pack(bucket, [local(t, r) for t in full], world) for r in range(world)]
+        flats = [pack(bucket, [local(t, r, world) for t in full], world) for r in range(world)]
         assert len({f.numel() for f in flats}) == 1  # equal-sized, as a gather needs
         got = unpack(torch.cat(flats), bucket, world)
         assert all(torch.equal(a, b) and a.shape == b.shape for a, b in zip(got, full, strict=True)), world
 
 
 def test_buckets_group_by_dtype_and_respect_the_budget():
-    e = lambda name, shape, dtype=torch.float32, sharded=True: Entry((name,), shape, dtype, sharded)  # noqa: E731
+    e = lambda name, shape, dtype=torch.float32, sharded=True: Entry((name,), shape, dtype, sharded)
     entries = [e("a", (4, 4)), e("h", (2, 2), torch.bfloat16), e("b", (4, 4)), e("buf", (3,), sharded=False),
                e("c", (64, 4)), e("d", (1,))]
     # world 2: a, b = 64 B gathered each, c = 1024 B (over budget: alone), d = 8 B (2 rows of 1)
