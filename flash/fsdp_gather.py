@@ -166,12 +166,14 @@ def unpack(gathered: torch.Tensor, bucket: list[Entry], world: int) -> list[torc
 
 
 def _local(value: torch.Tensor, entry: Entry, world: int, rank: int) -> torch.Tensor:
-    """The rank's shard, checked against the chunk layout (a mismatch would scramble rows)."""
+    """The rank's shard, checked against the plan's chunk layout and dtype (a mismatch would
+    scramble rows: the plan is made once, so a model changed since fails here, named)."""
     local = value.to_local()
     want = (rank_rows(entry.shape[0], world, rank), *entry.shape[1:])
-    if tuple(local.shape) != want:
-        raise RuntimeError(f"{entry.names[0]}: rank {rank} holds a shard of shape {tuple(local.shape)}, "
-                           f"the torch.chunk layout of {entry.shape} over {world} ranks says {want}")
+    if tuple(local.shape) != want or local.dtype != entry.dtype:
+        raise RuntimeError(f"{entry.names[0]}: rank {rank} holds a {local.dtype} shard of shape "
+                           f"{tuple(local.shape)}; the plan's torch.chunk layout of {entry.dtype} {entry.shape} "
+                           f"over {world} ranks says {want}")
     return local
 
 
@@ -188,30 +190,54 @@ def gather_bucket(bucket, state, dst: int, group=None) -> list[torch.Tensor] | N
     return unpack(gathered.cpu(), bucket, world)  # one device-to-host copy, then CPU slices
 
 
-@torch.no_grad()
+class FlatGather:
+    """A model's gather plan, made once (names, tie groups, buckets: fixed once it is sharded),
+    and the gather itself (``__call__``), which per push only reads the live shards.
+
+    ``reason``: why the model cannot be gathered flat (None: it can); calling then raises.
+    """
+
+    def __init__(self, model, bucket_bytes: int = BUCKET_BYTES, group=None):
+        state = sharded_state(model)
+        self.model, self.group = model, group
+        self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.reason = unsupported(state)
+        self.names = list(state)
+        self.entries = plan_entries(state, tied_names(model)) if self.reason is None else []
+        self.buckets = plan_buckets(self.entries, self.world, bucket_bytes)
+        # get_model_state_dict canonicalises names (wrapper prefixes) at ~5 ms a call; when the
+        # module's own state_dict has the same names, a push reads that instead
+        self._plain_names = set(model.state_dict()) == set(self.names)
+
+    def _live(self) -> dict[str, torch.Tensor]:
+        return self.model.state_dict() if self._plain_names else sharded_state(self.model)
+
+    @torch.no_grad()
+    def __call__(self, dst: int = 0) -> dict[str, torch.Tensor] | None:
+        """Collective: the full state dict (CPU tensors, state-dict order and names, tied names
+        sharing one tensor) on rank ``dst``; None on the other ranks."""
+        if self.reason is not None:
+            raise ValueError(f"flat gather does not cover this model: {self.reason}")
+        state = self._live()
+        full: dict[tuple[str, ...], torch.Tensor] = {}
+        for bucket in self.buckets:
+            tensors = gather_bucket(bucket, state, dst, self.group)
+            if tensors is not None:
+                full.update((e.names, t) for e, t in zip(bucket, tensors, strict=True))
+        if self.rank != dst:
+            return None
+        out: dict[str, torch.Tensor] = {}
+        for e in self.entries:
+            value = full[e.names] if e.sharded else _replicated(state[e.names[0]])
+            out.update((n, value) for n in e.names)
+        return {name: out[name] for name in self.names}
+
+
 def gather_full_state(model, dst: int = 0, bucket_bytes: int = BUCKET_BYTES,
                       group=None) -> dict[str, torch.Tensor] | None:
-    """Collective: ``model``'s full state dict (CPU tensors, state-dict order and names, tied names
-    sharing one tensor) on rank ``dst``; None on the other ranks. Raises ValueError when
-    ``unsupported`` names a tensor it cannot gather (callers fall back to ``get_model_state_dict``)."""
-    state = sharded_state(model)
-    reason = unsupported(state)
-    if reason is not None:
-        raise ValueError(f"flat gather does not cover this model: {reason}")
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    entries = plan_entries(state, tied_names(model))
-    full: dict[tuple[str, ...], torch.Tensor] = {}
-    for bucket in plan_buckets(entries, world, bucket_bytes):
-        tensors = gather_bucket(bucket, state, dst, group)
-        if tensors is not None:
-            full.update((e.names, t) for e, t in zip(bucket, tensors, strict=True))
-    if rank != dst:
-        return None
-    out: dict[str, torch.Tensor] = {}
-    for e in entries:
-        value = full.get(e.names) if e.sharded else _replicated(state[e.names[0]])
-        out.update((n, value) for n in e.names)
-    return {name: out[name] for name in state}
+    """``FlatGather(model, bucket_bytes, group)(dst)``: a plan made and used once. Raises
+    ValueError when ``unsupported`` names a tensor it cannot gather."""
+    return FlatGather(model, bucket_bytes, group)(dst)
 
 
 def _replicated(value: torch.Tensor) -> torch.Tensor:

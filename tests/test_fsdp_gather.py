@@ -74,10 +74,13 @@ def _tiny_qwen():
         hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=2, intermediate_size=96, max_positions=64))
 
 
-def _reference(model):
+def _reference(model, every_rank=False):
+    """``get_model_state_dict``'s full state dict: on rank 0 (cpu_offload, what mu_gather used), or
+    on every rank (no offload; on the CPU the same tensors)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=not every_rank)
+    return get_model_state_dict(model, options=opts)
 
 
 def _same(got, want, ties):
@@ -95,7 +98,7 @@ def _check_models(rank: int, mesh) -> None:
     from torch.distributed.fsdp import fully_shard
 
     from flash.fsdp import GroupSettings, shard_model
-    from flash.fsdp_gather import gather_full_state
+    from flash.fsdp_gather import FlatGather, gather_full_state
 
     torch.manual_seed(0)  # every rank builds the same weights
     qwen = _tiny_qwen()
@@ -103,6 +106,7 @@ def _check_models(rank: int, mesh) -> None:
     odd = Odd()
     fully_shard(odd.block[0], mesh=mesh)
     fully_shard(odd, mesh=mesh, ignored_params={odd.loose})
+    planned = FlatGather(qwen)  # a plan made before the values change, as at a group's setup
     with torch.no_grad():  # a step's worth of change, so nothing compares to the initial values
         for p in [*qwen.parameters(), *odd.parameters()]:
             p.add_(0.5)
@@ -117,6 +121,12 @@ def _check_models(rank: int, mesh) -> None:
             assert model is qwen or "stat" in got and "scratch" not in got and got["low"].dtype == torch.bfloat16
         else:
             assert got is None  # only rank 0 materialises
+    for dst in (0, 1):  # the plan made before the change reads the live values; any rank may receive
+        got, want = planned(dst=dst), _reference(qwen, every_rank=True)
+        if rank == dst:
+            _same(got, want, [("model.embed_tokens.weight", "lm_head.weight")])
+        else:
+            assert got is None
     if rank == 0:  # a copy: changing the live model after the gather leaves it alone
         got = gather_full_state(odd)
         with torch.no_grad():
