@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 # gathered bytes per collective: bounds rank dst's transient buffers (two buckets in flight). On
 # 2 CPU ranks over gloo a 55 MB model gathered in 0.033 s at 8 MB, 0.043 at 16, 0.10 as one bucket
-# (bench/fsdp_gather.py, MiB): small buckets overlap packing with the wire and reuse heap memory
+# (bench/fsdp_gather.py): small buckets overlap packing with the wire and reuse heap memory
 # (glibc maps allocations over 32 MB fresh each time, and page-faults them in)
 BUCKET_BYTES = 8 << 20
 
