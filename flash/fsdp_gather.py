@@ -3,8 +3,10 @@
 Why: ``get_model_state_dict(full_state_dict=True)`` all-gathers parameter by parameter, so a
 push from a trainer group paid one collective (and its latency) per tensor. Here every rank packs
 the local shards of a whole bucket into one flat buffer and the buffers are gathered to rank
-``dst`` in one ``dist.gather``; only ``dst`` unflattens them into full tensors. Other ranks keep
-nothing (no transient full copy either: a gather, not an all-gather).
+``dst`` in one ``dist.gather`` (buckets of ``BUCKET_BYTES``, one dtype each, two in flight so
+packing and unpacking overlap the wire); only ``dst`` unflattens them into full tensors. Other
+ranks keep nothing (no transient full copy either: a gather, not an all-gather). The plan (names,
+ties, buckets) is made once per model (``FlatGather``); a push only reads the live shards.
 
 Layout. FSDP2 shards dim 0 with ``torch.chunk`` semantics: every rank gets ``rows = ceil(d0 / W)``
 rows, except the tail, which may get fewer or none (``d0 = 5`` on 4 ranks: 2, 2, 1, 0). Each
