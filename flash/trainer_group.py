@@ -152,7 +152,7 @@ class FSDPRank(UpdateSender):
         self.trainer.begin_step()
 
     def accumulate(self, batch: TrainBatch, advantages, prox_logp, plan) -> float:
-        dev = lambda t: None if t is None else t.to(self.device)  # noqa: E731
+        dev = lambda t: None if t is None else t.to(self.device)
         return self.trainer.planned_accumulate(batch_to(batch, self.device), dev(advantages), dev(prox_logp), plan)
 
     def finish_step(self, total: float) -> dict:
