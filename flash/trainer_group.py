@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import logging
 import os
 import sys
 import threading
@@ -32,11 +33,14 @@ import torch
 
 from flash.batch import TrainBatch
 from flash.fsdp import COLLECTIVE_TIMEOUT_S, GroupSettings, ShardedTrainer, batch_to, free_port, pick_device
+from flash.fsdp_gather import FlatGather
 from flash.microbatch import MicroPlan, plan_batch
 from flash.model_update import ModelUpdateError, unique_tensors
 from flash.model_update_group import UpdateSender
 from flash.trainer import TrainerSettings
 from flash.usage import process_tree_cpu_s
+
+log = logging.getLogger("flash")
 
 META_FILE = "flash_trainer.json"  # beside the DCP shards: steps and the world size that wrote them
 
@@ -64,6 +68,7 @@ class FSDPRank(UpdateSender):
         self._snapshot: dict | None = None
         self._ties: list[tuple[str, ...]] = []  # names sharing one tensor in the unsharded model
         self._mu_full: dict[str, torch.Tensor] | None = None  # rank 0: the gathered weights to push
+        self._flat: FlatGather | None = None  # mu_gather's plan (flash.fsdp_gather), made at setup
 
     def node(self) -> str:
         return ray.get_runtime_context().get_node_id()
@@ -88,6 +93,10 @@ class FSDPRank(UpdateSender):
         model = load_model(self.model_path)
         self._ties = [names for names, _ in unique_tensors(model.state_dict()) if len(names) > 1]
         self.trainer = ShardedTrainer(model, self.settings, self.group, mesh, self.device, seed=self.seed)
+        self._flat = FlatGather(self.trainer.model)
+        if self._flat.reason is not None and self.rank == 0:
+            log.warning("weight push gathers per parameter (slower): the flat gather does not cover this "
+                        "model: %s", self._flat.reason)
         return self.backend
 
     def devices(self) -> list[int]:
@@ -100,16 +109,26 @@ class FSDPRank(UpdateSender):
     def mu_gather(self) -> None:
         """Collective: the full state dict on rank 0 (CPU), kept for its next ``mu_plan``/``mu_send``.
 
-        Tied names (a tied LM head) are tied again in the gathered dict, so the push sends them once."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        state = get_model_state_dict(self.trainer.model, options=opts)
+        One flat gather per bucket (``flash.fsdp_gather``) rather than ``get_model_state_dict``'s
+        collective per parameter; a layout it does not cover (``self._flat.reason``, decided at
+        setup from metadata every rank shares, logged once) takes the per-parameter path. Tied
+        names (a tied LM head) are tied again in the gathered dict, so the push sends them once."""
+        if self._flat.reason is None:
+            state = self._flat(dst=0)
+        else:
+            state = self._gather_per_parameter()
         if self.rank == 0:
             for names in self._ties:
                 for alias in names[1:]:
                     state[alias] = state[names[0]]
             self._mu_full = state
+
+    def _gather_per_parameter(self) -> dict[str, torch.Tensor]:
+        """The fallback: ``get_model_state_dict``'s full state dict (every rank gets a copy)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return get_model_state_dict(self.trainer.model, options=opts)
 
     def mu_release(self) -> None:
         self._mu_full = None
@@ -133,7 +152,7 @@ class FSDPRank(UpdateSender):
         self.trainer.begin_step()
 
     def accumulate(self, batch: TrainBatch, advantages, prox_logp, plan) -> float:
-        dev = lambda t: None if t is None else t.to(self.device)  # noqa: E731
+        dev = lambda t: None if t is None else t.to(self.device)
         return self.trainer.planned_accumulate(batch_to(batch, self.device), dev(advantages), dev(prox_logp), plan)
 
     def finish_step(self, total: float) -> dict:
