@@ -30,7 +30,7 @@ def fake_run(run_dir: Path, ratio: float, acc: float, s_per_step: float, steps: 
     for k in range(1, steps + 1):
         metrics.append({"step": k, "reward/mean": 0.1 * k, "time/step": s_per_step, "time/elapsed": k * s_per_step,
                         "staleness/mean": stale / 2, "staleness/max": float(stale), "staleness/count_0": 4.0,
-                        f"staleness/count_{stale}": 4.0 if stale else 4.0, "rollout/idle_ratio": 0.5 - 0.1 * stale,
+                        f"staleness/count_{stale}": 4.0, "rollout/idle_ratio": 0.5 - 0.1 * stale,
                         "train/idle_ratio": 0.6, "rollout/tokens_generated": 100.0, "train/batch_tokens": 80.0})
         a = t0 + (k - 1) * s_per_step
         timeline.append({"step": k, "phases": {"get_batch": [a, a + 0.3 * s_per_step],
@@ -101,7 +101,7 @@ def test_sweep_tables_plots_recommendation_and_resume(tmp_path, fake_launch):
     assert counts["throughput"] == 2  # generated and trained
 
     again = io.StringIO()
-    points2, rec2 = sw.sweep("stutter", ["async_ratio=0,1,2,4", "train.steps=4"], out=str(out),
+    _, rec2 = sw.sweep("stutter", ["async_ratio=0,1,2,4", "train.steps=4"], out=str(out),
                              tolerance=0.025, stream=again)
     assert len(fake_launch) == 4 and rec2 == rec  # nothing re-run
     assert again.getvalue().count("finished earlier, skipped") == 4
