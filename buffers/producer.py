@@ -148,13 +148,17 @@ class BufferProducer:
         self.counters["batches"] += 1
 
     def _resend_from(self, first: int) -> None:
-        """Go-back-N: every unacknowledged seq from ``first`` on, in batches, pending ones included."""
+        """Go-back-N: every unacknowledged seq from ``first`` on, in batches, pending ones included.
+
+        A batch holds consecutive seqs only (the service numbers its groups from the header's
+        seq): a refused group leaves a hole in the window, and the batch is split there."""
         batch: list[int] = []
         size = 0
         for seq, put in self._inflight.items():
             if seq < first:
                 continue
-            if batch and (len(batch) >= self.batch_groups or size + len(put.frame) > self.batch_bytes):
+            if batch and (len(batch) >= self.batch_groups or size + len(put.frame) > self.batch_bytes
+                          or seq != batch[-1] + 1):
                 self._send_batch(batch)
                 batch, size = [], 0
             batch.append(seq)

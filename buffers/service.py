@@ -244,23 +244,26 @@ class BufferService:
         return {"seq": first, "statuses": statuses}
 
     def _put_one(self, producer: str, seq: int, frame: memoryview) -> str:
-        """Store one group exactly once; a refused one is decided (its seq used) and counted."""
+        """Store one group exactly once; a refused one is decided (its seq used) and counted.
+
+        The order checks come first: a refusal is only ever given to the next expected seq, so a
+        seq the producer counts as decided is decided here too (a refusal behind a gap would leave
+        the producer waiting on a seq it no longer holds)."""
         last = self._seen.get(producer, -1)
+        if seq <= last:
+            self._count("duplicates")
+            return "duplicate"
+        if seq > last + 1:  # an earlier group of this producer was refused: keep its order
+            self._count("gap_replies")
+            return "gap"
         try:
-            if len(frame) > self.max_frame_bytes:  # refused before the seq is looked at
+            if len(frame) > self.max_frame_bytes:  # refused before it is parsed
                 raise WireError("oversized", f"group frame of {len(frame)} bytes > {self.max_frame_bytes}")
-            if seq <= last:
-                self._count("duplicates")
-                return "duplicate"
-            if seq > last + 1:  # an earlier group of this producer was refused: keep its order
-                self._count("gap_replies")
-                return "gap"
             group = decode_group(unpack(frame, self.max_frame_bytes))
         except WireError as exc:
             self._count("rejected")
             self._count(f"rejected_{exc.reason}")
-            if seq == last + 1:
-                self._seen[producer] = seq
+            self._seen[producer] = seq
             return f"rejected_{exc.reason}"
         return self._store(producer, seq, group, frame)
 

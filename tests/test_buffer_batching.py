@@ -3,6 +3,8 @@
 - A batch with one malformed group: the others are stored, the bad one is answered and counted by
   its reason, and its seq counts as decided (no gap behind it); a retried batch stores nothing twice.
 - A batch meeting a full buffer: the groups that fit are stored, the rest answered ``full``.
+- A refusal only for the next expected seq (behind a gap: ``gap``), and a resend split at a refused
+  seq's hole, so both sides agree on which seqs are decided.
 - The producer: a batch fills and goes out without a flush; a lone put goes out when its linger
   ends; a group the service refuses is raised by name while its batch-mates are stored.
 - Producers in separate processes (strict, and batched with lingers), a consumer here, a buffer
@@ -66,6 +68,48 @@ def test_a_bad_group_in_a_batch_is_rejected_by_name_and_the_others_stored():
         assert [m.prompt_id for m in svc.buffer.meta()[2]] == [0, 2, 3]
         sock.close()
         ctx.term()
+
+
+def test_a_bad_group_behind_a_gap_is_answered_gap_and_refused_only_in_its_turn():
+    """A refusal decides a seq on both sides, so the service gives one only to the next expected
+    seq: behind a gap even an oversized group is answered ``gap`` (the producer keeps it and
+    resends), and refused in its turn."""
+    with BufferService(capacity=16, max_frame_bytes=64 * 1024) as svc:
+        ctx = zmq.Context()
+        sock = _raw_socket(ctx, svc.address)
+        header, good0, good2 = put_parts("p", 0, make_group(0), make_group(2))
+        big = encode_group(make_group(1)) + b"\x00" * (64 * 1024)
+        sock.send_multipart(put_parts("p", 1)[:1] + [big])  # seq 0 never arrived
+        assert answers(sock, 1)[0]["status"] == "gap"
+        sock.send_multipart([header, good0, big, good2])
+        got = answers(sock, 3)
+        assert [(a["status"], a["reason"]) for a in got] == [("stored", ""), ("rejected", "oversized"), ("stored", "")]
+        stats = svc.stats()
+        assert (stats["gap_replies"], stats["rejected_oversized"], stats["puts"]) == (1.0, 1.0, 2.0)
+        sock.close()
+        ctx.term()
+
+
+def test_a_resend_splits_its_batches_at_a_refused_seq():
+    """Go-back-N over a window with a hole (a refused group's seq leaves it): each message carries
+    consecutive seqs only, since the service numbers a message's groups from its header's seq. One
+    message over the hole would file group 6 as seq 5 (a duplicate) and never store it."""
+    with BufferService(capacity=16) as svc:
+        producer = BufferProducer(svc.address, window=16, batch_groups=3, linger_ms=60_000)
+        for pid in range(7):
+            producer.put(make_group(pid))
+        _wait_for(lambda: len(svc.buffer) == 6)  # two full batches out, group 6 held, no ack read yet
+        sent: list[list[int]] = []
+        send = producer._send_batch
+        producer._send_batch = lambda seqs: (sent.append(list(seqs)), send(seqs))
+        with producer._lock:
+            del producer._inflight[3]  # as if seq 3 had been refused: a hole in the window
+            producer._resend_from(1)
+        producer.flush()
+        assert sent == [[1, 2], [4, 5, 6]]
+        assert [g.prompt_id for g in svc.buffer.drain()] == list(range(7))  # each once, 6 included
+        assert svc.stats()["duplicates"] == 4.0  # 1, 2, 4, 5 sent again
+        producer.close()
 
 
 def test_a_batch_meeting_a_full_buffer_stores_what_fits_and_the_rest_waits():

@@ -224,7 +224,8 @@ def test_fuzz_every_valid_group_exactly_once_rejections_counted(service):
                 frames.append([pack({"op": "put", "rid": 0, "producer": f"bad{next(bad)}", "seq": 0}), part]
                               if cut is good else [part])
             elif kind == "oversized":
-                frames.append([header, good + b"\x00" * (64 * 1024)])  # refused before the seq is looked at
+                frames.append([pack({"op": "put", "rid": 0, "producer": f"bad{next(bad)}", "seq": 0}),
+                               good + b"\x00" * (64 * 1024)])  # its producer's next seq: refused unparsed
             elif kind == "multipart":
                 frames.append(rng.choice([[header], [pack({"op": "stats", "rid": 0}), good],
                                           [pack({"op": "meta", "rid": 0, "since": 0, "wait_ms": 0}), good, good]]))
