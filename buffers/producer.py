@@ -220,24 +220,18 @@ class BufferProducer:
             raise error
 
     def _on_reply(self, reply: dict, deadline: float | None) -> None:
-        """A burst's answers: ``acks`` = [[rid, first seq, [status per group]], ...], in order."""
-        if reply.get("status") != "acks":
-            return  # answers a wait_space we gave up on
-        for rid, first, statuses in reply["acks"]:
-            for i, status in enumerate(statuses):
-                self._on_status(rid, first + i, status, deadline)
+        for rid, seq, status in _statuses(reply):
+            self._on_status(rid, seq, status, deadline)
 
     def _on_status(self, rid: int, seq: int, status: str, deadline: float | None) -> None:
         put = self._inflight.get(seq)
-        final = status in DONE or status.startswith("rejected_")
+        final = _final(status)
         if put is None or (rid != put.rid and not final):
             return  # a refusal of a send we have since repeated (a decision is final, whichever send)
         if final:
             self._done(seq, status)
         elif status == "closed":
-            self._inflight.clear()
-            self._held.clear()
-            raise BufferClosed("put on a closed SampleBuffer (service)")
+            self._closed()
         elif status == "full":
             self.counters["full"] += 1
             self._blocked_at = self._blocked_at if self._blocked_at is not None else time.monotonic()
@@ -281,18 +275,20 @@ class BufferProducer:
             self._stalled = True
             raise BufferUnavailable(f"no answer from the buffer service at {self._rpc.address}")
         if reply.get("status") == "closed":
-            self._inflight.clear()
-            self._held.clear()
-            raise BufferClosed("put on a closed SampleBuffer (service)")
+            self._closed()
 
     def _apply_decisions(self, reply: dict) -> None:
         """While parked: take the stored/duplicate/rejected answers of other sends that arrive (a
         decision is final); refusals among them are moot, everything from the full one is resent."""
-        for _, first, statuses in reply.get("acks", ()) if reply.get("status") == "acks" else ():
-            for i, status in enumerate(statuses):
-                put = self._inflight.get(first + i)
-                if put is not None and (status in DONE or status.startswith("rejected_")):
-                    self._done(first + i, status)
+        for _, seq, status in _statuses(reply):
+            if seq in self._inflight and _final(status):
+                self._done(seq, status)
+
+    def _closed(self) -> None:
+        """The service was closed: nothing in flight will be stored."""
+        self._inflight.clear()
+        self._held.clear()
+        raise BufferClosed("put on a closed SampleBuffer (service)")
 
     def _drop_tail(self, group: Group) -> None:
         """After a timeout: the newest put (this group) was refused, so forget it and reuse its seq."""
@@ -323,3 +319,18 @@ class BufferProducer:
             if self._flusher is not None:
                 self._flusher.join(5.0)
             self._rpc.close()
+
+
+def _statuses(reply: dict):
+    """``(rid, seq, status)`` per group of a burst's answers (``acks`` = [[rid, first seq, [status
+    per group]], ...], in order); nothing for another reply (a wait_space we gave up on)."""
+    if reply.get("status") != "acks":
+        return
+    for rid, first, statuses in reply["acks"]:
+        for i, status in enumerate(statuses):
+            yield rid, first + i, status
+
+
+def _final(status: str) -> bool:
+    """The service decided the seq (stored, a duplicate, or refused by name): it leaves the window."""
+    return status in DONE or status.startswith("rejected_")

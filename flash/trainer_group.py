@@ -111,24 +111,15 @@ class FSDPRank(UpdateSender):
 
         One flat gather per bucket (``flash.fsdp_gather``) rather than ``get_model_state_dict``'s
         collective per parameter; a layout it does not cover (``self._flat.reason``, decided at
-        setup from metadata every rank shares, logged once) takes the per-parameter path. Tied
+        setup from metadata every rank shares, logged once) takes the per-parameter path, the one
+        ``get_weights`` uses (``full_state_dict``). Tied
         names (a tied LM head) are tied again in the gathered dict, so the push sends them once."""
-        if self._flat.reason is None:
-            state = self._flat(dst=0)
-        else:
-            state = self._gather_per_parameter()
+        state = self._flat(dst=0) if self._flat.reason is None else self.full_state_dict()
         if self.rank == 0:
             for names in self._ties:
                 for alias in names[1:]:
                     state[alias] = state[names[0]]
             self._mu_full = state
-
-    def _gather_per_parameter(self) -> dict[str, torch.Tensor]:
-        """The fallback: ``get_model_state_dict``'s full state dict (every rank gets a copy)."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        return get_model_state_dict(self.trainer.model, options=opts)
 
     def mu_release(self) -> None:
         self._mu_full = None
