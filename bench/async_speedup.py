@@ -22,7 +22,7 @@ from pathlib import Path
 
 
 def run_once(recipe: str, ratio: float, run_dir: Path, overrides: list[str]) -> dict:
-    cmd = [sys.executable, "-m", "flash.cli", "run", recipe, f"async_ratio={ratio}", f"run_dir={run_dir}",
+    cmd = [sys.executable, "-m", "flash.app.cli", "run", recipe, f"async_ratio={ratio}", f"run_dir={run_dir}",
            "tracking.progress=false", *overrides]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     return json.loads((run_dir / "summary.json").read_text())

@@ -47,7 +47,7 @@ def jsonl(path: Path) -> list[dict]:
 
 
 def start(recipe: str, run_dir: Path, overrides: list[str]) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "flash.cli", "run", recipe, f"run_dir={run_dir}", "tracking.progress=false",
+    cmd = [sys.executable, "-m", "flash.app.cli", "run", recipe, f"run_dir={run_dir}", "tracking.progress=false",
            *overrides]
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
@@ -113,7 +113,7 @@ def reward_fault_run(calls: int = 24, seconds: float = 0.5) -> dict:
     from concurrent.futures import ThreadPoolExecutor
 
     from flash.rewards.workers import RewardPool
-    from recipes.tasks.base import TaskItem
+    from flash.tasks import TaskItem
 
     marks = Path(tempfile.mkdtemp(prefix="flash-bench-reward-"))
     pool = RewardPool({"name": "bench.durability:marked_reward", "mark_dir": str(marks), "seconds": seconds},
@@ -140,7 +140,7 @@ def reward_fault_run(calls: int = 24, seconds: float = 0.5) -> dict:
 
 
 def reward_only(repeats: int) -> dict:
-    from flash.workers import init_ray
+    from flash.cluster import init_ray
 
     init_ray(None, num_cpus=2)
     rows = []

@@ -11,7 +11,7 @@ wall time. At most ``--concurrency`` sequences run at once in every system:
 - ``hf_generate``: static batches of ``concurrency`` requests, the loop a newcomer writes; a batch
   runs until its longest response is done (``generate(max_new_tokens=longest)``), so short
   responses wait on long ones -- the cost continuous batching removes.
-- ``torch``: ``flash.workers.EngineWorker`` (the embedded continuous-batching engine, its thread
+- ``torch``: ``flash.engine.torch_worker.EngineWorker`` (the embedded continuous-batching engine, its thread
   loop and the actor-level API), called in-process.
 - ``vllm``: ``flash.engine.vllm_engine.VLLMEngineWorker`` (vLLM's ``AsyncLLM`` behind the same
   API), called in-process.
@@ -34,7 +34,7 @@ import statistics
 import tempfile
 import time
 
-# Before torch loads OpenMP, as `flash` does (flash.cli): HF generate and the torch engine run in
+# Before torch loads OpenMP, as `flash` does (flash.app.cli): HF generate and the torch engine run in
 # this process, and spinning OpenMP waits collapse throughput on a shared machine.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
@@ -145,7 +145,8 @@ def main(argv: list[str] | None = None) -> dict:
     systems = tuple(s for s in SYSTEMS if s in args.systems.split(","))
 
     from flash.engine.vllm_engine import VLLMEngineWorker
-    from flash.workers import EngineWorker, load_model
+    from flash.cluster import load_model
+    from flash.engine.torch_worker import EngineWorker
 
     torch.set_num_threads(args.threads)
     path = tempfile.mkdtemp(prefix="flash-bench-engine-")

@@ -3,12 +3,12 @@
     python -m bench.fsdp_gather [--repeats 7] [--world 2] [--models default,wide] [--bucket-mib 8]
 
 Two gloo ranks (spawned processes, one torch thread each, as ``TrainerGroup`` splits 2 threads
-over 2 ranks) shard a tiny Qwen2 with ``flash.fsdp.shard_model``, then gather its full state dict
+over 2 ranks) shard a tiny Qwen2 with ``flash.train.fsdp.shard_model``, then gather its full state dict
 to rank 0 both ways, alternating which goes first, after one warm-up each:
 
 - ``per_param``: what ``FSDPRank.mu_gather`` did, ``get_model_state_dict(full_state_dict=True,
   cpu_offload=True)``: one all-gather per parameter, a CPU copy on every rank.
-- ``flat``: ``flash.fsdp_gather.FlatGather`` (planned once, as at the group's setup): every rank's
+- ``flat``: ``flash.weights.gather.FlatGather`` (planned once, as at the group's setup): every rank's
   shards packed into one buffer per dtype bucket of ``--bucket-mib``, one ``dist.gather`` each to
   rank 0 (two buckets in flight), unpacked there only.
 
@@ -48,7 +48,7 @@ def per_param(model):
 
 def flat_way(model, bucket_mib: float):
     """``FSDPRank.mu_gather``'s way now: a plan made once, then a gather per push."""
-    from flash.fsdp_gather import FlatGather
+    from flash.weights.gather import FlatGather
 
     plan = FlatGather(model, bucket_bytes=int(bucket_mib * (1 << 20)))
     return lambda m: plan(dst=0)
@@ -68,7 +68,7 @@ def bench_model(name: str, repeats: int, rank: int, bucket_mib: float) -> dict |
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from flash.fsdp import GroupSettings, shard_model
+    from flash.train.fsdp import GroupSettings, shard_model
 
     model = build(name)
     shard_model(model, GroupSettings(), init_device_mesh("cpu", (dist.get_world_size(),)))
@@ -111,8 +111,8 @@ def main() -> None:
 
     import torch.multiprocessing as mp
 
-    from flash.fsdp import free_port
-    from flash.fsdp_gather import BUCKET_BYTES
+    from flash.train.fsdp import free_port
+    from flash.weights.gather import BUCKET_BYTES
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=7)

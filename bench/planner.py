@@ -7,9 +7,9 @@ Each repeat runs every setting (``;``-separated, each a space-separated list of 
 first is the base whose trace the planner reads) back to back as a fresh ``flash run`` of the
 default recipe, so machine noise hits them alike. Then ``flash plan`` predicts every setting from
 the base setting's runs (every repeat, pooled): with the default parallel fraction, and with it
-calibrated (``flash.planner.calibrate_p``) on the ``--calibrate`` setting's measured mean. Reports predicted and
+calibrated (``flash.app.plan.calibrate_p``) on the ``--calibrate`` setting's measured mean. Reports predicted and
 measured seconds per steady step (mean over the repeats) and the relative error; ``--save-traces``
-writes the trimmed traces (``flash.planner.trim_trace``) that tests/test_planner.py reads. The last
+writes the trimmed traces (``flash.app.plan.trim_trace``) that tests/test_planner.py reads. The last
 line is JSON.
 """
 
@@ -24,14 +24,14 @@ import sys
 import tempfile
 from pathlib import Path
 
-from flash import plan_model as pm
-from flash import planner
+from flash.app import plan_model as pm
+from flash.app import plan as planner
 
 
 def run_once(recipe: str, overrides: list[str], run_dir: Path, steps: int) -> Path:
     """One ``flash run`` (short: ``steps`` steps, a small held-out set, no checkpoint)."""
     if not (run_dir / "summary.json").is_file():
-        cmd = [sys.executable, "-m", "flash.cli", "run", recipe, f"train.steps={steps}", "task.eval_size=32",
+        cmd = [sys.executable, "-m", "flash.app.cli", "run", recipe, f"train.steps={steps}", "task.eval_size=32",
                "checkpoint.enabled=false", "tracking.progress=false", "tracking.backends=[console]",
                f"run_dir={run_dir}", *overrides]
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)

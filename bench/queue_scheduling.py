@@ -54,7 +54,7 @@ def defaults(recipe: str) -> list[str]:
 def run_once(recipe: str, mode: str, run_dir: Path, overrides: list[str], retries: int = 1) -> dict:
     """One ``flash run``; retried once if it fails (on a loaded shared machine a local Ray can time
     out starting), the failure printed so it is not hidden."""
-    cmd = [sys.executable, "-m", "flash.cli", "run", recipe, *defaults(recipe), *overrides,
+    cmd = [sys.executable, "-m", "flash.app.cli", "run", recipe, *defaults(recipe), *overrides,
            f"rollout.queue_scheduling={MODES[mode]}", f"run_dir={run_dir}", "tracking.progress=false"]
     for attempt in range(retries + 1):
         proc = subprocess.run(cmd, check=False, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)

@@ -22,7 +22,7 @@ import statistics
 import time
 
 from flash.rewards.builtin import CodeReward
-from recipes.tasks.base import TaskItem
+from flash.tasks import TaskItem
 
 TASKS = {  # entry point -> (reference solution, inputs)
     "add": ("def add(a, b):\n    return a + b", [[1, 2], [5, -3], [0, 0]]),

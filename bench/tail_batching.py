@@ -25,7 +25,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from flash import planner
+from flash.app import plan as planner
 
 SETTINGS = {
     "sync": ["async_ratio=0"],
@@ -39,7 +39,7 @@ TAIL_KEYS = ("rollout/tail/cut_groups", "rollout/tail/long_rounds", "rollout/tai
 
 def run_once(recipe: str, setting: list[str], run_dir: Path, overrides: list[str]) -> dict:
     if not (run_dir / "summary.json").is_file():  # a re-run with the same --out reuses finished runs
-        cmd = [sys.executable, "-m", "flash.cli", "run", recipe, *setting, f"run_dir={run_dir}",
+        cmd = [sys.executable, "-m", "flash.app.cli", "run", recipe, *setting, f"run_dir={run_dir}",
                "tracking.progress=false", *overrides]
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     summary = json.loads((run_dir / "summary.json").read_text())

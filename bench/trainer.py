@@ -7,7 +7,7 @@ Every variant gets the same batch (the default recipe's shape: 128 rows, prompts
 long-tailed responses up to 48) and the same total torch threads (split over a group's ranks), and
 runs the same train steps; repeats are interleaved (one step of each variant in turn) so machine
 noise hits all alike. The plain trainer's micro-batches are rows in batch order; a group's are
-length-grouped (``flash.microbatch``), so part of any difference is padding saved. Reported: median tokens/s (real, unpadded tokens of the batch per second of
+length-grouped (``flash.train.microbatch``), so part of any difference is padding saved. Reported: median tokens/s (real, unpadded tokens of the batch per second of
 ``train_step`` as the controller sees it) and the median per-repeat ratio to the plain trainer.
 On a 2-core CPU machine a second rank mostly buys memory (1/N of weights, grads and AdamW state per
 rank), not speed: both ranks share the same cores and add gloo traffic. The last line is JSON.
@@ -29,7 +29,7 @@ import torch
 def make_batch(rows: int, vocab: int, seed: int = 0):
     """Rows like the default recipe's: prompt 12-28 tokens, response 4-48 with a long tail."""
     from buffers import Sample
-    from flash.batch import collate
+    from flash.train.batch import collate
 
     g = torch.Generator().manual_seed(seed)
     samples = []
@@ -58,10 +58,11 @@ def build_model_dir(hidden: int, layers: int) -> str:
 
 
 def start_variants(path: str, threads: int, names: list[str]) -> dict:
-    from flash.fsdp import GroupSettings
-    from flash.trainer import TrainerSettings
-    from flash.trainer_group import start_trainer_group
-    from flash.workers import start_trainer, wait_ready
+    from flash.train.fsdp import GroupSettings
+    from flash.train.trainer import TrainerSettings
+    from flash.train.trainer_group import start_trainer_group
+    from flash.cluster import wait_ready
+    from flash.train.worker import start_trainer
 
     s = TrainerSettings(lr=1e-5, weight_decay=0.0, betas=(0.9, 0.999), grad_clip=1.0, micro_batch_size=64,
                         temperature=1.0, loss={"name": "decoupled_ppo"}, agg="token-mean")
@@ -84,7 +85,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--groups", default="fsdp1,fsdp2",
                     help="FSDP2 variants beside the plain trainer: fsdpN[_microT] (N ranks, T-token budget)")
     args = ap.parse_args(argv)
-    from flash.workers import init_ray
+    from flash.cluster import init_ray
 
     init_ray(None, num_cpus=os.cpu_count() or 2)
     path = build_model_dir(args.hidden, args.layers)

@@ -4,8 +4,8 @@
 
 A random-init ``LlamaConfig`` with SmolLM2-135M's shape (hidden 576, 30 layers, 9 heads, 3 KV heads,
 intermediate 1536, vocab 49152, tied embeddings; 134.5 M parameters, 538 MB in fp32) is saved once;
-the trainer (``flash.workers.TrainerWorker``) and two real engine replicas
-(``flash.workers.EngineWorker``) load it as Ray actors. Per repeat, every method pushes once
+the trainer (``flash.train.worker.TrainerWorker``) and two real engine replicas
+(``flash.engine.torch_worker.EngineWorker``) load it as Ray actors. Per repeat, every method pushes once
 (order rotating), after one warm-up push each; the report is the median seconds and the ratio to
 ``raw_broadcast``. Two phases, to fit a shared 24 GB machine: first ``raw_broadcast`` (full-size
 buffers in every member), ``ours_gloo`` and ``ours_shm`` interleaved; then, with those buffers and
@@ -42,9 +42,11 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import ray
 import torch
 
-from flash.model_update import as_bytes, broadcast, connect, make_group, open_store
-from flash.model_update_group import ModelUpdateGroup
-from flash.workers import EngineWorker, TrainerWorker, init_ray
+from flash.weights.model_update import as_bytes, broadcast, connect, make_group, open_store
+from flash.weights.group import ModelUpdateGroup
+from flash.cluster import init_ray
+from flash.engine.torch_worker import EngineWorker
+from flash.train.worker import TrainerWorker
 
 METHODS = ("raw_broadcast", "ours_gloo", "ours_shm", "object_store")
 LIMIT_PHASE, NAIVE_PHASE = ("raw_broadcast", "ours_gloo", "ours_shm"), ("object_store", "ours_gloo")
@@ -70,7 +72,7 @@ class RawMember:
         self._raw_pg = make_group("gloo", store, "raw", rank, world, 120)
         self._raw_buf = torch.zeros(nbytes, dtype=torch.uint8)
         if rank == 0:  # the same bytes our push sends: the unique tensors end to end
-            from flash.model_update import unique_tensors
+            from flash.weights.model_update import unique_tensors
             at = 0
             for _, t in unique_tensors(self._mu_state()):
                 b = as_bytes(t.detach().contiguous())
@@ -112,7 +114,7 @@ def build(path: str, layers: int) -> int:
 
 
 def start(path: str):
-    from flash.trainer import TrainerSettings
+    from flash.train.trainer import TrainerSettings
 
     settings = TrainerSettings(lr=1e-5, weight_decay=0.0, betas=(0.9, 0.999), grad_clip=1.0, micro_batch_size=8,
                                temperature=1.0, loss={"name": "ppo"}, agg="token-mean")

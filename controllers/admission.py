@@ -164,7 +164,7 @@ class Admission:
         self._dispatch(self._gate.resolved(p.wave, len(generating)))
         return generating
 
-    # ---- checkpoint and fault hooks (flash.checkpoint, flash.faults) ---------------------------
+    # ---- checkpoint and fault hooks (flash.checkpoint, flash.engine.client) ---------------------------
     def state_dict(self) -> dict:
         """Data position, admissions, version, counters, RNG, the prompts in flight, the admission
         accounting (``Provisioning``: counted groups and spares) and the lifecycle counters.

@@ -7,7 +7,7 @@
 the step (the proximal policy of decoupled PPO); ``advantages`` runs the configured estimator;
 ``train`` is one optimizer step; ``suspend`` pauses the engines under the ``rollout.interrupt``
 mode; ``push_weights`` copies the new weights into every engine (the model-update group,
-``flash.model_update_group``) and advances the version once every replica has them; ``resume``
+``flash.weights.group``) and advances the version once every replica has them; ``resume``
 lets the engines go on and the scheduler admit the prompts the new version allows.
 
 With ``async_ratio = 0`` the scheduler has admitted exactly the batch's prompts, so rollout and
@@ -32,7 +32,7 @@ import algos
 from buffers import Group, SampleBuffer
 from controllers.rollout_scheduler import RolloutScheduler
 from controllers.staleness import StalenessManager
-from flash.batch import collate, flatten
+from flash.train.batch import collate, flatten
 from flash.usage import IdleMeter
 
 # sample meta copied into a trained sample's ledger line when present (tail batching's rounds)
@@ -80,10 +80,10 @@ class AsyncController:
         self._meters = {"rollout": IdleMeter(), "train": IdleMeter()}
         self._update_bytes = 0.0
         self._reward_cpu_prev = 0.0  # the reward pool's CPU seconds at the previous step
-        # flash.model_update_group.ModelUpdateGroup (set up); None: the state dict through Ray's object store
+        # flash.weights.group.ModelUpdateGroup (set up); None: the state dict through Ray's object store
         self.model_update = model_update
         self._update_metrics: dict[str, float] = {}
-        # Hooks (flash.runner): ``supervisor`` routes engine calls through flash.faults (restart on
+        # Hooks (flash.app.runner): ``supervisor`` routes engine calls through flash.engine.client (restart on
         # death/hang); ``on_update(version)`` runs after a weight push and before the new version
         # admits prompts -- the quiet point where a checkpoint is taken.
         self.supervisor = None
@@ -223,7 +223,7 @@ class AsyncController:
                 self.scheduler.check()
 
     def _update_weights(self, new_version: int) -> None:
-        """suspend → push_weights → resume. With a supervisor (flash.faults) an engine fault anywhere
+        """suspend → push_weights → resume. With a supervisor (flash.engine.client) an engine fault anywhere
         in it restarts the engine and runs the whole cycle again; a restarted engine is given the
         weights last pushed (``EngineSupervisor.pushed``)."""
         env_hold = getattr(self.scheduler, "suspend", None)  # episodes: environment steps are atomic
@@ -249,7 +249,7 @@ class AsyncController:
         def cycle_and_record():
             cycle()
             # with the model-update group nothing sits in the object store: a restarted engine
-            # fetches the trainer's weights then (flash.faults.EngineSupervisor.pushed)
+            # fetches the trainer's weights then (flash.engine.client.EngineSupervisor.pushed)
             self.supervisor.pushed(weights if weights is not None else self.trainer.get_weights.remote,
                                    new_version)
 
@@ -276,7 +276,7 @@ class AsyncController:
             # the trainer is alive: the engine side failed (died, restarted meanwhile, not in the
             # group): an engine fault -- restart it, form the group again, run the cycle again;
             # after rollout.max_engine_restarts the run stops with this error
-            from flash.faults import EngineFault
+            from flash.engine.client import EngineFault
 
             raise EngineFault(f"model-update push of version {version} failed: {exc}") from exc
         self._update_bytes = self._update_metrics["model_update/bytes"]
@@ -305,7 +305,7 @@ class AsyncController:
                     "prompt_id": g.prompt_id, "data_index": g.data_index, "sample": s.sample_index,
                     "request": s.meta.get("request", s.sample_index), "outcome": "trained", "step": t,
                     "version": s.version, "reward": s.reward,
-                    # for `flash plan` (flash.planner): response and prompt tokens, how it ended
+                    # for `flash plan` (flash.app.plan): response and prompt tokens, how it ended
                     "len": len(s.response_ids), "plen": len(s.prompt_ids), "finish": s.finish_reason,
                     **{k: s.meta[k] for k in LEDGER_META if k in s.meta},
                 }) + "\n")
@@ -382,7 +382,7 @@ class AsyncController:
             # driver: the controller's process alone): what bounds an overlapped step on shared cores
             "rollout/cpu_s": delta["cpu_s"], "train/cpu_s": max(0.0, cpu["train"] - cpu_prev["train"]),
             "driver/cpu_s": max(0.0, cpu["driver"] - cpu_prev["driver"]),
-            # per-step deltas for `flash plan` (flash.planner): engine busy seconds, decode iterations,
+            # per-step deltas for `flash plan` (flash.app.plan): engine busy seconds, decode iterations,
             # trainer busy seconds
             "rollout/busy_s": delta["busy_s"], "rollout/decode_steps": delta["decode_steps"],
             "train/busy_s": max(0.0, trainer.get("busy_s", 0.0) - trainer_prev),

@@ -24,7 +24,7 @@ reset, same environment seed and same turn seeds, when it next touches the worke
 flight fails; a later one finds no environment, ``EnvLost``); its partial transcript is dropped, so
 the episode is filed once. Each death is counted once (``faults/env``: the worker's pid changed),
 logged once, and reported to ``on_event``; past ``max_worker_restarts`` the run stops
-(``controllers.env_faults``). Engine faults: with a supervisor (``flash.faults``) a restarted
+(``controllers.env_faults``). Engine faults: with a supervisor (``flash.engine.client``) a restarted
 engine's lost turns are asked again (``requeue_lost``), the environments untouched.
 
 Every admitted seed is in exactly one place: in flight here, in the buffer, or trained. Every
@@ -111,11 +111,11 @@ class EpisodeScheduler(EnvWorkerFaults):
         self.hang_timeout_s, self.max_worker_restarts = hang_timeout_s, max_worker_restarts
         self.faults = 0  # environment workers that died (faults/env)
         self.events: list[dict] = []
-        self.on_event: Callable[[dict], None] | None = None  # each death (flash.runner: events.jsonl)
+        self.on_event: Callable[[dict], None] | None = None  # each death (flash.app.runner: events.jsonl)
         self._pids: list[int] | None = None  # each worker's process as last seen
         self._threads = [threading.Thread(target=self._guard(f), daemon=True, name=f.__name__)
                          for f in (self._admit_loop, self._collect_loop)]
-        self.supervisor = None  # flash.faults.EngineSupervisor: engine faults recovered (requeue_lost)
+        self.supervisor = None  # flash.engine.client.EngineSupervisor: engine faults recovered (requeue_lost)
 
     # ---- controller-facing API -------------------------------------------------------------
     def start(self) -> None:
@@ -222,7 +222,7 @@ class EpisodeScheduler(EnvWorkerFaults):
                 self._lock.wait(timeout=0.5)
             return [self._eval.pop(k) for k in keys]
 
-    # ---- checkpoint hooks (flash.run_state) ------------------------------------------------
+    # ---- checkpoint hooks (flash.app.run_state) ------------------------------------------------
     def state_dict(self) -> dict:
         """Data position, admissions, version, counters and the seeds in flight.
 
@@ -366,7 +366,7 @@ class EpisodeScheduler(EnvWorkerFaults):
             self.supervisor.submit(reqs)
 
     def requeue_lost(self, ids: list[str] | None = None) -> int:
-        """After an engine restart (``flash.faults``): ask again every turn an episode still waits
+        """After an engine restart (``flash.engine.client``): ask again every turn an episode still waits
         for -- of those ``ids`` only, when given (a restarted replica's) -- with the same context and
         seed. Environment state is untouched: the episode only waited on the LLM. Returns how many."""
         with self._lock:

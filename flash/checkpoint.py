@@ -5,7 +5,7 @@ A checkpoint after ``step`` completed train steps is a directory ``RUN_DIR/check
 - ``trainer.pt``: model and optimizer state dicts, the trainer's torch RNG state and step count
   (written by the trainer actor itself); with an FSDP2 trainer group instead ``trainer/``, a torch
   distributed checkpoint (every rank writes its own shards of model and optimizer, plus its RNG)
-  with the step count and world size (``flash.trainer_group``); a group of another size reshards
+  with the step count and world size (``flash.train.trainer_group``); a group of another size reshards
   it on load;
 - ``state.json``: the controller's step and policy version, the scheduler's data position, admission
   count, counters and RNG, **the buffer's groups** (complete, scored samples; with ``buffer.transport=zmq`` the
@@ -52,7 +52,7 @@ PREFIX = "ckpt-"
 MANIFEST = "manifest.json"
 STATE = "state.json"
 TRAINER = "trainer.pt"
-TRAINER_DIR = "trainer"  # an FSDP2 group's DCP folder (flash.trainer_group) instead of trainer.pt
+TRAINER_DIR = "trainer"  # an FSDP2 group's DCP folder (flash.train.trainer_group) instead of trainer.pt
 # Test hook: seconds to sleep inside a checkpoint write, after the trainer's file and before the
 # manifest, so a test can SIGKILL the run mid-checkpoint.
 PAUSE_ENV = "FLASH_CKPT_PAUSE_S"

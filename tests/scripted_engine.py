@@ -4,7 +4,7 @@ It answers the engine actor's methods the scheduler calls (``submit``, ``get_fin
 and finishes each request at a scripted wall-clock delay after its submission, with scripted
 tokens, so that scheduling decisions (which response finishes first, how long generation takes)
 are exact instead of depending on a model and a loaded CPU. Run it as a threaded Ray actor, as
-``flash.workers.start_engine`` runs the real ones.
+``flash.engine.torch_worker.start_engine`` runs the real ones.
 """
 
 from __future__ import annotations

@@ -349,7 +349,7 @@ def test_exactly_once_in_order_through_a_lossy_link_with_batches():
 # ------------------------------------------------------------------------------------------ config
 
 def test_batching_knobs_are_typed_config_and_misspellings_are_caught():
-    from flash.config import ConfigError, load_config
+    from flash.app.config import ConfigError, load_config
 
     cfg = load_config("recipes/stutter.yaml", ["buffer.linger_ms=0.5", "buffer.batch_groups=4", "buffer.window=8"])
     assert (cfg.buffer.linger_ms, cfg.buffer.batch_groups, cfg.buffer.window) == (0.5, 4, 8)

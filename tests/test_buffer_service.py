@@ -423,8 +423,8 @@ def test_a_run_through_the_zmq_buffer_loses_nothing(tmp_path):
 
     import ray
 
-    from flash.config import load_config
-    from flash.runner import run
+    from flash.app.config import load_config
+    from flash.app.runner import run
     from tests.test_controller_e2e import SMALL
 
     steps, ratio = 4, 1

@@ -13,12 +13,12 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 import algos
 from buffers import Group, Sample, SampleBuffer
 from flash import checkpoint as ck
-from flash.batch import collate
-from flash.config import load_config
+from flash.train.batch import collate
+from flash.app.config import load_config
 from flash.errors import ConfigError
 from flash.guards import DataError, InputGuard, NonFiniteError, SkipGuard
-from flash.resume import config_differences, resolve_resume, restore_logs
-from flash.trainer import Trainer, TrainerSettings
+from flash.app.resume import config_differences, resolve_resume, restore_logs
+from flash.train.trainer import Trainer, TrainerSettings
 from recipes.tasks import TaskItem
 
 

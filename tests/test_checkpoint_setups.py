@@ -22,7 +22,7 @@ from buffers import Group, Sample, SampleBuffer
 from buffers.client import RemoteSampleBuffer
 from buffers.service import BufferService
 from flash import checkpoint as ck
-from flash.config import CheckpointConfig
+from flash.app.config import CheckpointConfig
 from flash.errors import ConfigError
 
 
@@ -77,7 +77,7 @@ def test_zmq_store_round_trips_through_a_checkpoint_and_new_puts_still_count_onc
 
 @pytest.fixture(scope="module")
 def ray_session():
-    from flash.workers import init_ray
+    from flash.cluster import init_ray
 
     init_ray(None, num_cpus=2)
     yield
@@ -146,8 +146,8 @@ def test_a_checkpoint_of_the_other_trainer_kind_names_the_setting_to_resume_with
 
 
 def test_resume_may_change_the_worker_count_only():
-    from flash.config import load_config, to_dict
-    from flash.resume import config_differences
+    from flash.app.config import load_config, to_dict
+    from flash.app.resume import config_differences
 
     def resolved(*overrides):  # as config.yaml holds it (train.workers sets actor_train.num_workers)
         return to_dict(load_config("recipes/stutter.yaml", list(overrides)))

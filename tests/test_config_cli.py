@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from flash.cli import main, recipe_paths
-from flash.config import load_config
+from flash.app.cli import main, recipe_paths
+from flash.app.config import load_config
 from flash.errors import ConfigError
 from flash.gguf import MissingModelPackage
 

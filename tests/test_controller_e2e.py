@@ -15,13 +15,13 @@ import torch
 import algos
 from controllers.lifecycle import unbalance
 from controllers.rollout_scheduler import request_seed
-from flash.batch import collate, flatten
-from flash.config import load_config
+from flash.train.batch import collate, flatten
+from flash.app.config import load_config
 from flash.engine.base import GenerationRequest, SamplingParams
 from flash.engine.torch_engine import TorchEngine
-from flash.runner import Run, run, sampling_params, trainer_settings
-from flash.trainer import Trainer
-from flash.workers import load_model
+from flash.app.runner import Run, run, sampling_params, trainer_settings
+from flash.train.trainer import Trainer
+from flash.cluster import load_model
 from buffers import Group, Sample
 
 SMALL = ["sft.steps=40", "sft.eval_after=false", "model.tiny.num_layers=2", "train.prompts_per_step=4", "rollout.n=4",

@@ -10,8 +10,8 @@ import torch
 
 import algos
 from algos.value import value_loss
-from flash.batch import collate
-from flash.critic import Critic, CriticSettings
+from flash.train.batch import collate
+from flash.train.critic import Critic, CriticSettings
 from flash.models import TinyModelConfig, build_tiny_model, build_tokenizer
 from buffers.types import Sample
 
@@ -85,8 +85,8 @@ def test_critic_starts_at_zero_and_learns_the_returns(tiny_path):
 
 
 def test_recipe_trains_with_gae_and_a_critic(tmp_path):
-    from flash.config import load_config
-    from flash.runner import run
+    from flash.app.config import load_config
+    from flash.app.runner import run
 
     recipe = tmp_path / "gae.yaml"
     recipe.write_text(textwrap.dedent(f'''

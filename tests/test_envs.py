@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from buffers import Sample
-from flash.batch import collate
+from flash.train.batch import collate
 from flash.envs import make_env, register_env
 from flash.envs.corridor import Corridor, CorridorOptions, move, render
 from flash.envs.episode import (
@@ -23,7 +23,7 @@ from flash.models import (
     build_tokenizer,
     encode_prompt,
 )
-from flash.trainer import token_logprobs
+from flash.train.trainer import token_logprobs
 from recipes.tasks import make_task
 
 
@@ -214,8 +214,8 @@ def test_sft_demonstration_has_the_tokens_an_episode_context_has():
 
 
 def test_runner_rejects_multi_token_turns_for_single_character_actions(tmp_path):
-    from flash.config import load_config
-    from flash.envs.runtime import check_episode_config
+    from flash.app.config import load_config
+    from controllers.episode_runtime import check_episode_config
 
     cfg = load_config("recipes/corridor.yaml", ["rollout.max_new_tokens=8"])
     with pytest.raises(ConfigError, match="set rollout.max_new_tokens=1"):
@@ -223,8 +223,8 @@ def test_runner_rejects_multi_token_turns_for_single_character_actions(tmp_path)
 
 
 def test_tail_batching_is_refused_for_episode_tasks_before_anything_starts():
-    from flash.config import load_config
-    from flash.envs.runtime import check_episode_config
+    from flash.app.config import load_config
+    from controllers.episode_runtime import check_episode_config
 
     cfg = load_config("recipes/corridor.yaml", ["rollout.scheduler=tail_batching"])
     with pytest.raises(ConfigError, match="runs multi-turn episodes: set rollout.scheduler: plain"):

@@ -21,11 +21,12 @@ from controllers.staleness import StalenessManager
 from flash.engine.base import SamplingParams
 from flash.envs import make_env
 from flash.envs.episode import transcript_text
-from flash.envs.runtime import episode_codec
+from controllers.episode_runtime import episode_codec
 from flash.envs.worker import start_env_workers
 from flash.models import TinyModelConfig, encode_prompt
-from flash.sft import SFTConfig, warm_start
-from flash.workers import init_ray, load_model, start_engine, wait_ready
+from flash.train.sft import SFTConfig, warm_start
+from flash.cluster import init_ray, load_model, wait_ready
+from flash.engine.torch_worker import start_engine
 from recipes.tasks import make_task
 
 TINY = TinyModelConfig(hidden_size=64, num_layers=1, num_heads=2, num_kv_heads=2, intermediate_size=64,
@@ -130,8 +131,8 @@ def test_suspend_during_env_steps_keeps_every_episode_consistent(model_path):
 
 @pytest.mark.slow
 def test_flash_run_episodes_nothing_lost(tmp_path, cache):
-    from flash.config import load_config
-    from flash.runner import run
+    from flash.app.config import load_config
+    from flash.app.runner import run
 
     cfg = load_config("recipes/corridor.yaml", [
         *TINY_OVERRIDES, f"cache_dir={cache}", f"run_dir={tmp_path}", "train.steps=3", "train.prompts_per_step=2",

@@ -1,4 +1,4 @@
-"""The flat gather of an FSDP2 state dict (``flash.fsdp_gather``) against ``get_model_state_dict``.
+"""The flat gather of an FSDP2 state dict (``flash.weights.gather``) against ``get_model_state_dict``.
 
 The layout is checked by hand without processes (uneven and empty shards), then two gloo ranks
 shard real models and rank 0 compares the flat gather with ``get_model_state_dict(full_state_dict)``
@@ -8,7 +8,7 @@ tensor for tensor: exact values, names in order, dtypes, shapes, tied names shar
 import pytest
 import torch
 
-from flash.fsdp_gather import Entry, pack, plan_buckets, rank_rows, unpack
+from flash.weights.gather import Entry, pack, plan_buckets, rank_rows, unpack
 
 
 def test_rank_rows_follow_torch_chunk():
@@ -97,8 +97,8 @@ def _check_models(rank: int, mesh) -> None:
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
-    from flash.fsdp import GroupSettings, shard_model
-    from flash.fsdp_gather import FlatGather, gather_full_state
+    from flash.train.fsdp import GroupSettings, shard_model
+    from flash.weights.gather import FlatGather, gather_full_state
 
     torch.manual_seed(0)  # every rank builds the same weights
     qwen = _tiny_qwen()
@@ -142,7 +142,7 @@ def _check_unsupported(rank: int, mesh) -> None:
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Shard
 
-    from flash.fsdp_gather import gather_full_state, sharded_state, unsupported
+    from flash.weights.gather import gather_full_state, sharded_state, unsupported
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 6))
@@ -170,6 +170,6 @@ def _ranks_main(rank: int, world: int, port: int) -> None:
 def test_two_ranks_gather_exactly_what_get_model_state_dict_gathers():
     import torch.multiprocessing as mp
 
-    from flash.fsdp import free_port
+    from flash.train.fsdp import free_port
 
     mp.spawn(_ranks_main, args=(2, free_port()), nprocs=2, join=True)

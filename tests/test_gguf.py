@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from flash.config import load_config
+from flash.app.config import load_config
 from flash.errors import ConfigError
 from flash.gguf import MissingModelPackage, resolve_gguf
 

@@ -19,7 +19,7 @@ from flash.models import (
 )
 from flash.rewards import build_reward, registered_rewards
 from flash.rewards.judge import JudgeReward, parse_verdict, with_default_model
-from recipes.tasks.base import TaskItem
+from flash.tasks import TaskItem
 
 TEMPLATE = "q: {prompt} a: {response} ref: {answer} ok?"
 ITEM = TaskItem(0, "tom has 3 apples and buys 4 more. how many apples now?", "7")
@@ -121,7 +121,7 @@ def test_at_most_max_concurrent_verdicts_at_once(judge_dir):
 
 
 def test_registered_and_validated():
-    from flash.config import load_config
+    from flash.app.config import load_config
 
     assert "judge" in registered_rewards()
     with pytest.raises(ValueError, match="needs 'model'"):
@@ -144,8 +144,8 @@ def test_math_recipe_runs_two_steps_with_the_judge(tmp_path):
 
     import ray
 
-    from flash.config import load_config
-    from flash.runner import run
+    from flash.app.config import load_config
+    from flash.app.runner import run
 
     overrides = [f"run_dir={tmp_path / 'run'}", f"cache_dir={tmp_path / 'cache'}", "tracking.progress=false",
                  "sft.steps=20", "sft.eval_after=false", "task.eval_size=4", "train.steps=2",

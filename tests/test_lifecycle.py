@@ -21,7 +21,7 @@ from controllers.provisioning import Provisioning, WaveGate
 from controllers.rollout_scheduler import PromptSource, RolloutScheduler, request_seed
 from controllers.staleness import StalenessManager
 from flash.engine.base import SamplingParams
-from flash.workers import init_ray
+from flash.cluster import init_ray
 from tests.scripted_engine import ScriptedEngine
 
 

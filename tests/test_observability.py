@@ -12,10 +12,10 @@ from types import SimpleNamespace
 import pytest
 
 import controllers.async_controller as ac
-from flash.config import load_config
+from flash.app.config import load_config
 from flash.engine.loop import EngineLoop
 from flash.errors import ConfigError
-from flash.tracking import make_tracker
+from flash.app.tracking import make_tracker
 from flash.usage import IdleMeter, SpanRecorder, busy_fraction
 
 RECIPE = "recipes/stutter.yaml"

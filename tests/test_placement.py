@@ -14,7 +14,7 @@ import pytest
 import ray
 import torch
 
-from flash.config import load_config
+from flash.app.config import load_config
 from flash.errors import ConfigError
 from flash.placement import (
     Placement,

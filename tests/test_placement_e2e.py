@@ -19,10 +19,10 @@ import pytest
 import ray
 import torch
 
-from flash.batch import flatten
-from flash.model_update import unique_tensors
-from flash.runner import Run, run
-from flash.workers import load_model
+from flash.train.batch import flatten
+from flash.weights.model_update import unique_tensors
+from flash.app.runner import Run, run
+from flash.cluster import load_model
 from tests.test_controller_e2e import plain_sync_loop, small_cfg
 
 
@@ -144,7 +144,7 @@ RECIPE_LAYOUTS = {  # the README's 2 + 2 commands: train.workers=2 implies actor
 def test_default_recipe_learns_with_two_ranks_and_two_replicas(tmp_path, cache, layout):
     """The default recipe, unchanged but for 2 FSDP2 ranks and 2 engine replicas placed on simulated
     GPUs: the skeleton's learning result (+20 points of held-out accuracy) holds in both layouts."""
-    from flash.config import load_config
+    from flash.app.config import load_config
 
     ray.shutdown()
     cfg = load_config("recipes/stutter.yaml", ["train.workers=2", *RECIPE_LAYOUTS[layout], f"run_dir={tmp_path}",

@@ -1,4 +1,4 @@
-"""`flash plan` (flash.plan_model, flash.planner): the cost model's formulas on hand-computed
+"""`flash plan` (flash.app.plan_model, flash.app.plan): the cost model's formulas on hand-computed
 values, the fit recovering known costs from a synthetic run dir, strict candidate keys, and the
 predictions from a recorded trace of the default recipe against the measured runs."""
 
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from flash import plan_model as pm
-from flash import planner
+from flash.app import plan_model as pm
+from flash.app import plan as planner
 from flash.errors import ConfigError
 
 DATA = Path(__file__).parent / "data" / "planner"
@@ -220,7 +220,7 @@ def test_calibration_reproduces_the_calibrating_run():
 
 
 def test_cli_plan_prints_a_table_and_json_and_rejects_bad_keys(tmp_path, capsys):
-    from flash.cli import main
+    from flash.app.cli import main
 
     d = str(_synthetic_run(tmp_path))
     assert main(["plan", d, "async_ratio=0,1"]) == 0

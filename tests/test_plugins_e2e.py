@@ -6,8 +6,8 @@ import textwrap
 
 import ray
 
-from flash.config import load_config
-from flash.runner import run
+from flash.app.config import load_config
+from flash.app.runner import run
 
 PLUGIN = textwrap.dedent('''
     import algos

@@ -11,8 +11,8 @@ import json
 import pytest
 import ray
 
-from flash.config import load_config
-from flash.runner import run
+from flash.app.config import load_config
+from flash.app.runner import run
 
 
 @pytest.fixture(scope="module")

@@ -42,7 +42,7 @@ def cache(tmp_path_factory):
 def launch(run_dir: Path, cache: str, extra: list[str], env_extra: dict | None = None,
            recipe: str = "recipes/stutter.yaml", base: list[str] = SMALL) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_USAGE_STATS_ENABLED": "0", **(env_extra or {})}
-    cmd = [sys.executable, "-m", "flash.cli", "run", recipe, *base, f"cache_dir={cache}", *extra]
+    cmd = [sys.executable, "-m", "flash.app.cli", "run", recipe, *base, f"cache_dir={cache}", *extra]
     with open(run_dir.parent / f"{run_dir.name}.log", "a") as log:  # the child keeps its own copy
         return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 

@@ -15,8 +15,8 @@ from flash.rewards.autoscale import (
     ResizableSlots,
     desired_workers,
 )
-from flash.workers import init_ray
-from recipes.tasks.base import TaskItem
+from flash.cluster import init_ray
+from flash.tasks import TaskItem
 
 CFG = AutoscaleConfig(min_workers=1, max_workers=4, scale_up_queue=2.0, scale_down_idle_s=5.0)
 
@@ -85,7 +85,7 @@ def test_resizable_slots_limit_follows_capacity():
 
 
 def test_autoscale_config_checked():
-    from flash.config import load_config
+    from flash.app.config import load_config
 
     with pytest.raises(ConfigError, match="min_workers <= max_workers"):
         load_config("recipes/stutter.yaml", ["reward.fn.name=math", "reward.max_workers=2", "reward.min_workers=3"])

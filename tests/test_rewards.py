@@ -13,8 +13,8 @@ from flash.rewards import build_reward, registered_rewards, validate_reward
 from flash.rewards.builtin import CodeReward, count_function_passes, extract_code
 from flash.rewards.timeout import AdaptiveTimeout
 from flash.rewards.workers import GRACE_S
-from flash.workers import init_ray
-from recipes.tasks.base import TaskItem
+from flash.cluster import init_ray
+from flash.tasks import TaskItem
 
 # ---- adaptive timeout -----------------------------------------------------------------------
 
@@ -252,7 +252,7 @@ def test_pool_concurrency_limit_is_honoured(ray_local, tmp_path):
 
 
 def test_reward_config_section_is_strict():
-    from flash.config import load_config
+    from flash.app.config import load_config
 
     recipe = "recipes/stutter.yaml"
     cfg = load_config(recipe, ["reward.fn.name=code", "reward.fn.all_or_nothing=true",
@@ -270,7 +270,7 @@ def test_reward_config_section_is_strict():
 
 
 def test_pool_from_config_scores_through_workers(ray_local):
-    from flash.config import load_config
+    from flash.app.config import load_config
     from flash.rewards.workers import pool_from_config
 
     assert pool_from_config(load_config("recipes/stutter.yaml").reward) is None

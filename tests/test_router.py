@@ -16,7 +16,8 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from flash.engine.base import GenerationRequest, SamplingParams
 from flash.engine.router import LoadBalancer, ReplicaError, merge_spans, start_router
 from flash.engine.torch_engine import TorchEngine
-from flash.workers import start_engine, wait_ready
+from flash.cluster import wait_ready
+from flash.engine.torch_worker import start_engine
 
 
 def req(rid: str, prompt: list[int], n: int = 8, temperature: float = 0.0) -> GenerationRequest:

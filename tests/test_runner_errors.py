@@ -4,7 +4,7 @@ from types import SimpleNamespace
 
 from ray.exceptions import RayActorError
 
-from flash.runner import _dead_role
+from flash.app.runner import _dead_role
 
 
 class _Handle:

@@ -2,7 +2,7 @@
 
 Fast tests replace the run subprocess with one that writes a made-up run dir, so the grid,
 resume, tables, plots and recommendation are checked in seconds; the slow test runs a real
-two-point sweep of the default recipe (tiny overrides) through `python -m flash.cli`.
+two-point sweep of the default recipe (tiny overrides) through `python -m flash.app.cli`.
 """
 
 import csv
@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-import flash.sweep as sw
+import flash.app.sweep as sw
 from flash.errors import ConfigError
-from flash.plot import load_run, plot_runs
+from flash.app.plot import load_run, plot_runs
 
 PNG = b"\x89PNG\r\n\x1a\n"
 LINE_PANELS = ("reward_vs_step", "reward_vs_time", "eval_vs_step", "eval_vs_time")
@@ -131,7 +131,7 @@ def test_parallel_runs_split_the_cores_and_need_room(tmp_path, fake_launch, monk
 
 
 def test_flash_plot_cli(tmp_path):
-    from flash.cli import main
+    from flash.app.cli import main
 
     for i, ratio in enumerate((0, 2)):
         (tmp_path / f"r{i}").mkdir()
@@ -152,7 +152,7 @@ def test_two_point_sweep_of_the_default_recipe(tmp_path, monkeypatch):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     out = tmp_path / "sweep"
-    args = [sys.executable, "-m", "flash.cli", "sweep", "stutter", "async_ratio=0,1", *SMALL,
+    args = [sys.executable, "-m", "flash.app.cli", "sweep", "stutter", "async_ratio=0,1", *SMALL,
             f"cache_dir={tmp_path / 'cache'}", "--out", str(out)]
     first = subprocess.run(args, capture_output=True, text=True, timeout=900)
     assert first.returncode == 0, first.stdout + first.stderr

@@ -30,7 +30,7 @@ from controllers.tail_policy import (
     percentile,
 )
 from flash.engine.base import GenerationOutput, SamplingParams
-from flash.workers import init_ray
+from flash.cluster import init_ray
 from tests.scripted_engine import ScriptedEngine
 
 MAX_NEW = 16
@@ -56,7 +56,7 @@ def test_threshold_forms_and_bad_values_name_the_forms():
     (["rollout.scheduler=tail_batching", "rollout.tail_batching.overprovision=2"], "did you mean 'over_provision'"),
 ])
 def test_config_is_strict(overrides, needle):
-    from flash.config import load_config, validate
+    from flash.app.config import load_config, validate
     from flash.errors import ConfigError
 
     with pytest.raises(ConfigError, match=needle):
@@ -309,7 +309,7 @@ def cache(tmp_path_factory):
 
 
 def _run_steps(cfg, steps):
-    from flash.runner import Run
+    from flash.app.runner import Run
 
     r = Run(cfg, "tail")
     try:
@@ -326,7 +326,7 @@ def _run_steps(cfg, steps):
 def test_threshold_at_infinity_is_the_plain_synchronous_loop(tmp_path, cache):
     """``threshold: inf`` with no over-provisioning cuts nothing and launches nothing extra: the
     same samples and the same losses as the textbook synchronous loop, step for step."""
-    from flash.batch import flatten
+    from flash.train.batch import flatten
     from tests.test_controller_e2e import plain_sync_loop, small_cfg
 
     if ray.is_initialized():

@@ -19,9 +19,9 @@ from flash.models import (
     encode_prompt,
     encode_response,
 )
-from flash.sft import META_FILE, SFTConfig, cache_key, sft_batch, warm_start
+from flash.train.sft import META_FILE, SFTConfig, cache_key, sft_batch, warm_start
 from recipes.tasks import make_task, registered_tasks, task_options
-from recipes.tasks.base import Task, TaskItem, register_task
+from flash.tasks import Task, TaskItem, register_task
 from recipes.tasks.chainsum import ChainSumOptions, running_sums
 from recipes.tasks.echo import slip
 
@@ -175,7 +175,7 @@ def test_sft_batch_trains_on_response_tokens_only():
 
 def test_warm_start_is_cached_loadable_and_reproducible(tmp_path, monkeypatch, caplog):
     task = make_task("chainsum", eval_size=4)
-    with caplog.at_level("INFO", logger="flash.sft"):
+    with caplog.at_level("INFO", logger="flash.train.sft"):
         out = warm_start(SMALL_MODEL, SMALL_SFT, task, tmp_path / "a")
     assert sum("warm start chainsum" in r.getMessage() for r in caplog.records) == 1
     model = AutoModelForCausalLM.from_pretrained(out)
@@ -185,7 +185,7 @@ def test_warm_start_is_cached_loadable_and_reproducible(tmp_path, monkeypatch, c
     assert meta["task"]["options"]["eval_size"] == 4 and 0.0 <= meta["eval_accuracy"] <= 1.0
     assert [p for p in os.listdir(tmp_path / "a") if p.startswith(".tmp")] == []
 
-    import flash.sft as sft
+    import flash.train.sft as sft
 
     monkeypatch.setattr(sft, "_train_and_save", lambda *a: pytest.fail("cache miss"))
     assert warm_start(SMALL_MODEL, SMALL_SFT, task, tmp_path / "a") == out  # hit: no training
@@ -207,7 +207,7 @@ def test_cache_key_covers_every_config():
 
 
 def test_failed_training_leaves_no_partial_checkpoint(tmp_path, monkeypatch):
-    import flash.sft as sft
+    import flash.train.sft as sft
 
     def boom(*args):
         raise RuntimeError("interrupted")

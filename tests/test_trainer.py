@@ -7,8 +7,8 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from buffers import Sample
-from flash.batch import collate
-from flash.trainer import Trainer, TrainerSettings
+from flash.train.batch import collate
+from flash.train.trainer import Trainer, TrainerSettings
 
 
 @pytest.fixture(scope="module")
@@ -84,8 +84,8 @@ def test_loss_knobs_in_recipe_yaml_reach_the_loss(model, tmp_path):
     The knob travels recipe YAML -> load_config -> trainer_settings -> Trainer -> policy_loss; a
     layer that dropped it would leave both runs at the default and the assertions would fail.
     """
-    from flash.config import load_config
-    from flash.runner import trainer_settings
+    from flash.app.config import load_config
+    from flash.app.runner import trainer_settings
 
     batch = collate(samples())
     adv = torch.ones(batch.mask.shape) * batch.mask
@@ -128,7 +128,7 @@ def test_stream_parts_in_any_order_equal_the_full_batch_step(model, agg):
     """The stream trainer's update (groups backpropagated one by one, in finish order, one optimizer
     step at the end) equals the plain step on the whole batch, for every aggregation."""
     import algos
-    from flash.batch import flatten
+    from flash.train.batch import flatten
     from buffers import Group
 
     group_list = [Group(prompt_id=g, samples=[s for s in samples(n=8) if s.prompt_id == g]) for g in range(4)]

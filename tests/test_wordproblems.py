@@ -69,8 +69,8 @@ def test_bad_options_are_named():
 def test_math_recipe_learns(tmp_path):
     """The shipped recipe, unchanged but for the run dir and the cache: held-out accuracy (sampled,
     math-verify) rises by >= 10 points; measured on 2 CPU cores: see BENCHMARKS.md (issue 6)."""
-    from flash.config import load_config
-    from flash.runner import run
+    from flash.app.config import load_config
+    from flash.app.runner import run
 
     cfg = load_config("recipes/math.yaml", [f"run_dir={tmp_path / 'run'}",
                                             f"cache_dir={tmp_path / 'cache'}", "tracking.progress=false"])

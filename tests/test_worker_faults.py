@@ -109,7 +109,7 @@ CORRIDOR = ["model.tiny.num_layers=1", "model.tiny.intermediate_size=64", "sft.s
 def launch_corridor(run_dir: Path, cache: str) -> tuple[subprocess.Popen, Path]:
     """The small corridor run as a `flash run` subprocess (its log beside ``run_dir``)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_USAGE_STATS_ENABLED": "0"}
-    cmd = [sys.executable, "-m", "flash.cli", "run", "recipes/corridor.yaml", *CORRIDOR, f"cache_dir={cache}",
+    cmd = [sys.executable, "-m", "flash.app.cli", "run", "recipes/corridor.yaml", *CORRIDOR, f"cache_dir={cache}",
            f"run_dir={run_dir}"]
     with open(run_dir.parent / f"{run_dir.name}.log", "w") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

@@ -17,7 +17,7 @@ The scheduler and the controller talk to *an engine* (``submit``, ``get_finished
 
 A replica that dies surfaces as ``ReplicaError`` naming it (and whether it ``died``, ``hung`` or
 broke), on the next call that touches it; one whose poll stays unanswered for ``hang_timeout_s``
-past its own timeout is ``hung``. Recovery (``flash.faults.EngineSupervisor``) takes it out of
+past its own timeout is ``hung``. Recovery (``flash.engine.client.EngineSupervisor``) takes it out of
 service (``replica_down``: no requests, polls or fan-outs reach it; the ids it held are returned to
 be resubmitted), restarts it, gives it the current weights, and brings it back (``replica_up``);
 the live replicas serve on meanwhile.
@@ -193,7 +193,7 @@ class Router:
         """``method`` on every replica in service (in index order)."""
         return self._get({i: getattr(self.replicas[i], method).remote(*args) for i in self._live()}, method)
 
-    # ---- recovery (flash.faults) ---------------------------------------------------------------
+    # ---- recovery (flash.engine.client) ---------------------------------------------------------------
     def replica_down(self, replica: int) -> list[str]:
         """Take ``replica`` out of service; returns the ids of the requests it held (now not
         outstanding anywhere: the caller resubmits them)."""

@@ -142,7 +142,7 @@ class TorchEngine:
         self._asleep: dict | None = None  # what sleep() released, until wake_up()
         self._missing: set[str] = set()  # weights a level-2 sleep discarded, not yet pushed again
         self.tokens_generated = 0
-        self.decode_steps = 0  # batched decode iterations (flash.planner fits time per iteration)
+        self.decode_steps = 0  # batched decode iterations (flash.app.plan fits time per iteration)
         self._arrivals = 0
 
     # ---- state -------------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 
 ``VLLMEngineWorker`` has the methods the controller and the scheduler call on an engine actor
 (``submit``, ``get_finished``, ``pause``, ``resume``, ``update_weights``, ``abort``, ``stats``,
-``busy_spans``, ``version``, ``health``, ``shutdown``), so ``flash.workers.start_engine`` can return
+``busy_spans``, ``version``, ``health``, ``shutdown``), so ``flash.engine.torch_worker.start_engine`` can return
 either engine. ``AsyncLLM`` is asyncio-native and runs its model in child processes (EngineCore and
 its worker); this class owns a private event loop in a thread and every public (thread-safe) call
 runs a coroutine on it, so all request state is touched by that one thread only.
@@ -59,7 +59,7 @@ from dataclasses import dataclass, field
 
 from flash.engine.base import INTERRUPT_MODES, GenerationOutput, GenerationRequest, check_request, error_output
 from flash.engine.vllm_weights import checkpoint_shapes, weights_blob
-from flash.model_update_group import UpdateReceiver
+from flash.weights.group import UpdateReceiver
 from flash.usage import process_tree_cpu_s
 
 # Set in this process before vLLM starts its children (which inherit them); a value already in the

@@ -29,7 +29,7 @@ from flash.envs.base import make_env
 from flash.envs.corridor import CorridorOptions
 from flash.envs.episode import transcript_text
 from flash.envs.gym import FrozenLakeOptions
-from recipes.tasks.base import Task, TaskItem, register_task
+from flash.tasks import Task, TaskItem, register_task
 
 
 @dataclass(frozen=True)

@@ -162,7 +162,7 @@ class RewardPool:
         self.counters: Counter[str] = Counter()
         self.faults = 0  # workers that died (faults/reward)
         self.events: list[dict] = []
-        self.on_event = None  # each death, once its replacement is ready (flash.runner: events.jsonl)
+        self.on_event = None  # each death, once its replacement is ready (flash.app.runner: events.jsonl)
         self._wall_total = 0.0
         self._wall_max = 0.0
         self._stop = threading.Event()

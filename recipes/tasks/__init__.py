@@ -1,6 +1,6 @@
 """Tasks a recipe can name. Importing this package registers the built-in tasks."""
 
-from recipes.tasks.base import (
+from flash.tasks import (
     Task,
     TaskItem,
     make_task,

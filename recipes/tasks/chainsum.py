@@ -36,7 +36,7 @@ import random
 import string
 from dataclasses import dataclass
 
-from recipes.tasks.base import Task, TaskItem, register_task
+from flash.tasks import Task, TaskItem, register_task
 
 LETTERS = string.ascii_lowercase
 

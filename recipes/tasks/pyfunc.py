@@ -38,7 +38,7 @@ import random
 from dataclasses import dataclass
 from functools import lru_cache
 
-from recipes.tasks.base import Task, TaskItem, register_task
+from flash.tasks import Task, TaskItem, register_task
 
 # name -> (operator, multiplicative?, smallest constant)
 OPS: dict[str, tuple[str, bool, int]] = {

@@ -42,7 +42,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from recipes.tasks.base import Task, TaskItem, register_task
+from flash.tasks import Task, TaskItem, register_task
 
 NAMES = ("tom", "ann", "sam", "mia", "leo", "eva", "max", "zoe", "ben", "ida")
 THINGS = ("apple", "pear", "coin", "book", "card", "egg", "shell", "stamp", "ball", "cake")

@@ -4,7 +4,7 @@ for other settings.
 Reads a finished run's measurements (``metrics.jsonl``: per-step phase times, engine busy seconds,
 decode iterations, tokens; ``ledger.jsonl``: every trained sample's response and prompt length;
 ``config.yaml`` and ``summary.json``: the settings and the thread split it ran with), fits the
-costs of ``flash.plan_model`` to them (``fit_costs``), and predicts the candidate grid: the
+costs of ``flash.app.plan_model`` to them (``fit_costs``), and predicts the candidate grid: the
 cartesian product of the values given, every other setting as in the run. Prints a table ranked
 fastest first and, last, one JSON line. Several run dirs of one setting (repeats) are pooled; a
 run at another thread split (``--calibrate``) sets how threads scale (``calibrate_p``), else the
@@ -12,7 +12,7 @@ parallel fraction is ``DEFAULT_P``.
 
 The costs are fitted on the steady steps (the first ``SKIP_STEPS`` are warm-up: compilation,
 caches, the first admissions). What the model assumes, and where it departs from a real run, is
-in ``flash.plan_model``'s docstring; ``bench/planner.py`` checks predictions against runs.
+in ``flash.app.plan_model``'s docstring; ``bench/planner.py`` checks predictions against runs.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import statistics
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from flash import plan_model as pm
+from flash.app import plan_model as pm
 from flash.errors import ConfigError
 
 SKIP_STEPS = 2
@@ -45,7 +45,7 @@ KEYS = {
 SCHEDULERS = ("plain", "tail_batching")
 TAIL = "rollout.tail_batching."
 TAIL_DEFAULTS = {"threshold": "p90", "over_provision": 1.25}  # controllers/tail_policy.TailConfig
-# Amdahl parallel fraction of both roles (flash.plan_model.amdahl) when no second run calibrates it:
+# Amdahl parallel fraction of both roles (flash.app.plan_model.amdahl) when no second run calibrates it:
 # 0.35 from the issue-2 sweep on a lightly loaded machine (train 0.48 s at 2 threads vs about
 # 0.58 s at 1); on a machine shared with other jobs it is lower, even negative (see
 # ``calibrate_p`` and BENCHMARKS.md, issue 8)
@@ -207,7 +207,7 @@ def load_trace(run_dirs: str | Path | list, skip: int = SKIP_STEPS) -> Trace:
 
 def predict(trace: Trace, s: pm.Setting, p: dict[str, float] | None = None) -> pm.Prediction:
     """Seconds per step of setting ``s``: the trace's costs moved to ``s``'s threads, replicas and
-    overlap (``flash.plan_model``), averaged over its rounds (the trace's steps, or simulated
+    overlap (``flash.app.plan_model``), averaged over its rounds (the trace's steps, or simulated
     tail-batching rounds)."""
     p = p or DEFAULT_P
     k, ref = trace.costs, trace.setting  # k: at the threads the run resolved (k.engine_threads, ...)
@@ -272,7 +272,7 @@ def _parse_value(key: str, raw: str, lengths: list[int]):
     try:
         value = parse(raw)
     except (ValueError, KeyError):
-        from flash.config import closest
+        from flash.app.config import closest
 
         hint = closest(raw, list(SCHEDULERS)) if key == "rollout.scheduler" else ""
         raise ConfigError(f"invalid value '{raw}' for '{key}'{hint}") from None
@@ -287,8 +287,8 @@ def _parse_value(key: str, raw: str, lengths: list[int]):
 def parse_candidates(items: list[str], trace: Trace) -> list[tuple[dict[str, str], pm.Setting]]:
     """``key=v1,v2`` items → every combination as (the values as written, its Setting); keys not
     given keep the run's values. Unknown keys name the closest valid one."""
-    from flash.config import closest
-    from flash.sweep import parse_grid
+    from flash.app.config import closest
+    from flash.app.sweep import parse_grid
 
     fixed, swept = parse_grid(items)
     grid = {k: [v] for k, v in (f.split("=", 1) for f in fixed)} | swept

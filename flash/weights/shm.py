@@ -9,7 +9,7 @@ the CPU analogue of the CUDA-IPC handles colocated GPU frameworks pass (ROLL, ve
 
 The segment is owned by the trainer (created on the first push, grown when the model grows,
 unlinked at ``close``); replicas map it by path per push and unmap when done. Layout: the buckets
-of the ordinary plan (``flash.model_update.plan_buckets``) laid end to end, so a single plan and
+of the ordinary plan (``flash.weights.model_update.plan_buckets``) laid end to end, so a single plan and
 a single ``check_plan`` serve every backend.
 """
 
@@ -21,7 +21,7 @@ from collections.abc import Iterator, Mapping
 
 import torch
 
-from flash.model_update import ModelUpdateError, TensorMeta, bucket_sizes, by_bucket, pack, unpack
+from flash.weights.model_update import ModelUpdateError, TensorMeta, bucket_sizes, by_bucket, pack, unpack
 
 SHM_DIR = "/dev/shm"  # tmpfs: a file here is shared memory; torch.from_file(shared=True) maps it
 

@@ -1,7 +1,7 @@
 """`flash sweep RECIPE key=v1,v2 ... [--out DIR] [--tolerance X] [--parallel N]`: which ratio to pick.
 
 Runs the cartesian product of the swept values (``async_ratio=0,1,2,4 algo.loss.name=ppo,tis``),
-each as its own ``python -m flash.cli run ... run_dir=SWEEP_DIR/<slug>`` subprocess: a clean Ray,
+each as its own ``python -m flash.app.cli run ... run_dir=SWEEP_DIR/<slug>`` subprocess: a clean Ray,
 clean torch threads and a crash that cannot take the sweep down with it. Runs go one after another
 (timings stay comparable) or ``--parallel N`` at a time, the cores split between them.
 
@@ -109,7 +109,7 @@ def default_out(recipe: Path, items: list[str]) -> Path:
 
 def prepare(recipe: Path, points: list[Point], out: Path) -> None:
     """Validate every point's config before the first run; claim (or check) each run dir."""
-    from flash.config import load_config
+    from flash.app.config import load_config
 
     for p in points:
         try:
@@ -177,7 +177,7 @@ def _core_split(points: list[Point], parallel: int) -> list[str]:
 
 def _launch(recipe: Path, p: Point, out: Path, extra: list[str]) -> subprocess.Popen:
     run_dir = out / p.slug
-    cmd = [sys.executable, "-m", "flash.cli", "run", str(recipe), *p.overrides, *extra,
+    cmd = [sys.executable, "-m", "flash.app.cli", "run", str(recipe), *p.overrides, *extra,
            f"run_dir={run_dir}", "tracking.progress=false"]
     root = str(Path(__file__).resolve().parent.parent)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
@@ -187,7 +187,7 @@ def _launch(recipe: Path, p: Point, out: Path, extra: list[str]) -> subprocess.P
 
 def collect(p: Point, run_dir: Path) -> dict:
     """One results row from a finished run dir (summary, metrics, evaluations)."""
-    from flash.plot import load_run, throughput
+    from flash.app.plot import load_run, throughput
 
     run = load_run(run_dir)
     s, steps = run.summary, run.metrics
@@ -274,8 +274,8 @@ def write_results(points: list[Point], out: Path, header: str, recommendation: s
 def sweep(recipe: str, items: list[str], out: str | None = None, tolerance: float = 0.02,
           parallel: int = 1, stream=None) -> tuple[list[Point], str]:
     """Run (or resume) the sweep, write results and plots; returns the points and recommendation."""
-    from flash.cli import resolve_recipe
-    from flash.plot import load_run, plot_runs, plot_sweep
+    from flash.app.cli import resolve_recipe
+    from flash.app.plot import load_run, plot_runs, plot_sweep
 
     path = resolve_recipe(recipe)
     fixed, swept = parse_grid(items)

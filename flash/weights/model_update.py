@@ -28,7 +28,7 @@ The group is not torch's default group: each member builds a bare ``ProcessGroup
 trainer's default group and the engines' own groups must not see it.
 
 Backends (``model_update.backend``): ``gloo`` (CPU tensors over TCP), ``nccl`` (CUDA), ``shm``
-(colocated, :mod:`flash.model_update_shm`: the trainer packs into one shared-memory segment that the
+(colocated, :mod:`flash.weights.shm`: the trainer packs into one shared-memory segment that the
 replicas map, so no byte crosses a socket), ``object_store`` (the skeleton's path, kept as the
 baseline), ``auto`` (``choose_backend``).
 """

@@ -23,7 +23,7 @@ from controllers.tail_policy import TailConfig
 from flash.errors import ConfigError
 from flash.models import TinyModelConfig
 from flash.placement import PlacementConfig
-from flash.sft import SFTConfig
+from flash.train.sft import SFTConfig
 
 
 @dataclass
@@ -51,7 +51,7 @@ class RolloutConfig:
     # before it is scored, so groups finish out of admission order.
     inject_delay_s: float = 0.0
     reward_workers: int = 4  # threads scoring finished responses as they arrive
-    # Engine faults (flash.faults): a dead engine actor is restarted by Ray up to this many times;
+    # Engine faults (flash.engine.client): a dead engine actor is restarted by Ray up to this many times;
     # one that answers no poll for hang_timeout_s is treated as dead (killed, then restarted).
     max_engine_restarts: int = 3
     hang_timeout_s: float = 120.0
@@ -120,7 +120,7 @@ class TrainConfig:
     # while the rest of the batch still decodes; one optimizer step when the batch is complete
     # (the same update as the plain synchronous step). Needs a group-local advantage estimator.
     stream: bool = False
-    # FSDP2 trainer group (flash.trainer_group): used when workers > 1 or any knob below is set.
+    # FSDP2 trainer group (flash.train.trainer_group): used when workers > 1 or any knob below is set.
     # trainer processes; parameters, gradients and AdamW state sharded over them. One rank per
     # placement.roles.actor_train worker: either count implies the other (imply_trainer_workers)
     workers: int = 1
@@ -131,7 +131,7 @@ class TrainConfig:
 
 @dataclass
 class CriticConfig:
-    # The critic role (flash.critic): started when algo.advantage.name is gae, which needs values.
+    # The critic role (flash.train.critic): started when algo.advantage.name is gae, which needs values.
     lr: float = 5e-4
     weight_decay: float = 0.0
     grad_clip: float = 1.0
@@ -164,7 +164,7 @@ class RayConfig:
 
 @dataclass
 class ModelUpdateConfig:
-    # How trainer weights reach the engines (flash.model_update). auto: shm when every role shares
+    # How trainer weights reach the engines (flash.weights.model_update). auto: shm when every role shares
     # one device (colocated, no copy across processes), nccl across GPUs, gloo across CPU hosts;
     # object_store: the whole state dict through Ray's object store (the skeleton's path).
     backend: str = "auto"  # auto | gloo | nccl | shm | object_store
@@ -175,7 +175,7 @@ class ModelUpdateConfig:
 
 @dataclass
 class TrackingConfig:
-    # where metrics go (flash.tracking): tensorboard, console, and the optional extras wandb and
+    # where metrics go (flash.app.tracking): tensorboard, console, and the optional extras wandb and
     # swanlab (`pip install 'flash-rl[wandb]'`); a missing package fails validation with that command
     backends: List[str] = field(default_factory=lambda: ["tensorboard", "console"])
     tensorboard: bool = True  # shorthand: false drops 'tensorboard' from backends
@@ -286,9 +286,9 @@ def load_config(recipe_path: str | Path, overrides: list[str] = ()) -> FlashConf
 
 
 def validate(cfg: FlashConfig) -> None:
-    """Value checks and plugin-knob checks (``flash.config_checks``); everything `flash validate`
+    """Value checks and plugin-knob checks (``flash.app.config_checks``); everything `flash validate`
     promises short of running."""
-    from flash.config_checks import validate as check
+    from flash.app.config_checks import validate as check
 
     check(cfg)
 

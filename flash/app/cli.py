@@ -21,7 +21,7 @@ from pathlib import Path
 from flash.errors import FlashError, RecipeNotFound
 
 # Before torch loads OpenMP: spinning waits collapse throughput on a shared or loaded machine
-# (see flash.workers.PERF_ENV); the SFT warm start runs in this process.
+# (see flash.cluster.PERF_ENV); the SFT warm start runs in this process.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import recipes as _recipes_pkg
@@ -42,7 +42,7 @@ def resolve_recipe(name: str) -> Path:
     known = recipe_paths()
     if name in known:
         return known[name]
-    from flash.config import closest
+    from flash.app.config import closest
 
     raise RecipeNotFound(f"no recipe named '{name}'{closest(name, list(known))}; "
                          f"known recipes: {', '.join(known) or 'none'} (see `flash ls`)")
@@ -59,7 +59,7 @@ def cmd_ls(_: argparse.Namespace) -> int:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    from flash.config import load_config
+    from flash.app.config import load_config
 
     path = resolve_recipe(args.recipe)
     cfg = load_config(path, args.overrides)
@@ -69,8 +69,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from flash.config import load_config
-    from flash.runner import run
+    from flash.app.config import load_config
+    from flash.app.runner import run
 
     path = resolve_recipe(args.recipe)
     cfg = load_config(path, args.overrides)
@@ -93,21 +93,21 @@ def cmd_losses(_: argparse.Namespace) -> int:
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
-    from flash.sweep import sweep
+    from flash.app.sweep import sweep
 
     points, _ = sweep(args.recipe, args.grid, out=args.out, tolerance=args.tolerance, parallel=args.parallel)
     return 0 if all(p.row.get("status") == "ok" for p in points) else 1
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
-    from flash.plot import main as plot_main
+    from flash.app.plot import main as plot_main
 
     plot_main(args.run_dirs, args.output, args.steps)
     return 0
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from flash.planner import DEFAULT_P, plan
+    from flash.app.plan import DEFAULT_P, plan
 
     runs = [a for a in args.args if "=" not in a]  # run dirs (repeats of one setting), then key=v1,v2
     if not runs:

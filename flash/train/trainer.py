@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 import algos
-from flash.batch import TrainBatch
+from flash.train.batch import TrainBatch
 
 
 @dataclass

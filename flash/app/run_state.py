@@ -1,6 +1,6 @@
 """The run's durable state as the runner sees it: what a checkpoint holds and how a resume restores it.
 
-Kept apart from ``flash.runner`` so the runner reads as its steps, and apart from
+Kept apart from ``flash.app.runner`` so the runner reads as its steps, and apart from
 ``flash.checkpoint`` (files, atomicity, the trainer's state) so neither knows the other's insides.
 
 Order of a restore (before the scheduler starts): trainer model/optimizer/RNG from the checkpoint
@@ -23,7 +23,7 @@ from flash.checkpoint import (
     log_offsets,
     snapshot_rollout,
 )
-from flash.fsdp import group_settings
+from flash.train.fsdp import group_settings
 
 
 def rollout_buffer(r: Any):
@@ -69,7 +69,7 @@ def restore(r: Any, ckpt: Path, state: dict) -> int:
     ray.get(r.engine.pause.remote("continue"))
     if r.model_update is not None:  # every replica, through the model-update group
         r.model_update.push(version)
-        weights = r.trainer.get_weights.remote  # a restarted engine fetches them (flash.faults)
+        weights = r.trainer.get_weights.remote  # a restarted engine fetches them (flash.engine.client)
     else:
         weights = r.trainer.get_weights.remote()
         ray.get(r.engine.update_weights.remote(weights, version))

@@ -5,8 +5,8 @@ actors → initial held-out evaluation → the controller's steps (progress bar,
 evaluation, checkpoints) → stop rollout (what is left unfinished goes to the ledger) → final
 evaluation → ``summary.json``.
 
-``resume=RUN_DIR`` (flash.resume): the same run dir, its newest valid checkpoint restored
-(flash.run_state) instead of the initial evaluation, and the steps continue from there.
+``resume=RUN_DIR`` (flash.app.resume): the same run dir, its newest valid checkpoint restored
+(flash.app.run_state) instead of the initial evaluation, and the steps continue from there.
 """
 
 from __future__ import annotations
@@ -28,25 +28,27 @@ from controllers.async_controller import AsyncController, ControllerSettings, pr
 from controllers.rollout_scheduler import PromptSource, RolloutScheduler
 from controllers.staleness import StalenessManager
 from controllers.tail_batching import TailBatchingScheduler
-from flash import resume as resume_mod
-from flash import run_state
+from flash.app import resume as resume_mod
+from flash.app import run_state
 from flash.checkpoint import Checkpointer, latest_valid, remove_partial
-from flash.config import FlashConfig, to_dict, to_yaml
+from flash.app.config import FlashConfig, to_dict, to_yaml
 from flash.engine.base import SamplingParams
 from flash.errors import FlashError
-from flash.faults import EngineSupervisor
+from flash.engine.client import EngineSupervisor
 from flash.guards import InputGuard, SkipGuard
 from flash.engine.router import start_router
 from flash.placement import Placement, plan_placement
-from flash.model_update_group import ModelUpdateGroup
-from flash.tracking import Progress, make_tracker
-from flash.critic import CriticSettings
-from flash.envs.runtime import build_episode_scheduler, check_episode_config
+from flash.weights.group import ModelUpdateGroup
+from flash.app.tracking import Progress, make_tracker
+from flash.train.critic import CriticSettings
+from controllers.episode_runtime import build_episode_scheduler, check_episode_config
 from flash.envs.task import EnvTask
-from flash.trainer import TrainerSettings
-from flash.fsdp import group_settings
-from flash.trainer_group import start_trainer_group
-from flash.workers import init_ray, quiet, start_critic, start_engine, start_trainer, wait_ready
+from flash.train.trainer import TrainerSettings
+from flash.train.fsdp import group_settings
+from flash.train.trainer_group import start_trainer_group
+from flash.cluster import init_ray, quiet, wait_ready
+from flash.engine.torch_worker import start_engine
+from flash.train.worker import start_critic, start_trainer
 
 
 def default_cache_dir(cfg: FlashConfig) -> str:
@@ -80,14 +82,14 @@ def resolve_threads(cfg: FlashConfig) -> tuple[int, int]:
 
 def prepare_model(cfg: FlashConfig, task) -> str:
     """The policy's initial checkpoint: ``model.path``; ``model.gguf`` converted once (flash.gguf);
-    else the tiny model warm-started on the task (flash.sft)."""
+    else the tiny model warm-started on the task (flash.train.sft)."""
     if cfg.model.path:
         return cfg.model.path
     if cfg.model.gguf:
         from flash.gguf import gguf_checkpoint
 
         return gguf_checkpoint(cfg.model.gguf, default_cache_dir(cfg))
-    from flash.sft import warm_start
+    from flash.train.sft import warm_start
 
     return warm_start(cfg.model.tiny, cfg.sft, task, default_cache_dir(cfg))
 
@@ -243,7 +245,7 @@ class Run:
         self.replicas = [start_engine(self.model_path, cfg.rollout.max_num_seqs, cfg.seed,
                                       max(1, engine_threads // n), engine=cfg.rollout.engine,
                                       options=self.placement.options("actor_infer", i), sleep_mode=colocated,
-                                      # Ray restarts a dead replica; flash.faults recovers its work
+                                      # Ray restarts a dead replica; flash.engine.client recovers its work
                                       max_restarts=cfg.rollout.max_engine_restarts)
                          for i in range(n)]
         self.engine = self.replicas[0] if n == 1 else start_router(self.replicas, cfg.rollout.prompt_affinity,
@@ -296,10 +298,10 @@ class Run:
     def _start_durability(self) -> None:
         """Engine fault recovery, checkpoints, and the restore of a resumed run.
 
-        The supervisor (flash.faults) handles the engine, or each replica behind the router,
+        The supervisor (flash.engine.client) handles the engine, or each replica behind the router,
         driven by the scheduler (single-turn requests or environment episodes: each resubmits what
         a restarted engine lost, ``requeue_lost``). Checkpoints cover every setup
-        (flash.run_state: either buffer transport, one trainer or an FSDP2 group, single-turn
+        (flash.app.run_state: either buffer transport, one trainer or an FSDP2 group, single-turn
         requests or environment episodes)."""
         cfg = self.cfg
         self.notes: list[str] = []
@@ -379,7 +381,7 @@ def run(cfg: FlashConfig, recipe_name: str = "run") -> dict:
         try:
             records = r.controller.run(cfg.train.steps, on_step=lambda rec: _on_step(r, rec, tracker, progress),
                                        start=start)
-        except RayActorError as exc:  # engine, reward and env faults are recovered (flash.faults, pools)
+        except RayActorError as exc:  # engine, reward and env faults are recovered (flash.engine.client, pools)
             raise TrainerDied(f"the {_dead_role(r, exc)} died ({exc.__class__.__name__}); the run stopped. "
                               f"Resume from its last checkpoint: flash run {recipe_name} resume={r.dir}") from exc
         r.checkpointer.wait()

@@ -220,7 +220,7 @@ def _timeline_panel(ax, runs: list[RunData], window: tuple[int, int] | None) -> 
 def plot_sweep(rows: list[tuple[str, dict]], out: str | Path, tolerance: float) -> dict[str, int]:
     """Seconds per step (bars, speedup on top) and final held-out accuracy (line) per setting.
 
-    ``rows`` are (label, results row) pairs from ``flash.sweep``; the band is the synchronous run's
+    ``rows`` are (label, results row) pairs from ``flash.app.sweep``; the band is the synchronous run's
     accuracy minus the tolerance, the line a setting must stay above to be recommended.
     """
     fig = Figure(figsize=(max(6, 1.4 * len(rows) + 3), 4.5), layout="constrained")

@@ -2,11 +2,11 @@
 
 Parts:
 - ``FSDPRank`` (one Ray actor per rank): joins the torch.distributed group, loads the model, shards
-  it (``flash.fsdp.ShardedTrainer``) and runs its share of each call.
+  it (``flash.train.fsdp.ShardedTrainer``) and runs its share of each call.
 - ``TrainerGroup`` (one Ray actor): the controller's handle. It answers ``logprobs``,
   ``train_step``, ``get_weights``, ``save`` and ``stats`` like ``TrainerWorker``, so the controller
   cannot tell a group from a single trainer; plus ``load`` and ``export_hf``. Per call it plans the
-  batch (``flash.microbatch.plan_batch``: rows to ranks, micro-batches under the token budget,
+  batch (``flash.train.microbatch.plan_batch``: rows to ranks, micro-batches under the token budget,
   equal counts), sends the batch once through the object store, starts every rank's share and adds
   the ranks' partial results up. It is also the model-update group's sender (``mu_*``, as
   ``UpdateSender``): every rank takes part in gathering the full state dict, rank 0 keeps it and is
@@ -31,13 +31,13 @@ from pathlib import Path
 import ray
 import torch
 
-from flash.batch import TrainBatch
-from flash.fsdp import COLLECTIVE_TIMEOUT_S, GroupSettings, ShardedTrainer, batch_to, free_port, pick_device
-from flash.fsdp_gather import FlatGather
-from flash.microbatch import MicroPlan, plan_batch
-from flash.model_update import ModelUpdateError, unique_tensors
-from flash.model_update_group import UpdateSender
-from flash.trainer import TrainerSettings
+from flash.train.batch import TrainBatch
+from flash.train.fsdp import COLLECTIVE_TIMEOUT_S, GroupSettings, ShardedTrainer, batch_to, free_port, pick_device
+from flash.weights.gather import FlatGather
+from flash.train.microbatch import MicroPlan, plan_batch
+from flash.weights.model_update import ModelUpdateError, unique_tensors
+from flash.weights.group import UpdateSender
+from flash.train.trainer import TrainerSettings
 from flash.usage import process_tree_cpu_s
 
 log = logging.getLogger("flash")
@@ -68,7 +68,7 @@ class FSDPRank(UpdateSender):
         self._snapshot: dict | None = None
         self._ties: list[tuple[str, ...]] = []  # names sharing one tensor in the unsharded model
         self._mu_full: dict[str, torch.Tensor] | None = None  # rank 0: the gathered weights to push
-        self._flat: FlatGather | None = None  # mu_gather's plan (flash.fsdp_gather), made at setup
+        self._flat: FlatGather | None = None  # mu_gather's plan (flash.weights.gather), made at setup
 
     def node(self) -> str:
         return ray.get_runtime_context().get_node_id()
@@ -84,7 +84,7 @@ class FSDPRank(UpdateSender):
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
 
-        from flash.workers import load_model
+        from flash.cluster import load_model
 
         dist.init_process_group(self.backend, init_method=f"tcp://{addr}:{port}", rank=self.rank,
                                 world_size=self.world, timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
@@ -109,7 +109,7 @@ class FSDPRank(UpdateSender):
     def mu_gather(self) -> None:
         """Collective: the full state dict on rank 0 (CPU), kept for its next ``mu_plan``/``mu_send``.
 
-        One flat gather per bucket (``flash.fsdp_gather``) rather than ``get_model_state_dict``'s
+        One flat gather per bucket (``flash.weights.gather``) rather than ``get_model_state_dict``'s
         collective per parameter; a layout it does not cover (``self._flat.reason``, decided at
         setup from metadata every rank shares, logged once) takes the per-parameter path, the one
         ``get_weights`` uses (``full_state_dict``). Tied
@@ -150,19 +150,19 @@ class FSDPRank(UpdateSender):
         return self.trainer.planned_finish(total)
 
     def full_state_dict(self):
-        from flash.fsdp_checkpoint import full_state_dict
+        from flash.train.fsdp_checkpoint import full_state_dict
 
         return full_state_dict(self.trainer.model)
 
     def save(self, path: str) -> None:
-        from flash.fsdp_checkpoint import save_dcp
+        from flash.train.fsdp_checkpoint import save_dcp
 
         save_dcp(self.trainer.model, self.trainer.optimizer, path)
 
     def load(self, path: str, steps: int) -> None:
         """Model and optimizer from a DCP folder (any world size wrote it), and this rank's RNG
         when the folder has one for it (a checkpoint written by ``checkpoint_write``)."""
-        from flash.fsdp_checkpoint import load_dcp
+        from flash.train.fsdp_checkpoint import load_dcp
 
         load_dcp(self.trainer.model, self.trainer.optimizer, path)
         self.trainer.steps = steps
@@ -171,14 +171,14 @@ class FSDPRank(UpdateSender):
             torch.set_rng_state(torch.load(rng, weights_only=True))
 
     def checkpoint_snapshot(self) -> None:
-        from flash.fsdp_checkpoint import snapshot_dcp
+        from flash.train.fsdp_checkpoint import snapshot_dcp
 
         self._snapshot = {"dcp": snapshot_dcp(self.trainer.model, self.trainer.optimizer),
                           "rng": torch.get_rng_state()}
 
     def checkpoint_write(self, path: str) -> None:
         from flash.checkpoint import save_trainer_state
-        from flash.fsdp_checkpoint import save_snapshot
+        from flash.train.fsdp_checkpoint import save_snapshot
 
         snapshot, self._snapshot = self._snapshot, None
         if snapshot is None:
@@ -187,7 +187,7 @@ class FSDPRank(UpdateSender):
         save_trainer_state(snapshot["rng"], path, name=f"rng-{self.rank}.pt")
 
     def export_hf(self, path: str):
-        from flash.fsdp_checkpoint import export_hf
+        from flash.train.fsdp_checkpoint import export_hf
 
         return export_hf(self.trainer.model, path, self.model_path)
 
@@ -398,7 +398,7 @@ class TrainerGroup:
         """Each rank's logical devices from the placement (empty lists: CPU only)."""
         return ray.get([r.devices.remote() for r in self.ranks])
 
-    # ---- the model-update group's sender (flash.model_update_group.UpdateSender's methods) ----
+    # ---- the model-update group's sender (flash.weights.group.UpdateSender's methods) ----
     # Rank 0 is the member: it opens the rendezvous, joins the group and sends. Planning a push first
     # gathers the full state dict (a collective over all ranks, so it takes the group's lock).
     def mu_where(self) -> dict[str, str]:
@@ -428,7 +428,7 @@ def start_trainer_group(model_path: str, settings: TrainerSettings, group: Group
                         threads: int, plugins: list[str], rank_options: list[dict] | None = None):
     """The group actor (``threads`` torch threads split over its ranks); ``rank_options`` are Ray
     actor options per rank (e.g. a placement group bundle), for device mapping."""
-    from flash.workers import plugin_paths
+    from flash.cluster import plugin_paths
 
     actor = ray.remote(TrainerGroup).options(num_cpus=0, max_concurrency=3)  # + a checkpoint write
     return actor.remote(model_path, settings, group, seed, threads, list(plugins), plugin_paths(plugins),

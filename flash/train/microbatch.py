@@ -16,7 +16,7 @@ Three decisions, each a small function with its own tests:
    micro-batch has two rows left to split, the rank runs a padding pass with loss weight 0
    (``None`` in the plan, counted as ``pad_micro_batches``).
 
-The weight of each micro-batch in the loss is *global* (``flash.trainer.micro_weight`` with the
+The weight of each micro-batch in the loss is *global* (``flash.train.trainer.micro_weight`` with the
 whole batch's token and row counts), so the per-rank sums of weighted micro-losses add up, over
 ranks, to exactly the single-process loss for every aggregation mode.
 """

@@ -4,7 +4,7 @@ The critic is the policy checkpoint's transformer body (``AutoModel``: no LM hea
 head initialised to zero, so its first values are 0 and GAE starts as plain reward-to-go. It runs
 as its own Ray actor (the ``critic`` role), so in the controller's step it scores the batch
 before the advantages and trains *beside* the policy's step (both only need the batch, the
-values and the returns). Values are aligned like logprobs (``flash.batch``): column ``j`` is the
+values and the returns). Values are aligned like logprobs (``flash.train.batch``): column ``j`` is the
 value of the state after tokens ``0..j``, i.e. before the target token ``j+1``.
 """
 
@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from algos.value import value_loss
-from flash.batch import TrainBatch
-from flash.trainer import micro_weight
+from flash.train.batch import TrainBatch
+from flash.train.trainer import micro_weight
 
 
 @dataclass(frozen=True)

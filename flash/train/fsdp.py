@@ -9,7 +9,7 @@ The algorithm is the single-process ``Trainer``'s, reused, not forked: the step 
 (``begin_step`` / accumulate / finish), the loss of a micro-batch (``Trainer._micro_loss`` →
 ``algos.policy_loss``), its weight (``part_weight``: masked tokens for token-mean, rows for the
 seq-mean modes) and the fused proximal policy with its mismatch tracking. What differs is only
-*which rows* a rank trains on (a plan from ``flash.microbatch``, made by the group) and the divisor
+*which rows* a rank trains on (a plan from ``flash.train.microbatch``, made by the group) and the divisor
 of the summed gradient: the *global* weight of the whole step (all ranks' tokens or rows), not the
 rank's. Gradients are reduced with SUM (FSDP's default is the mean over ranks, which would divide
 by N a second time), so the result is the full-batch gradient of the single-process trainer.
@@ -25,9 +25,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from flash.batch import TrainBatch
-from flash.microbatch import Plan
-from flash.trainer import Trainer, TrainerSettings, part_weight, token_logprobs
+from flash.train.batch import TrainBatch
+from flash.train.microbatch import Plan
+from flash.train.trainer import Trainer, TrainerSettings, part_weight, token_logprobs
 
 MIXED_PRECISION = {"fp32": None, "bf16": torch.bfloat16}
 COLLECTIVE_TIMEOUT_S = 600  # a dead peer fails the step after this, instead of hanging forever

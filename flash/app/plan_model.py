@@ -1,6 +1,6 @@
 """The planner's cost model (``flash plan``): small pure functions, each with its formula.
 
-A run's trace (``flash.planner.load_trace``) is reduced to a handful of fitted costs, measured at
+A run's trace (``flash.app.plan.load_trace``) is reduced to a handful of fitted costs, measured at
 the trace's own settings (threads per role, async ratio); this module predicts the seconds per
 train step of another setting from them. Notation (per train step, B prompts × n samples):
 
@@ -78,7 +78,7 @@ class Setting:
     """One candidate: what ``flash plan`` varies."""
 
     async_ratio: float = 0.0
-    engine_threads: int = 0  # 0: auto, as flash.runner.resolve_threads
+    engine_threads: int = 0  # 0: auto, as flash.app.runner.resolve_threads
     trainer_threads: int = 0
     replicas: int = 1
     tail: bool = False
@@ -118,7 +118,7 @@ def scale(seconds: float, t_from: float, t_to: float, p: float) -> float:
 
 
 def auto_threads(cores: int, async_ratio: float, engine: int = 0, trainer: int = 0) -> tuple[int, int]:
-    """The runner's thread rule (flash.runner.resolve_threads): all cores each when sync (phases
+    """The runner's thread rule (flash.app.runner.resolve_threads): all cores each when sync (phases
     alternate), halves when async; explicit values win."""
     if async_ratio == 0:
         e, t = cores, cores

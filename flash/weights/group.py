@@ -22,7 +22,7 @@ from typing import Any
 import ray
 import torch
 
-from flash.model_update import (
+from flash.weights.model_update import (
     BACKENDS,
     ModelUpdateError,
     TensorMeta,
@@ -39,7 +39,7 @@ from flash.model_update import (
     send,
     unique_tensors,
 )
-from flash.model_update_shm import ShmSender, read
+from flash.weights.shm import ShmSender, read
 
 
 def choose_backend(requested: str, where: list[dict[str, str]]) -> str:
@@ -224,7 +224,7 @@ class _Counted:
 
 
 class ModelUpdateGroup:
-    """The controller's handle on trainer → engines weight pushes (see ``flash.model_update``)."""
+    """The controller's handle on trainer → engines weight pushes (see ``flash.weights.model_update``)."""
 
     def __init__(self, trainer, engines: list, *, backend: str = "auto", bucket_mb: float = 64.0,
                  host: str = "127.0.0.1", timeout_s: float = 300.0):
@@ -257,7 +257,7 @@ class ModelUpdateGroup:
         return self.backend
 
     def reset(self) -> str:
-        """Form the group again under a new key, after a member actor was restarted (flash.faults:
+        """Form the group again under a new key, after a member actor was restarted (flash.engine.client:
         the new engine process is in no group); returns the backend."""
         self.close()
         self.group = f"flash-mu-{uuid.uuid4().hex[:8]}"

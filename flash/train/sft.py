@@ -43,7 +43,7 @@ from flash.models import (
     encode_prompt,
     encode_response,
 )
-from recipes.tasks.base import Task, TaskItem, task_fingerprint
+from flash.tasks import Task, TaskItem, task_fingerprint
 
 log = logging.getLogger(__name__)
 

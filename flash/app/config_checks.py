@@ -1,4 +1,4 @@
-"""Value checks of a loaded ``FlashConfig`` (``flash.config.validate``): the ranges, the plugin
+"""Value checks of a loaded ``FlashConfig`` (``flash.app.config.validate``): the ranges, the plugin
 knobs (loss, advantage, task, reward, filters) and the combinations that cannot run, each refused
 with a message that names the key and the fix. Kept apart from the schema so that ``config.py``
 stays the one place to read what a key is.
@@ -10,7 +10,7 @@ import math
 
 from controllers.filters import check_filter
 from controllers.tail_policy import TailConfig, check_tail
-from flash.config import (
+from flash.app.config import (
     FlashConfig,
     ModelConfig,
     ModelUpdateConfig,
@@ -68,7 +68,7 @@ def validate(cfg: FlashConfig) -> None:
     _check_stream(cfg)
     _check_reward(cfg)
     _check_placement(cfg)
-    from flash.tracking import check_backends
+    from flash.app.tracking import check_backends
 
     check_backends(list(cfg.tracking.backends))
     from flash.guards import check_consistency
@@ -108,7 +108,7 @@ def _check_stream(cfg: FlashConfig) -> None:
              "policy (exact at async_ratio 0); set algo.recompute_prox: auto")
 
 def _check_model_update(mu: ModelUpdateConfig) -> None:
-    from flash.model_update import BACKENDS
+    from flash.weights.model_update import BACKENDS
 
     _require(mu.backend in BACKENDS, f"model_update.backend '{mu.backend}' is not valid"
              f"{closest(mu.backend, list(BACKENDS))}; valid: {', '.join(BACKENDS)}")
@@ -209,7 +209,7 @@ def _check_task(section: dict, task_options) -> None:
 
 def _check_group(train: TrainConfig) -> None:
     """The FSDP2 group's knobs, checked by the group's own settings (one place says what is valid)."""
-    from flash.fsdp import group_settings
+    from flash.train.fsdp import group_settings
 
     try:
         group_settings(train)
