@@ -225,7 +225,7 @@ class AsyncController:
     def _update_weights(self, new_version: int) -> None:
         """suspend → push_weights → resume. With a supervisor (flash.engine.client) an engine fault anywhere
         in it restarts the engine and runs the whole cycle again; a restarted engine is given the
-        weights last pushed (``EngineSupervisor.pushed``)."""
+        weights last pushed (``EngineClient.pushed``)."""
         env_hold = getattr(self.scheduler, "suspend", None)  # episodes: environment steps are atomic
         weights = None
 
@@ -249,7 +249,7 @@ class AsyncController:
         def cycle_and_record():
             cycle()
             # with the model-update group nothing sits in the object store: a restarted engine
-            # fetches the trainer's weights then (flash.engine.client.EngineSupervisor.pushed)
+            # fetches the trainer's weights then (flash.engine.client.EngineClient.pushed)
             self.supervisor.pushed(weights if weights is not None else self.trainer.get_weights.remote,
                                    new_version)
 

@@ -115,7 +115,7 @@ class EpisodeScheduler(EnvWorkerFaults):
         self._pids: list[int] | None = None  # each worker's process as last seen
         self._threads = [threading.Thread(target=self._guard(f), daemon=True, name=f.__name__)
                          for f in (self._admit_loop, self._collect_loop)]
-        self.supervisor = None  # flash.engine.client.EngineSupervisor: engine faults recovered (requeue_lost)
+        self.supervisor = None  # flash.engine.client.EngineClient: engine faults recovered (requeue_lost)
 
     # ---- controller-facing API -------------------------------------------------------------
     def start(self) -> None:

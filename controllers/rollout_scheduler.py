@@ -82,7 +82,7 @@ class RolloutScheduler(Admission):
         # late_outputs: a finished response of a request already aborted (it raced the abort)
         self.counters = {"samples_generated": 0, "tokens_generated": 0, "reward_errors": 0,
                          "request_errors": 0, "late_outputs": 0, "reward_seconds": 0.0}
-        self.supervisor = None  # flash.engine.client.EngineSupervisor, when engine faults are handled
+        self.supervisor = None  # flash.engine.client.EngineClient, when engine faults are handled
         self._later_aborts: list[str] = []  # engine ids a subclass's _group_done decided to abort
         self._received: set[str] = set()  # request ids taken from the engine for pending prompts
         self._eval_reqs: dict[str, GenerationRequest] = {}  # evaluation requests not yet answered

@@ -34,7 +34,7 @@ from flash.checkpoint import Checkpointer, latest_valid, remove_partial
 from flash.app.config import FlashConfig, to_dict, to_yaml
 from flash.engine.base import SamplingParams
 from flash.errors import FlashError
-from flash.engine.client import EngineSupervisor
+from flash.engine.client import EngineClient
 from flash.guards import InputGuard, SkipGuard
 from flash.engine.router import start_router
 from flash.placement import Placement, plan_placement
@@ -305,7 +305,7 @@ class Run:
         requests or environment episodes)."""
         cfg = self.cfg
         self.notes: list[str] = []
-        self.supervisor = EngineSupervisor(self.engine, cfg.rollout.hang_timeout_s, cfg.rollout.max_engine_restarts,
+        self.supervisor = EngineClient(self.engine, cfg.rollout.hang_timeout_s, cfg.rollout.max_engine_restarts,
                                            replicas=self.replicas if len(self.replicas) > 1 else None)
         self.supervisor.requeue = self.scheduler.requeue_lost
         self.supervisor.on_event = lambda event: resume_mod.append_event(self.dir, **event)

@@ -1,6 +1,6 @@
 """Engine faults: a rollout engine that dies or hangs costs seconds, not the run.
 
-``EngineSupervisor`` stands between the driver's threads (scheduler collector and admission,
+``EngineClient`` stands between the driver's threads (scheduler collector and admission,
 controller) and the engine actor. Every engine call goes through it; a call that fails because the
 actor died (``RayActorError``: the process was killed, crashed, ran out of memory), because its
 generation thread died (``EngineLoopError``), or because it did not answer within
@@ -18,7 +18,7 @@ generation thread died (``EngineLoopError``), or because it did not answer withi
    requeue_lost``): same context, same seed, the environments untouched.
 
 With several replicas behind a router the same happens to the one replica that failed, while the
-others serve on (``EngineSupervisor`` below).
+others serve on (``EngineClient`` below).
 
 Callers that raced with the fault see the recovery's new ``epoch`` and retry their call (the
 controller retries its whole suspend → push → resume sequence); only one recovery runs per fault.
@@ -66,7 +66,7 @@ def is_engine_fault(exc: BaseException, engine_id: str | None = None) -> bool:
     return isinstance(exc, (GetTimeoutError, EngineLoopError, EngineFault))
 
 
-class EngineSupervisor:
+class EngineClient:
     """One engine, or several replicas behind a ``Router`` (``replicas`` and ``router`` given).
 
     With a router every fault names its replica (``ReplicaError``); recovery is per replica: it is

@@ -17,7 +17,7 @@ The scheduler and the controller talk to *an engine* (``submit``, ``get_finished
 
 A replica that dies surfaces as ``ReplicaError`` naming it (and whether it ``died``, ``hung`` or
 broke), on the next call that touches it; one whose poll stays unanswered for ``hang_timeout_s``
-past its own timeout is ``hung``. Recovery (``flash.engine.client.EngineSupervisor``) takes it out of
+past its own timeout is ``hung``. Recovery (``flash.engine.client.EngineClient``) takes it out of
 service (``replica_down``: no requests, polls or fan-outs reach it; the ids it held are returned to
 be resubmitted), restarts it, gives it the current weights, and brings it back (``replica_up``);
 the live replicas serve on meanwhile.
