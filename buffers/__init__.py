@@ -1,4 +1,9 @@
-"""Sample types and the SampleBuffer every role exchanges trajectories through."""
+"""Sample types and the SampleBuffer every role exchanges trajectories through: `types` (Sample,
+Group), `buffer` (the in-process SampleBuffer), `wire`/`rpc` (msgpack frames), `service`/`store`
+(the zmq buffer service), `producer`/`client` (its two ends), `factory` (transport by config).
+
+A leaf: imports nothing of the project; every layer above may import it.
+"""
 
 from buffers.buffer import BufferClosed, SampleBuffer
 from buffers.types import Group, Sample

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from flash.app.cli import main, recipe_paths
+from flash.app.cli import main
+from flash.app.recipe_files import recipe_paths
 from flash.app.config import load_config
 from flash.errors import ConfigError
 from flash.gguf import MissingModelPackage

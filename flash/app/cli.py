@@ -16,36 +16,14 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from pathlib import Path
 
-from flash.errors import FlashError, RecipeNotFound
+from flash.errors import FlashError
 
 # Before torch loads OpenMP: spinning waits collapse throughput on a shared or loaded machine
 # (see flash.cluster.PERF_ENV); the SFT warm start runs in this process.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import recipes as _recipes_pkg
-
-RECIPES_DIR = Path(_recipes_pkg.__file__).resolve().parent
-
-
-def recipe_paths() -> dict[str, Path]:
-    return {p.stem: p for p in sorted(RECIPES_DIR.glob("*.yaml"))}
-
-
-def resolve_recipe(name: str) -> Path:
-    path = Path(name)
-    if path.suffix in (".yaml", ".yml") or "/" in name:
-        if path.is_file():
-            return path
-        raise RecipeNotFound(f"recipe file '{name}' does not exist")
-    known = recipe_paths()
-    if name in known:
-        return known[name]
-    from flash.app.config import closest
-
-    raise RecipeNotFound(f"no recipe named '{name}'{closest(name, list(known))}; "
-                         f"known recipes: {', '.join(known) or 'none'} (see `flash ls`)")
+from flash.app.recipe_files import recipe_paths, resolve_recipe  # noqa: E402
 
 
 def cmd_ls(_: argparse.Namespace) -> int:

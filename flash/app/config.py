@@ -9,8 +9,7 @@ against the plugin's own knobs by its registry.
 
 from __future__ import annotations
 
-import difflib
-from dataclasses import dataclass, field, fields, is_dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
@@ -20,6 +19,7 @@ from omegaconf.errors import OmegaConfBaseException
 from buffers.factory import BufferConfig
 from controllers.filters import FilterConfig
 from controllers.tail_policy import TailConfig
+from flash.app.keys import check_keys
 from flash.errors import ConfigError
 from flash.models import TinyModelConfig
 from flash.placement import PlacementConfig
@@ -231,35 +231,6 @@ class FlashConfig:
     # continue a run from its newest valid checkpoint: a run dir, or 'latest' (newest run dir
     # of this recipe under runs/); step numbers, metrics and the ledger continue
     resume: Optional[str] = None
-
-
-def closest(name: str, valid: list[str]) -> str:
-    """`` (did you mean 'x'?)`` for the nearest valid name, or '' when nothing is near."""
-    match = difflib.get_close_matches(name, valid, n=1, cutoff=0.5)
-    return f" (did you mean '{match[0]}'?)" if match else ""
-
-
-def check_keys(user: Any, schema: type, prefix: str = "") -> None:
-    """Raise ConfigError for the first key in ``user`` that the dataclass ``schema`` lacks."""
-    if not isinstance(user, dict):
-        return
-    by_name = {f.name: f for f in fields(schema)}
-    for key, value in user.items():
-        path = f"{prefix}{key}"
-        if key not in by_name:
-            valid = sorted(by_name)
-            raise ConfigError(
-                f"unknown config key '{path}'{closest(str(key), valid)}; "
-                f"valid keys{' under ' + prefix.rstrip('.') if prefix else ''}: {', '.join(valid)}"
-            )
-        sub = _dataclass_type(by_name[key])
-        if sub is not None:
-            check_keys(value, sub, prefix=f"{path}.")
-
-
-def _dataclass_type(f: Any) -> Optional[type]:
-    default = f.default_factory() if callable(getattr(f, "default_factory", None)) else None
-    return type(default) if default is not None and is_dataclass(default) else None
 
 
 def load_config(recipe_path: str | Path, overrides: list[str] = ()) -> FlashConfig:

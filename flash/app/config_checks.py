@@ -7,20 +7,22 @@ stays the one place to read what a key is.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 from controllers.filters import check_filter
 from controllers.tail_policy import TailConfig, check_tail
-from flash.app.config import (
-    FlashConfig,
-    ModelConfig,
-    ModelUpdateConfig,
-    RewardConfig,
-    RolloutConfig,
-    TrainConfig,
-    check_keys,
-    closest,
-)
+from flash.app.keys import check_keys, closest
 from flash.errors import ConfigError
+
+if TYPE_CHECKING:  # annotations only: the schema imports this module's ``validate``
+    from flash.app.config import (
+        FlashConfig,
+        ModelConfig,
+        ModelUpdateConfig,
+        RewardConfig,
+        RolloutConfig,
+        TrainConfig,
+    )
 
 
 def _require(ok: bool, msg: str) -> None:

@@ -272,7 +272,7 @@ def _parse_value(key: str, raw: str, lengths: list[int]):
     try:
         value = parse(raw)
     except (ValueError, KeyError):
-        from flash.app.config import closest
+        from flash.app.keys import closest
 
         hint = closest(raw, list(SCHEDULERS)) if key == "rollout.scheduler" else ""
         raise ConfigError(f"invalid value '{raw}' for '{key}'{hint}") from None
@@ -287,7 +287,7 @@ def _parse_value(key: str, raw: str, lengths: list[int]):
 def parse_candidates(items: list[str], trace: Trace) -> list[tuple[dict[str, str], pm.Setting]]:
     """``key=v1,v2`` items → every combination as (the values as written, its Setting); keys not
     given keep the run's values. Unknown keys name the closest valid one."""
-    from flash.app.config import closest
+    from flash.app.keys import closest
     from flash.app.sweep import parse_grid
 
     fixed, swept = parse_grid(items)

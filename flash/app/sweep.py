@@ -274,7 +274,7 @@ def write_results(points: list[Point], out: Path, header: str, recommendation: s
 def sweep(recipe: str, items: list[str], out: str | None = None, tolerance: float = 0.02,
           parallel: int = 1, stream=None) -> tuple[list[Point], str]:
     """Run (or resume) the sweep, write results and plots; returns the points and recommendation."""
-    from flash.app.cli import resolve_recipe
+    from flash.app.recipe_files import resolve_recipe
     from flash.app.plot import load_run, plot_runs, plot_sweep
 
     path = resolve_recipe(recipe)

@@ -99,7 +99,7 @@ def _installed(package: str) -> bool:
 
 def check_backends(backends: list[str]) -> None:
     """Raise ConfigError for an unknown backend or an optional one whose package is missing."""
-    from flash.app.config import closest
+    from flash.app.keys import closest
 
     for name in backends:
         if name not in BACKENDS:

@@ -1,0 +1,10 @@
+"""Training: the policy trainer and the roles around it.
+
+- ``trainer`` (one process), ``trainer_group`` with ``fsdp`` and ``fsdp_checkpoint`` (an FSDP2
+  group of ranks), ``worker`` (the trainer as a Ray actor), ``critic`` (the value model for GAE);
+- ``batch`` (collation of groups into tensors) and ``microbatch`` (length-grouped micro-batches);
+- ``sft``: the cached supervised warm start a recipe may ask for.
+
+A component: imported by ``controllers`` and ``flash.app``; imports ``flash.weights``, the shared
+``flash`` modules and the leaves (``algos``, ``buffers``).
+"""

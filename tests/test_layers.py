@@ -1,0 +1,145 @@
+"""The package layers hold: every import in the project (function-local ones included, annotation
+-only ``TYPE_CHECKING`` blocks excepted) goes down the layers, and no two files or packages import
+each other, directly or round a loop.
+
+Layers, top to bottom: app (``flash.app``) → controllers → content (``recipes``) → components
+(the rest of ``flash``: engine, train, weights, rewards, envs, tasks, and the shared modules at
+``flash/``'s top) → leaves (``buffers``, ``algos``, which import nothing of each other either).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+TOP = ("flash", "controllers", "recipes", "buffers", "algos")
+
+
+def project_modules() -> dict[str, Path]:
+    """Dotted name -> file for every module of the project's packages."""
+    mods = {}
+    for top in TOP:
+        for path in sorted((ROOT / top).rglob("*.py")):
+            parts = list(path.relative_to(ROOT).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            mods[".".join(parts)] = path
+    return mods
+
+
+def _type_checking(node: ast.AST) -> bool:
+    test = getattr(node, "test", None)
+    return isinstance(node, ast.If) and (
+        (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING")
+        or (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"))
+
+
+def _imports(tree: ast.AST):
+    """Every Import / ImportFrom node outside ``if TYPE_CHECKING:`` blocks."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if _type_checking(node):
+            stack.extend(node.orelse)
+            continue
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+        stack.extend(ast.iter_child_nodes(node))
+
+
+def _package(module: str, is_pkg: bool) -> str:
+    return module if is_pkg else module.rpartition(".")[0] or module
+
+
+def import_edges(mods: dict[str, Path]) -> dict[str, set[str]]:
+    """module -> the project modules it imports (``from pkg import sub`` names the submodule)."""
+    edges: dict[str, set[str]] = {m: set() for m in mods}
+    for mod, path in mods.items():
+        here = _package(mod, path.name == "__init__.py")
+        for node in _imports(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            else:
+                base = node.module or ""
+                if node.level:
+                    up = here.split(".")[: len(here.split(".")) - (node.level - 1)]
+                    base = ".".join(up + ([base] if base else []))
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base for a in node.names]
+            edges[mod].update(t for t in targets if t in mods and t != mod)
+    return edges
+
+
+def layer(module: str) -> int:
+    if module == "flash.app" or module.startswith("flash.app."):
+        return 4
+    return {"controllers": 3, "recipes": 2, "flash": 1}.get(module.split(".")[0], 0)
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one node (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in edges.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                found.append(sorted(comp))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def package_edges(mods: dict[str, Path], edges: dict[str, set[str]]) -> dict[str, set[str]]:
+    """Package -> packages it imports (a module belongs to the package whose directory holds it)."""
+    pkg = {m: _package(m, p.name == "__init__.py") for m, p in mods.items()}
+    out: dict[str, set[str]] = {}
+    for m, targets in edges.items():
+        out.setdefault(pkg[m], set()).update(pkg[t] for t in targets if pkg[t] != pkg[m])
+    return out
+
+
+def test_imports_go_down_the_layers():
+    mods = project_modules()
+    bad = [f"{m} -> {t}" for m, ts in import_edges(mods).items() for t in sorted(ts)
+           if layer(t) > layer(m) or (layer(m) == layer(t) == 0 and t.split(".")[0] != m.split(".")[0])]
+    assert bad == [], "imports against the layer order:\n" + "\n".join(bad)
+
+
+def test_no_import_cycle_between_files():
+    assert cycles(import_edges(project_modules())) == []
+
+
+def test_no_import_cycle_between_packages():
+    mods = project_modules()
+    assert cycles(package_edges(mods, import_edges(mods))) == []
+
+
+def test_the_checks_can_fail():
+    """The walker sees a cycle, a function-local import, and an upward import when there is one."""
+    edges = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}
+    assert cycles(edges) == [["a", "b", "c"]]
+    tree = ast.parse("def f():\n    import controllers.x\nif TYPE_CHECKING:\n    import flash.app.y\n")
+    assert [a.name for n in _imports(tree) for a in n.names] == ["controllers.x"]
+    assert layer("flash.engine.client") < layer("controllers.scheduler") < layer("flash.app.runner")
