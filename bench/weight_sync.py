@@ -19,7 +19,7 @@ the shm segment freed, ``object_store`` (whose transient copies need ~2.6 GB) in
 - ``ours_gloo``: ``ModelUpdateGroup.push`` over gloo (disaggregated placement): plan, check,
   bucketed broadcast, in-place copy into each replica's live parameters, version after both acks.
 - ``ours_shm``: the same push over the colocated shared-memory path (``backend=shm``).
-- ``object_store``: the skeleton's path: ``get_weights`` (a cloned state dict) through Ray's object
+- ``object_store``: the baseline path: ``get_weights`` (a cloned state dict) through Ray's object
   store into each replica's ``update_weights``.
 
 After the timed runs, each method pushes once more after the trainer's weights were perturbed, and

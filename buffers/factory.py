@@ -1,6 +1,6 @@
 """The ``buffer`` config section and ``make_buffer``: the in-process SampleBuffer or the zmq service.
 
-``transport: local`` (default) is the skeleton's in-process buffer. ``transport: zmq`` starts a
+``transport: local`` (default) is the in-process buffer. ``transport: zmq`` starts a
 ``BufferService`` on ``bind`` in this process and returns a ``RemoteSampleBuffer`` on it, so the
 scheduler's puts and the controller's ``get_batch`` both cross the wire, exactly as producers on
 other hosts do; ``service.address`` is what those producers connect to (``make_producer`` builds

@@ -1,5 +1,5 @@
 """Policy losses against hand-computed values (forward and gradient), per aggregation mode, and
-the identities of issue 3.
+the identities between losses (e.g. decoupled PPO at prox = behav is PPO).
 
 The fixture: 2 samples x 3 tokens, mask [[1, 1, 0], [1, 1, 1]] (token (0, 2) is padding), built
 from three hand-picked ratio tables so every value below can be checked on paper:

@@ -143,7 +143,7 @@ RECIPE_LAYOUTS = {  # the README's 2 + 2 commands: train.workers=2 implies actor
 @pytest.mark.parametrize("layout", sorted(RECIPE_LAYOUTS))
 def test_default_recipe_learns_with_two_ranks_and_two_replicas(tmp_path, cache, layout):
     """The default recipe, unchanged but for 2 FSDP2 ranks and 2 engine replicas placed on simulated
-    GPUs: the skeleton's learning result (+20 points of held-out accuracy) holds in both layouts."""
+    GPUs: the single-process learning result (+20 points of held-out accuracy) holds in both layouts."""
     from flash.app.config import load_config
 
     ray.shutdown()

@@ -174,7 +174,7 @@ def test_predictions_from_the_sync_trace_against_measured_runs():
     """tests/data/planner: trimmed traces of the default recipe's synchronous runs and the measured
     seconds per step of every setting (async_ratio 0, 1, 2; tail batching off and on), recorded by
     `python -m bench.planner --repeats 3 --save-traces` on a quiet machine (the command and the
-    numbers are in BENCHMARKS.md, issue 8). Every setting is predicted from the synchronous traces
+    numbers are in BENCHMARKS.md). Every setting is predicted from the synchronous traces
     alone (three repeats, pooled) with the default parallel fraction: nothing is fitted on the
     settings it predicts. The bar (the issue's): each within 15% of its measured mean."""
     manifest = json.loads(MANIFEST.read_text())

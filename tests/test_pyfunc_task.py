@@ -93,7 +93,7 @@ def test_options_are_checked():
 
 
 def test_code_recipe_scores_with_the_adaptive_sandbox_timeout_by_default():
-    """Issue 8's reward scheduler: the adaptive timeout is on in the code recipe, and it is the
+    """The reward scheduler: the adaptive timeout is on in the code recipe, and it is the
     default of the ``code`` reward itself (a recipe that names only ``{name: code}`` gets it)."""
     from flash.app.config import load_config
     from flash.rewards import build_reward

@@ -2,7 +2,7 @@
 
 Slow (minutes each on 2 cores, the warm start included): each recipe runs unchanged but for the
 run directory and the warm-start cache. The bars sit well below the gains measured in
-BENCHMARKS.md (issue 6 section) and well above the noise of the held-out sets (128 items or
+BENCHMARKS.md and well above the noise of the held-out sets (128 items or
 seeds: a standard error of ~0.04 on a pass rate). Wall time is recorded there, not asserted.
 """
 

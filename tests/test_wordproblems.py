@@ -68,7 +68,7 @@ def test_bad_options_are_named():
 @pytest.mark.slow
 def test_math_recipe_learns(tmp_path):
     """The shipped recipe, unchanged but for the run dir and the cache: held-out accuracy (sampled,
-    math-verify) rises by >= 10 points; measured on 2 CPU cores: see BENCHMARKS.md (issue 6)."""
+    math-verify) rises by >= 10 points; measured on 2 CPU cores: see BENCHMARKS.md."""
     from flash.app.config import load_config
     from flash.app.runner import run
 

@@ -166,7 +166,7 @@ class RayConfig:
 class ModelUpdateConfig:
     # How trainer weights reach the engines (flash.weights.model_update). auto: shm when every role shares
     # one device (colocated, no copy across processes), nccl across GPUs, gloo across CPU hosts;
-    # object_store: the whole state dict through Ray's object store (the skeleton's path).
+    # object_store: the whole state dict through Ray's object store (the simplest path, the baseline).
     backend: str = "auto"  # auto | gloo | nccl | shm | object_store
     bucket_mb: float = 64.0  # bytes per broadcast; a larger tensor goes alone in its own bucket
     host: str = "127.0.0.1"  # the group's rendezvous address (the trainer's host)

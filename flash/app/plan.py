@@ -48,7 +48,7 @@ TAIL_DEFAULTS = {"threshold": "p90", "over_provision": 1.25}  # controllers/tail
 # Amdahl parallel fraction of both roles (flash.app.plan_model.amdahl) when no second run calibrates it:
 # 0.35 from the issue-2 sweep on a lightly loaded machine (train 0.48 s at 2 threads vs about
 # 0.58 s at 1); on a machine shared with other jobs it is lower, even negative (see
-# ``calibrate_p`` and BENCHMARKS.md, issue 8)
+# ``calibrate_p`` and BENCHMARKS.md, planner section)
 DEFAULT_P = {"engine": 0.35, "trainer": 0.35}
 P_GRID = [round(-0.9 + 0.01 * i, 2) for i in range(186)]  # -0.9 .. 0.95
 

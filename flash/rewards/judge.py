@@ -18,7 +18,7 @@ match of ``pattern`` (a regex, case-insensitive) in the decoded text; its first 
 in ``scores`` (lower-cased) or, with ``scores`` empty, read as a number and multiplied by ``scale``
 (e.g. ``pattern: "score: (\\d+)"``, ``scale: 0.1``).
 
-Failure is an outcome (issue 6): no verdict within ``timeout_s`` (the request is aborted), an
+Failure is an outcome: no verdict within ``timeout_s`` (the request is aborted), an
 engine error, or text that does not parse all score 0.0 with a named reason
 (``judge:timeout``, ``judge:error``, ``judge:unparseable``); the reward pool counts each as
 ``reward/failures/<reason>``, and ``metrics()`` adds the judge's own counters.

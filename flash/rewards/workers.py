@@ -3,11 +3,11 @@
 Why actors: a code reward spends seconds in sandboxes and a math reward in sympy; scoring must
 not share the driver's GIL with the scheduler's threads, and it scales by adding workers.
 
-Failure is an outcome, never a crash (issue 6): a reward function that raises scores 0.0 with
+Failure is an outcome, never a crash: a reward function that raises scores 0.0 with
 reason ``error:<ExcType>``; one that overruns ``timeout_s`` scores 0.0 with reason ``timeout``;
 Each reason is counted in ``metrics()`` as ``reward/failures/<reason>``; the run continues.
 
-A worker that dies (its process killed, out of memory) is a fault, not an outcome (issue 9): the
+A worker that dies (its process killed, out of memory) is a fault, not an outcome: the
 pool replaces it, and every call that was running on it is issued again on a live worker, so the
 response is scored once, for real, never 0 for a crash. Each death is counted in ``faults/reward``,
 logged once, and reported to ``on_event`` (``events.jsonl``: the seconds from the failed call to a

@@ -304,7 +304,7 @@ class ModelUpdateGroup:
                 "model_update/replicas": float(len(self.engines))}
 
     def _object_store(self, version: int) -> dict[str, float]:
-        """The skeleton's path: the state dict through Ray's object store to each replica."""
+        """The baseline path: the state dict through Ray's object store to each replica."""
         weights = self.trainer.get_weights.remote()
         acks = self._get([e.update_weights.remote(weights, version) for e in self.engines], "object store push")
         return {"model_update/bytes": float(acks[0] or 0.0), "model_update/buckets": 1.0,

@@ -1,6 +1,6 @@
 """Model-update group: the trainer's weights into every engine replica, in buckets.
 
-Why not Ray's object store (the skeleton's path): it pickles the whole state dict into shared
+Why not Ray's object store (the ``object_store`` backend): it pickles the whole state dict into shared
 memory, then every replica unpickles its own full copy before copying into its parameters -- two
 extra full copies per replica and a peak of 2x the model in each engine. Here the trainer (rank 0)
 and every replica (ranks 1..N) form their own torch.distributed process group and the weights go as
@@ -29,7 +29,7 @@ trainer's default group and the engines' own groups must not see it.
 
 Backends (``model_update.backend``): ``gloo`` (CPU tensors over TCP), ``nccl`` (CUDA), ``shm``
 (colocated, :mod:`flash.weights.shm`: the trainer packs into one shared-memory segment that the
-replicas map, so no byte crosses a socket), ``object_store`` (the skeleton's path, kept as the
+replicas map, so no byte crosses a socket), ``object_store`` (the simplest path, kept as the
 baseline), ``auto`` (``choose_backend``).
 """
 
