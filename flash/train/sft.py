@@ -77,6 +77,10 @@ class SFTConfig:
     eval_after: bool = True  # measure sampled held-out accuracy once trained (logged, saved)
     eval_temperature: float = 1.0
     eval_seed: int = 0
+    # torch threads of the warm start, whatever the calling process uses: float sums are reduced in
+    # a thread-count-dependent order, so the same configs on 1 or 64 threads give different models.
+    # Part of the cache key (``to_dict``), so a cached warm start is the one these configs make.
+    threads: int = 2
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -117,21 +121,30 @@ def _train_and_save(model_cfg: TinyModelConfig, sft_cfg: SFTConfig, task: Task, 
     tokenizer = build_tokenizer(DEFAULT_ALPHABET)
     model = build_tiny_model(tokenizer, model_cfg)
     start = time.perf_counter()
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(sft_cfg.seed)
-        final_loss = train_sft(model, tokenizer, task, sft_cfg)
-    meta = {"model": dataclasses.asdict(model_cfg), "sft": sft_cfg.to_dict(),
-            "task": task_fingerprint(task), "format": FORMAT_VERSION,
-            "final_loss": final_loss, "train_seconds": round(time.perf_counter() - start, 2)}
-    if sft_cfg.eval_after:
-        meta["eval_accuracy"] = sampled_accuracy(
-            model, tokenizer, task, task.eval_items(),
-            temperature=sft_cfg.eval_temperature, seed=sft_cfg.eval_seed)
+    caller_threads = torch.get_num_threads()
+    torch.set_num_threads(max(1, sft_cfg.threads))
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(sft_cfg.seed)
+            final_loss = train_sft(model, tokenizer, task, sft_cfg)
+        meta = _meta(model_cfg, sft_cfg, task, final_loss, time.perf_counter() - start)
+        if sft_cfg.eval_after:
+            meta["eval_accuracy"] = sampled_accuracy(
+                model, tokenizer, task, task.eval_items(),
+                temperature=sft_cfg.eval_temperature, seed=sft_cfg.eval_seed)
+    finally:
+        torch.set_num_threads(caller_threads)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     with open(os.path.join(out, META_FILE), "w") as f:
         json.dump(meta, f, indent=2, sort_keys=True)
     return meta
+
+
+def _meta(model_cfg: TinyModelConfig, sft_cfg: SFTConfig, task: Task, final_loss: float, seconds: float) -> dict:
+    return {"model": dataclasses.asdict(model_cfg), "sft": sft_cfg.to_dict(),
+            "task": task_fingerprint(task), "format": FORMAT_VERSION,
+            "final_loss": final_loss, "train_seconds": round(seconds, 2)}
 
 
 def sft_batch(tokenizer, pairs: list[tuple[str, str]]) -> dict[str, torch.Tensor]:
