@@ -133,7 +133,8 @@ def start_engine(model_path: str, max_num_seqs: int, seed: int, threads: int, en
                  options: dict | None = None, sleep_mode: bool = False, max_restarts: int = 0):
     """The engine actor: ``torch`` (embedded, ``EngineWorker``) or ``vllm`` (``VLLMEngineWorker``).
 
-    Both answer the same methods, so the controller and the scheduler never know which one runs.
+    Both satisfy the protocols of ``flash.engine.base``, so the controller and the scheduler never
+    know which one runs.
     ``options``: extra actor options, e.g. ``Placement.options`` (devices, placement group).
     ``sleep_mode``: the engine shares its devices and must be able to release memory (vLLM
     reserves its sleep allocator at start; the torch engine always can).

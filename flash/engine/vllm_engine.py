@@ -1,10 +1,11 @@
 """The vLLM rollout engine: vLLM's v1 ``AsyncLLM`` behind the same actor API as ``EngineWorker``.
 
-``VLLMEngineWorker`` satisfies the engine protocols of ``flash.engine.base`` (``Rollout``, ``Control``,
-``Ops``, ``Lifecycle``, and ``UpdateTarget`` for the model-update group), so
-``flash.engine.torch_worker.start_engine`` can return either engine. ``AsyncLLM`` is asyncio-native and runs its model in child processes (EngineCore and
-its worker); this class owns a private event loop in a thread and every public (thread-safe) call
-runs a coroutine on it, so all request state is touched by that one thread only.
+``VLLMEngineWorker`` satisfies the engine protocols of ``flash.engine.base`` (``Rollout``,
+``Control``, ``Ops``, ``Lifecycle``, and ``UpdateTarget`` for the model-update group), so
+``flash.engine.torch_worker.start_engine`` can return either engine. ``AsyncLLM`` is asyncio-native
+and runs its model in child processes (EngineCore and its worker); this class owns a private event
+loop in a thread and every public (thread-safe) call runs a coroutine on it, so all request state
+is touched by that one thread only.
 
 How the contract of ``flash.engine.base`` maps onto vLLM:
 - **Logprobs.** The engine runs with ``logprobs_mode="processed_logprobs"`` and asks for the
