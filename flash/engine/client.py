@@ -78,6 +78,10 @@ class EngineClient:
     resubmitted (``requeue(ids)``, spread by load over the replicas); the others serve on. Each
     replica has its own epoch; ``epoch`` (their sum) tells the controller to form the model-update
     group again after any restart.
+
+    Every engine call of a run goes through one (the runner builds it with the engines); the names
+    the schedulers and the controller use are ``submit``, ``poll``, ``call``, ``run`` and ``epoch``,
+    with the ``requeue`` and ``on_event`` hooks. ``passthrough`` is one that recovers nothing.
     """
 
     def __init__(self, engine, hang_timeout_s: float | None, max_restarts: int,
