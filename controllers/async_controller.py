@@ -32,6 +32,7 @@ import algos
 from buffers import Group, SampleBuffer
 from controllers.rollout_scheduler import RolloutScheduler
 from controllers.staleness import StalenessManager
+from flash.engine.client import EngineClient, EngineFault
 from flash.train.batch import collate, flatten
 from flash.usage import IdleMeter
 
@@ -66,7 +67,7 @@ class StepRecord:
 class AsyncController:
     def __init__(self, engine, trainer, scheduler: RolloutScheduler, buffer: SampleBuffer,
                  staleness: StalenessManager, settings: ControllerSettings, ledger=None, critic=None,
-                 model_update=None):
+                 model_update=None, supervisor: EngineClient | None = None):
         self.engine, self.trainer, self.critic = engine, trainer, critic
         self.scheduler, self.buffer, self.staleness = scheduler, buffer, staleness
         self.s = settings
@@ -83,10 +84,11 @@ class AsyncController:
         # flash.weights.group.ModelUpdateGroup (set up); None: the state dict through Ray's object store
         self.model_update = model_update
         self._update_metrics: dict[str, float] = {}
-        # Hooks (flash.app.runner): ``supervisor`` routes engine calls through flash.engine.client (restart on
-        # death/hang); ``on_update(version)`` runs after a weight push and before the new version
-        # admits prompts -- the quiet point where a checkpoint is taken.
-        self.supervisor = None
+        # Every engine call goes through the EngineClient (flash.engine.client): the runner's restarts
+        # a dead or hung engine; without one, a pass-through (a fault raises at once).
+        self.supervisor = supervisor if supervisor is not None else EngineClient.passthrough(engine)
+        # Hook (flash.app.runner): ``on_update(version)`` runs after a weight push and before the new
+        # version admits prompts -- the quiet point where a checkpoint is taken.
         self.on_update: Callable[[int], None] | None = None
         self._mu_epoch = 0  # supervisor epoch the model-update group was formed at
 
@@ -223,9 +225,9 @@ class AsyncController:
                 self.scheduler.check()
 
     def _update_weights(self, new_version: int) -> None:
-        """suspend → push_weights → resume. With a supervisor (flash.engine.client) an engine fault anywhere
-        in it restarts the engine and runs the whole cycle again; a restarted engine is given the
-        weights last pushed (``EngineClient.pushed``)."""
+        """suspend → push_weights → resume, through the EngineClient (flash.engine.client): an engine
+        fault anywhere in it restarts the engine (when restarts are allowed) and runs the whole cycle
+        again; a restarted engine is given the weights last pushed (``EngineClient.pushed``)."""
         env_hold = getattr(self.scheduler, "suspend", None)  # episodes: environment steps are atomic
         weights = None
 
@@ -253,31 +255,25 @@ class AsyncController:
             self.supervisor.pushed(weights if weights is not None else self.trainer.get_weights.remote,
                                    new_version)
 
-        if self.supervisor is None:
-            cycle()
-        else:  # exclusive: no replica recovery loads older weights in the middle of this push
-            # (behind a router the update goes on with the replicas in service meanwhile)
-            self.supervisor.run(cycle_and_record, exclusive=True)
+        # exclusive: no replica recovery loads older weights in the middle of this push
+        # (behind a router the update goes on with the replicas in service meanwhile)
+        self.supervisor.run(cycle_and_record, exclusive=True)
         self.version = new_version
 
     def _push_group(self, version: int) -> None:
         """``model_update.push``; after an engine restart the group is formed again first (the new
         engine process is in no group), and a push that fails on the engine side is an engine fault."""
         try:
-            if self.supervisor is not None and self.supervisor.epoch != self._mu_epoch:
+            if self.supervisor.epoch != self._mu_epoch:
                 epoch = self.supervisor.epoch
                 self.model_update.reset()
                 self._mu_epoch = epoch
             self._update_metrics = self.model_update.push(version)
         except Exception as exc:
             ray.get(self.trainer.stats.remote())  # the trainer gone: its RayActorError (the run stops)
-            if self.supervisor is None:
-                raise
             # the trainer is alive: the engine side failed (died, restarted meanwhile, not in the
             # group): an engine fault -- restart it, form the group again, run the cycle again;
             # after rollout.max_engine_restarts the run stops with this error
-            from flash.engine.client import EngineFault
-
             raise EngineFault(f"model-update push of version {version} failed: {exc}") from exc
         self._update_bytes = self._update_metrics["model_update/bytes"]
 
@@ -287,8 +283,6 @@ class AsyncController:
         return ray.get(getattr(self.engine, name).remote(*args))
 
     def _engine_get(self, name: str, *args):
-        if self.supervisor is None:
-            return ray.get(getattr(self.engine, name).remote(*args))
         return self.supervisor.call(name, *args)
 
     def _write_ledger(self, t: int, groups: list[Group]) -> None:

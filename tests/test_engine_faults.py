@@ -6,6 +6,9 @@ the restarted engine is frozen with SIGSTOP, so it answers nothing: the hang tim
 The run must finish, count both faults, and its ledger must still show every admitted prompt ending
 exactly once, every trained sample once. The same with two engine replicas behind the router, one
 of them SIGKILLed: only it is restarted, and the staleness bound still holds for every sample.
+
+First, without Ray: ``EngineClient`` with no restart allowed is a pass-through (a fault raises at
+once, naming the knob, and nothing is killed or restarted).
 """
 
 import collections
@@ -13,11 +16,75 @@ import json
 import os
 import signal
 import time
+from types import SimpleNamespace
 
 import pytest
 
+import flash.engine.client as engine_client
 from flash.checkpoint import latest_valid
+from flash.engine.client import EngineClient, EngineFailed
+from flash.engine.loop import EngineLoopError
+from flash.engine.router import ReplicaError
 from tests.test_resume_e2e import STEPS, B, N, finish, launch, read_jsonl, wait_for
+
+
+class FakeEngine:
+    """An engine handle whose every ``method.remote(...)`` answers the method's name, or raises."""
+
+    def __init__(self, error: BaseException | None = None):
+        self.error, self.calls = error, []
+
+    def __getattr__(self, name):
+        if name.startswith("_"):  # no actor id: not a Ray handle
+            raise AttributeError(name)
+
+        def remote(*args):
+            self.calls.append(name)
+            if self.error is not None:
+                raise self.error
+            return name
+        return SimpleNamespace(remote=remote)
+
+
+@pytest.fixture
+def no_ray(monkeypatch):
+    """``ray.get`` in-process (its timeouts recorded); no ``ray.kill``: killing would fail the test."""
+    timeouts = []
+    monkeypatch.setattr(engine_client, "ray", SimpleNamespace(
+        get=lambda x, timeout=None: timeouts.append(timeout) or x, ObjectRef=type(None)))
+    return timeouts
+
+
+def test_passthrough_calls_the_engine_with_no_hang_timeout(no_ray):
+    client = EngineClient.passthrough(FakeEngine())
+    assert (client.call("stats"), client.poll(0.2)) == ("stats", "get_finished")
+    client.submit([])
+    assert no_ray == [None, None, None] and client.faults == 0
+
+
+@pytest.mark.parametrize("use", ["call", "poll", "submit"])
+def test_passthrough_fault_raises_at_once_naming_the_knob(no_ray, use):
+    engine = FakeEngine(EngineLoopError("generation thread died"))
+    client = EngineClient.passthrough(engine)
+    with pytest.raises(EngineFailed, match=r"max_engine_restarts=0.*generation thread died") as info:
+        {"call": lambda: client.call("pause", "continue"), "poll": lambda: client.poll(0.2),
+         "submit": lambda: client.submit([])}[use]()
+    assert isinstance(info.value.__cause__, EngineLoopError)
+    assert len(engine.calls) == 1 and client.faults == 1 and client.epoch == 0  # no restart, no retry
+
+
+def test_passthrough_leaves_other_errors_alone(no_ray):
+    with pytest.raises(ValueError, match="bad mode"):
+        EngineClient.passthrough(FakeEngine(ValueError("bad mode"))).call("pause", "sideways")
+
+
+def test_router_replica_fault_without_restarts_raises_in_the_poll(no_ray):
+    """No background recovery to wait for: the collector's own poll raises."""
+    engine = FakeEngine(ReplicaError("engine replica 1 failed in get_finished", 1, "died"))
+    client = EngineClient(engine, hang_timeout_s=5.0, max_restarts=0, replicas=[FakeEngine(), FakeEngine()])
+    with pytest.raises(EngineFailed, match="rollout engine replica 1 died again after 0 restarts"):
+        client.poll(0.2)
+    assert client.faults == 1 and engine.calls == ["get_finished"]
 
 
 def events(run_dir, kind):

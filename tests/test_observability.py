@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 import controllers.async_controller as ac
+import flash.engine.client as engine_client
 from flash.app.config import load_config
 from flash.engine.loop import EngineLoop
 from flash.errors import ConfigError
@@ -89,7 +90,9 @@ def test_span_recorder_merges_close_spans_and_bounds_memory():
 
 def test_idle_ratios_per_role_on_a_controlled_case(monkeypatch):
     """Engine: 10 steps × 30 ms = 0.3 s busy; trainer: 0.25 s busy; window 0.75 s."""
-    monkeypatch.setattr(ac, "ray", SimpleNamespace(get=lambda refs, **_: refs))
+    in_process = SimpleNamespace(get=lambda refs, **_: refs)
+    monkeypatch.setattr(ac, "ray", in_process)
+    monkeypatch.setattr(engine_client, "ray", in_process)  # the controller's engine calls go through it
     loop = EngineLoop(SleepyEngine(0.03))
     trainer = SleepyTrainer()
     ctrl = ac.AsyncController(Handle(loop), Handle(trainer), None, None, None,

@@ -201,7 +201,7 @@ def test_sleep_and_wake_up_fan_out(replicas):
     ray.get(router.submit.remote(reqs))
     ray.get(router.pause.remote("continue"))
     freed = ray.get(router.sleep.remote())
-    assert [f["weights"] for f in freed] == ["kept", "kept"]  # CPU: only the KV cache goes
+    assert [f["weights"] for f in freed["replicas"]] == ["kept", "kept"]  # CPU: only the KV cache goes
     assert [s["asleep"] for s in ray.get([r.stats.remote() for r in replicas])] == [1.0, 1.0]
     with pytest.raises(ray.exceptions.RayTaskError, match="engine replica 0 failed in resume.*asleep"):
         ray.get(router.resume.remote())

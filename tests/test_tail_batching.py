@@ -97,12 +97,12 @@ class LengthEngine(ScriptedEngine):
 
     def __init__(self, length, per_token=0.01):
         super().__init__({})
-        self.length, self.per_token, self.version = length, per_token, 0
+        self.length, self.per_token, self._version = length, per_token, 0
         self.caps: dict[str, int] = {}
         self.submit_version: dict[str, int] = {}
 
     def set_version(self, v):
-        self.version = v
+        self._version = v
 
     def submit(self, requests):
         now = time.time()
@@ -112,7 +112,7 @@ class LengthEngine(ScriptedEngine):
                 self._due[r.request_id] = (now + n * self.per_token, r)
                 self.caps[r.request_id] = r.params.max_new_tokens
                 self.submitted.append(r)
-                self.submit_version[r.request_id] = self.version
+                self.submit_version[r.request_id] = self._version
             self._cv.notify_all()
         return len(requests)
 

@@ -43,7 +43,7 @@ def driver_state(r: Any, version: int) -> dict:
         "elapsed": time.monotonic() - r.train_start if r.train_start is not None else 0.0,
         "skips": {"total": r.skip_guard.total, "consecutive": r.skip_guard.consecutive},
         "data_skipped": dict(r.input_guard.counts),
-        "faults": {"engine": r.supervisor.faults if r.supervisor is not None else 0,
+        "faults": {"engine": r.supervisor.faults,
                    "reward": r.reward_pool.faults if getattr(r, "reward_pool", None) is not None else 0},
     })
     return state
@@ -74,8 +74,7 @@ def restore(r: Any, ckpt: Path, state: dict) -> int:
         weights = r.trainer.get_weights.remote()
         ray.get(r.engine.update_weights.remote(weights, version))
     ray.get(r.engine.resume.remote())
-    if r.supervisor is not None:
-        r.supervisor.pushed(weights, version)
+    r.supervisor.pushed(weights, version)
     r.controller.version = version
     groups = [group_from_dict(g) for g in state["buffer"]]
     rollout_buffer(r).restore(groups)
@@ -83,8 +82,7 @@ def restore(r: Any, ckpt: Path, state: dict) -> int:
     r.skip_guard.total = state["skips"]["total"]
     r.skip_guard.consecutive = state["skips"]["consecutive"]
     r.input_guard.counts.update(state["data_skipped"])
-    if r.supervisor is not None:
-        r.supervisor.faults = state["faults"]["engine"]
+    r.supervisor.faults = state["faults"]["engine"]
     if getattr(r, "reward_pool", None) is not None:  # faults/reward continues its curve
         r.reward_pool.faults = state["faults"].get("reward", 0)
     r.acc0 = state.get("eval_initial")

@@ -214,6 +214,7 @@ class Run:
         self.input_guard = InputGuard(max_prompt_tokens(cfg, self.model_path), strict=cfg.data.strict)
         self.skip_guard = SkipGuard(cfg.train.max_consecutive_skips)
         self.scheduler = self._make_scheduler()
+        self.scheduler.supervisor = self.supervisor
         self.controller = AsyncController(
             self.engine, self.trainer, self.scheduler, self.buffer, self.staleness,
             ControllerSettings(
@@ -222,7 +223,7 @@ class Run:
                 pad_id=self.tokenizer.pad_token_id or 0, stream=cfg.train.stream,
                 colocated=colocated,
             ),
-            ledger=self.ledger, critic=self.critic, model_update=self.model_update,
+            ledger=self.ledger, critic=self.critic, model_update=self.model_update, supervisor=self.supervisor,
         )
         self._start_durability()
         self._start_worker_faults()
@@ -250,6 +251,10 @@ class Run:
                          for i in range(n)]
         self.engine = self.replicas[0] if n == 1 else start_router(self.replicas, cfg.rollout.prompt_affinity,
                                                                    cfg.rollout.hang_timeout_s)
+        # every engine call of the run goes through it: restarts up to max_engine_restarts (0: a
+        # fault stops the run at once, naming the knob)
+        self.supervisor = EngineClient(self.engine, cfg.rollout.hang_timeout_s, cfg.rollout.max_engine_restarts,
+                                       replicas=self.replicas if n > 1 else None)
 
     def _start_trainer(self, settings, trainer_threads: int) -> None:
         """One trainer process, or an FSDP2 group when ``train.workers`` > 1 (or a group knob) is set:
@@ -298,18 +303,15 @@ class Run:
     def _start_durability(self) -> None:
         """Engine fault recovery, checkpoints, and the restore of a resumed run.
 
-        The supervisor (flash.engine.client) handles the engine, or each replica behind the router,
-        driven by the scheduler (single-turn requests or environment episodes: each resubmits what
-        a restarted engine lost, ``requeue_lost``). Checkpoints cover every setup
+        The supervisor (flash.engine.client, built with the engines) handles the engine, or each
+        replica behind the router, driven by the scheduler (single-turn requests or environment
+        episodes: each resubmits what a restarted engine lost, ``requeue_lost``). Checkpoints cover every setup
         (flash.app.run_state: either buffer transport, one trainer or an FSDP2 group, single-turn
         requests or environment episodes)."""
         cfg = self.cfg
         self.notes: list[str] = []
-        self.supervisor = EngineClient(self.engine, cfg.rollout.hang_timeout_s, cfg.rollout.max_engine_restarts,
-                                           replicas=self.replicas if len(self.replicas) > 1 else None)
         self.supervisor.requeue = self.scheduler.requeue_lost
         self.supervisor.on_event = lambda event: resume_mod.append_event(self.dir, **event)
-        self.scheduler.supervisor = self.controller.supervisor = self.supervisor
         self.checkpointer = Checkpointer(self.dir, cfg.checkpoint, self.trainer, cfg.train.steps)
         self.controller.on_update = lambda version: run_state.on_update(self, version)
         if self.state is not None:
@@ -431,8 +433,7 @@ def _on_step(r: Run, rec, tracker, progress) -> None:
     logged.update(r.skip_guard.update(step, rec.metrics.get("train/skipped", 0.0) > 0,
                                       rec.metrics.get("train/loss", 0.0), rec.metrics.get("train/grad_norm", 0.0)))
     logged.update({**r.input_guard.metrics(), **r.checkpointer.metrics()})
-    if r.supervisor is not None:
-        logged.update(r.supervisor.metrics())
+    logged.update(r.supervisor.metrics())
     if hasattr(r.scheduler, "fault_metrics"):  # environment worker deaths (faults/env)
         logged.update(r.scheduler.fault_metrics())
     tracker.log(logged, step)
@@ -464,7 +465,7 @@ def _summary(cfg, r: Run, records, acc0, acc1, train_s, left) -> dict:
         "prompts_unfinished": {k: len(v) for k, v in left.items()},
         "reward_errors": r.scheduler.counters["reward_errors"],
         "resumed_from_step": r.start_step if r.ckpt else None,
-        "faults_engine": r.supervisor.faults if r.supervisor is not None else 0,
+        "faults_engine": r.supervisor.faults,
         "faults_reward": r.reward_pool.faults if r.reward_pool is not None else 0,
         "faults_env": getattr(r.scheduler, "faults", 0),
         "train_skipped_nonfinite": r.skip_guard.total,

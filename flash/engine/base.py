@@ -1,4 +1,17 @@
-"""The rollout-engine contract every engine implements (torch now, vLLM next).
+"""The rollout-engine contract every engine implements: torch, vLLM, the router, test stand-ins.
+
+The contract is four small protocols, one per caller, so that an engine can be checked (and a new
+one written) against exactly what is called on it; every engine actor class satisfies all four:
+
+- ``Rollout`` -- the schedulers: ``submit``, ``get_finished``, ``abort``;
+- ``Control`` -- the controller's weight cycle and fault recovery: ``pause``, ``resume``,
+  ``update_weights``, ``version``;
+- ``Ops`` -- colocation and per-step metrics: ``sleep``, ``wake_up``, ``stats``, ``busy_spans``;
+- ``Lifecycle`` -- readiness and fault recovery: ``health``, ``pid``, ``shutdown``.
+
+``UpdateTarget`` holds the hooks through which an engine *replica* receives weights over the
+model-update group (``flash.weights.group.UpdateReceiver``); a router is no member of the group
+(the trainer sends to its replicas directly), so it satisfies the four, not this one.
 
 A request is one prompt to complete; sampling is seeded per request so that the tokens a request
 gets do not depend on which other requests share its batch. Every response token carries the
@@ -20,7 +33,9 @@ delivered like any other finished request, while the engine goes on serving the 
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
 
 INTERRUPT_MODES = ("continue", "restart", "wait")
 
@@ -83,3 +98,83 @@ def check_request(req: GenerationRequest, *, vocab_size: int, max_context: int) 
 def error_output(req: GenerationRequest, message: str) -> GenerationOutput:
     """The finished output of a refused request: no tokens, ``finish_reason="error"``."""
     return GenerationOutput(req.request_id, list(req.prompt_ids), [], [], [], "error", message)
+
+
+# ---- the contract ------------------------------------------------------------------------------
+@runtime_checkable
+class Rollout(Protocol):
+    """What the schedulers call (through ``EngineClient``): requests in, finished outputs out."""
+
+    def submit(self, requests: list[GenerationRequest]) -> int:
+        """Queue ``requests`` (a refused one finishes at once with ``finish_reason="error"``)."""
+
+    def get_finished(self, timeout: float) -> list[GenerationOutput]:
+        """Every finished output not yet taken; waits up to ``timeout`` s for the first one."""
+
+    def abort(self, request_ids: list[str] | None = None) -> list[GenerationOutput]:
+        """Stop these requests (None: all); their partial outputs come back here, not later."""
+
+
+@runtime_checkable
+class Control(Protocol):
+    """The controller's suspend → push → resume cycle, which a recovered engine replays too."""
+
+    def pause(self, mode: str) -> None:
+        """Stop generating under an interrupt mode (``INTERRUPT_MODES``)."""
+
+    def resume(self) -> None: ...
+
+    def update_weights(self, named_tensors: Any, version: int) -> float:
+        """Load weights in place while paused, as ``version``; returns the bytes received."""
+
+    def version(self) -> int: ...
+
+
+@runtime_checkable
+class Ops(Protocol):
+    """Colocation (memory released while a trainer shares the devices) and per-step metrics."""
+
+    def sleep(self, level: int = 1) -> dict:
+        """Release memory while paused; says what was released."""
+
+    def wake_up(self) -> dict: ...
+
+    def stats(self) -> dict[str, float]:
+        """Counters (``tokens_generated``, ``busy_s``, ``idle_s``, ``version``, ...) for metrics."""
+
+    def busy_spans(self) -> list[list[float]]:
+        """Wall-clock ``[start, end]`` spans busy since the previous call (the run's timeline)."""
+
+
+@runtime_checkable
+class Lifecycle(Protocol):
+    """What readiness checks, fault recovery and teardown call."""
+
+    def health(self) -> bool:
+        """True, or raises: the engine can no longer serve (dead thread, dead child process)."""
+
+    def pid(self) -> int:
+        """The actor's process id (fault-injection tests and benchmarks kill it)."""
+
+    def shutdown(self) -> None: ...
+
+
+@runtime_checkable
+class UpdateTarget(Protocol):
+    """The model-update group's receiver hooks (``flash.weights.group.UpdateReceiver``) an engine
+    replica defines: its parameter shapes, how it loads pushed tensors, and what it may share."""
+
+    def _mu_shapes(self) -> dict:
+        """``{name: shape}`` a push is checked against before any byte moves."""
+
+    def _mu_apply(self, items: Iterable, version: int) -> None:
+        """Load each ``(name, tensor)`` of ``items`` as it arrives; take ``version`` last."""
+
+    def _mu_ties(self) -> list:
+        """Groups of names sharing one storage in the live model (loaded once)."""
+
+    def _mu_targets(self) -> dict | None:
+        """Live tensors that pushed tensors may be received into directly; None: never."""
+
+
+ENGINE_PROTOCOLS = (Rollout, Control, Ops, Lifecycle)

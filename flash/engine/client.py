@@ -22,7 +22,10 @@ others serve on (``EngineClient`` below).
 
 Callers that raced with the fault see the recovery's new ``epoch`` and retry their call (the
 controller retries its whole suspend → push → resume sequence); only one recovery runs per fault.
-After ``max_engine_restarts`` recoveries the next fault raises ``EngineFailed`` naming the knob.
+After ``max_engine_restarts`` recoveries the next fault raises ``EngineFailed`` naming the knob, at
+once: nothing is killed or restarted first. So with ``max_restarts=0`` the client is a
+pass-through (the first fault stops the caller), and every caller talks to the engine through one
+even when faults are not recovered: there is no second, unsupervised path to keep in step.
 """
 
 from __future__ import annotations
@@ -75,9 +78,13 @@ class EngineClient:
     resubmitted (``requeue(ids)``, spread by load over the replicas); the others serve on. Each
     replica has its own epoch; ``epoch`` (their sum) tells the controller to form the model-update
     group again after any restart.
+
+    Every engine call of a run goes through one (the runner builds it with the engines); the names
+    the schedulers and the controller use are ``submit``, ``poll``, ``call``, ``run`` and ``epoch``,
+    with the ``requeue`` and ``on_event`` hooks. ``passthrough`` is one that recovers nothing.
     """
 
-    def __init__(self, engine, hang_timeout_s: float, max_restarts: int,
+    def __init__(self, engine, hang_timeout_s: float | None, max_restarts: int,
                  warn: Callable[[str], None] = log.warning, start_timeout_s: float = 300.0,
                  replicas: list | None = None):
         self.engine = engine  # the engine, or the Router in front of ``replicas``
@@ -102,6 +109,13 @@ class EngineClient:
         self._rec_lock = threading.Lock()
         self._weights = None  # object ref of the weights last pushed, and their version
         self._version = 0
+
+    @classmethod
+    def passthrough(cls, engine) -> EngineClient:
+        """No recovery and no hang timeout: each call is ``ray.get`` of the engine's method, and a
+        fault raises (``EngineFailed``, from the engine's error) -- for callers that run without
+        the runner's fault handling (unit tests, tools)."""
+        return cls(engine, hang_timeout_s=None, max_restarts=0)
 
     @property
     def epoch(self) -> int:
@@ -138,17 +152,17 @@ class EngineClient:
         goes on taking the live replicas' outputs meanwhile (counted in the fault's event as
         ``outputs_meanwhile``); a recovery that fails stops the run at the next poll."""
         if self.router is None:
-            return self.call("get_finished", timeout, timeout=timeout + self.hang_timeout_s)
+            return self.call("get_finished", timeout, timeout=self._within(timeout))
         if self._async_error is not None:
             raise self._async_error
         epochs = list(self.epochs)
         try:
-            outs = ray.get(self.engine.get_finished.remote(timeout), timeout=timeout + self.hang_timeout_s + 30.0)
+            outs = ray.get(self.engine.get_finished.remote(timeout), timeout=self._within(timeout + 30.0))
         except Exception as exc:
             if not is_engine_fault(exc, self.engine_id):
                 raise
             i = self._replica(exc)
-            if i < 0:
+            if i < 0 or self._exhausted():  # nothing to restart: raise here, not at the next poll
                 self.recover(epochs, exc)
             elif self._start_recovering(i):
                 threading.Thread(target=self._recover_in_background, args=(i, epochs, exc), daemon=True,
@@ -158,6 +172,14 @@ class EngineClient:
             for i in self._recovering:
                 self._recovering[i] += len(outs)
         return outs
+
+    def _within(self, seconds: float) -> float | None:
+        """The ``ray.get`` timeout of a call that should answer in ``seconds``: past it by the hang
+        timeout, the engine is hung (None: no hang timeout, wait as long as it takes)."""
+        return None if self.hang_timeout_s is None else seconds + self.hang_timeout_s
+
+    def _exhausted(self) -> bool:
+        return self.restarts >= self.max_restarts
 
     def _start_recovering(self, i: int) -> bool:
         with self._rec_lock:
@@ -181,7 +203,7 @@ class EngineClient:
         while True:
             epochs = list(self.epochs)
             try:
-                ray.get(self.engine.submit.remote(reqs), timeout=self.hang_timeout_s)
+                ray.get(self.engine.submit.remote(reqs), timeout=self._within(0.0))
                 return
             except Exception as exc:
                 if not is_engine_fault(exc, self.engine_id):
@@ -216,6 +238,8 @@ class EngineClient:
         if i < 0:
             return self._recover_unnamed(epochs, exc)
         kind = self._kind(exc)
+        if self._exhausted() and self.epochs[i] == epochs[i]:
+            self._give_up(i, kind, exc)  # no restart left: raise now, nothing killed first
         if kind == "hung" and self.epochs[i] == epochs[i]:
             # killed before taking the lock: a weight update holding it may be blocked on this replica
             self._hung.add(i)
@@ -230,14 +254,15 @@ class EngineClient:
         did not answer): done once another caller recovered a replica meanwhile (a dead replica's
         poll fails in the collector within seconds); else the replica that does not answer
         ``health`` is recovered; none within ``hang_timeout_s``: ``EngineFailed``."""
-        deadline = time.monotonic() + self.hang_timeout_s
+        hang = self.hang_timeout_s if self.hang_timeout_s is not None else self.start_timeout_s
+        deadline = time.monotonic() + hang
         while time.monotonic() < deadline:
             with self._lock:
                 if self.epochs != epochs:
                     return
                 for i, replica in enumerate(self.replicas):
                     try:
-                        ray.get(replica.health.remote(), timeout=min(10.0, self.hang_timeout_s))
+                        ray.get(replica.health.remote(), timeout=min(10.0, hang))
                     except (RayActorError, GetTimeoutError) as err:
                         return self.recover(epochs, ReplicaError(f"engine replica {i}: {err!r}", i, self._kind(err)))
             time.sleep(1.0)
@@ -250,16 +275,26 @@ class EngineClient:
             return "hung"
         return "died" if isinstance(exc, RayActorError) else "broken"
 
+    def _what(self, i: int) -> str:
+        return "rollout engine" if self.router is None else f"rollout engine replica {i}"
+
+    def _give_up(self, i: int, kind: str, exc: BaseException) -> None:
+        """Count the fault and raise ``EngineFailed`` naming the knob: no restart is left."""
+        with self._lock:
+            self.faults += 1
+            self.restarts += 1
+        raise EngineFailed(
+            f"{self._what(i)} {kind} again after {self.max_restarts} restarts "
+            f"(rollout.max_engine_restarts={self.max_restarts}); last error: {exc!r}. Raise "
+            f"rollout.max_engine_restarts, or look for what kills it (memory, a bad request)") from exc
+
     def _recover(self, i: int, kind: str, exc: BaseException) -> None:
+        if self._exhausted():  # the budget went to a recovery that raced with this one
+            self._give_up(i, kind, exc)
         start, wall = time.monotonic(), time.time()
         self.faults += 1
         self.restarts += 1
-        what = "rollout engine" if self.router is None else f"rollout engine replica {i}"
-        if self.restarts > self.max_restarts:
-            raise EngineFailed(
-                f"{what} {kind} again after {self.max_restarts} restarts "
-                f"(rollout.max_engine_restarts={self.max_restarts}); last error: {exc!r}. Raise "
-                f"rollout.max_engine_restarts, or look for what kills it (memory, a bad request)") from exc
+        what = self._what(i)
         if self.restarts == 1:
             self._warn(f"flash: {what} {kind} ({type(exc).__name__}); restarting it and requeueing its "
                        f"requests (faults counted in faults/engine, logged once)")

@@ -1,9 +1,8 @@
 """Several engine replicas behind one engine handle: load-based routing and prompt affinity.
 
-The scheduler and the controller talk to *an engine* (``submit``, ``get_finished``, ``pause``,
-``resume``, ``update_weights``, ``abort``, ``stats``, ``version``, ``health``, ``busy_spans``).
-``Router`` is a Ray actor with exactly those methods, so neither of them changes when
-``placement.roles.actor_infer.num_workers`` grows past one:
+The scheduler and the controller talk to *an engine* (the protocols of ``flash.engine.base``:
+``Rollout``, ``Control``, ``Ops``, ``Lifecycle``). ``Router`` is a Ray actor that satisfies them, so
+neither of them changes when ``placement.roles.actor_infer.num_workers`` grows past one:
 
 - ``submit`` sends each request to the replica with the least outstanding work
   (``LoadBalancer``); with ``prompt_affinity`` the requests of one prompt (its GRPO group) go to
@@ -25,6 +24,7 @@ the live replicas serve on meanwhile.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -290,12 +290,13 @@ class Router:
     def resume(self) -> None:
         self._all("resume")
 
-    def sleep(self, level: int = 1) -> list[dict]:
-        """Every replica releases its memory (``TorchEngine.sleep``); what each released, in order."""
-        return self._all("sleep", level)
+    def sleep(self, level: int = 1) -> dict:
+        """Every replica releases its memory (``TorchEngine.sleep``); what each released is under
+        ``replicas`` (in index order): one dict, as from a single engine (``Ops.sleep``)."""
+        return {"level": level, "replicas": self._all("sleep", level)}
 
-    def wake_up(self) -> list[dict]:
-        return self._all("wake_up")
+    def wake_up(self) -> dict:
+        return {"replicas": self._all("wake_up")}
 
     def update_weights(self, named_tensors, version: int) -> float:
         """Every replica loads the weights (one object-store copy, read by all); bytes summed."""
@@ -327,6 +328,10 @@ class Router:
 
     def busy_spans(self) -> list[list[float]]:
         return merge_spans([s for part in self._all("busy_spans") for s in part])
+
+    def pid(self) -> int:
+        """The router's own process id (``Lifecycle``; a replica's is asked of the replica)."""
+        return os.getpid()
 
     def shutdown(self) -> None:
         self._all("shutdown")

@@ -1,5 +1,5 @@
 """The torch rollout engine as a Ray actor (``EngineWorker``) and ``start_engine``, which starts
-it or the vLLM engine behind the same methods.
+it or the vLLM engine behind the same methods (the protocols of ``flash.engine.base``).
 
 The actor owns its torch thread count, so that a synchronous run lets every phase use all the
 cores (the phases alternate) while an asynchronous run splits them between roles that overlap.
@@ -16,6 +16,7 @@ import ray
 import torch
 
 from flash.cluster import load_model
+from flash.engine.base import GenerationOutput, GenerationRequest, check_request, error_output
 from flash.usage import process_tree_cpu_s
 from flash.weights.group import UpdateReceiver
 from flash.weights.model_update import unique_tensors
@@ -40,10 +41,8 @@ class EngineWorker(UpdateReceiver):
         self._refused: list = []  # outputs of requests check_request refused, not yet taken
         self._refused_lock = threading.Lock()  # submit and get_finished run on different threads
 
-    def submit(self, requests) -> int:
+    def submit(self, requests: list[GenerationRequest]) -> int:
         """Queue ``requests``; one that cannot be served finishes at once with an error output."""
-        from flash.engine.base import check_request, error_output
-
         ok = []
         for r in requests:
             why = check_request(r, vocab_size=self.vocab_size, max_context=self.max_context)
@@ -56,7 +55,7 @@ class EngineWorker(UpdateReceiver):
             self.loop.submit(ok)
         return len(requests)
 
-    def get_finished(self, timeout: float):
+    def get_finished(self, timeout: float) -> list[GenerationOutput]:
         with self._refused_lock:
             refused, self._refused = self._refused, []
         if refused:
@@ -69,14 +68,16 @@ class EngineWorker(UpdateReceiver):
     def resume(self) -> None:
         self.loop.resume()
 
-    def update_weights(self, named_tensors: dict, version: int) -> float:
+    def update_weights(self, named_tensors, version: int) -> float:
         """Load the pushed weights; returns the bytes received (the model-update size metric)."""
         self.loop.update_weights(named_tensors, version)
         tensors = named_tensors.values() if hasattr(named_tensors, "values") else (t for _, t in named_tensors)
         return float(sum(t.numel() * t.element_size() for t in tensors))
 
     def get_weights(self) -> dict:
-        """The weights this replica serves (CPU copies): what a check against the trainer compares."""
+        """The weights this replica serves (CPU copies): what a check against the trainer compares.
+        Outside the contract: vLLM's weights live in its child process, so only tests ask the torch
+        engine."""
         return {k: v.detach().cpu().clone() for k, v in self._model.state_dict().items()}
 
     def sleep(self, level: int = 1) -> dict:
@@ -100,7 +101,7 @@ class EngineWorker(UpdateReceiver):
         """Model-update group: copy each pushed tensor into the live model as it arrives."""
         self.loop.update_weights(items, version)
 
-    def abort(self, request_ids=None):
+    def abort(self, request_ids: list[str] | None = None) -> list[GenerationOutput]:
         return self.loop.abort(request_ids)
 
     def stats(self) -> dict:
@@ -132,7 +133,8 @@ def start_engine(model_path: str, max_num_seqs: int, seed: int, threads: int, en
                  options: dict | None = None, sleep_mode: bool = False, max_restarts: int = 0):
     """The engine actor: ``torch`` (embedded, ``EngineWorker``) or ``vllm`` (``VLLMEngineWorker``).
 
-    Both answer the same methods, so the controller and the scheduler never know which one runs.
+    Both satisfy the protocols of ``flash.engine.base``, so the controller and the scheduler never
+    know which one runs.
     ``options``: extra actor options, e.g. ``Placement.options`` (devices, placement group).
     ``sleep_mode``: the engine shares its devices and must be able to release memory (vLLM
     reserves its sleep allocator at start; the torch engine always can).

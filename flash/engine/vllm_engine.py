@@ -1,11 +1,11 @@
 """The vLLM rollout engine: vLLM's v1 ``AsyncLLM`` behind the same actor API as ``EngineWorker``.
 
-``VLLMEngineWorker`` has the methods the controller and the scheduler call on an engine actor
-(``submit``, ``get_finished``, ``pause``, ``resume``, ``update_weights``, ``abort``, ``stats``,
-``busy_spans``, ``version``, ``health``, ``shutdown``), so ``flash.engine.torch_worker.start_engine`` can return
-either engine. ``AsyncLLM`` is asyncio-native and runs its model in child processes (EngineCore and
-its worker); this class owns a private event loop in a thread and every public (thread-safe) call
-runs a coroutine on it, so all request state is touched by that one thread only.
+``VLLMEngineWorker`` satisfies the engine protocols of ``flash.engine.base`` (``Rollout``,
+``Control``, ``Ops``, ``Lifecycle``, and ``UpdateTarget`` for the model-update group), so
+``flash.engine.torch_worker.start_engine`` can return either engine. ``AsyncLLM`` is asyncio-native
+and runs its model in child processes (EngineCore and its worker); this class owns a private event
+loop in a thread and every public (thread-safe) call runs a coroutine on it, so all request state
+is touched by that one thread only.
 
 How the contract of ``flash.engine.base`` maps onto vLLM:
 - **Logprobs.** The engine runs with ``logprobs_mode="processed_logprobs"`` and asks for the
@@ -318,7 +318,7 @@ class VLLMEngineWorker(UpdateReceiver):
         self._call(self._submit(list(requests)))
         return len(requests)
 
-    def get_finished(self, timeout: float | None = None) -> list[GenerationOutput]:
+    def get_finished(self, timeout: float) -> list[GenerationOutput]:
         """All finished outputs not yet taken; blocks up to ``timeout`` s for one; [] on timeout."""
         with self._cv:
             self._cv.wait_for(lambda: self._finished or self._closed or self._errored(), timeout)
@@ -392,8 +392,6 @@ class VLLMEngineWorker(UpdateReceiver):
 
     def pid(self) -> int:
         """The actor's process id (fault-injection tests and benchmarks kill it)."""
-        import os
-
         return os.getpid()
 
     def health(self) -> bool:
