@@ -1,9 +1,11 @@
-"""A small registry of named functions with typed knobs, shared by losses and advantage estimators.
+"""The one registry type of every pluggable concept: losses, advantage estimators, rewards, tasks
+and environments are each a ``Registry`` of named entries with typed knobs.
 
-An entry is a pure function ``fn(inputs, *, knob=default, ...)``. Its keyword-only parameters are
-its **knobs**: their defaults and annotations are read from the signature, so listing, validating
-and calling all come from one place and a knob cannot be accepted by the config yet ignored by the
-code (DESIGN.md invariant 6).
+An entry is a function ``fn(inputs, *, knob=default, ...)`` -- its keyword-only parameters are its
+**knobs**, defaults and annotations read from the signature -- or a class whose ``Options``
+dataclass's fields are its knobs (tasks, environments). Listing, validating and calling all come
+from one place, so a knob cannot be accepted by the config yet ignored by the code (DESIGN.md
+invariant 6), and every unknown name gets the same closest-name error (``closest_error``).
 
 - Unknown names and knobs raise ``ValueError`` naming the closest valid key(s) (``difflib``) and
   listing every valid one.
@@ -11,13 +13,15 @@ code (DESIGN.md invariant 6).
   ``Optional[...]``, ``Literal[...]``); anything else is accepted as is. An entry may add a
   ``check(knobs)`` callable for range checks; it receives every knob, defaults filled in.
 - Plugins: ``load_plugins(["my.module"])`` imports modules whose decorators register entries; the
-  registry's entry-point group (``flash.losses`` / ``flash.advantages``) is loaded lazily on the
-  first lookup. An entry point may name a module (its decorators register) or a plain function
+  registry's entry-point group (``flash.losses`` / ``flash.advantages``) and its ``builtins``
+  (module names, imported by name so that the registry never imports its content) are loaded
+  lazily on the first lookup. An entry point may name a module (its decorators register) or a plain function
   (registered under the entry point's name).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import importlib
 import importlib.metadata
@@ -30,12 +34,24 @@ from typing import Any, Callable, Iterable, Literal
 _MISSING = object()
 
 
-def closest_error(kind: str, given: str, valid: Iterable[str]) -> ValueError:
-    """``ValueError`` for an unknown ``given`` of ``kind``: the closest valid ones, then all."""
+def closest_names(given: str, valid: Iterable[str], n: int = 3) -> list[str]:
+    """The valid names nearest ``given`` (at most ``n``, nearest first): the one matcher behind
+    every "did you mean" in flash."""
+    return difflib.get_close_matches(str(given), sorted(valid), n=n, cutoff=0.5)
+
+
+def did_you_mean(given: str, valid: Iterable[str], n: int = 3) -> str:
+    """``"; did you mean 'x'?"`` (up to ``n`` names, nearest first), or '' when nothing is near."""
+    close = closest_names(given, valid, n)
+    return f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+
+
+def closest_error(kind: str, given: str, valid: Iterable[str], where: str = "") -> ValueError:
+    """``ValueError`` for an unknown ``given`` of ``kind`` (``where``: e.g. " for loss 'ppo'"): the
+    closest valid ones, then all. The one wording of every "unknown name" error in flash."""
     valid = sorted(valid)
-    close = difflib.get_close_matches(str(given), valid, n=3, cutoff=0.5)
-    hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
-    return ValueError(f"unknown {kind} {given!r}{hint} (valid: {', '.join(valid) or 'none'})")
+    return ValueError(f"unknown {kind} {given!r}{where}{did_you_mean(given, valid)} "
+                      f"(valid: {', '.join(valid) or 'none'})")
 
 
 def _type_ok(value: Any, hint: Any) -> tuple[bool, tuple]:
@@ -78,10 +94,14 @@ class Entry:
     hints: dict[str, Any] = field(default_factory=dict)
     check: Callable[[dict], None] | None = None
     aliases: tuple[str, ...] = ()
+    meta: dict[str, Any] = field(default_factory=dict)
 
 
 def _knobs_of(fn: Callable) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Keyword-only parameters of ``fn``: {name: default} and {name: resolved annotation}."""
+    """Keyword-only parameters of ``fn``: {name: default} and {name: resolved annotation}; for a
+    class, the fields of its ``Options`` dataclass (their types are the dataclass's to check)."""
+    if inspect.isclass(fn):
+        return _option_knobs(fn), {}
     params = inspect.signature(fn).parameters.values()
     knobs, raw_hints = {}, {}
     for p in params:
@@ -98,29 +118,45 @@ def _knobs_of(fn: Callable) -> tuple[dict[str, Any], dict[str, Any]]:
     return knobs, {k: resolved.get(k, inspect.Parameter.empty) for k in knobs}
 
 
+def _option_knobs(cls: type) -> dict[str, Any]:
+    """{field: default} of ``cls.Options`` (``_MISSING`` for a field without one); {} without it."""
+    options = getattr(cls, "Options", None)
+    if not dataclasses.is_dataclass(options):
+        return {}
+    return {f.name: (f.default if f.default is not dataclasses.MISSING else
+                     f.default_factory() if f.default_factory is not dataclasses.MISSING else _MISSING)
+            for f in dataclasses.fields(options)}
+
+
 class Registry:
-    """Named functions of one kind (``"loss"``, ``"advantage estimator"``), with their knobs.
+    """Named entries of one kind (``"loss"``, ``"task"``, ``"reward"``, ...), with their knobs.
 
     ``reserved`` are knob names the caller adds to every entry (e.g. the KL and entropy add-ons);
-    an entry may not declare one of them itself.
+    an entry may not declare one of them itself. ``builtins`` are modules (by name) whose
+    decorators register the built-in entries, imported on the first lookup.
     """
 
-    def __init__(self, kind: str, entry_point_group: str, reserved: Iterable[str] = ()):
+    def __init__(self, kind: str, entry_point_group: str | None = None, reserved: Iterable[str] = (),
+                 builtins: Iterable[str] = ()):
         self.kind = kind
         self.group = entry_point_group
         self.reserved = frozenset(reserved)
+        self.builtins = tuple(builtins)
         self._entries: dict[str, Entry] = {}
         self._aliases: dict[str, str] = {}
         self._entry_points_loaded = False
 
     # -- registration -----------------------------------------------------------------------
     def register(self, name: str, description: str | None = None, *,
-                 check: Callable[[dict], None] | None = None, aliases: Iterable[str] = ()):
-        """Decorator: register ``fn`` under ``name`` (and ``aliases``); returns ``fn`` unchanged."""
+                 check: Callable[[dict], None] | None = None, aliases: Iterable[str] = (),
+                 knobs: dict[str, Any] | None = None, meta: dict[str, Any] | None = None):
+        """Decorator: register ``fn`` (a function or a class) under ``name`` (and ``aliases``);
+        returns it unchanged. ``knobs`` ({name: default}) replaces reading them from ``fn``;
+        ``meta`` is kept on the entry for its registry's own use (e.g. a reward's ``builder``)."""
 
         def deco(fn: Callable) -> Callable:
-            knobs, hints = _knobs_of(fn)
-            clash = self.reserved & knobs.keys()
+            own, hints = ({**knobs}, {}) if knobs is not None else _knobs_of(fn)
+            clash = self.reserved & own.keys()
             if clash:
                 raise ValueError(f"{self.kind} {name!r}: knob(s) {sorted(clash)} are reserved for "
                                  f"the add-ons every {self.kind} takes; rename them")
@@ -131,7 +167,7 @@ class Registry:
                                      f"{old.fn.__module__}.{old.fn.__qualname__}")
             doc = (inspect.getdoc(fn) or "").strip().splitlines()
             desc = description or (doc[0] if doc else "")
-            self._entries[name] = Entry(name, fn, desc, knobs, hints, check, tuple(aliases))
+            self._entries[name] = Entry(name, fn, desc, own, hints, check, tuple(aliases), dict(meta or {}))
             for alias in aliases:
                 self._aliases[alias] = name
             return fn
@@ -156,6 +192,18 @@ class Registry:
             raise closest_error(self.kind, name, [*self._entries, *self._aliases])
         return entry
 
+    def __contains__(self, name: str) -> bool:
+        self._load_entry_points()
+        return self._aliases.get(name, name) in self._entries
+
+    def check_knobs(self, name: str, given: Iterable[str], what: str = "knob") -> Entry:
+        """The entry of ``name``; an unknown key of ``given`` raises the closest-name error."""
+        entry = self.get(name)
+        for key in given:
+            if key not in entry.knobs:
+                raise closest_error(what, key, entry.knobs, where=f" for {self.kind} {entry.name!r}")
+        return entry
+
     def resolve(self, name: str, knobs: dict[str, Any], extra: dict[str, Any] | None = None,
                 extra_hints: dict[str, Any] | None = None) -> tuple[Entry, dict[str, Any]]:
         """Check ``knobs`` against ``name``'s knobs plus ``extra`` ({knob: default}) and return
@@ -165,7 +213,7 @@ class Registry:
         hints = {**entry.hints, **(extra_hints or {})}
         for key, value in knobs.items():
             if key not in defaults:
-                raise closest_error(f"knob for {self.kind} {entry.name!r}:", key, defaults)
+                raise closest_error("knob", key, defaults, where=f" for {self.kind} {entry.name!r}")
             ok, choices = _type_ok(value, hints.get(key, inspect.Parameter.empty))
             if not ok:
                 if choices and isinstance(value, str):
@@ -188,7 +236,9 @@ class Registry:
         if self._entry_points_loaded:
             return
         self._entry_points_loaded = True  # set first: a plugin's import may look names up
-        for ep in importlib.metadata.entry_points(group=self.group):
+        for module in self.builtins:
+            importlib.import_module(module)
+        for ep in importlib.metadata.entry_points(group=self.group) if self.group else ():
             try:
                 obj = ep.load()
             except Exception as exc:

@@ -37,7 +37,7 @@ class BufferConfig:
     linger_ms: float = 1.0  # zmq producer: a batch not yet full is sent after this wait (0 = at once)
 
     def __post_init__(self) -> None:
-        if self.transport not in TRANSPORTS:
+        if self.transport not in TRANSPORTS:  # a leaf: its own matcher, not algos.registry's
             near = difflib.get_close_matches(self.transport, TRANSPORTS, n=1, cutoff=0.5)
             hint = f" (did you mean '{near[0]}'?)" if near else ""
             raise ValueError(f"buffer.transport must be one of: local, zmq (got '{self.transport}'){hint}")

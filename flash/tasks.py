@@ -18,11 +18,13 @@ anything runs.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import hashlib
+import inspect
 import random
 from dataclasses import dataclass, field
 from typing import Callable, ClassVar, Literal
+
+from algos.registry import Registry
 
 Split = Literal["train", "eval"]
 SPLITS: tuple[str, ...] = ("train", "eval")
@@ -86,57 +88,36 @@ class Task:
         raise NotImplementedError
 
 
-_REGISTRY: dict[str, type[Task]] = {}
+# The built-in tasks (``recipes.tasks``, the content layer) register on the first lookup, imported
+# by name: the contract never imports its instances.
+TASKS = Registry("task", builtins=("recipes.tasks",))
 
 
 def register_task(name: str) -> Callable[[type[Task]], type[Task]]:
     """Class decorator: ``@register_task("chainsum")`` makes the task available to ``make_task``."""
 
     def wrap(cls: type[Task]) -> type[Task]:
-        if name in _REGISTRY and _REGISTRY[name] is not cls:
-            raise ValueError(f"task {name!r} is already registered by {_REGISTRY[name].__name__}")
         if not dataclasses.is_dataclass(cls.Options):
             raise TypeError(f"{cls.__name__}.Options must be a dataclass")
+        TASKS.register(name, (inspect.getdoc(cls) or "").split("\n")[0])(cls)
         cls.name = name
-        _REGISTRY[name] = cls
         return cls
 
     return wrap
 
 
 def registered_tasks() -> list[str]:
-    return sorted(_REGISTRY)
-
-
-def _lookup(name: str) -> type[Task]:
-    if name not in _REGISTRY:
-        close = difflib.get_close_matches(name, _REGISTRY, n=1)
-        hint = f"; did you mean {close[0]!r}?" if close else ""
-        raise ValueError(f"unknown task {name!r}{hint} (registered: {registered_tasks()})")
-    return _REGISTRY[name]
+    return TASKS.names()
 
 
 def task_options(name: str) -> type:
     """The options dataclass of task ``name`` (for config validation)."""
-    return _lookup(name).Options
-
-
-def check_options(options_cls: type, given: dict) -> None:
-    """Raise ValueError for the first key of ``given`` that ``options_cls`` has no field for,
-    naming the closest valid field."""
-    valid = [f.name for f in dataclasses.fields(options_cls)]
-    for key in given:
-        if key not in valid:
-            close = difflib.get_close_matches(key, valid, n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise ValueError(f"unknown option {key!r} for {options_cls.__name__}{hint} "
-                             f"(valid: {valid})")
+    return TASKS.get(name).fn.Options
 
 
 def make_task(name: str, **options) -> Task:
-    """Build task ``name`` with ``options`` (unknown option names raise ValueError)."""
-    cls = _lookup(name)
-    check_options(cls.Options, options)
+    """Build task ``name`` with ``options`` (an unknown option raises the closest-name error)."""
+    cls = TASKS.check_knobs(name, options, what="option").fn
     return cls(cls.Options(**options))
 
 

@@ -47,7 +47,7 @@ def test_register_env_rejects_incomplete_or_duplicate_classes():
 
     with pytest.raises(TypeError, match=r"lacks \['step'\]"):
         register_env("nostep")(NoStep)
-    with pytest.raises(ValueError, match="already registered by Corridor"):
+    with pytest.raises(ValueError, match="already registered by flash.envs.corridor.Corridor"):
         register_env("corridor")(type("Other", (Corridor,), {}))
 
 

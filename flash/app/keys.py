@@ -5,16 +5,16 @@ the value checks (``flash.app.config_checks``) use it without importing each oth
 
 from __future__ import annotations
 
-import difflib
 from dataclasses import fields, is_dataclass
 from typing import Any, Optional
 
+from algos.registry import closest_names
 from flash.errors import ConfigError
 
 
 def closest(name: str, valid: list[str]) -> str:
     """`` (did you mean 'x'?)`` for the nearest valid name, or '' when nothing is near."""
-    match = difflib.get_close_matches(name, valid, n=1, cutoff=0.5)
+    match = closest_names(name, valid, n=1)
     return f" (did you mean '{match[0]}'?)" if match else ""
 
 

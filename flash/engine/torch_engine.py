@@ -25,7 +25,6 @@ Not threaded: ``flash.engine.loop.EngineLoop`` drives ``step`` from a background
 
 from __future__ import annotations
 
-import difflib
 import hashlib
 from collections import deque
 from collections.abc import Iterable, Mapping
@@ -33,6 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from algos.registry import did_you_mean
 from flash.engine import kv_cache
 from flash.engine.base import INTERRUPT_MODES, GenerationOutput, GenerationRequest
 from flash.engine.kv_cache import KVBatch
@@ -313,8 +313,7 @@ class TorchEngine:
         state = self.model.state_dict()
         for name, tensor in items:
             if name not in state:
-                near = difflib.get_close_matches(name, list(state), n=1)
-                raise KeyError(f"unknown parameter {name!r}" + (f"; did you mean {near[0]!r}?" if near else ""))
+                raise KeyError(f"unknown parameter {name!r}{did_you_mean(name, state, n=1)}")
             if tuple(self._shapes[name]) != tuple(tensor.shape):
                 raise ValueError(f"{name}: shape {tuple(tensor.shape)} != model's {tuple(self._shapes[name])}")
             state[name].copy_(tensor)

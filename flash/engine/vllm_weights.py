@@ -7,9 +7,10 @@ the checks are pure functions of the checkpoint's shapes, testable without vLLM.
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Mapping
 from pathlib import Path
+
+from algos.registry import did_you_mean
 
 
 class WeightSync:
@@ -67,8 +68,7 @@ def weights_blob(named_tensors, shapes: Mapping, tied: set[str] | frozenset[str]
         if name in tied:
             continue
         if name not in shapes:
-            near = difflib.get_close_matches(name, list(shapes), n=1)
-            raise KeyError(f"unknown parameter {name!r}" + (f"; did you mean {near[0]!r}?" if near else ""))
+            raise KeyError(f"unknown parameter {name!r}{did_you_mean(name, shapes, n=1)}")
         if tuple(tensor.shape) != shapes[name]:
             raise ValueError(f"{name}: shape {tuple(tensor.shape)} != model's {shapes[name]}")
         tensors[name] = tensor.detach().to("cpu").contiguous().clone()  # owned: no shared storage

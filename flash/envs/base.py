@@ -23,9 +23,11 @@ action strings) and ``action_tokens`` (the longest action in tokens of the chara
 from __future__ import annotations
 
 import dataclasses
-import difflib
+import inspect
 from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol, runtime_checkable
+
+from algos.registry import Registry
 
 
 class StepResult(NamedTuple):
@@ -47,7 +49,9 @@ class Env(Protocol):
     def step(self, action: str) -> StepResult: ...
 
 
-_REGISTRY: dict[str, type] = {}
+# The built-in environments register when their modules are imported (``flash.envs`` imports
+# them); named here too so that a lookup through this module alone finds them.
+ENVS = Registry("environment", builtins=("flash.envs.corridor", "flash.envs.gym"))
 
 
 def register_env(name: str) -> Callable[[type], type]:
@@ -59,9 +63,7 @@ def register_env(name: str) -> Callable[[type], type]:
             raise TypeError(f"environment {cls.__name__} lacks {missing} (see flash.envs.base.Env)")
         if not dataclasses.is_dataclass(getattr(cls, "Options", None)):
             raise TypeError(f"{cls.__name__}.Options must be a dataclass of its knobs")
-        if name in _REGISTRY and _REGISTRY[name] is not cls:
-            raise ValueError(f"environment {name!r} is already registered by {_REGISTRY[name].__name__}")
-        _REGISTRY[name] = cls
+        ENVS.register(name, (inspect.getdoc(cls) or "").split("\n")[0])(cls)
         cls.env_name = name
         return cls
 
@@ -69,31 +71,17 @@ def register_env(name: str) -> Callable[[type], type]:
 
 
 def registered_envs() -> list[str]:
-    return sorted(_REGISTRY)
-
-
-def _lookup(name: str) -> type:
-    if name not in _REGISTRY:
-        close = difflib.get_close_matches(name, list(_REGISTRY), n=1)
-        hint = f"; did you mean {close[0]!r}?" if close else ""
-        raise ValueError(f"unknown environment {name!r}{hint} (registered: {registered_envs()})")
-    return _REGISTRY[name]
+    return ENVS.names()
 
 
 def env_options(name: str) -> type:
     """The options dataclass of environment ``name``."""
-    return _lookup(name).Options
+    return ENVS.get(name).fn.Options
 
 
 def make_env(name: str, **options: Any) -> Env:
-    """Build environment ``name``; an unknown option raises ValueError naming the closest one."""
-    cls = _lookup(name)
-    valid = [f.name for f in dataclasses.fields(cls.Options)]
-    for key in options:
-        if key not in valid:
-            close = difflib.get_close_matches(key, valid, n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise ValueError(f"unknown option {key!r} for environment {name!r}{hint} (valid: {valid})")
+    """Build environment ``name``; an unknown option raises the closest-name error."""
+    cls = ENVS.check_knobs(name, options, what="option").fn
     return cls(cls.Options(**options))
 
 

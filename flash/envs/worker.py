@@ -30,7 +30,7 @@ class EnvLost(KeyError):
 
 class EnvWorker:
     def __init__(self, task_name: str, task_options: dict, step_delay_s: float = 0.0):
-        from recipes.tasks import make_task
+        from flash.tasks import make_task
 
         self.task = make_task(task_name, **task_options)
         self.step_delay_s = step_delay_s

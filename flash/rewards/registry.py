@@ -17,61 +17,54 @@ closest registered one, a bad import path says what failed, an unknown knob name
 
 from __future__ import annotations
 
-import difflib
 import functools
 import importlib
 import inspect
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
+from algos.registry import Entry, Registry, closest_error, did_you_mean
 from flash.errors import ConfigError
 
 Scorer = Callable[[Any, str], Any]
 
-
-@dataclass(frozen=True)
-class _Entry:
-    fn: Callable
-    builder: bool
+# The built-ins register on first lookup, imported by name: they import this module, not it them.
+REWARDS = Registry("reward", builtins=("flash.rewards.builtin", "flash.rewards.judge"))
+IMPORT_HINT = "or name your own function as 'package.module:function'"
 
 
-_REGISTRY: dict[str, _Entry] = {}
+def _knob_defaults(fn: Callable, builder: bool) -> dict[str, Any]:
+    """A reward's knobs: its parameters after ``(item, response)`` -- all of them for a builder."""
+    params = list(inspect.signature(fn).parameters.values())
+    if not builder:
+        params = params[2:]
+    return {p.name: (None if p.default is p.empty else p.default) for p in params
+            if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}
 
 
 def register_reward(name: str, builder: bool = False) -> Callable[[Callable], Callable]:
     """Decorator: ``@register_reward("exact")`` makes ``fn`` available as ``reward.name: exact``."""
 
     def wrap(fn: Callable) -> Callable:
-        if name in _REGISTRY and _REGISTRY[name].fn is not fn:
-            raise ValueError(f"reward {name!r} is already registered by {_REGISTRY[name].fn!r}")
-        _REGISTRY[name] = _Entry(fn, builder)
-        return fn
+        return REWARDS.register(name, knobs=_knob_defaults(fn, builder), meta={"builder": builder})(fn)
 
     return wrap
 
 
 def registered_rewards() -> list[str]:
-    _load_builtins()
-    return sorted(_REGISTRY)
+    return REWARDS.names()
 
 
-def _load_builtins() -> None:
-    from flash.rewards import builtin  # noqa: F401  (registers math and code)
-    from flash.rewards import judge  # noqa: F401  (registers judge)
-
-
-def _lookup(name: str) -> _Entry:
+def _lookup(name: str) -> Entry:
+    """The entry of a registered reward, or of a user's ``package.module:function``."""
     if ":" in name:
-        return _Entry(_import_path(name), builder=False)
-    _load_builtins()
-    if name not in _REGISTRY:
-        close = difflib.get_close_matches(name, list(_REGISTRY), n=1)
-        hint = f"; did you mean {close[0]!r}?" if close else ""
-        raise ValueError(f"unknown reward {name!r}{hint} (registered: {registered_rewards()}; "
-                         "or name your own function as 'package.module:function')")
-    return _REGISTRY[name]
+        fn = _import_path(name)
+        return Entry(name, fn, "", _knob_defaults(fn, False), meta={"builder": False})
+    try:
+        return REWARDS.get(name)
+    except ValueError as exc:  # the registry's closest-name error, plus the import-path way
+        raise ValueError(f"{str(exc)[:-1]}; {IMPORT_HINT})") from None
 
 
 def _import_path(path: str) -> Callable:
@@ -85,17 +78,9 @@ def _import_path(path: str) -> Callable:
     fn = getattr(module, attr, None)
     if not callable(fn):
         public = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
-        close = difflib.get_close_matches(attr, public, n=1)
-        hint = f"; did you mean {close[0]!r}?" if close else ""
-        raise ValueError(f"reward {path!r}: module {module_name!r} has no function {attr!r}{hint}")
+        raise ValueError(f"reward {path!r}: module {module_name!r} has no function {attr!r}"
+                         f"{did_you_mean(attr, public, n=1)}")
     return fn
-
-
-def _knob_names(entry: _Entry) -> list[str]:
-    params = list(inspect.signature(entry.fn).parameters.values())
-    if not entry.builder:
-        params = params[2:]  # (item, response, ...)
-    return [p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)]
 
 
 def validate_reward(section: dict) -> None:
@@ -106,12 +91,9 @@ def validate_reward(section: dict) -> None:
         raise ValueError("reward.name is required: one of "
                          f"{registered_rewards()} or 'package.module:function'")
     entry = _lookup(name)
-    valid = _knob_names(entry)
     for key in knobs:
-        if key not in valid:
-            close = difflib.get_close_matches(key, valid, n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise ValueError(f"unknown knob {key!r} for reward {name!r}{hint} (valid: {valid})")
+        if key not in entry.knobs:
+            raise closest_error("knob", key, entry.knobs, where=f" for reward {name!r}")
 
 
 def build_reward(section: dict) -> Scorer:
@@ -119,7 +101,7 @@ def build_reward(section: dict) -> Scorer:
     validate_reward(section)
     knobs = dict(section)
     entry = _lookup(knobs.pop("name"))
-    if entry.builder:
+    if entry.meta.get("builder"):
         return entry.fn(**knobs)
     return functools.partial(entry.fn, **knobs) if knobs else entry.fn
 

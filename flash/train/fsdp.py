@@ -17,7 +17,6 @@ by N a second time), so the result is the full-batch gradient of the single-proc
 
 from __future__ import annotations
 
-import difflib
 import socket
 import time
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from algos.registry import did_you_mean
 from flash.train.batch import TrainBatch
 from flash.train.microbatch import Plan
 from flash.train.trainer import Trainer, TrainerSettings, part_weight, token_logprobs
@@ -48,9 +48,8 @@ class GroupSettings:
         if self.micro_tokens < 0:
             raise ValueError(f"train.micro_tokens must be >= 0 (0 = no token budget), got {self.micro_tokens}")
         if self.mixed_precision not in MIXED_PRECISION:
-            near = difflib.get_close_matches(str(self.mixed_precision), list(MIXED_PRECISION), n=1, cutoff=0.5)
             raise ValueError(f"train.mixed_precision must be one of {', '.join(MIXED_PRECISION)}, "
-                             f"got '{self.mixed_precision}'" + (f" (did you mean '{near[0]}'?)" if near else ""))
+                             f"got '{self.mixed_precision}'{did_you_mean(self.mixed_precision, MIXED_PRECISION, n=1)}")
 
 
 def group_settings(train) -> GroupSettings | None:

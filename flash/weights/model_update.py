@@ -42,6 +42,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from algos.registry import did_you_mean
 from flash.errors import FlashError
 
 ALIGN = 64  # byte alignment of every tensor in a bucket: views of any dtype stay aligned
@@ -199,17 +200,13 @@ def check_plan(metas: list[TensorMeta], shapes: Mapping[str, tuple[int, ...]]) -
 
     Dtypes may differ (the copy casts, e.g. an fp32 trainer into a bf16 engine); shapes may not.
     """
-    import difflib
-
     sent = set()
     for m in metas:
         for name in m.names:
             sent.add(name)
             if name not in shapes:
-                near = difflib.get_close_matches(name, list(shapes), n=1)
-                raise ModelUpdateError(f"the engine has no parameter {name!r}"
-                                       + (f" (did you mean {near[0]!r}?)" if near else "")
-                                       + "; trainer and engine must load the same architecture")
+                raise ModelUpdateError(f"the engine has no parameter {name!r}{did_you_mean(name, shapes, n=1)} "
+                                       "(trainer and engine must load the same architecture)")
             if tuple(shapes[name]) != m.shape:
                 raise ModelUpdateError(f"{name}: trainer shape {m.shape} != engine shape {tuple(shapes[name])}")
     missing = sorted(set(shapes) - sent)
