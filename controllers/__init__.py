@@ -1,0 +1,15 @@
+"""Control: the asynchronous training cycle and the rollout scheduler it drives.
+
+- ``async_controller``: ``AsyncController``, the suspend → weight update → resume cycle around
+  ``get_batch`` (staleness rule), proximal logprobs, advantages and the train step;
+- ``scheduler`` (with ``admission``): ``RolloutCore``, the one scheduler core -- admission under
+  the staleness bound (``staleness``, ``provisioning``: spares), threads, versions, redundancy,
+  filters (``filters``), the per-sample ``lifecycle`` and ledger, checkpoint state, requeue after
+  engine faults, evaluation -- for every workflow (``workflows``: single-turn, episode);
+  ``RolloutScheduler`` is the core running single-turn requests;
+- ``tail_batching`` (rules in ``tail_policy``): RollPacker's tail batching as a round and
+  admission policy on the core; ``episode_runtime``: the core running environment episodes;
+
+Imported by the app (``flash.app``); imports components (engine, train, weights, rewards, envs,
+tasks) and leaves (``buffers``, ``algos``), never ``flash.app``.
+"""

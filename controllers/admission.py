@@ -1,15 +1,15 @@
-"""Admission half of the rollout scheduler: which prompts start, when, and how they restart.
+"""Admission half of the scheduler core: which prompts start, when, and how they restart.
 
-``Admission`` is the base of ``controllers.rollout_scheduler.RolloutScheduler``; it holds the
-*admission* thread and what belongs with it: whenever ``Provisioning`` allows (the staleness bound,
-counting trainable groups only, plus ``max_additional_prompts`` spares), it takes the next prompt
-from the task's stream and submits its ``n + redundancy`` samples as independent requests (prompt
-replication: each its own request id and seed, so engines or a router may spread them freely);
-at a new policy version it lets more prompts in and ends older spares; a checkpoint's state
-(the prompts in flight, the admission accounting) is saved and restored here, and after an engine
-restart the lost requests are resubmitted. Collection and scoring (what happens once a response
-finishes) are in the subclass. The state both halves share (``_lock``, ``_pending``, the
-lifecycle, ``Provisioning``) is set up by ``RolloutScheduler.__init__``.
+``Admission`` is the base of ``controllers.scheduler.RolloutCore``; it holds the *admission*
+thread and what belongs with it: whenever ``Provisioning`` allows (the staleness bound, counting
+trainable groups only, plus ``max_additional_prompts`` spares), it takes the next prompt from the
+task's stream and launches its ``n + redundancy`` units through the workflow (prompt replication:
+each its own id and seed, so engines or a router may spread them freely); at a new policy version
+it lets more prompts in and ends older spares; a checkpoint's state (the prompts in flight, the
+admission accounting) is saved and restored here, and after an engine restart the lost units are
+asked again. Collection and scoring (what happens once a unit finishes) are in the core. The
+state both halves share (``_lock``, ``_pending``, the lifecycle, ``Provisioning``) is set up by
+``RolloutCore.__init__``.
 
 Request seeds depend only on (run seed, prompt id, request index), never on timing.
 """
@@ -20,14 +20,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import ray
-
 from buffers import Group, Sample
-from flash.engine.base import GenerationRequest, SamplingParams
-
-
-def request_seed(run_seed: int, prompt_id: int, sample_index: int) -> int:
-    return (run_seed * 1_000_003 + prompt_id * 1_009 + sample_index * 7 + 1) % (2**31 - 1)
+from controllers.workflows.base import Unit, request_id, request_seed
+from flash.engine.base import SamplingParams
 
 
 @dataclass
@@ -62,15 +57,6 @@ class _Pending:
     meta: dict = field(default_factory=dict)  # copied into each sample's meta (e.g. the round)
 
 
-def request_id(prompt_id: int, k: int) -> str:
-    return f"{prompt_id}:{k}"
-
-
-def parse_request_id(rid: str) -> tuple[int, int]:
-    prompt_id, k = rid.split(":")
-    return int(prompt_id), int(k)
-
-
 class Admission:
     """Admission, spare expiry, checkpoint state and engine-restart requeue (see the module doc)."""
 
@@ -97,13 +83,13 @@ class Admission:
                 batch, promoted = self._admit_wave()
                 self._engine_io.acquire()
             try:
-                self._submit(batch)
+                self.workflow.launch(batch)
             finally:
                 self._engine_io.release()
             for pid, group in promoted:
                 self._to_buffer(pid, group)
 
-    def _admit_wave(self) -> tuple[list[GenerationRequest], list[tuple[int, Group]]]:
+    def _admit_wave(self) -> tuple[list[Unit], list[tuple[int, Group]]]:
         """Everything admission allows now (under the lock): promotions first, then new prompts."""
         wave, self._waves = self._waves, self._waves + 1
         batch, promoted = [], []
@@ -120,8 +106,8 @@ class Admission:
         self._gate.open(wave, len(batch))
         return batch, promoted
 
-    def _admit_one(self, wave: int, spare: bool) -> list[GenerationRequest]:
-        """Admit the next prompt (``_take_prompt``) under a new prompt id; its requests."""
+    def _admit_one(self, wave: int, spare: bool) -> list[Unit]:
+        """Admit the next prompt (``_take_prompt``) under a new prompt id; its units."""
         prompt_id = self._admitted
         index, item, ids, cap, meta = self._take_prompt(spare)
         requests = self.n + self.redundancy
@@ -129,8 +115,8 @@ class Admission:
                                             wave=wave, requests=requests, cap=cap, meta=meta)
         self._prov.admitted(prompt_id, self._version, spare)
         self._admitted += 1
-        reqs = self._requests(prompt_id, ids, range(requests), cap)
-        rids = [r.request_id for r in reqs]
+        reqs = self._units(prompt_id, ids, range(requests))
+        rids = [r.id for r in reqs]
         self.lifecycle.admit(rids)
         self.lifecycle.move(rids, "generating")
         return reqs
@@ -221,48 +207,41 @@ class Admission:
                                               cap=p.get("cap"), meta=dict(p.get("meta", {})))
                 if p.get("spare"):  # not counted: the checkpoint's count never included it
                     self._prov.admitted(pid, p["version"], spare=True)
-                new = self._requests(pid, self.source.encode(item.prompt), ks, p.get("cap"))
-                rids = [r.request_id for r in new]
+                new = self._units(pid, self.source.encode(item.prompt), ks)
+                rids = [r.id for r in new]
                 self.lifecycle.admit(rids)
                 self.lifecycle.move(rids, "generating")
                 reqs += new
             self._gate.open(wave, len(reqs))
-        self._submit(reqs)
+        self.workflow.launch(reqs)
         return len(state["pending"])
 
     def requeue_lost(self, ids: list[str] | None = None) -> int:
-        """After an engine restart: resubmit every request still generating for a pending prompt (and
-        of an evaluation) whose output was not taken from the engine yet -- of those ``ids`` only, when
-        given (the requests a restarted replica behind a router held). Returns how many.
+        """After an engine restart: ask again what the engine lost -- every unit still generating
+        for a pending prompt (and of an evaluation) whose output was not taken from the engine yet,
+        of those ``ids`` only when given (the requests a restarted replica behind a router held);
+        the workflow decides what that means for it (``Workflow.requeue``). Returns how many.
 
-        Called inside the supervisor's recovery, possibly from a thread that holds ``_engine_io``:
-        it submits without that lock (an abort racing a recovery at worst lets a request run on)."""
+        Called inside the engine client's recovery, possibly from a thread that holds
+        ``_engine_io``: it launches without that lock (an abort racing a recovery at worst lets a
+        request run on)."""
         only = None if ids is None else set(ids)
         with self._lock:
-            reqs = [r for r in self._eval_reqs.values() if r.request_id not in self._eval
-                    and (only is None or r.request_id in only)]
+            lost = [u for u in self._eval_units.values() if u.id not in self._eval and (only is None or u.id in only)]
             for pid, p in sorted(self._pending.items()):
-                lost = [k for k in range(p.requests) if request_id(pid, k) not in self._received
-                        and self.lifecycle.state(request_id(pid, k)) == "generating"
-                        and (only is None or request_id(pid, k) in only)]
-                if lost:
-                    reqs += self._requests(pid, self.source.encode(p.item.prompt), lost, p.cap)
-        self._submit(reqs)
-        return len(reqs)
+                ks = [k for k in range(p.requests) if request_id(pid, k) not in self._received
+                      and self.lifecycle.state(request_id(pid, k)) == "generating"
+                      and (only is None or request_id(pid, k) in only)]
+                if ks:
+                    lost += self._units(pid, self.source.encode(p.item.prompt), ks)
+        return self.workflow.requeue(lost, ids)
 
-    def _requests(self, prompt_id: int, ids: list[int], ks, cap: int | None = None) -> list[GenerationRequest]:
-        """Requests ``ks`` of a prompt: seeds from (run seed, prompt id, k); ``cap`` lowers max_new_tokens."""
-        knobs = {**self.params.__dict__, **({"max_new_tokens": cap} if cap is not None else {})}
-        return [GenerationRequest(request_id(prompt_id, k), ids,
-                                  SamplingParams(**{**knobs, "seed": request_seed(self.seed, prompt_id, k)}))
+    def _units(self, prompt_id: int, ids: list[int], ks) -> list[Unit]:
+        """Units ``ks`` of a pending prompt: seeds from (run seed, prompt id, k); its ``cap`` (tail
+        batching) lowers max_new_tokens."""
+        p = self._pending[prompt_id]
+        knobs = {**self.params.__dict__, **({"max_new_tokens": p.cap} if p.cap is not None else {})}
+        return [Unit(request_id(prompt_id, k), prompt_id, k, p.item, ids,
+                     SamplingParams(**{**knobs, "seed": request_seed(self.seed, prompt_id, k)}),
+                     version=p.version, data_index=p.data_index, meta=dict(p.meta))
                 for k in ks]
-
-    def _submit(self, reqs: list[GenerationRequest]) -> None:
-        """Submit to the engine; with a supervisor a dead engine is restarted and the requests of
-        pending prompts are resubmitted by ``requeue_lost``, so a failed submit loses nothing."""
-        if not reqs:
-            return
-        if self.supervisor is None:
-            ray.get(self.engine.submit.remote(reqs))
-        else:
-            self.supervisor.submit(reqs)

@@ -30,7 +30,7 @@ import ray
 
 import algos
 from buffers import Group, SampleBuffer
-from controllers.rollout_scheduler import RolloutScheduler
+from controllers.scheduler import RolloutCore
 from controllers.staleness import StalenessManager
 from flash.engine.client import EngineClient, EngineFault
 from flash.train.batch import collate, flatten
@@ -65,7 +65,7 @@ class StepRecord:
 
 
 class AsyncController:
-    def __init__(self, engine, trainer, scheduler: RolloutScheduler, buffer: SampleBuffer,
+    def __init__(self, engine, trainer, scheduler: RolloutCore, buffer: SampleBuffer,
                  staleness: StalenessManager, settings: ControllerSettings, ledger=None, critic=None,
                  model_update=None, supervisor: EngineClient | None = None):
         self.engine, self.trainer, self.critic = engine, trainer, critic
@@ -228,15 +228,13 @@ class AsyncController:
         """suspend → push_weights → resume, through the EngineClient (flash.engine.client): an engine
         fault anywhere in it restarts the engine (when restarts are allowed) and runs the whole cycle
         again; a restarted engine is given the weights last pushed (``EngineClient.pushed``)."""
-        env_hold = getattr(self.scheduler, "suspend", None)  # episodes: environment steps are atomic
         weights = None
 
         def cycle():
             nonlocal weights
             with self.phase("suspend"):
                 self._engine_get_once("pause", self.s.interrupt)
-                if env_hold:
-                    env_hold()  # waits for the steps in flight, holds new ones until resume
+                self.scheduler.suspend()  # episodes: waits for the environment steps in flight
             with self.phase("push_weights"):
                 if self.model_update is not None:  # returns after every replica acknowledged
                     self._push_group(new_version)
@@ -245,8 +243,7 @@ class AsyncController:
                     self._update_bytes = float(self._engine_get_once("update_weights", weights, new_version) or 0.0)
             with self.phase("resume"):
                 self._engine_get_once("resume")
-                if env_hold:
-                    self.scheduler.resume()
+                self.scheduler.resume()
 
         def cycle_and_record():
             cycle()
@@ -408,7 +405,7 @@ class AsyncController:
                 self.ledger.write(json.dumps({"prompt_id": pid, "outcome": "in_flight"}) + "\n")
             for pid in buffered:
                 self.ledger.write(json.dumps({"prompt_id": pid, "outcome": "buffered"}) + "\n")
-            for line in getattr(self.scheduler, "leftover", list)():  # tail batching's long-prompt queue
+            for line in self.scheduler.leftover():  # tail batching's long-prompt queue
                 self.ledger.write(json.dumps(line) + "\n")
             self.ledger.flush()
         return {"in_flight": pending, "buffered": buffered}

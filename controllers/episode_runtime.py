@@ -1,4 +1,5 @@
-"""How ``flash run`` builds episode rollout for a task that is an environment (``EnvTask``).
+"""How ``flash run`` builds episode rollout for a task that is an environment (``EnvTask``): the
+scheduler core running the episode workflow on the task's ``EnvWorker`` actors.
 
 Kept out of the runner so that the runner's only knowledge of environments is one branch.
 """
@@ -7,7 +8,38 @@ from __future__ import annotations
 
 import dataclasses
 
+from buffers import SampleBuffer
+from controllers.admission import PromptSource
+from controllers.filters import FilterConfig
+from controllers.scheduler import RolloutCore
+from controllers.staleness import StalenessManager
+from controllers.workflows.episode import EpisodeCodec, Episodes
+from flash.engine.base import SamplingParams
 from flash.errors import ConfigError
+
+
+class EpisodeScheduler(RolloutCore):
+    """The core running the episode workflow: a unit is one episode of the item's environment
+    seed; filters, spares and redundancy (start ``n + redundancy`` episodes, keep the first ``n``
+    to finish) work as for single-turn prompts."""
+
+    def __init__(self, engine, workers: list, task, codec: EpisodeCodec, buffer: SampleBuffer,
+                 staleness: StalenessManager, params: SamplingParams, n: int, seed: int, max_turns: int,
+                 start_index: int = 0, env_threads: int = 16, *, hang_timeout_s: float = 120.0,
+                 max_worker_restarts: int = 0, redundancy: int = 0, max_additional_prompts: int = 0,
+                 filters: FilterConfig | None = None, reward_workers: int = 4):
+        workflow = Episodes(workers, codec, max_turns, env_threads, hang_timeout_s=hang_timeout_s,
+                            max_worker_restarts=max_worker_restarts)
+        source = PromptSource(item=lambda i: task.item(i, "train"), encode=lambda text: [],
+                              decode=codec.decode if codec is not None else None, reward=None)
+        super().__init__(engine, workflow, source, buffer, staleness, params, n, seed, reward_workers,
+                         start_index=start_index, redundancy=redundancy,
+                         max_additional_prompts=max_additional_prompts, filters=filters)
+
+    def start(self) -> None:
+        if self.workflow._pids is None:  # each worker's process, to tell a restarted one
+            self.workflow.pids()
+        super().start()
 
 
 def check_episode_config(cfg, task) -> None:
@@ -26,7 +58,6 @@ def check_episode_config(cfg, task) -> None:
 
 def build_episode_scheduler(cfg, task, tokenizer, engine, buffer, staleness, params):
     """Start the task's EnvWorker actors and the EpisodeScheduler that drives them."""
-    from controllers.episode_scheduler import EpisodeScheduler
     from flash.envs.worker import start_env_workers
 
     options = dataclasses.asdict(task.options)
@@ -35,12 +66,13 @@ def build_episode_scheduler(cfg, task, tokenizer, engine, buffer, staleness, par
                                 max_restarts=restarts)
     return EpisodeScheduler(engine, workers, task, episode_codec(tokenizer), buffer, staleness, params,
                             n=cfg.rollout.n, seed=cfg.seed, max_turns=task.options.max_turns,
-                            hang_timeout_s=cfg.rollout.hang_timeout_s, max_worker_restarts=restarts)
+                            hang_timeout_s=cfg.rollout.hang_timeout_s, max_worker_restarts=restarts,
+                            redundancy=cfg.rollout.redundancy, max_additional_prompts=cfg.rollout.max_additional_prompts,
+                            filters=cfg.rollout.filter, reward_workers=cfg.rollout.reward_workers)
 
 
 def episode_codec(tokenizer):
     """Character-tokenizer codec: the same ids for a character in prompts and observations."""
-    from controllers.episode_scheduler import EpisodeCodec
     from flash.models import decode_response, encode_prompt
 
     return EpisodeCodec(

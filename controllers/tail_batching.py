@@ -36,9 +36,10 @@ import math
 from collections import deque
 
 from buffers import Group
-from controllers.admission import _Pending, parse_request_id
+from controllers.admission import _Pending
+from controllers.workflows.base import parse_request_id
 from controllers.filters import filter_reason
-from controllers.rollout_scheduler import RolloutScheduler
+from controllers.scheduler import RolloutScheduler
 from controllers.tail_policy import LengthThreshold, TailConfig, long_round_due
 from flash.engine.base import GenerationOutput
 

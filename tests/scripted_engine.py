@@ -106,3 +106,31 @@ class ScriptedEngine:
 
     def shutdown(self) -> None:
         self.abort(None)
+
+
+class CorridorPlayer(ScriptedEngine):
+    """Plays ``corridor`` turns for the episode workflow, one character token per action under a
+    character codec (token = ``ord``): a unit in ``bad`` answers ``x`` (an invalid action: the
+    episode ends at once with reward 0), every other unit walks straight to the goal (reward 1).
+    ``delays`` are per unit id (``"<prompt>:<k>"``) and apply to each of its turns."""
+
+    def __init__(self, delays: dict[str, float], bad: set[str] = frozenset(), default_delay: float = 0.02,
+                 width: int = 8):
+        super().__init__(delays, default_delay)
+        self.bad, self.width = set(bad), width
+
+    def submit(self, requests: list[GenerationRequest]) -> int:
+        now = time.time()
+        with self._cv:
+            for r in requests:
+                unit = r.request_id.rsplit("/", 1)[0]
+                self._due[r.request_id] = (now + self.delays.get(unit, self.default_delay), r)
+                self.submitted.append(r)
+            self._cv.notify_all()
+        return len(requests)
+
+    def _output(self, r: GenerationRequest, reason: str) -> GenerationOutput:
+        unit = r.request_id.rsplit("/", 1)[0]
+        board = "".join(map(chr, r.prompt_ids))[-(self.width + 1):-1]  # the latest observation's cells
+        action = "x" if unit in self.bad else ("r" if board.index("g") > board.index("a") else "l")
+        return GenerationOutput(r.request_id, list(r.prompt_ids), [ord(action)], [-0.5], [self._version], reason)

@@ -240,7 +240,7 @@ def test_checkpoint_keys_are_strict():
 
 
 def test_the_scheduler_takes_prompts_through_the_guard_and_moves_past_skipped_rows():
-    from controllers.rollout_scheduler import PromptSource
+    from controllers.scheduler import PromptSource
 
     encode = lambda text: list(range(len(text)))
     guarded = PromptSource(item=_item, encode=encode, decode=str, reward=lambda i, r: 0.0,

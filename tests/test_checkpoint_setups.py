@@ -161,33 +161,40 @@ def test_resume_may_change_the_worker_count_only():
 # ---------------------------------------------------------------- environment episodes
 
 def _episodes(workers=("w0", "w1", "w2")):
-    from controllers.episode_scheduler import EpisodeScheduler
+    from controllers.episode_runtime import EpisodeScheduler
     from controllers.staleness import StalenessManager
     from flash.engine.base import SamplingParams
 
-    task = SimpleNamespace(item=lambda i, split: SimpleNamespace(meta={"seed": 1000 + i}))
+    task = SimpleNamespace(item=lambda i, split: SimpleNamespace(prompt="", meta={"seed": 1000 + i}))
     sched = EpisodeScheduler(None, list(workers), task, None, SampleBuffer(8), StalenessManager(1, 2),
                              SamplingParams(max_new_tokens=1), n=3, seed=7, max_turns=4)
     launched = []
-    sched._launch = launched.append  # record the restarts instead of running them on env workers
+    sched.workflow._launch = launched.append  # record the environment resets instead of running them
     return sched, launched
 
 
-def test_episode_state_keeps_finished_episodes_and_restarts_the_rest_from_the_same_seeds():
-    a, _ = _episodes()
-    with a._lock:
-        fresh = [a._admit_one() for _ in range(2)]  # seeds 0 and 1 in flight, 3 episodes each
-    a._pending[1].samples[2] = _sample(1, 2)  # seed 1's third episode has finished
-    a.counters["episodes"] = 1
-    a.faults = 2  # env workers that died before the checkpoint: faults/env continues from there
-    state = json.loads(json.dumps(a.state_dict()))
-    assert [(p["prompt_id"], p["seed"], len(p["samples"])) for p in state["pending"]] == [(0, 1000, 0), (1, 1001, 1)]
+def _played(launched):
+    """(unit id, environment seed, worker, turn seed) of each recorded reset (``lambda ep=ep: ...``)."""
+    return [(ep.key, ep.unit.item.meta["seed"], ep.worker, ep.unit.params.seed)
+            for ep in (call.__defaults__[0] for call in launched)]
 
+
+def test_episode_state_restarts_the_seeds_in_flight_with_the_same_environment_and_turn_seeds():
+    a, first = _episodes()
+    with a._lock:
+        units = a._admit_one(0, spare=False) + a._admit_one(0, spare=False)  # seeds 0 and 1, 3 episodes each
+    a.workflow.launch(units)
+    a.lifecycle.move(["1:2"], "scoring")  # seed 1's third episode has finished, its group has not
+    a._pending[1].samples[2] = _sample(1, 2)
+    a.counters["episodes"] = 1
+    a.counters["faults_env"] = 2  # env workers that died before the checkpoint: faults/env continues
+    state = json.loads(json.dumps(a.state_dict()))
+    assert [(p["prompt_id"], p["data_index"], p["requests"]) for p in state["pending"]] == [(0, 0, [0, 1, 2]),
+                                                                                           (1, 1, [0, 1, 2])]
     b, launched = _episodes()
-    assert b.load_state_dict(state) == 5
-    assert (b.admitted, b._next_index, b.counters["episodes"], b.faults) == (2, 2, 1, 2)
-    assert b._pending[1].samples == {2: _sample(1, 2)}
-    restarted = [call.__defaults__[0] for call in launched]  # each call is `lambda ep=ep: ...`
-    want = [ep for eps in fresh for ep in eps if (ep.prompt_id, ep.sample_index) != (1, 2)]
-    assert [(e.key, e.seed, e.worker, e.base_seed) for e in restarted] == \
-           [(e.key, e.seed, e.worker, e.base_seed) for e in want]
+    assert b.load_state_dict(state, buffered_groups=[]) == 2
+    assert (b.admitted, b._next_index, b.counters["episodes"], b.workflow.faults) == (2, 2, 1, 2)
+    assert _played(launched) == _played(first)  # the same episodes, on the same workers, same seeds
+    assert [p[1] for p in _played(launched)] == [1000] * 3 + [1001] * 3
+    snap = b.lifecycle.snapshot()
+    assert snap["admitted"] == 6 and snap["generating_now"] == 6  # admitted = ended + live still holds

@@ -14,7 +14,7 @@ import torch
 
 import algos
 from controllers.lifecycle import unbalance
-from controllers.rollout_scheduler import request_seed
+from controllers.scheduler import request_seed
 from flash.train.batch import collate, flatten
 from flash.app.config import load_config
 from flash.engine.base import GenerationRequest, SamplingParams

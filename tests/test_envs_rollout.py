@@ -16,7 +16,7 @@ import ray
 from transformers import AutoTokenizer
 
 from buffers import SampleBuffer
-from controllers.episode_scheduler import EpisodeScheduler
+from controllers.episode_runtime import EpisodeScheduler
 from controllers.staleness import StalenessManager
 from flash.engine.base import SamplingParams
 from flash.envs import make_env

@@ -18,7 +18,7 @@ from buffers import SampleBuffer
 from controllers.filters import FilterConfig, check_filter, filter_reason, reward_std
 from controllers.lifecycle import IllegalTransition, Lifecycle, unbalance
 from controllers.provisioning import Provisioning, WaveGate
-from controllers.rollout_scheduler import PromptSource, RolloutScheduler, request_seed
+from controllers.scheduler import PromptSource, RolloutScheduler, request_seed
 from controllers.staleness import StalenessManager
 from flash.engine.base import SamplingParams
 from flash.cluster import init_ray

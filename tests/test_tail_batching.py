@@ -18,7 +18,7 @@ import ray
 
 from buffers import SampleBuffer
 from controllers.lifecycle import unbalance
-from controllers.rollout_scheduler import PromptSource
+from controllers.scheduler import PromptSource
 from controllers.staleness import StalenessManager
 from controllers.tail_batching import TailBatchingScheduler
 from controllers.tail_policy import (

@@ -61,7 +61,7 @@ class RolloutConfig:
     # With several engine replicas (placement.roles.actor_infer.num_workers): keep the n samples
     # of a prompt on one replica (shared prefix) instead of spreading every request by load.
     prompt_affinity: bool = False
-    # Sample lifecycle (controllers/rollout_scheduler.py). true: score each response as soon as it
+    # Sample lifecycle (controllers/scheduler.py). true: score each response as soon as it
     # finishes, overlapping generation; false: the batch-then-score baseline (for comparison).
     queue_scheduling: bool = True
     redundancy: int = 0  # launch n + k requests per prompt, keep the first n to finish, abort the rest

@@ -25,9 +25,10 @@ from ray.exceptions import RayActorError
 import algos
 from buffers.factory import make_buffer
 from controllers.async_controller import AsyncController, ControllerSettings, prox_mode
-from controllers.rollout_scheduler import PromptSource, RolloutScheduler
+from controllers.scheduler import PromptSource, RolloutScheduler
 from controllers.staleness import StalenessManager
 from controllers.tail_batching import TailBatchingScheduler
+from controllers.workflows.episode import Episodes
 from flash.app import resume as resume_mod
 from flash.app import run_state
 from flash.checkpoint import Checkpointer, latest_valid, remove_partial
@@ -232,8 +233,9 @@ class Run:
         """Reward and environment worker deaths (recovered in their pools) go to ``events.jsonl``;
         their pids too, so tests and benchmarks can kill one."""
         pids: dict[str, list[int]] = {}
-        for name, part in (("reward", self.reward_pool), ("env", self.scheduler)):
-            if hasattr(part, "on_event") and hasattr(part, "pids"):
+        env = self.scheduler.workflow if isinstance(self.scheduler.workflow, Episodes) else None
+        for name, part in (("reward", self.reward_pool), ("env", env)):
+            if part is not None:
                 part.on_event = lambda event: resume_mod.append_event(self.dir, **event)
                 pids[f"{name}_pids"] = part.pids()
         if pids:
@@ -347,7 +349,8 @@ class Run:
         if self.model_update is not None:
             self.model_update.close()
         for actor in dict.fromkeys([self.engine, *self.replicas, self.trainer, self.critic,
-                                    *getattr(self.scheduler, "workers", [])]):
+                                    *(self.scheduler.workflow.workers if isinstance(self.scheduler.workflow, Episodes)
+                                      else [])]):
             if actor is not None:
                 ray.kill(actor)
         if self.reward_pool is not None:
@@ -434,8 +437,6 @@ def _on_step(r: Run, rec, tracker, progress) -> None:
                                       rec.metrics.get("train/loss", 0.0), rec.metrics.get("train/grad_norm", 0.0)))
     logged.update({**r.input_guard.metrics(), **r.checkpointer.metrics()})
     logged.update(r.supervisor.metrics())
-    if hasattr(r.scheduler, "fault_metrics"):  # environment worker deaths (faults/env)
-        logged.update(r.scheduler.fault_metrics())
     tracker.log(logged, step)
     r.metrics_file.write(json.dumps({"step": step, **logged}) + "\n")
     r.metrics_file.flush()
@@ -467,16 +468,16 @@ def _summary(cfg, r: Run, records, acc0, acc1, train_s, left) -> dict:
         "resumed_from_step": r.start_step if r.ckpt else None,
         "faults_engine": r.supervisor.faults,
         "faults_reward": r.reward_pool.faults if r.reward_pool is not None else 0,
-        "faults_env": getattr(r.scheduler, "faults", 0),
+        "faults_env": r.scheduler.counters.get("faults_env", 0),
         "train_skipped_nonfinite": r.skip_guard.total,
         "data_skipped": dict(r.input_guard.counts),
         "checkpoint": dict(r.checkpointer.last),
         "request_errors": r.scheduler.counters["request_errors"],
         "rollout_counters": dict(r.scheduler.counters),
         "reward_seconds": r.scheduler.counters.get("reward_seconds", 0.0),
-        **({"filtered_groups": dict(r.scheduler.lifecycle.filtered),
-            "aborted_samples": dict(r.scheduler.lifecycle.aborted),
-            "lifecycle": r.scheduler.lifecycle.snapshot()} if hasattr(r.scheduler, "lifecycle") else {}),
+        "filtered_groups": dict(r.scheduler.lifecycle.filtered),
+        "aborted_samples": dict(r.scheduler.lifecycle.aborted),
+        "lifecycle": r.scheduler.lifecycle.snapshot(),
         "phase_seconds_mean": {k[5:]: sum(rec.metrics.get(k, 0.0) for rec in records) / max(steps, 1)
                                for k in phase_keys},
         "run_dir": str(r.dir),

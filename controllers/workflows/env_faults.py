@@ -1,11 +1,11 @@
-"""Environment-worker faults for ``EpisodeScheduler``: an EnvWorker that dies or hangs costs its
+"""Environment-worker faults for the episode workflow: an EnvWorker that dies or hangs costs its
 episodes a replay from their reset, not the run.
 
-Why a module of its own: this is the one part of the episode scheduler that talks to Ray about
-processes (pids, restarts, the hang timeout, the restart budget); the scheduler itself only sees
-``_EpisodeLost`` and plays the episode again. The mixin expects the scheduler's ``workers``,
-``_lock``, ``counters``, ``faults``, ``events``, ``on_event``, ``_pids``, ``hang_timeout_s`` and
-``max_worker_restarts``.
+Why a module of its own: this is the one part of the episode workflow that talks to Ray about
+processes (pids, restarts, the hang timeout, the restart budget); the workflow itself only sees
+``_EpisodeLost`` and plays the episode again. The mixin expects the workflow's ``workers``,
+``_lock``, ``counters`` (``faults_env``: deaths, kept in the checkpoint with them), ``events``,
+``on_event``, ``_pids``, ``hang_timeout_s`` and ``max_worker_restarts``.
 """
 
 from __future__ import annotations
@@ -39,9 +39,10 @@ class EnvWorkerFaults:
             self._pids = list(pids)
         return list(pids)
 
-    def fault_metrics(self) -> dict[str, float]:
-        with self._lock:
-            return {"faults/env": float(self.faults)}
+    @property
+    def faults(self) -> int:
+        """Environment workers that died (``faults/env``)."""
+        return int(self.counters.get("faults_env", 0))
 
     def _env(self, ep, method: str, *args):
         """One call on the episode's EnvWorker, bounded by ``hang_timeout_s``. Its worker dead,
@@ -59,7 +60,7 @@ class EnvWorkerFaults:
                 raise
             self._worker_lost(ep.slot, "died", exc)
         with self._lock:
-            self.counters["episodes_restarted"] = self.counters.get("episodes_restarted", 0) + 1
+            self._count("episodes_restarted")
         raise _EpisodeLost
 
     def _worker_lost(self, slot: int, kind: str, exc: BaseException) -> None:
@@ -72,8 +73,7 @@ class EnvWorkerFaults:
                 return  # this death was counted by another episode of the worker
             if self._pids is not None:
                 self._pids[slot] = pid
-            self.faults += 1
-            faults = self.faults
+            self.counters["faults_env"] = faults = self.faults + 1
         if faults > self.max_worker_restarts:
             raise EnvFailed(f"environment workers died {faults} times (rollout.max_worker_restarts="
                             f"{self.max_worker_restarts}); last: {exc!r}")

@@ -1,14 +1,19 @@
-"""Rollout scheduler: admits prompts under the staleness bound and turns responses into groups.
+"""The rollout scheduler core: admits prompts under the staleness bound and turns finished units
+into groups, for every workflow (``controllers.workflows``: single-turn requests, environment
+episodes).
 
 Three kinds of threads, all in the driver:
 - *admission* (``controllers.admission.Admission``, this class's base): whenever ``Provisioning``
-  allows, takes the next prompt and submits its ``n + redundancy`` requests;
-- *collector*: pulls finished responses from the engine as they finish; once ``n`` of a prompt's
-  requests finished, the redundant rest are aborted in the engine (``aborted(redundant)``);
-- *reward pool*: scores each response as soon as it arrives (queue scheduling), concurrently with
-  generation -- or, with ``queue_scheduling=False``, only once its admission wave has finished
-  generating (``WaveGate``). A group's ``n`` scored samples then pass the dynamic-sampling filters
-  (``controllers.filters``) into the SampleBuffer, or are filtered and free their slot.
+  allows, takes the next prompt and launches its ``n + redundancy`` units through the workflow;
+- *collector*: pulls outputs from the engine and routes them through the workflow; a unit that
+  finished (a response; an episode, handed to ``deliver`` by the thread that ended it) moves on,
+  and once ``n`` of a prompt's units finished the redundant rest are cancelled
+  (``aborted(redundant)``: engine requests aborted, environments released);
+- *reward pool*: turns each finished unit into a scored sample as soon as it arrives (queue
+  scheduling), concurrently with generation -- or, with ``queue_scheduling=False``, only once its
+  admission wave has finished generating (``WaveGate``). A group's ``n`` scored samples then pass
+  the dynamic-sampling filters (``controllers.filters``) into the SampleBuffer, or are filtered and
+  free their slot; a spare's group waits for a slot (``controllers.provisioning``).
 
 Every sample moves through ``controllers.lifecycle`` (admitted → generating → scoring → buffered |
 filtered | aborted → trained), and every admitted prompt is in exactly one place at any time: in
@@ -23,37 +28,39 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import ray
-
-from buffers import BufferClosed, Group, Sample, SampleBuffer
-from controllers.admission import (
-    Admission,
-    PromptSource,
-    _Pending,
-    parse_request_id,
-    request_id,
-    request_seed,
-)
+from buffers import BufferClosed, Group, SampleBuffer
+from controllers.admission import Admission, PromptSource, _Pending
 from controllers.filters import RULES, FilterConfig, filter_reason
 from controllers.lifecycle import Lifecycle
 from controllers.provisioning import Provisioning, WaveGate
 from controllers.staleness import StalenessManager
-from flash.engine.base import GenerationOutput, GenerationRequest, SamplingParams
+from controllers.workflows.base import Hold, Unit, Workflow, parse_request_id, request_id, request_seed
+from controllers.workflows.single_turn import SingleTurn
+from flash.engine.base import GenerationOutput, SamplingParams
+from flash.engine.client import EngineClient
 from flash.errors import FlashError
 
-__all__ = ["PromptSource", "RolloutScheduler", "parse_request_id", "request_id", "request_seed"]
+__all__ = ["PromptSource", "RolloutCore", "RolloutScheduler", "parse_request_id", "request_id", "request_seed"]
 
 ABORT_REASONS = ("redundant", "surplus")  # why a sample ends aborted (rollout/aborted/<reason>)
 
 
-class RolloutScheduler(Admission):
-    def __init__(self, engine, source: PromptSource, buffer: SampleBuffer,
+class RolloutCore(Admission):
+    """The one scheduler: ``workflow`` (a ``Workflow`` and ``Hold``) says how a unit runs.
+
+    ``supervisor``: the ``EngineClient`` every engine call goes through (a pass-through over
+    ``engine`` until the runner hands its own)."""
+
+    def __init__(self, engine, workflow: Workflow, source: PromptSource, buffer: SampleBuffer,
                  staleness: StalenessManager, params: SamplingParams, n: int, seed: int,
                  reward_workers: int = 4, inject_delay_s: float = 0.0, start_index: int = 0, *,
                  queue_scheduling: bool = True, redundancy: int = 0, max_additional_prompts: int = 0,
                  filters: FilterConfig | None = None):
         if redundancy < 0:
             raise ValueError(f"redundancy must be >= 0, got {redundancy}")
+        if not isinstance(workflow, Workflow) or not isinstance(workflow, Hold):
+            raise TypeError(f"{type(workflow).__name__} is not a Workflow (controllers.workflows.base)")
+        self.workflow = workflow
         self.engine, self.source, self.buffer = engine, source, buffer
         self.staleness, self.params, self.n, self.seed = staleness, params, n, seed
         self.inject_delay_s, self.redundancy = inject_delay_s, int(redundancy)
@@ -82,12 +89,13 @@ class RolloutScheduler(Admission):
         # late_outputs: a finished response of a request already aborted (it raced the abort)
         self.counters = {"samples_generated": 0, "tokens_generated": 0, "reward_errors": 0,
                          "request_errors": 0, "late_outputs": 0, "reward_seconds": 0.0}
-        self.supervisor = None  # flash.engine.client.EngineClient, when engine faults are handled
-        self._later_aborts: list[str] = []  # engine ids a subclass's _group_done decided to abort
-        self._received: set[str] = set()  # request ids taken from the engine for pending prompts
-        self._eval_reqs: dict[str, GenerationRequest] = {}  # evaluation requests not yet answered
+        self.supervisor = EngineClient.passthrough(engine)
+        self._later_aborts: list[str] = []  # unit ids a subclass's _group_done decided to cancel
+        self._received: set[str] = set()  # unit ids finished for pending prompts
+        self._eval_units: dict[str, Unit] = {}  # evaluation units not yet answered
         self._threads = [threading.Thread(target=self._guard(f), daemon=True, name=f.__name__)
                          for f in (self._admit_loop, self._collect_loop)]
+        workflow.core = self  # last: the workflow may read the core's state (counters) when bound
 
     # ---- controller-facing API -------------------------------------------------------------
     def start(self) -> None:
@@ -128,7 +136,22 @@ class RolloutScheduler(Admission):
             m.update({"rollout/late_outputs": float(self.counters["late_outputs"]),
                       "reward/seconds_total": float(self.counters["reward_seconds"]),
                       "rollout/counted_admissions": float(self._prov.counted)})
+        m.update(self.workflow.metrics())
         return m
+
+    def suspend(self, timeout: float = 120.0) -> float:
+        """Around a weight update: the workflow holds back what may not run across it (environment
+        steps); returns the seconds it waited."""
+        waited = self.workflow.suspend(timeout)
+        self.check()
+        return waited
+
+    def resume(self) -> None:
+        self.workflow.resume()
+
+    def leftover(self) -> list[dict]:
+        """Ledger lines for prompts still queued outside the core at the end of a run (none here)."""
+        return []
 
     def check(self) -> None:
         """Re-raise an error from a scheduler thread in the caller."""
@@ -158,29 +181,28 @@ class RolloutScheduler(Admission):
         for t in self._threads:
             if t.is_alive():
                 t.join(timeout=10)
+        self.workflow.stop()
         self._pool.shutdown(wait=True, cancel_futures=True)
 
     def evaluate(self, items: list, params: SamplingParams, tag: str, seed: int) -> list[float]:
-        """Generate one response per item through the same engine; rewards in item order, scored
-        concurrently on the reward threads."""
-        ids = [f"eval/{tag}/{i}" for i in range(len(items))]
-        reqs = []
-        for i, (rid, item) in enumerate(zip(ids, items)):
-            p = SamplingParams(**{**params.__dict__, "seed": request_seed(seed, 10**6 + i, 0)})
-            reqs.append(GenerationRequest(rid, self.source.encode(item.prompt), p))
+        """One unit per item (a response, an episode) through the same engine; rewards in item
+        order, scored concurrently on the reward threads."""
+        units = [Unit(f"eval/{tag}/{i}", -1, i, item, self.source.encode(item.prompt),
+                      SamplingParams(**{**params.__dict__, "seed": request_seed(seed, 10**6 + i, 0)}))
+                 for i, item in enumerate(items)]
         with self._lock:
-            self._eval_reqs.update((r.request_id, r) for r in reqs)
-        self._submit(reqs)
+            self._eval_units.update((u.id, u) for u in units)
+        self.workflow.launch(units)
         with self._lock:
-            while not all(r in self._eval for r in ids):
+            while not all(u.id in self._eval for u in units):
                 self.check()
                 self._lock.wait(timeout=0.5)
-            outs = [self._eval.pop(r) for r in ids]
-            for r in ids:
-                self._eval_reqs.pop(r, None)
+            outs = [self._eval.pop(u.id) for u in units]
+            for u in units:
+                self._eval_units.pop(u.id, None)
         # scored concurrently on the reward threads (a code reward's sandbox runs dominate an eval)
-        futures = [self._pool.submit(self._score, item, out.token_ids) for item, out in zip(items, outs)]
-        return [f.result() for f in futures]
+        futures = [self._pool.submit(self.workflow.finish, u, out) for u, out in zip(units, outs)]
+        return [f.result().reward for f in futures]
 
     # ---- threads -------------------------------------------------------------------------
     def _guard(self, fn):
@@ -197,27 +219,39 @@ class RolloutScheduler(Admission):
 
     def _collect_loop(self) -> None:
         while not self._stop.is_set():
-            outs = self._poll()
-            to_abort: list[str] = []
+            self.deliver(self.workflow.route(self.supervisor.poll(0.2)))
             with self._lock:
-                for out in outs:
-                    if out.request_id.startswith("eval/"):
-                        self._eval[out.request_id] = out
-                    elif out.finish_reason != "abort":  # partials of an abort are not results
-                        self._dispatch(self._on_generated(out, to_abort))
                 self._polls += 1
                 self._lock.notify_all()
-            self._abort(to_abort)
+
+    def deliver(self, outs: list[GenerationOutput]) -> None:
+        """Units that finished (from the collector, or from the thread that ended an episode):
+        evaluations are answered, training units move on to scoring. An output for a unit already
+        taken (asked again around an engine restart) or of a prompt no longer pending is dropped
+        and counted (``duplicate_outputs``)."""
+        to_abort: list[str] = []
+        with self._lock:
+            for out in outs:
+                rid = out.request_id
+                if rid.startswith("eval/"):
+                    self._eval[rid] = out
+                elif out.finish_reason != "abort":  # partials of an abort are not results
+                    if rid in self._received or parse_request_id(rid)[0] not in self._pending:
+                        self.counters["duplicate_outputs"] = self.counters.get("duplicate_outputs", 0) + 1
+                        continue
+                    self._received.add(rid)
+                    self._dispatch(self._on_generated(out, to_abort))
+            if self._polls % 50 == 0:
+                self._received = {r for r in self._received if parse_request_id(r)[0] in self._pending}
+            self._lock.notify_all()
+        self._abort(to_abort)
 
     def _abort(self, ids: list[str]) -> None:
-        """Stop ``ids`` in the engine (never under ``_lock``). Their partial outputs are dropped:
-        the lifecycle already counted them as aborted."""
+        """Cancel units ``ids`` (never under ``_lock``): engine requests aborted, environments
+        released. Their partial work is dropped: the lifecycle already counted them as aborted."""
         if ids:
             with self._engine_io:
-                if self.supervisor is None:
-                    ray.get(self.engine.abort.remote(ids))
-                else:  # a dead engine is restarted; aborted requests are not requeued
-                    self.supervisor.call("abort", ids)
+                self.workflow.cancel(ids)
 
     def _on_generated(self, out: GenerationOutput, to_abort: list[str]) -> list[GenerationOutput]:
         """A response finished generating (under the lock); returns outputs ready for scoring."""
@@ -264,17 +298,11 @@ class RolloutScheduler(Admission):
             pending = self._pending.get(pid)
             if pending is None or self.lifecycle.state(out.request_id) != "scoring":
                 return  # its group was aborted (surplus) while the response waited
+            unit = self._units(pid, [], [k])[0]
         start = time.monotonic()
         if self.inject_delay_s > 0:  # a slow reward, for tests and benchmarks
             time.sleep(self._rng.uniform(0, self.inject_delay_s))
-        sample = Sample(
-            prompt_id=pid, sample_index=k, prompt_ids=list(out.prompt_ids),
-            response_ids=list(out.token_ids), behav_logprobs=list(out.logprobs),
-            versions=list(out.versions), finish_reason=out.finish_reason,
-            admitted_version=pending.version,
-            meta={**pending.meta, "data_index": pending.data_index, "request_id": out.request_id, "request": k},
-        )
-        sample.reward = self._score(pending.item, out.token_ids)
+        sample = self.workflow.finish(unit, out)
         with self._lock:
             self.counters["reward_seconds"] += time.monotonic() - start
             if self._pending.get(pid) is not pending or self.lifecycle.state(out.request_id) != "scoring":
@@ -326,7 +354,7 @@ class RolloutScheduler(Admission):
             del self._pending[pid]
         self.buffer.wake()
 
-    def _score(self, item, token_ids: list[int]) -> float:
+    def score(self, item, token_ids: list[int]) -> float:
         """Reward of one response; a reward function that raises scores 0 and is counted."""
         try:
             return float(self.source.reward(item, self.source.decode(token_ids)))
@@ -337,22 +365,10 @@ class RolloutScheduler(Admission):
                 self.counters["reward_errors"] += 1
             return 0.0
 
-    def _poll(self) -> list[GenerationOutput]:
-        """Finished outputs; with a supervisor, engine faults are recovered here and an output for a
-        request already taken (resubmitted around a fault) or for a prompt no longer pending is dropped."""
-        if self.supervisor is None:
-            return ray.get(self.engine.get_finished.remote(0.2))
-        outs = self.supervisor.poll(0.2)
-        keep = []
-        with self._lock:
-            for out in outs:
-                rid = out.request_id
-                if not rid.startswith("eval/") and out.finish_reason != "abort":
-                    if rid in self._received or int(rid.split(":")[0]) not in self._pending:
-                        self.counters["duplicate_outputs"] = self.counters.get("duplicate_outputs", 0) + 1
-                        continue
-                    self._received.add(rid)
-                keep.append(out)
-            if self._polls % 50 == 0:
-                self._received = {r for r in self._received if int(r.split(":")[0]) in self._pending}
-        return keep
+
+class RolloutScheduler(RolloutCore):
+    """The core running the single-turn workflow (``controllers.workflows.single_turn``)."""
+
+    def __init__(self, engine, source: PromptSource, buffer: SampleBuffer, staleness: StalenessManager,
+                 params: SamplingParams, n: int, seed: int, *args, **kwargs):
+        super().__init__(engine, SingleTurn(), source, buffer, staleness, params, n, seed, *args, **kwargs)
