@@ -27,14 +27,14 @@ class EpisodeScheduler(RolloutCore):
                  staleness: StalenessManager, params: SamplingParams, n: int, seed: int, max_turns: int,
                  start_index: int = 0, env_threads: int = 16, *, hang_timeout_s: float = 120.0,
                  max_worker_restarts: int = 0, redundancy: int = 0, max_additional_prompts: int = 0,
-                 filters: FilterConfig | None = None, reward_workers: int = 4):
+                 filters: FilterConfig | None = None, reward_workers: int = 4, client=None):
         workflow = Episodes(workers, codec, max_turns, env_threads, hang_timeout_s=hang_timeout_s,
                             max_worker_restarts=max_worker_restarts)
         source = PromptSource(item=lambda i: task.item(i, "train"), encode=lambda text: [],
                               decode=codec.decode if codec is not None else None, reward=None)
         super().__init__(engine, workflow, source, buffer, staleness, params, n, seed, reward_workers,
                          start_index=start_index, redundancy=redundancy,
-                         max_additional_prompts=max_additional_prompts, filters=filters)
+                         max_additional_prompts=max_additional_prompts, filters=filters, client=client)
 
     def start(self) -> None:
         if self.workflow._pids is None:  # each worker's process, to tell a restarted one
@@ -56,7 +56,7 @@ def check_episode_config(cfg, task) -> None:
                           f"'{task.name}' runs multi-turn episodes: set rollout.scheduler: plain")
 
 
-def build_episode_scheduler(cfg, task, tokenizer, engine, buffer, staleness, params):
+def build_episode_scheduler(cfg, task, tokenizer, engine, buffer, staleness, params, client=None):
     """Start the task's EnvWorker actors and the EpisodeScheduler that drives them."""
     from flash.envs.worker import start_env_workers
 
@@ -68,7 +68,7 @@ def build_episode_scheduler(cfg, task, tokenizer, engine, buffer, staleness, par
                             n=cfg.rollout.n, seed=cfg.seed, max_turns=task.options.max_turns,
                             hang_timeout_s=cfg.rollout.hang_timeout_s, max_worker_restarts=restarts,
                             redundancy=cfg.rollout.redundancy, max_additional_prompts=cfg.rollout.max_additional_prompts,
-                            filters=cfg.rollout.filter, reward_workers=cfg.rollout.reward_workers)
+                            filters=cfg.rollout.filter, reward_workers=cfg.rollout.reward_workers, client=client)
 
 
 def episode_codec(tokenizer):

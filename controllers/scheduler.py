@@ -48,14 +48,14 @@ ABORT_REASONS = ("redundant", "surplus")  # why a sample ends aborted (rollout/a
 class RolloutCore(Admission):
     """The one scheduler: ``workflow`` (a ``Workflow`` and ``Hold``) says how a unit runs.
 
-    ``supervisor``: the ``EngineClient`` every engine call goes through (a pass-through over
-    ``engine`` until the runner hands its own)."""
+    ``supervisor``: the ``EngineClient`` every engine call goes through (``client``, or a
+    pass-through over ``engine``: a fault raises at once)."""
 
     def __init__(self, engine, workflow: Workflow, source: PromptSource, buffer: SampleBuffer,
                  staleness: StalenessManager, params: SamplingParams, n: int, seed: int,
                  reward_workers: int = 4, inject_delay_s: float = 0.0, start_index: int = 0, *,
                  queue_scheduling: bool = True, redundancy: int = 0, max_additional_prompts: int = 0,
-                 filters: FilterConfig | None = None):
+                 filters: FilterConfig | None = None, client: EngineClient | None = None):
         if redundancy < 0:
             raise ValueError(f"redundancy must be >= 0, got {redundancy}")
         if not isinstance(workflow, Workflow) or not isinstance(workflow, Hold):
@@ -89,7 +89,7 @@ class RolloutCore(Admission):
         # late_outputs: a finished response of a request already aborted (it raced the abort)
         self.counters = {"samples_generated": 0, "tokens_generated": 0, "reward_errors": 0,
                          "request_errors": 0, "late_outputs": 0, "reward_seconds": 0.0}
-        self.supervisor = EngineClient.passthrough(engine)
+        self.supervisor = client if client is not None else EngineClient.passthrough(engine)
         self._later_aborts: list[str] = []  # unit ids a subclass's _group_done decided to cancel
         self._received: set[str] = set()  # unit ids finished for pending prompts
         self._eval_units: dict[str, Unit] = {}  # evaluation units not yet answered

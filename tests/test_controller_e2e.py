@@ -141,7 +141,7 @@ def _lifecycle_check(r, trained: list):
         trained.append(sum(len(g.samples) for g in rec.groups))
         assert unbalance(snap) == 0, snap
         assert snap["trained"] == sum(trained)
-        assert m["rollout/counted_admissions"] <= r.staleness.admission_limit(rec.step + 1)
+        assert m["rollout/counted_admissions"] <= r.buffer.staleness.admission_limit(rec.step + 1)
     return check
 
 

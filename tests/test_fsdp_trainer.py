@@ -370,7 +370,7 @@ def test_controller_through_a_two_worker_group_is_the_plain_synchronous_loop(tmp
                     "train.workers=2", "train.micro_tokens=96", f"train.stream={stream}")
     r = Run(cfg, "sync-fsdp")
     try:
-        assert ray.get(r.trainer.stats.remote())["workers"] == 2.0
+        assert ray.get(r.roles.trainer.stats.remote())["workers"] == 2.0
         r.scheduler.start()
         r.scheduler.start_admission()
         records = r.controller.run(3)

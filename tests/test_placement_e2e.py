@@ -65,17 +65,17 @@ def test_two_rank_group_pushes_exact_weights_to_two_replicas(tmp_path, tiny_mode
     assert cfg.placement.roles.actor_train.num_workers == 2
     r = Run(cfg, f"group-{layout}")
     try:
-        assert r.model_update.backend == backend and len(r.replicas) == 2
-        assert ray.get(r.trainer.devices.remote()) == rank_devices
+        assert r.roles.model_update.backend == backend and len(r.roles.replicas) == 2
+        assert ray.get(r.roles.trainer.devices.remote()) == rank_devices
         r.scheduler.start()
         r.scheduler.start_admission()
         records = r.controller.run(2)
-        full = ray.get(r.trainer.get_weights.remote())
-        served = ray.get([e.get_weights.remote() for e in r.replicas])
-        versions = ray.get([e.version.remote() for e in r.replicas])
+        full = ray.get(r.roles.trainer.get_weights.remote())
+        served = ray.get([e.get_weights.remote() for e in r.roles.replicas])
+        versions = ray.get([e.version.remote() for e in r.roles.replicas])
     finally:
         r.close()
-    assert versions == [2, 2] and r.model_update.version == 2 and r.model_update.counters["pushes"] == 2
+    assert versions == [2, 2] and r.roles.model_update.version == 2 and r.roles.model_update.counters["pushes"] == 2
     initial = load_model(r.model_path).state_dict()
     same = [k for k in full if torch.equal(full[k], initial[k]) and initial[k].any()]
     assert not same, same  # two steps moved every weight (but the zero-initialised biases)
@@ -95,11 +95,11 @@ def test_two_disaggregated_replicas_reproduce_the_synchronous_loop(tmp_path, cac
     cfg = small_cfg(tmp_path, cache, "async_ratio=0", "algo.loss.name=ppo", *DISAGGREGATED)
     r = Run(cfg, "sync2")
     try:
-        assert not r.controller.s.colocated and len(r.replicas) == 2
+        assert not r.controller.s.colocated and len(r.roles.replicas) == 2
         r.scheduler.start()
         r.scheduler.start_admission()
         records = r.controller.run(3)
-        stats = ray.get(r.engine.stats.remote())
+        stats = ray.get(r.roles.engine.stats.remote())
     finally:
         r.close()
     ours = [([s.response_ids for s in flatten(rec.groups)], rec.metrics["train/loss"]) for rec in records]

@@ -6,85 +6,86 @@ Kept apart from ``flash.app.runner`` so the runner reads as its steps, and apart
 Order of a restore (before the scheduler starts): trainer model/optimizer/RNG from the checkpoint
 → the same weights pushed to the engine as the checkpoint's version → the buffer's groups put
 back → the scheduler's data position, admission count and counters restored, and the prompts that
-were in flight resubmitted from scratch (same prompt ids and request seeds) → the guards' counters.
+were in flight launched again from scratch (same prompt ids and seeds) → the guards' counters.
 """
 
 from __future__ import annotations
 
-import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 
-from flash.checkpoint import (
-    check_trainer_files,
-    group_from_dict,
-    log_offsets,
-    snapshot_rollout,
-)
+from flash.app.roles import Clock, Guards, Roles, RolloutBuffer, RunFiles
+from flash.checkpoint import Checkpointer, check_trainer_files, group_from_dict, log_offsets, snapshot_rollout
+from flash.engine.client import EngineClient
 from flash.train.fsdp import group_settings
 
-
-def rollout_buffer(r: Any):
-    """The buffer a checkpoint reads and a resume fills: with ``buffer.transport=zmq`` the service's
-    own store (it lives in the driver; the runner's proxy on it only crosses the wire), else the
-    in-process SampleBuffer. Both answer ``snapshot``/``restore``."""
-    return r.buffer_service.buffer if getattr(r, "buffer_service", None) is not None else r.buffer
+if TYPE_CHECKING:  # annotations only
+    from controllers.async_controller import AsyncController
+    from controllers.scheduler import RolloutCore
 
 
-def driver_state(r: Any, version: int) -> dict:
+@dataclass
+class Durable:
+    """The parts of a run a checkpoint reads (beside the trainer's tensors) and a resume restores."""
+
+    buffer: RolloutBuffer
+    scheduler: RolloutCore
+    clock: Clock
+    guards: Guards
+    client: EngineClient
+    reward_pool: Any | None  # flash.rewards.workers.RewardPool
+    checkpointer: Checkpointer
+    files: RunFiles
+    train: Any  # the config's TrainConfig (a group or one trainer process)
+
+
+def driver_state(d: Durable, version: int) -> dict:
     """Everything but the trainer's tensors, at the quiet point after the weight push of ``version``."""
-    state = snapshot_rollout(rollout_buffer(r), r.scheduler)
+    state = snapshot_rollout(d.buffer.store, d.scheduler)
     state.update({
         "version": version,
-        "eval_initial": r.acc0,
-        # time/elapsed continues from here on resume
-        "elapsed": time.monotonic() - r.train_start if r.train_start is not None else 0.0,
-        "skips": {"total": r.skip_guard.total, "consecutive": r.skip_guard.consecutive},
-        "data_skipped": dict(r.input_guard.counts),
-        "faults": {"engine": r.supervisor.faults,
-                   "reward": r.reward_pool.faults if getattr(r, "reward_pool", None) is not None else 0},
+        "eval_initial": d.clock.acc0,
+        "elapsed": d.clock.elapsed(),  # time/elapsed continues from here on resume
+        "skips": {"total": d.guards.steps.total, "consecutive": d.guards.steps.consecutive},
+        "data_skipped": dict(d.guards.inputs.counts),
+        "faults": {"engine": d.client.faults, "reward": d.reward_pool.faults if d.reward_pool is not None else 0},
     })
     return state
 
 
-def on_update(r: Any, version: int) -> None:
+def on_update(d: Durable, version: int) -> None:
     """Controller hook: take the snapshot of a checkpoint that is due (steps done == version)."""
-    if r.checkpointer.due(version):
-        r.checkpointer.snapshot(version, driver_state(r, version))
+    if d.checkpointer.due(version):
+        d.checkpointer.snapshot(version, driver_state(d, version))
 
 
-def commit_checkpoint(r: Any) -> None:
+def commit_checkpoint(checkpointer: Checkpointer, files: RunFiles) -> None:
     """After the step's logs are written: the snapshot (if one was taken) goes to disk."""
-    files = {"ledger": r.ledger, "metrics": r.metrics_file, "timeline": r.timeline_file, "eval": r.eval_file}
-    r.checkpointer.commit(log_offsets(files))
+    checkpointer.commit(log_offsets(files.by_name()))
 
 
-def restore(r: Any, ckpt: Path, state: dict) -> int:
+def restore(d: Durable, roles: Roles, controller: AsyncController, ckpt: Path, state: dict) -> int:
     """Bring every role to the checkpoint; returns the step to continue from."""
-    check_trainer_files(ckpt, group=group_settings(r.cfg.train) is not None)
-    ray.get(r.trainer.load_checkpoint.remote(str(ckpt)))
+    check_trainer_files(ckpt, group=group_settings(d.train) is not None)
+    ray.get(roles.trainer.load_checkpoint.remote(str(ckpt)))
     version = int(state["version"])
-    ray.get(r.engine.pause.remote("continue"))
-    if r.model_update is not None:  # every replica, through the model-update group
-        r.model_update.push(version)
-        weights = r.trainer.get_weights.remote  # a restarted engine fetches them (flash.engine.client)
-    else:
-        weights = r.trainer.get_weights.remote()
-        ray.get(r.engine.update_weights.remote(weights, version))
-    ray.get(r.engine.resume.remote())
-    r.supervisor.pushed(weights, version)
-    r.controller.version = version
+    ray.get(roles.engine.pause.remote("continue"))
+    roles.model_update.push(version)  # every replica, through the model-update group
+    ray.get(roles.engine.resume.remote())
+    d.client.pushed(roles.trainer.get_weights.remote, version)  # a restarted engine fetches them
+    controller.version = version
     groups = [group_from_dict(g) for g in state["buffer"]]
-    rollout_buffer(r).restore(groups)
-    r.scheduler.load_state_dict(state["scheduler"], buffered_groups=groups)
-    r.skip_guard.total = state["skips"]["total"]
-    r.skip_guard.consecutive = state["skips"]["consecutive"]
-    r.input_guard.counts.update(state["data_skipped"])
-    r.supervisor.faults = state["faults"]["engine"]
-    if getattr(r, "reward_pool", None) is not None:  # faults/reward continues its curve
-        r.reward_pool.faults = state["faults"].get("reward", 0)
-    r.acc0 = state.get("eval_initial")
-    r.elapsed0 = state.get("elapsed", 0.0)
+    d.buffer.store.restore(groups)
+    d.scheduler.load_state_dict(state["scheduler"], buffered_groups=groups)
+    d.guards.steps.total = state["skips"]["total"]
+    d.guards.steps.consecutive = state["skips"]["consecutive"]
+    d.guards.inputs.counts.update(state["data_skipped"])
+    d.client.faults = state["faults"]["engine"]
+    if d.reward_pool is not None:  # faults/reward continues its curve
+        d.reward_pool.faults = state["faults"].get("reward", 0)
+    d.clock.acc0 = state.get("eval_initial")
+    d.clock.elapsed0 = state.get("elapsed", 0.0)
     return int(state["step"])

@@ -31,25 +31,18 @@ from controllers.tail_batching import TailBatchingScheduler
 from controllers.workflows.episode import Episodes
 from flash.app import resume as resume_mod
 from flash.app import run_state
+from flash.app.roles import Clock, Roles, RolloutBuffer, RunFiles, new_guards, start_roles
 from flash.checkpoint import Checkpointer, latest_valid, remove_partial
 from flash.app.config import FlashConfig, to_dict, to_yaml
 from flash.engine.base import SamplingParams
 from flash.errors import FlashError
-from flash.engine.client import EngineClient
-from flash.guards import InputGuard, SkipGuard
-from flash.engine.router import start_router
-from flash.placement import Placement, plan_placement
-from flash.weights.group import ModelUpdateGroup
+from flash.guards import InputGuard
 from flash.app.tracking import Progress, make_tracker
-from flash.train.critic import CriticSettings
 from controllers.episode_runtime import build_episode_scheduler, check_episode_config
 from flash.envs.task import EnvTask
 from flash.train.trainer import TrainerSettings
 from flash.train.fsdp import group_settings
-from flash.train.trainer_group import start_trainer_group
-from flash.cluster import init_ray, quiet, wait_ready
-from flash.engine.torch_worker import start_engine
-from flash.train.worker import start_critic, start_trainer
+from flash.cluster import quiet
 
 
 def default_cache_dir(cfg: FlashConfig) -> str:
@@ -143,13 +136,15 @@ def trainer_settings(cfg: FlashConfig) -> TrainerSettings:
 
 
 class Run:
-    """One training run's live parts, so ``run`` reads as its steps."""
+    """One training run's live parts, so ``run`` reads as its steps: the config and what it names
+    (task, tokenizer, initial checkpoint), the run directory and its logs, the roles, the rollout
+    (buffer, scheduler, controller), the guards, checkpoints and the clock."""
 
     def __init__(self, cfg: FlashConfig, recipe_name: str):
         from recipes.tasks import make_task
         from transformers import AutoTokenizer
 
-        self.t0 = time.monotonic()
+        self.clock = Clock()
         quiet()
         self.cfg = cfg
         resume_dir = resume_mod.resolve_resume(cfg.resume, recipe_name)
@@ -157,75 +152,34 @@ class Run:
             resume_mod.check_same_run(to_dict(cfg), resume_dir)
             cfg.run_dir = str(resume_dir)
         self.dir = make_run_dir(cfg, recipe_name)
-        self.ckpt, self.state = self._find_checkpoint(resume_dir)
+        self.resume_point = _find_checkpoint(self.dir, resume_dir is not None)
         (self.dir / "config.yaml").write_text(to_yaml(cfg))
         algos.load_plugins(list(cfg.plugins))
-        task_opts = {k: v for k, v in cfg.task.items() if k != "name"}
-        self.task = make_task(cfg.task["name"], **task_opts)
+        self.task = make_task(cfg.task["name"], **{k: v for k, v in cfg.task.items() if k != "name"})
         if isinstance(self.task, EnvTask):
             check_episode_config(cfg, self.task)
         self.model_path = prepare_model(cfg, self.task)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-        self.eval_items = self.task.eval_items()
-        mode = "a" if resume_dir is not None else "w"  # resumed: logs were cut back to the checkpoint
-        self.metrics_file = open(self.dir / "metrics.jsonl", mode)
-        self.timeline_file = open(self.dir / "timeline.jsonl", mode)  # per-step spans, `flash plot`
-        self.eval_file = open(self.dir / "eval.jsonl", mode)  # every held-out evaluation
-        self.ledger = open(self.dir / "ledger.jsonl", mode)
-        self.train_start: float | None = None
-        self.last_eval_s = 0.0
-        self.acc0: float | None = None
-        self.start_step = 0
-        self.elapsed0 = 0.0  # training seconds before a resume
-        self._start_roles()
-
-    def _find_checkpoint(self, resume_dir):
-        """(checkpoint dir, its state) to resume from, or (None, None): a fresh start."""
-        if resume_dir is None:
-            resume_mod.append_event(self.dir, "start")
-            return None, None
-        ckpt, skipped = latest_valid(self.dir / "checkpoints")
-        remove_partial(self.dir / "checkpoints")  # writes a kill interrupted: never read, now gone
-        state = resume_mod.load_state(ckpt) if ckpt is not None else None
-        resume_mod.restore_logs(self.dir, state["logs"] if state else None)
-        resume_mod.append_event(self.dir, "resume", checkpoint=str(ckpt) if ckpt else None,
-                                step=state["step"] if state else 0, skipped=skipped)
-        return ckpt, state
-
-    def _start_roles(self) -> None:
-        cfg = self.cfg
-        engine_threads, trainer_threads = resolve_threads(cfg)
-        plan = plan_placement(cfg.placement, engine=cfg.rollout.engine)
-        init_ray(cfg.ray.address, cfg.ray.num_cpus, num_gpus=cfg.placement.num_gpus)
-        self.placement = Placement.create(plan, cfg.placement.cpus_per_bundle)
-        settings = trainer_settings(cfg)
-        colocated = plan.colocated("actor_infer", "actor_train")
-        self._start_engines(plan, engine_threads, colocated)
-        self._start_trainer(settings, trainer_threads)
-        self.critic = None
-        if cfg.algo.advantage["name"] == "gae":  # the only estimator that reads values
-            self.critic = start_critic(self.model_path, CriticSettings(**dataclasses.asdict(cfg.critic)), cfg.seed,
-                                       trainer_threads)
-        wait_ready(self.engine, self.trainer, *([self.critic] if self.critic else []))
-        self._start_model_update()
+        self.files = RunFiles.open(self.dir, append=resume_dir is not None)  # resumed: cut back to the checkpoint
+        self.roles = start_roles(cfg, self.model_path, trainer_settings(cfg), resolve_threads(cfg))
         B = cfg.train.prompts_per_step
-        self.staleness = StalenessManager(cfg.async_ratio, B)
         # transport local: the in-process buffer; zmq: a BufferService here and a proxy on it
-        self.buffer, self.buffer_service = make_buffer(cfg.buffer, int(math.ceil((cfg.async_ratio + 2) * B)))
-        self.input_guard = InputGuard(max_prompt_tokens(cfg, self.model_path), strict=cfg.data.strict)
-        self.skip_guard = SkipGuard(cfg.train.max_consecutive_skips)
-        self.scheduler = self._make_scheduler()
-        self.scheduler.supervisor = self.supervisor
+        self.buffer = RolloutBuffer(*make_buffer(cfg.buffer, int(math.ceil((cfg.async_ratio + 2) * B))),
+                                    StalenessManager(cfg.async_ratio, B))
+        self.guards = new_guards(cfg, max_prompt_tokens(cfg, self.model_path))
+        self.reward_pool, self.scheduler = self._make_scheduler()
         self.controller = AsyncController(
-            self.engine, self.trainer, self.scheduler, self.buffer, self.staleness,
+            self.roles.engine, self.roles.trainer, self.scheduler, self.buffer.buffer, self.buffer.staleness,
             ControllerSettings(
                 prompts_per_step=B, interrupt=cfg.rollout.interrupt, advantage=dict(cfg.algo.advantage),
                 prox=prox_mode(cfg.algo.recompute_prox, cfg.async_ratio),
                 pad_id=self.tokenizer.pad_token_id or 0, stream=cfg.train.stream,
-                colocated=colocated,
+                colocated=self.roles.colocated,
             ),
-            ledger=self.ledger, critic=self.critic, model_update=self.model_update, supervisor=self.supervisor,
+            ledger=self.files.ledger, critic=self.roles.critic, model_update=self.roles.model_update,
+            supervisor=self.roles.client,
         )
+        self.checkpointer = Checkpointer(self.dir, cfg.checkpoint, self.roles.trainer, cfg.train.steps)
         self._start_durability()
         self._start_worker_faults()
 
@@ -233,108 +187,79 @@ class Run:
         """Reward and environment worker deaths (recovered in their pools) go to ``events.jsonl``;
         their pids too, so tests and benchmarks can kill one."""
         pids: dict[str, list[int]] = {}
-        env = self.scheduler.workflow if isinstance(self.scheduler.workflow, Episodes) else None
-        for name, part in (("reward", self.reward_pool), ("env", env)):
+        for name, part in (("reward", self.reward_pool), ("env", self._episodes())):
             if part is not None:
                 part.on_event = lambda event: resume_mod.append_event(self.dir, **event)
                 pids[f"{name}_pids"] = part.pids()
         if pids:
             resume_mod.append_event(self.dir, "workers_ready", **pids)
 
-    def _start_engines(self, plan, engine_threads: int, colocated: bool) -> None:
-        """The actor_infer replicas (they share the role's threads), behind a router when several."""
-        cfg = self.cfg
-        n = len(plan.workers["actor_infer"])
-        self.replicas = [start_engine(self.model_path, cfg.rollout.max_num_seqs, cfg.seed,
-                                      max(1, engine_threads // n), engine=cfg.rollout.engine,
-                                      options=self.placement.options("actor_infer", i), sleep_mode=colocated,
-                                      # Ray restarts a dead replica; flash.engine.client recovers its work
-                                      max_restarts=cfg.rollout.max_engine_restarts)
-                         for i in range(n)]
-        self.engine = self.replicas[0] if n == 1 else start_router(self.replicas, cfg.rollout.prompt_affinity,
-                                                                   cfg.rollout.hang_timeout_s)
-        # every engine call of the run goes through it: restarts up to max_engine_restarts (0: a
-        # fault stops the run at once, naming the knob)
-        self.supervisor = EngineClient(self.engine, cfg.rollout.hang_timeout_s, cfg.rollout.max_engine_restarts,
-                                       replicas=self.replicas if n > 1 else None)
-
-    def _start_trainer(self, settings, trainer_threads: int) -> None:
-        """One trainer process, or an FSDP2 group when ``train.workers`` > 1 (or a group knob) is set:
-        one rank per ``actor_train`` worker, each in its own devices' placement bundle."""
-        cfg = self.cfg
-        group = group_settings(cfg.train)
-        if group is None:
-            self.trainer = start_trainer(self.model_path, settings, cfg.seed, trainer_threads, list(cfg.plugins),
-                                         options=self.placement.options("actor_train", 0))
-        else:
-            ranks = [self.placement.options("actor_train", i) for i in range(group.workers)]
-            self.trainer = start_trainer_group(self.model_path, settings, group, cfg.seed, trainer_threads,
-                                               list(cfg.plugins), rank_options=ranks)
-
-    def _start_model_update(self) -> None:
-        """The model-update group from the trainer (a single process, or an FSDP2 group's rank 0) to
-        every engine replica; the backend follows the placement (``model_update.backend``)."""
-        self.model_update = ModelUpdateGroup(self.trainer, list(self.replicas), **vars(self.cfg.model_update))
-        self.model_update.setup()
+    def _episodes(self) -> Episodes | None:
+        workflow = self.scheduler.workflow
+        return workflow if isinstance(workflow, Episodes) else None
 
     def _make_scheduler(self):
-        """Episodes on EnvWorker actors for env tasks; else single-turn requests, scored by the
-        task's reward or by a reward-worker pool when ``reward.fn`` is set."""
-        cfg, params = self.cfg, sampling_params(self.cfg, self.tokenizer)
-        self.reward_pool = None
+        """(reward pool or None, scheduler): episodes on EnvWorker actors for env tasks; else
+        single-turn requests, scored by the task's reward or by a reward-worker pool when
+        ``reward.fn`` is set. Every engine call goes through the roles' engine client."""
+        cfg, params, client = self.cfg, sampling_params(self.cfg, self.tokenizer), self.roles.client
         if isinstance(self.task, EnvTask):  # multi-turn episodes on EnvWorker actors
-            return build_episode_scheduler(cfg, self.task, self.tokenizer, self.engine, self.buffer,
-                                           self.staleness, params)
+            return None, build_episode_scheduler(cfg, self.task, self.tokenizer, self.roles.engine,
+                                                 self.buffer.buffer, self.buffer.staleness, params, client)
         from flash.rewards.judge import with_default_model
         from flash.rewards.workers import pool_from_config
 
         # a judge without a model judges with the policy's initial checkpoint
         reward_cfg = dataclasses.replace(cfg.reward, fn=with_default_model(dict(cfg.reward.fn), self.model_path))
-        self.reward_pool = pool_from_config(reward_cfg, tuple(cfg.plugins), cfg.rollout.max_worker_restarts)
-        reward_fn = self.reward_pool.reward_fn() if self.reward_pool else None
+        pool = pool_from_config(reward_cfg, tuple(cfg.plugins), cfg.rollout.max_worker_restarts)
+        reward_fn = pool.reward_fn() if pool else None
         tail = cfg.rollout.scheduler == "tail_batching"
         cls, extra = (TailBatchingScheduler, {"tail": cfg.rollout.tail_batching}) if tail else (RolloutScheduler, {})
-        return cls(
-            self.engine, build_source(self.task, self.tokenizer, self.input_guard, reward_fn), self.buffer, self.staleness,
-            params, n=cfg.rollout.n, seed=cfg.seed,
+        return pool, cls(
+            self.roles.engine, build_source(self.task, self.tokenizer, self.guards.inputs, reward_fn),
+            self.buffer.buffer, self.buffer.staleness, params, n=cfg.rollout.n, seed=cfg.seed,
             reward_workers=cfg.rollout.reward_workers, inject_delay_s=cfg.rollout.inject_delay_s,
             queue_scheduling=cfg.rollout.queue_scheduling, redundancy=cfg.rollout.redundancy,
-            max_additional_prompts=cfg.rollout.max_additional_prompts, filters=cfg.rollout.filter, **extra,
+            max_additional_prompts=cfg.rollout.max_additional_prompts, filters=cfg.rollout.filter,
+            client=client, **extra,
         )
 
     def _start_durability(self) -> None:
         """Engine fault recovery, checkpoints, and the restore of a resumed run.
 
-        The supervisor (flash.engine.client, built with the engines) handles the engine, or each
-        replica behind the router, driven by the scheduler (single-turn requests or environment
-        episodes: each resubmits what a restarted engine lost, ``requeue_lost``). Checkpoints cover every setup
-        (flash.app.run_state: either buffer transport, one trainer or an FSDP2 group, single-turn
-        requests or environment episodes)."""
-        cfg = self.cfg
-        self.notes: list[str] = []
-        self.supervisor.requeue = self.scheduler.requeue_lost
-        self.supervisor.on_event = lambda event: resume_mod.append_event(self.dir, **event)
-        self.checkpointer = Checkpointer(self.dir, cfg.checkpoint, self.trainer, cfg.train.steps)
-        self.controller.on_update = lambda version: run_state.on_update(self, version)
-        if self.state is not None:
-            self.start_step = run_state.restore(self, self.ckpt, self.state)
-        pids = {"engine_pids": ray.get([r.pid.remote() for r in self.replicas])}
+        The engine client (flash.engine.client, built with the engines) handles the engine, or each
+        replica behind the router; a restarted one's lost work is asked again by the scheduler
+        (``requeue_lost``: single-turn requests or the turns episodes wait for). The client and the
+        scheduler need each other, so this is the one step that binds them. Checkpoints cover every
+        setup (flash.app.run_state)."""
+        client = self.roles.client
+        client.requeue = self.scheduler.requeue_lost
+        client.on_event = lambda event: resume_mod.append_event(self.dir, **event)
+        self.controller.on_update = lambda version: run_state.on_update(self.durable(), version)
+        if self.resume_point is not None:
+            self.clock.start_step = run_state.restore(self.durable(), self.roles, self.controller, *self.resume_point)
+        pids = {"engine_pids": ray.get([r.pid.remote() for r in self.roles.replicas])}
         pids["engine_pid"] = pids["engine_pids"][0]
-        if group_settings(cfg.train) is None:
-            pids["trainer_pid"] = ray.get(self.trainer.pid.remote())
-        resume_mod.append_event(self.dir, "roles_ready", step=self.start_step, **pids)
+        if group_settings(self.cfg.train) is None:
+            pids["trainer_pid"] = ray.get(self.roles.trainer.pid.remote())
+        resume_mod.append_event(self.dir, "roles_ready", step=self.clock.start_step, **pids)
+
+    def durable(self) -> run_state.Durable:
+        """What a checkpoint holds beside the trainer's tensors (flash.app.run_state)."""
+        return run_state.Durable(self.buffer, self.scheduler, self.clock, self.guards, self.roles.client,
+                                 self.reward_pool, self.checkpointer, self.files, self.cfg.train)
 
     def evaluate(self, tag: str, step: int = 0) -> float:
         """Held-out accuracy now; also a line in ``eval.jsonl`` (step, seconds since training began)."""
         start = time.monotonic()
         params = sampling_params(self.cfg, self.tokenizer, eval_mode=True)
-        rewards = self.scheduler.evaluate(self.eval_items, params, tag=tag, seed=self.cfg.seed + 991)
+        rewards = self.scheduler.evaluate(self.task.eval_items(), params, tag=tag, seed=self.cfg.seed + 991)
         acc = sum(1.0 for r in rewards if r > 0) / max(len(rewards), 1)
-        self.last_eval_s = time.monotonic() - start
-        elapsed = start - self.train_start if self.train_start is not None else 0.0
-        self.eval_file.write(json.dumps({"tag": tag, "step": step, "elapsed": elapsed, "accuracy": acc,
-                                         "seconds": self.last_eval_s}) + "\n")
-        self.eval_file.flush()
+        self.clock.last_eval_s = time.monotonic() - start
+        elapsed = start - self.clock.train_start if self.clock.train_start is not None else 0.0
+        self.files.eval.write(json.dumps({"tag": tag, "step": step, "elapsed": elapsed, "accuracy": acc,
+                                          "seconds": self.clock.last_eval_s}) + "\n")
+        self.files.eval.flush()
         return acc
 
     def close(self) -> None:
@@ -343,57 +268,59 @@ class Run:
         except RuntimeError as exc:  # the last checkpoint is the one before; say so, do not hide it
             print(f"flash: {exc}", flush=True)
         self.scheduler.stop()
-        self.ledger.close()
-        for f in (self.metrics_file, self.timeline_file, self.eval_file):
-            f.close()
-        if self.model_update is not None:
-            self.model_update.close()
-        for actor in dict.fromkeys([self.engine, *self.replicas, self.trainer, self.critic,
-                                    *(self.scheduler.workflow.workers if isinstance(self.scheduler.workflow, Episodes)
-                                      else [])]):
-            if actor is not None:
-                ray.kill(actor)
+        self.files.close()
+        episodes = self._episodes()
+        self.roles.close(episodes.workers if episodes is not None else [])
         if self.reward_pool is not None:
             self.reward_pool.close()
-        if self.buffer_service is not None:
-            self.buffer.disconnect()
-            self.buffer_service.stop()
-        self.placement.remove()
+        self.buffer.close()
+
+
+def _find_checkpoint(run_dir: Path, resuming: bool) -> tuple[Path, dict] | None:
+    """(checkpoint dir, its state) to resume from, or None: a fresh start."""
+    if not resuming:
+        resume_mod.append_event(run_dir, "start")
+        return None
+    ckpt, skipped = latest_valid(run_dir / "checkpoints")
+    remove_partial(run_dir / "checkpoints")  # writes a kill interrupted: never read, now gone
+    state = resume_mod.load_state(ckpt) if ckpt is not None else None
+    resume_mod.restore_logs(run_dir, state["logs"] if state else None)
+    resume_mod.append_event(run_dir, "resume", checkpoint=str(ckpt) if ckpt else None,
+                            step=state["step"] if state else 0, skipped=skipped)
+    return (ckpt, state) if ckpt is not None else None
 
 
 def run(cfg: FlashConfig, recipe_name: str = "run") -> dict:
     """Train as configured; returns (and writes) the run summary."""
     r = Run(cfg, recipe_name)
-    start = r.start_step
-    tracker = make_tracker(cfg.tracking, str(r.dir), config=to_dict(cfg), purge_step=start + 1 if r.ckpt else None)
+    start = r.clock.start_step
+    tracker = make_tracker(cfg.tracking, str(r.dir), config=to_dict(cfg), purge_step=start + 1 if r.resume_point else None)
     progress = Progress(cfg.train.steps, cfg.tracking.progress)
-    progress.write(f"flash: run dir {r.dir}" + (f" (resumed at step {start} from {r.ckpt})" if r.ckpt else ""))
-    if r.placement.plan.num_gpus or len(r.replicas) > 1:
-        progress.write(f"flash: {r.placement.plan.describe()}")
-    for line in r.notes:
-        progress.write(line)
+    progress.write(f"flash: run dir {r.dir}" + (f" (resumed at step {start} from {r.resume_point[0]})" if r.resume_point else ""))
+    if r.roles.placement.plan.num_gpus or len(r.roles.replicas) > 1:
+        progress.write(f"flash: {r.roles.placement.plan.describe()}")
     try:
         r.scheduler.start()
-        if r.acc0 is None:
-            r.acc0 = r.evaluate("initial")
-            tracker.log({"eval/accuracy": r.acc0, "time/eval": r.last_eval_s}, 0)
-        acc0 = r.acc0
+        if r.clock.acc0 is None:
+            r.clock.acc0 = r.evaluate("initial")
+            tracker.log({"eval/accuracy": r.clock.acc0, "time/eval": r.clock.last_eval_s}, 0)
+        acc0 = r.clock.acc0
         progress.write(f"flash: held-out accuracy before training {acc0:.3f}")
         if start < cfg.train.steps:
             r.scheduler.set_version(r.controller.version)
         r.scheduler.start_admission()
-        train_start = r.train_start = time.monotonic() - r.elapsed0
+        train_start = r.clock.train_start = time.monotonic() - r.clock.elapsed0
         try:
             records = r.controller.run(cfg.train.steps, on_step=lambda rec: _on_step(r, rec, tracker, progress),
                                        start=start)
         except RayActorError as exc:  # engine, reward and env faults are recovered (flash.engine.client, pools)
-            raise TrainerDied(f"the {_dead_role(r, exc)} died ({exc.__class__.__name__}); the run stopped. "
+            raise TrainerDied(f"the {_dead_role(r.roles, exc)} died ({exc.__class__.__name__}); the run stopped. "
                               f"Resume from its last checkpoint: flash run {recipe_name} resume={r.dir}") from exc
         r.checkpointer.wait()
         train_s = time.monotonic() - train_start
         left = r.controller.shutdown_rollout()
         acc1 = r.evaluate("final", cfg.train.steps)
-        tracker.log({"eval/accuracy": acc1, "time/eval": r.last_eval_s}, cfg.train.steps)
+        tracker.log({"eval/accuracy": acc1, "time/eval": r.clock.last_eval_s}, cfg.train.steps)
         progress.write(f"flash: held-out accuracy after training {acc1:.3f}")
     finally:
         progress.close()
@@ -404,12 +331,12 @@ def run(cfg: FlashConfig, recipe_name: str = "run") -> dict:
     return summary
 
 
-def _dead_role(r: Run, exc: RayActorError) -> str:
+def _dead_role(roles: Roles, exc: RayActorError) -> str:
     """Which of the run's actors a RayActorError names (the message a user acts on): the trainer
     unless the error's actor id is another role's."""
     dead = getattr(exc, "actor_id", None)
-    roles = {"critic worker": [r.critic], "rollout engine": [r.engine, *r.replicas]}
-    for role, actors in roles.items():
+    named = {"critic worker": [roles.critic], "rollout engine": [roles.engine, *roles.replicas]}
+    for role, actors in named.items():
         if dead and any(a is not None and a._actor_id.hex() == dead for a in actors):
             return role
     return "trainer worker"
@@ -427,34 +354,34 @@ def _on_step(r: Run, rec, tracker, progress) -> None:
     logged = dict(rec.metrics)
     if every and step % every == 0 and step < r.cfg.train.steps:
         rec.metrics["eval/accuracy"] = r.evaluate(f"step{step}", step)
-        logged.update({"eval/accuracy": rec.metrics["eval/accuracy"], "time/eval": r.last_eval_s})
-    logged["time/elapsed"] = time.monotonic() - r.train_start
+        logged.update({"eval/accuracy": rec.metrics["eval/accuracy"], "time/eval": r.clock.last_eval_s})
+    logged["time/elapsed"] = time.monotonic() - r.clock.train_start
     if r.reward_pool is not None:  # reward/calls, reward/failures/<reason>, sandbox/timeout/T/...
         logged.update(r.reward_pool.metrics())
-    if r.buffer_service is not None:  # zmq transport: puts, gets, bytes, rejected_<reason>, ...
-        logged.update({f"buffer/{k}": v for k, v in r.buffer_service.stats().items() if k != "depth"})
-    logged.update(r.skip_guard.update(step, rec.metrics.get("train/skipped", 0.0) > 0,
+    if r.buffer.service is not None:  # zmq transport: puts, gets, bytes, rejected_<reason>, ...
+        logged.update({f"buffer/{k}": v for k, v in r.buffer.service.stats().items() if k != "depth"})
+    logged.update(r.guards.steps.update(step, rec.metrics.get("train/skipped", 0.0) > 0,
                                       rec.metrics.get("train/loss", 0.0), rec.metrics.get("train/grad_norm", 0.0)))
-    logged.update({**r.input_guard.metrics(), **r.checkpointer.metrics()})
-    logged.update(r.supervisor.metrics())
+    logged.update({**r.guards.inputs.metrics(), **r.checkpointer.metrics()})
+    logged.update(r.roles.client.metrics())
     tracker.log(logged, step)
-    r.metrics_file.write(json.dumps({"step": step, **logged}) + "\n")
-    r.metrics_file.flush()
-    r.timeline_file.write(json.dumps({"step": step, **rec.timeline}) + "\n")
-    r.timeline_file.flush()
-    run_state.commit_checkpoint(r)
+    r.files.metrics.write(json.dumps({"step": step, **logged}) + "\n")
+    r.files.metrics.flush()
+    r.files.timeline.write(json.dumps({"step": step, **rec.timeline}) + "\n")
+    r.files.timeline.flush()
+    run_state.commit_checkpoint(r.checkpointer, r.files)
     progress.update(logged)
 
 
 def _summary(cfg, r: Run, records, acc0, acc1, train_s, left) -> dict:
-    steps = r.start_step + len(records)  # a resumed run: all of its steps (train_s spans them too)
+    steps = r.clock.start_step + len(records)  # a resumed run: all of its steps (train_s spans them too)
     trained = sum(len(g.samples) for rec in records for g in rec.groups)
     phase_keys = sorted({k for rec in records for k in rec.metrics if k.startswith("time/")})
     return {
         "eval_accuracy_initial": acc0,
         "eval_accuracy_final": acc1,
         "steps": steps,
-        "wall_seconds": time.monotonic() - r.t0,
+        "wall_seconds": time.monotonic() - r.clock.t0,
         "train_seconds": train_s,
         "seconds_per_step": train_s / max(steps, 1),
         "samples_trained": trained,
@@ -465,12 +392,12 @@ def _summary(cfg, r: Run, records, acc0, acc1, train_s, left) -> dict:
         "prompts_admitted": r.scheduler.admitted,
         "prompts_unfinished": {k: len(v) for k, v in left.items()},
         "reward_errors": r.scheduler.counters["reward_errors"],
-        "resumed_from_step": r.start_step if r.ckpt else None,
-        "faults_engine": r.supervisor.faults,
+        "resumed_from_step": r.clock.start_step if r.resume_point else None,
+        "faults_engine": r.roles.client.faults,
         "faults_reward": r.reward_pool.faults if r.reward_pool is not None else 0,
         "faults_env": r.scheduler.counters.get("faults_env", 0),
-        "train_skipped_nonfinite": r.skip_guard.total,
-        "data_skipped": dict(r.input_guard.counts),
+        "train_skipped_nonfinite": r.guards.steps.total,
+        "data_skipped": dict(r.guards.inputs.counts),
         "checkpoint": dict(r.checkpointer.last),
         "request_errors": r.scheduler.counters["request_errors"],
         "rollout_counters": dict(r.scheduler.counters),

@@ -1,0 +1,179 @@
+"""The compute roles of a run and the small typed records the runner keeps them in.
+
+``start_roles`` places and starts the actors a config asks for -- the ``actor_infer`` replicas
+(behind a router when several) with the ``EngineClient`` every engine call goes through, the
+trainer (one process or an FSDP2 group), the critic for GAE, the model-update group -- and
+``Roles.close`` stops them. ``RunFiles`` are the run directory's append-only logs, ``Clock`` the
+run's timing and initial accuracy (both continue across a resume), ``Guards`` the input and
+non-finite-step guards. Kept out of ``flash.app.runner`` so the runner reads as its steps and
+``flash.app.run_state`` can read these parts by type.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import ray
+
+from controllers.staleness import StalenessManager
+from flash.app.config import FlashConfig
+from flash.cluster import init_ray, wait_ready
+from flash.engine.client import EngineClient
+from flash.engine.router import start_router
+from flash.engine.torch_worker import start_engine
+from flash.guards import InputGuard, SkipGuard
+from flash.placement import Placement, Plan, plan_placement
+from flash.train.critic import CriticSettings
+from flash.train.fsdp import group_settings
+from flash.train.trainer import TrainerSettings
+from flash.train.trainer_group import start_trainer_group
+from flash.train.worker import start_critic, start_trainer
+from flash.weights.group import ModelUpdateGroup
+
+
+@dataclass
+class Roles:
+    """The run's actors. ``engine`` is the one replica or the router in front of ``replicas``."""
+
+    placement: Placement
+    replicas: list
+    engine: Any
+    client: EngineClient
+    trainer: Any
+    critic: Any | None
+    model_update: ModelUpdateGroup
+    colocated: bool
+
+    def actors(self) -> list:
+        return [a for a in dict.fromkeys([self.engine, *self.replicas, self.trainer, self.critic]) if a is not None]
+
+    def close(self, extra_actors: list = ()) -> None:
+        self.model_update.close()
+        for actor in dict.fromkeys([*self.actors(), *extra_actors]):
+            ray.kill(actor)
+        self.placement.remove()
+
+
+@dataclass
+class RunFiles:
+    """The run directory's logs: appended on resume (cut back to the checkpoint first)."""
+
+    metrics: IO[str]
+    timeline: IO[str]  # per-step spans, `flash plot`
+    eval: IO[str]  # every held-out evaluation
+    ledger: IO[str]  # one line per sample outcome
+
+    @classmethod
+    def open(cls, run_dir: Path, append: bool) -> RunFiles:
+        mode = "a" if append else "w"
+        return cls(*(open(run_dir / f"{name}.jsonl", mode) for name in ("metrics", "timeline", "eval", "ledger")))
+
+    def by_name(self) -> dict[str, IO[str]]:
+        return {"ledger": self.ledger, "metrics": self.metrics, "timeline": self.timeline, "eval": self.eval}
+
+    def close(self) -> None:
+        for f in self.by_name().values():
+            f.close()
+
+
+@dataclass
+class Clock:
+    """When the run started and trained, and its first held-out accuracy (kept by checkpoints)."""
+
+    t0: float = field(default_factory=time.monotonic)
+    train_start: float | None = None
+    elapsed0: float = 0.0  # training seconds before a resume
+    last_eval_s: float = 0.0
+    acc0: float | None = None
+    start_step: int = 0
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.train_start if self.train_start is not None else 0.0
+
+
+@dataclass
+class RolloutBuffer:
+    """The SampleBuffer the roles exchange groups through, the zmq service behind it (or None: the
+    in-process buffer) and the staleness rule that bounds what is in it."""
+
+    buffer: Any  # SampleBuffer, or a RemoteSampleBuffer on ``service``
+    service: Any | None
+    staleness: StalenessManager
+
+    @property
+    def store(self):
+        """The buffer a checkpoint reads and a resume fills: with ``buffer.transport=zmq`` the
+        service's own store (it lives in the driver; the proxy on it only crosses the wire), else
+        the in-process SampleBuffer. Both answer ``snapshot``/``restore``."""
+        return self.service.buffer if self.service is not None else self.buffer
+
+    def close(self) -> None:
+        if self.service is not None:
+            self.buffer.disconnect()
+            self.service.stop()
+
+
+@dataclass
+class Guards:
+    inputs: InputGuard  # malformed, empty or too long prompts
+    steps: SkipGuard  # non-finite losses or gradients
+
+
+def start_roles(cfg: FlashConfig, model_path: str, settings: TrainerSettings,
+                threads: tuple[int, int]) -> Roles:
+    """Place and start every role, wait until each answers, form the model-update group."""
+    engine_threads, trainer_threads = threads
+    plan = plan_placement(cfg.placement, engine=cfg.rollout.engine)
+    init_ray(cfg.ray.address, cfg.ray.num_cpus, num_gpus=cfg.placement.num_gpus)
+    placement = Placement.create(plan, cfg.placement.cpus_per_bundle)
+    colocated = plan.colocated("actor_infer", "actor_train")
+    replicas, engine, client = _start_engines(cfg, plan, placement, model_path, engine_threads, colocated)
+    trainer = _start_trainer(cfg, placement, model_path, settings, trainer_threads)
+    critic = None
+    if cfg.algo.advantage["name"] == "gae":  # the only estimator that reads values
+        critic = start_critic(model_path, CriticSettings(**dataclasses.asdict(cfg.critic)), cfg.seed, trainer_threads)
+    wait_ready(engine, trainer, *([critic] if critic else []))
+    # from the trainer (a single process, or an FSDP2 group's rank 0) to every engine replica;
+    # the backend follows the placement (``model_update.backend``)
+    model_update = ModelUpdateGroup(trainer, list(replicas), **vars(cfg.model_update))
+    model_update.setup()
+    return Roles(placement, replicas, engine, client, trainer, critic, model_update, colocated)
+
+
+def _start_engines(cfg: FlashConfig, plan: Plan, placement: Placement, model_path: str,
+                   engine_threads: int, colocated: bool) -> tuple[list, Any, EngineClient]:
+    """The actor_infer replicas (they share the role's threads), behind a router when several, and
+    the engine client: restarts up to ``max_engine_restarts`` (0: a fault stops the run at once,
+    naming the knob)."""
+    n = len(plan.workers["actor_infer"])
+    replicas = [start_engine(model_path, cfg.rollout.max_num_seqs, cfg.seed, max(1, engine_threads // n),
+                             engine=cfg.rollout.engine, options=placement.options("actor_infer", i),
+                             sleep_mode=colocated,
+                             # Ray restarts a dead replica; flash.engine.client recovers its work
+                             max_restarts=cfg.rollout.max_engine_restarts)
+                for i in range(n)]
+    engine = replicas[0] if n == 1 else start_router(replicas, cfg.rollout.prompt_affinity, cfg.rollout.hang_timeout_s)
+    client = EngineClient(engine, cfg.rollout.hang_timeout_s, cfg.rollout.max_engine_restarts,
+                          replicas=replicas if n > 1 else None)
+    return replicas, engine, client
+
+
+def _start_trainer(cfg: FlashConfig, placement: Placement, model_path: str, settings: TrainerSettings,
+                   trainer_threads: int):
+    """One trainer process, or an FSDP2 group when ``train.workers`` > 1 (or a group knob) is set:
+    one rank per ``actor_train`` worker, each in its own devices' placement bundle."""
+    group = group_settings(cfg.train)
+    if group is None:
+        return start_trainer(model_path, settings, cfg.seed, trainer_threads, list(cfg.plugins),
+                             options=placement.options("actor_train", 0))
+    ranks = [placement.options("actor_train", i) for i in range(group.workers)]
+    return start_trainer_group(model_path, settings, group, cfg.seed, trainer_threads, list(cfg.plugins),
+                               rank_options=ranks)
+
+
+def new_guards(cfg: FlashConfig, max_prompt_tokens: int) -> Guards:
+    return Guards(InputGuard(max_prompt_tokens, strict=cfg.data.strict), SkipGuard(cfg.train.max_consecutive_skips))
