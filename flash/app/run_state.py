@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import ray
 
@@ -25,6 +25,8 @@ from flash.train.fsdp import group_settings
 if TYPE_CHECKING:  # annotations only
     from controllers.async_controller import AsyncController
     from controllers.scheduler import RolloutCore
+    from flash.app.config import TrainConfig
+    from flash.rewards.workers import RewardPool
 
 
 @dataclass
@@ -36,10 +38,10 @@ class Durable:
     clock: Clock
     guards: Guards
     client: EngineClient
-    reward_pool: Any | None  # flash.rewards.workers.RewardPool
+    reward_pool: RewardPool | None
     checkpointer: Checkpointer
     files: RunFiles
-    train: Any  # the config's TrainConfig (a group or one trainer process)
+    train: TrainConfig  # one trainer process or an FSDP2 group
 
 
 def driver_state(d: Durable, version: int) -> dict:
