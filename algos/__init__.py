@@ -7,7 +7,10 @@ Estimators (``compute_advantages``): grpo, dr_grpo, rloo, reinforce_pp (alias re
 every estimator also takes ``whiten`` and ``clip``.
 
 Plugins: ``@register_loss`` / ``@register_advantage`` in a user module named to ``load_plugins``,
-or a ``flash.losses`` / ``flash.advantages`` entry point (loaded on first lookup).
+or a ``flash.losses`` / ``flash.advantages`` entry point (loaded on first lookup). ``registry``
+holds the one ``Registry`` type that rewards, tasks and environments use too.
+
+A leaf: imports nothing of the project; every layer above may import it.
 """
 
 from .aggregate import AGGREGATIONS, aggregate, masked_mean

@@ -1,5 +1,9 @@
-"""Environments for agentic, multi-turn RL: the protocol and registry, a native text game,
-a Gymnasium adapter, episodes as token sequences, and the environment worker actor."""
+"""Environments for agentic, multi-turn RL: the protocol and registry (``base``), a native text
+game (``corridor``), a Gymnasium adapter (``gym``), episodes as token sequences (``episode``),
+environments as tasks (``task``), and the environment worker actor (``worker``).
+
+A component: imported by ``controllers`` (the episode workflow), ``recipes`` and ``flash.app``;
+imports the shared ``flash`` modules and the leaves, never ``recipes``."""
 
 from flash.envs import corridor, gym  # noqa: F401  (registers the built-in environments)
 from flash.envs.base import (
