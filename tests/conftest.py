@@ -10,3 +10,17 @@ import os
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+import pytest  # noqa: E402  (after the environment above: it must precede torch and Ray)
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    """A local Ray on 2 CPUs for one test module (started once, shut down after its last test)."""
+    import ray
+
+    from flash.cluster import init_ray
+
+    init_ray(None, num_cpus=2)
+    yield
+    ray.shutdown()

@@ -29,7 +29,7 @@ import zmq
 from buffers.client import BufferProducer, BufferUnavailable, RemoteSampleBuffer
 from buffers.service import BufferService
 from buffers.wire import WireError, encode_group, unpack
-from tests.test_buffer_service import MB, _raw_socket, answers, make_group, put_parts, same
+from tests.helpers.wire import MB, _raw_socket, answers, make_group, put_parts, same
 
 
 def _spoiled(pid: int) -> bytes:

@@ -75,20 +75,12 @@ def test_zmq_store_round_trips_through_a_checkpoint_and_new_puts_still_count_onc
 
 # ---------------------------------------------------------------- FSDP2 trainer group
 
-@pytest.fixture(scope="module")
-def ray_session():
-    from flash.cluster import init_ray
-
-    init_ray(None, num_cpus=2)
-    yield
-    ray.shutdown()
-
 
 @pytest.mark.slow
 def test_group_checkpoint_is_written_beside_training_covered_by_the_manifest_and_reshards(
-        ray_session, tmp_path):
+        ray_local, tmp_path):
     from flash.models import TinyModelConfig, build_tiny_model, build_tokenizer
-    from tests.test_fsdp_trainer import make_batch, settings, start_group
+    from tests.helpers.train import make_batch, settings, start_group
 
     tok = build_tokenizer()
     model = build_tiny_model(tok, TinyModelConfig(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=2,

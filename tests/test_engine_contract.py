@@ -29,29 +29,14 @@ import torch
 from buffers.types import Sample
 from flash.train.batch import collate
 from flash.engine.base import ENGINE_PROTOCOLS, GenerationRequest, SamplingParams, UpdateTarget
-from flash.models import TinyModelConfig, build_tiny_model, build_tokenizer
 from flash.train.trainer import token_logprobs
-from flash.cluster import init_ray, wait_ready
+from flash.cluster import wait_ready
 from flash.engine.torch_worker import start_engine
+from tests.helpers.models import PROMPTS, hf_greedy, make_model
 
 ENGINES = ["torch", "vllm"]
 LOGPROB_ATOL = 1e-4  # |engine − trainer| per token, fp32 on CPU (measured: ~1e-6)
-PROMPTS = [[1, 5, 6, 7], [1, 9], [1, 20, 21, 22, 23, 24, 25, 26, 27, 28], [1, 40, 41, 12, 13, 14]]
 LONG = 200  # tokens of a request that must still be running when the test interrupts it
-
-
-def make_model(seed: int):
-    """The tiny Qwen2 policy (tied embeddings, GQA) with weights at std 0.2."""
-    tokenizer = build_tokenizer()
-    cfg = TinyModelConfig(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128,
-                          max_positions=256, seed=seed)
-    model = build_tiny_model(tokenizer, cfg).eval()
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.ndim == 2:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
-    return tokenizer, model
 
 
 @pytest.fixture(scope="module")
@@ -64,13 +49,6 @@ def models(tmp_path_factory):
     a.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return str(path), a, b
-
-
-@pytest.fixture(scope="module")
-def ray_local():
-    init_ray(None, num_cpus=2)
-    yield
-    ray.shutdown()
 
 
 @pytest.fixture(scope="module", params=ENGINES)
@@ -104,8 +82,11 @@ def protocol_methods(proto) -> list[str]:
 
 def params(fn) -> list[tuple]:
     """A method's parameters after ``self``: name, kind and default (annotations are not compared:
-    they are strings under ``from __future__ import annotations``)."""
-    return [(p.name, p.kind, p.default) for p in list(inspect.signature(fn).parameters.values())[1:]]
+    they are strings under ``from __future__ import annotations``). Ray's ``_ray_trace_ctx``, which
+    ``ray.remote(cls)`` adds to a class's methods in place once an actor of it was started in this
+    process, is not part of the contract."""
+    return [(p.name, p.kind, p.default) for p in list(inspect.signature(fn).parameters.values())[1:]
+            if p.name != "_ray_trace_ctx"]
 
 
 @pytest.mark.parametrize("name", ["torch", "vllm", "router", "scripted"])
@@ -152,14 +133,6 @@ def collect(engine, ids, timeout=120.0) -> dict:
 def run(engine, requests) -> dict:
     ray.get(engine.submit.remote(requests))
     return collect(engine, [r.request_id for r in requests])
-
-
-def hf_greedy(model, prompt, n) -> list[int]:
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n,
-                             min_new_tokens=n, pad_token_id=0, eos_token_id=None)
-    return out[0, len(prompt):].tolist()
 
 
 def tokens_after(engine, base: float, k: int, timeout=60.0) -> None:

@@ -25,7 +25,7 @@ from flash.checkpoint import latest_valid
 from flash.engine.client import EngineClient, EngineFailed
 from flash.engine.loop import EngineLoopError
 from flash.engine.router import ReplicaError
-from tests.test_resume_e2e import STEPS, B, N, finish, launch, read_jsonl, wait_for
+from tests.helpers.processes import STEPS, B, N, finish, launch, read_jsonl, wait_for
 
 
 class FakeEngine:

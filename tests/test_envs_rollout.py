@@ -28,11 +28,10 @@ from flash.train.sft import SFTConfig, warm_start
 from flash.cluster import init_ray, load_model, wait_ready
 from flash.engine.torch_worker import start_engine
 from recipes.tasks import make_task
+from tests.helpers.processes import TINY_OVERRIDES
 
 TINY = TinyModelConfig(hidden_size=64, num_layers=1, num_heads=2, num_kv_heads=2, intermediate_size=64,
                        max_positions=128)
-TINY_OVERRIDES = ["model.tiny.num_layers=1", "model.tiny.intermediate_size=64", "sft.steps=80",
-                  "sft.eval_after=false"]
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,6 @@ from controllers.episode_runtime import EpisodeScheduler
 from controllers.filters import FilterConfig
 from controllers.staleness import StalenessManager
 from controllers.workflows.episode import EpisodeCodec
-from flash.cluster import init_ray
 from flash.engine.base import SamplingParams
 from flash.envs.worker import start_env_workers
 from recipes.tasks import make_task
@@ -29,13 +28,6 @@ from tests.scripted_engine import CorridorPlayer
 CODEC = EpisodeCodec(encode_prompt=lambda text: [ord(c) for c in text],
                      encode_observation=lambda text: [ord(c) for c in text],
                      decode=lambda ids: "".join(map(chr, ids)))
-
-
-@pytest.fixture(scope="module")
-def ray_session():
-    init_ray(None, 2)
-    yield
-    ray.shutdown()
 
 
 def make(delays=None, bad=(), *, B=2, r=0.0, n=2, **kw):
@@ -66,7 +58,7 @@ def teardown(sched, engine, workers):
         ray.kill(actor)
 
 
-@pytest.mark.usefixtures("ray_session")
+@pytest.mark.usefixtures("ray_local")
 def test_redundant_episodes_keep_the_first_n_and_release_the_rest():
     """n = 2 of 4 episodes per seed: 0 and 2 play fast, 1 and 3 take 2 s a turn; 1 and 3 are
     cancelled once 0 and 2 finish -- their pending turn aborted, their environments released."""
@@ -88,7 +80,7 @@ def test_redundant_episodes_keep_the_first_n_and_release_the_rest():
     teardown(sched, engine, workers)
 
 
-@pytest.mark.usefixtures("ray_session")
+@pytest.mark.usefixtures("ray_local")
 def test_filtered_episode_groups_free_their_slot_and_are_counted():
     """Seed 0's episodes all fail (rewards 0, 0): ``all_same_reward`` drops the group, counts it,
     and the slot goes to seed 2; the batch is seeds 1 and 2 (mixed rewards), all at version 0."""
@@ -108,7 +100,7 @@ def test_filtered_episode_groups_free_their_slot_and_are_counted():
     teardown(sched, engine, workers)
 
 
-@pytest.mark.usefixtures("ray_session")
+@pytest.mark.usefixtures("ray_local")
 def test_a_spare_episode_group_replaces_a_filtered_one_without_breaking_the_bound():
     """One spare beyond the bound: seed 2 starts while seed 0 (slow, all failing) still plays; when
     seed 0 is filtered the spare's finished group takes its slot. The next spare (seed 3) then

@@ -17,9 +17,8 @@ from buffers import Sample
 from flash.train.batch import collate
 from flash.train.fsdp import GroupSettings
 from flash.train.microbatch import equalize, micro_batches, plan_batch, shard_rows
-from flash.train.trainer import Trainer, TrainerSettings
-
-LR = 1e-3
+from flash.train.trainer import Trainer
+from tests.helpers.train import LR, make_batch, settings, start_group
 
 
 # ---------------------------------------------------------------- planning (pure, no processes)
@@ -153,14 +152,6 @@ def test_kl_reference_is_a_sharded_copy_of_the_initial_weights(model_dir, one_ra
 
 # ---------------------------------------------------------------- the group (Ray processes)
 
-@pytest.fixture(scope="module")
-def ray_session():
-    from flash.cluster import init_ray
-
-    init_ray(None, num_cpus=2)
-    yield
-    ray.shutdown()
-
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
@@ -173,34 +164,6 @@ def model_dir(tmp_path_factory):
     model.save_pretrained(path)
     tok.save_pretrained(path)
     return str(path)
-
-
-def make_batch(seed=0, n=7, vocab=40):
-    """Rows of mixed lengths; behaviour logprobs off the policy so the ratio terms are non-trivial."""
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for i in range(n):
-        p = torch.randint(4, vocab, (int(torch.randint(2, 6, (1,), generator=g)),), generator=g).tolist()
-        r = torch.randint(4, vocab, (int(torch.randint(1, 12, (1,), generator=g)),), generator=g).tolist()
-        out.append(Sample(prompt_id=i // 2, sample_index=i % 2, prompt_ids=p, response_ids=r,
-                          behav_logprobs=[-3.0 - 0.1 * j for j in range(len(r))], versions=[0] * len(r),
-                          reward=float(i % 3 == 0)))
-    batch = collate(out)
-    adv = torch.randn(batch.mask.shape, generator=torch.Generator().manual_seed(seed + 1)) * batch.mask
-    return batch, adv
-
-
-def settings(agg="token-mean", **kw):
-    base = dict(lr=LR, weight_decay=0.0, betas=(0.9, 0.999), grad_clip=100.0, micro_batch_size=64,
-                temperature=0.7, loss={"name": "decoupled_ppo"}, agg=agg)
-    base.update(kw)
-    return TrainerSettings(**base)
-
-
-def start_group(model_dir, s, **group):
-    from flash.train.trainer_group import start_trainer_group
-
-    return start_trainer_group(model_dir, s, GroupSettings(**group), seed=0, threads=2, plugins=[])
 
 
 def reference_run(model_dir, s, batch, adv):
@@ -251,10 +214,9 @@ def assert_same_run(got, want, initial):
     assert moved > LR  # the steps did move the weights (two AdamW steps of ~lr each)
 
 
-
 @pytest.mark.slow
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
-def test_two_workers_equal_one_worker_and_the_plain_trainer(ray_session, model_dir, agg):
+def test_two_workers_equal_one_worker_and_the_plain_trainer(ray_local, model_dir, agg):
     """2 FSDP2 ranks with a small token budget (several micro-batches, accumulation, uneven
     counts; step 2 fed in two parts, as the stream trainer does) == 1 rank with one micro-batch ==
     the single-process Trainer, over two steps."""
@@ -283,7 +245,7 @@ def hf_logprobs(model, batch, temperature=0.7):
 
 
 @pytest.mark.slow
-def test_checkpoint_round_trip_and_hf_export(ray_session, model_dir, tmp_path):
+def test_checkpoint_round_trip_and_hf_export(ray_local, model_dir, tmp_path):
     """Activation checkpointing on (same loss as the plain Trainer); DCP save -> step -> load ->
     the same step gives bit-identical weights (model *and* AdamW moments restored); a one-rank
     group loads the two-rank checkpoint; the HF export loads in transformers with the group's
@@ -358,13 +320,13 @@ def test_group_knobs_are_strict_and_route_to_the_group():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("stream", [False, True])
-def test_controller_through_a_two_worker_group_is_the_plain_synchronous_loop(tmp_path, ray_session, stream):
+def test_controller_through_a_two_worker_group_is_the_plain_synchronous_loop(tmp_path, ray_local, stream):
     """The real controller, engine and a 2-rank group (token budget on): the same samples and
     losses as the textbook loop with the plain Trainer, step for step; also when the stream
     trainer feeds the group each prompt's group as it finishes."""
     from flash.train.batch import flatten
     from flash.app.runner import Run
-    from tests.test_controller_e2e import plain_sync_loop, small_cfg
+    from tests.helpers.inproc import plain_sync_loop, small_cfg
 
     cfg = small_cfg(tmp_path / "run", str(tmp_path / "cache"), "async_ratio=0", "algo.loss.name=ppo",
                     "train.workers=2", "train.micro_tokens=96", f"train.stream={stream}")
@@ -385,7 +347,7 @@ def test_controller_through_a_two_worker_group_is_the_plain_synchronous_loop(tmp
 
 
 @pytest.mark.slow
-def test_vllm_serves_the_hf_export(ray_session, model_dir, tmp_path):
+def test_vllm_serves_the_hf_export(ray_local, model_dir, tmp_path):
     """vLLM loads the exported folder and samples with the trained weights' logprobs."""
     import importlib.util
 
@@ -428,7 +390,7 @@ def test_vllm_serves_the_hf_export(ray_session, model_dir, tmp_path):
 
 
 @pytest.mark.slow
-def test_two_workers_in_bf16_over_gloo(ray_session, model_dir):
+def test_two_workers_in_bf16_over_gloo(ray_local, model_dir):
     """bf16 all-gathers between two processes (fp32 gradient reduction and master weights): the
     loss is the fp32 loss to bf16 precision, and the gathered weights stay fp32."""
     batch, adv = make_batch(seed=6)
@@ -446,7 +408,7 @@ def test_two_workers_in_bf16_over_gloo(ray_session, model_dir):
 
 
 @pytest.mark.slow
-def test_a_dead_rank_is_a_named_error_not_a_hang(ray_session, model_dir):
+def test_a_dead_rank_is_a_named_error_not_a_hang(ray_local, model_dir):
     """A rank process killed (as by the OOM killer): the step fails at once naming a rank, not after
     the collective timeout; the group refuses later calls and says so in stats."""
     import os

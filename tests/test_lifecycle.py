@@ -21,7 +21,6 @@ from controllers.provisioning import Provisioning, WaveGate
 from controllers.scheduler import PromptSource, RolloutScheduler, request_seed
 from controllers.staleness import StalenessManager
 from flash.engine.base import SamplingParams
-from flash.cluster import init_ray
 from tests.scripted_engine import ScriptedEngine
 
 
@@ -157,13 +156,6 @@ class Item:
     prompt: str = "p"
 
 
-@pytest.fixture(scope="module")
-def ray_session():
-    init_ray(None, 2)
-    yield
-    ray.shutdown()
-
-
 def scripted(delays, default=0.05, lengths=None):
     return ray.remote(ScriptedEngine).options(num_cpus=0, max_concurrency=8).remote(delays, default, lengths)
 
@@ -213,7 +205,7 @@ def _rollout_time(queue: bool, B: int, n: int, gap: float, sleep_s: float) -> tu
     return took, gen, score
 
 
-@pytest.mark.usefixtures("ray_session")
+@pytest.mark.usefixtures("ray_local")
 def test_queue_scheduling_overlaps_scoring_with_generation():
     """Responses finish 0.2 s apart (1.6 s of generation); each takes 0.2 s to score (1.6 s of
     scoring on one worker). Scored on arrival, the batch is ready one score after the last
@@ -228,7 +220,7 @@ def test_queue_scheduling_overlaps_scoring_with_generation():
     assert q_took < 0.75 * b_took
 
 
-@pytest.mark.usefixtures("ray_session")
+@pytest.mark.usefixtures("ray_local")
 def test_redundancy_keeps_first_n_aborts_the_rest_never_buffers_them():
     # prompt 0: requests 0 and 2 finish first, 1 and 3 are still running -> aborted in the engine;
     # prompt 1: all four finish together -> 0 and 1 kept, 2 and 3 arrive after the abort decision.
@@ -259,7 +251,7 @@ def test_redundancy_keeps_first_n_aborts_the_rest_never_buffers_them():
     sched.stop()
 
 
-@pytest.mark.usefixtures("ray_session")
+@pytest.mark.usefixtures("ray_local")
 def test_filters_count_by_rule_and_refill_the_batch():
     rewards = {(0, 0): 1.0, (0, 1): 1.0, (1, 1): 1.0, (2, 0): 0.4, (2, 1): 0.6, (3, 1): 1.0, (4, 0): 1.0}
     engine = scripted({}, lengths={"3:0": 9, "3:1": 9})
@@ -284,7 +276,7 @@ def test_filters_count_by_rule_and_refill_the_batch():
     sched.stop()
 
 
-@pytest.mark.usefixtures("ray_session")
+@pytest.mark.usefixtures("ray_local")
 def test_spares_fill_a_filtered_slot_and_expire_at_the_next_version():
     # prompt 0 (regular) is slow and all-same; prompt 1 (spare) finishes first and waits, unseen
     engine = scripted({"0:0": 1.0, "0:1": 1.0, "1:0": 0.05, "1:1": 0.05}, default=30.0)
@@ -312,7 +304,7 @@ def test_spares_fill_a_filtered_slot_and_expire_at_the_next_version():
     sched.stop()
 
 
-def test_checkpoint_restarts_prompts_in_flight_once_and_keeps_the_lifecycle_balanced(ray_session):
+def test_checkpoint_restarts_prompts_in_flight_once_and_keeps_the_lifecycle_balanced(ray_local):
     """A checkpoint mid-flight (flash.checkpoint.snapshot_rollout): buffered groups come back as
     they were; prompts in flight restart with the same ids and seeds; the lifecycle counts each
     sample once (``admitted = ended + live``), redundant requests included."""
@@ -349,7 +341,7 @@ def test_checkpoint_restarts_prompts_in_flight_once_and_keeps_the_lifecycle_bala
     assert sched2.metrics()["rollout/counted_admissions"] == 4.0
 
 
-@pytest.mark.usefixtures("ray_session")
+@pytest.mark.usefixtures("ray_local")
 def test_evaluation_scores_its_responses_concurrently():
     """8 held-out responses, each 0.3 s to score, 4 reward threads: scored side by side the
     evaluation takes about 2 × 0.3 s after generation; one after another it would take 2.4 s."""

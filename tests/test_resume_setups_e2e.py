@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from flash.checkpoint import complete_checkpoints, latest_valid
-from tests.test_envs_rollout import TINY_OVERRIDES
-from tests.test_resume_e2e import (
+from tests.helpers.processes import TINY_OVERRIDES
+from tests.helpers.processes import (
     STEPS,
     B,
     N,

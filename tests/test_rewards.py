@@ -6,14 +6,12 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-import ray
 
 from flash.errors import ConfigError
 from flash.rewards import build_reward, registered_rewards, validate_reward
 from flash.rewards.builtin import CodeReward, count_function_passes, extract_code
 from flash.rewards.timeout import AdaptiveTimeout
 from flash.rewards.workers import GRACE_S
-from flash.cluster import init_ray
 from flash.tasks import TaskItem
 
 # ---- adaptive timeout -----------------------------------------------------------------------
@@ -151,13 +149,6 @@ def test_code_reward_without_tests_is_an_error():
 
 
 # ---- reward pool (Ray) ------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def ray_local():
-    init_ray(None, num_cpus=2)
-    yield
-    ray.shutdown()
 
 
 def test_pool_rejects_bad_config_before_starting_workers():

@@ -30,7 +30,6 @@ from controllers.tail_policy import (
     percentile,
 )
 from flash.engine.base import GenerationOutput, SamplingParams
-from flash.cluster import init_ray
 from tests.scripted_engine import ScriptedEngine
 
 MAX_NEW = 16
@@ -140,13 +139,6 @@ class Item:
         return str(self.index)
 
 
-@pytest.fixture(scope="module")
-def ray_session():
-    init_ray(None, 2)
-    yield
-    ray.shutdown()
-
-
 def make(length, *, B=2, r=0.0, n=2, per_token=0.01, **tail):
     engine = ray.remote(LengthEngine).options(num_cpus=0, max_concurrency=8).remote(length, per_token)
     source = PromptSource(item=Item, encode=lambda s: [5, int(s)], decode=lambda ids: str(len(ids)),
@@ -170,7 +162,7 @@ def wait_until(pred, timeout=120.0):
         time.sleep(0.01)
 
 
-@pytest.mark.usefixtures("ray_session")
+@pytest.mark.usefixtures("ray_local")
 def test_a_group_past_the_threshold_is_cut_whole_and_reruns_whole_in_a_long_round():
     # data 1, request 1 runs to 12 tokens: past the threshold 4, so prompt 1's group is cut (its
     # request 0, of 3 tokens, is dropped with it) and prompt 2 (data 2) refills the slot.
@@ -207,7 +199,7 @@ def test_a_group_past_the_threshold_is_cut_whole_and_reruns_whole_in_a_long_roun
     sched.stop()
 
 
-@pytest.mark.usefixtures("ray_session")
+@pytest.mark.usefixtures("ray_local")
 def test_over_provisioning_keeps_the_first_groups_to_finish():
     # B = 2 with over_provision 2: prompts 0, 1 regular, 2, 3 spares. Data 0 takes 10 tokens,
     # data 3 takes 8, the others 2. Prompts 1 and 2 finish first and are trained; 2 takes the slot
@@ -259,7 +251,7 @@ def _drive(sched, buffer, engine, steps, B, r):
     return trained
 
 
-@pytest.mark.usefixtures("ray_session")
+@pytest.mark.usefixtures("ray_local")
 @pytest.mark.parametrize("r, seed", [(0, 0), (1, 1), (2, 2), (1.5, 3)])
 def test_staleness_bound_and_every_cut_prompt_trained_once_under_random_lengths(r, seed):
     """Heavy-tailed random lengths (and so random finish order): short-round responses stay within
@@ -327,7 +319,7 @@ def test_threshold_at_infinity_is_the_plain_synchronous_loop(tmp_path, cache):
     """``threshold: inf`` with no over-provisioning cuts nothing and launches nothing extra: the
     same samples and the same losses as the textbook synchronous loop, step for step."""
     from flash.train.batch import flatten
-    from tests.test_controller_e2e import plain_sync_loop, small_cfg
+    from tests.helpers.inproc import plain_sync_loop, small_cfg
 
     if ray.is_initialized():
         ray.shutdown()
@@ -353,7 +345,7 @@ def test_ledger_cut_prompts_rerun_in_long_rounds_exactly_once(tmp_path, cache, r
 
     if ray.is_initialized():
         ray.shutdown()
-    from tests.test_controller_e2e import small_cfg
+    from tests.helpers.inproc import small_cfg
 
     cap, steps = 8, 6
     cfg = small_cfg(tmp_path, cache, f"async_ratio={ratio}", f"train.steps={steps}",
@@ -385,7 +377,7 @@ def test_ledger_cut_prompts_rerun_in_long_rounds_exactly_once(tmp_path, cache, r
     assert ended == list(range(r.scheduler.admitted))
 
 
-@pytest.mark.usefixtures("ray_session")
+@pytest.mark.usefixtures("ray_local")
 def test_a_checkpoint_keeps_the_long_prompt_queue():
     """Cut at version 0, checkpointed, restored into a fresh scheduler: the queued prompt re-runs in
     the long round of version 1 there, once; the tail counters carry over."""

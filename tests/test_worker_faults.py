@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_resume_e2e import (
+from tests.helpers.processes import (
     ROOT,
     STEPS,
     B,
