@@ -143,3 +143,13 @@ def test_the_checks_can_fail():
     tree = ast.parse("def f():\n    import controllers.x\nif TYPE_CHECKING:\n    import flash.app.y\n")
     assert [a.name for n in _imports(tree) for a in n.names] == ["controllers.x"]
     assert layer("flash.engine.client") < layer("controllers.scheduler") < layer("flash.app.runner")
+
+
+def test_no_test_module_imports_another():
+    """Shared scaffolding lives in tests/helpers/ and tests/conftest.py, never in a test module."""
+    tests = Path(__file__).resolve().parent
+    bad = [f"{p.name} -> {a.name if isinstance(n, ast.Import) else n.module}"
+           for p in sorted(tests.rglob("*.py")) for n in _imports(ast.parse(p.read_text()))
+           for a in (n.names if isinstance(n, ast.Import) else [n])
+           if ((a.name if isinstance(n, ast.Import) else n.module) or "").startswith("tests.test_")]
+    assert bad == []
