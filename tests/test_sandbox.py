@@ -226,9 +226,16 @@ def test_as_an_ordinary_user_same_uid_files_and_parent_are_still_safe():
         for p in (home, victim):
             os.chown(p, 65534, 65534)
         write_src = f"open({str(victim)!r}, 'w').write('pwned')"
+        # the checkout may sit under a directory uid 65534 cannot enter (a mode-700 clone), and
+        # the system python has none of the project's dependencies: the driver loads a copy of the
+        # sandbox module (standard library only) and the jail source it reads placed where that uid can read it
+        module = Path(sandbox.__file__)
+        for src, name in ((module, "sandbox_copy.py"), (module.with_name("_jail.py"), "_jail.py")):
+            shutil.copyfile(src, home / name)
+            os.chmod(home / name, 0o644)
         driver = (
-            f"import sys\nsys.path.insert(0, {os.getcwd()!r})\n"
-            "import json, os\nfrom flash.rewards.sandbox import execute\n"
+            f"import sys\nsys.path.insert(0, {str(home)!r})\n"
+            "import json, os\nfrom sandbox_copy import execute\n"
             f"w = execute({write_src!r}, timeout_s=5)\n"
             "k = execute('import os\\nos.kill(os.getppid(), 9)', timeout_s=5)\n"
             "p = execute('import os\\nos.kill(%d, 9)' % os.getpid(), timeout_s=5)\n"
