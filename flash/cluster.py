@@ -7,9 +7,11 @@ nothing of the project.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +24,22 @@ QUIET_ENV = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "err
 # decode fell from ~5k to ~0.2-1k tokens/s on a loaded 2-core machine); passive waiting costs
 # little on an idle one. Roles that alternate (sync) or overlap (async) both need it.
 PERF_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
+
+
+@contextlib.contextmanager
+def pinned_threads(threads: int) -> Iterator[int]:
+    """Run the block on ``threads`` torch intra-op threads, then give the caller its own back.
+
+    Float sums are reduced in a thread-count-dependent order, so a numeric stage that inherited
+    its caller's count would give different numbers in a CLI run and in a process where earlier
+    work changed the count (a test session, a notebook). Each stage pins its own from the config.
+    """
+    caller = torch.get_num_threads()
+    torch.set_num_threads(max(1, int(threads)))
+    try:
+        yield torch.get_num_threads()
+    finally:
+        torch.set_num_threads(caller)
 
 
 def quiet() -> None:

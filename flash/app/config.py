@@ -154,6 +154,9 @@ class ResourcesConfig:
     # Several engine replicas (placement.roles.actor_infer.num_workers) split engine_threads.
     engine_threads: int = 0
     trainer_threads: int = 0
+    # torch threads of the driver's own numeric work (advantages, collation, metrics) whatever the
+    # calling process set: a run started in-process gives the numbers of a CLI run.
+    driver_threads: int = 1
 
 
 @dataclass

@@ -70,6 +70,7 @@ def validate(cfg: FlashConfig) -> None:
     _check_stream(cfg)
     _check_reward(cfg)
     _check_placement(cfg)
+    _check_resources(cfg)
     from flash.app.tracking import check_backends
 
     check_backends(list(cfg.tracking.backends))
@@ -95,6 +96,14 @@ def _check_placement(cfg: FlashConfig) -> None:
 
 
 STREAM_ESTIMATORS = ("grpo", "dr_grpo", "rloo")  # advantages of a group need only that group
+
+
+def _check_resources(cfg: FlashConfig) -> None:
+    res = cfg.resources
+    for key in ("engine_threads", "trainer_threads"):
+        _require(getattr(res, key) >= 0, f"resources.{key} must be >= 0 (0 = auto), got {getattr(res, key)}")
+    _require(res.driver_threads >= 1, f"resources.driver_threads must be >= 1, got {res.driver_threads}")
+    _require(cfg.sft.threads >= 1, f"sft.threads must be >= 1, got {cfg.sft.threads}")
 
 
 def _check_stream(cfg: FlashConfig) -> None:

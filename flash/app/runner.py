@@ -42,7 +42,7 @@ from controllers.episode_runtime import build_episode_scheduler, check_episode_c
 from flash.envs.task import EnvTask
 from flash.train.trainer import TrainerSettings
 from flash.train.fsdp import group_settings
-from flash.cluster import quiet
+from flash.cluster import pinned_threads, quiet
 
 
 def default_cache_dir(cfg: FlashConfig) -> str:
@@ -291,7 +291,16 @@ def _find_checkpoint(run_dir: Path, resuming: bool) -> tuple[Path, dict] | None:
 
 
 def run(cfg: FlashConfig, recipe_name: str = "run") -> dict:
-    """Train as configured; returns (and writes) the run summary."""
+    """Train as configured; returns (and writes) the run summary.
+
+    Every numeric stage pins its own torch threads from the config (the warm start ``sft.threads``,
+    the roles ``resources.*_threads``, this driver ``resources.driver_threads``), so the numbers do
+    not depend on what the calling process did before (a test session, a notebook)."""
+    with pinned_threads(cfg.resources.driver_threads):
+        return _run(cfg, recipe_name)
+
+
+def _run(cfg: FlashConfig, recipe_name: str) -> dict:
     r = Run(cfg, recipe_name)
     start = r.clock.start_step
     tracker = make_tracker(cfg.tracking, str(r.dir), config=to_dict(cfg), purge_step=start + 1 if r.resume_point else None)
@@ -409,6 +418,27 @@ def _summary(cfg, r: Run, records, acc0, acc1, train_s, left) -> dict:
                                for k in phase_keys},
         "run_dir": str(r.dir),
         # the CPU split the roles ran with (flash plan scales costs measured here to other splits)
-        "threads": dict(zip(("engine", "trainer"), resolve_threads(cfg))),
+        "threads": threads_record(cfg),
         "cores": run_cores(cfg),
+        "seed": cfg.seed,
+        "versions": versions_record(),
     }
+
+
+def threads_record(cfg: FlashConfig) -> dict[str, int | None]:
+    """The torch threads each numeric stage ran with: what a result depends on besides the config
+    (``warm_start`` is None when the model is the user's own)."""
+    engine, trainer = resolve_threads(cfg)
+    warm = cfg.sft.threads if not (cfg.model.path or cfg.model.gguf) else None
+    return {"engine": engine, "trainer": trainer, "driver": cfg.resources.driver_threads, "warm_start": warm}
+
+
+def versions_record() -> dict[str, str]:
+    """Versions of the numeric libraries a result was computed with."""
+    import platform
+
+    import torch
+    import transformers
+
+    return {"torch": torch.__version__, "transformers": transformers.__version__,
+            "python": platform.python_version()}

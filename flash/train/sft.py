@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from flash.cache import build_once
+from flash.cluster import pinned_threads
 from flash.models import (
     DEFAULT_ALPHABET,
     TinyModelConfig,
@@ -121,9 +122,7 @@ def _train_and_save(model_cfg: TinyModelConfig, sft_cfg: SFTConfig, task: Task, 
     tokenizer = build_tokenizer(DEFAULT_ALPHABET)
     model = build_tiny_model(tokenizer, model_cfg)
     start = time.perf_counter()
-    caller_threads = torch.get_num_threads()
-    torch.set_num_threads(max(1, sft_cfg.threads))
-    try:
+    with pinned_threads(sft_cfg.threads):
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(sft_cfg.seed)
             final_loss = train_sft(model, tokenizer, task, sft_cfg)
@@ -132,8 +131,6 @@ def _train_and_save(model_cfg: TinyModelConfig, sft_cfg: SFTConfig, task: Task, 
             meta["eval_accuracy"] = sampled_accuracy(
                 model, tokenizer, task, task.eval_items(),
                 temperature=sft_cfg.eval_temperature, seed=sft_cfg.eval_seed)
-    finally:
-        torch.set_num_threads(caller_threads)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     with open(os.path.join(out, META_FILE), "w") as f:
