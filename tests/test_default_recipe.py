@@ -9,25 +9,26 @@ asserted here (a shared CI machine makes timed asserts flaky).
 import math
 
 import pytest
-import ray
 
 from flash.app.config import load_config
-from flash.app.runner import run
+from tests.helpers.processes import recipe_summary
+
+RECIPE = "recipes/stutter.yaml"
 
 
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory):
-    yield str(tmp_path_factory.mktemp("cache"))
-    if ray.is_initialized():
-        ray.shutdown()
+    return str(tmp_path_factory.mktemp("cache"))
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("ratio", [0, 2])
-def test_default_recipe_learns(tmp_path, cache, ratio):
-    cfg = load_config("recipes/stutter.yaml", [f"async_ratio={ratio}", f"run_dir={tmp_path}",
-                                               f"cache_dir={cache}", "tracking.progress=false"])
-    s = run(cfg, "stutter")
+def test_default_recipe_learns(tmp_path, cache, ratio, seed):
+    """Each run in a process of its own, as a user runs it (no state of the test session leaks in)."""
+    overrides = [f"async_ratio={ratio}", f"seed={seed}"]
+    cfg = load_config(RECIPE, overrides)
+    s = recipe_summary(tmp_path, cache, RECIPE, overrides)
     gain = s["eval_accuracy_final"] - s["eval_accuracy_initial"]
     assert gain >= 0.20, s
     assert s["steps"] == cfg.train.steps

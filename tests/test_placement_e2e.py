@@ -24,6 +24,7 @@ from flash.weights.model_update import unique_tensors
 from flash.app.runner import Run, run
 from flash.cluster import load_model
 from tests.helpers.inproc import plain_sync_loop, small_cfg
+from tests.helpers.processes import recipe_summary
 
 
 @pytest.fixture(scope="module")
@@ -146,10 +147,9 @@ def test_default_recipe_learns_with_two_ranks_and_two_replicas(tmp_path, cache, 
     GPUs: the single-process learning result (+20 points of held-out accuracy) holds in both layouts."""
     from flash.app.config import load_config
 
-    ray.shutdown()
-    cfg = load_config("recipes/stutter.yaml", ["train.workers=2", *RECIPE_LAYOUTS[layout], f"run_dir={tmp_path}",
-                                               f"cache_dir={cache}", "tracking.progress=false"])
-    s = run(cfg, "stutter")
+    overrides = ["train.workers=2", *RECIPE_LAYOUTS[layout]]
+    cfg = load_config("recipes/stutter.yaml", overrides)
+    s = recipe_summary(tmp_path, cache, "recipes/stutter.yaml", overrides)  # a process of its own
     gain = s["eval_accuracy_final"] - s["eval_accuracy_initial"]
     assert gain >= 0.20, s
     assert s["steps"] == cfg.train.steps and s["max_staleness_observed"] <= math.ceil(cfg.async_ratio)

@@ -83,6 +83,14 @@ def finish(proc: subprocess.Popen, run_dir: Path) -> None:
     assert rc == 0, (run_dir.parent / f"{run_dir.name}.log").read_text()[-3000:]
 
 
+def recipe_summary(run_dir: Path, cache: str, recipe: str, overrides: list[str]) -> dict:
+    """A whole recipe run by the CLI in a process of its own (nothing of the test session's state:
+    threads, RNG, Ray, imported plugins), as a user runs it; its summary.json."""
+    finish(launch(run_dir, cache, [f"run_dir={run_dir}", "tracking.progress=false", *overrides],
+                  recipe=recipe, base=[]), run_dir)
+    return json.loads((run_dir / "summary.json").read_text())
+
+
 def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
