@@ -29,6 +29,7 @@ plain one: gap ≤ tolerance.
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -148,6 +149,13 @@ def choose(pairs: Sequence[tuple[Group, Group]], tolerance: float, acc: str = "a
                  and (v := judge(g.stats[acc], b.stats[acc], tolerance)).undecided
                  and g.stats[speed].mean < best.stats[speed].mean]
     return best, sorted(undecided, key=lambda gv: gv[0].stats[speed].mean)
+
+
+def spread(values: Sequence[float], digits: int = 4) -> dict[str, float | int | None]:
+    """Median, mean, SE and n of a benchmark's repeats, rounded for a JSON line (SE None for n = 1)."""
+    s = mean_se(values)
+    return {"median": round(statistics.median(values), digits), "mean": round(s.mean, digits),
+            "se": None if s.se is None else round(s.se, digits), "n": s.n}
 
 
 def paired_ratios(base: dict[tuple, float], other: dict[tuple, float]) -> list[float]:
