@@ -169,6 +169,28 @@ def test_repeats_rerun_each_setting_and_reuse_the_first(tmp_path, fake_launch):
         sw.parse_grid(["repeat=0,1"])
 
 
+def _point(ratio: str, seed: str, acc: float, s_per_step: float, status: str = "ok") -> sw.Point:
+    row = {"status": status, "async_ratio_value": float(ratio), "acc_final": acc, "s_per_step": s_per_step}
+    return sw.Point({"async_ratio": ratio, "seed": seed}, [], row=row if status == "ok" else {"status": status})
+
+
+def test_recommendation_names_a_faster_setting_left_undecided_by_its_error():
+    points = [_point("0", s, 0.50, 1.0) for s in "01"] + [_point("2", "0", 0.49, 0.5), _point("2", "1", 0.49, 0.5)]
+    points += [_point("8", "0", 0.51, 0.25), _point("8", "1", 0.45, 0.25)]  # gap 0.02, SE 0.03
+    sw.add_speedups(points)
+    rec = sw.recommend(sw.group_runs([(p.settings, p.row) for p in points], sw.METRICS), 0.025)
+    assert rec.startswith("recommendation: async_ratio=2 (n=2) -- 2.00x ± 0.00 the synchronous speed")
+    assert rec.endswith("; undecided: async_ratio=8 (n=2) is faster (0.25 ± 0.00 s/step) and its mean accuracy "
+                        "is within the tolerance, but not after its standard error (gap 0.020 ± 0.030): "
+                        "more seeds would tell")
+    # sync finished only for seed 0, ratio 2 only for seed 1: nothing to pair, said so
+    points = [_point("0", "0", 0.5, 1.0), _point("0", "1", 0, 0, "failed"),
+              _point("2", "0", 0, 0, "failed"), _point("2", "1", 0.5, 0.5)]
+    sw.add_speedups(points)
+    rec = sw.recommend(sw.group_runs([(p.settings, p.row) for p in points], sw.METRICS), 0.025)
+    assert rec.startswith("recommendation: async_ratio=2 (n=1) -- an unpaired speed")
+
+
 def test_no_synchronous_run_means_no_recommendation(tmp_path, fake_launch):
     _, rec = sw.sweep("stutter", ["async_ratio=1,2"], out=str(tmp_path), stream=io.StringIO())
     assert rec.startswith("recommendation: none qualifies") and "async_ratio=0" in rec

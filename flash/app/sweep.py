@@ -265,7 +265,7 @@ def recommend(groups: list[Group], tolerance: float) -> str:
                 f"faster and within {tolerance} of its final held-out accuracy {fmt_stat(st['acc_final'], '.3f')} "
                 f"after one standard error")
     else:
-        text = (f"recommendation: {best.label()} (n={best.n}) -- {_times(st['speedup'])} the "
+        text = (f"recommendation: {best.label()} (n={best.n}) -- {_times(st.get('speedup'))} the "
                 f"synchronous speed ({fmt_stat(st['s_per_step'], '.2f')} vs {fmt_stat(bs['s_per_step'], '.2f')} "
                 f"s/step), final held-out accuracy {fmt_stat(st['acc_final'], '.3f')} vs "
                 f"{fmt_stat(bs['acc_final'], '.3f')} (synchronous n={b.n}; tolerance {tolerance}, "
@@ -277,7 +277,9 @@ def recommend(groups: list[Group], tolerance: float) -> str:
     return text
 
 
-def _times(stat: Stat) -> str:
+def _times(stat: Stat | None) -> str:
+    if stat is None:  # its runs and the synchronous ones finished for different seeds / repeats
+        return "an unpaired speed (no synchronous run of the same replicate finished), not"
     return f"{stat.mean:.2f}x ± {'—' if stat.se is None else f'{stat.se:.2f}'}"
 
 
