@@ -233,13 +233,14 @@ def plot_sweep(groups: list[Group], out: str | Path, tolerance: float) -> dict[s
     speed = [g.stats["s_per_step"] for g in groups]
     bars = ax.bar(xs, [s.mean for s in speed], yerr=[s.se or 0.0 for s in speed], capsize=4,
                   color="tab:blue", alpha=0.7, label="s / step")
-    for bar, g in zip(bars, groups):
-        if "speedup" in g.stats:
-            ax.annotate(f"{g.stats['speedup'].mean:.2f}x", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
-                        ha="center", va="bottom", fontsize=9)
+    for bar, g, s in zip(bars, groups, speed):
+        if "speedup" in g.stats:  # above the error bar, offset to clear its cap
+            ax.annotate(f"{g.stats['speedup'].mean:.2f}x", (bar.get_x() + bar.get_width() / 2, s.mean + (s.se or 0.0)),
+                        xytext=(0, 3), textcoords="offset points", ha="center", va="bottom", fontsize=9)
     ax.set_xticks(xs, [f"{g.label()}\nn={g.n}" for g in groups], rotation=15, ha="right", fontsize=9)
+    ax.set_ylim(0, 1.15 * max(s.mean + (s.se or 0.0) for s in speed))  # room for the speed-up labels
     ax.set(ylabel="training seconds per step (mean ± SE)",
-           title="async-ratio sweep: speed (bars) and held-out accuracy (line), mean ± SE over seeds / repeats")
+           title="sweep: speed (bars), held-out accuracy (line); mean ± SE")
     acc = ax.twinx()
     final = [g.stats["acc_final"] for g in groups]
     acc.errorbar(xs, [a.mean for a in final], yerr=[a.se or 0.0 for a in final], capsize=4,
