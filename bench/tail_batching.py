@@ -1,14 +1,16 @@
 """Tail batching (RollPacker) with and without asynchrony: time per step and held-out accuracy.
 
-    python -m bench.tail_batching [--repeats 2] [--settings sync,sync_tail,async2,async2_tail]
+    python -m bench.tail_batching [--repeats 2] [--seeds 0,1] [--settings sync,sync_tail,async2,async2_tail]
                                   [--tail threshold=p90,over_provision=1.25] [key=value ...]
 
-Each repeat runs every setting back to back (interleaved, so machine noise hits all alike) as a
-fresh `flash run` process on the same recipe with the same number of steps, so the same number of
-samples is trained in each; the runner's automatic thread split keeps the cores equal (sync: each
-phase uses all cores; async: engine and trainer share them). Reports per setting the median over
-repeats of the seconds per train step (a run's mean, and its median step), the median of the
-per-repeat ratios to the first setting, the median held-out accuracy at the end, and tail
+Each repeat (with ``--seeds``: each repeat of each seed; a *pair*) runs every setting back to back
+(interleaved, so machine noise hits all alike) as a fresh `flash run` process on the same recipe
+with the same number of steps and the same seed, so the same number of samples is trained in each;
+the runner's automatic thread split keeps the cores equal (sync: each phase uses all cores; async:
+engine and trainer share them). Reports per setting, over the pairs, the median of the seconds per
+train step (a run's mean, and its median step), the per-pair ratio to the first setting (its median
+and its mean ± standard error, SE = sample std / √n, none for n = 1), the held-out accuracy at the
+end (median, mean ± SE), and tail
 batching's own counts (groups cut, long rounds, tokens the engine decoded in all -- cut work
 included), and beside each the planner's prediction (``flash plan`` on the first setting's runs,
 pooled; it must be a plain-scheduler setting) against the planner's own measured figure (mean
@@ -26,6 +28,7 @@ import tempfile
 from pathlib import Path
 
 from flash.app import plan as planner
+from flash.app.replicates import spread
 
 SETTINGS = {
     "sync": ["async_ratio=0"],
@@ -54,10 +57,39 @@ def run_once(recipe: str, setting: list[str], run_dir: Path, overrides: list[str
     return summary
 
 
+def summarize_setting(rs: list[dict], base: list[dict]) -> dict:
+    """One setting's runs against the first setting's: the ``i``-th run of each is the same pair."""
+    speedup = spread([a["seconds_per_step"] / b["seconds_per_step"] for a, b in zip(base, rs)])
+    acc = spread([s["eval_accuracy_final"] for s in rs])
+    return {
+        "n_pairs": len(rs),
+        "seconds_per_step_median": statistics.median(s["seconds_per_step"] for s in rs),
+        "step_median_s_median": statistics.median(s["step_median_s"] for s in rs),
+        **{f"speedup_vs_first_{k}": speedup[k] for k in ("median", "mean", "se")},
+        **{f"eval_accuracy_final_{k}": acc[k] for k in ("median", "mean", "se")},
+        "eval_accuracy_initial": rs[0]["eval_accuracy_initial"],
+        "samples_trained": rs[0]["samples_trained"],
+        "engine_tokens_median": statistics.median(s["engine_tokens"] for s in rs),
+        "max_staleness": max(s["max_staleness_observed"] for s in rs),
+        **({"tail_median": {k: statistics.median(s["tail"][k] for s in rs) for k in rs[0]["tail"]}}
+           if rs[0]["tail"] else {}),
+    }
+
+
+def summary_line(name: str, base: str, row: dict) -> str:
+    def pm(key: str, spec: str) -> str:
+        se = row[f"{key}_se"]
+        return f"{row[f'{key}_mean']:{spec}} ± {'—' if se is None else format(se, spec)}"
+
+    return (f"{name} (n={row['n_pairs']}): speed-up vs {base} {pm('speedup_vs_first', '.2f')}x (median "
+            f"{row['speedup_vs_first_median']:.2f}x), final acc {pm('eval_accuracy_final', '.3f')}")
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--recipe", default="stutter")
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--seeds", default="", help="seeds to run each repeat with, e.g. 0,1 (default: the recipe's)")
     ap.add_argument("--settings", default=",".join(SETTINGS))
     ap.add_argument("--tail", default="", help="tail-batching knobs for the *_tail settings: k=v,k=v")
     ap.add_argument("--out", help="run dirs here (a re-run reuses finished runs)")
@@ -65,34 +97,23 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     names = args.settings.split(",")
     tail = [f"rollout.tail_batching.{kv}" for kv in args.tail.split(",") if kv]
+    seeds = [int(s) for s in args.seeds.split(",") if s] or [None]
     out = Path(args.out or tempfile.mkdtemp(prefix="flash-bench-tail-"))
     runs: dict[str, list[dict]] = {n: [] for n in names}
     for rep in range(args.repeats):
-        for name in names:
-            setting = SETTINGS[name] + (tail if name.endswith("_tail") else [])
-            s = run_once(args.recipe, setting, out / f"{name}-{rep}", args.overrides)
-            runs[name].append(s)
-            print(f"repeat {rep} {name}: {s['seconds_per_step']:.3f} s/step (median {s['step_median_s']:.3f}), acc "
-                  f"{s['eval_accuracy_initial']:.3f}->{s['eval_accuracy_final']:.3f}, "
-                  f"engine tokens {s['engine_tokens']:.0f}, {s['tail']}", flush=True)
-    base = names[0]
-    result = {"recipe": args.recipe, "repeats": args.repeats, "overrides": args.overrides, "tail": tail,
-              "per_setting": {}}
-    for name in names:
-        rs = runs[name]
-        result["per_setting"][name] = {
-            "seconds_per_step_median": statistics.median(s["seconds_per_step"] for s in rs),
-            "step_median_s_median": statistics.median(s["step_median_s"] for s in rs),
-            "speedup_vs_first_median": statistics.median(
-                a["seconds_per_step"] / b["seconds_per_step"] for a, b in zip(runs[base], rs)),
-            "eval_accuracy_final_median": statistics.median(s["eval_accuracy_final"] for s in rs),
-            "eval_accuracy_initial": rs[0]["eval_accuracy_initial"],
-            "samples_trained": rs[0]["samples_trained"],
-            "engine_tokens_median": statistics.median(s["engine_tokens"] for s in rs),
-            "max_staleness": max(s["max_staleness_observed"] for s in rs),
-            **({"tail_median": {k: statistics.median(s["tail"][k] for s in rs) for k in rs[0]["tail"]}}
-               if rs[0]["tail"] else {}),
-        }
+        for seed in seeds:
+            extra, tag = ([], f"{rep}") if seed is None else ([f"seed={seed}"], f"{rep}-s{seed}")
+            for name in names:
+                setting = SETTINGS[name] + (tail if name.endswith("_tail") else [])
+                s = run_once(args.recipe, setting, out / f"{name}-{tag}", [*args.overrides, *extra])
+                runs[name].append(s)
+                print(f"repeat {rep} seed {seed} {name}: {s['seconds_per_step']:.3f} s/step (median "
+                      f"{s['step_median_s']:.3f}), acc {s['eval_accuracy_initial']:.3f}->{s['eval_accuracy_final']:.3f}, "
+                      f"engine tokens {s['engine_tokens']:.0f}, {s['tail']}", flush=True)
+    result = {"recipe": args.recipe, "repeats": args.repeats, "seeds": seeds, "overrides": args.overrides,
+              "tail": tail, "per_setting": {name: summarize_setting(runs[name], runs[names[0]]) for name in names}}
+    for name, row in result["per_setting"].items():
+        print(summary_line(name, names[0], row), flush=True)
     add_predictions(result, runs, names, tail)
     print(json.dumps(result))
     return result

@@ -16,7 +16,8 @@ import pytest
 
 import flash.app.sweep as sw
 from flash.errors import ConfigError
-from flash.app.plot import load_run, plot_runs
+from flash.app.plot import load_run, plot_runs, plot_sweep
+from flash.app.replicates import group_runs
 
 PNG = b"\x89PNG\r\n\x1a\n"
 LINE_PANELS = ("reward_vs_step", "reward_vs_time", "eval_vs_step", "eval_vs_time")
@@ -46,14 +47,25 @@ def fake_run(run_dir: Path, ratio: float, acc: float, s_per_step: float, steps: 
     (run_dir / "summary.json").write_text(json.dumps(summary))
 
 
+class Launches(list):
+    """Slugs launched, in order; ``table[(ratio, seed)] = (accuracy, s_per_step)`` overrides the formula."""
+
+    def __init__(self):
+        super().__init__()
+        self.table: dict[tuple[float, int], tuple[float, float]] = {}
+
+
 @pytest.fixture
 def fake_launch(monkeypatch):
-    """Replace the `flash run` subprocess: async ratio r runs at 1/(1+r/2) s/step, accuracy 0.5 − 0.01·r."""
-    launched = []
+    """Replace the `flash run` subprocess: async ratio r runs at 1/(1+r/2) s/step, accuracy 0.5 − 0.01·r
+    (unless the test's table names the run's ratio and seed)."""
+    launched = Launches()
 
     def launch(recipe, point, out, extra):
-        ratio = float(dict(o.split("=", 1) for o in point.overrides).get("async_ratio", 0))
-        fake_run(out / point.slug, ratio, 0.5 - 0.01 * ratio, 1.0 / (1 + ratio / 2))
+        given = dict(o.split("=", 1) for o in point.overrides)
+        ratio, seed = float(given.get("async_ratio", 0)), int(given.get("seed", 0))
+        acc, s_per_step = launched.table.get((ratio, seed), (0.5 - 0.01 * ratio, 1.0 / (1 + ratio / 2)))
+        fake_run(out / point.slug, ratio, acc, s_per_step)
         launched.append(point.slug)
         return subprocess.Popen([sys.executable, "-c", "pass"])
 
@@ -87,13 +99,16 @@ def test_sweep_tables_plots_recommendation_and_resume(tmp_path, fake_launch):
     points, rec = sw.sweep("stutter", ["async_ratio=0,1,2,4", "train.steps=4"], out=str(out),
                            tolerance=0.025, stream=log)
     assert fake_launch == ["async_ratio-0", "async_ratio-1", "async_ratio-2", "async_ratio-4"]
-    # r=4 is fastest but 0.04 below sync; r=2 is the fastest within 0.025
-    assert rec.startswith("recommendation: async_ratio=2 -- 2.00x the synchronous speed")
+    # r=4 is fastest but 0.04 below sync; r=2 is the fastest within 0.025 (one run each: no SE)
+    assert rec.startswith("recommendation: async_ratio=2 (n=1) -- 2.00x ± — the synchronous speed "
+                          "(0.50 ± — vs 1.00 ± — s/step), final held-out accuracy 0.480 ± — vs 0.500 ± —")
     rows = list(csv.DictReader(open(out / "results.csv")))
     assert [r["async_ratio"] for r in rows] == ["0", "1", "2", "4"]
     assert float(rows[3]["speedup"]) == pytest.approx(3.0) and float(rows[0]["idle_rollout"]) == pytest.approx(0.5)
     md = (out / "results.md").read_text()
-    assert "| async_ratio | status |" in md and rec in md and rec in log.getvalue()
+    assert "| async_ratio | n | wall_s | s_per_step | speedup |" in md and rec in md and rec in log.getvalue()
+    assert "| 4 | 1 | 10 ± — | 0.333 ± — | 3 ± — |" in md
+    assert "## runs" not in md  # one run per setting: the settings table is the runs table
     for png in ("runs.png", "sweep.png"):
         assert (out / "plots" / png).read_bytes()[:8] == PNG
     counts = plot_runs([load_run(out / p.slug) for p in points], tmp_path / "check.png")
@@ -105,6 +120,75 @@ def test_sweep_tables_plots_recommendation_and_resume(tmp_path, fake_launch):
                              tolerance=0.025, stream=again)
     assert len(fake_launch) == 4 and rec2 == rec  # nothing re-run
     assert again.getvalue().count("finished earlier, skipped") == 4
+
+
+def test_seeds_are_replicates_grouped_by_setting_with_mean_and_se(tmp_path, fake_launch):
+    """Three seeds of three ratios: one row per setting with n = 3 and mean ± SE; the recommendation
+    is made on the means and never names a seed (ratio 4's seed 0 alone would have passed)."""
+    fake_launch.table = {(0, 0): (0.50, 1.0), (0, 1): (0.50, 1.2), (0, 2): (0.50, 1.1),
+                         (2, 0): (0.49, 0.5), (2, 1): (0.50, 0.5), (2, 2): (0.48, 0.55),
+                         (4, 0): (0.52, 0.35), (4, 1): (0.40, 0.30), (4, 2): (0.42, 0.40)}
+    out = tmp_path / "sweep"
+    points, rec = sw.sweep("stutter", ["async_ratio=0,2,4", "seed=0,1,2", "train.steps=4"], out=str(out),
+                           tolerance=0.025, stream=io.StringIO())
+    # replicates outermost: each seed runs every ratio back to back
+    assert fake_launch == [f"async_ratio-{r}__seed-{s}" for s in (0, 1, 2) for r in (0, 2, 4)]
+    # r=2: speed-ups paired by seed 1.0/0.5, 1.2/0.5, 1.1/0.55 = 2, 2.4, 2 → 2.133 ± 2/15;
+    # s/step 0.5, 0.5, 0.55 → 0.517 ± 0.0167 vs 1.1 ± 0.1/√3; accuracy 0.49 ± 0.01/√3 vs 0.5 ± 0
+    assert rec == ("recommendation: async_ratio=2 (n=3) -- 2.13x ± 0.13 the synchronous speed (0.52 ± 0.02 vs "
+                   "1.10 ± 0.06 s/step), final held-out accuracy 0.490 ± 0.006 vs 0.500 ± 0.000 (synchronous n=3; "
+                   "tolerance 0.025, gap + SE within it)")
+    rows = list(csv.DictReader(open(out / "results.csv")))  # one row per run, its seed kept
+    assert [(r["async_ratio"], r["seed"]) for r in rows] == [(r, s) for s in "012" for r in "024"]
+    assert float(rows[5]["speedup"]) == pytest.approx(1.2 / 0.3)  # ratio 4, seed 1: beside sync seed 1
+    md = (out / "results.md").read_text()
+    table = md.split("\n\n")[2].splitlines()
+    assert table[0].startswith("| async_ratio | n | wall_s | s_per_step | speedup |") and len(table) == 5
+    assert table[2].startswith("| 0 | 3 | 10 ± 0 | 1.1 ± 0.0577 | 1 ± 0 |")
+    assert table[3].startswith("| 2 | 3 | 10 ± 0 | 0.517 ± 0.0167 | 2.13 ± 0.133 |")
+    # ratio 4: speed-ups 2.857, 4, 2.75 → 3.20 ± 0.400; accuracy 0.52, 0.40, 0.42 → 0.447 ± 0.0371
+    assert table[4].startswith("| 4 | 3 | 10 ± 0 | 0.35 ± 0.0289 | 3.2 ± 0.4 |")
+    assert "| 0.447 ± 0.0371 | 0.447 ± 0.0371 |" in table[4] and "seed" not in table[0]
+    assert "## runs" in md and "| async_ratio | seed | status |" in md
+    groups = group_runs([(p.settings, p.row) for p in points], sw.METRICS)
+    counts = plot_sweep(groups, tmp_path / "check.png", 0.025)
+    assert counts == {"seconds_per_step": 3, "accuracy": 1, "error_bars": 2}
+    assert (out / "plots" / "sweep.png").read_bytes()[:8] == PNG
+
+
+def test_repeats_rerun_each_setting_and_reuse_the_first(tmp_path, fake_launch):
+    out = tmp_path / "sweep"
+    sw.sweep("stutter", ["async_ratio=0,2"], out=str(out), stream=io.StringIO())
+    _, rec = sw.sweep("stutter", ["async_ratio=0,2"], out=str(out), stream=io.StringIO(), repeats=2)
+    assert fake_launch == ["async_ratio-0", "async_ratio-2", "async_ratio-0__repeat-1", "async_ratio-2__repeat-1"]
+    assert rec.startswith("recommendation: async_ratio=2 (n=2) -- 2.00x ± 0.00 the synchronous speed")
+    point = json.loads((out / "async_ratio-2__repeat-1" / "sweep_point.json").read_text())
+    assert point["overrides"] == ["async_ratio=2"]  # the repeat is the sweep's, not the run's
+    assert "| 2 | 2 |" in (out / "results.md").read_text()
+    with pytest.raises(ConfigError, match="--repeats"):
+        sw.parse_grid(["repeat=0,1"])
+
+
+def _point(ratio: str, seed: str, acc: float, s_per_step: float, status: str = "ok") -> sw.Point:
+    row = {"status": status, "async_ratio_value": float(ratio), "acc_final": acc, "s_per_step": s_per_step}
+    return sw.Point({"async_ratio": ratio, "seed": seed}, [], row=row if status == "ok" else {"status": status})
+
+
+def test_recommendation_names_a_faster_setting_left_undecided_by_its_error():
+    points = [_point("0", s, 0.50, 1.0) for s in "01"] + [_point("2", "0", 0.49, 0.5), _point("2", "1", 0.49, 0.5)]
+    points += [_point("8", "0", 0.51, 0.25), _point("8", "1", 0.45, 0.25)]  # gap 0.02, SE 0.03
+    sw.add_speedups(points)
+    rec = sw.recommend(sw.group_runs([(p.settings, p.row) for p in points], sw.METRICS), 0.025)
+    assert rec.startswith("recommendation: async_ratio=2 (n=2) -- 2.00x ± 0.00 the synchronous speed")
+    assert rec.endswith("; undecided: async_ratio=8 (n=2) is faster (0.25 ± 0.00 s/step) and its mean accuracy "
+                        "is within the tolerance, but not after its standard error (gap 0.020 ± 0.030): "
+                        "more seeds would tell")
+    # sync finished only for seed 0, ratio 2 only for seed 1: nothing to pair, said so
+    points = [_point("0", "0", 0.5, 1.0), _point("0", "1", 0, 0, "failed"),
+              _point("2", "0", 0, 0, "failed"), _point("2", "1", 0.5, 0.5)]
+    sw.add_speedups(points)
+    rec = sw.recommend(sw.group_runs([(p.settings, p.row) for p in points], sw.METRICS), 0.025)
+    assert rec.startswith("recommendation: async_ratio=2 (n=1) -- an unpaired speed")
 
 
 def test_no_synchronous_run_means_no_recommendation(tmp_path, fake_launch):

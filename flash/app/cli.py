@@ -73,7 +73,8 @@ def cmd_losses(_: argparse.Namespace) -> int:
 def cmd_sweep(args: argparse.Namespace) -> int:
     from flash.app.sweep import sweep
 
-    points, _ = sweep(args.recipe, args.grid, out=args.out, tolerance=args.tolerance, parallel=args.parallel)
+    points, _ = sweep(args.recipe, args.grid, out=args.out, tolerance=args.tolerance, parallel=args.parallel,
+                      repeats=args.repeats)
     return 0 if all(p.row.get("status") == "ok" for p in points) else 1
 
 
@@ -115,8 +116,11 @@ def _add_sweep_plot(sub) -> None:
     p.add_argument("grid", nargs="*", help="key=v1,v2,... (swept) or key=value (fixed), e.g. async_ratio=0,1,2")
     p.add_argument("--out", help="sweep dir (default: sweeps/<recipe>-<hash of the arguments>, so a re-run resumes)")
     p.add_argument("--tolerance", type=float, default=0.02,
-                   help="how far (absolute) below the synchronous run's final accuracy a setting may be")
+                   help="how far (absolute) below the synchronous setting's mean final accuracy a setting's "
+                   "may be, after one standard error against it")
     p.add_argument("--parallel", type=int, default=1, help="runs side by side, sharing the cores (default 1)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="run each setting N times (replicates, like a seed axis: reported as mean ± SE)")
     p.set_defaults(fn=cmd_sweep)
     p = sub.add_parser("plot", help="plot one or more run dirs into a PNG")
     p.add_argument("run_dirs", nargs="+", help="run dirs (each holds metrics.jsonl)")

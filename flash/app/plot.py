@@ -18,8 +18,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.container import ErrorbarContainer
 from matplotlib.figure import Figure
 
+from flash.app.replicates import Group
 from flash.usage import busy_fraction, clip_spans
 
 
@@ -217,32 +219,41 @@ def _timeline_panel(ax, runs: list[RunData], window: tuple[int, int] | None) -> 
     return drawn
 
 
-def plot_sweep(rows: list[tuple[str, dict]], out: str | Path, tolerance: float) -> dict[str, int]:
-    """Seconds per step (bars, speedup on top) and final held-out accuracy (line) per setting.
+def plot_sweep(groups: list[Group], out: str | Path, tolerance: float) -> dict[str, int]:
+    """Seconds per step (bars, speed-up on top) and final held-out accuracy (line) per setting, each
+    a mean over its runs (seeds, repeats) with ± one standard error as error bars.
 
-    ``rows`` are (label, results row) pairs from ``flash.app.sweep``; the band is the synchronous run's
-    accuracy minus the tolerance, the line a setting must stay above to be recommended.
+    ``groups`` are the settings of ``flash.app.sweep`` with finished runs; the band is the synchronous
+    setting's mean accuracy minus the tolerance, what a setting must stay above to be recommended.
     """
-    fig = Figure(figsize=(max(6, 1.4 * len(rows) + 3), 4.5), layout="constrained")
+    fig = Figure(figsize=(max(6, 1.4 * len(groups) + 3), 4.5), layout="constrained")
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
-    xs = list(range(len(rows)))
-    bars = ax.bar(xs, [r["s_per_step"] for _, r in rows], color="tab:blue", alpha=0.7, label="s / step")
-    for bar, (_, r) in zip(bars, rows):
-        if "speedup" in r:
-            ax.annotate(f"{r['speedup']:.2f}x", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
-                        ha="center", va="bottom", fontsize=9)
-    ax.set_xticks(xs, [label for label, _ in rows], rotation=15, ha="right", fontsize=9)
-    ax.set(ylabel="training seconds per step", title="async-ratio sweep: speed (bars) and held-out accuracy (line)")
+    xs = list(range(len(groups)))
+    speed = [g.stats["s_per_step"] for g in groups]
+    bars = ax.bar(xs, [s.mean for s in speed], yerr=[s.se or 0.0 for s in speed], capsize=4,
+                  color="tab:blue", alpha=0.7, label="s / step")
+    for bar, g, s in zip(bars, groups, speed):
+        if "speedup" in g.stats:  # above the error bar, offset to clear its cap
+            ax.annotate(f"{g.stats['speedup'].mean:.2f}x", (bar.get_x() + bar.get_width() / 2, s.mean + (s.se or 0.0)),
+                        xytext=(0, 3), textcoords="offset points", ha="center", va="bottom", fontsize=9)
+    ax.set_xticks(xs, [f"{g.label()}\nn={g.n}" for g in groups], rotation=15, ha="right", fontsize=9)
+    ax.set_ylim(0, 1.15 * max(s.mean + (s.se or 0.0) for s in speed))  # room for the speed-up labels
+    ax.set(ylabel="training seconds per step (mean ± SE)",
+           title="sweep: speed (bars), held-out accuracy (line); mean ± SE")
     acc = ax.twinx()
-    acc.plot(xs, [r["acc_final"] for _, r in rows], color="tab:green", marker="o", label="final accuracy")
-    sync = [r for _, r in rows if r.get("async_ratio_value") == 0]
+    final = [g.stats["acc_final"] for g in groups]
+    acc.errorbar(xs, [a.mean for a in final], yerr=[a.se or 0.0 for a in final], capsize=4,
+                 color="tab:green", marker="o", label="final accuracy")
+    sync = [g for g in groups if all(r.get("async_ratio_value") == 0 for r in g.rows)]
     if len(sync) == 1:
-        acc.axhspan(sync[0]["acc_final"] - tolerance, sync[0]["acc_final"], color="tab:green", alpha=0.12)
-    acc.set_ylim(0, max(0.05, 1.15 * max(r["acc_final"] for _, r in rows)))
-    acc.set_ylabel("final held-out accuracy", color="tab:green")
+        top = sync[0].stats["acc_final"].mean
+        acc.axhspan(top - tolerance, top, color="tab:green", alpha=0.12)
+    acc.set_ylim(0, max(0.05, 1.15 * max(a.mean + (a.se or 0.0) for a in final)))
+    acc.set_ylabel("final held-out accuracy (mean ± SE)", color="tab:green")
     fig.savefig(out, dpi=100)
-    return {"seconds_per_step": len(ax.containers), "accuracy": len(acc.get_lines())}
+    return {"seconds_per_step": len(bars), "accuracy": len(acc.containers),
+            "error_bars": sum(isinstance(c, ErrorbarContainer) for a in (ax, acc) for c in a.containers)}
 
 
 def main(run_dirs: list[str], out: str, window: str | None = None) -> dict[str, int]:

@@ -1,19 +1,28 @@
-"""`flash sweep RECIPE key=v1,v2 ... [--out DIR] [--tolerance X] [--parallel N]`: which ratio to pick.
+"""`flash sweep RECIPE key=v1,v2 ... [--out DIR] [--tolerance X] [--parallel N] [--repeats N]`: which ratio to pick.
 
 Runs the cartesian product of the swept values (``async_ratio=0,1,2,4 algo.loss.name=ppo,tis``),
 each as its own ``python -m flash.app.cli run ... run_dir=SWEEP_DIR/<slug>`` subprocess: a clean Ray,
 clean torch threads and a crash that cannot take the sweep down with it. Runs go one after another
 (timings stay comparable) or ``--parallel N`` at a time, the cores split between them.
 
-Resuming is the default: a run whose ``summary.json`` exists is not run again, so re-issuing the
-same command (the default ``--out`` is derived from it) finishes a half-done sweep. Each run dir
-holds ``sweep_point.json`` (its settings and overrides); a run dir made with other overrides is an
-error rather than a silently reused result.
+Seeds and repeats are replicates, not settings (`flash.app.replicates`): ``seed=0,1,2`` or
+``--repeats 3`` (each setting run 3 times, same config; repeat 0 is the run without ``--repeats``)
+measure each setting n times. Replicates run outermost -- every setting once, then every setting
+again -- so machine drift hits all settings alike, and each run's speed-up is paired with the
+synchronous run of the same replicate.
 
-Writes ``results.csv``, ``results.md`` and ``plots/{runs,sweep}.png`` in SWEEP_DIR and prints the
-table and a **recommendation**: the fastest setting (seconds per train step) whose final held-out
-accuracy is at most ``--tolerance`` below the synchronous run's (``async_ratio = 0``, same other
-settings), or a line saying why none qualifies.
+Resuming is the default: a run whose ``summary.json`` exists is not run again, so re-issuing the
+same command (the default ``--out`` is derived from it, ``--repeats`` aside: raising it reuses the
+runs made) finishes a half-done sweep. Each run dir holds ``sweep_point.json`` (its settings and
+overrides); a run dir made with other overrides is an error rather than a silently reused result.
+
+Writes ``results.csv`` (one row per run, its seed / repeat included), ``results.md`` (one row per
+setting: n and mean ± standard error of every metric; then the runs) and
+``plots/{runs,sweep}.png`` (the sweep plot with error bars) in SWEEP_DIR and prints the table and a
+**recommendation**: the setting with the lowest mean seconds per train step whose mean final
+held-out accuracy is at most ``--tolerance`` below its synchronous setting's (``async_ratio = 0``,
+same other settings) even after one standard error of the gap against it, or a line saying why
+none qualifies; faster settings that miss only by their error are named as undecided.
 """
 
 from __future__ import annotations
@@ -30,11 +39,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from flash.app.replicates import REPLICATE_KEYS, Group, Stat, choose, fmt_stat, group_runs
 from flash.errors import ConfigError
 
 ROLES = ("rollout", "train")
 COLUMNS = ["status", "wall_s", "s_per_step", "speedup", "samples_per_s", "tokens_per_s", "acc_initial",
            "acc_final", "acc_best", "staleness_max", "staleness_mean", "idle_rollout", "idle_train"]
+METRICS = COLUMNS[1:]  # what a setting reports as mean ± SE over its replicates
 
 
 @dataclass
@@ -74,6 +85,8 @@ def parse_grid(items: list[str]) -> tuple[list[str], dict[str, list[str]]]:
             raise ConfigError(f"sweep argument '{item}' is not of the form key=v1,v2,...")
         if key == "run_dir":
             raise ConfigError("run_dir is set by the sweep (SWEEP_DIR/<slug>); use --out for the sweep dir")
+        if key == "repeat":
+            raise ConfigError("'repeat' is not a config key; use --repeats N to run each setting N times")
         if key in swept or any(f.startswith(key + "=") for f in fixed):
             raise ConfigError(f"'{key}' is given twice")
         values = split_values(value)
@@ -89,11 +102,20 @@ def slugify(settings: dict[str, str]) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", text).strip("_") or "base"
 
 
-def make_points(fixed: list[str], swept: dict[str, list[str]]) -> list[Point]:
+def make_points(fixed: list[str], swept: dict[str, list[str]], repeats: int = 1) -> list[Point]:
+    """One point per combination; replicate keys (seed, repeat) vary slowest, so each replicate
+    runs every setting back to back. ``repeat`` is the sweep's own key: never an override, and
+    repeat 0 keeps the slug the run has without ``--repeats``."""
+    if repeats > 1:
+        swept = {**swept, "repeat": [str(i) for i in range(repeats)]}
+    order = sorted(swept, key=lambda k: k not in REPLICATE_KEYS)  # stable: replicate keys first
     points = []
-    for combo in itertools.product(*swept.values()):
-        settings = dict(zip(swept, combo))
-        points.append(Point(settings, [*fixed, *(f"{k}={v}" for k, v in settings.items())], slugify(settings)))
+    for combo in itertools.product(*(swept[k] for k in order)):
+        chosen = dict(zip(order, combo))
+        settings = {k: chosen[k] for k in swept}
+        overrides = [*fixed, *(f"{k}={v}" for k, v in settings.items() if k != "repeat")]
+        named = {k: v for k, v in settings.items() if (k, v) != ("repeat", "0")}
+        points.append(Point(settings, overrides, slugify(named)))
     slugs = [p.slug for p in points]
     for p in points:  # two settings that sanitise alike get a hash to tell them apart
         if slugs.count(p.slug) > 1:
@@ -209,40 +231,56 @@ def collect(p: Point, run_dir: Path) -> dict:
     }
 
 
-def _baselines(points: list[Point]) -> dict[tuple, dict]:
-    """Synchronous run per combination of the other swept settings."""
-    return {_group(p): p.row for p in points if p.row.get("status") == "ok" and p.row["async_ratio_value"] == 0}
-
-
-def _label(p: Point) -> str:
-    return " ".join(f"{k}={v}" for k, v in p.settings.items()) or p.slug
-
-
-def _group(p: Point) -> tuple:
-    return tuple((k, v) for k, v in p.settings.items() if k != "async_ratio")
-
-
-def recommend(points: list[Point], tolerance: float) -> str:
-    """The fastest setting within ``tolerance`` of its synchronous run's final accuracy, or why none."""
-    base = _baselines(points)
+def add_speedups(points: list[Point]) -> None:
+    """Each finished run's speed-up over the synchronous run of the same other settings and the same
+    replicate (seed, repeat): the run that ran beside it."""
+    base = {_other(p.settings): p.row for p in points if p.row.get("status") == "ok" and p.row["async_ratio_value"] == 0}
     for p in points:
-        b = base.get(_group(p))
+        b = base.get(_other(p.settings))
         if b and p.row.get("status") == "ok":
             p.row["speedup"] = b["s_per_step"] / p.row["s_per_step"]
-    if not base:
+
+
+def _other(settings: dict[str, str]) -> tuple:
+    return tuple((k, v) for k, v in settings.items() if k != "async_ratio")
+
+
+def sync_pairs(groups: list[Group]) -> list[tuple[Group, Group]]:
+    """(setting, its synchronous setting) for every setting that has one with finished runs."""
+    sync = {_other(g.settings): g for g in groups if g.rows and all(r["async_ratio_value"] == 0 for r in g.rows)}
+    return [(g, sync[_other(g.settings)]) for g in groups if _other(g.settings) in sync]
+
+
+def recommend(groups: list[Group], tolerance: float) -> str:
+    """The rule of `flash.app.replicates.choose` over the settings, said in one line, or why none."""
+    pairs = sync_pairs(groups)
+    best, undecided = choose(pairs, tolerance)
+    if best is None:
         return ("recommendation: none qualifies -- the sweep has no finished synchronous run "
                 "(async_ratio=0) to compare with; add 0 to the async_ratio values")
-    ok = [p for p in points if _group(p) in base and p.row.get("status") == "ok"
-          and p.row["acc_final"] >= base[_group(p)]["acc_final"] - tolerance]
-    best = min(ok, key=lambda p: p.row["s_per_step"])
-    b = base[_group(best)]
-    if best.row["async_ratio_value"] == 0:
-        return (f"recommendation: {_label(best)} (synchronous) -- no asynchronous setting was both faster and "
-                f"within {tolerance} of its final held-out accuracy {b['acc_final']:.3f}")
-    return (f"recommendation: {_label(best)} -- "
-            f"{best.row['speedup']:.2f}x the synchronous speed ({best.row['s_per_step']:.2f} vs "
-            f"{b['s_per_step']:.2f} s/step), final held-out accuracy {best.row['acc_final']:.3f} vs "
-            f"{b['acc_final']:.3f} (tolerance {tolerance})")
+    b = next(sync for g, sync in pairs if g is best)
+    st, bs = best.stats, b.stats
+    if best is b:
+        text = (f"recommendation: {best.label()} (synchronous, n={best.n}) -- no asynchronous setting was both "
+                f"faster and within {tolerance} of its final held-out accuracy {fmt_stat(st['acc_final'], '.3f')} "
+                f"after one standard error")
+    else:
+        text = (f"recommendation: {best.label()} (n={best.n}) -- {_times(st.get('speedup'))} the "
+                f"synchronous speed ({fmt_stat(st['s_per_step'], '.2f')} vs {fmt_stat(bs['s_per_step'], '.2f')} "
+                f"s/step), final held-out accuracy {fmt_stat(st['acc_final'], '.3f')} vs "
+                f"{fmt_stat(bs['acc_final'], '.3f')} (synchronous n={b.n}; tolerance {tolerance}, "
+                f"gap + SE within it)")
+    for g, v in undecided:
+        text += (f"; undecided: {g.label()} (n={g.n}) is faster ({fmt_stat(g.stats['s_per_step'], '.2f')} s/step) "
+                 f"and its mean accuracy is within the tolerance, but not after its standard error "
+                 f"(gap {v.gap:.3f} ± {v.se:.3f}): more seeds would tell")
+    return text
+
+
+def _times(stat: Stat | None) -> str:
+    if stat is None:  # its runs and the synchronous ones finished for different seeds / repeats
+        return "an unpaired speed (no synchronous run of the same replicate finished), not"
+    return f"{stat.mean:.2f}x ± {'—' if stat.se is None else f'{stat.se:.2f}'}"
 
 
 def _fmt(value) -> str:
@@ -251,35 +289,53 @@ def _fmt(value) -> str:
     return "" if value is None else str(value)
 
 
-def write_results(points: list[Point], out: Path, header: str, recommendation: str) -> str:
-    """``results.csv`` (full precision) and ``results.md``; returns the markdown table."""
+def _md(cols: list[str], rows: list[list[str]]) -> str:
+    return "\n".join(["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+                     + ["| " + " | ".join(r) + " |" for r in rows])
+
+
+def settings_table(groups: list[Group]) -> str:
+    """One row per setting: its n (finished runs, and failed ones) and mean ± SE of every metric."""
+    keys = list(groups[0].settings) if groups else []
+    rows = [[*g.settings.values(), f"{g.n}" + (f" (+{g.failed} failed)" if g.failed else ""),
+             *(fmt_stat(g.stats.get(m)) for m in METRICS)] for g in groups]
+    return _md([*keys, "n", *METRICS], rows)
+
+
+def write_results(points: list[Point], groups: list[Group], out: Path, header: str, recommendation: str) -> str:
+    """``results.csv`` (one row per run, full precision) and ``results.md`` (per setting, then per
+    run when a setting ran more than once); returns the per-setting markdown table."""
     keys = list(points[0].settings) if points else []
     with open(out / "results.csv", "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["run", *keys, *COLUMNS])
         for p in points:
             w.writerow([p.slug, *(p.settings[k] for k in keys), *(p.row.get(c, "") for c in COLUMNS)])
-    cols = [*keys, *COLUMNS]
-    table = "\n".join(["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-                      + ["| " + " | ".join(_fmt({**p.settings, **p.row}.get(c)) for c in cols) + " |"
-                         for p in points])
-    legend = ("wall_s: the whole run, setup included (a run that builds the warm-start cache pays for it); "
-              "s_per_step: training wall seconds per step (periodic evals included); speedup: vs the "
-              "synchronous run; tokens_per_s: trained tokens; acc_*: held-out accuracy; "
-              "idle_*: fraction of wall time the role had no work")
-    (out / "results.md").write_text(f"{header}\n\n{table}\n\n{legend}\n\n{recommendation}\n")
+    table = settings_table(groups)
+    runs = ""
+    if any(g.n + g.failed > 1 for g in groups):
+        runs = "\n\n## runs\n\n" + _md([*keys, *COLUMNS], [[_fmt({**p.settings, **p.row}.get(c)) for c in [*keys, *COLUMNS]]
+                                                          for p in points])
+    legend = ("n: finished runs of the setting (seeds / repeats); each metric is mean ± standard error "
+              "(sample std / sqrt(n); — when n = 1). wall_s: the whole run, setup included (a run that "
+              "builds the warm-start cache pays for it); s_per_step: training wall seconds per step (periodic "
+              "evals included); speedup: vs the synchronous run of the same seed / repeat; tokens_per_s: "
+              "trained tokens; acc_*: held-out accuracy; idle_*: fraction of wall time the role had no work")
+    (out / "results.md").write_text(f"{header}\n\n{table}\n\n{legend}\n\n{recommendation}{runs}\n")
     return table
 
 
 def sweep(recipe: str, items: list[str], out: str | None = None, tolerance: float = 0.02,
-          parallel: int = 1, stream=None) -> tuple[list[Point], str]:
+          parallel: int = 1, stream=None, repeats: int = 1) -> tuple[list[Point], str]:
     """Run (or resume) the sweep, write results and plots; returns the points and recommendation."""
     from flash.app.recipe_files import resolve_recipe
     from flash.app.plot import load_run, plot_runs, plot_sweep
 
+    if repeats < 1:
+        raise ConfigError(f"--repeats {repeats}: must be at least 1")
     path = resolve_recipe(recipe)
     fixed, swept = parse_grid(items)
-    points = make_points(fixed, swept)
+    points = make_points(fixed, swept, repeats)
     sweep_dir = Path(out) if out else default_out(path, items)
     prepare(path, points, sweep_dir)
     stream = stream or sys.stdout
@@ -287,15 +343,17 @@ def sweep(recipe: str, items: list[str], out: str | None = None, tolerance: floa
     run_all(path, points, sweep_dir, max(1, parallel), Reporter(len(points), stream))
     for p in points:
         p.row = collect(p, sweep_dir / p.slug)
-    recommendation = recommend(points, tolerance)
-    header = f"# sweep: flash sweep {recipe} {' '.join(items)}\n\ntolerance {tolerance}; dir {sweep_dir}"
-    table = write_results(points, sweep_dir, header, recommendation)
+    add_speedups(points)
+    groups = group_runs([(p.settings, p.row) for p in points], METRICS)
+    recommendation = recommend(groups, tolerance)
+    header = (f"# sweep: flash sweep {recipe} {' '.join(items)}{f' --repeats {repeats}' * (repeats > 1)}\n\n"
+              f"tolerance {tolerance}; dir {sweep_dir}")
+    table = write_results(points, groups, sweep_dir, header, recommendation)
     done = [p for p in points if p.row.get("status") == "ok"]
     if done:
         (sweep_dir / "plots").mkdir(exist_ok=True)
         plot_runs([load_run(sweep_dir / p.slug) for p in done], sweep_dir / "plots" / "runs.png")
-        plot_sweep([(_label(p), p.row) for p in done],
-                   sweep_dir / "plots" / "sweep.png", tolerance)
+        plot_sweep([g for g in groups if g.n], sweep_dir / "plots" / "sweep.png", tolerance)
     print(f"{table}\n\n{recommendation}\nflash: results in {sweep_dir}/results.md, plots in {sweep_dir}/plots",
           file=stream, flush=True)
     return points, recommendation
