@@ -33,7 +33,7 @@ from buffers import Group, SampleBuffer
 from controllers.scheduler import RolloutCore
 from controllers.staleness import StalenessManager
 from flash.engine.client import EngineClient, EngineFault
-from flash.train.batch import collate, flatten
+from flash.train.batch import TrainBatch, collate, flatten
 from flash.usage import IdleMeter
 
 # sample meta copied into a trained sample's ledger line when present (tail batching's rounds)
@@ -132,11 +132,9 @@ class AsyncController:
                 self._engine_get("pause", self.s.interrupt)
                 self._engine_get("sleep")
         with self.phase("recompute_prox"):
-            prox = {"behav": batch.behav_logp, "fused": None}.get(self.s.prox)
-            if self.s.prox == "separate":
-                prox = ray.get(self.trainer.logprobs.remote(batch))
+            prox = proximal(self.s.prox, batch, self.trainer)
         with self.phase("advantages"):
-            adv, critic_step = self._advantages(batch)
+            adv, critic_step = advantages(self.s.advantage, batch, self.critic)
         with self.phase("train"):
             train_metrics = ray.get(self.trainer.train_step.remote(batch, adv, prox))
             if critic_step is not None:  # the critic trained beside the policy
@@ -165,7 +163,7 @@ class AsyncController:
             while len(groups) < self.s.prompts_per_step:
                 group = self._next_group()
                 part = collate(flatten(group), pad_id=self.s.pad_id)
-                adv, _ = self._advantages(part)
+                adv, _ = advantages(self.s.advantage, part, self.critic)
                 if pending is not None:
                     ray.get(pending)  # keep one part in flight: the actor runs them in order
                 pending = self.trainer.accumulate.remote(part, adv, part.behav_logp)
@@ -197,20 +195,6 @@ class AsyncController:
                 return self.buffer.get_batch(1, timeout=1.0)
             except TimeoutError:
                 self.scheduler.check()
-
-    def _advantages(self, batch):
-        """Advantages from the configured estimator; with a critic (``gae``), its values first,
-        and its own train step launched at once (it needs only the batch, values and returns)."""
-        knobs = {k: v for k, v in self.s.advantage.items() if k != "name"}
-        values = critic_step = None
-        if self.critic is not None:
-            values = ray.get(self.critic.values.remote(batch))
-            returns = algos.gae_returns(batch.rewards, values, batch.mask,
-                                        knobs.get("gamma", 1.0), knobs.get("lam", 1.0))
-            critic_step = self.critic.train_step.remote(batch, returns, values)
-        adv = algos.compute_advantages(self.s.advantage["name"], batch.rewards, batch.group_ids, batch.mask,
-                                       values=values, **knobs)
-        return adv, critic_step
 
     def _get_batch(self, t: int) -> list[Group]:
         def select(groups: list[Group]):
@@ -409,6 +393,30 @@ class AsyncController:
                 self.ledger.write(json.dumps(line) + "\n")
             self.ledger.flush()
         return {"in_flight": pending, "buffered": buffered}
+
+
+def proximal(mode: str, batch: TrainBatch, trainer):
+    """The proximal logprobs of a step under ``mode`` (``prox_mode``): behaviour's, None (fused
+    into the train forward) or the trainer's current ones from a forward of their own."""
+    if mode == "separate":
+        return ray.get(trainer.logprobs.remote(batch))
+    return {"behav": batch.behav_logp, "fused": None}[mode]
+
+
+def advantages(advantage: dict[str, Any], batch: TrainBatch, critic=None):
+    """(advantages, the critic's train step or None) from the configured estimator; with a critic
+    (``gae``) its values come first and its own train step is launched at once (it needs only
+    the batch, values and returns). The replay of a run (flash.app.replay) calls it too."""
+    knobs = {k: v for k, v in advantage.items() if k != "name"}
+    values = critic_step = None
+    if critic is not None:
+        values = ray.get(critic.values.remote(batch))
+        returns = algos.gae_returns(batch.rewards, values, batch.mask,
+                                    knobs.get("gamma", 1.0), knobs.get("lam", 1.0))
+        critic_step = critic.train_step.remote(batch, returns, values)
+    adv = algos.compute_advantages(advantage["name"], batch.rewards, batch.group_ids, batch.mask,
+                                   values=values, **knobs)
+    return adv, critic_step
 
 
 def prox_mode(mode: str, async_ratio: float) -> str:

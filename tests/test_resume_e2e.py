@@ -18,7 +18,8 @@ import os
 import random
 
 import pytest
-from tests.helpers.processes import B, N, STEPS, finish, kill_and_resume, launch, read_jsonl, trained_pairs
+from tests.helpers.processes import (B, N, STEPS, finish, kill_and_resume, launch, read_jsonl, replay_run,
+                                    trained_pairs)
 
 
 @pytest.fixture(scope="module")
@@ -66,3 +67,10 @@ def test_async_run_killed_and_resumed_loses_and_repeats_no_prompt(tmp_path, cach
     data_index = {e["prompt_id"]: e["data_index"] for e in ledger if e["outcome"] == "trained"}
     assert all(data_index[p] == p for p in trained)  # no data row skipped or read twice
     assert [m["step"] for m in read_jsonl(run_dir / "metrics.jsonl")] == list(range(1, STEPS + 1))
+    # the schedule record was cut back with the other logs at each resume: one line per step, and
+    # re-training from it finds every step's loss of the three processes again
+    schedule = read_jsonl(run_dir / "schedule.jsonl")
+    assert [line["step"] for line in schedule] == list(range(STEPS))
+    assert [line["train"]["loss"] for line in schedule] == [m["train/loss"] for m in read_jsonl(run_dir / "metrics.jsonl")]
+    rc, out = replay_run(run_dir)
+    assert rc == 0 and f"{STEPS} steps" in out and "identical" in out, out

@@ -7,6 +7,7 @@
     flash sweep RECIPE key=v1,v2 ...       run a grid of overrides, tabulate, plot, recommend a setting
     flash plot RUN_DIR... [-o FILE]        reward, accuracy, throughput, staleness, role timeline
     flash plan RUN_DIR... [key=v1,v2 ...]  predict seconds per step of other settings from a run
+    flash replay RUN_DIR                   re-train a run from its schedule record, step for step
 
 Errors a user can fix (unknown key, bad value, missing recipe) print one line and exit 2.
 """
@@ -97,6 +98,22 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_replay(args: argparse.Namespace) -> int:
+    from flash.app.replay import describe, replay
+
+    summary = replay(args.run_dir, steps=args.steps, out=args.out)
+    print(describe(summary))
+    return 0 if summary["first_mismatch"] is None else 1
+
+
+def _add_replay(sub) -> None:
+    p = sub.add_parser("replay", help="re-train a run from its recorded schedule; exit 1 if a step's loss differs")
+    p.add_argument("run_dir", help="the run dir of a `flash run` (it holds schedule.jsonl)")
+    p.add_argument("--steps", type=int, help="replay the first N steps only")
+    p.add_argument("--out", help="write one JSON line per step (recorded and replayed numbers) to this file")
+    p.set_defaults(fn=cmd_replay)
+
+
 def _add_plan(sub) -> None:
     p = sub.add_parser("plan", help="predict seconds per step of other settings from a finished run")
     p.add_argument("args", nargs="+", metavar="RUN_DIR... key=v1,v2",
@@ -142,6 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("losses", help="list losses and advantage estimators").set_defaults(fn=cmd_losses)
     _add_sweep_plot(sub)
     _add_plan(sub)
+    _add_replay(sub)
     return parser
 
 

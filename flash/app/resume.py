@@ -24,7 +24,7 @@ from omegaconf import OmegaConf
 
 from flash.errors import ConfigError
 
-LOGS = ("ledger", "metrics", "timeline", "eval")  # RUN_DIR/<name>.jsonl, cut back on resume
+LOGS = ("ledger", "metrics", "timeline", "eval", "schedule")  # RUN_DIR/<name>.jsonl, cut back on resume
 MAY_CHANGE = ("train.steps", "train.max_consecutive_skips", "train.workers", "placement.roles.actor_train.",
               "checkpoint.", "tracking.", "resume", "run_dir",
               "cache_dir", "description", "eval.every_steps", "rollout.hang_timeout_s",

@@ -66,14 +66,16 @@ class RunFiles:
     timeline: IO[str]  # per-step spans, `flash plot`
     eval: IO[str]  # every held-out evaluation
     ledger: IO[str]  # one line per sample outcome
+    schedule: IO[str]  # what each step trained (flash.app.schedule), for `flash replay`
 
     @classmethod
     def open(cls, run_dir: Path, append: bool) -> RunFiles:
         mode = "a" if append else "w"
-        return cls(*(open(run_dir / f"{name}.jsonl", mode) for name in ("metrics", "timeline", "eval", "ledger")))
+        return cls(*(open(run_dir / f"{name}.jsonl", mode) for name in ("metrics", "timeline", "eval", "ledger", "schedule")))
 
     def by_name(self) -> dict[str, IO[str]]:
-        return {"ledger": self.ledger, "metrics": self.metrics, "timeline": self.timeline, "eval": self.eval}
+        return {"ledger": self.ledger, "metrics": self.metrics, "timeline": self.timeline, "eval": self.eval,
+                "schedule": self.schedule}
 
     def close(self) -> None:
         for f in self.by_name().values():
@@ -132,10 +134,8 @@ def start_roles(cfg: FlashConfig, model_path: str, settings: TrainerSettings,
     placement = Placement.create(plan, cfg.placement.cpus_per_bundle)
     colocated = plan.colocated("actor_infer", "actor_train")
     replicas, engine, client = _start_engines(cfg, plan, placement, model_path, engine_threads, colocated)
-    trainer = _start_trainer(cfg, placement, model_path, settings, trainer_threads)
-    critic = None
-    if cfg.algo.advantage["name"] == "gae":  # the only estimator that reads values
-        critic = start_critic(model_path, CriticSettings(**dataclasses.asdict(cfg.critic)), cfg.seed, trainer_threads)
+    trainer = start_trainer_role(cfg, model_path, settings, trainer_threads, placement)
+    critic = start_critic_role(cfg, model_path, trainer_threads)
     wait_ready(engine, trainer, *([critic] if critic else []))
     # from the trainer (a single process, or an FSDP2 group's rank 0) to every engine replica;
     # the backend follows the placement (``model_update.backend``)
@@ -162,17 +162,28 @@ def _start_engines(cfg: FlashConfig, plan: Plan, placement: Placement, model_pat
     return replicas, engine, client
 
 
-def _start_trainer(cfg: FlashConfig, placement: Placement, model_path: str, settings: TrainerSettings,
-                   trainer_threads: int):
+def start_trainer_role(cfg: FlashConfig, model_path: str, settings: TrainerSettings, trainer_threads: int,
+                       placement: Placement | None = None):
     """One trainer process, or an FSDP2 group when ``train.workers`` > 1 (or a group knob) is set:
-    one rank per ``actor_train`` worker, each in its own devices' placement bundle."""
+    one rank per ``actor_train`` worker, each in its own devices' placement bundle (``None``: no
+    placement, as `flash replay` starts it)."""
     group = group_settings(cfg.train)
+
+    def options(i: int) -> dict | None:
+        return placement.options("actor_train", i) if placement is not None else None
+
     if group is None:
-        return start_trainer(model_path, settings, cfg.seed, trainer_threads, list(cfg.plugins),
-                             options=placement.options("actor_train", 0))
-    ranks = [placement.options("actor_train", i) for i in range(group.workers)]
+        return start_trainer(model_path, settings, cfg.seed, trainer_threads, list(cfg.plugins), options=options(0))
+    ranks = [options(i) for i in range(group.workers)] if placement is not None else None
     return start_trainer_group(model_path, settings, group, cfg.seed, trainer_threads, list(cfg.plugins),
                                rank_options=ranks)
+
+
+def start_critic_role(cfg: FlashConfig, model_path: str, trainer_threads: int):
+    """The critic for the ``gae`` estimator (the only one that reads values), else None."""
+    if cfg.algo.advantage["name"] != "gae":
+        return None
+    return start_critic(model_path, CriticSettings(**dataclasses.asdict(cfg.critic)), cfg.seed, trainer_threads)
 
 
 def new_guards(cfg: FlashConfig, max_prompt_tokens: int) -> Guards:

@@ -31,6 +31,7 @@ from controllers.tail_batching import TailBatchingScheduler
 from controllers.workflows.episode import Episodes
 from flash.app import resume as resume_mod
 from flash.app import run_state
+from flash.app.schedule import step_line
 from flash.app.roles import Clock, Roles, RolloutBuffer, RunFiles, new_guards, start_roles
 from flash.checkpoint import Checkpointer, latest_valid, remove_partial
 from flash.app.config import FlashConfig, to_dict, to_yaml
@@ -378,8 +379,18 @@ def _on_step(r: Run, rec, tracker, progress) -> None:
     r.files.metrics.flush()
     r.files.timeline.write(json.dumps({"step": step, **rec.timeline}) + "\n")
     r.files.timeline.flush()
+    _record_schedule(r, rec)
     run_state.commit_checkpoint(r.checkpointer, r.files)
     progress.update(logged)
+
+
+def _record_schedule(r: Run, rec) -> None:
+    """The step's line in ``schedule.jsonl`` (flash.app.schedule): what `flash replay` re-trains."""
+    train = {k[len("train/"):]: v for k, v in rec.metrics.items() if k.startswith("train/")}
+    context = {"version": rec.step, "trainer_threads": resolve_threads(r.cfg)[1], "prox": r.controller.s.prox,
+               "stream": r.controller.s.stream}
+    r.files.schedule.write(json.dumps(step_line(rec.step, rec.groups, train, context)) + "\n")
+    r.files.schedule.flush()
 
 
 def _summary(cfg, r: Run, records, acc0, acc1, train_s, left) -> dict:

@@ -91,6 +91,14 @@ def recipe_summary(run_dir: Path, cache: str, recipe: str, overrides: list[str])
     return json.loads((run_dir / "summary.json").read_text())
 
 
+def replay_run(run_dir: Path, *args: str) -> tuple[int, str]:
+    """``flash replay RUN_DIR ARGS`` in a process of its own: (exit code, its output)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_USAGE_STATS_ENABLED": "0"}
+    done = subprocess.run([sys.executable, "-m", "flash.app.cli", "replay", str(run_dir), *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=900, check=False)
+    return done.returncode, done.stdout + done.stderr
+
+
 def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
