@@ -403,3 +403,41 @@ def test_per_sample_advantages_broadcast():
 def test_bad_shapes_are_named():
     with pytest.raises(ValueError, match="prox_logp"):
         LossInputs(t(LOGP), t([[0.0]]), t(BEHAV), t(A), t(MASK))
+
+
+# -- TOPR at both levels -------------------------------------------------------------------------
+
+# R_behav row 1 = Q * R = [0.5 * 0.9, 1.0 * 1.1, 8.0 * 0.125] = [0.45, 1.1, 1.0]: trajectory ratio
+# 0.45 * 1.1 * 1.0 = 0.495 < 1, so the sequence level tapers the whole negative sample.
+TOPR_R = [[1.5, 0.7, 2.0], [0.9, 1.1, 0.125]]
+TOPR_LOGP1 = [-1.5 + math.log(0.45), -0.3 + math.log(1.1), -2.5]
+
+
+@pytest.mark.parametrize("level,w1", [("sequence", [0.495, 0.495, 0.495]),
+                                      ("token", [0.45, 1.0, 1.0])])
+def test_topr_levels_by_hand(level, w1):
+    """Sample 0 (reward 1 > 0) is positive: weight 1 whatever its ratio (R_behav 1.5, 1.4 > 1).
+    Sample 1 (reward 0) is negative: sequence level min(0.495, 1) on every token; token level
+    min(ρ_t, 1) = [0.45, 1, 1]. seq-mean-token-sum: loss Σ −w·A·logp / 2, gradient −w·A / 2."""
+    inputs = make_inputs(r=TOPR_R)
+    kw = {} if level == "sequence" else {"level": "token"}
+    loss, m = policy_loss("topr", inputs, agg="seq-mean-token-sum", **kw)
+    loss.backward()
+    a1 = A[1]
+    hand = (-(1.0 * LOGP[0][0]) - (-1.0 * LOGP[0][1])
+            - sum(w1[j] * a1[j] * TOPR_LOGP1[j] for j in range(3))) / 2
+    assert loss.item() == pytest.approx(hand)
+    grad = [[-A[0][0] / 2, -A[0][1] / 2, 0.0], [-w1[j] * a1[j] / 2 for j in range(3)]]
+    torch.testing.assert_close(inputs.logp.grad, t(grad))
+    assert m["is_weight/min"] == pytest.approx(min(w1))
+
+
+def test_topr_splits_on_the_reward_not_the_advantage():
+    """A positive reward with a negative advantage stays positive: weight 1, no taper."""
+    inputs = make_inputs(r=TOPR_R, rewards=(0.0, 1.0))  # now sample 1 is the positive one
+    loss, m = policy_loss("topr", inputs, agg="seq-mean-token-sum")
+    loss.backward()
+    # sample 0 negative: trajectory ratio 1.5 * 1.4 = 2.1 -> min(2.1, 1) = 1; sample 1: weight 1
+    torch.testing.assert_close(inputs.logp.grad, -t(A) * t(MASK) / 2)
+    assert m["positive_frac"] == 0.5
+    assert m["is_clipfrac"] == 1.0  # of the negative sample's tokens: both truncated at 1
