@@ -5,6 +5,10 @@ takes the ``kl_coef`` / ``kl_estimator`` / ``entropy_coef`` add-ons. Aggregation
 seq-mean-token-mean, seq-mean-token-sum, seq-mean-token-sum-norm (``max_len``).
 Estimators (``compute_advantages``): grpo, dr_grpo, rloo, reinforce_pp (alias reinforce++), gae;
 every estimator also takes ``whiten`` and ``clip``.
+Corrections (``algos.corrections``, passed as ``corrections=[...]``): token_is, seq_is, geo_is,
+icepop, m2po; they weight and mask tokens by pi_prox/pi_behav before any loss aggregates.
+Each loss declares the policy ratios it uses (``algos.offpolicy``); ``ratio_problem`` is the rule
+that refuses a ratio a setting makes identically 1.
 
 Plugins: ``@register_loss`` / ``@register_advantage`` in a user module named to ``load_plugins``,
 or a ``flash.losses`` / ``flash.advantages`` entry point (loaded on first lookup). ``registry``
@@ -14,8 +18,11 @@ A leaf: imports nothing of the project; every layer above may import it.
 """
 
 from .aggregate import AGGREGATIONS, aggregate, masked_mean
+from .corrections import (CORRECTIONS, apply_corrections, describe_corrections,
+                          validate_corrections)
+from .offpolicy import POLICIES, Ratio, ratio_problem, reads, same_policies
 from .policy import (ADDON_KNOBS, LOSSES, LossInputs, describe_aggregations, describe_losses,
-                     kl_penalty, policy_loss, register_loss, validate_loss)
+                     kl_penalty, loss_ratios, policy_loss, register_loss, validate_loss)
 from . import losses as _builtin_losses  # noqa: F401  (registers the built-in losses)
 from .advantages import (ADV_ADDON_KNOBS, ADVANTAGES, AdvantageInputs, compute_advantages,
                          describe_advantages, gae_advantages_and_returns, gae_returns,
@@ -24,6 +31,8 @@ from .value import value_loss
 from .registry import Registry, load_plugins
 
 __all__ = [
+    "CORRECTIONS", "POLICIES", "Ratio", "apply_corrections", "describe_corrections", "loss_ratios",
+    "ratio_problem", "reads", "same_policies", "validate_corrections",
     "AGGREGATIONS", "ADDON_KNOBS", "ADV_ADDON_KNOBS", "ADVANTAGES", "AdvantageInputs", "LOSSES",
     "LossInputs", "Registry", "aggregate", "compute_advantages", "describe_advantages",
     "describe_aggregations", "describe_losses", "gae_advantages_and_returns", "kl_penalty",

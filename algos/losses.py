@@ -16,9 +16,17 @@ from typing import Literal
 import torch
 
 from .aggregate import masked_frac, masked_stats
+from .offpolicy import Ratio
 from .policy import LossInputs, register_loss
 
 Out = tuple[torch.Tensor, dict[str, float]]
+Old = Literal["behav", "prox"]
+TO_BEHAV = (Ratio("current", "behav"),)
+
+
+def _against_old(knobs: dict) -> tuple[Ratio, ...]:
+    """ppo's and gspo's one ratio: current over their ``old_policy``."""
+    return (Ratio("current", knobs["old_policy"]),)
 
 
 def _require(ok: bool, message: str) -> None:
@@ -56,29 +64,36 @@ def clipped_surrogate(ratio: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor
     return loss, metrics
 
 
-@register_loss("vanilla", "REINFORCE policy gradient: -A·logp (no off-policy correction)")
+@register_loss("vanilla", "REINFORCE policy gradient: -A·logp (no off-policy correction)",
+               ratios=())
 def vanilla(inputs: LossInputs) -> Out:
     """REINFORCE (Williams 1992): −A·logp. No knobs. Off-policy samples are used uncorrected."""
     return -inputs.advantages * inputs.logp, {}
 
 
-@register_loss("ppo", "PPO clipped surrogate on r = exp(logp - prox_logp), optional dual clip",
-               check=_check_clip)
+@register_loss("ppo", "naive PPO: clipped surrogate on r = exp(logp - old_logp), old = behav "
+               "(old_policy: prox for the proximal policy), optional dual clip",
+               check=_check_clip, ratios=_against_old)
 def ppo(inputs: LossInputs, *, clip_low: float = 0.2, clip_high: float = 0.2,
-        dual_clip: float | None = None) -> Out:
+        dual_clip: float | None = None, old_policy: Old = "behav") -> Out:
     """PPO (Schulman et al., arXiv 1707.06347) with DAPO's asymmetric clip (arXiv 2503.14476):
 
-        r = exp(logp − prox_logp);  −min(r·A, clip(r, 1−clip_low, 1+clip_high)·A)
+        r = exp(logp − old_logp);  −min(r·A, clip(r, 1−clip_low, 1+clip_high)·A)
 
-    ``dual_clip`` = c > 1 (Ye et al., arXiv 1912.09729) bounds the term at −c·A where A < 0.
-    Defaults: clip_low 0.2, clip_high 0.2, dual_clip None (off).
+    Naive PPO: the old policy is the one that sampled the tokens, behav (``old_policy: prox``
+    takes the proximal policy instead -- then with prox fused into the step r ≡ 1 and the loss
+    is REINFORCE, which the config refuses). ``dual_clip`` = c > 1 (Ye et al., arXiv 1912.09729)
+    bounds the term at −c·A where A < 0. Defaults: clip_low 0.2, clip_high 0.2, dual_clip None
+    (off), old_policy behav.
     """
-    ratio = torch.exp(inputs.logp - inputs.prox_logp)
+    old = inputs.behav_logp if old_policy == "behav" else inputs.prox_logp
+    ratio = torch.exp(inputs.logp - old)
     return clipped_surrogate(ratio, inputs.advantages, inputs.mask, clip_low, clip_high, dual_clip)
 
 
 @register_loss("decoupled_ppo", "PPO on the proximal policy, weighted by sg(min(pi_prox/pi_behav, "
-               "behav_cap)) (AReaL)", check=_check_clip)
+               "behav_cap)) (AReaL)", check=_check_clip,
+               ratios=(Ratio("prox", "behav"), Ratio("current", "prox", "trust")))
 def decoupled_ppo(inputs: LossInputs, *, clip_low: float = 0.2, clip_high: float = 0.2,
                   behav_cap: float | None = 5.0, dual_clip: float | None = None) -> Out:
     """Decoupled PPO (AReaL, Fu et al., arXiv 2505.24298; Hilton et al., arXiv 2110.00641):
@@ -101,7 +116,8 @@ def decoupled_ppo(inputs: LossInputs, *, clip_low: float = 0.2, clip_high: float
 
 
 @register_loss("tis", "truncated importance sampling: -sg(clip(r_behav, 0, cap))·A·logp",
-               check=lambda k: _require(k["cap"] > 0, f"cap must be > 0, got {k['cap']}"))
+               check=lambda k: _require(k["cap"] > 0, f"cap must be > 0, got {k['cap']}"),
+               ratios=TO_BEHAV)
 def tis(inputs: LossInputs, *, cap: float = 2.0,
         level: Literal["token", "sequence"] = "token") -> Out:
     """Truncated importance sampling (Yao et al., "Your efficient RL framework secretly brings you
@@ -130,7 +146,8 @@ def _check_cispo(k: dict) -> None:
 
 
 @register_loss("cispo", "clipped IS-weight policy optimisation: "
-               "-sg(clip(r_behav, 1-eps_low, 1+eps_high))·A·logp", check=_check_cispo)
+               "-sg(clip(r_behav, 1-eps_low, 1+eps_high))·A·logp", check=_check_cispo,
+               ratios=TO_BEHAV)
 def cispo(inputs: LossInputs, *, eps_low: float = 1.0, eps_high: float = 4.0) -> Out:
     """CISPO (MiniMax-M1, arXiv 2506.13585):
 
@@ -150,46 +167,64 @@ def cispo(inputs: LossInputs, *, eps_low: float = 1.0, eps_high: float = 4.0) ->
     return -w * inputs.advantages * inputs.logp, metrics
 
 
-@register_loss("topr", "tapered off-policy REINFORCE: positives -w+·A·logp, "
-               "negatives -w-·sg(clip(r_behav, 0, 1))·A·logp")
+def _check_topr(k: dict) -> None:
+    _require(k["positive_weight"] >= 0 and k["negative_weight"] >= 0,
+             f"positive_weight and negative_weight must be >= 0, got {k['positive_weight']}, "
+             f"{k['negative_weight']}")
+
+
+@register_loss("topr", "tapered off-policy REINFORCE: reward > threshold -w+·A·logp, else "
+               "-w-·sg(min(pi/mu, 1))·A·logp, pi/mu per trajectory (level: token per token)",
+               check=_check_topr, ratios=TO_BEHAV)
 def topr(inputs: LossInputs, *, threshold: float = 0.0, positive_weight: float = 1.0,
-         negative_weight: float = 1.0) -> Out:
-    """TOPR (Le Roux et al., arXiv 2503.14286). A sample is positive when reward > ``threshold``:
+         negative_weight: float = 1.0, level: Literal["sequence", "token"] = "sequence") -> Out:
+    """TOPR (Le Roux et al., "Tapered Off-Policy REINFORCE", arXiv 2503.14286). The sign split is
+    on the reward, not the advantage: a sample is positive when reward > ``threshold``.
 
-        positive:  −positive_weight · A · logp
-        negative:  −negative_weight · sg(clip(exp(logp − behav_logp), 0, 1)) · A · logp
+        positive:  −positive_weight · A · logp                 (SFT-like: no ratio, no truncation)
+        negative:  −negative_weight · sg(min(ρ, 1)) · A · logp
 
-    Needs ``inputs.rewards``. Defaults: threshold 0.0, positive_weight 1.0, negative_weight 1.0.
-    Departure: the paper truncates the trajectory-level ratio; flash follows the issue's seed form
-    with the per-token ratio r_behav.
+    ``level: sequence`` (default, the paper's): ρ_i = π(y_i)/μ(y_i) = exp(Σ_t (logp − behav_logp))
+    over the sample's masked tokens, one truncated weight for the whole trajectory.
+    ``level: token``: ρ_t = exp(logp_t − behav_logp_t) per token (a lower-variance variant the
+    paper does not use). μ is the behaviour policy. Needs ``inputs.rewards``.
+    Departure: the paper multiplies by the reward R(τ) (with an optional baseline); flash uses the
+    configured advantage A, which is R − baseline for a REINFORCE-style estimator.
     """
     rewards = inputs.require("rewards", "loss 'topr'")
-    positive = (rewards > threshold)[:, None].expand_as(inputs.logp)
-    neg_w = torch.exp(inputs.logp - inputs.behav_logp).detach().clamp(0, 1)
-    w = torch.where(positive, torch.full_like(neg_w, positive_weight), negative_weight * neg_w)
     m = inputs.mask
+    positive = (rewards > threshold)[:, None].expand_as(inputs.logp)
+    log_rho = ((inputs.logp - inputs.behav_logp) * m).detach()
+    if level == "sequence":
+        log_rho = log_rho.sum(-1, keepdim=True).expand_as(log_rho)
+    neg_w = log_rho.exp().clamp(max=1.0)
+    w = torch.where(positive, torch.full_like(neg_w, positive_weight), negative_weight * neg_w)
     metrics = {"positive_frac": float((rewards > threshold).float().mean()) if len(rewards) else 0.,
                **masked_stats("is_weight", w, m * ~positive),
-               "is_clipfrac": masked_frac(neg_w < 1, m * ~positive)}
+               "is_clipfrac": masked_frac(log_rho > 0, m * ~positive)}
     return -w * inputs.advantages * inputs.logp, metrics
 
 
 @register_loss("gspo", "group sequence policy optimisation: PPO clip on the per-sample ratio "
-               "exp(mean_t(logp - prox_logp))", check=_check_clip)
-def gspo(inputs: LossInputs, *, clip_low: float = 3e-4, clip_high: float = 4e-4) -> Out:
+               "exp(mean_t(logp - old_logp)), old = behav (old_policy: prox)", check=_check_clip,
+               ratios=_against_old)
+def gspo(inputs: LossInputs, *, clip_low: float = 3e-4, clip_high: float = 4e-4,
+         old_policy: Old = "behav") -> Out:
     """GSPO (Zheng et al., arXiv 2507.18071), in its GSPO-token form:
 
-        s_i = exp( Σ_t m·(logp − prox_logp) / Σ_t m )           (per-sample ratio)
+        s_i = exp( Σ_t m·(logp − old_logp) / Σ_t m )            (per-sample ratio)
         s_it = sg(s_i) · exp(logp_t − sg(logp_t))                (value s_i, gradient s_i·∇logp_t)
         −min(s_it·A, clip(s_it, 1−clip_low, 1+clip_high)·A)
 
     With ``agg: seq-mean-token-mean`` and per-sample advantages this is exactly the paper's
     sequence objective and gradient; other aggregations weight samples differently.
-    Defaults: clip_low 3e-4, clip_high 4e-4 (the paper's ranges).
+    The old policy is behav, as in ``ppo`` (``old_policy: prox`` for the proximal one).
+    Defaults: clip_low 3e-4, clip_high 4e-4 (the paper's ranges), old_policy behav.
     """
     m = inputs.mask
+    old = inputs.behav_logp if old_policy == "behav" else inputs.prox_logp
     with torch.no_grad():
-        seq_log_ratio = ((inputs.logp - inputs.prox_logp) * m).sum(-1) / m.sum(-1).clamp_min(1)
+        seq_log_ratio = ((inputs.logp - old) * m).sum(-1) / m.sum(-1).clamp_min(1)
         s = seq_log_ratio.exp()
     s_tok = s[:, None] * torch.exp(inputs.logp - inputs.logp.detach())
     loss, metrics = clipped_surrogate(s_tok, inputs.advantages, m, clip_low, clip_high)

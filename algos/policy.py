@@ -16,82 +16,54 @@ optional add-ons every loss takes, aggregates once (``algos.aggregate``) and ret
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import replace
 from typing import Any, Callable, Literal
 
 import torch
 
 from .aggregate import AGG_KNOBS, AGGREGATIONS, aggregate, check_agg, masked_mean, masked_stats
+from .corrections import apply_corrections, validate_corrections
+from .inputs import LossInputs
+from .offpolicy import Ratio, reads
 from .registry import Registry
 
 ADDON_KNOBS: dict[str, Any] = {"kl_coef": 0.0, "kl_estimator": "k3", "entropy_coef": 0.0}
 _ADDON_HINTS = {"kl_coef": float, "kl_estimator": Literal["k1", "k2", "k3"], "entropy_coef": float}
 _AGG_KNOB_NAMES = {k for knobs in AGG_KNOBS.values() for k in knobs}
 
-LOSSES = Registry("loss", "flash.losses", reserved={*ADDON_KNOBS, *_AGG_KNOB_NAMES, "agg"})
-
-_TOKEN_FIELDS = ("logp", "prox_logp", "behav_logp", "advantages", "mask")
-
-
-@dataclass
-class LossInputs:
-    """What every loss sees. ``[B, T]`` float tensors unless noted; ``mask`` is 1 on the response
-    tokens that count. ``advantages`` may be given per sample (``[B]``); it is then broadcast
-    over tokens.
-
-    - ``logp``: the policy being optimised (carries gradient).
-    - ``prox_logp``: the proximal policy (trainer weights at the start of the step); equal to
-      ``behav_logp`` when not recomputed.
-    - ``behav_logp``: the behaviour policy that generated the tokens (engine logprobs).
-    - ``rewards`` ``[B]``, ``versions`` ``[B, T]``, ``ref_logp`` ``[B, T]`` (KL add-on),
-      ``entropy`` ``[B, T]`` (entropy bonus): optional; a loss that needs a missing one says so.
-    """
-
-    logp: torch.Tensor
-    prox_logp: torch.Tensor
-    behav_logp: torch.Tensor
-    advantages: torch.Tensor
-    mask: torch.Tensor
-    rewards: torch.Tensor | None = None
-    versions: torch.Tensor | None = None
-    ref_logp: torch.Tensor | None = None
-    entropy: torch.Tensor | None = None
-
-    def __post_init__(self) -> None:
-        shape = tuple(self.logp.shape)
-        if len(shape) != 2:
-            raise ValueError(f"LossInputs.logp must be [batch, tokens], got {list(shape)}")
-        if self.advantages.dim() == 1:
-            self.advantages = self.advantages[:, None].expand(shape)
-        for name in (*_TOKEN_FIELDS, "versions", "ref_logp", "entropy"):
-            value = getattr(self, name)
-            if value is not None and tuple(value.shape) != shape:
-                raise ValueError(f"LossInputs.{name} has shape {list(value.shape)}, "
-                                 f"expected {list(shape)} like logp")
-        if self.rewards is not None and tuple(self.rewards.shape) != shape[:1]:
-            raise ValueError(f"LossInputs.rewards must be [batch]={[shape[0]]}, "
-                             f"got {list(self.rewards.shape)}")
-
-    def require(self, name: str, who: str) -> torch.Tensor:
-        """``getattr(self, name)``, or a ``ValueError`` saying that ``who`` needs it."""
-        value = getattr(self, name)
-        if value is None:
-            raise ValueError(f"{who} needs LossInputs.{name}, which is None; pass it when "
-                             f"building LossInputs (fields: {[f.name for f in fields(self)]})")
-        return value
-
+LOSSES = Registry("loss", "flash.losses",
+                  reserved={*ADDON_KNOBS, *_AGG_KNOB_NAMES, "agg", "corrections"})
+Ratios = tuple[Ratio, ...]
 
 def register_loss(name: str, description: str | None = None, *,
-                  check: Callable[[dict], None] | None = None, aliases=()) -> Callable:
+                  check: Callable[[dict], None] | None = None, aliases=(),
+                  ratios: Ratios | Callable[[dict], Ratios] | None = None) -> Callable:
     """Decorator registering ``fn(inputs, *, knob=default, ...) -> (per_token [B, T], metrics)``.
 
     Knobs and defaults come from the keyword-only parameters; ``description`` defaults to the
     docstring's first line; ``check(knobs)`` may raise ``ValueError`` for out-of-range values.
+    ``ratios`` declares the policy ratios the loss uses (``algos.offpolicy.Ratio``), or a function
+    of its knobs (every knob, defaults filled) that returns them: ``flash losses`` shows which
+    policies each loss reads, and the config refuses a ratio that a setting makes identically 1.
+    None: undeclared (a plugin that says nothing is listed as such and never refused).
     """
-    return LOSSES.register(name, description, check=check, aliases=aliases)
+    return LOSSES.register(name, description, check=check, aliases=aliases,
+                           meta={"ratios": ratios})
+
+
+def loss_ratios(name: str, knobs: dict[str, Any] | None = None) -> Ratios | None:
+    """The ratios loss ``name`` uses with ``knobs`` (defaults filled in), or None if undeclared."""
+    entry = LOSSES.get(name)
+    declared = entry.meta.get("ratios")
+    if callable(declared):
+        return tuple(declared({**entry.knobs, **{k: v for k, v in (knobs or {}).items()
+                                                  if k in entry.knobs}}))
+    return None if declared is None else tuple(declared)
 
 
 def _resolve(name: str, knobs: dict[str, Any], agg: str):
+    knobs = dict(knobs)
+    validate_corrections(list(knobs.pop("corrections", None) or []))
     check_agg(agg, {k: v for k, v in knobs.items() if k in _AGG_KNOB_NAMES})
     loss_knobs = {k: v for k, v in knobs.items() if k not in _AGG_KNOB_NAMES}
     entry, full = LOSSES.resolve(name, loss_knobs, ADDON_KNOBS, _ADDON_HINTS)
@@ -109,9 +81,14 @@ def validate_loss(name: str, knobs: dict[str, Any] | None = None, agg: str | Non
 
 
 def describe_losses() -> list[dict[str, Any]]:
-    """``[{name, description, knobs: {knob: default}, aliases}]``; knobs include the add-ons."""
+    """``[{name, description, knobs: {knob: default}, aliases, reads, ratios}]``; knobs include
+    the add-ons; ``reads`` (policies, of behav/prox/current) and ``ratios`` (``"current/behav"``)
+    are those of the default knobs, or None for a loss that declares none."""
     rows = LOSSES.describe()
     for row in rows:
+        ratios = loss_ratios(row["name"])
+        row["reads"] = None if ratios is None else list(reads(ratios))
+        row["ratios"] = None if ratios is None else [str(r) for r in ratios]
         row["knobs"].update(ADDON_KNOBS)
     return rows
 
@@ -152,20 +129,34 @@ def _common_metrics(inputs: LossInputs) -> dict[str, float]:
     return out
 
 
+def _corrected(inputs: LossInputs, specs: list[dict[str, Any]]):
+    """(inputs with the corrections' keep-mask ANDed in, their per-token weight or None, metrics)."""
+    if not specs:
+        return inputs, None, {}
+    weight, keep, metrics = apply_corrections(specs, inputs)
+    return replace(inputs, mask=inputs.mask * keep.to(inputs.mask.dtype)), weight, metrics
+
+
 def policy_loss(name: str, inputs: LossInputs, agg: str = "token-mean",
                 **knobs: Any) -> tuple[torch.Tensor, dict[str, float]]:
     """Loss ``name`` on ``inputs``, plus the KL / entropy add-ons, aggregated with ``agg``.
 
+    ``corrections=[{name, knobs...}, ...]`` (``algos.corrections``) reweight and mask the tokens
+    first: the loss sees the ANDed mask, its per-token terms are multiplied by the weights.
     Returns ``(loss, metrics)``: ``loss`` a scalar tensor carrying gradient, ``metrics`` a dict of
     floats (``loss``, ``pg_loss``, the loss's own clip / IS-weight stats, ratio stats,
-    ``approx_kl/*``, and ``kl_ref`` / ``entropy`` when those inputs are given).
-    Unknown ``name``, knob or ``agg`` raises ``ValueError`` naming the closest valid one.
+    ``approx_kl/*``, ``corrections/*``, and ``kl_ref`` / ``entropy`` when those inputs are given).
+    Unknown ``name``, knob, correction or ``agg`` raises ``ValueError`` naming the closest one.
     """
+    specs = list(knobs.get("corrections") or [])
     entry, full, agg_knobs = _resolve(name, knobs, agg)
+    inputs, weight, correction_metrics = _corrected(inputs, specs)
     per_token, loss_metrics = entry.fn(inputs, **{k: full[k] for k in entry.knobs})
     if tuple(per_token.shape) != tuple(inputs.mask.shape):
         raise ValueError(f"loss {name!r} returned per-token loss of shape "
                          f"{list(per_token.shape)}, expected {list(inputs.mask.shape)}")
+    if weight is not None:
+        per_token = per_token * weight
     pg_loss = aggregate(per_token, inputs.mask, agg, **agg_knobs)
     total = per_token
     if full["kl_coef"] != 0:
@@ -175,7 +166,7 @@ def policy_loss(name: str, inputs: LossInputs, agg: str = "token-mean",
         ent = inputs.require("entropy", f"entropy_coef={full['entropy_coef']}")
         total = total - full["entropy_coef"] * ent
     loss = pg_loss if total is per_token else aggregate(total, inputs.mask, agg, **agg_knobs)
-    metrics = {k: float(v) for k, v in loss_metrics.items()}
+    metrics = {k: float(v) for k, v in {**loss_metrics, **correction_metrics}.items()}
     metrics.update(loss=float(loss.detach()), pg_loss=float(pg_loss.detach()),
                    **_common_metrics(inputs))
     if inputs.ref_logp is not None:

@@ -67,9 +67,10 @@ S0, S1 = math.sqrt(1.05), 1.287 ** (1 / 3)  # gspo per-sample ratios: exp(mean l
 # name -> (knobs, per-token loss table, per-token d loss / d logp table), all by hand
 CASES = {
     "vanilla": ({}, *reinforce_table([[1, 1, 1], [1, 1, 1]])),
-    # (0,0): r=1.5, A>0 -> clipped at 1.2; (0,1): r=0.7, A<0 -> clipped at 0.8; (1,*) inside or
-    # on the unclipped side of min.
-    "ppo": ({}, [[-1.2, 0.8, PAD], [1.8, -0.55, 1.3]], [[0.0, 0.0, PAD], [1.8, -0.55, 1.3]]),
+    # naive PPO, r = R_behav: (0,0) r=1.5, A>0 -> clipped at 1.2; (0,1) r=1.4, A<0 -> unclipped
+    # side 1.4 > 1.2; (1,0) r=0.45, A<0 -> clipped at 0.8: 1.6; (1,1) inside; (1,2) r=10.4, A<0
+    # -> unclipped 10.4 (no dual clip).
+    "ppo": ({}, [[-1.2, 1.4, PAD], [1.6, -0.55, 10.4]], [[0.0, 1.4, PAD], [0.0, -0.55, 10.4]]),
     # w = min(Q, 5) = [[1, 2, -], [0.5, 1, 5]] times the ppo table
     "decoupled_ppo": ({}, [[-1.2, 1.6, PAD], [0.9, -0.55, 6.5]],
                       [[0.0, 0.0, PAD], [0.9, -0.55, 6.5]]),
@@ -77,10 +78,11 @@ CASES = {
     "tis": ({}, *reinforce_table([[1.5, 1.4, PAD], [0.45, 1.1, 2.0]])),
     # w = clip(R_behav, 0, 5) with the defaults eps_low 1, eps_high 4
     "cispo": ({}, *reinforce_table([[1.5, 1.4, PAD], [0.45, 1.1, 5.0]])),
-    # sample 0 positive (reward 1 > 0): w = 1; sample 1 negative: w = clip(R_behav, 0, 1)
-    "topr": ({}, *reinforce_table([[1, 1, PAD], [0.45, 1.0, 1.0]])),
+    # sample 0 positive (reward 1 > 0): w = 1; sample 1 negative: trajectory ratio
+    # 0.45 * 1.1 * 10.4 = 5.148 -> min(5.148, 1) = 1
+    "topr": ({}, *reinforce_table([[1, 1, PAD], [1.0, 1.0, 1.0]])),
     # ratios S0 = 1.0247, S1 = 1.0877 lie inside [0.8, 1.2]: -s*A, gradient -s*A
-    "gspo": ({"clip_low": 0.2, "clip_high": 0.2},
+    "gspo": ({"clip_low": 0.2, "clip_high": 0.2, "old_policy": "prox"},
              [[-S0 * 1.0, S0 * 1.0, PAD], [S1 * 2.0, -S1 * 0.5, S1 * 1.0]],
              [[-S0 * 1.0, S0 * 1.0, PAD], [S1 * 2.0, -S1 * 0.5, S1 * 1.0]]),
 }
@@ -239,7 +241,8 @@ def test_dual_clip_bounds_negative_advantage_terms():
 def test_dual_clip_in_the_hand_fixture():
     # token (1,2): r = 1.3, A = -1 -> 1.3 > -c*A = 1.25: bounded, no gradient
     inputs = make_inputs()
-    loss, m = policy_loss("ppo", inputs, agg="seq-mean-token-sum", dual_clip=1.25)
+    loss, m = policy_loss("ppo", inputs, agg="seq-mean-token-sum", dual_clip=1.25,
+                          old_policy="prox")
     loss.backward()
     assert loss.item() == pytest.approx((-1.2 + 0.8 + 1.8 - 0.55 + 1.25) / 2)
     assert inputs.logp.grad[1, 2].item() == 0.0
@@ -247,7 +250,7 @@ def test_dual_clip_in_the_hand_fixture():
 
 
 def test_ppo_metrics_by_hand():
-    _, m = policy_loss("ppo", make_inputs())
+    _, m = policy_loss("ppo", make_inputs(), old_policy="prox")
     assert m["clipfrac"] == pytest.approx(2 / 5)
     assert m["clipfrac_high"] == pytest.approx(1 / 5) and m["clipfrac_low"] == pytest.approx(1 / 5)
     assert m["ratio/max"] == pytest.approx(1.5) and m["ratio/min"] == pytest.approx(0.7)
@@ -261,7 +264,8 @@ def test_ppo_metrics_by_hand():
 def test_knob_changes_the_result():
     """A knob passed by name reaches the loss: clip_high 0.6 unclips token (0,0) (r = 1.5)."""
     inputs = make_inputs()
-    loss, _ = policy_loss("ppo", inputs, agg="seq-mean-token-sum", clip_high=0.6)
+    loss, _ = policy_loss("ppo", inputs, agg="seq-mean-token-sum", clip_high=0.6,
+                          old_policy="prox")
     assert loss.item() == pytest.approx((-1.5 + 0.8 + 1.8 - 0.55 + 1.3) / 2)
 
 
@@ -306,7 +310,7 @@ def test_cispo_clips_weights_but_keeps_gradients():
 def test_topr_threshold_split(threshold, weights):
     inputs = make_inputs()
     loss, m = policy_loss("topr", inputs, agg="seq-mean-token-sum", threshold=threshold,
-                          positive_weight=2.0, negative_weight=0.5)
+                          positive_weight=2.0, negative_weight=0.5, level="token")
     loss.backward()
     _, grad = reinforce_table(weights)
     torch.testing.assert_close(inputs.logp.grad, t(grad) * t(MASK) / 2)
@@ -326,7 +330,7 @@ def test_gspo_per_sample_ratio_and_sequence_gradient():
     for clip in (0.2, 0.02):  # S0 = 1.0247 is clipped at 0.02 with A > 0; S1 is never clipped
         inputs = make_inputs(adv=adv)
         loss, m = policy_loss("gspo", inputs, agg="seq-mean-token-mean",
-                              clip_low=clip, clip_high=clip)
+                              clip_low=clip, clip_high=clip, old_policy="prox")
         loss.backward()
         assert m["seq_ratio/max"] == pytest.approx(S1) and m["seq_ratio/min"] == pytest.approx(S0)
         logp = inputs.logp.detach().clone().requires_grad_(True)
@@ -342,7 +346,7 @@ def test_gspo_per_sample_ratio_and_sequence_gradient():
 
 def test_gspo_default_clip_is_the_papers():
     inputs = make_inputs(adv=[[1.0] * 3, [-2.0] * 3])
-    loss, _ = policy_loss("gspo", inputs, agg="seq-mean-token-mean")
+    loss, _ = policy_loss("gspo", inputs, agg="seq-mean-token-mean", old_policy="prox")
     # sample 0: S0 > 1 + 4e-4 with A = 1 -> clipped at -(1.0004); sample 1: unclipped 2 * S1
     assert loss.item() == pytest.approx((-1.0004 + 2 * S1) / 2)
 
@@ -375,7 +379,7 @@ def test_kl_addon_by_hand(estimator):
 def test_entropy_bonus_by_hand():
     ent = t([[0.5, 1.0, 9.0], [2.0, 0.0, 1.5]]).requires_grad_(True)
     inputs = make_inputs(entropy=ent)
-    loss, m = policy_loss("ppo", inputs, entropy_coef=0.01)
+    loss, m = policy_loss("ppo", inputs, entropy_coef=0.01, old_policy="prox")
     loss.backward()
     ppo_hand = (-1.2 + 0.8 + 1.8 - 0.55 + 1.3) / 5
     assert loss.item() == pytest.approx(ppo_hand - 0.01 * (0.5 + 1.0 + 2.0 + 0.0 + 1.5) / 5)
@@ -399,3 +403,41 @@ def test_per_sample_advantages_broadcast():
 def test_bad_shapes_are_named():
     with pytest.raises(ValueError, match="prox_logp"):
         LossInputs(t(LOGP), t([[0.0]]), t(BEHAV), t(A), t(MASK))
+
+
+# -- TOPR at both levels -------------------------------------------------------------------------
+
+# R_behav row 1 = Q * R = [0.5 * 0.9, 1.0 * 1.1, 8.0 * 0.125] = [0.45, 1.1, 1.0]: trajectory ratio
+# 0.45 * 1.1 * 1.0 = 0.495 < 1, so the sequence level tapers the whole negative sample.
+TOPR_R = [[1.5, 0.7, 2.0], [0.9, 1.1, 0.125]]
+TOPR_LOGP1 = [-1.5 + math.log(0.45), -0.3 + math.log(1.1), -2.5]
+
+
+@pytest.mark.parametrize("level,w1", [("sequence", [0.495, 0.495, 0.495]),
+                                      ("token", [0.45, 1.0, 1.0])])
+def test_topr_levels_by_hand(level, w1):
+    """Sample 0 (reward 1 > 0) is positive: weight 1 whatever its ratio (R_behav 1.5, 1.4 > 1).
+    Sample 1 (reward 0) is negative: sequence level min(0.495, 1) on every token; token level
+    min(ρ_t, 1) = [0.45, 1, 1]. seq-mean-token-sum: loss Σ −w·A·logp / 2, gradient −w·A / 2."""
+    inputs = make_inputs(r=TOPR_R)
+    kw = {} if level == "sequence" else {"level": "token"}
+    loss, m = policy_loss("topr", inputs, agg="seq-mean-token-sum", **kw)
+    loss.backward()
+    a1 = A[1]
+    hand = (-(1.0 * LOGP[0][0]) - (-1.0 * LOGP[0][1])
+            - sum(w1[j] * a1[j] * TOPR_LOGP1[j] for j in range(3))) / 2
+    assert loss.item() == pytest.approx(hand)
+    grad = [[-A[0][0] / 2, -A[0][1] / 2, 0.0], [-w1[j] * a1[j] / 2 for j in range(3)]]
+    torch.testing.assert_close(inputs.logp.grad, t(grad))
+    assert m["is_weight/min"] == pytest.approx(min(w1))
+
+
+def test_topr_splits_on_the_reward_not_the_advantage():
+    """A positive reward with a negative advantage stays positive: weight 1, no taper."""
+    inputs = make_inputs(r=TOPR_R, rewards=(0.0, 1.0))  # now sample 1 is the positive one
+    loss, m = policy_loss("topr", inputs, agg="seq-mean-token-sum")
+    loss.backward()
+    # sample 0 negative: trajectory ratio 1.5 * 1.4 = 2.1 -> min(2.1, 1) = 1; sample 1: weight 1
+    torch.testing.assert_close(inputs.logp.grad, -t(A) * t(MASK) / 2)
+    assert m["positive_frac"] == 0.5
+    assert m["is_clipfrac"] == 1.0  # of the negative sample's tokens: both truncated at 1

@@ -67,6 +67,7 @@ def test_valid_knobs_pass():
 def test_describe_lists_knobs_with_defaults():
     rows = {r["name"]: r for r in algos.describe_losses()}
     assert rows["ppo"]["knobs"] == {"clip_low": 0.2, "clip_high": 0.2, "dual_clip": None,
+                                    "old_policy": "behav",
                                     "kl_coef": 0.0, "kl_estimator": "k3", "entropy_coef": 0.0}
     assert rows["tis"]["knobs"]["cap"] == 2.0 and rows["tis"]["knobs"]["level"] == "token"
     assert all(r["description"] for r in rows.values())

@@ -79,7 +79,8 @@ def test_micro_batches_give_the_full_batch_update(model, agg):
 
 
 def test_loss_knobs_in_recipe_yaml_reach_the_loss(model, tmp_path):
-    """ppo with a tiny clip range set in YAML clips most tokens after one step; 0.2 clips fewer.
+    """ppo (clipping against the passed prox: old_policy prox) with a tiny clip range set in YAML
+    clips most tokens after one step; 0.2 clips fewer.
 
     The knob travels recipe YAML -> load_config -> trainer_settings -> Trainer -> policy_loss; a
     layer that dropped it would leave both runs at the default and the assertions would fail.
@@ -93,9 +94,10 @@ def test_loss_knobs_in_recipe_yaml_reach_the_loss(model, tmp_path):
     for clip in (0.2, 1e-4):
         recipe = tmp_path / f"r{clip}.yaml"
         recipe.write_text(f"train: {{lr: 3.0e-4}}\nrollout: {{temperature: 0.7}}\n"
-                          f"algo:\n  loss: {{name: ppo, clip_low: {clip}, clip_high: {clip}}}\n")
+                          f"algo:\n  loss: {{name: ppo, clip_low: {clip}, clip_high: {clip}, "
+                          f"old_policy: prox}}\n")
         s = trainer_settings(load_config(recipe))
-        assert s.loss == {"name": "ppo", "clip_low": clip, "clip_high": clip}
+        assert s.loss == {"name": "ppo", "clip_low": clip, "clip_high": clip, "old_policy": "prox"}
         tr = Trainer(copy.deepcopy(model), s)
         prox = tr.logprobs(batch)
         tr.train_step(batch, adv, prox)  # moves the policy away from prox

@@ -63,12 +63,28 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_losses(_: argparse.Namespace) -> int:
     import algos
 
-    for title, rows in (("losses", algos.describe_losses()), ("advantage estimators", algos.describe_advantages())):
+    sections = (("losses", algos.describe_losses()),
+                ("corrections (algo.corrections; weight and mask by pi_prox/pi_behav)",
+                 algos.describe_corrections()),
+                ("advantage estimators", algos.describe_advantages()))
+    for title, rows in sections:
         print(f"{title}:")
         for row in rows:
             knobs = ", ".join(f"{k}={v!r}" for k, v in row["knobs"].items()) or "-"
-            print(f"  {row['name']:<16} {row['description']}\n  {'':<16} knobs: {knobs}")
+            print(f"  {row['name']:<16} {row['description']}")
+            if "reads" in row:
+                print(f"  {'':<16} reads: {_reads_line(row)}")
+            print(f"  {'':<16} knobs: {knobs}")
     return 0
+
+
+def _reads_line(row: dict) -> str:
+    """``behav, current (ratios: current/behav)``; ``undeclared`` for a plugin that says nothing."""
+    if row["reads"] is None:
+        return "undeclared"
+    ratios = row.get("ratios")
+    return ", ".join(row["reads"]) + (f" (ratios: {', '.join(ratios)})" if ratios else
+                                      " (no ratio)" if ratios == [] else "")
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:

@@ -102,6 +102,9 @@ class AlgoConfig:
     # Recompute proximal logprobs with the trainer's weights at the start of each step.
     # auto: only when the loss reads prox_logp and samples may be off-policy.
     recompute_prox: str = "auto"  # auto | always | never
+    # Behaviour-proximal corrections applied to any loss, in order (algos.corrections; `flash
+    # losses` lists them): [{name: token_is, cap: 2.0}, {name: icepop}, ...]
+    corrections: List[Dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass

@@ -65,6 +65,7 @@ def validate(cfg: FlashConfig) -> None:
     _check_plugin_section("algo.loss", cfg.algo.loss,
                           lambda name, knobs: algos.validate_loss(name, knobs, agg=cfg.algo.agg))
     _check_plugin_section("algo.advantage", cfg.algo.advantage, algos.validate_advantage)
+    _check_corrections(cfg)
     _check_task(cfg.task, task_options)
     _check_model(cfg.model)
     _check_stream(cfg)
@@ -157,6 +158,46 @@ def _check_plugin_section(where: str, section: dict, validator) -> None:
         validator(name, knobs)
     except (ValueError, KeyError) as exc:
         raise ConfigError(f"{where}: {exc}") from None
+
+
+def _check_corrections(cfg: FlashConfig) -> None:
+    """``algo.corrections`` name registered corrections with knobs they use, and no ratio of the
+    loss or of a correction is identically 1 under ``recompute_prox`` and ``async_ratio``."""
+    import algos
+
+    try:
+        algos.validate_corrections(list(cfg.algo.corrections))
+    except ValueError as exc:
+        raise ConfigError(f"algo.corrections{exc}" if str(exc).startswith("[") else
+                          f"algo.corrections: {exc}") from None
+    problem = noop_problem(cfg)
+    _require(problem is None, problem or "")
+
+
+def steps_per_batch(train: TrainConfig) -> int:
+    """Optimizer steps on one rollout batch (mini-batches × epochs where the schema has them)."""
+    return int(getattr(train, "mini_batches", 1)) * int(getattr(train, "update_epochs", 1))
+
+
+def noop_problem(cfg: FlashConfig) -> str | None:
+    """The first ratio of ``algo.loss`` or ``algo.corrections`` that this config makes
+    identically 1 (``algos.offpolicy.ratio_problem``), as one line naming the fix; else None."""
+    import algos
+    from controllers.async_controller import prox_mode
+
+    loss = dict(cfg.algo.loss)
+    name = loss.pop("name")
+    where = dict(prox_source=prox_mode(cfg.algo.recompute_prox, cfg.async_ratio),
+                 mode=cfg.algo.recompute_prox, async_ratio=cfg.async_ratio,
+                 steps_per_batch=steps_per_batch(cfg.train))
+    checks = [(f"algo.loss '{name}'", r, False) for r in algos.loss_ratios(name, loss) or ()]
+    checks += [(f"algo.corrections '{c['name']}'", algos.corrections.RATIO, True)
+               for c in cfg.algo.corrections]
+    for who, ratio, explicit in checks:
+        problem = algos.ratio_problem(who, ratio, explicit=explicit, **where)
+        if problem:
+            return problem
+    return None
 
 
 def _check_agg(agg: str) -> None:

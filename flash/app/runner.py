@@ -127,11 +127,20 @@ def sampling_params(cfg: FlashConfig, tokenizer, *, eval_mode: bool = False) -> 
     )
 
 
+def loss_section(cfg: FlashConfig) -> dict:
+    """``algo.loss`` with ``algo.corrections`` folded in as the ``corrections`` knob that
+    ``algos.policy_loss`` takes (absent when none, so the loss knobs stay as written)."""
+    loss = dict(cfg.algo.loss)
+    if cfg.algo.corrections:
+        loss["corrections"] = [dict(c) for c in cfg.algo.corrections]
+    return loss
+
+
 def trainer_settings(cfg: FlashConfig) -> TrainerSettings:
     return TrainerSettings(
         lr=cfg.train.lr, weight_decay=cfg.train.weight_decay, betas=tuple(cfg.train.betas),
         grad_clip=cfg.train.grad_clip, micro_batch_size=cfg.train.micro_batch_size,
-        temperature=cfg.rollout.temperature, loss=dict(cfg.algo.loss), agg=cfg.algo.agg,
+        temperature=cfg.rollout.temperature, loss=loss_section(cfg), agg=cfg.algo.agg,
         max_len=cfg.rollout.max_new_tokens,
     )
 
