@@ -29,6 +29,7 @@ from typing import Any, Callable
 import ray
 
 import algos
+from algos.proximal import prox_approx_error
 from buffers import Group, SampleBuffer
 from controllers.scheduler import RolloutCore
 from controllers.staleness import StalenessManager
@@ -46,12 +47,16 @@ class ControllerSettings:
     prompts_per_step: int
     interrupt: str
     advantage: dict[str, Any]
-    prox: str  # "behav" (prox = behaviour), "fused" (in the train forward), "separate" (own phase)
+    # "behav" (prox = behaviour), "fused" (in the train forward), "separate" (own phase),
+    # "approx" (interpolated in the train forward, algos.proximal)
+    prox: str
     pad_id: int = 0
     stream: bool = False  # stream trainer: backward each group on arrival (async_ratio 0 only)
     # The engines share the trainer's devices (flash.placement): they are paused and put to sleep
     # (memory released) before the trainer runs, and woken before the weight push.
     colocated: bool = False
+    # with prox "approx": run the real recompute too and report rollout/prox_approx_error
+    measure_prox_error: bool = False
 
 
 @dataclass
@@ -133,6 +138,7 @@ class AsyncController:
                 self._engine_get("sleep")
         with self.phase("recompute_prox"):
             prox = proximal(self.s.prox, batch, self.trainer)
+            approx_error = self._approx_error(batch, t)
         with self.phase("advantages"):
             adv, critic_step = advantages(self.s.advantage, batch, self.critic)
         with self.phase("train"):
@@ -144,7 +150,17 @@ class AsyncController:
                 self._engine_get("wake_up")
         self._after_train(t, groups, admit_more)
         metrics = self._metrics(t, samples, batch, prox, train_metrics, time.monotonic() - start)
+        metrics.update(approx_error)
         return StepRecord(step=t, metrics=metrics, groups=groups, timeline=self._timeline())
+
+    def _approx_error(self, batch: TrainBatch, t: int) -> dict[str, float]:
+        """``algo.measure_prox_error``: the real recompute beside the approximation; their mean
+        absolute difference over the batch's tokens (the approximation at the batch's first step)."""
+        if not self.s.measure_prox_error or self.s.prox != "approx":
+            return {}
+        recomputed = ray.get(self.trainer.logprobs.remote(batch))
+        return {"rollout/prox_approx_error": prox_approx_error(
+            batch.behav_logp, recomputed, batch.versions, batch.mask, t)}
 
     def _stream_step(self, t: int, admit_more: bool, start: float) -> StepRecord:
         """The stream trainer (RollPacker): each group is backpropagated as soon as it is in the
@@ -397,10 +413,11 @@ class AsyncController:
 
 def proximal(mode: str, batch: TrainBatch, trainer):
     """The proximal logprobs of a step under ``mode`` (``prox_mode``): behaviour's, None (fused
-    into the train forward) or the trainer's current ones from a forward of their own."""
+    into the train forward, or approximated there: the trainer's ``settings.prox`` says which) or
+    the trainer's current ones from a forward of their own."""
     if mode == "separate":
         return ray.get(trainer.logprobs.remote(batch))
-    return {"behav": batch.behav_logp, "fused": None}[mode]
+    return {"behav": batch.behav_logp, "fused": None, "approx": None}[mode]
 
 
 def advantages(advantage: dict[str, Any], batch: TrainBatch, critic=None):
@@ -426,8 +443,10 @@ def prox_mode(mode: str, async_ratio: float) -> str:
     mismatch), so behav is used, exactly as a plain synchronous loop does; at r > 0 the recompute
     is fused into the train forward (exact with one optimizer step per batch, one forward saved).
     ``always``: a separate forward before the step (its own timed phase). ``never``: behav.
+    ``approx``: AReaL's interpolation between behav and the current policy by token version, in the
+    train forward (``algos.proximal``; no recompute at all).
     """
     if mode == "auto":
         return "fused" if async_ratio > 0 else "behav"
-    return "separate" if mode == "always" else "behav"
+    return {"always": "separate", "approx": "approx"}.get(mode, "behav")
 

@@ -174,6 +174,7 @@ def trainer_state(trainer) -> dict:
         "optimizer": copy.deepcopy(trainer.optimizer.state_dict()),
         "rng": torch.get_rng_state(),
         "steps": trainer.steps,
+        "optimizer_steps": trainer.optimizer_steps,  # the lr schedule's position
     }
 
 
@@ -204,6 +205,8 @@ def load_trainer_state(trainer, directory: str) -> int:
     trainer.optimizer.load_state_dict(state["optimizer"])
     torch.set_rng_state(state["rng"])
     trainer.steps = int(state["steps"])
+    # a checkpoint from before mini-batches took one optimizer step per batch
+    trainer.optimizer_steps = int(state.get("optimizer_steps", trainer.steps))
     return trainer.steps
 
 

@@ -101,7 +101,11 @@ class AlgoConfig:
     agg: str = "token-mean"
     # Recompute proximal logprobs with the trainer's weights at the start of each step.
     # auto: only when the loss reads prox_logp and samples may be off-policy.
-    recompute_prox: str = "auto"  # auto | always | never
+    # approx: no recompute; AReaL's log-linear interpolation between behav and current by version
+    # (algos.proximal)
+    recompute_prox: str = "auto"  # auto | always | never | approx
+    # with recompute_prox approx: also run the real recompute and report rollout/prox_approx_error
+    measure_prox_error: bool = False
     # Behaviour-proximal corrections applied to any loss, in order (algos.corrections; `flash
     # losses` lists them): [{name: token_is, cap: 2.0}, {name: icepop}, ...]
     corrections: List[Dict[str, Any]] = field(default_factory=list)
@@ -116,6 +120,15 @@ class TrainConfig:
     betas: List[float] = field(default_factory=lambda: [0.9, 0.999])
     grad_clip: float = 1.0
     micro_batch_size: int = 64  # samples per forward/backward
+    # optimizer steps per rollout batch: mini_batches contiguous row chunks, update_epochs passes;
+    # the proximal policy stays the one at the start of the batch (flash.train.updates)
+    mini_batches: int = 1
+    update_epochs: int = 1
+    # learning rate over optimizer steps (train.steps × mini_batches × update_epochs of them):
+    # linear warmup over warmup_steps, then constant or cosine down to lr × min_lr_ratio
+    lr_schedule: str = "constant"  # constant | cosine
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.0
     # a non-finite loss or gradient norm skips the optimizer step (train/skipped_nonfinite);
     # this many skips in a row stop the run (flash.guards.SkipGuard)
     max_consecutive_skips: int = 3

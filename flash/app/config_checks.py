@@ -58,8 +58,10 @@ def validate(cfg: FlashConfig) -> None:
     _require(cfg.train.micro_batch_size >= 1, "train.micro_batch_size must be >= 1")
     _check_group(cfg.train)
     _require(cfg.train.lr > 0, f"train.lr must be > 0, got {cfg.train.lr}")
-    _require(cfg.algo.recompute_prox in ("auto", "always", "never"),
-             f"algo.recompute_prox must be auto, always or never, got '{cfg.algo.recompute_prox}'")
+    _require(cfg.algo.recompute_prox in PROX_CHOICES,
+             f"algo.recompute_prox must be one of {', '.join(PROX_CHOICES)}, got '{cfg.algo.recompute_prox}'"
+             f"{closest(cfg.algo.recompute_prox, list(PROX_CHOICES))}")
+    _check_updates(cfg)
     _check_agg(cfg.algo.agg)
     _check_model_update(cfg.model_update)
     _check_plugin_section("algo.loss", cfg.algo.loss,
@@ -96,6 +98,30 @@ def _check_placement(cfg: FlashConfig) -> None:
              "train.stream: false")
 
 
+PROX_CHOICES = ("auto", "always", "never", "approx")
+
+
+def _check_updates(cfg: FlashConfig) -> None:
+    """Mini-batches, epochs, the lr schedule and the approximate proximal policy."""
+    from flash.train.updates import LR_SCHEDULES
+
+    t, rows = cfg.train, cfg.train.prompts_per_step * cfg.rollout.n
+    for key in ("mini_batches", "update_epochs"):
+        _require(getattr(t, key) >= 1, f"train.{key} must be an integer >= 1, got {getattr(t, key)}")
+    _require(t.mini_batches <= rows, f"train.mini_batches={t.mini_batches} exceeds the batch's rows "
+             f"(train.prompts_per_step × rollout.n = {rows}): a mini-batch would be empty")
+    _require(t.lr_schedule in LR_SCHEDULES, f"train.lr_schedule must be one of {', '.join(LR_SCHEDULES)}, "
+             f"got '{t.lr_schedule}'{closest(t.lr_schedule, list(LR_SCHEDULES))}")
+    _require(t.warmup_steps >= 0, f"train.warmup_steps must be >= 0 (optimizer steps), got {t.warmup_steps}")
+    _require(0.0 <= t.min_lr_ratio <= 1.0, f"train.min_lr_ratio must be in [0, 1], got {t.min_lr_ratio}")
+    _require(t.min_lr_ratio == 0.0 or t.lr_schedule == "cosine", "train.min_lr_ratio is the cosine "
+             "schedule's floor but train.lr_schedule is 'constant' (it would be unused); set "
+             "train.lr_schedule: cosine or remove it")
+    _require(not cfg.algo.measure_prox_error or cfg.algo.recompute_prox == "approx",
+             "algo.measure_prox_error measures the approximate proximal policy; set "
+             "algo.recompute_prox: approx or remove it")
+
+
 STREAM_ESTIMATORS = ("grpo", "dr_grpo", "rloo")  # advantages of a group need only that group
 
 
@@ -116,8 +142,10 @@ def _check_stream(cfg: FlashConfig) -> None:
     _require(adv.get("name") in STREAM_ESTIMATORS and not adv.get("whiten"),
              f"train.stream needs a group-local advantage estimator ({', '.join(STREAM_ESTIMATORS)}, "
              f"whiten off): '{adv.get('name')}' normalises over the whole batch")
-    _require(cfg.algo.recompute_prox != "always", "train.stream uses the behaviour logprobs as the proximal "
-             "policy (exact at async_ratio 0); set algo.recompute_prox: auto")
+    _require(cfg.algo.recompute_prox not in ("always", "approx"), "train.stream uses the behaviour logprobs "
+             "as the proximal policy (exact at async_ratio 0); set algo.recompute_prox: auto")
+    _require(cfg.train.mini_batches * cfg.train.update_epochs == 1, "train.stream takes one optimizer step "
+             "per batch as its groups arrive; set train.mini_batches: 1 and train.update_epochs: 1")
 
 def _check_model_update(mu: ModelUpdateConfig) -> None:
     from flash.weights.model_update import BACKENDS

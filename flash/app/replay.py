@@ -28,7 +28,7 @@ from flash.cluster import init_ray, pinned_threads, quiet, wait_ready
 from flash.errors import FlashError
 from flash.train.batch import collate, flatten
 
-PROX_MODES = ("behav", "fused", "separate")
+PROX_MODES = ("behav", "fused", "separate", "approx")
 
 
 @dataclass

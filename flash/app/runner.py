@@ -142,6 +142,11 @@ def trainer_settings(cfg: FlashConfig) -> TrainerSettings:
         grad_clip=cfg.train.grad_clip, micro_batch_size=cfg.train.micro_batch_size,
         temperature=cfg.rollout.temperature, loss=loss_section(cfg), agg=cfg.algo.agg,
         max_len=cfg.rollout.max_new_tokens,
+        mini_batches=cfg.train.mini_batches, update_epochs=cfg.train.update_epochs,
+        lr_schedule=cfg.train.lr_schedule, warmup_steps=cfg.train.warmup_steps,
+        min_lr_ratio=cfg.train.min_lr_ratio,
+        total_optimizer_steps=cfg.train.steps * cfg.train.mini_batches * cfg.train.update_epochs,
+        prox="approx" if cfg.algo.recompute_prox == "approx" else "fused",
     )
 
 
@@ -183,6 +188,7 @@ class Run:
             ControllerSettings(
                 prompts_per_step=B, interrupt=cfg.rollout.interrupt, advantage=dict(cfg.algo.advantage),
                 prox=prox_mode(cfg.algo.recompute_prox, cfg.async_ratio),
+                measure_prox_error=cfg.algo.measure_prox_error,
                 pad_id=self.tokenizer.pad_token_id or 0, stream=cfg.train.stream,
                 colocated=self.roles.colocated,
             ),

@@ -172,7 +172,7 @@ class ShardedTrainer(Trainer):
         acc["busy"] += time.monotonic() - start
         return added
 
-    def planned_finish(self, total: float) -> dict:
+    def planned_finish(self, total: float, advance: bool = True) -> dict:
         """``Trainer.finish_step`` with the step's *global* weight ``total`` (all ranks' parts).
 
         The reduce-scattered gradient is the sum over ranks; dividing it by the global total gives
@@ -191,12 +191,12 @@ class ShardedTrainer(Trainer):
         finite = bool(torch.isfinite(grad_norm)) and bool(torch.isfinite(global_loss).all())
         if finite:
             self.optimizer.step()
-        self.steps += 1
+        self.steps += int(advance)  # only a batch's last optimizer step moves the version on
         self.busy_s += acc["busy"] + time.monotonic() - start
         partial = {k: v / total for k, v in acc["metrics"].items()}
         partial["loss"] = acc["loss"] / total
         return {"partial": partial, "grad_norm": float(grad_norm), "skipped": float(not finite),
-                "mismatch": list(self._mismatch_acc)}
+                "mismatch": list(self._mismatch_acc), "lr": self._lr}
 
     def planned_step(self, batch: TrainBatch, advantages, prox_logp, plan: Plan, total: float) -> dict:
         """One optimizer step over this rank's rows; ``total``: the batch's global weight."""

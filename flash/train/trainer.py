@@ -1,4 +1,5 @@
-"""The policy trainer: proximal logprobs (recomputed, or fused into the step) and one optimizer step.
+"""The policy trainer: proximal logprobs (recomputed, fused into the step, or approximated) and the
+optimizer steps of a rollout batch (``flash.train.updates``: mini-batches, epochs, lr schedule).
 
 One process here (the multi-worker FSDP2 trainer has its own issue). A step is split into
 micro-batches of ``micro_batch_size`` rows whose gradients accumulate; each micro-batch's loss is
@@ -22,7 +23,9 @@ import torch
 import torch.nn.functional as F
 
 import algos
+from algos.proximal import approx_prox_logp
 from flash.train.batch import TrainBatch
+from flash.train.updates import lr_at, train_batch
 
 
 @dataclass
@@ -36,17 +39,31 @@ class TrainerSettings:
     loss: dict[str, Any]  # name + knobs
     agg: str
     max_len: int = 0  # seq-mean-token-sum-norm's constant length when the loss config has none
+    mini_batches: int = 1  # optimizer steps per pass over a rollout batch (contiguous row chunks)
+    update_epochs: int = 1  # passes over the batch
+    lr_schedule: str = "constant"  # constant | cosine, over optimizer steps (flash.train.updates.lr_at)
+    warmup_steps: int = 0  # linear warmup, in optimizer steps
+    min_lr_ratio: float = 0.0  # cosine floor, a fraction of lr
+    total_optimizer_steps: int = 0  # the run's: train.steps × mini_batches × update_epochs
+    prox: str = "fused"  # what prox_logp=None means: fused (sg of the forward) | approx (algos.proximal)
+
+    @property
+    def updates_per_batch(self) -> int:
+        return self.mini_batches * self.update_epochs
 
 
-def token_logprobs(model, batch: TrainBatch, temperature: float, with_entropy: bool = False):
-    """Per-target-column logprob ``[N, L-1]`` (and entropy when asked) under ``model``."""
+def token_logprobs(model, batch: TrainBatch, temperature: float, with_entropy: bool = False,
+                   entropy_grad: bool = True):
+    """Per-target-column logprob ``[N, L-1]`` (and entropy when asked) under ``model``; with
+    ``entropy_grad=False`` the entropy is a metric only, computed outside the autograd graph."""
     logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
     logits = logits[:, :-1].float() / temperature
     logp_all = F.log_softmax(logits, dim=-1)
     logp = logp_all.gather(-1, batch.input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
     if not with_entropy:
         return logp, None
-    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        entropy = -(logp_all.exp() * logp_all).sum(-1)
     return logp, entropy
 
 
@@ -81,7 +98,9 @@ class Trainer:
         self.ref_model = None
         if float(self.knobs.get("kl_coef", 0.0) or 0.0) != 0.0:
             self.ref_model = self._reference_model(model)
-        self.steps = 0
+        self.steps = 0  # rollout batches trained: the policy version
+        self.optimizer_steps = 0  # the lr schedule's position (checkpointed)
+        self._lr = settings.lr
         self.busy_s = 0.0
 
     def _reference_model(self, model):
@@ -102,23 +121,33 @@ class Trainer:
         return out
 
     def train_step(self, batch: TrainBatch, advantages: torch.Tensor, prox_logp: torch.Tensor | None) -> dict:
-        """One optimizer step over the whole batch; returns loss and metrics as floats.
+        """The batch's optimizer steps (``mini_batches × update_epochs``, ``flash.train.updates``);
+        returns loss and metrics as floats, means over the steps.
 
-        ``prox_logp=None`` fuses the proximal recompute into this step's forward pass: with one
+        ``prox_logp=None`` fuses the proximal recompute into the step's forward pass: with one
         optimizer step per batch, the weights at the start of the step *are* the weights of this
-        forward, so ``prox = sg(logp)`` exactly -- one forward instead of two. The train–inference
+        forward, so ``prox = sg(logp)`` exactly -- one forward instead of two. With several steps
+        the proximal logprobs are taken once before the first (``train_batch``). The train–inference
         mismatch |behav − prox| on tokens the current weights generated comes back as metrics.
         """
-        self.begin_step()
-        self.accumulate(batch, advantages, prox_logp)
-        return self.finish_step()
+        return train_batch(self, batch, advantages, prox_logp, self.s, self.steps)
 
     # ---- one optimizer step in parts (the stream trainer feeds groups as they finish) -----------
     def begin_step(self) -> None:
         """Open a step: gradients zeroed, sums empty. ``accumulate`` parts, then ``finish_step``."""
         self.optimizer.zero_grad(set_to_none=True)
+        self._set_lr()
         self._mismatch, self._mismatch_acc = {}, [0.0, 0.0, 0.0]
         self._acc = {"loss": 0.0, "weight": 0.0, "busy": 0.0, "metrics": {}}
+
+    def _set_lr(self) -> None:
+        """The schedule's lr for the step now opening; counts it (its position survives a resume)."""
+        s = self.s
+        self._lr = lr_at(self.optimizer_steps, s.total_optimizer_steps, s.lr, s.lr_schedule,
+                         s.warmup_steps, s.min_lr_ratio)
+        for group in self.optimizer.param_groups:
+            group["lr"] = self._lr
+        self.optimizer_steps += 1
 
     def accumulate(self, batch: TrainBatch, advantages: torch.Tensor, prox_logp: torch.Tensor | None) -> float:
         """Backward over ``batch`` (micro-batched) into the open step; returns its weight.
@@ -156,8 +185,9 @@ class Trainer:
             acc["metrics"][key] = acc["metrics"].get(key, 0.0) + float(value) * weight
         return weight
 
-    def finish_step(self) -> dict:
-        """Scale the summed gradient to the step's aggregate, clip, and step (skipped if not finite)."""
+    def finish_step(self, advance: bool = True) -> dict:
+        """Scale the summed gradient to the step's aggregate, clip, and step (skipped if not finite).
+        ``advance``: the batch's last optimizer step (the version counter moves on)."""
         start = time.monotonic()
         acc, total = self._acc, max(self._acc["weight"], 1e-12)
         for p in self.model.parameters():
@@ -168,16 +198,18 @@ class Trainer:
         finite = bool(torch.isfinite(grad_norm)) and math.isfinite(loss)
         if finite:
             self.optimizer.step()
-        self.steps += 1
+        self.steps += int(advance)
         self.busy_s += acc["busy"] + time.monotonic() - start
         metrics = {k: v / total for k, v in acc["metrics"].items()}
-        metrics.update(loss=loss, grad_norm=float(grad_norm), skipped=float(not finite))
+        metrics.update(loss=loss, grad_norm=float(grad_norm), skipped=float(not finite), lr=self._lr)
         metrics.update(self._mismatch)
         return metrics
 
     def _micro_loss(self, part: TrainBatch, adv, prox, ref):
-        logp, entropy = token_logprobs(self.model, part, self.s.temperature, self.needs_entropy)
-        if prox is None:
+        logp, entropy = token_logprobs(self.model, part, self.s.temperature, True, self.needs_entropy)
+        if prox is None and self.s.prox == "approx":
+            prox = approx_prox_logp(part.behav_logp, logp.detach(), part.versions, self.steps) * part.mask
+        elif prox is None:
             prox = logp.detach() * part.mask
             self._track_mismatch(part, prox)
         inputs = algos.LossInputs(

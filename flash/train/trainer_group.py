@@ -38,6 +38,7 @@ from flash.train.microbatch import MicroPlan, plan_batch
 from flash.weights.model_update import ModelUpdateError, unique_tensors
 from flash.weights.group import UpdateSender
 from flash.train.trainer import TrainerSettings
+from flash.train.updates import train_batch
 from flash.usage import process_tree_cpu_s
 
 log = logging.getLogger("flash")
@@ -146,8 +147,8 @@ class FSDPRank(UpdateSender):
         dev = lambda t: None if t is None else t.to(self.device)
         return self.trainer.planned_accumulate(batch_to(batch, self.device), dev(advantages), dev(prox_logp), plan)
 
-    def finish_step(self, total: float) -> dict:
-        return self.trainer.planned_finish(total)
+    def finish_step(self, total: float, advance: bool = True) -> dict:
+        return self.trainer.planned_finish(total, advance)
 
     def full_state_dict(self):
         from flash.train.fsdp_checkpoint import full_state_dict
@@ -166,6 +167,8 @@ class FSDPRank(UpdateSender):
 
         load_dcp(self.trainer.model, self.trainer.optimizer, path)
         self.trainer.steps = steps
+        # every batch takes the same number of optimizer steps: the lr schedule's position follows
+        self.trainer.optimizer_steps = steps * self.trainer.s.updates_per_batch
         rng = Path(path) / f"rng-{self.rank}.pt"
         if rng.is_file():
             torch.set_rng_state(torch.load(rng, weights_only=True))
@@ -210,7 +213,7 @@ def combine_steps(results: list[dict], counts: dict[str, float]) -> dict:
     for r in results:
         for key, value in r["partial"].items():
             metrics[key] = metrics.get(key, 0.0) + value
-    metrics.update(grad_norm=results[0]["grad_norm"], skipped=results[0]["skipped"])
+    metrics.update(grad_norm=results[0]["grad_norm"], skipped=results[0]["skipped"], lr=results[0]["lr"])
     total, count = sum(r["mismatch"][0] for r in results), sum(r["mismatch"][1] for r in results)
     if count > 0:
         metrics.update(mismatch_mean=total / count, mismatch_max=max(r["mismatch"][2] for r in results))
@@ -288,10 +291,8 @@ class TrainerGroup:
         return torch.stack(parts).sum(0)
 
     def train_step(self, batch: TrainBatch, advantages: torch.Tensor, prox_logp: torch.Tensor | None) -> dict:
-        """One optimizer step over the whole batch, sharded over the ranks (``Trainer.train_step``)."""
-        self.begin_step()
-        self.accumulate(batch, advantages, prox_logp)
-        return self.finish_step()
+        """The batch's optimizer steps, each sharded over the ranks (``Trainer.train_step``)."""
+        return train_batch(self, batch, advantages, prox_logp, self.settings, self.steps)
 
     # ---- one step in parts, as ``Trainer`` (the stream trainer feeds groups as they finish) ----
     def begin_step(self) -> None:
@@ -311,13 +312,14 @@ class TrainerGroup:
         self.busy_s += time.monotonic() - start
         return added
 
-    def finish_step(self) -> dict:
-        """Divide by the step's global weight, clip, step on every rank; the step's metrics."""
+    def finish_step(self, advance: bool = True) -> dict:
+        """Divide by the step's global weight, clip, step on every rank; the step's metrics.
+        ``advance``: the batch's last optimizer step (the version counter moves on)."""
         self._require_open("finish_step")
         start = time.monotonic()
         counts, self._open = dict(self._open), {}
-        results = self._all("finish_step", counts.pop("weight"))
-        self.steps += 1
+        results = self._all("finish_step", counts.pop("weight"), advance)
+        self.steps += int(advance)
         self.busy_s += time.monotonic() - start
         return combine_steps(results, counts)
 

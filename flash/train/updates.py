@@ -1,0 +1,119 @@
+"""Several optimizer steps per rollout batch: mini-batches, epochs, and the learning-rate schedule.
+
+A rollout batch is split into ``mini_batches`` contiguous row chunks, the same chunks in the same
+order every epoch, and each chunk gets one optimizer step (``begin_step`` → ``accumulate`` →
+``finish_step``, so micro-batching and the aggregation weights are those of a single step).
+
+The proximal policy is the trainer's policy *at the start of the batch* (DESIGN.md invariant 3).
+The fused recompute (``prox = sg(logp)`` of the step's own forward) is exact only for the first
+optimizer step, so with more than one step ``train_batch`` takes the proximal logprobs once, by a
+no-grad forward before the first step, and every mini-batch and epoch reads those.
+
+Everything here works on any trainer handle with ``logprobs``, ``begin_step``, ``accumulate`` and
+``finish_step(advance)``: the one-process ``Trainer`` and the FSDP2 ``TrainerGroup`` alike.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from flash.train.batch import TrainBatch
+
+LR_SCHEDULES = ("constant", "cosine")
+
+
+def lr_at(step: int, total: int, base_lr: float, schedule: str, warmup: int, min_ratio: float) -> float:
+    """Learning rate of optimizer step ``step`` (0-based) of ``total``.
+
+    Warmup is linear over the first ``warmup`` steps: step i uses ``base·(i+1)/warmup``, so the
+    first step already moves and step ``warmup − 1`` uses ``base``. After it, ``constant`` keeps
+    ``base``; ``cosine`` decays from ``base`` at step ``warmup`` towards ``base·min_ratio`` at step
+    ``total`` (the step after the last one, as in the usual cosine-with-warmup schedule):
+
+        p = (step − warmup) / (total − warmup);  lr = base·(r + (1 − r)·(1 + cos(π·p))/2)
+    """
+    if schedule not in LR_SCHEDULES:
+        raise ValueError(f"unknown lr schedule {schedule!r} (valid: {', '.join(LR_SCHEDULES)})")
+    if warmup > 0 and step < warmup:
+        return base_lr * (step + 1) / warmup
+    if schedule == "constant":
+        return base_lr
+    p = min(max((step - warmup) / max(total - warmup, 1), 0.0), 1.0)
+    return base_lr * (min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * p)))
+
+
+def chunk_bounds(rows: int, parts: int) -> list[tuple[int, int]]:
+    """``parts`` contiguous ``(lo, hi)`` row ranges covering ``rows``, sizes differing by at most one
+    (the first ``rows % parts`` one row longer). Refuses more parts than rows: an empty mini-batch
+    would be an optimizer step on nothing, and silently taking fewer steps would shift the schedule."""
+    if parts < 1:
+        raise ValueError(f"mini_batches must be >= 1, got {parts}")
+    if parts > rows:
+        raise ValueError(f"train.mini_batches={parts} but the batch has only {rows} rows; set "
+                         f"train.mini_batches <= train.prompts_per_step × rollout.n")
+    size, extra = divmod(rows, parts)
+    bounds, lo = [], 0
+    for i in range(parts):
+        hi = lo + size + (i < extra)
+        bounds.append((lo, hi))
+        lo = hi
+    return bounds
+
+
+def run_updates(trainer, batch: TrainBatch, advantages: torch.Tensor, prox_logp: torch.Tensor | None,
+                mini_batches: int, update_epochs: int) -> list[dict]:
+    """``update_epochs`` passes over ``mini_batches`` chunks, one optimizer step each; each step's
+    metrics. Only the last step advances the trainer's batch counter (its version)."""
+    bounds = chunk_bounds(len(batch), mini_batches)
+    total, out = len(bounds) * update_epochs, []
+    for _ in range(update_epochs):
+        for lo, hi in bounds:
+            whole = (lo, hi) == (0, len(batch))
+            part = batch if whole else batch.rows(lo, hi)
+            trainer.begin_step()
+            trainer.accumulate(part, advantages if whole else advantages[lo:hi],
+                               prox_logp if prox_logp is None or whole else prox_logp[lo:hi])
+            out.append(trainer.finish_step(advance=len(out) + 1 == total))
+    return out
+
+
+def combine_updates(steps: list[dict]) -> dict:
+    """One batch's metrics from its optimizer steps' metrics: the mean of each (clip fraction,
+    approximate KL, entropy, loss, ...), ``skipped`` if any step was, the last gradient norm
+    beside the mean, and the number of steps. One step: its metrics as they are, plus the two."""
+    keys = dict.fromkeys(k for s in steps for k in s)
+    out = {k: sum(s[k] for s in steps if k in s) / sum(k in s for s in steps) for k in keys}
+    out["skipped"] = max(s.get("skipped", 0.0) for s in steps)
+    out.update(grad_norm_last=steps[-1]["grad_norm"], optimizer_steps=float(len(steps)))
+    if len(steps) == 1:
+        out.update(steps[0])
+    return out
+
+
+def mismatch_metrics(batch: TrainBatch, prox: torch.Tensor, version: int) -> dict[str, float]:
+    """Train–inference mismatch |behav − prox| on tokens that weights ``version`` generated (the
+    fused path measures it in the step; a recompute before the steps measures it here)."""
+    fresh = batch.mask * (batch.versions == version).float()
+    n = float(fresh.sum())
+    if n == 0:
+        return {}
+    diff = (batch.behav_logp - prox).abs() * fresh
+    return {"mismatch_mean": float(diff.sum()) / n, "mismatch_max": float(diff.max())}
+
+
+def train_batch(trainer, batch: TrainBatch, advantages: torch.Tensor, prox_logp: torch.Tensor | None,
+                settings, version: int) -> dict:
+    """All the optimizer steps of one batch (``settings``: the ``TrainerSettings``); metrics.
+
+    ``prox_logp=None`` under the fused mode with several steps: the proximal logprobs are taken
+    here, once, before the first step (see the module docstring). Under ``approx`` they stay None:
+    each forward interpolates its own (``algos.proximal``)."""
+    extra: dict[str, float] = {}
+    several = settings.mini_batches * settings.update_epochs > 1
+    if prox_logp is None and several and settings.prox == "fused":
+        prox_logp = trainer.logprobs(batch)
+        extra = mismatch_metrics(batch, prox_logp, version)
+    steps = run_updates(trainer, batch, advantages, prox_logp, settings.mini_batches, settings.update_epochs)
+    return {**combine_updates(steps), **extra}
