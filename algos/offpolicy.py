@@ -12,7 +12,9 @@ A loss or correction declares its ratios as ``Ratio(num, den, role)``, pi_num / 
 Where prox comes from (``prox_source``, the controller's ``prox_mode``) makes two policies the same:
 
     behav     prox ≡ behav                              (recompute_prox never, or auto at r = 0)
-    fused     prox ≡ current  (sg(logp) of the forward) (recompute_prox auto at r > 0)
+    fused     prox ≡ current  iff one optimizer step per batch (sg(logp) of the forward; with several
+              the trainer takes prox once at the start of the batch)
+    approx    never identical (an interpolation by version, algos.proximal)
     separate  prox ≡ current  iff one optimizer step per batch (the same weights, a second forward)
 
 Rule (``ratio_problem``): an ``"is"`` ratio between two identical policies is a no-op correction
@@ -58,7 +60,7 @@ def same_policies(prox_source: str, steps_per_batch: int) -> frozenset[str]:
     """The pair that is one policy under this setting, or an empty set (see the table above)."""
     if prox_source == "behav":
         return frozenset({"prox", "behav"})
-    if prox_source == "fused" or (prox_source == "separate" and steps_per_batch == 1):
+    if prox_source in ("fused", "separate") and steps_per_batch == 1:
         return frozenset({"prox", "current"})
     return frozenset()
 

@@ -130,7 +130,7 @@ def test_epochs_and_mini_batches_keep_the_prox_of_the_start_of_the_batch(model):
     (nothing clipped), the later ones have moved away from it and a tight clip catches them."""
     batch = collate(samples())
     adv = torch.ones(batch.mask.shape) * batch.mask
-    s = settings(loss={"name": "ppo", "clip_low": 1e-3, "clip_high": 1e-3}, mini_batches=2, update_epochs=2)
+    s = settings(loss={"name": "ppo", "old_policy": "prox", "clip_low": 1e-3, "clip_high": 1e-3}, mini_batches=2, update_epochs=2)
     tr = Trainer(copy.deepcopy(model), s)
     start = tr.logprobs(batch)
     seen_prox = []

@@ -203,8 +203,8 @@ def _check_corrections(cfg: FlashConfig) -> None:
 
 
 def steps_per_batch(train: TrainConfig) -> int:
-    """Optimizer steps on one rollout batch (mini-batches × epochs where the schema has them)."""
-    return int(getattr(train, "mini_batches", 1)) * int(getattr(train, "update_epochs", 1))
+    """Optimizer steps on one rollout batch: mini-batches × epochs."""
+    return train.mini_batches * train.update_epochs
 
 
 def noop_problem(cfg: FlashConfig) -> str | None:
