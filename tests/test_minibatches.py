@@ -251,3 +251,22 @@ def test_bad_values_are_one_line_errors_naming_the_key(overrides, needle):
     with pytest.raises(ConfigError) as err:
         load_config(STUTTER, overrides)
     assert needle in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.slow
+def test_a_run_with_four_mini_batches_steps_four_times_per_batch_clips_and_replays(tmp_path):
+    """End to end (`flash run` in its own process, async): 4 optimizer steps per rollout batch, a
+    clip fraction above 0 once the policy has moved within a batch, the lr reported, and `flash
+    replay` finds every step's numbers again through the mini-batch loop."""
+    from tests.helpers.processes import STEPS, finish, launch, read_jsonl, replay_run
+
+    run_dir = tmp_path / "mb"
+    extra = ["async_ratio=1", "train.mini_batches=4", "train.lr=3e-3", "checkpoint.every_steps=0", "sft.steps=120"]
+    finish(launch(run_dir, str(tmp_path / "cache"), [f"run_dir={run_dir}", *extra]), run_dir)
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    assert len(metrics) == STEPS
+    assert all(m["train/optimizer_steps"] == 4.0 for m in metrics)
+    assert max(m["train/clipfrac"] for m in metrics) > 0.0
+    assert all(m["train/lr"] > 0 for m in metrics)
+    rc, out = replay_run(run_dir)
+    assert rc == 0 and "identical" in out, out
