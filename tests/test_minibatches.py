@@ -10,15 +10,16 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 import algos
-from buffers import Sample
 from algos.proximal import approx_prox_logp, prox_approx_error
 from controllers.async_controller import prox_mode, proximal
 from flash.app.config import load_config
 from flash.app.recipe_files import recipe_paths
 from flash.errors import ConfigError
 from flash.train.batch import collate
-from flash.train.trainer import Trainer, TrainerSettings, token_logprobs
+from flash.train.trainer import Trainer, token_logprobs
 from flash.train.updates import chunk_bounds, lr_at
+from tests.helpers.train import toy_samples as samples
+from tests.helpers.train import toy_settings as settings
 
 STUTTER = recipe_paths()["stutter"]
 
@@ -29,24 +30,6 @@ def model():
     cfg = Qwen2Config(vocab_size=32, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)
     return Qwen2ForCausalLM(cfg).eval()
-
-
-def samples(n=6):
-    """Rows of mixed lengths at version 0, behaviour logprobs -1 (off the policy)."""
-    g = torch.Generator().manual_seed(0)
-    out = []
-    for i in range(n):
-        p = torch.randint(3, 32, (int(torch.randint(2, 6, (1,), generator=g)),), generator=g).tolist()
-        r = torch.randint(3, 32, (int(torch.randint(1, 7, (1,), generator=g)),), generator=g).tolist()
-        out.append(Sample(prompt_id=i // 2, sample_index=i % 2, prompt_ids=p, response_ids=r,
-                          behav_logprobs=[-1.0] * len(r), versions=[0] * len(r), reward=float(i % 3 == 0)))
-    return out
-
-
-def settings(**kw):
-    base = dict(lr=1e-2, weight_decay=0.0, betas=(0.9, 0.999), grad_clip=100.0, micro_batch_size=64,
-                temperature=0.7, loss={"name": "vanilla"}, agg="token-mean")
-    return TrainerSettings(**{**base, **kw})
 
 
 def data(n=6):

@@ -34,6 +34,26 @@ def settings(agg="token-mean", **kw):
     return TrainerSettings(**base)
 
 
+def toy_samples(seed=0, n=6) -> list[Sample]:
+    """Short rows of mixed lengths for a 32-token vocabulary at version 0, behaviour logprobs -1
+    (off the policy), two samples per prompt."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        p = torch.randint(3, 32, (int(torch.randint(2, 6, (1,), generator=g)),), generator=g).tolist()
+        r = torch.randint(3, 32, (int(torch.randint(1, 7, (1,), generator=g)),), generator=g).tolist()
+        out.append(Sample(prompt_id=i // 2, sample_index=i % 2, prompt_ids=p, response_ids=r,
+                          behav_logprobs=[-1.0] * len(r), versions=[0] * len(r), reward=float(i % 3 == 0)))
+    return out
+
+
+def toy_settings(**kw) -> TrainerSettings:
+    """A single trainer's settings at a large lr (updates visible in a step or two), vanilla loss."""
+    base = dict(lr=1e-2, weight_decay=0.0, betas=(0.9, 0.999), grad_clip=100.0, micro_batch_size=64,
+                temperature=0.7, loss={"name": "vanilla"}, agg="token-mean")
+    return TrainerSettings(**{**base, **kw})
+
+
 def start_group(model_dir, s, **group):
     from flash.train.trainer_group import start_trainer_group
 
