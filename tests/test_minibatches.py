@@ -7,7 +7,6 @@ import math
 
 import pytest
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
 
 import algos
 from algos.proximal import approx_prox_logp, prox_approx_error
@@ -18,6 +17,7 @@ from flash.errors import ConfigError
 from flash.train.batch import collate
 from flash.train.trainer import Trainer, token_logprobs
 from flash.train.updates import chunk_bounds, lr_at
+from tests.helpers.train import toy_model
 from tests.helpers.train import toy_samples as samples
 from tests.helpers.train import toy_settings as settings
 
@@ -26,10 +26,7 @@ STUTTER = recipe_paths()["stutter"]
 
 @pytest.fixture(scope="module")
 def model():
-    torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=32, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)
-    return Qwen2ForCausalLM(cfg).eval()
+    return toy_model()
 
 
 def data(n=6):

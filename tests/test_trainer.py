@@ -4,21 +4,18 @@ import copy
 
 import pytest
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from buffers import Sample
 from flash.train.batch import collate
 from flash.train.trainer import Trainer
+from tests.helpers.train import toy_model
 from tests.helpers.train import toy_samples as samples
 from tests.helpers.train import toy_settings as settings
 
 
 @pytest.fixture(scope="module")
 def model():
-    torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=32, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)
-    return Qwen2ForCausalLM(cfg).eval()
+    return toy_model()
 
 
 def test_collate_aligns_response_tokens_with_target_columns():

@@ -34,6 +34,16 @@ def settings(agg="token-mean", **kw):
     return TrainerSettings(**base)
 
 
+def toy_model():
+    """A 2-layer Qwen2 over a 32-token vocabulary, seeded, in eval mode (the trainer sets train)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=32, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)
+    return Qwen2ForCausalLM(cfg).eval()
+
+
 def toy_samples(seed=0, n=6) -> list[Sample]:
     """Short rows of mixed lengths for a 32-token vocabulary at version 0, behaviour logprobs -1
     (off the policy), two samples per prompt."""
