@@ -144,14 +144,15 @@ RECIPE_LAYOUTS = {  # the README's 2 + 2 commands: train.workers=2 implies actor
 @pytest.mark.parametrize("layout", sorted(RECIPE_LAYOUTS))
 def test_default_recipe_learns_with_two_ranks_and_two_replicas(tmp_path, cache, layout):
     """The default recipe, unchanged but for 2 FSDP2 ranks and 2 engine replicas placed on simulated
-    GPUs: the single-process learning result (+20 points of held-out accuracy) holds in both layouts."""
+    GPUs: the single-process learning bar at the recipe's async ratio (tests/test_default_recipe.py,
+    from the measured spread of asynchronous runs) holds in both layouts."""
     from flash.app.config import load_config
 
     overrides = ["train.workers=2", *RECIPE_LAYOUTS[layout]]
     cfg = load_config("recipes/stutter.yaml", overrides)
     s = recipe_summary(tmp_path, cache, "recipes/stutter.yaml", overrides)  # a process of its own
     gain = s["eval_accuracy_final"] - s["eval_accuracy_initial"]
-    assert gain >= 0.20, s
+    assert gain >= (0.20 if cfg.async_ratio == 0 else 0.10), s
     assert s["steps"] == cfg.train.steps and s["max_staleness_observed"] <= math.ceil(cfg.async_ratio)
     assert s["samples_trained"] == cfg.train.steps * cfg.train.prompts_per_step * cfg.rollout.n
     metrics = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
