@@ -117,7 +117,7 @@ def start(path: str):
     from flash.train.trainer import TrainerSettings
 
     settings = TrainerSettings(lr=1e-5, weight_decay=0.0, betas=(0.9, 0.999), grad_clip=1.0, micro_batch_size=8,
-                               temperature=1.0, loss={"name": "ppo"}, agg="token-mean")
+                               temperature=1.0, loss={"name": "ppo", "old_policy": "prox"}, agg="token-mean")
     trainer = ray.remote(BenchTrainer).options(num_cpus=0, max_concurrency=4).remote(path, settings, 0, 1, [])
     engines = [ray.remote(BenchEngine).options(num_cpus=0, max_concurrency=8).remote(path, 4, 0, 1) for _ in range(2)]
     ray.get([trainer.stats.remote()] + [e.stats.remote() for e in engines])

@@ -30,7 +30,7 @@ from buffers.types import Sample
 from flash.train.batch import collate
 from flash.engine.base import ENGINE_PROTOCOLS, GenerationRequest, SamplingParams, UpdateTarget
 from flash.train.trainer import token_logprobs
-from flash.cluster import wait_ready
+from flash.cluster import pinned_threads, wait_ready
 from flash.engine.torch_worker import start_engine
 from tests.helpers.models import PROMPTS, hf_greedy, make_model
 
@@ -41,14 +41,15 @@ LONG = 200  # tokens of a request that must still be running when the test inter
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    """(checkpoint dir of weights A, model A, model B): engines start on A; tests push B."""
-    torch.set_num_threads(1)
-    tokenizer, a = make_model(0)
-    _, b = make_model(1)
-    path = tmp_path_factory.mktemp("tiny-qwen2")
-    a.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return str(path), a, b
+    """(checkpoint dir of weights A, model A, model B): engines start on A; tests push B. The module
+    computes on one thread, like the engines, and the session gets its own count back after it."""
+    with pinned_threads(1):
+        tokenizer, a = make_model(0)
+        _, b = make_model(1)
+        path = tmp_path_factory.mktemp("tiny-qwen2")
+        a.save_pretrained(path)
+        tokenizer.save_pretrained(path)
+        yield str(path), a, b
 
 
 @pytest.fixture(scope="module", params=ENGINES)

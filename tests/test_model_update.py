@@ -42,7 +42,7 @@ from flash.weights.model_update import (
 from flash.weights.group import ModelUpdateGroup, choose_backend
 from flash.models import TinyModelConfig, build_tiny_model, build_tokenizer
 from flash.train.trainer import TrainerSettings
-from flash.cluster import init_ray, load_model
+from flash.cluster import init_ray, load_model, pinned_threads
 from flash.engine.torch_worker import EngineWorker
 from flash.train.worker import start_trainer
 from tests.helpers.models import TINY, save_tiny
@@ -225,7 +225,7 @@ def roles(tmp_path_factory):
     init_ray(None, num_cpus=2)
     path = save_tiny(tmp_path_factory.mktemp("tiny"), TINY)
     settings = TrainerSettings(lr=0.05, weight_decay=0.0, betas=(0.9, 0.999), grad_clip=1.0, micro_batch_size=64,
-                               temperature=1.0, loss={"name": "ppo"}, agg="token-mean")
+                               temperature=1.0, loss={"name": "ppo", "old_policy": "prox"}, agg="token-mean")
     trainer = start_trainer(path, settings, seed=0, threads=1, plugins=[])
     probe = ray.remote(ProbeEngine).options(num_cpus=0, max_concurrency=8)
     engines = [probe.remote(path, 16, 0, 1), probe.remote(path, 16, 0, 1, delay_s=1.0)]
@@ -324,9 +324,10 @@ def test_greedy_outputs_change_to_those_of_the_new_weights(roles):
     push(group, engines, ray.get(engines[0].version.remote()) + 1)
     reference = load_model(roles["path"]).eval()
     reference.load_state_dict(ray.get(trainer.get_weights.remote()))
-    torch.set_num_threads(1)
-    expected = [o.token_ids for o in TorchEngine(reference).generate(
-        [GenerationRequest(f"r{i}", p, SamplingParams(max_new_tokens=8, temperature=0.0)) for i, p in enumerate(PROMPTS)])]
+    with pinned_threads(1):  # the engines' count
+        expected = [o.token_ids for o in TorchEngine(reference).generate(
+            [GenerationRequest(f"r{i}", p, SamplingParams(max_new_tokens=8, temperature=0.0))
+             for i, p in enumerate(PROMPTS)])]
     assert ray.get([e.greedy.remote(PROMPTS, 8) for e in engines]) == [expected, expected]
     assert expected != old  # the update did change what the engines generate
     group.close()
@@ -387,7 +388,7 @@ def test_vllm_replica_loads_the_pushed_weights(tmp_path):
         model.save_pretrained(paths[seed])
         tok.save_pretrained(paths[seed])
     settings = TrainerSettings(lr=0.05, weight_decay=0.0, betas=(0.9, 0.999), grad_clip=1.0, micro_batch_size=64,
-                               temperature=1.0, loss={"name": "ppo"}, agg="token-mean")
+                               temperature=1.0, loss={"name": "ppo", "old_policy": "prox"}, agg="token-mean")
     trainer = start_trainer(paths[1], settings, seed=0, threads=1, plugins=[])
     engine = start_engine(paths[0], max_num_seqs=16, seed=0, threads=1, engine="vllm")
     wait_ready(engine, trainer, timeout=600)
