@@ -31,6 +31,7 @@ from controllers.tail_batching import TailBatchingScheduler
 from controllers.workflows.episode import Episodes
 from flash.app import resume as resume_mod
 from flash.app import run_state
+from flash.app.config_checks import steps_per_batch
 from flash.app.schedule import step_line
 from flash.app.roles import Clock, Roles, RolloutBuffer, RunFiles, new_guards, start_roles
 from flash.checkpoint import Checkpointer, latest_valid, remove_partial
@@ -145,7 +146,7 @@ def trainer_settings(cfg: FlashConfig) -> TrainerSettings:
         mini_batches=cfg.train.mini_batches, update_epochs=cfg.train.update_epochs,
         lr_schedule=cfg.train.lr_schedule, warmup_steps=cfg.train.warmup_steps,
         min_lr_ratio=cfg.train.min_lr_ratio,
-        total_optimizer_steps=cfg.train.steps * cfg.train.mini_batches * cfg.train.update_epochs,
+        total_optimizer_steps=cfg.train.steps * steps_per_batch(cfg.train),
         prox="approx" if cfg.algo.recompute_prox == "approx" else "fused",
     )
 
