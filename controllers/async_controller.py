@@ -72,8 +72,10 @@ class StepRecord:
 class AsyncController:
     def __init__(self, engine, trainer, scheduler: RolloutCore, buffer: SampleBuffer,
                  staleness: StalenessManager, settings: ControllerSettings, ledger=None, critic=None,
-                 model_update=None, supervisor: EngineClient | None = None):
+                 model_update=None, supervisor: EngineClient | None = None, reference=None):
         self.engine, self.trainer, self.critic = engine, trainer, critic
+        # the placed reference role (flash.train.reference) for a KL penalty; None: the trainer's copy
+        self.reference = reference
         self.scheduler, self.buffer, self.staleness = scheduler, buffer, staleness
         self.s = settings
         self.ledger = ledger
@@ -132,6 +134,7 @@ class AsyncController:
             groups = self._get_batch(t)
         samples = flatten(groups)
         batch = collate(samples, pad_id=self.s.pad_id)
+        ref_call = reference_call(self.reference, batch)  # overlaps the prox and advantages below
         if self.s.colocated:
             with self.phase("sleep"):
                 self._engine_get("pause", self.s.interrupt)
@@ -141,8 +144,9 @@ class AsyncController:
             approx_error = self._approx_error(batch, t)
         with self.phase("advantages"):
             adv, critic_step = advantages(self.s.advantage, batch, self.critic)
+        ref = self._reference_wait(ref_call)
         with self.phase("train"):
-            train_metrics = ray.get(self.trainer.train_step.remote(batch, adv, prox))
+            train_metrics = ray.get(self.trainer.train_step.remote(batch, adv, prox, ref))
             if critic_step is not None:  # the critic trained beside the policy
                 train_metrics.update(ray.get(critic_step))
         if self.s.colocated:  # still paused: the weight push below finds the weights on the device
@@ -152,6 +156,13 @@ class AsyncController:
         metrics = self._metrics(t, samples, batch, prox, train_metrics, time.monotonic() - start)
         metrics.update(approx_error)
         return StepRecord(step=t, metrics=metrics, groups=groups, timeline=self._timeline())
+
+    def _reference_wait(self, call):
+        """The reference role's logprobs (None without one); the wait is the ``reference`` phase."""
+        if call is None:
+            return None
+        with self.phase("reference"):
+            return ray.get(call)
 
     def _approx_error(self, batch: TrainBatch, t: int) -> dict[str, float]:
         """``algo.measure_prox_error``: the real recompute beside the approximation; their mean
@@ -182,7 +193,8 @@ class AsyncController:
                 adv, _ = advantages(self.s.advantage, part, self.critic)
                 if pending is not None:
                     ray.get(pending)  # keep one part in flight: the actor runs them in order
-                pending = self.trainer.accumulate.remote(part, adv, part.behav_logp)
+                ref = self._reference_wait(reference_call(self.reference, part))
+                pending = self.trainer.accumulate.remote(part, adv, part.behav_logp, ref)
                 groups += group
         with self.phase("train"):
             ray.get(pending)
@@ -418,6 +430,12 @@ def proximal(mode: str, batch: TrainBatch, trainer):
     if mode == "separate":
         return ray.get(trainer.logprobs.remote(batch))
     return {"behav": batch.behav_logp, "fused": None, "approx": None}[mode]
+
+
+def reference_call(reference, batch: TrainBatch):
+    """The reference role's logprobs of ``batch``, asked for now and awaited later (None without
+    one: the trainer's local copy, if any, serves the KL penalty)."""
+    return None if reference is None else reference.logprobs.remote(batch)
 
 
 def advantages(advantage: dict[str, Any], batch: TrainBatch, critic=None):

@@ -63,9 +63,10 @@ class RolesConfig:
     actor_train: RoleConfig = field(default_factory=RoleConfig)
     actor_infer: RoleConfig = field(default_factory=RoleConfig)  # num_workers = engine replicas
     # Roles whose workers flash starts from their own sections (reward.*, the env task, critic.*)
-    # on CPU, or not at all (reference): planned and checked here, refused by check_runnable.
+    # on CPU: planned and checked here, refused by check_runnable.
     reward: RoleConfig = field(default_factory=_absent)
     env: RoleConfig = field(default_factory=_absent)
+    # the frozen KL reference (flash.train.reference), one worker; absent: the trainer keeps a copy
     reference: RoleConfig = field(default_factory=_absent)
     critic: RoleConfig = field(default_factory=_absent)
 
@@ -267,8 +268,9 @@ def _strategy(pg, bundle: int):
 
 # Roles the runner starts workers for, and how many workers of each it can run today (None: any
 # number). actor_train workers are the FSDP2 group's ranks (one rank per worker, train.workers),
-# actor_infer workers the engine replicas behind the router.
-RUNNABLE = {"actor_train": None, "actor_infer": None}
+# actor_infer workers the engine replicas behind the router, the reference worker the frozen
+# initial policy a KL penalty reads.
+RUNNABLE = {"actor_train": None, "actor_infer": None, "reference": 1}
 
 
 def check_runnable(plan: Plan) -> None:

@@ -236,6 +236,32 @@ def test_two_workers_equal_one_worker_and_the_plain_trainer(ray_local, model_dir
     assert_same_run(got2, want, initial)
 
 
+@pytest.mark.slow
+def test_two_workers_fed_the_reference_roles_logprobs_equal_the_local_kl_reference(ray_local, model_dir):
+    """A KL penalty with the reference placed as its own role: the group is handed the reference
+    logprobs (and holds no copy); the plain Trainer computes them from its own copy. Two steps,
+    the same losses, KL and weights."""
+    from flash.cluster import load_model
+    from flash.train.reference import Reference
+
+    batch, adv = make_batch()
+    kl = {"name": "decoupled_ppo", "kl_coef": 0.3}
+    ref = Reference(model_dir, temperature=0.7, micro_batch_size=64).logprobs(batch)
+    local = Trainer(load_model(model_dir), settings(loss=kl))
+    group = start_group(model_dir, settings(loss=kl, reference="role"), workers=2, micro_tokens=24)
+    try:
+        for _ in range(2):
+            want = local.train_step(batch, adv, batch.behav_logp)
+            got = ray.get(group.train_step.remote(batch, adv, batch.behav_logp, ref))
+            for key in ("loss", "kl_ref", "grad_norm"):
+                assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), key
+        weights = ray.get(group.get_weights.remote())
+    finally:
+        ray.kill(group)
+    assert want["kl_ref"] > 1e-6
+    assert max(float((weights[k] - w).abs().max()) for k, w in local.state_dict().items()) <= 1e-5
+
+
 def hf_logprobs(model, batch, temperature=0.7):
     from flash.train.trainer import token_logprobs
 

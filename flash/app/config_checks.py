@@ -96,6 +96,10 @@ def _check_placement(cfg: FlashConfig) -> None:
              "train.stream trains while the engines generate, but placement colocates actor_train and "
              "actor_infer (their engines sleep while training); give them disjoint devices or set "
              "train.stream: false")
+    kl = float(cfg.algo.loss.get("kl_coef", 0.0) or 0.0)
+    _require(not plan.workers["reference"] or kl != 0.0,
+             "placement.roles.reference places the frozen reference policy, but no loss reads it "
+             "(algo.loss.kl_coef is 0); set algo.loss.kl_coef > 0 or placement.roles.reference.num_workers: 0")
 
 
 PROX_CHOICES = ("auto", "always", "never", "approx")

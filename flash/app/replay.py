@@ -20,9 +20,9 @@ from pathlib import Path
 import ray
 
 import algos
-from controllers.async_controller import advantages, proximal
+from controllers.async_controller import advantages, proximal, reference_call
 from flash.app.config import FlashConfig, load_config
-from flash.app.roles import start_critic_role, start_trainer_role
+from flash.app.roles import start_critic_role, start_reference_role, start_trainer_role
 from flash.app.schedule import CHECKED, groups_from_line, read_schedule
 from flash.cluster import init_ray, pinned_threads, quiet, wait_ready
 from flash.errors import FlashError
@@ -86,10 +86,11 @@ def _replay_lines(cfg: FlashConfig, lines: list[dict]) -> list[StepCheck]:
     init_ray(cfg.ray.address, run_cores(cfg))
     trainer = start_trainer_role(cfg, model_path, trainer_settings(cfg), threads)
     critic = start_critic_role(cfg, model_path, threads)
-    actors = [a for a in (trainer, critic) if a is not None]
+    reference = start_reference_role(cfg, model_path, threads)
+    actors = [a for a in (trainer, critic, reference) if a is not None]
     try:
         wait_ready(*actors)
-        return [_check(line, _train(line, cfg, trainer, critic, pad_id)) for line in lines]
+        return [_check(line, _train(line, cfg, (trainer, critic, reference), pad_id)) for line in lines]
     finally:
         for actor in actors:
             ray.kill(actor)
@@ -103,8 +104,10 @@ def _context(line: dict) -> int:
     return threads
 
 
-def _train(line: dict, cfg: FlashConfig, trainer, critic, pad_id: int) -> dict[str, float]:
-    """One recorded step through the trainer, as the controller ran it (flash's AsyncController)."""
+def _train(line: dict, cfg: FlashConfig, actors: tuple, pad_id: int) -> dict[str, float]:
+    """One recorded step through the trainer, as the controller ran it (flash's AsyncController);
+    ``actors``: the trainer, the critic and the reference (the last two may be None)."""
+    trainer, critic, reference = actors
     groups = groups_from_line(line)
     prox_mode, adv_cfg = line.get("prox"), dict(cfg.algo.advantage)
     if prox_mode not in PROX_MODES:
@@ -114,15 +117,21 @@ def _train(line: dict, cfg: FlashConfig, trainer, critic, pad_id: int) -> dict[s
         for group in groups:
             part = collate(flatten([group]), pad_id=pad_id)
             adv, _ = advantages(adv_cfg, part, critic)
-            ray.get(trainer.accumulate.remote(part, adv, part.behav_logp))
+            ref = _get(reference_call(reference, part))
+            ray.get(trainer.accumulate.remote(part, adv, part.behav_logp, ref))
         return ray.get(trainer.finish_step.remote())
     batch = collate(flatten(groups), pad_id=pad_id)
+    ref_call = reference_call(reference, batch)
     prox = proximal(prox_mode, batch, trainer)
     adv, critic_step = advantages(adv_cfg, batch, critic)
-    metrics = ray.get(trainer.train_step.remote(batch, adv, prox))
+    metrics = ray.get(trainer.train_step.remote(batch, adv, prox, _get(ref_call)))
     if critic_step is not None:
         ray.get(critic_step)
     return metrics
+
+
+def _get(call):
+    return None if call is None else ray.get(call)
 
 
 def _check(line: dict, replayed: dict[str, float]) -> StepCheck:

@@ -2,7 +2,8 @@
 
 ``start_roles`` places and starts the actors a config asks for -- the ``actor_infer`` replicas
 (behind a router when several) with the ``EngineClient`` every engine call goes through, the
-trainer (one process or an FSDP2 group), the critic for GAE, the model-update group -- and
+trainer (one process or an FSDP2 group), the critic for GAE, the placed reference for a KL
+penalty, the model-update group -- and
 ``Roles.close`` stops them. ``RunFiles`` are the run directory's append-only logs, ``Clock`` the
 run's timing and initial accuracy (both continue across a resume), ``Guards`` the input and
 non-finite-step guards. Kept out of ``flash.app.runner`` so the runner reads as its steps and
@@ -29,6 +30,7 @@ from flash.guards import InputGuard, SkipGuard
 from flash.placement import Placement, Plan, plan_placement
 from flash.train.critic import CriticSettings
 from flash.train.fsdp import group_settings
+from flash.train.reference import start_reference
 from flash.train.trainer import TrainerSettings
 from flash.train.trainer_group import start_trainer_group
 from flash.train.worker import start_critic, start_trainer
@@ -47,9 +49,11 @@ class Roles:
     critic: Any | None
     model_update: ModelUpdateGroup
     colocated: bool
+    reference: Any | None = None  # the placed KL reference (flash.train.reference), else None
 
     def actors(self) -> list:
-        return [a for a in dict.fromkeys([self.engine, *self.replicas, self.trainer, self.critic]) if a is not None]
+        return [a for a in dict.fromkeys([self.engine, *self.replicas, self.trainer, self.critic, self.reference])
+                if a is not None]
 
     def close(self, extra_actors: list = ()) -> None:
         self.model_update.close()
@@ -136,12 +140,13 @@ def start_roles(cfg: FlashConfig, model_path: str, settings: TrainerSettings,
     replicas, engine, client = _start_engines(cfg, plan, placement, model_path, engine_threads, colocated)
     trainer = start_trainer_role(cfg, model_path, settings, trainer_threads, placement)
     critic = start_critic_role(cfg, model_path, trainer_threads)
-    wait_ready(engine, trainer, *([critic] if critic else []))
+    reference = start_reference_role(cfg, model_path, trainer_threads, placement)
+    wait_ready(engine, trainer, *[a for a in (critic, reference) if a is not None])
     # from the trainer (a single process, or an FSDP2 group's rank 0) to every engine replica;
     # the backend follows the placement (``model_update.backend``)
     model_update = ModelUpdateGroup(trainer, list(replicas), **vars(cfg.model_update))
     model_update.setup()
-    return Roles(placement, replicas, engine, client, trainer, critic, model_update, colocated)
+    return Roles(placement, replicas, engine, client, trainer, critic, model_update, colocated, reference)
 
 
 def _start_engines(cfg: FlashConfig, plan: Plan, placement: Placement, model_path: str,
@@ -184,6 +189,20 @@ def start_critic_role(cfg: FlashConfig, model_path: str, trainer_threads: int):
     if cfg.algo.advantage["name"] != "gae":
         return None
     return start_critic(model_path, CriticSettings(**dataclasses.asdict(cfg.critic)), cfg.seed, trainer_threads)
+
+
+def reference_placed(cfg: FlashConfig) -> bool:
+    """Whether the KL reference runs as its own placed role (else the trainer keeps a copy)."""
+    return cfg.placement.roles.reference.num_workers > 0
+
+
+def start_reference_role(cfg: FlashConfig, model_path: str, threads: int, placement: Placement | None = None):
+    """The frozen initial policy as its own actor where ``placement.roles.reference`` places one
+    (config_checks refuses one that no KL penalty reads), else None."""
+    if not reference_placed(cfg):
+        return None
+    options = placement.options("reference", 0) if placement is not None else None
+    return start_reference(model_path, cfg.rollout.temperature, cfg.train.micro_batch_size, threads, options)
 
 
 def new_guards(cfg: FlashConfig, max_prompt_tokens: int) -> Guards:

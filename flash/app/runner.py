@@ -33,7 +33,7 @@ from flash.app import resume as resume_mod
 from flash.app import run_state
 from flash.app.config_checks import steps_per_batch
 from flash.app.schedule import step_line
-from flash.app.roles import Clock, Roles, RolloutBuffer, RunFiles, new_guards, start_roles
+from flash.app.roles import Clock, Roles, RolloutBuffer, RunFiles, new_guards, reference_placed, start_roles
 from flash.checkpoint import Checkpointer, latest_valid, remove_partial
 from flash.app.config import FlashConfig, to_dict, to_yaml
 from flash.engine.base import SamplingParams
@@ -148,6 +148,7 @@ def trainer_settings(cfg: FlashConfig) -> TrainerSettings:
         min_lr_ratio=cfg.train.min_lr_ratio,
         total_optimizer_steps=cfg.train.steps * steps_per_batch(cfg.train),
         prox="approx" if cfg.algo.recompute_prox == "approx" else "fused",
+        reference="role" if reference_placed(cfg) else "local",
     )
 
 
@@ -194,7 +195,7 @@ class Run:
                 colocated=self.roles.colocated,
             ),
             ledger=self.files.ledger, critic=self.roles.critic, model_update=self.roles.model_update,
-            supervisor=self.roles.client,
+            supervisor=self.roles.client, reference=self.roles.reference,
         )
         self.checkpointer = Checkpointer(self.dir, cfg.checkpoint, self.roles.trainer, cfg.train.steps)
         self._start_durability()
@@ -361,7 +362,8 @@ def _dead_role(roles: Roles, exc: RayActorError) -> str:
     """Which of the run's actors a RayActorError names (the message a user acts on): the trainer
     unless the error's actor id is another role's."""
     dead = getattr(exc, "actor_id", None)
-    named = {"critic worker": [roles.critic], "rollout engine": [roles.engine, *roles.replicas]}
+    named = {"critic worker": [roles.critic], "reference worker": [roles.reference],
+             "rollout engine": [roles.engine, *roles.replicas]}
     for role, actors in named.items():
         if dead and any(a is not None and a._actor_id.hex() == dead for a in actors):
             return role

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from algos.registry import did_you_mean
 from flash.train.batch import TrainBatch
 from flash.train.microbatch import Plan
-from flash.train.trainer import Trainer, TrainerSettings, part_weight, token_logprobs
+from flash.train.trainer import Trainer, TrainerSettings, needs_local_reference, part_weight, token_logprobs
 
 MIXED_PRECISION = {"fp32": None, "bf16": torch.bfloat16}
 COLLECTIVE_TIMEOUT_S = 600  # a dead peer fails the step after this, instead of hanging forever
@@ -123,8 +123,8 @@ class ShardedTrainer(Trainer):
         import copy
 
         self.device = device
-        kl = float(settings.loss.get("kl_coef", 0.0) or 0.0) != 0.0
-        self._ref = copy.deepcopy(model).eval() if kl else None  # before sharding: its own FSDP units
+        local = needs_local_reference(settings)
+        self._ref = copy.deepcopy(model).eval() if local else None  # before sharding: its own FSDP units
         model.to(device)
         shard_model(model, group, mesh)
         if self._ref is not None:
@@ -152,13 +152,16 @@ class ShardedTrainer(Trainer):
         rows = [i for mb in plan if mb for i in mb]
         return rows[:1] or [0]
 
-    def planned_accumulate(self, batch: TrainBatch, advantages, prox_logp, plan: Plan) -> float:
+    def planned_accumulate(self, batch: TrainBatch, advantages, prox_logp, plan: Plan, ref_logp=None) -> float:
         """``Trainer.accumulate`` over this rank's planned rows: backward into the open step
         (``begin_step``), each micro-batch weighted by what it stands for (``part_weight``); a
-        padding pass weighs 0. Returns this rank's weight; the group sums them over ranks."""
+        padding pass weighs 0. Returns this rank's weight; the group sums them over ranks.
+        ``ref_logp``: the reference role's logprobs (all rows), else the local copy's."""
         start = time.monotonic()
         acc = self._acc
-        ref = self.planned_logprobs(batch, plan, self.ref_model) if self.ref_model is not None else None
+        ref = ref_logp
+        if ref is None and self.ref_model is not None:
+            ref = self.planned_logprobs(batch, plan, self.ref_model)
         added = 0.0
         for mb in plan:
             idx = mb or self._pad_row(plan)

@@ -46,6 +46,9 @@ class TrainerSettings:
     min_lr_ratio: float = 0.0  # cosine floor, a fraction of lr
     total_optimizer_steps: int = 0  # the run's: train.steps × mini_batches × update_epochs
     prox: str = "fused"  # what prox_logp=None means: fused (sg of the forward) | approx (algos.proximal)
+    # where a KL penalty's frozen reference lives (flash.train.reference): local (a copy in this
+    # trainer) | role (its own placed actor; the caller passes ref_logp)
+    reference: str = "local"
 
     @property
     def updates_per_batch(self) -> int:
@@ -79,6 +82,11 @@ def micro_weight(agg: str, part: TrainBatch, whole_tokens: float, whole_rows: in
     return part_weight(agg, part) / whole
 
 
+def needs_local_reference(settings: TrainerSettings) -> bool:
+    """Whether the trainer holds the KL reference itself: a KL penalty and no reference role."""
+    return float(settings.loss.get("kl_coef", 0.0) or 0.0) != 0.0 and settings.reference == "local"
+
+
 class Trainer:
     def __init__(self, model, settings: TrainerSettings, seed: int = 0):
         torch.manual_seed(seed)
@@ -96,7 +104,7 @@ class Trainer:
         )
         self.needs_entropy = float(self.knobs.get("entropy_coef", 0.0) or 0.0) != 0.0
         self.ref_model = None
-        if float(self.knobs.get("kl_coef", 0.0) or 0.0) != 0.0:
+        if needs_local_reference(settings):
             self.ref_model = self._reference_model(model)
         self.steps = 0  # rollout batches trained: the policy version
         self.optimizer_steps = 0  # the lr schedule's position (checkpointed)
@@ -120,7 +128,8 @@ class Trainer:
         self.busy_s += time.monotonic() - start
         return out
 
-    def train_step(self, batch: TrainBatch, advantages: torch.Tensor, prox_logp: torch.Tensor | None) -> dict:
+    def train_step(self, batch: TrainBatch, advantages: torch.Tensor, prox_logp: torch.Tensor | None,
+                   ref_logp: torch.Tensor | None = None) -> dict:
         """The batch's optimizer steps (``mini_batches × update_epochs``, ``flash.train.updates``);
         returns loss and metrics as floats, means over the steps.
 
@@ -129,8 +138,9 @@ class Trainer:
         forward, so ``prox = sg(logp)`` exactly -- one forward instead of two. With several steps
         the proximal logprobs are taken once before the first (``train_batch``). The train–inference
         mismatch |behav − prox| on tokens the current weights generated comes back as metrics.
+        ``ref_logp``: the reference role's logprobs (``flash.train.reference``), else None.
         """
-        return train_batch(self, batch, advantages, prox_logp, self.s, self.steps)
+        return train_batch(self, batch, advantages, prox_logp, self.s, self.steps, ref_logp)
 
     # ---- one optimizer step in parts (the stream trainer feeds groups as they finish) -----------
     def begin_step(self) -> None:
@@ -149,7 +159,8 @@ class Trainer:
             group["lr"] = self._lr
         self.optimizer_steps += 1
 
-    def accumulate(self, batch: TrainBatch, advantages: torch.Tensor, prox_logp: torch.Tensor | None) -> float:
+    def accumulate(self, batch: TrainBatch, advantages: torch.Tensor, prox_logp: torch.Tensor | None,
+                   ref_logp: torch.Tensor | None = None) -> float:
         """Backward over ``batch`` (micro-batched) into the open step; returns its weight.
 
         Each micro-batch's aggregate is weighted by what it stands for in the step's aggregate
@@ -160,7 +171,7 @@ class Trainer:
         """
         start = time.monotonic()
         acc = self._acc
-        ref = self.logprobs(batch, self.ref_model) if self.ref_model is not None else None
+        ref = self._reference_logprobs(batch, ref_logp)
         added = 0.0
         for lo in range(0, len(batch), self.s.micro_batch_size):
             hi = min(lo + self.s.micro_batch_size, len(batch))
@@ -173,6 +184,12 @@ class Trainer:
         acc["weight"] += added
         acc["busy"] += time.monotonic() - start
         return added
+
+    def _reference_logprobs(self, batch: TrainBatch, given: torch.Tensor | None) -> torch.Tensor | None:
+        """The KL reference's logprobs: the reference role's (``given``) or the local copy's."""
+        if given is not None:
+            return given
+        return self.logprobs(batch, self.ref_model) if self.ref_model is not None else None
 
     def _backward_part(self, part: TrainBatch, adv, prox, ref, weight: float) -> float:
         """Backward one micro-batch's loss at ``weight`` into the open step and add its loss and

@@ -143,9 +143,10 @@ class FSDPRank(UpdateSender):
     def begin_step(self) -> None:
         self.trainer.begin_step()
 
-    def accumulate(self, batch: TrainBatch, advantages, prox_logp, plan) -> float:
+    def accumulate(self, batch: TrainBatch, advantages, prox_logp, ref_logp, plan) -> float:
         dev = lambda t: None if t is None else t.to(self.device)
-        return self.trainer.planned_accumulate(batch_to(batch, self.device), dev(advantages), dev(prox_logp), plan)
+        return self.trainer.planned_accumulate(batch_to(batch, self.device), dev(advantages), dev(prox_logp), plan,
+                                               dev(ref_logp))
 
     def finish_step(self, total: float, advance: bool = True) -> dict:
         return self.trainer.planned_finish(total, advance)
@@ -290,21 +291,23 @@ class TrainerGroup:
         self.busy_s += time.monotonic() - start
         return torch.stack(parts).sum(0)
 
-    def train_step(self, batch: TrainBatch, advantages: torch.Tensor, prox_logp: torch.Tensor | None) -> dict:
+    def train_step(self, batch: TrainBatch, advantages: torch.Tensor, prox_logp: torch.Tensor | None,
+                   ref_logp: torch.Tensor | None = None) -> dict:
         """The batch's optimizer steps, each sharded over the ranks (``Trainer.train_step``)."""
-        return train_batch(self, batch, advantages, prox_logp, self.settings, self.steps)
+        return train_batch(self, batch, advantages, prox_logp, self.settings, self.steps, ref_logp)
 
     # ---- one step in parts, as ``Trainer`` (the stream trainer feeds groups as they finish) ----
     def begin_step(self) -> None:
         self._all("begin_step")
         self._open = {"weight": 0.0, "micro_batches": 0.0, "pad_micro_batches": 0.0, "over_budget_rows": 0.0}
 
-    def accumulate(self, batch: TrainBatch, advantages: torch.Tensor, prox_logp: torch.Tensor | None) -> float:
+    def accumulate(self, batch: TrainBatch, advantages: torch.Tensor, prox_logp: torch.Tensor | None,
+                   ref_logp: torch.Tensor | None = None) -> float:
         """Backward over ``batch``, its rows planned over the ranks; returns its weight."""
         self._require_open("accumulate")
         start = time.monotonic()
         plan = self._plan(batch)
-        refs = [ray.put(batch), ray.put(advantages), ray.put(prox_logp)]
+        refs = [ray.put(batch), ray.put(advantages), ray.put(prox_logp), ray.put(ref_logp)]
         added = sum(self._call("accumulate", [(*refs, p) for p in plan.ranks]))
         for key, value in plan_counts(plan).items():
             self._open[key] += value

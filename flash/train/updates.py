@@ -63,9 +63,13 @@ def chunk_bounds(rows: int, parts: int) -> list[tuple[int, int]]:
 
 
 def run_updates(trainer, batch: TrainBatch, advantages: torch.Tensor, prox_logp: torch.Tensor | None,
-                mini_batches: int, update_epochs: int) -> list[dict]:
+                mini_batches: int, update_epochs: int, ref_logp: torch.Tensor | None = None) -> list[dict]:
     """``update_epochs`` passes over ``mini_batches`` chunks, one optimizer step each; each step's
     metrics. Only the last step advances the trainer's batch counter (its version)."""
+
+    def rows(t: torch.Tensor | None, lo: int, hi: int, whole: bool) -> torch.Tensor | None:
+        return t if t is None or whole else t[lo:hi]
+
     bounds = chunk_bounds(len(batch), mini_batches)
     total, out = len(bounds) * update_epochs, []
     for _ in range(update_epochs):
@@ -73,8 +77,8 @@ def run_updates(trainer, batch: TrainBatch, advantages: torch.Tensor, prox_logp:
             whole = (lo, hi) == (0, len(batch))
             part = batch if whole else batch.rows(lo, hi)
             trainer.begin_step()
-            trainer.accumulate(part, advantages if whole else advantages[lo:hi],
-                               prox_logp if prox_logp is None or whole else prox_logp[lo:hi])
+            trainer.accumulate(part, rows(advantages, lo, hi, whole), rows(prox_logp, lo, hi, whole),
+                               rows(ref_logp, lo, hi, whole))
             out.append(trainer.finish_step(advance=len(out) + 1 == total))
     return out
 
@@ -104,7 +108,7 @@ def mismatch_metrics(batch: TrainBatch, prox: torch.Tensor, version: int) -> dic
 
 
 def train_batch(trainer, batch: TrainBatch, advantages: torch.Tensor, prox_logp: torch.Tensor | None,
-                settings, version: int) -> dict:
+                settings, version: int, ref_logp: torch.Tensor | None = None) -> dict:
     """All the optimizer steps of one batch (``settings``: the ``TrainerSettings``); metrics.
 
     ``prox_logp=None`` under the fused mode with several steps: the proximal logprobs are taken
@@ -115,5 +119,6 @@ def train_batch(trainer, batch: TrainBatch, advantages: torch.Tensor, prox_logp:
     if prox_logp is None and several and settings.prox == "fused":
         prox_logp = trainer.logprobs(batch)
         extra = mismatch_metrics(batch, prox_logp, version)
-    steps = run_updates(trainer, batch, advantages, prox_logp, settings.mini_batches, settings.update_epochs)
+    steps = run_updates(trainer, batch, advantages, prox_logp, settings.mini_batches, settings.update_epochs,
+                        ref_logp)
     return {**combine_updates(steps), **extra}

@@ -35,9 +35,9 @@ class TrainerWorker(UpdateSender):
     def logprobs(self, batch):
         return self.trainer.logprobs(batch)
 
-    def train_step(self, batch, advantages, prox_logp) -> dict:
+    def train_step(self, batch, advantages, prox_logp, ref_logp=None) -> dict:
         with self._lock:
-            return self.trainer.train_step(batch, advantages, prox_logp)
+            return self.trainer.train_step(batch, advantages, prox_logp, ref_logp)
 
     # Checkpoint hooks (flash.checkpoint): a copy taken between steps, written while training goes
     # on. An FSDP2 trainer replaces the three functions with torch.distributed.checkpoint.
@@ -64,8 +64,8 @@ class TrainerWorker(UpdateSender):
     def begin_step(self) -> None:
         self.trainer.begin_step()
 
-    def accumulate(self, batch, advantages, prox_logp) -> float:
-        return self.trainer.accumulate(batch, advantages, prox_logp)
+    def accumulate(self, batch, advantages, prox_logp, ref_logp=None) -> float:
+        return self.trainer.accumulate(batch, advantages, prox_logp, ref_logp)
 
     def finish_step(self) -> dict:
         with self._lock:
