@@ -24,3 +24,12 @@ def ray_local():
     init_ray(None, num_cpus=2)
     yield
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def warm_cache(tmp_path_factory):
+    """One warm-start cache for the whole session, empty at its start (``FLASH_TEST_CACHE``: a
+    directory to reuse across local sessions). A warm start is a pure function of its cache key
+    (the model, task, SFT settings and SFT threads; ``flash.train.sft``), so modules asking for
+    the same one share it instead of each building it again."""
+    return os.environ.get("FLASH_TEST_CACHE") or str(tmp_path_factory.mktemp("warm_cache"))

@@ -25,8 +25,8 @@ def ray_session(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("cache"))
+def cache(warm_cache):
+    return warm_cache
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -24,8 +24,8 @@ RECIPE = "recipes/stutter.yaml"
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("cache"))
+def cache(warm_cache):
+    return warm_cache
 
 
 SEEDS = [0, pytest.param(1, marks=pytest.mark.margin), pytest.param(2, marks=pytest.mark.margin)]

@@ -98,8 +98,8 @@ def steps_done(run_dir) -> int:
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return os.environ.get("FLASH_TEST_CACHE") or str(tmp_path_factory.mktemp("cache"))
+def cache(warm_cache):
+    return warm_cache
 
 
 def assert_ledger_complete(run_dir, summary) -> list[dict]:

@@ -35,8 +35,8 @@ TINY = TinyModelConfig(hidden_size=64, num_layers=1, num_heads=2, num_kv_heads=2
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("cache"))
+def cache(warm_cache):
+    return warm_cache
 
 
 @pytest.fixture(scope="module")

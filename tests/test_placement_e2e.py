@@ -28,8 +28,8 @@ from tests.helpers.processes import recipe_summary
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    yield str(tmp_path_factory.mktemp("cache"))
+def cache(warm_cache):
+    yield warm_cache
     ray.shutdown()
 
 
@@ -140,8 +140,15 @@ RECIPE_LAYOUTS = {  # the README's 2 + 2 commands: train.workers=2 implies actor
 }
 
 
+# The colocated layout's learning run is in the margin set (pytest -m margin): its mechanics -- the
+# engines asleep through training, the exact push, nothing lost -- are pinned above in seconds,
+# and one whole-recipe run of the 2 + 2 group (disaggregated) stays in the default suite.
+LAYOUT_PARAMS = [pytest.param(name, marks=pytest.mark.margin) if name == "colocated" else name
+                 for name in sorted(RECIPE_LAYOUTS)]
+
+
 @pytest.mark.slow  # the whole default recipe (a few minutes on 2 cores), like tests/test_default_recipe.py
-@pytest.mark.parametrize("layout", sorted(RECIPE_LAYOUTS))
+@pytest.mark.parametrize("layout", LAYOUT_PARAMS)
 def test_default_recipe_learns_with_two_ranks_and_two_replicas(tmp_path, cache, layout):
     """The default recipe, unchanged but for 2 FSDP2 ranks and 2 engine replicas placed on simulated
     GPUs: the single-process learning bar at the recipe's async ratio (tests/test_default_recipe.py,

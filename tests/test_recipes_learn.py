@@ -1,7 +1,9 @@
 """The code and FrozenLake recipes learn: the held-out metric rises by a clear margin on CPU.
 
 Slow (minutes each on 2 cores, the warm start included): each recipe runs unchanged but for the
-run directory and the warm-start cache. The bars sit well below the gains measured in
+run directory and the warm-start cache. The code recipe's run is in the margin set (``pytest -m
+margin``): it takes the longest, and its sandbox's wall-clock timeouts make its held-out score
+depend on the machine's load; the sandbox reward itself is pinned by tests/test_sandbox.py. The bars sit well below the gains measured in
 BENCHMARKS.md and well above the noise of the held-out sets (128 items or
 seeds: a standard error of ~0.04 on a pass rate). Wall time is recorded there, not asserted.
 """
@@ -16,8 +18,8 @@ from flash.app.runner import run
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    yield str(tmp_path_factory.mktemp("cache"))
+def cache(warm_cache):
+    yield warm_cache
     if ray.is_initialized():
         ray.shutdown()
 
@@ -32,6 +34,7 @@ def run_recipe(name, tmp_path, cache):
 
 
 @pytest.mark.slow
+@pytest.mark.margin  # ~6 min, and its held-out score follows the machine's load (wall-clock sandbox timeouts)
 def test_code_recipe_learns_with_the_adaptive_sandbox_timeout(tmp_path, cache):
     cfg, s = run_recipe("code", tmp_path, cache)
     assert s["eval_accuracy_initial"] <= 0.5, s  # the warm start writes the format, not the solutions

@@ -23,9 +23,8 @@ from tests.helpers.processes import (B, N, STEPS, finish, kill_and_resume, launc
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    # FLASH_TEST_CACHE: reuse a warm-start cache across local runs (CI starts empty)
-    return os.environ.get("FLASH_TEST_CACHE") or str(tmp_path_factory.mktemp("cache"))
+def cache(warm_cache):
+    return warm_cache
 
 
 @pytest.mark.slow

@@ -296,8 +296,8 @@ def test_staleness_bound_and_every_cut_prompt_trained_once_under_random_lengths(
 
 # ---- the real controller, engine and trainer ----------------------------------------------------
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("cache"))
+def cache(warm_cache):
+    return warm_cache
 
 
 def _run_steps(cfg, steps):

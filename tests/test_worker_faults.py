@@ -64,8 +64,8 @@ def check_ledger(run_dir: Path, steps: int, prompts: int, n: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return os.environ.get("FLASH_TEST_CACHE") or str(tmp_path_factory.mktemp("cache"))
+def cache(warm_cache):
+    return warm_cache
 
 
 def newest_marker(mark_dir: Path) -> int | None:
