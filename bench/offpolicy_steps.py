@@ -41,6 +41,7 @@ VARIANTS = {
 def run_variant(name: str, run_dir: Path, steps: int, extra: list[str]) -> list[dict]:
     cmd = [sys.executable, "-m", "flash.app.cli", "run", "stutter", f"run_dir={run_dir}", f"train.steps={steps}",
            "tracking.progress=false", "tracking.tensorboard=false", "checkpoint.every_steps=0",
+           "algo.loss.name=decoupled_ppo",  # the loss that reads the proximal policy these variants vary
            *VARIANTS[name], *extra]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -37,7 +37,7 @@ def test_overrides_are_typed_and_applied():
     ("asyn_ratio=2", "did you mean 'async_ratio'"),
     ("rollout.temprature=0.5", "did you mean 'temperature'"),
     ("train.stpes=3", "did you mean 'steps'"),
-    ("algo.loss.clip_hihg=0.3", "clip_high"),
+    ("algo.loss.negative_wieght=0.3", "negative_weight"),
     ("algo.advantage.name=grop", "grpo"),
     ("task.slip_prb=0.1", "slip_prob"),
     ("algo.loss.name=decoupled_pp", "decoupled_ppo"),
@@ -75,7 +75,7 @@ def test_cli_errors_exit_nonzero_with_one_line(capsys):
 def test_cli_ls_validate_and_losses(capsys):
     assert main(["ls"]) == 0
     out = capsys.readouterr().out
-    assert "stutter" in out and "decoupled PPO" in out
+    assert "stutter" in out and "GRPO + TOPR" in out
     assert main(["validate", "stutter", "async_ratio=0"]) == 0
     assert "ok:" in capsys.readouterr().out
     assert main(["losses"]) == 0

@@ -27,7 +27,8 @@ RHO = [[2.0, 0.8, 9.0], [4.0, 1.0, 0.125]]
 MASK = [[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]]
 LOGP = [[-1.0, -2.0, -3.0], [-1.0, -0.5, -2.0]]
 ADV = [[1.0, -1.0, 1.0], [1.0, 2.0, 1.0]]
-STUTTER = "recipes/stutter.yaml"  # async_ratio 2, decoupled_ppo, recompute_prox auto
+STUTTER = "recipes/stutter.yaml"  # async_ratio 2, recompute_prox auto
+DPPO = ["algo.loss.name=decoupled_ppo"]  # the cases below are written for decoupled PPO's three policies
 
 
 def t(x) -> torch.Tensor:
@@ -187,20 +188,20 @@ def test_no_op_rule_table(ratio, source, r, steps, explicit, refused):
 ])
 def test_config_refuses_no_op_settings(overrides, message):
     if message is None:
-        load_config(STUTTER, overrides)
+        load_config(STUTTER, [*DPPO, *overrides])
         return
     with pytest.raises(ConfigError, match=message) as err:
-        load_config(STUTTER, overrides)
+        load_config(STUTTER, [*DPPO, *overrides])
     assert "\n" not in str(err.value)
 
 
 def test_config_corrections_reach_the_loss_knobs():
     from flash.app.runner import loss_section
 
-    cfg = load_config(STUTTER, ["algo.corrections=[{name: token_is, cap: 3.0}]"])
+    cfg = load_config(STUTTER, [*DPPO, "algo.corrections=[{name: token_is, cap: 3.0}]"])
     assert loss_section(cfg) == {"name": "decoupled_ppo",
                                  "corrections": [{"name": "token_is", "cap": 3.0}]}
-    assert loss_section(load_config(STUTTER, [])) == {"name": "decoupled_ppo"}
+    assert loss_section(load_config(STUTTER, [])) == {"name": "topr"}
 
 
 # -- the policy table ------------------------------------------------------------------------------

@@ -1,16 +1,15 @@
 """The README's main job learns: the default recipe raises held-out accuracy by >= 20 points
-synchronously (async_ratio=0) and >= 10 asynchronously (async_ratio=2), with the staleness bound kept.
+synchronously (async_ratio=0) and >= 15 asynchronously (async_ratio=2), with the staleness bound kept.
 
 Slow (a few minutes each on 2 cores): the whole recipe, unchanged but for the run directory, the
 warm-start cache and the seeds. Seed 0 runs in the default suite; seeds 1 and 2 (their own warm
 starts, ``sft.seed``) are marked ``margin`` and run with ``pytest -m margin``. The bars come from
-the measured spread (BENCHMARKS.md, "Default recipe over seeds"): a synchronous run is
-deterministic for its seeds and gained 24-33 points from each warm start; an asynchronous one
-depends on timing, hence on the machine's load, and gained 14-33 points over 9 runs (19.5 from
-seed 0 in a suite on a loaded machine), so its bar is 10: the loss to asynchrony is the
-off-policy work's to close, not this test's to hide. Wall time is recorded in
-BENCHMARKS.md by `python -m bench.async_speedup`, not asserted here (a shared CI machine makes
-timed asserts flaky).
+the measured spread (BENCHMARKS.md, "Default recipe over seeds"): TOPR with the cosine lr gained
+26-32 points synchronously and 23-32 at r = 2 from the three warm starts; a synchronous run is
+deterministic for its seeds, an asynchronous one depends on timing, hence on the machine's load,
+so its bar keeps 8 points below the least gain measured. Wall time
+is recorded in BENCHMARKS.md by `python -m bench.async_speedup`, not asserted here (a shared CI
+machine makes timed asserts flaky).
 """
 
 import math
@@ -33,7 +32,7 @@ SEEDS = [0, pytest.param(1, marks=pytest.mark.margin), pytest.param(2, marks=pyt
 
 def bar(ratio: float) -> float:
     """The least gain the measured spread supports (module docstring)."""
-    return 0.20 if ratio == 0 else 0.10
+    return 0.20 if ratio == 0 else 0.15
 
 
 @pytest.mark.slow

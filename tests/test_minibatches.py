@@ -115,7 +115,7 @@ def test_epochs_and_mini_batches_keep_the_prox_of_the_start_of_the_batch(model):
     start = tr.logprobs(batch)
     seen_prox = []
     orig = tr.accumulate
-    tr.accumulate = lambda part, a, prox: seen_prox.append(prox) or orig(part, a, prox)
+    tr.accumulate = lambda part, a, prox, ref=None: seen_prox.append(prox) or orig(part, a, prox, ref)
     steps = record_steps(tr)
     m = tr.train_step(batch, adv, None)
     assert m["optimizer_steps"] == 4.0 and len(steps) == 4 and tr.steps == 1
@@ -222,7 +222,7 @@ def test_new_keys_reach_the_trainer_settings():
     (["train.lr_schedule=linear"], "train.lr_schedule must be one of constant, cosine"),
     (["train.warmup_steps=-1"], "train.warmup_steps must be >= 0"),
     (["train.lr_schedule=cosine", "train.min_lr_ratio=1.5"], "train.min_lr_ratio must be in [0, 1]"),
-    (["train.min_lr_ratio=0.1"], "train.min_lr_ratio is the cosine schedule's floor"),
+    (["train.lr_schedule=constant", "train.min_lr_ratio=0.1"], "train.min_lr_ratio is the cosine schedule's floor"),
     (["algo.recompute_prox=aprox"], "did you mean 'approx'"),
     (["algo.measure_prox_error=true"], "algo.measure_prox_error"),
     (["async_ratio=0", "train.stream=true", "train.mini_batches=2"], "train.mini_batches: 1"),
@@ -241,7 +241,8 @@ def test_a_run_with_four_mini_batches_steps_four_times_per_batch_clips_and_repla
     from tests.helpers.processes import STEPS, finish, launch, read_jsonl, replay_run
 
     run_dir = tmp_path / "mb"
-    extra = ["async_ratio=1", "train.mini_batches=4", "train.lr=3e-3", "checkpoint.every_steps=0", "sft.steps=120"]
+    extra = ["async_ratio=1", "algo.loss.name=decoupled_ppo", "train.mini_batches=4", "train.lr=3e-3",
+             "checkpoint.every_steps=0", "sft.steps=120"]
     finish(launch(run_dir, str(tmp_path / "cache"), [f"run_dir={run_dir}", *extra]), run_dir)
     metrics = read_jsonl(run_dir / "metrics.jsonl")
     assert len(metrics) == STEPS

@@ -159,7 +159,7 @@ def test_default_recipe_learns_with_two_ranks_and_two_replicas(tmp_path, cache, 
     cfg = load_config("recipes/stutter.yaml", overrides)
     s = recipe_summary(tmp_path, cache, "recipes/stutter.yaml", overrides)  # a process of its own
     gain = s["eval_accuracy_final"] - s["eval_accuracy_initial"]
-    assert gain >= (0.20 if cfg.async_ratio == 0 else 0.10), s
+    assert gain >= (0.20 if cfg.async_ratio == 0 else 0.15), s
     assert s["steps"] == cfg.train.steps and s["max_staleness_observed"] <= math.ceil(cfg.async_ratio)
     assert s["samples_trained"] == cfg.train.steps * cfg.train.prompts_per_step * cfg.rollout.n
     metrics = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
