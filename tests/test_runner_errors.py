@@ -16,7 +16,7 @@ class _Handle:
 
 def _run():
     engine = _Handle("e0")
-    return SimpleNamespace(trainer=_Handle("t0"), critic=_Handle("c0"), engine=engine,
+    return SimpleNamespace(trainer=_Handle("t0"), critic=_Handle("c0"), reference=_Handle("r0"), engine=engine,
                            replicas=[engine, _Handle("e1")])
 
 
@@ -25,10 +25,11 @@ def test_dead_role_names_the_actor_the_error_names():
     assert _dead_role(r, RayActorError(actor_id="t0")) == "trainer worker"
     assert _dead_role(r, RayActorError(actor_id="e1")) == "rollout engine"
     assert _dead_role(r, RayActorError(actor_id="c0")) == "critic worker"
+    assert _dead_role(r, RayActorError(actor_id="r0")) == "reference worker"
 
 
 def test_dead_role_defaults_to_the_trainer_when_the_error_names_no_known_actor():
     r = _run()
-    r.critic = None
+    r.critic = r.reference = None
     assert _dead_role(r, RayActorError()) == "trainer worker"
     assert _dead_role(r, RayActorError(actor_id="zz")) == "trainer worker"
