@@ -22,7 +22,7 @@ from .corrections import (CORRECTIONS, apply_corrections, describe_corrections,
                           validate_corrections)
 from .offpolicy import POLICIES, Ratio, ratio_problem, reads, same_policies
 from .policy import (ADDON_KNOBS, LOSSES, LossInputs, describe_aggregations, describe_losses,
-                     kl_penalty, loss_ratios, policy_loss, register_loss, validate_loss)
+                     kl_coef, kl_penalty, loss_ratios, policy_loss, register_loss, validate_loss)
 from . import losses as _builtin_losses  # noqa: F401  (registers the built-in losses)
 from .advantages import (ADV_ADDON_KNOBS, ADVANTAGES, AdvantageInputs, compute_advantages,
                          describe_advantages, gae_advantages_and_returns, gae_returns,
@@ -35,7 +35,7 @@ __all__ = [
     "ratio_problem", "reads", "same_policies", "validate_corrections",
     "AGGREGATIONS", "ADDON_KNOBS", "ADV_ADDON_KNOBS", "ADVANTAGES", "AdvantageInputs", "LOSSES",
     "LossInputs", "Registry", "aggregate", "compute_advantages", "describe_advantages",
-    "describe_aggregations", "describe_losses", "gae_advantages_and_returns", "kl_penalty",
+    "describe_aggregations", "describe_losses", "gae_advantages_and_returns", "kl_coef", "kl_penalty",
     "load_plugins", "masked_mean", "policy_loss", "register_advantage", "register_loss",
     "validate_advantage", "validate_loss", "value_loss",
 ]

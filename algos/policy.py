@@ -99,6 +99,12 @@ def describe_aggregations() -> list[dict[str, Any]]:
             for n, d in AGGREGATIONS.items()]
 
 
+def kl_coef(loss: dict[str, Any]) -> float:
+    """The KL add-on's coefficient in a loss section (``name`` + knobs); 0.0 when absent or null:
+    nonzero means the loss reads the reference policy."""
+    return float(loss.get("kl_coef", ADDON_KNOBS["kl_coef"]) or 0.0)
+
+
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
     """Per-token estimate of KL(π‖π_ref); ``x = ref_logp − logp``: k1 = −x, k2 = x²/2,
     k3 = eˣ − 1 − x (Schulman 2020)."""

@@ -83,6 +83,7 @@ def validate(cfg: FlashConfig) -> None:
 
 
 def _check_placement(cfg: FlashConfig) -> None:
+    import algos
     from flash.placement import check_runnable, plan_placement
 
     plan = plan_placement(cfg.placement, engine=cfg.rollout.engine)  # PlacementError: a ConfigError
@@ -96,8 +97,7 @@ def _check_placement(cfg: FlashConfig) -> None:
              "train.stream trains while the engines generate, but placement colocates actor_train and "
              "actor_infer (their engines sleep while training); give them disjoint devices or set "
              "train.stream: false")
-    kl = float(cfg.algo.loss.get("kl_coef", 0.0) or 0.0)
-    _require(not plan.workers["reference"] or kl != 0.0,
+    _require(not plan.workers["reference"] or algos.kl_coef(cfg.algo.loss) != 0.0,
              "placement.roles.reference places the frozen reference policy, but no loss reads it "
              "(algo.loss.kl_coef is 0); set algo.loss.kl_coef > 0 or placement.roles.reference.num_workers: 0")
 

@@ -11,7 +11,7 @@ the separate ref worker of verl, OpenRLHF and AReaL.
 
 Both compute the same numbers: the reference is the checkpoint the run starts from (after the
 warm start), its logprobs are taken at the rollout temperature like every other policy's
-(``flash.train.trainer.token_logprobs``), micro-batched, without gradient.
+(``flash.train.trainer.batch_logprobs``), micro-batched, without gradient.
 """
 
 from __future__ import annotations
@@ -23,10 +23,7 @@ import torch
 
 from flash.cluster import load_model
 from flash.train.batch import TrainBatch
-from flash.train.trainer import token_logprobs
-
-REFERENCE_PLACES = ("local", "role")
-
+from flash.train.trainer import batch_logprobs
 
 class Reference:
     """The frozen initial policy as an actor: ``logprobs(batch)`` only (it never trains)."""
@@ -39,20 +36,16 @@ class Reference:
         self.temperature, self.micro_batch_size = temperature, micro_batch_size
         self.busy_s, self.calls = 0.0, 0
 
-    @torch.no_grad()
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
         """``[N, L-1]`` reference logprobs of the batch's target tokens (0 off the response mask)."""
         start = time.monotonic()
-        out = torch.zeros_like(batch.mask)
-        for lo in range(0, len(batch), self.micro_batch_size):
-            part = batch.rows(lo, min(lo + self.micro_batch_size, len(batch)))
-            logp, _ = token_logprobs(self.model, part, self.temperature)
-            out[lo : lo + len(part), : logp.shape[1]] = logp * part.mask
+        out = batch_logprobs(self.model, batch, self.temperature, self.micro_batch_size)
         self.busy_s += time.monotonic() - start
         self.calls += 1
         return out
 
     def stats(self) -> dict:
+        """Busy seconds and calls; also the readiness ping (``flash.cluster.wait_ready``)."""
         return {"busy_s": self.busy_s, "calls": float(self.calls)}
 
 

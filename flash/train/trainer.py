@@ -70,6 +70,18 @@ def token_logprobs(model, batch: TrainBatch, temperature: float, with_entropy: b
     return logp, entropy
 
 
+@torch.no_grad()
+def batch_logprobs(model, batch: TrainBatch, temperature: float, micro_batch_size: int) -> torch.Tensor:
+    """``[N, L-1]`` logprobs of the batch's target tokens under ``model``, no gradient, in
+    micro-batches of ``micro_batch_size`` rows; 0 off the response mask."""
+    out = torch.zeros_like(batch.mask)
+    for lo in range(0, len(batch), micro_batch_size):
+        part = batch.rows(lo, min(lo + micro_batch_size, len(batch)))
+        logp, _ = token_logprobs(model, part, temperature)
+        out[lo : lo + len(part), : logp.shape[1]] = logp * part.mask
+    return out
+
+
 def part_weight(agg: str, part: TrainBatch) -> float:
     """What a part's own aggregate stands for in a batch's: its masked tokens for ``token-mean``
     (a token mean of token means weights them by token count), its rows for ``seq-mean-*``."""
@@ -84,7 +96,7 @@ def micro_weight(agg: str, part: TrainBatch, whole_tokens: float, whole_rows: in
 
 def needs_local_reference(settings: TrainerSettings) -> bool:
     """Whether the trainer holds the KL reference itself: a KL penalty and no reference role."""
-    return float(settings.loss.get("kl_coef", 0.0) or 0.0) != 0.0 and settings.reference == "local"
+    return algos.kl_coef(settings.loss) != 0.0 and settings.reference == "local"
 
 
 class Trainer:
@@ -115,16 +127,10 @@ class Trainer:
         """The frozen KL reference: a copy of the initial weights (a sharded trainer overrides it)."""
         return copy.deepcopy(model).eval()
 
-    @torch.no_grad()
     def logprobs(self, batch: TrainBatch, model=None) -> torch.Tensor:
         """Proximal logprobs: the current weights, no gradient, micro-batched."""
         start = time.monotonic()
-        model = model or self.model
-        out = torch.zeros_like(batch.mask)
-        for lo in range(0, len(batch), self.s.micro_batch_size):
-            part = batch.rows(lo, min(lo + self.s.micro_batch_size, len(batch)))
-            logp, _ = token_logprobs(model, part, self.s.temperature)
-            out[lo : lo + len(part), : logp.shape[1]] = logp * part.mask
+        out = batch_logprobs(model or self.model, batch, self.s.temperature, self.s.micro_batch_size)
         self.busy_s += time.monotonic() - start
         return out
 
