@@ -17,6 +17,7 @@ import pytest
 from flash.rewards import sandbox
 from flash.rewards.sandbox import Limits, classify, execute, isolation_level
 
+RECIPE_CODE = str(Path(__file__).resolve().parents[1] / "recipes" / "code.yaml")
 LEVELS = ["namespaces", "audit-hook"] if isolation_level() == "namespaces" else ["audit-hook"]
 
 
@@ -109,14 +110,16 @@ def test_write_outside_its_directory_fails(tmp_path, level):
     victim = tmp_path / "victim.txt"
     victim.write_text("original")
     outside = Path("/tmp") / f"flash-sandbox-escape-{os.getpid()}"
-    src = (f"for p in [{str(victim)!r}, {str(outside)!r}]:\n"
+    system = "/usr/flash-sandbox-escape"
+    src = (f"for p in [{str(victim)!r}, {str(outside)!r}, {system!r}]:\n"
            "    try:\n        open(p, 'w').write('pwned')\n        print('wrote', p)\n"
            "    except OSError as e:\n        print('refused', p, e.errno)")
     res = execute(src, timeout_s=5, isolation=level)
     assert res.status == "ok" and f"refused {victim}" in res.stdout
+    assert f"refused {system}" in res.stdout and not os.path.exists(system)
     assert victim.read_text() == "original"
-    if level == "namespaces":  # read-only mounts: even world-writable /tmp is closed
-        assert not outside.exists() and f"refused {outside}" in res.stdout
+    if level == "namespaces":  # its /tmp is its own tmpfs: the write lands there, not on the host
+        assert f"wrote {outside}" in res.stdout and not outside.exists()
     elif outside.exists():  # audit-hook mode: only the dropped uid protects the host
         outside.unlink()
 
@@ -228,14 +231,19 @@ def test_as_an_ordinary_user_same_uid_files_and_parent_are_still_safe():
         write_src = f"open({str(victim)!r}, 'w').write('pwned')"
         # the checkout may sit under a directory uid 65534 cannot enter (a mode-700 clone), and
         # the system python has none of the project's dependencies: the driver loads a copy of the
-        # sandbox module (standard library only) and the jail source it reads placed where that uid can read it
+        # sandbox modules (standard library only) as a bare package where that uid can read them
+        package = home / "flash" / "rewards"
+        package.mkdir(parents=True)
+        for init in (home / "flash" / "__init__.py", package / "__init__.py"):
+            init.write_text("")
         module = Path(sandbox.__file__)
-        for src, name in ((module, "sandbox_copy.py"), (module.with_name("_jail.py"), "_jail.py")):
-            shutil.copyfile(src, home / name)
-            os.chmod(home / name, 0o644)
+        for name in ("sandbox.py", "forkserver.py", "_jail.py", "_zygote.py"):
+            shutil.copyfile(module.with_name(name), package / name)
+        for p in home.rglob("*"):
+            os.chmod(p, 0o755 if p.is_dir() else 0o644)
         driver = (
             f"import sys\nsys.path.insert(0, {str(home)!r})\n"
-            "import json, os\nfrom sandbox_copy import execute\n"
+            "import json, os\nfrom flash.rewards.sandbox import execute\n"
             f"w = execute({write_src!r}, timeout_s=5)\n"
             "k = execute('import os\\nos.kill(os.getppid(), 9)', timeout_s=5)\n"
             "p = execute('import os\\nos.kill(%d, 9)' % os.getpid(), timeout_s=5)\n"
@@ -251,3 +259,50 @@ def test_as_an_ordinary_user_same_uid_files_and_parent_are_still_safe():
         assert victim.read_text() == "original"  # same uid, file writable by it: ro mount held
     finally:
         shutil.rmtree(home)
+
+
+@pytest.fixture
+def unisolated_host(monkeypatch):
+    """A host without namespaces, as ``execute`` and the runner see it."""
+    monkeypatch.setattr(sandbox, "isolation_level", lambda: "audit-hook")
+    monkeypatch.setitem(sandbox._POLICY, "allow_unisolated", False)
+    monkeypatch.setitem(sandbox._POLICY, "warned", False)
+
+
+def test_unisolated_host_refuses_code_unless_allowed_then_warns_and_counts(unisolated_host, caplog):
+    from flash.rewards.builtin import CodeReward
+    from flash.tasks import TaskItem
+
+    item = TaskItem(index=0, prompt="", answer="", meta={"tests": [{"stdin": "2\n", "stdout": "4"}]})
+    reward = CodeReward(adaptive=False, t_max=5.0)
+    with pytest.raises(sandbox.UnisolatedRefused, match="reward.sandbox.allow_unisolated: true"):
+        reward(item, "print(int(input()) * 2)")
+    sandbox.allow_unisolated(True)
+    with caplog.at_level("WARNING"):
+        assert reward(item, "print(int(input()) * 2)") == 1.0
+        assert reward(item, "print(int(input()) * 2)") == 1.0
+    assert [r.message for r in caplog.records].count(
+        "flash sandbox: running model-written code WITHOUT namespace isolation "
+        "(reward.sandbox.allow_unisolated: true); only an audit hook guards the host") == 1
+    assert reward.metrics()["sandbox/unisolated_calls"] == 2.0
+    # an explicit level is the caller's choice, not the fallback: never refused
+    sandbox.allow_unisolated(False)
+    assert execute("print(1)", isolation="audit-hook").stdout == "1\n"
+
+
+def test_the_recipe_switch_reaches_driver_and_reward_workers(unisolated_host):
+    from flash.app.config import load_config
+    from flash.app.runner import apply_sandbox_policy
+    from flash.errors import ConfigError, FlashError
+    from flash.rewards.workers import RewardScorer
+
+    code = ["reward.fn={name: code}"]
+    cfg = load_config(RECIPE_CODE, code)
+    with pytest.raises(FlashError, match="^this host gives the code sandbox no namespaces"):
+        apply_sandbox_policy(cfg)
+    apply_sandbox_policy(load_config(RECIPE_CODE, code + ["reward.sandbox.allow_unisolated=true"]))
+    assert sandbox._POLICY["allow_unisolated"] is True
+    RewardScorer({"name": "code"}, timeout_s=5.0, allow_unisolated=False)
+    assert sandbox._POLICY["allow_unisolated"] is False
+    with pytest.raises(ConfigError, match="allow_unisolatd"):
+        load_config(RECIPE_CODE, ["reward.sandbox.allow_unisolatd=true"])

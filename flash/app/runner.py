@@ -227,6 +227,8 @@ class Run:
         from flash.rewards.judge import with_default_model
         from flash.rewards.workers import pool_from_config
 
+        apply_sandbox_policy(cfg)
+
         # a judge without a model judges with the policy's initial checkpoint
         reward_cfg = dataclasses.replace(cfg.reward, fn=with_default_model(dict(cfg.reward.fn), self.model_path))
         pool = pool_from_config(reward_cfg, tuple(cfg.plugins), cfg.rollout.max_worker_restarts)
@@ -451,7 +453,29 @@ def _summary(cfg, r: Run, records, acc0, acc1, train_s, left) -> dict:
         "cores": run_cores(cfg),
         "seed": cfg.seed,
         "versions": versions_record(),
+        # what held model-written code on this host (flash.rewards.sandbox): namespaces|audit-hook
+        "sandbox_isolation": _sandbox_isolation(),
     }
+
+
+def apply_sandbox_policy(cfg: FlashConfig) -> None:
+    """Set this process's sandbox policy (task rewards score in the driver's threads); with the
+    ``code`` reward on a host without namespaces, refuse before any worker starts rather than at
+    every call."""
+    from flash.rewards import sandbox
+
+    sandbox.allow_unisolated(cfg.reward.sandbox.allow_unisolated)
+    if cfg.reward.fn.get("name") == "code" and sandbox.isolation_level() != "namespaces":
+        try:
+            sandbox.check_unisolated()
+        except sandbox.UnisolatedRefused as exc:
+            raise FlashError(str(exc)) from None
+
+
+def _sandbox_isolation() -> str:
+    from flash.rewards.sandbox import isolation_level
+
+    return isolation_level()
 
 
 def threads_record(cfg: FlashConfig) -> dict[str, int | None]:

@@ -66,6 +66,13 @@ class RolloutConfig:
 
 
 @dataclass
+class SandboxConfig:
+    # Run model-written code on a host whose sandbox has no namespaces (only an audit hook, which
+    # Python code can switch off). Off: such a host refuses the code reward with a message.
+    allow_unisolated: bool = False
+
+
+@dataclass
 class RewardConfig:
     # The reward function and its knobs: {name: math}, {name: code, all_or_nothing: true} or
     # {name: 'my_pkg.rewards:fn', ...}; names and knobs are checked (flash.rewards.registry).
@@ -82,6 +89,7 @@ class RewardConfig:
     max_workers: int = 0
     scale_up_queue: float = 4.0
     scale_down_idle_s: float = 10.0
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)  # the code sandbox's policy
 
 
 @dataclass

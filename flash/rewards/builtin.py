@@ -126,6 +126,7 @@ class CodeReward:
         res = sandbox.execute(source, timeout_s=timeout, memory_mb=self.memory_mb, **kw)
         with self._lock:
             self._statuses[res.status] += 1
+            self._statuses["unisolated"] += res.isolation != "namespaces"
         return res
 
     def _run_function(self, code: str, entry: str, tests: list[dict],
@@ -144,7 +145,9 @@ class CodeReward:
 
     def metrics(self) -> dict[str, float]:
         with self._lock:
-            out = {f"sandbox/status/{s}": float(n) for s, n in sorted(self._statuses.items())}
+            out = {f"sandbox/status/{s}": float(n) for s, n in sorted(self._statuses.items())
+                   if s != "unisolated"}
+            out["sandbox/unisolated_calls"] = float(self._statuses["unisolated"])
         return {**out, **self.timeouts.metrics()}
 
 

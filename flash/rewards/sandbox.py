@@ -5,25 +5,29 @@ exit_code, wall_s)`` with ``status`` one of ``ok | error | timeout | memory | ki
 
 What holds (``isolation_level()`` says which level this host gives; every result carries it):
 
-- always: a new session (its own process group), killed as a whole at the wall-clock deadline
-  and reaped; rlimits on CPU time, address space, processes, file size and open files; a fresh
-  temporary working directory, removed afterwards; a scrubbed environment (nothing inherited:
-  no tokens, no keys); ``python -I``; stdout/stderr capped. Root is dropped to ``nobody`` first,
-  because root ignores RLIMIT_NPROC and file permissions.
-- ``namespaces`` (unprivileged user namespaces allowed -- checked once per process): new user,
-  network, pid, mount, ipc and uts namespaces. No network at all (only a downed loopback), no
-  view of or signal to host processes (the code is pid 1 of its namespace), every mount
-  read-only except the working directory, and all its processes die with the launcher.
-- ``audit-hook`` (fallback): an audit hook in the sandboxed interpreter makes socket creation,
-  ctypes, exec and subprocesses raise. Weaker: native code or a second interpreter could get
-  past it, and files outside the working directory are protected only by the dropped uid.
-
-The launcher that sets all this up is ``_jail.py`` (see its docstring for the order of steps).
+- ``namespaces`` (unprivileged user namespaces allowed -- checked once per process): a fork
+  server (``_zygote.py``, driven by ``forkserver.py``) builds the isolation once, then each call
+  gets its own user, pid, mount, network and ipc namespaces. The code sees a root of read-only
+  system directories and nothing else of the host (no /tmp, /root, home directories or project);
+  its working directory and /tmp are a fresh tmpfs capped at ``disk_mb`` and ``max_files``; it
+  is pid 1 of its own pid namespace (all its processes die with it); no network at all (only a
+  downed loopback), host loopback included; no capabilities, no_new_privs, and no nested user
+  namespaces (the kernel's per-namespace limit set to 0). Whole-tree bounds without a cgroup:
+  at most ``max_procs`` processes of at most ``memory_mb`` each, plus ``disk_mb`` of files.
+- ``audit-hook`` (fallback, **not a boundary**): a subprocess per call (``_jail.py``) with an
+  audit hook that makes socket creation, ctypes, exec and subprocesses raise. Pure Python can
+  switch such a hook off; rewards refuse this level unless the user allows it.
+- both: a wall-clock deadline after which everything is killed; rlimits on CPU time, address
+  space, processes, file size and open files; a scrubbed environment; ``python -I`` semantics;
+  stdout/stderr capped. Root is dropped to ``nobody`` first (root ignores RLIMIT_NPROC and
+  file permissions).
 """
 
 from __future__ import annotations
 
 import functools
+import json
+import logging
 import math
 import os
 import selectors
@@ -37,12 +41,23 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from flash.rewards.forkserver import SandboxSetupError, memfd, server
+
+__all__ = ["STATUSES", "ISOLATION_LEVELS", "Limits", "SandboxResult", "SandboxSetupError",
+           "UnisolatedRefused", "allow_unisolated", "check_unisolated", "classify", "execute", "isolation_level",
+           "sandbox_python"]
+
+log = logging.getLogger(__name__)
+
 STATUSES = ("ok", "error", "timeout", "memory", "killed")
 ISOLATION_LEVELS = ("namespaces", "audit-hook")
 NOBODY = (65534, 65534)
 SETUP_FAILED = 125
 _SETUP_MARK = b"flash-sandbox-setup:"
 _MEMORY_MARKS = (b"MemoryError", b"Cannot allocate memory", b"[Errno 12]")
+_ENV = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHONIOENCODING": "utf-8",
+        "PYTHONDONTWRITEBYTECODE": "1"}
+_WORKDIR = "/tmp/flash-sandbox-work"  # inside the call's own tmpfs (namespaces level)
 
 # Runs before the code in audit-hook mode; audit hooks cannot be removed once added.
 _AUDIT_PRELUDE = """\
@@ -59,8 +74,18 @@ runpy.run_path("main.py", run_name="__main__")
 """
 
 
-class SandboxSetupError(RuntimeError):
-    """The sandbox itself could not start (a host problem, not the code's fault)."""
+class UnisolatedRefused(SandboxSetupError):
+    """The host gives no namespaces and nobody allowed running untrusted code without them."""
+
+
+_POLICY = {"allow_unisolated": False, "warned": False}
+
+
+def allow_unisolated(allow: bool) -> None:
+    """This process's answer to "run code on a host without namespaces?" (``execute`` with
+    ``isolation="auto"`` refuses by default; the runner sets it from
+    ``reward.sandbox.allow_unisolated`` in the driver and in every reward worker)."""
+    _POLICY["allow_unisolated"] = bool(allow)
 
 
 @dataclass(frozen=True)
@@ -78,15 +103,16 @@ class SandboxResult:
 @dataclass(frozen=True)
 class Limits:
     timeout_s: float = 5.0  # wall clock; CPU time is limited to ceil(timeout_s) + 1 s
-    memory_mb: int = 512  # address space (RLIMIT_AS)
-    max_procs: int = 32  # processes and threads (RLIMIT_NPROC)
+    memory_mb: int = 512  # address space per process (RLIMIT_AS)
+    max_procs: int = 32  # processes and threads of the whole call (RLIMIT_NPROC per namespace)
     max_file_mb: int = 16  # largest file it may write (RLIMIT_FSIZE)
     max_open_files: int = 64  # RLIMIT_NOFILE
     max_output_bytes: int = 1 << 20  # per stream; the rest is read and dropped
+    disk_mb: int = 64  # all files of the call together (its tmpfs; namespaces level)
+    max_files: int = 4096  # files and directories of the call together (tmpfs inodes)
 
     def __post_init__(self) -> None:
-        for name in ("timeout_s", "memory_mb", "max_procs", "max_file_mb", "max_open_files",
-                     "max_output_bytes"):
+        for name in self.__dataclass_fields__:
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                 raise ValueError(f"sandbox {name} must be a finite number > 0, got {value!r}")
@@ -94,10 +120,10 @@ class Limits:
     def rlimits(self) -> dict[str, tuple[int, int]]:
         cpu = math.ceil(self.timeout_s) + 1
         mb = 1 << 20
-        return {"RLIMIT_CPU": (cpu, cpu + 1), "RLIMIT_AS": (self.memory_mb * mb,) * 2,
-                "RLIMIT_NPROC": (self.max_procs,) * 2, "RLIMIT_CORE": (0, 0),
-                "RLIMIT_FSIZE": (self.max_file_mb * mb,) * 2,
-                "RLIMIT_NOFILE": (self.max_open_files,) * 2}
+        return {"RLIMIT_CPU": (cpu, cpu + 1), "RLIMIT_AS": (int(self.memory_mb * mb),) * 2,
+                "RLIMIT_NPROC": (int(self.max_procs),) * 2, "RLIMIT_CORE": (0, 0),
+                "RLIMIT_FSIZE": (int(self.max_file_mb * mb),) * 2,
+                "RLIMIT_NOFILE": (int(self.max_open_files),) * 2}
 
 
 def execute(source: str, stdin: str = "", timeout_s: float = 5.0, memory_mb: int = 512,
@@ -112,9 +138,14 @@ def execute(source: str, stdin: str = "", timeout_s: float = 5.0, memory_mb: int
     level = isolation_level() if isolation == "auto" else isolation
     if level not in ISOLATION_LEVELS:
         raise ValueError(f"isolation must be 'auto' or one of {ISOLATION_LEVELS}, got {isolation!r}")
-    workdir = _make_workdir(source, files or {})
+    if isolation == "auto" and level == "audit-hook":
+        check_unisolated()
+    files = {**_checked_files(files or {}), "main.py": source}
+    if level == "namespaces":
+        return _run_forked(files, stdin.encode(), lim)
+    workdir = _make_workdir(files)
     try:
-        return _run(workdir, stdin.encode(), lim, level)
+        return _run_unisolated(workdir, stdin.encode(), lim)
     finally:
         _remove_tree(workdir)
 
@@ -122,15 +153,32 @@ def execute(source: str, stdin: str = "", timeout_s: float = 5.0, memory_mb: int
 @functools.lru_cache(maxsize=1)
 def isolation_level() -> str:
     """``namespaces`` if this host lets an unprivileged process create user, network, pid and
-    mount namespaces (probed once by starting a real sandbox), else ``audit-hook``."""
-    workdir = _make_workdir("print('ok')")
+    mount namespaces (probed once by running a real sandbox), else ``audit-hook``."""
     try:
-        res = _run(workdir, b"", Limits(timeout_s=20), "namespaces")
+        res = _run_forked({"main.py": "print('ok')"}, b"", Limits(timeout_s=20))
         return "namespaces" if res.status == "ok" and res.stdout == "ok\n" else "audit-hook"
     except SandboxSetupError:
         return "audit-hook"
-    finally:
-        _remove_tree(workdir)
+
+
+def check_unisolated() -> None:
+    if not _POLICY["allow_unisolated"]:
+        raise UnisolatedRefused(
+            "this host gives the code sandbox no namespaces (unprivileged user namespaces are "
+            "off) and the audit-hook fallback is not a security boundary: enable user namespaces "
+            "(sysctl kernel.unprivileged_userns_clone=1 / user.max_user_namespaces > 0), or set "
+            "reward.sandbox.allow_unisolated: true to run model-written code unisolated anyway")
+    if not _POLICY["warned"]:
+        _POLICY["warned"] = True
+        log.warning("flash sandbox: running model-written code WITHOUT namespace isolation "
+                    "(reward.sandbox.allow_unisolated: true); only an audit hook guards the host")
+
+
+def _checked_files(files: dict[str, str]) -> dict[str, str]:
+    for name in files:
+        if not name or "/" in name or name.startswith(".") or name == "main.py":
+            raise ValueError(f"sandbox file names must be plain names like 'tests.json', got {name!r}")
+    return files
 
 
 @functools.lru_cache(maxsize=1)
@@ -165,11 +213,36 @@ def sandbox_python() -> str:
                             "install a system python3 or run the sandbox as a non-root user")
 
 
-def _make_workdir(source: str, files: dict[str, str] | None = None) -> str:
-    files = {**(files or {}), "main.py": source}
-    for name in files:
-        if not name or "/" in name or name.startswith("."):
-            raise ValueError(f"sandbox file names must be plain names like 'tests.json', got {name!r}")
+def _run_forked(files: dict[str, str], stdin: bytes, lim: Limits) -> SandboxResult:
+    """One call on this process's fork server."""
+    srv = server(sandbox_python(), _drop_to())
+    header = {"limits": lim.rlimits(), "disk_mb": int(lim.disk_mb),
+              "max_files": int(lim.max_files),
+              "env": {**_ENV, "HOME": _WORKDIR, "TMPDIR": _WORKDIR}}
+    t0 = time.monotonic()
+    cid, call, out_r, err_r = srv.start(header, json.dumps({"files": files}).encode(), stdin)
+    deadline = t0 + lim.timeout_s
+    (out, err), timed_out, truncated = _collect(
+        (out_r, err_r), deadline, lim.max_output_bytes, kill=lambda: srv.kill(cid),
+        exited=call.done.is_set)
+    status = srv.finish(cid, call, deadline)
+    rc = status["exit"] if "exit" in status else -status["signal"]
+    timed_out = timed_out or (rc == -signal.SIGKILL and time.monotonic() >= deadline)
+    return _result(rc, out, err, timed_out, truncated, time.monotonic() - t0, "namespaces")
+
+
+def _result(rc: int | None, out: bytes, err: bytes, timed_out: bool, truncated: bool,
+            wall: float, level: str) -> SandboxResult:
+    if rc == SETUP_FAILED and _SETUP_MARK in err:
+        raise SandboxSetupError(err.decode(errors="replace").strip())
+    return SandboxResult(status=classify(rc, err, timed_out), stdout=out.decode(errors="replace"),
+                         stderr=err.decode(errors="replace"),
+                         exit_code=rc if rc is not None and rc >= 0 else None, wall_s=wall,
+                         signal=-rc if rc is not None and rc < 0 else None,
+                         truncated=truncated, isolation=level)
+
+
+def _make_workdir(files: dict[str, str]) -> str:
     workdir = tempfile.mkdtemp(prefix="flash-sandbox-")
     drop = _drop_to()
     for name, text in files.items():
@@ -193,41 +266,30 @@ def _remove_tree(path: str) -> None:
     shutil.rmtree(path, onerror=fix)
 
 
-def _launch_args(workdir: str, lim: Limits, level: str) -> list[str]:
-    import json
-
-    py = sandbox_python()
-    argv = [py, "-I", "main.py"] if level == "namespaces" else [py, "-I", "-c", _AUDIT_PRELUDE]
-    env = {"PATH": "/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8",
-           "PYTHONIOENCODING": "utf-8", "PYTHONDONTWRITEBYTECODE": "1"}
-    cfg = {"drop_to": _drop_to(), "namespaces": level == "namespaces",
-           "readonly_fs": level == "namespaces", "workdir": workdir,
-           "limits": lim.rlimits(), "argv": argv, "env": env}
-    return [sys.executable, "-I", "-S", "-c", _jail_source(), json.dumps(cfg)]
-
-
-def _run(workdir: str, stdin: bytes, lim: Limits, level: str) -> SandboxResult:
+def _run_unisolated(workdir: str, stdin: bytes, lim: Limits) -> SandboxResult:
+    """The audit-hook level: a launcher subprocess per call, in a host working directory."""
+    env = {**_ENV, "HOME": workdir, "TMPDIR": workdir}
+    cfg = {"drop_to": _drop_to(), "limits": lim.rlimits(), "env": env,
+           "argv": [sandbox_python(), "-I", "-c", _AUDIT_PRELUDE], "workdir": workdir}
     t0 = time.monotonic()
-    proc = subprocess.Popen(_launch_args(workdir, lim, level), stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={},
-                            cwd=workdir, start_new_session=True, close_fds=True)
+    stdin_fd = memfd(stdin, readonly=True)
     try:
-        out, err, timed_out, truncated = _communicate(proc, stdin, t0 + lim.timeout_s,
-                                                      lim.max_output_bytes)
+        proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", _jail_source(), json.dumps(cfg)],
+                                stdin=stdin_fd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                env={}, cwd=workdir, start_new_session=True, close_fds=True)
+    finally:
+        os.close(stdin_fd)
+    try:
+        (out, err), timed_out, truncated = _collect(
+            (proc.stdout.fileno(), proc.stderr.fileno()), t0 + lim.timeout_s,
+            lim.max_output_bytes, kill=lambda: _kill_group(proc),
+            exited=lambda: proc.poll() is not None, close=False)
     finally:
         _kill_group(proc)
-        if not proc.stdin.closed:
-            proc.stdin.close()
-    wall = time.monotonic() - t0
-    rc = proc.returncode
-    if rc == SETUP_FAILED and _SETUP_MARK in err:
-        raise SandboxSetupError(err.decode(errors="replace").strip())
-    status = classify(rc, err, timed_out)
-    return SandboxResult(status=status, stdout=out.decode(errors="replace"),
-                         stderr=err.decode(errors="replace"),
-                         exit_code=rc if rc is not None and rc >= 0 else None, wall_s=wall,
-                         signal=-rc if rc is not None and rc < 0 else None,
-                         truncated=truncated, isolation=level)
+        proc.stdout.close()
+        proc.stderr.close()
+    return _result(proc.returncode, out, err, timed_out, truncated, time.monotonic() - t0,
+                   "audit-hook")
 
 
 def classify(returncode: int | None, stderr: bytes, timed_out: bool) -> str:
@@ -244,67 +306,47 @@ def classify(returncode: int | None, stderr: bytes, timed_out: bool) -> str:
     return "error"
 
 
-def _communicate(proc: subprocess.Popen, stdin: bytes, deadline: float,
-                 cap: int) -> tuple[bytes, bytes, bool, bool]:
-    """Feed stdin, read both streams keeping at most ``cap`` bytes each, until the process
-    exits and its pipes close, or the deadline passes (then the whole group is killed)."""
-    bufs = {proc.stdout: bytearray(), proc.stderr: bytearray()}
-    truncated = timed_out = False
+def _collect(fds: tuple[int, int], deadline: float, cap: int, kill, exited,
+             close: bool = True) -> tuple[list[bytes], bool, bool]:
+    """Read both streams, keeping at most ``cap`` bytes each, until both close or the deadline
+    passes (then ``kill()``, drain for a second, stop). Once ``exited()`` turns true, ``kill()``
+    ends whatever the code left behind, so its pipes close."""
+    bufs = {fd: bytearray() for fd in fds}
+    truncated = timed_out = ended = False
     sel = selectors.DefaultSelector()
-    for f in bufs:
-        os.set_blocking(f.fileno(), False)
-        sel.register(f, selectors.EVENT_READ)
-    pending = memoryview(stdin)
-    if pending:
-        os.set_blocking(proc.stdin.fileno(), False)
-        sel.register(proc.stdin, selectors.EVENT_WRITE)
-    else:
-        proc.stdin.close()
+    for fd in fds:
+        os.set_blocking(fd, False)
+        sel.register(fd, selectors.EVENT_READ)
     while sel.get_map():
-        if not timed_out and proc.poll() is not None:
-            _kill_group(proc)  # it exited: end what it left behind, so its pipes close
-            if not proc.stdin.closed:
-                sel.unregister(proc.stdin)
-                proc.stdin.close()
+        if not ended and not timed_out and exited():
+            ended = True
+            kill()
         left = deadline - time.monotonic()
-        if left <= 0:
+        if left <= 0 and not timed_out:
             timed_out = True
-            _kill_group(proc)
-            left = 1.0  # drain what is already in the pipes, then stop
-            deadline = time.monotonic() + left
-        for key, _ in sel.select(timeout=min(left, 0.5)):
-            if key.fileobj is proc.stdin:
-                pending = _feed(proc, sel, pending)
-                continue
+            kill()
+            deadline = time.monotonic() + 1.0  # drain what is already in the pipes, then stop
+            left = 1.0
+        for key, _ in sel.select(timeout=min(max(left, 0.0), 0.5)):
             chunk = os.read(key.fd, 65536)
             if not chunk:
-                sel.unregister(key.fileobj)
+                sel.unregister(key.fd)
                 continue
-            buf = bufs[key.fileobj]
+            buf = bufs[key.fd]
             room = cap - len(buf)
             truncated |= len(chunk) > room
             buf += chunk[:max(room, 0)]
         if timed_out and time.monotonic() >= deadline:
             break
     sel.close()
-    proc.wait()
-    return bytes(bufs[proc.stdout]), bytes(bufs[proc.stderr]), timed_out, truncated
-
-
-def _feed(proc: subprocess.Popen, sel: selectors.BaseSelector, pending: memoryview) -> memoryview:
-    try:
-        pending = pending[os.write(proc.stdin.fileno(), pending[:65536]):]
-    except (BrokenPipeError, OSError):
-        pending = pending[:0]
-    if not pending:
-        sel.unregister(proc.stdin)
-        proc.stdin.close()
-    return pending
+    if close:
+        for fd in fds:
+            os.close(fd)
+    return [bytes(bufs[fd]) for fd in fds], timed_out, truncated
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
-    """SIGKILL the launcher's whole process group (the launcher dying takes its pid namespace
-    with it), then reap the launcher."""
+    """SIGKILL the launcher's whole process group, then reap the launcher."""
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):

@@ -71,7 +71,11 @@ class RewardScorer:
     """One worker's state: the built scorer, a per-call deadline, the stuck-call count.
     Plain class so it is testable without Ray; ``RewardWorker`` is its actor form."""
 
-    def __init__(self, section: dict, timeout_s: float, plugins: tuple[str, ...] = ()) -> None:
+    def __init__(self, section: dict, timeout_s: float, plugins: tuple[str, ...] = (),
+                 allow_unisolated: bool = False) -> None:
+        from flash.rewards import sandbox
+
+        sandbox.allow_unisolated(allow_unisolated)
         for module in plugins:
             importlib.import_module(module)
         self.scorer = build_reward(section)
@@ -148,9 +152,11 @@ class RewardPool:
 
     def __init__(self, section: dict, num_workers: int = 2, concurrency: int = 4,
                  timeout_s: float = 30.0, plugins: tuple[str, ...] = (), max_stuck: int = 4,
-                 max_restarts: int = 10, autoscale: AutoscaleConfig | None = None) -> None:
+                 max_restarts: int = 10, autoscale: AutoscaleConfig | None = None,
+                 allow_unisolated: bool = False) -> None:
         check_pool_args(section, num_workers, concurrency, timeout_s, plugins)
         self.section, self.plugins = dict(section), tuple(plugins)
+        self.allow_unisolated = allow_unisolated
         self.concurrency, self.timeout_s, self.max_stuck = concurrency, timeout_s, max_stuck
         self.max_restarts = max_restarts
         self._lock = threading.Lock()
@@ -174,7 +180,7 @@ class RewardPool:
         """Start ``n`` workers and wait until they are ready, so that a call's deadline never
         includes a worker's start (seconds on a loaded machine)."""
         workers = [RewardWorker.options(max_concurrency=self.concurrency).remote(
-            self.section, self.timeout_s, self.plugins) for _ in range(n)]
+            self.section, self.timeout_s, self.plugins, self.allow_unisolated) for _ in range(n)]
         try:
             ray.get([w.ready.remote() for w in workers], timeout=STARTUP_S)
         except ray.exceptions.GetTimeoutError:
@@ -367,7 +373,8 @@ def pool_from_config(reward_cfg, plugins: tuple[str, ...] = (), max_restarts: in
     return RewardPool(dict(reward_cfg.fn), num_workers=reward_cfg.num_workers,
                       concurrency=reward_cfg.concurrency, timeout_s=reward_cfg.timeout_s,
                       plugins=tuple(plugins), max_stuck=reward_cfg.max_stuck, max_restarts=max_restarts,
-                      autoscale=autoscale_config(reward_cfg))
+                      autoscale=autoscale_config(reward_cfg),
+                      allow_unisolated=reward_cfg.sandbox.allow_unisolated)
 
 
 def autoscale_config(reward_cfg) -> AutoscaleConfig | None:

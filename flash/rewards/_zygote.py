@@ -1,0 +1,348 @@
+"""Sandbox fork server: namespaces set up once, one forked interpreter per call (stdlib only).
+
+The parent (``flash.rewards.sandbox``) starts ``python -I -c <this source> CONFIG_JSON`` with one
+end of a SOCK_SEQPACKET socket pair. Setup, once:
+
+1. drop root to an unprivileged uid (root bypasses RLIMIT_NPROC and file permissions);
+2. new user, network, ipc, uts and mount namespaces; the network has only a downed loopback;
+3. a new root built from an allow-list: read-only binds of the system directories and this
+   interpreter's prefix and import path, a few device nodes, the host's /proc (only as the
+   "fully visible" proc the kernel wants before a nested proc mount; every call covers it) and
+   nothing else -- the host's /tmp, /root, home directories and the project are simply absent;
+4. pre-import the standard modules model-written code uses, so a call costs a fork, not an
+   interpreter start.
+
+Per call the parent sends a small JSON header and four descriptors: a memfd holding the code and
+its files, the code's stdin (a read-only memfd) and the write ends of its stdout/stderr pipes.
+The payload never passes through this process, so a forked sandbox cannot find another call's
+hidden inputs in its inherited memory. Each call:
+
+- ``C`` (forked here, stays in this pid namespace, dies with us): its own session, a new user, pid, mount, network
+  and ipc namespace of its own -- so RLIMIT_NPROC counts only this call's processes and two
+  concurrent calls share nothing -- then forks ``G`` and mirrors its exit status;
+- ``G`` (pid 1 of the call's pid namespace, dies with C): a fresh /proc, a size-capped tmpfs on
+  /tmp holding the working directory, nested user namespaces refused
+  (``user.max_user_namespaces = 0`` in the call's namespace: the kernel's own limit, which the
+  code cannot raise), every capability dropped with no_new_privs, rlimits, then the code runs
+  as ``__main__``. When G exits, the kernel kills everything left in its pid namespace.
+
+A setup step that fails exits 125 with a ``flash-sandbox-setup:`` line on the call's stderr (or,
+during the one-time setup, an ``error`` message on the socket).
+"""
+
+import ctypes
+import json
+import os
+import platform
+import resource
+import selectors
+import signal
+import socket
+import sys
+
+CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC = 0x00020000, 0x04000000, 0x08000000
+CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x10000000, 0x20000000, 0x40000000
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
+MS_BIND, MS_REC, MS_PRIVATE = 4096, 16384, 1 << 18
+MNT_DETACH, AT_FDCWD, AT_RECURSIVE, MOUNT_ATTR_RDONLY = 2, -100, 0x8000, 1
+SYS_MOUNT_SETATTR = 442  # the same number on every architecture (new syscalls are unified)
+SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}.get(platform.machine())
+PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS = 1, 4, 24, 38
+PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, CAP_VERSION_3 = 47, 4, 0x20080522
+SETUP_FAILED = 125
+SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc")
+DEVICES = ("null", "zero", "full", "random", "urandom")
+NEWROOT = "/tmp"  # a tmpfs mounted here becomes the root; host paths under /tmp stay out
+WORKDIR = "/tmp/flash-sandbox-work"
+PRELOAD = ("json", "math", "re", "collections", "itertools", "functools", "heapq", "bisect",
+           "string", "random", "typing", "dataclasses", "fractions", "decimal", "statistics",
+           "copy", "operator", "io", "traceback", "runpy", "threading", "atexit", "time",
+           "datetime", "enum", "array", "struct", "textwrap", "unicodedata")
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+class SetupError(Exception):
+    pass
+
+
+def _check(rc: int, step: str) -> None:
+    if rc != 0:
+        raise SetupError(f"{step} failed: {os.strerror(ctypes.get_errno())}")
+
+
+def _mount(src, dst, fstype, flags, data=None, step="mount") -> None:
+    enc = lambda s: None if s is None else s.encode()  # noqa: E731
+    _check(_libc.mount(enc(src), enc(dst), enc(fstype), flags, enc(data)), f"{step} {dst}")
+
+
+class _MountAttr(ctypes.Structure):
+    _fields_ = [("attr_set", ctypes.c_uint64), ("attr_clr", ctypes.c_uint64),
+                ("propagation", ctypes.c_uint64), ("userns_fd", ctypes.c_uint64)]
+
+
+def _setattr(path: str, flags: int, attr_set: int, attr_clr: int, step: str) -> None:
+    attr = _MountAttr(attr_set, attr_clr, 0, 0)
+    _check(_libc.syscall(SYS_MOUNT_SETATTR, AT_FDCWD, path.encode(), flags, ctypes.byref(attr),
+                         ctypes.sizeof(attr)), step)
+
+
+def _write(path: str, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def _enter_user_namespace(flags: int) -> None:
+    uid, gid = os.getuid(), os.getgid()
+    _check(_libc.unshare(CLONE_NEWUSER | flags), "unshare")
+    _write("/proc/self/setgroups", "deny")
+    _write("/proc/self/uid_map", f"{uid} {uid} 1")
+    _write("/proc/self/gid_map", f"{gid} {gid} 1")
+
+
+def _allowed_paths() -> list[str]:
+    """System directories plus wherever this interpreter and its import path live."""
+    paths = [p for p in SYSTEM_DIRS if os.path.lexists(p)]
+    for p in (sys.base_prefix, sys.base_exec_prefix, *sys.path):
+        real = os.path.realpath(p) if p else ""
+        if real and os.path.isdir(real) and not any(real == q or real.startswith(q + "/")
+                                                    for q in paths):
+            paths.append(real)
+    for p in paths:
+        if p == NEWROOT or p.startswith(NEWROOT + "/"):
+            raise SetupError(f"the sandbox cannot show {p}: nothing under {NEWROOT} is kept")
+    return paths
+
+
+def _bind(src: str, rel: str) -> None:
+    dst = NEWROOT + rel
+    if os.path.islink(src):
+        os.makedirs(os.path.dirname(dst), exist_ok=True)
+        os.symlink(os.readlink(src), dst)
+        return
+    if os.path.isdir(src):
+        os.makedirs(dst, exist_ok=True)
+    else:
+        os.makedirs(os.path.dirname(dst), exist_ok=True)
+        open(dst, "w").close()
+    _mount(src, dst, None, MS_BIND | MS_REC, step="bind")
+
+
+def _build_root() -> None:
+    """A tmpfs root holding read-only binds of the allowed paths, then pivot into it."""
+    if SYS_PIVOT_ROOT is None:
+        raise SetupError(f"no pivot_root number known for {platform.machine()}")
+    _mount(None, "/", None, MS_REC | MS_PRIVATE, step="private mounts")
+    _mount("tmpfs", NEWROOT, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=755", step="root tmpfs")
+    for path in _allowed_paths():
+        _bind(path, path)
+    for dev in DEVICES:
+        _bind(f"/dev/{dev}", f"/dev/{dev}")
+    _bind("/proc", "/proc")
+    os.makedirs(NEWROOT + "/tmp")
+    os.makedirs(NEWROOT + "/.old")
+    _check(_libc.syscall(SYS_PIVOT_ROOT, NEWROOT.encode(), (NEWROOT + "/.old").encode()),
+           "pivot_root")
+    os.chdir("/")
+    _check(_libc.umount2(b"/.old", MNT_DETACH), "detach the host root")
+    os.rmdir("/.old")
+    _setattr("/", AT_RECURSIVE, MOUNT_ATTR_RDONLY, 0, "read-only root")
+    for path in [f"/dev/{dev}" for dev in DEVICES] + ["/proc"]:  # /proc: each call's uid_map
+        _setattr(path, 0, 0, MOUNT_ATTR_RDONLY, f"writable {path}")
+
+
+def setup(cfg: dict) -> None:
+    if cfg["drop_to"] is not None:
+        uid, gid = cfg["drop_to"]
+        os.setgroups([])
+        os.setgid(gid)
+        os.setuid(uid)
+        _libc.prctl(PR_SET_DUMPABLE, 1, 0, 0, 0)  # else /proc/self/uid_map stays root's
+    _enter_user_namespace(CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS | CLONE_NEWNS)
+    _build_root()
+    for name in PRELOAD:
+        __import__(name)
+
+
+class _CapHeader(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+
+def _drop_capabilities() -> None:
+    """no_new_privs, an empty bounding set, no ambient, inheritable, permitted or effective."""
+    _check(_libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
+    for cap in range(64):
+        if _libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) != 0:
+            break  # past the last capability this kernel knows
+    _libc.prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)
+    data = (ctypes.c_uint32 * 6)()
+    _check(_libc.capset(ctypes.byref(_CapHeader(CAP_VERSION_3, 0)), data), "capset")
+
+
+def _prepare_call(req: dict, payload_fd: int) -> None:
+    """In G, before the code: /proc, the tmpfs, the files, the locks, the limits."""
+    _check(_libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "pdeathsig")
+    _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, step="mount")
+    _mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV,
+           f"size={req['disk_mb']}m,nr_inodes={req['max_files']},mode=700", step="mount")
+    _write("/proc/sys/user/max_user_namespaces", "0")
+    with os.fdopen(payload_fd, "rb") as f:
+        payload = json.loads(f.read())
+    os.mkdir(WORKDIR, 0o700)
+    os.chdir(WORKDIR)
+    for name, text in payload["files"].items():
+        with open(name, "w", encoding="utf-8") as f:
+            f.write(text)
+    _drop_capabilities()
+    for name, (soft, hard) in req["limits"].items():
+        resource.setrlimit(getattr(resource, name), (soft, hard))
+
+
+def _stdio() -> None:
+    """Fresh text streams over fds 0-2, as a new interpreter would have them."""
+    sys.stdin = sys.__stdin__ = open(0, "r", encoding="utf-8", closefd=False)
+    sys.stdout = sys.__stdout__ = open(1, "w", encoding="utf-8", closefd=False)
+    sys.stderr = sys.__stderr__ = open(2, "w", encoding="utf-8", errors="backslashreplace",
+                                       buffering=1, closefd=False)
+
+
+def _exit_code(exc: BaseException | None) -> int:
+    import traceback
+
+    if exc is None:
+        return 0
+    if isinstance(exc, SystemExit):
+        if exc.code is None or isinstance(exc.code, int):
+            return exc.code or 0
+        print(exc.code, file=sys.stderr)
+        return 1
+    traceback.print_exception(exc)
+    return 1
+
+
+def _run_code(env: dict) -> None:
+    """Run main.py as ``python -I main.py`` would, then exit as the interpreter would."""
+    import atexit
+    import runpy
+    import threading
+
+    os.environ.clear()
+    os.environ.update(env)
+    _stdio()
+    sys.argv = ["main.py"]
+    try:
+        runpy.run_path("main.py", run_name="__main__")
+        exc = None
+    except BaseException as e:  # noqa: BLE001 -- everything the code raises is its own outcome
+        exc = e
+    code = _exit_code(exc)
+    try:
+        threading._shutdown()
+        atexit._run_exitfuncs()
+        for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
+            stream.flush()
+    except BaseException:  # noqa: BLE001 -- a broken stream at exit: the exit code stands
+        pass
+    os._exit(code & 0xFF)
+
+
+def _call_child(req: dict, fds: list[int], keep: int) -> None:
+    """G: pid 1 of the call's namespaces."""
+    try:
+        _prepare_call(req, fds[0])
+    except (OSError, SetupError) as exc:
+        os.write(2, f"flash-sandbox-setup: {exc}\n".encode())
+        os._exit(SETUP_FAILED)
+    _run_code(req["env"])
+
+
+def _mirror(pid: int) -> None:
+    """Exit the way G did: same exit code, or death by the same signal."""
+    _, status = os.waitpid(pid, 0)
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        signal.signal(sig, signal.SIG_DFL)
+        os.kill(os.getpid(), sig)
+    os._exit(os.WEXITSTATUS(status) if os.WIFEXITED(status) else SETUP_FAILED)
+
+
+def _call(req: dict, fds: list[int], server_fd: int) -> None:
+    """C: the call's namespaces, then G, then wait."""
+    try:
+        os.close(server_fd)
+        os.setsid()  # kill(0) from the code reaches this call's processes, not the server
+        for target, fd in zip((0, 1, 2), fds[1:]):
+            os.dup2(fd, target)
+        _check(_libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "pdeathsig")
+        os.closerange(3, fds[0])
+        os.closerange(fds[0] + 1, 1 << 16)
+        _enter_user_namespace(CLONE_NEWPID | CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWIPC)
+        pid = os.fork()
+    except (OSError, SetupError) as exc:
+        os.write(2, f"flash-sandbox-setup: {exc}\n".encode())
+        os._exit(SETUP_FAILED)
+    if pid == 0:
+        _call_child(req, fds, fds[0])
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)  # only SIGKILL (from the server) ends us early
+    devnull = os.open("/dev/null", os.O_RDWR)
+    for fd in (0, 1, 2, fds[0]):
+        os.dup2(devnull, fd)  # the pipes close when the code's last process does
+    _mirror(pid)
+
+
+def _status(status: int) -> dict:
+    if os.WIFSIGNALED(status):
+        return {"signal": os.WTERMSIG(status)}
+    return {"exit": os.WEXITSTATUS(status)}
+
+
+def serve(sock: socket.socket) -> None:
+    """Fork a call per request; report each call's pid and, when it ends, its exit status."""
+    sel = selectors.DefaultSelector()
+    sel.register(sock, selectors.EVENT_READ)
+    running: dict[int, tuple[int, int]] = {}  # call id -> (pid, pidfd)
+    while True:
+        for key, _ in sel.select():
+            if key.fileobj is not sock:
+                cid = key.data
+                pid, pidfd = running.pop(cid)
+                sel.unregister(pidfd)
+                os.close(pidfd)
+                _, status = os.waitpid(pid, 0)
+                sock.send(json.dumps({"id": cid, **_status(status)}).encode())
+                continue
+            msg, fds, _, _ = socket.recv_fds(sock, 1 << 16, 4)
+            if not msg:  # the parent is gone: so are its calls
+                for pid, _ in running.values():
+                    os.kill(pid, signal.SIGKILL)
+                os._exit(0)
+            req = json.loads(msg)
+            if req["op"] == "kill":
+                if req["id"] in running:
+                    os.kill(running[req["id"]][0], signal.SIGKILL)
+                continue
+            pid = os.fork()
+            if pid == 0:
+                _call(req, fds, sock.fileno())
+            for fd in fds:
+                os.close(fd)
+            pidfd = os.pidfd_open(pid)
+            running[req["id"]] = (pid, pidfd)
+            sel.register(pidfd, selectors.EVENT_READ, req["id"])
+            sock.send(json.dumps({"id": req["id"], "pid": pid}).encode())
+
+
+def main() -> None:
+    cfg = json.loads(sys.argv[1])
+    sock = socket.socket(fileno=cfg["fd"])
+    try:
+        setup(cfg)
+    except (OSError, SetupError, ImportError) as exc:
+        sock.send(json.dumps({"error": f"flash-sandbox-setup: {exc}"}).encode())
+        os._exit(SETUP_FAILED)
+    sock.send(json.dumps({"ready": os.getpid()}).encode())
+    serve(sock)
+
+
+main()
