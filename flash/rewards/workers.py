@@ -73,9 +73,9 @@ class RewardScorer:
 
     def __init__(self, section: dict, timeout_s: float, plugins: tuple[str, ...] = (),
                  allow_unisolated: bool = False) -> None:
-        from flash.rewards import sandbox
+        from flash.rewards.sandbox import allow_unisolated as set_policy
 
-        sandbox.allow_unisolated(allow_unisolated)
+        set_policy(allow_unisolated)
         for module in plugins:
             importlib.import_module(module)
         self.scorer = build_reward(section)
