@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from flash.rewards import sandbox
+from flash.rewards import forkserver, sandbox
 from flash.rewards.sandbox import Limits, classify, execute, isolation_level
 
 RECIPE_CODE = str(Path(__file__).resolve().parents[1] / "recipes" / "code.yaml")
@@ -22,14 +22,17 @@ LEVELS = ["namespaces", "audit-hook"] if isolation_level() == "namespaces" else 
 
 
 def _sandbox_processes() -> list[int]:
-    """Host pids whose working directory is (or was) a sandbox directory."""
+    """Host pids of sandbox calls: a working directory that is a sandbox directory, or a parent
+    that is a fork server (each call's mirror process)."""
+    servers = {srv.proc.pid for srv in forkserver._SERVERS.values()}
     pids = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
-                if "flash-sandbox-" in os.readlink(entry / "cwd"):
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                if ppid in servers or "flash-sandbox-" in os.readlink(entry / "cwd"):
                     pids.append(int(entry.name))
-            except OSError:
+            except (OSError, IndexError, ValueError):
                 pass
     return pids
 
