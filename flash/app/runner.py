@@ -453,8 +453,10 @@ def _summary(cfg, r: Run, records, acc0, acc1, train_s, left) -> dict:
         "cores": run_cores(cfg),
         "seed": cfg.seed,
         "versions": versions_record(),
-        # what held model-written code on this host (flash.rewards.sandbox): namespaces|audit-hook
+        # what held model-written code on this host (flash.rewards.sandbox): namespaces|audit-hook,
+        # and whether each call had its own memory and pids cgroups (else per-process rlimits)
         "sandbox_isolation": _sandbox_isolation(),
+        "sandbox_cgroups": _sandbox_cgroups(),
     }
 
 
@@ -476,6 +478,12 @@ def _sandbox_isolation() -> str:
     from flash.rewards.sandbox import isolation_level
 
     return isolation_level()
+
+
+def _sandbox_cgroups() -> bool:
+    from flash.rewards.cgroups import available
+
+    return available()
 
 
 def threads_record(cfg: FlashConfig) -> dict[str, int | None]:

@@ -13,7 +13,8 @@ end of a SOCK_SEQPACKET socket pair. Setup, once:
    interpreter start.
 
 Per call the parent sends a small JSON header and four descriptors: a memfd holding the code and
-its files, the code's stdin (a read-only memfd) and the write ends of its stdout/stderr pipes.
+its files, the code's stdin (a read-only memfd) and the write ends of its stdout/stderr pipes;
+where the host gives cgroups, also the call's ``cgroup.procs`` files (``cgroups.py``).
 The payload never passes through this process, so a forked sandbox cannot find another call's
 hidden inputs in its inherited memory. Each call:
 
@@ -271,6 +272,8 @@ def _call(req: dict, fds: list[int], server_fd: int) -> None:
     try:
         os.close(server_fd)
         os.setsid()  # kill(0) from the code reaches this call's processes, not the server
+        for fd in fds[4:]:  # its cgroups (flash.rewards.cgroups), before anything else runs
+            os.write(fd, str(os.getpid()).encode())
         for target, fd in zip((0, 1, 2), fds[1:]):
             os.dup2(fd, target)
         _check(_libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "pdeathsig")
@@ -312,7 +315,7 @@ def serve(sock: socket.socket) -> None:
                 _, status = os.waitpid(pid, 0)
                 sock.send(json.dumps({"id": cid, **_status(status)}).encode())
                 continue
-            msg, fds, _, _ = socket.recv_fds(sock, 1 << 16, 4)
+            msg, fds, _, _ = socket.recv_fds(sock, 1 << 16, 8)
             if not msg:  # the parent is gone: so are its calls
                 for pid, _ in running.values():
                     os.kill(pid, signal.SIGKILL)

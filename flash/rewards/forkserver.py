@@ -114,12 +114,14 @@ class ForkServer:
             call.status = {"lost": reason}
             call.done.set()
 
-    def start(self, header: dict, payload: bytes, stdin: bytes) -> tuple[int, _Call, int, int]:
-        """Send one call; returns its id, its handle and the read ends of stdout and stderr."""
+    def start(self, header: dict, payload: bytes, stdin: bytes,
+              extra_fds: list[int] = ()) -> tuple[int, _Call, int, int]:
+        """Send one call; returns its id, its handle and the read ends of stdout and stderr.
+        ``extra_fds`` (closed here): the call's cgroup.procs files, which it joins first."""
         sent = [memfd(payload), memfd(stdin, readonly=True)]
         out_r, out_w = os.pipe2(os.O_CLOEXEC)
         err_r, err_w = os.pipe2(os.O_CLOEXEC)
-        sent += [out_w, err_w]
+        sent += [out_w, err_w, *extra_fds]
         call = _Call()
         try:
             with self._lock:

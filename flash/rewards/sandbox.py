@@ -12,8 +12,11 @@ What holds (``isolation_level()`` says which level this host gives; every result
   its working directory and /tmp are a fresh tmpfs capped at ``disk_mb`` and ``max_files``; it
   is pid 1 of its own pid namespace (all its processes die with it); no network at all (only a
   downed loopback), host loopback included; no capabilities, no_new_privs, and no nested user
-  namespaces (the kernel's per-namespace limit set to 0). Whole-tree bounds without a cgroup:
-  at most ``max_procs`` processes of at most ``memory_mb`` each, plus ``disk_mb`` of files.
+  namespaces (the kernel's per-namespace limit set to 0). Whole-tree bounds: where this process
+  may make cgroups (``cgroups.py``), each call gets a memory cgroup of ``memory_mb + disk_mb``
+  (files included; the OOM killer's work is reported as ``memory``) and a pids cgroup of
+  ``max_procs``; elsewhere at most ``max_procs`` processes of at most ``memory_mb`` each, plus
+  ``disk_mb`` of files.
 - ``audit-hook`` (fallback, **not a boundary**): a subprocess per call (``_jail.py``) with an
   audit hook that makes socket creation, ctypes, exec and subprocesses raise. Pure Python can
   switch such a hook off; rewards refuse this level unless the user allows it.
@@ -41,6 +44,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import flash.rewards.cgroups as cgroups
 from flash.rewards.forkserver import SandboxSetupError, memfd, server
 
 __all__ = ["STATUSES", "ISOLATION_LEVELS", "Limits", "SandboxResult", "SandboxSetupError",
@@ -220,22 +224,29 @@ def _run_forked(files: dict[str, str], stdin: bytes, lim: Limits) -> SandboxResu
               "max_files": int(lim.max_files),
               "env": {**_ENV, "HOME": _WORKDIR, "TMPDIR": _WORKDIR}}
     t0 = time.monotonic()
-    cid, call, out_r, err_r = srv.start(header, json.dumps({"files": files}).encode(), stdin)
-    deadline = t0 + lim.timeout_s
-    (out, err), timed_out, truncated = _collect(
-        (out_r, err_r), deadline, lim.max_output_bytes, kill=lambda: srv.kill(cid),
-        exited=call.done.is_set)
-    status = srv.finish(cid, call, deadline)
+    group = cgroups.create(int((lim.memory_mb + lim.disk_mb) * (1 << 20)), int(lim.max_procs))
+    try:
+        cid, call, out_r, err_r = srv.start(header, json.dumps({"files": files}).encode(), stdin,
+                                            group.open_procs() if group else [])
+        deadline = t0 + lim.timeout_s
+        (out, err), timed_out, truncated = _collect(
+            (out_r, err_r), deadline, lim.max_output_bytes, kill=lambda: srv.kill(cid),
+            exited=call.done.is_set)
+        status = srv.finish(cid, call, deadline)
+        oom = group is not None and group.oom_killed()
+    finally:
+        if group is not None:
+            group.remove()
     rc = status["exit"] if "exit" in status else -status["signal"]
     timed_out = timed_out or (rc == -signal.SIGKILL and time.monotonic() >= deadline)
-    return _result(rc, out, err, timed_out, truncated, time.monotonic() - t0, "namespaces")
+    return _result(rc, out, err, timed_out, truncated, time.monotonic() - t0, "namespaces", oom)
 
 
 def _result(rc: int | None, out: bytes, err: bytes, timed_out: bool, truncated: bool,
-            wall: float, level: str) -> SandboxResult:
+            wall: float, level: str, oom: bool = False) -> SandboxResult:
     if rc == SETUP_FAILED and _SETUP_MARK in err:
         raise SandboxSetupError(err.decode(errors="replace").strip())
-    return SandboxResult(status=classify(rc, err, timed_out), stdout=out.decode(errors="replace"),
+    return SandboxResult(status=classify(rc, err, timed_out, oom), stdout=out.decode(errors="replace"),
                          stderr=err.decode(errors="replace"),
                          exit_code=rc if rc is not None and rc >= 0 else None, wall_s=wall,
                          signal=-rc if rc is not None and rc < 0 else None,
@@ -292,14 +303,15 @@ def _run_unisolated(workdir: str, stdin: bytes, lim: Limits) -> SandboxResult:
                    "audit-hook")
 
 
-def classify(returncode: int | None, stderr: bytes, timed_out: bool) -> str:
-    """How a run ended, from the launcher's exit status (which mirrors the code's)."""
+def classify(returncode: int | None, stderr: bytes, timed_out: bool, oom: bool = False) -> str:
+    """How a run ended, from the launcher's exit status (which mirrors the code's); ``oom``: the
+    call's memory cgroup saw the OOM killer end one of its processes."""
     if timed_out or returncode == -signal.SIGXCPU:
         return "timeout"
     if returncode == 0:
         return "ok"
     tail = stderr[-2000:]
-    if any(mark in tail for mark in _MEMORY_MARKS):
+    if oom or any(mark in tail for mark in _MEMORY_MARKS):
         return "memory"
     if returncode is not None and returncode < 0:
         return "killed"

@@ -1,0 +1,109 @@
+"""Per-call memory and pids cgroups for the code sandbox, where this process may make them.
+
+Why: rlimits bound each process (RLIMIT_AS) and the number of processes (RLIMIT_NPROC), so without
+a cgroup a call's whole tree may hold ``max_procs x memory_mb`` plus its tmpfs. With a memory
+cgroup per call the tree -- its files in the tmpfs included, since tmpfs pages are charged to the
+writer's cgroup -- holds at most ``memory_mb + disk_mb``; the kernel's OOM killer ends the call
+(reported as ``memory``) rather than the host running out.
+
+Where: cgroup v1 hierarchies with the ``memory`` and ``pids`` controllers in which this process
+can create a child of its own cgroup (root in a container, as on these machines). A cgroup v2
+subtree would need its controllers delegated to a leaf we do not live in; not done here, so such
+a host keeps the rlimit bounds (``available()`` says which holds). The parent opens each call's
+``cgroup.procs`` files and hands the descriptors to the call (the sandbox's root has no /sys);
+the call's mirror process writes its own pid to them before it forks the code, so every process
+of the call is inside from its first instruction.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import os
+import time
+from pathlib import Path
+
+_NAMES = itertools.count()
+_REMOVE_TRIES = 50
+
+
+@functools.lru_cache(maxsize=1)
+def _bases() -> dict[str, Path]:
+    """controller -> this process's own cgroup directory in a writable v1 hierarchy."""
+    mounts: dict[str, Path] = {}
+    try:
+        for line in Path("/proc/self/mounts").read_text().splitlines():
+            _, point, fstype, opts, *_ = line.split()
+            if fstype == "cgroup":
+                for ctl in ("memory", "pids"):
+                    if ctl in opts.split(","):
+                        mounts[ctl] = Path(point)
+        own = {}
+        for line in Path("/proc/self/cgroup").read_text().splitlines():
+            _, ctls, path = line.split(":", 2)
+            for ctl in ctls.split(","):
+                if ctl in mounts:
+                    own[ctl] = mounts[ctl] / path.lstrip("/")
+    except (OSError, ValueError):
+        return {}
+    bases = {ctl: p for ctl, p in own.items() if p.is_dir() and os.access(p, os.W_OK)}
+    return bases if set(bases) == {"memory", "pids"} else {}
+
+
+def available() -> bool:
+    """Whether calls get their own memory and pids cgroups on this host."""
+    return bool(_bases())
+
+
+class CallGroup:
+    """One call's memory and pids cgroups."""
+
+    def __init__(self, dirs: dict[str, Path]) -> None:
+        self.dirs = dirs
+
+    def open_procs(self) -> list[int]:
+        """Write-only descriptors of the files the call's first process writes its pid to."""
+        return [os.open(d / "cgroup.procs", os.O_WRONLY | os.O_CLOEXEC) for d in self.dirs.values()]
+
+    def oom_killed(self) -> bool:
+        """Did the kernel's OOM killer end a process of this call?"""
+        try:
+            text = (self.dirs["memory"] / "memory.oom_control").read_text()
+        except OSError:
+            return False
+        fields = dict(line.split() for line in text.splitlines() if len(line.split()) == 2)
+        return int(fields.get("oom_kill", "0")) > 0
+
+    def remove(self) -> None:
+        """Remove both directories (their processes may take a moment to leave)."""
+        for d in self.dirs.values():
+            for _ in range(_REMOVE_TRIES):
+                try:
+                    d.rmdir()
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError:
+                    time.sleep(0.01)
+
+
+def create(memory_bytes: int, max_pids: int) -> CallGroup | None:
+    """New cgroups for one call, or None where this host gives none (or making them fails)."""
+    bases = _bases()
+    if not bases:
+        return None
+    name = f"flash-sandbox-{os.getpid()}-{next(_NAMES)}"
+    group = CallGroup({ctl: base / name for ctl, base in bases.items()})
+    try:
+        for d in group.dirs.values():
+            d.mkdir()
+        mem = group.dirs["memory"]
+        (mem / "memory.limit_in_bytes").write_text(str(memory_bytes))
+        swap = mem / "memory.memsw.limit_in_bytes"  # no swapping out of the limit, where accounted
+        if swap.exists():
+            swap.write_text(str(memory_bytes))
+        (group.dirs["pids"] / "pids.max").write_text(str(max_pids))
+    except OSError:
+        group.remove()
+        return None
+    return group
