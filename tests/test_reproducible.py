@@ -53,3 +53,7 @@ def test_run_in_a_one_thread_process_gives_the_cli_numbers(tmp_path, ray_local):
     assert here["threads"] == cli["threads"] == {"engine": 1, "trainer": 1, "driver": 1, "warm_start": 2}
     assert here["seed"] == cli["seed"] == cfg.seed
     assert here["versions"]["torch"] == torch.__version__
+    from flash.rewards import cgroups, sandbox
+
+    assert here["sandbox_isolation"] == cli["sandbox_isolation"] == sandbox.isolation_level()
+    assert here["sandbox_cgroups"] == cli["sandbox_cgroups"] == cgroups.available()
