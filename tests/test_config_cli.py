@@ -89,3 +89,57 @@ def test_console_script_is_installed():
                           capture_output=True, text=True)
     assert proc.returncode == 2
     assert "did you mean 'steps'" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("text, message", [
+    ("- task\n- rollout\n", r"a recipe is a mapping of sections .*, not a list"),
+    ("just words\n", r"unknown config key 'just words'"),
+    ("task: !!python/object/apply:os.system ['touch /tmp/flash-pwned']\n",
+     r"line 1 column 7: could not determine a constructor for the tag"),
+    ("task: {name: stutter\nrollout: {n: 2}\n", r"line 2 column 8: "),
+    ("", r"is empty: a recipe names at least its task"),
+    ("# only a comment\n", r"is empty"),
+    ("task: {name: stutter}\nrollout: {temperature: .inf}\n", r"^rollout.temperature=inf is not a finite"),
+    ("task: {name: stutter}\ntrain: {lr: .nan}\n", r"^train.lr=nan is not a finite number"),
+])
+def test_a_bad_recipe_file_is_one_line_naming_file_and_line(tmp_path, capsys, text, message):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=message):
+        load_config(path)
+    assert main(["validate", str(path)]) != 0
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    assert not Path("/tmp/flash-pwned").exists()
+
+
+def test_a_bad_override_is_named():
+    with pytest.raises(ConfigError, match=r"^cannot parse override 'rollout.n=\[1,'"):
+        load_config(STUTTER, ["async_ratio=1", "rollout.n=[1,"])
+    with pytest.raises(ConfigError, match=r"^buffer.max_frame_mb=inf is not a finite number"):
+        load_config(STUTTER, ["buffer.max_frame_mb=inf"])
+
+
+def test_a_run_dir_holding_a_run_is_refused_unless_resumed_or_moved_aside(tmp_path, monkeypatch):
+    from flash.app.runner import make_run_dir
+    from flash.errors import FlashError
+
+    old = tmp_path / "run"
+    old.mkdir()
+    (old / "sweep_point.json").write_text("{}")  # not a run: a sweep writes it before launching
+    cfg = load_config(STUTTER, [f"run_dir={old}"])
+    assert make_run_dir(cfg, "stutter") == old
+    (old / "ledger.jsonl").write_text("the earlier run's ledger\n")
+    with pytest.raises(FlashError, match=rf"run_dir {old} already holds a run \(ledger.jsonl\): "
+                                         rf"continue it with resume={old}"):
+        make_run_dir(cfg, "stutter")
+    assert make_run_dir(cfg, "stutter", resuming=True) == old
+    assert (old / "ledger.jsonl").read_text() == "the earlier run's ledger\n"
+    cfg = load_config(STUTTER, [f"run_dir={old}", "overwrite=true"])
+    assert make_run_dir(cfg, "stutter") == old and list(old.iterdir()) == []
+    [aside] = [p for p in tmp_path.iterdir() if p.name.startswith("run.old-")]
+    assert (aside / "ledger.jsonl").read_text() == "the earlier run's ledger\n"
+    monkeypatch.chdir(tmp_path)  # unnamed runs started in the same second get distinct dirs
+    default = load_config(STUTTER)
+    dirs = [make_run_dir(default, "stutter") for _ in range(3)]
+    assert len(set(dirs)) == 3 and all(d.parent == Path("runs") for d in dirs)

@@ -9,9 +9,12 @@ against the plugin's own knobs by its registry.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from pathlib import Path
 
-from omegaconf import OmegaConf
+import yaml
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from flash.app.keys import check_keys
@@ -36,11 +39,14 @@ from flash.errors import ConfigError
 
 def load_config(recipe_path: str | Path, overrides: list[str] = ()) -> FlashConfig:
     """Recipe YAML + ``key=value`` overrides → a validated FlashConfig object."""
-    try:
-        recipe = OmegaConf.load(str(recipe_path))
-        cli = OmegaConf.from_dotlist(_check_dotlist(list(overrides)))
-    except OmegaConfBaseException as exc:
-        raise ConfigError(f"cannot parse {recipe_path}: {str(exc).splitlines()[0]}") from None
+    recipe = read_recipe(recipe_path)
+    for item in _check_dotlist(list(overrides)):
+        try:
+            OmegaConf.from_dotlist([item])
+        except (OmegaConfBaseException, yaml.YAMLError) as exc:
+            problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+            raise ConfigError(f"cannot parse override '{item}': {problem}") from None
+    cli = OmegaConf.from_dotlist(list(overrides))
     for source in (recipe, cli):
         check_keys(OmegaConf.to_container(source), FlashConfig)
     try:
@@ -53,8 +59,42 @@ def load_config(recipe_path: str | Path, overrides: list[str] = ()) -> FlashConf
     except ValueError as exc:  # a section's own __post_init__ check
         raise ConfigError(f"invalid config: {exc}") from None
     imply_trainer_workers(cfg)
+    check_finite(cfg)
     validate(cfg)
     return cfg
+
+
+def read_recipe(path: str | Path):
+    """A recipe file as an OmegaConf mapping; every way it can be unreadable is one line naming
+    the file (and the line, for YAML errors). YAML is data here: OmegaConf's loader is a safe
+    loader, so a ``!!python/...`` tag is an error, never a constructor."""
+    try:
+        recipe = OmegaConf.load(str(path))
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+        where = f" line {mark.line + 1} column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigError(f"cannot parse {path}{where}: {problem}") from None
+    except (OmegaConfBaseException, OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot read {path}: {str(exc).splitlines()[0]}") from None
+    if not isinstance(recipe, DictConfig):
+        kind = "a list" if isinstance(recipe, ListConfig) else type(recipe).__name__
+        raise ConfigError(f"{path}: a recipe is a mapping of sections (task:, rollout:, train:, ...),"
+                          f" not {kind}")
+    if not recipe:
+        raise ConfigError(f"{path} is empty: a recipe names at least its task (task: {{name: ...}}); "
+                          f"`flash ls` lists recipes to start from")
+    return recipe
+
+
+def check_finite(cfg, path: str = "") -> None:
+    """Refuse inf and nan in every typed field: no setting of flash means anything by them."""
+    for f in dataclasses.fields(cfg):
+        value, key = getattr(cfg, f.name), f"{path}{f.name}"
+        if dataclasses.is_dataclass(value):
+            check_finite(value, key + ".")
+        elif isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{key}={value} is not a finite number")
 
 
 def validate(cfg: FlashConfig) -> None:

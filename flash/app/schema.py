@@ -249,3 +249,6 @@ class FlashConfig:
     # continue a run from its newest valid checkpoint: a run dir, or 'latest' (newest run dir
     # of this recipe under runs/); step numbers, metrics and the ledger continue
     resume: Optional[str] = None
+    # run_dir already holds another run: move it aside to <run_dir>.old-<time> and start afresh
+    # (without it, such a run_dir is refused)
+    overwrite: bool = False
