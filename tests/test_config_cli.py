@@ -121,7 +121,7 @@ def test_a_bad_override_is_named():
 
 
 def test_a_run_dir_holding_a_run_is_refused_unless_resumed_or_moved_aside(tmp_path, monkeypatch):
-    from flash.app.runner import make_run_dir
+    from flash.app.resume import make_run_dir
     from flash.errors import FlashError
 
     old = tmp_path / "run"

@@ -16,17 +16,21 @@ it implies: its torch distributed checkpoint reshards to the new size on load).
 from __future__ import annotations
 
 import json
+import logging
 import time
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from omegaconf import OmegaConf
 
-from flash.errors import ConfigError
+from flash.errors import ConfigError, FlashError
+
+log = logging.getLogger(__name__)
 
 LOGS = ("ledger", "metrics", "timeline", "eval", "schedule")  # RUN_DIR/<name>.jsonl, cut back on resume
 MAY_CHANGE = ("train.steps", "train.max_consecutive_skips", "train.workers", "placement.roles.actor_train.",
-              "checkpoint.", "tracking.", "resume", "run_dir",
+              "checkpoint.", "tracking.", "resume", "run_dir", "overwrite",
               "cache_dir", "description", "eval.every_steps", "rollout.hang_timeout_s",
               "rollout.max_engine_restarts", "rollout.max_worker_restarts", "resources.", "ray.", "data.strict")
 
@@ -98,3 +102,33 @@ def append_event(run_dir: Path, event: str, **fields) -> None:
     """One line in ``events.jsonl``: starts, resumes, checkpoint fallbacks, faults."""
     with open(run_dir / "events.jsonl", "a") as f:
         f.write(json.dumps({"event": event, "time": time.time(), **fields}) + "\n")
+
+
+# what makes a directory hold a run (a sweep's sweep_point.json or a test's log do not)
+RUN_FILES = ("config.yaml", "ledger.jsonl", "metrics.jsonl", "summary.json", "events.jsonl",
+             "checkpoints")
+
+
+def make_run_dir(cfg, recipe_name: str, resuming: bool = False) -> Path:
+    """The run's directory: new or without a run in it, unless resuming; ``overwrite`` moves an
+    earlier run aside (never deletes it): another run's logs are never truncated by mistake."""
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    if cfg.run_dir:
+        path = Path(cfg.run_dir)
+    else:
+        path = Path("runs") / f"{recipe_name}-{stamp}"
+        for n in range(1, 1000):  # two runs started in the same second
+            if not path.exists():
+                break
+            path = Path("runs") / f"{recipe_name}-{stamp}-{n}"
+    held = [name for name in RUN_FILES if (path / name).exists()]
+    if held and not resuming:
+        if not cfg.overwrite:
+            raise FlashError(f"run_dir {path} already holds a run ({', '.join(held)}): continue it "
+                             f"with resume={path}, pick a new run_dir, or pass overwrite=true to "
+                             f"move it aside")
+        aside = path.with_name(f"{path.name}.old-{stamp}")
+        path.rename(aside)
+        log.warning("flash: moved the earlier run in %s aside to %s", path, aside)
+    path.mkdir(parents=True, exist_ok=True)
+    return path

@@ -13,11 +13,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 import math
 import os
 import time
-from datetime import datetime
 from pathlib import Path
 
 import ray
@@ -47,41 +45,9 @@ from flash.train.trainer import TrainerSettings
 from flash.train.fsdp import group_settings
 from flash.cluster import pinned_threads, quiet
 
-log = logging.getLogger(__name__)
-
 
 def default_cache_dir(cfg: FlashConfig) -> str:
     return cfg.cache_dir or os.environ.get("FLASH_CACHE") or str(Path.home() / ".cache" / "flash")
-
-
-# what makes a directory hold a run (a sweep's sweep_point.json or a test's log do not)
-RUN_FILES = ("config.yaml", "ledger.jsonl", "metrics.jsonl", "summary.json", "events.jsonl",
-             "checkpoints")
-
-
-def make_run_dir(cfg: FlashConfig, recipe_name: str, resuming: bool = False) -> Path:
-    """The run's directory: new or without a run in it, unless resuming; ``overwrite`` moves an
-    earlier run aside (never deletes it): another run's logs are never truncated by mistake."""
-    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-    if cfg.run_dir:
-        path = Path(cfg.run_dir)
-    else:
-        path = Path("runs") / f"{recipe_name}-{stamp}"
-        for n in range(1, 1000):  # two runs started in the same second
-            if not path.exists():
-                break
-            path = Path("runs") / f"{recipe_name}-{stamp}-{n}"
-    held = [name for name in RUN_FILES if (path / name).exists()]
-    if held and not resuming:
-        if not cfg.overwrite:
-            raise FlashError(f"run_dir {path} already holds a run ({', '.join(held)}): continue it "
-                             f"with resume={path}, pick a new run_dir, or pass overwrite=true to "
-                             f"move it aside")
-        aside = path.with_name(f"{path.name}.old-{stamp}")
-        path.rename(aside)
-        log.warning("flash: moved the earlier run in %s aside to %s", path, aside)
-    path.mkdir(parents=True, exist_ok=True)
-    return path
 
 
 def run_cores(cfg: FlashConfig) -> int:
@@ -191,7 +157,7 @@ class Run:
         if resume_dir is not None:
             resume_mod.check_same_run(to_dict(cfg), resume_dir)
             cfg.run_dir = str(resume_dir)
-        self.dir = make_run_dir(cfg, recipe_name, resuming=resume_dir is not None)
+        self.dir = resume_mod.make_run_dir(cfg, recipe_name, resuming=resume_dir is not None)
         self.resume_point = _find_checkpoint(self.dir, resume_dir is not None)
         (self.dir / "config.yaml").write_text(to_yaml(cfg))
         algos.load_plugins(list(cfg.plugins))
