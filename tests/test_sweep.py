@@ -262,3 +262,20 @@ def test_two_point_sweep_of_the_default_recipe(tmp_path, monkeypatch):
     second = subprocess.run(args, capture_output=True, text=True, timeout=300)
     assert second.returncode == 0 and second.stdout.count("finished earlier, skipped") == 2
     assert [(out / s / "summary.json").stat().st_mtime for s in ("async_ratio-0", "async_ratio-1")] == mtimes
+
+
+def test_a_killed_point_is_run_again_with_its_partial_files_kept_aside(tmp_path):
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    (fresh / sw.POINT_FILE).write_text("{}")
+    sw._set_aside_partial(fresh)
+    assert [p.name for p in fresh.iterdir()] == [sw.POINT_FILE]
+    killed = tmp_path / "killed"
+    killed.mkdir()
+    for name in (sw.POINT_FILE, "config.yaml", "ledger.jsonl", "run.log"):
+        (killed / name).write_text(name)
+    sw._set_aside_partial(killed)
+    [aside] = [p for p in killed.iterdir() if p.name.startswith("partial-")]
+    assert sorted(p.name for p in killed.iterdir()) == sorted([sw.POINT_FILE, aside.name])
+    assert sorted(p.name for p in aside.iterdir()) == ["config.yaml", "ledger.jsonl", "run.log"]
+    assert (aside / "ledger.jsonl").read_text() == "ledger.jsonl"

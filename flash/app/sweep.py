@@ -129,6 +129,9 @@ def default_out(recipe: Path, items: list[str]) -> Path:
     return Path("sweeps") / f"{recipe.stem}-{digest}"
 
 
+POINT_FILE = "sweep_point.json"  # a point's settings, in its run dir
+
+
 def prepare(recipe: Path, points: list[Point], out: Path) -> None:
     """Validate every point's config before the first run; claim (or check) each run dir."""
     from flash.app.config import load_config
@@ -138,7 +141,7 @@ def prepare(recipe: Path, points: list[Point], out: Path) -> None:
             load_config(recipe, [*p.overrides, f"run_dir={out / p.slug}"])
         except ConfigError as exc:
             raise ConfigError(f"sweep point {p.slug}: {exc}") from None
-        marker = out / p.slug / "sweep_point.json"
+        marker = out / p.slug / POINT_FILE
         mine = {"recipe": str(recipe), "settings": p.settings, "overrides": p.overrides}
         if marker.is_file() and json.loads(marker.read_text())["overrides"] != p.overrides:
             raise ConfigError(f"{marker.parent} was made by a sweep with other overrides; pick another --out")
@@ -197,8 +200,23 @@ def _core_split(points: list[Point], parallel: int) -> list[str]:
     return [] if parallel <= 1 or placed else [f"ray.num_cpus={cores // parallel}"]
 
 
+def _set_aside_partial(run_dir: Path) -> None:
+    """A run killed before its summary is run again from scratch: its files go to
+    ``partial-<time>/`` inside the point's dir (kept, never deleted), its settings stay."""
+    from flash.app.resume import RUN_FILES
+
+    if not any((run_dir / name).exists() for name in RUN_FILES):
+        return
+    aside = run_dir / time.strftime("partial-%Y%m%d-%H%M%S")
+    aside.mkdir()
+    for entry in list(run_dir.iterdir()):
+        if entry.name != POINT_FILE and not entry.name.startswith("partial-"):
+            entry.rename(aside / entry.name)
+
+
 def _launch(recipe: Path, p: Point, out: Path, extra: list[str]) -> subprocess.Popen:
     run_dir = out / p.slug
+    _set_aside_partial(run_dir)
     cmd = [sys.executable, "-m", "flash.app.cli", "run", str(recipe), *p.overrides, *extra,
            f"run_dir={run_dir}", "tracking.progress=false"]
     root = str(Path(__file__).resolve().parent.parent)
