@@ -102,17 +102,22 @@ def _enter_user_namespace(flags: int) -> None:
 
 
 def _allowed_paths() -> list[str]:
-    """System directories plus wherever this interpreter and its import path live."""
+    """System directories plus this interpreter's installation. Import-path entries outside
+    both (an editable install's project directory, a user's .pth) stay out: they are exactly
+    the project files the code must not read."""
     paths = [p for p in SYSTEM_DIRS if os.path.lexists(p)]
-    for p in (sys.base_prefix, sys.base_exec_prefix, *sys.path):
-        real = os.path.realpath(p) if p else ""
-        if real and os.path.isdir(real) and not any(real == q or real.startswith(q + "/")
-                                                    for q in paths):
+    for p in (sys.base_prefix, sys.base_exec_prefix):
+        real = os.path.realpath(p)
+        if os.path.isdir(real) and not _inside(real, paths):
             paths.append(real)
     for p in paths:
         if p == NEWROOT or p.startswith(NEWROOT + "/"):
             raise SetupError(f"the sandbox cannot show {p}: nothing under {NEWROOT} is kept")
     return paths
+
+
+def _inside(path: str, tops: list[str]) -> bool:
+    return any(path == top or path.startswith(top.rstrip("/") + "/") for top in tops)
 
 
 def _bind(src: str, rel: str) -> None:
