@@ -252,3 +252,27 @@ def test_code_rewards_are_the_same_as_before():
     scores.append([round(reward(prog, p), 6) for p in programs])
     assert scores == SCORES_BEFORE
     assert reward.metrics()["sandbox/unisolated_calls"] == 0.0
+
+
+def test_a_dead_fork_server_fails_its_calls_by_name_and_the_next_call_starts_another():
+    from flash.rewards import forkserver
+    from flash.rewards.sandbox import SandboxSetupError
+
+    assert execute("print('warm')", timeout_s=5).stdout == "warm\n"
+    [srv] = [s for key, s in forkserver._SERVERS.items() if key[0] == os.getpid()]
+    thread, box = _in_thread(lambda: _catch(lambda: execute("import time\ntime.sleep(5)", timeout_s=10)))
+    time.sleep(0.5)
+    os.kill(srv.proc.pid, 9)
+    thread.join(timeout=15)
+    assert isinstance(box["res"], SandboxSetupError) and "sandbox server exited" in str(box["res"])
+    again = execute("print('new server')", timeout_s=5)
+    assert again.stdout == "new server\n"
+    [new] = [s for key, s in forkserver._SERVERS.items() if key[0] == os.getpid()]
+    assert new is not srv and new.proc.pid != srv.proc.pid
+
+
+def _catch(fn):
+    try:
+        return fn()
+    except Exception as exc:  # noqa: BLE001 -- the test inspects what was raised
+        return exc
