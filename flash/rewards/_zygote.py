@@ -222,7 +222,10 @@ def _exit_code(exc: BaseException | None) -> int:
             return exc.code or 0
         print(exc.code, file=sys.stderr)
         return 1
-    traceback.print_exception(exc)
+    tb = exc.__traceback__  # from the code's first frame, as the interpreter would print it
+    while tb is not None and tb.tb_frame.f_code.co_filename != "main.py":
+        tb = tb.tb_next
+    traceback.print_exception(type(exc), exc, tb)
     return 1
 
 
@@ -252,10 +255,10 @@ def _run_code(env: dict) -> None:
     os._exit(code & 0xFF)
 
 
-def _call_child(req: dict, fds: list[int], keep: int) -> None:
+def _call_child(req: dict, payload_fd: int) -> None:
     """G: pid 1 of the call's namespaces."""
     try:
-        _prepare_call(req, fds[0])
+        _prepare_call(req, payload_fd)
     except (OSError, SetupError) as exc:
         os.write(2, f"flash-sandbox-setup: {exc}\n".encode())
         os._exit(SETUP_FAILED)
@@ -290,7 +293,7 @@ def _call(req: dict, fds: list[int], server_fd: int) -> None:
         os.write(2, f"flash-sandbox-setup: {exc}\n".encode())
         os._exit(SETUP_FAILED)
     if pid == 0:
-        _call_child(req, fds, fds[0])
+        _call_child(req, fds[0])
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)  # only SIGKILL (from the server) ends us early
     devnull = os.open("/dev/null", os.O_RDWR)
