@@ -10,8 +10,9 @@ icepop, m2po; they weight and mask tokens by pi_prox/pi_behav before any loss ag
 Each loss declares the policy ratios it uses (``algos.offpolicy``); ``ratio_problem`` is the rule
 that refuses a ratio a setting makes identically 1.
 
-Plugins: ``@register_loss`` / ``@register_advantage`` in a user module named to ``load_plugins``,
-or a ``flash.losses`` / ``flash.advantages`` entry point (loaded on first lookup). ``registry``
+Plugins: ``@register_loss`` / ``@register_advantage`` / ``@register_correction`` in a user module
+named to ``load_plugins``, or a ``flash.losses`` / ``flash.advantages`` / ``flash.corrections``
+entry point (loaded on first lookup). ``registry``
 holds the one ``Registry`` type that rewards, tasks and environments use too.
 
 A leaf: imports nothing of the project; every layer above may import it.
@@ -19,7 +20,7 @@ A leaf: imports nothing of the project; every layer above may import it.
 
 from .aggregate import AGGREGATIONS, aggregate, masked_mean
 from .corrections import (CORRECTIONS, apply_corrections, describe_corrections,
-                          validate_corrections)
+                          register_correction, validate_corrections)
 from .offpolicy import POLICIES, Ratio, ratio_problem, reads, same_policies
 from .policy import (ADDON_KNOBS, LOSSES, LossInputs, describe_aggregations, describe_losses,
                      kl_coef, kl_penalty, loss_ratios, policy_loss, register_loss, validate_loss)
@@ -32,7 +33,7 @@ from .registry import Registry, load_plugins
 
 __all__ = [
     "CORRECTIONS", "POLICIES", "Ratio", "apply_corrections", "describe_corrections", "loss_ratios",
-    "ratio_problem", "reads", "same_policies", "validate_corrections",
+    "ratio_problem", "reads", "register_correction", "same_policies", "validate_corrections",
     "AGGREGATIONS", "ADDON_KNOBS", "ADV_ADDON_KNOBS", "ADVANTAGES", "AdvantageInputs", "LOSSES",
     "LossInputs", "Registry", "aggregate", "compute_advantages", "describe_advantages",
     "describe_aggregations", "describe_losses", "gae_advantages_and_returns", "kl_coef", "kl_penalty",

@@ -15,7 +15,7 @@ whatever the surrogate (TIS, MIS, IcePop, M2PO all reweight or reject tokens by 
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 import torch
 
@@ -28,6 +28,15 @@ CORRECTIONS = Registry("correction", "flash.corrections")
 RATIO = Ratio("prox", "behav")  # what every correction reads
 Out = tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]
 Mode = Literal["truncate", "mask"]
+
+
+def register_correction(name: str, description: str | None = None, *,
+                        check: Callable[[dict], None] | None = None) -> Callable:
+    """Decorator for a user's correction, as the built-ins below are registered:
+    ``fn(inputs, *, knob=default, ...) -> (weight [B, T], keep mask [B, T] (bool), metrics)``,
+    reading π_prox/π_behav from ``inputs``. Named in ``algo.corrections`` like any
+    other once its module is in ``plugins:`` (or a ``flash.corrections`` entry point)."""
+    return CORRECTIONS.register(name, description, check=check)
 
 
 def _log_rho(inputs: LossInputs) -> torch.Tensor:

@@ -12,6 +12,7 @@ so per sample Π ρ = [1.6, 0.5] and the geometric means are [sqrt(1.6), 0.5^(1/
 from __future__ import annotations
 
 import math
+import sys
 
 import pytest
 import torch
@@ -250,3 +251,41 @@ def test_ppo_with_prox_fused_is_not_reinforce():
     assert m["clipfrac"] == pytest.approx(float((adv < 0).double().mean()))
     assert m["clipfrac"] > 0
     assert not torch.allclose(grads["ppo"], grads["vanilla"])
+
+
+PLUGIN = '''
+import torch
+from algos import register_correction
+
+
+def _check(k):
+    if not 0 < k["scale"] <= 1:
+        raise ValueError(f"scale must be in (0, 1], got {k['scale']}")
+
+
+@register_correction("plugin_scale", "scales every token by a constant", check=_check)
+def plugin_scale(inputs, *, scale: float = 0.5):
+    """A user's correction: every token kept, weighted by ``scale``."""
+    w = torch.full_like(inputs.mask, scale)
+    return w, torch.ones_like(inputs.mask, dtype=torch.bool), {"scale": torch.tensor(scale)}
+'''
+
+
+def test_a_plugin_correction_is_named_in_a_recipe_and_weights_the_loss(tmp_path, monkeypatch):
+    (tmp_path / "my_corrections.py").write_text(PLUGIN)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    # the registry and the module cache as they were, once the test is over
+    monkeypatch.setattr(algos.CORRECTIONS, "_entries", dict(algos.CORRECTIONS._entries))
+    monkeypatch.setitem(sys.modules, "my_corrections", None)
+    del sys.modules["my_corrections"]
+    cfg = load_config(STUTTER, [*DPPO, "plugins=[my_corrections]",
+                                "algo.corrections=[{name: plugin_scale, scale: 0.25}]"])
+    assert cfg.algo.corrections == [{"name": "plugin_scale", "scale": 0.25}]
+    with pytest.raises(ConfigError, match="scale must be in"):
+        load_config(STUTTER, [*DPPO, "plugins=[my_corrections]",
+                              "algo.corrections=[{name: plugin_scale, scale: 2.0}]"])
+    plain, _ = policy_loss("vanilla", make_inputs())
+    scaled, m = policy_loss("vanilla", make_inputs(), corrections=cfg.algo.corrections)
+    assert scaled.item() == pytest.approx(0.25 * plain.item())
+    assert m["corrections/plugin_scale/scale"] == pytest.approx(0.25)
+    assert "plugin_scale" in {row["name"] for row in algos.describe_corrections()}
