@@ -276,3 +276,20 @@ def _catch(fn):
         return fn()
     except Exception as exc:  # noqa: BLE001 -- the test inspects what was raised
         return exc
+
+
+def test_call_cgroups_left_by_a_dead_process_are_removed_at_the_next_start():
+    if not cgroups.available():
+        pytest.skip("no per-call cgroups on this host")
+    import subprocess
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    orphans = [base / f"flash-sandbox-{dead.pid}-0" for base in cgroups._bases().values()]
+    for d in orphans:
+        d.mkdir()
+    cgroups._bases.cache_clear()
+    assert cgroups.available() and not any(d.exists() for d in orphans)
+    assert execute("print('ok')", timeout_s=5).stdout == "ok\n"
+    mine = [d for base in cgroups._bases().values() for d in base.glob(f"flash-sandbox-{os.getpid()}-*")]
+    assert mine == []  # a finished call leaves none behind

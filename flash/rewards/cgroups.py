@@ -47,7 +47,22 @@ def _bases() -> dict[str, Path]:
     except (OSError, ValueError):
         return {}
     bases = {ctl: p for ctl, p in own.items() if p.is_dir() and os.access(p, os.W_OK)}
-    return bases if set(bases) == {"memory", "pids"} else {}
+    if set(bases) != {"memory", "pids"}:
+        return {}
+    for base in bases.values():
+        _remove_orphans(base)
+    return bases
+
+
+def _remove_orphans(base: Path) -> None:
+    """Empty call cgroups left by a process that died mid-call (named after its pid)."""
+    for d in base.glob("flash-sandbox-*-*"):
+        pid = d.name.split("-")[2]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            try:
+                d.rmdir()
+            except OSError:
+                pass  # processes still inside: left for the next start
 
 
 def available() -> bool:
