@@ -4,8 +4,8 @@
 
 On the default recipe (``--recipe stutter``) the reward is made slow with
 ``rollout.inject_delay_s=X``: every response waits uniform(0, X) seconds before it is scored (an
-I/O-bound reward: a sandbox service, a judge). On ``--recipe code`` the reward is really slow: each
-response runs its hidden tests in a fresh sandbox process (``flash.rewards.sandbox``, through the
+I/O-bound reward: a sandbox service, a judge). On ``--recipe code`` the reward is real CPU work:
+each response runs its hidden tests in a fresh sandbox (``flash.rewards.sandbox``, through the
 reward workers), nothing injected. Each repeat runs both modes back to back (interleaved, so
 machine noise hits both alike) as fresh ``flash run`` processes with the same seed, steps and
 samples (the first run builds the warm start: ``task.eval_size`` is part of its cache key):
