@@ -1,50 +1,24 @@
 """Code sandbox: hostile code ends in the expected status and leaves the host untouched.
 
-Every test also checks that no process of the sandbox outlives ``execute`` (a process whose
-working directory is a flash sandbox directory) and that the working directory is gone.
-Runs real sandboxes (about 0.15 s each); the timeout cases wait for their deadline.
+Every test also checks that no process of a sandbox call outlives ``execute``
+(``tests.helpers.sandbox``). Runs real sandboxes (milliseconds each); the timeout cases wait for
+their deadline.
 """
 
 import json
 import os
 import signal
 import socket
-import time
 from pathlib import Path
 
 import pytest
 
-from flash.rewards import forkserver, sandbox
+from flash.rewards import sandbox
 from flash.rewards.sandbox import Limits, classify, execute, isolation_level
+from tests.helpers.sandbox import host_untouched  # noqa: F401 -- autouse: nothing outlives a call
 
 RECIPE_CODE = str(Path(__file__).resolve().parents[1] / "recipes" / "code.yaml")
 LEVELS = ["namespaces", "audit-hook"] if isolation_level() == "namespaces" else ["audit-hook"]
-
-
-def _sandbox_processes() -> list[int]:
-    """Host pids of sandbox calls: a working directory that is a sandbox directory, or a parent
-    that is a fork server (each call's mirror process)."""
-    servers = {srv.proc.pid for srv in forkserver._SERVERS.values()}
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-                if ppid in servers or "flash-sandbox-" in os.readlink(entry / "cwd"):
-                    pids.append(int(entry.name))
-            except (OSError, IndexError, ValueError):
-                pass
-    return pids
-
-
-@pytest.fixture(autouse=True)
-def host_untouched():
-    before = set(_sandbox_processes())
-    yield
-    deadline = time.monotonic() + 2.0  # the kernel may take a moment to reap a pid namespace
-    while set(_sandbox_processes()) - before and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert set(_sandbox_processes()) - before == set()
 
 
 def test_normal_code_reads_stdin_and_passes():

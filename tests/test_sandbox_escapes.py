@@ -17,7 +17,7 @@ import pytest
 import flash
 from flash.rewards import cgroups
 from flash.rewards.sandbox import execute, isolation_level
-from tests.test_sandbox import host_untouched  # noqa: F401 -- autouse: nothing outlives a call
+from tests.helpers.sandbox import host_untouched  # noqa: F401 -- autouse: nothing outlives a call
 
 pytestmark = pytest.mark.skipif(isolation_level() != "namespaces",
                                 reason="this host gives no namespaces")

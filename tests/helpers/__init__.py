@@ -5,5 +5,6 @@
 - ``processes``: ``flash run`` as a subprocess -- launch, kill, resume, read its logs;
 - ``models``: tiny models and tokenizers built offline, reference generation;
 - ``train``: an FSDP2 trainer group and its batches;
-- ``wire``: raw frames for the buffer service.
+- ``wire``: raw frames for the buffer service;
+- ``sandbox``: the processes of code-sandbox calls, and the fixture that none outlives its call.
 """
