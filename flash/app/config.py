@@ -40,13 +40,7 @@ from flash.errors import ConfigError
 def load_config(recipe_path: str | Path, overrides: list[str] = ()) -> FlashConfig:
     """Recipe YAML + ``key=value`` overrides → a validated FlashConfig object."""
     recipe = read_recipe(recipe_path)
-    for item in _check_dotlist(list(overrides)):
-        try:
-            OmegaConf.from_dotlist([item])
-        except (OmegaConfBaseException, yaml.YAMLError) as exc:
-            problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-            raise ConfigError(f"cannot parse override '{item}': {problem}") from None
-    cli = OmegaConf.from_dotlist(list(overrides))
+    cli = _parse_overrides(_check_dotlist(list(overrides)))
     for source in (recipe, cli):
         check_keys(OmegaConf.to_container(source), FlashConfig)
     try:
@@ -114,6 +108,22 @@ def imply_trainer_workers(cfg: FlashConfig) -> None:
         role.num_workers = cfg.train.workers
     elif role.num_workers > 1 and cfg.train.workers == 1:
         cfg.train.workers = role.num_workers
+
+
+def _parse_overrides(items: list[str]):
+    """The ``key=value`` overrides as one OmegaConf mapping; when they do not parse, the error
+    names the override that does not (each is tried alone only then)."""
+    bad = (OmegaConfBaseException, yaml.YAMLError)
+    try:
+        return OmegaConf.from_dotlist(items)
+    except bad as whole:
+        for item in items:
+            try:
+                OmegaConf.from_dotlist([item])
+            except bad as exc:
+                problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+                raise ConfigError(f"cannot parse override '{item}': {problem}") from None
+        raise ConfigError(f"cannot parse the overrides together: {str(whole).splitlines()[0]}") from None
 
 
 def _check_dotlist(items: list[str]) -> list[str]:

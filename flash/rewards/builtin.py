@@ -105,6 +105,7 @@ class CodeReward:
         self.all_or_nothing, self.adaptive, self.memory_mb = all_or_nothing, adaptive, memory_mb
         self.timeouts = AdaptiveTimeout(t_min, t_max, lam)
         self._statuses: Counter[str] = Counter()
+        self._unisolated = 0  # calls that ran at the audit-hook level (no namespaces)
         self._lock = threading.Lock()
 
     def __call__(self, item, response: str) -> float:
@@ -126,7 +127,7 @@ class CodeReward:
         res = sandbox.execute(source, timeout_s=timeout, memory_mb=self.memory_mb, **kw)
         with self._lock:
             self._statuses[res.status] += 1
-            self._statuses["unisolated"] += res.isolation != "namespaces"
+            self._unisolated += res.isolation != "namespaces"
         return res
 
     def _run_function(self, code: str, entry: str, tests: list[dict],
@@ -145,9 +146,8 @@ class CodeReward:
 
     def metrics(self) -> dict[str, float]:
         with self._lock:
-            out = {f"sandbox/status/{s}": float(n) for s, n in sorted(self._statuses.items())
-                   if s != "unisolated"}
-            out["sandbox/unisolated_calls"] = float(self._statuses["unisolated"])
+            out = {f"sandbox/status/{s}": float(n) for s, n in sorted(self._statuses.items())}
+            out["sandbox/unisolated_calls"] = float(self._unisolated)
         return {**out, **self.timeouts.metrics()}
 
 

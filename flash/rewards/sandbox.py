@@ -48,8 +48,8 @@ import flash.rewards.cgroups as cgroups
 from flash.rewards.forkserver import SandboxSetupError, memfd, server
 
 __all__ = ["STATUSES", "ISOLATION_LEVELS", "Limits", "SandboxResult", "SandboxSetupError",
-           "UnisolatedRefused", "allow_unisolated", "check_unisolated", "classify", "execute", "isolation_level",
-           "sandbox_python"]
+           "UnisolatedRefused", "allow_unisolated", "check_unisolated", "classify", "execute",
+           "isolation_level", "sandbox_python"]
 
 log = logging.getLogger(__name__)
 
@@ -166,6 +166,8 @@ def isolation_level() -> str:
 
 
 def check_unisolated() -> None:
+    """Refuse to run code at the audit-hook level unless this process allows it; allowed, warn
+    once per process (the refusal is the default because the hook is no boundary)."""
     if not _POLICY["allow_unisolated"]:
         raise UnisolatedRefused(
             "this host gives the code sandbox no namespaces (unprivileged user namespaces are "
