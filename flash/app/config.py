@@ -9,8 +9,6 @@ against the plugin's own knobs by its registry.
 
 from __future__ import annotations
 
-import dataclasses
-import math
 from pathlib import Path
 
 import yaml
@@ -53,7 +51,6 @@ def load_config(recipe_path: str | Path, overrides: list[str] = ()) -> FlashConf
     except ValueError as exc:  # a section's own __post_init__ check
         raise ConfigError(f"invalid config: {exc}") from None
     imply_trainer_workers(cfg)
-    check_finite(cfg)
     validate(cfg)
     return cfg
 
@@ -79,16 +76,6 @@ def read_recipe(path: str | Path):
         raise ConfigError(f"{path} is empty: a recipe names at least its task (task: {{name: ...}}); "
                           f"`flash ls` lists recipes to start from")
     return recipe
-
-
-def check_finite(cfg, path: str = "") -> None:
-    """Refuse inf and nan in every typed field: no setting of flash means anything by them."""
-    for f in dataclasses.fields(cfg):
-        value, key = getattr(cfg, f.name), f"{path}{f.name}"
-        if dataclasses.is_dataclass(value):
-            check_finite(value, key + ".")
-        elif isinstance(value, float) and not math.isfinite(value):
-            raise ConfigError(f"{key}={value} is not a finite number")
 
 
 def validate(cfg: FlashConfig) -> None:

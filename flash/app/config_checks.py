@@ -6,6 +6,7 @@ stays the one place to read what a key is.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import TYPE_CHECKING
 
@@ -30,6 +31,16 @@ def _require(ok: bool, msg: str) -> None:
         raise ConfigError(msg)
 
 
+def check_finite(cfg, path: str = "") -> None:
+    """Refuse inf and nan in every typed field: no setting of flash means anything by them."""
+    for f in dataclasses.fields(cfg):
+        value, key = getattr(cfg, f.name), f"{path}{f.name}"
+        if dataclasses.is_dataclass(value):
+            check_finite(value, key + ".")
+        elif isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{key}={value} is not a finite number")
+
+
 def validate(cfg: FlashConfig) -> None:
     """Value checks and plugin-knob checks; everything `flash validate` promises short of running."""
     import algos
@@ -40,8 +51,8 @@ def validate(cfg: FlashConfig) -> None:
         algos.load_plugins(list(cfg.plugins))
     except ImportError as exc:
         raise ConfigError(f"cannot import plugin module: {exc}") from None
-    _require(cfg.async_ratio >= 0 and math.isfinite(cfg.async_ratio),
-             f"async_ratio must be a finite number >= 0, got {cfg.async_ratio}")
+    check_finite(cfg)
+    _require(cfg.async_ratio >= 0, f"async_ratio must be a finite number >= 0, got {cfg.async_ratio}")
     _require(cfg.rollout.interrupt in INTERRUPT_MODES,
              f"rollout.interrupt must be one of {', '.join(INTERRUPT_MODES)}, got "
              f"'{cfg.rollout.interrupt}'{closest(cfg.rollout.interrupt, list(INTERRUPT_MODES))}")
@@ -156,7 +167,7 @@ def _check_model_update(mu: ModelUpdateConfig) -> None:
 
     _require(mu.backend in BACKENDS, f"model_update.backend '{mu.backend}' is not valid"
              f"{closest(mu.backend, list(BACKENDS))}; valid: {', '.join(BACKENDS)}")
-    _require(mu.bucket_mb > 0 and math.isfinite(mu.bucket_mb), f"model_update.bucket_mb must be > 0, got {mu.bucket_mb}")
+    _require(mu.bucket_mb > 0, f"model_update.bucket_mb must be > 0, got {mu.bucket_mb}")
     _require(mu.timeout_s > 0, f"model_update.timeout_s must be > 0, got {mu.timeout_s}")
 
 
