@@ -13,7 +13,9 @@ A checkpoint after ``step`` completed train steps is a directory ``RUN_DIR/check
   on resume: their partial responses are dropped, their prompts are not; for environment episodes
   a seed's finished episodes are kept and its unfinished ones restart from the same env seed), the guards' counters, and the byte length of each run log (ledger, metrics, timeline, eval)
   at this step, so a resume cuts the logs back to exactly this point and they continue from it;
-- ``manifest.json``: size and sha256 of every file, written last.
+- ``manifest.json``: size and sha256 of every file, written last, signed with the run's key
+  (``flash.checkpoint_trust``: a checkpoint not signed by a key this machine holds is refused
+  unless ``trust_checkpoint=true``; the manifest lists exactly the checkpoint's files, links refused).
 
 Atomic: everything goes into ``ckpt-<step>.tmp/``, each file fsynced, then the manifest, then one
 ``rename`` (and an fsync of the parent dir). A crash at any moment leaves either the complete new
@@ -44,6 +46,8 @@ import ray
 import torch
 
 from buffers import Group, Sample
+from flash.checkpoint_trust import (RunKey, UntrustedCheckpoint, check_signature, listed_files_only,
+                                    read_manifest)
 from flash.errors import ConfigError
 
 log = logging.getLogger("flash")
@@ -83,31 +87,36 @@ def write_json(path: Path, obj: Any) -> None:
         os.fsync(f.fileno())
 
 
-def write_manifest(tmp: Path, step: int) -> dict:
-    """Size and sha256 of every file under ``tmp``; written (and fsynced) as the last file."""
+def write_manifest(tmp: Path, step: int, key: RunKey) -> dict:
+    """Size and sha256 of every file under ``tmp``, signed with ``key``; written (and fsynced) last."""
     files = {}
     for path in sorted(p for p in tmp.rglob("*") if p.is_file() and p.name != MANIFEST):
-        files[str(path.relative_to(tmp))] = {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
-    manifest = {"step": step, "files": files, "bytes": sum(f["bytes"] for f in files.values())}
+        files[path.relative_to(tmp).as_posix()] = {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
+    manifest = key.sign({"step": step, "files": files, "bytes": sum(f["bytes"] for f in files.values())})
     write_json(tmp / MANIFEST, manifest)
     return manifest
 
 
-def verify(path: Path) -> str | None:
-    """None when the checkpoint at ``path`` matches its manifest, else what is wrong with it."""
+def verify(path: Path, trust: bool = False) -> str | None:
+    """None when the checkpoint at ``path`` is exactly what its signed manifest lists, else what is
+    wrong with it. Names and links are checked before any listed file is opened, so nothing outside
+    the checkpoint is read. A checkpoint signed by no key held here raises ``UntrustedCheckpoint``
+    unless ``trust``."""
     try:
-        manifest = json.loads((path / MANIFEST).read_text())
+        manifest = read_manifest(path)
     except (OSError, ValueError) as exc:
-        return f"no readable manifest ({exc.__class__.__name__})"
-    for name, want in manifest.get("files", {}).items():
+        return f"no readable manifest ({exc})"
+    files = manifest["files"]
+    why = listed_files_only(path, set(files))
+    if why is not None:
+        return why
+    for name, want in files.items():
         f = path / name
-        if not f.is_file():
-            return f"{name} is missing"
         if f.stat().st_size != want["bytes"]:
             return f"{name} has {f.stat().st_size} bytes, the manifest says {want['bytes']}"
         if sha256_file(f) != want["sha256"]:
             return f"{name} does not match its sha256"
-    return None
+    return check_signature(manifest, trust)
 
 
 def step_of(path: Path) -> int | None:
@@ -128,11 +137,17 @@ def complete_checkpoints(root: Path) -> list[Path]:
     return [p for s, p in sorted((x for x in found if x[0] is not None), reverse=True)]
 
 
-def latest_valid(root: Path, warn: Callable[[str], None] = log.warning) -> tuple[Path | None, list[str]]:
-    """The newest checkpoint that passes ``verify``; each one skipped is reported and returned."""
+def latest_valid(root: Path, warn: Callable[[str], None] = log.warning,
+                 trust: bool = False) -> tuple[Path | None, list[str]]:
+    """The newest checkpoint that passes ``verify``; each one skipped is reported and returned.
+    An intact checkpoint from elsewhere stops the search with a ConfigError naming the trust flag
+    (falling back past it would silently restart the run from an older point, or from scratch)."""
     skipped = []
     for path in complete_checkpoints(root):
-        why = verify(path)
+        try:
+            why = verify(path, trust)
+        except UntrustedCheckpoint as exc:
+            raise ConfigError(f"checkpoint {path} is refused: {exc}") from None
         if why is None:
             return path, skipped
         skipped.append(f"{path.name}: {why}")
@@ -200,7 +215,7 @@ def check_trainer_files(ckpt: Path, group: bool) -> None:
 
 def load_trainer_state(trainer, directory: str) -> int:
     """Restore model, optimizer, RNG and step count; returns the step count."""
-    state = torch.load(Path(directory) / TRAINER, map_location="cpu", weights_only=False)
+    state = torch.load(Path(directory) / TRAINER, map_location="cpu", weights_only=True)
     trainer.model.load_state_dict(state["model"])
     trainer.optimizer.load_state_dict(state["optimizer"])
     torch.set_rng_state(state["rng"])
@@ -246,11 +261,11 @@ def log_offsets(files: dict[str, Any]) -> dict[str, int]:
 class Checkpointer:
     """Takes snapshots in the step and writes them atomically, in the background when asked."""
 
-    def __init__(self, run_dir: Path, cfg, trainer, total_steps: int,
+    def __init__(self, run_dir: Path, cfg, trainer, total_steps: int, key: RunKey,
                  on_written: Callable[[dict], None] | None = None):
         self.root = Path(run_dir) / "checkpoints"
         self.root.mkdir(parents=True, exist_ok=True)
-        self.cfg, self.trainer, self.total_steps = cfg, trainer, total_steps
+        self.cfg, self.trainer, self.total_steps, self.key = cfg, trainer, total_steps, key
         self.on_written = on_written
         self.pause_s = float(os.environ.get(PAUSE_ENV, "0") or 0)
         self._pending: tuple[int, dict] | None = None
@@ -309,7 +324,7 @@ class Checkpointer:
         write_json(tmp / STATE, state)
         if self.pause_s:
             time.sleep(self.pause_s)
-        manifest = write_manifest(tmp, step)
+        manifest = write_manifest(tmp, step, self.key)
         for d in [*(p for p in tmp.rglob("*") if p.is_dir()), tmp]:  # every dir's entries (trainer/ too)
             fsync_path(d)
         commit(tmp, self.root / f"{PREFIX}{step}")

@@ -4,12 +4,16 @@ OpenMP's default spin-waiting collapses throughput when the cores are shared (CI
 other jobs on 2 cores): the `flash` CLI sets ``OMP_WAIT_POLICY=PASSIVE`` for the same reason, and
 tests that train in-process (warm starts, controller loops) or start Ray workers (which inherit the
 driver's environment) need it as much. Ray's usage-stats prompt is off so no test waits on it.
+Checkpoint signing keys (flash.checkpoint_trust) go to a directory of this session, not the
+user's key store.
 """
 
 import os
+import tempfile
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("FLASH_KEY_DIR", tempfile.mkdtemp(prefix="flash-test-keys-"))
 
 import pytest  # noqa: E402  (after the environment above: it must precede torch and Ray)
 

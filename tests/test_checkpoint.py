@@ -13,6 +13,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 import algos
 from buffers import Group, Sample, SampleBuffer
 from flash import checkpoint as ck
+from flash.checkpoint_trust import RunKey
 from flash.train.batch import collate
 from flash.app.config import load_config
 from flash.errors import ConfigError
@@ -27,7 +28,7 @@ def fake_checkpoint(root, step, payload=b"x" * 1000):
     tmp.mkdir(parents=True)
     (tmp / "trainer.pt").write_bytes(payload)
     ck.write_json(tmp / "state.json", {"step": step})
-    ck.write_manifest(tmp, step)
+    ck.write_manifest(tmp, step, RunKey.new())
     ck.commit(tmp, root / f"ckpt-{step}")
     return root / f"ckpt-{step}"
 

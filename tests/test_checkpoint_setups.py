@@ -22,6 +22,7 @@ from buffers import Group, Sample, SampleBuffer
 from buffers.client import RemoteSampleBuffer
 from buffers.service import BufferService
 from flash import checkpoint as ck
+from flash.checkpoint_trust import RunKey
 from flash.app.config import CheckpointConfig
 from flash.errors import ConfigError
 
@@ -90,7 +91,7 @@ def test_group_checkpoint_is_written_beside_training_covered_by_the_manifest_and
     s, (batch, adv) = settings(), make_batch(seed=5)
     group = start_group(str(tmp_path / "tiny"), s, workers=2)
     cfg = CheckpointConfig(every_steps=1, keep_last=2, async_write=True)
-    checkpointer = ck.Checkpointer(tmp_path / "run", cfg, group, total_steps=3)
+    checkpointer = ck.Checkpointer(tmp_path / "run", cfg, group, total_steps=3, key=RunKey.new())
     try:
         ray.get(group.train_step.remote(batch, adv, None))
         at_snapshot = ray.get(group.get_weights.remote())

@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 
 LOGS = ("ledger", "metrics", "timeline", "eval", "schedule")  # RUN_DIR/<name>.jsonl, cut back on resume
 MAY_CHANGE = ("train.steps", "train.max_consecutive_skips", "train.workers", "placement.roles.actor_train.",
-              "checkpoint.", "tracking.", "resume", "run_dir", "overwrite",
+              "checkpoint.", "tracking.", "resume", "run_dir", "overwrite", "trust_checkpoint",
               "cache_dir", "description", "eval.every_steps", "rollout.hang_timeout_s",
               "rollout.max_engine_restarts", "rollout.max_worker_restarts", "resources.", "ray.", "data.strict")
 
@@ -83,10 +83,19 @@ def check_same_run(now: dict, run_dir: Path) -> None:
                           f"{', '.join(MAY_CHANGE[:4])}, ... may change), or start a new run without resume")
 
 
+STATE_KEYS = ("step", "version", "logs", "buffer", "scheduler", "skips", "data_skipped", "faults")
+
+
 def load_state(ckpt: Path) -> dict:
+    """The driver's state of a verified checkpoint; one with parts missing is named, not a KeyError."""
     from flash.checkpoint import STATE
 
-    return json.loads((ckpt / STATE).read_text())
+    state = json.loads((ckpt / STATE).read_text())
+    missing = [k for k in STATE_KEYS if k not in state] if isinstance(state, dict) else ["everything"]
+    if missing:
+        raise ConfigError(f"checkpoint {ckpt}: state.json lacks {missing[0]!r} (edited, or written by another "
+                          "flash version); resume from another checkpoint or start a new run")
+    return state
 
 
 def restore_logs(run_dir: Path, offsets: dict[str, int] | None) -> None:

@@ -34,6 +34,7 @@ from flash.app.config_checks import steps_per_batch
 from flash.app.schedule import step_line
 from flash.app.roles import Clock, Roles, RolloutBuffer, RunFiles, new_guards, reference_placed, start_roles
 from flash.checkpoint import Checkpointer, latest_valid, remove_partial
+from flash.checkpoint_trust import read_manifest, resume_key
 from flash.app.config import FlashConfig, to_dict, to_yaml
 from flash.engine.base import SamplingParams
 from flash.errors import FlashError
@@ -158,7 +159,7 @@ class Run:
             resume_mod.check_same_run(to_dict(cfg), resume_dir)
             cfg.run_dir = str(resume_dir)
         self.dir = resume_mod.make_run_dir(cfg, recipe_name, resuming=resume_dir is not None)
-        self.resume_point = _find_checkpoint(self.dir, resume_dir is not None)
+        self.resume_point = _find_checkpoint(self.dir, resume_dir is not None, cfg.trust_checkpoint)
         (self.dir / "config.yaml").write_text(to_yaml(cfg))
         algos.load_plugins(list(cfg.plugins))
         self.task = make_task(cfg.task["name"], **{k: v for k, v in cfg.task.items() if k != "name"})
@@ -186,7 +187,8 @@ class Run:
             ledger=self.files.ledger, critic=self.roles.critic, model_update=self.roles.model_update,
             supervisor=self.roles.client, reference=self.roles.reference,
         )
-        self.checkpointer = Checkpointer(self.dir, cfg.checkpoint, self.roles.trainer, cfg.train.steps)
+        self.checkpointer = Checkpointer(self.dir, cfg.checkpoint, self.roles.trainer, cfg.train.steps,
+                                         resume_key(read_manifest(self.resume_point[0]) if self.resume_point else None))
         self._start_durability()
         self._start_worker_faults()
 
@@ -285,12 +287,12 @@ class Run:
         self.buffer.close()
 
 
-def _find_checkpoint(run_dir: Path, resuming: bool) -> tuple[Path, dict] | None:
+def _find_checkpoint(run_dir: Path, resuming: bool, trust: bool) -> tuple[Path, dict] | None:
     """(checkpoint dir, its state) to resume from, or None: a fresh start."""
     if not resuming:
         resume_mod.append_event(run_dir, "start")
         return None
-    ckpt, skipped = latest_valid(run_dir / "checkpoints")
+    ckpt, skipped = latest_valid(run_dir / "checkpoints", trust=trust)
     remove_partial(run_dir / "checkpoints")  # writes a kill interrupted: never read, now gone
     state = resume_mod.load_state(ckpt) if ckpt is not None else None
     resume_mod.restore_logs(run_dir, state["logs"] if state else None)

@@ -252,3 +252,6 @@ class FlashConfig:
     # run_dir already holds another run: move it aside to <run_dir>.old-<time> and start afresh
     # (without it, such a run_dir is refused)
     overwrite: bool = False
+    # resume a checkpoint that no run of this user on this machine signed (a copied or downloaded
+    # run dir): its manifest's signature is not checked (its files and names still are)
+    trust_checkpoint: bool = False

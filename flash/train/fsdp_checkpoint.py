@@ -9,10 +9,16 @@
   the run started from), which ``transformers.AutoModelForCausalLM.from_pretrained`` and vLLM load.
 
 Every function here is collective: all ranks call it, in the same order.
+
+Loading reads no pickle that can run code: DCP's ``.metadata`` (a pickle) goes through an unpickler
+that resolves only DCP's own metadata classes, torch dtypes and sizes, and paths
+(``_MetadataUnpickler``); its byte items (optimizer hyper-parameters) load with
+``torch.load(weights_only=True)``, as its tensors already do.
 """
 
 from __future__ import annotations
 
+import pickle
 from pathlib import Path
 
 import torch
@@ -35,6 +41,53 @@ def save_dcp(model, optimizer, path: str) -> None:
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
 
 
+class _MetadataUnpickler(pickle.Unpickler):
+    """Resolves only what DCP metadata is made of; any other global is refused, never imported."""
+
+    MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
+    GLOBALS = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
+               ("pathlib", "PurePosixPath")}
+
+    def find_class(self, module: str, name: str):
+        if module in self.MODULES and not name.startswith("__"):
+            obj = super().find_class(module, name)
+            if isinstance(obj, type) or name == "_MEM_FORMAT_ENCODING":
+                return obj
+        elif (module, name) in self.GLOBALS:
+            return super().find_class(module, name)
+        elif module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"DCP metadata refers to {module}.{name}, which a checkpoint never holds")
+
+
+def _safe_reader_and_planner(path: str):
+    """A DCP reader whose metadata goes through ``_MetadataUnpickler`` and a planner whose byte
+    items load with ``weights_only=True`` (torch's own defaults unpickle both freely)."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+    from torch.distributed.checkpoint.storage import StorageMeta
+
+    class Reader(FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as f:
+                metadata = _MetadataUnpickler(f).load()
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    class Planner(DefaultLoadPlanner):
+        def load_bytes(self, read_item, value) -> None:
+            obj = torch.load(value, weights_only=True)
+            if self.flatten_state_dict:
+                from torch.distributed.checkpoint._traverse import set_element
+
+                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+            else:
+                self.state_dict[read_item.dest_index.fqn] = obj
+
+    return Reader(path), Planner()
+
+
 def load_dcp(model, optimizer, path: str) -> None:
     """Load model and optimizer state saved by ``save_dcp`` (any world size) into the live shards."""
     import torch.distributed.checkpoint as dcp
@@ -45,7 +98,9 @@ def load_dcp(model, optimizer, path: str) -> None:
                                 "pass the folder that TrainerGroup.save wrote")
     msd, osd = get_state_dict(model, optimizer)
     state = {"model": msd, "optim": osd}
-    dcp.load(state, checkpoint_id=path)
+    reader, planner = _safe_reader_and_planner(path)
+    reader.read_metadata()  # a refused global raises here, by name (inside dcp.load it is wrapped per rank)
+    dcp.load(state, storage_reader=reader, planner=planner)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 
