@@ -10,6 +10,8 @@ through a bound of ``capacity`` items, and the consumer checks it got each promp
 - ``service_local``: ``BufferProducer.put`` (encode, acknowledged, backpressure) into a
   ``BufferService`` thread in the consumer's process; the consumer calls ``service.buffer.get_batch``
   (the controller beside the service: no second hop).
+- ``service_local_plain``: the same without CURVE (``buffer.auth=none``, plaintext on loopback):
+  what authentication and encryption cost (``curve_cost``: plain over CURVE samples/s).
 - ``service_remote``: the same producers; the consumer is a ``RemoteSampleBuffer`` over TCP
   (metadata long-poll, local ``select``, take, decode: a second hop).
 - ``ray_queue``: ``ray.util.queue.Queue(maxsize=capacity)`` carrying the same Group objects, put by 4
@@ -39,7 +41,7 @@ import zmq
 from buffers.factory import BufferConfig
 from buffers.types import Group, Sample
 
-SYSTEMS = ("service_local", "service_remote", "ray_queue", "zmq_bare")
+SYSTEMS = ("service_local", "service_local_plain", "service_remote", "ray_queue", "zmq_bare")
 PRODUCERS = 4
 PROMPT = 16
 
@@ -141,12 +143,16 @@ class Pool:
 # ------------------------------------------------------------------------------ systems
 
 def run_service(pool: Pool, length: int, n: int, capacity: int, batch: int, remote: bool,
-                knobs: dict) -> tuple[float, float]:
+                knobs: dict, curve: bool = True) -> tuple[float, float]:
+    from buffers.auth import ServiceKeys
     from buffers.client import RemoteSampleBuffer
     from buffers.service import BufferService
 
-    with BufferService(capacity) as svc:
-        consumer = RemoteSampleBuffer(svc.address) if remote else svc.buffer
+    keys = ServiceKeys.new() if curve else None
+    client = keys.client if keys else None
+    knobs = {**knobs, "keys": client}
+    with BufferService(capacity, keys=keys) as svc:
+        consumer = RemoteSampleBuffer(svc.address, keys=client) if remote else svc.buffer
 
         def consume(total: int) -> None:
             seen: set[int] = set()
@@ -242,6 +248,8 @@ def main(argv: list[str] | None = None) -> dict:
     knobs = {"window": args.window, "batch_groups": args.batch_groups, "linger_ms": args.linger_ms}
     runs = {
         "service_local": lambda L, n: run_service(pool, L, n, args.capacity, args.batch, remote=False, knobs=knobs),
+        "service_local_plain": lambda L, n: run_service(pool, L, n, args.capacity, args.batch, remote=False,
+                                                        knobs=knobs, curve=False),
         "service_remote": lambda L, n: run_service(pool, L, n, args.capacity, args.batch, remote=True, knobs=knobs),
         "ray_queue": lambda L, n: run_ray_queue(actors, L, count_for(args.ray_mb, L), args.capacity, args.batch),
         "zmq_bare": lambda L, n: run_zmq_bare(pool, L, n, args.capacity, args.batch),
@@ -290,6 +298,7 @@ def report(rates: dict[int, dict[str, list[float]]], cpu_us: dict[int, dict[str,
             "service_local_vs_ray_queue": ratio("service_local", "ray_queue"),
             "service_remote_vs_ray_queue": ratio("service_remote", "ray_queue"),
             "zmq_bare_vs_service_local": ratio("zmq_bare", "service_local"),
+            "curve_cost": ratio("service_local_plain", "service_local"),
             "zmq_bare_vs_service_remote": ratio("zmq_bare", "service_remote"),
         }
         for s in SYSTEMS:

@@ -26,6 +26,7 @@ import time
 import uuid
 from typing import Any
 
+from buffers.auth import ClientKeys
 from buffers.buffer import BufferClosed, Select, _oldest
 from buffers.producer import BufferProducer
 from buffers.rpc import BufferUnavailable, Rpc
@@ -40,15 +41,17 @@ class RemoteSampleBuffer:
     """SampleBuffer's API over a BufferService (see the module docstring for ``select``)."""
 
     def __init__(self, address: str, max_frame_mb: float = 64.0, rpc_timeout_s: float = 10.0,
-                 poll_ms: int = 1000):
-        self.address, self.max_frame_mb = address, max_frame_mb
+                 poll_ms: int = 1000, keys: ClientKeys | None = None, owner_token: bytes = b""):
+        """``keys``: the run's CURVE client keys (``buffers.auth``); ``owner_token``: the service
+        owner's token, without which ``close`` and ``drain`` are refused."""
+        self.address, self.max_frame_mb, self.keys, self._token = address, max_frame_mb, keys, owner_token
         self.max_frame_bytes = int(max_frame_mb * (1 << 20))
         self.rpc_timeout_s, self.poll_ms = rpc_timeout_s, poll_ms
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
-        self._data = Rpc(address, self.max_frame_bytes, wake_fd=self._wake_r)
-        self._ctl = Rpc(address, self.max_frame_bytes)
+        self._data = Rpc(address, self.max_frame_bytes, wake_fd=self._wake_r, keys=keys)
+        self._ctl = Rpc(address, self.max_frame_bytes, keys=keys)
         self._get_lock, self._ctl_lock = threading.Lock(), threading.Lock()
         self.consumer_id, self._tids, self.take_tries = uuid.uuid4().hex, itertools.count(), 3
         self._producer: BufferProducer | None = None
@@ -58,7 +61,7 @@ class RemoteSampleBuffer:
     def put(self, group: Group, timeout: float | None = None) -> None:
         with self._producer_lock:
             if self._producer is None:
-                self._producer = BufferProducer(self.address, self.max_frame_mb, self.rpc_timeout_s)
+                self._producer = BufferProducer(self.address, self.max_frame_mb, self.rpc_timeout_s, keys=self.keys)
         self._producer.put(group, timeout)
         with self._producer_lock:
             self._puts_done += 1
@@ -147,12 +150,12 @@ class RemoteSampleBuffer:
             pass  # a wake is already pending
 
     def drain(self) -> list[Group]:
-        reply = self._control({"op": "drain"}, limit=1 << 40)
+        reply = self._control({"op": "drain", "token": self._token}, limit=1 << 40)
         return [decode_group(unpack(f, self.max_frame_bytes)) for f in reply["groups"]]
 
     def close(self) -> None:
         """Close the service's buffer: every waiting producer and consumer gets BufferClosed."""
-        self._control({"op": "close"})
+        self._control({"op": "close", "token": self._token})
 
     def disconnect(self) -> None:
         """Release this proxy's sockets (the service and its buffer go on)."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 import difflib
 from dataclasses import dataclass
 
+from buffers.auth import ClientKeys, ServiceKeys, check_bind, new_owner_token
 from buffers.buffer import SampleBuffer
 from buffers.client import RemoteSampleBuffer
 from buffers.producer import BufferProducer
@@ -29,6 +30,7 @@ TRANSPORTS = ("local", "zmq")
 class BufferConfig:
     transport: str = "local"  # local (in-process) | zmq (BufferService + msgpack frames)
     bind: str = "tcp://127.0.0.1:0"  # zmq: where the service listens; port 0 = any free port
+    auth: str = "curve"  # zmq: curve (per-run keys, encrypted) | none (plaintext; loopback/ipc binds only)
     max_frame_mb: float = 64.0  # zmq: a larger frame (one group) is refused and counted
     capacity: int = 0  # groups held before producers block; 0 = ceil((async_ratio + 2) * prompts_per_step)
     window: int = 16  # zmq producer: groups put but not yet acknowledged before put waits (1 = strict)
@@ -43,6 +45,7 @@ class BufferConfig:
             raise ValueError(f"buffer.transport must be one of: local, zmq (got '{self.transport}'){hint}")
         if not self.bind.startswith(("tcp://", "ipc://")):
             raise ValueError(f"buffer.bind must be a zmq endpoint like tcp://127.0.0.1:0, got '{self.bind}'")
+        check_bind(self.bind, self.auth)
         if not self.max_frame_mb > 0:
             raise ValueError(f"buffer.max_frame_mb must be > 0, got {self.max_frame_mb}")
         if self.capacity < 0:
@@ -62,11 +65,16 @@ def make_buffer(cfg: BufferConfig, capacity: int) -> tuple[SampleBuffer | Remote
     capacity = cfg.capacity or capacity
     if cfg.transport == "local":
         return SampleBuffer(capacity=capacity), None
-    service = BufferService(capacity, bind=cfg.bind, max_frame_bytes=int(cfg.max_frame_mb * (1 << 20))).start()
-    return RemoteSampleBuffer(service.address, max_frame_mb=cfg.max_frame_mb), service
+    keys, token = (ServiceKeys.new() if cfg.auth == "curve" else None), new_owner_token()
+    service = BufferService(capacity, bind=cfg.bind, max_frame_bytes=int(cfg.max_frame_mb * (1 << 20)),
+                            keys=keys, owner_token=token).start()
+    client_keys = keys.client if keys is not None else None
+    return RemoteSampleBuffer(service.address, max_frame_mb=cfg.max_frame_mb, keys=client_keys,
+                              owner_token=token), service
 
 
-def make_producer(cfg: BufferConfig, address: str) -> BufferProducer:
-    """A streaming producer for the service at ``address`` (a rollout worker in another process)."""
+def make_producer(cfg: BufferConfig, address: str, keys: ClientKeys | None) -> BufferProducer:
+    """A streaming producer for the service at ``address`` (a rollout worker in another process);
+    ``keys``: the service's ``keys.client`` (``service.keys.client``), handed over by the driver."""
     return BufferProducer(address, max_frame_mb=cfg.max_frame_mb, window=cfg.window,
-                          batch_groups=cfg.batch_groups, batch_kb=cfg.batch_kb, linger_ms=cfg.linger_ms)
+                          batch_groups=cfg.batch_groups, batch_kb=cfg.batch_kb, linger_ms=cfg.linger_ms, keys=keys)

@@ -30,10 +30,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
-import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from buffers.auth import ClientKeys
 from buffers.buffer import BufferClosed
 from buffers.rpc import BufferUnavailable, Rpc
 from buffers.types import Group
@@ -54,15 +54,16 @@ class _Put:
 class BufferProducer:
     def __init__(self, address: str, max_frame_mb: float = 64.0, rpc_timeout_s: float = 10.0,
                  wait_ms: int = 500, window: int = 1, batch_groups: int = 16, batch_kb: int = 1024,
-                 linger_ms: float = 1.0):
+                 linger_ms: float = 1.0, keys: ClientKeys | None = None):
         if window < 1 or batch_groups < 1 or batch_kb < 1 or linger_ms < 0:
             raise ValueError(f"need window >= 1, batch_groups >= 1, batch_kb >= 1, linger_ms >= 0; got "
                              f"{window}, {batch_groups}, {batch_kb}, {linger_ms}")
         self.max_frame_bytes = int(max_frame_mb * (1 << 20))
         self.rpc_timeout_s, self.wait_ms, self.window = rpc_timeout_s, wait_ms, window
         self.batch_groups, self.batch_bytes, self.linger_s = batch_groups, batch_kb << 10, linger_ms / 1000
-        self._rpc = Rpc(address, self.max_frame_bytes)
-        self.producer_id = uuid.uuid4().hex
+        self._rpc = Rpc(address, self.max_frame_bytes, keys=keys)
+        # issued by the service (a client cannot pick another's id); asked before any put is in flight
+        self.producer_id = self._rpc.call({"op": "hello"}, rpc_timeout_s, limit=1 << 12)["producer"]
         self._inflight: OrderedDict[int, _Put] = OrderedDict()  # seq -> unacknowledged put (sent or not)
         self._held: set[int] = set()  # id() of the groups in _inflight (alive there: no id is reused)
         self._pending: list[int] = []  # seqs not sent yet: the batch being filled

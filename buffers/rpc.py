@@ -7,6 +7,7 @@ import time
 
 import zmq
 
+from buffers.auth import ClientKeys
 from buffers.wire import WireError, pack, unpack
 
 
@@ -24,11 +25,14 @@ class Rpc:
     ``wait`` also returns early (None) when ``wake_fd`` becomes readable.
     """
 
-    def __init__(self, address: str, max_frame_bytes: int, wake_fd: int | None = None):
+    def __init__(self, address: str, max_frame_bytes: int, wake_fd: int | None = None,
+                 keys: ClientKeys | None = None):
         self.address, self.max_frame_bytes, self.wake_fd = address, max_frame_bytes, wake_fd
         self._ctx = zmq.Context()
         self.sock = self._ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        if keys is not None:
+            keys.apply(self.sock)
         self.sock.connect(address)
         self._rids = itertools.count()
         self._poller, self._wake_poller = zmq.Poller(), zmq.Poller()

@@ -17,7 +17,10 @@ Requests (all msgpack maps with ``op`` and ``rid``; the reply echoes ``rid``):
                                                  parked until the epoch moves past ``since``
     take        {keys, consumer, tid}         -> ok + the groups' frames | missing (all or none);
                                                  the same (consumer, tid) again replays the answer
-    drain / stats / close
+    hello                                     -> ok + a producer id issued by the service (puts
+                                                 carry it; ``buffers.guard.ProducerTable``)
+    drain / close  {token}                    -> only with the owner's token (``buffers.auth``)
+    stats
 
 Exactly once, in order: each group of a put carries ``(producer, seq)``; a ``seq`` not above the
 last one decided for that producer is a retry (``duplicate``: acknowledged, not stored again), one
@@ -29,23 +32,32 @@ batch gets the same answer (they would have to wait for it anyway). Backpressure
 buffer is answered ``full`` and the producer parks a ``wait_space`` request, answered the moment a
 take frees room.
 
-Hostile input: every frame is size-checked before it is parsed and schema-checked after
-(``buffers.wire``); a refused frame is answered ``rejected`` with its reason, counted under
-``rejected_<reason>``, and the service goes on serving.
+Hostile input: with CURVE (``buffers.auth``) only the run's clients get a frame in at all;
+libzmq drops a peer whose frame exceeds 4 × ``max_frame_bytes`` + 1 MiB (MAXMSGSIZE) before it is buffered;
+every frame is size-checked before it is parsed, schema-checked after (``buffers.wire``) and
+value-checked (``buffers.guard``: finite, versions in range, token ids in the vocabulary); a prompt
+already stored is refused whoever replays it; long-polls wait at most ``MAX_WAIT_MS`` and each
+client parks at most ``max_waiters_per_client``. A refused frame is answered ``rejected`` with its
+reason, counted under ``rejected_<reason>``, and the service goes on serving.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import secrets
 import threading
 import time
+from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import zmq
 
+from buffers.auth import ServiceKeys
 from buffers.buffer import BufferClosed
+from buffers.guard import ProducerTable, SeenPrompts, ValueLimits, check_values
 from buffers.store import KeyedSampleBuffer
 from buffers.types import Group
 from buffers.wire import REASONS, WireError, decode_group, pack, unpack
@@ -57,11 +69,13 @@ OPS: dict[str, dict[str, type]] = {
     "wait_space": {"rid": int, "wait_ms": int},
     "meta": {"rid": int, "since": int, "wait_ms": int},
     "take": {"rid": int, "keys": list, "consumer": str, "tid": int},
-    "drain": {"rid": int},
+    "hello": {"rid": int},
+    "drain": {"rid": int, "token": bytes},
     "stats": {"rid": int},
-    "close": {"rid": int},
+    "close": {"rid": int, "token": bytes},
 }
 MAX_BATCH = 1024  # groups in one put message
+MAX_WAIT_MS = 60_000  # a long-poll's longest wait: a client wanting longer asks again
 COUNTERS = ("frames_in", "put_batches", "puts", "gets", "duplicates", "full_replies", "gap_replies", "bytes_in", "bytes_out",
             "producer_blocked_s", "take_replays", "rejected", "internal_errors")
 
@@ -79,8 +93,16 @@ class _Parked:
 
 class BufferService:
     def __init__(self, capacity: int, bind: str = "tcp://127.0.0.1:0", max_frame_bytes: int = 64 << 20,
-                 max_waiters: int = 1024):
+                 max_waiters: int = 1024, keys: ServiceKeys | None = None, owner_token: bytes | None = None,
+                 max_waiters_per_client: int = 16, limits: ValueLimits = ValueLimits()):
         self.bind, self.max_frame_bytes, self.max_waiters = bind, max_frame_bytes, max_waiters
+        self.keys, self.max_waiters_per_client, self.limits = keys, max_waiters_per_client, limits
+        # close/drain need it; None: whoever created the service in-process passes none (tests)
+        self.owner_token = owner_token
+        # the policy version no token can be above (the controller's, + 1 while a push resumes the
+        # engine); None: only >= 0 is checked
+        self.max_version: Callable[[], int] | None = None
+        self._auth = None
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -89,7 +111,8 @@ class BufferService:
         self.address = ""
         self._counts: dict[str, float] = {k: 0.0 for k in COUNTERS} | {f"rejected_{r}": 0.0 for r in REASONS}
         self._lock = threading.Lock()
-        self._seen: dict[str, int] = {}  # producer -> last stored seq
+        self._producers = ProducerTable()  # producer -> last decided seq, issued by hello
+        self._prompts = SeenPrompts()  # prompt ids stored: a replay is not a second group
         self._blocked_since: dict[str, float] = {}  # producer -> when it was first told 'full'
         self._last_take: dict[str, tuple[int, list[bytes]]] = {}  # consumer -> (tid, frames)
         self._acks: dict[bytes, list[list]] = {}  # identity -> [rid, seq, status] not yet sent
@@ -103,6 +126,11 @@ class BufferService:
     def start(self) -> BufferService:
         """Bind (port 0: an ephemeral port; ``address`` says which) and serve in a daemon thread."""
         self._sock.setsockopt(zmq.LINGER, 0)
+        # per part: libzmq drops the peer of a frame this large before buffering it; up to it an
+        # oversized group is still answered by name (refused unparsed), so a misconfigured producer learns why
+        self._sock.setsockopt(zmq.MAXMSGSIZE, 4 * self.max_frame_bytes + (1 << 20))
+        if self.keys is not None:
+            self._auth = self.keys.serve(self._ctx, self._sock)
         self._sock.bind(self.bind)
         self.address = self._sock.getsockopt(zmq.LAST_ENDPOINT).decode()
         self._thread = threading.Thread(target=self._serve, name="buffer-service", daemon=True)
@@ -116,6 +144,9 @@ class BufferService:
         if self._thread is not None:
             self._thread.join(5.0)
             self._thread = None
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
         if not self._sock.closed:
             self._sock.close(0)
             self._ctx.term()
@@ -133,6 +164,7 @@ class BufferService:
         with self._lock:
             out = dict(self._counts)
             out["waiters"] = float(len(self._parked))
+            out["producers"] = float(len(self._producers))
         out.update(self.buffer.stats())
         out["capacity"] = float(self.buffer.capacity)
         return out
@@ -249,7 +281,10 @@ class BufferService:
         The order checks come first: a refusal is only ever given to the next expected seq, so a
         seq the producer counts as decided is decided here too (a refusal behind a gap would leave
         the producer waiting on a seq it no longer holds)."""
-        last = self._seen.get(producer, -1)
+        try:
+            last = self._producers.last_seq(producer)
+        except WireError as exc:
+            return self._refused(exc)
         if seq <= last:
             self._count("duplicates")
             return "duplicate"
@@ -260,12 +295,18 @@ class BufferService:
             if len(frame) > self.max_frame_bytes:  # refused before it is parsed
                 raise WireError("oversized", f"group frame of {len(frame)} bytes > {self.max_frame_bytes}")
             group = decode_group(unpack(frame, self.max_frame_bytes))
+            check_values(group, self.limits, self.max_version() if self.max_version else 1 << 62)
+            if group.prompt_id in self._prompts:
+                raise WireError("duplicate_prompt", f"a group of prompt {group.prompt_id} was stored already")
         except WireError as exc:
-            self._count("rejected")
-            self._count(f"rejected_{exc.reason}")
-            self._seen[producer] = seq
-            return f"rejected_{exc.reason}"
+            self._producers.decided(producer, seq)
+            return self._refused(exc)
         return self._store(producer, seq, group, frame)
+
+    def _refused(self, exc: WireError) -> str:
+        self._count("rejected")
+        self._count(f"rejected_{exc.reason}")
+        return f"rejected_{exc.reason}"
 
     def _store(self, producer: str, seq: int, group: Group, frame: memoryview) -> str:
         try:
@@ -277,7 +318,8 @@ class BufferService:
             self._blocked_since.setdefault(producer, now)
             self._count("full_replies")
             return "full"
-        self._seen[producer] = seq
+        self._producers.decided(producer, seq)
+        self._prompts.add(group.prompt_id)
         self._count("puts")
         if producer in self._blocked_since:
             self._count("producer_blocked_s", now - self._blocked_since.pop(producer))
@@ -309,7 +351,15 @@ class BufferService:
         self._last_take[consumer] = (tid, frames)
         return self._groups_reply(frames)
 
+    def _op_hello(self, identity: bytes, msg: dict) -> dict:
+        return {"status": "ok", "producer": self._producers.issue()}
+
+    def _check_owner(self, msg: dict) -> None:
+        if self.owner_token is not None and not secrets.compare_digest(msg["token"], self.owner_token):
+            raise WireError("not_owner", f"{msg['op']} is only accepted from the process that owns the service")
+
     def _op_drain(self, identity: bytes, msg: dict) -> dict:
+        self._check_owner(msg)
         _, _, metas = self.buffer.meta()
         taken = self.buffer.take([m.key for m in metas], closed_ok=True) or []
         return self._groups_reply([frame for _, frame in taken])
@@ -318,6 +368,7 @@ class BufferService:
         return {"status": "ok", "stats": self.stats()}
 
     def _op_close(self, identity: bytes, msg: dict) -> dict:
+        self._check_owner(msg)
         self.buffer.close()
         return {"status": "ok"}
 
@@ -328,12 +379,16 @@ class BufferService:
 
     # ------------------------------------------------------------------------------ long-polls
     def _park_or_answer(self, identity: bytes, msg: dict, since: int) -> dict | None:
-        p = _Parked(identity, msg["op"], msg["rid"], since, time.monotonic() + max(msg["wait_ms"], 0) / 1000)
-        answer = self._answer(p, timed_out=msg["wait_ms"] <= 0)
+        if not 0 <= msg["wait_ms"] <= MAX_WAIT_MS:
+            raise WireError("bad_value", f"{msg['op']}.wait_ms must be in [0, {MAX_WAIT_MS}], got {msg['wait_ms']}")
+        p = _Parked(identity, msg["op"], msg["rid"], since, time.monotonic() + msg["wait_ms"] / 1000)
+        answer = self._answer(p, timed_out=msg["wait_ms"] == 0)
         if answer is not None:
             return answer
         if len(self._parked) >= self.max_waiters:
             raise WireError("too_many_waiters", f"{self.max_waiters} long-polls already parked")
+        if Counter(q.identity for q in self._parked)[identity] >= self.max_waiters_per_client:
+            raise WireError("too_many_waiters", f"this client has {self.max_waiters_per_client} long-polls parked")
         with self._lock:
             self._parked.append(p)
         return None

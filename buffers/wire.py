@@ -32,7 +32,8 @@ from buffers.types import Group, Sample
 
 # Every way a frame can be refused; the service keeps a counter per name.
 REASONS = ("oversized", "multipart", "truncated", "malformed", "extra_data", "bad_type", "bad_schema",
-           "bad_dtype", "bad_shape", "length_mismatch", "unknown_op", "too_many_waiters")
+           "bad_dtype", "bad_shape", "length_mismatch", "unknown_op", "too_many_waiters", "bad_value",
+           "unknown_producer", "too_many_producers", "duplicate_prompt", "not_owner")
 
 # Little-endian only, so a frame means the same on every host.
 INT_DTYPES = {d: np.dtype(d) for d in ("<i4", "<i8")}
@@ -44,6 +45,8 @@ SAMPLE_FIELDS = (("prompt_id", int), ("sample_index", int), ("reward", float), (
                  ("admitted_version", int), ("meta", dict)) + tuple((k, list) for k in ARRAY_FIELDS)
 ARRAY_PARTS = (("dtype", str), ("shape", list), ("data", bytes), ("was_list", bool))
 META_TYPES = (type(None), bool, int, float, str, bytes)
+MAX_ARRAY = 1 << 16  # elements of one msgpack array or map (token arrays travel as bytes, not arrays)
+MAX_CONTAINERS = 1 << 18  # lists and maps in one frame
 MAX_META_DEPTH = 8
 
 
@@ -149,11 +152,21 @@ def unpack(frame: bytes | memoryview, max_bytes: int) -> Any:
         raise WireError("oversized", f"{len(frame)} bytes > limit {max_bytes}")
     # A declared container length can never exceed the frame's byte count (each element takes a
     # byte at least), so no header can make msgpack allocate more than the frame justifies.
-    items = max(len(frame), 1)
+    # And no frame may build more than MAX_CONTAINERS lists and maps (a frame of empty arrays
+    # would otherwise cost ~70 bytes of Python objects per byte received).
+    items = min(max(len(frame), 1), MAX_ARRAY)
+    left = [MAX_CONTAINERS]
+
+    def count(container):
+        left[0] -= 1
+        if left[0] < 0:
+            raise WireError("bad_schema", f"more than {MAX_CONTAINERS} lists and maps in one frame")
+        return container
+
     try:
         return msgpack.unpackb(frame, raw=False, strict_map_key=True, ext_hook=_refuse_ext,
                                max_bin_len=max_bytes, max_str_len=max_bytes, max_array_len=items,
-                               max_map_len=items)
+                               max_map_len=items, list_hook=count, object_hook=count)
     except WireError:
         raise
     except msgpack.ExtraData:

@@ -29,7 +29,7 @@ import zmq
 from buffers.client import BufferProducer, BufferUnavailable, RemoteSampleBuffer
 from buffers.service import BufferService
 from buffers.wire import WireError, encode_group, unpack
-from tests.helpers.wire import MB, _raw_socket, answers, make_group, put_parts, same
+from tests.helpers.wire import MB, _raw_socket, answers, hello, make_group, put_parts, same
 
 
 def _spoiled(pid: int) -> bytes:
@@ -53,18 +53,19 @@ def test_a_bad_group_in_a_batch_is_rejected_by_name_and_the_others_stored():
     with BufferService(capacity=16) as svc:
         ctx = zmq.Context()
         sock = _raw_socket(ctx, svc.address)
-        header, good0, good2 = put_parts("p", 0, make_group(0), make_group(2))
+        p = hello(sock)
+        header, good0, good2 = put_parts(p, 0, make_group(0), make_group(2))
         sock.send_multipart([header, good0, _spoiled(1), good2])
         got = answers(sock, 3)
         assert [a["status"] for a in got] == ["stored", "rejected", "stored"]
         assert [a["seq"] for a in got] == [0, 1, 2] and got[1]["reason"] == "bad_dtype"
-        sock.send_multipart(put_parts("p", 3, make_group(3)))  # seq 1 is decided: no gap behind it
+        sock.send_multipart(put_parts(p, 3, make_group(3)))  # seq 1 is decided: no gap behind it
         assert answers(sock, 1)[0]["status"] == "stored"
         sock.send_multipart([header, good0, _spoiled(1), good2])  # the batch retried: nothing twice
         assert [a["status"] for a in answers(sock, 3)] == ["duplicate"] * 3
         stats = svc.stats()
         assert (stats["puts"], stats["rejected"], stats["rejected_bad_dtype"]) == (3.0, 1.0, 1.0)
-        assert (stats["put_batches"], stats["duplicates"], stats["frames_in"]) == (3.0, 3.0, 3.0)
+        assert (stats["put_batches"], stats["duplicates"], stats["frames_in"]) == (3.0, 3.0, 4.0)  # + the hello
         assert [m.prompt_id for m in svc.buffer.meta()[2]] == [0, 2, 3]
         sock.close()
         ctx.term()
@@ -77,9 +78,10 @@ def test_a_bad_group_behind_a_gap_is_answered_gap_and_refused_only_in_its_turn()
     with BufferService(capacity=16, max_frame_bytes=64 * 1024) as svc:
         ctx = zmq.Context()
         sock = _raw_socket(ctx, svc.address)
-        header, good0, good2 = put_parts("p", 0, make_group(0), make_group(2))
+        p = hello(sock)
+        header, good0, good2 = put_parts(p, 0, make_group(0), make_group(2))
         big = encode_group(make_group(1)) + b"\x00" * (64 * 1024)
-        sock.send_multipart(put_parts("p", 1)[:1] + [big])  # seq 0 never arrived
+        sock.send_multipart(put_parts(p, 1)[:1] + [big])  # seq 0 never arrived
         assert answers(sock, 1)[0]["status"] == "gap"
         sock.send_multipart([header, good0, big, good2])
         got = answers(sock, 3)
@@ -116,12 +118,13 @@ def test_a_batch_meeting_a_full_buffer_stores_what_fits_and_the_rest_waits():
     with BufferService(capacity=3) as svc:
         ctx = zmq.Context()
         sock = _raw_socket(ctx, svc.address)
-        sock.send_multipart(put_parts("p", 0, *map(make_group, range(5))))
+        p = hello(sock)
+        sock.send_multipart(put_parts(p, 0, *map(make_group, range(5))))
         assert [a["status"] for a in answers(sock, 5)] == ["stored"] * 3 + ["full"] * 2
-        sock.send_multipart(put_parts("p", 4, make_group(4)))  # seq 3 still missing: the order holds
+        sock.send_multipart(put_parts(p, 4, make_group(4)))  # seq 3 still missing: the order holds
         assert answers(sock, 1)[0]["status"] == "gap"
         svc.buffer.get_batch(2)
-        sock.send_multipart(put_parts("p", 3, make_group(3), make_group(4)))  # go-back-N from the full one
+        sock.send_multipart(put_parts(p, 3, make_group(3), make_group(4)))  # go-back-N from the full one
         assert [a["status"] for a in answers(sock, 2)] == ["stored", "stored"]
         assert [m.prompt_id for m in svc.buffer.meta()[2]] == [2, 3, 4]
         assert svc.stats()["full_replies"] == 1.0  # counted once per batch, where it was refused

@@ -26,7 +26,7 @@ from buffers.client import BufferProducer, BufferUnavailable, RemoteSampleBuffer
 from buffers.rpc import BufferServiceError
 from buffers.service import BufferService
 from buffers.wire import REASONS, WireError, decode_group, encode_group, pack, unpack
-from tests.helpers.wire import MB, _raw_socket, answers, make_group, put_parts, same
+from tests.helpers.wire import MB, _raw_socket, answers, hello, make_group, put_parts, same
 
 
 # ------------------------------------------------------------------------------------------ codec
@@ -140,9 +140,11 @@ def test_fuzz_every_valid_group_exactly_once_rejections_counted(service):
     valid = {pid: make_group(pid, length=rng.randint(1, 40), arrays=pid % 2 == 0) for pid in range(40)}
     sent = {r: 0 for r in REASONS} | {"random": 0, "duplicate": 0}
     frames: list[list[bytes]] = []
-    bad = iter(range(10**6))  # a bad group decides its seq: a fresh producer each, so each is decoded
+    # a bad group decides its seq: a fresh producer each (issued by the service), so each is decoded
+    bad = iter([hello(sock) for _ in range(3 * len(valid))])
+    fuzz = hello(sock)
     for seq, (pid, g) in enumerate(valid.items()):
-        header, good = put_parts("fuzz", seq, g, rid=seq)
+        header, good = put_parts(fuzz, seq, g, rid=seq)
         frames.append([header, good])
         if rng.random() < 0.3:  # a retried put: same producer and seq
             frames.append([header, good])
@@ -155,10 +157,10 @@ def test_fuzz_every_valid_group_exactly_once_rejections_counted(service):
             elif kind == "truncated":  # the group cut short, or the header
                 cut = rng.choice([good, header])
                 part = cut[: rng.randint(1, len(cut) - 1)]
-                frames.append([pack({"op": "put", "rid": 0, "producer": f"bad{next(bad)}", "seq": 0}), part]
+                frames.append([pack({"op": "put", "rid": 0, "producer": next(bad), "seq": 0}), part]
                               if cut is good else [part])
             elif kind == "oversized":
-                frames.append([pack({"op": "put", "rid": 0, "producer": f"bad{next(bad)}", "seq": 0}),
+                frames.append([pack({"op": "put", "rid": 0, "producer": next(bad), "seq": 0}),
                                good + b"\x00" * (64 * 1024)])  # its producer's next seq: refused unparsed
             elif kind == "multipart":
                 frames.append(rng.choice([[header], [pack({"op": "stats", "rid": 0}), good],
@@ -191,20 +193,20 @@ def test_fuzz_every_valid_group_exactly_once_rejections_counted(service):
 
 
 def test_a_retried_put_is_stored_once_even_across_an_outage():
-    with socket.socket() as s:  # a free port, with nothing listening yet
-        s.bind(("127.0.0.1", 0))
-        address = f"tcp://127.0.0.1:{s.getsockname()[1]}"
-    producer = BufferProducer(address, rpc_timeout_s=0.3)
-    g = make_group(1)
-    with pytest.raises(BufferUnavailable):
-        producer.put(g)  # queued by zmq, unanswered: it may or may not arrive
-    with BufferService(capacity=8, bind=address) as svc:
+    with BufferService(capacity=8) as svc:
+        producer = BufferProducer(svc.address, rpc_timeout_s=0.3)
+        g = make_group(1)
+        serve = svc._op_put
+        svc._op_put = lambda *a: (time.sleep(0.8), setattr(svc, "_op_put", serve), serve(*a))[2]  # one stall
+        with pytest.raises(BufferUnavailable):
+            producer.put(g)  # unanswered in time: it may or may not have been stored
+        time.sleep(1.0)  # the stall ends: the first copy is stored
         producer.put(g)  # the same object again: same put id
         producer.put(make_group(2))
         consumer = RemoteSampleBuffer(svc.address)
         got = consumer.get_batch(2, timeout=5)
         assert sorted(x.prompt_id for x in got) == [1, 2] and len(consumer) == 0
-        assert svc.stats()["duplicates"] == 1.0 and svc.stats()["puts"] == 2.0  # the queued copy arrived
+        assert svc.stats()["duplicates"] == 1.0 and svc.stats()["puts"] == 2.0  # the stalled copy was stored
         assert producer.stats()["retries"] == 1.0
         consumer.disconnect()
     producer.close()
@@ -213,10 +215,11 @@ def test_a_retried_put_is_stored_once_even_across_an_outage():
 def test_puts_stored_in_seq_order_and_takes_replayed(service):
     ctx = zmq.Context()
     sock = _raw_socket(ctx, service.address)
+    p, q = hello(sock), hello(sock)
     for seq in (0, 2, 1, 2, 1):
-        sock.send_multipart(put_parts("p", seq, make_group(seq)))
+        sock.send_multipart(put_parts(p, seq, make_group(seq)))
     assert [a["status"] for a in answers(sock, 5)] == ["stored", "gap", "stored", "stored", "duplicate"]
-    sock.send_multipart(put_parts("q", 1, make_group(9)))  # another producer's seqs are its own
+    sock.send_multipart(put_parts(q, 1, make_group(9)))  # another producer's seqs are its own
     assert answers(sock, 1)[0]["status"] == "gap"
     metas = service.buffer.meta()[2]
     assert [m.prompt_id for m in metas] == [0, 1, 2]

@@ -16,10 +16,12 @@ import dataclasses
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Callable
 from typing import IO, Any
 
 import ray
 
+from buffers.guard import ValueLimits
 from controllers.staleness import StalenessManager
 from flash.app.config import FlashConfig
 from flash.cluster import init_ray, wait_ready
@@ -116,6 +118,18 @@ class RolloutBuffer:
         service's own store (it lives in the driver; the proxy on it only crosses the wire), else
         the in-process SampleBuffer. Both answer ``snapshot``/``restore``."""
         return self.service.buffer if self.service is not None else self.buffer
+
+    def bound_values(self, model_path: str, version: Callable[[], int]) -> None:
+        """What the service stores beyond its schema (``buffers.guard``): token ids below the
+        model's vocabulary, versions up to ``version()`` -- the controller's + 1, since a push resumes
+        the engine under the new version before the controller counts it."""
+        if self.service is None:
+            return
+        from transformers import AutoConfig
+
+        vocab = getattr(AutoConfig.from_pretrained(model_path), "vocab_size", None)
+        self.service.limits = ValueLimits(vocab_size=vocab if isinstance(vocab, int) and vocab > 0 else None)
+        self.service.max_version = version
 
     def close(self) -> None:
         if self.service is not None:

@@ -187,6 +187,7 @@ class Run:
             ledger=self.files.ledger, critic=self.roles.critic, model_update=self.roles.model_update,
             supervisor=self.roles.client, reference=self.roles.reference,
         )
+        self.buffer.bound_values(self.model_path, lambda: self.controller.version + 1)
         self.checkpointer = Checkpointer(self.dir, cfg.checkpoint, self.roles.trainer, cfg.train.steps,
                                          resume_key(read_manifest(self.resume_point[0]) if self.resume_point else None))
         self._start_durability()

@@ -49,6 +49,14 @@ def same(a: Group, b: Group) -> bool:
     return True
 
 
+def hello(sock: zmq.Socket) -> str:
+    """A producer id issued by the service (as ``BufferProducer`` gets its own)."""
+    sock.send(pack({"op": "hello", "rid": -7}))
+    reply = unpack(sock.recv(), MB)
+    assert reply["status"] == "ok" and reply["rid"] == -7, reply
+    return reply["producer"]
+
+
 def put_parts(producer: str, seq: int, *groups: Group, rid: int = 0) -> list[bytes]:
     """A put as a producer sends it: a header frame (naming the first seq) and one frame per group."""
     return [pack({"op": "put", "rid": rid, "producer": producer, "seq": seq}), *map(encode_group, groups)]
@@ -69,8 +77,11 @@ def answers(sock: zmq.Socket, n: int) -> list[dict]:
     return out
 
 
-def _raw_socket(ctx: zmq.Context, address: str) -> zmq.Socket:
+def _raw_socket(ctx: zmq.Context, address: str, keys=None) -> zmq.Socket:
+    """A bare DEALER (``keys``: ``buffers.auth.ClientKeys`` to be a CURVE client)."""
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    if keys is not None:
+        keys.apply(sock)
     sock.connect(address)
     return sock

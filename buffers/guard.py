@@ -1,0 +1,121 @@
+"""The buffer service's bookkeeping that a client could otherwise grow or abuse, each bounded.
+
+- ``ProducerTable``: producer ids are issued by the service (``hello``), never chosen by a client,
+  so a client cannot put under another's id or invent ids to get a group stored twice; the table
+  holds at most ``max_producers``, and a producer silent for ``expire_s`` gives its slot to a new one
+  (its next put is refused as ``unknown_producer``).
+- ``SeenPrompts``: the last ``limit`` prompt ids stored; a group of a prompt already stored is
+  refused (a group replayed by another producer is not a second group). A run admits each prompt
+  id once (``controllers.scheduler``), so a legitimate producer never meets it.
+- ``ValueLimits`` / ``check_values``: what a decoded group may hold beyond its schema (which
+  ``buffers.wire`` checks): finite rewards and logprobs, versions in [0, the policy's version],
+  token ids in [0, vocab), bounded lengths and sample counts.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+
+import numpy as np
+
+from buffers.types import Group
+from buffers.wire import WireError
+
+
+class ProducerTable:
+    def __init__(self, max_producers: int = 4096, expire_s: float = 600.0):
+        self.max_producers, self.expire_s = max_producers, expire_s
+        self._last_seq: dict[str, int] = {}
+        self._active: OrderedDict[str, float] = OrderedDict()  # id -> last request, oldest first
+
+    def issue(self, now: float | None = None) -> str:
+        """A new producer id; the longest-silent producer past ``expire_s`` makes room if needed."""
+        now = time.monotonic() if now is None else now
+        if len(self._active) >= self.max_producers:
+            oldest, seen = next(iter(self._active.items()))
+            if now - seen < self.expire_s:
+                raise WireError("too_many_producers", f"{self.max_producers} producers active in the last "
+                                                      f"{self.expire_s:.0f}s")
+            self.forget(oldest)
+        pid = secrets.token_hex(12)
+        self._active[pid], self._last_seq[pid] = now, -1
+        return pid
+
+    def last_seq(self, producer: str, now: float | None = None) -> int:
+        """The producer's last decided seq (touching it); ``unknown_producer`` if never issued here."""
+        if producer not in self._active:
+            raise WireError("unknown_producer", "producer ids come from the service's hello; this one is "
+                                                "unknown or expired")
+        self._active[producer] = time.monotonic() if now is None else now
+        self._active.move_to_end(producer)
+        return self._last_seq[producer]
+
+    def decided(self, producer: str, seq: int) -> None:
+        self._last_seq[producer] = seq
+
+    def forget(self, producer: str) -> None:
+        self._active.pop(producer, None)
+        self._last_seq.pop(producer, None)
+
+    def __len__(self) -> int:
+        return len(self._active)
+
+
+class SeenPrompts:
+    def __init__(self, limit: int = 1 << 20):
+        self.limit, self._order, self._set = limit, deque(), set()
+
+    def __contains__(self, prompt_id: int) -> bool:
+        return prompt_id in self._set
+
+    def add(self, prompt_id: int) -> None:
+        self._set.add(prompt_id)
+        self._order.append(prompt_id)
+        if len(self._order) > self.limit:
+            self._set.discard(self._order.popleft())
+
+
+@dataclass(frozen=True)
+class ValueLimits:
+    vocab_size: int | None = None  # token ids must be below it (None: not checked)
+    max_tokens: int = 1 << 20  # prompt + response tokens of one sample
+    max_samples: int = 4096  # samples in one group
+
+
+def check_values(group: Group, limits: ValueLimits, max_version: int) -> None:
+    """Refuse (``bad_value``) a group whose values no engine produces: the schema cannot see them."""
+    if len(group.samples) > limits.max_samples:
+        raise WireError("bad_value", f"group {group.prompt_id}: {len(group.samples)} samples > {limits.max_samples}")
+    if not 0 <= group.admitted_version <= max_version:
+        raise WireError("bad_value", f"group {group.prompt_id}: admitted_version {group.admitted_version} "
+                                     f"outside [0, {max_version}]")
+    for s in group.samples:
+        where = f"group {group.prompt_id} sample {s.sample_index}"
+        if not math.isfinite(s.reward):
+            raise WireError("bad_value", f"{where}: reward {s.reward}")
+        if len(s.prompt_ids) + len(s.response_ids) > limits.max_tokens:
+            raise WireError("bad_value", f"{where}: {len(s.prompt_ids) + len(s.response_ids)} tokens > "
+                                         f"{limits.max_tokens}")
+        _check_array(np.asarray(s.behav_logprobs, dtype=np.float64), where, "behav_logprobs", finite=True)
+        _check_array(np.asarray(s.versions), where, "versions", lo=0, hi=max_version)
+        if not 0 <= s.admitted_version <= max_version:
+            raise WireError("bad_value", f"{where}: admitted_version {s.admitted_version} outside [0, {max_version}]")
+        top = (limits.vocab_size - 1) if limits.vocab_size else None
+        for name in ("prompt_ids", "response_ids"):
+            _check_array(np.asarray(getattr(s, name)), where, name, lo=0, hi=top)
+
+
+def _check_array(arr: np.ndarray, where: str, name: str, lo: int | None = None, hi: int | None = None,
+                 finite: bool = False) -> None:
+    if not arr.size:
+        return
+    if finite and not np.isfinite(arr).all():
+        raise WireError("bad_value", f"{where}: {name} holds NaN or inf")
+    if lo is not None and arr.min() < lo:
+        raise WireError("bad_value", f"{where}: {name} holds {arr.min()} < {lo}")
+    if hi is not None and arr.max() > hi:
+        raise WireError("bad_value", f"{where}: {name} holds {arr.max()} > {hi}")
