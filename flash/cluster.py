@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -73,6 +75,15 @@ def plugin_paths(modules: list[str]) -> list[str]:
     return paths
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the driver's main thread as ctrl-C is, so a run stops the way an interrupt
+    does (roles closed, a one-line resume hint) instead of through Ray's handler (a crash dump)."""
+
+
+def _on_sigterm(signum, frame) -> None:
+    raise Terminated("SIGTERM")
+
+
 def init_ray(address: str | None, num_cpus: int, extra_paths: list[str] = (), num_gpus: int = 0) -> None:
     """Join ``address`` or start a quiet local Ray whose workers see the driver's import path.
 
@@ -93,6 +104,8 @@ def init_ray(address: str | None, num_cpus: int, extra_paths: list[str] = (), nu
         ray.init(address=address, **kwargs)
     else:
         ray.init(num_cpus=num_cpus or os.cpu_count() or 2, num_gpus=num_gpus or None, **kwargs)
+    if threading.current_thread() is threading.main_thread():  # after ray.init: it installs its own
+        signal.signal(signal.SIGTERM, _on_sigterm)
 
 
 def wait_ready(*actors, timeout: float = 300.0) -> float:

@@ -186,8 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     except FlashError as exc:
         print(f"flash: error: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("flash: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as exc:
+        print(f"flash: interrupted ({exc})" if str(exc) else "flash: interrupted", file=sys.stderr)
         return 130
 
 

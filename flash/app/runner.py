@@ -343,6 +343,9 @@ def _run(cfg: FlashConfig, recipe_name: str) -> dict:
         acc1 = r.evaluate("final", cfg.train.steps)
         tracker.log({"eval/accuracy": acc1, "time/eval": r.clock.last_eval_s}, cfg.train.steps)
         progress.write(f"flash: held-out accuracy after training {acc1:.3f}")
+    except KeyboardInterrupt as exc:  # ctrl-C, or SIGTERM (flash.cluster.Terminated)
+        raise type(exc)(f"{exc or 'ctrl-C'}; resume from the last checkpoint: flash run {recipe_name} "
+                        f"resume={r.dir}") from None
     finally:
         progress.close()
         tracker.close()
