@@ -94,9 +94,10 @@ class _Parked:
 class BufferService:
     def __init__(self, capacity: int, bind: str = "tcp://127.0.0.1:0", max_frame_bytes: int = 64 << 20,
                  max_waiters: int = 1024, keys: ServiceKeys | None = None, owner_token: bytes | None = None,
-                 max_waiters_per_client: int = 16, limits: ValueLimits = ValueLimits()):
+                 max_waiters_per_client: int = 16, limits: ValueLimits | None = None):
         self.bind, self.max_frame_bytes, self.max_waiters = bind, max_frame_bytes, max_waiters
-        self.keys, self.max_waiters_per_client, self.limits = keys, max_waiters_per_client, limits
+        self.keys, self.max_waiters_per_client = keys, max_waiters_per_client
+        self.limits = limits or ValueLimits()
         # close/drain need it; None: whoever created the service in-process passes none (tests)
         self.owner_token = owner_token
         # the policy version no token can be above (the controller's, + 1 while a push resumes the

@@ -140,9 +140,9 @@ def listed_files_only(path: Path, listed: set[str]) -> str | None:
                 return f"{rel} is not a regular file"
     found.discard("manifest.json")
     if found - listed:
-        return f"{sorted(found - listed)[0]} is not in the manifest"
+        return f"{min(found - listed)} is not in the manifest"
     if listed - found:
-        return f"{sorted(listed - found)[0]} is missing"
+        return f"{min(listed - found)} is missing"
     return None
 
 

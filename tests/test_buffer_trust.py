@@ -148,7 +148,7 @@ def test_long_polls_are_bounded_in_time_and_per_client(curve):
 
 
 def test_a_frame_of_empty_arrays_is_refused_without_building_it(curve):
-    svc, _, sock = curve
+    _, _, sock = curve
     p = hello(sock)
     frame = msgpack.packb([[] for _ in range(1 << 16)] * 200)  # ~13 MB: 13M empty lists if built
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

@@ -64,3 +64,15 @@ def _encode(tok, text):
 def _decode(tok, ids):
     from flash.models import decode_response
     return decode_response(tok, ids)
+
+
+def assert_equals_plain_loop(records, cfg, run, steps: int) -> None:
+    """A synchronous run's samples equal ``plain_sync_loop``'s token for token, its losses to 1e-6."""
+    import pytest
+
+    ours = [([s.response_ids for s in flatten(rec.groups)], rec.metrics["train/loss"]) for rec in records]
+    ref = plain_sync_loop(cfg, run.model_path, run.task, run.tokenizer, steps)
+    assert len(ours) == len(ref) == steps
+    for t, ((tok_a, loss_a), (tok_b, loss_b)) in enumerate(zip(ours, ref)):
+        assert tok_a == tok_b, f"step {t}: different samples"
+        assert loss_a == pytest.approx(loss_b, rel=1e-6, abs=1e-7), f"step {t}"
