@@ -84,6 +84,23 @@ def _on_sigterm(signum, frame) -> None:
     raise Terminated("SIGTERM")
 
 
+_REAPER = None
+
+
+def start_reaper() -> None:
+    """A watcher (``flash/_reaper.py``, its own session) that kills this driver's leftover Ray
+    processes if the driver dies without ``ray.shutdown`` (SIGKILL, OOM). One per driver process
+    (it watches all of the driver's descendants, whichever Ray session they belong to). Linux only."""
+    global _REAPER
+    if _REAPER is not None or not os.path.isdir("/proc/self"):
+        return
+    import subprocess
+
+    script = str(Path(__file__).with_name("_reaper.py"))
+    _REAPER = subprocess.Popen([sys.executable, "-I", script, str(os.getpid())], stdin=subprocess.DEVNULL,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+
+
 def init_ray(address: str | None, num_cpus: int, extra_paths: list[str] = (), num_gpus: int = 0) -> None:
     """Join ``address`` or start a quiet local Ray whose workers see the driver's import path.
 
@@ -104,6 +121,7 @@ def init_ray(address: str | None, num_cpus: int, extra_paths: list[str] = (), nu
         ray.init(address=address, **kwargs)
     else:
         ray.init(num_cpus=num_cpus or os.cpu_count() or 2, num_gpus=num_gpus or None, **kwargs)
+        start_reaper()
     if threading.current_thread() is threading.main_thread():  # after ray.init: it installs its own
         signal.signal(signal.SIGTERM, _on_sigterm)
 
