@@ -120,7 +120,9 @@ def init_ray(address: str | None, num_cpus: int, extra_paths: list[str] = (), nu
     if address:
         ray.init(address=address, **kwargs)
     else:
-        ray.init(num_cpus=num_cpus or os.cpu_count() or 2, num_gpus=num_gpus or None, **kwargs)
+        # "local": always a new Ray of this driver's own, never one that `ray start` or another
+        # tool left registered on this machine (plain ray.init() would join it)
+        ray.init(address="local", num_cpus=num_cpus or os.cpu_count() or 2, num_gpus=num_gpus or None, **kwargs)
         start_reaper()
     if threading.current_thread() is threading.main_thread():  # after ray.init: it installs its own
         signal.signal(signal.SIGTERM, _on_sigterm)

@@ -5,12 +5,17 @@ through the model-update group, and the synchronous run's samples and losses equ
 single-process loop's.
 """
 
+import os
+import subprocess
+import sys
+
 import pytest
 import ray
 from ray.cluster_utils import Cluster
 
 from flash.app.runner import Run
 from tests.helpers.inproc import assert_equals_plain_loop, small_cfg
+from tests.helpers.processes import ROOT
 
 
 @pytest.fixture
@@ -50,3 +55,13 @@ def test_trainer_and_engine_on_two_nodes_reproduce_the_synchronous_loop(tmp_path
     assert stats["version"] == 3 and r.roles.model_update.backend == "gloo"  # across nodes: not shared memory
     assert all(rec.metrics["model_update/bytes"] > 0 for rec in records)
     assert_equals_plain_loop(records, cfg, r, 3)
+
+
+def test_a_local_run_starts_its_own_ray_beside_a_running_cluster(cluster):
+    """A cluster registered on this machine (as `ray start` or ray.cluster_utils leaves it) is not
+    joined by a run without ``ray.address``: plain ``ray.init()`` would join it."""
+    code = ("from flash.cluster import init_ray; import ray; init_ray(None, 1); "
+            "print(len(ray.nodes()), ray.cluster_resources().get('GPU', 0))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                         check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.stdout.split() == ["1", "0"]  # its own one node, not the cluster's three (2 GPUs)
