@@ -1,29 +1,35 @@
-"""flash across Ray nodes: ``ray.address`` joins a cluster of three raylets (``ray.cluster_utils``,
-one machine): the driver's node and two nodes of one simulated GPU each. The trainer (device 0)
-and the engine (device 1) land on different nodes, the weights cross between them every step
-through the model-update group, and the synchronous run's samples and losses equal the plain
-single-process loop's.
+"""flash across Ray nodes: ``ray.address`` joins a cluster of four raylets (``ray.cluster_utils``,
+one machine): the driver's node and three nodes of one simulated GPU each.
+
+- The trainer (device 0) and the engine (device 1) land on different nodes, the weights cross
+  between them every step through the model-update group, and the synchronous run's samples and
+  losses equal the plain single-process loop's.
+- The engine's node is removed mid-run (its raylet and every process on it killed): Ray moves the
+  placement bundle to the spare node, the engine restarts there, its requests are asked again, and
+  the run ends with every prompt trained exactly once; resumed on the cluster from its last
+  checkpoint, it trains on with the ledger complete.
 """
 
 import os
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 import ray
 from ray.cluster_utils import Cluster
 
-from flash.app.runner import Run
+from flash.app.runner import Run, run
 from tests.helpers.inproc import assert_equals_plain_loop, small_cfg
-from tests.helpers.processes import ROOT
+from tests.helpers.processes import B, N, ROOT, read_jsonl, steps_done, trained_pairs
 
 
 @pytest.fixture
 def cluster():
     ray.shutdown()
     c = Cluster(initialize_head=True, connect=False, head_node_args={"num_cpus": 2, "num_gpus": 0})
-    for _ in range(2):
-        c.add_node(num_cpus=2, num_gpus=1)
+    c.gpu_nodes = [c.add_node(num_cpus=2, num_gpus=1) for _ in range(3)]
     c.wait_for_nodes()
     yield c
     ray.shutdown()
@@ -44,7 +50,7 @@ def test_trainer_and_engine_on_two_nodes_reproduce_the_synchronous_loop(tmp_path
     r = Run(cfg, "two-nodes")
     try:
         nodes = {node_of(r.roles.trainer), node_of(r.roles.replicas[0])}
-        assert len(nodes) == 2 and len(ray.nodes()) == 3
+        assert len(nodes) == 2 and len(ray.nodes()) == 4
         assert ray.get_runtime_context().get_node_id() not in nodes  # the driver's node holds no GPU
         r.scheduler.start()
         r.scheduler.start_admission()
@@ -64,4 +70,39 @@ def test_a_local_run_starts_its_own_ray_beside_a_running_cluster(cluster):
             "print(len(ray.nodes()), ray.cluster_resources().get('GPU', 0))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
                          check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    assert out.stdout.split() == ["1", "0"]  # its own one node, not the cluster's three (2 GPUs)
+    assert out.stdout.split() == ["1", "0"]  # its own one node, not the cluster's four (3 GPUs)
+
+
+def test_an_engine_node_lost_mid_run_recovers_and_the_run_resumes_on_the_cluster(tmp_path, warm_cache, cluster):
+    layout = [f"ray.address={cluster.address}", "placement.num_gpus=2", "placement.roles.actor_train.device_mapping=[0]",
+              "placement.roles.actor_infer.device_mapping=[1]", "async_ratio=2", "buffer.transport=zmq"]
+    cfg = small_cfg(tmp_path, warm_cache, *layout, "train.steps=6")
+    result: dict = {}
+    worker = threading.Thread(target=lambda: result.update(summary=run(cfg, "nodes")))
+    worker.start()
+    deadline = time.monotonic() + 600
+    while steps_done(tmp_path) < 2 and worker.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    (engine_node,) = engine_nodes()
+    cluster.remove_node(next(n for n in cluster.gpu_nodes if n.node_id == engine_node))
+    worker.join(600)
+    faults = [e for e in read_jsonl(tmp_path / "events.jsonl") if e["event"] == "engine_fault"]
+    assert result["summary"]["steps"] == 6 and len(faults) == 1 and faults[0]["requeued"] > 0
+    assert engine_nodes() == set()  # the run closed its roles
+    pairs = trained_pairs(read_jsonl(tmp_path / "ledger.jsonl"))
+    assert set(pairs.values()) == {1} and len(pairs) == 6 * B * N
+    more = small_cfg(tmp_path, warm_cache, *layout, "train.steps=8", f"resume={tmp_path}")
+    summary = run(more, "nodes")
+    assert summary["resumed_from_step"] == 6 and summary["steps"] == 8
+    pairs = trained_pairs(read_jsonl(tmp_path / "ledger.jsonl"))
+    assert set(pairs.values()) == {1} and len(pairs) == 8 * B * N
+    assert [m["step"] for m in read_jsonl(tmp_path / "metrics.jsonl")] == list(range(1, 9))
+
+
+
+def engine_nodes() -> set[str]:
+    """The nodes of the live engine actors (from the GCS's actor table)."""
+    from ray._private import state
+
+    return {a["Address"]["NodeID"] for a in state.actors().values()
+            if a["State"] == "ALIVE" and a["ActorClassName"] == "EngineWorker"}
