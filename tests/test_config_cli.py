@@ -143,3 +143,17 @@ def test_a_run_dir_holding_a_run_is_refused_unless_resumed_or_moved_aside(tmp_pa
     default = load_config(STUTTER)
     dirs = [make_run_dir(default, "stutter") for _ in range(3)]
     assert len(set(dirs)) == 3 and all(d.parent == Path("runs") for d in dirs)
+
+
+def test_model_path_must_be_a_local_model_folder(tmp_path, capsys):
+    assert main(["validate", "stutter", "model.path=Qwen/Qwen2.5-0.5B"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("flash: error: model.path=Qwen/Qwen2.5-0.5B is not a local folder: flash reads no model hub "
+                   "at run time; download it first (e.g. `huggingface-cli download Qwen/Qwen2.5-0.5B "
+                   "--local-dir models/Qwen2.5-0.5B`) and pass model.path=models/Qwen2.5-0.5B")
+    with pytest.raises(ConfigError, match=r"model.path=/nonexistent/model is not a local folder$"):
+        load_config("recipes/stutter.yaml", ["model.path=/nonexistent/model"])
+    with pytest.raises(ConfigError, match="has no config.json: point it at a Hugging Face model folder"):
+        load_config("recipes/stutter.yaml", [f"model.path={tmp_path}"])
+    (tmp_path / "config.json").write_text("{}")
+    assert load_config("recipes/stutter.yaml", [f"model.path={tmp_path}"]).model.path == str(tmp_path)

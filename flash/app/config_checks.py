@@ -251,14 +251,33 @@ def _check_agg(agg: str) -> None:
 
 
 def _check_model(model: ModelConfig) -> None:
-    """``model.gguf`` excludes ``model.path``; its file (or package) and GGUF loaders must be here."""
+    """``model.path`` is a local Hugging Face folder; ``model.gguf`` excludes it, and its file (or
+    package) and GGUF loaders must be here."""
+    _require(model.path is None or model.gguf is None, "model.path and model.gguf both name the model; set "
+             "one of them")
+    if model.path is not None:
+        _check_model_path(model.path)
     if model.gguf is None:
         return
-    _require(model.path is None, "model.path and model.gguf both name the model; set one of them")
     from flash.gguf import check_loaders, resolve_gguf
 
     resolve_gguf(model.gguf)
     check_loaders()
+
+
+def _check_model_path(path: str) -> None:
+    from pathlib import Path
+
+    folder = Path(path).expanduser()
+    if folder.is_dir():
+        _require((folder / "config.json").is_file(), f"model.path={path} has no config.json: point it at a "
+                 "Hugging Face model folder (config.json, weights, tokenizer files)")
+        return
+    hub_like = path.count("/") == 1 and not path.startswith((".", "/", "~"))
+    _require(False, f"model.path={path} is not a local folder" + (
+        ": flash reads no model hub at run time; download it first (e.g. `huggingface-cli download "
+        f"{path} --local-dir models/{path.split('/')[1]}`) and pass model.path=models/{path.split('/')[1]}"
+        if hub_like else ""))
 
 
 def _check_reward(cfg: FlashConfig) -> None:

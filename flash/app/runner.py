@@ -70,6 +70,9 @@ def prepare_model(cfg: FlashConfig, task) -> str:
     """The policy's initial checkpoint: ``model.path``; ``model.gguf`` converted once (flash.gguf);
     else the tiny model warm-started on the task (flash.train.sft)."""
     if cfg.model.path:
+        if cfg.sft != type(cfg.sft)():
+            print(f"flash: sft: is not run with model.path (it warm-starts the built-in tiny model); the "
+                  f"policy starts from {cfg.model.path} as it is", flush=True)
         return cfg.model.path
     if cfg.model.gguf:
         from flash.gguf import gguf_checkpoint
