@@ -24,6 +24,8 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import importlib
+import os
+import sys
 import importlib.metadata
 import inspect
 import types
@@ -262,7 +264,12 @@ def _hint_name(hint: Any) -> str:
 def load_plugins(modules: Iterable[str]) -> list[str]:
     """Import each named module so that its ``@register_loss`` / ``@register_advantage``
     decorators run. Returns the module names imported. An import error propagates, naming the
-    module (a plugin named in a recipe that cannot load is an error, never skipped)."""
+    module (a plugin named in a recipe that cannot load is an error, never skipped).
+
+    The working directory is searched too (as ``python -m`` would): a plugin beside the recipe is
+    found without setting PYTHONPATH, in the driver and in Ray's workers (``flash.cluster``)."""
+    if os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
     done = []
     for name in modules:
         try:

@@ -1,5 +1,6 @@
 """Strict config and the CLI: typos name the right key, bad values and missing recipes exit non-zero."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -157,3 +158,16 @@ def test_model_path_must_be_a_local_model_folder(tmp_path, capsys):
         load_config("recipes/stutter.yaml", [f"model.path={tmp_path}"])
     (tmp_path / "config.json").write_text("{}")
     assert load_config("recipes/stutter.yaml", [f"model.path={tmp_path}"]).model.path == str(tmp_path)
+
+
+def test_a_plugin_beside_the_recipe_is_found_without_pythonpath(tmp_path):
+    (tmp_path / "my_losses.py").write_text(
+        "import algos\n\n@algos.register_loss('my_pg', description='scaled REINFORCE')\n"
+        "def my_pg(inputs, *, scale: float = 1.0):\n    return -scale * inputs.advantages * inputs.logp, {}\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    flash = Path(sys.executable).with_name("flash")  # the console script: its sys.path lacks the cwd
+    out = subprocess.run([str(flash), "validate", str(Path(__file__).parents[1] / "recipes" / "stutter.yaml"),
+                          "plugins=[my_losses]", "algo.loss.name=my_pg", "algo.loss.scale=0.5"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120, check=False)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("ok: ") and "loss=my_pg" in out.stdout
