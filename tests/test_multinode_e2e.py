@@ -106,3 +106,20 @@ def engine_nodes() -> set[str]:
 
     return {a["Address"]["NodeID"] for a in state.actors().values()
             if a["State"] == "ALIVE" and a["ActorClassName"] == "EngineWorker"}
+
+
+@pytest.mark.margin  # the whole default recipe on the cluster (~3 min on 2 cores): pytest -m margin
+def test_the_default_recipe_learns_across_nodes(tmp_path, warm_cache, cluster):
+    """The default recipe unchanged but for its placement over two nodes and the authenticated zmq
+    buffer: the single-node learning bar at its async ratio (tests/test_default_recipe.py)."""
+    from flash.app.config import load_config
+
+    overrides = [f"ray.address={cluster.address}", "placement.num_gpus=2", "buffer.transport=zmq",
+                 "placement.roles.actor_train.device_mapping=[0]", "placement.roles.actor_infer.device_mapping=[1]",
+                 f"cache_dir={warm_cache}", f"run_dir={tmp_path}", "tracking.progress=false"]
+    cfg = load_config("recipes/stutter.yaml", overrides)
+    s = run(cfg, "stutter")
+    assert s["eval_accuracy_final"] - s["eval_accuracy_initial"] >= 0.15, s
+    assert s["steps"] == cfg.train.steps and s["max_staleness_observed"] <= 2
+    pairs = trained_pairs(read_jsonl(tmp_path / "ledger.jsonl"))
+    assert set(pairs.values()) == {1} and len(pairs) == cfg.train.steps * cfg.train.prompts_per_step * cfg.rollout.n
