@@ -21,7 +21,7 @@ import ray
 from ray.cluster_utils import Cluster
 
 from flash.app.runner import Run, run
-from tests.helpers.inproc import assert_equals_plain_loop, small_cfg
+from tests.helpers.inproc import assert_equals_plain_loop, run_steps, small_cfg
 from tests.helpers.processes import B, N, ROOT, read_jsonl, steps_done, trained_pairs
 
 
@@ -48,16 +48,9 @@ def test_trainer_and_engine_on_two_nodes_reproduce_the_synchronous_loop(tmp_path
                     "placement.num_gpus=2", "placement.roles.actor_train.device_mapping=[0]",
                     "placement.roles.actor_infer.device_mapping=[1]")
     r = Run(cfg, "two-nodes")
-    try:
-        nodes = {node_of(r.roles.trainer), node_of(r.roles.replicas[0])}
-        assert len(nodes) == 2 and len(ray.nodes()) == 4
-        assert ray.get_runtime_context().get_node_id() not in nodes  # the driver's node holds no GPU
-        r.scheduler.start()
-        r.scheduler.start_admission()
-        records = r.controller.run(3)
-        stats = ray.get(r.roles.engine.stats.remote())
-    finally:
-        r.close()
+    nodes, driver = {node_of(r.roles.trainer), node_of(r.roles.replicas[0])}, ray.get_runtime_context().get_node_id()
+    records, stats = run_steps(r, 3)
+    assert len(nodes) == 2 and len(ray.nodes()) == 4 and driver not in nodes  # the driver's node holds no GPU
     assert stats["version"] == 3 and r.roles.model_update.backend == "gloo"  # across nodes: not shared memory
     assert all(rec.metrics["model_update/bytes"] > 0 for rec in records)
     assert_equals_plain_loop(records, cfg, r, 3)

@@ -22,7 +22,7 @@ import torch
 from flash.app.runner import Run, run
 from flash.cluster import load_model
 from flash.weights.model_update import unique_tensors
-from tests.helpers.inproc import assert_equals_plain_loop, small_cfg
+from tests.helpers.inproc import assert_equals_plain_loop, run_steps, small_cfg
 from tests.helpers.processes import recipe_summary
 
 
@@ -94,14 +94,9 @@ def test_two_disaggregated_replicas_reproduce_the_synchronous_loop(tmp_path, cac
     ray.shutdown()  # a local Ray with 4 (simulated) GPUs
     cfg = small_cfg(tmp_path, cache, "async_ratio=0", "algo.loss.name=ppo", *DISAGGREGATED)
     r = Run(cfg, "sync2")
-    try:
-        assert not r.controller.s.colocated and len(r.roles.replicas) == 2
-        r.scheduler.start()
-        r.scheduler.start_admission()
-        records = r.controller.run(3)
-        stats = ray.get(r.roles.engine.stats.remote())
-    finally:
-        r.close()
+    colocated, replicas = r.controller.s.colocated, len(r.roles.replicas)
+    records, stats = run_steps(r, 3)
+    assert not colocated and replicas == 2
     assert_equals_plain_loop(records, cfg, r, 3)
     assert stats["replicas"] == 2 and stats["version"] == 3
     assert stats["replica0/routed"] > 0 and stats["replica1/routed"] > 0  # both replicas served

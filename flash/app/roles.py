@@ -57,6 +57,17 @@ class Roles:
         return [a for a in dict.fromkeys([self.engine, *self.replicas, self.trainer, self.critic, self.reference])
                 if a is not None]
 
+    def dead_role(self, exc: Exception) -> str:
+        """Which of the run's actors a RayActorError names (the message a user acts on): the
+        trainer unless the error's actor id is another role's."""
+        dead = getattr(exc, "actor_id", None)
+        named = {"critic worker": [self.critic], "reference worker": [self.reference],
+                 "rollout engine": [self.engine, *self.replicas]}
+        for role, actors in named.items():
+            if dead and any(a is not None and a._actor_id.hex() == dead for a in actors):
+                return role
+        return "trainer worker"
+
     def close(self, extra_actors: list = ()) -> None:
         self.model_update.close()
         for actor in dict.fromkeys([*self.actors(), *extra_actors]):

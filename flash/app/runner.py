@@ -32,7 +32,7 @@ from flash.app import resume as resume_mod
 from flash.app import run_state
 from flash.app.config_checks import steps_per_batch
 from flash.app.schedule import step_line
-from flash.app.roles import Clock, Roles, RolloutBuffer, RunFiles, new_guards, reference_placed, start_roles
+from flash.app.roles import Clock, RolloutBuffer, RunFiles, new_guards, reference_placed, start_roles
 from flash.checkpoint import Checkpointer, latest_valid, remove_partial
 from flash.checkpoint_trust import read_manifest, resume_key
 from flash.app.config import FlashConfig, to_dict, to_yaml
@@ -338,7 +338,7 @@ def _run(cfg: FlashConfig, recipe_name: str) -> dict:
             records = r.controller.run(cfg.train.steps, on_step=lambda rec: _on_step(r, rec, tracker, progress),
                                        start=start)
         except RayActorError as exc:  # engine, reward and env faults are recovered (flash.engine.client, pools)
-            raise TrainerDied(f"the {_dead_role(r.roles, exc)} died ({exc.__class__.__name__}); the run stopped. "
+            raise TrainerDied(f"the {r.roles.dead_role(exc)} died ({exc.__class__.__name__}); the run stopped. "
                               f"Resume from its last checkpoint: flash run {recipe_name} resume={r.dir}") from exc
         r.checkpointer.wait()
         train_s = time.monotonic() - train_start
@@ -356,18 +356,6 @@ def _run(cfg: FlashConfig, recipe_name: str) -> dict:
     summary = _summary(cfg, r, records, acc0, acc1, train_s, left)
     (r.dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
-
-
-def _dead_role(roles: Roles, exc: RayActorError) -> str:
-    """Which of the run's actors a RayActorError names (the message a user acts on): the trainer
-    unless the error's actor id is another role's."""
-    dead = getattr(exc, "actor_id", None)
-    named = {"critic worker": [roles.critic], "reference worker": [roles.reference],
-             "rollout engine": [roles.engine, *roles.replicas]}
-    for role, actors in named.items():
-        if dead and any(a is not None and a._actor_id.hex() == dead for a in actors):
-            return role
-    return "trainer worker"
 
 
 def _on_step(r: Run, rec, tracker, progress) -> None:

@@ -76,3 +76,17 @@ def assert_equals_plain_loop(records, cfg, run, steps: int) -> None:
     for t, ((tok_a, loss_a), (tok_b, loss_b)) in enumerate(zip(ours, ref)):
         assert tok_a == tok_b, f"step {t}: different samples"
         assert loss_a == pytest.approx(loss_b, rel=1e-6, abs=1e-7), f"step {t}"
+
+
+def run_steps(run, steps: int):
+    """Drive a built ``Run`` for ``steps`` controller steps, then close it: (records, engine stats)."""
+    import ray
+
+    try:
+        run.scheduler.start()
+        run.scheduler.start_admission()
+        records = run.controller.run(steps)
+        stats = ray.get(run.roles.engine.stats.remote())
+    finally:
+        run.close()
+    return records, stats
