@@ -171,3 +171,24 @@ def test_a_plugin_beside_the_recipe_is_found_without_pythonpath(tmp_path):
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120, check=False)
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("ok: ") and "loss=my_pg" in out.stdout
+
+
+def test_a_recipe_builds_on_another_with_base(tmp_path, capsys):
+    stutter = load_config("recipes/stutter.yaml")
+    (tmp_path / "mine.yaml").write_text("base: stutter\ndescription: mine\ntrain: {steps: 7}\n")
+    mine = load_config(tmp_path / "mine.yaml")
+    assert mine.train.steps == 7 and mine.description == "mine"
+    assert (mine.async_ratio, mine.algo.loss, mine.rollout.n) == (stutter.async_ratio, stutter.algo.loss, stutter.rollout.n)
+    (tmp_path / "more.yaml").write_text("base: mine.yaml\nrollout: {n: 2}\n")  # a path beside it
+    more = load_config(tmp_path / "more.yaml", ["train.steps=9"])
+    assert (more.train.steps, more.rollout.n, more.algo.loss) == (9, 2, stutter.algo.loss)
+    (tmp_path / "a.yaml").write_text("base: b.yaml\n")
+    (tmp_path / "b.yaml").write_text("base: a.yaml\n")
+    assert main(["validate", str(tmp_path / "a.yaml")]) == 2
+    assert "recipe bases go round" in capsys.readouterr().err
+    (tmp_path / "bad.yaml").write_text("base: [stutter]\n")
+    with pytest.raises(ConfigError, match="base must be a recipe name or a file path"):
+        load_config(tmp_path / "bad.yaml")
+    (tmp_path / "typo.yaml").write_text("base: stuter\n")
+    with pytest.raises(Exception, match="no recipe named 'stuter'.*stutter"):
+        load_config(tmp_path / "typo.yaml")

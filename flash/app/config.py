@@ -37,12 +37,12 @@ from flash.errors import ConfigError
 
 def load_config(recipe_path: str | Path, overrides: list[str] = ()) -> FlashConfig:
     """Recipe YAML + ``key=value`` overrides → a validated FlashConfig object."""
-    recipe = read_recipe(recipe_path)
+    chain = recipe_chain(Path(recipe_path))
     cli = _parse_overrides(_check_dotlist(list(overrides)))
-    for source in (recipe, cli):
+    for source in (*chain, cli):
         check_keys(OmegaConf.to_container(source), FlashConfig)
     try:
-        merged = OmegaConf.merge(OmegaConf.structured(FlashConfig), recipe, cli)
+        merged = OmegaConf.merge(OmegaConf.structured(FlashConfig), *chain, cli)
         cfg: FlashConfig = OmegaConf.to_object(merged)
     except OmegaConfBaseException as exc:
         key = getattr(exc, "full_key", "") or ""
@@ -76,6 +76,33 @@ def read_recipe(path: str | Path):
         raise ConfigError(f"{path} is empty: a recipe names at least its task (task: {{name: ...}}); "
                           f"`flash ls` lists recipes to start from")
     return recipe
+
+
+MAX_BASES = 8
+
+
+def recipe_chain(path: Path) -> list:
+    """The recipe and the recipes it builds on, base first: ``base: NAME`` (a name from `flash ls`,
+    or a path relative to this recipe's file) starts a recipe from another one instead of from the
+    defaults; its own keys then override the base's. Chains are at most ``MAX_BASES`` deep and
+    never circular (one line naming the files)."""
+    from flash.app.recipe_files import resolve_recipe
+
+    chain, seen = [], []
+    while True:
+        recipe = read_recipe(path)
+        seen.append(path.resolve())
+        base = recipe.pop("base", None)
+        chain.insert(0, recipe)
+        if base is None:
+            return chain
+        if not isinstance(base, str) or not base:
+            raise ConfigError(f"{path}: base must be a recipe name or a file path, got {base!r}")
+        near = path.parent / base
+        path = near if near.suffix in (".yaml", ".yml") and near.is_file() else resolve_recipe(base)
+        if path.resolve() in seen or len(seen) > MAX_BASES:
+            raise ConfigError(f"recipe bases go round or deeper than {MAX_BASES}: "
+                              f"{' -> '.join(str(p) for p in [*seen, path.resolve()])}")
 
 
 def validate(cfg: FlashConfig) -> None:
