@@ -12,6 +12,7 @@ is recorded in BENCHMARKS.md by `python -m bench.async_speedup`, not asserted he
 machine makes timed asserts flaky).
 """
 
+import json
 import math
 
 import pytest
@@ -55,3 +56,7 @@ def test_default_recipe_learns(tmp_path, cache, ratio, seed):
                 "samples_trained", "max_staleness_observed", "async_ratio"):
         assert key in s
     assert (tmp_path / "summary.json").exists() and list((tmp_path / "tb").iterdir())
+    samples = [json.loads(x) for x in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in samples] == [t for t in range(1, cfg.train.steps + 1) for _ in range(2)]
+    assert all(a["reward"] >= b["reward"] and a["prompt"] and isinstance(b["response"], str)
+               for a, b in zip(samples[::2], samples[1::2]))  # the step's best, then its worst

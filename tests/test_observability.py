@@ -135,6 +135,33 @@ def test_tensorboard_holds_the_namespaced_scalars(tmp_path):
     assert [e.value for e in events.Scalars("rollout/idle_ratio")] == pytest.approx([0.4, 0.4])
 
 
+def test_a_step_keeps_its_best_and_worst_samples_as_text(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from buffers import Group, Sample
+    from flash.app.tracking import pick_samples, samples_markdown
+
+    def group(pid, rewards):
+        return Group(prompt_id=pid, samples=[Sample(prompt_id=pid, sample_index=k, prompt_ids=[pid], response_ids=[k, 9],
+                                                    behav_logprobs=[0.0, 0.0], versions=[0, 0], reward=r)
+                                             for k, r in enumerate(rewards)])
+
+    decode = lambda ids: "-".join(map(str, ids))  # noqa: E731
+    picked = pick_samples(7, [group(1, [0.5, 0.0]), group(2, [1.0, 0.25])], 3, decode)
+    assert [(x["prompt_id"], x["sample"], x["reward"]) for x in picked] == [(2, 0, 1.0), (1, 1, 0.0), (1, 0, 0.5)]
+    assert picked[0] == {"step": 7, "prompt_id": 2, "sample": 0, "reward": 1.0, "finish_reason": "",
+                         "prompt": "2", "response": "0-9"}
+    assert len(pick_samples(1, [group(1, [0.5])], 4, decode)) == 1
+    tracker = make_tracker(load_config(RECIPE, ["tracking.backends=[tensorboard]"]).tracking, str(tmp_path))
+    tracker.text("samples", samples_markdown(picked), 7)
+    tracker.close()
+    events = EventAccumulator(str(tmp_path / "tb"), size_guidance={"tensors": 0})
+    events.Reload()
+    (event,) = events.Tensors("samples/text_summary")
+    text = event.tensor_proto.string_val[0].decode()
+    assert event.step == 7 and "**prompt 2 sample 0**: reward 1 " in text and "'0-9'" in text
+
+
 @pytest.mark.parametrize("backend", ["wandb", "swanlab"])
 def test_a_missing_optional_tracker_names_the_extra(monkeypatch, backend):
     monkeypatch.setitem(sys.modules, backend, None)  # as if not installed

@@ -28,7 +28,7 @@ from flash.errors import ConfigError, FlashError
 
 log = logging.getLogger(__name__)
 
-LOGS = ("ledger", "metrics", "timeline", "eval", "schedule")  # RUN_DIR/<name>.jsonl, cut back on resume
+LOGS = ("ledger", "metrics", "timeline", "eval", "schedule", "samples")  # RUN_DIR/<name>.jsonl, cut back on resume
 MAY_CHANGE = ("train.steps", "train.max_consecutive_skips", "train.workers", "placement.roles.actor_train.",
               "checkpoint.", "tracking.", "resume", "run_dir", "overwrite", "trust_checkpoint",
               "cache_dir", "description", "eval.every_steps", "rollout.hang_timeout_s",
@@ -115,7 +115,7 @@ def append_event(run_dir: Path, event: str, **fields) -> None:
 
 # what makes a directory hold a run (a sweep's sweep_point.json or a test's log do not)
 RUN_FILES = ("config.yaml", "ledger.jsonl", "metrics.jsonl", "summary.json", "events.jsonl",
-             "checkpoints")
+             "samples.jsonl", "checkpoints")
 
 
 def make_run_dir(cfg, recipe_name: str, resuming: bool = False) -> Path:

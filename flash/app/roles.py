@@ -84,15 +84,17 @@ class RunFiles:
     eval: IO[str]  # every held-out evaluation
     ledger: IO[str]  # one line per sample outcome
     schedule: IO[str]  # what each step trained (flash.app.schedule), for `flash replay`
+    samples: IO[str]  # a few decoded responses per step (tracking.log_samples)
 
     @classmethod
     def open(cls, run_dir: Path, append: bool) -> RunFiles:
         mode = "a" if append else "w"
-        return cls(*(open(run_dir / f"{name}.jsonl", mode) for name in ("metrics", "timeline", "eval", "ledger", "schedule")))
+        names = ("metrics", "timeline", "eval", "ledger", "schedule", "samples")
+        return cls(*(open(run_dir / f"{name}.jsonl", mode) for name in names))
 
     def by_name(self) -> dict[str, IO[str]]:
         return {"ledger": self.ledger, "metrics": self.metrics, "timeline": self.timeline, "eval": self.eval,
-                "schedule": self.schedule}
+                "schedule": self.schedule, "samples": self.samples}
 
     def close(self) -> None:
         for f in self.by_name().values():

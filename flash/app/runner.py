@@ -39,7 +39,7 @@ from flash.app.config import FlashConfig, to_dict, to_yaml
 from flash.engine.base import SamplingParams
 from flash.errors import FlashError
 from flash.guards import InputGuard
-from flash.app.tracking import Progress, make_tracker
+from flash.app.tracking import Progress, make_tracker, pick_samples, samples_markdown
 from controllers.episode_runtime import build_episode_scheduler, check_episode_config
 from flash.envs.task import EnvTask
 from flash.train.trainer import TrainerSettings
@@ -386,6 +386,11 @@ def _on_step(r: Run, rec, tracker, progress) -> None:
     r.files.timeline.write(json.dumps({"step": step, **rec.timeline}) + "\n")
     r.files.timeline.flush()
     _record_schedule(r, rec)
+    if r.cfg.tracking.log_samples:
+        picked = pick_samples(step, rec.groups, r.cfg.tracking.log_samples, r.tokenizer.decode)
+        r.files.samples.write("".join(json.dumps(x) + "\n" for x in picked))
+        r.files.samples.flush()
+        tracker.text("samples", samples_markdown(picked), step)
     run_state.commit_checkpoint(r.checkpointer, r.files)
     progress.update(logged)
 

@@ -201,6 +201,9 @@ class TrackingConfig:
     progress: bool = True
     project: str = "flash"  # wandb / swanlab project
     run_name: Optional[str] = None  # wandb / swanlab run name; unset: the run dir's name
+    # responses kept per step (decoded prompt, response, reward) in samples.jsonl and TensorBoard's
+    # Text tab, so a reward or format bug can be read; 0 = none
+    log_samples: int = 2
 
 
 @dataclass

@@ -39,6 +39,11 @@ class TensorBoardTracker:
             self.writer.add_scalar(key, value, step)
         self.writer.flush()
 
+    def text(self, tag: str, text: str, step: int) -> None:
+        """Markdown text at ``step`` (TensorBoard's Text tab): the samples a step trained on."""
+        self.writer.add_text(tag, text, step)
+        self.writer.flush()
+
     def close(self) -> None:
         self.writer.close()
 
@@ -134,6 +139,12 @@ class MultiTracker:
         for t in self.trackers:
             t.log(metrics, step)
 
+    def text(self, tag: str, text: str, step: int) -> None:
+        """To the backends that show text (TensorBoard); the others keep scalars only."""
+        for t in self.trackers:
+            if hasattr(t, "text"):
+                t.text(tag, text, step)
+
     def close(self) -> None:
         for t in self.trackers:
             t.close()
@@ -165,3 +176,19 @@ class Progress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+def pick_samples(step: int, groups: list, n: int, decode) -> list[dict]:
+    """Up to ``n`` of a step's samples, decoded: alternately the highest and the lowest reward (a
+    reward or format bug shows at the extremes), ties in trained order."""
+    ranked = sorted((s for g in groups for s in g.samples), key=lambda s: -s.reward)
+    picked = [ranked[i // 2] if i % 2 == 0 else ranked[-1 - i // 2] for i in range(min(n, len(ranked)))]
+    return [{"step": step, "prompt_id": s.prompt_id, "sample": s.sample_index, "reward": s.reward,
+             "finish_reason": s.finish_reason, "prompt": decode(list(s.prompt_ids)),
+             "response": decode(list(s.response_ids))} for s in picked]
+
+
+def samples_markdown(samples: list[dict]) -> str:
+    """The picked samples as Markdown for a text panel (TensorBoard renders it)."""
+    return "\n\n".join(f"**prompt {x['prompt_id']} sample {x['sample']}**: reward {x['reward']:.3g} "
+                        f"({x['finish_reason']})\n\n    {x['prompt']!r}\n\n    {x['response']!r}" for x in samples)
