@@ -40,6 +40,19 @@ def curve():
     svc.stop()
 
 
+def stores_the_next_groups_once(svc, keys) -> None:
+    """After an attack: a fresh producer's groups are each stored once and taken once."""
+    before = {m.prompt_id for m in svc.buffer.meta()[2]}
+    producer = BufferProducer(svc.address, keys=keys.client if keys else None)
+    for pid in (900, 901):
+        producer.put(make_group(pid))
+    producer.flush()
+    producer.close()
+    new = [m for m in svc.buffer.meta()[2] if m.prompt_id not in before]
+    assert sorted(m.prompt_id for m in new) == [900, 901]
+    assert sorted(g.prompt_id for g, _ in svc.buffer.take([m.key for m in new])) == [900, 901]
+
+
 def ask(sock, message: dict) -> dict:
     sock.send(pack({"rid": 5, **message}))
     return unpack(sock.recv(), MB)
@@ -63,6 +76,7 @@ def test_a_client_without_the_run_keys_is_never_served(curve):
     BufferProducer(svc.address, keys=keys.client).put(make_group(1))
     assert [g.prompt_id for g in consumer.get_batch(1, timeout=5)] == [1]
     consumer.disconnect()
+    stores_the_next_groups_once(svc, keys)
 
 
 def test_only_the_owner_closes_or_drains(curve):
@@ -92,6 +106,7 @@ def test_producer_ids_come_from_the_service_and_a_replay_is_not_a_second_group(c
     got = answers(sock, 2)
     assert [g["status"] for g in got] == ["stored", "rejected"] and got[1]["reason"] == "duplicate_prompt"
     assert len(svc.buffer) == 1
+    stores_the_next_groups_once(svc, curve[1])
 
 
 def bad_groups():
@@ -127,6 +142,7 @@ def test_values_no_engine_produces_are_refused_and_never_selected(curve):
     assert {g["reason"] for g in got[1:-1]} == {"bad_value"}
     assert svc.stats()["rejected_bad_value"] == len(bad)
     assert sorted(m.prompt_id for m in svc.buffer.meta()[2]) == [1, 2]
+    stores_the_next_groups_once(svc, curve[1])
 
 
 def test_long_polls_are_bounded_in_time_and_per_client(curve):
@@ -145,6 +161,7 @@ def test_long_polls_are_bounded_in_time_and_per_client(curve):
     other.close(0)
     ctx.term()
     assert svc.stats()["waiters"] == svc.max_waiters_per_client
+    stores_the_next_groups_once(svc, keys)
 
 
 def test_a_frame_of_empty_arrays_is_refused_without_building_it(curve):
@@ -162,6 +179,7 @@ def test_a_frame_of_empty_arrays_is_refused_without_building_it(curve):
     assert answers(sock, 1)[0]["reason"] == "bad_schema"
     with pytest.raises(WireError, match="more than 262144 lists and maps"):
         unpack(nested, 64 * MB)
+    stores_the_next_groups_once(curve[0], curve[1])
 
 
 def test_a_frame_beyond_maxmsgsize_drops_its_sender_and_the_service_serves_on():
@@ -174,6 +192,7 @@ def test_a_frame_beyond_maxmsgsize_drops_its_sender_and_the_service_serves_on():
         assert svc.stats()["frames_in"] == 0
         ok = _raw_socket(ctx, svc.address, keys.client)
         assert ask(ok, {"op": "stats"})["status"] == "ok"
+        stores_the_next_groups_once(svc, keys)
         big.close(0)
         ok.close(0)
         ctx.term()
