@@ -62,7 +62,7 @@ class ServiceKeys:
 
         auth = ThreadAuthenticator(ctx)
         auth.start()
-        auth.configure_curve_callback("*", _OnlyKey(zmq.utils.z85.decode(self.client.client_public)))
+        auth.configure_curve_callback("*", _OnlyKey(self.client.client_public))
         sock.curve_server = True
         sock.curve_publickey = self.server_public
         sock.curve_secretkey = self.server_secret
@@ -70,13 +70,13 @@ class ServiceKeys:
 
 
 class _OnlyKey:
-    """ZAP credentials provider: admits exactly one client public key."""
+    """ZAP credentials provider: admits exactly one client public key (both Z85, as pyzmq gives them)."""
 
-    def __init__(self, key: bytes):
-        self.key = key
+    def __init__(self, z85_key: bytes):
+        self.key = z85_key
 
     def callback(self, domain: str, z85_key: bytes) -> bool:
-        return secrets.compare_digest(zmq.utils.z85.decode(z85_key), self.key)
+        return secrets.compare_digest(z85_key, self.key)
 
 
 def new_owner_token() -> bytes:

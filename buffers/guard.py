@@ -29,40 +29,37 @@ from buffers.wire import WireError
 class ProducerTable:
     def __init__(self, max_producers: int = 4096, expire_s: float = 600.0):
         self.max_producers, self.expire_s = max_producers, expire_s
-        self._last_seq: dict[str, int] = {}
-        self._active: OrderedDict[str, float] = OrderedDict()  # id -> last request, oldest first
+        # id -> [last decided seq, last request time], the longest silent first
+        self._table: OrderedDict[str, list] = OrderedDict()
 
     def issue(self, now: float | None = None) -> str:
         """A new producer id; the longest-silent producer past ``expire_s`` makes room if needed."""
         now = time.monotonic() if now is None else now
-        if len(self._active) >= self.max_producers:
-            oldest, seen = next(iter(self._active.items()))
+        if len(self._table) >= self.max_producers:
+            oldest, (_, seen) = next(iter(self._table.items()))
             if now - seen < self.expire_s:
                 raise WireError("too_many_producers", f"{self.max_producers} producers active in the last "
                                                       f"{self.expire_s:.0f}s")
-            self.forget(oldest)
+            del self._table[oldest]
         pid = secrets.token_hex(12)
-        self._active[pid], self._last_seq[pid] = now, -1
+        self._table[pid] = [-1, now]
         return pid
 
     def last_seq(self, producer: str, now: float | None = None) -> int:
         """The producer's last decided seq (touching it); ``unknown_producer`` if never issued here."""
-        if producer not in self._active:
+        entry = self._table.get(producer)
+        if entry is None:
             raise WireError("unknown_producer", "producer ids come from the service's hello; this one is "
                                                 "unknown or expired")
-        self._active[producer] = time.monotonic() if now is None else now
-        self._active.move_to_end(producer)
-        return self._last_seq[producer]
+        entry[1] = time.monotonic() if now is None else now
+        self._table.move_to_end(producer)
+        return entry[0]
 
     def decided(self, producer: str, seq: int) -> None:
-        self._last_seq[producer] = seq
-
-    def forget(self, producer: str) -> None:
-        self._active.pop(producer, None)
-        self._last_seq.pop(producer, None)
+        self._table[producer][0] = seq
 
     def __len__(self) -> int:
-        return len(self._active)
+        return len(self._table)
 
 
 class SeenPrompts:
@@ -93,18 +90,17 @@ def check_values(group: Group, limits: ValueLimits, max_version: int) -> None:
     if not 0 <= group.admitted_version <= max_version:
         raise WireError("bad_value", f"group {group.prompt_id}: admitted_version {group.admitted_version} "
                                      f"outside [0, {max_version}]")
+    top = (limits.vocab_size - 1) if limits.vocab_size else None
     for s in group.samples:
         where = f"group {group.prompt_id} sample {s.sample_index}"
         if not math.isfinite(s.reward):
             raise WireError("bad_value", f"{where}: reward {s.reward}")
-        if len(s.prompt_ids) + len(s.response_ids) > limits.max_tokens:
-            raise WireError("bad_value", f"{where}: {len(s.prompt_ids) + len(s.response_ids)} tokens > "
-                                         f"{limits.max_tokens}")
+        if (tokens := len(s.prompt_ids) + len(s.response_ids)) > limits.max_tokens:
+            raise WireError("bad_value", f"{where}: {tokens} tokens > {limits.max_tokens}")
         _check_array(np.asarray(s.behav_logprobs, dtype=np.float64), where, "behav_logprobs", finite=True)
         _check_array(np.asarray(s.versions), where, "versions", lo=0, hi=max_version)
         if not 0 <= s.admitted_version <= max_version:
             raise WireError("bad_value", f"{where}: admitted_version {s.admitted_version} outside [0, {max_version}]")
-        top = (limits.vocab_size - 1) if limits.vocab_size else None
         for name in ("prompt_ids", "response_ids"):
             _check_array(np.asarray(getattr(s, name)), where, name, lo=0, hi=top)
 

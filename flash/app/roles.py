@@ -24,6 +24,7 @@ import ray
 from buffers.guard import ValueLimits
 from controllers.staleness import StalenessManager
 from flash.app.config import FlashConfig
+from flash.app.resume import LOGS
 from flash.cluster import init_ray, wait_ready
 from flash.engine.client import EngineClient
 from flash.engine.router import start_router
@@ -89,12 +90,11 @@ class RunFiles:
     @classmethod
     def open(cls, run_dir: Path, append: bool) -> RunFiles:
         mode = "a" if append else "w"
-        names = ("metrics", "timeline", "eval", "ledger", "schedule", "samples")
-        return cls(*(open(run_dir / f"{name}.jsonl", mode) for name in names))
+        return cls(**{name: open(run_dir / f"{name}.jsonl", mode) for name in LOGS})
 
     def by_name(self) -> dict[str, IO[str]]:
-        return {"ledger": self.ledger, "metrics": self.metrics, "timeline": self.timeline, "eval": self.eval,
-                "schedule": self.schedule, "samples": self.samples}
+        """Every log by name: the list a checkpoint records offsets of and a resume cuts back."""
+        return {name: getattr(self, name) for name in LOGS}
 
     def close(self) -> None:
         for f in self.by_name().values():
