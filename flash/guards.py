@@ -65,27 +65,32 @@ class InputGuard:
 
     max_prompt_tokens: int
     strict: bool = False
+    max_consecutive: int = 10_000  # rows skipped in a row before the data is called unusable
     counts: dict[str, int] = field(default_factory=dict)
     warn: Callable[[str], None] = log.warning
 
     def take(self, index: int, item_fn: Callable[[int], Any], encode: Callable[[str], list[int]]):
         """The first usable prompt at data position >= ``index``: ``(index, item, ids)``."""
-        while True:
+        for _ in range(self.max_consecutive):
             item, ids, why = self._load(index, item_fn, encode)
             if why is None:
                 return index, item, ids
             self._reject(index, why, item)
             index += 1
+        raise DataError(f"{self.max_consecutive} rows in a row up to data index {index - 1} were skipped "
+                        f"({self.metrics()}): the data has no usable prompt; see the first skip of each "
+                        f"kind in the log, or run `flash data RECIPE` to see the rows")
 
     def _load(self, index, item_fn, encode):
         try:
             item = item_fn(index)
         except (ValueError, KeyError, TypeError, UnicodeError) as exc:
-            return None, None, f"malformed: {type(exc).__name__}: {exc}"
+            reason = getattr(exc, "reason", "malformed")  # a dataset row names its own (flash.data.rows)
+            return None, None, f"{reason}: {type(exc).__name__}: {exc}"
         prompt = getattr(item, "prompt", None)
-        if not isinstance(prompt, str):
-            return item, None, f"malformed: prompt is {type(prompt).__name__}, not text"
-        if not prompt.strip():
+        if not isinstance(prompt, (str, list)):
+            return item, None, f"malformed: prompt is {type(prompt).__name__}, not text or a chat"
+        if not prompt or (isinstance(prompt, str) and not prompt.strip()):
             return item, None, "empty"
         try:
             ids = encode(prompt)

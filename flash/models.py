@@ -61,18 +61,43 @@ def is_char_tokenizer(tokenizer: PreTrainedTokenizerFast) -> bool:
     return (tokenizer.bos_token, tokenizer.eos_token, tokenizer.pad_token) == (BOS, EOS, PAD)
 
 
-def encode_prompt(tokenizer: PreTrainedTokenizerFast, text: str) -> list[int]:
-    """Prompt ids. The character tokenizer: ``<bos>`` then one id per character, the response
-    follows directly. A pretrained tokenizer with a chat template (e.g. SmolLM2-Instruct): the
-    text as one user turn, then the assistant header, as the model was tuned to see it. Any
-    other tokenizer: its own encoding with its special tokens."""
+def encode_prompt(tokenizer: PreTrainedTokenizerFast, prompt: str | list[dict]) -> list[int]:
+    """Prompt ids. A chat (a list of ``{role, content}`` turns): the tokenizer's chat template with
+    the generation prompt, exactly as ``apply_chat_template`` gives it. Text with the character
+    tokenizer: ``<bos>`` then one id per character, the response follows directly. Text with a
+    chat template (e.g. SmolLM2-Instruct): one user turn, then the assistant header, as the model
+    was tuned to see it. Any other tokenizer: its own encoding with its special tokens."""
+    if isinstance(prompt, list):
+        if not tokenizer.chat_template:
+            raise ValueError("the prompt is a chat but the tokenizer has no chat template; set "
+                             "model.chat_template (a Jinja string or a file)")
+        return chat_ids(tokenizer, prompt)
     if is_char_tokenizer(tokenizer):
-        return [tokenizer.bos_token_id] + _encode_chars(tokenizer, text)
+        return [tokenizer.bos_token_id] + _encode_chars(tokenizer, prompt)
     if tokenizer.chat_template:
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}],
-                                            add_generation_prompt=True, tokenize=True)
-        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-    return tokenizer.encode(text)
+        return chat_ids(tokenizer, [{"role": "user", "content": prompt}])
+    return tokenizer.encode(prompt)
+
+
+def chat_ids(tokenizer: PreTrainedTokenizerFast, messages: list[dict]) -> list[int]:
+    """``apply_chat_template(messages, add_generation_prompt=True)`` as a list of ids."""
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def set_chat_template(tokenizer: PreTrainedTokenizerFast, template: str | None) -> None:
+    """``model.chat_template``: a Jinja string, or the path of a file holding one, replaces the
+    tokenizer's own. Jinja here is transformers' sandboxed environment: a template is data."""
+    if not template:
+        return
+    from pathlib import Path
+
+    path = Path(template).expanduser()
+    if "{" not in template and path.is_file():
+        template = path.read_text()
+    elif "{" not in template:
+        raise ValueError(f"model.chat_template {template!r} is neither a Jinja template nor a file")
+    tokenizer.chat_template = template
 
 
 def encode_response(tokenizer: PreTrainedTokenizerFast, text: str) -> list[int]:

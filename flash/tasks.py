@@ -122,5 +122,10 @@ def make_task(name: str, **options) -> Task:
 
 
 def task_fingerprint(task: Task) -> dict:
-    """Everything that identifies a task's data: its name and all its options (for cache keys)."""
-    return {"name": task.name, "options": dataclasses.asdict(task.options)}
+    """Everything that identifies a task's data: its name and all its options (for cache keys); a
+    task over files adds ``data_fingerprint`` (their contents), so a copy elsewhere is the same data."""
+    options = dataclasses.asdict(task.options)
+    data = getattr(task, "data_fingerprint", None)
+    if data is not None:
+        options = {k: v for k, v in options.items() if k not in ("train", "eval")} | {"data": data}
+    return {"name": task.name, "options": options}

@@ -8,6 +8,8 @@
     flash plot RUN_DIR... [-o FILE]        reward, accuracy, throughput, staleness, role timeline
     flash plan RUN_DIR... [key=v1,v2 ...]  predict seconds per step of other settings from a run
     flash replay RUN_DIR                   re-train a run from its schedule record, step for step
+    flash data RECIPE [key=value ...]      the prompts as the engine sees them, lengths, bad rows
+    flash data export TASK -o FILE         write a built-in task's items as a dataset file
 
 Errors a user can fix (unknown key, bad value, missing recipe) print one line and exit 2.
 """
@@ -122,6 +124,42 @@ def cmd_replay(args: argparse.Namespace) -> int:
     return 0 if summary["first_mismatch"] is None else 1
 
 
+def cmd_data(args: argparse.Namespace) -> int:
+    from flash.app.data_preview import export_task, preview
+
+    if args.args[0] != "export":
+        from flash.app.config import load_config
+
+        preview(load_config(resolve_recipe(args.args[0]), args.args[1:]), rows=args.rows)
+        return 0
+    if len(args.args) < 2 or not args.output:
+        raise FlashError("usage: flash data export TASK [option=value ...] -o FILE (a .jsonl, .csv, .parquet "
+                         "or a directory)")
+    options = {}
+    for pair in args.args[2:]:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise FlashError(f"task options are key=value, got {pair!r}")
+        import yaml
+
+        options[key] = yaml.safe_load(value)
+    try:
+        n = export_task(args.args[1], options, args.output, args.rows, args.split)
+    except (ValueError, TypeError) as exc:
+        raise FlashError(f"task {args.args[1]!r}: {exc}") from None
+    print(f"flash: wrote {n} {args.split} rows of {args.args[1]} to {args.output}")
+    return 0
+
+
+def _add_data(sub) -> None:
+    p = sub.add_parser("data", help="preview a recipe's prompts, or export a built-in task as a file")
+    p.add_argument("args", nargs="+", metavar="RECIPE [key=value ...] | export TASK [option=value ...]")
+    p.add_argument("-o", "--output", help="export: the file to write (.jsonl, .csv, .parquet, or a directory)")
+    p.add_argument("--rows", type=int, default=1000, help="rows to scan (preview) or write (export)")
+    p.add_argument("--split", choices=("train", "eval"), default="train", help="export: which split")
+    p.set_defaults(fn=cmd_data)
+
+
 def _add_replay(sub) -> None:
     p = sub.add_parser("replay", help="re-train a run from its recorded schedule; exit 1 if a step's loss differs")
     p.add_argument("run_dir", help="the run dir of a `flash run` (it holds schedule.jsonl)")
@@ -176,6 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sweep_plot(sub)
     _add_plan(sub)
     _add_replay(sub)
+    _add_data(sub)
     return parser
 
 

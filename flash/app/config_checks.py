@@ -80,6 +80,9 @@ def validate(cfg: FlashConfig) -> None:
     _check_plugin_section("algo.advantage", cfg.algo.advantage, algos.validate_advantage)
     _check_corrections(cfg)
     _check_task(cfg.task, task_options)
+    from flash.app.data import check_data
+
+    check_data(cfg)
     _check_model(cfg.model)
     _check_stream(cfg)
     _check_reward(cfg)

@@ -75,12 +75,12 @@ def _replay_lines(cfg: FlashConfig, lines: list[dict]) -> list[StepCheck]:
     from transformers import AutoTokenizer
 
     from flash.app.runner import prepare_model, run_cores, trainer_settings
-    from recipes.tasks import make_task
+    from flash.app.data import build_task
 
     quiet()
     algos.load_plugins(list(cfg.plugins))
     threads = _context(lines[0])
-    task = make_task(cfg.task["name"], **{k: v for k, v in cfg.task.items() if k != "name"})
+    task = build_task(cfg)
     model_path = prepare_model(cfg, task)  # the cached warm start, or built again the same way
     pad_id = AutoTokenizer.from_pretrained(model_path).pad_token_id or 0
     init_ray(cfg.ray.address, run_cores(cfg))

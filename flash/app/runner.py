@@ -31,6 +31,7 @@ from controllers.workflows.episode import Episodes
 from flash.app import resume as resume_mod
 from flash.app import run_state
 from flash.app.config_checks import steps_per_batch
+from flash.app.data import build_task, check_prompt_format, data_steps, load_tokenizer
 from flash.app.schedule import step_line
 from flash.app.roles import Clock, RolloutBuffer, RunFiles, new_guards, reference_placed, start_roles
 from flash.checkpoint import Checkpointer, latest_valid, remove_partial
@@ -151,9 +152,6 @@ class Run:
     (buffer, scheduler, controller), the guards, checkpoints and the clock."""
 
     def __init__(self, cfg: FlashConfig, recipe_name: str):
-        from recipes.tasks import make_task
-        from transformers import AutoTokenizer
-
         self.clock = Clock()
         quiet()
         self.cfg = cfg
@@ -165,11 +163,13 @@ class Run:
         self.resume_point = _find_checkpoint(self.dir, resume_dir is not None, cfg.trust_checkpoint)
         (self.dir / "config.yaml").write_text(to_yaml(cfg))
         algos.load_plugins(list(cfg.plugins))
-        self.task = make_task(cfg.task["name"], **{k: v for k, v in cfg.task.items() if k != "name"})
+        self.task = build_task(cfg)
         if isinstance(self.task, EnvTask):
             check_episode_config(cfg, self.task)
+        cfg.train.steps = data_steps(cfg, self.task)
         self.model_path = prepare_model(cfg, self.task)
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        self.tokenizer = load_tokenizer(cfg, self.model_path)
+        check_prompt_format(cfg, self.task, self.tokenizer)
         self.files = RunFiles.open(self.dir, append=resume_dir is not None)  # resumed: cut back to the checkpoint
         self.roles = start_roles(cfg, self.model_path, trainer_settings(cfg), resolve_threads(cfg))
         B = cfg.train.prompts_per_step

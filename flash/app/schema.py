@@ -27,6 +27,8 @@ class ModelConfig:
     # Hugging Face checkpoint under the cache. Excludes `path`.
     gguf: Optional[str] = None
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
+    # A Jinja chat template (or the path of a file holding one) replacing the tokenizer's own.
+    chat_template: Optional[str] = None
 
 
 @dataclass
@@ -222,6 +224,20 @@ class DataConfig:
     # (data/skipped_*; the first of each kind is logged), or stop the run when strict.
     strict: bool = False
     max_prompt_tokens: int = 0  # 0: the model's context minus rollout.max_new_tokens
+    # Your own rows (flash.data): local JSONL/JSON, CSV, Parquet files or save_to_disk directories.
+    # Non-empty: the task is `dataset` over these files (a `task:` block is then not used).
+    train: List[str] = field(default_factory=list)
+    eval: List[str] = field(default_factory=list)  # held-out files; empty: hold out `holdout` rows
+    holdout: int = 64  # train rows held out for evaluation when `eval` is empty (never trained)
+    prompt_key: str = "prompt"  # a text column, or a chat column of [{role, content}, ...]
+    answer_key: str = "answer"  # the reference the reward checks (any JSON value)
+    system_prompt: Optional[str] = None
+    template: Optional[str] = None  # a format string over the row's columns, e.g. "Q: {question}"
+    reward_key: Optional[str] = None  # a column naming each row's reward (math, code, judge, pkg.mod:fn)
+    reward: str = "math"  # the reward of rows without a reward_key column
+    sft_key: Optional[str] = None  # a demonstration column: the tiny model's warm start
+    shuffle: bool = True  # a new order every epoch, drawn from the seed
+    epochs: int = 0  # stop after this many passes over the train rows (0: train.steps decides)
 
 
 @dataclass

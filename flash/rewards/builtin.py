@@ -6,7 +6,13 @@ sandbox, with RollPacker's adaptive timeout).
 - ``entry_point`` + ``tests: [{"input": [args...], "output": value}, ...]``: the response defines a
   function; one sandbox run calls it on every input and prints one JSON result per line;
 - ``tests: [{"stdin": "...", "stdout": "..."}, ...]`` (no entry point): the response is a program,
-  run once per test.
+  run once per test;
+- ``tests: ["assert f(1) == 2", ...]``: assert statements, each run after the response's code in
+  one sandbox run; a statement counts when it raises nothing. The asserts run in the solution's
+  own process, so a solution that writes pass lines to fd 1 itself can forge them: where that
+  matters, give stdin/stdout or function tests (their expected values never enter the sandbox).
+
+``tests`` may also be a JSON string of any of these (a dataset column often stores it so).
 
 Expected outputs never enter the sandbox, so code cannot pass by printing "all passed" or by
 calling ``os._exit(0)``: only lines that carry the right values count. A run that ends in
@@ -48,18 +54,72 @@ for _i, _args in enumerate(json.load(open("inputs.json"))):
 """
 
 
+# Runs the solution, then each assert statement of asserts.json; prints the index of each that passes.
+_ASSERTS = """\
+import json, sys
+_out = sys.stdout
+sys.stdout = sys.stderr
+_ns = {"__name__": "solution"}
+exec(compile(open("solution.py").read(), "solution.py", "exec"), _ns)
+for _i, _src in enumerate(json.load(open("asserts.json"))):
+    try:
+        exec(compile(_src, "test_%d" % _i, "exec"), _ns)
+        _out.write("%d\\tpass\\n" % _i)
+        _out.flush()
+    except BaseException as _e:
+        print("test %d failed: %r" % (_i, _e), file=sys.stderr)
+"""
+
+
+def hidden_tests(item) -> list:
+    """``item.meta["tests"]`` as a list (a JSON string is decoded); ValueError when absent."""
+    tests = item.meta.get("tests")
+    if isinstance(tests, str):
+        try:
+            tests = json.loads(tests)
+        except ValueError:
+            raise ValueError(f"code reward: item {item.index}'s tests are not valid JSON") from None
+    if not tests or not isinstance(tests, list):
+        raise ValueError(f"code reward: item {item.index} has no meta['tests'] list")
+    return tests
+
+
+def count_assert_passes(stdout: str, n: int) -> int:
+    """Asserts whose ``i<TAB>pass`` line was printed (each counted once)."""
+    seen = {int(i) for i, _, word in (line.partition("\t") for line in stdout.splitlines())
+            if i.isdigit() and word == "pass" and int(i) < n}
+    return len(seen)
+
+
+def reference_answer(text: str) -> str:
+    """The part of a reference the answer is in: after the last ``####`` (GSM8K's format, with
+    thousands separators dropped), else the whole text (``\\boxed{}`` is math-verify's own)."""
+    if "####" in text:
+        return text.rsplit("####", 1)[1].strip().replace(",", "")
+    return text
+
+
+def parse_reference(text: str):
+    """math-verify's parse of a reference answer; ValueError when nothing in it parses."""
+    from math_verify import parse
+
+    logging.getLogger("math_verify").setLevel(logging.ERROR)
+    gold = parse(reference_answer(str(text)), parsing_timeout=None)
+    if not gold:
+        raise ValueError(f"reference answer {str(text)[:80]!r} could not be parsed by math-verify")
+    return gold
+
+
 @register_reward("math")
 def math_reward(item, response: str) -> float:
     """1.0 if ``response``'s final answer equals ``item.answer`` mathematically ("1/2", "0.5" and
-    "\\frac{1}{2}" all match), else 0.0. math-verify's own timeouts use SIGALRM, which only works
-    in the main thread, so they are off here: the reward pool's deadline bounds the call."""
+    "\\frac{1}{2}" all match; a GSM8K reference "... #### 72" means 72), else 0.0. math-verify's
+    own timeouts use SIGALRM, which only works in the main thread, so they are off here: the reward
+    pool's deadline bounds the call."""
     from math_verify import parse, verify
 
-    logging.getLogger("math_verify").setLevel(logging.ERROR)
-    gold = parse(str(item.answer), parsing_timeout=None)
+    gold = parse_reference(item.answer)
     pred = parse(response, parsing_timeout=None)
-    if not gold:
-        raise ValueError(f"reference answer {item.answer!r} could not be parsed by math-verify")
     return 1.0 if pred and verify(gold, pred, timeout_seconds=None) else 0.0
 
 
@@ -109,15 +169,16 @@ class CodeReward:
         self._lock = threading.Lock()
 
     def __call__(self, item, response: str) -> float:
-        tests = item.meta.get("tests")
-        if not tests:
-            raise ValueError(f"code reward: item {item.index} has no meta['tests']")
+        tests = hidden_tests(item)
         family = str(item.meta.get("family", "default"))
         timeout = self.timeouts.timeout(family) if self.adaptive else self.timeouts.t_max
         code = extract_code(response)
         entry = item.meta.get("entry_point")
-        passed, wall, ok = (self._run_function(code, entry, tests, timeout) if entry
-                            else self._run_programs(code, tests, timeout))
+        if all(isinstance(t, str) for t in tests):
+            passed, wall, ok = self._run_asserts(code, tests, timeout)
+        else:
+            passed, wall, ok = (self._run_function(code, entry, tests, timeout) if entry
+                                else self._run_programs(code, tests, timeout))
         self.timeouts.observe(wall, correct=ok and passed == len(tests), family=family)
         if self.all_or_nothing:
             return 1.0 if passed == len(tests) else 0.0
@@ -135,6 +196,10 @@ class CodeReward:
         files = {"solution.py": code, "inputs.json": json.dumps([t["input"] for t in tests])}
         res = self._execute(_HARNESS % entry, timeout, files=files)
         return count_function_passes(res.stdout, tests), res.wall_s, res.status == "ok"
+
+    def _run_asserts(self, code: str, tests: list[str], timeout: float) -> tuple[int, float, bool]:
+        res = self._execute(_ASSERTS, timeout, files={"solution.py": code, "asserts.json": json.dumps(tests)})
+        return count_assert_passes(res.stdout, len(tests)), res.wall_s, res.status == "ok"
 
     def _run_programs(self, code: str, tests: list[dict], timeout: float) -> tuple[int, float, bool]:
         passed, slowest, all_ok = 0, 0.0, True

@@ -1,0 +1,140 @@
+"""``flash data``: see a recipe's prompts as the engine will, and write built-in tasks as files.
+
+``flash data RECIPE [key=value ...]`` prints the first prompts exactly as the engine receives them
+(after the chat template, decoded back from the token ids) with their token counts, a histogram of
+prompt lengths, the rows the input guard would drop per reason, and the reward each row's own
+reference answer gets. A reference that scores 0 is a data bug (a reward reading the wrong column,
+an answer format the reward cannot parse): those are counted and shown.
+
+``flash data export TASK -o FILE`` writes a built-in generated task's items as a dataset file
+(``prompt``, ``answer``, ``solution`` = its SFT demonstration, and its meta columns), so a recipe
+can train the same items from a file.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+from flash.errors import ConfigError
+
+SHOW = 3
+
+
+def preview_tokenizer(cfg):
+    """The tokenizer a run of ``cfg`` encodes prompts with (no warm start needed)."""
+    from flash.app.data import load_tokenizer
+
+    if cfg.model.path:
+        return load_tokenizer(cfg, cfg.model.path)
+    if cfg.model.gguf:
+        from flash.cache import default_cache_dir
+        from flash.gguf import gguf_checkpoint
+
+        return load_tokenizer(cfg, gguf_checkpoint(cfg.model.gguf, default_cache_dir(cfg)))
+    from flash.models import build_tokenizer, set_chat_template
+
+    tokenizer = build_tokenizer()
+    set_chat_template(tokenizer, cfg.model.chat_template)
+    return tokenizer
+
+
+def histogram(lengths: list[int], bins: int = 8) -> list[tuple[int, int, int]]:
+    """(low, high, count) over ``bins`` equal-width bins from min to max (inclusive bounds)."""
+    if not lengths:
+        return []
+    lo, hi = min(lengths), max(lengths)
+    width = max(1, -(-(hi - lo + 1) // bins))
+    counts = Counter((n - lo) // width for n in lengths)
+    return [(lo + b * width, lo + (b + 1) * width - 1, counts.get(b, 0)) for b in range(-(-(hi - lo + 1) // width))]
+
+
+def scan(task, tokenizer, max_prompt_tokens: int, rows: int) -> dict:
+    """The first ``rows`` train positions through the input guard: kept items with token ids,
+    drops per reason, and each kept row's reference reward."""
+    from flash.guards import DataError, InputGuard
+    from flash.models import encode_prompt
+
+    guard = InputGuard(max_prompt_tokens=max_prompt_tokens, warn=lambda _: None)
+    kept, index, end = [], 0, min(rows, getattr(task, "rows_per_epoch", rows))
+    while index < end:
+        try:
+            index, item, ids = guard.take(index, task.item, lambda p: encode_prompt(tokenizer, p))
+        except DataError:  # nothing usable in a long run of rows
+            break
+        if index >= end:
+            break
+        kept.append((item, ids, _reference_reward(task, item)))
+        index += 1
+    return {"kept": kept, "dropped": dict(guard.counts)}
+
+
+def _reference_reward(task, item) -> float | str:
+    try:
+        out = task.reward(item, item.answer)
+    except Exception as exc:  # a reward that fails on its own reference is what this looks for
+        return f"error: {type(exc).__name__}: {str(exc)[:80]}"
+    return float(getattr(out, "reward", out))
+
+
+def preview(cfg, rows: int = 1000, out=print) -> dict:
+    """Print the preview of ``cfg``'s data (see the module docstring); returns the scan."""
+    from flash.app.data import build_task
+
+    task = build_task(cfg)
+    tokenizer = preview_tokenizer(cfg)
+    limit = cfg.data.max_prompt_tokens or 0
+    result = scan(task, tokenizer, limit, rows)
+    kept = result["kept"]
+    for item, ids, reward in kept[:SHOW]:
+        out(f"--- data index {item.index} ({len(ids)} tokens; reference reward {reward}) ---")
+        out(tokenizer.decode(ids))
+    lengths = [len(ids) for _, ids, _ in kept]
+    out(f"prompt tokens over {len(kept)} rows (of the first {min(rows, getattr(task, "rows_per_epoch", rows))} train positions):")
+    for lo, hi, n in histogram(lengths):
+        out(f"  {lo:>6}-{hi:<6} {n:>7}  {'#' * max(1 if n else 0, round(40 * n / max(1, len(kept))))}")
+    out(f"dropped: {result['dropped'] or 'none'}")
+    zero = [(item, r) for item, _, r in kept if r == 0.0 or isinstance(r, str)]
+    out(f"references scoring 0 (a data or reward bug): {len(zero)} of {len(kept)}")
+    for item, r in zero[:SHOW]:
+        out(f"  data index {item.index}: answer {item.answer[:80]!r} -> {r}")
+    return result
+
+
+def export_task(name: str, options: dict, path: str, rows: int, split: str = "train") -> int:
+    """Write ``rows`` items of built-in task ``name`` to ``path`` (by suffix: .jsonl/.json, .csv,
+    .parquet, or a directory for save_to_disk); returns the rows written."""
+    from recipes.tasks import make_task
+
+    from flash.data.files import FORMATS, datasets_module
+
+    task = make_task(name, **options)
+    records = []
+    for i in range(rows):
+        item = task.item(i, split)
+        record = {"prompt": item.prompt, "answer": item.answer}
+        if split == "train":
+            record["solution"] = task.sft_pair(i)[1]
+        records.append(record | {k: v for k, v in item.meta.items() if k not in record and k != "split" and _plain(v)})
+    ds = datasets_module().Dataset.from_list(records)
+    suffix = Path(path).suffix.lower()
+    if suffix in (".jsonl", ".json"):
+        ds.to_json(path, lines=True)
+    elif suffix == ".csv":
+        ds.to_csv(path, index=False)
+    elif suffix in (".parquet", ".pq"):
+        ds.to_parquet(path)
+    elif not suffix:
+        ds.save_to_disk(path)
+    else:
+        raise ConfigError(f"-o {path}: unknown file type {suffix!r}; use one of {sorted(FORMATS)} or a directory")
+    return len(records)
+
+
+def _plain(value) -> bool:
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError):
+        return False
+    return True

@@ -1,0 +1,100 @@
+"""Local dataset files as one memory-mapped table, through Hugging Face ``datasets``.
+
+``open_rows(paths)`` reads JSONL/JSON, CSV, Parquet and directories written by
+``Dataset.save_to_disk`` (or ``DatasetDict.save_to_disk``: its ``train`` split) and concatenates
+them. Rows stay in Arrow files on disk (``datasets`` memory-maps them), so a million-row Parquet
+file costs a few MB of Python memory, not a list of a million dicts.
+
+Only local paths: flash never downloads at run time, so a name that is not a file (a hub id such
+as ``openai/gsm8k``) is an error saying how to download it first. A file's format comes from its
+suffix; anything else is an error naming the suffixes known.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+from flash.errors import ConfigError
+
+FORMATS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet", ".pq": "parquet"}
+_HUB_HINT = ("flash reads local files only: download it first, e.g. python -c \"import datasets; "
+             "datasets.load_dataset('{name}', split='train').to_json('data.jsonl')\", then name data.jsonl")
+
+
+def datasets_module():
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # local files only: never reach the hub
+    import datasets
+
+    datasets.disable_progress_bars()
+    datasets.logging.set_verbosity_error()
+    return datasets
+
+
+def check_path(path: str, where: str = "data.train") -> Path:
+    """The local file or ``save_to_disk`` directory ``path``, or a one-line ConfigError."""
+    p = Path(path).expanduser()
+    if p.is_dir():
+        if not (p / "dataset_info.json").exists() and not (p / "dataset_dict.json").exists():
+            raise ConfigError(f"{where}: {path} is a directory but not one written by datasets' save_to_disk "
+                              f"(no dataset_info.json); name its files instead")
+        return p
+    if p.is_file():
+        if p.suffix.lower() not in FORMATS:
+            raise ConfigError(f"{where}: {path}: unknown file type {p.suffix!r}; use one of "
+                              f"{sorted(FORMATS)} or a save_to_disk directory")
+        return p
+    if not p.suffix and "/" in path and not path.startswith((".", "/", "~")) and path.count("/") == 1:
+        raise ConfigError(f"{where}: {path!r} is not a local file; {_HUB_HINT.format(name=path)}")
+    raise ConfigError(f"{where}: no such file or directory: {path}")
+
+
+def _load_one(p: Path):
+    ds = datasets_module()
+    if p.is_dir():
+        loaded = ds.load_from_disk(str(p))
+        if isinstance(loaded, ds.DatasetDict):
+            if "train" not in loaded:
+                raise ConfigError(f"{p}: a DatasetDict without a 'train' split (it has {sorted(loaded)}); "
+                                  f"save the split you want with Dataset.save_to_disk")
+            loaded = loaded["train"]
+        return loaded
+    try:
+        return ds.load_dataset(FORMATS[p.suffix.lower()], data_files=[str(p)], split="train")
+    except Exception as exc:  # a parser error from pyarrow/pandas: name the file, not the stack
+        raise ConfigError(f"{p}: cannot read as {FORMATS[p.suffix.lower()]}: {type(exc).__name__}: "
+                          f"{str(exc).splitlines()[0][:300] if str(exc) else ''}") from None
+
+
+def open_rows(paths: tuple[str, ...] | list[str], where: str = "data.train"):
+    """One ``datasets.Dataset`` over ``paths`` in order (their columns must agree)."""
+    if not paths:
+        raise ConfigError(f"{where} is empty: name at least one file")
+    parts = [_load_one(check_path(p, where)) for p in paths]
+    if len(parts) == 1:
+        return parts[0]
+    first = set(parts[0].column_names)
+    for path, part in zip(paths[1:], parts[1:]):
+        if set(part.column_names) != first:
+            raise ConfigError(f"{where}: {path} has columns {sorted(part.column_names)} but {paths[0]} has "
+                              f"{sorted(first)}; the files of one set must share their columns")
+    try:
+        return datasets_module().concatenate_datasets(parts)
+    except ValueError as exc:  # same names, incompatible types (e.g. a string column vs an int one)
+        raise ConfigError(f"{where}: the files' columns have different types: {exc}") from None
+
+
+def content_hash(paths: tuple[str, ...] | list[str]) -> str:
+    """A digest of the files' bytes (every file of a directory, in name order): the identity of the
+    data for caches, so the same rows at another path share a warm start."""
+    h = hashlib.sha256()
+    for path in paths:
+        p = Path(path).expanduser()
+        files = sorted(f for f in p.rglob("*") if f.is_file()) if p.is_dir() else [p]
+        for f in files:
+            h.update(f.name.encode() + b"\0")
+            with open(f, "rb") as fh:
+                for block in iter(lambda: fh.read(1 << 20), b""):
+                    h.update(block)
+    return h.hexdigest()[:16]

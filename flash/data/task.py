@@ -1,0 +1,176 @@
+"""``dataset``: a task over the user's own rows (local JSONL/JSON, CSV, Parquet, save_to_disk).
+
+A recipe names its files under ``data:`` (``flash.app.config.task_section`` turns that block into
+this task's options); the rows are read through Hugging Face ``datasets`` and stay memory-mapped.
+
+Order: the train stream is the train rows epoch after epoch; each epoch is a permutation drawn from
+(seed, epoch) alone, so data position ``i`` always names the same row: ``divmod(i, rows)`` is
+(epoch, place in that epoch's order). A run's data position is in its checkpoints, so a resumed
+run continues the epoch where it stopped and trains every row of it exactly once.
+
+Held out: rows of ``eval`` files, else ``holdout`` train rows picked by the seed and never
+trained on. Rewards: ``reward`` (default ``math``) for every row, or the row's own
+``reward_key`` column naming one (``math``, ``code``, ``judge`` or ``package.module:function``).
+A row whose reference the ``math`` reward cannot parse is a bad row (``bad_answer``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+
+from flash.data.files import content_hash, open_rows
+from flash.data.rows import BadRow, RowSpec, row_item
+from flash.tasks import Task, TaskItem, register_task
+
+log = logging.getLogger("flash")
+
+
+@dataclass(frozen=True)
+class DatasetOptions:
+    """Options of ``dataset`` (filled from a recipe's ``data:`` block)."""
+
+    train: tuple = ()  # local files / save_to_disk directories, read in order
+    eval: tuple = ()  # held-out files; empty: hold out `holdout` train rows
+    holdout: int = 64
+    prompt_key: str = "prompt"
+    answer_key: str = "answer"
+    system_prompt: str | None = None
+    template: str | None = None
+    reward_key: str | None = None
+    reward: str = "math"  # the reward of a row without a reward_key column
+    sft_key: str | None = None  # a demonstration column: the tiny model's warm start
+    shuffle: bool = True
+    seed: int = 0
+    eval_size: int = 256  # held-out items evaluated (at most)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "train", tuple(self.train))
+        object.__setattr__(self, "eval", tuple(self.eval))
+        if self.holdout < 0 or self.eval_size < 1:
+            raise ValueError(f"holdout must be >= 0 and eval_size >= 1, got {self.holdout}, {self.eval_size}")
+
+    @property
+    def spec(self) -> RowSpec:
+        return RowSpec(self.prompt_key, self.answer_key, self.system_prompt, self.template, self.reward_key)
+
+
+def _permutation(seed: int, stream: int, n: int) -> np.ndarray:
+    return np.random.default_rng([seed, stream]).permutation(n)
+
+
+@register_task("dataset")
+class DatasetTask(Task):
+    """Rows of local dataset files (see the module docstring)."""
+
+    Options = DatasetOptions
+
+    def __init__(self, options: DatasetOptions) -> None:
+        super().__init__(options)
+        self._rows = open_rows(options.train)
+        self._eval_rows = open_rows(options.eval, "data.eval") if options.eval else None
+        self.train_ids, self.eval_ids = self._split(len(self._rows))
+        if len(self.train_ids) == 0:
+            raise ValueError(f"data.train has {len(self._rows)} rows and data.holdout={options.holdout} "
+                             f"holds them all out; lower data.holdout or add rows")
+        self._order_cache: tuple[int, np.ndarray] | None = None
+        self._scorers: dict = {}
+
+    def _split(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        if self._eval_rows is not None or not self.options.holdout:
+            eval_ids = np.arange(len(self._eval_rows)) if self._eval_rows is not None else np.arange(0)
+            return np.arange(n), eval_ids
+        held = _permutation(self.options.seed, -1 % 2**32, n)[: min(self.options.holdout, n)]
+        mask = np.ones(n, dtype=bool)
+        mask[held] = False
+        return np.nonzero(mask)[0], np.sort(held)
+
+    def columns(self, split: str = "train") -> list[str]:
+        rows = self._eval_rows if split == "eval" and self._eval_rows is not None else self._rows
+        return list(rows.column_names)
+
+    @property
+    def rows_per_epoch(self) -> int:
+        return len(self.train_ids)
+
+    def _order(self, epoch: int) -> np.ndarray:
+        if self._order_cache is None or self._order_cache[0] != epoch:
+            n = self.rows_per_epoch
+            order = _permutation(self.options.seed, epoch, n) if self.options.shuffle else np.arange(n)
+            self._order_cache = (epoch, order)
+        return self._order_cache[1]
+
+    def position(self, index: int) -> tuple[int, int]:
+        """(epoch, row number in the train files) of data position ``index``."""
+        epoch, place = divmod(index, self.rows_per_epoch)
+        return epoch, int(self.train_ids[self._order(epoch)[place]])
+
+    def item(self, index: int, split: str = "train") -> TaskItem:
+        if index < 0:
+            raise ValueError(f"index must be >= 0, got {index}")
+        if split == "train":
+            epoch, row = self.position(index)
+            source, meta = self._rows, {"row": row, "epoch": epoch, "split": "train"}
+        elif split == "eval":
+            row = int(self.eval_ids[index])
+            source = self._eval_rows if self._eval_rows is not None else self._rows
+            meta = {"row": row, "split": "eval"}
+        else:
+            raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
+        item = row_item(source[row], self.options.spec, index, meta)
+        self._check_reference(item)
+        return item
+
+    def _reward_name(self, item: TaskItem) -> str:
+        return item.meta.get("reward_fn", self.options.reward)
+
+    def _check_reference(self, item: TaskItem) -> None:
+        if self._reward_name(item) == "math":
+            from flash.rewards.builtin import parse_reference
+
+            try:
+                parse_reference(item.answer)
+            except ValueError as exc:
+                raise BadRow("bad_answer", str(exc)) from None
+
+    def eval_items(self) -> list[TaskItem]:
+        """Up to ``eval_size`` held-out rows; bad ones are left out (counted in a warning)."""
+        items, bad = [], Counter()
+        for i in range(min(self.options.eval_size, len(self.eval_ids))):
+            try:
+                items.append(self.item(i, "eval"))
+            except BadRow as exc:
+                bad[exc.reason] += 1
+        if bad:
+            log.warning("flash: held-out rows left out of evaluation: %s", dict(bad))
+        if not items:
+            raise ValueError("no usable held-out rows: set data.eval to a file or data.holdout > 0")
+        return items
+
+    def reward(self, item: TaskItem, response: str):
+        """The row's reward (``reward_key``) or the task's, built once per name."""
+        name = self._reward_name(item)
+        if name not in self._scorers:
+            from flash.rewards.registry import build_reward
+
+            self._scorers[name] = build_reward({"name": name})
+        return self._scorers[name](item, response)
+
+    def sft_pair(self, index: int) -> tuple[str, str]:
+        if not self.options.sft_key:
+            raise ValueError("the tiny model's warm start needs demonstrations: set data.sft_key to a "
+                             "column holding them, or start from a model (model.path)")
+        item = self.item(index, "train")
+        return item.prompt, str(item.meta[self.options.sft_key])
+
+    def max_response_tokens(self) -> int:
+        return 64
+
+    @cached_property
+    def data_fingerprint(self) -> str:
+        """The rows' identity for caches: file contents, not paths."""
+        return content_hash(self.options.train + self.options.eval)
