@@ -91,7 +91,8 @@ def preview(cfg, rows: int = 1000, out=print) -> dict:
         out(f"--- data index {item.index} ({len(ids)} tokens; reference reward {reward}) ---")
         out(tokenizer.decode(ids))
     lengths = [len(ids) for _, ids, _ in kept]
-    out(f"prompt tokens over {len(kept)} rows (of the first {min(rows, getattr(task, "rows_per_epoch", rows))} train positions):")
+    scanned = min(rows, getattr(task, "rows_per_epoch", rows))
+    out(f"prompt tokens over {len(kept)} rows (of the first {scanned} train positions):")
     for lo, hi, n in histogram(lengths):
         out(f"  {lo:>6}-{hi:<6} {n:>7}  {'#' * max(1 if n else 0, round(40 * n / max(1, len(kept))))}")
     out(f"dropped: {result['dropped'] or 'none'}")

@@ -228,7 +228,7 @@ class DataConfig:
     # Non-empty: the task is `dataset` over these files (a `task:` block is then not used).
     train: List[str] = field(default_factory=list)
     eval: List[str] = field(default_factory=list)  # held-out files; empty: hold out `holdout` rows
-    holdout: int = 64  # train rows held out for evaluation when `eval` is empty (never trained)
+    holdout: int = 64  # train rows held out for evaluation when `eval` is empty (never trained; <= 1/10)
     prompt_key: str = "prompt"  # a text column, or a chat column of [{role, content}, ...]
     answer_key: str = "answer"  # the reference the reward checks (any JSON value)
     system_prompt: Optional[str] = None

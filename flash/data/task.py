@@ -8,8 +8,8 @@ Order: the train stream is the train rows epoch after epoch; each epoch is a per
 (epoch, place in that epoch's order). A run's data position is in its checkpoints, so a resumed
 run continues the epoch where it stopped and trains every row of it exactly once.
 
-Held out: rows of ``eval`` files, else ``holdout`` train rows picked by the seed and never
-trained on. Rewards: ``reward`` (default ``math``) for every row, or the row's own
+Held out: rows of ``eval`` files, else ``holdout`` train rows (at most a tenth of them) picked by
+the seed and never trained on. Rewards: ``reward`` (default ``math``) for every row, or the row's own
 ``reward_key`` column naming one (``math``, ``code``, ``judge`` or ``package.module:function``).
 A row whose reference the ``math`` reward cannot parse is a bad row (``bad_answer``).
 """
@@ -36,7 +36,7 @@ class DatasetOptions:
 
     train: tuple = ()  # local files / save_to_disk directories, read in order
     eval: tuple = ()  # held-out files; empty: hold out `holdout` train rows
-    holdout: int = 64
+    holdout: int = 64  # at most a tenth of the rows
     prompt_key: str = "prompt"
     answer_key: str = "answer"
     system_prompt: str | None = None
@@ -75,8 +75,7 @@ class DatasetTask(Task):
         self._eval_rows = open_rows(options.eval, "data.eval") if options.eval else None
         self.train_ids, self.eval_ids = self._split(len(self._rows))
         if len(self.train_ids) == 0:
-            raise ValueError(f"data.train has {len(self._rows)} rows and data.holdout={options.holdout} "
-                             f"holds them all out; lower data.holdout or add rows")
+            raise ValueError(f"data.train has no rows ({', '.join(options.train)})")
         self._order_cache: tuple[int, np.ndarray] | None = None
         self._scorers: dict = {}
 
@@ -84,7 +83,7 @@ class DatasetTask(Task):
         if self._eval_rows is not None or not self.options.holdout:
             eval_ids = np.arange(len(self._eval_rows)) if self._eval_rows is not None else np.arange(0)
             return np.arange(n), eval_ids
-        held = _permutation(self.options.seed, -1 % 2**32, n)[: min(self.options.holdout, n)]
+        held = _permutation(self.options.seed, 2**32 - 1, n)[: min(self.options.holdout, n // 10)]
         mask = np.ones(n, dtype=bool)
         mask[held] = False
         return np.nonzero(mask)[0], np.sort(held)

@@ -1,0 +1,238 @@
+"""The dataset task (flash.data): local files through HF datasets, rows as prompts, epochs, bad
+rows, chat templates, per-row rewards, and the `flash data` verbs."""
+
+import json
+
+import pytest
+
+from flash.app.config import load_config
+from flash.app.data import build_task, check_prompt_format, data_steps
+from flash.app.data_preview import export_task, histogram, preview
+from flash.data.files import datasets_module
+from flash.data.rows import BadRow
+from flash.errors import ConfigError
+from flash.guards import DataError, InputGuard
+from flash.models import build_tokenizer, encode_prompt
+from recipes.tasks import make_task
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }} {{ m['content'] }}<|im_end|> {% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant {% endif %}")
+PLAIN = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }} | {% endfor %}assistant:"
+
+
+def gsm_rows(n=30):
+    return [{"question": f"tom has {a} apples and buys {b} more. how many apples now?",
+             "answer": f"{a}+{b}={a + b}\n#### {a + b}", "solution": f"{a}+{b}={a + b}", "id": a * 10 + b}
+            for a in range(1, 7) for b in range(1, 6)][:n]
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def dataset(path, **options):
+    return make_task("dataset", train=(str(path),), **options)
+
+
+def test_jsonl_parquet_csv_and_save_to_disk_give_identical_items(tmp_path):
+    src = write_jsonl(tmp_path / "a.jsonl", gsm_rows())
+    ds = datasets_module().Dataset.from_list(gsm_rows())
+    ds.to_parquet(str(tmp_path / "a.parquet"))
+    ds.to_csv(str(tmp_path / "a.csv"), index=False)
+    ds.save_to_disk(str(tmp_path / "a_dir"))
+    opts = dict(prompt_key="question", holdout=3, sft_key="solution")
+    tasks = [dataset(p, **opts) for p in (src, tmp_path / "a.parquet", tmp_path / "a.csv", tmp_path / "a_dir")]
+    tok = build_tokenizer()
+    want = [(tasks[0].item(i).prompt, tasks[0].item(i).answer) for i in range(50)]
+    assert len(set(p for p, _ in want)) == 27  # 27 train rows (3 held out), two epochs
+    for task in tasks[1:]:
+        assert [(task.item(i).prompt, task.item(i).answer) for i in range(50)] == want
+        assert [encode_prompt(tok, task.item(i).prompt) for i in range(5)] == \
+            [encode_prompt(tok, p) for p, _ in want[:5]]
+        assert task.data_fingerprint != tasks[0].data_fingerprint or task is tasks[0]
+    # the warm-start cache key follows the bytes, not the path
+    (tmp_path / "copy").mkdir()
+    copy = write_jsonl(tmp_path / "copy" / "a.jsonl", gsm_rows())
+    assert dataset(copy, **opts).data_fingerprint == tasks[0].data_fingerprint
+
+
+def test_each_epoch_is_a_seeded_permutation_of_the_train_rows_and_held_out_rows_are_never_trained(tmp_path):
+    path = write_jsonl(tmp_path / "a.jsonl", gsm_rows())
+    task = dataset(path, prompt_key="question", holdout=64, seed=3)
+    n = task.rows_per_epoch
+    assert n == 27  # at most a tenth held out
+    held = {task.item(i, "eval").meta["row"] for i in range(3)}
+    assert len(held) == 3
+    epochs = [[task.item(e * n + i).meta["row"] for i in range(n)] for e in range(3)]
+    for rows in epochs:
+        assert sorted(rows) == sorted(set(range(30)) - held)  # every train row once per epoch
+    assert epochs[0] != epochs[1] != epochs[2]  # a new order each epoch
+    assert [dataset(path, prompt_key="question", holdout=64, seed=3).position(i) for i in range(2 * n)] == \
+        [task.position(i) for i in range(2 * n)]  # the same seed, the same stream
+    assert [dataset(path, prompt_key="question", holdout=64, seed=4).position(i) for i in range(n)] != \
+        [task.position(i) for i in range(n)]
+    fixed = dataset(path, prompt_key="question", holdout=0, shuffle=False)
+    assert [fixed.item(i).meta["row"] for i in range(35)] == list(range(30)) + list(range(5))
+
+
+def test_epochs_end_the_run_before_train_steps_when_they_come_first(tmp_path):
+    path = write_jsonl(tmp_path / "a.jsonl", gsm_rows())
+    cfg = load_config("recipes/math.yaml", [f"data.train=[{path}]", "data.prompt_key=question",
+                                            "data.sft_key=solution", "data.holdout=3", "data.epochs=2",
+                                            "train.prompts_per_step=4", "train.steps=100"])
+    assert data_steps(cfg, build_task(cfg)) == 13  # 2 epochs x 27 rows / 4 per step
+    cfg.train.steps = 5
+    assert data_steps(cfg, build_task(cfg)) == 5
+
+
+def test_bad_rows_are_skipped_and_counted_per_reason_or_stop_the_run_when_strict(tmp_path):
+    good = gsm_rows(4)
+    bad = [{"question": "", "answer": "1", "solution": "1"},  # empty
+           {"question": None, "answer": "1", "solution": "1"},  # missing_key (null)
+           {"question": 7, "answer": "1", "solution": "1"},  # wrong_type
+           {"question": "what is it?", "answer": "no number at all", "solution": "1"},  # bad_answer
+           {"question": "x" * 300, "answer": "2", "solution": "2"}]  # too_long
+    path = write_jsonl(tmp_path / "a.jsonl", good[:2] + bad + good[2:])
+    task = dataset(path, prompt_key="question", holdout=0, shuffle=False)
+    tok = build_tokenizer()
+    guard = InputGuard(max_prompt_tokens=200, warn=lambda _: None)
+    taken = []
+    index = 0
+    while index < task.rows_per_epoch:
+        index, item, _ = guard.take(index, task.item, lambda p: encode_prompt(tok, p))
+        if index < task.rows_per_epoch:
+            taken.append(item.meta["row"])
+        index += 1
+    assert taken == [0, 1, 7, 8]
+    assert guard.metrics() == {"data/skipped_bad_answer": 1.0, "data/skipped_empty": 1.0,
+                               "data/skipped_missing_key": 1.0, "data/skipped_too_long": 1.0,
+                               "data/skipped_wrong_type": 1.0}
+    strict = InputGuard(max_prompt_tokens=200, strict=True, warn=lambda _: None)
+    with pytest.raises(DataError, match="data index 2 is empty"):
+        strict.take(2, task.item, lambda p: encode_prompt(tok, p))
+    all_bad = dataset(write_jsonl(tmp_path / "b.jsonl", bad[:1]), prompt_key="question", holdout=0)
+    with pytest.raises(DataError, match="no usable prompt"):
+        InputGuard(max_prompt_tokens=200, max_consecutive=50, warn=lambda _: None).take(
+            0, all_bad.item, lambda p: encode_prompt(tok, p))
+
+
+def test_a_missing_file_a_hub_name_and_a_missing_column_are_one_line_errors(tmp_path):
+    path = write_jsonl(tmp_path / "a.jsonl", gsm_rows())
+    base = ["data.sft_key=solution"]
+    cases = {f"data.train=[{tmp_path}/nope.jsonl]": "no such file or directory",
+             "data.train=[openai/gsm8k]": "download it first",
+             f"data.train=[{path}] data.prompt_key=questoin": "has no column 'questoin'; did you mean 'question'?",
+             f"data.train=[{tmp_path}/a.txt]": "unknown file type '.txt'"}
+    (tmp_path / "a.txt").write_text("x")
+    for override, message in cases.items():
+        with pytest.raises(ConfigError, match=message.replace("?", r"\?").replace("(", r"\(")) as err:
+            load_config("recipes/math.yaml", [*override.split(), *base])
+        assert "\n" not in str(err.value)
+    with pytest.raises(ConfigError, match="plain column name"):
+        load_config("recipes/math.yaml", [f"data.train=[{path}]", *base, "data.template='{question.__class__}'"])
+    with pytest.raises(ConfigError, match="data.sft_key"):
+        load_config("recipes/math.yaml", [f"data.train=[{path}]", "data.prompt_key=question"])
+    load_config("recipes/math.yaml", [f"data.train=[{path}]", "data.prompt_key=question", *base])
+
+
+def test_chat_prompts_are_tokenized_exactly_as_apply_chat_template(tmp_path):
+    rows = [{"messages": [{"role": "user", "content": f"add {a} and {a + 1}."}], "answer": str(2 * a + 1)}
+            for a in range(1, 9)]
+    rows[0]["messages"] = [{"role": "system", "content": "be brief."}, *rows[0]["messages"]]
+    path = write_jsonl(tmp_path / "chat.jsonl", rows)
+    for template, system in ((CHATML, None), (PLAIN, "answer with a number.")):
+        tok = build_tokenizer(alphabet="abcdefghijklmnopqrstuvwxyz0123456789 .:|<>_\t{}'")
+        tok.chat_template = template
+        task = dataset(path, prompt_key="messages", holdout=0, shuffle=False, system_prompt=system)
+        for i in range(8):
+            messages = task.item(i).prompt
+            assert isinstance(messages, list)
+            want = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            want = list(want["input_ids"] if hasattr(want, "keys") else want)
+            assert encode_prompt(tok, messages) == want
+            first = "be brief." if i == 0 else system  # the row's own system turn, else system_prompt
+            assert (messages[0]["role"], messages[0]["content"]) == (("system", first) if first else
+                                                                     ("user", f"add {i + 1} and {i + 2}."))
+    no_template = build_tokenizer()
+    with pytest.raises(ValueError, match="model.chat_template"):
+        encode_prompt(no_template, task.item(0).prompt)
+
+
+def test_model_chat_template_from_a_file_and_the_check_before_any_row_is_skipped(tmp_path):
+    rows = [{"messages": [{"role": "user", "content": "add 1 and 2."}], "answer": "3"}] * 3
+    path = write_jsonl(tmp_path / "chat.jsonl", rows)
+    (tmp_path / "t.jinja").write_text(PLAIN)
+    over = [f"data.train=[{path}]", "data.prompt_key=messages", "data.holdout=0", "sft.steps=0"]
+    cfg = load_config("recipes/math.yaml", over)
+    task = build_task(cfg)
+    with pytest.raises(ConfigError, match="model.chat_template"):
+        check_prompt_format(cfg, task, build_tokenizer())
+    cfg = load_config("recipes/math.yaml", [*over, f"model.chat_template={tmp_path}/t.jinja"])
+    from flash.app.data_preview import preview_tokenizer
+
+    tok = preview_tokenizer(cfg)
+    check_prompt_format(cfg, task, tok)
+    assert tok.decode(encode_prompt(tok, task.item(0).prompt)) == "user: add 1 and 2. | assistant:"
+
+
+def test_template_and_system_prompt_shape_text_rows(tmp_path):
+    path = write_jsonl(tmp_path / "a.jsonl", gsm_rows(3))
+    task = dataset(path, template="q: {question} ({id})", holdout=0, shuffle=False)
+    assert task.item(0).prompt == "q: tom has 1 apples and buys 1 more. how many apples now? (11)"
+    chat = dataset(path, prompt_key="question", system_prompt="be brief.", holdout=0, shuffle=False)
+    assert chat.item(1).prompt == [{"role": "system", "content": "be brief."},
+                                   {"role": "user", "content": "tom has 1 apples and buys 2 more. how many apples now?"}]
+    assert chat.item(1).meta["id"] == 12 and chat.item(1).meta["solution"] == "1+2=3"  # columns travel
+
+
+def test_rewards_route_per_row_and_read_gsm8k_references(tmp_path):
+    rows = [{"q": "add.", "answer": "3+4=7\n#### 7", "kind": "math"},
+            {"q": "say hi.", "answer": "hi", "kind": "tests.reward_fns:exact"},
+            {"q": "write f.", "answer": "", "kind": "code",
+             "tests": json.dumps(["assert f(1) == 2", "assert f(5) == 6", "assert f(0) == 0"])}]
+    task = dataset(write_jsonl(tmp_path / "r.jsonl", rows), prompt_key="q", reward_key="kind", holdout=0,
+                   shuffle=False)
+    math_item, exact_item, code_item = (task.item(i) for i in range(3))
+    assert task.reward(math_item, "the answer is \\boxed{7}") == 1.0
+    assert task.reward(math_item, "#### 8") == 0.0
+    assert task.reward(exact_item, "hi") == 1.0 and task.reward(exact_item, "7") == 0.0  # not math
+    assert task.reward(code_item, "```python\ndef f(x):\n    return x + 1\n```") == pytest.approx(2 / 3)
+    bad = dataset(write_jsonl(tmp_path / "b.jsonl", [{"q": "a", "answer": "3", "kind": 5}]), prompt_key="q",
+                  reward_key="kind", holdout=0)
+    with pytest.raises(BadRow, match="must name a reward") as err:
+        bad.item(0)
+    assert err.value.reason == "wrong_type"
+
+
+def test_export_writes_a_builtin_task_that_trains_the_same_items_from_a_file(tmp_path):
+    from recipes.tasks import make_task as make
+
+    for name in ("out.jsonl", "out.parquet", "out_dir"):
+        assert export_task("wordproblems", {"seed": 2}, str(tmp_path / name), rows=40) == 40
+        task = dataset(tmp_path / name, holdout=0, shuffle=False, sft_key="solution")
+        source = make("wordproblems", seed=2)
+        for i in range(40):
+            assert task.item(i).prompt == source.item(i).prompt
+            assert task.item(i).answer == source.item(i).answer
+            assert task.sft_pair(i) == source.sft_pair(i)
+            assert task.item(i).meta["op"] == source.item(i).meta["op"]
+
+
+def test_preview_shows_prompts_lengths_drops_and_references_that_score_zero(tmp_path):
+    rows = gsm_rows(10) + [{"question": "", "answer": "1", "solution": "1", "id": 0}]
+    rows[3]["answer"] = " 4"  # `exact` strips the response, not the reference: its own answer scores 0
+    path = write_jsonl(tmp_path / "a.jsonl", rows)
+    cfg = load_config("recipes/math.yaml", [f"data.train=[{path}]", "data.prompt_key=question",
+                                            "data.sft_key=solution", "data.holdout=0", "data.shuffle=false",
+                                            "data.reward=tests.reward_fns:exact"])
+    lines = []
+    result = preview(cfg, rows=100, out=lines.append)
+    text = "\n".join(lines)
+    assert result["dropped"] == {"empty": 1}
+    assert len(result["kept"]) == 10
+    assert text.startswith("--- data index 0 (") and "<bos>tom has 1 apples" in text
+    assert [item.meta["row"] for item, _, r in result["kept"] if r == 0.0] == [3]
+    assert "references scoring 0 (a data or reward bug): 1 of 10" in text
+    assert "data index 3: answer ' 4' -> 0.0" in text
+    assert sum(n for _, _, n in histogram([len(ids) for _, ids, _ in result["kept"]])) == 10
