@@ -185,8 +185,12 @@ class RolloutCore(Admission):
         self._pool.shutdown(wait=True, cancel_futures=True)
 
     def evaluate(self, items: list, params: SamplingParams, tag: str, seed: int) -> list[float]:
-        """One unit per item (a response, an episode) through the same engine; rewards in item
-        order, scored concurrently on the reward threads."""
+        """The rewards of ``evaluate_samples``, in item order."""
+        return [s.reward for s in self.evaluate_samples(items, params, tag, seed)]
+
+    def evaluate_samples(self, items: list, params: SamplingParams, tag: str, seed: int) -> list:
+        """One unit per item (a response, an episode) through the same engine; the scored samples
+        in item order, scored concurrently on the reward threads."""
         units = [Unit(f"eval/{tag}/{i}", -1, i, item, self.source.encode(item.prompt),
                       SamplingParams(**{**params.__dict__, "seed": request_seed(seed, 10**6 + i, 0)}))
                  for i, item in enumerate(items)]
@@ -202,7 +206,7 @@ class RolloutCore(Admission):
                 self._eval_units.pop(u.id, None)
         # scored concurrently on the reward threads (a code reward's sandbox runs dominate an eval)
         futures = [self._pool.submit(self.workflow.finish, u, out) for u, out in zip(units, outs)]
-        return [f.result().reward for f in futures]
+        return [f.result() for f in futures]
 
     # ---- threads -------------------------------------------------------------------------
     def _guard(self, fn):

@@ -9,7 +9,9 @@ newest checkpoint is truncated on disk: the resume must detect it and fall back 
 What must hold at the end (DESIGN.md invariant 5): the ledger shows every prompt of the planned
 steps trained exactly once (each of its samples once), none twice, none missing, step numbers in
 metrics.jsonl continue 1..N once each; with ``async_ratio=0`` and ``rollout.interrupt=wait`` the
-losses equal an uninterrupted run's exactly. With ``async_ratio=2`` every admitted prompt ends
+losses equal an uninterrupted run's exactly. That run reads its prompts from a dataset file (the
+stutter task exported, one epoch of shuffled rows ending the run): every row of the epoch is
+trained exactly once across the kills. With ``async_ratio=2`` every admitted prompt ends
 exactly once: trained, or buffered / in flight at the end.
 """
 
@@ -21,18 +23,43 @@ import pytest
 from tests.helpers.processes import (B, N, STEPS, finish, kill_and_resume, launch, read_jsonl, replay_run,
                                     trained_pairs)
 
+from flash.app.config import load_config
+from flash.app.data import build_task
+from flash.app.data_preview import export_task
+
 
 @pytest.fixture(scope="module")
 def cache(warm_cache):
     return warm_cache
 
 
+def stutter_rows(tmp_path) -> list[str]:
+    """The stutter task as files: one epoch of ``STEPS * B`` train rows, 8 held-out rows; a run over
+    them ends after one epoch (``data.epochs=1``, ``train.steps`` set far beyond it)."""
+    options = {k: v for k, v in load_config("recipes/stutter.yaml").task.items() if k != "name"}
+    export_task("stutter", options, str(tmp_path / "train.jsonl"), rows=STEPS * B)
+    export_task("stutter", options, str(tmp_path / "eval.jsonl"), rows=8, split="eval")
+    return [f"data.train=[{tmp_path}/train.jsonl]", f"data.eval=[{tmp_path}/eval.jsonl]", "data.sft_key=solution",
+            "data.reward=tests.reward_fns:exact", "data.epochs=1", "train.steps=100"]
+
+
 @pytest.mark.slow
 def test_sync_run_killed_and_resumed_trains_every_prompt_once_with_the_same_losses(tmp_path, cache):
-    extra = ["async_ratio=0", "rollout.interrupt=wait"]
+    extra = ["async_ratio=0", "rollout.interrupt=wait", *stutter_rows(tmp_path)]
     ref_dir, run_dir = tmp_path / "reference", tmp_path / "killed"
-    reference = launch(ref_dir, cache, [f"run_dir={ref_dir}", *extra])
+    sets = [f"eval.sets={{rows: {tmp_path}/eval.jsonl, words: {{task: stutter, eval_size: 6}}}}", "eval.n=2"]
+    reference = launch(ref_dir, cache, [f"run_dir={ref_dir}", *extra, *sets])
     finish(reference, ref_dir)  # also builds the warm-start cache the killed runs share
+    evals = read_jsonl(ref_dir / "eval.jsonl")  # the named sets: before and after training
+    assert [e["step"] for e in evals] == [0, STEPS]
+    for name, items in (("rows", 8), ("words", 6)):
+        for e in evals:
+            assert {f"eval/{name}/{m}" for m in ("mean@2", "pass@1", "pass@2", "reward_mean",
+                                                   "response_tokens")} <= set(e["sets"])
+            assert e["sets"][f"eval/{name}/pass@1"] <= e["sets"][f"eval/{name}/pass@2"]
+            lines = read_jsonl(ref_dir / "eval" / name / f"step-{e['step']}.jsonl")
+            assert [(x["item"], x["sample"]) for x in lines] == [(i, k) for i in range(items) for k in range(2)]
+            assert sum(x["reward"] >= 1 for x in lines) / len(lines) == pytest.approx(e["sets"][f"eval/{name}/mean@2"])
     resumes = kill_and_resume(run_dir, cache, extra, random.Random(0))
 
     assert len(resumes) == 2
@@ -46,6 +73,10 @@ def test_sync_run_killed_and_resumed_trains_every_prompt_once_with_the_same_loss
     want = [m["train/loss"] for m in read_jsonl(ref_dir / "metrics.jsonl")]
     assert [m["train/loss"] for m in metrics] == want
     assert trained_pairs(read_jsonl(ref_dir / "ledger.jsonl")) == pairs
+    task = build_task(load_config("recipes/stutter.yaml", extra))
+    rows = [task.position(e["data_index"]) for e in ledger if e["outcome"] == "trained" and e["sample"] == 0]
+    assert sorted(rows) == [(0, r) for r in range(STEPS * B)]  # epoch 0, each row once
+    assert {r for _, r in rows[:B]} != set(range(B))  # in the epoch's shuffled order
 
 
 @pytest.mark.slow

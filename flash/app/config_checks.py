@@ -83,6 +83,10 @@ def validate(cfg: FlashConfig) -> None:
     from flash.app.data import check_data
 
     check_data(cfg)
+    _require(1 <= cfg.eval.n <= 256, f"eval.n must be in [1, 256], got {cfg.eval.n}")
+    from flash.app.evaluation import build_eval_sets
+
+    build_eval_sets(cfg)
     _check_model(cfg.model)
     _check_stream(cfg)
     _check_reward(cfg)

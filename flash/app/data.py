@@ -126,3 +126,29 @@ def data_steps(cfg, task) -> int:
         return cfg.train.steps
     rows = cfg.data.epochs * task.rows_per_epoch
     return max(1, min(cfg.train.steps, rows // cfg.train.prompts_per_step))
+
+
+def build_source(task, tokenizer, guard=None, reward=None):
+    """The task's prompt stream as the scheduler takes it (``PromptSource``). ``guard``: the input
+    guard prompts are taken through; ``reward``: a RewardPool's ``reward_fn()``; unset: the task's
+    own reward."""
+    from controllers.scheduler import PromptSource
+    from flash.models import decode_response, encode_prompt
+
+    return PromptSource(
+        item=lambda i: task.item(i, split="train"),
+        encode=lambda text: encode_prompt(tokenizer, text),
+        decode=lambda ids: decode_response(tokenizer, ids),
+        reward=reward or task.reward,
+        guard=guard,
+    )
+
+
+def max_prompt_tokens(cfg, model_path: str) -> int:
+    """``data.max_prompt_tokens``, or the model's context minus the response budget."""
+    if cfg.data.max_prompt_tokens:
+        return cfg.data.max_prompt_tokens
+    from transformers import AutoConfig
+
+    text = AutoConfig.from_pretrained(model_path).get_text_config(decoder=True)
+    return max(1, text.max_position_embeddings - cfg.rollout.max_new_tokens)

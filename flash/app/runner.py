@@ -24,14 +24,15 @@ from ray.exceptions import RayActorError
 import algos
 from buffers.factory import make_buffer
 from controllers.async_controller import AsyncController, ControllerSettings, prox_mode
-from controllers.scheduler import PromptSource, RolloutScheduler
+from controllers.scheduler import RolloutScheduler
 from controllers.staleness import StalenessManager
 from controllers.tail_batching import TailBatchingScheduler
 from controllers.workflows.episode import Episodes
 from flash.app import resume as resume_mod
 from flash.app import run_state
 from flash.app.config_checks import steps_per_batch
-from flash.app.data import build_task, check_prompt_format, data_steps, load_tokenizer
+from flash.app.data import build_source, build_task, check_prompt_format, data_steps, load_tokenizer, max_prompt_tokens
+from flash.app.evaluation import build_eval_sets, evaluate_sets
 from flash.app.schedule import step_line
 from flash.app.roles import Clock, RolloutBuffer, RunFiles, new_guards, reference_placed, start_roles
 from flash.checkpoint import Checkpointer, latest_valid, remove_partial
@@ -39,7 +40,6 @@ from flash.checkpoint_trust import read_manifest, resume_key
 from flash.app.config import FlashConfig, to_dict, to_yaml
 from flash.engine.base import SamplingParams
 from flash.errors import FlashError
-from flash.guards import InputGuard
 from flash.app.tracking import Progress, make_tracker, pick_samples, samples_markdown
 from controllers.episode_runtime import build_episode_scheduler, check_episode_config
 from flash.envs.task import EnvTask
@@ -82,30 +82,6 @@ def prepare_model(cfg: FlashConfig, task) -> str:
     from flash.train.sft import warm_start
 
     return warm_start(cfg.model.tiny, cfg.sft, task, default_cache_dir(cfg))
-
-
-def build_source(task, tokenizer, guard: InputGuard | None = None, reward=None) -> PromptSource:
-    """``guard``: the input guard prompts are taken through; ``reward``: a RewardPool's
-    ``reward_fn()``; unset: the task's own reward."""
-    from flash.models import decode_response, encode_prompt
-
-    return PromptSource(
-        item=lambda i: task.item(i, split="train"),
-        encode=lambda text: encode_prompt(tokenizer, text),
-        decode=lambda ids: decode_response(tokenizer, ids),
-        reward=reward or task.reward,
-        guard=guard,
-    )
-
-
-def max_prompt_tokens(cfg: FlashConfig, model_path: str) -> int:
-    """``data.max_prompt_tokens``, or the model's context minus the response budget."""
-    if cfg.data.max_prompt_tokens:
-        return cfg.data.max_prompt_tokens
-    from transformers import AutoConfig
-
-    text = AutoConfig.from_pretrained(model_path).get_text_config(decoder=True)
-    return max(1, text.max_position_embeddings - cfg.rollout.max_new_tokens)
 
 
 class TrainerDied(FlashError):
@@ -177,6 +153,7 @@ class Run:
         self.buffer = RolloutBuffer(*make_buffer(cfg.buffer, int(math.ceil((cfg.async_ratio + 2) * B))),
                                     StalenessManager(cfg.async_ratio, B))
         self.guards = new_guards(cfg, max_prompt_tokens(cfg, self.model_path))
+        self.eval_sets = build_eval_sets(cfg)
         self.reward_pool, self.scheduler = self._make_scheduler()
         self.controller = AsyncController(
             self.roles.engine, self.roles.trainer, self.scheduler, self.buffer.buffer, self.buffer.staleness,
@@ -264,18 +241,22 @@ class Run:
         return run_state.Durable(self.buffer, self.scheduler, self.clock, self.guards, self.roles.client,
                                  self.reward_pool, self.checkpointer, self.files, self.cfg.train)
 
-    def evaluate(self, tag: str, step: int = 0) -> float:
-        """Held-out accuracy now; also a line in ``eval.jsonl`` (step, seconds since training began)."""
+    def evaluate(self, tag: str, step: int = 0) -> dict[str, float]:
+        """Held-out accuracy now (``eval/accuracy``) and the named sets' metrics
+        (flash.app.evaluation); also a line in ``eval.jsonl`` (step, seconds since training began)."""
         start = time.monotonic()
         params = sampling_params(self.cfg, self.tokenizer, eval_mode=True)
         rewards = self.scheduler.evaluate(self.task.eval_items(), params, tag=tag, seed=self.cfg.seed + 991)
-        acc = sum(1.0 for r in rewards if r > 0) / max(len(rewards), 1)
+        metrics = {"eval/accuracy": sum(1.0 for r in rewards if r > 0) / max(len(rewards), 1)}
+        metrics.update(evaluate_sets(self.scheduler, self.eval_sets, params, self.cfg.eval.n, self.cfg.seed + 991,
+                                     self.dir, step, self.scheduler.source.decode))
         self.clock.last_eval_s = time.monotonic() - start
         elapsed = start - self.clock.train_start if self.clock.train_start is not None else 0.0
-        self.files.eval.write(json.dumps({"tag": tag, "step": step, "elapsed": elapsed, "accuracy": acc,
-                                          "seconds": self.clock.last_eval_s}) + "\n")
+        self.files.eval.write(json.dumps({"tag": tag, "step": step, "elapsed": elapsed,
+                                          "accuracy": metrics["eval/accuracy"], "seconds": self.clock.last_eval_s,
+                                          "sets": {k: v for k, v in metrics.items() if k != "eval/accuracy"}}) + "\n")
         self.files.eval.flush()
-        return acc
+        return metrics
 
     def close(self) -> None:
         try:
@@ -326,8 +307,9 @@ def _run(cfg: FlashConfig, recipe_name: str) -> dict:
     try:
         r.scheduler.start()
         if r.clock.acc0 is None:
-            r.clock.acc0 = r.evaluate("initial")
-            tracker.log({"eval/accuracy": r.clock.acc0, "time/eval": r.clock.last_eval_s}, 0)
+            metrics = r.evaluate("initial")
+            r.clock.acc0 = metrics["eval/accuracy"]
+            tracker.log({**metrics, "time/eval": r.clock.last_eval_s}, 0)
         acc0 = r.clock.acc0
         progress.write(f"flash: held-out accuracy before training {acc0:.3f}")
         if start < cfg.train.steps:
@@ -343,8 +325,9 @@ def _run(cfg: FlashConfig, recipe_name: str) -> dict:
         r.checkpointer.wait()
         train_s = time.monotonic() - train_start
         left = r.controller.shutdown_rollout()
-        acc1 = r.evaluate("final", cfg.train.steps)
-        tracker.log({"eval/accuracy": acc1, "time/eval": r.clock.last_eval_s}, cfg.train.steps)
+        metrics = r.evaluate("final", cfg.train.steps)
+        acc1 = metrics["eval/accuracy"]
+        tracker.log({**metrics, "time/eval": r.clock.last_eval_s}, cfg.train.steps)
         progress.write(f"flash: held-out accuracy after training {acc1:.3f}")
     except KeyboardInterrupt as exc:  # ctrl-C, or SIGTERM (flash.cluster.Terminated)
         raise type(exc)(f"{exc or 'ctrl-C'}; resume from the last checkpoint: flash run {recipe_name} "
@@ -369,8 +352,9 @@ def _on_step(r: Run, rec, tracker, progress) -> None:
     step = rec.step + 1
     logged = dict(rec.metrics)
     if every and step % every == 0 and step < r.cfg.train.steps:
-        rec.metrics["eval/accuracy"] = r.evaluate(f"step{step}", step)
-        logged.update({"eval/accuracy": rec.metrics["eval/accuracy"], "time/eval": r.clock.last_eval_s})
+        evaluated = r.evaluate(f"step{step}", step)
+        rec.metrics["eval/accuracy"] = evaluated["eval/accuracy"]
+        logged.update({**evaluated, "time/eval": r.clock.last_eval_s})
     logged["time/elapsed"] = time.monotonic() - r.clock.train_start
     if r.reward_pool is not None:  # reward/calls, reward/failures/<reason>, sandbox/timeout/T/...
         logged.update(r.reward_pool.metrics())

@@ -162,6 +162,9 @@ class EvalConfig:
     # set is the task's own: its size is a task option, e.g. task.eval_size)
     temperature: float = 1.0
     max_new_tokens: int = 0  # 0: same as rollout.max_new_tokens
+    # Named sets beside the task's own (flash.app.evaluation): {name: file | [files] | {task: NAME, ...}}
+    sets: Dict[str, Any] = field(default_factory=dict)
+    n: int = 4  # samples per prompt of each named set: mean@n and pass@k
 
 
 @dataclass

@@ -1,0 +1,146 @@
+"""Named evaluation sets: ``eval.sets`` beside the task's own held-out set.
+
+    eval:
+      sets: {gsm_dev: path/dev.jsonl, words: {task: wordproblems, max_operand: 9}}
+      n: 4          # samples per prompt
+      every_steps: 10
+
+A set is dataset files (read with the run's ``data:`` keys: prompt and answer columns, template,
+system prompt) or a built-in task's held-out items. Each prompt is sampled ``n`` times through the
+same engine as training; per set: ``eval/<name>/mean@n`` (mean fraction of a prompt's samples that
+solve it), ``eval/<name>/pass@k`` for k = 1, 2, 4, ... up to n (the unbiased estimator of Chen et
+al. 2021, "Evaluating Large Language Models Trained on Code"), ``reward_mean`` and
+``response_tokens``. A sample solves its prompt when its reward is >= 1 (a code reward's fraction
+of tests passed counts only when all pass). Every generation goes to
+``eval/<name>/step-<N>.jsonl`` in the run dir.
+
+Scoring: with ``reward.fn`` set the reward workers score every set (the recipe says so); without,
+each set's own task scores its items (a built-in task's reward, a dataset's ``reward``/``reward_key``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from math import comb
+from pathlib import Path
+from typing import Any, Callable
+
+from flash.errors import ConfigError
+
+MAX_SET_ITEMS = 4096
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """P(at least one of k samples drawn without replacement from n, c of them correct, is correct):
+    ``1 - C(n - c, k) / C(n, k)``."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+    return 1.0 if n - c < k else 1.0 - comb(n - c, k) / comb(n, k)
+
+
+def ks(n: int) -> list[int]:
+    """1, 2, 4, ... below n, and n itself."""
+    out, k = [], 1
+    while k < n:
+        out.append(k)
+        k *= 2
+    return out + [n]
+
+
+@dataclass
+class EvalSet:
+    name: str
+    items: list
+    rescore: Callable[[Any, str], Any] | None  # the set's own reward, when the task scores
+
+
+def _set_task(cfg, name: str, spec):
+    """The task behind one ``eval.sets`` entry: files through the dataset task, or a built-in."""
+    from recipes.tasks import make_task
+
+    from flash.app.data import DATA_OPTIONS
+
+    if isinstance(spec, (str, list)):
+        from flash.data.files import check_path
+
+        files = (spec,) if isinstance(spec, str) else tuple(spec)
+        for f in files:
+            check_path(str(f), f"eval.sets.{name}")
+        options = {k: getattr(cfg.data, k) for k in DATA_OPTIONS if k not in ("train", "eval", "holdout")}
+        return make_task("dataset", **{**options, "train": files, "eval": (), "holdout": 0, "shuffle": False,
+                                       "sft_key": None, "seed": cfg.seed})
+    if isinstance(spec, dict) and isinstance(spec.get("task"), str):
+        options = {k: v for k, v in spec.items() if k != "task"}
+        return make_task(spec["task"], **options)
+    raise ConfigError(f"eval.sets.{name} must be a file, a list of files, or {{task: NAME, ...options}}; "
+                      f"got {spec!r}")
+
+
+def build_eval_sets(cfg) -> list[EvalSet]:
+    """The named sets of ``cfg.eval.sets`` (ConfigError for one that cannot be read)."""
+    from flash.data.rows import BadRow
+
+    sets = []
+    for name, spec in dict(cfg.eval.sets).items():
+        if not str(name).replace("_", "").replace("-", "").isalnum():
+            raise ConfigError(f"eval.sets: name {name!r} must be letters, digits, '_' or '-'")
+        try:
+            task = _set_task(cfg, name, spec)
+        except (ValueError, TypeError) as exc:
+            raise ConfigError(f"eval.sets.{name}: {exc}") from None
+        if hasattr(task, "rows_per_epoch"):
+            items = []
+            for i in range(min(task.rows_per_epoch, MAX_SET_ITEMS)):
+                try:
+                    items.append(task.item(i))
+                except BadRow:
+                    continue
+        else:
+            items = task.eval_items()
+        if not items:
+            raise ConfigError(f"eval.sets.{name}: no usable rows")
+        sets.append(EvalSet(str(name), items, None if cfg.reward.fn else task.reward))
+    return sets
+
+
+def set_metrics(name: str, rewards: list[list[float]], lengths: list[int]) -> dict[str, float]:
+    """Metrics of one set from each prompt's ``n`` rewards (see the module docstring)."""
+    n = len(rewards[0])
+    solved = [sum(r >= 1.0 for r in row) for row in rewards]
+    out = {f"eval/{name}/mean@{n}": sum(solved) / (n * len(rewards)),
+           f"eval/{name}/reward_mean": sum(map(sum, rewards)) / (n * len(rewards)),
+           f"eval/{name}/response_tokens": sum(lengths) / max(1, len(lengths))}
+    for k in ks(n):
+        out[f"eval/{name}/pass@{k}"] = sum(pass_at_k(n, c, k) for c in solved) / len(solved)
+    return out
+
+
+def _score(reward, item, text: str) -> float:
+    """A set's own reward of one response; a reward that fails scores 0 (as in training)."""
+    try:
+        return float(getattr(value := reward(item, text), "reward", value))
+    except Exception:  # a user reward's bug must not end the run at an evaluation
+        return 0.0
+
+
+def evaluate_sets(scheduler, sets: list[EvalSet], params, n: int, seed: int, run_dir: Path, step: int,
+                  decode: Callable[[list[int]], str]) -> dict[str, float]:
+    """Sample every set's prompts ``n`` times, score, write the generations; the metrics."""
+    metrics: dict[str, float] = {}
+    for s in sets:
+        items = [item for item in s.items for _ in range(n)]
+        samples = scheduler.evaluate_samples(items, params, tag=s.name, seed=seed)
+        texts = [decode(x.response_ids) for x in samples]
+        rewards = [_score(s.rescore, item, text) if s.rescore else x.reward
+                   for item, x, text in zip(items, samples, texts)]
+        metrics.update(set_metrics(s.name, [rewards[i:i + n] for i in range(0, len(rewards), n)],
+                                   [len(x.response_ids) for x in samples]))
+        out = run_dir / "eval" / s.name
+        out.mkdir(parents=True, exist_ok=True)
+        with open(out / f"step-{step}.jsonl", "w") as f:
+            for i, (item, x, text, r) in enumerate(zip(items, samples, texts, rewards)):
+                f.write(json.dumps({"item": i // n, "sample": i % n, "prompt": decode(x.prompt_ids),
+                                    "response": text, "answer": item.answer, "reward": r,
+                                    "finish_reason": x.finish_reason, "tokens": len(x.response_ids)}) + "\n")
+    return metrics
