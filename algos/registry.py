@@ -266,15 +266,24 @@ def load_plugins(modules: Iterable[str]) -> list[str]:
     decorators run. Returns the module names imported. An import error propagates, naming the
     module (a plugin named in a recipe that cannot load is an error, never skipped).
 
-    The working directory is searched too (as ``python -m`` would): a plugin beside the recipe is
-    found without setting PYTHONPATH, in the driver and in Ray's workers (``flash.cluster``)."""
+    A name may be a module (``my_pkg.losses``) or the path of a ``.py`` file (its directory is
+    searched, then its stem imported). The working directory is searched too (as ``python -m``
+    would), so a plugin beside the recipe is found without setting PYTHONPATH, in the driver and in
+    Ray's workers (``flash.cluster`` hands them this process's search path)."""
     if os.getcwd() not in sys.path:
         sys.path.append(os.getcwd())
     done = []
     for name in modules:
+        module = name
+        if name.endswith(".py"):
+            folder, module = os.path.split(os.path.abspath(name[:-3]))
+            if folder not in sys.path:
+                sys.path.append(folder)
         try:
-            importlib.import_module(name)
+            importlib.import_module(module)
         except ImportError as exc:
-            raise ImportError(f"flash plugin module {name!r} could not be imported: {exc}") from exc
+            searched = ", ".join(p for p in sys.path[:8] if p) + (", ..." if len(sys.path) > 8 else "")
+            raise ImportError(f"flash plugin module {name!r} could not be imported: {exc} (searched: {searched}); "
+                              f"put it beside the recipe, give its .py path, or add its folder to PYTHONPATH") from exc
         done.append(name)
     return done

@@ -173,6 +173,29 @@ def test_a_plugin_beside_the_recipe_is_found_without_pythonpath(tmp_path):
     assert out.stdout.startswith("ok: ") and "loss=my_pg" in out.stdout
 
 
+def test_plugins_and_rewards_beside_a_recipe_in_another_folder_load_by_name_or_py_path(tmp_path):
+    """The recipe's folder, not the working directory: cwd is the checkout here."""
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "beside_losses.py").write_text(
+        "import algos\n\n@algos.register_loss('beside_pg', description='scaled REINFORCE')\n"
+        "def beside_pg(inputs, *, scale: float = 1.0):\n    return -scale * inputs.advantages * inputs.logp, {}\n")
+    (tmp_path / "beside_rewards.py").write_text("def length(item, response):\n    return float(len(response))\n")
+    (tmp_path / "mine.yaml").write_text("base: stutter\nplugins: [lib/beside_losses.py]\n"
+                                        "algo: {loss: {name: beside_pg}}\nreward: {fn: {name: 'beside_rewards:length'}}\n")
+    cfg = load_config(tmp_path / "mine.yaml")
+    assert cfg.plugins == [str(tmp_path / "lib" / "beside_losses.py")] and cfg.algo.loss["name"] == "beside_pg"
+    (tmp_path / "lib" / "named.yaml").write_text("base: stutter\nplugins: [beside_losses]\n"
+                                                 "algo: {loss: {name: beside_pg}}\n")
+    assert load_config(tmp_path / "lib" / "named.yaml").plugins == [str(tmp_path / "lib" / "beside_losses.py")]
+    (tmp_path / "bad.yaml").write_text("base: stutter\nplugins: [nowhere_losses]\n")
+    with pytest.raises(ConfigError, match=r"'nowhere_losses' could not be imported: .*\(searched: .*"
+                                          r"put it beside the recipe, give its .py path"):
+        load_config(tmp_path / "bad.yaml")
+    (tmp_path / "bad2.yaml").write_text("base: stutter\nplugins: [lib/missing.py]\n")
+    with pytest.raises(ConfigError, match=f"plugins: no such file {tmp_path}/lib/missing.py"):
+        load_config(tmp_path / "bad2.yaml")
+
+
 def test_a_recipe_builds_on_another_with_base(tmp_path, capsys):
     stutter = load_config("recipes/stutter.yaml")
     (tmp_path / "mine.yaml").write_text("base: stutter\ndescription: mine\ntrain: {steps: 7}\n")

@@ -51,8 +51,33 @@ def load_config(recipe_path: str | Path, overrides: list[str] = ()) -> FlashConf
     except ValueError as exc:  # a section's own __post_init__ check
         raise ConfigError(f"invalid config: {exc}") from None
     imply_trainer_workers(cfg)
+    resolve_plugins(cfg, Path(recipe_path).resolve().parent)
     validate(cfg)
     return cfg
+
+
+def resolve_plugins(cfg: FlashConfig, recipe_dir: Path) -> None:
+    """Plugins are found beside the recipe: a ``.py`` path is taken relative to the recipe's
+    folder, a module name that is a file there becomes that file's path, and the folder is
+    importable (for ``module:function`` rewards too; Ray's workers inherit the search path)."""
+    import sys
+
+    from flash.app.recipe_files import RECIPES_DIR
+
+    if recipe_dir != RECIPES_DIR.resolve() and str(recipe_dir) not in sys.path:
+        sys.path.append(str(recipe_dir))
+    out = []
+    for name in cfg.plugins:
+        if name.endswith(".py"):
+            path = Path(name).expanduser()
+            path = path if path.is_absolute() else recipe_dir / path
+            if not path.is_file():
+                raise ConfigError(f"plugins: no such file {path} (a .py path is relative to the recipe's folder)")
+            name = str(path)
+        elif (recipe_dir / f"{name}.py").is_file():
+            name = str(recipe_dir / f"{name}.py")
+        out.append(name)
+    cfg.plugins = out
 
 
 def read_recipe(path: str | Path):

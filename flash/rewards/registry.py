@@ -24,7 +24,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from algos.registry import Entry, Registry, closest_error, did_you_mean
+from algos.registry import Entry, Registry, closest_error, did_you_mean, load_plugins
 from flash.errors import ConfigError
 
 Scorer = Callable[[Any, str], Any]
@@ -74,7 +74,11 @@ def _import_path(path: str) -> Callable:
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise ValueError(f"reward {path!r}: cannot import module {module_name!r}: {exc}") from None
+        import sys
+
+        searched = ", ".join(p for p in sys.path[:8] if p) + (", ..." if len(sys.path) > 8 else "")
+        raise ValueError(f"reward {path!r}: cannot import module {module_name!r}: {exc} (searched: {searched}); "
+                         f"put it beside the recipe or add its folder to PYTHONPATH") from None
     fn = getattr(module, attr, None)
     if not callable(fn):
         public = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
@@ -109,11 +113,10 @@ def build_reward(section: dict) -> Scorer:
 def check_pool_args(section: dict, num_workers: int, concurrency: int, timeout_s: float,
                     plugins: tuple[str, ...] = ()) -> None:
     """ConfigError for anything that would make the pool fail later (checked in the driver)."""
-    for module in plugins:
-        try:
-            importlib.import_module(module)
-        except ImportError as exc:
-            raise ConfigError(f"cannot import plugin module {module!r}: {exc}") from None
+    try:
+        load_plugins(list(plugins))
+    except ImportError as exc:
+        raise ConfigError(str(exc)) from None
     try:
         validate_reward(section)
     except ValueError as exc:

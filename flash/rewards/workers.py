@@ -24,7 +24,6 @@ has been answered ``timeout``; such *stuck* calls are counted, and a worker with
 
 from __future__ import annotations
 
-import importlib
 import logging
 import math
 import os
@@ -35,6 +34,7 @@ from dataclasses import dataclass
 
 import ray
 
+from algos.registry import load_plugins
 from flash.errors import FlashError
 from flash.rewards.autoscale import (
     AutoscaleConfig,
@@ -76,8 +76,7 @@ class RewardScorer:
         from flash.rewards.sandbox import allow_unisolated as set_policy
 
         set_policy(allow_unisolated)
-        for module in plugins:
-            importlib.import_module(module)
+        load_plugins(list(plugins))
         self.scorer = build_reward(section)
         self.timeout_s = timeout_s
         self._stuck = 0
