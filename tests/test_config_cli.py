@@ -205,6 +205,9 @@ def test_a_recipe_builds_on_another_with_base(tmp_path, capsys):
     (tmp_path / "more.yaml").write_text("base: mine.yaml\nrollout: {n: 2}\n")  # a path beside it
     more = load_config(tmp_path / "more.yaml", ["train.steps=9"])
     assert (more.train.steps, more.rollout.n, more.algo.loss) == (9, 2, stutter.algo.loss)
+    assert main(["validate", str(tmp_path / "more.yaml"), "train.steps=9"]) == 0
+    out = capsys.readouterr().out.splitlines()  # the resolved config against its base (mine.yaml)
+    assert out[1:] == ["differs from its base in 2 settings:", "  rollout.n: 8 -> 2", "  train.steps: 7 -> 9"], out
     (tmp_path / "a.yaml").write_text("base: b.yaml\n")
     (tmp_path / "b.yaml").write_text("base: a.yaml\n")
     assert main(["validate", str(tmp_path / "a.yaml")]) == 2

@@ -181,3 +181,27 @@ def test_console_backend_and_tensorboard_shorthand(tmp_path, capsys):
     tracker.close()
     assert "reward/mean=0.5" in capsys.readouterr().out
     assert not (tmp_path / "tb").exists()
+
+
+def test_a_heartbeat_line_reaches_a_log_file_every_interval_with_phase_step_reward_accuracy():
+    import io
+    import time
+
+    from flash.app.tracking import Heartbeat, Progress
+
+    out = io.StringIO()  # not a terminal, like a log file
+    hb = Heartbeat(0.05, stream=out)
+    hb.set(phase="warm start")
+    hb.set(step=120, total=400)
+    time.sleep(0.12)
+    hb.set(phase="train", step=0, total=10, accuracy=0.25)
+    Progress(10, True, hb).update({"step": 3, "reward/mean": 0.5})
+    time.sleep(0.12)
+    hb.close()
+    lines = out.getvalue().splitlines()
+    assert any(x.endswith("warm start step 120/400") for x in lines), lines
+    assert lines[-1].endswith("train step 3/10 reward 0.500 accuracy 0.250"), lines
+    assert all(x.startswith("flash: [") for x in lines) and len(lines) >= 3
+    assert "step 120" not in Heartbeat(0, enabled=False).line()
+    quiet = Heartbeat(0.01, enabled=False, stream=out)
+    assert quiet._thread is None

@@ -46,6 +46,13 @@ def cmd_validate(args: argparse.Namespace) -> int:
     cfg = load_config(path, args.overrides)
     print(f"ok: {path} (async_ratio={cfg.async_ratio}, loss={cfg.algo.loss['name']}, "
           f"steps={cfg.train.steps})")
+    from flash.app.config import base_differences
+
+    changed = base_differences(path, cfg)
+    if changed:
+        print(f"differs from its base in {len(changed)} settings:")
+        for line in changed:
+            print(f"  {line}")
     return 0
 
 

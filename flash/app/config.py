@@ -176,5 +176,27 @@ def to_yaml(cfg: FlashConfig) -> str:
     return OmegaConf.to_yaml(OmegaConf.structured(cfg))
 
 
+def base_differences(recipe_path: str | Path, cfg: FlashConfig) -> list[str]:
+    """``key: base value -> value`` for every setting of ``cfg`` that differs from its recipe's
+    base (the chain without the recipe itself); empty for a recipe without ``base:``."""
+    chain = recipe_chain(Path(recipe_path))
+    if len(chain) < 2:
+        return []
+    base = _flat(OmegaConf.to_container(OmegaConf.merge(OmegaConf.structured(FlashConfig), *chain[:-1])))
+    mine = _flat(to_dict(cfg))
+    return [f"{k}: {base.get(k, '(unset)')!r} -> {mine.get(k, '(unset)')!r}"
+            for k in sorted(set(base) | set(mine)) if base.get(k, "(unset)") != mine.get(k, "(unset)")]
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and v:
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
 def to_dict(cfg: FlashConfig) -> dict:
     return OmegaConf.to_container(OmegaConf.structured(cfg))

@@ -40,7 +40,7 @@ from flash.checkpoint_trust import read_manifest, resume_key
 from flash.app.config import FlashConfig, to_dict, to_yaml
 from flash.engine.base import SamplingParams
 from flash.errors import FlashError
-from flash.app.tracking import Progress, make_tracker, pick_samples, samples_markdown
+from flash.app.tracking import Heartbeat, Progress, make_tracker, pick_samples, samples_markdown
 from controllers.episode_runtime import build_episode_scheduler, check_episode_config
 from flash.envs.task import EnvTask
 from flash.train.trainer import TrainerSettings
@@ -67,7 +67,7 @@ def resolve_threads(cfg: FlashConfig) -> tuple[int, int]:
     return (cfg.resources.engine_threads or auto_engine, cfg.resources.trainer_threads or auto_trainer)
 
 
-def prepare_model(cfg: FlashConfig, task) -> str:
+def prepare_model(cfg: FlashConfig, task, on_sft_step=None) -> str:
     """The policy's initial checkpoint: ``model.path``; ``model.gguf`` converted once (flash.gguf);
     else the tiny model warm-started on the task (flash.train.sft)."""
     if cfg.model.path:
@@ -81,7 +81,7 @@ def prepare_model(cfg: FlashConfig, task) -> str:
         return gguf_checkpoint(cfg.model.gguf, default_cache_dir(cfg))
     from flash.train.sft import warm_start
 
-    return warm_start(cfg.model.tiny, cfg.sft, task, default_cache_dir(cfg))
+    return warm_start(cfg.model.tiny, cfg.sft, task, default_cache_dir(cfg), on_sft_step)
 
 
 class TrainerDied(FlashError):
@@ -127,7 +127,8 @@ class Run:
     (task, tokenizer, initial checkpoint), the run directory and its logs, the roles, the rollout
     (buffer, scheduler, controller), the guards, checkpoints and the clock."""
 
-    def __init__(self, cfg: FlashConfig, recipe_name: str):
+    def __init__(self, cfg: FlashConfig, recipe_name: str, heartbeat: Heartbeat | None = None):
+        heartbeat = heartbeat or Heartbeat(0, enabled=False)
         self.clock = Clock()
         quiet()
         self.cfg = cfg
@@ -143,7 +144,9 @@ class Run:
         if isinstance(self.task, EnvTask):
             check_episode_config(cfg, self.task)
         cfg.train.steps = data_steps(cfg, self.task)
-        self.model_path = prepare_model(cfg, self.task)
+        heartbeat.set(phase="warm start")
+        self.model_path = prepare_model(cfg, self.task, lambda s: heartbeat.set(step=s, total=cfg.sft.steps))
+        heartbeat.set(phase="starting roles")
         self.tokenizer = load_tokenizer(cfg, self.model_path)
         check_prompt_format(cfg, self.task, self.tokenizer)
         self.files = RunFiles.open(self.dir, append=resume_dir is not None)  # resumed: cut back to the checkpoint
@@ -292,25 +295,31 @@ def run(cfg: FlashConfig, recipe_name: str = "run") -> dict:
     Every numeric stage pins its own torch threads from the config (the warm start ``sft.threads``,
     the roles ``resources.*_threads``, this driver ``resources.driver_threads``), so the numbers do
     not depend on what the calling process did before (a test session, a notebook)."""
-    with pinned_threads(cfg.resources.driver_threads):
-        return _run(cfg, recipe_name)
+    heartbeat = Heartbeat(cfg.tracking.heartbeat_s, cfg.tracking.progress)
+    try:
+        with pinned_threads(cfg.resources.driver_threads):
+            return _run(cfg, recipe_name, heartbeat)
+    finally:
+        heartbeat.close()
 
 
-def _run(cfg: FlashConfig, recipe_name: str) -> dict:
-    r = Run(cfg, recipe_name)
+def _run(cfg: FlashConfig, recipe_name: str, heartbeat: Heartbeat) -> dict:
+    r = Run(cfg, recipe_name, heartbeat)
     start = r.clock.start_step
     tracker = make_tracker(cfg.tracking, str(r.dir), config=to_dict(cfg), purge_step=start + 1 if r.resume_point else None)
-    progress = Progress(cfg.train.steps, cfg.tracking.progress)
+    progress = Progress(cfg.train.steps, cfg.tracking.progress, heartbeat)
     progress.write(f"flash: run dir {r.dir}" + (f" (resumed at step {start} from {r.resume_point[0]})" if r.resume_point else ""))
     if r.roles.placement.plan.num_gpus or len(r.roles.replicas) > 1:
         progress.write(f"flash: {r.roles.placement.plan.describe()}")
     try:
         r.scheduler.start()
         if r.clock.acc0 is None:
+            heartbeat.set(phase="evaluation before training")
             metrics = r.evaluate("initial")
             r.clock.acc0 = metrics["eval/accuracy"]
             tracker.log({**metrics, "time/eval": r.clock.last_eval_s}, 0)
         acc0 = r.clock.acc0
+        heartbeat.set(phase="train", step=start, total=cfg.train.steps, accuracy=acc0)
         progress.write(f"flash: held-out accuracy before training {acc0:.3f}")
         if start < cfg.train.steps:
             r.scheduler.set_version(r.controller.version)
@@ -325,6 +334,7 @@ def _run(cfg: FlashConfig, recipe_name: str) -> dict:
         r.checkpointer.wait()
         train_s = time.monotonic() - train_start
         left = r.controller.shutdown_rollout()
+        heartbeat.set(phase="evaluation after training")
         metrics = r.evaluate("final", cfg.train.steps)
         acc1 = metrics["eval/accuracy"]
         tracker.log({**metrics, "time/eval": r.clock.last_eval_s}, cfg.train.steps)
@@ -376,7 +386,7 @@ def _on_step(r: Run, rec, tracker, progress) -> None:
         r.files.samples.flush()
         tracker.text("samples", samples_markdown(picked), step)
     run_state.commit_checkpoint(r.checkpointer, r.files)
-    progress.update(logged)
+    progress.update({"step": step, **logged})
 
 
 def _record_schedule(r: Run, rec) -> None:

@@ -204,6 +204,7 @@ class TrackingConfig:
     tensorboard: bool = True  # shorthand: false drops 'tensorboard' from backends
     console_every: int = 0  # print a metrics line every k steps when not on a terminal; 0 = off
     progress: bool = True
+    heartbeat_s: float = 10.0  # output not a terminal: a progress line this often (phase, step, reward); 0 = off
     project: str = "flash"  # wandb / swanlab project
     run_name: Optional[str] = None  # wandb / swanlab run name; unset: the run dir's name
     # responses kept per step (decoded prompt, response, reward) in samples.jsonl and TensorBoard's

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+import threading
+import time
 from typing import Any, Protocol
 
 from flash.errors import ConfigError
@@ -153,14 +155,19 @@ class MultiTracker:
 class Progress:
     """A live bar (step, reward, staleness, ETA) on a terminal; silent otherwise."""
 
-    def __init__(self, total: int, enabled: bool):
-        self.bar = None
+    def __init__(self, total: int, enabled: bool, heartbeat: "Heartbeat | None" = None):
+        self.bar, self.heartbeat, self.total, self.done = None, heartbeat, total, 0
         if enabled and sys.stderr.isatty():
             from tqdm import tqdm
 
             self.bar = tqdm(total=total, unit="step", dynamic_ncols=True)
 
     def update(self, metrics: dict[str, float]) -> None:
+        self.done += 1
+        if self.heartbeat is not None:
+            self.heartbeat.set(phase="train", step=metrics.get("step", self.done), total=self.total,
+                               reward=metrics.get("reward/mean"), accuracy=metrics.get("eval/accuracy",
+                                                                                      self.heartbeat.fields.get("accuracy")))
         if self.bar is None:
             return
         self.bar.set_postfix(reward=f"{metrics.get('reward/mean', 0):.3f}",
@@ -192,3 +199,43 @@ def samples_markdown(samples: list[dict]) -> str:
     """The picked samples as Markdown for a text panel (TensorBoard renders it)."""
     return "\n\n".join(f"**prompt {x['prompt_id']} sample {x['sample']}**: reward {x['reward']:.3g} "
                         f"({x['finish_reason']})\n\n    {x['prompt']!r}\n\n    {x['response']!r}" for x in samples)
+
+
+class Heartbeat:
+    """Progress for a log file: when output is not a terminal (a job scheduler, ``nohup``, CI), a
+    daemon thread prints one line every ``interval_s`` seconds from the start of the run -- phase
+    (warm start, roles, evaluation, train), step, last reward and accuracy -- so a log shows the
+    run is alive and where it is before the first step ends. Silent on a terminal (the bar is
+    there) and with ``interval_s`` 0."""
+
+    def __init__(self, interval_s: float, enabled: bool = True, stream=None):
+        self.stream = stream or sys.stdout
+        self.fields: dict[str, Any] = {"phase": "start"}
+        self._start = time.monotonic()
+        self._stop = threading.Event()
+        self._thread = None
+        if enabled and interval_s > 0 and not self.stream.isatty():
+            self._thread = threading.Thread(target=self._loop, args=(interval_s,), name="flash-heartbeat", daemon=True)
+            self._thread.start()
+
+    def set(self, **fields) -> None:
+        """Update what the next line says; a new phase drops the old phase's step count."""
+        old = self.fields
+        if fields.get("phase", old["phase"]) != old["phase"]:
+            old = {k: v for k, v in old.items() if k not in ("step", "total")}
+        self.fields = {**old, **fields}
+
+    def line(self) -> str:
+        f = self.fields
+        parts = [f"flash: [{time.monotonic() - self._start:.0f}s] {f['phase']}"]
+        if f.get("step") is not None:
+            parts.append(f"step {f['step']}" + (f"/{f['total']}" if "total" in f else ""))
+        parts += [f"{k} {f[k]:.3f}" for k in ("reward", "accuracy") if f.get(k) is not None]
+        return " ".join(parts)
+
+    def _loop(self, interval_s: float) -> None:
+        while not self._stop.wait(interval_s):
+            print(self.line(), file=self.stream, flush=True)
+
+    def close(self) -> None:
+        self._stop.set()

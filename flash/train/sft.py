@@ -29,6 +29,7 @@ import logging
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -99,16 +100,17 @@ def cache_key(model_cfg: TinyModelConfig, sft_cfg: SFTConfig, task: Task,
 
 
 def warm_start(model_cfg: TinyModelConfig, sft_cfg: SFTConfig, task: Task,
-               cache_root: str | os.PathLike) -> str:
+               cache_root: str | os.PathLike, on_step: Callable[[int], None] | None = None) -> str:
     """Directory of the warm-started model + tokenizer for these configs, training it if needed.
 
     Loadable with ``AutoModelForCausalLM.from_pretrained(dir)`` and
     ``AutoTokenizer.from_pretrained(dir)``; ``dir/flash_warm_start.json`` records the configs,
     the final loss, the training time and (with ``eval_after``) the held-out sampled accuracy.
+    ``on_step(step)``: called after each SFT step (progress for a log file).
     """
     cache_root = os.fspath(cache_root)
     final = os.path.join(cache_root, f"sft-{task.name}-{cache_key(model_cfg, sft_cfg, task)}")
-    meta = build_once(final, META_FILE, lambda tmp: _train_and_save(model_cfg, sft_cfg, task, tmp))
+    meta = build_once(final, META_FILE, lambda tmp: _train_and_save(model_cfg, sft_cfg, task, tmp, on_step))
     if meta is None:  # cached (or another process built it meanwhile)
         return final
     acc = meta.get("eval_accuracy")
@@ -118,14 +120,15 @@ def warm_start(model_cfg: TinyModelConfig, sft_cfg: SFTConfig, task: Task,
     return final
 
 
-def _train_and_save(model_cfg: TinyModelConfig, sft_cfg: SFTConfig, task: Task, out: str) -> dict:
+def _train_and_save(model_cfg: TinyModelConfig, sft_cfg: SFTConfig, task: Task, out: str,
+                    on_step: Callable[[int], None] | None = None) -> dict:
     tokenizer = build_tokenizer(DEFAULT_ALPHABET)
     model = build_tiny_model(tokenizer, model_cfg)
     start = time.perf_counter()
     with pinned_threads(sft_cfg.threads):
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(sft_cfg.seed)
-            final_loss = train_sft(model, tokenizer, task, sft_cfg)
+            final_loss = train_sft(model, tokenizer, task, sft_cfg, on_step)
         meta = _meta(model_cfg, sft_cfg, task, final_loss, time.perf_counter() - start)
         if sft_cfg.eval_after:
             meta["eval_accuracy"] = sampled_accuracy(
@@ -173,7 +176,7 @@ def _bucketed_batches(task: Task, cfg: SFTConfig, step: int) -> list[list[tuple[
     return [batches[i] for i in order]
 
 
-def train_sft(model, tokenizer, task: Task, cfg: SFTConfig) -> float:
+def train_sft(model, tokenizer, task: Task, cfg: SFTConfig, on_step: Callable[[int], None] | None = None) -> float:
     """AdamW with linear warmup and cosine decay; returns the mean loss of the last 20 steps."""
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.98),
@@ -200,6 +203,8 @@ def train_sft(model, tokenizer, task: Task, cfg: SFTConfig) -> float:
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         opt.step()
         recent = (recent + [loss.item()])[-20:]
+        if on_step is not None:
+            on_step(step + 1)
     model.eval()
     return sum(recent) / max(1, len(recent))
 
