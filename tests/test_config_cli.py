@@ -157,6 +157,12 @@ def test_model_path_must_be_a_local_model_folder(tmp_path, capsys):
     with pytest.raises(ConfigError, match="has no config.json: point it at a Hugging Face model folder"):
         load_config("recipes/stutter.yaml", [f"model.path={tmp_path}"])
     (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ConfigError, match="has no weights .*; finish the download"):
+        load_config("recipes/stutter.yaml", [f"model.path={tmp_path}"])
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(ConfigError, match="has no tokenizer"):
+        load_config("recipes/stutter.yaml", [f"model.path={tmp_path}"])
+    (tmp_path / "tokenizer.json").write_text("{}")
     assert load_config("recipes/stutter.yaml", [f"model.path={tmp_path}"]).model.path == str(tmp_path)
 
 

@@ -272,6 +272,11 @@ def _check_model(model: ModelConfig) -> None:
     check_loaders()
 
 
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+
 def _check_model_path(path: str) -> None:
     from pathlib import Path
 
@@ -279,6 +284,11 @@ def _check_model_path(path: str) -> None:
     if folder.is_dir():
         _require((folder / "config.json").is_file(), f"model.path={path} has no config.json: point it at a "
                  "Hugging Face model folder (config.json, weights, tokenizer files)")
+        _require(any((folder / f).is_file() for f in WEIGHT_FILES),
+                 f"model.path={path} has no weights (none of {', '.join(WEIGHT_FILES)}); finish the download")
+        _require(any((folder / f).is_file() for f in TOKENIZER_FILES),
+                 f"model.path={path} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); save the "
+                 f"tokenizer beside the weights (tokenizer.save_pretrained)")
         return
     hub_like = path.count("/") == 1 and not path.startswith((".", "/", "~"))
     _require(False, f"model.path={path} is not a local folder" + (
