@@ -54,3 +54,8 @@ def burn_in_child(item, response, cpu_s: float = 0.4):
     prog = f"import time\nt = time.process_time()\nwhile time.process_time() - t < {cpu_s}: pass\n"
     subprocess.run([sys.executable, "-c", prog], check=True)
     return 1.0
+
+
+def response_length(item, response):
+    """The response's length in characters: a reward that differs between samples of any model."""
+    return float(len(response))

@@ -289,3 +289,26 @@ def test_the_flash_data_verbs_export_and_preview_from_the_command_line(tmp_path,
     assert main(["data", "export", "wordproblems", "max_operand=1", "-o", str(out)]) == 2
     assert "max_operand must be in [2, 99]" in capsys.readouterr().err
     assert main(["data", "export", "wordproblems", "-o", str(tmp_path / "x.txt")]) == 2
+
+
+def test_the_same_rows_in_three_formats_give_identical_first_step_losses(tmp_path):
+    """The textbook synchronous loop (tests.helpers.inproc) over each file: same samples, same loss."""
+    from tests.helpers.inproc import plain_sync_loop
+    from tests.helpers.models import TINY, save_tiny
+
+    from flash.app.data import load_tokenizer
+
+    ds = datasets_module().Dataset.from_list(gsm_rows())
+    paths = [write_jsonl(tmp_path / "a.jsonl", gsm_rows()), str(tmp_path / "a.parquet"), str(tmp_path / "a_dir")]
+    ds.to_parquet(paths[1])
+    ds.save_to_disk(paths[2])
+    model = save_tiny(tmp_path / "model", TINY)
+    results = []
+    for path in paths:
+        cfg = load_config("recipes/math.yaml", [f"data.train=[{path}]", "data.prompt_key=question",
+                                                f"model.path={model}", "train.prompts_per_step=4", "rollout.n=4",
+                                                "data.reward=tests.reward_fns:response_length"])
+        results.append(plain_sync_loop(cfg, model, build_task(cfg), load_tokenizer(cfg, model), steps=1))
+    (samples, loss), = results[0]
+    assert len(samples) == 16 and loss != 0.0
+    assert results[1] == results[0] and results[2] == results[0]
