@@ -153,13 +153,35 @@ def test_a_step_keeps_its_best_and_worst_samples_as_text(tmp_path):
                          "prompt": "2", "response": "0-9"}
     assert len(pick_samples(1, [group(1, [0.5])], 4, decode)) == 1
     tracker = make_tracker(load_config(RECIPE, ["tracking.backends=[tensorboard]"]).tracking, str(tmp_path))
-    tracker.text("samples", samples_markdown(picked), 7)
+    tracker.samples("samples", picked, 7)  # TensorBoard has no table: the markdown text
     tracker.close()
+    assert samples_markdown(picked).startswith("**prompt 2 sample 0**")
     events = EventAccumulator(str(tmp_path / "tb"), size_guidance={"tensors": 0})
     events.Reload()
     (event,) = events.Tensors("samples/text_summary")
     text = event.tensor_proto.string_val[0].decode()
     assert event.step == 7 and "**prompt 2 sample 0**: reward 1 " in text and "'0-9'" in text
+
+
+def test_wandb_gets_each_steps_samples_as_a_table(monkeypatch, tmp_path):
+    """W&B is an optional extra not installed here: a stand-in module records what our tracker
+    hands it (the table's columns and rows are ours to get right)."""
+    import types
+
+    from flash.app.tracking import WandbTracker
+
+    logged = []
+    fake = types.SimpleNamespace(
+        Table=lambda columns, data: ("table", columns, data),
+        init=lambda **kw: types.SimpleNamespace(log=lambda d, step: logged.append((d, step)), finish=lambda: None))
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    tracker = WandbTracker("p", "n", str(tmp_path), {})
+    rows = [{"step": 3, "prompt": "a", "response": "b", "reward": 1.0}, {"step": 3, "prompt": "c", "response": "d",
+                                                                         "reward": 0.0}]
+    tracker.samples("samples", rows, 3)
+    tracker.samples("samples", [], 4)
+    assert logged == [({"samples": ("table", ["step", "prompt", "response", "reward"],
+                                    [[3, "a", "b", 1.0], [3, "c", "d", 0.0]])}, 3)]
 
 
 @pytest.mark.parametrize("backend", ["wandb", "swanlab"])

@@ -40,7 +40,7 @@ from flash.checkpoint_trust import read_manifest, resume_key
 from flash.app.config import FlashConfig, to_dict, to_yaml
 from flash.engine.base import SamplingParams
 from flash.errors import FlashError
-from flash.app.tracking import Heartbeat, Progress, make_tracker, pick_samples, samples_markdown
+from flash.app.tracking import Heartbeat, Progress, make_tracker, pick_samples
 from controllers.episode_runtime import build_episode_scheduler, check_episode_config
 from flash.envs.task import EnvTask
 from flash.train.trainer import TrainerSettings
@@ -384,7 +384,7 @@ def _on_step(r: Run, rec, tracker, progress) -> None:
         picked = pick_samples(step, rec.groups, r.cfg.tracking.log_samples, r.tokenizer.decode)
         r.files.samples.write("".join(json.dumps(x) + "\n" for x in picked))
         r.files.samples.flush()
-        tracker.text("samples", samples_markdown(picked), step)
+        tracker.samples("samples", picked, step)
     run_state.commit_checkpoint(r.checkpointer, r.files)
     progress.update({"step": step, **logged})
 

@@ -73,10 +73,18 @@ class WandbTracker:
     def __init__(self, project: str, name: str, run_dir: str, config: dict[str, Any]):
         import wandb
 
+        self.wandb = wandb
         self.run = wandb.init(project=project, name=name, dir=run_dir, config=config)
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         self.run.log(dict(metrics), step=step)
+
+    def samples(self, tag: str, rows: list[dict], step: int) -> None:
+        """A step's samples as a W&B table (one row per sample, the columns of samples.jsonl)."""
+        if rows:
+            columns = list(rows[0])
+            table = self.wandb.Table(columns=columns, data=[[r.get(c) for c in columns] for r in rows])
+            self.run.log({tag: table}, step=step)
 
     def close(self) -> None:
         self.run.finish()
@@ -146,6 +154,14 @@ class MultiTracker:
         for t in self.trackers:
             if hasattr(t, "text"):
                 t.text(tag, text, step)
+
+    def samples(self, tag: str, rows: list[dict], step: int) -> None:
+        """A step's samples: a table where the backend has one (W&B), else markdown text."""
+        for t in self.trackers:
+            if hasattr(t, "samples"):
+                t.samples(tag, rows, step)
+            elif hasattr(t, "text"):
+                t.text(tag, samples_markdown(rows), step)
 
     def close(self) -> None:
         for t in self.trackers:
