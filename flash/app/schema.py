@@ -223,6 +223,19 @@ class CheckpointConfig:
 
 
 @dataclass
+class AgentConfig:
+    # Your agent (flash.envs.agents): "package.module:function", an `async def agent(client, item)`
+    # returning the episode's reward (or (reward, dict)); `client` is an openai.AsyncOpenAI on the
+    # gateway, one session per episode. Set: episodes are your agent's runs.
+    fn: Optional[str] = None
+    concurrency: int = 16  # agents running at once
+    timeout_s: float = 300.0  # an episode running longer ends with outcome 'timeout' (run again once)
+    retries: int = 1  # runs again after a timeout, a crash or a bad return
+    max_turns: int = 32  # chat calls per episode
+    host: str = "127.0.0.1"  # where the gateway listens (loopback; sessions are keyed either way)
+
+
+@dataclass
 class DataConfig:
     # Prompts that are malformed, empty or longer than max_prompt_tokens are skipped and counted
     # (data/skipped_*; the first of each kind is logged), or stop the run when strict.
@@ -269,6 +282,7 @@ class FlashConfig:
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    agent: AgentConfig = field(default_factory=AgentConfig)
     # continue a run from its newest valid checkpoint: a run dir, or 'latest' (newest run dir
     # of this recipe under runs/); step numbers, metrics and the ledger continue
     resume: Optional[str] = None

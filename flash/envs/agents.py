@@ -1,0 +1,144 @@
+"""User agents run against the gateway: ``async def agent(client, item) -> float | (float, dict)``.
+
+A recipe names the function as ``package.module:function`` (``agent.fn``); flash hands it a real
+``openai.AsyncOpenAI`` client whose base URL is the gateway and whose API key is the episode's own
+session key, so every call the agent makes is one turn of that episode (flash.envs.gateway). The
+agent returns the episode's reward (and optionally a dict of facts kept in the sample's meta).
+
+``AgentRunner`` runs agents on one asyncio loop in a daemon thread, at most ``concurrency`` at
+once. Each run ends with a named outcome:
+
+- ``ok``: it returned a finite reward;
+- ``timeout``: it ran past ``timeout_s`` (a hung agent is cancelled at its next await);
+- ``crashed``: it raised;
+- ``bad_return``: it returned something other than a finite number or ``(number, dict)``;
+- ``cancelled``: the scheduler no longer wants the episode (redundant, surplus).
+
+A failed run (timeout, crashed, bad_return) is run once more on a fresh session (``retries``); a
+second failure stands, and the episode is scored 0 with that outcome, so the ledger stays complete.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import inspect
+import math
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+OUTCOMES = ("ok", "timeout", "crashed", "bad_return", "cancelled")
+
+
+@dataclass
+class AgentResult:
+    reward: float
+    outcome: str
+    attempts: int
+    info: dict = field(default_factory=dict)
+    error: str = ""
+
+
+def load_agent(path: str) -> Callable:
+    """The coroutine function ``package.module:function`` names (ValueError saying what is wrong)."""
+    module_name, _, attr = path.partition(":")
+    if not module_name or not attr:
+        raise ValueError(f"agent.fn {path!r} must look like 'package.module:function'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"agent.fn {path!r}: cannot import {module_name!r}: {exc}; put it beside the recipe "
+                         f"or add its folder to PYTHONPATH") from None
+    fn = getattr(module, attr, None)
+    if not inspect.iscoroutinefunction(fn):
+        raise ValueError(f"agent.fn {path!r} must be an 'async def {attr}(client, item)' function")
+    return fn
+
+
+class BadReturn(ValueError):
+    """An agent returned something that is not a reward."""
+
+
+def check_return(value: Any) -> tuple[float, dict]:
+    """``(reward, info)`` from what an agent returned; ``BadReturn`` for anything else."""
+    reward, info = (value if isinstance(value, tuple) and len(value) == 2 else (value, {}))
+    if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
+        raise BadReturn(f"an agent returns a finite reward or (reward, dict), got {str(value)[:80]}")
+    if not isinstance(info, dict):
+        raise BadReturn(f"an agent's second return value must be a dict, got {type(info).__name__}")
+    return float(reward), info
+
+
+class AgentRunner:
+    """Agents on one asyncio loop thread (see the module docstring)."""
+
+    def __init__(self, fn: Callable, base_url: str, concurrency: int = 16, timeout_s: float = 300.0,
+                 retries: int = 1):
+        self.fn, self.base_url, self.timeout_s, self.retries = fn, base_url, timeout_s, retries
+        self.loop = asyncio.new_event_loop()
+        self._slots = asyncio.Semaphore(max(1, concurrency))
+        self._thread = threading.Thread(target=self.loop.run_forever, name="flash-agents", daemon=True)
+        self._thread.start()
+        self.counts: dict[str, int] = dict.fromkeys(OUTCOMES, 0)
+        self.counts["retries"] = 0
+        self._lock = threading.Lock()
+
+    def run(self, item, open_session: Callable[[], str], close_session: Callable[[str, str], None],
+            done: Callable[[AgentResult], None]) -> Future:
+        """Start one episode: ``open_session()`` gives a session key for each attempt,
+        ``close_session(key, outcome)`` ends it, ``done(result)`` hears the final result. The
+        returned future can be cancelled (the episode's outcome is then ``cancelled``)."""
+        return asyncio.run_coroutine_threadsafe(self._episode(item, open_session, close_session, done), self.loop)
+
+    async def _episode(self, item, open_session, close_session, done) -> None:
+        result, key = AgentResult(0.0, "crashed", 0), None
+        try:
+            async with self._slots:
+                for attempt in range(1 + self.retries):
+                    key = open_session()
+                    result = await self._attempt(item, key, attempt + 1)
+                    close_session(key, result.outcome)
+                    key = None
+                    if result.outcome == "ok":
+                        break
+                    if attempt < self.retries:
+                        self._count("retries")
+        except asyncio.CancelledError:
+            if key is not None:
+                close_session(key, "cancelled")
+            self._count("cancelled")
+            raise
+        self._count(result.outcome)
+        done(result)
+
+    async def _attempt(self, item, key: str, attempt: int) -> AgentResult:
+        import openai
+
+        client = openai.AsyncOpenAI(base_url=self.base_url, api_key=key, max_retries=0, timeout=self.timeout_s)
+        try:
+            value = await asyncio.wait_for(self.fn(client, item), self.timeout_s)
+            reward, info = check_return(value)
+            return AgentResult(reward, "ok", attempt, info)
+        except asyncio.TimeoutError:
+            return AgentResult(0.0, "timeout", attempt, error=f"ran past {self.timeout_s}s")
+        except BadReturn as exc:
+            return AgentResult(0.0, "bad_return", attempt, error=str(exc))
+        except Exception as exc:  # the user's code: any failure is its outcome, never the run's
+            return AgentResult(0.0, "crashed", attempt, error=f"{type(exc).__name__}: {str(exc)[:300]}")
+        finally:
+            await client.close()
+
+    def _count(self, key: str) -> None:
+        with self._lock:
+            self.counts[key] = self.counts.get(key, 0) + 1
+
+    def metrics(self) -> dict[str, float]:
+        with self._lock:
+            return {f"agent/{k}": float(v) for k, v in self.counts.items()}
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=10)

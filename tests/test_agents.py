@@ -1,0 +1,83 @@
+"""User agents (flash.envs.agents): outcomes, the one retry, cancellation, loading by path."""
+
+import threading
+
+import pytest
+
+from flash.envs.agents import AgentRunner, check_return, load_agent
+from flash.tasks import TaskItem
+
+
+class Sessions:
+    """Session keys handed out and closed, as the gateway would (the agents here make no call)."""
+
+    def __init__(self):
+        self.opened, self.closed = [], []
+
+    def open(self):
+        self.opened.append(f"k{len(self.opened)}")
+        return self.opened[-1]
+
+    def close(self, key, outcome):
+        self.closed.append((key, outcome))
+
+
+def run_one(fn, timeout_s=5.0, retries=1):
+    runner = AgentRunner(fn, "http://127.0.0.1:9/v1", concurrency=2, timeout_s=timeout_s, retries=retries)
+    sessions, got, done = Sessions(), [], threading.Event()
+    runner.run(TaskItem(3, "p", "a"), sessions.open, sessions.close, lambda r: (got.append(r), done.set()))
+    assert done.wait(30)
+    runner.close()
+    return got[0], sessions, runner.metrics()
+
+
+def test_each_failure_is_named_and_run_again_once_on_a_fresh_session():
+    from tests import agent_fns
+
+    result, sessions, m = run_one(agent_fns.hang, timeout_s=0.2)
+    assert (result.outcome, result.attempts, result.reward) == ("timeout", 2, 0.0)
+    assert sessions.closed == [("k0", "timeout"), ("k1", "timeout")] and m["agent/retries"] == 1.0
+    result, sessions, m = run_one(agent_fns.not_a_reward)
+    assert (result.outcome, result.attempts) == ("bad_return", 2) and "got yes" in result.error
+    calls = []
+
+    async def flaky(client, item):
+        calls.append(item.index)
+        if len(calls) == 1:
+            raise KeyError("tool")
+        return 0.5, {"tries": len(calls)}
+
+    result, sessions, m = run_one(flaky)
+    assert (result.outcome, result.reward, result.info, result.attempts) == ("ok", 0.5, {"tries": 2}, 2)
+    assert sessions.closed == [("k0", "crashed"), ("k1", "ok")]
+    assert m["agent/ok"] == 1.0 and m["agent/crashed"] == 0.0 and m["agent/retries"] == 1.0
+
+
+def test_a_cancelled_agent_closes_its_session_and_reports_nothing():
+    from tests import agent_fns
+
+    runner = AgentRunner(agent_fns.hang, "http://127.0.0.1:9/v1", timeout_s=60)
+    sessions, got = Sessions(), []
+    future = runner.run(TaskItem(0, "p", "a"), sessions.open, sessions.close, got.append)
+    for _ in range(100):
+        if sessions.opened:
+            break
+        threading.Event().wait(0.01)
+    future.cancel()
+    threading.Event().wait(0.2)
+    runner.close()
+    assert got == [] and sessions.closed == [("k0", "cancelled")] and runner.metrics()["agent/cancelled"] == 1.0
+
+
+def test_returns_and_paths_are_checked():
+    assert check_return(1) == (1.0, {}) and check_return((0.5, {"a": 1})) == (0.5, {"a": 1})
+    for bad in (float("nan"), True, "1", (1.0, 2), None):
+        with pytest.raises(ValueError):
+            check_return(bad)
+    assert load_agent("tests.agent_fns:answer").__name__ == "answer"
+    with pytest.raises(ValueError, match="must be an 'async def"):
+        load_agent("tests.reward_fns:exact")
+    with pytest.raises(ValueError, match="cannot import"):
+        load_agent("tests.nowhere:x")
+    with pytest.raises(ValueError, match="package.module:function"):
+        load_agent("answer")
