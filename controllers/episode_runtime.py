@@ -63,7 +63,7 @@ def build_episode_scheduler(cfg, task, tokenizer, engine, buffer, staleness, par
     options = dataclasses.asdict(task.options)
     restarts = cfg.rollout.max_worker_restarts  # Ray restarts a dead worker; its episodes play again
     workers = start_env_workers(task.options.env_workers, task.name, options, task.options.step_delay_s,
-                                max_restarts=restarts)
+                                max_restarts=restarts, step_delay_sigma=task.options.step_delay_sigma)
     return EpisodeScheduler(engine, workers, task, episode_codec(tokenizer), buffer, staleness, params,
                             n=cfg.rollout.n, seed=cfg.seed, max_turns=task.options.max_turns,
                             hang_timeout_s=cfg.rollout.hang_timeout_s, max_worker_restarts=restarts,

@@ -39,7 +39,8 @@ class EpisodeOptions:
     max_turns: int = 16  # LLM turns per episode at most (outcome 'truncated' beyond)
     demo_noise: float = 0.25  # per-move probability that a demonstration move is not the expert's
     env_workers: int = 2  # EnvWorker actors running the environments
-    step_delay_s: float = 0.0  # fault injection: every environment step sleeps this long
+    step_delay_s: float = 0.0  # every environment step sleeps this long (latency injection)
+    step_delay_sigma: float = 0.0  # > 0: the sleep is lognormal with median step_delay_s (a long tail)
 
     def __post_init__(self) -> None:
         if self.max_turns < 1:

@@ -17,9 +17,12 @@ of the actions it applied to an episode, which the tests compare with the schedu
 
 from __future__ import annotations
 
+import math
 import os
+import random
 import threading
 import time
+import zlib
 
 from flash.envs.base import StepResult
 
@@ -29,11 +32,11 @@ class EnvLost(KeyError):
 
 
 class EnvWorker:
-    def __init__(self, task_name: str, task_options: dict, step_delay_s: float = 0.0):
+    def __init__(self, task_name: str, task_options: dict, step_delay_s: float = 0.0, step_delay_sigma: float = 0.0):
         from flash.tasks import make_task
 
         self.task = make_task(task_name, **task_options)
-        self.step_delay_s = step_delay_s
+        self.step_delay_s, self.step_delay_sigma = step_delay_s, step_delay_sigma
         self._envs: dict[str, object] = {}
         self._applied: dict[str, list[str]] = {}
         self._lock = threading.Lock()
@@ -54,10 +57,11 @@ class EnvWorker:
                               f"(reset it first; a restarted worker holds none)")
             env = self._envs[key]
             self.counters["in_step"] += 1
+            delay = step_delay(self.step_delay_s, self.step_delay_sigma, key, len(self._applied[key]))
         start = time.monotonic()
         try:
-            if self.step_delay_s > 0:
-                time.sleep(self.step_delay_s)
+            if delay > 0:
+                time.sleep(delay)
             result = StepResult(*env.step(action))
         finally:
             with self._lock:
@@ -85,11 +89,20 @@ class EnvWorker:
             return {**self.counters, "live": float(len(self._envs))}
 
 
+def step_delay(median_s: float, sigma: float, key: str, step: int) -> float:
+    """Seconds a step waits: ``median_s``, or lognormal around it with ``sigma`` (a long tail, as a
+    tool or a remote environment has), drawn from (episode, step) so a replayed episode waits the same."""
+    if median_s <= 0 or sigma <= 0:
+        return max(0.0, median_s)
+    rng = random.Random(zlib.crc32(f"{key}|{step}".encode()))
+    return median_s * math.exp(sigma * rng.gauss(0.0, 1.0))
+
+
 def start_env_workers(count: int, task_name: str, task_options: dict, step_delay_s: float = 0.0,
-                      max_restarts: int = 0) -> list:
+                      max_restarts: int = 0, step_delay_sigma: float = 0.0) -> list:
     """``count`` EnvWorker actors (no CPU reserved: they mostly wait on the engine); Ray restarts
     one that dies up to ``max_restarts`` times."""
     import ray
 
     actor = ray.remote(EnvWorker).options(num_cpus=0, max_concurrency=16, max_restarts=max_restarts)
-    return [actor.remote(task_name, dict(task_options), step_delay_s) for _ in range(count)]
+    return [actor.remote(task_name, dict(task_options), step_delay_s, step_delay_sigma) for _ in range(count)]
