@@ -217,3 +217,150 @@ def test_context_tokens_take_the_version_of_the_next_sampled_token():
     assert sample.meta == {"k": 1, "calls": 2}
     with pytest.raises(ValueError):
         record(session, Turn([1], [1], True, "chat"), [], [], [], "stop", "")
+
+
+def test_an_edited_history_starts_a_new_segment(chatml):
+    tok, policy, gw = chatml
+    key = gw.open_session()
+    api = client(gw, key)
+    messages = list(OPENING)
+    r1 = api.chat.completions.create(model="p", messages=messages, max_tokens=8, seed=1)
+    messages += [{"role": "assistant", "content": r1.choices[0].message.content + "x"},  # edited reply
+                 {"role": "user", "content": "go on"}]
+    r2 = api.chat.completions.create(model="p", messages=messages, max_tokens=8, seed=2)
+    messages += [{"role": "assistant", "content": r2.choices[0].message.content},
+                 {"role": "user", "content": "use a tool"}]
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}]
+    api.chat.completions.create(model="p", messages=messages, max_tokens=8, seed=3, tools=tools)  # new tools
+    rec = gw.close_session(key)
+    assert [c["new_segment"] for c in rec["calls"]] == [True, True, True] and rec["new_segments"] == 2
+    assert rec["segments"][1].prompt_ids == render(tok, messages[:4], None, True)
+    assert_token_exact(rec, policy.calls(key))
+
+
+def test_context_is_dated_by_the_call_after_a_weight_update(chatml):
+    _, policy, gw = chatml
+    key = gw.open_session()
+    api = client(gw, key)
+    first = api.chat.completions.create(model="p", messages=OPENING, max_tokens=4, seed=6)
+    with policy.lock:  # between two calls, as the controller's weight push would land
+        v = policy.engine.version
+        policy.engine.update_weights({}, v + 1)
+    messages = OPENING + [{"role": "assistant", "content": first.choices[0].message.content},
+                          {"role": "user", "content": "go on"}]
+    api.chat.completions.create(model="p", messages=messages, max_tokens=4, seed=7)
+    (seg,) = gw.close_session(key)["segments"]
+    n = first.usage.completion_tokens
+    assert seg.versions == [v] * n + [v + 1] * (len(seg.versions) - n) and seg.loss_mask[n] == 0
+    assert segment_sample(seg, prompt_id=0, sample_index=0, reward=0.0, admitted_version=v).version == v
+
+
+def test_text_completions_extend_only_an_exact_continuation(chatml):
+    tok, policy, gw = chatml
+    key = gw.open_session()
+    api = client(gw, key)
+    first = api.completions.create(model="p", prompt="count: 1 2 3", max_tokens=6, seed=3, temperature=1.5)
+    said = "count: 1 2 3" + first.choices[0].text
+    api.completions.create(model="p", prompt=said + " and on", max_tokens=6, seed=4)
+    api.completions.create(model="p", prompt="count: 4", max_tokens=6, seed=5)  # not a continuation
+    rec = gw.close_session(key)
+    calls = policy.calls(key)
+    assert [c["new_segment"] for c in rec["calls"]] == [True, False, True] and rec["new_segments"] == 1
+    assert calls[0][0] == tok.encode("count: 1 2 3", add_special_tokens=False)
+    assert calls[1][0] == calls[0][0] + calls[0][1].token_ids + tok.encode(" and on", add_special_tokens=False)
+    assert_token_exact(rec, calls)
+
+
+def test_bad_requests_are_refused_and_the_server_keeps_serving(chatml):
+    _, _, gw = chatml
+    key = gw.open_session()
+    api, before = client(gw, key), gw.metrics()
+    ok = {"model": "p", "messages": OPENING, "max_tokens": 4}
+    refusals = [
+        (openai.AuthenticationError, "unauthorized", client(gw, "not-a-key"), {}),
+        (openai.BadRequestError, "unsupported", api, {"stream": True}),
+        (openai.BadRequestError, "unsupported", api, {"n": 2}),
+        (openai.BadRequestError, "unsupported", api, {"stop": ["."]}),
+        (openai.BadRequestError, "unsupported", api, {"presence_penalty": 0.5}),
+        (openai.BadRequestError, "max_tokens", api, {"max_tokens": 0}),
+        (openai.BadRequestError, "max_tokens", api, {"max_tokens": 25}),
+        (openai.BadRequestError, "bad_params", api, {"top_p": 0}),
+        (openai.BadRequestError, "bad_messages", api, {"messages": "hi"}),
+        (openai.BadRequestError, "bad_messages", api, {"messages": [{"role": "wizard", "content": "x"}]}),
+        (openai.BadRequestError, "bad_messages", api, {"messages": [{"role": "user", "content": 3}]}),
+        (openai.BadRequestError, "bad_messages", api, {"messages": [{"role": "user", "content": "x", "a": 1}]}),
+        (openai.APIStatusError, "too_large", api, {"messages": [{"role": "user", "content": "a" * 70_000}]}),
+    ]
+    for error, reason, who, change in refusals:
+        with pytest.raises(error) as caught:
+            who.chat.completions.create(**{**ok, **change})
+        assert caught.value.body["code"] == reason, change
+        assert "\n" not in caught.value.body["message"]
+    assert caught.value.status_code == 413
+    for body in (b"{not json", b'{"model": "p", "messages": [], "temperature": NaN}'):  # no client sends these
+        raw = httpx.post(f"{gw.url}/chat/completions", content=body, headers={"Authorization": f"Bearer {key}"})
+        assert raw.status_code == 400 and raw.json()["error"]["code"] == "bad_json"
+    reply = api.chat.completions.create(**ok)  # still serving
+    assert reply.choices[0].message.role == "assistant" and reply.usage.completion_tokens >= 1
+    assert [m.id for m in api.models.list().data] == ["flash-policy"]
+    gw.close_session(key)
+    with pytest.raises(openai.AuthenticationError):
+        api.chat.completions.create(**ok)
+    after = gw.metrics()
+    counted = {k: after[k] - before.get(k, 0) for k in after if k.startswith("refused/")}
+    assert {k: v for k, v in counted.items() if v} == {
+        "refused/unauthorized": 2, "refused/unsupported": 4, "refused/max_tokens": 2, "refused/bad_params": 1,
+        "refused/bad_json": 2, "refused/bad_messages": 4, "refused/too_large": 1}
+    assert after["calls"] == before["calls"] + 1
+
+
+def test_engine_refusals_and_failures_are_answered_not_raised(chatml):
+    tok, _, gw = chatml
+    key = gw.open_session()
+    api = client(gw, key)
+    with pytest.raises(openai.BadRequestError, match="exceeds the context"):  # the engine's own check
+        api.chat.completions.create(model="p", messages=[{"role": "user", "content": "a" * 250}], max_tokens=8)
+
+    def broken(prompt_ids, params, session_key):
+        raise RuntimeError("engine down")
+
+    with Gateway(tok, broken) as down:
+        with pytest.raises(openai.InternalServerError, match="engine down"):
+            client(down, down.open_session()).chat.completions.create(model="p", messages=OPENING)
+        assert down.metrics()["refused/generate"] == 1
+    assert gw.close_session(key)["calls"] == []
+
+
+def test_only_loopback_unless_remote_is_allowed(chatml):
+    tok, policy, _ = chatml
+    with pytest.raises(ValueError, match="allow_remote"):
+        Gateway(tok, policy, host="0.0.0.0")
+    Gateway(tok, policy, host="0.0.0.0", allow_remote=True).close()  # built, never started
+    for host in ("127.0.0.1", "localhost", "::1"):
+        Gateway(tok, policy, host=host)
+
+
+def test_concurrent_sessions_stay_separate(chatml):
+    tok, policy, gw = chatml
+    keys = [gw.open_session({"agent": i}) for i in range(3)]
+
+    async def agent(i: int) -> list[list[dict]]:
+        api = openai.AsyncOpenAI(base_url=gw.url, api_key=keys[i], max_retries=0, timeout=60)
+        messages = [{"role": "user", "content": f"agent {i} here"}]
+        for turn in range(3):
+            r = await api.chat.completions.create(model="p", messages=messages, max_tokens=6,
+                                                  seed=10 * i + turn, temperature=1.5)
+            messages += [{"role": "assistant", "content": r.choices[0].message.content},
+                         {"role": "user", "content": f"more {turn}"}]
+        await api.close()
+        return messages
+
+    async def agents() -> list:
+        return await asyncio.gather(*(agent(i) for i in range(3)))
+
+    asyncio.run(agents())
+    for i, key in enumerate(keys):
+        rec = gw.close_session(key)
+        assert rec["meta"] == {"agent": i} and len(rec["calls"]) == 3 and rec["new_segments"] == 0
+        assert_token_exact(rec, policy.calls(key))
+        assert tok.decode(rec["segments"][0].prompt_ids).startswith(f"<bos>user:agent {i} here")

@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import json
+import math
 import secrets
 import socket
 import threading
@@ -45,6 +46,17 @@ from flash.envs.chat_session import ChatSession, Turn, plan_chat, plan_completio
 MiB = 1 << 20
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MESSAGE_KEYS = ("role", "content", "name", "tool_call_id")
+UNSUPPORTED = (  # (field, the values accepted, why others are refused)
+    ("stream", (None, False), "responses are not streamed"),
+    ("n", (None, 1), "one choice per call: each is a turn of the session"),
+    ("best_of", (None, 1), "one choice per call: each is a turn of the session"),
+    ("stop", (None, [], ""), "a stop string would cut a sampled token; the engine stops on end-of-turn"),
+    ("presence_penalty", (None, 0), "the engine samples from the policy as it is"),
+    ("frequency_penalty", (None, 0), "the engine samples from the policy as it is"),
+    ("logit_bias", (None, {}), "the engine samples from the policy as it is"),
+    ("echo", (None, False), "a completion returns the new text only"),
+    ("suffix", (None, ""), "a completion continues its prompt"),
+)
 Generate = Callable[[list[int], SamplingParams, str], GenerationOutput]
 
 
@@ -70,6 +82,12 @@ def _bad(message: str, reason: str = "bad_request") -> Refused:
     return Refused(400, reason, message)
 
 
+def _show(x: Any) -> str:
+    """A value quoted back in a one-line error, cut short (it came from the request)."""
+    text = repr(x)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
 def _no_constants(name: str) -> float:
     raise ValueError(f"{name} is not a number JSON allows")
 
@@ -80,6 +98,8 @@ def parse_body(body: bytes) -> dict:
         data = json.loads(body, parse_constant=_no_constants)
     except (ValueError, UnicodeDecodeError) as exc:
         raise _bad(f"the body is not valid JSON: {str(exc).splitlines()[0][:120]}", "bad_json") from None
+    except RecursionError:
+        raise _bad("the body nests too deeply", "bad_json") from None
     if not isinstance(data, dict):
         raise _bad("the body must be a JSON object", "bad_json")
     return data
@@ -98,7 +118,7 @@ def parse_messages(raw: Any) -> list[dict]:
             raise _bad(f"messages[{i}].role must be one of {', '.join(ROLES)}", "bad_messages")
         extra = sorted(k for k, v in m.items() if v is not None and k not in MESSAGE_KEYS)
         if extra:
-            raise _bad(f"messages[{i}] has an unsupported field {extra[0]!r}", "bad_messages")
+            raise _bad(f"messages[{i}] has an unsupported field {_show(extra[0])}", "bad_messages")
         named = [m.get(k) for k in ("name", "tool_call_id") if m.get(k) is not None]
         if not isinstance(m.get("content"), str) or not all(isinstance(x, str) for x in named):
             raise _bad(f"messages[{i}]: content (and name, tool_call_id if given) must be strings",
@@ -120,29 +140,29 @@ def _number(body: dict, name: str, default: float, ok: Callable[[float], bool], 
     x = body.get(name)
     if x is None:
         return default
-    if isinstance(x, bool) or not isinstance(x, (int, float)) or not ok(float(x)):
-        raise _bad(f"{name} must be {rule}, got {x!r}", "bad_params")
-    return float(x)
+    try:
+        v = math.nan if isinstance(x, bool) or not isinstance(x, (int, float)) else float(x)
+    except OverflowError:  # an integer beyond any float
+        v = math.inf
+    if not ok(v):  # NaN fails every rule
+        raise _bad(f"{name} must be {rule}, got {_show(x)}", "bad_params")
+    return v
 
 
 def parse_sampling(body: dict, *, cap: int, default_max: int, stop_ids: list[int]) -> SamplingParams:
-    """Sampling parameters; what the gateway cannot honour token-exactly is refused, not ignored."""
-    if body.get("stream"):
-        raise _bad("stream is not supported: set stream to false", "unsupported")
-    if body.get("n") not in (None, 1):
-        raise _bad("n must be 1: each choice is its own session turn", "unsupported")
-    if body.get("stop") not in (None, [], ""):
-        raise _bad("stop sequences are not supported: they would cut a sampled token; the engine "
-                   "stops on the model's end-of-turn token", "unsupported")
+    """Sampling parameters; an option the engine would not apply is refused, never ignored."""
+    for name, allowed, why in UNSUPPORTED:
+        if body.get(name) not in allowed:
+            raise _bad(f"{name}={_show(body[name])} is not supported: {why}", "unsupported")
     n = body.get("max_completion_tokens", body.get("max_tokens"))
     n = default_max if n is None else n
     if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= cap:
-        raise _bad(f"max_tokens must be an integer in [1, {cap}], got {n!r}", "max_tokens")
+        raise _bad(f"max_tokens must be an integer in [1, {cap}], got {_show(n)}", "max_tokens")
     temperature = _number(body, "temperature", 1.0, lambda t: 0.0 <= t <= 100.0, "in [0, 100]")
     top_p = _number(body, "top_p", 1.0, lambda p: 0.0 < p <= 1.0, "in (0, 1]")
     seed = body.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
-        raise _bad(f"seed must be an integer in [0, 2**63), got {seed!r}", "bad_params")
+        raise _bad(f"seed must be an integer in [0, 2**63), got {_show(seed)}", "bad_params")
     return SamplingParams(max_new_tokens=n, temperature=temperature, top_p=top_p,
                           stop_token_ids=list(stop_ids), seed=seed)
 
@@ -251,6 +271,7 @@ class Gateway:
 
     def close(self) -> None:
         """Stop serving; open sessions stay readable through ``close_session``."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
         if self._thread is None:
             return
         if self._runner is not None:
@@ -258,7 +279,6 @@ class Gateway:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=30)
         self._loop.close()
-        self._pool.shutdown(wait=False, cancel_futures=True)
         self._thread = self._loop = self._runner = None
 
     def __enter__(self) -> Gateway:
