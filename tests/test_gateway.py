@@ -315,7 +315,7 @@ def test_bad_requests_are_refused_and_the_server_keeps_serving(chatml):
 
 
 def test_engine_refusals_and_failures_are_answered_not_raised(chatml):
-    tok, _, gw = chatml
+    tok, policy, gw = chatml
     key = gw.open_session()
     api = client(gw, key)
     with pytest.raises(openai.BadRequestError, match="exceeds the context"):  # the engine's own check
@@ -324,10 +324,17 @@ def test_engine_refusals_and_failures_are_answered_not_raised(chatml):
     def broken(prompt_ids, params, session_key):
         raise RuntimeError("engine down")
 
-    with Gateway(tok, broken) as down:
-        with pytest.raises(openai.InternalServerError, match="engine down"):
-            client(down, down.open_session()).chat.completions.create(model="p", messages=OPENING)
-        assert down.metrics()["refused/generate"] == 1
+    def trimming(prompt_ids, params, session_key):  # a wiring bug: the engine sees another prompt
+        return policy(prompt_ids[1:], params, session_key)
+
+    for generate, error, reason in ((broken, "engine down", "generate"), (trimming, "different prompt",
+                                                                          "engine_output")):
+        with Gateway(tok, generate, max_tokens_cap=8) as down:
+            with pytest.raises(openai.InternalServerError, match=error):
+                client(down, down.open_session()).chat.completions.create(model="p", messages=OPENING)
+            assert down.metrics()[f"refused/{reason}"] == 1 and down.metrics()["calls"] == 0
+        with pytest.raises(RuntimeError, match="closed"):
+            down.start()
     assert gw.close_session(key)["calls"] == []
 
 

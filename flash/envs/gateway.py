@@ -173,8 +173,9 @@ def parse_prompt(raw: Any) -> str:
     return raw
 
 
-def check_output(out: GenerationOutput) -> None:
-    """Refuse what the engine could not serve; a malformed output is a server fault, not data."""
+def check_output(out: GenerationOutput, prompt_ids: list[int]) -> None:
+    """Refuse what the engine could not serve; a malformed output, or one that continued another
+    prompt than the session's (a ``generate`` that trims or rewrites it), is a server fault."""
     if out.finish_reason == "error":
         raise _bad(f"the engine refused the request: {out.error}", "engine")
     if out.finish_reason == "abort":
@@ -183,6 +184,8 @@ def check_output(out: GenerationOutput) -> None:
     if out.finish_reason not in ("stop", "length") or n == 0 or not n == len(out.logprobs) == len(out.versions):
         raise Refused(500, "engine_output", f"the engine returned a malformed output ({out.finish_reason!r}, "
                                             f"{n} tokens)")
+    if list(out.prompt_ids) != prompt_ids:
+        raise Refused(500, "engine_output", "the engine continued a different prompt than the session's")
 
 
 def is_loopback(host: str) -> bool:
@@ -242,11 +245,14 @@ class Gateway:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._runner: web.AppRunner | None = None
+        self._closed = False
         self.url = ""
 
     # ---- lifecycle ---------------------------------------------------------------------------
     def start(self) -> str:
-        """Start serving in a daemon thread; returns the base URL an OpenAI client takes."""
+        """Start serving in a daemon thread (once); returns the base URL an OpenAI client takes."""
+        if self._closed:
+            raise RuntimeError("this gateway was closed; make a new one")
         if self._thread is None:
             self._loop = asyncio.new_event_loop()
             self._thread = threading.Thread(target=self._loop.run_forever, name="flash-gateway", daemon=True)
@@ -271,6 +277,7 @@ class Gateway:
 
     def close(self) -> None:
         """Stop serving; open sessions stay readable through ``close_session``."""
+        self._closed = True
         self._pool.shutdown(wait=False, cancel_futures=True)
         if self._thread is None:
             return
@@ -383,7 +390,7 @@ class Gateway:
                 out = await loop.run_in_executor(self._pool, self.generate, list(turn.prompt_ids), params, key)
             except Exception as exc:  # noqa: BLE001 - the caller's engine failed: a 500, counted
                 raise Refused(500, "generate", f"generation failed: {type(exc).__name__}: {exc}"[:300]) from None
-            check_output(out)
+            check_output(out, turn.prompt_ids)
             text = await loop.run_in_executor(self._pool, self._tokenized, self._reply_text, out.token_ids)
             self._record(key, entry, turn, out, text)
         body = completion_body(route, self.model_name, text, out, len(turn.prompt_ids))
