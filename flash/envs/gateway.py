@@ -15,11 +15,11 @@ a refused request never stops the server and is counted by reason in ``metrics()
 needs a live session key (401 otherwise), and the server binds to loopback unless the caller
 passes ``allow_remote=True``.
 
-Why aiohttp: it is already installed with Ray (no new dependency) and runs on a plain asyncio loop,
-so the server lives in one daemon thread with its own loop, started and stopped by two methods.
-FastAPI would need an ASGI server (uvicorn) with its own signal handling and lifecycle driven from
-a thread. Generation and tokenization run in a thread pool: the loop only parses and routes, so a
-slow engine call never stalls the other sessions.
+Why aiohttp: it runs on a plain asyncio loop, so the server lives in one daemon thread with its own
+loop, started and stopped by two methods, and it comes with what flash already installs beside Ray
+(``ray[default]``, vLLM). FastAPI would need an ASGI server (uvicorn) with its own signal handling
+and a lifecycle driven from a thread. Generation and tokenization run in a thread pool: the loop
+only parses and routes, so a slow engine call never stalls the other sessions.
 """
 
 from __future__ import annotations
