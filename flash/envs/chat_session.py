@@ -1,0 +1,194 @@
+"""Token-exact chat sessions: what an agent says through chat messages, kept as the sampled tokens.
+
+An agent talks to the policy in messages; the trainer must see the very tokens the engine sampled
+(DESIGN.md invariant 8). Re-rendering the conversation with the chat template each call and
+training on that would drift: the template re-tokenizes the decoded reply (``"ab"`` sampled as
+``a`` ``b`` may come back as one merged token), drops special tokens, or trims whitespace. So a
+session keeps its token sequence and only ever *appends* to it:
+
+    call 1   prompt = render(M_1, gen)                            -> sampled r_1
+    call 2   prompt = tokens_1 + tail + render(M_2, gen)[len(F):]  -> sampled r_2        (extends)
+             where P = render(M_1, gen), F = render(M_1 + [reply_1]), tail = what the template
+             puts after the stop token r_1 ends with (ChatML's ``\\n`` after ``<|im_end|>``)
+
+Call 2 extends the session only if the template is append-only here (F starts with P, the new
+render N starts with F) and the agent kept its history (M_2 starts with M_1 and the reply). If
+not -- a template that rewrites earlier turns, an agent that edited its history -- appending would
+put tokens before the engine that no render of M_2 holds, so the session closes its segment and
+starts a new one whose prompt is N (counted in ``new_segments``). Each segment is one training
+sample in ``flash.envs.episode``'s layout: the first prompt, then context (mask 0) and sampled
+tokens (mask 1) in order; context tokens carry logprob 0.0 and the version of the sampled token
+that follows them, so a sample's version (its oldest token) is always a generated token's.
+
+Text completions (``/v1/completions``) follow the same rule on text: the new prompt extends the
+session when it starts with the previous prompt + completion text, and only the new text is
+tokenized. A sampled stop token stays in the sequence (it was sampled) though the text omits it.
+
+The functions are pure but ``record``, which appends one finished call; the gateway owns locking.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from buffers import Sample
+
+
+@dataclass
+class Segment:
+    """One trainable token sequence: ``prompt_ids`` then context and sampled tokens in order."""
+
+    prompt_ids: list[int]
+    response_ids: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    finish_reason: str = ""  # of the last call: "stop" | "length"
+    calls: int = 0
+
+    @property
+    def tokens(self) -> list[int]:
+        """Every token so far: the next call's context starts with exactly these."""
+        return self.prompt_ids + self.response_ids
+
+
+@dataclass
+class ChatSession:
+    """What a session remembers between calls (``rendered``: P, the ids last sent for a chat)."""
+
+    segments: list[Segment] = field(default_factory=list)
+    mode: str = ""  # "chat" | "completion" (the last call's route)
+    tools: list[dict] | None = None
+    messages: list[dict] = field(default_factory=list)
+    rendered: list[int] = field(default_factory=list)
+    reply: str = ""  # the assistant text returned by the last call
+    text: str = ""  # completions: the last prompt text + its completion text
+    new_segments: int = 0  # segments started because a call could not extend the session
+
+
+@dataclass(frozen=True)
+class Turn:
+    """How one call continues a session: the engine's prompt and the context it adds (mask 0)."""
+
+    prompt_ids: list[int]
+    context: list[int]  # appended before the sampled tokens; the whole prompt for a new segment
+    new_segment: bool
+    mode: str
+    tools: list[dict] | None = None
+    messages: list[dict] = field(default_factory=list)
+    rendered: list[int] = field(default_factory=list)
+    text: str = ""
+
+
+def render(tokenizer: Any, messages: list[dict], tools: list[dict] | None, generation: bool) -> list[int]:
+    """The chat template's ids for ``messages`` (a BatchEncoding or a plain list, as transformers
+    returns either depending on its version)."""
+    ids = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=generation,
+                                        tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def turn_tail(assistant_ids: list[int], response_ids: list[int], stop_ids: list[int]) -> list[int] | None:
+    """The tokens the template renders after the model's reply, to append after the sampled ones.
+
+    ``assistant_ids`` is the template's rendering of the assistant turn (A = F[len(P):]). A reply
+    that ended on a stop token the template also uses gets what A has after that token's last
+    occurrence (a ChatML newline; nothing for Llama 3's ``<|eot_id|>``). A reply cut by length gets
+    the template's own stop token too (the last stop id in A), so the next turn sees a closed one.
+    None: the sampled ending and the template disagree (a stop token A never holds), no splice."""
+    if response_ids and response_ids[-1] in stop_ids:
+        stop = response_ids[-1]
+        if stop not in assistant_ids:
+            return None
+        return assistant_ids[len(assistant_ids) - assistant_ids[::-1].index(stop):]
+    where = [i for i, t in enumerate(assistant_ids) if t in stop_ids]
+    return assistant_ids[where[-1]:] if where else None
+
+
+def _same_history(old: list[dict], new: list[dict]) -> bool:
+    """Whether ``new`` starts with ``old`` (messages compared by role and content)."""
+    key = [(m["role"], m["content"]) for m in old]
+    return [(m["role"], m["content"]) for m in new[: len(old)]] == key
+
+
+def _fresh(ids: list[int], mode: str, **state: Any) -> Turn:
+    return Turn(prompt_ids=list(ids), context=list(ids), new_segment=True, mode=mode, **state)
+
+
+def plan_chat(session: ChatSession, tokenizer: Any, messages: list[dict], tools: list[dict] | None,
+              stop_ids: list[int]) -> Turn:
+    """The next chat call's prompt: the session extended when the template and the agent's
+    history allow it (module docstring), else a new segment with the plain render N."""
+    new = render(tokenizer, messages, tools, True)
+    state = {"tools": tools, "messages": list(messages), "rendered": new}
+    if not session.segments or session.mode != "chat" or tools != session.tools:
+        return _fresh(new, "chat", **state)
+    said = session.messages + [{"role": "assistant", "content": session.reply}]
+    if not _same_history(said, messages):
+        return _fresh(new, "chat", **state)
+    full = render(tokenizer, said, tools, False)
+    prev = session.rendered
+    if full[: len(prev)] != prev or new[: len(full)] != full:
+        return _fresh(new, "chat", **state)
+    seg = session.segments[-1]
+    tail = turn_tail(full[len(prev):], seg.response_ids, stop_ids)
+    if tail is None:
+        return _fresh(new, "chat", **state)
+    context = tail + new[len(full):]
+    return Turn(prompt_ids=seg.tokens + context, context=context, new_segment=False, mode="chat", **state)
+
+
+def plan_completion(session: ChatSession, tokenizer: Any, prompt: str) -> Turn:
+    """The next text completion's prompt: the session extended by the ids of the new text when
+    ``prompt`` starts with the previous prompt + completion, else a new segment."""
+    said = session.text
+    if session.segments and session.mode == "completion" and prompt.startswith(said) and prompt != said:
+        seg = session.segments[-1]
+        context = _encode(tokenizer, prompt[len(said):])
+        return Turn(prompt_ids=seg.tokens + context, context=context, new_segment=False,
+                    mode="completion", text=prompt)
+    return _fresh(_encode(tokenizer, prompt), "completion", text=prompt)
+
+
+def _encode(tokenizer: Any, text: str) -> list[int]:
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def record(session: ChatSession, turn: Turn, response_ids: list[int], logprobs: list[float],
+           versions: list[int], finish_reason: str, reply: str) -> None:
+    """Append one finished call: its context (mask 0, logprob 0.0, dated by the first sampled
+    token's version) and its sampled tokens (mask 1, the engine's logprobs and versions)."""
+    if not response_ids or not len(response_ids) == len(logprobs) == len(versions):
+        raise ValueError("a call records at least one sampled token, with a logprob and a version each")
+    if turn.new_segment:
+        if session.segments:
+            session.new_segments += 1
+        session.segments.append(Segment(prompt_ids=list(turn.prompt_ids)))
+    else:
+        seg = session.segments[-1]
+        seg.response_ids += turn.context
+        seg.loss_mask += [0] * len(turn.context)
+        seg.logprobs += [0.0] * len(turn.context)
+        seg.versions += [versions[0]] * len(turn.context)
+    seg = session.segments[-1]
+    seg.response_ids += response_ids
+    seg.loss_mask += [1] * len(response_ids)
+    seg.logprobs += [float(x) for x in logprobs]
+    seg.versions += list(versions)
+    seg.finish_reason, seg.calls = finish_reason, seg.calls + 1
+    session.mode, session.tools, session.messages = turn.mode, turn.tools, turn.messages
+    session.rendered, session.text = turn.rendered, turn.text + (reply if turn.mode == "completion" else "")
+    session.reply = reply
+
+
+def segment_sample(seg: Segment, *, prompt_id: int, sample_index: int, reward: float,
+                   admitted_version: int, meta: dict | None = None) -> Sample:
+    """A segment as the ``Sample`` the trainer reads (layout of ``flash.envs.episode.to_sample``)."""
+    return Sample(
+        prompt_id=prompt_id, sample_index=sample_index, prompt_ids=list(seg.prompt_ids),
+        response_ids=list(seg.response_ids), behav_logprobs=list(seg.logprobs),
+        versions=list(seg.versions), reward=reward, finish_reason=seg.finish_reason,
+        admitted_version=admitted_version, loss_mask=list(seg.loss_mask),
+        meta={**(meta or {}), "calls": seg.calls},
+    )

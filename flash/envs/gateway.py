@@ -1,0 +1,425 @@
+"""The agent gateway: an OpenAI-compatible HTTP server whose every call is a token-exact turn.
+
+User agent code talks to the policy with any OpenAI client (``base_url`` = ``Gateway.start()``,
+``api_key`` = a key from ``open_session``). Each call becomes one engine request whose prompt is
+the session's tokens so far, and what was sampled is recorded as ``flash.envs.chat_session``
+lays it out, so training sees exactly the sampled tokens (DESIGN.md invariant 8). The gateway
+knows nothing of the scheduler: the caller passes a blocking ``generate(prompt_ids, params,
+session_key) -> GenerationOutput`` wired to an engine, and collects a session's segments with
+``close_session``.
+
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``; responses in
+OpenAI's JSON shape, non-streaming, one choice. Requests are data (invariant 7): bodies are
+bounded (413), parsed without NaN or Infinity, and validated field by field (400 with one line);
+a refused request never stops the server and is counted by reason in ``metrics()``. Every call
+needs a live session key (401 otherwise), and the server binds to loopback unless the caller
+passes ``allow_remote=True``.
+
+Why aiohttp: it runs on a plain asyncio loop, so the server lives in one daemon thread with its own
+loop, started and stopped by two methods, and it comes with what flash already installs beside Ray
+(``ray[default]``, vLLM). FastAPI would need an ASGI server (uvicorn) with its own signal handling
+and a lifecycle driven from a thread. Generation and tokenization run in a thread pool: the loop
+only parses and routes, so a slow engine call never stalls the other sessions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import json
+import math
+import secrets
+import socket
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from flash.engine.base import GenerationOutput, SamplingParams
+from flash.envs.chat_session import ChatSession, Turn, plan_chat, plan_completion, record
+
+MiB = 1 << 20
+ROLES = ("system", "developer", "user", "assistant", "tool")
+MESSAGE_KEYS = ("role", "content", "name", "tool_call_id")
+UNSUPPORTED = (  # (field, the values accepted, why others are refused)
+    ("stream", (None, False), "responses are not streamed"),
+    ("n", (None, 1), "one choice per call: each is a turn of the session"),
+    ("best_of", (None, 1), "one choice per call: each is a turn of the session"),
+    ("stop", (None, [], ""), "a stop string would cut a sampled token; the engine stops on end-of-turn"),
+    ("presence_penalty", (None, 0), "the engine samples from the policy as it is"),
+    ("frequency_penalty", (None, 0), "the engine samples from the policy as it is"),
+    ("logit_bias", (None, {}), "the engine samples from the policy as it is"),
+    ("echo", (None, False), "a completion returns the new text only"),
+    ("suffix", (None, ""), "a completion continues its prompt"),
+)
+Generate = Callable[[list[int], SamplingParams, str], GenerationOutput]
+
+
+class Refused(Exception):
+    """A request the gateway answers with an error: HTTP status, metrics reason, one-line message."""
+
+    def __init__(self, status: int, reason: str, message: str):
+        super().__init__(message)
+        self.status, self.reason, self.message = status, reason, message
+
+
+@dataclass
+class _Entry:
+    """A live session: its token state, the caller's meta, one record per served call."""
+
+    meta: dict
+    state: ChatSession = field(default_factory=ChatSession)
+    calls: list[dict] = field(default_factory=list)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one call at a time per session
+
+
+def _bad(message: str, reason: str = "bad_request") -> Refused:
+    return Refused(400, reason, message)
+
+
+def _show(x: Any) -> str:
+    """A value quoted back in a one-line error, cut short (it came from the request)."""
+    text = repr(x)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _no_constants(name: str) -> float:
+    raise ValueError(f"{name} is not a number JSON allows")
+
+
+def parse_body(body: bytes) -> dict:
+    """The JSON object of a request body; NaN and Infinity are refused (they are not JSON)."""
+    try:
+        data = json.loads(body, parse_constant=_no_constants)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise _bad(f"the body is not valid JSON: {str(exc).splitlines()[0][:120]}", "bad_json") from None
+    except RecursionError:
+        raise _bad("the body nests too deeply", "bad_json") from None
+    if not isinstance(data, dict):
+        raise _bad("the body must be a JSON object", "bad_json")
+    return data
+
+
+def parse_messages(raw: Any) -> list[dict]:
+    """Chat messages as ``{role, content}`` (plus ``name`` / ``tool_call_id`` when given as text);
+    fields set to null are ignored, any other field is refused rather than silently dropped."""
+    if not isinstance(raw, list) or not raw:
+        raise _bad("messages must be a non-empty list of {role, content} objects", "bad_messages")
+    out = []
+    for i, m in enumerate(raw):
+        if not isinstance(m, dict):
+            raise _bad(f"messages[{i}] must be an object with role and content", "bad_messages")
+        if m.get("role") not in ROLES:
+            raise _bad(f"messages[{i}].role must be one of {', '.join(ROLES)}", "bad_messages")
+        extra = sorted(k for k, v in m.items() if v is not None and k not in MESSAGE_KEYS)
+        if extra:
+            raise _bad(f"messages[{i}] has an unsupported field {_show(extra[0])}", "bad_messages")
+        named = [m.get(k) for k in ("name", "tool_call_id") if m.get(k) is not None]
+        if not isinstance(m.get("content"), str) or not all(isinstance(x, str) for x in named):
+            raise _bad(f"messages[{i}]: content (and name, tool_call_id if given) must be strings",
+                       "bad_messages")
+        out.append({k: m[k] for k in MESSAGE_KEYS if m.get(k) is not None})
+    return out
+
+
+def parse_tools(raw: Any) -> list[dict] | None:
+    """Tool schemas handed to the chat template as they are; an empty list is no tools."""
+    if raw is None or raw == []:
+        return None
+    if not isinstance(raw, list) or not all(isinstance(t, dict) for t in raw):
+        raise _bad("tools must be a list of objects")
+    return raw
+
+
+def _number(body: dict, name: str, default: float, ok: Callable[[float], bool], rule: str) -> float:
+    x = body.get(name)
+    if x is None:
+        return default
+    try:
+        v = math.nan if isinstance(x, bool) or not isinstance(x, (int, float)) else float(x)
+    except OverflowError:  # an integer beyond any float
+        v = math.inf
+    if not ok(v):  # NaN fails every rule
+        raise _bad(f"{name} must be {rule}, got {_show(x)}", "bad_params")
+    return v
+
+
+def parse_sampling(body: dict, *, cap: int, default_max: int, stop_ids: list[int]) -> SamplingParams:
+    """Sampling parameters; an option the engine would not apply is refused, never ignored."""
+    for name, allowed, why in UNSUPPORTED:
+        if body.get(name) not in allowed:
+            raise _bad(f"{name}={_show(body[name])} is not supported: {why}", "unsupported")
+    n = body.get("max_completion_tokens", body.get("max_tokens"))
+    n = default_max if n is None else n
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= cap:
+        raise _bad(f"max_tokens must be an integer in [1, {cap}], got {_show(n)}", "max_tokens")
+    temperature = _number(body, "temperature", 1.0, lambda t: 0.0 <= t <= 100.0, "in [0, 100]")
+    top_p = _number(body, "top_p", 1.0, lambda p: 0.0 < p <= 1.0, "in (0, 1]")
+    seed = body.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
+        raise _bad(f"seed must be an integer in [0, 2**63), got {_show(seed)}", "bad_params")
+    return SamplingParams(max_new_tokens=n, temperature=temperature, top_p=top_p,
+                          stop_token_ids=list(stop_ids), seed=seed)
+
+
+def parse_prompt(raw: Any) -> str:
+    if not isinstance(raw, str) or not raw:
+        raise _bad("prompt must be a non-empty string", "bad_prompt")
+    return raw
+
+
+def check_output(out: GenerationOutput, prompt_ids: list[int]) -> None:
+    """Refuse what the engine could not serve; a malformed output, or one that continued another
+    prompt than the session's (a ``generate`` that trims or rewrites it), is a server fault."""
+    if out.finish_reason == "error":
+        raise _bad(f"the engine refused the request: {out.error}", "engine")
+    if out.finish_reason == "abort":
+        raise Refused(503, "aborted", "generation was aborted (the engine is stopping); retry")
+    n = len(out.token_ids)
+    if out.finish_reason not in ("stop", "length") or n == 0 or not n == len(out.logprobs) == len(out.versions):
+        raise Refused(500, "engine_output", f"the engine returned a malformed output ({out.finish_reason!r}, "
+                                            f"{n} tokens)")
+    if list(out.prompt_ids) != prompt_ids:
+        raise Refused(500, "engine_output", "the engine continued a different prompt than the session's")
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def error_body(status: int, reason: str, message: str) -> web.Response:
+    """An error in OpenAI's shape, which its clients raise as the matching exception type."""
+    kind = {401: "authentication_error", 413: "invalid_request_error"}.get(status, "invalid_request_error")
+    if status >= 500:
+        kind = "server_error"
+    return web.json_response({"error": {"message": message, "type": kind, "param": None, "code": reason}},
+                             status=status)
+
+
+def completion_body(route: str, model: str, text: str, out: GenerationOutput, prompt_tokens: int) -> dict:
+    """The OpenAI response object for one served call (chat or text completion)."""
+    n = len(out.token_ids)
+    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": n, "total_tokens": prompt_tokens + n}
+    if route == "chat":
+        choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                  "finish_reason": out.finish_reason, "logprobs": None}
+        kind, prefix = "chat.completion", "chatcmpl-"
+    else:
+        choice = {"index": 0, "text": text, "finish_reason": out.finish_reason, "logprobs": None}
+        kind, prefix = "text_completion", "cmpl-"
+    return {"id": prefix + secrets.token_hex(12), "object": kind, "created": int(time.time()),
+            "model": model, "choices": [choice], "usage": usage}
+
+
+class Gateway:
+    """The HTTP server and its sessions (module docstring); thread-safe public methods."""
+
+    def __init__(self, tokenizer: Any, generate: Generate, host: str = "127.0.0.1", port: int = 0, *,
+                 max_body_bytes: int = MiB, max_tokens_cap: int = 4096, default_max_tokens: int | None = None,
+                 stop_token_ids: list[int] | None = None, model_name: str = "flash-policy",
+                 allow_remote: bool = False, workers: int = 8):
+        if not allow_remote and not is_loopback(host):
+            raise ValueError(f"host {host!r} is not loopback: pass allow_remote=True to listen beyond this "
+                             "machine (every call still needs a session key)")
+        if max_tokens_cap < 1 or max_body_bytes < 1:
+            raise ValueError("max_tokens_cap and max_body_bytes must be >= 1")
+        self.tokenizer, self.generate, self.host, self.port = tokenizer, generate, host, port
+        self.max_body_bytes, self.max_tokens_cap, self.model_name = max_body_bytes, max_tokens_cap, model_name
+        self.default_max_tokens = min(default_max_tokens or max_tokens_cap, max_tokens_cap)
+        self.stop_token_ids = list(stop_token_ids or [tokenizer.eos_token_id])
+        self._sessions: dict[str, _Entry] = {}
+        self._metrics: Counter = Counter()
+        self._lock = threading.Lock()  # sessions and metrics, shared with the callers' threads
+        self._tok_lock = threading.Lock()  # a fast tokenizer is not safe to share between threads
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="flash-gateway")
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._runner: web.AppRunner | None = None
+        self._closed = False
+        self.url = ""
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+    def start(self) -> str:
+        """Start serving in a daemon thread (once); returns the base URL an OpenAI client takes."""
+        if self._closed:
+            raise RuntimeError("this gateway was closed; make a new one")
+        if self._thread is None:
+            self._loop = asyncio.new_event_loop()
+            self._thread = threading.Thread(target=self._loop.run_forever, name="flash-gateway", daemon=True)
+            self._thread.start()
+            port = asyncio.run_coroutine_threadsafe(self._listen(), self._loop).result(timeout=30)
+            host = f"[{self.host}]" if ":" in self.host else self.host
+            self.url = f"http://{host}:{port}/v1"
+        return self.url
+
+    async def _listen(self) -> int:
+        app = web.Application(client_max_size=self.max_body_bytes, middlewares=[self._guard])
+        app.add_routes([web.post("/v1/chat/completions", self._chat), web.post("/v1/completions", self._text),
+                        web.get("/v1/models", self._models)])
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        family, kind, proto, _, addr = socket.getaddrinfo(self.host, self.port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+        await web.SockSite(self._runner, sock).start()
+        return sock.getsockname()[1]
+
+    def close(self) -> None:
+        """Stop serving; open sessions stay readable through ``close_session``."""
+        self._closed = True
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._thread is None:
+            return
+        if self._runner is not None:
+            asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(timeout=30)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=30)
+        self._loop.close()
+        self._thread = self._loop = self._runner = None
+
+    def __enter__(self) -> Gateway:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- sessions and metrics ----------------------------------------------------------------
+    def open_session(self, meta: dict | None = None) -> str:
+        """A fresh session; its key is the agent's API key (``Authorization: Bearer <key>``)."""
+        key = secrets.token_urlsafe(24)
+        with self._lock:
+            self._sessions[key] = _Entry(meta=dict(meta or {}))
+        return key
+
+    def close_session(self, key: str) -> dict:
+        """Forget a session (its key is refused from now on) and return what it recorded:
+        ``segments`` (``chat_session.Segment``), ``calls`` (one dict per served call), counters."""
+        with self._lock:
+            entry = self._sessions.pop(key)
+        s = entry.state
+        return {"meta": entry.meta, "segments": list(s.segments), "calls": list(entry.calls),
+                "new_segments": s.new_segments, "tokens_in": sum(c["prompt_tokens"] for c in entry.calls),
+                "tokens_out": sum(c["completion_tokens"] for c in entry.calls)}
+
+    def metrics(self) -> dict[str, int]:
+        """Counters: ``calls``, ``refused/<reason>``, ``new_segments``, ``tokens_in``, ``tokens_out``."""
+        with self._lock:
+            return {"calls": 0, "new_segments": 0, "tokens_in": 0, "tokens_out": 0, **self._metrics,
+                    "sessions_open": len(self._sessions)}
+
+    def _count(self, deltas: dict[str, int]) -> None:
+        with self._lock:
+            self._metrics.update(deltas)
+
+    # ---- serving -----------------------------------------------------------------------------
+    @web.middleware
+    async def _guard(self, request: web.Request, handler: Callable) -> web.StreamResponse:
+        """Every refusal as an OpenAI error, counted; an unexpected fault is a 500, never a crash."""
+        try:
+            return await handler(request)
+        except Refused as r:
+            self._count({f"refused/{r.reason}": 1})
+            return error_body(r.status, r.reason, r.message)
+        except web.HTTPException:
+            raise
+        except Exception as exc:  # noqa: BLE001 - answered and counted; the server keeps serving
+            self._count({"refused/internal": 1})
+            return error_body(500, "internal", f"internal error: {type(exc).__name__}")
+
+    def _entry(self, request: web.Request) -> tuple[str, _Entry]:
+        auth = request.headers.get("Authorization", "")
+        key = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
+        with self._lock:
+            entry = self._sessions.get(key) if key else None
+        if entry is None:
+            raise Refused(401, "unauthorized", "unknown or closed session key: open a session and pass "
+                                               "its key as the API key")
+        return key, entry
+
+    async def _body(self, request: web.Request) -> dict:
+        if (request.content_length or 0) > self.max_body_bytes:
+            raise Refused(413, "too_large", f"the body is over {self.max_body_bytes} bytes")
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise Refused(413, "too_large", f"the body is over {self.max_body_bytes} bytes") from None
+        return parse_body(raw)
+
+    async def _models(self, request: web.Request) -> web.Response:
+        self._entry(request)
+        return web.json_response({"object": "list", "data": [
+            {"id": self.model_name, "object": "model", "created": 0, "owned_by": "flash"}]})
+
+    async def _chat(self, request: web.Request) -> web.Response:
+        key, entry = self._entry(request)
+        body = await self._body(request)
+        messages, tools = parse_messages(body.get("messages")), parse_tools(body.get("tools"))
+        params = self._params(body)
+        return await self._serve(key, entry, "chat", params, plan_chat, entry.state, self.tokenizer,
+                                 messages, tools, self.stop_token_ids)
+
+    async def _text(self, request: web.Request) -> web.Response:
+        key, entry = self._entry(request)
+        body = await self._body(request)
+        prompt, params = parse_prompt(body.get("prompt")), self._params(body)
+        return await self._serve(key, entry, "text", params, plan_completion, entry.state, self.tokenizer, prompt)
+
+    def _params(self, body: dict) -> SamplingParams:
+        return parse_sampling(body, cap=self.max_tokens_cap, default_max=self.default_max_tokens,
+                              stop_ids=self.stop_token_ids)
+
+    async def _serve(self, key: str, entry: _Entry, route: str, params: SamplingParams,
+                     plan: Callable[..., Turn], *args: Any) -> web.Response:
+        """One call: plan the prompt, generate, record, answer (one call per session at a time)."""
+        loop = asyncio.get_running_loop()
+        async with entry.lock:
+            turn = await loop.run_in_executor(self._pool, self._tokenized, plan, *args)
+            try:
+                out = await loop.run_in_executor(self._pool, self.generate, list(turn.prompt_ids), params, key)
+            except Exception as exc:  # noqa: BLE001 - the caller's engine failed: a 500, counted
+                raise Refused(500, "generate", f"generation failed: {type(exc).__name__}: {exc}"[:300]) from None
+            check_output(out, turn.prompt_ids)
+            text = await loop.run_in_executor(self._pool, self._tokenized, self._reply_text, out.token_ids)
+            self._record(key, entry, turn, out, text)
+        body = completion_body(route, self.model_name, text, out, len(turn.prompt_ids))
+        return web.json_response(body)
+
+    def _tokenized(self, fn: Callable, *args: Any) -> Any:
+        """Run ``fn`` with the tokenizer to itself; a template that cannot render is the request's fault."""
+        with self._tok_lock:
+            try:
+                return fn(*args)
+            except Exception as exc:  # noqa: BLE001 - jinja and tokenizer errors are bad input
+                first = str(exc).splitlines()[0] if str(exc) else ""
+                raise _bad(f"the tokenizer or chat template could not process the request: "
+                           f"{type(exc).__name__}: {first}"[:300], "template") from None
+
+    def _reply_text(self, ids: list[int]) -> str:
+        """The reply as text: the trailing stop token dropped, special tokens skipped."""
+        ids = ids[:-1] if ids and ids[-1] in self.stop_token_ids else ids
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _record(self, key: str, entry: _Entry, turn: Turn, out: GenerationOutput, text: str) -> None:
+        with self._lock:
+            if self._sessions.get(key) is not entry:
+                raise Refused(401, "unauthorized", "the session was closed during the call")
+            segments = len(entry.state.segments)
+            record(entry.state, turn, out.token_ids, out.logprobs, out.versions, out.finish_reason, text)
+            restarted = bool(turn.new_segment and segments)
+            entry.calls.append({"route": turn.mode, "prompt_tokens": len(turn.prompt_ids),
+                                "completion_tokens": len(out.token_ids), "finish_reason": out.finish_reason,
+                                "new_segment": turn.new_segment, "segment": len(entry.state.segments) - 1})
+            self._metrics.update({"calls": 1, "new_segments": int(restarted),
+                                  "tokens_in": len(turn.prompt_ids), "tokens_out": len(out.token_ids)})
