@@ -53,6 +53,7 @@ class Agents:
         self._by_key: dict[str, _Run] = {}  # session key -> run
         self._turns: dict[str, _Run] = {}  # engine request id -> run
         self._done: dict[str, Sample] = {}
+        self.untrained_tokens = 0  # sampled tokens of earlier segments (agent_runtime's docstring)
         gateway.generate = self.generate
 
     # ---- Workflow ------------------------------------------------------------------------
@@ -118,9 +119,24 @@ class Agents:
         pass
 
     def metrics(self) -> dict[str, float]:
-        return {**self.runner.metrics(), **{f"gateway/{k}": float(v) for k, v in self.gateway.metrics().items()}}
+        return {**self.runner.metrics(), "agent/untrained_tokens": float(self.untrained_tokens),
+                **{f"gateway/{k}": float(v) for k, v in self.gateway.metrics().items()}}
 
     def stop(self) -> None:
+        """End every run: waiting calls fail (their HTTP handlers return), agents are cancelled,
+        then the runner's loop and the gateway stop."""
+        with self._lock:
+            runs = list(self._runs.values())
+            self._runs.clear()
+            self._turns.clear()
+            waiting = [w for run in runs for w in run.waiting.values()]
+            for run in runs:
+                run.cancelled, run.waiting = True, {}
+        for _, waiter in waiting:
+            waiter.set_exception(RuntimeError("the run is stopping"))
+        for run in runs:
+            if run.future is not None:
+                run.future.cancel()
         self.runner.close()
         self.gateway.close()
 
@@ -164,9 +180,10 @@ class Agents:
             if run.cancelled or self._runs.pop(u.id, None) is None:
                 return
             record = getattr(run, "record", None)
-            self._done[u.id] = self.to_sample(record, prompt_id=u.prompt_id, sample_index=u.index,
-                                              admitted_version=u.version, reward=result.reward,
-                                              outcome=result.outcome, meta={**u.meta, **result.info,
-                                                                            "data_index": u.data_index,
-                                                                            "attempts": result.attempts})
+            sample = self.to_sample(record, prompt_id=u.prompt_id, sample_index=u.index,
+                                    admitted_version=u.version, reward=result.reward, outcome=result.outcome,
+                                    meta={**result.info, **u.meta, "data_index": u.data_index,
+                                          "attempts": result.attempts, "request_id": u.id, "request": u.index})
+            self.untrained_tokens += sample.meta.get("untrained_tokens", 0)
+            self._done[u.id] = sample
         self.core.deliver([GenerationOutput(u.id, [], [], [], [], result.outcome)])

@@ -90,6 +90,7 @@ def validate(cfg: FlashConfig) -> None:
     _check_model(cfg.model)
     _check_stream(cfg)
     _check_reward(cfg)
+    _check_agent(cfg)
     _check_placement(cfg)
     _check_resources(cfg)
     from flash.app.tracking import check_backends
@@ -295,6 +296,27 @@ def _check_model_path(path: str) -> None:
         ": flash reads no model hub at run time; download it first (e.g. `huggingface-cli download "
         f"{path} --local-dir models/{path.split('/')[1]}`) and pass model.path=models/{path.split('/')[1]}"
         if hub_like else ""))
+
+
+def _check_agent(cfg: FlashConfig) -> None:
+    a = cfg.agent
+    if a.fn is None:
+        return
+    from flash.envs.agents import load_agent
+    from flash.envs.gateway import is_loopback
+
+    try:
+        load_agent(a.fn)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    _require(a.concurrency >= 1 and a.max_turns >= 1 and a.retries >= 0,
+             f"agent.concurrency and agent.max_turns must be >= 1 and agent.retries >= 0, got {a.concurrency}, "
+             f"{a.max_turns}, {a.retries}")
+    _require(math.isfinite(a.timeout_s) and a.timeout_s > 0, f"agent.timeout_s must be > 0, got {a.timeout_s}")
+    _require(is_loopback(a.host), f"agent.host={a.host} is not loopback: the gateway serves the agents of this "
+             f"machine; keep 127.0.0.1")
+    _require(cfg.rollout.scheduler == "plain", "agent runs use rollout.scheduler: plain (tail batching cuts "
+             "single-turn responses)")
 
 
 def _check_reward(cfg: FlashConfig) -> None:

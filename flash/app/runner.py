@@ -41,6 +41,7 @@ from flash.app.config import FlashConfig, to_dict, to_yaml
 from flash.engine.base import SamplingParams
 from flash.errors import FlashError
 from flash.app.tracking import Heartbeat, Progress, make_tracker, pick_samples
+from controllers.agent_runtime import build_agent_scheduler
 from controllers.episode_runtime import build_episode_scheduler, check_episode_config
 from flash.envs.task import EnvTask
 from flash.train.trainer import TrainerSettings
@@ -196,6 +197,9 @@ class Run:
         single-turn requests, scored by the task's reward or by a reward-worker pool when
         ``reward.fn`` is set. Every engine call goes through the roles' engine client."""
         cfg, params, client = self.cfg, sampling_params(self.cfg, self.tokenizer), self.roles.client
+        if cfg.agent.fn:  # the user's agents through the gateway
+            return None, build_agent_scheduler(cfg, self.task, self.tokenizer, self.roles.engine, self.buffer.buffer,
+                                               self.buffer.staleness, params, client)
         if isinstance(self.task, EnvTask):  # multi-turn episodes on EnvWorker actors
             return None, build_episode_scheduler(cfg, self.task, self.tokenizer, self.roles.engine,
                                                  self.buffer.buffer, self.buffer.staleness, params, client)

@@ -1,0 +1,82 @@
+"""How ``flash run`` builds agent rollout (``agent.fn`` set): the gateway, the runner of the user's
+agents, and the scheduler core driving the agent workflow over the task's items.
+
+A unit is one run of the agent on one item; the core admits items under the staleness bound and
+applies redundancy, filters and spares to agent runs as to any other unit.
+
+Which tokens an episode trains: a session is one segment while every call extends the previous
+context (flash.envs.chat_session); a call that cannot (a template that is not append-only, an
+agent that edited its history) starts a new segment. The sample is the episode's **last**
+segment: it holds the final context, every sampled token of its own calls trained; the sampled
+tokens of earlier segments are counted (``agent/untrained_tokens``) but not trained, because a
+segment is a separate sequence and a group's samples are one per unit.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from buffers import Sample, SampleBuffer
+from controllers.admission import PromptSource
+from controllers.filters import FilterConfig
+from controllers.scheduler import RolloutCore
+from controllers.staleness import StalenessManager
+from controllers.workflows.agent import Agents
+from flash.engine.base import SamplingParams
+
+
+def session_sample(record: dict | None, *, prompt_id: int, sample_index: int, admitted_version: int,
+                   reward: float, outcome: str, meta: dict, filler: tuple[int, ...] = (0,)) -> Sample:
+    """The episode's sample from its closed session (module docstring); an episode that made no
+    call (its agent failed before one) is a sample of one ``filler`` token and no response, scored
+    as its outcome says (nothing to train, but the ledger holds it)."""
+    from flash.envs.chat_session import segment_sample
+
+    segments = (record or {}).get("segments") or []
+    meta = {**meta, "outcome": outcome, "segments": len(segments),
+            "untrained_tokens": sum(sum(s.loss_mask) for s in segments[:-1]),
+            "calls": len((record or {}).get("calls", []))}
+    if not segments:
+        return Sample(prompt_id=prompt_id, sample_index=sample_index, prompt_ids=list(filler), response_ids=[],
+                      behav_logprobs=[], versions=[], reward=reward, finish_reason=outcome,
+                      admitted_version=admitted_version, meta=meta)
+    sample = segment_sample(segments[-1], prompt_id=prompt_id, sample_index=sample_index, reward=reward,
+                            admitted_version=admitted_version, meta=meta)
+    sample.finish_reason = outcome
+    return sample
+
+
+class AgentScheduler(RolloutCore):
+    """The core running the agent workflow (one unit = one agent run on one item)."""
+
+    def __init__(self, engine, workflow: Agents, task, buffer: SampleBuffer, staleness: StalenessManager,
+                 params: SamplingParams, n: int, seed: int, *, redundancy: int = 0, max_additional_prompts: int = 0,
+                 filters: FilterConfig | None = None, reward_workers: int = 4, client=None, decode=None):
+        source = PromptSource(item=lambda i: task.item(i, "train"), encode=lambda prompt: [], decode=decode,
+                              reward=None)
+        super().__init__(engine, workflow, source, buffer, staleness, params, n, seed, reward_workers,
+                         redundancy=redundancy, max_additional_prompts=max_additional_prompts, filters=filters,
+                         client=client)
+
+
+def build_agent_scheduler(cfg, task, tokenizer, engine, buffer, staleness, params, client=None):
+    """Start the gateway and the agent runner, and the AgentScheduler that drives them."""
+    from flash.envs.agents import AgentRunner, load_agent
+    from flash.envs.gateway import Gateway
+    from flash.errors import ConfigError
+    from flash.models import decode_response
+
+    if not tokenizer.chat_template:
+        raise ConfigError("agents talk to the policy through its chat template and the tokenizer has none: "
+                          "set model.chat_template (a Jinja string or a file)")
+    fn = load_agent(cfg.agent.fn)
+    gateway = Gateway(tokenizer, None, host=cfg.agent.host, max_tokens_cap=cfg.rollout.max_new_tokens,
+                      default_max_tokens=cfg.rollout.max_new_tokens, workers=cfg.agent.concurrency + 4)
+    url = gateway.start()
+    runner = AgentRunner(fn, url, cfg.agent.concurrency, cfg.agent.timeout_s, cfg.agent.retries)
+    to_sample = functools.partial(session_sample, filler=(tokenizer.eos_token_id,))
+    workflow = Agents(gateway, runner, to_sample, max_turns=cfg.agent.max_turns)
+    return AgentScheduler(engine, workflow, task, buffer, staleness, params, n=cfg.rollout.n, seed=cfg.seed,
+                          redundancy=cfg.rollout.redundancy, max_additional_prompts=cfg.rollout.max_additional_prompts,
+                          filters=cfg.rollout.filter, reward_workers=cfg.rollout.reward_workers, client=client,
+                          decode=lambda ids: decode_response(tokenizer, ids))

@@ -1,0 +1,61 @@
+"""User agents trained end to end: `flash run` with `agent.fn`, each episode one run of the agent
+with a real `openai.AsyncOpenAI` client on its own gateway session, through the scheduler core.
+
+The agent here answers the stutter task's prompt in one chat turn; the chat template is the raw
+text after `<bos>`, so the policy sees what the single-turn recipe shows it (its warm start). What
+must hold: the run finishes its steps with every planned sample trained once (the ledger), each
+trained sample is exactly what the engine sampled (loss mask over the response, logprobs), and a
+crashing agent is run again once on a fresh session and then counted as ok.
+"""
+
+import json
+
+import pytest
+
+from tests.helpers.processes import B, N, STEPS, finish, launch, read_jsonl, trained_pairs
+
+RAW = "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+
+
+@pytest.fixture(scope="module")
+def cache(warm_cache):
+    return warm_cache
+
+
+def agent_run(tmp_path, cache, fn: str, env: dict | None = None, extra: tuple = ()) -> tuple:
+    run_dir, template = tmp_path / "run", tmp_path / "raw.jinja"
+    template.write_text(RAW)
+    overrides = [f"run_dir={run_dir}", f"agent.fn=tests.agent_fns:{fn}", f"model.chat_template={template}",
+                 "checkpoint.every_steps=0", "async_ratio=1", *extra]
+    finish(launch(run_dir, cache, overrides, env), run_dir)
+    return run_dir, json.loads((run_dir / "summary.json").read_text()), read_jsonl(run_dir / "metrics.jsonl")
+
+
+@pytest.mark.slow
+def test_an_agent_run_trains_every_episode_once_through_the_gateway(tmp_path, cache):
+    run_dir, summary, metrics = agent_run(tmp_path, cache, "answer")
+    assert summary["steps"] == STEPS and summary["samples_trained"] == STEPS * B * N
+    pairs = trained_pairs(read_jsonl(run_dir / "ledger.jsonl"))
+    assert set(pairs.values()) == {1} and len(pairs) == STEPS * B * N
+    last = metrics[-1]
+    assert last["agent/ok"] >= STEPS * B * N and last["agent/crashed"] == 0 and last["agent/timeout"] == 0
+    assert last["gateway/calls"] >= STEPS * B * N and last["gateway/new_segments"] == 0
+    assert 0.0 <= summary["eval_accuracy_final"] <= 1.0
+
+
+@pytest.mark.slow
+def test_a_crashing_agent_is_run_again_once_and_a_hung_one_times_out(tmp_path, cache):
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    run_dir, summary, metrics = agent_run(tmp_path, cache, "crash_once", {"FLASH_TEST_MARKS": str(marks)},
+                                          ("train.steps=2",))
+    last = metrics[-1]
+    assert summary["steps"] == 2 and last["agent/crashed"] == 0 and summary["samples_trained"] == 2 * B * N
+    # each item's first run crashed (its n samples share the item): one retry per trained prompt at least
+    assert last["agent/retries"] >= 2 * B and last["agent/ok"] >= 2 * B * N
+    hung_dir = tmp_path / "hung"
+    hung_dir.mkdir()
+    _, summary, metrics = agent_run(hung_dir, cache, "hang", None, ("train.steps=1", "agent.timeout_s=1",
+                                                                   "eval.every_steps=0"))
+    assert metrics[-1]["agent/timeout"] >= B * N and metrics[-1]["agent/retries"] >= B * N
+    assert summary["samples_trained"] == B * N  # scored 0 with their outcome: the ledger stays complete
