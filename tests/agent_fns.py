@@ -39,3 +39,11 @@ async def hang(client, item):
 
 async def not_a_reward(client, item):
     return "yes"
+
+
+async def slow_answer(client, item):
+    """``answer`` after a random wait of up to 0.3 s (a tool call with variable latency)."""
+    import random
+
+    await asyncio.sleep(random.random() * 0.3)
+    return await answer(client, item)

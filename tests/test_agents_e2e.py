@@ -33,12 +33,16 @@ def agent_run(tmp_path, cache, fn: str, env: dict | None = None, extra: tuple = 
 
 @pytest.mark.slow
 def test_an_agent_run_trains_every_episode_once_through_the_gateway(tmp_path, cache):
-    run_dir, summary, metrics = agent_run(tmp_path, cache, "answer")
+    """Agents with random latency, one redundant run per prompt (the first n to finish are kept, the
+    other cancelled mid-run), async ratio 1: the bound holds and every planned sample is trained once."""
+    run_dir, summary, metrics = agent_run(tmp_path, cache, "slow_answer", extra=("rollout.redundancy=1",))
     assert summary["steps"] == STEPS and summary["samples_trained"] == STEPS * B * N
     pairs = trained_pairs(read_jsonl(run_dir / "ledger.jsonl"))
     assert set(pairs.values()) == {1} and len(pairs) == STEPS * B * N
+    assert summary["max_staleness_observed"] <= 1 and summary["aborted_samples"].get("redundant", 0) > 0
     last = metrics[-1]
     assert last["agent/ok"] >= STEPS * B * N and last["agent/crashed"] == 0 and last["agent/timeout"] == 0
+    assert last["agent/cancelled"] > 0  # the redundant runs, stopped at their next await
     assert last["gateway/calls"] >= STEPS * B * N and last["gateway/new_segments"] == 0
     assert 0.0 <= summary["eval_accuracy_final"] <= 1.0
 
