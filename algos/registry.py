@@ -261,6 +261,30 @@ def _hint_name(hint: Any) -> str:
     return getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
 
 
+def searched_paths() -> str:
+    """The first entries of the import search path, for an error that says where it looked."""
+    return ", ".join(p for p in sys.path[:8] if p) + (", ..." if len(sys.path) > 8 else "")
+
+
+def import_path(path: str, what: str) -> Any:
+    """The function ``package.module:function`` names (a user's reward, agent, ...); ValueError
+    naming ``what`` it is for, the module, the paths searched, or the closest function there."""
+    module_name, _, attr = path.partition(":")
+    if not module_name or not attr:
+        raise ValueError(f"{what} {path!r} must look like 'package.module:function'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"{what} {path!r}: cannot import module {module_name!r}: {exc} (searched: "
+                         f"{searched_paths()}); put it beside the recipe or add its folder to PYTHONPATH") from None
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        public = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
+        raise ValueError(f"{what} {path!r}: module {module_name!r} has no function {attr!r}"
+                         f"{did_you_mean(attr, public, n=1)}")
+    return fn
+
+
 def load_plugins(modules: Iterable[str]) -> list[str]:
     """Import each named module so that its ``@register_loss`` / ``@register_advantage``
     decorators run. Returns the module names imported. An import error propagates, naming the
@@ -282,8 +306,7 @@ def load_plugins(modules: Iterable[str]) -> list[str]:
         try:
             importlib.import_module(module)
         except ImportError as exc:
-            searched = ", ".join(p for p in sys.path[:8] if p) + (", ..." if len(sys.path) > 8 else "")
-            raise ImportError(f"flash plugin module {name!r} could not be imported: {exc} (searched: {searched}); "
+            raise ImportError(f"flash plugin module {name!r} could not be imported: {exc} (searched: {searched_paths()}); "
                               f"put it beside the recipe, give its .py path, or add its folder to PYTHONPATH") from exc
         done.append(name)
     return done

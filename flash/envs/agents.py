@@ -21,7 +21,6 @@ second failure stands, and the episode is scored 0 with that outcome, so the led
 from __future__ import annotations
 
 import asyncio
-import importlib
 import inspect
 import math
 import threading
@@ -44,17 +43,11 @@ class AgentResult:
 
 def load_agent(path: str) -> Callable:
     """The coroutine function ``package.module:function`` names (ValueError saying what is wrong)."""
-    module_name, _, attr = path.partition(":")
-    if not module_name or not attr:
-        raise ValueError(f"agent.fn {path!r} must look like 'package.module:function'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ValueError(f"agent.fn {path!r}: cannot import {module_name!r}: {exc}; put it beside the recipe "
-                         f"or add its folder to PYTHONPATH") from None
-    fn = getattr(module, attr, None)
+    from algos.registry import import_path
+
+    fn = import_path(path, "agent.fn")
     if not inspect.iscoroutinefunction(fn):
-        raise ValueError(f"agent.fn {path!r} must be an 'async def {attr}(client, item)' function")
+        raise ValueError(f"agent.fn {path!r} must be an 'async def {path.partition(':')[2]}(client, item)' function")
     return fn
 
 

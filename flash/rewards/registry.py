@@ -18,13 +18,12 @@ closest registered one, a bad import path says what failed, an unknown knob name
 from __future__ import annotations
 
 import functools
-import importlib
 import inspect
 import math
 from collections.abc import Callable
 from typing import Any
 
-from algos.registry import Entry, Registry, closest_error, did_you_mean, load_plugins
+from algos.registry import Entry, Registry, closest_error, import_path, load_plugins
 from flash.errors import ConfigError
 
 Scorer = Callable[[Any, str], Any]
@@ -68,23 +67,7 @@ def _lookup(name: str) -> Entry:
 
 
 def _import_path(path: str) -> Callable:
-    module_name, _, attr = path.partition(":")
-    if not module_name or not attr:
-        raise ValueError(f"reward import path {path!r} must look like 'package.module:function'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        import sys
-
-        searched = ", ".join(p for p in sys.path[:8] if p) + (", ..." if len(sys.path) > 8 else "")
-        raise ValueError(f"reward {path!r}: cannot import module {module_name!r}: {exc} (searched: {searched}); "
-                         f"put it beside the recipe or add its folder to PYTHONPATH") from None
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        public = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
-        raise ValueError(f"reward {path!r}: module {module_name!r} has no function {attr!r}"
-                         f"{did_you_mean(attr, public, n=1)}")
-    return fn
+    return import_path(path, "reward")
 
 
 def validate_reward(section: dict) -> None:
