@@ -78,6 +78,7 @@ class AgentRunner:
         self.counts: dict[str, int] = dict.fromkeys(OUTCOMES, 0)
         self.counts["retries"] = 0
         self._lock = threading.Lock()
+        self._http = None  # the agents' shared HTTP connection pool, made on the loop
 
     def run(self, item, open_session: Callable[[], str], close_session: Callable[[str, str], None],
             done: Callable[[AgentResult], None]) -> Future:
@@ -110,7 +111,10 @@ class AgentRunner:
     async def _attempt(self, item, key: str, attempt: int) -> AgentResult:
         import openai
 
-        client = openai.AsyncOpenAI(base_url=self.base_url, api_key=key, max_retries=0, timeout=self.timeout_s)
+        if self._http is None:  # one connection pool for every agent: a client of its own costs ~45 ms
+            self._http = openai.DefaultAsyncHttpxClient(timeout=self.timeout_s)
+        client = openai.AsyncOpenAI(base_url=self.base_url, api_key=key, max_retries=0, timeout=self.timeout_s,
+                                    http_client=self._http)
         try:
             value = await asyncio.wait_for(self.fn(client, item), self.timeout_s)
             reward, info = check_return(value)
@@ -121,8 +125,6 @@ class AgentRunner:
             return AgentResult(0.0, "bad_return", attempt, error=str(exc))
         except Exception as exc:  # the user's code: any failure is its outcome, never the run's
             return AgentResult(0.0, "crashed", attempt, error=f"{type(exc).__name__}: {str(exc)[:300]}")
-        finally:
-            await client.close()
 
     def _count(self, key: str) -> None:
         with self._lock:
@@ -133,5 +135,7 @@ class AgentRunner:
             return {f"agent/{k}": float(v) for k, v in self.counts.items()}
 
     def close(self) -> None:
+        if self._http is not None and self._thread.is_alive():
+            asyncio.run_coroutine_threadsafe(self._http.aclose(), self.loop).result(timeout=10)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout=10)
