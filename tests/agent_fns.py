@@ -47,3 +47,12 @@ async def slow_answer(client, item):
 
     await asyncio.sleep(random.random() * 0.3)
     return await answer(client, item)
+
+
+async def flaky_slow_answer(client, item, marks=os.environ.get("FLASH_TEST_MARKS", "")):
+    """``slow_answer``, raising instead on the first run of each item (a file under FLASH_TEST_MARKS)."""
+    mark = os.path.join(marks, f"{item.index}")
+    if marks and not os.path.exists(mark):
+        open(mark, "w").close()
+        raise RuntimeError("the agent's tool failed")
+    return await slow_answer(client, item)

@@ -3,9 +3,9 @@ with a real `openai.AsyncOpenAI` client on its own gateway session, through the 
 
 The agent here answers the stutter task's prompt in one chat turn; the chat template is the raw
 text after `<bos>`, so the policy sees what the single-turn recipe shows it (its warm start). What
-must hold: the run finishes its steps with every planned sample trained once (the ledger), each
-trained sample is exactly what the engine sampled (loss mask over the response, logprobs), and a
-crashing agent is run again once on a fresh session and then counted as ok.
+must hold: the run finishes its steps with every planned sample trained once (the ledger), a
+crashing agent is run again once on a fresh session and then counted as ok, redundant runs are
+cancelled, and the staleness bound holds.
 """
 
 import json
@@ -33,33 +33,21 @@ def agent_run(tmp_path, cache, fn: str, env: dict | None = None, extra: tuple = 
 
 @pytest.mark.slow
 def test_an_agent_run_trains_every_episode_once_through_the_gateway(tmp_path, cache):
-    """Agents with random latency, one redundant run per prompt (the first n to finish are kept, the
-    other cancelled mid-run), async ratio 1: the bound holds and every planned sample is trained once."""
-    run_dir, summary, metrics = agent_run(tmp_path, cache, "slow_answer", extra=("rollout.redundancy=1",))
+    """Agents with random latency that crash on each item's first run, one redundant run per prompt
+    (the first n to finish are kept, the other cancelled mid-run), async ratio 1: the crash is run
+    again once, the bound holds, and every planned sample is trained once. (A hung agent's timeout
+    and every other outcome are pinned without a run in test_agents.py.)"""
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    run_dir, summary, metrics = agent_run(tmp_path, cache, "flaky_slow_answer", {"FLASH_TEST_MARKS": str(marks)},
+                                          ("rollout.redundancy=1",))
     assert summary["steps"] == STEPS and summary["samples_trained"] == STEPS * B * N
     pairs = trained_pairs(read_jsonl(run_dir / "ledger.jsonl"))
     assert set(pairs.values()) == {1} and len(pairs) == STEPS * B * N
     assert summary["max_staleness_observed"] <= 1 and summary["aborted_samples"].get("redundant", 0) > 0
     last = metrics[-1]
-    assert last["agent/ok"] >= STEPS * B * N and last["agent/crashed"] == 0 and last["agent/timeout"] == 0
+    assert last["agent/crashed"] == 0 and last["agent/timeout"] == 0 and last["agent/ok"] >= STEPS * B * N
+    assert last["agent/retries"] >= STEPS * B  # each trained prompt's first run crashed, its retry did not
     assert last["agent/cancelled"] > 0  # the redundant runs, stopped at their next await
     assert last["gateway/calls"] >= STEPS * B * N and last["gateway/new_segments"] == 0
     assert 0.0 <= summary["eval_accuracy_final"] <= 1.0
-
-
-@pytest.mark.slow
-def test_a_crashing_agent_is_run_again_once_and_a_hung_one_times_out(tmp_path, cache):
-    marks = tmp_path / "marks"
-    marks.mkdir()
-    run_dir, summary, metrics = agent_run(tmp_path, cache, "crash_once", {"FLASH_TEST_MARKS": str(marks)},
-                                          ("train.steps=2",))
-    last = metrics[-1]
-    assert summary["steps"] == 2 and last["agent/crashed"] == 0 and summary["samples_trained"] == 2 * B * N
-    # each item's first run crashed (its n samples share the item): one retry per trained prompt at least
-    assert last["agent/retries"] >= 2 * B and last["agent/ok"] >= 2 * B * N
-    hung_dir = tmp_path / "hung"
-    hung_dir.mkdir()
-    _, summary, metrics = agent_run(hung_dir, cache, "hang", None, ("train.steps=1", "agent.timeout_s=1",
-                                                                   "eval.every_steps=0"))
-    assert metrics[-1]["agent/timeout"] >= B * N and metrics[-1]["agent/retries"] >= B * N
-    assert summary["samples_trained"] == B * N  # scored 0 with their outcome: the ledger stays complete

@@ -163,6 +163,7 @@ TWO_REPLICAS = ["placement.num_gpus=4", "placement.roles.actor_train.device_mapp
 
 
 @pytest.mark.slow
+@pytest.mark.margin  # the suite keeps under 45 min: the single-replica kill above pins the recovery; this adds the router
 def test_one_of_two_replicas_killed_mid_run_is_restarted_and_nothing_is_lost(tmp_path, cache):
     """Replica 1 of 2 (behind the router) SIGKILLed after the first step: only it is restarted and
     given the current weights, the requests it held are resubmitted, the run finishes with every

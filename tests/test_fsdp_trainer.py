@@ -373,6 +373,7 @@ def test_controller_through_a_two_worker_group_is_the_plain_synchronous_loop(tmp
 
 
 @pytest.mark.slow
+@pytest.mark.margin  # the suite keeps under 45 min: vLLM loading pushed weights is pinned in test_model_update.py, the export above
 def test_vllm_serves_the_hf_export(ray_local, model_dir, tmp_path):
     """vLLM loads the exported folder and samples with the trained weights' logprobs."""
     import importlib.util

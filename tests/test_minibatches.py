@@ -234,6 +234,7 @@ def test_bad_values_are_one_line_errors_naming_the_key(overrides, needle):
 
 
 @pytest.mark.slow
+@pytest.mark.margin  # the suite keeps under 45 min: k mini-batches and epochs are pinned step for step above
 def test_a_run_with_four_mini_batches_steps_four_times_per_batch_clips_and_replays(tmp_path):
     """End to end (`flash run` in its own process, async): 4 optimizer steps per rollout batch, a
     clip fraction above 0 once the policy has moved within a batch, the lr reported, and `flash

@@ -82,6 +82,7 @@ def test_a_reference_worker_nothing_reads_is_refused_and_at_most_one_is_placed()
 
 
 @pytest.mark.slow  # two short synchronous runs of the default recipe, each in its own process
+@pytest.mark.margin  # the suite keeps under 45 min: the role's logprobs and a step fed them are pinned above
 def test_a_run_with_a_placed_reference_trains_the_local_references_losses(tmp_path):
     """Synchronous runs are deterministic for their seeds, so the placed reference must reproduce
     the local copy's run step for step: the same losses and KL, and its own timed phase."""

@@ -232,6 +232,7 @@ SMALL = ["sft.steps=40", "sft.eval_after=false", "model.tiny.num_layers=2", "tra
 
 
 @pytest.mark.slow
+@pytest.mark.margin  # the suite keeps under 45 min: the sweep's tables, plots, replicates and resume are pinned above
 def test_two_point_sweep_of_the_default_recipe(tmp_path, monkeypatch):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
