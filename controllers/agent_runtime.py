@@ -75,7 +75,7 @@ def build_agent_scheduler(cfg, task, tokenizer, engine, buffer, staleness, param
     url = gateway.start()
     runner = AgentRunner(fn, url, cfg.agent.concurrency, cfg.agent.timeout_s, cfg.agent.retries)
     to_sample = functools.partial(session_sample, filler=(tokenizer.eos_token_id,))
-    workflow = Agents(gateway, runner, to_sample, max_turns=cfg.agent.max_turns)
+    workflow = Agents(gateway, runner, to_sample, max_turns=cfg.agent.max_turns, call_timeout_s=cfg.agent.timeout_s)
     return AgentScheduler(engine, workflow, task, buffer, staleness, params, n=cfg.rollout.n, seed=cfg.seed,
                           redundancy=cfg.rollout.redundancy, max_additional_prompts=cfg.rollout.max_additional_prompts,
                           filters=cfg.rollout.filter, reward_workers=cfg.rollout.reward_workers, client=client,

@@ -45,8 +45,9 @@ class _Run:
 class Agents:
     """The agent workflow (``Workflow`` and ``Hold``); ``core`` is set by the ``RolloutCore``."""
 
-    def __init__(self, gateway, runner, to_sample, max_turns: int = 32):
+    def __init__(self, gateway, runner, to_sample, max_turns: int = 32, call_timeout_s: float = 300.0):
         self.gateway, self.runner, self.to_sample, self.max_turns = gateway, runner, to_sample, max_turns
+        self.call_timeout_s = call_timeout_s  # a gateway thread never waits longer on one call
         self.core = None
         self._lock = threading.Lock()
         self._runs: dict[str, _Run] = {}  # unit id -> run
@@ -172,7 +173,7 @@ class Agents:
             run.waiting[req.request_id] = (req, waiter)
             self._turns[req.request_id] = run
         self.core.supervisor.submit([req])
-        return waiter.result()
+        return waiter.result(timeout=self.call_timeout_s)
 
     def _finish(self, run: _Run, result) -> None:
         u = run.unit
