@@ -87,7 +87,8 @@ class Agents:
         for _, (_, waiter) in waiting:
             waiter.set_exception(RuntimeError("the episode was cancelled"))
         for run in runs:
-            run.future.cancel()
+            if run.future is not None:  # launched a moment ago: its runner future is not set yet
+                run.future.cancel()
 
     def route(self, outputs: list[GenerationOutput]) -> list[GenerationOutput]:
         """A finished turn answers the agent's waiting call; units finish through ``deliver``."""
