@@ -179,8 +179,12 @@ def test_a_plugin_beside_the_recipe_is_found_without_pythonpath(tmp_path):
     assert out.stdout.startswith("ok: ") and "loss=my_pg" in out.stdout
 
 
-def test_plugins_and_rewards_beside_a_recipe_in_another_folder_load_by_name_or_py_path(tmp_path):
-    """The recipe's folder, not the working directory: cwd is the checkout here."""
+def test_plugins_and_rewards_beside_a_recipe_in_another_folder_load_by_name_or_py_path(tmp_path, monkeypatch):
+    """The recipe's folder, not the working directory: cwd is the checkout here. The plugin's loss
+    registers into a copy of the registry, so later tests see the built-in losses only."""
+    from algos.policy import LOSSES
+
+    monkeypatch.setattr(LOSSES, "_entries", dict(LOSSES._entries))
     (tmp_path / "lib").mkdir()
     (tmp_path / "lib" / "beside_losses.py").write_text(
         "import algos\n\n@algos.register_loss('beside_pg', description='scaled REINFORCE')\n"
