@@ -11,26 +11,6 @@ async def answer(client, item):
     return float(reply.choices[0].message.content.strip() == item.answer)
 
 
-async def two_turns(client, item):
-    """Ask, then ask again with the first reply and a tool message in the history (append-only)."""
-    messages = [{"role": "user", "content": item.prompt}]
-    first = await client.chat.completions.create(model="policy", messages=messages, max_tokens=8)
-    messages += [{"role": "assistant", "content": first.choices[0].message.content},
-                 {"role": "tool", "content": "again"}]
-    second = await client.chat.completions.create(model="policy", messages=messages, max_tokens=8)
-    text = second.choices[0].message.content
-    return float(text.strip() == item.answer), {"first": first.choices[0].message.content}
-
-
-async def crash_once(client, item, marks=os.environ.get("FLASH_TEST_MARKS", "")):
-    """Raises on an item's first attempt (a file under FLASH_TEST_MARKS remembers), then answers."""
-    mark = os.path.join(marks, f"{item.index}")
-    if marks and not os.path.exists(mark):
-        open(mark, "w").close()
-        raise RuntimeError("the agent's tool failed")
-    return await answer(client, item)
-
-
 async def hang(client, item):
     """Never returns (a hung agent)."""
     await asyncio.sleep(3600)
