@@ -79,7 +79,11 @@ def checkpoints(run_dir: Path, tmp=False) -> list[Path]:
 
 
 def finish(proc: subprocess.Popen, run_dir: Path, timeout: float = 900) -> None:
-    rc = proc.wait(timeout=timeout)
+    try:
+        rc = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_run(proc)  # its whole session (driver, Ray), so a timed-out run leaves nothing behind
+        raise
     assert rc == 0, (run_dir.parent / f"{run_dir.name}.log").read_text()[-3000:]
 
 
