@@ -5,7 +5,7 @@ Parts, all in the driver:
   on the agent runner (flash.envs.agents) with a real ``openai.AsyncOpenAI`` client on it;
 - every chat call the agent makes reaches ``generate`` (on a gateway thread): it becomes an engine
   request of the unit -- id ``<unit>/<turn>``, the unit's sampling parameters (the run's
-  temperature, at most ``rollout.max_new_tokens``, seed = unit seed + 7919 turn) -- submitted
+  temperature, at most ``rollout.max_new_tokens``, seed: ``turn_seed``) -- submitted
   through the core's engine client; ``route`` hands the engine's output back to the waiting call;
 - when the agent returns, the session's tokens become the unit's ``Sample`` (token-exact: what was
   sampled is what is trained; flash.envs.chat_session) and the core hears of it (``deliver``);
@@ -25,16 +25,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from buffers import Sample
-from controllers.workflows.base import Unit
+from controllers.workflows.base import Unit, turn_seed
 from flash.engine.base import GenerationOutput, GenerationRequest, SamplingParams
-
-TURN_SEED_STRIDE = 7919
-
 
 @dataclass
 class _Run:
     unit: Unit
-    key: str = ""  # the current attempt's gateway session
     turns: int = 0
     future: Any = None  # the agent runner's future (cancel stops the agent)
     waiting: dict[str, tuple[GenerationRequest, Future]] = field(default_factory=dict)
@@ -146,7 +142,6 @@ class Agents:
     def _open(self, run: _Run) -> str:
         key = self.gateway.open_session({"unit": run.unit.id})
         with self._lock:
-            run.key = key
             self._by_key[key] = run
         return key
 
@@ -169,7 +164,7 @@ class Agents:
             req = GenerationRequest(f"{run.unit.id}/{turn}", list(prompt_ids), SamplingParams(
                 max_new_tokens=min(params.max_new_tokens, base.max_new_tokens), temperature=base.temperature,
                 top_p=base.top_p, stop_token_ids=list(base.stop_token_ids),
-                seed=(base.seed or 0) + TURN_SEED_STRIDE * turn))
+                seed=turn_seed(base.seed, turn)))
             waiter: Future = Future()
             run.waiting[req.request_id] = (req, waiter)
             self._turns[req.request_id] = run

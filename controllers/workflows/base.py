@@ -33,6 +33,12 @@ def request_seed(run_seed: int, prompt_id: int, sample_index: int) -> int:
     return (run_seed * 1_000_003 + prompt_id * 1_009 + sample_index * 7 + 1) % (2**31 - 1)
 
 
+def turn_seed(unit_seed: int | None, turn: int) -> int:
+    """The seed of a multi-turn unit's ``turn``-th LLM call (episodes, agent runs): the same turn
+    asked again (after an engine restart) samples the same tokens."""
+    return ((unit_seed or 0) + 7919 * turn) % (2**31 - 1)
+
+
 def request_id(prompt_id: int, k: int) -> str:
     return f"{prompt_id}:{k}"
 

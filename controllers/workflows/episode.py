@@ -33,7 +33,7 @@ from typing import Any
 import ray
 
 from buffers import Sample
-from controllers.workflows.base import Unit
+from controllers.workflows.base import Unit, turn_seed
 from controllers.workflows.env_faults import EnvWorkerFaults, _EpisodeLost
 from flash.engine.base import GenerationOutput, GenerationRequest, SamplingParams
 from flash.envs.episode import Transcript, add_observation, add_turn, to_sample
@@ -228,7 +228,7 @@ class Episodes(EnvWorkerFaults):
     @staticmethod
     def _turn_request(ep: _Episode) -> GenerationRequest:
         """The episode's next LLM turn: its context so far, a seed of (unit, turn)."""
-        seed = (ep.unit.params.seed + 7919 * ep.turns) % (2**31 - 1)
+        seed = turn_seed(ep.unit.params.seed, ep.turns)
         params = SamplingParams(**{**ep.unit.params.__dict__, "seed": seed})
         return GenerationRequest(f"{ep.key}/{ep.turns}", ep.transcript.context, params)
 

@@ -67,7 +67,7 @@ def scan(task, tokenizer, max_prompt_tokens: int, rows: int) -> dict:
             break
         kept.append((item, ids, _reference_reward(task, item)))
         index += 1
-    return {"kept": kept, "dropped": dict(guard.counts)}
+    return {"kept": kept, "dropped": dict(guard.counts), "scanned": end}
 
 
 def _reference_reward(task, item) -> float | str:
@@ -91,8 +91,7 @@ def preview(cfg, rows: int = 1000, out=print) -> dict:
         out(f"--- data index {item.index} ({len(ids)} tokens; reference reward {reward}) ---")
         out(tokenizer.decode(ids))
     lengths = [len(ids) for _, ids, _ in kept]
-    scanned = min(rows, getattr(task, "rows_per_epoch", rows))
-    out(f"prompt tokens over {len(kept)} rows (of the first {scanned} train positions):")
+    out(f"prompt tokens over {len(kept)} rows (of the first {result['scanned']} train positions):")
     for lo, hi, n in histogram(lengths):
         out(f"  {lo:>6}-{hi:<6} {n:>7}  {'#' * max(1 if n else 0, round(40 * n / max(1, len(kept))))}")
     out(f"dropped: {result['dropped'] or 'none'}")
