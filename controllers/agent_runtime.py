@@ -71,7 +71,8 @@ def build_agent_scheduler(cfg, task, tokenizer, engine, buffer, staleness, param
                           "set model.chat_template (a Jinja string or a file)")
     fn = load_agent(cfg.agent.fn)
     gateway = Gateway(tokenizer, None, host=cfg.agent.host, max_tokens_cap=cfg.rollout.max_new_tokens,
-                      default_max_tokens=cfg.rollout.max_new_tokens, workers=cfg.agent.concurrency + 4)
+                      default_max_tokens=cfg.rollout.max_new_tokens, workers=cfg.agent.concurrency + 4,
+                      tool_parser=cfg.agent.tool_parser)
     url = gateway.start()
     runner = AgentRunner(fn, url, cfg.agent.concurrency, cfg.agent.timeout_s, cfg.agent.retries)
     to_sample = functools.partial(session_sample, filler=(tokenizer.eos_token_id,))

@@ -61,16 +61,19 @@ def is_char_tokenizer(tokenizer: PreTrainedTokenizerFast) -> bool:
     return (tokenizer.bos_token, tokenizer.eos_token, tokenizer.pad_token) == (BOS, EOS, PAD)
 
 
-def encode_prompt(tokenizer: PreTrainedTokenizerFast, prompt: str | list[dict]) -> list[int]:
-    """Prompt ids. A chat (a list of ``{role, content}`` turns): the tokenizer's chat template with
-    the generation prompt, exactly as ``apply_chat_template`` gives it. Text with the character
+def encode_prompt(tokenizer: PreTrainedTokenizerFast, prompt: str | list[dict] | dict) -> list[int]:
+    """Prompt ids. A chat (a list of ``{role, content}`` turns, or ``{"messages": [...], "tools":
+    [...]}`` as a chat request carries them): the tokenizer's chat template with the generation
+    prompt, exactly as ``apply_chat_template`` gives it. Text with the character
     tokenizer: ``<bos>`` then one id per character, the response follows directly. Text with a
     chat template (e.g. SmolLM2-Instruct): one user turn, then the assistant header, as the model
     was tuned to see it. Any other tokenizer: its own encoding with its special tokens."""
-    if isinstance(prompt, list):
+    if isinstance(prompt, (list, dict)):
         if not tokenizer.chat_template:
             raise ValueError("the prompt is a chat but the tokenizer has no chat template; set "
                              "model.chat_template (a Jinja string or a file)")
+        if isinstance(prompt, dict):
+            return chat_ids(tokenizer, prompt["messages"], prompt.get("tools"))
         return chat_ids(tokenizer, prompt)
     if is_char_tokenizer(tokenizer):
         return [tokenizer.bos_token_id] + _encode_chars(tokenizer, prompt)
@@ -79,9 +82,9 @@ def encode_prompt(tokenizer: PreTrainedTokenizerFast, prompt: str | list[dict]) 
     return tokenizer.encode(prompt)
 
 
-def chat_ids(tokenizer: PreTrainedTokenizerFast, messages: list[dict]) -> list[int]:
-    """``apply_chat_template(messages, add_generation_prompt=True)`` as a list of ids."""
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+def chat_ids(tokenizer: PreTrainedTokenizerFast, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    """``apply_chat_template(messages, tools=tools, add_generation_prompt=True)`` as a list of ids."""
+    ids = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True)
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 

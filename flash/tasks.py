@@ -47,6 +47,11 @@ class Task:
 
     name: ClassVar[str] = ""
     Options: ClassVar[type] = type(None)
+    # The tiny warm start's character tokenizer: flash.models.DEFAULT_ALPHABET plus these characters
+    # (e.g. the braces and quotes of JSON tool calls), with this chat template when the task's
+    # demonstrations are chats (flash.train.sft.task_tokenizer).
+    extra_chars: ClassVar[str] = ""
+    chat_template: ClassVar[str | None] = None
 
     def __init__(self, options) -> None:
         self.options = options

@@ -317,6 +317,13 @@ def _check_agent(cfg: FlashConfig) -> None:
              f"machine; keep 127.0.0.1")
     _require(cfg.rollout.scheduler == "plain", "agent runs use rollout.scheduler: plain (tail batching cuts "
              "single-turn responses)")
+    if a.tool_parser:
+        from flash.envs.chat_messages import TOOL_PARSERS
+
+        try:
+            TOOL_PARSERS.get(a.tool_parser)
+        except ValueError as exc:
+            raise ConfigError(f"agent.tool_parser: {exc}; or null to return replies as plain text") from None
 
 
 def _check_reward(cfg: FlashConfig) -> None:

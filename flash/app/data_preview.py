@@ -22,8 +22,9 @@ from flash.errors import ConfigError
 SHOW = 3
 
 
-def preview_tokenizer(cfg):
-    """The tokenizer a run of ``cfg`` encodes prompts with (no warm start needed)."""
+def preview_tokenizer(cfg, task=None):
+    """The tokenizer a run of ``cfg`` encodes prompts with (no warm start needed): the task's
+    character tokenizer for the tiny model."""
     from flash.app.data import load_tokenizer
 
     if cfg.model.path:
@@ -34,8 +35,9 @@ def preview_tokenizer(cfg):
 
         return load_tokenizer(cfg, gguf_checkpoint(cfg.model.gguf, default_cache_dir(cfg)))
     from flash.models import build_tokenizer, set_chat_template
+    from flash.train.sft import task_tokenizer
 
-    tokenizer = build_tokenizer()
+    tokenizer = task_tokenizer(task) if task is not None else build_tokenizer()
     set_chat_template(tokenizer, cfg.model.chat_template)
     return tokenizer
 
@@ -83,7 +85,7 @@ def preview(cfg, rows: int = 1000, out=print) -> dict:
     from flash.app.data import build_task
 
     task = build_task(cfg)
-    tokenizer = preview_tokenizer(cfg)
+    tokenizer = preview_tokenizer(cfg, task)
     limit = cfg.data.max_prompt_tokens or 0
     result = scan(task, tokenizer, limit, rows)
     kept = result["kept"]

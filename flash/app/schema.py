@@ -233,6 +233,9 @@ class AgentConfig:
     retries: int = 1  # runs again after a timeout, a crash or a bad return
     max_turns: int = 32  # chat calls per episode
     host: str = "127.0.0.1"  # where the gateway listens (loopback; sessions are keyed either way)
+    # How a reply's tool-call text becomes `tool_calls` when a request offers tools
+    # (flash.envs.chat_messages: hermes = <tool_call>{json}</tool_call>); null: replies stay text.
+    tool_parser: Optional[str] = "hermes"
 
 
 @dataclass

@@ -12,7 +12,8 @@ session keeps its token sequence and only ever *appends* to it:
              puts after the stop token r_1 ends with (ChatML's ``\\n`` after ``<|im_end|>``)
 
 Call 2 extends the session only if the template is append-only here (F starts with P, the new
-render N starts with F) and the agent kept its history (M_2 starts with M_1 and the reply). If
+render N starts with F) and the agent kept its history (M_2 starts with M_1 and the reply, tool
+calls included: F renders the reply as the agent was answered, content and parsed calls). If
 not -- a template that rewrites earlier turns, an agent that edited its history -- appending would
 put tokens before the engine that no render of M_2 holds, so the session closes its segment and
 starts a new one whose prompt is N (counted in ``new_segments``). Each segment is one training
@@ -33,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from buffers import Sample
+from flash.envs.chat_messages import reply_message, same_turns
 
 
 @dataclass
@@ -63,6 +65,7 @@ class ChatSession:
     messages: list[dict] = field(default_factory=list)
     rendered: list[int] = field(default_factory=list)
     reply: str = ""  # the assistant text returned by the last call
+    reply_calls: list[dict] = field(default_factory=list)  # and its parsed tool calls
     text: str = ""  # completions: the last prompt text + its completion text
     new_segments: int = 0  # segments started because a call could not extend the session
 
@@ -106,12 +109,6 @@ def turn_tail(assistant_ids: list[int], response_ids: list[int], stop_ids: list[
     return assistant_ids[where[-1]:] if where else None
 
 
-def _same_history(old: list[dict], new: list[dict]) -> bool:
-    """Whether ``new`` starts with ``old`` (messages compared by role and content)."""
-    key = [(m["role"], m["content"]) for m in old]
-    return [(m["role"], m["content"]) for m in new[: len(old)]] == key
-
-
 def _fresh(ids: list[int], mode: str, **state: Any) -> Turn:
     return Turn(prompt_ids=list(ids), context=list(ids), new_segment=True, mode=mode, **state)
 
@@ -124,8 +121,8 @@ def plan_chat(session: ChatSession, tokenizer: Any, messages: list[dict], tools:
     state = {"tools": tools, "messages": list(messages), "rendered": new}
     if not session.segments or session.mode != "chat" or tools != session.tools:
         return _fresh(new, "chat", **state)
-    said = session.messages + [{"role": "assistant", "content": session.reply}]
-    if not _same_history(said, messages):
+    said = session.messages + [reply_message(session.reply, session.reply_calls)]
+    if not same_turns(said, messages):
         return _fresh(new, "chat", **state)
     full = render(tokenizer, said, tools, False)
     prev = session.rendered
@@ -156,9 +153,10 @@ def _encode(tokenizer: Any, text: str) -> list[int]:
 
 
 def record(session: ChatSession, turn: Turn, response_ids: list[int], logprobs: list[float],
-           versions: list[int], finish_reason: str, reply: str) -> None:
+           versions: list[int], finish_reason: str, reply: str, calls: list[dict] | None = None) -> None:
     """Append one finished call: its context (mask 0, logprob 0.0, dated by the first sampled
-    token's version) and its sampled tokens (mask 1, the engine's logprobs and versions)."""
+    token's version) and its sampled tokens (mask 1, the engine's logprobs and versions).
+    ``reply`` and ``calls``: what the agent was answered (content, parsed tool calls)."""
     if not response_ids or not len(response_ids) == len(logprobs) == len(versions):
         raise ValueError("a call records at least one sampled token, with a logprob and a version each")
     if turn.new_segment:
@@ -179,7 +177,7 @@ def record(session: ChatSession, turn: Turn, response_ids: list[int], logprobs: 
     seg.finish_reason, seg.calls = finish_reason, seg.calls + 1
     session.mode, session.tools, session.messages = turn.mode, turn.tools, turn.messages
     session.rendered, session.text = turn.rendered, turn.text + (reply if turn.mode == "completion" else "")
-    session.reply = reply
+    session.reply, session.reply_calls = reply, list(calls or [])
 
 
 def segment_sample(seg: Segment, *, prompt_id: int, sample_index: int, reward: float,

@@ -8,6 +8,10 @@ knows nothing of the scheduler: the caller passes a blocking ``generate(prompt_i
 session_key) -> GenerationOutput`` wired to an engine, and collects a session's segments with
 ``close_session``.
 
+Tools: a chat request's ``tools`` go to the chat template; the reply's tool-call text becomes
+``tool_calls`` through the gateway's tool-call parser, and assistant turns with ``tool_calls`` and
+``tool`` turns are read back (flash.envs.chat_messages).
+
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``; responses in
 OpenAI's JSON shape, non-streaming, one choice. Requests are data (invariant 7): bodies are
 bounded (413), parsed without NaN or Infinity, and validated field by field (400 with one line);
@@ -41,11 +45,17 @@ from typing import Any
 from aiohttp import web
 
 from flash.engine.base import GenerationOutput, SamplingParams
+from flash.envs.chat_messages import (
+    TOOL_PARSERS,
+    BadMessages,
+    openai_calls,
+    parse_messages,
+    parse_tools,
+    split_reply,
+)
 from flash.envs.chat_session import ChatSession, Turn, plan_chat, plan_completion, record
 
 MiB = 1 << 20
-ROLES = ("system", "developer", "user", "assistant", "tool")
-MESSAGE_KEYS = ("role", "content", "name", "tool_call_id")
 UNSUPPORTED = (  # (field, the values accepted, why others are refused)
     ("stream", (None, False), "responses are not streamed"),
     ("n", (None, 1), "one choice per call: each is a turn of the session"),
@@ -56,6 +66,8 @@ UNSUPPORTED = (  # (field, the values accepted, why others are refused)
     ("logit_bias", (None, {}), "the engine samples from the policy as it is"),
     ("echo", (None, False), "a completion returns the new text only"),
     ("suffix", (None, ""), "a completion continues its prompt"),
+    ("tool_choice", (None, "auto", "none"), "the engine cannot force a tool call: the model chooses"),
+    ("parallel_tool_calls", (None, True), "the model's reply may hold several calls"),
 )
 Generate = Callable[[list[int], SamplingParams, str], GenerationOutput]
 
@@ -103,37 +115,6 @@ def parse_body(body: bytes) -> dict:
     if not isinstance(data, dict):
         raise _bad("the body must be a JSON object", "bad_json")
     return data
-
-
-def parse_messages(raw: Any) -> list[dict]:
-    """Chat messages as ``{role, content}`` (plus ``name`` / ``tool_call_id`` when given as text);
-    fields set to null are ignored, any other field is refused rather than silently dropped."""
-    if not isinstance(raw, list) or not raw:
-        raise _bad("messages must be a non-empty list of {role, content} objects", "bad_messages")
-    out = []
-    for i, m in enumerate(raw):
-        if not isinstance(m, dict):
-            raise _bad(f"messages[{i}] must be an object with role and content", "bad_messages")
-        if m.get("role") not in ROLES:
-            raise _bad(f"messages[{i}].role must be one of {', '.join(ROLES)}", "bad_messages")
-        extra = sorted(k for k, v in m.items() if v is not None and k not in MESSAGE_KEYS)
-        if extra:
-            raise _bad(f"messages[{i}] has an unsupported field {_show(extra[0])}", "bad_messages")
-        named = [m.get(k) for k in ("name", "tool_call_id") if m.get(k) is not None]
-        if not isinstance(m.get("content"), str) or not all(isinstance(x, str) for x in named):
-            raise _bad(f"messages[{i}]: content (and name, tool_call_id if given) must be strings",
-                       "bad_messages")
-        out.append({k: m[k] for k in MESSAGE_KEYS if m.get(k) is not None})
-    return out
-
-
-def parse_tools(raw: Any) -> list[dict] | None:
-    """Tool schemas handed to the chat template as they are; an empty list is no tools."""
-    if raw is None or raw == []:
-        return None
-    if not isinstance(raw, list) or not all(isinstance(t, dict) for t in raw):
-        raise _bad("tools must be a list of objects")
-    return raw
 
 
 def _number(body: dict, name: str, default: float, ok: Callable[[float], bool], rule: str) -> float:
@@ -206,13 +187,18 @@ def error_body(status: int, reason: str, message: str) -> web.Response:
                              status=status)
 
 
-def completion_body(route: str, model: str, text: str, out: GenerationOutput, prompt_tokens: int) -> dict:
-    """The OpenAI response object for one served call (chat or text completion)."""
+def completion_body(route: str, model: str, text: str, out: GenerationOutput, prompt_tokens: int,
+                    calls: list[dict] | None = None) -> dict:
+    """The OpenAI response object for one served call (chat or text completion); a chat reply
+    with tool calls has them in ``tool_calls``, its other text as ``content`` (null when none)."""
     n = len(out.token_ids)
     usage = {"prompt_tokens": prompt_tokens, "completion_tokens": n, "total_tokens": prompt_tokens + n}
     if route == "chat":
-        choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                  "finish_reason": out.finish_reason, "logprobs": None}
+        message = {"role": "assistant", "content": text}
+        if calls:
+            message = {"role": "assistant", "content": text or None, "tool_calls": openai_calls(calls)}
+        finish = "tool_calls" if calls and out.finish_reason == "stop" else out.finish_reason
+        choice = {"index": 0, "message": message, "finish_reason": finish, "logprobs": None}
         kind, prefix = "chat.completion", "chatcmpl-"
     else:
         choice = {"index": 0, "text": text, "finish_reason": out.finish_reason, "logprobs": None}
@@ -227,7 +213,7 @@ class Gateway:
     def __init__(self, tokenizer: Any, generate: Generate, host: str = "127.0.0.1", port: int = 0, *,
                  max_body_bytes: int = MiB, max_tokens_cap: int = 4096, default_max_tokens: int | None = None,
                  stop_token_ids: list[int] | None = None, model_name: str = "flash-policy",
-                 allow_remote: bool = False, workers: int = 8):
+                 allow_remote: bool = False, workers: int = 8, tool_parser: str | None = "hermes"):
         if not allow_remote and not is_loopback(host):
             raise ValueError(f"host {host!r} is not loopback: pass allow_remote=True to listen beyond this "
                              "machine (every call still needs a session key)")
@@ -236,6 +222,9 @@ class Gateway:
         self.tokenizer, self.generate, self.host, self.port = tokenizer, generate, host, port
         self.max_body_bytes, self.max_tokens_cap, self.model_name = max_body_bytes, max_tokens_cap, model_name
         self.default_max_tokens = min(default_max_tokens or max_tokens_cap, max_tokens_cap)
+        if tool_parser:
+            TOOL_PARSERS.get(tool_parser)  # an unknown name fails here, with the valid ones
+        self.tool_parser = tool_parser or None
         self.stop_token_ids = list(stop_token_ids or [tokenizer.eos_token_id])
         self._sessions: dict[str, _Entry] = {}
         self._metrics: Counter = Counter()
@@ -314,9 +303,11 @@ class Gateway:
                 "tokens_out": sum(c["completion_tokens"] for c in entry.calls)}
 
     def metrics(self) -> dict[str, int]:
-        """Counters: ``calls``, ``refused/<reason>``, ``new_segments``, ``tokens_in``, ``tokens_out``."""
+        """Counters: ``calls``, ``refused/<reason>``, ``new_segments``, ``tokens_in``, ``tokens_out``,
+        ``tool_calls`` (parsed from replies), ``tool_parse_errors`` (replies left as plain content)."""
         with self._lock:
-            return {"calls": 0, "new_segments": 0, "tokens_in": 0, "tokens_out": 0, **self._metrics,
+            return {"calls": 0, "new_segments": 0, "tokens_in": 0, "tokens_out": 0, "tool_calls": 0,
+                    "tool_parse_errors": 0, **self._metrics,
                     "sessions_open": len(self._sessions)}
 
     def _count(self, deltas: dict[str, int]) -> None:
@@ -365,10 +356,14 @@ class Gateway:
     async def _chat(self, request: web.Request) -> web.Response:
         key, entry = self._entry(request)
         body = await self._body(request)
-        messages, tools = parse_messages(body.get("messages")), parse_tools(body.get("tools"))
+        try:
+            messages, tools = parse_messages(body.get("messages")), parse_tools(body.get("tools"))
+        except BadMessages as exc:
+            raise _bad(str(exc), "bad_messages") from None
         params = self._params(body)
+        parser = self.tool_parser if tools and body.get("tool_choice") != "none" else None
         return await self._serve(key, entry, "chat", params, plan_chat, entry.state, self.tokenizer,
-                                 messages, tools, self.stop_token_ids)
+                                 messages, tools, self.stop_token_ids, parser=parser)
 
     async def _text(self, request: web.Request) -> web.Response:
         key, entry = self._entry(request)
@@ -381,8 +376,9 @@ class Gateway:
                               stop_ids=self.stop_token_ids)
 
     async def _serve(self, key: str, entry: _Entry, route: str, params: SamplingParams,
-                     plan: Callable[..., Turn], *args: Any) -> web.Response:
-        """One call: plan the prompt, generate, record, answer (one call per session at a time)."""
+                     plan: Callable[..., Turn], *args: Any, parser: str | None = None) -> web.Response:
+        """One call: plan the prompt, generate, record, answer (one call per session at a time);
+        ``parser`` splits a chat reply into content and tool calls (flash.envs.chat_messages)."""
         loop = asyncio.get_running_loop()
         async with entry.lock:
             turn = await loop.run_in_executor(self._pool, self._tokenized, plan, *args)
@@ -392,8 +388,9 @@ class Gateway:
                 raise Refused(500, "generate", f"generation failed: {type(exc).__name__}: {exc}"[:300]) from None
             check_output(out, turn.prompt_ids)
             text = await loop.run_in_executor(self._pool, self._tokenized, self._reply_text, out.token_ids)
-            self._record(key, entry, turn, out, text)
-        body = completion_body(route, self.model_name, text, out, len(turn.prompt_ids))
+            content, calls, failed = split_reply(parser, text)
+            self._record(key, entry, turn, out, content, calls, failed)
+        body = completion_body(route, self.model_name, content, out, len(turn.prompt_ids), calls)
         return web.json_response(body)
 
     def _tokenized(self, fn: Callable, *args: Any) -> Any:
@@ -411,15 +408,18 @@ class Gateway:
         ids = ids[:-1] if ids and ids[-1] in self.stop_token_ids else ids
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def _record(self, key: str, entry: _Entry, turn: Turn, out: GenerationOutput, text: str) -> None:
+    def _record(self, key: str, entry: _Entry, turn: Turn, out: GenerationOutput, text: str,
+                calls: list[dict], failed: bool) -> None:
         with self._lock:
             if self._sessions.get(key) is not entry:
                 raise Refused(401, "unauthorized", "the session was closed during the call")
             segments = len(entry.state.segments)
-            record(entry.state, turn, out.token_ids, out.logprobs, out.versions, out.finish_reason, text)
+            record(entry.state, turn, out.token_ids, out.logprobs, out.versions, out.finish_reason, text, calls)
             restarted = bool(turn.new_segment and segments)
             entry.calls.append({"route": turn.mode, "prompt_tokens": len(turn.prompt_ids),
                                 "completion_tokens": len(out.token_ids), "finish_reason": out.finish_reason,
-                                "new_segment": turn.new_segment, "segment": len(entry.state.segments) - 1})
-            self._metrics.update({"calls": 1, "new_segments": int(restarted),
+                                "new_segment": turn.new_segment, "segment": len(entry.state.segments) - 1,
+                                "tool_calls": len(calls)})
+            self._metrics.update({"calls": 1, "new_segments": int(restarted), "tool_calls": len(calls),
+                                  "tool_parse_errors": int(failed),
                                   "tokens_in": len(turn.prompt_ids), "tokens_out": len(out.token_ids)})

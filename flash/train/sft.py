@@ -88,14 +88,22 @@ class SFTConfig:
         return dataclasses.asdict(self)
 
 
-def cache_key(model_cfg: TinyModelConfig, sft_cfg: SFTConfig, task: Task,
-              alphabet: str = DEFAULT_ALPHABET) -> str:
+def task_tokenizer(task: Task):
+    """The character tokenizer of ``task``'s warm start: the default alphabet plus the task's
+    ``extra_chars``, with its ``chat_template`` (saved with the checkpoint, so every role loads it)."""
+    tokenizer = build_tokenizer(DEFAULT_ALPHABET + task.extra_chars)
+    if task.chat_template:
+        tokenizer.chat_template = task.chat_template
+    return tokenizer
+
+
+def cache_key(model_cfg: TinyModelConfig, sft_cfg: SFTConfig, task: Task) -> str:
     """Hex digest naming the checkpoint that these inputs produce."""
-    blob = json.dumps(
-        {"format": FORMAT_VERSION, "model": dataclasses.asdict(model_cfg),
-         "sft": sft_cfg.to_dict(), "task": task_fingerprint(task), "alphabet": alphabet},
-        sort_keys=True, default=str,
-    )
+    inputs = {"format": FORMAT_VERSION, "model": dataclasses.asdict(model_cfg), "sft": sft_cfg.to_dict(),
+              "task": task_fingerprint(task), "alphabet": DEFAULT_ALPHABET + task.extra_chars}
+    if task.chat_template:
+        inputs["chat_template"] = task.chat_template
+    blob = json.dumps(inputs, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -122,7 +130,7 @@ def warm_start(model_cfg: TinyModelConfig, sft_cfg: SFTConfig, task: Task,
 
 def _train_and_save(model_cfg: TinyModelConfig, sft_cfg: SFTConfig, task: Task, out: str,
                     on_step: Callable[[int], None] | None = None) -> dict:
-    tokenizer = build_tokenizer(DEFAULT_ALPHABET)
+    tokenizer = task_tokenizer(task)
     model = build_tiny_model(tokenizer, model_cfg)
     start = time.perf_counter()
     with pinned_threads(sft_cfg.threads):
@@ -163,6 +171,11 @@ def sft_batch(tokenizer, pairs: list[tuple[str, str]]) -> dict[str, torch.Tensor
     return {"input_ids": ids, "attention_mask": mask, "labels": lab}
 
 
+def _size(prompt) -> int:
+    """A demonstration prompt's length in characters (a chat's as its JSON), for bucketing."""
+    return len(prompt) if isinstance(prompt, str) else len(json.dumps(prompt))
+
+
 def _bucketed_batches(task: Task, cfg: SFTConfig, step: int) -> list[list[tuple[str, str]]]:
     """Batches for steps ``step .. step + pool_batches - 1``: their demonstrations pooled, sorted
     by length and cut into batches, so a batch pads to similar lengths (the long tail of the
@@ -170,7 +183,7 @@ def _bucketed_batches(task: Task, cfg: SFTConfig, step: int) -> list[list[tuple[
     n = min(cfg.pool_batches, cfg.steps - step)
     first = cfg.first_index + step * cfg.batch_size
     pairs = [task.sft_pair(i) for i in range(first, first + n * cfg.batch_size)]
-    pairs.sort(key=lambda pr: len(pr[0]) + len(pr[1]))
+    pairs.sort(key=lambda pr: _size(pr[0]) + len(pr[1]))
     batches = [pairs[b * cfg.batch_size:(b + 1) * cfg.batch_size] for b in range(n)]
     order = torch.randperm(n).tolist()  # seeded by the caller
     return [batches[i] for i in order]

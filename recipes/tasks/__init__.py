@@ -8,7 +8,7 @@ from flash.tasks import (
     registered_tasks,
     task_options,
 )
-from recipes.tasks import chainsum, echo, pyfunc, stutter, wordproblems  # noqa: F401  (registers the built-in tasks)
+from recipes.tasks import calculator, chainsum, echo, pyfunc, stutter, wordproblems  # noqa: F401  (registers the built-in tasks)
 from flash.envs import task as _env_tasks  # noqa: F401,E402  (registers corridor, frozenlake)
 from flash.data import task as _data_task  # noqa: F401,E402  (registers dataset)
 
