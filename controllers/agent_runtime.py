@@ -74,7 +74,13 @@ def build_agent_scheduler(cfg, task, tokenizer, engine, buffer, staleness, param
                       default_max_tokens=cfg.rollout.max_new_tokens, workers=cfg.agent.concurrency + 4,
                       tool_parser=cfg.agent.tool_parser)
     url = gateway.start()
-    runner = AgentRunner(fn, url, cfg.agent.concurrency, cfg.agent.timeout_s, cfg.agent.retries)
+    hosts = None
+    if cfg.agent.processes:
+        from flash.envs.agent_host import start_agent_hosts
+
+        hosts = start_agent_hosts(cfg.agent.processes, cfg.agent.fn, url, cfg.agent.timeout_s, cfg.agent.concurrency,
+                                  cfg.rollout.max_worker_restarts)
+    runner = AgentRunner(fn, url, cfg.agent.concurrency, cfg.agent.timeout_s, cfg.agent.retries, hosts)
     to_sample = functools.partial(session_sample, filler=(tokenizer.eos_token_id,))
     workflow = Agents(gateway, runner, to_sample, max_turns=cfg.agent.max_turns, call_timeout_s=cfg.agent.timeout_s)
     return AgentScheduler(engine, workflow, task, buffer, staleness, params, n=cfg.rollout.n, seed=cfg.seed,

@@ -36,3 +36,23 @@ async def flaky_slow_answer(client, item, marks=os.environ.get("FLASH_TEST_MARKS
         open(mark, "w").close()
         raise RuntimeError("the agent's tool failed")
     return await slow_answer(client, item)
+
+
+async def stall_once(client, item):
+    """First run of an item: mark it (``item.meta['marks']``) and wait an hour; later runs: reward 1."""
+    mark = os.path.join(item.meta["marks"], f"{item.index}")
+    if not os.path.exists(mark):
+        open(mark, "w").close()
+        await asyncio.sleep(3600)
+    return 1.0
+
+
+async def block_once(client, item):
+    """``stall_once``, but blocking its event loop (a synchronous call that never returns)."""
+    import time
+
+    mark = os.path.join(item.meta["marks"], f"{item.index}")
+    if not os.path.exists(mark):
+        open(mark, "w").close()
+        time.sleep(3600)
+    return 1.0

@@ -81,3 +81,51 @@ def test_returns_and_paths_are_checked():
         load_agent("tests.nowhere:x")
     with pytest.raises(ValueError, match="package.module:function"):
         load_agent("answer")
+
+
+def host_run(ray_local, tmp_path, fn, timeout_s, kill=False):
+    """One item on one AgentHost process; with ``kill``, the host is SIGKILLed once the agent started."""
+    import os
+    import signal
+
+    import ray
+
+    from flash.envs.agent_host import start_agent_hosts
+
+    (host,) = start_agent_hosts(1, f"tests.agent_fns:{fn}", "http://127.0.0.1:9/v1", timeout_s, 8, max_restarts=2)
+    pid = ray.get(host.pid.remote())
+    runner = AgentRunner(None, "http://127.0.0.1:9/v1", timeout_s=timeout_s, hosts=[host])
+    sessions, got, done = Sessions(), [], threading.Event()
+    runner.run(TaskItem(4, "p", "a", meta={"marks": str(tmp_path)}), sessions.open, sessions.close,
+               lambda r: (got.append(r), done.set()))
+    if kill:
+        for _ in range(300):
+            if (tmp_path / "4").exists():
+                break
+            threading.Event().wait(0.05)
+        os.kill(pid, signal.SIGKILL)
+    assert done.wait(60)
+    new_pid = ray.get(host.pid.remote())
+    runner.close()
+    return got[0], sessions, runner.metrics(), pid != new_pid
+
+
+def test_a_killed_agent_process_ends_died_and_the_episode_runs_again(ray_local, tmp_path):
+    result, sessions, m, restarted = host_run(ray_local, tmp_path, "stall_once", timeout_s=60, kill=True)
+    assert (result.outcome, result.reward, result.attempts) == ("ok", 1.0, 2) and restarted
+    assert sessions.closed == [("k0", "died"), ("k1", "ok")] and m["agent/retries"] == 1.0
+
+
+def test_a_hung_agent_is_cancelled_and_one_blocking_its_process_gets_the_process_killed(ray_local, tmp_path,
+                                                                                       monkeypatch):
+    from flash.envs import agent_host
+
+    result, sessions, m, restarted = host_run(ray_local, tmp_path / "a", "stall_once", timeout_s=1.0) \
+        if (tmp_path / "a").mkdir() is None else None
+    assert (result.outcome, result.attempts) == ("ok", 2) and not restarted  # cancelled at its await
+    assert sessions.closed == [("k0", "timeout"), ("k1", "ok")]
+    monkeypatch.setattr(agent_host, "PING_S", 1.0)
+    (tmp_path / "b").mkdir()
+    result, sessions, m, restarted = host_run(ray_local, tmp_path / "b", "block_once", timeout_s=1.0)
+    assert (result.outcome, result.attempts) == ("ok", 2) and restarted  # its loop never answered: killed
+    assert sessions.closed == [("k0", "timeout"), ("k1", "ok")] and m["agent/timeout"] == 0.0

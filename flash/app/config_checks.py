@@ -309,9 +309,9 @@ def _check_agent(cfg: FlashConfig) -> None:
         load_agent(a.fn)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    _require(a.concurrency >= 1 and a.max_turns >= 1 and a.retries >= 0,
-             f"agent.concurrency and agent.max_turns must be >= 1 and agent.retries >= 0, got {a.concurrency}, "
-             f"{a.max_turns}, {a.retries}")
+    _require(a.concurrency >= 1 and a.max_turns >= 1 and a.retries >= 0 and a.processes >= 0,
+             f"agent.concurrency and agent.max_turns must be >= 1, agent.retries and agent.processes >= 0, got "
+             f"{a.concurrency}, {a.max_turns}, {a.retries}, {a.processes}")
     _require(math.isfinite(a.timeout_s) and a.timeout_s > 0, f"agent.timeout_s must be > 0, got {a.timeout_s}")
     _require(is_loopback(a.host), f"agent.host={a.host} is not loopback: the gateway serves the agents of this "
              f"machine; keep 127.0.0.1")

@@ -229,6 +229,10 @@ class AgentConfig:
     # gateway, one session per episode. Set: episodes are your agent's runs.
     fn: Optional[str] = None
     concurrency: int = 16  # agents running at once
+    # Processes the agents run in (flash.envs.agent_host: Ray actors, restarted when they die), so
+    # an agent that blocks, leaks or crashes its interpreter cannot stall or kill the run; 0: on the
+    # driver's event loop (no process of their own).
+    processes: int = 1
     timeout_s: float = 300.0  # an episode running longer ends with outcome 'timeout' (run again once)
     retries: int = 1  # runs again after a timeout, a crash or a bad return
     max_turns: int = 32  # chat calls per episode

@@ -12,7 +12,11 @@ once. Each run ends with a named outcome:
 - ``timeout``: it ran past ``timeout_s`` (a hung agent is cancelled at its next await);
 - ``crashed``: it raised;
 - ``bad_return``: it returned something other than a finite number or ``(number, dict)``;
-- ``cancelled``: the scheduler no longer wants the episode (redundant, surplus).
+- ``cancelled``: the scheduler no longer wants the episode (redundant, surplus);
+- ``died``: the agent's process died under it (``agent.processes`` >= 1: flash.envs.agent_host).
+
+With ``hosts`` (``AgentHost`` actors) the agents run in those processes and this loop only awaits
+them, round robin; without, they run on this loop, in the driver.
 
 A failed run (timeout, crashed, bad_return) is run once more on a fresh session (``retries``); a
 second failure stands, and the episode is scored 0 with that outcome, so the ledger stays complete.
@@ -29,7 +33,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-OUTCOMES = ("ok", "timeout", "crashed", "bad_return", "cancelled")
+OUTCOMES = ("ok", "timeout", "crashed", "bad_return", "cancelled", "died")
 
 
 @dataclass
@@ -69,8 +73,9 @@ class AgentRunner:
     """Agents on one asyncio loop thread (see the module docstring)."""
 
     def __init__(self, fn: Callable, base_url: str, concurrency: int = 16, timeout_s: float = 300.0,
-                 retries: int = 1):
+                 retries: int = 1, hosts: list | None = None):
         self.fn, self.base_url, self.timeout_s, self.retries = fn, base_url, timeout_s, retries
+        self.hosts, self._turn = list(hosts or []), 0
         self.loop = asyncio.new_event_loop()
         self._slots = asyncio.Semaphore(max(1, concurrency))
         self._thread = threading.Thread(target=self.loop.run_forever, name="flash-agents", daemon=True)
@@ -109,6 +114,12 @@ class AgentRunner:
         done(result)
 
     async def _attempt(self, item, key: str, attempt: int) -> AgentResult:
+        if self.hosts:
+            from flash.envs.agent_host import run_on_host
+
+            host, self._turn = self.hosts[self._turn % len(self.hosts)], self._turn + 1
+            outcome, reward, info, error = await run_on_host(host, item, key, self.timeout_s)
+            return AgentResult(reward, outcome, attempt, info, error)
         import openai
 
         if self._http is None:  # one connection pool for every agent: a client of its own costs ~45 ms
@@ -135,6 +146,11 @@ class AgentRunner:
             return {f"agent/{k}": float(v) for k, v in self.counts.items()}
 
     def close(self) -> None:
+        if self.hosts:
+            import ray
+
+            for host in self.hosts:
+                ray.kill(host, no_restart=True)
         if self._http is not None and self._thread.is_alive():
             asyncio.run_coroutine_threadsafe(self._http.aclose(), self.loop).result(timeout=10)
         self.loop.call_soon_threadsafe(self.loop.stop)

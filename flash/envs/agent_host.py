@@ -1,0 +1,99 @@
+"""Agents in processes of their own: ``AgentHost`` Ray actors (``agent.processes`` >= 1).
+
+A user's agent is arbitrary code: it may block its event loop (a synchronous HTTP call, a
+``time.sleep``), leak memory or crash its interpreter. Run in the driver, any of these would stall
+or kill the run; run here, each ``AgentHost`` is an async Ray actor holding an event loop on which
+many agents run at once (``max_concurrency``), and the driver's ``AgentRunner`` only awaits them.
+
+What can happen to a run on a host, and the outcome the runner names (flash.envs.agents):
+
+- the agent returns or raises: ``ok``, ``bad_return`` or ``crashed``, decided in the host;
+- it runs past ``timeout_s``: the driver cancels the call (the agent's next await raises) --
+  ``timeout``; a host whose loop does not answer a ping within ``PING_S`` is blocked by an agent
+  and is killed (Ray restarts it);
+- the host process dies (killed, out of memory, a crash in native code): every run on it ends
+  ``died``; Ray restarts the host (``max_restarts``) and the runs are retried there like any failure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+
+PING_S = 5.0  # a host's loop that does not answer within this is blocked by an agent
+
+
+class AgentHost:
+    """One agent process: an event loop running ``fn`` for each ``run`` call (see module docstring)."""
+
+    def __init__(self, fn_path: str, base_url: str, timeout_s: float, search_path: list[str]):
+        for path in search_path:  # the recipe's folder, so 'module:function' beside it imports here too
+            if path not in sys.path:
+                sys.path.append(path)
+        from flash.envs.agents import load_agent
+
+        self.fn, self.base_url, self.timeout_s = load_agent(fn_path), base_url, timeout_s
+        self._http = None
+
+    async def run(self, item, key: str) -> tuple[str, float, dict, str]:
+        """(outcome, reward, info, error) of one attempt on session ``key``."""
+        import openai
+
+        from flash.envs.agents import BadReturn, check_return
+
+        if self._http is None:  # one connection pool for every agent of this host
+            self._http = openai.DefaultAsyncHttpxClient(timeout=self.timeout_s)
+        client = openai.AsyncOpenAI(base_url=self.base_url, api_key=key, max_retries=0, timeout=self.timeout_s,
+                                    http_client=self._http)
+        try:
+            reward, info = check_return(await self.fn(client, item))
+            return "ok", reward, info, ""
+        except BadReturn as exc:
+            return "bad_return", 0.0, {}, str(exc)
+        except Exception as exc:  # the user's code: any failure is its outcome
+            return "crashed", 0.0, {}, f"{type(exc).__name__}: {str(exc)[:300]}"
+
+    async def ping(self) -> bool:
+        return True
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+def start_agent_hosts(count: int, fn_path: str, base_url: str, timeout_s: float, concurrency: int,
+                      max_restarts: int) -> list:
+    """``count`` AgentHost actors (no CPU reserved: agents mostly wait on the policy and their
+    tools); a host that dies is restarted by Ray up to ``max_restarts`` times."""
+    import ray
+
+    actor = ray.remote(AgentHost).options(num_cpus=0, max_concurrency=max(1, concurrency), max_restarts=max_restarts)
+    return [actor.remote(fn_path, base_url, timeout_s, list(sys.path)) for _ in range(count)]
+
+
+async def run_on_host(host, item, key: str, timeout_s: float) -> tuple[str, float, dict, str]:
+    """One attempt on ``host`` with the driver's timeout (module docstring); a dead host is ``died``."""
+    import ray
+
+    ref = host.run.remote(item, key)
+    try:
+        return await asyncio.wait_for(ref, timeout_s)
+    except asyncio.CancelledError:  # the episode is no longer wanted: stop the agent too
+        ray.cancel(ref)
+        raise
+    except asyncio.TimeoutError:
+        ray.cancel(ref)
+        if not await _answers(host):
+            ray.kill(host, no_restart=False)
+        return "timeout", 0.0, {}, f"ran past {timeout_s}s"
+    except ray.exceptions.RayActorError as exc:
+        return "died", 0.0, {}, f"the agent's process died: {str(exc).splitlines()[0][:200]}"
+
+
+async def _answers(host) -> bool:
+    import ray
+
+    try:
+        return await asyncio.wait_for(host.ping.remote(), PING_S)
+    except (asyncio.TimeoutError, ray.exceptions.RayActorError):
+        return False
