@@ -22,6 +22,7 @@ import os
 import sys
 
 PING_S = 5.0  # a host's loop that does not answer within this is blocked by an agent
+RESTART_S = 120.0  # how long an attempt waits for a restarting host before it counts as died
 
 
 class AgentHost:
@@ -31,10 +32,12 @@ class AgentHost:
         for path in search_path:  # the recipe's folder, so 'module:function' beside it imports here too
             if path not in sys.path:
                 sys.path.append(path)
+        import openai  # imported before the first ping answers: a slow first import is no hang
+
         from flash.envs.agents import load_agent
 
         self.fn, self.base_url, self.timeout_s = load_agent(fn_path), base_url, timeout_s
-        self._http = None
+        self._http = openai.DefaultAsyncHttpxClient(timeout=timeout_s)  # one pool for every agent here
 
     async def run(self, item, key: str) -> tuple[str, float, dict, str]:
         """(outcome, reward, info, error) of one attempt on session ``key``."""
@@ -42,8 +45,6 @@ class AgentHost:
 
         from flash.envs.agents import BadReturn, check_return
 
-        if self._http is None:  # one connection pool for every agent of this host
-            self._http = openai.DefaultAsyncHttpxClient(timeout=self.timeout_s)
         client = openai.AsyncOpenAI(base_url=self.base_url, api_key=key, max_retries=0, timeout=self.timeout_s,
                                     http_client=self._http)
         try:
@@ -75,6 +76,8 @@ async def run_on_host(host, item, key: str, timeout_s: float) -> tuple[str, floa
     """One attempt on ``host`` with the driver's timeout (module docstring); a dead host is ``died``."""
     import ray
 
+    if not await wait_ready(host, RESTART_S):
+        return "died", 0.0, {}, f"the agent's process is down and did not come back within {RESTART_S:g}s"
     ref = host.run.remote(item, key)
     try:
         return await asyncio.wait_for(ref, timeout_s)
@@ -88,6 +91,21 @@ async def run_on_host(host, item, key: str, timeout_s: float) -> tuple[str, floa
         return "timeout", 0.0, {}, f"ran past {timeout_s}s"
     except ray.exceptions.RayActorError as exc:
         return "died", 0.0, {}, f"the agent's process died: {str(exc).splitlines()[0][:200]}"
+
+
+async def wait_ready(host, within_s: float) -> bool:
+    """Whether ``host`` answers a ping, waiting up to ``within_s`` while Ray restarts it."""
+    import ray
+
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within_s
+    while True:
+        try:
+            return await asyncio.wait_for(host.ping.remote(), PING_S)
+        except (asyncio.TimeoutError, ray.exceptions.RayActorError):
+            if loop.time() > deadline:
+                return False
+            await asyncio.sleep(0.2)
 
 
 async def _answers(host) -> bool:
