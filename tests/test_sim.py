@@ -242,6 +242,7 @@ def _ledger(run_dir) -> list[dict]:
     return [json.loads(x) for x in (run_dir / "ledger.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow  # ~30 s on a loaded 2-core machine, nearly all of it Ray and actor start-up
 def test_simulated_run_keeps_the_bound_and_loses_nothing(tmp_path, ray_session):
     from flash.app.runner import run
     from tests.helpers.inproc import small_cfg
