@@ -226,6 +226,8 @@ def test_bad_sim_config_is_one_clear_line():
     with pytest.raises(ConfigError, match="did you mean 'sim'"):
         load_config("recipes/stutter.yaml", ["train.backend=simm"])
     assert simulated_metrics({"time/step": 0.5, "reward/mean": 1.0}, 0.01) == {"sim/step_s": 50.0}
+    shipped = load_config("recipes/sim_rlvr.yaml")  # the shipped simulated recipe validates
+    assert (shipped.rollout.engine, shipped.train.backend) == ("sim", "sim")
 
 
 # ---- a simulated run through the real controller -----------------------------------------------
