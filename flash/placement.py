@@ -39,8 +39,8 @@ ROLES = ("actor_train", "actor_infer", "reward", "env", "reference", "critic")
 # Engines whose worker can release its memory (sleep/wake_up) while a colocated role runs: the
 # torch engine drops its KV cache and offloads weights from an accelerator; vLLM uses its sleep mode
 # (accelerators only; on CPU it releases nothing and says so). An engine added without them may not
-# share devices.
-SLEEPABLE_ENGINES = ("torch", "vllm")
+# share devices. The simulated engine holds no memory: it sleeps at once.
+SLEEPABLE_ENGINES = ("torch", "vllm", "sim")
 NOSET_ENV = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
 
 

@@ -67,14 +67,16 @@ def engine(request, models, ray_local):
 def engine_classes() -> dict:
     """Every engine actor class: vLLM's module imports without vLLM (it is imported at start)."""
     from flash.engine.router import Router
+    from flash.engine.sim_engine import SimEngineWorker
     from flash.engine.torch_worker import EngineWorker
     from flash.engine.vllm_engine import VLLMEngineWorker
     from tests.scripted_engine import ScriptedEngine
 
-    return {"torch": EngineWorker, "vllm": VLLMEngineWorker, "router": Router, "scripted": ScriptedEngine}
+    return {"torch": EngineWorker, "vllm": VLLMEngineWorker, "router": Router, "scripted": ScriptedEngine,
+            "sim": SimEngineWorker}
 
 
-REPLICAS = ("torch", "vllm")  # members of the model-update group: they receive weights themselves
+REPLICAS = ("torch", "vllm", "sim")  # members of the model-update group: they receive weights themselves
 
 
 def protocol_methods(proto) -> list[str]:
@@ -90,7 +92,7 @@ def params(fn) -> list[tuple]:
             if p.name != "_ray_trace_ctx"]
 
 
-@pytest.mark.parametrize("name", ["torch", "vllm", "router", "scripted"])
+@pytest.mark.parametrize("name", ["torch", "vllm", "router", "scripted", "sim"])
 def test_engine_class_signatures_match_the_protocols(name):
     cls = engine_classes()[name]
     protocols = ENGINE_PROTOCOLS + ((UpdateTarget,) if name in REPLICAS else ())

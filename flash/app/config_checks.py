@@ -26,6 +26,9 @@ if TYPE_CHECKING:  # annotations only
     )
 
 
+TRAIN_BACKENDS = ("torch", "sim")
+
+
 def _require(ok: bool, msg: str) -> None:
     if not ok:
         raise ConfigError(msg)
@@ -56,9 +59,7 @@ def validate(cfg: FlashConfig) -> None:
     _require(cfg.rollout.interrupt in INTERRUPT_MODES,
              f"rollout.interrupt must be one of {', '.join(INTERRUPT_MODES)}, got "
              f"'{cfg.rollout.interrupt}'{closest(cfg.rollout.interrupt, list(INTERRUPT_MODES))}")
-    _require(cfg.rollout.engine in ("torch", "vllm"),
-             f"rollout.engine must be one of: torch, vllm (got '{cfg.rollout.engine}')"
-             f"{closest(cfg.rollout.engine, ['torch', 'vllm'])}")
+    _check_engine_and_backend(cfg)
     _require(cfg.rollout.n >= 1, f"rollout.n must be >= 1, got {cfg.rollout.n}")
     _require(cfg.rollout.temperature > 0, "rollout.temperature must be > 0 for RL sampling")
     _require(0 < cfg.rollout.top_p <= 1, f"rollout.top_p must be in (0, 1], got {cfg.rollout.top_p}")
@@ -99,6 +100,32 @@ def validate(cfg: FlashConfig) -> None:
     from flash.guards import check_consistency
 
     check_consistency(cfg)
+
+
+def _check_engine_and_backend(cfg: FlashConfig) -> None:
+    """The engine and trainer kinds; simulated roles come in pairs (their weights are one
+    counter, which a real engine cannot load and a real trainer does not push)."""
+    from flash.engine.torch_worker import ENGINES
+    from flash.sim.config import check_sim
+
+    engine, backend = cfg.rollout.engine, cfg.train.backend
+    _require(engine in ENGINES, f"rollout.engine must be one of: {', '.join(ENGINES)} (got '{engine}')"
+             f"{closest(engine, list(ENGINES))}")
+    _require(backend in TRAIN_BACKENDS, f"train.backend must be one of: {', '.join(TRAIN_BACKENDS)} (got "
+             f"'{backend}'){closest(backend, list(TRAIN_BACKENDS))}")
+    _require((engine == "sim") == (backend == "sim"),
+             f"rollout.engine={engine} with train.backend={backend}: simulated roles run together; set both "
+             f"to sim, or neither")
+    if backend == "sim":
+        _require(check_sim(cfg.sim) is None, str(check_sim(cfg.sim)))
+        _require(group_free(cfg.train), "train.backend=sim simulates its GPUs with sim.train_gpus; leave "
+                 "train.workers, micro_tokens, mixed_precision and activation_checkpointing unset")
+
+
+def group_free(train: TrainConfig) -> bool:
+    from flash.train.fsdp import group_settings
+
+    return group_settings(train) is None
 
 
 def _check_placement(cfg: FlashConfig) -> None:

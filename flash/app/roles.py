@@ -34,6 +34,7 @@ from flash.placement import Placement, Plan, plan_placement
 from flash.train.critic import CriticSettings
 from flash.train.fsdp import group_settings
 from flash.train.reference import start_reference
+from flash.train.sim_trainer import start_sim_trainer
 from flash.train.trainer import TrainerSettings
 from flash.train.trainer_group import start_trainer_group
 from flash.train.worker import start_critic, start_trainer
@@ -182,11 +183,13 @@ def _start_engines(cfg: FlashConfig, plan: Plan, placement: Placement, model_pat
     the engine client: restarts up to ``max_engine_restarts`` (0: a fault stops the run at once,
     naming the knob)."""
     n = len(plan.workers["actor_infer"])
+    # the simulated engines share sim.rollout_gpus between them
+    extra = {"sim": cfg.sim, "replicas": n} if cfg.rollout.engine == "sim" else None
     replicas = [start_engine(model_path, cfg.rollout.max_num_seqs, cfg.seed, max(1, engine_threads // n),
                              engine=cfg.rollout.engine, options=placement.options("actor_infer", i),
                              sleep_mode=colocated,
                              # Ray restarts a dead replica; flash.engine.client recovers its work
-                             max_restarts=cfg.rollout.max_engine_restarts)
+                             max_restarts=cfg.rollout.max_engine_restarts, engine_kwargs=extra)
                 for i in range(n)]
     engine = replicas[0] if n == 1 else start_router(replicas, cfg.rollout.prompt_affinity, cfg.rollout.hang_timeout_s)
     client = EngineClient(engine, cfg.rollout.hang_timeout_s, cfg.rollout.max_engine_restarts,
@@ -198,12 +201,14 @@ def start_trainer_role(cfg: FlashConfig, model_path: str, settings: TrainerSetti
                        placement: Placement | None = None):
     """One trainer process, or an FSDP2 group when ``train.workers`` > 1 (or a group knob) is set:
     one rank per ``actor_train`` worker, each in its own devices' placement bundle (``None``: no
-    placement, as `flash replay` starts it)."""
+    placement, as `flash replay` starts it); or the simulated trainer (``train.backend: sim``)."""
     group = group_settings(cfg.train)
 
     def options(i: int) -> dict | None:
         return placement.options("actor_train", i) if placement is not None else None
 
+    if cfg.train.backend == "sim":  # GPU time from the cost model (validated: never a group)
+        return start_sim_trainer(cfg.sim, settings, cfg.seed, options=options(0))
     if group is None:
         return start_trainer(model_path, settings, cfg.seed, trainer_threads, list(cfg.plugins), options=options(0))
     ranks = [options(i) for i in range(group.workers)] if placement is not None else None

@@ -40,6 +40,7 @@ from flash.checkpoint_trust import read_manifest, resume_key
 from flash.app.config import FlashConfig, to_dict, to_yaml
 from flash.engine.base import SamplingParams
 from flash.errors import FlashError
+from flash.sim.config import simulated_metrics
 from flash.app.tracking import Heartbeat, Progress, make_tracker, pick_samples
 from controllers.agent_runtime import build_agent_scheduler
 from controllers.episode_runtime import build_episode_scheduler, check_episode_config
@@ -82,7 +83,9 @@ def prepare_model(cfg: FlashConfig, task, on_sft_step=None) -> str:
         return gguf_checkpoint(cfg.model.gguf, default_cache_dir(cfg))
     from flash.train.sft import warm_start
 
-    return warm_start(cfg.model.tiny, cfg.sft, task, default_cache_dir(cfg), on_sft_step)
+    # simulated roles load no weights: the tiny model's tokenizer and config, untrained
+    sft = dataclasses.replace(cfg.sft, steps=0, eval_after=False) if cfg.train.backend == "sim" else cfg.sft
+    return warm_start(cfg.model.tiny, sft, task, default_cache_dir(cfg), on_sft_step)
 
 
 class TrainerDied(FlashError):
@@ -370,6 +373,8 @@ def _on_step(r: Run, rec, tracker, progress) -> None:
         rec.metrics["eval/accuracy"] = evaluated["eval/accuracy"]
         logged.update({**evaluated, "time/eval": r.clock.last_eval_s})
     logged["time/elapsed"] = time.monotonic() - r.clock.train_start
+    if r.cfg.train.backend == "sim":  # the same times in simulated seconds (flash.sim.config)
+        logged.update(simulated_metrics(logged, r.cfg.sim.time_scale))
     if r.reward_pool is not None:  # reward/calls, reward/failures/<reason>, sandbox/timeout/T/...
         logged.update(r.reward_pool.metrics())
     if r.buffer.service is not None:  # zmq transport: puts, gets, bytes, rejected_<reason>, ...
@@ -437,6 +442,7 @@ def _summary(cfg, r: Run, records, acc0, acc1, train_s, left) -> dict:
         "phase_seconds_mean": {k[5:]: sum(rec.metrics.get(k, 0.0) for rec in records) / max(steps, 1)
                                for k in phase_keys},
         "run_dir": str(r.dir),
+        "sim_seconds_per_step": train_s / max(steps, 1) / cfg.sim.time_scale if cfg.train.backend == "sim" else None,
         # the CPU split the roles ran with (flash plan scales costs measured here to other splits)
         "threads": threads_record(cfg),
         "cores": run_cores(cfg),

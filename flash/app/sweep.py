@@ -16,6 +16,9 @@ same command (the default ``--out`` is derived from it, ``--repeats`` aside: rai
 runs made) finishes a half-done sweep. Each run dir holds ``sweep_point.json`` (its settings and
 overrides); a run dir made with other overrides is an error rather than a silently reused result.
 
+A recipe with simulated roles (``rollout.engine: sim``, ``train.backend: sim``; flash.sim) gives the
+same files, its seconds per step and rates in simulated seconds (``wall_s`` stays real).
+
 Writes ``results.csv`` (one row per run, its seed / repeat included), ``results.md`` (one row per
 setting: n and mean ± standard error of every metric; then the runs) and
 ``plots/{runs,sweep}.png`` (the sweep plot with error bars) in SWEEP_DIR and prints the table and a
@@ -234,14 +237,16 @@ def collect(p: Point, run_dir: Path) -> dict:
     if not s:
         return {**p.settings, "status": "failed"}
     train_s = s["train_seconds"] or 1e-9
+    # simulated roles (train.backend sim): rates and seconds per step in simulated seconds
+    scale = s["seconds_per_step"] / s["sim_seconds_per_step"] if s.get("sim_seconds_per_step") else 1.0
     weights = [m.get("time/step", 0.0) for m in steps]
     idle = {role: sum(m.get(f"{role}/idle_ratio", 0.0) * w for m, w in zip(steps, weights)) / (sum(weights) or 1)
             for role in ROLES}
     later = [e["accuracy"] for e in run.evals if e["step"] > 0] or [s["eval_accuracy_final"]]
     return {
         **p.settings, "status": "ok", "async_ratio_value": float(s["async_ratio"]),
-        "wall_s": s["wall_seconds"], "s_per_step": s["seconds_per_step"],
-        "samples_per_s": s["samples_trained"] / train_s, "tokens_per_s": throughput(run)[1],
+        "wall_s": s["wall_seconds"], "s_per_step": s["seconds_per_step"] / scale,
+        "samples_per_s": s["samples_trained"] / train_s * scale, "tokens_per_s": throughput(run)[1] * scale,
         "acc_initial": s["eval_accuracy_initial"], "acc_final": s["eval_accuracy_final"], "acc_best": max(later),
         "staleness_max": s["max_staleness_observed"],
         "staleness_mean": sum(m.get("staleness/mean", 0.0) for m in steps) / max(len(steps), 1),

@@ -1,0 +1,68 @@
+"""Simulated seconds per step, sync vs async, at 64 and 1024 simulated H100s (recipes/sim_rlvr.yaml).
+
+    python -m bench.sim [--gpus 64,1024] [--ratios 0,1,2] [--steps 5] [key=value ...]
+
+Each (GPUs, ratio) is one in-process run of the real controller, scheduler and buffer against the
+simulated engine and trainer (one Ray for all runs). GPUs are split half rollout, half training;
+the batch grows with the GPUs (``prompts_per_step`` = GPUs, so each engine instance holds the same
+load at every scale). Reports per run: simulated seconds per step (the mean over the steps after
+the first, which holds the start-up), the speed-up over the first ratio at the same GPUs, the
+real wall seconds a step took (what one simulated step costs here). The simulated seconds
+include the real overhead of the driver and Ray divided by ``sim.time_scale``: the wall per step
+says how large that could be. The last line is JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+from flash.app.config import load_config
+from flash.app.runner import run
+
+
+def one_run(gpus: int, ratio: float, steps: int, root: Path, overrides: list[str]) -> dict:
+    half = gpus // 2
+    cfg = load_config("recipes/sim_rlvr.yaml", [
+        f"async_ratio={ratio}", f"train.steps={steps}", f"sim.rollout_gpus={half}", f"sim.train_gpus={half}",
+        f"train.prompts_per_step={gpus}", f"run_dir={root / f'g{gpus}-r{ratio}'}", "tracking.progress=false",
+        "checkpoint.enabled=false", *overrides])
+    start = time.monotonic()
+    summary = run(cfg, "sim")
+    wall = time.monotonic() - start
+    rows = [json.loads(x) for x in (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
+    later = rows[1:] or rows
+    sim_step = sum(r["sim/step_s"] for r in later) / len(later)
+    wall_step = sum(r["time/step"] for r in later) / len(later)
+    return {"gpus": gpus, "ratio": ratio, "sim_s_per_step": sim_step, "wall_s_per_step": wall_step,
+            "run_wall_s": wall,
+            "max_staleness": summary["max_staleness_observed"], "time_scale": cfg.sim.time_scale}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--gpus", default="64,1024")
+    ap.add_argument("--ratios", default="0,1,2")
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("overrides", nargs="*")
+    args = ap.parse_args()
+    results = []
+    with tempfile.TemporaryDirectory(prefix="flash-bench-sim-") as tmp:
+        for gpus in [int(g) for g in args.gpus.split(",")]:
+            base = None
+            for ratio in [float(r) for r in args.ratios.split(",")]:
+                r = one_run(gpus, ratio, args.steps, Path(tmp), args.overrides)
+                base = base or r["sim_s_per_step"]
+                r["speedup_vs_first"] = base / r["sim_s_per_step"]
+                results.append(r)
+                print(f"{gpus:5d} GPUs  r={ratio:<4g} {r['sim_s_per_step']:8.1f} sim s/step  "
+                      f"x{r['speedup_vs_first']:.2f}  wall {r['wall_s_per_step']:.2f} s/step "
+                      f"(run {r['run_wall_s']:.0f} s)  staleness max {r['max_staleness']:.0f}", flush=True)
+    print(json.dumps({"runs": results}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,273 @@
+"""The simulated rollout engine (``rollout.engine: sim``): the engine contract with GPU time.
+
+``SimBatcher`` steps like ``TorchEngine`` (continuous batching: admit into free slots, one batched
+decode, finished sequences leave at once; the same interrupt modes and weight-update requeue) but
+computes nothing: each step's *time* comes from the cost model (``flash.sim.cost``) and the thread
+sleeps it, scaled by ``sim.time_scale``; each response's length, ids and logprobs are drawn from
+its request's seed (``flash.sim.workload``). ``EngineLoop`` drives it, so pausing, waiters and
+errors behave exactly as for the torch engine, and ``SimEngineWorker`` is the same actor API.
+
+One actor stands for ``instances`` engine instances of ``tp`` GPUs each (data parallel): it holds
+``max_num_seqs`` slots per instance and spreads its running sequences evenly over them, so a step
+costs one instance's decode at ``ceil(running / instances)`` sequences. A step advances every
+running sequence by up to ``max_tokens_per_step`` ids (stopping at the first one to finish, so no
+sequence waits past its end), each id standing for ``token_scale`` simulated tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from collections import deque
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from flash.engine.base import INTERRUPT_MODES, GenerationOutput, GenerationRequest
+from flash.engine.loop_actor import LoopActor
+from flash.engine.torch_engine import derive_seed
+from flash.sim import cost as costs
+from flash.sim.config import SimConfig, cost_model, instances
+from flash.sim.workload import next_token, response_length
+from flash.weights.group import UpdateReceiver
+
+WEIGHT_NAME = "sim.version"  # the one tensor a simulated trainer pushes (its step count)
+MAX_CONTEXT = 1 << 30  # the cost model has no context limit of its own
+
+
+@dataclass
+class SimSettings:
+    """What one simulated engine needs: its cost model and share of the GPUs, the workload."""
+
+    cm: costs.CostModel
+    instances: int
+    time_scale: float
+    token_scale: int = 1
+    prompt_tokens: int = 0
+    length_median: float = 0.0
+    length_sigma: float = 1.0
+    max_tokens_per_step: int = 8
+
+    @classmethod
+    def from_config(cls, sim: SimConfig, replicas: int = 1) -> SimSettings:
+        return cls(cost_model(sim), instances(sim, replicas), sim.time_scale, sim.token_scale, sim.prompt_tokens,
+                   sim.length_median, sim.length_sigma, sim.max_tokens_per_step)
+
+
+@dataclass(eq=False)
+class _Seq:
+    req: GenerationRequest
+    seed: int
+    target: int = 0  # token ids this response will have
+    rng: random.Random = field(default_factory=random.Random)
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+
+    def reset(self, s: SimSettings) -> None:
+        """Back to the seed: the same length and ids again (interrupt mode ``restart``)."""
+        cap = self.req.params.max_new_tokens
+        median = s.length_median / s.token_scale if s.length_median else cap / 4
+        self.rng = random.Random(self.seed)
+        self.target = response_length(self.rng, median, s.length_sigma, cap)
+        self.tokens, self.logprobs, self.versions = [], [], []
+
+    def output(self, reason: str) -> GenerationOutput:
+        r = self.req
+        return GenerationOutput(r.request_id, list(r.prompt_ids), list(self.tokens), list(self.logprobs),
+                                list(self.versions), reason)
+
+
+class SimBatcher:
+    """A ``TorchEngine`` stand-in whose steps sleep the cost model's time (see the module doc)."""
+
+    def __init__(self, settings: SimSettings, vocab_size: int, max_num_seqs: int, seed: int):
+        self.s, self.vocab_size, self.seed = settings, vocab_size, seed
+        self.slots = max_num_seqs * settings.instances
+        self._running: list[_Seq] = []
+        self._waiting: deque[_Seq] = deque()
+        self._ids: set[str] = set()
+        self._version, self.admitting, self._asleep = 0, True, None
+        self.tokens_generated = self.decode_steps = 0
+        self.sim_busy_s = self.sim_sync_s = 0.0  # simulated seconds computing / receiving weights
+        self.step_costs: list[float] = []  # simulated seconds of each step (determinism checks)
+
+    # ---- the TorchEngine surface EngineLoop drives ---------------------------------------------
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def asleep(self) -> bool:
+        return self._asleep is not None
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def can_step(self) -> bool:
+        return bool(self._running or (self.admitting and self._waiting))
+
+    def add_request(self, req: GenerationRequest) -> None:
+        if req.request_id in self._ids:
+            raise ValueError(f"request {req.request_id!r} is already in the engine")
+        seq = _Seq(req, req.params.seed if req.params.seed is not None else derive_seed(self.seed, req.request_id))
+        seq.reset(self.s)
+        self._ids.add(req.request_id)
+        self._waiting.append(seq)
+
+    def step(self) -> list[GenerationOutput]:
+        """Admit (prefill), then up to ``max_tokens_per_step`` decode iterations; sleep their time."""
+        cost = self._admit() if self.admitting else 0.0
+        finished: list[GenerationOutput] = []
+        if self._running:
+            spent, finished = self._decode()
+            cost += spent
+        self.sim_busy_s += cost
+        self.step_costs.append(cost)
+        time.sleep(cost * self.s.time_scale)
+        return finished
+
+    def abort(self, request_ids: list[str] | None = None) -> list[GenerationOutput]:
+        hit = (lambda q: True) if request_ids is None else (lambda q, ids=set(request_ids): q.req.request_id in ids)
+        outs = [q.output("abort") for q in [*self._running, *self._waiting] if hit(q)]
+        self._running = [q for q in self._running if not hit(q)]
+        self._waiting = deque(q for q in self._waiting if not hit(q))
+        self._ids -= {o.request_id for o in outs}
+        return outs
+
+    def preempt(self, mode: str) -> None:
+        """As ``TorchEngine.preempt``: ``restart`` rewinds every partial response, ``wait`` stops admission."""
+        if mode not in INTERRUPT_MODES:
+            raise ValueError(f"unknown interrupt mode {mode!r}; expected one of {INTERRUPT_MODES}")
+        if mode == "restart":
+            self._requeue_running()
+            for q in self._waiting:
+                q.reset(self.s)
+        elif mode == "wait":
+            self.admitting = False
+
+    def resume(self) -> None:
+        if self._asleep is not None:
+            raise RuntimeError("the engine is asleep; call wake_up() before resume()")
+        self.admitting = True
+
+    def update_weights(self, named_tensors: Mapping | Iterable, version: int) -> None:
+        """Take every pushed tensor, sleep the cost model's weight-push time, requeue the running
+        sequences (their KV was made by the old weights: re-prefilled at admission)."""
+        if self._asleep is not None:
+            raise RuntimeError("the engine is asleep; call wake_up() before update_weights()")
+        items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
+        for name, _ in items:
+            if name != WEIGHT_NAME:
+                raise KeyError(f"unknown parameter {name!r}: the simulated engine holds only {WEIGHT_NAME!r}")
+        sync = costs.weight_sync_s(self.s.cm)
+        self.sim_sync_s += sync
+        time.sleep(sync * self.s.time_scale)
+        self._requeue_running()
+        self._version = version
+
+    def sleep(self, level: int = 1) -> dict:
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level}")
+        if self._asleep is None:
+            self._requeue_running()
+            self._asleep = {"level": level, "kv_bytes_released": 0, "weights": "simulated", "device": "sim"}
+        return self._asleep
+
+    def wake_up(self) -> dict:
+        info, self._asleep = self._asleep, None
+        return info or {"level": 0}
+
+    # ---- internals ------------------------------------------------------------------------------
+    def _sim_context(self, q: _Seq) -> int:
+        prompt = self.s.prompt_tokens or len(q.req.prompt_ids) * self.s.token_scale
+        return prompt + len(q.tokens) * self.s.token_scale
+
+    def _requeue_running(self) -> None:
+        self._waiting.extendleft(reversed(self._running))
+        self._running = []
+
+    def _admit(self) -> float:
+        """Fill free slots from the queue; the prefill time of the newcomers (spread over instances)."""
+        new = []
+        while self._waiting and len(self._running) + len(new) < self.slots:
+            new.append(self._waiting.popleft())
+        if not new:
+            return 0.0
+        self._running += new
+        tokens = sum(self._sim_context(q) for q in new)
+        return costs.prefill_s(self.s.cm, tokens / min(len(new), self.s.instances))
+
+    def _decode(self) -> tuple[float, list[GenerationOutput]]:
+        running, s = self._running, self.s
+        k = min(s.max_tokens_per_step, min(q.target - len(q.tokens) for q in running))
+        busy = min(len(running), s.instances)
+        per_batch = math.ceil(len(running) / s.instances)
+        context = sum(self._sim_context(q) for q in running) / busy
+        cost = costs.decode_run_s(s.cm, per_batch, context, k * s.token_scale)
+        finished, keep = [], []
+        for q in running:
+            self._extend(q, k)
+            if len(q.tokens) >= q.target:
+                finished.append(q.output("length" if q.target >= q.req.params.max_new_tokens else "stop"))
+                self._ids.discard(q.req.request_id)
+            else:
+                keep.append(q)
+        self._running = keep
+        self.tokens_generated += k * len(running)
+        self.decode_steps += k * s.token_scale
+        return cost, finished
+
+    def _extend(self, q: _Seq, k: int) -> None:
+        stops = q.req.params.stop_token_ids
+        avoid = frozenset(stops)
+        for _ in range(k):
+            token, logprob = next_token(q.rng, self.vocab_size, avoid)
+            last = len(q.tokens) + 1 == q.target
+            if last and stops and q.target < q.req.params.max_new_tokens:
+                token = stops[0]  # a response shorter than the cap ends on a stop token
+            q.tokens.append(token)
+            q.logprobs.append(logprob)
+            q.versions.append(self._version)
+
+
+def model_vocab(model_path: str) -> int:
+    """The vocabulary size from the checkpoint's ``config.json`` (no weights are loaded)."""
+    config = json.loads((Path(model_path) / "config.json").read_text())
+    return int(config.get("vocab_size") or config.get("text_config", {})["vocab_size"])
+
+
+class SimEngineWorker(LoopActor, UpdateReceiver):
+    """The simulated engine as an actor: the same methods as ``EngineWorker``; ``sim`` is a
+    ``SimSettings`` (or the ``sim:`` config section and ``replicas``, the engine actors sharing it)."""
+
+    def __init__(self, model_path: str, max_num_seqs: int, seed: int, threads: int,
+                 sim: SimSettings | SimConfig | None = None, replicas: int = 1):
+        settings = sim if isinstance(sim, SimSettings) else SimSettings.from_config(sim or SimConfig(), replicas)
+        self.batcher = SimBatcher(settings, model_vocab(model_path), max_num_seqs, seed)
+        self._start_loop(self.batcher, self.batcher.vocab_size, MAX_CONTEXT)
+
+    def get_weights(self) -> dict:
+        return {WEIGHT_NAME: torch.tensor([float(self.batcher.version)])}
+
+    def stats(self) -> dict:
+        b = self.batcher
+        return {**super().stats(), "sim_busy_s": b.sim_busy_s, "sim_sync_s": b.sim_sync_s,
+                "sim_tokens": float(b.tokens_generated * b.s.token_scale)}
+
+    def step_costs(self) -> list[float]:
+        """Simulated seconds of every step so far (outside the contract: determinism checks)."""
+        return list(self.batcher.step_costs)
+
+    def _mu_shapes(self) -> dict:
+        return {WEIGHT_NAME: (1,)}

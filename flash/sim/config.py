@@ -1,0 +1,70 @@
+"""The ``sim:`` section of a recipe (simulated GPU roles) and the simulated-seconds view of metrics.
+
+The simulated roles sleep ``simulated seconds × time_scale`` of real time, so every wall-clock
+measurement of a run (``time/*``, ``seconds_per_step``) is simulated seconds × ``time_scale`` plus
+the real overhead of the controller and Ray (which the division below scales up by the same
+factor: keep ``time_scale`` large enough that it stays small, e.g. 0.01 for 7B-class steps).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from flash.sim.cost import CostModel, preset
+
+
+@dataclass
+class SimConfig:
+    # Used by rollout.engine: sim and train.backend: sim. Cost model preset (flash.sim.cost.PRESETS).
+    model: str = "qwen2.5-7b-h100"
+    time_scale: float = 0.01  # real seconds slept per simulated second
+    rollout_gpus: int = 8  # simulated GPUs of all engine replicas together
+    train_gpus: int = 8  # simulated GPUs of the trainer
+    tp: int = 0  # GPUs per engine instance; 0: the preset's
+    # simulated tokens per generated token id: long responses with short token lists (the cost
+    # model sees the simulated count; the trainer gets the ids)
+    token_scale: int = 1
+    prompt_tokens: int = 0  # simulated prompt length; 0: each prompt's own token count × token_scale
+    # response lengths (simulated tokens): lognormal(ln median, sigma) capped at
+    # rollout.max_new_tokens × token_scale; median 0: a quarter of that cap
+    length_median: float = 0.0
+    length_sigma: float = 1.0
+    max_tokens_per_step: int = 8  # token ids per engine step (one real sleep): how late an arrival joins
+
+
+def check_sim(sim: SimConfig) -> str | None:
+    """Why ``sim`` cannot run (one line naming the key), or None."""
+    try:
+        cm = preset(sim.model)
+    except ValueError as exc:
+        return str(exc)
+    tp = sim.tp or cm.tp
+    problems = [
+        (sim.time_scale > 0, f"sim.time_scale must be > 0, got {sim.time_scale}"),
+        (sim.rollout_gpus >= 1 and sim.train_gpus >= 1,
+         f"sim.rollout_gpus and sim.train_gpus must be >= 1, got {sim.rollout_gpus} and {sim.train_gpus}"),
+        (sim.tp >= 0, f"sim.tp must be >= 0, got {sim.tp}"),
+        (sim.rollout_gpus % tp == 0, f"sim.rollout_gpus={sim.rollout_gpus} is not a multiple of tp={tp}"),
+        (sim.token_scale >= 1, f"sim.token_scale must be >= 1, got {sim.token_scale}"),
+        (sim.prompt_tokens >= 0, f"sim.prompt_tokens must be >= 0, got {sim.prompt_tokens}"),
+        (sim.length_median >= 0 and sim.length_sigma >= 0,
+         f"sim.length_median and sim.length_sigma must be >= 0, got {sim.length_median} and {sim.length_sigma}"),
+        (sim.max_tokens_per_step >= 1, f"sim.max_tokens_per_step must be >= 1, got {sim.max_tokens_per_step}"),
+    ]
+    return next((msg for ok, msg in problems if not ok), None)
+
+
+def cost_model(sim: SimConfig) -> CostModel:
+    cm = preset(sim.model)
+    return cm.with_tp(sim.tp) if sim.tp else cm
+
+
+def instances(sim: SimConfig, replicas: int) -> int:
+    """Engine instances (``tp`` GPUs each) one of ``replicas`` engine actors simulates (>= 1)."""
+    return max(1, sim.rollout_gpus // cost_model(sim).tp // max(1, replicas))
+
+
+def simulated_metrics(metrics: dict[str, float], time_scale: float) -> dict[str, float]:
+    """``sim/<name>_s``: each ``time/<name>`` of a step in simulated seconds."""
+    return {f"sim/{k[len('time/'):]}_s": v / time_scale for k, v in metrics.items()
+            if k.startswith("time/") and isinstance(v, (int, float))}

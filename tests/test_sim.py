@@ -1,0 +1,269 @@
+"""The simulated GPU roles (flash.sim, rollout.engine sim, train.backend sim).
+
+- The cost model's functions, pinned with numbers computed by hand from the presets.
+- Response lengths: seeded, in [1, cap], long-tailed.
+- The simulated engine keeps the engine contract (abort, the three interrupt modes, per-token
+  versions, refused requests) and is deterministic for a seed: same tokens, same step times.
+- The simulated trainer's step time is the cost model's, its metrics finite, its checkpoint whole.
+- A simulated run through the real controller keeps the staleness bound and ends every admitted
+  prompt exactly once; a second run with the same seed trains the same tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+
+import pytest
+import torch
+
+from buffers import Sample
+from flash.engine.base import ENGINE_PROTOCOLS, GenerationRequest, SamplingParams, UpdateTarget
+from flash.engine.sim_engine import WEIGHT_NAME, SimBatcher, SimEngineWorker, SimSettings
+from flash.errors import ConfigError
+from flash.sim import cost
+from flash.sim.config import SimConfig, check_sim, simulated_metrics
+from flash.sim.workload import response_length
+from flash.train.batch import collate
+from flash.train.sim_trainer import SimTrainer, synthetic_loss
+
+SEVEN_B = cost.PRESETS["qwen2.5-7b-h100"]
+VOCAB = 64
+STOP = 0
+
+
+# ---- the cost model ----------------------------------------------------------------------------
+def test_cost_model_pinned_by_hand():
+    # KV per token: 2 (K, V) · layers · kv_heads · head_dim · 2 bytes
+    assert cost.QWEN25_7B.kv_bytes_per_token == 2 * 28 * 4 * 128 * 2 == 57344
+    assert cost.QWEN25_32B.kv_bytes_per_token == 2 * 64 * 8 * 128 * 2 == 262144
+    # batch 1, no context: 15.22 GB / (3.35 TB/s · 0.77) = 5.9004 ms, + 3 ms overhead
+    assert cost.decode_step_s(SEVEN_B, 1, 0) == pytest.approx(0.0089004, rel=1e-4)
+    # batch 256 × 1,500 context: memory (15.22e9 + 57344 · 384000) / 2.5795e12 = 14.437 ms beats
+    # compute 2 · 7.61e9 · 256 / (989.4e12 · 0.5) = 7.876 ms; + 3 ms
+    assert cost.decode_step_s(SEVEN_B, 256, 256 * 1500) == pytest.approx(0.017437, rel=1e-3)
+    # batch 4096, no context: compute-bound, 2 · 7.61e9 · 4096 / 4.947e14 = 126.02 ms, + 3 ms
+    assert cost.decode_step_s(SEVEN_B, 4096, 0) == pytest.approx(0.12902, rel=1e-3)
+    assert cost.decode_step_s(SEVEN_B, 0, 0) == 0.0
+    # tp 4 divides both terms: 32B at batch 1 is 65 GB / (4 · 2.5795e12) = 6.2997 ms, + 3 ms
+    assert cost.decode_step_s(cost.PRESETS["qwen2.5-32b-h100"], 1, 0) == pytest.approx(0.0092997, rel=1e-4)
+    # prefill of 1,000 tokens: 2 · 7.61e9 · 1000 / (989.4e12 · 0.5) = 30.766 ms
+    assert cost.prefill_s(SEVEN_B, 1000) == pytest.approx(0.030766, rel=1e-4)
+    # a train step over 1M tokens on 8 GPUs: 6 · 7.61e9 · 1e6 / (8 · 989.4e12 · 0.35) = 16.482 s
+    assert cost.train_step_s(SEVEN_B, 1e6, 8) == pytest.approx(16.482, rel=1e-4)
+    assert cost.forward_s(SEVEN_B, 1e6, 8) == pytest.approx(16.482 / 3, rel=1e-4)
+    # weight push: 15.22 GB / 25 GB/s + 0.5 s
+    assert cost.weight_sync_s(SEVEN_B) == pytest.approx(1.1088, rel=1e-4)
+
+
+def test_decode_run_is_the_sum_of_its_steps():
+    steps = sum(cost.decode_step_s(SEVEN_B, 64, 64 * 500 + 64 * i) for i in range(100))
+    assert cost.decode_run_s(SEVEN_B, 64, 64 * 500, 100) == pytest.approx(steps, rel=1e-9)
+
+
+def test_response_lengths_seeded_capped_and_long_tailed():
+    draw = lambda seed: response_length(random.Random(seed), 100, 1.0, 1000)
+    lengths = [draw(s) for s in range(4000)]
+    assert lengths == [draw(s) for s in range(4000)]
+    assert 1 <= min(lengths) and max(lengths) == 1000
+    ordered = sorted(lengths)
+    assert 85 <= ordered[2000] <= 115  # the median
+    assert sum(x > 270 for x in lengths) / len(lengths) == pytest.approx(0.16, abs=0.03)  # > e · median
+
+
+# ---- the engine --------------------------------------------------------------------------------
+def _requests(n: int, max_new: int = 40, prefix: str = "r") -> list[GenerationRequest]:
+    return [GenerationRequest(f"{prefix}{i}", [1, 2, 3], SamplingParams(max_new_tokens=max_new, stop_token_ids=[STOP],
+                                                                         seed=i)) for i in range(n)]
+
+
+def _settings(**kw) -> SimSettings:
+    return SimSettings(SEVEN_B, **{"instances": 2, "time_scale": 1e-4, **kw})
+
+
+def _drain(batcher: SimBatcher) -> dict:
+    out = {}
+    while batcher.can_step:
+        out.update((o.request_id, o) for o in batcher.step())
+    return out
+
+
+def test_engine_is_deterministic_for_a_seed():
+    runs = []
+    for _ in range(2):
+        b = SimBatcher(_settings(), VOCAB, max_num_seqs=4, seed=7)
+        for r in _requests(12):
+            b.add_request(r)
+        outs = _drain(b)
+        runs.append((b.step_costs, {k: (o.token_ids, o.logprobs, o.finish_reason) for k, o in outs.items()}))
+    assert runs[0] == runs[1]
+    tokens = [t for toks, _, _ in runs[0][1].values() for t in toks]
+    assert all(0 <= t < VOCAB for t in tokens)
+    assert all(math.isfinite(lp) and lp < 0 for _, lps, _ in runs[0][1].values() for lp in lps)
+    for toks, _, reason in runs[0][1].values():  # a short response ends on the stop token, a capped one does not
+        assert (reason == "stop") == (toks[-1] == STOP) and (reason == "length") == (len(toks) == 40)
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": VOCAB}))
+    return str(tmp_path)
+
+
+def _finish(worker, ids: set[str], timeout: float = 10.0) -> dict:
+    done, end = {}, time.monotonic() + timeout
+    while not ids <= set(done) and time.monotonic() < end:
+        done.update((o.request_id, o) for o in worker.get_finished(timeout=0.5))
+    return done
+
+
+def test_engine_keeps_the_contract(model_dir):
+    # every response runs to its cap (sigma 0, median above it); ~4.5 ms of real time per token
+    settings = _settings(time_scale=0.5, max_tokens_per_step=1, length_median=1e5, length_sigma=0.0)
+    w = SimEngineWorker(model_dir, 8, 0, 1, sim=settings)
+    try:
+        assert all(isinstance(w, p) for p in (*ENGINE_PROTOCOLS, UpdateTarget))
+        # a refused request errors at once, the others are served
+        bad = GenerationRequest("bad", [VOCAB + 5], SamplingParams(max_new_tokens=4))
+        w.submit([bad, *_requests(2, max_new=3, prefix="ok")])
+        done = _finish(w, {"bad", "ok0", "ok1"})
+        assert done["bad"].finish_reason == "error" and "vocabulary" in done["bad"].error
+        # continue: partial responses kept, later tokens carry the new version
+        long = [GenerationRequest("c", [1, 2], SamplingParams(max_new_tokens=400, seed=1)),
+                GenerationRequest("x", [1, 2], SamplingParams(max_new_tokens=400, seed=2))]
+        w.submit(long)
+        time.sleep(0.2)
+        w.pause("continue")
+        w.update_weights({WEIGHT_NAME: torch.zeros(1)}, 1)
+        w.resume()
+        time.sleep(0.2)
+        aborted = {o.request_id: o for o in w.abort(["c"])}
+        assert aborted["c"].finish_reason == "abort" and 0 in aborted["c"].versions and 1 in aborted["c"].versions
+        assert aborted["c"].versions == sorted(aborted["c"].versions) and w.version() == 1
+        # restart: the same request regenerates the same tokens under the new version
+        w.pause("restart")
+        w.update_weights({WEIGHT_NAME: torch.ones(1)}, 2)
+        w.resume()
+        w.abort(["x"])
+        # wait: running requests finish, new ones hold until resume
+        w.submit(_requests(1, max_new=5, prefix="w"))
+        w.pause("wait")
+        assert _finish(w, {"w0"}, timeout=2.0)["w0"].finish_reason == "length"
+        w.submit(_requests(1, max_new=5, prefix="h"))
+        assert w.get_finished(timeout=0.3) == [] and w.stats()["num_waiting"] == 1
+        w.resume()
+        assert _finish(w, {"h0"})["h0"].versions[0] == 2
+        assert w.stats()["sim_sync_s"] == pytest.approx(2 * cost.weight_sync_s(SEVEN_B))
+    finally:
+        w.shutdown()
+
+
+def test_restart_regenerates_the_same_response():
+    b = SimBatcher(_settings(), VOCAB, max_num_seqs=4, seed=0)
+    ref = _drain(_fed(SimBatcher(_settings(), VOCAB, max_num_seqs=4, seed=0)))
+    _fed(b)
+    b.step()
+    b.step()
+    b.preempt("restart")
+    b.update_weights({}, 1)
+    b.resume()
+    again = _drain(b)
+    assert {k: o.token_ids for k, o in again.items()} == {k: o.token_ids for k, o in ref.items()}
+    assert all(set(o.versions) == {1} for o in again.values())
+
+
+def _fed(b: SimBatcher) -> SimBatcher:
+    for r in _requests(3, max_new=200):
+        b.add_request(r)
+    return b
+
+
+# ---- the trainer -------------------------------------------------------------------------------
+def _batch():
+    samples = [Sample(prompt_id=0, sample_index=k, prompt_ids=[1, 2, 3], response_ids=[4] * (k + 2),
+                      behav_logprobs=[-0.5] * (k + 2), versions=[0] * (k + 2), reward=float(k)) for k in range(4)]
+    return collate(samples, pad_id=0)
+
+
+class _Settings:
+    lr, update_epochs, updates_per_batch = 1e-4, 1, 1
+
+
+def test_trainer_time_metrics_and_checkpoint(tmp_path):
+    sim = SimConfig(time_scale=1e-3, train_gpus=8)
+    trainer = SimTrainer(sim, _Settings())
+    batch = _batch()
+    tokens = float(batch.attention_mask.sum())  # 4 prompts of 3 + responses of 2..5 = 26
+    assert tokens == 26
+    assert trainer.step_seconds(batch) == pytest.approx(cost.train_step_s(SEVEN_B, 26, 8))
+    adv = torch.ones_like(batch.mask)
+    m = trainer.train_step(batch, adv, None)
+    assert m["loss"] == pytest.approx(0.5) == synthetic_loss(batch, adv)
+    assert all(math.isfinite(v) for v in m.values()) and trainer.stats()["steps"] == 1.0
+    assert trainer.get_weights()[WEIGHT_NAME].item() == 1.0
+    trainer.checkpoint_snapshot()
+    trainer.checkpoint_write(str(tmp_path))
+    fresh = SimTrainer(sim, _Settings())
+    assert fresh.load_checkpoint(str(tmp_path)) == 1
+    trainer.begin_step()
+    trainer.accumulate(batch, adv, None)
+    assert trainer.finish_step()["loss"] == pytest.approx(0.5)
+
+
+# ---- config ------------------------------------------------------------------------------------
+def test_bad_sim_config_is_one_clear_line():
+    from flash.app.config import load_config
+
+    assert check_sim(SimConfig(model="qwen2.5-7b")) .startswith("unknown sim.model 'qwen2.5-7b'")
+    assert check_sim(SimConfig(rollout_gpus=6, model="qwen2.5-32b-h100")) == \
+        "sim.rollout_gpus=6 is not a multiple of tp=4"
+    with pytest.raises(ConfigError, match="set both to sim, or neither"):
+        load_config("recipes/stutter.yaml", ["rollout.engine=sim"])
+    with pytest.raises(ConfigError, match="sim.time_scale must be > 0"):
+        load_config("recipes/stutter.yaml", ["rollout.engine=sim", "train.backend=sim", "sim.time_scale=0"])
+    with pytest.raises(ConfigError, match="did you mean 'sim'"):
+        load_config("recipes/stutter.yaml", ["train.backend=simm"])
+    assert simulated_metrics({"time/step": 0.5, "reward/mean": 1.0}, 0.01) == {"sim/step_s": 50.0}
+    shipped = load_config("recipes/sim_rlvr.yaml")  # the shipped simulated recipe validates
+    assert (shipped.rollout.engine, shipped.train.backend) == ("sim", "sim")
+
+
+# ---- a simulated run through the real controller -----------------------------------------------
+@pytest.fixture(scope="module")
+def ray_session():
+    import ray
+
+    yield
+    if ray.is_initialized():
+        ray.shutdown()
+
+
+def _ledger(run_dir) -> list[dict]:
+    return [json.loads(x) for x in (run_dir / "ledger.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow  # ~30 s on a loaded 2-core machine, nearly all of it Ray and actor start-up
+def test_simulated_run_keeps_the_bound_and_loses_nothing(tmp_path, ray_session):
+    from flash.app.runner import run
+    from tests.helpers.inproc import small_cfg
+
+    steps, ratio = 6, 2
+    cfg = small_cfg(tmp_path, str(tmp_path / "cache"), "rollout.engine=sim", "train.backend=sim",
+                    f"async_ratio={ratio}", f"train.steps={steps}", "sim.time_scale=0.01", "task.eval_size=4")
+    summary = run(cfg, "sim")
+    assert summary["steps"] == steps and summary["max_staleness_observed"] <= ratio
+    lines = _ledger(tmp_path)
+    trained = [x for x in lines if x["outcome"] == "trained"]
+    assert all(x["step"] - x["version"] <= ratio for x in trained)
+    per_prompt: dict[int, list] = {}
+    for x in trained:
+        per_prompt.setdefault(x["prompt_id"], []).append(x["sample"])
+    assert all(sorted(v) == list(range(cfg.rollout.n)) for v in per_prompt.values())
+    left = [x["prompt_id"] for x in lines if x["outcome"] != "trained" and "request" not in x]
+    assert sorted(list(per_prompt) + left) == list(range(summary["prompts_admitted"]))  # each exactly once
+    assert summary["prompts_admitted"] == (steps + ratio) * cfg.train.prompts_per_step
+    metrics = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert all(m["sim/step_s"] == pytest.approx(m["time/step"] / 0.01) for m in metrics)
+    assert summary["sim_seconds_per_step"] == pytest.approx(summary["seconds_per_step"] / 0.01)
