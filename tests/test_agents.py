@@ -118,13 +118,13 @@ def test_a_killed_agent_process_ends_died_and_the_episode_runs_again(ray_local, 
 
 def test_a_hung_agent_is_cancelled_and_one_blocking_its_process_gets_the_process_killed(ray_local, tmp_path,
                                                                                        monkeypatch):
-    from flash.envs import agent_host
+    from flash.envs import agents
 
     (tmp_path / "a").mkdir()
     result, sessions, m, restarted = host_run(ray_local, tmp_path / "a", "stall_once", timeout_s=3.0)
     assert (result.outcome, result.attempts) == ("ok", 2) and not restarted  # cancelled at its await
     assert sessions.closed == [("k0", "timeout"), ("k1", "ok")]
-    monkeypatch.setattr(agent_host, "PING_S", 1.0)
+    monkeypatch.setattr(agents, "PING_S", 1.0)
     (tmp_path / "b").mkdir()
     result, sessions, m, restarted = host_run(ray_local, tmp_path / "b", "block_once", timeout_s=3.0)
     assert (result.outcome, result.attempts) == ("ok", 2) and restarted  # its loop never answered: killed

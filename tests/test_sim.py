@@ -149,6 +149,9 @@ def test_engine_keeps_the_contract(model_dir):
         w.abort(["x"])
         # wait: running requests finish, new ones hold until resume
         w.submit(_requests(1, max_new=5, prefix="w"))
+        deadline = time.monotonic() + 5.0
+        while w.stats()["num_running"] < 1 and time.monotonic() < deadline:  # started before the pause
+            time.sleep(0.005)
         w.pause("wait")
         assert _finish(w, {"w0"}, timeout=2.0)["w0"].finish_reason == "length"
         w.submit(_requests(1, max_new=5, prefix="h"))

@@ -5,7 +5,8 @@ A user's agent is arbitrary code: it may block its event loop (a synchronous HTT
 or kill the run; run here, each ``AgentHost`` is an async Ray actor holding an event loop on which
 many agents run at once (``max_concurrency``), and the driver's ``AgentRunner`` only awaits them.
 
-What can happen to a run on a host, and the outcome the runner names (flash.envs.agents):
+What can happen to a run on a host, and the outcome the runner names (``run_on_host`` in
+flash.envs.agents, the driver's side):
 
 - the agent returns or raises: ``ok``, ``bad_return`` or ``crashed``, decided in the host;
 - it runs past ``timeout_s``: the driver cancels the call (the agent's next await raises) --
@@ -17,12 +18,9 @@ What can happen to a run on a host, and the outcome the runner names (flash.envs
 
 from __future__ import annotations
 
-import asyncio
 import os
 import sys
 
-PING_S = 5.0  # a host's loop that does not answer within this is blocked by an agent
-RESTART_S = 120.0  # how long an attempt waits for a restarting host before it counts as died
 
 
 class AgentHost:
@@ -70,48 +68,3 @@ def start_agent_hosts(count: int, fn_path: str, base_url: str, timeout_s: float,
 
     actor = ray.remote(AgentHost).options(num_cpus=0, max_concurrency=max(1, concurrency), max_restarts=max_restarts)
     return [actor.remote(fn_path, base_url, timeout_s, list(sys.path)) for _ in range(count)]
-
-
-async def run_on_host(host, item, key: str, timeout_s: float) -> tuple[str, float, dict, str]:
-    """One attempt on ``host`` with the driver's timeout (module docstring); a dead host is ``died``."""
-    import ray
-
-    if not await wait_ready(host, RESTART_S):
-        return "died", 0.0, {}, f"the agent's process is down and did not come back within {RESTART_S:g}s"
-    ref = host.run.remote(item, key)
-    try:
-        return await asyncio.wait_for(ref, timeout_s)
-    except asyncio.CancelledError:  # the episode is no longer wanted: stop the agent too
-        ray.cancel(ref)
-        raise
-    except asyncio.TimeoutError:
-        ray.cancel(ref)
-        if not await _answers(host):
-            ray.kill(host, no_restart=False)
-        return "timeout", 0.0, {}, f"ran past {timeout_s}s"
-    except ray.exceptions.RayActorError as exc:
-        return "died", 0.0, {}, f"the agent's process died: {str(exc).splitlines()[0][:200]}"
-
-
-async def wait_ready(host, within_s: float) -> bool:
-    """Whether ``host`` answers a ping, waiting up to ``within_s`` while Ray restarts it."""
-    import ray
-
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + within_s
-    while True:
-        try:
-            return await asyncio.wait_for(host.ping.remote(), PING_S)
-        except (asyncio.TimeoutError, ray.exceptions.RayActorError):
-            if loop.time() > deadline:
-                return False
-            await asyncio.sleep(0.2)
-
-
-async def _answers(host) -> bool:
-    import ray
-
-    try:
-        return await asyncio.wait_for(host.ping.remote(), PING_S)
-    except (asyncio.TimeoutError, ray.exceptions.RayActorError):
-        return False

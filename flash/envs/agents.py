@@ -33,6 +33,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+PING_S = 5.0  # a host's loop that does not answer within this is blocked by an agent
+RESTART_S = 120.0  # how long an attempt waits for a restarting host before it counts as died
 OUTCOMES = ("ok", "timeout", "crashed", "bad_return", "cancelled", "died")
 
 
@@ -115,8 +117,6 @@ class AgentRunner:
 
     async def _attempt(self, item, key: str, attempt: int) -> AgentResult:
         if self.hosts:
-            from flash.envs.agent_host import run_on_host
-
             host, self._turn = self.hosts[self._turn % len(self.hosts)], self._turn + 1
             outcome, reward, info, error = await run_on_host(host, item, key, self.timeout_s)
             return AgentResult(reward, outcome, attempt, info, error)
@@ -155,3 +155,48 @@ class AgentRunner:
             asyncio.run_coroutine_threadsafe(self._http.aclose(), self.loop).result(timeout=10)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout=10)
+
+
+async def run_on_host(host, item, key: str, timeout_s: float) -> tuple[str, float, dict, str]:
+    """One attempt on ``host`` with the driver's timeout (module docstring); a dead host is ``died``."""
+    import ray
+
+    if not await wait_ready(host, RESTART_S):
+        return "died", 0.0, {}, f"the agent's process is down and did not come back within {RESTART_S:g}s"
+    ref = host.run.remote(item, key)
+    try:
+        return await asyncio.wait_for(ref, timeout_s)
+    except asyncio.CancelledError:  # the episode is no longer wanted: stop the agent too
+        ray.cancel(ref)
+        raise
+    except asyncio.TimeoutError:
+        ray.cancel(ref)
+        if not await _answers(host):
+            ray.kill(host, no_restart=False)
+        return "timeout", 0.0, {}, f"ran past {timeout_s}s"
+    except ray.exceptions.RayActorError as exc:
+        return "died", 0.0, {}, f"the agent's process died: {str(exc).splitlines()[0][:200]}"
+
+
+async def wait_ready(host, within_s: float) -> bool:
+    """Whether ``host`` answers a ping, waiting up to ``within_s`` while Ray restarts it."""
+    import ray
+
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within_s
+    while True:
+        try:
+            return await asyncio.wait_for(host.ping.remote(), PING_S)
+        except (asyncio.TimeoutError, ray.exceptions.RayActorError):
+            if loop.time() > deadline:
+                return False
+            await asyncio.sleep(0.2)
+
+
+async def _answers(host) -> bool:
+    import ray
+
+    try:
+        return await asyncio.wait_for(host.ping.remote(), PING_S)
+    except (asyncio.TimeoutError, ray.exceptions.RayActorError):
+        return False
