@@ -62,10 +62,14 @@ def build_episode_scheduler(cfg, task, tokenizer, engine, buffer, staleness, par
 
     options = dataclasses.asdict(task.options)
     restarts = cfg.rollout.max_worker_restarts  # Ray restarts a dead worker; its episodes play again
-    workers = start_env_workers(task.options.env_workers, task.name, options, task.options.step_delay_s,
-                                max_restarts=restarts, step_delay_sigma=task.options.step_delay_sigma)
+    o = task.options
+    workers = start_env_workers(o.env_workers, task.name, options, o.step_delay_s, max_restarts=restarts,
+                                step_delay_sigma=o.step_delay_sigma, concurrency=o.env_concurrency)
+    # one driver thread per call the workers can run at once: fewer would queue environment calls
+    # (a slow tool's latency) behind each other however many episodes are live
     return EpisodeScheduler(engine, workers, task, episode_codec(tokenizer), buffer, staleness, params,
-                            n=cfg.rollout.n, seed=cfg.seed, max_turns=task.options.max_turns,
+                            n=cfg.rollout.n, seed=cfg.seed, max_turns=o.max_turns,
+                            env_threads=o.env_workers * o.env_concurrency,
                             hang_timeout_s=cfg.rollout.hang_timeout_s, max_worker_restarts=restarts,
                             redundancy=cfg.rollout.redundancy, max_additional_prompts=cfg.rollout.max_additional_prompts,
                             filters=cfg.rollout.filter, reward_workers=cfg.rollout.reward_workers, client=client)

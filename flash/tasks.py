@@ -52,6 +52,9 @@ class Task:
     # demonstrations are chats (flash.train.sft.task_tokenizer).
     extra_chars: ClassVar[str] = ""
     chat_template: ClassVar[str | None] = None
+    # Options that change how items are served, not what they are (workers, injected latency):
+    # left out of ``task_fingerprint``, so they do not retrain a cached warm start.
+    runtime_options: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, options) -> None:
         self.options = options
@@ -129,7 +132,7 @@ def make_task(name: str, **options) -> Task:
 def task_fingerprint(task: Task) -> dict:
     """Everything that identifies a task's data: its name and all its options (for cache keys); a
     task over files adds ``data_fingerprint`` (their contents), so a copy elsewhere is the same data."""
-    options = dataclasses.asdict(task.options)
+    options = {k: v for k, v in dataclasses.asdict(task.options).items() if k not in task.runtime_options}
     data = getattr(task, "data_fingerprint", None)
     if data is not None:
         options = {k: v for k, v in options.items() if k not in ("train", "eval")} | {"data": data}

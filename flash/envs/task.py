@@ -39,6 +39,7 @@ class EpisodeOptions:
     max_turns: int = 16  # LLM turns per episode at most (outcome 'truncated' beyond)
     demo_noise: float = 0.25  # per-move probability that a demonstration move is not the expert's
     env_workers: int = 2  # EnvWorker actors running the environments
+    env_concurrency: int = 16  # environment calls one EnvWorker runs at once (its threads)
     step_delay_s: float = 0.0  # every environment step sleeps this long (latency injection)
     step_delay_sigma: float = 0.0  # > 0: the sleep is lognormal with median step_delay_s (a long tail)
 
@@ -47,8 +48,9 @@ class EpisodeOptions:
             raise ValueError(f"max_turns must be >= 1, got {self.max_turns}")
         if not 0.0 <= self.demo_noise < 1.0:
             raise ValueError(f"demo_noise must be in [0, 1), got {self.demo_noise}")
-        if self.env_workers < 1:
-            raise ValueError(f"env_workers must be >= 1, got {self.env_workers}")
+        if self.env_workers < 1 or self.env_concurrency < 1:
+            raise ValueError(f"env_workers and env_concurrency must be >= 1, got {self.env_workers}, "
+                             f"{self.env_concurrency}")
         if self.eval_size < 1:
             raise ValueError(f"eval_size must be >= 1, got {self.eval_size}")
 
@@ -58,6 +60,7 @@ class EnvTask(Task):
 
     env: ClassVar[str] = ""
     EnvOptions: ClassVar[type] = type(None)
+    runtime_options = ("env_workers", "env_concurrency", "step_delay_s", "step_delay_sigma")
 
     def env_kwargs(self) -> dict:
         """The environment's own options, taken from the task's flat options."""

@@ -99,10 +99,10 @@ def step_delay(median_s: float, sigma: float, key: str, step: int) -> float:
 
 
 def start_env_workers(count: int, task_name: str, task_options: dict, step_delay_s: float = 0.0,
-                      max_restarts: int = 0, step_delay_sigma: float = 0.0) -> list:
-    """``count`` EnvWorker actors (no CPU reserved: they mostly wait on the engine); Ray restarts
-    one that dies up to ``max_restarts`` times."""
+                      max_restarts: int = 0, step_delay_sigma: float = 0.0, concurrency: int = 16) -> list:
+    """``count`` EnvWorker actors (no CPU reserved: they mostly wait on the engine), each running
+    ``concurrency`` calls at once; Ray restarts one that dies up to ``max_restarts`` times."""
     import ray
 
-    actor = ray.remote(EnvWorker).options(num_cpus=0, max_concurrency=16, max_restarts=max_restarts)
+    actor = ray.remote(EnvWorker).options(num_cpus=0, max_concurrency=concurrency, max_restarts=max_restarts)
     return [actor.remote(task_name, dict(task_options), step_delay_s, step_delay_sigma) for _ in range(count)]
