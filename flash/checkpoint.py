@@ -193,6 +193,13 @@ def trainer_state(trainer) -> dict:
     }
 
 
+def write_snapshot(snapshot: Any, directory: str) -> None:
+    """A trainer's ``checkpoint_write``: the state its ``checkpoint_snapshot`` took, saved."""
+    if snapshot is None:
+        raise RuntimeError("checkpoint_write without a checkpoint_snapshot first")
+    save_trainer_state(snapshot, directory)
+
+
 def save_trainer_state(state: Any, directory: str, name: str = TRAINER) -> None:
     path = Path(directory) / name
     with open(path, "wb") as f:

@@ -29,7 +29,7 @@ import torch
 
 from flash.engine.base import INTERRUPT_MODES, GenerationOutput, GenerationRequest
 from flash.engine.loop_actor import LoopActor
-from flash.engine.torch_engine import derive_seed
+from flash.engine.torch_engine import BatchState, derive_seed
 from flash.sim import cost as costs
 from flash.sim.config import SimConfig, cost_model, instances
 from flash.sim.workload import next_token, response_length
@@ -82,7 +82,7 @@ class _Seq:
                                 list(self.versions), reason)
 
 
-class SimBatcher:
+class SimBatcher(BatchState):
     """A ``TorchEngine`` stand-in whose steps sleep the cost model's time (see the module doc)."""
 
     def __init__(self, settings: SimSettings, vocab_size: int, max_num_seqs: int, seed: int):
@@ -97,21 +97,6 @@ class SimBatcher:
         self.step_costs: list[float] = []  # simulated seconds of each step (determinism checks)
 
     # ---- the TorchEngine surface EngineLoop drives ---------------------------------------------
-    @property
-    def version(self) -> int:
-        return self._version
-
-    @property
-    def asleep(self) -> bool:
-        return self._asleep is not None
-
-    @property
-    def num_running(self) -> int:
-        return len(self._running)
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self._waiting)
 
     @property
     def can_step(self) -> bool:

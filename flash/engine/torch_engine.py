@@ -123,7 +123,33 @@ def sample(logits: torch.Tensor, seqs: list[_Seq]) -> tuple[torch.Tensor, torch.
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
 
 
-class TorchEngine:
+class BatchState:
+    """What ``EngineLoop`` reads of a batcher's state (the torch engine, the simulated one): the
+    weights' version, whether it sleeps, and its running and waiting queues."""
+
+    _version: int
+    _asleep: object
+    _running: list
+    _waiting: deque
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def asleep(self) -> bool:
+        return self._asleep is not None
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+
+class TorchEngine(BatchState):
     """Single-threaded continuous-batching engine; see the module docstring for the design."""
 
     def __init__(self, model, *, max_num_seqs: int = 64, version: int = 0, seed: int = 0):
@@ -145,22 +171,6 @@ class TorchEngine:
         self.decode_steps = 0  # batched decode iterations (flash.app.plan fits time per iteration)
         self._arrivals = 0
 
-    # ---- state -------------------------------------------------------------------------------
-    @property
-    def version(self) -> int:
-        return self._version
-
-    @property
-    def asleep(self) -> bool:
-        return self._asleep is not None
-
-    @property
-    def num_running(self) -> int:
-        return len(self._running)
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self._waiting)
 
     def has_unfinished(self) -> bool:
         return bool(self._running or self._waiting)

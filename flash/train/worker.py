@@ -48,12 +48,10 @@ class TrainerWorker(UpdateSender):
             self._snapshot = trainer_state(self.trainer)
 
     def checkpoint_write(self, directory: str) -> None:
-        from flash.checkpoint import save_trainer_state
+        from flash.checkpoint import write_snapshot
 
         snapshot, self._snapshot = self._snapshot, None
-        if snapshot is None:
-            raise RuntimeError("checkpoint_write without a checkpoint_snapshot first")
-        save_trainer_state(snapshot, directory)
+        write_snapshot(snapshot, directory)
 
     def load_checkpoint(self, directory: str) -> int:
         from flash.checkpoint import load_trainer_state

@@ -114,14 +114,15 @@ class Calculator(Task):
         return math_reward(item, response)
 
     def sft_pair(self, index: int) -> tuple[dict, str]:
-        """One turn of train item ``index``'s demonstration: the call, or the answer after the
-        tool's result; with probability ``skip_prob`` a direct guess instead of the call."""
+        """One turn of train item ``index``'s demonstration, each half the time: the first turn (the
+        call; a direct guess instead with probability ``skip_prob``), or the answer after the tool's
+        result."""
         item = self.item(index, "train")
         rng = self.rng(index, "train", stream="demo")
         first = [{"role": "user", "content": item.prompt}]
-        if rng.random() < self.options.skip_prob:
-            return {"messages": first, "tools": TOOLS}, str(int(item.answer) + rng.choice((-1, 1)) * rng.randint(1, 9))
-        if rng.random() < 0.5:
+        if rng.random() < 0.5:  # the first turn: a call, or a guess
+            if rng.random() < self.options.skip_prob:
+                return {"messages": first, "tools": TOOLS}, str(int(item.answer) + rng.choice((-1, 1)) * rng.randint(1, 9))
             return {"messages": first, "tools": TOOLS}, call_text(item.meta["expr"])
         result = {"role": "tool", "tool_call_id": "call_0", "content": calc(item.meta["expr"])}
         return {"messages": first + [call_message(item.meta["expr"]), result], "tools": TOOLS}, item.answer
