@@ -63,6 +63,18 @@ def test_invalid_values_are_one_clear_error(override, needle):
     assert needle in str(err.value)
 
 
+@pytest.mark.parametrize("override, needle", [
+    ("agent.tool_parser=hermess", "did you mean 'hermes'"),
+    ("agent.processes=-1", "agent.processes >= 0"),
+    ("task.env_concurrency=0", "env_concurrency must be >= 1"),
+])
+def test_agent_and_episode_settings_are_one_clear_error(override, needle):
+    recipe = "recipes/calculator.yaml" if override.startswith("agent.") else "recipes/corridor.yaml"
+    with pytest.raises(ConfigError) as err:
+        load_config(recipe, [override])
+    assert needle in str(err.value) and "\n" not in str(err.value)
+
+
 def test_cli_errors_exit_nonzero_with_one_line(capsys):
     assert main(["validate", "stutter", "asyn_ratio=2"]) == 2
     err = capsys.readouterr().err.strip()

@@ -392,6 +392,10 @@ def _check_task(section: dict, task_options) -> None:
     except (ValueError, KeyError) as exc:
         raise ConfigError(f"task: {exc}") from None
     check_keys(options, schema, prefix="task.")
+    try:  # the options' own range checks, before any warm start
+        schema(**options)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"task: {exc}") from None
 
 
 def _check_group(train: TrainConfig) -> None:
