@@ -411,3 +411,19 @@ def test_vllm_replica_loads_the_pushed_weights(tmp_path):
         ray.get(engine.shutdown.remote())
         ray.kill(engine)
         ray.kill(trainer)
+
+
+def test_rendezvous_stores_listen_on_their_host_only():
+    """TCPStore binds every interface by itself; the stores flash opens (the model-update group's,
+    the FSDP2 group's) serve on the address they were given: loopback here."""
+    import psutil
+
+    from flash.weights.model_update import connect, open_store
+
+    store = open_store("127.0.0.1", 10.0)
+    listening = {c.laddr.ip for c in psutil.Process().net_connections(kind="inet")
+                 if c.status == psutil.CONN_LISTEN and c.laddr.port == store.port}
+    assert listening == {"127.0.0.1"}
+    peer = connect("127.0.0.1", store.port, 10.0)
+    peer.set("k", "v")
+    assert store.get("k") == b"v"

@@ -35,7 +35,7 @@ from flash.train.batch import TrainBatch
 from flash.train.fsdp import COLLECTIVE_TIMEOUT_S, GroupSettings, ShardedTrainer, batch_to, free_port, pick_device
 from flash.weights.gather import FlatGather
 from flash.train.microbatch import MicroPlan, plan_batch
-from flash.weights.model_update import ModelUpdateError, unique_tensors
+from flash.weights.model_update import ModelUpdateError, connect, open_store, unique_tensors
 from flash.weights.group import UpdateSender
 from flash.train.trainer import TrainerSettings
 from flash.train.updates import train_batch
@@ -87,8 +87,11 @@ class FSDPRank(UpdateSender):
 
         from flash.cluster import load_model
 
-        dist.init_process_group(self.backend, init_method=f"tcp://{addr}:{port}", rank=self.rank,
-                                world_size=self.world, timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+        # rank 0's store listens on ``addr`` only (loopback when the ranks share this host)
+        store = (open_store(addr, COLLECTIVE_TIMEOUT_S, port, self.world) if self.rank == 0
+                 else connect(addr, port, COLLECTIVE_TIMEOUT_S))
+        dist.init_process_group(self.backend, store=store, rank=self.rank, world_size=self.world,
+                                timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
         mesh = init_device_mesh(self.device.type, (self.world,))
         self.ckpt_group = dist.new_group(backend="gloo")  # checkpoint writes beside training (flash.checkpoint)
         model = load_model(self.model_path)

@@ -216,10 +216,22 @@ def check_plan(metas: list[TensorMeta], shapes: Mapping[str, tuple[int, ...]]) -
 
 
 # ---- transport ---------------------------------------------------------------------------------
-def open_store(host: str, timeout_s: float) -> dist.TCPStore:
-    """The group's rendezvous, owned by rank 0: a TCPStore on a free port of ``host``."""
-    return dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
-                         timeout=datetime.timedelta(seconds=timeout_s))
+def open_store(host: str, timeout_s: float, port: int = 0, world: int | None = None) -> dist.TCPStore:
+    """A rendezvous owned by rank 0: a TCPStore listening on ``host`` only (``port`` 0: a free one).
+
+    TCPStore binds its own server socket to every interface whatever ``host`` says; handed a
+    socket bound here (``master_listen_fd``), it serves on that one address, so a loopback store
+    is reachable from this machine only."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(1024)
+    bound = sock.getsockname()[1]
+    return dist.TCPStore(host, bound, world_size=world, is_master=True, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=timeout_s), master_listen_fd=sock.detach())
 
 
 def make_group(backend: str, store: dist.Store, prefix: str, rank: int, world: int, timeout_s: float):
