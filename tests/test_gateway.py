@@ -278,7 +278,7 @@ def test_bad_requests_are_refused_and_the_server_keeps_serving(chatml):
     ok = {"model": "p", "messages": OPENING, "max_tokens": 4}
     refusals = [
         (openai.AuthenticationError, "unauthorized", client(gw, "not-a-key"), {}),
-        (openai.BadRequestError, "unsupported", api, {"stream": True}),
+        (openai.BadRequestError, "unsupported", api, {"logit_bias": {"5": 1.0}}),
         (openai.BadRequestError, "unsupported", api, {"n": 2}),
         (openai.BadRequestError, "unsupported", api, {"stop": ["."]}),
         (openai.BadRequestError, "unsupported", api, {"presence_penalty": 0.5}),

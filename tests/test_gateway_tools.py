@@ -149,3 +149,28 @@ def test_hermes_parser_and_history_comparison():
         parse_messages([{"role": "assistant", "content": None, "tool_calls": [
             {"id": str(i), "type": "function", "function": {"name": "f", "arguments": "{}"}} for i in range(33)]}])
     assert calc("23*17") == "391" and calc("__import__('os')") == "error" and calc("1+2+3") == "error"
+
+
+def test_streamed_replies_carry_the_same_content_and_tool_calls(task_tok):
+    _, tok = task_tok
+    policy = Scripted(tok, [call_text("12*34"), "408", "done"])
+    with Gateway(tok, policy, max_tokens_cap=96) as gw:
+        key = gw.open_session()
+        api = openai.OpenAI(base_url=gw.url, api_key=key, max_retries=0)
+        ask = [{"role": "user", "content": "q"}]
+        chunks = list(api.chat.completions.create(model="p", messages=ask, tools=TOOLS, stream=True,
+                                                  stream_options={"include_usage": True}))
+        calls = [c for ch in chunks if ch.choices for c in (ch.choices[0].delta.tool_calls or [])]
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [("calc", {"expr": "12*34"})]
+        assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "tool_calls"
+        assert chunks[-1].usage.completion_tokens == len(policy.log[0][2].token_ids)
+        said = {"role": "assistant", "content": None, "tool_calls": [
+            {"id": calls[0].id, "type": "function", "function": {"name": "calc", "arguments": calls[0].function.arguments}}]}
+        follow = ask + [said, {"role": "tool", "tool_call_id": calls[0].id, "content": "408"}]
+        text = "".join(ch.choices[0].delta.content or "" for ch in api.chat.completions.create(
+            model="p", messages=follow, tools=TOOLS, stream=True) if ch.choices)
+        assert text == "408" and gw.metrics()["new_segments"] == 0  # the streamed turn extended the session
+        done = "".join(ch.choices[0].text for ch in api.completions.create(model="p", prompt="x", stream=True))
+        assert done == "done"
+        with pytest.raises(openai.BadRequestError, match="stream_options"):
+            api.chat.completions.create(model="p", messages=ask, stream=True, stream_options={"x": 1})

@@ -162,6 +162,40 @@ def split_reply(parser: str | None, text: str) -> tuple[str, list[dict], bool]:
     return content or "", [{**c, "id": "call_" + secrets.token_hex(8)} for c in calls], False
 
 
+def parse_stream(body: dict) -> tuple[bool, bool]:
+    """(stream, include usage): ``stream`` and ``stream_options`` of a request, validated."""
+    stream, options = body.get("stream"), body.get("stream_options")
+    if stream not in (None, True, False):
+        raise BadMessages("stream must be true or false")
+    if options is not None and (not isinstance(options, dict) or set(options) - {"include_usage"}
+                                or options.get("include_usage") not in (None, True, False)):
+        raise BadMessages("stream_options may only hold include_usage (true or false)")
+    return bool(stream), bool((options or {}).get("include_usage"))
+
+
+def stream_chunks(body: dict, include_usage: bool) -> list[dict]:
+    """A finished response as the chunks OpenAI streams (server-sent events): the reply is
+    generated whole (one engine request per turn), then sent as a content chunk, a tool-calls
+    chunk, a finish chunk and, when asked, a usage chunk."""
+    choice, chat = body["choices"][0], body["object"] == "chat.completion"
+    head = {"id": body["id"], "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": body["created"], "model": body["model"]}
+    if chat:
+        msg = choice["message"]
+        deltas = [{"role": "assistant", "content": msg["content"] or ""}]
+        if msg.get("tool_calls"):
+            deltas.append({"tool_calls": [{"index": i, **c} for i, c in enumerate(msg["tool_calls"])]})
+        parts = [{"index": 0, "delta": d, "finish_reason": None, "logprobs": None} for d in deltas]
+        parts.append({"index": 0, "delta": {}, "finish_reason": choice["finish_reason"], "logprobs": None})
+    else:
+        parts = [{"index": 0, "text": choice["text"], "finish_reason": None, "logprobs": None},
+                 {"index": 0, "text": "", "finish_reason": choice["finish_reason"], "logprobs": None}]
+    chunks = [{**head, "choices": [p]} for p in parts]
+    if include_usage:
+        chunks.append({**head, "choices": [], "usage": body["usage"]})
+    return chunks
+
+
 _HERMES = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
 
 

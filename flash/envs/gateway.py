@@ -13,7 +13,8 @@ Tools: a chat request's ``tools`` go to the chat template; the reply's tool-call
 ``tool`` turns are read back (flash.envs.chat_messages).
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``; responses in
-OpenAI's JSON shape, non-streaming, one choice. Requests are data (invariant 7): bodies are
+OpenAI's JSON shape, one choice, streamed as server-sent events on ``stream: true`` (the reply is
+generated whole, then sent in chunks). Requests are data (invariant 7): bodies are
 bounded (413), parsed without NaN or Infinity, and validated field by field (400 with one line);
 a refused request never stops the server and is counted by reason in ``metrics()``. Every call
 needs a live session key (401 otherwise), and the server binds to loopback unless the caller
@@ -50,14 +51,15 @@ from flash.envs.chat_messages import (
     BadMessages,
     openai_calls,
     parse_messages,
+    parse_stream,
     parse_tools,
     split_reply,
+    stream_chunks,
 )
 from flash.envs.chat_session import ChatSession, Turn, plan_chat, plan_completion, record
 
 MiB = 1 << 20
 UNSUPPORTED = (  # (field, the values accepted, why others are refused)
-    ("stream", (None, False), "responses are not streamed"),
     ("n", (None, 1), "one choice per call: each is a turn of the session"),
     ("best_of", (None, 1), "one choice per call: each is a turn of the session"),
     ("stop", (None, [], ""), "a stop string would cut a sampled token; the engine stops on end-of-turn"),
@@ -360,24 +362,46 @@ class Gateway:
             messages, tools = parse_messages(body.get("messages")), parse_tools(body.get("tools"))
         except BadMessages as exc:
             raise _bad(str(exc), "bad_messages") from None
-        params = self._params(body)
+        params, stream = self._params(body), self._stream(body)
         parser = self.tool_parser if tools and body.get("tool_choice") != "none" else None
-        return await self._serve(key, entry, "chat", params, plan_chat, entry.state, self.tokenizer,
-                                 messages, tools, self.stop_token_ids, parser=parser)
+        response = await self._serve(key, entry, "chat", params, plan_chat, entry.state, self.tokenizer,
+                                     messages, tools, self.stop_token_ids, parser=parser)
+        return await self._answer(request, response, stream)
 
     async def _text(self, request: web.Request) -> web.Response:
         key, entry = self._entry(request)
         body = await self._body(request)
-        prompt, params = parse_prompt(body.get("prompt")), self._params(body)
-        return await self._serve(key, entry, "text", params, plan_completion, entry.state, self.tokenizer, prompt)
+        prompt, params, stream = parse_prompt(body.get("prompt")), self._params(body), self._stream(body)
+        response = await self._serve(key, entry, "text", params, plan_completion, entry.state, self.tokenizer, prompt)
+        return await self._answer(request, response, stream)
+
+    @staticmethod
+    def _stream(body: dict) -> tuple[bool, bool]:
+        try:
+            return parse_stream(body)
+        except BadMessages as exc:
+            raise _bad(str(exc), "bad_params") from None
+
+    @staticmethod
+    async def _answer(request: web.Request, body: dict, stream: tuple[bool, bool]) -> web.StreamResponse:
+        """The response as JSON, or streamed as server-sent events (``stream: true``)."""
+        if not stream[0]:
+            return web.json_response(body)
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await out.prepare(request)
+        for chunk in stream_chunks(body, stream[1]):
+            await out.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        await out.write(b"data: [DONE]\n\n")
+        await out.write_eof()
+        return out
 
     def _params(self, body: dict) -> SamplingParams:
         return parse_sampling(body, cap=self.max_tokens_cap, default_max=self.default_max_tokens,
                               stop_ids=self.stop_token_ids)
 
     async def _serve(self, key: str, entry: _Entry, route: str, params: SamplingParams,
-                     plan: Callable[..., Turn], *args: Any, parser: str | None = None) -> web.Response:
-        """One call: plan the prompt, generate, record, answer (one call per session at a time);
+                     plan: Callable[..., Turn], *args: Any, parser: str | None = None) -> dict:
+        """One call: plan the prompt, generate, record; the response body (one call per session at a time);
         ``parser`` splits a chat reply into content and tool calls (flash.envs.chat_messages)."""
         loop = asyncio.get_running_loop()
         async with entry.lock:
@@ -390,8 +414,7 @@ class Gateway:
             text = await loop.run_in_executor(self._pool, self._tokenized, self._reply_text, out.token_ids)
             content, calls, failed = split_reply(parser, text)
             self._record(key, entry, turn, out, content, calls, failed)
-        body = completion_body(route, self.model_name, content, out, len(turn.prompt_ids), calls)
-        return web.json_response(body)
+        return completion_body(route, self.model_name, content, out, len(turn.prompt_ids), calls)
 
     def _tokenized(self, fn: Callable, *args: Any) -> Any:
         """Run ``fn`` with the tokenizer to itself; a template that cannot render is the request's fault."""
