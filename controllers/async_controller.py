@@ -246,7 +246,7 @@ class AsyncController:
             nonlocal weights
             with self.phase("suspend"):
                 self._engine_get_once("pause", self.s.interrupt)
-                self.scheduler.suspend()  # episodes: waits for the environment steps in flight
+                self.scheduler.suspend()  # what a workflow holds across an update (nothing, built in)
             with self.phase("push_weights"):
                 if self.model_update is not None:  # returns after every replica acknowledged
                     self._push_group(new_version)

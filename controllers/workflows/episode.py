@@ -10,9 +10,12 @@ Parts, all in the driver:
 - ``cancel`` (redundant, surplus): the episode stops at its next turn or step, its pending turn is
   aborted in the engine and its environment released.
 
-Suspend (DESIGN.md invariant 4 for episodes): LLM turns follow ``rollout.interrupt`` inside the
-engine; environment calls are atomic. ``suspend`` waits for every call in flight to return and
-holds back new ones until ``resume``, so no step is ever cut and none runs across a weight update.
+Weight updates (DESIGN.md invariant 4 for episodes): LLM turns follow ``rollout.interrupt`` inside
+the engine; environment calls run on through the update. A step needs no policy, so holding steps
+back would make every update wait for the slowest one in flight -- with a long-tailed environment
+(a remote tool, a simulator) that wait is the tail the asynchronous rollout exists to hide. A step
+that returns during the update asks its next turn, which the paused engine holds until ``resume``
+(and which then carries the new version). Calls are atomic: a step is never cut.
 
 Faults: an EnvWorker that dies (or hangs) is restarted by Ray and each episode that was on it is
 played again from its reset with the same seeds (``controllers.workflows.env_faults``). After an
@@ -24,7 +27,6 @@ same tokens. Every finished episode is counted by outcome (``outcome/<name>``).
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -38,7 +40,7 @@ from controllers.workflows.env_faults import EnvWorkerFaults, _EpisodeLost
 from flash.engine.base import GenerationOutput, GenerationRequest, SamplingParams
 from flash.envs.episode import Transcript, add_observation, add_turn, to_sample
 
-COUNTERS = ("episodes", "turns", "turns_aborted", "episodes_halted", "episodes_cancelled", "suspend_wait_s")
+COUNTERS = ("episodes", "turns", "turns_aborted", "episodes_halted", "episodes_cancelled")
 
 
 @dataclass
@@ -82,9 +84,6 @@ class Episodes(EnvWorkerFaults):
         self._live: dict[str, _Episode] = {}  # unit id -> episode being played
         self._done: dict[str, Sample] = {}  # unit id -> finished episode, until ``finish`` takes it
         self._dropped: set[str] = set()  # turn ids of cancelled episodes (their late outputs)
-        self._env_busy = 0  # environment calls in flight
-        self._suspended = False
-        self._deferred: list[Callable[[], None]] = []  # env calls held back while suspended
         self._pool = ThreadPoolExecutor(max_workers=max(1, env_threads), thread_name_prefix="env")
         self.counters: dict[str, float] = dict.fromkeys(COUNTERS, 0)
         self._keys = set(COUNTERS)  # the counters this workflow writes (its metrics)
@@ -165,24 +164,11 @@ class Episodes(EnvWorkerFaults):
 
     # ---- Hold ----------------------------------------------------------------------------
     def suspend(self, timeout: float) -> float:
-        """Hold back new environment calls and wait for those in flight; returns seconds waited."""
-        start = time.monotonic()
-        with self._lock:
-            self._suspended = True
-            ok = self._lock.wait_for(lambda: self.core._error is not None or self._env_busy == 0, timeout)
-            waited = time.monotonic() - start
-            self._count("suspend_wait_s", waited)
-        if not ok:
-            raise TimeoutError(f"an environment step ran past {timeout}s during suspend; "
-                               "a step must return (raise task.step_delay_s or fix the environment)")
-        return waited
+        """Nothing is held across a weight update (module docstring): environment calls run on."""
+        return 0.0
 
     def resume(self) -> None:
-        with self._lock:
-            self._suspended = False
-            deferred, self._deferred = self._deferred, []
-        for call in deferred:
-            self._launch(call)
+        pass
 
     def metrics(self) -> dict[str, float]:
         """Episode counters as ``rollout/episodes/<name>``, and ``faults/env``."""
@@ -196,21 +182,8 @@ class Episodes(EnvWorkerFaults):
 
     # ---- one episode -----------------------------------------------------------------------
     def _launch(self, call: Callable[[], None]) -> None:
-        """Run an environment call on the pool, or hold it back while suspended."""
-        with self._lock:
-            if self._suspended:
-                self._deferred.append(call)
-                return
-            self._env_busy += 1
-        self._pool.submit(self.core._guard(lambda: self._env_call(call)))
-
-    def _env_call(self, call: Callable[[], None]) -> None:
-        try:
-            call()
-        finally:
-            with self._lock:
-                self._env_busy -= 1
-                self._lock.notify_all()
+        """Run an environment call on the pool (one thread per call the workers can run)."""
+        self._pool.submit(self.core._guard(call))
 
     def _reset(self, ep: _Episode) -> None:
         """Start (or, after its worker died, start again) the episode: same environment seed, and
