@@ -2,8 +2,8 @@
 
 Example (the tiny model's chat template, one line; ``<eos>`` ends each assistant turn)::
 
-    tools: calc. q: ann has 23 bags with 17 cards each. how many cards in all? a: <tool_call>{"name":
-    "calc", "arguments": {"expr": "23*17"}}</tool_call><eos> r: 391 a: 391<eos>
+    tools: calc. q: ann has 7 bags with 8 cards each. how many cards in all? a: <tool_call>{"name":
+    "calc", "arguments": {"expr": "7*8"}}</tool_call><eos> r: 56 a: 56<eos>
 
 The agent (``solve``) is what a user writes: an ``openai.AsyncOpenAI`` chat loop that offers the
 ``calc`` tool, runs each call the model makes (``calc`` parses ``a+b``, ``a-b`` or ``a*b``, never
@@ -11,9 +11,13 @@ The agent (``solve``) is what a user writes: an ``openai.AsyncOpenAI`` chat loop
 ``math`` reward (math-verify). The gateway renders ``tools`` and the tool turns with the template
 below and parses ``<tool_call>`` blocks (the ``hermes`` parser) into ``tool_calls``.
 
-Why RL has room after the warm start: two-digit products and sums are beyond the tiny model's own
-arithmetic, so an answer without the tool is a guess; the demonstrations skip the tool and guess
-(a wrong value) with probability ``skip_prob``. The warm-started policy calls the tool about
+Why RL has room after the warm start: the multiplication table is beyond what the tiny model learns
+in a warm start (``wordproblems`` with products to 81: 24 % greedy after 400 SFT steps), while
+copying one-digit operands into a call is within it (``wordproblems`` copies them into its
+equations), so an answer without the tool is mostly a guess; the demonstrations skip the tool and
+guess (a wrong value) with probability ``skip_prob``. Larger operands (``max_operand``) make the
+tool more necessary and the copying harder: two-digit operands were not copied after 1200 SFT
+steps. The warm-started policy calls the tool about
 ``1 - skip_prob`` of the time and is right mostly then; the reward teaches it to call the tool
 every time. Demonstrations are chats (``{"messages", "tools"}``), one turn each: the call, or the
 answer after the tool's result, encoded through the chat template exactly as the gateway renders
@@ -51,9 +55,9 @@ class CalculatorOptions:
     """Options of ``calculator`` (the keys a recipe's ``task:`` block accepts)."""
 
     seed: int = 0
-    min_operand: int = 10
-    max_operand: int = 99
-    ops: str = "+-*"
+    min_operand: int = 2
+    max_operand: int = 9
+    ops: str = "*"
     skip_prob: float = 0.5  # probability that a demonstration answers without the tool (a wrong guess)
     eval_size: int = 64
 
@@ -106,7 +110,8 @@ class Calculator(Task):
                         meta={"expr": f"{a}{op}{b}", "split": split})
 
     def max_response_tokens(self) -> int:
-        return len(call_text("999*999")) + 1
+        top = self.options.max_operand
+        return len(call_text(f"{top}*{top}")) + 1  # the longest call, then <eos>
 
     def reward(self, item: TaskItem, response: str) -> float:
         from flash.rewards.builtin import math_reward
@@ -122,7 +127,8 @@ class Calculator(Task):
         first = [{"role": "user", "content": item.prompt}]
         if rng.random() < 0.5:  # the first turn: a call, or a guess
             if rng.random() < self.options.skip_prob:
-                return {"messages": first, "tools": TOOLS}, str(int(item.answer) + rng.choice((-1, 1)) * rng.randint(1, 9))
+                guess = int(item.answer) + rng.choice((-1, 1)) * rng.randint(1, 9)
+                return {"messages": first, "tools": TOOLS}, str(abs(guess))
             return {"messages": first, "tools": TOOLS}, call_text(item.meta["expr"])
         result = {"role": "tool", "tool_call_id": "call_0", "content": calc(item.meta["expr"])}
         return {"messages": first + [call_message(item.meta["expr"]), result], "tools": TOOLS}, item.answer
