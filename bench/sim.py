@@ -7,9 +7,10 @@ simulated engine and trainer (one Ray for all runs). GPUs are split half rollout
 the batch grows with the GPUs (``prompts_per_step`` = GPUs, so each engine instance holds the same
 load at every scale). Reports per run: simulated seconds per step (the mean over the steps after
 the first, which holds the start-up), the speed-up over the first ratio at the same GPUs, the
-real wall seconds a step took (what one simulated step costs here). The simulated seconds
-include the real overhead of the driver and Ray divided by ``sim.time_scale``: the wall per step
-says how large that could be. The last line is JSON.
+real wall seconds a step took (what one simulated step costs here). Simulated seconds are GPU
+time scaled back plus the driver's real time unscaled (``flash.sim.accounting``); ``driver`` is
+that unscaled share, ``scaled`` the plain division of the wall time by ``sim.time_scale`` (which
+scales the driver's real work up as if it were GPU time). The last line is JSON.
 """
 
 from __future__ import annotations
@@ -35,9 +36,10 @@ def one_run(gpus: int, ratio: float, steps: int, root: Path, overrides: list[str
     wall = time.monotonic() - start
     rows = [json.loads(x) for x in (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
     later = rows[1:] or rows
-    sim_step = sum(r["sim/step_s"] for r in later) / len(later)
-    wall_step = sum(r["time/step"] for r in later) / len(later)
-    return {"gpus": gpus, "ratio": ratio, "sim_s_per_step": sim_step, "wall_s_per_step": wall_step,
+    mean = {k: sum(r[k] for r in later) / len(later) for k in ("sim/step_s", "sim/step_scaled_s", "sim/driver_s",
+                                                                 "time/step")}
+    return {"gpus": gpus, "ratio": ratio, "sim_s_per_step": mean["sim/step_s"], "wall_s_per_step": mean["time/step"],
+            "scaled_s_per_step": mean["sim/step_scaled_s"], "driver_s_per_step": mean["sim/driver_s"],
             "run_wall_s": wall,
             "max_staleness": summary["max_staleness_observed"], "time_scale": cfg.sim.time_scale}
 
@@ -59,7 +61,8 @@ def main() -> None:
                 r["speedup_vs_first"] = base / r["sim_s_per_step"]
                 results.append(r)
                 print(f"{gpus:5d} GPUs  r={ratio:<4g} {r['sim_s_per_step']:8.1f} sim s/step  "
-                      f"x{r['speedup_vs_first']:.2f}  wall {r['wall_s_per_step']:.2f} s/step "
+                      f"x{r['speedup_vs_first']:.2f}  (driver {r['driver_s_per_step']:.1f} s, "
+                      f"scaled {r['scaled_s_per_step']:.1f})  wall {r['wall_s_per_step']:.2f} s/step "
                       f"(run {r['run_wall_s']:.0f} s)  staleness max {r['max_staleness']:.0f}", flush=True)
     print(json.dumps({"runs": results}))
 

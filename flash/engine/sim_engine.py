@@ -3,7 +3,9 @@
 ``SimBatcher`` steps like ``TorchEngine`` (continuous batching: admit into free slots, one batched
 decode, finished sequences leave at once; the same interrupt modes and weight-update requeue) but
 computes nothing: each step's *time* comes from the cost model (``flash.sim.cost``) and the thread
-sleeps it, scaled by ``sim.time_scale``; each response's length, ids and logprobs are drawn from
+sleeps it, scaled by ``sim.time_scale``, less the real time the step's own bookkeeping took (so
+drawing tokens for thousands of sequences on a loaded CPU does not lengthen the simulated step;
+``late_s`` counts what ran past it); each response's length, ids and logprobs are drawn from
 its request's seed (``flash.sim.workload``). ``EngineLoop`` drives it, so pausing, waiters and
 errors behave exactly as for the torch engine, and ``SimEngineWorker`` is the same actor API.
 
@@ -95,6 +97,7 @@ class SimBatcher:
         self.tokens_generated = self.decode_steps = 0
         self.sim_busy_s = self.sim_sync_s = 0.0  # simulated seconds computing / receiving weights
         self.step_costs: list[float] = []  # simulated seconds of each step (determinism checks)
+        self.late_s = 0.0  # real seconds steps ran past their scaled time (bookkeeping slower than the GPU)
 
     # ---- the TorchEngine surface EngineLoop drives ---------------------------------------------
     @property
@@ -127,6 +130,7 @@ class SimBatcher:
 
     def step(self) -> list[GenerationOutput]:
         """Admit (prefill), then up to ``max_tokens_per_step`` decode iterations; sleep their time."""
+        start = time.monotonic()
         cost = self._admit() if self.admitting else 0.0
         finished: list[GenerationOutput] = []
         if self._running:
@@ -134,7 +138,7 @@ class SimBatcher:
             cost += spent
         self.sim_busy_s += cost
         self.step_costs.append(cost)
-        time.sleep(cost * self.s.time_scale)
+        self._pace(start, cost)
         return finished
 
     def abort(self, request_ids: list[str] | None = None) -> list[GenerationOutput]:
@@ -170,9 +174,9 @@ class SimBatcher:
         for name, _ in items:
             if name != WEIGHT_NAME:
                 raise KeyError(f"unknown parameter {name!r}: the simulated engine holds only {WEIGHT_NAME!r}")
-        sync = costs.weight_sync_s(self.s.cm)
+        start, sync = time.monotonic(), costs.weight_sync_s(self.s.cm)
         self.sim_sync_s += sync
-        time.sleep(sync * self.s.time_scale)
+        self._pace(start, sync)
         self._requeue_running()
         self._version = version
 
@@ -189,6 +193,14 @@ class SimBatcher:
         return info or {"level": 0}
 
     # ---- internals ------------------------------------------------------------------------------
+    def _pace(self, start: float, simulated_s: float) -> None:
+        """Sleep until ``simulated_s × time_scale`` real seconds after ``start`` (monotonic)."""
+        left = start + simulated_s * self.s.time_scale - time.monotonic()
+        if left > 0:
+            time.sleep(left)
+        else:
+            self.late_s -= left
+
     def _sim_context(self, q: _Seq) -> int:
         prompt = self.s.prompt_tokens or len(q.req.prompt_ids) * self.s.token_scale
         return prompt + len(q.tokens) * self.s.token_scale
@@ -262,7 +274,7 @@ class SimEngineWorker(LoopActor, UpdateReceiver):
 
     def stats(self) -> dict:
         b = self.batcher
-        return {**super().stats(), "sim_busy_s": b.sim_busy_s, "sim_sync_s": b.sim_sync_s,
+        return {**super().stats(), "sim_busy_s": b.sim_busy_s, "sim_sync_s": b.sim_sync_s, "sim_late_s": b.late_s,
                 "sim_tokens": float(b.tokens_generated * b.s.token_scale)}
 
     def step_costs(self) -> list[float]:

@@ -1,10 +1,4 @@
-"""The ``sim:`` section of a recipe (simulated GPU roles) and the simulated-seconds view of metrics.
-
-The simulated roles sleep ``simulated seconds × time_scale`` of real time, so every wall-clock
-measurement of a run (``time/*``, ``seconds_per_step``) is simulated seconds × ``time_scale`` plus
-the real overhead of the controller and Ray (which the division below scales up by the same
-factor: keep ``time_scale`` large enough that it stays small, e.g. 0.01 for 7B-class steps).
-"""
+"""The ``sim:`` section of a recipe (simulated GPU roles): its fields, checks and cost model."""
 
 from __future__ import annotations
 
@@ -62,9 +56,3 @@ def cost_model(sim: SimConfig) -> CostModel:
 def instances(sim: SimConfig, replicas: int) -> int:
     """Engine instances (``tp`` GPUs each) one of ``replicas`` engine actors simulates (>= 1)."""
     return max(1, sim.rollout_gpus // cost_model(sim).tp // max(1, replicas))
-
-
-def simulated_metrics(metrics: dict[str, float], time_scale: float) -> dict[str, float]:
-    """``sim/<name>_s``: each ``time/<name>`` of a step in simulated seconds."""
-    return {f"sim/{k[len('time/'):]}_s": v / time_scale for k, v in metrics.items()
-            if k.startswith("time/") and isinstance(v, (int, float))}
