@@ -5,7 +5,8 @@
   worked is added unscaled, whichever role's spans cover the rest.
 - ``simulated_metrics`` keeps the plain division as ``sim/step_scaled_s``; the run's mean adds the
   time between steps unscaled.
-- The simulated engine sleeps what is left of a step's scaled time after its own bookkeeping.
+- The simulated engine sleeps what is left of a step's scaled time after its own bookkeeping, and
+  reports that scaled time, not the bookkeeping that ran past it, as its busy spans.
 """
 
 from __future__ import annotations
@@ -53,8 +54,11 @@ def test_metrics_keep_the_plain_division_and_the_run_mean_adds_the_gaps():
 
 def test_engine_sleeps_what_is_left_after_its_bookkeeping():
     b = SimBatcher(SimSettings(cost.PRESETS["qwen2.5-7b-h100"], instances=1, time_scale=1.0), 64, 4, seed=0)
-    start = time.monotonic()
-    b._pace(start - 0.05, 0.08)  # 50 ms already spent: ~30 ms left to sleep
+    start, wall = time.monotonic(), time.time()
+    b._pace((start - 0.05, wall - 0.05), 0.08)  # 50 ms already spent: ~30 ms left to sleep
     assert 0.02 <= time.monotonic() - start < 0.25 and b.late_s == 0.0  # sleep may overshoot on loaded cores
-    b._pace(time.monotonic() - 0.5, 0.2)  # the bookkeeping ran 0.3 s past the step
+    b._pace((time.monotonic() - 0.5, wall + 1.0), 0.2)  # the bookkeeping ran 0.3 s past the step
     assert b.late_s == pytest.approx(0.3, abs=0.05)
+    # the reported spans are the scaled GPU time only, not the late bookkeeping
+    assert b.spans.drain() == [[pytest.approx(wall - 0.05), pytest.approx(wall + 0.03)],
+                               [pytest.approx(wall + 1.0), pytest.approx(wall + 1.2)]]

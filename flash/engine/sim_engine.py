@@ -4,8 +4,9 @@
 decode, finished sequences leave at once; the same interrupt modes and weight-update requeue) but
 computes nothing: each step's *time* comes from the cost model (``flash.sim.cost``) and the thread
 sleeps it, scaled by ``sim.time_scale``, less the real time the step's own bookkeeping took (so
-drawing tokens for thousands of sequences on a loaded CPU does not lengthen the simulated step;
-``late_s`` counts what ran past it); each response's length, ids and logprobs are drawn from
+drawing tokens for thousands of sequences on a loaded CPU does not lengthen the simulated step);
+the busy spans it reports are the scaled GPU time alone, so bookkeeping that runs past it
+(``late_s``) is not taken for GPU work (``flash.sim.accounting``); each response's length, ids and logprobs are drawn from
 its request's seed (``flash.sim.workload``). ``EngineLoop`` drives it, so pausing, waiters and
 errors behave exactly as for the torch engine, and ``SimEngineWorker`` is the same actor API.
 
@@ -35,6 +36,7 @@ from flash.engine.torch_engine import derive_seed
 from flash.sim import cost as costs
 from flash.sim.config import SimConfig, cost_model, instances
 from flash.sim.workload import next_token, response_length
+from flash.usage import SpanRecorder
 from flash.weights.group import UpdateReceiver
 
 WEIGHT_NAME = "sim.version"  # the one tensor a simulated trainer pushes (its step count)
@@ -98,6 +100,7 @@ class SimBatcher:
         self.sim_busy_s = self.sim_sync_s = 0.0  # simulated seconds computing / receiving weights
         self.step_costs: list[float] = []  # simulated seconds of each step (determinism checks)
         self.late_s = 0.0  # real seconds steps ran past their scaled time (bookkeeping slower than the GPU)
+        self.spans = SpanRecorder()  # wall spans of scaled GPU time: [step start, + simulated s × time_scale]
 
     # ---- the TorchEngine surface EngineLoop drives ---------------------------------------------
     @property
@@ -130,7 +133,7 @@ class SimBatcher:
 
     def step(self) -> list[GenerationOutput]:
         """Admit (prefill), then up to ``max_tokens_per_step`` decode iterations; sleep their time."""
-        start = time.monotonic()
+        start = (time.monotonic(), time.time())
         cost = self._admit() if self.admitting else 0.0
         finished: list[GenerationOutput] = []
         if self._running:
@@ -174,7 +177,7 @@ class SimBatcher:
         for name, _ in items:
             if name != WEIGHT_NAME:
                 raise KeyError(f"unknown parameter {name!r}: the simulated engine holds only {WEIGHT_NAME!r}")
-        start, sync = time.monotonic(), costs.weight_sync_s(self.s.cm)
+        start, sync = (time.monotonic(), time.time()), costs.weight_sync_s(self.s.cm)
         self.sim_sync_s += sync
         self._pace(start, sync)
         self._requeue_running()
@@ -193,9 +196,12 @@ class SimBatcher:
         return info or {"level": 0}
 
     # ---- internals ------------------------------------------------------------------------------
-    def _pace(self, start: float, simulated_s: float) -> None:
-        """Sleep until ``simulated_s × time_scale`` real seconds after ``start`` (monotonic)."""
-        left = start + simulated_s * self.s.time_scale - time.monotonic()
+    def _pace(self, start: tuple[float, float], simulated_s: float) -> None:
+        """Sleep until ``simulated_s × time_scale`` real seconds after ``start`` (monotonic, wall)."""
+        scaled = simulated_s * self.s.time_scale
+        if scaled > 0:
+            self.spans.add(start[1], start[1] + scaled)
+        left = start[0] + scaled - time.monotonic()
         if left > 0:
             time.sleep(left)
         else:
@@ -276,6 +282,12 @@ class SimEngineWorker(LoopActor, UpdateReceiver):
         b = self.batcher
         return {**super().stats(), "sim_busy_s": b.sim_busy_s, "sim_sync_s": b.sim_sync_s, "sim_late_s": b.late_s,
                 "sim_tokens": float(b.tokens_generated * b.s.token_scale)}
+
+    def busy_spans(self) -> list[list[float]]:
+        """The scaled GPU time of the steps since the last call (the loop's spans, which hold the
+        bookkeeping too, are dropped)."""
+        self.loop.busy_spans()
+        return self.batcher.spans.drain()
 
     def step_costs(self) -> list[float]:
         """Simulated seconds of every step so far (outside the contract: determinism checks)."""
