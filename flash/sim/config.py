@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import difflib
+from dataclasses import dataclass, field, fields, replace
+from typing import Dict
 
-from flash.sim.cost import CostModel, preset
+from flash.sim.cost import CostModel, Efficiency, preset
 
 
 @dataclass
@@ -24,6 +26,9 @@ class SimConfig:
     length_median: float = 0.0
     length_sigma: float = 1.0
     max_tokens_per_step: int = 8  # token ids per engine step (one real sleep): how late an arrival joins
+    # Efficiency fields (flash.sim.cost.Efficiency) replacing the preset's, e.g. costs fitted to this
+    # machine from real runs (bench/sim_fit.py --runs prints them): sim.eff.step_overhead_s=0.03
+    eff: Dict[str, float] = field(default_factory=dict)
 
 
 def check_sim(sim: SimConfig) -> str | None:
@@ -45,11 +50,25 @@ def check_sim(sim: SimConfig) -> str | None:
          f"sim.length_median and sim.length_sigma must be >= 0, got {sim.length_median} and {sim.length_sigma}"),
         (sim.max_tokens_per_step >= 1, f"sim.max_tokens_per_step must be >= 1, got {sim.max_tokens_per_step}"),
     ]
-    return next((msg for ok, msg in problems if not ok), None)
+    return next((msg for ok, msg in problems if not ok), None) or check_eff(sim.eff)
+
+
+def check_eff(eff: dict) -> str | None:
+    """Why an ``sim.eff`` override cannot apply (an unknown field, with the closest; a negative value)."""
+    names = [f.name for f in fields(Efficiency)]
+    for key, value in eff.items():
+        if key not in names:
+            close = difflib.get_close_matches(key, names, n=1)
+            return f"unknown key sim.eff.{key}" + (f"; did you mean sim.eff.{close[0]}?" if close else "")
+        if not float(value) >= 0:
+            return f"sim.eff.{key} must be >= 0, got {value}"
+    return None
 
 
 def cost_model(sim: SimConfig) -> CostModel:
     cm = preset(sim.model)
+    if sim.eff:
+        cm = replace(cm, eff=replace(cm.eff, **{k: float(v) for k, v in sim.eff.items()}))
     return cm.with_tp(sim.tp) if sim.tp else cm
 
 
