@@ -6,7 +6,9 @@ Each (GPUs, ratio) is one in-process run of the real controller, scheduler and b
 simulated engine and trainer (one Ray for all runs). GPUs are split half rollout, half training;
 the batch grows with the GPUs (``prompts_per_step`` = GPUs, so each engine instance holds the same
 load at every scale). Reports per run: simulated seconds per step (the mean over the steps after
-the first, which holds the start-up), the speed-up over the first ratio at the same GPUs, the
+the first ``1 + ceil(ratio)``: the first holds the start-up, and at ratio r the scheduler admits
+(1 + r) batches at once, so the next r steps take batches made before the cycle reached its
+steady state -- keep ``--steps`` well above that), the speed-up over the first ratio at the same GPUs, the
 real wall seconds a step took (what one simulated step costs here). Simulated seconds are GPU
 time scaled back plus the driver's real time unscaled (``flash.sim.accounting``); ``driver`` is
 that unscaled share, ``scaled`` the plain division of the wall time by ``sim.time_scale`` (which
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import tempfile
 import time
 from pathlib import Path
@@ -45,7 +48,7 @@ def one_run(gpus: int, ratio: float, steps: int, root: Path, overrides: list[str
     summary = run(cfg, "sim")
     wall = time.monotonic() - start
     rows = [json.loads(x) for x in (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
-    later = rows[1:] or rows
+    later = rows[1 + math.ceil(ratio):] or rows
     mean = {k: sum(r[k] for r in later) / len(later) for k in ("sim/step_s", "sim/step_scaled_s", "sim/driver_s",
                                                                  "time/step")}
     return {"gpus": gpus, "ratio": ratio, "sim_s_per_step": mean["sim/step_s"], "wall_s_per_step": mean["time/step"],

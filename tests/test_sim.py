@@ -290,3 +290,14 @@ def test_simulated_run_keeps_the_bound_and_loses_nothing(tmp_path, ray_session):
     assert all(m["time/step"] <= m["sim/step_s"] <= m["sim/step_scaled_s"] + 1e-9 for m in metrics)
     assert all(m["sim/step_scaled_s"] == pytest.approx(m["time/step"] / 0.01) for m in metrics)
     assert summary["seconds_per_step"] < summary["sim_seconds_per_step"] <= summary["seconds_per_step"] / 0.01
+
+
+def test_sim_eff_replaces_preset_fields_and_names_the_closest():
+    from flash.sim.config import cost_model
+
+    fitted = cost_model(SimConfig(model="tiny-cpu-1t", eff={"step_overhead_s": 0.03}))
+    assert fitted.eff.step_overhead_s == 0.03
+    assert fitted.eff.seq_overhead_s == cost.PRESETS["tiny-cpu-1t"].eff.seq_overhead_s
+    assert check_sim(SimConfig(eff={"step_overhed_s": 1.0})) == \
+        "unknown key sim.eff.step_overhed_s; did you mean sim.eff.step_overhead_s?"
+    assert check_sim(SimConfig(eff={"hbm": -1.0})) == "sim.eff.hbm must be >= 0, got -1.0"

@@ -6,7 +6,7 @@ real run of another seed just before (``bench/sim_fit.py``'s in-run fit: one eng
 decode cost growing with the sequences in flight): the 2 cores are shared with other jobs and a
 run's speed follows their load (a sync step took 1.1 s at load 7 and 7 s at load 19 the same
 hour), so a fit is only good for minutes. The real run of the checked seed goes next; its trained
-response lengths (lognormal median and sigma of the ledger's ``len``) set the simulated workload,
+response lengths (a lognormal with their median and, per step, their longest) set the simulated workload,
 so what is compared is the time model -- the roles' costs and how the production scheduler
 overlaps them -- not a length model. Each run is a CLI process of its own; the first step
 (start-up) is left out of each mean. Margin: minutes of real training.
@@ -35,9 +35,17 @@ def later_mean(run_dir, key: str) -> float:
 
 
 def length_fit(run_dir) -> tuple[float, float]:
-    """(median, sigma) of a lognormal fitted to the trained responses' lengths."""
-    logs = [math.log(max(1, x["len"])) for x in read_jsonl(run_dir / "ledger.jsonl") if x.get("outcome") == "trained"]
-    return math.exp(statistics.fmean(logs)), statistics.pstdev(logs)
+    """(median, sigma) of a lognormal matching the trained responses' median length and, per step,
+    the longest one (what a synchronous step waits for): the longest of a step's N draws sits near
+    median · exp(sigma · z) with z the standard normal's 1 − 1/N quantile."""
+    trained = [x for x in read_jsonl(run_dir / "ledger.jsonl") if x.get("outcome") == "trained"]
+    steps: dict[int, list[int]] = {}
+    for x in trained:
+        steps.setdefault(x["step"], []).append(max(1, x["len"]))
+    median = statistics.median(x for v in steps.values() for x in v)
+    n = statistics.fmean(len(v) for v in steps.values())
+    longest = statistics.fmean(max(v) for v in steps.values())
+    return median, max(0.0, math.log(longest / median)) / statistics.NormalDist().inv_cdf(1 - 1 / n)
 
 
 def sim_overrides(ratio: int, eff: dict, median: float, sigma: float) -> list[str]:
