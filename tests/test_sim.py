@@ -301,3 +301,12 @@ def test_sim_eff_replaces_preset_fields_and_names_the_closest():
     assert check_sim(SimConfig(eff={"step_overhed_s": 1.0})) == \
         "unknown key sim.eff.step_overhed_s; did you mean sim.eff.step_overhead_s?"
     assert check_sim(SimConfig(eff={"hbm": -1.0})) == "sim.eff.hbm must be >= 0, got -1.0"
+
+
+def test_prompt_factor_is_shared_by_a_prompts_samples():
+    from flash.sim.workload import prompt_factor
+
+    assert prompt_factor([5, 6, 7], 0.0) == 1.0
+    assert prompt_factor([5, 6, 7], 1.0) == prompt_factor([5, 6, 7], 1.0) != prompt_factor([5, 6, 8], 1.0)
+    factors = [math.log(prompt_factor([i, i + 1], 1.0)) for i in range(2000)]
+    assert abs(sum(factors) / len(factors)) < 0.1 and 0.9 < (sum(f * f for f in factors) / len(factors)) ** 0.5 < 1.1

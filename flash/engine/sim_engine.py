@@ -35,7 +35,7 @@ from flash.engine.loop_actor import LoopActor
 from flash.engine.torch_engine import derive_seed
 from flash.sim import cost as costs
 from flash.sim.config import SimConfig, cost_model, instances
-from flash.sim.workload import next_token, response_length
+from flash.sim.workload import next_token, prompt_factor, response_length
 from flash.usage import SpanRecorder
 from flash.weights.group import UpdateReceiver
 
@@ -55,11 +55,12 @@ class SimSettings:
     length_median: float = 0.0
     length_sigma: float = 1.0
     max_tokens_per_step: int = 8
+    prompt_sigma: float = 0.0
 
     @classmethod
     def from_config(cls, sim: SimConfig, replicas: int = 1) -> SimSettings:
         return cls(cost_model(sim), instances(sim, replicas), sim.time_scale, sim.token_scale, sim.prompt_tokens,
-                   sim.length_median, sim.length_sigma, sim.max_tokens_per_step)
+                   sim.length_median, sim.length_sigma, sim.max_tokens_per_step, sim.prompt_sigma)
 
 
 @dataclass(eq=False)
@@ -77,6 +78,7 @@ class _Seq:
         cap = self.req.params.max_new_tokens
         median = s.length_median / s.token_scale if s.length_median else cap / 4
         self.rng = random.Random(self.seed)
+        median *= prompt_factor(list(self.req.prompt_ids), s.prompt_sigma)
         self.target = response_length(self.rng, median, s.length_sigma, cap)
         self.tokens, self.logprobs, self.versions = [], [], []
 

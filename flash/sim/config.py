@@ -25,6 +25,9 @@ class SimConfig:
     # rollout.max_new_tokens × token_scale; median 0: a quarter of that cap
     length_median: float = 0.0
     length_sigma: float = 1.0
+    # per-prompt spread on top (flash.sim.workload.prompt_factor): a prompt's samples share a
+    # median × exp(prompt_sigma · z); 0: every sample independent
+    prompt_sigma: float = 0.0
     max_tokens_per_step: int = 8  # token ids per engine step (one real sleep): how late an arrival joins
     # Efficiency fields (flash.sim.cost.Efficiency) replacing the preset's, e.g. costs fitted to this
     # machine from real runs (bench/sim_fit.py --runs prints them): sim.eff.step_overhead_s=0.03
@@ -48,6 +51,7 @@ def check_sim(sim: SimConfig) -> str | None:
         (sim.prompt_tokens >= 0, f"sim.prompt_tokens must be >= 0, got {sim.prompt_tokens}"),
         (sim.length_median >= 0 and sim.length_sigma >= 0,
          f"sim.length_median and sim.length_sigma must be >= 0, got {sim.length_median} and {sim.length_sigma}"),
+        (sim.prompt_sigma >= 0, f"sim.prompt_sigma must be >= 0, got {sim.prompt_sigma}"),
         (sim.max_tokens_per_step >= 1, f"sim.max_tokens_per_step must be >= 1, got {sim.max_tokens_per_step}"),
     ]
     return next((msg for ok, msg in problems if not ok), None) or check_eff(sim.eff)
