@@ -1,6 +1,7 @@
 """The simulated GPU roles (flash.sim, rollout.engine sim, train.backend sim).
 
-- The cost model's functions, pinned with numbers computed by hand from the presets.
+- The cost model's functions, pinned with numbers computed by hand from the presets; the CPU
+  presets' host terms add per sequence, per context token and per pass.
 - Response lengths: seeded, in [1, cap], long-tailed.
 - The simulated engine keeps the engine contract (abort, the three interrupt modes, per-token
   versions, refused requests) and is deterministic for a seed: same tokens, same step times.
@@ -24,7 +25,8 @@ from flash.engine.base import ENGINE_PROTOCOLS, GenerationRequest, SamplingParam
 from flash.engine.sim_engine import WEIGHT_NAME, SimBatcher, SimEngineWorker, SimSettings
 from flash.errors import ConfigError
 from flash.sim import cost
-from flash.sim.config import SimConfig, check_sim, simulated_metrics
+from flash.sim.accounting import simulated_metrics
+from flash.sim.config import SimConfig, check_sim
 from flash.sim.workload import response_length
 from flash.train.batch import collate
 from flash.train.sim_trainer import SimTrainer, synthetic_loss
@@ -56,6 +58,22 @@ def test_cost_model_pinned_by_hand():
     assert cost.forward_s(SEVEN_B, 1e6, 8) == pytest.approx(16.482 / 3, rel=1e-4)
     # weight push: 15.22 GB / 25 GB/s + 0.5 s
     assert cost.weight_sync_s(SEVEN_B) == pytest.approx(1.1088, rel=1e-4)
+
+
+def test_host_terms_of_the_cpu_presets_add_per_sequence_context_token_and_pass():
+    cpu = cost.PRESETS["tiny-cpu-1t"]
+    # no context: batch 1 is memory-bound (3.4484 MB of fp32 weights / 21.4 GB/s = 161 µs), batch
+    # 101 compute-bound (2 · 862,100 · 101 / 77 GFLOP/s = 2.2615 ms), + 100 × the per-sequence work
+    more = cost.decode_step_s(cpu, 101, 0) - cost.decode_step_s(cpu, 1, 0)
+    roofline = 2 * 862_100 * 101 / 77.0e9 - 862_100 * 4 / 21.4e9
+    assert more == pytest.approx(roofline + 100 * cpu.eff.seq_overhead_s, rel=1e-9)
+    # 1,000 context tokens: 4,096 KV bytes each over 21.4 GB/s, + the per-token host work
+    assert cost.TINY_QWEN2.kv_bytes_per_token == 2 * 4 * 4 * 32 * 4 == 4096
+    more = cost.decode_step_s(cpu, 1, 1000) - cost.decode_step_s(cpu, 1, 0)
+    assert more == pytest.approx(4096 * 1000 / 21.4e9 + 1000 * cpu.eff.context_overhead_s, rel=1e-9)
+    two = cost.PRESETS["tiny-cpu-2t"]
+    assert cost.train_step_s(two, 0, 1, passes=2) == pytest.approx(2 * two.eff.train_overhead_s)
+    assert cost.decode_step_s(SEVEN_B, 1, 0) == pytest.approx(0.0089004, rel=1e-4)  # GPU presets: none
 
 
 def test_decode_run_is_the_sum_of_its_steps():
@@ -268,5 +286,27 @@ def test_simulated_run_keeps_the_bound_and_loses_nothing(tmp_path, ray_session):
     assert sorted(list(per_prompt) + left) == list(range(summary["prompts_admitted"]))  # each exactly once
     assert summary["prompts_admitted"] == (steps + ratio) * cfg.train.prompts_per_step
     metrics = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert all(m["sim/step_s"] == pytest.approx(m["time/step"] / 0.01) for m in metrics)
-    assert summary["sim_seconds_per_step"] == pytest.approx(summary["seconds_per_step"] / 0.01)
+    # GPU time scaled back, the driver's unscaled: between the wall time and the plain division
+    assert all(m["time/step"] <= m["sim/step_s"] <= m["sim/step_scaled_s"] + 1e-9 for m in metrics)
+    assert all(m["sim/step_scaled_s"] == pytest.approx(m["time/step"] / 0.01) for m in metrics)
+    assert summary["seconds_per_step"] < summary["sim_seconds_per_step"] <= summary["seconds_per_step"] / 0.01
+
+
+def test_sim_eff_replaces_preset_fields_and_names_the_closest():
+    from flash.sim.config import cost_model
+
+    fitted = cost_model(SimConfig(model="tiny-cpu-1t", eff={"step_overhead_s": 0.03}))
+    assert fitted.eff.step_overhead_s == 0.03
+    assert fitted.eff.seq_overhead_s == cost.PRESETS["tiny-cpu-1t"].eff.seq_overhead_s
+    assert check_sim(SimConfig(eff={"step_overhed_s": 1.0})) == \
+        "unknown key sim.eff.step_overhed_s; did you mean sim.eff.step_overhead_s?"
+    assert check_sim(SimConfig(eff={"hbm": -1.0})) == "sim.eff.hbm must be >= 0, got -1.0"
+
+
+def test_prompt_factor_is_shared_by_a_prompts_samples():
+    from flash.sim.workload import prompt_factor
+
+    assert prompt_factor([5, 6, 7], 0.0) == 1.0
+    assert prompt_factor([5, 6, 7], 1.0) == prompt_factor([5, 6, 7], 1.0) != prompt_factor([5, 6, 8], 1.0)
+    factors = [math.log(prompt_factor([i, i + 1], 1.0)) for i in range(2000)]
+    assert abs(sum(factors) / len(factors)) < 0.1 and 0.9 < (sum(f * f for f in factors) / len(factors)) ** 0.5 < 1.1

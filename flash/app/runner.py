@@ -40,7 +40,7 @@ from flash.checkpoint_trust import read_manifest, resume_key
 from flash.app.config import FlashConfig, to_dict, to_yaml
 from flash.engine.base import SamplingParams
 from flash.errors import FlashError
-from flash.sim.config import simulated_metrics
+from flash.sim.accounting import seconds_per_step as sim_seconds_per_step, simulated_metrics
 from flash.app.tracking import Heartbeat, Progress, make_tracker, pick_samples
 from controllers.agent_runtime import build_agent_scheduler
 from controllers.episode_runtime import build_episode_scheduler, check_episode_config
@@ -374,7 +374,7 @@ def _on_step(r: Run, rec, tracker, progress) -> None:
         logged.update({**evaluated, "time/eval": r.clock.last_eval_s})
     logged["time/elapsed"] = time.monotonic() - r.clock.train_start
     if r.cfg.train.backend == "sim":  # the same times in simulated seconds (flash.sim.config)
-        logged.update(simulated_metrics(logged, r.cfg.sim.time_scale))
+        logged.update(simulated_metrics(logged, r.cfg.sim.time_scale, rec.timeline))
     if r.reward_pool is not None:  # reward/calls, reward/failures/<reason>, sandbox/timeout/T/...
         logged.update(r.reward_pool.metrics())
     if r.buffer.service is not None:  # zmq transport: puts, gets, bytes, rejected_<reason>, ...
@@ -442,7 +442,7 @@ def _summary(cfg, r: Run, records, acc0, acc1, train_s, left) -> dict:
         "phase_seconds_mean": {k[5:]: sum(rec.metrics.get(k, 0.0) for rec in records) / max(steps, 1)
                                for k in phase_keys},
         "run_dir": str(r.dir),
-        "sim_seconds_per_step": train_s / max(steps, 1) / cfg.sim.time_scale if cfg.train.backend == "sim" else None,
+        "sim_seconds_per_step": sim_seconds_per_step(records, train_s, cfg.sim.time_scale) if cfg.train.backend == "sim" else None,
         # the CPU split the roles ran with (flash plan scales costs measured here to other splits)
         "threads": threads_record(cfg),
         "cores": run_cores(cfg),

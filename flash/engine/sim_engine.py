@@ -3,7 +3,10 @@
 ``SimBatcher`` steps like ``TorchEngine`` (continuous batching: admit into free slots, one batched
 decode, finished sequences leave at once; the same interrupt modes and weight-update requeue) but
 computes nothing: each step's *time* comes from the cost model (``flash.sim.cost``) and the thread
-sleeps it, scaled by ``sim.time_scale``; each response's length, ids and logprobs are drawn from
+sleeps it, scaled by ``sim.time_scale``, less the real time the step's own bookkeeping took (so
+drawing tokens for thousands of sequences on a loaded CPU does not lengthen the simulated step);
+the busy spans it reports are the scaled GPU time alone, so bookkeeping that runs past it
+(``late_s``) is not taken for GPU work (``flash.sim.accounting``); each response's length, ids and logprobs are drawn from
 its request's seed (``flash.sim.workload``). ``EngineLoop`` drives it, so pausing, waiters and
 errors behave exactly as for the torch engine, and ``SimEngineWorker`` is the same actor API.
 
@@ -32,7 +35,8 @@ from flash.engine.loop_actor import LoopActor
 from flash.engine.torch_engine import BatchState, derive_seed
 from flash.sim import cost as costs
 from flash.sim.config import SimConfig, cost_model, instances
-from flash.sim.workload import next_token, response_length
+from flash.sim.workload import next_token, prompt_factor, response_length
+from flash.usage import SpanRecorder
 from flash.weights.group import UpdateReceiver
 
 WEIGHT_NAME = "sim.version"  # the one tensor a simulated trainer pushes (its step count)
@@ -51,11 +55,12 @@ class SimSettings:
     length_median: float = 0.0
     length_sigma: float = 1.0
     max_tokens_per_step: int = 8
+    prompt_sigma: float = 0.0
 
     @classmethod
     def from_config(cls, sim: SimConfig, replicas: int = 1) -> SimSettings:
         return cls(cost_model(sim), instances(sim, replicas), sim.time_scale, sim.token_scale, sim.prompt_tokens,
-                   sim.length_median, sim.length_sigma, sim.max_tokens_per_step)
+                   sim.length_median, sim.length_sigma, sim.max_tokens_per_step, sim.prompt_sigma)
 
 
 @dataclass(eq=False)
@@ -73,6 +78,7 @@ class _Seq:
         cap = self.req.params.max_new_tokens
         median = s.length_median / s.token_scale if s.length_median else cap / 4
         self.rng = random.Random(self.seed)
+        median *= prompt_factor(list(self.req.prompt_ids), s.prompt_sigma)
         self.target = response_length(self.rng, median, s.length_sigma, cap)
         self.tokens, self.logprobs, self.versions = [], [], []
 
@@ -95,6 +101,8 @@ class SimBatcher(BatchState):
         self.tokens_generated = self.decode_steps = 0
         self.sim_busy_s = self.sim_sync_s = 0.0  # simulated seconds computing / receiving weights
         self.step_costs: list[float] = []  # simulated seconds of each step (determinism checks)
+        self.late_s = 0.0  # real seconds steps ran past their scaled time (bookkeeping slower than the GPU)
+        self.spans = SpanRecorder()  # wall spans of scaled GPU time: [step start, + simulated s × time_scale]
 
     # ---- the TorchEngine surface EngineLoop drives ---------------------------------------------
 
@@ -112,6 +120,7 @@ class SimBatcher(BatchState):
 
     def step(self) -> list[GenerationOutput]:
         """Admit (prefill), then up to ``max_tokens_per_step`` decode iterations; sleep their time."""
+        start = (time.monotonic(), time.time())
         cost = self._admit() if self.admitting else 0.0
         finished: list[GenerationOutput] = []
         if self._running:
@@ -119,7 +128,7 @@ class SimBatcher(BatchState):
             cost += spent
         self.sim_busy_s += cost
         self.step_costs.append(cost)
-        time.sleep(cost * self.s.time_scale)
+        self._pace(start, cost)
         return finished
 
     def abort(self, request_ids: list[str] | None = None) -> list[GenerationOutput]:
@@ -155,9 +164,9 @@ class SimBatcher(BatchState):
         for name, _ in items:
             if name != WEIGHT_NAME:
                 raise KeyError(f"unknown parameter {name!r}: the simulated engine holds only {WEIGHT_NAME!r}")
-        sync = costs.weight_sync_s(self.s.cm)
+        start, sync = (time.monotonic(), time.time()), costs.weight_sync_s(self.s.cm)
         self.sim_sync_s += sync
-        time.sleep(sync * self.s.time_scale)
+        self._pace(start, sync)
         self._requeue_running()
         self._version = version
 
@@ -174,6 +183,17 @@ class SimBatcher(BatchState):
         return info or {"level": 0}
 
     # ---- internals ------------------------------------------------------------------------------
+    def _pace(self, start: tuple[float, float], simulated_s: float) -> None:
+        """Sleep until ``simulated_s × time_scale`` real seconds after ``start`` (monotonic, wall)."""
+        scaled = simulated_s * self.s.time_scale
+        if scaled > 0:
+            self.spans.add(start[1], start[1] + scaled)
+        left = start[0] + scaled - time.monotonic()
+        if left > 0:
+            time.sleep(left)
+        else:
+            self.late_s -= left
+
     def _sim_context(self, q: _Seq) -> int:
         prompt = self.s.prompt_tokens or len(q.req.prompt_ids) * self.s.token_scale
         return prompt + len(q.tokens) * self.s.token_scale
@@ -247,8 +267,14 @@ class SimEngineWorker(LoopActor, UpdateReceiver):
 
     def stats(self) -> dict:
         b = self.batcher
-        return {**super().stats(), "sim_busy_s": b.sim_busy_s, "sim_sync_s": b.sim_sync_s,
+        return {**super().stats(), "sim_busy_s": b.sim_busy_s, "sim_sync_s": b.sim_sync_s, "sim_late_s": b.late_s,
                 "sim_tokens": float(b.tokens_generated * b.s.token_scale)}
+
+    def busy_spans(self) -> list[list[float]]:
+        """The scaled GPU time of the steps since the last call (the loop's spans, which hold the
+        bookkeeping too, are dropped)."""
+        self.loop.busy_spans()
+        return self.batcher.spans.drain()
 
     def step_costs(self) -> list[float]:
         """Simulated seconds of every step so far (outside the contract: determinism checks)."""

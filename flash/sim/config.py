@@ -1,16 +1,12 @@
-"""The ``sim:`` section of a recipe (simulated GPU roles) and the simulated-seconds view of metrics.
-
-The simulated roles sleep ``simulated seconds × time_scale`` of real time, so every wall-clock
-measurement of a run (``time/*``, ``seconds_per_step``) is simulated seconds × ``time_scale`` plus
-the real overhead of the controller and Ray (which the division below scales up by the same
-factor: keep ``time_scale`` large enough that it stays small, e.g. 0.01 for 7B-class steps).
-"""
+"""The ``sim:`` section of a recipe (simulated GPU roles): its fields, checks and cost model."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import difflib
+from dataclasses import dataclass, field, fields, replace
+from typing import Dict
 
-from flash.sim.cost import CostModel, preset
+from flash.sim.cost import CostModel, Efficiency, preset
 
 
 @dataclass
@@ -29,7 +25,13 @@ class SimConfig:
     # rollout.max_new_tokens × token_scale; median 0: a quarter of that cap
     length_median: float = 0.0
     length_sigma: float = 1.0
+    # per-prompt spread on top (flash.sim.workload.prompt_factor): a prompt's samples share a
+    # median × exp(prompt_sigma · z); 0: every sample independent
+    prompt_sigma: float = 0.0
     max_tokens_per_step: int = 8  # token ids per engine step (one real sleep): how late an arrival joins
+    # Efficiency fields (flash.sim.cost.Efficiency) replacing the preset's, e.g. costs fitted to this
+    # machine from real runs (bench/sim_fit.py --runs prints them): sim.eff.step_overhead_s=0.03
+    eff: Dict[str, float] = field(default_factory=dict)
 
 
 def check_sim(sim: SimConfig) -> str | None:
@@ -49,22 +51,31 @@ def check_sim(sim: SimConfig) -> str | None:
         (sim.prompt_tokens >= 0, f"sim.prompt_tokens must be >= 0, got {sim.prompt_tokens}"),
         (sim.length_median >= 0 and sim.length_sigma >= 0,
          f"sim.length_median and sim.length_sigma must be >= 0, got {sim.length_median} and {sim.length_sigma}"),
+        (sim.prompt_sigma >= 0, f"sim.prompt_sigma must be >= 0, got {sim.prompt_sigma}"),
         (sim.max_tokens_per_step >= 1, f"sim.max_tokens_per_step must be >= 1, got {sim.max_tokens_per_step}"),
     ]
-    return next((msg for ok, msg in problems if not ok), None)
+    return next((msg for ok, msg in problems if not ok), None) or check_eff(sim.eff)
+
+
+def check_eff(eff: dict) -> str | None:
+    """Why an ``sim.eff`` override cannot apply (an unknown field, with the closest; a negative value)."""
+    names = [f.name for f in fields(Efficiency)]
+    for key, value in eff.items():
+        if key not in names:
+            close = difflib.get_close_matches(key, names, n=1)
+            return f"unknown key sim.eff.{key}" + (f"; did you mean sim.eff.{close[0]}?" if close else "")
+        if not float(value) >= 0:
+            return f"sim.eff.{key} must be >= 0, got {value}"
+    return None
 
 
 def cost_model(sim: SimConfig) -> CostModel:
     cm = preset(sim.model)
+    if sim.eff:
+        cm = replace(cm, eff=replace(cm.eff, **{k: float(v) for k, v in sim.eff.items()}))
     return cm.with_tp(sim.tp) if sim.tp else cm
 
 
 def instances(sim: SimConfig, replicas: int) -> int:
     """Engine instances (``tp`` GPUs each) one of ``replicas`` engine actors simulates (>= 1)."""
     return max(1, sim.rollout_gpus // cost_model(sim).tp // max(1, replicas))
-
-
-def simulated_metrics(metrics: dict[str, float], time_scale: float) -> dict[str, float]:
-    """``sim/<name>_s``: each ``time/<name>`` of a step in simulated seconds."""
-    return {f"sim/{k[len('time/'):]}_s": v / time_scale for k, v in metrics.items()
-            if k.startswith("time/") and isinstance(v, (int, float))}

@@ -7,8 +7,11 @@ Roofline, from first principles, with measured efficiencies where a published fi
         max( (weight bytes + KV bytes/token · C) / (tp · HBM bandwidth · η_hbm),   memory-bound
              2 · params · b / (tp · peak · MFU_decode) )                            compute-bound
         + a fixed per-step overhead (scheduling, sampling, kernel launches)
+        + host work per sequence · b + per context token · C   (0 on the GPU presets; what
+                                                                 dominates a tiny model on a CPU)
     prefill of ``n`` tokens:   2 · params · n / (tp · peak · MFU_prefill)
     train step over ``n`` tokens on ``g`` GPUs:  6 · params · n · passes / (g · peak · MFU_train)
+                                                 + a fixed overhead per pass (optimizer, launches)
     weight push:               weight bytes / link bandwidth + latency
 
 Departures: attention FLOPs (quadratic in context) are left out of prefill and training, which
@@ -58,6 +61,9 @@ class Efficiency:
     step_overhead_s: float  # per decode step, beside the GPU work
     sync_bytes_per_s: float  # trainer → engines weight broadcast, per receiver (they receive at once)
     sync_latency_s: float  # per push: gather, rendezvous, cache reset
+    seq_overhead_s: float = 0.0  # per running sequence per decode step (host: sampling, bookkeeping)
+    context_overhead_s: float = 0.0  # per context token per decode step beyond the roofline (attention)
+    train_overhead_s: float = 0.0  # per pass over a batch (optimizer step, launches)
 
 
 @dataclass(frozen=True)
@@ -78,13 +84,13 @@ def decode_step_s(cm: CostModel, batch: int, context_tokens: float) -> float:
     m, g, e = cm.model, cm.gpu, cm.eff
     memory = (m.weight_bytes + m.kv_bytes_per_token * context_tokens) / (cm.tp * g.hbm_bytes_per_s * e.hbm)
     compute = 2.0 * m.params * batch / (cm.tp * g.peak_flops * e.decode_mfu)
-    return max(memory, compute) + e.step_overhead_s
+    return max(memory, compute) + e.step_overhead_s + e.seq_overhead_s * batch + e.context_overhead_s * context_tokens
 
 
 def decode_run_s(cm: CostModel, batch: int, context_tokens: float, iterations: int) -> float:
     """``iterations`` decode steps of a fixed batch whose context grows by ``batch`` per step.
 
-    The memory term is linear in the context, so the sum equals ``iterations`` steps at the mean
+    The context terms are linear in the context, so the sum equals ``iterations`` steps at the mean
     context (exact while the step stays on one side of the roofline)."""
     if iterations <= 0 or batch <= 0:
         return 0.0
@@ -98,7 +104,8 @@ def prefill_s(cm: CostModel, tokens: float) -> float:
 
 def train_step_s(cm: CostModel, tokens: float, gpus: int, passes: int = 1) -> float:
     """Forward and backward (3 × the forward's 2·params FLOPs per token) over ``tokens``, ``passes`` times."""
-    return 6.0 * cm.model.params * tokens * passes / (max(1, gpus) * cm.gpu.peak_flops * cm.eff.train_mfu)
+    flops = 6.0 * cm.model.params * tokens * passes / (max(1, gpus) * cm.gpu.peak_flops * cm.eff.train_mfu)
+    return flops + passes * cm.eff.train_overhead_s
 
 
 def forward_s(cm: CostModel, tokens: float, gpus: int) -> float:
@@ -144,10 +151,27 @@ H100_VLLM = Efficiency(
 # max(14.4 ms, 7.9 ms) + 3 ms = 17.4 ms per step, 14.7k tokens/s; third-party vLLM figures for
 # Llama-3.1-8B on one H100 are ~12.5k tokens/s (https://www.morphllm.com/vllm-benchmarks): within 20%.
 
+# The default recipe's tiny Qwen2 (flash.models.TinyModelConfig: hidden 128, 4 layers, 4 KV heads of
+# dim 32, fp32) on this machine's 2 shared cores, one preset per torch thread count (a synchronous
+# run gives each role both cores, an async one one each). Every number fitted on this machine by
+# bench/sim_fit.py (load average 6-7), what the roofline leaves of a decode step fitted as host
+# work (a tiny model's step is nearly all of it); the push is in-process (a Ray transfer adds to it).
+TINY_QWEN2 = Model("tiny-qwen2", params=862_100, layers=4, kv_heads=4, head_dim=32, bytes_per_param=4)
+CPU_1T = Gpu("cpu-1-thread", peak_flops=77.0e9, hbm_bytes_per_s=21.4e9)  # fp32 1024² GEMM, 64 MB copy
+CPU_2T = Gpu("cpu-2-threads", peak_flops=79.7e9, hbm_bytes_per_s=17.0e9)
+TORCH_CPU_1T = Efficiency(hbm=1.0, decode_mfu=1.0, prefill_mfu=0.33, train_mfu=0.203, step_overhead_s=4.81e-3,
+                          sync_bytes_per_s=21.4e9, sync_latency_s=1.9e-3, seq_overhead_s=58.3e-6,
+                          context_overhead_s=0.438e-6, train_overhead_s=0.0)
+TORCH_CPU_2T = Efficiency(hbm=1.0, decode_mfu=1.0, prefill_mfu=0.40, train_mfu=0.203, step_overhead_s=5.79e-3,
+                          sync_bytes_per_s=17.0e9, sync_latency_s=2.5e-3, seq_overhead_s=52.1e-6,
+                          context_overhead_s=1.03e-6, train_overhead_s=0.060)
+
 PRESETS: dict[str, CostModel] = {
     "qwen2.5-7b-h100": CostModel(QWEN25_7B, H100_SXM, H100_VLLM, tp=1),
     # 65 GB of BF16 weights leave too little of an 80 GB H100 for KV: served at tp 4
     "qwen2.5-32b-h100": CostModel(QWEN25_32B, H100_SXM, H100_VLLM, tp=4),
+    "tiny-cpu-1t": CostModel(TINY_QWEN2, CPU_1T, TORCH_CPU_1T),
+    "tiny-cpu-2t": CostModel(TINY_QWEN2, CPU_2T, TORCH_CPU_2T),
 }
 
 

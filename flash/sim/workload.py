@@ -5,12 +5,18 @@ tail that RollPacker's tail batching and ROLL-Flash's asynchrony exist for). A l
 cap reproduces that shape with two knobs: the median and ``sigma`` (sigma 1 puts ~16% of responses
 above 2.7 × the median). Everything is drawn from one ``random.Random`` per request, seeded by the
 request's seed, so a response does not depend on its batch mates or on when it ran.
+
+Lengths are also correlated within a prompt (a hard prompt is long for all its samples: what
+tail batching's group rule relies on): ``prompt_factor`` scales a prompt's median by
+``exp(prompt_sigma · z)``, ``z`` drawn from the prompt's token ids, so every sample of a prompt,
+and the same prompt run again, shares it.
 """
 
 from __future__ import annotations
 
 import math
 import random
+import zlib
 
 
 def response_length(rng: random.Random, median: float, sigma: float, cap: int) -> int:
@@ -19,6 +25,14 @@ def response_length(rng: random.Random, median: float, sigma: float, cap: int) -
         raise ValueError(f"cap must be >= 1, got {cap}")
     draw = rng.lognormvariate(math.log(max(median, 1e-9)), sigma) if sigma > 0 else median
     return max(1, min(cap, math.ceil(draw)))
+
+
+def prompt_factor(prompt_ids: list[int], prompt_sigma: float) -> float:
+    """``exp(prompt_sigma · z)``, ``z`` standard normal seeded by the prompt's ids (1.0 at sigma 0)."""
+    if prompt_sigma <= 0:
+        return 1.0
+    z = random.Random(zlib.crc32(",".join(map(str, prompt_ids)).encode())).gauss(0.0, 1.0)
+    return math.exp(prompt_sigma * z)
 
 
 def next_token(rng: random.Random, vocab_size: int, avoid: frozenset[int]) -> tuple[int, float]:

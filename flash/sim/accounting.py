@@ -1,0 +1,81 @@
+"""A step's simulated seconds: GPU time scaled back, the driver's real time left as it is.
+
+The simulated roles sleep ``simulated seconds × time_scale``, so dividing a step's wall time by
+``time_scale`` recovers the GPU time -- and divides the driver's own real work (scoring,
+collation, Ray transfers, admission) by it too, as if it were GPU work slowed down by the same
+factor. At 1024 simulated GPUs a step carries ~5 s of such work on two loaded cores, which the
+division turns into ~100 simulated seconds. Here instead a step's wall window is split in two:
+
+    GPU time    the union of the spans in which a simulated GPU worked: engine steps (the engine
+                loop's busy spans), the controller's waits on the trainer (``train``,
+                ``recompute_prox``) and on the weight push (``push_weights``);
+    driver time the rest of the window: no simulated GPU was working, the cluster waited on the
+                driver -- which on a cluster takes real time too, so it stays unscaled.
+
+    simulated step = GPU time / time_scale + driver time
+
+Departure from a cluster: driver work that overlaps GPU work costs nothing here, as it would on
+a cluster with a driver fast enough; driver time is this machine's (two shared cores), so a
+cluster's driver would likely take less -- the reading is an upper bound on its share.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+GPU_PHASES = ("recompute_prox", "train", "push_weights")  # controller phases that wait on a simulated GPU
+
+
+def union_s(spans: Iterable[Sequence[float]], lo: float, hi: float) -> float:
+    """Seconds of ``[lo, hi]`` covered by at least one of ``spans`` (they may overlap)."""
+    clipped = sorted((max(a, lo), min(b, hi)) for a, b in spans if b > lo and a < hi)
+    total, end = 0.0, lo
+    for a, b in clipped:
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
+
+
+def gpu_spans(timeline: dict) -> list[Sequence[float]]:
+    """The wall spans of one step's timeline in which a simulated GPU worked (see the module doc)."""
+    phases = timeline.get("phases", {})
+    return [*timeline.get("engine_busy", []), *(phases[p] for p in GPU_PHASES if p in phases)]
+
+
+def split_step(step_s: float, timeline: dict) -> tuple[float, float]:
+    """(GPU seconds, driver seconds) of a step of ``step_s`` wall seconds; the window is the span
+    of its phases (the step's own bookkeeping after them counts as driver time)."""
+    phases = list(timeline.get("phases", {}).values())
+    if not phases:
+        return step_s, 0.0
+    gpu = min(step_s, union_s(gpu_spans(timeline), min(a for a, _ in phases), max(b for _, b in phases)))
+    return gpu, step_s - gpu
+
+
+def simulated_step_s(step_s: float, timeline: dict, time_scale: float) -> tuple[float, float]:
+    """(simulated seconds, unscaled driver seconds) of one step."""
+    gpu, driver = split_step(step_s, timeline)
+    return gpu / time_scale + driver, driver
+
+
+def seconds_per_step(records: Sequence, train_s: float, time_scale: float) -> float:
+    """A run's simulated seconds per step: each step's (``simulated_step_s``), plus the time between
+    steps (logging, evaluation, checkpoints) unscaled; ``records`` carry ``metrics`` and ``timeline``."""
+    if not records:
+        return train_s / time_scale
+    steps = [(r.metrics["time/step"], r.timeline) for r in records]
+    between = max(0.0, train_s - sum(s for s, _ in steps))
+    return (sum(simulated_step_s(s, tl, time_scale)[0] for s, tl in steps) + between) / len(records)
+
+
+def simulated_metrics(metrics: dict[str, float], time_scale: float, timeline: dict | None = None) -> dict[str, float]:
+    """``sim/<name>_s``: each ``time/<name>`` of a step divided by ``time_scale``; with the step's
+    ``timeline``, ``sim/step_s`` is GPU time scaled plus ``sim/driver_s`` unscaled, and
+    ``sim/step_scaled_s`` the plain division (whose driver share is scaled up too)."""
+    out = {f"sim/{k[len('time/'):]}_s": v / time_scale for k, v in metrics.items()
+           if k.startswith("time/") and isinstance(v, (int, float))}
+    if timeline is not None and "time/step" in metrics:
+        out["sim/step_scaled_s"] = out["sim/step_s"]
+        out["sim/step_s"], out["sim/driver_s"] = simulated_step_s(metrics["time/step"], timeline, time_scale)
+    return out

@@ -1,0 +1,64 @@
+"""A step's simulated seconds (flash.sim.accounting): GPU time scaled back, driver time not.
+
+- ``union_s`` counts overlapping spans once and clips them to the window.
+- A step whose window is all GPU work is its wall time / time_scale; a gap where no simulated GPU
+  worked is added unscaled, whichever role's spans cover the rest.
+- ``simulated_metrics`` keeps the plain division as ``sim/step_scaled_s``; the run's mean adds the
+  time between steps unscaled.
+- The simulated engine sleeps what is left of a step's scaled time after its own bookkeeping, and
+  reports that scaled time, not the bookkeeping that ran past it, as its busy spans.
+"""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from flash.engine.sim_engine import SimBatcher, SimSettings
+from flash.sim import cost
+from flash.sim.accounting import seconds_per_step, simulated_metrics, simulated_step_s, split_step, union_s
+
+
+def test_union_counts_overlaps_once_and_clips():
+    assert union_s([[0, 2], [1, 3], [5, 6]], 0, 10) == pytest.approx(4.0)
+    assert union_s([[-1, 1], [9, 12]], 0, 10) == pytest.approx(2.0)
+    assert union_s([[0, 5], [1, 2]], 0, 10) == pytest.approx(5.0)
+    assert union_s([], 0, 10) == 0.0
+
+
+def _timeline(engine, **phases):
+    return {"phases": phases, "engine_busy": engine}
+
+
+def test_all_gpu_step_scales_whole_and_driver_gap_stays_unscaled():
+    # sync-like: rollout 0-6 (engine), 1 s of driver work, train 7-9, push 9-10
+    tl = _timeline([[0, 6]], get_batch=[0, 6.5], recompute_prox=[7, 7], train=[7, 9], push_weights=[9, 10])
+    gpu, driver = split_step(10.0, tl)
+    assert (gpu, driver) == (pytest.approx(9.0), pytest.approx(1.0))
+    assert simulated_step_s(10.0, tl, 0.01) == (pytest.approx(901.0), pytest.approx(1.0))
+    busy = _timeline([[0, 10]], get_batch=[0, 4], train=[4, 10])  # async-like: the engine never stops
+    assert simulated_step_s(10.0, busy, 0.5) == (pytest.approx(20.0), pytest.approx(0.0))
+    assert simulated_step_s(2.0, {"phases": {}}, 0.5) == (pytest.approx(4.0), pytest.approx(0.0))
+
+
+def test_metrics_keep_the_plain_division_and_the_run_mean_adds_the_gaps():
+    tl = _timeline([[0, 6]], get_batch=[0, 6.5], train=[7, 9], push_weights=[9, 10])
+    m = simulated_metrics({"time/step": 10.0, "time/train": 2.0, "reward/mean": 1.0}, 0.01, tl)
+    assert m == {"sim/step_s": pytest.approx(901.0), "sim/driver_s": pytest.approx(1.0),
+                 "sim/step_scaled_s": pytest.approx(1000.0), "sim/train_s": pytest.approx(200.0)}
+    records = [SimpleNamespace(metrics={"time/step": 10.0}, timeline=tl)] * 2
+    assert seconds_per_step(records, 23.0, 0.01) == pytest.approx((2 * 901.0 + 3.0) / 2)
+
+
+def test_engine_sleeps_what_is_left_after_its_bookkeeping():
+    b = SimBatcher(SimSettings(cost.PRESETS["qwen2.5-7b-h100"], instances=1, time_scale=1.0), 64, 4, seed=0)
+    start, wall = time.monotonic(), time.time()
+    b._pace((start - 0.05, wall - 0.05), 0.08)  # 50 ms already spent: ~30 ms left to sleep
+    assert 0.02 <= time.monotonic() - start < 0.25 and b.late_s == 0.0  # sleep may overshoot on loaded cores
+    b._pace((time.monotonic() - 0.5, wall + 1.0), 0.2)  # the bookkeeping ran 0.3 s past the step
+    assert b.late_s == pytest.approx(0.3, abs=0.05)
+    # the reported spans are the scaled GPU time only, not the late bookkeeping
+    assert b.spans.drain() == [[pytest.approx(wall - 0.05), pytest.approx(wall + 0.03)],
+                               [pytest.approx(wall + 1.0), pytest.approx(wall + 1.2)]]
