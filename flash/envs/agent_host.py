@@ -22,7 +22,6 @@ import os
 import sys
 
 
-
 class AgentHost:
     """One agent process: an event loop running ``fn`` for each ``run`` call (see module docstring)."""
 
@@ -39,19 +38,9 @@ class AgentHost:
 
     async def run(self, item, key: str) -> tuple[str, float, dict, str]:
         """(outcome, reward, info, error) of one attempt on session ``key``."""
-        import openai
+        from flash.envs.agents import call_agent
 
-        from flash.envs.agents import BadReturn, check_return
-
-        client = openai.AsyncOpenAI(base_url=self.base_url, api_key=key, max_retries=0, timeout=self.timeout_s,
-                                    http_client=self._http)
-        try:
-            reward, info = check_return(await self.fn(client, item))
-            return "ok", reward, info, ""
-        except BadReturn as exc:
-            return "bad_return", 0.0, {}, str(exc)
-        except Exception as exc:  # the user's code: any failure is its outcome
-            return "crashed", 0.0, {}, f"{type(exc).__name__}: {str(exc)[:300]}"
+        return await call_agent(self.fn, self._http, self.base_url, key, self.timeout_s, item)
 
     async def ping(self) -> bool:
         return True

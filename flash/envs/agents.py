@@ -124,18 +124,12 @@ class AgentRunner:
 
         if self._http is None:  # one connection pool for every agent: a client of its own costs ~45 ms
             self._http = openai.DefaultAsyncHttpxClient(timeout=self.timeout_s)
-        client = openai.AsyncOpenAI(base_url=self.base_url, api_key=key, max_retries=0, timeout=self.timeout_s,
-                                    http_client=self._http)
         try:
-            value = await asyncio.wait_for(self.fn(client, item), self.timeout_s)
-            reward, info = check_return(value)
-            return AgentResult(reward, "ok", attempt, info)
+            outcome, reward, info, error = await asyncio.wait_for(
+                call_agent(self.fn, self._http, self.base_url, key, self.timeout_s, item), self.timeout_s)
         except asyncio.TimeoutError:
-            return AgentResult(0.0, "timeout", attempt, error=f"ran past {self.timeout_s}s")
-        except BadReturn as exc:
-            return AgentResult(0.0, "bad_return", attempt, error=str(exc))
-        except Exception as exc:  # the user's code: any failure is its outcome, never the run's
-            return AgentResult(0.0, "crashed", attempt, error=f"{type(exc).__name__}: {str(exc)[:300]}")
+            outcome, reward, info, error = "timeout", 0.0, {}, f"ran past {self.timeout_s}s"
+        return AgentResult(reward, outcome, attempt, info, error)
 
     def _count(self, key: str) -> None:
         with self._lock:
@@ -155,6 +149,23 @@ class AgentRunner:
             asyncio.run_coroutine_threadsafe(self._http.aclose(), self.loop).result(timeout=10)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout=10)
+
+
+async def call_agent(fn: Callable, http, base_url: str, key: str, timeout_s: float,
+                     item) -> tuple[str, float, dict, str]:
+    """(outcome, reward, info, error) of one run of ``fn`` on session ``key`` over the pool ``http``:
+    ``ok``, ``bad_return`` or ``crashed`` (the caller applies the timeout). The driver's runner and
+    an agent host (flash.envs.agent_host) both call it."""
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=key, max_retries=0, timeout=timeout_s, http_client=http)
+    try:
+        reward, info = check_return(await fn(client, item))
+        return "ok", reward, info, ""
+    except BadReturn as exc:
+        return "bad_return", 0.0, {}, str(exc)
+    except Exception as exc:  # the user's code: any failure is its outcome, never the run's
+        return "crashed", 0.0, {}, f"{type(exc).__name__}: {str(exc)[:300]}"
 
 
 async def run_on_host(host, item, key: str, timeout_s: float) -> tuple[str, float, dict, str]:
