@@ -37,3 +37,13 @@ def warm_cache(tmp_path_factory):
     (the model, task, SFT settings and SFT threads; ``flash.train.sft``), so modules asking for
     the same one share it instead of each building it again."""
     return os.environ.get("FLASH_TEST_CACHE") or str(tmp_path_factory.mktemp("warm_cache"))
+
+
+MARGIN_TIMEOUT_S = 3600  # a margin run may build a cold warm start first (the calculator's: ~20 min)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Margin runs (whole learning runs) get a longer per-test limit than the default suite's."""
+    for item in items:
+        if item.get_closest_marker("margin") and not item.get_closest_marker("timeout"):
+            item.add_marker(pytest.mark.timeout(MARGIN_TIMEOUT_S))

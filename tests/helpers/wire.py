@@ -77,10 +77,18 @@ def answers(sock: zmq.Socket, n: int) -> list[dict]:
     return out
 
 
+RAW_TIMEOUT_MS = 90_000  # above the service's longest long-poll (buffers.service.MAX_WAIT_MS)
+
+
 def _raw_socket(ctx: zmq.Context, address: str, keys=None) -> zmq.Socket:
-    """A bare DEALER (``keys``: ``buffers.auth.ClientKeys`` to be a CURVE client)."""
+    """A bare DEALER (``keys``: ``buffers.auth.ClientKeys`` to be a CURVE client).
+
+    Sends and receives give up after ``RAW_TIMEOUT_MS`` (zmq.Again): a DEALER whose peer dropped it
+    (a refused handshake, an oversized frame) has no pipe left and would block a send forever."""
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDTIMEO, RAW_TIMEOUT_MS)
+    sock.setsockopt(zmq.RCVTIMEO, RAW_TIMEOUT_MS)
     if keys is not None:
         keys.apply(sock)
     sock.connect(address)
