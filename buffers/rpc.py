@@ -19,10 +19,16 @@ class BufferServiceError(RuntimeError):
     """The service failed on a request (a bug there, counted as ``internal_errors``; it keeps serving)."""
 
 
+SEND_TIMEOUT_MS = 30_000  # a send with no pipe to queue on (the service dropped us) gives up after this
+
+
 class Rpc:
     """One DEALER socket; replies are matched to requests by ``rid`` and stale ones dropped.
 
-    ``wait`` also returns early (None) when ``wake_fd`` becomes readable.
+    ``wait`` also returns early (None) when ``wake_fd`` becomes readable. A send that cannot be
+    queued (the service dropped this client and the socket has no pipe left) raises
+    ``BufferUnavailable`` after ``SEND_TIMEOUT_MS`` instead of blocking for ever: the callers
+    already retry on it (puts are idempotent, takes replayed).
     """
 
     def __init__(self, address: str, max_frame_bytes: int, wake_fd: int | None = None,
@@ -31,6 +37,7 @@ class Rpc:
         self._ctx = zmq.Context()
         self.sock = self._ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
         if keys is not None:
             keys.apply(self.sock)
         self.sock.connect(address)
@@ -49,10 +56,11 @@ class Rpc:
         """
         rid = next(self._rids)
         header = pack({**message, "rid": rid})
-        if not payloads:
-            self.sock.send(header)
-            return rid
-        self.sock.send(header, zmq.SNDMORE)
+        try:  # only a message's first part can block: once it is queued its other parts follow it
+            self.sock.send(header, zmq.SNDMORE if payloads else 0)
+        except zmq.Again:
+            raise BufferUnavailable(f"the buffer service at {self.address} takes no messages from this client "
+                                    f"(dropped, or never connected) after {SEND_TIMEOUT_MS / 1000:.0f}s") from None
         last = len(payloads) - 1
         for i, part in enumerate(payloads):
             self.sock.send(part, zmq.SNDMORE if i < last else 0, copy=len(part) < (1 << 16))

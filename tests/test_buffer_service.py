@@ -378,3 +378,26 @@ def test_a_run_through_the_zmq_buffer_loses_nothing(tmp_path):
     assert len(trained) == steps * cfg.train.prompts_per_step
     assert sorted([*trained, *left]) == list(range(summary["prompts_admitted"]))
     assert summary["prompts_admitted"] == math.floor((steps + ratio) * cfg.train.prompts_per_step)
+
+
+def test_a_send_with_nowhere_to_queue_raises_unavailable_instead_of_blocking(monkeypatch):
+    """Nothing listens at the address: the socket's pipe holds its high-water mark of messages, then
+    a send has nowhere to go; it gives up after SEND_TIMEOUT_MS as BufferUnavailable (which callers
+    retry), where a plain DEALER would block for ever."""
+    import socket
+
+    import buffers.rpc as rpc_module
+
+    monkeypatch.setattr(rpc_module, "SEND_TIMEOUT_MS", 300)
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        address = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    rpc = rpc_module.Rpc(address, MB)
+    hwm = rpc.sock.getsockopt(zmq.SNDHWM)
+    for _ in range(hwm):  # queued on the connecting pipe
+        rpc.send({"op": "stats"})
+    started = time.monotonic()
+    with pytest.raises(BufferUnavailable, match="takes no messages from this client"):
+        rpc.send({"op": "stats"}, payloads=[b"x" * 10])
+    assert 0.25 < time.monotonic() - started < 5
+    rpc.close()
