@@ -310,3 +310,43 @@ def test_prompt_factor_is_shared_by_a_prompts_samples():
     assert prompt_factor([5, 6, 7], 1.0) == prompt_factor([5, 6, 7], 1.0) != prompt_factor([5, 6, 8], 1.0)
     factors = [math.log(prompt_factor([i, i + 1], 1.0)) for i in range(2000)]
     assert abs(sum(factors) / len(factors)) < 0.1 and 0.9 < (sum(f * f for f in factors) / len(factors)) ** 0.5 < 1.1
+
+
+def test_observed_lengths_from_a_ledger_or_a_list_and_their_errors(tmp_path):
+    """sim.lengths: a run's trained lengths grouped by step and prompt (other outcomes skipped) or
+    integers each alone; a prompt's samples draw from one group, token_scale divides, the cap
+    holds; a bad file is one line."""
+    from flash.sim.workload import load_lengths
+
+    ledger = tmp_path / "run" / "ledger.jsonl"
+    ledger.parent.mkdir()
+    rows = [(0, 1, "trained", 3), (0, 1, "dropped", 99), (0, 2, "trained", 30), (0, 1, "trained", 4),
+            (1, 1, "trained", 0), (0, 2, "trained", 33)]
+    ledger.write_text("".join(json.dumps({"step": st, "prompt_id": p, "outcome": o, "len": n}) + "\n"
+                              for st, p, o, n in rows))
+    assert load_lengths(str(tmp_path / "run")) == load_lengths(str(ledger)) == ((3, 4), (30, 33), (1,))
+    (tmp_path / "list.json").write_text("[5, 9]\n12\n")
+    assert load_lengths(str(tmp_path / "list.json")) == ((5,), (9,), (12,))
+    groups = ((4, 5), (20, 21), (60,))
+    b = SimBatcher(_settings(lengths=groups), VOCAB, max_num_seqs=8, seed=3)
+    requests = [GenerationRequest(f"p{p}-{i}", [1, p], SamplingParams(max_new_tokens=40, stop_token_ids=[STOP],
+                                                                      seed=10 * p + i)) for p in range(12) for i in range(6)]
+    for r in requests:
+        b.add_request(r)
+    by_prompt: dict[str, set[int]] = {}
+    for o in _drain(b).values():
+        by_prompt.setdefault(o.request_id.split("-")[0], set()).add(len(o.token_ids))
+    picked = {frozenset(v) for v in by_prompt.values()}
+    assert all(v <= {4, 5} or v <= {20, 21} or v == {40} for v in picked)  # one group per prompt, 60 capped
+    assert len({min(v) for v in picked}) == 3  # and every group picked by some prompt
+    b = SimBatcher(_settings(lengths=((22,),), token_scale=2), VOCAB, max_num_seqs=8, seed=3)
+    b.add_request(_requests(1)[0])
+    assert [s.target for s in b._waiting] == [11]
+    (tmp_path / "bad.txt").write_text("4\nfour\n")
+    (tmp_path / "neg.txt").write_text("[4, -1]\n")
+    for name, needle in [("missing", "no file"), ("bad.txt", "bad.txt line 2 is neither JSON"),
+                         ("neg.txt", "line 1 has -1 where a length")]:
+        assert needle in check_sim(SimConfig(lengths=str(tmp_path / name)))
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "ledger.jsonl").write_text(json.dumps({"outcome": "dropped", "len": 5}) + "\n")
+    assert "no response length" in check_sim(SimConfig(lengths=str(tmp_path / "empty")))

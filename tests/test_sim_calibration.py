@@ -6,8 +6,8 @@ real run of another seed just before (``bench/sim_fit.py``'s in-run fit: one eng
 decode cost growing with the sequences in flight): the 2 cores are shared with other jobs and a
 run's speed follows their load (a sync step took 1.1 s at load 7 and 7 s at load 19 the same
 hour), so a fit is only good for minutes. The real run of the checked seed goes next; its trained
-response lengths (a lognormal with their median and, per step, their longest) set the simulated workload,
-so what is compared is the time model -- the roles' costs and how the production scheduler
+response lengths are the simulated workload (``sim.lengths``: each simulated response draws one of
+them), so what is compared is the time model -- the roles' costs and how the production scheduler
 overlaps them -- not a length model. Each run is a CLI process of its own; the first step
 (start-up) is left out of each mean. Margin: minutes of real training.
 """
@@ -15,7 +15,6 @@ overlaps them -- not a length model. Each run is a CLI process of its own; the f
 from __future__ import annotations
 
 import json
-import math
 import os
 import statistics
 
@@ -34,24 +33,10 @@ def later_mean(run_dir, key: str) -> float:
     return statistics.fmean(r[key] for r in rows[1:])
 
 
-def length_fit(run_dir) -> tuple[float, float]:
-    """(median, sigma) of a lognormal matching the trained responses' median length and, per step,
-    the longest one (what a synchronous step waits for): the longest of a step's N draws sits near
-    median · exp(sigma · z) with z the standard normal's 1 − 1/N quantile."""
-    trained = [x for x in read_jsonl(run_dir / "ledger.jsonl") if x.get("outcome") == "trained"]
-    steps: dict[int, list[int]] = {}
-    for x in trained:
-        steps.setdefault(x["step"], []).append(max(1, x["len"]))
-    median = statistics.median(x for v in steps.values() for x in v)
-    n = statistics.fmean(len(v) for v in steps.values())
-    longest = statistics.fmean(max(v) for v in steps.values())
-    return median, max(0.0, math.log(longest / median)) / statistics.NormalDist().inv_cdf(1 - 1 / n)
-
-
-def sim_overrides(ratio: int, eff: dict, median: float, sigma: float) -> list[str]:
+def sim_overrides(ratio: int, eff: dict, lengths) -> list[str]:
     return ["rollout.engine=sim", "train.backend=sim", f"sim.model={PRESET_FOR_RATIO[ratio]}", "sim.rollout_gpus=1",
             "sim.train_gpus=1", "sim.time_scale=1.0", "sim.token_scale=1", "sim.max_tokens_per_step=1",
-            f"sim.length_median={median:.3f}", f"sim.length_sigma={sigma:.3f}",
+            f"sim.lengths={lengths}",
             *(f"sim.eff.{k}={v:.6g}" for k, v in eff.items())]
 
 
@@ -65,12 +50,11 @@ def test_simulated_seconds_per_step_within_20_percent_of_real(tmp_path, warm_cac
     fit = fit_dir(tmp_path / "fit", ratio)
     recipe_summary(tmp_path / "real", warm_cache, "recipes/stutter.yaml", common)
     real = later_mean(tmp_path / "real", "time/step")
-    median, sigma = length_fit(tmp_path / "real")
     recipe_summary(tmp_path / "sim", warm_cache, "recipes/stutter.yaml",
-                   [*common, *sim_overrides(ratio, run_eff(fit), median, sigma)])
+                   [*common, *sim_overrides(ratio, run_eff(fit), tmp_path / "real")])
     sim = later_mean(tmp_path / "sim", "sim/step_s")
     record = {"ratio": ratio, "fit_real_s_per_step": fit["real_s_per_step"], "real_s_per_step": real,
-              "sim_s_per_step": sim, "error": sim / real - 1, "length_median": median, "length_sigma": sigma,
+              "sim_s_per_step": sim, "error": sim / real - 1,
               "load_before": load0, "load_after": os.getloadavg()[0], "fit": fit}
     print(json.dumps(record))
     assert abs(sim / real - 1) <= TOLERANCE, record

@@ -35,7 +35,7 @@ from flash.engine.loop_actor import LoopActor
 from flash.engine.torch_engine import BatchState, derive_seed
 from flash.sim import cost as costs
 from flash.sim.config import SimConfig, cost_model, instances
-from flash.sim.workload import next_token, prompt_factor, response_length
+from flash.sim.workload import load_lengths, next_token, observed_length, prompt_factor, response_length
 from flash.usage import SpanRecorder
 from flash.weights.group import UpdateReceiver
 
@@ -56,11 +56,13 @@ class SimSettings:
     length_sigma: float = 1.0
     max_tokens_per_step: int = 8
     prompt_sigma: float = 0.0
+    lengths: tuple[tuple[int, ...], ...] = ()  # observed length groups (simulated tokens); empty: the lognormal
 
     @classmethod
     def from_config(cls, sim: SimConfig, replicas: int = 1) -> SimSettings:
         return cls(cost_model(sim), instances(sim, replicas), sim.time_scale, sim.token_scale, sim.prompt_tokens,
-                   sim.length_median, sim.length_sigma, sim.max_tokens_per_step, sim.prompt_sigma)
+                   sim.length_median, sim.length_sigma, sim.max_tokens_per_step, sim.prompt_sigma,
+                   load_lengths(sim.lengths) if sim.lengths else ())
 
 
 @dataclass(eq=False)
@@ -76,10 +78,11 @@ class _Seq:
     def reset(self, s: SimSettings) -> None:
         """Back to the seed: the same length and ids again (interrupt mode ``restart``)."""
         cap = self.req.params.max_new_tokens
-        median = s.length_median / s.token_scale if s.length_median else cap / 4
         self.rng = random.Random(self.seed)
-        median *= prompt_factor(list(self.req.prompt_ids), s.prompt_sigma)
-        self.target = response_length(self.rng, median, s.length_sigma, cap)
+        factor = prompt_factor(list(self.req.prompt_ids), s.prompt_sigma)
+        median = s.length_median / s.token_scale if s.length_median else cap / 4
+        self.target = (observed_length(self.rng, s.lengths, list(self.req.prompt_ids), factor / s.token_scale, cap) if s.lengths
+                       else response_length(self.rng, median * factor, s.length_sigma, cap))
         self.tokens, self.logprobs, self.versions = [], [], []
 
     def output(self, reason: str) -> GenerationOutput:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Dict
 
 from flash.sim.cost import CostModel, Efficiency, preset
+from flash.sim.workload import load_lengths
 
 
 @dataclass
@@ -25,6 +26,9 @@ class SimConfig:
     # rollout.max_new_tokens × token_scale; median 0: a quarter of that cap
     length_median: float = 0.0
     length_sigma: float = 1.0
+    # or lengths observed in a real run, drawn uniformly (replacing the lognormal): a run dir, its
+    # ledger.jsonl, or a file of integers (flash.sim.workload.load_lengths); "" : the lognormal
+    lengths: str = ""
     # per-prompt spread on top (flash.sim.workload.prompt_factor): a prompt's samples share a
     # median × exp(prompt_sigma · z); 0: every sample independent
     prompt_sigma: float = 0.0
@@ -54,7 +58,18 @@ def check_sim(sim: SimConfig) -> str | None:
         (sim.prompt_sigma >= 0, f"sim.prompt_sigma must be >= 0, got {sim.prompt_sigma}"),
         (sim.max_tokens_per_step >= 1, f"sim.max_tokens_per_step must be >= 1, got {sim.max_tokens_per_step}"),
     ]
-    return next((msg for ok, msg in problems if not ok), None) or check_eff(sim.eff)
+    return next((msg for ok, msg in problems if not ok), None) or check_eff(sim.eff) or check_lengths(sim.lengths)
+
+
+def check_lengths(path: str) -> str | None:
+    """Why ``sim.lengths`` cannot be read (one line), or None (also when it is unset)."""
+    if not path:
+        return None
+    try:
+        load_lengths(path)
+    except ValueError as exc:
+        return str(exc)
+    return None
 
 
 def check_eff(eff: dict) -> str | None:

@@ -6,6 +6,11 @@ cap reproduces that shape with two knobs: the median and ``sigma`` (sigma 1 puts
 above 2.7 × the median). Everything is drawn from one ``random.Random`` per request, seeded by the
 request's seed, so a response does not depend on its batch mates or on when it ran.
 
+Or lengths come from a real run (``sim.lengths``: its ``ledger.jsonl``, or a file of integers):
+each prompt draws one observed group (a prompt's samples in one step) and each of its samples one
+length of it, so a simulation at scale sees the distribution a small real run produced, its
+correlation within a prompt included (a task whose lengths are not lognormal: copies, formats).
+
 Lengths are also correlated within a prompt (a hard prompt is long for all its samples: what
 tail batching's group rule relies on): ``prompt_factor`` scales a prompt's median by
 ``exp(prompt_sigma · z)``, ``z`` drawn from the prompt's token ids, so every sample of a prompt,
@@ -14,9 +19,14 @@ and the same prompt run again, shares it.
 
 from __future__ import annotations
 
+import json
 import math
 import random
 import zlib
+from pathlib import Path
+
+MAX_LENGTHS = 1_000_000  # observed lengths read from one file (a sample of them draws the same)
+MAX_LENGTH_FILE_BYTES = 512 << 20
 
 
 def response_length(rng: random.Random, median: float, sigma: float, cap: int) -> int:
@@ -25,6 +35,67 @@ def response_length(rng: random.Random, median: float, sigma: float, cap: int) -
         raise ValueError(f"cap must be >= 1, got {cap}")
     draw = rng.lognormvariate(math.log(max(median, 1e-9)), sigma) if sigma > 0 else median
     return max(1, min(cap, math.ceil(draw)))
+
+
+def observed_length(rng: random.Random, groups: tuple[tuple[int, ...], ...], prompt_ids: list[int],
+                    factor: float, cap: int) -> int:
+    """One observed length times ``factor``, rounded up, in ``[1, cap]``: the prompt's ids pick one
+    observed group (every sample of a prompt the same one: lengths stay correlated within a prompt,
+    as in the run they came from), ``rng`` one of its lengths."""
+    group = groups[random.Random(zlib.crc32(",".join(map(str, prompt_ids)).encode())).randrange(len(groups))]
+    return max(1, min(cap, math.ceil(rng.choice(group) * factor)))
+
+
+def _parse_line(path: Path, number: int, line: str) -> tuple[tuple | None, list[int]]:
+    """(the group key of a ledger line, or None for a plain list or integer; its lengths)."""
+    try:
+        value = json.loads(line)
+    except ValueError:
+        raise ValueError(f"sim.lengths: {path} line {number} is neither JSON nor an integer") from None
+    key = None
+    values = value if isinstance(value, list) else [value]
+    if isinstance(value, dict):  # a ledger line: trained samples only, grouped by step and prompt
+        values = [value.get("len")] if value.get("outcome") == "trained" else []
+        key = (value.get("step"), value.get("prompt_id"))
+    for v in values:
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise ValueError(f"sim.lengths: {path} line {number} has {v!r} where a length (an integer >= 0) belongs")
+    return key, values
+
+
+def _groups_in(path: Path, lines) -> list[list[int]]:
+    """A ledger's lengths grouped by (step, prompt); a list of integers' each a group of its own."""
+    groups: dict[object, list[int]] = {}
+    count = 0
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        key, values = _parse_line(path, number, line)
+        for v in values:
+            groups.setdefault(key if key is not None else count, []).append(max(1, v))
+            count += 1
+        if count >= MAX_LENGTHS:
+            break
+    return list(groups.values())
+
+
+def load_lengths(path: str) -> tuple[tuple[int, ...], ...]:
+    """Observed response lengths from ``path``, in groups: a run dir or its ``ledger.jsonl`` (every
+    trained sample's ``len``, one group per step and prompt), a JSON list or one integer per line
+    (each its own group). Data only: parsed as JSON, bounded in bytes and count; ValueError with
+    one line naming the file (and line) otherwise."""
+    p = Path(path).expanduser()
+    if p.is_dir():
+        p = p / "ledger.jsonl"
+    if not p.is_file():
+        raise ValueError(f"sim.lengths: no file {p} (give a run dir, its ledger.jsonl or a file of integers)")
+    if p.stat().st_size > MAX_LENGTH_FILE_BYTES:
+        raise ValueError(f"sim.lengths: {p} is over {MAX_LENGTH_FILE_BYTES >> 20} MiB; pass a sample of its lengths")
+    with p.open(encoding="utf-8", errors="replace") as f:
+        groups = _groups_in(p, f)
+    if not groups:
+        raise ValueError(f"sim.lengths: {p} holds no response length (a ledger without trained samples?)")
+    return tuple(tuple(g) for g in groups)
 
 
 def prompt_factor(prompt_ids: list[int], prompt_sigma: float) -> float:
