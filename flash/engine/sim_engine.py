@@ -79,10 +79,13 @@ class _Seq:
         """Back to the seed: the same length and ids again (interrupt mode ``restart``)."""
         cap = self.req.params.max_new_tokens
         self.rng = random.Random(self.seed)
-        factor = prompt_factor(list(self.req.prompt_ids), s.prompt_sigma)
-        median = s.length_median / s.token_scale if s.length_median else cap / 4
-        self.target = (observed_length(self.rng, s.lengths, list(self.req.prompt_ids), factor / s.token_scale, cap) if s.lengths
-                       else response_length(self.rng, median * factor, s.length_sigma, cap))
+        ids = list(self.req.prompt_ids)
+        factor = prompt_factor(ids, s.prompt_sigma)
+        if s.lengths:
+            self.target = observed_length(self.rng, s.lengths, ids, factor / s.token_scale, cap)
+        else:
+            median = s.length_median / s.token_scale if s.length_median else cap / 4
+            self.target = response_length(self.rng, median * factor, s.length_sigma, cap)
         self.tokens, self.logprobs, self.versions = [], [], []
 
     def output(self, reason: str) -> GenerationOutput:

@@ -26,8 +26,9 @@ class SimConfig:
     # rollout.max_new_tokens × token_scale; median 0: a quarter of that cap
     length_median: float = 0.0
     length_sigma: float = 1.0
-    # or lengths observed in a real run, drawn uniformly (replacing the lognormal): a run dir, its
-    # ledger.jsonl, or a file of integers (flash.sim.workload.load_lengths); "" : the lognormal
+    # or lengths observed in a real run (replacing the lognormal): a run dir, its ledger.jsonl
+    # (a prompt draws one step-and-prompt group, its samples lengths of it), or a file of integers
+    # (flash.sim.workload.load_lengths); "": the lognormal
     lengths: str = ""
     # per-prompt spread on top (flash.sim.workload.prompt_factor): a prompt's samples share a
     # median × exp(prompt_sigma · z); 0: every sample independent

@@ -37,12 +37,18 @@ def response_length(rng: random.Random, median: float, sigma: float, cap: int) -
     return max(1, min(cap, math.ceil(draw)))
 
 
+def prompt_rng(prompt_ids: list[int]) -> random.Random:
+    """A generator seeded by a prompt's token ids alone: what every sample of the prompt, and the
+    prompt run again, draws alike (its length factor, its observed group)."""
+    return random.Random(zlib.crc32(",".join(map(str, prompt_ids)).encode()))
+
+
 def observed_length(rng: random.Random, groups: tuple[tuple[int, ...], ...], prompt_ids: list[int],
                     factor: float, cap: int) -> int:
     """One observed length times ``factor``, rounded up, in ``[1, cap]``: the prompt's ids pick one
     observed group (every sample of a prompt the same one: lengths stay correlated within a prompt,
     as in the run they came from), ``rng`` one of its lengths."""
-    group = groups[random.Random(zlib.crc32(",".join(map(str, prompt_ids)).encode())).randrange(len(groups))]
+    group = groups[prompt_rng(prompt_ids).randrange(len(groups))]
     return max(1, min(cap, math.ceil(rng.choice(group) * factor)))
 
 
@@ -102,7 +108,7 @@ def prompt_factor(prompt_ids: list[int], prompt_sigma: float) -> float:
     """``exp(prompt_sigma · z)``, ``z`` standard normal seeded by the prompt's ids (1.0 at sigma 0)."""
     if prompt_sigma <= 0:
         return 1.0
-    z = random.Random(zlib.crc32(",".join(map(str, prompt_ids)).encode())).gauss(0.0, 1.0)
+    z = prompt_rng(prompt_ids).gauss(0.0, 1.0)
     return math.exp(prompt_sigma * z)
 
 
