@@ -1,6 +1,9 @@
-"""Simulated seconds per step, sync vs async, at 64 and 1024 simulated H100s (recipes/sim_rlvr.yaml).
+"""Simulated seconds per step, sync vs async, at 64 and 1024 simulated H100s (recipes/sim_rlvr.yaml;
+``--recipe sim_agentic``: multi-turn episodes with environment latency, ``--redundancy 0,2``: with
+redundant episodes too).
 
-    python -m bench.sim [--gpus 64,1024] [--ratios 0,1,2] [--steps 5] [key=value ...]
+    python -m bench.sim [--recipe sim_rlvr] [--gpus 64,1024] [--ratios 0,1,2] [--redundancy 0]
+                        [--steps 5] [key=value ...]
 
 Each (GPUs, ratio) is one in-process run of the real controller, scheduler and buffer against the
 simulated engine and trainer (one Ray for all runs). GPUs are split half rollout, half training;
@@ -38,12 +41,13 @@ def time_scale_for(gpus: int) -> float:
     return 0.05 if gpus <= 256 else 0.2
 
 
-def one_run(gpus: int, ratio: float, steps: int, root: Path, overrides: list[str]) -> dict:
+def one_run(gpus: int, ratio: float, redundancy: int, steps: int, root: Path, args) -> dict:
     half = gpus // 2
-    cfg = load_config("recipes/sim_rlvr.yaml", [f"sim.time_scale={time_scale_for(gpus)}",
-        f"async_ratio={ratio}", f"train.steps={steps}", f"sim.rollout_gpus={half}", f"sim.train_gpus={half}",
-        f"train.prompts_per_step={gpus}", f"run_dir={root / f'g{gpus}-r{ratio}'}", "tracking.progress=false",
-        "checkpoint.enabled=false", *overrides])
+    cfg = load_config(f"recipes/{args.recipe}.yaml", [f"sim.time_scale={time_scale_for(gpus)}",
+        f"async_ratio={ratio}", f"rollout.redundancy={redundancy}", f"train.steps={steps}",
+        f"sim.rollout_gpus={half}", f"sim.train_gpus={half}", f"train.prompts_per_step={gpus}",
+        f"run_dir={root / f'g{gpus}-r{ratio}-k{redundancy}'}", "tracking.progress=false",
+        "checkpoint.enabled=false", *args.overrides])
     start = time.monotonic()
     summary = run(cfg, "sim")
     wall = time.monotonic() - start
@@ -51,7 +55,7 @@ def one_run(gpus: int, ratio: float, steps: int, root: Path, overrides: list[str
     later = rows[1 + math.ceil(ratio):] or rows
     mean = {k: sum(r[k] for r in later) / len(later) for k in ("sim/step_s", "sim/step_scaled_s", "sim/driver_s",
                                                                  "time/step")}
-    return {"gpus": gpus, "ratio": ratio, "sim_s_per_step": mean["sim/step_s"], "wall_s_per_step": mean["time/step"],
+    return {"gpus": gpus, "ratio": ratio, "redundancy": redundancy, "sim_s_per_step": mean["sim/step_s"], "wall_s_per_step": mean["time/step"],
             "scaled_s_per_step": mean["sim/step_scaled_s"], "driver_s_per_step": mean["sim/driver_s"],
             "run_wall_s": wall,
             "max_staleness": summary["max_staleness_observed"], "time_scale": cfg.sim.time_scale}
@@ -59,7 +63,9 @@ def one_run(gpus: int, ratio: float, steps: int, root: Path, overrides: list[str
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--recipe", default="sim_rlvr")
     ap.add_argument("--gpus", default="64,1024")
+    ap.add_argument("--redundancy", default="0")
     ap.add_argument("--ratios", default="0,1,2")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("overrides", nargs="*")
@@ -68,12 +74,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="flash-bench-sim-") as tmp:
         for gpus in [int(g) for g in args.gpus.split(",")]:
             base = None
-            for ratio in [float(r) for r in args.ratios.split(",")]:
-                r = one_run(gpus, ratio, args.steps, Path(tmp), args.overrides)
+            settings = [(float(r), int(k)) for k in args.redundancy.split(",") for r in args.ratios.split(",")]
+            for ratio, redundancy in settings:
+                r = one_run(gpus, ratio, redundancy, args.steps, Path(tmp), args)
                 base = base or r["sim_s_per_step"]
                 r["speedup_vs_first"] = base / r["sim_s_per_step"]
                 results.append(r)
-                print(f"{gpus:5d} GPUs  r={ratio:<4g} {r['sim_s_per_step']:8.1f} sim s/step  "
+                print(f"{gpus:5d} GPUs  r={ratio:<4g} k={redundancy} {r['sim_s_per_step']:8.1f} sim s/step  "
                       f"x{r['speedup_vs_first']:.2f}  (driver {r['driver_s_per_step']:.1f} s, "
                       f"scaled {r['scaled_s_per_step']:.1f})  wall {r['wall_s_per_step']:.2f} s/step "
                       f"(run {r['run_wall_s']:.0f} s)  staleness max {r['max_staleness']:.0f}", flush=True)

@@ -85,6 +85,7 @@ class AsyncController:
         self._engine_prev: dict[str, float] = {}
         self._trainer_prev = 0.0
         self._engine_spans: list[list[float]] = []
+        self._env_spans: list[list[float]] = []  # environment steps in flight (episode workflows)
         self._meters = {"rollout": IdleMeter(), "train": IdleMeter()}
         self._update_bytes = 0.0
         self._reward_cpu_prev = 0.0  # the reward pool's CPU seconds at the previous step
@@ -371,6 +372,8 @@ class AsyncController:
         """Idle ratio per role (``1 − Δbusy/Δwall`` since the previous step's read, so time spent
         between steps -- evaluation, logging -- counts too) and generated tokens/s."""
         engine, self._engine_spans = self._engine_get("stats"), self._engine_get("busy_spans")
+        env = getattr(getattr(self.scheduler, "workflow", None), "env_spans", None)  # episodes only
+        self._env_spans = env.drain() if env is not None else []
         trainer = ray.get(self.trainer.stats.remote())
         prev, self._engine_prev = self._engine_prev, engine
         self._trainer_prev, trainer_prev = trainer.get("busy_s", 0.0), self._trainer_prev
@@ -398,7 +401,7 @@ class AsyncController:
     def _timeline(self) -> dict[str, Any]:
         """This step's spans; the trainer is busy in ``recompute_prox`` (when it runs) and ``train``."""
         busy = ["recompute_prox", "train"] if self.s.prox == "separate" else ["train"]
-        return {"phases": dict(self._spans), "engine_busy": self._engine_spans,
+        return {"phases": dict(self._spans), "engine_busy": self._engine_spans, "env_busy": self._env_spans,
                 "trainer_busy": [self._spans[p] for p in busy if p in self._spans]}
 
     def shutdown_rollout(self) -> dict[str, list[int]]:

@@ -63,7 +63,9 @@ def build_episode_scheduler(cfg, task, tokenizer, engine, buffer, staleness, par
     options = dataclasses.asdict(task.options)
     restarts = cfg.rollout.max_worker_restarts  # Ray restarts a dead worker; its episodes play again
     o = task.options
-    workers = start_env_workers(o.env_workers, task.name, options, o.step_delay_s, max_restarts=restarts,
+    # a simulated run's environment latency is simulated seconds, scaled like the simulated GPUs'
+    scale = cfg.sim.time_scale if cfg.rollout.engine == "sim" else 1.0
+    workers = start_env_workers(o.env_workers, task.name, options, o.step_delay_s * scale, max_restarts=restarts,
                                 step_delay_sigma=o.step_delay_sigma, concurrency=o.env_concurrency)
     # one driver thread per call the workers can run at once: fewer would queue environment calls
     # (a slow tool's latency) behind each other however many episodes are live

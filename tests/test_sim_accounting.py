@@ -43,6 +43,15 @@ def test_all_gpu_step_scales_whole_and_driver_gap_stays_unscaled():
     assert simulated_step_s(2.0, {"phases": {}}, 0.5) == (pytest.approx(4.0), pytest.approx(0.0))
 
 
+def test_an_environment_step_in_flight_is_simulated_time_not_driver_time():
+    # an episode step: the engine idle 2-6 while environment steps run 2-5; the gap 5-6 is the driver's
+    tl = {**_timeline([[0, 2]], get_batch=[0, 6], train=[6, 8]), "env_busy": [[2, 4], [3, 5]]}
+    assert split_step(8.0, tl) == (pytest.approx(7.0), pytest.approx(1.0))
+    assert simulated_step_s(8.0, tl, 0.1) == (pytest.approx(71.0), pytest.approx(1.0))
+    no_env = _timeline([[0, 2]], get_batch=[0, 6], train=[6, 8])
+    assert split_step(8.0, no_env) == (pytest.approx(4.0), pytest.approx(4.0))
+
+
 def test_metrics_keep_the_plain_division_and_the_run_mean_adds_the_gaps():
     tl = _timeline([[0, 6]], get_batch=[0, 6.5], train=[7, 9], push_weights=[9, 10])
     m = simulated_metrics({"time/step": 10.0, "time/train": 2.0, "reward/mean": 1.0}, 0.01, tl)

@@ -27,6 +27,7 @@ same tokens. Every finished episode is counted by outcome (``outcome/<name>``).
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -39,6 +40,7 @@ from controllers.workflows.base import Unit, turn_seed
 from controllers.workflows.env_faults import EnvWorkerFaults, _EpisodeLost
 from flash.engine.base import GenerationOutput, GenerationRequest, SamplingParams
 from flash.envs.episode import Transcript, add_observation, add_turn, to_sample
+from flash.usage import SpanRecorder
 
 COUNTERS = ("episodes", "turns", "turns_aborted", "episodes_halted", "episodes_cancelled")
 
@@ -92,6 +94,9 @@ class Episodes(EnvWorkerFaults):
         self.events: list[dict] = []
         self.on_event: Callable[[dict], None] | None = None  # each worker death (events.jsonl)
         self._pids: list[int] | None = None  # each worker's process as last seen
+        # wall spans in which an environment step was in flight (a simulated run counts them as
+        # simulated time: flash.sim.accounting)
+        self.env_spans = SpanRecorder()
 
     @property
     def core(self):
@@ -252,8 +257,10 @@ class Episodes(EnvWorkerFaults):
             self._launch(lambda: self._step(ep, action))
 
     def _step(self, ep: _Episode, action: str) -> None:
+        start = time.time()
         try:
             obs, reward, done, info = self._env(ep, "step", ep.key, action)
+            self.env_spans.add(start, time.time())
         except _EpisodeLost:  # its worker died: the episode plays again from the start
             self._reset(ep)
             return

@@ -51,7 +51,7 @@ class Env(Protocol):
 
 # The built-in environments register when their modules are imported (``flash.envs`` imports
 # them); named here too so that a lookup through this module alone finds them.
-ENVS = Registry("environment", builtins=("flash.envs.corridor", "flash.envs.gym"))
+ENVS = Registry("environment", builtins=("flash.envs.corridor", "flash.envs.gym", "flash.envs.synthetic"))
 
 
 def register_env(name: str) -> Callable[[type], type]:

@@ -29,6 +29,7 @@ from flash.envs.base import make_env
 from flash.envs.corridor import CorridorOptions
 from flash.envs.episode import transcript_text
 from flash.envs.gym import FrozenLakeOptions
+from flash.envs.synthetic import SyntheticOptions
 from flash.tasks import Task, TaskItem, register_task
 
 
@@ -40,7 +41,9 @@ class EpisodeOptions:
     demo_noise: float = 0.25  # per-move probability that a demonstration move is not the expert's
     env_workers: int = 2  # EnvWorker actors running the environments
     env_concurrency: int = 16  # environment calls one EnvWorker runs at once (its threads)
-    step_delay_s: float = 0.0  # every environment step sleeps this long (latency injection)
+    # every environment step sleeps this long (latency injection); with rollout.engine: sim these are
+    # simulated seconds, slept × sim.time_scale like the simulated GPUs' time
+    step_delay_s: float = 0.0
     step_delay_sigma: float = 0.0  # > 0: the sleep is lognormal with median step_delay_s (a long tail)
 
     def __post_init__(self) -> None:
@@ -135,3 +138,23 @@ class FrozenLakeTask(EnvTask):
     Options = FrozenLakeTaskOptions
     EnvOptions = FrozenLakeOptions
     env = "frozenlake"
+
+
+@dataclass(frozen=True)
+class SyntheticTaskOptions(SyntheticOptions, EpisodeOptions):
+    def __post_init__(self) -> None:
+        SyntheticOptions.__post_init__(self)
+        EpisodeOptions.__post_init__(self)
+
+
+@register_task("synthetic")
+class SyntheticTask(EnvTask):
+    """An agentic workload's shape for simulated runs (``flash.envs.synthetic``): turns, observation
+    lengths and the environment's latency, no game; with ``rollout.engine: sim``."""
+
+    Options = SyntheticTaskOptions
+    EnvOptions = SyntheticOptions
+    env = "synthetic"
+
+    def max_response_tokens(self) -> int:
+        return self.options.action_tokens

@@ -8,9 +8,11 @@ division turns into ~100 simulated seconds. Here instead a step's wall window is
 
     GPU time    the union of the spans in which a simulated GPU worked: engine steps (the engine
                 loop's busy spans), the controller's waits on the trainer (``train``,
-                ``recompute_prox``) and on the weight push (``push_weights``);
-    driver time the rest of the window: no simulated GPU was working, the cluster waited on the
-                driver -- which on a cluster takes real time too, so it stays unscaled.
+                ``recompute_prox``) and on the weight push (``push_weights``) -- and the spans in
+                which an environment step was in flight (``env_busy``: its latency is simulated
+                seconds too, slept scaled by the workers);
+    driver time the rest of the window: no simulated GPU (or environment) was working, the cluster
+                waited on the driver -- which on a cluster takes real time too, so it stays unscaled.
 
     simulated step = GPU time / time_scale + driver time
 
@@ -38,9 +40,10 @@ def union_s(spans: Iterable[Sequence[float]], lo: float, hi: float) -> float:
 
 
 def gpu_spans(timeline: dict) -> list[Sequence[float]]:
-    """The wall spans of one step's timeline in which a simulated GPU worked (see the module doc)."""
+    """The wall spans of one step's timeline in which a simulated GPU or environment worked (module doc)."""
     phases = timeline.get("phases", {})
-    return [*timeline.get("engine_busy", []), *(phases[p] for p in GPU_PHASES if p in phases)]
+    return [*timeline.get("engine_busy", []), *timeline.get("env_busy", []),
+            *(phases[p] for p in GPU_PHASES if p in phases)]
 
 
 def split_step(step_s: float, timeline: dict) -> tuple[float, float]:
