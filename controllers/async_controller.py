@@ -380,7 +380,8 @@ class AsyncController:
         # a restarted engine counts from zero again: its tokens since the restart, not a negative delta
         tokens = engine.get("tokens_generated", 0.0) - prev.get("tokens_generated", 0.0)
         tokens = tokens if tokens >= 0 else engine.get("tokens_generated", 0.0)
-        delta = {k: max(0.0, engine.get(k, 0.0) - prev.get(k, 0.0)) for k in ("busy_s", "decode_steps", "cpu_s")}
+        delta = {k: max(0.0, engine.get(k, 0.0) - prev.get(k, 0.0))
+                 for k in ("busy_s", "decode_steps", "cpu_s", "sim_late_s")}
         cpu = {"train": trainer.get("cpu_s", 0.0), "driver": time.process_time()}
         cpu_prev, self._cpu_prev = self._cpu_prev, cpu
         return {
@@ -396,6 +397,8 @@ class AsyncController:
             "train/idle_ratio": self._meters["train"].read(trainer.get("busy_s", 0.0)),
             "rollout/tokens_generated": tokens,
             "rollout/tokens_per_s": tokens / step_s if step_s > 0 else 0.0,
+            # a simulated engine: real seconds its bookkeeping ran past the scaled GPU time
+            **({"rollout/sim_late_s": delta["sim_late_s"]} if "sim_late_s" in engine else {}),
         }
 
     def _timeline(self) -> dict[str, Any]:

@@ -1,8 +1,8 @@
 """Process helpers every Ray role shares: a quiet, fast worker environment, loading a model,
 starting (or joining) Ray with the driver's import path, and waiting for actors to be ready.
 
-Components (engines, trainers, reward and environment workers) and the app import this; it imports
-nothing of the project.
+Components (engines, trainers, reward and environment workers) and the app import this; of the
+project it imports only ``flash.errors``.
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ from typing import Any
 
 import ray
 import torch
+
+from flash.errors import ConfigError
 
 QUIET_ENV = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "error",
              "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -101,8 +103,31 @@ def start_reaper() -> None:
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
 
 
+def require_ray_auth(address: str | None, environ=os.environ, started: bool = False) -> None:
+    """Refuse a local Ray without Ray's token authentication (one line naming the fix).
+
+    A local Ray's GCS, raylets and workers listen on every interface whatever the node address
+    (Ray binds its gRPC servers to all of them); with token authentication (Ray >= 2.52, on by
+    default for a new local Ray from 2.59, which then sets ``RAY_AUTH_MODE=token``) every one of
+    those entry points wants the token Ray keeps in ``~/.ray/auth_token``, so a stranger on the
+    network can neither join nor call in. Before ``ray.init``: an explicit other mode is refused
+    (setting the variable here would come too late: Ray caches its config at import). After it
+    (``started``): the mode must be on. A cluster joined by ``ray.address`` is configured by
+    whoever started it (README, "Run on a Ray cluster")."""
+    mode = environ.get("RAY_AUTH_MODE")
+    if address or (mode is None and not started) or (mode or "").lower() == "token":
+        return
+    if started:
+        ray.shutdown()
+        raise ConfigError("the local Ray started without token authentication (a Ray before 2.59 does not turn it "
+                          "on by itself): set RAY_AUTH_MODE=token before starting flash")
+    raise ConfigError(f"RAY_AUTH_MODE={mode}: a local Ray listens on every interface and flash starts it only "
+                      f"with token authentication; unset RAY_AUTH_MODE (or set it to token)")
+
+
 def init_ray(address: str | None, num_cpus: int, extra_paths: list[str] = (), num_gpus: int = 0) -> None:
-    """Join ``address`` or start a quiet local Ray whose workers see the driver's import path.
+    """Join ``address`` or start a quiet local Ray (token-authenticated: ``require_ray_auth``)
+    whose workers see the driver's import path.
 
     ``num_gpus`` (local Ray only, 0 = Ray's own detection): GPUs to declare; on a CPU-only machine
     they are simulated, which is enough for placement groups (flash.placement).
@@ -111,6 +136,7 @@ def init_ray(address: str | None, num_cpus: int, extra_paths: list[str] = (), nu
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     if ray.is_initialized():
         return
+    require_ray_auth(address)
     paths = [p for p in [*extra_paths, os.getcwd(), *sys.path] if p and os.path.isdir(p)]
     env = {"PYTHONPATH": os.pathsep.join(dict.fromkeys(paths)), **QUIET_ENV, **PERF_ENV}
     kwargs: dict[str, Any] = dict(
@@ -123,6 +149,7 @@ def init_ray(address: str | None, num_cpus: int, extra_paths: list[str] = (), nu
         # "local": always a new Ray of this driver's own, never one that `ray start` or another
         # tool left registered on this machine (plain ray.init() would join it)
         ray.init(address="local", num_cpus=num_cpus or os.cpu_count() or 2, num_gpus=num_gpus or None, **kwargs)
+        require_ray_auth(None, started=True)
         start_reaper()
     if threading.current_thread() is threading.main_thread():  # after ray.init: it installs its own
         signal.signal(signal.SIGTERM, _on_sigterm)

@@ -18,7 +18,7 @@ import pytest
 
 from flash.engine.sim_engine import SimBatcher, SimSettings
 from flash.sim import cost
-from flash.sim.accounting import seconds_per_step, simulated_metrics, simulated_step_s, split_step, union_s
+from flash.sim.accounting import LateEngine, late_warning, seconds_per_step, simulated_metrics, simulated_step_s, split_step, union_s
 
 
 def test_union_counts_overlaps_once_and_clips():
@@ -71,3 +71,15 @@ def test_engine_sleeps_what_is_left_after_its_bookkeeping():
     # the reported spans are the scaled GPU time only, not the late bookkeeping
     assert b.spans.drain() == [[pytest.approx(wall - 0.05), pytest.approx(wall + 0.03)],
                                [pytest.approx(wall + 1.0), pytest.approx(wall + 1.2)]]
+
+
+def test_a_late_engine_is_named_with_the_fix():
+    assert late_warning(3, 0.05, 1.0, 0.05) is None  # 5% of the step: within the reading's noise
+    assert late_warning(3, 0.0, 0.0, 0.05) is None
+    line = late_warning(3, 0.4, 1.0, 0.05)
+    assert "step 3" in line and "40%" in line and "raise sim.time_scale (now 0.05)" in line
+    said = []
+    late = LateEngine(0.05, out=said.append)
+    for step, late_s in ((1, 0.01), (2, 0.5), (3, 0.6)):
+        late.check(step, {"rollout/sim_late_s": late_s, "time/step": 1.0})
+    assert len(said) == 1 and "step 2" in said[0]  # once per run, at the first late step

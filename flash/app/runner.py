@@ -28,8 +28,7 @@ from controllers.scheduler import RolloutScheduler
 from controllers.staleness import StalenessManager
 from controllers.tail_batching import TailBatchingScheduler
 from controllers.workflows.episode import Episodes
-from flash.app import resume as resume_mod
-from flash.app import run_state
+from flash.app import resume as resume_mod, run_state
 from flash.app.config_checks import steps_per_batch
 from flash.app.data import build_source, build_task, check_prompt_format, data_steps, load_tokenizer, max_prompt_tokens
 from flash.app.evaluation import build_eval_sets, evaluate_sets
@@ -40,7 +39,7 @@ from flash.checkpoint_trust import read_manifest, resume_key
 from flash.app.config import FlashConfig, to_dict, to_yaml
 from flash.engine.base import SamplingParams
 from flash.errors import FlashError
-from flash.sim.accounting import seconds_per_step as sim_seconds_per_step, simulated_metrics
+from flash.sim.accounting import LateEngine, seconds_per_step as sim_seconds_per_step, simulated_metrics
 from flash.app.tracking import Heartbeat, Progress, make_tracker, pick_samples
 from controllers.agent_runtime import build_agent_scheduler
 from controllers.episode_runtime import build_episode_scheduler, check_episode_config
@@ -62,11 +61,8 @@ def run_cores(cfg: FlashConfig) -> int:
 def resolve_threads(cfg: FlashConfig) -> tuple[int, int]:
     """(engine, trainer) torch threads: all cores each when phases alternate, split otherwise."""
     cores = run_cores(cfg)
-    if cfg.async_ratio == 0:
-        auto_engine = auto_trainer = cores
-    else:
-        auto_engine, auto_trainer = max(1, cores // 2), max(1, cores - cores // 2)
-    return (cfg.resources.engine_threads or auto_engine, cfg.resources.trainer_threads or auto_trainer)
+    auto = (cores, cores) if cfg.async_ratio == 0 else (max(1, cores // 2), max(1, cores - cores // 2))
+    return (cfg.resources.engine_threads or auto[0], cfg.resources.trainer_threads or auto[1])
 
 
 def prepare_model(cfg: FlashConfig, task, on_sft_step=None) -> str:
@@ -136,6 +132,7 @@ class Run:
         self.clock = Clock()
         quiet()
         self.cfg = cfg
+        self.late_engine = LateEngine(cfg.sim.time_scale)  # says once when a simulated engine runs late
         resume_dir = resume_mod.resolve_resume(cfg.resume, recipe_name)
         if resume_dir is not None:
             resume_mod.check_same_run(to_dict(cfg), resume_dir)
@@ -375,6 +372,7 @@ def _on_step(r: Run, rec, tracker, progress) -> None:
     logged["time/elapsed"] = time.monotonic() - r.clock.train_start
     if r.cfg.train.backend == "sim":  # the same times in simulated seconds (flash.sim.config)
         logged.update(simulated_metrics(logged, r.cfg.sim.time_scale, rec.timeline))
+        r.late_engine.check(step, logged)
     if r.reward_pool is not None:  # reward/calls, reward/failures/<reason>, sandbox/timeout/T/...
         logged.update(r.reward_pool.metrics())
     if r.buffer.service is not None:  # zmq transport: puts, gets, bytes, rejected_<reason>, ...

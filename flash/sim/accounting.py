@@ -82,3 +82,35 @@ def simulated_metrics(metrics: dict[str, float], time_scale: float, timeline: di
         out["sim/step_scaled_s"] = out["sim/step_s"]
         out["sim/step_s"], out["sim/driver_s"] = simulated_step_s(metrics["time/step"], timeline, time_scale)
     return out
+
+
+LATE_SHARE = 0.1  # an engine late by more than this share of a step's wall time distorts the reading
+
+
+def late_warning(step: int, late_s: float, step_s: float, time_scale: float) -> str | None:
+    """One line when the simulated engine fell behind real time in a step, else None.
+
+    The engine sleeps each step's scaled GPU time less its own bookkeeping; when drawing tokens for
+    many sequences takes longer than that (a large batch, a small ``time_scale``, a loaded machine),
+    it runs late, and the window the controller waits is longer than the GPUs would have taken --
+    simulated seconds then read high. A larger ``sim.time_scale`` gives the bookkeeping room."""
+    if step_s <= 0 or late_s <= LATE_SHARE * step_s:
+        return None
+    return (f"flash: warning: step {step}: the simulated engine ran {late_s:.2f} s behind real time "
+            f"({late_s / step_s:.0%} of the step): its bookkeeping outran the scaled GPU time, so simulated "
+            f"seconds read high; raise sim.time_scale (now {time_scale:g}) or run on a quieter machine")
+
+
+class LateEngine:
+    """Says once per run when the simulated engine fell behind real time (``late_warning``); the
+    per-step ``rollout/sim_late_s`` metric keeps every step's reading."""
+
+    def __init__(self, time_scale: float, out=print):
+        self.time_scale, self.out, self.said = time_scale, out, False
+
+    def check(self, step: int, metrics: dict[str, float]) -> None:
+        line = late_warning(step, metrics.get("rollout/sim_late_s", 0.0), metrics.get("time/step", 0.0),
+                            self.time_scale)
+        if line and not self.said:
+            self.said = True
+            self.out(line)
