@@ -13,6 +13,8 @@ parallel fraction is ``DEFAULT_P``.
 The costs are fitted on the steady steps (the first ``SKIP_STEPS`` are warm-up: compilation,
 caches, the first admissions). What the model assumes, and where it departs from a real run, is
 in ``flash.app.plan_model``'s docstring; ``bench/planner.py`` checks predictions against runs.
+A run with simulated GPU roles (``train.backend: sim``) is planned by ``flash.app.plan_sim``
+instead, in simulated seconds and across scale (the CLI picks it from the run's config).
 """
 
 from __future__ import annotations
