@@ -148,3 +148,16 @@ def test_a_real_run_is_not_planned_as_simulated():
     assert ps.is_sim_run(DATA / "base")
     assert ps.sim_skip(0) == 1 and ps.sim_skip(2) == 3 and ps.sim_skip(0.5) == 2
     assert math.isfinite(ps.measured_sim_step_s(DATA / "base"))
+
+
+def test_cli_plans_a_simulated_run_and_rejects_thread_options(capsys):
+    from flash.app.cli import main
+
+    assert main(["plan", str(DATA / "base"), "sim.rollout_gpus=64", "train.prompts_per_step=128"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert json.loads(out[-1])["units"] == "simulated seconds" and "sim s/step" in out[1]
+    assert main(["plan", str(DATA / "base"), "async_ratio=1", "--calibrate", str(DATA / "base")]) == 2
+    assert "no --calibrate" in capsys.readouterr().err
+    assert main(["plan", str(DATA / "base"), "resources.trainer_threads=1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "unknown plan key 'resources.trainer_threads' for a simulated run" in err and len(err.splitlines()) == 1
