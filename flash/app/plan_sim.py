@@ -86,8 +86,9 @@ def fit_sim(rows: list[dict], steps: list[list[list[int]]], shape: sm.Shape, sca
             time_scale: float) -> sm.SimCosts:
     """The departures from the cost model on the steady ``rows`` and their steps' groups:
 
-    ``k_e = Σ busy / Σ replayed engine seconds`` (the steps' own groups through ``simulate`` at the
-    run's scale with ``k_e = 1``), ``k_t = Σ (train + recompute_prox) / Σ train_step(tokens)``,
+    ``k_e = Σ busy / Σ replayed engine seconds`` (the steps' own groups, in order, through
+    ``simulate`` at the run's scale with ``k_e = 1``; an async replay admits ahead, so it cycles
+    through them and skips its own warm-up), ``k_t = Σ (train + recompute_prox) / Σ train_step(tokens)``,
     ``W = mean push_weights`` (the first three over ``time_scale``), ``d = Σ sim/driver_s / Σ rows``."""
     def sim_s(key: str) -> float:
         return sum(float(r.get(key, 0.0)) for r in rows) / time_scale
@@ -95,8 +96,9 @@ def fit_sim(rows: list[dict], steps: list[list[list[int]]], shape: sm.Shape, sca
     train_model = sum(sm.train_s(shape, sum(sm.group_tokens(shape, g) for g in st), scale.train_gpus, sm.SimCosts())
                       for st in steps)
     flat = [g for st in steps for g in st]
-    replay = sm.simulate(iter(flat), shape, scale, sm.SimCosts(), len(steps))
-    return sm.SimCosts(engine_factor=sim_s("rollout/busy_s") / max(sum(replay.engine_s), 1e-9),
+    warm = sim_skip(scale.async_ratio) if scale.async_ratio > 0 else 0  # a synchronous replay is exact
+    replay = sm.simulate(itertools.cycle(flat), shape, scale, sm.SimCosts(), warm + len(steps))
+    return sm.SimCosts(engine_factor=sim_s("rollout/busy_s") / max(sum(replay.engine_s[warm:]), 1e-9),
                        train_factor=(sim_s("time/train") + sim_s("time/recompute_prox")) / max(train_model, 1e-9),
                        push_s=sim_s("time/push_weights") / len(rows),
                        driver_per_row_s=sum(float(r.get("sim/driver_s", 0.0)) for r in rows)
