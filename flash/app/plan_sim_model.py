@@ -36,7 +36,8 @@ Thread terms (Amdahl, oversubscription, the CPU bound of ``flash.app.plan_model`
 a simulated GPU's time is the cost model's, slept, not computed on this machine's cores.
 Departures: the engine advances one id per step (``sim.max_tokens_per_step`` > 1 only groups
 steps); a group's samples are admitted together; ``select_batch``'s look-ahead past the current
-step's deadline is not modelled.
+step's deadline is not modelled; several engine actors are taken as one engine of all the
+instances (they split the instances and the requests evenly: the same per-instance load).
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ class SimCosts:
 
 @dataclass
 class StepTimes:
-    """Simulated seconds of each step, and their engine, train and push parts."""
+    """Simulated seconds of each step, and the engine seconds and train seconds within it."""
 
     step_s: list[float] = field(default_factory=list)
     engine_s: list[float] = field(default_factory=list)
