@@ -11,9 +11,12 @@ scale, as bench/sim.py scales it). Each is one ``flash run`` (a re-run reuses a 
 under ``--out``). The planner reads only the base run's trace (``flash.app.plan_sim``) and
 predicts every target's mean simulated seconds per step over the same window the measurement
 takes: the steps after the first ``1 + ceil(r)`` of a run as long as the target's. Reports
-predicted, measured and the relative error, the run's unscaled driver share, and the load
-average; ``--save-traces`` writes the base run's trimmed trace and the targets' measured values
-(tests/test_plan_sim.py reads them). The last line is JSON.
+predicted, measured (the mean of ``sim/step_s``) and the relative error; the measured time counted
+over one contiguous interval instead (``contiguous_sim_step_s``: an async engine's work between
+two steps' phase windows, which ``sim/step_s`` leaves out); the run's unscaled driver share and
+the load average. ``--save-traces`` writes the trimmed traces of the base run and of the targets
+at its scale (``base-r<r>``) and the targets' measured values (tests/test_plan_sim.py reads them).
+The last line is JSON.
 """
 
 from __future__ import annotations
@@ -54,6 +57,25 @@ def run_once(setting: tuple[int, float, int], steps: int, time_scale: float, out
     return run_dir
 
 
+def contiguous_sim_step_s(run_dir: Path) -> float:
+    """Simulated seconds per steady step counted over one contiguous interval, from the end of the
+    last warm-up step's phases to the end of the last step's (``timeline.jsonl``): the GPU spans'
+    union over ``sim.time_scale`` plus the rest unscaled (``flash.sim.accounting``'s split). Unlike
+    the mean of ``sim/step_s``, it keeps the engine work that falls between two steps' phase
+    windows (while the driver logs a step, an async engine decodes on)."""
+    from omegaconf import OmegaConf
+
+    from flash.sim.accounting import gpu_spans, union_s
+
+    cfg = OmegaConf.load(run_dir / "config.yaml")
+    skip = plan_sim.sim_skip(float(cfg.async_ratio))
+    rows = [json.loads(x) for x in (run_dir / "timeline.jsonl").read_text().splitlines() if x.strip()]
+    ends = {r["step"]: max(b for _, b in r["phases"].values()) for r in rows}
+    lo, hi = ends[skip], ends[max(ends)]
+    gpu = union_s([span for r in rows for span in gpu_spans(r)], lo, hi)
+    return (gpu / float(cfg.sim.time_scale) + (hi - lo - gpu)) / (max(ends) - skip)
+
+
 def driver_share(run_dir: Path) -> float:
     """Mean unscaled driver seconds per steady step (``sim/driver_s``)."""
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
@@ -90,14 +112,21 @@ def main(argv: list[str] | None = None) -> dict:
         row = {"setting": text, "gpus": setting[0], "async_ratio": setting[1], "prompts": setting[2],
                "steps": steps_of(setting), "predicted_sim_s": round(pred["step_s"], 2),
                "measured_sim_s": round(measured, 2), "error": round(pred["step_s"] / measured - 1, 4),
+               "measured_contiguous_sim_s": round(contiguous_sim_step_s(d), 2),
                "driver_s": round(driver_share(d), 3), "load": [round(load, 1), round(os.getloadavg()[0], 1)]}
         rows.append(row)
         print("  ".join(f"{k}={v}" for k, v in row.items()), flush=True)
     if args.save_traces:
         save = Path(args.save_traces)
         trim_trace(base_dir, save / "base")
+        for text in args.targets.split(","):  # the base's scale at other ratios: async bases
+            gpus, ratio, prompts = parse_setting(text)
+            if (gpus, prompts) == (base[0], base[2]):
+                trim_trace(run_once((gpus, ratio, prompts), steps_of((gpus, ratio, prompts)), args.time_scale, out,
+                                    args.overrides), save / f"base-r{ratio:g}")
         manifest = {"base": args.base, "time_scale": args.time_scale,
-                    "targets": [{k: r[k] for k in ("setting", "steps", "measured_sim_s", "predicted_sim_s")}
+                    "targets": [{k: r[k] for k in ("setting", "steps", "measured_sim_s", "measured_contiguous_sim_s",
+                                                   "predicted_sim_s")}
                                 for r in rows]}
         (save / "targets.json").write_text(json.dumps(manifest, indent=1) + "\n")
     result = {"base": args.base, "base_measured_sim_s": round(trace.measured_step_s, 2),
