@@ -1,9 +1,10 @@
 """`flash plan` on simulated runs (flash.app.plan_sim, flash.app.plan_sim_model): the model's pure
 functions, the out-of-sample check on a recorded trace, and its errors.
 
-tests/data/plan_sim holds a trimmed trace of `flash run sim_rlvr` at 64 simulated GPUs, synchronous
-(``base``), and the simulated seconds per step measured at other scales and ratios
-(``targets.json``), both written by ``python -m bench.sim_plan --save-traces tests/data/plan_sim``.
+tests/data/plan_sim holds trimmed traces of `flash run sim_rlvr` at 64 simulated GPUs, synchronous
+(``base``) and at async ratio 2 (``base-r2``), and the simulated seconds per step measured at other
+scales and ratios (``targets.json``), all written by ``python -m bench.sim_plan --save-traces
+tests/data/plan_sim`` on a quiet machine (load average 2-4).
 """
 
 from __future__ import annotations
@@ -105,7 +106,8 @@ def test_trace_is_read_in_simulated_seconds(trace):
 
 
 def test_predictions_at_other_scales_match_the_recorded_runs(trace):
-    """Every target (other GPUs, batch and ratio) predicted within 20% of its measured run."""
+    """Every target (other GPUs, batch and ratio) predicted within 10% of its measured run, by the
+    mean of ``sim/step_s`` and by the time counted over one contiguous interval (bench/sim_plan.py)."""
     targets = json.loads((DATA / "targets.json").read_text())["targets"]
     assert len(targets) >= 4
     for t in targets:
@@ -113,7 +115,8 @@ def test_predictions_at_other_scales_match_the_recorded_runs(trace):
         scale = sm.Scale(gpus // 2, gpus - gpus // 2, prompts, ratio)
         pred = ps.predict_sim(trace, scale, t["steps"])["step_s"]
         assert pred == pytest.approx(t["predicted_sim_s"], rel=0.01), t  # the model did not drift
-        assert abs(pred / t["measured_sim_s"] - 1) < 0.2, (t, pred)
+        assert abs(pred / t["measured_sim_s"] - 1) < 0.1, (t, pred)
+        assert abs(pred / t["measured_contiguous_sim_s"] - 1) < 0.1, (t, pred)
 
 
 def _setting(text: str) -> tuple[int, float, int]:
