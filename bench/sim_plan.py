@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("overrides", nargs="*", help="key=value for every run")
     args = ap.parse_args(argv)
     out = Path(args.out or tempfile.mkdtemp(prefix="flash-bench-sim-plan-"))
-    steps_of = lambda s: args.steps if s[1] == 0 else args.async_steps  # noqa: E731
+    steps_of = lambda s: args.steps if s[1] == 0 else args.async_steps
     base = parse_setting(args.base)
     load_before = os.getloadavg()
     base_dir = run_once(base, steps_of(base), args.time_scale, out, args.overrides)

@@ -81,7 +81,7 @@ def test_async_hides_the_tail_but_not_the_trainer():
     scale = sm.Scale(4, 4, 8, 0.0)
     sync = sm.simulate(iter(groups), SHAPE, scale, k, 10)
     fast = sm.simulate(iter(groups), SHAPE, sm.Scale(4, 4, 8, 2.0), k, 10)
-    mean = lambda xs: sum(xs[3:]) / len(xs[3:])  # noqa: E731
+    mean = lambda xs: sum(xs[3:]) / len(xs[3:])
     assert mean(fast.step_s) < 0.8 * mean(sync.step_s)
     assert mean(fast.step_s) >= mean(fast.train_s) + 1.0 - 1e-9
 
