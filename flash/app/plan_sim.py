@@ -184,7 +184,8 @@ def plan_sim(run_dir: str | Path, items: list[str], out=print, steps: int | None
     rows.sort(key=lambda r: r["predicted_sim_s_per_step"])
     k, s = trace.costs, trace.scale
     out(f"flash plan: {run_dir}: simulated run ({s.rollout_gpus}+{s.train_gpus} GPUs, {s.prompts} prompts, "
-        f"r={s.async_ratio:g}); times in SIMULATED seconds (sim.time_scale scaled back); measured {trace.measured_step_s:.2f} s/step "
+        f"r={s.async_ratio:g}); times in SIMULATED seconds (sim.time_scale scaled back); "
+        f"measured {trace.measured_step_s:.2f} s/step "
         f"(the model reproduces {own['step_s']:.2f}); fit: engine x{k.engine_factor:.3f} and trainer "
         f"x{k.train_factor:.3f} of the cost model {trace.shape.cm.model.name}, push {k.push_s:.2f} s, driver "
         f"{k.driver_per_row_s * 1e3:.3f} ms/row; no thread terms (simulated GPUs)")
