@@ -178,3 +178,20 @@ def test_an_async_trace_plans_the_synchronous_run_and_larger_scales(trace):
     target = next(t for t in json.loads((DATA / "targets.json").read_text())["targets"] if t["setting"] == "256:2")
     big = ps.predict_sim(fast, sm.Scale(128, 128, 256, 2.0), steps=target["steps"])["step_s"]
     assert abs(big / target["measured_sim_s"] - 1) < 0.2
+
+
+def test_contiguous_count_keeps_engine_work_between_steps(tmp_path):
+    """bench/sim_plan.py's contiguous measure: the engine decodes from 10.0 to 11.0 (wall), the last
+    step's phases run 10.5 to 12.0 with the trainer busy from 11.5. Over [10, 12] at time scale 0.1
+    that is 1.5 s of GPU time (15 simulated) and 0.5 s of neither; the step's own window misses the
+    engine's first half second."""
+    from bench.sim_plan import contiguous_sim_step_s
+    from flash.sim.accounting import simulated_step_s
+
+    (tmp_path / "config.yaml").write_text("async_ratio: 2\nsim:\n  time_scale: 0.1\n")
+    last = {"step": 4, "phases": {"get_batch": [10.5, 11.5], "train": [11.5, 12.0]}, "engine_busy": [[10.0, 11.0]]}
+    rows = [{"step": s, "phases": {"get_batch": [s * 3.0, s * 3.0 + 1]}, "engine_busy": []} for s in (1, 2)]
+    rows += [{"step": 3, "phases": {"train": [9.0, 10.0]}, "engine_busy": []}, last]
+    (tmp_path / "timeline.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert contiguous_sim_step_s(tmp_path) == pytest.approx(15.5)
+    assert simulated_step_s(1.5, last, 0.1)[0] == pytest.approx(10.5)
