@@ -117,6 +117,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
     runs = [a for a in args.args if "=" not in a]  # run dirs (repeats of one setting), then key=v1,v2
     if not runs:
         raise FlashError("flash plan needs a run dir (a finished `flash run`) before the key=v1,v2 candidates")
+    from flash.app.plan_sim import is_sim_run, plan_sim
+
+    if is_sim_run(runs[0]):  # simulated GPU roles: scales in simulated seconds, no thread terms
+        if len(runs) > 1 or args.calibrate or args.p_engine is not None or args.p_trainer is not None:
+            raise FlashError("flash plan on a simulated run takes one run dir and no --calibrate/--p-* (no threads)")
+        plan_sim(runs[0], [a for a in args.args if "=" in a])
+        return 0
     p = {"engine": DEFAULT_P["engine"] if args.p_engine is None else args.p_engine,
          "trainer": DEFAULT_P["trainer"] if args.p_trainer is None else args.p_trainer}
     plan(runs, [a for a in args.args if "=" in a], p=p, calibrate=args.calibrate)
@@ -179,7 +186,9 @@ def _add_plan(sub) -> None:
     p = sub.add_parser("plan", help="predict seconds per step of other settings from a finished run")
     p.add_argument("args", nargs="+", metavar="RUN_DIR... key=v1,v2",
                    help="a finished run dir (or repeats of one setting), then candidates, e.g. async_ratio=0,1,2 "
-                   "rollout.scheduler=plain,tail_batching rollout.tail_batching.threshold=24,p75")
+                   "rollout.scheduler=plain,tail_batching rollout.tail_batching.threshold=24,p75; a simulated "
+                   "run (train.backend=sim) plans scales in simulated seconds: sim.rollout_gpus, sim.train_gpus, "
+                   "train.prompts_per_step, async_ratio")
     p.add_argument("--calibrate", metavar="RUN_DIR2", action="append", help="a run with another thread split "
                    "(e.g. async beside a sync RUN_DIR; repeatable for repeats): its measured time sets how "
                    "threads scale on this machine")

@@ -13,6 +13,8 @@ parallel fraction is ``DEFAULT_P``.
 The costs are fitted on the steady steps (the first ``SKIP_STEPS`` are warm-up: compilation,
 caches, the first admissions). What the model assumes, and where it departs from a real run, is
 in ``flash.app.plan_model``'s docstring; ``bench/planner.py`` checks predictions against runs.
+A run with simulated GPU roles (``train.backend: sim``) is planned by ``flash.app.plan_sim``
+instead, in simulated seconds and across scale (the CLI picks it from the run's config).
 """
 
 from __future__ import annotations
@@ -367,13 +369,14 @@ def plan(run_dir: str | list, items: list[str], p: dict[str, float] | None = Non
 
 def trim_trace(src: str | Path, dst: str | Path) -> Path:
     """Copy what ``load_trace`` reads from run dir ``src`` to ``dst``, nothing else (small enough
-    to commit as a test fixture): the step rows' timing keys, trained samples' lengths (gzipped),
+    to commit as a test fixture): the step rows' timing keys (wall, and simulated for a simulated
+    run: ``flash.app.plan_sim``), trained samples' lengths (gzipped),
     the config, the summary's thread split."""
     src, dst = Path(src), Path(dst)
     dst.mkdir(parents=True, exist_ok=True)
     keep = ("rollout/busy_s", "rollout/decode_steps", "rollout/tokens_generated", "rollout/cpu_s", "train/cpu_s",
             "driver/cpu_s", "reward/cpu_s")
-    rows = [{k: v for k, v in r.items() if k == "step" or k.startswith("time/") or k in keep}
+    rows = [{k: v for k, v in r.items() if k == "step" or k.startswith(("time/", "sim/")) or k in keep}
             for r in _jsonl(src / "metrics.jsonl")]
     (dst / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     lines = [{k: e[k] for k in ("step", "prompt_id", "len", "plen") if k in e}
