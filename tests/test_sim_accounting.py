@@ -18,7 +18,7 @@ import pytest
 
 from flash.engine.sim_engine import SimBatcher, SimSettings
 from flash.sim import cost
-from flash.sim.accounting import LateEngine, late_warning, seconds_per_step, simulated_metrics, simulated_step_s, split_step, union_s
+from flash.sim.accounting import SimSteps, late_warning, seconds_per_step, simulated_metrics, simulated_step_s, split_step, union_s
 
 
 def test_union_counts_overlaps_once_and_clips():
@@ -57,8 +57,11 @@ def test_metrics_keep_the_plain_division_and_the_run_mean_adds_the_gaps():
     m = simulated_metrics({"time/step": 10.0, "time/train": 2.0, "reward/mean": 1.0}, 0.01, tl)
     assert m == {"sim/step_s": pytest.approx(901.0), "sim/driver_s": pytest.approx(1.0),
                  "sim/step_scaled_s": pytest.approx(1000.0), "sim/train_s": pytest.approx(200.0)}
-    records = [SimpleNamespace(metrics={"time/step": 10.0}, timeline=tl)] * 2
-    assert seconds_per_step(records, 23.0, 0.01) == pytest.approx((2 * 901.0 + 3.0) / 2)
+    later = _timeline([[11, 17]], get_batch=[11, 17.5], train=[18, 20], push_weights=[20, 21])  # 1 s idle before
+    records = [SimpleNamespace(metrics={"time/step": 10.0}, timeline=tl),
+               SimpleNamespace(metrics={"time/step": 10.0}, timeline=later)]
+    # step 2's window 10-21: 9 s of GPU, 2 s of driver (the gap and 17-18); 2 s of the train time outside
+    assert seconds_per_step(records, 23.0, 0.01) == pytest.approx((901.0 + 902.0 + 2.0) / 2)
 
 
 def test_engine_sleeps_what_is_left_after_its_bookkeeping():
@@ -79,7 +82,27 @@ def test_a_late_engine_is_named_with_the_fix():
     line = late_warning(3, 0.4, 1.0, 0.05)
     assert "step 3" in line and "40%" in line and "raise sim.time_scale (now 0.05)" in line
     said = []
-    late = LateEngine(0.05, out=said.append)
+    steps = SimSteps(0.05, out=said.append)
     for step, late_s in ((1, 0.01), (2, 0.5), (3, 0.6)):
-        late.check(step, {"rollout/sim_late_s": late_s, "time/step": 1.0})
+        steps.metrics(step, {"rollout/sim_late_s": late_s, "time/step": 1.0}, {"phases": {"train": [step - 1, step]}})
     assert len(said) == 1 and "step 2" in said[0]  # once per run, at the first late step
+
+
+def test_steps_are_counted_end_to_end_so_an_async_engines_work_between_them_is_kept():
+    # async: step 1's phases 0-10, the driver logs 10-11 while the engine decodes on, step 2's
+    # phases 11-20; the engine busy throughout
+    one = _timeline([[0, 10]], get_batch=[0, 6], train=[6, 10])
+    two = _timeline([[10, 20]], get_batch=[11, 15], train=[15, 20])
+    steps = SimSteps(0.1, out=lambda line: None)
+    first = steps.metrics(1, {"time/step": 10.0}, one)
+    second = steps.metrics(2, {"time/step": 9.0}, two)
+    assert first["sim/step_s"] == pytest.approx(100.0)
+    assert second["sim/step_s"] == pytest.approx(100.0)  # 10-20: the 10-11 decode included
+    assert simulated_step_s(9.0, two, 0.1) == (pytest.approx(90.0), pytest.approx(0.0))  # phases alone lose it
+    records = [SimpleNamespace(metrics={"time/step": 10.0}, timeline=one),
+               SimpleNamespace(metrics={"time/step": 9.0}, timeline=two)]
+    assert seconds_per_step(records, 20.5, 0.1) == pytest.approx((200.0 + 0.5) / 2)  # 0.5 s after: unscaled
+    # an evaluation between two steps is not training time: the next window starts at its phases
+    steps.metrics(3, {"time/step": 1.0, "time/eval": 5.0}, _timeline([], train=[20, 21]))
+    after = steps.metrics(4, {"time/step": 1.0}, _timeline([[26, 27]], train=[26, 27]))
+    assert after["sim/step_s"] == pytest.approx(10.0)

@@ -39,7 +39,7 @@ from flash.checkpoint_trust import read_manifest, resume_key
 from flash.app.config import FlashConfig, to_dict, to_yaml
 from flash.engine.base import SamplingParams
 from flash.errors import FlashError
-from flash.sim.accounting import LateEngine, seconds_per_step as sim_seconds_per_step, simulated_metrics
+from flash.sim.accounting import SimSteps, seconds_per_step as sim_seconds_per_step
 from flash.app.tracking import Heartbeat, Progress, make_tracker, pick_samples
 from controllers.agent_runtime import build_agent_scheduler
 from controllers.episode_runtime import build_episode_scheduler, check_episode_config
@@ -132,7 +132,7 @@ class Run:
         self.clock = Clock()
         quiet()
         self.cfg = cfg
-        self.late_engine = LateEngine(cfg.sim.time_scale)  # says once when a simulated engine runs late
+        self.sim_steps = SimSteps(cfg.sim.time_scale)  # simulated seconds per step (train.backend: sim)
         resume_dir = resume_mod.resolve_resume(cfg.resume, recipe_name)
         if resume_dir is not None:
             resume_mod.check_same_run(to_dict(cfg), resume_dir)
@@ -371,8 +371,7 @@ def _on_step(r: Run, rec, tracker, progress) -> None:
         logged.update({**evaluated, "time/eval": r.clock.last_eval_s})
     logged["time/elapsed"] = time.monotonic() - r.clock.train_start
     if r.cfg.train.backend == "sim":  # the same times in simulated seconds (flash.sim.config)
-        logged.update(simulated_metrics(logged, r.cfg.sim.time_scale, rec.timeline))
-        r.late_engine.check(step, logged)
+        logged.update(r.sim_steps.metrics(step, logged, rec.timeline))
     if r.reward_pool is not None:  # reward/calls, reward/failures/<reason>, sandbox/timeout/T/...
         logged.update(r.reward_pool.metrics())
     if r.buffer.service is not None:  # zmq transport: puts, gets, bytes, rejected_<reason>, ...

@@ -16,6 +16,10 @@ division turns into ~100 simulated seconds. Here instead a step's wall window is
 
     simulated step = GPU time / time_scale + driver time
 
+The windows are contiguous: a step's runs from the end of the previous step's phases to the end of
+its own (the first step's, and the first after an evaluation, from its first phase), so the engine
+work done while the driver logs between two steps -- an asynchronous engine decodes on -- is counted.
+
 Departure from a cluster: driver work that overlaps GPU work costs nothing here, as it would on
 a cluster with a driver fast enough; driver time is this machine's (two shared cores), so a
 cluster's driver would likely take less -- the reading is an upper bound on its share.
@@ -46,41 +50,61 @@ def gpu_spans(timeline: dict) -> list[Sequence[float]]:
             *(phases[p] for p in GPU_PHASES if p in phases)]
 
 
-def split_step(step_s: float, timeline: dict) -> tuple[float, float]:
-    """(GPU seconds, driver seconds) of a step of ``step_s`` wall seconds; the window is the span
-    of its phases (the step's own bookkeeping after them counts as driver time)."""
+def split_step(step_s: float, timeline: dict, start: float | None = None) -> tuple[float, float]:
+    """(GPU seconds, driver seconds) of a step of ``step_s`` wall seconds. The window is the span of
+    its phases, or, given ``start`` (where the previous step's window ended), from ``start`` to the
+    end of its phases: between two steps the driver logs while an asynchronous engine decodes on,
+    and that work is the cluster's time too -- counted in no step, a run of steps would miss it."""
     phases = list(timeline.get("phases", {}).values())
     if not phases:
         return step_s, 0.0
-    gpu = min(step_s, union_s(gpu_spans(timeline), min(a for a, _ in phases), max(b for _, b in phases)))
-    return gpu, step_s - gpu
+    lo, hi = (min(a for a, _ in phases) if start is None else start), max(b for _, b in phases)
+    span = step_s if start is None else max(0.0, hi - lo)
+    gpu = min(span, union_s(gpu_spans(timeline), lo, hi))
+    return gpu, span - gpu
 
 
-def simulated_step_s(step_s: float, timeline: dict, time_scale: float) -> tuple[float, float]:
-    """(simulated seconds, unscaled driver seconds) of one step."""
-    gpu, driver = split_step(step_s, timeline)
+def window_end(timeline: dict) -> float | None:
+    """Where a step's window ends: the end of its last phase (None without phases)."""
+    phases = list(timeline.get("phases", {}).values())
+    return max(b for _, b in phases) if phases else None
+
+
+def simulated_step_s(step_s: float, timeline: dict, time_scale: float,
+                     start: float | None = None) -> tuple[float, float]:
+    """(simulated seconds, unscaled driver seconds) of one step (``split_step``'s window)."""
+    gpu, driver = split_step(step_s, timeline, start)
     return gpu / time_scale + driver, driver
 
 
 def seconds_per_step(records: Sequence, train_s: float, time_scale: float) -> float:
-    """A run's simulated seconds per step: each step's (``simulated_step_s``), plus the time between
-    steps (logging, evaluation, checkpoints) unscaled; ``records`` carry ``metrics`` and ``timeline``."""
+    """A run's simulated seconds per step: each step's window from the previous one's end
+    (``simulated_step_s``), plus the rest of the train time (before the first step's phases,
+    evaluations) unscaled; ``records`` carry ``metrics`` and ``timeline``."""
     if not records:
         return train_s / time_scale
-    steps = [(r.metrics["time/step"], r.timeline) for r in records]
-    between = max(0.0, train_s - sum(s for s, _ in steps))
-    return (sum(simulated_step_s(s, tl, time_scale)[0] for s, tl in steps) + between) / len(records)
+    total = wall = 0.0
+    start = None
+    for r in records:
+        step_s = r.metrics["time/step"]
+        sim, _ = simulated_step_s(step_s, r.timeline, time_scale, start)
+        end = window_end(r.timeline)
+        wall += step_s if start is None or end is None else max(0.0, end - start)
+        total, start = total + sim, end
+    return (total + max(0.0, train_s - wall)) / len(records)
 
 
-def simulated_metrics(metrics: dict[str, float], time_scale: float, timeline: dict | None = None) -> dict[str, float]:
+def simulated_metrics(metrics: dict[str, float], time_scale: float, timeline: dict | None = None,
+                      start: float | None = None) -> dict[str, float]:
     """``sim/<name>_s``: each ``time/<name>`` of a step divided by ``time_scale``; with the step's
-    ``timeline``, ``sim/step_s`` is GPU time scaled plus ``sim/driver_s`` unscaled, and
-    ``sim/step_scaled_s`` the plain division (whose driver share is scaled up too)."""
+    ``timeline``, ``sim/step_s`` is GPU time scaled plus ``sim/driver_s`` unscaled over the step's
+    window (from ``start``, see ``split_step``), and ``sim/step_scaled_s`` the plain division of the
+    step's wall time (whose driver share is scaled up too)."""
     out = {f"sim/{k[len('time/'):]}_s": v / time_scale for k, v in metrics.items()
            if k.startswith("time/") and isinstance(v, (int, float))}
     if timeline is not None and "time/step" in metrics:
         out["sim/step_scaled_s"] = out["sim/step_s"]
-        out["sim/step_s"], out["sim/driver_s"] = simulated_step_s(metrics["time/step"], timeline, time_scale)
+        out["sim/step_s"], out["sim/driver_s"] = simulated_step_s(metrics["time/step"], timeline, time_scale, start)
     return out
 
 
@@ -101,16 +125,22 @@ def late_warning(step: int, late_s: float, step_s: float, time_scale: float) -> 
             f"seconds read high; raise sim.time_scale (now {time_scale:g}) or run on a quieter machine")
 
 
-class LateEngine:
-    """Says once per run when the simulated engine fell behind real time (``late_warning``); the
-    per-step ``rollout/sim_late_s`` metric keeps every step's reading."""
+class SimSteps:
+    """A run's simulated step metrics, step after step: each step's window starts where the
+    previous one's ended (``split_step``) -- except after an evaluation, which is not a training
+    step's time --, and an engine running late is named once (``late_warning``; the per-step
+    ``rollout/sim_late_s`` metric keeps every step's reading)."""
 
     def __init__(self, time_scale: float, out=print):
         self.time_scale, self.out, self.said = time_scale, out, False
+        self.start: float | None = None
 
-    def check(self, step: int, metrics: dict[str, float]) -> None:
-        line = late_warning(step, metrics.get("rollout/sim_late_s", 0.0), metrics.get("time/step", 0.0),
+    def metrics(self, step: int, logged: dict[str, float], timeline: dict) -> dict[str, float]:
+        out = simulated_metrics(logged, self.time_scale, timeline, self.start)
+        self.start = None if "time/eval" in logged else window_end(timeline)
+        line = late_warning(step, logged.get("rollout/sim_late_s", 0.0), logged.get("time/step", 0.0),
                             self.time_scale)
         if line and not self.said:
             self.said = True
             self.out(line)
+        return out
