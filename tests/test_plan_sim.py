@@ -195,3 +195,17 @@ def test_contiguous_count_keeps_engine_work_between_steps(tmp_path):
     (tmp_path / "timeline.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert contiguous_sim_step_s(tmp_path) == pytest.approx(15.5)
     assert simulated_step_s(1.5, last, 0.1)[0] == pytest.approx(10.5)
+
+
+def test_an_episode_run_is_refused_by_name(tmp_path):
+    """Multi-turn episodes (turns, environment latency) are outside the model: one line, not a wrong plan."""
+    import shutil
+
+    from flash.errors import ConfigError
+
+    run = tmp_path / "episodes"
+    shutil.copytree(DATA / "base", run)
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    (run / "metrics.jsonl").write_text("".join(json.dumps({**r, "rollout/episodes/turns": 40.0}) + "\n" for r in rows))
+    with pytest.raises(ConfigError, match="multi-turn episode run; flash plan models single-turn"):
+        ps.load_sim_trace(run)

@@ -119,6 +119,9 @@ def load_sim_trace(run_dir: str | Path) -> SimTrace:
     scale = sm.Scale(sim.rollout_gpus, sim.train_gpus, int(cfg.train.prompts_per_step), r)
     if any("sim/step_s" not in row for row in rows):
         raise ConfigError(f"{d}: metrics.jsonl has no sim/step_s (a run before simulated accounting); record a new run")
+    if any("rollout/episodes/turns" in row for row in rows):  # the model's rounds are single responses
+        raise ConfigError(f"{d}: a multi-turn episode run; flash plan models single-turn rollouts (turns and "
+                          f"environment latency are not in its model)")
     return SimTrace(shape=shape, costs=fit_sim(rows, steps, shape, scale, sim.time_scale), scale=scale,
                     groups=[g for st in steps for g in st], steps=int(cfg.train.steps),
                     measured_step_s=statistics.fmean(row["sim/step_s"] for row in rows))
