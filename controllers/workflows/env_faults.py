@@ -29,6 +29,13 @@ class _EpisodeLost(Exception):
     """The episode's environment died with its worker: play it again from the reset."""
 
 
+class _EpisodeHung(_EpisodeLost):
+    """The episode's environment step hung again after a replay: the episode ends (``env_hung``)."""
+
+
+HANG_REPLAYS = 1  # replays an episode gets after a hung step; a step that hangs again ends it
+
+
 class EnvWorkerFaults:
     """Fault handling of the scheduler's EnvWorkers (see the module docstring)."""
 
@@ -47,12 +54,18 @@ class EnvWorkerFaults:
     def _env(self, ep, method: str, *args):
         """One call on the episode's EnvWorker, bounded by ``hang_timeout_s``. Its worker dead,
         hung (then killed) or restarted since the reset: the fault is handled (``_worker_lost``)
-        and ``_EpisodeLost`` raised; an exception the environment raised passes through."""
+        and ``_EpisodeLost`` raised -- ``_EpisodeHung`` when the episode already hung
+        ``HANG_REPLAYS`` times (a replay plays the same seeds into the same step: an environment
+        that hangs on it would kill its worker for ever); an exception the environment raised
+        passes through."""
         try:
             return ray.get(getattr(ep.worker, method).remote(*args), timeout=self.hang_timeout_s)
         except ray.exceptions.GetTimeoutError as exc:
             ray.kill(ep.worker, no_restart=False)  # hung: treated as dead; Ray restarts it
             self._worker_lost(ep.slot, "hung", exc)
+            ep.hangs += 1
+            if ep.hangs > HANG_REPLAYS:  # a replay reaches the same step (same seeds): it would hang for ever
+                raise _EpisodeHung from exc
         except ray.exceptions.RayActorError as exc:
             self._worker_lost(ep.slot, "died", exc)
         except ray.exceptions.RayTaskError as exc:

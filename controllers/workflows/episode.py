@@ -18,7 +18,9 @@ that returns during the update asks its next turn, which the paused engine holds
 (and which then carries the new version). Calls are atomic: a step is never cut.
 
 Faults: an EnvWorker that dies (or hangs) is restarted by Ray and each episode that was on it is
-played again from its reset with the same seeds (``controllers.workflows.env_faults``). After an
+played again from its reset with the same seeds (``controllers.workflows.env_faults``); an episode
+whose step hangs again after its replay ends there (outcome ``env_hung``), since the same seeds
+lead it into the same step. After an
 engine restart every turn an episode waits for is asked again (``requeue``), the environments
 untouched. Turn ``t`` samples with seed ``unit seed + 7919 t``: the same turn asked again gives the
 same tokens. Every finished episode is counted by outcome (``outcome/<name>``).
@@ -37,7 +39,7 @@ import ray
 
 from buffers import Sample
 from controllers.workflows.base import Unit, turn_seed
-from controllers.workflows.env_faults import EnvWorkerFaults, _EpisodeLost
+from controllers.workflows.env_faults import EnvWorkerFaults, _EpisodeHung, _EpisodeLost
 from flash.engine.base import GenerationOutput, GenerationRequest, SamplingParams
 from flash.envs.episode import Transcript, add_observation, add_turn, to_sample
 from flash.usage import SpanRecorder
@@ -62,6 +64,7 @@ class _Episode:
     transcript: Transcript | None = None
     turns: int = 0
     cancelled: bool = False
+    hangs: int = 0  # environment calls of this episode that hung (controllers.workflows.env_faults)
 
     @property
     def key(self) -> str:
@@ -261,6 +264,9 @@ class Episodes(EnvWorkerFaults):
         try:
             obs, reward, done, info = self._env(ep, "step", ep.key, action)
             self.env_spans.add(start, time.time())
+        except _EpisodeHung:  # hung again after a replay: it ends here, scored so far
+            self._finish(ep, "env_hung")
+            return
         except _EpisodeLost:  # its worker died: the episode plays again from the start
             self._reset(ep)
             return
