@@ -18,7 +18,15 @@ import pytest
 
 from flash.engine.sim_engine import SimBatcher, SimSettings
 from flash.sim import cost
-from flash.sim.accounting import SimSteps, late_warning, seconds_per_step, simulated_metrics, simulated_step_s, split_step, union_s
+from flash.sim.accounting import (
+    SimSteps,
+    late_warning,
+    seconds_per_step,
+    simulated_metrics,
+    simulated_step_s,
+    split_step,
+    union_s,
+)
 
 
 def test_union_counts_overlaps_once_and_clips():

@@ -81,8 +81,8 @@ def _sim_run(tmp_path, name: str, *overrides: str) -> tuple[dict, list[dict], li
         "sim.train_gpus=4", "task.turns_min=2", "task.turns_max=4", "task.env_workers=2", "task.eval_size=2",
         "tracking.progress=false", "checkpoint.enabled=false", *overrides])
     summary = run(cfg, "sim")
-    read = lambda f: [json.loads(x) for x in (d / f).read_text().splitlines()]  # noqa: E731
-    return summary, read("ledger.jsonl"), read("metrics.jsonl")
+    ledger, metrics = ([json.loads(x) for x in (d / f).read_text().splitlines()] for f in ("ledger.jsonl", "metrics.jsonl"))
+    return summary, ledger, metrics
 
 
 @pytest.mark.slow  # ~40 s on a loaded machine, Ray and actor start-up included
@@ -126,7 +126,7 @@ def test_an_episode_whose_step_hangs_again_after_its_replay_ends_as_env_hung(tmp
     """Latency drawn from (episode, step) comes back on a replay: without a bound, an episode whose
     step outlasts the hang timeout would kill its worker for ever. Median 0.09 real s, sigma 1.5:
     about one step in 100 outlasts the 3 s timeout."""
-    summary, ledger, metrics = _sim_run(tmp_path, "h", "async_ratio=1", "sim.time_scale=0.02", "task.step_delay_s=4.5",
+    summary, ledger, _ = _sim_run(tmp_path, "h", "async_ratio=1", "sim.time_scale=0.02", "task.step_delay_s=4.5",
                                         "task.step_delay_sigma=1.5", "rollout.hang_timeout_s=3",
                                         "rollout.max_worker_restarts=100")
     counters = summary["rollout_counters"]
