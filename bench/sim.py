@@ -27,12 +27,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import tempfile
 import time
 from pathlib import Path
 
 from flash.app.config import load_config
+from flash.app.plan_sim import sim_skip
 from flash.app.runner import run
 
 
@@ -52,11 +52,11 @@ def one_run(gpus: int, ratio: float, redundancy: int, steps: int, root: Path, ar
     summary = run(cfg, "sim")
     wall = time.monotonic() - start
     rows = [json.loads(x) for x in (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
-    later = rows[1 + math.ceil(ratio):] or rows
+    later = rows[sim_skip(ratio):] or rows
     mean = {k: sum(r.get(k, 0.0) for r in later) / len(later)
             for k in ("sim/step_s", "sim/step_scaled_s", "sim/driver_s", "time/step", "rollout/sim_late_s")}
-    return {"gpus": gpus, "ratio": ratio, "redundancy": redundancy, "sim_s_per_step": mean["sim/step_s"], "wall_s_per_step": mean["time/step"],
-            "scaled_s_per_step": mean["sim/step_scaled_s"], "driver_s_per_step": mean["sim/driver_s"],
+    return {"gpus": gpus, "ratio": ratio, "redundancy": redundancy, "sim_s_per_step": mean["sim/step_s"],
+            "wall_s_per_step": mean["time/step"], "scaled_s_per_step": mean["sim/step_scaled_s"], "driver_s_per_step": mean["sim/driver_s"],
             "run_wall_s": wall, "late_s_per_step": mean["rollout/sim_late_s"],
             "max_staleness": summary["max_staleness_observed"], "time_scale": cfg.sim.time_scale}
 
@@ -83,7 +83,8 @@ def main() -> None:
                 print(f"{gpus:5d} GPUs  r={ratio:<4g} k={redundancy} {r['sim_s_per_step']:8.1f} sim s/step  "
                       f"x{r['speedup_vs_first']:.2f}  (driver {r['driver_s_per_step']:.1f} s, "
                       f"scaled {r['scaled_s_per_step']:.1f})  wall {r['wall_s_per_step']:.2f} s/step "
-                      f"(run {r['run_wall_s']:.0f} s, engine late {r['late_s_per_step']:.2f} s)  staleness max {r['max_staleness']:.0f}", flush=True)
+                      f"(run {r['run_wall_s']:.0f} s, engine late {r['late_s_per_step']:.2f} s)  "
+                      f"staleness max {r['max_staleness']:.0f}", flush=True)
     print(json.dumps({"runs": results}))
 
 

@@ -3,8 +3,8 @@
 - ``union_s`` counts overlapping spans once and clips them to the window.
 - A step whose window is all GPU work is its wall time / time_scale; a gap where no simulated GPU
   worked is added unscaled, whichever role's spans cover the rest.
-- ``simulated_metrics`` keeps the plain division as ``sim/step_scaled_s``; the run's mean adds the
-  time between steps unscaled.
+- ``simulated_metrics`` keeps the plain division as ``sim/step_scaled_s``; the run's mean
+  (``SimSteps.seconds_per_step``, over the per-step windows) adds the time outside them unscaled.
 - The simulated engine sleeps what is left of a step's scaled time after its own bookkeeping, and
   reports that scaled time, not the bookkeeping that ran past it, as its busy spans.
 """
@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import time
-from types import SimpleNamespace
 
 import pytest
 
@@ -21,7 +20,6 @@ from flash.sim import cost
 from flash.sim.accounting import (
     SimSteps,
     late_warning,
-    seconds_per_step,
     simulated_metrics,
     simulated_step_s,
     split_step,
@@ -66,10 +64,12 @@ def test_metrics_keep_the_plain_division_and_the_run_mean_adds_the_gaps():
     assert m == {"sim/step_s": pytest.approx(901.0), "sim/driver_s": pytest.approx(1.0),
                  "sim/step_scaled_s": pytest.approx(1000.0), "sim/train_s": pytest.approx(200.0)}
     later = _timeline([[11, 17]], get_batch=[11, 17.5], train=[18, 20], push_weights=[20, 21])  # 1 s idle before
-    records = [SimpleNamespace(metrics={"time/step": 10.0}, timeline=tl),
-               SimpleNamespace(metrics={"time/step": 10.0}, timeline=later)]
+    steps = SimSteps(0.01, out=lambda line: None)
+    assert steps.seconds_per_step(3.0) == pytest.approx(300.0)  # no step seen: the train time scaled whole
+    for i, timeline in enumerate((tl, later)):
+        steps.metrics(i + 1, {"time/step": 10.0}, timeline)
     # step 2's window 10-21: 9 s of GPU, 2 s of driver (the gap and 17-18); 2 s of the train time outside
-    assert seconds_per_step(records, 23.0, 0.01) == pytest.approx((901.0 + 902.0 + 2.0) / 2)
+    assert steps.seconds_per_step(23.0) == pytest.approx((901.0 + 902.0 + 2.0) / 2)
 
 
 def test_engine_sleeps_what_is_left_after_its_bookkeeping():
@@ -107,10 +107,10 @@ def test_steps_are_counted_end_to_end_so_an_async_engines_work_between_them_is_k
     assert first["sim/step_s"] == pytest.approx(100.0)
     assert second["sim/step_s"] == pytest.approx(100.0)  # 10-20: the 10-11 decode included
     assert simulated_step_s(9.0, two, 0.1) == (pytest.approx(90.0), pytest.approx(0.0))  # phases alone lose it
-    records = [SimpleNamespace(metrics={"time/step": 10.0}, timeline=one),
-               SimpleNamespace(metrics={"time/step": 9.0}, timeline=two)]
-    assert seconds_per_step(records, 20.5, 0.1) == pytest.approx((200.0 + 0.5) / 2)  # 0.5 s after: unscaled
+    assert steps.seconds_per_step(20.5) == pytest.approx((200.0 + 0.5) / 2)  # 0.5 s after: unscaled
     # an evaluation between two steps is not training time: the next window starts at its phases
     steps.metrics(3, {"time/step": 1.0, "time/eval": 5.0}, _timeline([], train=[20, 21]))
     after = steps.metrics(4, {"time/step": 1.0}, _timeline([[26, 27]], train=[26, 27]))
     assert after["sim/step_s"] == pytest.approx(10.0)
+    # and the run's mean counts it alike: the evaluation's 21-26 unscaled, outside every window
+    assert steps.seconds_per_step(27.0) == pytest.approx((100.0 + 100.0 + 10.0 + 10.0 + 5.0) / 4)

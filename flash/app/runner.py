@@ -39,7 +39,7 @@ from flash.checkpoint_trust import read_manifest, resume_key
 from flash.app.config import FlashConfig, to_dict, to_yaml
 from flash.engine.base import SamplingParams
 from flash.errors import FlashError
-from flash.sim.accounting import SimSteps, seconds_per_step as sim_seconds_per_step
+from flash.sim.accounting import SimSteps
 from flash.app.tracking import Heartbeat, Progress, make_tracker, pick_samples
 from controllers.agent_runtime import build_agent_scheduler
 from controllers.episode_runtime import build_episode_scheduler, check_episode_config
@@ -439,7 +439,7 @@ def _summary(cfg, r: Run, records, acc0, acc1, train_s, left) -> dict:
         "phase_seconds_mean": {k[5:]: sum(rec.metrics.get(k, 0.0) for rec in records) / max(steps, 1)
                                for k in phase_keys},
         "run_dir": str(r.dir),
-        "sim_seconds_per_step": sim_seconds_per_step(records, train_s, cfg.sim.time_scale) if cfg.train.backend == "sim" else None,
+        "sim_seconds_per_step": r.sim_steps.seconds_per_step(train_s) if cfg.train.backend == "sim" else None,
         # the CPU split the roles ran with (flash plan scales costs measured here to other splits)
         "threads": threads_record(cfg),
         "cores": run_cores(cfg),

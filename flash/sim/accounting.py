@@ -58,7 +58,7 @@ def split_step(step_s: float, timeline: dict, start: float | None = None) -> tup
     phases = list(timeline.get("phases", {}).values())
     if not phases:
         return step_s, 0.0
-    lo, hi = (min(a for a, _ in phases) if start is None else start), max(b for _, b in phases)
+    lo, hi = (min(a for a, _ in phases) if start is None else start), window_end(timeline)
     span = step_s if start is None else max(0.0, hi - lo)
     gpu = min(span, union_s(gpu_spans(timeline), lo, hi))
     return gpu, span - gpu
@@ -75,23 +75,6 @@ def simulated_step_s(step_s: float, timeline: dict, time_scale: float,
     """(simulated seconds, unscaled driver seconds) of one step (``split_step``'s window)."""
     gpu, driver = split_step(step_s, timeline, start)
     return gpu / time_scale + driver, driver
-
-
-def seconds_per_step(records: Sequence, train_s: float, time_scale: float) -> float:
-    """A run's simulated seconds per step: each step's window from the previous one's end
-    (``simulated_step_s``), plus the rest of the train time (before the first step's phases,
-    evaluations) unscaled; ``records`` carry ``metrics`` and ``timeline``."""
-    if not records:
-        return train_s / time_scale
-    total = wall = 0.0
-    start = None
-    for r in records:
-        step_s = r.metrics["time/step"]
-        sim, _ = simulated_step_s(step_s, r.timeline, time_scale, start)
-        end = window_end(r.timeline)
-        wall += step_s if start is None or end is None else max(0.0, end - start)
-        total, start = total + sim, end
-    return (total + max(0.0, train_s - wall)) / len(records)
 
 
 def simulated_metrics(metrics: dict[str, float], time_scale: float, timeline: dict | None = None,
@@ -129,18 +112,29 @@ class SimSteps:
     """A run's simulated step metrics, step after step: each step's window starts where the
     previous one's ended (``split_step``) -- except after an evaluation, which is not a training
     step's time --, and an engine running late is named once (``late_warning``; the per-step
-    ``rollout/sim_late_s`` metric keeps every step's reading)."""
+    ``rollout/sim_late_s`` metric keeps every step's reading). ``seconds_per_step`` is the run's
+    mean over the same windows, so the summary and the per-step metrics count alike."""
 
     def __init__(self, time_scale: float, out=print):
         self.time_scale, self.out, self.said = time_scale, out, False
         self.start: float | None = None
+        self.steps, self.sim_s, self.wall_s = 0, 0.0, 0.0  # steps seen, their simulated and wall seconds
 
     def metrics(self, step: int, logged: dict[str, float], timeline: dict) -> dict[str, float]:
         out = simulated_metrics(logged, self.time_scale, timeline, self.start)
-        self.start = None if "time/eval" in logged else window_end(timeline)
-        line = late_warning(step, logged.get("rollout/sim_late_s", 0.0), logged.get("time/step", 0.0),
-                            self.time_scale)
+        end, step_s = window_end(timeline), logged.get("time/step", 0.0)
+        self.steps, self.sim_s = self.steps + 1, self.sim_s + out.get("sim/step_s", 0.0)
+        self.wall_s += step_s if self.start is None or end is None else max(0.0, end - self.start)
+        self.start = None if "time/eval" in logged else end
+        line = late_warning(step, logged.get("rollout/sim_late_s", 0.0), step_s, self.time_scale)
         if line and not self.said:
             self.said = True
             self.out(line)
         return out
+
+    def seconds_per_step(self, train_s: float) -> float:
+        """Simulated seconds per step of the steps seen, plus the rest of the train time (before
+        the first step's phases, evaluations) unscaled; none seen: ``train_s`` scaled whole."""
+        if not self.steps:
+            return train_s / self.time_scale
+        return (self.sim_s + max(0.0, train_s - self.wall_s)) / self.steps
