@@ -9,7 +9,7 @@
   id once (``controllers.scheduler``), so a legitimate producer never meets it.
 - ``ValueLimits`` / ``check_values``: what a decoded group may hold beyond its schema (which
   ``buffers.wire`` checks): finite rewards and logprobs, versions in [0, the policy's version],
-  token ids in [0, vocab), bounded lengths and sample counts.
+  token ids in [0, vocab), loss masks of 0/1, bounded lengths and sample counts.
 """
 
 from __future__ import annotations
@@ -103,6 +103,8 @@ def check_values(group: Group, limits: ValueLimits, max_version: int) -> None:
             raise WireError("bad_value", f"{where}: admitted_version {s.admitted_version} outside [0, {max_version}]")
         for name in ("prompt_ids", "response_ids"):
             _check_array(np.asarray(getattr(s, name)), where, name, lo=0, hi=top)
+        if s.loss_mask is not None:
+            _check_array(np.asarray(s.loss_mask), where, "loss_mask", lo=0, hi=1)
 
 
 def _check_array(arr: np.ndarray, where: str, name: str, lo: int | None = None, hi: int | None = None,

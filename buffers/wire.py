@@ -12,8 +12,11 @@ key strings repeated in every frame):
 
     group  = [prompt_id, admitted_version, data_index, [sample, ...]]
     sample = [prompt_id, sample_index, reward, finish_reason, admitted_version, meta,
-              prompt_ids, response_ids, behav_logprobs, versions]
+              prompt_ids, response_ids, behav_logprobs, versions, loss_mask]
     array  = [dtype, shape, data, was_list]      e.g. ["<i4", [1024], <4096 bytes>, false]
+
+``loss_mask`` is nil (every response token trained on) or an array of 0/1 as uint8, one per
+response token: a multi-turn sample's observation tokens must stay untrained wherever it is read.
 
 A NumPy array goes as its own dtype (int32 token ids cost 4 bytes a token) and comes back as a
 read-only NumPy view over the received bytes (no copy; ``.copy()`` it to write); a Python list
@@ -40,9 +43,11 @@ INT_DTYPES = {d: np.dtype(d) for d in ("<i4", "<i8")}
 FLOAT_DTYPES = {d: np.dtype(d) for d in ("<f2", "<f4", "<f8")}
 ARRAY_FIELDS = {"prompt_ids": INT_DTYPES, "response_ids": INT_DTYPES,
                 "behav_logprobs": FLOAT_DTYPES, "versions": INT_DTYPES}
+MASK_DTYPES = {"|u1": np.dtype("|u1")}
 GROUP_FIELDS = (("prompt_id", int), ("admitted_version", int), ("data_index", int), ("samples", list))
 SAMPLE_FIELDS = (("prompt_id", int), ("sample_index", int), ("reward", float), ("finish_reason", str),
-                 ("admitted_version", int), ("meta", dict)) + tuple((k, list) for k in ARRAY_FIELDS)
+                 ("admitted_version", int), ("meta", dict)) + tuple((k, list) for k in ARRAY_FIELDS) + (
+                 ("loss_mask", (list, type(None))),)
 ARRAY_PARTS = (("dtype", str), ("shape", list), ("data", bytes), ("was_list", bool))
 META_TYPES = (type(None), bool, int, float, str, bytes)
 MAX_ARRAY = 1 << 16  # elements of one msgpack array or map (token arrays travel as bytes, not arrays)
@@ -83,8 +88,22 @@ def _encode_sample(s: Sample, prompt_id: int) -> list:
     if not isinstance(s.meta, dict):
         raise WireError("bad_type", f"meta must be a dict, got {type(s.meta).__name__}")
     _check_meta(s.meta, "meta", 0)
+    mask = None if s.loss_mask is None else _encode_mask(s.loss_mask, arrays[1][1][0], s.prompt_id)
     return [_int(s.prompt_id, "prompt_id"), _int(s.sample_index, "sample_index"), float(s.reward),
-            str(s.finish_reason), _int(s.admitted_version, "admitted_version"), s.meta, *arrays]
+            str(s.finish_reason), _int(s.admitted_version, "admitted_version"), s.meta, *arrays, mask]
+
+
+def _encode_mask(value: Any, n: int, prompt_id: int) -> list:
+    """A loss mask (list or array of 0/1, one per response token) → a uint8 array part."""
+    is_list = not isinstance(value, np.ndarray)
+    arr = _list_array(value, "loss_mask", True) if is_list else value
+    if arr.ndim != 1 or arr.dtype.kind not in "iub":
+        raise WireError("bad_type", f"loss_mask must be a 1-D list or array of 0/1, got {arr.dtype} {arr.shape}")
+    if len(arr) != n:
+        raise WireError("length_mismatch", f"prompt {prompt_id}: {n} response tokens, {len(arr)} loss_mask entries")
+    if len(arr) and (arr.min() < 0 or arr.max() > 1):
+        raise WireError("bad_value", f"prompt {prompt_id}: loss_mask holds values other than 0 and 1")
+    return ["|u1", [len(arr)], arr.astype(np.uint8).tobytes(), is_list]
 
 
 def _encode_array(value: Any, name: str, allowed: dict[str, np.dtype]) -> list:
@@ -195,11 +214,15 @@ def decode_group(raw: Any) -> Group:
 
 
 def _decode_sample(raw: Any, group_id: int) -> Sample:
-    prompt_id, index, reward, finish, admitted, meta, *arrays = _fields(raw, SAMPLE_FIELDS, "sample")
+    prompt_id, index, reward, finish, admitted, meta, *arrays, mask = _fields(raw, SAMPLE_FIELDS, "sample")
     if prompt_id != group_id:
         raise WireError("bad_schema", f"sample of prompt {prompt_id} in group {group_id}")
     values = {name: _decode_array(a, name, allowed) for a, (name, allowed) in zip(arrays, ARRAY_FIELDS.items())}
-    _check_lengths({k: len(v) for k, v in values.items()}, prompt_id)
+    lengths = {k: len(v) for k, v in values.items()}
+    if mask is not None:
+        values["loss_mask"] = _decode_array(mask, "loss_mask", MASK_DTYPES)
+        lengths["loss_mask"] = len(values["loss_mask"])
+    _check_lengths(lengths, prompt_id)
     _check_meta(meta, "meta", 0)
     return Sample(prompt_id=prompt_id, sample_index=index, reward=reward, finish_reason=finish,
                   admitted_version=admitted, meta=meta, **values)
@@ -225,8 +248,9 @@ def _fields(raw: Any, schema: tuple[tuple[str, type], ...], where: str) -> list:
         raise WireError("bad_schema", f"{where} must be an array of {len(schema)} fields "
                                       f"({', '.join(n for n, _ in schema)}), got {_describe(raw)}")
     for value, (key, typ) in zip(raw, schema):
-        if type(value) is not typ:
-            raise WireError("bad_type", f"{where}.{key} must be {typ.__name__}, got {type(value).__name__}")
+        if type(value) is not typ and not (type(typ) is tuple and type(value) in typ):
+            names = " or ".join(t.__name__ for t in (typ if type(typ) is tuple else (typ,)))
+            raise WireError("bad_type", f"{where}.{key} must be {names}, got {type(value).__name__}")
     return raw
 
 
@@ -235,8 +259,12 @@ def _describe(raw: Any) -> str:
 
 
 def _check_lengths(lengths: dict[str, int], prompt_id: int) -> None:
-    """Each response token has exactly one behaviour logprob and one version (invariants 1, 3)."""
+    """Each response token has exactly one behaviour logprob and one version (invariants 1, 3), and
+    one loss-mask entry when the sample has a mask."""
     n = lengths["response_ids"]
-    if lengths["behav_logprobs"] != n or lengths["versions"] != n:
-        raise WireError("length_mismatch", f"prompt {prompt_id}: {n} response tokens, "
-                                           f"{lengths['behav_logprobs']} logprobs, {lengths['versions']} versions")
+    if any(m != n for k, m in lengths.items() if k not in ("prompt_ids", "response_ids")):
+        raise WireError("length_mismatch", f"prompt {prompt_id}: {n} response tokens, " + ", ".join(
+            f"{m} {_LABELS.get(k, k)}" for k, m in lengths.items() if k not in ("prompt_ids", "response_ids")))
+
+
+_LABELS = {"behav_logprobs": "logprobs", "loss_mask": "loss_mask entries"}

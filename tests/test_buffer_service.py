@@ -22,6 +22,7 @@ import zmq
 
 from buffers import BufferClosed, Group, Sample
 from buffers.client import BufferProducer, BufferUnavailable, RemoteSampleBuffer
+from buffers.guard import ValueLimits, check_values
 from buffers.rpc import BufferServiceError
 from buffers.service import BufferService
 from buffers.wire import REASONS, WireError, decode_group, encode_group, pack, unpack
@@ -52,10 +53,40 @@ def test_codec_round_trip_is_exact_for_lists_and_arrays():
     assert back.samples[0].response_ids.tobytes() == arrays.samples[0].response_ids.tobytes()
 
 
+def test_a_loss_mask_travels_and_a_bad_one_is_refused_by_name():
+    """A multi-turn sample's observation tokens (mask 0) must stay untrained after the wire."""
+    g = make_group(3, length=6)
+    g.samples[0].loss_mask = [1, 1, 0, 0, 0, 1]
+    g.samples[1].loss_mask = np.array([1, 0, 1, 0, 1, 1], dtype=np.int64)
+    back = decode_group(unpack(encode_group(g), MB))
+    assert same(back, g)
+    assert back.samples[0].loss_mask == [1, 1, 0, 0, 0, 1]
+    assert back.samples[1].loss_mask.dtype == np.uint8 and back.samples[1].loss_mask.tolist() == [1, 0, 1, 0, 1, 1]
+    for mask, reason in (([1, 0, 2, 1, 1, 1], "bad_value"), ([1, 0, 1], "length_mismatch"),
+                         ([0.5] * 6, "bad_type")):
+        g.samples[0].loss_mask = mask
+        with pytest.raises(WireError) as err:
+            encode_group(g)
+        assert err.value.reason == reason
+    g.samples[0].loss_mask = [1] * 6
+    for spoil, reason in ((lambda m: m.__setitem__(0, "<i4"), "bad_dtype"),
+                          (lambda m: m.__setitem__(1, [5]), "bad_shape"),
+                          (lambda m: (m.__setitem__(1, [5]), m.__setitem__(2, b"\x01" * 5)), "length_mismatch")):
+        raw = unpack(encode_group(g), MB)
+        spoil(raw[3][0][LOSS_MASK])
+        with pytest.raises(WireError) as err:
+            decode_group(unpack(msgpack.packb(raw), MB))
+        assert err.value.reason == reason, (reason, err.value)
+    raw = unpack(encode_group(g), MB)
+    raw[3][0][LOSS_MASK][2] = b"\x01\x01\x07\x01\x01\x01"  # a well-formed mask holding a 7
+    with pytest.raises(WireError, match="bad_value: group 3 sample 0: loss_mask holds 7 > 1"):
+        check_values(decode_group(unpack(msgpack.packb(raw), MB)), ValueLimits(), max_version=10)
+
+
 # positions in the wire layout (buffers.wire): group [pid, admitted, data_index, samples];
-# sample [pid, index, reward, finish, admitted, meta, prompt_ids, response_ids, logprobs, versions];
+# sample [pid, index, reward, finish, admitted, meta, prompt_ids, response_ids, logprobs, versions, loss_mask];
 # array [dtype, shape, data, was_list]
-RESPONSE, LOGPROBS, VERSIONS = 7, 8, 9
+RESPONSE, LOGPROBS, VERSIONS, LOSS_MASK = 7, 8, 9, 10
 
 
 def _mutations():
@@ -84,6 +115,7 @@ def _mutations():
         (arr(VERSIONS, 3, 0), "bad_type"),
         (lambda g: g[3][0].__setitem__(RESPONSE, {"dtype": "<i8"}), "bad_type"),  # a map, not an array
         (lambda g: g[3][0].__setitem__(RESPONSE, ["<i8", [0], b""]), "bad_schema"),  # 3 parts of 4
+        (lambda g: g[3][0].__setitem__(LOSS_MASK, {}), "bad_type"),  # nil or an array
     ]
 
 
@@ -401,3 +433,19 @@ def test_a_send_with_nowhere_to_queue_raises_unavailable_instead_of_blocking(mon
         rpc.send({"op": "stats"}, payloads=[b"x" * 10])
     assert 0.25 < time.monotonic() - started < 5
     rpc.close()
+
+
+def test_a_multi_turn_sample_keeps_its_loss_mask_through_the_service_into_the_batch():
+    """Through a producer, the service and the remote consumer, the trainer's batch still leaves an
+    episode's observation tokens untrained."""
+    from flash.train.batch import collate
+
+    g = make_group(11, n=1, length=6, arrays=True)
+    g.samples[0].loss_mask = [1, 1, 0, 0, 0, 1]
+    with BufferService(capacity=8) as svc:
+        buf = RemoteSampleBuffer(svc.address)
+        buf.put(g)
+        [got] = buf.get_batch(1, timeout=5)
+        buf.disconnect()
+    batch = collate(got.samples)
+    assert batch.mask[0].tolist() == [0, 1, 1, 0, 0, 0, 1]  # target columns: the prompt's last, then the mask

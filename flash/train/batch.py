@@ -66,7 +66,7 @@ def collate(samples: list[Sample], pad_id: int = 0) -> TrainBatch:
         input_ids[i, : len(seq)] = torch.tensor(seq, dtype=torch.long)
         attention[i, : len(seq)] = 1
         first, last = len(s.prompt_ids) - 1, len(seq) - 1  # target columns of the response
-        if s.response_ids:
+        if len(s.response_ids):  # a list, or a NumPy array from the buffer service
             mask[i, first:last] = 1.0 if s.loss_mask is None else _loss_mask(s)
             behav[i, first:last] = torch.tensor(s.behav_logprobs, dtype=torch.float32)
             versions[i, first:last] = torch.tensor(s.versions, dtype=torch.long)

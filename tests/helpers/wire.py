@@ -43,6 +43,8 @@ def same(a: Group, b: Group) -> bool:
                 return False
             if isinstance(u, list) and u != v:
                 return False
+        if _mask(x.loss_mask) != _mask(y.loss_mask):
+            return False
         if (x.prompt_id, x.sample_index, x.reward, x.finish_reason, x.admitted_version, x.meta) != \
                 (y.prompt_id, y.sample_index, y.reward, y.finish_reason, y.admitted_version, y.meta):
             return False
@@ -93,3 +95,8 @@ def _raw_socket(ctx: zmq.Context, address: str, keys=None) -> zmq.Socket:
         keys.apply(sock)
     sock.connect(address)
     return sock
+
+
+def _mask(m) -> tuple | None:
+    """A loss mask as (was a list, its values): the wire carries it as uint8 whatever integer dtype it had."""
+    return None if m is None else (type(m) is list, np.asarray(m).tolist())
