@@ -242,9 +242,13 @@ def main(argv: list[str] | None = None) -> dict:
                     help="BufferProducer: how long a batch waits to fill (0: send each put at once)")
     ap.add_argument("--mb", type=float, default=48.0, help="payload MB per run of the zmq systems")
     ap.add_argument("--ray-mb", type=float, default=4.0, help="payload MB per run of Ray's queue (slow)")
+    ap.add_argument("--systems", default=",".join(SYSTEMS), help="which systems to run (ratios need both sides)")
     args = ap.parse_args(argv)
     lengths = [int(x) for x in args.lengths.split(",")]
-    pool, actors = Pool(), ray_producers()
+    systems = tuple(s for s in SYSTEMS if s in args.systems.split(","))
+    if unknown := set(args.systems.split(",")) - set(SYSTEMS):
+        ap.error(f"unknown systems {sorted(unknown)}; choose from {', '.join(SYSTEMS)}")
+    pool, actors = Pool(), ray_producers() if "ray_queue" in systems else None
     knobs = {"window": args.window, "batch_groups": args.batch_groups, "linger_ms": args.linger_ms}
     runs = {
         "service_local": lambda L, n: run_service(pool, L, n, args.capacity, args.batch, remote=False, knobs=knobs),
@@ -254,13 +258,13 @@ def main(argv: list[str] | None = None) -> dict:
         "ray_queue": lambda L, n: run_ray_queue(actors, L, count_for(args.ray_mb, L), args.capacity, args.batch),
         "zmq_bare": lambda L, n: run_zmq_bare(pool, L, n, args.capacity, args.batch),
     }
-    rates: dict[int, dict[str, list[float]]] = {L: {s: [] for s in SYSTEMS} for L in lengths}
-    cpu_us: dict[int, dict[str, list[float]]] = {L: {s: [] for s in SYSTEMS} for L in lengths}
+    rates: dict[int, dict[str, list[float]]] = {L: {s: [] for s in systems} for L in lengths}
+    cpu_us: dict[int, dict[str, list[float]]] = {L: {s: [] for s in systems} for L in lengths}
     try:
         for L in lengths:
             n = count_for(args.mb, L)
             for rep in range(args.repeats):
-                order = SYSTEMS[rep % len(SYSTEMS):] + SYSTEMS[: rep % len(SYSTEMS)]
+                order = systems[rep % len(systems):] + systems[: rep % len(systems)]
                 for name in order:
                     count = count_for(args.ray_mb, L) if name == "ray_queue" else n
                     secs, cpu = runs[name](L, n)
@@ -287,7 +291,9 @@ def report(rates: dict[int, dict[str, list[float]]], cpu_us: dict[int, dict[str,
     for L, per in rates.items():
         med = {s: statistics.median(r) for s, r in per.items()}
 
-        def ratio(a: str, b: str, per: dict[str, list[float]] = per) -> float:
+        def ratio(a: str, b: str, per: dict[str, list[float]] = per) -> float | None:
+            if a not in per or b not in per:
+                return None
             return round(statistics.median(x / y for x, y in zip(per[a], per[b])), 3)
 
         result["per_length"][str(L)] = {
@@ -301,7 +307,7 @@ def report(rates: dict[int, dict[str, list[float]]], cpu_us: dict[int, dict[str,
             "curve_cost": ratio("service_local_plain", "service_local"),
             "zmq_bare_vs_service_remote": ratio("zmq_bare", "service_remote"),
         }
-        for s in SYSTEMS:
+        for s in per:
             print(f"L={L:5d} {s:15s} median {med[s]:8.0f} samples/s {med[s] * payload_bytes(L) / 1e9:6.3f} GB/s")
     print(json.dumps(result))
     return result

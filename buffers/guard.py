@@ -84,7 +84,11 @@ class ValueLimits:
 
 
 def check_values(group: Group, limits: ValueLimits, max_version: int) -> None:
-    """Refuse (``bad_value``) a group whose values no engine produces: the schema cannot see them."""
+    """Refuse (``bad_value``) a group whose values no engine produces: the schema cannot see them.
+
+    Each per-token array costs one pass over its values (the service checks every group it
+    stores): a range check reads the integers as unsigned, where a negative value is huge; only a
+    failed pass looks again, to name the value."""
     if len(group.samples) > limits.max_samples:
         raise WireError("bad_value", f"group {group.prompt_id}: {len(group.samples)} samples > {limits.max_samples}")
     if not 0 <= group.admitted_version <= max_version:
@@ -92,28 +96,46 @@ def check_values(group: Group, limits: ValueLimits, max_version: int) -> None:
                                      f"outside [0, {max_version}]")
     top = (limits.vocab_size - 1) if limits.vocab_size else None
     for s in group.samples:
-        where = f"group {group.prompt_id} sample {s.sample_index}"
         if not math.isfinite(s.reward):
-            raise WireError("bad_value", f"{where}: reward {s.reward}")
+            raise WireError("bad_value", f"{_where(group, s)}: reward {s.reward}")
         if (tokens := len(s.prompt_ids) + len(s.response_ids)) > limits.max_tokens:
-            raise WireError("bad_value", f"{where}: {tokens} tokens > {limits.max_tokens}")
-        _check_array(np.asarray(s.behav_logprobs, dtype=np.float64), where, "behav_logprobs", finite=True)
-        _check_array(np.asarray(s.versions), where, "versions", lo=0, hi=max_version)
+            raise WireError("bad_value", f"{_where(group, s)}: {tokens} tokens > {limits.max_tokens}")
         if not 0 <= s.admitted_version <= max_version:
-            raise WireError("bad_value", f"{where}: admitted_version {s.admitted_version} outside [0, {max_version}]")
-        for name in ("prompt_ids", "response_ids"):
-            _check_array(np.asarray(getattr(s, name)), where, name, lo=0, hi=top)
+            raise WireError("bad_value", f"{_where(group, s)}: admitted_version {s.admitted_version} "
+                                         f"outside [0, {max_version}]")
+        _finite(s.behav_logprobs, group, s, "behav_logprobs")
+        _in_range(s.versions, max_version, group, s, "versions")
+        _in_range(s.prompt_ids, top, group, s, "prompt_ids")
+        _in_range(s.response_ids, top, group, s, "response_ids")
         if s.loss_mask is not None:
-            _check_array(np.asarray(s.loss_mask), where, "loss_mask", lo=0, hi=1)
+            _in_range(s.loss_mask, 1, group, s, "loss_mask")
 
 
-def _check_array(arr: np.ndarray, where: str, name: str, lo: int | None = None, hi: int | None = None,
-                 finite: bool = False) -> None:
+def _where(group: Group, s) -> str:
+    return f"group {group.prompt_id} sample {s.sample_index}"
+
+
+def _finite(values, group: Group, s, name: str) -> None:
+    arr = np.asarray(values)
+    if arr.size and not np.isfinite(arr).all():
+        raise WireError("bad_value", f"{_where(group, s)}: {name} holds NaN or inf")
+
+
+# an integer dtype -> (the unsigned dtype of its width, its largest value)
+_UNSIGNED = {np.dtype(t): (np.dtype(t.replace("i", "u")), np.iinfo(t).max)
+             for t in ("|i1", "<i2", "<i4", "<i8", "|u1", "<u2", "<u4", "<u8")}
+
+
+def _in_range(values, hi: int | None, group: Group, s, name: str) -> None:
+    """All of ``values`` in [0, hi] (hi None: no upper bound)."""
+    arr = np.asarray(values)
     if not arr.size:
         return
-    if finite and not np.isfinite(arr).all():
-        raise WireError("bad_value", f"{where}: {name} holds NaN or inf")
-    if lo is not None and arr.min() < lo:
-        raise WireError("bad_value", f"{where}: {name} holds {arr.min()} < {lo}")
-    if hi is not None and arr.max() > hi:
-        raise WireError("bad_value", f"{where}: {name} holds {arr.max()} > {hi}")
+    unsigned = _UNSIGNED.get(arr.dtype)
+    if unsigned is not None and arr.view(unsigned[0]).max() <= (unsigned[1] if hi is None else min(hi, unsigned[1])):
+        return
+    low, high = arr.min(), arr.max()
+    if low < 0:
+        raise WireError("bad_value", f"{_where(group, s)}: {name} holds {low} < 0")
+    if hi is not None and high > hi:
+        raise WireError("bad_value", f"{_where(group, s)}: {name} holds {high} > {hi}")

@@ -18,7 +18,7 @@ import zmq
 from buffers.auth import ServiceKeys, check_bind, is_loopback
 from buffers.client import RemoteSampleBuffer
 from buffers.factory import BufferConfig
-from buffers.guard import ProducerTable, ValueLimits
+from buffers.guard import ProducerTable, ValueLimits, check_values
 from buffers.producer import BufferProducer
 from buffers.service import MAX_WAIT_MS, BufferService
 from buffers.wire import WireError, pack, unpack
@@ -223,3 +223,37 @@ def test_a_plaintext_service_beyond_loopback_is_refused_at_validate():
     BufferConfig(transport="zmq", bind="tcp://127.0.0.1:0", auth="none")
     with pytest.raises(ValueError, match="buffer.auth must be one of: curve, none"):
         check_bind("tcp://127.0.0.1:0", "tls")
+
+
+def test_value_checks_on_arrays_of_every_integer_width_and_float_dtype():
+    """The range check reads integers as unsigned (one pass): a negative must still be refused at
+    every width, with or without a vocabulary bound, and a clean group must pass."""
+    for vocab in (None, 50_000):
+        limits = ValueLimits(vocab_size=vocab)
+        for dtype in (np.int8, np.int16, np.int32, np.int64):
+            g = make_group(5, arrays=True)
+            s = g.samples[0]
+            s.prompt_ids = np.array([3, 7], dtype=dtype)
+            s.response_ids = s.response_ids.astype(np.int64).clip(0, 100).astype(dtype)
+            s.versions = s.versions.astype(dtype)
+            check_values(g, limits, max_version=1)
+            for field, value, message in (("response_ids", -1, "response_ids holds -1 < 0"),
+                                          ("versions", -3, "versions holds -3 < 0"),
+                                          ("versions", 2, "versions holds 2 > 1")):
+                spoiled = getattr(s, field).copy()
+                spoiled[-1] = value
+                setattr(s, field, spoiled)
+                with pytest.raises(WireError, match=message):
+                    check_values(g, limits, max_version=1)
+                setattr(s, field, getattr(s, field).clip(0, 1))
+    g = make_group(6, arrays=True)
+    g.samples[0].response_ids[2] = 50_000
+    with pytest.raises(WireError, match="response_ids holds 50000 > 49999"):
+        check_values(g, ValueLimits(vocab_size=50_000), max_version=1)
+    for dtype in (np.float16, np.float32, np.float64):
+        g = make_group(7, arrays=True)
+        g.samples[1].behav_logprobs = g.samples[1].behav_logprobs.astype(dtype)
+        check_values(g, ValueLimits(), max_version=1)
+        g.samples[1].behav_logprobs[0] = np.nan
+        with pytest.raises(WireError, match="group 7 sample 1: behav_logprobs holds NaN or inf"):
+            check_values(g, ValueLimits(), max_version=1)
