@@ -12,6 +12,9 @@ through a bound of ``capacity`` items, and the consumer checks it got each promp
   (the controller beside the service: no second hop).
 - ``service_local_plain``: the same without CURVE (``buffer.auth=none``, plaintext on loopback):
   what authentication and encryption cost (``curve_cost``: plain over CURVE samples/s).
+- ``service_local_unchecked``: plaintext and the service's value checks (``buffers.guard``) off --
+  patched out in this process for that run, no setting can do it: what authentication and
+  validation together cost (``auth_validation_cost``: unchecked over ``service_local``).
 - ``service_remote``: the same producers; the consumer is a ``RemoteSampleBuffer`` over TCP
   (metadata long-poll, local ``select``, take, decode: a second hop).
 - ``ray_queue``: ``ray.util.queue.Queue(maxsize=capacity)`` carrying the same Group objects, put by 4
@@ -41,7 +44,8 @@ import zmq
 from buffers.factory import BufferConfig
 from buffers.types import Group, Sample
 
-SYSTEMS = ("service_local", "service_local_plain", "service_remote", "ray_queue", "zmq_bare")
+SYSTEMS = ("service_local", "service_local_plain", "service_local_unchecked", "service_remote", "ray_queue",
+           "zmq_bare")
 PRODUCERS = 4
 PROMPT = 16
 
@@ -143,10 +147,18 @@ class Pool:
 # ------------------------------------------------------------------------------ systems
 
 def run_service(pool: Pool, length: int, n: int, capacity: int, batch: int, remote: bool,
-                knobs: dict, curve: bool = True) -> tuple[float, float]:
+                knobs: dict, curve: bool = True, checked: bool = True) -> tuple[float, float]:
+    import buffers.service
     from buffers.auth import ServiceKeys
     from buffers.client import RemoteSampleBuffer
     from buffers.service import BufferService
+
+    if not checked:
+        check_values, buffers.service.check_values = buffers.service.check_values, lambda *args: None
+        try:
+            return run_service(pool, length, n, capacity, batch, remote, knobs, curve)
+        finally:
+            buffers.service.check_values = check_values
 
     keys = ServiceKeys.new() if curve else None
     client = keys.client if keys else None
@@ -176,10 +188,14 @@ def run_zmq_bare(pool: Pool, length: int, n: int, capacity: int, batch: int) -> 
     sock.bind("tcp://127.0.0.1:0")
     address = sock.getsockopt(zmq.LAST_ENDPOINT).decode()
 
+    from buffers.wire import encode_group
+
+    size = len(encode_group(trajectory(0, length, template(length))))  # what each producer sends
+
     def consume(total: int) -> None:
         for _ in range(total):
             frame = sock.recv(copy=False)
-            assert len(frame) > payload_bytes(length)
+            assert len(frame) == size
 
     secs = pool.run("zmq", address, length, n, consume)
     sock.close(0)
@@ -254,6 +270,8 @@ def main(argv: list[str] | None = None) -> dict:
         "service_local": lambda L, n: run_service(pool, L, n, args.capacity, args.batch, remote=False, knobs=knobs),
         "service_local_plain": lambda L, n: run_service(pool, L, n, args.capacity, args.batch, remote=False,
                                                         knobs=knobs, curve=False),
+        "service_local_unchecked": lambda L, n: run_service(pool, L, n, args.capacity, args.batch, remote=False,
+                                                            knobs=knobs, curve=False, checked=False),
         "service_remote": lambda L, n: run_service(pool, L, n, args.capacity, args.batch, remote=True, knobs=knobs),
         "ray_queue": lambda L, n: run_ray_queue(actors, L, count_for(args.ray_mb, L), args.capacity, args.batch),
         "zmq_bare": lambda L, n: run_zmq_bare(pool, L, n, args.capacity, args.batch),
@@ -305,6 +323,7 @@ def report(rates: dict[int, dict[str, list[float]]], cpu_us: dict[int, dict[str,
             "service_remote_vs_ray_queue": ratio("service_remote", "ray_queue"),
             "zmq_bare_vs_service_local": ratio("zmq_bare", "service_local"),
             "curve_cost": ratio("service_local_plain", "service_local"),
+            "auth_validation_cost": ratio("service_local_unchecked", "service_local"),
             "zmq_bare_vs_service_remote": ratio("zmq_bare", "service_remote"),
         }
         for s in per:

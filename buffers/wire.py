@@ -18,6 +18,12 @@ key strings repeated in every frame):
 ``loss_mask`` is nil (every response token trained on) or an array of 0/1 as uint8, one per
 response token: a multi-turn sample's observation tokens must stay untrained wherever it is read.
 
+``versions`` and ``loss_mask`` change value a few times per response (a weight update, a turn), so
+either may travel as runs when that is smaller: dtype ``"runs:<i4"``, shape ``[n]`` (the tokens),
+data = the k run values (of that dtype) then the k run ends (``<i4``, increasing, the last = n).
+The decoder expands them only after checking ``n`` against the response's length, so a short
+frame cannot ask for a large array.
+
 A NumPy array goes as its own dtype (int32 token ids cost 4 bytes a token) and comes back as a
 read-only NumPy view over the received bytes (no copy; ``.copy()`` it to write); a Python list
 goes as int64/float64 (exact for every Python int in range and every float) and comes back as a
@@ -26,6 +32,7 @@ list: what a producer puts is what the consumer gets, value for value and type f
 
 from __future__ import annotations
 
+import struct
 from typing import Any
 
 import msgpack
@@ -44,6 +51,9 @@ FLOAT_DTYPES = {d: np.dtype(d) for d in ("<f2", "<f4", "<f8")}
 ARRAY_FIELDS = {"prompt_ids": INT_DTYPES, "response_ids": INT_DTYPES,
                 "behav_logprobs": FLOAT_DTYPES, "versions": INT_DTYPES}
 MASK_DTYPES = {"|u1": np.dtype("|u1")}
+RUNS = "runs:"  # the dtype prefix of an array sent as runs
+RUN_ENDS = np.dtype("<i4")
+MIN_RUNS_LEN = 2048  # shorter arrays travel plain (expanding runs costs more than their bytes)
 GROUP_FIELDS = (("prompt_id", int), ("admitted_version", int), ("data_index", int), ("samples", list))
 SAMPLE_FIELDS = (("prompt_id", int), ("sample_index", int), ("reward", float), ("finish_reason", str),
                  ("admitted_version", int), ("meta", dict)) + tuple((k, list) for k in ARRAY_FIELDS) + (
@@ -85,6 +95,7 @@ def _encode_sample(s: Sample, prompt_id: int) -> list:
         raise WireError("bad_schema", f"sample of prompt {s.prompt_id} in group {prompt_id}")
     arrays = [_encode_array(getattr(s, name), name, allowed) for name, allowed in ARRAY_FIELDS.items()]
     _check_lengths(dict(zip(ARRAY_FIELDS, (a[1][0] for a in arrays))), s.prompt_id)
+    arrays[3] = _as_runs(arrays[3])
     if not isinstance(s.meta, dict):
         raise WireError("bad_type", f"meta must be a dict, got {type(s.meta).__name__}")
     _check_meta(s.meta, "meta", 0)
@@ -103,7 +114,24 @@ def _encode_mask(value: Any, n: int, prompt_id: int) -> list:
         raise WireError("length_mismatch", f"prompt {prompt_id}: {n} response tokens, {len(arr)} loss_mask entries")
     if len(arr) and (arr.min() < 0 or arr.max() > 1):
         raise WireError("bad_value", f"prompt {prompt_id}: loss_mask holds values other than 0 and 1")
-    return ["|u1", [len(arr)], arr.astype(np.uint8).tobytes(), is_list]
+    return _as_runs(["|u1", [len(arr)], arr.astype(np.uint8).tobytes(), is_list])
+
+
+def _as_runs(part: list) -> list:
+    """An encoded array part as runs when that is smaller (see the module docstring), else as is."""
+    dtype, (n,), data, was_list = part
+    if n < MIN_RUNS_LEN:
+        return part
+    arr = np.frombuffer(data, dtype=dtype)
+    starts = np.flatnonzero(arr[1:] != arr[:-1]) + 1  # where a new run begins, after the first
+    k = len(starts) + 1
+    if k * (arr.itemsize + RUN_ENDS.itemsize) >= len(data):
+        return part
+    if k == 1:  # the usual case: one version for the whole response
+        return [RUNS + dtype, [n], arr[:1].tobytes() + struct.pack("<i", n), was_list]
+    ends = np.empty(k, RUN_ENDS)
+    ends[:-1], ends[-1] = starts, n
+    return [RUNS + dtype, [n], arr[:1].tobytes() + arr[starts].tobytes() + ends.tobytes(), was_list]
 
 
 def _encode_array(value: Any, name: str, allowed: dict[str, np.dtype]) -> list:
@@ -217,10 +245,12 @@ def _decode_sample(raw: Any, group_id: int) -> Sample:
     prompt_id, index, reward, finish, admitted, meta, *arrays, mask = _fields(raw, SAMPLE_FIELDS, "sample")
     if prompt_id != group_id:
         raise WireError("bad_schema", f"sample of prompt {prompt_id} in group {group_id}")
-    values = {name: _decode_array(a, name, allowed) for a, (name, allowed) in zip(arrays, ARRAY_FIELDS.items())}
+    values = {}
+    for a, (name, allowed) in zip(arrays, ARRAY_FIELDS.items()):  # versions may be runs of the response's length
+        values[name] = _decode_array(a, name, allowed, runs_of=len(values.get("response_ids", ())))
     lengths = {k: len(v) for k, v in values.items()}
     if mask is not None:
-        values["loss_mask"] = _decode_array(mask, "loss_mask", MASK_DTYPES)
+        values["loss_mask"] = _decode_array(mask, "loss_mask", MASK_DTYPES, runs_of=lengths["response_ids"])
         lengths["loss_mask"] = len(values["loss_mask"])
     _check_lengths(lengths, prompt_id)
     _check_meta(meta, "meta", 0)
@@ -228,8 +258,13 @@ def _decode_sample(raw: Any, group_id: int) -> Sample:
                   admitted_version=admitted, meta=meta, **values)
 
 
-def _decode_array(raw: Any, name: str, allowed: dict[str, np.dtype]) -> Any:
+def _decode_array(raw: Any, name: str, allowed: dict[str, np.dtype], runs_of: int | None = None) -> Any:
+    """An array part → a read-only view over the frame (a list if it was one); ``runs_of``: the
+    length an array sent as runs must have (None: it may not be runs)."""
     dtype, shape, data, was_list = _fields(raw, ARRAY_PARTS, name)
+    if runs_of is not None and name in ("versions", "loss_mask") and dtype.startswith(RUNS):
+        arr = _expand_runs(dtype[len(RUNS):], shape, data, name, allowed, runs_of)
+        return arr.tolist() if was_list else arr
     dt = allowed.get(dtype)
     if dt is None:
         raise WireError("bad_dtype", f"{name}: dtype {dtype!r} not in {', '.join(allowed)}")
@@ -239,6 +274,28 @@ def _decode_array(raw: Any, name: str, allowed: dict[str, np.dtype]) -> Any:
         raise WireError("bad_shape", f"{name}: {len(data)} bytes for shape {shape} of {dtype}")
     arr = np.frombuffer(data, dtype=dt)  # a read-only view: no copy
     return arr.tolist() if was_list else arr
+
+
+def _expand_runs(dtype: str, shape: list, data: bytes, name: str, allowed: dict[str, np.dtype], n: int) -> np.ndarray:
+    dt = allowed.get(dtype)
+    if dt is None:
+        raise WireError("bad_dtype", f"{name}: runs of dtype {dtype!r}, not one of {', '.join(allowed)}")
+    if shape != [n]:
+        raise WireError("length_mismatch", f"{name}: runs of {shape!r} tokens for {n} response tokens")
+    k, rest = divmod(len(data), dt.itemsize + RUN_ENDS.itemsize)
+    if rest or (k == 0) != (n == 0):
+        raise WireError("bad_shape", f"{name}: {len(data)} bytes are not whole runs of {dtype} + {RUN_ENDS.str}")
+    values, ends = np.frombuffer(data, dt, k), np.frombuffer(data, RUN_ENDS, k, k * dt.itemsize)
+    if k == 1 and ends[0] == n:
+        out = np.full(n, values[0], dt)
+    else:
+        lengths = ends.copy()
+        np.subtract(ends[1:], ends[:-1], out=lengths[1:])
+        if k and (lengths.min() <= 0 or ends[-1] != n):
+            raise WireError("bad_shape", f"{name}: run ends must increase from above 0 to {n}")
+        out = np.repeat(values, lengths)
+    out.flags.writeable = False  # like every other array from a frame
+    return out
 
 
 def _fields(raw: Any, schema: tuple[tuple[str, type], ...], where: str) -> list:

@@ -449,3 +449,44 @@ def test_a_multi_turn_sample_keeps_its_loss_mask_through_the_service_into_the_ba
         buf.disconnect()
     batch = collate(got.samples)
     assert batch.mask[0].tolist() == [0, 1, 1, 0, 0, 0, 1]  # target columns: the prompt's last, then the mask
+
+
+def test_versions_and_masks_travel_as_runs_when_smaller_and_bad_runs_are_refused():
+    n = 4096
+    g = make_group(21, n=3, length=n, arrays=True)
+    g.samples[0].versions = np.full(n, 7, dtype=np.int32)  # one run
+    g.samples[1].versions = np.repeat(np.array([2, 3, 5], dtype=np.int64), [100, 3000, 996])  # three
+    g.samples[2].versions = (np.arange(n) % 2).tolist()  # alternating: plain is smaller
+    g.samples[1].loss_mask = [1] * 1000 + [0] * 96 + [1] * 3000
+    frame = encode_group(g)
+    raw = unpack(frame, MB)
+    assert [s[VERSIONS][0] for s in raw[3]] == ["runs:<i4", "runs:<i8", "<i8"]
+    assert raw[3][1][LOSS_MASK][0] == "runs:|u1" and len(raw[3][1][LOSS_MASK][2]) == 3 * 5
+    assert len(raw[3][0][VERSIONS][2]) == 8  # 4 + 4 bytes instead of 16 KiB
+    back = decode_group(unpack(frame, MB))
+    assert same(back, g) and back.samples[1].loss_mask == g.samples[1].loss_mask
+    assert back.samples[1].versions.dtype == np.int64 and back.samples[0].version == 7
+    assert not back.samples[0].versions.flags.writeable
+    short = make_group(22, n=1, length=100, arrays=True)  # below MIN_RUNS_LEN: always plain
+    assert unpack(encode_group(short), MB)[3][0][VERSIONS][0] == "<i4"
+
+    def spoiled(part):
+        raw = unpack(frame, MB)
+        raw[3][0][VERSIONS] = part
+        return msgpack.packb(raw)
+
+    ends = np.array([n], dtype="<i4").tobytes()
+    seven = np.array([7], dtype="<i4").tobytes()
+    for part, reason in ((["runs:<i4", [10**9], seven + ends, False], "length_mismatch"),  # asks for a huge array
+                         (["runs:<f4", [n], seven + ends, False], "bad_dtype"),
+                         (["runs:<i4", [n], seven + ends + b"\x00", False], "bad_shape"),
+                         (["runs:<i4", [n], seven + np.array([n - 1], "<i4").tobytes(), False], "bad_shape"),
+                         (["runs:<i4", [n], seven * 2 + np.array([9, 3], "<i4").tobytes(), False], "bad_shape"),
+                         (["runs:<i4", [n], b"", False], "bad_shape")):
+        with pytest.raises(WireError) as err:
+            decode_group(unpack(spoiled(part), MB))
+        assert err.value.reason == reason, (part, err.value)
+    raw = unpack(frame, MB)
+    raw[3][0][RESPONSE] = ["runs:<i4", [n], seven + ends, False]  # only versions and masks may be runs
+    with pytest.raises(WireError, match="bad_dtype: response_ids"):
+        decode_group(unpack(msgpack.packb(raw), MB))
