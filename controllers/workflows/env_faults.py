@@ -34,14 +34,16 @@ class _EpisodeHung(_EpisodeLost):
 
 
 HANG_REPLAYS = 1  # replays an episode gets after a hung step; a step that hangs again ends it
+STARTUP_S = 300.0  # a worker's process must be up within this (a start, or Ray's restart)
 
 
 class EnvWorkerFaults:
     """Fault handling of the scheduler's EnvWorkers (see the module docstring)."""
 
     def pids(self) -> list[int]:
-        """Each EnvWorker's process id (a changed one means Ray restarted it)."""
-        pids = ray.get([w.pid.remote() for w in self.workers], timeout=self.hang_timeout_s)
+        """Each EnvWorker's process id (a changed one means Ray restarted it). Asked first while the
+        workers start, which on a loaded machine takes longer than a step may hang."""
+        pids = ray.get([w.pid.remote() for w in self.workers], timeout=max(self.hang_timeout_s, STARTUP_S))
         with self._lock:
             self._pids = list(pids)
         return list(pids)
@@ -103,7 +105,7 @@ class EnvWorkerFaults:
     def _wait_restarted(self, slot: int, kind: str, exc: BaseException) -> int:
         """The pid of worker ``slot`` once it answers again (``ActorUnavailableError`` while Ray
         restarts it); dead for good or not back within ``max(hang_timeout_s, 300)`` s: ``EnvFailed``."""
-        deadline = time.monotonic() + max(self.hang_timeout_s, 300.0)
+        deadline = time.monotonic() + max(self.hang_timeout_s, STARTUP_S)
         while True:
             try:
                 return ray.get(self.workers[slot].pid.remote(), timeout=max(1.0, deadline - time.monotonic()))

@@ -28,6 +28,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from flash.engine.base import INTERRUPT_MODES, GenerationOutput, GenerationRequest
@@ -35,7 +36,7 @@ from flash.engine.loop_actor import LoopActor
 from flash.engine.torch_engine import BatchState, derive_seed
 from flash.sim import cost as costs
 from flash.sim.config import SimConfig, cost_model, instances
-from flash.sim.workload import load_lengths, next_token, observed_length, prompt_factor, response_length
+from flash.sim.workload import draw_tokens, load_lengths, observed_length, prompt_factor, response_length
 from flash.usage import SpanRecorder
 from flash.weights.group import UpdateReceiver
 
@@ -226,9 +227,9 @@ class SimBatcher(BatchState):
         per_batch = math.ceil(len(running) / s.instances)
         context = sum(self._sim_context(q) for q in running) / busy
         cost = costs.decode_run_s(s.cm, per_batch, context, k * s.token_scale)
+        self._extend(running, k)
         finished, keep = [], []
         for q in running:
-            self._extend(q, k)
             if len(q.tokens) >= q.target:
                 finished.append(q.output("length" if q.target >= q.req.params.max_new_tokens else "stop"))
                 self._ids.discard(q.req.request_id)
@@ -239,17 +240,33 @@ class SimBatcher(BatchState):
         self.decode_steps += k * s.token_scale
         return cost, finished
 
-    def _extend(self, q: _Seq, k: int) -> None:
-        stops = q.req.params.stop_token_ids
-        avoid = frozenset(stops)
-        for _ in range(k):
-            token, logprob = next_token(q.rng, self.vocab_size, avoid)
-            last = len(q.tokens) + 1 == q.target
-            if last and stops and q.target < q.req.params.max_new_tokens:
-                token = stops[0]  # a response shorter than the cap ends on a stop token
-            q.tokens.append(token)
-            q.logprobs.append(logprob)
-            q.versions.append(self._version)
+    def _extend(self, running: list[_Seq], k: int) -> None:
+        """``k`` more ids for every running response, drawn at once (``draw_tokens``); an id that is
+        one of its response's stop tokens moves to the next id, and a response that ends before
+        the cap ends on its first stop token."""
+        ids, logprobs = draw_tokens(np.array([q.seed & _U64 for q in running], dtype=np.uint64),
+                                    np.array([len(q.tokens) for q in running]), k, self.vocab_size)
+        stop_ids = {t for q in running for t in q.req.params.stop_token_ids}
+        hit = np.isin(ids, list(stop_ids)).any(axis=1).tolist() if stop_ids else [False] * len(running)
+        for q, row, lps, fix in zip(running, ids.tolist(), logprobs.tolist(), hit):
+            stops = q.req.params.stop_token_ids
+            if fix:  # rare: an id that is some response's stop token
+                row = [_avoid(t, stops, self.vocab_size) for t in row]
+            if stops and len(q.tokens) + k == q.target and q.target < q.req.params.max_new_tokens:
+                row[-1] = stops[0]
+            q.tokens += row
+            q.logprobs += lps
+            q.versions += [self._version] * k
+
+
+_U64 = (1 << 64) - 1
+
+
+def _avoid(token: int, stops: list[int], vocab_size: int) -> int:
+    """The first id from ``token`` on (wrapping) that is not a stop token."""
+    while token in stops and len(stops) < vocab_size:
+        token = (token + 1) % vocab_size
+    return token
 
 
 def model_vocab(model_path: str) -> int:

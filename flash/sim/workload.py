@@ -3,8 +3,10 @@
 RL response lengths are long-tailed: most responses are short, a few run to the length cap (the
 tail that RollPacker's tail batching and ROLL-Flash's asynchrony exist for). A lognormal with a
 cap reproduces that shape with two knobs: the median and ``sigma`` (sigma 1 puts ~16% of responses
-above 2.7 × the median). Everything is drawn from one ``random.Random`` per request, seeded by the
-request's seed, so a response does not depend on its batch mates or on when it ran.
+above 2.7 × the median). A response's length is drawn from one ``random.Random`` per request,
+seeded by the request's seed, and its token ids and logprobs are a hash of (seed, position)
+(``draw_tokens``: every running response's next ids in a few array operations), so a response
+does not depend on its batch mates or on when it ran.
 
 Or lengths come from a real run (``sim.lengths``: its ``ledger.jsonl``, or a file of integers):
 each prompt draws one observed group (a prompt's samples in one step) and each of its samples one
@@ -24,6 +26,8 @@ import math
 import random
 import zlib
 from pathlib import Path
+
+import numpy as np
 
 MAX_LENGTHS = 1_000_000  # observed lengths read from one file (a sample of them draws the same)
 MAX_LENGTH_FILE_BYTES = 512 << 20
@@ -112,12 +116,24 @@ def prompt_factor(prompt_ids: list[int], prompt_sigma: float) -> float:
     return math.exp(prompt_sigma * z)
 
 
-def next_token(rng: random.Random, vocab_size: int, avoid: frozenset[int]) -> tuple[int, float]:
-    """A token id below ``vocab_size`` outside ``avoid`` (the stop tokens) and a finite logprob < 0."""
-    token = rng.randrange(vocab_size)
-    while token in avoid and len(avoid) < vocab_size:
-        token = (token + 1) % vocab_size
-    return token, -min(20.0, 1e-3 + rng.expovariate(2.0))
+def draw_tokens(seeds: np.ndarray, starts: np.ndarray, k: int, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Token ids below ``vocab_size`` and finite logprobs < 0 at positions ``starts .. starts + k``
+    of each response: ``(n, k)`` arrays, a function of (seed, position) alone (a rewound response
+    draws the same ids again). Logprobs are -(1e-3 + Exp(2)), capped at -20."""
+    pos = starts.astype(np.uint64)[:, None] + np.arange(1, k + 1, dtype=np.uint64)
+    h = _mix(_mix(seeds.astype(np.uint64))[:, None] + pos * _GOLDEN)
+    u = (_mix(h ^ _SALT) >> np.uint64(11)).astype(np.float64) * 2.0 ** -53  # uniform in [0, 1)
+    return (h % np.uint64(vocab_size)).astype(np.int64), -np.minimum(20.0, 1e-3 - np.log1p(-u) / 2.0)
+
+
+_GOLDEN, _SALT = np.uint64(0x9E3779B97F4A7C15), np.uint64(0x5851F42D4C957F2D)
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finalizer: 64 well-mixed bits from any 64 (uint64 arithmetic wraps)."""
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
 
 
 def lognormal_mean(median: float, sigma: float) -> float:
