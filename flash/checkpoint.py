@@ -233,8 +233,19 @@ def load_trainer_state(trainer, directory: str) -> int:
 
 
 # ---- driver state ----------------------------------------------------------------------------
+PER_TOKEN = ("prompt_ids", "response_ids", "behav_logprobs", "versions", "loss_mask")
+
+
 def group_to_dict(g: Group) -> dict:
-    return asdict(g)
+    """A group as JSON values. With ``buffer.transport=zmq`` the buffer's groups are the service's,
+    and a producer that put NumPy arrays has them stored as NumPy arrays: those are written as
+    lists of the same values (a float32 logprob as the float64 that holds it exactly)."""
+    d = asdict(g)
+    for s in d["samples"]:
+        for key in PER_TOKEN:
+            if hasattr(s[key], "tolist"):
+                s[key] = s[key].tolist()
+    return d
 
 
 def group_from_dict(d: dict) -> Group:

@@ -6,6 +6,7 @@ Fast (no Ray): the end-to-end kill/resume and engine-fault tests are in test_res
 import json
 import os
 
+import numpy as np
 import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -88,6 +89,19 @@ def test_groups_survive_the_json_round_trip_exactly():
     g = Group(prompt_id=5, samples=[_sample(5, 0), _sample(5, 1)], admitted_version=2, data_index=7)
     back = ck.group_from_dict(json.loads(json.dumps(ck.group_to_dict(g))))
     assert back == g and back.version == 2
+
+
+def test_groups_the_buffer_service_holds_as_numpy_arrays_survive_the_json_round_trip():
+    # a producer that puts NumPy arrays gets NumPy arrays back from the zmq service: its store holds them
+    s = _sample(5, 0)
+    s.prompt_ids, s.response_ids = np.array([1, 2], dtype="<i4"), np.array([3, 4, 5], dtype="<i4")
+    s.behav_logprobs, s.versions = np.array([-0.1, -1.5, -2.0], dtype="<f4"), np.array([2, 2, 3], dtype="<i8")
+    s.loss_mask = np.array([1, 0, 1], dtype="|u1")
+    back = ck.group_from_dict(json.loads(json.dumps(ck.group_to_dict(Group(prompt_id=5, samples=[s])))))
+    b = back.samples[0]
+    assert (b.prompt_ids, b.response_ids, b.versions, b.loss_mask) == ([1, 2], [3, 4, 5], [2, 2, 3], [1, 0, 1])
+    assert b.behav_logprobs == [float(x) for x in s.behav_logprobs]  # the float32 values, exactly
+    assert all(type(x) is int for x in b.response_ids + b.versions + b.loss_mask)
 
 
 class _Sched:

@@ -205,6 +205,22 @@ def test_rewards_route_per_row_and_read_gsm8k_references(tmp_path):
     assert err.value.reason == "wrong_type"
 
 
+def test_a_row_reward_that_returns_a_reward_result_scores_its_number(tmp_path):
+    rows = [{"q": "say hi.", "answer": "hi", "kind": "tests.reward_fns:exact_result"}]
+    task = dataset(write_jsonl(tmp_path / "r.jsonl", rows), prompt_key="q", reward_key="kind", holdout=0)
+    item = task.item(0)
+    assert task.reward(item, "hi") == 1.0 and task.reward(item, "no") == 0.0
+    assert float(task.reward(item, "hi")) == 1.0  # the scheduler's float(): a RewardResult would score 0
+
+
+def test_answers_of_any_json_type_reach_the_reward_as_their_json_text(tmp_path):
+    rows = [{"q": "is 2 even?", "answer": True}, {"q": "is 3 even?", "answer": False},
+            {"q": "roots?", "answer": [1, 2]}, {"q": "name?", "answer": "ada"}]
+    task = dataset(write_jsonl(tmp_path / "a.jsonl", rows), prompt_key="q", holdout=0, shuffle=False,
+                   reward="tests.reward_fns:exact")
+    assert [task.item(i).answer for i in range(4)] == ["true", "false", "[1, 2]", "ada"]  # as the file has them
+
+
 def test_export_writes_a_builtin_task_that_trains_the_same_items_from_a_file(tmp_path):
     from recipes.tasks import make_task as make
 

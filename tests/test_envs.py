@@ -2,6 +2,8 @@
 token sequences (observations masked out of the loss, per-turn versions). Episode rollout on Ray
 is in test_envs_rollout.py."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -163,6 +165,38 @@ def test_trailing_observation_without_a_turn_is_dropped():
     add_observation(t, [12, 13])  # the next turn was refused by the engine
     s = to_sample(t, prompt_id=0, sample_index=0, admitted_version=0, outcome="request_error", meta={})
     assert s.response_ids == [7, 8, 9, 10, 11] and len(s.loss_mask) == len(s.versions) == 5
+
+
+class _Core:
+    n, counters = 1, {}
+
+    def __init__(self):
+        self.delivered = []
+
+    def deliver(self, outs):
+        self.delivered += outs
+
+
+@pytest.mark.parametrize("outcome", ["abort", "error", "success"])
+def test_an_episode_ends_as_a_finished_unit_whatever_its_environment_calls_the_outcome(outcome):
+    from controllers.workflows.base import Unit
+    from controllers.workflows.episode import EpisodeCodec, Episodes, _Episode
+    from flash.engine.base import SamplingParams
+    from flash.tasks import TaskItem
+
+    worker = SimpleNamespace(close=SimpleNamespace(remote=lambda key: None))  # an EnvWorker's handle
+    wf = Episodes([worker], EpisodeCodec(list, list, str), max_turns=4, env_threads=1)
+    wf.core = core = _Core()
+    unit = Unit("3:0", 3, 0, TaskItem(index=0, prompt="", answer="", meta={"seed": 5}), [], SamplingParams())
+    ep = _Episode(unit, wf.workers[0], 0, transcript=two_turn_transcript())
+    wf._live[unit.id] = ep
+    wf._finish(ep, outcome)  # an environment's info["outcome"] is any name it likes
+    (out,) = core.delivered
+    # the core takes an 'abort' output for an engine partial (dropped: the prompt would never end)
+    # and an 'error' one for a request the engine refused
+    assert out.request_id == unit.id and out.finish_reason not in ("abort", "error")
+    assert wf.finish(unit, out).finish_reason == outcome  # the sample keeps the environment's name
+    wf.stop()
 
 
 def test_collate_honours_loss_mask_and_loss_equals_llm_tokens_alone():

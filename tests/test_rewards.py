@@ -161,6 +161,19 @@ def test_pool_rejects_bad_config_before_starting_workers():
         RewardPool({"name": "math"}, concurrency=0)
 
 
+def test_a_non_finite_reward_scored_in_the_driver_is_a_counted_reward_error_as_in_the_pool():
+    import threading
+    from types import SimpleNamespace
+
+    from controllers.scheduler import RolloutCore
+
+    rewards = iter([float("nan"), float("inf"), 0.5])
+    core = SimpleNamespace(source=SimpleNamespace(reward=lambda item, text: next(rewards), decode=str),
+                           _lock=threading.Lock(), counters={"reward_errors": 0})
+    scores = [RolloutCore.score(core, TaskItem(0, "p", "1/2"), [1]) for _ in range(3)]
+    assert scores == [0.0, 0.0, 0.5] and core.counters["reward_errors"] == 2  # never a NaN group
+
+
 def test_pool_failures_are_named_counted_and_the_run_continues(ray_local):
     from flash.rewards.workers import RewardPool
 

@@ -45,6 +45,10 @@ from flash.envs.episode import Transcript, add_observation, add_turn, to_sample
 from flash.usage import SpanRecorder
 
 COUNTERS = ("episodes", "turns", "turns_aborted", "episodes_halted", "episodes_cancelled")
+# How a finished episode reaches the core: a finished output. Its outcome is the environment's own
+# name (in the sample) and may be anything, "abort" and "error" included, which the core reads as
+# an engine's partial (dropped) and an engine's refusal.
+ENDED = "stop"
 
 
 @dataclass
@@ -299,4 +303,4 @@ class Episodes(EnvWorkerFaults):
                 ep.transcript, prompt_id=u.prompt_id, sample_index=u.index, admitted_version=u.version,
                 outcome=outcome, meta={**u.meta, "data_index": u.data_index, "seed": u.item.meta["seed"],
                                        "request_id": u.id, "request": u.index})
-        self.core.deliver([GenerationOutput(ep.key, list(ep.transcript.prompt_ids), [], [], [], outcome)])
+        self.core.deliver([GenerationOutput(ep.key, list(ep.transcript.prompt_ids), [], [], [], ENDED)])

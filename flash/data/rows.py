@@ -102,10 +102,11 @@ def render_prompt(row: dict, spec: RowSpec) -> str | list[dict]:
 
 
 def answer_text(value) -> str:
-    """The reference as text for the reward: strings as they are, other JSON values as JSON."""
+    """The reference as text for the reward: strings as they are, other JSON values as JSON (a
+    boolean is ``true``, as the file writes it, not Python's ``True``)."""
     if isinstance(value, str):
         return value
-    return json.dumps(value) if isinstance(value, (list, dict)) else str(value)
+    return json.dumps(value) if isinstance(value, (list, dict, bool)) else str(value)
 
 
 def row_item(row: dict, spec: RowSpec, index: int, meta: dict) -> TaskItem:

@@ -150,14 +150,17 @@ class DatasetTask(Task):
             raise ValueError("no usable held-out rows: set data.eval to a file or data.holdout > 0")
         return items
 
-    def reward(self, item: TaskItem, response: str):
-        """The row's reward (``reward_key``) or the task's, built once per name."""
+    def reward(self, item: TaskItem, response: str) -> float:
+        """The row's reward (``reward_key``) or the task's, built once per name. A reward function
+        may return a ``RewardResult``; a task's reward is its number (the scheduler takes ``float``
+        of it, and a ``RewardResult`` there would be a reward error scored 0)."""
         name = self._reward_name(item)
         if name not in self._scorers:
             from flash.rewards.registry import build_reward
 
             self._scorers[name] = build_reward({"name": name})
-        return self._scorers[name](item, response)
+        value = self._scorers[name](item, response)
+        return value if isinstance(value, (int, float)) else _number(value)
 
     def sft_pair(self, index: int) -> tuple[str, str]:
         if not self.options.sft_key:
@@ -173,3 +176,10 @@ class DatasetTask(Task):
     def data_fingerprint(self) -> str:
         """The rows' identity for caches: file contents, not paths."""
         return content_hash(self.options.train + self.options.eval)
+
+
+def _number(value) -> float:
+    """The reward of a scorer's ``RewardResult``; anything else is left for the caller's ``float``."""
+    from flash.rewards import RewardResult
+
+    return value.reward if isinstance(value, RewardResult) else value
