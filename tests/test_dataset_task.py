@@ -221,6 +221,16 @@ def test_answers_of_any_json_type_reach_the_reward_as_their_json_text(tmp_path):
     assert [task.item(i).answer for i in range(4)] == ["true", "false", "[1, 2]", "ada"]  # as the file has them
 
 
+def test_columns_flash_replaces_are_named_and_a_reward_fn_column_never_picks_the_reward(tmp_path, caplog):
+    rows = [{"q": "1+1?", "answer": "2", "split": "dev", "reward_fn": "tests.reward_fns:response_length", "level": 3}]
+    task = dataset(write_jsonl(tmp_path / "c.jsonl", rows), prompt_key="q", holdout=0, shuffle=False,
+                   reward="tests.reward_fns:exact")
+    assert "column(s) reward_fn, split are replaced in item.meta by flash's own" in caplog.text
+    item = task.item(0)
+    assert item.meta["split"] == "train" and item.meta["level"] == 3 and "reward_fn" not in item.meta
+    assert task.reward(item, "3") == 0.0 and task.reward(item, "2") == 1.0  # the recipe's reward, not the column's
+
+
 def test_export_writes_a_builtin_task_that_trains_the_same_items_from_a_file(tmp_path):
     from recipes.tasks import make_task as make
 

@@ -263,3 +263,28 @@ def test_tail_batching_is_refused_for_episode_tasks_before_anything_starts():
     cfg = load_config("recipes/corridor.yaml", ["rollout.scheduler=tail_batching"])
     with pytest.raises(ConfigError, match="runs multi-turn episodes: set rollout.scheduler: plain"):
         check_episode_config(cfg, make_task("corridor"))
+
+
+@pytest.mark.parametrize("reward", [float("nan"), float("-inf"), None, "many"])
+def test_an_environment_reward_that_is_not_a_finite_number_ends_its_episode_as_env_error(reward):
+    """A NaN reward would make its group's advantages NaN and the whole step would be skipped."""
+    from controllers.workflows.base import Unit
+    from controllers.workflows.episode import EpisodeCodec, Episodes, _Episode
+    from flash.engine.base import SamplingParams
+    from flash.tasks import TaskItem
+
+    worker = SimpleNamespace(close=SimpleNamespace(remote=lambda key: None))
+    wf = Episodes([worker], EpisodeCodec(list, list, str), max_turns=4, env_threads=1)
+    wf.core = core = _Core()
+    unit = Unit("4:0", 4, 0, TaskItem(index=0, prompt="", answer="", meta={"seed": 6}), [], SamplingParams())
+    ep = _Episode(unit, wf.workers[0], 0, transcript=two_turn_transcript())
+    ep.transcript.reward = 0.5  # earned by the steps before
+    wf._live[unit.id] = ep
+    wf._env = lambda ep, method, *args: ("obs", reward, False, {})
+    before = wf.counters.get("env_errors", 0)  # (the counters live on the core: shared by these cases)
+    wf._step(ep, "left")
+    (out,) = core.delivered
+    sample = wf.finish(unit, out)
+    assert sample.finish_reason == "env_error" and sample.reward == 0.5
+    assert wf.counters["env_errors"] == before + 1 and f"step returned reward {reward!r}" in wf.last_env_error
+    wf.stop()

@@ -28,6 +28,7 @@ same tokens. Every finished episode is counted by outcome (``outcome/<name>``).
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -275,10 +276,10 @@ class Episodes(EnvWorkerFaults):
             self._reset(ep)
             return
         except ray.exceptions.RayTaskError as exc:  # the game raised: this episode ends, the run goes on
-            with self._lock:
-                self._count("env_errors")
-                self.last_env_error = str(exc).splitlines()[0]
-            self._finish(ep, "env_error")
+            self._env_error(ep, str(exc).splitlines()[0])
+            return
+        if not _finite_number(reward):  # a NaN reward would make its group's advantages, and the step, NaN
+            self._env_error(ep, f"step returned reward {reward!r}; an environment's rewards are finite numbers")
             return
         t = ep.transcript
         t.reward += float(reward)
@@ -288,6 +289,13 @@ class Episodes(EnvWorkerFaults):
             return
         add_observation(t, self.codec.encode_observation(obs))
         self._submit_turn(ep)
+
+    def _env_error(self, ep: _Episode, message: str) -> None:
+        """The game failed this episode: it ends (``env_error``, counted, the message kept), the run goes on."""
+        with self._lock:
+            self._count("env_errors")
+            self.last_env_error = message
+        self._finish(ep, "env_error")
 
     def _finish(self, ep: _Episode, outcome: str) -> None:
         """The episode ended: its sample waits for ``finish`` and the core hears of it."""
@@ -304,3 +312,11 @@ class Episodes(EnvWorkerFaults):
                 outcome=outcome, meta={**u.meta, "data_index": u.data_index, "seed": u.item.meta["seed"],
                                        "request_id": u.id, "request": u.index})
         self.core.deliver([GenerationOutput(ep.key, list(ep.transcript.prompt_ids), [], [], [], ENDED)])
+
+
+def _finite_number(value) -> bool:
+    """A reward an episode can add: a real number (bools and NumPy scalars too), not NaN or inf."""
+    try:
+        return math.isfinite(float(value))
+    except (TypeError, ValueError):
+        return False

@@ -109,11 +109,17 @@ def answer_text(value) -> str:
     return json.dumps(value) if isinstance(value, (list, dict, bool)) else str(value)
 
 
+# what flash adds to a row's other columns in ``item.meta``, replacing columns of the same name
+OWN_META = {"row": "the row number", "epoch": "the pass over the data", "split": "train or eval",
+            "reward_fn": "the reward named by data.reward_key"}
+
+
 def row_item(row: dict, spec: RowSpec, index: int, meta: dict) -> TaskItem:
-    """The ``TaskItem`` of ``row``; ``meta`` (e.g. the row number) is added to the other columns."""
+    """The ``TaskItem`` of ``row``; ``meta`` (e.g. the row number) is added to the other columns.
+    A column named ``reward_fn`` never chooses the reward: only ``data.reward_key`` does."""
     prompt = render_prompt(row, spec)
     answer = answer_text(_column(row, spec.answer_key))
-    extra = {k: v for k, v in row.items() if k not in (spec.prompt_key, spec.answer_key)}
+    extra = {k: v for k, v in row.items() if k not in (spec.prompt_key, spec.answer_key, "reward_fn")}
     if spec.reward_key is not None:
         name = _column(row, spec.reward_key)
         if not isinstance(name, str) or not name:

@@ -24,7 +24,7 @@ from functools import cached_property
 import numpy as np
 
 from flash.data.files import content_hash, open_rows
-from flash.data.rows import BadRow, RowSpec, row_item
+from flash.data.rows import OWN_META, BadRow, RowSpec, row_item
 from flash.tasks import Task, TaskItem, register_task
 
 log = logging.getLogger("flash")
@@ -78,6 +78,7 @@ class DatasetTask(Task):
             raise ValueError(f"data.train has no rows ({', '.join(options.train)})")
         self._order_cache: tuple[int, np.ndarray] | None = None
         self._scorers: dict = {}
+        _warn_hidden_columns(self.columns() + (self.columns("eval") if self._eval_rows is not None else []))
 
     def _split(self, n: int) -> tuple[np.ndarray, np.ndarray]:
         if self._eval_rows is not None or not self.options.holdout:
@@ -176,6 +177,16 @@ class DatasetTask(Task):
     def data_fingerprint(self) -> str:
         """The rows' identity for caches: file contents, not paths."""
         return content_hash(self.options.train + self.options.eval)
+
+
+def _warn_hidden_columns(columns: list[str]) -> None:
+    """Columns that flash's own item fields replace (``rows.OWN_META``) are named once: a reward
+    reading ``item.meta['split']`` gets flash's split, not the file's."""
+    hidden = sorted(set(columns) & set(OWN_META))
+    if hidden:
+        log.warning("flash: dataset column(s) %s are replaced in item.meta by flash's own (%s); rename them to "
+                    "keep their values", ", ".join(hidden), ", ".join(f"{k}: {v}" for k, v in OWN_META.items()
+                                                                    if k in hidden))
 
 
 def _number(value) -> float:
