@@ -1,7 +1,9 @@
 """User agents (flash.envs.agents): outcomes, the one retry, cancellation, loading by path."""
 
+import re
 import threading
 
+import numpy as np
 import pytest
 
 from flash.envs.agents import AgentRunner, check_return, load_agent
@@ -74,6 +76,14 @@ def test_returns_and_paths_are_checked():
     for bad in (float("nan"), True, "1", (1.0, 2), None):
         with pytest.raises(ValueError):
             check_return(bad)
+    # info becomes its samples' meta (checkpointed as JSON, sent as msgpack): plain data only
+    info = {"p": np.float32(0.5), "steps": (1, np.int64(2)), "tools": {"calc": [True, None, "x"]}}
+    assert check_return((1.0, info)) == (1.0, {"p": 0.5, "steps": [1, 2], "tools": {"calc": [True, None, "x"]}})
+    for bad, where in (({"raw": b"x"}, "info['raw'] is a bytes"), ({"s": {1, 2}}, "info['s'] is a set"),
+                       ({"t": [object()]}, "info['t'][0] is a object"), ({0: 1}, "has the key 0"),
+                       ({"deep": [[[[[[[[[1]]]]]]]]]}, "nests deeper than 8")):
+        with pytest.raises(ValueError, match=re.escape(where)):
+            check_return((1.0, bad))
     assert load_agent("tests.agent_fns:answer").__name__ == "answer"
     with pytest.raises(ValueError, match="must be an 'async def"):
         load_agent("tests.reward_fns:exact")

@@ -33,6 +33,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 PING_S = 5.0  # a host's loop that does not answer within this is blocked by an agent
 RESTART_S = 120.0  # how long an attempt waits for a restarting host before it counts as died
 OUTCOMES = ("ok", "timeout", "crashed", "bad_return", "cancelled", "died")
@@ -68,7 +70,30 @@ def check_return(value: Any) -> tuple[float, dict]:
         raise BadReturn(f"an agent returns a finite reward or (reward, dict), got {str(value)[:80]}")
     if not isinstance(info, dict):
         raise BadReturn(f"an agent's second return value must be a dict, got {type(info).__name__}")
-    return float(reward), info
+    return float(reward), _plain(info, "info", 0)
+
+
+MAX_INFO_DEPTH = 8
+
+
+def _plain(value: Any, where: str, depth: int) -> Any:
+    """``info`` as JSON data: it becomes its samples' ``meta``, which checkpoints write as JSON and
+    the buffer service carries as msgpack. NumPy scalars become Python numbers and tuples lists;
+    anything else is a ``BadReturn`` naming where it is."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, np.generic) and value.dtype.kind in "biuf":
+        return value.item()
+    if depth >= MAX_INFO_DEPTH:
+        raise BadReturn(f"an agent's {where} nests deeper than {MAX_INFO_DEPTH}")
+    if isinstance(value, (list, tuple)):
+        return [_plain(v, f"{where}[{i}]", depth + 1) for i, v in enumerate(value)]
+    if isinstance(value, dict):
+        if bad := [k for k in value if not isinstance(k, str)]:
+            raise BadReturn(f"an agent's {where} has the key {bad[0]!r}; keys are strings")
+        return {k: _plain(v, f"{where}[{k!r}]", depth + 1) for k, v in value.items()}
+    raise BadReturn(f"an agent's {where} is a {type(value).__name__}; info holds JSON data (None, bool, int, "
+                    "float, str, and lists and str-keyed dicts of them)")
 
 
 class AgentRunner:
