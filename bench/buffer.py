@@ -22,6 +22,8 @@ through a bound of ``capacity`` items, and the consumer checks it got each promp
   ``get_nowait_batch(batch)`` when that many are there.
 - ``zmq_bare``: PUSH/PULL of the service's own frame bytes, encoded once, no acks, no decode: the
   limit of the transport.
+- ``zmq_bare_curve``: the same with CURVE on both sockets (keys made per run, as the service's):
+  the limit of an encrypted transport, to hold ``service_local`` against.
 
 Producer processes start once and wait for a "go" per run, so start-up is not timed. On a shared
 machine wall-clock rates swing with the load, so the report adds CPU microseconds per sample
@@ -45,7 +47,7 @@ from buffers.factory import BufferConfig
 from buffers.types import Group, Sample
 
 SYSTEMS = ("service_local", "service_local_plain", "service_local_unchecked", "service_remote", "ray_queue",
-           "zmq_bare")
+           "zmq_bare", "zmq_bare_curve")
 PRODUCERS = 4
 PROMPT = 16
 
@@ -95,6 +97,8 @@ def producer_main(commands, results) -> None:
         else:
             sock = ctx.socket(zmq.PUSH)
             sock.setsockopt(zmq.SNDHWM, 64)
+            if knobs.get("keys") is not None:
+                knobs["keys"].apply(sock)
             sock.connect(address)
             frame = encode_group(trajectory(0, length, arrays))
             results.put("ready")
@@ -181,10 +185,14 @@ def run_service(pool: Pool, length: int, n: int, capacity: int, batch: int, remo
     return secs
 
 
-def run_zmq_bare(pool: Pool, length: int, n: int, capacity: int, batch: int) -> tuple[float, float]:
-    ctx = zmq.Context.instance()
+def run_zmq_bare(pool: Pool, length: int, n: int, capacity: int, batch: int, curve: bool = False) -> tuple[float, float]:
+    from buffers.auth import ServiceKeys
+
+    ctx = zmq.Context()
     sock = ctx.socket(zmq.PULL)
     sock.setsockopt(zmq.RCVHWM, capacity)
+    keys = ServiceKeys.new() if curve else None
+    auth = keys.serve(ctx, sock) if keys else None
     sock.bind("tcp://127.0.0.1:0")
     address = sock.getsockopt(zmq.LAST_ENDPOINT).decode()
 
@@ -197,8 +205,11 @@ def run_zmq_bare(pool: Pool, length: int, n: int, capacity: int, batch: int) -> 
             frame = sock.recv(copy=False)
             assert len(frame) == size
 
-    secs = pool.run("zmq", address, length, n, consume)
+    secs = pool.run("zmq", address, length, n, consume, {"keys": keys.client if keys else None})
     sock.close(0)
+    if auth is not None:
+        auth.stop()
+    ctx.term()
     return secs
 
 
@@ -275,6 +286,7 @@ def main(argv: list[str] | None = None) -> dict:
         "service_remote": lambda L, n: run_service(pool, L, n, args.capacity, args.batch, remote=True, knobs=knobs),
         "ray_queue": lambda L, n: run_ray_queue(actors, L, count_for(args.ray_mb, L), args.capacity, args.batch),
         "zmq_bare": lambda L, n: run_zmq_bare(pool, L, n, args.capacity, args.batch),
+        "zmq_bare_curve": lambda L, n: run_zmq_bare(pool, L, n, args.capacity, args.batch, curve=True),
     }
     rates: dict[int, dict[str, list[float]]] = {L: {s: [] for s in systems} for L in lengths}
     cpu_us: dict[int, dict[str, list[float]]] = {L: {s: [] for s in systems} for L in lengths}
@@ -325,6 +337,8 @@ def report(rates: dict[int, dict[str, list[float]]], cpu_us: dict[int, dict[str,
             "curve_cost": ratio("service_local_plain", "service_local"),
             "auth_validation_cost": ratio("service_local_unchecked", "service_local"),
             "zmq_bare_vs_service_remote": ratio("zmq_bare", "service_remote"),
+            "zmq_bare_curve_vs_service_local": ratio("zmq_bare_curve", "service_local"),
+            "zmq_bare_vs_service_local_plain": ratio("zmq_bare", "service_local_plain"),
         }
         for s in per:
             print(f"L={L:5d} {s:15s} median {med[s]:8.0f} samples/s {med[s] * payload_bytes(L) / 1e9:6.3f} GB/s")
