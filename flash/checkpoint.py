@@ -10,8 +10,9 @@ A checkpoint after ``step`` completed train steps is a directory ``RUN_DIR/check
 - ``state.json``: the controller's step and policy version, the scheduler's data position, admission
   count, counters and RNG, **the buffer's groups** (complete, scored samples; with ``buffer.transport=zmq`` the
   service's store, which lives in the driver) and **the prompts in flight** (restarted from scratch
-  on resume: their partial responses are dropped, their prompts are not; for environment episodes
-  a seed's finished episodes are kept and its unfinished ones restart from the same env seed), the guards' counters, and the byte length of each run log (ledger, metrics, timeline, eval)
+  on resume: their partial responses are dropped, their prompts are not; an environment episode
+  in flight plays again from the same env seed), the guards' counters, and the byte length of each
+  run log (ledger, metrics, timeline, eval)
   at this step, so a resume cuts the logs back to exactly this point and they continue from it;
 - ``manifest.json``: size and sha256 of every file, written last, signed with the run's key
   (``flash.checkpoint_trust``: a checkpoint not signed by a key this machine holds is refused
@@ -187,10 +188,29 @@ def trainer_state(trainer) -> dict:
     return {
         "model": {k: v.detach().clone() for k, v in trainer.model.state_dict().items()},
         "optimizer": copy.deepcopy(trainer.optimizer.state_dict()),
-        "rng": torch.get_rng_state(),
+        "rng": rng_state(),
         "steps": trainer.steps,
         "optimizer_steps": trainer.optimizer_steps,  # the lr schedule's position
     }
+
+
+def rng_state() -> dict:
+    """The CPU generator and, where there are GPUs, each device's: dropout or sampling on a GPU
+    draws from the latter, so a resume that restored only the CPU's would not continue bit-for-bit."""
+    return {"cpu": torch.get_rng_state(),
+            "cuda": list(torch.cuda.get_rng_state_all()) if torch.cuda.is_available() else []}
+
+
+def set_rng_state(state: Any) -> None:
+    """Restore what ``rng_state`` took (a bare tensor: a checkpoint that kept the CPU generator
+    alone). GPU generators are restored when this process sees as many devices as were saved."""
+    if isinstance(state, torch.Tensor):
+        torch.set_rng_state(state)
+        return
+    torch.set_rng_state(state["cpu"])
+    cuda = state.get("cuda") or []
+    if cuda and torch.cuda.is_available() and torch.cuda.device_count() == len(cuda):
+        torch.cuda.set_rng_state_all(cuda)
 
 
 def write_snapshot(snapshot: Any, directory: str) -> None:
@@ -225,7 +245,7 @@ def load_trainer_state(trainer, directory: str) -> int:
     state = torch.load(Path(directory) / TRAINER, map_location="cpu", weights_only=True)
     trainer.model.load_state_dict(state["model"])
     trainer.optimizer.load_state_dict(state["optimizer"])
-    torch.set_rng_state(state["rng"])
+    set_rng_state(state["rng"])
     trainer.steps = int(state["steps"])
     # a checkpoint from before mini-batches took one optimizer step per batch
     trainer.optimizer_steps = int(state.get("optimizer_steps", trainer.steps))

@@ -175,13 +175,15 @@ class FSDPRank(UpdateSender):
         self.trainer.optimizer_steps = steps * self.trainer.s.updates_per_batch
         rng = Path(path) / f"rng-{self.rank}.pt"
         if rng.is_file():
-            torch.set_rng_state(torch.load(rng, weights_only=True))
+            from flash.checkpoint import set_rng_state
+
+            set_rng_state(torch.load(rng, weights_only=True))
 
     def checkpoint_snapshot(self) -> None:
+        from flash.checkpoint import rng_state
         from flash.train.fsdp_checkpoint import snapshot_dcp
 
-        self._snapshot = {"dcp": snapshot_dcp(self.trainer.model, self.trainer.optimizer),
-                          "rng": torch.get_rng_state()}
+        self._snapshot = {"dcp": snapshot_dcp(self.trainer.model, self.trainer.optimizer), "rng": rng_state()}
 
     def checkpoint_write(self, path: str) -> None:
         from flash.checkpoint import save_trainer_state
