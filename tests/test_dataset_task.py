@@ -245,6 +245,17 @@ def test_export_writes_a_builtin_task_that_trains_the_same_items_from_a_file(tmp
             assert task.item(i).meta["op"] == source.item(i).meta["op"]
 
 
+def test_export_writes_a_column_arrow_cannot_type_as_json_text(tmp_path, caplog):
+    from recipes.tasks import make_task as make
+
+    assert export_task("pyfunc", {"seed": 1}, str(tmp_path / "p.parquet"), rows=12) == 12
+    assert "column(s) chain mix types Arrow cannot hold in one column; written as JSON text" in caplog.text
+    task, source = dataset(tmp_path / "p.parquet", holdout=0, shuffle=False, reward="code"), make("pyfunc", seed=1)
+    for i in range(12):
+        got, want = task.item(i).meta, source.item(i).meta
+        assert got["tests"] == want["tests"] and json.loads(got["chain"]) == want["chain"]
+
+
 def test_preview_shows_prompts_lengths_drops_and_references_that_score_zero(tmp_path):
     rows = gsm_rows(10) + [{"question": "", "answer": "1", "solution": "1", "id": 0}]
     rows[3]["answer"] = " 4"  # `exact` strips the response, not the reference: its own answer scores 0

@@ -14,10 +14,13 @@ can train the same items from a file.
 from __future__ import annotations
 
 import json
+import logging
 from collections import Counter
 from pathlib import Path
 
 from flash.errors import ConfigError
+
+log = logging.getLogger("flash")
 
 SHOW = 3
 
@@ -119,7 +122,7 @@ def export_task(name: str, options: dict, path: str, rows: int, split: str = "tr
         if split == "train":
             record["solution"] = task.sft_pair(i)[1]
         records.append(record | {k: v for k, v in item.meta.items() if k not in record and k != "split" and _plain(v)})
-    ds = datasets_module().Dataset.from_list(records)
+    ds = _arrow_table(datasets_module(), records)
     suffix = Path(path).suffix.lower()
     if suffix in (".jsonl", ".json"):
         ds.to_json(path, lines=True)
@@ -132,6 +135,28 @@ def export_task(name: str, options: dict, path: str, rows: int, split: str = "tr
     else:
         raise ConfigError(f"-o {path}: unknown file type {suffix!r}; use one of {sorted(FORMATS)} or a directory")
     return len(records)
+
+
+def _arrow_table(ds_module, records: list[dict]):
+    """The records as a ``datasets.Dataset``; a column Arrow cannot give one type (a list mixing
+    strings and numbers, say) is written as JSON text, named once."""
+    try:
+        return ds_module.Dataset.from_list(records)
+    except (TypeError, ValueError):  # pyarrow's ArrowTypeError / ArrowInvalid
+        pass
+    mixed = [k for k in records[0] if not _one_arrow_type(ds_module, [r.get(k) for r in records])]
+    if mixed:
+        log.warning("flash: column(s) %s mix types Arrow cannot hold in one column; written as JSON text",
+                    ", ".join(mixed))
+    return ds_module.Dataset.from_list([r | {k: json.dumps(r.get(k)) for k in mixed} for r in records])
+
+
+def _one_arrow_type(ds_module, values: list) -> bool:
+    try:
+        ds_module.Dataset.from_dict({"c": values})
+    except (TypeError, ValueError):
+        return False
+    return True
 
 
 def _plain(value) -> bool:
