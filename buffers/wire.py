@@ -25,7 +25,7 @@ The decoder expands them only after checking ``n`` against the response's length
 frame cannot ask for a large array.
 
 A NumPy array goes as its own dtype (int32 token ids cost 4 bytes a token) and comes back as a
-read-only NumPy view over the received bytes (no copy; ``.copy()`` it to write); a Python list
+read-only NumPy view over the bytes msgpack unpacked (its one copy; ``.copy()`` it to write); a Python list
 goes as int64/float64 (exact for every Python int in range and every float) and comes back as a
 list: what a producer puts is what the consumer gets, value for value and type for type.
 """
@@ -259,7 +259,7 @@ def _decode_sample(raw: Any, group_id: int) -> Sample:
 
 
 def _decode_array(raw: Any, name: str, allowed: dict[str, np.dtype], runs_of: int | None = None) -> Any:
-    """An array part → a read-only view over the frame (a list if it was one); ``runs_of``: the
+    """An array part → a read-only view over its bytes (a list if it was one); ``runs_of``: the
     length an array sent as runs must have (None: it may not be runs)."""
     dtype, shape, data, was_list = _fields(raw, ARRAY_PARTS, name)
     if runs_of is not None and name in ("versions", "loss_mask") and dtype.startswith(RUNS):
