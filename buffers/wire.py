@@ -16,7 +16,8 @@ key strings repeated in every frame):
     array  = [dtype, shape, data, was_list]      e.g. ["<i4", [1024], <4096 bytes>, false]
 
 ``loss_mask`` is nil (every response token trained on) or an array of 0/1 as uint8, one per
-response token: a multi-turn sample's observation tokens must stay untrained wherever it is read.
+response token (an array comes back as uint8 whatever integer dtype it had, a list as a list): a
+multi-turn sample's observation tokens must stay untrained wherever it is read.
 
 ``versions`` and ``loss_mask`` change value a few times per response (a weight update, a turn), so
 either may travel as runs when that is smaller: dtype ``"runs:<i4"``, shape ``[n]`` (the tokens),
