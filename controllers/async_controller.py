@@ -33,6 +33,7 @@ from algos.proximal import prox_approx_error
 from buffers import Group, SampleBuffer
 from controllers.scheduler import RolloutCore
 from controllers.staleness import StalenessManager
+from controllers.workflows.base import SteppedEnvs
 from flash.engine.client import EngineClient, EngineFault
 from flash.train.batch import TrainBatch, collate, flatten
 from flash.usage import IdleMeter
@@ -372,8 +373,8 @@ class AsyncController:
         """Idle ratio per role (``1 − Δbusy/Δwall`` since the previous step's read, so time spent
         between steps -- evaluation, logging -- counts too) and generated tokens/s."""
         engine, self._engine_spans = self._engine_get("stats"), self._engine_get("busy_spans")
-        env = getattr(getattr(self.scheduler, "workflow", None), "env_spans", None)  # episodes only
-        self._env_spans = env.drain() if env is not None else []
+        workflow = getattr(self.scheduler, "workflow", None)
+        self._env_spans = workflow.env_spans.drain() if isinstance(workflow, SteppedEnvs) else []
         trainer = ray.get(self.trainer.stats.remote())
         prev, self._engine_prev = self._engine_prev, engine
         self._trainer_prev, trainer_prev = trainer.get("busy_s", 0.0), self._trainer_prev

@@ -27,6 +27,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from buffers import Sample
 from flash.engine.base import GenerationOutput, SamplingParams
+from flash.usage import SpanRecorder
 
 
 def request_seed(run_seed: int, prompt_id: int, sample_index: int) -> int:
@@ -74,6 +75,14 @@ class Workflow(Protocol):
     def finish(self, unit: Unit, output: GenerationOutput) -> Sample: ...
 
     def requeue(self, lost: list[Unit], ids: list[str] | None) -> int: ...
+
+
+@runtime_checkable
+class SteppedEnvs(Protocol):
+    """A workflow whose episodes step environments: the wall spans in which a step was in flight,
+    which the controller's timeline shows (``env_busy``) and a simulated run counts as its time."""
+
+    env_spans: SpanRecorder
 
 
 @runtime_checkable
