@@ -59,11 +59,13 @@ def trajectory(pid: int, length: int, arrays: dict) -> Group:
     return Group(prompt_id=pid, samples=[s], data_index=pid)
 
 
-def template(length: int) -> dict:
+def template(length: int, lists: bool = False) -> dict:
+    """A trajectory's arrays; ``lists``: as Python lists, the way the engines hand them over."""
     rng = np.random.default_rng(length)
-    return {"prompt": rng.integers(0, 50_000, PROMPT).astype(np.int32),
-            "ids": rng.integers(0, 50_000, length).astype(np.int32),
-            "lp": -rng.random(length).astype(np.float32), "vs": np.full(length, 3, dtype=np.int32)}
+    arrays = {"prompt": rng.integers(0, 50_000, PROMPT).astype(np.int32),
+              "ids": rng.integers(0, 50_000, length).astype(np.int32),
+              "lp": -rng.random(length).astype(np.float32), "vs": np.full(length, 3, dtype=np.int32)}
+    return {k: v.tolist() for k, v in arrays.items()} if lists else arrays
 
 
 def payload_bytes(length: int) -> int:
@@ -83,7 +85,8 @@ def producer_main(commands, results) -> None:
         if cmd is None:
             return
         kind, address, length, pids, knobs = cmd
-        arrays = template(length)
+        knobs = dict(knobs)
+        arrays = template(length, lists=knobs.pop("lists", False))
         if kind == "service":
             producer = BufferProducer(address, **knobs)
             results.put("ready")
@@ -185,7 +188,8 @@ def run_service(pool: Pool, length: int, n: int, capacity: int, batch: int, remo
     return secs
 
 
-def run_zmq_bare(pool: Pool, length: int, n: int, capacity: int, batch: int, curve: bool = False) -> tuple[float, float]:
+def run_zmq_bare(pool: Pool, length: int, n: int, capacity: int, batch: int, curve: bool = False,
+                 lists: bool = False) -> tuple[float, float]:
     from buffers.auth import ServiceKeys
 
     ctx = zmq.Context()
@@ -198,14 +202,14 @@ def run_zmq_bare(pool: Pool, length: int, n: int, capacity: int, batch: int, cur
 
     from buffers.wire import encode_group
 
-    size = len(encode_group(trajectory(0, length, template(length))))  # what each producer sends
+    size = len(encode_group(trajectory(0, length, template(length, lists))))  # what each producer sends
 
     def consume(total: int) -> None:
         for _ in range(total):
             frame = sock.recv(copy=False)
             assert len(frame) == size
 
-    secs = pool.run("zmq", address, length, n, consume, {"keys": keys.client if keys else None})
+    secs = pool.run("zmq", address, length, n, consume, {"keys": keys.client if keys else None, "lists": lists})
     sock.close(0)
     if auth is not None:
         auth.stop()
@@ -269,6 +273,8 @@ def main(argv: list[str] | None = None) -> dict:
                     help="BufferProducer: how long a batch waits to fill (0: send each put at once)")
     ap.add_argument("--mb", type=float, default=48.0, help="payload MB per run of the zmq systems")
     ap.add_argument("--ray-mb", type=float, default=4.0, help="payload MB per run of Ray's queue (slow)")
+    ap.add_argument("--lists", action="store_true",
+                    help="trajectories as Python lists (what the engines produce) instead of NumPy arrays")
     ap.add_argument("--systems", default=",".join(SYSTEMS), help="which systems to run (ratios need both sides)")
     args = ap.parse_args(argv)
     lengths = [int(x) for x in args.lengths.split(",")]
@@ -276,7 +282,8 @@ def main(argv: list[str] | None = None) -> dict:
     if unknown := set(args.systems.split(",")) - set(SYSTEMS):
         ap.error(f"unknown systems {sorted(unknown)}; choose from {', '.join(SYSTEMS)}")
     pool, actors = Pool(), ray_producers() if "ray_queue" in systems else None
-    knobs = {"window": args.window, "batch_groups": args.batch_groups, "linger_ms": args.linger_ms}
+    knobs = {"window": args.window, "batch_groups": args.batch_groups, "linger_ms": args.linger_ms,
+             "lists": args.lists}
     runs = {
         "service_local": lambda L, n: run_service(pool, L, n, args.capacity, args.batch, remote=False, knobs=knobs),
         "service_local_plain": lambda L, n: run_service(pool, L, n, args.capacity, args.batch, remote=False,
@@ -285,8 +292,9 @@ def main(argv: list[str] | None = None) -> dict:
                                                             knobs=knobs, curve=False, checked=False),
         "service_remote": lambda L, n: run_service(pool, L, n, args.capacity, args.batch, remote=True, knobs=knobs),
         "ray_queue": lambda L, n: run_ray_queue(actors, L, count_for(args.ray_mb, L), args.capacity, args.batch),
-        "zmq_bare": lambda L, n: run_zmq_bare(pool, L, n, args.capacity, args.batch),
-        "zmq_bare_curve": lambda L, n: run_zmq_bare(pool, L, n, args.capacity, args.batch, curve=True),
+        "zmq_bare": lambda L, n: run_zmq_bare(pool, L, n, args.capacity, args.batch, lists=args.lists),
+        "zmq_bare_curve": lambda L, n: run_zmq_bare(pool, L, n, args.capacity, args.batch, curve=True,
+                                                    lists=args.lists),
     }
     rates: dict[int, dict[str, list[float]]] = {L: {s: [] for s in systems} for L in lengths}
     cpu_us: dict[int, dict[str, list[float]]] = {L: {s: [] for s in systems} for L in lengths}
@@ -316,7 +324,7 @@ def count_for(mb: float, length: int) -> int:
 def report(rates: dict[int, dict[str, list[float]]], cpu_us: dict[int, dict[str, list[float]]], args) -> dict:
     result = {"bench": "buffer", "producers": PRODUCERS, "repeats": args.repeats, "capacity": args.capacity,
               "batch": args.batch, "window": args.window, "batch_groups": args.batch_groups,
-              "linger_ms": args.linger_ms, "mb": args.mb, "ray_mb": args.ray_mb,
+              "linger_ms": args.linger_ms, "mb": args.mb, "ray_mb": args.ray_mb, "lists": args.lists,
               "per_length": {}}
     for L, per in rates.items():
         med = {s: statistics.median(r) for s, r in per.items()}

@@ -295,8 +295,8 @@ class BufferService:
         try:
             if len(frame) > self.max_frame_bytes:  # refused before it is parsed
                 raise WireError("oversized", f"group frame of {len(frame)} bytes > {self.max_frame_bytes}")
-            group = decode_group(unpack(frame, self.max_frame_bytes))
-            check_values(group, self.limits, self.max_version() if self.max_version else 1 << 62)
+            top = self.max_version() if self.max_version else 1 << 62
+            group = decode_group(unpack(frame, self.max_frame_bytes), lambda g: check_values(g, self.limits, top))
             if group.prompt_id in self._prompts:
                 raise WireError("duplicate_prompt", f"a group of prompt {group.prompt_id} was stored already")
         except WireError as exc:

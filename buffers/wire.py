@@ -27,13 +27,15 @@ frame cannot ask for a large array.
 
 A NumPy array goes as its own dtype (int32 token ids cost 4 bytes a token) and comes back as a
 read-only NumPy view over the bytes msgpack unpacked (its one copy; ``.copy()`` it to write); a Python list
-goes as int64/float64 (exact for every Python int in range and every float) and comes back as a
-list: what a producer puts is what the consumer gets, value for value and type for type.
+goes as int32/float32 when every value survives that, else int64/float64 (exact for every Python
+int in range and every float), and comes back as a list: what a producer puts is what the
+consumer gets, value for value and type for type.
 """
 
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
 from typing import Any
 
 import msgpack
@@ -141,7 +143,7 @@ def _encode_array(value: Any, name: str, allowed: dict[str, np.dtype]) -> list:
         return [value.dtype.str, [len(value)], memoryview(value).cast("B"), False]  # packed without a copy
     is_list = not isinstance(value, np.ndarray)
     if is_list:
-        arr = _list_array(value, name, allowed is INT_DTYPES)
+        arr = _narrow(_list_array(value, name, allowed is INT_DTYPES))
     else:
         arr = value.astype(value.dtype.newbyteorder("<"), copy=False)
     if arr.dtype.str not in allowed:
@@ -149,6 +151,18 @@ def _encode_array(value: Any, name: str, allowed: dict[str, np.dtype]) -> list:
     if arr.ndim != 1:
         raise WireError("bad_shape", f"{name}: must be 1-D, got shape {arr.shape}")
     return [arr.dtype.str, [int(arr.shape[0])], np.ascontiguousarray(arr).tobytes(), is_list]
+
+
+def _narrow(arr: np.ndarray) -> np.ndarray:
+    """A list's int64 / float64 values as int32 / float32 when every value survives (token ids and
+    versions fit; an engine's float32 logprobs are float32 values): half the bytes, and the
+    consumer's list is the same, value for value."""
+    if not arr.size:
+        return arr
+    if arr.dtype.kind == "i":
+        return arr.astype("<i4") if -(1 << 31) <= arr.min() and arr.max() < (1 << 31) else arr
+    narrow = arr.astype("<f4")
+    return narrow if np.array_equal(narrow, arr, equal_nan=True) else arr
 
 
 def _list_array(value: Any, name: str, integer: bool) -> np.ndarray:
@@ -233,39 +247,50 @@ def _refuse_ext(code: int, data: bytes) -> Any:
     raise WireError("bad_type", f"msgpack extension type {code} is not accepted")
 
 
-def decode_group(raw: Any) -> Group:
-    """Validated plain values (from ``unpack``) → a Group, or a WireError."""
+def decode_group(raw: Any, check: Callable[[Group], None] | None = None) -> Group:
+    """Validated plain values (from ``unpack``) → a Group, or a WireError.
+
+    ``check`` (the service's value checks) sees the group while every per-token field is still a
+    NumPy array: a check is then one pass over an array, where a list sent as a list would first
+    have to be converted back. The fields that were lists become lists after it."""
     prompt_id, admitted_version, data_index, samples = _fields(raw, GROUP_FIELDS, "group")
     if not samples:
         raise WireError("bad_schema", f"group {prompt_id} has no samples")
-    return Group(prompt_id=prompt_id, samples=[_decode_sample(s, prompt_id) for s in samples],
-                 admitted_version=admitted_version, data_index=data_index)
+    decoded = [_decode_sample(s, prompt_id) for s in samples]
+    group = Group(prompt_id=prompt_id, samples=[s for s, _ in decoded], admitted_version=admitted_version,
+                  data_index=data_index)
+    if check is not None:
+        check(group)
+    for sample, lists in decoded:
+        for name in lists:
+            setattr(sample, name, getattr(sample, name).tolist())
+    return group
 
 
-def _decode_sample(raw: Any, group_id: int) -> Sample:
+def _decode_sample(raw: Any, group_id: int) -> tuple[Sample, list[str]]:
+    """The sample, its per-token fields as arrays, and the names of those that were lists."""
     prompt_id, index, reward, finish, admitted, meta, *arrays, mask = _fields(raw, SAMPLE_FIELDS, "sample")
     if prompt_id != group_id:
         raise WireError("bad_schema", f"sample of prompt {prompt_id} in group {group_id}")
-    values = {}
+    values, lists = {}, []
     for a, (name, allowed) in zip(arrays, ARRAY_FIELDS.items()):  # versions may be runs of the response's length
         values[name] = _decode_array(a, name, allowed, runs_of=len(values.get("response_ids", ())))
-    lengths = {k: len(v) for k, v in values.items()}
+        lists += [name] if a[3] else []
     if mask is not None:
-        values["loss_mask"] = _decode_array(mask, "loss_mask", MASK_DTYPES, runs_of=lengths["response_ids"])
-        lengths["loss_mask"] = len(values["loss_mask"])
-    _check_lengths(lengths, prompt_id)
+        values["loss_mask"] = _decode_array(mask, "loss_mask", MASK_DTYPES, runs_of=len(values["response_ids"]))
+        lists += ["loss_mask"] if mask[3] else []
+    _check_lengths({k: len(v) for k, v in values.items()}, prompt_id)
     _check_meta(meta, "meta", 0)
     return Sample(prompt_id=prompt_id, sample_index=index, reward=reward, finish_reason=finish,
-                  admitted_version=admitted, meta=meta, **values)
+                  admitted_version=admitted, meta=meta, **values), lists
 
 
-def _decode_array(raw: Any, name: str, allowed: dict[str, np.dtype], runs_of: int | None = None) -> Any:
-    """An array part → a read-only view over its bytes (a list if it was one); ``runs_of``: the
-    length an array sent as runs must have (None: it may not be runs)."""
-    dtype, shape, data, was_list = _fields(raw, ARRAY_PARTS, name)
+def _decode_array(raw: Any, name: str, allowed: dict[str, np.dtype], runs_of: int | None = None) -> np.ndarray:
+    """An array part → a read-only view over its bytes; ``runs_of``: the length an array sent as
+    runs must have (None: it may not be runs)."""
+    dtype, shape, data, _ = _fields(raw, ARRAY_PARTS, name)
     if runs_of is not None and name in ("versions", "loss_mask") and dtype.startswith(RUNS):
-        arr = _expand_runs(dtype[len(RUNS):], shape, data, name, allowed, runs_of)
-        return arr.tolist() if was_list else arr
+        return _expand_runs(dtype[len(RUNS):], shape, data, name, allowed, runs_of)
     dt = allowed.get(dtype)
     if dt is None:
         raise WireError("bad_dtype", f"{name}: dtype {dtype!r} not in {', '.join(allowed)}")
@@ -273,8 +298,7 @@ def _decode_array(raw: Any, name: str, allowed: dict[str, np.dtype], runs_of: in
         raise WireError("bad_shape", f"{name}: shape must be [n] with n >= 0, got {shape!r}")
     if len(data) != shape[0] * dt.itemsize:
         raise WireError("bad_shape", f"{name}: {len(data)} bytes for shape {shape} of {dtype}")
-    arr = np.frombuffer(data, dtype=dt)  # a read-only view: no copy
-    return arr.tolist() if was_list else arr
+    return np.frombuffer(data, dtype=dt)  # a read-only view: no copy
 
 
 def _expand_runs(dtype: str, shape: list, data: bytes, name: str, allowed: dict[str, np.dtype], n: int) -> np.ndarray:

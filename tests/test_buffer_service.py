@@ -46,7 +46,11 @@ def test_codec_round_trip_is_exact_for_lists_and_arrays():
     for g in (lists, arrays, empty):
         back = decode_group(unpack(encode_group(g), MB))
         assert same(back, g) and back.version == g.version
-    assert len(encode_group(arrays)) < len(encode_group(make_group(4, length=6)))  # int32 ids: smaller
+    # lists whose values fit go as int32 / float32 too (an engine's float32 logprobs, its token ids);
+    # one value that does not fit keeps its field wide, and the list still comes back exactly
+    assert len(encode_group(make_group(4, length=6))) == len(encode_group(make_group(4, length=6, arrays=True)))
+    assert len(encode_group(lists)) > len(encode_group(make_group(3, length=6)))
+    assert [type(v) for v in decode_group(unpack(encode_group(lists), MB)).samples[1].behav_logprobs] == [float] * 6
     back = decode_group(unpack(encode_group(arrays), MB))
     assert not back.samples[0].response_ids.flags.writeable  # a view over the frame: no copy
     assert back.version == 0 and empty.version == 4
@@ -460,7 +464,7 @@ def test_versions_and_masks_travel_as_runs_when_smaller_and_bad_runs_are_refused
     g.samples[1].loss_mask = [1] * 1000 + [0] * 96 + [1] * 3000
     frame = encode_group(g)
     raw = unpack(frame, MB)
-    assert [s[VERSIONS][0] for s in raw[3]] == ["runs:<i4", "runs:<i8", "<i8"]
+    assert [s[VERSIONS][0] for s in raw[3]] == ["runs:<i4", "runs:<i8", "<i4"]  # the list narrowed
     assert raw[3][1][LOSS_MASK][0] == "runs:|u1" and len(raw[3][1][LOSS_MASK][2]) == 3 * 5
     assert len(raw[3][0][VERSIONS][2]) == 8  # 4 + 4 bytes instead of 16 KiB
     back = decode_group(unpack(frame, MB))
