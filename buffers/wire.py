@@ -63,7 +63,7 @@ SAMPLE_FIELDS = (("prompt_id", int), ("sample_index", int), ("reward", float), (
                  ("admitted_version", int), ("meta", dict)) + tuple((k, list) for k in ARRAY_FIELDS) + (
                  ("loss_mask", (list, type(None))),)
 ARRAY_PARTS = (("dtype", str), ("shape", list), ("data", bytes), ("was_list", bool))
-META_TYPES = (type(None), bool, int, float, str, bytes)
+META_TYPES = (type(None), bool, int, float, str)  # JSON's: a checkpoint writes meta as JSON
 MAX_ARRAY = 1 << 16  # elements of one msgpack array or map (token arrays travel as bytes, not arrays)
 MAX_CONTAINERS = 1 << 18  # lists and maps in one frame
 MAX_META_DEPTH = 8
@@ -185,7 +185,8 @@ def _int(value: Any, name: str) -> int:
 
 
 def _check_meta(value: Any, where: str, depth: int) -> None:
-    """``meta`` travels as plain msgpack: scalars, str-keyed dicts and lists, nested ≤ 8 deep."""
+    """``meta`` travels as plain msgpack and is checkpointed as JSON: JSON's scalars, str-keyed dicts
+    and lists, nested ≤ 8 deep."""
     if depth > MAX_META_DEPTH:
         raise WireError("bad_schema", f"{where} nests deeper than {MAX_META_DEPTH}")
     if isinstance(value, dict):
@@ -198,7 +199,7 @@ def _check_meta(value: Any, where: str, depth: int) -> None:
             _check_meta(v, f"{where}[{i}]", depth + 1)
     elif not isinstance(value, META_TYPES):
         raise WireError("bad_type", f"{where} is a {type(value).__name__}; meta holds only "
-                                    "None/bool/int/float/str/bytes and lists/str-keyed dicts of them")
+                                    "None/bool/int/float/str and lists/str-keyed dicts of them")
 
 
 # ---------------------------------------------------------------------------------------- decoding

@@ -153,6 +153,10 @@ def test_frame_level_rejections_and_encoder_checks():
     g.samples[0].meta["obj"] = object()  # meta must be plain data: nothing to unpickle on the far side
     with pytest.raises(WireError, match=r"bad_type: meta\['obj'\] is a object"):
         encode_group(g)
+    g = make_group(6)
+    g.samples[0].meta["raw"] = b"\x00"  # checkpoints write meta as JSON, which has no bytes
+    with pytest.raises(WireError, match=r"bad_type: meta\['raw'\] is a bytes"):
+        encode_group(g)
     g = make_group(6, arrays=True)
     g.samples[0].versions = g.samples[0].versions[:3]
     with pytest.raises(WireError, match="length_mismatch"):
