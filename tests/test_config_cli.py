@@ -63,6 +63,15 @@ def test_invalid_values_are_one_clear_error(override, needle):
     assert needle in str(err.value)
 
 
+@pytest.mark.parametrize("override", ["train.grad_clip=-1", "train.grad_clip=0", "critic.grad_clip=-0.5",
+                                      "sft.grad_clip=0", "critic.lr=-1e-3", "sft.lr=0", "train.weight_decay=-0.1",
+                                      "critic.weight_decay=-1", "sft.weight_decay=-0.01"])
+def test_optimizer_knobs_that_would_reverse_or_zero_training_are_refused(override):
+    """torch's clip_grad_norm_ multiplies by max_norm / norm: a max_norm of -1 ascends, 0 never moves."""
+    with pytest.raises(ConfigError, match=rf"^{override.split('=')[0]} must be"):
+        load_config(STUTTER, [override])
+
+
 @pytest.mark.parametrize("override, needle", [
     ("agent.tool_parser=hermess", "did you mean 'hermes'"),
     ("agent.processes=-1", "agent.processes >= 0"),

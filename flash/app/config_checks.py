@@ -70,6 +70,7 @@ def validate(cfg: FlashConfig) -> None:
     _require(cfg.train.micro_batch_size >= 1, "train.micro_batch_size must be >= 1")
     _check_group(cfg.train)
     _require(cfg.train.lr > 0, f"train.lr must be > 0, got {cfg.train.lr}")
+    _check_optimizers(cfg)
     _require(cfg.algo.recompute_prox in PROX_CHOICES,
              f"algo.recompute_prox must be one of {', '.join(PROX_CHOICES)}, got '{cfg.algo.recompute_prox}'"
              f"{closest(cfg.algo.recompute_prox, list(PROX_CHOICES))}")
@@ -170,6 +171,18 @@ def _check_updates(cfg: FlashConfig) -> None:
     _require(not cfg.algo.measure_prox_error or cfg.algo.recompute_prox == "approx",
              "algo.measure_prox_error measures the approximate proximal policy; set "
              "algo.recompute_prox: approx or remove it")
+
+
+def _check_optimizers(cfg: FlashConfig) -> None:
+    """The policy's, the critic's and the warm start's optimizer knobs. Outside these ranges they do
+    not fail, they train wrongly: a grad_clip <= 0 scales every gradient by a factor <= 0 (ascent,
+    or no step at all), a negative lr ascends, a negative weight_decay inflates the weights."""
+    for section in ("train", "critic", "sft"):
+        opt = getattr(cfg, section)
+        _require(opt.grad_clip > 0, f"{section}.grad_clip must be > 0 (the largest gradient norm kept), "
+                 f"got {opt.grad_clip}")
+        _require(opt.lr > 0, f"{section}.lr must be > 0, got {opt.lr}")
+        _require(opt.weight_decay >= 0, f"{section}.weight_decay must be >= 0 (0: none), got {opt.weight_decay}")
 
 
 STREAM_ESTIMATORS = ("grpo", "dr_grpo", "rloo")  # advantages of a group need only that group
