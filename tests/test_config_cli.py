@@ -72,6 +72,15 @@ def test_optimizer_knobs_that_would_reverse_or_zero_training_are_refused(overrid
         load_config(STUTTER, [override])
 
 
+@pytest.mark.parametrize("override", ["model.tiny.num_heads=0", "model.tiny.num_kv_heads=0",
+                                      "model.tiny.num_layers=-1", "model.tiny.intermediate_size=0",
+                                      "model.tiny.rope_theta=0"])
+def test_a_tiny_model_without_a_size_is_one_clear_error(override):
+    """Zero heads divided by zero (a traceback); zero layers built a model that cannot learn."""
+    with pytest.raises(ConfigError, match=rf"{override.split('=')[0]} must be"):
+        load_config(STUTTER, [override])
+
+
 @pytest.mark.parametrize("override, needle", [
     ("agent.tool_parser=hermess", "did you mean 'hermes'"),
     ("agent.processes=-1", "agent.processes >= 0"),
