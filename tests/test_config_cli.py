@@ -176,6 +176,19 @@ def test_a_run_dir_holding_a_run_is_refused_unless_resumed_or_moved_aside(tmp_pa
     assert len(set(dirs)) == 3 and all(d.parent == Path("runs") for d in dirs)
 
 
+@pytest.mark.parametrize("content, message", [
+    (bytes(range(128, 256)), "cannot read"),
+    (b"seed: !!python/object/apply:os.system ['true']\n", "cannot read"),
+    (b"- 1\n- 2\n", "is not a run's config"),
+])
+def test_resume_from_a_dir_whose_config_flash_did_not_write_is_one_line(tmp_path, capsys, content, message):
+    """A binary or non-mapping config.yaml in the resumed dir was a yaml/UnicodeDecodeError traceback."""
+    (tmp_path / "config.yaml").write_bytes(content)
+    assert main(["run", "stutter", f"resume={tmp_path}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err and f"resume={tmp_path}" in err
+
+
 def test_model_path_must_be_a_local_model_folder(tmp_path, capsys):
     assert main(["validate", "stutter", "model.path=Qwen/Qwen2.5-0.5B"]) == 2
     err = capsys.readouterr().err.strip()
