@@ -93,6 +93,19 @@ def test_bad_grids_fail_before_any_run(tmp_path, fake_launch):
     assert fake_launch == []
 
 
+@pytest.mark.parametrize("option, message", [
+    ({"tolerance": float("nan")}, "--tolerance nan: must be a finite number >= 0"),
+    ({"tolerance": -0.02}, "--tolerance -0.02: must be"),
+    ({"tolerance": float("inf")}, "--tolerance inf: must be"),
+    ({"parallel": 0}, "--parallel 0: must be at least 1"),
+])
+def test_options_that_mean_nothing_fail_before_any_run(tmp_path, fake_launch, option, message):
+    """A NaN tolerance ran the whole grid, then recommended nothing; --parallel 0 quietly became 1."""
+    with pytest.raises(ConfigError, match=message):
+        sw.sweep("stutter", ["async_ratio=0,1"], out=str(tmp_path), stream=io.StringIO(), **option)
+    assert fake_launch == []
+
+
 def test_sweep_tables_plots_recommendation_and_resume(tmp_path, fake_launch):
     out = tmp_path / "sweep"
     log = io.StringIO()
