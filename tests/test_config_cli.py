@@ -72,6 +72,26 @@ def test_optimizer_knobs_that_would_reverse_or_zero_training_are_refused(overrid
         load_config(STUTTER, [override])
 
 
+@pytest.mark.parametrize("override, message", [
+    ("seed=-1", "seed must be in [0, 4294967295], got -1"),
+    ("seed=18446744073709551616", "seed must be in [0, 4294967295]"),
+    ("sft.seed=-2", "sft.seed must be in"),
+    ("rollout.max_num_seqs=0", "rollout.max_num_seqs must be >= 1, got 0"),
+    ("eval.every_steps=-3", "eval.every_steps must be >= 0, got -3"),
+    ("eval.temperature=-1", "eval.temperature must be >= 0"),
+    ("sft.steps=-1", "sft.steps must be >= 0"),
+    ("sft.batch_size=0", "sft.batch_size must be >= 1"),
+    ("critic.micro_batch_size=0", "critic.micro_batch_size must be >= 1"),
+    ("tracking.log_samples=-1", "tracking.log_samples must be >= 0"),
+])
+def test_counts_and_seeds_out_of_range_are_refused_at_validate(override, message):
+    """A negative seed or zero max_num_seqs failed only inside a role after the run started; a
+    negative eval.every_steps evaluated every |k| steps."""
+    with pytest.raises(ConfigError) as err:
+        load_config(STUTTER, [override])
+    assert str(err.value).startswith(message)
+
+
 @pytest.mark.parametrize("override", ["model.tiny.num_heads=0", "model.tiny.num_kv_heads=0",
                                       "model.tiny.num_layers=-1", "model.tiny.intermediate_size=0",
                                       "model.tiny.rope_theta=0"])

@@ -71,6 +71,7 @@ def validate(cfg: FlashConfig) -> None:
     _check_group(cfg.train)
     _require(cfg.train.lr > 0, f"train.lr must be > 0, got {cfg.train.lr}")
     _check_optimizers(cfg)
+    _check_ranges(cfg)
     _require(cfg.algo.recompute_prox in PROX_CHOICES,
              f"algo.recompute_prox must be one of {', '.join(PROX_CHOICES)}, got '{cfg.algo.recompute_prox}'"
              f"{closest(cfg.algo.recompute_prox, list(PROX_CHOICES))}")
@@ -183,6 +184,29 @@ def _check_optimizers(cfg: FlashConfig) -> None:
                  f"got {opt.grad_clip}")
         _require(opt.lr > 0, f"{section}.lr must be > 0, got {opt.lr}")
         _require(opt.weight_decay >= 0, f"{section}.weight_decay must be >= 0 (0: none), got {opt.weight_decay}")
+
+
+SEED_MAX = 2**32 - 1  # numpy's generators refuse a negative seed, torch's one of 2**64 or more
+# (key, lowest, highest or None): counts, sizes and seeds a user sets that mean nothing outside them
+# (a negative seed or zero max_num_seqs fails only inside a role, after the run started; a negative
+# eval.every_steps evaluated every |k| steps)
+RANGES = (
+    ("seed", 0, SEED_MAX), ("model.tiny.seed", 0, SEED_MAX), ("sft.seed", 0, SEED_MAX), ("sft.eval_seed", 0, SEED_MAX),
+    ("rollout.max_num_seqs", 1, None), ("sft.steps", 0, None), ("sft.batch_size", 1, None),
+    ("sft.pool_batches", 1, None), ("sft.warmup_steps", 0, None), ("sft.min_lr_ratio", 0, 1),
+    ("sft.first_index", 0, None), ("sft.eval_temperature", 0, None), ("critic.micro_batch_size", 1, None),
+    ("eval.every_steps", 0, None), ("eval.temperature", 0, None), ("eval.max_new_tokens", 0, None),
+    ("tracking.console_every", 0, None), ("tracking.heartbeat_s", 0, None), ("tracking.log_samples", 0, None),
+)
+
+
+def _check_ranges(cfg: FlashConfig) -> None:
+    for key, low, high in RANGES:
+        value = cfg
+        for part in key.split("."):
+            value = getattr(value, part)
+        _require(low <= value and (high is None or value <= high),
+                 f"{key} must be " + (f"in [{low}, {high}]" if high is not None else f">= {low}") + f", got {value}")
 
 
 STREAM_ESTIMATORS = ("grpo", "dr_grpo", "rloo")  # advantages of a group need only that group
