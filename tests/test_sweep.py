@@ -239,6 +239,19 @@ def test_flash_plot_cli(tmp_path):
     assert main(["plot", str(tmp_path), "-o", str(out)]) == 2  # not a run dir: one-line error
 
 
+
+@pytest.mark.parametrize("steps", ["abc", "3:x", "0:2", "5:3"])
+def test_flash_plot_a_bad_steps_window_is_one_line(tmp_path, capsys, steps):
+    """--steps abc was a ValueError traceback; 5:3 or 0:2 drew an empty timeline."""
+    from flash.app.cli import main
+
+    (tmp_path / "r0").mkdir()
+    fake_run(tmp_path / "r0", 0, 0.4, 0.5)
+    assert main(["plot", str(tmp_path / "r0"), "-o", str(tmp_path / "p.png"), "--steps", steps]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"--steps {steps}" in err
+    assert not (tmp_path / "p.png").exists()
+
 SMALL = ["sft.steps=40", "sft.eval_after=false", "model.tiny.num_layers=2", "train.prompts_per_step=4", "rollout.n=4",
          "rollout.max_new_tokens=32", "task.eval_size=16", "resources.engine_threads=1",
          "resources.trainer_threads=1", "ray.num_cpus=2", "train.steps=3", "eval.every_steps=2"]
