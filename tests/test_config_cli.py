@@ -291,3 +291,12 @@ def test_a_recipe_builds_on_another_with_base(tmp_path, capsys):
     (tmp_path / "typo.yaml").write_text("base: stuter\n")
     with pytest.raises(Exception, match="no recipe named 'stuter'.*stutter"):
         load_config(tmp_path / "typo.yaml")
+
+
+def test_data_export_to_a_folder_that_does_not_exist_is_one_line(tmp_path, capsys):
+    """The writer's FileNotFoundError was a traceback."""
+    out = tmp_path / "missing" / "deeper" / "words.jsonl"
+    (tmp_path / "missing").write_text("a file, not a folder")
+    assert main(["data", "export", "wordproblems", "-o", str(out), "--rows", "3"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith(f"flash: error: -o {out}: cannot write it")

@@ -161,6 +161,9 @@ def cmd_data(args: argparse.Namespace) -> int:
         n = export_task(args.args[1], options, args.output, args.rows, args.split)
     except (ValueError, TypeError) as exc:
         raise FlashError(f"task {args.args[1]!r}: {exc}") from None
+    except OSError as exc:  # a folder that does not exist, no permission, a full disk
+        raise FlashError(f"-o {args.output}: cannot write it: {exc.strerror or exc}"
+                         f"{f' ({exc.filename})' if exc.filename else ''}") from None
     print(f"flash: wrote {n} {args.split} rows of {args.args[1]} to {args.output}")
     return 0
 
