@@ -300,3 +300,16 @@ def test_data_export_to_a_folder_that_does_not_exist_is_one_line(tmp_path, capsy
     assert main(["data", "export", "wordproblems", "-o", str(out), "--rows", "3"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith(f"flash: error: -o {out}: cannot write it")
+
+
+@pytest.mark.parametrize("argv", [["data", "export", "wordproblems", "-o", "OUT", "--rows", "0"],
+                                  ["data", "export", "wordproblems", "-o", "OUT", "--rows", "-3"],
+                                  ["data", "stutter", "--rows", "-1"],
+                                  ["replay", "RUN", "--steps", "-1"], ["replay", "RUN", "--steps", "0"]])
+def test_counts_on_the_command_line_must_be_at_least_one(tmp_path, capsys, argv):
+    """--rows -3 wrote an empty file and said so; replay --steps -1 replayed all but the last step."""
+    argv = [str(tmp_path / "w.jsonl") if a == "OUT" else str(tmp_path) if a == "RUN" else a for a in argv]
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2 and "expected a whole number >= 1" in capsys.readouterr().err
+    assert not (tmp_path / "w.jsonl").exists()
