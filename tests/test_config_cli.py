@@ -313,3 +313,14 @@ def test_counts_on_the_command_line_must_be_at_least_one(tmp_path, capsys, argv)
         main(argv)
     assert exit_.value.code == 2 and "expected a whole number >= 1" in capsys.readouterr().err
     assert not (tmp_path / "w.jsonl").exists()
+
+
+def test_a_run_dir_that_cannot_be_made_is_one_line(tmp_path, capsys):
+    """A file at run_dir, or a path under one, was a FileExistsError / NotADirectoryError traceback."""
+    taken = tmp_path / "taken"
+    taken.write_text("a file")
+    for run_dir in (taken, taken / "run"):
+        assert main(["run", "stutter", f"run_dir={run_dir}"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and f"run_dir {run_dir}: cannot make it a folder" in err
+    assert taken.read_text() == "a file"

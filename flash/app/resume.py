@@ -156,5 +156,9 @@ def make_run_dir(cfg, recipe_name: str, resuming: bool = False) -> Path:
         aside = path.with_name(f"{path.name}.old-{stamp}")
         path.rename(aside)
         log.warning("flash: moved the earlier run in %s aside to %s", path, aside)
-    path.mkdir(parents=True, exist_ok=True)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # a file of that name, a folder that cannot be made, no permission
+        raise FlashError(f"run_dir {path}: cannot make it a folder ({exc.strerror or exc}); pick a run_dir "
+                         f"in a folder you can write") from None
     return path
