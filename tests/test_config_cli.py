@@ -324,3 +324,12 @@ def test_a_run_dir_that_cannot_be_made_is_one_line(tmp_path, capsys):
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and f"run_dir {run_dir}: cannot make it a folder" in err
     assert taken.read_text() == "a file"
+
+
+def test_a_plugin_file_that_does_not_parse_is_one_line_naming_file_and_line(tmp_path, capsys):
+    """A SyntaxError in the user's plugin was the importer's traceback."""
+    plugin = tmp_path / "my_losses.py"
+    plugin.write_text("import algos\n\ndef my_pg(inputs:\n")
+    assert main(["validate", "stutter", f"plugins=[{plugin}]"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"plugin {plugin} line 3" in err

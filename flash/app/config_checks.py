@@ -54,6 +54,8 @@ def validate(cfg: FlashConfig) -> None:
         algos.load_plugins(list(cfg.plugins))
     except ImportError as exc:
         raise ConfigError(f"cannot import plugin module: {exc}") from None
+    except SyntaxError as exc:  # the user's file does not parse: where, not the importer's stack
+        raise ConfigError(f"plugin {exc.filename} line {exc.lineno}: {exc.msg}; fix the file") from None
     check_finite(cfg)
     _require(cfg.async_ratio >= 0, f"async_ratio must be a finite number >= 0, got {cfg.async_ratio}")
     _require(cfg.rollout.interrupt in INTERRUPT_MODES,
