@@ -134,6 +134,12 @@ class TinyModelConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        sizes = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size", "max_positions")
+        for name in sizes:
+            if getattr(self, name) < 1:
+                raise ValueError(f"model.tiny.{name} must be >= 1, got {getattr(self, name)}")
+        if not self.rope_theta > 0:
+            raise ValueError(f"model.tiny.rope_theta must be > 0, got {self.rope_theta}")
         if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
             raise ValueError("hidden_size must divide by num_heads, num_heads by num_kv_heads")
         if self.hidden_size // self.num_heads < 32:

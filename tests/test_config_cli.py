@@ -63,6 +63,44 @@ def test_invalid_values_are_one_clear_error(override, needle):
     assert needle in str(err.value)
 
 
+@pytest.mark.parametrize("override", ["train.grad_clip=-1", "train.grad_clip=0", "critic.grad_clip=-0.5",
+                                      "sft.grad_clip=0", "critic.lr=-1e-3", "sft.lr=0", "train.weight_decay=-0.1",
+                                      "critic.weight_decay=-1", "sft.weight_decay=-0.01"])
+def test_optimizer_knobs_that_would_reverse_or_zero_training_are_refused(override):
+    """torch's clip_grad_norm_ multiplies by max_norm / norm: a max_norm of -1 ascends, 0 never moves."""
+    with pytest.raises(ConfigError, match=rf"^{override.split('=')[0]} must be"):
+        load_config(STUTTER, [override])
+
+
+@pytest.mark.parametrize("override, message", [
+    ("seed=-1", "seed must be in [0, 4294967295], got -1"),
+    ("seed=18446744073709551616", "seed must be in [0, 4294967295]"),
+    ("sft.seed=-2", "sft.seed must be in"),
+    ("rollout.max_num_seqs=0", "rollout.max_num_seqs must be >= 1, got 0"),
+    ("eval.every_steps=-3", "eval.every_steps must be >= 0, got -3"),
+    ("eval.temperature=-1", "eval.temperature must be >= 0"),
+    ("sft.steps=-1", "sft.steps must be >= 0"),
+    ("sft.batch_size=0", "sft.batch_size must be >= 1"),
+    ("critic.micro_batch_size=0", "critic.micro_batch_size must be >= 1"),
+    ("tracking.log_samples=-1", "tracking.log_samples must be >= 0"),
+])
+def test_counts_and_seeds_out_of_range_are_refused_at_validate(override, message):
+    """A negative seed or zero max_num_seqs failed only inside a role after the run started; a
+    negative eval.every_steps evaluated every |k| steps."""
+    with pytest.raises(ConfigError) as err:
+        load_config(STUTTER, [override])
+    assert str(err.value).startswith(message)
+
+
+@pytest.mark.parametrize("override", ["model.tiny.num_heads=0", "model.tiny.num_kv_heads=0",
+                                      "model.tiny.num_layers=-1", "model.tiny.intermediate_size=0",
+                                      "model.tiny.rope_theta=0"])
+def test_a_tiny_model_without_a_size_is_one_clear_error(override):
+    """Zero heads divided by zero (a traceback); zero layers built a model that cannot learn."""
+    with pytest.raises(ConfigError, match=rf"{override.split('=')[0]} must be"):
+        load_config(STUTTER, [override])
+
+
 @pytest.mark.parametrize("override, needle", [
     ("agent.tool_parser=hermess", "did you mean 'hermes'"),
     ("agent.processes=-1", "agent.processes >= 0"),
@@ -158,6 +196,19 @@ def test_a_run_dir_holding_a_run_is_refused_unless_resumed_or_moved_aside(tmp_pa
     assert len(set(dirs)) == 3 and all(d.parent == Path("runs") for d in dirs)
 
 
+@pytest.mark.parametrize("content, message", [
+    (bytes(range(128, 256)), "cannot read"),
+    (b"seed: !!python/object/apply:os.system ['true']\n", "cannot read"),
+    (b"- 1\n- 2\n", "is not a run's config"),
+])
+def test_resume_from_a_dir_whose_config_flash_did_not_write_is_one_line(tmp_path, capsys, content, message):
+    """A binary or non-mapping config.yaml in the resumed dir was a yaml/UnicodeDecodeError traceback."""
+    (tmp_path / "config.yaml").write_bytes(content)
+    assert main(["run", "stutter", f"resume={tmp_path}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err and f"resume={tmp_path}" in err
+
+
 def test_model_path_must_be_a_local_model_folder(tmp_path, capsys):
     assert main(["validate", "stutter", "model.path=Qwen/Qwen2.5-0.5B"]) == 2
     err = capsys.readouterr().err.strip()
@@ -240,3 +291,45 @@ def test_a_recipe_builds_on_another_with_base(tmp_path, capsys):
     (tmp_path / "typo.yaml").write_text("base: stuter\n")
     with pytest.raises(Exception, match="no recipe named 'stuter'.*stutter"):
         load_config(tmp_path / "typo.yaml")
+
+
+def test_data_export_to_a_folder_that_does_not_exist_is_one_line(tmp_path, capsys):
+    """The writer's FileNotFoundError was a traceback."""
+    out = tmp_path / "missing" / "deeper" / "words.jsonl"
+    (tmp_path / "missing").write_text("a file, not a folder")
+    assert main(["data", "export", "wordproblems", "-o", str(out), "--rows", "3"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith(f"flash: error: -o {out}: cannot write it")
+
+
+@pytest.mark.parametrize("argv", [["data", "export", "wordproblems", "-o", "OUT", "--rows", "0"],
+                                  ["data", "export", "wordproblems", "-o", "OUT", "--rows", "-3"],
+                                  ["data", "stutter", "--rows", "-1"],
+                                  ["replay", "RUN", "--steps", "-1"], ["replay", "RUN", "--steps", "0"]])
+def test_counts_on_the_command_line_must_be_at_least_one(tmp_path, capsys, argv):
+    """--rows -3 wrote an empty file and said so; replay --steps -1 replayed all but the last step."""
+    argv = [str(tmp_path / "w.jsonl") if a == "OUT" else str(tmp_path) if a == "RUN" else a for a in argv]
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2 and "expected a whole number >= 1" in capsys.readouterr().err
+    assert not (tmp_path / "w.jsonl").exists()
+
+
+def test_a_run_dir_that_cannot_be_made_is_one_line(tmp_path, capsys):
+    """A file at run_dir, or a path under one, was a FileExistsError / NotADirectoryError traceback."""
+    taken = tmp_path / "taken"
+    taken.write_text("a file")
+    for run_dir in (taken, taken / "run"):
+        assert main(["run", "stutter", f"run_dir={run_dir}"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and f"run_dir {run_dir}: cannot make it a folder" in err
+    assert taken.read_text() == "a file"
+
+
+def test_a_plugin_file_that_does_not_parse_is_one_line_naming_file_and_line(tmp_path, capsys):
+    """A SyntaxError in the user's plugin was the importer's traceback."""
+    plugin = tmp_path / "my_losses.py"
+    plugin.write_text("import algos\n\ndef my_pg(inputs:\n")
+    assert main(["validate", "stutter", f"plugins=[{plugin}]"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"plugin {plugin} line 3" in err

@@ -136,6 +136,27 @@ def test_a_missing_file_a_hub_name_and_a_missing_column_are_one_line_errors(tmp_
     load_config("recipes/math.yaml", [f"data.train=[{path}]", "data.prompt_key=question", *base])
 
 
+@pytest.mark.parametrize("content, message", [
+    (b'{"question": "1+1?", "answer": "2"}\n{"question": "2+2?", broken\n', "in row 1; fix the file"),
+    (bytes(range(128, 256)), "JSON parse error"),
+    (b"", "is empty: a data file needs at least one row"),
+])
+def test_a_broken_or_empty_file_is_one_line_that_says_what_is_wrong(tmp_path, capsys, content, message):
+    """datasets' own error said only 'An error occurred while generating the dataset' (an empty file:
+    'StopIteration: '), after a log line of its own."""
+    from flash.app.cli import main
+
+    (tmp_path / "d.jsonl").write_bytes(content)
+    override = [f"data.train=[{tmp_path}/d.jsonl]", "data.sft_key=answer", "data.prompt_key=question"]
+    with pytest.raises(ConfigError, match=message) as err:
+        load_config("recipes/math.yaml", override)
+    assert "\n" not in str(err.value)
+    capsys.readouterr()
+    assert main(["validate", "recipes/math.yaml", *override]) == 2
+    captured = capsys.readouterr()
+    assert len(captured.err.strip().splitlines()) == 1 and not captured.out
+
+
 def test_chat_prompts_are_tokenized_exactly_as_apply_chat_template(tmp_path):
     rows = [{"messages": [{"role": "user", "content": f"add {a} and {a + 1}."}], "answer": str(2 * a + 1)}
             for a in range(1, 9)]

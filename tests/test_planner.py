@@ -231,3 +231,18 @@ def test_cli_plan_prints_a_table_and_json_and_rejects_bad_keys(tmp_path, capsys)
     assert main(["plan", d, "asyn_ratio=1"]) == 2
     assert "did you mean 'async_ratio'" in capsys.readouterr().err
     assert main(["plan", "async_ratio=1"]) == 2  # no run dir
+
+
+@pytest.mark.parametrize("config", [bytes(range(128, 256)), b"seed: !!python/object/apply:os.system ['true']\n",
+                                    b"- 1\n"])
+@pytest.mark.parametrize("finished", [False, True])
+def test_a_run_dir_whose_config_is_not_a_runs_is_one_line(tmp_path, capsys, config, finished):
+    """``flash plan`` reads the run's config.yaml as data: a file flash did not write was a traceback."""
+    from flash.app.cli import main
+
+    (tmp_path / "config.yaml").write_bytes(config)
+    for name in ("metrics.jsonl", "ledger.jsonl", "summary.json") if finished else ():
+        (tmp_path / name).write_text("{}\n")
+    assert main(["plan", str(tmp_path), "async_ratio=0,1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "config.yaml" in err

@@ -93,6 +93,19 @@ def test_bad_grids_fail_before_any_run(tmp_path, fake_launch):
     assert fake_launch == []
 
 
+@pytest.mark.parametrize("option, message", [
+    ({"tolerance": float("nan")}, "--tolerance nan: must be a finite number >= 0"),
+    ({"tolerance": -0.02}, "--tolerance -0.02: must be"),
+    ({"tolerance": float("inf")}, "--tolerance inf: must be"),
+    ({"parallel": 0}, "--parallel 0: must be at least 1"),
+])
+def test_options_that_mean_nothing_fail_before_any_run(tmp_path, fake_launch, option, message):
+    """A NaN tolerance ran the whole grid, then recommended nothing; --parallel 0 quietly became 1."""
+    with pytest.raises(ConfigError, match=message):
+        sw.sweep("stutter", ["async_ratio=0,1"], out=str(tmp_path), stream=io.StringIO(), **option)
+    assert fake_launch == []
+
+
 def test_sweep_tables_plots_recommendation_and_resume(tmp_path, fake_launch):
     out = tmp_path / "sweep"
     log = io.StringIO()
@@ -225,6 +238,19 @@ def test_flash_plot_cli(tmp_path):
     assert out.read_bytes()[:8] == PNG
     assert main(["plot", str(tmp_path), "-o", str(out)]) == 2  # not a run dir: one-line error
 
+
+
+@pytest.mark.parametrize("steps", ["abc", "3:x", "0:2", "5:3"])
+def test_flash_plot_a_bad_steps_window_is_one_line(tmp_path, capsys, steps):
+    """--steps abc was a ValueError traceback; 5:3 or 0:2 drew an empty timeline."""
+    from flash.app.cli import main
+
+    (tmp_path / "r0").mkdir()
+    fake_run(tmp_path / "r0", 0, 0.4, 0.5)
+    assert main(["plot", str(tmp_path / "r0"), "-o", str(tmp_path / "p.png"), "--steps", steps]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"--steps {steps}" in err
+    assert not (tmp_path / "p.png").exists()
 
 SMALL = ["sft.steps=40", "sft.eval_after=false", "model.tiny.num_layers=2", "train.prompts_per_step=4", "rollout.n=4",
          "rollout.max_new_tokens=32", "task.eval_size=16", "resources.engine_threads=1",

@@ -161,15 +161,30 @@ def cmd_data(args: argparse.Namespace) -> int:
         n = export_task(args.args[1], options, args.output, args.rows, args.split)
     except (ValueError, TypeError) as exc:
         raise FlashError(f"task {args.args[1]!r}: {exc}") from None
+    except OSError as exc:  # a folder that does not exist, no permission, a full disk
+        raise FlashError(f"-o {args.output}: cannot write it: {exc.strerror or exc}"
+                         f"{f' ({exc.filename})' if exc.filename else ''}") from None
     print(f"flash: wrote {n} {args.split} rows of {args.args[1]} to {args.output}")
     return 0
+
+
+def _positive_int(text: str) -> int:
+    """A count argument (``--rows``, ``--steps``): 0 or a negative number would silently write or
+    replay nothing, or (a negative slice) all but the last few."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {value}")
+    return value
 
 
 def _add_data(sub) -> None:
     p = sub.add_parser("data", help="preview a recipe's prompts, or export a built-in task as a file")
     p.add_argument("args", nargs="+", metavar="RECIPE [key=value ...] | export TASK [option=value ...]")
     p.add_argument("-o", "--output", help="export: the file to write (.jsonl, .csv, .parquet, or a directory)")
-    p.add_argument("--rows", type=int, default=1000, help="rows to scan (preview) or write (export)")
+    p.add_argument("--rows", type=_positive_int, default=1000, help="rows to scan (preview) or write (export)")
     p.add_argument("--split", choices=("train", "eval"), default="train", help="export: which split")
     p.set_defaults(fn=cmd_data)
 
@@ -177,7 +192,7 @@ def _add_data(sub) -> None:
 def _add_replay(sub) -> None:
     p = sub.add_parser("replay", help="re-train a run from its recorded schedule; exit 1 if a step's loss differs")
     p.add_argument("run_dir", help="the run dir of a `flash run` (it holds schedule.jsonl)")
-    p.add_argument("--steps", type=int, help="replay the first N steps only")
+    p.add_argument("--steps", type=_positive_int, help="replay the first N steps only")
     p.add_argument("--out", help="write one JSON line per step (recorded and replayed numbers) to this file")
     p.set_defaults(fn=cmd_replay)
 

@@ -54,6 +54,8 @@ def validate(cfg: FlashConfig) -> None:
         algos.load_plugins(list(cfg.plugins))
     except ImportError as exc:
         raise ConfigError(f"cannot import plugin module: {exc}") from None
+    except SyntaxError as exc:  # the user's file does not parse: where, not the importer's stack
+        raise ConfigError(f"plugin {exc.filename} line {exc.lineno}: {exc.msg}; fix the file") from None
     check_finite(cfg)
     _require(cfg.async_ratio >= 0, f"async_ratio must be a finite number >= 0, got {cfg.async_ratio}")
     _require(cfg.rollout.interrupt in INTERRUPT_MODES,
@@ -70,6 +72,8 @@ def validate(cfg: FlashConfig) -> None:
     _require(cfg.train.micro_batch_size >= 1, "train.micro_batch_size must be >= 1")
     _check_group(cfg.train)
     _require(cfg.train.lr > 0, f"train.lr must be > 0, got {cfg.train.lr}")
+    _check_optimizers(cfg)
+    _check_ranges(cfg)
     _require(cfg.algo.recompute_prox in PROX_CHOICES,
              f"algo.recompute_prox must be one of {', '.join(PROX_CHOICES)}, got '{cfg.algo.recompute_prox}'"
              f"{closest(cfg.algo.recompute_prox, list(PROX_CHOICES))}")
@@ -170,6 +174,41 @@ def _check_updates(cfg: FlashConfig) -> None:
     _require(not cfg.algo.measure_prox_error or cfg.algo.recompute_prox == "approx",
              "algo.measure_prox_error measures the approximate proximal policy; set "
              "algo.recompute_prox: approx or remove it")
+
+
+def _check_optimizers(cfg: FlashConfig) -> None:
+    """The policy's, the critic's and the warm start's optimizer knobs. Outside these ranges they do
+    not fail, they train wrongly: a grad_clip <= 0 scales every gradient by a factor <= 0 (ascent,
+    or no step at all), a negative lr ascends, a negative weight_decay inflates the weights."""
+    for section in ("train", "critic", "sft"):
+        opt = getattr(cfg, section)
+        _require(opt.grad_clip > 0, f"{section}.grad_clip must be > 0 (the largest gradient norm kept), "
+                 f"got {opt.grad_clip}")
+        _require(opt.lr > 0, f"{section}.lr must be > 0, got {opt.lr}")
+        _require(opt.weight_decay >= 0, f"{section}.weight_decay must be >= 0 (0: none), got {opt.weight_decay}")
+
+
+SEED_MAX = 2**32 - 1  # numpy's generators refuse a negative seed, torch's one of 2**64 or more
+# (key, lowest, highest or None): counts, sizes and seeds a user sets that mean nothing outside them
+# (a negative seed or zero max_num_seqs fails only inside a role, after the run started; a negative
+# eval.every_steps evaluated every |k| steps)
+RANGES = (
+    ("seed", 0, SEED_MAX), ("model.tiny.seed", 0, SEED_MAX), ("sft.seed", 0, SEED_MAX), ("sft.eval_seed", 0, SEED_MAX),
+    ("rollout.max_num_seqs", 1, None), ("sft.steps", 0, None), ("sft.batch_size", 1, None),
+    ("sft.pool_batches", 1, None), ("sft.warmup_steps", 0, None), ("sft.min_lr_ratio", 0, 1),
+    ("sft.first_index", 0, None), ("sft.eval_temperature", 0, None), ("critic.micro_batch_size", 1, None),
+    ("eval.every_steps", 0, None), ("eval.temperature", 0, None), ("eval.max_new_tokens", 0, None),
+    ("tracking.console_every", 0, None), ("tracking.heartbeat_s", 0, None), ("tracking.log_samples", 0, None),
+)
+
+
+def _check_ranges(cfg: FlashConfig) -> None:
+    for key, low, high in RANGES:
+        value = cfg
+        for part in key.split("."):
+            value = getattr(value, part)
+        _require(low <= value and (high is None or value <= high),
+                 f"{key} must be " + (f"in [{low}, {high}]" if high is not None else f">= {low}") + f", got {value}")
 
 
 STREAM_ESTIMATORS = ("grpo", "dr_grpo", "rloo")  # advantages of a group need only that group

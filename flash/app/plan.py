@@ -149,10 +149,12 @@ def _read_run(d: Path, skip: int) -> tuple:
     """One run dir: (config, summary, steady metrics rows, their steps' groups, prompt lengths)."""
     from omegaconf import OmegaConf
 
+    from flash.app.config import read_recipe
+
     for name in ("metrics.jsonl", "ledger.jsonl", "config.yaml", "summary.json"):
         if not (d / name).is_file() and not (d / f"{name}.gz").is_file():
             raise ConfigError(f"{d} is not a finished run dir: {name} is missing")
-    cfg = OmegaConf.load(d / "config.yaml")
+    cfg = read_recipe(d / "config.yaml")  # the run's file is data: a bad one is one line, not a traceback
     if OmegaConf.select(cfg, "rollout.scheduler", default="plain") != "plain":
         raise ConfigError(f"{d}: plan from a run with rollout.scheduler=plain (a tail-batching run's "
                           f"response lengths are cut at its threshold, so they understate the tail)")

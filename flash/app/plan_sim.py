@@ -54,8 +54,10 @@ def is_sim_run(run_dir: str | Path) -> bool:
     """Whether ``run_dir`` ran simulated GPU roles (its config's ``train.backend`` is ``sim``)."""
     from omegaconf import OmegaConf
 
+    from flash.app.config import read_recipe
+
     path = Path(run_dir) / "config.yaml"
-    return path.is_file() and OmegaConf.select(OmegaConf.load(path), "train.backend", default="") == "sim"
+    return path.is_file() and OmegaConf.select(read_recipe(path), "train.backend", default="") == "sim"
 
 
 def sim_skip(async_ratio: float) -> int:

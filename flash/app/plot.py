@@ -22,6 +22,7 @@ from matplotlib.container import ErrorbarContainer
 from matplotlib.figure import Figure
 
 from flash.app.replicates import Group
+from flash.errors import FlashError
 from flash.usage import busy_fraction, clip_spans
 
 
@@ -261,8 +262,6 @@ def main(run_dirs: list[str], out: str, window: str | None = None) -> dict[str, 
     runs = [load_run(d) for d in run_dirs]
     missing = [str(r.dir) for r in runs if not r.metrics]
     if missing:
-        from flash.errors import FlashError
-
         raise FlashError(f"no metrics.jsonl in {', '.join(missing)} (is it a flash run dir?)")
     counts = plot_runs(runs, out, parse_window(window))
     print(f"flash: wrote {out} ({len(runs)} run{'s' * (len(runs) != 1)})")
@@ -274,4 +273,10 @@ def parse_window(text: str | None) -> tuple[int, int] | None:
     if not text:
         return None
     lo, _, hi = text.partition(":")
-    return int(lo), int(hi or lo)
+    try:
+        window = int(lo), int(hi or lo)
+    except ValueError:
+        raise FlashError(f"--steps {text}: expected A:B (train steps, e.g. 10:12) or one step A") from None
+    if not 1 <= window[0] <= window[1]:
+        raise FlashError(f"--steps {text}: expected 1 <= A <= B (train steps count from 1)")
+    return window

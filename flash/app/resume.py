@@ -22,7 +22,9 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import yaml
 from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from flash.errors import ConfigError, FlashError
 
@@ -74,8 +76,23 @@ def config_differences(saved: dict, now: dict) -> list[str]:
     return diffs
 
 
+def saved_config(run_dir: Path) -> dict:
+    """The run's ``config.yaml`` as a mapping; a file flash did not write (binary, not YAML, not a
+    mapping) is one line naming it, not a parser's traceback."""
+    path = run_dir / "config.yaml"
+    try:
+        saved = OmegaConf.to_container(OmegaConf.load(path))
+    except (yaml.YAMLError, OmegaConfBaseException, OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"resume={run_dir}: cannot read {path} ({str(exc).splitlines()[0][:200]}); pass a run "
+                          f"dir that flash wrote, or start a new run without resume") from None
+    if not isinstance(saved, dict):
+        raise ConfigError(f"resume={run_dir}: {path} is not a run's config (a mapping of settings); pass a run "
+                          f"dir that flash wrote, or start a new run without resume")
+    return saved
+
+
 def check_same_run(now: dict, run_dir: Path) -> None:
-    saved = OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml"))
+    saved = saved_config(run_dir)
     diffs = config_differences(saved, now)
     if diffs:
         raise ConfigError(f"resume={run_dir}: settings differ from the checkpointed run ({'; '.join(diffs[:3])}"
@@ -139,5 +156,9 @@ def make_run_dir(cfg, recipe_name: str, resuming: bool = False) -> Path:
         aside = path.with_name(f"{path.name}.old-{stamp}")
         path.rename(aside)
         log.warning("flash: moved the earlier run in %s aside to %s", path, aside)
-    path.mkdir(parents=True, exist_ok=True)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # a file of that name, a folder that cannot be made, no permission
+        raise FlashError(f"run_dir {path}: cannot make it a folder ({exc.strerror or exc}); pick a run_dir "
+                         f"in a folder you can write") from None
     return path

@@ -34,6 +34,7 @@ import csv
 import hashlib
 import itertools
 import json
+import math
 import os
 import re
 import subprocess
@@ -348,14 +349,24 @@ def write_results(points: list[Point], groups: list[Group], out: Path, header: s
     return table
 
 
+def check_options(tolerance: float, parallel: int, repeats: int) -> None:
+    """Refused before any run starts: a NaN or negative tolerance recommends nothing, and only after
+    the whole grid has run; ``--parallel 0`` names no number of runs side by side."""
+    if not (math.isfinite(tolerance) and tolerance >= 0):
+        raise ConfigError(f"--tolerance {tolerance}: must be a finite number >= 0 (absolute accuracy, e.g. 0.02)")
+    if parallel < 1:
+        raise ConfigError(f"--parallel {parallel}: must be at least 1 (runs side by side)")
+    if repeats < 1:
+        raise ConfigError(f"--repeats {repeats}: must be at least 1")
+
+
 def sweep(recipe: str, items: list[str], out: str | None = None, tolerance: float = 0.02,
           parallel: int = 1, stream=None, repeats: int = 1) -> tuple[list[Point], str]:
     """Run (or resume) the sweep, write results and plots; returns the points and recommendation."""
     from flash.app.recipe_files import resolve_recipe
     from flash.app.plot import load_run, plot_runs, plot_sweep
 
-    if repeats < 1:
-        raise ConfigError(f"--repeats {repeats}: must be at least 1")
+    check_options(tolerance, parallel, repeats)
     path = resolve_recipe(recipe)
     fixed, swept = parse_grid(items)
     points = make_points(fixed, swept, repeats)
@@ -363,7 +374,7 @@ def sweep(recipe: str, items: list[str], out: str | None = None, tolerance: floa
     prepare(path, points, sweep_dir)
     stream = stream or sys.stdout
     print(f"flash: sweep of {len(points)} runs in {sweep_dir}", file=stream, flush=True)
-    run_all(path, points, sweep_dir, max(1, parallel), Reporter(len(points), stream))
+    run_all(path, points, sweep_dir, parallel, Reporter(len(points), stream))
     for p in points:
         p.row = collect(p, sweep_dir / p.slug)
     add_speedups(points)

@@ -60,11 +60,26 @@ def _load_one(p: Path):
                                   f"save the split you want with Dataset.save_to_disk")
             loaded = loaded["train"]
         return loaded
+    if p.stat().st_size == 0:
+        raise ConfigError(f"{p} is empty: a data file needs at least one row")
+    level = ds.logging.get_verbosity()
+    ds.logging.set_verbosity(ds.logging.CRITICAL)  # its own 'Failed to load JSON' line: the error below says it
     try:
         return ds.load_dataset(FORMATS[p.suffix.lower()], data_files=[str(p)], split="train")
     except Exception as exc:  # a parser error from pyarrow/pandas: name the file, not the stack
-        raise ConfigError(f"{p}: cannot read as {FORMATS[p.suffix.lower()]}: {type(exc).__name__}: "
-                          f"{str(exc).splitlines()[0][:300] if str(exc) else ''}") from None
+        raise ConfigError(f"{p}: cannot read as {FORMATS[p.suffix.lower()]}: {_parser_words(exc)}; "
+                          "fix the file") from None
+    finally:
+        ds.logging.set_verbosity(level)
+
+
+def _parser_words(exc: Exception) -> str:
+    """The parser's own message (which row, what is wrong): ``datasets`` wraps it in a
+    DatasetGenerationError that says only 'An error occurred while generating the dataset'."""
+    if type(exc).__name__ == "DatasetGenerationError" and exc.__cause__ is not None:
+        exc = exc.__cause__
+    text = str(exc).splitlines()[0][:300] if str(exc) else ""
+    return f"{type(exc).__name__}: {text}"
 
 
 def open_rows(paths: tuple[str, ...] | list[str], where: str = "data.train"):
