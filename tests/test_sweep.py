@@ -10,6 +10,7 @@ import io
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -306,3 +307,37 @@ def test_a_killed_point_is_run_again_with_its_partial_files_kept_aside(tmp_path)
     assert sorted(p.name for p in killed.iterdir()) == sorted([sw.POINT_FILE, aside.name])
     assert sorted(p.name for p in aside.iterdir()) == ["config.yaml", "ledger.jsonl", "run.log"]
     assert (aside / "ledger.jsonl").read_text() == "ledger.jsonl"
+
+
+def test_a_sweep_stopped_by_sigterm_stops_its_running_points(tmp_path, monkeypatch):
+    """A scheduler's or ``timeout``'s SIGTERM reaches the sweep alone: its runs must not go on orphaned."""
+    import os
+    import signal
+    import threading
+
+    marks: list[Path] = []
+
+    def launch(recipe, point, out, extra):
+        mark = tmp_path / f"{point.slug}.stopped"
+        marks.append(mark)
+        code = ("import signal, sys, time\n"
+                f"signal.signal(signal.SIGTERM, lambda *a: (open({str(mark)!r}, 'w').write('x'), sys.exit(0)))\n"
+                f"open({str(mark) + '.up'!r}, 'w').write('x')\n"
+                "time.sleep(120)\n")
+        return subprocess.Popen([sys.executable, "-c", code])
+
+    monkeypatch.setattr(sw, "_launch", launch)
+    points = sw.make_points([], {"async_ratio": ["0", "1"]}, 1)
+    before = signal.getsignal(signal.SIGTERM)
+
+    def stop_when_up():
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not (len(marks) == 2 and all(Path(f"{m}.up").exists() for m in marks)):
+            time.sleep(0.1)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=stop_when_up, daemon=True).start()
+    with pytest.raises(KeyboardInterrupt, match="SIGTERM"):
+        sw.run_all(Path("recipe.yaml"), points, tmp_path, parallel=2, reporter=sw.Reporter(2, io.StringIO()))
+    assert len(marks) == 2 and all(m.read_text() == "x" for m in marks)  # each run told to stop, and it did
+    assert signal.getsignal(signal.SIGTERM) == before

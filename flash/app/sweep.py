@@ -37,8 +37,10 @@ import json
 import math
 import os
 import re
+import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -173,26 +175,69 @@ class Reporter:
 
 
 def run_all(recipe: Path, points: list[Point], out: Path, parallel: int, reporter: Reporter) -> None:
-    """Run every unfinished point, ``parallel`` at a time, each in its own process."""
+    """Run every unfinished point, ``parallel`` at a time, each in its own process. Stopped
+    (ctrl-C, SIGTERM), the sweep stops its running points too, each at a safe point as a run
+    stopped by hand does (the next sweep starts them afresh), before it exits."""
     todo = [(i, p) for i, p in enumerate(points, 1) if not (out / p.slug / "summary.json").is_file()]
     for i, p in enumerate(points, 1):
         if (out / p.slug / "summary.json").is_file():
             reporter.line(i, f"{p.slug}: finished earlier, skipped")
     extra = _core_split(points, parallel)
     running: dict[str, tuple[int, Point, subprocess.Popen, float]] = {}
-    while todo or running:
-        while todo and len(running) < parallel:
-            i, p = todo.pop(0)
-            running[p.slug] = (i, p, _launch(recipe, p, out, extra), time.monotonic())
-        time.sleep(0.5)
-        reporter.tick({slug: v[3] for slug, v in running.items()})
-        for slug, (i, p, proc, t0) in list(running.items()):
-            if proc.poll() is not None:
-                del running[slug]
-                ok = proc.returncode == 0 and (out / slug / "summary.json").is_file()
-                status = f"done in {time.monotonic() - t0:.0f}s" if ok else \
-                    f"FAILED (exit {proc.returncode}; see {out / slug / 'run.log'})"
-                reporter.line(i, f"{slug}: {status}")
+    previous = _stop_on_sigterm()
+    try:
+        while todo or running:
+            while todo and len(running) < parallel:
+                i, p = todo.pop(0)
+                running[p.slug] = (i, p, _launch(recipe, p, out, extra), time.monotonic())
+            time.sleep(0.5)
+            reporter.tick({slug: v[3] for slug, v in running.items()})
+            _reap(running, out, reporter)
+    finally:
+        _stop_runs([v[2] for v in running.values()])
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _reap(running: dict, out: Path, reporter: Reporter) -> None:
+    """Report and forget the points whose process has ended."""
+    for slug, (i, p, proc, t0) in list(running.items()):
+        if proc.poll() is not None:
+            del running[slug]
+            ok = proc.returncode == 0 and (out / slug / "summary.json").is_file()
+            status = f"done in {time.monotonic() - t0:.0f}s" if ok else \
+                f"FAILED (exit {proc.returncode}; see {out / slug / 'run.log'})"
+            reporter.line(i, f"{slug}: {status}")
+
+
+STOP_WAIT_S = 60.0  # a stopped run gets this long to close its roles before it is killed
+
+
+def _stop_runs(procs: list[subprocess.Popen]) -> None:
+    """SIGTERM each run still going (it stops at a safe point and closes its Ray), then wait; one
+    that does not end in ``STOP_WAIT_S`` is killed."""
+    live = [p for p in procs if p.poll() is None]
+    for proc in live:
+        proc.terminate()
+    deadline = time.monotonic() + STOP_WAIT_S
+    for proc in live:
+        try:
+            proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _stop_on_sigterm():
+    """SIGTERM raises in the main thread as ctrl-C does (the previous handler is returned), so a
+    sweep stopped by a scheduler or ``timeout`` stops its runs instead of leaving them orphaned."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.signal(signal.SIGTERM, _interrupt)
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt("SIGTERM")
 
 
 def _core_split(points: list[Point], parallel: int) -> list[str]:
