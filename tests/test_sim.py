@@ -246,6 +246,8 @@ def test_bad_sim_config_is_one_clear_line():
         load_config("recipes/stutter.yaml", ["rollout.engine=sim", "train.backend=sim", "sim.time_scale=0"])
     with pytest.raises(ConfigError, match="did you mean 'sim'"):
         load_config("recipes/stutter.yaml", ["train.backend=simm"])
+    with pytest.raises(ConfigError, match=r"^sim.time_scale, sim.rollout_gpus: read only by simulated roles"):
+        load_config("recipes/stutter.yaml", ["sim.time_scale=0.5", "sim.rollout_gpus=16"])  # a real run ignores them
     assert simulated_metrics({"time/step": 0.5, "reward/mean": 1.0}, 0.01) == {"sim/step_s": 50.0}
     shipped = load_config("recipes/sim_rlvr.yaml")  # the shipped simulated recipe validates
     assert (shipped.rollout.engine, shipped.train.backend) == ("sim", "sim")

@@ -124,6 +124,20 @@ def _check_engine_and_backend(cfg: FlashConfig) -> None:
         _require(check_sim(cfg.sim) is None, str(check_sim(cfg.sim)))
         _require(group_free(cfg.train), "train.backend=sim simulates its GPUs with sim.train_gpus; leave "
                  "train.workers, micro_tokens, mixed_precision and activation_checkpointing unset")
+    else:
+        unread = sim_settings_set(cfg.sim)
+        _require(not unread, f"{', '.join(f'sim.{k}' for k in unread)}: read only by simulated roles "
+                             f"(rollout.engine: sim and train.backend: sim); drop them, or set both to sim")
+
+
+def sim_settings_set(sim) -> list[str]:
+    """The ``sim:`` settings that differ from their defaults (a real run would ignore them)."""
+    from dataclasses import fields
+
+    from flash.sim.config import SimConfig
+
+    default = SimConfig()
+    return [f.name for f in fields(SimConfig) if getattr(sim, f.name) != getattr(default, f.name)]
 
 
 def group_free(train: TrainConfig) -> bool:
