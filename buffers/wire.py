@@ -35,7 +35,6 @@ consumer gets, value for value and type for type.
 from __future__ import annotations
 
 import array
-import struct
 from collections.abc import Callable
 from typing import Any
 
@@ -131,8 +130,6 @@ def _as_runs(part: list) -> list:
     k = len(starts) + 1
     if k * (arr.itemsize + RUN_ENDS.itemsize) >= len(data):
         return part
-    if k == 1:  # the usual case: one version for the whole response
-        return [RUNS + dtype, [n], arr[:1].tobytes() + struct.pack("<i", n), was_list]
     ends = np.empty(k, RUN_ENDS)
     ends[:-1], ends[-1] = starts, n
     return [RUNS + dtype, [n], arr[:1].tobytes() + arr[starts].tobytes() + ends.tobytes(), was_list]
@@ -270,7 +267,8 @@ def _decode_sample(raw: Any, group_id: int) -> tuple[Sample, list[str]]:
         raise WireError("bad_schema", f"sample of prompt {prompt_id} in group {group_id}")
     values, lists = {}, []
     for a, (name, allowed) in zip(arrays, ARRAY_FIELDS.items()):  # versions may be runs of the response's length
-        values[name] = _decode_array(a, name, allowed, runs_of=len(values.get("response_ids", ())))
+        runs_of = len(values["response_ids"]) if name == "versions" else None
+        values[name] = _decode_array(a, name, allowed, runs_of)
         lists += [name] if a[3] else []
     if mask is not None:
         values["loss_mask"] = _decode_array(mask, "loss_mask", MASK_DTYPES, runs_of=len(values["response_ids"]))
@@ -285,7 +283,7 @@ def _decode_array(raw: Any, name: str, allowed: dict[str, np.dtype], runs_of: in
     """An array part → a read-only view over its bytes; ``runs_of``: the length an array sent as
     runs must have (None: it may not be runs)."""
     dtype, shape, data, _ = _fields(raw, ARRAY_PARTS, name)
-    if runs_of is not None and name in ("versions", "loss_mask") and dtype.startswith(RUNS):
+    if runs_of is not None and dtype.startswith(RUNS):
         return _expand_runs(dtype[len(RUNS):], shape, data, name, allowed, runs_of)
     dt = allowed.get(dtype)
     if dt is None:
@@ -307,14 +305,11 @@ def _expand_runs(dtype: str, shape: list, data: bytes, name: str, allowed: dict[
     if rest or (k == 0) != (n == 0):
         raise WireError("bad_shape", f"{name}: {len(data)} bytes are not whole runs of {dtype} + {RUN_ENDS.str}")
     values, ends = np.frombuffer(data, dt, k), np.frombuffer(data, RUN_ENDS, k, k * dt.itemsize)
-    if k == 1 and ends[0] == n:
-        out = np.full(n, values[0], dt)
-    else:
-        lengths = ends.copy()
-        np.subtract(ends[1:], ends[:-1], out=lengths[1:])
-        if k and (lengths.min() <= 0 or ends[-1] != n):
-            raise WireError("bad_shape", f"{name}: run ends must increase from above 0 to {n}")
-        out = np.repeat(values, lengths)
+    lengths = ends.copy()
+    np.subtract(ends[1:], ends[:-1], out=lengths[1:])
+    if k and (lengths.min() <= 0 or ends[-1] != n):
+        raise WireError("bad_shape", f"{name}: run ends must increase from above 0 to {n}")
+    out = np.repeat(values, lengths)
     out.flags.writeable = False  # like every other array from a frame
     return out
 
@@ -340,9 +335,10 @@ def _check_lengths(lengths: dict[str, int], prompt_id: int) -> None:
     """Each response token has exactly one behaviour logprob and one version (invariants 1, 3), and
     one loss-mask entry when the sample has a mask."""
     n = lengths["response_ids"]
-    if any(m != n for k, m in lengths.items() if k not in ("prompt_ids", "response_ids")):
+    per_token = {k: m for k, m in lengths.items() if k not in ("prompt_ids", "response_ids")}
+    if any(m != n for m in per_token.values()):
         raise WireError("length_mismatch", f"prompt {prompt_id}: {n} response tokens, " + ", ".join(
-            f"{m} {_LABELS.get(k, k)}" for k, m in lengths.items() if k not in ("prompt_ids", "response_ids")))
+            f"{m} {_LABELS.get(k, k)}" for k, m in per_token.items()))
 
 
 _LABELS = {"behav_logprobs": "logprobs", "loss_mask": "loss_mask entries"}
