@@ -20,7 +20,7 @@ from typing import Any
 import ray
 import torch
 
-from flash.errors import ConfigError
+from flash.errors import ConfigError, raise_terminated
 
 QUIET_ENV = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "error",
              "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -75,15 +75,6 @@ def plugin_paths(modules: list[str]) -> list[str]:
             root = Path(spec.origin).parent
             paths.append(str(root.parent if spec.submodule_search_locations else root))
     return paths
-
-
-class Terminated(KeyboardInterrupt):
-    """SIGTERM, raised in the driver's main thread as ctrl-C is, so a run stops the way an interrupt
-    does (roles closed, a one-line resume hint) instead of through Ray's handler (a crash dump)."""
-
-
-def _on_sigterm(signum, frame) -> None:
-    raise Terminated("SIGTERM")
 
 
 _REAPER = None
@@ -152,7 +143,7 @@ def init_ray(address: str | None, num_cpus: int, extra_paths: list[str] = (), nu
         require_ray_auth(None, started=True)
         start_reaper()
     if threading.current_thread() is threading.main_thread():  # after ray.init: it installs its own
-        signal.signal(signal.SIGTERM, _on_sigterm)
+        signal.signal(signal.SIGTERM, raise_terminated)
 
 
 def wait_ready(*actors, timeout: float = 300.0) -> float:

@@ -11,3 +11,14 @@ class ConfigError(FlashError):
 
 class RecipeNotFound(FlashError):
     """RECIPE is neither a name from `flash ls` nor a readable path."""
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread as ctrl-C is: a run stops the way an interrupt does
+    (roles closed, a one-line resume hint) instead of through Ray's handler (a crash dump), and a
+    sweep stops its runs instead of leaving them orphaned."""
+
+
+def raise_terminated(signum, frame) -> None:
+    """A SIGTERM handler: raise ``Terminated`` where the main thread is."""
+    raise Terminated("SIGTERM")

@@ -132,12 +132,10 @@ def _check_engine_and_backend(cfg: FlashConfig) -> None:
 
 def sim_settings_set(sim) -> list[str]:
     """The ``sim:`` settings that differ from their defaults (a real run would ignore them)."""
-    from dataclasses import fields
-
     from flash.sim.config import SimConfig
 
     default = SimConfig()
-    return [f.name for f in fields(SimConfig) if getattr(sim, f.name) != getattr(default, f.name)]
+    return [f.name for f in dataclasses.fields(SimConfig) if getattr(sim, f.name) != getattr(default, f.name)]
 
 
 def group_free(train: TrainConfig) -> bool:

@@ -343,7 +343,7 @@ def _run(cfg: FlashConfig, recipe_name: str, heartbeat: Heartbeat) -> dict:
         acc1 = metrics["eval/accuracy"]
         tracker.log({**metrics, "time/eval": r.clock.last_eval_s}, cfg.train.steps)
         progress.write(f"flash: held-out accuracy after training {acc1:.3f}")
-    except KeyboardInterrupt as exc:  # ctrl-C, or SIGTERM (flash.cluster.Terminated)
+    except KeyboardInterrupt as exc:  # ctrl-C, or SIGTERM (flash.errors.Terminated)
         raise type(exc)(f"{exc or 'ctrl-C'}; resume from the last checkpoint: flash run {recipe_name} "
                         f"resume={r.dir}") from None
     finally:

@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from flash.app.replicates import REPLICATE_KEYS, Group, Stat, choose, fmt_stat, group_runs
-from flash.errors import ConfigError
+from flash.errors import ConfigError, raise_terminated
 
 ROLES = ("rollout", "train")
 COLUMNS = ["status", "wall_s", "s_per_step", "speedup", "samples_per_s", "tokens_per_s", "acc_initial",
@@ -233,11 +233,7 @@ def _stop_on_sigterm():
     sweep stopped by a scheduler or ``timeout`` stops its runs instead of leaving them orphaned."""
     if threading.current_thread() is not threading.main_thread():
         return None
-    return signal.signal(signal.SIGTERM, _interrupt)
-
-
-def _interrupt(signum, frame) -> None:
-    raise KeyboardInterrupt("SIGTERM")
+    return signal.signal(signal.SIGTERM, raise_terminated)
 
 
 def _core_split(points: list[Point], parallel: int) -> list[str]:
