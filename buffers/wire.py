@@ -99,21 +99,21 @@ def encode_group(group: Group) -> bytes:
 def _encode_sample(s: Sample, prompt_id: int) -> list:
     if s.prompt_id != prompt_id:
         raise WireError("bad_schema", f"sample of prompt {s.prompt_id} in group {prompt_id}")
-    parts = [_encode_tokens(getattr(s, f.name), f, prompt_id) for f in TOKEN_FIELDS]
-    _check_lengths({f.name: p[1][0] for f, p in zip(TOKEN_FIELDS, parts) if p is not None}, prompt_id)
+    parts, lengths = [], {}
+    for f in TOKEN_FIELDS:  # each per-token field → its array part (None: an optional field left out)
+        value = getattr(s, f.name)
+        if value is None and f.optional:
+            parts.append(None)
+            continue
+        part = _encode_bits(value, f, prompt_id) if f.kind == "bit" else _encode_array(value, f)
+        lengths[f.name] = part[1][0]
+        parts.append(_as_runs(part) if f.runs else part)
+    _check_lengths(lengths, prompt_id)
     if not isinstance(s.meta, dict):
         raise WireError("bad_type", f"meta must be a dict, got {type(s.meta).__name__}")
     _check_meta(s.meta, "meta", 0)
     return [_int(s.prompt_id, "prompt_id"), _int(s.sample_index, "sample_index"), float(s.reward),
-            str(s.finish_reason), _int(s.admitted_version, "admitted_version"), s.meta,
-            *(_as_runs(p) if f.runs and p is not None else p for f, p in zip(TOKEN_FIELDS, parts))]
-
-
-def _encode_tokens(value: Any, f: TokenField, prompt_id: int) -> list | None:
-    """One per-token field → its array part (None: an optional field left out)."""
-    if value is None and f.optional:
-        return None
-    return _encode_bits(value, f, prompt_id) if f.kind == "bit" else _encode_array(value, f)
+            str(s.finish_reason), _int(s.admitted_version, "admitted_version"), s.meta, *parts]
 
 
 def _encode_bits(value: Any, f: TokenField, prompt_id: int) -> list:
