@@ -22,8 +22,9 @@ response token (an array comes back as uint8 whatever integer dtype it had, a li
 multi-turn sample's observation tokens must stay untrained wherever it is read.
 
 The fields marked ``runs`` (``versions``, ``loss_mask``) change value a few times per response (a
-weight update, a turn), so either may travel as runs when that is smaller: dtype ``"runs:<i4"``, shape ``[n]`` (the tokens),
-data = the k run values (of that dtype) then the k run ends (``<i4``, increasing, the last = n).
+weight update, a turn), so either may travel as runs when that is smaller: dtype ``"runs:<i4"``,
+shape ``[n]`` (the tokens), data = the k run values (of that dtype) then the k run ends (``<i4``,
+increasing, the last = n).
 The decoder expands them only after checking ``n`` against the response's length, so a short
 frame cannot ask for a large array.
 
