@@ -1,5 +1,6 @@
 """Sample types and the SampleBuffer every role exchanges trajectories through: `types` (Sample,
-Group), `buffer` (the in-process SampleBuffer), `wire`/`rpc` (msgpack frames), `service`/`store`
+Group, the per-token field table), `codec` (samples as JSON values), `buffer` (the in-process
+SampleBuffer), `wire`/`rpc` (msgpack frames), `service`/`store`
 (the zmq buffer service), `producer`/`client` (its two ends), `factory` (transport by config).
 
 A leaf: imports nothing of the project; every layer above may import it.

@@ -16,7 +16,7 @@ which is never older than the turn before, so ``version`` (the oldest token) sta
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 
 @dataclass
@@ -41,6 +41,38 @@ class Sample:
     @property
     def group_id(self) -> int:
         return self.prompt_id
+
+
+@dataclass(frozen=True)
+class TokenField:
+    """One per-token field of ``Sample``: a list (or 1-D NumPy array) with one value per token.
+
+    ``kind``: ``"int"`` (token ids, versions), ``"float"`` (logprobs) or ``"bit"`` (0/1 integers);
+    ``along``: whose tokens it has one value for, the prompt's or the response's; ``optional``: None
+    is a value (``loss_mask``: every response token trained on); ``runs``: its value changes only a
+    few times along a response (a weight update, a turn), so the wire may send it as runs."""
+
+    name: str
+    kind: Literal["int", "float", "bit"]
+    along: Literal["prompt", "response"] = "response"
+    optional: bool = False
+    runs: bool = False
+
+    @property
+    def python(self) -> type:
+        """The Python type of one value."""
+        return float if self.kind == "float" else int
+
+
+# Every per-token field of a Sample, in the order every encoding lists them (buffers.wire,
+# buffers.codec); ``response_ids`` comes before the fields whose length it fixes.
+TOKEN_FIELDS = (
+    TokenField("prompt_ids", "int", along="prompt"),
+    TokenField("response_ids", "int"),
+    TokenField("behav_logprobs", "float"),
+    TokenField("versions", "int", runs=True),
+    TokenField("loss_mask", "bit", optional=True, runs=True),
+)
 
 
 @dataclass

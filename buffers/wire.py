@@ -15,13 +15,16 @@ key strings repeated in every frame):
               prompt_ids, response_ids, behav_logprobs, versions, loss_mask]
     array  = [dtype, shape, data, was_list]      e.g. ["<i4", [1024], <4096 bytes>, false]
 
-``loss_mask`` is nil (every response token trained on) or an array of 0/1 as uint8, one per
+A sample's arrays are its per-token fields, ``buffers.types.TOKEN_FIELDS`` in order; a field's
+``kind`` picks the dtypes it may travel as (``KIND_DTYPES``). An optional field may be nil:
+``loss_mask`` nil is every response token trained on, else it is an array of 0/1 as uint8, one per
 response token (an array comes back as uint8 whatever integer dtype it had, a list as a list): a
 multi-turn sample's observation tokens must stay untrained wherever it is read.
 
-``versions`` and ``loss_mask`` change value a few times per response (a weight update, a turn), so
-either may travel as runs when that is smaller: dtype ``"runs:<i4"``, shape ``[n]`` (the tokens),
-data = the k run values (of that dtype) then the k run ends (``<i4``, increasing, the last = n).
+The fields marked ``runs`` (``versions``, ``loss_mask``) change value a few times per response (a
+weight update, a turn), so either may travel as runs when that is smaller: dtype ``"runs:<i4"``,
+shape ``[n]`` (the tokens), data = the k run values (of that dtype) then the k run ends (``<i4``,
+increasing, the last = n).
 The decoder expands them only after checking ``n`` against the response's length, so a short
 frame cannot ask for a large array.
 
@@ -34,14 +37,14 @@ consumer gets, value for value and type for type.
 
 from __future__ import annotations
 
-import array
 from collections.abc import Callable
 from typing import Any
 
 import msgpack
 import numpy as np
 
-from buffers.types import Group, Sample
+from buffers.codec import to_array, to_list
+from buffers.types import TOKEN_FIELDS, Group, Sample, TokenField
 
 # Every way a frame can be refused; the service keeps a counter per name.
 REASONS = ("oversized", "multipart", "truncated", "malformed", "extra_data", "bad_type", "bad_schema",
@@ -51,16 +54,17 @@ REASONS = ("oversized", "multipart", "truncated", "malformed", "extra_data", "ba
 # Little-endian only, so a frame means the same on every host.
 INT_DTYPES = {d: np.dtype(d) for d in ("<i4", "<i8")}
 FLOAT_DTYPES = {d: np.dtype(d) for d in ("<f2", "<f4", "<f8")}
-ARRAY_FIELDS = {"prompt_ids": INT_DTYPES, "response_ids": INT_DTYPES,
-                "behav_logprobs": FLOAT_DTYPES, "versions": INT_DTYPES}
-MASK_DTYPES = {"|u1": np.dtype("|u1")}
+BIT_DTYPES = {"|u1": np.dtype("|u1")}
+KIND_DTYPES = {"int": INT_DTYPES, "float": FLOAT_DTYPES, "bit": BIT_DTYPES}
+# the fields with one value per response token besides the tokens themselves: their lengths must agree
+ALONG_RESPONSE = tuple(f.name for f in TOKEN_FIELDS if f.along == "response" and f.name != "response_ids")
 RUNS = "runs:"  # the dtype prefix of an array sent as runs
 RUN_ENDS = np.dtype("<i4")
 MIN_RUNS_LEN = 2048  # shorter arrays travel plain (expanding runs costs more than their bytes)
 GROUP_FIELDS = (("prompt_id", int), ("admitted_version", int), ("data_index", int), ("samples", list))
 SAMPLE_FIELDS = (("prompt_id", int), ("sample_index", int), ("reward", float), ("finish_reason", str),
-                 ("admitted_version", int), ("meta", dict)) + tuple((k, list) for k in ARRAY_FIELDS) + (
-                 ("loss_mask", (list, type(None))),)
+                 ("admitted_version", int), ("meta", dict)) + tuple(
+                 (f.name, (list, type(None)) if f.optional else list) for f in TOKEN_FIELDS)
 ARRAY_PARTS = (("dtype", str), ("shape", list), ("data", bytes), ("was_list", bool))
 META_TYPES = (type(None), bool, int, float, str)  # JSON's: a checkpoint writes meta as JSON
 MAX_ARRAY = 1 << 16  # elements of one msgpack array or map (token arrays travel as bytes, not arrays)
@@ -96,28 +100,32 @@ def encode_group(group: Group) -> bytes:
 def _encode_sample(s: Sample, prompt_id: int) -> list:
     if s.prompt_id != prompt_id:
         raise WireError("bad_schema", f"sample of prompt {s.prompt_id} in group {prompt_id}")
-    arrays = [_encode_array(getattr(s, name), name, allowed) for name, allowed in ARRAY_FIELDS.items()]
-    _check_lengths(dict(zip(ARRAY_FIELDS, (a[1][0] for a in arrays))), s.prompt_id)
-    arrays[3] = _as_runs(arrays[3])
+    parts, lengths = [], {}
+    for f in TOKEN_FIELDS:  # each per-token field → its array part (None: an optional field left out)
+        value = getattr(s, f.name)
+        if value is None and f.optional:
+            parts.append(None)
+            continue
+        part = _encode_bits(value, f, prompt_id) if f.kind == "bit" else _encode_array(value, f)
+        lengths[f.name] = part[1][0]
+        parts.append(_as_runs(part) if f.runs else part)
+    _check_lengths(lengths, prompt_id)
     if not isinstance(s.meta, dict):
         raise WireError("bad_type", f"meta must be a dict, got {type(s.meta).__name__}")
     _check_meta(s.meta, "meta", 0)
-    mask = None if s.loss_mask is None else _encode_mask(s.loss_mask, arrays[1][1][0], s.prompt_id)
     return [_int(s.prompt_id, "prompt_id"), _int(s.sample_index, "sample_index"), float(s.reward),
-            str(s.finish_reason), _int(s.admitted_version, "admitted_version"), s.meta, *arrays, mask]
+            str(s.finish_reason), _int(s.admitted_version, "admitted_version"), s.meta, *parts]
 
 
-def _encode_mask(value: Any, n: int, prompt_id: int) -> list:
-    """A loss mask (list or array of 0/1, one per response token) → a uint8 array part."""
+def _encode_bits(value: Any, f: TokenField, prompt_id: int) -> list:
+    """A list or array of 0/1 → a uint8 array part."""
     is_list = not isinstance(value, np.ndarray)
-    arr = _list_array(value, "loss_mask", True) if is_list else value
+    arr = _list_array(value, f) if is_list else value
     if arr.ndim != 1 or arr.dtype.kind not in "iub":
-        raise WireError("bad_type", f"loss_mask must be a 1-D list or array of 0/1, got {arr.dtype} {arr.shape}")
-    if len(arr) != n:
-        raise WireError("length_mismatch", f"prompt {prompt_id}: {n} response tokens, {len(arr)} loss_mask entries")
+        raise WireError("bad_type", f"{f.name} must be a 1-D list or array of 0/1, got {arr.dtype} {arr.shape}")
     if len(arr) and (arr.min() < 0 or arr.max() > 1):
-        raise WireError("bad_value", f"prompt {prompt_id}: loss_mask holds values other than 0 and 1")
-    return _as_runs(["|u1", [len(arr)], arr.astype(np.uint8).tobytes(), is_list])
+        raise WireError("bad_value", f"prompt {prompt_id}: {f.name} holds values other than 0 and 1")
+    return ["|u1", [len(arr)], arr.astype(np.uint8).tobytes(), is_list]
 
 
 def _as_runs(part: list) -> list:
@@ -135,13 +143,14 @@ def _as_runs(part: list) -> list:
     return [RUNS + dtype, [n], arr[:1].tobytes() + arr[starts].tobytes() + ends.tobytes(), was_list]
 
 
-def _encode_array(value: Any, name: str, allowed: dict[str, np.dtype]) -> list:
+def _encode_array(value: Any, f: TokenField) -> list:
     """NumPy array: its own (little-endian) dtype; list/tuple: int64 or float64, exact."""
+    name, allowed = f.name, KIND_DTYPES[f.kind]
     if type(value) is np.ndarray and value.dtype.str in allowed and value.ndim == 1 and value.flags.c_contiguous:
         return [value.dtype.str, [len(value)], memoryview(value).cast("B"), False]  # packed without a copy
     is_list = not isinstance(value, np.ndarray)
     if is_list:
-        arr = _narrow(_list_array(value, name, allowed is INT_DTYPES))
+        arr = _narrow(_list_array(value, f))
     else:
         arr = value.astype(value.dtype.newbyteorder("<"), copy=False)
     if arr.dtype.str not in allowed:
@@ -163,16 +172,13 @@ def _narrow(arr: np.ndarray) -> np.ndarray:
     return narrow if (narrow == arr).all() else arr  # (a NaN stays float64: NaN != NaN)
 
 
-def _list_array(value: Any, name: str, integer: bool) -> np.ndarray:
-    """A list → int64 / float64 without silent conversion: a float among token ids is an error."""
-    if not isinstance(value, (list, tuple)):
-        raise WireError("bad_type", f"{name} must be a list or a NumPy array, got {type(value).__name__}")
-    wide = "<i8" if integer else "<f8"
-    try:  # array.array converts a list of Python numbers faster than NumPy, and as strictly
-        return np.frombuffer(array.array("q" if integer else "d", value), dtype=wide)
+def _list_array(value: Any, f: TokenField) -> np.ndarray:
+    """A list → int64 / float64 without silent conversion (``buffers.codec.to_array``)."""
+    try:
+        return to_array(value, f)
     except (TypeError, ValueError, OverflowError) as exc:
-        raise WireError("bad_type", f"{name}: {exc}; expected a list of "
-                                    f"{'ints in the int64 range' if integer else 'floats'}") from None
+        raise WireError("bad_type", f"{f.name}: {exc}; expected a list of "
+                                    f"{'floats' if f.kind == 'float' else 'ints in the int64 range'}") from None
 
 
 def _int(value: Any, name: str) -> int:
@@ -255,24 +261,23 @@ def decode_group(raw: Any, check: Callable[[Group], None] | None = None) -> Grou
     if check is not None:
         check(group)
     for sample, lists in decoded:
-        for name in lists:
-            setattr(sample, name, getattr(sample, name).tolist())
+        for f in lists:
+            setattr(sample, f.name, to_list(getattr(sample, f.name), f))
     return group
 
 
-def _decode_sample(raw: Any, group_id: int) -> tuple[Sample, list[str]]:
-    """The sample, its per-token fields as arrays, and the names of those that were lists."""
-    prompt_id, index, reward, finish, admitted, meta, *arrays, mask = _fields(raw, SAMPLE_FIELDS, "sample")
+def _decode_sample(raw: Any, group_id: int) -> tuple[Sample, list[TokenField]]:
+    """The sample, its per-token fields as arrays, and the fields that were lists."""
+    prompt_id, index, reward, finish, admitted, meta, *parts = _fields(raw, SAMPLE_FIELDS, "sample")
     if prompt_id != group_id:
         raise WireError("bad_schema", f"sample of prompt {prompt_id} in group {group_id}")
     values, lists = {}, []
-    for a, (name, allowed) in zip(arrays, ARRAY_FIELDS.items()):  # versions may be runs of the response's length
-        runs_of = len(values["response_ids"]) if name == "versions" else None
-        values[name] = _decode_array(a, name, allowed, runs_of)
-        lists += [name] if a[3] else []
-    if mask is not None:
-        values["loss_mask"] = _decode_array(mask, "loss_mask", MASK_DTYPES, runs_of=len(values["response_ids"]))
-        lists += ["loss_mask"] if mask[3] else []
+    for part, f in zip(parts, TOKEN_FIELDS):
+        if part is None:  # an optional field left out (the schema allows nil for no other)
+            continue
+        runs_of = len(values["response_ids"]) if f.runs else None  # runs of the response's length
+        values[f.name] = _decode_array(part, f.name, KIND_DTYPES[f.kind], runs_of)
+        lists += [f] if part[3] else []
     _check_lengths({k: len(v) for k, v in values.items()}, prompt_id)
     _check_meta(meta, "meta", 0)
     return Sample(prompt_id=prompt_id, sample_index=index, reward=reward, finish_reason=finish,
@@ -335,7 +340,7 @@ def _check_lengths(lengths: dict[str, int], prompt_id: int) -> None:
     """Each response token has exactly one behaviour logprob and one version (invariants 1, 3), and
     one loss-mask entry when the sample has a mask."""
     n = lengths["response_ids"]
-    per_token = {k: m for k, m in lengths.items() if k not in ("prompt_ids", "response_ids")}
+    per_token = {k: lengths[k] for k in ALONG_RESPONSE if k in lengths}
     if any(m != n for m in per_token.values()):
         raise WireError("length_mismatch", f"prompt {prompt_id}: {n} response tokens, " + ", ".join(
             f"{m} {_LABELS.get(k, k)}" for k, m in per_token.items()))

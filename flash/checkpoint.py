@@ -39,14 +39,13 @@ import shutil
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import ray
 import torch
 
-from buffers import Group, Sample
+from buffers.codec import group_to_dict
 from flash.checkpoint_trust import (RunKey, UntrustedCheckpoint, check_signature, listed_files_only,
                                     read_manifest)
 from flash.errors import ConfigError
@@ -253,33 +252,14 @@ def load_trainer_state(trainer, directory: str) -> int:
 
 
 # ---- driver state ----------------------------------------------------------------------------
-PER_TOKEN = ("prompt_ids", "response_ids", "behav_logprobs", "versions", "loss_mask")
-
-
-def group_to_dict(g: Group) -> dict:
-    """A group as JSON values. With ``buffer.transport=zmq`` the buffer's groups are the service's,
-    and a producer that put NumPy arrays has them stored as NumPy arrays: those are written as
-    lists of the same values (a float32 logprob as the float64 that holds it exactly)."""
-    d = asdict(g)
-    for s in d["samples"]:
-        for key in PER_TOKEN:
-            if hasattr(s[key], "tolist"):
-                s[key] = s[key].tolist()
-    return d
-
-
-def group_from_dict(d: dict) -> Group:
-    samples = [Sample(**s) for s in d["samples"]]
-    return Group(prompt_id=d["prompt_id"], samples=samples, admitted_version=d["admitted_version"],
-                 data_index=d["data_index"])
-
-
 def snapshot_rollout(buffer, scheduler) -> dict:
     """The buffer's groups and the scheduler's state as one consistent view.
 
     Both are read under the buffer's lock (the scheduler's own lock nests inside it, the order
     ``get_batch`` already uses). A group that was just put but not yet removed from the
-    scheduler's pending set counts as buffered only.
+    scheduler's pending set counts as buffered only. The groups are written as ``buffers.codec``'s
+    dicts (read back by ``group_from_dict``): with ``buffer.transport=zmq`` the buffer's groups are
+    the service's, and the NumPy arrays a producer put are written as lists of the same values.
     """
     groups, sched = buffer.snapshot(also=scheduler.state_dict)
     buffered = {g.prompt_id for g in groups}

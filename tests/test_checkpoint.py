@@ -13,6 +13,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 import algos
 from buffers import Group, Sample, SampleBuffer
+from buffers.codec import group_from_dict, group_to_dict
 from flash import checkpoint as ck
 from flash.checkpoint_trust import RunKey
 from flash.train.batch import collate
@@ -87,7 +88,7 @@ def _sample(pid, k):
 
 def test_groups_survive_the_json_round_trip_exactly():
     g = Group(prompt_id=5, samples=[_sample(5, 0), _sample(5, 1)], admitted_version=2, data_index=7)
-    back = ck.group_from_dict(json.loads(json.dumps(ck.group_to_dict(g))))
+    back = group_from_dict(json.loads(json.dumps(group_to_dict(g))))
     assert back == g and back.version == 2
 
 
@@ -97,7 +98,7 @@ def test_groups_the_buffer_service_holds_as_numpy_arrays_survive_the_json_round_
     s.prompt_ids, s.response_ids = np.array([1, 2], dtype="<i4"), np.array([3, 4, 5], dtype="<i4")
     s.behav_logprobs, s.versions = np.array([-0.1, -1.5, -2.0], dtype="<f4"), np.array([2, 2, 3], dtype="<i8")
     s.loss_mask = np.array([1, 0, 1], dtype="|u1")
-    back = ck.group_from_dict(json.loads(json.dumps(ck.group_to_dict(Group(prompt_id=5, samples=[s])))))
+    back = group_from_dict(json.loads(json.dumps(group_to_dict(Group(prompt_id=5, samples=[s])))))
     b = back.samples[0]
     assert (b.prompt_ids, b.response_ids, b.versions, b.loss_mask) == ([1, 2], [3, 4, 5], [2, 2, 3], [1, 0, 1])
     assert b.behav_logprobs == [float(x) for x in s.behav_logprobs]  # the float32 values, exactly

@@ -20,6 +20,7 @@ import torch
 
 from buffers import Group, Sample, SampleBuffer
 from buffers.client import RemoteSampleBuffer
+from buffers.codec import group_from_dict
 from buffers.service import BufferService
 from flash import checkpoint as ck
 from flash.checkpoint_trust import RunKey
@@ -59,7 +60,7 @@ def test_zmq_store_round_trips_through_a_checkpoint_and_new_puts_still_count_onc
     assert [p["prompt_id"] for p in state["scheduler"]["pending"]] == [7]
 
     with BufferService(capacity=8) as new:  # the resumed run's service: fresh producer ids and seqs
-        groups = [ck.group_from_dict(g) for g in state["buffer"]]
+        groups = [group_from_dict(g) for g in state["buffer"]]
         new.buffer.restore(groups)
         with pytest.raises(ValueError, match="already in the buffer"):
             new.buffer.restore(groups[:1])  # the same group twice is refused, not doubled

@@ -310,7 +310,8 @@ def test_checkpoint_restarts_prompts_in_flight_once_and_keeps_the_lifecycle_bala
     sample once (``admitted = ended + live``), redundant requests included."""
     import json
 
-    from flash.checkpoint import group_from_dict, snapshot_rollout
+    from buffers.codec import group_from_dict
+    from flash.checkpoint import snapshot_rollout
 
     slow = {f"{p}:{k}": 5.0 for p in (2, 3) for k in range(3)}
     sched, buffer = make(scripted(slow), B=2, r=1, n=2, redundancy=1)

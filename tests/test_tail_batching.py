@@ -383,7 +383,8 @@ def test_a_checkpoint_keeps_the_long_prompt_queue():
     the long round of version 1 there, once; the tail counters carry over."""
     import json
 
-    from flash.checkpoint import group_from_dict, snapshot_rollout
+    from buffers.codec import group_from_dict
+    from flash.checkpoint import snapshot_rollout
 
     lengths = {(1, 1): 12}
     knobs = {"threshold": "4", "over_provision": 1.0, "long_round_queue": 1}

@@ -17,8 +17,9 @@ from typing import TYPE_CHECKING
 
 import ray
 
+from buffers.codec import group_from_dict
 from flash.app.roles import Clock, Guards, Roles, RolloutBuffer, RunFiles
-from flash.checkpoint import Checkpointer, check_trainer_files, group_from_dict, log_offsets, snapshot_rollout
+from flash.checkpoint import Checkpointer, check_trainer_files, log_offsets, snapshot_rollout
 from flash.engine.client import EngineClient
 from flash.train.fsdp import group_settings
 
@@ -79,7 +80,7 @@ def restore(d: Durable, roles: Roles, controller: AsyncController, ckpt: Path, s
     ray.get(roles.engine.resume.remote())
     d.client.pushed(roles.trainer.get_weights.remote, version)  # a restarted engine fetches them
     controller.version = version
-    groups = [group_from_dict(g) for g in state["buffer"]]
+    groups = [group_from_dict(g, f"{ckpt.name} buffer group {i}") for i, g in enumerate(state["buffer"])]
     d.buffer.store.restore(groups)
     d.scheduler.load_state_dict(state["scheduler"], buffered_groups=groups)
     d.guards.steps.total = state["skips"]["total"]

@@ -2,15 +2,16 @@
 
 ``RUN_DIR/schedule.jsonl`` holds, for each step, the groups it trained in batch order -- prompt,
 the policy version each was admitted at, every sample's tokens, behaviour logprobs, per-token
-versions and reward -- the interrupts each response went through (the token positions where the
-policy version changed under it), and the step's loss and gradient norm. Rollout under
+versions, loss mask and reward (``buffers.codec``'s dicts, without ``meta``) -- the interrupts each
+response went through (the token positions where the policy version changed under it), and the
+step's loss and gradient norm. Rollout under
 ``async_ratio > 0`` depends on timing, so a second run does not draw the same batches; training on
 a recorded batch does not: ``flash replay RUN_DIR`` (flash.app.replay) re-trains from this record
 and must find every step's loss again, bit for bit.
 
 The record is data read back from disk: ``groups_from_line`` checks every field's type and size
-before anything is built from it (DESIGN.md invariant 7) and a bad line is one ``FlashError``
-naming the step and field.
+before anything is built from it (``buffers.codec``; DESIGN.md invariant 7) and a bad line is one
+``FlashError`` naming the step and field.
 """
 
 from __future__ import annotations
@@ -21,22 +22,13 @@ import math
 from pathlib import Path
 from typing import Any
 
-from buffers.types import Group, Sample
+from buffers.codec import CodecError, group_from_dict, group_to_dict
+from buffers.types import Group
 from flash.errors import FlashError
 
 SCHEDULE = "schedule.jsonl"
 MAX_LINE_BYTES = 256 << 20  # one step's batch; far above any recipe's
 CHECKED = ("loss", "grad_norm")  # the trainer's numbers a replay must find again
-
-
-def _floats(values: Any) -> list[float]:
-    """Python floats (a NumPy array from the zmq buffer as well as a list): JSON writes a float's
-    shortest exact repr, so it reads back to the same bits."""
-    return [float(v) for v in (values.tolist() if hasattr(values, "tolist") else values)]
-
-
-def _ints(values: Any) -> list[int]:
-    return [int(v) for v in (values.tolist() if hasattr(values, "tolist") else values)]
 
 
 def interrupts(versions: list[int]) -> list[list[int]]:
@@ -51,22 +43,16 @@ def step_line(step: int, groups: list[Group], train: dict[str, float], context: 
     return {
         "step": step, **context,
         "train": {k: float(train[k]) for k in CHECKED if k in train},
-        "groups": [{
-            "prompt_id": g.prompt_id, "data_index": g.data_index, "admitted_version": g.admitted_version,
-            "samples": [_sample(s) for s in g.samples],
-        } for g in groups],
+        "groups": [_group_record(g) for g in groups],
     }
 
 
-def _sample(s: Sample) -> dict:
-    versions = _ints(s.versions)
-    return {
-        "index": s.sample_index, "prompt_ids": _ints(s.prompt_ids), "response_ids": _ints(s.response_ids),
-        "behav_logprobs": _floats(s.behav_logprobs), "versions": versions, "reward": float(s.reward),
-        "finish": s.finish_reason, "admitted_version": s.admitted_version,
-        "loss_mask": None if s.loss_mask is None else _ints(s.loss_mask),
-        "interrupts": interrupts(versions),
-    }
+def _group_record(g: Group) -> dict:
+    """The group's dict without ``meta`` (replay needs none of it), each sample with its interrupts."""
+    d = group_to_dict(g, meta=False)
+    for s in d["samples"]:
+        s["interrupts"] = interrupts(s["versions"])
+    return d
 
 
 def read_schedule(run_dir: Path) -> list[dict]:
@@ -97,52 +83,15 @@ def groups_from_line(line: dict) -> list[Group]:
     """The step's groups rebuilt from its line, every field checked (a FlashError names the first
     bad one)."""
     where = f"schedule step {line['step']}"
-    groups = _field(line, "groups", list, where)
-    return [_group(g, f"{where} group {i}") for i, g in enumerate(groups)]
-
-
-def _group(g: Any, where: str) -> Group:
-    if not isinstance(g, dict):
-        raise FlashError(f"{where}: not an object")
-    prompt_id = _field(g, "prompt_id", int, where)
-    samples = [_sample_from(s, prompt_id, f"{where} sample {i}")
-               for i, s in enumerate(_field(g, "samples", list, where))]
-    if not samples:
-        raise FlashError(f"{where}: no samples")
-    return Group(prompt_id=prompt_id, samples=samples,
-                 admitted_version=_field(g, "admitted_version", int, where),
-                 data_index=_field(g, "data_index", int, where))
-
-
-def _sample_from(s: Any, prompt_id: int, where: str) -> Sample:
-    if not isinstance(s, dict):
-        raise FlashError(f"{where}: not an object")
-    response = _numbers(s, "response_ids", int, where)
-    per_token = {k: _numbers(s, k, kind, where) for k, kind in (("behav_logprobs", float), ("versions", int))}
-    mask = None if s.get("loss_mask") is None else _numbers(s, "loss_mask", int, where)
-    for key, values in {**per_token, **({"loss_mask": mask} if mask is not None else {})}.items():
-        if len(values) != len(response):
-            raise FlashError(f"{where}: {key} has {len(values)} entries for {len(response)} response tokens")
-    reward = _field(s, "reward", (int, float), where)
-    if not math.isfinite(reward):
-        raise FlashError(f"{where}: reward {reward} is not finite")
-    return Sample(prompt_id=prompt_id, sample_index=_field(s, "index", int, where),
-                  prompt_ids=_numbers(s, "prompt_ids", int, where), response_ids=response,
-                  behav_logprobs=per_token["behav_logprobs"], versions=per_token["versions"],
-                  reward=float(reward), finish_reason=str(s.get("finish", "")),
-                  admitted_version=_field(s, "admitted_version", int, where), loss_mask=mask)
-
-
-def _field(d: dict, key: str, kind, where: str):
-    value = d.get(key)
-    if not isinstance(value, kind) or isinstance(value, bool):
-        raise FlashError(f"{where}: field {key!r} is missing or not {getattr(kind, '__name__', 'a number')}")
-    return value
-
-
-def _numbers(d: dict, key: str, kind: type, where: str) -> list:
-    values = _field(d, key, list, where)
-    ok = (int,) if kind is int else (int, float)
-    if not all(isinstance(v, ok) and not isinstance(v, bool) for v in values):
-        raise FlashError(f"{where}: {key} holds something that is not {'an integer' if kind is int else 'a number'}")
-    return [kind(v) for v in values]
+    groups = line.get("groups")
+    if not isinstance(groups, list):
+        raise FlashError(f"{where}: field 'groups' is missing or not list")
+    try:
+        out = [group_from_dict(g, f"{where} group {i}") for i, g in enumerate(groups)]
+    except CodecError as exc:
+        raise FlashError(str(exc)) from None
+    for i, g in enumerate(out):
+        for k, s in enumerate(g.samples):
+            if not math.isfinite(s.reward):
+                raise FlashError(f"{where} group {i} sample {k}: reward {s.reward} is not finite")
+    return out
