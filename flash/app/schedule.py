@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import itertools
 import json
-import math
 from pathlib import Path
 from typing import Any
 
+from buffers.reward import BadReward, reward_value
 from buffers.types import Group, Sample
 from flash.errors import FlashError
 
@@ -123,13 +123,14 @@ def _sample_from(s: Any, prompt_id: int, where: str) -> Sample:
     for key, values in {**per_token, **({"loss_mask": mask} if mask is not None else {})}.items():
         if len(values) != len(response):
             raise FlashError(f"{where}: {key} has {len(values)} entries for {len(response)} response tokens")
-    reward = _field(s, "reward", (int, float), where)
-    if not math.isfinite(reward):
-        raise FlashError(f"{where}: reward {reward} is not finite")
+    try:
+        reward = reward_value(s.get("reward"))
+    except BadReward as exc:
+        raise FlashError(f"{where}: reward {s.get('reward')!r}: {exc}") from None
     return Sample(prompt_id=prompt_id, sample_index=_field(s, "index", int, where),
                   prompt_ids=_numbers(s, "prompt_ids", int, where), response_ids=response,
                   behav_logprobs=per_token["behav_logprobs"], versions=per_token["versions"],
-                  reward=float(reward), finish_reason=str(s.get("finish", "")),
+                  reward=reward, finish_reason=str(s.get("finish", "")),
                   admitted_version=_field(s, "admitted_version", int, where), loss_mask=mask)
 
 
