@@ -1,6 +1,7 @@
 """Sample types and the SampleBuffer every role exchanges trajectories through: `types` (Sample,
 Group), `buffer` (the in-process SampleBuffer), `wire`/`rpc` (msgpack frames), `service`/`store`
-(the zmq buffer service), `producer`/`client` (its two ends), `factory` (transport by config).
+(the zmq buffer service), `producer`/`client` (its two ends), `factory` (transport by config),
+`reward` (what counts as a reward), `trace` (a multi-turn sample's tokens as they are built).
 
 A leaf: imports nothing of the project; every layer above may import it.
 """
