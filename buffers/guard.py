@@ -14,7 +14,6 @@
 
 from __future__ import annotations
 
-import math
 import secrets
 import time
 from collections import OrderedDict, deque
@@ -22,6 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from buffers.reward import BadReward, reward_value
 from buffers.types import Group
 from buffers.wire import WireError
 
@@ -96,8 +96,10 @@ def check_values(group: Group, limits: ValueLimits, max_version: int) -> None:
                                      f"outside [0, {max_version}]")
     top = (limits.vocab_size - 1) if limits.vocab_size else None
     for s in group.samples:
-        if not math.isfinite(s.reward):
-            raise WireError("bad_value", f"{_where(group, s)}: reward {s.reward}")
+        try:
+            reward_value(s.reward)
+        except BadReward as exc:
+            raise WireError("bad_value", f"{_where(group, s)}: reward {s.reward!r}: {exc}") from None
         if (tokens := len(s.prompt_ids) + len(s.response_ids)) > limits.max_tokens:
             raise WireError("bad_value", f"{_where(group, s)}: {tokens} tokens > {limits.max_tokens}")
         if not 0 <= s.admitted_version <= max_version:

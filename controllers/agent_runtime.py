@@ -29,21 +29,19 @@ def session_sample(record: dict | None, *, prompt_id: int, sample_index: int, ad
                    reward: float, outcome: str, meta: dict, filler: tuple[int, ...] = (0,)) -> Sample:
     """The episode's sample from its closed session (module docstring); an episode that made no
     call (its agent failed before one) is a sample of one ``filler`` token and no response, scored
-    as its outcome says (nothing to train, but the ledger holds it)."""
-    from flash.envs.chat_session import segment_sample
-
+    as its outcome says (nothing to train, but the ledger holds it). ``calls`` in its meta counts
+    the calls whose tokens it holds (its segment's)."""
     segments = (record or {}).get("segments") or []
+    calls = (record or {}).get("calls", [])
     meta = {**meta, "outcome": outcome, "segments": len(segments),
             "untrained_tokens": sum(sum(s.loss_mask) for s in segments[:-1]),
-            "calls": len((record or {}).get("calls", []))}
+            "calls": sum(c["segment"] == len(segments) - 1 for c in calls)}
     if not segments:
         return Sample(prompt_id=prompt_id, sample_index=sample_index, prompt_ids=list(filler), response_ids=[],
                       behav_logprobs=[], versions=[], reward=reward, finish_reason=outcome,
                       admitted_version=admitted_version, meta=meta)
-    sample = segment_sample(segments[-1], prompt_id=prompt_id, sample_index=sample_index, reward=reward,
-                            admitted_version=admitted_version, meta=meta)
-    sample.finish_reason = outcome
-    return sample
+    return segments[-1].to_sample(prompt_id=prompt_id, sample_index=sample_index, reward=reward,
+                                  finish_reason=outcome, admitted_version=admitted_version, meta=meta)
 
 
 class AgentScheduler(RolloutCore):

@@ -23,13 +23,13 @@ depend only on (run seed, prompt id, request index), never on timing.
 
 from __future__ import annotations
 
-import math
 import random
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 from buffers import BufferClosed, Group, SampleBuffer
+from buffers.reward import reward_value
 from controllers.admission import Admission, PromptSource, _Pending
 from controllers.filters import RULES, FilterConfig, filter_reason
 from controllers.lifecycle import Lifecycle
@@ -360,20 +360,18 @@ class RolloutCore(Admission):
         self.buffer.wake()
 
     def score(self, item, token_ids: list[int]) -> float:
-        """Reward of one response; a reward function that raises or returns NaN or inf scores 0 and
-        is counted, as in the reward pool (a NaN reward makes its group's advantages, and so the
-        whole step's loss, NaN: the step would be skipped with every group in it)."""
+        """Reward of one response; a reward function that raises or returns no reward (NaN, inf,
+        anything ``buffers.reward`` refuses) scores 0 and is counted, as in the reward pool (a NaN
+        reward makes its group's advantages, and so the whole step's loss, NaN: the step would be
+        skipped with every group in it)."""
         try:
-            reward = float(self.source.reward(item, self.source.decode(token_ids)))
+            return reward_value(self.source.reward(item, self.source.decode(token_ids)))
         except FlashError:  # e.g. reward workers that keep dying (RewardFailed): stops the run
             raise
-        except Exception:  # noqa: BLE001 - a user's reward bug must not kill the run
-            reward = math.nan
-        if math.isfinite(reward):
-            return reward
-        with self._lock:
-            self.counters["reward_errors"] += 1
-        return 0.0
+        except Exception:  # noqa: BLE001 - a user's reward bug (or a BadReward) must not kill the run
+            with self._lock:
+                self.counters["reward_errors"] += 1
+            return 0.0
 
 
 class RolloutScheduler(RolloutCore):

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from buffers import Sample
+from buffers.trace import TokenTrace
 from flash.train.batch import collate
 from flash.envs import make_env, register_env
 from flash.envs.corridor import Corridor, CorridorOptions, move, render
@@ -143,7 +144,7 @@ def test_frozenlake_adapter_steps_gymnasium():
 
 # ---- episodes as token sequences -----------------------------------------------------------------
 def two_turn_transcript():
-    t = Transcript(prompt_ids=[1, 5, 6], observations=["ab"])
+    t = Transcript(TokenTrace([1, 5, 6]), observations=["ab"])
     add_turn(t, [7], [-0.5], [0], version_now=0)
     add_observation(t, [8, 9])
     add_turn(t, [10, 11], [-0.2, -0.3], [1, 2], version_now=1)  # a turn continued across an update
@@ -237,12 +238,12 @@ def test_sft_demonstration_has_the_tokens_an_episode_context_has():
     tok = build_tokenizer()
     for index in range(20):
         observations, actions = task.demonstration(index)
-        t = Transcript(prompt_ids=encode_prompt(tok, observations[0]), observations=[observations[0]])
+        t = Transcript(TokenTrace(encode_prompt(tok, observations[0])), observations=[observations[0]])
         for act, obs in zip(actions, observations[1:]):
             add_turn(t, encode_prompt(tok, act)[1:], [0.0], [0], 0)
             add_observation(t, encode_prompt(tok, obs)[1:])
         k = len(observations) - 1
-        assert t.context == encode_prompt(tok, transcript_text(observations, actions[:k]))
+        assert t.trace.tokens == encode_prompt(tok, transcript_text(observations, actions[:k]))
         prompt, action = task.sft_pair(index)
         assert action in ("l", "r") and (prompt + action) in transcript_text(observations, actions)
 

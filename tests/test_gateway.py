@@ -24,7 +24,7 @@ from transformers import PreTrainedTokenizerFast
 
 from flash.engine.base import GenerationRequest, check_request, error_output
 from flash.engine.torch_engine import TorchEngine
-from flash.envs.chat_session import ChatSession, Turn, record, render, segment_sample, turn_tail
+from flash.envs.chat_session import ChatSession, Turn, record, render, turn_tail
 from flash.envs.gateway import Gateway
 from flash.models import TinyModelConfig, build_tiny_model
 from tests.helpers.models import make_model
@@ -206,17 +206,18 @@ def test_tail_after_the_stop_token_and_after_a_length_cut():
 
 def test_context_tokens_take_the_version_of_the_next_sampled_token():
     session = ChatSession()
-    record(session, Turn([1, 5], [1, 5], True, "chat"), [6, 2], [-0.5, -0.1], [2, 2], "stop", "x")
-    record(session, Turn([1, 5, 6, 2, 40, 9], [40, 9], False, "chat"), [7], [-0.3], [3], "length", "y")
+    record(session, Turn([1, 5], [1, 5], True, "chat"), [6, 2], [-0.5, -0.1], [2, 2], "x")
+    record(session, Turn([1, 5, 6, 2, 40, 9], [40, 9], False, "chat"), [7], [-0.3], [3], "y")
     (seg,) = session.segments
     assert seg.response_ids == [6, 2, 40, 9, 7] and seg.loss_mask == [1, 1, 0, 0, 1]
     assert seg.logprobs == [-0.5, -0.1, 0.0, 0.0, -0.3] and seg.versions == [2, 2, 3, 3, 3]
-    sample = segment_sample(seg, prompt_id=4, sample_index=1, reward=1.0, admitted_version=2, meta={"k": 1})
+    sample = seg.to_sample(prompt_id=4, sample_index=1, reward=1.0, finish_reason="length", admitted_version=2,
+                           meta={"k": 1})
     assert sample.prompt_ids == [1, 5] and sample.response_ids == seg.response_ids
-    assert sample.loss_mask == seg.loss_mask and sample.version == 2 and sample.finish_reason == "length"
-    assert sample.meta == {"k": 1, "calls": 2}
+    assert sample.loss_mask == seg.loss_mask and sample.behav_logprobs == seg.logprobs and sample.version == 2
+    assert sample.meta == {"k": 1}
     with pytest.raises(ValueError):
-        record(session, Turn([1], [1], True, "chat"), [], [], [], "stop", "")
+        record(session, Turn([1], [1], True, "chat"), [], [], [], "")
 
 
 def test_an_edited_history_starts_a_new_segment(chatml):
@@ -252,7 +253,8 @@ def test_context_is_dated_by_the_call_after_a_weight_update(chatml):
     (seg,) = gw.close_session(key)["segments"]
     n = first.usage.completion_tokens
     assert seg.versions == [v] * n + [v + 1] * (len(seg.versions) - n) and seg.loss_mask[n] == 0
-    assert segment_sample(seg, prompt_id=0, sample_index=0, reward=0.0, admitted_version=v).version == v
+    assert seg.to_sample(prompt_id=0, sample_index=0, reward=0.0, finish_reason="stop", admitted_version=v,
+                         meta={}).version == v
 
 
 def test_text_completions_extend_only_an_exact_continuation(chatml):

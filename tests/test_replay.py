@@ -49,7 +49,7 @@ def test_a_step_line_gives_back_the_same_training_batch_through_json():
     (lambda line: line["groups"][0]["samples"][0]["versions"].pop(), "versions has 2 entries for 3 response tokens"),
     (lambda line: line["groups"][0]["samples"][0].update(response_ids=[1, "x", 3]), "response_ids holds"),
     (lambda line: line["groups"][0].update(prompt_id=True), "field 'prompt_id'"),
-    (lambda line: line["groups"][0]["samples"][0].update(reward=float("inf")), "reward inf is not finite"),
+    (lambda line: line["groups"][0]["samples"][0].update(reward=float("inf")), "reward inf: a reward is a finite number"),
     (lambda line: line["groups"][0].update(samples=[]), "no samples"),
 ])
 def test_a_damaged_step_line_is_one_error_naming_the_field(damage, message):

@@ -185,7 +185,7 @@ def test_pool_failures_are_named_counted_and_the_run_continues(ray_local):
         for _ in range(3):
             r = raising.score(item, "x")
             assert (r.reward, r.reason) == (0.0, "error:ZeroDivisionError")
-        assert (nan.score(item, "x").reason) == "error:NonFiniteReward"
+        assert (nan.score(item, "x").reason) == "error:BadReward"
         assert math_pool.score(item, "0.5").reward == 1.0  # other pools unaffected
         m = raising.metrics()
         assert (m["reward/calls"], m["reward/failures/error:ZeroDivisionError"]) == (3.0, 3.0)

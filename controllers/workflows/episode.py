@@ -28,7 +28,6 @@ same tokens. Every finished episode is counted by outcome (``outcome/<name>``).
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 from collections.abc import Callable
@@ -39,6 +38,8 @@ from typing import Any
 import ray
 
 from buffers import Sample
+from buffers.reward import BadReward, reward_value
+from buffers.trace import TokenTrace
 from controllers.workflows.base import Unit, turn_seed
 from controllers.workflows.env_faults import EnvWorkerFaults, _EpisodeHung, _EpisodeLost
 from flash.engine.base import GenerationOutput, GenerationRequest, SamplingParams
@@ -208,7 +209,7 @@ class Episodes(EnvWorkerFaults):
                 break
             except _EpisodeLost:
                 continue
-        ep.transcript = Transcript(prompt_ids=self.codec.encode_prompt(obs), observations=[obs])
+        ep.transcript = Transcript(TokenTrace(self.codec.encode_prompt(obs)), observations=[obs])
         self._submit_turn(ep)
 
     @staticmethod
@@ -216,7 +217,7 @@ class Episodes(EnvWorkerFaults):
         """The episode's next LLM turn: its context so far, a seed of (unit, turn)."""
         seed = turn_seed(ep.unit.params.seed, ep.turns)
         params = SamplingParams(**{**ep.unit.params.__dict__, "seed": seed})
-        return GenerationRequest(f"{ep.key}/{ep.turns}", ep.transcript.context, params)
+        return GenerationRequest(f"{ep.key}/{ep.turns}", ep.transcript.trace.tokens, params)
 
     def _submit_turn(self, ep: _Episode) -> None:
         req = self._turn_request(ep)
@@ -278,11 +279,13 @@ class Episodes(EnvWorkerFaults):
         except ray.exceptions.RayTaskError as exc:  # the game raised: this episode ends, the run goes on
             self._env_error(ep, str(exc).splitlines()[0])
             return
-        if not _finite_number(reward):  # a NaN reward would make its group's advantages, and the step, NaN
-            self._env_error(ep, f"step returned reward {reward!r}; an environment's rewards are finite numbers")
+        try:  # a NaN reward would make its group's advantages, and the step, NaN
+            reward = reward_value(reward)
+        except BadReward as exc:
+            self._env_error(ep, f"step returned reward {reward!r}: {exc}")
             return
         t = ep.transcript
-        t.reward += float(reward)
+        t.reward += reward
         t.observations.append(obs)
         if done or ep.turns >= self.max_turns:
             self._finish(ep, info.get("outcome", "done") if done else "truncated")
@@ -311,12 +314,5 @@ class Episodes(EnvWorkerFaults):
                 ep.transcript, prompt_id=u.prompt_id, sample_index=u.index, admitted_version=u.version,
                 outcome=outcome, meta={**u.meta, "data_index": u.data_index, "seed": u.item.meta["seed"],
                                        "request_id": u.id, "request": u.index})
-        self.core.deliver([GenerationOutput(ep.key, list(ep.transcript.prompt_ids), [], [], [], ENDED)])
+        self.core.deliver([GenerationOutput(ep.key, list(ep.transcript.trace.prompt_ids), [], [], [], ENDED)])
 
-
-def _finite_number(value) -> bool:
-    """A reward an episode can add: a real number (bools and NumPy scalars too), not NaN or inf."""
-    try:
-        return math.isfinite(float(value))
-    except (TypeError, ValueError):
-        return False

@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import itertools
 import json
-import math
 from pathlib import Path
 from typing import Any
 
 from buffers.codec import CodecError, group_from_dict, group_to_dict
+from buffers.reward import BadReward, reward_value
 from buffers.types import Group
 from flash.errors import FlashError
 
@@ -92,6 +92,8 @@ def groups_from_line(line: dict) -> list[Group]:
         raise FlashError(str(exc)) from None
     for i, g in enumerate(out):
         for k, s in enumerate(g.samples):
-            if not math.isfinite(s.reward):
-                raise FlashError(f"{where} group {i} sample {k}: reward {s.reward} is not finite")
+            try:
+                reward_value(s.reward)
+            except BadReward as exc:
+                raise FlashError(f"{where} group {i} sample {k}: reward {s.reward!r}: {exc}") from None
     return out

@@ -8,7 +8,7 @@ agent returns the episode's reward (and optionally a dict of facts kept in the s
 ``AgentRunner`` runs agents on one asyncio loop in a daemon thread, at most ``concurrency`` at
 once. Each run ends with a named outcome:
 
-- ``ok``: it returned a finite reward;
+- ``ok``: it returned a reward (``buffers.reward``: a finite real number);
 - ``timeout``: it ran past ``timeout_s`` (a hung agent is cancelled at its next await);
 - ``crashed``: it raised;
 - ``bad_return``: it returned something other than a finite number or ``(number, dict)``;
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import math
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -34,6 +33,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
+from buffers.reward import BadReward, reward_value
 
 PING_S = 5.0  # a host's loop that does not answer within this is blocked by an agent
 RESTART_S = 120.0  # how long an attempt waits for a restarting host before it counts as died
@@ -66,11 +67,13 @@ class BadReturn(ValueError):
 def check_return(value: Any) -> tuple[float, dict]:
     """``(reward, info)`` from what an agent returned; ``BadReturn`` for anything else."""
     reward, info = (value if isinstance(value, tuple) and len(value) == 2 else (value, {}))
-    if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
-        raise BadReturn(f"an agent returns a finite reward or (reward, dict), got {str(value)[:80]}")
+    try:
+        reward = reward_value(reward)
+    except BadReward as exc:
+        raise BadReturn(f"an agent returns a reward or (reward, dict), got {str(value)[:80]}: {exc}") from None
     if not isinstance(info, dict):
         raise BadReturn(f"an agent's second return value must be a dict, got {type(info).__name__}")
-    return float(reward), _plain(info, "info", 0)
+    return reward, _plain(info, "info", 0)
 
 
 MAX_INFO_DEPTH = 8

@@ -16,10 +16,10 @@ render N starts with F) and the agent kept its history (M_2 starts with M_1 and 
 calls included: F renders the reply as the agent was answered, content and parsed calls). If
 not -- a template that rewrites earlier turns, an agent that edited its history -- appending would
 put tokens before the engine that no render of M_2 holds, so the session closes its segment and
-starts a new one whose prompt is N (counted in ``new_segments``). Each segment is one training
-sample in ``flash.envs.episode``'s layout: the first prompt, then context (mask 0) and sampled
-tokens (mask 1) in order; context tokens carry logprob 0.0 and the version of the sampled token
-that follows them, so a sample's version (its oldest token) is always a generated token's.
+starts a new one whose prompt is N (counted in ``new_segments``). Each segment is a
+``buffers.trace.TokenTrace``, one training sample: the first prompt, then context (mask 0) and
+sampled tokens (mask 1) in order; context tokens carry logprob 0.0 and the version of the sampled
+token that follows them, so a sample's version (its oldest token) is always a generated token's.
 
 Text completions (``/v1/completions``) follow the same rule on text: the new prompt extends the
 session when it starts with the previous prompt + completion text, and only the new text is
@@ -33,33 +33,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from buffers import Sample
+from buffers.trace import TokenTrace
 from flash.envs.chat_messages import reply_message, same_turns
-
-
-@dataclass
-class Segment:
-    """One trainable token sequence: ``prompt_ids`` then context and sampled tokens in order."""
-
-    prompt_ids: list[int]
-    response_ids: list[int] = field(default_factory=list)
-    loss_mask: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    finish_reason: str = ""  # of the last call: "stop" | "length"
-    calls: int = 0
-
-    @property
-    def tokens(self) -> list[int]:
-        """Every token so far: the next call's context starts with exactly these."""
-        return self.prompt_ids + self.response_ids
 
 
 @dataclass
 class ChatSession:
     """What a session remembers between calls (``rendered``: P, the ids last sent for a chat)."""
 
-    segments: list[Segment] = field(default_factory=list)
+    segments: list[TokenTrace] = field(default_factory=list)
     mode: str = ""  # "chat" | "completion" (the last call's route)
     tools: list[dict] | None = None
     messages: list[dict] = field(default_factory=list)
@@ -153,7 +135,7 @@ def _encode(tokenizer: Any, text: str) -> list[int]:
 
 
 def record(session: ChatSession, turn: Turn, response_ids: list[int], logprobs: list[float],
-           versions: list[int], finish_reason: str, reply: str, calls: list[dict] | None = None) -> None:
+           versions: list[int], reply: str, calls: list[dict] | None = None) -> None:
     """Append one finished call: its context (mask 0, logprob 0.0, dated by the first sampled
     token's version) and its sampled tokens (mask 1, the engine's logprobs and versions).
     ``reply`` and ``calls``: what the agent was answered (content, parsed tool calls)."""
@@ -162,31 +144,11 @@ def record(session: ChatSession, turn: Turn, response_ids: list[int], logprobs: 
     if turn.new_segment:
         if session.segments:
             session.new_segments += 1
-        session.segments.append(Segment(prompt_ids=list(turn.prompt_ids)))
+        session.segments.append(TokenTrace(prompt_ids=list(turn.prompt_ids)))
     else:
-        seg = session.segments[-1]
-        seg.response_ids += turn.context
-        seg.loss_mask += [0] * len(turn.context)
-        seg.logprobs += [0.0] * len(turn.context)
-        seg.versions += [versions[0]] * len(turn.context)
-    seg = session.segments[-1]
-    seg.response_ids += response_ids
-    seg.loss_mask += [1] * len(response_ids)
-    seg.logprobs += [float(x) for x in logprobs]
-    seg.versions += list(versions)
-    seg.finish_reason, seg.calls = finish_reason, seg.calls + 1
+        n = len(turn.context)
+        session.segments[-1].extend(turn.context, [0.0] * n, [versions[0]] * n, trained=False)
+    session.segments[-1].extend(response_ids, logprobs, versions, trained=True)
     session.mode, session.tools, session.messages = turn.mode, turn.tools, turn.messages
     session.rendered, session.text = turn.rendered, turn.text + (reply if turn.mode == "completion" else "")
     session.reply, session.reply_calls = reply, list(calls or [])
-
-
-def segment_sample(seg: Segment, *, prompt_id: int, sample_index: int, reward: float,
-                   admitted_version: int, meta: dict | None = None) -> Sample:
-    """A segment as the ``Sample`` the trainer reads (layout of ``flash.envs.episode.to_sample``)."""
-    return Sample(
-        prompt_id=prompt_id, sample_index=sample_index, prompt_ids=list(seg.prompt_ids),
-        response_ids=list(seg.response_ids), behav_logprobs=list(seg.logprobs),
-        versions=list(seg.versions), reward=reward, finish_reason=seg.finish_reason,
-        admitted_version=admitted_version, loss_mask=list(seg.loss_mask),
-        meta={**(meta or {}), "calls": seg.calls},
-    )

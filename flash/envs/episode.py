@@ -6,13 +6,14 @@ Layout of the ``Sample`` an episode becomes::
     response_ids = act_1 obs_1 act_2 obs_2 ... act_k          (no observation after the last act)
     loss_mask    =  1..1  0..0  1..1  0..0 ...  1..1
 
-Every LLM turn is an engine request whose context is *all* the tokens so far, so the trainer's
-forward over the sequence sees exactly what the engine saw at each turn. Action tokens carry the
-engine's logprobs and versions (per turn: a turn generated after a weight update carries the new
-version; with ``rollout.interrupt: continue`` even one turn can mix versions). Observation tokens
-carry placeholders: logprob 0.0 and the version of the *next* LLM turn's first token (so the
-sample's version, the oldest token, is always a generated token's). The terminal observation is
-kept in ``meta`` but not in the sequence: nothing after it is trained.
+Every LLM turn is an engine request whose context is *all* the tokens so far (a
+``buffers.trace.TokenTrace``), so the trainer's forward over the sequence sees exactly what the
+engine saw at each turn. Action tokens carry the engine's logprobs and versions (per turn: a turn
+generated after a weight update carries the new version; with ``rollout.interrupt: continue`` even
+one turn can mix versions). Observation tokens carry placeholders: logprob 0.0 and the version of
+the *next* LLM turn's first token (so the sample's version, the oldest token, is always a
+generated token's). The terminal observation is kept in ``meta`` but not in the sequence: nothing
+after it is trained.
 
 The functions here are pure: the scheduler owns the bookkeeping, these own the layout.
 """
@@ -22,26 +23,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from buffers import Sample
+from buffers.trace import TokenTrace
 
 
 @dataclass
 class Transcript:
-    """What one episode produced so far, in order."""
+    """What one episode produced so far, in order: its tokens (``trace``) and their text."""
 
-    prompt_ids: list[int]
-    response_ids: list[int] = field(default_factory=list)
-    loss_mask: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
+    trace: TokenTrace
     observations: list[str] = field(default_factory=list)  # obs_0 .. obs_k (terminal included)
     actions: list[str] = field(default_factory=list)  # act_1 .. act_k as text
     unversioned: int = 0  # trailing observation tokens still waiting for the next turn's version
     reward: float = 0.0
-
-    @property
-    def context(self) -> list[int]:
-        """The next LLM turn's prompt: every token so far."""
-        return self.prompt_ids + self.response_ids
 
 
 def add_turn(t: Transcript, token_ids: list[int], logprobs: list[float], versions: list[int],
@@ -49,20 +42,14 @@ def add_turn(t: Transcript, token_ids: list[int], logprobs: list[float], version
     """Append an LLM turn (trained on) and date the observation tokens before it with its version."""
     first = versions[0] if versions else version_now
     if t.unversioned:
-        t.versions[-t.unversioned:] = [first] * t.unversioned
+        t.trace.versions[-t.unversioned:] = [first] * t.unversioned
         t.unversioned = 0
-    t.response_ids += token_ids
-    t.loss_mask += [1] * len(token_ids)
-    t.logprobs += list(logprobs)
-    t.versions += list(versions)
+    t.trace.extend(token_ids, logprobs, versions, trained=True)
 
 
 def add_observation(t: Transcript, obs_ids: list[int]) -> None:
     """Append observation tokens (context only: mask 0, logprob 0, version set by the next turn)."""
-    t.response_ids += obs_ids
-    t.loss_mask += [0] * len(obs_ids)
-    t.logprobs += [0.0] * len(obs_ids)
-    t.versions += [0] * len(obs_ids)
+    t.trace.extend(obs_ids, [0.0] * len(obs_ids), [0] * len(obs_ids), trained=False)
     t.unversioned += len(obs_ids)
 
 
@@ -72,12 +59,9 @@ def to_sample(t: Transcript, *, prompt_id: int, sample_index: int, admitted_vers
 
     Observation tokens after the last LLM turn (an episode cut by a refused request) are dropped:
     no turn read them, so they are neither context nor trained on."""
-    keep = len(t.response_ids) - t.unversioned
-    return Sample(
-        prompt_id=prompt_id, sample_index=sample_index, prompt_ids=list(t.prompt_ids),
-        response_ids=t.response_ids[:keep], behav_logprobs=t.logprobs[:keep], versions=t.versions[:keep],
-        reward=t.reward, finish_reason=outcome, admitted_version=admitted_version,
-        loss_mask=t.loss_mask[:keep],
+    return t.trace.to_sample(
+        prompt_id=prompt_id, sample_index=sample_index, reward=t.reward, finish_reason=outcome,
+        admitted_version=admitted_version, keep=len(t.trace.response_ids) - t.unversioned,
         meta={**meta, "outcome": outcome, "turns": len(t.actions), "actions": list(t.actions),
               "observations": list(t.observations)},
     )

@@ -296,7 +296,7 @@ class Gateway:
 
     def close_session(self, key: str) -> dict:
         """Forget a session (its key is refused from now on) and return what it recorded:
-        ``segments`` (``chat_session.Segment``), ``calls`` (one dict per served call), counters."""
+        ``segments`` (``buffers.trace.TokenTrace``), ``calls`` (one dict per served call), counters."""
         with self._lock:
             entry = self._sessions.pop(key)
         s = entry.state
@@ -437,7 +437,7 @@ class Gateway:
             if self._sessions.get(key) is not entry:
                 raise Refused(401, "unauthorized", "the session was closed during the call")
             segments = len(entry.state.segments)
-            record(entry.state, turn, out.token_ids, out.logprobs, out.versions, out.finish_reason, text, calls)
+            record(entry.state, turn, out.token_ids, out.logprobs, out.versions, text, calls)
             restarted = bool(turn.new_segment and segments)
             entry.calls.append({"route": turn.mode, "prompt_tokens": len(turn.prompt_ids),
                                 "completion_tokens": len(out.token_ids), "finish_reason": out.finish_reason,

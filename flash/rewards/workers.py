@@ -4,8 +4,9 @@ Why actors: a code reward spends seconds in sandboxes and a math reward in sympy
 not share the driver's GIL with the scheduler's threads, and it scales by adding workers.
 
 Failure is an outcome, never a crash: a reward function that raises scores 0.0 with
-reason ``error:<ExcType>``; one that overruns ``timeout_s`` scores 0.0 with reason ``timeout``;
-Each reason is counted in ``metrics()`` as ``reward/failures/<reason>``; the run continues.
+reason ``error:<ExcType>``; one that returns no reward (``buffers.reward``: NaN, inf, a str, ...)
+scores 0.0 with reason ``error:BadReward``; one that overruns ``timeout_s`` scores 0.0 with reason
+``timeout``. Each reason is counted in ``metrics()`` as ``reward/failures/<reason>``; the run continues.
 
 A worker that dies (its process killed, out of memory) is a fault, not an outcome: the
 pool replaces it, and every call that was running on it is issued again on a live worker, so the
@@ -25,7 +26,6 @@ has been answered ``timeout``; such *stuck* calls are counted, and a worker with
 from __future__ import annotations
 
 import logging
-import math
 import os
 import threading
 import time
@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import ray
 
 from algos.registry import load_plugins
+from buffers.reward import BadReward, reward_value
 from flash.errors import FlashError
 from flash.rewards.autoscale import (
     AutoscaleConfig,
@@ -59,12 +60,14 @@ class RewardResult:
 
 
 def _as_result(value, wall_s: float) -> RewardResult:
-    """A scorer's return value (float or RewardResult) as a RewardResult; NaN/inf are errors."""
-    reward = value.reward if isinstance(value, RewardResult) else float(value)
-    if not math.isfinite(reward):
-        return RewardResult(0.0, "error:NonFiniteReward", wall_s)
+    """A scorer's return value (a number or a RewardResult) as a RewardResult; a value that is no
+    reward (``buffers.reward``: NaN, inf, a str, ...) scores 0.0 with reason ``error:BadReward``."""
+    try:
+        reward = reward_value(value.reward if isinstance(value, RewardResult) else value)
+    except BadReward:
+        return RewardResult(0.0, f"error:{BadReward.__name__}", wall_s)
     reason = value.reason if isinstance(value, RewardResult) else "ok"
-    return RewardResult(float(reward), reason, wall_s)
+    return RewardResult(reward, reason, wall_s)
 
 
 class RewardScorer:
@@ -118,10 +121,7 @@ class RewardScorer:
             return RewardResult(0.0, "timeout", time.monotonic() - t0), stuck
         if "error" in box:
             return RewardResult(0.0, f"error:{type(box['error']).__name__}", box["wall"]), stuck
-        try:
-            return _as_result(box["value"], box["wall"]), stuck
-        except (TypeError, ValueError) as exc:
-            return RewardResult(0.0, f"error:{type(exc).__name__}", box["wall"]), stuck
+        return _as_result(box["value"], box["wall"]), stuck
 
     def metrics(self) -> dict[str, float]:
         own = getattr(self.scorer, "metrics", None)
