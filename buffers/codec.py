@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from buffers.reward import BadReward, reward_value
 from buffers.types import TOKEN_FIELDS, Group, Sample, TokenField
 
 TOKEN = {f.name: f for f in TOKEN_FIELDS}
@@ -120,6 +121,11 @@ def sample_from_dict(d: Any, prompt_id: int, where: str = "sample") -> Sample:
 
 
 def _scalar(d: dict, key: str, where: str) -> Any:
+    if key == "reward":  # what counts as a reward is buffers.reward's to say
+        try:
+            return reward_value(d.get(key))
+        except BadReward as exc:
+            raise CodecError(f"{where}: reward {d.get(key)!r}: {exc}") from None
     kind = SCALARS[key]
     found = key if key in d or key not in ALIASES else ALIASES[key]
     return kind(_field(d, found, (int, float) if kind is float else kind, where))

@@ -115,7 +115,7 @@ def test_a_schedule_line_with_the_short_keys_reads_the_same():
     line = {"step": 0, "groups": [{"prompt_id": 4, "data_index": 9, "admitted_version": 2, "samples": [old]}]}
     assert groups_from_line(line) == [_group()]
     line["groups"][0]["samples"][0]["reward"] = float("nan")
-    with pytest.raises(FlashError, match="schedule step 0 group 0 sample 0: reward nan is not finite"):
+    with pytest.raises(FlashError, match="schedule step 0 group 0 sample 0: reward nan: a reward is a finite number, not nan"):
         groups_from_line(line)
 
 

@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 from buffers.codec import CodecError, group_from_dict, group_to_dict
-from buffers.reward import BadReward, reward_value
 from buffers.types import Group
 from flash.errors import FlashError
 
@@ -87,13 +86,6 @@ def groups_from_line(line: dict) -> list[Group]:
     if not isinstance(groups, list):
         raise FlashError(f"{where}: field 'groups' is missing or not list")
     try:
-        out = [group_from_dict(g, f"{where} group {i}") for i, g in enumerate(groups)]
+        return [group_from_dict(g, f"{where} group {i}") for i, g in enumerate(groups)]
     except CodecError as exc:
         raise FlashError(str(exc)) from None
-    for i, g in enumerate(out):
-        for k, s in enumerate(g.samples):
-            try:
-                reward_value(s.reward)
-            except BadReward as exc:
-                raise FlashError(f"{where} group {i} sample {k}: reward {s.reward!r}: {exc}") from None
-    return out
