@@ -7,16 +7,18 @@ gradients are reduce-scattered as each layer's backward ends.
 
 The algorithm is the single-process ``Trainer``'s, reused, not forked: the step in parts
 (``begin_step`` / accumulate / finish), the loss of a micro-batch (``Trainer._micro_loss`` →
-``algos.policy_loss``), its weight (``part_weight``: masked tokens for token-mean, rows for the
+``algos.resolve_loss``), its weight (``part_weight``: masked tokens for token-mean, rows for the
 seq-mean modes) and the fused proximal policy with its mismatch tracking. What differs is only
-*which rows* a rank trains on (a plan from ``flash.train.microbatch``, made by the group) and the divisor
+*which rows* a rank trains on (a plan from ``flash.train.microbatch``, made by the group), the divisor
 of the summed gradient: the *global* weight of the whole step (all ranks' tokens or rows), not the
-rank's. Gradients are reduced with SUM (FSDP's default is the mean over ranks, which would divide
+rank's, and the metrics, which the group combines by their reduction (``algos.metrics.combine``:
+means weighted, max a max over ranks). Gradients are reduced with SUM (FSDP's default is the mean over ranks, which would divide
 by N a second time), so the result is the full-batch gradient of the single-process trainer.
 """
 
 from __future__ import annotations
 
+import math
 import socket
 import time
 from dataclasses import dataclass
@@ -158,7 +160,6 @@ class ShardedTrainer(Trainer):
         padding pass weighs 0. Returns this rank's weight; the group sums them over ranks.
         ``ref_logp``: the reference role's logprobs (all rows), else the local copy's."""
         start = time.monotonic()
-        acc = self._acc
         ref = ref_logp
         if ref is None and self.ref_model is not None:
             ref = self.planned_logprobs(batch, plan, self.ref_model)
@@ -170,36 +171,32 @@ class ShardedTrainer(Trainer):
             # a padding pass: prox given, so it adds nothing to the mismatch metrics either
             prox = _cut(prox_logp, idx, width) if mb is not None else part.behav_logp
             weight = part_weight(self.s.agg, part) if mb is not None else 0.0
-            added += self._backward_part(part, _cut(advantages, idx, width), prox, _cut(ref, idx, width), weight)
-        acc["weight"] += added
-        acc["busy"] += time.monotonic() - start
-        return added
+            added = added + self._backward_part(part, _cut(advantages, idx, width), prox,
+                                                _cut(ref, idx, width), weight)
+        self._busy += time.monotonic() - start
+        return float(added)  # the one host read of the call (not one per micro-batch)
 
     def planned_finish(self, total: float, advance: bool = True) -> dict:
         """``Trainer.finish_step`` with the step's *global* weight ``total`` (all ranks' parts).
 
         The reduce-scattered gradient is the sum over ranks; dividing it by the global total gives
-        the single-process gradient. Returns this rank's partial sums (already divided by
-        ``total``), which the group adds up.
+        the single-process gradient. Returns this rank's metric partials (``algos.metrics``), which
+        the group combines by each metric's reduction; they, the gradient norm and the global loss
+        (summed over ranks, so every rank agrees on skipping a non-finite step) reach the host in
+        one transfer.
         """
         start = time.monotonic()
-        acc, total = self._acc, max(total, 1e-12)
-        for p in self.model.parameters():
-            if p.grad is not None:
-                p.grad.div_(total)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.s.grad_clip)
+        grad_norm = self._scale_and_clip(total)
         grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-        global_loss = torch.tensor([acc["loss"]], dtype=torch.float64, device=self.device)
-        dist.all_reduce(global_loss)  # every rank must agree on skipping a non-finite step
-        finite = bool(torch.isfinite(grad_norm)) and bool(torch.isfinite(global_loss).all())
+        loss_sum = self._metrics.weighted_sum("loss", self.device)
+        dist.all_reduce(loss_sum)
+        partials, (norm, global_loss) = self._metrics.partials(grad_norm, loss_sum)
+        finite = math.isfinite(norm) and math.isfinite(global_loss)
         if finite:
             self.optimizer.step()
         self.steps += int(advance)  # only a batch's last optimizer step moves the version on
-        self.busy_s += acc["busy"] + time.monotonic() - start
-        partial = {k: v / total for k, v in acc["metrics"].items()}
-        partial["loss"] = acc["loss"] / total
-        return {"partial": partial, "grad_norm": float(grad_norm), "skipped": float(not finite),
-                "mismatch": list(self._mismatch_acc), "lr": self._lr}
+        self.busy_s += self._busy + time.monotonic() - start
+        return {"partials": partials, "grad_norm": norm, "skipped": float(not finite), "lr": self._lr}
 
     def planned_step(self, batch: TrainBatch, advantages, prox_logp, plan: Plan, total: float) -> dict:
         """One optimizer step over this rank's rows; ``total``: the batch's global weight."""
