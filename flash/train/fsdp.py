@@ -29,7 +29,8 @@ import torch.distributed as dist
 from algos.registry import did_you_mean
 from flash.train.batch import TrainBatch
 from flash.train.microbatch import Plan
-from flash.train.trainer import Trainer, TrainerSettings, needs_local_reference, part_weight, token_logprobs
+from flash.train.trainer import (Trainer, TrainerSettings, needs_local_reference, part_weight,
+                                 row_index, row_lengths_and_weight, token_logprobs)
 
 MIXED_PRECISION = {"fp32": None, "bf16": torch.bfloat16}
 COLLECTIVE_TIMEOUT_S = 600  # a dead peer fails the step after this, instead of hanging forever
@@ -66,10 +67,14 @@ def group_settings(train) -> GroupSettings | None:
     return None if group == GroupSettings() else group
 
 
-def take_rows(batch: TrainBatch, idx: list[int]) -> TrainBatch:
-    """Rows ``idx`` (any order) of ``batch``, trimmed to the longest of them."""
-    index = torch.tensor(idx, dtype=torch.long, device=batch.input_ids.device)
-    length = int(batch.attention_mask.index_select(0, index).sum(dim=1).max())
+def take_rows(batch: TrainBatch, idx: list[int], lengths: list[int] | None = None) -> TrainBatch:
+    """Rows ``idx`` (any order) of ``batch``, trimmed to the longest of them (``lengths``: every
+    row's length, when the caller has read them)."""
+    index = row_index(idx, batch.input_ids.device)
+    if lengths is None:
+        length = int(batch.attention_mask.index_select(0, index).sum(dim=1).max())
+    else:
+        length = max(lengths[i] for i in idx)
     pick = lambda t, cols=None: t.index_select(0, index) if cols is None else t.index_select(0, index)[:, :cols]
     return TrainBatch(
         input_ids=pick(batch.input_ids, length), attention_mask=pick(batch.attention_mask, length),
@@ -142,11 +147,12 @@ class ShardedTrainer(Trainer):
         """``[N, L-1]`` logprobs on this rank's rows, zeros elsewhere (ranks' outputs add up)."""
         model = model or self.model
         out = torch.zeros_like(batch.mask)
+        lengths = batch.attention_mask.sum(dim=1).tolist()  # one host read, not one per micro-batch
         for mb in plan:
-            part = take_rows(batch, mb or self._pad_row(plan))
+            part = take_rows(batch, mb or self._pad_row(plan), lengths)
             logp, _ = token_logprobs(model, part, self.s.temperature)
             if mb is not None:  # a padding pass only keeps the collectives in step
-                out[torch.tensor(mb, device=out.device), : logp.shape[1]] = logp * part.mask
+                out[row_index(mb, out.device), : logp.shape[1]] = logp * part.mask
         return out
 
     @staticmethod
@@ -163,18 +169,18 @@ class ShardedTrainer(Trainer):
         ref = ref_logp
         if ref is None and self.ref_model is not None:
             ref = self.planned_logprobs(batch, plan, self.ref_model)
-        added = 0.0
+        real = [i for mb in plan if mb for i in mb]
+        lengths, weight = row_lengths_and_weight(self.s.agg, batch, real)  # the call's one host read
         for mb in plan:
             idx = mb or self._pad_row(plan)
-            part = take_rows(batch, idx)
+            part = take_rows(batch, idx, lengths)
             width = part.mask.shape[1]
             # a padding pass: prox given, so it adds nothing to the mismatch metrics either
             prox = _cut(prox_logp, idx, width) if mb is not None else part.behav_logp
-            weight = part_weight(self.s.agg, part) if mb is not None else 0.0
-            added = added + self._backward_part(part, _cut(advantages, idx, width), prox,
-                                                _cut(ref, idx, width), weight)
+            self._backward_part(part, _cut(advantages, idx, width), prox, _cut(ref, idx, width),
+                                part_weight(self.s.agg, part) if mb is not None else 0.0)
         self._busy += time.monotonic() - start
-        return float(added)  # the one host read of the call (not one per micro-batch)
+        return weight
 
     def planned_finish(self, total: float, advance: bool = True) -> dict:
         """``Trainer.finish_step`` with the step's *global* weight ``total`` (all ranks' parts).
@@ -207,7 +213,8 @@ class ShardedTrainer(Trainer):
 
 def _cut(t: torch.Tensor | None, idx: list[int], width: int) -> torch.Tensor | None:
     """Rows ``idx`` of a token-level ``[N, L-1]`` tensor, trimmed to a micro-batch's width."""
-    return None if t is None else t.index_select(0, torch.tensor(idx, device=t.device))[:, :width]
+    return None if t is None else t.index_select(0, row_index(idx, t.device))[:, :width]
+
 
 
 def free_port(host: str = "127.0.0.1") -> int:

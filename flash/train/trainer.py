@@ -72,12 +72,17 @@ def token_logprobs(model, batch: TrainBatch, temperature: float, with_entropy: b
 
 
 @torch.no_grad()
-def batch_logprobs(model, batch: TrainBatch, temperature: float, micro_batch_size: int) -> torch.Tensor:
+def batch_logprobs(model, batch: TrainBatch, temperature: float, micro_batch_size: int,
+                   lengths: list[int] | None = None) -> torch.Tensor:
     """``[N, L-1]`` logprobs of the batch's target tokens under ``model``, no gradient, in
-    micro-batches of ``micro_batch_size`` rows; 0 off the response mask."""
+    micro-batches of ``micro_batch_size`` rows; 0 off the response mask. ``lengths``: the rows'
+    lengths when the caller has read them (else one host read here, not one per micro-batch)."""
     out = torch.zeros_like(batch.mask)
+    if lengths is None:
+        lengths = batch.attention_mask.sum(dim=1).tolist()
     for lo in range(0, len(batch), micro_batch_size):
-        part = batch.rows(lo, min(lo + micro_batch_size, len(batch)))
+        hi = min(lo + micro_batch_size, len(batch))
+        part = batch.rows(lo, hi, max(lengths[lo:hi]))
         logp, _ = token_logprobs(model, part, temperature)
         out[lo : lo + len(part), : logp.shape[1]] = logp * part.mask
     return out
@@ -88,6 +93,21 @@ def part_weight(agg: str, part: TrainBatch) -> torch.Tensor | float:
     (a token mean of token means weights them by token count; a tensor, never read on the host
     here), its rows for ``seq-mean-*``."""
     return part.mask.sum() if agg == "token-mean" else float(len(part))
+
+
+def row_lengths_and_weight(agg: str, batch: TrainBatch, rows: list[int] | None = None) -> tuple[list[int], float]:
+    """Each row's length and the ``part_weight`` of ``rows`` (default: every row), read on the
+    host together: one read, however many micro-batches are cut with these lengths (their own
+    weights stay on the device)."""
+    mask = batch.mask if rows is None else batch.mask.index_select(0, row_index(rows, batch.mask.device))
+    counts = torch.cat([batch.attention_mask.sum(dim=1).double(), mask.sum().double().reshape(1)]).tolist()
+    n_rows = len(batch) if rows is None else len(rows)
+    return [int(n) for n in counts[:-1]], counts[-1] if agg == "token-mean" else float(n_rows)
+
+
+def row_index(idx: list[int], device: torch.device) -> torch.Tensor:
+    """``idx`` as an index tensor on ``device``, copied without waiting for the device's queue."""
+    return torch.tensor(idx, dtype=torch.long).to(device, non_blocking=True)
 
 
 def micro_weight(agg: str, part: TrainBatch, whole_tokens: float, whole_rows: int) -> float:
@@ -130,10 +150,10 @@ class Trainer:
         """The frozen KL reference: a copy of the initial weights (a sharded trainer overrides it)."""
         return copy.deepcopy(model).eval()
 
-    def logprobs(self, batch: TrainBatch, model=None) -> torch.Tensor:
+    def logprobs(self, batch: TrainBatch, model=None, lengths: list[int] | None = None) -> torch.Tensor:
         """Proximal logprobs: the current weights, no gradient, micro-batched."""
         start = time.monotonic()
-        out = batch_logprobs(model or self.model, batch, self.s.temperature, self.s.micro_batch_size)
+        out = batch_logprobs(model or self.model, batch, self.s.temperature, self.s.micro_batch_size, lengths)
         self.busy_s += time.monotonic() - start
         return out
 
@@ -176,27 +196,28 @@ class Trainer:
         -- its masked tokens for ``token-mean``, its rows for the ``seq-mean-*`` modes -- and the
         gradient is divided by the step's total weight in ``finish_step``. So the step does not
         need to know the batch's size in advance, and any split of the batch into parts, in any
-        order, gives the full-batch update (up to float summation order).
+        order, gives the full-batch update (up to float summation order). The weights, loss and
+        metrics stay on the device: the call reads the host once (the rows' lengths and weight).
         """
         start = time.monotonic()
-        ref = self._reference_logprobs(batch, ref_logp)
-        added = 0.0
+        lengths, weight = row_lengths_and_weight(self.s.agg, batch)  # the call's one host read
+        ref = self._reference_logprobs(batch, ref_logp, lengths)
         for lo in range(0, len(batch), self.s.micro_batch_size):
             hi = min(lo + self.s.micro_batch_size, len(batch))
-            part = batch.rows(lo, hi)
+            part = batch.rows(lo, hi, max(lengths[lo:hi]))
             width = part.mask.shape[1]
             prox = None if prox_logp is None else prox_logp[lo:hi, :width]
-            added = added + self._backward_part(part, advantages[lo:hi, :width], prox,
-                                                None if ref is None else ref[lo:hi, :width],
-                                                part_weight(self.s.agg, part))
+            self._backward_part(part, advantages[lo:hi, :width], prox,
+                                None if ref is None else ref[lo:hi, :width], part_weight(self.s.agg, part))
         self._busy += time.monotonic() - start
-        return float(added)  # the one host read of the call (not one per micro-batch)
+        return weight
 
-    def _reference_logprobs(self, batch: TrainBatch, given: torch.Tensor | None) -> torch.Tensor | None:
+    def _reference_logprobs(self, batch: TrainBatch, given: torch.Tensor | None,
+                            lengths: list[int]) -> torch.Tensor | None:
         """The KL reference's logprobs: the reference role's (``given``) or the local copy's."""
         if given is not None:
             return given
-        return self.logprobs(batch, self.ref_model) if self.ref_model is not None else None
+        return self.logprobs(batch, self.ref_model, lengths) if self.ref_model is not None else None
 
     def _backward_part(self, part: TrainBatch, adv, prox, ref, weight):
         """Backward one micro-batch's loss at ``weight`` (a tensor, or a number: 0 for a padding
