@@ -9,11 +9,12 @@ The algorithm is the single-process ``Trainer``'s, reused, not forked: the step 
 (``begin_step`` / accumulate / finish), the loss of a micro-batch (``Trainer._micro_loss`` →
 ``algos.resolve_loss``), its weight (``part_weight``: masked tokens for token-mean, rows for the
 seq-mean modes) and the fused proximal policy with its mismatch tracking. What differs is only
-*which rows* a rank trains on (a plan from ``flash.train.microbatch``, made by the group), the divisor
-of the summed gradient: the *global* weight of the whole step (all ranks' tokens or rows), not the
-rank's, and the metrics, which the group combines by their reduction (``algos.metrics.combine``:
-means weighted, max a max over ranks). Gradients are reduced with SUM (FSDP's default is the mean over ranks, which would divide
-by N a second time), so the result is the full-batch gradient of the single-process trainer.
+*which rows* a rank trains on (a plan from ``flash.train.microbatch``, made by the group), the
+divisor of the summed gradient -- the *global* weight of the whole step (all ranks' tokens or
+rows), not the rank's -- and the metrics, which the group combines by their reduction
+(``algos.metrics.combine``: means by weight, a max the max over ranks). Gradients are reduced
+with SUM (FSDP's default is the mean over ranks, which would divide by N a second time), so the
+result is the full-batch gradient of the single-process trainer.
 """
 
 from __future__ import annotations
