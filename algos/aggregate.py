@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from .metrics import Metric, maximum, mean, minimum
 from .registry import closest_error
 
 AGGREGATIONS: dict[str, str] = {
@@ -48,6 +49,12 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, agg: str = "token-mea
               max_len: int | None = None) -> torch.Tensor:
     """Reduce ``per_token`` ``[B, T]`` to a scalar under ``mask`` ``[B, T]`` with mode ``agg``."""
     check_agg(agg, {"max_len": max_len} if max_len is not None else {})
+    return reduce_tokens(per_token, mask, agg, max_len)
+
+
+def reduce_tokens(per_token: torch.Tensor, mask: torch.Tensor, agg: str,
+                  max_len: int | None = None) -> torch.Tensor:
+    """``aggregate`` without the check (``agg`` and ``max_len`` checked once by the caller)."""
     mask = mask.to(per_token.dtype)
     masked = per_token * mask
     if agg == "token-mean":
@@ -66,17 +73,28 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (x * mask).sum() / mask.sum().clamp_min(1.0)
 
 
-def masked_stats(prefix: str, x: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
-    """``{prefix/mean, prefix/max, prefix/min}`` of ``x`` over ``mask`` as floats (0s if empty)."""
-    x = x.detach()
-    keep = mask > 0
-    if not bool(keep.any()):
-        return {f"{prefix}/mean": 0.0, f"{prefix}/max": 0.0, f"{prefix}/min": 0.0}
-    vals = x[keep]
-    return {f"{prefix}/mean": float(vals.mean()), f"{prefix}/max": float(vals.max()),
-            f"{prefix}/min": float(vals.min())}
+def masked_max(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The largest ``x`` over ``mask`` (-inf when the mask is empty: ``algos.metrics`` reads 0)."""
+    return _extreme(x, mask, -torch.inf, torch.amax)
 
 
-def masked_frac(flag: torch.Tensor, mask: torch.Tensor) -> float:
-    """Fraction of masked positions where ``flag`` is true."""
-    return float(masked_mean(flag.detach().to(mask.dtype), mask))
+def masked_min(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The smallest ``x`` over ``mask`` (+inf when the mask is empty: ``algos.metrics`` reads 0)."""
+    return _extreme(x, mask, torch.inf, torch.amin)
+
+
+def _extreme(x: torch.Tensor, mask: torch.Tensor, empty: float, fn) -> torch.Tensor:
+    return fn(torch.where(mask > 0, x, empty)) if x.numel() else x.new_full((), empty)
+
+
+def masked_stats(prefix: str, x: torch.Tensor, mask: torch.Tensor) -> dict[str, Metric]:
+    """``{prefix/mean, prefix/max, prefix/min}`` of ``x`` over the positions where ``mask > 0``,
+    tagged (``algos.metrics``): a mean, a max and a min; all read 0 when the mask is empty."""
+    x, keep = x.detach(), mask > 0
+    return {f"{prefix}/mean": mean(masked_mean(x, keep)), f"{prefix}/max": maximum(masked_max(x, keep)),
+            f"{prefix}/min": minimum(masked_min(x, keep))}
+
+
+def masked_frac(flag: torch.Tensor, mask: torch.Tensor) -> Metric:
+    """Fraction of masked positions where ``flag`` is true (a mean)."""
+    return mean(masked_mean(flag.detach().to(mask.dtype), mask))

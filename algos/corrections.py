@@ -19,21 +19,23 @@ from typing import Any, Callable, Literal
 
 import torch
 
-from .aggregate import masked_frac, masked_mean
+from .aggregate import masked_frac, masked_max, masked_mean
 from .inputs import LossInputs
-from .offpolicy import Ratio
+from .metrics import Metric, maximum, mean, tagged
+from .offpolicy import Ratio, mismatch_metrics
 from .registry import Registry
 
 CORRECTIONS = Registry("correction", "flash.corrections")
 RATIO = Ratio("prox", "behav")  # what every correction reads
-Out = tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]
+Out = tuple[torch.Tensor, torch.Tensor, dict[str, Metric]]
 Mode = Literal["truncate", "mask"]
 
 
 def register_correction(name: str, description: str | None = None, *,
                         check: Callable[[dict], None] | None = None) -> Callable:
     """Decorator for a user's correction, as the built-ins below are registered:
-    ``fn(inputs, *, knob=default, ...) -> (weight [B, T], keep mask [B, T] (bool), metrics)``,
+    ``fn(inputs, *, knob=default, ...) -> (weight [B, T], keep mask [B, T] (bool), metrics)``
+    (metrics: ``algos.metrics`` tagged values, or bare tensors and numbers, which are means),
     reading π_prox/π_behav from ``inputs``. Named in ``algo.corrections`` like any
     other once its module is in ``plugins:`` (or a ``flash.corrections`` entry point)."""
     return CORRECTIONS.register(name, description, check=check)
@@ -123,18 +125,17 @@ def m2po(inputs: LossInputs, *, tau: float = 0.04) -> Out:
     π_prox/π_behav, the same thing at the batch's first optimizer step."""
     m = inputs.mask > 0
     d = _log_rho(inputs).square()
-    vals = d[m]
-    order = torch.argsort(vals, descending=True, stable=True)
-    tail = vals[order].flip(0).cumsum(0).flip(0)  # tail[k]: sum of the n - k smallest
-    count = torch.arange(len(vals), 0, -1, dtype=vals.dtype, device=vals.device)
-    ok = torch.cat([tail / count <= tau, torch.ones(1, dtype=torch.bool, device=vals.device)])
-    k = int(ok.nonzero()[0])  # the smallest k whose kept mean is <= tau (all rejected at worst)
-    kept = torch.ones_like(vals, dtype=torch.bool)
-    kept[order[:k]] = False
-    keep = torch.ones_like(m)
-    keep[m] = kept
+    # the masked d_t first, largest first (stable: ties in row order), padding last as 0s
+    order = torch.argsort(torch.where(m, d, -1.0).flatten(), descending=True, stable=True)
+    vals = torch.where(m, d, 0.0).flatten()[order]
+    tail = vals.flip(0).cumsum(0).flip(0)  # tail[k]: sum of the masked d_t but the k largest
+    n, rank = m.sum(), torch.arange(len(vals), device=vals.device)
+    ok = (rank >= n) | (tail / (n - rank).clamp_min(1).to(vals.dtype) <= tau)
+    ok = torch.cat([ok, torch.ones(1, dtype=torch.bool, device=vals.device)])
+    k = ok.to(torch.int32).argmax()  # the smallest k whose kept mean is <= tau (all rejected at worst)
+    keep = torch.empty_like(m.flatten()).scatter_(0, order, rank >= k).view_as(m)
     return torch.ones_like(d), keep, {"masked_frac": masked_frac(~keep, inputs.mask),
-                                      "m2": masked_mean(d, inputs.mask * keep)}
+                                      "m2": mean(masked_mean(d, inputs.mask * keep))}
 
 
 def validate_corrections(specs: list[dict[str, Any]]) -> None:
@@ -166,33 +167,49 @@ def describe_corrections() -> list[dict[str, Any]]:
 
 
 def correction_metrics(inputs: LossInputs, weight: torch.Tensor,
-                       keep: torch.Tensor) -> dict[str, torch.Tensor]:
+                       keep: torch.Tensor) -> dict[str, Metric]:
     """The behav-prox mismatch of the step and what the corrections made of it: KL(behav‖prox)
-    by k1 = E[−log ρ] and k3 = E[ρ − 1 − log ρ] (tokens sampled from behav), ρ's mean and max,
-    and the effective sample size of the final weights, (Σw)² / (n Σw²) over the kept tokens."""
+    by k1 = E[−log ρ] and k3 = E[ρ − 1 − log ρ] (``algos.offpolicy.mismatch_metrics``; tokens
+    sampled from behav), ρ's mean and max, and the effective sample size of the final weights,
+    (Σw)² / (n Σw²) over the kept tokens. Means weighted as the loss's own metrics."""
     log_rho, m = _log_rho(inputs), inputs.mask
     w = weight.detach() * (m * keep)
     n = (m * keep).sum().clamp_min(1)
     rho = log_rho.exp()
-    return {"corrections/kl_k1": masked_mean(-log_rho, m),
-            "corrections/kl_k3": masked_mean(torch.expm1(log_rho) - log_rho, m),
-            "corrections/ratio_mean": masked_mean(rho, m),
-            "corrections/ratio_max": (rho * m).max() if m.numel() else torch.zeros(()),
-            "corrections/ess": w.sum().square() / (n * w.square().sum()).clamp_min(1e-30)}
+    kl = mismatch_metrics(inputs.behav_logp, inputs.prox_logp, m)["mismatch_kl"]
+    return {"corrections/kl_k1": mean(masked_mean(-log_rho, m)),
+            "corrections/kl_k3": mean(kl.value),
+            "corrections/ratio_mean": mean(masked_mean(rho, m)),
+            "corrections/ratio_max": maximum(masked_max(rho, m)),
+            "corrections/ess": mean(w.sum().square() / (n * w.square().sum()).clamp_min(1e-30))}
 
 
-def apply_corrections(specs: list[dict[str, Any]], inputs: LossInputs) -> Out:
-    """The product of the listed corrections' weights, the AND of their keep-masks, and the
-    metrics (each correction's under ``corrections/<name>/``, plus ``correction_metrics``)."""
+Resolved = list[tuple[str, Callable[..., Out], dict[str, Any]]]
+
+
+def resolve_corrections(specs: list[dict[str, Any]]) -> Resolved:
+    """``(name, fn, knobs)`` of each listed correction, defaults filled in (checked once)."""
+    out = []
+    for spec in specs:
+        entry, full = CORRECTIONS.resolve(spec["name"], {k: v for k, v in spec.items() if k != "name"})
+        out.append((entry.name, entry.fn, {key: full[key] for key in entry.knobs}))
+    return out
+
+
+def apply_resolved(resolved: Resolved, inputs: LossInputs) -> Out:
+    """The product of the corrections' weights, the AND of their keep-masks, and the metrics
+    (each correction's under ``corrections/<name>/``, plus ``correction_metrics``), tagged."""
     weight = torch.ones_like(inputs.mask)
     keep = torch.ones_like(inputs.mask, dtype=torch.bool)
-    metrics: dict[str, torch.Tensor] = {}
-    for spec in specs:
-        knobs = {k: v for k, v in spec.items() if k != "name"}
-        entry, full = CORRECTIONS.resolve(spec["name"], knobs)
-        w, k, own = entry.fn(inputs, **{key: full[key] for key in entry.knobs})
+    metrics: dict[str, Metric] = {}
+    for name, fn, knobs in resolved:
+        w, k, own = fn(inputs, **knobs)
         weight, keep = weight * w.detach(), keep & k
-        metrics.update({f"corrections/{entry.name}/{key}": v for key, v in own.items()})
+        metrics.update({f"corrections/{name}/{key}": tagged(v) for key, v in own.items()})
     metrics.update(correction_metrics(inputs, weight, keep))
     return weight, keep, metrics
 
+
+def apply_corrections(specs: list[dict[str, Any]], inputs: LossInputs) -> Out:
+    """``apply_resolved`` of the listed ``[{name, knobs...}, ...]``."""
+    return apply_resolved(resolve_corrections(specs), inputs)

@@ -2,7 +2,8 @@
 
 Notation: sg = stop-gradient; r_x = exp(logp − x_logp) for x in {prox, behav}; A = advantage.
 Masking and aggregation happen once, in ``algos.policy_loss``; the add-ons (KL to a reference,
-entropy bonus) are added there too. All metrics are over masked tokens.
+entropy bonus) are added there too. All metrics are over masked tokens, 0-dim tensors tagged with
+how they combine over micro-batches (``algos.metrics``: fractions are means, ``*/max`` a max).
 
 Identity (pinned by the tests): when logp == prox_logp == behav_logp, ``ppo``, ``decoupled_ppo``,
 ``tis``, ``cispo``, ``topr`` (unit weights) and ``gspo`` all have the gradient of ``vanilla``,
@@ -16,10 +17,11 @@ from typing import Literal
 import torch
 
 from .aggregate import masked_frac, masked_stats
+from .metrics import Metric, mean
 from .offpolicy import Ratio
 from .policy import LossInputs, register_loss
 
-Out = tuple[torch.Tensor, dict[str, float]]
+Out = tuple[torch.Tensor, dict[str, Metric]]
 Old = Literal["behav", "prox"]
 TO_BEHAV = (Ratio("current", "behav"),)
 
@@ -163,7 +165,7 @@ def cispo(inputs: LossInputs, *, eps_low: float = 1.0, eps_high: float = 4.0) ->
     metrics = {**masked_stats("is_weight", w, m),
                "clipfrac_low": masked_frac(raw < 1 - eps_low, m),
                "clipfrac_high": masked_frac(raw > 1 + eps_high, m)}
-    metrics["clipfrac"] = metrics["clipfrac_low"] + metrics["clipfrac_high"]
+    metrics["clipfrac"] = mean(metrics["clipfrac_low"].value + metrics["clipfrac_high"].value)
     return -w * inputs.advantages * inputs.logp, metrics
 
 
@@ -199,7 +201,7 @@ def topr(inputs: LossInputs, *, threshold: float = 0.0, positive_weight: float =
         log_rho = log_rho.sum(-1, keepdim=True).expand_as(log_rho)
     neg_w = log_rho.exp().clamp(max=1.0)
     w = torch.where(positive, torch.full_like(neg_w, positive_weight), negative_weight * neg_w)
-    metrics = {"positive_frac": float((rewards > threshold).float().mean()) if len(rewards) else 0.,
+    metrics = {"positive_frac": mean((rewards > threshold).float().mean() if len(rewards) else 0.0),
                **masked_stats("is_weight", w, m * ~positive),
                "is_clipfrac": masked_frac(log_rho > 0, m * ~positive)}
     return -w * inputs.advantages * inputs.logp, metrics

@@ -29,6 +29,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable
 
+import torch
+
+from .aggregate import masked_max, masked_mean
+from .metrics import Metric, maximum, mean
+
 POLICIES = ("behav", "prox", "current")
 
 
@@ -85,3 +90,18 @@ def ratio_problem(who: str, ratio: Ratio, *, prox_source: str, mode: str, async_
     return (f"{who}: its ratio pi_{ratio.num}/pi_{ratio.den} is identically 1 because "
             f"{_WHY[prox_source].format(mode=mode, r=async_ratio)}, so the correction is a no-op; "
             f"{_FIX[prox_source]}")
+
+
+def mismatch_metrics(behav_logp: torch.Tensor, prox_logp: torch.Tensor,
+                     mask: torch.Tensor) -> dict[str, Metric]:
+    """How far prox is from behav on the tokens of ``mask`` (all ``[B, T]``): ``mismatch_mean``
+    (mean |behav − prox|), ``mismatch_max`` and ``mismatch_kl``, KL(behav‖prox) by the k3
+    estimator E[ρ − 1 − log ρ] with log ρ = prox − behav (the tokens come from behav). Means over
+    those tokens (weighted by their count when combined); none read when the mask is empty
+    (``algos.metrics``)."""
+    m = mask.detach()
+    log_rho = torch.where(m > 0, (prox_logp - behav_logp).detach(), torch.zeros_like(m))
+    n = m.sum()
+    return {"mismatch_mean": mean(masked_mean(log_rho.abs(), m), n),
+            "mismatch_max": maximum(masked_max(log_rho.abs(), m), n),
+            "mismatch_kl": mean(masked_mean(torch.expm1(log_rho) - log_rho, m), n)}

@@ -1,9 +1,11 @@
-"""The policy-loss API: ``LossInputs``, the loss registry, and ``policy_loss`` (the one caller).
+"""The policy-loss API: ``LossInputs``, the loss registry, ``resolve_loss`` and ``policy_loss``.
 
 A loss is a pure function ``fn(inputs: LossInputs, *, knob=default, ...) -> (per_token, metrics)``
-with ``per_token`` ``[batch, tokens]``. ``policy_loss`` looks it up, checks the knobs, adds the
-optional add-ons every loss takes, aggregates once (``algos.aggregate``) and returns
-``(loss, metrics)``. Add-ons (knob names reserved for them):
+with ``per_token`` ``[batch, tokens]`` and metrics tagged with their reduction (``algos.metrics``;
+a bare value is a mean). ``resolve_loss`` looks it up and checks the knobs once; the ``LossFn`` it
+returns adds the optional add-ons every loss takes, aggregates once (``algos.aggregate``) and
+returns ``(loss, metrics)`` with tensor metrics, reading nothing on the host (the trainer's path).
+``policy_loss`` is both in one call with the metrics as floats. Add-ons (knob names reserved):
 
 - ``kl_coef`` (default 0.0) · KL(π‖π_ref) per token with ``kl_estimator`` ``k1|k2|k3`` (default
   ``k3``), Schulman, "Approximating KL divergence" (2020); k3 is GRPO's estimator (arXiv
@@ -16,14 +18,15 @@ optional add-ons every loss takes, aggregates once (``algos.aggregate``) and ret
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Literal
 
 import torch
 
-from .aggregate import AGG_KNOBS, AGGREGATIONS, aggregate, check_agg, masked_mean, masked_stats
-from .corrections import apply_corrections, validate_corrections
+from .aggregate import AGG_KNOBS, AGGREGATIONS, check_agg, masked_mean, masked_stats, reduce_tokens
+from .corrections import apply_resolved, resolve_corrections, validate_corrections
 from .inputs import LossInputs
+from .metrics import Metric, mean, tagged, to_floats, total
 from .offpolicy import Ratio, reads
 from .registry import Registry
 
@@ -118,34 +121,88 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3"
     raise ValueError(f"unknown kl_estimator {estimator!r} (valid: k1, k2, k3)")
 
 
-def _common_metrics(inputs: LossInputs) -> dict[str, float]:
+def _common_metrics(inputs: LossInputs) -> dict[str, Metric]:
     """Ratio stats and approximate KLs (k3) of the current policy to the proximal and behaviour
-    policies, all over masked tokens."""
+    policies, all over masked tokens, and the token count (a sum)."""
     m = inputs.mask
     with torch.no_grad():
         to_prox = inputs.logp - inputs.prox_logp
         to_behav = inputs.logp - inputs.behav_logp
         out = {**masked_stats("ratio", to_prox.exp(), m),
                **masked_stats("ratio_behav", to_behav.exp(), m),
-               "approx_kl/prox": float(masked_mean(torch.expm1(to_prox) - to_prox, m)),
-               "approx_kl/behav": float(masked_mean(torch.expm1(to_behav) - to_behav, m)),
-               "tokens": float(m.sum())}
+               "approx_kl/prox": mean(masked_mean(torch.expm1(to_prox) - to_prox, m)),
+               "approx_kl/behav": mean(masked_mean(torch.expm1(to_behav) - to_behav, m)),
+               "tokens": total(m.sum())}
         if inputs.entropy is not None:
-            out["entropy"] = float(masked_mean(inputs.entropy, m))
+            out["entropy"] = mean(masked_mean(inputs.entropy, m))
     return out
 
 
-def _corrected(inputs: LossInputs, specs: list[dict[str, Any]]):
-    """(inputs with the corrections' keep-mask ANDed in, their per-token weight or None, metrics)."""
-    if not specs:
-        return inputs, None, {}
-    weight, keep, metrics = apply_corrections(specs, inputs)
-    return replace(inputs, mask=inputs.mask * keep.to(inputs.mask.dtype)), weight, metrics
+@dataclass(frozen=True)
+class LossFn:
+    """A loss resolved once (``resolve_loss``): name, knobs and corrections checked, defaults
+    filled. ``fn(inputs) -> (loss, metrics)``: ``loss`` a scalar tensor carrying gradient,
+    ``metrics`` tagged 0-dim tensors (``algos.metrics``); nothing is checked again and no value
+    is read on the host."""
+
+    name: str
+    fn: Callable[..., Any]
+    knobs: dict[str, Any]  # the loss's own, defaults filled in
+    addons: dict[str, Any]  # kl_coef, kl_estimator, entropy_coef
+    agg: str
+    agg_knobs: dict[str, Any]
+    corrections: tuple = ()  # resolved corrections (algos.corrections.resolve_corrections)
+
+    def __call__(self, inputs: LossInputs) -> tuple[torch.Tensor, dict[str, Metric]]:
+        weight, correction_metrics = None, {}
+        if self.corrections:
+            weight, keep, correction_metrics = apply_resolved(self.corrections, inputs)
+            inputs = replace(inputs, mask=inputs.mask * keep.to(inputs.mask.dtype))
+        per_token, loss_metrics = self.fn(inputs, **self.knobs)
+        if tuple(per_token.shape) != tuple(inputs.mask.shape):
+            raise ValueError(f"loss {self.name!r} returned per-token loss of shape "
+                             f"{list(per_token.shape)}, expected {list(inputs.mask.shape)}")
+        if weight is not None:
+            per_token = per_token * weight
+        loss, pg_loss = self._aggregate(per_token, inputs)
+        metrics = {k: tagged(v) for k, v in {**loss_metrics, **correction_metrics}.items()}
+        metrics.update(loss=mean(loss), pg_loss=mean(pg_loss), **_common_metrics(inputs))
+        if inputs.ref_logp is not None:
+            metrics["kl_ref"] = mean(masked_mean(kl_penalty(
+                inputs.logp.detach(), inputs.ref_logp, self.addons["kl_estimator"]), inputs.mask))
+        return loss, metrics
+
+    def _aggregate(self, per_token: torch.Tensor, inputs: LossInputs):
+        """(loss with the add-ons, the policy-gradient part alone), each aggregated once."""
+        a = self.addons
+        pg_loss = reduce_tokens(per_token, inputs.mask, self.agg, **self.agg_knobs)
+        total_ = per_token
+        if a["kl_coef"] != 0:
+            ref = inputs.require("ref_logp", f"kl_coef={a['kl_coef']}")
+            total_ = total_ + a["kl_coef"] * kl_penalty(inputs.logp, ref, a["kl_estimator"])
+        if a["entropy_coef"] != 0:
+            ent = inputs.require("entropy", f"entropy_coef={a['entropy_coef']}")
+            total_ = total_ - a["entropy_coef"] * ent
+        if total_ is per_token:
+            return pg_loss, pg_loss
+        return reduce_tokens(total_, inputs.mask, self.agg, **self.agg_knobs), pg_loss
+
+
+def resolve_loss(name: str, agg: str = "token-mean", **knobs: Any) -> LossFn:
+    """Loss ``name`` with ``knobs`` (its own, the add-ons', ``corrections`` and the aggregation's),
+    checked once, as a ``LossFn`` to call on every micro-batch. Unknown ``name``, knob,
+    correction or ``agg`` raises ``ValueError`` naming the closest one."""
+    specs = list(knobs.get("corrections") or [])
+    entry, full, agg_knobs = _resolve(name, knobs, agg)
+    return LossFn(entry.name, entry.fn, {k: full[k] for k in entry.knobs},
+                  {k: full[k] for k in ADDON_KNOBS}, agg, agg_knobs,
+                  tuple(resolve_corrections(specs)))
 
 
 def policy_loss(name: str, inputs: LossInputs, agg: str = "token-mean",
                 **knobs: Any) -> tuple[torch.Tensor, dict[str, float]]:
-    """Loss ``name`` on ``inputs``, plus the KL / entropy add-ons, aggregated with ``agg``.
+    """Loss ``name`` on ``inputs``, plus the KL / entropy add-ons, aggregated with ``agg``
+    (``resolve_loss(name, agg, **knobs)(inputs)`` with the metrics read as floats).
 
     ``corrections=[{name, knobs...}, ...]`` (``algos.corrections``) reweight and mask the tokens
     first: the loss sees the ANDed mask, its per-token terms are multiplied by the weights.
@@ -154,28 +211,5 @@ def policy_loss(name: str, inputs: LossInputs, agg: str = "token-mean",
     ``approx_kl/*``, ``corrections/*``, and ``kl_ref`` / ``entropy`` when those inputs are given).
     Unknown ``name``, knob, correction or ``agg`` raises ``ValueError`` naming the closest one.
     """
-    specs = list(knobs.get("corrections") or [])
-    entry, full, agg_knobs = _resolve(name, knobs, agg)
-    inputs, weight, correction_metrics = _corrected(inputs, specs)
-    per_token, loss_metrics = entry.fn(inputs, **{k: full[k] for k in entry.knobs})
-    if tuple(per_token.shape) != tuple(inputs.mask.shape):
-        raise ValueError(f"loss {name!r} returned per-token loss of shape "
-                         f"{list(per_token.shape)}, expected {list(inputs.mask.shape)}")
-    if weight is not None:
-        per_token = per_token * weight
-    pg_loss = aggregate(per_token, inputs.mask, agg, **agg_knobs)
-    total = per_token
-    if full["kl_coef"] != 0:
-        ref = inputs.require("ref_logp", f"kl_coef={full['kl_coef']}")
-        total = total + full["kl_coef"] * kl_penalty(inputs.logp, ref, full["kl_estimator"])
-    if full["entropy_coef"] != 0:
-        ent = inputs.require("entropy", f"entropy_coef={full['entropy_coef']}")
-        total = total - full["entropy_coef"] * ent
-    loss = pg_loss if total is per_token else aggregate(total, inputs.mask, agg, **agg_knobs)
-    metrics = {k: float(v) for k, v in {**loss_metrics, **correction_metrics}.items()}
-    metrics.update(loss=float(loss.detach()), pg_loss=float(pg_loss.detach()),
-                   **_common_metrics(inputs))
-    if inputs.ref_logp is not None:
-        metrics["kl_ref"] = float(masked_mean(
-            kl_penalty(inputs.logp.detach(), inputs.ref_logp, full["kl_estimator"]), inputs.mask))
-    return loss, metrics
+    loss, metrics = resolve_loss(name, agg, **knobs)(inputs)
+    return loss, to_floats(metrics)

@@ -104,9 +104,12 @@ def sharded(model_dir, mesh, s=None, **group):
 
 
 def one_step(tr, batch, adv):
+    """One step on the one rank; its metrics (``algos.metrics`` partials read as floats), grads."""
+    from algos.metrics import finalize
+
     plan = [list(range(len(batch)))]
     m = tr.planned_step(batch, adv, batch.behav_logp, plan, total=float(batch.mask.sum()))  # token-mean
-    return m, {n: p.grad.full_tensor().clone() for n, p in tr.model.named_parameters()}
+    return finalize(m["partials"]), {n: p.grad.full_tensor().clone() for n, p in tr.model.named_parameters()}
 
 
 def test_activation_checkpointing_recomputes_layers_with_the_same_gradients(model_dir, one_rank_group):
@@ -116,7 +119,7 @@ def test_activation_checkpointing_recomputes_layers_with_the_same_gradients(mode
     m0, g0 = one_step(plain, batch, adv)
     m1, g1 = one_step(ckpt, batch, adv)
     assert len(seen_plain) == 2 and len(seen_ckpt) == 4  # 2 layers; each runs again in backward
-    assert m1["partial"]["loss"] == m0["partial"]["loss"]
+    assert m1["loss"] == m0["loss"]
     assert all(torch.allclose(g1[k], g0[k], atol=1e-7, rtol=1e-6) for k in g0)
 
 
@@ -129,8 +132,8 @@ def test_bf16_mixed_precision_computes_in_bf16_and_keeps_fp32_master_weights(mod
     m32, _ = one_step(fp32, batch, adv)
     m16, _ = one_step(bf16, batch, adv)
     assert set(seen32) == {torch.float32} and set(seen16) == {torch.bfloat16}
-    assert m16["partial"]["loss"] == pytest.approx(m32["partial"]["loss"], rel=3e-2)  # bf16: ~3 digits
-    assert m16["partial"]["loss"] != m32["partial"]["loss"]
+    assert m16["loss"] == pytest.approx(m32["loss"], rel=3e-2)  # bf16: ~3 digits
+    assert m16["loss"] != m32["loss"]
     assert {v.dtype for v in full_state_dict(bf16.model).values()} == {torch.float32}
 
 
@@ -145,8 +148,8 @@ def test_kl_reference_is_a_sharded_copy_of_the_initial_weights(model_dir, one_ra
     for _ in range(2):  # step 0: policy == reference (KL 0); step 1: they differ
         got, _ = one_step(tr, batch, adv)
         want = plain.train_step(batch, adv, batch.behav_logp)
-        assert got["partial"]["loss"] == pytest.approx(want["loss"], rel=1e-5)
-        assert got["partial"]["kl_ref"] == pytest.approx(want["kl_ref"], rel=1e-4, abs=1e-9)
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-5)
+        assert got["kl_ref"] == pytest.approx(want["kl_ref"], rel=1e-4, abs=1e-9)
     assert want["kl_ref"] > 1e-5
 
 

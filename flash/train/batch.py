@@ -30,9 +30,11 @@ class TrainBatch:
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
 
-    def rows(self, start: int, stop: int) -> "TrainBatch":
-        """Rows ``start:stop``, trimmed to the longest of them (micro-batches stay small)."""
-        length = int(self.attention_mask[start:stop].sum(dim=1).max())
+    def rows(self, start: int, stop: int, length: int | None = None) -> "TrainBatch":
+        """Rows ``start:stop``, trimmed to the longest of them (micro-batches stay small);
+        ``length``: that longest length when the caller knows it (no read of the mask then)."""
+        if length is None:
+            length = int(self.attention_mask[start:stop].sum(dim=1).max())
         return TrainBatch(
             input_ids=self.input_ids[start:stop, :length],
             attention_mask=self.attention_mask[start:stop, :length],

@@ -7,16 +7,19 @@ gradients are reduce-scattered as each layer's backward ends.
 
 The algorithm is the single-process ``Trainer``'s, reused, not forked: the step in parts
 (``begin_step`` / accumulate / finish), the loss of a micro-batch (``Trainer._micro_loss`` →
-``algos.policy_loss``), its weight (``part_weight``: masked tokens for token-mean, rows for the
+``algos.resolve_loss``), its weight (``part_weight``: masked tokens for token-mean, rows for the
 seq-mean modes) and the fused proximal policy with its mismatch tracking. What differs is only
-*which rows* a rank trains on (a plan from ``flash.train.microbatch``, made by the group) and the divisor
-of the summed gradient: the *global* weight of the whole step (all ranks' tokens or rows), not the
-rank's. Gradients are reduced with SUM (FSDP's default is the mean over ranks, which would divide
-by N a second time), so the result is the full-batch gradient of the single-process trainer.
+*which rows* a rank trains on (a plan from ``flash.train.microbatch``, made by the group), the
+divisor of the summed gradient -- the *global* weight of the whole step (all ranks' tokens or
+rows), not the rank's -- and the metrics, which the group combines by their reduction
+(``algos.metrics.combine``: means by weight, a max the max over ranks). Gradients are reduced
+with SUM (FSDP's default is the mean over ranks, which would divide by N a second time), so the
+result is the full-batch gradient of the single-process trainer.
 """
 
 from __future__ import annotations
 
+import math
 import socket
 import time
 from dataclasses import dataclass
@@ -27,7 +30,8 @@ import torch.distributed as dist
 from algos.registry import did_you_mean
 from flash.train.batch import TrainBatch
 from flash.train.microbatch import Plan
-from flash.train.trainer import Trainer, TrainerSettings, needs_local_reference, part_weight, token_logprobs
+from flash.train.trainer import (Trainer, TrainerSettings, needs_local_reference, part_weight,
+                                 row_index, row_lengths_and_weight, token_logprobs)
 
 MIXED_PRECISION = {"fp32": None, "bf16": torch.bfloat16}
 COLLECTIVE_TIMEOUT_S = 600  # a dead peer fails the step after this, instead of hanging forever
@@ -64,10 +68,14 @@ def group_settings(train) -> GroupSettings | None:
     return None if group == GroupSettings() else group
 
 
-def take_rows(batch: TrainBatch, idx: list[int]) -> TrainBatch:
-    """Rows ``idx`` (any order) of ``batch``, trimmed to the longest of them."""
-    index = torch.tensor(idx, dtype=torch.long, device=batch.input_ids.device)
-    length = int(batch.attention_mask.index_select(0, index).sum(dim=1).max())
+def take_rows(batch: TrainBatch, idx: list[int], lengths: list[int] | None = None) -> TrainBatch:
+    """Rows ``idx`` (any order) of ``batch``, trimmed to the longest of them (``lengths``: every
+    row's length, when the caller has read them)."""
+    index = row_index(idx, batch.input_ids.device)
+    if lengths is None:
+        length = int(batch.attention_mask.index_select(0, index).sum(dim=1).max())
+    else:
+        length = max(lengths[i] for i in idx)
     pick = lambda t, cols=None: t.index_select(0, index) if cols is None else t.index_select(0, index)[:, :cols]
     return TrainBatch(
         input_ids=pick(batch.input_ids, length), attention_mask=pick(batch.attention_mask, length),
@@ -140,11 +148,12 @@ class ShardedTrainer(Trainer):
         """``[N, L-1]`` logprobs on this rank's rows, zeros elsewhere (ranks' outputs add up)."""
         model = model or self.model
         out = torch.zeros_like(batch.mask)
+        lengths = batch.attention_mask.sum(dim=1).tolist()  # one host read, not one per micro-batch
         for mb in plan:
-            part = take_rows(batch, mb or self._pad_row(plan))
+            part = take_rows(batch, mb or self._pad_row(plan), lengths)
             logp, _ = token_logprobs(model, part, self.s.temperature)
             if mb is not None:  # a padding pass only keeps the collectives in step
-                out[torch.tensor(mb, device=out.device), : logp.shape[1]] = logp * part.mask
+                out[row_index(mb, out.device), : logp.shape[1]] = logp * part.mask
         return out
 
     @staticmethod
@@ -158,48 +167,43 @@ class ShardedTrainer(Trainer):
         padding pass weighs 0. Returns this rank's weight; the group sums them over ranks.
         ``ref_logp``: the reference role's logprobs (all rows), else the local copy's."""
         start = time.monotonic()
-        acc = self._acc
         ref = ref_logp
         if ref is None and self.ref_model is not None:
             ref = self.planned_logprobs(batch, plan, self.ref_model)
-        added = 0.0
+        real = [i for mb in plan if mb for i in mb]
+        lengths, weight = row_lengths_and_weight(self.s.agg, batch, real)  # the call's one host read
         for mb in plan:
             idx = mb or self._pad_row(plan)
-            part = take_rows(batch, idx)
+            part = take_rows(batch, idx, lengths)
             width = part.mask.shape[1]
             # a padding pass: prox given, so it adds nothing to the mismatch metrics either
             prox = _cut(prox_logp, idx, width) if mb is not None else part.behav_logp
-            weight = part_weight(self.s.agg, part) if mb is not None else 0.0
-            added += self._backward_part(part, _cut(advantages, idx, width), prox, _cut(ref, idx, width), weight)
-        acc["weight"] += added
-        acc["busy"] += time.monotonic() - start
-        return added
+            self._backward_part(part, _cut(advantages, idx, width), prox, _cut(ref, idx, width),
+                                part_weight(self.s.agg, part) if mb is not None else 0.0)
+        self._busy += time.monotonic() - start
+        return weight
 
     def planned_finish(self, total: float, advance: bool = True) -> dict:
         """``Trainer.finish_step`` with the step's *global* weight ``total`` (all ranks' parts).
 
         The reduce-scattered gradient is the sum over ranks; dividing it by the global total gives
-        the single-process gradient. Returns this rank's partial sums (already divided by
-        ``total``), which the group adds up.
+        the single-process gradient. Returns this rank's metric partials (``algos.metrics``), which
+        the group combines by each metric's reduction; they, the gradient norm and the global loss
+        (summed over ranks, so every rank agrees on skipping a non-finite step) reach the host in
+        one transfer.
         """
         start = time.monotonic()
-        acc, total = self._acc, max(total, 1e-12)
-        for p in self.model.parameters():
-            if p.grad is not None:
-                p.grad.div_(total)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.s.grad_clip)
+        grad_norm = self._scale_and_clip(total)
         grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-        global_loss = torch.tensor([acc["loss"]], dtype=torch.float64, device=self.device)
-        dist.all_reduce(global_loss)  # every rank must agree on skipping a non-finite step
-        finite = bool(torch.isfinite(grad_norm)) and bool(torch.isfinite(global_loss).all())
+        loss_sum = self._metrics.weighted_sum("loss", self.device)
+        dist.all_reduce(loss_sum)
+        partials, (norm, global_loss) = self._metrics.partials(grad_norm, loss_sum)
+        finite = math.isfinite(norm) and math.isfinite(global_loss)
         if finite:
             self.optimizer.step()
         self.steps += int(advance)  # only a batch's last optimizer step moves the version on
-        self.busy_s += acc["busy"] + time.monotonic() - start
-        partial = {k: v / total for k, v in acc["metrics"].items()}
-        partial["loss"] = acc["loss"] / total
-        return {"partial": partial, "grad_norm": float(grad_norm), "skipped": float(not finite),
-                "mismatch": list(self._mismatch_acc), "lr": self._lr}
+        self.busy_s += self._busy + time.monotonic() - start
+        return {"partials": partials, "grad_norm": norm, "skipped": float(not finite), "lr": self._lr}
 
     def planned_step(self, batch: TrainBatch, advantages, prox_logp, plan: Plan, total: float) -> dict:
         """One optimizer step over this rank's rows; ``total``: the batch's global weight."""
@@ -210,7 +214,8 @@ class ShardedTrainer(Trainer):
 
 def _cut(t: torch.Tensor | None, idx: list[int], width: int) -> torch.Tensor | None:
     """Rows ``idx`` of a token-level ``[N, L-1]`` tensor, trimmed to a micro-batch's width."""
-    return None if t is None else t.index_select(0, torch.tensor(idx, device=t.device))[:, :width]
+    return None if t is None else t.index_select(0, row_index(idx, t.device))[:, :width]
+
 
 
 def free_port(host: str = "127.0.0.1") -> int:

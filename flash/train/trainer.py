@@ -23,9 +23,10 @@ import torch
 import torch.nn.functional as F
 
 import algos
+import algos.metrics
 from algos.proximal import approx_prox_logp
 from flash.train.batch import TrainBatch
-from flash.train.updates import lr_at, train_batch
+from flash.train.updates import fresh_mismatch, lr_at, train_batch
 
 
 @dataclass
@@ -71,27 +72,48 @@ def token_logprobs(model, batch: TrainBatch, temperature: float, with_entropy: b
 
 
 @torch.no_grad()
-def batch_logprobs(model, batch: TrainBatch, temperature: float, micro_batch_size: int) -> torch.Tensor:
+def batch_logprobs(model, batch: TrainBatch, temperature: float, micro_batch_size: int,
+                   lengths: list[int] | None = None) -> torch.Tensor:
     """``[N, L-1]`` logprobs of the batch's target tokens under ``model``, no gradient, in
-    micro-batches of ``micro_batch_size`` rows; 0 off the response mask."""
+    micro-batches of ``micro_batch_size`` rows; 0 off the response mask. ``lengths``: the rows'
+    lengths when the caller has read them (else one host read here, not one per micro-batch)."""
     out = torch.zeros_like(batch.mask)
+    if lengths is None:
+        lengths = batch.attention_mask.sum(dim=1).tolist()
     for lo in range(0, len(batch), micro_batch_size):
-        part = batch.rows(lo, min(lo + micro_batch_size, len(batch)))
+        hi = min(lo + micro_batch_size, len(batch))
+        part = batch.rows(lo, hi, max(lengths[lo:hi]))
         logp, _ = token_logprobs(model, part, temperature)
         out[lo : lo + len(part), : logp.shape[1]] = logp * part.mask
     return out
 
 
-def part_weight(agg: str, part: TrainBatch) -> float:
+def part_weight(agg: str, part: TrainBatch) -> torch.Tensor | float:
     """What a part's own aggregate stands for in a batch's: its masked tokens for ``token-mean``
-    (a token mean of token means weights them by token count), its rows for ``seq-mean-*``."""
-    return float(part.mask.sum()) if agg == "token-mean" else float(len(part))
+    (a token mean of token means weights them by token count; a tensor, never read on the host
+    here), its rows for ``seq-mean-*``."""
+    return part.mask.sum() if agg == "token-mean" else float(len(part))
+
+
+def row_lengths_and_weight(agg: str, batch: TrainBatch, rows: list[int] | None = None) -> tuple[list[int], float]:
+    """Each row's length and the ``part_weight`` of ``rows`` (default: every row), read on the
+    host together: one read, however many micro-batches are cut with these lengths (their own
+    weights stay on the device)."""
+    mask = batch.mask if rows is None else batch.mask.index_select(0, row_index(rows, batch.mask.device))
+    counts = torch.cat([batch.attention_mask.sum(dim=1).double(), mask.sum().double().reshape(1)]).tolist()
+    n_rows = len(batch) if rows is None else len(rows)
+    return [int(n) for n in counts[:-1]], counts[-1] if agg == "token-mean" else float(n_rows)
+
+
+def row_index(idx: list[int], device: torch.device) -> torch.Tensor:
+    """``idx`` as an index tensor on ``device``, copied without waiting for the device's queue."""
+    return torch.tensor(idx, dtype=torch.long).to(device, non_blocking=True)
 
 
 def micro_weight(agg: str, part: TrainBatch, whole_tokens: float, whole_rows: int) -> float:
     """Share of the full-batch aggregate that a micro-batch's own aggregate stands for."""
     whole = max(whole_tokens, 1.0) if agg == "token-mean" else max(whole_rows, 1)
-    return part_weight(agg, part) / whole
+    return float(part_weight(agg, part)) / whole
 
 
 def needs_local_reference(settings: TrainerSettings) -> bool:
@@ -110,6 +132,7 @@ class Trainer:
         if settings.agg == "seq-mean-token-sum-norm" and settings.max_len and "max_len" not in self.knobs:
             # a constant across micro-batches, or each would divide by its own padded width
             self.knobs["max_len"] = settings.max_len
+        self.loss_fn = algos.resolve_loss(self.loss_name, agg=settings.agg, **self.knobs)  # checked once
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=settings.lr, weight_decay=settings.weight_decay,
             betas=tuple(settings.betas),
@@ -127,10 +150,10 @@ class Trainer:
         """The frozen KL reference: a copy of the initial weights (a sharded trainer overrides it)."""
         return copy.deepcopy(model).eval()
 
-    def logprobs(self, batch: TrainBatch, model=None) -> torch.Tensor:
+    def logprobs(self, batch: TrainBatch, model=None, lengths: list[int] | None = None) -> torch.Tensor:
         """Proximal logprobs: the current weights, no gradient, micro-batched."""
         start = time.monotonic()
-        out = batch_logprobs(model or self.model, batch, self.s.temperature, self.s.micro_batch_size)
+        out = batch_logprobs(model or self.model, batch, self.s.temperature, self.s.micro_batch_size, lengths)
         self.busy_s += time.monotonic() - start
         return out
 
@@ -153,8 +176,8 @@ class Trainer:
         """Open a step: gradients zeroed, sums empty. ``accumulate`` parts, then ``finish_step``."""
         self.optimizer.zero_grad(set_to_none=True)
         self._set_lr()
-        self._mismatch, self._mismatch_acc = {}, [0.0, 0.0, 0.0]
-        self._acc = {"loss": 0.0, "weight": 0.0, "busy": 0.0, "metrics": {}}
+        self._metrics = algos.StepMetrics()  # on the device until the step ends
+        self._busy = 0.0
 
     def _set_lr(self) -> None:
         """The schedule's lr for the step now opening; counts it (its position survives a resume)."""
@@ -173,86 +196,78 @@ class Trainer:
         -- its masked tokens for ``token-mean``, its rows for the ``seq-mean-*`` modes -- and the
         gradient is divided by the step's total weight in ``finish_step``. So the step does not
         need to know the batch's size in advance, and any split of the batch into parts, in any
-        order, gives the full-batch update (up to float summation order).
+        order, gives the full-batch update (up to float summation order). The weights, loss and
+        metrics stay on the device: the call reads the host once (the rows' lengths and weight).
         """
         start = time.monotonic()
-        acc = self._acc
-        ref = self._reference_logprobs(batch, ref_logp)
-        added = 0.0
+        lengths, weight = row_lengths_and_weight(self.s.agg, batch)  # the call's one host read
+        ref = self._reference_logprobs(batch, ref_logp, lengths)
         for lo in range(0, len(batch), self.s.micro_batch_size):
             hi = min(lo + self.s.micro_batch_size, len(batch))
-            part = batch.rows(lo, hi)
+            part = batch.rows(lo, hi, max(lengths[lo:hi]))
             width = part.mask.shape[1]
             prox = None if prox_logp is None else prox_logp[lo:hi, :width]
-            added += self._backward_part(part, advantages[lo:hi, :width], prox,
-                                         None if ref is None else ref[lo:hi, :width],
-                                         part_weight(self.s.agg, part))
-        acc["weight"] += added
-        acc["busy"] += time.monotonic() - start
-        return added
+            self._backward_part(part, advantages[lo:hi, :width], prox,
+                                None if ref is None else ref[lo:hi, :width], part_weight(self.s.agg, part))
+        self._busy += time.monotonic() - start
+        return weight
 
-    def _reference_logprobs(self, batch: TrainBatch, given: torch.Tensor | None) -> torch.Tensor | None:
+    def _reference_logprobs(self, batch: TrainBatch, given: torch.Tensor | None,
+                            lengths: list[int]) -> torch.Tensor | None:
         """The KL reference's logprobs: the reference role's (``given``) or the local copy's."""
         if given is not None:
             return given
-        return self.logprobs(batch, self.ref_model) if self.ref_model is not None else None
+        return self.logprobs(batch, self.ref_model, lengths) if self.ref_model is not None else None
 
-    def _backward_part(self, part: TrainBatch, adv, prox, ref, weight: float) -> float:
-        """Backward one micro-batch's loss at ``weight`` into the open step and add its loss and
-        metrics to the step's sums; returns ``weight``."""
-        acc = self._acc
-        loss, m = self._micro_loss(part, adv, prox, ref)
+    def _backward_part(self, part: TrainBatch, adv, prox, ref, weight):
+        """Backward one micro-batch's loss at ``weight`` (a tensor, or a number: 0 for a padding
+        pass) into the open step and add its tagged metrics to the step's, on the device;
+        returns ``weight``."""
+        loss, metrics = self._micro_loss(part, adv, prox, ref)
         (loss * weight).backward()
-        acc["loss"] += float(loss.detach()) * weight
-        for key, value in m.items():
-            acc["metrics"][key] = acc["metrics"].get(key, 0.0) + float(value) * weight
+        self._metrics.add(metrics, weight)
         return weight
 
     def finish_step(self, advance: bool = True) -> dict:
         """Scale the summed gradient to the step's aggregate, clip, and step (skipped if not finite).
-        ``advance``: the batch's last optimizer step (the version counter moves on)."""
+        ``advance``: the batch's last optimizer step (the version counter moves on). The step's
+        metrics and the gradient norm reach the host in one transfer."""
         start = time.monotonic()
-        acc, total = self._acc, max(self._acc["weight"], 1e-12)
-        for p in self.model.parameters():
-            if p.grad is not None:
-                p.grad.div_(total)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.s.grad_clip)
-        loss = acc["loss"] / total
-        finite = bool(torch.isfinite(grad_norm)) and math.isfinite(loss)
+        grad_norm = self._scale_and_clip(self._metrics.weight)
+        partials, (norm,) = self._metrics.partials(grad_norm)
+        metrics = algos.metrics.finalize(partials)
+        loss = metrics.setdefault("loss", 0.0)
+        finite = math.isfinite(norm) and math.isfinite(loss)
         if finite:
             self.optimizer.step()
         self.steps += int(advance)
-        self.busy_s += acc["busy"] + time.monotonic() - start
-        metrics = {k: v / total for k, v in acc["metrics"].items()}
-        metrics.update(loss=loss, grad_norm=float(grad_norm), skipped=float(not finite), lr=self._lr)
-        metrics.update(self._mismatch)
+        self.busy_s += self._busy + time.monotonic() - start
+        metrics.update(grad_norm=norm, skipped=float(not finite), lr=self._lr)
         return metrics
+
+    def _scale_and_clip(self, total) -> torch.Tensor:
+        """Divide the summed gradient by the step's weight ``total`` and clip it; the norm."""
+        total = total.clamp_min(1e-12) if isinstance(total, torch.Tensor) else max(total, 1e-12)
+        for p in self.model.parameters():
+            if p.grad is not None:
+                p.grad.div_(total)
+        return torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.s.grad_clip)
 
     def _micro_loss(self, part: TrainBatch, adv, prox, ref):
         logp, entropy = token_logprobs(self.model, part, self.s.temperature, True, self.needs_entropy)
+        mismatch = {}
         if prox is None and self.s.prox == "approx":
             prox = approx_prox_logp(part.behav_logp, logp.detach(), part.versions, self.steps) * part.mask
         elif prox is None:
             prox = logp.detach() * part.mask
-            self._track_mismatch(part, prox)
+            mismatch = fresh_mismatch(part, prox, self.steps)
         inputs = algos.LossInputs(
             logp=logp, prox_logp=prox, behav_logp=part.behav_logp, advantages=adv,
             mask=part.mask, rewards=part.rewards, versions=part.versions,
             ref_logp=ref, entropy=entropy,
         )
-        return algos.policy_loss(self.loss_name, inputs, agg=self.s.agg, **self.knobs)
-
-    def _track_mismatch(self, part: TrainBatch, prox: torch.Tensor) -> None:
-        fresh = part.mask * (part.versions == self.steps).float()  # made by these very weights
-        n = float(fresh.sum())
-        if n == 0:
-            return
-        diff = (part.behav_logp - prox).abs() * fresh
-        acc = self._mismatch_acc
-        acc[0] += float(diff.sum())
-        acc[1] += n
-        acc[2] = max(acc[2], float(diff.max()))
-        self._mismatch = {"mismatch_mean": acc[0] / acc[1], "mismatch_max": acc[2]}
+        loss, metrics = self.loss_fn(inputs)
+        return loss, {**metrics, **mismatch}
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().clone() for k, v in self.model.state_dict().items()}

@@ -31,6 +31,7 @@ from pathlib import Path
 import ray
 import torch
 
+from algos.metrics import combine, finalize
 from flash.train.batch import TrainBatch
 from flash.train.fsdp import COLLECTIVE_TIMEOUT_S, GroupSettings, ShardedTrainer, batch_to, free_port, pick_device
 from flash.weights.gather import FlatGather
@@ -209,20 +210,15 @@ class FSDPRank(UpdateSender):
 
 
 def combine_steps(results: list[dict], counts: dict[str, float]) -> dict:
-    """The ranks' partial step results → the single-trainer metrics dict (all floats).
+    """The ranks' step results → the single-trainer metrics dict (all floats).
 
-    Partial loss and metrics are already divided by the step's global weight, so they add; grad
-    norm and skip are global (every rank holds the same); the mismatch accumulators add (sums,
-    counts) and take the max. ``counts``: the step's micro-batch plan counters.
+    Each rank's metric partials combine by the metric's reduction (``algos.metrics.combine``:
+    means by weight, max / min over ranks, sums added); grad norm and skip are global (every rank
+    holds the same). ``counts``: the step's micro-batch plan counters.
     """
-    metrics: dict[str, float] = {}
-    for r in results:
-        for key, value in r["partial"].items():
-            metrics[key] = metrics.get(key, 0.0) + value
+    metrics = finalize(combine([r["partials"] for r in results]))
+    metrics.setdefault("loss", 0.0)
     metrics.update(grad_norm=results[0]["grad_norm"], skipped=results[0]["skipped"], lr=results[0]["lr"])
-    total, count = sum(r["mismatch"][0] for r in results), sum(r["mismatch"][1] for r in results)
-    if count > 0:
-        metrics.update(mismatch_mean=total / count, mismatch_max=max(r["mismatch"][2] for r in results))
     metrics.update(counts)
     return metrics
 

@@ -19,6 +19,8 @@ import math
 
 import torch
 
+import algos
+from algos.metrics import Metric, to_floats
 from flash.train.batch import TrainBatch
 
 LR_SCHEDULES = ("constant", "cosine")
@@ -96,15 +98,12 @@ def combine_updates(steps: list[dict]) -> dict:
     return out
 
 
-def mismatch_metrics(batch: TrainBatch, prox: torch.Tensor, version: int) -> dict[str, float]:
-    """Train–inference mismatch |behav − prox| on tokens that weights ``version`` generated (the
-    fused path measures it in the step; a recompute before the steps measures it here)."""
-    fresh = batch.mask * (batch.versions == version).float()
-    n = float(fresh.sum())
-    if n == 0:
-        return {}
-    diff = (batch.behav_logp - prox).abs() * fresh
-    return {"mismatch_mean": float(diff.sum()) / n, "mismatch_max": float(diff.max())}
+def fresh_mismatch(batch: TrainBatch, prox: torch.Tensor, version: int) -> dict[str, Metric]:
+    """Train–inference mismatch (``algos.mismatch_metrics``: mean and max |behav − prox|, k3
+    KL(behav‖prox)) on the tokens that weights ``version`` generated, as tagged tensors (the fused
+    path measures it in the step; a recompute before the steps measures it in ``train_batch``)."""
+    fresh = batch.mask * (batch.versions == version).to(batch.mask.dtype)
+    return algos.mismatch_metrics(batch.behav_logp, prox, fresh)
 
 
 def train_batch(trainer, batch: TrainBatch, advantages: torch.Tensor, prox_logp: torch.Tensor | None,
@@ -118,7 +117,7 @@ def train_batch(trainer, batch: TrainBatch, advantages: torch.Tensor, prox_logp:
     several = settings.mini_batches * settings.update_epochs > 1
     if prox_logp is None and several and settings.prox == "fused":
         prox_logp = trainer.logprobs(batch)
-        extra = mismatch_metrics(batch, prox_logp, version)
+        extra = to_floats(fresh_mismatch(batch, prox_logp, version))
     steps = run_updates(trainer, batch, advantages, prox_logp, settings.mini_batches, settings.update_epochs,
                         ref_logp)
     return {**combine_updates(steps), **extra}
