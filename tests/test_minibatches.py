@@ -252,3 +252,13 @@ def test_a_run_with_four_mini_batches_steps_four_times_per_batch_clips_and_repla
     assert all(m["train/lr"] > 0 for m in metrics)
     rc, out = replay_run(run_dir)
     assert rc == 0 and "identical" in out, out
+
+
+def test_a_max_over_several_optimizer_steps_stays_a_max():
+    from flash.train.updates import combine_updates
+
+    steps = [{"ratio/max": 1.5, "ratio/min": 0.9, "tokens": 10.0, "clipfrac": 0.2, "grad_norm": 1.0, "skipped": 0.0},
+             {"ratio/max": 1.1, "ratio/min": 0.7, "tokens": 30.0, "clipfrac": 0.4, "grad_norm": 2.0, "skipped": 0.0}]
+    out = combine_updates(steps, {"ratio/max": "max", "ratio/min": "min", "tokens": "sum", "clipfrac": "mean"})
+    assert (out["ratio/max"], out["ratio/min"], out["tokens"]) == (1.5, 0.7, 40.0)
+    assert out["clipfrac"] == pytest.approx(0.3) and out["grad_norm_last"] == 2.0 and out["optimizer_steps"] == 2.0

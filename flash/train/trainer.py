@@ -236,6 +236,7 @@ class Trainer:
         grad_norm = self._scale_and_clip(self._metrics.weight)
         partials, (norm,) = self._metrics.partials(grad_norm)
         metrics = algos.metrics.finalize(partials)
+        self.metric_reductions = {name: m.reduce for name, m in partials.metrics.items()}
         loss = metrics.setdefault("loss", 0.0)
         finite = math.isfinite(norm) and math.isfinite(loss)
         if finite:

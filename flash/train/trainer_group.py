@@ -325,6 +325,7 @@ class TrainerGroup:
         results = self._all("finish_step", counts.pop("weight"), advance)
         self.steps += int(advance)
         self.busy_s += time.monotonic() - start
+        self.metric_reductions = {n: m.reduce for r in results for n, m in r["partials"].metrics.items()}
         return combine_steps(results, counts)
 
     def _require_open(self, method: str) -> None:

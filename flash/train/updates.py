@@ -15,6 +15,8 @@ Everything here works on any trainer handle with ``logprobs``, ``begin_step``, `
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import math
 
 import torch
@@ -85,17 +87,27 @@ def run_updates(trainer, batch: TrainBatch, advantages: torch.Tensor, prox_logp:
     return out
 
 
-def combine_updates(steps: list[dict]) -> dict:
-    """One batch's metrics from its optimizer steps' metrics: the mean of each (clip fraction,
-    approximate KL, entropy, loss, ...), ``skipped`` if any step was, the last gradient norm
-    beside the mean, and the number of steps. One step: its metrics as they are, plus the two."""
+def combine_updates(steps: list[dict], reductions: Mapping[str, str] = {}) -> dict:
+    """One batch's metrics from its optimizer steps' metrics, each combined by its declared
+    reduction (``reductions``: name → ``algos.metrics`` reduce; a max stays the max over the steps,
+    a sum adds up, anything undeclared is a mean: clip fraction, approximate KL, loss, ...),
+    ``skipped`` if any step was, the last gradient norm beside the mean, and the number of steps.
+    One step: its metrics as they are, plus the two."""
     keys = dict.fromkeys(k for s in steps for k in s)
-    out = {k: sum(s[k] for s in steps if k in s) / sum(k in s for s in steps) for k in keys}
+    out = {k: _reduce_steps([s[k] for s in steps if k in s], reductions.get(k, "mean")) for k in keys}
     out["skipped"] = max(s.get("skipped", 0.0) for s in steps)
     out.update(grad_norm_last=steps[-1]["grad_norm"], optimizer_steps=float(len(steps)))
     if len(steps) == 1:
         out.update(steps[0])
     return out
+
+
+def _reduce_steps(values: list[float], reduce: str) -> float:
+    if reduce == "max":
+        return max(values)
+    if reduce == "min":
+        return min(values)
+    return sum(values) if reduce == "sum" else sum(values) / len(values)
 
 
 def fresh_mismatch(batch: TrainBatch, prox: torch.Tensor, version: int) -> dict[str, Metric]:
@@ -120,4 +132,4 @@ def train_batch(trainer, batch: TrainBatch, advantages: torch.Tensor, prox_logp:
         extra = to_floats(fresh_mismatch(batch, prox_logp, version))
     steps = run_updates(trainer, batch, advantages, prox_logp, settings.mini_batches, settings.update_epochs,
                         ref_logp)
-    return {**combine_updates(steps), **extra}
+    return {**combine_updates(steps, getattr(trainer, "metric_reductions", {})), **extra}
