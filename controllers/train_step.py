@@ -87,7 +87,8 @@ def train_stream(roles: StepRoles, parts: Iterable[list[Group]], advantage: dict
     groups, in the order they finished). Each part is backpropagated as soon as it comes, one part
     in flight while the next is collated; ``Trainer.accumulate`` weights each by its share of the
     batch's aggregate, so the update equals the plain step on the whole batch (up to float summation
-    order). Validation keeps it to group-local estimators and prox = behaviour, final per group.
+    order). Validation keeps it to async_ratio 0 and group-local estimators, where a group's
+    advantages and proximal policy (= behaviour) are final when the group is.
 
     Phases: ``get_batch`` spans the streaming (the trainer works inside it, one part behind the
     rollout); ``train`` is the tail after the last part (its backward and the optimizer step)."""
