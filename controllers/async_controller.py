@@ -14,6 +14,10 @@ With ``async_ratio = 0`` the scheduler has admitted exactly the batch's prompts,
 training alternate: the synchronous on-policy loop. With ``r > 0`` rollout of later batches goes on
 while ``train`` runs; only ``suspend → resume`` stops it, briefly.
 
+The train step itself (reference call, proximal policy, advantages, train; plain or stream) is
+``controllers.train_step``, shared with `flash replay`; a step's metrics are assembled from the
+named sources of ``controllers.step_metrics``.
+
 The controller only wires components (engine and trainer handles, scheduler, buffer); none of them
 imports it.
 """
@@ -28,15 +32,14 @@ from typing import Any, Callable
 
 import ray
 
-import algos
-from algos.proximal import prox_approx_error
 from buffers import Group, SampleBuffer
+from controllers import step_metrics as sm
 from controllers.scheduler import RolloutCore
 from controllers.staleness import StalenessManager
+from controllers.train_step import StepOut, StepPlan, StepRoles, train_batch, train_stream
 from controllers.workflows.base import SteppedEnvs
 from flash.engine.client import EngineClient, EngineFault
 from flash.train.batch import TrainBatch, collate, flatten
-from flash.usage import IdleMeter
 
 # sample meta copied into a trained sample's ledger line when present (tail batching's rounds)
 LEDGER_META = ("round", "cut_from")
@@ -83,13 +86,10 @@ class AsyncController:
         self.version = 0
         self._times: dict[str, float] = {}
         self._spans: dict[str, list[float]] = {}
-        self._engine_prev: dict[str, float] = {}
-        self._trainer_prev = 0.0
         self._engine_spans: list[list[float]] = []
         self._env_spans: list[list[float]] = []  # environment steps in flight (episode workflows)
-        self._meters = {"rollout": IdleMeter(), "train": IdleMeter()}
+        self._usage = sm.RoleUsage()
         self._update_bytes = 0.0
-        self._reward_cpu_prev = 0.0  # the reward pool's CPU seconds at the previous step
         # flash.weights.group.ModelUpdateGroup (set up); None: the state dict through Ray's object store
         self.model_update = model_update
         self._update_metrics: dict[str, float] = {}
@@ -127,85 +127,52 @@ class AsyncController:
         ``admit_more=False`` on the last step: the new version admits no prompts nobody will train.
         """
         self._times, self._spans = {}, {}
-        if not self._meters["train"].started:
+        if not self._usage.started:
             self._start_usage()
         start = time.monotonic()
-        if self.s.stream:
-            return self._stream_step(t, admit_more, start)
+        groups, batch, out = self._train_stream() if self.s.stream else self._train_batch(t)
+        self._after_train(t, groups, admit_more)
+        metrics = self._metrics(t, flatten(groups), batch, out.prox, out.train, time.monotonic() - start)
+        metrics.update(out.rollout)
+        return StepRecord(step=t, metrics=metrics, groups=groups, timeline=self._timeline())
+
+    def _train_batch(self, t: int) -> tuple[list[Group], TrainBatch, StepOut]:
+        """get_batch, then the step on the whole batch (``train_step.train_batch``, its parts timed)."""
         with self.phase("get_batch"):
             groups = self._get_batch(t)
-        samples = flatten(groups)
-        batch = collate(samples, pad_id=self.s.pad_id)
-        ref_call = reference_call(self.reference, batch)  # overlaps the prox and advantages below
-        if self.s.colocated:
-            with self.phase("sleep"):
-                self._engine_get("pause", self.s.interrupt)
-                self._engine_get("sleep")
-        with self.phase("recompute_prox"):
-            prox = proximal(self.s.prox, batch, self.trainer)
-            approx_error = self._approx_error(batch, t)
-        with self.phase("advantages"):
-            adv, critic_step = advantages(self.s.advantage, batch, self.critic)
-        ref = self._reference_wait(ref_call)
-        with self.phase("train"):
-            train_metrics = ray.get(self.trainer.train_step.remote(batch, adv, prox, ref))
-            if critic_step is not None:  # the critic trained beside the policy
-                train_metrics.update(ray.get(critic_step))
+        batch = collate(flatten(groups), pad_id=self.s.pad_id)
+        plan = StepPlan(self.s.prox, self.s.advantage, self.s.measure_prox_error)
+        out = train_batch(self._roles(), batch, t, plan, self.phase, self._free_devices if self.s.colocated else None)
         if self.s.colocated:  # still paused: the weight push below finds the weights on the device
             with self.phase("wake_up"):
                 self._engine_get("wake_up")
-        self._after_train(t, groups, admit_more)
-        metrics = self._metrics(t, samples, batch, prox, train_metrics, time.monotonic() - start)
-        metrics.update(approx_error)
-        return StepRecord(step=t, metrics=metrics, groups=groups, timeline=self._timeline())
+        return groups, batch, out
 
-    def _reference_wait(self, call):
-        """The reference role's logprobs (None without one); the wait is the ``reference`` phase."""
-        if call is None:
-            return None
-        with self.phase("reference"):
-            return ray.get(call)
+    def _train_stream(self) -> tuple[list[Group], TrainBatch, StepOut]:
+        """The stream trainer (``train_step.train_stream``): each group backpropagated as soon as it
+        is in the buffer, while the rest of the batch still decodes; prox = behaviour."""
+        groups, train = train_stream(self._roles(), self._stream_groups(), self.s.advantage, self.s.pad_id,
+                                     self.phase)
+        batch = collate(flatten(groups), pad_id=self.s.pad_id)
+        return groups, batch, StepOut(train, batch.behav_logp)
 
-    def _approx_error(self, batch: TrainBatch, t: int) -> dict[str, float]:
-        """``algo.measure_prox_error``: the real recompute beside the approximation; their mean
-        absolute difference over the batch's tokens (the approximation at the batch's first step)."""
-        if not self.s.measure_prox_error or self.s.prox != "approx":
-            return {}
-        recomputed = ray.get(self.trainer.logprobs.remote(batch))
-        return {"rollout/prox_approx_error": prox_approx_error(
-            batch.behav_logp, recomputed, batch.versions, batch.mask, t)}
+    def _roles(self) -> StepRoles:
+        return StepRoles(self.trainer, self.critic, self.reference)
 
-    def _stream_step(self, t: int, admit_more: bool, start: float) -> StepRecord:
-        """The stream trainer (RollPacker): each group is backpropagated as soon as it is in the
-        buffer, while the rest of the batch still decodes; the optimizer steps once the batch is
-        complete. ``Trainer.accumulate`` weights each part by what it stands for in the batch's
-        aggregate, so the update equals the plain step on the whole batch (up to float summation
-        order). Validation keeps it to async_ratio 0 and group-local estimators, where a group's
-        advantages and proximal policy (= behaviour) are final when the group is.
+    def _free_devices(self) -> None:
+        """Colocated engines: paused and put to sleep (memory released) before the trainer runs."""
+        with self.phase("sleep"):
+            self._engine_get("pause", self.s.interrupt)
+            self._engine_get("sleep")
 
-        Timeline: ``get_batch`` spans the streaming (the trainer works inside it, one group behind
-        the rollout); ``train`` is the tail after the last group (its backward and the step).
-        """
-        ray.get(self.trainer.begin_step.remote())
-        groups, pending = [], None
-        with self.phase("get_batch"):
-            while len(groups) < self.s.prompts_per_step:
-                group = self._next_group()
-                part = collate(flatten(group), pad_id=self.s.pad_id)
-                adv, _ = advantages(self.s.advantage, part, self.critic)
-                if pending is not None:
-                    ray.get(pending)  # keep one part in flight: the actor runs them in order
-                ref = self._reference_wait(reference_call(self.reference, part))
-                pending = self.trainer.accumulate.remote(part, adv, part.behav_logp, ref)
-                groups += group
-        with self.phase("train"):
-            ray.get(pending)
-            train_metrics = ray.get(self.trainer.finish_step.remote())
-        samples = flatten(groups)
-        batch = collate(samples, pad_id=self.s.pad_id)
-        self._after_train(t, groups, admit_more)
-        metrics = self._metrics(t, samples, batch, batch.behav_logp, train_metrics, time.monotonic() - start)
-        return StepRecord(step=t, metrics=metrics, groups=groups, timeline=self._timeline())
+    def _stream_groups(self):
+        """The step's groups one by one as they finish (at async_ratio 0 every buffered group is of
+        this step): the stream trainer's parts."""
+        count = 0
+        while count < self.s.prompts_per_step:
+            group = self._next_group()
+            count += len(group)
+            yield group
 
     def _after_train(self, t: int, groups: list[Group], admit_more: bool) -> None:
         """Push the new weights, settle the batch (lifecycle, ledger), then the ``on_update`` hook
@@ -219,7 +186,7 @@ class AsyncController:
             self.scheduler.set_version(t + 1)
 
     def _next_group(self) -> list[Group]:
-        """Any one finished group (at async_ratio 0 every buffered group is of this step)."""
+        """Any one finished group."""
         while True:
             try:
                 return self.buffer.get_batch(1, timeout=1.0)
@@ -317,35 +284,13 @@ class AsyncController:
         self.ledger.flush()
 
     def _metrics(self, t, samples, batch, prox, train_metrics, step_s) -> dict[str, float]:
-        rewards = batch.rewards
-        stale = [t - s.version for s in samples]
-        lengths = [len(s.response_ids) for s in samples]
-        m = {f"train/{k}": float(v) for k, v in train_metrics.items()}
-        m.update({f"time/{k}": v for k, v in self._times.items()})
-        m.update({
-            "time/step": step_s,
-            "reward/mean": float(rewards.mean()),
-            "reward/std": float(rewards.std()) if len(rewards) > 1 else 0.0,
-            "staleness/max": float(max(stale)),
-            "staleness/mean": sum(stale) / len(stale),
-            "rollout/response_len_mean": sum(lengths) / len(lengths),
-            "rollout/response_len_max": float(max(lengths)),
-            "buffer/depth": float(len(self.buffer)),
-            "rollout/admitted": float(self.scheduler.admitted),
-        })
-        m.update(self.scheduler.metrics())  # lifecycle counts, filtered by rule, aborted by reason
-        if "reward/cpu_s" in m:  # the reward pool's CPU seconds since it started -> this step's
-            total = m["reward/cpu_s"]  # (a replaced or retired worker's count leaves the sum: >= 0)
-            m["reward/cpu_s"] = max(0.0, total - self._reward_cpu_prev)
-            self._reward_cpu_prev = total
-        m.update({f"staleness/count_{k}": float(stale.count(k)) for k in range(max(stale) + 1)})
-        tokens = float(batch.mask.sum())
-        m.update({"train/batch_tokens": tokens, "train/tokens_per_s": tokens / step_s if step_s > 0 else 0.0,
-                  "rollout/update_bytes": self._update_bytes})
-        m.update(self._update_metrics)
-        m.update(self._mismatch(batch, prox))
-        m.update(self._role_metrics(step_s))
-        return m
+        """The step's own metrics (controllers.step_metrics names each source)."""
+        return sm.assemble(
+            sm.trainer_metrics(train_metrics), sm.phase_metrics(self._times, step_s),
+            sm.batch_metrics(t, samples, batch), sm.rollout_state(len(self.buffer), self.scheduler.admitted),
+            self.scheduler.metrics(),  # lifecycle counts, filtered by rule, aborted by reason
+            sm.token_metrics(batch, step_s), sm.update_metrics(self._update_bytes, self._update_metrics),
+            self._mismatch(batch, prox), self._role_metrics(step_s))
 
     def _mismatch(self, batch, prox) -> dict[str, float]:
         """Train–inference mismatch (``algos.mismatch_metrics``) on tokens generated by the current
@@ -361,44 +306,15 @@ class AsyncController:
 
     def _start_usage(self) -> None:
         """Open the first idle-ratio window of each role at the start of the first step."""
-        engine, trainer = self._engine_get("stats"), ray.get(self.trainer.stats.remote())
-        self._engine_prev, self._trainer_prev = engine, trainer.get("busy_s", 0.0)
-        self._cpu_prev = {"train": trainer.get("cpu_s", 0.0), "driver": time.process_time()}
-        self._meters["rollout"].start(engine.get("busy_s", 0.0))
-        self._meters["train"].start(trainer.get("busy_s", 0.0))
+        self._usage.start(self._engine_get("stats"), ray.get(self.trainer.stats.remote()))
 
     def _role_metrics(self, step_s: float) -> dict[str, float]:
-        """Idle ratio per role (``1 − Δbusy/Δwall`` since the previous step's read, so time spent
-        between steps -- evaluation, logging -- counts too) and generated tokens/s."""
+        """Each role's usage since the previous step (``step_metrics.RoleUsage``); the engine's
+        and the environments' busy spans go to the step's timeline."""
         engine, self._engine_spans = self._engine_get("stats"), self._engine_get("busy_spans")
         workflow = getattr(self.scheduler, "workflow", None)
         self._env_spans = workflow.env_spans.drain() if isinstance(workflow, SteppedEnvs) else []
-        trainer = ray.get(self.trainer.stats.remote())
-        prev, self._engine_prev = self._engine_prev, engine
-        self._trainer_prev, trainer_prev = trainer.get("busy_s", 0.0), self._trainer_prev
-        # a restarted engine counts from zero again: its tokens since the restart, not a negative delta
-        tokens = engine.get("tokens_generated", 0.0) - prev.get("tokens_generated", 0.0)
-        tokens = tokens if tokens >= 0 else engine.get("tokens_generated", 0.0)
-        delta = {k: max(0.0, engine.get(k, 0.0) - prev.get(k, 0.0))
-                 for k in ("busy_s", "decode_steps", "cpu_s", "sim_late_s")}
-        cpu = {"train": trainer.get("cpu_s", 0.0), "driver": time.process_time()}
-        cpu_prev, self._cpu_prev = self._cpu_prev, cpu
-        return {
-            # CPU seconds per step of each role's processes (engine: its tree, e.g. vLLM's core; the
-            # driver: the controller's process alone): what bounds an overlapped step on shared cores
-            "rollout/cpu_s": delta["cpu_s"], "train/cpu_s": max(0.0, cpu["train"] - cpu_prev["train"]),
-            "driver/cpu_s": max(0.0, cpu["driver"] - cpu_prev["driver"]),
-            # per-step deltas for `flash plan` (flash.app.plan): engine busy seconds, decode iterations,
-            # trainer busy seconds
-            "rollout/busy_s": delta["busy_s"], "rollout/decode_steps": delta["decode_steps"],
-            "train/busy_s": max(0.0, trainer.get("busy_s", 0.0) - trainer_prev),
-            "rollout/idle_ratio": self._meters["rollout"].read(engine.get("busy_s", 0.0)),
-            "train/idle_ratio": self._meters["train"].read(trainer.get("busy_s", 0.0)),
-            "rollout/tokens_generated": tokens,
-            "rollout/tokens_per_s": tokens / step_s if step_s > 0 else 0.0,
-            # a simulated engine: real seconds its bookkeeping ran past the scaled GPU time
-            **({"rollout/sim_late_s": delta["sim_late_s"]} if "sim_late_s" in engine else {}),
-        }
+        return self._usage.read(engine, ray.get(self.trainer.stats.remote()), step_s)
 
     def _timeline(self) -> dict[str, Any]:
         """This step's spans; the trainer is busy in ``recompute_prox`` (when it runs) and ``train``."""
@@ -426,37 +342,6 @@ class AsyncController:
                 self.ledger.write(json.dumps(line) + "\n")
             self.ledger.flush()
         return {"in_flight": pending, "buffered": buffered}
-
-
-def proximal(mode: str, batch: TrainBatch, trainer):
-    """The proximal logprobs of a step under ``mode`` (``prox_mode``): behaviour's, None (fused
-    into the train forward, or approximated there: the trainer's ``settings.prox`` says which) or
-    the trainer's current ones from a forward of their own."""
-    if mode == "separate":
-        return ray.get(trainer.logprobs.remote(batch))
-    return {"behav": batch.behav_logp, "fused": None, "approx": None}[mode]
-
-
-def reference_call(reference, batch: TrainBatch):
-    """The reference role's logprobs of ``batch``, asked for now and awaited later (None without
-    one: the trainer's local copy, if any, serves the KL penalty)."""
-    return None if reference is None else reference.logprobs.remote(batch)
-
-
-def advantages(advantage: dict[str, Any], batch: TrainBatch, critic=None):
-    """(advantages, the critic's train step or None) from the configured estimator; with a critic
-    (``gae``) its values come first and its own train step is launched at once (it needs only
-    the batch, values and returns). The replay of a run (flash.app.replay) calls it too."""
-    knobs = {k: v for k, v in advantage.items() if k != "name"}
-    values = critic_step = None
-    if critic is not None:
-        values = ray.get(critic.values.remote(batch))
-        returns = algos.gae_returns(batch.rewards, values, batch.mask,
-                                    knobs.get("gamma", 1.0), knobs.get("lam", 1.0))
-        critic_step = critic.train_step.remote(batch, returns, values)
-    adv = algos.compute_advantages(advantage["name"], batch.rewards, batch.group_ids, batch.mask,
-                                   values=values, **knobs)
-    return adv, critic_step
 
 
 def prox_mode(mode: str, async_ratio: float) -> str:

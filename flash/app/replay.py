@@ -5,7 +5,7 @@ versions, which responses a weight update interrupted -- so running the recipe a
 other batches. The run recorded what its schedule decided (``schedule.jsonl``, flash.app.schedule);
 the replay starts the trainer (and the critic, for ``gae``) exactly as the run did -- the same
 initial checkpoint, seed and torch threads -- and feeds it the recorded batches in order, through
-the controller's own advantage and proximal-policy functions. Training is deterministic given its
+the controller's own train step (controllers.train_step). Training is deterministic given its
 inputs, so every step's loss and gradient norm must come out bit for bit; the first step where one
 does not is where the run's numbers stop being explained by its recorded data.
 """
@@ -20,7 +20,7 @@ from pathlib import Path
 import ray
 
 import algos
-from controllers.async_controller import advantages, proximal, reference_call
+from controllers.train_step import StepPlan, StepRoles, train_batch, train_stream
 from flash.app.config import FlashConfig, load_config
 from flash.app.roles import start_critic_role, start_reference_role, start_trainer_role
 from flash.app.schedule import CHECKED, groups_from_line, read_schedule
@@ -105,33 +105,18 @@ def _context(line: dict) -> int:
 
 
 def _train(line: dict, cfg: FlashConfig, actors: tuple, pad_id: int) -> dict[str, float]:
-    """One recorded step through the trainer, as the controller ran it (flash's AsyncController);
-    ``actors``: the trainer, the critic and the reference (the last two may be None)."""
-    trainer, critic, reference = actors
+    """One recorded step through the trainer by the controller's own step (controllers.train_step,
+    with no timed phases); ``actors``: the trainer, the critic and the reference (the last two may
+    be None). Returns the trainer's metrics, the critic's beside them."""
+    roles = StepRoles(*actors)
     groups = groups_from_line(line)
     prox_mode, adv_cfg = line.get("prox"), dict(cfg.algo.advantage)
     if prox_mode not in PROX_MODES:
         raise FlashError(f"schedule step {line['step']}: prox {prox_mode!r} is not one of {', '.join(PROX_MODES)}")
     if line.get("stream"):  # each group backpropagated on its own, in the order they arrived
-        ray.get(trainer.begin_step.remote())
-        for group in groups:
-            part = collate(flatten([group]), pad_id=pad_id)
-            adv, _ = advantages(adv_cfg, part, critic)
-            ref = _get(reference_call(reference, part))
-            ray.get(trainer.accumulate.remote(part, adv, part.behav_logp, ref))
-        return ray.get(trainer.finish_step.remote())
+        return train_stream(roles, ([g] for g in groups), adv_cfg, pad_id)[1]
     batch = collate(flatten(groups), pad_id=pad_id)
-    ref_call = reference_call(reference, batch)
-    prox = proximal(prox_mode, batch, trainer)
-    adv, critic_step = advantages(adv_cfg, batch, critic)
-    metrics = ray.get(trainer.train_step.remote(batch, adv, prox, _get(ref_call)))
-    if critic_step is not None:
-        ray.get(critic_step)
-    return metrics
-
-
-def _get(call):
-    return None if call is None else ray.get(call)
+    return train_batch(roles, batch, line["step"], StepPlan(prox_mode, adv_cfg)).train
 
 
 def _check(line: dict, replayed: dict[str, float]) -> StepCheck:

@@ -23,6 +23,7 @@ from ray.exceptions import RayActorError
 
 import algos
 from buffers.factory import make_buffer
+from controllers import step_metrics
 from controllers.async_controller import AsyncController, ControllerSettings, prox_mode
 from controllers.scheduler import RolloutScheduler
 from controllers.staleness import StalenessManager
@@ -133,6 +134,7 @@ class Run:
         quiet()
         self.cfg = cfg
         self.sim_steps = SimSteps(cfg.sim.time_scale)  # simulated seconds per step (train.backend: sim)
+        self.reward_cpu = step_metrics.PerStep("reward/cpu_s")  # the reward pool's CPU seconds, per step
         resume_dir = resume_mod.resolve_resume(cfg.resume, recipe_name)
         if resume_dir is not None:
             resume_mod.check_same_run(to_dict(cfg), resume_dir)
@@ -321,7 +323,7 @@ def _run(cfg: FlashConfig, recipe_name: str, heartbeat: Heartbeat) -> dict:
             heartbeat.set(phase="evaluation before training")
             metrics = r.evaluate("initial")
             r.clock.acc0 = metrics["eval/accuracy"]
-            tracker.log({**metrics, "time/eval": r.clock.last_eval_s}, 0)
+            tracker.log(step_metrics.eval_metrics(metrics, r.clock.last_eval_s), 0)
         acc0 = r.clock.acc0
         heartbeat.set(phase="train", step=start, total=cfg.train.steps, accuracy=acc0)
         progress.write(f"flash: held-out accuracy before training {acc0:.3f}")
@@ -341,7 +343,7 @@ def _run(cfg: FlashConfig, recipe_name: str, heartbeat: Heartbeat) -> dict:
         heartbeat.set(phase="evaluation after training")
         metrics = r.evaluate("final", cfg.train.steps)
         acc1 = metrics["eval/accuracy"]
-        tracker.log({**metrics, "time/eval": r.clock.last_eval_s}, cfg.train.steps)
+        tracker.log(step_metrics.eval_metrics(metrics, r.clock.last_eval_s), cfg.train.steps)
         progress.write(f"flash: held-out accuracy after training {acc1:.3f}")
     except KeyboardInterrupt as exc:  # ctrl-C, or SIGTERM (flash.errors.Terminated)
         raise type(exc)(f"{exc or 'ctrl-C'}; resume from the last checkpoint: flash run {recipe_name} "
@@ -364,22 +366,13 @@ def _on_step(r: Run, rec, tracker, progress) -> None:
     """
     every = r.cfg.eval.every_steps
     step = rec.step + 1
-    logged = dict(rec.metrics)
+    evaluated: dict[str, float] = {}
     if every and step % every == 0 and step < r.cfg.train.steps:
-        evaluated = r.evaluate(f"step{step}", step)
+        evaluated = step_metrics.eval_metrics(r.evaluate(f"step{step}", step), r.clock.last_eval_s)
         rec.metrics["eval/accuracy"] = evaluated["eval/accuracy"]
-        logged.update({**evaluated, "time/eval": r.clock.last_eval_s})
-    logged["time/elapsed"] = time.monotonic() - r.clock.train_start
-    if r.cfg.train.backend == "sim":  # the same times in simulated seconds (flash.sim.config)
-        logged.update(r.sim_steps.metrics(step, logged, rec.timeline))
-    if r.reward_pool is not None:  # reward/calls, reward/failures/<reason>, sandbox/timeout/T/...
-        logged.update(r.reward_pool.metrics())
-    if r.buffer.service is not None:  # zmq transport: puts, gets, bytes, rejected_<reason>, ...
-        logged.update({f"buffer/{k}": v for k, v in r.buffer.service.stats().items() if k != "depth"})
-    logged.update(r.guards.steps.update(step, rec.metrics.get("train/skipped", 0.0) > 0,
-                                      rec.metrics.get("train/loss", 0.0), rec.metrics.get("train/grad_norm", 0.0)))
-    logged.update({**r.guards.inputs.metrics(), **r.checkpointer.metrics()})
-    logged.update(r.roles.client.metrics())
+    sim = (lambda logged: r.sim_steps.metrics(step, logged, rec.timeline)) if r.cfg.train.backend == "sim" else None
+    logged = step_metrics.logged_metrics(rec.metrics, evaluated, time.monotonic() - r.clock.train_start, sim,
+                                         _run_sources(r, step, rec.metrics))
     tracker.log(logged, step)
     r.files.metrics.write(json.dumps({"step": step, **logged}) + "\n")
     r.files.metrics.flush()
@@ -393,6 +386,16 @@ def _on_step(r: Run, rec, tracker, progress) -> None:
         tracker.samples("samples", picked, step)
     run_state.commit_checkpoint(r.checkpointer, r.files)
     progress.update({"step": step, **logged})
+
+
+def _run_sources(r: Run, step: int, metrics: dict[str, float]) -> list[dict[str, float]]:
+    """The run's own metric sources for a step (controllers.step_metrics), in the order logged."""
+    m = [r.reward_cpu(r.reward_pool.metrics())] if r.reward_pool is not None else []  # reward/calls, sandbox/...
+    if r.buffer.service is not None:  # zmq transport: puts, gets, bytes, rejected_<reason>, ...
+        m.append(step_metrics.service_metrics(r.buffer.service.stats()))
+    m.append(r.guards.steps.update(step, metrics.get("train/skipped", 0.0) > 0, metrics.get("train/loss", 0.0),
+                                   metrics.get("train/grad_norm", 0.0)))
+    return [*m, r.guards.inputs.metrics(), r.checkpointer.metrics(), r.roles.client.metrics()]
 
 
 def _record_schedule(r: Run, rec) -> None:
