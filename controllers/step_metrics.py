@@ -32,9 +32,14 @@ def assemble(*sources: Mapping[str, float]) -> Metrics:
     return out
 
 
+MISMATCH = ("mismatch_mean", "mismatch_max", "mismatch_kl")  # algos.mismatch_metrics
+
+
 def trainer_metrics(train: Mapping[str, Any]) -> Metrics:
-    """The trainer's (and the critic's) step metrics under ``train/``."""
-    return {f"train/{k}": float(v) for k, v in train.items()}
+    """The trainer's (and the critic's) step metrics under ``train/``; the train–inference mismatch
+    it measured (fused proximal policy) under ``rollout/``, where the separate recompute's goes, so
+    it has one name in every mode."""
+    return {f"{'rollout' if k in MISMATCH else 'train'}/{k}": float(v) for k, v in train.items()}
 
 
 def phase_metrics(times: Mapping[str, float], step_s: float) -> Metrics:
