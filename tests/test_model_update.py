@@ -46,6 +46,7 @@ from flash.cluster import init_ray, load_model, pinned_threads
 from flash.engine.torch_worker import EngineWorker
 from flash.train.worker import start_trainer
 from tests.helpers.models import TINY, save_tiny
+from tests.helpers.weights import push
 
 PROMPTS = [[1, 5, 9, 12], [1, 20, 21], [1, 7, 7, 30, 31, 2]]
 
@@ -267,14 +268,6 @@ def train_step(trainer, seed: int) -> None:
     batch = collate(samples)
     adv = algos.compute_advantages("grpo", batch.rewards, batch.group_ids, batch.mask)
     ray.get(trainer.train_step.remote(batch, adv, None))
-
-
-def push(group, engines, version):
-    ray.get([e.pause.remote("continue") for e in engines])
-    try:
-        return group.push(version)
-    finally:
-        ray.get([e.resume.remote() for e in engines])
 
 
 def assert_replicas_equal_trainer(trainer, engines):

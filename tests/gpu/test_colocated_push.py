@@ -22,6 +22,7 @@ from flash.weights.group import ModelUpdateGroup
 from flash.weights.model_update import as_bytes, unique_tensors
 from tests.helpers.models import TINY, save_tiny
 from tests.helpers.train import settings
+from tests.helpers.weights import push
 
 TRAINER_GPU, ENGINE_GPU = 0.5, 0.25  # one GPU: the trainer and two replicas
 
@@ -64,14 +65,6 @@ def actors(tmp_path_factory):
     ray.get([trainer.stats.remote()] + [e.stats.remote() for e in engines])
     yield trainer, engines
     ray.shutdown()
-
-
-def push(group, engines, version) -> dict:
-    ray.get([e.pause.remote("continue") for e in engines])
-    try:
-        return group.push(version)
-    finally:
-        ray.get([e.resume.remote() for e in engines])
 
 
 def assert_bf16_copies(trainer, engines):

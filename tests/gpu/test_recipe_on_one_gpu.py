@@ -13,8 +13,9 @@ import math
 
 from flash.app.config import load_config
 from tests.helpers.processes import recipe_summary
-from tests.test_default_recipe import RECIPE, bar
 
+RECIPE = "recipes/stutter.yaml"
+BAR = 0.20  # tests/test_default_recipe.py's bar(0): the least synchronous gain its measured spread supports
 RUN_TIMEOUT_S = 420  # the longest test of tests/gpu: SFT warm start, 100 steps, evaluations
 ONE_GPU = ["async_ratio=0", "placement.num_gpus=1", "placement.roles.actor_train.device_mapping=[0]",
            "placement.roles.actor_infer.device_mapping=[0]", "model_update.backend=cuda_ipc"]
@@ -24,7 +25,7 @@ def test_default_recipe_colocated_on_one_gpu_learns(tmp_path, warm_cache):
     cfg = load_config(RECIPE, ONE_GPU)
     s = recipe_summary(tmp_path, warm_cache, RECIPE, ONE_GPU, timeout=RUN_TIMEOUT_S)
     gain = s["eval_accuracy_final"] - s["eval_accuracy_initial"]
-    assert gain >= bar(0), s
+    assert gain >= BAR, s
     assert s["steps"] == cfg.train.steps
     assert s["samples_trained"] == cfg.train.steps * cfg.train.prompts_per_step * cfg.rollout.n
     assert s["max_staleness_observed"] <= math.ceil(cfg.async_ratio)

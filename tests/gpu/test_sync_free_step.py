@@ -4,9 +4,9 @@
 ``.item()``/``float()``/``bool()`` of a device tensor, a blocking copy to or from the host, a
 stream synchronize) into a RuntimeError naming it. Which syncs a step may make:
 
-- none in ``accumulate``: its forward and backward passes over the micro-batches (here 4) and the
-  loss and metric sums must stay on the device, so the GPU never waits for the host between
-  micro-batches ("error" around it);
+- none in ``accumulate``: its forward and backward passes over the micro-batches (here 4), the
+  loss and metric sums and the train-inference mismatch of the fused proximal logprobs must stay
+  on the device, so the GPU never waits for the host between micro-batches ("error" around it);
 - a few in ``finish_step``, once per optimizer step: whether the gradient is finite (skip the step
   or not) and the metrics handed back as floats ("default" around it);
 - the batch's upload before the step, which is done here before the checked region.
