@@ -56,6 +56,7 @@ class Bf16Engine(EngineWorker):
 
 @pytest.fixture(scope="module")
 def actors(tmp_path_factory):
+    ray.shutdown()  # a Ray left by an earlier module may have been started without the GPU
     init_ray(None, num_cpus=4, num_gpus=1)
     path = save_tiny(tmp_path_factory.mktemp("tiny"), TINY)
     trainer = ray.remote(GpuTrainer).options(num_cpus=0, num_gpus=TRAINER_GPU).remote(

@@ -15,11 +15,11 @@ from flash.train.fsdp import GroupSettings, ShardedTrainer, batch_to, free_port
 from tests.helpers.models import TINY, save_tiny
 from tests.helpers.train import make_batch, settings
 
-# bf16 keeps ~3 significant digits; the loss is a mean over ~40 tokens of terms computed from bf16
-# logits, so it agrees to ~1e-2 relative (the CPU test of the same policy, tests/test_fsdp_trainer.py,
-# holds it to 3e-2). The gradient norm sums squares of bf16-computed gradients over every parameter,
-# a longer chain of roundings: 5e-2 relative.
-LOSS_REL, GRAD_NORM_REL = 3e-2, 5e-2
+# Measured with the same step on CPU (one gloo rank, seed 3): loss rel 5.5e-4, grad norm rel 3.2e-4.
+# bf16 keeps ~3 significant digits per value, but the loss and the norm are sums of many terms, so
+# their errors average out; the bounds leave ~10x for the GPU's kernels. A weighting error (the
+# gradient not divided by the step's total weight) moves the norm by a factor of ~40.
+LOSS_REL, GRAD_NORM_REL = 5e-3, 5e-3
 
 
 @pytest.fixture(scope="module")
