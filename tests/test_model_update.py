@@ -46,6 +46,7 @@ from flash.cluster import init_ray, load_model, pinned_threads
 from flash.engine.torch_worker import EngineWorker
 from flash.train.worker import start_trainer
 from tests.helpers.models import TINY, save_tiny
+from tests.helpers.weights import push
 
 PROMPTS = [[1, 5, 9, 12], [1, 20, 21], [1, 7, 7, 30, 31, 2]]
 
@@ -157,25 +158,48 @@ def test_check_plan_names_the_problem():
         TensorMeta.from_wire([["a"], [2], "complex64", 0, 0, 16])
 
 
-def test_choose_backend():
-    cpu = {"node": "n1", "device": "cpu"}
-    gpu = lambda node, uid: {"node": node, "device": f"cuda:{uid}"}
-    assert choose_backend("auto", [cpu, cpu, cpu]) == "shm"  # one host, one device: colocated
-    assert choose_backend("auto", [cpu, {"node": "n2", "device": "cpu"}]) == "gloo"
-    assert choose_backend("auto", [gpu("n1", 0), gpu("n1", 1), gpu("n2", 0)]) == "nccl"
-    assert choose_backend("auto", [gpu("n1", 0), gpu("n1", 0)]) == "shm"
-    # a 2-rank trainer group colocated with 2 replicas: rank 0 shares GPU 0 with replica 0
-    assert choose_backend("auto", [gpu("n1", 0), gpu("n1", 0), gpu("n1", 1)]) == "shm"
-    assert choose_backend("auto", [gpu("n1", 0), gpu("n1", 1), gpu("n1", 2)]) == "nccl"
-    assert choose_backend("gloo", [cpu, cpu]) == "gloo"
-    with pytest.raises(ModelUpdateError, match="needs every member on a GPU"):
-        choose_backend("nccl", [cpu, cpu])
-    with pytest.raises(ModelUpdateError, match="one GPU"):
-        choose_backend("nccl", [gpu("n1", 0), gpu("n1", 0)])
-    with pytest.raises(ModelUpdateError, match="one node"):
-        choose_backend("shm", [cpu, {"node": "n2", "device": "cpu"}])
-    with pytest.raises(ModelUpdateError, match="not one of"):
-        choose_backend("mpi", [cpu])
+CPU1, CPU2 = {"node": "n1", "device": "cpu"}, {"node": "n2", "device": "cpu"}
+
+
+def gpu(node: str, uid: int) -> dict:
+    return {"node": node, "device": f"cuda:{uid}"}
+
+
+# (requested, where the members run: the trainer first, backend chosen)
+CHOICES = [
+    ("auto", [CPU1, CPU1, CPU1], "shm"),  # one host, one device: colocated
+    ("auto", [CPU1, CPU2], "gloo"),
+    ("auto", [gpu("n1", 0), gpu("n1", 1), gpu("n2", 0)], "nccl"),
+    ("auto", [gpu("n1", 0), gpu("n1", 0)], "cuda_ipc"),  # everyone on one GPU: no byte leaves it
+    ("auto", [gpu("n1", 0), gpu("n1", 0), gpu("n1", 0)], "cuda_ipc"),
+    # a 2-rank trainer group colocated with 2 replicas: rank 0 shares GPU 0 with replica 0 only
+    ("auto", [gpu("n1", 0), gpu("n1", 0), gpu("n1", 1)], "shm"),
+    ("auto", [gpu("n1", 0), gpu("n1", 1), gpu("n1", 2)], "nccl"),
+    ("gloo", [CPU1, CPU1], "gloo"),
+    ("shm", [gpu("n1", 0), gpu("n1", 0)], "shm"),
+    ("cuda_ipc", [gpu("n1", 0), gpu("n1", 0)], "cuda_ipc"),
+]
+REFUSALS = [
+    ("nccl", [CPU1, CPU1], "needs every member on a GPU"),
+    ("nccl", [gpu("n1", 0), gpu("n1", 0)], "cannot join two members on one GPU"),
+    ("shm", [CPU1, CPU2], "needs every member on one node"),
+    ("cuda_ipc", [CPU1, CPU1], "cuda_ipc needs every member on one GPU"),
+    ("cuda_ipc", [gpu("n1", 0), gpu("n1", 1)], "cuda_ipc needs every member on one GPU"),
+    ("cuda_ipc", [gpu("n1", 0), CPU1], "cuda_ipc needs every member on one GPU"),
+    ("cuda_ipc", [gpu("n1", 0), gpu("n2", 0)], "cuda_ipc needs every member on one GPU of one node"),
+    ("mpi", [CPU1], "not one of"),
+]
+
+
+@pytest.mark.parametrize("requested, where, backend", CHOICES)
+def test_choose_backend(requested, where, backend):
+    assert choose_backend(requested, where) == backend
+
+
+@pytest.mark.parametrize("requested, where, message", REFUSALS)
+def test_choose_backend_refuses_what_cannot_work(requested, where, message):
+    with pytest.raises(ModelUpdateError, match=message):
+        choose_backend(requested, where)
 
 
 def test_config_section_is_strict():
@@ -244,14 +268,6 @@ def train_step(trainer, seed: int) -> None:
     batch = collate(samples)
     adv = algos.compute_advantages("grpo", batch.rewards, batch.group_ids, batch.mask)
     ray.get(trainer.train_step.remote(batch, adv, None))
-
-
-def push(group, engines, version):
-    ray.get([e.pause.remote("continue") for e in engines])
-    try:
-        return group.push(version)
-    finally:
-        ray.get([e.resume.remote() for e in engines])
 
 
 def assert_replicas_equal_trainer(trainer, engines):

@@ -191,10 +191,11 @@ class RayConfig:
 
 @dataclass
 class ModelUpdateConfig:
-    # How trainer weights reach the engines (flash.weights.model_update). auto: shm when every role shares
-    # one device (colocated, no copy across processes), nccl across GPUs, gloo across CPU hosts;
+    # How trainer weights reach the engines (flash.weights.model_update). auto: cuda_ipc when every role
+    # shares one GPU (the replicas map the trainer's CUDA buffer), shm when roles share a CPU host or
+    # some share a GPU (colocated, no copy across processes), nccl across GPUs, gloo across CPU hosts;
     # object_store: the whole state dict through Ray's object store (the simplest path, the baseline).
-    backend: str = "auto"  # auto | gloo | nccl | shm | object_store
+    backend: str = "auto"  # auto | gloo | nccl | shm | cuda_ipc | object_store
     bucket_mb: float = 64.0  # bytes per broadcast; a larger tensor goes alone in its own bucket
     host: str = "127.0.0.1"  # the group's rendezvous address (the trainer's host)
     timeout_s: float = 300.0  # a member not done in time fails the push (no silent hang)

@@ -40,6 +40,10 @@ class EngineWorker(LoopActor, UpdateReceiver):
         engine."""
         return {k: v.detach().cpu().clone() for k, v in self._model.state_dict().items()}
 
+    def _mu_device(self) -> torch.device:
+        """Where the weights live: the backend choice compares it with the trainer's."""
+        return next(self._model.parameters()).device
+
     def _mu_shapes(self) -> dict:
         return self._shapes
 

@@ -417,9 +417,9 @@ class TrainerGroup:
     def mu_join(self, group: str, world: int, timeout_s: float) -> None:
         ray.get(self.ranks[0].mu_join.remote(group, world, timeout_s))
 
-    def mu_plan(self, group: str, bucket_bytes: int) -> list:
+    def mu_plan(self, group: str, bucket_bytes: int, cast: dict[str, str] | None = None) -> list:
         self._all("mu_gather")
-        return ray.get(self.ranks[0].mu_plan.remote(group, bucket_bytes))
+        return ray.get(self.ranks[0].mu_plan.remote(group, bucket_bytes, cast))
 
     def mu_send(self, group: str) -> dict:
         try:

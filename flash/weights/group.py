@@ -27,35 +27,42 @@ from flash.weights.model_update import (
     ModelUpdateError,
     TensorMeta,
     _Buffers,
+    agreed_dtypes,
     bucket_sizes,
     check_plan,
     connect,
     dtype_name,
     make_group,
     open_store,
-    plan_buckets,
+    plan_state,
     receive,
     redundant_names,
     send,
-    unique_tensors,
 )
+from flash.weights.cuda_ipc import IpcReceiver, IpcSender
 from flash.weights.shm import ShmSender, read
+
+COLOCATED = ("shm", "cuda_ipc")  # the sender writes one flat buffer, then the replicas read it
 
 
 def choose_backend(requested: str, where: list[dict[str, str]]) -> str:
     """The backend for members at ``where`` (``{"node", "device"}`` each; the trainer first).
 
-    ``auto``: every member on one node and some of them sharing a device (CPU, or a GPU that a
-    trainer rank and a replica share) → ``shm`` (colocated: no copy across processes; NCCL cannot
-    join two members on one GPU); GPUs otherwise → ``nccl``; else ``gloo``. An explicit choice that
-    cannot work is an error naming the fix.
+    ``auto``: every member on one GPU → ``cuda_ipc`` (colocated: the replicas read the trainer's
+    buffer in place, no byte leaves the GPU); every member on one node and some of them sharing a
+    device (CPU, or a GPU that a trainer rank and one of several replicas share) → ``shm`` (no copy
+    across processes; NCCL cannot join two members on one GPU); GPUs otherwise → ``nccl``; else
+    ``gloo``. An explicit choice that cannot work is an error naming the fix.
     """
     if requested not in BACKENDS:
         raise ModelUpdateError(f"model_update.backend {requested!r} is not one of {', '.join(BACKENDS)}")
     nodes = {w["node"] for w in where}
     devices = {w["device"] for w in where}
     cuda = any(d.startswith("cuda") for d in devices)
+    one_gpu = cuda and len(nodes) == 1 and len(devices) == 1
     if requested == "auto":
+        if one_gpu:
+            return "cuda_ipc"
         if len(nodes) == 1 and len(devices) < len(where):
             return "shm"
         return "nccl" if cuda else "gloo"
@@ -65,6 +72,9 @@ def choose_backend(requested: str, where: list[dict[str, str]]) -> str:
     if requested == "nccl" and len(devices) < len(where):
         raise ModelUpdateError("model_update.backend=nccl cannot join two members on one GPU "
                                "(colocated): use shm or auto")
+    if requested == "cuda_ipc" and not one_gpu:
+        raise ModelUpdateError("model_update.backend=cuda_ipc needs every member on one GPU of one node; "
+                               f"members are on {sorted(devices)}: use shm, nccl or auto")
     if requested == "shm" and len(nodes) > 1:
         raise ModelUpdateError("model_update.backend=shm needs every member on one node; use gloo or nccl")
     return requested
@@ -91,6 +101,7 @@ class _Member:
     store: Any = None
     buffers: _Buffers | None = None
     shm: ShmSender | None = None
+    ipc: IpcSender | IpcReceiver | None = None
     metas: list[TensorMeta] = field(default_factory=list)
     skip: set[str] = field(default_factory=set)  # aliases tied in the receiver's own model too
 
@@ -127,32 +138,37 @@ class UpdateSender:
         m = _member(self, group)
         if m.backend == "shm":
             m.shm = ShmSender()
+        elif m.backend == "cuda_ipc":
+            m.ipc = IpcSender()
         else:
             m.pg = make_group(m.backend, m.store, group, 0, world, timeout_s)
             m.buffers = _Buffers(_transport_device(m.backend))
 
-    def mu_plan(self, group: str, bucket_bytes: int) -> list:
-        """Plan this push (names, shapes, dtypes, buckets) as plain lists; kept for ``mu_send``."""
+    def mu_plan(self, group: str, bucket_bytes: int, cast: dict[str, str] | None = None) -> list:
+        """Plan this push (names, shapes, dtypes, buckets) as plain lists; kept for ``mu_send``.
+        ``cast``: ``{name: dtype}`` to send a tensor in (the replicas'), else its own dtype."""
         m = _member(self, group)
-        entries = [(names, tuple(t.shape), dtype_name(t.dtype)) for names, t in unique_tensors(self._mu_state())]
-        m.metas = plan_buckets(entries, bucket_bytes)
+        m.metas = plan_state(self._mu_state(), bucket_bytes, cast)
         return [meta.to_wire() for meta in m.metas]
 
     def mu_send(self, group: str) -> dict[str, Any]:
-        """Broadcast (or, with shm, write) the planned tensors; returns bytes and the segment, if any."""
+        """Broadcast (or, colocated, write) the planned tensors; returns the bytes and what the
+        replicas read (``path``: the shm segment, ``handle``: the CUDA IPC buffer), if any."""
         m, start = _member(self, group), time.perf_counter()
         state = self._mu_state()
+        path = handle = None
         with torch.no_grad():
             if m.shm is not None:
                 path, nbytes = m.shm.write(state, m.metas)
-                return {"bytes": nbytes, "path": path, "send_s": time.perf_counter() - start}
-            nbytes = send(m.pg, state, m.metas, m.buffers)
-        return {"bytes": nbytes, "path": None, "send_s": time.perf_counter() - start}
+            elif m.ipc is not None:
+                handle = m.ipc.write(state, m.metas)
+                nbytes = handle["bytes"]
+            else:
+                nbytes = send(m.pg, state, m.metas, m.buffers)
+        return {"bytes": nbytes, "path": path, "handle": handle, "send_s": time.perf_counter() - start}
 
     def mu_close(self, group: str) -> None:
-        m = _groups(self).pop(group, None)
-        if m is not None and m.shm is not None:
-            m.shm.close()
+        _close(_groups(self).pop(group, None))
 
 
 class UpdateReceiver:
@@ -178,10 +194,18 @@ class UpdateReceiver:
     def mu_join(self, group: str, backend: str, host: str, port: int, rank: int, world: int,
                 timeout_s: float) -> None:
         m = _groups(self)[group] = _Member(backend)
-        if backend != "shm":
+        if backend == "cuda_ipc":
+            m.ipc = IpcReceiver()
+        elif backend != "shm":
             m.store = connect(host, port, timeout_s)
             m.pg = make_group(backend, m.store, group, rank, world, timeout_s)
             m.buffers = _Buffers(_transport_device(backend))
+
+    def mu_dtypes(self) -> dict[str, str]:
+        """``{name: dtype}`` of this engine's live tensors (none known: empty), for a push that
+        casts at the sender (``cuda_ipc``)."""
+        targets = self._mu_targets()
+        return {} if targets is None else {name: dtype_name(t.dtype) for name, t in targets.items()}
 
     def mu_check(self, group: str, wire: list) -> int:
         """Validate a plan against this engine's parameters before any byte moves; keep it."""
@@ -191,21 +215,36 @@ class UpdateReceiver:
         m.metas, m.skip = metas, redundant_names(metas, self._mu_ties())
         return len(metas)
 
-    def mu_receive(self, group: str, version: int, path: str | None = None, nbytes: int = 0) -> dict[str, float]:
-        """Load the pushed weights in place and take ``version``; the ack is this method's return."""
+    def mu_receive(self, group: str, version: int, sent: dict[str, Any] | None = None) -> dict[str, float]:
+        """Load the pushed weights in place and take ``version``; the ack is this method's return.
+        ``sent``: the sender's ``mu_send`` result, for the colocated backends (what to read)."""
         m, start = _member(self, group), time.perf_counter()
-        items = (read(path, nbytes, m.metas) if path is not None
-                 else receive(m.pg, m.metas, m.buffers, self._mu_targets()))
+        if m.backend == "shm":
+            items = read(sent["path"], sent["bytes"], m.metas)
+        elif m.backend == "cuda_ipc":
+            items = m.ipc.read(sent["handle"], m.metas)
+        else:
+            items = receive(m.pg, m.metas, m.buffers, self._mu_targets())
         expected = sum(len(meta.names) for meta in m.metas) - len(m.skip)
         counted = _Counted((name, t) for name, t in items if name not in m.skip)
         with torch.no_grad():
             self._mu_apply(counted, version)
+        if m.ipc is not None:
+            m.ipc.done()
         if counted.n != expected:
             raise ModelUpdateError(f"the engine loaded {counted.n} of {expected} pushed tensors")
         return {"version": float(version), "ack_time": time.time(), "receive_s": time.perf_counter() - start}
 
     def mu_close(self, group: str) -> None:
-        _groups(self).pop(group, None)
+        _close(_groups(self).pop(group, None))
+
+
+def _close(m: _Member | None) -> None:
+    """Free what a member holds for its group (a segment, a CUDA buffer or a mapping of one)."""
+    if m is not None and m.shm is not None:
+        m.shm.close()
+    if m is not None and m.ipc is not None:
+        m.ipc.close()
 
 
 class _Counted:
@@ -237,6 +276,7 @@ class ModelUpdateGroup:
         self.bucket_bytes = int(bucket_mb * 2**20)
         self.host, self.timeout_s = host, timeout_s
         self.version = 0
+        self.cast: dict[str, str] = {}  # cuda_ipc: the replicas' dtypes, cast to in the trainer's pack
         self.broken: str | None = None
         self.counters = {"pushes": 0, "failures": 0}
         self.group = f"flash-mu-{uuid.uuid4().hex[:8]}"  # the members' key for this group (and store prefix)
@@ -247,6 +287,8 @@ class ModelUpdateGroup:
         self.backend = choose_backend(self.requested, where)
         if self.backend == "object_store":
             return self.backend
+        self.cast = (agreed_dtypes(self._get([e.mu_dtypes.remote() for e in self.engines], "dtypes"))
+                     if self.backend == "cuda_ipc" else {})
         world, g = len(self.engines) + 1, self.group
         port = self._get([self.trainer.mu_open.remote(g, self.backend, self.host, self.timeout_s)], "rendezvous",
                          ["trainer"])[0]
@@ -285,13 +327,13 @@ class ModelUpdateGroup:
                 "model_update/failures": float(self.counters["failures"])}
 
     def _collective(self, version: int) -> dict[str, float]:
-        wire = self._get([self.trainer.mu_plan.remote(self.group, self.bucket_bytes)], "plan", ["trainer"])[0]
+        wire = self._get([self.trainer.mu_plan.remote(self.group, self.bucket_bytes, self.cast)], "plan",
+                         ["trainer"])[0]
         self._get([e.mu_check.remote(self.group, wire) for e in self.engines], "check")  # before any collective
         try:
-            if self.backend == "shm":  # write first, then the replicas read the same pages
+            if self.backend in COLOCATED:  # write first, then the replicas read the same memory
                 sent = self._get([self.trainer.mu_send.remote(self.group)], "send", ["trainer"])[0]
-                self._get([e.mu_receive.remote(self.group, version, sent["path"], sent["bytes"])
-                           for e in self.engines], "receive")
+                self._get([e.mu_receive.remote(self.group, version, sent) for e in self.engines], "receive")
             else:
                 refs = [self.trainer.mu_send.remote(self.group)]
                 refs += [e.mu_receive.remote(self.group, version) for e in self.engines]

@@ -29,8 +29,11 @@ trainer's default group and the engines' own groups must not see it.
 
 Backends (``model_update.backend``): ``gloo`` (CPU tensors over TCP), ``nccl`` (CUDA), ``shm``
 (colocated, :mod:`flash.weights.shm`: the trainer packs into one shared-memory segment that the
-replicas map, so no byte crosses a socket), ``object_store`` (the simplest path, kept as the
-baseline), ``auto`` (``choose_backend``).
+replicas map, so no byte crosses a socket), ``cuda_ipc`` (colocated on one GPU,
+:mod:`flash.weights.cuda_ipc`: the same packing into one CUDA buffer that the replicas map by IPC
+handle, so no byte leaves the GPU), ``object_store`` (the simplest path, kept as the baseline),
+``auto`` (``flash.weights.group.choose_backend``). ``shm`` and ``cuda_ipc`` lay the planned buckets
+end to end in one flat buffer (``bucket_starts``, ``pack_flat``, ``unpack_flat``).
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ ALONE_BYTES = 1 << 20
 DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
     torch.int16, torch.int8, torch.uint8, torch.bool)}
-BACKENDS = ("auto", "gloo", "nccl", "shm", "object_store")
+BACKENDS = ("auto", "gloo", "nccl", "shm", "cuda_ipc", "object_store")
 
 
 class ModelUpdateError(FlashError):
@@ -151,6 +154,15 @@ def plan_buckets(entries: list[tuple[tuple[str, ...], tuple[int, ...], str]], bu
     return sorted(metas, key=lambda m: (m.bucket, m.offset))
 
 
+def plan_state(state: Mapping[str, torch.Tensor], bucket_bytes: int,
+               cast: Mapping[str, str] | None = None) -> list[TensorMeta]:
+    """The plan of a push of ``state``: aliases folded (``unique_tensors``), each tensor in the
+    dtype ``cast`` names for it (the replicas', where the sender casts) or else its own."""
+    cast = cast or {}
+    entries = [(names, tuple(t.shape), cast.get(names[0]) or dtype_name(t.dtype)) for names, t in unique_tensors(state)]
+    return plan_buckets(entries, bucket_bytes)
+
+
 def _numel(shape) -> int:
     n = 1
     for s in shape:
@@ -193,6 +205,44 @@ def unpack(buf: torch.Tensor, metas: list[TensorMeta]) -> Iterator[tuple[str, to
         view = buf[m.offset:m.offset + m.nbytes].view(DTYPES[m.dtype]).view(m.shape)
         for name in m.names:
             yield name, view
+
+
+def bucket_starts(metas: list[TensorMeta]) -> list[int]:
+    """Byte offset of each bucket in a flat buffer (buckets end to end, ``ALIGN``-ed), then the end."""
+    starts, at = [], 0
+    for size in bucket_sizes(metas):
+        starts.append(at)
+        at += _aligned(size)
+    return starts + [at]
+
+
+def pack_flat(state: Mapping[str, torch.Tensor], metas: list[TensorMeta], flat: torch.Tensor) -> int:
+    """Every planned tensor of ``state`` into ``flat`` (uint8) at ``bucket_starts``, moved to
+    ``flat``'s device and cast to its planned dtype; returns the bytes used. The copies may still be
+    in flight on a GPU: synchronize before another process reads ``flat``."""
+    starts = bucket_starts(metas)
+    for k, group in enumerate(by_bucket(metas)):
+        tensors = [state[m.names[0]].detach().to(flat.device, DTYPES[m.dtype]) for m in group]
+        pack(tensors, group, flat[starts[k]:starts[k + 1]])
+    return starts[-1]
+
+
+def unpack_flat(flat: torch.Tensor, metas: list[TensorMeta]) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, view)`` of every planned tensor in a buffer ``pack_flat`` filled (views, no copy)."""
+    starts = bucket_starts(metas)
+    if flat.numel() < starts[-1]:
+        raise ModelUpdateError(f"the pushed buffer holds {flat.numel()} bytes, the plan needs {starts[-1]}")
+    for k, group in enumerate(by_bucket(metas)):
+        yield from unpack(flat[starts[k]:starts[k + 1]], group)
+
+
+def agreed_dtypes(per_replica: list[Mapping[str, str]]) -> dict[str, str]:
+    """``{name: dtype}`` every replica loads in the same dtype (a push may cast to it at the sender);
+    a name any replica lacks or holds in another dtype keeps the trainer's dtype."""
+    if not per_replica:
+        return {}
+    first, rest = per_replica[0], per_replica[1:]
+    return {name: dtype for name, dtype in first.items() if all(r.get(name) == dtype for r in rest)}
 
 
 def check_plan(metas: list[TensorMeta], shapes: Mapping[str, tuple[int, ...]]) -> None:

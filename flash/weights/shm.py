@@ -9,8 +9,9 @@ the CPU analogue of the CUDA-IPC handles colocated GPU frameworks pass (ROLL, ve
 
 The segment is owned by the trainer (created on the first push, grown when the model grows,
 unlinked at ``close``); replicas map it by path per push and unmap when done. Layout: the buckets
-of the ordinary plan (``flash.weights.model_update.plan_buckets``) laid end to end, so a single plan and
-a single ``check_plan`` serve every backend.
+of the ordinary plan (``flash.weights.model_update.plan_buckets``) laid end to end
+(``pack_flat``), so a single plan and a single ``check_plan`` serve every backend; on a GPU,
+``flash.weights.cuda_ipc`` does the same in device memory.
 """
 
 from __future__ import annotations
@@ -21,18 +22,9 @@ from collections.abc import Iterator, Mapping
 
 import torch
 
-from flash.weights.model_update import ModelUpdateError, TensorMeta, bucket_sizes, by_bucket, pack, unpack
+from flash.weights.model_update import ModelUpdateError, TensorMeta, bucket_starts, pack_flat, unpack_flat
 
 SHM_DIR = "/dev/shm"  # tmpfs: a file here is shared memory; torch.from_file(shared=True) maps it
-
-
-def bucket_starts(metas: list[TensorMeta]) -> list[int]:
-    """Byte offset of each bucket in the segment (buckets end to end, 64-byte aligned), then the end."""
-    starts, at = [], 0
-    for size in bucket_sizes(metas):
-        starts.append(at)
-        at += (size + 63) // 64 * 64
-    return starts + [at]
 
 
 def _map(path: str, nbytes: int) -> torch.Tensor:
@@ -89,8 +81,7 @@ class ShmSender:
         sweep_stale()
 
     def write(self, state: Mapping[str, torch.Tensor], metas: list[TensorMeta]) -> tuple[str, int]:
-        starts = bucket_starts(metas)
-        total = starts[-1]
+        total = bucket_starts(metas)[-1]
         if self.seg is None or self.seg.numel() < total:
             self.close()
             if not os.path.isdir(SHM_DIR):
@@ -99,9 +90,7 @@ class ShmSender:
             self.path = os.path.join(SHM_DIR, f"flash-mu-{os.getpid()}-{uuid.uuid4().hex[:8]}")
             _allocate(self.path, max(total, 1))
             self.seg = _map(self.path, max(total, 1))
-        for k, group in enumerate(by_bucket(metas)):
-            tensors = [state[m.names[0]].detach().cpu() for m in group]
-            pack(tensors, group, self.seg[starts[k]:starts[k + 1]])
+        pack_flat(state, metas, self.seg)
         return self.path, total
 
     def close(self) -> None:
@@ -118,9 +107,7 @@ def read(path: str, total: int, metas: list[TensorMeta]) -> Iterator[tuple[str, 
     """
     if total == 0:
         return
-    seg = _map(path, total)
-    starts = bucket_starts(metas)
-    if starts[-1] != total:
-        raise ModelUpdateError(f"segment {path}: {total} bytes, the plan needs {starts[-1]}")
-    for k, group in enumerate(by_bucket(metas)):
-        yield from unpack(seg[starts[k]:starts[k + 1]], group)
+    need = bucket_starts(metas)[-1]
+    if need != total:
+        raise ModelUpdateError(f"segment {path}: {total} bytes, the plan needs {need}")
+    yield from unpack_flat(_map(path, total), metas)
