@@ -16,12 +16,14 @@ Everything here works on any trainer handle with ``logprobs``, ``begin_step``, `
 from __future__ import annotations
 
 import math
+from typing import Literal, get_args
 
 import torch
 
 from flash.train.batch import TrainBatch
 
-LR_SCHEDULES = ("constant", "cosine")
+LrSchedule = Literal["constant", "cosine"]  # train.lr_schedule
+LR_SCHEDULES: tuple[str, ...] = get_args(LrSchedule)
 
 
 def lr_at(step: int, total: int, base_lr: float, schedule: str, warmup: int, min_ratio: float) -> float:
