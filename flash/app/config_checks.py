@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from controllers.filters import check_filter
 from controllers.tail_policy import TailConfig, check_tail
 from controllers.prox_mode import prox_mode
-from flash.app.keys import check_choices, check_keys, closest
+from flash.app.keys import check_choices, check_keys
 from flash.errors import ConfigError
 
 if TYPE_CHECKING:  # annotations only
@@ -70,7 +70,6 @@ def validate(cfg: FlashConfig) -> None:
     _check_optimizers(cfg)
     _check_ranges(cfg)
     _check_updates(cfg)
-    _check_agg(cfg.algo.agg)
     _check_model_update(cfg.model_update)
     _check_plugin_section("algo.loss", cfg.algo.loss,
                           lambda name, knobs: algos.validate_loss(name, knobs, agg=cfg.algo.agg))
@@ -297,13 +296,6 @@ def noop_problem(cfg: FlashConfig) -> str | None:
         if problem:
             return problem
     return None
-
-
-def _check_agg(agg: str) -> None:
-    import algos
-
-    valid = list(algos.AGGREGATIONS)
-    _require(agg in valid, f"algo.agg '{agg}' is not valid{closest(agg, valid)}; valid: {', '.join(valid)}")
 
 
 def _check_model(model: ModelConfig) -> None:

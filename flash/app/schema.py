@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Literal, Optional
 
+from algos.aggregate import AGGREGATIONS
 from buffers.factory import BufferConfig
 from controllers.filters import FilterConfig
 from controllers.prox_mode import RecomputeProx
@@ -17,12 +18,16 @@ from flash.engine.base import EngineKind, InterruptMode
 from flash.models import TinyModelConfig
 from flash.placement import PlacementConfig
 from flash.sim.config import SimConfig
+from flash.train.fsdp import MIXED_PRECISION
 from flash.train.sft import SFTConfig
 from flash.train.updates import LrSchedule
 from flash.weights.model_update import ModelUpdateBackend
 
 # train.backend: torch (the model, trained) | sim (GPU time from a cost model: the sim section)
 TrainBackend = Literal["torch", "sim"]
+# choices named by the keys of a component's table: algos.aggregate's reductions, the FSDP2 group's dtypes
+Aggregation = Literal[tuple(AGGREGATIONS)]
+MixedPrecision = Literal[tuple(MIXED_PRECISION)]
 
 
 @dataclass
@@ -109,7 +114,7 @@ class AlgoConfig:
     # Knobs of the named loss / estimator sit beside `name` and are checked against its signature.
     loss: Dict[str, Any] = field(default_factory=lambda: {"name": "decoupled_ppo"})
     advantage: Dict[str, Any] = field(default_factory=lambda: {"name": "grpo"})
-    agg: str = "token-mean"
+    agg: Aggregation = "token-mean"
     # Recompute proximal logprobs with the trainer's weights at the start of each step.
     # auto: only when the loss reads prox_logp and samples may be off-policy.
     # approx: no recompute; AReaL's log-linear interpolation between behav and current by version
@@ -153,7 +158,7 @@ class TrainConfig:
     # placement.roles.actor_train worker: either count implies the other (imply_trainer_workers)
     workers: int = 1
     micro_tokens: int = 0  # padded tokens per micro-batch (length-grouped rows); 0 = rows only
-    mixed_precision: str = "fp32"  # fp32 | bf16 (bf16 compute, fp32 master weights and reduction)
+    mixed_precision: MixedPrecision = "fp32"  # fp32 | bf16 (bf16 compute, fp32 master weights and reduction)
     activation_checkpointing: bool = False  # recompute decoder layers in backward (less memory)
 
 
