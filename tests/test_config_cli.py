@@ -357,7 +357,7 @@ def test_a_plugin_file_that_does_not_parse_is_one_line_naming_file_and_line(tmp_
     ("rollout.interrupt=1", "rollout.interrupt must be one of continue, restart, wait, got '1'"),
 ])
 def test_a_choice_outside_its_literal_type_names_the_choices_and_the_closest(override, message):
-    """Each choice is a Literal type in the schema, checked before the merge (DESIGN.md invariant 6)."""
+    """Each choice is a Literal type in the schema, checked before the merge (docs/design.md invariant 6)."""
     with pytest.raises(ConfigError) as err:
         load_config(STUTTER, [override])
     assert str(err.value) == message

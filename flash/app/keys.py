@@ -1,6 +1,6 @@
 """Strict keys: a user's mapping checked against a config dataclass, unknown keys refused with
 the closest valid name, and a value outside a ``Literal[...]`` field's choices refused with the
-closest valid value (DESIGN.md invariant 6), before OmegaConf merges it. Generic over the schema
+closest valid value (docs/design.md invariant 6), before OmegaConf merges it. Generic over the schema
 so that both the schema (``flash.app.config``) and the value checks (``flash.app.config_checks``)
 use it without importing each other.
 """

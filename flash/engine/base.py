@@ -37,7 +37,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, get_args, runtime_checkable
 
-InterruptMode = Literal["continue", "restart", "wait"]  # rollout.interrupt (DESIGN.md invariant 4)
+InterruptMode = Literal["continue", "restart", "wait"]  # rollout.interrupt (docs/design.md invariant 4)
 INTERRUPT_MODES: tuple[str, ...] = get_args(InterruptMode)
 # rollout.engine: torch (embedded), vllm (vLLM's async engine), sim (GPU time from a cost model)
 EngineKind = Literal["torch", "vllm", "sim"]
