@@ -19,11 +19,13 @@ from __future__ import annotations
 import ipaddress
 import secrets
 from dataclasses import dataclass
+from typing import Literal, get_args
 from urllib.parse import urlsplit
 
 import zmq
 
-AUTH_MODES = ("curve", "none")
+AuthMode = Literal["curve", "none"]  # buffer.auth
+AUTH_MODES: tuple[str, ...] = get_args(AuthMode)
 
 
 @dataclass(frozen=True)

@@ -16,21 +16,23 @@ from __future__ import annotations
 
 import difflib
 from dataclasses import dataclass
+from typing import Literal, get_args
 
-from buffers.auth import ClientKeys, ServiceKeys, check_bind, new_owner_token
+from buffers.auth import AuthMode, ClientKeys, ServiceKeys, check_bind, new_owner_token
 from buffers.buffer import SampleBuffer
 from buffers.client import RemoteSampleBuffer
 from buffers.producer import BufferProducer
 from buffers.service import BufferService
 
-TRANSPORTS = ("local", "zmq")
+Transport = Literal["local", "zmq"]  # buffer.transport
+TRANSPORTS: tuple[str, ...] = get_args(Transport)
 
 
 @dataclass
 class BufferConfig:
-    transport: str = "local"  # local (in-process) | zmq (BufferService + msgpack frames)
+    transport: Transport = "local"  # local (in-process) | zmq (BufferService + msgpack frames)
     bind: str = "tcp://127.0.0.1:0"  # zmq: where the service listens; port 0 = any free port
-    auth: str = "curve"  # zmq: curve (per-run keys, encrypted) | none (plaintext; loopback/ipc binds only)
+    auth: AuthMode = "curve"  # zmq: curve (per-run keys, encrypted) | none (plaintext; loopback/ipc binds only)
     max_frame_mb: float = 64.0  # zmq: a larger frame (one group) is refused and counted
     capacity: int = 0  # groups held before producers block; 0 = ceil((async_ratio + 2) * prompts_per_step)
     window: int = 16  # zmq producer: groups put but not yet acknowledged before put waits (1 = strict)
@@ -42,7 +44,7 @@ class BufferConfig:
         if self.transport not in TRANSPORTS:  # a leaf: its own matcher, not algos.registry's
             near = difflib.get_close_matches(self.transport, TRANSPORTS, n=1, cutoff=0.5)
             hint = f" (did you mean '{near[0]}'?)" if near else ""
-            raise ValueError(f"buffer.transport must be one of: local, zmq (got '{self.transport}'){hint}")
+            raise ValueError(f"buffer.transport must be one of: {', '.join(TRANSPORTS)} (got '{self.transport}'){hint}")
         if not self.bind.startswith(("tcp://", "ipc://")):
             raise ValueError(f"buffer.bind must be a zmq endpoint like tcp://127.0.0.1:0, got '{self.bind}'")
         check_bind(self.bind, self.auth)

@@ -36,6 +36,7 @@ import algos
 
 from buffers import Group, SampleBuffer
 from controllers import step_metrics as sm
+from controllers.prox_mode import prox_mode  # noqa: F401 -- the controller's reading of algo.recompute_prox
 from controllers.scheduler import RolloutCore
 from controllers.staleness import StalenessManager
 from controllers.train_step import StepOut, StepPlan, StepRoles, train_batch, train_stream
@@ -345,18 +346,4 @@ class AsyncController:
             self.ledger.flush()
         return {"in_flight": pending, "buffered": buffered}
 
-
-def prox_mode(mode: str, async_ratio: float) -> str:
-    """Where the proximal logprobs come from, for the config's ``algo.recompute_prox``.
-
-    ``auto``: at r = 0 every sample is on-policy and prox equals behav (up to the train–inference
-    mismatch), so behav is used, exactly as a plain synchronous loop does; at r > 0 the recompute
-    is fused into the train forward (exact with one optimizer step per batch, one forward saved).
-    ``always``: a separate forward before the step (its own timed phase). ``never``: behav.
-    ``approx``: AReaL's interpolation between behav and the current policy by token version, in the
-    train forward (``algos.proximal``; no recompute at all).
-    """
-    if mode == "auto":
-        return "fused" if async_ratio > 0 else "behav"
-    return {"always": "separate", "approx": "approx"}.get(mode, "behav")
 

@@ -28,6 +28,12 @@ from __future__ import annotations
 import math
 
 
+def admission_limit(version: int, async_ratio: float, prompts_per_step: int) -> int:
+    """``floor((version + 1 + r) * B)``: how many prompts may have been admitted in total while the
+    policy is at ``version`` (the admission formula above; ``flash plan``'s simulator runs it too)."""
+    return math.floor((version + 1 + async_ratio) * prompts_per_step + 1e-9)
+
+
 class StalenessManager:
     def __init__(self, async_ratio: float, prompts_per_step: int):
         if async_ratio < 0:
@@ -42,7 +48,7 @@ class StalenessManager:
 
     def admission_limit(self, version: int) -> int:
         """How many prompts may have been admitted in total while the policy is at ``version``."""
-        return math.floor((version + 1 + self.r) * self.batch + 1e-9)
+        return admission_limit(version, self.r, self.batch)
 
     def can_admit(self, admitted: int, version: int) -> bool:
         return admitted < self.admission_limit(version)

@@ -23,6 +23,11 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass
+from typing import Literal, get_args
+
+# rollout.scheduler: plain, or tail_batching (this module's policy, controllers/tail_batching.py)
+SchedulerKind = Literal["plain", "tail_batching"]
+SCHEDULERS: tuple[str, ...] = get_args(SchedulerKind)
 
 
 @dataclass

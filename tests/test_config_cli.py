@@ -336,3 +336,71 @@ def test_a_plugin_file_that_does_not_parse_is_one_line_naming_file_and_line(tmp_
     assert main(["validate", "stutter", f"plugins=[{plugin}]"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and f"plugin {plugin} line 3" in err
+
+
+@pytest.mark.parametrize("override, message", [
+    ("rollout.engine=vlm", "rollout.engine must be one of torch, vllm, sim, got 'vlm' (did you mean 'vllm'?)"),
+    ("rollout.interrupt=restrt", "rollout.interrupt must be one of continue, restart, wait, got 'restrt' "
+                                 "(did you mean 'restart'?)"),
+    ("rollout.scheduler=tail_batchin", "rollout.scheduler must be one of plain, tail_batching, got "
+                                       "'tail_batchin' (did you mean 'tail_batching'?)"),
+    ("algo.recompute_prox=aprox", "algo.recompute_prox must be one of auto, always, never, approx, got 'aprox' "
+                                  "(did you mean 'approx'?)"),
+    ("algo.agg=token-meen", "algo.agg must be one of token-mean, seq-mean-token-mean, seq-mean-token-sum, "
+                            "seq-mean-token-sum-norm, got 'token-meen' (did you mean 'token-mean'?)"),
+    ("train.backend=sm", "train.backend must be one of torch, sim, got 'sm' (did you mean 'sim'?)"),
+    ("train.lr_schedule=cosin", "train.lr_schedule must be one of constant, cosine, got 'cosin' "
+                                "(did you mean 'cosine'?)"),
+    ("train.mixed_precision=bf61", "train.mixed_precision must be one of fp32, bf16, got 'bf61' "
+                                   "(did you mean 'bf16'?)"),
+    ("model_update.backend=glo", "model_update.backend must be one of auto, gloo, nccl, shm, object_store, got "
+                                 "'glo' (did you mean 'gloo'?)"),
+    ("buffer.transport=zmg", "buffer.transport must be one of local, zmq, got 'zmg' (did you mean 'zmq'?)"),
+    ("buffer.auth=curv", "buffer.auth must be one of curve, none, got 'curv' (did you mean 'curve'?)"),
+    ("rollout.interrupt=1", "rollout.interrupt must be one of continue, restart, wait, got '1'"),
+])
+def test_a_choice_outside_its_literal_type_names_the_choices_and_the_closest(override, message):
+    """Each choice is a Literal type in the schema, checked before the merge (docs/design.md invariant 6)."""
+    with pytest.raises(ConfigError) as err:
+        load_config(STUTTER, [override])
+    assert str(err.value) == message
+
+
+def test_a_built_config_is_checked_against_the_same_choices():
+    import dataclasses
+
+    from flash.app.config import validate
+
+    cfg = load_config(STUTTER)
+    cfg.rollout = dataclasses.replace(cfg.rollout, interrupt="pause")
+    with pytest.raises(ConfigError, match=r"^rollout.interrupt must be one of continue, restart, wait, got 'pause'"):
+        validate(cfg)
+
+
+def test_the_valid_values_code_reads_are_the_schema_types_choices():
+    from typing import get_args, get_type_hints
+
+    from buffers.factory import TRANSPORTS, BufferConfig
+    from controllers.prox_mode import PROX_SOURCES, RecomputeProx, prox_mode, trainer_prox
+    from controllers.tail_policy import SCHEDULERS
+    from flash.app.schema import AlgoConfig, ModelUpdateConfig, RolloutConfig, TrainConfig
+    from flash.engine.base import INTERRUPT_MODES
+    from flash.engine.torch_worker import ENGINES
+    from flash.train.updates import LR_SCHEDULES
+    from flash.weights.model_update import BACKENDS
+
+    def choices(cls, name):
+        return get_args(get_type_hints(cls)[name])
+
+    assert choices(RolloutConfig, "interrupt") == INTERRUPT_MODES == ("continue", "restart", "wait")
+    assert choices(RolloutConfig, "engine") == ENGINES == ("torch", "vllm", "sim")
+    assert choices(RolloutConfig, "scheduler") == SCHEDULERS == ("plain", "tail_batching")
+    assert choices(TrainConfig, "lr_schedule") == LR_SCHEDULES == ("constant", "cosine")
+    assert choices(ModelUpdateConfig, "backend") == BACKENDS
+    assert choices(BufferConfig, "transport") == TRANSPORTS == ("local", "zmq")
+    assert choices(AlgoConfig, "recompute_prox") == get_args(RecomputeProx)
+    # algo.recompute_prox read once: where prox comes from at r = 0 and r > 0, and the trainer's part
+    table = {mode: (prox_mode(mode, 0.0), prox_mode(mode, 1.0), trainer_prox(mode)) for mode in get_args(RecomputeProx)}
+    assert table == {"auto": ("behav", "fused", "fused"), "always": ("separate", "separate", "fused"),
+                     "never": ("behav", "behav", "fused"), "approx": ("approx", "approx", "approx")}
+    assert {s for row in table.values() for s in row[:2]} == set(PROX_SOURCES)

@@ -10,7 +10,7 @@ import torch
 
 import algos
 from algos.proximal import approx_prox_logp, prox_approx_error
-from controllers.async_controller import prox_mode
+from controllers.prox_mode import prox_mode
 from controllers.train_step import proximal
 from flash.app.config import load_config
 from flash.app.recipe_files import recipe_paths

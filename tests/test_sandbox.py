@@ -269,7 +269,7 @@ def test_unisolated_host_refuses_code_unless_allowed_then_warns_and_counts(uniso
 
 def test_the_recipe_switch_reaches_driver_and_reward_workers(unisolated_host):
     from flash.app.config import load_config
-    from flash.app.runner import apply_sandbox_policy
+    from flash.app.preflight import apply_sandbox_policy
     from flash.errors import ConfigError, FlashError
     from flash.rewards.workers import RewardScorer
 

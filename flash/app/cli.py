@@ -41,9 +41,11 @@ def cmd_ls(_: argparse.Namespace) -> int:
 
 def cmd_validate(args: argparse.Namespace) -> int:
     from flash.app.config import load_config
+    from flash.app.preflight import preflight
 
     path = resolve_recipe(args.recipe)
     cfg = load_config(path, args.overrides)
+    preflight(cfg, path.stem)  # the checks `flash run` makes before it starts (flash.app.preflight)
     print(f"ok: {path} (async_ratio={cfg.async_ratio}, loss={cfg.algo.loss['name']}, "
           f"steps={cfg.train.steps})")
     from flash.app.config import base_differences

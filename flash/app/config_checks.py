@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING
 
 from controllers.filters import check_filter
 from controllers.tail_policy import TailConfig, check_tail
-from flash.app.keys import check_keys, closest
+from controllers.prox_mode import prox_mode
+from flash.app.keys import check_choices, check_keys
 from flash.errors import ConfigError
 
 if TYPE_CHECKING:  # annotations only
@@ -24,9 +25,6 @@ if TYPE_CHECKING:  # annotations only
         RolloutConfig,
         TrainConfig,
     )
-
-
-TRAIN_BACKENDS = ("torch", "sim")
 
 
 def _require(ok: bool, msg: str) -> None:
@@ -47,7 +45,6 @@ def check_finite(cfg, path: str = "") -> None:
 def validate(cfg: FlashConfig) -> None:
     """Value checks and plugin-knob checks; everything `flash validate` promises short of running."""
     import algos
-    from flash.engine.base import INTERRUPT_MODES
     from recipes.tasks import task_options
 
     try:
@@ -57,10 +54,8 @@ def validate(cfg: FlashConfig) -> None:
     except SyntaxError as exc:  # the user's file does not parse: where, not the importer's stack
         raise ConfigError(f"plugin {exc.filename} line {exc.lineno}: {exc.msg}; fix the file") from None
     check_finite(cfg)
+    check_choices(cfg)  # the Literal fields of the schema (flash.app.keys)
     _require(cfg.async_ratio >= 0, f"async_ratio must be a finite number >= 0, got {cfg.async_ratio}")
-    _require(cfg.rollout.interrupt in INTERRUPT_MODES,
-             f"rollout.interrupt must be one of {', '.join(INTERRUPT_MODES)}, got "
-             f"'{cfg.rollout.interrupt}'{closest(cfg.rollout.interrupt, list(INTERRUPT_MODES))}")
     _check_engine_and_backend(cfg)
     _require(cfg.rollout.n >= 1, f"rollout.n must be >= 1, got {cfg.rollout.n}")
     _require(cfg.rollout.temperature > 0, "rollout.temperature must be > 0 for RL sampling")
@@ -74,11 +69,7 @@ def validate(cfg: FlashConfig) -> None:
     _require(cfg.train.lr > 0, f"train.lr must be > 0, got {cfg.train.lr}")
     _check_optimizers(cfg)
     _check_ranges(cfg)
-    _require(cfg.algo.recompute_prox in PROX_CHOICES,
-             f"algo.recompute_prox must be one of {', '.join(PROX_CHOICES)}, got '{cfg.algo.recompute_prox}'"
-             f"{closest(cfg.algo.recompute_prox, list(PROX_CHOICES))}")
     _check_updates(cfg)
-    _check_agg(cfg.algo.agg)
     _check_model_update(cfg.model_update)
     _check_plugin_section("algo.loss", cfg.algo.loss,
                           lambda name, knobs: algos.validate_loss(name, knobs, agg=cfg.algo.agg))
@@ -109,14 +100,9 @@ def validate(cfg: FlashConfig) -> None:
 def _check_engine_and_backend(cfg: FlashConfig) -> None:
     """The engine and trainer kinds; simulated roles come in pairs (their weights are one
     counter, which a real engine cannot load and a real trainer does not push)."""
-    from flash.engine.torch_worker import ENGINES
     from flash.sim.config import check_sim
 
     engine, backend = cfg.rollout.engine, cfg.train.backend
-    _require(engine in ENGINES, f"rollout.engine must be one of: {', '.join(ENGINES)} (got '{engine}')"
-             f"{closest(engine, list(ENGINES))}")
-    _require(backend in TRAIN_BACKENDS, f"train.backend must be one of: {', '.join(TRAIN_BACKENDS)} (got "
-             f"'{backend}'){closest(backend, list(TRAIN_BACKENDS))}")
     _require((engine == "sim") == (backend == "sim"),
              f"rollout.engine={engine} with train.backend={backend}: simulated roles run together; set both "
              f"to sim, or neither")
@@ -164,26 +150,19 @@ def _check_placement(cfg: FlashConfig) -> None:
              "(algo.loss.kl_coef is 0); set algo.loss.kl_coef > 0 or placement.roles.reference.num_workers: 0")
 
 
-PROX_CHOICES = ("auto", "always", "never", "approx")
-
-
 def _check_updates(cfg: FlashConfig) -> None:
     """Mini-batches, epochs, the lr schedule and the approximate proximal policy."""
-    from flash.train.updates import LR_SCHEDULES
-
     t, rows = cfg.train, cfg.train.prompts_per_step * cfg.rollout.n
     for key in ("mini_batches", "update_epochs"):
         _require(getattr(t, key) >= 1, f"train.{key} must be an integer >= 1, got {getattr(t, key)}")
     _require(t.mini_batches <= rows, f"train.mini_batches={t.mini_batches} exceeds the batch's rows "
              f"(train.prompts_per_step × rollout.n = {rows}): a mini-batch would be empty")
-    _require(t.lr_schedule in LR_SCHEDULES, f"train.lr_schedule must be one of {', '.join(LR_SCHEDULES)}, "
-             f"got '{t.lr_schedule}'{closest(t.lr_schedule, list(LR_SCHEDULES))}")
     _require(t.warmup_steps >= 0, f"train.warmup_steps must be >= 0 (optimizer steps), got {t.warmup_steps}")
     _require(0.0 <= t.min_lr_ratio <= 1.0, f"train.min_lr_ratio must be in [0, 1], got {t.min_lr_ratio}")
     _require(t.min_lr_ratio == 0.0 or t.lr_schedule == "cosine", "train.min_lr_ratio is the cosine "
              "schedule's floor but train.lr_schedule is 'constant' (it would be unused); set "
              "train.lr_schedule: cosine or remove it")
-    _require(not cfg.algo.measure_prox_error or cfg.algo.recompute_prox == "approx",
+    _require(not cfg.algo.measure_prox_error or prox_mode(cfg.algo.recompute_prox, cfg.async_ratio) == "approx",
              "algo.measure_prox_error measures the approximate proximal policy; set "
              "algo.recompute_prox: approx or remove it")
 
@@ -243,16 +222,12 @@ def _check_stream(cfg: FlashConfig) -> None:
     _require(adv.get("name") in STREAM_ESTIMATORS and not adv.get("whiten"),
              f"train.stream needs a group-local advantage estimator ({', '.join(STREAM_ESTIMATORS)}, "
              f"whiten off): '{adv.get('name')}' normalises over the whole batch")
-    _require(cfg.algo.recompute_prox not in ("always", "approx"), "train.stream uses the behaviour logprobs "
+    _require(prox_mode(cfg.algo.recompute_prox, cfg.async_ratio) == "behav", "train.stream uses the behaviour logprobs "
              "as the proximal policy (exact at async_ratio 0); set algo.recompute_prox: auto")
     _require(cfg.train.mini_batches * cfg.train.update_epochs == 1, "train.stream takes one optimizer step "
              "per batch as its groups arrive; set train.mini_batches: 1 and train.update_epochs: 1")
 
 def _check_model_update(mu: ModelUpdateConfig) -> None:
-    from flash.weights.model_update import BACKENDS
-
-    _require(mu.backend in BACKENDS, f"model_update.backend '{mu.backend}' is not valid"
-             f"{closest(mu.backend, list(BACKENDS))}; valid: {', '.join(BACKENDS)}")
     _require(mu.bucket_mb > 0, f"model_update.bucket_mb must be > 0, got {mu.bucket_mb}")
     _require(mu.timeout_s > 0, f"model_update.timeout_s must be > 0, got {mu.timeout_s}")
 
@@ -267,16 +242,11 @@ def _check_lifecycle(rollout: RolloutConfig) -> None:
              "(all_same_reward, min_reward_std, max_response_len) or set it to 0")
     problem = check_filter(rollout.filter, rollout.n, rollout.max_new_tokens)
     _require(problem is None, problem or "")
-    _require(rollout.scheduler in SCHEDULERS, f"rollout.scheduler must be one of {', '.join(SCHEDULERS)}, "
-             f"got '{rollout.scheduler}'{closest(rollout.scheduler, list(SCHEDULERS))}")
     problem = check_tail(rollout.tail_batching, rollout.max_new_tokens)
     _require(problem is None, problem or "")
     _require(rollout.scheduler == "tail_batching" or rollout.tail_batching == TailConfig(),
              "rollout.tail_batching.* is set but rollout.scheduler is 'plain' (the knobs would be unused); "
              "set rollout.scheduler: tail_batching or remove them")
-
-
-SCHEDULERS = ("plain", "tail_batching")
 
 
 def _check_plugin_section(where: str, section: dict, validator) -> None:
@@ -312,7 +282,6 @@ def noop_problem(cfg: FlashConfig) -> str | None:
     """The first ratio of ``algo.loss`` or ``algo.corrections`` that this config makes
     identically 1 (``algos.offpolicy.ratio_problem``), as one line naming the fix; else None."""
     import algos
-    from controllers.async_controller import prox_mode
 
     loss = dict(cfg.algo.loss)
     name = loss.pop("name")
@@ -327,13 +296,6 @@ def noop_problem(cfg: FlashConfig) -> str | None:
         if problem:
             return problem
     return None
-
-
-def _check_agg(agg: str) -> None:
-    import algos
-
-    valid = list(algos.AGGREGATIONS)
-    _require(agg in valid, f"algo.agg '{agg}' is not valid{closest(agg, valid)}; valid: {', '.join(valid)}")
 
 
 def _check_model(model: ModelConfig) -> None:

@@ -110,9 +110,13 @@ def load_tokenizer(cfg, model_path: str):
     """The policy's tokenizer, with ``model.chat_template`` in place of its own when set."""
     from transformers import AutoTokenizer
 
+    return with_chat_template(cfg, AutoTokenizer.from_pretrained(model_path))
+
+
+def with_chat_template(cfg, tokenizer):
+    """``tokenizer`` with ``model.chat_template`` (a template, or a file holding one) set, if any."""
     from flash.models import set_chat_template
 
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
     try:
         set_chat_template(tokenizer, cfg.model.chat_template)
     except (OSError, ValueError) as exc:

@@ -28,7 +28,7 @@ SHOW = 3
 def preview_tokenizer(cfg, task=None):
     """The tokenizer a run of ``cfg`` encodes prompts with (no warm start needed): the task's
     character tokenizer for the tiny model."""
-    from flash.app.data import load_tokenizer
+    from flash.app.data import load_tokenizer, with_chat_template
 
     if cfg.model.path:
         return load_tokenizer(cfg, cfg.model.path)
@@ -37,12 +37,10 @@ def preview_tokenizer(cfg, task=None):
         from flash.gguf import gguf_checkpoint
 
         return load_tokenizer(cfg, gguf_checkpoint(cfg.model.gguf, default_cache_dir(cfg)))
-    from flash.models import build_tokenizer, set_chat_template
+    from flash.models import build_tokenizer
     from flash.train.sft import task_tokenizer
 
-    tokenizer = task_tokenizer(task) if task is not None else build_tokenizer()
-    set_chat_template(tokenizer, cfg.model.chat_template)
-    return tokenizer
+    return with_chat_template(cfg, task_tokenizer(task) if task is not None else build_tokenizer())
 
 
 def histogram(lengths: list[int], bins: int = 8) -> list[tuple[int, int, int]]:

@@ -27,6 +27,7 @@ import statistics
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from controllers.tail_policy import SCHEDULERS
 from flash.app import plan_model as pm
 from flash.errors import ConfigError
 
@@ -38,13 +39,12 @@ KEYS = {
     "resources.engine_threads": ("engine_threads", int),
     "resources.trainer_threads": ("trainer_threads", int),
     "placement.roles.actor_infer.num_workers": ("replicas", int),
-    "rollout.scheduler": ("tail", lambda v: {"plain": False, "tail_batching": True}[v]),
+    "rollout.scheduler": ("tail", lambda v: {s: s == "tail_batching" for s in SCHEDULERS}[v]),
     "rollout.tail_batching.threshold": ("tail_threshold", float),
     "rollout.tail_batching.over_provision": ("tail_overprovision", float),
     "rollout.tail_batching.long_round_queue": ("tail_long_queue", int),
     "rollout.tail_batching.long_round_every": ("tail_long_every", int),
 }
-SCHEDULERS = ("plain", "tail_batching")
 TAIL = "rollout.tail_batching."
 TAIL_DEFAULTS = {"threshold": "p90", "over_provision": 1.25}  # controllers/tail_policy.TailConfig
 # Amdahl parallel fraction of both roles (flash.app.plan_model.amdahl) when no second run calibrates it:

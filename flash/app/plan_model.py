@@ -118,8 +118,9 @@ def scale(seconds: float, t_from: float, t_to: float, p: float) -> float:
 
 
 def auto_threads(cores: int, async_ratio: float, engine: int = 0, trainer: int = 0) -> tuple[int, int]:
-    """The runner's thread rule (flash.app.runner.resolve_threads): all cores each when sync (phases
-    alternate), halves when async; explicit values win."""
+    """(engine, trainer) torch threads on ``cores`` cores, the rule a run starts its roles with
+    (``flash.app.runner.resolve_threads``) and the planner predicts with: all cores each when sync
+    (phases alternate), halves when async (they overlap); explicit values (non-zero) win."""
     if async_ratio == 0:
         e, t = cores, cores
     else:

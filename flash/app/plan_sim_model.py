@@ -26,7 +26,7 @@ engine instance, ``G_t`` train GPUs, ``B`` prompts per step of ``n`` samples eac
 ``k_e``, ``k_t``, ``W`` and ``d`` are fitted on the trace (``flash.app.plan_sim.fit_sim``).
 
 The step loop (``simulate``) replays the controller: the scheduler admits a prompt while
-``admitted < ⌊(v + 1 + r)·B⌋`` (``controllers/staleness.py``; ``v`` = weight pushes so far); a
+``admitted < admission_limit(v, r, B)`` (``controllers/staleness.py``; ``v`` = weight pushes so far); a
 step takes the ``B`` oldest finished groups once every group admitted at a version ``≤ t − ⌈r⌉``
 has finished; then the driver's work and the train step (the engine goes on decoding meanwhile),
 then the push, which waits for the engine's current step, and requeues every running sequence
@@ -47,6 +47,7 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from controllers.staleness import admission_limit
 from flash.sim import cost as costs
 
 
@@ -194,11 +195,6 @@ def take_batch(eng: EngineState, B: int) -> list[_Group]:
     eng.finished.sort(key=lambda g: g.version)
     batch, eng.finished = eng.finished[:B], eng.finished[B:]
     return batch
-
-
-def admission_limit(version: int, r: float, B: int) -> int:
-    """``⌊(v + 1 + r)·B⌋`` prompts admitted in all (``controllers/staleness.py``)."""
-    return math.floor((version + 1 + r) * B + 1e-9)
 
 
 class StepLoop:

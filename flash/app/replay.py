@@ -20,6 +20,7 @@ from pathlib import Path
 import ray
 
 import algos
+from controllers.prox_mode import PROX_SOURCES
 from controllers.train_step import StepPlan, StepRoles, train_batch, train_stream
 from flash.app.config import FlashConfig, load_config
 from flash.app.roles import start_critic_role, start_reference_role, start_trainer_role
@@ -28,7 +29,6 @@ from flash.cluster import init_ray, pinned_threads, quiet, wait_ready
 from flash.errors import FlashError
 from flash.train.batch import collate, flatten
 
-PROX_MODES = ("behav", "fused", "separate", "approx")
 
 
 @dataclass
@@ -111,8 +111,8 @@ def _train(line: dict, cfg: FlashConfig, actors: tuple, pad_id: int) -> dict[str
     roles = StepRoles(*actors)
     groups = groups_from_line(line)
     prox_mode, adv_cfg = line.get("prox"), dict(cfg.algo.advantage)
-    if prox_mode not in PROX_MODES:
-        raise FlashError(f"schedule step {line['step']}: prox {prox_mode!r} is not one of {', '.join(PROX_MODES)}")
+    if prox_mode not in PROX_SOURCES:
+        raise FlashError(f"schedule step {line['step']}: prox {prox_mode!r} is not one of {', '.join(PROX_SOURCES)}")
     if line.get("stream"):  # each group backpropagated on its own, in the order they arrived
         return train_stream(roles, ([g] for g in groups), adv_cfg, pad_id)[1]
     batch = collate(flatten(groups), pad_id=pad_id)

@@ -135,10 +135,26 @@ RUN_FILES = ("config.yaml", "ledger.jsonl", "metrics.jsonl", "summary.json", "ev
              "samples.jsonl", "checkpoints")
 
 
+def held_run(path: Path) -> list[str]:
+    """The files that make ``path`` hold a run (``RUN_FILES``), if any."""
+    return [name for name in RUN_FILES if (path / name).exists()]
+
+
+def check_run_dir(cfg, resuming: bool) -> None:
+    """A ``run_dir`` that holds another run is refused, unless this run resumes it or
+    ``overwrite`` moves it aside (a fresh ``runs/<recipe>-<time>`` never holds one)."""
+    held = held_run(Path(cfg.run_dir)) if cfg.run_dir else []
+    if held and not resuming and not cfg.overwrite:
+        raise FlashError(f"run_dir {cfg.run_dir} already holds a run ({', '.join(held)}): continue it "
+                         f"with resume={cfg.run_dir}, pick a new run_dir, or pass overwrite=true to "
+                         f"move it aside")
+
+
 def make_run_dir(cfg, recipe_name: str, resuming: bool = False) -> Path:
     """The run's directory: new or without a run in it, unless resuming; ``overwrite`` moves an
     earlier run aside (never deletes it): another run's logs are never truncated by mistake."""
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    check_run_dir(cfg, resuming)
     if cfg.run_dir:
         path = Path(cfg.run_dir)
     else:
@@ -147,12 +163,7 @@ def make_run_dir(cfg, recipe_name: str, resuming: bool = False) -> Path:
             if not path.exists():
                 break
             path = Path("runs") / f"{recipe_name}-{stamp}-{n}"
-    held = [name for name in RUN_FILES if (path / name).exists()]
-    if held and not resuming:
-        if not cfg.overwrite:
-            raise FlashError(f"run_dir {path} already holds a run ({', '.join(held)}): continue it "
-                             f"with resume={path}, pick a new run_dir, or pass overwrite=true to "
-                             f"move it aside")
+    if held_run(path) and not resuming:  # overwrite (check_run_dir refused it otherwise)
         aside = path.with_name(f"{path.name}.old-{stamp}")
         path.rename(aside)
         log.warning("flash: moved the earlier run in %s aside to %s", path, aside)

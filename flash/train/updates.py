@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import math
+from typing import Literal, get_args
 
 import torch
 
@@ -25,7 +26,8 @@ import algos
 from algos.metrics import Metric, to_floats
 from flash.train.batch import TrainBatch
 
-LR_SCHEDULES = ("constant", "cosine")
+LrSchedule = Literal["constant", "cosine"]  # train.lr_schedule
+LR_SCHEDULES: tuple[str, ...] = get_args(LrSchedule)
 
 
 def lr_at(step: int, total: int, base_lr: float, schedule: str, warmup: int, min_ratio: float) -> float:

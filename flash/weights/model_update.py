@@ -41,6 +41,7 @@ from __future__ import annotations
 import datetime
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 import torch
 import torch.distributed as dist
@@ -56,7 +57,8 @@ ALONE_BYTES = 1 << 20
 DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
     torch.int16, torch.int8, torch.uint8, torch.bool)}
-BACKENDS = ("auto", "gloo", "nccl", "shm", "cuda_ipc", "object_store")
+ModelUpdateBackend = Literal["auto", "gloo", "nccl", "shm", "cuda_ipc", "object_store"]  # model_update.backend
+BACKENDS: tuple[str, ...] = get_args(ModelUpdateBackend)
 
 
 class ModelUpdateError(FlashError):
