@@ -353,7 +353,7 @@ def test_a_plugin_file_that_does_not_parse_is_one_line_naming_file_and_line(tmp_
                                 "(did you mean 'cosine'?)"),
     ("train.mixed_precision=bf61", "train.mixed_precision must be one of fp32, bf16, got 'bf61' "
                                    "(did you mean 'bf16'?)"),
-    ("model_update.backend=glo", "model_update.backend must be one of auto, gloo, nccl, shm, object_store, got "
+    ("model_update.backend=glo", "model_update.backend must be one of auto, gloo, nccl, shm, cuda_ipc, object_store, got "
                                  "'glo' (did you mean 'gloo'?)"),
     ("buffer.transport=zmg", "buffer.transport must be one of local, zmq, got 'zmg' (did you mean 'zmq'?)"),
     ("buffer.auth=curv", "buffer.auth must be one of curve, none, got 'curv' (did you mean 'curve'?)"),
