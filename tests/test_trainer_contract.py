@@ -4,17 +4,21 @@ The protocols of ``flash.train.base`` are checked first, from the classes' signa
 role: the single trainer's actor (``TrainerWorker``), the FSDP2 group (``TrainerGroup``), the
 simulated trainer, the reference and the critic. Then the same behaviour checks run against every
 policy trainer built here on CPU: the single trainer and the simulated one in this process, the
-FSDP2 group with two gloo ranks on Ray (its handle in this process; ``slow``). A train step returns the
-agreed metrics as floats, a step fed in parts too, ``get_weights`` has the model's names and
-shapes, ``stats`` counts busy seconds, and a checkpoint written between steps loads back.
+FSDP2 group with one gloo rank in this process behind the group's handle (``LocalRay``) and with
+two ranks on Ray (``slow``). A train step returns the agreed metrics as floats, a step fed in parts
+too, ``get_weights`` has the model's names and shapes, ``stats`` counts busy seconds, and a
+checkpoint written between steps loads back.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
+from types import SimpleNamespace
 
 import pytest
+import ray
 import torch
 
 from flash.train.base import (BATCH_METRICS, CRITIC_PROTOCOLS, POLICY_PROTOCOLS, REFERENCE_PROTOCOLS,
@@ -89,13 +93,71 @@ def model_shapes(model_dir) -> dict[str, tuple]:
     return {k: tuple(v.shape) for k, v in load_model(model_dir).state_dict().items()}
 
 
-# the group's two rank processes take ~2 min to start on a loaded 2-core machine
-@pytest.fixture(scope="module", params=["single", "sim", pytest.param("group", marks=pytest.mark.slow)])
+class LocalRay:
+    """The few Ray calls ``flash.train.trainer_group`` makes, run in this process: an actor is the
+    object itself, a call's result its own reference. A one-rank group then runs the group's and
+    the rank's real code without starting Ray (its two-rank form on Ray is the ``slow`` case)."""
+
+    exceptions = ray.exceptions
+
+    class _Handle:
+        def __init__(self, obj):
+            self._obj = obj
+
+        def __getattr__(self, method):
+            return SimpleNamespace(remote=lambda *args: getattr(self._obj, method)(*args))
+
+    def remote(self, cls):
+        start = lambda *args: self._Handle(cls(*args))
+        return SimpleNamespace(options=lambda **kw: SimpleNamespace(remote=start))
+
+    @staticmethod
+    def get(refs):
+        return refs
+
+    @staticmethod
+    def put(value):
+        return value
+
+    @staticmethod
+    def wait(refs, num_returns=1):
+        return refs[:num_returns], refs[num_returns:]
+
+    @staticmethod
+    def get_runtime_context():
+        return SimpleNamespace(get_node_id=lambda: "local")
+
+
+@contextlib.contextmanager
+def local_group(model_dir):
+    """A one-rank ``TrainerGroup`` in this process (``LocalRay``); its process group ends after."""
+    import torch.distributed as dist
+
+    from flash.cluster import pinned_threads
+    from flash.train import trainer_group
+    from flash.train.fsdp import GroupSettings
+
+    with pytest.MonkeyPatch.context() as mp, pinned_threads(torch.get_num_threads()):
+        mp.setattr(trainer_group, "ray", LocalRay())
+        try:
+            yield trainer_group.TrainerGroup(model_dir, settings(), GroupSettings(workers=1), seed=0, threads=1,
+                                             plugins=[])
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module", params=["single", "sim", "group1",
+                                        # its two rank processes take ~2 min to start on a loaded 2-core machine
+                                        pytest.param("group2", marks=pytest.mark.slow)])
 def trainer(request, model_dir):
     """(a fresh policy trainer, the names and shapes its ``get_weights`` must have)."""
     from flash.cluster import pinned_threads
 
-    if request.param == "single":
+    if request.param == "group1":
+        with local_group(model_dir) as group:
+            yield group, model_shapes(model_dir)
+    elif request.param == "single":
         from flash.train.worker import TrainerWorker
 
         with pinned_threads(torch.get_num_threads()):  # the worker sets its own count
