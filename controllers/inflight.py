@@ -55,6 +55,11 @@ class InFlight:
         self.answers: dict[str, GenerationOutput] = {}
         self._received: set[str] = set()  # unit ids finished for pending prompts
 
+    def open(self, prompt_id: int, item: Any, data_index: int, version: int, wave: int, cap: int | None,
+             meta: dict) -> None:
+        """Prompt ``prompt_id`` is in flight: its ``requests`` units start."""
+        self.prompts[prompt_id] = Pending(item, data_index, version, wave, self.requests, cap=cap, meta=dict(meta))
+
     def units(self, prompt_id: int, ids: list[int], ks) -> list[Unit]:
         """Units ``ks`` of a pending prompt: seeds from (run seed, prompt id, k); its ``cap`` (tail
         batching) lowers max_new_tokens."""

@@ -73,13 +73,12 @@ class RolloutCore:
         self._gate = WaveGate(queue=queue_scheduling)
         self._rng = random.Random(seed + 17)
         self._lock = threading.Condition()
-        # Engine submits and aborts are ordered: admission takes this lock before it releases
-        # ``_lock``, so an abort decided after a prompt was admitted reaches the engine after its
-        # requests did (else the abort would miss them and they would run to the end, unused).
+        # Engine submits and aborts are ordered: admission takes this lock before it releases ``_lock``,
+        # so an abort decided after a prompt was admitted reaches the engine after its requests did
+        # (else the abort would miss them and they would run to the end, unused).
         self._engine_io = threading.Lock()
         self._stop = threading.Event()
-        self._scoring = 0  # responses handed to the reward pool and not yet filed
-        self._polls = 0  # collector iterations, for quiesce()
+        self._scoring, self._polls = 0, 0  # responses in the reward pool not yet filed; collector polls
         self._error: BaseException | None = None
         self._pool = ThreadPoolExecutor(max_workers=max(1, reward_workers), thread_name_prefix="reward")
         self._later_aborts: list[str] = []  # unit ids a subclass's _group_done decided to cancel
@@ -233,14 +232,12 @@ class RolloutCore:
             self._rng.setstate((version, tuple(rng), gauss))
             restarted = sum(len(p.get("requests", ())) for p in state["pending"])
             self.outcomes.load_state_dict(state, buffered, restarted)
-            wave = self.admission.new_wave()
-            reqs = []
+            wave, reqs = self.admission.new_wave(), []
             for p in state["pending"]:
                 pid = p["prompt_id"]
                 item = self.source.item(p["data_index"])
                 ks = p.get("requests", list(range(self.inflight.requests)))
-                self.inflight.prompts[pid] = Pending(item, p["data_index"], p["version"], wave, self.inflight.requests,
-                                                     cap=p.get("cap"), meta=dict(p.get("meta", {})))
+                self.inflight.open(pid, item, p["data_index"], p["version"], wave, p.get("cap"), p.get("meta", {}))
                 if p.get("spare"):  # not counted: the checkpoint's count never included it
                     self.admission.prov.admitted(pid, p["version"], spare=True)
                 reqs += self._start_units(pid, self.source.encode(item.prompt), ks)
@@ -311,9 +308,8 @@ class RolloutCore:
         """Admit the next prompt (``_take_prompt``) under a new prompt id; its units."""
         index, item, ids, cap, meta = self._take_prompt(spare)
         version, prompt_id = self.admission.version, self.admission.new_prompt(spare)
-        requests = self.inflight.requests
-        self.inflight.prompts[prompt_id] = Pending(item, index, version, wave, requests, cap=cap, meta=meta)
-        return self._start_units(prompt_id, ids, range(requests))
+        self.inflight.open(prompt_id, item, index, version, wave, cap, meta)
+        return self._start_units(prompt_id, ids, range(self.inflight.requests))
 
     def _start_units(self, prompt_id: int, ids: list[int], ks) -> list[Unit]:
         """Units ``ks`` of pending prompt ``prompt_id``, admitted and generating in the lifecycle."""

@@ -182,6 +182,10 @@ def test_episode_state_restarts_the_seeds_in_flight_with_the_same_environment_an
     a.counters["episodes"] = 1
     a.counters["faults_env"] = 2  # env workers that died before the checkpoint: faults/env continues
     state = json.loads(json.dumps(a.state_dict()))
+    # the format checkpoints have always had: old ones resume
+    assert sorted(state) == ["admitted", "counters", "lifecycle", "next_index", "pending", "provisioning", "rng",
+                             "version", "waves"]
+    assert sorted(state["pending"][0]) == ["cap", "data_index", "meta", "prompt_id", "requests", "spare", "version"]
     assert [(p["prompt_id"], p["data_index"], p["requests"]) for p in state["pending"]] == [(0, 0, [0, 1, 2]),
                                                                                            (1, 1, [0, 1, 2])]
     b, launched = _episodes()

@@ -76,15 +76,12 @@ def test_the_roles_beside_the_policy_satisfy_theirs_as_instances(model_dir):
 # ---- behaviour, against every policy trainer built here --------------------------------------------
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from flash.models import TinyModelConfig, build_tiny_model, build_tokenizer
+    from flash.models import TinyModelConfig
+    from tests.helpers.models import save_tiny
 
-    tok = build_tokenizer()
-    model = build_tiny_model(tok, TinyModelConfig(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=2,
-                                                  intermediate_size=128, max_positions=64))
-    path = tmp_path_factory.mktemp("tiny")
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
-    return str(path)
+    cfg = TinyModelConfig(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=2, intermediate_size=128,
+                          max_positions=64)
+    return save_tiny(tmp_path_factory.mktemp("tiny"), cfg)
 
 
 def model_shapes(model_dir) -> dict[str, tuple]:
