@@ -2,8 +2,9 @@
 
 - ``async_controller``: ``AsyncController``, the suspend → weight update → resume cycle around
   ``get_batch`` (staleness rule), proximal logprobs, advantages and the train step;
-- ``scheduler`` (with ``admission``): ``RolloutCore``, the one scheduler core -- admission under
-  the staleness bound (``staleness``, ``provisioning``: spares), threads, versions, redundancy,
+- ``scheduler``: ``RolloutCore``, the one scheduler core, composed of ``admission``, ``inflight``
+  and ``lifecycle.Outcomes`` -- admission under the staleness bound (``staleness``,
+  ``provisioning``: spares), threads, versions, redundancy,
   filters (``filters``), the per-sample ``lifecycle`` and ledger, checkpoint state, requeue after
   engine faults, evaluation -- for every workflow (``workflows``: single-turn, episode);
   ``RolloutScheduler`` is the core running single-turn requests;

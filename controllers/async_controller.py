@@ -218,7 +218,7 @@ class AsyncController:
             nonlocal weights
             with self.phase("suspend"):
                 self._engine_get_once("pause", self.s.interrupt)
-                self.scheduler.suspend()  # what a workflow holds across an update (nothing, built in)
+                self.scheduler.check()
             with self.phase("push_weights"):
                 if self.model_update is not None:  # returns after every replica acknowledged
                     self._push_group(new_version)
@@ -227,7 +227,6 @@ class AsyncController:
                     self._update_bytes = float(self._engine_get_once("update_weights", weights, new_version) or 0.0)
             with self.phase("resume"):
                 self._engine_get_once("resume")
-                self.scheduler.resume()
 
         def cycle_and_record():
             cycle()

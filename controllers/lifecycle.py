@@ -20,6 +20,10 @@ lock and checked against the diagram (an illegal one raises), each snapshot sati
 
 and a sample can neither vanish nor end twice (DESIGN.md invariant 5, at sample granularity).
 Filtered groups and aborted samples also leave ledger events, which the controller writes.
+
+``Outcomes`` is the scheduler core's part that owns the lifecycle with the core's run counters
+(samples and tokens generated, errors, late outputs, reward time): their metrics and their part
+of a checkpoint.
 """
 
 from __future__ import annotations
@@ -28,7 +32,10 @@ import threading
 from collections import Counter
 from typing import Any, Iterable
 
+from controllers.filters import RULES
+
 STATES = ("admitted", "generating", "scoring", "buffered", "trained", "filtered", "aborted")
+ABORT_REASONS = ("redundant", "surplus")  # why a sample ends aborted (rollout/aborted/<reason>)
 LIVE = ("admitted", "generating", "scoring", "buffered")
 TERMINAL = ("trained", "filtered", "aborted")
 NEXT = {
@@ -136,6 +143,40 @@ class Lifecycle:
         m.update({f"rollout/filtered/{k}": float(v) for k, v in filtered.items()})
         m.update({f"rollout/aborted/{k}": float(v) for k, v in aborted.items()})
         return m
+
+
+class Outcomes:
+    """The lifecycle of every sample and the core's run counters (the core's lock guards
+    ``counters``; the workflow may share the dict: ``Episodes.core``)."""
+
+    def __init__(self) -> None:
+        self.lifecycle = Lifecycle()
+        # late_outputs: a finished response of a request already aborted (it raced the abort)
+        self.counters: dict[str, float] = {"samples_generated": 0, "tokens_generated": 0, "reward_errors": 0,
+                                           "request_errors": 0, "late_outputs": 0, "reward_seconds": 0.0}
+
+    def metrics(self) -> dict[str, float]:
+        """Lifecycle counts, filtered groups by rule, aborted samples by reason (every rule and
+        reason present, zero until it happens, so a tracker's series start at step 1), late
+        outputs and reward time."""
+        m = {f"rollout/filtered/{rule}": 0.0 for rule in RULES}
+        m.update({f"rollout/aborted/{reason}": 0.0 for reason in ABORT_REASONS})
+        m.update(self.lifecycle.metrics())
+        m.update({"rollout/late_outputs": float(self.counters["late_outputs"]),
+                  "reward/seconds_total": float(self.counters["reward_seconds"])})
+        return m
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"counters": dict(self.counters), "lifecycle": self.lifecycle.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any], buffered: list[str], readmitted: int) -> None:
+        """Counters and lifecycle of a checkpoint; ``buffered``: the request ids of the restored
+        buffer's samples, ``readmitted``: the requests the restore admits again
+        (``Lifecycle.load_state_dict``)."""
+        self.counters.update(state["counters"])
+        if "lifecycle" in state:
+            self.lifecycle.load_state_dict(state["lifecycle"], {rid: "buffered" for rid in buffered},
+                                           readmitted=readmitted)
 
 
 def unbalance(snap: dict[str, int]) -> int:

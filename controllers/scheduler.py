@@ -1,19 +1,22 @@
 """The rollout scheduler core: admits prompts under the staleness bound and turns finished units
-into groups, for every workflow (``controllers.workflows``: single-turn requests, environment
-episodes).
+into groups, for every workflow (``controllers.workflows``: single-turn, episodes, agent runs).
+
+``RolloutCore`` is composed of parts that each own their state, all guarded by the core's lock:
+``admission`` (``controllers.admission``: version, admissions, data position, waves, counted groups
+and spares), ``inflight`` (``controllers.inflight``: pending prompts, their units and seeds, outputs
+taken, evaluation units) and ``outcomes`` (``controllers.lifecycle``: the lifecycle of every sample,
+its ledger events, the run counters). A checkpoint's state is theirs (``state_dict``).
 
 Three kinds of threads, all in the driver:
-- *admission* (``controllers.admission.Admission``, this class's base): whenever ``Provisioning``
-  allows, takes the next prompt and launches its ``n + redundancy`` units through the workflow;
+- *admission*: whenever ``Provisioning`` allows, takes the next prompt and launches its
+  ``n + redundancy`` units through the workflow;
 - *collector*: pulls outputs from the engine and routes them through the workflow; a unit that
-  finished (a response; an episode, handed to ``deliver`` by the thread that ended it) moves on,
-  and once ``n`` of a prompt's units finished the redundant rest are cancelled
-  (``aborted(redundant)``: engine requests aborted, environments released);
+  finished (a response; an episode, handed to ``deliver`` by the thread that ended it) moves on;
+  once ``n`` of a prompt's units finished the rest are cancelled (``aborted(redundant)``);
 - *reward pool*: turns each finished unit into a scored sample as soon as it arrives (queue
-  scheduling), concurrently with generation -- or, with ``queue_scheduling=False``, only once its
-  admission wave has finished generating (``WaveGate``). A group's ``n`` scored samples then pass
-  the dynamic-sampling filters (``controllers.filters``) into the SampleBuffer, or are filtered and
-  free their slot; a spare's group waits for a slot (``controllers.provisioning``).
+  scheduling) -- or, with ``queue_scheduling=False``, once its admission wave finished generating
+  (``WaveGate``). A group's ``n`` scored samples pass the filters (``controllers.filters``) into
+  the SampleBuffer, or are filtered and free their slot; a spare's group waits for a slot.
 
 Every sample moves through ``controllers.lifecycle`` (admitted → generating → scoring → buffered |
 filtered | aborted → trained), and every admitted prompt is in exactly one place at any time: in
@@ -27,15 +30,17 @@ import random
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 from buffers import BufferClosed, Group, SampleBuffer
 from buffers.reward import reward_value
-from controllers.admission import Admission, PromptSource, _Pending
-from controllers.filters import RULES, FilterConfig, filter_reason
-from controllers.lifecycle import Lifecycle
-from controllers.provisioning import Provisioning, WaveGate
+from controllers.admission import Admission, PromptSource
+from controllers.filters import FilterConfig, filter_reason
+from controllers.inflight import InFlight, Pending
+from controllers.lifecycle import Lifecycle, Outcomes
+from controllers.provisioning import WaveGate
 from controllers.staleness import StalenessManager
-from controllers.workflows.base import Hold, Unit, Workflow, parse_request_id, request_id, request_seed
+from controllers.workflows.base import Service, Unit, Workflow, parse_request_id, request_id, request_seed
 from controllers.workflows.single_turn import SingleTurn
 from flash.engine.base import GenerationOutput, SamplingParams
 from flash.engine.client import EngineClient
@@ -43,11 +48,9 @@ from flash.errors import FlashError
 
 __all__ = ["PromptSource", "RolloutCore", "RolloutScheduler", "parse_request_id", "request_id", "request_seed"]
 
-ABORT_REASONS = ("redundant", "surplus")  # why a sample ends aborted (rollout/aborted/<reason>)
 
-
-class RolloutCore(Admission):
-    """The one scheduler: ``workflow`` (a ``Workflow`` and ``Hold``) says how a unit runs.
+class RolloutCore:
+    """The one scheduler: ``workflow`` (a ``Workflow`` and ``Service``) says how a unit runs.
 
     ``supervisor``: the ``EngineClient`` every engine call goes through (``client``, or a
     pass-through over ``engine``: a fault raises at once)."""
@@ -59,44 +62,37 @@ class RolloutCore(Admission):
                  filters: FilterConfig | None = None, client: EngineClient | None = None):
         if redundancy < 0:
             raise ValueError(f"redundancy must be >= 0, got {redundancy}")
-        if not isinstance(workflow, Workflow) or not isinstance(workflow, Hold):
+        if not isinstance(workflow, Workflow) or not isinstance(workflow, Service):
             raise TypeError(f"{type(workflow).__name__} is not a Workflow (controllers.workflows.base)")
-        self.workflow = workflow
-        self.engine, self.source, self.buffer = engine, source, buffer
-        self.staleness, self.params, self.n, self.seed = staleness, params, n, seed
-        self.inject_delay_s, self.redundancy = inject_delay_s, int(redundancy)
-        self.filters = filters or FilterConfig()
-        self.lifecycle = Lifecycle()
-        self._prov = Provisioning(staleness, max_additional_prompts)
+        self.workflow, self.source, self.buffer, self.n = workflow, source, buffer, n
+        self.inject_delay_s, self.filters = inject_delay_s, filters or FilterConfig()
+        self.admission = Admission(staleness, source, max_additional_prompts, start_index)
+        self.inflight = InFlight(params, seed, n + int(redundancy))
+        self.outcomes = Outcomes()
+        self.supervisor = client if client is not None else EngineClient.passthrough(engine)
         self._gate = WaveGate(queue=queue_scheduling)
         self._rng = random.Random(seed + 17)
         self._lock = threading.Condition()
-        # Engine submits and aborts are ordered: admission takes this lock before it releases
-        # ``_lock``, so an abort decided after a prompt was admitted reaches the engine after its
-        # requests did (else the abort would miss them and they would run to the end, unused).
+        # Engine submits and aborts are ordered: admission takes this lock before it releases ``_lock``,
+        # so an abort decided after a prompt was admitted reaches the engine after its requests did
+        # (else the abort would miss them and they would run to the end, unused).
         self._engine_io = threading.Lock()
-        self._pending: dict[int, _Pending] = {}
-        self._admitted = 0
-        self._waves = 0
-        self._next_index = start_index
-        self._version = 0
         self._stop = threading.Event()
-        self._admit_stop = threading.Event()
-        self._scoring = 0  # responses handed to the reward pool and not yet filed
-        self._polls = 0  # collector iterations, for quiesce()
+        self._scoring, self._polls = 0, 0  # responses in the reward pool not yet filed; collector polls
         self._error: BaseException | None = None
-        self._eval: dict[str, GenerationOutput] = {}
         self._pool = ThreadPoolExecutor(max_workers=max(1, reward_workers), thread_name_prefix="reward")
-        # late_outputs: a finished response of a request already aborted (it raced the abort)
-        self.counters = {"samples_generated": 0, "tokens_generated": 0, "reward_errors": 0,
-                         "request_errors": 0, "late_outputs": 0, "reward_seconds": 0.0}
-        self.supervisor = client if client is not None else EngineClient.passthrough(engine)
         self._later_aborts: list[str] = []  # unit ids a subclass's _group_done decided to cancel
-        self._received: set[str] = set()  # unit ids finished for pending prompts
-        self._eval_units: dict[str, Unit] = {}  # evaluation units not yet answered
         self._threads = [threading.Thread(target=self._guard(f), daemon=True, name=f.__name__)
                          for f in (self._admit_loop, self._collect_loop)]
         workflow.core = self  # last: the workflow may read the core's state (counters) when bound
+
+    @property
+    def counters(self) -> dict[str, float]:  # the run counters (``Outcomes``), shared with the workflow
+        return self.outcomes.counters
+
+    @property
+    def lifecycle(self) -> Lifecycle:  # the samples' lifecycle (``Outcomes``)
+        return self.outcomes.lifecycle
 
     # ---- controller-facing API -------------------------------------------------------------
     def start(self) -> None:
@@ -106,19 +102,30 @@ class RolloutCore(Admission):
     def start_admission(self) -> None:
         self._threads[0].start()
 
+    def set_version(self, version: int) -> None:
+        """The policy moved to ``version``: more prompts may be admitted; older spares end."""
+        with self._lock:
+            abort_ids = []
+            for pid in self.admission.move_to(version):  # older spares
+                abort_ids += self._drop_prompt(pid, self.expire_reason, {})
+            self._on_version(version)
+            self._lock.notify_all()
+        self._abort(abort_ids)
+        self.buffer.wake()
+
     def pending_versions(self) -> list[int]:
         """Admission versions of trainable groups not yet complete (spares excluded)."""
         with self._lock:
-            return [p.version for pid, p in self._pending.items() if not self._prov.is_spare(pid)]
+            return [p.version for pid, p in self.inflight.prompts.items() if not self.admission.prov.is_spare(pid)]
 
     def pending_ids(self) -> list[int]:
         with self._lock:
-            return sorted(self._pending)
+            return sorted(self.inflight.prompts)
 
     @property
     def admitted(self) -> int:
         with self._lock:
-            return self._admitted
+            return self.admission.admitted
 
     def mark_trained(self, groups: list[Group]) -> None:
         self.lifecycle.move([s.meta["request_id"] for g in groups for s in g.samples], "trained")
@@ -128,27 +135,12 @@ class RolloutCore(Admission):
         return self.lifecycle.drain_events()
 
     def metrics(self) -> dict[str, float]:
-        """Lifecycle counts, filtered groups by rule, aborted samples by reason (every rule and
-        reason present, zero until it happens, so a tracker's series start at step 1)."""
-        m = {f"rollout/filtered/{rule}": 0.0 for rule in RULES}
-        m.update({f"rollout/aborted/{reason}": 0.0 for reason in ABORT_REASONS})
-        m.update(self.lifecycle.metrics())
+        """The outcomes' metrics (``Outcomes.metrics``), the counted admissions, the workflow's."""
         with self._lock:
-            m.update({"rollout/late_outputs": float(self.counters["late_outputs"]),
-                      "reward/seconds_total": float(self.counters["reward_seconds"]),
-                      "rollout/counted_admissions": float(self._prov.counted)})
+            m = self.outcomes.metrics()
+            m["rollout/counted_admissions"] = float(self.admission.prov.counted)
         m.update(self.workflow.metrics())
         return m
-
-    def suspend(self, timeout: float = 120.0) -> float:
-        """Around a weight update: the workflow holds back what may not run across it (environment
-        steps); returns the seconds it waited."""
-        waited = self.workflow.suspend(timeout)
-        self.check()
-        return waited
-
-    def resume(self) -> None:
-        self.workflow.resume()
 
     def leftover(self) -> list[dict]:
         """Ledger lines for prompts still queued outside the core at the end of a run (none here)."""
@@ -161,7 +153,7 @@ class RolloutCore(Admission):
 
     def stop_admission(self) -> None:
         with self._lock:
-            self._admit_stop.set()
+            self.admission.stopped.set()
             self._lock.notify_all()
 
     def quiesce(self, timeout: float = 60.0) -> None:
@@ -175,7 +167,7 @@ class RolloutCore(Admission):
             raise TimeoutError("rollout scheduler did not quiesce")
 
     def stop(self) -> None:
-        self._admit_stop.set()
+        self.admission.stopped.set()
         self._stop.set()
         with self._lock:
             self._lock.notify_all()
@@ -195,19 +187,75 @@ class RolloutCore(Admission):
         units = [Unit(f"eval/{tag}/{i}", -1, i, item, self.source.encode(item.prompt),
                       SamplingParams(**{**params.__dict__, "seed": request_seed(seed, 10**6 + i, 0)}))
                  for i, item in enumerate(items)]
+        answers = self.inflight.answers
         with self._lock:
-            self._eval_units.update((u.id, u) for u in units)
+            self.inflight.eval_units.update((u.id, u) for u in units)
         self.workflow.launch(units)
         with self._lock:
-            while not all(u.id in self._eval for u in units):
+            while not all(u.id in answers for u in units):
                 self.check()
                 self._lock.wait(timeout=0.5)
-            outs = [self._eval.pop(u.id) for u in units]
+            outs = [answers.pop(u.id) for u in units]
             for u in units:
-                self._eval_units.pop(u.id, None)
+                self.inflight.eval_units.pop(u.id, None)
         # scored concurrently on the reward threads (a code reward's sandbox runs dominate an eval)
         futures = [self._pool.submit(self.workflow.finish, u, out) for u, out in zip(units, outs)]
         return [f.result() for f in futures]
+
+    # ---- checkpoint and fault hooks (flash.checkpoint, flash.engine.client) ---------------------
+    def state_dict(self) -> dict:
+        """The parts' state (admission, outcomes, the prompts in flight) and the RNG.
+
+        A prompt in flight (regular or spare, generating, scoring, or a spare's parked group) is
+        restarted from scratch on resume: same prompt id, data index, admission version and request
+        seeds, for the requests of it still live here; its partial responses are dropped, never its
+        prompt. The restore takes those requests out of the lifecycle's ``admitted`` count and admits
+        them again, so ``admitted = ended + live`` still holds after it.
+        """
+        with self._lock:
+            version, state, gauss = self._rng.getstate()
+            pending = self.inflight.state_dict(lambda rid: self.lifecycle.state(rid) is not None,
+                                               self.admission.prov.is_spare)
+            return {**self.admission.state_dict(), **self.outcomes.state_dict(),
+                    "rng": [version, list(state), gauss], "pending": pending}
+
+    def load_state_dict(self, state: dict, buffered_groups: list[Group] | None = None) -> int:
+        """Restore a checkpoint's state before ``start`` (the buffer's groups already put back:
+        ``buffered_groups``, or read from an in-process buffer); the prompts in flight restart from
+        scratch (same prompt ids, same request seeds). Returns how many prompts restarted."""
+        if buffered_groups is None:
+            buffered_groups = self.buffer.snapshot()[0]
+        buffered = [s.meta["request_id"] for g in buffered_groups for s in g.samples]
+        with self._lock:
+            self.admission.load_state_dict(state)
+            version, rng, gauss = state["rng"]
+            self._rng.setstate((version, tuple(rng), gauss))
+            restarted = sum(len(p.get("requests", ())) for p in state["pending"])
+            self.outcomes.load_state_dict(state, buffered, restarted)
+            wave, reqs = self.admission.new_wave(), []
+            for p in state["pending"]:
+                pid = p["prompt_id"]
+                item = self.source.item(p["data_index"])
+                ks = p.get("requests", list(range(self.inflight.requests)))
+                self.inflight.open(pid, item, p["data_index"], p["version"], wave, p.get("cap"), p.get("meta", {}))
+                if p.get("spare"):  # not counted: the checkpoint's count never included it
+                    self.admission.prov.admitted(pid, p["version"], spare=True)
+                reqs += self._start_units(pid, self.source.encode(item.prompt), ks)
+            self._gate.open(wave, len(reqs))
+        self.workflow.launch(reqs)
+        return len(state["pending"])
+
+    def requeue_lost(self, ids: list[str] | None = None) -> int:
+        """After an engine restart: ask again what the engine lost (``InFlight.lost``; of ``ids``
+        only when given: the requests a restarted replica behind a router held) through
+        ``Workflow.requeue``. Returns how many. Called inside the engine client's recovery, maybe
+        from a thread that holds ``_engine_io``: it launches without that lock (an abort racing a
+        recovery at worst lets a request run on)."""
+        only = None if ids is None else set(ids)
+        with self._lock:
+            lost = self.inflight.lost(lambda rid: self.lifecycle.state(rid) == "generating",
+                                      self.source.encode, only)
+        return self.workflow.requeue(lost, ids)
 
     # ---- threads -------------------------------------------------------------------------
     def _guard(self, fn):
@@ -222,6 +270,79 @@ class RolloutCore(Admission):
         run.__name__ = fn.__name__
         return run
 
+    # ---- admission (the admission thread; hooks under the lock) --------------------------------
+    def _admit_loop(self) -> None:
+        adm = self.admission
+        while not adm.stopped.is_set():
+            with self._lock:
+                self._lock.wait_for(lambda: adm.stopped.is_set() or adm.next_action() is not None)
+                if adm.stopped.is_set():
+                    return
+                batch, promoted = self._admit_wave()
+                self._engine_io.acquire()
+            try:
+                self.workflow.launch(batch)
+            finally:
+                self._engine_io.release()
+            for pid, group in promoted:
+                self._to_buffer(pid, group)
+
+    def _admit_wave(self) -> tuple[list[Unit], list[tuple[int, Group]]]:
+        """Everything admission allows now (under the lock): promotions first, then new prompts."""
+        wave = self.admission.new_wave()
+        batch, promoted = [], []
+        while (action := self.admission.next_action()) is not None:
+            kind, pid = action
+            if kind == "promote":
+                self.admission.prov.promote(pid)
+                group = self.inflight.prompts[pid].parked
+                if group is not None:  # already scored and kept: straight to the buffer
+                    self.lifecycle.move([s.meta["request_id"] for s in group.samples], "buffered")
+                    promoted.append((pid, group))
+            else:
+                batch.extend(self._admit_one(wave, spare=kind == "spare"))
+        self._gate.open(wave, len(batch))
+        return batch, promoted
+
+    def _admit_one(self, wave: int, spare: bool) -> list[Unit]:
+        """Admit the next prompt (``_take_prompt``) under a new prompt id; its units."""
+        index, item, ids, cap, meta = self._take_prompt(spare)
+        version, prompt_id = self.admission.version, self.admission.new_prompt(spare)
+        self.inflight.open(prompt_id, item, index, version, wave, cap, meta)
+        return self._start_units(prompt_id, ids, range(self.inflight.requests))
+
+    def _start_units(self, prompt_id: int, ids: list[int], ks) -> list[Unit]:
+        """Units ``ks`` of pending prompt ``prompt_id``, admitted and generating in the lifecycle."""
+        units = self.inflight.units(prompt_id, ids, ks)
+        rids = [u.id for u in units]
+        self.lifecycle.admit(rids)
+        self.lifecycle.move(rids, "generating")
+        return units
+
+    def _take_prompt(self, spare: bool) -> tuple[int, Any, list[int], int | None, dict]:
+        """The next prompt to admit: (data index, item, token ids, length cap or None, sample meta)."""
+        index, item, ids = self.admission.take()
+        return index, item, ids, None, {}
+
+    def _on_version(self, version: int) -> None:
+        """Hook under the lock when the policy moved to ``version``, before admission goes on."""
+
+    expire_reason = "surplus"  # why an expired spare ends (rollout/aborted/<reason>)
+
+    def _drop_prompt(self, pid: int, reason: str, event: dict) -> list[str]:
+        """End every live request of pending prompt ``pid`` as aborted(reason), one ledger event for
+        the prompt (under the lock); returns the ids still generating, to abort in the engine."""
+        p = self.inflight.prompts.pop(pid)
+        rids = [request_id(pid, j) for j in range(p.requests)]
+        states = {r: self.lifecycle.state(r) for r in rids}
+        live = [r for r in rids if states[r] is not None]
+        generating = [r for r in live if states[r] == "generating"]
+        self.lifecycle.abort(live, reason, [{"prompt_id": pid, "data_index": p.data_index,
+                                             "samples": len(live), **event}])
+        self._dispatch(self._gate.resolved(p.wave, len(generating)))
+        return generating
+
+    # ---- collection and scoring (the collector and reward threads) -----------------------------
     def _collect_loop(self) -> None:
         while not self._stop.is_set():
             self.deliver(self.workflow.route(self.supervisor.poll(0.2)))
@@ -239,15 +360,14 @@ class RolloutCore(Admission):
             for out in outs:
                 rid = out.request_id
                 if rid.startswith("eval/"):
-                    self._eval[rid] = out
+                    self.inflight.answers[rid] = out
                 elif out.finish_reason != "abort":  # partials of an abort are not results
-                    if rid in self._received or parse_request_id(rid)[0] not in self._pending:
+                    if not self.inflight.first_output(rid):
                         self.counters["duplicate_outputs"] = self.counters.get("duplicate_outputs", 0) + 1
                         continue
-                    self._received.add(rid)
                     self._dispatch(self._on_generated(out, to_abort))
             if self._polls % 50 == 0:
-                self._received = {r for r in self._received if parse_request_id(r)[0] in self._pending}
+                self.inflight.forget_ended()
             self._lock.notify_all()
         self._abort(to_abort)
 
@@ -265,7 +385,7 @@ class RolloutCore(Admission):
             self.counters["late_outputs"] += 1
             return []
         pid, k = parse_request_id(rid)
-        p = self._pending[pid]
+        p = self.inflight.prompts[pid]
         if out.finish_reason == "error":  # refused by the engine: scores 0, counted
             self.counters["request_errors"] += 1
         self.counters["samples_generated"] += 1
@@ -300,22 +420,22 @@ class RolloutCore(Admission):
     def _finish_sample(self, out: GenerationOutput) -> None:
         pid, k = parse_request_id(out.request_id)
         with self._lock:
-            pending = self._pending.get(pid)
+            pending = self.inflight.prompts.get(pid)
             if pending is None or self.lifecycle.state(out.request_id) != "scoring":
                 return  # its group was aborted (surplus) while the response waited
-            unit = self._units(pid, [], [k])[0]
+            unit = self.inflight.units(pid, [], [k])[0]
         start = time.monotonic()
         if self.inject_delay_s > 0:  # a slow reward, for tests and benchmarks
             time.sleep(self._rng.uniform(0, self.inject_delay_s))
         sample = self.workflow.finish(unit, out)
         with self._lock:
             self.counters["reward_seconds"] += time.monotonic() - start
-            if self._pending.get(pid) is not pending or self.lifecycle.state(out.request_id) != "scoring":
+            if self.inflight.prompts.get(pid) is not pending or self.lifecycle.state(out.request_id) != "scoring":
                 return
             pending.samples[k] = sample
             if len(pending.samples) < self.n:
                 return
-            group = self._make_group(pid, pending)
+            group = pending.group(pid)
             to_buffer = self._group_done(pid, pending, group)
         if to_buffer:
             self._to_buffer(pid, group)
@@ -325,14 +445,7 @@ class RolloutCore(Admission):
             later, self._later_aborts = self._later_aborts, []
         self._abort(later)
 
-    def _make_group(self, pid: int, p: _Pending) -> Group:
-        """The kept samples in request order, renumbered 0..n-1 (``meta['request']`` keeps k)."""
-        samples = [p.samples[k] for k in sorted(p.samples)]
-        for i, s in enumerate(samples):
-            s.sample_index = i
-        return Group(prompt_id=pid, admitted_version=p.version, data_index=p.data_index, samples=samples)
-
-    def _group_done(self, pid: int, p: _Pending, group: Group) -> bool:
+    def _group_done(self, pid: int, p: Pending, group: Group) -> bool:
         """Filter, park (a spare) or send to the buffer (under the lock); True: put it in the buffer."""
         rids = [s.meta["request_id"] for s in group.samples]
         rule = None
@@ -341,13 +454,13 @@ class RolloutCore(Admission):
         if rule is not None:
             self.lifecycle.filter_group(rids, rule, {"prompt_id": pid, "data_index": p.data_index,
                                                      "version": group.version, "rewards": group.rewards})
-            self._prov.filtered(pid)
-            del self._pending[pid]
+            self.admission.prov.filtered(pid)
+            del self.inflight.prompts[pid]
             self._lock.notify_all()  # a slot (or a spare's place) is free
             return False
-        if self._prov.is_spare(pid):
+        if self.admission.prov.is_spare(pid):
             p.parked = group
-            self._prov.spare_finished(pid)
+            self.admission.prov.spare_finished(pid)
             self._lock.notify_all()
             return False
         self.lifecycle.move(rids, "buffered")
@@ -356,7 +469,7 @@ class RolloutCore(Admission):
     def _to_buffer(self, pid: int, group: Group) -> None:
         self.buffer.put(group)  # in the buffer before it leaves pending: never in neither
         with self._lock:
-            del self._pending[pid]
+            del self.inflight.prompts[pid]
         self.buffer.wake()
 
     def score(self, item, token_ids: list[int]) -> float:

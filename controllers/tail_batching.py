@@ -36,9 +36,9 @@ import math
 from collections import deque
 
 from buffers import Group
-from controllers.admission import _Pending
 from controllers.workflows.base import parse_request_id
 from controllers.filters import filter_reason
+from controllers.inflight import Pending
 from controllers.scheduler import RolloutScheduler
 from controllers.tail_policy import LengthThreshold, TailConfig, long_round_due
 from flash.engine.base import GenerationOutput
@@ -50,12 +50,12 @@ class TailBatchingScheduler(RolloutScheduler):
     def __init__(self, *args, tail: TailConfig | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.tail = tail or TailConfig()
-        B = self.staleness.batch
+        B = self.admission.prov.staleness.batch
         # the percentile is over groups' longest responses: the group rule cuts by the longest
-        self._threshold = LengthThreshold(self.tail.threshold, self.tail.window, self.params.max_new_tokens,
+        self._threshold = LengthThreshold(self.tail.threshold, self.tail.window, self.inflight.params.max_new_tokens,
                                           min_history=B)
         self._extra = math.ceil((self.tail.over_provision - 1) * B - 1e-9)
-        self._base_spares = self._prov.max_additional
+        self._base_spares = self.admission.prov.max_additional
         self._trigger = self.tail.long_round_queue or B
         self._long: deque[dict] = deque()  # {"data_index", "prompt_id" (the cut admission)}
         self._round, self._cap, self._round_version = "short", None, -1
@@ -73,7 +73,7 @@ class TailBatchingScheduler(RolloutScheduler):
         self._round = "long" if long else "short"
         self._cap = None if long else self._threshold.cap()
         self.tail_counters["long_rounds" if long else "short_rounds"] += 1
-        self._prov.max_additional = self._base_spares + (0 if long else self._extra)
+        self.admission.prov.max_additional = self._base_spares + (0 if long else self._extra)
 
     def _take_prompt(self, spare: bool):
         """Long round: the queue first; a short round whose cuts overflowed the queue to twice its
@@ -92,7 +92,7 @@ class TailBatchingScheduler(RolloutScheduler):
     # ---- collection (under the lock) ---------------------------------------------------------
     def _on_generated(self, out: GenerationOutput, to_abort: list[str]) -> list[GenerationOutput]:
         pid, _ = parse_request_id(out.request_id)
-        p = self._pending.get(pid)
+        p = self.inflight.prompts.get(pid)
         if p is None or self.lifecycle.state(out.request_id) != "generating":
             return super()._on_generated(out, to_abort)  # a late output, counted there
         if p.cap is not None and out.finish_reason == "length":  # reached the threshold: cut the group
@@ -109,11 +109,11 @@ class TailBatchingScheduler(RolloutScheduler):
 
     def _cut(self, pid: int, why: str) -> list[str]:
         """End pending prompt ``pid`` as ``tail_cut`` and queue it; engine ids to abort."""
-        self._prov.filtered(pid)  # frees its slot (a regular group) or its place (a spare)
+        self.admission.prov.filtered(pid)  # frees its slot (a regular group) or its place (a spare)
         return self._drop_prompt(pid, "tail_cut", {"why": why})
 
     def _drop_prompt(self, pid: int, reason: str, event: dict) -> list[str]:
-        p = self._pending[pid]
+        p = self.inflight.prompts[pid]
         self._longest.pop(pid, None)
         ids = super()._drop_prompt(pid, reason, {"why": "expired", "version": p.version, **event})
         if reason == "tail_cut":
@@ -122,22 +122,22 @@ class TailBatchingScheduler(RolloutScheduler):
             self._lock.notify_all()  # a slot is free (refill)
         return ids
 
-    def _group_done(self, pid: int, p: _Pending, group: Group) -> bool:
+    def _group_done(self, pid: int, p: Pending, group: Group) -> bool:
         """First to finish wins (swap a finished spare in); a full round cuts its spares."""
         self._longest.pop(pid, None)
-        version = self._version
-        if self._prov.is_spare(pid) and p.version == version and not self._filtered(group):
-            if not self._prov.staleness.can_admit(self._prov.counted, version):
+        version = self.admission.version
+        if self.admission.prov.is_spare(pid) and p.version == version and not self._filtered(group):
+            if not self.admission.prov.staleness.can_admit(self.admission.prov.counted, version):
                 victim = self._victim(pid, version)
                 if victim is not None:
-                    self._prov.demote(victim, version)
+                    self.admission.prov.demote(victim, version)
                     self.tail_counters["swaps"] += 1
-            if self._prov.staleness.can_admit(self._prov.counted, version):
-                self._prov.promote(pid)
+            if self.admission.prov.staleness.can_admit(self.admission.prov.counted, version):
+                self.admission.prov.promote(pid)
         to_buffer = super()._group_done(pid, p, group)
         if to_buffer and self._round_full(pid):
-            self._prov.max_additional = self._base_spares  # no new spares for the rest of the round
-            for q in sorted(q for q in self._pending if self._prov.is_spare(q)):
+            self.admission.prov.max_additional = self._base_spares  # no new spares for the rest of the round
+            for q in sorted(q for q in self.inflight.prompts if self.admission.prov.is_spare(q)):
                 self._later_aborts += self._cut(q, "round_full")
         return to_buffer
 
@@ -147,17 +147,17 @@ class TailBatchingScheduler(RolloutScheduler):
 
     def _victim(self, pid: int, version: int) -> int | None:
         """The regular group of ``version`` still decoding that has the fewest responses in."""
-        running = [(len(q.finished), -qid) for qid, q in self._pending.items()
-                   if qid != pid and not self._prov.is_spare(qid) and q.version == version
+        running = [(len(q.finished), -qid) for qid, q in self.inflight.prompts.items()
+                   if qid != pid and not self.admission.prov.is_spare(qid) and q.version == version
                    and len(q.finished) < self.n and "cut_from" not in q.meta]
         return -min(running)[1] if running else None
 
     def _round_full(self, pid: int) -> bool:
         """Every slot holds a finished group and no regular group is still out: spares are useless."""
-        if self._prov.staleness.can_admit(self._prov.counted, self._version):
+        if self.admission.prov.staleness.can_admit(self.admission.prov.counted, self.admission.version):
             return False
-        return not any(qid != pid and not self._prov.is_spare(qid) and len(q.samples) < self.n
-                       for qid, q in self._pending.items())
+        return not any(qid != pid and not self.admission.prov.is_spare(qid) and len(q.samples) < self.n
+                       for qid, q in self.inflight.prompts.items())
 
     # ---- controller-facing ---------------------------------------------------------------------
     def metrics(self) -> dict[str, float]:
@@ -167,7 +167,7 @@ class TailBatchingScheduler(RolloutScheduler):
             m.update({f"rollout/tail/{k}": float(v) for k, v in self.tail_counters.items()})
             m.update({"rollout/tail/long_queue": float(len(self._long)),
                       "rollout/tail/long_round": float(self._round == "long"),
-                      "rollout/tail/threshold": float(self._cap or self.params.max_new_tokens)})
+                      "rollout/tail/threshold": float(self._cap or self.inflight.params.max_new_tokens)})
         return m
 
     def leftover(self) -> list[dict]:
@@ -182,7 +182,7 @@ class TailBatchingScheduler(RolloutScheduler):
             state["tail"] = {"long_queue": list(self._long), "round": self._round, "cap": self._cap,
                              "round_version": self._round_version,
                              "lengths": list(self._threshold.lengths), "counters": dict(self.tail_counters),
-                             "max_additional": self._prov.max_additional}
+                             "max_additional": self.admission.prov.max_additional}
         return state
 
     def load_state_dict(self, state: dict, buffered_groups=None) -> int:
@@ -196,5 +196,5 @@ class TailBatchingScheduler(RolloutScheduler):
             self._threshold.lengths.clear()
             self._threshold.lengths.extend(tail["lengths"])
             self.tail_counters.update(tail["counters"])
-            self._prov.max_additional = tail["max_additional"]
+            self.admission.prov.max_additional = tail["max_additional"]
         return super().load_state_dict(state, buffered_groups)

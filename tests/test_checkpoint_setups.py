@@ -179,15 +179,19 @@ def test_episode_state_restarts_the_seeds_in_flight_with_the_same_environment_an
         units = a._admit_one(0, spare=False) + a._admit_one(0, spare=False)  # seeds 0 and 1, 3 episodes each
     a.workflow.launch(units)
     a.lifecycle.move(["1:2"], "scoring")  # seed 1's third episode has finished, its group has not
-    a._pending[1].samples[2] = _sample(1, 2)
+    a.inflight.prompts[1].samples[2] = _sample(1, 2)
     a.counters["episodes"] = 1
     a.counters["faults_env"] = 2  # env workers that died before the checkpoint: faults/env continues
     state = json.loads(json.dumps(a.state_dict()))
+    # the format checkpoints have always had: old ones resume
+    assert sorted(state) == ["admitted", "counters", "lifecycle", "next_index", "pending", "provisioning", "rng",
+                             "version", "waves"]
+    assert sorted(state["pending"][0]) == ["cap", "data_index", "meta", "prompt_id", "requests", "spare", "version"]
     assert [(p["prompt_id"], p["data_index"], p["requests"]) for p in state["pending"]] == [(0, 0, [0, 1, 2]),
                                                                                            (1, 1, [0, 1, 2])]
     b, launched = _episodes()
     assert b.load_state_dict(state, buffered_groups=[]) == 2
-    assert (b.admitted, b._next_index, b.counters["episodes"], b.workflow.faults) == (2, 2, 1, 2)
+    assert (b.admitted, b.admission.next_index, b.counters["episodes"], b.workflow.faults) == (2, 2, 1, 2)
     assert _played(launched) == _played(first)  # the same episodes, on the same workers, same seeds
     assert [p[1] for p in _played(launched)] == [1000] * 3 + [1001] * 3
     snap = b.lifecycle.snapshot()

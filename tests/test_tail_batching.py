@@ -268,7 +268,7 @@ def test_staleness_bound_and_every_cut_prompt_trained_once_under_random_lengths(
     events = sched.drain_outcomes()
     leftover = sched.leftover()
     in_flight = sched.pending_ids()
-    rerun_out = [sched._pending[p].meta.get("cut_from") for p in in_flight]  # re-runs still decoding
+    rerun_out = [sched.inflight.prompts[p].meta.get("cut_from") for p in in_flight]  # re-runs still decoding
     buffered = buffer.drain()  # with r > 0 finished groups wait for later steps
     rerun_out += [g.samples[0].meta.get("cut_from") for g in buffered]
     sched.stop()

@@ -1,7 +1,7 @@
 """Workflows: how one admitted unit becomes a scored sample, behind one small protocol.
 
 - ``base``: ``Unit``, the ``Workflow`` protocol (launch / cancel / route / finish / requeue) and
-  ``Hold`` (suspend / resume around a weight update, metrics, stop); unit ids and seeds;
+  ``Service`` (metrics, stop); unit ids and seeds;
 - ``single_turn``: one engine request per unit, scored by the reward;
 - ``episode`` (with ``env_faults``): one environment episode per unit on the ``EnvWorker`` actors.
 

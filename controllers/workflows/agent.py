@@ -39,7 +39,7 @@ class _Run:
 
 
 class Agents:
-    """The agent workflow (``Workflow`` and ``Hold``); ``core`` is set by the ``RolloutCore``."""
+    """The agent workflow (``Workflow`` and ``Service``); ``core`` is set by the ``RolloutCore``."""
 
     def __init__(self, gateway, runner, to_sample, max_turns: int = 32, call_timeout_s: float = 300.0):
         self.gateway, self.runner, self.to_sample, self.max_turns = gateway, runner, to_sample, max_turns
@@ -109,13 +109,7 @@ class Agents:
             self.core.supervisor.submit(reqs)
         return len(reqs)
 
-    # ---- Hold ----------------------------------------------------------------------------
-    def suspend(self, timeout: float) -> float:
-        return 0.0
-
-    def resume(self) -> None:
-        pass
-
+    # ---- Service -------------------------------------------------------------------------
     def metrics(self) -> dict[str, float]:
         return {**self.runner.metrics(), "agent/untrained_tokens": float(self.untrained_tokens),
                 **{f"gateway/{k}": float(v) for k, v in self.gateway.metrics().items()}}

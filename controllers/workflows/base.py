@@ -15,8 +15,9 @@ its ledger, checkpoint state, evaluation -- and hands the rest to a ``Workflow``
 - ``finish(unit, output)``: the finished unit as a scored ``Sample`` (runs on the reward threads);
 - ``requeue(lost, ids)``: after an engine restart, ask again what the engine lost.
 
-``Hold`` is the part the controller calls around a weight update (an environment step is atomic:
-none may run across it) and the part the metrics read. Unit ids are ``"<prompt id>:<k>"`` for
+``Service`` is the part the core reads for metrics and stops at the end of a run; nothing of a
+workflow is held across a weight update (LLM turns follow ``rollout.interrupt`` in the engine,
+environment calls and agents run on). Unit ids are ``"<prompt id>:<k>"`` for
 training and ``"eval/<tag>/<i>"`` for evaluation; seeds depend only on (run seed, prompt id, k).
 """
 
@@ -86,11 +87,7 @@ class SteppedEnvs(Protocol):
 
 
 @runtime_checkable
-class Hold(Protocol):
-    def suspend(self, timeout: float) -> float: ...
-
-    def resume(self) -> None: ...
-
+class Service(Protocol):
     def metrics(self) -> dict[str, float]: ...
 
     def stop(self) -> None: ...

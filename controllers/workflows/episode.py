@@ -82,7 +82,7 @@ class _Episode:
 
 
 class Episodes(EnvWorkerFaults):
-    """The episode workflow (``Workflow`` and ``Hold``); ``core`` is set by the ``RolloutCore``."""
+    """The episode workflow (``Workflow`` and ``Service``); ``core`` is set by the ``RolloutCore``."""
 
     def __init__(self, workers: list, codec: EpisodeCodec, max_turns: int, env_threads: int = 16, *,
                  hang_timeout_s: float = 120.0, max_worker_restarts: int = 0):
@@ -176,14 +176,7 @@ class Episodes(EnvWorkerFaults):
             self.core.supervisor.submit(reqs)
         return len(reqs)
 
-    # ---- Hold ----------------------------------------------------------------------------
-    def suspend(self, timeout: float) -> float:
-        """Nothing is held across a weight update (module docstring): environment calls run on."""
-        return 0.0
-
-    def resume(self) -> None:
-        pass
-
+    # ---- Service -------------------------------------------------------------------------
     def metrics(self) -> dict[str, float]:
         """Episode counters as ``rollout/episodes/<name>``, and ``faults/env``."""
         with self._lock:
@@ -230,7 +223,7 @@ class Episodes(EnvWorkerFaults):
     def _halted(self, ep: _Episode) -> bool:
         """Cancelled, or a training episode after ``stop_admission``: it goes no further and its
         environment is released (called under the lock)."""
-        if ep.cancelled or (ep.training and self.core._admit_stop.is_set()):
+        if ep.cancelled or (ep.training and self.core.admission.stopped.is_set()):
             if not ep.cancelled:
                 self._count("episodes_halted")
             ep.worker.close.remote(ep.key)
@@ -252,7 +245,7 @@ class Episodes(EnvWorkerFaults):
                 self._count("request_errors")
             else:
                 add_turn(ep.transcript, list(out.token_ids), list(out.logprobs), list(out.versions),
-                         self.core._version)
+                         self.core.admission.version)
                 ep.turns += 1
                 self._count("turns")
                 self._count("tokens_generated", len(out.token_ids))

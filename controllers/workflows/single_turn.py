@@ -42,13 +42,7 @@ class SingleTurn:
         self.launch(lost)
         return len(lost)
 
-    # ---- Hold: nothing to hold around a weight update --------------------------------------
-    def suspend(self, timeout: float) -> float:
-        return 0.0
-
-    def resume(self) -> None:
-        pass
-
+    # ---- Service ---------------------------------------------------------------------------
     def metrics(self) -> dict[str, float]:
         return {}
 

@@ -1,5 +1,6 @@
 """Training: the policy trainer and the roles around it.
 
+- ``base``: the trainer-role contract (typed protocols, as ``flash.engine.base`` for engines);
 - ``trainer`` (one process), ``trainer_group`` with ``fsdp`` and ``fsdp_checkpoint`` (an FSDP2
   group of ranks), ``worker`` (the trainer as a Ray actor), ``critic`` (the value model for GAE);
 - ``batch`` (collation of groups into tensors) and ``microbatch`` (length-grouped micro-batches);
