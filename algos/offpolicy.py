@@ -1,5 +1,5 @@
 """Which policies a loss or a correction reads, and the rule that refuses a ratio that is
-identically 1 (DESIGN.md invariants 3 and 6).
+identically 1 (docs/design.md invariants 3 and 6).
 
 Three policies meet in every step: **behav** (the engine that sampled the tokens), **prox** (the
 trainer's weights at the start of the rollout batch) and **current** (the forward being trained).

@@ -4,7 +4,7 @@ and environments are each a ``Registry`` of named entries with typed knobs.
 An entry is a function ``fn(inputs, *, knob=default, ...)`` -- its keyword-only parameters are its
 **knobs**, defaults and annotations read from the signature -- or a class whose ``Options``
 dataclass's fields are its knobs (tasks, environments). Listing, validating and calling all come
-from one place, so a knob cannot be accepted by the config yet ignored by the code (DESIGN.md
+from one place, so a knob cannot be accepted by the config yet ignored by the code (docs/design.md
 invariant 6), and every unknown name gets the same closest-name error (``closest_error``).
 
 - Unknown names and knobs raise ``ValueError`` naming the closest valid key(s) (``difflib``) and

@@ -2,7 +2,7 @@
 
 A ``Sample`` is one response to one prompt. The ``n`` samples drawn for one admitted prompt form a
 ``Group`` (GRPO-style advantages are computed within a group). Every generated token carries the
-policy version that produced it (DESIGN.md invariant 1); a sample's version is the oldest of its
+policy version that produced it (docs/design.md invariant 1); a sample's version is the oldest of its
 tokens, so a response continued across a weight update counts as old as its first token.
 
 Multi-turn episodes (``flash.envs``) put the environment's observation tokens inside the response:

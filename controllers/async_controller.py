@@ -267,7 +267,7 @@ class AsyncController:
 
     def _write_ledger(self, t: int, groups: list[Group]) -> None:
         """Trained samples, then the scheduler's filtered groups and aborted samples since the last
-        step (one line each, with the rule or reason: DESIGN.md invariant 5)."""
+        step (one line each, with the rule or reason: docs/design.md invariant 5)."""
         outcomes = self.scheduler.drain_outcomes()
         if self.ledger is None:
             return

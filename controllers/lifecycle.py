@@ -18,7 +18,7 @@ lock and checked against the diagram (an illegal one raises), each snapshot sati
 
     admitted = trained + filtered + aborted + buffered_now + scoring_now + generating_now (+ admitted_now)
 
-and a sample can neither vanish nor end twice (DESIGN.md invariant 5, at sample granularity).
+and a sample can neither vanish nor end twice (docs/design.md invariant 5, at sample granularity).
 Filtered groups and aborted samples also leave ledger events, which the controller writes.
 
 ``Outcomes`` is the scheduler core's part that owns the lifecycle with the core's run counters

@@ -1,6 +1,6 @@
 """Admission accounting with dynamic sampling: which prompts count against the staleness bound.
 
-``StalenessManager`` admits while ``admitted < floor((t + 1 + r) * B)`` (DESIGN.md invariant 2).
+``StalenessManager`` admits while ``admitted < floor((t + 1 + r) * B)`` (docs/design.md invariant 2).
 With filters on, a filtered group will never be trained, so counting it would leave batches short
 forever (the bound is reached, the buffer never holds ``B`` groups). Here the count is of
 *trainable* groups only:

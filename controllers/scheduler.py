@@ -20,7 +20,7 @@ Three kinds of threads, all in the driver:
 
 Every sample moves through ``controllers.lifecycle`` (admitted → generating → scoring → buffered |
 filtered | aborted → trained), and every admitted prompt is in exactly one place at any time: in
-flight here, in the buffer, trained, filtered or aborted -- DESIGN.md invariant 5. Request seeds
+flight here, in the buffer, trained, filtered or aborted -- docs/design.md invariant 5. Request seeds
 depend only on (run seed, prompt id, request index), never on timing.
 """
 

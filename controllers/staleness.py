@@ -3,7 +3,7 @@
 With async ratio ``r`` and ``B`` prompts per train step, while the policy is at version ``t`` (the
 number of weight updates pushed so far) the scheduler admits a new prompt only while
 
-    admitted < floor((t + 1 + r) * B)                                   (DESIGN.md invariant 2)
+    admitted < floor((t + 1 + r) * B)                                   (docs/design.md invariant 2)
 
 so a prompt admitted at version ``v`` lies among the first ``floor((v + 1 + r) * B)`` admissions.
 The batch of step ``t`` may then hold only samples with version >= t - ceil(r): a prompt admitted at

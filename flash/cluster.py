@@ -104,7 +104,7 @@ def require_ray_auth(address: str | None, environ=os.environ, started: bool = Fa
     network can neither join nor call in. Before ``ray.init``: an explicit other mode is refused
     (setting the variable here would come too late: Ray caches its config at import). After it
     (``started``): the mode must be on. A cluster joined by ``ray.address`` is configured by
-    whoever started it (README, "Run on a Ray cluster")."""
+    whoever started it (docs/cluster.md)."""
     mode = environ.get("RAY_AUTH_MODE")
     if address or (mode is None and not started) or (mode or "").lower() == "token":
         return

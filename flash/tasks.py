@@ -10,7 +10,7 @@ is measured on prompts the policy was not trained on (short items can still coin
 when the space of prompts is small; a task documents this if it matters).
 
 Options: each task declares a frozen dataclass of options. ``make_task(name, **options)`` rejects
-an unknown option with an error naming the closest valid one (DESIGN.md invariant 6), and
+an unknown option with an error naming the closest valid one (docs/design.md invariant 6), and
 ``task_options(name)`` hands the dataclass to the config layer so it can validate YAML before
 anything runs.
 """

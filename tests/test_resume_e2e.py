@@ -6,7 +6,7 @@ would. Kills land after a random delay, and once inside a checkpoint write (``FL
 holds the write open between the trainer's file and the manifest). Before the last resume the
 newest checkpoint is truncated on disk: the resume must detect it and fall back to the previous one.
 
-What must hold at the end (DESIGN.md invariant 5): the ledger shows every prompt of the planned
+What must hold at the end (docs/design.md invariant 5): the ledger shows every prompt of the planned
 steps trained exactly once (each of its samples once), none twice, none missing, step numbers in
 metrics.jsonl continue 1..N once each; with ``async_ratio=0`` and ``rollout.interrupt=wait`` the
 losses equal an uninterrupted run's exactly. That run reads its prompts from a dataset file (the

@@ -179,7 +179,7 @@ def test_bad_limits_name_the_field():
 
 
 def test_namespaces_are_used_where_the_host_allows_them():
-    """This machine allows unprivileged user namespaces (DESIGN.md facts); CI is the same kind."""
+    """This machine allows unprivileged user namespaces (docs/design.md facts); CI is the same kind."""
     probe = Path("/proc/sys/user/max_user_namespaces")
     if not probe.exists() or int(probe.read_text()) == 0:
         pytest.skip("user namespaces disabled on this host")

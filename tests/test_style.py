@@ -1,4 +1,4 @@
-"""The size budgets and comment rules of DESIGN.md's style section, over every Python file of the
+"""The size budgets and comment rules of docs/design.md's style section, over every Python file of the
 project (packages, benchmarks and tests): files under 500 lines, functions under 60, and comments
 that say what and why, never where the code came from (no issue or session numbers)."""
 

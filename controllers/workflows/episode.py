@@ -10,7 +10,7 @@ Parts, all in the driver:
 - ``cancel`` (redundant, surplus): the episode stops at its next turn or step, its pending turn is
   aborted in the engine and its environment released.
 
-Weight updates (DESIGN.md invariant 4 for episodes): LLM turns follow ``rollout.interrupt`` inside
+Weight updates (docs/design.md invariant 4 for episodes): LLM turns follow ``rollout.interrupt`` inside
 the engine; environment calls run on through the update. A step needs no policy, so holding steps
 back would make every update wait for the slowest one in flight -- with a long-tailed environment
 (a remote tool, a simulator) that wait is the tail the asynchronous rollout exists to hide. A step

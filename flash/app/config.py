@@ -1,6 +1,6 @@
 """Typed, strict configuration: OmegaConf structured configs, YAML recipes, ``key=value`` overrides.
 
-Strictness is the point (DESIGN.md invariant 6): ROLL's users lose hours to keys that are silently
+Strictness is the point (docs/design.md invariant 6): ROLL's users lose hours to keys that are silently
 ignored. Here every key a user writes is checked against the schema *before* merging, and an
 unknown key is an error that names the closest valid key. Sections whose keys depend on a plugin
 (the loss, the advantage estimator, the task) are free-form dicts in the schema and are checked

@@ -18,7 +18,7 @@ train step of another setting from them. Notation (per train step, B prompts × 
   overlap (async) and ask for more threads than the ``C`` cores, both slow by ``(e + t) / C``.
 
 Overlap (``step_time``): with ratio ``r`` the scheduler may admit ``min(r, 1)`` of the next batch
-while the current one trains (DESIGN.md invariant 2), so that share of the next round's engine
+while the current one trains (docs/design.md invariant 2), so that share of the next round's engine
 work hides behind ``U + W_u``:
 
     T = O + U + W_u + (E + g0) − min(min(r, 1)·(E + g0), U + W_u)

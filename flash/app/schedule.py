@@ -10,7 +10,7 @@ a recorded batch does not: ``flash replay RUN_DIR`` (flash.app.replay) re-trains
 and must find every step's loss again, bit for bit.
 
 The record is data read back from disk: ``groups_from_line`` checks every field's type and size
-before anything is built from it (``buffers.codec``; DESIGN.md invariant 7) and a bad line is one
+before anything is built from it (``buffers.codec``; docs/design.md invariant 7) and a bad line is one
 ``FlashError`` naming the step and field.
 """
 

@@ -18,7 +18,7 @@ gets do not depend on which other requests share its batch. Every response token
 logprob the engine sampled it with (the behaviour policy, at the request's temperature) and the
 policy ``version`` of the weights that produced it.
 
-Interrupt modes at ``pause`` (DESIGN.md invariant 4):
+Interrupt modes at ``pause`` (docs/design.md invariant 4):
 - ``continue``: in-flight requests keep their partial responses; after ``update_weights`` and
   ``resume`` they are re-prefilled under the new weights and go on (later tokens carry the new
   version).

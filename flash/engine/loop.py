@@ -7,7 +7,7 @@ step, waits until the step in flight ends, runs against the engine under the loc
 thread go on. Registering first keeps callers from being starved by a thread that re-takes the
 lock right after each step.
 
-Pausing (DESIGN.md invariant 4, modes in ``flash.engine.base``): ``continue`` and ``restart``
+Pausing (docs/design.md invariant 4, modes in ``flash.engine.base``): ``continue`` and ``restart``
 park the thread at the next step boundary; ``wait`` stops admission and keeps stepping until the
 running requests have finished, then parks. ``update_weights`` is allowed only while paused.
 

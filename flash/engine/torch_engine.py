@@ -267,7 +267,7 @@ class TorchEngine(BatchState):
         self.admitting = True
 
     def sleep(self, level: int = 1) -> dict:
-        """Release memory for a colocated trainer (DESIGN.md: overlapping device mappings).
+        """Release memory for a colocated trainer (docs/design.md: overlapping device mappings).
 
         Level 1 drops the KV cache (running requests are requeued with their partial responses,
         as after a weight update) and moves the weights to host memory when they live on an

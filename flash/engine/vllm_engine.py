@@ -21,7 +21,7 @@ How the contract of ``flash.engine.base`` maps onto vLLM:
 - **Stops.** ``ignore_eos`` plus the request's ``stop_token_ids``: only the request's stop tokens
   end it (the stop token is kept in the output), as in the torch engine; ``generation_config`` is
   ignored so the checkpoint's defaults cannot change sampling.
-- **Interrupts** (DESIGN.md invariant 4). ``continue``: in-flight requests are aborted in vLLM and
+- **Interrupts** (docs/design.md invariant 4). ``continue``: in-flight requests are aborted in vLLM and
   their partial responses kept; on ``resume`` each is re-submitted as prompt + partial with the
   remaining token budget, so later tokens come from (and carry the version of) the new weights.
   A continued segment samples with a seed derived from the request's seed and the segment number.

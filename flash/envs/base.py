@@ -1,4 +1,4 @@
-"""The environment protocol (DESIGN.md) and its registry.
+"""The environment protocol (docs/design.md) and its registry.
 
 An environment is a text game the policy plays turn by turn::
 

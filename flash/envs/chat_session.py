@@ -1,7 +1,7 @@
 """Token-exact chat sessions: what an agent says through chat messages, kept as the sampled tokens.
 
 An agent talks to the policy in messages; the trainer must see the very tokens the engine sampled
-(DESIGN.md invariant 8). Re-rendering the conversation with the chat template each call and
+(docs/design.md invariant 8). Re-rendering the conversation with the chat template each call and
 training on that would drift: the template re-tokenizes the decoded reply (``"ab"`` sampled as
 ``a`` ``b`` may come back as one merged token), drops special tokens, or trims whitespace. So a
 session keeps its token sequence and only ever *appends* to it:

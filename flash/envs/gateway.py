@@ -3,7 +3,7 @@
 User agent code talks to the policy with any OpenAI client (``base_url`` = ``Gateway.start()``,
 ``api_key`` = a key from ``open_session``). Each call becomes one engine request whose prompt is
 the session's tokens so far, and what was sampled is recorded as ``flash.envs.chat_session``
-lays it out, so training sees exactly the sampled tokens (DESIGN.md invariant 8). The gateway
+lays it out, so training sees exactly the sampled tokens (docs/design.md invariant 8). The gateway
 knows nothing of the scheduler: the caller passes a blocking ``generate(prompt_ids, params,
 session_key) -> GenerationOutput`` wired to an engine, and collects a session's segments with
 ``close_session``.

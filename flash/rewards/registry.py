@@ -11,7 +11,7 @@ text. A *builder* (``register_reward(..., builder=True)``) is instead called onc
 the knobs and returns the scorer ``(item, response) -> float``; built-ins that keep state (the
 code reward's adaptive timeout) are builders. A scorer may have a ``metrics() -> dict`` method.
 
-Everything is checked before anything runs (DESIGN.md invariant 6): an unknown name names the
+Everything is checked before anything runs (docs/design.md invariant 6): an unknown name names the
 closest registered one, a bad import path says what failed, an unknown knob names the valid ones.
 """
 

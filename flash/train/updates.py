@@ -4,7 +4,7 @@ A rollout batch is split into ``mini_batches`` contiguous row chunks, the same c
 order every epoch, and each chunk gets one optimizer step (``begin_step`` → ``accumulate`` →
 ``finish_step``, so micro-batching and the aggregation weights are those of a single step).
 
-The proximal policy is the trainer's policy *at the start of the batch* (DESIGN.md invariant 3).
+The proximal policy is the trainer's policy *at the start of the batch* (docs/design.md invariant 3).
 The fused recompute (``prox = sg(logp)`` of the step's own forward) is exact only for the first
 optimizer step, so with more than one step ``train_batch`` takes the proximal logprobs once, by a
 no-grad forward before the first step, and every mini-batch and epoch reads those.
