@@ -123,7 +123,7 @@ def _check_engine_and_backend(cfg: FlashConfig) -> None:
     if backend == "sim":
         _require(check_sim(cfg.sim) is None, str(check_sim(cfg.sim)))
         _require(group_free(cfg.train), "train.backend=sim simulates its GPUs with sim.train_gpus; leave "
-                 "train.workers, micro_tokens, mixed_precision and activation_checkpointing unset")
+                 "train.workers, micro_tokens and activation_checkpointing unset")
     else:
         unread = sim_settings_set(cfg.sim)
         _require(not unread, f"{', '.join(f'sim.{k}' for k in unread)}: read only by simulated roles "
@@ -339,8 +339,12 @@ def _check_agg(agg: str) -> None:
 def _check_model(model: ModelConfig) -> None:
     """``model.path`` is a local Hugging Face folder; ``model.gguf`` excludes it, and its file (or
     package) and GGUF loaders must be here."""
+    from flash.devices import DTYPES
+
     _require(model.path is None or model.gguf is None, "model.path and model.gguf both name the model; set "
              "one of them")
+    _require(model.dtype in DTYPES, f"model.dtype must be one of {', '.join(DTYPES)}, got '{model.dtype}'"
+             f"{closest(model.dtype, list(DTYPES))}")
     if model.path is not None:
         _check_model_path(model.path)
     if model.gguf is None:

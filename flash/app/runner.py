@@ -120,6 +120,7 @@ def trainer_settings(cfg: FlashConfig) -> TrainerSettings:
         total_optimizer_steps=cfg.train.steps * steps_per_batch(cfg.train),
         prox="approx" if cfg.algo.recompute_prox == "approx" else "fused",
         reference="role" if reference_placed(cfg) else "local",
+        dtype=cfg.model.dtype,
     )
 
 

@@ -30,6 +30,10 @@ class ModelConfig:
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
     # A Jinja chat template (or the path of a file holding one) replacing the tokenizer's own.
     chat_template: Optional[str] = None
+    # Compute precision (flash.devices): float32 | bfloat16 | float16. The engine holds its weights
+    # in it; the trainer keeps float32 weights and AdamW state and runs its forward in it (autocast,
+    # or FSDP2's mixed-precision policy with a float32 gradient reduction). Logprobs are float32.
+    dtype: str = "float32"
 
 
 @dataclass
@@ -146,7 +150,6 @@ class TrainConfig:
     # placement.roles.actor_train worker: either count implies the other (imply_trainer_workers)
     workers: int = 1
     micro_tokens: int = 0  # padded tokens per micro-batch (length-grouped rows); 0 = rows only
-    mixed_precision: str = "fp32"  # fp32 | bf16 (bf16 compute, fp32 master weights and reduction)
     activation_checkpointing: bool = False  # recompute decoder layers in backward (less memory)
 
 
