@@ -181,7 +181,7 @@ def build_tiny_model(tokenizer: PreTrainedTokenizerFast, cfg: TinyModelConfig) -
     return model
 
 
-CACHE_KWARGS = ("past_key_values", "past_key_value", "layer_past")  # names across transformers versions
+CACHE_KWARGS = ("past_key_values", "past_key_value", "layer_past", "cache")  # names across transformers versions
 
 
 def enable_activation_checkpointing(layers) -> None:

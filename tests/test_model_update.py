@@ -314,6 +314,7 @@ def test_a_bfloat16_replica_holds_the_trainer_weights_cast_to_bfloat16(roles):
     trainer's cast to bf16, and the engine generates from them."""
     trainer = roles["trainer"]
     engine = ray.remote(ProbeEngine).options(num_cpus=0, max_concurrency=8).remote(roles["path"], 16, 0, 1, "bfloat16")
+    ray.get(engine.stats.remote())  # started (a loaded machine may take a while)
     group = ModelUpdateGroup(trainer, [engine], backend="gloo", bucket_mb=0.01, timeout_s=60)
     group.setup()
     try:
