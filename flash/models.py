@@ -16,6 +16,7 @@ at least 32 because vLLM's CPU attention kernels do not support 16.
 
 from __future__ import annotations
 
+import functools
 import string
 from dataclasses import asdict, dataclass
 
@@ -178,3 +179,34 @@ def build_tiny_model(tokenizer: PreTrainedTokenizerFast, cfg: TinyModelConfig) -
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.bos_token_id = tokenizer.bos_token_id
     return model
+
+
+CACHE_KWARGS = ("past_key_values", "past_key_value", "layer_past", "cache")  # names across transformers versions
+
+
+def enable_activation_checkpointing(layers) -> None:
+    """Recompute each of ``layers`` (a model's decoder layers) in backward instead of keeping its
+    activations: torch's non-reentrant checkpoint around the layer's whole call, its hooks
+    included, in training with gradients on. Done here rather than by transformers'
+    ``gradient_checkpointing_enable``, whose mechanism changes between versions. A checkpointed
+    layer never writes a KV cache (its recompute would append to the cache a second time)."""
+    for layer in layers:
+        layer.__class__ = _checkpointed(type(layer))
+
+
+@functools.cache
+def _checkpointed(cls: type) -> type:
+    """``cls`` with a ``__call__`` that runs the original under ``torch.utils.checkpoint``."""
+    from torch.utils.checkpoint import checkpoint
+
+    def __call__(self, *args, **kwargs):
+        import torch
+
+        if not (self.training and torch.is_grad_enabled()):
+            return cls.__call__(self, *args, **kwargs)
+        kwargs.update({k: None for k in CACHE_KWARGS if kwargs.get(k) is not None})
+        if kwargs.get("use_cache"):
+            kwargs["use_cache"] = False
+        return checkpoint(cls.__call__, self, *args, use_reentrant=False, **kwargs)
+
+    return type(f"Checkpointed{cls.__name__}", (cls,), {"__call__": __call__})

@@ -60,3 +60,19 @@ def test_default_recipe_learns(tmp_path, cache, ratio, seed):
     assert [x["step"] for x in samples] == [t for t in range(1, cfg.train.steps + 1) for _ in range(2)]
     assert all(a["reward"] >= b["reward"] and a["prompt"] and isinstance(b["response"], str)
                for a, b in zip(samples[::2], samples[1::2]))  # the step's best, then its worst
+
+
+@pytest.mark.margin  # ~5 min: the seed-0 asynchronous run with a bfloat16 engine and trainer forward
+def test_default_recipe_learns_in_bfloat16(tmp_path, cache):
+    """model.dtype=bfloat16 (bf16 engine weights, bf16 forward over fp32 master weights, fp32
+    logprobs) at async ratio 2 keeps the asynchronous bar, and the run reports the train-inference
+    mismatch KL that bf16 widens."""
+    from tests.helpers.processes import read_jsonl
+
+    s = recipe_summary(tmp_path, cache, RECIPE, ["async_ratio=2", "model.dtype=bfloat16"])
+    assert s["eval_accuracy_final"] - s["eval_accuracy_initial"] >= bar(2), s
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    key = next((k for k in ("rollout/mismatch_kl", "train/mismatch_kl") if any(k in r for r in rows)), None)
+    assert key is not None, sorted(rows[-1])
+    values = [r[key] for r in rows if key in r]
+    assert all(math.isfinite(v) and v >= 0 for v in values) and max(values) > 0

@@ -69,8 +69,6 @@ def test_oversized_row_trains_alone_and_is_counted():
 
 
 def test_bad_group_settings_name_the_fix():
-    with pytest.raises(ValueError, match="train.mixed_precision must be one of fp32, bf16"):
-        GroupSettings(mixed_precision="fp16")
     with pytest.raises(ValueError, match="train.workers must be >= 1"):
         GroupSettings(workers=0)
 
@@ -128,7 +126,7 @@ def test_bf16_mixed_precision_computes_in_bf16_and_keeps_fp32_master_weights(mod
 
     batch, adv = make_batch(seed=3)
     (fp32, seen32), (bf16, seen16) = sharded(model_dir, one_rank_group), sharded(
-        model_dir, one_rank_group, mixed_precision="bf16")
+        model_dir, one_rank_group, settings(dtype="bfloat16"))
     m32, _ = one_step(fp32, batch, adv)
     m16, _ = one_step(bf16, batch, adv)
     assert set(seen32) == {torch.float32} and set(seen16) == {torch.bfloat16}
@@ -336,8 +334,8 @@ def test_group_knobs_are_strict_and_route_to_the_group():
 
     with pytest.raises(ConfigError, match="did you mean 'workers'"):
         load_config("recipes/stutter.yaml", ["train.worker=2"])
-    with pytest.raises(ConfigError, match="train.mixed_precision must be one of fp32, bf16.*did you mean 'bf16'"):
-        load_config("recipes/stutter.yaml", ["train.mixed_precision=bf61"])
+    with pytest.raises(ConfigError, match="model.dtype must be one of float32, bfloat16, float16.*bfloat16"):
+        load_config("recipes/stutter.yaml", ["model.dtype=bfloat61"])
     with pytest.raises(ConfigError, match="train.micro_tokens must be >= 0"):
         load_config("recipes/stutter.yaml", ["train.micro_tokens=-1"])
     assert group_settings(load_config("recipes/stutter.yaml").train) is None  # one plain trainer
@@ -426,7 +424,7 @@ def test_two_workers_in_bf16_over_gloo(ray_local, model_dir):
     batch, adv = make_batch(seed=6)
     s = settings("token-mean")
     want = reference_run(model_dir, s, batch, adv)[0][0]
-    group = start_group(model_dir, s, workers=2, mixed_precision="bf16")
+    group = start_group(model_dir, settings("token-mean", dtype="bfloat16"), workers=2)
     try:
         got = ray.get(group.train_step.remote(batch, adv, None))
         weights = ray.get(group.get_weights.remote())

@@ -308,6 +308,30 @@ def test_after_update_every_replica_equals_trainer_exactly(roles, backend, bucke
         group.close()
 
 
+def test_a_bfloat16_replica_holds_the_trainer_weights_cast_to_bfloat16(roles):
+    """model.dtype bfloat16: the engine holds bf16 weights; a push of the trainer's fp32 weights
+    (small buckets: nothing lands in place, every tensor is copied) leaves each equal to the
+    trainer's cast to bf16, and the engine generates from them."""
+    trainer = roles["trainer"]
+    engine = ray.remote(ProbeEngine).options(num_cpus=0, max_concurrency=8).remote(roles["path"], 16, 0, 1, "bfloat16")
+    ray.get(engine.stats.remote())  # started (a loaded machine may take a while)
+    group = ModelUpdateGroup(trainer, [engine], backend="gloo", bucket_mb=0.01, timeout_s=60)
+    group.setup()
+    try:
+        assert {t.dtype for t in ray.get(engine.weights.remote()).values()} == {torch.bfloat16}
+        train_step(trainer, seed=11)
+        push(group, [engine], ray.get(engine.version.remote()) + 1)
+        full, got = ray.get(trainer.get_weights.remote()), ray.get(engine.weights.remote())
+        assert got.keys() == full.keys()
+        for name, t in full.items():
+            assert t.dtype == torch.float32 and got[name].dtype == torch.bfloat16
+            assert torch.equal(got[name], t.to(torch.bfloat16)), name
+        assert all(len(ids) == 4 for ids in ray.get(engine.greedy.remote(PROMPTS, 4)))
+    finally:
+        group.close()
+        ray.kill(engine)
+
+
 def test_version_advances_only_after_every_replica_acks(roles):
     trainer, engines = roles["trainer"], roles["engines"]  # engines[1] waits 1 s before loading
     group = ModelUpdateGroup(trainer, engines, backend="shm", bucket_mb=0.05, timeout_s=60)

@@ -89,6 +89,23 @@ def test_logprobs_match_teacher_forced_recompute(model):
     assert min(outs[0].logprobs) < -0.5  # really sampled, not a near-deterministic model
 
 
+def test_bfloat16_engine_samples_with_float32_logprobs(model):
+    """A bf16 model (model.dtype bfloat16): the KV cache is bf16, the logprobs are fp32 (not
+    bf16-rounded) and agree with the fp32 log_softmax of the same bf16 model's full forward."""
+    bf16 = model.to(torch.bfloat16)
+    engine = TorchEngine(bf16)
+    r = req("a", PROMPTS[2], n=10, temperature=0.7)
+    (o,) = engine.generate([r])
+    assert {t.dtype for t in bf16.state_dict().values()} == {torch.bfloat16}
+    seq = torch.tensor([r.prompt_ids + o.token_ids])
+    with torch.no_grad():
+        logits = bf16(seq).logits[0, len(r.prompt_ids) - 1 : -1].float()
+    ref = torch.log_softmax(logits / 0.7, -1).gather(-1, torch.tensor(o.token_ids)[:, None]).squeeze(-1)
+    got = torch.tensor(o.logprobs, dtype=torch.float32)
+    assert bool((got != got.bfloat16().float()).any())  # computed in fp32, not in bf16
+    assert torch.allclose(got, ref, atol=5e-2)  # bf16 forward: cached vs full differ in the last bits
+
+
 def test_sampling_is_per_request_seeded(model):
     target = req("x", PROMPTS[0], n=16, temperature=1.0)
     alone = solo(model, target)

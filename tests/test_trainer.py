@@ -136,3 +136,45 @@ def test_stream_parts_in_any_order_equal_the_full_batch_step(model, agg):
         assert torch.allclose(a, b, atol=1e-6, rtol=1e-5)
     moved = sum(float((a - b).abs().sum()) for a, b in zip(plain.model.parameters(), model.parameters()))
     assert moved > 0  # the step did change the weights
+
+
+def not_bf16_rounded(t: torch.Tensor) -> bool:
+    """Some value of ``t`` is not a bfloat16 number: it was computed in a wider type."""
+    return bool((t != t.bfloat16().float()).any())
+
+
+def test_bfloat16_trainer_computes_in_bfloat16_and_keeps_float32_weights_and_state(model):
+    """model.dtype bfloat16: the forward's matmuls run in bf16 (autocast), the weights and AdamW
+    moments stay fp32, logprobs are fp32 (not bf16-rounded), and the loss is the fp32 loss to bf16
+    precision; float32 runs no autocast at all."""
+    batch = collate(samples())
+    adv = torch.randn(batch.mask.shape, generator=torch.Generator().manual_seed(3)) * batch.mask
+    runs = {}
+    for dtype in ("float32", "bfloat16"):
+        tr = Trainer(copy.deepcopy(model), settings(dtype=dtype))
+        seen = []
+        tr.model.model.layers[0].mlp.down_proj.register_forward_hook(lambda m, i, out: seen.append(out.dtype))
+        lp = tr.logprobs(batch)
+        m = tr.train_step(batch, adv, batch.behav_logp)
+        runs[dtype] = (tr, set(seen), lp, m)
+    tr32, seen32, lp32, m32 = runs["float32"]
+    tr16, seen16, lp16, m16 = runs["bfloat16"]
+    assert tr32.autocast is None and seen32 == {torch.float32}
+    assert seen16 == {torch.bfloat16}
+    assert lp16.dtype == torch.float32 and not_bf16_rounded(lp16 * batch.mask)
+    assert float(((lp16 - lp32).abs() * batch.mask).max()) < 0.1  # bf16 logits: ~2-3 digits
+    assert {p.dtype for p in tr16.model.parameters()} == {torch.float32}
+    moments = [v for state in tr16.optimizer.state.values() for k, v in state.items() if k != "step"]
+    assert moments and {v.dtype for v in moments} == {torch.float32}
+    assert m16["loss"] == pytest.approx(m32["loss"], rel=3e-2) and m16["loss"] != m32["loss"]
+
+
+def test_float32_logprobs_are_the_plain_forward_bit_for_bit(model):
+    """model.dtype float32 (the default): no autocast, no cast: the trainer's logprobs are exactly
+    the plain fp32 forward's."""
+    batch = collate(samples())
+    tr = Trainer(copy.deepcopy(model), settings(dtype="float32"))
+    with torch.no_grad():
+        logits = tr.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1] / 0.7
+    want = torch.log_softmax(logits, -1).gather(-1, batch.input_ids[:, 1:, None])[..., 0] * batch.mask
+    assert torch.equal(tr.logprobs(batch), want)

@@ -100,6 +100,30 @@ def read_recipe(path: str | Path):
     if not recipe:
         raise ConfigError(f"{path} is empty: a recipe names at least its task (task: {{name: ...}}); "
                           f"`flash ls` lists recipes to start from")
+    return migrate(recipe, path)
+
+
+# train.mixed_precision (fp32 | bf16, the FSDP2 group's) became model.dtype, one setting for every role
+OLD_PRECISION = {"fp32": "float32", "bf16": "bfloat16"}
+
+
+def migrate(recipe: DictConfig, path: str | Path) -> DictConfig:
+    """A recipe or a run's config.yaml written with a key that has a new name, in the new name (the
+    same meaning, so runs recorded before resume and replay); a value the new key cannot hold, or a
+    clash with the new key, is one line naming both."""
+    train = recipe.get("train")
+    if not isinstance(train, DictConfig) or "mixed_precision" not in train:
+        return recipe
+    old = train.pop("mixed_precision")
+    if old not in OLD_PRECISION:
+        raise ConfigError(f"{path}: train.mixed_precision={old!r} is now model.dtype "
+                          f"(float32 | bfloat16 | float16)")
+    model = recipe.setdefault("model", {})
+    if model.get("dtype", OLD_PRECISION[old]) != OLD_PRECISION[old]:
+        raise ConfigError(f"{path}: train.mixed_precision={old} and model.dtype={model.get('dtype')} disagree; "
+                          f"set model.dtype alone")
+    if old != "fp32":
+        model["dtype"] = OLD_PRECISION[old]
     return recipe
 
 

@@ -109,7 +109,7 @@ def _check_engine_and_backend(cfg: FlashConfig) -> None:
     if backend == "sim":
         _require(check_sim(cfg.sim) is None, str(check_sim(cfg.sim)))
         _require(group_free(cfg.train), "train.backend=sim simulates its GPUs with sim.train_gpus; leave "
-                 "train.workers, micro_tokens, mixed_precision and activation_checkpointing unset")
+                 "train.workers, micro_tokens and activation_checkpointing unset")
     else:
         unread = sim_settings_set(cfg.sim)
         _require(not unread, f"{', '.join(f'sim.{k}' for k in unread)}: read only by simulated roles "

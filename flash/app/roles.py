@@ -183,8 +183,8 @@ def _start_engines(cfg: FlashConfig, plan: Plan, placement: Placement, model_pat
     the engine client: restarts up to ``max_engine_restarts`` (0: a fault stops the run at once,
     naming the knob)."""
     n = len(plan.workers["actor_infer"])
-    # the simulated engines share sim.rollout_gpus between them
-    extra = {"sim": cfg.sim, "replicas": n} if cfg.rollout.engine == "sim" else None
+    # the simulated engines share sim.rollout_gpus between them; the others hold model.dtype weights
+    extra = {"sim": cfg.sim, "replicas": n} if cfg.rollout.engine == "sim" else {"dtype": cfg.model.dtype}
     replicas = [start_engine(model_path, cfg.rollout.max_num_seqs, cfg.seed, max(1, engine_threads // n),
                              engine=cfg.rollout.engine, options=placement.options("actor_infer", i),
                              sleep_mode=colocated,
@@ -234,7 +234,8 @@ def start_reference_role(cfg: FlashConfig, model_path: str, threads: int, placem
     if not reference_placed(cfg):
         return None
     options = placement.options("reference", 0) if placement is not None else None
-    return start_reference(model_path, cfg.rollout.temperature, cfg.train.micro_batch_size, threads, options)
+    return start_reference(model_path, cfg.rollout.temperature, cfg.train.micro_batch_size, threads, options,
+                           cfg.model.dtype)
 
 
 def new_guards(cfg: FlashConfig, max_prompt_tokens: int) -> Guards:

@@ -119,7 +119,7 @@ def trainer_settings(cfg: FlashConfig) -> TrainerSettings:
         min_lr_ratio=cfg.train.min_lr_ratio,
         total_optimizer_steps=cfg.train.steps * steps_per_batch(cfg.train),
         prox=trainer_prox(cfg.algo.recompute_prox),
-        reference="role" if reference_placed(cfg) else "local",
+        reference="role" if reference_placed(cfg) else "local", dtype=cfg.model.dtype,
     )
 
 

@@ -17,17 +17,17 @@ from controllers.tail_policy import SchedulerKind, TailConfig
 from flash.engine.base import EngineKind, InterruptMode
 from flash.models import TinyModelConfig
 from flash.placement import PlacementConfig
+from flash.devices import DTYPES
 from flash.sim.config import SimConfig
-from flash.train.fsdp import MIXED_PRECISION
 from flash.train.sft import SFTConfig
 from flash.train.updates import LrSchedule
 from flash.weights.model_update import ModelUpdateBackend
 
 # train.backend: torch (the model, trained) | sim (GPU time from a cost model: the sim section)
 TrainBackend = Literal["torch", "sim"]
-# choices named by the keys of a component's table: algos.aggregate's reductions, the FSDP2 group's dtypes
+# choices named by the keys of a component's table: algos.aggregate's reductions, flash.devices' dtypes
 Aggregation = Literal[tuple(AGGREGATIONS)]
-MixedPrecision = Literal[tuple(MIXED_PRECISION)]
+ModelDtype = Literal[tuple(DTYPES)]
 
 
 @dataclass
@@ -42,6 +42,10 @@ class ModelConfig:
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
     # A Jinja chat template (or the path of a file holding one) replacing the tokenizer's own.
     chat_template: Optional[str] = None
+    # Compute precision (flash.devices): float32 | bfloat16 | float16. The engine holds its weights
+    # in it; the trainer keeps float32 weights and AdamW state and runs its forward in it (autocast,
+    # or FSDP2's mixed-precision policy with a float32 gradient reduction). Logprobs are float32.
+    dtype: ModelDtype = "float32"
 
 
 @dataclass
@@ -54,7 +58,7 @@ class RolloutConfig:
     top_p: float = 1.0
     max_new_tokens: int = 48
     max_num_seqs: int = 256  # continuous-batching slots per engine
-    interrupt: InterruptMode = "continue"  # continue | restart | wait (DESIGN.md invariant 4)
+    interrupt: InterruptMode = "continue"  # continue | restart | wait (docs/design.md invariant 4)
     # Fault injection for tests and benchmarks: each finished response waits uniform(0, x) seconds
     # before it is scored, so groups finish out of admission order.
     inject_delay_s: float = 0.0
@@ -158,7 +162,6 @@ class TrainConfig:
     # placement.roles.actor_train worker: either count implies the other (imply_trainer_workers)
     workers: int = 1
     micro_tokens: int = 0  # padded tokens per micro-batch (length-grouped rows); 0 = rows only
-    mixed_precision: MixedPrecision = "fp32"  # fp32 | bf16 (bf16 compute, fp32 master weights and reduction)
     activation_checkpointing: bool = False  # recompute decoder layers in backward (less memory)
 
 

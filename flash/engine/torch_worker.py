@@ -3,6 +3,8 @@ it or the vLLM engine behind the same methods (the protocols of ``flash.engine.b
 
 The actor owns its torch thread count, so that a synchronous run lets every phase use all the
 cores (the phases alternate) while an asynchronous run splits them between roles that overlap.
+Its model lives on the device Ray gave it (``flash.devices.actor_device``), in ``model.dtype``;
+pushed weights are cast to that dtype as they are copied in.
 It is threaded (``max_concurrency``): the scheduler's blocking ``get_finished`` and the
 controller's ``pause`` must not queue behind each other.
 """
@@ -16,20 +18,18 @@ import torch
 
 from flash.cluster import load_model
 from flash.engine.base import EngineKind
+from flash.devices import actor_device, torch_dtype
 from flash.engine.loop_actor import LoopActor
 from flash.weights.group import UpdateReceiver
 from flash.weights.model_update import unique_tensors
 
 
 class EngineWorker(LoopActor, UpdateReceiver):
-    def __init__(self, model_path: str, max_num_seqs: int, seed: int, threads: int):
+    def __init__(self, model_path: str, max_num_seqs: int, seed: int, threads: int, dtype: str = "float32"):
         from flash.engine.torch_engine import TorchEngine
-        from flash.placement import visible_devices
 
         torch.set_num_threads(max(1, threads))
-        model = load_model(model_path).eval()
-        if visible_devices() and torch.cuda.is_available():  # placed on a device (flash.placement)
-            model = model.to("cuda")
+        model = load_model(model_path).to(actor_device(), torch_dtype(dtype)).eval()
         text = model.config.get_text_config(decoder=True)
         self._shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}  # model-update check
         self._ties = [names for names, _ in unique_tensors(model.state_dict()) if len(names) > 1]
@@ -88,7 +88,8 @@ def start_engine(model_path: str, max_num_seqs: int, seed: int, threads: int, en
     ``sleep_mode``: the engine shares its devices and must be able to release memory (vLLM
     reserves its sleep allocator at start; the torch engine always can).
     ``max_restarts``: Ray re-creates a dead engine this many times (flash.engine.client recovers its work).
-    ``engine_kwargs``: further arguments of the engine's constructor (the simulator's settings).
+    ``engine_kwargs``: further arguments of the engine's constructor (``dtype`` for torch and vLLM,
+    the simulator's settings).
     """
     cls = engine_class(engine)
     actor = ray.remote(cls).options(num_cpus=0, max_concurrency=8, max_restarts=max_restarts,

@@ -46,6 +46,11 @@ class TrainBatch:
         )
 
 
+def batch_to(batch: TrainBatch, device: torch.device) -> TrainBatch:
+    """``batch`` with every tensor on ``device`` (the same tensors when already there)."""
+    return TrainBatch(**{k: v.to(device) for k, v in vars(batch).items()})
+
+
 def flatten(groups: list[Group]) -> list[Sample]:
     """Samples in batch order: groups by prompt id, samples by index (deterministic)."""
     out: list[Sample] = []

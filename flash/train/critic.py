@@ -5,7 +5,8 @@ head initialised to zero, so its first values are 0 and GAE starts as plain rewa
 as its own Ray actor (the ``critic`` role), so in the controller's step it scores the batch
 before the advantages and trains *beside* the policy's step (both only need the batch, the
 values and the returns). Values are aligned like logprobs (``flash.train.batch``): column ``j`` is the
-value of the state after tokens ``0..j``, i.e. before the target token ``j+1``.
+value of the state after tokens ``0..j``, i.e. before the target token ``j+1``. It runs on the
+device Ray gave its actor (``flash.devices.actor_device``), in float32.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from dataclasses import dataclass
 import torch
 
 from algos.value import value_loss
-from flash.train.batch import TrainBatch
+from flash.devices import actor_device
+from flash.train.batch import TrainBatch, batch_to
 from flash.train.trainer import micro_weight
 
 
@@ -36,9 +38,10 @@ class Critic:
         torch.set_num_threads(max(1, threads))
         torch.manual_seed(seed)
         self.s = settings
-        self.body = AutoModel.from_pretrained(model_path, dtype=torch.float32)
+        self.device = actor_device()
+        self.body = AutoModel.from_pretrained(model_path, dtype=torch.float32).to(self.device)
         hidden = self.body.config.get_text_config(decoder=True).hidden_size
-        self.head = torch.nn.Linear(hidden, 1)
+        self.head = torch.nn.Linear(hidden, 1, device=self.device)
         torch.nn.init.zeros_(self.head.weight)
         torch.nn.init.zeros_(self.head.bias)
         params = list(self.body.parameters()) + list(self.head.parameters())
@@ -54,13 +57,14 @@ class Critic:
         """``[N, L-1]`` values on response tokens (0 elsewhere), micro-batched."""
         start = time.monotonic()
         self.body.eval()
+        batch = batch_to(batch, self.device)
         out = torch.zeros_like(batch.mask)
         for lo in range(0, len(batch), self.s.micro_batch_size):
             part = batch.rows(lo, min(lo + self.s.micro_batch_size, len(batch)))
             v = self._forward(part)
             out[lo : lo + len(part), : v.shape[1]] = v * part.mask
         self.busy_s += time.monotonic() - start
-        return out
+        return out.cpu()
 
     def train_step(self, batch: TrainBatch, returns: torch.Tensor, old_values: torch.Tensor) -> dict[str, float]:
         """One optimizer step of the clipped value loss over the whole batch (token-mean,
@@ -68,6 +72,7 @@ class Critic:
         start = time.monotonic()
         self.body.train()
         self.optimizer.zero_grad(set_to_none=True)
+        batch, returns, old_values = batch_to(batch, self.device), returns.to(self.device), old_values.to(self.device)
         whole = float(batch.mask.sum())
         sums: dict[str, float] = {}
         for lo in range(0, len(batch), self.s.micro_batch_size):

@@ -1,6 +1,7 @@
 """One rank of the FSDP2 trainer: a ``Trainer`` whose model is sharded with ``fully_shard``.
 
-Each rank is a Ray actor process in one torch.distributed group (gloo on CPU, NCCL on GPU). Every
+Each rank is a Ray actor process in one torch.distributed group (gloo on CPU, NCCL on GPU: the
+device Ray gave the rank, ``flash.devices.actor_device``). Every
 decoder layer and the root model are ``fully_shard``-ed: each rank stores 1/N of every parameter,
 gradient and AdamW moment; a layer's full weights exist only while it runs (all-gather), and
 gradients are reduce-scattered as each layer's backward ends.
@@ -27,13 +28,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from algos.registry import did_you_mean
+from flash.devices import actor_device, torch_dtype
+from flash.models import enable_activation_checkpointing
 from flash.train.batch import TrainBatch
 from flash.train.microbatch import Plan
 from flash.train.trainer import (Trainer, TrainerSettings, needs_local_reference, part_weight,
                                  row_index, row_lengths_and_weight, token_logprobs)
 
-MIXED_PRECISION = {"fp32": None, "bf16": torch.bfloat16}
 COLLECTIVE_TIMEOUT_S = 600  # a dead peer fails the step after this, instead of hanging forever
 
 
@@ -43,7 +44,6 @@ class GroupSettings:
 
     workers: int = 1
     micro_tokens: int = 0  # padded tokens per micro-batch; 0: only train.micro_batch_size rows
-    mixed_precision: str = "fp32"  # fp32 | bf16 (bf16 params in compute, fp32 master and reduce)
     activation_checkpointing: bool = False  # recompute each decoder layer in backward
 
     def __post_init__(self) -> None:
@@ -51,9 +51,6 @@ class GroupSettings:
             raise ValueError(f"train.workers must be >= 1, got {self.workers}")
         if self.micro_tokens < 0:
             raise ValueError(f"train.micro_tokens must be >= 0 (0 = no token budget), got {self.micro_tokens}")
-        if self.mixed_precision not in MIXED_PRECISION:
-            raise ValueError(f"train.mixed_precision must be one of {', '.join(MIXED_PRECISION)}, "
-                             f"got '{self.mixed_precision}'{did_you_mean(self.mixed_precision, MIXED_PRECISION, n=1)}")
 
 
 def group_settings(train) -> GroupSettings | None:
@@ -63,7 +60,6 @@ def group_settings(train) -> GroupSettings | None:
     no knob the user set is silently ignored.
     """
     group = GroupSettings(workers=train.workers, micro_tokens=train.micro_tokens,
-                          mixed_precision=train.mixed_precision,
                           activation_checkpointing=train.activation_checkpointing)
     return None if group == GroupSettings() else group
 
@@ -85,10 +81,6 @@ def take_rows(batch: TrainBatch, idx: list[int], lengths: list[int] | None = Non
     )
 
 
-def batch_to(batch: TrainBatch, device: torch.device) -> TrainBatch:
-    return TrainBatch(**{k: v.to(device) for k, v in vars(batch).items()})
-
-
 def decoder_layers(model) -> list[torch.nn.Module]:
     """The model's repeated blocks (HF names their class in ``_no_split_modules``): FSDP units."""
     names = set(getattr(model, "_no_split_modules", None) or [])
@@ -100,21 +92,21 @@ def decoder_layers(model) -> list[torch.nn.Module]:
     return layers
 
 
-def shard_model(model, group: GroupSettings, mesh) -> None:
+def shard_model(model, group: GroupSettings, mesh, dtype: str = "float32") -> None:
     """``fully_shard`` each decoder layer, then the root (embeddings, final norm, LM head).
 
-    Gradient reduction is a plain SUM (divide factor 1, and gloo has no premultiplied sum): the
-    step divides the summed gradient by the *global* weight itself (``planned_finish``).
+    ``dtype`` (``model.dtype``): the parameters' dtype in compute; the sharded master weights, the
+    AdamW state and the gradient reduction stay float32. Gradient reduction is a plain SUM (divide
+    factor 1, and gloo has no premultiplied sum): the step divides the summed gradient by the
+    *global* weight itself (``planned_finish``).
     """
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
     if group.activation_checkpointing:
-        if not getattr(model, "supports_gradient_checkpointing", False):
-            raise ValueError(f"{type(model).__name__} does not support activation checkpointing; "
-                             "set train.activation_checkpointing=false")
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    dtype = MIXED_PRECISION[group.mixed_precision]
-    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if dtype else MixedPrecisionPolicy()
+        enable_activation_checkpointing(decoder_layers(model))
+    compute = torch_dtype(dtype)
+    policy = (MixedPrecisionPolicy() if compute == torch.float32
+              else MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32))
     for layer in decoder_layers(model):
         fully_shard(layer, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
@@ -134,11 +126,12 @@ class ShardedTrainer(Trainer):
         local = needs_local_reference(settings)
         self._ref = copy.deepcopy(model).eval() if local else None  # before sharding: its own FSDP units
         model.to(device)
-        shard_model(model, group, mesh)
+        shard_model(model, group, mesh, settings.dtype)
         if self._ref is not None:
             self._ref.to(device)
-            shard_model(self._ref, GroupSettings(mixed_precision=group.mixed_precision), mesh)
+            shard_model(self._ref, GroupSettings(), mesh, settings.dtype)
         super().__init__(model, settings, seed=seed)
+        self.autocast = None  # fully_shard's policy computes in settings.dtype
 
     def _reference_model(self, model):
         return self._ref
@@ -226,14 +219,11 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def pick_device(rank: int) -> tuple[torch.device, str]:
-    """(device, backend): a GPU with NCCL when one is visible, else the CPU with gloo.
-
-    With one visible GPU (Ray gave this rank ``num_gpus=1``) it is ``cuda:0``; with several (no
-    per-rank assignment) rank ``r`` takes GPU ``r mod count``, so ranks never share one by accident.
-    """
-    if torch.cuda.is_available():
-        device = torch.device("cuda", rank % torch.cuda.device_count())
+def pick_device() -> tuple[torch.device, str]:
+    """(device, backend): the GPU Ray gave this rank with NCCL (``flash.devices.actor_device``),
+    else the CPU with gloo."""
+    device = actor_device()
+    if device.type == "cuda":
         torch.cuda.set_device(device)
         return device, "nccl"
-    return torch.device("cpu"), "gloo"
+    return device, "gloo"

@@ -11,7 +11,9 @@ the separate ref worker of verl, OpenRLHF and AReaL.
 
 Both compute the same numbers: the reference is the checkpoint the run starts from (after the
 warm start), its logprobs are taken at the rollout temperature like every other policy's
-(``flash.train.trainer.batch_logprobs``), micro-batched, without gradient.
+(``flash.train.trainer.batch_logprobs``), micro-batched, without gradient, on the device Ray gave
+the actor and with the trainer's precision (float32 weights, the forward under autocast to
+``model.dtype``).
 """
 
 from __future__ import annotations
@@ -22,15 +24,18 @@ import ray
 import torch
 
 from flash.cluster import load_model
-from flash.train.batch import TrainBatch
+from flash.devices import actor_device, autocast_dtype
+from flash.train.batch import TrainBatch, batch_to
 from flash.train.trainer import batch_logprobs
 
 class Reference:
     """The frozen initial policy as an actor: ``logprobs(batch)`` only (it never trains)."""
 
-    def __init__(self, model_path: str, temperature: float, micro_batch_size: int, threads: int = 1):
+    def __init__(self, model_path: str, temperature: float, micro_batch_size: int, threads: int = 1,
+                 dtype: str = "float32"):
         torch.set_num_threads(max(1, threads))
-        self.model = load_model(model_path).eval()
+        self.device, self.autocast = actor_device(), autocast_dtype(dtype)
+        self.model = load_model(model_path).to(self.device).eval()
         for p in self.model.parameters():
             p.requires_grad_(False)
         self.temperature, self.micro_batch_size = temperature, micro_batch_size
@@ -39,7 +44,8 @@ class Reference:
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
         """``[N, L-1]`` reference logprobs of the batch's target tokens (0 off the response mask)."""
         start = time.monotonic()
-        out = batch_logprobs(self.model, batch, self.temperature, self.micro_batch_size)
+        out = batch_logprobs(self.model, batch_to(batch, self.device), self.temperature, self.micro_batch_size,
+                             self.autocast).cpu()
         self.busy_s += time.monotonic() - start
         self.calls += 1
         return out
@@ -50,7 +56,7 @@ class Reference:
 
 
 def start_reference(model_path: str, temperature: float, micro_batch_size: int, threads: int,
-                    options: dict | None = None):
+                    options: dict | None = None, dtype: str = "float32"):
     """The reference role as its own Ray actor, placed by ``options`` (``Placement.options``)."""
     actor = ray.remote(Reference).options(num_cpus=0, **(options or {}))
-    return actor.remote(model_path, temperature, micro_batch_size, threads)
+    return actor.remote(model_path, temperature, micro_batch_size, threads, dtype)

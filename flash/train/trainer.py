@@ -9,6 +9,11 @@ the full-batch gradient whatever the micro-batch size (tested).
 Logprobs are taken at the rollout temperature (``log_softmax(logits / T)``), the same distribution
 the engine sampled from and reported as the behaviour logprobs, so ``prox == behav`` on the same
 weights up to float error.
+
+Devices and precision (``flash.devices``): the model trains where it lives (the worker puts it on
+the device Ray gave it) and every batch moves there; the weights and the AdamW state stay float32
+while the forward runs under ``autocast`` to ``model.dtype`` (none for float32); logprobs are taken
+in float32 from the logits.
 """
 
 from __future__ import annotations
@@ -25,7 +30,8 @@ import torch.nn.functional as F
 import algos
 import algos.metrics
 from algos.proximal import approx_prox_logp
-from flash.train.batch import TrainBatch
+from flash.devices import autocast, autocast_dtype, model_device
+from flash.train.batch import TrainBatch, batch_to
 from flash.train.updates import fresh_mismatch, lr_at, train_batch
 
 
@@ -50,6 +56,7 @@ class TrainerSettings:
     # where a KL penalty's frozen reference lives (flash.train.reference): local (a copy in this
     # trainer) | role (its own placed actor; the caller passes ref_logp)
     reference: str = "local"
+    dtype: str = "float32"  # model.dtype: the forward's compute precision (flash.devices)
 
     @property
     def updates_per_batch(self) -> int:
@@ -57,10 +64,12 @@ class TrainerSettings:
 
 
 def token_logprobs(model, batch: TrainBatch, temperature: float, with_entropy: bool = False,
-                   entropy_grad: bool = True):
-    """Per-target-column logprob ``[N, L-1]`` (and entropy when asked) under ``model``; with
+                   entropy_grad: bool = True, dtype: torch.dtype | None = None):
+    """Per-target-column logprob ``[N, L-1]`` (and entropy when asked) under ``model``, in float32
+    whatever the forward's precision (``dtype``: autocast to it; None: none); with
     ``entropy_grad=False`` the entropy is a metric only, computed outside the autograd graph."""
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+    with autocast(batch.input_ids.device, dtype):
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits
     logits = logits[:, :-1].float() / temperature
     logp_all = F.log_softmax(logits, dim=-1)
     logp = logp_all.gather(-1, batch.input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
@@ -73,17 +82,18 @@ def token_logprobs(model, batch: TrainBatch, temperature: float, with_entropy: b
 
 @torch.no_grad()
 def batch_logprobs(model, batch: TrainBatch, temperature: float, micro_batch_size: int,
-                   lengths: list[int] | None = None) -> torch.Tensor:
+                   lengths: list[int] | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
     """``[N, L-1]`` logprobs of the batch's target tokens under ``model``, no gradient, in
-    micro-batches of ``micro_batch_size`` rows; 0 off the response mask. ``lengths``: the rows'
-    lengths when the caller has read them (else one host read here, not one per micro-batch)."""
+    micro-batches of ``micro_batch_size`` rows (forward under autocast to ``dtype`` unless None);
+    0 off the response mask. ``lengths``: the rows' lengths when the caller has read them (else
+    one host read here, not one per micro-batch)."""
     out = torch.zeros_like(batch.mask)
     if lengths is None:
         lengths = batch.attention_mask.sum(dim=1).tolist()
     for lo in range(0, len(batch), micro_batch_size):
         hi = min(lo + micro_batch_size, len(batch))
         part = batch.rows(lo, hi, max(lengths[lo:hi]))
-        logp, _ = token_logprobs(model, part, temperature)
+        logp, _ = token_logprobs(model, part, temperature, dtype=dtype)
         out[lo : lo + len(part), : logp.shape[1]] = logp * part.mask
     return out
 
@@ -127,6 +137,8 @@ class Trainer:
         self.model = model
         self.model.train()
         self.s = settings
+        self.device = model_device(model)  # batches move here; results come back to the CPU
+        self.autocast = autocast_dtype(settings.dtype)  # None: float32, no autocast context
         self.knobs = {k: v for k, v in settings.loss.items() if k != "name"}
         self.loss_name = settings.loss["name"]
         if settings.agg == "seq-mean-token-sum-norm" and settings.max_len and "max_len" not in self.knobs:
@@ -151,9 +163,10 @@ class Trainer:
         return copy.deepcopy(model).eval()
 
     def logprobs(self, batch: TrainBatch, model=None, lengths: list[int] | None = None) -> torch.Tensor:
-        """Proximal logprobs: the current weights, no gradient, micro-batched."""
+        """Proximal logprobs: the current weights, no gradient, micro-batched; on the batch's device."""
         start = time.monotonic()
-        out = batch_logprobs(model or self.model, batch, self.s.temperature, self.s.micro_batch_size, lengths)
+        out = batch_logprobs(model or self.model, batch_to(batch, self.device), self.s.temperature,
+                             self.s.micro_batch_size, lengths, self.autocast).to(batch.mask.device)
         self.busy_s += time.monotonic() - start
         return out
 
@@ -169,7 +182,12 @@ class Trainer:
         mismatch |behav − prox| on tokens the current weights generated comes back as metrics.
         ``ref_logp``: the reference role's logprobs (``flash.train.reference``), else None.
         """
+        batch, advantages, prox_logp, ref_logp = self._to_device(batch, advantages, prox_logp, ref_logp)
         return train_batch(self, batch, advantages, prox_logp, self.s, self.steps, ref_logp)
+
+    def _to_device(self, batch: TrainBatch, *tensors: torch.Tensor | None) -> tuple:
+        """The batch and its token-level tensors on the model's device (no copy when already there)."""
+        return (batch_to(batch, self.device), *(None if t is None else t.to(self.device) for t in tensors))
 
     # ---- one optimizer step in parts (the stream trainer feeds groups as they finish) -----------
     def begin_step(self) -> None:
@@ -200,6 +218,7 @@ class Trainer:
         metrics stay on the device: the call reads the host once (the rows' lengths and weight).
         """
         start = time.monotonic()
+        batch, advantages, prox_logp, ref_logp = self._to_device(batch, advantages, prox_logp, ref_logp)
         lengths, weight = row_lengths_and_weight(self.s.agg, batch)  # the call's one host read
         ref = self._reference_logprobs(batch, ref_logp, lengths)
         for lo in range(0, len(batch), self.s.micro_batch_size):
@@ -255,7 +274,8 @@ class Trainer:
         return torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.s.grad_clip)
 
     def _micro_loss(self, part: TrainBatch, adv, prox, ref):
-        logp, entropy = token_logprobs(self.model, part, self.s.temperature, True, self.needs_entropy)
+        logp, entropy = token_logprobs(self.model, part, self.s.temperature, True, self.needs_entropy,
+                                       self.autocast)
         mismatch = {}
         if prox is None and self.s.prox == "approx":
             prox = approx_prox_logp(part.behav_logp, logp.detach(), part.versions, self.steps) * part.mask
@@ -271,4 +291,5 @@ class Trainer:
         return loss, {**metrics, **mismatch}
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        """CPU copies of the weights."""
+        return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}

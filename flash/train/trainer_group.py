@@ -32,8 +32,8 @@ import ray
 import torch
 
 from algos.metrics import combine, finalize
-from flash.train.batch import TrainBatch
-from flash.train.fsdp import COLLECTIVE_TIMEOUT_S, GroupSettings, ShardedTrainer, batch_to, free_port, pick_device
+from flash.train.batch import TrainBatch, batch_to
+from flash.train.fsdp import COLLECTIVE_TIMEOUT_S, GroupSettings, ShardedTrainer, free_port, pick_device
 from flash.weights.gather import FlatGather
 from flash.train.microbatch import MicroPlan, plan_batch
 from flash.weights.model_update import ModelUpdateError, connect, open_store, unique_tensors
@@ -64,7 +64,7 @@ class FSDPRank(UpdateSender):
         algos.load_plugins(list(plugins))
         self.rank, self.world, self.model_path = rank, world, model_path
         self.settings, self.group, self.seed = settings, group, seed
-        self.device, self.backend = pick_device(rank)
+        self.device, self.backend = pick_device()
         self.trainer: ShardedTrainer | None = None
         self.ckpt_group = None
         self._snapshot: dict | None = None

@@ -1,8 +1,8 @@
 """The trainer as a Ray actor (``TrainerWorker``), and ``start_trainer`` / ``start_critic``.
 
 The actor owns its torch thread count (see ``flash.engine.torch_worker``), imports the run's
-plugin modules (a user's losses) before it builds the trainer, and answers checkpoint calls beside a
-train step.
+plugin modules (a user's losses) before it builds the trainer, trains on the device Ray gave it
+(``flash.devices.actor_device``), and answers checkpoint calls beside a train step.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import ray
 import torch
 
 from flash.cluster import load_model, plugin_paths
+from flash.devices import actor_device
 from flash.usage import process_tree_cpu_s
 from flash.weights.group import UpdateSender
 
@@ -28,12 +29,12 @@ class TrainerWorker(UpdateSender):
         torch.set_num_threads(max(1, threads))
         sys.path[:0] = [p for p in paths if p not in sys.path]
         algos.load_plugins(list(plugins))
-        self.trainer = Trainer(load_model(model_path), settings, seed=seed)
+        self.trainer = Trainer(load_model(model_path).to(actor_device()), settings, seed=seed)
         self._lock = threading.Lock()  # a checkpoint snapshot never sees half a step
         self._snapshot: dict | None = None
 
     def logprobs(self, batch):
-        return self.trainer.logprobs(batch)
+        return self.trainer.logprobs(batch).cpu()
 
     def train_step(self, batch, advantages, prox_logp, ref_logp=None) -> dict:
         with self._lock:

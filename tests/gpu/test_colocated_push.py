@@ -9,8 +9,6 @@ second push after the weights change reuses the mapped buffer and is exact again
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import ray
 import torch
@@ -45,15 +43,6 @@ class GpuTrainer(TrainerWorker):
         return {k: v.detach().cpu().clone() for k, v in self.trainer.model.state_dict().items()}
 
 
-class Bf16Engine(EngineWorker):
-    """The torch engine placed on the GPU (``flash.placement`` sets FLASH_DEVICES), serving bf16."""
-
-    def __init__(self, *args):
-        os.environ["FLASH_DEVICES"] = "0"
-        super().__init__(*args)
-        self._model.to(torch.bfloat16)
-
-
 @pytest.fixture(scope="module")
 def actors(tmp_path_factory):
     ray.shutdown()  # a Ray left by an earlier module may have been started without the GPU
@@ -61,8 +50,9 @@ def actors(tmp_path_factory):
     path = save_tiny(tmp_path_factory.mktemp("tiny"), TINY)
     trainer = ray.remote(GpuTrainer).options(num_cpus=0, num_gpus=TRAINER_GPU).remote(
         path, settings(), 0, 1, [], [])
-    engine = ray.remote(Bf16Engine).options(num_cpus=0, num_gpus=ENGINE_GPU, max_concurrency=8)
-    engines = [engine.remote(path, 8, 0, 1) for _ in range(2)]
+    # the torch engine on the GPU Ray gives it (flash.devices.actor_device), serving bf16
+    engine = ray.remote(EngineWorker).options(num_cpus=0, num_gpus=ENGINE_GPU, max_concurrency=8)
+    engines = [engine.remote(path, 8, 0, 1, "bfloat16") for _ in range(2)]
     ray.get([trainer.stats.remote()] + [e.stats.remote() for e in engines])
     yield trainer, engines
     ray.shutdown()

@@ -21,7 +21,7 @@ from buffers import Sample
 from flash.engine.base import GenerationRequest, SamplingParams
 from flash.engine.torch_engine import TorchEngine
 from flash.train.batch import collate
-from flash.train.fsdp import batch_to
+from flash.train.batch import batch_to
 from flash.train.trainer import token_logprobs
 from tests.helpers.models import PROMPTS, make_model
 

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from flash.cluster import load_model
-from flash.train.fsdp import GroupSettings, ShardedTrainer, batch_to, free_port
+from flash.train.batch import batch_to
+from flash.train.fsdp import GroupSettings, ShardedTrainer, free_port
 from tests.helpers.models import TINY, save_tiny
 from tests.helpers.train import make_batch, settings
 
@@ -38,10 +39,9 @@ def model_dir(tmp_path_factory):
     return save_tiny(tmp_path_factory.mktemp("tiny"), TINY)
 
 
-def one_step(model_dir, mesh, mixed_precision: str) -> dict:
+def one_step(model_dir, mesh, dtype: str) -> dict:
     device = torch.device("cuda", 0)
-    tr = ShardedTrainer(load_model(model_dir), settings(), GroupSettings(mixed_precision=mixed_precision), mesh,
-                        device)
+    tr = ShardedTrainer(load_model(model_dir), settings(dtype=dtype), GroupSettings(), mesh, device)
     batch, adv = make_batch(seed=3)
     batch, adv = batch_to(batch, device), adv.to(device)
     plan = [list(range(len(batch)))]
@@ -49,7 +49,7 @@ def one_step(model_dir, mesh, mixed_precision: str) -> dict:
 
 
 def test_bf16_step_matches_fp32(model_dir, mesh):
-    fp32, bf16 = one_step(model_dir, mesh, "fp32"), one_step(model_dir, mesh, "bf16")
+    fp32, bf16 = one_step(model_dir, mesh, "float32"), one_step(model_dir, mesh, "bfloat16")
     assert bf16["partial"]["loss"] == pytest.approx(fp32["partial"]["loss"], rel=LOSS_REL)
     assert bf16["grad_norm"] == pytest.approx(fp32["grad_norm"], rel=GRAD_NORM_REL)
     assert bf16["partial"]["loss"] != fp32["partial"]["loss"]

@@ -19,7 +19,7 @@ from contextlib import contextmanager
 
 import torch
 
-from flash.train.fsdp import batch_to
+from flash.train.batch import batch_to
 from flash.train.trainer import Trainer
 from tests.helpers.train import make_batch, settings, toy_model
 

@@ -1,0 +1,62 @@
+"""Where a role's model runs and in which precision.
+
+Every role that a placement (``flash.placement``) can give a device -- the trainer, the FSDP2
+ranks, the reference, the critic, the torch engine replicas -- asks ``actor_device`` once and
+runs its model there. Ray tells an actor its GPUs (``ray.get_gpu_ids()``) and sets
+``CUDA_VISIBLE_DEVICES`` to them, so the local index is the current device among the visible
+ones (0 unless the process chose another); no index is written anywhere else.
+
+``model.dtype`` names the compute precision (``DTYPES``): the engine holds its weights in it; a
+trainer keeps float32 master weights and optimizer state and runs its forward under ``autocast``
+(float32: no context at all, so a float32 run is the exact same computation as without it).
+Logprobs are always taken in float32 from the logits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def device_for(gpu_ids: list, cuda_available: bool, current: int = 0) -> torch.device:
+    """The device of an actor that Ray gave ``gpu_ids`` (empty: none): the current CUDA device
+    when it has GPUs and CUDA works, else the CPU (e.g. GPUs simulated with ``ray.init(num_gpus=N)``)."""
+    return torch.device("cuda", current) if gpu_ids and cuda_available else torch.device("cpu")
+
+
+def actor_device() -> torch.device:
+    """This process's device: a GPU when it runs in a Ray actor given GPUs, else the CPU."""
+    import ray
+
+    gpus = ray.get_gpu_ids() if ray.is_initialized() else []
+    cuda = bool(gpus) and torch.cuda.is_available()
+    return device_for(gpus, cuda, torch.cuda.current_device() if cuda else 0)
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a ``model.dtype`` name."""
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ValueError(f"model.dtype must be one of {', '.join(DTYPES)}, got {name!r}") from None
+
+
+def autocast_dtype(name: str) -> torch.dtype | None:
+    """The dtype a float32-master trainer computes its forward in; None for float32 (no autocast)."""
+    dtype = torch_dtype(name)
+    return None if dtype == torch.float32 else dtype
+
+
+def autocast(device: torch.device, dtype: torch.dtype | None):
+    """``torch.autocast`` to ``dtype`` on ``device``'s kind; a null context when ``dtype`` is None."""
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def model_device(model) -> torch.device:
+    """Where a model's parameters live."""
+    return next(model.parameters()).device
