@@ -351,8 +351,8 @@ def test_a_plugin_file_that_does_not_parse_is_one_line_naming_file_and_line(tmp_
     ("train.backend=sm", "train.backend must be one of torch, sim, got 'sm' (did you mean 'sim'?)"),
     ("train.lr_schedule=cosin", "train.lr_schedule must be one of constant, cosine, got 'cosin' "
                                 "(did you mean 'cosine'?)"),
-    ("train.mixed_precision=bf61", "train.mixed_precision must be one of fp32, bf16, got 'bf61' "
-                                   "(did you mean 'bf16'?)"),
+    ("model.dtype=bfloat61", "model.dtype must be one of float32, bfloat16, float16, got 'bfloat61' "
+                             "(did you mean 'bfloat16'?)"),
     ("model_update.backend=glo", "model_update.backend must be one of auto, gloo, nccl, shm, cuda_ipc, object_store, got "
                                  "'glo' (did you mean 'gloo'?)"),
     ("buffer.transport=zmg", "buffer.transport must be one of local, zmq, got 'zmg' (did you mean 'zmq'?)"),
@@ -404,3 +404,13 @@ def test_the_valid_values_code_reads_are_the_schema_types_choices():
     assert table == {"auto": ("behav", "fused", "fused"), "always": ("separate", "separate", "fused"),
                      "never": ("behav", "behav", "fused"), "approx": ("approx", "approx", "approx")}
     assert {s for row in table.values() for s in row[:2]} == set(PROX_SOURCES)
+
+
+@pytest.mark.parametrize("old, dtype", [("fp32", "float32"), ("bf16", "bfloat16")])
+def test_a_config_written_with_train_mixed_precision_reads_as_model_dtype(tmp_path, old, dtype):
+    recipe = tmp_path / "old.yaml"
+    recipe.write_text(f"base: {STUTTER}\ntrain: {{mixed_precision: {old}}}\n")
+    assert load_config(recipe).model.dtype == dtype
+    recipe.write_text(f"base: {STUTTER}\nmodel: {{dtype: float16}}\ntrain: {{mixed_precision: bf16}}\n")
+    with pytest.raises(ConfigError, match="train.mixed_precision=bf16 and model.dtype=float16 disagree"):
+        load_config(recipe)

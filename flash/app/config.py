@@ -118,7 +118,9 @@ def migrate(recipe: DictConfig, path: str | Path) -> DictConfig:
     if old not in OLD_PRECISION:
         raise ConfigError(f"{path}: train.mixed_precision={old!r} is now model.dtype "
                           f"(float32 | bfloat16 | float16)")
-    model = recipe.setdefault("model", {})
+    if not isinstance(recipe.get("model"), DictConfig):
+        recipe["model"] = {}
+    model = recipe["model"]
     if model.get("dtype", OLD_PRECISION[old]) != OLD_PRECISION[old]:
         raise ConfigError(f"{path}: train.mixed_precision={old} and model.dtype={model.get('dtype')} disagree; "
                           f"set model.dtype alone")
