@@ -111,16 +111,16 @@ def synthetic_batch(rows: int, seq: int, vocab: int, prompt: int = 64):
 
 
 def bench_trainer(shape: str, seq: int, micro: int, dtype: str, device: torch.device, repeats: int) -> dict:
+    from flash.models import enable_activation_checkpointing
     from flash.train.trainer import Trainer, TrainerSettings
 
     model = build_model(shape)
     params = n_params(model)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.config.use_cache = False
+    enable_activation_checkpointing(model.model.layers)
     settings = TrainerSettings(lr=1e-6, weight_decay=0.0, betas=(0.9, 0.999), grad_clip=1.0,
                                micro_batch_size=micro, temperature=1.0, loss={"name": "decoupled_ppo"},
                                agg="token-mean", dtype=dtype)
-    trainer = Trainer(model, settings, device=device)
+    trainer = Trainer(model.to(device), settings)  # fp32 master weights on the device, compute in dtype
     batch = synthetic_batch(micro, seq, model.config.vocab_size)
     adv = torch.randn(micro, seq - 1)
     seconds = timed(lambda: trainer.train_step(batch, adv, None), device, repeats)
@@ -179,6 +179,7 @@ def bench_push(shape: str, dtype: str, device: torch.device, repeats: int) -> di
             engine = ray.remote(num_gpus=gpu)(EngineWorker).remote(str(folder), 8, 0, 1, dtype=dtype)
             group = ModelUpdateGroup(trainer, [engine])
             backend = group.setup()
+            ray.get(engine.pause.remote("continue"))  # a push lands in a paused engine, as in a run
             versions = iter(range(1, 10**9))
             push_s = timed(lambda: group.push(next(versions)), device, repeats)
             nbytes = group.push(next(versions))["model_update/bytes"]
