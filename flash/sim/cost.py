@@ -126,6 +126,9 @@ H100_SXM = Gpu("h100-sxm", peak_flops=989.4e12, hbm_bytes_per_s=3.35e12)
 # Qwen2.5-7B: 7.61 B parameters, 28 layers, 4 KV heads of dim 128 (hidden 3584 / 28 heads);
 # Qwen2.5 technical report (arXiv 2412.15115) Table 1 and the model's config.json.
 QWEN25_7B = Model("qwen2.5-7b", params=7.61e9, layers=28, kv_heads=4, head_dim=128)
+# Qwen2.5-0.5B: 494 M parameters (tied embeddings), 24 layers, 2 KV heads of dim 64 (hidden 896 / 14
+# heads); the model's config.json (bench/gpu.py builds the same shape and pins its parameter count).
+QWEN25_05B = Model("qwen2.5-0.5b", params=0.494e9, layers=24, kv_heads=2, head_dim=64)
 # Qwen2.5-32B: 32.5 B parameters, 64 layers, 8 KV heads of dim 128 (hidden 5120 / 40 heads); same sources.
 QWEN25_32B = Model("qwen2.5-32b", params=32.5e9, layers=64, kv_heads=8, head_dim=128)
 
@@ -168,6 +171,7 @@ TORCH_CPU_2T = Efficiency(hbm=1.0, decode_mfu=1.0, prefill_mfu=0.40, train_mfu=0
 
 PRESETS: dict[str, CostModel] = {
     "qwen2.5-7b-h100": CostModel(QWEN25_7B, H100_SXM, H100_VLLM, tp=1),
+    "qwen2.5-0.5b-h100": CostModel(QWEN25_05B, H100_SXM, H100_VLLM, tp=1),
     # 65 GB of BF16 weights leave too little of an 80 GB H100 for KV: served at tp 4
     "qwen2.5-32b-h100": CostModel(QWEN25_32B, H100_SXM, H100_VLLM, tp=4),
     "tiny-cpu-1t": CostModel(TINY_QWEN2, CPU_1T, TORCH_CPU_1T),
