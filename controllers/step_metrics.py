@@ -152,6 +152,9 @@ class RoleUsage:
             "train/idle_ratio": self.meters["train"].read(trainer.get("busy_s", 0.0)),
             "rollout/tokens_generated": tokens,
             "rollout/tokens_per_s": tokens / step_s if step_s > 0 else 0.0,
+            # GPU memory: each role's peak since the previous step's read (colocated: its phase)
+            **{f"memory/{role}_peak_gb": s["mem_peak_gb"] for role, s in (("rollout", engine), ("train", trainer))
+               if "mem_peak_gb" in s},
             # a simulated engine: real seconds its bookkeeping ran past the scaled GPU time
             **({"rollout/sim_late_s": delta["sim_late_s"]} if "sim_late_s" in engine else {}),
         }

@@ -60,3 +60,20 @@ def autocast(device: torch.device, dtype: torch.dtype | None):
 def model_device(model) -> torch.device:
     """Where a model's parameters live."""
     return next(model.parameters()).device
+
+
+def read_peak_memory(device: torch.device | None) -> dict[str, float]:
+    """``{"mem_peak_gb": ...}``: the most memory this process held on ``device`` since the previous
+    read (then the peak is reset, so each read covers the role's work in between: for colocated
+    roles, their phase of the step); nothing on the CPU, where torch keeps no such count."""
+    if device is None or device.type != "cuda":
+        return {}
+    peak = torch.cuda.max_memory_allocated(device) / 2**30
+    torch.cuda.reset_peak_memory_stats(device)
+    return {"mem_peak_gb": peak}
+
+
+def max_peak_memory(reads: list[dict[str, float]]) -> dict[str, float]:
+    """The largest ``mem_peak_gb`` of several processes' reads (a group's ranks); nothing if none has one."""
+    peaks = [r["mem_peak_gb"] for r in reads if "mem_peak_gb" in r]
+    return {"mem_peak_gb": max(peaks)} if peaks else {}

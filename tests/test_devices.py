@@ -59,3 +59,21 @@ def test_autocast_is_no_context_for_float32_and_casts_matmuls_otherwise():
         assert (a @ b).dtype == torch.float32 and not torch.is_autocast_enabled("cpu")
     with autocast(torch.device("cpu"), torch.bfloat16):
         assert (a @ b).dtype == torch.bfloat16
+
+
+def test_peak_memory_is_read_on_a_gpu_only_and_a_group_reports_its_largest_rank():
+    from flash.devices import max_peak_memory, read_peak_memory
+
+    assert read_peak_memory(torch.device("cpu")) == {} and read_peak_memory(None) == {}
+    assert max_peak_memory([{"busy_s": 1.0}, {"mem_peak_gb": 3.5}, {"mem_peak_gb": 7.25}]) == {"mem_peak_gb": 7.25}
+    assert max_peak_memory([{"busy_s": 1.0}]) == {}
+
+
+def test_each_role_s_peak_memory_is_a_step_metric():
+    from controllers.step_metrics import RoleUsage
+
+    usage = RoleUsage(clock=lambda: 0.0)
+    usage.start({"busy_s": 0.0}, {"busy_s": 0.0})
+    m = usage.read({"busy_s": 1.0, "mem_peak_gb": 2.5}, {"busy_s": 2.0, "mem_peak_gb": 11.0}, step_s=4.0)
+    assert (m["memory/rollout_peak_gb"], m["memory/train_peak_gb"]) == (2.5, 11.0)
+    assert "memory/train_peak_gb" not in usage.read({"busy_s": 1.0}, {"busy_s": 2.0}, step_s=4.0)

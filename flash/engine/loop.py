@@ -22,6 +22,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from flash.devices import read_peak_memory
 from flash.engine.base import INTERRUPT_MODES, GenerationOutput, GenerationRequest
 from flash.engine.torch_engine import TorchEngine
 from flash.usage import SpanRecorder
@@ -170,7 +171,7 @@ class EngineLoop:
             return {"tokens_generated": float(e.tokens_generated), "busy_s": self._busy_s, "idle_s": self._idle_s,
                     "num_running": float(e.num_running), "num_waiting": float(e.num_waiting),
                     "version": float(e.version), "asleep": float(e.asleep),
-                    "decode_steps": float(getattr(e, "decode_steps", 0))}
+                    "decode_steps": float(getattr(e, "decode_steps", 0)), **read_peak_memory(getattr(e, "_device", None))}
 
     def busy_spans(self) -> list[list[float]]:
         """Busy spans ``[start, end]`` (``time.time()`` s) since the previous call, merged."""

@@ -40,6 +40,7 @@ from flash.weights.model_update import ModelUpdateError, connect, open_store, un
 from flash.weights.group import UpdateSender
 from flash.train.trainer import TrainerSettings
 from flash.train.updates import train_batch
+from flash.devices import max_peak_memory, read_peak_memory
 from flash.usage import process_tree_cpu_s
 
 log = logging.getLogger("flash")
@@ -203,7 +204,8 @@ class FSDPRank(UpdateSender):
 
     def stats(self) -> dict:
         t = self.trainer
-        return {"busy_s": t.busy_s if t else 0.0, "steps": float(t.steps) if t else 0.0, "cpu_s": process_tree_cpu_s()}
+        return {"busy_s": t.busy_s if t else 0.0, "steps": float(t.steps) if t else 0.0, "cpu_s": process_tree_cpu_s(),
+                **read_peak_memory(self.device if t else None)}
 
     def pid(self) -> int:
         return os.getpid()
@@ -395,6 +397,7 @@ class TrainerGroup:
             ranks = ray.get([r.stats.remote() for r in self.ranks])
             out["rank_busy_s_max"] = max(r["busy_s"] for r in ranks)
             out["cpu_s"] = sum(r.get("cpu_s", 0.0) for r in ranks)
+            out.update(max_peak_memory(ranks))
         return out
 
     def pids(self) -> list[int]:

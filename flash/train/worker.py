@@ -15,7 +15,7 @@ import ray
 import torch
 
 from flash.cluster import load_model, plugin_paths
-from flash.devices import actor_device
+from flash.devices import actor_device, read_peak_memory
 from flash.usage import process_tree_cpu_s
 from flash.weights.group import UpdateSender
 
@@ -83,7 +83,8 @@ class TrainerWorker(UpdateSender):
         return path
 
     def stats(self) -> dict:
-        return {"busy_s": self.trainer.busy_s, "steps": float(self.trainer.steps), "cpu_s": process_tree_cpu_s()}
+        return {"busy_s": self.trainer.busy_s, "steps": float(self.trainer.steps), "cpu_s": process_tree_cpu_s(),
+                **read_peak_memory(self.trainer.device)}
 
     def pid(self) -> int:
         return os.getpid()

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 
 from flash.app.config import load_config
-from tests.helpers.processes import recipe_summary
+from tests.helpers.processes import read_jsonl, recipe_summary
 
 RECIPE = "recipes/stutter.yaml"
 BAR = 0.20  # tests/test_default_recipe.py's bar(0): the least synchronous gain its measured spread supports
@@ -29,3 +29,6 @@ def test_default_recipe_colocated_on_one_gpu_learns(tmp_path, warm_cache):
     assert s["steps"] == cfg.train.steps
     assert s["samples_trained"] == cfg.train.steps * cfg.train.prompts_per_step * cfg.rollout.n
     assert s["max_staleness_observed"] <= math.ceil(cfg.async_ratio)
+    # each role's peak GPU memory in its phase, every step (the engine sleeps while the trainer steps)
+    steps = read_jsonl(tmp_path / "metrics.jsonl")
+    assert all(m["memory/train_peak_gb"] > 0 and m["memory/rollout_peak_gb"] > 0 for m in steps)
