@@ -47,8 +47,15 @@ class TrainBatch:
 
 
 def batch_to(batch: TrainBatch, device: torch.device) -> TrainBatch:
-    """``batch`` with every tensor on ``device`` (the same tensors when already there)."""
-    return TrainBatch(**{k: v.to(device) for k, v in vars(batch).items()})
+    """``batch`` with every tensor on ``device`` (the same tensors when already there). An upload
+    to a GPU is queued on its stream (non-blocking: the host does not wait for it, and kernels
+    queued after it see the data); a copy to the host blocks, so its values are there on return."""
+    return TrainBatch(**{k: to_device(v, device) for k, v in vars(batch).items()})
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device``: non-blocking towards a GPU, blocking towards the host (see ``batch_to``)."""
+    return t.to(device, non_blocking=torch.device(device).type == "cuda")
 
 
 def flatten(groups: list[Group]) -> list[Sample]:

@@ -31,7 +31,7 @@ import algos
 import algos.metrics
 from algos.proximal import approx_prox_logp
 from flash.devices import autocast, autocast_dtype, model_device
-from flash.train.batch import TrainBatch, batch_to
+from flash.train.batch import TrainBatch, batch_to, to_device
 from flash.train.updates import fresh_mismatch, lr_at, train_batch
 
 
@@ -187,7 +187,7 @@ class Trainer:
 
     def _to_device(self, batch: TrainBatch, *tensors: torch.Tensor | None) -> tuple:
         """The batch and its token-level tensors on the model's device (no copy when already there)."""
-        return (batch_to(batch, self.device), *(None if t is None else t.to(self.device) for t in tensors))
+        return (batch_to(batch, self.device), *(None if t is None else to_device(t, self.device) for t in tensors))
 
     # ---- one optimizer step in parts (the stream trainer feeds groups as they finish) -----------
     def begin_step(self) -> None:
@@ -218,8 +218,9 @@ class Trainer:
         metrics stay on the device: the call reads the host once (the rows' lengths and weight).
         """
         start = time.monotonic()
+        # the call's one host read, where the batch arrives (on the CPU in a run: no device sync)
+        lengths, weight = row_lengths_and_weight(self.s.agg, batch)
         batch, advantages, prox_logp, ref_logp = self._to_device(batch, advantages, prox_logp, ref_logp)
-        lengths, weight = row_lengths_and_weight(self.s.agg, batch)  # the call's one host read
         ref = self._reference_logprobs(batch, ref_logp, lengths)
         for lo in range(0, len(batch), self.s.micro_batch_size):
             hi = min(lo + self.s.micro_batch_size, len(batch))

@@ -9,7 +9,8 @@ stream synchronize) into a RuntimeError naming it. Which syncs a step may make:
   on the device, so the GPU never waits for the host between micro-batches ("error" around it);
 - a few in ``finish_step``, once per optimizer step: whether the gradient is finite (skip the step
   or not) and the metrics handed back as floats ("default" around it);
-- the batch's upload before the step, which is done here before the checked region.
+- none for the batch's upload: it arrives from the driver on the CPU, as in a run, its rows'
+  lengths are read there, and its copy to the GPU is queued without the host waiting.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from contextlib import contextmanager
 
 import torch
 
-from flash.train.batch import batch_to
 from flash.train.trainer import Trainer
 from tests.helpers.train import make_batch, settings, toy_model
 
@@ -39,11 +39,10 @@ def sync_debug(mode: str):
 def test_accumulate_makes_no_host_sync():
     device = torch.device("cuda")
     trainer = Trainer(toy_model().to(device), settings(micro_batch_size=ROWS // MICRO_BATCHES), seed=0)
-    batch, adv = make_batch(seed=1, n=ROWS, vocab=32)
-    batch, adv = batch_to(batch, device), adv.to(device)
+    batch, adv = make_batch(seed=1, n=ROWS, vocab=32)  # on the CPU, as the driver sends it
     torch.cuda.synchronize()
     trainer.begin_step()
-    with sync_debug("error"):  # 4 micro-batches: forward, loss, backward, sums on the device
+    with sync_debug("error"):  # upload; 4 micro-batches: forward, loss, backward, sums on the device
         trainer.accumulate(batch, adv, None)  # prox fused into the forward, as the default recipe runs
     with sync_debug("default"):  # once per optimizer step: the finite check and the float metrics
         metrics = trainer.finish_step()
