@@ -13,10 +13,11 @@ Three kinds of threads, all in the driver:
 - *collector*: pulls outputs from the engine and routes them through the workflow; a unit that
   finished (a response; an episode, handed to ``deliver`` by the thread that ended it) moves on;
   once ``n`` of a prompt's units finished the rest are cancelled (``aborted(redundant)``);
-- *reward pool*: turns each finished unit into a scored sample as soon as it arrives (queue
-  scheduling) -- or, with ``queue_scheduling=False``, once its admission wave finished generating
+- *reward threads* (``controllers.reward_threads``): turn each finished unit into a scored sample
+  as soon as it arrives (queue scheduling) -- or, with ``queue_scheduling=False``, once its admission wave finished generating
   (``WaveGate``). A group's ``n`` scored samples pass the filters (``controllers.filters``) into
   the SampleBuffer, or are filtered and free their slot; a spare's group waits for a slot.
+Each runs under ``controllers.thread_errors``: an error in one is re-raised in the controller.
 
 Every sample moves through ``controllers.lifecycle`` (admitted → generating → scoring → buffered |
 filtered | aborted → trained), and every admitted prompt is in exactly one place at any time: in
@@ -29,17 +30,18 @@ from __future__ import annotations
 import random
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from buffers import BufferClosed, Group, SampleBuffer
+from buffers import Group, SampleBuffer
 from buffers.reward import reward_value
 from controllers.admission import Admission, PromptSource
 from controllers.filters import FilterConfig, filter_reason
 from controllers.inflight import InFlight, Pending
 from controllers.lifecycle import Lifecycle, Outcomes
 from controllers.provisioning import WaveGate
+from controllers.reward_threads import RewardThreads
 from controllers.staleness import StalenessManager
+from controllers.thread_errors import ThreadErrors
 from controllers.workflows.base import Service, Unit, Workflow, parse_request_id, request_id, request_seed
 from controllers.workflows.single_turn import SingleTurn
 from flash.engine.base import GenerationOutput, SamplingParams
@@ -78,9 +80,9 @@ class RolloutCore:
         # (else the abort would miss them and they would run to the end, unused).
         self._engine_io = threading.Lock()
         self._stop = threading.Event()
-        self._scoring, self._polls = 0, 0  # responses in the reward pool not yet filed; collector polls
-        self._error: BaseException | None = None
-        self._pool = ThreadPoolExecutor(max_workers=max(1, reward_workers), thread_name_prefix="reward")
+        self._polls = 0  # collector polls
+        self._errors = ThreadErrors(lambda: self.buffer.wake())
+        self._rewards = RewardThreads(self._lock, reward_workers, self._guard)  # responses not yet filed: busy
         self._later_aborts: list[str] = []  # unit ids a subclass's _group_done decided to cancel
         self._threads = [threading.Thread(target=self._guard(f), daemon=True, name=f.__name__)
                          for f in (self._admit_loop, self._collect_loop)]
@@ -148,8 +150,7 @@ class RolloutCore:
 
     def check(self) -> None:
         """Re-raise an error from a scheduler thread in the caller."""
-        if self._error is not None:
-            raise RuntimeError(f"rollout scheduler failed: {self._error!r}") from self._error
+        self._errors.check()
 
     def stop_admission(self) -> None:
         with self._lock:
@@ -160,8 +161,8 @@ class RolloutCore:
         """Wait until the collector has polled twice more and every response taken is filed."""
         with self._lock:
             polls = self._polls
-            ok = self._lock.wait_for(lambda: self._error is not None or
-                                     (self._polls >= polls + 2 and self._scoring == 0), timeout)
+            ok = self._lock.wait_for(lambda: self._errors.error is not None or
+                                     (self._polls >= polls + 2 and self._rewards.busy == 0), timeout)
         self.check()
         if not ok:
             raise TimeoutError("rollout scheduler did not quiesce")
@@ -175,7 +176,7 @@ class RolloutCore:
             if t.is_alive():
                 t.join(timeout=10)
         self.workflow.stop()
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._rewards.shutdown()
 
     def evaluate(self, items: list, params: SamplingParams, tag: str, seed: int) -> list[float]:
         """The rewards of ``evaluate_samples``, in item order."""
@@ -199,8 +200,7 @@ class RolloutCore:
             for u in units:
                 self.inflight.eval_units.pop(u.id, None)
         # scored concurrently on the reward threads (a code reward's sandbox runs dominate an eval)
-        futures = [self._pool.submit(self.workflow.finish, u, out) for u, out in zip(units, outs)]
-        return [f.result() for f in futures]
+        return self._rewards.map(self.workflow.finish, units, outs)
 
     # ---- checkpoint and fault hooks (flash.checkpoint, flash.engine.client) ---------------------
     def state_dict(self) -> dict:
@@ -259,16 +259,8 @@ class RolloutCore:
 
     # ---- threads -------------------------------------------------------------------------
     def _guard(self, fn):
-        def run():
-            try:
-                fn()
-            except BufferClosed:
-                pass
-            except BaseException as exc:  # surfaced to the controller by check()
-                self._error = exc
-                self.buffer.wake()
-        run.__name__ = fn.__name__
-        return run
+        """``fn`` as a thread's target, its error kept for ``check`` (``ThreadErrors.guard``)."""
+        return self._errors.guard(fn)
 
     # ---- admission (the admission thread; hooks under the lock) --------------------------------
     def _admit_loop(self) -> None:
@@ -404,18 +396,9 @@ class RolloutCore:
         return ready
 
     def _dispatch(self, outs: list[GenerationOutput]) -> None:
-        """Hand responses to the reward pool (under the lock)."""
+        """Hand responses to the reward threads (under the lock)."""
         for out in outs:
-            self._scoring += 1
-            self._pool.submit(self._guard(lambda o=out: self._file_sample(o)))
-
-    def _file_sample(self, out: GenerationOutput) -> None:
-        try:
-            self._finish_sample(out)
-        finally:
-            with self._lock:
-                self._scoring -= 1
-                self._lock.notify_all()
+            self._rewards.submit(lambda o=out: self._finish_sample(o))
 
     def _finish_sample(self, out: GenerationOutput) -> None:
         pid, k = parse_request_id(out.request_id)

@@ -3,7 +3,8 @@
 Order of work: run dir and resolved config → task → model (warm start, cached) → Ray and the two
 actors → initial held-out evaluation → the controller's steps (progress bar, trackers, periodic
 evaluation, checkpoints) → stop rollout (what is left unfinished goes to the ledger) → final
-evaluation → ``summary.json``.
+evaluation → ``summary.json`` (flash.app.summary). The settings each part gets from the config are
+built in flash.app.settings.
 
 ``resume=RUN_DIR`` (flash.app.resume): the same run dir, its newest valid checkpoint restored
 (flash.app.run_state) instead of the initial evaluation, and the steps continue from there.
@@ -24,46 +25,35 @@ from ray.exceptions import RayActorError
 from buffers.factory import make_buffer
 from controllers import step_metrics
 from controllers.async_controller import AsyncController, ControllerSettings
-from controllers.prox_mode import prox_mode, trainer_prox
+from controllers.prox_mode import prox_mode
 from controllers.scheduler import RolloutScheduler
 from controllers.staleness import StalenessManager
 from controllers.tail_batching import TailBatchingScheduler
 from controllers.workflows.episode import Episodes
 from flash.app import resume as resume_mod, run_state
-from flash.app.config_checks import steps_per_batch
 from flash.app.data import build_source, check_prompt_format, data_steps, load_tokenizer, max_prompt_tokens
 from flash.app.evaluation import build_eval_sets, evaluate_sets
 from flash.app.preflight import preflight
-from flash.app.plan_model import auto_threads
 from flash.app.schedule import step_line
-from flash.app.roles import Clock, RolloutBuffer, RunFiles, new_guards, reference_placed, start_roles
+from flash.app.roles import Clock, RolloutBuffer, RunFiles, new_guards, start_roles
+from flash.app.settings import (  # noqa: F401 -- the settings builders are imported from here too
+    loss_section, resolve_threads, run_cores, sampling_params, trainer_settings)
+from flash.app.summary import summary as run_summary
 from flash.checkpoint import Checkpointer, latest_valid, remove_partial
 from flash.checkpoint_trust import read_manifest, resume_key
 from flash.app.config import FlashConfig, to_dict, to_yaml
-from flash.engine.base import SamplingParams
 from flash.errors import FlashError
 from flash.sim.accounting import SimSteps
 from flash.app.tracking import Heartbeat, Progress, make_tracker, pick_samples
 from controllers.agent_runtime import build_agent_scheduler
 from controllers.episode_runtime import build_episode_scheduler
 from flash.envs.task import EnvTask
-from flash.train.trainer import TrainerSettings
 from flash.train.fsdp import group_settings
 from flash.cluster import pinned_threads, quiet
 
 
 def default_cache_dir(cfg: FlashConfig) -> str:
     return cfg.cache_dir or os.environ.get("FLASH_CACHE") or str(Path.home() / ".cache" / "flash")
-
-
-def run_cores(cfg: FlashConfig) -> int:
-    """The CPU cores the run's local Ray gets (``ray.num_cpus``, else the machine's)."""
-    return cfg.ray.num_cpus or os.cpu_count() or 2
-
-
-def resolve_threads(cfg: FlashConfig) -> tuple[int, int]:
-    """(engine, trainer) torch threads of the run's roles (``flash.app.plan_model.auto_threads``)."""
-    return auto_threads(run_cores(cfg), cfg.async_ratio, cfg.resources.engine_threads, cfg.resources.trainer_threads)
 
 
 def prepare_model(cfg: FlashConfig, task, on_sft_step=None) -> str:
@@ -87,40 +77,6 @@ def prepare_model(cfg: FlashConfig, task, on_sft_step=None) -> str:
 
 class TrainerDied(FlashError):
     """The trainer worker died; the run stopped at its last checkpoint."""
-
-
-def sampling_params(cfg: FlashConfig, tokenizer, *, eval_mode: bool = False) -> SamplingParams:
-    max_new = cfg.eval.max_new_tokens if eval_mode and cfg.eval.max_new_tokens else cfg.rollout.max_new_tokens
-    return SamplingParams(
-        max_new_tokens=max_new,
-        temperature=cfg.eval.temperature if eval_mode else cfg.rollout.temperature,
-        top_p=cfg.rollout.top_p,
-        stop_token_ids=[tokenizer.eos_token_id],
-    )
-
-
-def loss_section(cfg: FlashConfig) -> dict:
-    """``algo.loss`` with ``algo.corrections`` folded in as the ``corrections`` knob that
-    ``algos.policy_loss`` takes (absent when none, so the loss knobs stay as written)."""
-    loss = dict(cfg.algo.loss)
-    if cfg.algo.corrections:
-        loss["corrections"] = [dict(c) for c in cfg.algo.corrections]
-    return loss
-
-
-def trainer_settings(cfg: FlashConfig) -> TrainerSettings:
-    return TrainerSettings(
-        lr=cfg.train.lr, weight_decay=cfg.train.weight_decay, betas=tuple(cfg.train.betas),
-        grad_clip=cfg.train.grad_clip, micro_batch_size=cfg.train.micro_batch_size,
-        temperature=cfg.rollout.temperature, loss=loss_section(cfg), agg=cfg.algo.agg,
-        max_len=cfg.rollout.max_new_tokens,
-        mini_batches=cfg.train.mini_batches, update_epochs=cfg.train.update_epochs,
-        lr_schedule=cfg.train.lr_schedule, warmup_steps=cfg.train.warmup_steps,
-        min_lr_ratio=cfg.train.min_lr_ratio,
-        total_optimizer_steps=cfg.train.steps * steps_per_batch(cfg.train),
-        prox=trainer_prox(cfg.algo.recompute_prox),
-        reference="role" if reference_placed(cfg) else "local", dtype=cfg.model.dtype,
-    )
 
 
 class Run:
@@ -346,7 +302,7 @@ def _run(cfg: FlashConfig, recipe_name: str, heartbeat: Heartbeat) -> dict:
         progress.close()
         tracker.close()
         r.close()
-    summary = _summary(cfg, r, records, acc0, acc1, train_s, left)
+    summary = run_summary(cfg, r, records, acc0, acc1, train_s, left)
     (r.dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
 
@@ -399,82 +355,3 @@ def _record_schedule(r: Run, rec) -> None:
                "stream": r.controller.s.stream}
     r.files.schedule.write(json.dumps(step_line(rec.step, rec.groups, train, context)) + "\n")
     r.files.schedule.flush()
-
-
-def _summary(cfg, r: Run, records, acc0, acc1, train_s, left) -> dict:
-    steps = r.clock.start_step + len(records)  # a resumed run: all of its steps (train_s spans them too)
-    trained = sum(len(g.samples) for rec in records for g in rec.groups)
-    phase_keys = sorted({k for rec in records for k in rec.metrics if k.startswith("time/")})
-    return {
-        "eval_accuracy_initial": acc0,
-        "eval_accuracy_final": acc1,
-        "steps": steps,
-        "wall_seconds": time.monotonic() - r.clock.t0,
-        "train_seconds": train_s,
-        "seconds_per_step": train_s / max(steps, 1),
-        "samples_trained": trained,
-        "max_staleness_observed": max((rec.metrics["staleness/max"] for rec in records), default=0.0),
-        "async_ratio": cfg.async_ratio,
-        "interrupt": cfg.rollout.interrupt,
-        "loss": cfg.algo.loss["name"],
-        "prompts_admitted": r.scheduler.admitted,
-        "prompts_unfinished": {k: len(v) for k, v in left.items()},
-        "reward_errors": r.scheduler.counters["reward_errors"],
-        "resumed_from_step": r.clock.start_step if r.resume_point else None,
-        "faults_engine": r.roles.client.faults,
-        "faults_reward": r.reward_pool.faults if r.reward_pool is not None else 0,
-        "faults_env": r.scheduler.counters.get("faults_env", 0),
-        "train_skipped_nonfinite": r.guards.steps.total,
-        "data_skipped": dict(r.guards.inputs.counts),
-        "checkpoint": dict(r.checkpointer.last),
-        "request_errors": r.scheduler.counters["request_errors"],
-        "rollout_counters": dict(r.scheduler.counters),
-        "reward_seconds": r.scheduler.counters.get("reward_seconds", 0.0),
-        "filtered_groups": dict(r.scheduler.lifecycle.filtered),
-        "aborted_samples": dict(r.scheduler.lifecycle.aborted),
-        "lifecycle": r.scheduler.lifecycle.snapshot(),
-        "phase_seconds_mean": {k[5:]: sum(rec.metrics.get(k, 0.0) for rec in records) / max(steps, 1)
-                               for k in phase_keys},
-        "run_dir": str(r.dir),
-        "sim_seconds_per_step": r.sim_steps.seconds_per_step(train_s) if cfg.train.backend == "sim" else None,
-        # the CPU split the roles ran with (flash plan scales costs measured here to other splits)
-        "threads": threads_record(cfg),
-        "cores": run_cores(cfg),
-        "seed": cfg.seed,
-        "versions": versions_record(),
-        # what held model-written code on this host (flash.rewards.sandbox): namespaces|audit-hook,
-        # and whether each call had its own memory and pids cgroups (else per-process rlimits)
-        "sandbox_isolation": _sandbox_isolation(),
-        "sandbox_cgroups": _sandbox_cgroups(),
-    }
-
-
-def _sandbox_isolation() -> str:
-    from flash.rewards.sandbox import isolation_level
-
-    return isolation_level()
-
-
-def _sandbox_cgroups() -> bool:
-    from flash.rewards.cgroups import available
-
-    return available()
-
-
-def threads_record(cfg: FlashConfig) -> dict[str, int | None]:
-    """The torch threads each numeric stage ran with: what a result depends on besides the config
-    (``warm_start`` is None when the model is the user's own)."""
-    engine, trainer = resolve_threads(cfg)
-    warm = cfg.sft.threads if not (cfg.model.path or cfg.model.gguf) else None
-    return {"engine": engine, "trainer": trainer, "driver": cfg.resources.driver_threads, "warm_start": warm}
-
-
-def versions_record() -> dict[str, str]:
-    """Versions of the numeric libraries a result was computed with."""
-    import platform
-
-    import torch
-    import transformers
-
-    return {"torch": torch.__version__, "transformers": transformers.__version__,
-            "python": platform.python_version()}

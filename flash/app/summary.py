@@ -1,0 +1,97 @@
+"""A finished run's ``summary.json``: held-out accuracy before and after training, the steps and
+their seconds, what rollout admitted, trained, filtered and aborted, faults and skips, and what a
+result depends on besides the config (the torch threads each stage ran with, the cores, the
+library versions, how the reward sandbox isolated model-written code on this host).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from flash.app.config import FlashConfig
+from flash.app.settings import resolve_threads, run_cores
+
+if TYPE_CHECKING:
+    from flash.app.runner import Run
+
+
+def summary(cfg: FlashConfig, r: Run, records, acc0, acc1, train_s, left) -> dict:
+    """The run's summary (``summary.json``): ``records`` are the controller's steps, ``left`` the prompts
+    rollout left unfinished; accuracies before and after training, training seconds."""
+    steps = r.clock.start_step + len(records)  # a resumed run: all of its steps (train_s spans them too)
+    trained = sum(len(g.samples) for rec in records for g in rec.groups)
+    phase_keys = sorted({k for rec in records for k in rec.metrics if k.startswith("time/")})
+    return {
+        "eval_accuracy_initial": acc0,
+        "eval_accuracy_final": acc1,
+        "steps": steps,
+        "wall_seconds": time.monotonic() - r.clock.t0,
+        "train_seconds": train_s,
+        "seconds_per_step": train_s / max(steps, 1),
+        "samples_trained": trained,
+        "max_staleness_observed": max((rec.metrics["staleness/max"] for rec in records), default=0.0),
+        "async_ratio": cfg.async_ratio,
+        "interrupt": cfg.rollout.interrupt,
+        "loss": cfg.algo.loss["name"],
+        "prompts_admitted": r.scheduler.admitted,
+        "prompts_unfinished": {k: len(v) for k, v in left.items()},
+        "reward_errors": r.scheduler.counters["reward_errors"],
+        "resumed_from_step": r.clock.start_step if r.resume_point else None,
+        "faults_engine": r.roles.client.faults,
+        "faults_reward": r.reward_pool.faults if r.reward_pool is not None else 0,
+        "faults_env": r.scheduler.counters.get("faults_env", 0),
+        "train_skipped_nonfinite": r.guards.steps.total,
+        "data_skipped": dict(r.guards.inputs.counts),
+        "checkpoint": dict(r.checkpointer.last),
+        "request_errors": r.scheduler.counters["request_errors"],
+        "rollout_counters": dict(r.scheduler.counters),
+        "reward_seconds": r.scheduler.counters.get("reward_seconds", 0.0),
+        "filtered_groups": dict(r.scheduler.lifecycle.filtered),
+        "aborted_samples": dict(r.scheduler.lifecycle.aborted),
+        "lifecycle": r.scheduler.lifecycle.snapshot(),
+        "phase_seconds_mean": {k[5:]: sum(rec.metrics.get(k, 0.0) for rec in records) / max(steps, 1)
+                               for k in phase_keys},
+        "run_dir": str(r.dir),
+        "sim_seconds_per_step": r.sim_steps.seconds_per_step(train_s) if cfg.train.backend == "sim" else None,
+        # the CPU split the roles ran with (flash plan scales costs measured here to other splits)
+        "threads": threads_record(cfg),
+        "cores": run_cores(cfg),
+        "seed": cfg.seed,
+        "versions": versions_record(),
+        # what held model-written code on this host (flash.rewards.sandbox): namespaces|audit-hook,
+        # and whether each call had its own memory and pids cgroups (else per-process rlimits)
+        "sandbox_isolation": _sandbox_isolation(),
+        "sandbox_cgroups": _sandbox_cgroups(),
+    }
+
+
+def _sandbox_isolation() -> str:
+    from flash.rewards.sandbox import isolation_level
+
+    return isolation_level()
+
+
+def _sandbox_cgroups() -> bool:
+    from flash.rewards.cgroups import available
+
+    return available()
+
+
+def threads_record(cfg: FlashConfig) -> dict[str, int | None]:
+    """The torch threads each numeric stage ran with: what a result depends on besides the config
+    (``warm_start`` is None when the model is the user's own)."""
+    engine, trainer = resolve_threads(cfg)
+    warm = cfg.sft.threads if not (cfg.model.path or cfg.model.gguf) else None
+    return {"engine": engine, "trainer": trainer, "driver": cfg.resources.driver_threads, "warm_start": warm}
+
+
+def versions_record() -> dict[str, str]:
+    """Versions of the numeric libraries a result was computed with."""
+    import platform
+
+    import torch
+    import transformers
+
+    return {"torch": torch.__version__, "transformers": transformers.__version__,
+            "python": platform.python_version()}
