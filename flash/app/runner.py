@@ -37,6 +37,7 @@ from flash.app.preflight import preflight
 from flash.app.plan_model import auto_threads
 from flash.app.schedule import step_line
 from flash.app.roles import Clock, RolloutBuffer, RunFiles, new_guards, reference_placed, start_roles
+from flash.cache import default_cache_dir
 from flash.checkpoint import Checkpointer, latest_valid, remove_partial
 from flash.checkpoint_trust import read_manifest, resume_key
 from flash.app.config import FlashConfig, to_dict, to_yaml
@@ -50,10 +51,6 @@ from flash.envs.task import EnvTask
 from flash.train.trainer import TrainerSettings
 from flash.train.fsdp import group_settings
 from flash.cluster import pinned_threads, quiet
-
-
-def default_cache_dir(cfg: FlashConfig) -> str:
-    return cfg.cache_dir or os.environ.get("FLASH_CACHE") or str(Path.home() / ".cache" / "flash")
 
 
 def run_cores(cfg: FlashConfig) -> int:
@@ -77,12 +74,12 @@ def prepare_model(cfg: FlashConfig, task, on_sft_step=None) -> str:
     if cfg.model.gguf:
         from flash.gguf import gguf_checkpoint
 
-        return gguf_checkpoint(cfg.model.gguf, default_cache_dir(cfg))
+        return gguf_checkpoint(cfg.model.gguf, default_cache_dir(cfg.cache_dir))
     from flash.train.sft import warm_start
 
     # simulated roles load no weights: the tiny model's tokenizer and config, untrained
     sft = dataclasses.replace(cfg.sft, steps=0, eval_after=False) if cfg.train.backend == "sim" else cfg.sft
-    return warm_start(cfg.model.tiny, sft, task, default_cache_dir(cfg), on_sft_step)
+    return warm_start(cfg.model.tiny, sft, task, default_cache_dir(cfg.cache_dir), on_sft_step)
 
 
 class TrainerDied(FlashError):
