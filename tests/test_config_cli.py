@@ -306,6 +306,11 @@ def test_a_recipe_builds_on_another_with_base(tmp_path, capsys):
     assert main(["validate", str(tmp_path / "more.yaml"), "train.steps=9"]) == 0
     out = capsys.readouterr().out.splitlines()  # the resolved config against its base (mine.yaml)
     assert out[1:] == ["differs from its base in 2 settings:", "  rollout.n: 8 -> 2", "  train.steps: 7 -> 9"], out
+    # a mapping at its empty default is no difference; the entries a recipe adds to it are
+    (tmp_path / "sets.yaml").write_text("base: stutter\neval: {sets: {more: {task: stutter}}}\n")
+    assert main(["validate", str(tmp_path / "sets.yaml")]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[1:] == ["differs from its base in 1 settings:", "  eval.sets.more.task: '(unset)' -> 'stutter'"], out
     (tmp_path / "a.yaml").write_text("base: b.yaml\n")
     (tmp_path / "b.yaml").write_text("base: a.yaml\n")
     assert main(["validate", str(tmp_path / "a.yaml")]) == 2
