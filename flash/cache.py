@@ -12,9 +12,16 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable
+from pathlib import Path
 from typing import TypeVar
 
 T = TypeVar("T")
+
+
+def default_cache_dir(cache_dir: str | None = None) -> str:
+    """The cache root: ``cache_dir`` (the config's ``cache_dir``) when set, else ``$FLASH_CACHE``,
+    else ``~/.cache/flash``."""
+    return cache_dir or os.environ.get("FLASH_CACHE") or str(Path.home() / ".cache" / "flash")
 
 
 def build_once(final: str, marker: str, build: Callable[[str], T]) -> T | None:

@@ -145,6 +145,28 @@ def test_console_script_is_installed():
     assert "did you mean 'steps'" in proc.stderr and "Traceback" not in proc.stderr
 
 
+def test_a_reader_that_closes_stdout_early_ends_the_command_quietly_with_status_141():
+    """``flash validate stutter | head -1``: no BrokenPipeError traceback, the shell's SIGPIPE status."""
+    flash = str(Path(sys.executable).parent / "flash")
+    # the reader gone before the first write: the write fails in every run, not only when it loses a race
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        proc = subprocess.run([flash, "validate", "stutter"], stdout=write_end, stderr=subprocess.PIPE,
+                              text=True, timeout=300)
+    finally:
+        os.close(write_end)
+    assert proc.returncode == 141, proc.stderr
+    assert "Traceback" not in proc.stderr and "BrokenPipe" not in proc.stderr
+    # head -1's shape: the first line read, then the pipe closed (what is left may be written already)
+    with subprocess.Popen([flash, "ls"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as ls:
+        first = ls.stdout.readline()
+        ls.stdout.close()
+        err = ls.stderr.read()
+    assert first.split()[0] in recipe_paths() and ls.returncode in (0, 141)
+    assert "Traceback" not in err and "BrokenPipe" not in err
+
+
 @pytest.mark.parametrize("text, message", [
     ("- task\n- rollout\n", r"a recipe is a mapping of sections .*, not a list"),
     ("just words\n", r"unknown config key 'just words'"),
@@ -284,6 +306,11 @@ def test_a_recipe_builds_on_another_with_base(tmp_path, capsys):
     assert main(["validate", str(tmp_path / "more.yaml"), "train.steps=9"]) == 0
     out = capsys.readouterr().out.splitlines()  # the resolved config against its base (mine.yaml)
     assert out[1:] == ["differs from its base in 2 settings:", "  rollout.n: 8 -> 2", "  train.steps: 7 -> 9"], out
+    # a mapping at its empty default is no difference; the entries a recipe adds to it are
+    (tmp_path / "sets.yaml").write_text("base: stutter\neval: {sets: {more: {task: stutter}}}\n")
+    assert main(["validate", str(tmp_path / "sets.yaml")]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[1:] == ["differs from its base in 1 settings:", "  eval.sets.more.task: '(unset)' -> 'stutter'"], out
     (tmp_path / "a.yaml").write_text("base: b.yaml\n")
     (tmp_path / "b.yaml").write_text("base: a.yaml\n")
     assert main(["validate", str(tmp_path / "a.yaml")]) == 2

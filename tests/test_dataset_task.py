@@ -57,6 +57,22 @@ def test_jsonl_parquet_csv_and_save_to_disk_give_identical_items(tmp_path):
     assert dataset(copy, **opts).data_fingerprint == tasks[0].data_fingerprint
 
 
+def test_the_answer_column_is_the_demonstration_when_sft_key_names_it(tmp_path):
+    """GSM8K's answers are worked solutions: ``data.sft_key`` equal to ``data.answer_key`` warm-starts on
+    that column's text, the same text the reward reads as the reference."""
+    rows = gsm_rows(12)
+    task = dataset(write_jsonl(tmp_path / "gsm.jsonl", rows), prompt_key="question", sft_key="answer",
+                   holdout=0, shuffle=False)
+    for i in range(15):  # past the end of the first epoch
+        row = rows[i % 12]
+        assert task.sft_pair(i) == (task.item(i).prompt, row["answer"]) == (row["question"], row["answer"])
+    assert task.sft_pair(1)[1] == "1+2=3\n#### 3"
+    # through the config (whose checks name every column), the run's task gives the same pairs
+    cfg = load_config("recipes/math.yaml", [f"data.train=[{tmp_path}/gsm.jsonl]", "data.prompt_key=question",
+                                            "data.sft_key=answer", "data.holdout=0", "data.shuffle=false"])
+    assert build_task(cfg).sft_pair(4) == (rows[4]["question"], rows[4]["answer"])
+
+
 def test_each_epoch_is_a_seeded_permutation_of_the_train_rows_and_held_out_rows_are_never_trained(tmp_path):
     path = write_jsonl(tmp_path / "a.jsonl", gsm_rows())
     task = dataset(path, prompt_key="question", holdout=64, seed=3)

@@ -85,3 +85,23 @@ def test_smollm2_loads_and_generates_with_logprobs(tmp_path):
     assert torch.allclose(ref, torch.tensor(out.logprobs), atol=1e-3)
     text = decode_response(tok, out.token_ids)
     assert any(ch.isdigit() for ch in text), text  # an instruct model answers with a number
+
+
+def test_the_data_preview_of_a_gguf_recipe_converts_into_the_run_cache(tmp_path, monkeypatch):
+    """``flash data`` on a ``model.gguf`` recipe reads the tokenizer of the checkpoint that ``flash run``
+    converts, under the same cache root (``flash.cache.default_cache_dir``)."""
+    import flash.app.data
+    import flash.gguf
+    from flash.app.data_preview import preview_tokenizer
+    from flash.cache import default_cache_dir
+
+    f = tmp_path / "m.gguf"
+    f.write_bytes(b"GGUF")
+    calls = []
+    monkeypatch.setattr(flash.gguf, "gguf_checkpoint", lambda spec, root: calls.append((spec, root)) or "ckpt")
+    monkeypatch.setattr(flash.app.data, "load_tokenizer", lambda cfg, path: ("tokenizer of", path))
+    cfg = load_config("recipes/math.yaml", [f"model.gguf={f}", f"cache_dir={tmp_path / 'cache'}"])
+    assert preview_tokenizer(cfg) == ("tokenizer of", "ckpt")
+    assert calls == [(str(f), str(tmp_path / "cache"))]
+    monkeypatch.setenv("FLASH_CACHE", "/elsewhere")
+    assert default_cache_dir(None) == "/elsewhere" and default_cache_dir("/mine") == "/mine"

@@ -11,7 +11,9 @@
     flash data RECIPE [key=value ...]      the prompts as the engine sees them, lengths, bad rows
     flash data export TASK -o FILE         write a built-in task's items as a dataset file
 
-Errors a user can fix (unknown key, bad value, missing recipe) print one line and exit 2.
+Errors a user can fix (unknown key, bad value, missing recipe) print one line and exit 2. A reader
+that closes stdout early (``flash validate R | head -1``) ends the command quietly with status 141
+(128 + SIGPIPE, what the shell reports for any producer a closed pipe stops, e.g. ``yes | head -1``).
 """
 
 from __future__ import annotations
@@ -251,10 +253,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _reader_gone() -> int:
+    """stdout's reader closed it: stdout points at devnull, so the interpreter's last flush writes
+    nowhere instead of raising again; the status is the shell's for a SIGPIPE."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return 141
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return args.fn(args)
+        code = args.fn(args)
+        sys.stdout.flush()  # a closed pipe shows here, in this handler, not at interpreter exit
+        return code
+    except BrokenPipeError:
+        return _reader_gone()
     except FlashError as exc:
         print(f"flash: error: {exc}", file=sys.stderr)
         return 2

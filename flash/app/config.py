@@ -208,17 +208,19 @@ def base_differences(recipe_path: str | Path, cfg: FlashConfig) -> list[str]:
     chain = recipe_chain(Path(recipe_path))
     if len(chain) < 2:
         return []
-    base = _flat(OmegaConf.to_container(OmegaConf.merge(OmegaConf.structured(FlashConfig), *chain[:-1])))
-    mine = _flat(to_dict(cfg))
+    base = flat_settings(OmegaConf.to_container(OmegaConf.merge(OmegaConf.structured(FlashConfig), *chain[:-1])))
+    mine = flat_settings(to_dict(cfg))
     return [f"{k}: {base.get(k, '(unset)')!r} -> {mine.get(k, '(unset)')!r}"
             for k in sorted(set(base) | set(mine)) if base.get(k, "(unset)") != mine.get(k, "(unset)")]
 
 
-def _flat(d: dict, prefix: str = "") -> dict:
+def flat_settings(d: dict, prefix: str = "") -> dict:
+    """``{'section.key': value}`` of a nested mapping. An empty mapping holds no settings, so a mapping
+    left empty and one that is absent read the same (``eval.sets`` at its default is no difference)."""
     out = {}
     for k, v in d.items():
-        if isinstance(v, dict) and v:
-            out.update(_flat(v, f"{prefix}{k}."))
+        if isinstance(v, dict):
+            out.update(flat_settings(v, f"{prefix}{k}."))
         else:
             out[f"{prefix}{k}"] = v
     return out

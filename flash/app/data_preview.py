@@ -36,7 +36,7 @@ def preview_tokenizer(cfg, task=None):
         from flash.cache import default_cache_dir
         from flash.gguf import gguf_checkpoint
 
-        return load_tokenizer(cfg, gguf_checkpoint(cfg.model.gguf, default_cache_dir(cfg)))
+        return load_tokenizer(cfg, gguf_checkpoint(cfg.model.gguf, default_cache_dir(cfg.cache_dir)))
     from flash.models import build_tokenizer
     from flash.train.sft import task_tokenizer
 

@@ -20,12 +20,12 @@ import logging
 import time
 from datetime import datetime
 from pathlib import Path
-from typing import Any
 
 import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from flash.app.config import flat_settings
 from flash.errors import ConfigError, FlashError
 
 log = logging.getLogger(__name__)
@@ -55,18 +55,9 @@ def resolve_resume(resume: str | None, recipe_name: str, runs_root: Path = Path(
     return path
 
 
-def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
-    if not isinstance(d, dict):
-        return {prefix.rstrip("."): d}
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        out.update(_flat(v, f"{prefix}{k}."))
-    return out
-
-
 def config_differences(saved: dict, now: dict) -> list[str]:
     """``key: saved -> now`` for every setting that differs and may not change on resume."""
-    a, b = _flat(saved), _flat(now)
+    a, b = flat_settings(saved), flat_settings(now)
     diffs = []
     for key in sorted(set(a) | set(b)):
         if any(key == m or key.startswith(m) for m in MAY_CHANGE):

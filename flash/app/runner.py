@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import time
 from pathlib import Path
 
@@ -39,6 +38,7 @@ from flash.app.roles import Clock, RolloutBuffer, RunFiles, new_guards, start_ro
 from flash.app.settings import (  # noqa: F401 -- the settings builders are imported from here too
     loss_section, resolve_threads, run_cores, sampling_params, trainer_settings)
 from flash.app.summary import summary as run_summary
+from flash.cache import default_cache_dir
 from flash.checkpoint import Checkpointer, latest_valid, remove_partial
 from flash.checkpoint_trust import read_manifest, resume_key
 from flash.app.config import FlashConfig, to_dict, to_yaml
@@ -52,8 +52,6 @@ from flash.train.fsdp import group_settings
 from flash.cluster import pinned_threads, quiet
 
 
-def default_cache_dir(cfg: FlashConfig) -> str:
-    return cfg.cache_dir or os.environ.get("FLASH_CACHE") or str(Path.home() / ".cache" / "flash")
 
 
 def prepare_model(cfg: FlashConfig, task, on_sft_step=None) -> str:
@@ -67,12 +65,12 @@ def prepare_model(cfg: FlashConfig, task, on_sft_step=None) -> str:
     if cfg.model.gguf:
         from flash.gguf import gguf_checkpoint
 
-        return gguf_checkpoint(cfg.model.gguf, default_cache_dir(cfg))
+        return gguf_checkpoint(cfg.model.gguf, default_cache_dir(cfg.cache_dir))
     from flash.train.sft import warm_start
 
     # simulated roles load no weights: the tiny model's tokenizer and config, untrained
     sft = dataclasses.replace(cfg.sft, steps=0, eval_after=False) if cfg.train.backend == "sim" else cfg.sft
-    return warm_start(cfg.model.tiny, sft, task, default_cache_dir(cfg), on_sft_step)
+    return warm_start(cfg.model.tiny, sft, task, default_cache_dir(cfg.cache_dir), on_sft_step)
 
 
 class TrainerDied(FlashError):

@@ -168,6 +168,8 @@ class DatasetTask(Task):
             raise ValueError("the tiny model's warm start needs demonstrations: set data.sft_key to a "
                              "column holding them, or start from a model (model.path)")
         item = self.item(index, "train")
+        if self.options.sft_key == self.options.answer_key:  # the reference column is the demonstration
+            return item.prompt, item.answer
         return item.prompt, str(item.meta[self.options.sft_key])
 
     def max_response_tokens(self) -> int:
