@@ -197,7 +197,7 @@ def test_config_refuses_no_op_settings(overrides, message):
 
 
 def test_config_corrections_reach_the_loss_knobs():
-    from flash.app.runner import loss_section
+    from flash.app.settings import loss_section
 
     cfg = load_config(STUTTER, [*DPPO, "algo.corrections=[{name: token_is, cap: 3.0}]"])
     assert loss_section(cfg) == {"name": "decoupled_ppo",

@@ -205,7 +205,7 @@ def test_prox_modes():
 
 # ---- config ------------------------------------------------------------------------------------
 def test_new_keys_reach_the_trainer_settings():
-    from flash.app.runner import trainer_settings
+    from flash.app.settings import trainer_settings
 
     cfg = load_config(STUTTER, ["train.mini_batches=4", "train.update_epochs=2", "train.steps=5",
                                 "train.lr_schedule=cosine", "train.warmup_steps=3", "train.min_lr_ratio=0.1",

@@ -67,7 +67,7 @@ def test_loss_knobs_in_recipe_yaml_reach_the_loss(model, tmp_path):
     layer that dropped it would leave both runs at the default and the assertions would fail.
     """
     from flash.app.config import load_config
-    from flash.app.runner import trainer_settings
+    from flash.app.settings import trainer_settings
 
     batch = collate(samples())
     adv = torch.ones(batch.mask.shape) * batch.mask

@@ -78,7 +78,7 @@ class Setting:
     """One candidate: what ``flash plan`` varies."""
 
     async_ratio: float = 0.0
-    engine_threads: int = 0  # 0: auto, as flash.app.runner.resolve_threads
+    engine_threads: int = 0  # 0: auto, as flash.app.settings.resolve_threads
     trainer_threads: int = 0
     replicas: int = 1
     tail: bool = False
@@ -119,7 +119,7 @@ def scale(seconds: float, t_from: float, t_to: float, p: float) -> float:
 
 def auto_threads(cores: int, async_ratio: float, engine: int = 0, trainer: int = 0) -> tuple[int, int]:
     """(engine, trainer) torch threads on ``cores`` cores, the rule a run starts its roles with
-    (``flash.app.runner.resolve_threads``) and the planner predicts with: all cores each when sync
+    (``flash.app.settings.resolve_threads``) and the planner predicts with: all cores each when sync
     (phases alternate), halves when async (they overlap); explicit values (non-zero) win."""
     if async_ratio == 0:
         e, t = cores, cores

@@ -74,7 +74,8 @@ def replay(run_dir: str | Path, steps: int | None = None, out: str | Path | None
 def _replay_lines(cfg: FlashConfig, lines: list[dict]) -> list[StepCheck]:
     from transformers import AutoTokenizer
 
-    from flash.app.runner import prepare_model, run_cores, trainer_settings
+    from flash.app.runner import prepare_model
+    from flash.app.settings import run_cores, trainer_settings
     from flash.app.data import build_task
 
     quiet()

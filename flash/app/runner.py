@@ -35,8 +35,7 @@ from flash.app.evaluation import build_eval_sets, evaluate_sets
 from flash.app.preflight import preflight
 from flash.app.schedule import step_line
 from flash.app.roles import Clock, RolloutBuffer, RunFiles, new_guards, start_roles
-from flash.app.settings import (  # noqa: F401 -- the settings builders are imported from here too
-    loss_section, resolve_threads, run_cores, sampling_params, trainer_settings)
+from flash.app.settings import resolve_threads, sampling_params, trainer_settings
 from flash.app.summary import summary as run_summary
 from flash.cache import default_cache_dir
 from flash.checkpoint import Checkpointer, latest_valid, remove_partial

@@ -7,17 +7,14 @@ library versions, how the reward sandbox isolated model-written code on this hos
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import Any
 
 from flash.app.config import FlashConfig
 from flash.app.settings import resolve_threads, run_cores
 
-if TYPE_CHECKING:
-    from flash.app.runner import Run
 
-
-def summary(cfg: FlashConfig, r: Run, records, acc0, acc1, train_s, left) -> dict:
-    """The run's summary (``summary.json``): ``records`` are the controller's steps, ``left`` the prompts
+def summary(cfg: FlashConfig, r: Any, records, acc0, acc1, train_s, left) -> dict:
+    """The run's summary (``summary.json``) of ``r``, the runner's ``Run``: ``records`` are the controller's steps, ``left`` the prompts
     rollout left unfinished; accuracies before and after training, training seconds."""
     steps = r.clock.start_step + len(records)  # a resumed run: all of its steps (train_s spans them too)
     trained = sum(len(g.samples) for rec in records for g in rec.groups)

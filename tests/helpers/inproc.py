@@ -8,7 +8,7 @@ import algos
 from buffers import Group, Sample
 from controllers.scheduler import request_seed
 from flash.app.config import load_config
-from flash.app.runner import sampling_params, trainer_settings
+from flash.app.settings import sampling_params, trainer_settings
 from flash.cluster import load_model
 from flash.engine.base import GenerationRequest, SamplingParams
 from flash.engine.torch_engine import TorchEngine
