@@ -1,7 +1,8 @@
 """Launcher for the ``audit-hook`` sandbox level: the first process of each such call (stdlib
 only, no flash imports). The ``namespaces`` level runs on the fork server (``_zygote.py``).
 
-The parent runs ``python -I -S -c <this file's source> CONFIG_JSON`` in a new session. Doing the
+The parent runs ``python -I -S -c <this file's source> CONFIG_JSON`` in a new session, with the
+call's ``cgroup.procs`` files open where the host gives cgroups (it joins them first). Doing the
 setup here rather than in a ``preexec_fn`` keeps it out of the parent after ``fork``, where a
 threaded parent (a Ray actor) can deadlock on locks held by other threads. Order: drop root to
 an unprivileged uid (root bypasses RLIMIT_NPROC and file permissions), enter the working
@@ -22,6 +23,9 @@ SETUP_FAILED = 125
 def main() -> None:
     cfg = json.loads(sys.argv[1])
     try:
+        for fd in cfg["cgroup_fds"]:  # the call's cgroups, before anything else runs
+            os.write(fd, str(os.getpid()).encode())
+            os.close(fd)
         if cfg["drop_to"] is not None:
             uid, gid = cfg["drop_to"]
             os.setgroups([])

@@ -6,7 +6,9 @@ end of a SOCK_SEQPACKET socket pair. Setup, once:
 1. drop root to an unprivileged uid (root bypasses RLIMIT_NPROC and file permissions);
 2. new user, network, ipc, uts and mount namespaces; the network has only a downed loopback;
 3. a new root built from an allow-list: read-only binds of the system directories and this
-   interpreter's prefix and import path, a few device nodes, the host's /proc (only as the
+   interpreter's prefix and import path, a synthesized /etc (the loader's cache, the time zone,
+   a passwd and group of root and the code's user; nothing else of the host's), a few device
+   nodes, the host's /proc (only as the
    "fully visible" proc the kernel wants before a nested proc mount; every call covers it) and
    nothing else -- the host's /tmp, /root, home directories and the project are simply absent;
 4. pre-import the standard modules model-written code uses, so a call costs a fork, not an
@@ -49,9 +51,12 @@ MNT_DETACH, AT_FDCWD, AT_RECURSIVE, MOUNT_ATTR_RDONLY = 2, -100, 0x8000, 1
 SYS_MOUNT_SETATTR = 442  # the same number on every architecture (new syscalls are unified)
 SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}.get(platform.machine())
 PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS = 1, 4, 24, 38
+PR_SET_CHILD_SUBREAPER = 36
 PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, CAP_VERSION_3 = 47, 4, 0x20080522
 SETUP_FAILED = 125
-SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc")
+KILL_SIGNAL = signal.SIGUSR1  # server -> C: end the call (C then SIGKILLs G, the namespace's init)
+SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+ETC_FILES = ("ld.so.cache", "localtime")  # of the host's /etc, only what an interpreter reads
 DEVICES = ("null", "zero", "full", "random", "urandom")
 NEWROOT = "/tmp"  # a tmpfs mounted here becomes the root; host paths under /tmp stay out
 WORKDIR = "/tmp/flash-sandbox-work"
@@ -134,6 +139,20 @@ def _bind(src: str, rel: str) -> None:
     _mount(src, dst, None, MS_BIND | MS_REC, step="bind")
 
 
+def _make_etc() -> None:
+    """A synthesized /etc: the loader's cache and the time zone from the host, and a passwd and
+    group naming only root and the code's own user (home: its working directory)."""
+    os.makedirs(NEWROOT + "/etc")
+    for name in ETC_FILES:
+        if os.path.lexists(f"/etc/{name}"):
+            _bind(f"/etc/{name}", f"/etc/{name}")
+    uid, gid = os.getuid(), os.getgid()
+    user = "nobody" if uid == 65534 else "sandbox"
+    _write(NEWROOT + "/etc/passwd", "root:x:0:0:root:/root:/usr/sbin/nologin\n"
+           + f"{user}:x:{uid}:{gid}:{user}:{WORKDIR}:/usr/sbin/nologin\n" * (uid != 0))
+    _write(NEWROOT + "/etc/group", "root:x:0:\n" + f"{user}:x:{gid}:\n" * (gid != 0))
+
+
 def _build_root() -> None:
     """A tmpfs root holding read-only binds of the allowed paths, then pivot into it."""
     if SYS_PIVOT_ROOT is None:
@@ -142,6 +161,7 @@ def _build_root() -> None:
     _mount("tmpfs", NEWROOT, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=755", step="root tmpfs")
     for path in _allowed_paths():
         _bind(path, path)
+    _make_etc()
     for dev in DEVICES:
         _bind(f"/dev/{dev}", f"/dev/{dev}")
     _bind("/proc", "/proc")
@@ -186,7 +206,10 @@ def _drop_capabilities() -> None:
 
 
 def _prepare_call(req: dict, payload_fd: int) -> None:
-    """In G, before the code: /proc, the tmpfs, the files, the locks, the limits."""
+    """In G, before the code: a session of its own (so no signal of the code reaches C), /proc,
+    the tmpfs, the files, the locks, the limits."""
+    os.setsid()
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {KILL_SIGNAL})
     _check(_libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "pdeathsig")
     _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, step="mount")
     _mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV,
@@ -266,7 +289,18 @@ def _call_child(req: dict, payload_fd: int) -> None:
 
 
 def _mirror(pid: int) -> None:
-    """Exit the way G did: same exit code, or death by the same signal."""
+    """Exit the way G did: same exit code, or death by the same signal. Until G has exited,
+    KILL_SIGNAL (from the server) SIGKILLs G, which ends the call's whole pid namespace."""
+    live = [True]
+
+    def kill_namespace(*_) -> None:
+        if live[0]:  # G is a zombie at worst (waited with WNOWAIT): its pid is not reused
+            os.kill(pid, signal.SIGKILL)
+
+    signal.signal(KILL_SIGNAL, kill_namespace)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {KILL_SIGNAL})
+    os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
+    live[0] = False
     _, status = os.waitpid(pid, 0)
     if os.WIFSIGNALED(status):
         sig = os.WTERMSIG(status)
@@ -288,6 +322,7 @@ def _call(req: dict, fds: list[int], server_fd: int) -> None:
         os.closerange(3, fds[0])
         os.closerange(fds[0] + 1, 1 << 16)
         _enter_user_namespace(CLONE_NEWPID | CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWIPC)
+        signal.pthread_sigmask(signal.SIG_BLOCK, {KILL_SIGNAL})  # until _mirror handles it
         pid = os.fork()
     except (OSError, SetupError) as exc:
         os.write(2, f"flash-sandbox-setup: {exc}\n".encode())
@@ -308,6 +343,47 @@ def _status(status: int) -> dict:
     return {"exit": os.WEXITSTATUS(status)}
 
 
+def _children() -> list[int]:
+    """This process's children (the kernel's list, else a scan of /proc)."""
+    me = os.getpid()
+    try:
+        with open(f"/proc/{me}/task/{me}/children") as f:
+            return [int(p) for p in f.read().split()]
+    except OSError:
+        pass
+    kids = []
+    for name in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                if int(f.read().rsplit(")", 1)[1].split()[1]) == me:
+                    kids.append(int(name))
+        except (OSError, ValueError, IndexError):
+            continue
+    return kids
+
+
+def _reap_orphans(calls: set[int]) -> None:
+    """SIGKILL and reap every child that is not a running call's C: a G whose C died first
+    (this process is their subreaper). Reaping G waits for its pid namespace to empty."""
+    for pid in _children():
+        if pid not in calls:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+            except (ProcessLookupError, ChildProcessError):
+                pass
+
+
+def _end_all(running: dict) -> None:
+    """The parent is gone: end every call (and its namespace), then exit."""
+    for pid, _ in running.values():
+        os.kill(pid, KILL_SIGNAL)
+    for pid, _ in running.values():
+        os.waitpid(pid, 0)
+    _reap_orphans(set())
+    os._exit(0)
+
+
 def serve(sock: socket.socket) -> None:
     """Fork a call per request; report each call's pid and, when it ends, its exit status."""
     sel = selectors.DefaultSelector()
@@ -321,17 +397,17 @@ def serve(sock: socket.socket) -> None:
                 sel.unregister(pidfd)
                 os.close(pidfd)
                 _, status = os.waitpid(pid, 0)
+                if os.WIFSIGNALED(status):  # C ended early: its G may be left, with its namespace
+                    _reap_orphans({p for p, _ in running.values()})
                 sock.send(json.dumps({"id": cid, **_status(status)}).encode())
                 continue
             msg, fds, _, _ = socket.recv_fds(sock, 1 << 16, 8)
-            if not msg:  # the parent is gone: so are its calls
-                for pid, _ in running.values():
-                    os.kill(pid, signal.SIGKILL)
-                os._exit(0)
+            if not msg:
+                _end_all(running)
             req = json.loads(msg)
             if req["op"] == "kill":
                 if req["id"] in running:
-                    os.kill(running[req["id"]][0], signal.SIGKILL)
+                    os.kill(running[req["id"]][0], KILL_SIGNAL)
                 continue
             pid = os.fork()
             if pid == 0:
@@ -352,6 +428,7 @@ def main() -> None:
     except (OSError, SetupError, ImportError) as exc:
         sock.send(json.dumps({"error": f"flash-sandbox-setup: {exc}"}).encode())
         os._exit(SETUP_FAILED)
+    _libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)  # a G whose C died comes back to us
     sock.send(json.dumps({"ready": os.getpid()}).encode())
     serve(sock)
 

@@ -20,11 +20,16 @@ from __future__ import annotations
 import functools
 import itertools
 import os
+import signal
+import threading
 import time
 from pathlib import Path
 
 _NAMES = itertools.count()
 _REMOVE_TRIES = 50
+_KILL_WAIT_S = 2.0
+_LEFT: list["CallGroup"] = []  # groups that would not empty or go; retried at each create()
+_LEFT_LOCK = threading.Lock()
 
 
 @functools.lru_cache(maxsize=1)
@@ -89,8 +94,35 @@ class CallGroup:
         fields = dict(line.split() for line in text.splitlines() if len(line.split()) == 2)
         return int(fields.get("oom_kill", "0")) > 0
 
-    def remove(self) -> None:
-        """Remove both directories (their processes may take a moment to leave)."""
+    def pids(self) -> list[int]:
+        """The processes in the call's cgroups now (host pids; [] once they are gone)."""
+        found: set[int] = set()
+        for d in self.dirs.values():
+            try:
+                found.update(int(p) for p in (d / "cgroup.procs").read_text().split())
+            except (OSError, ValueError):
+                continue
+        return sorted(found)
+
+    def kill(self, wait_s: float = _KILL_WAIT_S) -> bool:
+        """SIGKILL every process in the cgroups until none is left (a process with SIGKILL
+        pending cannot fork, so each round leaves at most the children forked before it, and
+        the pids cgroup bounds those); True once they are empty, False if ``wait_s`` ran out."""
+        deadline = time.monotonic() + wait_s
+        while pids := self.pids():
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.001)
+        return True
+
+    def remove(self) -> bool:
+        """Remove the directories (their processes may take a moment to leave); True once all
+        are gone."""
         for d in self.dirs.values():
             for _ in range(_REMOVE_TRIES):
                 try:
@@ -100,6 +132,30 @@ class CallGroup:
                     break
                 except OSError:
                     time.sleep(0.01)
+        return not any(d.exists() for d in self.dirs.values())
+
+    def end(self) -> bool:
+        """Kill whatever of the call is left, wait for it to go, remove the cgroups; False when
+        something of it is still there (kept and retried at the next ``create``)."""
+        gone = self.kill() and self.remove()
+        if not gone:
+            with _LEFT_LOCK:
+                _LEFT.append(self)
+        return gone
+
+
+def _retry_left() -> None:
+    with _LEFT_LOCK:
+        groups = list(_LEFT)
+    for group in groups:
+        if group.kill(wait_s=0.0) and group.remove():
+            with _LEFT_LOCK:
+                _LEFT.remove(group)
+
+
+def left() -> int:
+    """Calls whose processes or cgroups are still present after their end."""
+    return len(_LEFT)
 
 
 def create(memory_bytes: int, max_pids: int) -> CallGroup | None:
@@ -107,6 +163,8 @@ def create(memory_bytes: int, max_pids: int) -> CallGroup | None:
     bases = _bases()
     if not bases:
         return None
+    if _LEFT:
+        _retry_left()
     name = f"flash-sandbox-{os.getpid()}-{next(_NAMES)}"
     group = CallGroup({ctl: base / name for ctl, base in bases.items()})
     try:

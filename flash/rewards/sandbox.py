@@ -40,6 +40,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -82,7 +83,29 @@ class UnisolatedRefused(SandboxSetupError):
     """The host gives no namespaces and nobody allowed running untrusted code without them."""
 
 
-_POLICY = {"allow_unisolated": False, "warned": False}
+_POLICY = {"allow_unisolated": False, "warned": False, "warned_pgroup": False}
+_LEAKS = {"calls": 0}  # calls that ended with a process or cgroup of theirs still present
+_LEAKS_LOCK = threading.Lock()
+
+
+def leaked() -> int:
+    """Calls of this process whose processes or cgroups were still present after the call
+    (``sandbox/leaked``; stays 0 unless the kernel refuses to kill or remove them)."""
+    return _LEAKS["calls"]
+
+
+def _new_group(lim: Limits) -> cgroups.CallGroup | None:
+    return cgroups.create(int((lim.memory_mb + lim.disk_mb) * (1 << 20)), int(lim.max_procs))
+
+
+def _end_group(group: cgroups.CallGroup | None) -> None:
+    """Kill what is left of the call in its cgroups, wait for it to go, remove them; count a
+    call whose processes or cgroups stay."""
+    if group is not None and not group.end():
+        with _LEAKS_LOCK:
+            _LEAKS["calls"] += 1
+        log.error("flash sandbox: a finished call's processes or cgroups are still present: %s",
+                  ", ".join(str(d) for d in group.dirs.values()))
 
 
 def allow_unisolated(allow: bool) -> None:
@@ -226,7 +249,7 @@ def _run_forked(files: dict[str, str], stdin: bytes, lim: Limits) -> SandboxResu
               "max_files": int(lim.max_files),
               "env": {**_ENV, "HOME": _WORKDIR, "TMPDIR": _WORKDIR}}
     t0 = time.monotonic()
-    group = cgroups.create(int((lim.memory_mb + lim.disk_mb) * (1 << 20)), int(lim.max_procs))
+    group = _new_group(lim)
     try:
         cid, call, out_r, err_r = srv.start(header, json.dumps({"files": files}).encode(), stdin,
                                             group.open_procs() if group else [])
@@ -237,8 +260,7 @@ def _run_forked(files: dict[str, str], stdin: bytes, lim: Limits) -> SandboxResu
         status = srv.finish(cid, call, deadline)
         oom = group is not None and group.oom_killed()
     finally:
-        if group is not None:
-            group.remove()
+        _end_group(group)
     rc = status["exit"] if "exit" in status else -status["signal"]
     timed_out = timed_out or (rc == -signal.SIGKILL and time.monotonic() >= deadline)
     return _result(rc, out, err, timed_out, truncated, time.monotonic() - t0, "namespaces", oom)
@@ -280,29 +302,48 @@ def _remove_tree(path: str) -> None:
 
 
 def _run_unisolated(workdir: str, stdin: bytes, lim: Limits) -> SandboxResult:
-    """The audit-hook level: a launcher subprocess per call, in a host working directory."""
+    """The audit-hook level: a launcher subprocess per call, in a host working directory, in the
+    call's cgroups where the host gives them (else only its process group is killed at the end)."""
     env = {**_ENV, "HOME": workdir, "TMPDIR": workdir}
-    cfg = {"drop_to": _drop_to(), "limits": lim.rlimits(), "env": env,
+    group = _new_group(lim)
+    if group is None:
+        _warn_process_group_only()
+    procs = group.open_procs() if group else []
+    cfg = {"drop_to": _drop_to(), "limits": lim.rlimits(), "env": env, "cgroup_fds": procs,
            "argv": [sandbox_python(), "-I", "-c", _AUDIT_PRELUDE], "workdir": workdir}
     t0 = time.monotonic()
     stdin_fd = memfd(stdin, readonly=True)
     try:
         proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", _jail_source(), json.dumps(cfg)],
                                 stdin=stdin_fd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                env={}, cwd=workdir, start_new_session=True, close_fds=True)
+                                env={}, cwd=workdir, start_new_session=True, pass_fds=procs)
+    except BaseException:
+        _end_group(group)
+        raise
     finally:
-        os.close(stdin_fd)
+        for fd in [stdin_fd, *procs]:
+            os.close(fd)
     try:
         (out, err), timed_out, truncated = _collect(
             (proc.stdout.fileno(), proc.stderr.fileno()), t0 + lim.timeout_s,
             lim.max_output_bytes, kill=lambda: _kill_group(proc),
             exited=lambda: proc.poll() is not None, close=False)
+        oom = group is not None and group.oom_killed()
     finally:
         _kill_group(proc)
+        _end_group(group)
         proc.stdout.close()
         proc.stderr.close()
     return _result(proc.returncode, out, err, timed_out, truncated, time.monotonic() - t0,
-                   "audit-hook")
+                   "audit-hook", oom)
+
+
+def _warn_process_group_only() -> None:
+    if not _POLICY["warned_pgroup"]:
+        _POLICY["warned_pgroup"] = True
+        log.warning("flash sandbox: no pid namespace and no cgroups on this host: at the end of a "
+                    "call only its process group is killed, so a process that leaves it (a new "
+                    "session) is not found")
 
 
 def classify(returncode: int | None, stderr: bytes, timed_out: bool, oom: bool = False) -> str:
