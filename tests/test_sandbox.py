@@ -134,8 +134,10 @@ def test_parent_environment_secrets_are_absent(monkeypatch):
 
 
 def test_killing_its_parent_kills_only_the_sandbox():
+    # its parent is outside its pid namespace (getppid() is 0): kill(0) reaches its own session,
+    # whose only process is the namespace's init, which ignores signals from inside
     res = execute("import os\nos.kill(os.getppid(), 9)\nprint('still here')", timeout_s=5)
-    assert res.status == "killed" and res.signal == signal.SIGKILL
+    assert (res.status, res.stdout) == ("ok", "still here\n")
     os.kill(os.getpid(), 0)  # this test process is alive (we are running it)
 
 
@@ -231,7 +233,7 @@ def test_as_an_ordinary_user_same_uid_files_and_parent_are_still_safe():
         assert out.returncode == 0, out.stderr
         uid, write, level, kill_parent, kill_driver, err = json.loads(out.stdout)
         assert (uid, write, level, kill_parent, kill_driver) == (65534, "error", "namespaces",
-                                                                 "killed", "error")
+                                                                 "ok", "error")
         assert "ProcessLookupError" in err  # the driver's pid does not exist in its pid namespace
         assert victim.read_text() == "original"  # same uid, file writable by it: ro mount held
     finally:

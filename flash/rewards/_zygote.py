@@ -304,7 +304,9 @@ def _mirror(pid: int) -> None:
     _, status = os.waitpid(pid, 0)
     if os.WIFSIGNALED(status):
         sig = os.WTERMSIG(status)
-        signal.signal(sig, signal.SIG_DFL)
+        if sig not in (signal.SIGKILL, signal.SIGSTOP):  # those two have no handler to reset
+            signal.signal(sig, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {sig})
         os.kill(os.getpid(), sig)
     os._exit(os.WEXITSTATUS(status) if os.WIFEXITED(status) else SETUP_FAILED)
 

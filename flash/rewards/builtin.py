@@ -213,6 +213,7 @@ class CodeReward:
         with self._lock:
             out = {f"sandbox/status/{s}": float(n) for s, n in sorted(self._statuses.items())}
             out["sandbox/unisolated_calls"] = float(self._unisolated)
+        out["sandbox/leaked"] = float(sandbox.leaked())  # this process's calls, must stay 0
         return {**out, **self.timeouts.metrics()}
 
 

@@ -340,7 +340,8 @@ class RewardPool:
             workers = list(self._workers)
         for m in self._worker_metrics(workers):
             for key, value in m.items():
-                summed = key.startswith(("sandbox/status/", "reward/stuck", "reward/cpu_s"))
+                summed = key.startswith(("sandbox/status/", "sandbox/leaked", "reward/stuck",
+                                         "reward/cpu_s"))
                 out[key] = out.get(key, 0.0) + value if summed else max(out.get(key, value), value)
         return out
 
