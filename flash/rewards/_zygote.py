@@ -6,13 +6,14 @@ end of a SOCK_SEQPACKET socket pair. Setup, once:
 1. drop root to an unprivileged uid (root bypasses RLIMIT_NPROC and file permissions);
 2. new user, network, ipc, uts and mount namespaces; the network has only a downed loopback;
 3. a new root built from an allow-list: read-only binds of the system directories and this
-   interpreter's prefix and import path, a synthesized /etc (the loader's cache, the time zone,
-   a passwd and group of root and the code's user; nothing else of the host's), a few device
-   nodes, the host's /proc (only as the
-   "fully visible" proc the kernel wants before a nested proc mount; every call covers it) and
-   nothing else -- the host's /tmp, /root, home directories and the project are simply absent;
+   interpreter's prefix and import path, a synthesized /etc (the loader's cache and the time
+   zone from the host, a passwd and group naming only root and the code's user), a few device
+   nodes, the host's /proc (only as the "fully visible" proc the kernel wants before a nested
+   proc mount; every call covers it) and nothing else -- the host's /etc files, /tmp, /root,
+   home directories and the project are simply absent;
 4. pre-import the standard modules model-written code uses, so a call costs a fork, not an
-   interpreter start.
+   interpreter start;
+5. become the child subreaper of everything forked here.
 
 Per call the parent sends a small JSON header and four descriptors: a memfd holding the code and
 its files, the code's stdin (a read-only memfd) and the write ends of its stdout/stderr pipes;
@@ -20,14 +21,21 @@ where the host gives cgroups, also the call's ``cgroup.procs`` files (``cgroups.
 The payload never passes through this process, so a forked sandbox cannot find another call's
 hidden inputs in its inherited memory. Each call:
 
-- ``C`` (forked here, stays in this pid namespace, dies with us): its own session, a new user, pid, mount, network
-  and ipc namespace of its own -- so RLIMIT_NPROC counts only this call's processes and two
-  concurrent calls share nothing -- then forks ``G`` and mirrors its exit status;
-- ``G`` (pid 1 of the call's pid namespace, dies with C): a fresh /proc, a size-capped tmpfs on
-  /tmp holding the working directory, nested user namespaces refused
-  (``user.max_user_namespaces = 0`` in the call's namespace: the kernel's own limit, which the
-  code cannot raise), every capability dropped with no_new_privs, rlimits, then the code runs
-  as ``__main__``. When G exits, the kernel kills everything left in its pid namespace.
+- ``C`` (forked here, stays in this pid namespace, dies with us): its own session, a new user,
+  pid, mount, network and ipc namespace of its own -- so RLIMIT_NPROC counts only this call's
+  processes and two concurrent calls share nothing -- then forks ``G`` and mirrors its exit
+  status;
+- ``G`` (pid 1 of the call's pid namespace): a session of its own (no signal of the code reaches
+  C), a fresh /proc, a size-capped tmpfs on /tmp holding the working directory, nested user
+  namespaces refused (``user.max_user_namespaces = 0`` in the call's namespace: the kernel's own
+  limit, which the code cannot raise), every capability dropped with no_new_privs, rlimits, then
+  the code runs as ``__main__``.
+
+How a call ends, whatever its code does (a new session, a double fork, its death signal cleared,
+signals ignored): the namespace's processes live exactly as long as G, since the kernel kills
+everything in a pid namespace when its init exits and C's wait for G returns only once it is
+empty. The server ends a call by sending C ``KILL_SIGNAL``, on which C SIGKILLs G; a C that dies
+first (killed from outside) leaves G to this server, its subreaper, which SIGKILLs and reaps it.
 
 A setup step that fails exits 125 with a ``flash-sandbox-setup:`` line on the call's stderr (or,
 during the one-time setup, an ``error`` message on the socket).
@@ -407,9 +415,9 @@ def serve(sock: socket.socket) -> None:
             if not msg:
                 _end_all(running)
             req = json.loads(msg)
-            if req["op"] == "kill":
+            if req["op"] == "kill":  # hard: C did not answer KILL_SIGNAL (its G is then reaped)
                 if req["id"] in running:
-                    os.kill(running[req["id"]][0], KILL_SIGNAL)
+                    os.kill(running[req["id"]][0], signal.SIGKILL if req.get("hard") else KILL_SIGNAL)
                 continue
             pid = os.fork()
             if pid == 0:

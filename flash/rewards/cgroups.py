@@ -13,6 +13,13 @@ a host keeps the rlimit bounds (``available()`` says which holds). The parent op
 ``cgroup.procs`` files and hands the descriptors to the call (the sandbox's root has no /sys);
 the call's mirror process writes its own pid to them before it forks the code, so every process
 of the call is inside from its first instruction.
+
+At the end of a call (``CallGroup.end``) whatever is still in its cgroups is SIGKILLed, round
+after round, until ``cgroup.procs`` is empty, then the directories are removed. v1 has no
+``cgroup.kill`` and a freezer would be a third hierarchy per call; none is needed: a process
+with SIGKILL pending cannot complete a fork, so each round leaves at most children forked before
+it, and the pids limit bounds those. A group that will not empty or go is kept and retried at
+the next ``create`` (``left()`` counts them).
 """
 
 from __future__ import annotations

@@ -25,6 +25,7 @@ from pathlib import Path
 
 _START_TIMEOUT_S = 30.0
 _REPLY_GRACE_S = 10.0
+_KILL_GRACE_S = 2.0  # for the call's mirror process to end its namespace, before SIGKILL
 
 
 class SandboxSetupError(RuntimeError):
@@ -140,11 +141,13 @@ class ForkServer:
                 os.close(fd)
         return cid, call, out_r, err_r
 
-    def kill(self, cid: int) -> None:
+    def kill(self, cid: int, hard: bool = False) -> None:
+        """End the call's whole pid namespace (``hard``: SIGKILL its mirror process instead,
+        for one that does not answer; the server then reaps the namespace's init)."""
         with self._lock:
             if self.lost is None:
                 try:
-                    self.sock.send(json.dumps({"op": "kill", "id": cid}).encode())
+                    self.sock.send(json.dumps({"op": "kill", "id": cid, "hard": hard}).encode())
                 except OSError:
                     pass
 
@@ -152,6 +155,8 @@ class ForkServer:
         """The call's exit status; killed at ``deadline`` if it is still running then."""
         if not call.done.wait(max(deadline - time.monotonic(), 0.0)):
             self.kill(cid)
+            if not call.done.wait(_KILL_GRACE_S):
+                self.kill(cid, hard=True)
             if not call.done.wait(_REPLY_GRACE_S):
                 self._forget(cid)
                 raise SandboxSetupError("the sandbox server did not report a killed call")

@@ -8,9 +8,11 @@ What holds (``isolation_level()`` says which level this host gives; every result
 - ``namespaces`` (unprivileged user namespaces allowed -- checked once per process): a fork
   server (``_zygote.py``, driven by ``forkserver.py``) builds the isolation once, then each call
   gets its own user, pid, mount, network and ipc namespaces. The code sees a root of read-only
-  system directories and nothing else of the host (no /tmp, /root, home directories or project);
+  system directories and nothing else of the host (no /tmp, /root, home directories or project;
+  an /etc of the loader's cache, the time zone and a passwd/group of root and its own user);
   its working directory and /tmp are a fresh tmpfs capped at ``disk_mb`` and ``max_files``; it
-  is pid 1 of its own pid namespace (all its processes die with it); no network at all (only a
+  is pid 1 of its own pid namespace, which the fork server ends with the call (all its
+  processes die with it, however they detach: ``_zygote.py``); no network at all (only a
   downed loopback), host loopback included; no capabilities, no_new_privs, and no nested user
   namespaces (the kernel's per-namespace limit set to 0). Whole-tree bounds: where this process
   may make cgroups (``cgroups.py``), each call gets a memory cgroup of ``memory_mb + disk_mb``
@@ -20,6 +22,11 @@ What holds (``isolation_level()`` says which level this host gives; every result
 - ``audit-hook`` (fallback, **not a boundary**): a subprocess per call (``_jail.py``) with an
   audit hook that makes socket creation, ctypes, exec and subprocesses raise. Pure Python can
   switch such a hook off; rewards refuse this level unless the user allows it.
+- both: at the end of every call (its code's exit or the deadline) whatever is left in its
+  cgroups is SIGKILLed until they are empty, then removed; where the host gives no cgroups the
+  audit-hook level can only kill the call's process group (a process that leaves it is not
+  found; logged once). A call whose processes or cgroups stay is counted (``leaked()``,
+  ``sandbox/leaked``: must stay 0).
 - both: a wall-clock deadline after which everything is killed; rlimits on CPU time, address
   space, processes, file size and open files; a scrubbed environment; ``python -I`` semantics;
   stdout/stderr capped. Root is dropped to ``nobody`` first (root ignores RLIMIT_NPROC and
@@ -50,7 +57,7 @@ from flash.rewards.forkserver import SandboxSetupError, memfd, server
 
 __all__ = ["STATUSES", "ISOLATION_LEVELS", "Limits", "SandboxResult", "SandboxSetupError",
            "UnisolatedRefused", "allow_unisolated", "check_unisolated", "classify", "execute",
-           "isolation_level", "sandbox_python"]
+           "isolation_level", "leaked", "sandbox_python"]
 
 log = logging.getLogger(__name__)
 
