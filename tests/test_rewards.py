@@ -113,7 +113,8 @@ def test_code_reward_timeout_keeps_finished_results_and_counts_status():
     reward = CodeReward(t_min=0.5, t_max=1.0)
     loops_on_zero = "def add(a, b):\n    while a == 0:\n        pass\n    return a + b"
     assert reward(ADD, loops_on_zero) == 0.25  # test 1 printed before test 2 looped
-    assert reward.metrics()["sandbox/status/timeout"] == 1.0
+    m = reward.metrics()
+    assert (m["sandbox/status/timeout"], m["sandbox/leaked"]) == (1.0, 0.0)
 
 
 def test_code_reward_anchors_its_timeout_on_correct_runs():
@@ -286,7 +287,8 @@ def test_pool_from_config_scores_through_workers(ray_local):
         fn = pool.reward_fn()
         assert fn(ADD, "def add(a, b):\n    return a + b if a else -1") == 0.5
         m = pool.metrics()
-        assert (m["reward/calls"], m["sandbox/status/ok"], m["sandbox/timeout/t_max"]) == (1.0, 1.0, 5.0)
+        assert (m["reward/calls"], m["sandbox/status/ok"], m["sandbox/timeout/t_max"],
+                m["sandbox/leaked"]) == (1.0, 1.0, 5.0, 0.0)
         assert "sandbox/timeout/T/default" not in m  # no correct run yet, so no anchor
     finally:
         pool.close()
