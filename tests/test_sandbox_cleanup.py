@@ -23,30 +23,47 @@ pytestmark = pytest.mark.skipif(isolation_level() != "namespaces",
                                 reason="this host gives no namespaces")
 
 _SEQ = itertools.count()
-_CLEAR_DEATHSIG = "import ctypes\nctypes.CDLL(None).prctl(1, 0, 0, 0, 0)\n"  # PR_SET_PDEATHSIG 0
-_IGNORE = ("import signal\nfor s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, "
-           "signal.SIGUSR1, signal.SIGALRM):\n    signal.signal(s, signal.SIG_IGN)\n")
-_SLEEP = "os.execv('/bin/sleep', ['sleep', MARK])"
+# Bound to the test's marker before each program: a child that runs ``sleep MARK`` and a wait
+# until it does (so every case really has a detached process when the call ends).
+_PRELUDE = """import ctypes, os, signal, time
+def sleep_here():
+    os.execv('/bin/sleep', ['sleep', MARK])
+def until_sleeping(pid):
+    while MARK.encode() not in open(f'/proc/{pid}/cmdline', 'rb').read():
+        time.sleep(0.005)
+    os.write(1, b'detached\\n')
+def clear_death_signal():
+    ctypes.CDLL(None).prctl(1, 0, 0, 0, 0)  # PR_SET_PDEATHSIG 0
+def ignore_signals():
+    for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGALRM):
+        signal.signal(s, signal.SIG_IGN)
+"""
 
-# name -> (program, status): MARK is bound to the test's marker before the program runs
+# name -> (program, status)
 DETACHING = {
-    "new session": (f"import os\nif os.fork() == 0:\n    os.setsid()\n    {_SLEEP}\nprint('done')",
-                    "ok"),
-    "new process group": (f"import os\nif os.fork() == 0:\n    os.setpgid(0, 0)\n    {_SLEEP}\n"
-                          "print('done')", "ok"),
-    "double fork": (f"import os, time\nif os.fork() == 0:\n    if os.fork() == 0:\n"
-                    f"        os.setsid()\n        {_SLEEP}\n    os._exit(0)\ntime.sleep(60)",
-                    "timeout"),
-    "death signal cleared": (f"import os\n{_CLEAR_DEATHSIG}{_SLEEP}", "timeout"),
-    "signals ignored": (f"import os\n{_CLEAR_DEATHSIG}{_IGNORE}if os.fork() == 0:\n"
-                        f"    os.setsid()\n    {_CLEAR_DEATHSIG.splitlines()[1]}\n    {_SLEEP}\n"
-                        "while True:\n    pass", "timeout"),
-    "fork bomb at the pids limit": (f"import os, time\n{_CLEAR_DEATHSIG}n = 0\nwhile True:\n"
-                                    "    try:\n        pid = os.fork()\n    except OSError:\n"
-                                    "        break\n    if pid == 0:\n        os.setsid()\n"
-                                    f"        {_SLEEP}\n    n += 1\nprint(n, flush=True)\n"
+    "new session": ("pid = os.fork()\nif pid == 0:\n    os.setsid()\n    sleep_here()\n"
+                    "until_sleeping(pid)", "ok"),
+    "new process group": ("pid = os.fork()\nif pid == 0:\n    os.setpgid(0, 0)\n    sleep_here()\n"
+                          "until_sleeping(pid)", "ok"),
+    "double fork": ("pid = os.fork()\nif pid == 0:\n    grandchild = os.fork()\n"
+                    "    if grandchild == 0:\n        os.setsid()\n        sleep_here()\n"
+                    "    until_sleeping(grandchild)\n    os._exit(0)\nos.waitpid(pid, 0)\n"
+                    "time.sleep(60)", "timeout"),
+    "death signal cleared": ("clear_death_signal()\nos.write(1, b'detached\\n')\nsleep_here()",
+                             "timeout"),
+    "signals ignored": ("clear_death_signal()\nignore_signals()\npid = os.fork()\nif pid == 0:\n"
+                        "    os.setsid()\n    clear_death_signal()\n    sleep_here()\n"
+                        "until_sleeping(pid)\nwhile True:\n    pass", "timeout"),
+    "fork bomb at the pids limit": ("clear_death_signal()\nn = 0\nwhile True:\n    try:\n"
+                                    "        pid = os.fork()\n    except OSError:\n        break\n"
+                                    "    if pid == 0:\n        os.setsid()\n        sleep_here()\n"
+                                    "    n += 1\nuntil_sleeping(pid)\nprint(n, flush=True)\n"
                                     "time.sleep(60)", "timeout"),
 }
+
+
+def _program(name: str, mark: str) -> str:
+    return f"MARK = {mark!r}\n{_PRELUDE}{DETACHING[name][0]}"
 
 
 def _marker() -> str:
@@ -83,33 +100,29 @@ def way(request, monkeypatch):
 
 @pytest.mark.parametrize("name", list(DETACHING))
 def test_a_call_that_detaches_leaves_nothing_behind(name, way):
-    program, status = DETACHING[name]
     mark, leaked = _marker(), sandbox.leaked()
-    t0 = time.monotonic()
-    res = execute(f"MARK = {mark!r}\n{program}", timeout_s=1.5, max_procs=16)
-    wall = time.monotonic() - t0
-    assert res.status == status, res.stderr[-500:]
+    res = execute(_program(name, mark), timeout_s=1.5, max_procs=16)
+    assert (res.status, res.stdout.split()[0]) == (DETACHING[name][1], "detached"), res.stderr
     assert _with_marker(mark) == set()  # at return, not eventually
     assert _call_cgroups() == []
     assert sandbox.leaked() == leaked
-    assert wall < 1.5 + 1.5  # killed at the deadline, not left to run out their sleep
+    assert res.wall_s < 10  # killed at the deadline, not left to run out their sleep
 
 
 def test_the_fork_bomb_really_filled_the_pids_limit():
-    """The bomb above is bounded by the call's own limit (so it tests a full call, not an empty
+    """The bomb above is bounded by the call's own limit (so it ends a full call, not an empty
     one): here it reports how many children it made before fork failed."""
-    program = DETACHING["fork bomb at the pids limit"][0]
-    res = execute(f"MARK = {_marker()!r}\n{program}", timeout_s=1.5, max_procs=16)
-    assert res.status == "timeout" and 8 <= int(res.stdout) < 16
+    res = execute(_program("fork bomb at the pids limit", _marker()), timeout_s=1.5, max_procs=16)
+    assert res.status == "timeout" and 8 <= int(res.stdout.split()[-1]) < 16
 
 
 def test_repeated_detaching_calls_do_not_stack_cgroups_or_processes():
     if not cgroups.available():
         pytest.skip("no per-call cgroups on this host")
-    program = DETACHING["death signal cleared"][0]
     marks = [_marker() for _ in range(4)]
     for mark in marks:
-        assert execute(f"MARK = {mark!r}\n{program}", timeout_s=0.5).status == "timeout"
+        res = execute(_program("death signal cleared", mark), timeout_s=0.5)
+        assert (res.status, res.stdout) == ("timeout", "detached\n")
     assert _call_cgroups() == [] and cgroups.left() == 0
     assert set().union(*map(_with_marker, marks)) == set()
 
@@ -120,7 +133,7 @@ def test_a_call_whose_mirror_process_dies_first_still_ends_whole(monkeypatch):
     monkeypatch.setattr(cgroups, "create", lambda *a: None)  # the server alone must end it
     mark = _marker()
     box = {}
-    program = f"import os\n{_CLEAR_DEATHSIG}MARK = {mark!r}\n{_SLEEP}"
+    program = _program("death signal cleared", mark)
     thread = threading.Thread(target=lambda: box.update(res=execute(program, timeout_s=20)))
     thread.start()
     deadline = time.monotonic() + 10
