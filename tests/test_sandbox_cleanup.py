@@ -190,3 +190,26 @@ def test_python_runs_normally_on_the_synthesized_etc():
     res = execute(src, timeout_s=10)
     user = "nobody" if os.geteuid() in (0, 65534) else "sandbox"
     assert (res.status, res.stdout) == ("ok", f"{user} True True True\n7\n"), res.stderr[-500:]
+
+
+def test_a_call_left_behind_is_counted_and_removed_at_the_next_call(monkeypatch, caplog):
+    """A kernel that will not empty a call's cgroups in time (forced here): the call counts as
+    leaked, its cgroups are kept, and the next call's start removes them."""
+    if not cgroups.available():
+        pytest.skip("no per-call cgroups on this host")
+    leaked = sandbox.leaked()
+    monkeypatch.setattr(cgroups.CallGroup, "kill", lambda self, wait_s=0.0: False)
+    assert execute("print('ok')", timeout_s=5).stdout == "ok\n"
+    assert (sandbox.leaked(), cgroups.left(), len(_call_cgroups())) == (leaked + 1, 1, 2)
+    assert "still present" in caplog.text
+    monkeypatch.undo()
+    assert execute("print('ok')", timeout_s=5).stdout == "ok\n"
+    assert (sandbox.leaked(), cgroups.left(), _call_cgroups()) == (leaked + 1, 0, [])
+
+
+def test_without_namespaces_or_cgroups_only_the_process_group_is_killed_and_it_says_so(
+        monkeypatch, caplog):
+    monkeypatch.setattr(cgroups, "create", lambda *a: None)
+    monkeypatch.setitem(sandbox._POLICY, "warned_pgroup", False)
+    res = execute("print('ok')", isolation="audit-hook")
+    assert res.stdout == "ok\n" and "only its process group is killed" in caplog.text
