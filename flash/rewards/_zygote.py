@@ -417,7 +417,8 @@ def serve(sock: socket.socket) -> None:
             req = json.loads(msg)
             if req["op"] == "kill":  # hard: C did not answer KILL_SIGNAL (its G is then reaped)
                 if req["id"] in running:
-                    os.kill(running[req["id"]][0], signal.SIGKILL if req.get("hard") else KILL_SIGNAL)
+                    sig = signal.SIGKILL if req.get("hard") else KILL_SIGNAL
+                    os.kill(running[req["id"]][0], sig)
                 continue
             pid = os.fork()
             if pid == 0:
