@@ -294,7 +294,7 @@ class TrainerGroup:
                     self.failed = f"rank {rank} failed in {method}: {type(exc).__name__}: {str(exc).splitlines()[0]}"
                     if isinstance(cause, FlashError):  # a refusal by name (a changed checkpoint file)
                         self.failed = f"rank {rank} failed in {method}: {cause}"
-                        raise type(cause)(str(cause)) from None
+                        raise cause from None
                     raise TrainerGroupError(self.failed) from None
             return ray.get(refs)
 
