@@ -23,7 +23,7 @@ from buffers.client import RemoteSampleBuffer
 from buffers.codec import group_from_dict
 from buffers.service import BufferService
 from flash import checkpoint as ck
-from flash.checkpoint_trust import RunKey
+from flash.checkpoint_trust import CheckpointChanged, RunKey
 from flash.app.config import CheckpointConfig
 from flash.errors import ConfigError
 
@@ -119,6 +119,10 @@ def test_group_checkpoint_is_written_beside_training_covered_by_the_manifest_and
     try:
         assert ray.get(one.load_checkpoint.remote(str(path), manifest["files"])) == 1
         assert all(torch.equal(v, at_snapshot[k]) for k, v in ray.get(one.get_weights.remote()).items())
+        rng = path / "trainer" / "rng-0.pt"  # replaced after the driver's check: the rank refuses it by name
+        rng.write_bytes(rng.read_bytes()[::-1])
+        with pytest.raises(CheckpointChanged, match=r"ckpt-1/trainer: rng-0.pt changed after it was verified"):
+            ray.get(one.load_checkpoint.remote(str(path), manifest["files"]))
     finally:
         ray.kill(one)
     distcp = next(p for p in (path / "trainer").iterdir() if p.suffix == ".distcp")
