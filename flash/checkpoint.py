@@ -14,14 +14,18 @@ A checkpoint after ``step`` completed train steps is a directory ``RUN_DIR/check
   in flight plays again from the same env seed), the guards' counters, and the byte length of each
   run log (ledger, metrics, timeline, eval)
   at this step, so a resume cuts the logs back to exactly this point and they continue from it;
-- ``manifest.json``: size and sha256 of every file, written last, signed with the run's key
-  (``flash.checkpoint_trust``: a checkpoint not signed by a key this machine holds is refused
-  unless ``trust_checkpoint=true``; the manifest lists exactly the checkpoint's files, links refused).
+- ``manifest.json``: size and sha256 of every file, the step and the run dir's inode, written
+  last, signed with the run's key (``flash.checkpoint_trust``: a checkpoint not signed by a key this
+  machine holds, or signed for another run or run dir, is refused unless ``trust_checkpoint=true``;
+  one whose signed step is not its directory's, or a directory that is a symlink, is refused; the
+  manifest lists exactly the checkpoint's files, links refused). Loaders are given the verified
+  manifest's file table and hash the bytes they parse (``read_verified``).
 
 Atomic: everything goes into ``ckpt-<step>.tmp/``, each file fsynced, then the manifest, then one
 ``rename`` (and an fsync of the parent dir). A crash at any moment leaves either the complete new
 checkpoint or none; a checkpoint damaged later (truncated, edited) fails its manifest check and
-``latest_valid`` falls back to the previous one.
+``latest_valid`` falls back to the previous one. ``prune`` deletes only checkpoints this run signed
+for their own step and run dir; any other is left where it is.
 
 Cost in the step: only the snapshot (the trainer clones its state; the driver copies the buffer and
 the scheduler state). Hashing and disk writes run in a background thread (``checkpoint.async_write``)
@@ -32,6 +36,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import io
 import json
 import logging
 import os
@@ -46,8 +51,8 @@ import ray
 import torch
 
 from buffers.codec import group_to_dict
-from flash.checkpoint_trust import (RunKey, UntrustedCheckpoint, check_signature, listed_files_only,
-                                    read_manifest)
+from flash.checkpoint_trust import (INODE, RefusedCheckpoint, RunDir, RunKey, check_place, check_signature, inode,
+                                    listed_files_only, read_manifest, read_verified)
 from flash.errors import ConfigError
 
 log = logging.getLogger("flash")
@@ -87,36 +92,54 @@ def write_json(path: Path, obj: Any) -> None:
         os.fsync(f.fileno())
 
 
-def write_manifest(tmp: Path, step: int, key: RunKey) -> dict:
-    """Size and sha256 of every file under ``tmp``, signed with ``key``; written (and fsynced) last."""
-    files = {}
-    for path in sorted(p for p in tmp.rglob("*") if p.is_file() and p.name != MANIFEST):
-        files[path.relative_to(tmp).as_posix()] = {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
-    manifest = key.sign({"step": step, "files": files, "bytes": sum(f["bytes"] for f in files.values())})
+def file_table(directory: Path) -> dict[str, dict]:
+    """Size and sha256 of every file under ``directory`` but the manifest, by relative name."""
+    return {p.relative_to(directory).as_posix(): {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
+            for p in sorted(directory.rglob("*")) if p.is_file() and p.name != MANIFEST}
+
+
+def write_manifest(tmp: Path, step: int, key: RunKey, run_dir_inode: int | None = None) -> dict:
+    """``file_table(tmp)``, the step and the run dir's inode (default: ``tmp``'s grandparent,
+    ``RUN_DIR/checkpoints/ckpt-<step>.tmp``), signed with ``key``; written (and fsynced) last."""
+    files = file_table(tmp)
+    manifest = key.sign({"step": step, "files": files, "bytes": sum(f["bytes"] for f in files.values()),
+                         INODE: inode(tmp.parent.parent) if run_dir_inode is None else run_dir_inode})
     write_json(tmp / MANIFEST, manifest)
     return manifest
 
 
-def verify(path: Path, trust: bool = False) -> str | None:
+def verify(path: Path, trust: bool = False, run: RunDir | None = None) -> str | None:
     """None when the checkpoint at ``path`` is exactly what its signed manifest lists, else what is
-    wrong with it. Names and links are checked before any listed file is opened, so nothing outside
-    the checkpoint is read. A checkpoint signed by no key held here raises ``UntrustedCheckpoint``
-    unless ``trust``."""
+    wrong with it (``checked``)."""
+    return checked(path, trust, run)[1]
+
+
+def checked(path: Path, trust: bool = False, run: RunDir | None = None) -> tuple[dict | None, str | None]:
+    """(the verified manifest, None), or (None, what is wrong: damage). Names and links are checked
+    before any listed file is opened, so nothing outside the checkpoint is read. Raises
+    ``RefusedCheckpoint`` for an intact one that must not load here (``check_place``; ``run``: the
+    run dir's record, default read from ``path``'s grandparent) or whose directory is a symlink, and
+    ``UntrustedCheckpoint`` for one signed by no key held here, unless ``trust``."""
+    if path.is_symlink():
+        raise RefusedCheckpoint("it is a symlink, not a directory of its own; move the directory it "
+                                "links to here in its place, or remove the link")
     try:
         manifest = read_manifest(path)
     except (OSError, ValueError) as exc:
-        return f"no readable manifest ({exc})"
+        return None, f"no readable manifest ({exc})"
     files = manifest["files"]
     why = listed_files_only(path, set(files))
-    if why is not None:
-        return why
-    for name, want in files.items():
+    for name, want in files.items() if why is None else ():
         f = path / name
         if f.stat().st_size != want["bytes"]:
-            return f"{name} has {f.stat().st_size} bytes, the manifest says {want['bytes']}"
+            return None, f"{name} has {f.stat().st_size} bytes, the manifest says {want['bytes']}"
         if sha256_file(f) != want["sha256"]:
-            return f"{name} does not match its sha256"
-    return check_signature(manifest, trust)
+            return None, f"{name} does not match its sha256"
+    why = why or check_signature(manifest, trust)
+    if why is not None:
+        return None, why
+    check_place(manifest, step_of(path), run or RunDir.read(path.parent.parent), trust)
+    return manifest, None
 
 
 def step_of(path: Path) -> int | None:
@@ -133,31 +156,57 @@ def complete_checkpoints(root: Path) -> list[Path]:
     """Renamed (never ``.tmp``) checkpoint dirs, newest first."""
     if not root.is_dir():
         return []
-    found = [(step_of(p), p) for p in root.iterdir() if p.is_dir()]
+    found = [(step_of(p), p) for p in root.iterdir() if p.is_dir() or p.is_symlink()]
     return [p for s, p in sorted((x for x in found if x[0] is not None), reverse=True)]
 
 
 def latest_valid(root: Path, warn: Callable[[str], None] = log.warning,
                  trust: bool = False) -> tuple[Path | None, list[str]]:
-    """The newest checkpoint that passes ``verify``; each one skipped is reported and returned.
-    An intact checkpoint from elsewhere stops the search with a ConfigError naming the trust flag
+    """``latest_verified`` without the manifest."""
+    path, _, skipped = latest_verified(root, warn, trust)
+    return path, skipped
+
+
+def latest_verified(root: Path, warn: Callable[[str], None] = log.warning, trust: bool = False,
+                    run: RunDir | None = None) -> tuple[Path | None, dict | None, list[str]]:
+    """The newest checkpoint that passes ``checked``, with its verified manifest; each one skipped
+    (damaged) is reported and returned. An intact checkpoint that may not load here (from
+    elsewhere, renamed, a symlink) stops the search with a ConfigError naming it and the fix
     (falling back past it would silently restart the run from an older point, or from scratch)."""
     skipped = []
     for path in complete_checkpoints(root):
         try:
-            why = verify(path, trust)
-        except UntrustedCheckpoint as exc:
+            manifest, why = checked(path, trust, run)
+        except RefusedCheckpoint as exc:
             raise ConfigError(f"checkpoint {path} is refused: {exc}") from None
         if why is None:
-            return path, skipped
+            return path, manifest, skipped
         skipped.append(f"{path.name}: {why}")
         warn(f"flash: checkpoint {path} is damaged ({why}); falling back to the previous one")
-    return None, skipped
+    return None, None, skipped
 
 
-def prune(root: Path, keep_last: int) -> list[Path]:
-    """Delete complete checkpoints beyond the newest ``keep_last``, and leftover ``.tmp`` dirs."""
-    gone = complete_checkpoints(root)[keep_last:]
+def own_checkpoints(root: Path, key: RunKey) -> list[Path]:
+    """The complete checkpoints ``key`` signed for their own step and this run dir, newest first
+    (read from their manifests; no file is hashed). A renamed, linked, foreign or unreadable one is
+    not among them."""
+    here = inode(root.parent)
+    own = []
+    for path in complete_checkpoints(root):
+        try:
+            manifest = read_manifest(path) if not path.is_symlink() else None
+        except (OSError, ValueError):
+            continue
+        if (manifest and manifest.get("step") == step_of(path) and manifest.get(INODE, here) == here
+                and key.signed_by_me(manifest)):
+            own.append(path)
+    return own
+
+
+def prune(root: Path, keep_last: int, key: RunKey) -> list[Path]:
+    """Delete this run's checkpoints beyond its newest ``keep_last`` (``own_checkpoints``: one that
+    fails that check is never deleted, nor counted), and leftover ``.tmp`` dirs."""
+    gone = own_checkpoints(root, key)[keep_last:]
     for path in gone:
         shutil.rmtree(path, ignore_errors=True)
     return gone + remove_partial(root)
@@ -239,9 +288,12 @@ def check_trainer_files(ckpt: Path, group: bool) -> None:
                           f"checkpoint); resume with an FSDP2 group: train.workers > 1, any number (it reshards)")
 
 
-def load_trainer_state(trainer, directory: str) -> int:
-    """Restore model, optimizer, RNG and step count; returns the step count."""
-    state = torch.load(Path(directory) / TRAINER, map_location="cpu", weights_only=True)
+def load_trainer_state(trainer, directory: str, files: dict[str, dict]) -> int:
+    """Restore model, optimizer, RNG and step count from ``trainer.pt`` as the verified manifest's
+    ``files`` lists it (``read_verified``: the bytes hashed are the bytes loaded); returns the step count."""
+    data = read_verified(Path(directory), TRAINER, files)
+    state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    del data
     trainer.model.load_state_dict(state["model"])
     trainer.optimizer.load_state_dict(state["optimizer"])
     set_rng_state(state["rng"])
@@ -283,6 +335,7 @@ class Checkpointer:
                  on_written: Callable[[dict], None] | None = None):
         self.root = Path(run_dir) / "checkpoints"
         self.root.mkdir(parents=True, exist_ok=True)
+        self.run_dir_inode = inode(Path(run_dir))
         self.cfg, self.trainer, self.total_steps, self.key = cfg, trainer, total_steps, key
         self.on_written = on_written
         self.pause_s = float(os.environ.get(PAUSE_ENV, "0") or 0)
@@ -342,11 +395,11 @@ class Checkpointer:
         write_json(tmp / STATE, state)
         if self.pause_s:
             time.sleep(self.pause_s)
-        manifest = write_manifest(tmp, step, self.key)
+        manifest = write_manifest(tmp, step, self.key, self.run_dir_inode)
         for d in [*(p for p in tmp.rglob("*") if p.is_dir()), tmp]:  # every dir's entries (trainer/ too)
             fsync_path(d)
         commit(tmp, self.root / f"{PREFIX}{step}")
-        prune(self.root, self.cfg.keep_last)
+        prune(self.root, self.cfg.keep_last, self.key)
         self.last = {"step": float(step), "bytes": float(manifest["bytes"]),
                      "write_s": time.monotonic() - start, "snapshot_s": state["snapshot_s"]}
         if self.on_written:

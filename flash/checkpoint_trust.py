@@ -15,6 +15,20 @@ scratch space), so before anything in it is parsed beyond JSON:
   and an HMAC-SHA256 of its canonical JSON under that key. A copied run dir carries no key, so a
   checkpoint from elsewhere is refused unless the user says ``trust_checkpoint=true``; one whose
   signature does not match the key we hold was edited after it was written.
+- **Bound to its place.** The signed manifest names its step and the run dir it was written in
+  (the dir's inode; the run's id is recorded in ``RUN_DIR/run.json`` at creation, signed with the
+  run's key for that inode). A checkpoint whose signed step is not its directory's (an older one
+  renamed to a higher step), or signed for another run or run dir (a transplant, a copied run dir)
+  is refused by name (``RefusedCheckpoint``: the search stops, never falls back past it); the
+  latter is allowed with ``trust_checkpoint=true``. A checkpoint directory that is a symlink is
+  refused. A manifest written before run binding (no ``run_dir_inode``) is bound by its run id
+  only: it loads in its own run (the run id ``run.json`` records, or any, in a run dir made before
+  ``run.json`` existed), and a resume records that run's ``run.json``.
+- **Load what was verified.** Every loader (the driver's ``state.json``, the trainer's
+  ``trainer.pt``, each FSDP2 rank's DCP files and RNG) is given the verified manifest's file table
+  and reads each file once into memory (``read_verified``: one descriptor, no link, a regular file,
+  at most the listed size), hashes those bytes and parses them; a file replaced after the driver's
+  check is refused by name (``CheckpointChanged``).
 
 The loaders then read only safe formats: JSON, ``torch.load(weights_only=True)``, and DCP metadata
 through an allow-list unpickler (``flash.train.fsdp_checkpoint``).
@@ -29,16 +43,31 @@ import os
 import re
 import secrets
 import stat
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
+from flash.errors import FlashError
+
 MAX_MANIFEST_BYTES = 16 << 20
 KEY_DIR_ENV = "FLASH_KEY_DIR"
+RUN_FILE = "run.json"  # RUN_DIR/run.json: the run's id and its dir's inode, signed
+INODE = "run_dir_inode"  # the manifest's field naming the run dir it was written in
 _RUN_ID = re.compile(r"^[0-9a-f]{16}$")
 
 
-class UntrustedCheckpoint(Exception):
-    """A checkpoint that is intact but not signed by a key this machine holds."""
+class RefusedCheckpoint(Exception):
+    """A checkpoint that is intact but must not be loaded where it lies: the search for a checkpoint
+    stops here (falling back past it would silently restart the run from an older point)."""
+
+
+class UntrustedCheckpoint(RefusedCheckpoint):
+    """Intact, but not signed by a key this machine holds, or signed for another run or run dir:
+    ``trust_checkpoint=true`` accepts it."""
+
+
+class CheckpointChanged(FlashError):
+    """A checkpoint file whose bytes, read by its loader, are not the ones the manifest lists."""
 
 
 def key_dir() -> Path:
@@ -99,12 +128,13 @@ class RunKey:
 
 def read_manifest(path: Path) -> dict:
     """The manifest as a dict of the expected shape; ValueError says what is wrong."""
-    f = path / "manifest.json"
-    if f.is_symlink() or not f.is_file():
-        raise ValueError("no manifest.json (or it is not a regular file)")
-    if f.stat().st_size > MAX_MANIFEST_BYTES:
+    try:
+        data = read_regular(path / "manifest.json", MAX_MANIFEST_BYTES)
+    except (OSError, ValueError):
+        raise ValueError("no manifest.json (or it is not a regular file)") from None
+    if len(data) > MAX_MANIFEST_BYTES:
         raise ValueError(f"manifest.json is over {MAX_MANIFEST_BYTES >> 20} MiB")
-    manifest = json.loads(f.read_text())
+    manifest = json.loads(data)
     files = manifest.get("files") if isinstance(manifest, dict) else None
     if not isinstance(files, dict):
         raise ValueError("manifest.json has no 'files' table")
@@ -161,6 +191,115 @@ def check_signature(manifest: dict, trust: bool) -> str | None:
     return None
 
 
-def resume_key(manifest: dict | None) -> RunKey:
-    """The key new checkpoints of this run are signed with: the resumed run's own, else a new one."""
-    return (RunKey.find(manifest.get("run_id")) if manifest else None) or RunKey.new()
+def inode(path: Path) -> int:
+    """A directory's identity: its inode (kept by a move within its file system, not by a copy;
+    the device number is left out, it changes across remounts and containers)."""
+    return os.stat(path).st_ino
+
+
+@dataclass(frozen=True)
+class RunDir:
+    """What ``RUN_DIR/run.json`` says about a run dir, checked here: ``run_id`` (None: no
+    ``run.json``, a run dir made before run binding), the dir's inode now, the run's key when its
+    record checks out, else ``why`` it does not (another machine's or user's run, an edited record,
+    a copied run dir)."""
+
+    run_id: str | None
+    dir_inode: int
+    key: RunKey | None
+    why: str | None
+
+    @classmethod
+    def read(cls, run_dir: Path) -> RunDir:
+        now, f = inode(run_dir), run_dir / RUN_FILE
+        if not os.path.lexists(f):
+            return cls(None, now, None, None)
+        try:
+            record = json.loads(read_regular(f, MAX_MANIFEST_BYTES))
+        except (OSError, ValueError) as exc:
+            return cls(None, now, None, f"its {RUN_FILE} is unreadable ({exc})")
+        run_id = record.get("run_id") if isinstance(record, dict) else None
+        key = RunKey.find(run_id)
+        if key is None:
+            return cls(str(run_id), now, None, f"it was made by a run of another user or machine (no key for "
+                                                f"run {str(run_id)[:40]!r} in {key_dir()})")
+        if not key.signed_by_me(record):
+            return cls(run_id, now, None, f"its {RUN_FILE} was edited after it was written")
+        if record.get(INODE) != now:
+            return cls(run_id, now, None, f"it is a copy of run {run_id}'s dir (not the directory it was made in)")
+        return cls(run_id, now, key, None)
+
+    @classmethod
+    def write(cls, run_dir: Path, key: RunKey) -> RunDir:
+        """Record ``key``'s run as this run dir's (written to a temporary name, then renamed)."""
+        now = inode(run_dir)
+        tmp = run_dir / f"{RUN_FILE}.tmp"
+        tmp.unlink(missing_ok=True)
+        with open(tmp, "w") as f:
+            json.dump(key.sign({INODE: now}), f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, run_dir / RUN_FILE)
+        return cls(key.run_id, now, key, None)
+
+
+def check_place(manifest: dict, step: int, run: RunDir, trust: bool) -> None:
+    """Raise ``RefusedCheckpoint`` when an authentic manifest does not belong where it lies: signed
+    for a step other than its directory's (always), or (unless ``trust``) for another run or run dir."""
+    signed = manifest.get("step")
+    if signed != step:
+        raise RefusedCheckpoint(
+            f"its manifest was signed for step {signed!r}, not {step} (renamed); rename it back to "
+            f"ckpt-{signed} or move it out of the checkpoints folder")
+    if trust:
+        return
+    foreign = None
+    if run.why is not None:
+        foreign = f"this run dir is not the one its run was made in: {run.why}"
+    elif manifest.get(INODE, run.dir_inode) != run.dir_inode:
+        foreign = "it was written in another run dir (moved or copied here)"
+    elif run.run_id is not None and manifest.get("run_id") != run.run_id:
+        foreign = f"it was written by run {manifest.get('run_id')}, and this run dir is run {run.run_id}'s"
+    if foreign:
+        raise UntrustedCheckpoint(f"{foreign}; if you trust where it came from, resume it with trust_checkpoint=true")
+
+
+def bind_run(run_dir: Path, resumed: dict | None) -> RunKey:
+    """The key this run signs its checkpoints with, recorded in ``run.json``: the run dir's own
+    when its record checks out here; else, in a run dir made before run binding, the resumed
+    checkpoint's run's; else a new one (a fresh run, or a checkpoint trusted from elsewhere)."""
+    run = RunDir.read(run_dir)
+    if run.key is not None:
+        return run.key
+    own = resumed is not None and run.why is None and resumed.get(INODE, run.dir_inode) == run.dir_inode
+    key = (RunKey.find(resumed.get("run_id")) if own else None) or RunKey.new()
+    RunDir.write(run_dir, key)
+    return key
+
+
+def read_regular(path: Path, limit: int) -> bytes:
+    """The bytes of a regular file read through one descriptor (no symlink followed at the last
+    component, never a FIFO or device), at most ``limit`` + 1 of them."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError(f"{path.name} is not a regular file")
+        return f.read(limit + 1)
+
+
+def read_verified(directory: Path, name: str, files: Mapping[str, dict]) -> bytes:
+    """``directory/name`` read once into memory, when those bytes are the ones the verified
+    manifest's ``files`` lists (size and sha256); else ``CheckpointChanged`` naming the file."""
+    want = files.get(name)
+    if want is None:
+        raise CheckpointChanged(f"checkpoint {directory}: {name} is not in its verified manifest; "
+                                "resume again (a changed checkpoint is refused or falls back)")
+    try:
+        data = read_regular(Path(directory) / name, int(want["bytes"]))
+    except (OSError, ValueError) as exc:
+        raise CheckpointChanged(f"checkpoint {directory}: {name} cannot be read as it was verified ({exc}); "
+                                "resume again (a changed checkpoint is refused or falls back)") from None
+    if len(data) != want["bytes"] or hashlib.sha256(data).hexdigest() != want["sha256"]:
+        raise CheckpointChanged(f"checkpoint {directory}: {name} changed after it was verified (its bytes are not "
+                                "the manifest's); resume again (a changed checkpoint is refused or falls back)")
+    return data

@@ -25,12 +25,15 @@ from flash.train.trainer import Trainer, TrainerSettings
 from recipes.tasks import TaskItem
 
 
+KEY = RunKey.new()  # one run's key: prune deletes only the run's own checkpoints
+
+
 def fake_checkpoint(root, step, payload=b"x" * 1000):
     tmp = root / f"ckpt-{step}.tmp"
     tmp.mkdir(parents=True)
     (tmp / "trainer.pt").write_bytes(payload)
     ck.write_json(tmp / "state.json", {"step": step})
-    ck.write_manifest(tmp, step, RunKey.new())
+    ck.write_manifest(tmp, step, KEY)
     ck.commit(tmp, root / f"ckpt-{step}")
     return root / f"ckpt-{step}"
 
@@ -75,9 +78,11 @@ def test_unfinished_tmp_dirs_are_never_used_and_prune_keeps_the_newest(tmp_path)
     assert ck.verify(tmp_path / "ckpt-3") is None
     (tmp_path / "ckpt-3" / "manifest.json").unlink()  # killed between files and manifest cannot happen
     assert ck.verify(tmp_path / "ckpt-3").startswith("no readable manifest")  # ... but is detected
-    gone = ck.prune(tmp_path, keep_last=2)
-    assert sorted(p.name for p in gone) == ["ckpt-1", "ckpt-4.tmp"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-2", "ckpt-3"]
+    gone = ck.prune(tmp_path, keep_last=2, key=KEY)  # ckpt-3 fails its check: neither counted nor deleted
+    assert sorted(p.name for p in gone) == ["ckpt-4.tmp"]
+    fake_checkpoint(tmp_path, 5)
+    assert [p.name for p in ck.prune(tmp_path, keep_last=2, key=KEY)] == ["ckpt-1"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-2", "ckpt-3", "ckpt-5"]
 
 
 def _sample(pid, k):
@@ -146,7 +151,7 @@ def test_trainer_state_round_trip_continues_bit_for_bit(tmp_path):
     ck.save_trainer_state(ck.trainer_state(a), str(tmp_path))
     want = [a.train_step(*_batch(s), None)["loss"] for s in (2, 3)]
     b = _trainer(seed=123)  # different init: everything must come from the checkpoint
-    assert ck.load_trainer_state(b, str(tmp_path)) == 1
+    assert ck.load_trainer_state(b, str(tmp_path), ck.file_table(tmp_path)) == 1
     got = [b.train_step(*_batch(s), None)["loss"] for s in (2, 3)]
     assert got == want
     for (name, pa), pb in zip(a.model.named_parameters(), b.model.parameters()):

@@ -23,7 +23,7 @@ from buffers.client import RemoteSampleBuffer
 from buffers.codec import group_from_dict
 from buffers.service import BufferService
 from flash import checkpoint as ck
-from flash.checkpoint_trust import RunKey
+from flash.checkpoint_trust import CheckpointChanged, RunKey
 from flash.app.config import CheckpointConfig
 from flash.errors import ConfigError
 
@@ -107,7 +107,7 @@ def test_group_checkpoint_is_written_beside_training_covered_by_the_manifest_and
         assert {"trainer/.metadata", "trainer/rng-0.pt", "trainer/rng-1.pt", "trainer/flash_trainer.json",
                 "state.json"} <= names and any(n.endswith(".distcp") for n in names)
         assert ck.verify(path) is None and not (tmp_path / "run" / "checkpoints" / "ckpt-1.tmp").exists()
-        assert ray.get(group.load_checkpoint.remote(str(path))) == 1
+        assert ray.get(group.load_checkpoint.remote(str(path), manifest["files"])) == 1
         back = ray.get(group.get_weights.remote())
         assert all(torch.equal(back[k], v) for k, v in at_snapshot.items())  # the snapshot, not step 2
         again = ray.get(group.train_step.remote(batch, adv, None))
@@ -117,8 +117,12 @@ def test_group_checkpoint_is_written_beside_training_covered_by_the_manifest_and
         ray.kill(group)
     one = start_group(str(tmp_path / "tiny"), s, workers=1)  # another size: DCP reshards
     try:
-        assert ray.get(one.load_checkpoint.remote(str(path))) == 1
+        assert ray.get(one.load_checkpoint.remote(str(path), manifest["files"])) == 1
         assert all(torch.equal(v, at_snapshot[k]) for k, v in ray.get(one.get_weights.remote()).items())
+        rng = path / "trainer" / "rng-0.pt"  # replaced after the driver's check: the rank refuses it by name
+        rng.write_bytes(rng.read_bytes()[::-1])
+        with pytest.raises(CheckpointChanged, match=r"ckpt-1/trainer: rng-0.pt changed after it was verified"):
+            ray.get(one.load_checkpoint.remote(str(path), manifest["files"]))
     finally:
         ray.kill(one)
     distcp = next(p for p in (path / "trainer").iterdir() if p.suffix == ".distcp")

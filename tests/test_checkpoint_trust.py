@@ -102,8 +102,8 @@ def test_a_checkpoint_from_elsewhere_needs_the_trust_flag_and_an_edited_one_fall
         ck.latest_valid(older.parent, warn=lambda _: None)
     with pytest.raises(ConfigError, match="trust_checkpoint=true"):
         _find_checkpoint(tmp_path / "run", resuming=True, trust=False)
-    ckpt, state = _find_checkpoint(tmp_path / "run", resuming=True, trust=True)
-    assert ckpt == newest and state["step"] == 2
+    point = _find_checkpoint(tmp_path / "run", resuming=True, trust=True)
+    assert point.path == newest and point.state["step"] == 2
     ck.write_json(older / "state.json", {"step": 1})  # trusted, and malformed inside: named
     resign(older, mine, files={n: {"bytes": (older / n).stat().st_size, "sha256": ck.sha256_file(older / n)}
                                for n in ("trainer.pt", "state.json")})
@@ -129,7 +129,7 @@ def test_a_trainer_state_pickle_that_runs_code_is_refused(tmp_path):
     with open(tmp_path / "ckpt" / "trainer.pt", "wb") as f:
         torch.save({"model": Payload(marker)}, f)
     with pytest.raises(pickle.UnpicklingError):
-        ck.load_trainer_state(object(), str(tmp_path / "ckpt"))
+        ck.load_trainer_state(object(), str(tmp_path / "ckpt"), ck.file_table(tmp_path / "ckpt"))
     assert not marker.exists()
 
 

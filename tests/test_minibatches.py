@@ -150,7 +150,7 @@ def test_lr_at_hand_values():
 
 
 def test_trainer_follows_the_schedule_and_resumes_it(model, tmp_path):
-    from flash.checkpoint import load_trainer_state, save_trainer_state, trainer_state
+    from flash.checkpoint import file_table, load_trainer_state, save_trainer_state, trainer_state
 
     batch, adv = data()
     s = settings(lr=1e-2, mini_batches=2, lr_schedule="cosine", warmup_steps=2, total_optimizer_steps=6)
@@ -162,7 +162,7 @@ def test_trainer_follows_the_schedule_and_resumes_it(model, tmp_path):
     assert m["lr"] == pytest.approx(sum(want) / 2)
     save_trainer_state(trainer_state(tr), str(tmp_path))
     again = Trainer(copy.deepcopy(model), s)
-    assert load_trainer_state(again, str(tmp_path)) == 1 and again.optimizer_steps == 2
+    assert load_trainer_state(again, str(tmp_path), file_table(tmp_path)) == 1 and again.optimizer_steps == 2
     steps = record_steps(again)
     again.train_step(batch, adv, None)
     # cosine from step 2 of 6: p = 0, then 1/4

@@ -23,6 +23,7 @@ import torch
 from buffers import Sample
 from flash.engine.base import ENGINE_PROTOCOLS, GenerationRequest, SamplingParams, UpdateTarget
 from flash.engine.sim_engine import WEIGHT_NAME, SimBatcher, SimEngineWorker, SimSettings
+from flash.checkpoint import file_table
 from flash.errors import ConfigError
 from flash.sim import cost
 from flash.sim.accounting import simulated_metrics
@@ -227,7 +228,7 @@ def test_trainer_time_metrics_and_checkpoint(tmp_path):
     trainer.checkpoint_snapshot()
     trainer.checkpoint_write(str(tmp_path))
     fresh = SimTrainer(sim, _Settings())
-    assert fresh.load_checkpoint(str(tmp_path)) == 1
+    assert fresh.load_checkpoint(str(tmp_path), file_table(tmp_path)) == 1
     trainer.begin_step()
     trainer.accumulate(batch, adv, None)
     assert trainer.finish_step()["loss"] == pytest.approx(0.5)

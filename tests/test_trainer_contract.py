@@ -21,6 +21,7 @@ import pytest
 import ray
 import torch
 
+from flash.checkpoint import file_table
 from flash.train.base import (BATCH_METRICS, CRITIC_PROTOCOLS, POLICY_PROTOCOLS, REFERENCE_PROTOCOLS,
                               STEP_METRICS)
 from tests.helpers.train import make_batch, settings
@@ -224,6 +225,6 @@ def test_a_checkpoint_between_steps_loads_back_with_its_step_count(trainer, tmp_
     batch, adv = make_batch(seed=2)
     tr.train_step(batch, adv, tr.logprobs(batch))
     assert int(tr.stats()["steps"]) == steps + 1
-    assert tr.load_checkpoint(str(tmp_path)) == steps and int(tr.stats()["steps"]) == steps
+    assert tr.load_checkpoint(str(tmp_path), file_table(tmp_path)) == steps and int(tr.stats()["steps"]) == steps
     after = tr.get_weights()  # the simulated trainer's one tensor is its step count
     assert all(torch.equal(before[k], after[k]) for k in before)

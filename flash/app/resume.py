@@ -20,6 +20,7 @@ import logging
 import time
 from datetime import datetime
 from pathlib import Path
+from typing import NamedTuple
 
 import yaml
 from omegaconf import OmegaConf
@@ -94,15 +95,29 @@ def check_same_run(now: dict, run_dir: Path) -> None:
 STATE_KEYS = ("step", "version", "logs", "buffer", "scheduler", "skips", "data_skipped", "faults")
 
 
-def load_state(ckpt: Path) -> dict:
-    """The driver's state of a verified checkpoint; one with parts missing is named, not a KeyError."""
-    from flash.checkpoint import STATE
+class ResumePoint(NamedTuple):
+    """The checkpoint a resume starts from: its directory, the driver's state in it, and its
+    verified manifest (whose file table every loader checks the bytes it reads against)."""
 
-    state = json.loads((ckpt / STATE).read_text())
+    path: Path
+    state: dict
+    manifest: dict
+
+
+def load_state(ckpt: Path, manifest: dict) -> dict:
+    """The driver's state of a verified checkpoint (its bytes checked against ``manifest``); one
+    with parts missing, or of another step than its manifest's, is named, not a KeyError."""
+    from flash.checkpoint import STATE
+    from flash.checkpoint_trust import read_verified
+
+    state = json.loads(read_verified(ckpt, STATE, manifest["files"]))
     missing = [k for k in STATE_KEYS if k not in state] if isinstance(state, dict) else ["everything"]
     if missing:
         raise ConfigError(f"checkpoint {ckpt}: state.json lacks {missing[0]!r} (edited, or written by another "
                           "flash version); resume from another checkpoint or start a new run")
+    if state["step"] != manifest["step"]:
+        raise ConfigError(f"checkpoint {ckpt}: state.json is of step {state['step']!r}, its manifest of step "
+                          f"{manifest['step']}; resume from another checkpoint or start a new run")
     return state
 
 
@@ -122,7 +137,7 @@ def append_event(run_dir: Path, event: str, **fields) -> None:
 
 
 # what makes a directory hold a run (a sweep's sweep_point.json or a test's log do not)
-RUN_FILES = ("config.yaml", "ledger.jsonl", "metrics.jsonl", "summary.json", "events.jsonl",
+RUN_FILES = ("config.yaml", "run.json", "ledger.jsonl", "metrics.jsonl", "summary.json", "events.jsonl",
              "samples.jsonl", "checkpoints")
 
 

@@ -19,7 +19,9 @@ import ray
 
 from buffers.codec import group_from_dict
 from flash.app.roles import Clock, Guards, Roles, RolloutBuffer, RunFiles
+from flash.app.resume import ResumePoint
 from flash.checkpoint import Checkpointer, check_trainer_files, log_offsets, snapshot_rollout
+from flash.checkpoint_trust import CheckpointChanged
 from flash.engine.client import EngineClient
 from flash.train.fsdp import group_settings
 
@@ -43,6 +45,17 @@ class Durable:
     checkpointer: Checkpointer
     files: RunFiles
     train: TrainConfig  # one trainer process or an FSDP2 group
+
+
+def load_trainer(trainer, ckpt: Path, files: dict[str, dict]) -> int:
+    """The trainer loads the checkpoint, each file checked against the verified manifest's table;
+    a file changed since the driver's check is refused in one line naming it (not a Ray traceback)."""
+    try:
+        return ray.get(trainer.load_checkpoint.remote(str(ckpt), files))
+    except ray.exceptions.RayTaskError as exc:
+        if isinstance(getattr(exc, "cause", None), CheckpointChanged):
+            raise CheckpointChanged(str(exc.cause)) from None
+        raise
 
 
 def driver_state(d: Durable, version: int) -> dict:
@@ -70,10 +83,11 @@ def commit_checkpoint(checkpointer: Checkpointer, files: RunFiles) -> None:
     checkpointer.commit(log_offsets(files.by_name()))
 
 
-def restore(d: Durable, roles: Roles, controller: AsyncController, ckpt: Path, state: dict) -> int:
+def restore(d: Durable, roles: Roles, controller: AsyncController, point: ResumePoint) -> int:
     """Bring every role to the checkpoint; returns the step to continue from."""
+    ckpt, state = point.path, point.state
     check_trainer_files(ckpt, group=group_settings(d.train) is not None)
-    ray.get(roles.trainer.load_checkpoint.remote(str(ckpt)))
+    load_trainer(roles.trainer, ckpt, point.manifest["files"])
     version = int(state["version"])
     ray.get(roles.engine.pause.remote("continue"))
     roles.model_update.push(version)  # every replica, through the model-update group

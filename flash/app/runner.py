@@ -38,8 +38,8 @@ from flash.app.roles import Clock, RolloutBuffer, RunFiles, new_guards, start_ro
 from flash.app.settings import resolve_threads, sampling_params, trainer_settings
 from flash.app.summary import summary as run_summary
 from flash.cache import default_cache_dir
-from flash.checkpoint import Checkpointer, latest_valid, remove_partial
-from flash.checkpoint_trust import read_manifest, resume_key
+from flash.checkpoint import Checkpointer, latest_verified, remove_partial
+from flash.checkpoint_trust import RunDir, bind_run
 from flash.app.config import FlashConfig, to_dict, to_yaml
 from flash.errors import FlashError
 from flash.sim.accounting import SimSteps
@@ -94,6 +94,7 @@ class Run:
             cfg.run_dir = str(resume_dir)
         self.dir = resume_mod.make_run_dir(cfg, recipe_name, resuming=resume_dir is not None)
         self.resume_point = _find_checkpoint(self.dir, resume_dir is not None, cfg.trust_checkpoint)
+        self.key = bind_run(self.dir, self.resume_point.manifest if self.resume_point else None)  # run.json
         (self.dir / "config.yaml").write_text(to_yaml(cfg))
         cfg.train.steps = data_steps(cfg, self.task)
         heartbeat.set(phase="warm start")
@@ -123,8 +124,7 @@ class Run:
             supervisor=self.roles.client, reference=self.roles.reference,
         )
         self.buffer.bound_values(self.model_path, lambda: self.controller.version + 1)
-        self.checkpointer = Checkpointer(self.dir, cfg.checkpoint, self.roles.trainer, cfg.train.steps,
-                                         resume_key(read_manifest(self.resume_point[0]) if self.resume_point else None))
+        self.checkpointer = Checkpointer(self.dir, cfg.checkpoint, self.roles.trainer, cfg.train.steps, self.key)
         self._start_durability()
         self._start_worker_faults()
 
@@ -185,7 +185,7 @@ class Run:
         client.on_event = lambda event: resume_mod.append_event(self.dir, **event)
         self.controller.on_update = lambda version: run_state.on_update(self.durable(), version)
         if self.resume_point is not None:
-            self.clock.start_step = run_state.restore(self.durable(), self.roles, self.controller, *self.resume_point)
+            self.clock.start_step = run_state.restore(self.durable(), self.roles, self.controller, self.resume_point)
         pids = {"engine_pids": ray.get([r.pid.remote() for r in self.roles.replicas])}
         pids["engine_pid"] = pids["engine_pids"][0]
         if group_settings(self.cfg.train) is None:
@@ -228,18 +228,18 @@ class Run:
         self.buffer.close()
 
 
-def _find_checkpoint(run_dir: Path, resuming: bool, trust: bool) -> tuple[Path, dict] | None:
-    """(checkpoint dir, its state) to resume from, or None: a fresh start."""
+def _find_checkpoint(run_dir: Path, resuming: bool, trust: bool) -> resume_mod.ResumePoint | None:
+    """The checkpoint to resume from (verified for this run dir: ``RunDir``), or None: a fresh start."""
     if not resuming:
         resume_mod.append_event(run_dir, "start")
         return None
-    ckpt, skipped = latest_valid(run_dir / "checkpoints", trust=trust)
+    ckpt, manifest, skipped = latest_verified(run_dir / "checkpoints", trust=trust, run=RunDir.read(run_dir))
     remove_partial(run_dir / "checkpoints")  # writes a kill interrupted: never read, now gone
-    state = resume_mod.load_state(ckpt) if ckpt is not None else None
+    state = resume_mod.load_state(ckpt, manifest) if ckpt is not None else None
     resume_mod.restore_logs(run_dir, state["logs"] if state else None)
     resume_mod.append_event(run_dir, "resume", checkpoint=str(ckpt) if ckpt else None,
                             step=state["step"] if state else 0, skipped=skipped)
-    return (ckpt, state) if ckpt is not None else None
+    return resume_mod.ResumePoint(ckpt, state, manifest) if ckpt is not None else None
 
 
 def run(cfg: FlashConfig, recipe_name: str = "run") -> dict:
@@ -261,7 +261,7 @@ def _run(cfg: FlashConfig, recipe_name: str, heartbeat: Heartbeat) -> dict:
     start = r.clock.start_step
     tracker = make_tracker(cfg.tracking, str(r.dir), config=to_dict(cfg), purge_step=start + 1 if r.resume_point else None)
     progress = Progress(cfg.train.steps, cfg.tracking.progress, heartbeat)
-    progress.write(f"flash: run dir {r.dir}" + (f" (resumed at step {start} from {r.resume_point[0]})" if r.resume_point else ""))
+    progress.write(f"flash: run dir {r.dir}" + (f" (resumed at step {start} from {r.resume_point.path})" if r.resume_point else ""))
     if r.roles.placement.plan.num_gpus or len(r.roles.replicas) > 1:
         progress.write(f"flash: {r.roles.placement.plan.describe()}")
     try:

@@ -319,5 +319,6 @@ class FlashConfig:
     # (without it, such a run_dir is refused)
     overwrite: bool = False
     # resume a checkpoint that no run of this user on this machine signed (a copied or downloaded
-    # run dir): its manifest's signature is not checked (its files and names still are)
+    # run dir), or one signed for another run or run dir: its signature and run binding are not
+    # checked (its files, names and step still are); the run dir then gets a run id of its own
     trust_checkpoint: bool = False

@@ -76,8 +76,10 @@ class State(Protocol):
     def checkpoint_write(self, directory: str) -> None:
         """Write the snapshot into ``directory`` while training goes on."""
 
-    def load_checkpoint(self, directory: str) -> int:
-        """Restore what ``checkpoint_write`` wrote; returns the step count."""
+    def load_checkpoint(self, directory: str, files: dict[str, dict]) -> int:
+        """Restore what ``checkpoint_write`` wrote, each file read once and checked against
+        ``files`` (the verified manifest's table, ``flash.checkpoint_trust.read_verified``);
+        returns the step count."""
 
 
 @runtime_checkable

@@ -13,12 +13,18 @@ Every function here is collective: all ranks call it, in the same order.
 Loading reads no pickle that can run code: DCP's ``.metadata`` (a pickle) goes through an unpickler
 that resolves only DCP's own metadata classes, torch dtypes and sizes, and paths
 (``_MetadataUnpickler``); its byte items (optimizer hyper-parameters) load with
-``torch.load(weights_only=True)``, as its tensors already do.
+``torch.load(weights_only=True)``, as its tensors already do. Given the verified manifest's file
+table (a checkpoint's ``trainer/`` folder), every file DCP opens is read once into memory and
+hashed before it is parsed (``flash.checkpoint_trust.read_verified``): a file replaced after the
+driver's check is refused by name, never loaded. Each rank holds one file's bytes at a time.
 """
 
 from __future__ import annotations
 
+import io
 import pickle
+from collections.abc import Mapping
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -60,9 +66,26 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"DCP metadata refers to {module}.{name}, which a checkpoint never holds")
 
 
-def _safe_reader_and_planner(path: str):
+def _verified_fs(root: Path, files: Mapping[str, dict]):
+    """A DCP file system whose reads are ``read_verified`` bytes of the files under ``root``."""
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    from flash.checkpoint_trust import read_verified
+
+    class VerifiedFileSystem(FileSystem):
+        @contextmanager
+        def create_stream(self, path, mode: str):
+            if mode != "rb":
+                raise ValueError(f"a checkpoint being loaded is read only (DCP asked to open {path} with {mode!r})")
+            yield io.BytesIO(read_verified(root, Path(path).relative_to(root).as_posix(), files))
+
+    return VerifiedFileSystem()
+
+
+def _safe_reader_and_planner(path: str, files: Mapping[str, dict] | None = None):
     """A DCP reader whose metadata goes through ``_MetadataUnpickler`` and a planner whose byte
-    items load with ``weights_only=True`` (torch's own defaults unpickle both freely)."""
+    items load with ``weights_only=True`` (torch's own defaults unpickle both freely); with
+    ``files``, the reader's bytes are the verified ones (``_verified_fs``)."""
     from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
     from torch.distributed.checkpoint.storage import StorageMeta
 
@@ -85,22 +108,36 @@ def _safe_reader_and_planner(path: str):
             else:
                 self.state_dict[read_item.dest_index.fqn] = obj
 
-    return Reader(path), Planner()
+    reader = Reader(path)
+    if files is not None:
+        reader.fs = _verified_fs(Path(reader.path), files)
+    return reader, Planner()
 
 
-def load_dcp(model, optimizer, path: str) -> None:
-    """Load model and optimizer state saved by ``save_dcp`` (any world size) into the live shards."""
+def load_dcp(model, optimizer, path: str, files: Mapping[str, dict] | None = None) -> None:
+    """Load model and optimizer state saved by ``save_dcp`` (any world size) into the live shards.
+    ``files``: the verified manifest's table of this folder (names relative to it); a file whose
+    bytes are not the listed ones raises ``CheckpointChanged``. None: a ``save`` folder (no manifest)."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    from flash.checkpoint_trust import CheckpointChanged
 
     if not (Path(path) / ".metadata").is_file():
         raise FileNotFoundError(f"no torch distributed checkpoint at {path} (missing .metadata); "
                                 "pass the folder that TrainerGroup.save wrote")
     msd, osd = get_state_dict(model, optimizer)
     state = {"model": msd, "optim": osd}
-    reader, planner = _safe_reader_and_planner(path)
+    reader, planner = _safe_reader_and_planner(path, files)
     reader.read_metadata()  # a refused global raises here, by name (inside dcp.load it is wrapped per rank)
-    dcp.load(state, storage_reader=reader, planner=planner)
+    try:
+        dcp.load(state, storage_reader=reader, planner=planner)
+    except CheckpointException as exc:  # a changed file, by name, not a per-rank traceback
+        changed = [e for e, _ in exc.failures.values() if isinstance(e, CheckpointChanged)]
+        if changed:
+            raise changed[0] from None
+        raise
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 

@@ -12,9 +12,11 @@ run their real code paths with it.
 
 from __future__ import annotations
 
+import io
 import os
 import threading
 import time
+from pathlib import Path
 
 import ray
 import torch
@@ -115,10 +117,12 @@ class SimTrainer(UpdateSender):
         snapshot, self._snapshot = self._snapshot, None
         write_snapshot(snapshot, directory)
 
-    def load_checkpoint(self, directory: str) -> int:
+    def load_checkpoint(self, directory: str, files: dict[str, dict]) -> int:
         from flash.checkpoint import TRAINER
+        from flash.checkpoint_trust import read_verified
 
-        state = torch.load(os.path.join(directory, TRAINER), map_location="cpu", weights_only=True)
+        data = read_verified(Path(directory), TRAINER, files)
+        state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
         with self._lock:
             self.steps, self.sim_busy_s = int(state["steps"]), float(state["sim_busy_s"])
         return self.steps

@@ -20,6 +20,7 @@ Rank actors are owned by the group actor: killing the group kills them too (Ray 
 from __future__ import annotations
 
 import datetime
+import io
 import json
 import logging
 import os
@@ -32,6 +33,7 @@ import ray
 import torch
 
 from algos.metrics import combine, finalize
+from flash.errors import FlashError
 from flash.train.batch import TrainBatch, batch_to
 from flash.train.fsdp import COLLECTIVE_TIMEOUT_S, GroupSettings, ShardedTrainer, free_port, pick_device
 from flash.weights.gather import FlatGather
@@ -46,6 +48,14 @@ from flash.usage import process_tree_cpu_s
 log = logging.getLogger("flash")
 
 META_FILE = "flash_trainer.json"  # beside the DCP shards: steps and the world size that wrote them
+
+
+def _read(directory: Path, name: str, files: dict[str, dict] | None) -> bytes:
+    """A file of a DCP folder: checked against the verified manifest's ``files``, or (None: a
+    ``save`` folder, no manifest) as it is."""
+    from flash.checkpoint_trust import read_verified
+
+    return (directory / name).read_bytes() if files is None else read_verified(directory, name, files)
 
 
 class TrainerGroupError(RuntimeError):
@@ -166,20 +176,21 @@ class FSDPRank(UpdateSender):
 
         save_dcp(self.trainer.model, self.trainer.optimizer, path)
 
-    def load(self, path: str, steps: int) -> None:
+    def load(self, path: str, steps: int, files: dict[str, dict] | None = None) -> None:
         """Model and optimizer from a DCP folder (any world size wrote it), and this rank's RNG
-        when the folder has one for it (a checkpoint written by ``checkpoint_write``)."""
+        when the folder has one for it (a checkpoint written by ``checkpoint_write``). ``files``:
+        the folder's verified manifest table (every file read is checked against it), or None."""
         from flash.train.fsdp_checkpoint import load_dcp
 
-        load_dcp(self.trainer.model, self.trainer.optimizer, path)
+        load_dcp(self.trainer.model, self.trainer.optimizer, path, files)
         self.trainer.steps = steps
         # every batch takes the same number of optimizer steps: the lr schedule's position follows
         self.trainer.optimizer_steps = steps * self.trainer.s.updates_per_batch
-        rng = Path(path) / f"rng-{self.rank}.pt"
-        if rng.is_file():
+        rng = f"rng-{self.rank}.pt"
+        if (rng in files) if files is not None else (Path(path) / rng).is_file():
             from flash.checkpoint import set_rng_state
 
-            set_rng_state(torch.load(rng, weights_only=True))
+            set_rng_state(torch.load(io.BytesIO(_read(Path(path), rng, files)), weights_only=True))
 
     def checkpoint_snapshot(self) -> None:
         from flash.checkpoint import rng_state
@@ -279,7 +290,11 @@ class TrainerGroup:
                     ray.get(ready)
                 except ray.exceptions.RayError as exc:
                     rank = refs.index(ready[0])
+                    cause = getattr(exc, "cause", None)
                     self.failed = f"rank {rank} failed in {method}: {type(exc).__name__}: {str(exc).splitlines()[0]}"
+                    if isinstance(cause, FlashError):  # a refusal by name (a changed checkpoint file)
+                        self.failed = f"rank {rank} failed in {method}: {cause}"
+                        raise cause from None
                     raise TrainerGroupError(self.failed) from None
             return ray.get(refs)
 
@@ -345,13 +360,14 @@ class TrainerGroup:
         (Path(path) / META_FILE).write_text(json.dumps({"steps": self.steps, "workers": self.group.workers}))
         return str(path)
 
-    def load(self, path: str) -> int:
-        """Restore model, optimizer and step count from ``save``'s folder; returns the step count."""
+    def load(self, path: str, files: dict[str, dict] | None = None) -> int:
+        """Restore model, optimizer and step count from ``save``'s folder; returns the step count.
+        ``files``: the folder's verified manifest table (a checkpoint's ``trainer/``), or None."""
         meta = Path(path) / META_FILE
-        if not meta.is_file():
+        if files is None and not meta.is_file():
             raise FileNotFoundError(f"{meta} not found: {path} is not a checkpoint TrainerGroup.save wrote")
-        steps = int(json.loads(meta.read_text())["steps"])
-        self._all("load", str(path), steps)
+        steps = int(json.loads(_read(Path(path), META_FILE, files))["steps"])
+        self._all("load", str(path), steps, files)
         self.steps = steps
         return steps
 
@@ -379,11 +395,14 @@ class TrainerGroup:
         ray.get([r.checkpoint_write.remote(str(path)) for r in self.ranks])
         write_json(path / META_FILE, {"steps": steps, "workers": self.group.workers})
 
-    def load_checkpoint(self, directory: str) -> int:
-        """Restore a checkpoint ``checkpoint_write`` wrote; a group of another size reshards it (DCP)."""
+    def load_checkpoint(self, directory: str, files: dict[str, dict]) -> int:
+        """Restore a checkpoint ``checkpoint_write`` wrote, every file checked against ``files``
+        (the verified manifest's table); a group of another size reshards it (DCP)."""
         from flash.checkpoint import TRAINER_DIR
 
-        return self.load(str(Path(directory) / TRAINER_DIR))
+        prefix = f"{TRAINER_DIR}/"
+        return self.load(str(Path(directory) / TRAINER_DIR),
+                         {n[len(prefix):]: v for n, v in files.items() if n.startswith(prefix)})
 
     def export_hf(self, path: str) -> dict:
         """A Hugging Face folder (safetensors, config, tokenizer) of the current weights."""

@@ -54,11 +54,11 @@ class TrainerWorker(UpdateSender):
         snapshot, self._snapshot = self._snapshot, None
         write_snapshot(snapshot, directory)
 
-    def load_checkpoint(self, directory: str) -> int:
+    def load_checkpoint(self, directory: str, files: dict[str, dict]) -> int:
         from flash.checkpoint import load_trainer_state
 
         with self._lock:
-            return load_trainer_state(self.trainer, directory)
+            return load_trainer_state(self.trainer, directory, files)
 
     def begin_step(self) -> None:
         self.trainer.begin_step()
