@@ -37,6 +37,7 @@ consumer gets, value for value and type for type.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -49,7 +50,8 @@ from buffers.types import TOKEN_FIELDS, Group, Sample, TokenField
 # Every way a frame can be refused; the service keeps a counter per name.
 REASONS = ("oversized", "multipart", "truncated", "malformed", "extra_data", "bad_type", "bad_schema",
            "bad_dtype", "bad_shape", "length_mismatch", "unknown_op", "too_many_waiters", "bad_value",
-           "unknown_producer", "too_many_producers", "duplicate_prompt", "not_owner")
+           "unknown_producer", "too_many_producers", "producers_per_client", "duplicate_prompt", "not_owner",
+           "oversized_message", "oversized_decoded")
 
 # Little-endian only, so a frame means the same on every host.
 INT_DTYPES = {d: np.dtype(d) for d in ("<i4", "<i8")}
@@ -70,6 +72,26 @@ META_TYPES = (type(None), bool, int, float, str)  # JSON's: a checkpoint writes 
 MAX_ARRAY = 1 << 16  # elements of one msgpack array or map (token arrays travel as bytes, not arrays)
 MAX_CONTAINERS = 1 << 18  # lists and maps in one frame
 MAX_META_DEPTH = 8
+# bytes of one Python list item per per-token value (an 8-byte slot + the number; 0 and 1 are shared)
+LIST_ITEM = {"int": 8 + 36, "float": 8 + 24, "bit": 8}
+
+
+class Budget:
+    """The bytes of Python objects one message may decode to (``oversized_decoded`` past ``limit``).
+
+    Each charge comes before what it pays for is built, or right after one container (at most
+    ``MAX_ARRAY`` items) is: a frame's cost in memory is checked as it is decoded, never after."""
+
+    __slots__ = ("limit", "spent")
+
+    def __init__(self, limit: int):
+        self.limit, self.spent = limit, 0
+
+    def charge(self, nbytes: int, what: str) -> None:
+        self.spent += nbytes
+        if self.spent > self.limit:
+            raise WireError("oversized_decoded", f"{what} would take the message past {self.limit} bytes "
+                                                 "of decoded values")
 
 
 class WireError(ValueError):
@@ -207,8 +229,9 @@ def _check_meta(value: Any, where: str, depth: int) -> None:
 
 # ---------------------------------------------------------------------------------------- decoding
 
-def unpack(frame: bytes | memoryview, max_bytes: int) -> Any:
-    """One frame → plain msgpack values, or a WireError naming why not."""
+def unpack(frame: bytes | memoryview, max_bytes: int, budget: Budget | None = None) -> Any:
+    """One frame → plain msgpack values, or a WireError naming why not; ``budget``: charged with
+    each list and map (its slots and its scalars, ``_shallow``) as soon as it is built."""
     if len(frame) > max_bytes:
         raise WireError("oversized", f"{len(frame)} bytes > limit {max_bytes}")
     # A declared container length can never exceed the frame's byte count (each element takes a
@@ -222,10 +245,12 @@ def unpack(frame: bytes | memoryview, max_bytes: int) -> Any:
         left[0] -= 1
         if left[0] < 0:
             raise WireError("bad_schema", f"more than {MAX_CONTAINERS} lists and maps in one frame")
+        if budget is not None:
+            budget.charge(_shallow(container), "a frame's lists and maps")
         return container
 
     try:
-        return msgpack.unpackb(frame, raw=False, strict_map_key=True, ext_hook=_refuse_ext,
+        value = msgpack.unpackb(frame, raw=False, strict_map_key=True, ext_hook=_refuse_ext,
                                max_bin_len=max_bytes, max_str_len=max_bytes, max_array_len=items,
                                max_map_len=items, list_hook=count, object_hook=count)
     except WireError:
@@ -240,22 +265,36 @@ def unpack(frame: bytes | memoryview, max_bytes: int) -> Any:
         raise WireError(reason, str(exc) or type(exc).__name__) from None
     except Exception as exc:  # noqa: BLE001 - msgpack may raise TypeError etc. on hostile input
         raise WireError("malformed", f"{type(exc).__name__}: {exc}") from None
+    if budget is not None and type(value) not in (list, dict):
+        budget.charge(sys.getsizeof(value), "a frame's value")
+    return value
+
+
+def _shallow(container: list | dict) -> int:
+    """What a container msgpack built takes: itself and its items (a nested container's own
+    items are charged when it is built; shared objects such as small ints are charged anyway)."""
+    if type(container) is dict:
+        return (sys.getsizeof(container) + sum(map(sys.getsizeof, container))
+                + sum(map(sys.getsizeof, container.values())))
+    return sys.getsizeof(container) + sum(map(sys.getsizeof, container))
 
 
 def _refuse_ext(code: int, data: bytes) -> Any:
     raise WireError("bad_type", f"msgpack extension type {code} is not accepted")
 
 
-def decode_group(raw: Any, check: Callable[[Group], None] | None = None) -> Group:
+def decode_group(raw: Any, check: Callable[[Group], None] | None = None, budget: Budget | None = None) -> Group:
     """Validated plain values (from ``unpack``) → a Group, or a WireError.
 
     ``check`` (the service's value checks) sees the group while every per-token field is still a
     NumPy array: a check is then one pass over an array, where a list sent as a list would first
-    have to be converted back. The fields that were lists become lists after it."""
+    have to be converted back. The fields that were lists become lists after it. ``budget`` is
+    charged with what decoding builds (runs expanded, lists) from each array's dtype and length,
+    before it is built."""
     prompt_id, admitted_version, data_index, samples = _fields(raw, GROUP_FIELDS, "group")
     if not samples:
         raise WireError("bad_schema", f"group {prompt_id} has no samples")
-    decoded = [_decode_sample(s, prompt_id) for s in samples]
+    decoded = [_decode_sample(s, prompt_id, budget) for s in samples]
     group = Group(prompt_id=prompt_id, samples=[s for s, _ in decoded], admitted_version=admitted_version,
                   data_index=data_index)
     if check is not None:
@@ -266,7 +305,7 @@ def decode_group(raw: Any, check: Callable[[Group], None] | None = None) -> Grou
     return group
 
 
-def _decode_sample(raw: Any, group_id: int) -> tuple[Sample, list[TokenField]]:
+def _decode_sample(raw: Any, group_id: int, budget: Budget | None) -> tuple[Sample, list[TokenField]]:
     """The sample, its per-token fields as arrays, and the fields that were lists."""
     prompt_id, index, reward, finish, admitted, meta, *parts = _fields(raw, SAMPLE_FIELDS, "sample")
     if prompt_id != group_id:
@@ -276,7 +315,7 @@ def _decode_sample(raw: Any, group_id: int) -> tuple[Sample, list[TokenField]]:
         if part is None:  # an optional field left out (the schema allows nil for no other)
             continue
         runs_of = len(values["response_ids"]) if f.runs else None  # runs of the response's length
-        values[f.name] = _decode_array(part, f.name, KIND_DTYPES[f.kind], runs_of)
+        values[f.name] = _decode_array(part, f, runs_of, budget)
         lists += [f] if part[3] else []
     _check_lengths({k: len(v) for k, v in values.items()}, prompt_id)
     _check_meta(meta, "meta", 0)
@@ -284,31 +323,39 @@ def _decode_sample(raw: Any, group_id: int) -> tuple[Sample, list[TokenField]]:
                   admitted_version=admitted, meta=meta, **values), lists
 
 
-def _decode_array(raw: Any, name: str, allowed: dict[str, np.dtype], runs_of: int | None = None) -> np.ndarray:
+def _decode_array(raw: Any, f: TokenField, runs_of: int | None = None, budget: Budget | None = None) -> np.ndarray:
     """An array part → a read-only view over its bytes; ``runs_of``: the length an array sent as
     runs must have (None: it may not be runs)."""
-    dtype, shape, data, _ = _fields(raw, ARRAY_PARTS, name)
+    name, allowed = f.name, KIND_DTYPES[f.kind]
+    dtype, shape, data, was_list = _fields(raw, ARRAY_PARTS, name)
     if runs_of is not None and dtype.startswith(RUNS):
-        return _expand_runs(dtype[len(RUNS):], shape, data, name, allowed, runs_of)
-    dt = allowed.get(dtype)
-    if dt is None:
-        raise WireError("bad_dtype", f"{name}: dtype {dtype!r} not in {', '.join(allowed)}")
+        dt = _dtype(dtype[len(RUNS):], name, allowed)
+        if shape != [runs_of]:
+            raise WireError("length_mismatch", f"{name}: runs of {shape!r} tokens for {runs_of} response tokens")
+        if budget is not None:  # the expanded array, then the list it becomes
+            budget.charge(runs_of * (dt.itemsize + (LIST_ITEM[f.kind] if was_list else 0)), name)
+        return _expand_runs(dt, data, name, runs_of)
+    dt = _dtype(dtype, name, allowed)
     if len(shape) != 1 or type(shape[0]) is not int or shape[0] < 0:
         raise WireError("bad_shape", f"{name}: shape must be [n] with n >= 0, got {shape!r}")
     if len(data) != shape[0] * dt.itemsize:
         raise WireError("bad_shape", f"{name}: {len(data)} bytes for shape {shape} of {dtype}")
+    if budget is not None and was_list:
+        budget.charge(shape[0] * LIST_ITEM[f.kind], name)
     return np.frombuffer(data, dtype=dt)  # a read-only view: no copy
 
 
-def _expand_runs(dtype: str, shape: list, data: bytes, name: str, allowed: dict[str, np.dtype], n: int) -> np.ndarray:
+def _dtype(dtype: str, name: str, allowed: dict[str, np.dtype]) -> np.dtype:
     dt = allowed.get(dtype)
     if dt is None:
-        raise WireError("bad_dtype", f"{name}: runs of dtype {dtype!r}, not one of {', '.join(allowed)}")
-    if shape != [n]:
-        raise WireError("length_mismatch", f"{name}: runs of {shape!r} tokens for {n} response tokens")
+        raise WireError("bad_dtype", f"{name}: dtype {dtype!r} not in {', '.join(allowed)}")
+    return dt
+
+
+def _expand_runs(dt: np.dtype, data: bytes, name: str, n: int) -> np.ndarray:
     k, rest = divmod(len(data), dt.itemsize + RUN_ENDS.itemsize)
     if rest or (k == 0) != (n == 0):
-        raise WireError("bad_shape", f"{name}: {len(data)} bytes are not whole runs of {dtype} + {RUN_ENDS.str}")
+        raise WireError("bad_shape", f"{name}: {len(data)} bytes are not whole runs of {dt.str} + {RUN_ENDS.str}")
     values, ends = np.frombuffer(data, dt, k), np.frombuffer(data, RUN_ENDS, k, k * dt.itemsize)
     lengths = ends.copy()
     np.subtract(ends[1:], ends[:-1], out=lengths[1:])
