@@ -103,8 +103,8 @@ class BufferService:
                  max_message_bytes: int = 0, max_decoded_bytes: int = 0, producers_per_client: int = 64):
         self.bind, self.max_frame_bytes, self.max_waiters = bind, max_frame_bytes, max_waiters
         # 0: derived from max_frame_bytes (``message_caps``)
-        self.max_message_bytes, self.max_decoded_bytes = message_caps(max_frame_bytes, max_message_bytes,
-                                                                      max_decoded_bytes)
+        self.max_message_bytes, self.max_decoded_bytes = message_caps(
+            max_frame_bytes, max_message_bytes=max_message_bytes, max_decoded_bytes=max_decoded_bytes)
         self.keys, self.max_waiters_per_client = keys, max_waiters_per_client
         self.limits = limits or ValueLimits()
         # close/drain need it; None: whoever created the service in-process passes none (tests)
@@ -449,10 +449,11 @@ class BufferService:
             self._parked = keep
 
 
-def message_caps(max_frame_bytes: int, max_message_bytes: int = 0, max_decoded_bytes: int = 0) -> tuple[int, int]:
+def message_caps(max_frame_bytes: int, batch_bytes: int = BATCH_BYTES, max_message_bytes: int = 0,
+                 max_decoded_bytes: int = 0) -> tuple[int, int]:
     """(all parts of a message together, what they may decode to); a 0 is derived: the largest
-    group beside a full default batch, and ``DECODED_PER_BYTE`` times that."""
-    message = max_message_bytes or max_frame_bytes + BATCH_BYTES
+    group beside a full batch of the producers' ``batch_bytes``, and ``DECODED_PER_BYTE`` times that."""
+    message = max_message_bytes or max_frame_bytes + batch_bytes
     return message, max_decoded_bytes or DECODED_PER_BYTE * message
 
 

@@ -272,9 +272,11 @@ def unpack(frame: bytes | memoryview, max_bytes: int, budget: Budget | None = No
 
 def _shallow(container: list | dict) -> int:
     """What a container msgpack built takes: itself and its items (a nested container's own
-    items are charged when it is built; shared objects such as small ints are charged anyway)."""
+    items are charged when it is built; shared objects such as small ints are charged anyway). A
+    map's table counts twice: msgpack interns its keys, and the interpreter's table of interned
+    strings grows with them."""
     if type(container) is dict:
-        return (sys.getsizeof(container) + sum(map(sys.getsizeof, container))
+        return (2 * sys.getsizeof(container) + sum(map(sys.getsizeof, container))
                 + sum(map(sys.getsizeof, container.values())))
     return sys.getsizeof(container) + sum(map(sys.getsizeof, container))
 
