@@ -35,7 +35,7 @@ class BufferConfig:
     auth: AuthMode = "curve"  # zmq: curve (per-run keys, encrypted) | none (plaintext; loopback/ipc binds only)
     max_frame_mb: float = 64.0  # zmq: a larger frame (one group) is refused and counted
     max_message_mb: float = 0.0  # zmq: one message's parts together; 0 = max_frame_mb + batch_kb
-    max_decoded_mb: float = 0.0  # zmq: what one message's frames may decode to in memory; 0 = 24 × max_message_mb
+    max_decoded_mb: float = 0.0  # zmq: what one message's frames may decode to in memory; 0 = 32 × max_message_mb
     producers_per_client: int = 64  # zmq: producer ids one client connection may hold
     capacity: int = 0  # groups held before producers block; 0 = ceil((async_ratio + 2) * prompts_per_step)
     window: int = 16  # zmq producer: groups put but not yet acknowledged before put waits (1 = strict)

@@ -78,9 +78,9 @@ MAX_BATCH = 1024  # groups in one put message
 MAX_WAIT_MS = 60_000  # a long-poll's longest wait: a client wanting longer asks again
 # a message's default caps: all its parts together (the largest group and a full batch beside it:
 # a producer sends a batch once it reaches batch_kb, 1 MiB by default), and the Python objects its
-# frames decode to (an honest group sent as lists takes ~18 bytes per byte of its frame)
+# frames decode to (an honest group sent as lists is charged ~20 bytes per byte of its frame)
 BATCH_BYTES = 1 << 20
-DECODED_PER_BYTE = 24
+DECODED_PER_BYTE = 32
 COUNTERS = ("frames_in", "put_batches", "puts", "gets", "duplicates", "full_replies", "gap_replies", "bytes_in", "bytes_out",
             "producer_blocked_s", "take_replays", "rejected", "internal_errors")
 

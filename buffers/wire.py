@@ -37,7 +37,6 @@ consumer gets, value for value and type for type.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -231,7 +230,7 @@ def _check_meta(value: Any, where: str, depth: int) -> None:
 
 def unpack(frame: bytes | memoryview, max_bytes: int, budget: Budget | None = None) -> Any:
     """One frame → plain msgpack values, or a WireError naming why not; ``budget``: charged with
-    each list and map (its slots and its scalars, ``_shallow``) as soon as it is built."""
+    what the values take in memory (``_charges``)."""
     if len(frame) > max_bytes:
         raise WireError("oversized", f"{len(frame)} bytes > limit {max_bytes}")
     # A declared container length can never exceed the frame's byte count (each element takes a
@@ -239,20 +238,11 @@ def unpack(frame: bytes | memoryview, max_bytes: int, budget: Budget | None = No
     # And no frame may build more than MAX_CONTAINERS lists and maps (a frame of empty arrays
     # would otherwise cost ~70 bytes of Python objects per byte received).
     items = min(max(len(frame), 1), MAX_ARRAY)
-    left = [MAX_CONTAINERS]
-
-    def count(container):
-        left[0] -= 1
-        if left[0] < 0:
-            raise WireError("bad_schema", f"more than {MAX_CONTAINERS} lists and maps in one frame")
-        if budget is not None:
-            budget.charge(_shallow(container), "a frame's lists and maps")
-        return container
-
+    list_hook, map_hook, settle = _charges(len(frame), budget)
     try:
         value = msgpack.unpackb(frame, raw=False, strict_map_key=True, ext_hook=_refuse_ext,
-                               max_bin_len=max_bytes, max_str_len=max_bytes, max_array_len=items,
-                               max_map_len=items, list_hook=count, object_hook=count)
+                                max_bin_len=max_bytes, max_str_len=max_bytes, max_array_len=items,
+                                max_map_len=items, list_hook=list_hook, object_hook=map_hook)
     except WireError:
         raise
     except msgpack.ExtraData:
@@ -265,20 +255,45 @@ def unpack(frame: bytes | memoryview, max_bytes: int, budget: Budget | None = No
         raise WireError(reason, str(exc) or type(exc).__name__) from None
     except Exception as exc:  # noqa: BLE001 - msgpack may raise TypeError etc. on hostile input
         raise WireError("malformed", f"{type(exc).__name__}: {exc}") from None
-    if budget is not None and type(value) not in (list, dict):
-        budget.charge(sys.getsizeof(value), "a frame's value")
+    settle()
     return value
 
 
-def _shallow(container: list | dict) -> int:
-    """What a container msgpack built takes: itself and its items (a nested container's own
-    items are charged when it is built; shared objects such as small ints are charged anyway). A
-    map's table counts twice: msgpack interns its keys, and the interpreter's table of interned
-    strings grows with them."""
-    if type(container) is dict:
-        return (2 * sys.getsizeof(container) + sum(map(sys.getsizeof, container))
-                + sum(map(sys.getsizeof, container.values())))
-    return sys.getsizeof(container) + sum(map(sys.getsizeof, container))
+# Upper bounds of what msgpack builds, in bytes (CPython, 64-bit): a list and a map themselves;
+# a list item (its slot, and the object: an int ≤ 36, a float 24, a str's or bytes' header ≤ 80);
+# a map entry (key and value, and its share of the table, counted twice: msgpack interns keys);
+# and the frame's bytes 4 times (a str's characters take up to 4 bytes each: one past U+FFFF
+# widens all).
+LIST_BYTES, MAP_BYTES, ITEM_BYTES, ENTRY_BYTES, WIDEN = 56, 64, 88, 272, 4
+
+
+def _charges(size: int, budget: Budget | None) -> tuple[Callable, Callable, Callable[[], None]]:
+    """msgpack's list and map hooks for a frame of ``size`` bytes, and what to call once it is
+    decoded. Each hook counts containers (``MAX_CONTAINERS``); with a ``budget``, the frame's bytes
+    × ``WIDEN`` are charged at once and each list and map as soon as it is built: at most one
+    container's items (``MAX_ARRAY``) past the limit are ever allocated."""
+    left = MAX_CONTAINERS
+    if budget is not None:
+        budget.charge(WIDEN * size, "a frame's bytes")
+    room = budget.limit - budget.spent if budget is not None else 1 << 62
+
+    def charged(container, cost: int):
+        nonlocal left, room
+        left -= 1
+        room -= cost
+        if left < 0:
+            raise WireError("bad_schema", f"more than {MAX_CONTAINERS} lists and maps in one frame")
+        if room < 0:
+            raise WireError("oversized_decoded", f"a frame's lists and maps would take the message past "
+                                                 f"{budget.limit} bytes of decoded values")
+        return container
+
+    def settle() -> None:
+        if budget is not None:
+            budget.spent = budget.limit - room
+
+    return (lambda c: charged(c, LIST_BYTES + ITEM_BYTES * len(c)),
+            lambda c: charged(c, MAP_BYTES + ENTRY_BYTES * len(c)), settle)
 
 
 def _refuse_ext(code: int, data: bytes) -> Any:
