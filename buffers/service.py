@@ -33,12 +33,17 @@ buffer is answered ``full`` and the producer parks a ``wait_space`` request, ans
 take frees room.
 
 Hostile input: with CURVE (``buffers.auth``) only the run's clients get a frame in at all;
-libzmq drops a peer whose frame exceeds 4 × ``max_frame_bytes`` + 1 MiB (MAXMSGSIZE) before it is buffered;
-every frame is size-checked before it is parsed, schema-checked after (``buffers.wire``) and
-value-checked (``buffers.guard``: finite, versions in range, token ids in the vocabulary); a prompt
-already stored is refused whoever replays it; long-polls wait at most ``MAX_WAIT_MS`` and each
-client parks at most ``max_waiters_per_client``. A refused frame is answered ``rejected`` with its
-reason, counted under ``rejected_<reason>``, and the service goes on serving.
+libzmq drops a peer whose part exceeds ``max_message_bytes`` (MAXMSGSIZE) before it is buffered;
+a message whose parts together exceed it is refused unparsed (each group of a put answered
+``rejected_oversized_message``); every frame is size-checked before it is parsed, charged to the
+message's ``Budget`` of ``max_decoded_bytes`` as it is decoded (``rejected_oversized_decoded``),
+schema-checked (``buffers.wire``) and value-checked (``buffers.guard``: finite, versions in range,
+token ids in the vocabulary); a prompt already stored is refused whoever replays it; a client
+(its connection) holds at most ``producers_per_client`` producer ids; long-polls wait at most
+``MAX_WAIT_MS`` and each client parks at most ``max_waiters_per_client``. A refused frame is
+answered ``rejected`` with its reason, counted under ``rejected_<reason>``, and the service goes
+on serving. libzmq itself holds a multipart message's parts until its last arrives (each part
+bounded, their count not): the caps bound what the service builds from a message, not that.
 """
 
 from __future__ import annotations

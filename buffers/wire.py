@@ -277,23 +277,34 @@ def _charges(size: int, budget: Budget | None) -> tuple[Callable, Callable, Call
         budget.charge(WIDEN * size, "a frame's bytes")
     room = budget.limit - budget.spent if budget is not None else 1 << 62
 
-    def charged(container, cost: int):
+    def count_list(container: list) -> list:
         nonlocal left, room
         left -= 1
-        room -= cost
-        if left < 0:
-            raise WireError("bad_schema", f"more than {MAX_CONTAINERS} lists and maps in one frame")
-        if room < 0:
-            raise WireError("oversized_decoded", f"a frame's lists and maps would take the message past "
-                                                 f"{budget.limit} bytes of decoded values")
+        room -= LIST_BYTES + ITEM_BYTES * len(container)
+        if left < 0 or room < 0:
+            _over(left, budget)
+        return container
+
+    def count_map(container: dict) -> dict:
+        nonlocal left, room
+        left -= 1
+        room -= MAP_BYTES + ENTRY_BYTES * len(container)
+        if left < 0 or room < 0:
+            _over(left, budget)
         return container
 
     def settle() -> None:
         if budget is not None:
             budget.spent = budget.limit - room
 
-    return (lambda c: charged(c, LIST_BYTES + ITEM_BYTES * len(c)),
-            lambda c: charged(c, MAP_BYTES + ENTRY_BYTES * len(c)), settle)
+    return count_list, count_map, settle
+
+
+def _over(left: int, budget: Budget | None) -> None:
+    if left < 0:
+        raise WireError("bad_schema", f"more than {MAX_CONTAINERS} lists and maps in one frame")
+    raise WireError("oversized_decoded", f"a frame's lists and maps would take the message past "
+                                         f"{budget.limit if budget else 0} bytes of decoded values")
 
 
 def _refuse_ext(code: int, data: bytes) -> Any:
