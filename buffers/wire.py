@@ -277,27 +277,21 @@ def _charges(size: int, budget: Budget | None) -> tuple[Callable, Callable, Call
         budget.charge(WIDEN * size, "a frame's bytes")
     room = budget.limit - budget.spent if budget is not None else 1 << 62
 
-    def count_list(container: list) -> list:
-        nonlocal left, room
-        left -= 1
-        room -= LIST_BYTES + ITEM_BYTES * len(container)
-        if left < 0 or room < 0:
-            _over(left, budget)
-        return container
-
-    def count_map(container: dict) -> dict:
-        nonlocal left, room
-        left -= 1
-        room -= MAP_BYTES + ENTRY_BYTES * len(container)
-        if left < 0 or room < 0:
-            _over(left, budget)
-        return container
+    def hook(base: int, per_item: int) -> Callable:
+        def count(container):
+            nonlocal left, room
+            left -= 1
+            room -= base + per_item * len(container)
+            if left < 0 or room < 0:
+                _over(left, budget)
+            return container
+        return count
 
     def settle() -> None:
         if budget is not None:
             budget.spent = budget.limit - room
 
-    return count_list, count_map, settle
+    return hook(LIST_BYTES, ITEM_BYTES), hook(MAP_BYTES, ENTRY_BYTES), settle
 
 
 def _over(left: int, budget: Budget | None) -> None:
