@@ -262,19 +262,19 @@ def unpack(frame: bytes | memoryview, max_bytes: int, budget: Budget | None = No
 # Upper bounds of what msgpack builds, in bytes (CPython, 64-bit): a list and a map themselves;
 # a list item (its slot, and the object: an int ≤ 36, a float 24, a str's or bytes' header ≤ 80);
 # a map entry (key and value, and its share of the table, counted twice: msgpack interns keys);
-# and the frame's bytes 4 times (a str's characters take up to 4 bytes each: one past U+FFFF
-# widens all).
-LIST_BYTES, MAP_BYTES, ITEM_BYTES, ENTRY_BYTES, WIDEN = 56, 64, 88, 272, 4
+# the frame's bytes 4 times (a str's characters take up to 4 bytes each: one past U+FFFF widens
+# all); and 1 KiB a frame (a value outside any container, the interpreter's bookkeeping).
+LIST_BYTES, MAP_BYTES, ITEM_BYTES, ENTRY_BYTES, WIDEN, FRAME_BYTES = 56, 64, 88, 272, 4, 1024
 
 
 def _charges(size: int, budget: Budget | None) -> tuple[Callable, Callable, Callable[[], None]]:
     """msgpack's list and map hooks for a frame of ``size`` bytes, and what to call once it is
-    decoded. Each hook counts containers (``MAX_CONTAINERS``); with a ``budget``, the frame's bytes
-    × ``WIDEN`` are charged at once and each list and map as soon as it is built: at most one
+    decoded. Each hook counts containers (``MAX_CONTAINERS``); with a ``budget``, ``FRAME_BYTES`` +
+    the frame's bytes × ``WIDEN`` are charged at once and each list and map as soon as it is built: at most one
     container's items (``MAX_ARRAY``) past the limit are ever allocated."""
     left = MAX_CONTAINERS
     if budget is not None:
-        budget.charge(WIDEN * size, "a frame's bytes")
+        budget.charge(FRAME_BYTES + WIDEN * size, "a frame's bytes")
     room = budget.limit - budget.spent if budget is not None else 1 << 62
 
     def hook(base: int, per_item: int) -> Callable:
