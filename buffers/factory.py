@@ -22,7 +22,7 @@ from buffers.auth import AuthMode, ClientKeys, ServiceKeys, check_bind, new_owne
 from buffers.buffer import SampleBuffer
 from buffers.client import RemoteSampleBuffer
 from buffers.producer import BufferProducer
-from buffers.service import BufferService
+from buffers.service import BufferService, message_caps
 
 Transport = Literal["local", "zmq"]  # buffer.transport
 TRANSPORTS: tuple[str, ...] = get_args(Transport)
@@ -34,6 +34,9 @@ class BufferConfig:
     bind: str = "tcp://127.0.0.1:0"  # zmq: where the service listens; port 0 = any free port
     auth: AuthMode = "curve"  # zmq: curve (per-run keys, encrypted) | none (plaintext; loopback/ipc binds only)
     max_frame_mb: float = 64.0  # zmq: a larger frame (one group) is refused and counted
+    max_message_mb: float = 0.0  # zmq: one message's parts together; 0 = max_frame_mb + batch_kb
+    max_decoded_mb: float = 0.0  # zmq: what one message's frames may decode to in memory; 0 = 32 × max_message_mb
+    producers_per_client: int = 64  # zmq: producer ids one client connection may hold
     capacity: int = 0  # groups held before producers block; 0 = ceil((async_ratio + 2) * prompts_per_step)
     window: int = 16  # zmq producer: groups put but not yet acknowledged before put waits (1 = strict)
     batch_groups: int = 16  # zmq producer: groups per put message at most
@@ -50,9 +53,14 @@ class BufferConfig:
         check_bind(self.bind, self.auth)
         if not self.max_frame_mb > 0:
             raise ValueError(f"buffer.max_frame_mb must be > 0, got {self.max_frame_mb}")
+        if self.max_message_mb and not self.max_message_mb >= self.max_frame_mb:
+            raise ValueError(f"buffer.max_message_mb must be 0 (auto) or >= buffer.max_frame_mb "
+                             f"({self.max_frame_mb}), got {self.max_message_mb}")
+        if not self.max_decoded_mb >= 0:
+            raise ValueError(f"buffer.max_decoded_mb must be >= 0 (0 = auto), got {self.max_decoded_mb}")
         if self.capacity < 0:
             raise ValueError(f"buffer.capacity must be >= 0 (0 = auto), got {self.capacity}")
-        for key in ("window", "batch_groups", "batch_kb"):
+        for key in ("window", "batch_groups", "batch_kb", "producers_per_client"):
             if getattr(self, key) < 1:
                 raise ValueError(f"buffer.{key} must be >= 1, got {getattr(self, key)}")
         if not self.linger_ms >= 0:
@@ -68,8 +76,12 @@ def make_buffer(cfg: BufferConfig, capacity: int) -> tuple[SampleBuffer | Remote
     if cfg.transport == "local":
         return SampleBuffer(capacity=capacity), None
     keys, token = (ServiceKeys.new() if cfg.auth == "curve" else None), new_owner_token()
-    service = BufferService(capacity, bind=cfg.bind, max_frame_bytes=int(cfg.max_frame_mb * (1 << 20)),
-                            keys=keys, owner_token=token).start()
+    frame = int(cfg.max_frame_mb * (1 << 20))
+    message, decoded = message_caps(frame, cfg.batch_kb << 10, int(cfg.max_message_mb * (1 << 20)),
+                                    int(cfg.max_decoded_mb * (1 << 20)))
+    service = BufferService(capacity, bind=cfg.bind, max_frame_bytes=frame, keys=keys, owner_token=token,
+                            max_message_bytes=message, max_decoded_bytes=decoded,
+                            producers_per_client=cfg.producers_per_client).start()
     client_keys = keys.client if keys is not None else None
     return RemoteSampleBuffer(service.address, max_frame_mb=cfg.max_frame_mb, keys=client_keys,
                               owner_token=token), service

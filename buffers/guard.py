@@ -2,8 +2,10 @@
 
 - ``ProducerTable``: producer ids are issued by the service (``hello``), never chosen by a client,
   so a client cannot put under another's id or invent ids to get a group stored twice; the table
-  holds at most ``max_producers``, and a producer silent for ``expire_s`` gives its slot to a new one
-  (its next put is refused as ``unknown_producer``).
+  holds at most ``max_producers``, a client (its connection: ``buffers.service``) at most
+  ``per_client``, and a producer silent for ``expire_s`` gives its slot to a new one (its next put
+  is refused as ``unknown_producer``). A full table takes room from the client holding the most
+  ids first, so hellos from one client never lock out another's first producer.
 - ``SeenPrompts``: the last ``limit`` prompt ids stored; a group of a prompt already stored is
   refused (a group replayed by another producer is not a second group). A run admits each prompt
   id once (``controllers.scheduler``), so a legitimate producer never meets it.
@@ -27,23 +29,54 @@ from buffers.wire import WireError
 
 
 class ProducerTable:
-    def __init__(self, max_producers: int = 4096, expire_s: float = 600.0):
-        self.max_producers, self.expire_s = max_producers, expire_s
-        # id -> [last decided seq, last request time], the longest silent first
+    def __init__(self, max_producers: int = 4096, expire_s: float = 600.0, per_client: int = 64,
+                 pressure_idle_s: float = 60.0):
+        self.max_producers, self.expire_s, self.per_client = max_producers, expire_s, per_client
+        self.pressure_idle_s = pressure_idle_s
+        # id -> [last decided seq, last request time, client], the longest silent first
         self._table: OrderedDict[str, list] = OrderedDict()
+        self._clients: dict[bytes, set[str]] = {}  # client -> the ids issued to it
+        self.evicted = 0  # ids given up to make room before they expired
 
-    def issue(self, now: float | None = None) -> str:
-        """A new producer id; the longest-silent producer past ``expire_s`` makes room if needed."""
+    def issue(self, client: bytes = b"", now: float | None = None) -> str:
+        """A new producer id for ``client``: at most ``per_client`` each (``producers_per_client``);
+        a full table makes room first (``_make_room``)."""
         now = time.monotonic() if now is None else now
+        held = len(self._clients.get(client, ()))
+        if held >= self.per_client:
+            raise WireError("producers_per_client", f"this client holds {held} producer ids, the most one "
+                                                    "client may")
         if len(self._table) >= self.max_producers:
-            oldest, (_, seen) = next(iter(self._table.items()))
-            if now - seen < self.expire_s:
-                raise WireError("too_many_producers", f"{self.max_producers} producers active in the last "
-                                                      f"{self.expire_s:.0f}s")
-            del self._table[oldest]
+            self._make_room(held, now)
         pid = secrets.token_hex(12)
-        self._table[pid] = [-1, now]
+        self._table[pid] = [-1, now, client]
+        self._clients.setdefault(client, set()).add(pid)
         return pid
+
+    def _make_room(self, held: int, now: float) -> None:
+        """Under pressure, for a client holding ``held`` ids, in order: the longest silent past
+        ``expire_s``; else the longest silent of the client holding the most ids, if that is more
+        than the asking client would (one client's flood gives way to another's first producer);
+        else the longest silent past ``pressure_idle_s``."""
+        oldest, (_, seen, _) = next(iter(self._table.items()))
+        if now - seen >= self.expire_s:
+            return self._drop(oldest)
+        heaviest = max(self._clients.values(), key=len)
+        if len(heaviest) > held + 1:
+            self.evicted += 1
+            return self._drop(min(heaviest, key=lambda pid: self._table[pid][1]))
+        if now - seen >= self.pressure_idle_s:
+            self.evicted += 1
+            return self._drop(oldest)
+        raise WireError("too_many_producers", f"{self.max_producers} producers of as many clients active in the "
+                                              f"last {self.pressure_idle_s:.0f}s")
+
+    def _drop(self, pid: str) -> None:
+        client = self._table.pop(pid)[2]
+        held = self._clients[client]
+        held.discard(pid)
+        if not held:
+            del self._clients[client]
 
     def last_seq(self, producer: str, now: float | None = None) -> int:
         """The producer's last decided seq (touching it); ``unknown_producer`` if never issued here."""

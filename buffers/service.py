@@ -33,12 +33,17 @@ buffer is answered ``full`` and the producer parks a ``wait_space`` request, ans
 take frees room.
 
 Hostile input: with CURVE (``buffers.auth``) only the run's clients get a frame in at all;
-libzmq drops a peer whose frame exceeds 4 × ``max_frame_bytes`` + 1 MiB (MAXMSGSIZE) before it is buffered;
-every frame is size-checked before it is parsed, schema-checked after (``buffers.wire``) and
-value-checked (``buffers.guard``: finite, versions in range, token ids in the vocabulary); a prompt
-already stored is refused whoever replays it; long-polls wait at most ``MAX_WAIT_MS`` and each
-client parks at most ``max_waiters_per_client``. A refused frame is answered ``rejected`` with its
-reason, counted under ``rejected_<reason>``, and the service goes on serving.
+libzmq drops a peer whose part exceeds ``max_message_bytes`` (MAXMSGSIZE) before it is buffered;
+a message whose parts together exceed it is refused unparsed (each group of a put answered
+``rejected_oversized_message``); every frame is size-checked before it is parsed, charged to the
+message's ``Budget`` of ``max_decoded_bytes`` as it is decoded (``rejected_oversized_decoded``),
+schema-checked (``buffers.wire``) and value-checked (``buffers.guard``: finite, versions in range,
+token ids in the vocabulary); a prompt already stored is refused whoever replays it; a client
+(its connection) holds at most ``producers_per_client`` producer ids; long-polls wait at most
+``MAX_WAIT_MS`` and each client parks at most ``max_waiters_per_client``. A refused frame is
+answered ``rejected`` with its reason, counted under ``rejected_<reason>``, and the service goes
+on serving. libzmq itself holds a multipart message's parts until its last arrives (each part
+bounded, their count not): the caps bound what the service builds from a message, not that.
 """
 
 from __future__ import annotations
@@ -60,7 +65,7 @@ from buffers.buffer import BufferClosed
 from buffers.guard import ProducerTable, SeenPrompts, ValueLimits, check_values
 from buffers.store import KeyedSampleBuffer
 from buffers.types import Group
-from buffers.wire import REASONS, WireError, decode_group, pack, unpack
+from buffers.wire import REASONS, Budget, WireError, decode_group, pack, unpack
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +81,11 @@ OPS: dict[str, dict[str, type]] = {
 }
 MAX_BATCH = 1024  # groups in one put message
 MAX_WAIT_MS = 60_000  # a long-poll's longest wait: a client wanting longer asks again
+# a message's default caps: all its parts together (the largest group and a full batch beside it:
+# a producer sends a batch once it reaches batch_kb, 1 MiB by default), and the Python objects its
+# frames decode to (an honest group sent as lists is charged ~20 bytes per byte of its frame)
+BATCH_BYTES = 1 << 20
+DECODED_PER_BYTE = 32
 COUNTERS = ("frames_in", "put_batches", "puts", "gets", "duplicates", "full_replies", "gap_replies", "bytes_in", "bytes_out",
             "producer_blocked_s", "take_replays", "rejected", "internal_errors")
 
@@ -94,8 +104,12 @@ class _Parked:
 class BufferService:
     def __init__(self, capacity: int, bind: str = "tcp://127.0.0.1:0", max_frame_bytes: int = 64 << 20,
                  max_waiters: int = 1024, keys: ServiceKeys | None = None, owner_token: bytes | None = None,
-                 max_waiters_per_client: int = 16, limits: ValueLimits | None = None):
+                 max_waiters_per_client: int = 16, limits: ValueLimits | None = None,
+                 max_message_bytes: int = 0, max_decoded_bytes: int = 0, producers_per_client: int = 64):
         self.bind, self.max_frame_bytes, self.max_waiters = bind, max_frame_bytes, max_waiters
+        # 0: derived from max_frame_bytes (``message_caps``)
+        self.max_message_bytes, self.max_decoded_bytes = message_caps(
+            max_frame_bytes, max_message_bytes=max_message_bytes, max_decoded_bytes=max_decoded_bytes)
         self.keys, self.max_waiters_per_client = keys, max_waiters_per_client
         self.limits = limits or ValueLimits()
         # close/drain need it; None: whoever created the service in-process passes none (tests)
@@ -112,7 +126,7 @@ class BufferService:
         self.address = ""
         self._counts: dict[str, float] = {k: 0.0 for k in COUNTERS} | {f"rejected_{r}": 0.0 for r in REASONS}
         self._lock = threading.Lock()
-        self._producers = ProducerTable()  # producer -> last decided seq, issued by hello
+        self._producers = ProducerTable(per_client=producers_per_client)  # issued by hello, capped per client
         self._prompts = SeenPrompts()  # prompt ids stored: a replay is not a second group
         self._blocked_since: dict[str, float] = {}  # producer -> when it was first told 'full'
         self._last_take: dict[str, tuple[int, list[bytes]]] = {}  # consumer -> (tid, frames)
@@ -127,9 +141,9 @@ class BufferService:
     def start(self) -> BufferService:
         """Bind (port 0: an ephemeral port; ``address`` says which) and serve in a daemon thread."""
         self._sock.setsockopt(zmq.LINGER, 0)
-        # per part: libzmq drops the peer of a frame this large before buffering it; up to it an
-        # oversized group is still answered by name (refused unparsed), so a misconfigured producer learns why
-        self._sock.setsockopt(zmq.MAXMSGSIZE, 4 * self.max_frame_bytes + (1 << 20))
+        # per part: libzmq drops the peer of a part larger than a whole message may be, before
+        # buffering it; up to it an oversized group is still answered by name (refused unparsed)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
         if self.keys is not None:
             self._auth = self.keys.serve(self._ctx, self._sock)
         self._sock.bind(self.bind)
@@ -166,6 +180,7 @@ class BufferService:
             out = dict(self._counts)
             out["waiters"] = float(len(self._parked))
             out["producers"] = float(len(self._producers))
+            out["producers_evicted"] = float(self._producers.evicted)
         out.update(self.buffer.stats())
         out["capacity"] = float(self.buffer.capacity)
         return out
@@ -225,17 +240,28 @@ class BufferService:
         self._count("frames_in")
         rid = -1
         try:
-            self._count("bytes_in", sum(len(p.buffer) for p in parts[1:]))
+            size = sum(len(p.buffer) for p in parts[1:])
+            self._count("bytes_in", size)
             if not 2 <= len(parts) <= 2 + MAX_BATCH:
                 raise WireError("multipart", f"{len(parts) - 1} parts; a request is one (a put 2..{MAX_BATCH + 1})")
-            msg = unpack(parts[1].buffer, self.max_frame_bytes)
+            budget = Budget(self.max_decoded_bytes)  # what this message may decode to, all its parts
+            msg = unpack(parts[1].buffer, self.max_frame_bytes, budget)
             rid = _request_rid(msg)
             _check_request(msg)
             if (len(parts) > 2) != (msg["op"] == "put"):
                 raise WireError("multipart", f"{msg['op']} with {len(parts) - 1} parts; a request is one "
                                              "part, a put a header and its groups")
+            if size > self.max_message_bytes:  # a put's groups are each refused by name, unparsed
+                refusal = WireError("oversized_message", f"{len(parts) - 1} parts of {size} bytes together "
+                                                         f"> {self.max_message_bytes}")
+                if msg["op"] != "put":
+                    raise refusal
+                msg["refusal"] = refusal
             if msg["op"] == "put":
                 msg["groups"] = [p.buffer for p in parts[2:]]  # the groups' frames, as received (no copy)
+                msg["budget"] = budget
+            elif msg["op"] == "hello":
+                msg["client"] = _client_of(parts)
             reply = getattr(self, f"_op_{msg['op']}")(identity, msg)
         except WireError as exc:
             self._count("rejected")
@@ -269,19 +295,21 @@ class BufferService:
         self._count("put_batches")
         statuses: list[str] = []
         for i, frame in enumerate(frames):
-            status = self._put_one(producer, first + i, frame)
+            status = self._put_one(producer, first + i, frame, msg["budget"], msg.get("refusal"))
             statuses.append(status)
             if status in ("gap", "full", "closed"):
                 statuses += [status] * (len(frames) - i - 1)
                 break
         return {"seq": first, "statuses": statuses}
 
-    def _put_one(self, producer: str, seq: int, frame: memoryview) -> str:
+    def _put_one(self, producer: str, seq: int, frame: memoryview, budget: Budget,
+                 refusal: WireError | None = None) -> str:
         """Store one group exactly once; a refused one is decided (its seq used) and counted.
 
         The order checks come first: a refusal is only ever given to the next expected seq, so a
         seq the producer counts as decided is decided here too (a refusal behind a gap would leave
-        the producer waiting on a seq it no longer holds)."""
+        the producer waiting on a seq it no longer holds). ``budget``: the message's decoded bytes,
+        kept for a stored group, given back for a refused one; ``refusal``: the whole message's."""
         try:
             last = self._producers.last_seq(producer)
         except WireError as exc:
@@ -292,14 +320,19 @@ class BufferService:
         if seq > last + 1:  # an earlier group of this producer was refused: keep its order
             self._count("gap_replies")
             return "gap"
+        spent = budget.spent
         try:
+            if refusal is not None:
+                raise refusal
             if len(frame) > self.max_frame_bytes:  # refused before it is parsed
                 raise WireError("oversized", f"group frame of {len(frame)} bytes > {self.max_frame_bytes}")
             top = self.max_version() if self.max_version else 1 << 62
-            group = decode_group(unpack(frame, self.max_frame_bytes), lambda g: check_values(g, self.limits, top))
+            group = decode_group(unpack(frame, self.max_frame_bytes, budget),
+                                 lambda g: check_values(g, self.limits, top), budget)
             if group.prompt_id in self._prompts:
                 raise WireError("duplicate_prompt", f"a group of prompt {group.prompt_id} was stored already")
         except WireError as exc:
+            budget.spent = spent
             self._producers.decided(producer, seq)
             return self._refused(exc)
         return self._store(producer, seq, group, frame)
@@ -353,7 +386,7 @@ class BufferService:
         return self._groups_reply(frames)
 
     def _op_hello(self, identity: bytes, msg: dict) -> dict:
-        return {"status": "ok", "producer": self._producers.issue()}
+        return {"status": "ok", "producer": self._producers.issue(msg["client"])}
 
     def _check_owner(self, msg: dict) -> None:
         if self.owner_token is not None and not secrets.compare_digest(msg["token"], self.owner_token):
@@ -419,6 +452,24 @@ class BufferService:
                 self._reply(p.identity, answer)
         with self._lock:
             self._parked = keep
+
+
+def message_caps(max_frame_bytes: int, batch_bytes: int = BATCH_BYTES, max_message_bytes: int = 0,
+                 max_decoded_bytes: int = 0) -> tuple[int, int]:
+    """(all parts of a message together, what they may decode to); a 0 is derived: the largest
+    group beside a full batch of the producers' ``batch_bytes``, and ``DECODED_PER_BYTE`` times that."""
+    message = max_message_bytes or max_frame_bytes + batch_bytes
+    return message, max_decoded_bytes or DECODED_PER_BYTE * message
+
+
+def _client_of(parts: list[zmq.Frame]) -> bytes:
+    """Who sent a message: its CURVE public key (the ZAP user id) and its connection's routing id.
+    The run's clients share one key, so the connection tells them apart."""
+    try:
+        user = parts[1].get("User-Id") or ""
+    except zmq.ZMQError:  # no such property: a plaintext socket
+        user = ""
+    return user.encode() + b"/" + parts[0].bytes
 
 
 def _request_rid(msg: Any) -> int:

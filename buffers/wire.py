@@ -49,7 +49,8 @@ from buffers.types import TOKEN_FIELDS, Group, Sample, TokenField
 # Every way a frame can be refused; the service keeps a counter per name.
 REASONS = ("oversized", "multipart", "truncated", "malformed", "extra_data", "bad_type", "bad_schema",
            "bad_dtype", "bad_shape", "length_mismatch", "unknown_op", "too_many_waiters", "bad_value",
-           "unknown_producer", "too_many_producers", "duplicate_prompt", "not_owner")
+           "unknown_producer", "too_many_producers", "producers_per_client", "duplicate_prompt", "not_owner",
+           "oversized_message", "oversized_decoded")
 
 # Little-endian only, so a frame means the same on every host.
 INT_DTYPES = {d: np.dtype(d) for d in ("<i4", "<i8")}
@@ -70,6 +71,26 @@ META_TYPES = (type(None), bool, int, float, str)  # JSON's: a checkpoint writes 
 MAX_ARRAY = 1 << 16  # elements of one msgpack array or map (token arrays travel as bytes, not arrays)
 MAX_CONTAINERS = 1 << 18  # lists and maps in one frame
 MAX_META_DEPTH = 8
+# bytes of one Python list item per per-token value (an 8-byte slot + the number; 0 and 1 are shared)
+LIST_ITEM = {"int": 8 + 36, "float": 8 + 24, "bit": 8}
+
+
+class Budget:
+    """The bytes of Python objects one message may decode to (``oversized_decoded`` past ``limit``).
+
+    Each charge comes before what it pays for is built, or right after one container (at most
+    ``MAX_ARRAY`` items) is: a frame's cost in memory is checked as it is decoded, never after."""
+
+    __slots__ = ("limit", "spent")
+
+    def __init__(self, limit: int):
+        self.limit, self.spent = limit, 0
+
+    def charge(self, nbytes: int, what: str) -> None:
+        self.spent += nbytes
+        if self.spent > self.limit:
+            raise WireError("oversized_decoded", f"{what} would take the message past {self.limit} bytes "
+                                                 "of decoded values")
 
 
 class WireError(ValueError):
@@ -207,8 +228,9 @@ def _check_meta(value: Any, where: str, depth: int) -> None:
 
 # ---------------------------------------------------------------------------------------- decoding
 
-def unpack(frame: bytes | memoryview, max_bytes: int) -> Any:
-    """One frame → plain msgpack values, or a WireError naming why not."""
+def unpack(frame: bytes | memoryview, max_bytes: int, budget: Budget | None = None) -> Any:
+    """One frame → plain msgpack values, or a WireError naming why not; ``budget``: charged with
+    what the values take in memory (``_charges``)."""
     if len(frame) > max_bytes:
         raise WireError("oversized", f"{len(frame)} bytes > limit {max_bytes}")
     # A declared container length can never exceed the frame's byte count (each element takes a
@@ -216,18 +238,11 @@ def unpack(frame: bytes | memoryview, max_bytes: int) -> Any:
     # And no frame may build more than MAX_CONTAINERS lists and maps (a frame of empty arrays
     # would otherwise cost ~70 bytes of Python objects per byte received).
     items = min(max(len(frame), 1), MAX_ARRAY)
-    left = [MAX_CONTAINERS]
-
-    def count(container):
-        left[0] -= 1
-        if left[0] < 0:
-            raise WireError("bad_schema", f"more than {MAX_CONTAINERS} lists and maps in one frame")
-        return container
-
+    list_hook, map_hook, settle = _charges(len(frame), budget)
     try:
-        return msgpack.unpackb(frame, raw=False, strict_map_key=True, ext_hook=_refuse_ext,
-                               max_bin_len=max_bytes, max_str_len=max_bytes, max_array_len=items,
-                               max_map_len=items, list_hook=count, object_hook=count)
+        value = msgpack.unpackb(frame, raw=False, strict_map_key=True, ext_hook=_refuse_ext,
+                                max_bin_len=max_bytes, max_str_len=max_bytes, max_array_len=items,
+                                max_map_len=items, list_hook=list_hook, object_hook=map_hook)
     except WireError:
         raise
     except msgpack.ExtraData:
@@ -240,22 +255,68 @@ def unpack(frame: bytes | memoryview, max_bytes: int) -> Any:
         raise WireError(reason, str(exc) or type(exc).__name__) from None
     except Exception as exc:  # noqa: BLE001 - msgpack may raise TypeError etc. on hostile input
         raise WireError("malformed", f"{type(exc).__name__}: {exc}") from None
+    settle()
+    return value
+
+
+# Upper bounds of what msgpack builds, in bytes (CPython, 64-bit): a list and a map themselves;
+# a list item (its slot, and the object: an int ≤ 36, a float 24, a str's or bytes' header ≤ 80);
+# a map entry (key and value, and its share of the table, counted twice: msgpack interns keys);
+# the frame's bytes 4 times (a str's characters take up to 4 bytes each: one past U+FFFF widens
+# all); and 1 KiB a frame (a value outside any container, the interpreter's bookkeeping).
+LIST_BYTES, MAP_BYTES, ITEM_BYTES, ENTRY_BYTES, WIDEN, FRAME_BYTES = 56, 64, 88, 272, 4, 1024
+
+
+def _charges(size: int, budget: Budget | None) -> tuple[Callable, Callable, Callable[[], None]]:
+    """msgpack's list and map hooks for a frame of ``size`` bytes, and what to call once it is
+    decoded. Each hook counts containers (``MAX_CONTAINERS``); with a ``budget``, ``FRAME_BYTES`` +
+    the frame's bytes × ``WIDEN`` are charged at once and each list and map as soon as it is built: at most one
+    container's items (``MAX_ARRAY``) past the limit are ever allocated."""
+    left = MAX_CONTAINERS
+    if budget is not None:
+        budget.charge(FRAME_BYTES + WIDEN * size, "a frame's bytes")
+    room = budget.limit - budget.spent if budget is not None else 1 << 62
+
+    def hook(base: int, per_item: int) -> Callable:
+        def count(container):
+            nonlocal left, room
+            left -= 1
+            room -= base + per_item * len(container)
+            if left < 0 or room < 0:
+                _over(left, budget)
+            return container
+        return count
+
+    def settle() -> None:
+        if budget is not None:
+            budget.spent = budget.limit - room
+
+    return hook(LIST_BYTES, ITEM_BYTES), hook(MAP_BYTES, ENTRY_BYTES), settle
+
+
+def _over(left: int, budget: Budget | None) -> None:
+    if left < 0:
+        raise WireError("bad_schema", f"more than {MAX_CONTAINERS} lists and maps in one frame")
+    raise WireError("oversized_decoded", f"a frame's lists and maps would take the message past "
+                                         f"{budget.limit if budget else 0} bytes of decoded values")
 
 
 def _refuse_ext(code: int, data: bytes) -> Any:
     raise WireError("bad_type", f"msgpack extension type {code} is not accepted")
 
 
-def decode_group(raw: Any, check: Callable[[Group], None] | None = None) -> Group:
+def decode_group(raw: Any, check: Callable[[Group], None] | None = None, budget: Budget | None = None) -> Group:
     """Validated plain values (from ``unpack``) → a Group, or a WireError.
 
     ``check`` (the service's value checks) sees the group while every per-token field is still a
     NumPy array: a check is then one pass over an array, where a list sent as a list would first
-    have to be converted back. The fields that were lists become lists after it."""
+    have to be converted back. The fields that were lists become lists after it. ``budget`` is
+    charged with what decoding builds (runs expanded, lists) from each array's dtype and length,
+    before it is built."""
     prompt_id, admitted_version, data_index, samples = _fields(raw, GROUP_FIELDS, "group")
     if not samples:
         raise WireError("bad_schema", f"group {prompt_id} has no samples")
-    decoded = [_decode_sample(s, prompt_id) for s in samples]
+    decoded = [_decode_sample(s, prompt_id, budget) for s in samples]
     group = Group(prompt_id=prompt_id, samples=[s for s, _ in decoded], admitted_version=admitted_version,
                   data_index=data_index)
     if check is not None:
@@ -266,7 +327,7 @@ def decode_group(raw: Any, check: Callable[[Group], None] | None = None) -> Grou
     return group
 
 
-def _decode_sample(raw: Any, group_id: int) -> tuple[Sample, list[TokenField]]:
+def _decode_sample(raw: Any, group_id: int, budget: Budget | None) -> tuple[Sample, list[TokenField]]:
     """The sample, its per-token fields as arrays, and the fields that were lists."""
     prompt_id, index, reward, finish, admitted, meta, *parts = _fields(raw, SAMPLE_FIELDS, "sample")
     if prompt_id != group_id:
@@ -276,7 +337,7 @@ def _decode_sample(raw: Any, group_id: int) -> tuple[Sample, list[TokenField]]:
         if part is None:  # an optional field left out (the schema allows nil for no other)
             continue
         runs_of = len(values["response_ids"]) if f.runs else None  # runs of the response's length
-        values[f.name] = _decode_array(part, f.name, KIND_DTYPES[f.kind], runs_of)
+        values[f.name] = _decode_array(part, f, runs_of, budget)
         lists += [f] if part[3] else []
     _check_lengths({k: len(v) for k, v in values.items()}, prompt_id)
     _check_meta(meta, "meta", 0)
@@ -284,31 +345,39 @@ def _decode_sample(raw: Any, group_id: int) -> tuple[Sample, list[TokenField]]:
                   admitted_version=admitted, meta=meta, **values), lists
 
 
-def _decode_array(raw: Any, name: str, allowed: dict[str, np.dtype], runs_of: int | None = None) -> np.ndarray:
+def _decode_array(raw: Any, f: TokenField, runs_of: int | None = None, budget: Budget | None = None) -> np.ndarray:
     """An array part → a read-only view over its bytes; ``runs_of``: the length an array sent as
     runs must have (None: it may not be runs)."""
-    dtype, shape, data, _ = _fields(raw, ARRAY_PARTS, name)
+    name, allowed = f.name, KIND_DTYPES[f.kind]
+    dtype, shape, data, was_list = _fields(raw, ARRAY_PARTS, name)
     if runs_of is not None and dtype.startswith(RUNS):
-        return _expand_runs(dtype[len(RUNS):], shape, data, name, allowed, runs_of)
-    dt = allowed.get(dtype)
-    if dt is None:
-        raise WireError("bad_dtype", f"{name}: dtype {dtype!r} not in {', '.join(allowed)}")
+        dt = _dtype(dtype[len(RUNS):], name, allowed)
+        if shape != [runs_of]:
+            raise WireError("length_mismatch", f"{name}: runs of {shape!r} tokens for {runs_of} response tokens")
+        if budget is not None:  # the expanded array, then the list it becomes
+            budget.charge(runs_of * (dt.itemsize + (LIST_ITEM[f.kind] if was_list else 0)), name)
+        return _expand_runs(dt, data, name, runs_of)
+    dt = _dtype(dtype, name, allowed)
     if len(shape) != 1 or type(shape[0]) is not int or shape[0] < 0:
         raise WireError("bad_shape", f"{name}: shape must be [n] with n >= 0, got {shape!r}")
     if len(data) != shape[0] * dt.itemsize:
         raise WireError("bad_shape", f"{name}: {len(data)} bytes for shape {shape} of {dtype}")
+    if budget is not None and was_list:
+        budget.charge(shape[0] * LIST_ITEM[f.kind], name)
     return np.frombuffer(data, dtype=dt)  # a read-only view: no copy
 
 
-def _expand_runs(dtype: str, shape: list, data: bytes, name: str, allowed: dict[str, np.dtype], n: int) -> np.ndarray:
+def _dtype(dtype: str, name: str, allowed: dict[str, np.dtype]) -> np.dtype:
     dt = allowed.get(dtype)
     if dt is None:
-        raise WireError("bad_dtype", f"{name}: runs of dtype {dtype!r}, not one of {', '.join(allowed)}")
-    if shape != [n]:
-        raise WireError("length_mismatch", f"{name}: runs of {shape!r} tokens for {n} response tokens")
+        raise WireError("bad_dtype", f"{name}: dtype {dtype!r} not in {', '.join(allowed)}")
+    return dt
+
+
+def _expand_runs(dt: np.dtype, data: bytes, name: str, n: int) -> np.ndarray:
     k, rest = divmod(len(data), dt.itemsize + RUN_ENDS.itemsize)
     if rest or (k == 0) != (n == 0):
-        raise WireError("bad_shape", f"{name}: {len(data)} bytes are not whole runs of {dtype} + {RUN_ENDS.str}")
+        raise WireError("bad_shape", f"{name}: {len(data)} bytes are not whole runs of {dt.str} + {RUN_ENDS.str}")
     values, ends = np.frombuffer(data, dt, k), np.frombuffer(data, RUN_ENDS, k, k * dt.itemsize)
     lengths = ends.copy()
     np.subtract(ends[1:], ends[:-1], out=lengths[1:])

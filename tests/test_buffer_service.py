@@ -167,7 +167,8 @@ def test_frame_level_rejections_and_encoder_checks():
 
 @pytest.fixture
 def service():
-    svc = BufferService(capacity=64, max_frame_bytes=64 * 1024).start()
+    # the fuzz test takes a producer id per bad group, all from one client
+    svc = BufferService(capacity=64, max_frame_bytes=64 * 1024, producers_per_client=1024).start()
     yield svc
     svc.stop()
 
