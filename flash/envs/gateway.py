@@ -280,8 +280,13 @@ class Gateway:
         return sock.getsockname()[1]
 
     async def _stop(self) -> None:
+        """Stop listening, close every connection, and end the tasks still serving one."""
         self._server.close()
         await self._runner.cleanup()
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     def close(self) -> None:
         """Stop serving; open sessions stay readable through ``close_session``."""
