@@ -13,7 +13,7 @@ from transformers import PreTrainedTokenizerFast
 from flash.chat_encoding import chat_template_ids, special_tokens
 from flash.envs.chat_session import render
 from flash.models import build_tokenizer, chat_ids, encode_prompt
-from tests.test_gateway import CHATML, LLAMA3, SPLIT, WORDS, bpe_tokenizer
+from tests.helpers.chat import CHATML, LLAMA3, SPLIT, WORDS, bpe_tokenizer
 
 QWEN_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 QWEN = ("{% if tools %}<|im_start|>system\n# Tools\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}<|im_end|>\n"

@@ -15,8 +15,7 @@ import pytest
 from flash.envs.chat_messages import TOOL_PARSERS, ToolCallError, hermes, split_reply
 from flash.envs.gateway import Gateway
 from flash.envs.json_bounds import MAX_JSON_DEPTH, TooDeep, check_json, json_depth
-from tests.test_gateway import bpe_tokenizer
-from tests.test_gateway_tools import Scripted
+from tests.helpers.chat import Scripted, bpe_tokenizer
 
 USER = [{"role": "user", "content": "q"}]
 TOOLS = [{"type": "function", "function": {"name": "calc", "parameters": {"type": "object"}}}]

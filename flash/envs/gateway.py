@@ -15,8 +15,11 @@ Tools: a chat request's ``tools`` go to the chat template; the reply's tool-call
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``; responses in
 OpenAI's JSON shape, one choice, streamed as server-sent events on ``stream: true`` (the reply is
 generated whole, then sent in chunks). Requests are data (invariant 7): bodies are
-bounded (413), parsed without NaN or Infinity, and validated field by field (400 with one line);
-a refused request never stops the server and is counted by reason in ``metrics()``. Every call
+bounded in size (413) and nesting (400 ``too_deep``, measured before parsing), parsed without NaN
+or Infinity, and validated field by field (400 with one line); a request head must arrive within
+``header_timeout_s`` and a body within ``body_timeout_s`` (flash.envs.conn_guard; 408), and a
+session has at most ``max_connections`` requests in flight (429). A refused request never stops
+the server and is counted by reason in ``metrics()``. Every call
 needs a live session key (401 otherwise), and the server binds to loopback unless the caller
 passes ``allow_remote=True``.
 
@@ -327,9 +330,8 @@ class Gateway:
                 "tokens_out": sum(c["completion_tokens"] for c in entry.calls)}
 
     def metrics(self) -> dict[str, int]:
-        """Counters: ``calls``, ``refused/<reason>`` (``header_timeout``: a connection closed for
-        sending no complete request head in time), ``idle_closed`` (kept-alive connections closed
-        idle), ``new_segments``, ``tokens_in``, ``tokens_out``, ``tool_calls`` (parsed from replies),
+        """Counters: ``calls``, ``refused/<reason>``, ``idle_closed`` (flash.envs.conn_guard),
+        ``new_segments``, ``tokens_in``, ``tokens_out``, ``tool_calls`` (parsed from replies),
         ``tool_parse_errors`` (replies left as plain content); ``connections_open`` now."""
         with self._lock:
             return {"calls": 0, "new_segments": 0, "tokens_in": 0, "tokens_out": 0, "tool_calls": 0,
@@ -387,11 +389,10 @@ class Gateway:
 
     @contextlib.contextmanager
     def _slot(self, entry: _Entry):
-        """One of the session's ``max_connections`` requests in flight (each holds a connection
-        until it is answered); beyond it, 429. Run on the event loop: no lock needed."""
+        """One of the session's ``max_connections`` requests in flight (each holds a connection), or 429."""
         if entry.open >= self.max_connections:
-            raise Refused(429, "too_many_connections", f"this session already has {entry.open} requests open, "
-                                                       f"the most one episode may: wait for an answer first")
+            raise Refused(429, "too_many_connections", f"this session has {entry.open} requests open, the most "
+                                                       "one episode may: wait for an answer first")
         entry.open += 1
         try:
             yield
