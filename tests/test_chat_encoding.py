@@ -7,13 +7,12 @@ renders tools and tool calls with ``tojson``, and flash's character tokenizer.""
 from __future__ import annotations
 
 import pytest
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from flash.chat_encoding import chat_template_ids, special_tokens
 from flash.envs.chat_session import render
 from flash.models import build_tokenizer, chat_ids, encode_prompt
-from tests.helpers.chat import CHATML, LLAMA3, SPLIT, WORDS, bpe_tokenizer
+from tests.helpers.chat import CHATML, LLAMA3, bpe_tokenizer, train_bpe
 
 QWEN_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 QWEN = ("{% if tools %}<|im_start|>system\n# Tools\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}<|im_end|>\n"
@@ -26,14 +25,7 @@ TOOL = {"type": "function", "function": {"name": "calc", "description": "adds", 
 
 
 def qwen_tokenizer() -> PreTrainedTokenizerFast:
-    tk = Tokenizer(models.BPE())
-    tk.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(SPLIT), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    tk.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=256 + 300, special_tokens=QWEN_SPECIAL, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tk.train_from_iterator([" ".join(WORDS[(i * 5) % len(WORDS):]) for i in range(60)], trainer)
+    tk = train_bpe(QWEN_SPECIAL)
     tok = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|im_end|>", pad_token="<|endoftext|>",
                                   additional_special_tokens=QWEN_SPECIAL)
     tok.add_tokens(["<tool_call>", "</tool_call>"])  # added but not special, as Qwen's are

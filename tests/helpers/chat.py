@@ -25,18 +25,24 @@ WORDS = ("the quick brown fox jumps over lazy dog tool returns weather in paris 
          "city london tokyo berlin number result error retry function argument value list name today").split()
 
 
-def bpe_tokenizer() -> PreTrainedTokenizerFast:
-    """A byte-level BPE trained on a few lines (some hundred merges), Llama-3 specials and split."""
+def train_bpe(specials: list[str]) -> Tokenizer:
+    """A byte-level BPE with ``specials``, trained on a few lines (some hundred merges), Llama 3's split."""
     tk = Tokenizer(models.BPE())
     tk.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(SPLIT), behavior="isolated"),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tk.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=256 + 400, special_tokens=SPECIAL, show_progress=False,
+    trainer = trainers.BpeTrainer(vocab_size=256 + 400, special_tokens=specials, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     lines = [" ".join(WORDS[(i * 7 + j * 3) % len(WORDS)] for j in range(9)) + f", {i * 37 % 1000}."
              for i in range(120)]
     tk.train_from_iterator(["\n".join(lines) + "\n\n"], trainer)  # about 320 merges
+    return tk
+
+
+def bpe_tokenizer() -> PreTrainedTokenizerFast:
+    """The byte-level BPE with Llama 3's specials and template."""
+    tk = train_bpe(SPECIAL)
     tok = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token=SPECIAL[0], eos_token="<|eot_id|>",
                                   pad_token="<|pad|>", additional_special_tokens=SPECIAL[1:4])
     tok.chat_template = LLAMA3
