@@ -11,7 +11,7 @@ tokenizes it with special tokens parsed, so a message that *spells* a control to
 2. Otherwise the template renders the placeholder text; the special tokens left in it are the
    template's. The text is cut at them, as the tokenizer cuts at added tokens: each is its id,
    each text run between them gets the spellings back and is tokenized with special tokens off
-   (``split_special_tokens=True``), as plain characters.
+   (``split_special_tokens`` in transformers' terms), as plain characters.
 
 Special tokens are the tokenizer's added tokens marked special and its named ones (``bos``,
 ``eos``, ...); an added token that is not special is vocabulary, as the tokenizer treats it. A
@@ -21,8 +21,10 @@ its case) sees the placeholder instead.
 
 from __future__ import annotations
 
+import functools
 import re
 import secrets
+from collections.abc import Callable
 from typing import Any
 
 
@@ -58,6 +60,22 @@ def _mask(value: Any, pattern: re.Pattern, mark: str, found: list[str]) -> Any:
     return value
 
 
+@functools.lru_cache(maxsize=16)
+def _text_encoder(tokenizer: Any, size: int) -> Callable[[str], list[int]]:
+    """Text -> ids with special tokens off. A fast tokenizer's switch for that is one flag on its
+    shared Rust tokenizer, which every ``encode`` call sets: flipping it would race with other
+    threads encoding with the same tokenizer. So text is encoded by a copy of the Rust tokenizer
+    with the flag set for good (made once per tokenizer and vocabulary ``size``)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:  # a Python tokenizer: its own option, per call
+        return lambda text: list(tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True))
+    from tokenizers import Tokenizer
+
+    copy = Tokenizer.from_str(backend.to_str())
+    copy.encode_special_tokens = True
+    return lambda text: copy.encode(text, add_special_tokens=False).ids
+
+
 def _as_ids(ids: Any) -> list[int]:
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
@@ -79,9 +97,11 @@ def chat_template_ids(tokenizer: Any, messages: list[dict], tools: list[dict] | 
                                          tokenize=False)
     restore = re.compile(re.escape(mark) + r"(\d+)X")
 
+    encode = _text_encoder(tokenizer, len(tokenizer))
+
     def as_text(run: str) -> list[int]:
         run = restore.sub(lambda m: found[int(m.group(1))] if int(m.group(1)) < len(found) else m.group(), run)
-        return list(tokenizer.encode(run, add_special_tokens=False, split_special_tokens=True)) if run else []
+        return encode(run) if run else []
 
     ids: list[int] = []
     pos = 0
