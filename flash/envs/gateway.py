@@ -272,7 +272,7 @@ class Gateway:
         app = web.Application(client_max_size=self.max_body_bytes, middlewares=[self._guard])
         app.add_routes([web.post("/v1/chat/completions", self._chat), web.post("/v1/completions", self._text),
                         web.get("/v1/models", self._models)])
-        self._runner = web.AppRunner(app, access_log=None, keepalive_timeout=self._conns.header_timeout_s)
+        self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
         family, kind, proto, _, addr = socket.getaddrinfo(self.host, self.port, type=socket.SOCK_STREAM)[0]
         sock = socket.socket(family, kind, proto)
