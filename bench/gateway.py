@@ -2,6 +2,7 @@
 vs straight to the engine.
 
     python -m bench.gateway [--calls 200] [--repeats 3] [--max-tokens 16] [--concurrency 1,8]
+    python -m bench.gateway --parse [--repeats 5]     # the body parse alone, before and with the depth bound
 
 One process, one in-process ``TorchEngine`` over the tiny model (flash.models, random weights, a
 ChatML-like template on the character tokenizer). ``direct``: render the messages with the chat
@@ -94,6 +95,55 @@ def via_direct(direct, n: int, concurrency: int) -> float:
     return (time.perf_counter() - start) / n
 
 
+def parse_bodies() -> dict[str, bytes]:
+    """Request bodies as agents send them: one short turn; a conversation with tools and tool calls
+    (~64 KiB); the largest body the gateway takes (1 MiB: one long message); a deep tool schema."""
+    tools = [{"type": "function", "function": {"name": f"tool{i}", "description": "does a thing " * 8,
+              "parameters": {"type": "object", "properties": {"x": {"type": "string"}, "n": {"type": "integer"}}}}}
+             for i in range(8)]
+    call = {"id": "c", "type": "function", "function": {"name": "tool1", "arguments": json.dumps({"x": "a" * 40})}}
+    turns = [{"role": "user", "content": "what is 12 * 34? " * 4},
+             {"role": "assistant", "content": None, "tool_calls": [call]}, {"role": "tool", "content": "408"}]
+    deep: dict = {"type": "string"}
+    for _ in range(29):  # 59 levels, 63 in the body: within the bound
+        deep = {"type": "object", "properties": {"x": deep}}
+    return {"short (1 turn)": json.dumps({"model": "p", "messages": turns[:1], "max_tokens": 16}).encode(),
+            "64 KiB (tools, 100 turns)": json.dumps({"messages": turns * 100, "tools": tools}).encode(),
+            "1 MiB (one message)": json.dumps({"messages": [{"role": "user", "content": "x" * ((1 << 20) - 64)}]}).encode(),
+            "deep schema (64 levels)": json.dumps({"messages": turns[:1], "tools": [
+                {"type": "function", "function": {"name": "f", "parameters": deep}}]}).encode()}
+
+
+def parse_costs(repeats: int) -> dict:
+    """Microseconds per body: the parse before the depth bound (``json.loads`` refusing NaN, as
+    ``parse_body`` did) and the gateway's ``parse_body`` now (the bracket count, the depth scan when
+    over 64 brackets open, then the same parse); the scan alone; median of ``repeats`` runs."""
+    from flash.envs.gateway import _no_constants, parse_body
+    from flash.envs.json_bounds import json_depth
+
+    def old(body: bytes) -> dict:
+        return json.loads(body, parse_constant=_no_constants)
+
+    rows = {}
+    for name, body in parse_bodies().items():
+        n = max(3, min(2000, (1 << 22) // len(body)))
+
+        def per_call(fn):
+            start = time.perf_counter()
+            for _ in range(n):
+                fn(body)
+            return 1e6 * (time.perf_counter() - start) / n
+
+        runs = [(per_call(old), per_call(parse_body), per_call(json_depth)) for _ in range(repeats)]
+        rows[name] = {"bytes": len(body), "old_us": statistics.median(r[0] for r in runs),
+                      "new_us": statistics.median(r[1] for r in runs), "scan_us": statistics.median(r[2] for r in runs)}
+        r = rows[name]
+        print(f"{name}: {r['bytes']} bytes, before {r['old_us']:.1f} us, parse_body (scan + parse) "
+              f"{r['new_us']:.1f} us (+{100 * (r['new_us'] / r['old_us'] - 1):.0f}%), the scan alone "
+              f"{r['scan_us']:.1f} us", flush=True)
+    return rows
+
+
 def main() -> None:
     from flash.envs.gateway import Gateway
 
@@ -102,7 +152,11 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--concurrency", default="1,8")
+    p.add_argument("--parse", action="store_true", help="only the body parse: old (json.loads) vs the depth-bounded")
     args = p.parse_args()
+    if args.parse:
+        print(json.dumps({"repeats": args.repeats, "parse": parse_costs(args.repeats)}))
+        return
     tok, generate, direct = build(args.max_tokens)
     rows = {}
     with Gateway(tok, generate, max_tokens_cap=args.max_tokens, stop_token_ids=[-1], workers=16) as gw:

@@ -84,9 +84,11 @@ def encode_prompt(tokenizer: PreTrainedTokenizerFast, prompt: str | list[dict] |
 
 
 def chat_ids(tokenizer: PreTrainedTokenizerFast, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
-    """``apply_chat_template(messages, tools=tools, add_generation_prompt=True)`` as a list of ids."""
-    ids = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True)
-    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    """``apply_chat_template(messages, tools=tools, add_generation_prompt=True)`` as a list of ids,
+    message text tokenized as text only (flash.chat_encoding)."""
+    from flash.chat_encoding import chat_template_ids
+
+    return chat_template_ids(tokenizer, messages, tools, generation=True)
 
 
 def set_chat_template(tokenizer: PreTrainedTokenizerFast, template: str | None) -> None:

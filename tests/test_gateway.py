@@ -19,53 +19,20 @@ import httpx
 import openai
 import pytest
 import torch
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast
 
 from flash.engine.base import GenerationRequest, check_request, error_output
 from flash.engine.torch_engine import TorchEngine
 from flash.envs.chat_session import ChatSession, Turn, record, render, turn_tail
 from flash.envs.gateway import Gateway
 from flash.models import TinyModelConfig, build_tiny_model
+from tests.helpers.chat import CHATML, WINDOW, bpe_tokenizer
 from tests.helpers.models import make_model
 
-TURN = "{{ bos_token }}{{ m.role }}:{{ m.content }}{{ eos_token }} "
-CHATML = ("{% for m in messages %}" + TURN + "{% endfor %}"
-          "{% if add_generation_prompt %}{{ bos_token }}assistant:{% endif %}")
-WINDOW = CHATML.replace("in messages %}", "in messages[-4:] %}")
-LLAMA3 = ("{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m.role }}<|end_header_id|>\n\n"
-          "{{ m.content }}<|eot_id|>{% endfor %}"
-          "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
-SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-         r"|\s*[\r\n]+|\s+(?!\S)|\s+")
-SPECIAL = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
-           "<|pad|>"]
-WORDS = ("the quick brown fox jumps over lazy dog tool returns weather in paris sunny degrees user asks for sum "
-         "assistant answers calls time search math every answer is brief exact polite tomorrow rain cloud wind "
-         "city london tokyo berlin number result error retry function argument value list name today").split()
 OPENING = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "what is the weather"}]
 FOLLOW_UPS = [{"role": "tool", "content": "sunny 21"}, {"role": "user", "content": "and tomorrow?"},
               {"role": "user", "content": "thanks"}]
 MAX_CONTEXT = 256
 MAX_TOKENS = (16, 1, 16, 3)  # per turn: long replies end on the stop token, short ones by length
-
-
-def bpe_tokenizer() -> PreTrainedTokenizerFast:
-    """A byte-level BPE trained on a few lines (some hundred merges), Llama-3 specials and split."""
-    tk = Tokenizer(models.BPE())
-    tk.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(SPLIT), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    tk.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=256 + 400, special_tokens=SPECIAL, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    lines = [" ".join(WORDS[(i * 7 + j * 3) % len(WORDS)] for j in range(9)) + f", {i * 37 % 1000}."
-             for i in range(120)]
-    tk.train_from_iterator(["\n".join(lines) + "\n\n"], trainer)  # about 320 merges
-    tok = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token=SPECIAL[0], eos_token="<|eot_id|>",
-                                  pad_token="<|pad|>", additional_special_tokens=SPECIAL[1:4])
-    tok.chat_template = LLAMA3
-    return tok
 
 
 def setup_parts(name: str):

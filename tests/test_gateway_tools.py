@@ -11,35 +11,16 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 
 import openai
 import pytest
 
-from flash.engine.base import GenerationOutput
 from flash.envs.chat_messages import BadMessages, ToolCallError, hermes, parse_messages, same_turns
 from flash.envs.gateway import Gateway
 from flash.train.sft import task_tokenizer
 from recipes.tasks import make_task
 from recipes.tasks.calculator import TOOLS, calc, call_text, solve
-
-
-class Scripted:
-    """A blocking ``generate`` answering each session's k-th call with ``script[k]`` (+ stop token)."""
-
-    def __init__(self, tok, script: list[str], stop: bool = True):
-        self.tok, self.script, self.stop = tok, script, stop
-        self.log: list[tuple[str, list[int], GenerationOutput]] = []
-        self.lock = threading.Lock()
-
-    def __call__(self, prompt_ids, params, key):
-        with self.lock:
-            k = sum(1 for s, _, _ in self.log if s == key)
-            ids = self.tok.encode(self.script[k], add_special_tokens=False) + ([self.tok.eos_token_id] * self.stop)
-            out = GenerationOutput(f"r{len(self.log)}", list(prompt_ids), ids, [-0.25] * len(ids), [3] * len(ids),
-                                   "stop" if self.stop else "length")
-            self.log.append((key, list(prompt_ids), out))
-            return out
+from tests.helpers.chat import Scripted
 
 
 @pytest.fixture

@@ -11,7 +11,9 @@ Replies: the model writes a tool call as text in its template's format; a **tool
 ..., "arguments": {...}}</tool_call>`` blocks (Hermes 2 Pro, Qwen 2.5/3, and the calculator
 recipe's template). A reply whose blocks do not parse (cut by ``max_tokens``, bad JSON) stays plain
 content and is counted: the agent sees what the model said, and the sampled tokens are trained
-either way. Register another format with ``@TOOL_PARSERS.register("name")`` on a function
+either way. JSON in a block, and a request's ``arguments``, is bounded in nesting depth before it is
+parsed (flash.envs.json_bounds): deeper arguments from a client are refused (400, ``too_deep``);
+from the policy they are a reply without tool calls. Register another format with ``@TOOL_PARSERS.register("name")`` on a function
 ``parse(text) -> (content | None, [{"name", "arguments"}])`` that raises ``ToolCallError``.
 
 History: a turn extends its session only when the agent kept what the model said; ``same_turns``
@@ -27,6 +29,8 @@ import secrets
 from typing import Any
 
 from algos.registry import Registry
+from flash.envs.json_bounds import MAX_JSON_DEPTH, TooDeep, check_json
+from flash.envs.json_bounds import loads as bounded_loads
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MESSAGE_KEYS = ("role", "content", "name", "tool_call_id", "tool_calls")
@@ -35,7 +39,11 @@ TOOL_PARSERS = Registry("tool-call parser", "flash.tool_parsers")
 
 
 class BadMessages(ValueError):
-    """A request's messages or tools are malformed (the gateway answers 400)."""
+    """A request's messages or tools are malformed (the gateway answers 400, counted by ``reason``)."""
+
+    def __init__(self, message: str, reason: str = "bad_messages"):
+        super().__init__(message)
+        self.reason = reason
 
 
 class ToolCallError(ValueError):
@@ -60,7 +68,9 @@ def _text(content: Any, where: str) -> str:
 def _arguments(raw: Any, where: str) -> dict:
     if isinstance(raw, str):
         try:
-            raw = json.loads(raw) if raw.strip() else {}
+            raw = bounded_loads(raw) if raw.strip() else {}
+        except TooDeep as exc:
+            raise BadMessages(f"{where}.function.arguments: {exc}", "too_deep") from None
         except ValueError:
             raise BadMessages(f"{where}.function.arguments is not valid JSON") from None
     if not isinstance(raw, dict):
@@ -151,15 +161,32 @@ def openai_calls(calls: list[dict]) -> list[dict]:
              "function": {"name": c["name"], "arguments": json.dumps(c["arguments"])}} for c in calls]
 
 
+def _checked_calls(calls: Any) -> list[dict]:
+    """A parser's calls, each ``{name: str, arguments: dict}`` nesting within the JSON bound."""
+    if not isinstance(calls, list) or len(calls) > MAX_TOOL_CALLS:
+        raise ToolCallError(f"a parser returns a list of at most {MAX_TOOL_CALLS} calls")
+    for c in calls:
+        if not (isinstance(c, dict) and isinstance(c.get("name"), str) and isinstance(c.get("arguments"), dict)):
+            raise ToolCallError("a parsed call needs a string name and object arguments")
+        check_json(json.dumps(c["arguments"]))
+    return [{"name": c["name"], "arguments": c["arguments"]} for c in calls]
+
+
 def split_reply(parser: str | None, text: str) -> tuple[str, list[dict], bool]:
-    """(content, calls with fresh ids, parse failed) of a reply; no parser: the text as it is."""
+    """(content, calls with fresh ids, parse failed) of a reply; no parser: the text as it is.
+    Any failure of the parser (its own error, JSON nested past the bound, a crash, a malformed
+    result) leaves the reply as plain content: the turn is still served and its tokens recorded."""
     if not parser:
         return text, [], False
     try:
         content, calls = TOOL_PARSERS.get(parser).fn(text)
-    except ToolCallError:
+        calls = _checked_calls(calls)
+        content = content or ""
+        if not isinstance(content, str):
+            raise ToolCallError("a parser's content is a string or None")
+    except Exception:  # noqa: BLE001 - RecursionError included: the policy's text is data
         return text, [], True
-    return content or "", [{**c, "id": "call_" + secrets.token_hex(8)} for c in calls], False
+    return content, [{**c, "id": "call_" + secrets.token_hex(8)} for c in calls], False
 
 
 def parse_stream(body: dict) -> tuple[bool, bool]:
@@ -205,9 +232,9 @@ def hermes(text: str) -> tuple[str | None, list[dict]]:
     calls = []
     for block in _HERMES.findall(text):
         try:
-            obj = json.loads(block)
-        except ValueError:
-            raise ToolCallError("a <tool_call> block is not JSON") from None
+            obj = bounded_loads(block)
+        except ValueError as exc:
+            raise ToolCallError(f"a <tool_call> block is not JSON within bounds: {exc}") from None
         args = obj.get("arguments", obj.get("parameters", {})) if isinstance(obj, dict) else None
         if not isinstance(obj.get("name") if isinstance(obj, dict) else None, str) or not isinstance(args, dict):
             raise ToolCallError("a <tool_call> block needs a string name and object arguments")

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from buffers.trace import TokenTrace
+from flash.chat_encoding import chat_template_ids
 from flash.envs.chat_messages import reply_message, same_turns
 
 
@@ -67,11 +68,10 @@ class Turn:
 
 
 def render(tokenizer: Any, messages: list[dict], tools: list[dict] | None, generation: bool) -> list[int]:
-    """The chat template's ids for ``messages`` (a BatchEncoding or a plain list, as transformers
-    returns either depending on its version)."""
-    ids = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=generation,
-                                        tokenize=True)
-    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    """The chat template's ids for ``messages``, their text tokenized as text: a message that
+    spells a special token gets the spelling's characters, never the control token
+    (flash.chat_encoding)."""
+    return chat_template_ids(tokenizer, messages, tools, generation)
 
 
 def turn_tail(assistant_ids: list[int], response_ids: list[int], stop_ids: list[int]) -> list[int] | None:

@@ -15,8 +15,11 @@ Tools: a chat request's ``tools`` go to the chat template; the reply's tool-call
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``; responses in
 OpenAI's JSON shape, one choice, streamed as server-sent events on ``stream: true`` (the reply is
 generated whole, then sent in chunks). Requests are data (invariant 7): bodies are
-bounded (413), parsed without NaN or Infinity, and validated field by field (400 with one line);
-a refused request never stops the server and is counted by reason in ``metrics()``. Every call
+bounded in size (413) and nesting (400 ``too_deep``, measured before parsing), parsed without NaN
+or Infinity, and validated field by field (400 with one line); a request head must arrive within
+``header_timeout_s`` and a body within ``body_timeout_s`` (flash.envs.conn_guard; 408), and a
+session has at most ``max_connections`` requests in flight (429). A refused request never stops
+the server and is counted by reason in ``metrics()``. Every call
 needs a live session key (401 otherwise), and the server binds to loopback unless the caller
 passes ``allow_remote=True``.
 
@@ -30,6 +33,7 @@ only parses and routes, so a slow engine call never stalls the other sessions.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ipaddress
 import json
 import math
@@ -57,6 +61,9 @@ from flash.envs.chat_messages import (
     stream_chunks,
 )
 from flash.envs.chat_session import ChatSession, Turn, plan_chat, plan_completion, record
+from flash.envs.conn_guard import ConnectionGuard
+from flash.envs.json_bounds import MAX_JSON_DEPTH, TooDeep
+from flash.envs.json_bounds import loads as bounded_loads
 
 MiB = 1 << 20
 UNSUPPORTED = (  # (field, the values accepted, why others are refused)
@@ -90,6 +97,7 @@ class _Entry:
     state: ChatSession = field(default_factory=ChatSession)
     calls: list[dict] = field(default_factory=list)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one call at a time per session
+    open: int = 0  # requests of this session in flight (each holds a connection)
 
 
 def _bad(message: str, reason: str = "bad_request") -> Refused:
@@ -106,14 +114,15 @@ def _no_constants(name: str) -> float:
     raise ValueError(f"{name} is not a number JSON allows")
 
 
-def parse_body(body: bytes) -> dict:
-    """The JSON object of a request body; NaN and Infinity are refused (they are not JSON)."""
+def parse_body(body: bytes, max_depth: int = MAX_JSON_DEPTH) -> dict:
+    """The JSON object of a request body; NaN and Infinity are refused (they are not JSON), and
+    so is a body nesting deeper than ``max_depth`` (measured before parsing: flash.envs.json_bounds)."""
     try:
-        data = json.loads(body, parse_constant=_no_constants)
+        data = bounded_loads(body, max_depth, parse_constant=_no_constants)
+    except TooDeep as exc:
+        raise _bad(f"the body is refused: {exc}", "too_deep") from None
     except (ValueError, UnicodeDecodeError) as exc:
         raise _bad(f"the body is not valid JSON: {str(exc).splitlines()[0][:120]}", "bad_json") from None
-    except RecursionError:
-        raise _bad("the body nests too deeply", "bad_json") from None
     if not isinstance(data, dict):
         raise _bad("the body must be a JSON object", "bad_json")
     return data
@@ -215,12 +224,15 @@ class Gateway:
     def __init__(self, tokenizer: Any, generate: Generate, host: str = "127.0.0.1", port: int = 0, *,
                  max_body_bytes: int = MiB, max_tokens_cap: int = 4096, default_max_tokens: int | None = None,
                  stop_token_ids: list[int] | None = None, model_name: str = "flash-policy",
-                 allow_remote: bool = False, workers: int = 8, tool_parser: str | None = "hermes"):
+                 allow_remote: bool = False, workers: int = 8, tool_parser: str | None = "hermes",
+                 header_timeout_s: float = 30.0, body_timeout_s: float = 60.0, max_connections: int = 16):
         if not allow_remote and not is_loopback(host):
             raise ValueError(f"host {host!r} is not loopback: pass allow_remote=True to listen beyond this "
                              "machine (every call still needs a session key)")
-        if max_tokens_cap < 1 or max_body_bytes < 1:
-            raise ValueError("max_tokens_cap and max_body_bytes must be >= 1")
+        if max_tokens_cap < 1 or max_body_bytes < 1 or max_connections < 1:
+            raise ValueError("max_tokens_cap, max_body_bytes and max_connections must be >= 1")
+        if not (header_timeout_s > 0 and body_timeout_s > 0):
+            raise ValueError("header_timeout_s and body_timeout_s must be > 0")
         self.tokenizer, self.generate, self.host, self.port = tokenizer, generate, host, port
         self.max_body_bytes, self.max_tokens_cap, self.model_name = max_body_bytes, max_tokens_cap, model_name
         self.default_max_tokens = min(default_max_tokens or max_tokens_cap, max_tokens_cap)
@@ -230,12 +242,15 @@ class Gateway:
         self.stop_token_ids = list(stop_token_ids or [tokenizer.eos_token_id])
         self._sessions: dict[str, _Entry] = {}
         self._metrics: Counter = Counter()
+        self.body_timeout_s, self.max_connections = body_timeout_s, max_connections
+        self._conns = ConnectionGuard(header_timeout_s, lambda name: self._count({name: 1}))
         self._lock = threading.Lock()  # sessions and metrics, shared with the callers' threads
         self._tok_lock = threading.Lock()  # a fast tokenizer is not safe to share between threads
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="flash-gateway")
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._runner: web.AppRunner | None = None
+        self._server: asyncio.Server | None = None
         self._closed = False
         self.url = ""
 
@@ -263,8 +278,18 @@ class Gateway:
         sock = socket.socket(family, kind, proto)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(addr)
-        await web.SockSite(self._runner, sock).start()
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(self._conns.protocol(self._runner.server), sock=sock)
         return sock.getsockname()[1]
+
+    async def _stop(self) -> None:
+        """Stop listening, close every connection, and end the tasks still serving one."""
+        self._server.close()
+        await self._runner.cleanup()
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     def close(self) -> None:
         """Stop serving; open sessions stay readable through ``close_session``."""
@@ -273,11 +298,11 @@ class Gateway:
         if self._thread is None:
             return
         if self._runner is not None:
-            asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(timeout=30)
+            asyncio.run_coroutine_threadsafe(self._stop(), self._loop).result(timeout=30)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=30)
         self._loop.close()
-        self._thread = self._loop = self._runner = None
+        self._thread = self._loop = self._runner = self._server = None
 
     def __enter__(self) -> Gateway:
         self.start()
@@ -305,12 +330,13 @@ class Gateway:
                 "tokens_out": sum(c["completion_tokens"] for c in entry.calls)}
 
     def metrics(self) -> dict[str, int]:
-        """Counters: ``calls``, ``refused/<reason>``, ``new_segments``, ``tokens_in``, ``tokens_out``,
-        ``tool_calls`` (parsed from replies), ``tool_parse_errors`` (replies left as plain content)."""
+        """Counters: ``calls``, ``refused/<reason>``, ``idle_closed`` (flash.envs.conn_guard),
+        ``new_segments``, ``tokens_in``, ``tokens_out``, ``tool_calls`` (parsed from replies),
+        ``tool_parse_errors`` (replies left as plain content); ``connections_open`` now."""
         with self._lock:
             return {"calls": 0, "new_segments": 0, "tokens_in": 0, "tokens_out": 0, "tool_calls": 0,
                     "tool_parse_errors": 0, **self._metrics,
-                    "sessions_open": len(self._sessions)}
+                    "sessions_open": len(self._sessions), "connections_open": self._conns.open_connections()}
 
     def _count(self, deltas: dict[str, int]) -> None:
         with self._lock:
@@ -319,17 +345,25 @@ class Gateway:
     # ---- serving -----------------------------------------------------------------------------
     @web.middleware
     async def _guard(self, request: web.Request, handler: Callable) -> web.StreamResponse:
-        """Every refusal as an OpenAI error, counted; an unexpected fault is a 500, never a crash."""
+        """Every refusal as an OpenAI error, counted; an unexpected fault is a 500, never a crash.
+        A request whose body came too slowly (408) or over its session's cap (429) also closes its
+        connection. While a request is served its connection has no head deadline (ConnectionGuard)."""
+        self._conns.busy(request.transport)
         try:
             return await handler(request)
         except Refused as r:
             self._count({f"refused/{r.reason}": 1})
-            return error_body(r.status, r.reason, r.message)
+            response = error_body(r.status, r.reason, r.message)
+            if r.status in (408, 429):
+                response.force_close()
+            return response
         except web.HTTPException:
             raise
         except Exception as exc:  # noqa: BLE001 - answered and counted; the server keeps serving
             self._count({"refused/internal": 1})
             return error_body(500, "internal", f"internal error: {type(exc).__name__}")
+        finally:
+            self._conns.idle(request.transport)
 
     def _entry(self, request: web.Request) -> tuple[str, _Entry]:
         auth = request.headers.get("Authorization", "")
@@ -345,35 +379,56 @@ class Gateway:
         if (request.content_length or 0) > self.max_body_bytes:
             raise Refused(413, "too_large", f"the body is over {self.max_body_bytes} bytes")
         try:
-            raw = await request.read()
+            raw = await asyncio.wait_for(request.read(), self.body_timeout_s)
         except web.HTTPRequestEntityTooLarge:
             raise Refused(413, "too_large", f"the body is over {self.max_body_bytes} bytes") from None
+        except asyncio.TimeoutError:
+            raise Refused(408, "body_timeout", f"the body did not arrive within {self.body_timeout_s:g} s: "
+                                               "send it whole, at once") from None
         return parse_body(raw)
+
+    @contextlib.contextmanager
+    def _slot(self, entry: _Entry):
+        """One of the session's ``max_connections`` requests in flight (each holds a connection), or 429."""
+        if entry.open >= self.max_connections:
+            raise Refused(429, "too_many_connections", f"this session has {entry.open} requests open, the most "
+                                                       "one episode may: wait for an answer first")
+        entry.open += 1
+        try:
+            yield
+        finally:
+            entry.open -= 1
 
     async def _models(self, request: web.Request) -> web.Response:
         self._entry(request)
         return web.json_response({"object": "list", "data": [
             {"id": self.model_name, "object": "model", "created": 0, "owned_by": "flash"}]})
 
-    async def _chat(self, request: web.Request) -> web.Response:
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
         key, entry = self._entry(request)
+        with self._slot(entry):
+            return await self._chat_call(request, key, entry)
+
+    async def _chat_call(self, request: web.Request, key: str, entry: _Entry) -> web.StreamResponse:
         body = await self._body(request)
         try:
             messages, tools = parse_messages(body.get("messages")), parse_tools(body.get("tools"))
         except BadMessages as exc:
-            raise _bad(str(exc), "bad_messages") from None
+            raise _bad(str(exc), exc.reason) from None
         params, stream = self._params(body), self._stream(body)
         parser = self.tool_parser if tools and body.get("tool_choice") != "none" else None
         response = await self._serve(key, entry, "chat", params, plan_chat, entry.state, self.tokenizer,
                                      messages, tools, self.stop_token_ids, parser=parser)
         return await self._answer(request, response, stream)
 
-    async def _text(self, request: web.Request) -> web.Response:
+    async def _text(self, request: web.Request) -> web.StreamResponse:
         key, entry = self._entry(request)
-        body = await self._body(request)
-        prompt, params, stream = parse_prompt(body.get("prompt")), self._params(body), self._stream(body)
-        response = await self._serve(key, entry, "text", params, plan_completion, entry.state, self.tokenizer, prompt)
-        return await self._answer(request, response, stream)
+        with self._slot(entry):
+            body = await self._body(request)
+            prompt, params, stream = parse_prompt(body.get("prompt")), self._params(body), self._stream(body)
+            response = await self._serve(key, entry, "text", params, plan_completion, entry.state, self.tokenizer,
+                                         prompt)
+            return await self._answer(request, response, stream)
 
     @staticmethod
     def _stream(body: dict) -> tuple[bool, bool]:
