@@ -24,7 +24,7 @@ from functools import cached_property
 import numpy as np
 
 from flash.data.files import content_hash, open_rows
-from flash.data.rows import OWN_META, BadRow, RowSpec, row_item
+from flash.data.rows import OWN_META, BadRow, RowSpec, parse_template, row_item
 from flash.tasks import Task, TaskItem, register_task
 
 log = logging.getLogger("flash")
@@ -53,6 +53,8 @@ class DatasetOptions:
         object.__setattr__(self, "eval", tuple(self.eval))
         if self.holdout < 0 or self.eval_size < 1:
             raise ValueError(f"holdout must be >= 0 and eval_size >= 1, got {self.holdout}, {self.eval_size}")
+        if self.template is not None:
+            parse_template(self.template)  # refused here too, before any row is read
 
     @property
     def spec(self) -> RowSpec:
@@ -71,8 +73,14 @@ class DatasetTask(Task):
 
     def __init__(self, options: DatasetOptions) -> None:
         super().__init__(options)
-        self._rows = open_rows(options.train)
-        self._eval_rows = open_rows(options.eval, "data.eval") if options.eval else None
+        self.read_skipped: Counter = Counter()  # train rows skipped before the reader, by reason
+        self._rows = open_rows(options.train, skipped=self.read_skipped)
+        eval_skipped: Counter = Counter()
+        self._eval_rows = open_rows(options.eval, "data.eval", eval_skipped) if options.eval else None
+        for where, skipped in (("data.train", self.read_skipped), ("data.eval", eval_skipped)):
+            if skipped:
+                log.warning("flash: %s: rows skipped before reading (over flash.data.limits' bounds): %s", where,
+                            dict(skipped))
         self.train_ids, self.eval_ids = self._split(len(self._rows))
         if len(self.train_ids) == 0:
             raise ValueError(f"data.train has no rows ({', '.join(options.train)})")
