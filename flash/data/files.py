@@ -50,6 +50,7 @@ def check_path(path: str, where: str = "data.train") -> Path:
         if p.suffix.lower() not in FORMATS:
             raise ConfigError(f"{where}: {path}: unknown file type {p.suffix!r}; use one of "
                               f"{sorted(FORMATS)} or a save_to_disk directory")
+        check_regular(p, where)
         return p
     if not p.suffix and "/" in path and not path.startswith((".", "/", "~")) and path.count("/") == 1:
         raise ConfigError(f"{where}: {path!r} is not a local file; {_HUB_HINT.format(name=path)}")
