@@ -99,6 +99,7 @@ def test_json_depth_leaves_out_brackets_inside_strings():
     assert json_depth(b'{"a": "\\"[[[", "b": [[1]]}') == 3
     assert json_depth(b"[" * 5000 + b"]" * 5000) == 5000
     assert json_depth(b'{"a": [' + b"[1], " * 500 + b"[2]]}") == 3  # many lists, shallow
+    assert json_depth(b"]" * 500 + b"[" * 70 + b"]" * 70) == 70  # leading closers hide nothing
 
 
 @pytest.mark.parametrize("bad, reason", [
@@ -127,22 +128,20 @@ def test_rows_within_the_bounds_are_all_read(tmp_path):
     assert len(ds) == 2 and not skipped
 
 
-def test_a_one_document_json_too_deep_and_a_save_to_disk_column_too_deep_are_refused(tmp_path):
+def test_a_one_document_json_too_deep_and_a_save_to_disk_arrow_file_that_does_not_read_are_one_line(tmp_path):
     doc = b'[{"question": "q", "answer": "1", "x": ' + b"[" * 5000 + b"]" * 5000 + b"}]"
     (tmp_path / "d.json").write_bytes(doc)
     assert "write it as JSONL" in one_line_error(open_rows, [str(tmp_path / "d.json")])
-    nested = 1
-    for _ in range(MAX_DEPTH + 1):
-        nested = [nested]
-    datasets_module().Dataset.from_list([{"question": "q", "answer": "1", "x": nested}]).save_to_disk(
-        str(tmp_path / "s"))
-    assert "column 'x' nests deeper than" in one_line_error(open_rows, [str(tmp_path / "s")])
+    d = saved(tmp_path)
+    (d / _arrow(d)).write_bytes(b"\xff" * 64)
+    assert "cannot load the save_to_disk directory" in one_line_error(open_rows, [str(d)])
 
 
 def test_skipped_rows_reach_flash_data_and_the_run_metrics(tmp_path):
     deep = b'{"question": "q", "answer": "1", "x": ' + b"[" * 3000 + b"]" * 3000 + b"}"
     path = write_lines(tmp_path / "d.jsonl", rows(20) + [deep, deep])
-    task = make_task("dataset", train=(path,), prompt_key="question", holdout=0, shuffle=False)
+    task = make_task("dataset", train=(path,), prompt_key="question", holdout=0, shuffle=False,
+                     reward="tests.reward_fns:exact")
     assert task.read_skipped == Counter({"too_deep": 2}) and task.rows_per_epoch == 20
     assert scan(task, build_tokenizer(), 0, 5)["dropped"] == {"too_deep": 2}
     cfg = load_config("recipes/math.yaml", [f"data.train=[{path}]", "data.sft_key=answer",
@@ -174,7 +173,8 @@ def test_a_reference_over_the_bounds_is_a_bad_row_by_reason(tmp_path, answer, re
 
 
 def test_paren_depth_and_the_response_bound():
-    assert [paren_depth(t) for t in ("", "x", "(a)(b)", "((a)[b])", "))((", "f(g(h[x]))")] == [0, 0, 1, 2, 2, 3]
+    texts = ("", "x", "(a)(b)", "((a)[b])", "))((", "f(g(h[x]))", ")" * 50 + "(" * 9 + ")" * 9)
+    assert [paren_depth(t) for t in texts] == [0, 0, 1, 2, 2, 3, 9]  # leading closers hide nothing
     item = TaskItem(index=0, prompt="p", answer="#### 72")
     assert math_reward(item, "words " * 20_000 + "so the answer is \\boxed{72}") == 1.0  # its tail is parsed
     with pytest.raises(MathTooComplex) as err:
@@ -189,6 +189,7 @@ def checker():
     c.close()
 
 
+@pytest.mark.slow  # starts the child twice (a few seconds each)
 def test_the_reference_check_has_a_deadline_and_goes_on_after_it(checker):
     assert checker.call("parse", "#### 72") is None
     assert checker.call("score", "#### 72", "it is \\boxed{72}") == 1.0
@@ -215,13 +216,18 @@ def _arrow(d):
     return next(f for f in os.listdir(d) if f.endswith(".arrow"))
 
 
+def _replace_by_link(path, target):
+    os.remove(path)
+    os.symlink(target, path)
+
+
 def _state(d, **change):
     state = json.loads((d / "state.json").read_text()) | change
     (d / "state.json").write_text(json.dumps(state))
 
 
 @pytest.mark.parametrize("attack, words", [
-    (lambda d, o: (os.remove(d / _arrow(d)), os.symlink(o / _arrow(o), d / _arrow(d))), "is a symlink"),
+    (lambda d, o: _replace_by_link(d / _arrow(d), o / _arrow(o)), "is a symlink"),
     (lambda d, o: os.symlink("/proc/self/environ", d / "extra.arrow"), "extra.arrow is a symlink"),
     (lambda d, o: (os.rename(d / "state.json", o / "st.json"), os.symlink(o / "st.json", d / "state.json")),
      "state.json is a symlink"),
@@ -268,3 +274,9 @@ def test_a_named_data_file_that_is_not_a_regular_file_is_refused_without_opening
         make(path)
         assert words in one_line_error(open_rows, [str(path)])
         os.remove(path)
+
+
+def test_a_file_of_only_rows_over_the_bounds_is_one_line(tmp_path):
+    deep = b'{"question": "q", "answer": "1", "x": ' + b"[" * 200 + b"]" * 200 + b"}"
+    message = one_line_error(open_rows, [write_lines(tmp_path / "d.jsonl", [deep, deep])])
+    assert "every row of" in message and "'too_deep': 2" in message

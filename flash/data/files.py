@@ -20,7 +20,7 @@ import os
 from collections import Counter
 from pathlib import Path
 
-from flash.data.limits import MAX_DEPTH, arrow_depth, bounded_json
+from flash.data.limits import bounded_json
 from flash.data.trust import check_regular, saved_dataset
 from flash.errors import ConfigError
 
@@ -61,11 +61,10 @@ def _load_one(p: Path, where: str, skipped: Counter):
     ds = datasets_module()
     if p.is_dir():
         try:
-            loaded = ds.Dataset.load_from_disk(str(saved_dataset(p, where)))
-        except (OSError, ValueError, KeyError, TypeError) as exc:  # arrow files that do not read
+            return ds.Dataset.load_from_disk(str(saved_dataset(p, where)))
+        except (OSError, ValueError, KeyError, TypeError) as exc:  # arrow files that do not read (or nest too deep)
             raise ConfigError(f"{where}: {p}: cannot load the save_to_disk directory: {_parser_words(exc)}; "
                               "save it again with Dataset.save_to_disk") from None
-        return _bounded_columns(loaded, p, where)
     if p.stat().st_size == 0:
         raise ConfigError(f"{p} is empty: a data file needs at least one row")
     kind = FORMATS[p.suffix.lower()]
@@ -73,22 +72,11 @@ def _load_one(p: Path, where: str, skipped: Counter):
     level = ds.logging.get_verbosity()
     ds.logging.set_verbosity(ds.logging.CRITICAL)  # its own 'Failed to load JSON' line: the error below says it
     try:
-        loaded = ds.load_dataset(kind, data_files=[str(source)], split="train")
+        return ds.load_dataset(kind, data_files=[str(source)], split="train")
     except Exception as exc:  # a parser error from pyarrow/pandas: name the file, not the stack
         raise ConfigError(f"{p}: cannot read as {kind}: {_parser_words(exc)}; fix the file") from None
     finally:
         ds.logging.set_verbosity(level)
-    return _bounded_columns(loaded, p, where)
-
-
-def _bounded_columns(loaded, p: Path, where: str):
-    """``loaded``, unless a column nests deeper than ``limits.MAX_DEPTH`` (a Parquet or Arrow
-    file's schema holds every row's nesting: the file is refused whole)."""
-    for field in loaded.data.schema:
-        if arrow_depth(field.type) > MAX_DEPTH:
-            raise ConfigError(f"{where}: {p}: column {field.name!r} nests deeper than {MAX_DEPTH} levels; "
-                              "flatten it (or store it as JSON text)")
-    return loaded
 
 
 def _parser_words(exc: Exception) -> str:

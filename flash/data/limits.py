@@ -31,13 +31,19 @@ _NOT_BRACKET = bytes(b for b in range(256) if b not in b"[]{}")
 _CHUNK = 1 << 20
 
 
+def nesting_depth(text: bytes, opens: bytes, closes: bytes) -> int:
+    """The deepest nesting of the ``opens`` brackets in ``text`` (vectorized); a closer with
+    nothing open is ignored, so leading closers cannot hide depth."""
+    raw = np.frombuffer(text, dtype=np.uint8)
+    level = np.cumsum(np.isin(raw, list(opens)).astype(np.int64) - np.isin(raw, list(closes)))
+    if not len(level):
+        return 0
+    return int((level - np.minimum.accumulate(np.minimum(level, 0))).max())
+
+
 def json_depth(text: bytes) -> int:
     """The deepest nesting of ``[`` and ``{`` in JSON ``text``, brackets inside strings left out."""
-    brackets = np.frombuffer(_STRING.sub(b"", text).translate(None, _NOT_BRACKET), dtype=np.uint8)
-    if not len(brackets):
-        return 0
-    steps = np.where((brackets == ord("[")) | (brackets == ord("{")), 1, -1)
-    return int(np.cumsum(steps).max())
+    return nesting_depth(_STRING.sub(b"", text).translate(None, _NOT_BRACKET), b"[{", b"]}")
 
 
 def row_reason(line: bytes) -> str | None:
@@ -79,12 +85,18 @@ def bounded_json(path: Path, where: str, skipped: Counter) -> Path:
                               f"row a line) so that rows too deep are skipped, or flatten them")
         return path
     found: Counter = Counter()
+    kept = 0
     with open(path, "rb") as f:
-        for _, reason in _lines(f):
+        for line, reason in _lines(f):
             if reason:
                 found[reason] += 1
+            elif line.strip():
+                kept += 1
     if not found:
         return path
+    if not kept:
+        raise ConfigError(f"{where}: every row of {path} is over the bounds ({dict(found)}: rows of at most "
+                          f"{MAX_ROW_BYTES >> 20} MiB nested at most {MAX_DEPTH} levels); fix the file")
     skipped.update(found)
     return _kept_copy(path)
 
@@ -106,13 +118,3 @@ def _kept_copy(path: Path) -> Path:
                 dst.write(line if line.endswith(b"\n") else line + b"\n")
     os.replace(tmp, out)
     return out
-
-
-def arrow_depth(dtype) -> int:
-    """Nesting levels of an Arrow type (a scalar is 1; a struct or list adds one), counted up to
-    ``MAX_DEPTH + 1``."""
-    depth, level = 0, [dtype]
-    while level and depth <= MAX_DEPTH:
-        depth += 1
-        level = [t.field(i).type for t in level for i in range(t.num_fields)]
-    return depth

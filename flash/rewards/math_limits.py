@@ -25,13 +25,12 @@ import sys
 import threading
 from pathlib import Path
 
-import numpy as np
+from flash.data.limits import nesting_depth
 
 MAX_MATH_CHARS = 32_768  # about 8k tokens of text
 MAX_PAREN_DEPTH = 6
 TIMEOUT_S = 10.0  # one call in the child
 STARTUP_S = 120.0  # the child imports math-verify and sympy before its first call
-_OPEN, _CLOSE = b"([", b")]"
 
 
 class MathTooComplex(ValueError):
@@ -44,9 +43,7 @@ class MathTooComplex(ValueError):
 
 def paren_depth(text: str) -> int:
     """The deepest nesting of ``(`` and ``[`` in ``text``."""
-    raw = np.frombuffer(text.encode("utf-8", "replace"), dtype=np.uint8)
-    steps = np.isin(raw, list(_OPEN)).astype(np.int64) - np.isin(raw, list(_CLOSE))
-    return int(np.cumsum(steps).max(initial=0))
+    return nesting_depth(text.encode("utf-8", "replace"), b"([", b")]")
 
 
 def check_math_text(text: str, what: str = "reference") -> None:
