@@ -8,6 +8,8 @@
   too long one is skipped (counted per reason, the first of each kind logged) or, with
   ``data.strict``, stops the run naming the row. The data position still advances past it, so a
   resumed run skips the same rows and never re-reads one.
+- ``nesting_depth``: how deep brackets nest in untrusted text, taken before a recursive parser
+  (Arrow's JSON reader, math-verify) sees it.
 - ``check_consistency``: settings that are each valid but contradict each other fail at
   ``flash validate`` with a message naming the fix.
 """
@@ -112,6 +114,18 @@ class InputGuard:
 
     def metrics(self) -> dict[str, float]:
         return {f"data/skipped_{k}": float(v) for k, v in sorted(self.counts.items())}
+
+
+def nesting_depth(text: bytes, opens: bytes, closes: bytes) -> int:
+    """The deepest nesting of the ``opens`` brackets in ``text`` (vectorized); a closer with
+    nothing open is ignored, so leading closers cannot hide depth."""
+    import numpy as np
+
+    raw = np.frombuffer(text, dtype=np.uint8)
+    level = np.cumsum(np.isin(raw, list(opens)).astype(np.int64) - np.isin(raw, list(closes)))
+    if not len(level):
+        return 0
+    return int((level - np.minimum.accumulate(np.minimum(level, 0))).max())
 
 
 def check_consistency(cfg) -> None:

@@ -20,25 +20,14 @@ import re
 from collections import Counter
 from pathlib import Path
 
-import numpy as np
-
 from flash.errors import ConfigError
+from flash.guards import nesting_depth
 
 MAX_ROW_BYTES = 16 << 20  # one JSONL row (a prompt of millions of characters is no prompt)
 MAX_DEPTH = 64  # nesting levels of one row, the row's own object included
 _STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
 _NOT_BRACKET = bytes(b for b in range(256) if b not in b"[]{}")
 _CHUNK = 1 << 20
-
-
-def nesting_depth(text: bytes, opens: bytes, closes: bytes) -> int:
-    """The deepest nesting of the ``opens`` brackets in ``text`` (vectorized); a closer with
-    nothing open is ignored, so leading closers cannot hide depth."""
-    raw = np.frombuffer(text, dtype=np.uint8)
-    level = np.cumsum(np.isin(raw, list(opens)).astype(np.int64) - np.isin(raw, list(closes)))
-    if not len(level):
-        return 0
-    return int((level - np.minimum.accumulate(np.minimum(level, 0))).max())
 
 
 def json_depth(text: bytes) -> int:

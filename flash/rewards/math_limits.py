@@ -9,7 +9,7 @@ sympy compute for ever. So:
   (``MathTooComplex``, a ``ValueError`` with a ``reason``).
 - ``MathChecker``: the checks the driver makes itself (a dataset row's reference parses; the
   reward of a ``math`` row scored in the driver's threads) run in one child process
-  (``python -m flash.rewards.math_limits``), each call under ``timeout_s``; a call past it kills
+  (``python -m flash.rewards._math_child``), each call under ``timeout_s``; a call past it kills
   the child (a fresh one serves the next call) and is the outcome ``timeout``, never a hang. The
   reward pool's workers need no child: the pool's deadline bounds their calls.
 """
@@ -25,7 +25,7 @@ import sys
 import threading
 from pathlib import Path
 
-from flash.data.limits import nesting_depth
+from flash.guards import nesting_depth
 
 MAX_MATH_CHARS = 32_768  # about 8k tokens of text
 MAX_PAREN_DEPTH = 6
@@ -90,7 +90,7 @@ class MathChecker:
             return self._proc
         root = str(Path(__file__).resolve().parents[2])  # the flash checkout the driver runs
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
-        self._proc = subprocess.Popen([sys.executable, "-m", "flash.rewards.math_limits"], stdin=subprocess.PIPE,
+        self._proc = subprocess.Popen([sys.executable, "-m", "flash.rewards._math_child"], stdin=subprocess.PIPE,
                                       stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
         if _read_line(self._proc, STARTUP_S) is None:
             self._stop()
@@ -126,32 +126,3 @@ def checker() -> MathChecker:
         if _CHECKER is None:
             _CHECKER = MathChecker()
         return _CHECKER
-
-
-def _serve() -> None:
-    """The child: one JSON request a line on stdin, one ``{"value": ...}`` a line on stdout."""
-    from types import SimpleNamespace
-
-    from flash.rewards.builtin import math_reward, parse_reference
-
-    out = os.fdopen(os.dup(1), "w")
-    os.dup2(2, 1)  # the parser's own prints never reach the reply stream
-    math_reward(SimpleNamespace(answer="$(1)$"), "$\\frac{1}{2}$")  # builds the parsers before the first deadline
-    out.write("ready\n")
-    out.flush()
-    for line in sys.stdin:
-        op, *args = json.loads(line)
-        try:
-            if op == "parse":
-                parse_reference(args[0])
-                reply = {"value": None}
-            else:
-                reply = {"value": float(math_reward(SimpleNamespace(answer=args[0]), args[1]))}
-        except Exception as exc:  # noqa: BLE001 - the parser's failure is the caller's answer
-            reply = {"error": [getattr(exc, "reason", ""), f"{type(exc).__name__}: {str(exc)[:200]}"]}
-        out.write(json.dumps(reply) + "\n")
-        out.flush()
-
-
-if __name__ == "__main__":
-    _serve()
