@@ -25,14 +25,13 @@ from flash.guards import nesting_depth
 
 MAX_ROW_BYTES = 16 << 20  # one JSONL row (a prompt of millions of characters is no prompt)
 MAX_DEPTH = 64  # nesting levels of one row, the row's own object included
-_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
-_NOT_BRACKET = bytes(b for b in range(256) if b not in b"[]{}")
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)  # a JSON string (escapes unrolled)
 _CHUNK = 1 << 20
 
 
 def json_depth(text: bytes) -> int:
     """The deepest nesting of ``[`` and ``{`` in JSON ``text``, brackets inside strings left out."""
-    return nesting_depth(_STRING.sub(b"", text).translate(None, _NOT_BRACKET), b"[{", b"]}")
+    return nesting_depth(_STRING.sub(b"", text), b"[{", b"]}")
 
 
 def row_reason(line: bytes) -> str | None:
