@@ -8,6 +8,8 @@
   too long one is skipped (counted per reason, the first of each kind logged) or, with
   ``data.strict``, stops the run naming the row. The data position still advances past it, so a
   resumed run skips the same rows and never re-reads one.
+- ``nesting_depth``: how deep brackets nest in untrusted text, taken before a recursive parser
+  (Arrow's JSON reader, math-verify) sees it.
 - ``check_consistency``: settings that are each valid but contradict each other fail at
   ``flash validate`` with a message naming the fix.
 """
@@ -18,6 +20,7 @@ import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any
 
 from flash.errors import ConfigError, FlashError
@@ -112,6 +115,25 @@ class InputGuard:
 
     def metrics(self) -> dict[str, float]:
         return {f"data/skipped_{k}": float(v) for k, v in sorted(self.counts.items())}
+
+
+def nesting_depth(text: bytes, opens: bytes, closes: bytes) -> int:
+    """The deepest nesting of the ``opens`` brackets in ``text`` (vectorized); a closer with
+    nothing open is ignored, so leading closers cannot hide depth."""
+    import numpy as np
+
+    table, other = _bracket_table(opens, closes)
+    level = np.cumsum(np.frombuffer(text.translate(table, other), dtype=np.uint8).astype(np.int64) - 1)
+    if not len(level):
+        return 0
+    return int((level - np.minimum.accumulate(np.minimum(level, 0))).max())
+
+
+@lru_cache(maxsize=8)
+def _bracket_table(opens: bytes, closes: bytes) -> tuple[bytes, bytes]:
+    """A ``bytes.translate`` table sending openers to 2 and closers to 0, and the bytes it deletes."""
+    table = bytes.maketrans(opens + closes, b"\x02" * len(opens) + b"\x00" * len(closes))
+    return table, bytes(b for b in range(256) if b not in opens + closes)
 
 
 def check_consistency(cfg) -> None:

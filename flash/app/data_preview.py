@@ -70,7 +70,9 @@ def scan(task, tokenizer, max_prompt_tokens: int, rows: int) -> dict:
             break
         kept.append((item, ids, _reference_reward(task, item)))
         index += 1
-    return {"kept": kept, "dropped": dict(guard.counts), "scanned": end}
+    dropped = Counter(getattr(task, "read_skipped", {}))  # rows skipped before reading (flash.data.limits)
+    dropped.update(guard.counts)
+    return {"kept": kept, "dropped": dict(dropped), "scanned": end}
 
 
 def _reference_reward(task, item) -> float | str:

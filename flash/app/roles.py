@@ -29,7 +29,7 @@ from flash.cluster import init_ray, wait_ready
 from flash.engine.client import EngineClient
 from flash.engine.router import start_router
 from flash.engine.torch_worker import start_engine
-from flash.guards import InputGuard, SkipGuard
+from flash.guards import DataError, InputGuard, SkipGuard
 from flash.placement import Placement, Plan, plan_placement
 from flash.train.critic import CriticSettings
 from flash.train.fsdp import group_settings
@@ -238,5 +238,12 @@ def start_reference_role(cfg: FlashConfig, model_path: str, threads: int, placem
                            cfg.model.dtype)
 
 
-def new_guards(cfg: FlashConfig, max_prompt_tokens: int) -> Guards:
-    return Guards(InputGuard(max_prompt_tokens, strict=cfg.data.strict), SkipGuard(cfg.train.max_consecutive_skips))
+def new_guards(cfg: FlashConfig, max_prompt_tokens: int, read_skipped: dict | None = None) -> Guards:
+    """The run's guards; ``read_skipped``: rows the dataset skipped before reading (counted with the
+    input guard's own, in ``data/skipped_<reason>``; under ``data.strict`` they stop the run)."""
+    inputs = InputGuard(max_prompt_tokens, strict=cfg.data.strict)
+    if read_skipped and cfg.data.strict:
+        raise DataError(f"data rows over the size or nesting bounds ({dict(read_skipped)}); fix or remove them, "
+                        f"or set data.strict=false to skip such rows (counted in data/skipped_<reason>)")
+    inputs.counts.update(read_skipped or {})
+    return Guards(inputs, SkipGuard(cfg.train.max_consecutive_skips))

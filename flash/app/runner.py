@@ -108,7 +108,7 @@ class Run:
         # transport local: the in-process buffer; zmq: a BufferService here and a proxy on it
         self.buffer = RolloutBuffer(*make_buffer(cfg.buffer, int(math.ceil((cfg.async_ratio + 2) * B))),
                                     StalenessManager(cfg.async_ratio, B))
-        self.guards = new_guards(cfg, max_prompt_tokens(cfg, self.model_path))
+        self.guards = new_guards(cfg, max_prompt_tokens(cfg, self.model_path), getattr(self.task, "read_skipped", None))
         self.eval_sets = build_eval_sets(cfg)
         self.reward_pool, self.scheduler = self._make_scheduler()
         self.controller = AsyncController(

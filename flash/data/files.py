@@ -2,7 +2,10 @@
 
 ``open_rows(paths)`` reads JSONL/JSON, CSV, Parquet and directories written by
 ``Dataset.save_to_disk`` (or ``DatasetDict.save_to_disk``: its ``train`` split) and concatenates
-them. Rows stay in Arrow files on disk (``datasets`` memory-maps them), so a million-row Parquet
+them. Each path is checked before it is opened (``flash.data.trust``: regular files only; a
+save_to_disk directory without links, naming only files inside it) and JSON rows are bounded in
+size and nesting before Arrow reads them (``flash.data.limits``: rows over the bounds are skipped
+and counted). Rows stay in Arrow files on disk (``datasets`` memory-maps them), so a million-row Parquet
 file costs a few MB of Python memory, not a list of a million dicts.
 
 Only local paths: flash never downloads at run time, so a name that is not a file (a hub id such
@@ -14,8 +17,11 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections import Counter
 from pathlib import Path
 
+from flash.data.limits import bounded_json
+from flash.data.trust import check_regular, saved_dataset
 from flash.errors import ConfigError
 
 FORMATS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet", ".pq": "parquet"}
@@ -40,35 +46,35 @@ def check_path(path: str, where: str = "data.train") -> Path:
             raise ConfigError(f"{where}: {path} is a directory but not one written by datasets' save_to_disk "
                               f"(no dataset_info.json); name its files instead")
         return p
-    if p.is_file():
+    if p.exists() and not p.is_dir():
         if p.suffix.lower() not in FORMATS:
             raise ConfigError(f"{where}: {path}: unknown file type {p.suffix!r}; use one of "
                               f"{sorted(FORMATS)} or a save_to_disk directory")
+        check_regular(p, where)
         return p
     if not p.suffix and "/" in path and not path.startswith((".", "/", "~")) and path.count("/") == 1:
         raise ConfigError(f"{where}: {path!r} is not a local file; {_HUB_HINT.format(name=path)}")
     raise ConfigError(f"{where}: no such file or directory: {path}")
 
 
-def _load_one(p: Path):
+def _load_one(p: Path, where: str, skipped: Counter):
     ds = datasets_module()
     if p.is_dir():
-        loaded = ds.load_from_disk(str(p))
-        if isinstance(loaded, ds.DatasetDict):
-            if "train" not in loaded:
-                raise ConfigError(f"{p}: a DatasetDict without a 'train' split (it has {sorted(loaded)}); "
-                                  f"save the split you want with Dataset.save_to_disk")
-            loaded = loaded["train"]
-        return loaded
+        try:
+            return ds.Dataset.load_from_disk(str(saved_dataset(p, where)))
+        except (OSError, ValueError, KeyError, TypeError) as exc:  # arrow files that do not read (or nest too deep)
+            raise ConfigError(f"{where}: {p}: cannot load the save_to_disk directory: {_parser_words(exc)}; "
+                              "save it again with Dataset.save_to_disk") from None
     if p.stat().st_size == 0:
         raise ConfigError(f"{p} is empty: a data file needs at least one row")
+    kind = FORMATS[p.suffix.lower()]
+    source = bounded_json(p, where, skipped) if kind == "json" else p
     level = ds.logging.get_verbosity()
     ds.logging.set_verbosity(ds.logging.CRITICAL)  # its own 'Failed to load JSON' line: the error below says it
     try:
-        return ds.load_dataset(FORMATS[p.suffix.lower()], data_files=[str(p)], split="train")
+        return ds.load_dataset(kind, data_files=[str(source)], split="train")
     except Exception as exc:  # a parser error from pyarrow/pandas: name the file, not the stack
-        raise ConfigError(f"{p}: cannot read as {FORMATS[p.suffix.lower()]}: {_parser_words(exc)}; "
-                          "fix the file") from None
+        raise ConfigError(f"{p}: cannot read as {kind}: {_parser_words(exc)}; fix the file") from None
     finally:
         ds.logging.set_verbosity(level)
 
@@ -82,11 +88,13 @@ def _parser_words(exc: Exception) -> str:
     return f"{type(exc).__name__}: {text}"
 
 
-def open_rows(paths: tuple[str, ...] | list[str], where: str = "data.train"):
-    """One ``datasets.Dataset`` over ``paths`` in order (their columns must agree)."""
+def open_rows(paths: tuple[str, ...] | list[str], where: str = "data.train", skipped: Counter | None = None):
+    """One ``datasets.Dataset`` over ``paths`` in order (their columns must agree). Rows skipped
+    before the reader (``flash.data.limits``) are counted by reason in ``skipped``."""
     if not paths:
         raise ConfigError(f"{where} is empty: name at least one file")
-    parts = [_load_one(check_path(p, where)) for p in paths]
+    skipped = Counter() if skipped is None else skipped
+    parts = [_load_one(check_path(p, where), where, skipped) for p in paths]
     if len(parts) == 1:
         return parts[0]
     first = set(parts[0].column_names)
@@ -106,7 +114,7 @@ def content_hash(paths: tuple[str, ...] | list[str]) -> str:
     h = hashlib.sha256()
     for path in paths:
         p = Path(path).expanduser()
-        files = sorted(f for f in p.rglob("*") if f.is_file()) if p.is_dir() else [p]
+        files = sorted(f for f in p.rglob("*") if f.is_file() and not f.is_symlink()) if p.is_dir() else [p]
         for f in files:
             h.update(f.name.encode() + b"\0")
             with open(f, "rb") as fh:

@@ -15,8 +15,10 @@ stops the run under ``data.strict``.
 from __future__ import annotations
 
 import json
+import re
 import string
 from dataclasses import dataclass
+from functools import lru_cache
 
 from flash.tasks import TaskItem
 
@@ -42,21 +44,88 @@ class RowSpec:
     reward_key: str | None = None
 
 
-def template_fields(template: str) -> list[str]:
-    """The column names a template uses. Only plain ``{name}`` fields (with an optional format
-    spec) are allowed: attribute and index access (``{x.__class__}``, ``{x[0]}``) would let a
-    recipe reach into Python objects, so they are refused."""
-    names = []
-    for _, field, _, _ in string.Formatter().parse(template):
-        if field is None:
+MAX_TEMPLATE_WIDTH = 4096  # the largest width or precision a data.template field may ask for
+_SPEC = re.compile(r"(?:(?P<fill>.)?[<>=^])?[-+ ]?z?#?0?(?P<width>\d*)[,_]?(?:\.(?P<precision>\d*))?"
+                   r"[bcdeEfFgGnosxX%]?", re.DOTALL)
+_HOW = ("fields are plain column names with an optional format spec of bounded width, e.g. "
+        "'Question: {question}' or '{id:>6}'")
+
+
+@dataclass(frozen=True)
+class TemplateField:
+    """One ``{name:spec}`` of a template: a column name and a format spec with no fields inside."""
+
+    name: str
+    spec: str
+
+
+@lru_cache(maxsize=64)
+def parse_template(template: str) -> tuple[str | TemplateField, ...]:
+    """``template`` as literal text and fields, parsed once; ValueError (one line naming the field
+    and the fix) for anything but a plain column name with a plain format spec: attribute, index
+    or positional fields (``{x.__class__}``, ``{x[0]}``, ``{}``), conversions (``{x!r}``), fields
+    nested in a spec (``{x:{y}}``) and widths or precisions over ``MAX_TEMPLATE_WIDTH``."""
+    try:
+        parsed = list(string.Formatter().parse(template))
+    except ValueError as exc:
+        raise ValueError(f"data.template is not a valid format string ({exc}); write literal braces as "
+                         f"'{{{{' and '}}}}'") from None
+    pieces: list[str | TemplateField] = []
+    for literal, name, spec, conversion in parsed:
+        if literal:
+            pieces.append(literal)
+        if name is None:
             continue
-        if not field.isidentifier():
-            raise ValueError(f"data.template field {{{field}}} must be a plain column name "
-                             f"(no attribute, index or positional fields)")
-        names.append(field)
-    if not names:
+        shown = "{" + name + (f"!{conversion}" if conversion else "") + (f":{spec}" if spec else "") + "}"
+        shown = shown if len(shown) <= 80 else shown[:77] + "..."
+        if not name.isidentifier():
+            raise ValueError(f"data.template field {shown} must be a plain column name (no attribute, "
+                             f"index or positional fields); {_HOW}")
+        if conversion:
+            raise ValueError(f"data.template field {shown} has a conversion (!{conversion}); drop it: {_HOW}")
+        pieces.append(TemplateField(name, _checked_spec(shown, spec or "")))
+    if not any(isinstance(p, TemplateField) for p in pieces):
         raise ValueError("data.template uses no column: write e.g. 'Question: {question}\\nAnswer:'")
-    return names
+    return tuple(pieces)
+
+
+def _checked_spec(shown: str, spec: str) -> str:
+    if "{" in spec or "}" in spec:
+        raise ValueError(f"data.template field {shown} has a field inside its format spec; {_HOW}")
+    match = _SPEC.fullmatch(spec)
+    if match is None:
+        raise ValueError(f"data.template field {shown} has an invalid format spec {spec!r}; {_HOW}")
+    for part in ("width", "precision"):
+        if match[part] and (len(match[part]) > 6 or int(match[part]) > MAX_TEMPLATE_WIDTH):
+            raise ValueError(f"data.template field {shown} asks for {part} {match[part][:12]}, over "
+                             f"{MAX_TEMPLATE_WIDTH}; use a smaller {part}")
+    return spec
+
+
+def template_fields(template: str) -> list[str]:
+    """The column names a template uses, in order (see ``parse_template``)."""
+    return [p.name for p in parse_template(template) if isinstance(p, TemplateField)]
+
+
+def render_template(template: str, row: dict) -> str:
+    """The template filled from ``row`` with no attribute or item access: each field's value is a
+    string, a number or a boolean formatted by its spec, or a list/dict shown as text (no spec)."""
+    out = []
+    for piece in parse_template(template):
+        if isinstance(piece, str):
+            out.append(piece)
+            continue
+        value = _column(row, piece.name)
+        if not isinstance(value, (str, int, float)):
+            if piece.spec:
+                raise BadRow("wrong_type", f"column {piece.name!r} is {type(value).__name__}; a format spec "
+                                           f"applies to text and numbers only")
+            value = str(value)
+        try:
+            out.append(format(value, piece.spec))
+        except (ValueError, OverflowError) as exc:  # e.g. a 'd' spec on text, 'c' on a huge number
+            raise BadRow("wrong_type", f"column {piece.name!r}: {exc}") from None
+    return "".join(out)
 
 
 def _column(row: dict, key: str):
@@ -81,8 +150,7 @@ def _messages(value) -> list[dict]:
 def render_prompt(row: dict, spec: RowSpec) -> str | list[dict]:
     """The row's prompt: text, or a list of chat turns (see the module docstring)."""
     if spec.template:
-        values = {name: _column(row, name) for name in template_fields(spec.template)}
-        prompt: str | list[dict] = spec.template.format_map(values)
+        prompt: str | list[dict] = render_template(spec.template, row)
     else:
         value = _column(row, spec.prompt_key)
         if isinstance(value, str):

@@ -11,7 +11,9 @@ run continues the epoch where it stopped and trains every row of it exactly once
 Held out: rows of ``eval`` files, else ``holdout`` train rows (at most a tenth of them) picked by
 the seed and never trained on. Rewards: ``reward`` (default ``math``) for every row, or the row's own
 ``reward_key`` column naming one (``math``, ``code``, ``judge`` or ``package.module:function``).
-A row whose reference the ``math`` reward cannot parse is a bad row (``bad_answer``).
+A row whose reference the ``math`` reward cannot parse is a bad row (``bad_answer``), as is one
+over ``flash.rewards.math_limits``' bounds or deadline (``answer_too_large``, ``answer_too_deep``,
+``answer_timeout``); the task's own ``math`` reward runs under that deadline too.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from functools import cached_property
 import numpy as np
 
 from flash.data.files import content_hash, open_rows
-from flash.data.rows import OWN_META, BadRow, RowSpec, row_item
+from flash.data.rows import OWN_META, BadRow, RowSpec, parse_template, row_item
 from flash.tasks import Task, TaskItem, register_task
 
 log = logging.getLogger("flash")
@@ -53,6 +55,8 @@ class DatasetOptions:
         object.__setattr__(self, "eval", tuple(self.eval))
         if self.holdout < 0 or self.eval_size < 1:
             raise ValueError(f"holdout must be >= 0 and eval_size >= 1, got {self.holdout}, {self.eval_size}")
+        if self.template is not None:
+            parse_template(self.template)  # refused here too, before any row is read
 
     @property
     def spec(self) -> RowSpec:
@@ -71,8 +75,14 @@ class DatasetTask(Task):
 
     def __init__(self, options: DatasetOptions) -> None:
         super().__init__(options)
-        self._rows = open_rows(options.train)
-        self._eval_rows = open_rows(options.eval, "data.eval") if options.eval else None
+        self.read_skipped: Counter = Counter()  # train rows skipped before the reader, by reason
+        self._rows = open_rows(options.train, skipped=self.read_skipped)
+        eval_skipped: Counter = Counter()
+        self._eval_rows = open_rows(options.eval, "data.eval", eval_skipped) if options.eval else None
+        for where, skipped in (("data.train", self.read_skipped), ("data.eval", eval_skipped)):
+            if skipped:
+                log.warning("flash: %s: rows skipped before reading (over flash.data.limits' bounds): %s", where,
+                            dict(skipped))
         self.train_ids, self.eval_ids = self._split(len(self._rows))
         if len(self.train_ids) == 0:
             raise ValueError(f"data.train has no rows ({', '.join(options.train)})")
@@ -129,11 +139,17 @@ class DatasetTask(Task):
         return item.meta.get("reward_fn", self.options.reward)
 
     def _check_reference(self, item: TaskItem) -> None:
+        """A ``math`` row's reference must parse, within math_limits' bounds and deadline: else
+        the row is bad (``bad_answer``, ``answer_too_large``, ``answer_too_deep``, ``answer_timeout``)."""
         if self._reward_name(item) == "math":
-            from flash.rewards.builtin import parse_reference
+            from flash.rewards.math_limits import MathTooComplex, check_math_text, checker
+            from flash.rewards.builtin import reference_answer
 
             try:
-                parse_reference(item.answer)
+                check_math_text(reference_answer(item.answer))
+                checker().call("parse", item.answer)
+            except MathTooComplex as exc:
+                raise BadRow(f"answer_{exc.reason}", str(exc)) from None
             except ValueError as exc:
                 raise BadRow("bad_answer", str(exc)) from None
 
@@ -156,6 +172,10 @@ class DatasetTask(Task):
         may return a ``RewardResult``; a task's reward is its number (the scheduler takes ``float``
         of it, and a ``RewardResult`` there would be a reward error scored 0)."""
         name = self._reward_name(item)
+        if name == "math":  # in the driver's threads: under math_limits' deadline, in its child process
+            from flash.rewards.math_limits import checker
+
+            return checker().call("score", item.answer, response)
         if name not in self._scorers:
             from flash.rewards.registry import build_reward
 

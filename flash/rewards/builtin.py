@@ -29,6 +29,7 @@ import threading
 from collections import Counter
 
 from flash.rewards import sandbox
+from flash.rewards.math_limits import MAX_MATH_CHARS, check_math_text
 from flash.rewards.registry import register_reward
 from flash.rewards.timeout import AdaptiveTimeout
 
@@ -100,11 +101,14 @@ def reference_answer(text: str) -> str:
 
 
 def parse_reference(text: str):
-    """math-verify's parse of a reference answer; ValueError when nothing in it parses."""
+    """math-verify's parse of a reference answer; ValueError when nothing in it parses, or
+    ``MathTooComplex`` when it is over ``flash.rewards.math_limits``' bounds."""
     from math_verify import parse
 
     logging.getLogger("math_verify").setLevel(logging.ERROR)
-    gold = parse(reference_answer(str(text)), parsing_timeout=None)
+    answer = reference_answer(str(text))
+    check_math_text(answer)
+    gold = parse(answer, parsing_timeout=None)
     if not gold:
         raise ValueError(f"reference answer {str(text)[:80]!r} could not be parsed by math-verify")
     return gold
@@ -115,11 +119,15 @@ def math_reward(item, response: str) -> float:
     """1.0 if ``response``'s final answer equals ``item.answer`` mathematically ("1/2", "0.5" and
     "\\frac{1}{2}" all match; a GSM8K reference "... #### 72" means 72), else 0.0. math-verify's
     own timeouts use SIGALRM, which only works in the main thread, so they are off here: the reward
-    pool's deadline bounds the call."""
+    pool's deadline (or ``math_limits.MathChecker``'s in the driver) bounds the call. The response's
+    last ``MAX_MATH_CHARS`` characters are parsed (its final answer is there); parentheses nested
+    deeper than ``MAX_PAREN_DEPTH`` in them raise ``MathTooComplex`` (the pool counts it)."""
     from math_verify import parse, verify
 
     gold = parse_reference(item.answer)
-    pred = parse(response, parsing_timeout=None)
+    tail = response[-MAX_MATH_CHARS:]
+    check_math_text(tail, "response")
+    pred = parse(tail, parsing_timeout=None)
     return 1.0 if pred and verify(gold, pred, timeout_seconds=None) else 0.0
 
 
