@@ -107,6 +107,9 @@ def test_a_tiny_model_without_a_size_is_one_clear_error(override):
 @pytest.mark.parametrize("override, needle", [
     ("agent.tool_parser=hermess", "did you mean 'hermes'"),
     ("agent.processes=-1", "agent.processes >= 0"),
+    ("agent.header_timeout_s=0", "agent.header_timeout_s must be > 0"),
+    ("agent.body_timeout_s=-1", "agent.body_timeout_s must be > 0"),
+    ("agent.max_connections=0", "agent.max_connections must be >= 1"),
     ("task.env_concurrency=0", "env_concurrency must be >= 1"),
 ])
 def test_agent_and_episode_settings_are_one_clear_error(override, needle):

@@ -352,7 +352,10 @@ def _check_agent(cfg: FlashConfig) -> None:
     _require(a.concurrency >= 1 and a.max_turns >= 1 and a.retries >= 0 and a.processes >= 0,
              f"agent.concurrency and agent.max_turns must be >= 1, agent.retries and agent.processes >= 0, got "
              f"{a.concurrency}, {a.max_turns}, {a.retries}, {a.processes}")
-    _require(math.isfinite(a.timeout_s) and a.timeout_s > 0, f"agent.timeout_s must be > 0, got {a.timeout_s}")
+    for key in ("timeout_s", "header_timeout_s", "body_timeout_s"):
+        value = getattr(a, key)
+        _require(math.isfinite(value) and value > 0, f"agent.{key} must be > 0, got {value}")
+    _require(a.max_connections >= 1, f"agent.max_connections must be >= 1, got {a.max_connections}")
     _require(is_loopback(a.host), f"agent.host={a.host} is not loopback: the gateway serves the agents of this "
              f"machine; keep 127.0.0.1")
     _require(cfg.rollout.scheduler == "plain", "agent runs use rollout.scheduler: plain (tail batching cuts "

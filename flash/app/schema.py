@@ -257,6 +257,12 @@ class AgentConfig:
     retries: int = 1  # runs again after a timeout, a crash or a bad return
     max_turns: int = 32  # chat calls per episode
     host: str = "127.0.0.1"  # where the gateway listens (loopback; sessions are keyed either way)
+    # A connection that sends no complete request head in header_timeout_s, or no whole body in
+    # body_timeout_s, is closed (gateway/refused/header_timeout, body_timeout); an episode has at
+    # most max_connections requests in flight (one more: 429, too_many_connections).
+    header_timeout_s: float = 30.0
+    body_timeout_s: float = 60.0
+    max_connections: int = 16
     # How a reply's tool-call text becomes `tool_calls` when a request offers tools
     # (flash.envs.chat_messages: hermes = <tool_call>{json}</tool_call>); null: replies stay text.
     tool_parser: Optional[str] = "hermes"
