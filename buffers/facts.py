@@ -1,7 +1,7 @@
-"""Facts: the numbers an agent reports about its episode beside the reward.
+"""Facts: the numbers an agent or environment reports about its episode beside the reward.
 
-An agent returns ``(reward, {"tool_calls": 3, "solved": True, "log": "..."})``; the dict's numeric
-entries are the episode's facts. They ride in the sample's ``meta["facts"]`` (``Sample.facts``), so
+An agent returns ``(reward, {"tool_calls": 3, "solved": True, "log": "..."})`` (an environment's
+last step returns its ``info``); the dict's numeric entries are the episode's facts. They ride in the sample's ``meta["facts"]`` (``Sample.facts``), so
 every encoding that carries a sample -- checkpoints (``buffers.codec``), the buffer service's wire
 -- carries them; each trained sample's ledger line lists them, and a step's metrics average each
 one over the step's trained samples that report it (``agent/<name>``, controllers.step_metrics).

@@ -103,3 +103,24 @@ def test_a_trained_sample_s_ledger_line_lists_its_facts():
     AsyncController._write_ledger(host, 4, [Group(7, [_sample({"tool_calls": 3.0}), _sample({})], data_index=3)])
     lines = [json.loads(x) for x in ledger.getvalue().splitlines()]
     assert lines[0]["facts"] == {"tool_calls": 3.0} and lines[0]["step"] == 4 and "facts" not in lines[1]
+
+
+def test_an_environment_s_last_info_gives_its_episode_facts():
+    import threading
+
+    from buffers.trace import TokenTrace
+    from controllers.workflows.episode import Episodes
+    from flash.envs.episode import Transcript
+
+    counters = {}
+    host = SimpleNamespace(_lock=threading.Lock(), _live={}, _done={}, core=_Core(),
+                           _count=lambda k, by=1: counters.__setitem__(k, counters.get(k, 0) + by))
+    unit = Unit("e0", 5, 0, SimpleNamespace(meta={"seed": 3}), [], SamplingParams(), data_index=2)
+    ep = SimpleNamespace(worker=SimpleNamespace(close=SimpleNamespace(remote=lambda key: None)), key="k0",
+                         unit=unit, cancelled=False, transcript=Transcript(TokenTrace([1, 2]), reward=1.0))
+    Episodes._finish(host, ep, "success", {"outcome": "success", "steps_left": np.int64(3), "map": "4x4"})
+    sample = host._done["k0"]
+    assert sample.facts == {"steps_left": 3.0} and sample.finish_reason == "success"
+    assert counters["facts_dropped_non_numeric"] == 1 and "facts_dropped_reserved" not in counters
+    Episodes._finish(host, SimpleNamespace(**{**ep.__dict__, "key": "k1"}), "env_error")  # no info: no facts
+    assert host._done["k1"].facts == {}
