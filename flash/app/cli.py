@@ -47,7 +47,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
     path = resolve_recipe(args.recipe)
     cfg = load_config(path, args.overrides)
-    preflight(cfg, path.stem)  # the checks `flash run` makes before it starts (flash.app.preflight)
+    checked = preflight(cfg, path.stem)  # the checks `flash run` makes before it starts (flash.app.preflight)
     print(f"ok: {path} (async_ratio={cfg.async_ratio}, loss={cfg.algo.loss['name']}, "
           f"steps={cfg.train.steps})")
     from flash.app.config import base_differences
@@ -57,6 +57,10 @@ def cmd_validate(args: argparse.Namespace) -> int:
         print(f"differs from its base in {len(changed)} settings:")
         for line in changed:
             print(f"  {line}")
+    from flash.app.data_preview import recipe_warnings
+
+    for line in recipe_warnings(cfg, checked.task):  # what no check refuses but wastes the run
+        print(f"warning: {line}")
     return 0
 
 
