@@ -67,3 +67,19 @@ def test_validate_and_data_warn_when_the_run_s_reward_scores_every_reference_zer
     assert main(["data", "math", *data, "reward.fn={name: 'zero_reward:score'}"]) == 0
     assert "warning: the reward scores every one of 16 references 0" in capsys.readouterr().out
     sys.modules.pop("zero_reward", None)
+
+
+def test_the_rewards_page_describes_every_field_of_the_item_a_reward_gets(tmp_path):
+    from pathlib import Path
+
+    from flash.data.rows import OWN_META
+    from flash.tasks import TaskItem
+    from recipes.tasks import make_task
+
+    page = Path(__file__).parents[1].joinpath("docs/rewards.md").read_text()
+    path = _rows(tmp_path / "rows.jsonl", [{"question": "what is 1+1?", "answer": 2, "tests": "[]"}] * 4)
+    item = make_task("dataset", train=(path,), prompt_key="question", holdout=0).item(1)
+    assert item.answer == "2" and item.meta["tests"] == "[]"
+    assert set(OWN_META) - {"reward_fn"} <= set(item.meta)
+    for name in [*TaskItem.__dataclass_fields__, *OWN_META]:
+        assert f"`{name}`" in page or f"`item.{name}`" in page, name
