@@ -19,7 +19,7 @@ import logging
 from collections import Counter
 from pathlib import Path
 
-from flash.app.data_warnings import data_warnings, run_scorer
+from flash.app.data_warnings import data_warnings, run_scorer, score_reference
 from flash.errors import ConfigError
 
 log = logging.getLogger("flash")
@@ -76,11 +76,7 @@ def scan(task, tokenizer, max_prompt_tokens: int, rows: int) -> dict:
 
 
 def _reference_reward(task, item) -> float | str:
-    try:
-        out = task.reward(item, item.answer)
-    except Exception as exc:  # a reward that fails on its own reference is what this looks for
-        return f"error: {type(exc).__name__}: {str(exc)[:80]}"
-    return float(getattr(out, "reward", out))
+    return score_reference(task.reward, item)
 
 
 def preview(cfg, rows: int = 1000, out=print) -> dict:
