@@ -71,7 +71,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     path = resolve_recipe(args.recipe)
     cfg = load_config(path, args.overrides)
     summary = run(cfg, recipe_name=path.stem)
-    print(f"flash: accuracy {summary['eval_accuracy_initial']:.3f} -> {summary['eval_accuracy_final']:.3f} "
+    best = summary.get("eval_best_step")
+    best = f" (best {summary['eval_accuracy_best']:.3f} at step {best})" if best not in (None, summary["steps"]) else ""
+    print(f"flash: accuracy {summary['eval_accuracy_initial']:.3f} -> {summary['eval_accuracy_final']:.3f}{best} "
           f"in {summary['steps']} steps, {summary['wall_seconds']:.0f}s; summary: "
           f"{summary['run_dir']}/summary.json")
     return 0
