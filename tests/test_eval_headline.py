@@ -83,3 +83,17 @@ def test_a_new_phase_shows_no_figure_from_the_phase_before():
     assert hb.line().endswith("train step 30/30 reward 0.383 accuracy 0.125")
     hb.set(phase="evaluation after training")
     assert hb.line().endswith("] evaluation after training"), hb.line()
+
+
+def test_a_sweep_row_takes_the_best_accuracy_and_its_step_from_the_curve(tmp_path):
+    from flash.app.sweep import Point, collect
+
+    summary = {"train_seconds": 10.0, "seconds_per_step": 2.5, "wall_seconds": 20.0, "samples_trained": 64,
+               "async_ratio": 0.0, "eval_accuracy_initial": 0.2, "eval_accuracy_final": 0.45,
+               "max_staleness_observed": 0.0, "steps": 40}
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "time/step": 1.0}) + "\n" for s in (1, 2)))
+    evals = [_line(0, 0.2, 0.1), _line(10, 0.5, 0.3), _line(20, 0.6, 0.4), _line(30, 0.6, 0.2), _line(40, 0.45, 0.5)]
+    (tmp_path / "eval.jsonl").write_text("".join(json.dumps(e) + "\n" for e in evals))
+    row = collect(Point({"async_ratio": "0"}, []), tmp_path)
+    assert (row["acc_final"], row["acc_best"], row["acc_best_step"]) == (0.45, 0.6, 20)
