@@ -53,6 +53,11 @@ def test_validate_warns_when_every_row_is_dropped_with_each_row_s_reason(tmp_pat
                       "data.sft_key=answer", "rollout.max_new_tokens=16")
     assert len(lines) == 1 and lines[0].startswith("warning: every one of the first 27 rows is dropped (row 0: "
                                                    "bad_answer: "), lines
+    # flash data counts each row once (not the guard's run of 10,000 past the file's end) and shows why
+    assert main(["data", "math", f"data.train=[{tmp_path / 'bad.jsonl'}]", "data.prompt_key=question",
+                 "data.sft_key=answer", "rollout.max_new_tokens=16"]) == 0
+    out = capsys.readouterr().out
+    assert "dropped: {'bad_answer': 27}" in out and "  data index 0: bad_answer: BadRow: reference answer 'seven'" in out
 
 
 def test_validate_and_data_warn_when_the_run_s_reward_scores_every_reference_zero(tmp_path, capsys, monkeypatch):

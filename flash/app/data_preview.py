@@ -55,10 +55,10 @@ def histogram(lengths: list[int], bins: int = 8) -> list[tuple[int, int, int]]:
     return [(lo + b * width, lo + (b + 1) * width - 1, counts.get(b, 0)) for b in range(-(-(hi - lo + 1) // width))]
 
 
-def scan(task, tokenizer, max_prompt_tokens: int, rows: int) -> dict:
+def scan(task, tokenizer, max_prompt_tokens: int, rows: int, score: bool = True) -> dict:
     """The first ``rows`` train positions through the input guard, one row at a time: kept items
-    with token ids and each kept row's reference reward, drops per reason, and each dropped row's
-    ``(data index, why)`` in ``rejects``."""
+    with token ids and each kept row's reference reward (None without ``score``), drops per reason,
+    and each dropped row's ``(data index, why)`` in ``rejects``."""
     from flash.guards import DataError, InputGuard
     from flash.models import encode_prompt
 
@@ -71,12 +71,8 @@ def scan(task, tokenizer, max_prompt_tokens: int, rows: int) -> dict:
             _, item, ids = guard.take(index, task.item, lambda p: encode_prompt(tokenizer, p))
         except DataError:  # this row is dropped (counted, its reason in rejects)
             continue
-        kept.append((item, ids, _reference_reward(task, item)))
+        kept.append((item, ids, score_reference(task.reward, item) if score else None))
     return {"kept": kept, "dropped": dict(guard.counts), "scanned": end, "rejects": rejects}
-
-
-def _reference_reward(task, item) -> float | str:
-    return score_reference(task.reward, item)
 
 
 def preview(cfg, rows: int = 1000, out=print) -> dict:
@@ -116,7 +112,7 @@ def recipe_warnings(cfg, task, rows: int = 200) -> list[str]:
     if isinstance(task, EnvTask) or cfg.agent.fn or cfg.model.gguf or not hasattr(task, "item"):
         return []
     tokenizer = preview_tokenizer(cfg, task)
-    result = scan(task, tokenizer, cfg.data.max_prompt_tokens or 0, rows)
+    result = scan(task, tokenizer, cfg.data.max_prompt_tokens or 0, rows, score=False)
     return data_warnings(cfg, task, tokenizer, result, run_scorer(cfg, task))
 
 
