@@ -4,12 +4,17 @@ An estimator is ``fn(inputs: AdvantageInputs, *, knob=default, ...) -> advantage
 ``compute_advantages`` checks the knobs, calls it, then applies the add-ons every estimator takes,
 in this order, and zeroes masked-out tokens:
 
-- ``whiten`` (default False): (A − mean) / (std + 1e-8) over the masked tokens of the batch
-  (population std).
+- ``whiten`` (default False): (A − mean) / (std + 1e-8) over the masked tokens of the batch;
+  the std is the population one, or with ``whiten_unbiased`` (default False) the Bessel-corrected
+  one (n − 1, as verl, ROLL and AReaL).
 - ``clip`` (default None: off): clamp A to [−clip, clip].
 
 Groups: ``group_ids[i]`` names the prompt sample ``i`` answers (``Sample.group_id``); samples of
 one prompt share it. A group of one sample gets advantage 0 from every group-baseline estimator.
+
+Precision: group statistics and whitening are computed in float64 on rewards shifted by each
+group's first reward, then cast to the rewards' dtype, so a group whose rewards are all equal (0.7,
+2/3, 0.1, not exact in binary) gets advantage exactly 0 in any dtype.
 """
 
 from __future__ import annotations
@@ -22,8 +27,8 @@ import torch
 from .aggregate import masked_mean
 from .registry import Registry
 
-ADV_ADDON_KNOBS: dict[str, Any] = {"clip": None, "whiten": False}
-_ADDON_HINTS = {"clip": float | None, "whiten": bool}
+ADV_ADDON_KNOBS: dict[str, Any] = {"clip": None, "whiten": False, "whiten_unbiased": False}
+_ADDON_HINTS = {"clip": float | None, "whiten": bool, "whiten_unbiased": bool}
 ADVANTAGES = Registry("advantage estimator", "flash.advantages", reserved=ADV_ADDON_KNOBS)
 
 
@@ -48,6 +53,9 @@ def _resolve(name: str, knobs: dict[str, Any]):
     entry, full = ADVANTAGES.resolve(name, knobs, ADV_ADDON_KNOBS, _ADDON_HINTS)
     if full["clip"] is not None and not full["clip"] > 0:
         raise ValueError(f"advantage clip must be None or > 0, got {full['clip']}")
+    if full["whiten_unbiased"] and not full["whiten"]:
+        raise ValueError("advantage whiten_unbiased chooses the std of whiten: set whiten: true "
+                         "with it, or drop it")
     return entry, full
 
 
@@ -64,11 +72,16 @@ def describe_advantages() -> list[dict[str, Any]]:
     return rows
 
 
-def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
-    """(x − mean) / (std + eps) with mean and population std over ``mask``."""
-    mean = masked_mean(x, mask)
-    std = masked_mean((x - mean).square(), mask).sqrt()
-    return (x - mean) / (std + eps)
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8,
+                  unbiased: bool = False) -> torch.Tensor:
+    """(x − mean) / (std + eps) with mean and std over ``mask`` (population std, or the
+    Bessel-corrected one with ``unbiased``; 0 with one masked token), in float64, cast back."""
+    x64, m64 = x.double(), mask.double()
+    n = m64.sum()
+    mean = (x64 * m64).sum() / n.clamp_min(1)
+    sq = ((x64 - mean).square() * m64).sum()
+    std = (sq / (n - 1 if unbiased else n).clamp_min(1)).sqrt()
+    return ((x64 - mean) / (std + eps)).to(x.dtype)
 
 
 def compute_advantages(name: str, rewards: torch.Tensor | Sequence[float],
@@ -89,7 +102,7 @@ def compute_advantages(name: str, rewards: torch.Tensor | Sequence[float],
             raise ValueError(f"estimator {name!r} returned shape {list(adv.shape)}, "
                              f"expected {list(mask.shape)}")
         if full["whiten"]:
-            adv = masked_whiten(adv, mask)
+            adv = masked_whiten(adv, mask, unbiased=full["whiten_unbiased"])
         if full["clip"] is not None:
             adv = adv.clamp(-full["clip"], full["clip"])
     return adv * mask
@@ -115,16 +128,31 @@ def _sample_rewards(inputs: AdvantageInputs, who: str) -> torch.Tensor:
     return inputs.rewards
 
 
-def group_stats(rewards: torch.Tensor, group_ids: torch.Tensor):
-    """Per sample: its group's reward mean, unbiased std (0 for a group of one) and size."""
+@dataclass
+class GroupStats:
+    """Per sample, in float64: ``centred`` = r − its group's mean, the group's unbiased ``std``
+    (0 for a group of one) and ``count`` (its size)."""
+
+    centred: torch.Tensor
+    std: torch.Tensor
+    count: torch.Tensor
+
+
+def group_stats(rewards: torch.Tensor, group_ids: torch.Tensor) -> GroupStats:
+    """Group statistics in float64 on rewards shifted by their group's first reward: a group of
+    equal rewards has ``centred`` and ``std`` exactly 0 whatever the rewards' dtype."""
     _, inv = torch.unique(group_ids, return_inverse=True)
     n_groups = int(inv.max()) + 1 if inv.numel() else 0
-    zeros = rewards.new_zeros(n_groups)
-    count = zeros.index_add(0, inv, torch.ones_like(rewards))
-    mean = zeros.index_add(0, inv, rewards) / count
-    sq = zeros.index_add(0, inv, (rewards - mean[inv]).square())
+    r = rewards.double()
+    first = torch.full((n_groups,), r.numel(), dtype=torch.long)
+    first = first.scatter_reduce(0, inv, torch.arange(r.numel()), reduce="amin")
+    shifted = r - r[first][inv]
+    zeros = r.new_zeros(n_groups)
+    count = zeros.index_add(0, inv, torch.ones_like(r))
+    centred = shifted - (zeros.index_add(0, inv, shifted) / count)[inv]
+    sq = zeros.index_add(0, inv, centred.square())
     std = (sq / (count - 1).clamp_min(1)).sqrt()
-    return mean[inv], std[inv], count[inv]
+    return GroupStats(centred, std[inv], count[inv])
 
 
 def _per_token(per_sample: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -143,8 +171,8 @@ def grpo(inputs: AdvantageInputs, *, eps: float = 1e-6) -> torch.Tensor:
     every token of sample i. std_g is the unbiased (n−1) std, as in verl and TRL; a group whose
     rewards are all equal (std 0) gets A = 0. Default: eps 1e-6."""
     r = _sample_rewards(inputs, "grpo")
-    mean, std, _ = group_stats(r, inputs.group_ids)
-    return _per_token((r - mean) / (std + eps), inputs.mask)
+    g = group_stats(r, inputs.group_ids)
+    return _per_token((g.centred / (g.std + eps)).to(r.dtype), inputs.mask)
 
 
 @register_advantage("dr_grpo", "group-centred reward: r - mean_g (no std)")
@@ -152,8 +180,7 @@ def dr_grpo(inputs: AdvantageInputs) -> torch.Tensor:
     """Dr. GRPO (Liu et al., arXiv 2503.20783): A_i = r_i − mean_g; no std division (pair it
     with ``agg: seq-mean-token-sum-norm``). No knobs."""
     r = _sample_rewards(inputs, "dr_grpo")
-    mean, _, _ = group_stats(r, inputs.group_ids)
-    return _per_token(r - mean, inputs.mask)
+    return _per_token(group_stats(r, inputs.group_ids).centred.to(r.dtype), inputs.mask)
 
 
 @register_advantage("rloo", "leave-one-out baseline: r_i - mean of the other samples' rewards")
@@ -161,9 +188,10 @@ def rloo(inputs: AdvantageInputs) -> torch.Tensor:
     """RLOO (Kool et al. 2019; Ahmadian et al., arXiv 2402.14740):
     A_i = r_i − (1/(n−1)) Σ_{j≠i} r_j = n/(n−1)·(r_i − mean_g); 0 for a group of one. No knobs."""
     r = _sample_rewards(inputs, "rloo")
-    mean, _, n = group_stats(r, inputs.group_ids)
+    g = group_stats(r, inputs.group_ids)
+    n = g.count
     scale = torch.where(n > 1, n / (n - 1).clamp_min(1), torch.zeros_like(n))
-    return _per_token(scale * (r - mean), inputs.mask)
+    return _per_token((scale * g.centred).to(r.dtype), inputs.mask)
 
 
 def _check_reinforce_pp(k: dict) -> None:
@@ -186,7 +214,7 @@ def reinforce_pp(inputs: AdvantageInputs, *, gamma: float = 1.0, eps: float = 1e
     """
     r = _sample_rewards(inputs, "reinforce_pp")
     if group_baseline:
-        r = r - group_stats(r, inputs.group_ids)[0]
+        r = group_stats(r, inputs.group_ids).centred.to(r.dtype)
     m = inputs.mask
     after = m.flip(-1).cumsum(-1).flip(-1) - m  # masked tokens after t
     returns = r[:, None] * torch.pow(torch.as_tensor(gamma, dtype=m.dtype), after) * m

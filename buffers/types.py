@@ -42,6 +42,12 @@ class Sample:
     def group_id(self) -> int:
         return self.prompt_id
 
+    @property
+    def facts(self) -> dict[str, float]:
+        """The numbers its agent reported beside the reward (``meta["facts"]``, buffers.facts; {}
+        for none): meta carries them through every encoding of a sample."""
+        return self.meta.get("facts", {})
+
 
 @dataclass(frozen=True)
 class TokenField:

@@ -282,6 +282,7 @@ class AsyncController:
                     # for `flash plan` (flash.app.plan): response and prompt tokens, how it ended
                     "len": len(s.response_ids), "plen": len(s.prompt_ids), "finish": s.finish_reason,
                     **{k: s.meta[k] for k in LEDGER_META if k in s.meta},
+                    **({"facts": s.facts} if s.facts else {}),  # what its agent reported (buffers.facts)
                 }) + "\n")
         self.ledger.flush()
 
@@ -289,7 +290,8 @@ class AsyncController:
         """The step's own metrics (controllers.step_metrics names each source)."""
         return sm.assemble(
             sm.trainer_metrics(train_metrics), sm.phase_metrics(self._times, step_s),
-            sm.batch_metrics(t, samples, batch), sm.rollout_state(len(self.buffer), self.scheduler.admitted),
+            sm.batch_metrics(t, samples, batch), sm.facts_metrics(samples),
+            sm.rollout_state(len(self.buffer), self.scheduler.admitted),
             self.scheduler.metrics(),  # lifecycle counts, filtered by rule, aborted by reason
             sm.token_metrics(batch, step_s), sm.update_metrics(self._update_bytes, self._update_metrics),
             self._mismatch(batch, prox), self._role_metrics(step_s))

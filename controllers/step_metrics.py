@@ -9,7 +9,8 @@ simulated seconds, reward pool, buffer service, guards, checkpoints, engine faul
 
 Names: ``train/*`` the trainer (and the critic, ``train/critic/*``); ``time/*`` wall seconds of the
 step's phases; ``reward/*``, ``staleness/*``, ``rollout/*`` the batch and the rollout; ``buffer/*``
-the SampleBuffer (and its zmq service); ``sim/*`` simulated seconds (flash.sim.accounting).
+the SampleBuffer (and its zmq service); ``sim/*`` simulated seconds (flash.sim.accounting); ``agent/*`` the agent workflow's counts and
+the facts agents reported (``facts_metrics``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from buffers.facts import facts_means
 from flash.train.batch import TrainBatch
 from flash.usage import IdleMeter
 
@@ -61,6 +63,12 @@ def batch_metrics(t: int, samples: Sequence, batch: TrainBatch) -> Metrics:
         "rollout/response_len_max": float(max(lengths)),
         **{f"staleness/count_{k}": float(stale.count(k)) for k in range(max(stale) + 1)},
     }
+
+
+def facts_metrics(samples: Sequence) -> Metrics:
+    """Each fact an agent reported (``Sample.facts``, buffers.facts), averaged over the step's
+    trained samples that report it: ``agent/<name>``."""
+    return facts_means(s.facts for s in samples)
 
 
 def token_metrics(batch: TrainBatch, step_s: float) -> Metrics:

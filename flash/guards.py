@@ -71,6 +71,7 @@ class InputGuard:
     max_consecutive: int = 10_000  # rows skipped in a row before the data is called unusable
     counts: dict[str, int] = field(default_factory=dict)
     warn: Callable[[str], None] = log.warning
+    on_reject: Callable[[int, str], None] | None = None  # (data index, why) of every skipped row
 
     def take(self, index: int, item_fn: Callable[[int], Any], encode: Callable[[str], list[int]]):
         """The first usable prompt at data position >= ``index``: ``(index, item, ids)``."""
@@ -109,6 +110,8 @@ class InputGuard:
             raise DataError(f"prompt at data index {index} is {why}; fix or remove the row, or set "
                             f"data.strict=false to skip such rows (counted in data/skipped_{kind})")
         self.counts[kind] = self.counts.get(kind, 0) + 1
+        if self.on_reject is not None:
+            self.on_reject(index, why)
         if self.counts[kind] == 1:
             self.warn(f"flash: skipping prompt at data index {index}: {why} (first of its kind; every "
                       f"skip is counted in data/skipped_{kind}); example: {str(item)[:200]}")

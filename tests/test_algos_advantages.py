@@ -168,3 +168,39 @@ def test_estimator_errors_name_the_closest():
     with pytest.raises(ValueError, match="bool"):
         algos.validate_advantage("rloo", {"whiten": "yes"})
     algos.validate_advantage("gae", {"gamma": 0.99, "lam": 0.95, "whiten": True, "clip": 5})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("value", [0.7, 2 / 3, 0.1, 1e-3, 123.456])
+@pytest.mark.parametrize("name", ["grpo", "dr_grpo", "rloo"])
+def test_a_group_of_equal_rewards_gets_exactly_zero_in_any_dtype(dtype, value, name):
+    """Group statistics run in float64 on rewards shifted by the group's first: no rounding
+    residue divided by a tiny std (float32 arithmetic gives up to ~0.1 here)."""
+    mask = torch.ones(8, 3, dtype=dtype)
+    rewards = torch.full((8,), value, dtype=dtype)
+    adv = compute_advantages(name, rewards, [0] * 5 + [1] * 3, mask, eps=1e-6) if name == "grpo" \
+        else compute_advantages(name, rewards, [0] * 5 + [1] * 3, mask)
+    assert adv.dtype == dtype
+    assert torch.equal(adv, torch.zeros(8, 3, dtype=dtype))
+
+
+def test_grpo_float32_matches_float64_to_rounding():
+    rewards = [0.7, 0.7, 0.1, 2 / 3, 0.0, 1.0]
+    a32 = compute_advantages("grpo", rewards, [0, 0, 0, 1, 1, 1], torch.ones(6, 1))
+    a64 = compute_advantages("grpo", rewards, [0, 0, 0, 1, 1, 1], torch.ones(6, 1, dtype=F64))
+    assert a32.dtype == torch.float32
+    # group 0: mean 0.5, unbiased std sqrt(0.12) = 0.34641; 0.2 / 0.34641 = 0.57735
+    assert a64[:, 0].tolist()[:3] == pytest.approx([0.57735, 0.57735, -1.15470], abs=1e-4)
+    torch.testing.assert_close(a32.double(), a64, rtol=1e-6, atol=1e-6)
+
+
+def test_whiten_unbiased_divides_by_the_bessel_corrected_std():
+    mask = t([[1, 1, 0], [1, 0, 0]])
+    adv = compute_advantages("dr_grpo", [2.0, 0.0], [0, 0], mask, whiten=True, whiten_unbiased=True)
+    # dr_grpo: [[1, 1, -], [-1, -, -]]; masked mean 1/3, squares sum 8/3, n - 1 = 2: std sqrt(4/3)
+    hi, lo = (2 / 3) / math.sqrt(4 / 3), (-4 / 3) / math.sqrt(4 / 3)
+    torch.testing.assert_close(adv, t([[hi, hi, 0], [lo, 0, 0]]), rtol=1e-6, atol=1e-7)
+    with pytest.raises(ValueError, match="whiten: true"):
+        algos.validate_advantage("grpo", {"whiten_unbiased": True})
+    adv32 = compute_advantages("dr_grpo", [2.0, 0.0], [0, 0], mask.float(), whiten=True)
+    assert adv32.dtype == torch.float32

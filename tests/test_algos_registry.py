@@ -72,7 +72,8 @@ def test_describe_lists_knobs_with_defaults():
     assert rows["tis"]["knobs"]["cap"] == 2.0 and rows["tis"]["knobs"]["level"] == "token"
     assert all(r["description"] for r in rows.values())
     adv = {r["name"]: r for r in algos.describe_advantages()}
-    assert adv["gae"]["knobs"] == {"gamma": 1.0, "lam": 1.0, "clip": None, "whiten": False}
+    assert adv["gae"]["knobs"] == {"gamma": 1.0, "lam": 1.0, "clip": None, "whiten": False,
+                                    "whiten_unbiased": False}
     assert "reinforce++" in adv["reinforce_pp"]["aliases"]
     aggs = {r["name"]: r["knobs"] for r in algos.describe_aggregations()}
     assert aggs["seq-mean-token-sum-norm"] == {"max_len": None} and aggs["token-mean"] == {}

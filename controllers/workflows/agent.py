@@ -8,7 +8,9 @@ Parts, all in the driver:
   temperature, at most ``rollout.max_new_tokens``, seed: ``turn_seed``) -- submitted
   through the core's engine client; ``route`` hands the engine's output back to the waiting call;
 - when the agent returns, the session's tokens become the unit's ``Sample`` (token-exact: what was
-  sampled is what is trained; flash.envs.chat_session) and the core hears of it (``deliver``);
+  sampled is what is trained; flash.envs.chat_session), the numbers of its returned dict its facts
+  (buffers.facts; the rest counted as ``agent/facts_dropped_<reason>`` since the start), and the
+  core hears of it (``deliver``);
 - ``cancel`` (redundant, surplus): the agent is cancelled at its next await, its pending turn
   aborted in the engine, its session closed.
 
@@ -20,11 +22,13 @@ agents wait on are asked again (``requeue``) with the same ids and seeds.
 from __future__ import annotations
 
 import threading
+from collections import Counter
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
 from buffers import Sample
+from buffers.facts import DROP_REASONS, FACTS, clean_facts
 from controllers.workflows.base import Unit, turn_seed
 from flash.engine.base import GenerationOutput, GenerationRequest, SamplingParams
 
@@ -51,6 +55,7 @@ class Agents:
         self._turns: dict[str, _Run] = {}  # engine request id -> run
         self._done: dict[str, Sample] = {}
         self.untrained_tokens = 0  # sampled tokens of earlier segments (agent_runtime's docstring)
+        self.facts_dropped: Counter = Counter()  # entries of agents' dicts that are not facts, per reason
         gateway.generate = self.generate
 
     # ---- Workflow ------------------------------------------------------------------------
@@ -111,7 +116,8 @@ class Agents:
 
     # ---- Service -------------------------------------------------------------------------
     def metrics(self) -> dict[str, float]:
-        return {**self.runner.metrics(), "agent/untrained_tokens": float(self.untrained_tokens),
+        dropped = {f"agent/facts_dropped_{k}": float(self.facts_dropped[k]) for k in DROP_REASONS}
+        return {**self.runner.metrics(), "agent/untrained_tokens": float(self.untrained_tokens), **dropped,
                 **{f"gateway/{k}": float(v) for k, v in self.gateway.metrics().items()}}
 
     def stop(self) -> None:
@@ -171,10 +177,13 @@ class Agents:
             if run.cancelled or self._runs.pop(u.id, None) is None:
                 return
             record = getattr(run, "record", None)
+            facts, dropped = clean_facts(result.info)
+            self.facts_dropped.update(dropped)
             sample = self.to_sample(record, prompt_id=u.prompt_id, sample_index=u.index,
                                     admitted_version=u.version, reward=result.reward, outcome=result.outcome,
                                     meta={**result.info, **u.meta, "data_index": u.data_index,
-                                          "attempts": result.attempts, "request_id": u.id, "request": u.index})
+                                          "attempts": result.attempts, "request_id": u.id, "request": u.index,
+                                          FACTS: facts})
             self.untrained_tokens += sample.meta.get("untrained_tokens", 0)
             self._done[u.id] = sample
         self.core.deliver([GenerationOutput(u.id, [], [], [], [], result.outcome)])

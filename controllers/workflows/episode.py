@@ -38,6 +38,7 @@ from typing import Any
 import ray
 
 from buffers import Sample
+from buffers.facts import FACTS, clean_facts
 from buffers.reward import BadReward, reward_value
 from buffers.trace import TokenTrace
 from controllers.workflows.base import Unit, turn_seed
@@ -281,7 +282,7 @@ class Episodes(EnvWorkerFaults):
         t.reward += reward
         t.observations.append(obs)
         if done or ep.turns >= self.max_turns:
-            self._finish(ep, info.get("outcome", "done") if done else "truncated")
+            self._finish(ep, info.get("outcome", "done") if done else "truncated", info)
             return
         add_observation(t, self.codec.encode_observation(obs))
         self._submit_turn(ep)
@@ -293,19 +294,24 @@ class Episodes(EnvWorkerFaults):
             self.last_env_error = message
         self._finish(ep, "env_error")
 
-    def _finish(self, ep: _Episode, outcome: str) -> None:
-        """The episode ended: its sample waits for ``finish`` and the core hears of it."""
+    def _finish(self, ep: _Episode, outcome: str, info: Any = None) -> None:
+        """The episode ended: its sample waits for ``finish`` and the core hears of it. The numbers
+        of the last step's ``info`` (but ``outcome``) are the episode's facts (buffers.facts)."""
         ep.worker.close.remote(ep.key)
         u = ep.unit
+        facts, dropped = clean_facts({k: v for k, v in info.items() if k != "outcome"}
+                                     if isinstance(info, dict) else {})
         with self._lock:
             if ep.cancelled:
                 return
             self._live.pop(ep.key, None)
             self._count("episodes")
             self._count(f"outcome/{outcome}")
+            for reason, n in dropped.items():
+                self._count(f"facts_dropped_{reason}", n)
             self._done[ep.key] = to_sample(
                 ep.transcript, prompt_id=u.prompt_id, sample_index=u.index, admitted_version=u.version,
                 outcome=outcome, meta={**u.meta, "data_index": u.data_index, "seed": u.item.meta["seed"],
-                                       "request_id": u.id, "request": u.index})
+                                       "request_id": u.id, "request": u.index, FACTS: facts})
         self.core.deliver([GenerationOutput(ep.key, list(ep.transcript.trace.prompt_ids), [], [], [], ENDED)])
 

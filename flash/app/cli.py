@@ -47,7 +47,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
     path = resolve_recipe(args.recipe)
     cfg = load_config(path, args.overrides)
-    preflight(cfg, path.stem)  # the checks `flash run` makes before it starts (flash.app.preflight)
+    checked = preflight(cfg, path.stem)  # the checks `flash run` makes before it starts (flash.app.preflight)
     print(f"ok: {path} (async_ratio={cfg.async_ratio}, loss={cfg.algo.loss['name']}, "
           f"steps={cfg.train.steps})")
     from flash.app.config import base_differences
@@ -57,6 +57,10 @@ def cmd_validate(args: argparse.Namespace) -> int:
         print(f"differs from its base in {len(changed)} settings:")
         for line in changed:
             print(f"  {line}")
+    from flash.app.data_preview import recipe_warnings
+
+    for line in recipe_warnings(cfg, checked.task):  # what no check refuses but wastes the run
+        print(f"warning: {line}")
     return 0
 
 
@@ -67,7 +71,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     path = resolve_recipe(args.recipe)
     cfg = load_config(path, args.overrides)
     summary = run(cfg, recipe_name=path.stem)
-    print(f"flash: accuracy {summary['eval_accuracy_initial']:.3f} -> {summary['eval_accuracy_final']:.3f} "
+    best = summary.get("eval_best_step")
+    best = f" (best {summary['eval_accuracy_best']:.3f} at step {best})" if best not in (None, summary["steps"]) else ""
+    print(f"flash: accuracy {summary['eval_accuracy_initial']:.3f} -> {summary['eval_accuracy_final']:.3f}{best} "
           f"in {summary['steps']} steps, {summary['wall_seconds']:.0f}s; summary: "
           f"{summary['run_dir']}/summary.json")
     return 0

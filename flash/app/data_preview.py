@@ -4,7 +4,8 @@
 (after the chat template, decoded back from the token ids) with their token counts, a histogram of
 prompt lengths, the rows the input guard would drop per reason, and the reward each row's own
 reference answer gets. A reference that scores 0 is a data bug (a reward reading the wrong column,
-an answer format the reward cannot parse): those are counted and shown.
+an answer format the reward cannot parse): those are counted and shown. Then the warnings of
+``flash.app.data_warnings`` (responses longer than the cap, every row dropped, every reference 0).
 
 ``flash data export TASK -o FILE`` writes a built-in generated task's items as a dataset file
 (``prompt``, ``answer``, ``solution`` = its SFT demonstration, and its meta columns), so a recipe
@@ -18,6 +19,7 @@ import logging
 from collections import Counter
 from pathlib import Path
 
+from flash.app.data_warnings import data_warnings, run_scorer, score_reference
 from flash.errors import ConfigError
 
 log = logging.getLogger("flash")
@@ -53,34 +55,26 @@ def histogram(lengths: list[int], bins: int = 8) -> list[tuple[int, int, int]]:
     return [(lo + b * width, lo + (b + 1) * width - 1, counts.get(b, 0)) for b in range(-(-(hi - lo + 1) // width))]
 
 
-def scan(task, tokenizer, max_prompt_tokens: int, rows: int) -> dict:
-    """The first ``rows`` train positions through the input guard: kept items with token ids,
-    drops per reason, and each kept row's reference reward."""
+def scan(task, tokenizer, max_prompt_tokens: int, rows: int, score: bool = True) -> dict:
+    """The first ``rows`` train positions through the input guard, one row at a time: kept items
+    with token ids and each kept row's reference reward (None without ``score``), drops per reason,
+    and each dropped row's ``(data index, why)`` in ``rejects``."""
     from flash.guards import DataError, InputGuard
     from flash.models import encode_prompt
 
-    guard = InputGuard(max_prompt_tokens=max_prompt_tokens, warn=lambda _: None)
-    kept, index, end = [], 0, min(rows, getattr(task, "rows_per_epoch", rows))
-    while index < end:
+    rejects: list[tuple[int, str]] = []
+    guard = InputGuard(max_prompt_tokens=max_prompt_tokens, max_consecutive=1, warn=lambda _: None,
+                       on_reject=lambda index, why: rejects.append((index, why)))
+    kept, end = [], min(rows, getattr(task, "rows_per_epoch", rows))
+    for index in range(end):
         try:
-            index, item, ids = guard.take(index, task.item, lambda p: encode_prompt(tokenizer, p))
-        except DataError:  # nothing usable in a long run of rows
-            break
-        if index >= end:
-            break
-        kept.append((item, ids, _reference_reward(task, item)))
-        index += 1
+            _, item, ids = guard.take(index, task.item, lambda p: encode_prompt(tokenizer, p))
+        except DataError:  # this row is dropped (counted, its reason in rejects)
+            continue
+        kept.append((item, ids, score_reference(task.reward, item) if score else None))
     dropped = Counter(getattr(task, "read_skipped", {}))  # rows skipped before reading (flash.data.limits)
     dropped.update(guard.counts)
-    return {"kept": kept, "dropped": dict(dropped), "scanned": end}
-
-
-def _reference_reward(task, item) -> float | str:
-    try:
-        out = task.reward(item, item.answer)
-    except Exception as exc:  # a reward that fails on its own reference is what this looks for
-        return f"error: {type(exc).__name__}: {str(exc)[:80]}"
-    return float(getattr(out, "reward", out))
+    return {"kept": kept, "dropped": dict(dropped), "scanned": end, "rejects": rejects}
 
 
 def preview(cfg, rows: int = 1000, out=print) -> dict:
@@ -100,11 +94,28 @@ def preview(cfg, rows: int = 1000, out=print) -> dict:
     for lo, hi, n in histogram(lengths):
         out(f"  {lo:>6}-{hi:<6} {n:>7}  {'#' * max(1 if n else 0, round(40 * n / max(1, len(kept))))}")
     out(f"dropped: {result['dropped'] or 'none'}")
+    for index, why in result["rejects"][:SHOW]:
+        out(f"  data index {index}: {why[:160]}")
     zero = [(item, r) for item, _, r in kept if r == 0.0 or isinstance(r, str)]
     out(f"references scoring 0 (a data or reward bug): {len(zero)} of {len(kept)}")
     for item, r in zero[:SHOW]:
-        out(f"  data index {item.index}: answer {item.answer[:80]!r} -> {r}")
+        out(f"  data index {item.index}: answer {str(item.answer)[:80]!r} -> {r}")
+    for line in data_warnings(cfg, task, tokenizer, result, run_scorer(cfg, task)):
+        out(f"warning: {line}")
     return result
+
+
+def recipe_warnings(cfg, task, rows: int = 200) -> list[str]:
+    """`flash validate`'s data warnings (flash.app.data_warnings) over the first ``rows`` train rows;
+    none for environment and agent tasks (their responses are episodes) and a GGUF model (its
+    tokenizer comes with the conversion)."""
+    from flash.envs.task import EnvTask
+
+    if isinstance(task, EnvTask) or cfg.agent.fn or cfg.model.gguf or not hasattr(task, "item"):
+        return []
+    tokenizer = preview_tokenizer(cfg, task)
+    result = scan(task, tokenizer, cfg.data.max_prompt_tokens or 0, rows, score=False)
+    return data_warnings(cfg, task, tokenizer, result, run_scorer(cfg, task))
 
 
 def export_task(name: str, options: dict, path: str, rows: int, split: str = "train") -> int:

@@ -1,9 +1,15 @@
-"""Named evaluation sets: ``eval.sets`` beside the task's own held-out set.
+"""The evaluation: named sets, ``eval.sets``, and the task's own held-out set as one more.
 
     eval:
       sets: {gsm_dev: path/dev.jsonl, words: {task: wordproblems, max_operand: 9}}
       n: 4          # samples per prompt
       every_steps: 10
+
+The sets are the named ones in config order, then ``eval``: the task's held-out items
+(``data.eval`` or the holdout of a dataset, a built-in task's eval split), left out when the task
+has none, when a named set is called ``eval``, or when a named set reads the same files as
+``data.eval``. The first set's ``mean@n`` is the run's headline held-out accuracy
+(``eval/accuracy``, ``summary.json``'s ``eval_accuracy_*``).
 
 A set is dataset files (read with the run's ``data:`` keys: prompt and answer columns, template,
 system prompt) or a built-in task's held-out items. Each prompt is sampled ``n`` times through the
@@ -29,6 +35,7 @@ from typing import Any, Callable
 from flash.errors import ConfigError
 
 MAX_SET_ITEMS = 4096
+OWN_SET = "eval"  # the name of the task's own held-out set
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -77,8 +84,31 @@ def _set_task(cfg, name: str, spec):
                       f"got {spec!r}")
 
 
-def build_eval_sets(cfg) -> list[EvalSet]:
-    """The named sets of ``cfg.eval.sets`` (ConfigError for one that cannot be read)."""
+def build_eval_sets(cfg, task=None) -> list[EvalSet]:
+    """The named sets of ``cfg.eval.sets`` (ConfigError for one that cannot be read), then
+    ``task``'s own held-out set as ``eval`` (see the module docstring)."""
+    sets = _named_sets(cfg)
+    own = _own_set(cfg, task, sets) if task is not None else None
+    return sets + ([own] if own is not None else [])
+
+
+def _same_files(spec, files) -> bool:
+    named = [spec] if isinstance(spec, str) else spec
+    return isinstance(named, list) and bool(files) and [str(f) for f in named] == [str(f) for f in files]
+
+
+def _own_set(cfg, task, named: list[EvalSet]) -> EvalSet | None:
+    """The task's held-out items as the set ``eval``; None when it has none or a named set is it."""
+    if any(s.name == OWN_SET for s in named):
+        return None
+    data_eval = list(getattr(cfg.data, "eval", None) or ())
+    if any(_same_files(spec, data_eval) for spec in dict(cfg.eval.sets).values()):
+        return None
+    items = list(task.eval_items())
+    return EvalSet(OWN_SET, items, None) if items else None
+
+
+def _named_sets(cfg) -> list[EvalSet]:
     from flash.data.rows import BadRow
 
     sets = []
@@ -124,6 +154,18 @@ def _score(reward, item, text: str) -> float:
         return 0.0
 
 
+def headline(metrics: dict[str, float], sets: list[EvalSet], n: int) -> float | None:
+    """The run's held-out accuracy: the first set's ``mean@n`` (None without a set)."""
+    return metrics.get(f"eval/{sets[0].name}/mean@{n}") if sets else None
+
+
+def set_figures(metrics: dict[str, float], n: int) -> str:
+    """``'eval mean@4 0.175 pass@4 0.312, dev mean@4 ...'``: each set's mean@n and pass@n."""
+    names = dict.fromkeys(k.split("/")[1] for k in metrics if k.startswith("eval/") and k.count("/") == 2)
+    return ", ".join(f"{s} mean@{n} {metrics[f'eval/{s}/mean@{n}']:.3f} pass@{n} {metrics[f'eval/{s}/pass@{n}']:.3f}"
+                     for s in names if f"eval/{s}/mean@{n}" in metrics)
+
+
 def evaluate_sets(scheduler, sets: list[EvalSet], params, n: int, seed: int, run_dir: Path, step: int,
                   decode: Callable[[list[int]], str]) -> dict[str, float]:
     """Sample every set's prompts ``n`` times, score, write the generations; the metrics."""
@@ -141,6 +183,6 @@ def evaluate_sets(scheduler, sets: list[EvalSet], params, n: int, seed: int, run
         with open(out / f"step-{step}.jsonl", "w") as f:
             for i, (item, x, text, r) in enumerate(zip(items, samples, texts, rewards)):
                 f.write(json.dumps({"item": i // n, "sample": i % n, "prompt": decode(x.prompt_ids),
-                                    "response": text, "answer": item.answer, "reward": r,
+                                    "response": text, "answer": getattr(item, "answer", None), "reward": r,
                                     "finish_reason": x.finish_reason, "tokens": len(x.response_ids)}) + "\n")
     return metrics

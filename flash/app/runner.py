@@ -31,7 +31,7 @@ from controllers.tail_batching import TailBatchingScheduler
 from controllers.workflows.episode import Episodes
 from flash.app import resume as resume_mod, run_state
 from flash.app.data import build_source, check_prompt_format, data_steps, load_tokenizer, max_prompt_tokens
-from flash.app.evaluation import build_eval_sets, evaluate_sets
+from flash.app.evaluation import build_eval_sets, evaluate_sets, headline, set_figures
 from flash.app.preflight import preflight
 from flash.app.schedule import step_line
 from flash.app.roles import Clock, RolloutBuffer, RunFiles, new_guards, start_roles
@@ -109,7 +109,7 @@ class Run:
         self.buffer = RolloutBuffer(*make_buffer(cfg.buffer, int(math.ceil((cfg.async_ratio + 2) * B))),
                                     StalenessManager(cfg.async_ratio, B))
         self.guards = new_guards(cfg, max_prompt_tokens(cfg, self.model_path), getattr(self.task, "read_skipped", None))
-        self.eval_sets = build_eval_sets(cfg)
+        self.eval_sets = build_eval_sets(cfg, self.task)
         self.reward_pool, self.scheduler = self._make_scheduler()
         self.controller = AsyncController(
             self.roles.engine, self.roles.trainer, self.scheduler, self.buffer.buffer, self.buffer.staleness,
@@ -198,14 +198,15 @@ class Run:
                                  self.reward_pool, self.checkpointer, self.files, self.cfg.train)
 
     def evaluate(self, tag: str, step: int = 0) -> dict[str, float]:
-        """Held-out accuracy now (``eval/accuracy``) and the named sets' metrics
-        (flash.app.evaluation); also a line in ``eval.jsonl`` (step, seconds since training began)."""
+        """Every evaluation set's metrics (flash.app.evaluation) and the headline held-out accuracy
+        ``eval/accuracy`` (the first set's mean@n); also a line in ``eval.jsonl`` (step, seconds
+        since training began)."""
         start = time.monotonic()
         params = sampling_params(self.cfg, self.tokenizer, eval_mode=True)
-        rewards = self.scheduler.evaluate(self.task.eval_items(), params, tag=tag, seed=self.cfg.seed + 991)
-        metrics = {"eval/accuracy": sum(1.0 for r in rewards if r > 0) / max(len(rewards), 1)}
-        metrics.update(evaluate_sets(self.scheduler, self.eval_sets, params, self.cfg.eval.n, self.cfg.seed + 991,
-                                     self.dir, step, self.scheduler.source.decode))
+        n = self.cfg.eval.n
+        metrics = evaluate_sets(self.scheduler, self.eval_sets, params, n, self.cfg.seed + 991, self.dir, step,
+                                self.scheduler.source.decode)
+        metrics["eval/accuracy"] = headline(metrics, self.eval_sets, n) or 0.0
         self.clock.last_eval_s = time.monotonic() - start
         elapsed = start - self.clock.train_start if self.clock.train_start is not None else 0.0
         self.files.eval.write(json.dumps({"tag": tag, "step": step, "elapsed": elapsed,
@@ -271,9 +272,9 @@ def _run(cfg: FlashConfig, recipe_name: str, heartbeat: Heartbeat) -> dict:
             metrics = r.evaluate("initial")
             r.clock.acc0 = metrics["eval/accuracy"]
             tracker.log(step_metrics.eval_metrics(metrics, r.clock.last_eval_s), 0)
+            progress.write(f"flash: held-out before training: {set_figures(metrics, cfg.eval.n)}")
         acc0 = r.clock.acc0
         heartbeat.set(phase="train", step=start, total=cfg.train.steps, accuracy=acc0)
-        progress.write(f"flash: held-out accuracy before training {acc0:.3f}")
         if start < cfg.train.steps:
             r.scheduler.set_version(r.controller.version)
         r.scheduler.start_admission()
@@ -291,7 +292,7 @@ def _run(cfg: FlashConfig, recipe_name: str, heartbeat: Heartbeat) -> dict:
         metrics = r.evaluate("final", cfg.train.steps)
         acc1 = metrics["eval/accuracy"]
         tracker.log(step_metrics.eval_metrics(metrics, r.clock.last_eval_s), cfg.train.steps)
-        progress.write(f"flash: held-out accuracy after training {acc1:.3f}")
+        progress.write(f"flash: held-out after training: {set_figures(metrics, cfg.eval.n)}")
     except KeyboardInterrupt as exc:  # ctrl-C, or SIGTERM (flash.errors.Terminated)
         raise type(exc)(f"{exc or 'ctrl-C'}; resume from the last checkpoint: flash run {recipe_name} "
                         f"resume={r.dir}") from None

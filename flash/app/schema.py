@@ -177,13 +177,14 @@ class CriticConfig:
 
 @dataclass
 class EvalConfig:
-    every_steps: int = 0  # 0: only before the first and after the last step (the held-out
-    # set is the task's own: its size is a task option, e.g. task.eval_size)
+    every_steps: int = 0  # 0: only before the first and after the last step
     temperature: float = 1.0
     max_new_tokens: int = 0  # 0: same as rollout.max_new_tokens
-    # Named sets beside the task's own (flash.app.evaluation): {name: file | [files] | {task: NAME, ...}}
+    # Named sets, then the task's own held-out set as `eval` (flash.app.evaluation; its size is a
+    # task option, e.g. task.eval_size): {name: file | [files] | {task: NAME, ...}}. The first
+    # set's mean@n is the run's held-out accuracy (summary.json's eval_accuracy_*).
     sets: Dict[str, Any] = field(default_factory=dict)
-    n: int = 4  # samples per prompt of each named set: mean@n and pass@k
+    n: int = 4  # samples per prompt of every set: mean@n and pass@k
 
 
 @dataclass

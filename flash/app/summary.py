@@ -6,7 +6,9 @@ library versions, how the reward sandbox isolated model-written code on this hos
 
 from __future__ import annotations
 
+import json
 import time
+from pathlib import Path
 from typing import Any
 
 from flash.app.config import FlashConfig
@@ -22,6 +24,7 @@ def summary(cfg: FlashConfig, r: Any, records, acc0, acc1, train_s, left) -> dic
     return {
         "eval_accuracy_initial": acc0,
         "eval_accuracy_final": acc1,
+        **eval_record(_read_evals(Path(r.dir) / "eval.jsonl")),
         "steps": steps,
         "wall_seconds": time.monotonic() - r.clock.t0,
         "train_seconds": train_s,
@@ -61,6 +64,32 @@ def summary(cfg: FlashConfig, r: Any, records, acc0, acc1, train_s, left) -> dic
         "sandbox_isolation": _sandbox_isolation(),
         "sandbox_cgroups": _sandbox_cgroups(),
     }
+
+
+def _read_evals(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def eval_record(evals: list[dict]) -> dict:
+    """From the run's evaluations (``eval.jsonl`` lines: step, accuracy, sets): every set's metrics
+    at the first and the last (``eval_sets_initial`` / ``_final``: ``{set: {mean@n, pass@k, ...}}``)
+    and the best headline accuracy of the trained ones with its step (``eval_accuracy_best``,
+    ``eval_best_step``; the earliest of equals; None before any)."""
+    def by_set(line: dict) -> dict[str, dict[str, float]]:
+        out: dict[str, dict[str, float]] = {}
+        for key, value in line.get("sets", {}).items():
+            _, name, metric = key.split("/", 2)
+            out.setdefault(name, {})[metric] = value
+        return out
+
+    trained = [e for e in evals if e.get("step", 0) > 0]
+    best = max(trained, key=lambda e: (e["accuracy"], -e["step"]), default=None)
+    return {"eval_sets_initial": by_set(evals[0]) if evals else {},
+            "eval_sets_final": by_set(evals[-1]) if trained else {},
+            "eval_accuracy_best": best["accuracy"] if best else None,
+            "eval_best_step": best["step"] if best else None}
 
 
 def _sandbox_isolation() -> str:

@@ -50,7 +50,7 @@ from flash.errors import ConfigError, raise_terminated
 
 ROLES = ("rollout", "train")
 COLUMNS = ["status", "wall_s", "s_per_step", "speedup", "samples_per_s", "tokens_per_s", "acc_initial",
-           "acc_final", "acc_best", "staleness_max", "staleness_mean", "idle_rollout", "idle_train"]
+           "acc_final", "acc_best", "acc_best_step", "staleness_max", "staleness_mean", "idle_rollout", "idle_train"]
 METRICS = COLUMNS[1:]  # what a setting reports as mean ± SE over its replicates
 
 
@@ -284,12 +284,15 @@ def collect(p: Point, run_dir: Path) -> dict:
     weights = [m.get("time/step", 0.0) for m in steps]
     idle = {role: sum(m.get(f"{role}/idle_ratio", 0.0) * w for m, w in zip(steps, weights)) / (sum(weights) or 1)
             for role in ROLES}
-    later = [e["accuracy"] for e in run.evals if e["step"] > 0] or [s["eval_accuracy_final"]]
+    # the best of the trained evaluations (eval.every_steps gives the curve), earliest of equals
+    later = [(e["accuracy"], -e["step"]) for e in run.evals if e["step"] > 0] or [(s["eval_accuracy_final"], -s["steps"])]
+    best, best_step = max(later)
     return {
         **p.settings, "status": "ok", "async_ratio_value": float(s["async_ratio"]),
         "wall_s": s["wall_seconds"], "s_per_step": s["seconds_per_step"] / scale,
         "samples_per_s": s["samples_trained"] / train_s * scale, "tokens_per_s": throughput(run)[1] * scale,
-        "acc_initial": s["eval_accuracy_initial"], "acc_final": s["eval_accuracy_final"], "acc_best": max(later),
+        "acc_initial": s["eval_accuracy_initial"], "acc_final": s["eval_accuracy_final"], "acc_best": best,
+        "acc_best_step": -best_step,
         "staleness_max": s["max_staleness_observed"],
         "staleness_mean": sum(m.get("staleness/mean", 0.0) for m in steps) / max(len(steps), 1),
         "idle_rollout": idle["rollout"], "idle_train": idle["train"],
@@ -385,7 +388,8 @@ def write_results(points: list[Point], groups: list[Group], out: Path, header: s
               "(sample std / sqrt(n); — when n = 1). wall_s: the whole run, setup included (a run that "
               "builds the warm-start cache pays for it); s_per_step: training wall seconds per step (periodic "
               "evals included); speedup: vs the synchronous run of the same seed / repeat; tokens_per_s: "
-              "trained tokens; acc_*: held-out accuracy; idle_*: fraction of wall time the role had no work")
+              "trained tokens; acc_*: held-out accuracy (the first evaluation set's mean@n; acc_best and acc_best_step: the best "
+              "periodic evaluation, eval.every_steps); idle_*: fraction of wall time the role had no work")
     (out / "results.md").write_text(f"{header}\n\n{table}\n\n{legend}\n\n{recommendation}{runs}\n")
     return table
 

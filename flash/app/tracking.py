@@ -235,10 +235,11 @@ class Heartbeat:
             self._thread.start()
 
     def set(self, **fields) -> None:
-        """Update what the next line says; a new phase drops the old phase's step count."""
+        """Update what the next line says; a new phase drops the old phase's figures (step count,
+        reward, accuracy), so a line never shows a value from before the phase."""
         old = self.fields
         if fields.get("phase", old["phase"]) != old["phase"]:
-            old = {k: v for k, v in old.items() if k not in ("step", "total")}
+            old = {k: v for k, v in old.items() if k not in ("step", "total", "reward", "accuracy")}
         self.fields = {**old, **fields}
 
     def line(self) -> str:
