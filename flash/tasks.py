@@ -47,8 +47,8 @@ class Task:
 
     name: ClassVar[str] = ""
     Options: ClassVar[type] = type(None)
-    # The tiny warm start's character tokenizer: flash.models.DEFAULT_ALPHABET plus these characters
-    # (e.g. the braces and quotes of JSON tool calls), with this chat template when the task's
+    # The tiny warm start's byte tokenizer reads any text: ``extra_chars`` is accepted and
+    # ignored. ``chat_template`` replaces that tokenizer's own template when the task's
     # demonstrations are chats (flash.train.sft.task_tokenizer).
     extra_chars: ClassVar[str] = ""
     chat_template: ClassVar[str | None] = None
