@@ -1,17 +1,21 @@
 """A recipe learns from a file in GSM8K's format: `question`, and `answer` ending in `#### N`.
 
-The rows are the math recipe's word problems written as GSM8K rows (the reasoning line, then
-`#### N`) with a `solution` column for the tiny model's warm start (one too high 20 % of the
-time, as in the math recipe); held-out rows come from a second file. The run is the math recipe
-unchanged but for `data:`, in a process of its own. Margin (the warm start plus 60 steps take
-minutes on 2 cores); the bars come from the measured runs in BENCHMARKS.md ("Your own data"):
-the tiny model +14.0 points (0.727 → 0.867), its bar 6 points below; SmolLM2-135M-Instruct (the
-math_smollm2 recipe with the same files, 10 of its 30 steps) +14.8 points (0.141 → 0.289), its bar
-5 points below.
+The tiny model's file is GSM8K-shaped text as a user brings it: capitalised sentences, worked
+solutions over several lines, then `#### N` ("Tom has 3 apples.\nTom buys 4 more.\n3 + 4 = 7\n#### 7"),
+written by the test; the answer column is both the reference and the demonstration
+(`data.sft_key` = `data.answer_key`). The run is the math recipe with a shorter warm start (an
+imperfect imitator leaves RL room), room for the worked solution (`rollout.max_new_tokens`) and
+the file as its data, in a process of its own. Margin (the warm start plus 60 steps take many
+minutes on 2 cores).
+
+SmolLM2-135M-Instruct (the math_smollm2 recipe, 10 of its 30 steps) trains on the math recipe's
+word problems written as GSM8K rows: +14.8 points measured (0.141 → 0.289, BENCHMARKS.md "Your
+own data"), its bar 5 points below.
 """
 
 import importlib.util
 import json
+import random
 
 import pytest
 
@@ -37,13 +41,50 @@ def write_gsm8k_rows(tmp_path) -> list[str]:
             "data.sft_key=solution"]
 
 
+NAMES = ("Tom", "Ann", "Sam", "Mia", "Leo", "Eva", "Max", "Zoe")
+THINGS = ("apples", "pears", "coins", "books", "cards", "eggs")
+BAR_TINY = 0.05
+
+
+def worked_problem(rng: random.Random) -> dict:
+    """One GSM8K-format row: a capitalised word problem, its worked solution over lines, `#### N`."""
+    name, thing, a, b = rng.choice(NAMES), rng.choice(THINGS), rng.randint(1, 5), rng.randint(1, 5)
+    if rng.random() < 0.5:
+        verb, op, value = "buys", "+", a + b
+        question = f"{name} has {a} {thing}. {name} buys {b} more. How many {thing} does {name} have now?"
+    else:
+        a, b = max(a, b), min(a, b)
+        verb, op, value = "gives away", "-", a - b
+        question = f"{name} has {a} {thing}. {name} gives away {b}. How many {thing} are left?"
+    more = " more" if op == "+" else ""
+    answer = f"{name} has {a} {thing}.\n{name} {verb} {b}{more}.\n{a} {op} {b} = {value}\n#### {value}"
+    return {"question": question, "answer": answer}
+
+
+def write_worked_rows(tmp_path) -> list[str]:
+    """GSM8K-format train and dev files of worked solutions; returns the overrides that train on
+    them with the answer column as reference and demonstration."""
+    rng = random.Random(0)
+    for name, n in (("train.jsonl", ROWS), ("dev.jsonl", HELD_OUT)):
+        with open(tmp_path / name, "w") as f:
+            f.writelines(json.dumps(worked_problem(rng)) + "\n" for _ in range(n))
+    return [f"data.train=[{tmp_path}/train.jsonl]", f"data.eval=[{tmp_path}/dev.jsonl]", "data.prompt_key=question",
+            "data.answer_key=answer", "data.sft_key=answer", "sft.steps=200", "rollout.max_new_tokens=64"]
+
+
 @pytest.mark.slow
 @pytest.mark.margin
 def test_a_gsm8k_format_file_trains_and_held_out_accuracy_rises(tmp_path, warm_cache):
-    overrides = write_gsm8k_rows(tmp_path)
-    s = recipe_summary(tmp_path / "run", warm_cache, "recipes/math.yaml", overrides)
+    from flash.rewards.builtin import math_reward
+    from flash.tasks import TaskItem
+
+    overrides = write_worked_rows(tmp_path)
+    row = json.loads((tmp_path / "train.jsonl").read_text().splitlines()[0])
+    assert "\n" in row["answer"] and row["question"][0].isupper()
+    assert math_reward(TaskItem(0, row["question"], row["answer"]), row["answer"]) == 1.0
+    s = recipe_summary(tmp_path / "run", warm_cache, "recipes/math.yaml", overrides, timeout=3600)
     gain = s["eval_accuracy_final"] - s["eval_accuracy_initial"]
-    assert gain >= 0.08, s
+    assert gain >= BAR_TINY, s
     assert s["steps"] == 60
 
 
