@@ -79,7 +79,7 @@ class Task:
         return [self.item(i, "eval") for i in range(self.options.eval_size)]
 
     def max_response_tokens(self) -> int:
-        """Longest correct response in tokens of a character-level tokenizer (one per character,
+        """Longest correct response in tokens of the tiny model's byte tokenizer (one per byte,
         plus ``<eos>``): what an engine's ``max_new_tokens`` should allow."""
         return 64
 

@@ -227,7 +227,7 @@ def test_extra_chars_is_accepted_and_the_cache_key_follows_the_tokenizer_version
 
     echo = make_task("echo")
 
-    class WithExtraChars(type(echo)):  # user task code written for the character tokenizer
+    class WithExtraChars(type(echo)):  # user task code that still sets extra_chars
         extra_chars = '{}"_\u00e9'
 
     task = WithExtraChars(echo.options)
