@@ -1,13 +1,21 @@
 """Tiny models and tokenizers built offline, so the default recipe needs no model hub.
 
-The tokenizer is character level: every character of a small alphabet is one token, plus
-``<pad>``, ``<bos>``, ``<eos>`` and ``<unk>``. A character vocabulary keeps the embedding table
-tiny (tens of rows) and makes every token of a task's text visible to the reader of a rollout.
-It *is* a ``Qwen2Tokenizer`` (a ``PreTrainedTokenizerFast``) whose byte-level BPE vocabulary holds
-single characters and no merges. Why not a bare ``tokenizers`` object: transformers 5 re-creates
-the tokenizer of any ``qwen2`` checkpoint as ``Qwen2Tokenizer`` (byte-level pre-tokenizer and
-decoder) whatever ``tokenizer_config.json`` says, which silently drops the spaces of a plain
-character vocabulary. Built as that class, what we save is what ``AutoTokenizer`` loads.
+The tokenizer is byte level: every byte of UTF-8 text is one token, so any text (capitals,
+newlines, tabs, emoji, CJK) encodes losslessly (after Unicode NFC normalization, as every
+Qwen2 tokenizer does) and the embedding table stays tiny (264 rows). Ids (docs/tasks.md):
+
+- 0-3: ``<pad>``, ``<bos>``, ``<eos>``, ``<unk>``;
+- 4-58: ``DEFAULT_ALPHABET`` (digits, lowercase letters, space, a little punctuation) in order,
+  so the symbolic tasks' text has small, stable ids;
+- 59-259: every other byte value, in byte order;
+- 260-263: the chat roles ``<|system|>``, ``<|user|>``, ``<|assistant|>``, ``<|tool|>``.
+
+Text prompts are ``<bos>`` then the bytes; chats use ``CHAT_TEMPLATE`` (a role token, the
+content, ``<eos>`` per turn). It *is* a ``Qwen2Tokenizer`` (a ``PreTrainedTokenizerFast``) whose
+byte-level BPE vocabulary holds single bytes and no merges. Why not a bare ``tokenizers`` object:
+transformers 5 re-creates the tokenizer of any ``qwen2`` checkpoint as ``Qwen2Tokenizer``
+(byte-level pre-tokenizer and decoder, NFC normalizer) whatever ``tokenizer_config.json`` says.
+Built as that class, what we save is what ``AutoTokenizer`` loads.
 
 The model is a Hugging Face ``Qwen2ForCausalLM`` with a small ``Qwen2Config``: every engine and
 trainer in flash (and vLLM later) treats it exactly like a real checkpoint. ``head_dim`` must be
@@ -18,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import string
+import unicodedata
 from dataclasses import asdict, dataclass
 
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
@@ -26,47 +35,66 @@ from transformers.models.qwen2.tokenization_qwen2 import Qwen2Tokenizer
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 SPECIAL_TOKENS = (PAD, BOS, EOS, UNK)
-# Digits, lowercase letters, space and a little punctuation: enough for symbolic tasks.
+ROLES = ("system", "user", "assistant", "tool")
+ROLE_TOKENS = tuple(f"<|{role}|>" for role in ROLES)
+# The first bytes after the specials, in this order: digits, lowercase letters, space and a
+# little punctuation (the symbolic tasks' text). Every other byte follows in byte order.
 DEFAULT_ALPHABET = string.digits + string.ascii_lowercase + " =+-*/%?:.,;()<>#|"
+# Part of the warm start's cache key: bump when the ids ``build_tokenizer`` gives change.
+TOKENIZER_VERSION = 2
+# A turn is its role token, its content (an assistant's tool calls as <tool_call> JSON) and <eos>;
+# the generation prompt is <|assistant|>, so a sampled reply ends its turn with <eos>.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% if tools %}<|system|>tools: {{ tools | tojson }}{{ eos_token }}{% endif %}"
+    "{% for m in messages %}"
+    "{% if m['role'] not in ['system', 'user', 'assistant', 'tool'] %}"
+    "{{ raise_exception('unknown chat role: ' ~ m['role']) }}{% endif %}"
+    "<|{{ m['role'] }}|>{{ m['content'] or '' }}"
+    "{% for c in m['tool_calls'] or [] %}<tool_call>"
+    "{\"name\": \"{{ c['function']['name'] }}\", \"arguments\": {{ c['function']['arguments'] | tojson }}}"
+    "</tool_call>{% endfor %}{{ eos_token }}"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
 
 
 def build_tokenizer(alphabet: str = DEFAULT_ALPHABET) -> PreTrainedTokenizerFast:
-    """A character-level tokenizer over ``alphabet`` (ids: specials first, then characters).
+    """The tiny model's byte-level tokenizer, with ``CHAT_TEMPLATE``.
 
-    Ids are stable: ``<pad>``=0, ``<bos>``=1, ``<eos>``=2, ``<unk>``=3, then ``alphabet`` in order.
+    Ids: ``<pad>``=0, ``<bos>``=1, ``<eos>``=2, ``<unk>``=3, then the bytes of ``alphabet`` (ASCII
+    characters) in order, then every other byte value, then the role tokens ``ROLE_TOKENS``.
     """
     chars = list(dict.fromkeys(alphabet))  # unique, order kept
-    if any(len(c) != 1 or ord(c) > 255 or c in "\r\n" for c in chars):
-        raise ValueError("alphabet must be single latin-1 characters, newlines excluded")
+    if any(len(c) != 1 or ord(c) > 127 for c in chars):
+        raise ValueError("alphabet must be single ASCII characters")
     to_bytelevel = bytes_to_unicode()  # ' ' -> 'Ġ', printable ASCII maps to itself
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
-    for ch in chars:
-        vocab[to_bytelevel[ord(ch)]] = len(vocab)
-    return Qwen2Tokenizer(
+    for byte in [ord(c) for c in chars] + list(range(256)):
+        vocab.setdefault(to_bytelevel[byte], len(vocab))
+    tokenizer = Qwen2Tokenizer(
         vocab=vocab, merges=[], unk_token=UNK, bos_token=BOS, eos_token=EOS, pad_token=PAD,
-        padding_side="left", model_max_length=1024,
+        extra_special_tokens=list(ROLE_TOKENS), padding_side="left", model_max_length=1024,
     )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
 
 
-def _encode_chars(tokenizer: PreTrainedTokenizerFast, text: str) -> list[int]:
-    ids = tokenizer.encode(text, add_special_tokens=False)
-    if len(ids) != len(text):  # byte-level BPE drops characters it has no token for
-        known = set(tokenizer.decode(list(range(len(SPECIAL_TOKENS), len(tokenizer)))))
-        missing = sorted(set(text) - known)
-        raise ValueError(f"characters outside the tokenizer's alphabet: {missing!r}")
+def _encode_bytes(tokenizer: PreTrainedTokenizerFast, text: str) -> list[int]:
+    """One id per byte of ``text``'s UTF-8 (NFC); text that spells a special token stays bytes."""
+    ids = tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
+    if len(ids) != len(unicodedata.normalize("NFC", text).encode()):  # a vocabulary lacking bytes
+        raise ValueError(f"the tokenizer has no token for some bytes of {text[:80]!r}")
     return ids
 
 
-def is_char_tokenizer(tokenizer: PreTrainedTokenizerFast) -> bool:
-    """True for the character tokenizer ``build_tokenizer`` makes (its special tokens say so)."""
+def is_tiny_tokenizer(tokenizer: PreTrainedTokenizerFast) -> bool:
+    """True for the byte tokenizer ``build_tokenizer`` makes (its special tokens say so)."""
     return (tokenizer.bos_token, tokenizer.eos_token, tokenizer.pad_token) == (BOS, EOS, PAD)
 
 
 def encode_prompt(tokenizer: PreTrainedTokenizerFast, prompt: str | list[dict] | dict) -> list[int]:
     """Prompt ids. A chat (a list of ``{role, content}`` turns, or ``{"messages": [...], "tools":
     [...]}`` as a chat request carries them): the tokenizer's chat template with the generation
-    prompt, exactly as ``apply_chat_template`` gives it. Text with the character
-    tokenizer: ``<bos>`` then one id per character, the response follows directly. Text with a
+    prompt, exactly as ``apply_chat_template`` gives it. Text with the tiny model's byte
+    tokenizer: ``<bos>`` then one id per byte, the response follows directly. Text with a
     chat template (e.g. SmolLM2-Instruct): one user turn, then the assistant header, as the model
     was tuned to see it. Any other tokenizer: its own encoding with its special tokens."""
     if isinstance(prompt, (list, dict)):
@@ -76,8 +104,8 @@ def encode_prompt(tokenizer: PreTrainedTokenizerFast, prompt: str | list[dict] |
         if isinstance(prompt, dict):
             return chat_ids(tokenizer, prompt["messages"], prompt.get("tools"))
         return chat_ids(tokenizer, prompt)
-    if is_char_tokenizer(tokenizer):
-        return [tokenizer.bos_token_id] + _encode_chars(tokenizer, prompt)
+    if is_tiny_tokenizer(tokenizer):
+        return [tokenizer.bos_token_id] + _encode_bytes(tokenizer, prompt)
     if tokenizer.chat_template:
         return chat_ids(tokenizer, [{"role": "user", "content": prompt}])
     return tokenizer.encode(prompt)
@@ -107,8 +135,8 @@ def set_chat_template(tokenizer: PreTrainedTokenizerFast, template: str | None) 
 
 
 def encode_response(tokenizer: PreTrainedTokenizerFast, text: str) -> list[int]:
-    """Response ids as the policy should emit them: one id per character, then ``<eos>``."""
-    return _encode_chars(tokenizer, text) + [tokenizer.eos_token_id]
+    """Response ids as the policy should emit them: one id per byte, then ``<eos>``."""
+    return _encode_bytes(tokenizer, text) + [tokenizer.eos_token_id]
 
 
 def decode_response(tokenizer: PreTrainedTokenizerFast, ids: list[int]) -> str:

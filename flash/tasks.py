@@ -47,8 +47,8 @@ class Task:
 
     name: ClassVar[str] = ""
     Options: ClassVar[type] = type(None)
-    # The tiny warm start's character tokenizer: flash.models.DEFAULT_ALPHABET plus these characters
-    # (e.g. the braces and quotes of JSON tool calls), with this chat template when the task's
+    # The tiny warm start's byte tokenizer reads any text: ``extra_chars`` is accepted and
+    # ignored. ``chat_template`` replaces that tokenizer's own template when the task's
     # demonstrations are chats (flash.train.sft.task_tokenizer).
     extra_chars: ClassVar[str] = ""
     chat_template: ClassVar[str | None] = None
@@ -79,7 +79,7 @@ class Task:
         return [self.item(i, "eval") for i in range(self.options.eval_size)]
 
     def max_response_tokens(self) -> int:
-        """Longest correct response in tokens of a character-level tokenizer (one per character,
+        """Longest correct response in tokens of the tiny model's byte tokenizer (one per byte,
         plus ``<eos>``): what an engine's ``max_new_tokens`` should allow."""
         return 64
 

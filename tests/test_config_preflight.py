@@ -31,6 +31,16 @@ def _chat_rows(tmp):
     (tmp / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
+def _chat_rows_and_a_model_without_template(tmp):
+    from flash.models import TinyModelConfig, build_tiny_model, build_tokenizer
+
+    _chat_rows(tmp)
+    tok = build_tokenizer()
+    tok.chat_template = None
+    build_tiny_model(tok, TinyModelConfig(hidden_size=64, num_layers=1, num_heads=2, num_kv_heads=2)).save_pretrained(tmp / "m")
+    tok.save_pretrained(tmp / "m")
+
+
 def _no_namespaces(monkeypatch):
     from flash.rewards import sandbox
 
@@ -46,8 +56,8 @@ REFUSALS = [  # (recipe, overrides ({tmp}: a fresh folder), setup, message fragm
     ("stutter", ["resume={tmp}/none"], None, "resume={tmp}/none: not a run dir"),
     ("stutter", ["resume={tmp}/other"], _other_run, "settings differ from the checkpointed run (seed: 5 -> 0"),
     ("stutter", ["run_dir={tmp}/held"], _held_run, "run_dir {tmp}/held already holds a run (ledger.jsonl)"),
-    ("math", ["data.train=[{tmp}/chat.jsonl]", "data.prompt_key=messages", "data.holdout=0", "sft.steps=0"],
-     _chat_rows, "the tokenizer has no chat template"),
+    ("math", ["data.train=[{tmp}/chat.jsonl]", "data.prompt_key=messages", "data.holdout=0", "model.path={tmp}/m"],
+     _chat_rows_and_a_model_without_template, "the tokenizer has no chat template"),
     ("code", [], "no_namespaces", "this host gives the code sandbox no namespaces"),
 ]
 

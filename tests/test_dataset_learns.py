@@ -8,10 +8,17 @@ minutes on 2 cores); the bars come from the measured runs in BENCHMARKS.md ("You
 the tiny model +14.0 points (0.727 → 0.867), its bar 6 points below; SmolLM2-135M-Instruct (the
 math_smollm2 recipe with the same files, 10 of its 30 steps) +14.8 points (0.141 → 0.289), its bar
 5 points below.
+
+The worked-solutions file is GSM8K-shaped text as a user brings it: capitalised sentences, worked
+solutions over several lines, then `#### N` ("Tom has 3 apples.\nTom buys 4 more.\n3 + 4 = 7\n#### 7"),
+its answer column both the reference and the demonstration (`data.sft_key` = `data.answer_key`),
+a 200-step warm start. It runs end to end; its held-out rise is not yet measured above noise
+(its xfail names the numbers).
 """
 
 import importlib.util
 import json
+import random
 
 import pytest
 
@@ -37,6 +44,37 @@ def write_gsm8k_rows(tmp_path) -> list[str]:
             "data.sft_key=solution"]
 
 
+NAMES = ("Tom", "Ann", "Sam", "Mia", "Leo", "Eva", "Max", "Zoe")
+THINGS = ("apples", "pears", "coins", "books", "cards", "eggs")
+BAR_TINY = 0.05
+
+
+def worked_problem(rng: random.Random) -> dict:
+    """One GSM8K-format row: a capitalised word problem, its worked solution over lines, `#### N`."""
+    name, thing, a, b = rng.choice(NAMES), rng.choice(THINGS), rng.randint(1, 5), rng.randint(1, 5)
+    if rng.random() < 0.5:
+        verb, op, value = "buys", "+", a + b
+        question = f"{name} has {a} {thing}. {name} buys {b} more. How many {thing} does {name} have now?"
+    else:
+        a, b = max(a, b), min(a, b)
+        verb, op, value = "gives away", "-", a - b
+        question = f"{name} has {a} {thing}. {name} gives away {b}. How many {thing} are left?"
+    more = " more" if op == "+" else ""
+    answer = f"{name} has {a} {thing}.\n{name} {verb} {b}{more}.\n{a} {op} {b} = {value}\n#### {value}"
+    return {"question": question, "answer": answer}
+
+
+def write_worked_rows(tmp_path) -> list[str]:
+    """GSM8K-format train and dev files of worked solutions; returns the overrides that train on
+    them with the answer column as reference and demonstration."""
+    rng = random.Random(0)
+    for name, n in (("train.jsonl", ROWS), ("dev.jsonl", HELD_OUT)):
+        with open(tmp_path / name, "w") as f:
+            f.writelines(json.dumps(worked_problem(rng)) + "\n" for _ in range(n))
+    return [f"data.train=[{tmp_path}/train.jsonl]", f"data.eval=[{tmp_path}/dev.jsonl]", "data.prompt_key=question",
+            "data.answer_key=answer", "data.sft_key=answer", "sft.steps=200", "rollout.max_new_tokens=64"]
+
+
 @pytest.mark.slow
 @pytest.mark.margin
 def test_a_gsm8k_format_file_trains_and_held_out_accuracy_rises(tmp_path, warm_cache):
@@ -44,6 +82,25 @@ def test_a_gsm8k_format_file_trains_and_held_out_accuracy_rises(tmp_path, warm_c
     s = recipe_summary(tmp_path / "run", warm_cache, "recipes/math.yaml", overrides)
     gain = s["eval_accuracy_final"] - s["eval_accuracy_initial"]
     assert gain >= 0.08, s
+    assert s["steps"] == 60
+
+
+@pytest.mark.slow
+@pytest.mark.margin
+@pytest.mark.xfail(reason="not calibrated: measured 0.172 -> 0.172 (lr 2e-4) and 0.172 -> 0.109 (lr 6e-4) in 60 "
+                          "steps from this 200-step warm start (held-out 0.19); it needs a longer warm start",
+                   strict=False)
+def test_worked_solutions_with_capitals_and_newlines_train_as_the_demonstration(tmp_path, warm_cache):
+    from flash.rewards.builtin import math_reward
+    from flash.tasks import TaskItem
+
+    overrides = write_worked_rows(tmp_path)
+    row = json.loads((tmp_path / "train.jsonl").read_text().splitlines()[0])
+    assert "\n" in row["answer"] and row["question"][0].isupper()
+    assert math_reward(TaskItem(0, row["question"], row["answer"]), row["answer"]) == 1.0
+    s = recipe_summary(tmp_path / "run", warm_cache, "recipes/math.yaml", overrides, timeout=3600)
+    gain = s["eval_accuracy_final"] - s["eval_accuracy_initial"]
+    assert gain >= BAR_TINY, s
     assert s["steps"] == 60
 
 

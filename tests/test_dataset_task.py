@@ -192,8 +192,12 @@ def test_chat_prompts_are_tokenized_exactly_as_apply_chat_template(tmp_path):
             assert (messages[0]["role"], messages[0]["content"]) == (("system", first) if first else
                                                                      ("user", f"add {i + 1} and {i + 2}."))
     no_template = build_tokenizer()
+    no_template.chat_template = None
     with pytest.raises(ValueError, match="model.chat_template"):
         encode_prompt(no_template, task.item(0).prompt)
+    tiny = build_tokenizer()  # the CPU model's own template
+    assert tiny.decode(encode_prompt(tiny, task.item(1).prompt)) == (
+        "<bos><|system|>answer with a number.<eos><|user|>add 2 and 3.<eos><|assistant|>")
 
 
 def test_model_chat_template_from_a_file_and_the_check_before_any_row_is_skipped(tmp_path):
@@ -203,8 +207,11 @@ def test_model_chat_template_from_a_file_and_the_check_before_any_row_is_skipped
     over = [f"data.train=[{path}]", "data.prompt_key=messages", "data.holdout=0", "sft.steps=0"]
     cfg = load_config("recipes/math.yaml", over)
     task = build_task(cfg)
+    no_template = build_tokenizer()
+    no_template.chat_template = None
     with pytest.raises(ConfigError, match="model.chat_template"):
-        check_prompt_format(cfg, task, build_tokenizer())
+        check_prompt_format(cfg, task, no_template)
+    check_prompt_format(cfg, task, build_tokenizer())  # the CPU model's tokenizer reads chats
     cfg = load_config("recipes/math.yaml", [*over, f"model.chat_template={tmp_path}/t.jinja"])
     from flash.app.data_preview import preview_tokenizer
 

@@ -27,7 +27,7 @@ ITEM = TaskItem(0, "tom has 3 apples and buys 4 more. how many apples now?", "7"
 
 @pytest.fixture(scope="module")
 def judge_dir(tmp_path_factory):
-    """A seeded random tiny Qwen2 + the char tokenizer: greedy decoding makes its text fixed."""
+    """A seeded random tiny Qwen2 + the byte tokenizer: greedy decoding makes its text fixed."""
     out = tmp_path_factory.mktemp("judge")
     tok = build_tokenizer()
     model = build_tiny_model(tok, TinyModelConfig(hidden_size=64, num_layers=2, num_heads=2,
@@ -83,16 +83,25 @@ def test_verdict_equals_the_judge_models_greedy_text(judge_dir):
         judge.server.close()
 
 
-def test_failures_score_zero_with_named_reasons_and_are_counted(judge_dir):
+def test_failures_score_zero_with_named_reasons_and_are_counted(judge_dir, monkeypatch):
+    import flash.models
+
     judge = make(judge_dir, pattern="(zzzz)", timeout_s=5.0)
     try:
         r = judge(ITEM, "7")
         assert (r.reward, r.reason) == (0.0, "judge:unparseable")
-        # characters outside the judge tokenizer's alphabet: the encode fails, a named error
-        r = judge(ITEM, "SEVEN")
+        r = judge(ITEM, "SEVEN\n\t")  # any text encodes (byte tokenizer)
+        assert (r.reward, r.reason) == (0.0, "judge:unparseable")
+
+        def unencodable(tokenizer, text):
+            raise ValueError("the tokenizer has no token for some bytes")
+
+        with monkeypatch.context() as patch:  # the encode fails: a named error
+            patch.setattr(flash.models, "_encode_bytes", unencodable)
+            r = judge(ITEM, "7")
         assert (r.reward, r.reason) == (0.0, "judge:error:ValueError")
         m = judge.metrics()
-        assert m["judge/calls"] == 2.0 and m["judge/judge/unparseable"] == 1.0
+        assert m["judge/calls"] == 3.0 and m["judge/judge/unparseable"] == 2.0
     finally:
         judge.server.close()
     slow = make(judge_dir, pattern="(.)", max_new_tokens=200, timeout_s=1e-4)

@@ -5,6 +5,7 @@ known time, and a stub trainer that sleeps a known time, and reads both through 
 own ``_role_metrics`` -- the same arithmetic a run uses, with the answer known in advance.
 """
 
+import re
 import sys
 import time
 from types import SimpleNamespace
@@ -221,9 +222,22 @@ def test_a_heartbeat_line_reaches_a_log_file_every_interval_with_phase_step_rewa
     time.sleep(0.12)
     hb.close()
     lines = out.getvalue().splitlines()
-    assert any(x.endswith("warm start step 120/400") for x in lines), lines
-    assert lines[-1].endswith("train step 3/10 reward 0.500 accuracy 0.250"), lines
+    assert any(re.search(r"warm start step 120/400 \(elapsed 0s, ~0s left\)$", x) for x in lines), lines
+    assert re.search(r"train step 3/10 \(elapsed 0s, ~0s left\) reward 0.500 accuracy 0.250$", lines[-1]), lines
     assert all(x.startswith("flash: [") for x in lines) and len(lines) >= 3
     assert "step 120" not in Heartbeat(0, enabled=False).line()
     quiet = Heartbeat(0.01, enabled=False, stream=out)
     assert quiet._thread is None
+
+
+@pytest.mark.parametrize("done, total, elapsed, want", [
+    (0, 400, 3.0, "(elapsed 3s, ~? left)"),
+    (100, 400, 60.0, "(elapsed 1m00s, ~3m00s left)"),
+    (120, 1000, 95.0, "(elapsed 1m35s, ~11m37s left)"),
+    (10, 1000, 400.0, "(elapsed 6m40s, ~11h00m left)"),
+    (400, 400, 59.6, "(elapsed 1m00s, ~0s left)"),
+])
+def test_the_warm_start_progress_shows_elapsed_and_time_left_at_its_rate(done, total, elapsed, want):
+    from flash.app.tracking import step_eta
+
+    assert step_eta(done, total, elapsed) == want

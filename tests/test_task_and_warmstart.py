@@ -1,4 +1,4 @@
-"""Task registry and items, the character tokenizer, the tiny model, and the cached SFT warm start.
+"""Task registry and items, the byte tokenizer, the tiny model, and the cached SFT warm start.
 
 Fast: the warm-start tests train a one-layer model for a few steps.
 """
@@ -12,6 +12,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from flash.models import (
+    DEFAULT_ALPHABET,
+    ROLE_TOKENS,
     TinyModelConfig,
     build_tiny_model,
     build_tokenizer,
@@ -19,7 +21,7 @@ from flash.models import (
     encode_prompt,
     encode_response,
 )
-from flash.train.sft import META_FILE, SFTConfig, cache_key, sft_batch, warm_start
+from flash.train.sft import META_FILE, SFTConfig, cache_key, sft_batch, task_tokenizer, warm_start
 from recipes.tasks import make_task, registered_tasks, task_options
 from flash.tasks import Task, TaskItem, register_task
 from recipes.tasks.chainsum import ChainSumOptions, running_sums
@@ -140,13 +142,60 @@ def test_tokenizer_round_trip_and_save_load(tmp_path):
     assert ids[0] == tok.bos_token_id and len(ids) == len(text) + 1
     padded = encode_response(tok, "a3 b8 =8") + [tok.pad_token_id] * 3
     assert decode_response(tok, padded) == "a3 b8 =8"
-    with pytest.raises(ValueError, match="outside the tokenizer's alphabet"):
-        encode_prompt(tok, "A3")
     tok.save_pretrained(tmp_path)
     build_tiny_model(tok, SMALL_MODEL).save_pretrained(tmp_path)  # a qwen2 config beside it
     loaded = AutoTokenizer.from_pretrained(tmp_path)
     assert encode_prompt(loaded, text) == ids and len(loaded) == len(tok)
     assert decode_response(loaded, encode_response(loaded, "x  y=1")) == "x  y=1"  # spaces kept
+    for any_text in ANY_TEXT:
+        assert encode_response(loaded, any_text) == encode_response(tok, any_text)
+    assert loaded.chat_template == tok.chat_template
+
+
+def test_vocabulary_specials_then_the_alphabet_then_every_byte_then_the_roles():
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    tok = build_tokenizer()
+    assert len(tok) == 264 and (tok.pad_token_id, tok.bos_token_id, tok.eos_token_id, tok.unk_token_id) == (0, 1, 2, 3)
+    assert encode_response(tok, DEFAULT_ALPHABET) == [*range(4, 4 + len(DEFAULT_ALPHABET)), 2]  # ids of the symbolic tasks
+    vocab = tok.get_vocab()
+    byte_ids = sorted(vocab[symbol] for symbol in bytes_to_unicode().values())
+    assert byte_ids == list(range(4, 260))  # all 256 bytes, no merges
+    assert [vocab[t] for t in ROLE_TOKENS] == [260, 261, 262, 263]
+    assert encode_prompt(tok, "tom has 3 apples.") == [1, 33, 28, 26, 40, 21, 14, 32, 40, 7, 40, 14, 29, 29, 25, 18, 32, 49]
+    with pytest.raises(ValueError, match="ASCII"):
+        build_tokenizer("abcé")
+
+
+ANY_TEXT = ["A3", "Tom has 3 apples.\nHe buys 4 more.\n3 + 4 = 7\n#### 7", "a\tb\r\n", "emoji 😀!",
+            "中文 テキスト", "nul \x00 and \x7f", "café ÆØÅ ß", "<eos> <pad> <|user|> spelt out", "  lead and trail  "]
+
+
+@pytest.mark.parametrize("text", ANY_TEXT)
+def test_any_text_encodes_one_id_per_byte_and_round_trips(text):
+    tok = build_tokenizer()
+    ids = encode_response(tok, text)
+    assert len(ids) == len(text.encode()) + 1 and ids[-1] == tok.eos_token_id
+    assert max(ids[:-1]) < 260 and min(ids[:-1]) >= 4  # bytes, never a special token
+    assert decode_response(tok, ids) == text
+    assert encode_prompt(tok, text) == [tok.bos_token_id, *ids[:-1]]
+
+
+def test_chat_template_renders_roles_tool_calls_and_the_generation_prompt():
+    tok = build_tokenizer()
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2*3?\nThanks"},
+            {"role": "assistant", "content": "", "tool_calls": [
+                {"type": "function", "function": {"name": "calc", "arguments": {"expr": "2*3"}}}]},
+            {"role": "tool", "content": "6"}]
+    ids = encode_prompt(tok, chat)
+    assert tok.decode(ids) == ('<bos><|system|>Be brief.<eos><|user|>What is 2*3?\nThanks<eos><|assistant|><tool_call>'
+                               '{"name": "calc", "arguments": {"expr": "2*3"}}</tool_call><eos><|tool|>6<eos><|assistant|>')
+    assert ids[-1] == 262 and ids.count(tok.eos_token_id) == 4
+    tools = [{"type": "function", "function": {"name": "calc"}}]
+    with_tools = tok.decode(encode_prompt(tok, {"messages": chat[1:2], "tools": tools}))
+    assert with_tools.startswith('<bos><|system|>tools: [{"type": "function"') and with_tools.endswith("<|assistant|>")
+    with pytest.raises(Exception, match="unknown chat role: bot"):
+        encode_prompt(tok, [{"role": "bot", "content": "hi"}])
 
 
 def test_tiny_model_shape_and_head_dim_guard():
@@ -171,6 +220,21 @@ def test_sft_batch_trains_on_response_tokens_only():
     first = labels[0][labels[0] != -100].tolist()
     assert first == encode_response(tok, "a1 =1")  # eos included, prompt and padding masked
     assert batch["attention_mask"][0].sum() == len(encode_prompt(tok, "a1:")) + len(first)
+
+
+def test_extra_chars_is_accepted_and_the_cache_key_follows_the_tokenizer_version(monkeypatch):
+    import flash.train.sft as sft
+
+    echo = make_task("echo")
+
+    class WithExtraChars(type(echo)):  # user task code that still sets extra_chars
+        extra_chars = '{}"_\u00e9'
+
+    task = WithExtraChars(echo.options)
+    assert task_tokenizer(task).get_vocab() == build_tokenizer().get_vocab()
+    key = cache_key(SMALL_MODEL, SMALL_SFT, task)
+    monkeypatch.setattr(sft, "TOKENIZER_VERSION", sft.TOKENIZER_VERSION + 1)
+    assert cache_key(SMALL_MODEL, SMALL_SFT, task) != key
 
 
 def test_warm_start_is_cached_loadable_and_reproducible(tmp_path, monkeypatch, caplog):

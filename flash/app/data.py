@@ -87,11 +87,11 @@ def check_prompt_format(cfg, task, tokenizer) -> None:
     would feed the model bare text it was never tuned on, and chat prompts need a chat template:
     refuse either with the fix, before any row is skipped for it."""
     from flash.data.rows import BadRow
-    from flash.models import encode_prompt, is_char_tokenizer
+    from flash.models import encode_prompt, is_tiny_tokenizer
 
     if not uses_dataset(cfg):
         return
-    if not (tokenizer.chat_template or is_char_tokenizer(tokenizer) or cfg.data.template):
+    if not (tokenizer.chat_template or is_tiny_tokenizer(tokenizer) or cfg.data.template):
         raise ConfigError("the tokenizer has no chat template and data.template is unset: set "
                           "data.template (e.g. 'Question: {question}\\nAnswer:') or model.chat_template")
     for index in range(min(task.rows_per_epoch, 16)):  # the first good row shows the format works

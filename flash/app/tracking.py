@@ -217,17 +217,35 @@ def samples_markdown(samples: list[dict]) -> str:
                         f"({x['finish_reason']})\n\n    {x['prompt']!r}\n\n    {x['response']!r}" for x in samples)
 
 
+def step_eta(done: int, total: int, elapsed_s: float) -> str:
+    """``(elapsed 95s, ~12m left)``: the phase's time so far and its time left at the rate so far
+    (``?`` before the first step)."""
+    left = "?" if done <= 0 else _duration(elapsed_s / done * max(0, total - done))
+    return f"(elapsed {_duration(elapsed_s)}, ~{left} left)"
+
+
+def _duration(seconds: float) -> str:
+    """``45s``, ``12m05s``, ``1h02m``."""
+    s = int(round(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
 class Heartbeat:
     """Progress for a log file: when output is not a terminal (a job scheduler, ``nohup``, CI), a
     daemon thread prints one line every ``interval_s`` seconds from the start of the run -- phase
     (warm start, roles, evaluation, train), step, last reward and accuracy -- so a log shows the
-    run is alive and where it is before the first step ends. Silent on a terminal (the bar is
-    there) and with ``interval_s`` 0."""
+    run is alive and where it is before the first step ends. A phase that counts steps toward a
+    total (the warm start) also shows its elapsed time and the time left at its rate so far
+    (``step_eta``). Silent on a terminal (the bar is there) and with ``interval_s`` 0."""
 
     def __init__(self, interval_s: float, enabled: bool = True, stream=None):
         self.stream = stream or sys.stdout
         self.fields: dict[str, Any] = {"phase": "start"}
-        self._start = time.monotonic()
+        self._start = self._phase_start = time.monotonic()
         self._stop = threading.Event()
         self._thread = None
         if enabled and interval_s > 0 and not self.stream.isatty():
@@ -240,6 +258,7 @@ class Heartbeat:
         old = self.fields
         if fields.get("phase", old["phase"]) != old["phase"]:
             old = {k: v for k, v in old.items() if k not in ("step", "total", "reward", "accuracy")}
+            self._phase_start = time.monotonic()
         self.fields = {**old, **fields}
 
     def line(self) -> str:
@@ -247,6 +266,8 @@ class Heartbeat:
         parts = [f"flash: [{time.monotonic() - self._start:.0f}s] {f['phase']}"]
         if f.get("step") is not None:
             parts.append(f"step {f['step']}" + (f"/{f['total']}" if "total" in f else ""))
+            if f.get("total"):
+                parts.append(step_eta(f["step"], f["total"], time.monotonic() - self._phase_start))
         parts += [f"{k} {f[k]:.3f}" for k in ("reward", "accuracy") if f.get(k) is not None]
         return " ".join(parts)
 

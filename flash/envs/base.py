@@ -16,7 +16,7 @@ does not know ends the episode with reward 0 and outcome ``invalid_action`` rath
 a policy's bad output is data, not a crash.
 
 An environment class declares ``Options`` (a dataclass of its knobs), ``actions`` (the valid
-action strings) and ``action_tokens`` (the longest action in tokens of the character tokenizer);
+action strings) and ``action_tokens`` (the longest action in tokens of the tiny byte tokenizer);
 ``expert_action()`` (optional) is the demonstration policy the SFT warm start imitates.
 """
 

@@ -7,7 +7,7 @@ character stands for each discrete action (``action_chars``). ``FrozenLake`` is 
     observation   *fhf|ffff|ffff|fffg:     rows split by '|', the agent '*' on the start cell
     actions       l d r u                  Gymnasium's 0 left, 1 down, 2 right, 3 up
 
-The map is lowercase (the character tokenizer has no capitals): ``s`` start, ``f`` frozen,
+The map is lowercase (the tiny tokenizer's first, stable ids): ``s`` start, ``f`` frozen,
 ``h`` hole, ``g`` goal, ``*`` the agent. Maps are random per seed (Gymnasium's
 ``generate_random_map``, which guarantees a path), so held-out seeds are unseen maps, and the
 lake is not slippery by default so a transcript replays exactly. Outcomes: ``success`` (reward 1),

@@ -8,7 +8,7 @@ This environment accepts any action and draws all of it from the episode's seed:
 
     turns     uniform in ``[turns_min, turns_max]`` (agentic benchmarks run from a few turns
               to tens of them; ROLL-Flash's ALFWorld/SWE-style tasks are multi-turn)
-    each step an observation of ``obs_chars`` characters (tokens of the character tokenizer;
+    each step an observation of ``obs_chars`` characters (tokens of the tiny byte tokenizer;
               ``sim.token_scale`` simulated tokens each), reward 0
     last step reward 1 with probability ``success_rate`` (outcome ``success``, else ``failure``)
 

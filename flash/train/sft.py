@@ -1,7 +1,7 @@
 """Supervised warm start: a tiny model, trained offline on a task's demonstrations, cached on disk.
 
 RL from a random initialisation never sees a reward; RL from a perfect imitator has nothing to
-learn. The warm start sits in between: ``warm_start`` builds the character tokenizer and a fresh
+learn. The warm start sits in between: ``warm_start`` builds the byte tokenizer and a fresh
 tiny Qwen2 (``flash.models``), trains it with cross-entropy on the response tokens of
 ``task.sft_pair(i)`` (the task makes those demonstrations imperfect on purpose, e.g. ``echo``'s
 ``slip_prob``, which is where the noise knob lives), and saves a Hugging Face checkpoint that
@@ -12,8 +12,8 @@ Batches are bucketed by length (a pool of ``pool_batches`` batches is sorted and
 long tail of response lengths does not turn most of every batch into padding.
 
 Caching: the checkpoint directory is named by a hash of every input (model config, SFT config,
-task name and options, tokenizer alphabet, a format version), so a second call with the same
-configs returns at once and any change retrains. It is written to a temporary directory and
+task name and options, the tokenizer's and the training code's format versions), so a second
+call with the same configs returns at once and any change retrains. It is written to a temporary directory and
 renamed into place, so a crash or a concurrent run never leaves a half-written checkpoint behind.
 
 Reproducibility: model init, data order and dropout-free training are all seeded; the same
@@ -37,7 +37,7 @@ import torch
 from flash.cache import build_once
 from flash.cluster import pinned_threads
 from flash.models import (
-    DEFAULT_ALPHABET,
+    TOKENIZER_VERSION,
     TinyModelConfig,
     build_tiny_model,
     build_tokenizer,
@@ -89,9 +89,10 @@ class SFTConfig:
 
 
 def task_tokenizer(task: Task):
-    """The character tokenizer of ``task``'s warm start: the default alphabet plus the task's
-    ``extra_chars``, with its ``chat_template`` (saved with the checkpoint, so every role loads it)."""
-    tokenizer = build_tokenizer(DEFAULT_ALPHABET + task.extra_chars)
+    """The byte tokenizer of ``task``'s warm start (``flash.models.build_tokenizer``), with the
+    task's ``chat_template`` in place of its own if it has one (saved with the checkpoint, so every
+    role loads it)."""
+    tokenizer = build_tokenizer()
     if task.chat_template:
         tokenizer.chat_template = task.chat_template
     return tokenizer
@@ -100,7 +101,7 @@ def task_tokenizer(task: Task):
 def cache_key(model_cfg: TinyModelConfig, sft_cfg: SFTConfig, task: Task) -> str:
     """Hex digest naming the checkpoint that these inputs produce."""
     inputs = {"format": FORMAT_VERSION, "model": dataclasses.asdict(model_cfg), "sft": sft_cfg.to_dict(),
-              "task": task_fingerprint(task), "alphabet": DEFAULT_ALPHABET + task.extra_chars}
+              "task": task_fingerprint(task), "tokenizer": TOKENIZER_VERSION}
     if task.chat_template:
         inputs["chat_template"] = task.chat_template
     blob = json.dumps(inputs, sort_keys=True, default=str)

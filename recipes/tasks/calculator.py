@@ -96,7 +96,6 @@ class Calculator(Task):
     """Word problems for a tool-using agent (see the module docstring)."""
 
     Options = CalculatorOptions
-    extra_chars = '{}"_'
     chat_template = TEMPLATE
 
     def _make_item(self, index: int, split: str, rng: random.Random) -> TaskItem:

@@ -10,8 +10,8 @@ some away (``-``: eats, loses, sells, gives away; never below zero) and equal gr
 with ``b`` things each). Operands are ``1 .. max_operand``. The response writes the equation and
 its value; the reward is the ``math`` reward (math-verify), so ``3+4=7``, ``7`` and
 ``the answer is 7`` all score 1.0 and ``3+4=8`` scores 0.0. math-verify compares values, so an
-unfinished ``3+4`` also counts: it equals 7. Prompts use the tiny tokenizer's alphabet (lower
-case, digits, ``.?:``), so the tiny char-level model reads them; a pretrained model reads them too.
+unfinished ``3+4`` also counts: it equals 7. Prompts are lower case, digits and ``.?:`` (the tiny
+tokenizer's first, stable ids); a pretrained model reads them too.
 
 How it differs from ``chainsum`` (the other arithmetic task): chainsum is a symbolic running sum
 modulo 10 over lettered digits with a geometric length tail, graded by exact match on the last
@@ -73,7 +73,7 @@ class WordProblemsOptions:
 
 
 def story(op: str, a: int, b: int, name: str, thing: str, rng: random.Random) -> str:
-    """The word problem for ``a op b`` (lower case, in the tiny tokenizer's alphabet)."""
+    """The word problem for ``a op b`` (lower case)."""
     if op == "+":
         return f"{name} has {a} {thing}s and {rng.choice(MORE_VERBS)} {b} more. how many {thing}s now?"
     if op == "-":
