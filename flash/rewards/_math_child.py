@@ -27,7 +27,8 @@ def _serve() -> None:
             else:
                 reply = {"value": float(math_reward(SimpleNamespace(answer=args[0]), args[1]))}
         except Exception as exc:  # noqa: BLE001 - the parser's failure is the caller's answer
-            reply = {"error": [getattr(exc, "reason", ""), f"{type(exc).__name__}: {str(exc)[:200]}"]}
+            text = str(exc)[:200] if isinstance(exc, ValueError) else f"{type(exc).__name__}: {str(exc)[:200]}"
+            reply = {"error": [getattr(exc, "reason", ""), text]}
         out.write(json.dumps(reply) + "\n")
         out.flush()
 
