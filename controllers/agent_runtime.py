@@ -74,7 +74,7 @@ def build_agent_scheduler(cfg, task, tokenizer, engine, buffer, staleness, param
                       tool_parser=cfg.agent.tool_parser)
     url = gateway.start()
     hosts = None
-    if cfg.agent.processes:
+    if cfg.agent.processes and cfg.agent.fn:  # a task's own agents (task.agent) run in the driver
         from flash.envs.agent_host import start_agent_hosts
 
         hosts = start_agent_hosts(cfg.agent.processes, cfg.agent.fn, url, cfg.agent.timeout_s, cfg.agent.concurrency,

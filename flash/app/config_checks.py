@@ -348,8 +348,6 @@ def _check_agent(cfg: FlashConfig) -> None:
     from flash.envs.gateway import is_loopback
 
     _require(not (task_agent and a.fn), f"task {cfg.task['name']} runs its own episodes: leave agent.fn unset")
-    _require(not (task_agent and a.processes), f"task {cfg.task['name']} runs its episodes in the driver: set "
-             "agent.processes: 0")
     try:
         if a.fn is not None:
             load_agent(a.fn)
