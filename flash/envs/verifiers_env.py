@@ -34,22 +34,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from flash.envs.agents import TOOL_TEMPLATE
 from flash.tasks import Task, TaskItem, register_task
 
 MODEL = "policy"  # the model name the rollouts ask for (the gateway serves one policy)
 INSTALL = "pip install 'flash-rl[verifiers]' (verifiers 0.3.x)"
-# The tiny model's chat template for verifiers environments: system, user, assistant and tool turns
-# on one line each, tools named after "tools:", calls as hermes <tool_call> blocks.
-TEMPLATE = (
-    "{{ bos_token }}{% if tools %}tools:{% for t in tools %} {{ t['function']['name'] }}{% endfor %}. {% endif %}"
-    "{% for m in messages %}"
-    "{% if m['role'] == 'assistant' %}a: {% if m['tool_calls'] %}{% for c in m['tool_calls'] %}"
-    "<tool_call>{\"name\": \"{{ c['function']['name'] }}\", \"arguments\": {{ c['function']['arguments'] | tojson }}}"
-    "</tool_call>{% endfor %}{% else %}{{ m['content'] }}{% endif %}{{ eos_token }} "
-    "{% elif m['role'] == 'tool' %}r: {{ m['content'] }} "
-    "{% elif m['role'] == 'system' %}s: {{ m['content'] }} "
-    "{% else %}q: {{ m['content'] }} {% endif %}"
-    "{% endfor %}{% if add_generation_prompt %}a: {% endif %}")
 
 
 @dataclass(frozen=True)
@@ -151,7 +140,7 @@ class VerifiersTask(Task):
 
     Options = VerifiersOptions
     extra_chars = '{}"_[]\'!'
-    chat_template = TEMPLATE
+    chat_template = TOOL_TEMPLATE  # a system message renders as a "q:" turn
 
     def __init__(self, options: VerifiersOptions) -> None:
         super().__init__(options)
