@@ -1,5 +1,6 @@
-"""How ``flash run`` builds agent rollout (``agent.fn`` set): the gateway, the runner of the user's
-agents, and the scheduler core driving the agent workflow over the task's items.
+"""How ``flash run`` builds agent rollout (``agent.fn`` set, or a task that runs agents, e.g.
+``verifiers``): the gateway, the runner of the agents, and the scheduler core driving the agent
+workflow over the task's items.
 
 A unit is one run of the agent on one item; the core admits items under the staleness bound and
 applies redundancy, filters and spares to agent runs as to any other unit.
@@ -67,14 +68,14 @@ def build_agent_scheduler(cfg, task, tokenizer, engine, buffer, staleness, param
     if not tokenizer.chat_template:
         raise ConfigError("agents talk to the policy through its chat template and the tokenizer has none: "
                           "set model.chat_template (a Jinja string or a file)")
-    fn = load_agent(cfg.agent.fn)
+    fn = load_agent(cfg.agent.fn) if cfg.agent.fn else task.agent
     gateway = Gateway(tokenizer, None, host=cfg.agent.host, max_tokens_cap=cfg.rollout.max_new_tokens,
                       default_max_tokens=cfg.rollout.max_new_tokens, workers=cfg.agent.concurrency + 4,
                       tool_parser=cfg.agent.tool_parser, header_timeout_s=cfg.agent.header_timeout_s,
                       body_timeout_s=cfg.agent.body_timeout_s, max_connections=cfg.agent.max_connections)
     url = gateway.start()
     hosts = None
-    if cfg.agent.processes:
+    if cfg.agent.processes and cfg.agent.fn:  # a task's own agents (task.agent) run in the driver
         from flash.envs.agent_host import start_agent_hosts
 
         hosts = start_agent_hosts(cfg.agent.processes, cfg.agent.fn, url, cfg.agent.timeout_s, cfg.agent.concurrency,

@@ -55,6 +55,14 @@ class Task:
     # Options that change how items are served, not what they are (workers, injected latency):
     # left out of ``task_fingerprint``, so they do not retrain a cached warm start.
     runtime_options: ClassVar[tuple[str, ...]] = ()
+    # A task whose episodes are agent runs through the gateway defines ``async def agent(self,
+    # client, item) -> reward | (reward, info)`` (flash.envs.agents), used where ``agent.fn`` is unset.
+    agent: ClassVar[Callable | None] = None
+
+    @classmethod
+    def check(cls, options) -> None:
+        """What ``flash validate`` checks of these options beyond their own ranges (ValueError
+        naming the fix); a task over outside code loads it here."""
 
     def __init__(self, options) -> None:
         self.options = options
@@ -120,7 +128,12 @@ def registered_tasks() -> list[str]:
 
 def task_options(name: str) -> type:
     """The options dataclass of task ``name`` (for config validation)."""
-    return TASKS.get(name).fn.Options
+    return task_class(name).Options
+
+
+def task_class(name: str) -> type[Task]:
+    """The class of task ``name`` (its options, its checks, whether it runs agents)."""
+    return TASKS.get(name).fn
 
 
 def make_task(name: str, **options) -> Task:

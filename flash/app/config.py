@@ -59,7 +59,8 @@ def load_config(recipe_path: str | Path, overrides: list[str] = ()) -> FlashConf
 def resolve_plugins(cfg: FlashConfig, recipe_dir: Path) -> None:
     """Plugins are found beside the recipe: a ``.py`` path is taken relative to the recipe's
     folder, a module name that is a file there becomes that file's path, and the folder is
-    importable (for ``module:function`` rewards too; Ray's workers inherit the search path)."""
+    importable (for ``module:function`` rewards and ``task.env`` modules too; Ray's workers inherit
+    the search path); a verifiers ``task.env`` ``.py`` path is taken relative to the folder."""
     import sys
 
     from flash.app.recipe_files import RECIPES_DIR
@@ -78,6 +79,9 @@ def resolve_plugins(cfg: FlashConfig, recipe_dir: Path) -> None:
             name = str(recipe_dir / f"{name}.py")
         out.append(name)
     cfg.plugins = out
+    env = cfg.task.get("env") if cfg.task.get("name") == "verifiers" else None
+    if isinstance(env, str) and env.endswith(".py") and not Path(env).expanduser().is_absolute():
+        cfg.task["env"] = str(recipe_dir / env)  # task.env: a .py path beside the recipe
 
 
 def read_recipe(path: str | Path):

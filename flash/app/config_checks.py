@@ -45,7 +45,7 @@ def check_finite(cfg, path: str = "") -> None:
 def validate(cfg: FlashConfig) -> None:
     """Value checks and plugin-knob checks; everything `flash validate` promises short of running."""
     import algos
-    from recipes.tasks import task_options
+    from recipes.tasks import task_class
 
     try:
         algos.load_plugins(list(cfg.plugins))
@@ -75,7 +75,7 @@ def validate(cfg: FlashConfig) -> None:
                           lambda name, knobs: algos.validate_loss(name, knobs, agg=cfg.algo.agg))
     _check_plugin_section("algo.advantage", cfg.algo.advantage, algos.validate_advantage)
     _check_corrections(cfg)
-    _check_task(cfg.task, task_options)
+    _check_task(cfg.task, task_class)
     from flash.app.data import check_data
 
     check_data(cfg)
@@ -339,14 +339,18 @@ def _check_model_path(path: str) -> None:
 
 
 def _check_agent(cfg: FlashConfig) -> None:
-    a = cfg.agent
-    if a.fn is None:
+    from recipes.tasks import task_class
+
+    a, task_agent = cfg.agent, task_class(cfg.task["name"]).agent is not None
+    if a.fn is None and not task_agent:
         return
     from flash.envs.agents import load_agent
     from flash.envs.gateway import is_loopback
 
+    _require(not (task_agent and a.fn), f"task {cfg.task['name']} runs its own episodes: leave agent.fn unset")
     try:
-        load_agent(a.fn)
+        if a.fn is not None:
+            load_agent(a.fn)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     _require(a.concurrency >= 1 and a.max_turns >= 1 and a.retries >= 0 and a.processes >= 0,
@@ -399,17 +403,17 @@ def _check_autoscale(r: RewardConfig) -> None:
              f"[reward.min_workers, reward.max_workers] = [{r.min_workers}, {r.max_workers}]")
 
 
-def _check_task(section: dict, task_options) -> None:
+def _check_task(section: dict, task_class) -> None:
     options = dict(section)
     name = options.pop("name", None)
     _require(isinstance(name, str), "task.name is required")
     try:
-        schema = task_options(name)
+        cls = task_class(name)
     except (ValueError, KeyError) as exc:
         raise ConfigError(f"task: {exc}") from None
-    check_keys(options, schema, prefix="task.")
-    try:  # the options' own range checks, before any warm start
-        schema(**options)
+    check_keys(options, cls.Options, prefix="task.")
+    try:  # the options' own range checks and the task's own (outside code it loads), before any warm start
+        cls.check(cls.Options(**options))
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"task: {exc}") from None
 

@@ -40,7 +40,7 @@ def preflight(cfg: FlashConfig, recipe_name: str) -> Preflight:
     task = build_task(cfg)
     if isinstance(task, EnvTask):
         check_episode_config(cfg, task)
-    elif not cfg.agent.fn:  # single-turn responses scored in this process's threads
+    elif not cfg.agent.fn and task.agent is None:  # single-turn responses scored in this process's threads
         apply_sandbox_policy(cfg)
     tokenizer = start_tokenizer(cfg, task)
     if tokenizer is not None:

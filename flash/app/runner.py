@@ -148,7 +148,7 @@ class Run:
         single-turn requests, scored by the task's reward or by a reward-worker pool when
         ``reward.fn`` is set. Every engine call goes through the roles' engine client."""
         cfg, params, client = self.cfg, sampling_params(self.cfg, self.tokenizer), self.roles.client
-        if cfg.agent.fn:  # the user's agents through the gateway
+        if cfg.agent.fn or self.task.agent is not None:  # agents (the user's, or the task's) through the gateway
             return None, build_agent_scheduler(cfg, self.task, self.tokenizer, self.roles.engine, self.buffer.buffer,
                                                self.buffer.staleness, params, client)
         if isinstance(self.task, EnvTask):  # multi-turn episodes on EnvWorker actors

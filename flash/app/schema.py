@@ -247,12 +247,13 @@ class CheckpointConfig:
 class AgentConfig:
     # Your agent (flash.envs.agents): "package.module:function", an `async def agent(client, item)`
     # returning the episode's reward (or (reward, dict)); `client` is an openai.AsyncOpenAI on the
-    # gateway, one session per episode. Set: episodes are your agent's runs.
+    # gateway, one session per episode. Set: episodes are your agent's runs. Unset with a task that
+    # runs its own episodes (task.name: verifiers): the task's rollouts, with these settings.
     fn: Optional[str] = None
     concurrency: int = 16  # agents running at once
     # Processes the agents run in (flash.envs.agent_host: Ray actors, restarted when they die), so
     # an agent that blocks, leaks or crashes its interpreter cannot stall or kill the run; 0: on the
-    # driver's event loop (no process of their own).
+    # driver's event loop (no process of their own). A task's own episodes run on the driver's loop.
     processes: int = 1
     timeout_s: float = 300.0  # an episode running longer ends with outcome 'timeout' (run again once)
     retries: int = 1  # runs again after a timeout, a crash or a bad return

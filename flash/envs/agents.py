@@ -39,6 +39,17 @@ from buffers.reward import BadReward, reward_value
 PING_S = 5.0  # a host's loop that does not answer within this is blocked by an agent
 RESTART_S = 120.0  # how long an attempt waits for a restarting host before it counts as died
 OUTCOMES = ("ok", "timeout", "crashed", "bad_return", "cancelled", "died")
+# The tiny model's chat template for tool-using agents: "tools: NAME ..." when tools are offered, one
+# "q:" / "a:" / "r:" (tool result) turn each, calls as hermes <tool_call> blocks, <eos> after each reply.
+TOOL_TEMPLATE = (
+    "{{ bos_token }}{% if tools %}tools:{% for t in tools %} {{ t['function']['name'] }}{% endfor %}. {% endif %}"
+    "{% for m in messages %}"
+    "{% if m['role'] == 'assistant' %}a: {% if m['tool_calls'] %}{% for c in m['tool_calls'] %}"
+    "<tool_call>{\"name\": \"{{ c['function']['name'] }}\", \"arguments\": {{ c['function']['arguments'] | tojson }}}"
+    "</tool_call>{% endfor %}{% else %}{{ m['content'] }}{% endif %}{{ eos_token }} "
+    "{% elif m['role'] == 'tool' %}r: {{ m['content'] }} "
+    "{% else %}q: {{ m['content'] }} {% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}a: {% endif %}")
 
 
 @dataclass

@@ -31,21 +31,13 @@ import random
 import re
 from dataclasses import dataclass
 
+from flash.envs.agents import TOOL_TEMPLATE as TEMPLATE
 from flash.tasks import Task, TaskItem, register_task
 from recipes.tasks.wordproblems import NAMES, THINGS, evaluate, story
 
 TOOLS = [{"type": "function", "function": {
     "name": "calc", "description": "the value of one arithmetic operation, e.g. 23*17",
     "parameters": {"type": "object", "properties": {"expr": {"type": "string"}}, "required": ["expr"]}}}]
-TEMPLATE = (
-    "{{ bos_token }}{% if tools %}tools:{% for t in tools %} {{ t['function']['name'] }}{% endfor %}. {% endif %}"
-    "{% for m in messages %}"
-    "{% if m['role'] == 'assistant' %}a: {% if m['tool_calls'] %}{% for c in m['tool_calls'] %}"
-    "<tool_call>{\"name\": \"{{ c['function']['name'] }}\", \"arguments\": {{ c['function']['arguments'] | tojson }}}"
-    "</tool_call>{% endfor %}{% else %}{{ m['content'] }}{% endif %}{{ eos_token }} "
-    "{% elif m['role'] == 'tool' %}r: {{ m['content'] }} "
-    "{% else %}q: {{ m['content'] }} {% endif %}"
-    "{% endfor %}{% if add_generation_prompt %}a: {% endif %}")
 EXPR = re.compile(r"\s*(\d{1,6})\s*([+*-])\s*(\d{1,6})\s*")
 MAX_CALLS = 3
 

@@ -1,0 +1,51 @@
+"""reasoning-gym datasets as a task (recipes/tasks/rgym.py): generated on the fly, scored by the
+dataset's own ``score_answer``; bad names and options are one line naming the fix; the recipe
+learns (margin)."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("reasoning_gym", reason="the reasoning-gym extra: pip install 'flash-rl[reasoning-gym]'")
+
+from recipes.tasks import make_task  # noqa: E402
+
+CHAIN = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}
+
+
+def test_items_are_generated_from_the_seed_and_scored_by_reasoning_gym():
+    task = make_task("reasoning_gym", dataset="chain_sum", options=CHAIN, eval_size=8)
+    item = task.item(2)
+    assert item == make_task("reasoning_gym", dataset="chain_sum", options=CHAIN).item(2)
+    assert item.prompt.startswith("State the final answer")
+    a, op, b = item.prompt.rsplit(":", 1)[1].strip(" =").split()
+    assert int(item.answer) == (int(a) + int(b) if op == "+" else int(a) - int(b))
+    assert task.reward(item, item.answer) == 1.0 and task.reward(item, f" {item.answer} ") == 1.0
+    assert task.reward(item, str(int(item.answer) + 1)) == 0.0
+    assert task.sft_pair(2) == (item.prompt, item.answer)
+    assert [it.prompt for it in task.eval_items()] != [task.item(i).prompt for i in range(8)]
+    low = make_task("reasoning_gym", dataset="chain_sum", options=CHAIN, lowercase=True)
+    assert low.item(2).prompt == item.prompt.lower() and low.reward(low.item(2), item.answer) == 1.0
+
+
+@pytest.mark.parametrize("options, error", [
+    ({"dataset": "chain_summ"}, "did you mean 'chain_sum'"),
+    ({"dataset": "chain_sum", "options": {"bogus": 1}}, "task.options for chain_sum: TypeError"),
+    ({"dataset": "chain_sum", "options": {"seed": 3}}, "set task.seed / task.size instead"),
+    ({"dataset": ""}, "task.dataset names a reasoning-gym dataset"),
+])
+def test_a_bad_dataset_or_option_is_one_line_naming_the_fix(options, error):
+    with pytest.raises(ValueError) as caught:
+        make_task("reasoning_gym", **options)
+    assert error in str(caught.value) and "\n" not in str(caught.value)
+
+
+@pytest.mark.slow
+@pytest.mark.margin  # the warm start and 40 steps: many minutes on 2 loaded cores
+def test_the_reasoning_gym_recipe_learns(tmp_path, warm_cache):
+    from tests.helpers.processes import recipe_summary
+
+    s = recipe_summary(tmp_path / "run", warm_cache, "recipes/reasoning_gym.yaml", ["tracking.tensorboard=false"],
+                       timeout=3000)
+    assert s["steps"] == 40
+    assert s["eval_accuracy_final"] - s["eval_accuracy_initial"] >= 0.10, s
