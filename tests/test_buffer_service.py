@@ -4,8 +4,7 @@
   bad frame with its named reason.
 - Fuzz: random bytes, truncated and oversized frames and wrong types, interleaved with valid puts
   (some sent twice): every valid group comes out exactly once, each rejection is counted under its
-  reason, and the service still answers.
-- (Producers in separate processes, batched, under backpressure: ``tests/test_buffer_batching.py``.)
+  reason, and the service still answers. (Producers in other processes: test_buffer_batching.py.)
 - The controller's staleness-aware ``select`` runs through the proxy, and ``wake`` re-runs it.
 """
 

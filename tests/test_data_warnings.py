@@ -41,9 +41,9 @@ def test_validate_warns_of_demonstrations_longer_than_the_cap_once_when_they_are
     data = [f"data.train=[{_rows(tmp_path / 'gsm.jsonl', GSM)}]", "data.prompt_key=question", "data.sft_key=answer"]
     lines = _validate(capsys, *data, "rollout.max_new_tokens=8")
     assert lines == ["warning: 27 of 27 demonstrations (the references) are longer than rollout.max_new_tokens=8 "
-                     "(longest 14 tokens): responses like them are cut at 8 tokens and score 0; set "
-                     "rollout.max_new_tokens=14 or shorten them"], lines
-    assert _validate(capsys, *data, "rollout.max_new_tokens=14") == []
+                     "(longest 15 tokens): responses like them are cut at 8 tokens and score 0; set "
+                     "rollout.max_new_tokens=15 or shorten them"], lines
+    assert _validate(capsys, *data, "rollout.max_new_tokens=15") == []
     assert _validate(capsys) == []  # the shipped recipe: nothing to say
 
 

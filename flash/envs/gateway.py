@@ -19,15 +19,13 @@ bounded in size (413) and nesting (400 ``too_deep``, measured before parsing), p
 or Infinity, and validated field by field (400 with one line); a request head must arrive within
 ``header_timeout_s`` and a body within ``body_timeout_s`` (flash.envs.conn_guard; 408), and a
 session has at most ``max_connections`` requests in flight (429). A refused request never stops
-the server and is counted by reason in ``metrics()``. Every call
-needs a live session key (401 otherwise), and the server binds to loopback unless the caller
-passes ``allow_remote=True``.
+the server and is counted by reason in ``metrics()``. Every call needs a live session key (401
+otherwise), and the server binds to loopback unless the caller passes ``allow_remote=True``.
 
-Why aiohttp: it runs on a plain asyncio loop, so the server lives in one daemon thread with its own
-loop, started and stopped by two methods, and it comes with what flash already installs beside Ray
-(``ray[default]``, vLLM). FastAPI would need an ASGI server (uvicorn) with its own signal handling
-and a lifecycle driven from a thread. Generation and tokenization run in a thread pool: the loop
-only parses and routes, so a slow engine call never stalls the other sessions.
+Why aiohttp: it runs on a plain asyncio loop (one daemon thread, started and stopped by two
+methods) and comes with what flash already installs beside Ray; FastAPI would need an ASGI server
+with its own signal handling. Generation and tokenization run in a thread pool: the loop only
+parses and routes, so a slow engine call never stalls the other sessions.
 """
 
 from __future__ import annotations
@@ -62,8 +60,7 @@ from flash.envs.chat_messages import (
 )
 from flash.envs.chat_session import ChatSession, Turn, plan_chat, plan_completion, record
 from flash.envs.conn_guard import ConnectionGuard
-from flash.envs.json_bounds import MAX_JSON_DEPTH, TooDeep
-from flash.envs.json_bounds import loads as bounded_loads
+from flash.envs.json_bounds import MAX_JSON_DEPTH, TooDeep, loads as bounded_loads
 
 MiB = 1 << 20
 UNSUPPORTED = (  # (field, the values accepted, why others are refused)
