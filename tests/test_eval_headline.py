@@ -80,7 +80,7 @@ def test_the_summary_keeps_each_set_at_start_and_end_and_the_best_step_of_the_cu
 def test_a_new_phase_shows_no_figure_from_the_phase_before():
     hb = Heartbeat(0, enabled=False, stream=io.StringIO())
     hb.set(phase="train", step=30, total=30, reward=0.383, accuracy=0.125)
-    assert hb.line().endswith("train step 30/30 reward 0.383 accuracy 0.125")
+    assert hb.line().endswith("train step 30/30 (elapsed 0s, ~0s left) reward 0.383 accuracy 0.125"), hb.line()
     hb.set(phase="evaluation after training")
     assert hb.line().endswith("] evaluation after training"), hb.line()
 

@@ -258,11 +258,15 @@ def roles(tmp_path_factory):
     ray.shutdown()
 
 
-def train_step(trainer, seed: int) -> None:
+def train_step(trainer, seed: int, favour: int | None = None) -> None:
+    """One GRPO step on random responses, every other one rewarded; ``favour``: the rewarded
+    responses repeat that token instead (a step that moves greedy decoding towards it)."""
     g = torch.Generator().manual_seed(seed)
     samples = []
     for i in range(8):
         resp = torch.randint(4, 40, (6,), generator=g).tolist()
+        if favour is not None and i % 2:
+            resp = [favour] * 6
         samples.append(Sample(prompt_id=i // 4, sample_index=i % 4, prompt_ids=PROMPTS[i % 3], response_ids=resp,
                               behav_logprobs=[-1.0] * 6, versions=[0] * 6, reward=float(i % 2)))
     batch = collate(samples)
@@ -360,7 +364,7 @@ def test_greedy_outputs_change_to_those_of_the_new_weights(roles):
     group = ModelUpdateGroup(trainer, engines, backend="gloo", bucket_mb=0.02, timeout_s=60)
     group.setup()
     old = ray.get(engines[0].greedy.remote(PROMPTS, 8))
-    train_step(trainer, seed=7)
+    train_step(trainer, seed=7, favour=33)
     push(group, engines, ray.get(engines[0].version.remote()) + 1)
     reference = load_model(roles["path"]).eval()
     reference.load_state_dict(ray.get(trainer.get_weights.remote()))
