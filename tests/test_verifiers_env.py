@@ -173,7 +173,8 @@ def test_each_kind_of_environment_runs_through_the_gateway_scored_by_its_rubric(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["single", "multi", "tool"])
+@pytest.mark.parametrize("kind", [  # each kind's rollouts through a real gateway are the fast tests above
+    pytest.param("single", marks=pytest.mark.margin), pytest.param("multi", marks=pytest.mark.margin), "tool"])
 def test_flash_run_trains_each_kind_of_environment_with_its_rubric(tmp_path, env_file, warm_cache, kind):
     """Two steps of ``flash run`` on the random tiny model: every planned sample is trained, each
     with the reward the rubric computed for it (the rubric's log holds every score)."""
