@@ -41,7 +41,7 @@ from flash.weights.model_update import (
 )
 from flash.weights.group import ModelUpdateGroup, choose_backend
 from flash.models import TinyModelConfig, build_tiny_model, build_tokenizer
-from flash.train.trainer import TrainerSettings
+from flash.train.trainer import TrainerSettings, batch_logprobs
 from flash.cluster import init_ray, load_model, pinned_threads
 from flash.engine.torch_worker import EngineWorker
 from flash.train.worker import start_trainer
@@ -258,18 +258,28 @@ def roles(tmp_path_factory):
     ray.shutdown()
 
 
-def train_step(trainer, seed: int, favour: int | None = None) -> None:
+def train_step(trainer, seed: int, favour: int | None = None, against: int | None = None, policy=None) -> None:
     """One GRPO step on random responses, every other one rewarded; ``favour``: the rewarded
-    responses repeat that token instead (a step that moves greedy decoding towards it)."""
+    responses repeat that token instead, ``against``: the others repeat that one (a step that
+    moves greedy decoding from ``against`` towards ``favour``).
+    ``policy``: a model holding the trainer's weights, whose logprobs become the behaviour
+    logprobs (an on-policy step: the behaviour correction weighs every token 1, however unlikely)."""
     g = torch.Generator().manual_seed(seed)
     samples = []
     for i in range(8):
         resp = torch.randint(4, 40, (6,), generator=g).tolist()
         if favour is not None and i % 2:
             resp = [favour] * 6
+        elif against is not None and not i % 2:
+            resp = [against] * 6
         samples.append(Sample(prompt_id=i // 4, sample_index=i % 4, prompt_ids=PROMPTS[i % 3], response_ids=resp,
                               behav_logprobs=[-1.0] * 6, versions=[0] * 6, reward=float(i % 2)))
     batch = collate(samples)
+    if policy is not None:
+        logp = batch_logprobs(policy, batch, 1.0, 64)
+        for sample, row, mask in zip(samples, logp, batch.mask):
+            sample.behav_logprobs = row[mask > 0].tolist()
+        batch = collate(samples)
     adv = algos.compute_advantages("grpo", batch.rewards, batch.group_ids, batch.mask)
     ray.get(trainer.train_step.remote(batch, adv, None))
 
@@ -364,16 +374,27 @@ def test_greedy_outputs_change_to_those_of_the_new_weights(roles):
     group = ModelUpdateGroup(trainer, engines, backend="gloo", bucket_mb=0.02, timeout_s=60)
     group.setup()
     old = ray.get(engines[0].greedy.remote(PROMPTS, 8))
-    train_step(trainer, seed=7, favour=33)
-    push(group, engines, ray.get(engines[0].version.remote()) + 1)
     reference = load_model(roles["path"]).eval()
-    reference.load_state_dict(ray.get(trainer.get_weights.remote()))
-    with pinned_threads(1):  # the engines' count
-        expected = [o.token_ids for o in TorchEngine(reference).generate(
-            [GenerationRequest(f"r{i}", p, SamplingParams(max_new_tokens=8, temperature=0.0))
-             for i, p in enumerate(PROMPTS)])]
+
+    def trainer_greedy() -> list[list[int]]:
+        reference.load_state_dict(ray.get(trainer.get_weights.remote()))
+        with pinned_threads(1):  # the engines' count
+            return [o.token_ids for o in TorchEngine(reference).generate(
+                [GenerationRequest(f"r{i}", p, SamplingParams(max_new_tokens=8, temperature=0.0))
+                 for i, p in enumerate(PROMPTS)])]
+
+    # on-policy steps from the greedy token towards another, until the trainer's own greedy
+    # outputs move (the module's earlier tests leave the shared model confident in that token)
+    expected = trainer_greedy()
+    for seed in range(7, 13):
+        train_step(trainer, seed=seed, favour=33, against=old[0][0], policy=reference)
+        expected = trainer_greedy()
+        if expected != old:
+            break
+    assert expected != old, "six favouring steps did not move the trainer's greedy outputs"
+    assert ray.get([e.greedy.remote(PROMPTS, 8) for e in engines]) == [old, old]  # nothing pushed yet
+    push(group, engines, ray.get(engines[0].version.remote()) + 1)
     assert ray.get([e.greedy.remote(PROMPTS, 8) for e in engines]) == [expected, expected]
-    assert expected != old  # the update did change what the engines generate
     group.close()
 
 

@@ -247,7 +247,11 @@ class EngineClient:
         with self._lock:
             if self.epochs[i] != epochs[i]:
                 return
-            self._recover(i, "hung" if i in self._hung else kind, exc)
+            if i in self._hung:
+                kind = "hung"
+            elif kind == "broken" and not isinstance(exc, ReplicaError):
+                kind = self._probe(i)
+            self._recover(i, kind, exc)
 
     def _recover_unnamed(self, epochs: list[int], exc: BaseException) -> None:
         """A fault behind the router that names no replica (a model-update push failed, the router
@@ -274,6 +278,18 @@ class EngineClient:
         if isinstance(exc, GetTimeoutError):
             return "hung"
         return "died" if isinstance(exc, RayActorError) else "broken"
+
+    def _probe(self, i: int) -> str:
+        """A fault that names no kind itself (a failed weight push wrapped as ``EngineFault``):
+        ``died`` if replica ``i``'s actor is gone, else ``broken`` (it answers ``health``, with an
+        error or not, or does not answer within 30 s: either way it is killed and restarted)."""
+        try:
+            ray.get(self.replicas[i].health.remote(), timeout=30.0)
+        except RayActorError:
+            return "died"
+        except Exception:  # noqa: BLE001 - alive but failing, or silent: restarted as broken
+            return "broken"
+        return "broken"
 
     def _what(self, i: int) -> str:
         return "rollout engine" if self.router is None else f"rollout engine replica {i}"
