@@ -62,7 +62,10 @@ def reference_warning(scores: list[float | str]) -> str | None:
 
 def run_scorer(cfg, task) -> Callable[[Any, str], Any] | None:
     """The reward a run of ``cfg`` scores with: ``reward.fn`` built here (a judge excepted: it needs
-    the model, None), else the task's own."""
+    the model, None), else the task's own; None where the task runs its own episodes and scores
+    them whole (a verifiers environment's rubric): no reference is a response there."""
+    if getattr(task, "agent", None) is not None and not cfg.agent.fn:
+        return None
     if not cfg.reward.fn:
         return task.reward
     if cfg.reward.fn.get("name") == "judge":

@@ -26,15 +26,20 @@ Supported: verifiers 0.3.x (its classic API; 0.4 replaced it with ``verifiers.v1
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import importlib.util
+import json
 import random
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from flash.data.files import datasets_module
 from flash.envs.agents import TOOL_TEMPLATE
+from flash.envs.demonstrations import DemonstrationError, demonstration_turns
+from flash.models import BOS, EOS
 from flash.tasks import Task, TaskItem, register_task
 
 MODEL = "policy"  # the model name the rollouts ask for (the gateway serves one policy)
@@ -49,6 +54,7 @@ class VerifiersOptions:
     args: dict = field(default_factory=dict)  # keyword arguments of its load_environment
     seed: int = 0  # the order of the train rows
     eval_size: int = 32  # held-out items: the first rows of the eval dataset
+    sft_key: str = ""  # the dataset column holding each row's demonstration (the tiny model's warm start)
 
     def __post_init__(self) -> None:
         if not isinstance(self.env, str) or not self.env:
@@ -57,6 +63,8 @@ class VerifiersOptions:
             raise ValueError(f"task.args are load_environment's keyword arguments: a mapping, got {self.args!r}")
         if self.eval_size < 1:
             raise ValueError(f"eval_size must be >= 1, got {self.eval_size}")
+        if not isinstance(self.sft_key, str):
+            raise ValueError(f"task.sft_key names a column of the environment's dataset, got {self.sft_key!r}")
 
 
 def import_environment(env: str):
@@ -97,6 +105,7 @@ def load_environment(env: str, args: dict):
         raise ValueError(f"task.env {env!r} has no load_environment function: a verifiers environment module "
                          "defines 'def load_environment(**kwargs) -> vf.Environment'")
     try:
+        datasets_module()  # offline, and no progress bars when the environment maps its dataset
         environment = fn(**args)
     except Exception as exc:  # the user's code
         raise ValueError(f"task.env {env!r}: load_environment(**task.args) failed: {type(exc).__name__}: "
@@ -139,7 +148,6 @@ class VerifiersTask(Task):
     """An environment of the verifiers library, run unchanged (see the module docstring)."""
 
     Options = VerifiersOptions
-    extra_chars = '{}"_[]\'!'
     chat_template = TOOL_TEMPLATE  # a system message renders as a "q:" turn
 
     def __init__(self, options: VerifiersOptions) -> None:
@@ -182,9 +190,37 @@ class VerifiersTask(Task):
     def reward(self, item: TaskItem, response: str) -> float:
         raise NotImplementedError("a verifiers environment scores whole rollouts with its rubric (VerifiersTask.agent)")
 
-    def sft_pair(self, index: int):
-        raise ValueError("a verifiers environment has no demonstrations: start from a model (model.path) or set "
-                         "sft.steps=0")
+    def sft_pair(self, index: int) -> tuple[dict, str]:
+        """One assistant turn of train row ``index``'s demonstration (the ``task.sft_key`` column),
+        with the chat before it (flash.envs.demonstrations)."""
+        if not self.options.sft_key:
+            raise ValueError("a verifiers environment's rows hold no demonstrations unless task.sft_key names the "
+                             "column that does; or start from a model (model.path), or set sft.steps=0")
+        row_index = self.row_index(index, "train")
+        row = self.rows["train"][row_index]
+        if self.options.sft_key not in row:
+            raise ValueError(f"task.sft_key {self.options.sft_key!r}: the environment's dataset has no such column "
+                             f"(its columns: {', '.join(sorted(row))})")
+        try:
+            turns = demonstration_turns(row.get("prompt"), row[self.options.sft_key], self.tools, self.chat_template,
+                                        BOS, EOS)
+        except DemonstrationError as exc:
+            raise ValueError(f"task.sft_key {self.options.sft_key!r}, row {row_index}: {exc}") from None
+        prompt, text = turns[self.rng(index, "train", stream="demo").randrange(len(turns))]
+        return prompt, text
+
+    @property
+    def tools(self) -> list[dict] | None:
+        """The environment's tools as a chat request carries them (OpenAI function schemas)."""
+        defs = getattr(self.env, "tool_defs", None) or []
+        return [{"type": "function", "function": {"name": t.name, "description": t.description,
+                                                  "parameters": t.parameters}} for t in defs] or None
+
+    @property
+    def data_fingerprint(self) -> str:
+        """The rows and tools the warm start reads (the cache key changes when they do)."""
+        blob = json.dumps([self.rows["train"], self.tools], sort_keys=True, default=str)
+        return hashlib.sha256(blob.encode()).hexdigest()
 
     async def agent(self, client, item: TaskItem) -> tuple[float, dict]:
         """One episode: the environment's rollout on the item's row over ``client`` (an

@@ -8,10 +8,8 @@ can coincide when the dataset's space is small). Nothing is read from files. The
 dataset's own ``score_answer(response, entry)`` (a number in [0, 1]); the warm start's
 demonstrations are the entries' answers.
 
-The tiny CPU model's character tokenizer reads the default alphabet plus this task's
-``extra_chars`` (capital letters and ASCII punctuation); a prompt with another character (a
-newline, in many reasoning-gym datasets) is refused by it, so such datasets need a model with its
-own tokenizer (``model.path``) or ``lowercase: true`` for the case only.
+The tiny CPU model's tokenizer is byte level: any dataset's prompts fit it (``lowercase: true``
+lowercases prompts and answers, for a model trained on lower case).
 
 Supported: reasoning-gym 0.1.x (tested with 0.1.25).
 """
@@ -19,7 +17,6 @@ Supported: reasoning-gym 0.1.x (tested with 0.1.25).
 from __future__ import annotations
 
 import random
-import string
 from dataclasses import dataclass, field
 
 from flash.tasks import Task, TaskItem, register_task
@@ -77,7 +74,6 @@ class ReasoningGym(Task):
     """A reasoning-gym dataset, scored by its own score_answer (see the module docstring)."""
 
     Options = ReasoningGymOptions
-    extra_chars = string.ascii_uppercase + "!\"&'@[]^_`{}~$\\"
 
     @classmethod
     def check(cls, options: ReasoningGymOptions) -> None:
