@@ -18,6 +18,7 @@ import pytest
 
 vf = pytest.importorskip("verifiers", reason="the verifiers extra: pip install 'flash-rl[verifiers]'")
 
+from buffers.facts import clean_facts  # noqa: E402
 from controllers.agent_runtime import session_sample  # noqa: E402
 from flash.app.config import load_config  # noqa: E402
 from flash.engine.base import GenerationOutput  # noqa: E402
@@ -162,7 +163,9 @@ def test_each_kind_of_environment_runs_through_the_gateway_scored_by_its_rubric(
         got, info = asyncio.run(episode())
         record = gw.close_session(key)
     assert got == pytest.approx(reward) and [json.loads(x)["reward"] for x in log.read_text().splitlines()] == [got]
-    assert {k: info["metrics"][k] for k in facts} == facts and info["metrics"]["score"] == pytest.approx(reward)
+    assert {k: info[k] for k in facts} == facts and info["score"] == pytest.approx(reward)
+    assert info["truncated"] == 0.0 and info["aborted"] == 0.0
+    assert clean_facts(info)[0] == info  # every entry a fact: numbers under safe names
     sample = session_sample(record, prompt_id=0, sample_index=0, admitted_version=0, reward=got, outcome="ok", meta={})
     trained = [t for t, m in zip(sample.response_ids, sample.loss_mask) if m]
     assert trained == [t for ids in sampled for t in ids] and sample.reward == got
@@ -170,6 +173,29 @@ def test_each_kind_of_environment_runs_through_the_gateway_scored_by_its_rubric(
     if kind == "tool" and len(replies) == 2:
         context = tok.decode([t for t, m in zip(sample.response_ids, sample.loss_mask) if not m])
         assert "r: 7" in context  # the environment ran the tool; its result is context
+
+
+def test_an_empty_reply_aborts_the_rollout_counted_as_a_fact_and_logged_once(env_file, tmp_path, caplog):
+    """verifiers ends a rollout whose reply is empty on its ``has_error`` stop: the episode reports
+    ``aborted`` 1 (``agent/aborted`` averages it per step), and of three such rollouts only the
+    first is logged."""
+    task = VerifiersTask(VerifiersOptions(env=str(env_file), args={"kind": "tool"}))
+    _, gateway, _ = scripted_gateway([""])
+    infos = []
+    with gateway as gw, caplog.at_level("WARNING"):
+        for i in range(3):
+            key = gw.open_session()
+
+            async def episode():
+                import openai
+
+                return await task.agent(openai.AsyncOpenAI(base_url=gw.url, api_key=key, max_retries=0), task.item(i))
+
+            infos.append(asyncio.run(episode()))
+            gw.close_session(key)
+    assert [(reward, info["aborted"]) for reward, info in infos] == [(0.0, 1.0)] * 3
+    aborted = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Aborted rollout")]
+    assert len(aborted) == 1 and "counted in agent/aborted" in aborted[0]
 
 
 @pytest.mark.slow

@@ -13,8 +13,8 @@ or a ``.py`` file beside the recipe) and ``task.args`` are the keyword arguments
   session, so every model call is one turn of the episode, trained token for token as sampled
   (flash.envs.gateway, controllers/workflows/agent.py);
 - the score: its rubric (``run_rollout`` scores the rollout); the reward is the rubric's weighted
-  reward, the rubric's metrics and the rollout's facts (turns, stop condition, error) are the
-  episode's info (agent facts).
+  reward, and the rubric's numeric metrics with ``truncated`` and ``aborted`` are the episode's
+  facts (``episode_info``).
 
 So a verifiers task runs as an agent task whose agent is ``VerifiersTask.agent``. Model calls go
 through ``VerifiersClient``: verifiers' own OpenAI chat-completions client with the null-valued
@@ -30,6 +30,7 @@ import hashlib
 import importlib
 import importlib.util
 import json
+import logging
 import random
 import sys
 from dataclasses import dataclass, field
@@ -133,14 +134,31 @@ def prompt_text(prompt: Any) -> str:
 
 
 def episode_info(output: dict) -> dict:
-    """The facts of one rollout kept as the episode's info: the rubric's numeric metrics (a
-    multi-turn environment's ``num_turns`` among them), whether it was truncated and why it stopped, and its error."""
+    """The facts of one rollout (numbers: flash.buffers facts): the rubric's numeric metrics (each
+    reward function's score, a multi-turn environment's ``num_turns``, a tool environment's
+    ``total_tool_calls``), ``truncated`` and ``aborted`` (the rollout ended on an error, e.g. an
+    empty reply: verifiers' ``has_error`` stop), each 0 or 1."""
     metrics = {k: float(v) for k, v in (output.get("metrics") or {}).items()
-               if isinstance(v, (int, float)) and not isinstance(v, bool)}
-    info = {"metrics": metrics, "truncated": bool(output.get("is_truncated")), "stop": output.get("stop_condition")}
-    if output.get("error"):
-        info["error"] = str(output["error"])[:300]
-    return {k: v for k, v in info.items() if v is not None}
+               if isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool)}
+    return {**metrics, "truncated": float(bool(output.get("is_truncated"))),
+            "aborted": float(bool(output.get("error")))}
+
+
+class _AbortedOnce(logging.Filter):
+    """Lets the first of an environment's "Aborted rollout" errors through, with a note; the rest
+    are counted (``agent/aborted``), not logged."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not str(record.msg).startswith("Aborted rollout"):
+            return True
+        self.seen += 1
+        if self.seen == 1:
+            record.msg = f"{record.msg} (further aborted rollouts are counted in agent/aborted, not logged)"
+        return self.seen == 1
 
 
 @register_task("verifiers")
@@ -153,6 +171,8 @@ class VerifiersTask(Task):
     def __init__(self, options: VerifiersOptions) -> None:
         super().__init__(options)
         self.env = load_environment(options.env, dict(options.args))
+        if isinstance(getattr(self.env, "logger", None), logging.Logger):
+            self.env.logger.addFilter(_AbortedOnce())
         self.rows = {"train": plain_rows(self.env.get_dataset()), "eval": plain_rows(self.env.get_eval_dataset())}
         if not self.rows["train"]:
             raise ValueError(f"task.env {options.env!r}: its environment has no dataset (load_environment must pass "
