@@ -37,6 +37,25 @@ def test_overrides_are_typed_and_applied():
     assert cfg.algo.loss == {"name": "ppo", "clip_high": 0.28}
 
 
+def test_an_empty_mapping_override_empties_the_recipes_mapping():
+    """Merging ``{}`` would keep the recipe's keys: ``reward.fn={}`` removes math.yaml's reward."""
+    assert load_config("recipes/math.yaml").reward.fn == {"name": "math"}
+    assert load_config("recipes/math.yaml", ["reward.fn={}"]).reward.fn == {}
+    assert load_config("recipes/math.yaml", ["reward.fn={}", "reward.fn.name=code"]).reward.fn == {"name": "code"}
+
+
+@pytest.mark.parametrize("override", ["data.reward=tests.reward_fns:exact", "data.reward_key=reward_fn"])
+def test_a_rows_reward_beside_reward_fn_is_one_line_naming_the_fix(tmp_path, override):
+    """reward.fn scores every row of a run: a data.reward or data.reward_key beside it would be
+    silently ignored, so it is refused; ``reward.fn={}`` lets the rows' reward score."""
+    (tmp_path / "a.jsonl").write_text('{"question": "1+1", "answer": "2", "reward_fn": "math"}\n')
+    rows = [f"data.train=[{tmp_path}/a.jsonl]", "data.prompt_key=question", "data.sft_key=answer"]
+    with pytest.raises(ConfigError, match=r"reward.fn \(math\) and data.reward(_key)? both choose .* set reward.fn=\{\}"):
+        load_config("recipes/math.yaml", [*rows, override])
+    assert load_config("recipes/math.yaml", [*rows, override, "reward.fn={}"]).reward.fn == {}
+    assert load_config("recipes/math.yaml", rows).reward.fn == {"name": "math"}  # data.reward left at its default
+
+
 @pytest.mark.parametrize("override, needle", [
     ("asyn_ratio=2", "did you mean 'async_ratio'"),
     ("rollout.temprature=0.5", "did you mean 'temperature'"),

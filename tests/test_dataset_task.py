@@ -306,7 +306,7 @@ def test_preview_shows_prompts_lengths_drops_and_references_that_score_zero(tmp_
     path = write_jsonl(tmp_path / "a.jsonl", rows)
     cfg = load_config("recipes/math.yaml", [f"data.train=[{path}]", "data.prompt_key=question",
                                             "data.sft_key=solution", "data.holdout=0", "data.shuffle=false",
-                                            "data.reward=tests.reward_fns:exact"])
+                                            "data.reward=tests.reward_fns:exact", "reward.fn={}"])
     lines = []
     result = preview(cfg, rows=100, out=lines.append)
     text = "\n".join(lines)
@@ -388,7 +388,7 @@ def test_the_same_rows_in_three_formats_give_identical_first_step_losses(tmp_pat
     for path in paths:
         cfg = load_config("recipes/math.yaml", [f"data.train=[{path}]", "data.prompt_key=question",
                                                 f"model.path={model}", "train.prompts_per_step=4", "rollout.n=4",
-                                                "data.reward=tests.reward_fns:response_length"])
+                                                "data.reward=tests.reward_fns:response_length", "reward.fn={}"])
         results.append(plain_sync_loop(cfg, model, build_task(cfg), load_tokenizer(cfg, model), steps=1))
     (samples, loss), = results[0]
     assert len(samples) == 16 and loss != 0.0

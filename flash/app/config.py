@@ -42,7 +42,12 @@ def load_config(recipe_path: str | Path, overrides: list[str] = ()) -> FlashConf
     for source in (*chain, cli):
         check_keys(OmegaConf.to_container(source), FlashConfig)
     try:
-        merged = OmegaConf.merge(OmegaConf.structured(FlashConfig), *chain, cli)
+        merged = OmegaConf.merge(OmegaConf.structured(FlashConfig), *chain)
+        empty = emptied(overrides)
+        for key in empty:  # merging {} would keep the recipe's keys: `key={}` empties the mapping
+            OmegaConf.update(merged, key, {}, merge=False)
+        merged = OmegaConf.merge(merged, _parse_overrides([o for o in overrides if o.partition("=")[0].strip()
+                                                           not in empty or o.partition("=")[2].strip() != "{}"]))
         cfg: FlashConfig = OmegaConf.to_object(merged)
     except OmegaConfBaseException as exc:
         key = getattr(exc, "full_key", "") or ""
@@ -177,6 +182,12 @@ def imply_trainer_workers(cfg: FlashConfig) -> None:
         role.num_workers = cfg.train.workers
     elif role.num_workers > 1 and cfg.train.workers == 1:
         cfg.train.workers = role.num_workers
+
+
+def emptied(items) -> list[str]:
+    """The keys that ``key={}`` overrides empty (e.g. ``reward.fn={}``: the task's own reward); the
+    other overrides apply after, so ``reward.fn={} reward.fn.name=code`` is ``{name: code}``."""
+    return [k.strip() for k, _, v in (item.partition("=") for item in items) if v.strip() == "{}"]
 
 
 def _parse_overrides(items: list[str]):

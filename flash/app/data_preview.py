@@ -55,10 +55,10 @@ def histogram(lengths: list[int], bins: int = 8) -> list[tuple[int, int, int]]:
     return [(lo + b * width, lo + (b + 1) * width - 1, counts.get(b, 0)) for b in range(-(-(hi - lo + 1) // width))]
 
 
-def scan(task, tokenizer, max_prompt_tokens: int, rows: int, score: bool = True) -> dict:
+def scan(task, tokenizer, max_prompt_tokens: int, rows: int, scorer=None) -> dict:
     """The first ``rows`` train positions through the input guard, one row at a time: kept items
-    with token ids and each kept row's reference reward (None without ``score``), drops per reason,
-    and each dropped row's ``(data index, why)`` in ``rejects``."""
+    with token ids and each kept row's reference scored by ``scorer`` (None: not scored), drops
+    per reason, and each dropped row's ``(data index, why)`` in ``rejects``."""
     from flash.guards import DataError, InputGuard
     from flash.models import encode_prompt
 
@@ -71,7 +71,7 @@ def scan(task, tokenizer, max_prompt_tokens: int, rows: int, score: bool = True)
             _, item, ids = guard.take(index, task.item, lambda p: encode_prompt(tokenizer, p))
         except DataError:  # this row is dropped (counted, its reason in rejects)
             continue
-        kept.append((item, ids, score_reference(task.reward, item) if score else None))
+        kept.append((item, ids, score_reference(scorer, item) if scorer is not None else None))
     dropped = Counter(getattr(task, "read_skipped", {}))  # rows skipped before reading (flash.data.limits)
     dropped.update(guard.counts)
     return {"kept": kept, "dropped": dict(dropped), "scanned": end, "rejects": rejects}
@@ -83,11 +83,12 @@ def preview(cfg, rows: int = 1000, out=print) -> dict:
 
     task = build_task(cfg)
     tokenizer = preview_tokenizer(cfg, task)
-    limit = cfg.data.max_prompt_tokens or 0
-    result = scan(task, tokenizer, limit, rows)
+    limit, scorer = cfg.data.max_prompt_tokens or 0, run_scorer(cfg, task)
+    result = scan(task, tokenizer, limit, rows, scorer)
     kept = result["kept"]
     for item, ids, reward in kept[:SHOW]:
-        out(f"--- data index {item.index} ({len(ids)} tokens; reference reward {reward}) ---")
+        scored = f"reference reward {reward}" if scorer is not None else "its episodes scored whole"
+        out(f"--- data index {item.index} ({len(ids)} tokens; {scored}) ---")
         out(tokenizer.decode(ids))
     lengths = [len(ids) for _, ids, _ in kept]
     out(f"prompt tokens over {len(kept)} rows (of the first {result['scanned']} train positions):")
@@ -96,11 +97,14 @@ def preview(cfg, rows: int = 1000, out=print) -> dict:
     out(f"dropped: {result['dropped'] or 'none'}")
     for index, why in result["rejects"][:SHOW]:
         out(f"  data index {index}: {why[:160]}")
-    zero = [(item, r) for item, _, r in kept if r == 0.0 or isinstance(r, str)]
-    out(f"references scoring 0 (a data or reward bug): {len(zero)} of {len(kept)}")
-    for item, r in zero[:SHOW]:
-        out(f"  data index {item.index}: answer {str(item.answer)[:80]!r} -> {r}")
-    for line in data_warnings(cfg, task, tokenizer, result, run_scorer(cfg, task)):
+    if scorer is None:
+        out("references: not scored (the reward scores whole episodes, or is a judge that needs the model)")
+    else:
+        zero = [(item, r) for item, _, r in kept if r == 0.0 or isinstance(r, str)]
+        out(f"references scoring 0 (a data or reward bug): {len(zero)} of {len(kept)}")
+        for item, r in zero[:SHOW]:
+            out(f"  data index {item.index}: answer {str(item.answer)[:80]!r} -> {r}")
+    for line in data_warnings(cfg, task, tokenizer, result, scorer):
         out(f"warning: {line}")
     return result
 
@@ -114,7 +118,7 @@ def recipe_warnings(cfg, task, rows: int = 200) -> list[str]:
     if isinstance(task, EnvTask) or cfg.agent.fn or cfg.model.gguf or not hasattr(task, "item"):
         return []
     tokenizer = preview_tokenizer(cfg, task)
-    result = scan(task, tokenizer, cfg.data.max_prompt_tokens or 0, rows, score=False)
+    result = scan(task, tokenizer, cfg.data.max_prompt_tokens or 0, rows)
     return data_warnings(cfg, task, tokenizer, result, run_scorer(cfg, task))
 
 
