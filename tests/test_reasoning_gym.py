@@ -28,6 +28,20 @@ def test_items_are_generated_from_the_seed_and_scored_by_reasoning_gym():
     assert low.item(2).prompt == item.prompt.lower() and low.reward(low.item(2), item.answer) == 1.0
 
 
+def test_slipped_demonstrations_are_one_too_high_at_the_rate_asked_and_items_are_unchanged():
+    """``slip_prob`` changes the warm start's demonstrations only: an integer answer one too high
+    at that rate (a bias the reward teaches away), the items and their rewards as without it."""
+    plain = make_task("reasoning_gym", dataset="chain_sum", options=CHAIN)
+    task = make_task("reasoning_gym", dataset="chain_sum", options=CHAIN, slip_prob=0.3)
+    pairs, items = [task.sft_pair(i) for i in range(1000)], [plain.item(i) for i in range(1000)]
+    assert [p for p, _ in pairs] == [it.prompt for it in items]
+    off = [int(a) - int(it.answer) for (_, a), it in zip(pairs, items) if a != it.answer]
+    assert set(off) == {1} and 0.26 <= len(off) / 1000 <= 0.34
+    assert [task.sft_pair(i) for i in range(50)] == pairs[:50]  # the same index, the same demonstration
+    with pytest.raises(ValueError, match=r"slip_prob must be in \[0, 1\)"):
+        make_task("reasoning_gym", dataset="chain_sum", options=CHAIN, slip_prob=1.0)
+
+
 @pytest.mark.parametrize("options, error", [
     ({"dataset": "chain_summ"}, "did you mean 'chain_sum'"),
     ({"dataset": "chain_sum", "options": {"bogus": 1}}, "task.options for chain_sum: TypeError"),

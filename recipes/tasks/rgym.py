@@ -6,7 +6,7 @@
 generated with seed ``seed``; the eval split is a second dataset generated with another seed (items
 can coincide when the dataset's space is small). Nothing is read from files. The reward is the
 dataset's own ``score_answer(response, entry)`` (a number in [0, 1]); the warm start's
-demonstrations are the entries' answers.
+demonstrations are the entries' answers, an integer one too high with probability ``slip_prob``.
 
 The tiny CPU model's tokenizer is byte level: any dataset's prompts fit it (``lowercase: true``
 lowercases prompts and answers, for a model trained on lower case).
@@ -17,6 +17,7 @@ Supported: reasoning-gym 0.1.x (tested with 0.1.25).
 from __future__ import annotations
 
 import random
+import re
 from dataclasses import dataclass, field
 
 from flash.tasks import Task, TaskItem, register_task
@@ -35,6 +36,7 @@ class ReasoningGymOptions:
     size: int = 1_000_000  # train items before the stream repeats
     eval_size: int = 64
     lowercase: bool = False  # prompts and answers in lower case (a tokenizer without capitals)
+    slip_prob: float = 0.0  # a demonstration's integer answer is one too high with this probability (room for RL)
 
     def __post_init__(self) -> None:
         if not isinstance(self.dataset, str) or not self.dataset:
@@ -44,6 +46,8 @@ class ReasoningGymOptions:
         reserved = {"seed", "size"} & set(self.options)
         if reserved:
             raise ValueError(f"task.options sets {sorted(reserved)}: set task.seed / task.size instead")
+        if not 0.0 <= self.slip_prob < 1.0:
+            raise ValueError(f"slip_prob must be in [0, 1), got {self.slip_prob}")
         if self.size < 1 or self.eval_size < 1:
             raise ValueError(f"size and eval_size must be >= 1, got {self.size}, {self.eval_size}")
 
@@ -105,5 +109,11 @@ class ReasoningGym(Task):
         return float(self.datasets[item.meta.get("split", "train")].score_answer(response.strip(), entry))
 
     def sft_pair(self, index: int) -> tuple[str, str]:
+        """The entry's answer; with probability ``slip_prob`` an integer answer one too high instead
+        (as ``wordproblems`` slips: a bias the warm start learns and the reward teaches away)."""
         item = self.item(index, "train")
-        return item.prompt, item.answer
+        answer = item.answer
+        rng = self.rng(index, "train", stream="demo")
+        if self.options.slip_prob and rng.random() < self.options.slip_prob and re.fullmatch(r"-?\d+", answer.strip()):
+            answer = str(int(answer) + 1)
+        return item.prompt, answer
