@@ -55,11 +55,12 @@ def test_a_bad_dataset_or_option_is_one_line_naming_the_fix(options, error):
 
 
 @pytest.mark.slow
-@pytest.mark.margin  # the warm start and 40 steps: many minutes on 2 loaded cores
+@pytest.mark.margin  # the 800-step warm start and 40 steps: ~9 minutes on 2 quiet cores
 def test_the_reasoning_gym_recipe_learns(tmp_path, warm_cache):
     from tests.helpers.processes import recipe_summary
 
     s = recipe_summary(tmp_path / "run", warm_cache, "recipes/reasoning_gym.yaml", ["tracking.tensorboard=false"],
                        timeout=3000)
     assert s["steps"] == 40
-    assert s["eval_accuracy_final"] - s["eval_accuracy_initial"] >= 0.10, s
+    # measured +0.139 (0.418 -> 0.557, BENCHMARKS.md); the difference's standard error is ~0.05
+    assert s["eval_accuracy_final"] - s["eval_accuracy_initial"] >= 0.08, s
