@@ -12,8 +12,8 @@ math_smollm2 recipe with the same files, 10 of its 30 steps) +14.8 points (0.141
 The worked-solutions file is GSM8K-shaped text as a user brings it: capitalised sentences, worked
 solutions over several lines, then `#### N` ("Tom has 3 apples.\nTom buys 4 more.\n3 + 4 = 7\n#### 7"),
 its answer column both the reference and the demonstration (`data.sft_key` = `data.answer_key`),
-a 350-step warm start (held-out 0.49: room both ways). It runs end to end; GRPO does not yet raise
-its held-out accuracy (its xfail names the numbers).
+a 350-step warm start (held-out 0.49: room both ways) and groups of 16: held-out 0.494 → 0.680 in
+60 steps (groups of 8 left it flat, BENCHMARKS.md "Worked solutions as demonstrations").
 """
 
 import importlib.util
@@ -46,7 +46,7 @@ def write_gsm8k_rows(tmp_path) -> list[str]:
 
 NAMES = ("Tom", "Ann", "Sam", "Mia", "Leo", "Eva", "Max", "Zoe")
 THINGS = ("apples", "pears", "coins", "books", "cards", "eggs")
-BAR_TINY = 0.05
+BAR_TINY = 0.08  # worked solutions: measured +0.186 (0.494 -> 0.680) at n = 16; the difference's SE is ~0.05
 
 
 def worked_problem(rng: random.Random) -> dict:
@@ -72,7 +72,8 @@ def write_worked_rows(tmp_path) -> list[str]:
         with open(tmp_path / name, "w") as f:
             f.writelines(json.dumps(worked_problem(rng)) + "\n" for _ in range(n))
     return [f"data.train=[{tmp_path}/train.jsonl]", f"data.eval=[{tmp_path}/dev.jsonl]", "data.prompt_key=question",
-            "data.answer_key=answer", "data.sft_key=answer", "sft.steps=350", "rollout.max_new_tokens=64"]
+            "data.answer_key=answer", "data.sft_key=answer", "sft.steps=350", "rollout.max_new_tokens=64",
+            "rollout.n=16"]
 
 
 @pytest.mark.slow
@@ -87,10 +88,6 @@ def test_a_gsm8k_format_file_trains_and_held_out_accuracy_rises(tmp_path, warm_c
 
 @pytest.mark.slow
 @pytest.mark.margin
-@pytest.mark.xfail(reason="does not learn yet (BENCHMARKS.md, 'Worked solutions as demonstrations'): with a 350-step "
-                          "warm start, held-out 0.494 -> 0.484 in 60 steps at lr 2e-4 and a collapse at 5e-4 (reward "
-                          "0.55 -> 0.11); 200 steps: 0.172 -> 0.172; 600 steps: 0.963 before RL, no room",
-                   strict=True)
 def test_worked_solutions_with_capitals_and_newlines_train_as_the_demonstration(tmp_path, warm_cache):
     from flash.rewards.builtin import math_reward
     from flash.tasks import TaskItem
