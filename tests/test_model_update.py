@@ -385,7 +385,7 @@ def test_greedy_outputs_change_to_those_of_the_new_weights(roles):
 
     # on-policy steps from the greedy token towards another, until the trainer's own greedy
     # outputs move (the module's earlier tests leave the shared model confident in that token)
-    expected = trainer_greedy()
+    reference.load_state_dict(ray.get(trainer.get_weights.remote()))  # the first step's behaviour policy
     for seed in range(7, 13):
         train_step(trainer, seed=seed, favour=33, against=old[0][0], policy=reference)
         expected = trainer_greedy()

@@ -175,14 +175,20 @@ def test_each_kind_of_environment_runs_through_the_gateway_scored_by_its_rubric(
         assert "r: 7" in context  # the environment ran the tool; its result is context
 
 
-def test_an_empty_reply_aborts_the_rollout_counted_as_a_fact_and_logged_once(env_file, tmp_path, caplog):
+def test_an_empty_reply_aborts_the_rollout_counted_as_a_fact_and_logged_once(env_file, tmp_path):
     """verifiers ends a rollout whose reply is empty on its ``has_error`` stop: the episode reports
     ``aborted`` 1 (``agent/aborted`` averages it per step), and of three such rollouts only the
-    first is logged."""
+    first is logged (read by a handler on the environment's own logger: verifiers' loggers do not
+    propagate to the root)."""
+    import logging
+
     task = VerifiersTask(VerifiersOptions(env=str(env_file), args={"kind": "tool"}))
     _, gateway, _ = scripted_gateway([""])
-    infos = []
-    with gateway as gw, caplog.at_level("WARNING"):
+    infos, records = [], []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append
+    task.env.logger.addHandler(handler)
+    with gateway as gw:
         for i in range(3):
             key = gw.open_session()
 
@@ -193,9 +199,14 @@ def test_an_empty_reply_aborts_the_rollout_counted_as_a_fact_and_logged_once(env
 
             infos.append(asyncio.run(episode()))
             gw.close_session(key)
+    task.env.logger.removeHandler(handler)
     assert [(reward, info["aborted"]) for reward, info in infos] == [(0.0, 1.0)] * 3
-    aborted = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Aborted rollout")]
+    aborted = [r.getMessage() for r in records if r.getMessage().startswith("Aborted rollout")]
     assert len(aborted) == 1 and "counted in agent/aborted" in aborted[0]
+    # the environment class's logger is shared: a second task's filter replaces the first's
+    again = VerifiersTask(VerifiersOptions(env=str(env_file), args={"kind": "tool"}))
+    assert again.env.logger is task.env.logger
+    assert sum(type(f).__name__ == "_AbortedOnce" for f in task.env.logger.filters) == 1
 
 
 @pytest.mark.slow

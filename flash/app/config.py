@@ -46,8 +46,8 @@ def load_config(recipe_path: str | Path, overrides: list[str] = ()) -> FlashConf
         empty = emptied(overrides)
         for key in empty:  # merging {} would keep the recipe's keys: `key={}` empties the mapping
             OmegaConf.update(merged, key, {}, merge=False)
-        merged = OmegaConf.merge(merged, _parse_overrides([o for o in overrides if o.partition("=")[0].strip()
-                                                           not in empty or o.partition("=")[2].strip() != "{}"]))
+        rest = _parse_overrides([o for o in overrides if o.partition("=")[2].strip() != "{}"]) if empty else cli
+        merged = OmegaConf.merge(merged, rest)
         cfg: FlashConfig = OmegaConf.to_object(merged)
     except OmegaConfBaseException as exc:
         key = getattr(exc, "full_key", "") or ""

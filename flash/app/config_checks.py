@@ -378,10 +378,10 @@ def _check_reward(cfg: FlashConfig) -> None:
 
     d = cfg.data
     named = [k for k, on in (("data.reward", d.reward != DataConfig.reward), ("data.reward_key", d.reward_key)) if on]
-    _require(not (cfg.reward.fn and d.train and named),
-             f"reward.fn ({cfg.reward.fn.get('name')}) and {' and '.join(named)} both choose the rows' reward, and "
-             f"reward.fn would score every row: set reward.fn={{}} to score by {named[0] if named else ''}, or drop "
-             f"{' and '.join(named)}")
+    if cfg.reward.fn and d.train and named:
+        raise ConfigError(f"reward.fn ({cfg.reward.fn.get('name')}) and {' and '.join(named)} both choose the rows' "
+                          f"reward, and reward.fn would score every row: set reward.fn={{}} to score by {named[0]}, "
+                          f"or drop {' and '.join(named)}")
     if cfg.reward.fn:
         from flash.rewards.registry import check_pool_args
 

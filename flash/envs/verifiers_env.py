@@ -171,8 +171,11 @@ class VerifiersTask(Task):
     def __init__(self, options: VerifiersOptions) -> None:
         super().__init__(options)
         self.env = load_environment(options.env, dict(options.args))
-        if isinstance(getattr(self.env, "logger", None), logging.Logger):
-            self.env.logger.addFilter(_AbortedOnce())
+        logger = getattr(self.env, "logger", None)  # one per environment class: this task's filter replaces any
+        if isinstance(logger, logging.Logger):
+            for old in [f for f in logger.filters if isinstance(f, _AbortedOnce)]:
+                logger.removeFilter(old)
+            logger.addFilter(_AbortedOnce())
         self.rows = {"train": plain_rows(self.env.get_dataset()), "eval": plain_rows(self.env.get_eval_dataset())}
         if not self.rows["train"]:
             raise ValueError(f"task.env {options.env!r}: its environment has no dataset (load_environment must pass "
@@ -226,8 +229,7 @@ class VerifiersTask(Task):
                                         BOS, EOS)
         except DemonstrationError as exc:
             raise ValueError(f"task.sft_key {self.options.sft_key!r}, row {row_index}: {exc}") from None
-        prompt, text = turns[self.rng(index, "train", stream="demo").randrange(len(turns))]
-        return prompt, text
+        return turns[self.rng(index, "train", stream="demo").randrange(len(turns))]
 
     @property
     def tools(self) -> list[dict] | None:
