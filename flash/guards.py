@@ -8,8 +8,8 @@
   too long one is skipped (counted per reason, the first of each kind logged) or, with
   ``data.strict``, stops the run naming the row. The data position still advances past it, so a
   resumed run skips the same rows and never re-reads one.
-- ``nesting_depth``: how deep brackets nest in untrusted text, taken before a recursive parser
-  (Arrow's JSON reader, math-verify) sees it.
+- ``nesting_depth`` and ``json_depth``: how deep brackets nest in untrusted text (JSON's outside
+  its strings), taken before a recursive parser (``json``, Arrow's JSON reader, math-verify) sees it.
 - ``check_consistency``: settings that are each valid but contradict each other fail at
   ``flash validate`` with a message naming the fix.
 """
@@ -121,15 +121,34 @@ class InputGuard:
 
 
 def nesting_depth(text: bytes, opens: bytes, closes: bytes) -> int:
-    """The deepest nesting of the ``opens`` brackets in ``text`` (vectorized); a closer with
-    nothing open is ignored, so leading closers cannot hide depth."""
+    """The deepest nesting of the ``opens`` brackets in ``text`` (vectorized past a few thousand
+    brackets); a closer with nothing open is ignored, so leading closers cannot hide depth."""
+    table, other = _bracket_table(opens, closes)
+    steps = text.translate(table, other)  # 2 per opener, 0 per closer
+    if len(steps) < 1024:  # a few brackets: a plain loop is quicker than numpy's set-up
+        level = deepest = 0
+        for b in steps:
+            level = max(level + b - 1, 0)
+            deepest = max(deepest, level)
+        return deepest
     import numpy as np
 
-    table, other = _bracket_table(opens, closes)
-    level = np.cumsum(np.frombuffer(text.translate(table, other), dtype=np.uint8).astype(np.int64) - 1)
-    if not len(level):
-        return 0
-    return int((level - np.minimum.accumulate(np.minimum(level, 0))).max())
+    level = np.cumsum(np.frombuffer(steps, dtype=np.uint8).astype(np.int64) - 1)
+    return max(0, int((level - np.minimum.accumulate(np.minimum(level, 0))).max()))
+
+
+_NOT_JSON_STRUCTURE = bytes(b for b in range(256) if b not in b'[]{}"')
+
+
+def json_depth(text: str | bytes) -> int:
+    """The deepest nesting of arrays and objects in JSON ``text`` (0 for a scalar), without parsing
+    it: escaped backslashes and quotes are dropped, then every byte but quotes and brackets, then
+    what lies between quotes (the strings), and ``nesting_depth`` measures the rest. On malformed
+    text the measure may be too high (an unclosed string's brackets count), never too low for
+    text a JSON parser accepts."""
+    data = text.encode("utf-8", "surrogatepass") if isinstance(text, str) else bytes(text)
+    data = data.replace(b"\\\\", b"").replace(b'\\"', b"").translate(None, _NOT_JSON_STRUCTURE)
+    return nesting_depth(b"".join(data.split(b'"')[::2]), b"[{", b"]}")
 
 
 @lru_cache(maxsize=8)

@@ -12,7 +12,8 @@ from flash.app.config import load_config
 from flash.app.data_preview import scan
 from flash.app.roles import new_guards
 from flash.data.files import datasets_module, open_rows
-from flash.data.limits import MAX_DEPTH, MAX_ROW_BYTES, json_depth
+from flash.data.limits import MAX_DEPTH, MAX_ROW_BYTES
+from flash.guards import json_depth
 from flash.data.rows import MAX_TEMPLATE_WIDTH, BadRow, parse_template, render_template
 from flash.errors import ConfigError
 from flash.guards import DataError

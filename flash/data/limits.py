@@ -16,22 +16,15 @@ from __future__ import annotations
 
 import hashlib
 import os
-import re
 from collections import Counter
 from pathlib import Path
 
 from flash.errors import ConfigError
-from flash.guards import nesting_depth
+from flash.guards import json_depth
 
 MAX_ROW_BYTES = 16 << 20  # one JSONL row (a prompt of millions of characters is no prompt)
 MAX_DEPTH = 64  # nesting levels of one row, the row's own object included
-_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)  # a JSON string (escapes unrolled)
 _CHUNK = 1 << 20
-
-
-def json_depth(text: bytes) -> int:
-    """The deepest nesting of ``[`` and ``{`` in JSON ``text``, brackets inside strings left out."""
-    return nesting_depth(_STRING.sub(b"", text), b"[{", b"]}")
 
 
 def row_reason(line: bytes) -> str | None:
