@@ -143,10 +143,28 @@ def make_task(name: str, **options) -> Task:
 
 
 def task_fingerprint(task: Task) -> dict:
-    """Everything that identifies a task's data: its name and all its options (for cache keys); a
-    task over files adds ``data_fingerprint`` (their contents), so a copy elsewhere is the same data."""
+    """Everything that identifies a task's data (for cache keys): its name, all its options and its
+    code (``code_fingerprint``); a task over files adds ``data_fingerprint`` (their contents), so a
+    copy elsewhere is the same data."""
     options = {k: v for k, v in dataclasses.asdict(task.options).items() if k not in task.runtime_options}
     data = getattr(task, "data_fingerprint", None)
     if data is not None:
         options = {k: v for k, v in options.items() if k not in ("train", "eval")} | {"data": data}
-    return {"name": task.name, "options": options}
+    return {"name": task.name, "options": options, "code": code_fingerprint(type(task))}
+
+
+def code_fingerprint(cls: type) -> str:
+    """A digest of the source files defining ``cls`` and its bases (those with a file), so an edit
+    to a task's code (its items, its demonstrations) is a new cache key, not a stale warm start."""
+    digest = hashlib.sha256()
+    for path in dict.fromkeys(inspect.getfile(k) for k in cls.__mro__ if _has_file(k)):
+        with open(path, "rb") as f:
+            digest.update(f.read())
+    return digest.hexdigest()[:16]
+
+
+def _has_file(cls: type) -> bool:
+    try:
+        return inspect.getfile(cls).endswith(".py")
+    except (TypeError, OSError):  # builtins, classes of interactive sessions
+        return False

@@ -6,6 +6,7 @@ Fast: the warm-start tests train a one-layer model for a few steps.
 import dataclasses
 import json
 import os
+import sys
 
 import pytest
 import torch
@@ -268,6 +269,38 @@ def test_cache_key_covers_every_config():
     assert cache_key(dataclasses.replace(SMALL_MODEL, seed=1), SMALL_SFT, task) != base
     assert cache_key(SMALL_MODEL, SMALL_SFT, make_task("chainsum", slip_prob=0.1)) != base
     assert cache_key(SMALL_MODEL, SMALL_SFT, make_task("stutter")) != base
+
+
+TASK_SOURCE = """
+from recipes.tasks.echo import Echo
+
+
+class EditedEcho(Echo):
+    def sft_pair(self, index):
+        prompt, response = super().sft_pair(index)
+        return prompt, {response}
+"""
+
+
+def _task_from_file(path, body: str):
+    import importlib.util
+
+    path.write_text(TASK_SOURCE.replace("{response}", body))
+    spec = importlib.util.spec_from_file_location(f"edited_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # as an import leaves it
+    spec.loader.exec_module(module)
+    return module.EditedEcho(make_task("echo").options)
+
+
+def test_cache_key_follows_the_tasks_code(tmp_path):
+    """The same name and options with edited demonstrations code is another warm start."""
+    a = _task_from_file(tmp_path / "a.py", "response")
+    b = _task_from_file(tmp_path / "b.py", "response[::-1]")
+    same = _task_from_file(tmp_path / "c.py", "response")
+    assert a.sft_pair(3) != b.sft_pair(3) and a.options == b.options
+    assert cache_key(SMALL_MODEL, SMALL_SFT, a) != cache_key(SMALL_MODEL, SMALL_SFT, b)
+    assert cache_key(SMALL_MODEL, SMALL_SFT, a) == cache_key(SMALL_MODEL, SMALL_SFT, same)
 
 
 def test_failed_training_leaves_no_partial_checkpoint(tmp_path, monkeypatch):
