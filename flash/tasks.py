@@ -58,6 +58,8 @@ class Task:
     # A task whose episodes are agent runs through the gateway defines ``async def agent(self,
     # client, item) -> reward | (reward, info)`` (flash.envs.agents), used where ``agent.fn`` is unset.
     agent: ClassVar[Callable | None] = None
+    # Such a task may also define ``first_request(item) -> str | dict`` (a prompt, or a chat's
+    # ``{"messages", "tools"}``): what its agent first sends, which ``flash data`` shows.
 
     @classmethod
     def check(cls, options) -> None:

@@ -109,6 +109,25 @@ def test_flash_validate_loads_the_environment_beside_the_recipe(tmp_path, env_fi
         load_config(str(recipe), ["agent.fn=tests.agent_fns:answer"])
 
 
+def test_flash_data_shows_the_first_request_as_the_engine_receives_it(tmp_path, env_file):
+    """The preview of a tool environment is the chat the gateway renders with the task's template
+    (flash.envs.agents.TOOL_TEMPLATE): the tools' names, the row's question as the user's turn,
+    then the assistant's header; not the question's bare text."""
+    from flash.app.data_preview import preview
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("task:\n  name: verifiers\n  env: arith_env.py\n  args:\n    kind: tool\nsft:\n  steps: 0\n")
+    lines: list[str] = []
+    preview(load_config(str(recipe), []), rows=8, out=lines.append)
+    task = VerifiersTask(VerifiersOptions(env=str(env_file), args={"kind": "tool"}))
+    assert lines[1] == f"<bos>tools: add. q: {task.item(0).prompt} a: "  # the row the run's first item reads
+    tokenizer = build_tokenizer()
+    tokenizer.chat_template = VerifiersTask.chat_template
+    ids = tokenizer.encode(lines[1], add_special_tokens=False)
+    assert tokenizer.decode(ids) == lines[1]
+    assert lines[0] == f"--- data index 0 ({len(ids)} tokens; its episodes scored whole) ---"
+
+
 def test_items_come_from_the_dataset_in_a_reshuffled_order_each_pass(env_file):
     task = VerifiersTask(VerifiersOptions(env=str(env_file), args={"kind": "single"}, eval_size=5))
     first = [task.item(i).prompt for i in range(25)]

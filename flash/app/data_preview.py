@@ -80,14 +80,18 @@ def scan(task, tokenizer, max_prompt_tokens: int, rows: int, scorer=None) -> dic
 def preview(cfg, rows: int = 1000, out=print) -> dict:
     """Print the preview of ``cfg``'s data (see the module docstring); returns the scan."""
     from flash.app.data import build_task
+    from flash.models import encode_prompt
 
     task = build_task(cfg)
     tokenizer = preview_tokenizer(cfg, task)
     limit, scorer = cfg.data.max_prompt_tokens or 0, run_scorer(cfg, task)
     result = scan(task, tokenizer, limit, rows, scorer)
     kept = result["kept"]
+    first_request = getattr(task, "first_request", None)  # an agent's first chat, as the engine sees it
     for item, ids, reward in kept[:SHOW]:
         scored = f"reference reward {reward}" if scorer is not None else "its episodes scored whole"
+        if first_request is not None:
+            ids = encode_prompt(tokenizer, first_request(item))
         out(f"--- data index {item.index} ({len(ids)} tokens; {scored}) ---")
         out(tokenizer.decode(ids))
     lengths = [len(ids) for _, ids, _ in kept]

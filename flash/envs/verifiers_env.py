@@ -204,6 +204,15 @@ class VerifiersTask(Task):
         return TaskItem(index=index, prompt=prompt_text(row.get("prompt")),
                         answer=answer if isinstance(answer, str) else "", meta={"split": split, "row": row_index})
 
+    def first_request(self, item: TaskItem) -> dict | str:
+        """The prompt of the item's first chat request as the gateway receives it: the row's
+        messages with the environment's tools (a completion environment's text as it is)."""
+        prompt = self.rows[item.meta["split"]][item.meta["row"]].get("prompt")
+        if isinstance(prompt, str):
+            return prompt
+        return {"messages": [{k: v for k, v in m.items() if v is not None} for m in prompt or []],
+                "tools": self.tools}
+
     def eval_items(self) -> list[TaskItem]:
         return [self.item(i, "eval") for i in range(min(self.options.eval_size, len(self.rows["eval"])))]
 
