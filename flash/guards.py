@@ -21,6 +21,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import lru_cache
+from itertools import accumulate
 from typing import Any
 
 from flash.errors import ConfigError, FlashError
@@ -124,31 +125,37 @@ def nesting_depth(text: bytes, opens: bytes, closes: bytes) -> int:
     """The deepest nesting of the ``opens`` brackets in ``text`` (vectorized past a few thousand
     brackets); a closer with nothing open is ignored, so leading closers cannot hide depth."""
     table, other = _bracket_table(opens, closes)
-    steps = text.translate(table, other)  # 2 per opener, 0 per closer
-    if len(steps) < 1024:  # a few brackets: a plain loop is quicker than numpy's set-up
-        level = deepest = 0
-        for b in steps:
-            level = max(level + b - 1, 0)
-            deepest = max(deepest, level)
-        return deepest
+    return _deepest(text.translate(table, other))
+
+
+def json_depth(text: str | bytes) -> int:
+    """The deepest nesting of arrays and objects in JSON ``text`` (0 for a scalar), without parsing
+    it: escaped backslashes and quotes are dropped, then every byte but quotes and brackets, then
+    what lies between quotes (the strings), and the rest is measured as ``nesting_depth`` does. On
+    malformed text the measure may be too high (an unclosed string's brackets count), never too
+    low for text a JSON parser accepts."""
+    data = text.encode("utf-8", "surrogatepass") if isinstance(text, str) else bytes(text)
+    data = data.replace(b"\\\\", b"").replace(b'\\"', b"").translate(None, _NOT_JSON_STRUCTURE)
+    table, _ = _bracket_table(b"[{", b"]}")
+    return _deepest(b"".join(data.split(b'"')[::2]).translate(table))
+
+
+_NOT_JSON_STRUCTURE = bytes(b for b in range(256) if b not in b'[]{}"')
+
+
+def _deepest(steps: bytes) -> int:
+    """The highest level reached by ``steps`` (2: one level in, 0: one out), never below 0."""
+    if len(steps) < 1024:  # a few brackets: a running sum is quicker than numpy's set-up
+        levels = list(accumulate(map(_STEP.__getitem__, steps)))
+        if not levels or min(levels) >= 0:  # no closer without an opener: nothing to clamp
+            return max(levels, default=0)
     import numpy as np
 
     level = np.cumsum(np.frombuffer(steps, dtype=np.uint8).astype(np.int64) - 1)
     return max(0, int((level - np.minimum.accumulate(np.minimum(level, 0))).max()))
 
 
-_NOT_JSON_STRUCTURE = bytes(b for b in range(256) if b not in b'[]{}"')
-
-
-def json_depth(text: str | bytes) -> int:
-    """The deepest nesting of arrays and objects in JSON ``text`` (0 for a scalar), without parsing
-    it: escaped backslashes and quotes are dropped, then every byte but quotes and brackets, then
-    what lies between quotes (the strings), and ``nesting_depth`` measures the rest. On malformed
-    text the measure may be too high (an unclosed string's brackets count), never too low for
-    text a JSON parser accepts."""
-    data = text.encode("utf-8", "surrogatepass") if isinstance(text, str) else bytes(text)
-    data = data.replace(b"\\\\", b"").replace(b'\\"', b"").translate(None, _NOT_JSON_STRUCTURE)
-    return nesting_depth(b"".join(data.split(b'"')[::2]), b"[{", b"]}")
+_STEP = (-1, 0, 1)  # a translated byte (0: closer, 2: opener) to its change of level
 
 
 @lru_cache(maxsize=8)
