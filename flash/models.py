@@ -29,9 +29,14 @@ import string
 import unicodedata
 from dataclasses import asdict, dataclass
 
-from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from typing import TYPE_CHECKING
+
+from transformers import PreTrainedTokenizerFast
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 from transformers.models.qwen2.tokenization_qwen2 import Qwen2Tokenizer
+
+if TYPE_CHECKING:
+    from transformers import Qwen2ForCausalLM
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 SPECIAL_TOKENS = (PAD, BOS, EOS, UNK)
@@ -185,6 +190,7 @@ class TinyModelConfig:
 def build_tiny_model(tokenizer: PreTrainedTokenizerFast, cfg: TinyModelConfig) -> Qwen2ForCausalLM:
     """A freshly initialised (seeded) Qwen2 causal LM sized for ``tokenizer``'s vocabulary."""
     import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM  # the modeling code: only where a model is built
 
     config = Qwen2Config(
         vocab_size=len(tokenizer),
