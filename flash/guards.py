@@ -122,40 +122,43 @@ class InputGuard:
 
 
 def nesting_depth(text: bytes, opens: bytes, closes: bytes) -> int:
-    """The deepest nesting of the ``opens`` brackets in ``text`` (vectorized past a few thousand
-    brackets); a closer with nothing open is ignored, so leading closers cannot hide depth."""
+    """The deepest nesting of the ``opens`` brackets in ``text`` (vectorized); a closer with
+    nothing open is ignored, so leading closers cannot hide depth."""
+    import numpy as np
+
     table, other = _bracket_table(opens, closes)
-    return _deepest(text.translate(table, other))
+    level = np.cumsum(np.frombuffer(text.translate(table, other), dtype=np.uint8).astype(np.int64) - 1)
+    if not len(level):
+        return 0
+    return int((level - np.minimum.accumulate(np.minimum(level, 0))).max())
 
 
 def json_depth(text: str | bytes) -> int:
     """The deepest nesting of arrays and objects in JSON ``text`` (0 for a scalar), without parsing
     it: escaped backslashes and quotes are dropped, then every byte but quotes and brackets, then
-    what lies between quotes (the strings), and the rest is measured as ``nesting_depth`` does. On
-    malformed text the measure may be too high (an unclosed string's brackets count), never too
-    low for text a JSON parser accepts."""
+    what lies between quotes (the strings); the depth is the highest running sum of +1 per opening
+    and -1 per closing bracket. A parser stops at a closer with nothing open, so what follows one
+    is never parsed: the sum is not clamped there. On malformed text the measure may be too high
+    (an unclosed string's brackets count), never too low for what a JSON parser reads."""
     data = text.encode("utf-8", "surrogatepass") if isinstance(text, str) else bytes(text)
     data = data.replace(b"\\\\", b"").replace(b'\\"', b"").translate(None, _NOT_JSON_STRUCTURE)
-    table, _ = _bracket_table(b"[{", b"]}")
-    return _deepest(b"".join(data.split(b'"')[::2]).translate(table))
+    brackets = b"".join(data.split(b'"')[::2])
+    if len(brackets) < 1024:  # a few brackets: a plain running sum is quicker than numpy's set-up
+        return max(0, max(accumulate(map(_JSON_STEP.__getitem__, brackets)), default=0))
+    import numpy as np
+
+    return max(0, int(np.cumsum(_json_steps()[np.frombuffer(brackets, np.uint8)]).max()))
+
+
+@lru_cache(maxsize=1)
+def _json_steps():
+    import numpy as np
+
+    return np.array(_JSON_STEP, np.int32)
 
 
 _NOT_JSON_STRUCTURE = bytes(b for b in range(256) if b not in b'[]{}"')
-
-
-def _deepest(steps: bytes) -> int:
-    """The highest level reached by ``steps`` (2: one level in, 0: one out), never below 0."""
-    if len(steps) < 1024:  # a few brackets: a running sum is quicker than numpy's set-up
-        levels = list(accumulate(map(_STEP.__getitem__, steps)))
-        if not levels or min(levels) >= 0:  # no closer without an opener: nothing to clamp
-            return max(levels, default=0)
-    import numpy as np
-
-    level = np.cumsum(np.frombuffer(steps, dtype=np.uint8).astype(np.int64) - 1)
-    return max(0, int((level - np.minimum.accumulate(np.minimum(level, 0))).max()))
-
-
-_STEP = (-1, 0, 1)  # a translated byte (0: closer, 2: opener) to its change of level
+_JSON_STEP = [1 if b in b"[{" else -1 if b in b"]}" else 0 for b in range(256)]
 
 
 @lru_cache(maxsize=8)

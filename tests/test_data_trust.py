@@ -100,7 +100,7 @@ def test_json_depth_leaves_out_brackets_inside_strings():
     assert json_depth(b'{"a": "\\"[[[", "b": [[1]]}') == 3
     assert json_depth(b"[" * 5000 + b"]" * 5000) == 5000
     assert json_depth(b'{"a": [' + b"[1], " * 500 + b"[2]]}") == 3  # many lists, shallow
-    assert json_depth(b"]" * 500 + b"[" * 70 + b"]" * 70) == 70  # leading closers hide nothing
+    assert json_depth(b"[" * 70 + b"]" * 70 + b"]" * 500) == 70  # a parser stops at the first unmatched closer
 
 
 @pytest.mark.parametrize("bad, reason", [
