@@ -347,7 +347,7 @@ def test_group_knobs_are_strict_and_route_to_the_group():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("stream", [False, True])
-def test_controller_through_a_two_worker_group_is_the_plain_synchronous_loop(tmp_path, ray_local, stream):
+def test_controller_through_a_two_worker_group_is_the_plain_synchronous_loop(tmp_path, ray_local, warm_cache, stream):
     """The real controller, engine and a 2-rank group (token budget on): the same samples and
     losses as the textbook loop with the plain Trainer, step for step; also when the stream
     trainer feeds the group each prompt's group as it finishes."""
@@ -355,7 +355,7 @@ def test_controller_through_a_two_worker_group_is_the_plain_synchronous_loop(tmp
     from flash.app.runner import Run
     from tests.helpers.inproc import plain_sync_loop, small_cfg
 
-    cfg = small_cfg(tmp_path / "run", str(tmp_path / "cache"), "async_ratio=0", "algo.loss.name=ppo",
+    cfg = small_cfg(tmp_path / "run", warm_cache, "async_ratio=0", "algo.loss.name=ppo",
                     "train.workers=2", "train.micro_tokens=96", f"train.stream={stream}")
     r = Run(cfg, "sync-fsdp")
     try:
