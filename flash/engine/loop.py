@@ -21,11 +21,14 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 from flash.devices import read_peak_memory
 from flash.engine.base import INTERRUPT_MODES, GenerationOutput, GenerationRequest
-from flash.engine.torch_engine import TorchEngine
 from flash.usage import SpanRecorder
+
+if TYPE_CHECKING:
+    from flash.engine.torch_engine import TorchEngine
 
 
 class EngineLoopError(RuntimeError):
