@@ -28,7 +28,6 @@ import functools
 import string
 import unicodedata
 from dataclasses import asdict, dataclass
-
 from typing import TYPE_CHECKING
 
 from transformers import PreTrainedTokenizerFast

@@ -159,14 +159,16 @@ def code_fingerprint(cls: type) -> str:
     """A digest of the source files defining ``cls`` and its bases (those with a file), so an edit
     to a task's code (its items, its demonstrations) is a new cache key, not a stale warm start."""
     digest = hashlib.sha256()
-    for path in dict.fromkeys(inspect.getfile(k) for k in cls.__mro__ if _has_file(k)):
+    for path in dict.fromkeys(p for p in map(_source_file, cls.__mro__) if p is not None):
         with open(path, "rb") as f:
             digest.update(f.read())
     return digest.hexdigest()[:16]
 
 
-def _has_file(cls: type) -> bool:
+def _source_file(cls: type) -> str | None:
+    """The ``.py`` file defining ``cls``, or None (builtins, classes of interactive sessions)."""
     try:
-        return inspect.getfile(cls).endswith(".py")
-    except (TypeError, OSError):  # builtins, classes of interactive sessions
-        return False
+        path = inspect.getfile(cls)
+    except (TypeError, OSError):
+        return None
+    return path if path.endswith(".py") else None

@@ -13,10 +13,9 @@ from flash.app.data_preview import scan
 from flash.app.roles import new_guards
 from flash.data.files import datasets_module, open_rows
 from flash.data.limits import MAX_DEPTH, MAX_ROW_BYTES
-from flash.guards import json_depth
 from flash.data.rows import MAX_TEMPLATE_WIDTH, BadRow, parse_template, render_template
 from flash.errors import ConfigError
-from flash.guards import DataError
+from flash.guards import DataError, json_depth
 from flash.models import build_tokenizer
 from flash.rewards.builtin import math_reward
 from flash.rewards.math_limits import MAX_MATH_CHARS, MAX_PAREN_DEPTH, MathChecker, MathTooComplex, paren_depth

@@ -14,7 +14,8 @@ long tail of response lengths does not turn most of every batch into padding.
 Caching: the checkpoint directory is named by a hash of every input (model config, SFT config,
 task name, options and source files (``flash.tasks.task_fingerprint``), the tokenizer's and the
 training code's format versions), so a second call with the same configs and code returns at once
-and any change retrains. It is written to a temporary directory and renamed into place, so a crash or a concurrent run never leaves a half-written checkpoint behind.
+and any change retrains. It is written to a temporary directory and renamed into place, so a crash
+or a concurrent run never leaves a half-written checkpoint behind.
 
 Reproducibility: model init, data order and dropout-free training are all seeded; the same
 configs give the same weights on the same machine and torch version.
