@@ -463,3 +463,19 @@ def test_a_config_written_with_train_mixed_precision_reads_as_model_dtype(tmp_pa
     recipe.write_text(f"base: {STUTTER}\nmodel: {{dtype: float16}}\ntrain: {{mixed_precision: bf16}}\n")
     with pytest.raises(ConfigError, match="train.mixed_precision=bf16 and model.dtype=float16 disagree"):
         load_config(recipe)
+
+
+def test_a_run_driver_and_validate_load_no_model_code():
+    """`flash validate` and a run's driver read configs, tokenizers and talk to actors: neither
+    imports transformers' modeling code (the Qwen2 model, the KV-cache utilities and, with them,
+    torch._dynamo), which only the processes that build a model need."""
+    code = ("import sys; import flash.app.runner, flash.app.cli, flash.app.preflight; "
+            "from flash.app.cli import main; sys.argv = ['flash', 'validate', 'stutter']\n"
+            "try:\n    main()\nexcept SystemExit:\n    pass\n"
+            "heavy = ('transformers.models.qwen2.modeling_qwen2', 'transformers.cache_utils', "
+            "'transformers.modeling_utils', 'torch._dynamo')\n"
+            "print(sorted(m for m in heavy if m in sys.modules))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1] == "[]", proc.stdout
