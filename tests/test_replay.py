@@ -1,7 +1,9 @@
 """An asynchronous run can be audited: `flash replay RUN_DIR` re-trains from the run's schedule
 record (flash.app.schedule) and finds every step's loss and gradient norm again, bit for bit; a
 record that does not explain the run (a changed reward, a changed number) is caught at its step;
-a damaged record is one clear error, never a traceback.
+a damaged record is one clear error, never a traceback. These are the record's pieces; a whole
+asynchronous run killed, resumed and replayed (and a flipped reward caught) is
+`test_async_run_killed_and_resumed_loses_and_repeats_no_prompt` in test_resume_e2e.py.
 """
 
 import json
@@ -14,7 +16,6 @@ from buffers.types import Group, Sample
 from flash.app.schedule import groups_from_line, interrupts, read_schedule, step_line
 from flash.errors import FlashError
 from flash.train.batch import collate, flatten
-from tests.helpers.processes import STEPS, finish, launch, read_jsonl, replay_run
 
 
 def _group(pid: int, versions: list[list[int]]) -> Group:
@@ -72,36 +73,3 @@ def test_a_damaged_or_incomplete_record_file_is_one_error(tmp_path):
         read_schedule(tmp_path)
     (tmp_path / "schedule.jsonl").write_text(good + "\n")
     assert [line["step"] for line in read_schedule(tmp_path)] == [0]
-
-
-@pytest.mark.slow
-def test_an_async_run_replays_bit_for_bit_and_a_changed_record_is_caught(tmp_path):
-    run_dir, cache = tmp_path / "async", str(tmp_path / "cache")
-    extra = ["async_ratio=2", "rollout.interrupt=continue", "rollout.inject_delay_s=0.02", "checkpoint.every_steps=0",
-             "sft.steps=120"]
-    finish(launch(run_dir, cache, [f"run_dir={run_dir}", *extra]), run_dir)
-    schedule = read_jsonl(run_dir / "schedule.jsonl")
-    metrics = read_jsonl(run_dir / "metrics.jsonl")
-    assert [line["train"]["loss"] for line in schedule] == [m["train/loss"] for m in metrics]
-    stale = [line["step"] - min(s["versions"]) for line in schedule for g in line["groups"] for s in g["samples"]
-             if s["versions"]]
-    assert max(stale) >= 1  # it trained on older samples: the schedule was truly asynchronous
-    losses = [line["train"]["loss"] for line in schedule]
-    assert sum(loss != 0 for loss in losses) >= 2, losses  # steps with a gradient to reproduce
-
-    rc, out = replay_run(run_dir, "--out", str(tmp_path / "replay.jsonl"))
-    assert rc == 0, out
-    assert f"{STEPS} steps" in out and "every step's loss and gradient norm identical" in out
-    lines = read_jsonl(tmp_path / "replay.jsonl")
-    assert [x["loss_replayed"] for x in lines] == losses
-    assert [x["grad_norm_replayed"] for x in lines] == [line["train"]["grad_norm"] for line in schedule]
-
-    # flip every reward of the first step that had a gradient: its advantages change sign
-    k = next(i for i, loss in enumerate(losses) if loss != 0)
-    for g in schedule[k]["groups"]:
-        for s in g["samples"]:
-            s["reward"] = 1.0 - s["reward"]
-    (run_dir / "schedule.jsonl").write_text("".join(json.dumps(line) + "\n" for line in schedule))
-    rc, out = replay_run(run_dir, "--steps", str(k + 1))
-    assert rc == 1, out
-    assert f"step {k} differs first" in out and f"{k} steps identical" in out, out

@@ -16,7 +16,6 @@ exactly once: trained, or buffered / in flight at the end.
 """
 
 import json
-import os
 import random
 
 import pytest
@@ -82,7 +81,8 @@ def test_sync_run_killed_and_resumed_trains_every_prompt_once_with_the_same_loss
 @pytest.mark.slow
 def test_async_run_killed_and_resumed_loses_and_repeats_no_prompt(tmp_path, cache):
     run_dir = tmp_path / "async"
-    extra = ["async_ratio=2", "rollout.interrupt=continue", "rollout.inject_delay_s=0.05"]
+    # a 120-step warm start: rewards differ within groups, so steps have gradients for the replay to find
+    extra = ["async_ratio=2", "rollout.interrupt=continue", "rollout.inject_delay_s=0.05", "sft.steps=120"]
     kill_and_resume(run_dir, cache, extra, random.Random(1))
 
     ledger = read_jsonl(run_dir / "ledger.jsonl")
@@ -102,5 +102,22 @@ def test_async_run_killed_and_resumed_loses_and_repeats_no_prompt(tmp_path, cach
     schedule = read_jsonl(run_dir / "schedule.jsonl")
     assert [line["step"] for line in schedule] == list(range(STEPS))
     assert [line["train"]["loss"] for line in schedule] == [m["train/loss"] for m in read_jsonl(run_dir / "metrics.jsonl")]
-    rc, out = replay_run(run_dir)
-    assert rc == 0 and f"{STEPS} steps" in out and "identical" in out, out
+    stale = [line["step"] - min(s["versions"]) for line in schedule for g in line["groups"] for s in g["samples"]
+             if s["versions"]]
+    assert max(stale) >= 1  # it trained on older samples: the schedule was truly asynchronous
+    losses = [line["train"]["loss"] for line in schedule]
+    assert sum(loss != 0 for loss in losses) >= 2, losses  # steps with a gradient to reproduce
+    rc, out = replay_run(run_dir, "--out", str(tmp_path / "replay.jsonl"))
+    assert rc == 0 and f"{STEPS} steps" in out and "every step's loss and gradient norm identical" in out, out
+    lines = read_jsonl(tmp_path / "replay.jsonl")
+    assert [x["loss_replayed"] for x in lines] == losses
+    assert [x["grad_norm_replayed"] for x in lines] == [line["train"]["grad_norm"] for line in schedule]
+    # a record that does not explain the run is caught at its step: flip every reward of the first
+    # step that had a gradient, and its advantages change sign
+    k = next(i for i, loss in enumerate(losses) if loss != 0)
+    for g in schedule[k]["groups"]:
+        for s in g["samples"]:
+            s["reward"] = 1.0 - s["reward"]
+    (run_dir / "schedule.jsonl").write_text("".join(json.dumps(line) + "\n" for line in schedule))
+    rc, out = replay_run(run_dir, "--steps", str(k + 1))
+    assert rc == 1 and f"step {k} differs first" in out and f"{k} steps identical" in out, out
