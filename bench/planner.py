@@ -9,7 +9,7 @@ default recipe, so machine noise hits them alike. Then ``flash plan`` predicts e
 the base setting's runs (every repeat, pooled): with the default parallel fraction, and with it
 calibrated (``flash.app.plan.calibrate_p``) on the ``--calibrate`` setting's measured mean. Reports predicted and
 measured seconds per steady step (mean over the repeats) and the relative error; ``--save-traces``
-writes the trimmed traces (``flash.app.plan.trim_trace``) that tests/test_planner.py reads. The last
+writes the trimmed traces (``flash.app.plan.trim_trace``) that tests/unit/test_planner.py reads. The last
 line is JSON.
 """
 

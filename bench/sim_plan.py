@@ -15,7 +15,7 @@ predicted, measured (the mean of ``sim/step_s``) and the relative error; the mea
 over one contiguous interval instead (``contiguous_sim_step_s``: an async engine's work between
 two steps' phase windows, which ``sim/step_s`` leaves out); the run's unscaled driver share and
 the load average. ``--save-traces`` writes the trimmed traces of the base run and of the targets
-at its scale (``base-r<r>``) and the targets' measured values (tests/test_plan_sim.py reads them).
+at its scale (``base-r<r>``) and the targets' measured values (tests/unit/test_plan_sim.py reads them).
 The last line is JSON.
 """
 

@@ -13,7 +13,7 @@ counts groups that get trained: a group admitted at version ``v`` had fewer than
 ``floor((v + 1 + r) * B)`` counted groups before it, and groups filtered later were counted then
 and dropped since, so among groups that are trained it is still within the first
 ``floor((v + 1 + r) * B)``. The bound therefore holds unchanged; a filtered group simply frees its
-slot for the next prompt (tested end to end in tests/test_lifecycle.py).
+slot for the next prompt (tested end to end in tests/integration/test_lifecycle.py).
 
 Over-provisioning (``rollout.max_additional_prompts = X``): once the bound is reached, up to ``X``
 *spare* prompts are generated beyond it, so that when a group is filtered a replacement is already

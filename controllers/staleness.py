@@ -20,7 +20,7 @@ version and so is plain synchronous on-policy training.
 
 With dynamic sampling, ``admitted`` counts trainable groups only (a filtered group frees its slot;
 spare prompts beyond the bound are promoted only at their own version): ``controllers/provisioning``
-carries the argument over, and tests/test_lifecycle.py checks it on random schedules.
+carries the argument over, and tests/integration/test_lifecycle.py checks it on random schedules.
 """
 
 from __future__ import annotations

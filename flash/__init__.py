@@ -1,6 +1,6 @@
 """flash: asynchronous, disaggregated RL post-training for LLMs, built around a sample buffer.
 
-Packages, each importing only downward (``tests/test_layers.py`` walks every import):
+Packages, each importing only downward (``tests/unit/test_layers.py`` walks every import):
 
 - ``flash.app``: the CLI verbs, the typed config and its checks, the runner that builds the roles,
   run state and resume, tracking, sweep, plan and plot. Imports anything below; nothing imports it.

@@ -1,4 +1,4 @@
-"""User reward functions named by import path in tests/test_rewards.py (``tests.reward_fns:NAME``);
+"""User reward functions named by import path in tests/integration/test_rewards.py (``tests.reward_fns:NAME``);
 imported inside Ray reward workers, so this module has no test-only imports."""
 
 import os

@@ -1,7 +1,7 @@
 """A scripted stand-in for the rollout engine, for unit tests of the rollout scheduler only.
 
 It satisfies the engine protocols of ``flash.engine.base`` (checked in
-tests/test_engine_contract.py); the scheduler's methods (``submit``, ``get_finished``, ``abort``)
+tests/integration/test_engine_contract.py); the scheduler's methods (``submit``, ``get_finished``, ``abort``)
 finish each request at a scripted wall-clock delay after its submission, with scripted tokens, so
 that scheduling decisions (which response finishes first, how long generation takes) are exact
 instead of depending on a model and a loaded CPU. Run it as a threaded Ray actor, as

@@ -3,7 +3,7 @@
 The whole recipe (``flash run stutter``) in a process of its own, synchronous (``async_ratio=0``),
 with one device mapped to both roles and the weights pushed by CUDA IPC (``model_update.backend``
 named, so a run whose roles are not both on the GPU fails at setup instead of silently taking
-another path). Bar: the CPU learning test's for a synchronous run (tests/test_default_recipe.py:
+another path). Bar: the CPU learning test's for a synchronous run (tests/e2e/test_default_recipe.py:
 >= 20 points of held-out accuracy from the same warm start, every step trained).
 """
 
@@ -15,7 +15,7 @@ from flash.app.config import load_config
 from tests.helpers.processes import read_jsonl, recipe_summary
 
 RECIPE = "recipes/stutter.yaml"
-BAR = 0.20  # tests/test_default_recipe.py's bar(0): the least synchronous gain its measured spread supports
+BAR = 0.20  # tests/e2e/test_default_recipe.py's bar(0): the least synchronous gain its measured spread supports
 RUN_TIMEOUT_S = 420  # the longest test of tests/gpu: SFT warm start, 100 steps, evaluations
 ONE_GPU = ["async_ratio=0", "placement.num_gpus=1", "placement.roles.actor_train.device_mapping=[0]",
            "placement.roles.actor_infer.device_mapping=[0]", "model_update.backend=cuda_ipc"]

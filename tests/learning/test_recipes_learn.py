@@ -4,7 +4,7 @@ Slow (minutes each on 2 cores, the warm start included): each recipe runs unchan
 run directory and the warm-start cache. Both runs are in the margin set (``pytest -m margin``), to
 keep the default suite under 45 minutes: the code recipe's takes the longest, and its sandbox's
 wall-clock timeouts make its held-out score depend on the machine's load (the sandbox reward itself
-is pinned by tests/test_sandbox.py); FrozenLake's episodes are pinned by tests/test_envs_rollout.py. The bars sit well below the gains measured in
+is pinned by tests/integration/test_sandbox.py); FrozenLake's episodes are pinned by tests/integration/test_envs_rollout.py. The bars sit well below the gains measured in
 BENCHMARKS.md and well above the noise of the held-out sets (128 items or
 seeds: a standard error of ~0.04 on a pass rate). Wall time is recorded there, not asserted.
 """
@@ -54,7 +54,7 @@ def test_code_recipe_learns_with_the_adaptive_sandbox_timeout(tmp_path, cache):
 
 
 @pytest.mark.slow
-@pytest.mark.margin  # ~4 min; the FrozenLake episodes' mechanics are pinned in tests/test_envs_rollout.py
+@pytest.mark.margin  # ~4 min; the FrozenLake episodes' mechanics are pinned in tests/integration/test_envs_rollout.py
 def test_frozenlake_recipe_learns(tmp_path, cache):
     _, s = run_recipe("frozenlake", tmp_path, cache)
     assert s["eval_accuracy_final"] - s["eval_accuracy_initial"] >= 0.10, s  # measured +0.19 (0.31 -> 0.50, byte tokenizer)
@@ -64,7 +64,7 @@ def test_frozenlake_recipe_learns(tmp_path, cache):
 
 
 @pytest.mark.slow
-@pytest.mark.margin  # ~20 min on a loaded machine, most of it the warm start; the gateway's tool calls are pinned in tests/test_gateway_tools.py
+@pytest.mark.margin  # ~20 min on a loaded machine, most of it the warm start; the gateway's tool calls are pinned in tests/unit/test_gateway_tools.py
 def test_calculator_agent_learns_to_call_its_tool(tmp_path, cache):
     _, s = run_recipe("calculator", tmp_path, cache)
     assert s["eval_accuracy_final"] - s["eval_accuracy_initial"] >= 0.20, s  # measured +0.39 (0.047 -> 0.438)

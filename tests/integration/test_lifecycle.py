@@ -3,7 +3,7 @@
 Pure parts (lifecycle state machine, filter rules, admission accounting, the batch-then-score gate)
 are tested directly. The scheduler's scheduling decisions are tested against a scripted engine
 actor (tests/scripted_engine.py: exact finish times and tokens); the whole loop -- real engine,
-trainer, random delays, filters, spares and redundancy on -- in tests/test_controller_e2e.py.
+trainer, random delays, filters, spares and redundancy on -- in tests/integration/test_controller_e2e.py.
 """
 
 import math

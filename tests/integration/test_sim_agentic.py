@@ -110,7 +110,7 @@ def test_simulated_agentic_run_keeps_the_bound_loses_nothing_and_counts_the_envi
     assert sum(m["sim/driver_s"] for m in metrics) < total / 2
 
 
-@pytest.mark.margin  # ~30 s: two short runs (the engine's determinism is pinned in tests/test_sim.py)
+@pytest.mark.margin  # ~30 s: two short runs (the engine's determinism is pinned in tests/integration/test_sim.py)
 def test_a_simulated_agentic_run_is_deterministic_for_a_seed(tmp_path, ray_session):
     """Same seed, same episodes: every trained sample's tokens, reward and outcome (times differ)."""
     runs = [_sim_run(tmp_path, f"d{i}", "async_ratio=0", "train.steps=2", "sim.time_scale=0.005",

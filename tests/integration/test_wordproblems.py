@@ -66,7 +66,7 @@ def test_bad_options_are_named():
 
 
 @pytest.mark.slow
-@pytest.mark.margin  # ~5 min: in the margin set (pytest -m margin); tests/test_judge.py runs the recipe's steps
+@pytest.mark.margin  # ~5 min: in the margin set (pytest -m margin); tests/integration/test_judge.py runs the recipe's steps
 def test_math_recipe_learns(tmp_path):
     """The shipped recipe, unchanged but for the run dir and the cache: held-out accuracy (sampled,
     math-verify) rises by >= 10 points; measured on 2 CPU cores: see BENCHMARKS.md."""

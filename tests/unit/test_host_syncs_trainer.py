@@ -21,7 +21,7 @@ from flash.train.batch import collate
 from flash.train.trainer import Trainer
 from tests.helpers.train import toy_model, toy_samples, toy_settings
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PROJECT = tuple(str(ROOT / top) for top in ("algos", "flash", "controllers", "buffers"))
 READS = ("item", "__float__", "__int__", "__bool__", "tolist", "cpu")
 MAX_READS = 2  # accumulate: the rows' lengths and weight; finish_step: metrics and grad norm

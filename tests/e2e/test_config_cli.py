@@ -21,7 +21,7 @@ STUTTER = recipe_paths()["stutter"]  # the default recipe: its task has slip_pro
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.stem)
 def test_every_shipped_recipe_validates_and_opens_with_its_command(path, tmp_path):
     assert path.read_text().splitlines()[0].startswith(f"# flash run {path.stem}")
-    # a GPU recipe reads a model folder and data files: stand-ins of the same kind (tests/test_gpu_recipes.py)
+    # a GPU recipe reads a model folder and data files: stand-ins of the same kind (tests/unit/test_gpu_recipes.py)
     overrides = gpu_recipe_overrides(tmp_path, path.stem) if path.stem in GPU_RECIPES else []
     try:
         cfg = load_config(path, overrides)
@@ -282,7 +282,7 @@ def test_a_plugin_beside_the_recipe_is_found_without_pythonpath(tmp_path):
         "def my_pg(inputs, *, scale: float = 1.0):\n    return -scale * inputs.advantages * inputs.logp, {}\n")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     flash = Path(sys.executable).with_name("flash")  # the console script: its sys.path lacks the cwd
-    out = subprocess.run([str(flash), "validate", str(Path(__file__).parents[1] / "recipes" / "stutter.yaml"),
+    out = subprocess.run([str(flash), "validate", str(Path(__file__).parents[2] / "recipes" / "stutter.yaml"),
                           "plugins=[my_losses]", "algo.loss.name=my_pg", "algo.loss.scale=0.5"],
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120, check=False)
     assert out.returncode == 0, out.stderr
@@ -476,6 +476,6 @@ def test_a_run_driver_and_validate_load_no_model_code():
             "'transformers.modeling_utils', 'torch._dynamo')\n"
             "print(sorted(m for m in heavy if m in sys.modules))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                          cwd=Path(__file__).resolve().parents[1])
+                          cwd=Path(__file__).resolve().parents[2])
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip().splitlines()[-1] == "[]", proc.stdout

@@ -106,7 +106,7 @@ def engine_nodes() -> set[str]:
 @pytest.mark.margin  # the whole default recipe on the cluster (~3 min on 2 cores): pytest -m margin
 def test_the_default_recipe_learns_across_nodes(tmp_path, warm_cache, cluster):
     """The default recipe unchanged but for its placement over two nodes and the authenticated zmq
-    buffer: the single-node learning bar at its async ratio (tests/test_default_recipe.py)."""
+    buffer: the single-node learning bar at its async ratio (tests/e2e/test_default_recipe.py)."""
     from flash.app.config import load_config
 
     overrides = [f"ray.address={cluster.address}", "placement.num_gpus=2", "buffer.transport=zmq",

@@ -12,7 +12,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TOP = ("flash", "controllers", "recipes", "buffers", "algos")
 
 
@@ -147,7 +147,7 @@ def test_the_checks_can_fail():
 
 def test_no_test_module_imports_another():
     """Shared scaffolding lives in tests/helpers/ and tests/conftest.py, never in a test module."""
-    tests = Path(__file__).resolve().parent
+    tests = Path(__file__).resolve().parents[1]
     bad = [f"{p.name} -> {a.name if isinstance(n, ast.Import) else n.module}"
            for p in sorted(tests.rglob("*.py")) for n in _imports(ast.parse(p.read_text()))
            for a in (n.names if isinstance(n, ast.Import) else [n])

@@ -4,7 +4,7 @@ The rules are tested directly; the scheduler against a scripted engine whose res
 scripted lengths and take time in proportion to the tokens generated, and which honours
 ``max_new_tokens`` (a capped request ends early with ``finish_reason='length'``), so which groups
 are cut, swapped or re-run is exact. A driver loop plays the controller (batch selection under the
-staleness rule, version bumps). The real controller with a real engine: tests/test_controller_e2e.py
+staleness rule, version bumps). The real controller with a real engine: tests/integration/test_controller_e2e.py
 (the threshold at infinity equals the plain synchronous loop).
 """
 

@@ -134,15 +134,15 @@ RECIPE_LAYOUTS = {  # the README's 2 + 2 commands: train.workers=2 implies actor
 # mechanics -- the exact push to every replica from the 2-rank group, the engines asleep through
 # training when colocated, nothing lost, the synchronous run equal to the plain loop -- are pinned
 # above in seconds, and the single-process learning bar stays in the default suite
-# (tests/test_default_recipe.py).
+# (tests/e2e/test_default_recipe.py).
 LAYOUT_PARAMS = [pytest.param(name, marks=pytest.mark.margin) for name in sorted(RECIPE_LAYOUTS)]
 
 
-@pytest.mark.slow  # the whole default recipe (a few minutes on 2 cores), like tests/test_default_recipe.py
+@pytest.mark.slow  # the whole default recipe (a few minutes on 2 cores), like tests/e2e/test_default_recipe.py
 @pytest.mark.parametrize("layout", LAYOUT_PARAMS)
 def test_default_recipe_learns_with_two_ranks_and_two_replicas(tmp_path, cache, layout):
     """The default recipe, unchanged but for 2 FSDP2 ranks and 2 engine replicas placed on simulated
-    GPUs: the single-process learning bar at the recipe's async ratio (tests/test_default_recipe.py,
+    GPUs: the single-process learning bar at the recipe's async ratio (tests/e2e/test_default_recipe.py,
     from the measured spread of asynchronous runs) holds in both layouts."""
     from flash.app.config import load_config
 

@@ -17,7 +17,7 @@ from flash.rewards import sandbox
 from flash.rewards.sandbox import Limits, classify, execute, isolation_level
 from tests.helpers.sandbox import host_untouched  # noqa: F401 -- autouse: nothing outlives a call
 
-RECIPE_CODE = str(Path(__file__).resolve().parents[1] / "recipes" / "code.yaml")
+RECIPE_CODE = str(Path(__file__).resolve().parents[2] / "recipes" / "code.yaml")
 LEVELS = ["namespaces", "audit-hook"] if isolation_level() == "namespaces" else ["audit-hook"]
 
 

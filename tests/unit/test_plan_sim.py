@@ -22,7 +22,7 @@ from flash.errors import ConfigError
 from flash.sim import cost as costs
 from flash.sim.cost import preset
 
-DATA = Path(__file__).parent / "data" / "plan_sim"
+DATA = Path(__file__).parents[1] / "data" / "plan_sim"
 SHAPE = sm.Shape(preset("qwen2.5-7b-h100"), n=2, token_scale=256, prompt_tokens=512.0, max_num_seqs=64)
 
 
@@ -148,7 +148,7 @@ def test_bad_scale_keys_are_one_line_errors(trace, item, words):
 
 
 def test_a_real_run_is_not_planned_as_simulated():
-    assert not ps.is_sim_run(Path(__file__).parent / "data" / "planner" / "base-0")
+    assert not ps.is_sim_run(Path(__file__).parents[1] / "data" / "planner" / "base-0")
     assert ps.is_sim_run(DATA / "base")
     assert ps.sim_skip(0) == 1 and ps.sim_skip(2) == 3 and ps.sim_skip(0.5) == 2
     assert math.isfinite(ps.measured_sim_step_s(DATA / "base"))

@@ -13,7 +13,7 @@ from flash.app import plan_model as pm
 from flash.app import plan as planner
 from flash.errors import ConfigError
 
-DATA = Path(__file__).parent / "data" / "planner"
+DATA = Path(__file__).parents[1] / "data" / "planner"
 
 
 # ---- the model's formulas ---------------------------------------------------------------------
