@@ -54,6 +54,7 @@ from buffers.codec import group_to_dict
 from flash.checkpoint_trust import (INODE, RefusedCheckpoint, RunDir, RunKey, check_place, check_signature, inode,
                                     listed_files_only, read_manifest, read_verified)
 from flash.errors import ConfigError
+from flash.run_files import open_run_file, run_subdir
 
 log = logging.getLogger("flash")
 
@@ -86,7 +87,7 @@ def sha256_file(path: Path) -> str:
 
 
 def write_json(path: Path, obj: Any) -> None:
-    with open(path, "w") as f:
+    with open_run_file(path, "w") as f:
         json.dump(obj, f)
         f.flush()
         os.fsync(f.fileno())
@@ -270,7 +271,7 @@ def write_snapshot(snapshot: Any, directory: str) -> None:
 
 def save_trainer_state(state: Any, directory: str, name: str = TRAINER) -> None:
     path = Path(directory) / name
-    with open(path, "wb") as f:
+    with open_run_file(path, "wb") as f:
         torch.save(state, f)
         f.flush()
         os.fsync(f.fileno())
@@ -333,8 +334,7 @@ class Checkpointer:
 
     def __init__(self, run_dir: Path, cfg, trainer, total_steps: int, key: RunKey,
                  on_written: Callable[[dict], None] | None = None):
-        self.root = Path(run_dir) / "checkpoints"
-        self.root.mkdir(parents=True, exist_ok=True)
+        self.root = run_subdir(run_dir, "checkpoints")
         self.run_dir_inode = inode(Path(run_dir))
         self.cfg, self.trainer, self.total_steps, self.key = cfg, trainer, total_steps, key
         self.on_written = on_written

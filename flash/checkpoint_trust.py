@@ -48,6 +48,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 from flash.errors import FlashError
+from flash.run_files import open_run_file
 
 MAX_MANIFEST_BYTES = 16 << 20
 KEY_DIR_ENV = "FLASH_KEY_DIR"
@@ -235,7 +236,7 @@ class RunDir:
         now = inode(run_dir)
         tmp = run_dir / f"{RUN_FILE}.tmp"
         tmp.unlink(missing_ok=True)
-        with open(tmp, "w") as f:
+        with open_run_file(tmp, "w") as f:
             json.dump(key.sign({INODE: now}), f)
             f.flush()
             os.fsync(f.fileno())

@@ -377,7 +377,8 @@ def _check_reward(cfg: FlashConfig) -> None:
     from flash.app.schema import DataConfig
 
     d = cfg.data
-    named = [k for k, on in (("data.reward", d.reward != DataConfig.reward), ("data.reward_key", d.reward_key)) if on]
+    named = [k for k, on in (("data.reward", d.reward != DataConfig.reward), ("data.reward_key", d.reward_key),
+                             ("data.rewards", d.rewards)) if on]
     if cfg.reward.fn and d.train and named:
         raise ConfigError(f"reward.fn ({cfg.reward.fn.get('name')}) and {' and '.join(named)} both choose the rows' "
                           f"reward, and reward.fn would score every row: set reward.fn={{}} to score by {named[0]}, "

@@ -16,7 +16,7 @@ from algos.registry import did_you_mean
 from flash.errors import ConfigError
 
 DATA_OPTIONS = ("train", "eval", "holdout", "prompt_key", "answer_key", "system_prompt", "template",
-                "reward_key", "reward", "sft_key", "shuffle")
+                "reward_key", "reward", "rewards", "sft_key", "shuffle")
 
 
 def uses_dataset(cfg) -> bool:
@@ -28,6 +28,7 @@ def task_section(cfg) -> dict:
     if not uses_dataset(cfg):
         return dict(cfg.task)
     options = {key: getattr(cfg.data, key) for key in DATA_OPTIONS}
+    options["rewards"] = dict(cfg.data.rewards)
     options["train"], options["eval"] = tuple(cfg.data.train), tuple(cfg.data.eval)
     return {"name": "dataset", "seed": cfg.seed, **options}
 
@@ -60,10 +61,29 @@ def check_data(cfg) -> None:
     if not (cfg.model.path or cfg.model.gguf) and cfg.sft.steps > 0 and not d.sft_key:
         raise ConfigError("the tiny model warm-starts from demonstrations: set data.sft_key to a column "
                           "holding them, or start from a model with model.path (or sft.steps=0)")
+    _check_data_rewards(d)
     task = build_task(cfg)
     _check_columns(cfg, task.columns("train"), d.train[0])
     if d.eval:
         _check_columns(cfg, task.columns("eval"), d.eval[0], needs_sft=False)
+
+
+def _check_data_rewards(d) -> None:
+    """``data.reward`` and each ``data.rewards`` target name a reward that exists (the recipe names
+    them, so an import path is imported here); ``data.rewards`` needs a column to choose among them."""
+    from flash.rewards.registry import validate_reward
+
+    if d.rewards and d.reward_key is None and d.reward not in d.rewards:
+        raise ConfigError("data.rewards lists the rewards a data.reward_key column may name: set data.reward_key "
+                          "to that column, or drop data.rewards")
+    named = {f"data.rewards.{name}": target for name, target in d.rewards.items()}
+    if d.reward not in d.rewards:
+        named["data.reward"] = d.reward
+    for key, target in named.items():
+        try:
+            validate_reward({"name": target})
+        except ValueError as exc:
+            raise ConfigError(f"{key}: {exc}") from None
 
 
 def _check_columns(cfg, columns: list[str], where: str, needs_sft: bool = True) -> None:

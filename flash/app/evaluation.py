@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from flash.errors import ConfigError
+from flash.run_files import open_run_file, run_subdir
 
 MAX_SET_ITEMS = 4096
 OWN_SET = "eval"  # the name of the task's own held-out set
@@ -178,9 +179,8 @@ def evaluate_sets(scheduler, sets: list[EvalSet], params, n: int, seed: int, run
                    for item, x, text in zip(items, samples, texts)]
         metrics.update(set_metrics(s.name, [rewards[i:i + n] for i in range(0, len(rewards), n)],
                                    [len(x.response_ids) for x in samples]))
-        out = run_dir / "eval" / s.name
-        out.mkdir(parents=True, exist_ok=True)
-        with open(out / f"step-{step}.jsonl", "w") as f:
+        out = run_subdir(run_dir, "eval", s.name)
+        with open_run_file(out / f"step-{step}.jsonl", "w") as f:
             for i, (item, x, text, r) in enumerate(zip(items, samples, texts, rewards)):
                 f.write(json.dumps({"item": i // n, "sample": i % n, "prompt": decode(x.prompt_ids),
                                     "response": text, "answer": getattr(item, "answer", None), "reward": r,

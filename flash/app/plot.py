@@ -23,6 +23,7 @@ from matplotlib.figure import Figure
 
 from flash.app.replicates import Group
 from flash.errors import FlashError
+from flash.run_files import open_run_file
 from flash.usage import busy_fraction, clip_spans
 
 
@@ -124,6 +125,12 @@ def _series(ax) -> int:
     return len(ax.get_lines()) + len(ax.containers)
 
 
+def save_png(fig, out: str | Path) -> None:
+    """``fig`` as a PNG at ``out``, opened by ``flash.run_files`` (never through a link)."""
+    with open_run_file(out, "wb") as f:
+        fig.savefig(f, dpi=100, format="png")
+
+
 def plot_runs(runs: list[RunData], out: str | Path, window: tuple[int, int] | None = None) -> dict[str, int]:
     """Draw every panel for ``runs`` into one PNG; returns series drawn per panel (for tests)."""
     fig = Figure(figsize=(16, 12), layout="constrained")
@@ -138,7 +145,7 @@ def plot_runs(runs: list[RunData], out: str | Path, window: tuple[int, int] | No
     _throughput_panel(ax["throughput"], runs)
     _staleness_panel(ax["staleness"], runs)
     drawn = _timeline_panel(ax["timeline"], runs, window)
-    fig.savefig(out, dpi=100)
+    save_png(fig, out)
     return {**{name: _series(a) for name, a in ax.items()}, "timeline": drawn}
 
 
@@ -252,7 +259,7 @@ def plot_sweep(groups: list[Group], out: str | Path, tolerance: float) -> dict[s
         acc.axhspan(top - tolerance, top, color="tab:green", alpha=0.12)
     acc.set_ylim(0, max(0.05, 1.15 * max(a.mean + (a.se or 0.0) for a in final)))
     acc.set_ylabel("final held-out accuracy (mean ± SE)", color="tab:green")
-    fig.savefig(out, dpi=100)
+    save_png(fig, out)
     return {"seconds_per_step": len(bars), "accuracy": len(acc.containers),
             "error_bars": sum(isinstance(c, ErrorbarContainer) for a in (ax, acc) for c in a.containers)}
 

@@ -27,6 +27,7 @@ from flash.app.roles import start_critic_role, start_reference_role, start_train
 from flash.app.schedule import CHECKED, groups_from_line, read_schedule
 from flash.cluster import init_ray, pinned_threads, quiet, wait_ready
 from flash.errors import FlashError
+from flash.run_files import write_run_text
 from flash.train.batch import collate, flatten
 
 
@@ -67,7 +68,7 @@ def replay(run_dir: str | Path, steps: int | None = None, out: str | Path | None
         checks = _replay_lines(cfg, lines)
     summary = _summary(run_dir, lines, checks)
     if out is not None:
-        Path(out).write_text("".join(json.dumps(c.line()) + "\n" for c in checks))
+        write_run_text(out, "".join(json.dumps(c.line()) + "\n" for c in checks))
     return summary
 
 

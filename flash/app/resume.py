@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from datetime import datetime
 from pathlib import Path
@@ -28,6 +29,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from flash.app.config import flat_settings
 from flash.errors import ConfigError, FlashError
+from flash.run_files import open_run_file, refuse_links
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +50,10 @@ def resolve_resume(resume: str | None, recipe_name: str, runs_root: Path = Path(
         if not runs:
             raise ConfigError(f"resume=latest: no run of recipe '{recipe_name}' under {runs_root}/; "
                               f"pass resume=RUN_DIR")
+        refuse_links(runs[-1], "resume=latest: the run dir")
         return runs[-1]
     path = Path(resume)
+    refuse_links(path, f"resume={resume}: the run dir")
     if not (path / "config.yaml").is_file():
         raise ConfigError(f"resume={resume}: not a run dir (no config.yaml there); pass the dir a run "
                           f"printed as 'flash: run dir ...', or resume=latest")
@@ -125,14 +129,14 @@ def restore_logs(run_dir: Path, offsets: dict[str, int] | None) -> None:
     """Cut each run log back to its length at the checkpoint (``None``: no checkpoint, empty)."""
     for name in LOGS:
         path = run_dir / f"{name}.jsonl"
-        if path.exists():
-            with open(path, "r+b") as f:
+        if os.path.lexists(path):
+            with open_run_file(path, "r+b") as f:
                 f.truncate((offsets or {}).get(name, 0))
 
 
 def append_event(run_dir: Path, event: str, **fields) -> None:
     """One line in ``events.jsonl``: starts, resumes, checkpoint fallbacks, faults."""
-    with open(run_dir / "events.jsonl", "a") as f:
+    with open_run_file(run_dir / "events.jsonl", "a") as f:
         f.write(json.dumps({"event": event, "time": time.time(), **fields}) + "\n")
 
 
@@ -142,13 +146,17 @@ RUN_FILES = ("config.yaml", "run.json", "ledger.jsonl", "metrics.jsonl", "summar
 
 
 def held_run(path: Path) -> list[str]:
-    """The files that make ``path`` hold a run (``RUN_FILES``), if any."""
-    return [name for name in RUN_FILES if (path / name).exists()]
+    """The files that make ``path`` hold a run (``RUN_FILES``), if any: a link of that name counts
+    (dangling or not)."""
+    return [name for name in RUN_FILES if os.path.lexists(path / name)]
 
 
 def check_run_dir(cfg, resuming: bool) -> None:
     """A ``run_dir`` that holds another run is refused, unless this run resumes it or
-    ``overwrite`` moves it aside (a fresh ``runs/<recipe>-<time>`` never holds one)."""
+    ``overwrite`` moves it aside (a fresh ``runs/<recipe>-<time>`` never holds one); one that is
+    or holds a link anywhere is refused (``flash.run_files``)."""
+    if cfg.run_dir:
+        refuse_links(cfg.run_dir, "run_dir")
     held = held_run(Path(cfg.run_dir)) if cfg.run_dir else []
     if held and not resuming and not cfg.overwrite:
         raise FlashError(f"run_dir {cfg.run_dir} already holds a run ({', '.join(held)}): continue it "
@@ -166,7 +174,7 @@ def make_run_dir(cfg, recipe_name: str, resuming: bool = False) -> Path:
     else:
         path = Path("runs") / f"{recipe_name}-{stamp}"
         for n in range(1, 1000):  # two runs started in the same second
-            if not path.exists():
+            if not os.path.lexists(path):
                 break
             path = Path("runs") / f"{recipe_name}-{stamp}-{n}"
     if held_run(path) and not resuming:  # overwrite (check_run_dir refused it otherwise)
@@ -178,4 +186,5 @@ def make_run_dir(cfg, recipe_name: str, resuming: bool = False) -> Path:
     except OSError as exc:  # a file of that name, a folder that cannot be made, no permission
         raise FlashError(f"run_dir {path}: cannot make it a folder ({exc.strerror or exc}); pick a run_dir "
                          f"in a folder you can write") from None
+    refuse_links(path, "run_dir")
     return path

@@ -31,6 +31,7 @@ from flash.engine.router import start_router
 from flash.engine.torch_worker import start_engine
 from flash.guards import DataError, InputGuard, SkipGuard
 from flash.placement import Placement, Plan, plan_placement
+from flash.run_files import open_run_file
 from flash.train.critic import CriticSettings
 from flash.train.fsdp import group_settings
 from flash.train.reference import start_reference
@@ -91,7 +92,7 @@ class RunFiles:
     @classmethod
     def open(cls, run_dir: Path, append: bool) -> RunFiles:
         mode = "a" if append else "w"
-        return cls(**{name: open(run_dir / f"{name}.jsonl", mode) for name in LOGS})
+        return cls(**{name: open_run_file(run_dir / f"{name}.jsonl", mode) for name in LOGS})
 
     def by_name(self) -> dict[str, IO[str]]:
         """Every log by name: the list a checkpoint records offsets of and a resume cuts back."""

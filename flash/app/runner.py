@@ -42,6 +42,7 @@ from flash.checkpoint import Checkpointer, latest_verified, remove_partial
 from flash.checkpoint_trust import RunDir, bind_run
 from flash.app.config import FlashConfig, to_dict, to_yaml
 from flash.errors import FlashError
+from flash.run_files import write_run_text
 from flash.sim.accounting import SimSteps
 from flash.app.tracking import Heartbeat, Progress, make_tracker, pick_samples
 from controllers.agent_runtime import build_agent_scheduler
@@ -95,7 +96,7 @@ class Run:
         self.dir = resume_mod.make_run_dir(cfg, recipe_name, resuming=resume_dir is not None)
         self.resume_point = _find_checkpoint(self.dir, resume_dir is not None, cfg.trust_checkpoint)
         self.key = bind_run(self.dir, self.resume_point.manifest if self.resume_point else None)  # run.json
-        (self.dir / "config.yaml").write_text(to_yaml(cfg))
+        write_run_text(self.dir / "config.yaml", to_yaml(cfg))
         cfg.train.steps = data_steps(cfg, self.task)
         heartbeat.set(phase="warm start")
         self.model_path = prepare_model(cfg, self.task, lambda s: heartbeat.set(step=s, total=cfg.sft.steps))
@@ -301,7 +302,7 @@ def _run(cfg: FlashConfig, recipe_name: str, heartbeat: Heartbeat) -> dict:
         tracker.close()
         r.close()
     summary = run_summary(cfg, r, records, acc0, acc1, train_s, left)
-    (r.dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    write_run_text(r.dir / "summary.json", json.dumps(summary, indent=2))
     return summary
 
 

@@ -285,8 +285,11 @@ class DataConfig:
     answer_key: str = "answer"  # the reference the reward checks (any JSON value)
     system_prompt: Optional[str] = None
     template: Optional[str] = None  # a format string over the row's columns, e.g. "Q: {question}"
-    reward_key: Optional[str] = None  # a column naming each row's reward (math, code, judge, pkg.mod:fn)
-    reward: str = "math"  # the reward of rows without a reward_key column
+    reward_key: Optional[str] = None  # a column naming each row's reward: a registered one or a data.rewards name
+    reward: str = "math"  # the reward of rows without a reward_key column (a name, or pkg.mod:fn)
+    # The rewards a reward_key column may name besides the registered ones (math, code, judge, ...):
+    # {name: "pkg.mod:fn" or a registered name}. A row naming anything else is skipped (bad_reward_name).
+    rewards: Dict[str, str] = field(default_factory=dict)
     sft_key: Optional[str] = None  # a demonstration column: the tiny model's warm start
     shuffle: bool = True  # a new order every epoch, drawn from the seed
     epochs: int = 0  # stop after this many passes over the train rows (0: train.steps decides)

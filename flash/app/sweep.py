@@ -47,6 +47,7 @@ from pathlib import Path
 
 from flash.app.replicates import REPLICATE_KEYS, Group, Stat, choose, fmt_stat, group_runs
 from flash.errors import ConfigError, raise_terminated
+from flash.run_files import open_run_file, refuse_links, run_subdir, write_run_text
 
 ROLES = ("rollout", "train")
 COLUMNS = ["status", "wall_s", "s_per_step", "speedup", "samples_per_s", "tokens_per_s", "acc_initial",
@@ -139,9 +140,11 @@ POINT_FILE = "sweep_point.json"  # a point's settings, in its run dir
 
 
 def prepare(recipe: Path, points: list[Point], out: Path) -> None:
-    """Validate every point's config before the first run; claim (or check) each run dir."""
+    """Validate every point's config before the first run; claim (or check) each run dir. A sweep
+    dir that is or holds a link is refused before anything is read or written there."""
     from flash.app.config import load_config
 
+    refuse_links(out, "sweep dir")
     for p in points:
         try:
             load_config(recipe, [*p.overrides, f"run_dir={out / p.slug}"])
@@ -151,8 +154,8 @@ def prepare(recipe: Path, points: list[Point], out: Path) -> None:
         mine = {"recipe": str(recipe), "settings": p.settings, "overrides": p.overrides}
         if marker.is_file() and json.loads(marker.read_text())["overrides"] != p.overrides:
             raise ConfigError(f"{marker.parent} was made by a sweep with other overrides; pick another --out")
-        marker.parent.mkdir(parents=True, exist_ok=True)
-        marker.write_text(json.dumps(mine, indent=2))
+        run_subdir(out, p.slug)
+        write_run_text(marker, json.dumps(mine, indent=2))
 
 
 class Reporter:
@@ -266,7 +269,7 @@ def _launch(recipe: Path, p: Point, out: Path, extra: list[str]) -> subprocess.P
            f"run_dir={run_dir}", "tracking.progress=false"]
     root = str(Path(__file__).resolve().parent.parent)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
-    with open(run_dir / "run.log", "w") as log:
+    with open_run_file(run_dir / "run.log", "w") as log:
         return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
 
 
@@ -374,7 +377,7 @@ def write_results(points: list[Point], groups: list[Group], out: Path, header: s
     """``results.csv`` (one row per run, full precision) and ``results.md`` (per setting, then per
     run when a setting ran more than once); returns the per-setting markdown table."""
     keys = list(points[0].settings) if points else []
-    with open(out / "results.csv", "w", newline="") as f:
+    with open_run_file(out / "results.csv", "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["run", *keys, *COLUMNS])
         for p in points:
@@ -390,7 +393,7 @@ def write_results(points: list[Point], groups: list[Group], out: Path, header: s
               "evals included); speedup: vs the synchronous run of the same seed / repeat; tokens_per_s: "
               "trained tokens; acc_*: held-out accuracy (the first evaluation set's mean@n; acc_best and acc_best_step: the best "
               "periodic evaluation, eval.every_steps); idle_*: fraction of wall time the role had no work")
-    (out / "results.md").write_text(f"{header}\n\n{table}\n\n{legend}\n\n{recommendation}{runs}\n")
+    write_run_text(out / "results.md", f"{header}\n\n{table}\n\n{legend}\n\n{recommendation}{runs}\n")
     return table
 
 
@@ -430,7 +433,7 @@ def sweep(recipe: str, items: list[str], out: str | None = None, tolerance: floa
     table = write_results(points, groups, sweep_dir, header, recommendation)
     done = [p for p in points if p.row.get("status") == "ok"]
     if done:
-        (sweep_dir / "plots").mkdir(exist_ok=True)
+        run_subdir(sweep_dir, "plots")
         plot_runs([load_run(sweep_dir / p.slug) for p in done], sweep_dir / "plots" / "runs.png")
         plot_sweep([g for g in groups if g.n], sweep_dir / "plots" / "sweep.png", tolerance)
     print(f"{table}\n\n{recommendation}\nflash: results in {sweep_dir}/results.md, plots in {sweep_dir}/plots",

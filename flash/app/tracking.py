@@ -16,6 +16,7 @@ import time
 from typing import Any, Protocol
 
 from flash.errors import ConfigError
+from flash.run_files import run_subdir
 
 # backend name -> (python package, pip extra); None: ships with flash's own requirements
 BACKENDS: dict[str, tuple[str, str] | None] = {
@@ -133,7 +134,7 @@ def make_tracker(cfg, run_dir: str, config: dict[str, Any] | None = None,
     check_backends(names)
     name = cfg.run_name or run_dir.rstrip("/").rsplit("/", 1)[-1]
     make = {
-        "tensorboard": lambda: TensorBoardTracker(f"{run_dir}/tb", purge_step),
+        "tensorboard": lambda: TensorBoardTracker(str(run_subdir(run_dir, "tb")), purge_step),
         "console": lambda: ConsoleTracker(cfg.console_every),
         "wandb": lambda: WandbTracker(cfg.project, name, run_dir, config or {}),
         "swanlab": lambda: SwanLabTracker(cfg.project, name, run_dir, config or {}),

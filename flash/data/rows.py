@@ -8,8 +8,12 @@ a system turn keeps its own). Text prompts stay text, so the tokenizer's chat te
 for the character tokenizer) decides how they are wrapped (``flash.models.encode_prompt``).
 
 A row that cannot make an item raises ``BadRow`` with a short reason (``missing_key``,
-``wrong_type``, ``empty``, ``bad_answer``): the input guard skips and counts it per reason, or
-stops the run under ``data.strict``.
+``wrong_type``, ``empty``, ``bad_answer``, ``bad_reward_name``): the input guard skips and counts it
+per reason, or stops the run under ``data.strict``.
+
+A row never names code: its ``reward_key`` column may only hold one of ``RowSpec.reward_names``
+(the rewards the recipe lists in ``data.rewards`` and the registered reward names); any other text,
+an import path such as ``os:system`` included, is a ``bad_reward_name`` row, never looked up.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ class RowSpec:
     system_prompt: str | None = None
     template: str | None = None
     reward_key: str | None = None
+    reward_names: frozenset[str] = frozenset()  # what a reward_key column may name
 
 
 MAX_TEMPLATE_WIDTH = 4096  # the largest width or precision a data.template field may ask for
@@ -189,11 +194,22 @@ def row_item(row: dict, spec: RowSpec, index: int, meta: dict) -> TaskItem:
     answer = answer_text(_column(row, spec.answer_key))
     extra = {k: v for k, v in row.items() if k not in (spec.prompt_key, spec.answer_key, "reward_fn")}
     if spec.reward_key is not None:
-        name = _column(row, spec.reward_key)
-        if not isinstance(name, str) or not name:
-            raise BadRow("wrong_type", f"column {spec.reward_key!r} must name a reward, got {name!r}")
-        extra["reward_fn"] = name
+        extra["reward_fn"] = checked_reward_name(_column(row, spec.reward_key), spec.reward_names,
+                                                 f"column {spec.reward_key!r}")
     return TaskItem(index=index, prompt=prompt, answer=answer, meta={**extra, **meta})
+
+
+def checked_reward_name(name, names: frozenset[str], where: str) -> str:
+    """``name`` when it is one of ``names``; else ``BadRow`` (``wrong_type`` for a value that is no
+    text, ``bad_reward_name`` for a name the recipe does not allow). ``where``: e.g. "column 'kind'"."""
+    if not isinstance(name, str) or not name:
+        raise BadRow("wrong_type", f"{where} must name a reward, got {str(name)[:80]!r}")
+    if name not in names:
+        shown = name if len(name) <= 80 else name[:77] + "..."
+        allowed = ", ".join(sorted(names)[:12]) + (", ..." if len(names) > 12 else "")
+        raise BadRow("bad_reward_name", f"{where} names reward {shown!r}, which the recipe does not list "
+                                        f"(a row may name {allowed or 'none'}): list it in data.rewards to allow it")
+    return name
 
 
 def prompt_text(prompt: str | list[dict]) -> str:

@@ -10,7 +10,10 @@ run continues the epoch where it stopped and trains every row of it exactly once
 
 Held out: rows of ``eval`` files, else ``holdout`` train rows (at most a tenth of them) picked by
 the seed and never trained on. Rewards: ``reward`` (default ``math``) for every row, or the row's own
-``reward_key`` column naming one (``math``, ``code``, ``judge`` or ``package.module:function``).
+``reward_key`` column naming one. A row chooses only among names: a registered reward (``math``,
+``code``, ``judge``, ...) or one the recipe lists in ``rewards`` (``{name: "package.module:function"
+or a registered name}``; a listed import path may be named as itself too). Any other text, an
+import path included, makes the row bad (``bad_reward_name``) and is never looked up or imported.
 A row whose reference the ``math`` reward cannot parse is a bad row (``bad_answer``), as is one
 over ``flash.rewards.math_limits``' bounds or deadline (``answer_too_large``, ``answer_too_deep``,
 ``answer_timeout``); the task's own ``math`` reward runs under that deadline too.
@@ -20,13 +23,13 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 
 import numpy as np
 
 from flash.data.files import content_hash, open_rows
-from flash.data.rows import OWN_META, BadRow, RowSpec, parse_template, row_item
+from flash.data.rows import OWN_META, BadRow, RowSpec, parse_template, checked_reward_name, row_item
 from flash.tasks import Task, TaskItem, register_task
 
 log = logging.getLogger("flash")
@@ -45,6 +48,7 @@ class DatasetOptions:
     template: str | None = None
     reward_key: str | None = None
     reward: str = "math"  # the reward of a row without a reward_key column
+    rewards: tuple = ()  # the rewards a reward_key column may name besides the registered ones: {name: target}
     sft_key: str | None = None  # a demonstration column: the tiny model's warm start
     shuffle: bool = True
     seed: int = 0
@@ -53,6 +57,7 @@ class DatasetOptions:
     def __post_init__(self) -> None:
         object.__setattr__(self, "train", tuple(self.train))
         object.__setattr__(self, "eval", tuple(self.eval))
+        object.__setattr__(self, "rewards", listed_rewards(self.rewards))
         if self.holdout < 0 or self.eval_size < 1:
             raise ValueError(f"holdout must be >= 0 and eval_size >= 1, got {self.holdout}, {self.eval_size}")
         if self.template is not None:
@@ -61,6 +66,25 @@ class DatasetOptions:
     @property
     def spec(self) -> RowSpec:
         return RowSpec(self.prompt_key, self.answer_key, self.system_prompt, self.template, self.reward_key)
+
+
+MAX_REWARD_NAME = 200  # characters of a name or target in data.rewards
+
+
+def listed_rewards(rewards) -> tuple[tuple[str, str], ...]:
+    """``data.rewards`` (a mapping, or its ``(name, target)`` pairs) as sorted pairs; ValueError
+    naming the fix for a name or target that is not short non-empty text."""
+    pairs = rewards.items() if hasattr(rewards, "items") else rewards
+    out = []
+    for pair in pairs:
+        if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+            raise ValueError(f"data.rewards maps names to rewards, e.g. {{exact: 'my_pkg.rewards:exact'}}; got {pair!r}")
+        for text in pair:
+            if not isinstance(text, str) or not text.strip() or len(text) > MAX_REWARD_NAME:
+                raise ValueError(f"data.rewards: {str(text)[:80]!r} must be a non-empty name of at most "
+                                 f"{MAX_REWARD_NAME} characters: {{name: 'package.module:function' or a reward name}}")
+        out.append((pair[0], pair[1]))
+    return tuple(sorted(out))
 
 
 def _permutation(seed: int, stream: int, n: int) -> np.ndarray:
@@ -131,12 +155,30 @@ class DatasetTask(Task):
             meta = {"row": row, "split": "eval"}
         else:
             raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
-        item = row_item(source[row], self.options.spec, index, meta)
+        item = row_item(source[row], self._spec, index, meta)
         self._check_reference(item)
         return item
 
+    @cached_property
+    def _spec(self) -> RowSpec:
+        """The row spec, with the names a ``reward_key`` column may hold when one is set."""
+        spec = self.options.spec
+        if spec.reward_key is None:
+            return spec
+        from flash.rewards.registry import registered_rewards
+
+        listed = {n for pair in self.options.rewards for n in pair}
+        names = {n for n in registered_rewards() if ":" not in n} | listed
+        return replace(spec, reward_names=frozenset(names))
+
     def _reward_name(self, item: TaskItem) -> str:
-        return item.meta.get("reward_fn", self.options.reward)
+        """The reward ``item`` is scored by, as ``build_reward`` takes it: a row's name only when
+        the recipe allows it (``BadRow`` ``bad_reward_name`` otherwise, never looked up), through
+        ``data.rewards``."""
+        name = self.options.reward
+        if self.options.reward_key is not None and "reward_fn" in item.meta:
+            name = checked_reward_name(item.meta["reward_fn"], self._spec.reward_names, "item.meta['reward_fn']")
+        return dict(self.options.rewards).get(name, name)
 
     def _check_reference(self, item: TaskItem) -> None:
         """A ``math`` row's reference must parse, within math_limits' bounds and deadline: else

@@ -6,6 +6,7 @@ fails the test; `flash validate` must then exit 2 with the same message.
 """
 
 import json
+import os
 
 import pytest
 
@@ -19,6 +20,11 @@ from flash.errors import FlashError
 def _held_run(tmp):
     (tmp / "held").mkdir()
     (tmp / "held" / "ledger.jsonl").write_text("{}\n")
+
+
+def _linked_run(tmp):
+    (tmp / "linked").mkdir()
+    os.symlink(tmp / "elsewhere.jsonl", tmp / "linked" / "metrics.jsonl")  # dangling: held_run sees no run
 
 
 def _other_run(tmp):
@@ -56,6 +62,8 @@ REFUSALS = [  # (recipe, overrides ({tmp}: a fresh folder), setup, message fragm
     ("stutter", ["resume={tmp}/none"], None, "resume={tmp}/none: not a run dir"),
     ("stutter", ["resume={tmp}/other"], _other_run, "settings differ from the checkpointed run (seed: 5 -> 0"),
     ("stutter", ["run_dir={tmp}/held"], _held_run, "run_dir {tmp}/held already holds a run (ledger.jsonl)"),
+    ("stutter", ["run_dir={tmp}/linked"], _linked_run, "run_dir {tmp}/linked holds {tmp}/linked/metrics.jsonl, "
+     "a symbolic link to"),
     ("math", ["data.train=[{tmp}/chat.jsonl]", "data.prompt_key=messages", "data.holdout=0", "model.path={tmp}/m"],
      _chat_rows_and_a_model_without_template, "the tokenizer has no chat template"),
     ("code", [], "no_namespaces", "this host gives the code sandbox no namespaces"),

@@ -232,11 +232,11 @@ def test_template_and_system_prompt_shape_text_rows(tmp_path):
 
 def test_rewards_route_per_row_and_read_gsm8k_references(tmp_path):
     rows = [{"q": "add.", "answer": "3+4=7\n#### 7", "kind": "math"},
-            {"q": "say hi.", "answer": "hi", "kind": "tests.reward_fns:exact"},
+            {"q": "say hi.", "answer": "hi", "kind": "exact"},
             {"q": "write f.", "answer": "", "kind": "code",
              "tests": json.dumps(["assert f(1) == 2", "assert f(5) == 6", "assert f(0) == 0"])}]
     task = dataset(write_jsonl(tmp_path / "r.jsonl", rows), prompt_key="q", reward_key="kind", holdout=0,
-                   shuffle=False)
+                   shuffle=False, rewards={"exact": "tests.reward_fns:exact"})
     math_item, exact_item, code_item = (task.item(i) for i in range(3))
     assert task.reward(math_item, "the answer is \\boxed{7}") == 1.0
     assert task.reward(math_item, "#### 8") == 0.0
@@ -251,7 +251,8 @@ def test_rewards_route_per_row_and_read_gsm8k_references(tmp_path):
 
 def test_a_row_reward_that_returns_a_reward_result_scores_its_number(tmp_path):
     rows = [{"q": "say hi.", "answer": "hi", "kind": "tests.reward_fns:exact_result"}]
-    task = dataset(write_jsonl(tmp_path / "r.jsonl", rows), prompt_key="q", reward_key="kind", holdout=0)
+    task = dataset(write_jsonl(tmp_path / "r.jsonl", rows), prompt_key="q", reward_key="kind", holdout=0,
+                   rewards={"exact": "tests.reward_fns:exact_result"})  # a listed path may be named as itself
     item = task.item(0)
     assert task.reward(item, "hi") == 1.0 and task.reward(item, "no") == 0.0
     assert float(task.reward(item, "hi")) == 1.0  # the scheduler's float(): a RewardResult would score 0
