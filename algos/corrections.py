@@ -15,6 +15,7 @@ whatever the surrogate (TIS, MIS, IcePop, M2PO all reweight or reject tokens by 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Callable, Literal
 
 import torch
@@ -184,7 +185,7 @@ def correction_metrics(inputs: LossInputs, weight: torch.Tensor,
             "corrections/ess": mean(w.sum().square() / (n * w.square().sum()).clamp_min(1e-30))}
 
 
-Resolved = list[tuple[str, Callable[..., Out], dict[str, Any]]]
+Resolved = Sequence[tuple[str, Callable[..., Out], dict[str, Any]]]  # (name, fn, knobs) of each
 
 
 def resolve_corrections(specs: list[dict[str, Any]]) -> Resolved:

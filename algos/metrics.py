@@ -172,8 +172,9 @@ def _f64(x: Number) -> Number:
 
 
 def _pick(fn, a: Number, b: Number) -> Number:
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        a = a if isinstance(a, torch.Tensor) else torch.tensor(a, dtype=torch.float64, device=b.device)
+    if isinstance(b, torch.Tensor) and not isinstance(a, torch.Tensor):
+        a = torch.tensor(a, dtype=torch.float64, device=b.device)
+    if isinstance(a, torch.Tensor):
         b = b if isinstance(b, torch.Tensor) else torch.tensor(b, dtype=torch.float64, device=a.device)
         return fn(a, b)
     return max(a, b) if fn is torch.maximum else min(a, b)

@@ -154,7 +154,8 @@ class LossFn:
     corrections: tuple = ()  # resolved corrections (algos.corrections.resolve_corrections)
 
     def __call__(self, inputs: LossInputs) -> tuple[torch.Tensor, dict[str, Metric]]:
-        weight, correction_metrics = None, {}
+        weight: torch.Tensor | None = None
+        correction_metrics: dict[str, Metric] = {}
         if self.corrections:
             weight, keep, correction_metrics = apply_resolved(self.corrections, inputs)
             inputs = replace(inputs, mask=inputs.mask * keep.to(inputs.mask.dtype))

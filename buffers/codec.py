@@ -107,7 +107,7 @@ def sample_from_dict(d: Any, prompt_id: int, where: str = "sample") -> Sample:
     own = d.get("prompt_id", prompt_id)
     if type(own) is not int or own != prompt_id:
         raise CodecError(f"{where}: field 'prompt_id' is {own!r}, not its group's {prompt_id}")
-    tokens = {f.name: _tokens(d, f, where) for f in TOKEN_FIELDS}
+    tokens: dict[str, Any] = {f.name: _tokens(d, f, where) for f in TOKEN_FIELDS}  # Sample's kwargs
     n = len(tokens["response_ids"])
     for f in TOKEN_FIELDS:
         values = tokens[f.name]

@@ -97,7 +97,9 @@ class ProducerTable:
 
 class SeenPrompts:
     def __init__(self, limit: int = 1 << 20):
-        self.limit, self._order, self._set = limit, deque(), set()
+        self.limit = limit
+        self._order: deque[int] = deque()
+        self._set: set[int] = set()
 
     def __contains__(self, prompt_id: int) -> bool:
         return prompt_id in self._set

@@ -129,7 +129,7 @@ class BufferService:
         self._producers = ProducerTable(per_client=producers_per_client)  # issued by hello, capped per client
         self._prompts = SeenPrompts()  # prompt ids stored: a replay is not a second group
         self._blocked_since: dict[str, float] = {}  # producer -> when it was first told 'full'
-        self._last_take: dict[str, tuple[int, list[bytes]]] = {}  # consumer -> (tid, frames)
+        self._last_take: dict[str, tuple[int, list[bytes | memoryview]]] = {}  # consumer -> (tid, frames)
         self._acks: dict[bytes, list[list]] = {}  # identity -> [rid, seq, status] not yet sent
         self._parked: list[_Parked] = []
         self._stop = threading.Event()
@@ -147,7 +147,9 @@ class BufferService:
         if self.keys is not None:
             self._auth = self.keys.serve(self._ctx, self._sock)
         self._sock.bind(self.bind)
-        self.address = self._sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+        endpoint = self._sock.getsockopt(zmq.LAST_ENDPOINT)
+        assert isinstance(endpoint, bytes)  # a string option
+        self.address = endpoint.decode()
         self._thread = threading.Thread(target=self._serve, name="buffer-service", daemon=True)
         self._thread.start()
         return self
@@ -406,7 +408,7 @@ class BufferService:
         self.buffer.close()
         return {"status": "ok"}
 
-    def _groups_reply(self, frames: list[bytes]) -> dict:
+    def _groups_reply(self, frames: list[bytes | memoryview]) -> dict:
         self._count("gets", len(frames))
         self._count("bytes_out", sum(len(f) for f in frames))
         return {"status": "ok", "groups": frames}
@@ -442,16 +444,18 @@ class BufferService:
     def _serve_parked(self) -> None:
         if not self._parked:
             return
-        now, keep = time.monotonic(), []
+        now, keep, served = time.monotonic(), [], []
         for p in self._parked:
             answer = self._answer(p, timed_out=now >= p.deadline)
             if answer is None:
                 keep.append(p)
             else:
                 answer["rid"] = p.rid
-                self._reply(p.identity, answer)
-        with self._lock:
+                served.append((p.identity, answer))
+        with self._lock:  # no longer parked before its reply: a client that reads stats next sees it gone
             self._parked = keep
+        for identity, answer in served:
+            self._reply(identity, answer)
 
 
 def message_caps(max_frame_bytes: int, batch_bytes: int = BATCH_BYTES, max_message_bytes: int = 0,
@@ -466,7 +470,7 @@ def _client_of(parts: list[zmq.Frame]) -> bytes:
     """Who sent a message: its CURVE public key (the ZAP user id) and its connection's routing id.
     The run's clients share one key, so the connection tells them apart."""
     try:
-        user = parts[1].get("User-Id") or ""
+        user = str(parts[1].get("User-Id") or "")  # a string property
     except zmq.ZMQError:  # no such property: a plaintext socket
         user = ""
     return user.encode() + b"/" + parts[0].bytes

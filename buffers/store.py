@@ -115,7 +115,7 @@ class KeyedSampleBuffer(SampleBuffer):
         with self._cond:
             return self.epoch, self._closed, [self._entries[id(g)].meta for g in self._groups]
 
-    def take(self, keys: list[int], closed_ok: bool = False) -> list[tuple[Group, bytes]] | None:
+    def take(self, keys: list[int], closed_ok: bool = False) -> list[tuple[Group, bytes | memoryview]] | None:
         """Remove exactly these groups and return them with their frames; None if any is gone.
 
         ``closed_ok``: ``drain`` empties a closed buffer too (as SampleBuffer.drain does).

@@ -56,7 +56,7 @@ REASONS = ("oversized", "multipart", "truncated", "malformed", "extra_data", "ba
 INT_DTYPES = {d: np.dtype(d) for d in ("<i4", "<i8")}
 FLOAT_DTYPES = {d: np.dtype(d) for d in ("<f2", "<f4", "<f8")}
 BIT_DTYPES = {"|u1": np.dtype("|u1")}
-KIND_DTYPES = {"int": INT_DTYPES, "float": FLOAT_DTYPES, "bit": BIT_DTYPES}
+KIND_DTYPES: dict[str, dict[str, np.dtype]] = {"int": INT_DTYPES, "float": FLOAT_DTYPES, "bit": BIT_DTYPES}
 # the fields with one value per response token besides the tokens themselves: their lengths must agree
 ALONG_RESPONSE = tuple(f.name for f in TOKEN_FIELDS if f.along == "response" and f.name != "response_ids")
 RUNS = "runs:"  # the dtype prefix of an array sent as runs
@@ -104,8 +104,8 @@ class WireError(ValueError):
 
 # ---------------------------------------------------------------------------------------- encoding
 
-def pack(message: dict) -> bytes:
-    """A control message (already plain msgpack types) → one frame."""
+def pack(message: dict | list) -> bytes:
+    """A control message or a group (already plain msgpack types) → one frame."""
     return msgpack.packb(message, use_bin_type=True)
 
 
@@ -121,7 +121,8 @@ def encode_group(group: Group) -> bytes:
 def _encode_sample(s: Sample, prompt_id: int) -> list:
     if s.prompt_id != prompt_id:
         raise WireError("bad_schema", f"sample of prompt {s.prompt_id} in group {prompt_id}")
-    parts, lengths = [], {}
+    parts: list[list | None] = []
+    lengths: dict[str, int] = {}
     for f in TOKEN_FIELDS:  # each per-token field → its array part (None: an optional field left out)
         value = getattr(s, f.name)
         if value is None and f.optional:
@@ -168,7 +169,8 @@ def _encode_array(value: Any, f: TokenField) -> list:
     """NumPy array: its own (little-endian) dtype; list/tuple: int64 or float64, exact."""
     name, allowed = f.name, KIND_DTYPES[f.kind]
     if type(value) is np.ndarray and value.dtype.str in allowed and value.ndim == 1 and value.flags.c_contiguous:
-        return [value.dtype.str, [len(value)], memoryview(value).cast("B"), False]  # packed without a copy
+        # packed without a copy; the ignore: numpy's stubs give ndarray the buffer protocol on Python >= 3.12 only
+        return [value.dtype.str, [len(value)], memoryview(value).cast("B"), False]  # type: ignore[arg-type]
     is_list = not isinstance(value, np.ndarray)
     if is_list:
         arr = _narrow(_list_array(value, f))
@@ -332,7 +334,8 @@ def _decode_sample(raw: Any, group_id: int, budget: Budget | None) -> tuple[Samp
     prompt_id, index, reward, finish, admitted, meta, *parts = _fields(raw, SAMPLE_FIELDS, "sample")
     if prompt_id != group_id:
         raise WireError("bad_schema", f"sample of prompt {prompt_id} in group {group_id}")
-    values, lists = {}, []
+    values: dict[str, Any] = {}  # per-token arrays, where Sample declares lists (buffers.types: either)
+    lists: list[TokenField] = []
     for part, f in zip(parts, TOKEN_FIELDS):
         if part is None:  # an optional field left out (the schema allows nil for no other)
             continue
@@ -388,7 +391,7 @@ def _expand_runs(dt: np.dtype, data: bytes, name: str, n: int) -> np.ndarray:
     return out
 
 
-def _fields(raw: Any, schema: tuple[tuple[str, type], ...], where: str) -> list:
+def _fields(raw: Any, schema: tuple[tuple[str, type | tuple[type, ...]], ...], where: str) -> list:
     """Exactly the schema's fields, in order, each of its type (a bool is not an int, an int not a
     float: ``type(v) is t``, which is also the fast check)."""
     if type(raw) is not list or len(raw) != len(schema):
@@ -396,7 +399,7 @@ def _fields(raw: Any, schema: tuple[tuple[str, type], ...], where: str) -> list:
                                       f"({', '.join(n for n, _ in schema)}), got {_describe(raw)}")
     for value, (key, typ) in zip(raw, schema):
         if type(value) is not typ and not (type(typ) is tuple and type(value) in typ):
-            names = " or ".join(t.__name__ for t in (typ if type(typ) is tuple else (typ,)))
+            names = " or ".join(t.__name__ for t in (typ if isinstance(typ, tuple) else (typ,)))
             raise WireError("bad_type", f"{where}.{key} must be {names}, got {type(value).__name__}")
     return raw
 

@@ -31,8 +31,8 @@ class PromptSource:
 
     item: Callable[[int], Any]  # data index -> TaskItem
     encode: Callable[[str], list[int]]
-    decode: Callable[[list[int]], str]
-    reward: Callable[[Any, str], float]
+    decode: Callable[[list[int]], str] | None  # None where the workflow scores (episodes, agents)
+    reward: Callable[[Any, str], float] | None
     guard: Any = None  # flash.guards.InputGuard: skips (or rejects) malformed/empty/too long prompts
 
     def take(self, index: int) -> tuple[int, Any, list[int]]:

@@ -69,7 +69,8 @@ def build_agent_scheduler(cfg, task, tokenizer, engine, buffer, staleness, param
         raise ConfigError("agents talk to the policy through its chat template and the tokenizer has none: "
                           "set model.chat_template (a Jinja string or a file)")
     fn = load_agent(cfg.agent.fn) if cfg.agent.fn else task.agent
-    gateway = Gateway(tokenizer, None, host=cfg.agent.host, max_tokens_cap=cfg.rollout.max_new_tokens,
+    # the ignore: ``generate`` is bound by the Agents workflow below (Agents.__init__), before any request
+    gateway = Gateway(tokenizer, None, host=cfg.agent.host, max_tokens_cap=cfg.rollout.max_new_tokens,  # type: ignore[arg-type]
                       default_max_tokens=cfg.rollout.max_new_tokens, workers=cfg.agent.concurrency + 4,
                       tool_parser=cfg.agent.tool_parser, header_timeout_s=cfg.agent.header_timeout_s,
                       body_timeout_s=cfg.agent.body_timeout_s, max_connections=cfg.agent.max_connections)

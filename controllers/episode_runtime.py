@@ -37,8 +37,10 @@ class EpisodeScheduler(RolloutCore):
                          max_additional_prompts=max_additional_prompts, filters=filters, client=client)
 
     def start(self) -> None:
-        if self.workflow._pids is None:  # each worker's process, to tell a restarted one
-            self.workflow.pids()
+        workflow = self.workflow
+        assert isinstance(workflow, Episodes)  # the one ``__init__`` built
+        if workflow._pids is None:  # each worker's process, to tell a restarted one
+            workflow.pids()
         super().start()
 
 

@@ -30,7 +30,8 @@ def prox_mode(mode: RecomputeProx, async_ratio: float) -> ProxSource:
     """
     if mode == "auto":
         return "fused" if async_ratio > 0 else "behav"
-    return {"always": "separate", "approx": "approx"}.get(mode, "behav")
+    sources: dict[str, ProxSource] = {"always": "separate", "approx": "approx"}
+    return sources.get(mode, "behav")
 
 
 def trainer_prox(mode: RecomputeProx) -> Literal["fused", "approx"]:

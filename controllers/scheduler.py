@@ -86,7 +86,9 @@ class RolloutCore:
         self._later_aborts: list[str] = []  # unit ids a subclass's _group_done decided to cancel
         self._threads = [threading.Thread(target=self._guard(f), daemon=True, name=f.__name__)
                          for f in (self._admit_loop, self._collect_loop)]
-        workflow.core = self  # last: the workflow may read the core's state (counters) when bound
+        # last: the workflow may read the core's state (counters) when bound. The ignore: every
+        # workflow has a ``core``; the Workflow protocol leaves it out, so isinstance above needs none
+        workflow.core = self  # type: ignore[attr-defined]
 
     @property
     def counters(self) -> dict[str, float]:  # the run counters (``Outcomes``), shared with the workflow
@@ -286,6 +288,7 @@ class RolloutCore:
         while (action := self.admission.next_action()) is not None:
             kind, pid = action
             if kind == "promote":
+                assert pid is not None  # a promotion names its spare
                 self.admission.prov.promote(pid)
                 group = self.inflight.prompts[pid].parked
                 if group is not None:  # already scored and kept: straight to the buffer
@@ -398,7 +401,8 @@ class RolloutCore:
     def _dispatch(self, outs: list[GenerationOutput]) -> None:
         """Hand responses to the reward threads (under the lock)."""
         for out in outs:
-            self._rewards.submit(lambda o=out: self._finish_sample(o))
+            # the ignore: mypy cannot type a defaulted lambda (``o=out`` binds this output)
+            self._rewards.submit(lambda o=out: self._finish_sample(o))  # type: ignore[misc]
 
     def _finish_sample(self, out: GenerationOutput) -> None:
         pid, k = parse_request_id(out.request_id)
@@ -461,7 +465,9 @@ class RolloutCore:
         reward makes its group's advantages, and so the whole step's loss, NaN: the step would be
         skipped with every group in it)."""
         try:
-            return reward_value(self.source.reward(item, self.source.decode(token_ids)))
+            reward, decode = self.source.reward, self.source.decode
+            assert reward is not None and decode is not None  # None only where the workflow scores itself
+            return reward_value(reward(item, decode(token_ids)))
         except FlashError:  # e.g. reward workers that keep dying (RewardFailed): stops the run
             raise
         except Exception:  # noqa: BLE001 - a user's reward bug (or a BadReward) must not kill the run

@@ -58,7 +58,8 @@ class TailBatchingScheduler(RolloutScheduler):
         self._base_spares = self.admission.prov.max_additional
         self._trigger = self.tail.long_round_queue or B
         self._long: deque[dict] = deque()  # {"data_index", "prompt_id" (the cut admission)}
-        self._round, self._cap, self._round_version = "short", None, -1
+        self._round, self._round_version = "short", -1
+        self._cap: int | None = None
         self._longest: dict[int, int] = {}  # prompt id -> longest finished response so far
         self.tail_counters = {"long_rounds": 0, "short_rounds": 0, "cut_groups": 0, "swaps": 0}
         with self._lock:

@@ -102,7 +102,7 @@ class LengthThreshold:
         if self.kind == "percentile":
             if len(self.lengths) < self.min_history:
                 return None
-            cap = percentile(self.lengths, self.value)
+            cap: float = percentile(self.lengths, self.value)
         else:
             cap = self.value
         return int(cap) if cap < self.max_new_tokens else None

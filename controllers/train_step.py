@@ -104,6 +104,7 @@ def train_stream(roles: StepRoles, parts: Iterable[list[Group]], advantage: dict
             pending = roles.trainer.accumulate.remote(part, adv, part.behav_logp, ref)
             groups += group
     with phase("train"):
+        assert pending is not None  # a step streams at least one part
         ray.get(pending)
         metrics = ray.get(roles.trainer.finish_step.remote())
     return groups, metrics

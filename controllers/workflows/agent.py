@@ -25,12 +25,15 @@ import threading
 from collections import Counter
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from buffers import Sample
 from buffers.facts import DROP_REASONS, FACTS, clean_facts
 from controllers.workflows.base import Unit, turn_seed
 from flash.engine.base import GenerationOutput, GenerationRequest, SamplingParams
+
+if TYPE_CHECKING:  # annotations only
+    from controllers.scheduler import RolloutCore
 
 @dataclass
 class _Run:
@@ -48,7 +51,7 @@ class Agents:
     def __init__(self, gateway, runner, to_sample, max_turns: int = 32, call_timeout_s: float = 300.0):
         self.gateway, self.runner, self.to_sample, self.max_turns = gateway, runner, to_sample, max_turns
         self.call_timeout_s = call_timeout_s  # a gateway thread never waits longer on one call
-        self.core = None
+        self.core: RolloutCore | None = None
         self._lock = threading.Lock()
         self._runs: dict[str, _Run] = {}  # unit id -> run
         self._by_key: dict[str, _Run] = {}  # session key -> run
@@ -84,6 +87,7 @@ class Agents:
                     self._turns.pop(rid, None)
                 run.waiting = {}
         if waiting:
+            assert self.core is not None  # bound by the RolloutCore before any call
             self.core.supervisor.call("abort", [rid for rid, _ in waiting])
         for _, (_, waiter) in waiting:
             waiter.set_exception(RuntimeError("the episode was cancelled"))
@@ -111,6 +115,7 @@ class Agents:
             reqs = [req for run in self._runs.values() for rid, (req, _) in run.waiting.items()
                     if only is None or rid in only]
         if reqs:
+            assert self.core is not None
             self.core.supervisor.submit(reqs)
         return len(reqs)
 
@@ -168,6 +173,7 @@ class Agents:
             waiter: Future = Future()
             run.waiting[req.request_id] = (req, waiter)
             self._turns[req.request_id] = run
+        assert self.core is not None
         self.core.supervisor.submit([req])
         return waiter.result(timeout=self.call_timeout_s)
 
@@ -186,4 +192,5 @@ class Agents:
                                           FACTS: facts})
             self.untrained_tokens += sample.meta.get("untrained_tokens", 0)
             self._done[u.id] = sample
+        assert self.core is not None
         self.core.deliver([GenerationOutput(u.id, [], [], [], [], result.outcome)])

@@ -11,7 +11,10 @@ processes (pids, restarts, the hang timeout, the restart budget); the workflow i
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 import ray
 
@@ -39,6 +42,17 @@ STARTUP_S = 300.0  # a worker's process must be up within this (a start, or Ray'
 
 class EnvWorkerFaults:
     """Fault handling of the scheduler's EnvWorkers (see the module docstring)."""
+
+    # the host workflow's, which this mixin reads and writes
+    workers: list[Any]  # the EnvWorker actor handles, one per slot
+    hang_timeout_s: float
+    max_worker_restarts: int
+    counters: dict[str, float]
+    events: list[dict]
+    on_event: Callable[[dict], None] | None
+    _pids: list[int] | None
+    _lock: threading.Condition
+    _count: Callable[[str], None]  # adds one to a counter (under ``_lock``)
 
     def pids(self) -> list[int]:
         """Each EnvWorker's process id (a changed one means Ray restarted it). Asked first while the

@@ -132,7 +132,7 @@ class Episodes(EnvWorkerFaults):
             ep = _Episode(unit, self.workers[slot], slot)
             with self._lock:
                 self._live[unit.id] = ep
-            self._launch(lambda ep=ep: self._reset(ep))
+            self._launch(lambda ep=ep: self._reset(ep))  # type: ignore[misc]  # mypy cannot type a defaulted lambda
 
     def cancel(self, ids: list[str]) -> None:
         """Stop these episodes: a pending turn is aborted and its environment released now; one in
@@ -210,6 +210,7 @@ class Episodes(EnvWorkerFaults):
     def _turn_request(ep: _Episode) -> GenerationRequest:
         """The episode's next LLM turn: its context so far, a seed of (unit, turn)."""
         seed = turn_seed(ep.unit.params.seed, ep.turns)
+        assert ep.transcript is not None  # set by the reset, before the first turn
         params = SamplingParams(**{**ep.unit.params.__dict__, "seed": seed})
         return GenerationRequest(f"{ep.key}/{ep.turns}", ep.transcript.trace.tokens, params)
 
@@ -240,6 +241,7 @@ class Episodes(EnvWorkerFaults):
                 else:
                     self._count("duplicate_outputs")
                 return
+            assert ep.transcript is not None  # an episode waiting on a turn was reset
             if out.finish_reason == "abort":  # an engine that reports aborted turns: play the turn again
                 self._count("turns_aborted")
             elif out.finish_reason == "error":
@@ -279,6 +281,7 @@ class Episodes(EnvWorkerFaults):
             self._env_error(ep, f"step returned reward {reward!r}: {exc}")
             return
         t = ep.transcript
+        assert t is not None  # the episode was reset before its first step
         t.reward += reward
         t.observations.append(obs)
         if done or ep.turns >= self.max_turns:
@@ -299,6 +302,7 @@ class Episodes(EnvWorkerFaults):
         of the last step's ``info`` (but ``outcome``) are the episode's facts (buffers.facts)."""
         ep.worker.close.remote(ep.key)
         u = ep.unit
+        assert ep.transcript is not None  # an episode ends after its reset
         facts, dropped = clean_facts({k: v for k, v in info.items() if k != "outcome"}
                                      if isinstance(info, dict) else {})
         with self._lock:

@@ -6,21 +6,28 @@ reward threads as soon as it arrives (queue scheduling) and ``finish`` scores it
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from buffers import Sample
 from controllers.workflows.base import Unit
 from flash.engine.base import GenerationOutput, GenerationRequest
+
+if TYPE_CHECKING:  # annotations only
+    from controllers.scheduler import RolloutCore
 
 
 class SingleTurn:
     """``core``: the ``RolloutCore`` that runs this workflow (its engine client and reward)."""
 
-    core = None
+    core: RolloutCore | None = None
 
     def launch(self, units: list[Unit]) -> None:
         if units:
+            assert self.core is not None  # bound by the RolloutCore before any call
             self.core.supervisor.submit([GenerationRequest(u.id, u.prompt_ids, u.params) for u in units])
 
     def cancel(self, ids: list[str]) -> None:
+        assert self.core is not None
         self.core.supervisor.call("abort", ids)  # a dead engine is restarted; aborted ids are not requeued
 
     def route(self, outputs: list[GenerationOutput]) -> list[GenerationOutput]:
@@ -34,6 +41,7 @@ class SingleTurn:
             admitted_version=unit.version,
             meta={**unit.meta, "data_index": unit.data_index, "request_id": unit.id, "request": unit.index},
         )
+        assert self.core is not None
         sample.reward = self.core.score(unit.item, output.token_ids)
         return sample
 
