@@ -36,7 +36,7 @@ from .value import value_loss
 from .registry import Registry, load_plugins
 
 __all__ = [
-    "CORRECTIONS", "LossFn", "Metric", "POLICIES", "Ratio", "StepMetrics", "mismatch_metrics",
+    "gae_returns", "CORRECTIONS", "LossFn", "Metric", "POLICIES", "Ratio", "StepMetrics", "mismatch_metrics",
     "resolve_loss", "apply_corrections", "describe_corrections", "loss_ratios",
     "ratio_problem", "reads", "register_correction", "same_policies", "validate_corrections",
     "AGGREGATIONS", "ADDON_KNOBS", "ADV_ADDON_KNOBS", "ADVANTAGES", "AdvantageInputs", "LOSSES",

@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Mapping, NamedTuple, Sequence, Union
+from typing import Any, Mapping, NamedTuple, Sequence
 
 import torch
 
 REDUCES = ("mean", "max", "min", "sum")
-Number = Union[torch.Tensor, float]
+Number = torch.Tensor | float
 _IDENTITY = {"max": -math.inf, "min": math.inf}
 
 

@@ -128,7 +128,7 @@ def parse_costs(repeats: int) -> dict:
     for name, body in parse_bodies().items():
         n = max(3, min(2000, (1 << 22) // len(body)))
 
-        def per_call(fn):
+        def per_call(fn, body=body, n=n):
             start = time.perf_counter()
             for _ in range(n):
                 fn(body)

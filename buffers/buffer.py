@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 from buffers.types import Group
 
-Select = Callable[[list[Group]], Optional[list[int]]]
+Select = Callable[[list[Group]], list[int] | None]
 
 
 class BufferClosed(RuntimeError):

@@ -31,7 +31,6 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field, fields
 from fractions import Fraction
-from typing import List
 
 from flash.errors import ConfigError
 
@@ -50,7 +49,7 @@ class PlacementError(ConfigError):
 
 @dataclass
 class RoleConfig:
-    device_mapping: List[int] = field(default_factory=list)  # device indices; empty = CPU only
+    device_mapping: list[int] = field(default_factory=list)  # device indices; empty = CPU only
     num_workers: int = 1  # devices per worker = len(device_mapping) / num_workers
 
 

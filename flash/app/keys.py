@@ -8,8 +8,8 @@ use it without importing each other.
 from __future__ import annotations
 
 from dataclasses import fields, is_dataclass
-from functools import lru_cache
-from typing import Any, Literal, Optional, get_args, get_origin, get_type_hints
+from functools import cache
+from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 from algos.registry import closest_names
 from flash.errors import ConfigError
@@ -33,7 +33,7 @@ def choices(hint: Any) -> tuple | None:
     return None
 
 
-@lru_cache(maxsize=None)
+@cache
 def field_choices(schema: type) -> dict[str, tuple]:
     """``{field: allowed values}`` for the ``Literal``-typed fields of the dataclass ``schema``."""
     hints = get_type_hints(schema)
@@ -86,6 +86,6 @@ def _interpolation(value: Any) -> bool:
     return isinstance(value, str) and "${" in value
 
 
-def _dataclass_type(f: Any) -> Optional[type]:
+def _dataclass_type(f: Any) -> type | None:
     default = f.default_factory() if callable(getattr(f, "default_factory", None)) else None
     return type(default) if default is not None and is_dataclass(default) else None

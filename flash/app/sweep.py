@@ -204,7 +204,7 @@ def run_all(recipe: Path, points: list[Point], out: Path, parallel: int, reporte
 
 def _reap(running: dict, out: Path, reporter: Reporter) -> None:
     """Report and forget the points whose process has ended."""
-    for slug, (i, p, proc, t0) in list(running.items()):
+    for slug, (i, _point, proc, t0) in list(running.items()):
         if proc.poll() is not None:
             del running[slug]
             ok = proc.returncode == 0 and (out / slug / "summary.json").is_file()

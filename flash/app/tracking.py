@@ -128,7 +128,7 @@ def check_backends(backends: list[str]) -> None:
 
 
 def make_tracker(cfg, run_dir: str, config: dict[str, Any] | None = None,
-                 purge_step: int | None = None) -> "MultiTracker":
+                 purge_step: int | None = None) -> MultiTracker:
     """The trackers ``cfg`` (a ``TrackingConfig``) selects, behind one ``MultiTracker``."""
     names = [b for b in cfg.backends if b != "tensorboard" or cfg.tensorboard]
     check_backends(names)
@@ -172,7 +172,7 @@ class MultiTracker:
 class Progress:
     """A live bar (step, reward, staleness, ETA) on a terminal; silent otherwise."""
 
-    def __init__(self, total: int, enabled: bool, heartbeat: "Heartbeat | None" = None):
+    def __init__(self, total: int, enabled: bool, heartbeat: Heartbeat | None = None):
         self.bar, self.heartbeat, self.total, self.done = None, heartbeat, total, 0
         if enabled and sys.stderr.isatty():
             from tqdm import tqdm

@@ -29,7 +29,7 @@ import secrets
 from typing import Any
 
 from algos.registry import Registry
-from flash.envs.json_bounds import MAX_JSON_DEPTH, TooDeep, check_json
+from flash.envs.json_bounds import TooDeep, check_json
 from flash.envs.json_bounds import loads as bounded_loads
 
 ROLES = ("system", "developer", "user", "assistant", "tool")

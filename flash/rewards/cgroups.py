@@ -35,7 +35,7 @@ from pathlib import Path
 _NAMES = itertools.count()
 _REMOVE_TRIES = 50
 _KILL_WAIT_S = 2.0
-_LEFT: list["CallGroup"] = []  # groups that would not empty or go; retried at each create()
+_LEFT: list[CallGroup] = []  # groups that would not empty or go; retried at each create()
 _LEFT_LOCK = threading.Lock()
 
 

@@ -169,7 +169,7 @@ def sft_batch(tokenizer, pairs: list[tuple[str, str]]) -> dict[str, torch.Tensor
     pad = tokenizer.pad_token_id
     ids = torch.tensor([s + [pad] * (width - len(s)) for s in seqs])
     mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])
-    lab = torch.tensor([l + [-100] * (width - len(l)) for l in labels])
+    lab = torch.tensor([row + [-100] * (width - len(row)) for row in labels])
     return {"input_ids": ids, "attention_mask": mask, "labels": lab}
 
 

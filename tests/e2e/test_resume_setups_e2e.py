@@ -12,7 +12,6 @@ group, and with environment episodes, each killed with SIGKILL after a checkpoin
 """
 
 import json
-import os
 import random
 from pathlib import Path
 

@@ -211,7 +211,7 @@ def test_an_empty_reply_aborts_the_rollout_counted_as_a_fact_and_logged_once(env
         for i in range(3):
             key = gw.open_session()
 
-            async def episode():
+            async def episode(key=key, i=i):
                 import openai
 
                 return await task.agent(openai.AsyncOpenAI(base_url=gw.url, api_key=key, max_retries=0), task.item(i))

@@ -182,7 +182,7 @@ def test_fuzz_every_valid_group_exactly_once_rejections_counted(service):
     # a bad group decides its seq: a fresh producer each (issued by the service), so each is decoded
     bad = iter([hello(sock) for _ in range(3 * len(valid))])
     fuzz = hello(sock)
-    for seq, (pid, g) in enumerate(valid.items()):
+    for seq, (_pid, g) in enumerate(valid.items()):
         header, good = put_parts(fuzz, seq, g, rid=seq)
         frames.append([header, good])
         if rng.random() < 0.3:  # a retried put: same producer and seq

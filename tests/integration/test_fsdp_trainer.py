@@ -48,7 +48,7 @@ def test_plan_covers_every_row_once_within_budget():
                 if mb and len(mb) > 1:
                     assert len(mb) <= max_rows
                     assert budget == 0 or len(mb) * max(lengths[i] for i in mb) <= budget
-        assert plan.over_budget == (sum(l > budget for l in lengths) if budget else 0)
+        assert plan.over_budget == (sum(n > budget for n in lengths) if budget else 0)
 
 
 def test_shard_rows_balances_tokens():

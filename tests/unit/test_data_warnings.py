@@ -66,9 +66,9 @@ def test_validate_and_data_warn_when_the_run_s_reward_scores_every_reference_zer
     data = [f"data.train=[{_rows(tmp_path / 'gsm.jsonl', GSM)}]", "data.prompt_key=question", "data.sft_key=answer",
             "rollout.max_new_tokens=16"]
     lines = _validate(capsys, *data, "reward.fn={name: 'zero_reward:score'}")
-    assert lines == [f"warning: the reward scores every one of 16 references 0 when the reference itself is the "
-                     f"response: nothing can earn a reward; check data.answer_key / data.reward (or reward.fn) "
-                     f"against the answer format"], lines
+    assert lines == ["warning: the reward scores every one of 16 references 0 when the reference itself is the "
+                     "response: nothing can earn a reward; check data.answer_key / data.reward (or reward.fn) "
+                     "against the answer format"], lines
     assert main(["data", "math", *data, "reward.fn={name: 'zero_reward:score'}"]) == 0
     assert "warning: the reward scores every one of 16 references 0" in capsys.readouterr().out
     sys.modules.pop("zero_reward", None)

@@ -153,7 +153,7 @@ def test_bfloat16_trainer_computes_in_bfloat16_and_keeps_float32_weights_and_sta
     for dtype in ("float32", "bfloat16"):
         tr = Trainer(copy.deepcopy(model), settings(dtype=dtype))
         seen = []
-        tr.model.model.layers[0].mlp.down_proj.register_forward_hook(lambda m, i, out: seen.append(out.dtype))
+        tr.model.model.layers[0].mlp.down_proj.register_forward_hook(lambda m, i, out, seen=seen: seen.append(out.dtype))
         lp = tr.logprobs(batch)
         m = tr.train_step(batch, adv, batch.behav_logp)
         runs[dtype] = (tr, set(seen), lp, m)
