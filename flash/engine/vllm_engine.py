@@ -57,6 +57,9 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+import torch
+
+from flash.devices import actor_device
 from flash.engine.base import INTERRUPT_MODES, GenerationOutput, GenerationRequest, check_request, error_output
 from flash.engine.vllm_weights import checkpoint_shapes, weights_blob
 from flash.weights.group import UpdateReceiver
@@ -336,6 +339,11 @@ class VLLMEngineWorker(UpdateReceiver):
     def resume(self) -> None:
         self._check()
         self._call(self._resume())
+
+    def _mu_device(self) -> torch.device:
+        """Where the weights live: the GPU the placement gave this actor (vLLM's worker process
+        inherits its ``CUDA_VISIBLE_DEVICES`` and loads the model there), else the CPU."""
+        return actor_device()
 
     def _mu_shapes(self) -> dict:
         """Model-update group: the checkpoint's shapes, plus a tied LM head's (trainers send it)."""
