@@ -13,47 +13,21 @@ must make the same number: the metrics stay tagged tensors on the device until t
 from __future__ import annotations
 
 import copy
-import sys
 
 import pytest
 import torch
 
 from flash.train.batch import collate
 from flash.train.trainer import Trainer
+from tests.helpers.host_reads import READS, Counter
 from tests.helpers.train import toy_model, toy_samples, toy_settings
 
-READS = ("item", "__float__", "__int__", "__bool__", "tolist", "cpu")
 MAX_READS = 2  # accumulate: the rows' lengths and weight; finish_step: metrics and grad norm
 
 
 @pytest.fixture(scope="module")
 def model():
     return toy_model()
-
-
-class Counter:
-    """Counts the wrapped reads of every caller, by (file:line), but those of ``optimizer``'s
-    host-resident step counters."""
-
-    def __init__(self) -> None:
-        self.calls: list[str] = []
-        self.on = False
-        self.optimizer = None
-
-    def host_resident(self, tensor) -> bool:
-        states = self.optimizer.state.values() if self.optimizer is not None else ()
-        return any(tensor is state.get("step") for state in states)
-
-    def wrap(self, name: str):
-        original = getattr(torch.Tensor, name)
-
-        def counted(tensor, *args, **kwargs):
-            if self.on and not self.host_resident(tensor):
-                caller = sys._getframe(1)
-                self.calls.append(f"{name} at {caller.f_code.co_filename}:{caller.f_lineno}")
-            return original(tensor, *args, **kwargs)
-
-        return counted
 
 
 def reads_per_step(monkeypatch, model, micro_batches: int, loss: dict, mismatch: bool = True) -> list[str]:

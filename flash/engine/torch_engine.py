@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import torch
 
 from algos.registry import did_you_mean
+from flash.devices import release_cached_memory
 from flash.engine import kv_cache
 from flash.engine.base import INTERRUPT_MODES, GenerationOutput, GenerationRequest
 from flash.engine.kv_cache import KVBatch
@@ -283,7 +284,10 @@ class TorchEngine(BatchState):
         as after a weight update) and moves the weights to host memory when they live on an
         accelerator; level 2 discards the weights too (their shapes are kept), so the next
         ``update_weights`` must bring every tensor before ``resume``. On CPU the weights already
-        are in host memory: level 1 releases the KV cache only. Returns what was released.
+        are in host memory: level 1 releases the KV cache only. On CUDA the freed blocks go back
+        to the driver (``release_cached_memory``), where the colocated trainer can take them. The
+        KV cache comes back at the first step after ``resume`` (after the push, which needs the
+        weights only). Returns what was released.
         """
         if level not in (1, 2):
             raise ValueError(f"sleep level must be 1 or 2, got {level}")
@@ -301,7 +305,9 @@ class TorchEngine(BatchState):
         elif self._device.type != "cpu":
             self.model.to("cpu")
             weights = "offloaded"
-        self._asleep = {"level": level, "kv_bytes_released": kv, "weights": weights, "device": str(self._device)}
+        cache = release_cached_memory(self._device)
+        self._asleep = {"level": level, "kv_bytes_released": kv, "weights": weights, "device": str(self._device),
+                        "cache_released": cache}
         return self._asleep
 
     def wake_up(self) -> dict:
