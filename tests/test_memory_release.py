@@ -138,6 +138,24 @@ def test_a_colocated_engine_takes_what_the_trainer_leaves():
 def test_vllm_memory_args_follow_the_card(monkeypatch):
     assert memory_args(10**9, None) == {}
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (70 * GIB, 80 * GIB))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(total_memory=80 * GIB))
     # 7.6 B params, 16 B/param over 4 ranks: (80 - 28.31 - 2) / 80 = 0.621...
     assert memory_args(7_600_000_000, 4.0) == {"gpu_memory_utilization": 0.621}
+
+
+def test_the_trainer_budget_of_gsm8k_8gpu_colocated_on_its_four_trainer_gpus(tmp_path):
+    from flash.app.config import load_config
+    from flash.app.recipe_files import recipe_paths
+    from flash.app.roles import colocated_trainer_bytes_per_param
+    from flash.placement import plan_placement
+    from tests.helpers.standins import gpu_recipe_overrides
+
+    overrides = ["placement.num_gpus=4", "placement.roles.actor_infer.device_mapping=[0,1,2,3]"]
+    cfg = load_config(recipe_paths()["gsm8k_8gpu"], gpu_recipe_overrides(tmp_path, "gsm8k_8gpu") + overrides)
+    plan = plan_placement(cfg.placement, cfg.rollout.engine)
+    assert plan.colocated("actor_train", "actor_infer")
+    assert colocated_trainer_bytes_per_param(cfg, plan) == 16 / 4  # no KL penalty: no local reference
+    kl = load_config(recipe_paths()["gsm8k_8gpu"], gpu_recipe_overrides(tmp_path, "gsm8k_8gpu") + overrides
+                     + ["algo.loss.kl_coef=0.01"])
+    assert colocated_trainer_bytes_per_param(kl, plan) == 20 / 4

@@ -21,11 +21,11 @@ from typing import IO, Any
 
 import ray
 
+from algos.policy import kl_coef
 from buffers.guard import ValueLimits
 from controllers.staleness import StalenessManager
 from flash.app.config import FlashConfig
 from flash.app.resume import LOGS
-from algos.policy import kl_coef
 from flash.cluster import init_ray, wait_ready
 from flash.devices import REFERENCE_BYTES_PER_PARAM, TRAINER_BYTES_PER_PARAM
 from flash.engine.client import EngineClient

@@ -450,7 +450,7 @@ def memory_args(n_params: int, trainer_bytes_per_param: float | None) -> dict:
     default): what the trainer leaves of the card (``flash.devices.colocated_engine_fraction``)."""
     if trainer_bytes_per_param is None or not torch.cuda.is_available():
         return {}
-    total = torch.cuda.mem_get_info()[1]
+    total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory  # no CUDA context here
     return {"gpu_memory_utilization": colocated_engine_fraction(total, n_params * trainer_bytes_per_param)}
 
 
