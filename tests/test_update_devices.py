@@ -64,19 +64,15 @@ def trainer_where(gpu: int, on_gpu) -> dict:
     return rank.mu_where()
 
 
+WHERE_ON_GPU_5 = {"torch": "cuda:GPU-5", "vllm": "cuda:GPU-5", "sim": "cpu"}  # the simulator's weight: a host tensor
+
+
 @pytest.mark.parametrize("engine", ENGINES)
-def test_every_engine_class_says_where_its_weights_live(engine):
+def test_every_engine_class_says_where_its_weights_live(engine, on_gpu):
     assert engine_class(engine)._mu_device is not UpdateReceiver._mu_device, engine
     with pytest.raises(NotImplementedError, match="must say where its weights live"):
         type("Bare", (UpdateReceiver,), {})().mu_where()
-
-
-def test_a_vllm_replica_reports_the_gpu_the_placement_gave_it(on_gpu):
-    assert engine_where("vllm", 5, on_gpu) == {"node": NODE, "device": "cuda:GPU-5"}
-
-
-def test_the_simulated_engine_reports_the_host_where_its_weight_is(on_gpu):
-    assert engine_where("sim", 5, on_gpu) == {"node": NODE, "device": "cpu"}
+    assert engine_where(engine, 5, on_gpu) == {"node": NODE, "device": WHERE_ON_GPU_5[engine]}
 
 
 @pytest.mark.parametrize("recipe, backend", [("gsm8k_8gpu", "nccl"), ("gsm8k_1gpu", "cuda_ipc")])
