@@ -66,6 +66,9 @@ class ControllerSettings:
     measure_prox_error: bool = False
 
 
+COLOCATED_SLEEP_LEVEL = 2
+
+
 @dataclass
 class StepRecord:
     step: int
@@ -163,10 +166,11 @@ class AsyncController:
         return StepRoles(self.trainer, self.critic, self.reference)
 
     def _free_devices(self) -> None:
-        """Colocated engines: paused and put to sleep (memory released) before the trainer runs."""
+        """Colocated engines: paused and put to sleep before the trainer runs, at level 2 (weights
+        discarded, not copied to the host: the push after the step overwrites every one of them)."""
         with self.phase("sleep"):
             self._engine_get("pause", self.s.interrupt)
-            self._engine_get("sleep")
+            self._engine_get("sleep", COLOCATED_SLEEP_LEVEL)
 
     def _stream_groups(self):
         """The step's groups one by one as they finish (at async_ratio 0 every buffered group is of

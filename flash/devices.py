@@ -15,6 +15,7 @@ Logprobs are always taken in float32 from the logits.
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 
@@ -60,6 +61,38 @@ def autocast(device: torch.device, dtype: torch.dtype | None):
 def model_device(model) -> torch.device:
     """Where a model's parameters live."""
     return next(model.parameters()).device
+
+
+def release_cached_memory(device: torch.device | None) -> bool:
+    """Hand the blocks torch's CUDA caching allocator keeps but no tensor uses back to the driver
+    (``torch.cuda.empty_cache``), so that a role sharing the GPU can allocate them; True when it
+    did. Nothing to do elsewhere (on the CPU a freed tensor's memory goes back at once)."""
+    if device is None or device.type != "cuda":
+        return False
+    torch.cuda.empty_cache()
+    return True
+
+
+# What a trainer keeps on its GPU between steps, per parameter: fp32 master weights (4 bytes), fp32
+# gradients (4; dropped at the next step's start) and AdamW's two fp32 moments (8); its activations
+# are freed (``release_cached_memory``). A local KL reference adds its fp32 copy (4).
+TRAINER_BYTES_PER_PARAM, REFERENCE_BYTES_PER_PARAM = 16, 4
+COLOCATED_HEADROOM_BYTES = 2 * 2**30  # both processes' CUDA contexts, the allocators' fragmentation
+MAX_ENGINE_FRACTION, MIN_ENGINE_FRACTION = 0.9, 0.05  # vLLM's default; less is no useful KV cache
+
+
+def colocated_engine_fraction(total_bytes: int, trainer_bytes: float,
+                              headroom_bytes: int = COLOCATED_HEADROOM_BYTES) -> float:
+    """The share of a GPU's memory an engine colocated with a trainer may take (vLLM's
+    ``gpu_memory_utilization``): what the trainer's resident ``trainer_bytes`` and the headroom
+    leave, at most vLLM's default, rounded down to 0.001; a ValueError naming the fix when
+    almost nothing is left."""
+    share = (total_bytes - trainer_bytes - headroom_bytes) / total_bytes
+    if share < MIN_ENGINE_FRACTION:
+        raise ValueError(f"a colocated engine would get {max(share, 0.0):.1%} of the GPU's {total_bytes / 2**30:.0f} "
+                         f"GiB (the trainer keeps {trainer_bytes / 2**30:.1f} GiB): give actor_infer its own devices, "
+                         f"or more trainer ranks to shard over")
+    return math.floor(min(share, MAX_ENGINE_FRACTION) * 1000) / 1000
 
 
 def read_peak_memory(device: torch.device | None) -> dict[str, float]:

@@ -21,11 +21,13 @@ from typing import IO, Any
 
 import ray
 
+from algos.policy import kl_coef
 from buffers.guard import ValueLimits
 from controllers.staleness import StalenessManager
 from flash.app.config import FlashConfig
 from flash.app.resume import LOGS
 from flash.cluster import init_ray, wait_ready
+from flash.devices import REFERENCE_BYTES_PER_PARAM, TRAINER_BYTES_PER_PARAM
 from flash.engine.client import EngineClient
 from flash.engine.router import start_router
 from flash.engine.torch_worker import start_engine
@@ -186,6 +188,8 @@ def _start_engines(cfg: FlashConfig, plan: Plan, placement: Placement, model_pat
     n = len(plan.workers["actor_infer"])
     # the simulated engines share sim.rollout_gpus between them; the others hold model.dtype weights
     extra = {"sim": cfg.sim, "replicas": n} if cfg.rollout.engine == "sim" else {"dtype": cfg.model.dtype}
+    if colocated and cfg.rollout.engine == "vllm":  # its memory share: what the trainer leaves
+        extra["trainer_bytes_per_param"] = colocated_trainer_bytes_per_param(cfg, plan)
     replicas = [start_engine(model_path, cfg.rollout.max_num_seqs, cfg.seed, max(1, engine_threads // n),
                              engine=cfg.rollout.engine, options=placement.options("actor_infer", i),
                              sleep_mode=colocated,
@@ -196,6 +200,15 @@ def _start_engines(cfg: FlashConfig, plan: Plan, placement: Placement, model_pat
     client = EngineClient(engine, cfg.rollout.hang_timeout_s, cfg.rollout.max_engine_restarts,
                           replicas=replicas if n > 1 else None)
     return replicas, engine, client
+
+
+def colocated_trainer_bytes_per_param(cfg: FlashConfig, plan: Plan) -> float:
+    """What the trainer keeps between steps on each GPU it shares with an engine, per model
+    parameter: fp32 weights and AdamW state (and a local KL reference's copy), sharded over its
+    ranks (``flash.devices.TRAINER_BYTES_PER_PARAM``)."""
+    local_reference = kl_coef(cfg.algo.loss) != 0.0 and not reference_placed(cfg)
+    per_param = TRAINER_BYTES_PER_PARAM + (REFERENCE_BYTES_PER_PARAM if local_reference else 0)
+    return per_param / max(1, len(plan.workers["actor_train"]))
 
 
 def start_trainer_role(cfg: FlashConfig, model_path: str, settings: TrainerSettings, trainer_threads: int,

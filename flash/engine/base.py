@@ -35,7 +35,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, get_args, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, Protocol, get_args, runtime_checkable
+
+if TYPE_CHECKING:
+    import torch
 
 InterruptMode = Literal["continue", "restart", "wait"]  # rollout.interrupt (docs/design.md invariant 4)
 INTERRUPT_MODES: tuple[str, ...] = get_args(InterruptMode)
@@ -172,6 +175,9 @@ class UpdateTarget(Protocol):
 
     def _mu_apply(self, items: Iterable, version: int) -> None:
         """Load each ``(name, tensor)`` of ``items`` as it arrives; take ``version`` last."""
+
+    def _mu_device(self) -> torch.device:
+        """Where the weights live (the backend choice compares it with the trainer's)."""
 
     def _mu_ties(self) -> list:
         """Groups of names sharing one storage in the live model (loaded once)."""

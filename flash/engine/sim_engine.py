@@ -303,5 +303,9 @@ class SimEngineWorker(LoopActor, UpdateReceiver):
         """Simulated seconds of every step so far (outside the contract: determinism checks)."""
         return list(self.batcher.step_costs)
 
+    def _mu_device(self) -> torch.device:
+        """Its one weight (the version it serves) is a host tensor, wherever it is placed."""
+        return torch.device("cpu")
+
     def _mu_shapes(self) -> dict:
         return {WEIGHT_NAME: (1,)}

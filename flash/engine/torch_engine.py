@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import torch
 
 from algos.registry import did_you_mean
+from flash.devices import release_cached_memory
 from flash.engine import kv_cache
 from flash.engine.base import INTERRUPT_MODES, GenerationOutput, GenerationRequest
 from flash.engine.kv_cache import KVBatch
@@ -123,6 +124,15 @@ def sample(logits: torch.Tensor, seqs: list[_Seq]) -> tuple[torch.Tensor, torch.
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
 
 
+def alias_groups(model) -> dict[str, tuple[str, ...]]:
+    """Each state-dict name of ``model`` -> every name of the same tensor object, in order (a
+    tied LM head and its embedding share one; a push loads it under one name only)."""
+    groups: dict[int, list[str]] = {}
+    for name, t in model.state_dict(keep_vars=True).items():
+        groups.setdefault(id(t), []).append(name)
+    return {name: tuple(names) for names in groups.values() for name in names}
+
+
 class BatchState:
     """What ``EngineLoop`` reads of a batcher's state (the torch engine, the simulated one): the
     weights' version, whether it sleeps, and its running and waiting queues."""
@@ -160,6 +170,7 @@ class TorchEngine(BatchState):
         self._num_layers = model.config.get_text_config(decoder=True).num_hidden_layers
         self._device = next(model.parameters()).device
         self._shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+        self._aliases = alias_groups(model)  # a tied LM head: one tensor, two names
         self._waiting: deque[_Seq] = deque()
         self._running: list[_Seq] = []
         self._kv: KVBatch | None = None
@@ -273,7 +284,10 @@ class TorchEngine(BatchState):
         as after a weight update) and moves the weights to host memory when they live on an
         accelerator; level 2 discards the weights too (their shapes are kept), so the next
         ``update_weights`` must bring every tensor before ``resume``. On CPU the weights already
-        are in host memory: level 1 releases the KV cache only. Returns what was released.
+        are in host memory: level 1 releases the KV cache only. On CUDA the freed blocks go back
+        to the driver (``release_cached_memory``), where the colocated trainer can take them. The
+        KV cache comes back at the first step after ``resume`` (after the push, which needs the
+        weights only). Returns what was released.
         """
         if level not in (1, 2):
             raise ValueError(f"sleep level must be 1 or 2, got {level}")
@@ -284,14 +298,16 @@ class TorchEngine(BatchState):
         self._requeue_running()
         weights = "kept"
         if level == 2:
-            for name, t in self.model.state_dict(keep_vars=True).items():
+            for t in {id(t): t for t in self.model.state_dict(keep_vars=True).values()}.values():
                 t.data = torch.empty(0, dtype=t.dtype, device=t.device)
-                self._missing.add(name)
+            self._missing.update(self._shapes)
             weights = "discarded"
         elif self._device.type != "cpu":
             self.model.to("cpu")
             weights = "offloaded"
-        self._asleep = {"level": level, "kv_bytes_released": kv, "weights": weights, "device": str(self._device)}
+        cache = release_cached_memory(self._device)
+        self._asleep = {"level": level, "kv_bytes_released": kv, "weights": weights, "device": str(self._device),
+                        "cache_released": cache}
         return self._asleep
 
     def wake_up(self) -> dict:
@@ -303,7 +319,7 @@ class TorchEngine(BatchState):
             self.model.to(self._device)
         elif info["weights"] == "discarded":
             for name, t in self.model.state_dict(keep_vars=True).items():
-                if name in self._missing:
+                if name in self._missing and name == self._aliases[name][0]:  # a tied tensor once
                     t.data = torch.empty(self._shapes[name], dtype=t.dtype, device=self._device)
         return info
 
@@ -327,7 +343,7 @@ class TorchEngine(BatchState):
             if tuple(self._shapes[name]) != tuple(tensor.shape):
                 raise ValueError(f"{name}: shape {tuple(tensor.shape)} != model's {tuple(self._shapes[name])}")
             state[name].copy_(tensor)
-            self._missing.discard(name)
+            self._missing.difference_update(self._aliases[name])  # its aliases hold it too
         self._requeue_running()
         self._version = version
 

@@ -29,7 +29,8 @@ class EngineWorker(LoopActor, UpdateReceiver):
         from flash.engine.torch_engine import TorchEngine
 
         torch.set_num_threads(max(1, threads))
-        model = load_model(model_path).to(actor_device(), torch_dtype(dtype)).eval()
+        self._device = actor_device()  # where the weights live awake (a level-1 sleep moves them to the host)
+        model = load_model(model_path).to(self._device, torch_dtype(dtype)).eval()
         text = model.config.get_text_config(decoder=True)
         self._shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}  # model-update check
         self._ties = [names for names, _ in unique_tensors(model.state_dict()) if len(names) > 1]
@@ -44,8 +45,9 @@ class EngineWorker(LoopActor, UpdateReceiver):
         return {k: v.detach().cpu().clone() for k, v in self._model.state_dict().items()}
 
     def _mu_device(self) -> torch.device:
-        """Where the weights live: the backend choice compares it with the trainer's."""
-        return next(self._model.parameters()).device
+        """Where the weights live: the backend choice compares it with the trainer's. The device
+        the model was placed on, not its parameters' now: asleep at level 1 they are on the host."""
+        return self._device
 
     def _mu_shapes(self) -> dict:
         return self._shapes

@@ -57,6 +57,9 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+import torch
+
+from flash.devices import actor_device, colocated_engine_fraction
 from flash.engine.base import INTERRUPT_MODES, GenerationOutput, GenerationRequest, check_request, error_output
 from flash.engine.vllm_weights import checkpoint_shapes, weights_blob
 from flash.weights.group import UpdateReceiver
@@ -97,7 +100,8 @@ class VLLMEngineWorker(UpdateReceiver):
     """The engine actor over ``AsyncLLM``; see the module docstring for the design."""
 
     def __init__(self, model_path: str, max_num_seqs: int, seed: int, threads: int, *,
-                 kv_cache_gib: int = 1, dtype: str = "float32", sleep_mode: bool = False):
+                 kv_cache_gib: int = 1, dtype: str = "float32", sleep_mode: bool = False,
+                 trainer_bytes_per_param: float | None = None):
         from transformers import AutoConfig
 
         for key, value in {**VLLM_ENV, "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib)}.items():
@@ -115,6 +119,7 @@ class VLLMEngineWorker(UpdateReceiver):
         self._held: list[_Req] = []  # waiting for resume (interrupted first, then new ones)
         self._paused: str | None = None
         self._asleep: dict | None = None
+        self._kv_asleep = False  # woken with its weights only: the KV cache comes back at resume
         self._arrivals = self._launches = 0
         self._cv = threading.Condition()
         self._finished: list[GenerationOutput] = []
@@ -129,7 +134,8 @@ class VLLMEngineWorker(UpdateReceiver):
                     skip_tokenizer_init=True, enforce_eager=True, generation_config="vllm",
                     enable_chunked_prefill=False, max_num_batched_tokens=max(2048, self.max_context),
                     disable_log_stats=True, worker_extension_cls="flash.engine.vllm_weights.WeightSync",
-                    enable_sleep_mode=sleep_mode and _sleep_mode_available())
+                    enable_sleep_mode=sleep_mode and _sleep_mode_available(),
+                    **memory_args(sum(_numel(shape) for shape in self._shapes.values()), trainer_bytes_per_param))
         self._drained = asyncio.Condition()  # notified whenever a request leaves vLLM
         self._llm = self._call(self._start(args))
 
@@ -276,14 +282,20 @@ class VLLMEngineWorker(UpdateReceiver):
         return self._asleep
 
     async def _wake_up(self) -> dict:
+        """The weights come back (for the push); the KV cache waits for ``resume``, so that the
+        push's buffers and the colocated trainer's last blocks are gone before it is allocated."""
         info, self._asleep = self._asleep, None
         if info is not None and info["released"]:
-            await self._llm.wake_up()
+            await self._llm.wake_up(tags=["weights"])
+            self._kv_asleep = True
         return info or {"level": 0}
 
     async def _resume(self) -> None:
         if self._asleep is not None:
             raise RuntimeError("the engine is asleep; call wake_up() before resume()")
+        if self._kv_asleep:
+            await self._llm.wake_up(tags=["kv_cache"])
+            self._kv_asleep = False
         self._paused = None
         held, self._held = self._held, []
         for r in held:
@@ -337,6 +349,11 @@ class VLLMEngineWorker(UpdateReceiver):
         self._check()
         self._call(self._resume())
 
+    def _mu_device(self) -> torch.device:
+        """Where the weights live: the GPU the placement gave this actor (vLLM's worker process
+        inherits its ``CUDA_VISIBLE_DEVICES`` and loads the model there), else the CPU."""
+        return actor_device()
+
     def _mu_shapes(self) -> dict:
         """Model-update group: the checkpoint's shapes, plus a tied LM head's (trainers send it)."""
         embed = self._shapes.get("model.embed_tokens.weight")
@@ -361,6 +378,7 @@ class VLLMEngineWorker(UpdateReceiver):
         at start; vLLM's CPU worker ignores sleep, so on CPU this releases nothing and says so in
         the returned dict (``released: False``). Either way the engine refuses ``resume`` and
         ``update_weights`` until ``wake_up``, so the protocol is the same on every platform.
+        ``wake_up`` brings the weights back; the KV cache follows at ``resume``, after the push.
         """
         self._check()
         return self._call(self._sleep(level))
@@ -424,6 +442,23 @@ class VLLMEngineWorker(UpdateReceiver):
             self._thread.join(timeout=30)
             with self._cv:
                 self._cv.notify_all()
+
+
+def memory_args(n_params: int, trainer_bytes_per_param: float | None) -> dict:
+    """vLLM's ``gpu_memory_utilization`` for an engine colocated with a trainer that keeps
+    ``trainer_bytes_per_param`` bytes per model parameter on this GPU (None: not colocated, vLLM's
+    default): what the trainer leaves of the card (``flash.devices.colocated_engine_fraction``)."""
+    if trainer_bytes_per_param is None or not torch.cuda.is_available():
+        return {}
+    total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory  # no CUDA context here
+    return {"gpu_memory_utilization": colocated_engine_fraction(total, n_params * trainer_bytes_per_param)}
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
 
 
 def _sleep_mode_available() -> bool:

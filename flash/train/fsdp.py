@@ -196,6 +196,7 @@ class ShardedTrainer(Trainer):
             self.optimizer.step()
         self.steps += int(advance)  # only a batch's last optimizer step moves the version on
         self.busy_s += self._busy + time.monotonic() - start
+        self.release_memory()
         return {"partials": partials, "grad_norm": norm, "skipped": float(not finite), "lr": self._lr}
 
     def planned_step(self, batch: TrainBatch, advantages, prox_logp, plan: Plan, total: float) -> dict:

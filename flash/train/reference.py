@@ -25,6 +25,7 @@ import torch
 
 from flash.cluster import load_model
 from flash.devices import actor_device, autocast_dtype
+from flash.train.attention import causal_attention
 from flash.train.batch import TrainBatch, batch_to
 from flash.train.trainer import batch_logprobs
 
@@ -35,7 +36,7 @@ class Reference:
                  dtype: str = "float32"):
         torch.set_num_threads(max(1, threads))
         self.device, self.autocast = actor_device(), autocast_dtype(dtype)
-        self.model = load_model(model_path).to(self.device).eval()
+        self.model = causal_attention(load_model(model_path).to(self.device).eval())  # right-padded batches
         for p in self.model.parameters():
             p.requires_grad_(False)
         self.temperature, self.micro_batch_size = temperature, micro_batch_size

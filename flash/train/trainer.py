@@ -30,7 +30,8 @@ import torch.nn.functional as F
 import algos
 import algos.metrics
 from algos.proximal import approx_prox_logp
-from flash.devices import autocast, autocast_dtype, model_device
+from flash.devices import autocast, autocast_dtype, model_device, release_cached_memory
+from flash.train.attention import causal_attention
 from flash.train.batch import TrainBatch, batch_to, to_device
 from flash.train.updates import fresh_mismatch, lr_at, train_batch
 
@@ -134,7 +135,7 @@ def needs_local_reference(settings: TrainerSettings) -> bool:
 class Trainer:
     def __init__(self, model, settings: TrainerSettings, seed: int = 0):
         torch.manual_seed(seed)
-        self.model = model
+        self.model = causal_attention(model)  # right-padded rows: no padding mask, no host read per forward
         self.model.train()
         self.s = settings
         self.device = model_device(model)  # batches move here; results come back to the CPU
@@ -152,7 +153,7 @@ class Trainer:
         self.needs_entropy = float(self.knobs.get("entropy_coef", 0.0) or 0.0) != 0.0
         self.ref_model = None
         if needs_local_reference(settings):
-            self.ref_model = self._reference_model(model)
+            self.ref_model = causal_attention(self._reference_model(model))
         self.steps = 0  # rollout batches trained: the policy version
         self.optimizer_steps = 0  # the lr schedule's position (checkpointed)
         self._lr = settings.lr
@@ -264,7 +265,14 @@ class Trainer:
         self.steps += int(advance)
         self.busy_s += self._busy + time.monotonic() - start
         metrics.update(grad_norm=norm, skipped=float(not finite), lr=self._lr)
+        self.release_memory()
         return metrics
+
+    def release_memory(self) -> None:
+        """The step's end: on CUDA the allocator's freed blocks (the activations) go back to the
+        driver, so what the trainer keeps between steps is its weights, gradients (read after the
+        step; the next ``begin_step`` drops them) and optimizer state (for a colocated engine)."""
+        release_cached_memory(self.device)
 
     def _scale_and_clip(self, total) -> torch.Tensor:
         """Divide the summed gradient by the step's weight ``total`` and clip it; the norm."""

@@ -174,12 +174,14 @@ class UpdateSender:
 class UpdateReceiver:
     """Mixin for an engine actor. The host defines ``_mu_shapes() -> {name: shape}`` and
     ``_mu_apply(items, version)``, which copies each ``(name, tensor)`` of the iterator at once and
-    sets its version last; it may define ``_mu_device()`` (default CPU), ``_mu_ties()`` (groups of
-    names sharing one storage in its model, loaded once; default none) and ``_mu_targets()`` (its
-    live tensors, written directly by ``_mu_apply``'s iteration; default none)."""
+    sets its version last, and ``_mu_device()``, where its weights live (no default: a receiver
+    that reported the CPU while its weights sit on a GPU would get the wrong backend); it may
+    define ``_mu_ties()`` (groups of names sharing one storage in its model, loaded once; default
+    none) and ``_mu_targets()`` (its live tensors, written directly by ``_mu_apply``'s iteration;
+    default none)."""
 
     def _mu_device(self) -> torch.device:
-        return torch.device("cpu")
+        raise NotImplementedError(f"{type(self).__name__} must say where its weights live (_mu_device)")
 
     def _mu_ties(self) -> list[tuple[str, ...]]:
         return []

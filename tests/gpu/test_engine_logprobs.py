@@ -7,6 +7,8 @@ The engine samples 16 tokens for each of four prompts (temperature 1, seeded); t
 fp32 logits; what differs in bf16 is the rounding inside the model: the engine rounds every
 activation (the residual stream included) to bf16 and attends over a bf16 KV cache one token at a
 time, while autocast rounds only the matmul inputs and keeps the residual stream in fp32.
+The bodies (``check_fp32_agree``, ``check_bf16_within_bounds``) also run on CPU in the default
+suite (tests/integration/test_gpu_bodies.py), where the bounds were measured.
 """
 
 from __future__ import annotations
@@ -51,10 +53,10 @@ def engine_samples(model) -> list[Sample]:
             for i, o in enumerate(outs)]
 
 
-def mismatch(engine_model, trainer_model, autocast: torch.dtype | None) -> torch.Tensor:
+def mismatch(engine_model, trainer_model, autocast: torch.dtype | None, device: torch.device) -> torch.Tensor:
     """|engine logprob - trainer logprob| on every sampled token."""
-    batch = batch_to(collate(engine_samples(engine_model)), torch.device("cuda"))
-    precision = torch.autocast("cuda", dtype=autocast) if autocast is not None else contextlib.nullcontext()
+    batch = batch_to(collate(engine_samples(engine_model)), device)
+    precision = torch.autocast(device.type, dtype=autocast) if autocast is not None else contextlib.nullcontext()
     with torch.no_grad(), precision:
         logp, _ = token_logprobs(trainer_model, batch, TEMPERATURE)
     assert logp.dtype == torch.float32 and batch.behav_logp.dtype == torch.float32
@@ -63,22 +65,30 @@ def mismatch(engine_model, trainer_model, autocast: torch.dtype | None) -> torch
     return (logp - batch.behav_logp)[on].abs()
 
 
-def test_fp32_engine_and_trainer_agree():
+def check_fp32_agree(device: torch.device) -> None:
     _, model = make_model(seed=5)
-    trainer = model.to("cuda")
+    trainer = model.to(device)
     tf32 = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False
     try:
-        diff = mismatch(copy.deepcopy(trainer), trainer, autocast=None)
+        diff = mismatch(copy.deepcopy(trainer), trainer, autocast=None, device=device)
     finally:
         torch.backends.cuda.matmul.allow_tf32 = tf32
     assert diff.max() <= FP32_MAX_ABS, diff.max()
 
 
-def test_bf16_engine_matches_the_trainer_under_bf16_autocast():
+def check_bf16_within_bounds(device: torch.device) -> None:
     _, model = make_model(seed=5)
-    trainer = model.to("cuda")  # fp32 master weights
+    trainer = model.to(device)  # fp32 master weights
     engine = copy.deepcopy(trainer).to(torch.bfloat16)
-    diff = mismatch(engine, trainer, autocast=torch.bfloat16)
+    diff = mismatch(engine, trainer, autocast=torch.bfloat16, device=device)
     assert diff.mean() <= BF16_MEAN_ABS and diff.max() <= BF16_MAX_ABS, (diff.mean(), diff.max())
     assert diff.max() > 0  # the engine did compute in bf16
+
+
+def test_fp32_engine_and_trainer_agree():
+    check_fp32_agree(torch.device("cuda"))
+
+
+def test_bf16_engine_matches_the_trainer_under_bf16_autocast():
+    check_bf16_within_bounds(torch.device("cuda"))

@@ -2,7 +2,9 @@
 compute, fp32 master weights and gradient reduction) matches the fp32 step.
 
 Same model, batch and advantages; one optimizer step each; the loss and the gradient norm of the
-step must agree within the tolerances below and must not be equal (bf16 did run).
+step must agree within the tolerances below and must not be equal (bf16 did run). The body
+(``check_bf16_matches_fp32``) also runs on CPU with one gloo rank in the default suite
+(tests/integration/test_gpu_bodies.py).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from algos.metrics import finalize
 from flash.cluster import load_model
 from flash.train.batch import batch_to
 from flash.train.fsdp import GroupSettings, ShardedTrainer, free_port
@@ -39,8 +42,7 @@ def model_dir(tmp_path_factory):
     return save_tiny(tmp_path_factory.mktemp("tiny"), TINY)
 
 
-def one_step(model_dir, mesh, dtype: str) -> dict:
-    device = torch.device("cuda", 0)
+def one_step(model_dir, mesh, dtype: str, device: torch.device) -> dict:
     tr = ShardedTrainer(load_model(model_dir), settings(dtype=dtype), GroupSettings(), mesh, device)
     batch, adv = make_batch(seed=3)
     batch, adv = batch_to(batch, device), adv.to(device)
@@ -48,9 +50,14 @@ def one_step(model_dir, mesh, dtype: str) -> dict:
     return tr.planned_step(batch, adv, batch.behav_logp, plan, total=float(batch.mask.sum()))  # token-mean
 
 
-def test_bf16_step_matches_fp32(model_dir, mesh):
-    fp32, bf16 = one_step(model_dir, mesh, "float32"), one_step(model_dir, mesh, "bfloat16")
-    assert bf16["partial"]["loss"] == pytest.approx(fp32["partial"]["loss"], rel=LOSS_REL)
+def check_bf16_matches_fp32(model_dir, mesh, device: torch.device) -> None:
+    fp32, bf16 = one_step(model_dir, mesh, "float32", device), one_step(model_dir, mesh, "bfloat16", device)
+    loss32, loss16 = finalize(fp32["partials"])["loss"], finalize(bf16["partials"])["loss"]
+    assert loss16 == pytest.approx(loss32, rel=LOSS_REL)
     assert bf16["grad_norm"] == pytest.approx(fp32["grad_norm"], rel=GRAD_NORM_REL)
-    assert bf16["partial"]["loss"] != fp32["partial"]["loss"]
+    assert loss16 != loss32
     assert fp32["grad_norm"] > 0 and bf16["skipped"] == fp32["skipped"] == 0.0
+
+
+def test_bf16_step_matches_fp32(model_dir, mesh):
+    check_bf16_matches_fp32(model_dir, mesh, torch.device("cuda", 0))

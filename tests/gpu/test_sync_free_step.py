@@ -11,6 +11,11 @@ stream synchronize) into a RuntimeError naming it. Which syncs a step may make:
   or not) and the metrics handed back as floats ("default" around it);
 - none for the batch's upload: it arrives from the driver on the CPU, as in a run, its rows'
   lengths are read there, and its copy to the GPU is queued without the host waiting.
+
+The model's forward is transformers' (its SDPA mask code would read the padding mask on every
+forward); the trainer gives it the causal-only form of ``flash.train.attention``, which reads
+nothing. The body (``step_under``) also runs on CPU in the default suite (tests/integration/test_gpu_bodies.py),
+with a counter of host reads from every caller in place of sync debug mode.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ ROWS, MICRO_BATCHES = 8, 4
 
 @contextmanager
 def sync_debug(mode: str):
+    torch.cuda.synchronize()  # what came before is not the step's
     before = torch.cuda.get_sync_debug_mode()
     torch.cuda.set_sync_debug_mode(mode)
     try:
@@ -36,15 +42,18 @@ def sync_debug(mode: str):
         torch.cuda.set_sync_debug_mode(before)
 
 
-def test_accumulate_makes_no_host_sync():
-    device = torch.device("cuda")
+def step_under(device: torch.device, guard) -> None:
+    """One step on ``device``, its parts under ``guard(mode)`` ("error": no sync allowed)."""
     trainer = Trainer(toy_model().to(device), settings(micro_batch_size=ROWS // MICRO_BATCHES), seed=0)
     batch, adv = make_batch(seed=1, n=ROWS, vocab=32)  # on the CPU, as the driver sends it
-    torch.cuda.synchronize()
     trainer.begin_step()
-    with sync_debug("error"):  # upload; 4 micro-batches: forward, loss, backward, sums on the device
+    with guard("error"):  # upload; 4 micro-batches: forward, loss, backward, sums on the device
         trainer.accumulate(batch, adv, None)  # prox fused into the forward, as the default recipe runs
-    with sync_debug("default"):  # once per optimizer step: the finite check and the float metrics
+    with guard("default"):  # once per optimizer step: the finite check and the float metrics
         metrics = trainer.finish_step()
     assert math.isfinite(metrics["loss"]) and metrics["grad_norm"] > 0 and metrics["skipped"] == 0.0
     assert trainer.steps == 1
+
+
+def test_accumulate_makes_no_host_sync():
+    step_under(torch.device("cuda"), sync_debug)

@@ -10,52 +10,11 @@ transformers' lazy imports).
 
 from __future__ import annotations
 
-import importlib._bootstrap as bootstrap
-import os
-import sys
 import time
-from contextlib import contextmanager
 
 import pytest
 
-UNIT_BUDGET_S = float(os.environ.get("FLASH_UNIT_BUDGET_S", "2"))
-
-
-def over_budget(nodeid: str, cpu_s: float, budget_s: float = UNIT_BUDGET_S) -> str | None:
-    """The failure message for a unit test that spent ``cpu_s`` CPU seconds, or None within budget."""
-    if cpu_s <= budget_s:
-        return None
-    return (f"{nodeid}: {cpu_s:.2f} s of CPU, over the unit tier's {budget_s:g} s budget: "
-            "make it smaller or move it to tests/integration")
-
-
-def ray_started() -> bool:
-    ray = sys.modules.get("ray")
-    return bool(ray is not None and ray.is_initialized())
-
-
-@contextmanager
-def import_clock():
-    """CPU seconds spent loading modules for the first time while inside (outermost loads only):
-    a one-item list, read after the block."""
-    spent, depth, plain = [0.0], [0], bootstrap._find_and_load
-
-    def timed(name, import_):
-        if depth[0]:
-            return plain(name, import_)
-        depth[0], start = 1, time.process_time()
-        try:
-            return plain(name, import_)
-        finally:
-            depth[0] = 0
-            spent[0] += time.process_time() - start
-
-    bootstrap._find_and_load = timed
-    try:
-        yield spent
-    finally:
-        bootstrap._find_and_load = plain
-
+from tests.helpers.tiers import import_clock, over_budget, ray_started
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item):
@@ -65,6 +24,13 @@ def pytest_runtest_call(item):
     message = over_budget(item.nodeid, time.process_time() - start - imports[0])
     if message:
         pytest.fail(message, pytrace=False)
+    return result
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """After the test's fixtures are gone (a monkeypatched ``ray.is_initialized`` undone with them)."""
+    result = yield
     if ray_started():
         pytest.fail(f"{item.nodeid}: started Ray; a test that needs Ray belongs in tests/integration", pytrace=False)
     return result

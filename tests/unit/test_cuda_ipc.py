@@ -43,6 +43,9 @@ class Replica(UpdateReceiver):
     def __init__(self, model):
         self.model, self.engine = model, TorchEngine(model, max_num_seqs=2)
 
+    def _mu_device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
     def _mu_shapes(self) -> dict:
         return {k: tuple(v.shape) for k, v in self.model.state_dict().items()}
 

@@ -1,55 +1,33 @@
 """Host reads per optimizer step: a fixed few, however many micro-batches the step has.
 
-Every host read of a tensor the project makes (``item``, ``float``, ``int``, ``bool``, ``tolist``,
-``cpu``) is counted by wrapping those ``torch.Tensor`` methods; on a GPU each is a device sync.
-Only calls made from the project's own files count (torch's optimizer and the model's forward are
-not the trainer's to change). One optimizer step over 4 and over 8 micro-batches must make the
-same number: the metrics stay tagged tensors on the device until the step ends
+Every host read of a tensor (``item``, ``float``, ``int``, ``bool``, ``tolist``, ``cpu``) is
+counted by wrapping those ``torch.Tensor`` methods; on a GPU each is a device sync. Every caller
+counts, the model's forward in transformers included (its SDPA mask code read the padding mask
+on every forward, two reads per micro-batch, until the trainer's forward took the causal-only
+form of ``flash.train.attention``). Not counted: reads of AdamW's step counters, which torch keeps
+in host memory whatever the device (no sync). One optimizer step over 4 and over 8 micro-batches
+must make the same number: the metrics stay tagged tensors on the device until the step ends
 (``algos.metrics``), then move in one transfer.
 """
 
 from __future__ import annotations
 
 import copy
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from flash.train.batch import collate
 from flash.train.trainer import Trainer
+from tests.helpers.host_reads import READS, Counter
 from tests.helpers.train import toy_model, toy_samples, toy_settings
 
-ROOT = Path(__file__).resolve().parents[2]
-PROJECT = tuple(str(ROOT / top) for top in ("algos", "flash", "controllers", "buffers"))
-READS = ("item", "__float__", "__int__", "__bool__", "tolist", "cpu")
 MAX_READS = 2  # accumulate: the rows' lengths and weight; finish_step: metrics and grad norm
 
 
 @pytest.fixture(scope="module")
 def model():
     return toy_model()
-
-
-class Counter:
-    """Counts the wrapped reads whose caller is a project file, by (file:line)."""
-
-    def __init__(self) -> None:
-        self.calls: list[str] = []
-        self.on = False
-
-    def wrap(self, name: str):
-        original = getattr(torch.Tensor, name)
-
-        def counted(tensor, *args, **kwargs):
-            if self.on:
-                caller = sys._getframe(1).f_code.co_filename
-                if caller.startswith(PROJECT):
-                    self.calls.append(f"{name} at {caller}:{sys._getframe(1).f_lineno}")
-            return original(tensor, *args, **kwargs)
-
-        return counted
 
 
 def reads_per_step(monkeypatch, model, micro_batches: int, loss: dict, mismatch: bool = True) -> list[str]:
@@ -61,7 +39,7 @@ def reads_per_step(monkeypatch, model, micro_batches: int, loss: dict, mismatch:
     batch.behav_logp = batch.behav_logp - 0.3 * batch.mask
     adv = torch.randn(batch.mask.shape, generator=torch.Generator().manual_seed(3)) * batch.mask
     tr = Trainer(copy.deepcopy(model), toy_settings(loss=loss, micro_batch_size=16 // micro_batches))
-    counter.on = True
+    counter.on, counter.optimizer = True, tr.optimizer
     metrics = tr.train_step(batch, adv, None)
     counter.on = False
     monkeypatch.undo()
@@ -93,7 +71,7 @@ def test_host_syncs_stream_step_reads_once_per_part(monkeypatch, model):
     adv = torch.randn(batch.mask.shape, generator=torch.Generator().manual_seed(3)) * batch.mask
     tr = Trainer(copy.deepcopy(model), toy_settings(loss={"name": "ppo"}, micro_batch_size=2))
     parts = [(batch.rows(lo, hi), lo, hi) for lo, hi in ((0, 8), (8, 16))]
-    counter.on = True
+    counter.on, counter.optimizer = True, tr.optimizer
     tr.begin_step()
     for part, lo, hi in parts:
         tr.accumulate(part, adv[lo:hi, : part.mask.shape[1]], part.behav_logp)
