@@ -98,11 +98,11 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--vocab", type=int, default=151936)
     args = ap.parse_args()
-    shape = dict(rows=args.rows, length=args.length, prompt=args.prompt, vocab=args.vocab)
+    shape = {"rows": args.rows, "length": args.length, "prompt": args.prompt, "vocab": args.vocab}
     out = {"shape": shape, "gib": {}}
     for dtype in ("float32", "bfloat16"):
-        for name, kw in (("unchunked", dict(unchunked=True)), ("chunked, entropy", dict(entropy=True)),
-                         ("chunked, no entropy", dict(entropy=False))):
+        for name, kw in (("unchunked", {"unchunked": True}), ("chunked, entropy", {"entropy": True}),
+                         ("chunked, no entropy", {"entropy": False})):
             gib = micro_batch_peak(**shape, dtype=dtype, **kw) / GIB
             out["gib"][f"{dtype} {name}"] = round(gib, 2)
             print(f"{dtype:9s} {name:20s} {gib:6.2f} GiB")

@@ -52,8 +52,8 @@ def test_chunks_equal_one_pass_bit_for_bit_logprobs_entropy_and_every_gradient()
 
     want = run(lambda: unchunked_logprobs(model, batch, 0.7, True, True))
     for columns in (5, 1000):  # 5 does not divide the 47 - start columns
-        got = run(lambda: token_logprobs(model, batch, 0.7, True, True, start=start,
-                                         chunk_bytes=columns * len(batch) * vocab * 4))
+        got = run(lambda c=columns: token_logprobs(model, batch, 0.7, True, True, start=start,
+                                                   chunk_bytes=c * len(batch) * vocab * 4))
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), columns
         assert [k for k in want[2] if not torch.equal(got[2][k], want[2][k])] == [], columns
 
