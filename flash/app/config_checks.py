@@ -158,6 +158,8 @@ def _check_updates(cfg: FlashConfig) -> None:
     _require(t.mini_batches <= rows, f"train.mini_batches={t.mini_batches} exceeds the batch's rows "
              f"(train.prompts_per_step × rollout.n = {rows}): a mini-batch would be empty")
     _require(t.warmup_steps >= 0, f"train.warmup_steps must be >= 0 (optimizer steps), got {t.warmup_steps}")
+    _require(t.entropy_every_steps >= 0, "train.entropy_every_steps must be >= 0 (0: never log the entropy), "
+             f"got {t.entropy_every_steps}")
     _require(0.0 <= t.min_lr_ratio <= 1.0, f"train.min_lr_ratio must be in [0, 1], got {t.min_lr_ratio}")
     _require(t.min_lr_ratio == 0.0 or t.lr_schedule == "cosine", "train.min_lr_ratio is the cosine "
              "schedule's floor but train.lr_schedule is 'constant' (it would be unused); set "

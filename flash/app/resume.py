@@ -34,7 +34,8 @@ from flash.run_files import open_run_file, refuse_links
 log = logging.getLogger(__name__)
 
 LOGS = ("ledger", "metrics", "timeline", "eval", "schedule", "samples")  # RUN_DIR/<name>.jsonl, cut back on resume
-MAY_CHANGE = ("train.steps", "train.max_consecutive_skips", "train.workers", "placement.roles.actor_train.",
+MAY_CHANGE = ("train.steps", "train.max_consecutive_skips", "train.workers", "train.entropy_every_steps",
+              "placement.roles.actor_train.",
               "checkpoint.", "tracking.", "resume", "run_dir", "overwrite", "trust_checkpoint",
               "cache_dir", "description", "eval.every_steps", "rollout.hang_timeout_s",
               "rollout.max_engine_restarts", "rollout.max_worker_restarts", "resources.", "ray.", "data.strict")

@@ -163,6 +163,9 @@ class TrainConfig:
     workers: int = 1
     micro_tokens: int = 0  # padded tokens per micro-batch (length-grouped rows); 0 = rows only
     activation_checkpointing: bool = False  # recompute decoder layers in backward (less memory)
+    # log the policy's entropy (train/entropy) on every k-th train step, 0: never; a loss term that
+    # needs it (algo.loss.entropy_coef) computes it on every step whatever this says
+    entropy_every_steps: int = 1
 
 
 @dataclass

@@ -28,10 +28,14 @@ How the contract of ``flash.engine.base`` maps onto vLLM:
   ``restart``: the partial response is dropped and the request re-runs from its seed. ``wait``:
   new requests are held and ``pause`` returns once the running ones have finished. Requests
   submitted while paused are held here and start at ``resume``, after the interrupted ones.
-- **Weights** are pushed in place: the tensors travel to vLLM's worker as one safetensors blob
-  through ``collective_rpc`` and the worker extension ``vllm_weights.WeightSync`` loads them with vLLM's
-  in-place ``reload_weights`` (the model's own ``load_weights``, layer by layer), never from disk.
-  Then the prefix cache is reset: its KV was computed by the old weights.
+- **Weights** are pushed in place, never from disk: in a model-update group vLLM's worker itself is
+  the member (the worker extension ``vllm_weights.WeightSync``; this actor forwards the group's
+  ``mu_*`` calls to it through ``collective_rpc``), receiving the trainer's buckets in the engine's
+  dtype over gloo or NCCL (or mapping the colocated buffer) and loading them with vLLM's in-place
+  ``reload_weights`` (the model's own ``load_weights``, layer by layer) as they arrive;
+  ``update_weights`` (the object-store path) sends its tensors on in buckets of whole layers, one
+  safetensors blob of at most ``rpc_bucket_mb`` per ``collective_rpc``. Then the prefix cache is
+  reset: its KV was computed by the old weights.
 - **Bad requests** (``base.check_request``) finish at once with ``finish_reason="error"``; a
   request vLLM itself refuses does the same. The engine keeps serving the others.
 
@@ -55,13 +59,14 @@ import asyncio
 import os
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
 
 from flash.devices import actor_device, colocated_engine_fraction
 from flash.engine.base import INTERRUPT_MODES, GenerationOutput, GenerationRequest, check_request, error_output
-from flash.engine.vllm_weights import checkpoint_shapes, weights_blob
+from flash.engine.vllm_weights import check_push, checkpoint_shapes, layer_buckets, weights_blob, wire_sent
 from flash.weights.group import UpdateReceiver
 from flash.usage import process_tree_cpu_s
 
@@ -101,7 +106,7 @@ class VLLMEngineWorker(UpdateReceiver):
 
     def __init__(self, model_path: str, max_num_seqs: int, seed: int, threads: int, *,
                  kv_cache_gib: int = 1, dtype: str = "float32", sleep_mode: bool = False,
-                 trainer_bytes_per_param: float | None = None):
+                 trainer_bytes_per_param: float | None = None, rpc_bucket_mb: float = 512.0):
         from transformers import AutoConfig
 
         for key, value in {**VLLM_ENV, "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib)}.items():
@@ -115,6 +120,7 @@ class VLLMEngineWorker(UpdateReceiver):
         else:
             self._tied = set()
         self.seed, self._version = seed, 0
+        self._dtype, self._rpc_bucket_bytes = dtype, int(rpc_bucket_mb * 2**20)
         self._reqs: dict[str, _Req] = {}  # in vLLM now
         self._held: list[_Req] = []  # waiting for resume (interrupted first, then new ones)
         self._paused: str | None = None
@@ -303,19 +309,43 @@ class VLLMEngineWorker(UpdateReceiver):
         async with self._drained:
             self._drained.notify_all()
 
-    async def _update_weights(self, named_tensors, version: int) -> float:
+    def _weights_ready(self) -> None:
+        """Raise unless weights may be written now: paused, awake, nothing running in vLLM."""
         if self._paused is None:
             raise RuntimeError("update_weights needs a paused engine; call pause(mode) first")
         if self._asleep is not None:
             raise RuntimeError("the engine is asleep; call wake_up() before update_weights()")
         if self._reqs:
             raise RuntimeError(f"update_weights with {len(self._reqs)} requests still running in vLLM")
-        blob = weights_blob(named_tensors, self._shapes, self._tied)
-        await self._llm.collective_rpc("flash_load_weights", args=(blob,))
+
+    async def _weights_loaded(self, version: int) -> None:
         if not await self._llm.reset_prefix_cache():
             raise RuntimeError("vLLM refused to reset its prefix cache after a weight update")
         self._version = version
-        return float(len(blob))
+
+    async def _update_weights(self, named_tensors, version: int) -> float:
+        """Bucket by bucket (whole layers, the engine's dtype): one blob per ``collective_rpc``.
+        A mapping is checked whole before anything is loaded."""
+        from flash.devices import torch_dtype
+
+        self._weights_ready()
+        if isinstance(named_tensors, Mapping):
+            check_push(named_tensors, self._shapes, self._tied)
+            named_tensors = named_tensors.items()
+        sent = 0
+        for bucket in layer_buckets(named_tensors, self._shapes, self._tied, self._rpc_bucket_bytes,
+                                    torch_dtype(self._dtype)):
+            blob = weights_blob(bucket, self._shapes)
+            await self._llm.collective_rpc("flash_load_weights", args=(blob,))
+            sent += len(blob)
+        await self._weights_loaded(version)
+        return float(sent)
+
+    async def _mu_receive(self, group: str, version: int, sent) -> dict:
+        self._weights_ready()
+        out = (await self._llm.collective_rpc("mu_receive", args=(group, version, sent)))[0]
+        await self._weights_loaded(version)
+        return out
 
     async def _abort(self, request_ids: list[str] | None) -> list[GenerationOutput]:
         hit = (lambda r: True) if request_ids is None else (lambda r, ids=set(request_ids): r.req.request_id in ids)
@@ -354,16 +384,53 @@ class VLLMEngineWorker(UpdateReceiver):
         inherits its ``CUDA_VISIBLE_DEVICES`` and loads the model there), else the CPU."""
         return actor_device()
 
+    # ---- the model-update group: vLLM's worker is the member (vllm_weights.WeightSync) ------------
+    def _worker_rpc(self, method: str, *args):
+        """``method`` on vLLM's worker (one: no tensor parallelism here); its result."""
+        self._check()
+        return self._call(self._llm.collective_rpc(method, args=args))[0]
+
+    def mu_dtypes(self) -> dict[str, str]:
+        """The engine's dtype for every pushed name: the trainer casts to it before sending."""
+        return {name: self._dtype for name in self._mu_shapes()}
+
     def _mu_shapes(self) -> dict:
-        """Model-update group: the checkpoint's shapes, plus a tied LM head's (trainers send it)."""
+        """The checkpoint's shapes, plus a tied LM head's (trainers send it)."""
         embed = self._shapes.get("model.embed_tokens.weight")
         return {**self._shapes, **({n: embed for n in self._tied} if embed is not None else {})}
 
+    def mu_join(self, group: str, backend: str, host: str, port: int, rank: int, world: int,
+                timeout_s: float) -> None:
+        self._worker_rpc("mu_join", group, backend, host, port, rank, world, timeout_s)
+
+    def mu_check(self, group: str, wire: list) -> int:
+        """The plan checked by vLLM's worker against its checkpoint, and this engine ready for it
+        (paused, awake), before any byte moves."""
+        self._check()
+        self._weights_ready()
+        return self._worker_rpc("mu_check", group, wire)
+
+    def engine_weights(self) -> dict:
+        """vLLM's parameters under its own (fused) names, CPU copies (on CPU, a linear layer's
+        weight lives packed in its oneDNN handle and reads back empty)."""
+        from safetensors.torch import load
+
+        return load(bytes(self._worker_rpc("flash_state")))
+
+    def mu_receive(self, group: str, version: int, sent: dict | None = None) -> dict[str, float]:
+        """vLLM's worker receives and loads the push; then the prefix cache is reset and the
+        engine takes ``version``."""
+        self._check()
+        return self._call(self._mu_receive(group, version, wire_sent(sent)))
+
+    def mu_close(self, group: str) -> None:
+        if not self._closed and not self._errored():
+            self._worker_rpc("mu_close", group)
+
     def _mu_apply(self, items, version: int) -> None:
-        """Model-update group: vLLM's worker is a child process outside the group, so the tensors
-        arrive here (over the group) and go on as one blob (``update_weights``); owned copies, as
-        the group reuses its buffers."""
-        self.update_weights({name: t.clone() for name, t in items}, version)
+        """Pushed ``(name, tensor)`` pairs loaded by the bucketed RPC path (``update_weights``);
+        a group's push goes to vLLM's worker directly instead (``mu_receive``)."""
+        self.update_weights(items, version)
 
     def update_weights(self, named_tensors, version: int) -> float:
         """Load weights in place (only while paused); returns the bytes sent to vLLM's worker."""

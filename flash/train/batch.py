@@ -30,7 +30,7 @@ class TrainBatch:
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
 
-    def rows(self, start: int, stop: int, length: int | None = None) -> "TrainBatch":
+    def rows(self, start: int, stop: int, length: int | None = None) -> TrainBatch:
         """Rows ``start:stop``, trimmed to the longest of them (micro-batches stay small);
         ``length``: that longest length when the caller knows it (no read of the mask then)."""
         if length is None:
@@ -101,3 +101,10 @@ def _loss_mask(s: Sample) -> torch.Tensor:
         raise ValueError(f"sample {s.prompt_id}:{s.sample_index}: loss_mask has {len(s.loss_mask)} entries "
                          f"for {len(s.response_ids)} response tokens")
     return torch.tensor(s.loss_mask, dtype=torch.float32)
+
+
+def response_starts(mask: torch.Tensor) -> torch.Tensor:
+    """Each row's first column of ``mask`` (``[N, L-1]``) that counts, as ``[N]`` longs; the
+    width for a row with none. Columns before it carry no loss: logprobs start there."""
+    columns = torch.arange(mask.shape[1], device=mask.device)
+    return torch.where(mask > 0, columns, mask.shape[1]).amin(dim=1)

@@ -33,7 +33,7 @@ from flash.models import enable_activation_checkpointing
 from flash.train.batch import TrainBatch
 from flash.train.microbatch import Plan
 from flash.train.trainer import (Trainer, TrainerSettings, needs_local_reference, part_weight,
-                                 row_index, row_lengths_and_weight, token_logprobs)
+                                 row_index, row_spans_and_weight, token_logprobs)
 
 COLLECTIVE_TIMEOUT_S = 600  # a dead peer fails the step after this, instead of hanging forever
 
@@ -141,10 +141,12 @@ class ShardedTrainer(Trainer):
         """``[N, L-1]`` logprobs on this rank's rows, zeros elsewhere (ranks' outputs add up)."""
         model = model or self.model
         out = torch.zeros_like(batch.mask)
-        lengths = batch.attention_mask.sum(dim=1).tolist()  # one host read, not one per micro-batch
+        spans = row_spans_and_weight(self.s.agg, batch)[0]  # one host read, not one per micro-batch
         for mb in plan:
-            part = take_rows(batch, mb or self._pad_row(plan), lengths)
-            logp, _ = token_logprobs(model, part, self.s.temperature)
+            idx = mb or self._pad_row(plan)
+            part = take_rows(batch, idx, spans.lengths)
+            logp, _ = token_logprobs(model, part, self.s.temperature, start=spans.of(idx)[1],
+                                     span_head=self.span_head)
             if mb is not None:  # a padding pass only keeps the collectives in step
                 out[row_index(mb, out.device), : logp.shape[1]] = logp * part.mask
         return out
@@ -164,15 +166,15 @@ class ShardedTrainer(Trainer):
         if ref is None and self.ref_model is not None:
             ref = self.planned_logprobs(batch, plan, self.ref_model)
         real = [i for mb in plan if mb for i in mb]
-        lengths, weight = row_lengths_and_weight(self.s.agg, batch, real)  # the call's one host read
+        spans, weight = row_spans_and_weight(self.s.agg, batch, real)  # the call's one host read
         for mb in plan:
             idx = mb or self._pad_row(plan)
-            part = take_rows(batch, idx, lengths)
+            part = take_rows(batch, idx, spans.lengths)
             width = part.mask.shape[1]
             # a padding pass: prox given, so it adds nothing to the mismatch metrics either
             prox = _cut(prox_logp, idx, width) if mb is not None else part.behav_logp
             self._backward_part(part, _cut(advantages, idx, width), prox, _cut(ref, idx, width),
-                                part_weight(self.s.agg, part) if mb is not None else 0.0)
+                                part_weight(self.s.agg, part) if mb is not None else 0.0, spans.of(idx)[1])
         self._busy += time.monotonic() - start
         return weight
 

@@ -46,7 +46,7 @@ class Reference:
         """``[N, L-1]`` reference logprobs of the batch's target tokens (0 off the response mask)."""
         start = time.monotonic()
         out = batch_logprobs(self.model, batch_to(batch, self.device), self.temperature, self.micro_batch_size,
-                             self.autocast).cpu()
+                             dtype=self.autocast, span_head=self.autocast is not None).cpu()
         self.busy_s += time.monotonic() - start
         self.calls += 1
         return out

@@ -25,14 +25,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 import algos
 import algos.metrics
 from algos.proximal import approx_prox_logp
-from flash.devices import autocast, autocast_dtype, model_device, release_cached_memory
+from flash.devices import autocast_dtype, model_device, release_cached_memory
 from flash.train.attention import causal_attention
-from flash.train.batch import TrainBatch, batch_to, to_device
+from flash.train.batch import TrainBatch, batch_to, response_starts, to_device
+from flash.train.logprobs import token_logprobs
 from flash.train.updates import fresh_mismatch, lr_at, train_batch
 
 
@@ -58,43 +58,31 @@ class TrainerSettings:
     # trainer) | role (its own placed actor; the caller passes ref_logp)
     reference: str = "local"
     dtype: str = "float32"  # model.dtype: the forward's compute precision (flash.devices)
+    # log the policy's entropy on every k-th batch (0: never); a loss term that needs it
+    # (entropy_coef) has it on every step
+    entropy_every_steps: int = 1
 
     @property
     def updates_per_batch(self) -> int:
         return self.mini_batches * self.update_epochs
 
 
-def token_logprobs(model, batch: TrainBatch, temperature: float, with_entropy: bool = False,
-                   entropy_grad: bool = True, dtype: torch.dtype | None = None):
-    """Per-target-column logprob ``[N, L-1]`` (and entropy when asked) under ``model``, in float32
-    whatever the forward's precision (``dtype``: autocast to it; None: none); with
-    ``entropy_grad=False`` the entropy is a metric only, computed outside the autograd graph."""
-    with autocast(batch.input_ids.device, dtype):
-        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits
-    logits = logits[:, :-1].float() / temperature
-    logp_all = F.log_softmax(logits, dim=-1)
-    logp = logp_all.gather(-1, batch.input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
-    if not with_entropy:
-        return logp, None
-    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-        entropy = -(logp_all.exp() * logp_all).sum(-1)
-    return logp, entropy
-
-
 @torch.no_grad()
 def batch_logprobs(model, batch: TrainBatch, temperature: float, micro_batch_size: int,
-                   lengths: list[int] | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+                   spans: RowSpans | None = None, dtype: torch.dtype | None = None,
+                   span_head: bool = False) -> torch.Tensor:
     """``[N, L-1]`` logprobs of the batch's target tokens under ``model``, no gradient, in
-    micro-batches of ``micro_batch_size`` rows (forward under autocast to ``dtype`` unless None);
-    0 off the response mask. ``lengths``: the rows' lengths when the caller has read them (else
-    one host read here, not one per micro-batch)."""
+    micro-batches of ``micro_batch_size`` rows (forward under autocast to ``dtype`` unless None;
+    ``span_head``: see ``token_logprobs``); 0 off the response mask. ``spans``: the rows' spans
+    when the caller has read them (else one host read here, not one per micro-batch)."""
     out = torch.zeros_like(batch.mask)
-    if lengths is None:
-        lengths = batch.attention_mask.sum(dim=1).tolist()
+    if spans is None:
+        spans = row_spans_and_weight("seq-mean-token-mean", batch)[0]
     for lo in range(0, len(batch), micro_batch_size):
         hi = min(lo + micro_batch_size, len(batch))
-        part = batch.rows(lo, hi, max(lengths[lo:hi]))
-        logp, _ = token_logprobs(model, part, temperature, dtype=dtype)
+        length, start = spans.of(range(lo, hi))
+        part = batch.rows(lo, hi, length)
+        logp, _ = token_logprobs(model, part, temperature, dtype=dtype, start=start, span_head=span_head)
         out[lo : lo + len(part), : logp.shape[1]] = logp * part.mask
     return out
 
@@ -106,14 +94,29 @@ def part_weight(agg: str, part: TrainBatch) -> torch.Tensor | float:
     return part.mask.sum() if agg == "token-mean" else float(len(part))
 
 
-def row_lengths_and_weight(agg: str, batch: TrainBatch, rows: list[int] | None = None) -> tuple[list[int], float]:
-    """Each row's length and the ``part_weight`` of ``rows`` (default: every row), read on the
-    host together: one read, however many micro-batches are cut with these lengths (their own
-    weights stay on the device)."""
+@dataclass(frozen=True)
+class RowSpans:
+    """Each row's length and first loss-mask column (``response_starts``), as read on the host."""
+
+    lengths: list[int]
+    starts: list[int]
+
+    def of(self, rows) -> tuple[int, int]:
+        """(the longest length, the earliest start) over ``rows``: a micro-batch's width and the
+        first column its logprobs are computed from."""
+        return max(self.lengths[i] for i in rows), min(self.starts[i] for i in rows)
+
+
+def row_spans_and_weight(agg: str, batch: TrainBatch, rows: list[int] | None = None) -> tuple[RowSpans, float]:
+    """Each row's span (``RowSpans``) and the ``part_weight`` of ``rows`` (default: every row),
+    read on the host together: one read, however many micro-batches are cut with these spans
+    (their own weights stay on the device)."""
     mask = batch.mask if rows is None else batch.mask.index_select(0, row_index(rows, batch.mask.device))
-    counts = torch.cat([batch.attention_mask.sum(dim=1).double(), mask.sum().double().reshape(1)]).tolist()
-    n_rows = len(batch) if rows is None else len(rows)
-    return [int(n) for n in counts[:-1]], counts[-1] if agg == "token-mean" else float(n_rows)
+    counts = torch.cat([batch.attention_mask.sum(dim=1).double(), response_starts(batch.mask).double(),
+                        mask.sum().double().reshape(1)]).tolist()
+    n, n_rows = len(batch), len(batch) if rows is None else len(rows)
+    spans = RowSpans([int(c) for c in counts[:n]], [int(c) for c in counts[n:2 * n]])
+    return spans, counts[-1] if agg == "token-mean" else float(n_rows)
 
 
 def row_index(idx: list[int], device: torch.device) -> torch.Tensor:
@@ -140,6 +143,7 @@ class Trainer:
         self.s = settings
         self.device = model_device(model)  # batches move here; results come back to the CPU
         self.autocast = autocast_dtype(settings.dtype)  # None: float32, no autocast context
+        self.span_head = self.autocast is not None  # the response span's logits only (token_logprobs)
         self.knobs = {k: v for k, v in settings.loss.items() if k != "name"}
         self.loss_name = settings.loss["name"]
         if settings.agg == "seq-mean-token-sum-norm" and settings.max_len and "max_len" not in self.knobs:
@@ -163,11 +167,11 @@ class Trainer:
         """The frozen KL reference: a copy of the initial weights (a sharded trainer overrides it)."""
         return copy.deepcopy(model).eval()
 
-    def logprobs(self, batch: TrainBatch, model=None, lengths: list[int] | None = None) -> torch.Tensor:
+    def logprobs(self, batch: TrainBatch, model=None, spans: RowSpans | None = None) -> torch.Tensor:
         """Proximal logprobs: the current weights, no gradient, micro-batched; on the batch's device."""
         start = time.monotonic()
         out = batch_logprobs(model or self.model, batch_to(batch, self.device), self.s.temperature,
-                             self.s.micro_batch_size, lengths, self.autocast).to(batch.mask.device)
+                             self.s.micro_batch_size, spans, self.autocast, self.span_head).to(batch.mask.device)
         self.busy_s += time.monotonic() - start
         return out
 
@@ -216,35 +220,36 @@ class Trainer:
         gradient is divided by the step's total weight in ``finish_step``. So the step does not
         need to know the batch's size in advance, and any split of the batch into parts, in any
         order, gives the full-batch update (up to float summation order). The weights, loss and
-        metrics stay on the device: the call reads the host once (the rows' lengths and weight).
+        metrics stay on the device: the call reads the host once (the rows' spans and weight).
         """
         start = time.monotonic()
         # the call's one host read, where the batch arrives (on the CPU in a run: no device sync)
-        lengths, weight = row_lengths_and_weight(self.s.agg, batch)
+        spans, weight = row_spans_and_weight(self.s.agg, batch)
         batch, advantages, prox_logp, ref_logp = self._to_device(batch, advantages, prox_logp, ref_logp)
-        ref = self._reference_logprobs(batch, ref_logp, lengths)
+        ref = self._reference_logprobs(batch, ref_logp, spans)
         for lo in range(0, len(batch), self.s.micro_batch_size):
             hi = min(lo + self.s.micro_batch_size, len(batch))
-            part = batch.rows(lo, hi, max(lengths[lo:hi]))
+            length, first = spans.of(range(lo, hi))
+            part = batch.rows(lo, hi, length)
             width = part.mask.shape[1]
             prox = None if prox_logp is None else prox_logp[lo:hi, :width]
             self._backward_part(part, advantages[lo:hi, :width], prox,
-                                None if ref is None else ref[lo:hi, :width], part_weight(self.s.agg, part))
+                                None if ref is None else ref[lo:hi, :width], part_weight(self.s.agg, part), first)
         self._busy += time.monotonic() - start
         return weight
 
     def _reference_logprobs(self, batch: TrainBatch, given: torch.Tensor | None,
-                            lengths: list[int]) -> torch.Tensor | None:
+                            spans: RowSpans) -> torch.Tensor | None:
         """The KL reference's logprobs: the reference role's (``given``) or the local copy's."""
         if given is not None:
             return given
-        return self.logprobs(batch, self.ref_model, lengths) if self.ref_model is not None else None
+        return self.logprobs(batch, self.ref_model, spans) if self.ref_model is not None else None
 
-    def _backward_part(self, part: TrainBatch, adv, prox, ref, weight):
+    def _backward_part(self, part: TrainBatch, adv, prox, ref, weight, start: int = 0):
         """Backward one micro-batch's loss at ``weight`` (a tensor, or a number: 0 for a padding
         pass) into the open step and add its tagged metrics to the step's, on the device;
-        returns ``weight``."""
-        loss, metrics = self._micro_loss(part, adv, prox, ref)
+        returns ``weight``. ``start``: the part's first response column (``RowSpans.of``)."""
+        loss, metrics = self._micro_loss(part, adv, prox, ref, start)
         (loss * weight).backward()
         self._metrics.add(metrics, weight)
         return weight
@@ -282,9 +287,15 @@ class Trainer:
                 p.grad.div_(total)
         return torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.s.grad_clip)
 
-    def _micro_loss(self, part: TrainBatch, adv, prox, ref):
-        logp, entropy = token_logprobs(self.model, part, self.s.temperature, True, self.needs_entropy,
-                                       self.autocast)
+    def logs_entropy(self) -> bool:
+        """Whether this batch's steps compute the entropy: a loss term needs it, or the logging
+        interval (``entropy_every_steps``) falls on this batch."""
+        every = self.s.entropy_every_steps
+        return self.needs_entropy or (every > 0 and self.steps % every == 0)
+
+    def _micro_loss(self, part: TrainBatch, adv, prox, ref, start: int = 0):
+        logp, entropy = token_logprobs(self.model, part, self.s.temperature, self.logs_entropy(), self.needs_entropy,
+                                       self.autocast, start, self.span_head)
         mismatch = {}
         if prox is None and self.s.prox == "approx":
             prox = approx_prox_logp(part.behav_logp, logp.detach(), part.versions, self.steps) * part.mask

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from flash.weights.model_update import ModelUpdateError, TensorMeta, bucket_starts, pack_flat, unpack_flat
+from flash.weights.model_update import DTYPES, ModelUpdateError, TensorMeta, bucket_starts, pack_flat, unpack_flat
 
 # Position of ``storage_device`` in the arguments ``reduce_tensor`` returns for
 # ``rebuild_cuda_tensor(tensor_cls, size, stride, offset, storage_cls, dtype, storage_device, ...)``.
@@ -76,6 +76,42 @@ def open_handle(args: tuple, device: torch.device) -> torch.Tensor:
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
     return rebuild_cuda_tensor(*on_device(args, device.index if device.index is not None else 0))
+
+
+# The classes a CUDA IPC handle names (``reduce_tensor``'s tensor and storage classes), by name:
+# a handle that crosses a msgpack channel (vLLM's ``collective_rpc``) carries names, never code.
+_HANDLE_CLASSES = {f"{c.__module__}.{c.__qualname__}": c for c in (
+    torch.Tensor, torch.nn.Parameter, torch.UntypedStorage, torch.storage.TypedStorage)}
+
+
+def handle_to_wire(handle: Mapping[str, Any]) -> dict[str, Any]:
+    """``IpcSender.write``'s handle as plain values (classes and dtypes by name, sizes as lists)."""
+    def plain(a):
+        if isinstance(a, type):
+            return ["class", f"{a.__module__}.{a.__qualname__}"]
+        if isinstance(a, torch.dtype):
+            return ["dtype", str(a).removeprefix("torch.")]
+        return list(a) if isinstance(a, tuple) else a
+
+    return {**handle, "args": [plain(a) for a in handle["args"]]}
+
+
+def handle_from_wire(handle: Mapping[str, Any]) -> dict[str, Any]:
+    """``handle_to_wire``'s inverse; a class or dtype outside the known few is refused."""
+    def back(a):
+        if isinstance(a, list) and len(a) == 2 and a[0] == "class":
+            if a[1] not in _HANDLE_CLASSES:
+                raise ModelUpdateError(f"a CUDA IPC handle names an unknown class {a[1]!r}")
+            return _HANDLE_CLASSES[a[1]]
+        if isinstance(a, list) and len(a) == 2 and a[0] == "dtype":
+            return DTYPES[a[1]] if a[1] in DTYPES else _refuse(a[1])
+        return tuple(a) if isinstance(a, list) else a
+
+    return {**handle, "args": tuple(back(a) for a in handle["args"])}
+
+
+def _refuse(dtype: str):
+    raise ModelUpdateError(f"a CUDA IPC handle names an unknown dtype {dtype!r}")
 
 
 class IpcSender:

@@ -205,7 +205,7 @@ class UpdateReceiver:
 
     def mu_dtypes(self) -> dict[str, str]:
         """``{name: dtype}`` of this engine's live tensors (none known: empty), for a push that
-        casts at the sender (``cuda_ipc``)."""
+        casts at the sender (every backend but ``object_store``)."""
         targets = self._mu_targets()
         return {} if targets is None else {name: dtype_name(t.dtype) for name, t in targets.items()}
 
@@ -278,7 +278,7 @@ class ModelUpdateGroup:
         self.bucket_bytes = int(bucket_mb * 2**20)
         self.host, self.timeout_s = host, timeout_s
         self.version = 0
-        self.cast: dict[str, str] = {}  # cuda_ipc: the replicas' dtypes, cast to in the trainer's pack
+        self.cast: dict[str, str] = {}  # the replicas' dtypes, cast to by the trainer before sending
         self.broken: str | None = None
         self.counters = {"pushes": 0, "failures": 0}
         self.group = f"flash-mu-{uuid.uuid4().hex[:8]}"  # the members' key for this group (and store prefix)
@@ -289,8 +289,7 @@ class ModelUpdateGroup:
         self.backend = choose_backend(self.requested, where)
         if self.backend == "object_store":
             return self.backend
-        self.cast = (agreed_dtypes(self._get([e.mu_dtypes.remote() for e in self.engines], "dtypes"))
-                     if self.backend == "cuda_ipc" else {})
+        self.cast = agreed_dtypes(self._get([e.mu_dtypes.remote() for e in self.engines], "dtypes"))
         world, g = len(self.engines) + 1, self.group
         port = self._get([self.trainer.mu_open.remote(g, self.backend, self.host, self.timeout_s)], "rendezvous",
                          ["trainer"])[0]

@@ -6,9 +6,11 @@ extra full copies per replica and a peak of 2x the model in each engine. Here th
 and every replica (ranks 1..N) form their own torch.distributed process group and the weights go as
 a few large broadcasts straight into the replicas' live parameters:
 
-1. **plan** (trainer): the full state dict, tied weights counted once (``unique_tensors``), cut into
-   buckets of ``bucket_mb`` (``plan_buckets``, pure). The plan travels as plain lists
-   (``TensorMeta.to_wire``): names, shapes, dtypes, byte offsets. No tensor is pickled.
+1. **plan** (trainer): the full state dict, tied weights counted once (``unique_tensors``), each
+   tensor in the dtype the replicas hold it in (``agreed_dtypes`` of their ``mu_dtypes``: the
+   trainer casts, so a bf16 engine receives bf16 bytes), cut into buckets of ``bucket_mb``
+   (``plan_buckets``, pure). The plan travels as plain lists (``TensorMeta.to_wire``): names,
+   shapes, dtypes, byte offsets. No tensor is pickled.
 2. **check** (every replica, before any collective): every name exists with the same shape and
    every replica parameter is covered. A replica that would fail mid-broadcast would leave the
    others blocked inside a collective (the "weight sync hangs" users of peers report); failing
@@ -328,18 +330,18 @@ class _Buffers:
 
 
 def send(pg, state: Mapping[str, torch.Tensor], metas: list[TensorMeta], buffers: _Buffers) -> int:
-    """Rank 0: broadcast every bucket of ``metas`` from ``state``; returns the bytes sent.
+    """Rank 0: broadcast every bucket of ``metas`` from ``state``, each tensor in its planned dtype
+    (the replicas', when the plan casts); returns the bytes sent.
 
     Packing bucket k overlaps the broadcast of bucket k-1 (at most one broadcast in flight, each
     buffer reused only after its broadcast has completed).
     """
     pending, sent = None, 0
     for k, group in enumerate(by_bucket(metas)):
-        tensors = [state[m.names[0]].detach() for m in group]
-        if len(group) == 1 and tensors[0].is_contiguous() and tensors[0].device == buffers.device:
-            buf = as_bytes(tensors[0])  # one tensor: send its own storage
+        tensors = [state[m.names[0]].detach().to(buffers.device, DTYPES[m.dtype]) for m in group]
+        if len(group) == 1:
+            buf = as_bytes(tensors[0].contiguous())  # one tensor: its own storage (or its cast copy)
         else:
-            tensors = [t.to(buffers.device) for t in tensors]
             buf = pack(tensors, group, buffers.get(k % 2, group[-1].offset + group[-1].nbytes))
         if buffers.device.type == "cuda":
             torch.cuda.current_stream().synchronize()

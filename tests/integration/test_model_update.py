@@ -434,8 +434,8 @@ def test_failure_inside_the_broadcast_breaks_the_group_by_name(roles):
 
 @pytest.mark.slow
 def test_vllm_replica_loads_the_pushed_weights(tmp_path):
-    """vLLM's worker is a child process outside the group: the actor receives over gloo and hands
-    the weights on as one blob (its existing path). Greedy outputs become those of the trainer."""
+    """vLLM's worker joins the group and receives over gloo itself (the engine actor forwards the
+    group's calls to it). Greedy outputs become those of the trainer."""
     import importlib.util
 
     if importlib.util.find_spec("vllm") is None:

