@@ -157,3 +157,15 @@ def test_the_gateway_serves_completions_prompts_as_text_or_raw_when_allowed(raw)
     sent = policy.log[0][1]
     assert sent == (tok.encode(prompt, add_special_tokens=False) if raw else text_ids(tok, prompt))
     assert len(controls(tok) & set(sent)) == (3 if raw else 0)
+
+
+def test_the_gateway_refuses_a_prompt_its_tokenizer_makes_special_by_name():
+    tok = word_tokenizer()
+    with Gateway(tok, Scripted(tok, ["hi"]), max_tokens_cap=8) as gw:
+        key = gw.open_session()
+        r = httpx.post(f"{gw.url}/completions", json={"model": "p", "prompt": f"hi {LOOK_ALIKE}"},
+                       headers={"Authorization": f"Bearer {key}"}, timeout=30)
+        gw.close_session(key)
+        refused = gw.metrics()
+    assert (r.status_code, r.json()["error"]["code"]) == (400, "special_token")
+    assert refused["refused/special_token"] == 1
