@@ -14,7 +14,7 @@ from tokenizers import AddedToken, Tokenizer, models, normalizers, pre_tokenizer
 from transformers import PreTrainedTokenizerFast
 
 from controllers.episode_runtime import episode_codec
-from flash.app.data import build_source
+from flash.app.data import build_source, check_prompt_format
 from flash.app.schema import AgentConfig
 from flash.chat_encoding import SpecialTokenInText, chat_template_ids, special_tokens, text_ids
 from flash.data.rows import RowSpec, row_item
@@ -131,6 +131,9 @@ def test_text_a_vocabulary_still_makes_special_is_refused_by_name():
     guard = InputGuard(max_prompt_tokens=100, warn=lambda _: None)
     index, item, ids = guard.take(0, lambda i: TaskItem(i, prompts[i], ""), lambda p: encode_prompt(tok, p))
     assert (index, ids, guard.metrics()) == (1, [2, 3], {"data/skipped_special_token": 1.0})
+    cfg = SimpleNamespace(data=SimpleNamespace(train=["rows.jsonl"], template="{q}"))
+    task = SimpleNamespace(rows_per_epoch=2, item=lambda i: TaskItem(i, prompts[i], ""))
+    check_prompt_format(cfg, task, tok)  # a forging first row is the guard's to skip, not the run's end
 
 
 def test_completions_prompts_are_text_unless_raw_prompts_are_allowed():
