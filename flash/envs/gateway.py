@@ -48,6 +48,7 @@ from typing import Any
 
 from aiohttp import web
 
+from flash.chat_encoding import SpecialTokenInText
 from flash.engine.base import GenerationOutput, SamplingParams
 from flash.envs.chat_messages import (
     TOOL_PARSERS,
@@ -104,8 +105,7 @@ def _bad(message: str, reason: str = "bad_request") -> Refused:
 
 def _show(x: Any) -> str:
     """A value quoted back in a one-line error, cut short (it came from the request)."""
-    text = repr(x)
-    return text if len(text) <= 40 else text[:37] + "..."
+    return text if len(text := repr(x)) <= 40 else text[:37] + "..."
 
 
 def _no_constants(name: str) -> float:
@@ -179,10 +179,8 @@ def check_output(out: GenerationOutput, prompt_ids: list[int]) -> None:
 
 
 def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
     try:
-        return ipaddress.ip_address(host).is_loopback
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
 
@@ -476,7 +474,8 @@ class Gateway:
             except Exception as exc:  # noqa: BLE001 - jinja and tokenizer errors are bad input
                 first = str(exc).splitlines()[0] if str(exc) else ""
                 raise _bad(f"the tokenizer or chat template could not process the request: "
-                           f"{type(exc).__name__}: {first}"[:300], getattr(exc, "reason", "template")) from None
+                           f"{type(exc).__name__}: {first}"[:300],
+                           "special_token" if isinstance(exc, SpecialTokenInText) else "template") from None
 
     def _reply_text(self, ids: list[int]) -> str:
         """The reply as text: the trailing stop token dropped, special tokens skipped."""
