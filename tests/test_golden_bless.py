@@ -13,7 +13,7 @@ BENCH = "# Benchmarks\n\n## Current\n\n| a | b |\n|---|---|\n| 1 | 2 |\n\n## His
 
 
 def record(recipe: str, loss: float = 0.5) -> dict:
-    return {"recipe": recipe, "overrides": golden.overrides(recipe), "tokens": [[1, 2, 3], [4]],
+    return {"recipe": recipe, "overrides": golden.overrides(recipe), "tokens": [[1, 2, 3], [4]], "step0_response_tokens": 4,
             "steps": [{"step": 1, "loss": loss, "grad_norm": 1.0, "reward_mean": 0.25}]}
 
 

@@ -3,7 +3,8 @@
 Each recipe runs shrunk (``shape``: three synchronous steps, a few prompts and samples, a short
 warm start, every role on one torch thread) from its seed; ``measure`` reads back what the run
 wrote -- per step the loss, the gradient norm and the mean reward (``metrics.jsonl``), and the
-first token ids of the first responses of step 0 (``schedule.jsonl``, groups in data order) --
+first token ids of the first responses of step 0 with the count of every response token that step
+sampled (``schedule.jsonl``, groups in data order) --
 and ``differences`` compares that with ``tests/golden/RECIPE.json``: numbers within a tight
 tolerance (another CPU's BLAS may reduce in another order), token ids exactly.
 
@@ -21,7 +22,7 @@ GOLDEN_DIR = Path(__file__).resolve().parent
 ROOT = GOLDEN_DIR.parents[1]
 STEPS = 3
 QUANTITIES = {"loss": "train/loss", "grad_norm": "train/grad_norm", "reward_mean": "reward/mean"}
-RESPONSES, TOKENS = 2, 8  # token ids pinned: the first TOKENS of the first RESPONSES of step 0
+RESPONSES, TOKENS = 2, 24  # token ids pinned: the first TOKENS of the first RESPONSES of step 0
 REL, ABS = 1e-5, 1e-7
 
 # Every recipe: synchronous, three steps, one torch thread per role and for the warm start (the
@@ -45,8 +46,9 @@ SHAPES: dict[str, list[str]] = {
              "reward.fn.adaptive=false"],
     "corridor": ["sft.steps=40", "task.env_workers=1"],
     "frozenlake": ["sft.steps=40", "task.env_workers=1"],
-    "calculator": ["sft.steps=40", "agent.processes=0"],
-    "verifiers_tool": ["sft.steps=40"],
+    "calculator": ["sft.steps=40", "agent.processes=0", "task.min_operand=1", "task.max_operand=2", "task.ops=+",
+                   "task.skip_prob=0.9"],
+    "verifiers_tool": ["sft.steps=40", "task.args.skip_prob=0.9", "train.prompts_per_step=4", "rollout.n=16"],
 }
 
 # Shipped recipes with no golden values, and why.
@@ -86,7 +88,9 @@ def measure(recipe: str, run_dir: Path) -> dict:
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [{"step": m["step"], **{q: float(m[key]) for q, key in QUANTITIES.items()}} for m in lines]
     first = json.loads((run_dir / "schedule.jsonl").read_text().splitlines()[0])
-    return {"recipe": recipe, "overrides": overrides(recipe), "steps": steps, "tokens": first_tokens(first)}
+    sampled = sum(len(s["response_ids"]) for g in first["groups"] for s in g["samples"])
+    return {"recipe": recipe, "overrides": overrides(recipe), "steps": steps, "tokens": first_tokens(first),
+            "step0_response_tokens": sampled}
 
 
 def first_tokens(schedule_line: dict) -> list[list[int]]:
@@ -128,6 +132,9 @@ def differences(golden: dict, measured: dict) -> list[Moved]:
         moved += [Moved(recipe, old["step"], q, old[q], new[q]) for q in QUANTITIES if not _close(old[q], new[q])]
     if golden["tokens"] != measured["tokens"]:
         moved.append(Moved(recipe, 0, "first token ids", golden["tokens"], measured["tokens"]))
+    if golden["step0_response_tokens"] != measured["step0_response_tokens"]:
+        moved.append(Moved(recipe, 0, "response tokens sampled", golden["step0_response_tokens"],
+                           measured["step0_response_tokens"]))
     return moved
 
 
@@ -145,8 +152,17 @@ def failure_message(moved: list[Moved]) -> str:
 def write_golden(record: dict, directory: Path = GOLDEN_DIR) -> Path:
     """Write a measured record as the recipe's golden file."""
     path = directory / f"{record['recipe']}.json"
-    path.write_text(json.dumps(record, indent=1) + "\n")
+    path.write_text(golden_text(record))
     return path
+
+
+def golden_text(record: dict) -> str:
+    """The record as JSON with one line per key, and per step (short diffs when a value moves)."""
+    def value(v) -> str:
+        if isinstance(v, list) and v and isinstance(v[0], dict):
+            return "[\n" + ",\n".join(f"  {json.dumps(x)}" for x in v) + "\n ]"
+        return json.dumps(v)
+    return "{\n" + ",\n".join(f" {json.dumps(k)}: {value(v)}" for k, v in record.items()) + "\n}\n"
 
 
 def read_golden(recipe: str, directory: Path = GOLDEN_DIR) -> dict:
