@@ -93,3 +93,10 @@ def test_learning_figures_come_from_the_runs_summaries():
     assert bless.summary_accuracies({"eval_accuracy_initial": 0.25, "eval_accuracy_final": 0.5, "x": 1}) == (0.25, 0.5)
     result = bless.LearningResult(bless.Learning("t.py::x", 0.1), True, [])
     assert bless.benchmarks_rows("c", "d", "r", [result]) == ["| c | d | r | `t.py::x` | no summary found | +0.10 |"]
+
+
+def test_every_learning_node_names_a_test_function_of_its_file():
+    for learnings in bless.LEARNING.values():
+        for learning in learnings:
+            path, name = learning.node.split("::")
+            assert f"def {name.split('[')[0]}(" in (golden.ROOT / path).read_text(), learning.node
