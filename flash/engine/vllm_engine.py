@@ -60,12 +60,12 @@ import os
 import threading
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 
 import torch
 
-from flash.devices import actor_device, colocated_engine_fraction
+from flash.devices import actor_device
 from flash.engine.base import INTERRUPT_MODES, GenerationOutput, GenerationRequest, check_request, error_output
+from flash.engine.vllm_parts import FINISH, Req, memory_args, numel, sleep_mode_available
 from flash.engine.vllm_weights import check_push, checkpoint_shapes, layer_buckets, weights_blob, wire_sent
 from flash.weights.group import UpdateReceiver
 from flash.usage import process_tree_cpu_s
@@ -74,33 +74,6 @@ from flash.usage import process_tree_cpu_s
 # environment wins.
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_WAIT_POLICY": "PASSIVE",
             "VLLM_LOGGING_LEVEL": "ERROR", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
-_FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
-
-
-@dataclass(eq=False)
-class _Req:
-    """A request in this engine: its response so far and its place in vLLM (if running)."""
-
-    req: GenerationRequest
-    seed: int
-    arrival: int
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    segment: int = 0  # how many times it was started in vLLM (each continue starts a new one)
-    vllm_id: str = ""
-    task: asyncio.Task | None = None
-    interrupted: bool = False  # we aborted it in vLLM (pause or abort), not vLLM on its own
-
-    def reset(self) -> None:
-        self.tokens, self.logprobs, self.versions, self.segment = [], [], [], 0
-
-    def output(self, reason: str, error: str | None = None) -> GenerationOutput:
-        r = self.req
-        return GenerationOutput(r.request_id, list(r.prompt_ids), list(self.tokens), list(self.logprobs),
-                                list(self.versions), reason, error)
-
-
 class VLLMEngineWorker(UpdateReceiver):
     """The engine actor over ``AsyncLLM``; see the module docstring for the design."""
 
@@ -121,8 +94,8 @@ class VLLMEngineWorker(UpdateReceiver):
             self._tied = set()
         self.seed, self._version = seed, 0
         self._dtype, self._rpc_bucket_bytes = dtype, int(rpc_bucket_mb * 2**20)
-        self._reqs: dict[str, _Req] = {}  # in vLLM now
-        self._held: list[_Req] = []  # waiting for resume (interrupted first, then new ones)
+        self._reqs: dict[str, Req] = {}  # in vLLM now
+        self._held: list[Req] = []  # waiting for resume (interrupted first, then new ones)
         self._paused: str | None = None
         self._asleep: dict | None = None
         self._kv_asleep = False  # woken with its weights only: the KV cache comes back at resume
@@ -140,8 +113,8 @@ class VLLMEngineWorker(UpdateReceiver):
                     skip_tokenizer_init=True, enforce_eager=True, generation_config="vllm",
                     enable_chunked_prefill=False, max_num_batched_tokens=max(2048, self.max_context),
                     disable_log_stats=True, worker_extension_cls="flash.engine.vllm_weights.WeightSync",
-                    enable_sleep_mode=sleep_mode and _sleep_mode_available(),
-                    **memory_args(sum(_numel(shape) for shape in self._shapes.values()), trainer_bytes_per_param))
+                    enable_sleep_mode=sleep_mode and sleep_mode_available(),
+                    **memory_args(sum(numel(shape) for shape in self._shapes.values()), trainer_bytes_per_param))
         self._drained = asyncio.Condition()  # notified whenever a request leaves vLLM
         self._llm = self._call(self._start(args))
 
@@ -192,7 +165,7 @@ class VLLMEngineWorker(UpdateReceiver):
                 continue
             self._arrivals += 1
             seed = req.params.seed if req.params.seed is not None else derive_seed(self.seed, req.request_id)
-            r = _Req(req, seed, self._arrivals)
+            r = Req(req, seed, self._arrivals)
             if self._paused:
                 self._held.append(r)
             else:
@@ -200,7 +173,7 @@ class VLLMEngineWorker(UpdateReceiver):
         if refused:
             self._finish(refused)
 
-    def _launch(self, r: _Req) -> None:
+    def _launch(self, r: Req) -> None:
         """Start (or continue) ``r`` in vLLM: prompt + response so far, the remaining budget."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
@@ -221,7 +194,7 @@ class VLLMEngineWorker(UpdateReceiver):
         self._set_busy()
         r.task = asyncio.ensure_future(self._stream(r, {"prompt_token_ids": r.req.prompt_ids + r.tokens}, params))
 
-    async def _stream(self, r: _Req, prompt: dict, params) -> str:
+    async def _stream(self, r: Req, prompt: dict, params) -> str:
         """Collect ``r``'s tokens as vLLM streams them; returns the finish reason."""
         reason, error = "error", None
         try:
@@ -232,7 +205,7 @@ class VLLMEngineWorker(UpdateReceiver):
                 r.versions += [self._version] * len(c.token_ids)
                 self.tokens_generated += len(c.token_ids)
                 if out.finished:
-                    reason = _FINISH.get(c.finish_reason, "error")
+                    reason = FINISH.get(c.finish_reason, "error")
                     error = None if reason != "error" else f"vLLM finished it with {c.finish_reason!r}"
         except Exception as exc:  # noqa: BLE001 - a refused request must not stop the others
             error = f"request {r.req.request_id!r}: vLLM refused or failed it: {exc!r}"
@@ -247,7 +220,7 @@ class VLLMEngineWorker(UpdateReceiver):
             self._drained.notify_all()
         return reason
 
-    async def _interrupt(self, reqs: list[_Req]) -> list[_Req]:
+    async def _interrupt(self, reqs: list[Req]) -> list[Req]:
         """Abort ``reqs`` in vLLM and wait for their streams; returns those that did not finish."""
         if not reqs:
             return []
@@ -509,26 +482,3 @@ class VLLMEngineWorker(UpdateReceiver):
             self._thread.join(timeout=30)
             with self._cv:
                 self._cv.notify_all()
-
-
-def memory_args(n_params: int, trainer_bytes_per_param: float | None) -> dict:
-    """vLLM's ``gpu_memory_utilization`` for an engine colocated with a trainer that keeps
-    ``trainer_bytes_per_param`` bytes per model parameter on this GPU (None: not colocated, vLLM's
-    default): what the trainer leaves of the card (``flash.devices.colocated_engine_fraction``)."""
-    if trainer_bytes_per_param is None or not torch.cuda.is_available():
-        return {}
-    total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory  # no CUDA context here
-    return {"gpu_memory_utilization": colocated_engine_fraction(total, n_params * trainer_bytes_per_param)}
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
-
-
-def _sleep_mode_available() -> bool:
-    from vllm.platforms import current_platform
-
-    return current_platform.is_sleep_mode_available()
