@@ -1,5 +1,6 @@
 """The unit tier's budget (tests/helpers/tiers.py): a test over it is named, imports are not charged."""
 
+import importlib
 import sys
 import time
 
@@ -18,11 +19,11 @@ def test_a_first_import_is_charged_to_the_import_clock_and_a_cached_one_is_not(t
         "import time\nend = time.process_time() + 0.2\nwhile time.process_time() < end:\n    pass\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     with import_clock() as first:
-        import flash_tier_probe_mod  # noqa: F401  (0.2 s of CPU while it loads)
+        importlib.import_module("flash_tier_probe_mod")  # 0.2 s of CPU while it loads
     assert 0.19 <= first[0] < 1.0
     with import_clock() as again:
-        import flash_tier_probe_mod  # noqa: F401,F811  (already in sys.modules: nothing to load)
-    assert again[0] == 0.0
+        importlib.import_module("flash_tier_probe_mod")  # already in sys.modules: a lookup, nothing loaded
+    assert again[0] < 0.01
     start = time.process_time()
     with import_clock() as none:
         end = time.process_time() + 0.05
