@@ -5,8 +5,9 @@ How it works
   last one is *pending*. One decode step feeds every running sequence's pending token in one
   batched forward pass and samples one new token per sequence, so a step costs one token of compute
   per sequence, never a recompute of the whole sequence.
-- Admission prefills the newcomers' ``(prompt + partial response)[:-1]`` as one left-padded batch
-  straight into free rows of the running batch; a finished or aborted row leaves at once, so a
+- Admission prefills the newcomers' ``(prompt + partial response)[:-1]`` as left-padded batches
+  of at most ``max_num_batched_tokens`` tokens (rows x longest; whole sequences, one longer than
+  the budget alone) straight into free rows of the running batch; a finished or aborted row leaves at once, so a
   request added mid-decode joins at the next step and a freed slot is refilled at the next step.
 - The running batch is one left-padded KV cache (``flash.engine.kv_cache.KVBatch``): per layer, K/V buffers
   ``[max_num_seqs, kv_heads, capacity, head_dim]`` with spare columns, so a decode step writes its
@@ -124,6 +125,20 @@ def sample(logits: torch.Tensor, seqs: list[_Seq]) -> tuple[torch.Tensor, torch.
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
 
 
+def prefill_chunks(lengths: list[int], budget: int) -> list[tuple[int, int]]:
+    """Consecutive ranges ``[lo, hi)`` of ``lengths`` whose left-padded batch (rows x longest)
+    holds at most ``budget`` tokens, in order; a length above the budget forms a range alone."""
+    chunks, lo, width = [], 0, 0
+    for i, n in enumerate(lengths):
+        grown = max(width, n)
+        if i > lo and (i - lo + 1) * grown > budget:
+            chunks.append((lo, i))
+            lo, grown = i, n
+        width = grown
+    chunks.append((lo, len(lengths)))
+    return chunks
+
+
 def alias_groups(model) -> dict[str, tuple[str, ...]]:
     """Each state-dict name of ``model`` -> every name of the same tensor object, in order (a
     tied LM head and its embedding share one; a push loads it under one name only)."""
@@ -162,11 +177,13 @@ class BatchState:
 class TorchEngine(BatchState):
     """Single-threaded continuous-batching engine; see the module docstring for the design."""
 
-    def __init__(self, model, *, max_num_seqs: int = 64, version: int = 0, seed: int = 0):
-        if max_num_seqs < 1:
-            raise ValueError("max_num_seqs must be >= 1")
+    def __init__(self, model, *, max_num_seqs: int = 64, version: int = 0, seed: int = 0,
+                 max_num_batched_tokens: int = 8192):
+        if max_num_seqs < 1 or max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         self.model = model.eval()
         self.max_num_seqs, self.seed, self._version = max_num_seqs, seed, version
+        self.max_num_batched_tokens = max_num_batched_tokens  # prefill budget: rows x width per forward
         self._num_layers = model.config.get_text_config(decoder=True).num_hidden_layers
         self._device = next(model.parameters()).device
         self._shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
@@ -371,7 +388,8 @@ class TorchEngine(BatchState):
             else:
                 new.append(s)
         if new:
-            self._prefill([s.context[:-1] for s in new])
+            for lo, hi in prefill_chunks([len(s.context) - 1 for s in new], self.max_num_batched_tokens):
+                self._prefill([s.context[:-1] for s in new[lo:hi]])
             self._running += new
         return finished
 
