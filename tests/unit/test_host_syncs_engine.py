@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from flash.engine.torch_engine import TorchEngine
 from tests.helpers.host_reads import READS, Counter
@@ -59,3 +60,23 @@ def test_one_host_read_per_step_without_padding(monkeypatch):
         engine.add_request(req(f"s{i}", [5, 6, 7, 8], n=6, temperature=0.8))
     steps = reads_per_step(monkeypatch, engine, [])
     assert [len(calls) for calls in steps] == [1] * 6, steps
+
+
+def test_sliding_window_layers_keep_the_2d_mask(monkeypatch):
+    """A model with other than full-attention layers gets the 2D mask (transformers builds each
+    layer type's mask, reading it): batched tokens are still those of each request alone, and a
+    decode step reads 1 + 2 (the full and the sliding mask's padding checks)."""
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=2, head_dim=32, initializer_range=0.2,
+                      max_position_embeddings=256, use_sliding_window=True, sliding_window=512, max_window_layers=1)
+    model = Qwen2ForCausalLM(cfg).eval()
+    assert cfg.layer_types == ["full_attention", "sliding_attention"]
+    alone = [TorchEngine(model).generate([req("x", p, n=6)])[0].token_ids for p in PROMPTS]
+    engine = TorchEngine(model, max_num_seqs=4)
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(req(f"p{i}", p, n=6))
+    steps = reads_per_step(monkeypatch, engine, [])
+    assert [len(calls) for calls in steps[1:]] == [3] * 5, steps
+    batched = TorchEngine(model, max_num_seqs=4).generate([req(f"q{i}", p, n=6) for i, p in enumerate(PROMPTS)])
+    assert [o.token_ids for o in batched] == alone
