@@ -188,6 +188,8 @@ def _start_engines(cfg: FlashConfig, plan: Plan, placement: Placement, model_pat
     n = len(plan.workers["actor_infer"])
     # the simulated engines share sim.rollout_gpus between them; the others hold model.dtype weights
     extra = {"sim": cfg.sim, "replicas": n} if cfg.rollout.engine == "sim" else {"dtype": cfg.model.dtype}
+    if cfg.rollout.engine == "torch":
+        extra["max_num_batched_tokens"] = cfg.rollout.max_num_batched_tokens
     if colocated and cfg.rollout.engine == "vllm":  # its memory share: what the trainer leaves
         extra["trainer_bytes_per_param"] = colocated_trainer_bytes_per_param(cfg, plan)
     replicas = [start_engine(model_path, cfg.rollout.max_num_seqs, cfg.seed, max(1, engine_threads // n),

@@ -70,7 +70,9 @@ class KVBatch:
 
     Rows ``0:n`` are live. Their real tokens are right-aligned at column ``end`` (exclusive) and
     fit in the window ``start:end``; ``mask`` is 1 exactly at real tokens, ``pos[i]`` counts row
-    i's real tokens (the position id of its next token). Columns are absolute: ``start`` moves
+    i's real tokens (the position id of its next token) and ``lens[i]`` is the same count on the
+    host, so the window never needs a device read; ``pending[i]`` is row i's next input token,
+    kept on the device from one decode step to the next. Columns are absolute: ``start`` moves
     right as long sequences leave, and the buffers are only copied (``_rebuild``) when a new
     column or a long newcomer no longer fits, at most about once per ``width`` decode steps.
     Finished rows are swap-removed (the last live rows move into the holes), which copies only
@@ -82,6 +84,8 @@ class KVBatch:
         self.cache = LayerCache(self.layers)
         self.mask = torch.zeros(max_rows, capacity, dtype=torch.long, device=device)
         self.pos = torch.zeros(max_rows, dtype=torch.long, device=device)
+        self.pending = torch.zeros(max_rows, dtype=torch.long, device=device)
+        self.lens: list[int] = []  # pos[:n] on the host
         self.max_rows, self.capacity = max_rows, capacity
         self.n = self.start = self.end = 0
 
@@ -91,8 +95,20 @@ class KVBatch:
 
     def set_live(self) -> None:
         """Point the cache at the live rows, trimming columns that are padding in every row."""
-        self.start = self.end - int(self.pos[: self.n].max()) if self.n else self.end
+        self.start = self.end - max(self.lens) if self.n else self.end
         self.set_window(0, self.n, self.start, self.end)
+
+    @property
+    def padded(self) -> bool:
+        """Whether some live row is shorter than the window (its mask has padding)."""
+        return bool(self.lens) and min(self.lens) < max(self.lens)
+
+    def advance(self) -> None:
+        """Every live row took its pending token into the cache (one decode step)."""
+        self.end += 1
+        self.pos[: self.n] += 1
+        self.lens = [n + 1 for n in self.lens]
+        self.set_live()
 
     def reserve(self, left: int = 0, right: int = 0) -> None:
         """Make room for ``left`` columns before ``end`` and ``right`` columns after it."""
@@ -127,12 +143,15 @@ class KVBatch:
             if r != last:
                 self.mask[r, : self.end] = self.mask[last, : self.end]
                 self.pos[r] = self.pos[last]
+                self.pending[r] = self.pending[last]
+                self.lens[r] = self.lens[last]
                 for layer in self.layers:
                     if layer.is_initialized:
                         layer.k_buf[r, :, self.start : self.end] = layer.k_buf[last, :, self.start : self.end]
                         layer.v_buf[r, :, self.start : self.end] = layer.v_buf[last, :, self.start : self.end]
                 order[r] = order[last]
             order.pop()
+            self.lens.pop()
             self.n -= 1
         self.set_live()
         return order

@@ -5,8 +5,9 @@ How it works
   last one is *pending*. One decode step feeds every running sequence's pending token in one
   batched forward pass and samples one new token per sequence, so a step costs one token of compute
   per sequence, never a recompute of the whole sequence.
-- Admission prefills the newcomers' ``(prompt + partial response)[:-1]`` as one left-padded batch
-  straight into free rows of the running batch; a finished or aborted row leaves at once, so a
+- Admission prefills the newcomers' ``(prompt + partial response)[:-1]`` as left-padded batches
+  of at most ``max_num_batched_tokens`` tokens (rows x longest; whole sequences, one longer than
+  the budget alone) straight into free rows of the running batch; a finished or aborted row leaves at once, so a
   request added mid-decode joins at the next step and a freed slot is refilled at the next step.
 - The running batch is one left-padded KV cache (``flash.engine.kv_cache.KVBatch``): per layer, K/V buffers
   ``[max_num_seqs, kv_heads, capacity, head_dim]`` with spare columns, so a decode step writes its
@@ -14,8 +15,13 @@ How it works
   attention mask (0 = padding) and explicit per-row position ids. A leaving row is swap-removed
   (only the moved row is copied) and the window skips columns that are padding in every row, so
   attention spans the longest live sequence. Whole buffers are copied only to grow (amortised).
-- Sampling is seeded per request: each request owns a CPU ``torch.Generator`` and draws one uniform
-  per sampled token (inverse-CDF sampling), so its tokens do not depend on its batch mates.
+- Sampling is seeded per request (``flash.engine.sampling``): each request owns a CPU
+  ``torch.Generator`` and draws one uniform per sampled token, so its tokens do not depend on its
+  batch mates.
+- One host read per decode step, of the sampled tokens and logprobs together: the next inputs stay
+  on the device, the window and whether it holds padding are known on the host (``KVBatch.lens``),
+  the sampling tensors go up once per batch composition, and the attention mask is handed to the
+  model ready-made, so transformers never reads it.
 - A weight update invalidates the KV cache. Running sequences go back to the head of the waiting
   queue *with* their partial responses and generator state and are re-prefilled under the new
   weights (interrupt mode ``continue``); ``restart`` and ``wait`` are handled by ``preempt``.
@@ -31,12 +37,14 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 import torch
+from transformers.masking_utils import create_causal_mask
 
 from algos.registry import did_you_mean
 from flash.devices import release_cached_memory
 from flash.engine import kv_cache
 from flash.engine.base import INTERRUPT_MODES, GenerationOutput, GenerationRequest
 from flash.engine.kv_cache import KVBatch
+from flash.engine.sampling import SamplingPlan, sample, upload
 
 
 def derive_seed(engine_seed: int, request_id: str) -> int:
@@ -83,45 +91,18 @@ class _Seq:
                                 list(self.versions), reason)
 
 
-def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor, top_p: torch.Tensor | None) -> torch.Tensor:
-    """Per row, the token whose CDF bucket holds ``u`` in (0, 1]; nucleus-truncated if ``top_p``.
-
-    With top-p the vocabulary is sorted by probability (stable) and tokens whose preceding mass is
-    already >= top_p get zero weight; the top token always stays. ``u > 0`` and a strict ``<``
-    mean a zero-weight token is never picked.
-    """
-    order = None
-    if top_p is not None:
-        probs, order = probs.sort(dim=-1, descending=True, stable=True)
-        probs = probs.masked_fill(probs.cumsum(-1) - probs >= top_p[:, None], 0.0)
-    cdf = probs.cumsum(-1)
-    pick = (cdf < u[:, None] * cdf[:, -1:]).sum(-1).clamp(max=probs.shape[-1] - 1)
-    return pick if order is None else order.gather(-1, pick[:, None]).squeeze(-1)
-
-
-def sample(logits: torch.Tensor, seqs: list[_Seq]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Next token and its logprob per row of ``logits`` ``[rows, vocab]`` (float32).
-
-    The logprob is ``log_softmax(logits / T)`` at the chosen token over the *full* vocabulary, not
-    the top-p-truncated one: it is the behaviour policy at temperature T that the trainer's
-    recomputation (which knows nothing of top-p) is compared with. Greedy (T = 0) takes the argmax
-    and reports the raw-logit log_softmax. Each sampled row draws one uniform from its own
-    generator, and rows with and without top-p take separate paths, so a row's result depends
-    only on its own logits and generator.
-    """
-    temps = [s.req.params.temperature for s in seqs]
-    t = torch.tensor([x if x > 0 else 1.0 for x in temps], dtype=logits.dtype, device=logits.device)
-    logp = torch.log_softmax(logits / t[:, None], dim=-1)
-    tokens = logits.argmax(dim=-1)
-    for nucleus in (False, True):
-        rows = [i for i, s in enumerate(seqs) if temps[i] > 0 and (s.req.params.top_p < 1.0) == nucleus]
-        if not rows:
-            continue
-        u = 1.0 - torch.cat([torch.rand(1, generator=seqs[i].gen) for i in rows]).to(logits.device)
-        top_p = torch.tensor([seqs[i].req.params.top_p for i in rows], device=logits.device) if nucleus else None
-        idx = torch.tensor(rows, device=logits.device)
-        tokens[idx] = _inverse_cdf(logp[idx].exp(), u, top_p)
-    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+def prefill_chunks(lengths: list[int], budget: int) -> list[tuple[int, int]]:
+    """Consecutive ranges ``[lo, hi)`` of ``lengths`` whose left-padded batch (rows x longest)
+    holds at most ``budget`` tokens, in order; a length above the budget forms a range alone."""
+    chunks, lo, width = [], 0, 0
+    for i, n in enumerate(lengths):
+        grown = max(width, n)
+        if i > lo and (i - lo + 1) * grown > budget:
+            chunks.append((lo, i))
+            lo, grown = i, n
+        width = grown
+    chunks.append((lo, len(lengths)))
+    return chunks
 
 
 def alias_groups(model) -> dict[str, tuple[str, ...]]:
@@ -162,13 +143,19 @@ class BatchState:
 class TorchEngine(BatchState):
     """Single-threaded continuous-batching engine; see the module docstring for the design."""
 
-    def __init__(self, model, *, max_num_seqs: int = 64, version: int = 0, seed: int = 0):
-        if max_num_seqs < 1:
-            raise ValueError("max_num_seqs must be >= 1")
+    def __init__(self, model, *, max_num_seqs: int = 64, version: int = 0, seed: int = 0,
+                 max_num_batched_tokens: int = 8192):
+        if max_num_seqs < 1 or max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         self.model = model.eval()
         self.max_num_seqs, self.seed, self._version = max_num_seqs, seed, version
+        self.max_num_batched_tokens = max_num_batched_tokens  # prefill budget: rows x width per forward
         self._num_layers = model.config.get_text_config(decoder=True).num_hidden_layers
         self._device = next(model.parameters()).device
+        self._dtype = next(model.parameters()).dtype
+        text = model.config.get_text_config(decoder=True)
+        self._full_attention = set(getattr(text, "layer_types", None) or ["full_attention"]) == {"full_attention"}
+        self._sampling: tuple[tuple[_Seq, ...], SamplingPlan] | None = None
         self._shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
         self._aliases = alias_groups(model)  # a tied LM head: one tensor, two names
         self._waiting: deque[_Seq] = deque()
@@ -371,53 +358,81 @@ class TorchEngine(BatchState):
             else:
                 new.append(s)
         if new:
-            self._prefill([s.context[:-1] for s in new])
+            for lo, hi in prefill_chunks([len(s.context) - 1 for s in new], self.max_num_batched_tokens):
+                self._prefill([s.context[:-1] for s in new[lo:hi]], [s.pending for s in new[lo:hi]])
             self._running += new
         return finished
 
-    def _prefill(self, prefixes: list[list[int]]) -> None:
-        """Write the KV of the left-padded ``prefixes`` (all tokens but each pending one) into free rows."""
+    def _prefill(self, prefixes: list[list[int]], pending: list[int]) -> None:
+        """Write the KV of the left-padded ``prefixes`` (all tokens but each pending one) into free
+        rows; ``pending``: each row's next input token."""
         width = max(len(p) for p in prefixes)
         if self._kv is None:
             self._kv = KVBatch(self.max_num_seqs, self._num_layers, width + kv_cache.SLACK, self._device)
         kv = self._kv
         kv.reserve(left=width, right=1)
         r0, r1, c0 = kv.n, kv.n + len(prefixes), kv.end - width
+        lens = [len(p) for p in prefixes]
+        kv.pos[r0:r1] = upload(torch.tensor(lens), self._device)
+        kv.pending[r0:r1] = upload(torch.tensor(pending), self._device)
         kv.mask[r0:r1] = 0
-        kv.pos[r0:r1] = torch.tensor([len(p) for p in prefixes], device=self._device)
         if width:
-            ids = torch.zeros(r1 - r0, width, dtype=torch.long, device=self._device)
-            for i, p in enumerate(prefixes):
-                if p:
-                    ids[i, width - len(p) :] = torch.tensor(p, device=self._device)
-                    kv.mask[r0 + i, kv.end - len(p) : kv.end] = 1
+            ids = upload(torch.tensor([[0] * (width - len(p)) + p for p in prefixes]), self._device)
+            kv.mask[r0:r1, c0 : kv.end] = upload(torch.tensor([[0] * (width - n) + [1] * n for n in lens]),
+                                                 self._device)
             mask = kv.mask[r0:r1, c0 : kv.end]
             kv.set_window(r0, r1, c0, c0)
-            self.model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+            attn = self._attention_mask(mask, ids.shape, padded=min(lens) < width)
+            self.model(input_ids=ids, attention_mask=attn, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
                        past_key_values=kv.cache, use_cache=True, logits_to_keep=1)
             pad = (mask == 0)[:, None, :, None]
             for layer in kv.layers:  # padding rows attended to nothing: keep their K/V clean zeros
                 layer.keys.masked_fill_(pad, 0.0)
                 layer.values.masked_fill_(pad, 0.0)
         kv.n = r1
+        kv.lens += lens
         kv.set_live()
 
+    def _attention_mask(self, mask: torch.Tensor, shape: torch.Size, padded: bool):
+        """The attention mask of a forward over ``mask`` (2D, the cache's window and the new
+        columns), made without reading it: none without padding (what transformers picks after
+        reading that the mask is all ones), else transformers' own 4D causal-and-padding mask,
+        built from the cache as the forward will see it. Models with other than full-attention
+        layers get the 2D mask (transformers builds and reads their masks)."""
+        if not padded:
+            return None
+        if not self._full_attention:
+            return mask
+        embeds = torch.empty(*shape, 0, dtype=self._dtype, device=self._device)
+        return create_causal_mask(config=self.model.config, inputs_embeds=embeds, attention_mask=mask,
+                                  past_key_values=self._kv.cache, allow_is_causal_skip=False)
+
+    def _plan(self) -> SamplingPlan:
+        """The running batch's ``SamplingPlan``, made again only when the batch changed."""
+        key = tuple(self._running)  # the sequences themselves (compared by identity)
+        if self._sampling is None or self._sampling[0] != key:
+            self._sampling = (key, SamplingPlan.of(self._running, self._device))
+        return self._sampling[1]
+
     def _decode(self) -> list[GenerationOutput]:
-        """One token for every running sequence; drops the finished ones from the batch."""
+        """One token for every running sequence; drops the finished ones from the batch. Inputs,
+        positions and the window stay on the device or are known on the host: the one host read
+        is of the sampled tokens and their logprobs, together."""
         kv = self._kv
         kv.reserve(right=1)
         n, start, end = kv.n, kv.start, kv.end
         kv.mask[:n, end] = 1
-        ids = torch.tensor([s.pending for s in self._running], device=self._device)[:, None]
-        logits = self.model(input_ids=ids, attention_mask=kv.mask[:n, start : end + 1], position_ids=kv.pos[:n, None],
-                            past_key_values=kv.cache, use_cache=True, logits_to_keep=1).logits[:, -1].float()
-        kv.end += 1
-        kv.pos[:n] += 1
-        kv.set_live()
-        tokens, logprobs = sample(logits, self._running)
+        mask, ids = kv.mask[:n, start : end + 1], kv.pending[:n, None]
+        logits = self.model(input_ids=ids, attention_mask=self._attention_mask(mask, ids.shape, kv.padded),
+                            position_ids=kv.pos[:n, None], past_key_values=kv.cache, use_cache=True,
+                            logits_to_keep=1).logits[:, -1].float()
+        kv.advance()
+        tokens, logprobs = sample(logits, self._running, self._plan())
+        kv.pending[:n] = tokens
+        picked = torch.stack([tokens.double(), logprobs.double()]).tolist()  # exact: ids < 2**53, fp32 values
         finished, keep = [], []
-        for i, (s, tok, lp) in enumerate(zip(self._running, tokens.tolist(), logprobs.tolist())):
-            s.tokens.append(tok)
+        for i, (s, tok, lp) in enumerate(zip(self._running, picked[0], picked[1])):
+            s.tokens.append(int(tok))
             s.logprobs.append(lp)
             s.versions.append(self._version)
             reason = s.finish_reason()

@@ -25,7 +25,8 @@ from flash.weights.model_update import unique_tensors
 
 
 class EngineWorker(LoopActor, UpdateReceiver):
-    def __init__(self, model_path: str, max_num_seqs: int, seed: int, threads: int, dtype: str = "float32"):
+    def __init__(self, model_path: str, max_num_seqs: int, seed: int, threads: int, dtype: str = "float32",
+                 max_num_batched_tokens: int = 8192):
         from flash.engine.torch_engine import TorchEngine
 
         torch.set_num_threads(max(1, threads))
@@ -35,7 +36,8 @@ class EngineWorker(LoopActor, UpdateReceiver):
         self._shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}  # model-update check
         self._ties = [names for names, _ in unique_tensors(model.state_dict()) if len(names) > 1]
         self._model = model  # the model-update group receives large tensors straight into it
-        self._start_loop(TorchEngine(model, max_num_seqs=max_num_seqs, seed=seed), text.vocab_size,
+        self._start_loop(TorchEngine(model, max_num_seqs=max_num_seqs, seed=seed,
+                                     max_num_batched_tokens=max_num_batched_tokens), text.vocab_size,
                          text.max_position_embeddings)
 
     def get_weights(self) -> dict:
