@@ -51,6 +51,7 @@ def logprob_errors(engine, tag: str) -> dict[int, float]:
         worst = 0.0
         for r in reqs:
             out = done[r.request_id]
+            assert out.token_ids, (r.request_id, out.finish_reason, out.error)
             with torch.no_grad():
                 logits = model(torch.tensor([list(r.prompt_ids) + list(out.token_ids)])).logits
             logp = torch.log_softmax(logits[0, len(r.prompt_ids) - 1:-1].float(), -1)
