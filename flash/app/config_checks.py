@@ -187,7 +187,7 @@ SEED_MAX = 2**32 - 1  # numpy's generators refuse a negative seed, torch's one o
 # eval.every_steps evaluated every |k| steps)
 RANGES = (
     ("seed", 0, SEED_MAX), ("model.tiny.seed", 0, SEED_MAX), ("sft.seed", 0, SEED_MAX), ("sft.eval_seed", 0, SEED_MAX),
-    ("rollout.max_num_seqs", 1, None), ("rollout.max_num_batched_tokens", 1, None),
+    ("rollout.max_num_seqs", 1, None), ("rollout.max_num_batched_tokens", 0, None),
     ("sft.steps", 0, None), ("sft.batch_size", 1, None),
     ("sft.pool_batches", 1, None), ("sft.warmup_steps", 0, None), ("sft.min_lr_ratio", 0, 1),
     ("sft.first_index", 0, None), ("sft.eval_temperature", 0, None), ("critic.micro_batch_size", 1, None),

@@ -61,7 +61,7 @@ class RolloutConfig:
     # The torch engine's prefill budget (vLLM's name): newcomers are prefilled in left-padded
     # batches of at most this many tokens (rows x longest) per forward, whole sequences each; one
     # longer than the budget goes alone. Bounds the prefill's activation peak.
-    max_num_batched_tokens: int = 8192
+    max_num_batched_tokens: int = 0  # the torch engine's prefill budget in tokens; 0: none (one prefill)
     interrupt: InterruptMode = "continue"  # continue | restart | wait (docs/design.md invariant 4)
     # Fault injection for tests and benchmarks: each finished response waits uniform(0, x) seconds
     # before it is scored, so groups finish out of admission order.

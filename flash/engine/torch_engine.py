@@ -93,7 +93,10 @@ class _Seq:
 
 def prefill_chunks(lengths: list[int], budget: int) -> list[tuple[int, int]]:
     """Consecutive ranges ``[lo, hi)`` of ``lengths`` whose left-padded batch (rows x longest)
-    holds at most ``budget`` tokens, in order; a length above the budget forms a range alone."""
+    holds at most ``budget`` tokens, in order; a length above the budget forms a range alone.
+    ``budget`` 0: no budget, one range of them all."""
+    if budget == 0:
+        return [(0, len(lengths))]
     chunks, lo, width = [], 0, 0
     for i, n in enumerate(lengths):
         grown = max(width, n)
@@ -144,9 +147,9 @@ class TorchEngine(BatchState):
     """Single-threaded continuous-batching engine; see the module docstring for the design."""
 
     def __init__(self, model, *, max_num_seqs: int = 64, version: int = 0, seed: int = 0,
-                 max_num_batched_tokens: int = 8192):
-        if max_num_seqs < 1 or max_num_batched_tokens < 1:
-            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+                 max_num_batched_tokens: int = 0):
+        if max_num_seqs < 1 or max_num_batched_tokens < 0:
+            raise ValueError("max_num_seqs must be >= 1 and max_num_batched_tokens >= 0 (0: no budget)")
         self.model = model.eval()
         self.max_num_seqs, self.seed, self._version = max_num_seqs, seed, version
         self.max_num_batched_tokens = max_num_batched_tokens  # prefill budget: rows x width per forward

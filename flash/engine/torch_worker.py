@@ -26,7 +26,7 @@ from flash.weights.model_update import unique_tensors
 
 class EngineWorker(LoopActor, UpdateReceiver):
     def __init__(self, model_path: str, max_num_seqs: int, seed: int, threads: int, dtype: str = "float32",
-                 max_num_batched_tokens: int = 8192):
+                 max_num_batched_tokens: int = 0):
         from flash.engine.torch_engine import TorchEngine
 
         torch.set_num_threads(max(1, threads))

@@ -99,7 +99,7 @@ def test_optimizer_knobs_that_would_reverse_or_zero_training_are_refused(overrid
     ("seed=18446744073709551616", "seed must be in [0, 4294967295]"),
     ("sft.seed=-2", "sft.seed must be in"),
     ("rollout.max_num_seqs=0", "rollout.max_num_seqs must be >= 1, got 0"),
-    ("rollout.max_num_batched_tokens=0", "rollout.max_num_batched_tokens must be >= 1, got 0"),
+    ("rollout.max_num_batched_tokens=-1", "rollout.max_num_batched_tokens must be >= 0, got -1"),
     ("eval.every_steps=-3", "eval.every_steps must be >= 0, got -3"),
     ("eval.temperature=-1", "eval.temperature must be >= 0"),
     ("sft.steps=-1", "sft.steps must be >= 0"),

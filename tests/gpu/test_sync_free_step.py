@@ -20,39 +20,8 @@ with a counter of host reads from every caller in place of sync debug mode.
 
 from __future__ import annotations
 
-import math
-from contextlib import contextmanager
-
 import torch
-
-from flash.train.trainer import Trainer
-from tests.helpers.train import make_batch, settings, toy_model
-
-ROWS, MICRO_BATCHES = 8, 4
-
-
-@contextmanager
-def sync_debug(mode: str):
-    torch.cuda.synchronize()  # what came before is not the step's
-    before = torch.cuda.get_sync_debug_mode()
-    torch.cuda.set_sync_debug_mode(mode)
-    try:
-        yield
-    finally:
-        torch.cuda.set_sync_debug_mode(before)
-
-
-def step_under(device: torch.device, guard) -> None:
-    """One step on ``device``, its parts under ``guard(mode)`` ("error": no sync allowed)."""
-    trainer = Trainer(toy_model().to(device), settings(micro_batch_size=ROWS // MICRO_BATCHES), seed=0)
-    batch, adv = make_batch(seed=1, n=ROWS, vocab=32)  # on the CPU, as the driver sends it
-    trainer.begin_step()
-    with guard("error"):  # upload; 4 micro-batches: forward, loss, backward, sums on the device
-        trainer.accumulate(batch, adv, None)  # prox fused into the forward, as the default recipe runs
-    with guard("default"):  # once per optimizer step: the finite check and the float metrics
-        metrics = trainer.finish_step()
-    assert math.isfinite(metrics["loss"]) and metrics["grad_norm"] > 0 and metrics["skipped"] == 0.0
-    assert trainer.steps == 1
+from tests.helpers.gpu_bodies import step_under, sync_debug
 
 
 def test_accumulate_makes_no_host_sync():

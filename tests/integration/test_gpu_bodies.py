@@ -16,9 +16,7 @@ import pytest
 import torch
 
 from flash.train.fsdp import free_port
-from tests.gpu.test_engine_logprobs import check_bf16_within_bounds, check_fp32_agree
-from tests.gpu.test_fsdp_bf16 import check_bf16_matches_fp32
-from tests.gpu.test_sync_free_step import step_under
+from tests.helpers.gpu_bodies import check_bf16_matches_fp32, check_bf16_within_bounds, check_fp32_agree, step_under
 from tests.helpers.host_reads import READS, Counter
 from tests.helpers.models import TINY, save_tiny
 

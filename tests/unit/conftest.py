@@ -5,7 +5,8 @@ A unit test's call phase (fixtures excluded) may spend at most ``FLASH_UNIT_BUDG
 test and says where it belongs instead (``tests/integration``). CPU time rather than wall time, so
 the budget means the same on a quiet machine and beside other jobs; the first import of a module
 during the call is not charged to the test (whichever test runs first would pay for torch's or
-transformers' lazy imports).
+transformers' lazy imports). A test that checks the whole tree (every file's functions) may state
+a larger budget of its own with ``@pytest.mark.cpu_budget(seconds)``.
 """
 
 from __future__ import annotations
@@ -14,14 +15,16 @@ import time
 
 import pytest
 
-from tests.helpers.tiers import import_clock, over_budget, ray_started
+from tests.helpers.tiers import UNIT_BUDGET_S, import_clock, over_budget, ray_started
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item):
     start = time.process_time()
     with import_clock() as imports:
         result = yield
-    message = over_budget(item.nodeid, time.process_time() - start - imports[0])
+    declared = item.get_closest_marker("cpu_budget")  # a whole-tree check states its own, with a reason
+    budget = float(declared.args[0]) if declared else UNIT_BUDGET_S
+    message = over_budget(item.nodeid, time.process_time() - start - imports[0], budget)
     if message:
         pytest.fail(message, pytrace=False)
     return result

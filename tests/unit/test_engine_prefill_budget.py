@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from flash.engine.torch_engine import TorchEngine, prefill_chunks
-from tests.unit.test_torch_engine import PROMPTS, make_model, req
+from tests.helpers.engine import PROMPTS, make_model, req
 
 MIXED = PROMPTS + [[3] * 20, list(range(1, 30)), [7, 7]]  # prefixes of 2, 0, 6, 11, 19, 28, 1 tokens
 
@@ -69,6 +69,8 @@ def test_prefill_forwards_stay_within_the_budget_and_outputs_hold():
     assert run(model, 217)[0] == whole  # newcomers that fit the budget: one forward, bit for bit
 
 
-def test_budget_below_one_is_refused():
+def test_a_negative_budget_is_refused_and_zero_is_no_budget():
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
-        TorchEngine(make_model(0), max_num_batched_tokens=0)
+        TorchEngine(make_model(0), max_num_batched_tokens=-1)
+    assert prefill_chunks([30, 40, 50], 0) == [(0, 3)]
+    assert prefill_chunks([30, 40, 50], 80) == [(0, 2), (2, 3)]

@@ -15,7 +15,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from flash.engine.torch_engine import TorchEngine
 from tests.helpers.host_reads import READS, Counter
-from tests.unit.test_torch_engine import PROMPTS, make_model, req
+from tests.helpers.engine import PROMPTS, make_model, req
 
 
 @pytest.fixture(autouse=True)

@@ -11,23 +11,11 @@ import time
 
 import pytest
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from flash.engine import kv_cache
-from flash.engine.base import GenerationRequest, SamplingParams
 from flash.engine.loop import EngineLoop, EngineLoopError
 from flash.engine.torch_engine import TorchEngine
-
-PROMPTS = [[1, 2, 3], [5], [9, 8, 7, 6, 5, 4, 3], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]]
-
-
-def make_model(seed: int) -> Qwen2ForCausalLM:
-    torch.manual_seed(seed)
-    cfg = Qwen2Config(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=2, head_dim=32, initializer_range=0.2,
-                      max_position_embeddings=256)
-    return Qwen2ForCausalLM(cfg).eval()
-
+from tests.helpers.engine import PROMPTS, make_model, req
 
 @pytest.fixture(autouse=True)
 def one_thread():
@@ -48,10 +36,6 @@ def model():
 def other():
     """A second model with different weights: the 'trainer' pushes these in weight-update tests."""
     return make_model(1)
-
-
-def req(rid, prompt, n=8, temperature=0.0, **kw) -> GenerationRequest:
-    return GenerationRequest(rid, list(prompt), SamplingParams(max_new_tokens=n, temperature=temperature, **kw))
 
 
 def hf_greedy(model, prompt, n) -> list[int]:
