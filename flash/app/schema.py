@@ -200,6 +200,10 @@ class ResourcesConfig:
     # torch threads of the driver's own numeric work (advantages, collation, metrics) whatever the
     # calling process set: a run started in-process gives the numbers of a CLI run.
     driver_threads: int = 1
+    # float32 matmuls in TF32 (float32 accumulation) in the roles on a CUDA GPU when model.dtype is
+    # float32: the trainer's processes and the engines (flash.devices.tf32_wanted); never on the CPU,
+    # whose float32 numbers stay exact. false: full float32 matmuls on the GPU too.
+    tf32: bool = True
 
 
 @dataclass
