@@ -72,11 +72,14 @@ def tf32_wanted(device: torch.device | str, dtype: str, enabled: bool) -> bool:
 
 
 def use_tf32(device: torch.device | str, dtype: str, enabled: bool) -> bool:
-    """Switch this process's CUDA matmuls and cuDNN to TF32 where ``tf32_wanted``; True when it did."""
+    """Switch this process's CUDA matmuls and cuDNN to TF32 where ``tf32_wanted``; True when it did.
+    The CUDA-only flags: ``torch.set_float32_matmul_precision("high")`` would switch the CPU's
+    oneDNN matmuls too, and torch's per-backend ``fp32_precision`` setters, once mixed with the
+    flags other libraries read, make ``torch.get_float32_matmul_precision()`` raise."""
     if not tf32_wanted(device, dtype, enabled):
         return False
-    torch.backends.cuda.matmul.fp32_precision = "tf32"
-    torch.backends.cudnn.fp32_precision = "tf32"
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
     return True
 
 
