@@ -186,22 +186,34 @@ def _start_engines(cfg: FlashConfig, plan: Plan, placement: Placement, model_pat
     the engine client: restarts up to ``max_engine_restarts`` (0: a fault stops the run at once,
     naming the knob)."""
     n = len(plan.workers["actor_infer"])
-    # the simulated engines share sim.rollout_gpus between them; the others hold model.dtype weights
-    extra = {"sim": cfg.sim, "replicas": n} if cfg.rollout.engine == "sim" else {"dtype": cfg.model.dtype}
-    if colocated and cfg.rollout.engine == "vllm":  # its memory share: what the trainer leaves
-        extra["trainer_bytes_per_param"] = colocated_trainer_bytes_per_param(cfg, plan)
     replicas = [start_engine(model_path, cfg.rollout.max_num_seqs, cfg.seed, max(1, engine_threads // n),
                              engine=cfg.rollout.engine,
                              options=engine_options(cfg, plan, placement.options("actor_infer", i), i),
                              sleep_mode=colocated,
                              # Ray restarts a dead replica; flash.engine.client recovers its work
                              max_restarts=cfg.rollout.max_engine_restarts,
-                             engine_kwargs=extra)
+                             engine_kwargs=engine_kwargs(cfg, plan, i, colocated))
                 for i in range(n)]
     engine = replicas[0] if n == 1 else start_router(replicas, cfg.rollout.prompt_affinity, cfg.rollout.hang_timeout_s)
     client = EngineClient(engine, cfg.rollout.hang_timeout_s, cfg.rollout.max_engine_restarts,
                           replicas=replicas if n > 1 else None)
     return replicas, engine, client
+
+
+def engine_kwargs(cfg: FlashConfig, plan: Plan, i: int, colocated: bool) -> dict:
+    """The constructor arguments of ``actor_infer`` worker ``i`` beyond the shared ones: the
+    simulated engines share sim.rollout_gpus; the others hold model.dtype weights; a vLLM worker
+    runs one tensor-parallel rank per device the placement gives it, seeds requests as
+    ``rollout.request_seeds`` says and, colocated, takes what the trainer leaves of the GPU."""
+    if cfg.rollout.engine == "sim":
+        return {"sim": cfg.sim, "replicas": len(plan.workers["actor_infer"])}
+    extra: dict[str, Any] = {"dtype": cfg.model.dtype}
+    if cfg.rollout.engine == "vllm":
+        extra["tensor_parallel_size"] = max(1, len(plan.workers["actor_infer"][i].devices))
+        extra["request_seeds"] = cfg.rollout.request_seeds
+        if colocated:
+            extra["trainer_bytes_per_param"] = colocated_trainer_bytes_per_param(cfg, plan)
+    return extra
 
 
 def engine_options(cfg: FlashConfig, plan: Plan, options: dict, i: int) -> dict:

@@ -58,6 +58,10 @@ class RolloutConfig:
     top_p: float = 1.0
     max_new_tokens: int = 48
     max_num_seqs: int = 256  # continuous-batching slots per engine
+    # vLLM: every request samples with its own seed (its tokens do not depend on its batch mates; on
+    # a GPU vLLM's slower per-request sampling path). null: on the CPU yes, on a GPU no (the engine
+    # is seeded once from `seed`). The torch engine always seeds each request.
+    request_seeds: Optional[bool] = None
     interrupt: InterruptMode = "continue"  # continue | restart | wait (docs/design.md invariant 4)
     # Fault injection for tests and benchmarks: each finished response waits uniform(0, x) seconds
     # before it is scored, so groups finish out of admission order.
