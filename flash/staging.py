@@ -11,8 +11,8 @@ whole state there (for a 7 B model over 4 ranks, tens of GiB per rank at a check
 - the buffers are kept and reused by the next snapshot whose tensor at the same place has the same
   shape and dtype (pinning is slow to allocate; the writer of the previous checkpoint is done by
   then: ``CheckpointWriter`` waits for it before taking a snapshot);
-- a tensor already in host memory is cloned, exactly as before (a fresh tensor freed with the
-  snapshot, so a CPU run keeps no second copy between checkpoints and writes the same bytes).
+- a tensor already in host memory is cloned (a fresh tensor freed with the snapshot, so a CPU
+  run keeps no second copy between checkpoints, and its checkpoint's bytes are a clone's).
 
 A DTensor (an FSDP2 rank's shard) stays a DTensor: its local shard goes into the host buffer, as
 ``torch.distributed.checkpoint``'s own asynchronous staging does it, so DCP saves it unchanged.

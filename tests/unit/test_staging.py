@@ -1,5 +1,5 @@
 """Checkpoint snapshots in host memory (``flash.staging``): pinned buffers for a CUDA device, the
-buffers reused by the next snapshot, host tensors cloned as before (the same checkpoint bytes)."""
+buffers reused by the next snapshot, host tensors cloned (a clone's checkpoint bytes)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """vLLM's arguments per device (``flash.engine.vllm_args``): CUDA graphs, chunked prefill, no
-per-request seeds and one tensor-parallel rank per device on CUDA; today's eager, whole-prefill,
-seeded settings on the CPU; and what the engine worker and the roles pass on."""
+per-request seeds and one tensor-parallel rank per device on CUDA; eager, whole-prefill, seeded
+settings on the CPU; and what the engine worker and the roles pass on."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from tests.helpers.standins import gpu_recipe_overrides, model_folder
 CPU_ARGS = {"enforce_eager": True, "enable_chunked_prefill": False, "max_num_batched_tokens": 4096}
 
 
-def test_cuda_gets_graphs_chunked_prefill_and_tensor_parallel_ranks_the_cpu_todays_settings():
+def test_cuda_gets_graphs_chunked_prefill_and_tensor_parallel_ranks_the_cpu_eager_whole_prefills():
     assert device_args("cuda", 4096, 256) == {"enforce_eager": False, "enable_chunked_prefill": True,
                                               "max_num_batched_tokens": 8192, "tensor_parallel_size": 1}
     assert device_args("cuda", 4096, 16384, 2) == {"enforce_eager": False, "enable_chunked_prefill": True,
