@@ -35,7 +35,11 @@ def staging_kwargs(device: torch.device | str) -> dict[str, Any]:
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:
-    return type(t).__name__ == "DTensor" and hasattr(t, "_local_tensor")
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch built without distributed has no DTensor
+        return False
+    return isinstance(t, DTensor)
 
 
 class HostStager:

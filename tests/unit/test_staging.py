@@ -54,3 +54,22 @@ def test_a_cpu_trainers_checkpoint_bytes_are_the_clone_and_deepcopy_ones():
         return f.getvalue()
 
     assert saved({"model": new["model"], "optimizer": new["optimizer"]}) == saved(old)
+
+
+def test_an_fsdp_shard_stays_a_dtensor_whose_local_tensor_is_the_reused_host_buffer():
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        live = distribute_tensor(torch.arange(12.0).reshape(3, 4), init_device_mesh("cpu", (1,)), [Shard(0)])
+        stager = HostStager(host_kinds=())
+        first = stager.stage({"w": live})["w"]
+        assert isinstance(first, DTensor) and first.placements == (Shard(0),)
+        assert torch.equal(first.to_local(), live.to_local()) and first.to_local().data_ptr() != live.to_local().data_ptr()
+        live.to_local().add_(1.0)
+        second = stager.stage({"w": live})["w"]
+        assert second is first and torch.equal(second.to_local(), torch.arange(1.0, 13.0).reshape(3, 4))
+    finally:
+        dist.destroy_process_group()
