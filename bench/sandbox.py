@@ -1,6 +1,7 @@
 """Code sandbox vs a bare subprocess: per-call latency and calls per second, same programs.
 
     python -m bench.sandbox [--calls 40] [--repeats 5] [--threads 4]
+    python -m bench.sandbox --paired-zygote OTHER/_zygote.py [--calls 150]
 
 The *bare* side runs each program as ``python -S -c PROGRAM`` (the sandbox's interpreter, no
 isolation, no limits) with ``subprocess.run``; the *sandbox* side is ``flash.rewards.sandbox.
@@ -9,6 +10,12 @@ repeat times ``--calls`` calls of every program on both sides back to back, alte
 first; then both again from ``--threads`` threads at once (calls per second). Reports medians over
 the repeats and the ratios sandbox/bare (latency; lower is better) and bare/sandbox (throughput).
 The last line is JSON; ``sandbox_vs_bare`` is the median latency ratio over the programs.
+
+``--paired-zygote``: a small per-call change seen through a loaded machine. Two fork servers in
+this process, this tree's and one running another version of ``_zygote.py`` (e.g. the previous
+commit's, from ``git show REV:flash/rewards/_zygote.py``), the same parent-side code; one call on
+each in turn, ``--calls`` pairs per program. Reports medians and the median per-pair ratio
+this / other.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import statistics
 import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 from flash.rewards import sandbox
 
@@ -62,12 +70,48 @@ def _rate(fn, calls: int, threads: int) -> float:
     return len(jobs) / (time.perf_counter() - t0)
 
 
+def _paired(zygote: str, pairs: int) -> dict:
+    """This tree's fork server against one running ``zygote``, one call each in turn."""
+    from flash.rewards import forkserver
+
+    python, drop = sandbox.sandbox_python(), sandbox._drop_to()
+    own_source, route = forkserver._zygote_source, sandbox.server
+    servers = {"this": forkserver.ForkServer(python, drop)}
+    try:
+        forkserver._zygote_source = lambda: Path(zygote).read_text()
+        servers["other"] = forkserver.ForkServer(python, drop)
+    finally:
+        forkserver._zygote_source = own_source
+    out = {}
+    try:
+        for name, (src, stdin, want) in PROGRAMS.items():
+            t: dict[str, list[float]] = {"this": [], "other": []}
+            for i in range(pairs):
+                for side in ("this", "other") if i % 2 == 0 else ("other", "this"):
+                    sandbox.server = lambda *_, srv=servers[side]: srv
+                    t[side].append(_per_call(_boxed, src, stdin, want, 1))
+            out[name] = {"this_ms": round(statistics.median(t["this"]) * 1e3, 2),
+                         "other_ms": round(statistics.median(t["other"]) * 1e3, 2),
+                         "paired": round(statistics.median(a / b for a, b in zip(t["this"], t["other"])), 3)}
+            print(f"  {name:10s} this {out[name]['this_ms']:6.2f}  other {out[name]['other_ms']:6.2f}  "
+                  f"paired {out[name]['paired']:.3f}x")
+    finally:
+        sandbox.server = route
+        for srv in servers.values():
+            srv.close()
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--calls", type=int, default=40)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=4)
+    ap.add_argument("--paired-zygote", help="another _zygote.py to compare with, call for call")
     args = ap.parse_args()
+    if args.paired_zygote:
+        print(json.dumps({"paired_this_vs_other": _paired(args.paired_zygote, args.calls)}))
+        return
     level = sandbox.isolation_level()  # starts the fork server outside the timing
     lat: dict[str, dict[str, list[float]]] = {n: {"bare": [], "sandbox": []} for n in PROGRAMS}
     rates: dict[str, list[float]] = {"bare": [], "sandbox": []}

@@ -73,7 +73,8 @@ def build_agent_scheduler(cfg, task, tokenizer, engine, buffer, staleness, param
     gateway = Gateway(tokenizer, None, host=cfg.agent.host, max_tokens_cap=cfg.rollout.max_new_tokens,  # type: ignore[arg-type]
                       default_max_tokens=cfg.rollout.max_new_tokens, workers=cfg.agent.concurrency + 4,
                       tool_parser=cfg.agent.tool_parser, header_timeout_s=cfg.agent.header_timeout_s,
-                      body_timeout_s=cfg.agent.body_timeout_s, max_connections=cfg.agent.max_connections)
+                      body_timeout_s=cfg.agent.body_timeout_s, max_connections=cfg.agent.max_connections,
+                      raw_completion_prompts=cfg.agent.raw_completion_prompts)
     url = gateway.start()
     hosts = None
     if cfg.agent.processes and cfg.agent.fn:  # a task's own agents (task.agent) run in the driver

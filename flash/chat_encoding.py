@@ -1,4 +1,12 @@
-"""Chat template ids where message text is only ever text: special tokens come from the template.
+"""Text from outside is text: special tokens come from a template, never from the text.
+
+``text_ids(tokenizer, text)`` is the one encoding of outside text (text prompts, rendered
+``data.template`` rows, environment observations, tool results, judge inputs, completions
+prompts): special tokens are never parsed, and the ids are checked to hold no special id at all
+(a tokenizer whose normalizer turns a look-alike into a special token's spelling that its
+vocabulary then maps to the special id is refused: ``SpecialTokenInText``, a ``ValueError``
+whose ``reason`` is ``special_token``). ``wrap=True`` adds the tokenizer's own post-processor
+tokens (its ``<bos>``, ...) around the text, as ``tokenizer.encode(text)`` would.
 
 ``tokenizer.apply_chat_template(..., tokenize=True)`` renders the conversation to one string and
 tokenizes it with special tokens parsed, so a message that *spells* a control token (``<|im_end|>``,
@@ -7,11 +15,12 @@ tokenizes it with special tokens parsed, so a message that *spells* a control to
 
 1. Every string in the messages and tools (content, names, ids, tool-call arguments, schemas, keys
    included) has each special token's spelling replaced by a placeholder unique to the call.
-   Nothing spelled: the ids are ``apply_chat_template``'s own, unchanged.
-2. Otherwise the template renders the placeholder text; the special tokens left in it are the
-   template's. The text is cut at them, as the tokenizer cuts at added tokens: each is its id,
-   each text run between them gets the spellings back and is tokenized with special tokens off
-   (``split_special_tokens`` in transformers' terms), as plain characters.
+2. The template renders the placeholder text; the special tokens spelled in it are the template's.
+   Nothing spelled in the messages and the rendered text's ids hold exactly those special ids,
+   in order: the ids are ``apply_chat_template``'s own, unchanged. Otherwise (a spelling, or a
+   look-alike that the tokenizer's normalizer made into a special token) the text is cut at the
+   template's special tokens, as the tokenizer cuts at added tokens: each is its id, each text
+   run between them gets the spellings back and is encoded by ``text_ids``.
 
 Special tokens are the tokenizer's added tokens marked special and its named ones (``bos``,
 ``eos``, ...); an added token that is not special is vocabulary, as the tokenizer treats it. A
@@ -24,7 +33,6 @@ from __future__ import annotations
 import functools
 import re
 import secrets
-from collections.abc import Callable
 from typing import Any
 
 
@@ -60,20 +68,53 @@ def _mask(value: Any, pattern: re.Pattern, mark: str, found: list[str]) -> Any:
     return value
 
 
+class SpecialTokenInText(ValueError):
+    """Text from outside that this tokenizer encodes to a special token even as plain text."""
+
+    reason = "special_token"
+
+
 @functools.lru_cache(maxsize=16)
-def _text_encoder(tokenizer: Any, size: int) -> Callable[[str], list[int]]:
-    """Text -> ids with special tokens off. A fast tokenizer's switch for that is one flag on its
-    shared Rust tokenizer, which every ``encode`` call sets: flipping it would race with other
-    threads encoding with the same tokenizer. So text is encoded by a copy of the Rust tokenizer
-    with the flag set for good (made once per tokenizer and vocabulary ``size``)."""
+def _plain_tokenizer(tokenizer: Any, size: int) -> Any:
+    """A copy of the fast tokenizer's Rust tokenizer that never parses special tokens (None for
+    a Python tokenizer). A fast tokenizer's switch for that is one flag on its shared Rust
+    tokenizer, which every ``encode`` call sets: flipping it would race with other threads
+    encoding with the same tokenizer. So text is encoded by a copy with the flag set for good
+    (made once per tokenizer and vocabulary ``size``)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None:  # a Python tokenizer: its own option, per call
-        return lambda text: list(tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True))
+    if backend is None:
+        return None
     from tokenizers import Tokenizer
 
     copy = Tokenizer.from_str(backend.to_str())
     copy.encode_special_tokens = True
-    return lambda text: copy.encode(text, add_special_tokens=False).ids
+    return copy
+
+
+@functools.lru_cache(maxsize=16)
+def _special_ids(tokenizer: Any, size: int) -> dict[int, str]:
+    return {i: name for name, (i, _, _) in special_tokens(tokenizer).items()}
+
+
+def text_ids(tokenizer: Any, text: str, wrap: bool = False) -> list[int]:
+    """``text`` as plain text: no special token parsed, no special id in the ids (module
+    docstring). ``wrap``: the tokenizer's post-processor tokens around it (its ``<bos>``, ...)."""
+    plain = _plain_tokenizer(tokenizer, len(tokenizer))
+    if plain is None:  # a Python tokenizer: its own option, per call
+        ids = list(tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True))
+        wrapped = list(tokenizer.encode(text, add_special_tokens=True, split_special_tokens=True)) if wrap else ids
+    else:
+        enc = plain.encode(text, add_special_tokens=False)
+        ids = enc.ids
+        wrapped = plain.post_process(enc, add_special_tokens=True).ids if wrap else ids
+    specials = _special_ids(tokenizer, len(tokenizer))
+    forged = next((i for i in ids if i in specials), None)
+    if forged is not None:
+        raise SpecialTokenInText(
+            f"the text {text[:60]!r} encodes to the special token {specials[forged]!r} (id {forged}) "
+            "even with special tokens off (this tokenizer's normalizer and vocabulary make it one): "
+            "text from outside may not carry a special token")
+    return list(wrapped)
 
 
 def _as_ids(ids: Any) -> list[int]:
@@ -90,18 +131,18 @@ def chat_template_ids(tokenizer: Any, messages: list[dict], tools: list[dict] | 
     mark = f"FLASHSPELLED{secrets.token_hex(6)}N"
     masked = _mask(messages, pattern, mark, found) if pattern else messages
     masked_tools = _mask(tools, pattern, mark, found) if pattern and tools else tools
-    if not found:
-        return _as_ids(tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=generation,
-                                                     tokenize=True))
     text = tokenizer.apply_chat_template(masked, tools=masked_tools, add_generation_prompt=generation,
                                          tokenize=False)
+    if not found:  # the template's own ids, if their special tokens are exactly the template's
+        ids = _as_ids(tokenizer(text, add_special_tokens=False)["input_ids"])
+        if pattern is None or _specials_in(ids, specials) == [specials[m.group()][0]
+                                                              for m in pattern.finditer(text)]:
+            return ids
     restore = re.compile(re.escape(mark) + r"(\d+)X")
-
-    encode = _text_encoder(tokenizer, len(tokenizer))
 
     def as_text(run: str) -> list[int]:
         run = restore.sub(lambda m: found[int(m.group(1))] if int(m.group(1)) < len(found) else m.group(), run)
-        return encode(run) if run else []
+        return text_ids(tokenizer, run) if run else []
 
     ids: list[int] = []
     pos = 0
@@ -113,3 +154,8 @@ def chat_template_ids(tokenizer: Any, messages: list[dict], tools: list[dict] | 
         while rstrip and pos < len(text) and text[pos].isspace():
             pos += 1
     return ids + as_text(text[pos:])
+
+
+def _specials_in(ids: list[int], specials: dict[str, tuple[int, bool, bool]]) -> list[int]:
+    controls = {i for i, _, _ in specials.values()}
+    return [i for i in ids if i in controls]

@@ -99,8 +99,8 @@ class InputGuard:
             return item, None, "empty"
         try:
             ids = encode(prompt)
-        except (ValueError, KeyError, TypeError, UnicodeError) as exc:
-            return item, None, f"malformed: cannot tokenize: {exc}"
+        except (ValueError, KeyError, TypeError, UnicodeError) as exc:  # special_token: text forging one
+            return item, None, f"{getattr(exc, 'reason', 'malformed')}: cannot tokenize: {exc}"
         if self.max_prompt_tokens and len(ids) > self.max_prompt_tokens:
             return item, None, f"too_long: {len(ids)} tokens > data.max_prompt_tokens={self.max_prompt_tokens}"
         return item, ids, None

@@ -83,7 +83,9 @@ def build_tokenizer(alphabet: str = DEFAULT_ALPHABET) -> PreTrainedTokenizerFast
 
 def _encode_bytes(tokenizer: PreTrainedTokenizerFast, text: str) -> list[int]:
     """One id per byte of ``text``'s UTF-8 (NFC); text that spells a special token stays bytes."""
-    ids = tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
+    from flash.chat_encoding import text_ids
+
+    ids = text_ids(tokenizer, text)
     if len(ids) != len(unicodedata.normalize("NFC", text).encode()):  # a vocabulary lacking bytes
         raise ValueError(f"the tokenizer has no token for some bytes of {text[:80]!r}")
     return ids
@@ -100,7 +102,8 @@ def encode_prompt(tokenizer: PreTrainedTokenizerFast, prompt: str | list[dict] |
     prompt, exactly as ``apply_chat_template`` gives it. Text with the tiny model's byte
     tokenizer: ``<bos>`` then one id per byte, the response follows directly. Text with a
     chat template (e.g. SmolLM2-Instruct): one user turn, then the assistant header, as the model
-    was tuned to see it. Any other tokenizer: its own encoding with its special tokens."""
+    was tuned to see it. Any other tokenizer: the text as text, inside the tokenizer's own
+    post-processor tokens (``flash.chat_encoding.text_ids``). No special token comes from text."""
     if isinstance(prompt, (list, dict)):
         if not tokenizer.chat_template:
             raise ValueError("the prompt is a chat but the tokenizer has no chat template; set "
@@ -112,7 +115,9 @@ def encode_prompt(tokenizer: PreTrainedTokenizerFast, prompt: str | list[dict] |
         return [tokenizer.bos_token_id] + _encode_bytes(tokenizer, prompt)
     if tokenizer.chat_template:
         return chat_ids(tokenizer, [{"role": "user", "content": prompt}])
-    return tokenizer.encode(prompt)
+    from flash.chat_encoding import text_ids
+
+    return text_ids(tokenizer, prompt, wrap=True)
 
 
 def chat_ids(tokenizer: PreTrainedTokenizerFast, messages: list[dict], tools: list[dict] | None = None) -> list[int]:

@@ -290,7 +290,7 @@ def check_runnable(plan: Plan) -> None:
 
 
 # Engines whose worker runs its model on one device; vLLM runs one tensor-parallel rank per device
-# of its worker (flash.engine.vllm_args), and the simulated engine holds no model.
+# of its worker (flash.engine.vllm_parts.device_args), and the simulated engine holds no model.
 SINGLE_DEVICE_ENGINES = ("torch",)
 
 

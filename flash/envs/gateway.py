@@ -14,13 +14,14 @@ Tools: a chat request's ``tools`` go to the chat template; the reply's tool-call
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``; responses in
 OpenAI's JSON shape, one choice, streamed as server-sent events on ``stream: true`` (the reply is
-generated whole, then sent in chunks). Requests are data (invariant 7): bodies are
-bounded in size (413) and nesting (400 ``too_deep``, measured before parsing), parsed without NaN
-or Infinity, and validated field by field (400 with one line); a request head must arrive within
-``header_timeout_s`` and a body within ``body_timeout_s`` (flash.envs.conn_guard; 408), and a
-session has at most ``max_connections`` requests in flight (429). A refused request never stops
-the server and is counted by reason in ``metrics()``. Every call needs a live session key (401
-otherwise), and the server binds to loopback unless the caller passes ``allow_remote=True``.
+generated whole, then sent in chunks). Requests are data (invariant 7): bodies are bounded in size
+(413) and nesting (400 ``too_deep``, measured before parsing), parsed without NaN or Infinity, and
+validated field by field (400 with one line); a request head must arrive within ``header_timeout_s``
+and a body within ``body_timeout_s`` (flash.envs.conn_guard; 408), and a session has at most
+``max_connections`` requests in flight (429). Message and prompt text is text (flash.chat_encoding;
+``raw_completion_prompts=True``: completions prompts parse special tokens, for trusted agents). A
+refused request never stops the server and is counted by reason in ``metrics()``. Every call needs
+a live session key (401 otherwise); the server binds to loopback unless ``allow_remote=True``.
 
 Why aiohttp: it runs on a plain asyncio loop (one daemon thread, started and stopped by two
 methods) and comes with what flash already installs beside Ray; FastAPI would need an ASGI server
@@ -47,6 +48,7 @@ from typing import Any
 
 from aiohttp import web
 
+from flash.chat_encoding import SpecialTokenInText
 from flash.engine.base import GenerationOutput, SamplingParams
 from flash.envs.chat_messages import (
     TOOL_PARSERS,
@@ -103,8 +105,7 @@ def _bad(message: str, reason: str = "bad_request") -> Refused:
 
 def _show(x: Any) -> str:
     """A value quoted back in a one-line error, cut short (it came from the request)."""
-    text = repr(x)
-    return text if len(text) <= 40 else text[:37] + "..."
+    return text if len(text := repr(x)) <= 40 else text[:37] + "..."
 
 
 def _no_constants(name: str) -> float:
@@ -178,19 +179,15 @@ def check_output(out: GenerationOutput, prompt_ids: list[int]) -> None:
 
 
 def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
     try:
-        return ipaddress.ip_address(host).is_loopback
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
 
 
 def error_body(status: int, reason: str, message: str) -> web.Response:
     """An error in OpenAI's shape, which its clients raise as the matching exception type."""
-    kind = {401: "authentication_error", 413: "invalid_request_error"}.get(status, "invalid_request_error")
-    if status >= 500:
-        kind = "server_error"
+    kind = "server_error" if status >= 500 else {401: "authentication_error"}.get(status, "invalid_request_error")
     return web.json_response({"error": {"message": message, "type": kind, "param": None, "code": reason}},
                              status=status)
 
@@ -222,7 +219,8 @@ class Gateway:
                  max_body_bytes: int = MiB, max_tokens_cap: int = 4096, default_max_tokens: int | None = None,
                  stop_token_ids: list[int] | None = None, model_name: str = "flash-policy",
                  allow_remote: bool = False, workers: int = 8, tool_parser: str | None = "hermes",
-                 header_timeout_s: float = 30.0, body_timeout_s: float = 60.0, max_connections: int = 16):
+                 header_timeout_s: float = 30.0, body_timeout_s: float = 60.0, max_connections: int = 16,
+                 raw_completion_prompts: bool = False):
         if not allow_remote and not is_loopback(host):
             raise ValueError(f"host {host!r} is not loopback: pass allow_remote=True to listen beyond this "
                              "machine (every call still needs a session key)")
@@ -239,7 +237,7 @@ class Gateway:
         self.stop_token_ids = list(stop_token_ids or [tokenizer.eos_token_id])
         self._sessions: dict[str, _Entry] = {}
         self._metrics: Counter = Counter()
-        self.body_timeout_s, self.max_connections = body_timeout_s, max_connections
+        self.body_timeout_s, self.max_connections, self.raw = body_timeout_s, max_connections, raw_completion_prompts
         self._conns = ConnectionGuard(header_timeout_s, lambda name: self._count({name: 1}))
         self._lock = threading.Lock()  # sessions and metrics, shared with the callers' threads
         self._tok_lock = threading.Lock()  # a fast tokenizer is not safe to share between threads
@@ -424,7 +422,7 @@ class Gateway:
             body = await self._body(request)
             prompt, params, stream = parse_prompt(body.get("prompt")), self._params(body), self._stream(body)
             response = await self._serve(key, entry, "text", params, plan_completion, entry.state, self.tokenizer,
-                                         prompt)
+                                         prompt, self.raw)
             return await self._answer(request, response, stream)
 
     @staticmethod
@@ -476,7 +474,8 @@ class Gateway:
             except Exception as exc:  # noqa: BLE001 - jinja and tokenizer errors are bad input
                 first = str(exc).splitlines()[0] if str(exc) else ""
                 raise _bad(f"the tokenizer or chat template could not process the request: "
-                           f"{type(exc).__name__}: {first}"[:300], "template") from None
+                           f"{type(exc).__name__}: {first}"[:300],
+                           "special_token" if isinstance(exc, SpecialTokenInText) else "template") from None
 
     def _reply_text(self, ids: list[int]) -> str:
         """The reply as text: the trailing stop token dropped, special tokens skipped."""

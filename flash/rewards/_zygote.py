@@ -3,7 +3,8 @@
 The parent (``flash.rewards.sandbox``) starts ``python -I -c <this source> CONFIG_JSON`` with one
 end of a SOCK_SEQPACKET socket pair. Setup, once:
 
-1. drop root to an unprivileged uid (root bypasses RLIMIT_NPROC and file permissions);
+1. drop root to an unprivileged uid (root bypasses RLIMIT_NPROC and file permissions), then
+   join a new anonymous session keyring (none of the host's keys is possessed here);
 2. new user, network, ipc, uts and mount namespaces; the network has only a downed loopback;
 3. a new root built from an allow-list: read-only binds of the system directories and this
    interpreter's prefix and import path, a synthesized /etc (the loader's cache and the time
@@ -13,7 +14,9 @@ end of a SOCK_SEQPACKET socket pair. Setup, once:
    home directories and the project are simply absent;
 4. pre-import the standard modules model-written code uses, so a call costs a fork, not an
    interpreter start;
-5. become the child subreaper of everything forked here.
+5. check in a forked probe that the kernel applies the system-call filter (``syscall_filter.py``,
+   sent in CONFIG_JSON): a kernel without seccomp filters fails the setup;
+6. become the child subreaper of everything forked here.
 
 Per call the parent sends a small JSON header and four descriptors: a memfd holding the code and
 its files, the code's stdin (a read-only memfd) and the write ends of its stdout/stderr pipes;
@@ -21,12 +24,13 @@ where the host gives cgroups, also the call's ``cgroup.procs`` files (``cgroups.
 The payload never passes through this process, so a forked sandbox cannot find another call's
 hidden inputs in its inherited memory. Each call:
 
-- ``C`` (forked here, stays in this pid namespace, dies with us): its own session, a new user,
-  pid, mount, network and ipc namespace of its own -- so RLIMIT_NPROC counts only this call's
+- ``C`` (forked here, stays in this pid namespace, dies with us): its own session and anonymous
+  session keyring (so no key of one call is seen by another), a new user, pid, mount, network
+  and ipc namespace of its own -- so RLIMIT_NPROC counts only this call's
   processes and two concurrent calls share nothing -- then forks ``G`` and mirrors its exit
   status;
 - ``G`` (pid 1 of the call's pid namespace): a session of its own (no signal of the code reaches
-  C), a fresh /proc, a size-capped tmpfs on /tmp holding the working directory, nested user
+  C), a fresh /proc (its lists of keys covered by /dev/null), a size-capped tmpfs on /tmp holding the working directory, nested user
   namespaces refused (``user.max_user_namespaces = 0`` in the call's namespace: the kernel's own
   limit, which the code cannot raise), every capability dropped with no_new_privs, rlimits, then
   the code runs as ``__main__``.
@@ -59,7 +63,8 @@ MNT_DETACH, AT_FDCWD, AT_RECURSIVE, MOUNT_ATTR_RDONLY = 2, -100, 0x8000, 1
 SYS_MOUNT_SETATTR = 442  # the same number on every architecture (new syscalls are unified)
 SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}.get(platform.machine())
 PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS = 1, 4, 24, 38
-PR_SET_CHILD_SUBREAPER = 36
+PR_SET_CHILD_SUBREAPER, PR_GET_SECCOMP, PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 36, 21, 22, 2
+KEYCTL_JOIN_SESSION_KEYRING = 1
 PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, CAP_VERSION_3 = 47, 4, 0x20080522
 SETUP_FAILED = 125
 KILL_SIGNAL = signal.SIGUSR1  # server -> C: end the call (C then SIGKILLs G, the namespace's init)
@@ -99,6 +104,41 @@ def _setattr(path: str, flags: int, attr_set: int, attr_clr: int, step: str) -> 
     attr = _MountAttr(attr_set, attr_clr, 0, 0)
     _check(_libc.syscall(SYS_MOUNT_SETATTR, AT_FDCWD, path.encode(), flags, ctypes.byref(attr),
                          ctypes.sizeof(attr)), step)
+
+
+class _SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+
+def _new_session_keyring(keyctl: int) -> None:
+    """Join a new anonymous session keyring: keys possessed before are possessed no more."""
+    if _libc.syscall(ctypes.c_long(keyctl), ctypes.c_long(KEYCTL_JOIN_SESSION_KEYRING), None) < 0:
+        raise SetupError(f"new session keyring failed: {os.strerror(ctypes.get_errno())}")
+
+
+def _install_filter(prog: bytes) -> None:
+    """no_new_privs, then the system-call filter (kept across fork and exec, never removed)."""
+    buf = ctypes.create_string_buffer(prog, len(prog))
+    fprog = _SockFprog(len(prog) // 8, ctypes.addressof(buf))
+    _check(_libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
+    _check(_libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(fprog), 0, 0),
+           "system-call filter (seccomp)")
+
+
+def _probe_filter(cfg: dict) -> None:
+    """Install the filter in a forked child and see the kernel apply it there."""
+    pid = os.fork()
+    if pid == 0:
+        try:
+            _install_filter(bytes.fromhex(cfg["seccomp"]))
+        except SetupError:
+            os._exit(2)
+        os._exit(0 if _libc.prctl(PR_GET_SECCOMP, 0, 0, 0, 0) == SECCOMP_MODE_FILTER else 3)
+    code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    if code != 0:
+        why = {2: "refuses to install it", 3: "does not apply it"}.get(code, f"fails ({code})")
+        raise SetupError(f"this kernel {why}: the sandbox's system-call filter (seccomp) is "
+                         "required to run code")
 
 
 def _write(path: str, text: str) -> None:
@@ -192,10 +232,12 @@ def setup(cfg: dict) -> None:
         os.setgid(gid)
         os.setuid(uid)
         _libc.prctl(PR_SET_DUMPABLE, 1, 0, 0, 0)  # else /proc/self/uid_map stays root's
+    _new_session_keyring(cfg["keyctl"])
     _enter_user_namespace(CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS | CLONE_NEWNS)
     _build_root()
     for name in PRELOAD:
         __import__(name)
+    _probe_filter(cfg)
 
 
 class _CapHeader(ctypes.Structure):
@@ -213,13 +255,15 @@ def _drop_capabilities() -> None:
     _check(_libc.capset(ctypes.byref(_CapHeader(CAP_VERSION_3, 0)), data), "capset")
 
 
-def _prepare_call(req: dict, payload_fd: int) -> None:
+def _prepare_call(req: dict, payload_fd: int, prog: bytes) -> None:
     """In G, before the code: a session of its own (so no signal of the code reaches C), /proc,
-    the tmpfs, the files, the locks, the limits."""
+    the tmpfs, the files, the locks, the limits, the system-call filter."""
     os.setsid()
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {KILL_SIGNAL})
     _check(_libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "pdeathsig")
     _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, step="mount")
+    for path in filter(os.path.exists, ("/proc/keys", "/proc/key-users")):  # the host's keys
+        _mount("/dev/null", path, None, MS_BIND, step="hide")
     _mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV,
            f"size={req['disk_mb']}m,nr_inodes={req['max_files']},mode=700", step="mount")
     _write("/proc/sys/user/max_user_namespaces", "0")
@@ -233,11 +277,12 @@ def _prepare_call(req: dict, payload_fd: int) -> None:
     _drop_capabilities()
     for name, (soft, hard) in req["limits"].items():
         resource.setrlimit(getattr(resource, name), (soft, hard))
+    _install_filter(prog)
 
 
 def _stdio() -> None:
     """Fresh text streams over fds 0-2, as a new interpreter would have them."""
-    sys.stdin = sys.__stdin__ = open(0, "r", encoding="utf-8", closefd=False)
+    sys.stdin = sys.__stdin__ = open(0, encoding="utf-8", closefd=False)
     sys.stdout = sys.__stdout__ = open(1, "w", encoding="utf-8", closefd=False)
     sys.stderr = sys.__stderr__ = open(2, "w", encoding="utf-8", errors="backslashreplace",
                                        buffering=1, closefd=False)
@@ -286,10 +331,10 @@ def _run_code(env: dict) -> None:
     os._exit(code & 0xFF)
 
 
-def _call_child(req: dict, payload_fd: int) -> None:
+def _call_child(req: dict, payload_fd: int, prog: bytes) -> None:
     """G: pid 1 of the call's namespaces."""
     try:
-        _prepare_call(req, payload_fd)
+        _prepare_call(req, payload_fd, prog)
     except (OSError, SetupError) as exc:
         os.write(2, f"flash-sandbox-setup: {exc}\n".encode())
         os._exit(SETUP_FAILED)
@@ -319,11 +364,12 @@ def _mirror(pid: int) -> None:
     os._exit(os.WEXITSTATUS(status) if os.WIFEXITED(status) else SETUP_FAILED)
 
 
-def _call(req: dict, fds: list[int], server_fd: int) -> None:
-    """C: the call's namespaces, then G, then wait."""
+def _call(req: dict, fds: list[int], server_fd: int, cfg: dict) -> None:
+    """C: the call's keyring and namespaces, then G, then wait."""
     try:
         os.close(server_fd)
         os.setsid()  # kill(0) from the code reaches this call's processes, not the server
+        _new_session_keyring(cfg["keyctl"])
         for fd in fds[4:]:  # its cgroups (flash.rewards.cgroups), before anything else runs
             os.write(fd, str(os.getpid()).encode())
         for target, fd in zip((0, 1, 2), fds[1:]):
@@ -338,7 +384,7 @@ def _call(req: dict, fds: list[int], server_fd: int) -> None:
         os.write(2, f"flash-sandbox-setup: {exc}\n".encode())
         os._exit(SETUP_FAILED)
     if pid == 0:
-        _call_child(req, fds[0])
+        _call_child(req, fds[0], bytes.fromhex(cfg["seccomp"]))
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)  # only SIGKILL (from the server) ends us early
     devnull = os.open("/dev/null", os.O_RDWR)
@@ -394,7 +440,7 @@ def _end_all(running: dict) -> None:
     os._exit(0)
 
 
-def serve(sock: socket.socket) -> None:
+def serve(sock: socket.socket, cfg: dict) -> None:
     """Fork a call per request; report each call's pid and, when it ends, its exit status."""
     sel = selectors.DefaultSelector()
     sel.register(sock, selectors.EVENT_READ)
@@ -422,7 +468,7 @@ def serve(sock: socket.socket) -> None:
                 continue
             pid = os.fork()
             if pid == 0:
-                _call(req, fds, sock.fileno())
+                _call(req, fds, sock.fileno(), cfg)
             for fd in fds:
                 os.close(fd)
             pidfd = os.pidfd_open(pid)
@@ -441,7 +487,7 @@ def main() -> None:
         os._exit(SETUP_FAILED)
     _libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)  # a G whose C died comes back to us
     sock.send(json.dumps({"ready": os.getpid()}).encode())
-    serve(sock)
+    serve(sock, cfg)
 
 
 main()

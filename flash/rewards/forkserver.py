@@ -7,8 +7,9 @@ Why a server: starting an interpreter and building namespaces per call cost ~75 
 A call hands the server four descriptors (a memfd with the code and files, a read-only memfd as
 stdin, the write ends of two pipes) and gets back the call's pid and, later, its exit status.
 The code's bytes go straight from this process to the call through the memfd, never through the
-server's memory. A reader thread matches replies to calls; if the server dies every waiting call
-fails with ``SandboxSetupError`` and the next call starts a new server.
+server's memory. Every call runs under the system-call filter of ``syscall_filter.py`` and in a
+session keyring of its own. A reader thread matches replies to calls; if the server dies every
+waiting call fails with ``SandboxSetupError`` and the next call starts a new server.
 """
 
 from __future__ import annotations
@@ -17,11 +18,14 @@ import functools
 import itertools
 import json
 import os
+import platform
 import socket
 import subprocess
 import threading
 import time
 from pathlib import Path
+
+from flash.rewards import syscall_filter
 
 _START_TIMEOUT_S = 30.0
 _REPLY_GRACE_S = 10.0
@@ -61,12 +65,24 @@ class _Call:
         self.done = threading.Event()
 
 
-class ForkServer:
-    """A running ``_zygote.py`` and the calls in flight on it."""
+def confinement() -> dict:
+    """The system-call filter and keyring settings every call gets (``syscall_filter``)."""
+    confine = syscall_filter.launcher_config()
+    if not confine:
+        raise SandboxSetupError(f"the code sandbox has no system-call filter for this machine "
+                                f"({platform.machine()}); it runs on {', '.join(syscall_filter.ARCHES)}")
+    return confine
 
-    def __init__(self, python: str, drop_to: tuple[int, int] | None) -> None:
+
+class ForkServer:
+    """A running ``_zygote.py`` and the calls in flight on it. ``confine``: the filter and
+    keyring settings of its calls (default ``confinement()``)."""
+
+    def __init__(self, python: str, drop_to: tuple[int, int] | None,
+                 confine: dict | None = None) -> None:
+        cfg = {"drop_to": drop_to, **(confine or confinement())}
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        cfg = {"drop_to": drop_to, "fd": theirs.fileno()}
+        cfg["fd"] = theirs.fileno()
         self.proc = subprocess.Popen(
             [python, "-I", "-c", _zygote_source(), json.dumps(cfg)], pass_fds=[theirs.fileno()],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,

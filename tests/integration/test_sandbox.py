@@ -216,7 +216,8 @@ def test_as_an_ordinary_user_same_uid_files_and_parent_are_still_safe():
         for init in (home / "flash" / "__init__.py", package / "__init__.py"):
             init.write_text("")
         module = Path(sandbox.__file__)
-        for name in ("sandbox.py", "forkserver.py", "cgroups.py", "_jail.py", "_zygote.py"):
+        for name in ("sandbox.py", "forkserver.py", "cgroups.py", "_jail.py", "_zygote.py",
+                     "syscall_filter.py"):
             shutil.copyfile(module.with_name(name), package / name)
         for p in home.rglob("*"):
             os.chmod(p, 0o755 if p.is_dir() else 0o644)

