@@ -27,14 +27,14 @@ checkpoint or none; a checkpoint damaged later (truncated, edited) fails its man
 ``latest_valid`` falls back to the previous one. ``prune`` deletes only checkpoints this run signed
 for their own step and run dir; any other is left where it is.
 
-Cost in the step: only the snapshot (the trainer clones its state; the driver copies the buffer and
+Cost in the step: only the snapshot (the trainer copies its state to host memory, pinned buffers
+reused from one checkpoint to the next on a GPU: ``flash.staging``; the driver copies the buffer and
 the scheduler state). Hashing and disk writes run in a background thread (``checkpoint.async_write``)
 while training goes on; the next checkpoint waits for the previous write.
 """
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import io
 import json
@@ -55,6 +55,7 @@ from flash.checkpoint_trust import (INODE, RefusedCheckpoint, RunDir, RunKey, ch
                                     listed_files_only, read_manifest, read_verified)
 from flash.errors import ConfigError
 from flash.run_files import open_run_file, run_subdir
+from flash.staging import HostStager
 
 log = logging.getLogger("flash")
 
@@ -232,11 +233,13 @@ def commit(tmp: Path, final: Path) -> None:
 
 
 # ---- trainer state (called inside the trainer actor) -------------------------------------------
-def trainer_state(trainer) -> dict:
-    """A copy of everything the trainer needs to continue bit-for-bit (taken between steps)."""
+def trainer_state(trainer, stager: HostStager | None = None) -> dict:
+    """A copy of everything the trainer needs to continue bit-for-bit (taken between steps), in
+    host memory (``stager``: the trainer's own, whose buffers the next snapshot reuses)."""
+    state = (stager or HostStager()).stage({"model": dict(trainer.model.state_dict()),
+                                            "optimizer": trainer.optimizer.state_dict()})
     return {
-        "model": {k: v.detach().clone() for k, v in trainer.model.state_dict().items()},
-        "optimizer": copy.deepcopy(trainer.optimizer.state_dict()),
+        **state,
         "rng": rng_state(),
         "steps": trainer.steps,
         "optimizer_steps": trainer.optimizer_steps,  # the lr schedule's position

@@ -58,6 +58,37 @@ def autocast(device: torch.device, dtype: torch.dtype | None):
     return torch.autocast(device_type=device.type, dtype=dtype)
 
 
+# cuBLAS reads this in every process that inherits it (an engine actor and vLLM's workers): float32
+# matmuls in TF32 whatever the process itself sets. CPU matmuls never read it.
+TF32_ENV = {"TORCH_ALLOW_TF32_CUBLAS_OVERRIDE": "1"}
+
+
+def tf32_wanted(device: torch.device | str, dtype: str, enabled: bool) -> bool:
+    """Whether a role runs its float32 matmuls in TF32 (10-bit mantissa inputs, float32
+    accumulation: several times the float32 matmul rate on Ampere and later): ``resources.tf32`` on,
+    ``model.dtype`` float32 (a bf16/fp16 run computes its matmuls in that dtype anyway) and a CUDA
+    device. Never on the CPU: a CPU run's numerics stay exact float32."""
+    return enabled and dtype == "float32" and torch.device(device).type == "cuda"
+
+
+def use_tf32(device: torch.device | str, dtype: str, enabled: bool) -> bool:
+    """Switch this process's CUDA matmuls and cuDNN to TF32 where ``tf32_wanted``; True when it did.
+    The CUDA-only flags: ``torch.set_float32_matmul_precision("high")`` would switch the CPU's
+    oneDNN matmuls too, and torch's per-backend ``fp32_precision`` setters, once mixed with the
+    flags other libraries read, make ``torch.get_float32_matmul_precision()`` raise."""
+    if not tf32_wanted(device, dtype, enabled):
+        return False
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+    return True
+
+
+def tf32_env(devices: tuple[int, ...], dtype: str, enabled: bool) -> dict[str, str]:
+    """The environment of an engine worker placed on ``devices`` (none: the CPU) that makes its
+    process, and those it starts, compute float32 matmuls in TF32 where ``tf32_wanted``."""
+    return dict(TF32_ENV) if tf32_wanted("cuda" if devices else "cpu", dtype, enabled) else {}
+
+
 def model_device(model) -> torch.device:
     """Where a model's parameters live."""
     return next(model.parameters()).device

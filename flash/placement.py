@@ -289,6 +289,22 @@ def check_runnable(plan: Plan) -> None:
         raise PlacementError("placement.roles.actor_train and actor_infer each need num_workers >= 1")
 
 
+# Engines whose worker runs its model on one device; vLLM runs one tensor-parallel rank per device
+# of its worker (flash.engine.vllm_parts.device_args), and the simulated engine holds no model.
+SINGLE_DEVICE_ENGINES = ("torch",)
+
+
+def check_engine_devices(plan: Plan, engine: str) -> None:
+    """Raise PlacementError when an ``actor_infer`` worker holds devices its engine would not use."""
+    wide = [w for w in plan.workers["actor_infer"] if len(w.devices) > 1]
+    if engine in SINGLE_DEVICE_ENGINES and wide:
+        devices = plan.devices("actor_infer")
+        raise PlacementError(f"placement.roles.actor_infer gives each worker {len(wide[0].devices)} devices "
+                             f"(w{wide[0].rank}: {list(wide[0].devices)}), but the {engine} engine runs on one: set "
+                             f"placement.roles.actor_infer.num_workers={len(devices)} (one replica per device), "
+                             f"or rollout.engine=vllm (tensor parallel over a worker's devices)")
+
+
 def visible_devices() -> list[int]:
     """This process's logical device indices, as the placement gave them (empty: CPU only)."""
     raw = os.environ.get("FLASH_DEVICES", "")

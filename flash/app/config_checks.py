@@ -132,10 +132,11 @@ def group_free(train: TrainConfig) -> bool:
 
 def _check_placement(cfg: FlashConfig) -> None:
     import algos
-    from flash.placement import check_runnable, plan_placement
+    from flash.placement import check_engine_devices, check_runnable, plan_placement
 
     plan = plan_placement(cfg.placement, engine=cfg.rollout.engine)  # PlacementError: a ConfigError
     check_runnable(plan)
+    check_engine_devices(plan, cfg.rollout.engine)
     ranks = cfg.placement.roles.actor_train.num_workers
     _require(ranks == cfg.train.workers,
              f"train.workers={cfg.train.workers} but placement.roles.actor_train.num_workers={ranks}: the "

@@ -27,7 +27,7 @@ from controllers.staleness import StalenessManager
 from flash.app.config import FlashConfig
 from flash.app.resume import LOGS
 from flash.cluster import init_ray, wait_ready
-from flash.devices import REFERENCE_BYTES_PER_PARAM, TRAINER_BYTES_PER_PARAM
+from flash.devices import REFERENCE_BYTES_PER_PARAM, TRAINER_BYTES_PER_PARAM, tf32_env
 from flash.engine.client import EngineClient
 from flash.engine.router import start_router
 from flash.engine.torch_worker import start_engine
@@ -186,22 +186,48 @@ def _start_engines(cfg: FlashConfig, plan: Plan, placement: Placement, model_pat
     the engine client: restarts up to ``max_engine_restarts`` (0: a fault stops the run at once,
     naming the knob)."""
     n = len(plan.workers["actor_infer"])
-    # the simulated engines share sim.rollout_gpus between them; the others hold model.dtype weights
-    extra = {"sim": cfg.sim, "replicas": n} if cfg.rollout.engine == "sim" else {"dtype": cfg.model.dtype}
-    if cfg.rollout.engine == "torch":
-        extra["max_num_batched_tokens"] = cfg.rollout.max_num_batched_tokens
-    if colocated and cfg.rollout.engine == "vllm":  # its memory share: what the trainer leaves
-        extra["trainer_bytes_per_param"] = colocated_trainer_bytes_per_param(cfg, plan)
     replicas = [start_engine(model_path, cfg.rollout.max_num_seqs, cfg.seed, max(1, engine_threads // n),
-                             engine=cfg.rollout.engine, options=placement.options("actor_infer", i),
+                             engine=cfg.rollout.engine,
+                             options=engine_options(cfg, plan, placement.options("actor_infer", i), i),
                              sleep_mode=colocated,
                              # Ray restarts a dead replica; flash.engine.client recovers its work
-                             max_restarts=cfg.rollout.max_engine_restarts, engine_kwargs=extra)
+                             max_restarts=cfg.rollout.max_engine_restarts,
+                             engine_kwargs=engine_kwargs(cfg, plan, i, colocated))
                 for i in range(n)]
     engine = replicas[0] if n == 1 else start_router(replicas, cfg.rollout.prompt_affinity, cfg.rollout.hang_timeout_s)
     client = EngineClient(engine, cfg.rollout.hang_timeout_s, cfg.rollout.max_engine_restarts,
                           replicas=replicas if n > 1 else None)
     return replicas, engine, client
+
+
+def engine_kwargs(cfg: FlashConfig, plan: Plan, i: int, colocated: bool) -> dict:
+    """The constructor arguments of ``actor_infer`` worker ``i`` beyond the shared ones: the
+    simulated engines share sim.rollout_gpus; the others hold model.dtype weights; a vLLM worker
+    runs one tensor-parallel rank per device the placement gives it (a torch engine takes its
+    prefill budget), seeds requests as
+    ``rollout.request_seeds`` says and, colocated, takes what the trainer leaves of the GPU."""
+    if cfg.rollout.engine == "sim":
+        return {"sim": cfg.sim, "replicas": len(plan.workers["actor_infer"])}
+    extra: dict[str, Any] = {"dtype": cfg.model.dtype}
+    if cfg.rollout.engine == "torch":
+        extra["max_num_batched_tokens"] = cfg.rollout.max_num_batched_tokens
+    if cfg.rollout.engine == "vllm":
+        extra["tensor_parallel_size"] = max(1, len(plan.workers["actor_infer"][i].devices))
+        extra["request_seeds"] = cfg.rollout.request_seeds
+        if colocated:
+            extra["trainer_bytes_per_param"] = colocated_trainer_bytes_per_param(cfg, plan)
+    return extra
+
+
+def engine_options(cfg: FlashConfig, plan: Plan, options: dict, i: int) -> dict:
+    """``actor_infer`` worker ``i``'s actor options (its placement's) plus the environment that
+    makes it, and the processes it starts, run float32 matmuls in TF32 on a GPU (``tf32_env``)."""
+    env = tf32_env(plan.workers["actor_infer"][i].devices, cfg.model.dtype, cfg.resources.tf32)
+    if not env or cfg.rollout.engine == "sim":
+        return options
+    runtime = dict(options.get("runtime_env") or {})
+    runtime["env_vars"] = {**(runtime.get("env_vars") or {}), **env}
+    return {**options, "runtime_env": runtime}
 
 
 def colocated_trainer_bytes_per_param(cfg: FlashConfig, plan: Plan) -> float:
@@ -251,7 +277,7 @@ def start_reference_role(cfg: FlashConfig, model_path: str, threads: int, placem
         return None
     options = placement.options("reference", 0) if placement is not None else None
     return start_reference(model_path, cfg.rollout.temperature, cfg.train.micro_batch_size, threads, options,
-                           cfg.model.dtype)
+                           cfg.model.dtype, cfg.resources.tf32)
 
 
 def new_guards(cfg: FlashConfig, max_prompt_tokens: int, read_skipped: dict | None = None) -> Guards:

@@ -62,6 +62,10 @@ class RolloutConfig:
     # batches of at most this many tokens (rows x longest) per forward, whole sequences each; one
     # longer than the budget goes alone. Bounds the prefill's activation peak.
     max_num_batched_tokens: int = 0  # the torch engine's prefill budget in tokens; 0: none (one prefill)
+    # vLLM: every request samples with its own seed (its tokens do not depend on its batch mates; on
+    # a GPU vLLM's slower per-request sampling path). null: on the CPU yes, on a GPU no (the engine
+    # is seeded once from `seed`). The torch engine always seeds each request.
+    request_seeds: Optional[bool] = None
     interrupt: InterruptMode = "continue"  # continue | restart | wait (docs/design.md invariant 4)
     # Fault injection for tests and benchmarks: each finished response waits uniform(0, x) seconds
     # before it is scored, so groups finish out of admission order.
@@ -204,6 +208,10 @@ class ResourcesConfig:
     # torch threads of the driver's own numeric work (advantages, collation, metrics) whatever the
     # calling process set: a run started in-process gives the numbers of a CLI run.
     driver_threads: int = 1
+    # float32 matmuls in TF32 (float32 accumulation) in the roles on a CUDA GPU when model.dtype is
+    # float32: the trainer's processes and the engines (flash.devices.tf32_wanted); never on the CPU,
+    # whose float32 numbers stay exact. false: full float32 matmuls on the GPU too.
+    tf32: bool = True
 
 
 @dataclass

@@ -60,5 +60,5 @@ def trainer_settings(cfg: FlashConfig) -> TrainerSettings:
         total_optimizer_steps=cfg.train.steps * steps_per_batch(cfg.train),
         prox=trainer_prox(cfg.algo.recompute_prox),
         reference="role" if reference_placed(cfg) else "local", dtype=cfg.model.dtype,
-        entropy_every_steps=cfg.train.entropy_every_steps,
+        entropy_every_steps=cfg.train.entropy_every_steps, tf32=cfg.resources.tf32,
     )

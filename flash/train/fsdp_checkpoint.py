@@ -30,6 +30,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from flash.staging import HostStager
+
 
 def full_state_dict(model) -> dict[str, torch.Tensor] | None:
     """The unsharded state dict on rank 0 (CPU tensors, every key the plain model has); None elsewhere."""
@@ -141,25 +143,14 @@ def load_dcp(model, optimizer, path: str, files: Mapping[str, dict] | None = Non
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 
-def clone_state(obj):
-    """A deep copy of a (nested) state dict: tensors cloned (a DTensor stays a DTensor, its local
-    shard copied), everything else copied as is."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().clone()
-    if isinstance(obj, dict):
-        return {k: clone_state(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(clone_state(v) for v in obj)
-    return obj
-
-
-def snapshot_dcp(model, optimizer) -> dict:
-    """This rank's shards of model and optimizer state, copied between steps (no communication:
-    each rank copies only what it holds), for ``save_snapshot`` to write while training goes on."""
+def snapshot_dcp(model, optimizer, stager: HostStager | None = None) -> dict:
+    """This rank's shards of model and optimizer state, copied between steps into host memory (no
+    communication: each rank copies only what it holds; ``stager``: the rank's own, whose pinned
+    buffers the next snapshot reuses), for ``save_snapshot`` to write while training goes on."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     msd, osd = get_state_dict(model, optimizer)
-    return {"model": clone_state(msd), "optim": clone_state(osd)}
+    return (stager or HostStager()).stage({"model": msd, "optim": osd})
 
 
 def save_snapshot(state: dict, path: str, process_group) -> None:

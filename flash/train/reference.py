@@ -24,7 +24,7 @@ import ray
 import torch
 
 from flash.cluster import load_model
-from flash.devices import actor_device, autocast_dtype
+from flash.devices import actor_device, autocast_dtype, use_tf32
 from flash.train.attention import causal_attention
 from flash.train.batch import TrainBatch, batch_to
 from flash.train.trainer import batch_logprobs
@@ -33,9 +33,10 @@ class Reference:
     """The frozen initial policy as an actor: ``logprobs(batch)`` only (it never trains)."""
 
     def __init__(self, model_path: str, temperature: float, micro_batch_size: int, threads: int = 1,
-                 dtype: str = "float32"):
+                 dtype: str = "float32", tf32: bool = True):
         torch.set_num_threads(max(1, threads))
         self.device, self.autocast = actor_device(), autocast_dtype(dtype)
+        use_tf32(self.device, dtype, tf32)  # the trainer's matmul precision, so both logprobs agree
         self.model = causal_attention(load_model(model_path).to(self.device).eval())  # right-padded batches
         for p in self.model.parameters():
             p.requires_grad_(False)
@@ -57,7 +58,7 @@ class Reference:
 
 
 def start_reference(model_path: str, temperature: float, micro_batch_size: int, threads: int,
-                    options: dict | None = None, dtype: str = "float32"):
+                    options: dict | None = None, dtype: str = "float32", tf32: bool = True):
     """The reference role as its own Ray actor, placed by ``options`` (``Placement.options``)."""
     actor = ray.remote(Reference).options(num_cpus=0, **(options or {}))
-    return actor.remote(model_path, temperature, micro_batch_size, threads, dtype)
+    return actor.remote(model_path, temperature, micro_batch_size, threads, dtype, tf32)

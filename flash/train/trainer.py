@@ -29,7 +29,7 @@ import torch
 import algos
 import algos.metrics
 from algos.proximal import approx_prox_logp
-from flash.devices import autocast_dtype, model_device, release_cached_memory
+from flash.devices import autocast_dtype, model_device, release_cached_memory, use_tf32
 from flash.train.attention import causal_attention
 from flash.train.batch import TrainBatch, batch_to, response_starts, to_device
 from flash.train.logprobs import token_logprobs
@@ -61,6 +61,7 @@ class TrainerSettings:
     # log the policy's entropy on every k-th batch (0: never); a loss term that needs it
     # (entropy_coef) has it on every step
     entropy_every_steps: int = 1
+    tf32: bool = True  # resources.tf32: float32 matmuls in TF32 on a CUDA device (flash.devices.use_tf32)
 
     @property
     def updates_per_batch(self) -> int:
@@ -142,6 +143,7 @@ class Trainer:
         self.model.train()
         self.s = settings
         self.device = model_device(model)  # batches move here; results come back to the CPU
+        self.tf32 = use_tf32(self.device, settings.dtype, settings.tf32)
         self.autocast = autocast_dtype(settings.dtype)  # None: float32, no autocast context
         self.span_head = self.autocast is not None  # the response span's logits only (token_logprobs)
         self.knobs = {k: v for k, v in settings.loss.items() if k != "name"}

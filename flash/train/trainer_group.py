@@ -34,6 +34,7 @@ import torch
 
 from algos.metrics import combine, finalize
 from flash.errors import FlashError
+from flash.staging import HostStager
 from flash.train.batch import TrainBatch, batch_to
 from flash.train.fsdp import COLLECTIVE_TIMEOUT_S, GroupSettings, ShardedTrainer, free_port, pick_device
 from flash.weights.gather import FlatGather
@@ -79,6 +80,7 @@ class FSDPRank(UpdateSender):
         self.trainer: ShardedTrainer | None = None
         self.ckpt_group = None
         self._snapshot: dict | None = None
+        self._stager = HostStager()  # the snapshot's host buffers, reused by the next one
         self._ties: list[tuple[str, ...]] = []  # names sharing one tensor in the unsharded model
         self._mu_full: dict[str, torch.Tensor] | None = None  # rank 0: the gathered weights to push
         self._flat: FlatGather | None = None  # mu_gather's plan (flash.weights.gather), made at setup
@@ -196,7 +198,8 @@ class FSDPRank(UpdateSender):
         from flash.checkpoint import rng_state
         from flash.train.fsdp_checkpoint import snapshot_dcp
 
-        self._snapshot = {"dcp": snapshot_dcp(self.trainer.model, self.trainer.optimizer), "rng": rng_state()}
+        self._snapshot = {"dcp": snapshot_dcp(self.trainer.model, self.trainer.optimizer, self._stager),
+                          "rng": rng_state()}
 
     def checkpoint_write(self, path: str) -> None:
         from flash.checkpoint import save_trainer_state

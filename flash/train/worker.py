@@ -16,6 +16,7 @@ import torch
 
 from flash.cluster import load_model, plugin_paths
 from flash.devices import actor_device, read_peak_memory
+from flash.staging import HostStager
 from flash.usage import process_tree_cpu_s
 from flash.weights.group import UpdateSender
 
@@ -32,6 +33,7 @@ class TrainerWorker(UpdateSender):
         self.trainer = Trainer(load_model(model_path).to(actor_device()), settings, seed=seed)
         self._lock = threading.Lock()  # a checkpoint snapshot never sees half a step
         self._snapshot: dict | None = None
+        self._stager = HostStager()  # the snapshot's host buffers, reused by the next one
 
     def logprobs(self, batch):
         return self.trainer.logprobs(batch).cpu()
@@ -46,7 +48,7 @@ class TrainerWorker(UpdateSender):
         from flash.checkpoint import trainer_state
 
         with self._lock:
-            self._snapshot = trainer_state(self.trainer)
+            self._snapshot = trainer_state(self.trainer, self._stager)
 
     def checkpoint_write(self, directory: str) -> None:
         from flash.checkpoint import write_snapshot

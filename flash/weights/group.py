@@ -193,6 +193,10 @@ class UpdateReceiver:
     def mu_where(self) -> dict[str, str]:
         return _where(self._mu_device())
 
+    def mu_members(self) -> int:
+        """The group ranks this replica takes, from ``rank`` on (a tensor-parallel engine: one per rank)."""
+        return 1
+
     def mu_join(self, group: str, backend: str, host: str, port: int, rank: int, world: int,
                 timeout_s: float) -> None:
         m = _groups(self)[group] = _Member(backend)
@@ -264,6 +268,16 @@ class _Counted:
         return item
 
 
+def member_ranks(members: list[int]) -> tuple[list[int], int]:
+    """Each replica's first group rank and the group's size, the trainer being rank 0: a replica
+    of ``k`` members (tensor-parallel ranks, each receiving every bucket) takes ``k`` ranks."""
+    firsts, nxt = [], 1
+    for k in members:
+        firsts.append(nxt)
+        nxt += k
+    return firsts, nxt
+
+
 class ModelUpdateGroup:
     """The controller's handle on trainer → engines weight pushes (see ``flash.weights.model_update``)."""
 
@@ -290,12 +304,13 @@ class ModelUpdateGroup:
         if self.backend == "object_store":
             return self.backend
         self.cast = agreed_dtypes(self._get([e.mu_dtypes.remote() for e in self.engines], "dtypes"))
-        world, g = len(self.engines) + 1, self.group
+        ranks, world = member_ranks(self._get([e.mu_members.remote() for e in self.engines], "members"))
+        g = self.group
         port = self._get([self.trainer.mu_open.remote(g, self.backend, self.host, self.timeout_s)], "rendezvous",
                          ["trainer"])[0]
         refs = [self.trainer.mu_join.remote(g, world, self.timeout_s)]
-        refs += [e.mu_join.remote(g, self.backend, self.host, port, rank + 1, world, self.timeout_s)
-                 for rank, e in enumerate(self.engines)]
+        refs += [e.mu_join.remote(g, self.backend, self.host, port, rank, world, self.timeout_s)
+                 for rank, e in zip(ranks, self.engines)]
         self._get(refs, "join")
         return self.backend
 

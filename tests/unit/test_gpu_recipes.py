@@ -46,3 +46,16 @@ def test_gpu_recipe_without_its_model_folder_names_the_download(recipe, tmp_path
     data = [o for o in gpu_recipe_overrides(tmp_path, recipe) if o.startswith("data.")]
     with pytest.raises(ConfigError, match=f"model.path=models/{GPU_RECIPES[recipe]} is not a local folder"):
         load_config(recipe_paths()[recipe], data)
+
+
+def test_a_torch_engine_worker_given_two_gpus_is_refused_at_validate_naming_the_fix(tmp_path, capsys):
+    stand_ins = gpu_recipe_overrides(tmp_path, "gsm8k_8gpu")
+    wide = ["rollout.engine=torch", "placement.roles.actor_infer.num_workers=2", "model_update.backend=auto"]
+    capsys.readouterr()
+    assert main(["validate", "gsm8k_8gpu", *stand_ins, *wide]) != 0
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    assert ("placement.roles.actor_infer gives each worker 2 devices (w0: [4, 5]), but the torch engine runs on "
+            "one: set placement.roles.actor_infer.num_workers=4 (one replica per device), or rollout.engine=vllm"
+            in err)
+    assert main(["validate", "gsm8k_8gpu", *stand_ins, "placement.roles.actor_infer.num_workers=2"]) == 0  # vLLM: two tensor-parallel ranks each

@@ -84,3 +84,25 @@ def test_each_gpu_recipe_layout_gets_its_backend(recipe, backend, tmp_path, on_g
     assert all(r["device"].startswith("cuda:") for r in replicas)
     assert choose_backend(cfg.model_update.backend, [sender, *replicas]) == backend
     assert choose_backend("auto", [sender, *replicas]) == backend
+
+
+def test_a_tensor_parallel_replica_takes_one_group_rank_per_vllm_worker():
+    from flash.engine.vllm_engine import VLLMEngineWorker
+    from flash.weights.group import member_ranks
+
+    assert member_ranks([1, 1, 1, 1]) == ([1, 2, 3, 4], 5)  # gsm8k_8gpu: the trainer and four replicas
+    assert member_ranks([2, 2]) == ([1, 3], 5) and member_ranks([4, 1]) == ([1, 5], 6)
+    assert UpdateReceiver.mu_members(SimpleNamespace()) == 1
+    assert VLLMEngineWorker.mu_members(SimpleNamespace(_tp=2)) == 2
+
+
+def test_each_vllm_worker_joins_at_its_replicas_first_rank_plus_its_tensor_parallel_rank(monkeypatch):
+    from flash.engine.vllm_weights import WeightSync
+
+    joined = []
+    monkeypatch.setattr(UpdateReceiver, "mu_join", lambda self, *args: joined.append(args[4]))
+    for tp_rank in (0, 1):
+        worker = object.__new__(WeightSync)
+        worker.rank = tp_rank  # vLLM's worker's rank in its tensor-parallel world
+        worker.mu_join("g", "nccl", "127.0.0.1", 1234, 3, 5, 10.0)
+    assert joined == [3, 4]
