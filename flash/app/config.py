@@ -37,8 +37,8 @@ from flash.errors import ConfigError
 
 def load_config(recipe_path: str | Path, overrides: list[str] = ()) -> FlashConfig:
     """Recipe YAML + ``key=value`` overrides → a validated FlashConfig object."""
-    chain = recipe_chain(Path(recipe_path))
     cli = _parse_overrides(_check_dotlist(list(overrides)))
+    chain = resumed_run(cli.get("resume"), Path(recipe_path)) or recipe_chain(Path(recipe_path))
     for source in (*chain, cli):
         check_keys(OmegaConf.to_container(source), FlashConfig)
     try:
@@ -59,6 +59,26 @@ def load_config(recipe_path: str | Path, overrides: list[str] = ()) -> FlashConf
     resolve_plugins(cfg, Path(recipe_path).resolve().parent)
     validate(cfg)
     return cfg
+
+
+PER_START = ("resume", "run_dir", "overwrite", "trust_checkpoint")  # what one start says, not the run
+
+
+def resumed_run(resume, recipe_path: Path) -> list:
+    """``resume=DIR``: the settings the run recorded in ``DIR/config.yaml`` (less ``PER_START``) in
+    place of the recipe's, so a resumed run keeps every override it started with; the overrides
+    given now apply on top (what may change on resume: ``flash.app.resume.MAY_CHANGE``). Empty
+    when there is no such run (the pre-start checks name it)."""
+    from flash.app.resume_dir import resolve_resume, saved_config
+
+    if not resume:
+        return []
+    try:
+        run_dir = resolve_resume(str(resume), recipe_path.stem)
+    except ConfigError:
+        return []
+    saved = OmegaConf.create({k: v for k, v in saved_config(run_dir).items() if k not in PER_START})
+    return [migrate(saved, run_dir / "config.yaml")]
 
 
 def resolve_plugins(cfg: FlashConfig, recipe_dir: Path) -> None:

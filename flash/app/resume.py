@@ -23,11 +23,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import NamedTuple
 
-import yaml
-from omegaconf import OmegaConf
-from omegaconf.errors import OmegaConfBaseException
-
 from flash.app.config import flat_settings
+from flash.app.resume_dir import resolve_resume, saved_config  # noqa: F401 -- read through this module too
 from flash.errors import ConfigError, FlashError
 from flash.run_files import open_run_file, refuse_links
 
@@ -41,26 +38,6 @@ MAY_CHANGE = ("train.steps", "train.max_consecutive_skips", "train.workers", "tr
               "rollout.max_engine_restarts", "rollout.max_worker_restarts", "resources.", "ray.", "data.strict")
 
 
-def resolve_resume(resume: str | None, recipe_name: str, runs_root: Path = Path("runs")) -> Path | None:
-    """The run dir ``resume`` names (``latest``: newest ``runs/<recipe>-*`` with a config)."""
-    if not resume:
-        return None
-    if resume == "latest":
-        runs = sorted((p for p in runs_root.glob(f"{recipe_name}-*") if (p / "config.yaml").is_file()),
-                      key=lambda p: (p / "config.yaml").stat().st_mtime)
-        if not runs:
-            raise ConfigError(f"resume=latest: no run of recipe '{recipe_name}' under {runs_root}/; "
-                              f"pass resume=RUN_DIR")
-        refuse_links(runs[-1], "resume=latest: the run dir")
-        return runs[-1]
-    path = Path(resume)
-    refuse_links(path, f"resume={resume}: the run dir")
-    if not (path / "config.yaml").is_file():
-        raise ConfigError(f"resume={resume}: not a run dir (no config.yaml there); pass the dir a run "
-                          f"printed as 'flash: run dir ...', or resume=latest")
-    return path
-
-
 def config_differences(saved: dict, now: dict) -> list[str]:
     """``key: saved -> now`` for every setting that differs and may not change on resume."""
     a, b = flat_settings(saved), flat_settings(now)
@@ -71,21 +48,6 @@ def config_differences(saved: dict, now: dict) -> list[str]:
         if a.get(key) != b.get(key):
             diffs.append(f"{key}: {a.get(key)!r} -> {b.get(key)!r}")
     return diffs
-
-
-def saved_config(run_dir: Path) -> dict:
-    """The run's ``config.yaml`` as a mapping; a file flash did not write (binary, not YAML, not a
-    mapping) is one line naming it, not a parser's traceback."""
-    path = run_dir / "config.yaml"
-    try:
-        saved = OmegaConf.to_container(OmegaConf.load(path))
-    except (yaml.YAMLError, OmegaConfBaseException, OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"resume={run_dir}: cannot read {path} ({str(exc).splitlines()[0][:200]}); pass a run "
-                          f"dir that flash wrote, or start a new run without resume") from None
-    if not isinstance(saved, dict):
-        raise ConfigError(f"resume={run_dir}: {path} is not a run's config (a mapping of settings); pass a run "
-                          f"dir that flash wrote, or start a new run without resume")
-    return saved
 
 
 def check_same_run(now: dict, run_dir: Path) -> None:
