@@ -114,13 +114,25 @@ def held_run(path: Path) -> list[str]:
     return [name for name in RUN_FILES if os.path.lexists(path / name)]
 
 
+def never_ran(path: Path) -> bool:
+    """``path`` holds only what a start that failed before its first step leaves (``config.yaml``,
+    ``run.json``, ``events.jsonl``, empty logs): no log line, summary or checkpoint. A new run may
+    start in it (its events are kept, its logs begin again)."""
+    written = [path / f"{name}.jsonl" for name in LOGS] + [path / "summary.json"]
+    if any(os.path.lexists(f) and (f.is_symlink() or f.lstat().st_size > 0) for f in written):
+        return False
+    ckpts = path / "checkpoints"
+    return not os.path.lexists(ckpts) or (ckpts.is_dir() and not ckpts.is_symlink() and not any(ckpts.iterdir()))
+
+
 def check_run_dir(cfg, resuming: bool) -> None:
     """A ``run_dir`` that holds another run is refused, unless this run resumes it or
-    ``overwrite`` moves it aside (a fresh ``runs/<recipe>-<time>`` never holds one); one that is
-    or holds a link anywhere is refused (``flash.run_files``)."""
+    ``overwrite`` moves it aside (a fresh ``runs/<recipe>-<time>`` never holds one) or that run
+    never ran (``never_ran``: a failed start); one that is or holds a link anywhere is refused
+    (``flash.run_files``)."""
     if cfg.run_dir:
         refuse_links(cfg.run_dir, "run_dir")
-    held = held_run(Path(cfg.run_dir)) if cfg.run_dir else []
+    held = held_run(Path(cfg.run_dir)) if cfg.run_dir and not never_ran(Path(cfg.run_dir)) else []
     if held and not resuming and not cfg.overwrite:
         raise FlashError(f"run_dir {cfg.run_dir} already holds a run ({', '.join(held)}): continue it "
                          f"with resume={cfg.run_dir}, pick a new run_dir, or pass overwrite=true to "
@@ -140,7 +152,7 @@ def make_run_dir(cfg, recipe_name: str, resuming: bool = False) -> Path:
             if not os.path.lexists(path):
                 break
             path = Path("runs") / f"{recipe_name}-{stamp}-{n}"
-    if held_run(path) and not resuming:  # overwrite (check_run_dir refused it otherwise)
+    if held_run(path) and not resuming and not never_ran(path):  # overwrite (check_run_dir refused it otherwise)
         aside = path.with_name(f"{path.name}.old-{stamp}")
         path.rename(aside)
         log.warning("flash: moved the earlier run in %s aside to %s", path, aside)
