@@ -4,8 +4,9 @@ built for CUDA torch from PyPI, and ``import vllm`` beside CPU torch then ends i
 (``operator torchvision::nms does not exist``). flash uses none of them, so the fix is one command.
 
 A companion mismatches torch when it pins another torch release (``torch==X`` in its requirements)
-or, for ``torchvision`` and ``torchaudio`` (whose default wheels are CUDA builds), when its build tag
-differs from torch's (``0.28.0`` beside ``2.13.0+cpu``; ``+cpu`` beside ``+cpu`` is a match)."""
+or, for ``torchvision`` and ``torchaudio`` (whose default wheels are CUDA builds), when torch is a
+CPU build (``+cpu``) and it is not (``0.28.0`` beside ``2.13.0+cpu``; ``+cpu`` beside ``+cpu`` is a
+match, and so is any build beside CUDA torch, whose tags differ between indexes)."""
 
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ def mismatches(torch: str, versions: dict[str, str], requires: dict[str, list[st
         pins = [m.group(1) for line in requires.get(name, []) if (m := _PIN.match(line))]
         if pins and _release(pins[0]) != _release(torch):
             out.append(f"{name} {version} (built for torch {pins[0]})")
-        elif name in TAGGED and _tag(version) != _tag(torch):
+        elif name in TAGGED and _tag(torch) == "cpu" and _tag(version) != "cpu":
             out.append(f"{name} {version} (a {_tag(version) or 'CUDA'} build)")
     return out
 

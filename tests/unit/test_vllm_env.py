@@ -20,6 +20,7 @@ def test_a_companion_built_for_another_torch_is_named():
     ("2.13.0+cpu", {"torchvision": "0.28.0+cpu"}, {"torchvision": ["torch==2.13.0"]}),  # both CPU builds
     ("2.9.0", {"torchvision": "0.24.0", "torchaudio": "2.9.0"}, {"torchvision": ["torch==2.9.0"]}),  # PyPI's CUDA pair
     ("2.8.0+cu128", {"torchvision": "0.23.0+cu128"}, {"torchvision": ["torch==2.8.0"]}),
+    ("2.8.0+cu128", {"torchvision": "0.23.0"}, {"torchvision": ["torch==2.8.0"]}),  # PyPI's cu128 beside the index's
     ("2.13.0+cpu", {"torchcodec": "0.9.0"}, {"torchcodec": []}),  # no pin, no build tag to compare
     ("2.13.0+cpu", {}, {}),
 ])
