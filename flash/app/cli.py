@@ -1,6 +1,7 @@
 """The `flash` command: a few verbs, each one function.
 
     flash run RECIPE [key=value ...]       train (RECIPE: a name from `flash ls`, or a YAML path)
+    flash run resume=RUN_DIR [key=value ...]  continue a stopped run with its own settings
     flash validate RECIPE [key=value ...]  check a recipe and overrides without running
     flash ls                               recipes with one-line descriptions
     flash losses                           registered losses and advantage estimators, with knobs
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
 from flash.errors import FlashError
 
@@ -41,12 +43,27 @@ def cmd_ls(_: argparse.Namespace) -> int:
     return 0
 
 
+def recipe_and_overrides(args: argparse.Namespace) -> tuple[Path, list[str], str]:
+    """The recipe's path, the overrides and the recipe as named. ``flash run resume=DIR`` alone
+    names no recipe: the run dir's ``config.yaml`` is it (every setting the run started with)."""
+    key, eq, value = args.recipe.partition("=")
+    if not eq:
+        return resolve_recipe(args.recipe), list(args.overrides), args.recipe
+    if key.strip() != "resume" or value.strip() in ("", "latest"):
+        raise FlashError(f"'{args.recipe}' is not a recipe: name one first (`flash ls`), e.g. flash "
+                         f"{args.verb} stutter {args.recipe}; only resume=RUN_DIR may stand alone")
+    from flash.app.resume_dir import resolve_resume
+
+    run_dir = resolve_resume(value.strip(), "")
+    return run_dir / "config.yaml", [args.recipe, *args.overrides], ""
+
+
 def cmd_validate(args: argparse.Namespace) -> int:
     from flash.app.config import load_config
     from flash.app.preflight import preflight
 
-    path = resolve_recipe(args.recipe)
-    cfg = load_config(path, args.overrides)
+    path, overrides, _ = recipe_and_overrides(args)
+    cfg = load_config(path, overrides)
     checked = preflight(cfg, path.stem)  # the checks `flash run` makes before it starts (flash.app.preflight)
     print(f"ok: {path} (async_ratio={cfg.async_ratio}, loss={cfg.algo.loss['name']}, "
           f"steps={cfg.train.steps})")
@@ -68,9 +85,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     from flash.app.config import load_config
     from flash.app.runner import run
 
-    path = resolve_recipe(args.recipe)
-    cfg = load_config(path, args.overrides)
-    summary = run(cfg, recipe_name=path.stem)
+    path, overrides, named = recipe_and_overrides(args)
+    cfg = load_config(path, overrides)
+    summary = run(cfg, recipe_name=path.stem, recipe_arg=named)
     best = summary.get("eval_best_step")
     best = f" (best {summary['eval_accuracy_best']:.3f} at step {best})" if best not in (None, summary["steps"]) else ""
     print(f"flash: accuracy {summary['eval_accuracy_initial']:.3f} -> {summary['eval_accuracy_final']:.3f}{best} "
@@ -247,7 +264,8 @@ def build_parser() -> argparse.ArgumentParser:
     for verb, fn, help_ in (("run", cmd_run, "train with a recipe"),
                             ("validate", cmd_validate, "check a recipe without running")):
         p = sub.add_parser(verb, help=help_)
-        p.add_argument("recipe", help="a name from `flash ls` or a path to a YAML recipe")
+        p.add_argument("recipe", help="a name from `flash ls` or a path to a YAML recipe (or resume=RUN_DIR "
+                       "alone: the run's recorded settings)")
         p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. async_ratio=2")
         p.set_defaults(fn=fn)
     sub.add_parser("ls", help="list recipes").set_defaults(fn=cmd_ls)

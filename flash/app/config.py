@@ -9,6 +9,8 @@ against the plugin's own knobs by its registry.
 
 from __future__ import annotations
 
+import sys
+from dataclasses import is_dataclass
 from pathlib import Path
 
 import yaml
@@ -16,6 +18,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from flash.app.keys import check_keys
+from flash.app.merge import merge_layers, value_at
 from flash.app.schema import (  # noqa: F401 -- the schema is read through this module too
     AlgoConfig,
     CheckpointConfig,
@@ -37,17 +40,23 @@ from flash.errors import ConfigError
 
 def load_config(recipe_path: str | Path, overrides: list[str] = ()) -> FlashConfig:
     """Recipe YAML + ``key=value`` overrides → a validated FlashConfig object."""
-    chain = recipe_chain(Path(recipe_path))
     cli = _parse_overrides(_check_dotlist(list(overrides)))
+    chain = resumed_run(cli.get("resume"), Path(recipe_path)) or recipe_chain(Path(recipe_path))
     for source in (*chain, cli):
         check_keys(OmegaConf.to_container(source), FlashConfig)
+    empty = [o for o in overrides if o.partition("=")[2].strip() == "{}"]  # `key={}` empties, then the rest
+    rest = [o for o in overrides if o not in empty]
+    merged_layers = merge_layers([OmegaConf.to_container(OmegaConf.structured(FlashConfig)),
+                                  *(OmegaConf.to_container(c) for c in chain),
+                                  *(OmegaConf.to_container(_parse_overrides(o)) for o in (empty, rest) if o)])
+    for note in merged_layers.notes:
+        print(f"flash: note: {note}", file=sys.stderr)
     try:
-        merged = OmegaConf.merge(OmegaConf.structured(FlashConfig), *chain)
-        empty = emptied(overrides)
-        for key in empty:  # merging {} would keep the recipe's keys: `key={}` empties the mapping
-            OmegaConf.update(merged, key, {}, merge=False)
-        rest = _parse_overrides([o for o in overrides if o.partition("=")[2].strip() != "{}"]) if empty else cli
-        merged = OmegaConf.merge(merged, rest)
+        merged = OmegaConf.merge(OmegaConf.structured(FlashConfig), merged_layers.settings)
+        for key in merged_layers.whole:  # emptied or a new choice: not merged into the schema's defaults
+            node = OmegaConf.select(merged, key)
+            if not (isinstance(node, DictConfig) and is_dataclass(OmegaConf.get_type(node))):  # a schema section
+                OmegaConf.update(merged, key, value_at(merged_layers.settings, key), merge=False)
         cfg: FlashConfig = OmegaConf.to_object(merged)
     except OmegaConfBaseException as exc:
         key = getattr(exc, "full_key", "") or ""
@@ -59,6 +68,26 @@ def load_config(recipe_path: str | Path, overrides: list[str] = ()) -> FlashConf
     resolve_plugins(cfg, Path(recipe_path).resolve().parent)
     validate(cfg)
     return cfg
+
+
+PER_START = ("resume", "run_dir", "overwrite", "trust_checkpoint")  # what one start says, not the run
+
+
+def resumed_run(resume, recipe_path: Path) -> list:
+    """``resume=DIR``: the settings the run recorded in ``DIR/config.yaml`` (less ``PER_START``) in
+    place of the recipe's, so a resumed run keeps every override it started with; the overrides
+    given now apply on top (what may change on resume: ``flash.app.resume.MAY_CHANGE``). Empty
+    when there is no such run (the pre-start checks name it)."""
+    from flash.app.resume_dir import resolve_resume, saved_config
+
+    if not resume:
+        return []
+    try:
+        run_dir = resolve_resume(str(resume), recipe_path.stem)
+    except ConfigError:
+        return []
+    saved = OmegaConf.create({k: v for k, v in saved_config(run_dir).items() if k not in PER_START})
+    return [migrate(saved, run_dir / "config.yaml")]
 
 
 def resolve_plugins(cfg: FlashConfig, recipe_dir: Path) -> None:
@@ -223,7 +252,8 @@ def base_differences(recipe_path: str | Path, cfg: FlashConfig) -> list[str]:
     chain = recipe_chain(Path(recipe_path))
     if len(chain) < 2:
         return []
-    base = flat_settings(OmegaConf.to_container(OmegaConf.merge(OmegaConf.structured(FlashConfig), *chain[:-1])))
+    base = flat_settings(merge_layers([OmegaConf.to_container(OmegaConf.structured(FlashConfig)),
+                                       *(OmegaConf.to_container(c) for c in chain[:-1])]).settings)
     mine = flat_settings(to_dict(cfg))
     return [f"{k}: {base.get(k, '(unset)')!r} -> {mine.get(k, '(unset)')!r}"
             for k in sorted(set(base) | set(mine)) if base.get(k, "(unset)") != mine.get(k, "(unset)")]

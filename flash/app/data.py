@@ -24,10 +24,14 @@ def uses_dataset(cfg) -> bool:
 
 
 def task_section(cfg) -> dict:
-    """The task a run trains, as ``{"name": ..., **options}``."""
+    """The task a run trains, as ``{"name": ..., **options}``. With ``reward.fn`` set, that reward
+    owns the rows (the reward workers score them): it is the rows' reward, so a reference is
+    checked as a math answer only when it is ``math``."""
     if not uses_dataset(cfg):
         return dict(cfg.task)
     options = {key: getattr(cfg.data, key) for key in DATA_OPTIONS}
+    if cfg.reward.fn:
+        options["reward"] = str(cfg.reward.fn.get("name"))
     options["rewards"] = dict(cfg.data.rewards)
     options["train"], options["eval"] = tuple(cfg.data.train), tuple(cfg.data.eval)
     return {"name": "dataset", "seed": cfg.seed, **options}

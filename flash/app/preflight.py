@@ -36,6 +36,7 @@ def preflight(cfg: FlashConfig, recipe_name: str) -> Preflight:
     if resume_dir is not None:
         resume_mod.check_same_run(to_dict(cfg), resume_dir)
     resume_mod.check_run_dir(cfg, resuming=resume_dir is not None)
+    check_engine_env(cfg)
     algos.load_plugins(list(cfg.plugins))
     task = build_task(cfg)
     if isinstance(task, EnvTask):
@@ -59,6 +60,18 @@ def start_tokenizer(cfg: FlashConfig, task) -> Any:
     if not uses_dataset(cfg) or cfg.model.gguf:
         return None
     return preview_tokenizer(cfg, task)
+
+
+def check_engine_env(cfg: FlashConfig) -> None:
+    """``rollout.engine: vllm``: refused with the one command that fixes it when vLLM cannot import
+    beside this torch (``flash.engine.vllm_env``), before any process starts."""
+    if cfg.rollout.engine != "vllm":
+        return
+    from flash.engine.vllm_env import vllm_env_problem
+
+    problem = vllm_env_problem()
+    if problem:
+        raise FlashError(problem)
 
 
 def apply_sandbox_policy(cfg: FlashConfig) -> None:

@@ -23,11 +23,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import NamedTuple
 
-import yaml
-from omegaconf import OmegaConf
-from omegaconf.errors import OmegaConfBaseException
-
 from flash.app.config import flat_settings
+from flash.app.resume_dir import resolve_resume, saved_config  # noqa: F401 -- read through this module too
 from flash.errors import ConfigError, FlashError
 from flash.run_files import open_run_file, refuse_links
 
@@ -41,26 +38,6 @@ MAY_CHANGE = ("train.steps", "train.max_consecutive_skips", "train.workers", "tr
               "rollout.max_engine_restarts", "rollout.max_worker_restarts", "resources.", "ray.", "data.strict")
 
 
-def resolve_resume(resume: str | None, recipe_name: str, runs_root: Path = Path("runs")) -> Path | None:
-    """The run dir ``resume`` names (``latest``: newest ``runs/<recipe>-*`` with a config)."""
-    if not resume:
-        return None
-    if resume == "latest":
-        runs = sorted((p for p in runs_root.glob(f"{recipe_name}-*") if (p / "config.yaml").is_file()),
-                      key=lambda p: (p / "config.yaml").stat().st_mtime)
-        if not runs:
-            raise ConfigError(f"resume=latest: no run of recipe '{recipe_name}' under {runs_root}/; "
-                              f"pass resume=RUN_DIR")
-        refuse_links(runs[-1], "resume=latest: the run dir")
-        return runs[-1]
-    path = Path(resume)
-    refuse_links(path, f"resume={resume}: the run dir")
-    if not (path / "config.yaml").is_file():
-        raise ConfigError(f"resume={resume}: not a run dir (no config.yaml there); pass the dir a run "
-                          f"printed as 'flash: run dir ...', or resume=latest")
-    return path
-
-
 def config_differences(saved: dict, now: dict) -> list[str]:
     """``key: saved -> now`` for every setting that differs and may not change on resume."""
     a, b = flat_settings(saved), flat_settings(now)
@@ -71,21 +48,6 @@ def config_differences(saved: dict, now: dict) -> list[str]:
         if a.get(key) != b.get(key):
             diffs.append(f"{key}: {a.get(key)!r} -> {b.get(key)!r}")
     return diffs
-
-
-def saved_config(run_dir: Path) -> dict:
-    """The run's ``config.yaml`` as a mapping; a file flash did not write (binary, not YAML, not a
-    mapping) is one line naming it, not a parser's traceback."""
-    path = run_dir / "config.yaml"
-    try:
-        saved = OmegaConf.to_container(OmegaConf.load(path))
-    except (yaml.YAMLError, OmegaConfBaseException, OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"resume={run_dir}: cannot read {path} ({str(exc).splitlines()[0][:200]}); pass a run "
-                          f"dir that flash wrote, or start a new run without resume") from None
-    if not isinstance(saved, dict):
-        raise ConfigError(f"resume={run_dir}: {path} is not a run's config (a mapping of settings); pass a run "
-                          f"dir that flash wrote, or start a new run without resume")
-    return saved
 
 
 def check_same_run(now: dict, run_dir: Path) -> None:
@@ -152,13 +114,25 @@ def held_run(path: Path) -> list[str]:
     return [name for name in RUN_FILES if os.path.lexists(path / name)]
 
 
+def never_ran(path: Path) -> bool:
+    """``path`` holds only what a start that failed before its first step leaves (``config.yaml``,
+    ``run.json``, ``events.jsonl``, empty logs): no log line, summary or checkpoint. A new run may
+    start in it (its events are kept, its logs begin again)."""
+    written = [path / f"{name}.jsonl" for name in LOGS] + [path / "summary.json"]
+    if any(os.path.lexists(f) and (f.is_symlink() or f.lstat().st_size > 0) for f in written):
+        return False
+    ckpts = path / "checkpoints"
+    return not os.path.lexists(ckpts) or (ckpts.is_dir() and not ckpts.is_symlink() and not any(ckpts.iterdir()))
+
+
 def check_run_dir(cfg, resuming: bool) -> None:
     """A ``run_dir`` that holds another run is refused, unless this run resumes it or
-    ``overwrite`` moves it aside (a fresh ``runs/<recipe>-<time>`` never holds one); one that is
-    or holds a link anywhere is refused (``flash.run_files``)."""
+    ``overwrite`` moves it aside (a fresh ``runs/<recipe>-<time>`` never holds one) or that run
+    never ran (``never_ran``: a failed start); one that is or holds a link anywhere is refused
+    (``flash.run_files``)."""
     if cfg.run_dir:
         refuse_links(cfg.run_dir, "run_dir")
-    held = held_run(Path(cfg.run_dir)) if cfg.run_dir else []
+    held = held_run(Path(cfg.run_dir)) if cfg.run_dir and not never_ran(Path(cfg.run_dir)) else []
     if held and not resuming and not cfg.overwrite:
         raise FlashError(f"run_dir {cfg.run_dir} already holds a run ({', '.join(held)}): continue it "
                          f"with resume={cfg.run_dir}, pick a new run_dir, or pass overwrite=true to "
@@ -178,7 +152,7 @@ def make_run_dir(cfg, recipe_name: str, resuming: bool = False) -> Path:
             if not os.path.lexists(path):
                 break
             path = Path("runs") / f"{recipe_name}-{stamp}-{n}"
-    if held_run(path) and not resuming:  # overwrite (check_run_dir refused it otherwise)
+    if held_run(path) and not resuming and not never_ran(path):  # overwrite (check_run_dir refused it otherwise)
         aside = path.with_name(f"{path.name}.old-{stamp}")
         path.rename(aside)
         log.warning("flash: moved the earlier run in %s aside to %s", path, aside)

@@ -244,8 +244,20 @@ def _find_checkpoint(run_dir: Path, resuming: bool, trust: bool) -> resume_mod.R
     return resume_mod.ResumePoint(ckpt, state, manifest) if ckpt is not None else None
 
 
-def run(cfg: FlashConfig, recipe_name: str = "run") -> dict:
-    """Train as configured; returns (and writes) the run summary.
+def resume_command(recipe: str, run_dir: Path | str) -> str:
+    """The command that resumes a run: ``recipe`` as the user named it (empty: the run dir alone,
+    whose ``config.yaml`` holds every setting; ``flash.app.config.resumed_run``)."""
+    return f"flash run {recipe + ' ' if recipe else ''}resume={run_dir}"
+
+
+def interrupted(exc: KeyboardInterrupt, recipe: str, run_dir: Path | str) -> str:
+    """What an interrupt says: its cause (``SIGTERM``, else ``ctrl-C``) and the resume command."""
+    return f"{str(exc) or 'ctrl-C'}; resume from the last checkpoint: {resume_command(recipe, run_dir)}"
+
+
+def run(cfg: FlashConfig, recipe_name: str = "run", recipe_arg: str | None = None) -> dict:
+    """Train as configured; returns (and writes) the run summary. ``recipe_arg``: the recipe as the
+    user named it, for the resume command a stopped run prints (default ``recipe_name``).
 
     Every numeric stage pins its own torch threads from the config (the warm start ``sft.threads``,
     the roles ``resources.*_threads``, this driver ``resources.driver_threads``), so the numbers do
@@ -253,12 +265,12 @@ def run(cfg: FlashConfig, recipe_name: str = "run") -> dict:
     heartbeat = Heartbeat(cfg.tracking.heartbeat_s, cfg.tracking.progress)
     try:
         with pinned_threads(cfg.resources.driver_threads):
-            return _run(cfg, recipe_name, heartbeat)
+            return _run(cfg, recipe_name, heartbeat, recipe_name if recipe_arg is None else recipe_arg)
     finally:
         heartbeat.close()
 
 
-def _run(cfg: FlashConfig, recipe_name: str, heartbeat: Heartbeat) -> dict:
+def _run(cfg: FlashConfig, recipe_name: str, heartbeat: Heartbeat, recipe_arg: str) -> dict:
     r = Run(cfg, recipe_name, heartbeat)
     start = r.clock.start_step
     tracker = make_tracker(cfg.tracking, str(r.dir), config=to_dict(cfg), purge_step=start + 1 if r.resume_point else None)
@@ -285,7 +297,7 @@ def _run(cfg: FlashConfig, recipe_name: str, heartbeat: Heartbeat) -> dict:
                                        start=start)
         except RayActorError as exc:  # engine, reward and env faults are recovered (flash.engine.client, pools)
             raise TrainerDied(f"the {r.roles.dead_role(exc)} died ({exc.__class__.__name__}); the run stopped. "
-                              f"Resume from its last checkpoint: flash run {recipe_name} resume={r.dir}") from exc
+                              f"Resume from its last checkpoint: {resume_command(recipe_arg, r.dir)}") from exc
         r.checkpointer.wait()
         train_s = time.monotonic() - train_start
         left = r.controller.shutdown_rollout()
@@ -295,8 +307,7 @@ def _run(cfg: FlashConfig, recipe_name: str, heartbeat: Heartbeat) -> dict:
         tracker.log(step_metrics.eval_metrics(metrics, r.clock.last_eval_s), cfg.train.steps)
         progress.write(f"flash: held-out after training: {set_figures(metrics, cfg.eval.n)}")
     except KeyboardInterrupt as exc:  # ctrl-C, or SIGTERM (flash.errors.Terminated)
-        raise type(exc)(f"{exc or 'ctrl-C'}; resume from the last checkpoint: flash run {recipe_name} "
-                        f"resume={r.dir}") from None
+        raise type(exc)(interrupted(exc, recipe_arg, r.dir)) from None
     finally:
         progress.close()
         tracker.close()

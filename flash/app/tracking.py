@@ -15,6 +15,7 @@ import threading
 import time
 from typing import Any, Protocol
 
+from flash.app.evaluation import OWN_SET
 from flash.errors import ConfigError
 from flash.run_files import run_subdir
 
@@ -142,13 +143,21 @@ def make_tracker(cfg, run_dir: str, config: dict[str, Any] | None = None,
     return MultiTracker([make[n]() for n in dict.fromkeys(names)])
 
 
+def tag(key: str) -> str:
+    """A metric's tag in the trackers: the task's own held-out set's metrics without its name
+    doubled (``eval/eval/mean@4`` is ``eval/mean@4``; a named set keeps it: ``eval/dev/mean@4``)."""
+    own = f"eval/{OWN_SET}/"
+    return "eval/" + key[len(own):] if key.startswith(own) else key
+
+
 class MultiTracker:
     def __init__(self, trackers: list):
         self.trackers = trackers
 
     def log(self, metrics: dict[str, float], step: int) -> None:
+        tagged = {tag(k): v for k, v in metrics.items()}
         for t in self.trackers:
-            t.log(metrics, step)
+            t.log(tagged, step)
 
     def text(self, tag: str, text: str, step: int) -> None:
         """To the backends that show text (TensorBoard); the others keep scalars only."""

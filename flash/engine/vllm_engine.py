@@ -128,6 +128,11 @@ class VLLMEngineWorker(UpdateReceiver):
 
     @staticmethod
     async def _start(args: dict):
+        from flash.engine.vllm_env import vllm_env_problem
+
+        problem = vllm_env_problem()  # before the import's traceback
+        if problem:
+            raise RuntimeError(problem)
         try:
             from vllm.engine.arg_utils import AsyncEngineArgs
             from vllm.v1.engine.async_llm import AsyncLLM

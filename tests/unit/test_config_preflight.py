@@ -60,7 +60,7 @@ REFUSALS = [  # (recipe, overrides ({tmp}: a fresh folder), setup, message fragm
     ("corridor", ["rollout.scheduler=tail_batching"], None, "works on single-turn tasks"),
     ("stutter", ["resume=latest"], None, "resume=latest: no run of recipe 'stutter'"),
     ("stutter", ["resume={tmp}/none"], None, "resume={tmp}/none: not a run dir"),
-    ("stutter", ["resume={tmp}/other"], _other_run, "settings differ from the checkpointed run (seed: 5 -> 0"),
+    ("stutter", ["resume={tmp}/other", "seed=0"], _other_run, "settings differ from the checkpointed run (seed: 5 -> 0"),
     ("stutter", ["run_dir={tmp}/held"], _held_run, "run_dir {tmp}/held already holds a run (ledger.jsonl)"),
     ("stutter", ["run_dir={tmp}/linked"], _linked_run, "run_dir {tmp}/linked holds {tmp}/linked/metrics.jsonl, "
      "a symbolic link to"),

@@ -394,3 +394,14 @@ def test_the_same_rows_in_three_formats_give_identical_first_step_losses(tmp_pat
     (samples, loss), = results[0]
     assert len(samples) == 16 and loss != 0.0
     assert results[1] == results[0] and results[2] == results[0]
+
+
+def test_a_reward_fn_owns_the_rows_so_their_references_are_not_checked_as_math(tmp_path):
+    rows = [{"question": f"write f{i}.", "answer": "no number at all", "solution": "x"} for i in range(3)]
+    path = write_jsonl(tmp_path / "he.jsonl", rows)
+    common = [f"data.train=[{path}]", "data.prompt_key=question", "data.holdout=0", "data.sft_key=solution"]
+    cfg = load_config("recipes/math.yaml", [*common, "reward.fn.name=tests.reward_fns:exact"])
+    task = build_task(cfg)
+    assert [task.item(i).answer for i in range(3)] == ["no number at all"] * 3  # math's bad_answer
+    assert task.options.reward == "tests.reward_fns:exact"
+    assert build_task(load_config("recipes/math.yaml", common)).options.reward == "math"  # checked as math

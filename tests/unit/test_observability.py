@@ -241,3 +241,15 @@ def test_the_warm_start_progress_shows_elapsed_and_time_left_at_its_rate(done, t
     from flash.app.tracking import step_eta
 
     assert step_eta(done, total, elapsed) == want
+
+
+def test_tensorboard_tags_name_each_eval_set_once(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tracker = make_tracker(load_config(RECIPE, ["tracking.backends=[tensorboard]"]).tracking, str(tmp_path))
+    tracker.log({"eval/eval/mean@4": 0.5, "eval/dev/mean@4": 0.25, "eval/accuracy": 0.5, "reward/mean": 0.125}, 3)
+    tracker.close()
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert sorted(events.Tags()["scalars"]) == ["eval/accuracy", "eval/dev/mean@4", "eval/mean@4", "reward/mean"]
+    assert [(e.step, e.value) for e in events.Scalars("eval/mean@4")] == [(3, 0.5)]

@@ -166,3 +166,26 @@ def test_plot_and_sweep_outputs_are_not_written_through_a_link(tmp_path, outside
     with pytest.raises(RunDirError, match=f"sweep dir {sweep_dir} holds"):
         prepare(tmp_path / "recipe.yaml", [Point({"seed": "0"}, ["seed=0"], "seed-0")], sweep_dir)
     assert untouched(victim, missing)
+
+
+def test_a_start_that_failed_before_its_first_step_does_not_block_its_run_dir(tmp_path):
+    from flash.app.config import load_config
+    from flash.errors import FlashError
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    append_event(run_dir, "start")  # what a start that failed at its roles leaves: events, run.json,
+    (run_dir / "run.json").write_text("{}")  # the config and the logs it opened, still empty
+    (run_dir / "config.yaml").write_text("seed: 0\n")
+    for name in ("ledger", "metrics", "timeline", "eval", "schedule", "samples"):
+        (run_dir / f"{name}.jsonl").write_text("")
+    cfg = load_config("recipes/stutter.yaml", [f"run_dir={run_dir}"])
+    assert make_run_dir(cfg, "stutter") == run_dir and sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+    assert (run_dir / "events.jsonl").read_text().count('"start"') == 1  # its events are kept
+    (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')  # a run that trained a step holds the dir
+    with pytest.raises(FlashError, match=r"already holds a run \(config.yaml, run.json, ledger.jsonl"):
+        make_run_dir(cfg, "stutter")
+    (run_dir / "metrics.jsonl").write_text("")
+    (run_dir / "checkpoints" / "ckpt-1").mkdir(parents=True)  # so does one with a checkpoint
+    with pytest.raises(FlashError, match="already holds a run"):
+        make_run_dir(cfg, "stutter")
