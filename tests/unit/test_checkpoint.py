@@ -9,20 +9,17 @@ import os
 import numpy as np
 import pytest
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
 
-import algos
 from buffers import Group, Sample, SampleBuffer
 from buffers.codec import group_from_dict, group_to_dict
 from flash import checkpoint as ck
 from flash.checkpoint_trust import RunKey
-from flash.train.batch import collate
 from flash.app.config import load_config
 from flash.errors import ConfigError
 from flash.guards import DataError, InputGuard, NonFiniteError, SkipGuard
 from flash.app.resume import config_differences, resolve_resume, restore_logs
-from flash.train.trainer import Trainer, TrainerSettings
 from recipes.tasks import TaskItem
+from tests.helpers.checkpointing import small_batch, small_trainer
 
 
 KEY = RunKey.new()  # one run's key: prune deletes only the run's own checkpoints
@@ -127,32 +124,14 @@ def test_rollout_snapshot_counts_a_group_in_buffer_and_pending_once():
     assert len(buf) == 1  # a snapshot does not take anything out
 
 
-def _trainer(seed=0):
-    torch.manual_seed(seed)
-    cfg = Qwen2Config(vocab_size=32, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)
-    settings = TrainerSettings(lr=1e-2, weight_decay=0.0, betas=(0.9, 0.999), grad_clip=1.0,
-                               micro_batch_size=64, temperature=1.0, loss={"name": "vanilla"}, agg="token-mean")
-    return Trainer(Qwen2ForCausalLM(cfg), settings, seed=seed)
-
-
-def _batch(seed):
-    g = torch.Generator().manual_seed(seed)
-    samples = [Sample(prompt_id=i // 2, sample_index=i % 2, prompt_ids=torch.randint(3, 32, (4,), generator=g).tolist(),
-                      response_ids=torch.randint(3, 32, (5,), generator=g).tolist(), behav_logprobs=[-1.0] * 5,
-                      versions=[0] * 5, reward=float(i % 2)) for i in range(4)]
-    batch = collate(samples)
-    return batch, algos.compute_advantages("grpo", batch.rewards, batch.group_ids, batch.mask)
-
-
 def test_trainer_state_round_trip_continues_bit_for_bit(tmp_path):
-    a = _trainer()
-    a.train_step(*_batch(1), None)
+    a = small_trainer()
+    a.train_step(*small_batch(1), None)
     ck.save_trainer_state(ck.trainer_state(a), str(tmp_path))
-    want = [a.train_step(*_batch(s), None)["loss"] for s in (2, 3)]
-    b = _trainer(seed=123)  # different init: everything must come from the checkpoint
+    want = [a.train_step(*small_batch(s), None)["loss"] for s in (2, 3)]
+    b = small_trainer(seed=123)  # different init: everything must come from the checkpoint
     assert ck.load_trainer_state(b, str(tmp_path), ck.file_table(tmp_path)) == 1
-    got = [b.train_step(*_batch(s), None)["loss"] for s in (2, 3)]
+    got = [b.train_step(*small_batch(s), None)["loss"] for s in (2, 3)]
     assert got == want
     for (name, pa), pb in zip(a.model.named_parameters(), b.model.parameters()):
         assert torch.equal(pa, pb), name
@@ -184,9 +163,9 @@ def test_resume_refuses_changed_settings_but_allows_more_steps(tmp_path):
 
 
 def test_nonfinite_loss_skips_the_step_and_leaves_weights_alone():
-    t = _trainer()
+    t = small_trainer()
     before = {k: v.clone() for k, v in t.model.state_dict().items()}
-    batch, adv = _batch(1)
+    batch, adv = small_batch(1)
     m = t.train_step(batch, adv * float("nan"), None)
     assert m["skipped"] == 1.0
     assert all(torch.equal(before[k], v) for k, v in t.model.state_dict().items())

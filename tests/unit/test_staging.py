@@ -10,7 +10,7 @@ import torch
 
 from flash import checkpoint as ck
 from flash.staging import HostStager, staging_kwargs
-from tests.unit.test_checkpoint import _batch, _trainer
+from tests.helpers.checkpointing import small_batch, small_trainer
 
 
 def test_a_cuda_tensor_is_staged_to_pinned_host_memory_and_a_host_tensor_to_plain():
@@ -42,8 +42,8 @@ def test_host_tensors_are_cloned_fresh_each_snapshot():
 
 
 def test_a_cpu_trainers_checkpoint_bytes_are_the_clone_and_deepcopy_ones():
-    tr = _trainer()
-    tr.train_step(*_batch(1), None)
+    tr = small_trainer()
+    tr.train_step(*small_batch(1), None)
     old = {"model": {k: v.detach().clone() for k, v in tr.model.state_dict().items()},
            "optimizer": copy.deepcopy(tr.optimizer.state_dict())}
     new = ck.trainer_state(tr)

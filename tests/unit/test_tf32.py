@@ -14,7 +14,7 @@ from flash.app.settings import trainer_settings
 from flash.devices import TF32_ENV, tf32_env, tf32_wanted, use_tf32
 from flash.placement import plan_placement
 from tests.helpers.standins import gpu_recipe_overrides
-from tests.unit.test_checkpoint import _trainer
+from tests.helpers.checkpointing import small_trainer
 
 
 def test_tf32_only_for_float32_on_cuda_with_the_knob_on():
@@ -31,7 +31,7 @@ def test_tf32_only_for_float32_on_cuda_with_the_knob_on():
 def test_a_cpu_trainer_keeps_full_float32_matmuls():
     before = torch.backends.cuda.matmul.fp32_precision, torch.get_float32_matmul_precision()
     assert use_tf32("cpu", "float32", True) is False
-    assert _trainer().tf32 is False
+    assert small_trainer().tf32 is False
     assert (torch.backends.cuda.matmul.fp32_precision, torch.get_float32_matmul_precision()) == before
 
 
