@@ -37,3 +37,15 @@ def pytest_runtest_teardown(item, nextitem):
     if ray_started():
         pytest.fail(f"{item.nodeid}: started Ray; a test that needs Ray belongs in tests/integration", pytrace=False)
     return result
+
+
+@pytest.fixture
+def one_torch_thread():
+    """Tiny models gain nothing from intra-op threads, and on a shared 2-core machine OpenMP
+    threads that wait for a busy core make a test ~5x slower: one thread for the test."""
+    import torch
+
+    prev = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(prev)

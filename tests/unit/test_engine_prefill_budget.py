@@ -5,7 +5,6 @@ budget alone, at admission and again when a ``continue`` interrupt re-prefills r
 from __future__ import annotations
 
 import pytest
-import torch
 
 from flash.engine.torch_engine import TorchEngine, prefill_chunks
 from tests.helpers.engine import PROMPTS, make_model, req
@@ -13,12 +12,7 @@ from tests.helpers.engine import PROMPTS, make_model, req
 MIXED = PROMPTS + [[3] * 20, list(range(1, 30)), [7, 7]]  # prefixes of 2, 0, 6, 11, 19, 28, 1 tokens
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def test_prefill_chunks_fill_the_budget_in_order():

@@ -18,12 +18,7 @@ from tests.helpers.host_reads import READS, Counter
 from tests.helpers.engine import PROMPTS, make_model, req
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def reads_per_step(monkeypatch, engine: TorchEngine, late: list) -> list[list[str]]:

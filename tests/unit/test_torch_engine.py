@@ -17,14 +17,7 @@ from flash.engine.loop import EngineLoop, EngineLoopError
 from flash.engine.torch_engine import TorchEngine
 from tests.helpers.engine import PROMPTS, make_model, req
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models gain nothing from intra-op threads, and on a shared 2-core machine OpenMP
-    threads that wait for a busy core make the suite ~5x slower."""
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture
