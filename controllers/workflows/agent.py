@@ -25,15 +25,12 @@ import threading
 from collections import Counter
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from buffers import Sample
 from buffers.facts import DROP_REASONS, FACTS, clean_facts
-from controllers.workflows.base import Unit, turn_seed
+from controllers.workflows.base import Core, Unit, turn_seed
 from flash.engine.base import GenerationOutput, GenerationRequest, SamplingParams
-
-if TYPE_CHECKING:  # annotations only
-    from controllers.scheduler import RolloutCore
 
 @dataclass
 class _Run:
@@ -51,7 +48,7 @@ class Agents:
     def __init__(self, gateway, runner, to_sample, max_turns: int = 32, call_timeout_s: float = 300.0):
         self.gateway, self.runner, self.to_sample, self.max_turns = gateway, runner, to_sample, max_turns
         self.call_timeout_s = call_timeout_s  # a gateway thread never waits longer on one call
-        self.core: RolloutCore | None = None
+        self.core: Core | None = None
         self._lock = threading.Lock()
         self._runs: dict[str, _Run] = {}  # unit id -> run
         self._by_key: dict[str, _Run] = {}  # session key -> run

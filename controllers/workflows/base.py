@@ -28,6 +28,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from buffers import Sample
 from flash.engine.base import GenerationOutput, SamplingParams
+from flash.engine.client import EngineClient
 from flash.usage import SpanRecorder
 
 
@@ -76,6 +77,17 @@ class Workflow(Protocol):
     def finish(self, unit: Unit, output: GenerationOutput) -> Sample: ...
 
     def requeue(self, lost: list[Unit], ids: list[str] | None) -> int: ...
+
+
+class Core(Protocol):
+    """What a workflow uses of the scheduler core that binds it (``RolloutCore``): the engine
+    client it submits through, the reward, and the hand-off of outputs it finished itself."""
+
+    supervisor: EngineClient
+
+    def score(self, item: Any, token_ids: list[int]) -> float: ...
+
+    def deliver(self, outs: list[GenerationOutput]) -> None: ...
 
 
 @runtime_checkable

@@ -6,20 +6,15 @@ reward threads as soon as it arrives (queue scheduling) and ``finish`` scores it
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from buffers import Sample
-from controllers.workflows.base import Unit
+from controllers.workflows.base import Core, Unit
 from flash.engine.base import GenerationOutput, GenerationRequest
-
-if TYPE_CHECKING:  # annotations only
-    from controllers.scheduler import RolloutCore
 
 
 class SingleTurn:
     """``core``: the ``RolloutCore`` that runs this workflow (its engine client and reward)."""
 
-    core: RolloutCore | None = None
+    core: Core | None = None
 
     def launch(self, units: list[Unit]) -> None:
         if units:

@@ -25,7 +25,7 @@ import threading
 import time
 from pathlib import Path
 
-from flash.rewards import syscall_filter
+from flash.rewards.syscall_filter import ARCHES, launcher_config
 
 _START_TIMEOUT_S = 30.0
 _REPLY_GRACE_S = 10.0
@@ -67,10 +67,10 @@ class _Call:
 
 def confinement() -> dict:
     """The system-call filter and keyring settings every call gets (``syscall_filter``)."""
-    confine = syscall_filter.launcher_config()
+    confine = launcher_config()
     if not confine:
         raise SandboxSetupError(f"the code sandbox has no system-call filter for this machine "
-                                f"({platform.machine()}); it runs on {', '.join(syscall_filter.ARCHES)}")
+                                f"({platform.machine()}); it runs on {', '.join(ARCHES)}")
     return confine
 
 
