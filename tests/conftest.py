@@ -9,6 +9,7 @@ user's key store.
 """
 
 import os
+import sys
 import tempfile
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -16,6 +17,16 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("FLASH_KEY_DIR", tempfile.mkdtemp(prefix="flash-test-keys-"))
 
 import pytest  # noqa: E402  (after the environment above: it must precede torch and Ray)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_ray_across_modules():
+    """Each test module starts without Ray: one that leaves it started (a fixture or test that
+    never shuts it down) does not hand its cluster, or the unit tier's no-Ray check, to the next."""
+    yield
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        ray.shutdown()
 
 
 @pytest.fixture(scope="module")

@@ -6,6 +6,7 @@ import textwrap
 
 import ray
 
+from algos.policy import LOSSES
 from flash.app.config import load_config
 from flash.app.runner import run
 
@@ -48,6 +49,9 @@ def test_plugin_loss_named_in_yaml_trains(tmp_path):
         summary = run(cfg, "plugin")
     finally:
         sys.path.remove(str(mod_dir))
+        sys.modules.pop("my_flash_plugin", None)
+        if "scaled_pg_test" in LOSSES:  # later tests (every built-in loss's hand case) see the built-ins
+            LOSSES.unregister("scaled_pg_test")
         if ray.is_initialized():
             ray.shutdown()
     assert summary["steps"] == 3 and summary["loss"] == "scaled_pg_test"

@@ -11,6 +11,7 @@ a larger budget of its own with ``@pytest.mark.cpu_budget(seconds)``.
 
 from __future__ import annotations
 
+import sys
 import time
 
 import pytest
@@ -35,6 +36,7 @@ def pytest_runtest_teardown(item, nextitem):
     """After the test's fixtures are gone (a monkeypatched ``ray.is_initialized`` undone with them)."""
     result = yield
     if ray_started():
+        sys.modules["ray"].shutdown()  # the failure stays this test's: the next one starts clean
         pytest.fail(f"{item.nodeid}: started Ray; a test that needs Ray belongs in tests/integration", pytrace=False)
     return result
 
