@@ -30,7 +30,7 @@ from __future__ import annotations
 import random
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 from buffers import Group, SampleBuffer
 from buffers.reward import reward_value
@@ -184,9 +184,11 @@ class RolloutCore:
         """The rewards of ``evaluate_samples``, in item order."""
         return [s.reward for s in self.evaluate_samples(items, params, tag, seed)]
 
-    def evaluate_samples(self, items: list, params: SamplingParams, tag: str, seed: int) -> list:
+    def evaluate_samples(self, items: list, params: SamplingParams, tag: str, seed: int,
+                         on_progress: Callable[[int], None] | None = None) -> list:
         """One unit per item (a response, an episode) through the same engine; the scored samples
-        in item order, scored concurrently on the reward threads."""
+        in item order, scored concurrently on the reward threads. ``on_progress(done)``: the units
+        answered so far, about once a second while they generate, and all of them before scoring."""
         units = [Unit(f"eval/{tag}/{i}", -1, i, item, self.source.encode(item.prompt),
                       SamplingParams(**{**params.__dict__, "seed": request_seed(seed, 10**6 + i, 0)}))
                  for i, item in enumerate(items)]
@@ -195,12 +197,18 @@ class RolloutCore:
             self.inflight.eval_units.update((u.id, u) for u in units)
         self.workflow.launch(units)
         with self._lock:
+            told = time.monotonic()
             while not all(u.id in answers for u in units):
                 self.check()
                 self._lock.wait(timeout=0.5)
+                if on_progress is not None and time.monotonic() - told >= 1.0:
+                    on_progress(sum(u.id in answers for u in units))
+                    told = time.monotonic()
             outs = [answers.pop(u.id) for u in units]
             for u in units:
                 self.inflight.eval_units.pop(u.id, None)
+        if on_progress is not None:
+            on_progress(len(units))
         # scored concurrently on the reward threads (a code reward's sandbox runs dominate an eval)
         return self._rewards.map(self.workflow.finish, units, outs)
 

@@ -56,7 +56,7 @@ class StepPlan:
 
 @dataclass
 class StepOut:
-    train: dict[str, float]  # the trainer's metrics, the critic's beside them
+    train: dict[str, float]  # the trainer's metrics, the critic's beside them, ``no_update``
     prox: Any  # the proximal logprobs the step used (None: computed in the train forward)
     rollout: dict[str, float] = field(default_factory=dict)  # rollout/prox_approx_error when measured
 
@@ -78,7 +78,7 @@ def train_batch(roles: StepRoles, batch: TrainBatch, t: int, plan: StepPlan, pha
         metrics = ray.get(roles.trainer.train_step.remote(batch, adv, prox, ref))
         if critic_step is not None:  # the critic trained beside the policy
             metrics.update(ray.get(critic_step))
-    return StepOut(metrics, prox, measured)
+    return StepOut({**metrics, "no_update": no_update([adv])}, prox, measured)
 
 
 def train_stream(roles: StepRoles, parts: Iterable[list[Group]], advantage: dict[str, Any], pad_id: int,
@@ -93,11 +93,12 @@ def train_stream(roles: StepRoles, parts: Iterable[list[Group]], advantage: dict
     Phases: ``get_batch`` spans the streaming (the trainer works inside it, one part behind the
     rollout); ``train`` is the tail after the last part (its backward and the optimizer step)."""
     ray.get(roles.trainer.begin_step.remote())
-    groups, pending = [], None
+    groups, pending, advs = [], None, []
     with phase("get_batch"):
         for group in parts:
             part = collate(flatten(group), pad_id=pad_id)
             adv, _ = advantages(advantage, part, roles.critic)
+            advs.append(adv)
             if pending is not None:
                 ray.get(pending)  # keep one part in flight: the actor runs them in order
             ref = reference_wait(reference_call(roles.reference, part), phase)
@@ -107,7 +108,14 @@ def train_stream(roles: StepRoles, parts: Iterable[list[Group]], advantage: dict
         assert pending is not None  # a step streams at least one part
         ray.get(pending)
         metrics = ray.get(roles.trainer.finish_step.remote())
-    return groups, metrics
+    return groups, {**metrics, "no_update": no_update(advs)}
+
+
+def no_update(advs: list) -> float:
+    """``train/no_update``: 1.0 when every advantage of the step (``advs``: its parts' tensors) is 0
+    -- every group had equal reward, for the group-relative estimators -- so the policy-gradient
+    loss and its gradient are 0 and only a KL or entropy term, if any, trains; else 0.0."""
+    return float(not any(bool(a.any()) for a in advs))
 
 
 def proximal(mode: str, batch: TrainBatch, trainer):

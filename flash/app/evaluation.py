@@ -18,7 +18,9 @@ solve it), ``eval/<name>/pass@k`` for k = 1, 2, 4, ... up to n (the unbiased est
 al. 2021, "Evaluating Large Language Models Trained on Code"), ``reward_mean`` and
 ``response_tokens``. A sample solves its prompt when its reward is >= 1 (a code reward's fraction
 of tests passed counts only when all pass). Every generation goes to
-``eval/<name>/step-<N>.jsonl`` in the run dir.
+``eval/<name>/step-<N>.jsonl`` in the run dir: the whole prompt as the model saw it (special tokens
+kept, as in ``samples.jsonl``), the response, the answer, the reward. While an evaluation runs, the
+progress bar and the heartbeat show its samples done and the time left.
 
 Scoring: with ``reward.fn`` set the reward workers score every set (the recipe says so); without,
 each set's own task scores its items (a built-in task's reward, a dataset's ``reward``/``reward_key``).
@@ -27,11 +29,13 @@ each set's own task scores its items (a built-in task's reward, a dataset's ``re
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass
 from math import comb
 from pathlib import Path
 from typing import Any, Callable
 
+from flash.app.progress import eval_note
 from flash.errors import ConfigError
 from flash.run_files import open_run_file, run_subdir
 
@@ -168,12 +172,24 @@ def set_figures(metrics: dict[str, float], n: int) -> str:
 
 
 def evaluate_sets(scheduler, sets: list[EvalSet], params, n: int, seed: int, run_dir: Path, step: int,
-                  decode: Callable[[list[int]], str]) -> dict[str, float]:
-    """Sample every set's prompts ``n`` times, score, write the generations; the metrics."""
+                  decode: Callable[[list[int]], str], *, decode_prompt: Callable[[list[int]], str],
+                  on_progress: Callable[[str], None] | None = None) -> dict[str, float]:
+    """Sample every set's prompts ``n`` times, score, write the generations; the metrics.
+
+    ``decode`` reads a response (cut at its end of sequence), ``decode_prompt`` a whole prompt (a
+    chat's system turn ends in the end-of-sequence token too; the problem after it is kept).
+    ``on_progress`` gets ``eval_note``'s line as samples finish (all sets counted together)."""
     metrics: dict[str, float] = {}
+    total, before, start = sum(len(s.items) for s in sets) * n, 0, time.monotonic()
+
+    def count(done: int) -> None:
+        if on_progress is not None:
+            on_progress(eval_note(before + done, total, time.monotonic() - start))
+
     for s in sets:
         items = [item for item in s.items for _ in range(n)]
-        samples = scheduler.evaluate_samples(items, params, tag=s.name, seed=seed)
+        samples = scheduler.evaluate_samples(items, params, tag=s.name, seed=seed, on_progress=count)
+        before += len(items)
         texts = [decode(x.response_ids) for x in samples]
         rewards = [_score(s.rescore, item, text) if s.rescore else x.reward
                    for item, x, text in zip(items, samples, texts)]
@@ -182,7 +198,7 @@ def evaluate_sets(scheduler, sets: list[EvalSet], params, n: int, seed: int, run
         out = run_subdir(run_dir, "eval", s.name)
         with open_run_file(out / f"step-{step}.jsonl", "w") as f:
             for i, (item, x, text, r) in enumerate(zip(items, samples, texts, rewards)):
-                f.write(json.dumps({"item": i // n, "sample": i % n, "prompt": decode(x.prompt_ids),
+                f.write(json.dumps({"item": i // n, "sample": i % n, "prompt": decode_prompt(list(x.prompt_ids)),
                                     "response": text, "answer": getattr(item, "answer", None), "reward": r,
                                     "finish_reason": x.finish_reason, "tokens": len(x.response_ids)}) + "\n")
     return metrics

@@ -112,12 +112,17 @@ class Clock:
     t0: float = field(default_factory=time.monotonic)
     train_start: float | None = None
     elapsed0: float = 0.0  # training seconds before a resume
+    wall0: float = 0.0  # the run's wall seconds before a resume (up to its checkpoint)
     last_eval_s: float = 0.0
     acc0: float | None = None
     start_step: int = 0
 
     def elapsed(self) -> float:
         return time.monotonic() - self.train_start if self.train_start is not None else 0.0
+
+    def wall(self) -> float:
+        """The run's wall seconds: this process's, and a resumed run's before its checkpoint."""
+        return self.wall0 + time.monotonic() - self.t0
 
 
 @dataclass

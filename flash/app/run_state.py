@@ -11,6 +11,7 @@ were in flight launched again from scratch (same prompt ids and seeds) → the g
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -65,6 +66,7 @@ def driver_state(d: Durable, version: int) -> dict:
         "version": version,
         "eval_initial": d.clock.acc0,
         "elapsed": d.clock.elapsed(),  # time/elapsed continues from here on resume
+        "wall": d.clock.wall(),  # summary.json's wall_seconds, too
         "skips": {"total": d.guards.steps.total, "consecutive": d.guards.steps.consecutive},
         "data_skipped": dict(d.guards.inputs.counts),
         "faults": {"engine": d.client.faults, "reward": d.reward_pool.faults if d.reward_pool is not None else 0},
@@ -105,4 +107,6 @@ def restore(d: Durable, roles: Roles, controller: AsyncController, point: Resume
         d.reward_pool.faults = state["faults"].get("reward", 0)
     d.clock.acc0 = state.get("eval_initial")
     d.clock.elapsed0 = state.get("elapsed", 0.0)
+    wall = state.get("wall")  # a checkpoint without it: its training time
+    d.clock.wall0 = float(wall) if isinstance(wall, (int, float)) and 0 <= wall < math.inf else d.clock.elapsed0
     return int(state["step"])

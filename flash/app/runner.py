@@ -44,7 +44,9 @@ from flash.app.config import FlashConfig, to_dict, to_yaml
 from flash.errors import FlashError
 from flash.run_files import write_run_text
 from flash.sim.accounting import SimSteps
-from flash.app.tracking import Heartbeat, Progress, make_tracker, pick_samples
+from flash.app.progress import Heartbeat, Progress, TrainEta, accuracy_mark, settle_steps, time_note
+from flash.app.summary import last_eval
+from flash.app.tracking import make_tracker, pick_samples
 from controllers.agent_runtime import build_agent_scheduler
 from controllers.episode_runtime import build_episode_scheduler
 from flash.envs.task import EnvTask
@@ -198,15 +200,19 @@ class Run:
         return run_state.Durable(self.buffer, self.scheduler, self.clock, self.guards, self.roles.client,
                                  self.reward_pool, self.checkpointer, self.files, self.cfg.train)
 
-    def evaluate(self, tag: str, step: int = 0) -> dict[str, float]:
+    def evaluate(self, tag: str, step: int, progress: Progress) -> dict[str, float]:
         """Every evaluation set's metrics (flash.app.evaluation) and the headline held-out accuracy
         ``eval/accuracy`` (the first set's mean@n); also a line in ``eval.jsonl`` (step, seconds
-        since training began)."""
+        since training began). Its count and time left go to ``progress`` while it runs."""
         start = time.monotonic()
         params = sampling_params(self.cfg, self.tokenizer, eval_mode=True)
         n = self.cfg.eval.n
-        metrics = evaluate_sets(self.scheduler, self.eval_sets, params, n, self.cfg.seed + 991, self.dir, step,
-                                self.scheduler.source.decode)
+        try:
+            metrics = evaluate_sets(self.scheduler, self.eval_sets, params, n, self.cfg.seed + 991, self.dir, step,
+                                    self.scheduler.source.decode, decode_prompt=self.tokenizer.decode,
+                                    on_progress=progress.evaluating)
+        finally:
+            progress.evaluating(None)
         metrics["eval/accuracy"] = headline(metrics, self.eval_sets, n) or 0.0
         self.clock.last_eval_s = time.monotonic() - start
         elapsed = start - self.clock.train_start if self.clock.train_start is not None else 0.0
@@ -274,7 +280,7 @@ def _run(cfg: FlashConfig, recipe_name: str, heartbeat: Heartbeat, recipe_arg: s
     r = Run(cfg, recipe_name, heartbeat)
     start = r.clock.start_step
     tracker = make_tracker(cfg.tracking, str(r.dir), config=to_dict(cfg), purge_step=start + 1 if r.resume_point else None)
-    progress = Progress(cfg.train.steps, cfg.tracking.progress, heartbeat)
+    progress = Progress(cfg.train.steps, cfg.tracking.progress, heartbeat, start=start)
     progress.write(f"flash: run dir {r.dir}" + (f" (resumed at step {start} from {r.resume_point.path})" if r.resume_point else ""))
     if r.roles.placement.plan.num_gpus or len(r.roles.replicas) > 1:
         progress.write(f"flash: {r.roles.placement.plan.describe()}")
@@ -282,12 +288,12 @@ def _run(cfg: FlashConfig, recipe_name: str, heartbeat: Heartbeat, recipe_arg: s
         r.scheduler.start()
         if r.clock.acc0 is None:
             heartbeat.set(phase="evaluation before training")
-            metrics = r.evaluate("initial")
+            metrics = r.evaluate("initial", 0, progress)
             r.clock.acc0 = metrics["eval/accuracy"]
             tracker.log(step_metrics.eval_metrics(metrics, r.clock.last_eval_s), 0)
             progress.write(f"flash: held-out before training: {set_figures(metrics, cfg.eval.n)}")
         acc0 = r.clock.acc0
-        heartbeat.set(phase="train", step=start, total=cfg.train.steps, accuracy=acc0)
+        _train_progress(r, progress, heartbeat)
         if start < cfg.train.steps:
             r.scheduler.set_version(r.controller.version)
         r.scheduler.start_admission()
@@ -302,7 +308,7 @@ def _run(cfg: FlashConfig, recipe_name: str, heartbeat: Heartbeat, recipe_arg: s
         train_s = time.monotonic() - train_start
         left = r.controller.shutdown_rollout()
         heartbeat.set(phase="evaluation after training")
-        metrics = r.evaluate("final", cfg.train.steps)
+        metrics = r.evaluate("final", cfg.train.steps, progress)
         acc1 = metrics["eval/accuracy"]
         tracker.log(step_metrics.eval_metrics(metrics, r.clock.last_eval_s), cfg.train.steps)
         progress.write(f"flash: held-out after training: {set_figures(metrics, cfg.eval.n)}")
@@ -317,6 +323,20 @@ def _run(cfg: FlashConfig, recipe_name: str, heartbeat: Heartbeat, recipe_arg: s
     return summary
 
 
+def _train_progress(r: Run, progress: Progress, heartbeat: Heartbeat) -> None:
+    """What the train phase shows (flash.app.progress): the last held-out accuracy and its step when
+    the run evaluates periodically (a resumed run's from ``eval.jsonl``), the run's training time so
+    far and an ETA from the steps this process measures."""
+    cfg, start = r.cfg, r.clock.start_step
+    last = last_eval(r.dir)
+    progress.accuracy = (last["accuracy"], last["step"]) if cfg.eval.every_steps and last else None
+    eval_s = r.clock.last_eval_s or (last["seconds"] if last else 0.0)
+    progress.eta = TrainEta(cfg.train.steps, settle_steps(cfg.async_ratio), cfg.eval.every_steps, eval_s,
+                            r.clock.elapsed0)
+    heartbeat.set(phase="train", step=start, total=cfg.train.steps, time=time_note(r.clock.elapsed0, None),
+                  accuracy=accuracy_mark(*progress.accuracy) if progress.accuracy else None)
+
+
 def _on_step(r: Run, rec, tracker, progress) -> None:
     """Periodic evaluation, then log the step (metrics.jsonl, timeline.jsonl, trackers).
 
@@ -328,7 +348,7 @@ def _on_step(r: Run, rec, tracker, progress) -> None:
     step = rec.step + 1
     evaluated: dict[str, float] = {}
     if every and step % every == 0 and step < r.cfg.train.steps:
-        evaluated = step_metrics.eval_metrics(r.evaluate(f"step{step}", step), r.clock.last_eval_s)
+        evaluated = step_metrics.eval_metrics(r.evaluate(f"step{step}", step, progress), r.clock.last_eval_s)
         rec.metrics["eval/accuracy"] = evaluated["eval/accuracy"]
     sim = (lambda logged: r.sim_steps.metrics(step, logged, rec.timeline)) if r.cfg.train.backend == "sim" else None
     logged = step_metrics.logged_metrics(rec.metrics, evaluated, time.monotonic() - r.clock.train_start, sim,

@@ -7,7 +7,6 @@ library versions, how the reward sandbox isolated model-written code on this hos
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +25,7 @@ def summary(cfg: FlashConfig, r: Any, records, acc0, acc1, train_s, left) -> dic
         "eval_accuracy_final": acc1,
         **eval_record(_read_evals(Path(r.dir) / "eval.jsonl")),
         "steps": steps,
-        "wall_seconds": time.monotonic() - r.clock.t0,
+        "wall_seconds": r.clock.wall(),  # a resumed run's time up to its checkpoint included
         "train_seconds": train_s,
         "seconds_per_step": train_s / max(steps, 1),
         "samples_trained": trained,
@@ -50,7 +49,7 @@ def summary(cfg: FlashConfig, r: Any, records, acc0, acc1, train_s, left) -> dic
         "filtered_groups": dict(r.scheduler.lifecycle.filtered),
         "aborted_samples": dict(r.scheduler.lifecycle.aborted),
         "lifecycle": r.scheduler.lifecycle.snapshot(),
-        "phase_seconds_mean": {k[5:]: sum(rec.metrics.get(k, 0.0) for rec in records) / max(steps, 1)
+        "phase_seconds_mean": {k[5:]: sum(rec.metrics.get(k, 0.0) for rec in records) / max(len(records), 1)
                                for k in phase_keys},
         "run_dir": str(r.dir),
         "sim_seconds_per_step": r.sim_steps.seconds_per_step(train_s) if cfg.train.backend == "sim" else None,
@@ -70,6 +69,19 @@ def _read_evals(path: Path) -> list[dict]:
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def last_eval(run_dir: Path | str) -> dict | None:
+    """The run's latest evaluation (the last ``eval.jsonl`` line: step, accuracy, seconds), None
+    before any; a resumed run's file is cut back to its checkpoint, so it is the checkpoint's."""
+    try:
+        evals = _read_evals(Path(run_dir) / "eval.jsonl")
+    except (OSError, ValueError):  # a log edited by hand: no figure, not a traceback
+        return None
+    last = evals[-1] if evals else None
+    fields = ("step", "accuracy", "seconds")
+    ok = isinstance(last, dict) and all(isinstance(last.get(k), (int, float)) for k in fields)
+    return {k: last[k] for k in fields} if ok else None
 
 
 def eval_record(evals: list[dict]) -> dict:

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import importlib.util
 import sys
-import threading
-import time
 from typing import Any, Protocol
 
 from flash.app.evaluation import OWN_SET
@@ -178,39 +176,6 @@ class MultiTracker:
             t.close()
 
 
-class Progress:
-    """A live bar (step, reward, staleness, ETA) on a terminal; silent otherwise."""
-
-    def __init__(self, total: int, enabled: bool, heartbeat: Heartbeat | None = None):
-        self.bar, self.heartbeat, self.total, self.done = None, heartbeat, total, 0
-        if enabled and sys.stderr.isatty():
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=total, unit="step", dynamic_ncols=True)
-
-    def update(self, metrics: dict[str, float]) -> None:
-        self.done += 1
-        if self.heartbeat is not None:
-            self.heartbeat.set(phase="train", step=metrics.get("step", self.done), total=self.total,
-                               reward=metrics.get("reward/mean"), accuracy=metrics.get("eval/accuracy",
-                                                                                      self.heartbeat.fields.get("accuracy")))
-        if self.bar is None:
-            return
-        self.bar.set_postfix(reward=f"{metrics.get('reward/mean', 0):.3f}",
-                             stale=int(metrics.get("staleness/max", 0)), refresh=False)
-        self.bar.update(1)
-
-    def write(self, line: str) -> None:
-        if self.bar is not None:
-            self.bar.write(line)
-        else:
-            print(line, flush=True)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-
-
 def pick_samples(step: int, groups: list, n: int, decode) -> list[dict]:
     """Up to ``n`` of a step's samples, decoded: alternately the highest and the lowest reward (a
     reward or format bug shows at the extremes), ties in trained order."""
@@ -225,65 +190,3 @@ def samples_markdown(samples: list[dict]) -> str:
     """The picked samples as Markdown for a text panel (TensorBoard renders it)."""
     return "\n\n".join(f"**prompt {x['prompt_id']} sample {x['sample']}**: reward {x['reward']:.3g} "
                         f"({x['finish_reason']})\n\n    {x['prompt']!r}\n\n    {x['response']!r}" for x in samples)
-
-
-def step_eta(done: int, total: int, elapsed_s: float) -> str:
-    """``(elapsed 95s, ~12m left)``: the phase's time so far and its time left at the rate so far
-    (``?`` before the first step)."""
-    left = "?" if done <= 0 else _duration(elapsed_s / done * max(0, total - done))
-    return f"(elapsed {_duration(elapsed_s)}, ~{left} left)"
-
-
-def _duration(seconds: float) -> str:
-    """``45s``, ``12m05s``, ``1h02m``."""
-    s = int(round(seconds))
-    if s < 60:
-        return f"{s}s"
-    if s < 3600:
-        return f"{s // 60}m{s % 60:02d}s"
-    return f"{s // 3600}h{s % 3600 // 60:02d}m"
-
-
-class Heartbeat:
-    """Progress for a log file: when output is not a terminal (a job scheduler, ``nohup``, CI), a
-    daemon thread prints one line every ``interval_s`` seconds from the start of the run -- phase
-    (warm start, roles, evaluation, train), step, last reward and accuracy -- so a log shows the
-    run is alive and where it is before the first step ends. A phase that counts steps toward a
-    total (the warm start) also shows its elapsed time and the time left at its rate so far
-    (``step_eta``). Silent on a terminal (the bar is there) and with ``interval_s`` 0."""
-
-    def __init__(self, interval_s: float, enabled: bool = True, stream=None):
-        self.stream = stream or sys.stdout
-        self.fields: dict[str, Any] = {"phase": "start"}
-        self._start = self._phase_start = time.monotonic()
-        self._stop = threading.Event()
-        self._thread = None
-        if enabled and interval_s > 0 and not self.stream.isatty():
-            self._thread = threading.Thread(target=self._loop, args=(interval_s,), name="flash-heartbeat", daemon=True)
-            self._thread.start()
-
-    def set(self, **fields) -> None:
-        """Update what the next line says; a new phase drops the old phase's figures (step count,
-        reward, accuracy), so a line never shows a value from before the phase."""
-        old = self.fields
-        if fields.get("phase", old["phase"]) != old["phase"]:
-            old = {k: v for k, v in old.items() if k not in ("step", "total", "reward", "accuracy")}
-            self._phase_start = time.monotonic()
-        self.fields = {**old, **fields}
-
-    def line(self) -> str:
-        f = self.fields
-        parts = [f"flash: [{time.monotonic() - self._start:.0f}s] {f['phase']}"]
-        if f.get("step") is not None:
-            parts.append(f"step {f['step']}" + (f"/{f['total']}" if "total" in f else ""))
-            if f.get("total"):
-                parts.append(step_eta(f["step"], f["total"], time.monotonic() - self._phase_start))
-        parts += [f"{k} {f[k]:.3f}" for k in ("reward", "accuracy") if f.get(k) is not None]
-        return " ".join(parts)
-
-    def _loop(self, interval_s: float) -> None:
-        while not self._stop.wait(interval_s):
-            print(self.line(), file=self.stream, flush=True)
-
-    def close(self) -> None:
-        self._stop.set()

@@ -10,7 +10,7 @@ import pytest
 from flash.app.config import load_config
 from flash.app.evaluation import OWN_SET, build_eval_sets, headline, set_figures, set_metrics
 from flash.app.summary import eval_record
-from flash.app.tracking import Heartbeat
+from flash.app.progress import Heartbeat
 from recipes.tasks import make_task
 
 
@@ -79,8 +79,9 @@ def test_the_summary_keeps_each_set_at_start_and_end_and_the_best_step_of_the_cu
 
 def test_a_new_phase_shows_no_figure_from_the_phase_before():
     hb = Heartbeat(0, enabled=False, stream=io.StringIO())
-    hb.set(phase="train", step=30, total=30, reward=0.383, accuracy=0.125)
-    assert hb.line().endswith("train step 30/30 (elapsed 0s, ~0s left) reward 0.383 accuracy 0.125"), hb.line()
+    hb.set(phase="train", step=30, total=30, reward=0.383, accuracy="0.125@20", detail="eval 8/16 samples, ~2s left")
+    assert hb.line().endswith("train step 30/30 (elapsed 0s, ~0s left) reward 0.383 accuracy 0.125@20 "
+                              "eval 8/16 samples, ~2s left"), hb.line()
     hb.set(phase="evaluation after training")
     assert hb.line().endswith("] evaluation after training"), hb.line()
 

@@ -210,20 +210,20 @@ def test_a_heartbeat_line_reaches_a_log_file_every_interval_with_phase_step_rewa
     import io
     import time
 
-    from flash.app.tracking import Heartbeat, Progress
+    from flash.app.progress import Heartbeat, Progress
 
     out = io.StringIO()  # not a terminal, like a log file
     hb = Heartbeat(0.05, stream=out)
     hb.set(phase="warm start")
     hb.set(step=120, total=400)
     time.sleep(0.12)
-    hb.set(phase="train", step=0, total=10, accuracy=0.25)
-    Progress(10, True, hb).update({"step": 3, "reward/mean": 0.5})
+    hb.set(phase="train", step=0, total=10, accuracy="0.250@0")
+    Progress(10, True, hb, accuracy=(0.25, 0)).update({"step": 3, "reward/mean": 0.5, "time/elapsed": 4.0})
     time.sleep(0.12)
     hb.close()
     lines = out.getvalue().splitlines()
     assert any(re.search(r"warm start step 120/400 \(elapsed 0s, ~0s left\)$", x) for x in lines), lines
-    assert re.search(r"train step 3/10 \(elapsed 0s, ~0s left\) reward 0.500 accuracy 0.250$", lines[-1]), lines
+    assert re.search(r"train step 3/10 \(elapsed 4s, ETA settling\) reward 0.500 accuracy 0.250@0$", lines[-1]), lines
     assert all(x.startswith("flash: [") for x in lines) and len(lines) >= 3
     assert "step 120" not in Heartbeat(0, enabled=False).line()
     quiet = Heartbeat(0.01, enabled=False, stream=out)
@@ -238,7 +238,7 @@ def test_a_heartbeat_line_reaches_a_log_file_every_interval_with_phase_step_rewa
     (400, 400, 59.6, "(elapsed 1m00s, ~0s left)"),
 ])
 def test_the_warm_start_progress_shows_elapsed_and_time_left_at_its_rate(done, total, elapsed, want):
-    from flash.app.tracking import step_eta
+    from flash.app.progress import step_eta
 
     assert step_eta(done, total, elapsed) == want
 

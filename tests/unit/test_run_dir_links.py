@@ -142,12 +142,12 @@ def test_an_eval_generations_file_linked_out_is_not_overwritten(tmp_path, outsid
     run_dir = tmp_path / "run"
     plant(run_dir, "eval/dev/step-4.jsonl", "victim", victim, missing)
     sample = SimpleNamespace(response_ids=[1, 2], prompt_ids=[3], reward=1.0, finish_reason="stop")
-    scheduler = SimpleNamespace(evaluate_samples=lambda items, params, tag, seed: [sample] * len(items))
+    scheduler = SimpleNamespace(evaluate_samples=lambda items, params, tag, seed, **_: [sample] * len(items))
     sets = [EvalSet("dev", [TaskItem(0, "q", "a")], None)]
     with pytest.raises(RunDirError, match="step-4.jsonl is a symbolic link"):
-        evaluate_sets(scheduler, sets, None, 2, 0, run_dir, 4, decode=lambda ids: "x")
+        evaluate_sets(scheduler, sets, None, 2, 0, run_dir, 4, decode=lambda ids: "x", decode_prompt=str)
     assert untouched(victim, missing)
-    metrics = evaluate_sets(scheduler, sets, None, 2, 0, run_dir, 5, decode=lambda ids: "x")
+    metrics = evaluate_sets(scheduler, sets, None, 2, 0, run_dir, 5, decode=lambda ids: "x", decode_prompt=str)
     assert metrics["eval/dev/mean@2"] == 1.0
     assert [json.loads(x)["sample"] for x in (run_dir / "eval/dev/step-5.jsonl").read_text().splitlines()] == [0, 1]
 

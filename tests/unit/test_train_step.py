@@ -203,7 +203,7 @@ def test_replay_trains_a_critic_step_exactly_as_the_controller(monkeypatch, prox
     assert replay_log[-4:] == ["wait reference.logprobs", "launch trainer.train_step", "wait trainer.train_step",
                                "wait critic.train_step"]
     # the critic's metrics beside the trainer's, the same numbers in both
-    assert set(train) == {"loss", "grad_norm", "critic/loss", "critic/grad_norm"}
+    assert set(train) == {"loss", "grad_norm", "critic/loss", "critic/grad_norm", "no_update"}
     assert {k: metrics[f"train/{k}"] for k in train} == train
     assert train["critic/grad_norm"] == 0.5 and train["grad_norm"] == 15.0  # 6 samples, 2 or 3 tokens
 
@@ -258,3 +258,19 @@ def test_the_batch_sources():
     assert m["staleness/max"] == 1.0 and m["staleness/count_0"] == 5.0 and m["staleness/count_1"] == 1.0
     assert m["reward/mean"] == 0.5 and m["rollout/response_len_max"] == 3.0
     assert sm.token_metrics(batch, 2.0) == {"train/batch_tokens": 15.0, "train/tokens_per_s": 7.5}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_step_whose_groups_all_had_equal_reward_is_marked_no_update(monkeypatch, stream):
+    """Every group's samples of one reward (GRPO): every advantage 0, ``train/no_update`` 1; one group
+    with two rewards: 0. The replay reports it as the controller does."""
+    equal = _groups()
+    for g in equal:
+        for s in g.samples:
+            s.reward = float(g.prompt_id % 2)  # groups differ from each other, not within
+    for groups, want in ((equal, 1.0), (_groups(), 0.0)):
+        metrics, _ = _controller_step(monkeypatch, groups, {"name": "grpo"}, "behav", stream, False, False)
+        train, _ = _replay_step(monkeypatch, groups, {"name": "grpo"}, "behav", stream, False, False)
+        assert metrics["train/no_update"] == train["no_update"] == want
+    assert ts.no_update([torch.zeros(2, 3), torch.zeros(1, 3)]) == 1.0
+    assert ts.no_update([torch.zeros(2, 3), torch.tensor([[0.0, 1e-9, 0.0]])]) == 0.0

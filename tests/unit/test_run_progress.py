@@ -1,0 +1,135 @@
+"""What a run says while it runs (flash.app.progress): the accuracy marked with the step it was
+measured at, the no-update line, an evaluation's count and time left, an ETA that settles before it
+is given, the whole prompt in the eval records, and a resumed run's bar and wall time."""
+
+import io
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from flash.app.evaluation import EvalSet, evaluate_sets
+from flash.app.progress import (Heartbeat, Progress, TrainEta, eval_note, evals_left, no_update_note,
+                                settle_steps, step_eta, time_note)
+from flash.tasks import TaskItem
+
+
+def _progress(**kwargs) -> tuple[Progress, Heartbeat, list[str]]:
+    hb = Heartbeat(0, enabled=False, stream=io.StringIO())
+    progress = Progress(20, False, hb, **kwargs)
+    written: list[str] = []
+    progress.write = written.append  # type: ignore[method-assign]
+    return progress, hb, written
+
+
+def test_train_lines_mark_the_accuracy_with_its_step_and_leave_it_out_without_periodic_evaluation():
+    progress, hb, _ = _progress(accuracy=(0.284, 0))
+    progress.update({"step": 3, "reward/mean": 0.5, "time/elapsed": 30.0})
+    assert hb.line().endswith("train step 3/20 (elapsed 30s, ETA settling) reward 0.500 accuracy 0.284@0"), hb.line()
+    progress.update({"step": 4, "reward/mean": 0.25, "time/elapsed": 50.0, "eval/accuracy": 0.3125, "time/eval": 8.0})
+    progress.update({"step": 5, "reward/mean": 0.25, "time/elapsed": 60.0})
+    assert hb.line().endswith("reward 0.250 accuracy 0.312@4"), hb.line()
+    # no periodic evaluation: the before-training figure is not repeated as if current
+    quiet, hb, _ = _progress(accuracy=None)
+    quiet.update({"step": 3, "reward/mean": 0.5, "time/elapsed": 30.0, "eval/accuracy": 0.5})
+    assert "accuracy" not in hb.line() and hb.line().endswith("reward 0.500"), hb.line()
+
+
+def test_a_step_with_every_advantage_zero_says_no_update_once_per_streak_step_then_at_powers_of_ten():
+    progress, _, written = _progress()
+    flags = [1, 1, 0, 1] + [1] * 120
+    for i, flag in enumerate(flags, start=1):
+        progress.update({"step": i, "train/no_update": float(flag), "train/grad_norm": 0.0})
+    assert written == [
+        "flash: step 1: no update: all groups had equal reward (every advantage 0)",
+        "flash: step 4: no update: all groups had equal reward (every advantage 0)",
+        "flash: step 13: no update: all groups had equal reward (every advantage 0) (10 steps in a row)",
+        "flash: step 103: no update: all groups had equal reward (every advantage 0) (100 steps in a row)"]
+    assert no_update_note(7, 1, 0.5).endswith("(every advantage 0); only the loss's KL/entropy terms trained")
+    assert [no_update_note(9, k, 0.0) is None for k in (3, 9, 11, 99, 1000)] == [True, True, True, True, False]
+
+
+def test_an_evaluation_reports_its_samples_done_and_time_left(tmp_path, monkeypatch):
+    import flash.app.evaluation as ev
+
+    clock = iter([100.0, 104.0, 110.0, 112.0, 120.0])
+    monkeypatch.setattr(ev, "time", SimpleNamespace(monotonic=lambda: next(clock)))
+    sample = SimpleNamespace(response_ids=[1], prompt_ids=[3], reward=1.0, finish_reason="stop")
+
+    def evaluate_samples(items, params, tag, seed, on_progress):
+        for done in (2, len(items)):
+            on_progress(done)
+        return [sample] * len(items)
+
+    sets = [EvalSet("a", [TaskItem(i, "q", "1") for i in range(2)], None), EvalSet("b", [TaskItem(0, "q", "1")], None)]
+    notes: list[str] = []
+    evaluate_sets(SimpleNamespace(evaluate_samples=evaluate_samples), sets, None, 4, 0, tmp_path, 0, str,
+                  decode_prompt=str, on_progress=notes.append)
+    assert notes == ["eval 2/12 samples, ~20s left", "eval 8/12 samples, ~5s left", "eval 10/12 samples, ~2s left",
+                     "eval 12/12 samples, scoring"]
+    assert eval_note(0, 64, 3.0) == "eval 0/64 samples, ~? left"
+
+
+def test_eval_records_hold_the_whole_prompt_not_only_the_system_turn(tmp_path):
+    from flash.models import build_tokenizer, decode_response, encode_prompt
+
+    tok = build_tokenizer()
+    prompt = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "what is 2+3?"}]
+    ids = encode_prompt(tok, prompt)
+    assert tok.eos_token_id in ids[:-3]  # the system turn ends in the end-of-sequence token
+    sample = SimpleNamespace(response_ids=[tok.eos_token_id], prompt_ids=ids, reward=0.0, finish_reason="stop")
+    scheduler = SimpleNamespace(evaluate_samples=lambda items, params, tag, seed, **_: [sample] * len(items))
+    evaluate_sets(scheduler, [EvalSet("eval", [TaskItem(0, prompt, "5")], None)], None, 1, 0, tmp_path, 3,
+                  lambda x: decode_response(tok, x), decode_prompt=tok.decode)
+    record = json.loads((tmp_path / "eval/eval/step-3.jsonl").read_text())
+    assert "be brief" in record["prompt"] and "what is 2+3?" in record["prompt"], record["prompt"]
+    assert "what is 2+3?" not in decode_response(tok, ids)  # what the records held: the system turn alone
+
+
+def test_the_train_eta_settles_through_the_head_start_then_never_grows_at_a_steady_rate():
+    assert [settle_steps(r) for r in (0.0, 1.0, 2.5)] == [2, 3, 5]
+    assert [evals_left(s, 20, 5) for s in (0, 4, 5, 15, 19, 20)] == [4, 4, 3, 1, 1, 0]
+    assert evals_left(3, 20, 0) == 1  # the final evaluation only
+    eta = TrainEta(total=20, settle=3, every=5, eval_s=6.0)
+    # two steps on the head start's ready batches (1 s), then 10 s steps; step 5 evaluates for 6 s
+    elapsed, shown = 0.0, []
+    for step in range(1, 9):
+        elapsed += (1.0 if step <= 2 else 10.0) + (6.0 if step == 5 else 0.0)
+        eta.observe({"time/elapsed": elapsed, **({"time/eval": 6.0} if step == 5 else {})})
+        shown.append(eta.left(step))
+    assert shown[:2] == [None, None]
+    # 10 s per step left, plus the evaluations at 10, 15 and the final one
+    assert shown[2:] == [10.0 * (20 - s) + 6.0 * evals_left(s, 20, 5) for s in range(3, 9)] == \
+        [194.0, 184.0, 168.0, 158.0, 148.0, 138.0]
+    # what the mean rate since the start said over the same steps: it grew
+    mean_rate = [step_eta(s, 20, 2.0 + 10.0 * (s - 2)) for s in (2, 3, 4)]
+    assert mean_rate == ["(elapsed 2s, ~18s left)", "(elapsed 12s, ~1m08s left)", "(elapsed 22s, ~1m28s left)"]
+    assert time_note(190.0, None) == "(elapsed 3m10s, ETA settling)"
+    assert time_note(190.0, 480.0) == "(elapsed 3m10s, ~8m00s left)"
+
+
+def test_one_slow_step_does_not_swing_the_eta():
+    eta = TrainEta(total=100, settle=2, elapsed0=500.0)  # a resumed run: 500 s before its checkpoint
+    elapsed = 500.0
+    for seconds in (1.0, 10.0, 10.0, 60.0, 10.0):
+        elapsed += seconds
+        eta.observe({"time/elapsed": elapsed})
+    assert eta.seconds == [1.0, 10.0, 10.0, 60.0, 10.0] and eta.left(55) == 10.0 * 45 + 0.0
+
+
+def test_a_resumed_run_bar_starts_at_its_step_and_its_wall_time_covers_the_time_before(monkeypatch):
+    import sys
+
+    from flash.app.roles import Clock
+
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
+    bar = Progress(30, True, start=12)
+    try:
+        assert (bar.bar.n, bar.bar.total) == (12, 30)
+        bar.update({"step": 13, "reward/mean": 0.5, "time/elapsed": 700.0})
+        assert bar.bar.n == 13 and "elapsed 11m40s" in str(bar.bar)
+    finally:
+        bar.close()
+    clock = Clock(t0=1000.0, wall0=900.0)
+    monkeypatch.setattr("flash.app.roles.time.monotonic", lambda: 1100.0)
+    assert clock.wall() == pytest.approx(1000.0)
