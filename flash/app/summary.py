@@ -18,18 +18,18 @@ def summary(cfg: FlashConfig, r: Any, records, acc0, acc1, train_s, left) -> dic
     """The run's summary (``summary.json``) of ``r``, the runner's ``Run``: ``records`` are the controller's steps, ``left`` the prompts
     rollout left unfinished; accuracies before and after training, training seconds."""
     steps = r.clock.start_step + len(records)  # a resumed run: all of its steps (train_s spans them too)
-    trained = sum(len(g.samples) for rec in records for g in rec.groups)
     phase_keys = sorted({k for rec in records for k in rec.metrics if k.startswith("time/")})
+    totals = run_totals(_read_jsonl(Path(r.dir) / "metrics.jsonl"), phase_keys)
     return {
         "eval_accuracy_initial": acc0,
         "eval_accuracy_final": acc1,
-        **eval_record(_read_evals(Path(r.dir) / "eval.jsonl")),
+        **eval_record(_read_jsonl(Path(r.dir) / "eval.jsonl")),
         "steps": steps,
         "wall_seconds": r.clock.wall(),  # a resumed run's time up to its checkpoint included
         "train_seconds": train_s,
         "seconds_per_step": train_s / max(steps, 1),
-        "samples_trained": trained,
-        "max_staleness_observed": max((rec.metrics["staleness/max"] for rec in records), default=0.0),
+        "samples_trained": totals["samples_trained"],
+        "max_staleness_observed": totals["max_staleness_observed"],
         "async_ratio": cfg.async_ratio,
         "interrupt": cfg.rollout.interrupt,
         "loss": cfg.algo.loss["name"],
@@ -49,8 +49,7 @@ def summary(cfg: FlashConfig, r: Any, records, acc0, acc1, train_s, left) -> dic
         "filtered_groups": dict(r.scheduler.lifecycle.filtered),
         "aborted_samples": dict(r.scheduler.lifecycle.aborted),
         "lifecycle": r.scheduler.lifecycle.snapshot(),
-        "phase_seconds_mean": {k[5:]: sum(rec.metrics.get(k, 0.0) for rec in records) / max(len(records), 1)
-                               for k in phase_keys},
+        "phase_seconds_mean": totals["phase_seconds_mean"],
         "run_dir": str(r.dir),
         "sim_seconds_per_step": r.sim_steps.seconds_per_step(train_s) if cfg.train.backend == "sim" else None,
         # the CPU split the roles ran with (flash plan scales costs measured here to other splits)
@@ -65,17 +64,30 @@ def summary(cfg: FlashConfig, r: Any, records, acc0, acc1, train_s, left) -> dic
     }
 
 
-def _read_evals(path: Path) -> list[dict]:
+def _read_jsonl(path: Path) -> list[dict]:
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def run_totals(lines: list[dict], phase_keys: list[str]) -> dict[str, Any]:
+    """Totals over every step of the run from its ``metrics.jsonl`` lines (a resumed run's file is cut
+    back to its checkpoint and continued, so it holds each step once): the samples trained (each
+    step's ``staleness/count_k`` count every trained sample once), the largest staleness, and each
+    ``time/<phase>`` of ``phase_keys`` as a mean over the steps (0 where a step lacks it)."""
+    steps = [m for m in lines if isinstance(m, dict) and "staleness/max" in m]
+    samples = sum(v for m in steps for k, v in m.items() if k.startswith("staleness/count_"))
+    return {"samples_trained": int(samples),
+            "max_staleness_observed": max((float(m["staleness/max"]) for m in steps), default=0.0),
+            "phase_seconds_mean": {k[5:]: sum(m.get(k, 0.0) for m in steps) / max(len(steps), 1)
+                                   for k in phase_keys}}
 
 
 def last_eval(run_dir: Path | str) -> dict | None:
     """The run's latest evaluation (the last ``eval.jsonl`` line: step, accuracy, seconds), None
     before any; a resumed run's file is cut back to its checkpoint, so it is the checkpoint's."""
     try:
-        evals = _read_evals(Path(run_dir) / "eval.jsonl")
+        evals = _read_jsonl(Path(run_dir) / "eval.jsonl")
     except (OSError, ValueError):  # a log edited by hand: no figure, not a traceback
         return None
     last = evals[-1] if evals else None

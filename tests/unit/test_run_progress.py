@@ -133,3 +133,17 @@ def test_a_resumed_run_bar_starts_at_its_step_and_its_wall_time_covers_the_time_
     clock = Clock(t0=1000.0, wall0=900.0)
     monkeypatch.setattr("flash.app.roles.time.monotonic", lambda: 1100.0)
     assert clock.wall() == pytest.approx(1000.0)
+
+
+def test_a_resumed_run_summary_totals_count_every_step_of_the_run_once():
+    from flash.app.summary import run_totals
+
+    # metrics.jsonl of a run resumed at step 2: steps 1-2 before the interruption, 3-4 after
+    lines = [{"step": s, "staleness/max": float(m), "staleness/count_0": 6.0, "staleness/count_1": float(2 * m),
+              "time/train": t, "time/step": 2 * t} for s, m, t in ((1, 0, 1.0), (2, 1, 3.0), (3, 1, 2.0), (4, 0, 2.0))]
+    lines[2]["time/eval"] = 9.0
+    totals = run_totals(lines, ["time/step", "time/train"])
+    assert totals == {"samples_trained": 28, "max_staleness_observed": 1.0,
+                      "phase_seconds_mean": {"step": 4.0, "train": 2.0}}
+    assert run_totals([], ["time/step"]) == {"samples_trained": 0, "max_staleness_observed": 0.0,
+                                             "phase_seconds_mean": {"step": 0.0}}
