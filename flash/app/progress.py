@@ -35,10 +35,13 @@ def duration(seconds: float) -> str:
     return f"{s // 3600}h{s % 3600 // 60:02d}m"
 
 
-def step_eta(done: int, total: int, elapsed_s: float) -> str:
-    """``(elapsed 95s, ~12m left)``: the phase's time so far and its time left at the rate so far
-    (``?`` before the first step). The warm start's steps take equal time, so its rate is its mean."""
-    left = "?" if done <= 0 else duration(elapsed_s / done * max(0, total - done))
+def step_eta(done: int, total: int, elapsed_s: float, since_step_s: float = 0.0) -> str:
+    """``(elapsed 95s, ~12m left)``: the phase's time so far and its time left at the rate it had
+    when its last step ended, ``since_step_s`` ago, less the time since (``?`` before the first
+    step): between two steps it counts down, never up. The warm start's steps take equal time, so
+    its rate is its mean."""
+    at_step = elapsed_s - since_step_s
+    left = "?" if done <= 0 else duration(max(0.0, at_step / done * max(0, total - done) - since_step_s))
     return f"(elapsed {duration(elapsed_s)}, ~{left} left)"
 
 
@@ -121,16 +124,18 @@ class Heartbeat:
     """Progress for a log file: when output is not a terminal (a job scheduler, ``nohup``, CI), a
     daemon thread prints one line every ``interval_s`` seconds from the start of the run -- phase
     (warm start, roles, evaluation, train), step, times, last reward and accuracy, an evaluation's
-    count -- so a log shows the run is alive and where it is before the first step ends. A phase that
-    counts steps toward a total without its own ``time`` note (the warm start) shows ``step_eta``.
-    Silent on a terminal (the bar is there) and with ``interval_s`` 0."""
+    count -- so a log shows the run is alive and where it is before the first step ends. The train
+    phase's ``time`` is (elapsed, left or None) as of its last step, a phase that counts steps toward
+    a total without one (the warm start) shows ``step_eta``; both go on from the last step by the
+    time since it (elapsed up, left down). Silent on a terminal (the bar is there) and with
+    ``interval_s`` 0."""
 
     PHASE_FIELDS = ("step", "total", "reward", "accuracy", "time", "detail")
 
     def __init__(self, interval_s: float, enabled: bool = True, stream=None):
         self.stream = stream or sys.stdout
         self.fields: dict[str, Any] = {"phase": "start"}
-        self._start = self._phase_start = time.monotonic()
+        self._start = self._phase_start = self._step_at = time.monotonic()
         self._stop = threading.Event()
         self._thread = None
         if enabled and interval_s > 0 and not self.stream.isatty():
@@ -144,17 +149,21 @@ class Heartbeat:
         if fields.get("phase", old["phase"]) != old["phase"]:
             old = {k: v for k, v in old.items() if k not in self.PHASE_FIELDS}
             self._phase_start = time.monotonic()
+        if "step" in fields or "time" in fields:
+            self._step_at = time.monotonic()
         self.fields = {**old, **fields}
 
     def line(self) -> str:
-        f = self.fields
-        parts = [f"flash: [{time.monotonic() - self._start:.0f}s] {f['phase']}"]
+        f, now = self.fields, time.monotonic()
+        since = now - self._step_at
+        parts = [f"flash: [{now - self._start:.0f}s] {f['phase']}"]
         if f.get("step") is not None:
             parts.append(f"step {f['step']}" + (f"/{f['total']}" if "total" in f else ""))
             if f.get("time"):
-                parts.append(f["time"])
+                elapsed, left = f["time"]
+                parts.append(time_note(elapsed + since, None if left is None else max(0.0, left - since)))
             elif f.get("total"):
-                parts.append(step_eta(f["step"], f["total"], time.monotonic() - self._phase_start))
+                parts.append(step_eta(f["step"], f["total"], now - self._phase_start, since))
         if f.get("reward") is not None:
             parts.append(f"reward {f['reward']:.3f}")
         parts += [f"{k} {f[k]}" for k in ("accuracy",) if f.get(k) is not None]
@@ -184,7 +193,7 @@ class Progress:
             from tqdm import tqdm
 
             self.bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True,
-                            bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} {postfix}")
+                            bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt}{postfix}")
 
     def update(self, metrics: dict[str, float]) -> None:
         self.done = int(metrics.get("step", self.done + 1))
@@ -194,14 +203,14 @@ class Progress:
         if self.eta is not None:
             self.eta.observe(metrics)
         left = self.eta.left(self.done) if self.eta is not None else None
-        times = time_note(metrics.get("time/elapsed", 0.0), left)
+        elapsed = metrics.get("time/elapsed", 0.0)
         acc = accuracy_mark(*self.accuracy) if self.accuracy is not None else None
         if self.heartbeat is not None:
             self.heartbeat.set(phase="train", step=self.done, total=self.total, reward=metrics.get("reward/mean"),
-                               accuracy=acc, time=times, detail=None)
+                               accuracy=acc, time=(elapsed, left), detail=None)
         if self.bar is not None:
             shown = [f"reward={metrics.get('reward/mean', 0):.3f}", f"stale={int(metrics.get('staleness/max', 0))}"]
-            self.bar.set_postfix_str(", ".join(shown + ([f"acc={acc}"] if acc else []) + [times[1:-1]]),
+            self.bar.set_postfix_str(", ".join(shown + ([f"acc={acc}"] if acc else []) + [time_note(elapsed, left)[1:-1]]),
                                      refresh=False)
             self.bar.update(self.done - self.bar.n)
 

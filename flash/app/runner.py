@@ -44,7 +44,7 @@ from flash.app.config import FlashConfig, to_dict, to_yaml
 from flash.errors import FlashError
 from flash.run_files import write_run_text
 from flash.sim.accounting import SimSteps
-from flash.app.progress import Heartbeat, Progress, TrainEta, accuracy_mark, settle_steps, time_note
+from flash.app.progress import Heartbeat, Progress, TrainEta, accuracy_mark, settle_steps
 from flash.app.summary import last_eval
 from flash.app.tracking import make_tracker, pick_samples
 from controllers.agent_runtime import build_agent_scheduler
@@ -333,7 +333,7 @@ def _train_progress(r: Run, progress: Progress, heartbeat: Heartbeat) -> None:
     eval_s = r.clock.last_eval_s or (last["seconds"] if last else 0.0)
     progress.eta = TrainEta(cfg.train.steps, settle_steps(cfg.async_ratio), cfg.eval.every_steps, eval_s,
                             r.clock.elapsed0)
-    heartbeat.set(phase="train", step=start, total=cfg.train.steps, time=time_note(r.clock.elapsed0, None),
+    heartbeat.set(phase="train", step=start, total=cfg.train.steps, time=(r.clock.elapsed0, None),
                   accuracy=accuracy_mark(*progress.accuracy) if progress.accuracy else None)
 
 

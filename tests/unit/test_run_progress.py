@@ -127,7 +127,7 @@ def test_a_resumed_run_bar_starts_at_its_step_and_its_wall_time_covers_the_time_
     try:
         assert (bar.bar.n, bar.bar.total) == (12, 30)
         bar.update({"step": 13, "reward/mean": 0.5, "time/elapsed": 700.0})
-        assert bar.bar.n == 13 and "elapsed 11m40s" in str(bar.bar)
+        assert bar.bar.n == 13 and str(bar.bar).endswith("| 13/30, reward=0.500, stale=0, elapsed 11m40s, ETA settling")
     finally:
         bar.close()
     clock = Clock(t0=1000.0, wall0=900.0)
@@ -147,3 +147,25 @@ def test_a_resumed_run_summary_totals_count_every_step_of_the_run_once():
                       "phase_seconds_mean": {"step": 4.0, "train": 2.0}}
     assert run_totals([], ["time/step"]) == {"samples_trained": 0, "max_staleness_observed": 0.0,
                                              "phase_seconds_mean": {"step": 0.0}}
+
+
+def test_between_two_steps_the_heartbeat_counts_the_time_left_down_not_up(monkeypatch):
+    import flash.app.progress as pr
+
+    now = [0.0]
+    monkeypatch.setattr(pr, "time", SimpleNamespace(monotonic=lambda: now[0]))
+    hb = Heartbeat(0, enabled=False, stream=io.StringIO())
+    hb.set(phase="warm start")
+    now[0] = 20.0
+    hb.set(step=5, total=40)  # 4 s a step: 140 s left
+    shown = []
+    for t in (20.0, 26.0, 30.0):
+        now[0] = t
+        shown.append(hb.line().split("] ")[1])
+    assert shown == ["warm start step 5/40 (elapsed 20s, ~2m20s left)", "warm start step 5/40 (elapsed 26s, ~2m14s left)",
+                     "warm start step 5/40 (elapsed 30s, ~2m10s left)"]
+    # the train phase: elapsed and left as of the last step, carried on by the time since it
+    progress = Progress(20, False, hb, eta=TrainEta(20, 1))
+    progress.update({"step": 1, "reward/mean": 0.5, "time/elapsed": 10.0})
+    now[0] = 37.0
+    assert hb.line().endswith("train step 1/20 (elapsed 17s, ~3m03s left) reward 0.500"), hb.line()
