@@ -83,7 +83,7 @@ def test_eval_records_hold_the_whole_prompt_not_only_the_system_turn(tmp_path):
                   lambda x: decode_response(tok, x), decode_prompt=tok.decode)
     record = json.loads((tmp_path / "eval/eval/step-3.jsonl").read_text())
     assert "be brief" in record["prompt"] and "what is 2+3?" in record["prompt"], record["prompt"]
-    assert "what is 2+3?" not in decode_response(tok, ids)  # what the records held: the system turn alone
+    assert "what is 2+3?" not in decode_response(tok, ids)  # a response's decoder stops at the first end of sequence
 
 
 def test_the_train_eta_settles_through_the_head_start_then_never_grows_at_a_steady_rate():
@@ -101,7 +101,7 @@ def test_the_train_eta_settles_through_the_head_start_then_never_grows_at_a_stea
     # 10 s per step left, plus the evaluations at 10, 15 and the final one
     assert shown[2:] == [10.0 * (20 - s) + 6.0 * evals_left(s, 20, 5) for s in range(3, 9)] == \
         [194.0, 184.0, 168.0, 158.0, 148.0, 138.0]
-    # what the mean rate since the start said over the same steps: it grew
+    # the mean rate since the start, over the same steps, grows
     mean_rate = [step_eta(s, 20, 2.0 + 10.0 * (s - 2)) for s in (2, 3, 4)]
     assert mean_rate == ["(elapsed 2s, ~18s left)", "(elapsed 12s, ~1m08s left)", "(elapsed 22s, ~1m28s left)"]
     assert time_note(190.0, None) == "(elapsed 3m10s, ETA settling)"
