@@ -6,13 +6,13 @@ library versions, how the reward sandbox isolated model-written code on this hos
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Any
 
 from flash.app.config import FlashConfig
 from flash.app.settings import resolve_threads, run_cores
+from flash.run_files import load_jsonl
 
 
 def summary(cfg: FlashConfig, r: Any, records, acc0, acc1, train_s, left) -> dict:
@@ -67,9 +67,7 @@ def summary(cfg: FlashConfig, r: Any, records, acc0, acc1, train_s, left) -> dic
 
 
 def _read_evals(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return load_jsonl(path)
 
 
 def eval_record(evals: list[dict]) -> dict:
