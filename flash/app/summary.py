@@ -37,6 +37,7 @@ def summary(cfg: FlashConfig, r: Any, records, acc0, acc1, train_s, left) -> dic
         "prompts_admitted": r.scheduler.admitted,
         "prompts_unfinished": {k: len(v) for k, v in left.items()},
         "reward_errors": r.scheduler.counters["reward_errors"],
+        "reward_deadline": r.scheduler.counters["reward_deadline"],  # scored 0: past reward.response_deadline_s
         "resumed_from_step": r.clock.start_step if r.resume_point else None,
         "faults_engine": r.roles.client.faults,
         "faults_reward": r.reward_pool.faults if r.reward_pool is not None else 0,
