@@ -98,8 +98,8 @@ def _replay_lines(cfg: FlashConfig, lines: Iterator[dict], tally: Tally) -> list
         wait_ready(*actors)
         checks = []
         for line in itertools.chain([first], lines):
-            tally.add(line)
             checks.append(_check(line, _train(line, cfg, (trainer, critic, reference), pad_id)))
+            tally.add(line)  # after _train: its groups_from_line checked every field tally reads
         return checks
     finally:
         for actor in actors:
