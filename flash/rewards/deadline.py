@@ -15,6 +15,9 @@ scheduler's reward threads (``RolloutCore.score``) and each reward worker (``Rew
 Either way ``Deadline.hit`` is set, so the caller names the outcome even when the reward caught the
 exception itself: the response scores 0.0 with outcome ``reward_deadline``, counted per run
 (``reward/deadline`` in every step's metrics, ``reward_deadline`` in ``summary.json``).
+
+Standard library only, as the sandbox's other modules (they load without the project's
+dependencies).
 """
 
 from __future__ import annotations
@@ -65,7 +68,7 @@ def response_deadline(seconds: float | None) -> Iterator[Deadline | None]:
         yield outer
         return
     at = time.monotonic() + seconds
-    deadline = Deadline(min(at, outer.at) if outer is not None else at, seconds)
+    deadline = Deadline(outer.at, outer.seconds) if outer is not None and outer.at < at else Deadline(at, seconds)
     _local.deadline = deadline
     try:
         yield deadline
