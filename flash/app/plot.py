@@ -8,8 +8,8 @@ can only summarise.
 
 Reads ``metrics.jsonl``, ``eval.jsonl``, ``timeline.jsonl`` and ``summary.json`` within
 ``flash.run_files``' bounds (size, line length, nesting: one line naming the file and line past
-one); runs that predate a file fall back to what the others hold. Figures are built with ``matplotlib.figure.Figure`` and
-saved by the Agg canvas: no pyplot global state, no display needed.
+one); runs that predate a file fall back to what the others hold. Figures are built with
+``matplotlib.figure.Figure`` and saved by the Agg canvas: no pyplot global state, no display needed.
 """
 
 from __future__ import annotations

@@ -9,7 +9,8 @@ scores 0.0 with reason ``error:BadReward``; one that overruns ``timeout_s`` scor
 ``timeout``; one whose sandbox runs pass the response's deadline (``flash.rewards.deadline``: the
 sooner of ``response_deadline_s`` and ``timeout_s``; the run is killed at it) scores 0.0 with
 reason ``reward_deadline``, which the pool's ``reward_fn`` raises as ``RewardDeadline`` so the
-scheduler counts it as it counts its own (``reward/deadline``). Each reason is counted in ``metrics()`` as ``reward/failures/<reason>``; the run continues.
+scheduler counts it as it counts its own (``reward/deadline``). Each reason is counted in
+``metrics()`` as ``reward/failures/<reason>``; the run continues.
 
 A worker that dies (its process killed, out of memory) is a fault, not an outcome: the
 pool replaces it, and every call that was running on it is issued again on a live worker, so the
