@@ -151,19 +151,22 @@ class Outcomes:
 
     def __init__(self) -> None:
         self.lifecycle = Lifecycle()
-        # late_outputs: a finished response of a request already aborted (it raced the abort)
+        # late_outputs: a finished response of a request already aborted (it raced the abort);
+        # reward_deadline: responses whose scoring passed reward.response_deadline_s (scored 0)
         self.counters: dict[str, float] = {"samples_generated": 0, "tokens_generated": 0, "reward_errors": 0,
-                                           "request_errors": 0, "late_outputs": 0, "reward_seconds": 0.0}
+                                           "request_errors": 0, "late_outputs": 0, "reward_seconds": 0.0,
+                                           "reward_deadline": 0}
 
     def metrics(self) -> dict[str, float]:
         """Lifecycle counts, filtered groups by rule, aborted samples by reason (every rule and
         reason present, zero until it happens, so a tracker's series start at step 1), late
-        outputs and reward time."""
+        outputs, reward time and the responses whose scoring passed its deadline."""
         m = {f"rollout/filtered/{rule}": 0.0 for rule in RULES}
         m.update({f"rollout/aborted/{reason}": 0.0 for reason in ABORT_REASONS})
         m.update(self.lifecycle.metrics())
         m.update({"rollout/late_outputs": float(self.counters["late_outputs"]),
-                  "reward/seconds_total": float(self.counters["reward_seconds"])})
+                  "reward/seconds_total": float(self.counters["reward_seconds"]),
+                  "reward/deadline": float(self.counters["reward_deadline"])})
         return m
 
     def state_dict(self) -> dict[str, Any]:

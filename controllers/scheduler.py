@@ -47,6 +47,7 @@ from controllers.workflows.single_turn import SingleTurn
 from flash.engine.base import GenerationOutput, SamplingParams
 from flash.engine.client import EngineClient
 from flash.errors import FlashError
+from flash.rewards.deadline import RewardDeadline, response_deadline
 
 __all__ = ["PromptSource", "RolloutCore", "RolloutScheduler", "parse_request_id", "request_id", "request_seed"]
 
@@ -61,13 +62,15 @@ class RolloutCore:
                  staleness: StalenessManager, params: SamplingParams, n: int, seed: int,
                  reward_workers: int = 4, inject_delay_s: float = 0.0, start_index: int = 0, *,
                  queue_scheduling: bool = True, redundancy: int = 0, max_additional_prompts: int = 0,
-                 filters: FilterConfig | None = None, client: EngineClient | None = None):
+                 filters: FilterConfig | None = None, client: EngineClient | None = None,
+                 reward_deadline_s: float | None = None):
         if redundancy < 0:
             raise ValueError(f"redundancy must be >= 0, got {redundancy}")
         if not isinstance(workflow, Workflow) or not isinstance(workflow, Service):
             raise TypeError(f"{type(workflow).__name__} is not a Workflow (controllers.workflows.base)")
         self.workflow, self.source, self.buffer, self.n = workflow, source, buffer, n
         self.inject_delay_s, self.filters = inject_delay_s, filters or FilterConfig()
+        self.reward_deadline_s = reward_deadline_s  # one response's scoring, all its tests (None: none)
         self.admission = Admission(staleness, source, max_additional_prompts, start_index)
         self.inflight = InFlight(params, seed, n + int(redundancy))
         self.outcomes = Outcomes()
@@ -471,11 +474,20 @@ class RolloutCore:
         """Reward of one response; a reward function that raises or returns no reward (NaN, inf,
         anything ``buffers.reward`` refuses) scores 0 and is counted, as in the reward pool (a NaN
         reward makes its group's advantages, and so the whole step's loss, NaN: the step would be
-        skipped with every group in it)."""
+        skipped with every group in it). Scoring runs under the response's deadline
+        (``reward_deadline_s``, flash.rewards.deadline): past it, 0 with outcome ``reward_deadline``."""
         try:
             reward, decode = self.source.reward, self.source.decode
             assert reward is not None and decode is not None  # None only where the workflow scores itself
-            return reward_value(reward(item, decode(token_ids)))
+            with response_deadline(self.reward_deadline_s) as deadline:
+                value = reward(item, decode(token_ids))
+            if deadline is not None and deadline.hit:  # the reward caught the deadline's exception itself
+                raise RewardDeadline(deadline.seconds)
+            return reward_value(value)
+        except RewardDeadline:
+            with self._lock:
+                self.counters["reward_deadline"] += 1
+            return 0.0
         except FlashError:  # e.g. reward workers that keep dying (RewardFailed): stops the run
             raise
         except Exception:  # noqa: BLE001 - a user's reward bug (or a BadReward) must not kill the run

@@ -48,7 +48,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 from flash.errors import FlashError
-from flash.run_files import open_run_file
+from flash.run_files import open_run_file, parse_json
 
 MAX_MANIFEST_BYTES = 16 << 20
 KEY_DIR_ENV = "FLASH_KEY_DIR"
@@ -135,8 +135,8 @@ def read_manifest(path: Path) -> dict:
         raise ValueError("no manifest.json (or it is not a regular file)") from None
     if len(data) > MAX_MANIFEST_BYTES:
         raise ValueError(f"manifest.json is over {MAX_MANIFEST_BYTES >> 20} MiB")
-    manifest = json.loads(data)
-    files = manifest.get("files") if isinstance(manifest, dict) else None
+    manifest = parse_json(data, "manifest.json")  # its nesting checked before it is parsed
+    files = manifest.get("files")
     if not isinstance(files, dict):
         raise ValueError("manifest.json has no 'files' table")
     for name, want in files.items():
@@ -216,7 +216,7 @@ class RunDir:
         if not os.path.lexists(f):
             return cls(None, now, None, None)
         try:
-            record = json.loads(read_regular(f, MAX_MANIFEST_BYTES))
+            record = parse_json(read_regular(f, MAX_MANIFEST_BYTES), RUN_FILE)
         except (OSError, ValueError) as exc:
             return cls(None, now, None, f"its {RUN_FILE} is unreadable ({exc})")
         run_id = record.get("run_id") if isinstance(record, dict) else None

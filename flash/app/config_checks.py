@@ -380,6 +380,9 @@ def _check_agent(cfg: FlashConfig) -> None:
 def _check_reward(cfg: FlashConfig) -> None:
     from flash.app.schema import DataConfig
 
+    deadline = cfg.reward.response_deadline_s
+    _require(math.isfinite(deadline) and deadline > 0, f"reward.response_deadline_s must be a finite number of "
+             f"seconds > 0 (one response's scoring, all its tests), got {deadline}")
     d = cfg.data
     named = [k for k, on in (("data.reward", d.reward != DataConfig.reward), ("data.reward_key", d.reward_key),
                              ("data.rewards", d.rewards)) if on]

@@ -23,6 +23,7 @@ import gzip
 import itertools
 import json
 import math
+import os
 import statistics
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -30,6 +31,7 @@ from pathlib import Path
 from controllers.tail_policy import SCHEDULERS
 from flash.app import plan_model as pm
 from flash.errors import ConfigError
+from flash.run_files import read_json, read_jsonl, read_text
 
 SKIP_STEPS = 2
 
@@ -68,12 +70,10 @@ class Trace:
 
 
 def _jsonl(path: Path) -> list[dict]:
-    """A JSON-lines file, or its gzipped form ``<path>.gz`` (trimmed traces, ``trim_trace``)."""
-    if not path.is_file() and path.with_name(path.name + ".gz").is_file():
-        text = gzip.decompress(path.with_name(path.name + ".gz").read_bytes()).decode()
-    else:
-        text = path.read_text()
-    return [json.loads(line) for line in text.splitlines() if line.strip()]
+    """A JSON-lines file, or its gzipped form ``<path>.gz`` (trimmed traces, ``trim_trace``), read
+    within ``flash.run_files``' bounds."""
+    gz = path.with_name(path.name + ".gz")
+    return [line for _, line in read_jsonl(gz if not os.path.lexists(path) and os.path.lexists(gz) else path)]
 
 
 def _lstsq2(x1: list[float], x2: list[float], y: list[float]) -> tuple[float, float]:
@@ -171,7 +171,7 @@ def _read_run(d: Path, skip: int) -> tuple:
     if len(rows) < 3:
         raise ConfigError(f"{d}: {len(rows)} steady steps after skipping {skip}; need at least 3")
     steps = [list(by_step[r["step"]].values()) for r in rows]
-    return cfg, json.loads((d / "summary.json").read_text()), rows, steps, plens
+    return cfg, read_json(d / "summary.json"), rows, steps, plens
 
 
 def _run_setting(cfg, summary) -> tuple[pm.Setting, tuple[int, int], int, int]:
@@ -385,8 +385,8 @@ def trim_trace(src: str | Path, dst: str | Path) -> Path:
              for e in _jsonl(src / "ledger.jsonl") if e.get("outcome") == "trained"]
     text = "".join(json.dumps({"outcome": "trained", **e}, separators=(",", ":")) + "\n" for e in lines)
     (dst / "ledger.jsonl.gz").write_bytes(gzip.compress(text.encode(), mtime=0))
-    (dst / "config.yaml").write_text((src / "config.yaml").read_text())
-    summary = json.loads((src / "summary.json").read_text())
+    (dst / "config.yaml").write_text(read_text(src / "config.yaml"))
+    summary = read_json(src / "summary.json")
     (dst / "summary.json").write_text(json.dumps({k: summary.get(k) for k in ("threads", "cores", "seconds_per_step",
                                                                               "steps", "async_ratio")}))
     return dst

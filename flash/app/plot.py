@@ -6,14 +6,15 @@ the staleness histogram of trained samples; and a per-role timeline of busy and 
 window of steps -- what shows whether rollout and training truly overlap, which a single idle ratio
 can only summarise.
 
-Reads ``metrics.jsonl``, ``eval.jsonl``, ``timeline.jsonl`` and ``summary.json``; runs that predate
-a file fall back to what the others hold. Figures are built with ``matplotlib.figure.Figure`` and
-saved by the Agg canvas: no pyplot global state, no display needed.
+Reads ``metrics.jsonl``, ``eval.jsonl``, ``timeline.jsonl`` and ``summary.json`` within
+``flash.run_files``' bounds (size, line length, nesting: one line naming the file and line past
+one); runs that predate a file fall back to what the others hold. Figures are built with
+``matplotlib.figure.Figure`` and saved by the Agg canvas: no pyplot global state, no display needed.
 """
 
 from __future__ import annotations
 
-import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,7 +24,7 @@ from matplotlib.figure import Figure
 
 from flash.app.replicates import Group
 from flash.errors import FlashError
-from flash.run_files import open_run_file
+from flash.run_files import load_jsonl, open_run_file, read_json
 from flash.usage import busy_fraction, clip_spans
 
 
@@ -37,28 +38,21 @@ class RunData:
     summary: dict = field(default_factory=dict)
 
 
-def _jsonl(path: Path) -> list[dict]:
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 def run_label(path: Path) -> str:
     """The sweep settings of a run (``sweep_point.json``), else its directory name."""
     point = path / "sweep_point.json"
-    if point.is_file():
-        settings = json.loads(point.read_text()).get("settings", {})
+    if os.path.lexists(point):
+        settings = read_json(point).get("settings")
+        settings = settings if isinstance(settings, dict) else {}
         return " ".join(f"{k}={v}" for k, v in settings.items()) or path.name
     return path.name
 
 
 def load_run(path: str | Path, label: str | None = None) -> RunData:
     path = Path(path)
-    summary_file = path / "summary.json"
-    run = RunData(dir=path, label=label or run_label(path), metrics=_jsonl(path / "metrics.jsonl"),
-                  timeline=_jsonl(path / "timeline.jsonl"),
-                  summary=json.loads(summary_file.read_text()) if summary_file.is_file() else {})
-    run.evals = _jsonl(path / "eval.jsonl") or _fallback_evals(run)
+    run = RunData(dir=path, label=label or run_label(path), metrics=load_jsonl(path / "metrics.jsonl"),
+                  timeline=load_jsonl(path / "timeline.jsonl"), summary=read_json(path / "summary.json", default={}))
+    run.evals = load_jsonl(path / "eval.jsonl") or _fallback_evals(run)
     return run
 
 

@@ -12,10 +12,12 @@ does not is where the run's numbers stop being explained by its recorded data.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterator
 
 import ray
 
@@ -24,7 +26,7 @@ from controllers.prox_mode import PROX_SOURCES
 from controllers.train_step import StepPlan, StepRoles, train_batch, train_stream
 from flash.app.config import FlashConfig, load_config
 from flash.app.roles import start_critic_role, start_reference_role, start_trainer_role
-from flash.app.schedule import CHECKED, groups_from_line, read_schedule
+from flash.app.schedule import CHECKED, count_steps, groups_from_line, schedule_lines
 from flash.cluster import init_ray, pinned_threads, quiet, wait_ready
 from flash.errors import FlashError
 from flash.run_files import write_run_text
@@ -61,18 +63,19 @@ def replay(run_dir: str | Path, steps: int | None = None, out: str | Path | None
     if not config.is_file():
         raise FlashError(f"{config} not found: `flash replay` takes the run dir of a `flash run`")
     cfg = load_config(config)
-    lines = read_schedule(run_dir)[:steps]
-    if not lines:
+    if not count_steps(run_dir, steps):  # the whole record checked before a trainer starts
         raise FlashError(f"{run_dir}/schedule.jsonl records no step: the run stopped before its first")
+    tally = Tally()
     with pinned_threads(cfg.resources.driver_threads):
-        checks = _replay_lines(cfg, lines)
-    summary = _summary(run_dir, lines, checks)
+        checks = _replay_lines(cfg, schedule_lines(run_dir, steps), tally)
+    summary = _summary(run_dir, tally, checks)
     if out is not None:
         write_run_text(out, "".join(json.dumps(c.line()) + "\n" for c in checks))
     return summary
 
 
-def _replay_lines(cfg: FlashConfig, lines: list[dict]) -> list[StepCheck]:
+def _replay_lines(cfg: FlashConfig, lines: Iterator[dict], tally: Tally) -> list[StepCheck]:
+    """Each recorded step trained and checked, one line of the record in memory at a time."""
     from transformers import AutoTokenizer
 
     from flash.app.runner import prepare_model
@@ -81,7 +84,8 @@ def _replay_lines(cfg: FlashConfig, lines: list[dict]) -> list[StepCheck]:
 
     quiet()
     algos.load_plugins(list(cfg.plugins))
-    threads = _context(lines[0])
+    first = next(lines)
+    threads = _context(first)
     task = build_task(cfg)
     model_path = prepare_model(cfg, task)  # the cached warm start, or built again the same way
     pad_id = AutoTokenizer.from_pretrained(model_path).pad_token_id or 0
@@ -92,7 +96,11 @@ def _replay_lines(cfg: FlashConfig, lines: list[dict]) -> list[StepCheck]:
     actors = [a for a in (trainer, critic, reference) if a is not None]
     try:
         wait_ready(*actors)
-        return [_check(line, _train(line, cfg, (trainer, critic, reference), pad_id)) for line in lines]
+        checks = []
+        for line in itertools.chain([first], lines):
+            checks.append(_check(line, _train(line, cfg, (trainer, critic, reference), pad_id)))
+            tally.add(line)  # after _train: its groups_from_line checked every field tally reads
+        return checks
     finally:
         for actor in actors:
             ray.kill(actor)
@@ -132,24 +140,32 @@ def _check(line: dict, replayed: dict[str, float]) -> StepCheck:
                      {k: float(replayed[k]) for k in recorded if k in replayed})
 
 
-def _summary(run_dir: Path, lines: list[dict], checks: list[StepCheck]) -> dict:
-    """What the schedule decided (staleness of trained samples, interrupted responses) and whether
-    the replay found every step's numbers again."""
-    stale: dict[int, int] = {}
-    interrupted = samples = 0
-    for line in lines:
+@dataclass
+class Tally:
+    """What the schedule decided, counted line by line: the staleness of trained samples (steps
+    behind the policy that trains them), and the responses a weight update interrupted."""
+
+    stale: dict[int, int] = field(default_factory=dict)
+    samples: int = 0
+    interrupted: int = 0
+
+    def add(self, line: dict) -> None:
         for group in line["groups"]:
             for s in group["samples"]:
-                samples += 1
-                interrupted += bool(s.get("interrupts"))
+                self.samples += 1
+                self.interrupted += bool(s.get("interrupts"))
                 age = line["step"] - min(s["versions"], default=s["admitted_version"])
-                stale[age] = stale.get(age, 0) + 1
+                self.stale[age] = self.stale.get(age, 0) + 1
+
+
+def _summary(run_dir: Path, tally: Tally, checks: list[StepCheck]) -> dict:
+    """What the schedule decided and whether the replay found every step's numbers again."""
     mismatched = [c for c in checks if not c.identical]
     return {
         "run_dir": str(run_dir), "steps": len(checks), "identical": len(checks) - len(mismatched),
         "first_mismatch": mismatched[0].line() if mismatched else None,
-        "samples": samples, "interrupted_samples": interrupted,
-        "staleness": {str(k): stale[k] for k in sorted(stale)},
+        "samples": tally.samples, "interrupted_samples": tally.interrupted,
+        "staleness": {str(k): tally.stale[k] for k in sorted(tally.stale)},
     }
 
 

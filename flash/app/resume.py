@@ -26,7 +26,7 @@ from typing import NamedTuple
 from flash.app.config import flat_settings
 from flash.app.resume_dir import resolve_resume, saved_config  # noqa: F401 -- read through this module too
 from flash.errors import ConfigError, FlashError
-from flash.run_files import open_run_file, refuse_links
+from flash.run_files import STATE_BOUNDS, RunFileError, open_run_file, parse_json, refuse_links
 
 log = logging.getLogger(__name__)
 
@@ -77,8 +77,16 @@ def load_state(ckpt: Path, manifest: dict) -> dict:
     from flash.checkpoint import STATE
     from flash.checkpoint_trust import read_verified
 
-    state = json.loads(read_verified(ckpt, STATE, manifest["files"]))
-    missing = [k for k in STATE_KEYS if k not in state] if isinstance(state, dict) else ["everything"]
+    size = manifest["files"].get(STATE, {}).get("bytes", 0)
+    if size > STATE_BOUNDS.file_bytes:
+        raise ConfigError(f"checkpoint {ckpt}: {STATE} is {size} bytes, over the {STATE_BOUNDS.file_bytes >> 30} GiB "
+                          "limit of a checkpoint's state; resume from another checkpoint or start a new run")
+    try:
+        state = parse_json(read_verified(ckpt, STATE, manifest["files"]), f"checkpoint {ckpt}: {STATE}",
+                           STATE_BOUNDS.depth)
+    except RunFileError as exc:
+        raise ConfigError(f"{exc}; resume from another checkpoint or start a new run") from None
+    missing = [k for k in STATE_KEYS if k not in state]
     if missing:
         raise ConfigError(f"checkpoint {ckpt}: state.json lacks {missing[0]!r} (edited, or written by another "
                           "flash version); resume from another checkpoint or start a new run")

@@ -3,6 +3,7 @@ data: one line naming what is wrong, never a parser's traceback."""
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 import yaml
@@ -10,7 +11,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from flash.errors import ConfigError
-from flash.run_files import refuse_links
+from flash.run_files import RunFileError, check_yaml, read_text, refuse_links
 
 
 def resolve_resume(resume: str | None, recipe_name: str, runs_root: Path = Path("runs")) -> Path | None:
@@ -34,11 +35,17 @@ def resolve_resume(resume: str | None, recipe_name: str, runs_root: Path = Path(
 
 
 def saved_config(run_dir: Path) -> dict:
-    """The run's ``config.yaml`` as a mapping; a file flash did not write (binary, not YAML, not a
-    mapping) is one line naming it, not a parser's traceback."""
+    """The run's ``config.yaml`` as a mapping; a file flash did not write (too large, nested too
+    deep, holding an alias, binary, not YAML, not a mapping: ``flash.run_files``' bounds) is one
+    line naming it, not a parser's traceback."""
     path = run_dir / "config.yaml"
     try:
-        saved = OmegaConf.to_container(OmegaConf.load(path))
+        text = read_text(path)  # within DOC_BOUNDS' size; no link followed
+        check_yaml(text, str(path))  # its nesting, and no alias, before it is built
+        saved = OmegaConf.to_container(OmegaConf.load(io.StringIO(text)))
+    except RunFileError as exc:
+        raise ConfigError(f"resume={run_dir}: {exc}; pass a run dir that flash wrote, or start a new run "
+                          "without resume") from None
     except (yaml.YAMLError, OmegaConfBaseException, OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"resume={run_dir}: cannot read {path} ({str(exc).splitlines()[0][:200]}); pass a run "
                           f"dir that flash wrote, or start a new run without resume") from None

@@ -172,7 +172,7 @@ class Run:
             reward_workers=cfg.rollout.reward_workers, inject_delay_s=cfg.rollout.inject_delay_s,
             queue_scheduling=cfg.rollout.queue_scheduling, redundancy=cfg.rollout.redundancy,
             max_additional_prompts=cfg.rollout.max_additional_prompts, filters=cfg.rollout.filter,
-            client=client, **extra,
+            client=client, reward_deadline_s=cfg.reward.response_deadline_s, **extra,
         )
 
     def _start_durability(self) -> None:

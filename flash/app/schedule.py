@@ -9,24 +9,26 @@ step's loss and gradient norm. Rollout under
 a recorded batch does not: ``flash replay RUN_DIR`` (flash.app.replay) re-trains from this record
 and must find every step's loss again, bit for bit.
 
-The record is data read back from disk: ``groups_from_line`` checks every field's type and size
-before anything is built from it (``buffers.codec``; docs/design.md invariant 7) and a bad line is one
-``FlashError`` naming the step and field.
+The record is data read back from disk: the file is read one line at a time within
+``flash.run_files.SCHEDULE_BOUNDS`` (its size, a line's length, its nesting, checked before a line
+is parsed), ``groups_from_line`` checks every field's type and size before anything is built from
+it (``buffers.codec``; docs/design.md invariant 7) and a bad line is one ``FlashError`` naming the
+file and line, or the step and field.
 """
 
 from __future__ import annotations
 
 import itertools
-import json
+import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from buffers.codec import CodecError, group_from_dict, group_to_dict
 from buffers.types import Group
 from flash.errors import FlashError
+from flash.run_files import SCHEDULE_BOUNDS, read_jsonl
 
 SCHEDULE = "schedule.jsonl"
-MAX_LINE_BYTES = 256 << 20  # one step's batch; far above any recipe's
 CHECKED = ("loss", "grad_norm")  # the trainer's numbers a replay must find again
 
 
@@ -54,28 +56,29 @@ def _group_record(g: Group) -> dict:
     return d
 
 
-def read_schedule(run_dir: Path) -> list[dict]:
-    """The step lines of ``RUN_DIR/schedule.jsonl``, each checked to be a JSON object with a step."""
+def schedule_lines(run_dir: Path, steps: int | None = None) -> Iterator[dict]:
+    """The step lines of ``RUN_DIR/schedule.jsonl`` (its first ``steps``; all by default), one in
+    memory at a time, each checked to be a JSON object with the next step's number; the file is
+    read within ``SCHEDULE_BOUNDS`` (flash.run_files: size, line length, nesting)."""
     path = Path(run_dir) / SCHEDULE
-    if not path.is_file():
+    if not os.path.lexists(path):
         raise FlashError(f"{path} not found: replay needs a run dir written by `flash run` "
                          "(it records the schedule of every step)")
-    lines = []
-    with open(path, "rb") as f:
-        for n, raw in enumerate(f, start=1):
-            if len(raw) > MAX_LINE_BYTES:
-                raise FlashError(f"{path}:{n}: a line over {MAX_LINE_BYTES >> 20} MiB; not a schedule record")
-            try:
-                line = json.loads(raw)
-            except ValueError as exc:
-                raise FlashError(f"{path}:{n}: not JSON ({exc.__class__.__name__}); the record is damaged") from exc
-            if not isinstance(line, dict) or not isinstance(line.get("step"), int):
-                raise FlashError(f"{path}:{n}: a schedule line is an object with an integer 'step'")
-            lines.append(line)
-    steps = [line["step"] for line in lines]
-    if steps != list(range(len(steps))):
-        raise FlashError(f"{path}: steps {steps[:5]}... are not 0, 1, 2, ...: the record is incomplete")
-    return lines
+    for want, (n, line) in enumerate(read_jsonl(path, SCHEDULE_BOUNDS)):
+        if steps is not None and want >= steps:
+            return
+        if not isinstance(line.get("step"), int):
+            raise FlashError(f"{path}:{n}: a schedule line is an object with an integer 'step'")
+        if line["step"] != want:
+            raise FlashError(f"{path}:{n}: step {line['step']!r} where step {want} is due: steps are not 0, 1, "
+                             "2, ...: the record is incomplete")
+        yield line
+
+
+def count_steps(run_dir: Path, steps: int | None = None) -> int:
+    """The steps ``schedule_lines`` gives, every line read and checked (none kept): a damaged
+    record is refused before a replay starts its trainer."""
+    return sum(1 for _ in schedule_lines(run_dir, steps))
 
 
 def groups_from_line(line: dict) -> list[Group]:

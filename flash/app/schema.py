@@ -110,6 +110,10 @@ class RewardConfig:
     num_workers: int = 2  # reward actors (flash.rewards.workers)
     concurrency: int = 4  # calls at once per worker
     timeout_s: float = 30.0  # a call running longer scores 0 with reason 'timeout'
+    # One response's scoring, across all its tests (sandbox runs), in the scheduler's reward threads
+    # and in reward workers: past it the sandbox run is killed and the response scores 0 with
+    # outcome 'reward_deadline' (reward/deadline counts them; flash.rewards.deadline)
+    response_deadline_s: float = 60.0
     max_stuck: int = 4  # timed-out calls still running in a worker before it is replaced
     # Autoscaling (flash.rewards.autoscale), on when max_workers > 0: the pool starts at num_workers
     # and follows its queue within [min_workers, max_workers]: more workers when the calls per worker

@@ -6,12 +6,12 @@ library versions, how the reward sandbox isolated model-written code on this hos
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from flash.app.config import FlashConfig
 from flash.app.settings import resolve_threads, run_cores
+from flash.run_files import load_jsonl
 
 
 def summary(cfg: FlashConfig, r: Any, records, acc0, acc1, train_s, left) -> dict:
@@ -36,6 +36,7 @@ def summary(cfg: FlashConfig, r: Any, records, acc0, acc1, train_s, left) -> dic
         "prompts_admitted": r.scheduler.admitted,
         "prompts_unfinished": {k: len(v) for k, v in left.items()},
         "reward_errors": r.scheduler.counters["reward_errors"],
+        "reward_deadline": r.scheduler.counters["reward_deadline"],  # scored 0: past reward.response_deadline_s
         "resumed_from_step": r.clock.start_step if r.resume_point else None,
         "faults_engine": r.roles.client.faults,
         "faults_reward": r.reward_pool.faults if r.reward_pool is not None else 0,
@@ -65,9 +66,7 @@ def summary(cfg: FlashConfig, r: Any, records, acc0, acc1, train_s, left) -> dic
 
 
 def _read_jsonl(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return load_jsonl(path)
 
 
 def run_totals(lines: list[dict], phase_keys: list[str]) -> dict[str, Any]:

@@ -47,7 +47,7 @@ from pathlib import Path
 
 from flash.app.replicates import REPLICATE_KEYS, Group, Stat, choose, fmt_stat, group_runs
 from flash.errors import ConfigError, raise_terminated
-from flash.run_files import open_run_file, refuse_links, run_subdir, write_run_text
+from flash.run_files import open_run_file, read_json, refuse_links, run_subdir, write_run_text
 
 ROLES = ("rollout", "train")
 COLUMNS = ["status", "wall_s", "s_per_step", "speedup", "samples_per_s", "tokens_per_s", "acc_initial",
@@ -152,7 +152,7 @@ def prepare(recipe: Path, points: list[Point], out: Path) -> None:
             raise ConfigError(f"sweep point {p.slug}: {exc}") from None
         marker = out / p.slug / POINT_FILE
         mine = {"recipe": str(recipe), "settings": p.settings, "overrides": p.overrides}
-        if marker.is_file() and json.loads(marker.read_text())["overrides"] != p.overrides:
+        if os.path.lexists(marker) and read_json(marker).get("overrides") != p.overrides:
             raise ConfigError(f"{marker.parent} was made by a sweep with other overrides; pick another --out")
         run_subdir(out, p.slug)
         write_run_text(marker, json.dumps(mine, indent=2))

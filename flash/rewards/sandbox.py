@@ -33,7 +33,8 @@ What holds (``isolation_level()`` says which level this host gives; every result
   audit-hook level can only kill the call's process group (a process that leaves it is not
   found; logged once). A call whose processes or cgroups stay is counted (``leaked()``,
   ``sandbox/leaked``: must stay 0).
-- both: a wall-clock deadline after which everything is killed; rlimits on CPU time, address
+- both: a wall-clock deadline after which everything is killed (the call's ``timeout_s``, or the
+  time its response has left, ``flash.rewards.deadline``, when that is sooner); rlimits on CPU time, address
   space, processes, file size and open files; a scrubbed environment; ``python -I`` semantics;
   stdout/stderr capped. Root is dropped to ``nobody`` first (root ignores RLIMIT_NPROC and
   file permissions).
@@ -59,6 +60,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import flash.rewards.cgroups as cgroups
+from flash.rewards.deadline import sandbox_timeout
 from flash.rewards.forkserver import SandboxSetupError, confinement, memfd, server
 
 __all__ = ["STATUSES", "ISOLATION_LEVELS", "Limits", "SandboxResult", "SandboxSetupError",
@@ -173,7 +175,10 @@ def execute(source: str, stdin: str = "", timeout_s: float = 5.0, memory_mb: int
     does. ``files``: more files for the working directory (name -> text; plain names only).
     ``limits``: the other fields of ``Limits``. ``isolation``: ``auto`` (the best this
     host allows) or one of ISOLATION_LEVELS (``namespaces`` raises SandboxSetupError where the
-    host refuses it)."""
+    host refuses it). Inside a response's deadline (``flash.rewards.deadline``) the call gets at
+    most the time left, and raises ``RewardDeadline`` when none is left or when the deadline, not
+    its own timeout, ended it (its processes killed first, as at any timeout)."""
+    timeout_s, cut_by = sandbox_timeout(timeout_s)
     lim = Limits(timeout_s=timeout_s, memory_mb=memory_mb, **limits)
     level = isolation_level() if isolation == "auto" else isolation
     if level not in ISOLATION_LEVELS:
@@ -181,11 +186,18 @@ def execute(source: str, stdin: str = "", timeout_s: float = 5.0, memory_mb: int
     if isolation == "auto" and level == "audit-hook":
         check_unisolated()
     files = {**_checked_files(files or {}), "main.py": source}
+    result = _run(level, files, stdin.encode(), lim)
+    if cut_by is not None and result.status == "timeout":
+        raise cut_by.passed()
+    return result
+
+
+def _run(level: str, files: dict[str, str], stdin: bytes, lim: Limits) -> SandboxResult:
     if level == "namespaces":
-        return _run_forked(files, stdin.encode(), lim)
+        return _run_forked(files, stdin, lim)
     workdir = _make_workdir(files)
     try:
-        return _run_unisolated(workdir, stdin.encode(), lim)
+        return _run_unisolated(workdir, stdin, lim)
     finally:
         _remove_tree(workdir)
 

@@ -6,7 +6,11 @@ not share the driver's GIL with the scheduler's threads, and it scales by adding
 Failure is an outcome, never a crash: a reward function that raises scores 0.0 with
 reason ``error:<ExcType>``; one that returns no reward (``buffers.reward``: NaN, inf, a str, ...)
 scores 0.0 with reason ``error:BadReward``; one that overruns ``timeout_s`` scores 0.0 with reason
-``timeout``. Each reason is counted in ``metrics()`` as ``reward/failures/<reason>``; the run continues.
+``timeout``; one whose sandbox runs pass the response's deadline (``flash.rewards.deadline``: the
+sooner of ``response_deadline_s`` and ``timeout_s``; the run is killed at it) scores 0.0 with
+reason ``reward_deadline``, which the pool's ``reward_fn`` raises as ``RewardDeadline`` so the
+scheduler counts it as it counts its own (``reward/deadline``). Each reason is counted in
+``metrics()`` as ``reward/failures/<reason>``; the run continues.
 
 A worker that dies (its process killed, out of memory) is a fault, not an outcome: the
 pool replaces it, and every call that was running on it is issued again on a live worker, so the
@@ -43,6 +47,8 @@ from flash.rewards.autoscale import (
     ResizableSlots,
     run_scaler,
 )
+from flash.rewards.deadline import OUTCOME as DEADLINE
+from flash.rewards.deadline import RewardDeadline, response_deadline
 from flash.rewards.registry import build_reward, check_pool_args
 from flash.usage import process_tree_cpu_s
 
@@ -55,7 +61,7 @@ STARTUP_S = 300.0  # a worker must be ready (process up, reward built) within th
 @dataclass(frozen=True)
 class RewardResult:
     reward: float
-    reason: str = "ok"  # ok | timeout | error:<ExcType>
+    reason: str = "ok"  # ok | timeout | reward_deadline | error:<ExcType>
     wall_s: float = 0.0
 
 
@@ -75,13 +81,14 @@ class RewardScorer:
     Plain class so it is testable without Ray; ``RewardWorker`` is its actor form."""
 
     def __init__(self, section: dict, timeout_s: float, plugins: tuple[str, ...] = (),
-                 allow_unisolated: bool = False) -> None:
+                 allow_unisolated: bool = False, response_deadline_s: float | None = None) -> None:
         from flash.rewards.sandbox import allow_unisolated as set_policy
 
         set_policy(allow_unisolated)
         load_plugins(list(plugins))
         self.scorer = build_reward(section)
         self.timeout_s = timeout_s
+        self.deadline_s = min(timeout_s, response_deadline_s or timeout_s)  # its sandbox runs end by then
         self._stuck = 0
         self._lock = threading.Lock()
 
@@ -100,7 +107,10 @@ class RewardScorer:
 
         def run() -> None:
             try:
-                box["value"] = self.scorer(item, response)
+                with response_deadline(self.deadline_s) as deadline:
+                    box["value"] = self.scorer(item, response)
+                if deadline is not None and deadline.hit:  # the reward caught the deadline's exception
+                    raise RewardDeadline(deadline.seconds)
             except BaseException as exc:  # noqa: BLE001 - any failure is a named outcome
                 box["error"] = exc
             finally:
@@ -119,6 +129,8 @@ class RewardScorer:
             stuck = self._stuck
         if "wall" not in box or box.get("abandoned"):
             return RewardResult(0.0, "timeout", time.monotonic() - t0), stuck
+        if isinstance(box.get("error"), RewardDeadline):
+            return RewardResult(0.0, DEADLINE, box["wall"]), stuck
         if "error" in box:
             return RewardResult(0.0, f"error:{type(box['error']).__name__}", box["wall"]), stuck
         return _as_result(box["value"], box["wall"]), stuck
@@ -152,10 +164,10 @@ class RewardPool:
     def __init__(self, section: dict, num_workers: int = 2, concurrency: int = 4,
                  timeout_s: float = 30.0, plugins: tuple[str, ...] = (), max_stuck: int = 4,
                  max_restarts: int = 10, autoscale: AutoscaleConfig | None = None,
-                 allow_unisolated: bool = False) -> None:
+                 allow_unisolated: bool = False, response_deadline_s: float | None = None) -> None:
         check_pool_args(section, num_workers, concurrency, timeout_s, plugins)
         self.section, self.plugins = dict(section), tuple(plugins)
-        self.allow_unisolated = allow_unisolated
+        self.allow_unisolated, self.response_deadline_s = allow_unisolated, response_deadline_s
         self.concurrency, self.timeout_s, self.max_stuck = concurrency, timeout_s, max_stuck
         self.max_restarts = max_restarts
         self._lock = threading.Lock()
@@ -179,7 +191,8 @@ class RewardPool:
         """Start ``n`` workers and wait until they are ready, so that a call's deadline never
         includes a worker's start (seconds on a loaded machine)."""
         workers = [RewardWorker.options(max_concurrency=self.concurrency).remote(
-            self.section, self.timeout_s, self.plugins, self.allow_unisolated) for _ in range(n)]
+            self.section, self.timeout_s, self.plugins, self.allow_unisolated, self.response_deadline_s)
+            for _ in range(n)]
         try:
             ray.get([w.ready.remote() for w in workers], timeout=STARTUP_S)
         except ray.exceptions.GetTimeoutError:
@@ -324,8 +337,14 @@ class RewardPool:
             self._wall_max = max(self._wall_max, result.wall_s)
 
     def reward_fn(self):
-        """``(item, response) -> float`` for ``PromptSource.reward`` (reasons stay in metrics)."""
-        return lambda item, response: self.score(item, response).reward
+        """``(item, response) -> float`` for ``PromptSource.reward`` (reasons stay in metrics; a
+        response past its deadline raises ``RewardDeadline``, which the scheduler counts)."""
+        def fn(item, response: str) -> float:
+            result = self.score(item, response)
+            if result.reason == DEADLINE:
+                raise RewardDeadline(f"reward worker: {result.wall_s:.1f}s")
+            return result.reward
+        return fn
 
     def metrics(self) -> dict[str, float]:
         """Pool counters, call wall times, and each worker's scorer metrics (summed counts,
@@ -374,7 +393,8 @@ def pool_from_config(reward_cfg, plugins: tuple[str, ...] = (), max_restarts: in
                       concurrency=reward_cfg.concurrency, timeout_s=reward_cfg.timeout_s,
                       plugins=tuple(plugins), max_stuck=reward_cfg.max_stuck, max_restarts=max_restarts,
                       autoscale=autoscale_config(reward_cfg),
-                      allow_unisolated=reward_cfg.sandbox.allow_unisolated)
+                      allow_unisolated=reward_cfg.sandbox.allow_unisolated,
+                      response_deadline_s=reward_cfg.response_deadline_s)
 
 
 def autoscale_config(reward_cfg) -> AutoscaleConfig | None:

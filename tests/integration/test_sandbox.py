@@ -217,7 +217,7 @@ def test_as_an_ordinary_user_same_uid_files_and_parent_are_still_safe():
             init.write_text("")
         module = Path(sandbox.__file__)
         for name in ("sandbox.py", "forkserver.py", "cgroups.py", "_jail.py", "_zygote.py",
-                     "syscall_filter.py"):
+                     "syscall_filter.py", "deadline.py"):
             shutil.copyfile(module.with_name(name), package / name)
         for p in home.rglob("*"):
             os.chmod(p, 0o755 if p.is_dir() else 0o644)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from buffers.types import Group, Sample
-from flash.app.schedule import groups_from_line, interrupts, read_schedule, step_line
+from flash.app.schedule import count_steps, groups_from_line, interrupts, schedule_lines, step_line
 from flash.errors import FlashError
 from flash.train.batch import collate, flatten
 
@@ -63,13 +63,14 @@ def test_a_damaged_step_line_is_one_error_naming_the_field(damage, message):
 
 def test_a_damaged_or_incomplete_record_file_is_one_error(tmp_path):
     with pytest.raises(FlashError, match="schedule.jsonl not found"):
-        read_schedule(tmp_path)
+        count_steps(tmp_path)
     good = json.dumps(step_line(0, [_group(1, [[0]])], {"loss": 0.5}, {}))
     (tmp_path / "schedule.jsonl").write_text(good + "\n{not json\n")
     with pytest.raises(FlashError, match=r"schedule.jsonl:2: not JSON"):
-        read_schedule(tmp_path)
+        count_steps(tmp_path)
     (tmp_path / "schedule.jsonl").write_text(good + "\n" + good + "\n")
-    with pytest.raises(FlashError, match="are not 0, 1, 2"):
-        read_schedule(tmp_path)
+    with pytest.raises(FlashError, match="schedule.jsonl:2: step 0 where step 1 is due: steps are not 0, 1, 2"):
+        count_steps(tmp_path)
+    assert count_steps(tmp_path, steps=1) == 1  # a replay of the first step reads no further
     (tmp_path / "schedule.jsonl").write_text(good + "\n")
-    assert [line["step"] for line in read_schedule(tmp_path)] == [0]
+    assert [line["step"] for line in schedule_lines(tmp_path)] == [0]

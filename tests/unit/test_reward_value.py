@@ -40,7 +40,7 @@ def by_driver_score(value):
     from controllers.scheduler import RolloutCore
 
     core = SimpleNamespace(source=SimpleNamespace(reward=lambda item, text: value, decode=str),
-                           _lock=threading.Lock(), counters={"reward_errors": 0})
+                           _lock=threading.Lock(), counters={"reward_errors": 0}, reward_deadline_s=None)
     score = RolloutCore.score(core, None, [1])
     return REFUSED if core.counters["reward_errors"] else score
 
