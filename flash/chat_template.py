@@ -357,8 +357,9 @@ def template_source(tokenizer: Any) -> str:
     import json
     from pathlib import Path
 
-    folder = Path(getattr(tokenizer, "name_or_path", "") or "")
-    if not str(folder) or not folder.is_dir():
+    name = getattr(tokenizer, "name_or_path", "") or ""
+    folder = Path(name)
+    if not name or not folder.is_dir():
         return "the tokenizer's chat template"
     try:
         gguf = json.loads((folder / "flash_gguf.json").read_text())["source"]
