@@ -93,12 +93,12 @@ def gguf_checkpoint(spec: str, cache_root: str | os.PathLike) -> str:
 def _convert(path: Path, out: str) -> None:
     import json
 
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from flash.gguf_metadata import check_metadata
 
     check_metadata(path)  # before the gguf reader makes an object per array entry
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
