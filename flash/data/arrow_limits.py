@@ -195,8 +195,8 @@ def check_uncompressed(arrow_file: Path, where: str) -> None:
                     raise ConfigError(f"{where}: {arrow_file} holds compressed Arrow buffers, which datasets' "
                                       "save_to_disk never writes; save it again with Dataset.save_to_disk")
     except (OSError, ValueError, struct.error, pa.ArrowException) as exc:
-        raise ConfigError(f"{where}: {arrow_file}: not an Arrow stream ({type(exc).__name__}); save it again "
-                          "with Dataset.save_to_disk") from None
+        raise ConfigError(f"{where}: {arrow_file.parent}: cannot load the save_to_disk directory: {arrow_file.name} "
+                          f"is not an Arrow stream ({type(exc).__name__}); save it again with Dataset.save_to_disk") from None
 
 
 def bounded_saved(ds, where: str, skipped: Counter):
