@@ -48,14 +48,15 @@ class TemplateBudget(ConfigError):
 
 @dataclass
 class _Budget:
-    source: str
+    source: Any  # the template's source, or a function giving it (asked only when a bound is hit)
     deadline: float
     steps: int = 0
     made: int = 0
     sizes: dict = field(default_factory=dict)  # id -> (value, size): containers, kept alive
 
     def over(self, what: str) -> TemplateBudget:
-        return TemplateBudget(f"{self.source}: the chat template {what}; fix the template, or set model.chat_template "
+        source = self.source() if callable(self.source) else self.source
+        return TemplateBudget(f"{source}: the chat template {what}; fix the template, or set model.chat_template "
                               "to one that renders within the bounds (flash.chat_template)")
 
     def tick(self) -> None:
@@ -316,9 +317,9 @@ def _compiled(template: str):
     return _environment().from_string(template)
 
 
-def render(template: str, source: str, **context: Any) -> str:
+def render(template: str, source: Any, **context: Any) -> str:
     """``template`` rendered with ``context`` within the module's bounds; ``TemplateBudget``
-    naming ``source`` (e.g. "model.chat_template") past any of them."""
+    naming ``source`` (e.g. "model.chat_template", or a function giving it) past any of them."""
     budget = _Budget(source, time.monotonic() + MAX_RENDER_SECONDS)
     if len(template) > MAX_TEMPLATE_CHARS:
         raise budget.over(f"is {len(template):,} characters, over its bound of {MAX_TEMPLATE_CHARS:,}")
@@ -374,5 +375,5 @@ def render_chat(tokenizer: Any, messages: list, tools: list | None = None, gener
     """``tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=generation,
     tokenize=False)``, rendered within the module's bounds."""
     template = tokenizer.get_chat_template(None, tools)
-    return render(template, template_source(tokenizer), messages=messages, tools=tools, documents=None,
+    return render(template, lambda: template_source(tokenizer), messages=messages, tools=tools, documents=None,
                   add_generation_prompt=generation, **tokenizer.special_tokens_map)
