@@ -141,8 +141,14 @@ def _estimate(name: str, value: Any, args: tuple, kwargs: dict, budget: _Budget)
         if isinstance(arg[2], int) and arg[2] >= 0:
             n = min(n, arg[2])
         return len(text) + n * max(0, len(arg[1]) - len(arg[0]))
-    if name == "indent" and isinstance(arg[0], str):
-        return len(text) + (text.count("\n") + 1) * len(arg[0])
+    if name == "indent":
+        width = len(arg[0]) if isinstance(arg[0], str) else arg[0] if isinstance(arg[0], int) else 4
+        return len(text) + (text.count("\n") + 1) * width
+    if name == "expandtabs":
+        return len(text) + text.count("\t") * (arg[0] if isinstance(arg[0], int) else 8)
+    if name == "generate_lorem_ipsum":  # the lipsum global: n paragraphs of up to ``max`` words
+        n, most = (arg[0] if isinstance(arg[0], int) else 5), kwargs.get("max", args[3] if len(args) > 3 else 100)
+        return max(n, 0) * (most if isinstance(most, int) else 100) * 12
     if name == "wordwrap":
         wrap = kwargs.get("wrapstring") or (args[2] if len(args) > 2 else None)
         return len(text) * (1 + len(wrap)) if isinstance(wrap, str) else 0
