@@ -18,7 +18,8 @@ naming the template's source and the bound, so ``flash validate`` and a run stop
   items, shared ones at each place they appear) at most ``MAX_RENDER_CHARS`` characters, and all
   the values it makes in one render at most ``MAX_MADE_CHARS``. Operations that multiply their
   input (``*``, ``**``, ``%`` and ``format`` widths, ``replace``, ``join``, ``indent``, ``wordwrap``,
-  ``expandtabs``, ``lipsum``, and any width or count argument) are checked before they run, so no step allocates past the bound.
+  ``expandtabs``, ``lipsum``, and any width or count argument) are checked before they run, so no
+  step allocates past the bound.
 """
 
 from __future__ import annotations
