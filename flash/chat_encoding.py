@@ -15,7 +15,8 @@ tokenizes it with special tokens parsed, so a message that *spells* a control to
 
 1. Every string in the messages and tools (content, names, ids, tool-call arguments, schemas, keys
    included) has each special token's spelling replaced by a placeholder unique to the call.
-2. The template renders the placeholder text; the special tokens spelled in it are the template's.
+2. The template renders the placeholder text (``flash.chat_template``: bounded in time and size);
+   the special tokens spelled in it are the template's.
    Nothing spelled in the messages and the rendered text's ids hold exactly those special ids,
    in order: the ids are ``apply_chat_template``'s own, unchanged. Otherwise (a spelling, or a
    look-alike that the tokenizer's normalizer made into a special token) the text is cut at the
@@ -34,6 +35,8 @@ import functools
 import re
 import secrets
 from typing import Any
+
+from flash.chat_template import render_chat
 
 
 def special_tokens(tokenizer: Any) -> dict[str, tuple[int, bool, bool]]:
@@ -131,8 +134,7 @@ def chat_template_ids(tokenizer: Any, messages: list[dict], tools: list[dict] | 
     mark = f"FLASHSPELLED{secrets.token_hex(6)}N"
     masked = _mask(messages, pattern, mark, found) if pattern else messages
     masked_tools = _mask(tools, pattern, mark, found) if pattern and tools else tools
-    text = tokenizer.apply_chat_template(masked, tools=masked_tools, add_generation_prompt=generation,
-                                         tokenize=False)
+    text = render_chat(tokenizer, masked, masked_tools, generation)
     if not found:  # the template's own ids, if their special tokens are exactly the template's
         ids = _as_ids(tokenizer(text, add_special_tokens=False)["input_ids"])
         if pattern is None or _specials_in(ids, specials) == [specials[m.group()][0]

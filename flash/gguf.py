@@ -12,7 +12,9 @@ dequantising GGUF takes ~20-30 s per process on 2 cores. ``gguf_checkpoint`` deq
 (transformers with the ``gguf`` + ``accelerate`` packages), saves fp32 safetensors and the
 tokenizer (with its chat template) under the cache, named by the file's name, size and mtime,
 written to a temporary directory and renamed into place (as the SFT warm start does), and every
-role loads that directory like any other checkpoint.
+role loads that directory like any other checkpoint. The file's metadata is bounded first
+(``flash.gguf_metadata``: array and string lengths, the metadata's total size), and its chat
+template renders under ``flash.chat_template``'s bounds like any other.
 """
 
 from __future__ import annotations
@@ -90,6 +92,10 @@ def gguf_checkpoint(spec: str, cache_root: str | os.PathLike) -> str:
 
 def _convert(path: Path, out: str) -> None:
     import json
+
+    from flash.gguf_metadata import check_metadata
+
+    check_metadata(path)  # before the gguf reader makes an object per array entry
 
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -130,17 +130,21 @@ def chat_ids(tokenizer: PreTrainedTokenizerFast, messages: list[dict], tools: li
 
 def set_chat_template(tokenizer: PreTrainedTokenizerFast, template: str | None) -> None:
     """``model.chat_template``: a Jinja string, or the path of a file holding one, replaces the
-    tokenizer's own. Jinja here is transformers' sandboxed environment: a template is data."""
+    tokenizer's own. Templates render in a bounded sandbox (flash.chat_template): a template is data."""
     if not template:
         return
     from pathlib import Path
 
+    from flash.chat_template import mark_source
+
     path = Path(template).expanduser()
+    source = "model.chat_template"
     if "{" not in template and path.is_file():
-        template = path.read_text()
+        template, source = path.read_text(), f"model.chat_template ({path})"
     elif "{" not in template:
         raise ValueError(f"model.chat_template {template!r} is neither a Jinja template nor a file")
     tokenizer.chat_template = template
+    mark_source(tokenizer, source)
 
 
 def encode_response(tokenizer: PreTrainedTokenizerFast, text: str) -> list[int]:

@@ -312,8 +312,9 @@ def _check_model(model: ModelConfig) -> None:
     if model.gguf is None:
         return
     from flash.gguf import check_loaders, resolve_gguf
+    from flash.gguf_metadata import check_metadata
 
-    resolve_gguf(model.gguf)
+    check_metadata(resolve_gguf(model.gguf))
     check_loaders()
 
 

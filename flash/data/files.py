@@ -3,9 +3,9 @@
 ``open_rows(paths)`` reads JSONL/JSON, CSV, Parquet and directories written by
 ``Dataset.save_to_disk`` (or ``DatasetDict.save_to_disk``: its ``train`` split) and concatenates
 them. Each path is checked before it is opened (``flash.data.trust``: regular files only; a
-save_to_disk directory without links, naming only files inside it) and JSON rows are bounded in
-size and nesting before Arrow reads them (``flash.data.limits``: rows over the bounds are skipped
-and counted). Rows stay in Arrow files on disk (``datasets`` memory-maps them), so a million-row Parquet
+save_to_disk directory without links, naming only files inside it); JSON rows are bounded in
+size and nesting before Arrow reads them (``flash.data.limits``), and Parquet and save_to_disk rows
+in decoded size (``flash.data.arrow_limits``): rows over the bounds are skipped and counted. Rows stay in Arrow files on disk (``datasets`` memory-maps them), so a million-row Parquet
 file costs a few MB of Python memory, not a list of a million dicts.
 
 Only local paths: flash never downloads at run time, so a name that is not a file (a hub id such
@@ -20,8 +20,9 @@ import os
 from collections import Counter
 from pathlib import Path
 
+from flash.data.arrow_limits import bounded_parquet, bounded_saved, check_uncompressed
 from flash.data.limits import bounded_json
-from flash.data.trust import check_regular, saved_dataset
+from flash.data.trust import check_regular, read_meta, saved_dataset
 from flash.errors import ConfigError
 
 FORMATS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet", ".pq": "parquet"}
@@ -60,15 +61,23 @@ def check_path(path: str, where: str = "data.train") -> Path:
 def _load_one(p: Path, where: str, skipped: Counter):
     ds = datasets_module()
     if p.is_dir():
+        root = saved_dataset(p, where)
+        for entry in read_meta(root, "state.json", where)["_data_files"]:
+            check_uncompressed(root / entry["filename"], where)
         try:
-            return ds.Dataset.load_from_disk(str(saved_dataset(p, where)))
+            saved = ds.Dataset.load_from_disk(str(root))
         except (OSError, ValueError, KeyError, TypeError) as exc:  # arrow files that do not read (or nest too deep)
             raise ConfigError(f"{where}: {p}: cannot load the save_to_disk directory: {_parser_words(exc)}; "
                               "save it again with Dataset.save_to_disk") from None
+        return bounded_saved(saved, where, skipped)
     if p.stat().st_size == 0:
         raise ConfigError(f"{p} is empty: a data file needs at least one row")
     kind = FORMATS[p.suffix.lower()]
-    source = bounded_json(p, where, skipped) if kind == "json" else p
+    source = p
+    if kind == "json":
+        source = bounded_json(p, where, skipped)
+    elif kind == "parquet":
+        source = bounded_parquet(p, where, skipped)
     level = ds.logging.get_verbosity()
     ds.logging.set_verbosity(ds.logging.CRITICAL)  # its own 'Failed to load JSON' line: the error below says it
     try:

@@ -74,9 +74,11 @@ def assistant_text(template: str, messages: list[dict], message: dict, tools: li
     """What the model writes for assistant turn ``message`` after ``messages``: the template's
     rendering of the chat with it, less the rendering up to its generation prompt, cut at the
     end-of-turn token ``eos``."""
-    from transformers.utils.chat_template_utils import _compile_jinja_template  # sandboxed Jinja
+    from flash.chat_template import render as bounded_render  # sandboxed Jinja, bounded
 
-    render = _compile_jinja_template(template).render
+    def render(**context):
+        return bounded_render(template, "the task's chat template", **context)
+
     head = render(messages=messages, tools=tools, add_generation_prompt=True, bos_token=bos, eos_token=eos)
     full = render(messages=[*messages, message], tools=tools, add_generation_prompt=False, bos_token=bos,
                   eos_token=eos)

@@ -92,6 +92,25 @@ def test_flash_validate_refuses_the_template_in_one_line(tmp_path, capsys, templ
         make_task("dataset", train=(path,), template=template)  # refused at run too, before any row
 
 
+@pytest.mark.parametrize("template, bound", [
+    ("{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}", "1,000,000 loop steps"),
+    ("{% set ns = namespace(s='ab') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s }}",
+     "over 33,554,432 characters"),
+])
+def test_flash_validate_ends_a_chat_template_over_its_bounds_in_one_line(tmp_path, capsys, template, bound):
+    """Such a template held `flash validate` for hours, or ended it in a MemoryError traceback."""
+    from flash.app.cli import main
+
+    (tmp_path / "t.jinja").write_text(template)
+    path = write_lines(tmp_path / "d.jsonl", rows())
+    override = [f"data.train=[{path}]", "data.sft_key=answer", "data.prompt_key=question",
+                "data.system_prompt=brief", f"model.chat_template={tmp_path / 't.jinja'}"]  # a chat: templated
+    assert main(["validate", "recipes/math.yaml", *override]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"model.chat_template ({tmp_path / 't.jinja'}): the chat template" in err[0], err
+    assert bound in err[0]
+
+
 # ---- sizes and shapes of rows -------------------------------------------------------------------
 
 def test_json_depth_leaves_out_brackets_inside_strings():

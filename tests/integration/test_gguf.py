@@ -5,6 +5,7 @@ and generates a chat-templated answer with per-token logprobs."""
 import importlib.metadata
 import importlib.util
 import math
+import struct
 
 import pytest
 
@@ -39,7 +40,7 @@ def test_missing_package_or_file_is_one_clear_error(tmp_path):
 
 def test_a_gguf_path_resolves_and_excludes_model_path(tmp_path):
     f = tmp_path / "m.gguf"
-    f.write_bytes(b"GGUF")
+    f.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 0))  # a header: no pairs, no tensors
     assert resolve_gguf(str(f)) == f.resolve()
     with pytest.raises(ConfigError, match="model.path and model.gguf both name the model"):
         load_config("recipes/math.yaml", [f"model.gguf={f}", "model.path=/x"])
@@ -96,7 +97,7 @@ def test_the_data_preview_of_a_gguf_recipe_converts_into_the_run_cache(tmp_path,
     from flash.cache import default_cache_dir
 
     f = tmp_path / "m.gguf"
-    f.write_bytes(b"GGUF")
+    f.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 0))  # a header: no pairs, no tensors
     calls = []
     monkeypatch.setattr(flash.gguf, "gguf_checkpoint", lambda spec, root: calls.append((spec, root)) or "ckpt")
     monkeypatch.setattr(flash.app.data, "load_tokenizer", lambda cfg, path: ("tokenizer of", path))
