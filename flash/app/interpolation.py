@@ -188,8 +188,8 @@ class _Resolution:
             loop = " -> ".join(_key(p) for p in self.active[self.active.index(path):])
             raise ConfigError(f"'{_key(path)}': interpolations go round ({loop} -> {_key(path)}); break the loop")
         if len(self.active) >= MAX_DEPTH:
-            raise ConfigError(f"'{_key(path)}': interpolations refer through more than {MAX_DEPTH} keys; "
-                              f"write the value out")
+            raise ConfigError(f"'{_key(self.active[0])}': interpolations refer through more than {MAX_DEPTH} "
+                              f"keys (to '{_key(path)}'); write the value out")
         self.active.append(path)
         try:
             return self.visit(_parsed(raw, f"'{_key(path)}'"), path)
