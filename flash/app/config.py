@@ -144,8 +144,9 @@ def read_recipe(path: str | Path, allow_env: tuple[str, ...] = ()):
         where = f" line {mark.line + 1} column {mark.column + 1}" if mark is not None else ""
         problem = getattr(exc, "problem", None) or type(exc).__name__
         raise ConfigError(f"cannot parse {path}{where}: {problem}") from None
-    except (OmegaConfBaseException, OSError, UnicodeDecodeError) as exc:
+    except (OmegaConfBaseException, OSError, UnicodeDecodeError, RecursionError) as exc:
         why = ("not UTF-8 text" if isinstance(exc, UnicodeDecodeError) else
+               "its values or interpolations nest too deep" if isinstance(exc, RecursionError) else
                exc.strerror if isinstance(exc, OSError) and exc.strerror else type(exc).__name__)
         raise ConfigError(f"cannot read {path}: {why}") from None
     if not isinstance(recipe, DictConfig):

@@ -118,13 +118,18 @@ def _parsed(text: str, where: str, rule: str = "configValue", mode: str = "DEFAU
         return parse(text, parser_rule=rule, lexer_mode=mode)
     except GrammarParseError as exc:
         raise ConfigError(f"{where}: cannot parse the interpolation: {str(exc).splitlines()[0][:200]}") from None
+    except RecursionError:
+        raise ConfigError(f"{where}: interpolations nest too deep to parse; write the value out") from None
 
 
 def resolve(settings: dict, missing_ok: bool = False) -> dict:
     """``settings`` with every interpolation resolved (module docstring) and every ``${`` left in a
     value escaped, so OmegaConf reads it as text. ``missing_ok``: a reference to a key the mapping
     lacks stands for its own text (to bound one file whose keys the defaults complete)."""
-    return escape(_Resolution(settings, missing_ok).node(()))
+    try:
+        return escape(_Resolution(settings, missing_ok).node(()))
+    except RecursionError:
+        raise ConfigError("interpolations nest too deep to resolve; write the values out") from None
 
 
 def escape(value: Any) -> Any:

@@ -156,3 +156,10 @@ def test_interpolations_resolve_as_omegaconf_does_each_once_and_leave_none_behin
         resolve(chain)
     with pytest.raises(ConfigError, match=r"^'a': interpolations go round \(a -> b -> a\); break the loop$"):
         resolve({"a": "${b}", "b": "x${a}"})
+
+
+def test_interpolations_nested_past_python_s_recursion_are_one_line(tmp_path):
+    path = recipe(tmp_path, "base: stutter\ndescription: " + "${oc.select:" * 400 + "x" + "}" * 400 + "\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert str(err.value) == f"cannot read {path}: its values or interpolations nest too deep"
