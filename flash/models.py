@@ -34,6 +34,8 @@ from transformers import PreTrainedTokenizerFast
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 from transformers.models.qwen2.tokenization_qwen2 import Qwen2Tokenizer
 
+from flash.chat_template import MAX_TEMPLATE_CHARS
+
 if TYPE_CHECKING:
     from transformers import Qwen2ForCausalLM
 
@@ -128,23 +130,57 @@ def chat_ids(tokenizer: PreTrainedTokenizerFast, messages: list[dict], tools: li
     return chat_template_ids(tokenizer, messages, tools, generation=True)
 
 
+TEMPLATE_SUFFIXES = (".jinja", ".jinja2", ".j2", ".txt")
+MAX_TEMPLATE_BYTES = MAX_TEMPLATE_CHARS  # a template file's size: the rendering sandbox's text bound
+
+
 def set_chat_template(tokenizer: PreTrainedTokenizerFast, template: str | None) -> None:
     """``model.chat_template``: a Jinja string, or the path of a file holding one, replaces the
     tokenizer's own. Templates render in a bounded sandbox (flash.chat_template): a template is data."""
     if not template:
         return
-    from pathlib import Path
-
     from flash.chat_template import mark_source
 
+    tokenizer.chat_template = read_chat_template(template)
+    inline = "{" in template
+    mark_source(tokenizer, "model.chat_template" if inline else f"model.chat_template ({template})")
+
+
+def read_chat_template(template: str) -> str:
+    """The template ``model.chat_template`` names: the text itself when it holds ``{`` (inline
+    Jinja), else a template file: a regular ``TEMPLATE_SUFFIXES`` file of UTF-8 text, at most
+    ``MAX_TEMPLATE_BYTES``, holding Jinja (``{{ }}`` or ``{% %}``). Any other file is refused in one
+    line that names it, never its text."""
+    import os
+    import stat
+    from pathlib import Path
+
+    if "{" in template:
+        if len(template.encode()) > MAX_TEMPLATE_BYTES:
+            raise ValueError(f"model.chat_template: {len(template.encode())} bytes, more than a chat template "
+                             f"holds ({MAX_TEMPLATE_BYTES})")
+        return template
     path = Path(template).expanduser()
-    source = "model.chat_template"
-    if "{" not in template and path.is_file():
-        template, source = path.read_text(), f"model.chat_template ({path})"
-    elif "{" not in template:
-        raise ValueError(f"model.chat_template {template!r} is neither a Jinja template nor a file")
-    tokenizer.chat_template = template
-    mark_source(tokenizer, source)
+    if path.suffix.lower() not in TEMPLATE_SUFFIXES:
+        raise ValueError(f"model.chat_template {template[:200]!r} is neither a Jinja template nor a template file "
+                         f"({', '.join(TEMPLATE_SUFFIXES)})")
+    if not path.is_file():
+        raise ValueError(f"model.chat_template: no template file {path}")
+    with open(path, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise ValueError(f"model.chat_template: {path} is not a regular file")
+        data = f.read(MAX_TEMPLATE_BYTES + 1)
+    if len(data) > MAX_TEMPLATE_BYTES:
+        raise ValueError(f"model.chat_template: {path} is over {MAX_TEMPLATE_BYTES} bytes, more than a chat "
+                         f"template holds")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ValueError(f"model.chat_template: {path} is not UTF-8 text") from None
+    if "\x00" in text or not ("{{" in text or "{%" in text):
+        raise ValueError(f"model.chat_template: {path} holds no Jinja ({{{{ ... }}}} or {{% ... %}}): not a "
+                         f"chat template")
+    return text
 
 
 def encode_response(tokenizer: PreTrainedTokenizerFast, text: str) -> list[int]:

@@ -69,7 +69,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
           f"steps={cfg.train.steps})")
     from flash.app.config import base_differences
 
-    changed = base_differences(path, cfg)
+    changed = base_differences(path, cfg, overrides)
     if changed:
         print(f"differs from its base in {len(changed)} settings:")
         for line in changed:

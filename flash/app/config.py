@@ -10,13 +10,14 @@ against the plugin's own knobs by its registry.
 from __future__ import annotations
 
 import sys
-from dataclasses import is_dataclass
+from dataclasses import fields, is_dataclass
 from pathlib import Path
 
 import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from flash.app.interpolation import check_file, resolve, split_allow_env
 from flash.app.keys import check_keys
 from flash.app.merge import merge_layers, value_at
 from flash.app.schema import (  # noqa: F401 -- the schema is read through this module too
@@ -39,9 +40,12 @@ from flash.errors import ConfigError
 
 
 def load_config(recipe_path: str | Path, overrides: list[str] = ()) -> FlashConfig:
-    """Recipe YAML + ``key=value`` overrides → a validated FlashConfig object."""
-    cli = _parse_overrides(_check_dotlist(list(overrides)))
-    chain = resumed_run(cli.get("resume"), Path(recipe_path)) or recipe_chain(Path(recipe_path))
+    """Recipe YAML + ``key=value`` overrides → a validated FlashConfig object. ``allow_env=[VAR,...]``
+    among the overrides names the environment variables the files may read (flash.app.interpolation)."""
+    allow_env, overrides = split_allow_env(list(overrides))
+    cli = _parse_overrides(_check_dotlist(overrides))
+    chain = (resumed_run(cli.get("resume"), Path(recipe_path), allow_env)
+             or recipe_chain(Path(recipe_path), allow_env))
     for source in (*chain, cli):
         check_keys(OmegaConf.to_container(source), FlashConfig)
     empty = [o for o in overrides if o.partition("=")[2].strip() == "{}"]  # `key={}` empties, then the rest
@@ -51,12 +55,13 @@ def load_config(recipe_path: str | Path, overrides: list[str] = ()) -> FlashConf
                                   *(OmegaConf.to_container(_parse_overrides(o)) for o in (empty, rest) if o)])
     for note in merged_layers.notes:
         print(f"flash: note: {note}", file=sys.stderr)
+    settings = resolve(merged_layers.settings)  # every interpolation, bounded: none is left to OmegaConf
     try:
-        merged = OmegaConf.merge(OmegaConf.structured(FlashConfig), merged_layers.settings)
+        merged = OmegaConf.merge(OmegaConf.structured(FlashConfig), settings)
         for key in merged_layers.whole:  # emptied or a new choice: not merged into the schema's defaults
             node = OmegaConf.select(merged, key)
             if not (isinstance(node, DictConfig) and is_dataclass(OmegaConf.get_type(node))):  # a schema section
-                OmegaConf.update(merged, key, value_at(merged_layers.settings, key), merge=False)
+                OmegaConf.update(merged, key, value_at(settings, key), merge=False)
         cfg: FlashConfig = OmegaConf.to_object(merged)
     except OmegaConfBaseException as exc:
         key = getattr(exc, "full_key", "") or ""
@@ -73,11 +78,12 @@ def load_config(recipe_path: str | Path, overrides: list[str] = ()) -> FlashConf
 PER_START = ("resume", "run_dir", "overwrite", "trust_checkpoint")  # what one start says, not the run
 
 
-def resumed_run(resume, recipe_path: Path) -> list:
+def resumed_run(resume, recipe_path: Path, allow_env: tuple[str, ...] = ()) -> list:
     """``resume=DIR``: the settings the run recorded in ``DIR/config.yaml`` (less ``PER_START``) in
     place of the recipe's, so a resumed run keeps every override it started with; the overrides
     given now apply on top (what may change on resume: ``flash.app.resume.MAY_CHANGE``). Empty
-    when there is no such run (the pre-start checks name it)."""
+    when there is no such run (the pre-start checks name it). The file is checked as a recipe
+    file is (``flash.app.interpolation.check_file``)."""
     from flash.app.resume_dir import resolve_resume, saved_config
 
     if not resume:
@@ -86,8 +92,9 @@ def resumed_run(resume, recipe_path: Path) -> list:
         run_dir = resolve_resume(str(resume), recipe_path.stem)
     except ConfigError:
         return []
-    saved = OmegaConf.create({k: v for k, v in saved_config(run_dir).items() if k not in PER_START})
-    return [migrate(saved, run_dir / "config.yaml")]
+    saved = {k: v for k, v in saved_config(run_dir).items() if k not in PER_START}
+    check_file(saved, str(run_dir / "config.yaml"), allow_env)
+    return [migrate(OmegaConf.create(saved), run_dir / "config.yaml")]
 
 
 def resolve_plugins(cfg: FlashConfig, recipe_dir: Path) -> None:
@@ -118,19 +125,30 @@ def resolve_plugins(cfg: FlashConfig, recipe_dir: Path) -> None:
         cfg.task["env"] = str(recipe_dir / env)  # task.env: a .py path beside the recipe
 
 
-def read_recipe(path: str | Path):
+MAX_RECIPE_BYTES = 1 << 20
+
+
+def read_recipe(path: str | Path, allow_env: tuple[str, ...] = ()):
     """A recipe file as an OmegaConf mapping; every way it can be unreadable is one line naming
-    the file (and the line, for YAML errors). YAML is data here: OmegaConf's loader is a safe
-    loader, so a ``!!python/...`` tag is an error, never a constructor."""
+    the file (and the line, for YAML errors), never its text. YAML is data here: OmegaConf's loader
+    is a safe loader, so a ``!!python/...`` tag is an error, never a constructor; a file over
+    ``MAX_RECIPE_BYTES`` is no recipe; its interpolations are checked (``check_file``: the
+    resolvers a file may use, the variables ``allow_env`` allows) and bounded."""
+    size = Path(path).stat().st_size if Path(path).is_file() else 0
+    if size > MAX_RECIPE_BYTES:
+        raise ConfigError(f"{path}: {size} bytes, more than a recipe holds ({MAX_RECIPE_BYTES})")
     try:
         recipe = OmegaConf.load(str(path))
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
         where = f" line {mark.line + 1} column {mark.column + 1}" if mark is not None else ""
-        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        problem = getattr(exc, "problem", None) or type(exc).__name__
         raise ConfigError(f"cannot parse {path}{where}: {problem}") from None
-    except (OmegaConfBaseException, OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"cannot read {path}: {str(exc).splitlines()[0]}") from None
+    except (OmegaConfBaseException, OSError, UnicodeDecodeError, RecursionError) as exc:
+        why = ("not UTF-8 text" if isinstance(exc, UnicodeDecodeError) else
+               "its values or interpolations nest too deep" if isinstance(exc, RecursionError) else
+               exc.strerror if isinstance(exc, OSError) and exc.strerror else type(exc).__name__)
+        raise ConfigError(f"cannot read {path}: {why}") from None
     if not isinstance(recipe, DictConfig):
         kind = "a list" if isinstance(recipe, ListConfig) else type(recipe).__name__
         raise ConfigError(f"{path}: a recipe is a mapping of sections (task:, rollout:, train:, ...),"
@@ -138,6 +156,12 @@ def read_recipe(path: str | Path):
     if not recipe:
         raise ConfigError(f"{path} is empty: a recipe names at least its task (task: {{name: ...}}); "
                           f"`flash ls` lists recipes to start from")
+    layer = OmegaConf.to_container(recipe)
+    check_file(layer, str(path), allow_env)
+    try:
+        resolve(layer, missing_ok=True)  # bounded alone too: the defaults only complete its references
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
     return migrate(recipe, path)
 
 
@@ -170,28 +194,54 @@ def migrate(recipe: DictConfig, path: str | Path) -> DictConfig:
 MAX_BASES = 8
 
 
-def recipe_chain(path: Path) -> list:
+def recipe_chain(path: Path, allow_env: tuple[str, ...] = ()) -> list:
     """The recipe and the recipes it builds on, base first: ``base: NAME`` (a name from `flash ls`,
-    or a path relative to this recipe's file) starts a recipe from another one instead of from the
-    defaults; its own keys then override the base's. Chains are at most ``MAX_BASES`` deep and
-    never circular (one line naming the files)."""
-    from flash.app.recipe_files import resolve_recipe
-
+    or a ``.yaml``/``.yml`` path relative to this recipe's file) starts a recipe from another one
+    instead of from the defaults; its own keys then override the base's. Chains are at most
+    ``MAX_BASES`` deep and never circular (one line naming the files). A base is a recipe file or
+    nothing (``base_path``, ``check_base``): an error about it names the file, never its text."""
     chain, seen = [], []
     while True:
-        recipe = read_recipe(path)
+        recipe = read_recipe(path, allow_env)
+        if seen:
+            check_base(recipe, path)
         seen.append(path.resolve())
         base = recipe.pop("base", None)
         chain.insert(0, recipe)
         if base is None:
             return chain
-        if not isinstance(base, str) or not base:
-            raise ConfigError(f"{path}: base must be a recipe name or a file path, got {base!r}")
-        near = path.parent / base
-        path = near if near.suffix in (".yaml", ".yml") and near.is_file() else resolve_recipe(base)
+        path = base_path(path, base)
         if path.resolve() in seen or len(seen) > MAX_BASES:
             raise ConfigError(f"recipe bases go round or deeper than {MAX_BASES}: "
                               f"{' -> '.join(str(p) for p in [*seen, path.resolve()])}")
+
+
+RECIPE_SUFFIXES = (".yaml", ".yml")
+
+
+def base_path(recipe: Path, base) -> Path:
+    """The file ``base: NAME`` in ``recipe`` names: a ``.yaml``/``.yml`` file (beside the recipe, or
+    as given), or a recipe from `flash ls`; anything else is one line."""
+    from flash.app.recipe_files import resolve_recipe
+
+    if not isinstance(base, str) or not base:
+        raise ConfigError(f"{recipe}: base must be a recipe name or a file path, got {base!r}")
+    if Path(base).suffix in RECIPE_SUFFIXES:
+        near = recipe.parent / Path(base).expanduser()
+        return near if near.is_file() else resolve_recipe(base)
+    if "/" in base or "\\" in base or Path(base).suffix:
+        raise ConfigError(f"{recipe}: base: {base!r} is neither a recipe's name (`flash ls`) nor a "
+                          f"{'/'.join(RECIPE_SUFFIXES)} recipe file")
+    return resolve_recipe(base)
+
+
+def check_base(recipe: DictConfig, path: Path) -> None:
+    """A base is a recipe: its top-level keys are flash's sections (a file of other keys is named,
+    its keys are not)."""
+    known = {f.name for f in fields(FlashConfig)} | {"base"}
+    if not all(isinstance(k, str) and k in known for k in recipe):
+        raise ConfigError(f"base: {path} is not a recipe (its top-level keys are not flash's sections: "
+                          f"task, rollout, train, ...)")
 
 
 def validate(cfg: FlashConfig) -> None:
@@ -246,10 +296,11 @@ def to_yaml(cfg: FlashConfig) -> str:
     return OmegaConf.to_yaml(OmegaConf.structured(cfg))
 
 
-def base_differences(recipe_path: str | Path, cfg: FlashConfig) -> list[str]:
+def base_differences(recipe_path: str | Path, cfg: FlashConfig, overrides: list[str] = ()) -> list[str]:
     """``key: base value -> value`` for every setting of ``cfg`` that differs from its recipe's
-    base (the chain without the recipe itself); empty for a recipe without ``base:``."""
-    chain = recipe_chain(Path(recipe_path))
+    base (the chain without the recipe itself); empty for a recipe without ``base:``. ``overrides``:
+    the command line's, for the variables it allows the files to read."""
+    chain = recipe_chain(Path(recipe_path), split_allow_env(list(overrides))[0])
     if len(chain) < 2:
         return []
     base = flat_settings(merge_layers([OmegaConf.to_container(OmegaConf.structured(FlashConfig)),

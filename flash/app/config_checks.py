@@ -304,9 +304,17 @@ def noop_problem(cfg: FlashConfig) -> str | None:
 
 def _check_model(model: ModelConfig) -> None:
     """``model.path`` is a local Hugging Face folder; ``model.gguf`` excludes it, and its file (or
-    package) and GGUF loaders must be here."""
+    package) and GGUF loaders must be here; ``model.chat_template`` is a template or a template
+    file (``flash.models.read_chat_template``)."""
     _require(model.path is None or model.gguf is None, "model.path and model.gguf both name the model; set "
              "one of them")
+    if model.chat_template:
+        from flash.models import read_chat_template
+
+        try:
+            read_chat_template(model.chat_template)
+        except (OSError, ValueError) as exc:
+            raise ConfigError(str(exc)) from None
     if model.path is not None:
         _check_model_path(model.path)
     if model.gguf is None:

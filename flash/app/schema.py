@@ -40,7 +40,8 @@ class ModelConfig:
     # Hugging Face checkpoint under the cache. Excludes `path`.
     gguf: Optional[str] = None
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
-    # A Jinja chat template (or the path of a file holding one) replacing the tokenizer's own.
+    # A Jinja chat template (or the path of a .jinja/.jinja2/.j2/.txt file holding one, at most
+    # 256 KiB: flash.models.read_chat_template) replacing the tokenizer's own.
     chat_template: Optional[str] = None
     # Compute precision (flash.devices): float32 | bfloat16 | float16. The engine holds its weights
     # in it; the trainer keeps float32 weights and AdamW state and runs its forward in it (autocast,

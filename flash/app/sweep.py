@@ -45,6 +45,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from flash.app.interpolation import ALLOW_ENV
 from flash.app.replicates import REPLICATE_KEYS, Group, Stat, choose, fmt_stat, group_runs
 from flash.errors import ConfigError, raise_terminated
 from flash.run_files import open_run_file, read_json, refuse_links, run_subdir, write_run_text
@@ -97,7 +98,7 @@ def parse_grid(items: list[str]) -> tuple[list[str], dict[str, list[str]]]:
         if key in swept or any(f.startswith(key + "=") for f in fixed):
             raise ConfigError(f"'{key}' is given twice")
         values = split_values(value)
-        if len(values) > 1:
+        if len(values) > 1 and key != ALLOW_ENV:  # the variables every run may read, not a setting
             swept[key] = values
         else:
             fixed.append(item)
