@@ -47,7 +47,7 @@ from controllers.workflows.single_turn import SingleTurn
 from flash.engine.base import GenerationOutput, SamplingParams
 from flash.engine.client import EngineClient
 from flash.errors import FlashError
-from flash.rewards.deadline import RewardDeadline, response_deadline
+from flash.rewards.deadline import RewardDeadline, score_within
 
 __all__ = ["PromptSource", "RolloutCore", "RolloutScheduler", "parse_request_id", "request_id", "request_seed"]
 
@@ -479,11 +479,7 @@ class RolloutCore:
         try:
             reward, decode = self.source.reward, self.source.decode
             assert reward is not None and decode is not None  # None only where the workflow scores itself
-            with response_deadline(self.reward_deadline_s) as deadline:
-                value = reward(item, decode(token_ids))
-            if deadline is not None and deadline.hit:  # the reward caught the deadline's exception itself
-                raise RewardDeadline(deadline.seconds)
-            return reward_value(value)
+            return reward_value(score_within(self.reward_deadline_s, reward, item, decode(token_ids)))
         except RewardDeadline:
             with self._lock:
                 self.counters["reward_deadline"] += 1

@@ -27,7 +27,7 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 OUTCOME = "reward_deadline"
 
@@ -76,6 +76,16 @@ def response_deadline(seconds: float | None) -> Iterator[Deadline | None]:
         _local.deadline = outer
         if outer is not None and deadline.hit:
             outer.hit = True
+
+
+def score_within(seconds: float | None, score: Callable[..., Any], *args: Any) -> Any:
+    """``score(*args)`` under ``response_deadline(seconds)``; ``RewardDeadline`` when the deadline
+    passed, even where the reward caught the deadline's exception itself."""
+    with response_deadline(seconds) as deadline:
+        value = score(*args)
+    if deadline is not None and deadline.hit:
+        raise RewardDeadline(deadline.seconds)
+    return value
 
 
 def sandbox_timeout(timeout_s: float) -> tuple[float, Deadline | None]:

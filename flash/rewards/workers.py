@@ -48,7 +48,7 @@ from flash.rewards.autoscale import (
     run_scaler,
 )
 from flash.rewards.deadline import OUTCOME as DEADLINE
-from flash.rewards.deadline import RewardDeadline, response_deadline
+from flash.rewards.deadline import RewardDeadline, score_within
 from flash.rewards.registry import build_reward, check_pool_args
 from flash.usage import process_tree_cpu_s
 
@@ -107,10 +107,7 @@ class RewardScorer:
 
         def run() -> None:
             try:
-                with response_deadline(self.deadline_s) as deadline:
-                    box["value"] = self.scorer(item, response)
-                if deadline is not None and deadline.hit:  # the reward caught the deadline's exception
-                    raise RewardDeadline(deadline.seconds)
+                box["value"] = score_within(self.deadline_s, self.scorer, item, response)
             except BaseException as exc:  # noqa: BLE001 - any failure is a named outcome
                 box["error"] = exc
             finally:
