@@ -36,6 +36,7 @@ MAX_INTERPOLATIONS = 1000  # in one layer (a recipe file, the command line)
 FILE_RESOLVERS = ("oc.env", "oc.select", "oc.dict.keys", "oc.dict.values")
 USER_RESOLVERS = (*FILE_RESOLVERS, "oc.decode")
 ALLOW_ENV = "allow_env"  # the command line's key naming the variables a file may read
+TRUST = "trust_checkpoint"  # the command line's alone too (flash.checkpoint_trust)
 
 
 ENV_NAME = r"[A-Za-z_][A-Za-z0-9_]*"
@@ -61,10 +62,14 @@ def split_allow_env(overrides: list[str]) -> tuple[tuple[str, ...], list[str]]:
 def check_file(layer: dict, where: str, allow_env: tuple[str, ...] = ()) -> None:
     """One line naming the key when the file ``where`` uses a resolver it may not (module
     docstring), reads a variable not in ``allow_env``, or holds more interpolations than a config
-    needs; ``allow_env`` itself is the command line's to give, never a file's."""
+    needs; ``allow_env`` itself is the command line's to give, never a file's, and so is trusting a
+    checkpoint (``trust_checkpoint``: a recipe or run dir may not vouch for its own checkpoints)."""
     if ALLOW_ENV in layer:
         raise ConfigError(f"{where}: {ALLOW_ENV} is the command line's to give, not a file's: remove it and "
                           f"pass {ALLOW_ENV}=[VAR,...] after the recipe")
+    if layer.get(TRUST) not in (None, False):
+        raise ConfigError(f"{where}: {TRUST} is the command line's to give, not a file's: remove it and "
+                          f"pass {TRUST}=true after the recipe if you trust the checkpoint")
     texts = [(key, text) for key, text in strings(layer) if "${" in text]
     count = sum(text.count("${") for _, text in texts)
     if count > MAX_INTERPOLATIONS:

@@ -73,6 +73,16 @@ def test_allow_env_is_the_command_line_s_never_a_recipe_s(tmp_path, monkeypatch)
     assert fixed == ["allow_env=A,B"] and swept == {"async_ratio": ["0", "1"]}
 
 
+def test_trusting_a_checkpoint_is_the_command_line_s_never_a_recipe_s(tmp_path):
+    path = recipe(tmp_path, "base: stutter\ntrust_checkpoint: true\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert str(err.value) == (f"{path}: trust_checkpoint is the command line's to give, not a file's: remove it "
+                              f"and pass trust_checkpoint=true after the recipe if you trust the checkpoint")
+    assert load_config(recipe(tmp_path, "base: stutter\ntrust_checkpoint: false\n")).trust_checkpoint is False
+    assert load_config("recipes/stutter.yaml", ["trust_checkpoint=true"]).trust_checkpoint is True
+
+
 def test_a_base_is_a_recipe_file_and_its_errors_never_print_the_file_s_text(tmp_path):
     (tmp_path / "notes.txt").write_text(f"{SECRET} line one\nline two\n")
     path = recipe(tmp_path, f"base: {tmp_path}/notes.txt\ntask: {{name: stutter}}\n")
