@@ -14,7 +14,8 @@ sequence = the prompt budget + ``rollout.max_new_tokens``):
   of ``L`` tokens, scored from its first column (the worst case: a one-token prompt), traced through
   the trainer's forward, loss and backward and its AdamW step, with the AdamW state already there
   (``Phases``). A rank of a ``W``-rank FSDP2 group holds ``1/W`` of the weights, gradients and AdamW
-  state: its backward peak is ``backward − (resident + grads at the peak)·(1 − 1/W) + U`` with
+  state: its backward peak is ``backward − (resident + grads at the peak)·(1 − 1/W) + U`` (the
+  largest over the backward's windows, ``Phases``) with
   ``U = (root + 2·layer)·b/4 + max(root, layer)`` (the root unit and two decoder layers unsharded in
   the compute dtype, one unit's float32 gradient before its reduce-scatter; ``root``, ``layer``:
   float32 weight bytes); its AdamW step peak is ``step / W``. Between steps (while a colocated
@@ -100,7 +101,7 @@ def rank_bytes(p: Phases, ranks: int, dtype_bytes: int) -> tuple[int, int, int]:
     root = p.params - p.layer * p.layers
     unsharded = (root + 2 * p.layer) * dtype_bytes // 4 + max(root, p.layer)
     shard = 1 - 1 / ranks
-    backward = int(p.backward - (p.resident + p.grads) * shard) + unsharded
+    backward = max(int(peak - (p.resident + grads) * shard) for peak, grads in p.windows()) + unsharded
     return backward, p.step // ranks, kept // ranks
 
 

@@ -33,13 +33,18 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 
 class LiveBytes(TorchDispatchMode):
-    """Live storage bytes (every tensor an op makes, until it is freed) and their peak since ``reset``."""
+    """Live storage bytes (every tensor an op makes, until it is freed) and their peak since ``reset``;
+    with ``watch_grads``, also the peak (and the gradient bytes then) in each backward window ``j``:
+    while the gradients of ``j`` decoder layers have arrived (``j`` = 0: the forward, the loss and
+    the top layer's backward)."""
 
     def __init__(self):
         super().__init__()
         self._seen = WeakIdKeyDictionary()
         self.live = self.peak = 0
-        self.grads = self.grads_at_peak = 0  # gradient bytes accumulated so far, and at the peak
+        self.grads = 0  # gradient bytes accumulated so far
+        self.window = 0
+        self.windows: dict[int, tuple[int, int]] = {}  # j -> (peak, gradient bytes at it)
 
     def add(self, tensors) -> None:
         """Count tensors that exist already (weights, optimizer state) as live."""
@@ -47,16 +52,29 @@ class LiveBytes(TorchDispatchMode):
             self._track(t)
 
     def reset(self) -> None:
-        self.peak, self.grads_at_peak = self.live, self.grads
+        """Start a new phase: the peak from what is live now, no more backward windows."""
+        self.peak, self.window = self.live, -1
 
-    def watch_grads(self, params) -> None:
-        """Count each parameter's gradient once it is accumulated (``grads``)."""
+    def watch_grads(self, params, layer_of: dict[int, int]) -> None:
+        """Count each parameter's gradient once it is accumulated; a parameter of a decoder layer
+        (``layer_of``: ``id(param)`` -> layer index) whose gradients had not arrived opens a window."""
+        arrived: set[int] = set()
+
         def hook(p: torch.Tensor) -> None:
             self.grads += p.grad.untyped_storage().nbytes()
-            self.grads_at_peak = self.grads if self.live == self.peak else self.grads_at_peak
+            layer = layer_of.get(id(p))
+            if layer is not None and layer not in arrived:
+                arrived.add(layer)
+                self.window += 1
+            self._note()
 
         for p in params:
             p.register_post_accumulate_grad_hook(hook)
+
+    def _note(self) -> None:
+        self.peak = max(self.peak, self.live)
+        if self.window >= 0 and self.live >= self.windows.get(self.window, (-1, 0))[0]:
+            self.windows[self.window] = (self.live, self.grads)
 
     def _track(self, t: torch.Tensor) -> None:
         storage = t.untyped_storage()
@@ -66,8 +84,7 @@ class LiveBytes(TorchDispatchMode):
         self._seen[storage] = size
         weakref.finalize(storage, self._free, size)
         self.live += size
-        if self.live > self.peak:
-            self.peak, self.grads_at_peak = self.live, self.grads
+        self._note()
 
     def _free(self, size: int) -> None:
         self.live -= size
@@ -92,19 +109,41 @@ class TrainShape:
 
 @dataclass(frozen=True)
 class Phases:
-    """Peak live bytes of one trainer step's phases, and what is resident before and after it."""
+    """Peak live bytes of one trainer step's phases, and what is resident before and after it.
+
+    The backward's peak is kept per window (``LiveBytes``): the first (j = 0), the first and the
+    last with a decoder layer in backward (j = 1, j = L - 1) and the last (j = L). Between the first
+    and the last inner window the live bytes change by the same amount per layer (one layer's
+    saved inputs freed, its gradients added), so the inner windows peak at one of these two, and
+    each of the four is linear in the depth: extended one by one, they give the deep model's peak.
+    """
 
     resident: int  # weights and AdamW state (the gradients are dropped at the step's start)
-    backward: int  # the peak of the micro-batch's forward, loss and backward
     step: int  # the peak of the gradient clip and the AdamW step
-    grads: int = 0  # the gradients' bytes at the backward's peak
-    params: int = 0  # the trained weights' bytes (their gradients' too: both float32)
-    layer: int = 0  # one decoder layer's weight bytes (float32)
-    layers: int = 0  # decoder layers
+    params: int  # the trained weights' bytes (their gradients' too: both float32)
+    layer: int  # one decoder layer's weight bytes (float32)
+    layers: int  # decoder layers
+    first: int  # peak of window 0: the forward, the loss, the top layer's backward
+    inner_top: int  # peak of window 1
+    inner_bottom: int  # peak of window L - 1
+    last: int  # peak of window L: the embedding's backward
+    first_grads: int = 0  # the gradient bytes at each window's peak
+    inner_top_grads: int = 0
+    inner_bottom_grads: int = 0
+    last_grads: int = 0
+
+    @property
+    def backward(self) -> int:
+        return max(self.first, self.inner_top, self.inner_bottom, self.last)
 
     @property
     def peak(self) -> int:
         return max(self.backward, self.step)
+
+    def windows(self) -> list[tuple[int, int]]:
+        """(peak, gradient bytes at it) of each of the four windows."""
+        return [(self.first, self.first_grads), (self.inner_top, self.inner_top_grads),
+                (self.inner_bottom, self.inner_bottom_grads), (self.last, self.last_grads)]
 
 
 def with_layers(config, layers: int):
@@ -167,19 +206,21 @@ def trace_train(config, shape: TrainShape, settings=None) -> Phases:
         reference = list(trainer.ref_model.parameters()) if trainer.ref_model is not None else []
         counter.add(params + reference + [t for s in trainer.optimizer.state.values() for t in s.values()
                                           if isinstance(t, torch.Tensor)])
-        counter.watch_grads(params)
+        layers = decoder_layers(model)
+        counter.watch_grads(params, {id(p): i for i, m in enumerate(layers) for p in m.parameters()})
         resident = counter.live
         with counter:
             loss, _ = trainer._micro_loss(part, adv, None, None, shape.start)
             loss.backward()
             del loss
-            backward, grads = counter.peak, counter.grads_at_peak
             counter.reset()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             trainer.optimizer.step()
-    layer = sum(p.numel() * p.element_size() for p in decoder_layers(model)[0].parameters())
-    return Phases(resident, backward, counter.peak, grads, sum(p.numel() * p.element_size() for p in params),
-                  layer, depth(config))
+    n, w = len(layers), counter.windows
+    picked = [w.get(j, (0, 0)) for j in (0, 1, n - 1, n)] if n > 1 else [w[0], (0, 0), (0, 0), w.get(1, (0, 0))]
+    return Phases(resident, counter.peak, sum(p.numel() * p.element_size() for p in params),
+                  sum(p.numel() * p.element_size() for p in layers[0].parameters()), n,
+                  *(peak for peak, _ in picked), *(grads for _, grads in picked))
 
 
 def _settings(shape: TrainShape, settings=None):
