@@ -6,6 +6,7 @@ import pytest
 from transformers import Qwen2Config
 
 from flash.app import memory_fit as mf
+from flash.app.cards import Card, resolve_card
 from flash.app.config import load_config
 from flash.app.memory_trace import Phases, PrefillShape, TrainShape, prefill_bytes, trace_prefill, trace_train
 from flash.app.recipe_files import recipe_paths
@@ -88,11 +89,11 @@ def test_placement_over_the_card_is_refused_in_one_line_naming_the_fix(tmp_path)
     cfg = load_config(recipe_paths()["gsm8k_1gpu"], gpu_recipe_overrides(tmp_path, "gsm8k_1gpu"))
     train = mf.RoleMemory("actor_train", (0,), peak=12 * GIB, kept=7 * GIB, detail="")
     engine = mf.RoleMemory("actor_infer", (0,), peak=25 * GIB, kept=0, detail="")
-    card = mf.Card("H100", int(79.6 * GIB))
+    card = Card("H100", int(79.6 * GIB))
     assert mf.check_cards(cfg, [train, engine], card) == [
         "GPU 0 (H100, 79.60 GiB): peak 32.00 GiB (actor_infer 25.00 GiB + actor_train 7.00 GiB kept)"]
     with pytest.raises(FlashError) as err:
-        mf.check_cards(cfg, [train, engine], mf.Card("24 GiB card", 24 * GIB))
+        mf.check_cards(cfg, [train, engine], Card("24 GiB card", 24 * GIB))
     assert str(err.value) == (
         "GPU 0 needs an estimated 32.00 GiB (actor_infer 25.00 GiB + actor_train 7.00 GiB kept) but the 24 GiB card "
         "has 24.00 GiB: lower rollout.max_num_seqs (now 512) or rollout.max_new_tokens (now 512), or give "
@@ -100,11 +101,11 @@ def test_placement_over_the_card_is_refused_in_one_line_naming_the_fix(tmp_path)
 
 
 def test_known_card_names_resolve_and_a_memory_size_wins():
-    assert mf.resolve_card("H100", 0) == mf.Card("H100", int(79.6 * GIB))
-    assert mf.resolve_card("h200", 0) == mf.Card("H200", int(139.8 * GIB))
-    assert mf.resolve_card("", 24) == mf.Card("24 GiB card", 24 * GIB)
-    assert mf.resolve_card("L4", 22.5) == mf.Card("L4", int(22.5 * GIB))
-    assert mf.resolve_card("", 0) is None
+    assert resolve_card("H100", 0) == Card("H100", int(79.6 * GIB))
+    assert resolve_card("h200", 0) == Card("H200", int(139.8 * GIB))
+    assert resolve_card("", 24) == Card("24 GiB card", 24 * GIB)
+    assert resolve_card("L4", 22.5) == Card("L4", int(22.5 * GIB))
+    assert resolve_card("", 0) is None
 
 
 def test_an_unknown_card_name_is_refused_at_load_naming_the_known_ones():
