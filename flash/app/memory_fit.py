@@ -8,7 +8,7 @@ The card is a setting (``resources.card``: a name from ``CARDS``; ``resources.gp
 memory); with neither, the estimates are printed and nothing is refused.
 
 Per role (``W`` ranks of the trainer group, ``b`` the compute dtype's bytes, ``L`` the longest
-sequence = the prompt budget + ``rollout.max_new_tokens``):
+sequence = the prompt budget + the larger of ``rollout.max_new_tokens`` and ``eval.max_new_tokens``):
 
 - **actor_train**: one micro-batch (``train.micro_batch_size`` rows, or ``train.micro_tokens // L``)
   of ``L`` tokens, scored from its first column (the worst case: a one-token prompt), traced through
@@ -49,6 +49,8 @@ from flash.errors import FlashError
 
 VLLM_UTILIZATION = 0.9  # vLLM's default gpu_memory_utilization
 MAX_CONFIG_BYTES = 1 << 20  # a config.json larger than this is not read
+# what building or tracing a model flash does not know may raise (the estimate then says so)
+TRACE_FAILURES = (ValueError, TypeError, KeyError, AttributeError, RuntimeError, NotImplementedError)
 
 
 @dataclass(frozen=True)
@@ -266,7 +268,10 @@ def estimate_lines(cfg: FlashConfig, config) -> list[str]:
     """``memory_lines`` for the model of HF config ``config`` (``bench.memory_estimate``: a
     published model's config without its weights)."""
     card = resolve_card(cfg.resources.card, cfg.resources.gpu_memory_gib)
-    roles = role_memory(cfg, config, card)
+    try:
+        roles = role_memory(cfg, config, card)
+    except TRACE_FAILURES as exc:  # a model flash cannot trace (not a causal LM): the run is not refused
+        return [f"not estimated: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"]
     lines = [role_line(r, shared=sum(o.devices == r.devices for o in roles) > 1) for r in roles]
     lines += check_cards(cfg, roles, card)
     if card is None and roles:
