@@ -78,6 +78,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
     for line in recipe_warnings(cfg, checked.task):  # what no check refuses but wastes the run
         print(f"warning: {line}")
+    for line in checked.memory:  # each GPU role's estimated peak (flash.app.memory_fit)
+        print(f"memory: {line}")
     return 0
 
 

@@ -215,6 +215,9 @@ def _check_resources(cfg: FlashConfig) -> None:
         _require(getattr(res, key) >= 0, f"resources.{key} must be >= 0 (0 = auto), got {getattr(res, key)}")
     _require(res.driver_threads >= 1, f"resources.driver_threads must be >= 1, got {res.driver_threads}")
     _require(cfg.sft.threads >= 1, f"sft.threads must be >= 1, got {cfg.sft.threads}")
+    from flash.app.cards import resolve_card
+
+    resolve_card(res.card, res.gpu_memory_gib)  # a card flash knows, or its memory
 
 
 def _check_stream(cfg: FlashConfig) -> None:

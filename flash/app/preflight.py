@@ -3,7 +3,8 @@
 ``load_config`` has checked the values (``flash.app.config_checks``); what ``preflight`` adds needs
 the task, the run directory or this host: the resume target and its settings, a ``run_dir`` that
 holds another run, the task's own limits on the settings (multi-turn episodes), the prompts' format
-against the tokenizer, and the code sandbox's policy. A recipe that `flash validate` accepts is not
+against the tokenizer, the code sandbox's policy, and whether each GPU holds the roles placed on it
+(``flash.app.memory_fit``: estimated from fake-tensor traces, checked against ``resources.card``). A recipe that `flash validate` accepts is not
 refused by any of these once `flash run` starts it.
 """
 
@@ -22,6 +23,7 @@ from flash.errors import FlashError
 class Preflight:
     task: Any  # the run's task object (flash.app.data.build_task)
     resume_dir: Path | None  # the run dir a resume continues, else None
+    memory: list[str]  # each GPU role's estimated peak and each card's (flash.app.memory_fit)
 
 
 def preflight(cfg: FlashConfig, recipe_name: str) -> Preflight:
@@ -30,6 +32,7 @@ def preflight(cfg: FlashConfig, recipe_name: str) -> Preflight:
     import algos
     from controllers.episode_runtime import check_episode_config
     from flash.app.data import build_task, check_prompt_format
+    from flash.app.memory_fit import memory_lines
     from flash.envs.task import EnvTask
 
     resume_dir = resume_mod.resolve_resume(cfg.resume, recipe_name)
@@ -46,7 +49,7 @@ def preflight(cfg: FlashConfig, recipe_name: str) -> Preflight:
     tokenizer = start_tokenizer(cfg, task)
     if tokenizer is not None:
         check_prompt_format(cfg, task, tokenizer)
-    return Preflight(task, resume_dir)
+    return Preflight(task, resume_dir, memory_lines(cfg))
 
 
 def start_tokenizer(cfg: FlashConfig, task) -> Any:

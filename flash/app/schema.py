@@ -217,6 +217,11 @@ class ResourcesConfig:
     # float32: the trainer's processes and the engines (flash.devices.tf32_wanted); never on the CPU,
     # whose float32 numbers stay exact. false: full float32 matmuls on the GPU too.
     tf32: bool = True
+    # The GPU the placement is checked against before the run (flash.app.memory_fit: each GPU role's
+    # peak, estimated from fake-tensor traces): a name (H100, H200) or its memory in GiB (which wins
+    # when both are set). Neither: `flash validate` prints the estimates and refuses nothing.
+    card: str = ""
+    gpu_memory_gib: float = 0.0
 
 
 @dataclass
