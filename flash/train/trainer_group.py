@@ -110,7 +110,7 @@ class FSDPRank(UpdateSender):
         self.ckpt_group = dist.new_group(backend="gloo")  # checkpoint writes beside training (flash.checkpoint)
         model = load_model(self.model_path)
         self._ties = [names for names, _ in unique_tensors(model.state_dict()) if len(names) > 1]
-        self.trainer = ShardedTrainer(model, self.settings, self.group, mesh, self.device, seed=self.seed)
+        self.trainer = ShardedTrainer(model, self.settings, mesh, self.device, seed=self.seed)
         self._flat = FlatGather(self.trainer.model)
         if self._flat.reason is not None and self.rank == 0:
             log.warning("weight push gathers per parameter (slower): the flat gather does not cover this "

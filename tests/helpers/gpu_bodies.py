@@ -18,7 +18,7 @@ from flash.cluster import load_model
 from flash.engine.base import GenerationRequest, SamplingParams
 from flash.engine.torch_engine import TorchEngine
 from flash.train.batch import batch_to, collate
-from flash.train.fsdp import GroupSettings, ShardedTrainer
+from flash.train.fsdp import ShardedTrainer
 from flash.train.trainer import Trainer, token_logprobs
 from tests.helpers.models import PROMPTS, make_model
 from tests.helpers.train import make_batch, settings, toy_model
@@ -110,7 +110,7 @@ LOSS_REL, GRAD_NORM_REL = 5e-3, 5e-3
 
 
 def one_step(model_dir, mesh, dtype: str, device: torch.device) -> dict:
-    tr = ShardedTrainer(load_model(model_dir), settings(dtype=dtype), GroupSettings(), mesh, device)
+    tr = ShardedTrainer(load_model(model_dir), settings(dtype=dtype), mesh, device)
     batch, adv = make_batch(seed=3)
     batch, adv = batch_to(batch, device), adv.to(device)
     plan = [list(range(len(batch)))]
