@@ -60,3 +60,11 @@ def test_checkpointing_lowers_one_micro_batchs_traced_peak():
     plain = micro_batch_peak(**shape) / GIB
     ckpt = micro_batch_peak(**shape, activation_checkpointing=True) / GIB
     assert (round(plain, 2), round(ckpt, 2)) == (2.38, 1.36)
+
+
+def test_the_simulated_trainer_refuses_activation_checkpointing_by_name():
+    from flash.app.config import load_config
+    from flash.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="leave train.workers, micro_tokens and activation_checkpointing unset"):
+        load_config("recipes/sim_rlvr.yaml", ["train.activation_checkpointing=true"])
