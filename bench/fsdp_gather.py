@@ -68,10 +68,10 @@ def bench_model(name: str, repeats: int, rank: int, bucket_mib: float) -> dict |
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from flash.train.fsdp import GroupSettings, shard_model
+    from flash.train.fsdp import shard_model
 
     model = build(name)
-    shard_model(model, GroupSettings(), init_device_mesh("cpu", (dist.get_world_size(),)))
+    shard_model(model, init_device_mesh("cpu", (dist.get_world_size(),)))
     flat = flat_way(model, bucket_mib)
     a, b = per_param(model), flat(model)  # warm-up, and the check
     if rank == 0:

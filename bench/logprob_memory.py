@@ -45,17 +45,19 @@ def unchunked_logprobs(model, batch, temperature, with_entropy=False, entropy_gr
     return logp, entropy
 
 
-def stand_in_config(vocab: int):
+def stand_in_config(vocab: int, layers: int = 1):
     from transformers import Qwen2Config
 
-    return Qwen2Config(vocab_size=vocab, hidden_size=896, intermediate_size=4864, num_hidden_layers=1,
+    return Qwen2Config(vocab_size=vocab, hidden_size=896, intermediate_size=4864, num_hidden_layers=layers,
                        num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True,
                        max_position_embeddings=32768)
 
 
 def micro_batch_peak(rows: int = 8, length: int = 1024, prompt: int = 256, vocab: int = 151936,
-                     dtype: str = "float32", entropy: bool = True, unchunked: bool = False) -> float:
-    """Peak bytes (every tracked device) of one micro-batch's forward, loss and backward."""
+                     dtype: str = "float32", entropy: bool = True, unchunked: bool = False,
+                     layers: int = 1, activation_checkpointing: bool = False) -> float:
+    """Peak bytes (every tracked device) of one micro-batch's forward, loss and backward, with
+    ``layers`` decoder layers, each recomputed in backward under ``activation_checkpointing``."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker
     from transformers import Qwen2ForCausalLM
@@ -65,9 +67,10 @@ def micro_batch_peak(rows: int = 8, length: int = 1024, prompt: int = 256, vocab
 
     settings = TrainerSettings(lr=1e-6, weight_decay=0.0, betas=(0.9, 0.999), grad_clip=1.0, micro_batch_size=rows,
                                temperature=1.0, loss={"name": "ppo", "old_policy": "prox"}, agg="token-mean",
-                               dtype=dtype, entropy_every_steps=1 if entropy else 0)
+                               dtype=dtype, entropy_every_steps=1 if entropy else 0,
+                               activation_checkpointing=activation_checkpointing)
     with FakeTensorMode():
-        model = Qwen2ForCausalLM(stand_in_config(vocab))
+        model = Qwen2ForCausalLM(stand_in_config(vocab, layers))
         trainer = Trainer(model, settings)
         part, adv = _batch(rows, length)
         trainer.begin_step()

@@ -264,14 +264,36 @@ def build_tiny_model(tokenizer: PreTrainedTokenizerFast, cfg: TinyModelConfig) -
 CACHE_KWARGS = ("past_key_values", "past_key_value", "layer_past", "cache")  # names across transformers versions
 
 
+CHECKPOINTED = "_flash_checkpointed"  # the class attribute marking a checkpointed layer class
+
+
+def decoder_layers(model) -> list:
+    """The model's repeated blocks (HF names their class in ``_no_split_modules``): the units of
+    activation checkpointing and of FSDP sharding. Found by ancestry: ``fully_shard`` and
+    ``enable_activation_checkpointing`` swap a layer's class for a subclass of it."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    layers = [m for m in model.modules() if any(c.__name__ in names for c in type(m).__mro__)]
+    if not layers:
+        raise ValueError(f"{type(model).__name__} names no decoder-layer class in _no_split_modules; "
+                         "cannot choose its decoder layers (FSDP units, activation checkpointing)")
+    return layers
+
+
 def enable_activation_checkpointing(layers) -> None:
-    """Recompute each of ``layers`` (a model's decoder layers) in backward instead of keeping its
-    activations: torch's non-reentrant checkpoint around the layer's whole call, its hooks
-    included, in training with gradients on. Done here rather than by transformers'
-    ``gradient_checkpointing_enable``, whose mechanism changes between versions. A checkpointed
-    layer never writes a KV cache (its recompute would append to the cache a second time)."""
+    """Recompute each of ``layers`` (a model's decoder layers: ``decoder_layers``) in backward
+    instead of keeping its activations: torch's non-reentrant checkpoint around the layer's whole
+    call, its hooks included, in training with gradients on. Done here rather than by
+    transformers' ``gradient_checkpointing_enable``, whose mechanism changes between versions. A
+    checkpointed layer never writes a KV cache (its recompute would append to the cache a second
+    time). Idempotent: a layer already checkpointed is left as it is (never recomputed twice)."""
     for layer in layers:
-        layer.__class__ = _checkpointed(type(layer))
+        if not is_checkpointed(layer):
+            layer.__class__ = _checkpointed(type(layer))
+
+
+def is_checkpointed(layer) -> bool:
+    """Whether ``layer`` recomputes its activations in backward (``enable_activation_checkpointing``)."""
+    return bool(getattr(type(layer), CHECKPOINTED, False))
 
 
 @functools.cache
@@ -289,4 +311,4 @@ def _checkpointed(cls: type) -> type:
             kwargs["use_cache"] = False
         return checkpoint(cls.__call__, self, *args, use_reentrant=False, **kwargs)
 
-    return type(f"Checkpointed{cls.__name__}", (cls,), {"__call__": __call__})
+    return type(f"Checkpointed{cls.__name__}", (cls,), {"__call__": __call__, CHECKPOINTED: True})

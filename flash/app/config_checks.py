@@ -108,7 +108,8 @@ def _check_engine_and_backend(cfg: FlashConfig) -> None:
              f"to sim, or neither")
     if backend == "sim":
         _require(check_sim(cfg.sim) is None, str(check_sim(cfg.sim)))
-        _require(group_free(cfg.train), "train.backend=sim simulates its GPUs with sim.train_gpus; leave "
+        _require(group_free(cfg.train) and not cfg.train.activation_checkpointing,
+                 "train.backend=sim simulates its GPUs with sim.train_gpus; leave "
                  "train.workers, micro_tokens and activation_checkpointing unset")
     else:
         unread = sim_settings_set(cfg.sim)

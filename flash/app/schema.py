@@ -170,12 +170,13 @@ class TrainConfig:
     # while the rest of the batch still decodes; one optimizer step when the batch is complete
     # (the same update as the plain synchronous step). Needs a group-local advantage estimator.
     stream: bool = False
-    # FSDP2 trainer group (flash.train.trainer_group): used when workers > 1 or any knob below is set.
+    # FSDP2 trainer group (flash.train.trainer_group): used when workers > 1 or micro_tokens is set.
     # trainer processes; parameters, gradients and AdamW state sharded over them. One rank per
     # placement.roles.actor_train worker: either count implies the other (imply_trainer_workers)
     workers: int = 1
     micro_tokens: int = 0  # padded tokens per micro-batch (length-grouped rows); 0 = rows only
-    activation_checkpointing: bool = False  # recompute decoder layers in backward (less memory)
+    # recompute decoder layers in backward (less memory), in the single trainer and every FSDP2 rank
+    activation_checkpointing: bool = False
     # log the policy's entropy (train/entropy) on every k-th train step, 0: never; a loss term that
     # needs it (algo.loss.entropy_coef) computes it on every step whatever this says
     entropy_every_steps: int = 1

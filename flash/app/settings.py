@@ -61,4 +61,5 @@ def trainer_settings(cfg: FlashConfig) -> TrainerSettings:
         prox=trainer_prox(cfg.algo.recompute_prox),
         reference="role" if reference_placed(cfg) else "local", dtype=cfg.model.dtype,
         entropy_every_steps=cfg.train.entropy_every_steps, tf32=cfg.resources.tf32,
+        activation_checkpointing=cfg.train.activation_checkpointing,
     )

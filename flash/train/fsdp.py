@@ -29,11 +29,11 @@ import torch
 import torch.distributed as dist
 
 from flash.devices import actor_device, torch_dtype
-from flash.models import enable_activation_checkpointing
+from flash.models import decoder_layers
 from flash.train.batch import TrainBatch
 from flash.train.microbatch import Plan
-from flash.train.trainer import (Trainer, TrainerSettings, needs_local_reference, part_weight,
-                                 row_index, row_spans_and_weight, token_logprobs)
+from flash.train.trainer import (Trainer, TrainerSettings, checkpoint_activations, needs_local_reference,
+                                 part_weight, row_index, row_spans_and_weight, token_logprobs)
 
 COLLECTIVE_TIMEOUT_S = 600  # a dead peer fails the step after this, instead of hanging forever
 
@@ -44,7 +44,6 @@ class GroupSettings:
 
     workers: int = 1
     micro_tokens: int = 0  # padded tokens per micro-batch; 0: only train.micro_batch_size rows
-    activation_checkpointing: bool = False  # recompute each decoder layer in backward
 
     def __post_init__(self) -> None:
         if self.workers < 1:
@@ -57,10 +56,10 @@ def group_settings(train) -> GroupSettings | None:
     """The group's knobs from the ``train`` config section, or None for the single-process trainer.
 
     A group is used when ``workers`` > 1 or any group knob is set (a one-rank group then), so that
-    no knob the user set is silently ignored.
+    no knob the user set is silently ignored. ``train.activation_checkpointing`` is a trainer knob
+    (``TrainerSettings``), which the single trainer honours too: it asks for no group.
     """
-    group = GroupSettings(workers=train.workers, micro_tokens=train.micro_tokens,
-                          activation_checkpointing=train.activation_checkpointing)
+    group = GroupSettings(workers=train.workers, micro_tokens=train.micro_tokens)
     return None if group == GroupSettings() else group
 
 
@@ -81,18 +80,7 @@ def take_rows(batch: TrainBatch, idx: list[int], lengths: list[int] | None = Non
     )
 
 
-def decoder_layers(model) -> list[torch.nn.Module]:
-    """The model's repeated blocks (HF names their class in ``_no_split_modules``): FSDP units."""
-    names = set(getattr(model, "_no_split_modules", None) or [])
-    # by ancestry: fully_shard swaps a module's class for an FSDP subclass of it
-    layers = [m for m in model.modules() if any(c.__name__ in names for c in type(m).__mro__)]
-    if not layers:
-        raise ValueError(f"{type(model).__name__} names no decoder-layer class in _no_split_modules; "
-                         "cannot choose FSDP units")
-    return layers
-
-
-def shard_model(model, group: GroupSettings, mesh, dtype: str = "float32") -> None:
+def shard_model(model, mesh, dtype: str = "float32") -> None:
     """``fully_shard`` each decoder layer, then the root (embeddings, final norm, LM head).
 
     ``dtype`` (``model.dtype``): the parameters' dtype in compute; the sharded master weights, the
@@ -102,8 +90,6 @@ def shard_model(model, group: GroupSettings, mesh, dtype: str = "float32") -> No
     """
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-    if group.activation_checkpointing:
-        enable_activation_checkpointing(decoder_layers(model))
     compute = torch_dtype(dtype)
     policy = (MixedPrecisionPolicy() if compute == torch.float32
               else MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32))
@@ -119,17 +105,18 @@ def shard_model(model, group: GroupSettings, mesh, dtype: str = "float32") -> No
 class ShardedTrainer(Trainer):
     """The Trainer's algorithm over a sharded model and a planned slice of the batch."""
 
-    def __init__(self, model, settings: TrainerSettings, group: GroupSettings, mesh, device, seed: int = 0):
+    def __init__(self, model, settings: TrainerSettings, mesh, device, seed: int = 0):
         import copy
 
         self.device = device
         local = needs_local_reference(settings)
         self._ref = copy.deepcopy(model).eval() if local else None  # before sharding: its own FSDP units
         model.to(device)
-        shard_model(model, group, mesh, settings.dtype)
+        checkpoint_activations(model, settings)  # before sharding: the recompute wraps FSDP's hooks
+        shard_model(model, mesh, settings.dtype)
         if self._ref is not None:
             self._ref.to(device)
-            shard_model(self._ref, GroupSettings(), mesh, settings.dtype)
+            shard_model(self._ref, mesh, settings.dtype)
         super().__init__(model, settings, seed=seed)
         self.autocast = None  # fully_shard's policy computes in settings.dtype
 

@@ -1,7 +1,7 @@
 """The policy trainer: proximal logprobs (recomputed, fused into the step, or approximated) and the
 optimizer steps of a rollout batch (``flash.train.updates``: mini-batches, epochs, lr schedule).
 
-One process here (the multi-worker FSDP2 trainer has its own issue). A step is split into
+One process here (every FSDP2 rank, ``flash.train.fsdp``, runs this algorithm too). A step is split into
 micro-batches of ``micro_batch_size`` rows whose gradients accumulate; each micro-batch's loss is
 weighted by its share of the batch under the aggregation mode, so the accumulated gradient equals
 the full-batch gradient whatever the micro-batch size (tested).
@@ -13,7 +13,9 @@ weights up to float error.
 Devices and precision (``flash.devices``): the model trains where it lives (the worker puts it on
 the device Ray gave it) and every batch moves there; the weights and the AdamW state stay float32
 while the forward runs under ``autocast`` to ``model.dtype`` (none for float32); logprobs are taken
-in float32 from the logits.
+in float32 from the logits. ``activation_checkpointing`` recomputes every decoder layer in
+backward (``checkpoint_activations``): a micro-batch then keeps one hidden state per layer, not
+the layer's activations.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import algos
 import algos.metrics
 from algos.proximal import approx_prox_logp
 from flash.devices import autocast_dtype, model_device, release_cached_memory, use_tf32
+from flash.models import decoder_layers, enable_activation_checkpointing
 from flash.train.attention import causal_attention
 from flash.train.batch import TrainBatch, batch_to, response_starts, to_device
 from flash.train.logprobs import token_logprobs
@@ -62,6 +65,8 @@ class TrainerSettings:
     # (entropy_coef) has it on every step
     entropy_every_steps: int = 1
     tf32: bool = True  # resources.tf32: float32 matmuls in TF32 on a CUDA device (flash.devices.use_tf32)
+    # train.activation_checkpointing: every decoder layer recomputed in backward (checkpoint_activations)
+    activation_checkpointing: bool = False
 
     @property
     def updates_per_batch(self) -> int:
@@ -131,6 +136,14 @@ def micro_weight(agg: str, part: TrainBatch, whole_tokens: float, whole_rows: in
     return float(part_weight(agg, part)) / whole
 
 
+def checkpoint_activations(model, settings: TrainerSettings) -> None:
+    """``train.activation_checkpointing``: each decoder layer of ``model`` keeps only its input and
+    recomputes its activations in backward (``flash.models.enable_activation_checkpointing``, the
+    one mechanism of the single trainer and of every FSDP2 rank); a second call changes nothing."""
+    if settings.activation_checkpointing:
+        enable_activation_checkpointing(decoder_layers(model))
+
+
 def needs_local_reference(settings: TrainerSettings) -> bool:
     """Whether the trainer holds the KL reference itself: a KL penalty and no reference role."""
     return algos.kl_coef(settings.loss) != 0.0 and settings.reference == "local"
@@ -139,6 +152,7 @@ def needs_local_reference(settings: TrainerSettings) -> bool:
 class Trainer:
     def __init__(self, model, settings: TrainerSettings, seed: int = 0):
         torch.manual_seed(seed)
+        checkpoint_activations(model, settings)
         self.model = causal_attention(model)  # right-padded rows: no padding mask, no host read per forward
         self.model.train()
         self.s = settings

@@ -40,7 +40,7 @@ from flash.train.fsdp import COLLECTIVE_TIMEOUT_S, GroupSettings, ShardedTrainer
 from flash.weights.gather import FlatGather
 from flash.train.microbatch import MicroPlan, plan_batch
 from flash.weights.model_update import ModelUpdateError, connect, open_store, unique_tensors
-from flash.weights.group import UpdateSender
+from flash.weights.group import UpdateSender, gathers_on_device
 from flash.train.trainer import TrainerSettings
 from flash.train.updates import train_batch
 from flash.devices import max_peak_memory, read_peak_memory
@@ -110,7 +110,7 @@ class FSDPRank(UpdateSender):
         self.ckpt_group = dist.new_group(backend="gloo")  # checkpoint writes beside training (flash.checkpoint)
         model = load_model(self.model_path)
         self._ties = [names for names, _ in unique_tensors(model.state_dict()) if len(names) > 1]
-        self.trainer = ShardedTrainer(model, self.settings, self.group, mesh, self.device, seed=self.seed)
+        self.trainer = ShardedTrainer(model, self.settings, mesh, self.device, seed=self.seed)
         self._flat = FlatGather(self.trainer.model)
         if self._flat.reason is not None and self.rank == 0:
             log.warning("weight push gathers per parameter (slower): the flat gather does not cover this "
@@ -124,15 +124,18 @@ class FSDPRank(UpdateSender):
         return visible_devices()
 
     # ---- model-update group: every rank gathers, rank 0 sends (TrainerGroup.mu_*) ----
-    def mu_gather(self) -> None:
-        """Collective: the full state dict on rank 0 (CPU), kept for its next ``mu_plan``/``mu_send``.
+    def mu_gather(self, cast: dict[str, str] | None = None, on_device: bool = False) -> None:
+        """Collective: the full state dict on rank 0, kept for its next ``mu_plan``/``mu_send``: in
+        the replicas' dtypes (``cast``, cast on each rank's device before the gather) and on rank
+        0's device (``on_device``: the CUDA-IPC push, ``gathers_on_device``) or in host memory.
 
         One flat gather per bucket (``flash.weights.gather``) rather than ``get_model_state_dict``'s
         collective per parameter; a layout it does not cover (``self._flat.reason``, decided at
         setup from metadata every rank shares, logged once) takes the per-parameter path, the one
         ``get_weights`` uses (``full_state_dict``). Tied
         names (a tied LM head) are tied again in the gathered dict, so the push sends them once."""
-        state = self._flat(dst=0) if self._flat.reason is None else self.full_state_dict()
+        state = (self._flat(dst=0, cast=cast, on_device=on_device) if self._flat.reason is None
+                 else self.full_state_dict())
         if self.rank == 0:
             for names in self._ties:
                 for alias in names[1:]:
@@ -268,6 +271,7 @@ class TrainerGroup:
         self.failed: str | None = None  # why the group broke (a rank failed), once it has
         self._open: dict[str, float] = {}  # the open step's weight and plan counters
         self._snapshot_steps: int | None = None  # steps at the checkpoint snapshot not yet written
+        self._mu_backends: dict[str, str] = {}  # each model-update group's backend (where rank 0 gathers)
 
     def _plan(self, batch: TrainBatch) -> MicroPlan:
         if len(batch) == 0:
@@ -437,13 +441,14 @@ class TrainerGroup:
         return ray.get(self.ranks[0].mu_where.remote())
 
     def mu_open(self, group: str, backend: str, host: str, timeout_s: float) -> int:
+        self._mu_backends[group] = backend
         return ray.get(self.ranks[0].mu_open.remote(group, backend, host, timeout_s))
 
     def mu_join(self, group: str, world: int, timeout_s: float) -> None:
         ray.get(self.ranks[0].mu_join.remote(group, world, timeout_s))
 
     def mu_plan(self, group: str, bucket_bytes: int, cast: dict[str, str] | None = None) -> list:
-        self._all("mu_gather")
+        self._all("mu_gather", cast, gathers_on_device(self._mu_backends.get(group, "")))
         return ray.get(self.ranks[0].mu_plan.remote(group, bucket_bytes, cast))
 
     def mu_send(self, group: str) -> dict:
@@ -453,6 +458,7 @@ class TrainerGroup:
             self.ranks[0].mu_release.remote()  # the gathered copy is not kept between pushes
 
     def mu_close(self, group: str) -> None:
+        self._mu_backends.pop(group, None)
         ray.get(self.ranks[0].mu_close.remote(group))
 
 

@@ -8,6 +8,11 @@ packing and unpacking overlap the wire); only ``dst`` unflattens them into full 
 ranks keep nothing (no transient full copy either: a gather, not an all-gather). The plan (names,
 ties, buckets) is made once per model (``FlatGather``); a push only reads the live shards.
 
+For a push, each rank casts its shards to the replicas' dtype as it packs them (``cast_entries``:
+a bf16 engine's push gathers bf16, on the device), and the full tensors either stay on the device
+the gather ran on (``on_device``: the colocated CUDA-IPC push, no byte through host memory) or
+come off it bucket by bucket through a pinned host buffer (``HostLanding``) into host memory.
+
 Layout. FSDP2 shards dim 0 with ``torch.chunk`` semantics: every rank gets ``rows = ceil(d0 / W)``
 rows, except the tail, which may get fewer or none (``d0 = 5`` on 4 ranks: 2, 2, 1, 0). Each
 tensor takes a slot of ``rows * row_numel`` elements in every rank's buffer (so the buffers are
@@ -25,7 +30,8 @@ metadata only, so every rank takes the same path.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -39,13 +45,21 @@ BUCKET_BYTES = 8 << 20
 
 @dataclass(frozen=True)
 class Entry:
-    """One distinct tensor of the state dict: its names, global shape and dtype, and whether its
-    dim 0 is sharded over the ranks (then ``rows`` per rank slot) or every rank holds all of it."""
+    """One distinct tensor of the state dict: its names, global shape, the dtype it is gathered in
+    (``dtype``: the model's, or the replicas' when a push casts), whether its dim 0 is sharded over
+    the ranks (then ``rows`` per rank slot) or every rank holds all of it, and the dtype the model
+    holds it in (``held``; None: ``dtype``)."""
 
     names: tuple[str, ...]
     shape: tuple[int, ...]
     dtype: torch.dtype
     sharded: bool
+    held: torch.dtype | None = None
+
+    @property
+    def source(self) -> torch.dtype:
+        """The dtype of the model's own tensor (each rank's local shard)."""
+        return self.held or self.dtype
 
     def rows(self, world: int) -> int:
         """Rows of a rank's slot: ``ceil(d0 / world)`` (torch.chunk's chunk size)."""
@@ -125,6 +139,17 @@ def plan_entries(state: dict[str, torch.Tensor], ties: list[tuple[str, ...]] = (
     return out
 
 
+def cast_entries(entries: list[Entry], cast: Mapping[str, str] | None) -> list[Entry]:
+    """``entries`` gathered in the dtypes ``cast`` names by first name (the replicas', for a push
+    that casts at the sender): each rank casts its shard on its own device as it packs it, so the
+    gather, and whatever follows it, moves the replicas' bytes (half of fp32's in bf16)."""
+    from flash.weights.model_update import DTYPES
+
+    cast = cast or {}
+    return [replace(e, dtype=DTYPES[cast[e.names[0]]], held=e.source) if e.names[0] in cast else e
+            for e in entries]
+
+
 def plan_buckets(entries: list[Entry], world: int, bucket_bytes: int) -> list[list[Entry]]:
     """The sharded entries, grouped by dtype (one flat buffer has one dtype), cut in order into
     buckets whose gathered size stays under ``bucket_bytes``; a tensor larger than that goes alone."""
@@ -176,9 +201,9 @@ def _local(value: torch.Tensor, entry: Entry, world: int, rank: int) -> torch.Te
     scramble rows: the plan is made once, so a model changed since fails here, named)."""
     local = value.to_local()
     want = (rank_rows(entry.shape[0], world, rank), *entry.shape[1:])
-    if tuple(local.shape) != want or local.dtype != entry.dtype:
+    if tuple(local.shape) != want or local.dtype != entry.source:
         raise RuntimeError(f"{entry.names[0]}: rank {rank} holds a {local.dtype} shard of shape "
-                           f"{tuple(local.shape)}; the plan's torch.chunk layout of {entry.dtype} {entry.shape} "
+                           f"{tuple(local.shape)}; the plan's torch.chunk layout of {entry.source} {entry.shape} "
                            f"over {world} ranks says {want}")
     return local
 
@@ -202,12 +227,37 @@ def launch_bucket(bucket, state, dst: int, group=None) -> _InFlight:
     return _InFlight(bucket, dist.gather(flat, chunks, dst=dst, group=group, async_op=True), flat, gathered)
 
 
-def finish_bucket(job: _InFlight, world: int) -> list[torch.Tensor] | None:
-    """Wait for a launched gather; the bucket's full tensors on rank dst (CPU), None elsewhere."""
+class HostLanding:
+    """Where gathered buckets come off a GPU for full tensors in host memory: one pinned buffer per
+    dtype (``flash.staging.staging_kwargs``), grown to the largest bucket and kept across pushes
+    (pinning is slow to allocate), so each bucket is one DMA copy and no pageable staging. A bucket
+    gathered in host memory (gloo on CPU) is read where it is."""
+
+    def __init__(self):
+        self._pinned: dict[torch.dtype, torch.Tensor] = {}
+
+    def __call__(self, gathered: torch.Tensor) -> torch.Tensor:
+        if gathered.device.type == "cpu":
+            return gathered
+        from flash.staging import staging_kwargs
+
+        buf = self._pinned.get(gathered.dtype)
+        if buf is None or buf.numel() < gathered.numel():
+            buf = self._pinned[gathered.dtype] = torch.empty(gathered.numel(), dtype=gathered.dtype,
+                                                             **staging_kwargs(gathered.device))
+        host = buf[:gathered.numel()]
+        host.copy_(gathered)  # waits for the copy: the unpack reads it next
+        return host
+
+
+def finish_bucket(job: _InFlight, world: int, landing=None) -> list[torch.Tensor] | None:
+    """Wait for a launched gather; the bucket's full tensors on rank dst, None elsewhere: where the
+    gather ran (``landing`` None: on the device, no host copy) or in host memory (``landing``: a
+    ``HostLanding``, then CPU slices)."""
     job.work.wait()
     if job.gathered is None:
         return None
-    return unpack(job.gathered.cpu(), job.bucket, world)  # one device-to-host copy, then CPU slices
+    return unpack(job.gathered if landing is None else landing(job.gathered), job.bucket, world)
 
 
 class FlatGather:
@@ -219,7 +269,7 @@ class FlatGather:
 
     def __init__(self, model, bucket_bytes: int = BUCKET_BYTES, group=None):
         state = sharded_state(model)
-        self.model, self.group = model, group
+        self.model, self.group, self.bucket_bytes = model, group, bucket_bytes
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.reason = unsupported(state)
         self.names = list(state)
@@ -228,36 +278,41 @@ class FlatGather:
         # get_model_state_dict canonicalises names (wrapper prefixes) at ~5 ms a call; when the
         # module's own state_dict has the same names, a push reads that instead
         self._plain_names = set(model.state_dict()) == set(self.names)
+        self._host = HostLanding()
 
     def _live(self) -> dict[str, torch.Tensor]:
         return self.model.state_dict() if self._plain_names else sharded_state(self.model)
 
     @torch.no_grad()
-    def __call__(self, dst: int = 0) -> dict[str, torch.Tensor] | None:
-        """Collective: the full state dict (CPU tensors, state-dict order and names, tied names
-        sharing one tensor) on rank ``dst``; None on the other ranks."""
+    def __call__(self, dst: int = 0, cast: Mapping[str, str] | None = None,
+                 on_device: bool = False) -> dict[str, torch.Tensor] | None:
+        """Collective: the full state dict (state-dict order and names, tied names sharing one
+        tensor) on rank ``dst``; None on the other ranks. ``cast``: ``{name: dtype}`` to gather in
+        (``cast_entries``; the same on every rank). ``on_device``: the full tensors stay on the
+        device the gather ran on (no byte through host memory), else they land in host memory."""
         if self.reason is not None:
             raise ValueError(f"flat gather does not cover this model: {self.reason}")
+        entries = cast_entries(self.entries, cast) if cast else self.entries
+        buckets = plan_buckets(entries, self.world, self.bucket_bytes) if cast else self.buckets
         state = self._live()
-        full = self._gather_buckets(state, dst)
+        full = self._gather_buckets(state, buckets, dst, None if on_device else self._host)
         if self.rank != dst:
             return None
         out: dict[str, torch.Tensor] = {}
-        for e in self.entries:
-            value = full[e.names] if e.sharded else _replicated(state[e.names[0]])
+        for e in entries:
+            value = full[e.names] if e.sharded else _replicated(state[e.names[0]], e.dtype, on_device)
             out.update((n, value) for n in e.names)
         return {name: out[name] for name in self.names}
 
-
-    def _gather_buckets(self, state, dst: int) -> dict[tuple[str, ...], torch.Tensor]:
+    def _gather_buckets(self, state, buckets, dst: int, landing) -> dict[tuple[str, ...], torch.Tensor]:
         """Every bucket's full tensors (on rank dst), two in flight: bucket k+1 is packed and on
         the wire while bucket k is unpacked, so the copies overlap the transfer."""
         full: dict[tuple[str, ...], torch.Tensor] = {}
         pending: _InFlight | None = None
-        for bucket in [*self.buckets, None]:
+        for bucket in [*buckets, None]:
             launched = launch_bucket(bucket, state, dst, self.group) if bucket is not None else None
             if pending is not None:
-                tensors = finish_bucket(pending, self.world)
+                tensors = finish_bucket(pending, self.world, landing)
                 if tensors is not None:
                     full.update((e.names, t) for e, t in zip(pending.bucket, tensors, strict=True))
             pending = launched
@@ -266,12 +321,13 @@ class FlatGather:
 
 def gather_full_state(model, dst: int = 0, bucket_bytes: int = BUCKET_BYTES,
                       group=None) -> dict[str, torch.Tensor] | None:
-    """``FlatGather(model, bucket_bytes, group)(dst)``: a plan made and used once. Raises
-    ValueError when ``unsupported`` names a tensor it cannot gather."""
+    """``FlatGather(model, bucket_bytes, group)(dst)``: a plan made and used once, its full
+    tensors in host memory. Raises ValueError when ``unsupported`` names a tensor it cannot gather."""
     return FlatGather(model, bucket_bytes, group)(dst)
 
 
-def _replicated(value: torch.Tensor) -> torch.Tensor:
-    """A copy on the CPU of a tensor every rank holds whole (a buffer, a Replicate DTensor)."""
+def _replicated(value: torch.Tensor, dtype: torch.dtype, on_device: bool) -> torch.Tensor:
+    """A copy in ``dtype`` of a tensor every rank holds whole (a buffer, a Replicate DTensor):
+    where it lives (``on_device``) or in host memory."""
     local = value.to_local() if hasattr(value, "to_local") else value
-    return local.detach().to("cpu", copy=True)
+    return local.detach().to(dtype=dtype, copy=True) if on_device else local.detach().to("cpu", dtype, copy=True)

@@ -80,6 +80,14 @@ def choose_backend(requested: str, where: list[dict[str, str]]) -> str:
     return requested
 
 
+def gathers_on_device(backend: str) -> bool:
+    """Whether a sharded trainer gathers the full weights for a push onto its rank 0's device
+    (``cuda_ipc``: they go from there into the shared CUDA buffer, no byte through host memory)
+    rather than into host memory (the other backends: NCCL broadcasts bucket by bucket from host
+    tensors, so rank 0's GPU never holds a second full copy of the model beside its training state)."""
+    return backend == "cuda_ipc"
+
+
 def _transport_device(backend: str) -> torch.device:
     """Where a member's bucket buffers live: this process's GPU for NCCL, else host memory."""
     return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")

@@ -221,13 +221,16 @@ def bucket_starts(metas: list[TensorMeta]) -> list[int]:
 
 
 def pack_flat(state: Mapping[str, torch.Tensor], metas: list[TensorMeta], flat: torch.Tensor) -> int:
-    """Every planned tensor of ``state`` into ``flat`` (uint8) at ``bucket_starts``, moved to
-    ``flat``'s device and cast to its planned dtype; returns the bytes used. The copies may still be
-    in flight on a GPU: synchronize before another process reads ``flat``."""
-    starts = bucket_starts(metas)
+    """Every planned tensor of ``state`` into ``flat`` (uint8) at ``bucket_starts``, each copied
+    straight into its typed view of ``flat`` (the copy moves it to ``flat``'s device and casts it
+    to its planned dtype: no cast copy of a tensor beside the buffer); returns the bytes used. The
+    copies may still be in flight on a GPU: synchronize before another process reads ``flat``."""
+    starts, non_blocking = bucket_starts(metas), flat.device.type == "cuda"
     for k, group in enumerate(by_bucket(metas)):
-        tensors = [state[m.names[0]].detach().to(flat.device, DTYPES[m.dtype]) for m in group]
-        pack(tensors, group, flat[starts[k]:starts[k + 1]])
+        for m in group:
+            at = starts[k] + m.offset
+            view = flat[at:at + m.nbytes].view(DTYPES[m.dtype]).view(m.shape)
+            view.copy_(state[m.names[0]].detach(), non_blocking=non_blocking)
     return starts[-1]
 
 

@@ -18,7 +18,7 @@ from flash.cluster import load_model
 from flash.engine.base import GenerationRequest, SamplingParams
 from flash.engine.torch_engine import TorchEngine
 from flash.train.batch import batch_to, collate
-from flash.train.fsdp import GroupSettings, ShardedTrainer
+from flash.train.fsdp import ShardedTrainer
 from flash.train.trainer import Trainer, token_logprobs
 from tests.helpers.models import PROMPTS, make_model
 from tests.helpers.train import make_batch, settings, toy_model
@@ -110,7 +110,7 @@ LOSS_REL, GRAD_NORM_REL = 5e-3, 5e-3
 
 
 def one_step(model_dir, mesh, dtype: str, device: torch.device) -> dict:
-    tr = ShardedTrainer(load_model(model_dir), settings(dtype=dtype), GroupSettings(), mesh, device)
+    tr = ShardedTrainer(load_model(model_dir), settings(dtype=dtype), mesh, device)
     batch, adv = make_batch(seed=3)
     batch, adv = batch_to(batch, device), adv.to(device)
     plan = [list(range(len(batch)))]
@@ -124,3 +124,39 @@ def check_bf16_matches_fp32(model_dir, mesh, device: torch.device) -> None:
     assert bf16["grad_norm"] == pytest.approx(fp32["grad_norm"], rel=GRAD_NORM_REL)
     assert loss16 != loss32
     assert fp32["grad_norm"] > 0 and bf16["skipped"] == fp32["skipped"] == 0.0
+
+
+def check_push_stays_on_device(model_dir, mesh, device: torch.device, copies) -> None:
+    """The 1-GPU push names no host memory (``copies``: a ``HostCopies``): an FSDP2 rank's full
+    weights, gathered in bf16, stay on ``device``; the single trainer's live weights pack straight
+    into a buffer on ``device``, cast in the copy. The host path lands bf16 tensors in host memory
+    (through a pinned buffer where ``device`` is a GPU)."""
+    from flash.train.fsdp_checkpoint import full_state_dict
+    from flash.weights.gather import FlatGather
+    from flash.weights.model_update import bucket_starts, pack_flat, plan_state, unpack_flat
+
+    rank = ShardedTrainer(load_model(model_dir), settings(), mesh, device)
+    want = {k: v.to(torch.bfloat16) for k, v in full_state_dict(rank.model).items()}
+    cast = dict.fromkeys(want, "bfloat16")
+    gather = FlatGather(rank.model)
+    copies.on = True
+    full = gather(dst=0, cast=cast, on_device=True)
+    copies.on = False
+    assert copies.host == [], copies.host
+    assert {(t.device.type, t.dtype) for t in full.values()} == {(device.type, torch.bfloat16)}
+    assert all(torch.equal(full[k].to("cpu"), want[k]) for k in want)
+    host = gather(dst=0, cast=cast)
+    assert {(t.device.type, t.dtype) for t in host.values()} == {("cpu", torch.bfloat16)}
+    assert all(torch.equal(host[k], want[k]) for k in want)
+    pinned = list(gather._host._pinned.values())
+    assert (bool(pinned) and all(b.is_pinned() for b in pinned)) if device.type == "cuda" else not pinned
+    live = Trainer(load_model(model_dir).to(device), settings()).model.state_dict()
+    metas = plan_state(live, 4096, cast)
+    buf = torch.empty(bucket_starts(metas)[-1], dtype=torch.uint8, device=device)
+    copies.on = True
+    pack_flat(live, metas, buf)
+    copies.on = False
+    assert copies.host == [] and copies.to == [], (copies.host, copies.to)
+    views = dict(unpack_flat(buf, metas))
+    assert {(v.device.type, v.dtype) for v in views.values()} == {(device.type, torch.bfloat16)}
+    assert all(torch.equal(views[k], live[k].to(torch.bfloat16)) for k in live)

@@ -97,12 +97,12 @@ def _check_models(rank: int, mesh) -> None:
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
-    from flash.train.fsdp import GroupSettings, shard_model
+    from flash.train.fsdp import shard_model
     from flash.weights.gather import FlatGather, gather_full_state
 
     torch.manual_seed(0)  # every rank builds the same weights
     qwen = _tiny_qwen()
-    shard_model(qwen, GroupSettings(), mesh)
+    shard_model(qwen, mesh)
     odd = Odd()
     fully_shard(odd.block[0], mesh=mesh)
     fully_shard(odd, mesh=mesh, ignored_params={odd.loose})

@@ -87,11 +87,11 @@ def one_rank_group():
     dist.destroy_process_group()
 
 
-def sharded(model_dir, mesh, s=None, **group):
+def sharded(model_dir, mesh, s=None):
     from flash.train.fsdp import ShardedTrainer, decoder_layers
     from flash.cluster import load_model
 
-    tr = ShardedTrainer(load_model(model_dir), s or settings(), GroupSettings(**group), mesh, torch.device("cpu"))
+    tr = ShardedTrainer(load_model(model_dir), s or settings(), mesh, torch.device("cpu"))
     seen = []  # a layer's input dtype per decoder-layer call, recompute included (a pre-hook: the
     # recompute stops early, before a forward hook would run)
     for layer in decoder_layers(tr.model):
@@ -113,7 +113,7 @@ def one_step(tr, batch, adv):
 def test_activation_checkpointing_recomputes_layers_with_the_same_gradients(model_dir, one_rank_group):
     batch, adv = make_batch(seed=2)
     (plain, seen_plain), (ckpt, seen_ckpt) = sharded(model_dir, one_rank_group), sharded(
-        model_dir, one_rank_group, activation_checkpointing=True)
+        model_dir, one_rank_group, settings(activation_checkpointing=True))
     m0, g0 = one_step(plain, batch, adv)
     m1, g1 = one_step(ckpt, batch, adv)
     assert len(seen_plain) == 2 and len(seen_ckpt) == 4  # 2 layers; each runs again in backward
@@ -282,7 +282,7 @@ def test_checkpoint_round_trip_and_hf_export(ray_local, model_dir, tmp_path):
     batch, adv = make_batch(seed=5)
     s = settings("token-mean")
     want = reference_run(model_dir, s, batch, adv)[0][0]
-    group = start_group(model_dir, s, workers=2, micro_tokens=32, activation_checkpointing=True)
+    group = start_group(model_dir, settings("token-mean", activation_checkpointing=True), workers=2, micro_tokens=32)
     try:
         m1 = ray.get(group.train_step.remote(batch, adv, None))
         assert m1["loss"] == pytest.approx(want["loss"], rel=1e-5)

@@ -1,5 +1,6 @@
 """The bodies of tests/gpu, run on CPU in the default suite so that they cannot rot where no GPU
-runs them: one FSDP2 rank on gloo under bf16 mixed precision, the sync-free step with a counter
+runs them: one FSDP2 rank on gloo under bf16 mixed precision, the 1-GPU push's gathers and
+pack (no host copy, bf16 on the wire), the sync-free step with a counter
 of host reads from every caller in place of CUDA's sync debug mode, and the engine-vs-trainer
 logprobs in fp32 and bf16 (whose bounds were measured on CPU).
 
@@ -16,8 +17,9 @@ import pytest
 import torch
 
 from flash.train.fsdp import free_port
-from tests.helpers.gpu_bodies import check_bf16_matches_fp32, check_bf16_within_bounds, check_fp32_agree, step_under
-from tests.helpers.host_reads import READS, Counter
+from tests.helpers.gpu_bodies import (check_bf16_matches_fp32, check_bf16_within_bounds, check_fp32_agree,
+                                      check_push_stays_on_device, step_under)
+from tests.helpers.host_reads import READS, Counter, HostCopies
 from tests.helpers.models import TINY, save_tiny
 
 CPU = torch.device("cpu")
@@ -37,6 +39,10 @@ def gloo_mesh():
 
 def test_fsdp_bf16_body_on_one_gloo_rank(tmp_path, gloo_mesh):
     check_bf16_matches_fp32(save_tiny(tmp_path, TINY), gloo_mesh, CPU)
+
+
+def test_device_push_body_on_one_gloo_rank(tmp_path, gloo_mesh, monkeypatch):
+    check_push_stays_on_device(save_tiny(tmp_path, TINY), gloo_mesh, CPU, HostCopies(monkeypatch))
 
 
 def test_sync_free_step_body_counting_every_host_read(monkeypatch):

@@ -6,6 +6,10 @@ sender's memory), so the rest -- the group's sender and receiver hooks, the plan
 replicas' dtypes, the pack into one flat buffer, the views copied into a live engine, the mapping
 cached per buffer and dropped at close -- runs as it runs on a GPU. The real handles are tested on
 a GPU (tests/gpu/test_colocated_push.py).
+
+The 1-GPU path's push names no host memory: the single trainer packs its live parameters, cast
+in the copy into the buffer; an FSDP2 rank gathers its shards cast to the engine's dtype and
+keeps the full tensors on its device (``HostCopies`` counts every copy that names the host).
 """
 
 from __future__ import annotations
@@ -24,7 +28,9 @@ from flash.weights.model_update import (
     unique_tensors,
     unpack_flat,
 )
-from tests.helpers.models import make_model
+from tests.helpers.host_reads import HostCopies
+from tests.helpers.models import TINY, make_model, save_tiny
+from tests.helpers.train import settings
 
 HOST, TIMEOUT_S = "127.0.0.1", 30.0
 
@@ -190,3 +196,86 @@ def test_replicas_that_disagree_on_a_dtype_get_the_senders():
     assert agreed_dtypes([{"a": "bfloat16", "b": "float32"}, {"a": "bfloat16", "b": "bfloat16"}]) == {"a": "bfloat16"}
     assert agreed_dtypes([{"a": "bfloat16"}, {}]) == {}
     assert agreed_dtypes([]) == {}
+
+
+def flat_views(sender, group="g") -> dict:
+    """The sender's CUDA-IPC buffer read as the plan's tensors (what the replicas map)."""
+    m = sender._mu_groups[group]
+    return dict(unpack_flat(m.ipc.flat, m.metas))
+
+
+def test_the_single_trainers_push_packs_its_live_weights_cast_in_the_copy(handles, monkeypatch):
+    from flash.train.trainer import Trainer
+
+    trainer = Trainer(make_model(seed=1)[1], settings())
+    sender, replica = Sender(trainer.model), Replica(make_model(seed=2)[1].to(torch.bfloat16))
+    cast = join(sender, [replica])
+    copies = HostCopies(monkeypatch)
+    copies.on = True
+    wire = sender.mu_plan("g", 4096, cast)
+    sent = sender.mu_send("g")
+    copies.on = False
+    assert copies.host == [] and copies.to == []  # no host copy, no cast copy beside the buffer
+    live = {k: v for k, v in trainer.model.state_dict().items()}
+    views = flat_views(sender)
+    assert views.keys() == live.keys() and {v.dtype for v in views.values()} == {torch.bfloat16}
+    assert all(torch.equal(as_bytes(views[k]), as_bytes(live[k].to(torch.bfloat16))) for k in live)
+    bf16_bytes = sum(t.numel() * 2 for _, t in unique_tensors(live))
+    assert bf16_bytes <= sent["bytes"] < bf16_bytes + 64 * len(wire)
+    replica.mu_check("g", wire)
+    replica.mu_receive("g", 1, sent)
+    assert_bitwise_cast(replica.model, trainer.model)
+
+
+@pytest.fixture
+def fsdp_rank(tmp_path, one_torch_thread):
+    """One FSDP2 rank (``FSDPRank``) of a one-rank gloo group in this process, the tiny model sharded."""
+    import torch.distributed as dist
+
+    from flash.train.fsdp import GroupSettings, free_port
+    from flash.train.trainer_group import FSDPRank
+
+    path = save_tiny(tmp_path / "tiny", TINY)
+    rank = FSDPRank(0, 1, path, settings(), GroupSettings(), 0, 1, [], [])
+    rank.setup(HOST, free_port())
+    try:
+        yield rank, path
+    finally:
+        dist.destroy_process_group()
+
+
+def test_an_fsdp_ranks_cuda_ipc_push_gathers_the_engines_dtype_and_keeps_it_on_its_device(
+        handles, monkeypatch, fsdp_rank):
+    from flash.cluster import load_model
+    from flash.weights import gather
+    from flash.weights.group import gathers_on_device
+
+    rank, path = fsdp_rank
+    with torch.no_grad():  # weights no fresh model holds
+        for p in rank.trainer.model.parameters():
+            p.add_(0.25)
+    full = rank.full_state_dict()  # fp32, as get_weights reads it
+    replica = Replica(load_model(path).to(torch.bfloat16))
+    cast = join(rank, [replica])
+    wired = []  # the bytes each gather moves
+    real_gather = gather.dist.gather
+    monkeypatch.setattr(gather.dist, "gather", lambda t, *a, **k: wired.append(t.dtype) or real_gather(t, *a, **k))
+    copies = HostCopies(monkeypatch)
+    copies.on = True
+    rank.mu_gather(cast, gathers_on_device("cuda_ipc"))
+    wire = rank.mu_plan("g", 4096, cast)
+    sent = rank.mu_send("g")
+    copies.on = False
+    assert copies.host == [], copies.host  # no `.cpu()`, no copy to the host: device to device
+    assert wired and set(wired) == {torch.bfloat16}  # cast on the rank's device before the gather
+    assert {t.dtype for t in rank._mu_full.values()} == {torch.bfloat16}
+    assert rank._mu_full["lm_head.weight"] is rank._mu_full["model.embed_tokens.weight"]  # tied: once
+    bf16_bytes = sum(t.numel() * 2 for _, t in unique_tensors(rank._mu_full))  # the tied head once
+    assert bf16_bytes <= sent["bytes"] < bf16_bytes + 64 * len(wire)
+    replica.mu_check("g", wire)
+    replica.mu_receive("g", 1, sent)
+    got = replica.model.state_dict()
+    assert all(torch.equal(as_bytes(got[k].contiguous()), as_bytes(full[k].to(torch.bfloat16))) for k in full)
+    rank.mu_gather(cast, gathers_on_device("nccl"))  # another backend: host memory, still bf16
+    assert {t.dtype for t in rank._mu_full.values()} == {torch.bfloat16}
+    assert gathers_on_device("cuda_ipc") and not any(map(gathers_on_device, ("nccl", "gloo", "shm")))

@@ -32,6 +32,18 @@ def test_one_gpu_recipe_colocates_a_torch_engine_with_the_trainer_in_bf16(tmp_pa
     assert plan.devices("actor_train") == plan.devices("actor_infer") == [0]
 
 
+def test_one_gpu_recipe_runs_the_single_trainer_with_activation_checkpointing(tmp_path):
+    """Activation checkpointing is a trainer knob: it asks for no FSDP2 group, so the recipe runs
+    one plain trainer process (whose push into the colocated engine reads its live parameters)."""
+    from flash.app.settings import trainer_settings
+    from flash.train.fsdp import group_settings
+
+    cfg = load_config(recipe_paths()["gsm8k_1gpu"], gpu_recipe_overrides(tmp_path, "gsm8k_1gpu"))
+    assert cfg.train.activation_checkpointing is True
+    assert group_settings(cfg.train) is None
+    assert trainer_settings(cfg).activation_checkpointing is True
+
+
 def test_eight_gpu_recipe_disaggregates_four_vllm_engines_from_four_fsdp2_ranks(tmp_path):
     cfg = load_config(recipe_paths()["gsm8k_8gpu"], gpu_recipe_overrides(tmp_path, "gsm8k_8gpu"))
     assert (cfg.model.dtype, cfg.rollout.engine, cfg.train.workers) == ("bfloat16", "vllm", 4)
