@@ -35,8 +35,9 @@ take frees room.
 Hostile input: with CURVE (``buffers.auth``) only the run's clients get a frame in at all;
 libzmq drops a peer whose part exceeds ``max_message_bytes`` (MAXMSGSIZE) before it is buffered;
 a message whose parts together exceed it is refused unparsed (each group of a put answered
-``rejected_oversized_message``); every frame is size-checked before it is parsed, charged to the
-message's ``Budget`` of ``max_decoded_bytes`` as it is decoded (``rejected_oversized_decoded``),
+``rejected_oversized_message``); every frame is size-checked before it is parsed, and known whole
+and within the message's ``Budget`` of ``max_decoded_bytes`` before msgpack builds anything
+(``buffers.frame_scan``; ``rejected_oversized_decoded``: a refused frame costs a walk over its bytes),
 schema-checked (``buffers.wire``) and value-checked (``buffers.guard``: finite, versions in range,
 token ids in the vocabulary); a prompt already stored is refused whoever replays it; a client
 (its connection) holds at most ``producers_per_client`` producer ids; long-polls wait at most
