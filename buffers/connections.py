@@ -19,9 +19,9 @@ disconnection) and each message's ``ZMQ_SRCFD`` (the descriptor it came on). It 
   (``connections_closed_handshake``), and at once one that speaks no ZMTP or holds the wrong keys
   (``handshake_failed``).
 
-A connection is closed by ``shutdown`` on a duplicate of its descriptor, after checking the
-descriptor is still that connection (its peer and local port): libzmq sees the peer gone and
-closes it itself. An honest client loses nothing it would not lose to a network blip: libzmq
+A connection is closed by ``shutdown`` on its descriptor (borrowed, never duplicated: there may
+be none left to duplicate), after checking the descriptor is still that connection (its peer and
+local port): libzmq sees the peer gone and closes it itself. An honest client loses nothing it would not lose to a network blip: libzmq
 reconnects a DEALER within 100 ms, and its requests are retried (puts are idempotent, takes
 replayed).
 
@@ -36,6 +36,7 @@ its connection (an idle DEALER answers them for ever); ``idle_s`` also closes a 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -43,7 +44,7 @@ import resource
 import socket
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -125,7 +126,8 @@ class Connections:
                 self._count("accept_failed")
 
     def _accepted(self, fd: int, busy: set[bytes], now: float) -> None:
-        names = _names(fd)
+        with _borrowed(fd) as sock:
+            names = _names(sock)
         if names is None:  # gone already
             return
         self._drop(fd)  # a disconnection not seen: the descriptor is another connection now
@@ -178,16 +180,13 @@ class Connections:
 
     def _close(self, fd: int, counter: str) -> None:
         conn = self._drop(fd)
-        names = _names(fd)
-        if conn is None or names is None or names[1] != conn.peer or _local(names[0]) != self._port:
-            return  # closed meanwhile, maybe reused: not ours to shut down
-        try:
-            dup = socket.socket(fileno=os.dup(fd))
-        except OSError:
-            return
-        with dup:
+        with _borrowed(fd) as sock:
+            names = _names(sock)
+            if sock is None or conn is None or names is None or names[1] != conn.peer \
+                    or _local(names[0]) != self._port:
+                return  # closed meanwhile, maybe reused: not ours to shut down
             try:
-                dup.shutdown(socket.SHUT_RDWR)
+                sock.shutdown(socket.SHUT_RDWR)
             except OSError:
                 return
         self._count(counter)
@@ -202,22 +201,30 @@ def _busy(conn: _Conn, busy: set[bytes]) -> bool:
     return bool(conn.identity) and conn.identity in busy
 
 
-def _names(fd: int) -> tuple[Any, Any] | None:
-    """(local, peer) socket names of descriptor ``fd``; None if it is closed or not a socket."""
+@contextlib.contextmanager
+def _borrowed(fd: int) -> Iterator[socket.socket | None]:
+    """Descriptor ``fd`` as a socket object that never closes it (it is libzmq's); None if it is
+    closed or not a socket. No descriptor is duplicated: the service must be able to close
+    connections when every descriptor is taken."""
     try:
-        dup = os.dup(fd)
+        sock = socket.socket(fileno=fd)
     except OSError:
+        yield None
+        return
+    try:
+        yield sock
+    finally:
+        sock.detach()
+
+
+def _names(sock: socket.socket | None) -> tuple[Any, Any] | None:
+    """(local, peer) names of ``sock``; None if it has none (closed, not connected)."""
+    if sock is None:
         return None
     try:
-        s = socket.socket(fileno=dup)
+        return sock.getsockname(), sock.getpeername()
     except OSError:
-        os.close(dup)
         return None
-    with s:
-        try:
-            return s.getsockname(), s.getpeername()
-        except OSError:
-            return None
 
 
 def _host(peer: Any) -> str:

@@ -2,11 +2,14 @@
 
 Every request is a msgpack map with ``op`` and exactly the fields ``OPS`` lists for it, each of
 its type (a bool is not an int); a put's groups follow as further parts (``buffers.service``).
+``client_of`` says who sent it.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+import zmq
 
 from buffers.wire import WireError
 
@@ -43,3 +46,13 @@ def check_request(msg: Any) -> None:
         value = msg[key]
         if (typ is int and isinstance(value, bool)) or not isinstance(value, typ):
             raise WireError("bad_type", f"{op}.{key} must be {typ.__name__}, got {type(value).__name__}")
+
+
+def client_of(parts: list[zmq.Frame]) -> bytes:
+    """Who sent a message: its CURVE public key (the ZAP user id) and its connection's routing id.
+    The run's clients share one key, so the connection tells them apart."""
+    try:
+        user = str(parts[1].get("User-Id") or "")  # a string property
+    except zmq.ZMQError:  # no such property: a plaintext socket
+        user = ""
+    return user.encode() + b"/" + parts[0].bytes

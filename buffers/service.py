@@ -69,7 +69,7 @@ from buffers.connections import ConnectionLimits, Connections, fit_caps
 from buffers.guard import ProducerTable, SeenPrompts, ValueLimits, check_values
 from buffers.store import KeyedSampleBuffer
 from buffers.types import Group
-from buffers.requests import check_request, request_rid
+from buffers.requests import check_request, client_of, request_rid
 from buffers.wire import REASONS, Budget, WireError, decode_group, pack, unpack
 
 log = logging.getLogger(__name__)
@@ -289,7 +289,7 @@ class BufferService:
                 msg["groups"] = [p.buffer for p in parts[2:]]  # the groups' frames, as received (no copy)
                 msg["budget"] = budget
             elif msg["op"] == "hello":
-                msg["client"] = _client_of(parts)
+                msg["client"] = client_of(parts)
             reply = getattr(self, f"_op_{msg['op']}")(identity, msg)
         except WireError as exc:
             self._count("rejected")
@@ -490,13 +490,3 @@ def message_caps(max_frame_bytes: int, batch_bytes: int = BATCH_BYTES, max_messa
     group beside a full batch of the producers' ``batch_bytes``, and ``DECODED_PER_BYTE`` times that."""
     message = max_message_bytes or max_frame_bytes + batch_bytes
     return message, max_decoded_bytes or DECODED_PER_BYTE * message
-
-
-def _client_of(parts: list[zmq.Frame]) -> bytes:
-    """Who sent a message: its CURVE public key (the ZAP user id) and its connection's routing id.
-    The run's clients share one key, so the connection tells them apart."""
-    try:
-        user = str(parts[1].get("User-Id") or "")  # a string property
-    except zmq.ZMQError:  # no such property: a plaintext socket
-        user = ""
-    return user.encode() + b"/" + parts[0].bytes
