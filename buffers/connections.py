@@ -106,7 +106,7 @@ class Connections:
 
     # ------------------------------------------------------------------------------ events
     def on_events(self, busy: set[bytes], now: float | None = None) -> None:
-        """Every monitor event waiting; past a cap, the least recently active give way."""
+        """Every monitor event waiting; a connection accepted past a cap closes another (``_evict``)."""
         assert self.monitor is not None
         while True:
             try:
