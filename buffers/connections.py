@@ -12,7 +12,8 @@ disconnection) and each message's ``ZMQ_SRCFD`` (the descriptor it came on). It 
   longest open of those that never sent a request, else the least recently active (not one
   whose request is parked, waiting on the service), counted ``connections_closed_cap``: a flood
   of connections that say nothing gives way to a producer that talks, which stays served while
-  the cap is hit, and a producer arriving meanwhile has as many arrivals as the cap to say hello;
+  the cap is hit, and a producer arriving meanwhile has as many arrivals as the cap to say hello
+  (a flood reconnecting at R connections a second leaves it cap / R seconds);
 - a connection with no request for ``idle_s``, counted ``connections_closed_idle``;
 - with libzmq (``ZMQ_HANDSHAKE_IVL`` = ``handshake_s``, set by the service), a connection that has
   not finished its ZMTP handshake in time, a raw TCP socket that sends nothing

@@ -3,7 +3,8 @@
 The service runs in its own process under an open-files limit of 256 (soft and hard, so nothing
 can raise it), the way a process left at a small default limit meets ~1,000 idle connections:
 zmq clients that finish their handshake (libzmq's handshake timer never closes them) and never
-send, reconnecting whenever they are closed. The flood's connections past the service's cap are
+send, and stay away once closed (a flood that reconnects at R a second leaves a newcomer cap / R
+seconds to say hello: ``buffers.connections``). The flood's connections past the service's cap are
 closed and counted, and a producer that connects after the flood is served within its first
 request's timeout. (While the flood arrives faster than the service closes its excess, libzmq may
 find no descriptor for a moment: ``accept_failed`` counts those, and the connection waits in the
@@ -53,6 +54,7 @@ def test_a_flood_of_idle_connections_leaves_a_producer_served():
         for _ in range(FLOOD):
             flood.append(ctx.socket(zmq.DEALER))
             flood[-1].setsockopt(zmq.LINGER, 0)
+            flood[-1].setsockopt(zmq.RECONNECT_IVL, -1)
             flood[-1].connect(address)
         time.sleep(1.0)
         producer = BufferProducer(address, rpc_timeout_s=5.0)  # a producer arriving after the flood
