@@ -61,8 +61,9 @@ def test_a_refused_frame_costs_a_small_multiple_of_its_size(name):
         assert err.value.reason == reason
 
     peak = _peak(refused)
-    # one copy of the frame (msgpack's C walk reads its own) and msgpack's ~48 KiB walk stack
-    assert peak <= len(frame) + (64 << 10), (name, peak, len(frame))
+    # one copy of the frame (msgpack's C walk reads its own), msgpack's ~48 KiB walk stack, and
+    # room for what other threads allocate meanwhile (tracemalloc sees them all)
+    assert peak <= len(frame) + (256 << 10), (name, peak, len(frame))
 
 
 def test_the_walk_finds_a_cut_frame_and_bounds_its_own_work():
