@@ -6,9 +6,10 @@ The service's work on one group frame once it has arrived: ``unpack`` (msgpack, 
 container checks), ``decode_group`` (schema, dtypes, lengths, runs) and ``check_values`` (finite,
 in range). ``new`` is this tree, with the message's decoded-bytes ``Budget`` charged as the service
 does; ``old`` is ``buffers/wire.py`` as it is at ``--base`` (read with ``git show``, loaded beside
-this one), with the same ``check_values``. Frames: a trajectory of one sample (16 prompt tokens, L
-response tokens; int32 ids, float32 logprobs, int32 versions) sent as arrays or as lists, and the
-default recipe's group (8 samples of 40 tokens, lists). Each repeat times ``--rounds`` decodes of
+this one), with the same ``check_values``, and its own ``Budget`` where it has one. Frames: a
+trajectory of one sample (16 prompt tokens, L response tokens; int32 ids, float32 logprobs, int32
+versions) sent as arrays or as lists, the default recipe's group (8 samples of 40 tokens, lists),
+and a group of 16 samples of 8,192 tokens (arrays; over ``buffers.frame_scan.FAST_BYTES``). Each repeat times ``--rounds`` decodes of
 a frame with old and new in alternation (old, new, new, old, ...), so a change in the machine's
 load falls on both; times are this thread's CPU time; the report is the median µs per frame of each and the median per-repeat ratio
 old / new (below 1: the new checks cost more). The last line is JSON.
@@ -67,6 +68,8 @@ def frames() -> dict[str, bytes]:
             out[f"L={length} {'lists' if lists else 'arrays'}"] = wire.encode_group(g)
     out["8 x 40 lists"] = wire.encode_group(Group(prompt_id=1, data_index=1,
                                                   samples=[sample(1, k, 40, 24, True) for k in range(8)]))
+    out["16 x 8192 arrays"] = wire.encode_group(Group(prompt_id=1, data_index=1,  # over 1 MiB
+                                                      samples=[sample(1, k, 8192, 16, False) for k in range(16)]))
     return out
 
 
@@ -91,7 +94,10 @@ def main() -> None:
         check_values(g, limits, 3)
 
     def decode_old(frame):
-        return old.decode_group(old.unpack(frame, MAX_FRAME), check)
+        if not hasattr(old, "Budget"):  # a wire.py from before the decoded-bytes budget
+            return old.decode_group(old.unpack(frame, MAX_FRAME), check)
+        budget = old.Budget(cap)  # charged as the service did then
+        return old.decode_group(old.unpack(frame, MAX_FRAME, budget), check, budget)
 
     def decode_new(frame):
         budget = wire.Budget(cap)

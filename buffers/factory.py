@@ -21,6 +21,7 @@ from typing import Literal, get_args
 from buffers.auth import AuthMode, ClientKeys, ServiceKeys, check_bind, new_owner_token
 from buffers.buffer import SampleBuffer
 from buffers.client import RemoteSampleBuffer
+from buffers.connections import ConnectionLimits
 from buffers.producer import BufferProducer
 from buffers.service import BufferService, message_caps
 
@@ -37,6 +38,10 @@ class BufferConfig:
     max_message_mb: float = 0.0  # zmq: one message's parts together; 0 = max_frame_mb + batch_kb
     max_decoded_mb: float = 0.0  # zmq: what one message's frames may decode to in memory; 0 = 32 × max_message_mb
     producers_per_client: int = 64  # zmq: producer ids one client connection may hold
+    max_connections: int = 1024  # zmq: connections in all; past it the least recently active is closed
+    max_connections_per_host: int = 256  # zmq: connections from one peer address, the same way
+    connection_idle_s: float = 600.0  # zmq: a connection with no request for this long is closed
+    handshake_s: float = 10.0  # zmq: a connection that has not finished its handshake by then is closed
     capacity: int = 0  # groups held before producers block; 0 = ceil((async_ratio + 2) * prompts_per_step)
     window: int = 16  # zmq producer: groups put but not yet acknowledged before put waits (1 = strict)
     batch_groups: int = 16  # zmq producer: groups per put message at most
@@ -60,9 +65,13 @@ class BufferConfig:
             raise ValueError(f"buffer.max_decoded_mb must be >= 0 (0 = auto), got {self.max_decoded_mb}")
         if self.capacity < 0:
             raise ValueError(f"buffer.capacity must be >= 0 (0 = auto), got {self.capacity}")
-        for key in ("window", "batch_groups", "batch_kb", "producers_per_client"):
+        for key in ("window", "batch_groups", "batch_kb", "producers_per_client", "max_connections",
+                    "max_connections_per_host"):
             if getattr(self, key) < 1:
                 raise ValueError(f"buffer.{key} must be >= 1, got {getattr(self, key)}")
+        for key in ("connection_idle_s", "handshake_s"):
+            if not getattr(self, key) > 0:
+                raise ValueError(f"buffer.{key} must be > 0, got {getattr(self, key)}")
         if not self.linger_ms >= 0:
             raise ValueError(f"buffer.linger_ms must be >= 0 (0 = send each put at once), got {self.linger_ms}")
 
@@ -79,9 +88,11 @@ def make_buffer(cfg: BufferConfig, capacity: int) -> tuple[SampleBuffer | Remote
     frame = int(cfg.max_frame_mb * (1 << 20))
     message, decoded = message_caps(frame, cfg.batch_kb << 10, int(cfg.max_message_mb * (1 << 20)),
                                     int(cfg.max_decoded_mb * (1 << 20)))
+    limits = ConnectionLimits(total=cfg.max_connections, per_host=cfg.max_connections_per_host,
+                              idle_s=cfg.connection_idle_s, handshake_s=cfg.handshake_s)
     service = BufferService(capacity, bind=cfg.bind, max_frame_bytes=frame, keys=keys, owner_token=token,
                             max_message_bytes=message, max_decoded_bytes=decoded,
-                            producers_per_client=cfg.producers_per_client).start()
+                            producers_per_client=cfg.producers_per_client, connections=limits).start()
     client_keys = keys.client if keys is not None else None
     return RemoteSampleBuffer(service.address, max_frame_mb=cfg.max_frame_mb, keys=client_keys,
                               owner_token=token), service

@@ -35,8 +35,9 @@ take frees room.
 Hostile input: with CURVE (``buffers.auth``) only the run's clients get a frame in at all;
 libzmq drops a peer whose part exceeds ``max_message_bytes`` (MAXMSGSIZE) before it is buffered;
 a message whose parts together exceed it is refused unparsed (each group of a put answered
-``rejected_oversized_message``); every frame is size-checked before it is parsed, charged to the
-message's ``Budget`` of ``max_decoded_bytes`` as it is decoded (``rejected_oversized_decoded``),
+``rejected_oversized_message``); every frame is size-checked before it is parsed, and known whole
+and within the message's ``Budget`` of ``max_decoded_bytes`` before msgpack builds anything
+(``buffers.frame_scan``; ``rejected_oversized_decoded``: a refused frame costs a walk over its bytes),
 schema-checked (``buffers.wire``) and value-checked (``buffers.guard``: finite, versions in range,
 token ids in the vocabulary); a prompt already stored is refused whoever replays it; a client
 (its connection) holds at most ``producers_per_client`` producer ids; long-polls wait at most
@@ -44,6 +45,8 @@ token ids in the vocabulary); a prompt already stored is refused whoever replays
 answered ``rejected`` with its reason, counted under ``rejected_<reason>``, and the service goes
 on serving. libzmq itself holds a multipart message's parts until its last arrives (each part
 bounded, their count not): the caps bound what the service builds from a message, not that.
+Connections are bounded too (``buffers.connections``: a cap in all and per host, the least
+recently active giving way, the idle and the never-handshaken closed, each counted).
 """
 
 from __future__ import annotations
@@ -56,29 +59,21 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import zmq
 
 from buffers.auth import ServiceKeys
 from buffers.buffer import BufferClosed
+from buffers.connections import COUNTERS as CONNECTION_COUNTERS
+from buffers.connections import ConnectionLimits, Connections, fit_caps
 from buffers.guard import ProducerTable, SeenPrompts, ValueLimits, check_values
 from buffers.store import KeyedSampleBuffer
 from buffers.types import Group
+from buffers.requests import check_request, client_of, request_rid
 from buffers.wire import REASONS, Budget, WireError, decode_group, pack, unpack
 
 log = logging.getLogger(__name__)
 
-OPS: dict[str, dict[str, type]] = {
-    "put": {"rid": int, "producer": str, "seq": int},  # + the groups' frames, one part each
-    "wait_space": {"rid": int, "wait_ms": int},
-    "meta": {"rid": int, "since": int, "wait_ms": int},
-    "take": {"rid": int, "keys": list, "consumer": str, "tid": int},
-    "hello": {"rid": int},
-    "drain": {"rid": int, "token": bytes},
-    "stats": {"rid": int},
-    "close": {"rid": int, "token": bytes},
-}
 MAX_BATCH = 1024  # groups in one put message
 MAX_WAIT_MS = 60_000  # a long-poll's longest wait: a client wanting longer asks again
 # a message's default caps: all its parts together (the largest group and a full batch beside it:
@@ -105,13 +100,17 @@ class BufferService:
     def __init__(self, capacity: int, bind: str = "tcp://127.0.0.1:0", max_frame_bytes: int = 64 << 20,
                  max_waiters: int = 1024, keys: ServiceKeys | None = None, owner_token: bytes | None = None,
                  max_waiters_per_client: int = 16, limits: ValueLimits | None = None,
-                 max_message_bytes: int = 0, max_decoded_bytes: int = 0, producers_per_client: int = 64):
+                 max_message_bytes: int = 0, max_decoded_bytes: int = 0, producers_per_client: int = 64,
+                 connections: ConnectionLimits | None = None):
         self.bind, self.max_frame_bytes, self.max_waiters = bind, max_frame_bytes, max_waiters
         # 0: derived from max_frame_bytes (``message_caps``)
         self.max_message_bytes, self.max_decoded_bytes = message_caps(
             max_frame_bytes, max_message_bytes=max_message_bytes, max_decoded_bytes=max_decoded_bytes)
         self.keys, self.max_waiters_per_client = keys, max_waiters_per_client
         self.limits = limits or ValueLimits()
+        self.connection_limits = connections or ConnectionLimits()
+        self._conns: Connections | None = None  # at start: its caps fitted to the open-files limit
+        self._next_sweep = 0.0
         # close/drain need it; None: whoever created the service in-process passes none (tests)
         self.owner_token = owner_token
         # the policy version no token can be above (the controller's, + 1 while a push resumes the
@@ -124,7 +123,8 @@ class BufferService:
         self.buffer = KeyedSampleBuffer(capacity, on_change=self._changed)
         self._ident = -1  # the service thread's id: its own changes need no wake-up
         self.address = ""
-        self._counts: dict[str, float] = {k: 0.0 for k in COUNTERS} | {f"rejected_{r}": 0.0 for r in REASONS}
+        self._counts: dict[str, float] = {k: 0.0 for k in COUNTERS + CONNECTION_COUNTERS} | {
+            f"rejected_{r}": 0.0 for r in REASONS}
         self._lock = threading.Lock()
         self._producers = ProducerTable(per_client=producers_per_client)  # issued by hello, capped per client
         self._prompts = SeenPrompts()  # prompt ids stored: a replay is not a second group
@@ -144,12 +144,17 @@ class BufferService:
         # per part: libzmq drops the peer of a part larger than a whole message may be, before
         # buffering it; up to it an oversized group is still answered by name (refused unparsed)
         self._sock.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
+        lim = self.connection_limits
+        self._sock.setsockopt(zmq.HANDSHAKE_IVL, max(1, int(lim.handshake_s * 1000)))
+        self._conns = Connections(*fit_caps(lim.total, lim.per_host), lim.idle_s, self._count)
+        self._conns.watch(self._ctx, self._sock)
         if self.keys is not None:
             self._auth = self.keys.serve(self._ctx, self._sock)
         self._sock.bind(self.bind)
         endpoint = self._sock.getsockopt(zmq.LAST_ENDPOINT)
         assert isinstance(endpoint, bytes)  # a string option
         self.address = endpoint.decode()
+        self._conns.listening(self.address)
         self._thread = threading.Thread(target=self._serve, name="buffer-service", daemon=True)
         self._thread.start()
         return self
@@ -165,6 +170,9 @@ class BufferService:
             self._auth.stop()
             self._auth = None
         if not self._sock.closed:
+            if self._conns is not None:
+                self._sock.disable_monitor()
+                self._conns.close()
             self._sock.close(0)
             self._ctx.term()
             os.close(self._wake_r)
@@ -183,6 +191,7 @@ class BufferService:
             out["waiters"] = float(len(self._parked))
             out["producers"] = float(len(self._producers))
             out["producers_evicted"] = float(self._producers.evicted)
+            out["connections"] = float(len(self._conns or ()))
         out.update(self.buffer.stats())
         out["capacity"] = float(self.buffer.capacity)
         return out
@@ -205,8 +214,11 @@ class BufferService:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
+        assert self._conns is not None and self._conns.monitor is not None
+        poller.register(self._conns.monitor, zmq.POLLIN)
         while not self._stop.is_set():
             events = dict(poller.poll(self._poll_timeout_ms()))
+            self._watch_connections(self._conns.monitor in events)
             if self._wake_r in events:
                 try:
                     os.read(self._wake_r, 4096)
@@ -224,10 +236,22 @@ class BufferService:
             self._serve_parked()
 
     def _poll_timeout_ms(self) -> int:
-        if not self._parked:
-            return 1000
-        soonest = min(p.deadline for p in self._parked)
-        return max(0, int((soonest - time.monotonic()) * 1000) + 1)
+        soonest = min([p.deadline for p in self._parked], default=self._next_sweep)
+        return max(0, min(1000, int((min(soonest, self._next_sweep) - time.monotonic()) * 1000) + 1))
+
+    def _watch_connections(self, events: bool) -> None:
+        """Connections accepted and gone (``events``: the monitor has some), and the idle closed
+        every quarter of ``idle_s`` (at most once a second)."""
+        assert self._conns is not None
+        now = time.monotonic()
+        if not events and now < self._next_sweep:
+            return
+        busy = {p.identity for p in self._parked}  # waiting on the service: not idle
+        if events:
+            self._conns.on_events(busy, now)
+        if now >= self._next_sweep:
+            self._conns.sweep(busy, now)
+            self._next_sweep = now + min(1.0, self._conns.idle_s / 4)
 
     def _reply(self, identity: bytes, message: dict) -> None:
         frame = pack(message)
@@ -240,6 +264,8 @@ class BufferService:
     def _handle(self, parts: list[zmq.Frame]) -> None:
         identity = parts[0].bytes
         self._count("frames_in")
+        if self._conns is not None and len(parts) > 1:
+            self._conns.touch(parts[1], identity)
         rid = -1
         try:
             size = sum(len(p.buffer) for p in parts[1:])
@@ -248,8 +274,8 @@ class BufferService:
                 raise WireError("multipart", f"{len(parts) - 1} parts; a request is one (a put 2..{MAX_BATCH + 1})")
             budget = Budget(self.max_decoded_bytes)  # what this message may decode to, all its parts
             msg = unpack(parts[1].buffer, self.max_frame_bytes, budget)
-            rid = _request_rid(msg)
-            _check_request(msg)
+            rid = request_rid(msg)
+            check_request(msg)
             if (len(parts) > 2) != (msg["op"] == "put"):
                 raise WireError("multipart", f"{msg['op']} with {len(parts) - 1} parts; a request is one "
                                              "part, a put a header and its groups")
@@ -263,7 +289,7 @@ class BufferService:
                 msg["groups"] = [p.buffer for p in parts[2:]]  # the groups' frames, as received (no copy)
                 msg["budget"] = budget
             elif msg["op"] == "hello":
-                msg["client"] = _client_of(parts)
+                msg["client"] = client_of(parts)
             reply = getattr(self, f"_op_{msg['op']}")(identity, msg)
         except WireError as exc:
             self._count("rejected")
@@ -464,36 +490,3 @@ def message_caps(max_frame_bytes: int, batch_bytes: int = BATCH_BYTES, max_messa
     group beside a full batch of the producers' ``batch_bytes``, and ``DECODED_PER_BYTE`` times that."""
     message = max_message_bytes or max_frame_bytes + batch_bytes
     return message, max_decoded_bytes or DECODED_PER_BYTE * message
-
-
-def _client_of(parts: list[zmq.Frame]) -> bytes:
-    """Who sent a message: its CURVE public key (the ZAP user id) and its connection's routing id.
-    The run's clients share one key, so the connection tells them apart."""
-    try:
-        user = str(parts[1].get("User-Id") or "")  # a string property
-    except zmq.ZMQError:  # no such property: a plaintext socket
-        user = ""
-    return user.encode() + b"/" + parts[0].bytes
-
-
-def _request_rid(msg: Any) -> int:
-    """The request id to echo, if there is a usable one (so even a rejection reaches its caller)."""
-    if isinstance(msg, dict) and isinstance(msg.get("rid"), int) and not isinstance(msg.get("rid"), bool):
-        return msg["rid"]
-    return -1
-
-
-def _check_request(msg: Any) -> None:
-    if not isinstance(msg, dict):
-        raise WireError("bad_schema", f"a request is a map, got {type(msg).__name__}")
-    op = msg.get("op")
-    if op not in OPS:
-        raise WireError("unknown_op", f"op {op!r} is not one of {', '.join(OPS)}")
-    schema = OPS[op]
-    keys = set(msg) - {"op"}
-    if keys != set(schema):
-        raise WireError("bad_schema", f"{op}: expected keys {sorted(schema)}, got {sorted(keys)}")
-    for key, typ in schema.items():
-        value = msg[key]
-        if (typ is int and isinstance(value, bool)) or not isinstance(value, typ):
-            raise WireError("bad_type", f"{op}.{key} must be {typ.__name__}, got {type(value).__name__}")

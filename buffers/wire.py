@@ -44,6 +44,7 @@ import msgpack
 import numpy as np
 
 from buffers.codec import to_array, to_list
+from buffers.frame_scan import MAX_ARRAY, FrameRefused, Tally, frame_cost
 from buffers.types import TOKEN_FIELDS, Group, Sample, TokenField
 
 # Every way a frame can be refused; the service keeps a counter per name.
@@ -68,8 +69,6 @@ SAMPLE_FIELDS = (("prompt_id", int), ("sample_index", int), ("reward", float), (
                  (f.name, (list, type(None)) if f.optional else list) for f in TOKEN_FIELDS)
 ARRAY_PARTS = (("dtype", str), ("shape", list), ("data", bytes), ("was_list", bool))
 META_TYPES = (type(None), bool, int, float, str)  # JSON's: a checkpoint writes meta as JSON
-MAX_ARRAY = 1 << 16  # elements of one msgpack array or map (token arrays travel as bytes, not arrays)
-MAX_CONTAINERS = 1 << 18  # lists and maps in one frame
 MAX_META_DEPTH = 8
 # bytes of one Python list item per per-token value (an 8-byte slot + the number; 0 and 1 are shared)
 LIST_ITEM = {"int": 8 + 36, "float": 8 + 24, "bit": 8}
@@ -78,8 +77,9 @@ LIST_ITEM = {"int": 8 + 36, "float": 8 + 24, "bit": 8}
 class Budget:
     """The bytes of Python objects one message may decode to (``oversized_decoded`` past ``limit``).
 
-    Each charge comes before what it pays for is built, or right after one container (at most
-    ``MAX_ARRAY`` items) is: a frame's cost in memory is checked as it is decoded, never after."""
+    Each charge comes before what it pays for is built (a frame's values from its size or its
+    headers, ``buffers.frame_scan``; a group's lists and runs from its arrays' lengths): a frame's
+    cost in memory is checked before it is decoded, never after."""
 
     __slots__ = ("limit", "spent")
 
@@ -232,75 +232,36 @@ def _check_meta(value: Any, where: str, depth: int) -> None:
 
 def unpack(frame: bytes | memoryview, max_bytes: int, budget: Budget | None = None) -> Any:
     """One frame → plain msgpack values, or a WireError naming why not; ``budget``: charged with
-    what the values take in memory (``_charges``)."""
+    the most its values may take in memory, before anything is decoded (``buffers.frame_scan``:
+    a refused frame costs a walk over its bytes, never its values)."""
     if len(frame) > max_bytes:
         raise WireError("oversized", f"{len(frame)} bytes > limit {max_bytes}")
-    # A declared container length can never exceed the frame's byte count (each element takes a
-    # byte at least), so no header can make msgpack allocate more than the frame justifies.
-    # And no frame may build more than MAX_CONTAINERS lists and maps (a frame of empty arrays
-    # would otherwise cost ~70 bytes of Python objects per byte received).
+    try:
+        charge = frame_cost(frame, budget.limit - budget.spent if budget is not None else 1 << 62)
+    except FrameRefused as exc:
+        raise WireError(exc.reason, exc.detail) from None
+    tally = Tally(len(frame)) if charge is None and budget is not None else None
+    hooks = {} if tally is None else {"list_hook": tally.on_list, "object_hook": tally.on_map}
+    # the frame is whole and within the room (buffers.frame_scan): msgpack's limits are a second line
     items = min(max(len(frame), 1), MAX_ARRAY)
-    list_hook, map_hook, settle = _charges(len(frame), budget)
     try:
         value = msgpack.unpackb(frame, raw=False, strict_map_key=True, ext_hook=_refuse_ext,
                                 max_bin_len=max_bytes, max_str_len=max_bytes, max_array_len=items,
-                                max_map_len=items, list_hook=list_hook, object_hook=map_hook)
+                                max_map_len=items, **hooks)
     except WireError:
         raise
     except msgpack.ExtraData:
         raise WireError("extra_data", "bytes after the end of the message") from None
     except ValueError as exc:
-        # "exceeds max_*": a header declares more than the frame holds -- also a cut-off frame
         text = str(exc)
         reason = ("truncated" if "incomplete" in text or "exceeds max_" in text
                   else "bad_type" if "map key" in text else "malformed")  # keys must be str
         raise WireError(reason, str(exc) or type(exc).__name__) from None
     except Exception as exc:  # noqa: BLE001 - msgpack may raise TypeError etc. on hostile input
         raise WireError("malformed", f"{type(exc).__name__}: {exc}") from None
-    settle()
+    if budget is not None:  # within the room: a tally is at most the frame's worst case
+        budget.charge(tally.total if tally is not None else charge or 0, "a frame")
     return value
-
-
-# Upper bounds of what msgpack builds, in bytes (CPython, 64-bit): a list and a map themselves;
-# a list item (its slot, and the object: an int ≤ 36, a float 24, a str's or bytes' header ≤ 80);
-# a map entry (key and value, and its share of the table, counted twice: msgpack interns keys);
-# the frame's bytes 4 times (a str's characters take up to 4 bytes each: one past U+FFFF widens
-# all); and 1 KiB a frame (a value outside any container, the interpreter's bookkeeping).
-LIST_BYTES, MAP_BYTES, ITEM_BYTES, ENTRY_BYTES, WIDEN, FRAME_BYTES = 56, 64, 88, 272, 4, 1024
-
-
-def _charges(size: int, budget: Budget | None) -> tuple[Callable, Callable, Callable[[], None]]:
-    """msgpack's list and map hooks for a frame of ``size`` bytes, and what to call once it is
-    decoded. Each hook counts containers (``MAX_CONTAINERS``); with a ``budget``, ``FRAME_BYTES`` +
-    the frame's bytes × ``WIDEN`` are charged at once and each list and map as soon as it is built: at most one
-    container's items (``MAX_ARRAY``) past the limit are ever allocated."""
-    left = MAX_CONTAINERS
-    if budget is not None:
-        budget.charge(FRAME_BYTES + WIDEN * size, "a frame's bytes")
-    room = budget.limit - budget.spent if budget is not None else 1 << 62
-
-    def hook(base: int, per_item: int) -> Callable:
-        def count(container):
-            nonlocal left, room
-            left -= 1
-            room -= base + per_item * len(container)
-            if left < 0 or room < 0:
-                _over(left, budget)
-            return container
-        return count
-
-    def settle() -> None:
-        if budget is not None:
-            budget.spent = budget.limit - room
-
-    return hook(LIST_BYTES, ITEM_BYTES), hook(MAP_BYTES, ENTRY_BYTES), settle
-
-
-def _over(left: int, budget: Budget | None) -> None:
-    if left < 0:
-        raise WireError("bad_schema", f"more than {MAX_CONTAINERS} lists and maps in one frame")
-    raise WireError("oversized_decoded", f"a frame's lists and maps would take the message past "
-                                         f"{budget.limit if budget else 0} bytes of decoded values")
 
 
 def _refuse_ext(code: int, data: bytes) -> Any:

@@ -1,7 +1,8 @@
 """What one client holding the run's keys can make the buffer service hold: bounded and counted.
 
 A message's parts together are capped (``max_message_bytes``) and so is what its frames decode to
-(``max_decoded_bytes``, a ``buffers.wire.Budget`` charged before each thing is built); producer
+(``max_decoded_bytes``, a ``buffers.wire.Budget`` charged before each thing is built: a frame from
+its worst case or, where that does not fit, from its headers, ``buffers.frame_scan``); producer
 ids are capped per client, and a full table takes room from the client holding the most. Each
 refusal is answered by name, counted, and the service goes on storing an honest producer's groups.
 """
@@ -9,7 +10,6 @@ refusal is answered by name, counted, and the service goes on storing an honest 
 from __future__ import annotations
 
 import gc
-import sys
 import tracemalloc
 
 import msgpack
@@ -20,6 +20,7 @@ import zmq
 from buffers.auth import ServiceKeys
 from buffers.client import BufferProducer
 from buffers.factory import BufferConfig
+from buffers.frame_scan import FRAME_BYTES, MOST_PER_BYTE
 from buffers.guard import ProducerTable
 from buffers.service import DECODED_PER_BYTE, BufferService, message_caps
 from buffers.wire import Budget, WireError, decode_group, encode_group, pack, unpack
@@ -60,37 +61,22 @@ def _traced(fn):
 
 
 @pytest.mark.parametrize("name", PAYLOADS)
-def test_the_budget_charges_at_least_what_decoding_allocates_and_refuses_past_it(name):
+def test_a_frame_is_charged_at_least_what_decoding_allocates_and_refused_before_it_is_built(name):
     frame = _packed(PAYLOADS[name])
     # msgpack interns map keys: a first decode grows the interpreter's global table of interned
     # strings, whose size depends on what the process imported before (torch: twice the table),
     # not on the frame; decoding once first keeps that growth out of what is measured.
     unpack(frame, 64 * MB)
-    budget = Budget(1 << 40)
-    value, held, _ = _traced(lambda: unpack(frame, 64 * MB, budget))
-    assert value == PAYLOADS[name]
-    assert held <= budget.spent <= 6 * held + (1 << 16), (name, budget.spent, held)
-    unpack(frame, 64 * MB, Budget(budget.spent))  # exactly the cap: decoded
-    cap = budget.spent // 3
-    # refused as it is built: at most the cap and one container's items past it were ever allocated
-    largest = max(map(_shallow, _containers(value)))
-    _, _, peak = _traced(lambda: _refused(frame, cap))
-    assert peak <= cap + largest + (64 << 10), (name, peak, cap, largest)
-    if largest < held // 2:  # items spread over many containers: refused well before all were built
-        assert peak < held, (name, peak, held)
-
-
-def _containers(value):
-    if isinstance(value, (list, dict)):
-        yield value
-        for item in (value.values() if isinstance(value, dict) else value):
-            yield from _containers(item)
-
-
-def _shallow(container) -> int:
-    """A container and its items in memory (a nested container's items not included)."""
-    items = [*container, *container.values()] if isinstance(container, dict) else container
-    return sys.getsizeof(container) + sum(map(sys.getsizeof, items))
+    most = FRAME_BYTES + MOST_PER_BYTE * len(frame)
+    fast = Budget(most)  # its worst case fits: checked whole in C, each container counted as built
+    assert unpack(frame, 64 * MB, fast) == PAYLOADS[name]
+    walked = Budget(most - 1)  # it does not: its headers are walked, each container charged first
+    value, held, _ = _traced(lambda: unpack(frame, 64 * MB, walked))
+    assert value == PAYLOADS[name] and walked.spent == fast.spent  # the same costs either way
+    assert held <= walked.spent <= 6 * held + (1 << 16), (name, walked.spent, held)
+    unpack(frame, 64 * MB, Budget(walked.spent))  # exactly the cap: decoded
+    _, _, peak = _traced(lambda: _refused(frame, walked.spent - 1))
+    assert peak < 8 << 10, (name, peak)  # one byte short: refused before anything is built
 
 
 def _refused(frame: bytes, cap: int) -> None:
