@@ -117,7 +117,11 @@ def preview(cfg, rows: int = 1000, out=print) -> dict:
 def held_out_references(task, scorer, out=print) -> list:
     """Score the held-out rows' references (a dataset's ``eval_items``, up to its ``eval_size``)
     and print how many score 0; returns their scores (none for a task without held-out rows)."""
-    items = task.eval_items() if hasattr(task, "eval_ids") else []
+    try:
+        items = task.eval_items() if len(getattr(task, "eval_ids", ())) else []
+    except ValueError as exc:  # every held-out row is bad: say so, as for the train rows
+        out(f"held-out references: not scored ({exc})")
+        return []
     scores = [score_reference(scorer, item) for item in items]
     if items:
         zero = [(item, r) for item, r in zip(items, scores) if r == 0.0 or isinstance(r, str)]
