@@ -201,7 +201,7 @@ def _contradictions(cfg):
     yield cfg.train.max_consecutive_skips >= 1, "train.max_consecutive_skips must be >= 1"
     yield cfg.data.max_prompt_tokens >= 0, "data.max_prompt_tokens must be >= 0 (0: context minus max_new_tokens)"
     ctx = cfg.model.tiny.max_positions
-    yield (cfg.model.path or cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens <= ctx,
+    yield (cfg.model.path or cfg.model.gguf or cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens <= ctx,
            (f"data.max_prompt_tokens={cfg.data.max_prompt_tokens} + rollout.max_new_tokens="
            f"{cfg.rollout.max_new_tokens} exceeds the tiny model's context model.tiny.max_positions={ctx}; "
            f"lower one of them or raise model.tiny.max_positions"))

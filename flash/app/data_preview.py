@@ -108,9 +108,27 @@ def preview(cfg, rows: int = 1000, out=print) -> dict:
         out(f"references scoring 0 (a data or reward bug): {len(zero)} of {len(kept)}")
         for item, r in zero[:SHOW]:
             out(f"  data index {item.index}: answer {str(item.answer)[:80]!r} -> {r}")
+        held_out_references(task, scorer, out)
     for line in data_warnings(cfg, task, tokenizer, result, scorer):
         out(f"warning: {line}")
     return result
+
+
+def held_out_references(task, scorer, out=print) -> list:
+    """Score the held-out rows' references (a dataset's ``eval_items``, up to its ``eval_size``)
+    and print how many score 0; returns their scores (none for a task without held-out rows)."""
+    try:
+        items = task.eval_items() if len(getattr(task, "eval_ids", ())) else []
+    except ValueError as exc:  # every held-out row is bad: say so, as for the train rows
+        out(f"held-out references: not scored ({exc})")
+        return []
+    scores = [score_reference(scorer, item) for item in items]
+    if items:
+        zero = [(item, r) for item, r in zip(items, scores) if r == 0.0 or isinstance(r, str)]
+        out(f"held-out references scoring 0: {len(zero)} of {len(items)}")
+        for item, r in zero[:SHOW]:
+            out(f"  held-out index {item.index}: answer {str(item.answer)[:80]!r} -> {r}")
+    return scores
 
 
 def recipe_warnings(cfg, task, rows: int = 200) -> list[str]:

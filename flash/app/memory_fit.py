@@ -24,9 +24,9 @@ sequence = the prompt budget + the larger of ``rollout.max_new_tokens`` and ``ev
   AdamW state (``resident / W``) to pinned host memory.
 - **actor_infer, torch engine**: its weights and the prefill of ``rollout.max_num_seqs`` prompts in
   forwards of at most ``rollout.max_num_batched_tokens`` tokens (traced: ``TorchEngine._admit``),
-  then decoding: KV buffers of ``max_num_seqs`` rows grow to ``2·w`` columns (``w`` the live window,
-  at most ``L``) and a regrowth copies into new ones while the old ones live, so at most
-  ``4·L`` columns of ``2·layers·kv_heads·head_dim·b`` bytes per row, plus one decode step's float32
+  then decoding: KV buffers of at most ``max_num_seqs`` rows and ``L + max(max_new_tokens, 64)``
+  columns of ``2·layers·kv_heads·head_dim·b`` bytes per row (a rebuild frees a layer's old buffers
+  before allocating its new ones: one layer's live window more), plus one decode step's float32
   logits (three vocabulary rows per sequence: logits, probabilities, logprobs). Asleep (level 2,
   colocated): nothing.
 - **actor_infer, vLLM**: vLLM takes ``gpu_memory_utilization`` of the card (0.9; colocated: what the
@@ -116,6 +116,19 @@ def weight_bytes(config, dtype_bytes: int) -> int:
     return sum(p.numel() for p in model.parameters()) * dtype_bytes
 
 
+def decode_kv_bytes(cfg: FlashConfig, config, dtype_bytes: int) -> int:
+    """The torch engine's KV buffers at their largest (``flash.engine.kv_cache``): ``max_num_seqs``
+    rows of ``L + max(max_new_tokens, SLACK)`` columns, plus one layer's live window copied out
+    while its buffers are rebuilt."""
+    from flash.engine.kv_cache import SLACK
+
+    rows, length = cfg.rollout.max_num_seqs, sequence_budget(cfg, config)
+    per_token = kv_bytes_per_token(config, dtype_bytes)
+    new = max(cfg.rollout.max_new_tokens, cfg.eval.max_new_tokens, SLACK)
+    layers = int(config.get_text_config(decoder=True).num_hidden_layers)
+    return rows * (length + new) * per_token + rows * length * per_token // layers
+
+
 def torch_engine_memory(cfg: FlashConfig, config, devices: tuple[int, ...]) -> RoleMemory:
     from flash.devices import torch_dtype
 
@@ -124,9 +137,9 @@ def torch_engine_memory(cfg: FlashConfig, config, devices: tuple[int, ...]) -> R
     prefill = prefill_bytes(config, PrefillShape(rows, prompt_budget(cfg, config), cfg.rollout.max_num_batched_tokens,
                                                  cfg.model.dtype))
     vocab = int(config.get_text_config(decoder=True).vocab_size)
-    decode = weight_bytes(config, b) + rows * 4 * length * kv_bytes_per_token(config, b) + rows * vocab * 4 * 3
+    decode = weight_bytes(config, b) + decode_kv_bytes(cfg, config, b) + rows * vocab * 4 * 3
     detail = (f"{rows} sequences of ≤ {length} tokens, {cfg.model.dtype}; prefill {gib(prefill)}, "
-              f"decode {gib(decode)} (KV buffers regrowing)")
+              f"decode {gib(decode)} (KV buffers at their largest)")
     return RoleMemory("actor_infer", devices, max(prefill, decode), 0, detail, "prefill" if prefill > decode else "")
 
 

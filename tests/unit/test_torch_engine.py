@@ -385,3 +385,44 @@ def test_level2_sleep_discards_weights_until_a_full_push():
     engine.update_weights({names[-1]: state[names[-1]]}, 1)
     engine.resume()
     assert all(torch.equal(model.state_dict()[n], state[n]) for n in names)
+
+
+
+def test_kv_cache_is_sized_to_the_run_not_to_max_num_seqs(model):
+    """4 requests (prompts of 1-12 tokens, 10 new tokens) on an engine of 256 slots: the KV
+    buffers hold 4 rows and the columns the requests can need (the longest prefix, then 10 new
+    tokens or SLACK spare columns), allocated once: no regrowth while they decode."""
+    engine = TorchEngine(model, max_num_seqs=256)
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(req(f"r{i}", p, n=10))
+    want = (4, max(len(p) - 1 for p in PROMPTS) + max(10, kv_cache.SLACK))
+    shapes = set()
+    while engine.has_unfinished():
+        engine.step()
+        if engine._kv is not None:
+            shapes.add((engine._kv.rows, engine._kv.capacity))
+            assert {tuple(layer.k_buf.shape) for layer in engine._kv.layers} == {(4, 2, want[1], 32)}
+    assert shapes == {want}
+
+
+def test_kv_rebuild_moves_the_window_in_place_when_it_fits(model, monkeypatch):
+    """When the window reaches the buffers' last column after a long row left, it moves left inside
+    the same buffers (no new allocation); every output still equals its solo greedy continuation."""
+    monkeypatch.setattr(kv_cache, "SLACK", 1)
+    engine = TorchEngine(model, max_num_seqs=4)
+    engine.add_request(req("long", PROMPTS[3], n=3))
+    engine.add_request(req("short", PROMPTS[1], n=12))
+    done = {o.request_id: o for o in engine.step()}
+    buffers = [layer.k_buf for layer in engine._kv.layers]
+    while "long" not in done:
+        done.update((o.request_id, o) for o in engine.step())
+    engine.add_request(req("late", PROMPTS[0], n=12))
+    starts = []
+    while engine.has_unfinished():
+        done.update((o.request_id, o) for o in engine.step())
+        if engine._kv is not None:
+            starts.append(engine._kv.start)
+            assert all(layer.k_buf is buf for layer, buf in zip(engine._kv.layers, buffers))  # in place
+    assert any(b < a for a, b in zip(starts, starts[1:]))  # the window moved left inside them
+    for rid, p, n in (("long", PROMPTS[3], 3), ("short", PROMPTS[1], 12), ("late", PROMPTS[0], 12)):
+        assert done[rid].token_ids == hf_greedy(model, p, n), rid
