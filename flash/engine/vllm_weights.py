@@ -36,6 +36,20 @@ from flash.weights.group import UpdateReceiver
 TIED = ("model.embed_tokens.weight", "lm_head.weight")  # one tensor in a tied model
 
 
+def request_amx() -> bool:
+    """Ask Linux for this process's AMX tile state (``arch_prctl(ARCH_REQ_XCOMP_PERM)``, through
+    torch) on a CPU that has AMX; True when it is granted. vLLM's CPU attention for bfloat16 runs
+    AMX tile instructions without asking, and oneDNN asks only at its own first AMX use, so a
+    worker whose first AMX instruction is vLLM's dies of SIGILL. The permission is per process and
+    asking twice is harmless."""
+    if not torch.cpu._is_amx_tile_supported():
+        return False
+    return bool(torch.cpu._init_amx())
+
+
+request_amx()  # in each vLLM worker process, which imports this module before it loads the model
+
+
 class WeightSync(UpdateReceiver):
     """vLLM worker extension (``worker_extension_cls``): a member of the model-update group inside
     vLLM's worker, and the loader of pushed blobs."""
