@@ -63,6 +63,7 @@ def micro_batch_peak(rows: int = 8, length: int = 1024, prompt: int = 256, vocab
     from transformers import Qwen2ForCausalLM
 
     import flash.train.trainer as trainer_mod
+    from flash.app.memory_trace import zero_batch
     from flash.train.trainer import Trainer, TrainerSettings
 
     settings = TrainerSettings(lr=1e-6, weight_decay=0.0, betas=(0.9, 0.999), grad_clip=1.0, micro_batch_size=rows,
@@ -72,7 +73,7 @@ def micro_batch_peak(rows: int = 8, length: int = 1024, prompt: int = 256, vocab
     with FakeTensorMode():
         model = Qwen2ForCausalLM(stand_in_config(vocab, layers))
         trainer = Trainer(model, settings)
-        part, adv = _batch(rows, length)
+        part, adv = zero_batch(rows, length)
         trainer.begin_step()
         tracker = MemTracker()
         tracker.track_external(model, trainer.optimizer)
@@ -81,17 +82,6 @@ def micro_batch_peak(rows: int = 8, length: int = 1024, prompt: int = 256, vocab
             loss, _ = trainer._micro_loss(part, adv, None, None, prompt - 1)
             loss.backward()
     return float(max(v["Total"] for v in tracker.get_tracker_snapshot("peak").values()))
-
-
-def _batch(rows: int, length: int):
-    from flash.train.batch import TrainBatch
-
-    cols = length - 1
-    batch = TrainBatch(input_ids=torch.zeros(rows, length, dtype=torch.long),
-                       attention_mask=torch.ones(rows, length, dtype=torch.long), mask=torch.ones(rows, cols),
-                       behav_logp=torch.zeros(rows, cols), versions=torch.zeros(rows, cols, dtype=torch.long),
-                       rewards=torch.zeros(rows), group_ids=torch.zeros(rows, dtype=torch.long))
-    return batch, torch.zeros(rows, cols)
 
 
 def main() -> None:

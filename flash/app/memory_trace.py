@@ -201,7 +201,7 @@ def trace_train(config, shape: TrainShape, settings=None) -> Phases:
             p.grad = torch.zeros_like(p)
         trainer.optimizer.step()
         trainer.begin_step()
-        part, adv = _batch(shape.rows, shape.length)
+        part, adv = zero_batch(shape.rows, shape.length)
         counter = LiveBytes()
         reference = list(trainer.ref_model.parameters()) if trainer.ref_model is not None else []
         counter.add(params + reference + [t for s in trainer.optimizer.state.values() for t in s.values()
@@ -233,7 +233,8 @@ def _settings(shape: TrainShape, settings=None):
                    entropy_every_steps=1 if shape.entropy else 0)
 
 
-def _batch(rows: int, length: int):
+def zero_batch(rows: int, length: int):
+    """A ``rows`` x ``length`` train batch of zeros (every token a response token) and its advantages."""
     from flash.train.batch import TrainBatch
 
     cols = length - 1

@@ -22,7 +22,6 @@ as ``too_large``, the outcome a JSONL line over it gets:
 
 from __future__ import annotations
 
-import hashlib
 import os
 import struct
 from collections import Counter
@@ -30,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from flash.data.limits import MAX_ROW_BYTES
+from flash.data.limits import MAX_ROW_BYTES, kept_paths
 from flash.errors import ConfigError
 
 BATCH_BYTES = 4 << 20  # decoded bytes per batch a Parquet row group is read in (about)
@@ -133,15 +132,9 @@ def _kept_parquet(path: Path, pf, groups: set[int], rows: set[int]) -> Path:
     """The rows of ``path`` within the bound, written once to the datasets cache."""
     import pyarrow as pa
     import pyarrow.parquet as pq
-    from datasets import config
-
-    st = path.stat()
-    key = hashlib.sha256(f"{path.resolve()}\0{st.st_size}\0{st.st_mtime_ns}\0{MAX_ROW_BYTES}".encode())
-    out = Path(config.HF_DATASETS_CACHE) / "flash_bounded" / f"{key.hexdigest()[:24]}.parquet"
+    out, tmp = kept_paths(path, ".parquet", MAX_ROW_BYTES)
     if out.is_file():
         return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(f".{os.getpid()}.tmp")
     schema = pq.ParquetFile(path).schema_arrow
     base = 0
     with pq.ParquetWriter(tmp, schema) as writer:

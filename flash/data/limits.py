@@ -82,17 +82,23 @@ def bounded_json(path: Path, where: str, skipped: Counter) -> Path:
     return _kept_copy(path)
 
 
-def _kept_copy(path: Path) -> Path:
-    """The lines of ``path`` within the bounds, written once to the datasets cache."""
+def kept_paths(path: Path, suffix: str, *bounds: int) -> tuple[Path, Path]:
+    """Where the rows of ``path`` within ``bounds`` are kept once in the datasets cache (a name from
+    the file's path, size, mtime and the bounds), and the temporary file that is renamed to it."""
     from datasets import config
 
     st = path.stat()
-    key = hashlib.sha256(f"{path.resolve()}\0{st.st_size}\0{st.st_mtime_ns}\0{MAX_ROW_BYTES}\0{MAX_DEPTH}".encode())
-    out = Path(config.HF_DATASETS_CACHE) / "flash_bounded" / f"{key.hexdigest()[:24]}.jsonl"
+    key = hashlib.sha256("\0".join(map(str, (path.resolve(), st.st_size, st.st_mtime_ns, *bounds))).encode())
+    out = Path(config.HF_DATASETS_CACHE) / "flash_bounded" / f"{key.hexdigest()[:24]}{suffix}"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return out, out.with_suffix(f".{os.getpid()}.tmp")
+
+
+def _kept_copy(path: Path) -> Path:
+    """The lines of ``path`` within the bounds, written once to the datasets cache."""
+    out, tmp = kept_paths(path, ".jsonl", MAX_ROW_BYTES, MAX_DEPTH)
     if out.is_file():
         return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(f".{os.getpid()}.tmp")
     with open(path, "rb") as src, open(tmp, "wb") as dst:
         for line, reason in _lines(src):
             if reason is None:
