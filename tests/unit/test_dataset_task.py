@@ -133,18 +133,26 @@ def test_bad_rows_are_skipped_and_counted_per_reason_or_stop_the_run_when_strict
             0, all_bad.item, lambda p: encode_prompt(tok, p))
 
 
-def test_a_missing_file_a_hub_name_and_a_missing_column_are_one_line_errors(tmp_path):
+BAD_SOURCES = {"{tmp}/nope.jsonl": "no such file or directory",
+               "openai/gsm8k": "download it first",
+               "{tmp}/a.jsonl data.prompt_key=questoin": "has no column 'questoin'; did you mean 'question'?",
+               "{tmp}/a.txt": "unknown file type '.txt'"}
+
+
+@pytest.mark.parametrize("source", BAD_SOURCES)
+def test_a_missing_file_a_hub_name_and_a_missing_column_are_one_line_errors(tmp_path, source):
+    write_jsonl(tmp_path / "a.jsonl", gsm_rows())
+    (tmp_path / "a.txt").write_text("x")
+    train, *rest = source.format(tmp=tmp_path).split()
+    message = BAD_SOURCES[source]
+    with pytest.raises(ConfigError, match=message.replace("?", r"\?").replace("(", r"\(")) as err:
+        load_config("recipes/math.yaml", [f"data.train=[{train}]", *rest, "data.sft_key=solution"])
+    assert "\n" not in str(err.value)
+
+
+def test_a_template_names_plain_columns_and_sft_needs_its_key(tmp_path):
     path = write_jsonl(tmp_path / "a.jsonl", gsm_rows())
     base = ["data.sft_key=solution"]
-    cases = {f"data.train=[{tmp_path}/nope.jsonl]": "no such file or directory",
-             "data.train=[openai/gsm8k]": "download it first",
-             f"data.train=[{path}] data.prompt_key=questoin": "has no column 'questoin'; did you mean 'question'?",
-             f"data.train=[{tmp_path}/a.txt]": "unknown file type '.txt'"}
-    (tmp_path / "a.txt").write_text("x")
-    for override, message in cases.items():
-        with pytest.raises(ConfigError, match=message.replace("?", r"\?").replace("(", r"\(")) as err:
-            load_config("recipes/math.yaml", [*override.split(), *base])
-        assert "\n" not in str(err.value)
     with pytest.raises(ConfigError, match="plain column name"):
         load_config("recipes/math.yaml", [f"data.train=[{path}]", *base, "data.template='{question.__class__}'"])
     with pytest.raises(ConfigError, match="data.sft_key"):
