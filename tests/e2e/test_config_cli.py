@@ -245,7 +245,7 @@ def test_a_run_dir_holding_a_run_is_refused_unless_resumed_or_moved_aside(tmp_pa
 
 
 @pytest.mark.parametrize("content, message", [
-    (bytes(range(128, 256)), "cannot read"),
+    (bytes(range(128, 256)), "not UTF-8 text"),
     (b"seed: !!python/object/apply:os.system ['true']\n", "cannot read"),
     (b"- 1\n- 2\n", "is not a run's config"),
 ])
