@@ -53,8 +53,15 @@ def warm_cache(tmp_path_factory):
 MARGIN_TIMEOUT_S = 3600  # a margin run may build a cold warm start first (the calculator's: ~20 min)
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
 def pytest_collection_modifyitems(config, items):
-    """Margin runs (whole learning runs) get a longer per-test limit than the default suite's."""
+    """The tests ``tests/extended.txt`` lists are marked ``extended`` (left out of the default run);
+    margin runs (whole learning runs) get a longer per-test limit than the default suite's."""
+    from tests.helpers.tiers import extended_ids
+
+    extended = set(extended_ids())
     for item in items:
+        if item.nodeid in extended:
+            item.add_marker(pytest.mark.extended)
         if item.get_closest_marker("margin") and not item.get_closest_marker("timeout"):
             item.add_marker(pytest.mark.timeout(MARGIN_TIMEOUT_S))

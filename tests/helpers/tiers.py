@@ -7,8 +7,16 @@ import os
 import sys
 import time
 from contextlib import contextmanager
+from pathlib import Path
 
 UNIT_BUDGET_S = float(os.environ.get("FLASH_UNIT_BUDGET_S", "2"))
+EXTENDED_LIST = Path(__file__).resolve().parents[1] / "extended.txt"
+
+
+def extended_ids(path: Path = EXTENDED_LIST) -> list[str]:
+    """The node ids the extended tier lists (``tests/extended.txt``: one per line, ``#`` comments)."""
+    lines = (line.split("#", 1)[0].strip() for line in path.read_text().splitlines())
+    return [line for line in lines if line]
 
 
 def over_budget(nodeid: str, cpu_s: float, budget_s: float = UNIT_BUDGET_S) -> str | None:

@@ -1,36 +1,32 @@
-"""The unit tier's budget (tests/helpers/tiers.py): a test over it is named, imports are not charged."""
+"""The extended tier's list (tests/extended.txt) names tests that exist, each once."""
 
-import importlib
-import sys
-import time
+import ast
+from pathlib import Path
 
-from tests.helpers.tiers import import_clock, over_budget
+from tests.helpers.tiers import EXTENDED_LIST, extended_ids
 
-
-def test_a_test_over_the_budget_is_named_with_its_cpu_time_and_where_it_belongs():
-    assert over_budget("tests/unit/test_x.py::test_y", 1.99, budget_s=2.0) is None
-    message = over_budget("tests/unit/test_x.py::test_y", 2.5, budget_s=2.0)
-    assert message == ("tests/unit/test_x.py::test_y: 2.50 s of CPU, over the unit tier's 2 s budget: "
-                       "make it smaller or move it to tests/integration")
+ROOT = EXTENDED_LIST.parents[1]
 
 
-PROBE = "flash_tier_probe_mod"  # a module the test writes itself, not a package to declare
+def _functions(path: Path) -> set[str]:
+    """The test functions a module defines."""
+    return {node.name for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.FunctionDef) and node.name.startswith("test_")}
 
 
-def test_a_first_import_is_charged_to_the_import_clock_and_a_cached_one_is_not(tmp_path, monkeypatch):
-    (tmp_path / f"{PROBE}.py").write_text(
-        "import time\nend = time.process_time() + 0.2\nwhile time.process_time() < end:\n    pass\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    with import_clock() as first:
-        importlib.import_module(PROBE)  # 0.2 s of CPU while it loads
-    assert 0.19 <= first[0] < 1.0
-    with import_clock() as again:
-        importlib.import_module(PROBE)  # already in sys.modules: a lookup, nothing loaded
-    assert again[0] < 0.01
-    start = time.process_time()
-    with import_clock() as none:
-        end = time.process_time() + 0.05
-        while time.process_time() < end:
-            pass
-    assert none[0] == 0.0 and time.process_time() - start >= 0.05
-    sys.modules.pop(PROBE, None)
+def test_every_listed_test_exists_once_outside_the_unit_tier():
+    ids = extended_ids()
+    assert len(ids) == len(set(ids)), "a test listed twice"
+    modules: dict[str, set[str]] = {}
+    for nodeid in ids:
+        file, _, name = nodeid.partition("::")
+        assert not file.startswith("tests/unit/"), f"{nodeid}: the unit tier is all in the default run"
+        assert (ROOT / file).is_file(), f"{nodeid}: no such file"
+        assert name.partition("[")[0] in modules.setdefault(file, _functions(ROOT / file)), \
+            f"{nodeid}: no such test in {file}"
+
+
+def test_the_list_reads_ids_and_skips_comments(tmp_path):
+    listed = tmp_path / "extended.txt"
+    listed.write_text("# a header\n\ntests/e2e/test_a.py::test_b[1-x]  # 12 s\n  tests/e2e/test_c.py::test_d\n")
+    assert extended_ids(listed) == ["tests/e2e/test_a.py::test_b[1-x]", "tests/e2e/test_c.py::test_d"]
