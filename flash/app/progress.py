@@ -10,7 +10,8 @@ Both show the same figures, made by the small pure functions below:
   of the recent steps' seconds times the steps left, plus the evaluations still to come;
 - during an evaluation its samples done, total and time left (``eval_note``);
 - ``no update: all groups had equal reward`` when a step's advantages were all 0 (``no_update_note``:
-  the first step of such a streak, then at 10, 100, ... steps in a row).
+  the first step of such a streak, then at 10, 100, ... steps in a row; a resumed run's streak goes
+  on from the steps its ``metrics.jsonl`` holds, ``no_update_streak``).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import statistics
 import sys
 import threading
 import time
-from typing import Any
+from typing import Any, Iterable
 
 ETA_WINDOW = 10  # recent steps the rate is the median of
 
@@ -109,6 +110,21 @@ def eval_note(done: int, total: int, elapsed_s: float) -> str:
     return f"eval {done}/{total} samples, ~{left} left"
 
 
+def streak_after(streak: int, metrics: dict) -> int:
+    """The no-update streak after a step of ``metrics``: one longer when its advantages were all 0
+    (``train/no_update`` > 0), else 0."""
+    flag = metrics.get("train/no_update", 0.0)
+    return streak + 1 if isinstance(flag, (int, float)) and flag > 0 else 0
+
+
+def no_update_streak(lines: Iterable[dict]) -> int:
+    """The no-update steps in a row at the end of a run's logged steps (``metrics.jsonl``'s lines)."""
+    streak = 0
+    for metrics in lines:
+        streak = streak_after(streak, metrics)
+    return streak
+
+
 def no_update_note(step: int, streak: int, grad_norm: float) -> str | None:
     """The line for a step whose advantages were all 0, ``streak`` such steps in a row: the first
     of a streak, then at 10, 100, ... in a row (None between). A nonzero gradient means the loss's
@@ -181,14 +197,15 @@ class Heartbeat:
 
 class Progress:
     """The train steps' progress: a live bar on a terminal (from ``start``: a resumed run's bar
-    starts at its step), the heartbeat's fields, and the lines a step says (``no_update_note``).
+    starts at its step), the heartbeat's fields, and the lines a step says (``no_update_note``;
+    ``streak``: the no-update steps in a row before ``start``, a resumed run's).
     ``eta`` gives the time left; ``accuracy`` is the last held-out accuracy and its step, None when
     the run does not evaluate periodically (then train lines leave it out)."""
 
     def __init__(self, total: int, enabled: bool, heartbeat: Heartbeat | None = None, start: int = 0,
-                 eta: TrainEta | None = None, accuracy: tuple[float, int] | None = None):
+                 eta: TrainEta | None = None, accuracy: tuple[float, int] | None = None, streak: int = 0):
         self.bar, self.heartbeat, self.total, self.done = None, heartbeat, total, start
-        self.eta, self.accuracy, self.streak = eta, accuracy, 0
+        self.eta, self.accuracy, self.streak = eta, accuracy, streak
         if enabled and sys.stderr.isatty():
             from tqdm import tqdm
 
@@ -215,7 +232,7 @@ class Progress:
             self.bar.update(self.done - self.bar.n)
 
     def _note_no_update(self, metrics: dict[str, float]) -> None:
-        self.streak = self.streak + 1 if metrics.get("train/no_update", 0.0) > 0 else 0
+        self.streak = streak_after(self.streak, metrics)
         note = no_update_note(self.done, self.streak, metrics.get("train/grad_norm", 0.0)) if self.streak else None
         if note is not None:
             self.write(note)

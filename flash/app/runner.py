@@ -45,7 +45,7 @@ from flash.errors import FlashError
 from flash.run_files import write_run_text
 from flash.sim.accounting import SimSteps
 from flash.app.progress import Heartbeat, Progress, TrainEta, accuracy_mark, settle_steps
-from flash.app.summary import last_eval
+from flash.app.summary import last_eval, logged_no_update_streak
 from flash.app.tracking import make_tracker, pick_samples
 from controllers.agent_runtime import build_agent_scheduler
 from controllers.episode_runtime import build_episode_scheduler
@@ -280,7 +280,8 @@ def _run(cfg: FlashConfig, recipe_name: str, heartbeat: Heartbeat, recipe_arg: s
     r = Run(cfg, recipe_name, heartbeat)
     start = r.clock.start_step
     tracker = make_tracker(cfg.tracking, str(r.dir), config=to_dict(cfg), purge_step=start + 1 if r.resume_point else None)
-    progress = Progress(cfg.train.steps, cfg.tracking.progress, heartbeat, start=start)
+    progress = Progress(cfg.train.steps, cfg.tracking.progress, heartbeat, start=start,
+                        streak=logged_no_update_streak(r.dir) if r.resume_point else 0)
     progress.write(f"flash: run dir {r.dir}" + (f" (resumed at step {start} from {r.resume_point.path})" if r.resume_point else ""))
     if r.roles.placement.plan.num_gpus or len(r.roles.replicas) > 1:
         progress.write(f"flash: {r.roles.placement.plan.describe()}")

@@ -49,6 +49,26 @@ def test_a_step_with_every_advantage_zero_says_no_update_once_per_streak_step_th
     assert [no_update_note(9, k, 0.0) is None for k in (3, 9, 11, 99, 1000)] == [True, True, True, True, False]
 
 
+def test_a_resumed_run_goes_on_with_the_no_update_streak_its_metrics_log_ends_with(tmp_path):
+    """A streak that began before the interrupt is neither announced again nor restarted: steps 2-10
+    had every advantage 0, the run resumes at step 10, and step 11 is the streak's 10th step."""
+    from flash.app.summary import logged_no_update_streak
+
+    lines = [{"step": 1, "train/no_update": 0.0}] + [{"step": s, "train/no_update": 1.0} for s in range(2, 11)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines))
+    assert logged_no_update_streak(tmp_path) == 9
+    progress, _, written = _progress(start=10, streak=logged_no_update_streak(tmp_path))
+    for step in (11, 12):
+        progress.update({"step": step, "train/no_update": 1.0, "train/grad_norm": 0.0})
+    assert written == ["flash: step 11: no update: all groups had equal reward (every advantage 0) (10 steps in a row)"]
+    # a streak the last logged step ended, a step without the key, no log, a log edited by hand: 0
+    for tail in ([{"step": 11, "train/no_update": 0.0}], [{"step": 11}], [{"step": 11, "train/no_update": "x"}]):
+        (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines + tail))
+        assert logged_no_update_streak(tmp_path) == 0, tail
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "train/no_update": 1.0}\nnot json\n')
+    assert logged_no_update_streak(tmp_path) == 0 and logged_no_update_streak(tmp_path / "none") == 0
+
+
 def test_an_evaluation_reports_its_samples_done_and_time_left(tmp_path, monkeypatch):
     import flash.app.evaluation as ev
 
