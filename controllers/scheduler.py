@@ -188,10 +188,12 @@ class RolloutCore:
         return [s.reward for s in self.evaluate_samples(items, params, tag, seed)]
 
     def evaluate_samples(self, items: list, params: SamplingParams, tag: str, seed: int,
-                         on_progress: Callable[[int], None] | None = None) -> list:
+                         on_progress: Callable[[int], None] | None = None,
+                         on_scored: Callable[[int], None] | None = None) -> list:
         """One unit per item (a response, an episode) through the same engine; the scored samples
         in item order, scored concurrently on the reward threads. ``on_progress(done)``: the units
-        answered so far, about once a second while they generate, and all of them before scoring."""
+        answered so far, about once a second while they generate, and all of them before scoring;
+        ``on_scored(done)``: the units scored so far, about once a second while they are scored."""
         units = [Unit(f"eval/{tag}/{i}", -1, i, item, self.source.encode(item.prompt),
                       SamplingParams(**{**params.__dict__, "seed": request_seed(seed, 10**6 + i, 0)}))
                  for i, item in enumerate(items)]
@@ -213,7 +215,7 @@ class RolloutCore:
         if on_progress is not None:
             on_progress(len(units))
         # scored concurrently on the reward threads (a code reward's sandbox runs dominate an eval)
-        return self._rewards.map(self.workflow.finish, units, outs)
+        return self._rewards.map(self.workflow.finish, units, outs, on_done=on_scored)
 
     # ---- checkpoint and fault hooks (flash.checkpoint, flash.engine.client) ---------------------
     def state_dict(self) -> dict:

@@ -8,7 +8,8 @@ Both show the same figures, made by the small pure functions below:
 - the run's training time so far (a resumed run's time before its checkpoint included) and the time
   left (``TrainEta``): ``ETA settling`` until the rollout's head start is used up, then the median
   of the recent steps' seconds times the steps left, plus the evaluations still to come;
-- during an evaluation its samples done, total and time left (``eval_note``);
+- during an evaluation its samples done, total and time left (``eval_note``), then while a set's
+  samples are scored, their count and the scoring's time left (``scoring_note``);
 - ``no update: all groups had equal reward`` when a step's advantages were all 0 (``no_update_note``:
   the first step of such a streak, then at 10, 100, ... steps in a row; a resumed run's streak goes
   on from the steps its ``metrics.jsonl`` holds, ``no_update_streak``).
@@ -101,13 +102,22 @@ def accuracy_mark(accuracy: float, step: int) -> str:
     return f"{accuracy:.3f}@{step}"
 
 
+def _left(done: int, total: int, elapsed_s: float) -> str:
+    """The time left at the rate so far (``?`` before the first is done)."""
+    return "?" if done <= 0 else duration(elapsed_s / done * max(0, total - done))
+
+
 def eval_note(done: int, total: int, elapsed_s: float) -> str:
-    """``eval 24/64 samples, ~40s left`` (``?`` before the first sample is done, ``scoring`` when
-    every sample is generated and the rewards are computed)."""
-    if done >= total:
-        return f"eval {total}/{total} samples, scoring"
-    left = "?" if done <= 0 else duration(elapsed_s / done * (total - done))
-    return f"eval {done}/{total} samples, ~{left} left"
+    """``eval 24/64 samples, ~40s left``: the samples generated of all sets' and the time left
+    (``?`` before the first sample is done)."""
+    return f"eval {done}/{total} samples, ~{_left(done, total, elapsed_s)} left"
+
+
+def scoring_note(generated: int, total: int, scored: int, of: int, elapsed_s: float) -> str:
+    """``eval 64/64 samples, scoring 10/64, ~12s left``: ``generated`` of all sets' ``total``
+    samples are generated and a set's ``of`` samples are being scored, ``scored`` of them in
+    ``elapsed_s``; the time left is that scoring's at its rate so far."""
+    return f"eval {generated}/{total} samples, scoring {scored}/{of}, ~{_left(scored, of, elapsed_s)} left"
 
 
 def streak_after(streak: int, metrics: dict) -> int:
