@@ -25,12 +25,14 @@ from buffers.factory import make_buffer
 from controllers import step_metrics
 from controllers.async_controller import AsyncController, ControllerSettings
 from controllers.prox_mode import prox_mode
+from controllers.reward_errors import RewardErrors
 from controllers.scheduler import RolloutScheduler
 from controllers.staleness import StalenessManager
 from controllers.tail_batching import TailBatchingScheduler
 from controllers.workflows.episode import Episodes
 from flash.app import resume as resume_mod, run_state
-from flash.app.data import build_source, check_prompt_format, data_steps, load_tokenizer, max_prompt_tokens
+from flash.app.data import (build_source, check_prompt_format, data_steps, load_tokenizer, max_prompt_tokens,
+                            reward_name)
 from flash.app.evaluation import build_eval_sets, evaluate_sets, headline, set_figures
 from flash.app.preflight import preflight
 from flash.app.schedule import step_line
@@ -172,7 +174,8 @@ class Run:
             reward_workers=cfg.rollout.reward_workers, inject_delay_s=cfg.rollout.inject_delay_s,
             queue_scheduling=cfg.rollout.queue_scheduling, redundancy=cfg.rollout.redundancy,
             max_additional_prompts=cfg.rollout.max_additional_prompts, filters=cfg.rollout.filter,
-            client=client, reward_deadline_s=cfg.reward.response_deadline_s, **extra,
+            client=client, reward_deadline_s=cfg.reward.response_deadline_s,
+            reward_errors=RewardErrors(cfg.reward.max_consecutive_errors, reward_name(cfg)), **extra,
         )
 
     def _start_durability(self) -> None:
