@@ -9,7 +9,8 @@ metrics). ``RewardErrors`` also counts each reward's errors in a row over the tr
 response the run's reward's. The longest streak is ``reward/errors_in_a_row``. When one reaches
 ``limit`` (``reward.max_consecutive_errors``; 0: never) the run stops with one line naming the
 reward, its last error and the setting (``RewardsFailing``): a reward that fails on every
-response would otherwise train on rewards of 0 to the end.
+response would otherwise train on rewards of 0 to the end. The streaks are not checkpointed (the
+total is, in the counters): a resumed run's streaks start at 0.
 """
 
 from __future__ import annotations
