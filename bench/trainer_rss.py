@@ -14,7 +14,9 @@ backward), the loss, the backward, the gradient clip, the AdamW step -- is marke
 At every boundary the process's peak resident bytes since the last boundary are read exactly
 (``VmHWM``, then reset through ``/proc/self/clear_refs``), with the live tensor bytes the step
 holds at its peak (``flash.app.memory_trace.LiveBytes`` over the real tensors) and glibc's heap
-figures (``mallinfo2``: bytes in use, and bytes free but kept in the arenas). ``--trim`` calls
+figures (``mallinfo2``: bytes in use, and bytes free but kept in the arenas). After each step the weights
+are pushed as the CPU run pushes them (``model_update.backend`` auto: one shared-memory segment,
+``flash.weights.shm``), which the trainer keeps mapped. ``--trim`` calls
 ``malloc_trim(0)`` after each step. Run it under ``MALLOC_ARENA_MAX=…`` or
 ``MALLOC_MMAP_THRESHOLD_=…`` to see the allocator's share. The last line is JSON.
 """
@@ -150,13 +152,22 @@ def patches(parts: Parts, trainer) -> list:
             mock.patch.object(trainer.optimizer, "step", parts.wrap("optimizer step", trainer.optimizer.step))]
 
 
+def push(sender, state) -> None:
+    """The weight push of the run's CPU trainer: its state packed into one shared-memory segment."""
+    from flash.weights.model_update import plan_state
+
+    sender.write(state, plan_state(state, 64 * MIB))
+
+
 def run(recipe: str, steps: int, trim: bool) -> dict:
     import torch
 
     from flash.app.memory_trace import LiveBytes
+    from flash.weights.shm import ShmSender
 
     cfg, path, trainer, setup = build(recipe)
     batch, adv = recipe_batch(cfg, path)
+    sender = ShmSender()  # the CPU run's colocated push (model_update.backend auto: shm)
     counter = LiveBytes()
     counter.add(list(trainer.model.parameters()))
     parts = Parts(counter)
@@ -171,10 +182,12 @@ def run(recipe: str, steps: int, trim: bool) -> dict:
             reset_peak()
             counter.add([t for s in trainer.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)])
             trainer.train_step(batch, adv, batch.behav_logp)
+            parts.wrap("weight push (shm)", push)(sender, trainer.model.state_dict())
             parts.boundary()
             if trim:
                 _LIBC.malloc_trim(0)
             ends.append({"step": step, **status(), **{f"heap_{k}": v for k, v in heap().items()}})
+    sender.close()
     shape = {"rows": len(batch), "length": int(batch.input_ids.shape[1]), "micro_batch": cfg.train.micro_batch_size,
              "params_mib": sum(p.numel() * p.element_size() for p in trainer.model.parameters()) / MIB}
     return {"shape": shape, "setup": setup, "parts": [{"step": s, "part": n, **v} for (s, n), v in parts.rows.items()],
