@@ -16,12 +16,8 @@ total is, in the counters): a resumed run's streaks start at 0.
 from __future__ import annotations
 
 from buffers.reward import error_text, reward_value
-from flash.errors import FlashError
+from flash.errors import FlashError, RewardsFailing
 from flash.rewards.deadline import RewardDeadline, score_within
-
-
-class RewardsFailing(FlashError):
-    """A reward failed on ``reward.max_consecutive_errors`` training responses in a row."""
 
 
 def _chosen(item) -> str | None:
@@ -54,7 +50,7 @@ class RewardErrors:
         if not self.limit or n < self.limit:
             return None
         name = f"reward {key!r}" if key is not None else self.name
-        return (f"{name} failed on {n} training responses in a row, the run stopped "
+        return (f"{name} failed on {self.limit} training responses in a row, the run stopped "
                 f"(reward.max_consecutive_errors={self.limit}); its last error: {error}. Fix the reward "
                 "(`flash data RECIPE` scores each row's reference with it), or set "
                 "reward.max_consecutive_errors=0 to score such responses 0 and go on")

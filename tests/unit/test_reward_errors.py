@@ -13,12 +13,12 @@ import pytest
 
 from buffers.reward import ERROR_CHARS, RewardRaised, error_text
 from controllers.lifecycle import Outcomes
-from controllers.reward_errors import RewardErrors, RewardsFailing, score_response
+from controllers.reward_errors import RewardErrors, score_response
 from controllers.thread_errors import ThreadErrors
 from flash.app.config import load_config
 from flash.app.resume import config_differences
 from flash.app.schema import RewardConfig
-from flash.errors import ConfigError, FlashError
+from flash.errors import ConfigError, FlashError, RewardsFailing
 from flash.tasks import TaskItem
 
 STOP = ("reward 'he_score' failed on 3 training responses in a row, the run stopped "
@@ -154,3 +154,17 @@ def test_only_a_training_response_of_the_single_turn_workflow_counts_in_a_streak
         unit = Unit("r", prompt_id, 0, TaskItem(0, "p", "1"), [1], SamplingParams())
         assert workflow.finish(unit, out).reward == 0.5
     assert told == [True, False]
+
+
+def test_the_warm_start_s_held_out_check_scores_a_failure_0_and_stops_in_one_line_when_every_one_fails():
+    from flash.train.sft import held_out_rewards
+
+    items = [TaskItem(i, "p", str(i)) for i in range(3)]
+    assert held_out_rewards(lambda item, text: 1.0 if item.index else 1 / 0, items, ["a"] * 3) == [0.0, 1.0, 1.0]
+    assert held_out_rewards(lambda item, text: float("nan") if item.index == 2 else 0.5, items, ["a"] * 3) == [
+        0.5, 0.5, 0.0]
+    with pytest.raises(RewardsFailing) as err:
+        held_out_rewards(undefined, items, ["a"] * 3)
+    assert str(err.value) == ("the reward failed on every one of the 3 held-out responses the warm start sampled "
+                              "(sft.eval_after); its last error: NameError: name 'x' is not defined. Fix the reward "
+                              "(`flash data RECIPE` scores each row's reference with it)")
