@@ -17,7 +17,7 @@ holds at its peak (``flash.app.memory_trace.LiveBytes`` over the real tensors) a
 figures (``mallinfo2``: bytes in use, and bytes free but kept in the arenas). After each step the weights
 are pushed as the CPU run pushes them (``model_update.backend`` auto: one shared-memory segment,
 ``flash.weights.shm``), which the trainer keeps mapped. ``--trim`` calls
-``malloc_trim(0)`` after each step. Run it under ``MALLOC_ARENA_MAX=…`` or
+``malloc_trim(0)`` after each step; ``--no-live`` leaves the live bytes out (0), for speed. Run it under ``MALLOC_ARENA_MAX=…`` or
 ``MALLOC_MMAP_THRESHOLD_=…`` to see the allocator's share. The last line is JSON.
 """
 
@@ -159,7 +159,25 @@ def push(sender, state) -> None:
     sender.write(state, plan_state(state, 64 * MIB))
 
 
-def run(recipe: str, steps: int, trim: bool) -> dict:
+class _NoCount:
+    """``--no-live``: no live-bytes count (its dispatch mode slows every op several times)."""
+
+    peak = 0
+
+    def add(self, tensors) -> None:
+        pass
+
+    def reset(self) -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+
+def run(recipe: str, steps: int, trim: bool, live: bool = True) -> dict:
     import torch
 
     from flash.app.memory_trace import LiveBytes
@@ -168,7 +186,7 @@ def run(recipe: str, steps: int, trim: bool) -> dict:
     cfg, path, trainer, setup = build(recipe)
     batch, adv = recipe_batch(cfg, path)
     sender = ShmSender()  # the CPU run's colocated push (model_update.backend auto: shm)
-    counter = LiveBytes()
+    counter = LiveBytes() if live else _NoCount()
     counter.add(list(trainer.model.parameters()))
     parts = Parts(counter)
     torch.manual_seed(0)
@@ -199,8 +217,9 @@ def main() -> None:
     ap.add_argument("--recipe", default="recipes/humaneval_smollm2.yaml")
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--trim", action="store_true")
+    ap.add_argument("--no-live", action="store_true", help="no live tensor bytes (several times faster)")
     args = ap.parse_args()
-    out = run(args.recipe, args.steps, args.trim)
+    out = run(args.recipe, args.steps, args.trim, live=not args.no_live)
     print(f"shape {out['shape']}")
     for name, s in out["setup"].items():
         print(f"{name:14s} RSS {s['VmRSS']:8.0f} MiB (anon {s['RssAnon']:.0f}, file {s['RssFile']:.0f})")
