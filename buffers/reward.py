@@ -16,6 +16,10 @@ was returned); each then goes on in its own way (docs/design.md): a reward funct
 reward pool), an environment step ends its episode (``env_error``), an agent run fails
 (``bad_return``), and a sample received from outside is refused (``bad_value`` on the wire, an
 error naming the file for a schedule).
+
+``error_text`` is how a reward's failure is named in one line (its type and message, bounded), in
+the reward workers' results and in the line that stops a run whose reward keeps failing;
+``RewardRaised`` carries a failure met elsewhere (a reward worker) to the scheduler that counts it.
 """
 
 from __future__ import annotations
@@ -25,8 +29,23 @@ import numbers
 from typing import Any
 
 
+ERROR_CHARS = 300  # the most of a reward's error text kept (a traceback's message can be long)
+
+
 class BadReward(ValueError):
     """A value that is not a finite real number, met where a reward was expected."""
+
+
+class RewardRaised(Exception):
+    """A reward call that failed where it ran (a reward worker); its message is ``error_text``'s."""
+
+
+def error_text(exc: BaseException) -> str:
+    """``NameError: name 'x' is not defined``: a reward's failure on one line, at most
+    ``ERROR_CHARS`` characters (a ``RewardRaised`` is the text it carries)."""
+    text = str(exc) if isinstance(exc, RewardRaised) else f"{type(exc).__name__}: {exc}"
+    text = " ".join(text.split())
+    return text if len(text) <= ERROR_CHARS else text[:ERROR_CHARS - 3] + "..."
 
 
 def reward_value(value: Any) -> float:

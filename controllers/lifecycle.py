@@ -160,12 +160,14 @@ class Outcomes:
     def metrics(self) -> dict[str, float]:
         """Lifecycle counts, filtered groups by rule, aborted samples by reason (every rule and
         reason present, zero until it happens, so a tracker's series start at step 1), late
-        outputs, reward time and the responses whose scoring passed its deadline."""
+        outputs, reward time, the responses whose reward failed (raised or returned no reward:
+        ``reward/errors``) and those whose scoring passed its deadline."""
         m = {f"rollout/filtered/{rule}": 0.0 for rule in RULES}
         m.update({f"rollout/aborted/{reason}": 0.0 for reason in ABORT_REASONS})
         m.update(self.lifecycle.metrics())
         m.update({"rollout/late_outputs": float(self.counters["late_outputs"]),
                   "reward/seconds_total": float(self.counters["reward_seconds"]),
+                  "reward/errors": float(self.counters["reward_errors"]),
                   "reward/deadline": float(self.counters["reward_deadline"])})
         return m
 

@@ -5,13 +5,13 @@ taken from the engine is filed (``RolloutCore.quiesce``).
 ``submit`` is called under the core's lock (the condition ``lock``); a job's end takes that lock to
 count itself done and notifies its waiters. Every job runs under the core's thread guard
 (``controllers.thread_errors``). ``map`` scores an evaluation's units concurrently on the same
-threads, its results in order.
+threads, its results in order, telling ``on_done`` how many are done about once a second.
 """
 
 from __future__ import annotations
 
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any, Callable, Iterable
 
 
@@ -37,9 +37,16 @@ class RewardThreads:
                 self.busy -= 1
                 self._lock.notify_all()
 
-    def map(self, fn: Callable[..., Any], *args: Iterable) -> list:
-        """``fn`` over the zipped ``args`` concurrently; the results in order (an error re-raised)."""
+    def map(self, fn: Callable[..., Any], *args: Iterable, on_done: Callable[[int], None] | None = None,
+            every_s: float = 1.0) -> list:
+        """``fn`` over the zipped ``args`` concurrently; the results in order (an error re-raised).
+        ``on_done(count)``: the calls done so far, every ``every_s`` seconds while they run and once
+        when all are done."""
         futures = [self._pool.submit(fn, *a) for a in zip(*args)]
+        pending = set(futures)
+        while on_done is not None and pending:
+            pending = wait(pending, timeout=every_s).not_done
+            on_done(len(futures) - len(pending))
         return [f.result() for f in futures]
 
     def shutdown(self) -> None:

@@ -33,12 +33,12 @@ import time
 from typing import Any, Callable
 
 from buffers import Group, SampleBuffer
-from buffers.reward import reward_value
 from controllers.admission import Admission, PromptSource
 from controllers.filters import FilterConfig, filter_reason
 from controllers.inflight import InFlight, Pending
 from controllers.lifecycle import Lifecycle, Outcomes
 from controllers.provisioning import WaveGate
+from controllers.reward_errors import RewardErrors, score_response
 from controllers.reward_threads import RewardThreads
 from controllers.staleness import StalenessManager
 from controllers.thread_errors import ThreadErrors
@@ -46,8 +46,6 @@ from controllers.workflows.base import Service, Unit, Workflow, parse_request_id
 from controllers.workflows.single_turn import SingleTurn
 from flash.engine.base import GenerationOutput, SamplingParams
 from flash.engine.client import EngineClient
-from flash.errors import FlashError
-from flash.rewards.deadline import RewardDeadline, score_within
 
 __all__ = ["PromptSource", "RolloutCore", "RolloutScheduler", "parse_request_id", "request_id", "request_seed"]
 
@@ -63,7 +61,7 @@ class RolloutCore:
                  reward_workers: int = 4, inject_delay_s: float = 0.0, start_index: int = 0, *,
                  queue_scheduling: bool = True, redundancy: int = 0, max_additional_prompts: int = 0,
                  filters: FilterConfig | None = None, client: EngineClient | None = None,
-                 reward_deadline_s: float | None = None):
+                 reward_deadline_s: float | None = None, reward_errors: RewardErrors | None = None):
         if redundancy < 0:
             raise ValueError(f"redundancy must be >= 0, got {redundancy}")
         if not isinstance(workflow, Workflow) or not isinstance(workflow, Service):
@@ -71,6 +69,7 @@ class RolloutCore:
         self.workflow, self.source, self.buffer, self.n = workflow, source, buffer, n
         self.inject_delay_s, self.filters = inject_delay_s, filters or FilterConfig()
         self.reward_deadline_s = reward_deadline_s  # one response's scoring, all its tests (None: none)
+        self.reward_errors = reward_errors or RewardErrors()  # each reward's errors in a row, the stop
         self.admission = Admission(staleness, source, max_additional_prompts, start_index)
         self.inflight = InFlight(params, seed, n + int(redundancy))
         self.outcomes = Outcomes()
@@ -145,6 +144,7 @@ class RolloutCore:
         """The outcomes' metrics (``Outcomes.metrics``), the counted admissions, the workflow's."""
         with self._lock:
             m = self.outcomes.metrics()
+            m.update(self.reward_errors.metrics())
             m["rollout/counted_admissions"] = float(self.admission.prov.counted)
         m.update(self.workflow.metrics())
         return m
@@ -188,10 +188,12 @@ class RolloutCore:
         return [s.reward for s in self.evaluate_samples(items, params, tag, seed)]
 
     def evaluate_samples(self, items: list, params: SamplingParams, tag: str, seed: int,
-                         on_progress: Callable[[int], None] | None = None) -> list:
+                         on_progress: Callable[[int], None] | None = None,
+                         on_scored: Callable[[int], None] | None = None) -> list:
         """One unit per item (a response, an episode) through the same engine; the scored samples
         in item order, scored concurrently on the reward threads. ``on_progress(done)``: the units
-        answered so far, about once a second while they generate, and all of them before scoring."""
+        answered so far, about once a second while they generate, and all of them before scoring;
+        ``on_scored(done)``: the units scored so far, about once a second while they are scored."""
         units = [Unit(f"eval/{tag}/{i}", -1, i, item, self.source.encode(item.prompt),
                       SamplingParams(**{**params.__dict__, "seed": request_seed(seed, 10**6 + i, 0)}))
                  for i, item in enumerate(items)]
@@ -213,7 +215,7 @@ class RolloutCore:
         if on_progress is not None:
             on_progress(len(units))
         # scored concurrently on the reward threads (a code reward's sandbox runs dominate an eval)
-        return self._rewards.map(self.workflow.finish, units, outs)
+        return self._rewards.map(self.workflow.finish, units, outs, on_done=on_scored)
 
     # ---- checkpoint and fault hooks (flash.checkpoint, flash.engine.client) ---------------------
     def state_dict(self) -> dict:
@@ -470,26 +472,10 @@ class RolloutCore:
             del self.inflight.prompts[pid]
         self.buffer.wake()
 
-    def score(self, item, token_ids: list[int]) -> float:
-        """Reward of one response; a reward function that raises or returns no reward (NaN, inf,
-        anything ``buffers.reward`` refuses) scores 0 and is counted, as in the reward pool (a NaN
-        reward makes its group's advantages, and so the whole step's loss, NaN: the step would be
-        skipped with every group in it). Scoring runs under the response's deadline
-        (``reward_deadline_s``, flash.rewards.deadline): past it, 0 with outcome ``reward_deadline``."""
-        try:
-            reward, decode = self.source.reward, self.source.decode
-            assert reward is not None and decode is not None  # None only where the workflow scores itself
-            return reward_value(score_within(self.reward_deadline_s, reward, item, decode(token_ids)))
-        except RewardDeadline:
-            with self._lock:
-                self.counters["reward_deadline"] += 1
-            return 0.0
-        except FlashError:  # e.g. reward workers that keep dying (RewardFailed): stops the run
-            raise
-        except Exception:  # noqa: BLE001 - a user's reward bug (or a BadReward) must not kill the run
-            with self._lock:
-                self.counters["reward_errors"] += 1
-            return 0.0
+    def score(self, item, token_ids: list[int], training: bool = True) -> float:
+        """Reward of one response (``controllers.reward_errors.score_response``: a reward that fails
+        scores 0 and is counted; one failing on every training response stops the run)."""
+        return score_response(self, item, token_ids, training)
 
 
 class RolloutScheduler(RolloutCore):

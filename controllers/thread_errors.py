@@ -4,7 +4,9 @@ the controller re-raises what one of them raised (``check``).
 
 A thread ended by its closed buffer (``BufferClosed``: the run is shutting down) ends quietly; any
 other error is kept and ``on_error`` runs (the core wakes the buffer, so a controller waiting on it
-sees the failure at once).
+sees the failure at once). A ``FlashError`` (a run that must stop, said in one line: reward workers
+that keep dying, a reward that fails on every response) is re-raised as itself, so the command
+line prints its line; any other error is wrapped, naming the scheduler.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 from typing import Callable
 
 from buffers import BufferClosed
+from flash.errors import FlashError
 
 
 class ThreadErrors:
@@ -35,6 +38,8 @@ class ThreadErrors:
         return run
 
     def check(self) -> None:
-        """Re-raise a guarded thread's error in the caller."""
+        """Re-raise a guarded thread's error in the caller (a ``FlashError`` as itself)."""
+        if isinstance(self.error, FlashError):
+            raise self.error
         if self.error is not None:
             raise RuntimeError(f"rollout scheduler failed: {self.error!r}") from self.error

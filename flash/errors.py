@@ -9,6 +9,11 @@ class ConfigError(FlashError):
     """A recipe or override that cannot run: unknown key, bad value, unknown plugin name."""
 
 
+class RewardsFailing(FlashError):
+    """A reward that fails on every response it is given (``reward.max_consecutive_errors`` in a
+    row in training, every one of the warm start's held-out responses): the run stops, naming it."""
+
+
 class RecipeNotFound(FlashError):
     """RECIPE is neither a name from `flash ls` nor a readable path."""
 

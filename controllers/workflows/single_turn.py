@@ -37,7 +37,7 @@ class SingleTurn:
             meta={**unit.meta, "data_index": unit.data_index, "request_id": unit.id, "request": unit.index},
         )
         assert self.core is not None
-        sample.reward = self.core.score(unit.item, output.token_ids)
+        sample.reward = self.core.score(unit.item, output.token_ids, training=unit.prompt_id >= 0)  # -1: evaluation
         return sample
 
     def requeue(self, lost: list[Unit], ids: list[str] | None) -> int:

@@ -396,6 +396,8 @@ def _check_reward(cfg: FlashConfig) -> None:
     deadline = cfg.reward.response_deadline_s
     _require(math.isfinite(deadline) and deadline > 0, f"reward.response_deadline_s must be a finite number of "
              f"seconds > 0 (one response's scoring, all its tests), got {deadline}")
+    _require(cfg.reward.max_consecutive_errors >= 0, "reward.max_consecutive_errors must be >= 0 (reward errors in "
+             f"a row that stop the run; 0: never), got {cfg.reward.max_consecutive_errors}")
     d = cfg.data
     named = [k for k, on in (("data.reward", d.reward != DataConfig.reward), ("data.reward_key", d.reward_key),
                              ("data.rewards", d.rewards)) if on]

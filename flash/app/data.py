@@ -37,6 +37,17 @@ def task_section(cfg) -> dict:
     return {"name": "dataset", "seed": cfg.seed, **options}
 
 
+def reward_name(cfg) -> str:
+    """How a run's reward is named where it fails: ``reward 'code'`` (``reward.fn``), a dataset's
+    ``reward 'math'`` (``data.reward``; a ``data.reward_key`` row's own reward is named by the row),
+    else ``the wordproblems task's reward``."""
+    if cfg.reward.fn:
+        return f"reward {str(cfg.reward.fn.get('name'))!r}"
+    if uses_dataset(cfg):
+        return f"reward {cfg.data.reward!r}"
+    return f"the {cfg.task.get('name')} task's reward"
+
+
 def build_task(cfg):
     """The run's task object (``recipes.tasks.make_task`` on ``task_section``)."""
     from recipes.tasks import make_task

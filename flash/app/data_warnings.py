@@ -6,6 +6,9 @@ data that no check refuses, yet makes the run learn nothing. One line each, nami
   (``finish_reason: length``) and scores 0;
 - **every row dropped**: none of the first rows survives the input guard (the reason of each of the
   first few rows is shown);
+- **rows naming a reward the recipe does not allow**: a ``data.reward_key`` value that is neither a
+  registered reward nor a ``data.rewards`` name (a typo: ``mth``) makes its row a skipped
+  ``bad_reward_name`` row, never trained (the first such row's value and the closest name shown);
 - **every reference scores 0**: a sample of references, each scored as its own response by the
   run's reward (``reward.fn``, else the task's), all get 0: a reward reading the wrong column or an
   answer format it cannot parse.
@@ -49,6 +52,17 @@ def dropped_warning(scanned: int, kept: int, rejects: list[tuple[int, str]]) -> 
     rows = "; ".join(f"row {i}: {why[:120]}" for i, why in rejects[:SHOW_ROWS])
     return (f"every one of the first {scanned} rows is dropped ({rows}): the run would have no prompt; "
             f"fix the rows or the data.* keys naming their columns (flash data RECIPE shows them)")
+
+
+def reward_name_warning(scanned: int, rejects: list[tuple[int, str]]) -> str | None:
+    """One line when some of the scanned rows name a reward the recipe does not allow
+    (``bad_reward_name``): the run skips them."""
+    bad = [(i, why) for i, why in rejects if why.startswith("bad_reward_name:")]
+    if not bad:
+        return None
+    index, why = bad[0]
+    return (f"{len(bad)} of the first {scanned} rows name a reward the recipe does not allow and would be skipped "
+            f"(data/skipped_bad_reward_name), never trained; data index {index}: {why.split(': ', 2)[-1][:300]}")
 
 
 def reference_warning(scores: list[float | str]) -> str | None:
@@ -103,7 +117,8 @@ def data_warnings(cfg, task, tokenizer, scan: dict, scorer) -> list[str]:
     """The warnings of the module docstring from a ``data_preview.scan`` of the train rows."""
     items = [item for item, _, _ in scan["kept"]]
     cap = cfg.rollout.max_new_tokens
-    lines = [dropped_warning(scan["scanned"], len(items), scan.get("rejects", []))]
+    rejects = scan.get("rejects", [])
+    lines = [dropped_warning(scan["scanned"], len(items), rejects), reward_name_warning(scan["scanned"], rejects)]
     demos = demonstrations(cfg, task, items)
     refs = [item.answer for item in items if isinstance(item.answer, str)]
     kinds = [("demonstrations (the references)", demos)] if demos == refs else \

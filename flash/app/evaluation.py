@@ -20,7 +20,9 @@ al. 2021, "Evaluating Large Language Models Trained on Code"), ``reward_mean`` a
 of tests passed counts only when all pass). Every generation goes to
 ``eval/<name>/step-<N>.jsonl`` in the run dir: the whole prompt as the model saw it (special tokens
 kept, as in ``samples.jsonl``), the response, the answer, the reward. While an evaluation runs, the
-progress bar and the heartbeat show its samples done and the time left.
+progress bar and the heartbeat show its samples done and the time left, then while a set's samples
+are scored, their count scored and the scoring's time left (``eval 64/64 samples, scoring 10/64,
+~12s left``).
 
 Scoring: with ``reward.fn`` set the reward workers score every set (the recipe says so); without,
 each set's own task scores its items (a built-in task's reward, a dataset's ``reward``/``reward_key``).
@@ -35,7 +37,7 @@ from math import comb
 from pathlib import Path
 from typing import Any, Callable
 
-from flash.app.progress import eval_note
+from flash.app.progress import eval_note, scoring_note
 from flash.errors import ConfigError
 from flash.run_files import open_run_file, run_subdir
 
@@ -171,6 +173,47 @@ def set_figures(metrics: dict[str, float], n: int) -> str:
                      for s in names if f"eval/{s}/mean@{n}" in metrics)
 
 
+class EvalCount:
+    """What an evaluation tells ``on_progress`` (``None``: nothing): the samples generated of all
+    sets' ``total`` (``eval_note``), and once a set's ``of`` samples are all generated, how many of
+    them are scored (``scoring_note``, its time from the end of the set's generation)."""
+
+    def __init__(self, total: int, on_progress: Callable[[str], None] | None):
+        self.total, self.on_progress = total, on_progress
+        self.before = self.of = 0
+        self.start = self.scoring_start = time.monotonic()
+
+    def next_set(self, samples: int) -> None:
+        self.before, self.of = self.before + self.of, samples
+
+    def generated(self, done: int) -> None:
+        if self.on_progress is None:
+            return
+        if done < self.of:
+            self.on_progress(eval_note(self.before + done, self.total, time.monotonic() - self.start))
+        else:
+            self.scoring_start = time.monotonic()
+            self.on_progress(scoring_note(self.before + self.of, self.total, 0, self.of, 0.0))
+
+    def scored(self, done: int) -> None:
+        if self.on_progress is not None:
+            self.on_progress(scoring_note(self.before + self.of, self.total, done, self.of,
+                                          time.monotonic() - self.scoring_start))
+
+
+def _rescored(reward, items: list, texts: list[str], count: EvalCount, every_s: float = 1.0) -> list[float]:
+    """The set's own reward of each response, scored here in turn (its count told about once a
+    second: the scoring starts over from 0)."""
+    count.generated(count.of)
+    out, told = [], time.monotonic()
+    for item, text in zip(items, texts):
+        out.append(_score(reward, item, text))
+        if time.monotonic() - told >= every_s:
+            count.scored(len(out))
+            told = time.monotonic()
+    return out
+
+
 def evaluate_sets(scheduler, sets: list[EvalSet], params, n: int, seed: int, run_dir: Path, step: int,
                   decode: Callable[[list[int]], str], *, decode_prompt: Callable[[list[int]], str],
                   on_progress: Callable[[str], None] | None = None) -> dict[str, float]:
@@ -178,21 +221,17 @@ def evaluate_sets(scheduler, sets: list[EvalSet], params, n: int, seed: int, run
 
     ``decode`` reads a response (cut at its end of sequence), ``decode_prompt`` a whole prompt (a
     chat's system turn ends in the end-of-sequence token too; the problem after it is kept).
-    ``on_progress`` gets ``eval_note``'s line as samples finish (all sets counted together)."""
+    ``on_progress`` gets ``EvalCount``'s lines as samples are generated (all sets counted together)
+    and as a set's samples are scored."""
     metrics: dict[str, float] = {}
-    total, before, start = sum(len(s.items) for s in sets) * n, 0, time.monotonic()
-
-    def count(done: int) -> None:
-        if on_progress is not None:
-            on_progress(eval_note(before + done, total, time.monotonic() - start))
-
+    count = EvalCount(sum(len(s.items) for s in sets) * n, on_progress)
     for s in sets:
         items = [item for item in s.items for _ in range(n)]
-        samples = scheduler.evaluate_samples(items, params, tag=s.name, seed=seed, on_progress=count)
-        before += len(items)
+        count.next_set(len(items))
+        samples = scheduler.evaluate_samples(items, params, tag=s.name, seed=seed, on_progress=count.generated,
+                                             on_scored=count.scored)
         texts = [decode(x.response_ids) for x in samples]
-        rewards = [_score(s.rescore, item, text) if s.rescore else x.reward
-                   for item, x, text in zip(items, samples, texts)]
+        rewards = _rescored(s.rescore, items, texts, count) if s.rescore else [x.reward for x in samples]
         metrics.update(set_metrics(s.name, [rewards[i:i + n] for i in range(0, len(rewards), n)],
                                    [len(x.response_ids) for x in samples]))
         out = run_subdir(run_dir, "eval", s.name)

@@ -8,9 +8,11 @@ Both show the same figures, made by the small pure functions below:
 - the run's training time so far (a resumed run's time before its checkpoint included) and the time
   left (``TrainEta``): ``ETA settling`` until the rollout's head start is used up, then the median
   of the recent steps' seconds times the steps left, plus the evaluations still to come;
-- during an evaluation its samples done, total and time left (``eval_note``);
+- during an evaluation its samples done, total and time left (``eval_note``), then while a set's
+  samples are scored, their count and the scoring's time left (``scoring_note``);
 - ``no update: all groups had equal reward`` when a step's advantages were all 0 (``no_update_note``:
-  the first step of such a streak, then at 10, 100, ... steps in a row).
+  the first step of such a streak, then at 10, 100, ... steps in a row; a resumed run's streak goes
+  on from the steps its ``metrics.jsonl`` holds, ``no_update_streak``).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import statistics
 import sys
 import threading
 import time
-from typing import Any
+from typing import Any, Iterable
 
 ETA_WINDOW = 10  # recent steps the rate is the median of
 
@@ -100,13 +102,37 @@ def accuracy_mark(accuracy: float, step: int) -> str:
     return f"{accuracy:.3f}@{step}"
 
 
+def _left(done: int, total: int, elapsed_s: float) -> str:
+    """The time left at the rate so far (``?`` before the first is done)."""
+    return "?" if done <= 0 else duration(elapsed_s / done * max(0, total - done))
+
+
 def eval_note(done: int, total: int, elapsed_s: float) -> str:
-    """``eval 24/64 samples, ~40s left`` (``?`` before the first sample is done, ``scoring`` when
-    every sample is generated and the rewards are computed)."""
-    if done >= total:
-        return f"eval {total}/{total} samples, scoring"
-    left = "?" if done <= 0 else duration(elapsed_s / done * (total - done))
-    return f"eval {done}/{total} samples, ~{left} left"
+    """``eval 24/64 samples, ~40s left``: the samples generated of all sets' and the time left
+    (``?`` before the first sample is done)."""
+    return f"eval {done}/{total} samples, ~{_left(done, total, elapsed_s)} left"
+
+
+def scoring_note(generated: int, total: int, scored: int, of: int, elapsed_s: float) -> str:
+    """``eval 64/64 samples, scoring 10/64, ~12s left``: ``generated`` of all sets' ``total``
+    samples are generated and a set's ``of`` samples are being scored, ``scored`` of them in
+    ``elapsed_s``; the time left is that scoring's at its rate so far."""
+    return f"eval {generated}/{total} samples, scoring {scored}/{of}, ~{_left(scored, of, elapsed_s)} left"
+
+
+def streak_after(streak: int, metrics: dict) -> int:
+    """The no-update streak after a step of ``metrics``: one longer when its advantages were all 0
+    (``train/no_update`` > 0), else 0."""
+    flag = metrics.get("train/no_update", 0.0)
+    return streak + 1 if isinstance(flag, (int, float)) and flag > 0 else 0
+
+
+def no_update_streak(lines: Iterable[dict]) -> int:
+    """The no-update steps in a row at the end of a run's logged steps (``metrics.jsonl``'s lines)."""
+    streak = 0
+    for metrics in lines:
+        streak = streak_after(streak, metrics)
+    return streak
 
 
 def no_update_note(step: int, streak: int, grad_norm: float) -> str | None:
@@ -181,14 +207,15 @@ class Heartbeat:
 
 class Progress:
     """The train steps' progress: a live bar on a terminal (from ``start``: a resumed run's bar
-    starts at its step), the heartbeat's fields, and the lines a step says (``no_update_note``).
+    starts at its step), the heartbeat's fields, and the lines a step says (``no_update_note``;
+    ``streak``: the no-update steps in a row before ``start``, a resumed run's).
     ``eta`` gives the time left; ``accuracy`` is the last held-out accuracy and its step, None when
     the run does not evaluate periodically (then train lines leave it out)."""
 
     def __init__(self, total: int, enabled: bool, heartbeat: Heartbeat | None = None, start: int = 0,
-                 eta: TrainEta | None = None, accuracy: tuple[float, int] | None = None):
+                 eta: TrainEta | None = None, accuracy: tuple[float, int] | None = None, streak: int = 0):
         self.bar, self.heartbeat, self.total, self.done = None, heartbeat, total, start
-        self.eta, self.accuracy, self.streak = eta, accuracy, 0
+        self.eta, self.accuracy, self.streak = eta, accuracy, streak
         if enabled and sys.stderr.isatty():
             from tqdm import tqdm
 
@@ -215,7 +242,7 @@ class Progress:
             self.bar.update(self.done - self.bar.n)
 
     def _note_no_update(self, metrics: dict[str, float]) -> None:
-        self.streak = self.streak + 1 if metrics.get("train/no_update", 0.0) > 0 else 0
+        self.streak = streak_after(self.streak, metrics)
         note = no_update_note(self.done, self.streak, metrics.get("train/grad_norm", 0.0)) if self.streak else None
         if note is not None:
             self.write(note)

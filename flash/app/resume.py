@@ -35,7 +35,8 @@ MAY_CHANGE = ("train.steps", "train.max_consecutive_skips", "train.workers", "tr
               "placement.roles.actor_train.",
               "checkpoint.", "tracking.", "resume", "run_dir", "overwrite", "trust_checkpoint",
               "cache_dir", "description", "eval.every_steps", "rollout.hang_timeout_s",
-              "rollout.max_engine_restarts", "rollout.max_worker_restarts", "resources.", "ray.", "data.strict")
+              "rollout.max_engine_restarts", "rollout.max_worker_restarts", "resources.", "ray.", "data.strict",
+              "reward.max_consecutive_errors")
 
 
 def config_differences(saved: dict, now: dict) -> list[str]:

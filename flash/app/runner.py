@@ -25,12 +25,14 @@ from buffers.factory import make_buffer
 from controllers import step_metrics
 from controllers.async_controller import AsyncController, ControllerSettings
 from controllers.prox_mode import prox_mode
+from controllers.reward_errors import RewardErrors
 from controllers.scheduler import RolloutScheduler
 from controllers.staleness import StalenessManager
 from controllers.tail_batching import TailBatchingScheduler
 from controllers.workflows.episode import Episodes
 from flash.app import resume as resume_mod, run_state
-from flash.app.data import build_source, check_prompt_format, data_steps, load_tokenizer, max_prompt_tokens
+from flash.app.data import (build_source, check_prompt_format, data_steps, load_tokenizer, max_prompt_tokens,
+                            reward_name)
 from flash.app.evaluation import build_eval_sets, evaluate_sets, headline, set_figures
 from flash.app.preflight import preflight
 from flash.app.schedule import step_line
@@ -45,7 +47,7 @@ from flash.errors import FlashError
 from flash.run_files import write_run_text
 from flash.sim.accounting import SimSteps
 from flash.app.progress import Heartbeat, Progress, TrainEta, accuracy_mark, settle_steps
-from flash.app.summary import last_eval
+from flash.app.summary import last_eval, logged_no_update_streak
 from flash.app.tracking import make_tracker, pick_samples
 from controllers.agent_runtime import build_agent_scheduler
 from controllers.episode_runtime import build_episode_scheduler
@@ -172,7 +174,8 @@ class Run:
             reward_workers=cfg.rollout.reward_workers, inject_delay_s=cfg.rollout.inject_delay_s,
             queue_scheduling=cfg.rollout.queue_scheduling, redundancy=cfg.rollout.redundancy,
             max_additional_prompts=cfg.rollout.max_additional_prompts, filters=cfg.rollout.filter,
-            client=client, reward_deadline_s=cfg.reward.response_deadline_s, **extra,
+            client=client, reward_deadline_s=cfg.reward.response_deadline_s,
+            reward_errors=RewardErrors(cfg.reward.max_consecutive_errors, reward_name(cfg)), **extra,
         )
 
     def _start_durability(self) -> None:
@@ -280,7 +283,8 @@ def _run(cfg: FlashConfig, recipe_name: str, heartbeat: Heartbeat, recipe_arg: s
     r = Run(cfg, recipe_name, heartbeat)
     start = r.clock.start_step
     tracker = make_tracker(cfg.tracking, str(r.dir), config=to_dict(cfg), purge_step=start + 1 if r.resume_point else None)
-    progress = Progress(cfg.train.steps, cfg.tracking.progress, heartbeat, start=start)
+    progress = Progress(cfg.train.steps, cfg.tracking.progress, heartbeat, start=start,
+                        streak=logged_no_update_streak(r.dir) if r.resume_point else 0)
     progress.write(f"flash: run dir {r.dir}" + (f" (resumed at step {start} from {r.resume_point.path})" if r.resume_point else ""))
     if r.roles.placement.plan.num_gpus or len(r.roles.replicas) > 1:
         progress.write(f"flash: {r.roles.placement.plan.describe()}")

@@ -116,6 +116,10 @@ class RewardConfig:
     # outcome 'reward_deadline' (reward/deadline counts them; flash.rewards.deadline)
     response_deadline_s: float = 60.0
     max_stuck: int = 4  # timed-out calls still running in a worker before it is replaced
+    # A reward that raises or returns no reward on this many training responses in a row (each
+    # reward of a data.reward_key column counted apart) stops the run with one line naming it and
+    # its error; each such response scores 0 (reward/errors, reward/errors_in_a_row). 0: never stop
+    max_consecutive_errors: int = 32
     # Autoscaling (flash.rewards.autoscale), on when max_workers > 0: the pool starts at num_workers
     # and follows its queue within [min_workers, max_workers]: more workers when the calls per worker
     # (running + waiting) exceed scale_up_queue, one fewer after scale_down_idle_s with a worker spare

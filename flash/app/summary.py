@@ -10,8 +10,9 @@ from pathlib import Path
 from typing import Any
 
 from flash.app.config import FlashConfig
+from flash.app.progress import no_update_streak
 from flash.app.settings import resolve_threads, run_cores
-from flash.run_files import load_jsonl
+from flash.run_files import load_jsonl, read_jsonl
 
 
 def summary(cfg: FlashConfig, r: Any, records, acc0, acc1, train_s, left) -> dict:
@@ -93,6 +94,17 @@ def last_eval(run_dir: Path | str) -> dict | None:
     fields = ("step", "accuracy", "seconds")
     ok = isinstance(last, dict) and all(isinstance(last.get(k), (int, float)) for k in fields)
     return {k: last[k] for k in fields} if ok else None
+
+
+def logged_no_update_streak(run_dir: Path | str) -> int:
+    """The no-update steps in a row that the run's ``metrics.jsonl`` ends with (a resumed run's file
+    is cut back to its checkpoint, so the streak as of the checkpoint); 0 without the file or for a
+    log edited by hand."""
+    path = Path(run_dir) / "metrics.jsonl"
+    try:
+        return no_update_streak(line for _, line in read_jsonl(path)) if path.is_file() else 0
+    except (OSError, ValueError):
+        return 0
 
 
 def eval_record(evals: list[dict]) -> dict:

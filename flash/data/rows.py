@@ -205,10 +205,15 @@ def checked_reward_name(name, names: frozenset[str], where: str) -> str:
     if not isinstance(name, str) or not name:
         raise BadRow("wrong_type", f"{where} must name a reward, got {str(name)[:80]!r}")
     if name not in names:
+        from algos.registry import closest_names
+
         shown = name if len(name) <= 80 else name[:77] + "..."
         allowed = ", ".join(sorted(names)[:12]) + (", ..." if len(names) > 12 else "")
+        near = closest_names(name[:80], names, n=1)
+        guess = f"did you mean {near[0]!r}? " if near else ""
         raise BadRow("bad_reward_name", f"{where} names reward {shown!r}, which the recipe does not list "
-                                        f"(a row may name {allowed or 'none'}): list it in data.rewards to allow it")
+                                        f"(a row may name {allowed or 'none'}): {guess}list it in data.rewards "
+                                        "to allow it")
     return name
 
 

@@ -10,7 +10,10 @@ scores 0.0 with reason ``error:BadReward``; one that overruns ``timeout_s`` scor
 sooner of ``response_deadline_s`` and ``timeout_s``; the run is killed at it) scores 0.0 with
 reason ``reward_deadline``, which the pool's ``reward_fn`` raises as ``RewardDeadline`` so the
 scheduler counts it as it counts its own (``reward/deadline``). Each reason is counted in
-``metrics()`` as ``reward/failures/<reason>``; the run continues.
+``metrics()`` as ``reward/failures/<reason>``; the run continues. An ``error:`` result carries
+its error's text (``buffers.reward.error_text``), which ``reward_fn`` raises as ``RewardRaised``:
+the scheduler counts it as a reward error, as it counts its own (``reward/errors``, and the stop
+of a run whose reward fails on every response, ``reward.max_consecutive_errors``).
 
 A worker that dies (its process killed, out of memory) is a fault, not an outcome: the
 pool replaces it, and every call that was running on it is issued again on a live worker, so the
@@ -39,7 +42,7 @@ from dataclasses import dataclass
 import ray
 
 from algos.registry import load_plugins
-from buffers.reward import BadReward, reward_value
+from buffers.reward import BadReward, RewardRaised, error_text, reward_value
 from flash.errors import FlashError
 from flash.rewards.autoscale import (
     AutoscaleConfig,
@@ -63,6 +66,7 @@ class RewardResult:
     reward: float
     reason: str = "ok"  # ok | timeout | reward_deadline | error:<ExcType>
     wall_s: float = 0.0
+    error: str = ""  # an error:<ExcType> result's error (buffers.reward.error_text)
 
 
 def _as_result(value, wall_s: float) -> RewardResult:
@@ -70,8 +74,8 @@ def _as_result(value, wall_s: float) -> RewardResult:
     reward (``buffers.reward``: NaN, inf, a str, ...) scores 0.0 with reason ``error:BadReward``."""
     try:
         reward = reward_value(value.reward if isinstance(value, RewardResult) else value)
-    except BadReward:
-        return RewardResult(0.0, f"error:{BadReward.__name__}", wall_s)
+    except BadReward as exc:
+        return RewardResult(0.0, f"error:{BadReward.__name__}", wall_s, error_text(exc))
     reason = value.reason if isinstance(value, RewardResult) else "ok"
     return RewardResult(reward, reason, wall_s)
 
@@ -129,7 +133,7 @@ class RewardScorer:
         if isinstance(box.get("error"), RewardDeadline):
             return RewardResult(0.0, DEADLINE, box["wall"]), stuck
         if "error" in box:
-            return RewardResult(0.0, f"error:{type(box['error']).__name__}", box["wall"]), stuck
+            return RewardResult(0.0, f"error:{type(box['error']).__name__}", box["wall"], error_text(box["error"])), stuck
         return _as_result(box["value"], box["wall"]), stuck
 
     def metrics(self) -> dict[str, float]:
@@ -335,11 +339,14 @@ class RewardPool:
 
     def reward_fn(self):
         """``(item, response) -> float`` for ``PromptSource.reward`` (reasons stay in metrics; a
-        response past its deadline raises ``RewardDeadline``, which the scheduler counts)."""
+        response past its deadline raises ``RewardDeadline``, an ``error:`` result ``RewardRaised``
+        with its error's text: the scheduler counts both)."""
         def fn(item, response: str) -> float:
             result = self.score(item, response)
             if result.reason == DEADLINE:
                 raise RewardDeadline(f"reward worker: {result.wall_s:.1f}s")
+            if result.reason.startswith("error:"):
+                raise RewardRaised(result.error or result.reason[len("error:"):])
             return result.reward
         return fn
 

@@ -35,8 +35,10 @@ from dataclasses import dataclass
 
 import torch
 
+from buffers.reward import error_text, reward_value
 from flash.cache import build_once
 from flash.cluster import pinned_threads
+from flash.errors import RewardsFailing
 from flash.models import (
     TOKENIZER_VERSION,
     TinyModelConfig,
@@ -251,8 +253,27 @@ def sample_responses(model, tokenizer, prompts: list[str], *, temperature: float
 
 def sampled_accuracy(model, tokenizer, task: Task, items: list[TaskItem], *,
                      temperature: float = 1.0, seed: int = 0) -> float:
-    """Mean reward of one sampled response per item: the held-out metric of the recipes."""
+    """Mean reward of one sampled response per item: the held-out metric of the recipes (a reward
+    that fails scores 0, as in training: ``held_out_rewards``)."""
     responses = sample_responses(model, tokenizer, [it.prompt for it in items],
                                  temperature=temperature, seed=seed,
                                  max_new_tokens=task.max_response_tokens())
-    return sum(task.reward(it, r) for it, r in zip(items, responses)) / max(1, len(items))
+    return sum(held_out_rewards(task.reward, items, responses)) / max(1, len(items))
+
+
+def held_out_rewards(reward, items: list[TaskItem], responses: list[str]) -> list[float]:
+    """Each response's reward; one whose reward raises or returns no reward (``buffers.reward``)
+    scores 0, and a reward that fails on every response stops the warm start in one line naming
+    its error (``RewardsFailing``)."""
+    scores, errors = [], []
+    for item, response in zip(items, responses):
+        try:
+            scores.append(reward_value(reward(item, response)))
+        except Exception as exc:  # noqa: BLE001 - a user's reward bug is named, not a traceback
+            scores.append(0.0)
+            errors.append(error_text(exc))
+    if errors and len(errors) == len(scores):
+        raise RewardsFailing(f"the reward failed on every one of the {len(scores)} held-out responses the warm "
+                             f"start sampled (sft.eval_after); its last error: {errors[-1]}. Fix the reward "
+                             "(`flash data RECIPE` scores each row's reference with it)")
+    return scores

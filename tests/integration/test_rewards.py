@@ -166,11 +166,13 @@ def test_a_non_finite_reward_scored_in_the_driver_is_a_counted_reward_error_as_i
     import threading
     from types import SimpleNamespace
 
+    from controllers.reward_errors import RewardErrors
     from controllers.scheduler import RolloutCore
 
     rewards = iter([float("nan"), float("inf"), 0.5])
     core = SimpleNamespace(source=SimpleNamespace(reward=lambda item, text: next(rewards), decode=str),
-                           _lock=threading.Lock(), counters={"reward_errors": 0}, reward_deadline_s=None)
+                           _lock=threading.Lock(), counters={"reward_errors": 0}, reward_deadline_s=None,
+                           reward_errors=RewardErrors())
     scores = [RolloutCore.score(core, TaskItem(0, "p", "1/2"), [1]) for _ in range(3)]
     assert scores == [0.0, 0.0, 0.5] and core.counters["reward_errors"] == 2  # never a NaN group
 

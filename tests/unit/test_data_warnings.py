@@ -1,5 +1,6 @@
 """Warnings before a run wastes itself (flash.app.data_warnings): responses longer than the cap,
-every row dropped, every reference scored 0 by the run's reward; one line each, naming the fix,
+every row dropped, rows naming a reward the recipe does not allow, every reference scored 0 by the
+run's reward; one line each, naming the fix,
 from `flash validate` and `flash data`."""
 
 import json
@@ -72,6 +73,17 @@ def test_validate_and_data_warn_when_the_run_s_reward_scores_every_reference_zer
     assert main(["data", "math", *data, "reward.fn={name: 'zero_reward:score'}"]) == 0
     assert "warning: the reward scores every one of 16 references 0" in capsys.readouterr().out
     sys.modules.pop("zero_reward", None)
+
+
+def test_validate_warns_of_rows_naming_a_reward_the_recipe_does_not_allow_with_the_closest_name(tmp_path, capsys):
+    rows = [{**r, "kind": "mth" if i % 3 == 0 else "math"} for i, r in enumerate(GSM)]
+    lines = _validate(capsys, f"data.train=[{_rows(tmp_path / 'kinds.jsonl', rows)}]", "data.prompt_key=question",
+                      "data.sft_key=answer", "data.reward_key=kind", "reward.fn={}", "rollout.max_new_tokens=16")
+    assert len(lines) == 1 and lines[0].startswith("warning: 9 of the first 27 rows name a reward the recipe does not "
+                                                   "allow and would be skipped (data/skipped_bad_reward_name), never "
+                                                   "trained; data index "), lines
+    assert lines[0].endswith(": column 'kind' names reward 'mth', which the recipe does not list (a row may name code, "
+                             "judge, math): did you mean 'math'? list it in data.rewards to allow it"), lines
 
 
 def test_the_rewards_page_describes_every_field_of_the_item_a_reward_gets(tmp_path):

@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import pytest
 
 from controllers.lifecycle import Outcomes
+from controllers.reward_errors import RewardErrors
 from controllers.scheduler import RolloutCore
 from flash.app.config import load_config
 from flash.app.schema import RewardConfig
@@ -65,7 +66,8 @@ def core(reward, deadline_s: float | None) -> SimpleNamespace:
     """The scheduler core's parts ``RolloutCore.score`` reads (its counters: the run's ``Outcomes``)."""
     outcomes = Outcomes()
     return SimpleNamespace(source=SimpleNamespace(reward=reward, decode=lambda ids: LOOP), _lock=threading.Lock(),
-                           counters=outcomes.counters, reward_deadline_s=deadline_s, outcomes=outcomes)
+                           counters=outcomes.counters, reward_deadline_s=deadline_s, outcomes=outcomes,
+                           reward_errors=RewardErrors())
 
 
 def test_a_row_of_looping_tests_scores_zero_at_the_deadline_with_its_sandbox_run_killed(idle_tree):

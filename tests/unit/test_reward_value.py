@@ -37,10 +37,12 @@ def by_check(value):
 
 def by_driver_score(value):
     """``RolloutCore.score``: a refused reward scores 0.0 and counts a reward error."""
+    from controllers.reward_errors import RewardErrors
     from controllers.scheduler import RolloutCore
 
     core = SimpleNamespace(source=SimpleNamespace(reward=lambda item, text: value, decode=str),
-                           _lock=threading.Lock(), counters={"reward_errors": 0}, reward_deadline_s=None)
+                           _lock=threading.Lock(), counters={"reward_errors": 0}, reward_deadline_s=None,
+                           reward_errors=RewardErrors())
     score = RolloutCore.score(core, None, [1])
     return REFUSED if core.counters["reward_errors"] else score
 

@@ -49,25 +49,83 @@ def test_a_step_with_every_advantage_zero_says_no_update_once_per_streak_step_th
     assert [no_update_note(9, k, 0.0) is None for k in (3, 9, 11, 99, 1000)] == [True, True, True, True, False]
 
 
-def test_an_evaluation_reports_its_samples_done_and_time_left(tmp_path, monkeypatch):
+def test_a_resumed_run_goes_on_with_the_no_update_streak_its_metrics_log_ends_with(tmp_path):
+    """A streak that began before the interrupt is neither announced again nor restarted: steps 2-10
+    had every advantage 0, the run resumes at step 10, and step 11 is the streak's 10th step."""
+    from flash.app.summary import logged_no_update_streak
+
+    lines = [{"step": 1, "train/no_update": 0.0}] + [{"step": s, "train/no_update": 1.0} for s in range(2, 11)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines))
+    assert logged_no_update_streak(tmp_path) == 9
+    progress, _, written = _progress(start=10, streak=logged_no_update_streak(tmp_path))
+    for step in (11, 12):
+        progress.update({"step": step, "train/no_update": 1.0, "train/grad_norm": 0.0})
+    assert written == ["flash: step 11: no update: all groups had equal reward (every advantage 0) (10 steps in a row)"]
+    # a streak the last logged step ended, a step without the key, no log, a log edited by hand: 0
+    for tail in ([{"step": 11, "train/no_update": 0.0}], [{"step": 11}], [{"step": 11, "train/no_update": "x"}]):
+        (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines + tail))
+        assert logged_no_update_streak(tmp_path) == 0, tail
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "train/no_update": 1.0}\nnot json\n')
+    assert logged_no_update_streak(tmp_path) == 0 and logged_no_update_streak(tmp_path / "none") == 0
+
+
+def test_an_evaluation_reports_its_samples_done_and_time_left_then_its_scoring_count(tmp_path, monkeypatch):
     import flash.app.evaluation as ev
 
-    clock = iter([100.0, 104.0, 110.0, 112.0, 120.0])
+    clock = iter([100.0, 104.0, 110.0, 112.0, 114.0, 115.0, 120.0, 126.0, 127.0])
     monkeypatch.setattr(ev, "time", SimpleNamespace(monotonic=lambda: next(clock)))
     sample = SimpleNamespace(response_ids=[1], prompt_ids=[3], reward=1.0, finish_reason="stop")
 
-    def evaluate_samples(items, params, tag, seed, on_progress):
+    def evaluate_samples(items, params, tag, seed, on_progress, on_scored):
         for done in (2, len(items)):
             on_progress(done)
+        for done in (3, len(items)):
+            on_scored(done)
         return [sample] * len(items)
 
     sets = [EvalSet("a", [TaskItem(i, "q", "1") for i in range(2)], None), EvalSet("b", [TaskItem(0, "q", "1")], None)]
     notes: list[str] = []
     evaluate_sets(SimpleNamespace(evaluate_samples=evaluate_samples), sets, None, 4, 0, tmp_path, 0, str,
                   decode_prompt=str, on_progress=notes.append)
-    assert notes == ["eval 2/12 samples, ~20s left", "eval 8/12 samples, ~5s left", "eval 10/12 samples, ~2s left",
-                     "eval 12/12 samples, scoring"]
+    assert notes == ["eval 2/12 samples, ~20s left",  # 4 s for 2: 10 more at 2 s each
+                     "eval 8/12 samples, scoring 0/8, ~? left",  # set a generated (at 110 s), its scoring starts
+                     "eval 8/12 samples, scoring 3/8, ~3s left",  # 2 s for 3 of 8: 5 more at 0.67 s
+                     "eval 8/12 samples, scoring 8/8, ~0s left",
+                     "eval 10/12 samples, ~3s left",  # 15 s for 10 of all 12
+                     "eval 12/12 samples, scoring 0/4, ~? left",
+                     "eval 12/12 samples, scoring 3/4, ~2s left",  # 6 s for 3 of 4
+                     "eval 12/12 samples, scoring 4/4, ~0s left"]
     assert eval_note(0, 64, 3.0) == "eval 0/64 samples, ~? left"
+
+
+def test_a_set_scored_by_its_own_reward_in_the_driver_counts_its_scoring_too():
+    from flash.app.evaluation import EvalCount, _rescored
+
+    notes: list[str] = []
+    count = EvalCount(6, notes.append)
+    count.next_set(2)
+    count.next_set(4)  # the second set: 2 samples of the first before it
+    rewards = _rescored(lambda item, text: len(text), ["i"] * 4, ["a", "bb", "ccc", "x"], count, every_s=0.0)
+    assert rewards == [1.0, 2.0, 3.0, 1.0]
+    assert [n.rsplit(",", 1)[0] for n in notes] == [f"eval 6/6 samples, scoring {k}/4" for k in range(5)], notes
+
+
+def test_the_reward_threads_tell_an_evaluation_how_many_of_its_calls_are_done_while_they_run():
+    import threading
+
+    from controllers.reward_threads import RewardThreads
+
+    threads = RewardThreads(threading.Condition(), 3, lambda fn: fn)
+    release, told = threading.Event(), []
+    threading.Timer(0.3, release.set).start()
+    try:
+        out = threads.map(lambda x: x * 2 if x < 2 else release.wait(5) and x * 2, [0, 1, 2], on_done=told.append,
+                          every_s=0.02)
+    finally:
+        release.set()
+        threads.shutdown()
+    assert out == [0, 2, 4] and told[-1] == 3
+    assert 2 in told and told == sorted(told), told  # two were done while the third ran
 
 
 def test_eval_records_hold_the_whole_prompt_not_only_the_system_turn(tmp_path):
