@@ -9,7 +9,7 @@ does; ``old`` is ``buffers/wire.py`` as it is at ``--base`` (read with ``git sho
 this one), with the same ``check_values``, and its own ``Budget`` where it has one. Frames: a
 trajectory of one sample (16 prompt tokens, L response tokens; int32 ids, float32 logprobs, int32
 versions) sent as arrays or as lists, the default recipe's group (8 samples of 40 tokens, lists),
-and a group of 16 samples of 8,192 tokens (arrays; over ``buffers.frame_scan.FAST_BYTES``). Each repeat times ``--rounds`` decodes of
+and a group of 16 samples of 8,192 tokens (arrays; over ``flash.buffers.frame_scan.FAST_BYTES``). Each repeat times ``--rounds`` decodes of
 a frame with old and new in alternation (old, new, new, old, ...), so a change in the machine's
 load falls on both; times are this thread's CPU time; the report is the median µs per frame of each and the median per-repeat ratio
 old / new (below 1: the new checks cost more). The last line is JSON.
@@ -28,10 +28,10 @@ from pathlib import Path
 
 import numpy as np
 
-from buffers import wire
-from buffers.guard import ValueLimits, check_values
-from buffers.service import message_caps
-from buffers.types import Group, Sample
+from flash.buffers import wire
+from flash.buffers.guard import ValueLimits, check_values
+from flash.buffers.service import message_caps
+from flash.buffers.types import Group, Sample
 
 MAX_FRAME = 64 << 20
 

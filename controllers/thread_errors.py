@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from buffers import BufferClosed
+from flash.buffers import BufferClosed
 
 
 class ThreadErrors:

@@ -4,7 +4,7 @@ Why actors: a code reward spends seconds in sandboxes and a math reward in sympy
 not share the driver's GIL with the scheduler's threads, and it scales by adding workers.
 
 Failure is an outcome, never a crash: a reward function that raises scores 0.0 with
-reason ``error:<ExcType>``; one that returns no reward (``buffers.reward``: NaN, inf, a str, ...)
+reason ``error:<ExcType>``; one that returns no reward (``flash.buffers.reward``: NaN, inf, a str, ...)
 scores 0.0 with reason ``error:BadReward``; one that overruns ``timeout_s`` scores 0.0 with reason
 ``timeout``; one whose sandbox runs pass the response's deadline (``flash.rewards.deadline``: the
 sooner of ``response_deadline_s`` and ``timeout_s``; the run is killed at it) scores 0.0 with
@@ -38,8 +38,8 @@ from dataclasses import dataclass
 
 import ray
 
-from algos.registry import load_plugins
-from buffers.reward import BadReward, reward_value
+from flash.algos.registry import load_plugins
+from flash.buffers.reward import BadReward, reward_value
 from flash.errors import FlashError
 from flash.rewards.autoscale import (
     AutoscaleConfig,
@@ -67,7 +67,7 @@ class RewardResult:
 
 def _as_result(value, wall_s: float) -> RewardResult:
     """A scorer's return value (a number or a RewardResult) as a RewardResult; a value that is no
-    reward (``buffers.reward``: NaN, inf, a str, ...) scores 0.0 with reason ``error:BadReward``."""
+    reward (``flash.buffers.reward``: NaN, inf, a str, ...) scores 0.0 with reason ``error:BadReward``."""
     try:
         reward = reward_value(value.reward if isinstance(value, RewardResult) else value)
     except BadReward:

@@ -2,9 +2,9 @@
 -only ``TYPE_CHECKING`` blocks excepted) goes down the layers, and no two files or packages import
 each other, directly or round a loop.
 
-Layers, top to bottom: app (``flash.app``) → controllers → content (``recipes``) → components
+Layers, top to bottom: app (``flash.app``) → controllers → content (``flash.recipes``) → components
 (the rest of ``flash``: engine, train, weights, rewards, envs, tasks, and the shared modules at
-``flash/``'s top) → leaves (``buffers``, ``algos``, which import nothing of each other either).
+``flash/``'s top) → leaves (``flash.buffers``, ``flash.algos``, which import nothing of each other either).
 """
 
 from __future__ import annotations
@@ -147,7 +147,7 @@ def test_the_checks_can_fail():
     assert cycles(edges) == [["a", "b", "c"]]
     tree = ast.parse("def f():\n    import controllers.x\nif TYPE_CHECKING:\n    import flash.app.y\n")
     assert [a.name for n in _imports(tree) for a in n.names] == ["controllers.x"]
-    assert layer("flash.engine.client") < layer("controllers.scheduler") < layer("flash.app.runner")
+    assert layer("flash.engine.client") < layer("flash.controllers.scheduler") < layer("flash.app.runner")
     assert is_test_module("tests.unit.test_x") and is_test_module("tests.test_y")
     assert not is_test_module("tests.helpers.engine") and not is_test_module("flash.test_like")
 
