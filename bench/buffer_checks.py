@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import re
 import statistics
 import subprocess
 import sys
@@ -41,8 +42,10 @@ def old_wire(base: str):
     root = Path(__file__).resolve().parent.parent
     source = subprocess.run(["git", "show", f"{base}:buffers/wire.py"], cwd=root, check=True,
                             capture_output=True, text=True).stdout
+    source = re.sub(r"^from buffers\.", "from .", source, flags=re.M)  # a commit's bare imports, as its own package's
     spec = importlib.util.spec_from_loader("old_wire", loader=None)
     module = importlib.util.module_from_spec(spec)
+    module.__package__ = "flash.buffers"  # its relative imports: the current buffers' codec, types, ...
     sys.modules["old_wire"] = module
     exec(compile(source, f"{base}:buffers/wire.py", "exec"), module.__dict__)  # noqa: S102 - our own repository
     return module
