@@ -66,10 +66,11 @@ def test_no_module_imports_a_bare_name():
 
 
 def test_the_scan_sees_every_form_of_a_bare_import():
-    tree = ast.parse("import algos\nimport buffers.wire as w\nfrom controllers.x import y\nfrom recipes import t\n"
-                     "def f():\n    import algos.metrics\nfrom flash import algos\nfrom .types import Sample\n"
-                     "import flash.buffers.wire\nimport algosx\n")
-    assert bare_imports(tree) == ["algos", "buffers.wire", "controllers.x", "recipes", "algos.metrics"]
+    a, b, c, r = FOLDERS
+    tree = ast.parse(f"import {a}\nimport {b}.wire as w\nfrom {c}.x import y\nfrom {r} import t\n"
+                     f"def f():\n    import {a}.metrics\nfrom flash import {a}\nfrom .types import Sample\n"
+                     f"import flash.{b}.wire\nimport {a}x\n")
+    assert bare_imports(tree) == [a, f"{b}.wire", f"{c}.x", r, f"{a}.metrics"]
 
 
 def test_importing_the_entry_points_leaves_no_bare_module():
