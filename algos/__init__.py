@@ -5,12 +5,12 @@ takes the ``kl_coef`` / ``kl_estimator`` / ``entropy_coef`` add-ons. Aggregation
 seq-mean-token-mean, seq-mean-token-sum, seq-mean-token-sum-norm (``max_len``).
 Estimators (``compute_advantages``): grpo, dr_grpo, rloo, reinforce_pp (alias reinforce++), gae;
 every estimator also takes ``whiten`` and ``clip``.
-Corrections (``algos.corrections``, passed as ``corrections=[...]``): token_is, seq_is, geo_is,
+Corrections (``flash.algos.corrections``, passed as ``corrections=[...]``): token_is, seq_is, geo_is,
 icepop, m2po; they weight and mask tokens by pi_prox/pi_behav before any loss aggregates.
-Each loss declares the policy ratios it uses (``algos.offpolicy``); ``ratio_problem`` is the rule
+Each loss declares the policy ratios it uses (``flash.algos.offpolicy``); ``ratio_problem`` is the rule
 that refuses a ratio a setting makes identically 1, ``mismatch_metrics`` the one measure of how
 far prox is from behav. Metrics are tagged with how they combine over micro-batches and ranks
-(``algos.metrics``: mean, max, min, sum) and read on the host once per optimizer step.
+(``flash.algos.metrics``: mean, max, min, sum) and read on the host once per optimizer step.
 
 Plugins: ``@register_loss`` / ``@register_advantage`` / ``@register_correction`` in a user module
 named to ``load_plugins``, or a ``flash.losses`` / ``flash.advantages`` / ``flash.corrections``

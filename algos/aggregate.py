@@ -74,12 +74,12 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def masked_max(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """The largest ``x`` over ``mask`` (-inf when the mask is empty: ``algos.metrics`` reads 0)."""
+    """The largest ``x`` over ``mask`` (-inf when the mask is empty: ``flash.algos.metrics`` reads 0)."""
     return _extreme(x, mask, -torch.inf, torch.amax)
 
 
 def masked_min(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """The smallest ``x`` over ``mask`` (+inf when the mask is empty: ``algos.metrics`` reads 0)."""
+    """The smallest ``x`` over ``mask`` (+inf when the mask is empty: ``flash.algos.metrics`` reads 0)."""
     return _extreme(x, mask, torch.inf, torch.amin)
 
 
@@ -89,7 +89,7 @@ def _extreme(x: torch.Tensor, mask: torch.Tensor, empty: float, fn) -> torch.Ten
 
 def masked_stats(prefix: str, x: torch.Tensor, mask: torch.Tensor) -> dict[str, Metric]:
     """``{prefix/mean, prefix/max, prefix/min}`` of ``x`` over the positions where ``mask > 0``,
-    tagged (``algos.metrics``): a mean, a max and a min; all read 0 when the mask is empty."""
+    tagged (``flash.algos.metrics``): a mean, a max and a min; all read 0 when the mask is empty."""
     x, keep = x.detach(), mask > 0
     return {f"{prefix}/mean": mean(masked_mean(x, keep)), f"{prefix}/max": maximum(masked_max(x, keep)),
             f"{prefix}/min": minimum(masked_min(x, keep))}

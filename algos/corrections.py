@@ -6,7 +6,7 @@ metrics)`` over the detached log-ratio ``log ρ = prox_logp − behav_logp`` (ρ
 into the mask before aggregation, so a rejected token leaves the loss and its token count.
 ``algo.corrections: [{name: token_is, cap: 2.0}, ...]`` lists them; ``policy_loss`` applies them in
 order (weights multiply, masks AND). Every correction reads behav and prox (``RATIO``), which is
-why ``algo.recompute_prox`` must make prox differ from behav (``algos.offpolicy``).
+why ``algo.recompute_prox`` must make prox differ from behav (``flash.algos.offpolicy``).
 
 Why corrections are separate from losses: the engine's sampler and the trainer's forward differ
 (kernels, precision) even at the same weights, and stale samples differ more; the fix is the same
@@ -36,7 +36,7 @@ def register_correction(name: str, description: str | None = None, *,
                         check: Callable[[dict], None] | None = None) -> Callable:
     """Decorator for a user's correction, as the built-ins below are registered:
     ``fn(inputs, *, knob=default, ...) -> (weight [B, T], keep mask [B, T] (bool), metrics)``
-    (metrics: ``algos.metrics`` tagged values, or bare tensors and numbers, which are means),
+    (metrics: ``flash.algos.metrics`` tagged values, or bare tensors and numbers, which are means),
     reading π_prox/π_behav from ``inputs``. Named in ``algo.corrections`` like any
     other once its module is in ``plugins:`` (or a ``flash.corrections`` entry point)."""
     return CORRECTIONS.register(name, description, check=check)
@@ -170,7 +170,7 @@ def describe_corrections() -> list[dict[str, Any]]:
 def correction_metrics(inputs: LossInputs, weight: torch.Tensor,
                        keep: torch.Tensor) -> dict[str, Metric]:
     """The behav-prox mismatch of the step and what the corrections made of it: KL(behav‖prox)
-    by k1 = E[−log ρ] and k3 = E[ρ − 1 − log ρ] (``algos.offpolicy.mismatch_metrics``; tokens
+    by k1 = E[−log ρ] and k3 = E[ρ − 1 − log ρ] (``flash.algos.offpolicy.mismatch_metrics``; tokens
     sampled from behav), ρ's mean and max, and the effective sample size of the final weights,
     (Σw)² / (n Σw²) over the kept tokens. Means weighted as the loss's own metrics."""
     log_rho, m = _log_rho(inputs), inputs.mask

@@ -1,5 +1,5 @@
 """``LossInputs``: what every loss and every correction sees (its own module so that losses,
-corrections and the one caller, ``algos.policy``, import it without a cycle)."""
+corrections and the one caller, ``flash.algos.policy``, import it without a cycle)."""
 
 from __future__ import annotations
 

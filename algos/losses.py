@@ -1,9 +1,9 @@
 """Built-in policy losses. Each is a pure function returning per-token terms ``[B, T]``.
 
 Notation: sg = stop-gradient; r_x = exp(logp − x_logp) for x in {prox, behav}; A = advantage.
-Masking and aggregation happen once, in ``algos.policy_loss``; the add-ons (KL to a reference,
+Masking and aggregation happen once, in ``flash.algos.policy_loss``; the add-ons (KL to a reference,
 entropy bonus) are added there too. All metrics are over masked tokens, 0-dim tensors tagged with
-how they combine over micro-batches (``algos.metrics``: fractions are means, ``*/max`` a max).
+how they combine over micro-batches (``flash.algos.metrics``: fractions are means, ``*/max`` a max).
 
 Identity (pinned by the tests): when logp == prox_logp == behav_logp, ``ppo``, ``decoupled_ppo``,
 ``tis``, ``cispo``, ``topr`` (unit weights) and ``gspo`` all have the gradient of ``vanilla``,

@@ -14,7 +14,7 @@ Where prox comes from (``prox_source``, the controller's ``prox_mode``) makes tw
     behav     prox ≡ behav                              (recompute_prox never, or auto at r = 0)
     fused     prox ≡ current  iff one optimizer step per batch (sg(logp) of the forward; with several
               the trainer takes prox once at the start of the batch)
-    approx    never identical (an interpolation by version, algos.proximal)
+    approx    never identical (an interpolation by version, flash.algos.proximal)
     separate  prox ≡ current  iff one optimizer step per batch (the same weights, a second forward)
 
 Rule (``ratio_problem``): an ``"is"`` ratio between two identical policies is a no-op correction
@@ -98,7 +98,7 @@ def mismatch_metrics(behav_logp: torch.Tensor, prox_logp: torch.Tensor,
     (mean |behav − prox|), ``mismatch_max`` and ``mismatch_kl``, KL(behav‖prox) by the k3
     estimator E[ρ − 1 − log ρ] with log ρ = prox − behav (the tokens come from behav). Means over
     those tokens (weighted by their count when combined); none read when the mask is empty
-    (``algos.metrics``)."""
+    (``flash.algos.metrics``)."""
     m = mask.detach()
     log_rho = torch.where(m > 0, (prox_logp - behav_logp).detach(), torch.zeros_like(m))
     n = m.sum()

@@ -1,9 +1,9 @@
 """The policy-loss API: ``LossInputs``, the loss registry, ``resolve_loss`` and ``policy_loss``.
 
 A loss is a pure function ``fn(inputs: LossInputs, *, knob=default, ...) -> (per_token, metrics)``
-with ``per_token`` ``[batch, tokens]`` and metrics tagged with their reduction (``algos.metrics``;
+with ``per_token`` ``[batch, tokens]`` and metrics tagged with their reduction (``flash.algos.metrics``;
 a bare value is a mean). ``resolve_loss`` looks it up and checks the knobs once; the ``LossFn`` it
-returns adds the optional add-ons every loss takes, aggregates once (``algos.aggregate``) and
+returns adds the optional add-ons every loss takes, aggregates once (``flash.algos.aggregate``) and
 returns ``(loss, metrics)`` with tensor metrics, reading nothing on the host (the trainer's path).
 ``policy_loss`` is both in one call with the metrics as floats. Add-ons (knob names reserved):
 
@@ -45,7 +45,7 @@ def register_loss(name: str, description: str | None = None, *,
 
     Knobs and defaults come from the keyword-only parameters; ``description`` defaults to the
     docstring's first line; ``check(knobs)`` may raise ``ValueError`` for out-of-range values.
-    ``ratios`` declares the policy ratios the loss uses (``algos.offpolicy.Ratio``), or a function
+    ``ratios`` declares the policy ratios the loss uses (``flash.algos.offpolicy.Ratio``), or a function
     of its knobs (every knob, defaults filled) that returns them: ``flash losses`` shows which
     policies each loss reads, and the config refuses a ratio that a setting makes identically 1.
     None: undeclared (a plugin that says nothing is listed as such and never refused).
@@ -142,7 +142,7 @@ def _common_metrics(inputs: LossInputs) -> dict[str, Metric]:
 class LossFn:
     """A loss resolved once (``resolve_loss``): name, knobs and corrections checked, defaults
     filled. ``fn(inputs) -> (loss, metrics)``: ``loss`` a scalar tensor carrying gradient,
-    ``metrics`` tagged 0-dim tensors (``algos.metrics``); nothing is checked again and no value
+    ``metrics`` tagged 0-dim tensors (``flash.algos.metrics``); nothing is checked again and no value
     is read on the host."""
 
     name: str
@@ -151,7 +151,7 @@ class LossFn:
     addons: dict[str, Any]  # kl_coef, kl_estimator, entropy_coef
     agg: str
     agg_knobs: dict[str, Any]
-    corrections: tuple = ()  # resolved corrections (algos.corrections.resolve_corrections)
+    corrections: tuple = ()  # resolved corrections (flash.algos.corrections.resolve_corrections)
 
     def __call__(self, inputs: LossInputs) -> tuple[torch.Tensor, dict[str, Metric]]:
         weight: torch.Tensor | None = None
@@ -205,7 +205,7 @@ def policy_loss(name: str, inputs: LossInputs, agg: str = "token-mean",
     """Loss ``name`` on ``inputs``, plus the KL / entropy add-ons, aggregated with ``agg``
     (``resolve_loss(name, agg, **knobs)(inputs)`` with the metrics read as floats).
 
-    ``corrections=[{name, knobs...}, ...]`` (``algos.corrections``) reweight and mask the tokens
+    ``corrections=[{name, knobs...}, ...]`` (``flash.algos.corrections``) reweight and mask the tokens
     first: the loss sees the ANDed mask, its per-token terms are multiplied by the weights.
     Returns ``(loss, metrics)``: ``loss`` a scalar tensor carrying gradient, ``metrics`` a dict of
     floats (``loss``, ``pg_loss``, the loss's own clip / IS-weight stats, ratio stats,

@@ -12,7 +12,7 @@ through a bound of ``capacity`` items, and the consumer checks it got each promp
   (the controller beside the service: no second hop).
 - ``service_local_plain``: the same without CURVE (``buffer.auth=none``, plaintext on loopback):
   what authentication and encryption cost (``curve_cost``: plain over CURVE samples/s).
-- ``service_local_unchecked``: plaintext and the service's value checks (``buffers.guard``) off --
+- ``service_local_unchecked``: plaintext and the service's value checks (``flash.buffers.guard``) off --
   patched out in this process for that run, no setting can do it: what authentication and
   validation together cost (``auth_validation_cost``: unchecked over ``service_local``).
 - ``service_remote``: the same producers; the consumer is a ``RemoteSampleBuffer`` over TCP
@@ -43,8 +43,8 @@ import time
 import numpy as np
 import zmq
 
-from buffers.factory import BufferConfig
-from buffers.types import Group, Sample
+from flash.buffers.factory import BufferConfig
+from flash.buffers.types import Group, Sample
 
 SYSTEMS = ("service_local", "service_local_plain", "service_local_unchecked", "service_remote", "ray_queue",
            "zmq_bare", "zmq_bare_curve")
@@ -76,8 +76,8 @@ def payload_bytes(length: int) -> int:
 
 def producer_main(commands, results) -> None:
     """A producer process: for each command, connect, report ready, wait for go, send, report done."""
-    from buffers.client import BufferProducer
-    from buffers.wire import encode_group
+    from flash.buffers.client import BufferProducer
+    from flash.buffers.wire import encode_group
 
     ctx = zmq.Context()
     while True:
@@ -155,10 +155,11 @@ class Pool:
 
 def run_service(pool: Pool, length: int, n: int, capacity: int, batch: int, remote: bool,
                 knobs: dict, curve: bool = True, checked: bool = True) -> tuple[float, float]:
-    import buffers.service
-    from buffers.auth import ServiceKeys
-    from buffers.client import RemoteSampleBuffer
-    from buffers.service import BufferService
+    from flash import buffers
+    import flash.buffers.service  # noqa: F401  (loads it for the name above)
+    from flash.buffers.auth import ServiceKeys
+    from flash.buffers.client import RemoteSampleBuffer
+    from flash.buffers.service import BufferService
 
     if not checked:
         check_values, buffers.service.check_values = buffers.service.check_values, lambda *args: None
@@ -190,7 +191,7 @@ def run_service(pool: Pool, length: int, n: int, capacity: int, batch: int, remo
 
 def run_zmq_bare(pool: Pool, length: int, n: int, capacity: int, batch: int, curve: bool = False,
                  lists: bool = False) -> tuple[float, float]:
-    from buffers.auth import ServiceKeys
+    from flash.buffers.auth import ServiceKeys
 
     ctx = zmq.Context()
     sock = ctx.socket(zmq.PULL)
@@ -200,7 +201,7 @@ def run_zmq_bare(pool: Pool, length: int, n: int, capacity: int, batch: int, cur
     sock.bind("tcp://127.0.0.1:0")
     address = sock.getsockopt(zmq.LAST_ENDPOINT).decode()
 
-    from buffers.wire import encode_group
+    from flash.buffers.wire import encode_group
 
     size = len(encode_group(trajectory(0, length, template(length, lists))))  # what each producer sends
 

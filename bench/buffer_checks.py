@@ -9,7 +9,7 @@ does; ``old`` is ``buffers/wire.py`` as it is at ``--base`` (read with ``git sho
 this one), with the same ``check_values``, and its own ``Budget`` where it has one. Frames: a
 trajectory of one sample (16 prompt tokens, L response tokens; int32 ids, float32 logprobs, int32
 versions) sent as arrays or as lists, the default recipe's group (8 samples of 40 tokens, lists),
-and a group of 16 samples of 8,192 tokens (arrays; over ``buffers.frame_scan.FAST_BYTES``). Each repeat times ``--rounds`` decodes of
+and a group of 16 samples of 8,192 tokens (arrays; over ``flash.buffers.frame_scan.FAST_BYTES``). Each repeat times ``--rounds`` decodes of
 a frame with old and new in alternation (old, new, new, old, ...), so a change in the machine's
 load falls on both; times are this thread's CPU time; the report is the median µs per frame of each and the median per-repeat ratio
 old / new (below 1: the new checks cost more). The last line is JSON.
@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import re
 import statistics
 import subprocess
 import sys
@@ -28,10 +29,10 @@ from pathlib import Path
 
 import numpy as np
 
-from buffers import wire
-from buffers.guard import ValueLimits, check_values
-from buffers.service import message_caps
-from buffers.types import Group, Sample
+from flash.buffers import wire
+from flash.buffers.guard import ValueLimits, check_values
+from flash.buffers.service import message_caps
+from flash.buffers.types import Group, Sample
 
 MAX_FRAME = 64 << 20
 
@@ -41,8 +42,10 @@ def old_wire(base: str):
     root = Path(__file__).resolve().parent.parent
     source = subprocess.run(["git", "show", f"{base}:buffers/wire.py"], cwd=root, check=True,
                             capture_output=True, text=True).stdout
+    source = re.sub(r"^from buffers\.", "from .", source, flags=re.M)  # a commit's bare imports, as its own package's
     spec = importlib.util.spec_from_loader("old_wire", loader=None)
     module = importlib.util.module_from_spec(spec)
+    module.__package__ = "flash.buffers"  # its relative imports: the current buffers' codec, types, ...
     sys.modules["old_wire"] = module
     exec(compile(source, f"{base}:buffers/wire.py", "exec"), module.__dict__)  # noqa: S102 - our own repository
     return module

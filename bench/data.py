@@ -68,7 +68,7 @@ def take_cost(task, steps: int, batch: int) -> float:
 
 def child(path: str, steps: int, batch: int) -> dict:
     """One repeat, in a process of its own."""
-    from recipes.tasks import make_task
+    from flash.recipes.tasks import make_task
 
     from flash.data.files import datasets_module
 

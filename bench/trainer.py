@@ -28,7 +28,7 @@ import torch
 
 def make_batch(rows: int, vocab: int, seed: int = 0):
     """Rows like the default recipe's: prompt 12-28 tokens, response 4-48 with a long tail."""
-    from buffers import Sample
+    from flash.buffers import Sample
     from flash.train.batch import collate
 
     g = torch.Generator().manual_seed(seed)

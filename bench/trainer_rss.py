@@ -97,7 +97,7 @@ def recipe_batch(cfg, model_path: str):
     each (random ids), behaviour logprobs -1, and random advantages."""
     import torch
 
-    from buffers.types import Sample
+    from flash.buffers.types import Sample
     from flash.app.data import build_source, build_task, load_tokenizer
     from flash.train.batch import collate
 

@@ -7,7 +7,7 @@ reward), `trace` (a multi-turn sample's tokens as they are built).
 A leaf: imports nothing of the project; every layer above may import it.
 """
 
-from buffers.buffer import BufferClosed, SampleBuffer
-from buffers.types import Group, Sample
+from .buffer import BufferClosed, SampleBuffer
+from .types import Group, Sample
 
 __all__ = ["BufferClosed", "Group", "Sample", "SampleBuffer"]

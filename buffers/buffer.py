@@ -16,7 +16,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from buffers.types import Group
+from .types import Group
 
 Select = Callable[[list[Group]], list[int] | None]
 

@@ -26,13 +26,13 @@ import time
 import uuid
 from typing import Any
 
-from buffers.auth import ClientKeys
-from buffers.buffer import BufferClosed, Select, _oldest
-from buffers.producer import BufferProducer
-from buffers.rpc import BufferUnavailable, Rpc
-from buffers.store import GroupMeta
-from buffers.types import Group
-from buffers.wire import WireError, decode_group, unpack
+from .auth import ClientKeys
+from .buffer import BufferClosed, Select, _oldest
+from .producer import BufferProducer
+from .rpc import BufferUnavailable, Rpc
+from .store import GroupMeta
+from .types import Group
+from .wire import WireError, decode_group, unpack
 
 __all__ = ["BufferProducer", "BufferUnavailable", "RemoteSampleBuffer"]
 
@@ -42,7 +42,7 @@ class RemoteSampleBuffer:
 
     def __init__(self, address: str, max_frame_mb: float = 64.0, rpc_timeout_s: float = 10.0,
                  poll_ms: int = 1000, keys: ClientKeys | None = None, owner_token: bytes = b""):
-        """``keys``: the run's CURVE client keys (``buffers.auth``); ``owner_token``: the service
+        """``keys``: the run's CURVE client keys (``flash.buffers.auth``); ``owner_token``: the service
         owner's token, without which ``close`` and ``drain`` are refused."""
         self.address, self.max_frame_mb, self.keys, self._token = address, max_frame_mb, keys, owner_token
         self.max_frame_bytes = int(max_frame_mb * (1 << 20))

@@ -28,8 +28,8 @@ from typing import Any
 
 import numpy as np
 
-from buffers.reward import BadReward, reward_value
-from buffers.types import TOKEN_FIELDS, Group, Sample, TokenField
+from .reward import BadReward, reward_value
+from .types import TOKEN_FIELDS, Group, Sample, TokenField
 
 TOKEN = {f.name: f for f in TOKEN_FIELDS}
 ARRAY_KINDS = {"int": "iu", "float": "f", "bit": "iu"}  # NumPy dtype kinds whose tolist() is the field's kind
@@ -121,7 +121,7 @@ def sample_from_dict(d: Any, prompt_id: int, where: str = "sample") -> Sample:
 
 
 def _scalar(d: dict, key: str, where: str) -> Any:
-    if key == "reward":  # what counts as a reward is buffers.reward's to say
+    if key == "reward":  # what counts as a reward is flash.buffers.reward's to say
         try:
             return reward_value(d.get(key))
         except BadReward as exc:

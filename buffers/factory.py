@@ -7,7 +7,7 @@ other hosts do; ``service.address`` is what those producers connect to (``make_p
 one from this section).
 
 The producer knobs (``window``, ``batch_groups``, ``batch_kb``, ``linger_ms``) shape how a
-streaming producer batches its puts (see ``buffers.producer``). The driver's own proxy ignores
+streaming producer batches its puts (see ``flash.buffers.producer``). The driver's own proxy ignores
 ``window``: the scheduler must know a group is stored before it drops it from its pending list, so
 its puts are strict (one acknowledged round trip each) and never linger.
 """
@@ -18,12 +18,12 @@ import difflib
 from dataclasses import dataclass
 from typing import Literal, get_args
 
-from buffers.auth import AuthMode, ClientKeys, ServiceKeys, check_bind, new_owner_token
-from buffers.buffer import SampleBuffer
-from buffers.client import RemoteSampleBuffer
-from buffers.connections import ConnectionLimits
-from buffers.producer import BufferProducer
-from buffers.service import BufferService, message_caps
+from .auth import AuthMode, ClientKeys, ServiceKeys, check_bind, new_owner_token
+from .buffer import SampleBuffer
+from .client import RemoteSampleBuffer
+from .connections import ConnectionLimits
+from .producer import BufferProducer
+from .service import BufferService, message_caps
 
 Transport = Literal["local", "zmq"]  # buffer.transport
 TRANSPORTS: tuple[str, ...] = get_args(Transport)
@@ -49,7 +49,7 @@ class BufferConfig:
     linger_ms: float = 1.0  # zmq producer: a batch not yet full is sent after this wait (0 = at once)
 
     def __post_init__(self) -> None:
-        if self.transport not in TRANSPORTS:  # a leaf: its own matcher, not algos.registry's
+        if self.transport not in TRANSPORTS:  # a leaf: its own matcher, not flash.algos.registry's
             near = difflib.get_close_matches(self.transport, TRANSPORTS, n=1, cutoff=0.5)
             hint = f" (did you mean '{near[0]}'?)" if near else ""
             raise ValueError(f"buffer.transport must be one of: {', '.join(TRANSPORTS)} (got '{self.transport}'){hint}")

@@ -2,9 +2,9 @@
 
 An agent returns ``(reward, {"tool_calls": 3, "solved": True, "log": "..."})`` (an environment's
 last step returns its ``info``); the dict's numeric entries are the episode's facts. They ride in the sample's ``meta["facts"]`` (``Sample.facts``), so
-every encoding that carries a sample -- checkpoints (``buffers.codec``), the buffer service's wire
+every encoding that carries a sample -- checkpoints (``flash.buffers.codec``), the buffer service's wire
 -- carries them; each trained sample's ledger line lists them, and a step's metrics average each
-one over the step's trained samples that report it (``agent/<name>``, controllers.step_metrics).
+one over the step's trained samples that report it (``agent/<name>``, flash.controllers.step_metrics).
 
 ``clean_facts`` keeps a fact when its key is a metric-safe name (letters, digits, ``_ . -``; at most
 ``MAX_KEY_CHARS``) not taken by the agent workflow's own metrics (``RESERVED``), and its value a

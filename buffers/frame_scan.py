@@ -45,7 +45,7 @@ FAST_BYTES = MAX_VALUES  # a frame no larger holds no more values (each takes a 
 
 
 class FrameRefused(ValueError):
-    """A frame the scan refuses before decoding; ``reason`` is one of ``buffers.wire.REASONS``."""
+    """A frame the scan refuses before decoding; ``reason`` is one of ``flash.buffers.wire.REASONS``."""
 
     def __init__(self, reason: str, detail: str):
         super().__init__(f"{reason}: {detail}")

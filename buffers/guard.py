@@ -2,15 +2,15 @@
 
 - ``ProducerTable``: producer ids are issued by the service (``hello``), never chosen by a client,
   so a client cannot put under another's id or invent ids to get a group stored twice; the table
-  holds at most ``max_producers``, a client (its connection: ``buffers.service``) at most
+  holds at most ``max_producers``, a client (its connection: ``flash.buffers.service``) at most
   ``per_client``, and a producer silent for ``expire_s`` gives its slot to a new one (its next put
   is refused as ``unknown_producer``). A full table takes room from the client holding the most
   ids first, so hellos from one client never lock out another's first producer.
 - ``SeenPrompts``: the last ``limit`` prompt ids stored; a group of a prompt already stored is
   refused (a group replayed by another producer is not a second group). A run admits each prompt
-  id once (``controllers.scheduler``), so a legitimate producer never meets it.
+  id once (``flash.controllers.scheduler``), so a legitimate producer never meets it.
 - ``ValueLimits`` / ``check_values``: what a decoded group may hold beyond its schema (which
-  ``buffers.wire`` checks): finite rewards and logprobs, versions in [0, the policy's version],
+  ``flash.buffers.wire`` checks): finite rewards and logprobs, versions in [0, the policy's version],
   token ids in [0, vocab), loss masks of 0/1, bounded lengths and sample counts.
 """
 
@@ -23,9 +23,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from buffers.reward import BadReward, reward_value
-from buffers.types import Group
-from buffers.wire import WireError
+from .reward import BadReward, reward_value
+from .types import Group
+from .wire import WireError
 
 
 class ProducerTable:

@@ -33,11 +33,11 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from buffers.auth import ClientKeys
-from buffers.buffer import BufferClosed
-from buffers.rpc import BufferUnavailable, Rpc
-from buffers.types import Group
-from buffers.wire import REASONS, WireError, encode_group
+from .auth import ClientKeys
+from .buffer import BufferClosed
+from .rpc import BufferUnavailable, Rpc
+from .types import Group
+from .wire import REASONS, WireError, encode_group
 
 log = logging.getLogger(__name__)
 

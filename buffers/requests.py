@@ -1,7 +1,7 @@
 """The buffer service's requests: each op's fields and their types, checked before it is served.
 
 Every request is a msgpack map with ``op`` and exactly the fields ``OPS`` lists for it, each of
-its type (a bool is not an int); a put's groups follow as further parts (``buffers.service``).
+its type (a bool is not an int); a put's groups follow as further parts (``flash.buffers.service``).
 ``client_of`` says who sent it.
 """
 
@@ -11,7 +11,7 @@ from typing import Any
 
 import zmq
 
-from buffers.wire import WireError
+from .wire import WireError
 
 OPS: dict[str, dict[str, type]] = {
     "put": {"rid": int, "producer": str, "seq": int},  # + the groups' frames, one part each

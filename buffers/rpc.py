@@ -7,8 +7,8 @@ import time
 
 import zmq
 
-from buffers.auth import ClientKeys
-from buffers.wire import WireError, pack, unpack
+from .auth import ClientKeys
+from .wire import WireError, pack, unpack
 
 
 class BufferUnavailable(ConnectionError):

@@ -18,34 +18,34 @@ Requests (all msgpack maps with ``op`` and ``rid``; the reply echoes ``rid``):
     take        {keys, consumer, tid}         -> ok + the groups' frames | missing (all or none);
                                                  the same (consumer, tid) again replays the answer
     hello                                     -> ok + a producer id issued by the service (puts
-                                                 carry it; ``buffers.guard.ProducerTable``)
-    drain / close  {token}                    -> only with the owner's token (``buffers.auth``)
+                                                 carry it; ``flash.buffers.guard.ProducerTable``)
+    drain / close  {token}                    -> only with the owner's token (``flash.buffers.auth``)
     stats
 
 Exactly once, in order: each group of a put carries ``(producer, seq)``; a ``seq`` not above the
 last one decided for that producer is a retry (``duplicate``: acknowledged, not stored again), one
 past the next expected is refused (``gap``: an earlier group was refused, and the producer resends
-from there; see ``buffers.producer``). A group the schema refuses is answered
+from there; see ``flash.buffers.producer``). A group the schema refuses is answered
 ``rejected_<reason>`` and its seq counts as decided, so the groups after it in the batch are still
 stored. Once a group of a batch is refused with ``gap``, ``full`` or ``closed``, the rest of the
 batch gets the same answer (they would have to wait for it anyway). Backpressure: a put on a full
 buffer is answered ``full`` and the producer parks a ``wait_space`` request, answered the moment a
 take frees room.
 
-Hostile input: with CURVE (``buffers.auth``) only the run's clients get a frame in at all;
+Hostile input: with CURVE (``flash.buffers.auth``) only the run's clients get a frame in at all;
 libzmq drops a peer whose part exceeds ``max_message_bytes`` (MAXMSGSIZE) before it is buffered;
 a message whose parts together exceed it is refused unparsed (each group of a put answered
 ``rejected_oversized_message``); every frame is size-checked before it is parsed, and known whole
 and within the message's ``Budget`` of ``max_decoded_bytes`` before msgpack builds anything
-(``buffers.frame_scan``; ``rejected_oversized_decoded``: a refused frame costs a walk over its bytes),
-schema-checked (``buffers.wire``) and value-checked (``buffers.guard``: finite, versions in range,
+(``flash.buffers.frame_scan``; ``rejected_oversized_decoded``: a refused frame costs a walk over its bytes),
+schema-checked (``flash.buffers.wire``) and value-checked (``flash.buffers.guard``: finite, versions in range,
 token ids in the vocabulary); a prompt already stored is refused whoever replays it; a client
 (its connection) holds at most ``producers_per_client`` producer ids; long-polls wait at most
 ``MAX_WAIT_MS`` and each client parks at most ``max_waiters_per_client``. A refused frame is
 answered ``rejected`` with its reason, counted under ``rejected_<reason>``, and the service goes
 on serving. libzmq itself holds a multipart message's parts until its last arrives (each part
 bounded, their count not): the caps bound what the service builds from a message, not that.
-Connections are bounded too (``buffers.connections``: a cap in all and per host, the least
+Connections are bounded too (``flash.buffers.connections``: a cap in all and per host, the least
 recently active giving way, the idle and the never-handshaken closed, each counted).
 """
 
@@ -62,15 +62,15 @@ from dataclasses import dataclass
 
 import zmq
 
-from buffers.auth import ServiceKeys
-from buffers.buffer import BufferClosed
-from buffers.connections import COUNTERS as CONNECTION_COUNTERS
-from buffers.connections import ConnectionLimits, Connections, fit_caps
-from buffers.guard import ProducerTable, SeenPrompts, ValueLimits, check_values
-from buffers.store import KeyedSampleBuffer
-from buffers.types import Group
-from buffers.requests import check_request, client_of, request_rid
-from buffers.wire import REASONS, Budget, WireError, decode_group, pack, unpack
+from .auth import ServiceKeys
+from .buffer import BufferClosed
+from .connections import COUNTERS as CONNECTION_COUNTERS
+from .connections import ConnectionLimits, Connections, fit_caps
+from .guard import ProducerTable, SeenPrompts, ValueLimits, check_values
+from .store import KeyedSampleBuffer
+from .types import Group
+from .requests import check_request, client_of, request_rid
+from .wire import REASONS, Budget, WireError, decode_group, pack, unpack
 
 log = logging.getLogger(__name__)
 

@@ -18,8 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from buffers.buffer import BufferClosed, SampleBuffer, Select
-from buffers.types import Group
+from .buffer import BufferClosed, SampleBuffer, Select
+from .types import Group
 
 
 class GroupMeta(NamedTuple):
@@ -120,7 +120,7 @@ class KeyedSampleBuffer(SampleBuffer):
 
         ``closed_ok``: ``drain`` empties a closed buffer too (as SampleBuffer.drain does).
         """
-        from buffers.wire import encode_group
+        from .wire import encode_group
 
         with self._cond:
             if self._closed and not closed_ok:

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from buffers.types import Sample
+from .types import Sample
 
 
 @dataclass

@@ -44,7 +44,7 @@ class Sample:
 
     @property
     def facts(self) -> dict[str, float]:
-        """The numbers its agent reported beside the reward (``meta["facts"]``, buffers.facts; {}
+        """The numbers its agent reported beside the reward (``meta["facts"]``, flash.buffers.facts; {}
         for none): meta carries them through every encoding of a sample."""
         return self.meta.get("facts", {})
 
@@ -70,8 +70,8 @@ class TokenField:
         return float if self.kind == "float" else int
 
 
-# Every per-token field of a Sample, in the order every encoding lists them (buffers.wire,
-# buffers.codec); ``response_ids`` comes before the fields whose length it fixes.
+# Every per-token field of a Sample, in the order every encoding lists them (flash.buffers.wire,
+# flash.buffers.codec); ``response_ids`` comes before the fields whose length it fixes.
 TOKEN_FIELDS = (
     TokenField("prompt_ids", "int", along="prompt"),
     TokenField("response_ids", "int"),

@@ -15,7 +15,7 @@ key strings repeated in every frame):
               prompt_ids, response_ids, behav_logprobs, versions, loss_mask]
     array  = [dtype, shape, data, was_list]      e.g. ["<i4", [1024], <4096 bytes>, false]
 
-A sample's arrays are its per-token fields, ``buffers.types.TOKEN_FIELDS`` in order; a field's
+A sample's arrays are its per-token fields, ``flash.buffers.types.TOKEN_FIELDS`` in order; a field's
 ``kind`` picks the dtypes it may travel as (``KIND_DTYPES``). An optional field may be nil:
 ``loss_mask`` nil is every response token trained on, else it is an array of 0/1 as uint8, one per
 response token (an array comes back as uint8 whatever integer dtype it had, a list as a list): a
@@ -43,9 +43,9 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from buffers.codec import to_array, to_list
-from buffers.frame_scan import MAX_ARRAY, FrameRefused, Tally, frame_cost
-from buffers.types import TOKEN_FIELDS, Group, Sample, TokenField
+from .codec import to_array, to_list
+from .frame_scan import MAX_ARRAY, FrameRefused, Tally, frame_cost
+from .types import TOKEN_FIELDS, Group, Sample, TokenField
 
 # Every way a frame can be refused; the service keeps a counter per name.
 REASONS = ("oversized", "multipart", "truncated", "malformed", "extra_data", "bad_type", "bad_schema",
@@ -78,7 +78,7 @@ class Budget:
     """The bytes of Python objects one message may decode to (``oversized_decoded`` past ``limit``).
 
     Each charge comes before what it pays for is built (a frame's values from its size or its
-    headers, ``buffers.frame_scan``; a group's lists and runs from its arrays' lengths): a frame's
+    headers, ``flash.buffers.frame_scan``; a group's lists and runs from its arrays' lengths): a frame's
     cost in memory is checked before it is decoded, never after."""
 
     __slots__ = ("limit", "spent")
@@ -196,7 +196,7 @@ def _narrow(arr: np.ndarray) -> np.ndarray:
 
 
 def _list_array(value: Any, f: TokenField) -> np.ndarray:
-    """A list → int64 / float64 without silent conversion (``buffers.codec.to_array``)."""
+    """A list → int64 / float64 without silent conversion (``flash.buffers.codec.to_array``)."""
     try:
         return to_array(value, f)
     except (TypeError, ValueError, OverflowError) as exc:
@@ -232,7 +232,7 @@ def _check_meta(value: Any, where: str, depth: int) -> None:
 
 def unpack(frame: bytes | memoryview, max_bytes: int, budget: Budget | None = None) -> Any:
     """One frame → plain msgpack values, or a WireError naming why not; ``budget``: charged with
-    the most its values may take in memory, before anything is decoded (``buffers.frame_scan``:
+    the most its values may take in memory, before anything is decoded (``flash.buffers.frame_scan``:
     a refused frame costs a walk over its bytes, never its values)."""
     if len(frame) > max_bytes:
         raise WireError("oversized", f"{len(frame)} bytes > limit {max_bytes}")
@@ -242,7 +242,7 @@ def unpack(frame: bytes | memoryview, max_bytes: int, budget: Budget | None = No
         raise WireError(exc.reason, exc.detail) from None
     tally = Tally(len(frame)) if charge is None and budget is not None else None
     hooks = {} if tally is None else {"list_hook": tally.on_list, "object_hook": tally.on_map}
-    # the frame is whole and within the room (buffers.frame_scan): msgpack's limits are a second line
+    # the frame is whole and within the room (flash.buffers.frame_scan): msgpack's limits are a second line
     items = min(max(len(frame), 1), MAX_ARRAY)
     try:
         value = msgpack.unpackb(frame, raw=False, strict_map_key=True, ext_hook=_refuse_ext,
@@ -295,7 +295,7 @@ def _decode_sample(raw: Any, group_id: int, budget: Budget | None) -> tuple[Samp
     prompt_id, index, reward, finish, admitted, meta, *parts = _fields(raw, SAMPLE_FIELDS, "sample")
     if prompt_id != group_id:
         raise WireError("bad_schema", f"sample of prompt {prompt_id} in group {group_id}")
-    values: dict[str, Any] = {}  # per-token arrays, where Sample declares lists (buffers.types: either)
+    values: dict[str, Any] = {}  # per-token arrays, where Sample declares lists (flash.buffers.types: either)
     lists: list[TokenField] = []
     for part, f in zip(parts, TOKEN_FIELDS):
         if part is None:  # an optional field left out (the schema allows nil for no other)

@@ -12,5 +12,5 @@
   admission policy on the core; ``episode_runtime``: the core running environment episodes;
 
 Imported by the app (``flash.app``); imports components (engine, train, weights, rewards, envs,
-tasks) and leaves (``buffers``, ``algos``), never ``flash.app``.
+tasks) and leaves (``flash.buffers``, ``flash.algos``), never ``flash.app``.
 """

@@ -1,6 +1,6 @@
 """Admission: which prompts start, and when.
 
-``Admission`` is a part of the scheduler core (``controllers.scheduler.RolloutCore``) that owns
+``Admission`` is a part of the scheduler core (``flash.controllers.scheduler.RolloutCore``) that owns
 the admission state: the policy version, how many prompts were admitted (the next prompt id), the
 data position in the task's prompt stream, the admission waves, and the accounting of trainable
 groups and spares (``Provisioning``, which asks the staleness bound of ``controllers/staleness.py``
@@ -21,8 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from controllers.provisioning import Provisioning
-from controllers.staleness import StalenessManager
+from .provisioning import Provisioning
+from .staleness import StalenessManager
 
 
 @dataclass

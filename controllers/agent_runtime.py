@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import functools
 
-from buffers import Sample, SampleBuffer
-from controllers.admission import PromptSource
-from controllers.filters import FilterConfig
-from controllers.scheduler import RolloutCore
-from controllers.staleness import StalenessManager
-from controllers.workflows.agent import Agents
+from flash.buffers import Sample, SampleBuffer
+from .admission import PromptSource
+from .filters import FilterConfig
+from .scheduler import RolloutCore
+from .staleness import StalenessManager
+from .workflows.agent import Agents
 from flash.engine.base import SamplingParams
 
 

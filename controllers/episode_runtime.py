@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 
-from buffers import SampleBuffer
-from controllers.admission import PromptSource
-from controllers.filters import FilterConfig
-from controllers.scheduler import RolloutCore
-from controllers.staleness import StalenessManager
-from controllers.workflows.episode import EpisodeCodec, Episodes
+from flash.buffers import SampleBuffer
+from .admission import PromptSource
+from .filters import FilterConfig
+from .scheduler import RolloutCore
+from .staleness import StalenessManager
+from .workflows.episode import EpisodeCodec, Episodes
 from flash.engine.base import SamplingParams
 from flash.errors import ConfigError
 

@@ -4,7 +4,7 @@ A GRPO-style advantage is ``reward - mean(group)``: a group whose ``n`` rewards 
 zero advantage on every token, so training on it spends compute and shrinks the effective batch
 (DAPO §3.2). ``filter_reason`` names the first rule a group breaks, in a fixed order, so that every
 filtered group is counted under exactly one rule (``rollout/filtered/<rule>``, a ledger line with
-the rule). The scheduler frees the group's admission slot (``controllers.provisioning``) so the
+the rule). The scheduler frees the group's admission slot (``flash.controllers.provisioning``) so the
 batch is filled by another prompt rather than trained short.
 
 Rules (each off by default; several may be on):

@@ -1,7 +1,7 @@
 """In-flight tracking: the prompts the scheduler core has started and not yet handed on, and the
 evaluation units not yet answered.
 
-``InFlight`` is a part of ``controllers.scheduler.RolloutCore``. A pending prompt (``Pending``)
+``InFlight`` is a part of ``flash.controllers.scheduler.RolloutCore``. A pending prompt (``Pending``)
 keeps what its units are built from (item, data index, admission version, length cap, meta) and
 what came back so far (the indices of its finished requests, their scored samples, a spare's
 parked group). ``units`` builds a prompt's units with their seeds; ``first_output`` tells a unit's
@@ -16,8 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from buffers import Group, Sample
-from controllers.workflows.base import Unit, parse_request_id, request_id, request_seed
+from flash.buffers import Group, Sample
+from .workflows.base import Unit, parse_request_id, request_id, request_seed
 from flash.engine.base import GenerationOutput, SamplingParams
 
 

@@ -1,7 +1,7 @@
 """Per-sample lifecycle: every request the scheduler makes is in exactly one state at any time.
 
     admitted → generating → scoring → buffered → trained
-                   │            ├──→ filtered(rule)      (its whole group, controllers.filters)
+                   │            ├──→ filtered(rule)      (its whole group, flash.controllers.filters)
                    └────────────┴──→ aborted(reason)     (redundant | surplus)
 
 - *admitted*: the request is built (a prompt's ``n + redundancy`` requests at once);
@@ -32,7 +32,7 @@ import threading
 from collections import Counter
 from typing import Any, Iterable
 
-from controllers.filters import RULES
+from .filters import RULES
 
 STATES = ("admitted", "generating", "scoring", "buffered", "trained", "filtered", "aborted")
 ABORT_REASONS = ("redundant", "surplus")  # why a sample ends aborted (rollout/aborted/<reason>)

@@ -28,7 +28,7 @@ counted (``rollout/aborted/surplus``): over-provisioning trades that compute for
 
 from __future__ import annotations
 
-from controllers.staleness import StalenessManager
+from .staleness import StalenessManager
 
 
 class Provisioning:

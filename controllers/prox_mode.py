@@ -10,10 +10,10 @@ from __future__ import annotations
 from typing import Literal, get_args
 
 # auto: recompute only when samples may be off-policy; always: a forward of its own; never: behav;
-# approx: AReaL's interpolation between behav and current by version (algos.proximal)
+# approx: AReaL's interpolation between behav and current by version (flash.algos.proximal)
 RecomputeProx = Literal["auto", "always", "never", "approx"]
 # behav (prox = behaviour), fused (in the train forward), separate (its own forward and phase),
-# approx (interpolated in the train forward, algos.proximal)
+# approx (interpolated in the train forward, flash.algos.proximal)
 ProxSource = Literal["behav", "fused", "separate", "approx"]
 PROX_SOURCES: tuple[str, ...] = get_args(ProxSource)
 
@@ -26,7 +26,7 @@ def prox_mode(mode: RecomputeProx, async_ratio: float) -> ProxSource:
     is fused into the train forward (exact with one optimizer step per batch, one forward saved).
     ``always``: a separate forward before the step (its own timed phase). ``never``: behav.
     ``approx``: AReaL's interpolation between behav and the current policy by token version, in the
-    train forward (``algos.proximal``; no recompute at all).
+    train forward (``flash.algos.proximal``; no recompute at all).
     """
     if mode == "auto":
         return "fused" if async_ratio > 0 else "behav"

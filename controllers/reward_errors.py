@@ -1,6 +1,6 @@
 """Reward errors in a row, per reward, and the stop of a run whose reward fails on every response.
 
-A reward error is a response whose reward raised or returned no reward (``buffers.reward``), in the
+A reward error is a response whose reward raised or returned no reward (``flash.buffers.reward``), in the
 scheduler's reward threads or in a reward worker (``RewardRaised``); it scores 0 and is counted
 (``reward_errors`` in the run's counters and ``summary.json``, ``reward/errors`` in every step's
 metrics). ``RewardErrors`` also counts each reward's errors in a row over the training responses
@@ -15,7 +15,7 @@ total is, in the counters): a resumed run's streaks start at 0.
 
 from __future__ import annotations
 
-from buffers.reward import error_text, reward_value
+from flash.buffers.reward import error_text, reward_value
 from flash.errors import FlashError, RewardsFailing
 from flash.rewards.deadline import RewardDeadline, score_within
 
@@ -43,7 +43,7 @@ class RewardErrors:
         self._in_a_row.pop(_chosen(item), None)
 
     def failed(self, item, error: str) -> str | None:
-        """A training response whose reward failed with ``error`` (``buffers.reward.error_text``);
+        """A training response whose reward failed with ``error`` (``flash.buffers.reward.error_text``);
         the line that stops the run when that reward has now failed ``limit`` times in a row."""
         key = _chosen(item)
         n = self._in_a_row[key] = self._in_a_row.get(key, 0) + 1
@@ -63,7 +63,7 @@ class RewardErrors:
 def score_response(core, item, token_ids: list[int], training: bool = True) -> float:
     """Reward of one response by ``core`` (the ``RolloutCore``: its source's reward and decoder,
     lock, counters, ``reward_errors`` and ``reward_deadline_s``). A reward function that raises or
-    returns no reward (NaN, inf, anything ``buffers.reward`` refuses; in a reward worker,
+    returns no reward (NaN, inf, anything ``flash.buffers.reward`` refuses; in a reward worker,
     ``RewardRaised``) scores 0 and is counted (a NaN reward makes its group's advantages, and so the
     whole step's loss, NaN: the step would be skipped with every group in it); a ``training``
     response's error also counts in its reward's streak, which stops the run at the limit

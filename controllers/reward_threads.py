@@ -4,7 +4,7 @@ taken from the engine is filed (``RolloutCore.quiesce``).
 
 ``submit`` is called under the core's lock (the condition ``lock``); a job's end takes that lock to
 count itself done and notifies its waiters. Every job runs under the core's thread guard
-(``controllers.thread_errors``). ``map`` scores an evaluation's units concurrently on the same
+(``flash.controllers.thread_errors``). ``map`` scores an evaluation's units concurrently on the same
 threads, its results in order, telling ``on_done`` how many are done about once a second.
 """
 

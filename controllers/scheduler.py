@@ -1,10 +1,10 @@
 """The rollout scheduler core: admits prompts under the staleness bound and turns finished units
-into groups, for every workflow (``controllers.workflows``: single-turn, episodes, agent runs).
+into groups, for every workflow (``flash.controllers.workflows``: single-turn, episodes, agent runs).
 
 ``RolloutCore`` is composed of parts that each own their state, all guarded by the core's lock:
-``admission`` (``controllers.admission``: version, admissions, data position, waves, counted groups
-and spares), ``inflight`` (``controllers.inflight``: pending prompts, their units and seeds, outputs
-taken, evaluation units) and ``outcomes`` (``controllers.lifecycle``: the lifecycle of every sample,
+``admission`` (``flash.controllers.admission``: version, admissions, data position, waves, counted groups
+and spares), ``inflight`` (``flash.controllers.inflight``: pending prompts, their units and seeds, outputs
+taken, evaluation units) and ``outcomes`` (``flash.controllers.lifecycle``: the lifecycle of every sample,
 its ledger events, the run counters). A checkpoint's state is theirs (``state_dict``).
 
 Three kinds of threads, all in the driver:
@@ -13,13 +13,13 @@ Three kinds of threads, all in the driver:
 - *collector*: pulls outputs from the engine and routes them through the workflow; a unit that
   finished (a response; an episode, handed to ``deliver`` by the thread that ended it) moves on;
   once ``n`` of a prompt's units finished the rest are cancelled (``aborted(redundant)``);
-- *reward threads* (``controllers.reward_threads``): turn each finished unit into a scored sample
+- *reward threads* (``flash.controllers.reward_threads``): turn each finished unit into a scored sample
   as soon as it arrives (queue scheduling) -- or, with ``queue_scheduling=False``, once its admission wave finished generating
-  (``WaveGate``). A group's ``n`` scored samples pass the filters (``controllers.filters``) into
+  (``WaveGate``). A group's ``n`` scored samples pass the filters (``flash.controllers.filters``) into
   the SampleBuffer, or are filtered and free their slot; a spare's group waits for a slot.
-Each runs under ``controllers.thread_errors``: an error in one is re-raised in the controller.
+Each runs under ``flash.controllers.thread_errors``: an error in one is re-raised in the controller.
 
-Every sample moves through ``controllers.lifecycle`` (admitted → generating → scoring → buffered |
+Every sample moves through ``flash.controllers.lifecycle`` (admitted → generating → scoring → buffered |
 filtered | aborted → trained), and every admitted prompt is in exactly one place at any time: in
 flight here, in the buffer, trained, filtered or aborted -- docs/design.md invariant 5. Request seeds
 depend only on (run seed, prompt id, request index), never on timing.
@@ -32,18 +32,18 @@ import threading
 import time
 from typing import Any, Callable
 
-from buffers import Group, SampleBuffer
-from controllers.admission import Admission, PromptSource
-from controllers.filters import FilterConfig, filter_reason
-from controllers.inflight import InFlight, Pending
-from controllers.lifecycle import Lifecycle, Outcomes
-from controllers.provisioning import WaveGate
-from controllers.reward_errors import RewardErrors, score_response
-from controllers.reward_threads import RewardThreads
-from controllers.staleness import StalenessManager
-from controllers.thread_errors import ThreadErrors
-from controllers.workflows.base import Service, Unit, Workflow, parse_request_id, request_id, request_seed
-from controllers.workflows.single_turn import SingleTurn
+from flash.buffers import Group, SampleBuffer
+from .admission import Admission, PromptSource
+from .filters import FilterConfig, filter_reason
+from .inflight import InFlight, Pending
+from .lifecycle import Lifecycle, Outcomes
+from .provisioning import WaveGate
+from .reward_errors import RewardErrors, score_response
+from .reward_threads import RewardThreads
+from .staleness import StalenessManager
+from .thread_errors import ThreadErrors
+from .workflows.base import Service, Unit, Workflow, parse_request_id, request_id, request_seed
+from .workflows.single_turn import SingleTurn
 from flash.engine.base import GenerationOutput, SamplingParams
 from flash.engine.client import EngineClient
 
@@ -65,7 +65,7 @@ class RolloutCore:
         if redundancy < 0:
             raise ValueError(f"redundancy must be >= 0, got {redundancy}")
         if not isinstance(workflow, Workflow) or not isinstance(workflow, Service):
-            raise TypeError(f"{type(workflow).__name__} is not a Workflow (controllers.workflows.base)")
+            raise TypeError(f"{type(workflow).__name__} is not a Workflow (flash.controllers.workflows.base)")
         self.workflow, self.source, self.buffer, self.n = workflow, source, buffer, n
         self.inject_delay_s, self.filters = inject_delay_s, filters or FilterConfig()
         self.reward_deadline_s = reward_deadline_s  # one response's scoring, all its tests (None: none)
@@ -473,13 +473,13 @@ class RolloutCore:
         self.buffer.wake()
 
     def score(self, item, token_ids: list[int], training: bool = True) -> float:
-        """Reward of one response (``controllers.reward_errors.score_response``: a reward that fails
+        """Reward of one response (``flash.controllers.reward_errors.score_response``: a reward that fails
         scores 0 and is counted; one failing on every training response stops the run)."""
         return score_response(self, item, token_ids, training)
 
 
 class RolloutScheduler(RolloutCore):
-    """The core running the single-turn workflow (``controllers.workflows.single_turn``)."""
+    """The core running the single-turn workflow (``flash.controllers.workflows.single_turn``)."""
 
     def __init__(self, engine, source: PromptSource, buffer: SampleBuffer, staleness: StalenessManager,
                  params: SamplingParams, n: int, seed: int, *args, **kwargs):

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from buffers.facts import facts_means
+from flash.buffers.facts import facts_means
 from flash.train.batch import TrainBatch
 from flash.usage import IdleMeter
 
@@ -34,7 +34,7 @@ def assemble(*sources: Mapping[str, float]) -> Metrics:
     return out
 
 
-MISMATCH = ("mismatch_mean", "mismatch_max", "mismatch_kl")  # algos.mismatch_metrics
+MISMATCH = ("mismatch_mean", "mismatch_max", "mismatch_kl")  # flash.algos.mismatch_metrics
 
 
 def trainer_metrics(train: Mapping[str, Any]) -> Metrics:
@@ -66,7 +66,7 @@ def batch_metrics(t: int, samples: Sequence, batch: TrainBatch) -> Metrics:
 
 
 def facts_metrics(samples: Sequence) -> Metrics:
-    """Each fact an agent reported (``Sample.facts``, buffers.facts), averaged over the step's
+    """Each fact an agent reported (``Sample.facts``, flash.buffers.facts), averaged over the step's
     trained samples that report it: ``agent/<name>``."""
     return facts_means(s.facts for s in samples)
 

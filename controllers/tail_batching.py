@@ -1,13 +1,13 @@
 """Tail batching as a rollout-scheduler mode (``rollout.scheduler: tail_batching``).
 
-The rules (threshold, long-round trigger) are in ``controllers.tail_policy``; this subclass of
+The rules (threshold, long-round trigger) are in ``flash.controllers.tail_policy``; this subclass of
 ``RolloutScheduler`` applies them to admission and collection:
 
 - a *round* is everything admitted while the policy is at one version (with ``async_ratio = 0``,
   exactly one train batch). At each version the round is *long* if the long-prompt queue is due
   (``long_round_due``), else *short*;
 - a short round admits its ``B`` prompts as usual plus ``ceil((over_provision - 1) * B)`` spares
-  (``controllers.provisioning``: spares do not count against the staleness bound), every request
+  (``flash.controllers.provisioning``: spares do not count against the staleness bound), every request
   capped at the threshold (``max_new_tokens = cap``: the engine stops it there);
 - a response that reaches the cap ends its whole group: the group's other requests are aborted in
   the engine, every live sample ends ``aborted(tail_cut)`` (one ledger event with ``why``:
@@ -35,12 +35,12 @@ from __future__ import annotations
 import math
 from collections import deque
 
-from buffers import Group
-from controllers.workflows.base import parse_request_id
-from controllers.filters import filter_reason
-from controllers.inflight import Pending
-from controllers.scheduler import RolloutScheduler
-from controllers.tail_policy import LengthThreshold, TailConfig, long_round_due
+from flash.buffers import Group
+from .workflows.base import parse_request_id
+from .filters import filter_reason
+from .inflight import Pending
+from .scheduler import RolloutScheduler
+from .tail_policy import LengthThreshold, TailConfig, long_round_due
 from flash.engine.base import GenerationOutput
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from buffers import BufferClosed
+from flash.buffers import BufferClosed
 from flash.errors import FlashError
 
 

@@ -21,9 +21,9 @@ from typing import Any
 
 import ray
 
-import algos
-from algos.proximal import prox_approx_error
-from buffers import Group
+from flash import algos
+from flash.algos.proximal import prox_approx_error
+from flash.buffers import Group
 from flash.train.batch import TrainBatch, collate, flatten
 
 Phase = Callable[[str], AbstractContextManager]

@@ -50,7 +50,7 @@ from typing import Any
 import ray
 import torch
 
-from buffers.codec import group_to_dict
+from flash.buffers.codec import group_to_dict
 from flash.checkpoint_trust import (INODE, RefusedCheckpoint, RunDir, RunKey, check_place, check_signature, inode,
                                     listed_files_only, read_manifest, read_verified)
 from flash.errors import ConfigError
@@ -313,7 +313,7 @@ def snapshot_rollout(buffer, scheduler) -> dict:
 
     Both are read under the buffer's lock (the scheduler's own lock nests inside it, the order
     ``get_batch`` already uses). A group that was just put but not yet removed from the
-    scheduler's pending set counts as buffered only. The groups are written as ``buffers.codec``'s
+    scheduler's pending set counts as buffered only. The groups are written as ``flash.buffers.codec``'s
     dicts (read back by ``group_from_dict``): with ``buffer.transport=zmq`` the buffer's groups are
     the service's, and the NumPy arrays a producer put are written as lists of the same values.
     """

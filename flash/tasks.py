@@ -24,7 +24,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Callable, ClassVar, Literal
 
-from algos.registry import Registry
+from flash.algos.registry import Registry
 
 Split = Literal["train", "eval"]
 SPLITS: tuple[str, ...] = ("train", "eval")
@@ -106,9 +106,9 @@ class Task:
         raise NotImplementedError
 
 
-# The built-in tasks (``recipes.tasks``, the content layer) register on the first lookup, imported
+# The built-in tasks (``flash.recipes.tasks``, the content layer) register on the first lookup, imported
 # by name: the contract never imports its instances.
-TASKS = Registry("task", builtins=("recipes.tasks",))
+TASKS = Registry("task", builtins=("flash.recipes.tasks",))
 
 
 def register_task(name: str) -> Callable[[type[Task]], type[Task]]:

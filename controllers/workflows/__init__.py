@@ -5,6 +5,6 @@
 - ``single_turn``: one engine request per unit, scored by the reward;
 - ``episode`` (with ``env_faults``): one environment episode per unit on the ``EnvWorker`` actors.
 
-Imported by the scheduler core (``controllers.scheduler``) and its builders; imports components
+Imported by the scheduler core (``flash.controllers.scheduler``) and its builders; imports components
 (``flash.engine``, ``flash.envs``) and leaves only, never the core.
 """

@@ -9,7 +9,7 @@ Parts, all in the driver:
   through the core's engine client; ``route`` hands the engine's output back to the waiting call;
 - when the agent returns, the session's tokens become the unit's ``Sample`` (token-exact: what was
   sampled is what is trained; flash.envs.chat_session), the numbers of its returned dict its facts
-  (buffers.facts; the rest counted as ``agent/facts_dropped_<reason>`` since the start), and the
+  (flash.buffers.facts; the rest counted as ``agent/facts_dropped_<reason>`` since the start), and the
   core hears of it (``deliver``);
 - ``cancel`` (redundant, surplus): the agent is cancelled at its next await, its pending turn
   aborted in the engine, its session closed.
@@ -27,9 +27,9 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from buffers import Sample
-from buffers.facts import DROP_REASONS, FACTS, clean_facts
-from controllers.workflows.base import Core, Unit, turn_seed
+from flash.buffers import Sample
+from flash.buffers.facts import DROP_REASONS, FACTS, clean_facts
+from .base import Core, Unit, turn_seed
 from flash.engine.base import GenerationOutput, GenerationRequest, SamplingParams
 
 @dataclass

@@ -1,6 +1,6 @@
 """What a workflow is: how one admitted unit becomes a scored sample.
 
-The scheduler core (``controllers.scheduler.RolloutCore``) owns everything that is the same for
+The scheduler core (``flash.controllers.scheduler.RolloutCore``) owns everything that is the same for
 every kind of rollout -- admission under the staleness bound, spares, redundancy (start ``n + k``
 units of a prompt, keep the first ``n`` to finish, cancel the rest), filters, the lifecycle and
 its ledger, checkpoint state, evaluation -- and hands the rest to a ``Workflow``:
@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-from buffers import Sample
+from flash.buffers import Sample
 from flash.engine.base import GenerationOutput, SamplingParams
 from flash.engine.client import EngineClient
 from flash.usage import SpanRecorder

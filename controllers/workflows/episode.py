@@ -18,7 +18,7 @@ that returns during the update asks its next turn, which the paused engine holds
 (and which then carries the new version). Calls are atomic: a step is never cut.
 
 Faults: an EnvWorker that dies (or hangs) is restarted by Ray and each episode that was on it is
-played again from its reset with the same seeds (``controllers.workflows.env_faults``); an episode
+played again from its reset with the same seeds (``flash.controllers.workflows.env_faults``); an episode
 whose step hangs again after its replay ends there (outcome ``env_hung``), since the same seeds
 lead it into the same step. After an
 engine restart every turn an episode waits for is asked again (``requeue``), the environments
@@ -37,12 +37,12 @@ from typing import Any
 
 import ray
 
-from buffers import Sample
-from buffers.facts import FACTS, clean_facts
-from buffers.reward import BadReward, reward_value
-from buffers.trace import TokenTrace
-from controllers.workflows.base import Unit, turn_seed
-from controllers.workflows.env_faults import EnvWorkerFaults, _EpisodeHung, _EpisodeLost
+from flash.buffers import Sample
+from flash.buffers.facts import FACTS, clean_facts
+from flash.buffers.reward import BadReward, reward_value
+from flash.buffers.trace import TokenTrace
+from .base import Unit, turn_seed
+from .env_faults import EnvWorkerFaults, _EpisodeHung, _EpisodeLost
 from flash.engine.base import GenerationOutput, GenerationRequest, SamplingParams
 from flash.envs.episode import Transcript, add_observation, add_turn, to_sample
 from flash.usage import SpanRecorder
@@ -71,7 +71,7 @@ class _Episode:
     transcript: Transcript | None = None
     turns: int = 0
     cancelled: bool = False
-    hangs: int = 0  # environment calls of this episode that hung (controllers.workflows.env_faults)
+    hangs: int = 0  # environment calls of this episode that hung (flash.controllers.workflows.env_faults)
 
     @property
     def key(self) -> str:
@@ -299,7 +299,7 @@ class Episodes(EnvWorkerFaults):
 
     def _finish(self, ep: _Episode, outcome: str, info: Any = None) -> None:
         """The episode ended: its sample waits for ``finish`` and the core hears of it. The numbers
-        of the last step's ``info`` (but ``outcome``) are the episode's facts (buffers.facts)."""
+        of the last step's ``info`` (but ``outcome``) are the episode's facts (flash.buffers.facts)."""
         ep.worker.close.remote(ep.key)
         u = ep.unit
         assert ep.transcript is not None  # an episode ends after its reset

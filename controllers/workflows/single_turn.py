@@ -6,8 +6,8 @@ reward threads as soon as it arrives (queue scheduling) and ``finish`` scores it
 
 from __future__ import annotations
 
-from buffers import Sample
-from controllers.workflows.base import Core, Unit
+from flash.buffers import Sample
+from .base import Core, Unit
 from flash.engine.base import GenerationOutput, GenerationRequest
 
 

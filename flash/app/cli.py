@@ -99,7 +99,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_losses(_: argparse.Namespace) -> int:
-    import algos
+    from flash import algos
 
     sections = (("losses", algos.describe_losses()),
                 ("corrections (algo.corrections; weight and mask by pi_prox/pi_behav)",

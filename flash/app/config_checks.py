@@ -10,9 +10,9 @@ import dataclasses
 import math
 from typing import TYPE_CHECKING
 
-from controllers.filters import check_filter
-from controllers.tail_policy import TailConfig, check_tail
-from controllers.prox_mode import prox_mode
+from flash.controllers.filters import check_filter
+from flash.controllers.tail_policy import TailConfig, check_tail
+from flash.controllers.prox_mode import prox_mode
 from flash.app.keys import check_choices, check_keys
 from flash.errors import ConfigError
 
@@ -44,8 +44,8 @@ def check_finite(cfg, path: str = "") -> None:
 
 def validate(cfg: FlashConfig) -> None:
     """Value checks and plugin-knob checks; everything `flash validate` promises short of running."""
-    import algos
-    from recipes.tasks import task_class
+    from flash import algos
+    from flash.recipes.tasks import task_class
 
     try:
         algos.load_plugins(list(cfg.plugins))
@@ -132,7 +132,7 @@ def group_free(train: TrainConfig) -> bool:
 
 
 def _check_placement(cfg: FlashConfig) -> None:
-    import algos
+    from flash import algos
     from flash.placement import check_engine_devices, check_runnable, plan_placement
 
     plan = plan_placement(cfg.placement, engine=cfg.rollout.engine)  # PlacementError: a ConfigError
@@ -270,7 +270,7 @@ def _check_plugin_section(where: str, section: dict, validator) -> None:
 def _check_corrections(cfg: FlashConfig) -> None:
     """``algo.corrections`` name registered corrections with knobs they use, and no ratio of the
     loss or of a correction is identically 1 under ``recompute_prox`` and ``async_ratio``."""
-    import algos
+    from flash import algos
 
     try:
         algos.validate_corrections(list(cfg.algo.corrections))
@@ -288,8 +288,8 @@ def steps_per_batch(train: TrainConfig) -> int:
 
 def noop_problem(cfg: FlashConfig) -> str | None:
     """The first ratio of ``algo.loss`` or ``algo.corrections`` that this config makes
-    identically 1 (``algos.offpolicy.ratio_problem``), as one line naming the fix; else None."""
-    import algos
+    identically 1 (``flash.algos.offpolicy.ratio_problem``), as one line naming the fix; else None."""
+    from flash import algos
 
     loss = dict(cfg.algo.loss)
     name = loss.pop("name")
@@ -356,7 +356,7 @@ def _check_model_path(path: str) -> None:
 
 
 def _check_agent(cfg: FlashConfig) -> None:
-    from recipes.tasks import task_class
+    from flash.recipes.tasks import task_class
 
     a, task_agent = cfg.agent, task_class(cfg.task["name"]).agent is not None
     if a.fn is None and not task_agent:

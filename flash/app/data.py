@@ -12,7 +12,7 @@ the tokenizer is flash's character one.
 
 from __future__ import annotations
 
-from algos.registry import did_you_mean
+from flash.algos.registry import did_you_mean
 from flash.errors import ConfigError
 
 DATA_OPTIONS = ("train", "eval", "holdout", "prompt_key", "answer_key", "system_prompt", "template",
@@ -49,8 +49,8 @@ def reward_name(cfg) -> str:
 
 
 def build_task(cfg):
-    """The run's task object (``recipes.tasks.make_task`` on ``task_section``)."""
-    from recipes.tasks import make_task
+    """The run's task object (``flash.recipes.tasks.make_task`` on ``task_section``)."""
+    from flash.recipes.tasks import make_task
 
     section = task_section(cfg)
     try:
@@ -174,7 +174,7 @@ def build_source(task, tokenizer, guard=None, reward=None):
     """The task's prompt stream as the scheduler takes it (``PromptSource``). ``guard``: the input
     guard prompts are taken through; ``reward``: a RewardPool's ``reward_fn()``; unset: the task's
     own reward."""
-    from controllers.scheduler import PromptSource
+    from flash.controllers.scheduler import PromptSource
     from flash.models import decode_response, encode_prompt
 
     return PromptSource(

@@ -147,7 +147,7 @@ def recipe_warnings(cfg, task, rows: int = 200) -> list[str]:
 def export_task(name: str, options: dict, path: str, rows: int, split: str = "train") -> int:
     """Write ``rows`` items of built-in task ``name`` to ``path`` (by suffix: .jsonl/.json, .csv,
     .parquet, or a directory for save_to_disk); returns the rows written."""
-    from recipes.tasks import make_task
+    from flash.recipes.tasks import make_task
 
     from flash.data.files import FORMATS, datasets_module
 

@@ -71,7 +71,7 @@ class EvalSet:
 
 def _set_task(cfg, name: str, spec):
     """The task behind one ``eval.sets`` entry: files through the dataset task, or a built-in."""
-    from recipes.tasks import make_task
+    from flash.recipes.tasks import make_task
 
     from flash.app.data import DATA_OPTIONS
 

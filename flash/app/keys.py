@@ -11,7 +11,7 @@ from dataclasses import fields, is_dataclass
 from functools import cache
 from typing import Any, Literal, get_args, get_origin, get_type_hints
 
-from algos.registry import closest_names
+from flash.algos.registry import closest_names
 from flash.errors import ConfigError
 
 

@@ -28,7 +28,7 @@ import statistics
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from controllers.tail_policy import SCHEDULERS
+from flash.controllers.tail_policy import SCHEDULERS
 from flash.app import plan_model as pm
 from flash.errors import ConfigError
 from flash.run_files import read_json, read_jsonl, read_text

@@ -47,7 +47,7 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from controllers.staleness import admission_limit
+from flash.controllers.staleness import admission_limit
 from flash.sim import cost as costs
 
 

@@ -29,8 +29,8 @@ class Preflight:
 def preflight(cfg: FlashConfig, recipe_name: str) -> Preflight:
     """Every refusal of `flash run` before its warm start and roles (module docstring); what it
     builds on the way (the task, the resume target) is returned for the run to use."""
-    import algos
-    from controllers.episode_runtime import check_episode_config
+    from flash import algos
+    from flash.controllers.episode_runtime import check_episode_config
     from flash.app.data import build_task, check_prompt_format
     from flash.app.memory_fit import memory_lines
     from flash.envs.task import EnvTask

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import recipes as _recipes_pkg
+from flash import recipes as _recipes_pkg
 from flash.errors import RecipeNotFound
 
 RECIPES_DIR = Path(_recipes_pkg.__file__).resolve().parent

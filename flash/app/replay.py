@@ -5,7 +5,7 @@ versions, which responses a weight update interrupted -- so running the recipe a
 other batches. The run recorded what its schedule decided (``schedule.jsonl``, flash.app.schedule);
 the replay starts the trainer (and the critic, for ``gae``) exactly as the run did -- the same
 initial checkpoint, seed and torch threads -- and feeds it the recorded batches in order, through
-the controller's own train step (controllers.train_step). Training is deterministic given its
+the controller's own train step (flash.controllers.train_step). Training is deterministic given its
 inputs, so every step's loss and gradient norm must come out bit for bit; the first step where one
 does not is where the run's numbers stop being explained by its recorded data.
 """
@@ -21,9 +21,9 @@ from typing import Iterator
 
 import ray
 
-import algos
-from controllers.prox_mode import PROX_SOURCES
-from controllers.train_step import StepPlan, StepRoles, train_batch, train_stream
+from flash import algos
+from flash.controllers.prox_mode import PROX_SOURCES
+from flash.controllers.train_step import StepPlan, StepRoles, train_batch, train_stream
 from flash.app.config import FlashConfig, load_config
 from flash.app.roles import start_critic_role, start_reference_role, start_trainer_role
 from flash.app.schedule import CHECKED, count_steps, groups_from_line, schedule_lines
@@ -115,7 +115,7 @@ def _context(line: dict) -> int:
 
 
 def _train(line: dict, cfg: FlashConfig, actors: tuple, pad_id: int) -> dict[str, float]:
-    """One recorded step through the trainer by the controller's own step (controllers.train_step,
+    """One recorded step through the trainer by the controller's own step (flash.controllers.train_step,
     with no timed phases); ``actors``: the trainer, the critic and the reference (the last two may
     be None). Returns the trainer's metrics, the critic's beside them."""
     roles = StepRoles(*actors)

@@ -21,9 +21,9 @@ from typing import IO, Any
 
 import ray
 
-from algos.policy import kl_coef
-from buffers.guard import ValueLimits
-from controllers.staleness import StalenessManager
+from flash.algos.policy import kl_coef
+from flash.buffers.guard import ValueLimits
+from flash.controllers.staleness import StalenessManager
 from flash.app.config import FlashConfig
 from flash.app.resume import LOGS
 from flash.cluster import init_ray, wait_ready
@@ -142,7 +142,7 @@ class RolloutBuffer:
         return self.service.buffer if self.service is not None else self.buffer
 
     def bound_values(self, model_path: str, version: Callable[[], int]) -> None:
-        """What the service stores beyond its schema (``buffers.guard``): token ids below the
+        """What the service stores beyond its schema (``flash.buffers.guard``): token ids below the
         model's vocabulary, versions up to ``version()`` -- the controller's + 1, since a push resumes
         the engine under the new version before the controller counts it."""
         if self.service is None:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import ray
 
-from buffers.codec import group_from_dict
+from flash.buffers.codec import group_from_dict
 from flash.app.roles import Clock, Guards, Roles, RolloutBuffer, RunFiles
 from flash.app.resume import ResumePoint
 from flash.checkpoint import Checkpointer, check_trainer_files, log_offsets, snapshot_rollout
@@ -27,8 +27,8 @@ from flash.engine.client import EngineClient
 from flash.train.fsdp import group_settings
 
 if TYPE_CHECKING:  # annotations only
-    from controllers.async_controller import AsyncController
-    from controllers.scheduler import RolloutCore
+    from flash.controllers.async_controller import AsyncController
+    from flash.controllers.scheduler import RolloutCore
     from flash.app.config import TrainConfig
     from flash.rewards.workers import RewardPool
 

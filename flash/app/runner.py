@@ -21,15 +21,15 @@ from pathlib import Path
 import ray
 from ray.exceptions import RayActorError
 
-from buffers.factory import make_buffer
-from controllers import step_metrics
-from controllers.async_controller import AsyncController, ControllerSettings
-from controllers.prox_mode import prox_mode
-from controllers.reward_errors import RewardErrors
-from controllers.scheduler import RolloutScheduler
-from controllers.staleness import StalenessManager
-from controllers.tail_batching import TailBatchingScheduler
-from controllers.workflows.episode import Episodes
+from flash.buffers.factory import make_buffer
+from flash.controllers import step_metrics
+from flash.controllers.async_controller import AsyncController, ControllerSettings
+from flash.controllers.prox_mode import prox_mode
+from flash.controllers.reward_errors import RewardErrors
+from flash.controllers.scheduler import RolloutScheduler
+from flash.controllers.staleness import StalenessManager
+from flash.controllers.tail_batching import TailBatchingScheduler
+from flash.controllers.workflows.episode import Episodes
 from flash.app import resume as resume_mod, run_state
 from flash.app.data import (build_source, check_prompt_format, data_steps, load_tokenizer, max_prompt_tokens,
                             reward_name)
@@ -49,8 +49,8 @@ from flash.sim.accounting import SimSteps
 from flash.app.progress import Heartbeat, Progress, TrainEta, accuracy_mark, settle_steps
 from flash.app.summary import last_eval, logged_no_update_streak
 from flash.app.tracking import make_tracker, pick_samples
-from controllers.agent_runtime import build_agent_scheduler
-from controllers.episode_runtime import build_episode_scheduler
+from flash.controllers.agent_runtime import build_agent_scheduler
+from flash.controllers.episode_runtime import build_episode_scheduler
 from flash.envs.task import EnvTask
 from flash.train.fsdp import group_settings
 from flash.cluster import pinned_threads, quiet
@@ -373,7 +373,7 @@ def _on_step(r: Run, rec, tracker, progress) -> None:
 
 
 def _run_sources(r: Run, step: int, metrics: dict[str, float]) -> list[dict[str, float]]:
-    """The run's own metric sources for a step (controllers.step_metrics), in the order logged."""
+    """The run's own metric sources for a step (flash.controllers.step_metrics), in the order logged."""
     m = [r.reward_cpu(r.reward_pool.metrics())] if r.reward_pool is not None else []  # reward/calls, sandbox/...
     if r.buffer.service is not None:  # zmq transport: puts, gets, bytes, rejected_<reason>, ...
         m.append(step_metrics.service_metrics(r.buffer.service.stats()))

@@ -2,7 +2,7 @@
 
 ``RUN_DIR/schedule.jsonl`` holds, for each step, the groups it trained in batch order -- prompt,
 the policy version each was admitted at, every sample's tokens, behaviour logprobs, per-token
-versions, loss mask and reward (``buffers.codec``'s dicts, without ``meta``) -- the interrupts each
+versions, loss mask and reward (``flash.buffers.codec``'s dicts, without ``meta``) -- the interrupts each
 response went through (the token positions where the policy version changed under it), and the
 step's loss and gradient norm. Rollout under
 ``async_ratio > 0`` depends on timing, so a second run does not draw the same batches; training on
@@ -12,7 +12,7 @@ and must find every step's loss again, bit for bit.
 The record is data read back from disk: the file is read one line at a time within
 ``flash.run_files.SCHEDULE_BOUNDS`` (its size, a line's length, its nesting, checked before a line
 is parsed), ``groups_from_line`` checks every field's type and size before anything is built from
-it (``buffers.codec``; docs/design.md invariant 7) and a bad line is one ``FlashError`` naming the
+it (``flash.buffers.codec``; docs/design.md invariant 7) and a bad line is one ``FlashError`` naming the
 file and line, or the step and field.
 """
 
@@ -23,8 +23,8 @@ import os
 from pathlib import Path
 from typing import Any, Iterator
 
-from buffers.codec import CodecError, group_from_dict, group_to_dict
-from buffers.types import Group
+from flash.buffers.codec import CodecError, group_from_dict, group_to_dict
+from flash.buffers.types import Group
 from flash.errors import FlashError
 from flash.run_files import SCHEDULE_BOUNDS, read_jsonl
 

@@ -9,11 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Literal, Optional
 
-from algos.aggregate import AGGREGATIONS
-from buffers.factory import BufferConfig
-from controllers.filters import FilterConfig
-from controllers.prox_mode import RecomputeProx
-from controllers.tail_policy import SchedulerKind, TailConfig
+from flash.algos.aggregate import AGGREGATIONS
+from flash.buffers.factory import BufferConfig
+from flash.controllers.filters import FilterConfig
+from flash.controllers.prox_mode import RecomputeProx
+from flash.controllers.tail_policy import SchedulerKind, TailConfig
 from flash.engine.base import EngineKind, InterruptMode
 from flash.models import TinyModelConfig
 from flash.placement import PlacementConfig
@@ -25,7 +25,7 @@ from flash.weights.model_update import ModelUpdateBackend
 
 # train.backend: torch (the model, trained) | sim (GPU time from a cost model: the sim section)
 TrainBackend = Literal["torch", "sim"]
-# choices named by the keys of a component's table: algos.aggregate's reductions, flash.devices' dtypes
+# choices named by the keys of a component's table: flash.algos.aggregate's reductions, flash.devices' dtypes
 Aggregation = Literal[tuple(AGGREGATIONS)]
 ModelDtype = Literal[tuple(DTYPES)]
 
@@ -139,11 +139,11 @@ class AlgoConfig:
     # Recompute proximal logprobs with the trainer's weights at the start of each step.
     # auto: only when the loss reads prox_logp and samples may be off-policy.
     # approx: no recompute; AReaL's log-linear interpolation between behav and current by version
-    # (algos.proximal)
+    # (flash.algos.proximal)
     recompute_prox: RecomputeProx = "auto"  # auto | always | never | approx (controllers/prox_mode.py)
     # with recompute_prox approx: also run the real recompute and report rollout/prox_approx_error
     measure_prox_error: bool = False
-    # Behaviour-proximal corrections applied to any loss, in order (algos.corrections; `flash
+    # Behaviour-proximal corrections applied to any loss, in order (flash.algos.corrections; `flash
     # losses` lists them): [{name: token_is, cap: 2.0}, {name: icepop}, ...]
     corrections: List[Dict[str, Any]] = field(default_factory=list)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-from controllers.prox_mode import trainer_prox
+from flash.controllers.prox_mode import trainer_prox
 from flash.app.config import FlashConfig
 from flash.app.config_checks import steps_per_batch
 from flash.app.plan_model import auto_threads
@@ -41,7 +41,7 @@ def sampling_params(cfg: FlashConfig, tokenizer, *, eval_mode: bool = False) -> 
 
 def loss_section(cfg: FlashConfig) -> dict:
     """``algo.loss`` with ``algo.corrections`` folded in as the ``corrections`` knob that
-    ``algos.policy_loss`` takes (absent when none, so the loss knobs stay as written)."""
+    ``flash.algos.policy_loss`` takes (absent when none, so the loss knobs stay as written)."""
     loss = dict(cfg.algo.loss)
     if cfg.algo.corrections:
         loss["corrections"] = [dict(c) for c in cfg.algo.corrections]

@@ -205,7 +205,7 @@ def checked_reward_name(name, names: frozenset[str], where: str) -> str:
     if not isinstance(name, str) or not name:
         raise BadRow("wrong_type", f"{where} must name a reward, got {str(name)[:80]!r}")
     if name not in names:
-        from algos.registry import closest_names
+        from flash.algos.registry import closest_names
 
         shown = name if len(name) <= 80 else name[:77] + "..."
         allowed = ", ".join(sorted(names)[:12]) + (", ..." if len(names) > 12 else "")

@@ -8,6 +8,6 @@
   engine and its Ray actor; ``vllm_engine`` (with ``vllm_weights``): vLLM's engine behind the same
   methods; ``router``: several replicas behind one engine's methods.
 
-A component: imported by ``controllers`` and ``flash.app``; imports ``flash.weights``, the shared
+A component: imported by ``flash.controllers`` and ``flash.app``; imports ``flash.weights``, the shared
 ``flash`` modules and the leaves.
 """

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers.masking_utils import create_causal_mask
 
-from algos.registry import did_you_mean
+from flash.algos.registry import did_you_mean
 from flash.devices import release_cached_memory
 from flash.engine.base import INTERRUPT_MODES, GenerationOutput, GenerationRequest
 from flash.engine.kv_cache import KVBatch

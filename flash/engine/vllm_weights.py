@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from algos.registry import did_you_mean
+from flash.algos.registry import did_you_mean
 from flash.weights.cuda_ipc import handle_from_wire, handle_to_wire
 from flash.weights.group import UpdateReceiver
 

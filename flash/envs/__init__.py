@@ -3,8 +3,8 @@ game (``corridor``), a Gymnasium adapter (``gym``), an agentic workload's shape 
 runs (``synthetic``), episodes as token sequences (``episode``),
 environments as tasks (``task``), and the environment worker actor (``worker``).
 
-A component: imported by ``controllers`` (the episode workflow), ``recipes`` and ``flash.app``;
-imports the shared ``flash`` modules and the leaves, never ``recipes``."""
+A component: imported by ``flash.controllers`` (the episode workflow), ``flash.recipes`` and ``flash.app``;
+imports the shared ``flash`` modules and the leaves, never ``flash.recipes``."""
 
 from flash.envs import corridor, gym, synthetic  # noqa: F401  (registers the built-in environments)
 from flash.envs.base import (

@@ -8,7 +8,7 @@ agent returns the episode's reward (and optionally a dict of facts kept in the s
 ``AgentRunner`` runs agents on one asyncio loop in a daemon thread, at most ``concurrency`` at
 once. Each run ends with a named outcome:
 
-- ``ok``: it returned a reward (``buffers.reward``: a finite real number);
+- ``ok``: it returned a reward (``flash.buffers.reward``: a finite real number);
 - ``timeout``: it ran past ``timeout_s`` (a hung agent is cancelled at its next await);
 - ``crashed``: it raised;
 - ``bad_return``: it returned something other than a finite number or ``(number, dict)``;
@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from buffers.reward import BadReward, reward_value
+from flash.buffers.reward import BadReward, reward_value
 
 PING_S = 5.0  # a host's loop that does not answer within this is blocked by an agent
 RESTART_S = 120.0  # how long an attempt waits for a restarting host before it counts as died
@@ -63,7 +63,7 @@ class AgentResult:
 
 def load_agent(path: str) -> Callable:
     """The coroutine function ``package.module:function`` names (ValueError saying what is wrong)."""
-    from algos.registry import import_path
+    from flash.algos.registry import import_path
 
     fn = import_path(path, "agent.fn")
     if not inspect.iscoroutinefunction(fn):

@@ -27,7 +27,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
-from algos.registry import Registry
+from flash.algos.registry import Registry
 
 
 class StepResult(NamedTuple):

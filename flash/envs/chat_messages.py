@@ -28,7 +28,7 @@ import re
 import secrets
 from typing import Any
 
-from algos.registry import Registry
+from flash.algos.registry import Registry
 from flash.envs.json_bounds import TooDeep, check_json
 from flash.envs.json_bounds import loads as bounded_loads
 

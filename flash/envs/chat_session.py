@@ -17,7 +17,7 @@ calls included: F renders the reply as the agent was answered, content and parse
 not -- a template that rewrites earlier turns, an agent that edited its history -- appending would
 put tokens before the engine that no render of M_2 holds, so the session closes its segment and
 starts a new one whose prompt is N (counted in ``new_segments``). Each segment is a
-``buffers.trace.TokenTrace``, one training sample: the first prompt, then context (mask 0) and
+``flash.buffers.trace.TokenTrace``, one training sample: the first prompt, then context (mask 0) and
 sampled tokens (mask 1) in order; context tokens carry logprob 0.0 and the version of the sampled
 token that follows them, so a sample's version (its oldest token) is always a generated token's.
 
@@ -36,7 +36,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from buffers.trace import TokenTrace
+from flash.buffers.trace import TokenTrace
 from flash.chat_encoding import chat_template_ids, text_ids
 from flash.envs.chat_messages import reply_message, same_turns
 

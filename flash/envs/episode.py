@@ -7,7 +7,7 @@ Layout of the ``Sample`` an episode becomes::
     loss_mask    =  1..1  0..0  1..1  0..0 ...  1..1
 
 Every LLM turn is an engine request whose context is *all* the tokens so far (a
-``buffers.trace.TokenTrace``), so the trainer's forward over the sequence sees exactly what the
+``flash.buffers.trace.TokenTrace``), so the trainer's forward over the sequence sees exactly what the
 engine saw at each turn. Action tokens carry the engine's logprobs and versions (per turn: a turn
 generated after a weight update carries the new version; with ``rollout.interrupt: continue`` even
 one turn can mix versions). Observation tokens carry placeholders: logprob 0.0 and the version of
@@ -22,8 +22,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from buffers import Sample
-from buffers.trace import TokenTrace
+from flash.buffers import Sample
+from flash.buffers.trace import TokenTrace
 
 
 @dataclass

@@ -316,7 +316,7 @@ class Gateway:
 
     def close_session(self, key: str) -> dict:
         """Forget a session (its key is refused from now on) and return what it recorded:
-        ``segments`` (``buffers.trace.TokenTrace``), ``calls`` (one dict per served call), counters."""
+        ``segments`` (``flash.buffers.trace.TokenTrace``), ``calls`` (one dict per served call), counters."""
         with self._lock:
             entry = self._sessions.pop(key)
         s = entry.state

@@ -3,7 +3,7 @@ reward workers (Ray actors) with the ``RewardPool`` client the rollout scheduler
 
 ``flash.rewards.sandbox`` and the registry import without Ray; ``RewardPool`` and
 ``RewardResult`` load ``flash.rewards.workers`` (and Ray) on first use. A component: imported by
-``recipes`` and ``flash.app``; imports ``flash.engine`` (the judge's engine), the shared ``flash``
+``flash.recipes`` and ``flash.app``; imports ``flash.engine`` (the judge's engine), the shared ``flash``
 modules and the leaves.
 """
 

@@ -23,7 +23,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from algos.registry import Entry, Registry, closest_error, import_path, load_plugins
+from flash.algos.registry import Entry, Registry, closest_error, import_path, load_plugins
 from flash.errors import ConfigError
 
 Scorer = Callable[[Any, str], Any]

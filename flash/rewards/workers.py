@@ -4,14 +4,14 @@ Why actors: a code reward spends seconds in sandboxes and a math reward in sympy
 not share the driver's GIL with the scheduler's threads, and it scales by adding workers.
 
 Failure is an outcome, never a crash: a reward function that raises scores 0.0 with
-reason ``error:<ExcType>``; one that returns no reward (``buffers.reward``: NaN, inf, a str, ...)
+reason ``error:<ExcType>``; one that returns no reward (``flash.buffers.reward``: NaN, inf, a str, ...)
 scores 0.0 with reason ``error:BadReward``; one that overruns ``timeout_s`` scores 0.0 with reason
 ``timeout``; one whose sandbox runs pass the response's deadline (``flash.rewards.deadline``: the
 sooner of ``response_deadline_s`` and ``timeout_s``; the run is killed at it) scores 0.0 with
 reason ``reward_deadline``, which the pool's ``reward_fn`` raises as ``RewardDeadline`` so the
 scheduler counts it as it counts its own (``reward/deadline``). Each reason is counted in
 ``metrics()`` as ``reward/failures/<reason>``; the run continues. An ``error:`` result carries
-its error's text (``buffers.reward.error_text``), which ``reward_fn`` raises as ``RewardRaised``:
+its error's text (``flash.buffers.reward.error_text``), which ``reward_fn`` raises as ``RewardRaised``:
 the scheduler counts it as a reward error, as it counts its own (``reward/errors``, and the stop
 of a run whose reward fails on every response, ``reward.max_consecutive_errors``).
 
@@ -41,8 +41,8 @@ from dataclasses import dataclass
 
 import ray
 
-from algos.registry import load_plugins
-from buffers.reward import BadReward, RewardRaised, error_text, reward_value
+from flash.algos.registry import load_plugins
+from flash.buffers.reward import BadReward, RewardRaised, error_text, reward_value
 from flash.errors import FlashError
 from flash.rewards.autoscale import (
     AutoscaleConfig,
@@ -66,12 +66,12 @@ class RewardResult:
     reward: float
     reason: str = "ok"  # ok | timeout | reward_deadline | error:<ExcType>
     wall_s: float = 0.0
-    error: str = ""  # an error:<ExcType> result's error (buffers.reward.error_text)
+    error: str = ""  # an error:<ExcType> result's error (flash.buffers.reward.error_text)
 
 
 def _as_result(value, wall_s: float) -> RewardResult:
     """A scorer's return value (a number or a RewardResult) as a RewardResult; a value that is no
-    reward (``buffers.reward``: NaN, inf, a str, ...) scores 0.0 with reason ``error:BadReward``."""
+    reward (``flash.buffers.reward``: NaN, inf, a str, ...) scores 0.0 with reason ``error:BadReward``."""
     try:
         reward = reward_value(value.reward if isinstance(value, RewardResult) else value)
     except BadReward as exc:

@@ -6,6 +6,6 @@
 - ``batch`` (collation of groups into tensors) and ``microbatch`` (length-grouped micro-batches);
 - ``sft``: the cached supervised warm start a recipe may ask for.
 
-A component: imported by ``controllers`` and ``flash.app``; imports ``flash.weights``, the shared
-``flash`` modules and the leaves (``algos``, ``buffers``).
+A component: imported by ``flash.controllers`` and ``flash.app``; imports ``flash.weights``, the shared
+``flash`` modules and the leaves (``flash.algos``, ``flash.buffers``).
 """

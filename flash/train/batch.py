@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from buffers.types import Group, Sample
+from flash.buffers.types import Group, Sample
 
 
 @dataclass

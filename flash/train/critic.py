@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from algos.value import value_loss
+from flash.algos.value import value_loss
 from flash.devices import actor_device
 from flash.train.batch import TrainBatch, batch_to
 from flash.train.trainer import micro_weight

@@ -8,12 +8,12 @@ gradients are reduce-scattered as each layer's backward ends.
 
 The algorithm is the single-process ``Trainer``'s, reused, not forked: the step in parts
 (``begin_step`` / accumulate / finish), the loss of a micro-batch (``Trainer._micro_loss`` →
-``algos.resolve_loss``), its weight (``part_weight``: masked tokens for token-mean, rows for the
+``flash.algos.resolve_loss``), its weight (``part_weight``: masked tokens for token-mean, rows for the
 seq-mean modes) and the fused proximal policy with its mismatch tracking. What differs is only
 *which rows* a rank trains on (a plan from ``flash.train.microbatch``, made by the group), the
 divisor of the summed gradient -- the *global* weight of the whole step (all ranks' tokens or
 rows), not the rank's -- and the metrics, which the group combines by their reduction
-(``algos.metrics.combine``: means by weight, a max the max over ranks). Gradients are reduced
+(``flash.algos.metrics.combine``: means by weight, a max the max over ranks). Gradients are reduced
 with SUM (FSDP's default is the mean over ranks, which would divide by N a second time), so the
 result is the full-batch gradient of the single-process trainer.
 """
@@ -169,7 +169,7 @@ class ShardedTrainer(Trainer):
         """``Trainer.finish_step`` with the step's *global* weight ``total`` (all ranks' parts).
 
         The reduce-scattered gradient is the sum over ranks; dividing it by the global total gives
-        the single-process gradient. Returns this rank's metric partials (``algos.metrics``), which
+        the single-process gradient. Returns this rank's metric partials (``flash.algos.metrics``), which
         the group combines by each metric's reduction; they, the gradient norm and the global loss
         (summed over ranks, so every rank agrees on skipping a non-finite step) reach the host in
         one transfer.

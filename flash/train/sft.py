@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from buffers.reward import error_text, reward_value
+from flash.buffers.reward import error_text, reward_value
 from flash.cache import build_once
 from flash.cluster import pinned_threads
 from flash.errors import RewardsFailing
@@ -262,7 +262,7 @@ def sampled_accuracy(model, tokenizer, task: Task, items: list[TaskItem], *,
 
 
 def held_out_rewards(reward, items: list[TaskItem], responses: list[str]) -> list[float]:
-    """Each response's reward; one whose reward raises or returns no reward (``buffers.reward``)
+    """Each response's reward; one whose reward raises or returns no reward (``flash.buffers.reward``)
     scores 0, and a reward that fails on every response stops the warm start in one line naming
     its error (``RewardsFailing``)."""
     scores, errors = [], []

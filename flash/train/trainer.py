@@ -28,9 +28,9 @@ from typing import Any
 
 import torch
 
-import algos
-import algos.metrics
-from algos.proximal import approx_prox_logp
+from flash import algos
+import flash.algos.metrics  # noqa: F401  (loads it for the name above)
+from flash.algos.proximal import approx_prox_logp
 from flash.devices import autocast_dtype, model_device, release_cached_memory, use_tf32
 from flash.models import decoder_layers, enable_activation_checkpointing
 from flash.train.attention import causal_attention
@@ -56,7 +56,7 @@ class TrainerSettings:
     warmup_steps: int = 0  # linear warmup, in optimizer steps
     min_lr_ratio: float = 0.0  # cosine floor, a fraction of lr
     total_optimizer_steps: int = 0  # the run's: train.steps × mini_batches × update_epochs
-    prox: str = "fused"  # what prox_logp=None means: fused (sg of the forward) | approx (algos.proximal)
+    prox: str = "fused"  # what prox_logp=None means: fused (sg of the forward) | approx (flash.algos.proximal)
     # where a KL penalty's frozen reference lives (flash.train.reference): local (a copy in this
     # trainer) | role (its own placed actor; the caller passes ref_logp)
     reference: str = "local"

@@ -32,7 +32,7 @@ from pathlib import Path
 import ray
 import torch
 
-from algos.metrics import combine, finalize
+from flash.algos.metrics import combine, finalize
 from flash.errors import FlashError
 from flash.staging import HostStager
 from flash.train.batch import TrainBatch, batch_to
@@ -69,7 +69,7 @@ class FSDPRank(UpdateSender):
 
     def __init__(self, rank: int, world: int, model_path: str, settings: TrainerSettings,
                  group: GroupSettings, seed: int, threads: int, plugins: list[str], paths: list[str]):
-        import algos
+        from flash import algos
 
         torch.set_num_threads(max(1, threads))
         sys.path[:0] = [p for p in paths if p not in sys.path]
@@ -231,7 +231,7 @@ class FSDPRank(UpdateSender):
 def combine_steps(results: list[dict], counts: dict[str, float]) -> dict:
     """The ranks' step results → the single-trainer metrics dict (all floats).
 
-    Each rank's metric partials combine by the metric's reduction (``algos.metrics.combine``:
+    Each rank's metric partials combine by the metric's reduction (``flash.algos.metrics.combine``:
     means by weight, max / min over ranks, sums added); grad norm and skip are global (every rank
     holds the same). ``counts``: the step's micro-batch plan counters.
     """

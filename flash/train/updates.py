@@ -22,8 +22,8 @@ from typing import Literal, get_args
 
 import torch
 
-import algos
-from algos.metrics import Metric, to_floats
+from flash import algos
+from flash.algos.metrics import Metric, to_floats
 from flash.train.batch import TrainBatch
 
 LrSchedule = Literal["constant", "cosine"]  # train.lr_schedule
@@ -91,7 +91,7 @@ def run_updates(trainer, batch: TrainBatch, advantages: torch.Tensor, prox_logp:
 
 def combine_updates(steps: list[dict], reductions: Mapping[str, str] = {}) -> dict:
     """One batch's metrics from its optimizer steps' metrics, each combined by its declared
-    reduction (``reductions``: name → ``algos.metrics`` reduce; a max stays the max over the steps,
+    reduction (``reductions``: name → ``flash.algos.metrics`` reduce; a max stays the max over the steps,
     a sum adds up, anything undeclared is a mean: clip fraction, approximate KL, loss, ...),
     ``skipped`` if any step was, the last gradient norm beside the mean, and the number of steps.
     One step: its metrics as they are, plus the two."""
@@ -113,7 +113,7 @@ def _reduce_steps(values: list[float], reduce: str) -> float:
 
 
 def fresh_mismatch(batch: TrainBatch, prox: torch.Tensor, version: int) -> dict[str, Metric]:
-    """Train–inference mismatch (``algos.mismatch_metrics``: mean and max |behav − prox|, k3
+    """Train–inference mismatch (``flash.algos.mismatch_metrics``: mean and max |behav − prox|, k3
     KL(behav‖prox)) on the tokens that weights ``version`` generated, as tagged tensors (the fused
     path measures it in the step; a recompute before the steps measures it in ``train_batch``)."""
     fresh = batch.mask * (batch.versions == version).to(batch.mask.dtype)
@@ -126,7 +126,7 @@ def train_batch(trainer, batch: TrainBatch, advantages: torch.Tensor, prox_logp:
 
     ``prox_logp=None`` under the fused mode with several steps: the proximal logprobs are taken
     here, once, before the first step (see the module docstring). Under ``approx`` they stay None:
-    each forward interpolates its own (``algos.proximal``)."""
+    each forward interpolates its own (``flash.algos.proximal``)."""
     extra: dict[str, float] = {}
     several = settings.mini_batches * settings.update_epochs > 1
     if prox_logp is None and several and settings.prox == "fused":

@@ -24,7 +24,7 @@ from flash.weights.group import UpdateSender
 class TrainerWorker(UpdateSender):
     def __init__(self, model_path: str, settings, seed: int, threads: int, plugins: list[str],
                  paths: list[str] = ()):
-        import algos
+        from flash import algos
         from flash.train.trainer import Trainer
 
         torch.set_num_threads(max(1, threads))

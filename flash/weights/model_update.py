@@ -48,7 +48,7 @@ from typing import Literal, get_args
 import torch
 import torch.distributed as dist
 
-from algos.registry import did_you_mean
+from flash.algos.registry import did_you_mean
 from flash.errors import FlashError
 
 ALIGN = 64  # byte alignment of every tensor in a bucket: views of any dtype stay aligned

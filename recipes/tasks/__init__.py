@@ -9,7 +9,7 @@ from flash.tasks import (
     task_class,
     task_options,
 )
-from recipes.tasks import calculator, chainsum, echo, pyfunc, rgym, stutter, wordproblems  # noqa: F401  (registers the built-in tasks)
+from . import calculator, chainsum, echo, pyfunc, rgym, stutter, wordproblems  # noqa: F401  (registers the built-in tasks)
 from flash.envs import task as _env_tasks  # noqa: F401,E402  (registers corridor, frozenlake)
 from flash.data import task as _data_task  # noqa: F401,E402  (registers dataset)
 from flash.envs import verifiers_env as _verifiers  # noqa: F401,E402  (registers verifiers)

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 from flash.envs.agents import TOOL_TEMPLATE as TEMPLATE
 from flash.tasks import Task, TaskItem, register_task
-from recipes.tasks.wordproblems import NAMES, THINGS, evaluate, story
+from .wordproblems import NAMES, THINGS, evaluate, story
 
 TOOLS = [{"type": "function", "function": {
     "name": "calc", "description": "the value of one arithmetic operation, e.g. 23*17",

@@ -61,7 +61,7 @@ def create(options: ReasoningGymOptions, split: str):
     except ImportError:
         raise ValueError(f"task.name reasoning_gym needs the reasoning-gym library: {INSTALL}") from None
     if options.dataset not in DATASETS:
-        from algos.registry import did_you_mean
+        from flash.algos.registry import did_you_mean
 
         raise ValueError(f"task.dataset {options.dataset!r} is not a reasoning-gym dataset"
                          f"{did_you_mean(options.dataset, sorted(DATASETS), n=1)}")

@@ -279,7 +279,7 @@ def test_model_path_must_be_a_local_model_folder(tmp_path, capsys):
 
 def test_a_plugin_beside_the_recipe_is_found_without_pythonpath(tmp_path):
     (tmp_path / "my_losses.py").write_text(
-        "import algos\n\n@algos.register_loss('my_pg', description='scaled REINFORCE')\n"
+        "from flash import algos\n\n@algos.register_loss('my_pg', description='scaled REINFORCE')\n"
         "def my_pg(inputs, *, scale: float = 1.0):\n    return -scale * inputs.advantages * inputs.logp, {}\n")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     flash = Path(sys.executable).with_name("flash")  # the console script: its sys.path lacks the cwd
@@ -293,12 +293,12 @@ def test_a_plugin_beside_the_recipe_is_found_without_pythonpath(tmp_path):
 def test_plugins_and_rewards_beside_a_recipe_in_another_folder_load_by_name_or_py_path(tmp_path, monkeypatch):
     """The recipe's folder, not the working directory: cwd is the checkout here. The plugin's loss
     registers into a copy of the registry, so later tests see the built-in losses only."""
-    from algos.policy import LOSSES
+    from flash.algos.policy import LOSSES
 
     monkeypatch.setattr(LOSSES, "_entries", dict(LOSSES._entries))
     (tmp_path / "lib").mkdir()
     (tmp_path / "lib" / "beside_losses.py").write_text(
-        "import algos\n\n@algos.register_loss('beside_pg', description='scaled REINFORCE')\n"
+        "from flash import algos\n\n@algos.register_loss('beside_pg', description='scaled REINFORCE')\n"
         "def beside_pg(inputs, *, scale: float = 1.0):\n    return -scale * inputs.advantages * inputs.logp, {}\n")
     (tmp_path / "beside_rewards.py").write_text("def length(item, response):\n    return float(len(response))\n")
     (tmp_path / "mine.yaml").write_text("base: stutter\nplugins: [lib/beside_losses.py]\n"
@@ -382,7 +382,7 @@ def test_a_run_dir_that_cannot_be_made_is_one_line(tmp_path, capsys):
 def test_a_plugin_file_that_does_not_parse_is_one_line_naming_file_and_line(tmp_path, capsys):
     """A SyntaxError in the user's plugin was the importer's traceback."""
     plugin = tmp_path / "my_losses.py"
-    plugin.write_text("import algos\n\ndef my_pg(inputs:\n")
+    plugin.write_text("from flash import algos\n\ndef my_pg(inputs:\n")
     assert main(["validate", "stutter", f"plugins=[{plugin}]"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and f"plugin {plugin} line 3" in err
@@ -430,9 +430,9 @@ def test_a_built_config_is_checked_against_the_same_choices():
 def test_the_valid_values_code_reads_are_the_schema_types_choices():
     from typing import get_args, get_type_hints
 
-    from buffers.factory import TRANSPORTS, BufferConfig
-    from controllers.prox_mode import PROX_SOURCES, RecomputeProx, prox_mode, trainer_prox
-    from controllers.tail_policy import SCHEDULERS
+    from flash.buffers.factory import TRANSPORTS, BufferConfig
+    from flash.controllers.prox_mode import PROX_SOURCES, RecomputeProx, prox_mode, trainer_prox
+    from flash.controllers.tail_policy import SCHEDULERS
     from flash.app.schema import AlgoConfig, ModelUpdateConfig, RolloutConfig, TrainConfig
     from flash.engine.base import INTERRUPT_MODES
     from flash.engine.torch_worker import ENGINES

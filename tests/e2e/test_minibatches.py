@@ -8,10 +8,10 @@ import math
 import pytest
 import torch
 
-import algos
-from algos.proximal import approx_prox_logp, prox_approx_error
-from controllers.prox_mode import prox_mode
-from controllers.train_step import proximal
+from flash import algos
+from flash.algos.proximal import approx_prox_logp, prox_approx_error
+from flash.controllers.prox_mode import prox_mode
+from flash.controllers.train_step import proximal
 from flash.app.config import load_config
 from flash.app.recipe_files import recipe_paths
 from flash.errors import ConfigError

@@ -18,8 +18,8 @@ import pytest
 
 vf = pytest.importorskip("verifiers", reason="the verifiers extra: pip install 'flash-rl[verifiers]'")
 
-from buffers.facts import clean_facts  # noqa: E402
-from controllers.agent_runtime import session_sample  # noqa: E402
+from flash.buffers.facts import clean_facts  # noqa: E402
+from flash.controllers.agent_runtime import session_sample  # noqa: E402
 from flash.app.config import load_config  # noqa: E402
 from flash.engine.base import GenerationOutput  # noqa: E402
 from flash.envs.gateway import Gateway  # noqa: E402

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-import algos
-from buffers import Sample
+from flash import algos
+from flash.buffers import Sample
 from flash.train.batch import collate
 from flash.train.trainer import Trainer, TrainerSettings
 

@@ -12,8 +12,8 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from algos.metrics import finalize
-from buffers import Sample
+from flash.algos.metrics import finalize
+from flash.buffers import Sample
 from flash.cluster import load_model
 from flash.engine.base import GenerationRequest, SamplingParams
 from flash.engine.torch_engine import TorchEngine

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-import algos
-from buffers import Group, Sample
-from controllers.scheduler import request_seed
+from flash import algos
+from flash.buffers import Group, Sample
+from flash.controllers.scheduler import request_seed
 from flash.app.config import load_config
 from flash.app.settings import sampling_params, trainer_settings
 from flash.cluster import load_model

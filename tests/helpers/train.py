@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from buffers import Sample
+from flash.buffers import Sample
 from flash.train.batch import collate
 from flash.train.fsdp import GroupSettings
 from flash.train.trainer import TrainerSettings

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import zmq
 
-from buffers import Group, Sample
-from buffers.wire import encode_group, pack, unpack
+from flash.buffers import Group, Sample
+from flash.buffers.wire import encode_group, pack, unpack
 
 MB = 1 << 20
 
@@ -79,11 +79,11 @@ def answers(sock: zmq.Socket, n: int) -> list[dict]:
     return out
 
 
-RAW_TIMEOUT_MS = 90_000  # above the service's longest long-poll (buffers.service.MAX_WAIT_MS)
+RAW_TIMEOUT_MS = 90_000  # above the service's longest long-poll (flash.buffers.service.MAX_WAIT_MS)
 
 
 def _raw_socket(ctx: zmq.Context, address: str, keys=None) -> zmq.Socket:
-    """A bare DEALER (``keys``: ``buffers.auth.ClientKeys`` to be a CURVE client).
+    """A bare DEALER (``keys``: ``flash.buffers.auth.ClientKeys`` to be a CURVE client).
 
     Sends and receives give up after ``RAW_TIMEOUT_MS`` (zmq.Again): a DEALER whose peer dropped it
     (a refused handshake, an oversized frame) has no pipe left and would block a send forever."""

@@ -4,7 +4,7 @@ The service runs in its own process under an open-files limit of 256 (soft and h
 can raise it), the way a process left at a small default limit meets ~1,000 idle connections:
 zmq clients that finish their handshake (libzmq's handshake timer never closes them) and never
 send, and stay away once closed (a flood that reconnects at R a second leaves a newcomer cap / R
-seconds to say hello: ``buffers.connections``). The flood's connections past the service's cap are
+seconds to say hello: ``flash.buffers.connections``). The flood's connections past the service's cap are
 closed and counted, and a producer that connects after the flood is served within its first
 request's timeout. (While the flood arrives faster than the service closes its excess, libzmq may
 find no descriptor for a moment: ``accept_failed`` counts those, and the connection waits in the
@@ -22,15 +22,15 @@ from pathlib import Path
 
 import zmq
 
-from buffers.client import RemoteSampleBuffer
-from buffers.producer import BufferProducer
+from flash.buffers.client import RemoteSampleBuffer
+from flash.buffers.producer import BufferProducer
 from tests.helpers.wire import make_group
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVICE = """
 import resource, sys
 resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
-from buffers.service import BufferService
+from flash.buffers.service import BufferService
 svc = BufferService(capacity=64).start()
 print(svc.address, flush=True)
 sys.stdin.read()

@@ -19,12 +19,12 @@ import numpy as np
 import pytest
 import zmq
 
-from buffers import BufferClosed, Group, Sample
-from buffers.client import BufferProducer, BufferUnavailable, RemoteSampleBuffer
-from buffers.guard import ValueLimits, check_values
-from buffers.rpc import BufferServiceError
-from buffers.service import BufferService
-from buffers.wire import REASONS, WireError, decode_group, encode_group, pack, unpack
+from flash.buffers import BufferClosed, Group, Sample
+from flash.buffers.client import BufferProducer, BufferUnavailable, RemoteSampleBuffer
+from flash.buffers.guard import ValueLimits, check_values
+from flash.buffers.rpc import BufferServiceError
+from flash.buffers.service import BufferService
+from flash.buffers.wire import REASONS, WireError, decode_group, encode_group, pack, unpack
 from tests.helpers.wire import MB, _raw_socket, answers, hello, make_group, put_parts, same
 
 
@@ -86,7 +86,7 @@ def test_a_loss_mask_travels_and_a_bad_one_is_refused_by_name():
         check_values(decode_group(unpack(msgpack.packb(raw), MB)), ValueLimits(), max_version=10)
 
 
-# positions in the wire layout (buffers.wire): group [pid, admitted, data_index, samples];
+# positions in the wire layout (flash.buffers.wire): group [pid, admitted, data_index, samples];
 # sample [pid, index, reward, finish, admitted, meta, prompt_ids, response_ids, logprobs, versions, loss_mask];
 # array [dtype, shape, data, was_list]
 RESPONSE, LOGPROBS, VERSIONS, LOSS_MASK = 7, 8, 9, 10
@@ -359,8 +359,8 @@ class _Scheduler:
 
 def test_controller_select_runs_through_the_proxy_and_wake_reruns_it():
     # imported here: the producer processes import this module, and need not load torch and Ray
-    from controllers.async_controller import AsyncController, ControllerSettings
-    from controllers.staleness import StalenessManager
+    from flash.controllers.async_controller import AsyncController, ControllerSettings
+    from flash.controllers.staleness import StalenessManager
 
     with BufferService(capacity=16) as svc:
         buf = RemoteSampleBuffer(svc.address, poll_ms=10_000)  # only a put or a wake can end a wait
@@ -426,7 +426,7 @@ def test_a_send_with_nowhere_to_queue_raises_unavailable_instead_of_blocking(mon
     retry), where a plain DEALER would block for ever."""
     import socket
 
-    import buffers.rpc as rpc_module
+    import flash.buffers.rpc as rpc_module
 
     monkeypatch.setattr(rpc_module, "SEND_TIMEOUT_MS", 300)
     with socket.socket() as s:  # a port nobody listens on

@@ -15,13 +15,13 @@ import numpy as np
 import pytest
 import zmq
 
-from buffers.auth import ServiceKeys, check_bind, is_loopback
-from buffers.client import RemoteSampleBuffer
-from buffers.factory import BufferConfig
-from buffers.guard import ProducerTable, ValueLimits, check_values
-from buffers.producer import BufferProducer
-from buffers.service import MAX_WAIT_MS, BufferService
-from buffers.wire import WireError, pack, unpack
+from flash.buffers.auth import ServiceKeys, check_bind, is_loopback
+from flash.buffers.client import RemoteSampleBuffer
+from flash.buffers.factory import BufferConfig
+from flash.buffers.guard import ProducerTable, ValueLimits, check_values
+from flash.buffers.producer import BufferProducer
+from flash.buffers.service import MAX_WAIT_MS, BufferService
+from flash.buffers.wire import WireError, pack, unpack
 from tests.helpers.wire import MB, _raw_socket, answers, hello, make_group, put_parts
 
 

@@ -18,10 +18,10 @@ import pytest
 import ray
 import torch
 
-from buffers import Group, Sample, SampleBuffer
-from buffers.client import RemoteSampleBuffer
-from buffers.codec import group_from_dict
-from buffers.service import BufferService
+from flash.buffers import Group, Sample, SampleBuffer
+from flash.buffers.client import RemoteSampleBuffer
+from flash.buffers.codec import group_from_dict
+from flash.buffers.service import BufferService
 from flash import checkpoint as ck
 from flash.checkpoint_trust import CheckpointChanged, RunKey
 from flash.app.config import CheckpointConfig
@@ -159,8 +159,8 @@ def test_resume_may_change_the_worker_count_only():
 # ---------------------------------------------------------------- environment episodes
 
 def _episodes(workers=("w0", "w1", "w2")):
-    from controllers.episode_runtime import EpisodeScheduler
-    from controllers.staleness import StalenessManager
+    from flash.controllers.episode_runtime import EpisodeScheduler
+    from flash.controllers.staleness import StalenessManager
     from flash.engine.base import SamplingParams
 
     task = SimpleNamespace(item=lambda i, split: SimpleNamespace(prompt="", meta={"seed": 1000 + i}))

@@ -11,7 +11,7 @@ import math
 import pytest
 import ray
 
-from controllers.lifecycle import unbalance
+from flash.controllers.lifecycle import unbalance
 from flash.train.batch import flatten
 from flash.app.runner import Run, run
 from tests.helpers.inproc import plain_sync_loop, small_cfg

@@ -8,12 +8,12 @@ import pytest
 import ray
 import torch
 
-import algos
-from algos.value import value_loss
+from flash import algos
+from flash.algos.value import value_loss
 from flash.train.batch import collate
 from flash.train.critic import Critic, CriticSettings
 from flash.models import TinyModelConfig, build_tiny_model, build_tokenizer
-from buffers.types import Sample
+from flash.buffers.types import Sample
 
 
 def test_value_loss_hand_computed_with_and_without_the_clip():

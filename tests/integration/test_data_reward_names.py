@@ -19,7 +19,7 @@ from flash.errors import ConfigError
 from flash.guards import InputGuard
 from flash.models import build_tokenizer
 from flash.tasks import TaskItem
-from recipes.tasks import make_task
+from flash.recipes.tasks import make_task
 
 PLANTED = '''import pathlib
 pathlib.Path(__file__).with_suffix(".imported").write_text("imported")

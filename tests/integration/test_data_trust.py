@@ -20,7 +20,7 @@ from flash.models import build_tokenizer
 from flash.rewards.builtin import math_reward
 from flash.rewards.math_limits import MAX_MATH_CHARS, MAX_PAREN_DEPTH, MathChecker, MathTooComplex, paren_depth
 from flash.tasks import TaskItem
-from recipes.tasks import make_task
+from flash.recipes.tasks import make_task
 
 
 def rows(n=6):

@@ -70,7 +70,7 @@ def test_peak_memory_is_read_on_a_gpu_only_and_a_group_reports_its_largest_rank(
 
 
 def test_each_role_s_peak_memory_is_a_step_metric():
-    from controllers.step_metrics import RoleUsage
+    from flash.controllers.step_metrics import RoleUsage
 
     usage = RoleUsage(clock=lambda: 0.0)
     usage.start({"busy_s": 0.0}, {"busy_s": 0.0})

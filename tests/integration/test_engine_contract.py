@@ -26,7 +26,7 @@ import pytest
 import ray
 import torch
 
-from buffers.types import Sample
+from flash.buffers.types import Sample
 from flash.train.batch import collate
 from flash.engine.base import ENGINE_PROTOCOLS, GenerationRequest, SamplingParams, UpdateTarget
 from flash.train.trainer import token_logprobs

@@ -15,19 +15,19 @@ import pytest
 import ray
 from transformers import AutoTokenizer
 
-from buffers import SampleBuffer
-from controllers.episode_runtime import EpisodeScheduler
-from controllers.staleness import StalenessManager
+from flash.buffers import SampleBuffer
+from flash.controllers.episode_runtime import EpisodeScheduler
+from flash.controllers.staleness import StalenessManager
 from flash.engine.base import SamplingParams
 from flash.envs import make_env
 from flash.envs.episode import transcript_text
-from controllers.episode_runtime import episode_codec
+from flash.controllers.episode_runtime import episode_codec
 from flash.envs.worker import start_env_workers
 from flash.models import TinyModelConfig, encode_prompt
 from flash.train.sft import SFTConfig, warm_start
 from flash.cluster import init_ray, load_model, wait_ready
 from flash.engine.torch_worker import start_engine
-from recipes.tasks import make_task
+from flash.recipes.tasks import make_task
 from tests.helpers.processes import TINY_OVERRIDES
 
 TINY = TinyModelConfig(hidden_size=64, num_layers=1, num_heads=2, num_kv_heads=2, intermediate_size=64,

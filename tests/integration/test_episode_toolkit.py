@@ -15,14 +15,14 @@ import time
 import pytest
 import ray
 
-from buffers import SampleBuffer
-from controllers.episode_runtime import EpisodeScheduler
-from controllers.filters import FilterConfig
-from controllers.staleness import StalenessManager
-from controllers.workflows.episode import EpisodeCodec
+from flash.buffers import SampleBuffer
+from flash.controllers.episode_runtime import EpisodeScheduler
+from flash.controllers.filters import FilterConfig
+from flash.controllers.staleness import StalenessManager
+from flash.controllers.workflows.episode import EpisodeCodec
 from flash.engine.base import SamplingParams
 from flash.envs.worker import start_env_workers
-from recipes.tasks import make_task
+from flash.recipes.tasks import make_task
 from tests.scripted_engine import CorridorPlayer
 
 CODEC = EpisodeCodec(encode_prompt=lambda text: [ord(c) for c in text],

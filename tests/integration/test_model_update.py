@@ -22,8 +22,8 @@ import pytest
 import ray
 import torch
 
-import algos
-from buffers import Sample
+from flash import algos
+from flash.buffers import Sample
 from flash.train.batch import collate
 from flash.app.config import ConfigError, load_config
 from flash.engine.base import GenerationRequest, SamplingParams

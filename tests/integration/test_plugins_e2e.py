@@ -6,12 +6,12 @@ import textwrap
 
 import ray
 
-from algos.policy import LOSSES
+from flash.algos.policy import LOSSES
 from flash.app.config import load_config
 from flash.app.runner import run
 
 PLUGIN = textwrap.dedent('''
-    import algos
+    from flash import algos
 
     CALLS = []
 

@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("reasoning_gym", reason="the reasoning-gym extra: pip install 'flash-rl[reasoning-gym]'")
 
-from recipes.tasks import make_task  # noqa: E402
+from flash.recipes.tasks import make_task  # noqa: E402
 
 CHAIN = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}
 

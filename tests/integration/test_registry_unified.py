@@ -9,16 +9,16 @@ import sys
 
 import pytest
 
-import algos
-from algos.registry import Registry, closest_error
+from flash import algos
+from flash.algos.registry import Registry, closest_error
 from flash.envs.base import ENVS, make_env, register_env
 from flash.rewards.registry import REWARDS, build_reward, register_reward, validate_reward
 from flash.tasks import TASKS, Task, make_task, register_task
 
 
 def test_every_pluggable_concept_is_one_registry_type():
-    from algos.advantages import ADVANTAGES
-    from algos.policy import LOSSES
+    from flash.algos.advantages import ADVANTAGES
+    from flash.algos.policy import LOSSES
 
     assert all(type(r) is Registry for r in (LOSSES, ADVANTAGES, REWARDS, TASKS, ENVS))
     assert [r.kind for r in (LOSSES, ADVANTAGES, REWARDS, TASKS, ENVS)] == [
@@ -87,9 +87,9 @@ def test_a_users_task_env_and_reward_register_by_decorator():
 
 
 def test_builtins_load_on_first_lookup_without_importing_the_content_up_front():
-    """``flash.tasks`` names ``recipes.tasks`` as its built-ins by module name: importing the
+    """``flash.tasks`` names ``flash.recipes.tasks`` as its built-ins by module name: importing the
     contract imports no recipe, and the first lookup registers them all."""
-    code = ("import sys, flash.tasks as t; assert 'recipes.tasks' not in sys.modules; "
-            "names = t.registered_tasks(); assert 'recipes.tasks' in sys.modules; print(' '.join(names))")
+    code = ("import sys, flash.tasks as t; assert 'flash.recipes.tasks' not in sys.modules; "
+            "names = t.registered_tasks(); assert 'flash.recipes.tasks' in sys.modules; print(' '.join(names))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert {"stutter", "echo", "chainsum", "wordproblems", "pyfunc", "corridor", "frozenlake"} <= set(out)

@@ -166,8 +166,8 @@ def test_a_non_finite_reward_scored_in_the_driver_is_a_counted_reward_error_as_i
     import threading
     from types import SimpleNamespace
 
-    from controllers.reward_errors import RewardErrors
-    from controllers.scheduler import RolloutCore
+    from flash.controllers.reward_errors import RewardErrors
+    from flash.controllers.scheduler import RolloutCore
 
     rewards = iter([float("nan"), float("inf"), 0.5])
     core = SimpleNamespace(source=SimpleNamespace(reward=lambda item, text: next(rewards), decode=str),

@@ -227,7 +227,7 @@ SCORES_BEFORE = [[1.0, 0.166667, 1.0, 0.0, 0.0, 0.0, 0.0, 0.166667, 1.0, 0.0],
 def test_code_rewards_are_the_same_as_before():
     from flash.rewards.builtin import CodeReward
     from flash.tasks import TaskItem
-    from recipes.tasks.pyfunc import HEADER, PyFuncOptions, PyFuncTask, expression
+    from flash.recipes.tasks.pyfunc import HEADER, PyFuncOptions, PyFuncTask, expression
 
     items = [PyFuncTask(PyFuncOptions()).item(i, "eval") for i in range(6)]
     bodies = [

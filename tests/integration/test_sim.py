@@ -20,7 +20,7 @@ import time
 import pytest
 import torch
 
-from buffers import Sample
+from flash.buffers import Sample
 from flash.engine.base import ENGINE_PROTOCOLS, GenerationRequest, SamplingParams, UpdateTarget
 from flash.engine.sim_engine import WEIGHT_NAME, SimBatcher, SimEngineWorker, SimSettings
 from flash.checkpoint import file_table

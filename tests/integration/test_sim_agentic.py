@@ -49,7 +49,7 @@ def test_synthetic_options_are_checked(bad, match):
 
 
 def test_the_shipped_recipe_validates_and_a_turn_must_match_the_action_length():
-    from controllers.episode_runtime import check_episode_config
+    from flash.controllers.episode_runtime import check_episode_config
     from flash.app.config import load_config
     from flash.errors import ConfigError
     from flash.tasks import make_task

@@ -16,12 +16,12 @@ from dataclasses import dataclass
 import pytest
 import ray
 
-from buffers import SampleBuffer
-from controllers.lifecycle import unbalance
-from controllers.scheduler import PromptSource
-from controllers.staleness import StalenessManager
-from controllers.tail_batching import TailBatchingScheduler
-from controllers.tail_policy import (
+from flash.buffers import SampleBuffer
+from flash.controllers.lifecycle import unbalance
+from flash.controllers.scheduler import PromptSource
+from flash.controllers.staleness import StalenessManager
+from flash.controllers.tail_batching import TailBatchingScheduler
+from flash.controllers.tail_policy import (
     LengthThreshold,
     TailConfig,
     check_tail,
@@ -383,7 +383,7 @@ def test_a_checkpoint_keeps_the_long_prompt_queue():
     the long round of version 1 there, once; the tail counters carry over."""
     import json
 
-    from buffers.codec import group_from_dict
+    from flash.buffers.codec import group_from_dict
     from flash.checkpoint import snapshot_rollout
 
     lengths = {(1, 1): 12}

@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM
 
 from flash.models import TinyModelConfig
 from flash.train.sft import SFTConfig, cache_key, warm_start
-from recipes.tasks import make_task
+from flash.recipes.tasks import make_task
 
 MODEL = TinyModelConfig()  # the default recipe's model
 SFT = SFTConfig(steps=4, batch_size=64, pool_batches=2, warmup_steps=1, eval_after=False)

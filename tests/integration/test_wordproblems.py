@@ -7,7 +7,7 @@ import pytest
 import ray
 
 from flash.models import DEFAULT_ALPHABET, build_tokenizer, encode_prompt
-from recipes.tasks import make_task
+from flash.recipes.tasks import make_task
 
 PATTERN = re.compile(r"^[a-z]+ has (\d+) (?:bags with (\d+) )?[a-z]+s")
 

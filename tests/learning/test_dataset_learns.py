@@ -23,7 +23,7 @@ import random
 
 import pytest
 
-from recipes.tasks import make_task
+from flash.recipes.tasks import make_task
 from tests.helpers.processes import recipe_summary
 
 ROWS, HELD_OUT = 4000, 128

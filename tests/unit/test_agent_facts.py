@@ -9,12 +9,12 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from buffers import codec, wire
-from buffers.facts import MAX_FACTS, clean_facts, facts_means
-from buffers.types import Group, Sample
-from controllers import step_metrics
-from controllers.workflows.agent import Agents, _Run
-from controllers.workflows.base import Unit
+from flash.buffers import codec, wire
+from flash.buffers.facts import MAX_FACTS, clean_facts, facts_means
+from flash.buffers.types import Group, Sample
+from flash.controllers import step_metrics
+from flash.controllers.workflows.agent import Agents, _Run
+from flash.controllers.workflows.base import Unit
 from flash.engine.base import SamplingParams
 
 
@@ -96,7 +96,7 @@ def test_an_agent_s_returned_dict_gives_its_sample_facts_and_counts_what_is_drop
 def test_a_trained_sample_s_ledger_line_lists_its_facts():
     import io
 
-    from controllers.async_controller import AsyncController
+    from flash.controllers.async_controller import AsyncController
 
     ledger = io.StringIO()
     host = SimpleNamespace(scheduler=SimpleNamespace(drain_outcomes=lambda: []), ledger=ledger)
@@ -108,8 +108,8 @@ def test_a_trained_sample_s_ledger_line_lists_its_facts():
 def test_an_environment_s_last_info_gives_its_episode_facts():
     import threading
 
-    from buffers.trace import TokenTrace
-    from controllers.workflows.episode import Episodes
+    from flash.buffers.trace import TokenTrace
+    from flash.controllers.workflows.episode import Episodes
     from flash.envs.episode import Transcript
 
     counters = {}

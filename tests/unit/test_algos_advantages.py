@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-import algos
-from algos import compute_advantages
+from flash import algos
+from flash.algos import compute_advantages
 
 F64 = torch.float64
 

@@ -20,8 +20,8 @@ import math
 import pytest
 import torch
 
-import algos
-from algos import LossInputs, policy_loss
+from flash import algos
+from flash.algos import LossInputs, policy_loss
 
 F64 = torch.float64
 BEHAV = [[-1.0, -2.0, -0.5], [-1.5, -0.3, -2.5]]

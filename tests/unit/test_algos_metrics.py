@@ -1,4 +1,4 @@
-"""Tagged step metrics (``algos.metrics``) and the one mismatch measure, by hand."""
+"""Tagged step metrics (``flash.algos.metrics``) and the one mismatch measure, by hand."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from algos import mismatch_metrics
-from algos.metrics import StepMetrics, combine, finalize, maximum, mean, minimum, to_floats, total
+from flash.algos import mismatch_metrics
+from flash.algos.metrics import StepMetrics, combine, finalize, maximum, mean, minimum, to_floats, total
 
 
 def t(x: float) -> torch.Tensor:

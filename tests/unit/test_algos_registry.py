@@ -8,8 +8,8 @@ import textwrap
 import pytest
 import torch
 
-import algos
-from algos import LossInputs, Registry, policy_loss, validate_loss
+from flash import algos
+from flash.algos import LossInputs, Registry, policy_loss, validate_loss
 
 
 def _inputs() -> LossInputs:
@@ -80,7 +80,7 @@ def test_describe_lists_knobs_with_defaults():
 
 
 PLUGIN = textwrap.dedent('''
-    import algos
+    from flash import algos
 
     @algos.register_loss("scaled_vanilla_{tag}", description="-scale*A*logp")
     def scaled_vanilla(inputs, *, scale: float = 2.0):

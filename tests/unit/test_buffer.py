@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from buffers import BufferClosed, Group, Sample, SampleBuffer
+from flash.buffers import BufferClosed, Group, Sample, SampleBuffer
 
 
 def group(pid: int, version: int) -> Group:

@@ -26,9 +26,9 @@ import msgpack
 import pytest
 import zmq
 
-from buffers.client import BufferProducer, BufferUnavailable, RemoteSampleBuffer
-from buffers.service import BufferService
-from buffers.wire import WireError, encode_group, unpack
+from flash.buffers.client import BufferProducer, BufferUnavailable, RemoteSampleBuffer
+from flash.buffers.service import BufferService
+from flash.buffers.wire import WireError, encode_group, unpack
 from tests.helpers.wire import MB, _raw_socket, answers, hello, make_group, put_parts, same
 
 

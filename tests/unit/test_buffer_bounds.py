@@ -1,8 +1,8 @@
 """What one client holding the run's keys can make the buffer service hold: bounded and counted.
 
 A message's parts together are capped (``max_message_bytes``) and so is what its frames decode to
-(``max_decoded_bytes``, a ``buffers.wire.Budget`` charged before each thing is built: a frame from
-its worst case or, where that does not fit, from its headers, ``buffers.frame_scan``); producer
+(``max_decoded_bytes``, a ``flash.buffers.wire.Budget`` charged before each thing is built: a frame from
+its worst case or, where that does not fit, from its headers, ``flash.buffers.frame_scan``); producer
 ids are capped per client, and a full table takes room from the client holding the most. Each
 refusal is answered by name, counted, and the service goes on storing an honest producer's groups.
 """
@@ -17,13 +17,13 @@ import numpy as np
 import pytest
 import zmq
 
-from buffers.auth import ServiceKeys
-from buffers.client import BufferProducer
-from buffers.factory import BufferConfig
-from buffers.frame_scan import FRAME_BYTES, MOST_PER_BYTE
-from buffers.guard import ProducerTable
-from buffers.service import DECODED_PER_BYTE, BufferService, message_caps
-from buffers.wire import Budget, WireError, decode_group, encode_group, pack, unpack
+from flash.buffers.auth import ServiceKeys
+from flash.buffers.client import BufferProducer
+from flash.buffers.factory import BufferConfig
+from flash.buffers.frame_scan import FRAME_BYTES, MOST_PER_BYTE
+from flash.buffers.guard import ProducerTable
+from flash.buffers.service import DECODED_PER_BYTE, BufferService, message_caps
+from flash.buffers.wire import Budget, WireError, decode_group, encode_group, pack, unpack
 from tests.helpers.wire import MB, _raw_socket, answers, hello, make_group, put_parts
 
 rng = np.random.default_rng(0)

@@ -11,10 +11,10 @@ import time
 import pytest
 import zmq
 
-from buffers import connections
-from buffers.connections import ConnectionLimits, fit_caps
-from buffers.producer import BufferProducer
-from buffers.service import BufferService
+from flash.buffers import connections
+from flash.buffers.connections import ConnectionLimits, fit_caps
+from flash.buffers.producer import BufferProducer
+from flash.buffers.service import BufferService
 from tests.helpers.wire import _raw_socket, hello, make_group
 
 
@@ -148,7 +148,7 @@ def test_the_caps_fit_the_open_files_limit(monkeypatch, caplog):
     monkeypatch.setattr(connections, "_open_descriptors", lambda: 100)
     monkeypatch.setattr(connections.resource, "getrlimit", lambda _: limits["now"])
     monkeypatch.setattr(connections.resource, "setrlimit", lambda _, v: limits.__setitem__("now", v))
-    with caplog.at_level(logging.WARNING, logger="buffers.connections"):
+    with caplog.at_level(logging.WARNING, logger="flash.buffers.connections"):
         assert fit_caps(1024, 256) == (462, 256)  # half the 924 descriptors left; the hard limit holds
     assert "at most 462 connections, not 1024 (raise the open-files limit, ulimit -n" in caplog.text
     limits["now"] = (1024, 1 << 20)
@@ -156,5 +156,5 @@ def test_the_caps_fit_the_open_files_limit(monkeypatch, caplog):
     limits["now"] = (110, 110)
     assert fit_caps(1024, 256) == (8, 8)  # never below 8
     with pytest.raises(ValueError, match="buffer.max_connections must be >= 1"):
-        from buffers.factory import BufferConfig
+        from flash.buffers.factory import BufferConfig
         BufferConfig(transport="zmq", max_connections=0)

@@ -1,6 +1,6 @@
 """A frame the buffer service refuses costs it a small multiple of the frame's size, never what the
 frame would decode to: the decoded-bytes budget holds while the frame is decoded, and a frame cut
-short is found so before msgpack allocates what its headers declare (``buffers.frame_scan``)."""
+short is found so before msgpack allocates what its headers declare (``flash.buffers.frame_scan``)."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ import msgpack
 import pytest
 import zmq
 
-from buffers.frame_scan import MAX_VALUES, frame_cost, scan
-from buffers.service import BufferService
-from buffers.wire import Budget, WireError, unpack
+from flash.buffers.frame_scan import MAX_VALUES, frame_cost, scan
+from flash.buffers.service import BufferService
+from flash.buffers.wire import Budget, WireError, unpack
 from tests.helpers.wire import MB, _raw_socket, answers, hello, make_group, put_parts
 
 

@@ -10,15 +10,15 @@ import numpy as np
 import pytest
 import torch
 
-from buffers import Group, Sample, SampleBuffer
-from buffers.codec import group_from_dict, group_to_dict
+from flash.buffers import Group, Sample, SampleBuffer
+from flash.buffers.codec import group_from_dict, group_to_dict
 from flash import checkpoint as ck
 from flash.checkpoint_trust import RunKey
 from flash.app.config import load_config
 from flash.errors import ConfigError
 from flash.guards import DataError, InputGuard, NonFiniteError, SkipGuard
 from flash.app.resume import config_differences, resolve_resume, restore_logs
-from recipes.tasks import TaskItem
+from flash.recipes.tasks import TaskItem
 from tests.helpers.checkpointing import small_batch, small_trainer
 
 
@@ -240,7 +240,7 @@ def test_checkpoint_keys_are_strict():
 
 
 def test_the_scheduler_takes_prompts_through_the_guard_and_moves_past_skipped_rows():
-    from controllers.scheduler import PromptSource
+    from flash.controllers.scheduler import PromptSource
 
     encode = lambda text: list(range(len(text)))
     guarded = PromptSource(item=_item, encode=encode, decode=str, reward=lambda i, r: 0.0,

@@ -1,4 +1,4 @@
-"""One per-token field table (buffers.types.TOKEN_FIELDS) and one Sample/Group codec (buffers.codec):
+"""One per-token field table (flash.buffers.types.TOKEN_FIELDS) and one Sample/Group codec (flash.buffers.codec):
 every field of the table goes through every encoding -- the buffer service's wire, a checkpoint's
 JSON, the schedule record -- and comes back value for value and type for type; files in the
 layouts the readers accept load the same."""
@@ -9,9 +9,9 @@ import json
 import numpy as np
 import pytest
 
-from buffers.codec import CodecError, group_from_dict, group_to_dict, to_array, to_list
-from buffers.types import TOKEN_FIELDS, Group, Sample
-from buffers.wire import decode_group, encode_group, unpack
+from flash.buffers.codec import CodecError, group_from_dict, group_to_dict, to_array, to_list
+from flash.buffers.types import TOKEN_FIELDS, Group, Sample
+from flash.buffers.wire import decode_group, encode_group, unpack
 from flash.app.schedule import groups_from_line, step_line
 from flash.errors import FlashError
 

@@ -17,8 +17,8 @@ import sys
 import pytest
 import torch
 
-import algos
-from algos import LossInputs, Ratio, policy_loss, ratio_problem
+from flash import algos
+from flash.algos import LossInputs, Ratio, policy_loss, ratio_problem
 from flash.app.cli import main
 from flash.app.config import load_config
 from flash.errors import ConfigError
@@ -255,7 +255,7 @@ def test_ppo_with_prox_fused_is_not_reinforce():
 
 PLUGIN = '''
 import torch
-from algos import register_correction
+from flash.algos import register_correction
 
 
 def _check(k):

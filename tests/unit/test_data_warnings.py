@@ -91,7 +91,7 @@ def test_the_rewards_page_describes_every_field_of_the_item_a_reward_gets(tmp_pa
 
     from flash.data.rows import OWN_META
     from flash.tasks import TaskItem
-    from recipes.tasks import make_task
+    from flash.recipes.tasks import make_task
 
     page = Path(__file__).parents[2].joinpath("docs/rewards.md").read_text()
     path = _rows(tmp_path / "rows.jsonl", [{"question": "what is 1+1?", "answer": 2, "tests": "[]"}] * 4)

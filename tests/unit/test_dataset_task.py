@@ -13,7 +13,7 @@ from flash.data.rows import BadRow
 from flash.errors import ConfigError
 from flash.guards import DataError, InputGuard
 from flash.models import build_tokenizer, encode_prompt
-from recipes.tasks import make_task
+from flash.recipes.tasks import make_task
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }} {{ m['content'] }}<|im_end|> {% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant {% endif %}")
@@ -285,7 +285,7 @@ def test_columns_flash_replaces_are_named_and_a_reward_fn_column_never_picks_the
 
 
 def test_export_writes_a_builtin_task_that_trains_the_same_items_from_a_file(tmp_path):
-    from recipes.tasks import make_task as make
+    from flash.recipes.tasks import make_task as make
 
     for name in ("out.jsonl", "out.parquet", "out_dir"):
         assert export_task("wordproblems", {"seed": 2}, str(tmp_path / name), rows=40) == 40
@@ -299,7 +299,7 @@ def test_export_writes_a_builtin_task_that_trains_the_same_items_from_a_file(tmp
 
 
 def test_export_writes_a_column_arrow_cannot_type_as_json_text(tmp_path, caplog):
-    from recipes.tasks import make_task as make
+    from flash.recipes.tasks import make_task as make
 
     assert export_task("pyfunc", {"seed": 1}, str(tmp_path / "p.parquet"), rows=12) == 12
     assert "column(s) chain mix types Arrow cannot hold in one column; written as JSON text" in caplog.text

@@ -7,8 +7,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from buffers import Sample
-from buffers.trace import TokenTrace
+from flash.buffers import Sample
+from flash.buffers.trace import TokenTrace
 from flash.train.batch import collate
 from flash.envs import make_env, register_env
 from flash.envs.corridor import Corridor, CorridorOptions, move, render
@@ -27,7 +27,7 @@ from flash.models import (
     encode_prompt,
 )
 from flash.train.trainer import token_logprobs
-from recipes.tasks import make_task
+from flash.recipes.tasks import make_task
 
 
 # ---- protocol and registry ---------------------------------------------------------------------
@@ -180,8 +180,8 @@ class _Core:
 
 @pytest.mark.parametrize("outcome", ["abort", "error", "success"])
 def test_an_episode_ends_as_a_finished_unit_whatever_its_environment_calls_the_outcome(outcome):
-    from controllers.workflows.base import Unit
-    from controllers.workflows.episode import EpisodeCodec, Episodes, _Episode
+    from flash.controllers.workflows.base import Unit
+    from flash.controllers.workflows.episode import EpisodeCodec, Episodes, _Episode
     from flash.engine.base import SamplingParams
     from flash.tasks import TaskItem
 
@@ -250,7 +250,7 @@ def test_sft_demonstration_has_the_tokens_an_episode_context_has():
 
 def test_runner_rejects_multi_token_turns_for_single_character_actions(tmp_path):
     from flash.app.config import load_config
-    from controllers.episode_runtime import check_episode_config
+    from flash.controllers.episode_runtime import check_episode_config
 
     cfg = load_config("recipes/corridor.yaml", ["rollout.max_new_tokens=8"])
     with pytest.raises(ConfigError, match="set rollout.max_new_tokens=1"):
@@ -259,7 +259,7 @@ def test_runner_rejects_multi_token_turns_for_single_character_actions(tmp_path)
 
 def test_tail_batching_is_refused_for_episode_tasks_before_anything_starts():
     from flash.app.config import load_config
-    from controllers.episode_runtime import check_episode_config
+    from flash.controllers.episode_runtime import check_episode_config
 
     cfg = load_config("recipes/corridor.yaml", ["rollout.scheduler=tail_batching"])
     with pytest.raises(ConfigError, match="runs multi-turn episodes: set rollout.scheduler: plain"):
@@ -269,8 +269,8 @@ def test_tail_batching_is_refused_for_episode_tasks_before_anything_starts():
 @pytest.mark.parametrize("reward", [float("nan"), float("-inf"), None, "many"])
 def test_an_environment_reward_that_is_not_a_finite_number_ends_its_episode_as_env_error(reward):
     """A NaN reward would make its group's advantages NaN and the whole step would be skipped."""
-    from controllers.workflows.base import Unit
-    from controllers.workflows.episode import EpisodeCodec, Episodes, _Episode
+    from flash.controllers.workflows.base import Unit
+    from flash.controllers.workflows.episode import EpisodeCodec, Episodes, _Episode
     from flash.engine.base import SamplingParams
     from flash.tasks import TaskItem
 

@@ -11,7 +11,7 @@ from flash.app.config import load_config
 from flash.app.evaluation import OWN_SET, build_eval_sets, headline, set_figures, set_metrics
 from flash.app.summary import eval_record
 from flash.app.progress import Heartbeat
-from recipes.tasks import make_task
+from flash.recipes.tasks import make_task
 
 
 def _rows(n):

@@ -18,8 +18,8 @@ import pytest
 from flash.envs.chat_messages import BadMessages, ToolCallError, hermes, parse_messages, same_turns
 from flash.envs.gateway import Gateway
 from flash.train.sft import task_tokenizer
-from recipes.tasks import make_task
-from recipes.tasks.calculator import TOOLS, calc, call_text, solve
+from flash.recipes.tasks import make_task
+from flash.recipes.tasks.calculator import TOOLS, calc, call_text, solve
 from tests.helpers.chat import Scripted
 
 

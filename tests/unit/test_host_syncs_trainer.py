@@ -7,7 +7,7 @@ on every forward, two reads per micro-batch, until the trainer's forward took th
 form of ``flash.train.attention``). Not counted: reads of AdamW's step counters, which torch keeps
 in host memory whatever the device (no sync). One optimizer step over 4 and over 8 micro-batches
 must make the same number: the metrics stay tagged tensors on the device until the step ends
-(``algos.metrics``), then move in one transfer.
+(``flash.algos.metrics``), then move in one transfer.
 """
 
 from __future__ import annotations

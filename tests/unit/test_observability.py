@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
-import controllers.async_controller as ac
+import flash.controllers.async_controller as ac
 import flash.engine.client as engine_client
 from flash.app.config import load_config
 from flash.engine.loop import EngineLoop
@@ -139,7 +139,7 @@ def test_tensorboard_holds_the_namespaced_scalars(tmp_path):
 def test_a_step_keeps_its_best_and_worst_samples_as_text(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from buffers import Group, Sample
+    from flash.buffers import Group, Sample
     from flash.app.tracking import pick_samples, samples_markdown
 
     def group(pid, rewards):

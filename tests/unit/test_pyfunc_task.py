@@ -4,8 +4,8 @@ sandboxed pass/fail reward (real sandbox processes: ~0.1 s each)."""
 import pytest
 
 from flash.models import DEFAULT_ALPHABET
-from recipes.tasks import make_task
-from recipes.tasks.pyfunc import (
+from flash.recipes.tasks import make_task
+from flash.recipes.tasks.pyfunc import (
     HEADER,
     apply_chain,
     expression,

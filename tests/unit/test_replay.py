@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from buffers.types import Group, Sample
+from flash.buffers.types import Group, Sample
 from flash.app.schedule import count_steps, groups_from_line, interrupts, schedule_lines, step_line
 from flash.errors import FlashError
 from flash.train.batch import collate, flatten

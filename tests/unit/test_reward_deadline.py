@@ -14,9 +14,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from controllers.lifecycle import Outcomes
-from controllers.reward_errors import RewardErrors
-from controllers.scheduler import RolloutCore
+from flash.controllers.lifecycle import Outcomes
+from flash.controllers.reward_errors import RewardErrors
+from flash.controllers.scheduler import RolloutCore
 from flash.app.config import load_config
 from flash.app.schema import RewardConfig
 from flash.errors import ConfigError

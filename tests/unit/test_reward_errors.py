@@ -1,7 +1,7 @@
 """A reward that fails (raises, or returns no reward) scores 0 and is counted, on every step's
 metrics (``reward/errors``, ``reward/errors_in_a_row``); one that fails on
 ``reward.max_consecutive_errors`` training responses in a row stops the run with one line naming the
-reward and its error (controllers.reward_errors), wherever it was scored: the scheduler's reward
+reward and its error (flash.controllers.reward_errors), wherever it was scored: the scheduler's reward
 threads or a reward worker."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from buffers.reward import ERROR_CHARS, RewardRaised, error_text
-from controllers.lifecycle import Outcomes
-from controllers.reward_errors import RewardErrors, score_response
-from controllers.thread_errors import ThreadErrors
+from flash.buffers.reward import ERROR_CHARS, RewardRaised, error_text
+from flash.controllers.lifecycle import Outcomes
+from flash.controllers.reward_errors import RewardErrors, score_response
+from flash.controllers.thread_errors import ThreadErrors
 from flash.app.config import load_config
 from flash.app.resume import config_differences
 from flash.app.schema import RewardConfig
@@ -142,8 +142,8 @@ def test_the_stop_line_names_the_run_s_reward_as_the_recipe_chose_it():
 
 
 def test_only_a_training_response_of_the_single_turn_workflow_counts_in_a_streak():
-    from controllers.workflows.base import Unit
-    from controllers.workflows.single_turn import SingleTurn
+    from flash.controllers.workflows.base import Unit
+    from flash.controllers.workflows.single_turn import SingleTurn
     from flash.engine.base import GenerationOutput, SamplingParams
 
     told: list[bool] = []

@@ -1,4 +1,4 @@
-"""One table of values against every place a reward enters a run (``buffers.reward``): each takes
+"""One table of values against every place a reward enters a run (``flash.buffers.reward``): each takes
 the same values as the same floats and refuses the same ones, so they cannot disagree."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from buffers import Group, Sample
-from buffers.reward import BadReward, reward_value
+from flash.buffers import Group, Sample
+from flash.buffers.reward import BadReward, reward_value
 
 REFUSED = None
 TABLE = [  # (value, the reward it is, or REFUSED)
@@ -37,8 +37,8 @@ def by_check(value):
 
 def by_driver_score(value):
     """``RolloutCore.score``: a refused reward scores 0.0 and counts a reward error."""
-    from controllers.reward_errors import RewardErrors
-    from controllers.scheduler import RolloutCore
+    from flash.controllers.reward_errors import RewardErrors
+    from flash.controllers.scheduler import RolloutCore
 
     core = SimpleNamespace(source=SimpleNamespace(reward=lambda item, text: value, decode=str),
                            _lock=threading.Lock(), counters={"reward_errors": 0}, reward_deadline_s=None,
@@ -69,9 +69,9 @@ def by_agent(value):
 
 def by_environment_step(value):
     """An episode's step: a refused reward ends the episode as ``env_error`` with what it had."""
-    from controllers.workflows.base import Unit
-    from controllers.workflows.episode import EpisodeCodec, Episodes, _Episode
-    from buffers.trace import TokenTrace
+    from flash.controllers.workflows.base import Unit
+    from flash.controllers.workflows.episode import EpisodeCodec, Episodes, _Episode
+    from flash.buffers.trace import TokenTrace
     from flash.engine.base import SamplingParams
     from flash.envs.episode import Transcript, add_turn
     from flash.tasks import TaskItem
@@ -107,8 +107,8 @@ def _group(value) -> Group:
 
 def by_buffer_guard(value):
     """The buffer service refuses a group with such a reward (``bad_value``)."""
-    from buffers.guard import ValueLimits, check_values
-    from buffers.wire import WireError
+    from flash.buffers.guard import ValueLimits, check_values
+    from flash.buffers.wire import WireError
 
     try:
         check_values(_group(value), ValueLimits(), max_version=0)

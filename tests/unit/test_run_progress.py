@@ -113,7 +113,7 @@ def test_a_set_scored_by_its_own_reward_in_the_driver_counts_its_scoring_too():
 def test_the_reward_threads_tell_an_evaluation_how_many_of_its_calls_are_done_while_they_run():
     import threading
 
-    from controllers.reward_threads import RewardThreads
+    from flash.controllers.reward_threads import RewardThreads
 
     threads = RewardThreads(threading.Condition(), 3, lambda fn: fn)
     release, told = threading.Event(), []

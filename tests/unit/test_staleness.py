@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from controllers.staleness import StalenessManager
+from flash.controllers.staleness import StalenessManager
 
 
 def test_admission_limit_formula():
@@ -21,7 +21,7 @@ def test_admission_limit_formula():
 def test_admission_admits_up_to_the_bound_then_spares_and_owns_its_checkpoint_state():
     from types import SimpleNamespace
 
-    from controllers.admission import Admission, PromptSource
+    from flash.controllers.admission import Admission, PromptSource
 
     source = PromptSource(item=lambda i: SimpleNamespace(prompt=str(i)), encode=lambda p: [int(p)], decode=str,
                           reward=None)

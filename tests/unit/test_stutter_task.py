@@ -5,8 +5,8 @@ import statistics
 
 import pytest
 
-from recipes.tasks import make_task
-from recipes.tasks.stutter import stutter
+from flash.recipes.tasks import make_task
+from flash.recipes.tasks.stutter import stutter
 
 
 def test_items_are_deterministic_and_splits_differ():

@@ -23,10 +23,10 @@ from flash.models import (
     encode_response,
 )
 from flash.train.sft import META_FILE, SFTConfig, cache_key, sft_batch, task_tokenizer, warm_start
-from recipes.tasks import make_task, registered_tasks, task_options
+from flash.recipes.tasks import make_task, registered_tasks, task_options
 from flash.tasks import Task, TaskItem, register_task
-from recipes.tasks.chainsum import ChainSumOptions, running_sums
-from recipes.tasks.echo import slip
+from flash.recipes.tasks.chainsum import ChainSumOptions, running_sums
+from flash.recipes.tasks.echo import slip
 
 SMALL_MODEL = TinyModelConfig(hidden_size=64, num_layers=1, num_heads=2, num_kv_heads=1,
                               intermediate_size=64, max_positions=128)
@@ -272,7 +272,7 @@ def test_cache_key_covers_every_config():
 
 
 TASK_SOURCE = """
-from recipes.tasks.echo import Echo
+from flash.recipes.tasks.echo import Echo
 
 
 class EditedEcho(Echo):

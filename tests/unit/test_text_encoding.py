@@ -13,7 +13,7 @@ import pytest
 from tokenizers import AddedToken, Tokenizer, models, normalizers, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from controllers.episode_runtime import episode_codec
+from flash.controllers.episode_runtime import episode_codec
 from flash.app.data import build_source, check_prompt_format
 from flash.app.schema import AgentConfig
 from flash.chat_encoding import SpecialTokenInText, chat_template_ids, special_tokens, text_ids

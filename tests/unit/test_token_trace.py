@@ -1,12 +1,12 @@
-"""One token trace (``buffers.trace.TokenTrace``) behind both multi-turn paths: an environment
+"""One token trace (``flash.buffers.trace.TokenTrace``) behind both multi-turn paths: an environment
 episode (``flash.envs.episode``) and an agent's chat session through the gateway
-(``flash.envs.chat_session`` -> ``controllers.agent_runtime.session_sample``)."""
+(``flash.envs.chat_session`` -> ``flash.controllers.agent_runtime.session_sample``)."""
 
 from __future__ import annotations
 
 import pytest
 
-from buffers.trace import TokenTrace
+from flash.buffers.trace import TokenTrace
 from flash.envs.chat_session import ChatSession, Turn, record
 from flash.envs.episode import Transcript, add_observation, add_turn, to_sample
 
@@ -37,7 +37,7 @@ def test_an_episode_and_a_chat_session_build_the_same_trace():
 
 
 def test_both_paths_make_their_sample_through_the_one_conversion(monkeypatch):
-    from controllers.agent_runtime import session_sample
+    from flash.controllers.agent_runtime import session_sample
 
     converted = []
     to_sample_of_trace = TokenTrace.to_sample

@@ -1,5 +1,5 @@
-"""The controller and `flash replay` train a step through the same code (controllers.train_step),
-and a step's metrics are assembled from named sources (controllers.step_metrics).
+"""The controller and `flash replay` train a step through the same code (flash.controllers.train_step),
+and a step's metrics are assembled from named sources (flash.controllers.step_metrics).
 
 The roles are fakes that record every call they get (launch and wait apart, as Ray futures are), so
 the controller's step and the replay of its schedule line must make the same calls in the same
@@ -14,13 +14,13 @@ import numpy as np
 import pytest
 import torch
 
-import algos
-import controllers.async_controller as ac
-import controllers.train_step as ts
-from buffers import SampleBuffer
-from buffers.types import Group, Sample
-from controllers import step_metrics as sm
-from controllers.staleness import StalenessManager
+from flash import algos
+import flash.controllers.async_controller as ac
+import flash.controllers.train_step as ts
+from flash.buffers import SampleBuffer
+from flash.buffers.types import Group, Sample
+from flash.controllers import step_metrics as sm
+from flash.controllers.staleness import StalenessManager
 from flash.app import replay
 from flash.app.schedule import step_line
 from flash.sim.accounting import simulated_metrics

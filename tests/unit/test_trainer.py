@@ -5,7 +5,7 @@ import copy
 import pytest
 import torch
 
-from buffers import Sample
+from flash.buffers import Sample
 from flash.train.batch import collate
 from flash.train.trainer import Trainer
 from tests.helpers.train import toy_model
@@ -110,9 +110,9 @@ def test_fused_proximal_equals_a_separate_recompute(model):
 def test_stream_parts_in_any_order_equal_the_full_batch_step(model, agg):
     """The stream trainer's update (groups backpropagated one by one, in finish order, one optimizer
     step at the end) equals the plain step on the whole batch, for every aggregation."""
-    import algos
+    from flash import algos
     from flash.train.batch import flatten
-    from buffers import Group
+    from flash.buffers import Group
 
     group_list = [Group(prompt_id=g, samples=[s for s in samples(n=8) if s.prompt_id == g]) for g in range(4)]
     whole = collate(flatten(group_list))
