@@ -3,7 +3,7 @@
 An ``EnvTask`` is a ``Task`` whose item ``i`` is an environment seed (train and eval seeds come from
 separate streams, so the held-out metric is on unseen starts) and whose prompt is the seed's first
 observation. The runner sees ``isinstance(task, EnvTask)`` and rolls out episodes
-(``controllers.episode_scheduler``) instead of single responses; the reward then comes from the
+(``flash.controllers.workflows.episode``) instead of single responses; the reward then comes from the
 environment, not from ``reward``.
 
 Options are the environment's own knobs plus the episode knobs of ``EpisodeOptions`` in one flat

@@ -1,6 +1,6 @@
 """``EnvWorker``: a Ray actor that holds live environments and steps them, one call per step.
 
-The episode scheduler drives episodes (``controllers.episode_scheduler``); environments live here,
+The episode scheduler drives episodes (``flash.controllers.workflows.episode``); environments live here,
 in their own process, so a slow or crashing game neither blocks the driver's threads nor shares
 its interpreter. The actor is threaded (``max_concurrency``): steps of different episodes run at
 once, each on its own environment; one episode has at most one step outstanding (the scheduler's
@@ -8,7 +8,7 @@ rule), so a single environment is never stepped concurrently.
 
 A worker that dies (SIGKILL, out of memory) is restarted by Ray (``max_restarts``) with no
 environments: a call for an episode it does not hold raises ``EnvLost``, and the scheduler re-runs
-that episode from its reset (``controllers.episode_scheduler``).
+that episode from its reset (``flash.controllers.workflows.episode``).
 
 A step is atomic: it runs to completion once called. ``applied(key)`` is the worker's own record
 of the actions it applied to an episode, which the tests compare with the scheduler's transcript
