@@ -19,8 +19,8 @@ import json
 import random
 
 import pytest
-from tests.helpers.processes import (B, N, STEPS, finish, kill_and_resume, launch, read_jsonl, replay_run,
-                                    trained_pairs)
+from tests.helpers.processes import (B, N, STEPS, finish, kill_and_resume, launch, read_jsonl, recipe_warm_start_base,
+                                    replay_run, trained_pairs)
 
 from flash.app.config import load_config
 from flash.app.data import build_task
@@ -81,9 +81,10 @@ def test_sync_run_killed_and_resumed_trains_every_prompt_once_with_the_same_loss
 @pytest.mark.slow
 def test_async_run_killed_and_resumed_loses_and_repeats_no_prompt(tmp_path, cache):
     run_dir = tmp_path / "async"
-    # a 120-step warm start: rewards differ within groups, so steps have gradients for the replay to find
-    extra = ["async_ratio=2", "rollout.interrupt=continue", "rollout.inject_delay_s=0.05", "sft.steps=120"]
-    kill_and_resume(run_dir, cache, extra, random.Random(1))
+    # the default recipe's warm start (its learning test builds it in the session): rewards differ
+    # within groups, so steps have gradients for the replay to find
+    extra = ["async_ratio=2", "rollout.interrupt=continue", "rollout.inject_delay_s=0.05"]
+    kill_and_resume(run_dir, cache, extra, random.Random(1), base=recipe_warm_start_base())
 
     ledger = read_jsonl(run_dir / "ledger.jsonl")
     pairs = trained_pairs(ledger)

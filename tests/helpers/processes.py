@@ -117,19 +117,28 @@ def roles_ready(run_dir: Path) -> int:
     return sum(e["event"] == "roles_ready" for e in read_jsonl(path)) if path.exists() else 0
 
 
+def recipe_warm_start_base(recipe: str = "recipes/stutter.yaml") -> list[str]:
+    """``SMALL`` with the recipe's own model, SFT stage and held-out set in place of its small ones:
+    a run on this base loads the warm start the recipe itself builds (the same cache key), so a test
+    that needs a policy some of whose answers are right shares the one the recipe's learning test
+    builds in the session instead of training one of its own."""
+    own = ("model.tiny.", "sft.", "task.eval_size=")
+    return [o for o in SMALL if not o.startswith(own)] + ["eval.n=1"]
+
+
 def kill_and_resume(run_dir: Path, cache: str, extra: list[str], rng: random.Random,
-                    damage: str = "trainer.pt") -> list[dict]:
+                    damage: str = "trainer.pt", base: list[str] = SMALL) -> list[dict]:
     """Run and kill at a random moment (after 2-4 steps and two complete checkpoints, then up to
     1.5 s more; each checkpoint write held 1 s so steps last long enough to land anywhere in one),
     resume and kill inside a checkpoint write, truncate the newest checkpoint, resume to the end.
     ``damage``: the file of the newest checkpoint truncated. Returns the resume events."""
-    proc = launch(run_dir, cache, [f"run_dir={run_dir}", *extra], {"FLASH_CKPT_PAUSE_S": "1"})
+    proc = launch(run_dir, cache, [f"run_dir={run_dir}", *extra], {"FLASH_CKPT_PAUSE_S": "1"}, base=base)
     k = rng.randint(2, 4)
     assert wait_for(lambda: steps_done(run_dir) >= k and len(checkpoints(run_dir)) >= 2, proc)
     time.sleep(rng.uniform(0.0, 1.5))
     kill_run(proc)
     assert steps_done(run_dir) < STEPS
-    proc = launch(run_dir, cache, [f"resume={run_dir}", *extra], {"FLASH_CKPT_PAUSE_S": "4"})
+    proc = launch(run_dir, cache, [f"resume={run_dir}", *extra], {"FLASH_CKPT_PAUSE_S": "4"}, base=base)
     # stale .tmp dirs of the killed run are removed at resume, before roles_ready
     assert wait_for(lambda: roles_ready(run_dir) == 2 and checkpoints(run_dir, tmp=True), proc)
     kill_run(proc)  # inside a checkpoint write: its .tmp dir is there, its manifest is not
@@ -138,7 +147,7 @@ def kill_and_resume(run_dir: Path, cache: str, extra: list[str], rng: random.Ran
     newest = max(complete, key=lambda p: int(p.name.split("-")[1]))
     with open(newest / damage, "r+b") as f:
         f.truncate(f.seek(0, 2) // 2)
-    finish(launch(run_dir, cache, [f"resume={run_dir}", *extra]), run_dir)
+    finish(launch(run_dir, cache, [f"resume={run_dir}", *extra], base=base), run_dir)
     return [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "resume"]
 
 
