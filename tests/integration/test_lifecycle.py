@@ -381,3 +381,12 @@ def test_requests_an_engine_lost_are_asked_again_and_a_second_output_is_dropped(
     assert sched.counters["duplicate_outputs"] == 1 and sched.lifecycle.snapshot() == before
     assert sorted(g.prompt_id for g in groups) == [0, 1]
     sched.stop()
+
+
+def test_a_second_init_ray_keeps_the_running_ray(ray_local):
+    from flash.cluster import init_ray
+
+    node = ray.get_runtime_context().get_node_id()
+    init_ray(None, num_cpus=8, num_gpus=4)  # already started: nothing is started or joined
+    assert ray.get_runtime_context().get_node_id() == node
+    assert ray.cluster_resources()["CPU"] == 2 and "GPU" not in ray.cluster_resources()
