@@ -5,6 +5,10 @@ The roles are fakes that record every call they get (launch and wait apart, as R
 the controller's step and the replay of its schedule line must make the same calls in the same
 order: with a critic (``gae``) both report the critic's metrics, and the stream trainer keeps one
 part in flight while the next group is collated (its advantages computed) in both.
+
+The controller's own phases around the step run on the same fakes: colocated engines put to sleep
+and woken, a batch waited for past the buffer's poll, the model-update group formed again after an
+engine restart, and the ledger lines of the scheduler's outcomes and of what shutdown left.
 """
 
 import json
