@@ -357,3 +357,36 @@ def test_evaluation_scores_its_responses_concurrently():
     sched.stop()
     assert rewards == [0.0] * 8
     assert 2 * 0.3 <= took < 0.6 * 8 * 0.3, took
+
+
+@pytest.mark.usefixtures("ray_local")
+def test_requests_an_engine_lost_are_asked_again_and_a_second_output_is_dropped():
+    """After an engine restart the scheduler submits again what is still generating (of the ids
+    given, or all), with the same seeds; an output for a request already taken is counted, not used."""
+    from flash.engine.base import GenerationOutput
+
+    engine = scripted({"0:0": 0.6, "0:1": 0.05, "1:0": 0.6, "1:1": 0.6})
+    sched, buffer = make(engine, B=2, n=2)
+    sched.start()
+    sched.start_admission()
+    wait_until(lambda: sched.lifecycle.snapshot()["generating_now"] == 3)  # 0:1 finished
+    assert sched.requeue_lost(["1:0", "0:1"]) == 1  # 0:1 is taken: only 1:0 is asked again
+    assert sched.requeue_lost() == 3
+    groups = take(buffer, 2)
+    submitted = [rid for rid, _ in ray.get(engine.log.remote())["submitted"]]
+    assert {rid: submitted.count(rid) for rid in sorted(set(submitted))} == {"0:0": 2, "0:1": 1, "1:0": 3, "1:1": 2}
+    assert len(set(ray.get(engine.log.remote())["submitted"])) == 4  # each request kept its seed
+    before = sched.lifecycle.snapshot()
+    sched.deliver([GenerationOutput("0:0", [5, 6], [1, 1, 1], [-0.5] * 3, [0] * 3, "stop")])
+    assert sched.counters["duplicate_outputs"] == 1 and sched.lifecycle.snapshot() == before
+    assert sorted(g.prompt_id for g in groups) == [0, 1]
+    sched.stop()
+
+
+def test_a_second_init_ray_keeps_the_running_ray(ray_local):
+    from flash.cluster import init_ray
+
+    node = ray.get_runtime_context().get_node_id()
+    init_ray(None, num_cpus=8, num_gpus=4)  # already started: nothing is started or joined
+    assert ray.get_runtime_context().get_node_id() == node
+    assert ray.cluster_resources()["CPU"] == 2 and "GPU" not in ray.cluster_resources()

@@ -22,8 +22,10 @@ from flash.placement import (
     PlacementError,
     RoleConfig,
     RolesConfig,
+    check_engine_devices,
     check_runnable,
     plan_placement,
+    visible_devices,
 )
 from tests.ray_probe import Probe
 
@@ -214,6 +216,52 @@ def test_cluster_without_enough_gpus(gpus4):
     with pytest.raises(PlacementError, match=r"placement.num_gpus=8 but the Ray cluster has 4 GPU\(s\)"):
         Placement.create(plan_placement(cfg(num_gpus=8, actor_train=([7], 1))))
     assert Placement.create(plan_placement(PlacementConfig())).options("actor_infer", 0) == {}
+
+
+def test_created_placement_reserves_every_device_and_gives_each_worker_its_options(gpus4):
+    """The options a role's actor is started with, read without starting one."""
+    plan = plan_placement(cfg(num_gpus=2, actor_train=([1, 0], 1), actor_infer=([], 1)))
+    placement = Placement.create(plan)
+    try:
+        assert placement.gpu_ids == ["0", "1"] and len(set(placement.nodes)) == 1
+        assert ray.available_resources().get("GPU", 0) == 2  # 2 of the 4 reserved
+        train = placement.options("actor_train", 0)
+        assert train["num_gpus"] == 1.0 and train["runtime_env"] == {"env_vars": {
+            "FLASH_DEVICES": "1,0", "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1",
+            "CUDA_VISIBLE_DEVICES": "1,0"}}
+        strategy = train["scheduling_strategy"]
+        assert strategy.placement_group is placement.pg and strategy.placement_group_bundle_index == 1
+        assert placement.options("actor_infer", 0) == {"runtime_env": {"env_vars": {  # CPU only: no GPU
+            "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1", "CUDA_VISIBLE_DEVICES": ""}}}
+        one = Placement(plan_placement(cfg(num_gpus=2, actor_infer=([1], 1))), placement.pg, ["0", "1"], ["n", "n"])
+        assert one.options("actor_infer", 0)["runtime_env"] == {"env_vars": {"FLASH_DEVICES": "1"}}  # Ray sets it
+    finally:
+        placement.remove()
+    assert placement.pg is None
+    placement.remove()  # a second removal is a no-op
+    with pytest.raises(PlacementError, match=r"could not reserve 1 bundle\(s\) of \{'GPU': 1, 'CPU': 64\} "
+                                             r"within 0.5 s; free resources: "):
+        Placement.create(plan_placement(cfg(num_gpus=1, actor_train=([0], 1))), cpus_per_bundle=64, timeout=0.5)
+
+
+def test_a_worker_whose_devices_ray_put_on_two_nodes_is_refused():
+    plan = plan_placement(cfg(num_gpus=2, actor_train=([0, 1], 1), actor_infer=([], 1)))
+    Placement(plan, gpu_ids=["0", "0"], nodes=["n1", "n1"])._check_nodes()
+    with pytest.raises(PlacementError, match=r"actor_train worker 0 maps devices \[0, 1\] that Ray placed "
+                                             r"on 2 nodes; one worker's devices must share a node"):
+        Placement(plan, gpu_ids=["0", "0"], nodes=["n1", "n2"])._check_nodes()
+
+
+def test_engine_devices_and_visible_devices(monkeypatch):
+    wide = plan_placement(cfg(num_gpus=4, actor_infer=([0, 1, 2, 3], 2)))
+    with pytest.raises(PlacementError, match=r"gives each worker 2 devices \(w0: \[0, 1\]\), but the torch engine "
+                                             r"runs on one: set placement.roles.actor_infer.num_workers=4"):
+        check_engine_devices(wide, "torch")
+    check_engine_devices(wide, "vllm")  # tensor parallel over a worker's devices
+    monkeypatch.setenv("FLASH_DEVICES", "2,3")
+    assert visible_devices() == [2, 3]
+    monkeypatch.setenv("FLASH_DEVICES", "")
+    assert visible_devices() == []
 
 
 # ---- the sleep hook colocation uses ------------------------------------------------------------

@@ -5,6 +5,10 @@ The roles are fakes that record every call they get (launch and wait apart, as R
 the controller's step and the replay of its schedule line must make the same calls in the same
 order: with a critic (``gae``) both report the critic's metrics, and the stream trainer keeps one
 part in flight while the next group is collated (its advantages computed) in both.
+
+The controller's own phases around the step run on the same fakes: colocated engines put to sleep
+and woken, a batch waited for past the buffer's poll, the model-update group formed again after an
+engine restart, and the ledger lines of the scheduler's outcomes and of what shutdown left.
 """
 
 import json
@@ -274,3 +278,114 @@ def test_a_step_whose_groups_all_had_equal_reward_is_marked_no_update(monkeypatc
         assert metrics["train/no_update"] == train["no_update"] == want
     assert ts.no_update([torch.zeros(2, 3), torch.zeros(1, 3)]) == 1.0
     assert ts.no_update([torch.zeros(2, 3), torch.tensor([[0.0, 1e-9, 0.0]])]) == 0.0
+
+
+class CallLog(Engine):
+    """An engine that records the calls the controller makes on it beside the roles' calls."""
+
+    def __init__(self, log):
+        self.log = log
+
+    def __getattr__(self, name):  # pause, sleep, wake_up, resume, update_weights, abort
+        return lambda *args: self.log.append(f"engine.{name}{args}") or 0.0
+
+
+def _controller(monkeypatch, groups, settings, log, scheduler=None, **kw):
+    for module in (ac, ts):
+        monkeypatch.setattr(module, "ray", SimpleNamespace(get=fake_get))
+    buffer = SampleBuffer(16)
+    for g in groups:
+        buffer.put(g)
+    engine = CallLog(log)
+    trainer, _, _ = _roles(log)
+    return ac.AsyncController(Actor("engine", log, engine), trainer, scheduler or Scheduler(), buffer,
+                              StalenessManager(0.0, settings.prompts_per_step), settings,
+                              supervisor=kw.pop("supervisor", None) or Supervisor(engine), **kw), buffer
+
+
+def test_colocated_engines_sleep_through_the_train_phase_and_wake_before_the_push(monkeypatch):
+    log = []
+    settings = ac.ControllerSettings(3, "restart", {"name": "grpo"}, "behav", colocated=True)
+    ctrl, _ = _controller(monkeypatch, _groups(), settings, log)
+    record = ctrl.step(0, admit_more=False)
+    engine = [x.split("(<")[0] for x in log if x.startswith("engine.") or "train_step" in x]
+    assert engine == ["engine.pause('restart',)", "engine.sleep(2,)", "launch trainer.train_step",
+                      "wait trainer.train_step", "engine.wake_up()", "engine.pause('restart',)",
+                      "engine.update_weights", "engine.resume()"]  # the weights: the trainer's object ref
+    assert {"time/sleep", "time/wake_up"} <= set(record.metrics)
+
+
+def test_a_step_waits_past_the_buffer_poll_checking_the_scheduler(monkeypatch):
+    import threading
+
+    class Counting(Scheduler):
+        checks = 0
+
+        def check(self):
+            self.checks += 1
+
+    scheduler, late = Counting(), _groups(2)
+    ctrl, buffer = _controller(monkeypatch, [], ac.ControllerSettings(2, "continue", {"name": "grpo"}, "behav"),
+                               [], scheduler)
+    timer = threading.Timer(1.2, lambda: [buffer.put(g) for g in late])  # after the 1 s poll timed out
+    timer.start()
+    record = ctrl.step(0, admit_more=False)
+    timer.join()
+    assert [g.prompt_id for g in record.groups] == [0, 1]
+    assert scheduler.checks >= 3  # in the batch rule (before and after the wait) and on the timeout
+
+
+def test_after_an_engine_restart_the_model_update_group_is_formed_again_before_the_push(monkeypatch):
+    log = []
+
+    class Group:
+        def reset(self):
+            log.append("reset")
+
+        def push(self, version):
+            log.append(f"push {version}")
+            return {"model_update/bytes": 640.0, "model_update/push_s": 0.5}
+
+    engine = CallLog(log)
+    restarted = Supervisor(engine)
+    restarted.epoch = 1  # the engine process was replaced since the group was formed
+    ctrl, _ = _controller(monkeypatch, _groups(), ac.ControllerSettings(3, "continue", {"name": "grpo"}, "behav"),
+                          log, model_update=Group(), supervisor=restarted)
+    m1 = ctrl.step(0).metrics
+    restarted.epoch = 1  # no restart since: the group is used as it is
+    for g in _groups(3):
+        ctrl.buffer.put(g)
+    ctrl.step(1, admit_more=False)
+    assert [x for x in log if x in ("reset", "push 1", "push 2")] == ["reset", "push 1", "push 2"]
+    assert m1["rollout/update_bytes"] == 640.0 and m1["model_update/push_s"] == 0.5
+    assert not any(x.startswith("engine.update_weights") for x in log)  # nothing through the object store
+
+
+def test_the_ledger_holds_the_schedulers_outcomes_and_what_shutdown_left(monkeypatch):
+    import io
+
+    class Ending(Scheduler):
+        events = [[{"prompt_id": 7, "outcome": "filtered", "rule": "all_same_reward"}],
+                  [{"prompt_id": 9, "request": 2, "outcome": "aborted", "reason": "redundant"}]]
+
+        def drain_outcomes(self):
+            return self.events.pop(0) if self.events else []
+
+        def pending_ids(self):
+            return [11, 12]
+
+        def leftover(self):
+            return [{"prompt_id": 13, "outcome": "queued"}]
+
+    ledger, log = io.StringIO(), []
+    ctrl, buffer = _controller(monkeypatch, _groups(2), ac.ControllerSettings(1, "continue", {"name": "grpo"}, "behav"),
+                               log, Ending(), ledger=ledger)
+    ctrl.step(0, admit_more=False)  # trains group 0; group 1 stays buffered
+    left = ctrl.shutdown_rollout()
+    assert left == {"in_flight": [11, 12], "buffered": [1]} and len(buffer) == 0
+    assert log[-3:] == ["engine.pause('continue',)", "engine.abort(None,)", "engine.resume()"]
+    lines = [json.loads(x) for x in ledger.getvalue().splitlines()]
+    assert [(x["prompt_id"], x["outcome"], x.get("step")) for x in lines] == [
+        (7, "filtered", 0), (0, "trained", 0), (0, "trained", 0), (9, "aborted", None),
+        (11, "in_flight", None), (12, "in_flight", None), (1, "buffered", None), (13, "queued", None)]
+    assert lines[0]["rule"] == "all_same_reward" and lines[3]["reason"] == "redundant"
