@@ -116,3 +116,23 @@ def test_a_nan_reward_ends_the_episode_as_an_env_error():
     sample = wf.finish(unit(0), None)
     assert sample.finish_reason == "env_error" and wf.counters["env_errors"] == 1
     assert wf.last_env_error.startswith("step returned reward nan")
+
+
+def test_a_worker_death_is_counted_once_per_new_process_and_stops_the_run_past_the_budget():
+    import pytest
+
+    from flash.controllers.workflows.env_faults import EnvFailed
+
+    wf, _, _ = make()
+    wf.max_worker_restarts, wf._pids = 1, [100]
+    heard: list[dict] = []
+    wf.on_event = heard.append
+    wf._wait_restarted = lambda slot, kind, exc: 101  # Ray brought worker 0 back as process 101
+    wf._worker_lost(0, "died", RuntimeError("killed"))
+    wf._worker_lost(0, "died", RuntimeError("killed"))  # a second episode of the same death
+    assert wf.faults == 1 and wf._pids == [101] and wf.metrics()["faults/env"] == 1.0
+    assert [(e["event"], e["kind"], e["error"], e["worker"], e["pid"]) for e in heard] == [
+        ("env_fault", "died", "RuntimeError", 0, 101)] and wf.events == heard
+    wf._wait_restarted = lambda slot, kind, exc: 102
+    with pytest.raises(EnvFailed, match=r"died 2 times \(rollout.max_worker_restarts=1\)"):
+        wf._worker_lost(0, "hung", TimeoutError())
