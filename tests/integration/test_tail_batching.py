@@ -412,3 +412,40 @@ def test_a_checkpoint_keeps_the_long_prompt_queue():
     assert (m["rollout/tail/cut_groups"], m["rollout/tail/long_rounds"], m["rollout/tail/long_queue"]) == (1, 1, 0)
     assert sched2.admitted == 5  # prompt ids go on from the checkpoint's 3
     sched2.stop()
+
+
+def test_the_long_prompt_queue_threshold_and_round_survive_a_state_round_trip():
+    """No engine needed: the tail state (queue, round, cap, lengths, counters, spares) goes through
+    JSON into a fresh scheduler, whose repeated version keeps its round and whose next version runs
+    the queue as a long round; a checkpoint without that state names the setting to resume with."""
+    import json
+
+    source = PromptSource(item=Item, encode=lambda s: [5, int(s)], decode=lambda ids: str(len(ids)),
+                          reward=lambda item, text: 0.0)
+
+    def fresh():
+        return TailBatchingScheduler(None, source, SampleBuffer(capacity=8), StalenessManager(0, 2),
+                                     SamplingParams(max_new_tokens=MAX_NEW), n=2, seed=3, reward_workers=1,
+                                     tail=TailConfig(threshold="4", over_provision=1.5, long_round_queue=1))
+
+    a = fresh()
+    with a._lock:  # as a cut at version 0 leaves it
+        a._long.append({"data_index": 1, "prompt_id": 1})
+        a._threshold.observe(7)
+    state = json.loads(json.dumps(a.state_dict()))
+    assert state["tail"] == {"long_queue": [{"data_index": 1, "prompt_id": 1}], "round": "short", "cap": 4,
+                             "round_version": 0, "lengths": [7], "max_additional": 1,
+                             "counters": {"long_rounds": 0, "short_rounds": 1, "cut_groups": 0, "swaps": 0}}
+    b = fresh()
+    b.load_state_dict(state)
+    assert b.leftover() == [{"data_index": 1, "cut_prompt_id": 1, "outcome": "long_queue"}]
+    b.set_version(0)  # the start repeats the checkpoint's version: the same short round, not a new one
+    m = b.metrics()
+    assert (m["rollout/tail/short_rounds"], m["rollout/tail/long_round"], m["rollout/tail/threshold"]) == (1, 0, 4)
+    b.set_version(1)  # one prompt queued, trigger 1: a long round at full length, no spares
+    m = b.metrics()
+    assert (m["rollout/tail/long_rounds"], m["rollout/tail/long_round"], m["rollout/tail/threshold"]) == (1, 1, 16)
+    assert b.admission.prov.max_additional == 0
+    del state["tail"]
+    with pytest.raises(ValueError, match="resume it with rollout.scheduler: plain"):
+        fresh().load_state_dict(state)
