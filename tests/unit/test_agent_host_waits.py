@@ -1,0 +1,90 @@
+"""The driver's side of agent hosts (flash.envs.agents: ``wait_ready``, ``run_on_host``) and the
+reward pool's scaling loop (flash.rewards.autoscale: ``run_scaler``), over scripted stand-ins for
+the Ray actor handles and the pool: a host that does not answer its pings, one that comes back,
+one whose process dies under a run."""
+
+import asyncio
+import threading
+
+import ray.exceptions
+
+from flash.envs import agents
+from flash.rewards.autoscale import AutoscaleConfig, Autoscaler, run_scaler
+
+
+class _Method:
+    def __init__(self, fn):
+        self.remote = fn
+
+
+class ScriptedHost:
+    """An AgentHost handle: ``ping.remote()`` answers after ``down`` failed pings (a ping of a
+    host that is down hangs); ``run.remote()`` runs ``run``."""
+
+    def __init__(self, down: int, run=None):
+        self.down, self.pings = down, 0
+        self.ping = _Method(self._ping)
+        self.run = _Method(run or (lambda item, key: None))
+
+    async def _ping(self):
+        self.pings += 1
+        if self.pings <= self.down:
+            await asyncio.sleep(3600)
+        return True
+
+
+def test_a_host_is_waited_for_while_it_restarts_and_counts_as_died_when_it_never_returns(monkeypatch):
+    monkeypatch.setattr(agents, "PING_S", 0.01)
+    back = ScriptedHost(down=2)
+    assert asyncio.run(agents.wait_ready(back, within_s=5.0)) is True and back.pings == 3
+    monkeypatch.setattr(agents, "RESTART_S", 0.05)
+    gone = ScriptedHost(down=10 ** 6)
+    outcome, reward, info, error = asyncio.run(agents.run_on_host(gone, None, "k0", timeout_s=1.0))
+    assert (outcome, reward, info) == ("died", 0.0, {}) and "did not come back within 0.05s" in error
+    assert gone.pings >= 2  # pinged again after each 0.2 s pause until the deadline passed
+
+
+def test_a_run_whose_host_process_dies_ends_died_naming_the_actor_error(monkeypatch):
+    async def dies(item, key):
+        raise ray.exceptions.RayActorError()
+
+    out = asyncio.run(agents.run_on_host(ScriptedHost(down=0, run=dies), None, "k0", timeout_s=1.0))
+    assert out[:3] == ("died", 0.0, {})
+    assert out[3] == "the agent's process died: The actor experienced an error before finishing this task."
+
+    async def answers(item, key):
+        return "ok", 1.0, {"turns": 2}, ""
+
+    assert asyncio.run(agents.run_on_host(ScriptedHost(down=0, run=answers), None, "k0", 1.0)) == \
+        ("ok", 1.0, {"turns": 2}, "")
+
+
+class ScriptedPool:
+    """What ``run_scaler`` reads and calls on a RewardPool: its queue, size and ``resize``."""
+
+    def __init__(self, queued: int):
+        self.queued, self.num_workers, self.concurrency, self.resizes = queued, 1, 1, []
+
+    def resize(self, n: int) -> None:
+        self.resizes.append(n)
+        self.num_workers = n
+
+
+def test_the_scaling_loop_resizes_the_pool_to_what_the_scaler_wants_until_stopped():
+    cfg = AutoscaleConfig(min_workers=1, max_workers=3, scale_up_queue=1.0, scale_down_idle_s=0.0,
+                          interval_s=0.01)
+    pool, stop = ScriptedPool(queued=5), threading.Event()
+    thread = threading.Thread(target=run_scaler, args=(pool, Autoscaler(cfg), stop))
+    thread.start()
+    for _ in range(500):
+        if pool.num_workers == 3:
+            break
+        threading.Event().wait(0.01)
+    pool.queued = 0  # the burst is over: one worker fewer per tick, down to min_workers
+    for _ in range(500):
+        if pool.num_workers == 1:
+            break
+        threading.Event().wait(0.01)
+    stop.set()
+    thread.join(5)
+    assert not thread.is_alive() and pool.resizes == [3, 2, 1]  # 5 calls at 1 per worker: capped at 3
