@@ -88,3 +88,23 @@ def test_the_scaling_loop_resizes_the_pool_to_what_the_scaler_wants_until_stoppe
     stop.set()
     thread.join(5)
     assert not thread.is_alive() and pool.resizes == [3, 2, 1]  # 5 calls at 1 per worker: capped at 3
+
+
+def test_a_reward_worker_names_each_failure_and_counts_a_call_stuck_past_its_timeout():
+    from flash.rewards.workers import RewardScorer
+    from flash.tasks import TaskItem
+
+    item = TaskItem(0, "p", "1/2")
+    result, stuck = RewardScorer({"name": "tests.reward_fns:divide_by_zero"}, timeout_s=5.0).score(item, "x")
+    assert (result.reward, result.reason, stuck) == (0.0, "error:ZeroDivisionError", 0)
+    assert "division by zero" in result.error
+    result, _ = RewardScorer({"name": "tests.reward_fns:not_a_number"}, timeout_s=5.0).score(item, "x")
+    assert (result.reward, result.reason) == (0.0, "error:BadReward") and result.error
+    slow = RewardScorer({"name": "tests.reward_fns:slow", "seconds": 0.3}, timeout_s=0.05)
+    result, stuck = slow.score(item, "x")
+    assert (result.reward, result.reason, stuck) == (0.0, "timeout", 1) and 0.05 <= result.wall_s < 0.3
+    assert slow.metrics()["reward/stuck_calls"] == 1.0  # the call still runs in its thread ...
+    threading.Event().wait(0.5)
+    assert slow.metrics()["reward/stuck_calls"] == 0.0  # ... until it ends
+    exact = RewardScorer({"name": "tests.reward_fns:exact"}, timeout_s=5.0)
+    assert exact.ready() and exact.score(item, "1/2")[0].reward == 1.0
