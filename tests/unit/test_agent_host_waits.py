@@ -42,6 +42,8 @@ def test_a_host_is_waited_for_while_it_restarts_and_counts_as_died_when_it_never
     outcome, reward, info, error = asyncio.run(agents.run_on_host(gone, None, "k0", timeout_s=1.0))
     assert (outcome, reward, info) == ("died", 0.0, {}) and "did not come back within 0.05s" in error
     assert gone.pings >= 2  # pinged again after each 0.2 s pause until the deadline passed
+    assert asyncio.run(agents._answers(ScriptedHost(down=1))) is False  # a blocked loop: no answer
+    assert asyncio.run(agents._answers(ScriptedHost(down=0))) is True
 
 
 def test_a_run_whose_host_process_dies_ends_died_naming_the_actor_error(monkeypatch):
@@ -57,6 +59,18 @@ def test_a_run_whose_host_process_dies_ends_died_naming_the_actor_error(monkeypa
 
     assert asyncio.run(agents.run_on_host(ScriptedHost(down=0, run=answers), None, "k0", 1.0)) == \
         ("ok", 1.0, {"turns": 2}, "")
+
+
+def test_an_agent_host_runs_its_agent_names_the_outcome_and_answers_pings():
+    import os
+
+    from flash.envs.agent_host import AgentHost
+    from flash.tasks import TaskItem
+
+    host = AgentHost("tests.agent_fns:not_a_reward", "http://127.0.0.1:9/v1", 5.0, [os.getcwd()])
+    outcome, reward, info, error = asyncio.run(host.run(TaskItem(0, "p", "a"), "k0"))
+    assert (outcome, reward, info) == ("bad_return", 0.0, {}) and "got yes" in error
+    assert asyncio.run(host.ping()) is True and host.pid() == os.getpid()
 
 
 class ScriptedPool:
