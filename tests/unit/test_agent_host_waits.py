@@ -1,7 +1,8 @@
-"""The driver's side of agent hosts (flash.envs.agents: ``wait_ready``, ``run_on_host``) and the
-reward pool's scaling loop (flash.rewards.autoscale: ``run_scaler``), over scripted stand-ins for
-the Ray actor handles and the pool: a host that does not answer its pings, one that comes back,
-one whose process dies under a run."""
+"""Agent hosts and reward workers without Ray: the driver's side of a host (flash.envs.agents:
+``wait_ready``, ``run_on_host``, ``_answers``) over scripted actor handles (a host that does not
+answer its pings, one that comes back, one whose process dies under a run); ``AgentHost`` and
+``RewardScorer`` (the actors' classes) called directly; the reward pool's scaling loop
+(flash.rewards.autoscale: ``run_scaler``) over a scripted pool."""
 
 import asyncio
 import threading
