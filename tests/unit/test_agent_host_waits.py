@@ -123,3 +123,30 @@ def test_a_reward_worker_names_each_failure_and_counts_a_call_stuck_past_its_tim
     assert slow.metrics()["reward/stuck_calls"] == 0.0  # ... until it ends
     exact = RewardScorer({"name": "tests.reward_fns:exact"}, timeout_s=5.0)
     assert exact.ready() and exact.score(item, "1/2")[0].reward == 1.0
+
+
+def test_the_agent_workflow_asks_waiting_turns_again_and_stop_fails_them_and_cancels_the_agents():
+    from concurrent.futures import Future
+    from types import SimpleNamespace
+
+    from flash.controllers.workflows.agent import Agents, _Run
+    from flash.controllers.workflows.base import Unit
+    from flash.engine.base import GenerationRequest, SamplingParams
+
+    submitted, closed = [], []
+    agents = Agents(SimpleNamespace(close=lambda: closed.append("gateway")),
+                    SimpleNamespace(close=lambda: closed.append("runner")), to_sample=None)
+    agents.core = SimpleNamespace(supervisor=SimpleNamespace(submit=submitted.append))
+    runs = []
+    for i in range(2):
+        run = _Run(Unit(f"u{i}", 5, i, SimpleNamespace(), [], SamplingParams()), future=Future())
+        run.waiting[f"u{i}/0"] = (GenerationRequest(f"u{i}/0", [1], SamplingParams()), Future())
+        agents._runs[run.unit.id] = run
+        runs.append(run)
+    assert agents.requeue([], None) == 2 and [r.request_id for r in submitted[0]] == ["u0/0", "u1/0"]
+    assert agents.requeue([], ["u1/0", "u9/0"]) == 1 and [r.request_id for r in submitted[1]] == ["u1/0"]
+    waiters = [w for run in runs for _, w in run.waiting.values()]
+    agents.stop()
+    assert [str(w.exception()) for w in waiters] == ["the run is stopping"] * 2
+    assert all(run.cancelled and run.future.cancelled() for run in runs) and closed == ["runner", "gateway"]
+    assert agents.requeue([], None) == 0 and len(submitted) == 2  # nothing left to ask again
