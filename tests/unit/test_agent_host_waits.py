@@ -150,3 +150,71 @@ def test_the_agent_workflow_asks_waiting_turns_again_and_stop_fails_them_and_can
     assert [str(w.exception()) for w in waiters] == ["the run is stopping"] * 2
     assert all(run.cancelled and run.future.cancelled() for run in runs) and closed == ["runner", "gateway"]
     assert agents.requeue([], None) == 0 and len(submitted) == 2  # nothing left to ask again
+
+
+class ScriptedRunner:
+    """An AgentRunner that keeps each episode's callbacks; the test plays the agent."""
+
+    def __init__(self):
+        self.episodes = []
+
+    def run(self, item, open_session, close_session, done):
+        from concurrent.futures import Future
+
+        self.episodes.append((open_session, close_session, done, Future()))
+        return self.episodes[-1][3]
+
+    def metrics(self):
+        return {"agent/ok": 1.0}
+
+
+def test_an_agent_s_call_is_an_engine_turn_of_its_unit_answered_by_route_and_cancel_aborts_it():
+    from types import SimpleNamespace
+
+    from flash.controllers.workflows.agent import Agents
+    from flash.controllers.workflows.base import Unit
+    from flash.engine.base import GenerationOutput, SamplingParams
+
+    gateway = SimpleNamespace(open_session=lambda meta: f"key-{meta['unit']}", metrics=lambda: {"calls": 2},
+                              close_session=lambda key: {"key": key})
+    submitted, aborted, delivered = [], [], []
+    agents = Agents(gateway, ScriptedRunner(), to_sample=lambda record, **kw: SimpleNamespace(record=record, meta={}),
+                    max_turns=1)
+    runner = agents.runner
+    agents.core = SimpleNamespace(supervisor=SimpleNamespace(submit=submitted.extend,
+                                                             call=lambda name, ids: aborted.append((name, ids))),
+                                  deliver=delivered.extend)
+    params = SamplingParams(max_new_tokens=8, temperature=0.7, seed=11)
+    agents.launch([Unit(f"u{i}", 5, i, SimpleNamespace(), [], params) for i in range(2)])
+    keys = [episode[0]() for episode in runner.episodes]
+    assert keys == ["key-u0", "key-u1"]
+    replies: list = []
+    answered = threading.Thread(target=lambda: replies.append(agents.generate([1, 2], SamplingParams(100), keys[0])))
+    failed = threading.Thread(target=lambda: replies.append(_raises(agents.generate, [3], SamplingParams(100), keys[1])))
+    answered.start(), failed.start()
+    for _ in range(500):
+        if len(submitted) == 2:
+            break
+        threading.Event().wait(0.01)
+    req = next(r for r in submitted if r.request_id == "u0/0")
+    assert (req.prompt_ids, req.params.max_new_tokens, req.params.temperature) == ([1, 2], 8, 0.7)
+    agents.cancel(["u1"])
+    out = GenerationOutput("u0/0", [1, 2], [7], [-0.5], [0], "stop")
+    assert agents.route([out]) == []
+    answered.join(5), failed.join(5)
+    assert out in replies and "the episode was cancelled" in replies and aborted == [("abort", ["u1/0"])]
+    assert runner.episodes[1][3].cancelled()
+    assert _raises(agents.generate, [1], params, keys[0]) == "the agent made more than 1 calls in one episode"
+    runner.episodes[0][1](keys[0], "ok")
+    runner.episodes[0][2](SimpleNamespace(reward=1.0, outcome="ok", attempts=1, info={}))
+    assert agents.finish(SimpleNamespace(id="u0"), out).record == {"key": "key-u0"}
+    assert [o.request_id for o in delivered] == ["u0"] and agents.metrics()["gateway/calls"] == 2.0
+    assert _raises(agents.generate, [1], params, "key-u9") == "the episode of this session has ended"
+
+
+def _raises(fn, *args) -> str:
+    try:
+        fn(*args)
+    except RuntimeError as exc:
+        return str(exc)
+    return ""
