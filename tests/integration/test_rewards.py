@@ -348,3 +348,19 @@ def test_pool_stops_the_run_when_workers_keep_dying(ray_local, tmp_path):
         assert pool.faults == 1
     finally:
         pool.close()
+
+
+def test_pool_resize_grows_with_ready_workers_and_shrinks_only_idle_ones(ray_local):
+    from flash.rewards.workers import RewardPool
+
+    pool = RewardPool({"name": "tests.reward_fns:exact"}, num_workers=1, concurrency=2, timeout_s=20)
+    try:
+        pool.resize(2)
+        assert pool.num_workers == 2 and len(set(pool.pids())) == 2 and pool._slots.capacity == 4
+        assert [pool.score(TaskItem(i, "p", "ab"), "ab").reward for i in range(3)] == [1.0] * 3
+        pool.resize(1)
+        m = pool.metrics()
+        assert (m["reward/workers"], m["reward/scale_ups"], m["reward/scale_downs"]) == (1.0, 1.0, 1.0)
+        assert pool._slots.capacity == 2 and pool.score(TaskItem(0, "p", "ab"), "ab").reward == 1.0
+    finally:
+        pool.close()
