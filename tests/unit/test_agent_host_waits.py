@@ -10,6 +10,7 @@ import threading
 import ray.exceptions
 
 from flash.envs import agents
+from tests.helpers.waiting import wait_until
 from flash.rewards.autoscale import AutoscaleConfig, Autoscaler, run_scaler
 
 
@@ -91,15 +92,9 @@ def test_the_scaling_loop_resizes_the_pool_to_what_the_scaler_wants_until_stoppe
     pool, stop = ScriptedPool(queued=5), threading.Event()
     thread = threading.Thread(target=run_scaler, args=(pool, Autoscaler(cfg), stop))
     thread.start()
-    for _ in range(500):
-        if pool.num_workers == 3:
-            break
-        threading.Event().wait(0.01)
+    wait_until(lambda: pool.num_workers == 3, what="3 workers")
     pool.queued = 0  # the burst is over: one worker fewer per tick, down to min_workers
-    for _ in range(500):
-        if pool.num_workers == 1:
-            break
-        threading.Event().wait(0.01)
+    wait_until(lambda: pool.num_workers == 1, what="1 worker")
     stop.set()
     thread.join(5)
     assert not thread.is_alive() and pool.resizes == [3, 2, 1]  # 5 calls at 1 per worker: capped at 3
@@ -192,10 +187,7 @@ def test_an_agent_s_call_is_an_engine_turn_of_its_unit_answered_by_route_and_can
     answered = threading.Thread(target=lambda: replies.append(agents.generate([1, 2], SamplingParams(100), keys[0])))
     failed = threading.Thread(target=lambda: replies.append(_raises(agents.generate, [3], SamplingParams(100), keys[1])))
     answered.start(), failed.start()
-    for _ in range(500):
-        if len(submitted) == 2:
-            break
-        threading.Event().wait(0.01)
+    wait_until(lambda: len(submitted) == 2, what="both turns submitted")
     req = next(r for r in submitted if r.request_id == "u0/0")
     assert (req.prompt_ids, req.params.max_new_tokens, req.params.temperature) == ([1, 2], 8, 0.7)
     agents.cancel(["u1"])
