@@ -36,11 +36,12 @@ def _sys(name: str, *args) -> list[int]:
     return [rc, ctypes.get_errno() if rc == -1 else 0]
 
 
+_NR = ({n: syscall_filter.number(n, MACHINE) for n in syscall_filter.NUMBERS}
+       if MACHINE in syscall_filter.ARCHES else {})
 PRELUDE = f"""\
 import ctypes, json, os
 libc = ctypes.CDLL(None, use_errno=True)
-NR = {({n: syscall_filter.number(n, MACHINE) for n in syscall_filter.NUMBERS}
-       if MACHINE in syscall_filter.ARCHES else {})!r}
+NR = {_NR!r}
 def call(name, *args):
     ctypes.set_errno(0)
     conv = [ctypes.c_long(a) if isinstance(a, int) else a for a in args]
