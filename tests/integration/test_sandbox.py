@@ -189,6 +189,25 @@ def test_namespaces_are_used_where_the_host_allows_them():
     assert sandbox.ISOLATION_LEVELS == ("namespaces", "audit-hook")
 
 
+def _copy_sandbox_package(home: Path) -> None:
+    """The sandbox modules (standard library only) as a bare ``flash.rewards`` package under
+    ``home``, readable by every uid. The checkout may sit under a directory uid 65534 cannot enter
+    (a mode-700 clone), and the system python has none of the project's dependencies: a driver run
+    as that uid loads this copy instead."""
+    import shutil
+
+    package = home / "flash" / "rewards"
+    package.mkdir(parents=True)
+    for init in (home / "flash" / "__init__.py", package / "__init__.py"):
+        init.write_text("")
+    module = Path(sandbox.__file__)
+    for name in ("sandbox.py", "forkserver.py", "cgroups.py", "_jail.py", "_zygote.py",
+                 "syscall_filter.py", "deadline.py"):
+        shutil.copyfile(module.with_name(name), package / name)
+    for p in home.rglob("*"):
+        os.chmod(p, 0o755 if p.is_dir() else 0o644)
+
+
 @pytest.mark.skipif(os.geteuid() != 0 or not Path("/usr/bin/setpriv").exists()
                     or isolation_level() != "namespaces",
                     reason="needs root (to become an ordinary user) and namespaces")
@@ -208,19 +227,7 @@ def test_as_an_ordinary_user_same_uid_files_and_parent_are_still_safe():
         for p in (home, victim):
             os.chown(p, 65534, 65534)
         write_src = f"open({str(victim)!r}, 'w').write('pwned')"
-        # the checkout may sit under a directory uid 65534 cannot enter (a mode-700 clone), and
-        # the system python has none of the project's dependencies: the driver loads a copy of the
-        # sandbox modules (standard library only) as a bare package where that uid can read them
-        package = home / "flash" / "rewards"
-        package.mkdir(parents=True)
-        for init in (home / "flash" / "__init__.py", package / "__init__.py"):
-            init.write_text("")
-        module = Path(sandbox.__file__)
-        for name in ("sandbox.py", "forkserver.py", "cgroups.py", "_jail.py", "_zygote.py",
-                     "syscall_filter.py", "deadline.py"):
-            shutil.copyfile(module.with_name(name), package / name)
-        for p in home.rglob("*"):
-            os.chmod(p, 0o755 if p.is_dir() else 0o644)
+        _copy_sandbox_package(home)
         driver = (
             f"import sys\nsys.path.insert(0, {str(home)!r})\n"
             "import json, os\nfrom flash.rewards.sandbox import execute\n"
