@@ -225,7 +225,7 @@ class _Scheduler:
 
 
 def test_controller_select_runs_through_the_proxy_and_wake_reruns_it():
-    # imported here: the producer processes import this module, and need not load torch and Ray
+    # imported here: the other tests of this module need neither torch nor Ray
     from flash.controllers.async_controller import AsyncController, ControllerSettings
     from flash.controllers.staleness import StalenessManager
 

@@ -4,8 +4,8 @@ The scheduler against a scripted engine whose responses have scripted lengths an
 proportion to the tokens generated, and which honours ``max_new_tokens`` (a capped request ends
 early with ``finish_reason='length'``), so which groups are cut, swapped or re-run is exact. A
 driver loop plays the controller (batch selection under the staleness rule, version bumps). The
-real controller with a real engine: tests/integration/test_controller_e2e.py (the threshold at
-infinity equals the plain synchronous loop). The rules on their own: test_tail_rules.py.
+real controller with a real engine: the threshold at infinity equals the plain synchronous loop
+(below). The rules on their own: test_tail_rules.py.
 """
 
 import math
