@@ -146,8 +146,20 @@ def init_ray(address: str | None, num_cpus: int, extra_paths: list[str] = (), nu
         signal.signal(signal.SIGTERM, raise_terminated)
 
 
-def wait_ready(*actors, timeout: float = 300.0) -> float:
-    """Block until every actor answers (model loaded); returns the seconds it took."""
+def wait_ready(*actors, timeout: float = 600.0, names: list[str] | None = None) -> float:
+    """Block until every actor answers (model loaded); returns the seconds it took. One that has not
+    answered within ``timeout`` raises ``RolesNotReady`` naming it (``names``: one per actor) and
+    the knob, ``resources.ready_timeout_s``."""
+    from flash.errors import RolesNotReady
+
     start = time.monotonic()
-    ray.get([a.stats.remote() for a in actors], timeout=timeout)
+    refs = [a.stats.remote() for a in actors]
+    _, waiting = ray.wait(refs, num_returns=len(refs), timeout=timeout)
+    if waiting:
+        late = [(names or [f"actor {i}" for i in range(len(refs))])[refs.index(r)] for r in waiting]
+        raise RolesNotReady(
+            f"{', '.join(late)} did not answer within {timeout:.0f} s of starting (a model still loading on a "
+            "busy machine or a slow disk, or a stuck process): raise resources.ready_timeout_s, or free the machine"
+        )
+    ray.get(refs)  # an actor that died while starting raises its error here
     return time.monotonic() - start

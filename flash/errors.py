@@ -18,6 +18,11 @@ class RecipeNotFound(FlashError):
     """RECIPE is neither a name from `flash ls` nor a readable path."""
 
 
+class RolesNotReady(FlashError):
+    """A role (engine, trainer, critic, reference) that did not answer within
+    ``resources.ready_timeout_s`` of being started: its model still loading or its process stuck."""
+
+
 class Terminated(KeyboardInterrupt):
     """SIGTERM, raised in the main thread as ctrl-C is: a run stops the way an interrupt does
     (roles closed, a one-line resume hint) instead of through Ray's handler (a crash dump), and a

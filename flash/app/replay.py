@@ -95,7 +95,7 @@ def _replay_lines(cfg: FlashConfig, lines: Iterator[dict], tally: Tally) -> list
     reference = start_reference_role(cfg, model_path, threads)
     actors = [a for a in (trainer, critic, reference) if a is not None]
     try:
-        wait_ready(*actors)
+        wait_ready(*actors, timeout=cfg.resources.ready_timeout_s)
         checks = []
         for line in itertools.chain([first], lines):
             checks.append(_check(line, _train(line, cfg, (trainer, critic, reference), pad_id)))

@@ -177,7 +177,9 @@ def start_roles(cfg: FlashConfig, model_path: str, settings: TrainerSettings,
     trainer = start_trainer_role(cfg, model_path, settings, trainer_threads, placement)
     critic = start_critic_role(cfg, model_path, trainer_threads)
     reference = start_reference_role(cfg, model_path, trainer_threads, placement)
-    wait_ready(engine, trainer, *[a for a in (critic, reference) if a is not None])
+    started = {"engine": engine, "trainer": trainer, "critic": critic, "reference": reference}
+    started = {name: actor for name, actor in started.items() if actor is not None}
+    wait_ready(*started.values(), timeout=cfg.resources.ready_timeout_s, names=list(started))
     # from the trainer (a single process, or an FSDP2 group's rank 0) to every engine replica;
     # the backend follows the placement (``model_update.backend``)
     model_update = ModelUpdateGroup(trainer, list(replicas), **vars(cfg.model_update))

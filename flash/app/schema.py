@@ -227,6 +227,9 @@ class ResourcesConfig:
     # when both are set). Neither: `flash validate` prints the estimates and refuses nothing.
     card: str = ""
     gpu_memory_gib: float = 0.0
+    # Seconds each role (engines, trainer, critic, reference) may take from its start to its first
+    # answer (its model loaded, vLLM's CUDA graphs captured); past it the run stops naming the roles.
+    ready_timeout_s: float = 600.0
 
 
 @dataclass

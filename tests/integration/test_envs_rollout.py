@@ -29,6 +29,7 @@ from flash.cluster import init_ray, load_model, wait_ready
 from flash.engine.torch_worker import start_engine
 from flash.recipes.tasks import make_task
 from tests.helpers.processes import TINY_OVERRIDES
+from tests.helpers.waiting import wait_until
 
 TINY = TinyModelConfig(hidden_size=64, num_layers=1, num_heads=2, num_kv_heads=2, intermediate_size=64,
                        max_positions=128)
@@ -49,14 +50,6 @@ def ray_session():
     yield
     if ray.is_initialized():
         ray.shutdown()
-
-
-def wait_until(cond, timeout=120.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out waiting for {what}")
-        time.sleep(0.02)
 
 
 def expected_mask(actions, observations, codec):
@@ -103,7 +96,7 @@ def test_environment_steps_run_on_through_a_weight_update(model_path):
     sched.start()
     sched.start_admission()
     wait_until(lambda: sched.counters["turns"] >= 2 and sum(
-        ray.get(w.stats.remote())["in_step"] for w in workers) >= 1, what="an environment step in flight")
+        ray.get(w.stats.remote())["in_step"] for w in workers) >= 1, timeout=120.0, what="an environment step in flight")
     ray.get(engine.pause.remote("continue"))
     steps = sum(ray.get(w.stats.remote())["steps"] for w in workers)
     time.sleep(1.5)  # paused: the steps in flight return (0.4 s each), none is held back

@@ -21,6 +21,7 @@ from flash.controllers.provisioning import Provisioning, WaveGate
 from flash.controllers.scheduler import PromptSource, RolloutScheduler, request_seed
 from flash.controllers.staleness import StalenessManager
 from flash.engine.base import SamplingParams
+from tests.helpers.waiting import wait_until
 from tests.scripted_engine import ScriptedEngine
 
 
@@ -181,13 +182,6 @@ def take(buffer, count, timeout=30.0):
                             timeout=timeout)
 
 
-def wait_until(pred, timeout=30.0):
-    end = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < end, "condition not reached"
-        time.sleep(0.01)
-
-
 def _rollout_time(queue: bool, B: int, n: int, gap: float, sleep_s: float) -> tuple[float, float, float]:
     """(seconds to B buffered groups, generation seconds, summed scoring seconds), one worker."""
     ids = [f"{p}:{k}" for p in range(B) for k in range(n)]
@@ -285,12 +279,12 @@ def test_spares_fill_a_filtered_slot_and_expire_at_the_next_version():
                          max_additional_prompts=1)
     sched.start()
     sched.start_admission()
-    wait_until(lambda: sched.lifecycle.snapshot()["scoring_now"] == 2)
+    wait_until(lambda: sched.lifecycle.snapshot()["scoring_now"] == 2, timeout=30.0)
     time.sleep(0.1)
     assert len(buffer) == 0 and sched.pending_versions() == [0]  # the spare is not trainable yet
     (group,) = take(buffer, 1)
     assert group.prompt_id == 1  # promoted into the slot prompt 0's filtering freed
-    wait_until(lambda: sched.admitted == 3)  # a new spare (prompt 2) replaces the promoted one
+    wait_until(lambda: sched.admitted == 3, timeout=30.0)  # a new spare (prompt 2) replaces the promoted one
     assert sched.pending_versions() == [] and sched.pending_ids() == [2]
     sched.set_version(1)  # spare 2 (version 0) can no longer be promoted: aborted as surplus
     assert sorted(ray.get(engine.log.remote())["aborted"]) == ["2:0", "2:1"]
@@ -298,7 +292,7 @@ def test_spares_fill_a_filtered_slot_and_expire_at_the_next_version():
     assert [(e["prompt_id"], e["outcome"], e.get("rule") or e.get("reason")) for e in events] == [
         (0, "filtered", "all_same_reward"), (2, "aborted", "surplus")]
     assert sched.lifecycle.aborted["surplus"] == 2
-    wait_until(lambda: sched.admitted == 5)  # version 1: one regular (3) and one spare (4)
+    wait_until(lambda: sched.admitted == 5, timeout=30.0)  # version 1: one regular (3) and one spare (4)
     assert sched.pending_versions() == [1]
     assert unbalance(sched.lifecycle.snapshot()) == 0
     sched.stop()
@@ -317,7 +311,7 @@ def test_checkpoint_restarts_prompts_in_flight_once_and_keeps_the_lifecycle_bala
     sched, buffer = make(scripted(slow), B=2, r=1, n=2, redundancy=1)
     sched.start()
     sched.start_admission()
-    wait_until(lambda: len(buffer) >= 2)  # prompts 0 and 1 buffered, 2 and 3 still generating
+    wait_until(lambda: len(buffer) >= 2, timeout=30.0)  # prompts 0 and 1 buffered, 2 and 3 still generating
     state = json.loads(json.dumps(snapshot_rollout(buffer, sched)))
     sched.stop()
     assert sorted(g["prompt_id"] for g in state["buffer"]) == [0, 1]
@@ -369,7 +363,7 @@ def test_requests_an_engine_lost_are_asked_again_and_a_second_output_is_dropped(
     sched, buffer = make(engine, B=2, n=2)
     sched.start()
     sched.start_admission()
-    wait_until(lambda: sched.lifecycle.snapshot()["generating_now"] == 3)  # 0:1 finished
+    wait_until(lambda: sched.lifecycle.snapshot()["generating_now"] == 3, timeout=30.0)  # 0:1 finished
     assert sched.requeue_lost(["1:0", "0:1"]) == 1  # 0:1 is taken: only 1:0 is asked again
     assert sched.requeue_lost() == 3
     groups = take(buffer, 2)

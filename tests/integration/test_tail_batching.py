@@ -95,13 +95,6 @@ def take(buffer, count, timeout=120.0):
                             timeout=timeout)
 
 
-def wait_until(pred, timeout=120.0):
-    end = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < end, "condition not reached"
-        time.sleep(0.01)
-
-
 @pytest.mark.usefixtures("ray_local")
 def test_a_group_past_the_threshold_is_cut_whole_and_reruns_whole_in_a_long_round():
     # data 1, request 1 runs to 12 tokens: past the threshold 4, so prompt 1's group is cut (its

@@ -1,5 +1,5 @@
-"""The process helpers of flash.cluster that need no Ray: where a worker imports a plugin from, and
-the one reaper per driver."""
+"""The process helpers of flash.cluster that need no Ray: where a worker imports a plugin from, the
+one reaper per driver, and the wait for started roles (over a stand-in ``ray``)."""
 
 from __future__ import annotations
 
@@ -29,3 +29,32 @@ def test_a_driver_starts_its_reaper_once(monkeypatch):
     monkeypatch.setattr(cluster, "_REAPER", running)
     cluster.start_reaper()
     assert cluster._REAPER is running  # no second watcher
+
+
+def fake_ray_wait(monkeypatch):
+    """``ray.wait`` over scripted ``stats`` answers: a call answering "late" has not answered yet."""
+    from types import SimpleNamespace
+
+    def wait(refs, num_returns, timeout):
+        assert num_returns == len(refs) and timeout > 0
+        late = [r for r in refs if r() == "late"]
+        return [r for r in refs if r not in late], late
+
+    monkeypatch.setattr(cluster, "ray", SimpleNamespace(wait=wait, get=lambda refs: [r() for r in refs]))
+
+
+def test_roles_that_do_not_answer_in_time_are_named_with_the_knob(monkeypatch):
+    import pytest
+
+    from flash.errors import RolesNotReady
+    from tests.helpers.actors import ScriptedActor
+
+    fake_ray_wait(monkeypatch)
+    engine, trainer, reference = ScriptedActor("e"), ScriptedActor("t"), ScriptedActor("r")
+    trainer.answers["stats"] = reference.answers["stats"] = "late"
+    with pytest.raises(RolesNotReady, match=r"^trainer, reference did not answer within 90 s .*resources\.ready_timeout_s"):
+        cluster.wait_ready(engine, trainer, reference, timeout=90, names=["engine", "trainer", "reference"])
+    with pytest.raises(RolesNotReady, match=r"^actor 1 did not answer"):  # unnamed: by position
+        cluster.wait_ready(engine, trainer, timeout=90)
+    trainer.answers["stats"] = reference.answers["stats"] = {}
+    assert cluster.wait_ready(engine, trainer, reference, timeout=90) >= 0

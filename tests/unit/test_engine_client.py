@@ -20,6 +20,7 @@ import flash.engine.client as engine_client
 from flash.engine.client import EngineClient, EngineFailed, EngineFault
 from flash.engine.loop import EngineLoopError
 from flash.engine.router import ReplicaError
+from tests.helpers.actors import ScriptedActor as Actor
 
 
 class Weights:
@@ -30,40 +31,6 @@ class Weights:
 
     def __repr__(self):
         return f"Weights({self.name})"
-
-
-class Actor:
-    """An engine actor handle: ``actor.method.remote(*args)`` is resolved by ``ray.get``."""
-
-    def __init__(self, name: str, pid: int = 100):
-        self.name, self.process, self.calls = name, pid, []
-        self.queued: dict[str, list[BaseException]] = {}  # raised by the method's next calls
-        self.always: dict[str, BaseException] = {}  # raised by every call of the method
-        self.answers: dict[str, object] = {}  # a value, or a function of the call's args
-
-    def fail(self, method: str, *errors: BaseException) -> Actor:
-        self.queued.setdefault(method, []).extend(errors)
-        return self
-
-    def __getattr__(self, method: str):
-        if method.startswith("_"):  # no actor id: not a Ray handle
-            raise AttributeError(method)
-
-        def resolve(*args):
-            self.calls.append((method, *args))
-            if self.queued.get(method):
-                raise self.queued[method].pop(0)
-            if method in self.always:
-                raise self.always[method]
-            if method in self.answers:
-                answer = self.answers[method]
-                return answer(*args) if callable(answer) else answer
-            return {"pid": self.process, "health": True}.get(method, method)
-
-        return SimpleNamespace(remote=lambda *args: (lambda: resolve(*args)))
-
-    def names(self) -> list[str]:
-        return [c[0] for c in self.calls]
 
 
 @pytest.fixture

@@ -15,22 +15,7 @@ from ray.exceptions import GetTimeoutError, RayActorError
 
 import flash.engine.router as router_mod
 from flash.engine.router import ReplicaError, Router, failure_kind
-
-
-class Replica:
-    def __init__(self, outputs):
-        self.outputs, self.calls, self.error = list(outputs), [], None
-
-    def __getattr__(self, method):
-        if method.startswith("_"):
-            raise AttributeError(method)
-
-        def resolve(*args):
-            self.calls.append(method)
-            if self.error is not None:
-                raise self.error
-            return [self.outputs.pop(0)] if method == "get_finished" and self.outputs else []
-        return SimpleNamespace(remote=lambda *args: (lambda: resolve(*args)))
+from tests.helpers.actors import ScriptedActor
 
 
 @pytest.fixture
@@ -46,13 +31,15 @@ def test_failure_kinds():
 
 def test_a_dead_replica_is_named_quarantined_and_the_others_outputs_kept(fake_ray):
     out = SimpleNamespace(request_id="r0")
-    replicas = [Replica([out]), Replica([])]
-    replicas[1].error = RayActorError()
+    outputs = [out]
+    replicas = [ScriptedActor("r0"), ScriptedActor("r1")]
+    replicas[0].answers["get_finished"] = lambda *args: [outputs.pop(0)] if outputs else []
+    replicas[1].always["get_finished"] = RayActorError()
     router = Router(replicas, hang_timeout_s=5.0)
     with pytest.raises(ReplicaError, match=r"engine replica 1 failed in get_finished: RayActorError") as info:
         router.get_finished(0.1)
     assert (info.value.replica, info.value.kind) == (1, "died") and router.balancer.down == {1}
     assert router.get_finished(0.1) == [out]  # replica 0's output, taken in the failed poll
     router.pause("continue")  # out of service: the fan-out skips it
-    assert replicas[0].calls == ["get_finished", "get_finished", "pause"] and replicas[1].calls == ["get_finished"]
+    assert replicas[0].names() == ["get_finished", "get_finished", "pause"] and replicas[1].names() == ["get_finished"]
     assert router.replica_down(1) == [] and router.replica_up(1) is None and router.balancer.down == set()
