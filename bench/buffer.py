@@ -261,7 +261,8 @@ def ray_producers():
 
 # ------------------------------------------------------------------------------ main
 
-def main(argv: list[str] | None = None) -> dict:
+def parser() -> argparse.ArgumentParser:
+    """The benchmark's options."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--lengths", default="1024,8192")
@@ -277,15 +278,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--lists", action="store_true",
                     help="trajectories as Python lists (what the engines produce) instead of NumPy arrays")
     ap.add_argument("--systems", default=",".join(SYSTEMS), help="which systems to run (ratios need both sides)")
-    args = ap.parse_args(argv)
-    lengths = [int(x) for x in args.lengths.split(",")]
-    systems = tuple(s for s in SYSTEMS if s in args.systems.split(","))
-    if unknown := set(args.systems.split(",")) - set(SYSTEMS):
-        ap.error(f"unknown systems {sorted(unknown)}; choose from {', '.join(SYSTEMS)}")
-    pool, actors = Pool(), ray_producers() if "ray_queue" in systems else None
-    knobs = {"window": args.window, "batch_groups": args.batch_groups, "linger_ms": args.linger_ms,
-             "lists": args.lists}
-    runs = {
+    return ap
+
+
+def system_runs(pool: Pool, actors, args, knobs: dict) -> dict:
+    """Each system's run: (length, count) -> (seconds, CPU seconds)."""
+    return {
         "service_local": lambda L, n: run_service(pool, L, n, args.capacity, args.batch, remote=False, knobs=knobs),
         "service_local_plain": lambda L, n: run_service(pool, L, n, args.capacity, args.batch, remote=False,
                                                         knobs=knobs, curve=False),
@@ -297,6 +295,19 @@ def main(argv: list[str] | None = None) -> dict:
         "zmq_bare_curve": lambda L, n: run_zmq_bare(pool, L, n, args.capacity, args.batch, curve=True,
                                                     lists=args.lists),
     }
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = parser()
+    args = ap.parse_args(argv)
+    lengths = [int(x) for x in args.lengths.split(",")]
+    systems = tuple(s for s in SYSTEMS if s in args.systems.split(","))
+    if unknown := set(args.systems.split(",")) - set(SYSTEMS):
+        ap.error(f"unknown systems {sorted(unknown)}; choose from {', '.join(SYSTEMS)}")
+    pool, actors = Pool(), ray_producers() if "ray_queue" in systems else None
+    knobs = {"window": args.window, "batch_groups": args.batch_groups, "linger_ms": args.linger_ms,
+             "lists": args.lists}
+    runs = system_runs(pool, actors, args, knobs)
     rates: dict[int, dict[str, list[float]]] = {L: {s: [] for s in systems} for L in lengths}
     cpu_us: dict[int, dict[str, list[float]]] = {L: {s: [] for s in systems} for L in lengths}
     try:

@@ -43,7 +43,8 @@ def setting_of(overrides: list[str], trace: planner.Trace) -> pm.Setting:
     return planner.parse_candidates(overrides, trace)[0][1]
 
 
-def main(argv: list[str] | None = None) -> dict:
+def parser() -> argparse.ArgumentParser:
+    """The benchmark's options."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--recipe", default="stutter")
     ap.add_argument("--steps", type=int, default=20)
@@ -53,7 +54,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out", help="run dirs here (a re-run reuses finished runs)")
     ap.add_argument("--save-traces", help="write trimmed traces of the first repeat here")
     ap.add_argument("overrides", nargs="*", help="key=value for every run")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parser().parse_args(argv)
     settings = [s.split() for s in args.settings.split(";")]
     out = Path(args.out or tempfile.mkdtemp(prefix="flash-bench-planner-"))
     dirs: dict[int, list[Path]] = {i: [] for i in range(len(settings))}
@@ -82,20 +87,24 @@ def main(argv: list[str] | None = None) -> dict:
             row[f"error_{name}"] = round(pred / mean - 1, 4)
         rows.append(row)
         print("  ".join(f"{k}={v}" for k, v in row.items()), flush=True)
-    if args.save_traces:  # the base setting's traces (trimmed), every setting's measured repeats
-        save = Path(args.save_traces)
-        for rep, d in enumerate(dirs[0]):
-            planner.trim_trace(d, save / f"base-{rep}")
-        manifest = {"base": [f"base-{rep}" for rep in range(len(dirs[0]))], "steps": args.steps,
-                    "settings": [{"overrides": ov, "measured_s_per_step": r["measured_repeats"],
-                                  "calibrates": " ".join(ov) == args.calibrate}
-                                 for ov, r in zip(settings, rows)]}
-        (save / "traces.json").write_text(json.dumps(manifest, indent=1) + "\n")
+    if args.save_traces:
+        save_traces(Path(args.save_traces), dirs[0], settings, rows, args)
     result = {"recipe": args.recipe, "steps": args.steps, "repeats": args.repeats, "out": str(out),
               "parallel_fraction": ps, "rows": rows}
     print(json.dumps(result))
     return result
 
+
+
+def save_traces(save: Path, base_dirs: list[Path], settings: list[list[str]], rows: list[dict], args) -> None:
+    """The base setting's traces (trimmed) and every setting's measured repeats (``traces.json``)."""
+    for rep, d in enumerate(base_dirs):
+        planner.trim_trace(d, save / f"base-{rep}")
+    manifest = {"base": [f"base-{rep}" for rep in range(len(base_dirs))], "steps": args.steps,
+                "settings": [{"overrides": ov, "measured_s_per_step": r["measured_repeats"],
+                              "calibrates": " ".join(ov) == args.calibrate}
+                             for ov, r in zip(settings, rows)]}
+    (save / "traces.json").write_text(json.dumps(manifest, indent=1) + "\n")
 
 if __name__ == "__main__":
     main()

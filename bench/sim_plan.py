@@ -84,7 +84,8 @@ def driver_share(run_dir: Path) -> float:
     return sum(later) / len(later)
 
 
-def main(argv: list[str] | None = None) -> dict:
+def parser() -> argparse.ArgumentParser:
+    """The benchmark's options."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--base", default="64:0")
     ap.add_argument("--targets", default="64:2,128:0,128:2,256:0,256:2")
@@ -94,7 +95,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out", help="run dirs here (a re-run reuses finished runs)")
     ap.add_argument("--save-traces", help="write the base's trimmed trace and the measured targets here")
     ap.add_argument("overrides", nargs="*", help="key=value for every run")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parser().parse_args(argv)
     out = Path(args.out or tempfile.mkdtemp(prefix="flash-bench-sim-plan-"))
     steps_of = lambda s: args.steps if s[1] == 0 else args.async_steps
     base = parse_setting(args.base)
@@ -117,24 +122,29 @@ def main(argv: list[str] | None = None) -> dict:
         rows.append(row)
         print("  ".join(f"{k}={v}" for k, v in row.items()), flush=True)
     if args.save_traces:
-        save = Path(args.save_traces)
-        trim_trace(base_dir, save / "base")
-        for text in args.targets.split(","):  # the base's scale at other ratios: async bases
-            gpus, ratio, prompts = parse_setting(text)
-            if (gpus, prompts) == (base[0], base[2]):
-                trim_trace(run_once((gpus, ratio, prompts), steps_of((gpus, ratio, prompts)), args.time_scale, out,
-                                    args.overrides), save / f"base-r{ratio:g}")
-        manifest = {"base": args.base, "time_scale": args.time_scale,
-                    "targets": [{k: r[k] for k in ("setting", "steps", "measured_sim_s", "measured_contiguous_sim_s",
-                                                   "predicted_sim_s")}
-                                for r in rows]}
-        (save / "targets.json").write_text(json.dumps(manifest, indent=1) + "\n")
+        save_traces(Path(args.save_traces), base_dir, base, rows, out, args, steps_of)
     result = {"base": args.base, "base_measured_sim_s": round(trace.measured_step_s, 2),
               "fit": vars(trace.costs), "time_scale": args.time_scale, "out": str(out),
               "load_before": [round(x, 1) for x in load_before], "rows": rows}
     print(json.dumps(result))
     return result
 
+
+
+def save_traces(save: Path, base_dir: Path, base: tuple, rows: list[dict], out: Path, args, steps_of) -> None:
+    """The base's trimmed trace, the base's scale at the targets' other ratios (async bases, run
+    here) and the measured targets (``targets.json``)."""
+    trim_trace(base_dir, save / "base")
+    for text in args.targets.split(","):  # the base's scale at other ratios: async bases
+        gpus, ratio, prompts = parse_setting(text)
+        if (gpus, prompts) == (base[0], base[2]):
+            trim_trace(run_once((gpus, ratio, prompts), steps_of((gpus, ratio, prompts)), args.time_scale, out,
+                                args.overrides), save / f"base-r{ratio:g}")
+    manifest = {"base": args.base, "time_scale": args.time_scale,
+                "targets": [{k: r[k] for k in ("setting", "steps", "measured_sim_s", "measured_contiguous_sim_s",
+                                               "predicted_sim_s")}
+                            for r in rows]}
+    (save / "targets.json").write_text(json.dumps(manifest, indent=1) + "\n")
 
 if __name__ == "__main__":
     main()

@@ -1,6 +1,6 @@
 """Sample types and the SampleBuffer every role exchanges trajectories through: `types` (Sample,
 Group, the per-token field table), `codec` (samples as JSON values), `buffer` (the in-process
-SampleBuffer), `wire`/`rpc` (msgpack frames), `service`/`store` (the zmq buffer service),
+SampleBuffer), `wire`/`rpc` (msgpack frames), `service`/`store`/`longpoll` (the zmq buffer service),
 `producer`/`client` (its two ends), `factory` (transport by config), `reward` (what counts as a
 reward), `trace` (a multi-turn sample's tokens as they are built).
 

@@ -40,10 +40,10 @@ and within the message's ``Budget`` of ``max_decoded_bytes`` before msgpack buil
 (``flash.buffers.frame_scan``; ``rejected_oversized_decoded``: a refused frame costs a walk over its bytes),
 schema-checked (``flash.buffers.wire``) and value-checked (``flash.buffers.guard``: finite, versions in range,
 token ids in the vocabulary); a prompt already stored is refused whoever replays it; a client
-(its connection) holds at most ``producers_per_client`` producer ids; long-polls wait at most
-``MAX_WAIT_MS`` and each client parks at most ``max_waiters_per_client``. A refused frame is
-answered ``rejected`` with its reason, counted under ``rejected_<reason>``, and the service goes
-on serving. libzmq itself holds a multipart message's parts until its last arrives (each part
+(its connection) holds at most ``producers_per_client`` producer ids; long-polls
+(``flash.buffers.longpoll``) wait at most ``MAX_WAIT_MS`` and each client parks at most
+``max_waiters_per_client``. A refused frame is answered ``rejected`` with its reason, counted under
+``rejected_<reason>``, and the service goes on serving. libzmq itself holds a multipart message's parts until its last arrives (each part
 bounded, their count not): the caps bound what the service builds from a message, not that.
 Connections are bounded too (``flash.buffers.connections``: a cap in all and per host, the least
 recently active giving way, the idle and the never-handshaken closed, each counted).
@@ -56,9 +56,7 @@ import os
 import secrets
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import zmq
 
@@ -67,15 +65,17 @@ from .buffer import BufferClosed
 from .connections import COUNTERS as CONNECTION_COUNTERS
 from .connections import ConnectionLimits, Connections, fit_caps
 from .guard import ProducerTable, SeenPrompts, ValueLimits, check_values
+from .longpoll import MAX_WAIT_MS, LongPolls
 from .store import KeyedSampleBuffer
 from .types import Group
 from .requests import check_request, client_of, request_rid
 from .wire import REASONS, Budget, WireError, decode_group, pack, unpack
 
+__all__ = ["BATCH_BYTES", "DECODED_PER_BYTE", "MAX_BATCH", "MAX_WAIT_MS", "BufferService", "message_caps"]
+
 log = logging.getLogger(__name__)
 
 MAX_BATCH = 1024  # groups in one put message
-MAX_WAIT_MS = 60_000  # a long-poll's longest wait: a client wanting longer asks again
 # a message's default caps: all its parts together (the largest group and a full batch beside it:
 # a producer sends a batch once it reaches batch_kb, 1 MiB by default), and the Python objects its
 # frames decode to (an honest group sent as lists is charged ~20 bytes per byte of its frame)
@@ -83,17 +83,6 @@ BATCH_BYTES = 1 << 20
 DECODED_PER_BYTE = 32
 COUNTERS = ("frames_in", "put_batches", "puts", "gets", "duplicates", "full_replies", "gap_replies", "bytes_in", "bytes_out",
             "producer_blocked_s", "take_replays", "rejected", "internal_errors")
-
-
-@dataclass
-class _Parked:
-    """A long-poll the service answers later: when its condition holds or at its deadline."""
-
-    identity: bytes
-    op: str
-    rid: int
-    since: int
-    deadline: float
 
 
 class BufferService:
@@ -131,7 +120,7 @@ class BufferService:
         self._blocked_since: dict[str, float] = {}  # producer -> when it was first told 'full'
         self._last_take: dict[str, tuple[int, list[bytes | memoryview]]] = {}  # consumer -> (tid, frames)
         self._acks: dict[bytes, list[list]] = {}  # identity -> [rid, seq, status] not yet sent
-        self._parked: list[_Parked] = []
+        self._polls = LongPolls(self.buffer, max_waiters, max_waiters_per_client, self._lock)  # parked long-polls
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._ctx = zmq.Context()
@@ -188,7 +177,7 @@ class BufferService:
         """The store's SampleBuffer stats plus the service's counters (all floats, for metrics)."""
         with self._lock:
             out = dict(self._counts)
-            out["waiters"] = float(len(self._parked))
+            out["waiters"] = float(len(self._polls))
             out["producers"] = float(len(self._producers))
             out["producers_evicted"] = float(self._producers.evicted)
             out["connections"] = float(len(self._conns or ()))
@@ -235,8 +224,12 @@ class BufferService:
                 self.buffer.wake()  # in-process get_batch waiters: once per burst, not per put
             self._serve_parked()
 
+    def _serve_parked(self) -> None:
+        for identity, answer in self._polls.due():
+            self._reply(identity, answer)
+
     def _poll_timeout_ms(self) -> int:
-        soonest = min([p.deadline for p in self._parked], default=self._next_sweep)
+        soonest = self._polls.soonest(default=self._next_sweep)
         return max(0, min(1000, int((min(soonest, self._next_sweep) - time.monotonic()) * 1000) + 1))
 
     def _watch_connections(self, events: bool) -> None:
@@ -246,7 +239,7 @@ class BufferService:
         now = time.monotonic()
         if not events and now < self._next_sweep:
             return
-        busy = {p.identity for p in self._parked}  # waiting on the service: not idle
+        busy = self._polls.identities()  # waiting on the service: not idle
         if events:
             self._conns.on_events(busy, now)
         if now >= self._next_sweep:
@@ -388,10 +381,10 @@ class BufferService:
         return "stored"
 
     def _op_wait_space(self, identity: bytes, msg: dict) -> dict | None:
-        return self._park_or_answer(identity, msg, since=0)
+        return self._polls.park_or_answer(identity, msg, since=0)
 
     def _op_meta(self, identity: bytes, msg: dict) -> dict | None:
-        return self._park_or_answer(identity, msg, since=msg["since"])
+        return self._polls.park_or_answer(identity, msg, since=msg["since"])
 
     def _op_take(self, identity: bytes, msg: dict) -> dict:
         """All the keys or none. A consumer's last answer is kept until its next take, so a take
@@ -438,50 +431,6 @@ class BufferService:
         self._count("gets", len(frames))
         self._count("bytes_out", sum(len(f) for f in frames))
         return {"status": "ok", "groups": frames}
-
-    # ------------------------------------------------------------------------------ long-polls
-    def _park_or_answer(self, identity: bytes, msg: dict, since: int) -> dict | None:
-        if not 0 <= msg["wait_ms"] <= MAX_WAIT_MS:
-            raise WireError("bad_value", f"{msg['op']}.wait_ms must be in [0, {MAX_WAIT_MS}], got {msg['wait_ms']}")
-        p = _Parked(identity, msg["op"], msg["rid"], since, time.monotonic() + msg["wait_ms"] / 1000)
-        answer = self._answer(p, timed_out=msg["wait_ms"] == 0)
-        if answer is not None:
-            return answer
-        if len(self._parked) >= self.max_waiters:
-            raise WireError("too_many_waiters", f"{self.max_waiters} long-polls already parked")
-        if Counter(q.identity for q in self._parked)[identity] >= self.max_waiters_per_client:
-            raise WireError("too_many_waiters", f"this client has {self.max_waiters_per_client} long-polls parked")
-        with self._lock:
-            self._parked.append(p)
-        return None
-
-    def _answer(self, p: _Parked, timed_out: bool) -> dict | None:
-        """The reply to a parked request if it is due now, else None."""
-        epoch, closed, metas = self.buffer.meta()
-        if p.op == "wait_space":
-            if closed or len(metas) < self.buffer.capacity:
-                return {"status": "closed" if closed else "ok"}
-            return {"status": "timeout"} if timed_out else None
-        if epoch == p.since and not timed_out:
-            return None
-        return {"status": "ok", "epoch": epoch, "closed": closed, "capacity": self.buffer.capacity,
-                "groups": [m.to_wire() for m in metas]}
-
-    def _serve_parked(self) -> None:
-        if not self._parked:
-            return
-        now, keep, served = time.monotonic(), [], []
-        for p in self._parked:
-            answer = self._answer(p, timed_out=now >= p.deadline)
-            if answer is None:
-                keep.append(p)
-            else:
-                answer["rid"] = p.rid
-                served.append((p.identity, answer))
-        with self._lock:  # no longer parked before its reply: a client that reads stats next sees it gone
-            self._parked = keep
-        for identity, answer in served:
-            self._reply(identity, answer)
 
 
 def message_caps(max_frame_bytes: int, batch_bytes: int = BATCH_BYTES, max_message_bytes: int = 0,

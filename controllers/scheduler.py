@@ -34,6 +34,8 @@ from typing import Any, Callable
 
 from flash.buffers import Group, SampleBuffer
 from .admission import Admission, PromptSource
+from .core_state import core_state, restore_core
+from .evaluation import evaluate_samples
 from .filters import FilterConfig, filter_reason
 from .inflight import InFlight, Pending
 from .lifecycle import Lifecycle, Outcomes
@@ -190,75 +192,20 @@ class RolloutCore:
     def evaluate_samples(self, items: list, params: SamplingParams, tag: str, seed: int,
                          on_progress: Callable[[int], None] | None = None,
                          on_scored: Callable[[int], None] | None = None) -> list:
-        """One unit per item (a response, an episode) through the same engine; the scored samples
-        in item order, scored concurrently on the reward threads. ``on_progress(done)``: the units
-        answered so far, about once a second while they generate, and all of them before scoring;
-        ``on_scored(done)``: the units scored so far, about once a second while they are scored."""
-        units = [Unit(f"eval/{tag}/{i}", -1, i, item, self.source.encode(item.prompt),
-                      SamplingParams(**{**params.__dict__, "seed": request_seed(seed, 10**6 + i, 0)}))
-                 for i, item in enumerate(items)]
-        answers = self.inflight.answers
-        with self._lock:
-            self.inflight.eval_units.update((u.id, u) for u in units)
-        self.workflow.launch(units)
-        with self._lock:
-            told = time.monotonic()
-            while not all(u.id in answers for u in units):
-                self.check()
-                self._lock.wait(timeout=0.5)
-                if on_progress is not None and time.monotonic() - told >= 1.0:
-                    on_progress(sum(u.id in answers for u in units))
-                    told = time.monotonic()
-            outs = [answers.pop(u.id) for u in units]
-            for u in units:
-                self.inflight.eval_units.pop(u.id, None)
-        if on_progress is not None:
-            on_progress(len(units))
-        # scored concurrently on the reward threads (a code reward's sandbox runs dominate an eval)
-        return self._rewards.map(self.workflow.finish, units, outs, on_done=on_scored)
+        """One unit per item through the same engine; the scored samples in item order
+        (``flash.controllers.evaluation.evaluate_samples``: ``on_progress``, ``on_scored``)."""
+        return evaluate_samples(self, items, params, tag, seed, on_progress, on_scored)
 
     # ---- checkpoint and fault hooks (flash.checkpoint, flash.engine.client) ---------------------
     def state_dict(self) -> dict:
-        """The parts' state (admission, outcomes, the prompts in flight) and the RNG.
-
-        A prompt in flight (regular or spare, generating, scoring, or a spare's parked group) is
-        restarted from scratch on resume: same prompt id, data index, admission version and request
-        seeds, for the requests of it still live here; its partial responses are dropped, never its
-        prompt. The restore takes those requests out of the lifecycle's ``admitted`` count and admits
-        them again, so ``admitted = ended + live`` still holds after it.
-        """
-        with self._lock:
-            version, state, gauss = self._rng.getstate()
-            pending = self.inflight.state_dict(lambda rid: self.lifecycle.state(rid) is not None,
-                                               self.admission.prov.is_spare)
-            return {**self.admission.state_dict(), **self.outcomes.state_dict(),
-                    "rng": [version, list(state), gauss], "pending": pending}
+        """The parts' state (admission, outcomes, the prompts in flight) and the RNG
+        (``flash.controllers.core_state``: a prompt in flight restarts from scratch on resume)."""
+        return core_state(self)
 
     def load_state_dict(self, state: dict, buffered_groups: list[Group] | None = None) -> int:
-        """Restore a checkpoint's state before ``start`` (the buffer's groups already put back:
-        ``buffered_groups``, or read from an in-process buffer); the prompts in flight restart from
-        scratch (same prompt ids, same request seeds). Returns how many prompts restarted."""
-        if buffered_groups is None:
-            buffered_groups = self.buffer.snapshot()[0]
-        buffered = [s.meta["request_id"] for g in buffered_groups for s in g.samples]
-        with self._lock:
-            self.admission.load_state_dict(state)
-            version, rng, gauss = state["rng"]
-            self._rng.setstate((version, tuple(rng), gauss))
-            restarted = sum(len(p.get("requests", ())) for p in state["pending"])
-            self.outcomes.load_state_dict(state, buffered, restarted)
-            wave, reqs = self.admission.new_wave(), []
-            for p in state["pending"]:
-                pid = p["prompt_id"]
-                item = self.source.item(p["data_index"])
-                ks = p.get("requests", list(range(self.inflight.requests)))
-                self.inflight.open(pid, item, p["data_index"], p["version"], wave, p.get("cap"), p.get("meta", {}))
-                if p.get("spare"):  # not counted: the checkpoint's count never included it
-                    self.admission.prov.admitted(pid, p["version"], spare=True)
-                reqs += self._start_units(pid, self.source.encode(item.prompt), ks)
-            self._gate.open(wave, len(reqs))
-        self.workflow.launch(reqs)
-        return len(state["pending"])
+        """Restore a checkpoint's state before ``start`` (``flash.controllers.core_state.restore_core``:
+        the buffer's groups already put back); returns how many prompts restarted."""
+        return restore_core(self, state, buffered_groups)
 
     def requeue_lost(self, ids: list[str] | None = None) -> int:
         """After an engine restart: ask again what the engine lost (``InFlight.lost``; of ``ids``

@@ -9,6 +9,12 @@ class ConfigError(FlashError):
     """A recipe or override that cannot run: unknown key, bad value, unknown plugin name."""
 
 
+def require(ok: bool, msg: str) -> None:
+    """A config check in one line: ``ConfigError(msg)`` unless ``ok``."""
+    if not ok:
+        raise ConfigError(msg)
+
+
 class RewardsFailing(FlashError):
     """A reward that fails on every response it is given (``reward.max_consecutive_errors`` in a
     row in training, every one of the warm start's held-out responses): the run stops, naming it."""

@@ -3,7 +3,7 @@
 - ``cli``: the ``flash`` verbs (``run``, ``ls``, ``validate``, ``sweep``, ``plan``, ``plot``, ...);
   ``recipe_files`` resolves a recipe by name or path.
 - ``config`` (the typed schema), ``keys`` (strict keys, closest-name errors), ``config_checks``
-  (value checks that name the fix).
+  and ``component_checks`` (value checks that name the fix).
 - ``runner``: builds the roles of a run (engines, trainer, buffer, scheduler, controller) and runs
   it; ``run_state`` and ``resume`` save and restore a run; ``tracking`` writes metrics.
 - ``sweep``, ``plan`` with ``plan_model``, ``plot``: grids of runs, cost-model predictions, figures.

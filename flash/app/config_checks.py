@@ -1,7 +1,8 @@
 """Value checks of a loaded ``FlashConfig`` (``flash.app.config.validate``): the ranges, the plugin
 knobs (loss, advantage, task, reward, filters) and the combinations that cannot run, each refused
-with a message that names the key and the fix. Kept apart from the schema so that ``config.py``
-stays the one place to read what a key is.
+with a message that names the key and the fix; what the config loads from outside itself (the
+model, the reward function, the agent) is checked by ``flash.app.component_checks``. Kept apart
+from the schema so that ``config.py`` stays the one place to read what a key is.
 """
 
 from __future__ import annotations
@@ -13,23 +14,12 @@ from typing import TYPE_CHECKING
 from flash.controllers.filters import check_filter
 from flash.controllers.tail_policy import TailConfig, check_tail
 from flash.controllers.prox_mode import prox_mode
+from flash.app.component_checks import check_agent, check_model, check_reward
 from flash.app.keys import check_choices, check_keys
-from flash.errors import ConfigError
+from flash.errors import ConfigError, require
 
 if TYPE_CHECKING:  # annotations only
-    from flash.app.schema import (
-        FlashConfig,
-        ModelConfig,
-        ModelUpdateConfig,
-        RewardConfig,
-        RolloutConfig,
-        TrainConfig,
-    )
-
-
-def _require(ok: bool, msg: str) -> None:
-    if not ok:
-        raise ConfigError(msg)
+    from flash.app.schema import FlashConfig, ModelUpdateConfig, RolloutConfig, TrainConfig
 
 
 def check_finite(cfg, path: str = "") -> None:
@@ -55,18 +45,18 @@ def validate(cfg: FlashConfig) -> None:
         raise ConfigError(f"plugin {exc.filename} line {exc.lineno}: {exc.msg}; fix the file") from None
     check_finite(cfg)
     check_choices(cfg)  # the Literal fields of the schema (flash.app.keys)
-    _require(cfg.async_ratio >= 0, f"async_ratio must be a finite number >= 0, got {cfg.async_ratio}")
+    require(cfg.async_ratio >= 0, f"async_ratio must be a finite number >= 0, got {cfg.async_ratio}")
     _check_engine_and_backend(cfg)
-    _require(cfg.rollout.n >= 1, f"rollout.n must be >= 1, got {cfg.rollout.n}")
-    _require(cfg.rollout.temperature > 0, "rollout.temperature must be > 0 for RL sampling")
-    _require(0 < cfg.rollout.top_p <= 1, f"rollout.top_p must be in (0, 1], got {cfg.rollout.top_p}")
-    _require(cfg.rollout.max_new_tokens >= 1, "rollout.max_new_tokens must be >= 1")
+    require(cfg.rollout.n >= 1, f"rollout.n must be >= 1, got {cfg.rollout.n}")
+    require(cfg.rollout.temperature > 0, "rollout.temperature must be > 0 for RL sampling")
+    require(0 < cfg.rollout.top_p <= 1, f"rollout.top_p must be in (0, 1], got {cfg.rollout.top_p}")
+    require(cfg.rollout.max_new_tokens >= 1, "rollout.max_new_tokens must be >= 1")
     _check_lifecycle(cfg.rollout)
-    _require(cfg.train.steps >= 1, f"train.steps must be >= 1, got {cfg.train.steps}")
-    _require(cfg.train.prompts_per_step >= 1, "train.prompts_per_step must be >= 1")
-    _require(cfg.train.micro_batch_size >= 1, "train.micro_batch_size must be >= 1")
+    require(cfg.train.steps >= 1, f"train.steps must be >= 1, got {cfg.train.steps}")
+    require(cfg.train.prompts_per_step >= 1, "train.prompts_per_step must be >= 1")
+    require(cfg.train.micro_batch_size >= 1, "train.micro_batch_size must be >= 1")
     _check_group(cfg.train)
-    _require(cfg.train.lr > 0, f"train.lr must be > 0, got {cfg.train.lr}")
+    require(cfg.train.lr > 0, f"train.lr must be > 0, got {cfg.train.lr}")
     _check_optimizers(cfg)
     _check_ranges(cfg)
     _check_updates(cfg)
@@ -79,14 +69,14 @@ def validate(cfg: FlashConfig) -> None:
     from flash.app.data import check_data
 
     check_data(cfg)
-    _require(1 <= cfg.eval.n <= 256, f"eval.n must be in [1, 256], got {cfg.eval.n}")
+    require(1 <= cfg.eval.n <= 256, f"eval.n must be in [1, 256], got {cfg.eval.n}")
     from flash.app.evaluation import build_eval_sets
 
     build_eval_sets(cfg)
-    _check_model(cfg.model)
+    check_model(cfg.model)
     _check_stream(cfg)
-    _check_reward(cfg)
-    _check_agent(cfg)
+    check_reward(cfg)
+    check_agent(cfg)
     _check_placement(cfg)
     _check_resources(cfg)
     from flash.app.tracking import check_backends
@@ -103,17 +93,17 @@ def _check_engine_and_backend(cfg: FlashConfig) -> None:
     from flash.sim.config import check_sim
 
     engine, backend = cfg.rollout.engine, cfg.train.backend
-    _require((engine == "sim") == (backend == "sim"),
+    require((engine == "sim") == (backend == "sim"),
              f"rollout.engine={engine} with train.backend={backend}: simulated roles run together; set both "
              f"to sim, or neither")
     if backend == "sim":
-        _require(check_sim(cfg.sim) is None, str(check_sim(cfg.sim)))
-        _require(group_free(cfg.train) and not cfg.train.activation_checkpointing,
+        require(check_sim(cfg.sim) is None, str(check_sim(cfg.sim)))
+        require(group_free(cfg.train) and not cfg.train.activation_checkpointing,
                  "train.backend=sim simulates its GPUs with sim.train_gpus; leave "
                  "train.workers, micro_tokens and activation_checkpointing unset")
     else:
         unread = sim_settings_set(cfg.sim)
-        _require(not unread, f"{', '.join(f'sim.{k}' for k in unread)}: read only by simulated roles "
+        require(not unread, f"{', '.join(f'sim.{k}' for k in unread)}: read only by simulated roles "
                              f"(rollout.engine: sim and train.backend: sim); drop them, or set both to sim")
 
 
@@ -139,15 +129,15 @@ def _check_placement(cfg: FlashConfig) -> None:
     check_runnable(plan)
     check_engine_devices(plan, cfg.rollout.engine)
     ranks = cfg.placement.roles.actor_train.num_workers
-    _require(ranks == cfg.train.workers,
+    require(ranks == cfg.train.workers,
              f"train.workers={cfg.train.workers} but placement.roles.actor_train.num_workers={ranks}: the "
              f"trainer group runs one rank per actor_train worker; set both to the same count (or only one "
              f"of them, the other follows)")
-    _require(not (cfg.train.stream and plan.colocated("actor_infer", "actor_train")),
+    require(not (cfg.train.stream and plan.colocated("actor_infer", "actor_train")),
              "train.stream trains while the engines generate, but placement colocates actor_train and "
              "actor_infer (their engines sleep while training); give them disjoint devices or set "
              "train.stream: false")
-    _require(not plan.workers["reference"] or algos.kl_coef(cfg.algo.loss) != 0.0,
+    require(not plan.workers["reference"] or algos.kl_coef(cfg.algo.loss) != 0.0,
              "placement.roles.reference places the frozen reference policy, but no loss reads it "
              "(algo.loss.kl_coef is 0); set algo.loss.kl_coef > 0 or placement.roles.reference.num_workers: 0")
 
@@ -156,17 +146,17 @@ def _check_updates(cfg: FlashConfig) -> None:
     """Mini-batches, epochs, the lr schedule and the approximate proximal policy."""
     t, rows = cfg.train, cfg.train.prompts_per_step * cfg.rollout.n
     for key in ("mini_batches", "update_epochs"):
-        _require(getattr(t, key) >= 1, f"train.{key} must be an integer >= 1, got {getattr(t, key)}")
-    _require(t.mini_batches <= rows, f"train.mini_batches={t.mini_batches} exceeds the batch's rows "
+        require(getattr(t, key) >= 1, f"train.{key} must be an integer >= 1, got {getattr(t, key)}")
+    require(t.mini_batches <= rows, f"train.mini_batches={t.mini_batches} exceeds the batch's rows "
              f"(train.prompts_per_step × rollout.n = {rows}): a mini-batch would be empty")
-    _require(t.warmup_steps >= 0, f"train.warmup_steps must be >= 0 (optimizer steps), got {t.warmup_steps}")
-    _require(t.entropy_every_steps >= 0, "train.entropy_every_steps must be >= 0 (0: never log the entropy), "
+    require(t.warmup_steps >= 0, f"train.warmup_steps must be >= 0 (optimizer steps), got {t.warmup_steps}")
+    require(t.entropy_every_steps >= 0, "train.entropy_every_steps must be >= 0 (0: never log the entropy), "
              f"got {t.entropy_every_steps}")
-    _require(0.0 <= t.min_lr_ratio <= 1.0, f"train.min_lr_ratio must be in [0, 1], got {t.min_lr_ratio}")
-    _require(t.min_lr_ratio == 0.0 or t.lr_schedule == "cosine", "train.min_lr_ratio is the cosine "
+    require(0.0 <= t.min_lr_ratio <= 1.0, f"train.min_lr_ratio must be in [0, 1], got {t.min_lr_ratio}")
+    require(t.min_lr_ratio == 0.0 or t.lr_schedule == "cosine", "train.min_lr_ratio is the cosine "
              "schedule's floor but train.lr_schedule is 'constant' (it would be unused); set "
              "train.lr_schedule: cosine or remove it")
-    _require(not cfg.algo.measure_prox_error or prox_mode(cfg.algo.recompute_prox, cfg.async_ratio) == "approx",
+    require(not cfg.algo.measure_prox_error or prox_mode(cfg.algo.recompute_prox, cfg.async_ratio) == "approx",
              "algo.measure_prox_error measures the approximate proximal policy; set "
              "algo.recompute_prox: approx or remove it")
 
@@ -177,10 +167,10 @@ def _check_optimizers(cfg: FlashConfig) -> None:
     or no step at all), a negative lr ascends, a negative weight_decay inflates the weights."""
     for section in ("train", "critic", "sft"):
         opt = getattr(cfg, section)
-        _require(opt.grad_clip > 0, f"{section}.grad_clip must be > 0 (the largest gradient norm kept), "
+        require(opt.grad_clip > 0, f"{section}.grad_clip must be > 0 (the largest gradient norm kept), "
                  f"got {opt.grad_clip}")
-        _require(opt.lr > 0, f"{section}.lr must be > 0, got {opt.lr}")
-        _require(opt.weight_decay >= 0, f"{section}.weight_decay must be >= 0 (0: none), got {opt.weight_decay}")
+        require(opt.lr > 0, f"{section}.lr must be > 0, got {opt.lr}")
+        require(opt.weight_decay >= 0, f"{section}.weight_decay must be >= 0 (0: none), got {opt.weight_decay}")
 
 
 SEED_MAX = 2**32 - 1  # numpy's generators refuse a negative seed, torch's one of 2**64 or more
@@ -203,7 +193,7 @@ def _check_ranges(cfg: FlashConfig) -> None:
         value = cfg
         for part in key.split("."):
             value = getattr(value, part)
-        _require(low <= value and (high is None or value <= high),
+        require(low <= value and (high is None or value <= high),
                  f"{key} must be " + (f"in [{low}, {high}]" if high is not None else f">= {low}") + f", got {value}")
 
 
@@ -213,9 +203,9 @@ STREAM_ESTIMATORS = ("grpo", "dr_grpo", "rloo")  # advantages of a group need on
 def _check_resources(cfg: FlashConfig) -> None:
     res = cfg.resources
     for key in ("engine_threads", "trainer_threads"):
-        _require(getattr(res, key) >= 0, f"resources.{key} must be >= 0 (0 = auto), got {getattr(res, key)}")
-    _require(res.driver_threads >= 1, f"resources.driver_threads must be >= 1, got {res.driver_threads}")
-    _require(cfg.sft.threads >= 1, f"sft.threads must be >= 1, got {cfg.sft.threads}")
+        require(getattr(res, key) >= 0, f"resources.{key} must be >= 0 (0 = auto), got {getattr(res, key)}")
+    require(res.driver_threads >= 1, f"resources.driver_threads must be >= 1, got {res.driver_threads}")
+    require(cfg.sft.threads >= 1, f"sft.threads must be >= 1, got {cfg.sft.threads}")
     from flash.app.cards import resolve_card
 
     resolve_card(res.card, res.gpu_memory_gib)  # a card flash knows, or its memory
@@ -224,35 +214,35 @@ def _check_resources(cfg: FlashConfig) -> None:
 def _check_stream(cfg: FlashConfig) -> None:
     if not cfg.train.stream:
         return
-    _require(cfg.async_ratio == 0, "train.stream trains the synchronous batch as it arrives: it needs "
+    require(cfg.async_ratio == 0, "train.stream trains the synchronous batch as it arrives: it needs "
              f"async_ratio: 0 (got {cfg.async_ratio}); with async_ratio > 0 set train.stream: false")
     adv = dict(cfg.algo.advantage)
-    _require(adv.get("name") in STREAM_ESTIMATORS and not adv.get("whiten"),
+    require(adv.get("name") in STREAM_ESTIMATORS and not adv.get("whiten"),
              f"train.stream needs a group-local advantage estimator ({', '.join(STREAM_ESTIMATORS)}, "
              f"whiten off): '{adv.get('name')}' normalises over the whole batch")
-    _require(prox_mode(cfg.algo.recompute_prox, cfg.async_ratio) == "behav", "train.stream uses the behaviour logprobs "
+    require(prox_mode(cfg.algo.recompute_prox, cfg.async_ratio) == "behav", "train.stream uses the behaviour logprobs "
              "as the proximal policy (exact at async_ratio 0); set algo.recompute_prox: auto")
-    _require(cfg.train.mini_batches * cfg.train.update_epochs == 1, "train.stream takes one optimizer step "
+    require(cfg.train.mini_batches * cfg.train.update_epochs == 1, "train.stream takes one optimizer step "
              "per batch as its groups arrive; set train.mini_batches: 1 and train.update_epochs: 1")
 
 def _check_model_update(mu: ModelUpdateConfig) -> None:
-    _require(mu.bucket_mb > 0, f"model_update.bucket_mb must be > 0, got {mu.bucket_mb}")
-    _require(mu.timeout_s > 0, f"model_update.timeout_s must be > 0, got {mu.timeout_s}")
+    require(mu.bucket_mb > 0, f"model_update.bucket_mb must be > 0, got {mu.bucket_mb}")
+    require(mu.timeout_s > 0, f"model_update.timeout_s must be > 0, got {mu.timeout_s}")
 
 
 def _check_lifecycle(rollout: RolloutConfig) -> None:
-    _require(rollout.redundancy >= 0, f"rollout.redundancy must be >= 0 (extra requests per prompt), "
+    require(rollout.redundancy >= 0, f"rollout.redundancy must be >= 0 (extra requests per prompt), "
              f"got {rollout.redundancy}")
-    _require(rollout.max_additional_prompts >= 0,
+    require(rollout.max_additional_prompts >= 0,
              f"rollout.max_additional_prompts must be >= 0, got {rollout.max_additional_prompts}")
-    _require(rollout.max_additional_prompts == 0 or rollout.filter.enabled,
+    require(rollout.max_additional_prompts == 0 or rollout.filter.enabled,
              "rollout.max_additional_prompts only refills filtered groups; set a rollout.filter rule "
              "(all_same_reward, min_reward_std, max_response_len) or set it to 0")
     problem = check_filter(rollout.filter, rollout.n, rollout.max_new_tokens)
-    _require(problem is None, problem or "")
+    require(problem is None, problem or "")
     problem = check_tail(rollout.tail_batching, rollout.max_new_tokens)
-    _require(problem is None, problem or "")
-    _require(rollout.scheduler == "tail_batching" or rollout.tail_batching == TailConfig(),
+    require(problem is None, problem or "")
+    require(rollout.scheduler == "tail_batching" or rollout.tail_batching == TailConfig(),
              "rollout.tail_batching.* is set but rollout.scheduler is 'plain' (the knobs would be unused); "
              "set rollout.scheduler: tail_batching or remove them")
 
@@ -260,7 +250,7 @@ def _check_lifecycle(rollout: RolloutConfig) -> None:
 def _check_plugin_section(where: str, section: dict, validator) -> None:
     knobs = dict(section)
     name = knobs.pop("name", None)
-    _require(isinstance(name, str), f"{where}.name is required")
+    require(isinstance(name, str), f"{where}.name is required")
     try:
         validator(name, knobs)
     except (ValueError, KeyError) as exc:
@@ -278,7 +268,7 @@ def _check_corrections(cfg: FlashConfig) -> None:
         raise ConfigError(f"algo.corrections{exc}" if str(exc).startswith("[") else
                           f"algo.corrections: {exc}") from None
     problem = noop_problem(cfg)
-    _require(problem is None, problem or "")
+    require(problem is None, problem or "")
 
 
 def steps_per_batch(train: TrainConfig) -> int:
@@ -306,138 +296,10 @@ def noop_problem(cfg: FlashConfig) -> str | None:
     return None
 
 
-def _check_model(model: ModelConfig) -> None:
-    """``model.path`` is a local Hugging Face folder; ``model.gguf`` excludes it, and its file (or
-    package) and GGUF loaders must be here; ``model.chat_template`` is a template or a template
-    file (``flash.models.read_chat_template``)."""
-    _require(model.path is None or model.gguf is None, "model.path and model.gguf both name the model; set "
-             "one of them")
-    if model.chat_template:
-        from flash.models import read_chat_template
-
-        try:
-            read_chat_template(model.chat_template)
-        except (OSError, ValueError) as exc:
-            raise ConfigError(str(exc)) from None
-    if model.path is not None:
-        _check_model_path(model.path)
-    if model.gguf is None:
-        return
-    from flash.gguf import check_loaders, resolve_gguf
-    from flash.gguf_metadata import check_metadata
-
-    check_metadata(resolve_gguf(model.gguf))
-    check_loaders()
-
-
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
-                "pytorch_model.bin.index.json")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
-
-
-def _check_model_path(path: str) -> None:
-    from pathlib import Path
-
-    folder = Path(path).expanduser()
-    if folder.is_dir():
-        _require((folder / "config.json").is_file(), f"model.path={path} has no config.json: point it at a "
-                 "Hugging Face model folder (config.json, weights, tokenizer files)")
-        _require(any((folder / f).is_file() for f in WEIGHT_FILES),
-                 f"model.path={path} has no weights (none of {', '.join(WEIGHT_FILES)}); finish the download")
-        _require(any((folder / f).is_file() for f in TOKENIZER_FILES),
-                 f"model.path={path} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); save the "
-                 f"tokenizer beside the weights (tokenizer.save_pretrained)")
-        return
-    hub_like = path.count("/") == 1 and not path.startswith((".", "/", "~"))
-    _require(False, f"model.path={path} is not a local folder" + (
-        ": flash reads no model hub at run time; download it first (e.g. `huggingface-cli download "
-        f"{path} --local-dir models/{path.split('/')[1]}`) and pass model.path=models/{path.split('/')[1]}"
-        if hub_like else ""))
-
-
-def _check_agent(cfg: FlashConfig) -> None:
-    from flash.recipes.tasks import task_class
-
-    a, task_agent = cfg.agent, task_class(cfg.task["name"]).agent is not None
-    if a.fn is None and not task_agent:
-        return
-    from flash.envs.agents import load_agent
-    from flash.envs.gateway import is_loopback
-
-    _require(not (task_agent and a.fn), f"task {cfg.task['name']} runs its own episodes: leave agent.fn unset")
-    try:
-        if a.fn is not None:
-            load_agent(a.fn)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
-    _require(a.concurrency >= 1 and a.max_turns >= 1 and a.retries >= 0 and a.processes >= 0,
-             f"agent.concurrency and agent.max_turns must be >= 1, agent.retries and agent.processes >= 0, got "
-             f"{a.concurrency}, {a.max_turns}, {a.retries}, {a.processes}")
-    for key in ("timeout_s", "header_timeout_s", "body_timeout_s"):
-        value = getattr(a, key)
-        _require(math.isfinite(value) and value > 0, f"agent.{key} must be > 0, got {value}")
-    _require(a.max_connections >= 1, f"agent.max_connections must be >= 1, got {a.max_connections}")
-    _require(is_loopback(a.host), f"agent.host={a.host} is not loopback: the gateway serves the agents of this "
-             f"machine; keep 127.0.0.1")
-    _require(cfg.rollout.scheduler == "plain", "agent runs use rollout.scheduler: plain (tail batching cuts "
-             "single-turn responses)")
-    if a.tool_parser:
-        from flash.envs.chat_messages import TOOL_PARSERS
-
-        try:
-            TOOL_PARSERS.get(a.tool_parser)
-        except ValueError as exc:
-            raise ConfigError(f"agent.tool_parser: {exc}; or null to return replies as plain text") from None
-
-
-def _check_reward(cfg: FlashConfig) -> None:
-    from flash.app.schema import DataConfig
-
-    deadline = cfg.reward.response_deadline_s
-    _require(math.isfinite(deadline) and deadline > 0, f"reward.response_deadline_s must be a finite number of "
-             f"seconds > 0 (one response's scoring, all its tests), got {deadline}")
-    _require(cfg.reward.max_consecutive_errors >= 0, "reward.max_consecutive_errors must be >= 0 (reward errors in "
-             f"a row that stop the run; 0: never), got {cfg.reward.max_consecutive_errors}")
-    d = cfg.data
-    named = [k for k, on in (("data.reward", d.reward != DataConfig.reward), ("data.reward_key", d.reward_key),
-                             ("data.rewards", d.rewards)) if on]
-    if cfg.reward.fn and d.train and named:
-        raise ConfigError(f"reward.fn ({cfg.reward.fn.get('name')}) and {' and '.join(named)} both choose the rows' "
-                          f"reward, and reward.fn would score every row: set reward.fn={{}} to score by {named[0]}, "
-                          f"or drop {' and '.join(named)}")
-    if cfg.reward.fn:
-        from flash.rewards.registry import check_pool_args
-
-        r = cfg.reward
-        check_pool_args(dict(r.fn), r.num_workers, r.concurrency, r.timeout_s, tuple(cfg.plugins))
-        if r.fn.get("name") == "judge":
-            from flash.rewards.judge import check_section
-
-            try:
-                check_section(dict(r.fn))
-            except ValueError as exc:
-                raise ConfigError(f"reward.fn: {exc}") from None
-    _check_autoscale(cfg.reward)
-
-
-def _check_autoscale(r: RewardConfig) -> None:
-    if not r.max_workers:
-        return
-    from flash.rewards.workers import autoscale_config
-
-    try:
-        autoscale_config(r)
-    except ValueError as exc:
-        raise ConfigError(f"reward: {exc}") from None
-    _require(r.min_workers <= r.num_workers <= r.max_workers,
-             f"reward.num_workers ({r.num_workers}) is the autoscaled pool's starting size: it must lie in "
-             f"[reward.min_workers, reward.max_workers] = [{r.min_workers}, {r.max_workers}]")
-
-
 def _check_task(section: dict, task_class) -> None:
     options = dict(section)
     name = options.pop("name", None)
-    _require(isinstance(name, str), "task.name is required")
+    require(isinstance(name, str), "task.name is required")
     try:
         cls = task_class(name)
     except (ValueError, KeyError) as exc:

@@ -4,11 +4,11 @@ for other settings.
 Reads a finished run's measurements (``metrics.jsonl``: per-step phase times, engine busy seconds,
 decode iterations, tokens; ``ledger.jsonl``: every trained sample's response and prompt length;
 ``config.yaml`` and ``summary.json``: the settings and the thread split it ran with), fits the
-costs of ``flash.app.plan_model`` to them (``fit_costs``), and predicts the candidate grid: the
-cartesian product of the values given, every other setting as in the run. Prints a table ranked
-fastest first and, last, one JSON line. Several run dirs of one setting (repeats) are pooled; a
-run at another thread split (``--calibrate``) sets how threads scale (``calibrate_p``), else the
-parallel fraction is ``DEFAULT_P``.
+costs of ``flash.app.plan_model`` to them (``fit_costs``), and predicts the candidate grid
+(``flash.app.plan_candidates``): the cartesian product of the values given, every other setting as
+in the run. Prints a table ranked fastest first and, last, one JSON line. Several run dirs of one
+setting (repeats) are pooled; a run at another thread split (``--calibrate``) sets how threads
+scale (``calibrate_p``), else the parallel fraction is ``DEFAULT_P``.
 
 The costs are fitted on the steady steps (the first ``SKIP_STEPS`` are warm-up: compilation,
 caches, the first admissions). What the model assumes, and where it departs from a real run, is
@@ -20,35 +20,19 @@ instead, in simulated seconds and across scale (the CLI picks it from the run's 
 from __future__ import annotations
 
 import gzip
-import itertools
 import json
-import math
 import os
 import statistics
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
-from flash.controllers.tail_policy import SCHEDULERS
 from flash.app import plan_model as pm
+from flash.app.plan_candidates import parse_candidates
 from flash.errors import ConfigError
 from flash.run_files import read_json, read_jsonl, read_text
 
 SKIP_STEPS = 2
 
-# candidate key -> (Setting field, parser); config keys, so a row can be pasted into `flash run`
-KEYS = {
-    "async_ratio": ("async_ratio", float),
-    "resources.engine_threads": ("engine_threads", int),
-    "resources.trainer_threads": ("trainer_threads", int),
-    "placement.roles.actor_infer.num_workers": ("replicas", int),
-    "rollout.scheduler": ("tail", lambda v: {s: s == "tail_batching" for s in SCHEDULERS}[v]),
-    "rollout.tail_batching.threshold": ("tail_threshold", float),
-    "rollout.tail_batching.over_provision": ("tail_overprovision", float),
-    "rollout.tail_batching.long_round_queue": ("tail_long_queue", int),
-    "rollout.tail_batching.long_round_every": ("tail_long_every", int),
-}
-TAIL = "rollout.tail_batching."
-TAIL_DEFAULTS = {"threshold": "p90", "over_provision": 1.25}  # controllers/tail_policy.TailConfig
 # Amdahl parallel fraction of both roles (flash.app.plan_model.amdahl) when no second run calibrates it:
 # 0.35 from the issue-2 sweep on a lightly loaded machine (train 0.48 s at 2 threads vs about
 # 0.58 s at 1); on a machine shared with other jobs it is lower, even negative (see
@@ -261,67 +245,6 @@ def calibrate_p(trace: Trace, target: pm.Setting, measured_s: float) -> float:
     return min(P_GRID, key=err)
 
 
-def _parse_value(key: str, raw: str, lengths: list[int]):
-    """One candidate value, checked; a tail threshold may be ``pNN`` (that percentile of the
-    recorded response lengths)."""
-    field_name, parse = KEYS[key]
-    if key == TAIL + "threshold" and raw.lower() in ("inf", "infinity", "none"):
-        return field_name, math.inf
-    if key == TAIL + "threshold" and raw.startswith("p"):
-        q = float(raw[1:])
-        if not 0 < q <= 100:
-            raise ConfigError(f"{key}={raw}: a percentile must be in (0, 100]")
-        ranked = sorted(lengths)
-        return field_name, float(ranked[min(len(ranked) - 1, math.ceil(q / 100 * len(ranked)) - 1)])
-    try:
-        value = parse(raw)
-    except (ValueError, KeyError):
-        from flash.app.keys import closest
-
-        hint = closest(raw, list(SCHEDULERS)) if key == "rollout.scheduler" else ""
-        raise ConfigError(f"invalid value '{raw}' for '{key}'{hint}") from None
-    lows = {"async_ratio": 0, "resources.engine_threads": 0, "resources.trainer_threads": 0,
-            "placement.roles.actor_infer.num_workers": 1, TAIL + "threshold": 1,
-            TAIL + "over_provision": 1, TAIL + "long_round_queue": 0, TAIL + "long_round_every": 0}
-    if key in lows and not (value >= lows[key] and math.isfinite(value)):
-        raise ConfigError(f"'{key}' must be a finite number >= {lows[key]}, got {raw}")
-    return field_name, value
-
-
-def parse_candidates(items: list[str], trace: Trace) -> list[tuple[dict[str, str], pm.Setting]]:
-    """``key=v1,v2`` items → every combination as (the values as written, its Setting); keys not
-    given keep the run's values. Unknown keys name the closest valid one."""
-    from flash.app.keys import closest
-    from flash.app.sweep import parse_grid
-
-    fixed, swept = parse_grid(items)
-    grid = {k: [v] for k, v in (f.split("=", 1) for f in fixed)} | swept
-    for key in grid:
-        if key not in KEYS:
-            raise ConfigError(f"unknown plan key '{key}'{closest(key, list(KEYS))}; valid: {', '.join(KEYS)}")
-    tail_keys = [k for k in grid if k.startswith(TAIL)]
-    if tail_keys and "tail_batching" not in grid.get("rollout.scheduler", []):
-        raise ConfigError(f"{tail_keys[0]} is a tail-batching knob: add rollout.scheduler=tail_batching "
-                          f"(or rollout.scheduler=plain,tail_batching to compare)")
-    lengths = [x for g in trace.groups for x in g]
-    out, seen = [], set()
-    for combo in itertools.product(*grid.values()):
-        written = dict(zip(grid, combo))
-        if written.get("rollout.scheduler") == "plain":  # tail knobs mean nothing there: one row
-            written = {k: ("-" if k.startswith(TAIL) else v) for k, v in written.items()}
-        if tuple(written.items()) in seen:
-            continue
-        seen.add(tuple(written.items()))
-        values = dict(_parse_value(k, v, lengths) for k, v in written.items() if v != "-")
-        base = trace.setting
-        if values.get("tail"):  # the scheduler's defaults for knobs not given
-            for knob, default in TAIL_DEFAULTS.items():
-                if TAIL + knob not in written:
-                    values.update([_parse_value(TAIL + knob, default, lengths)])
-        out.append((written, replace(base, **values)))
-    return out
-
-
 def plan(run_dir: str | list, items: list[str], p: dict[str, float] | None = None, out=print,
          calibrate: str | list | None = None) -> list[dict]:
     """Predict every candidate, print the ranked table (fastest first) and a final JSON line;
@@ -337,20 +260,44 @@ def plan(run_dir: str | list, items: list[str], p: dict[str, float] | None = Non
         p = {"engine": q, "trainer": q}
         out(f"flash plan: parallel fraction p = {q:.2f}, calibrated on {calibrate} "
             f"(measured {other.measured_step_s:.3f} s/step)")
+    rows = _ranked(trace, items, p)
+    own = predict(trace, trace.setting, p).step_s
+    k = trace.costs
+    out(f"flash plan: {', '.join(dirs)}: {_fit_line(trace, own)}")
+    for line in _table(trace, rows):
+        out(line)
+    out(json.dumps({"run_dirs": dirs, "measured_s_per_step": round(trace.measured_step_s, 4),
+                    "model_s_per_step": round(own, 4), "parallel_fraction": p,
+                    "fit": {f: round(getattr(k, f), 7) for f in ("a", "c", "u1", "update_s", "other_s", "g0",
+                                                                 "cpu_engine", "cpu_train", "cpu_driver_s")},
+                    "candidates": rows}))
+    return rows
+
+
+def _ranked(trace: Trace, items: list[str], p: dict[str, float]) -> list[dict]:
+    """The candidates' predictions as rows, fastest first."""
     rows = []
     for written, setting in parse_candidates(items, trace):
         pred = predict(trace, setting, p)
         rows.append({"settings": written, "predicted_s_per_step": round(pred.step_s, 4),
                      **{k: round(v, 4) for k, v in pred.parts.items() if k != "step_s"}})
     rows.sort(key=lambda r: r["predicted_s_per_step"])
-    own = predict(trace, trace.setting, p).step_s
+    return rows
+
+
+def _fit_line(trace: Trace, own: float) -> str:
+    """The measured step, the model's own (``own``) and the fitted costs, in one line."""
     k = trace.costs
-    out(f"flash plan: {', '.join(dirs)}: measured {trace.measured_step_s:.3f} s/step over {len(trace.steps)} steady "
-        f"steps (the model reproduces {own:.3f}); fit: a={k.a * 1e3:.2f} ms/iteration, c={k.c * 1e3:.3f} "
-        f"ms/token, train {k.u1 * 1e6:.2f} us/padded token, update {k.update_s:.3f} s, other {k.other_s:.3f} s, "
-        f"wait {k.g0:.3f} s, CPU per busy second engine {k.cpu_engine:.2f} trainer {k.cpu_train:.2f}, driver "
-        f"{k.cpu_driver_s:.3f} CPU-s/step (threads engine {k.engine_threads}, trainer {k.trainer_threads}, "
-        f"{k.cores} cores)")
+    return (f"measured {trace.measured_step_s:.3f} s/step over {len(trace.steps)} steady "
+            f"steps (the model reproduces {own:.3f}); fit: a={k.a * 1e3:.2f} ms/iteration, c={k.c * 1e3:.3f} "
+            f"ms/token, train {k.u1 * 1e6:.2f} us/padded token, update {k.update_s:.3f} s, other {k.other_s:.3f} s, "
+            f"wait {k.g0:.3f} s, CPU per busy second engine {k.cpu_engine:.2f} trainer {k.cpu_train:.2f}, driver "
+            f"{k.cpu_driver_s:.3f} CPU-s/step (threads engine {k.engine_threads}, trainer {k.trainer_threads}, "
+            f"{k.cores} cores)")
+
+
+def _table(trace: Trace, rows: list[dict]) -> list[str]:
+    """The ranked table's lines, header first, columns padded to their widest cell."""
     keys = list(rows[0]["settings"]) if rows else []
     header = ["#", *keys, "s/step", "vs run", "engine s", "train s", "CPU bound s", "threads e/t", "long rounds"]
     table = [[str(i + 1), *(r["settings"][key] for key in keys), f"{r['predicted_s_per_step']:.3f}",
@@ -359,14 +306,7 @@ def plan(run_dir: str | list, items: list[str], p: dict[str, float] | None = Non
               f"{int(r['engine_threads'])}/{int(r['trainer_threads'])}",
               f"{r['long_rounds']:.2f}"] for i, r in enumerate(rows)]
     widths = [max(len(h), *(len(row[j]) for row in table)) if table else len(h) for j, h in enumerate(header)]
-    for line in [header, *table]:
-        out("  ".join(cell.ljust(w) for cell, w in zip(line, widths)))
-    out(json.dumps({"run_dirs": dirs, "measured_s_per_step": round(trace.measured_step_s, 4),
-                    "model_s_per_step": round(own, 4), "parallel_fraction": p,
-                    "fit": {f: round(getattr(k, f), 7) for f in ("a", "c", "u1", "update_s", "other_s", "g0",
-                                                                 "cpu_engine", "cpu_train", "cpu_driver_s")},
-                    "candidates": rows}))
-    return rows
+    return ["  ".join(cell.ljust(w) for cell, w in zip(line, widths)) for line in [header, *table]]
 
 
 def trim_trace(src: str | Path, dst: str | Path) -> Path:

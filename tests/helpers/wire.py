@@ -79,7 +79,7 @@ def answers(sock: zmq.Socket, n: int) -> list[dict]:
     return out
 
 
-RAW_TIMEOUT_MS = 90_000  # above the service's longest long-poll (flash.buffers.service.MAX_WAIT_MS)
+RAW_TIMEOUT_MS = 90_000  # above the service's longest long-poll (flash.buffers.longpoll.MAX_WAIT_MS)
 
 
 def _raw_socket(ctx: zmq.Context, address: str, keys=None) -> zmq.Socket:
