@@ -118,7 +118,7 @@ def parse_costs(repeats: int) -> dict:
     """Microseconds per body: the parse before the depth bound (``json.loads`` refusing NaN, as
     ``parse_body`` did) and the gateway's ``parse_body`` now (the bracket count, the depth scan when
     over 64 brackets open, then the same parse); the scan alone; median of ``repeats`` runs."""
-    from flash.envs.gateway import _no_constants, parse_body
+    from flash.envs.gateway_requests import _no_constants, parse_body
     from flash.envs.json_bounds import json_depth
 
     def old(body: bytes) -> dict:

@@ -245,11 +245,10 @@ def _binop_estimate(operator: str, left: Any, right: Any, budget: _Budget) -> in
     return 0
 
 
-def _environment_class():
-    """The sandbox of transformers' chat templates with the module's bounds (built on first use:
-    Jinja is imported only when a template renders)."""
+def _bounds_class():
+    """The pass over a parsed template that wraps its loops, ``~`` and comparisons in the module's
+    filters (built on first use: Jinja is imported only when a template renders)."""
     from jinja2 import nodes
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
     from jinja2.visitor import NodeTransformer
 
     def wrap(node, name: str):
@@ -275,6 +274,16 @@ def _environment_class():
             for op in node.ops:
                 op.expr = wrap(op.expr, "flash_sized")
             return node
+
+    return Bounds
+
+
+def _environment_class():
+    """The sandbox of transformers' chat templates with the module's bounds (built on first use:
+    Jinja is imported only when a template renders)."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    Bounds = _bounds_class()
 
     class BoundedEnvironment(ImmutableSandboxedEnvironment):
         intercepted_binops = frozenset({"*", "**", "+", "%"})

@@ -72,7 +72,7 @@ def check_agent(cfg: FlashConfig) -> None:
     if a.fn is None and not task_agent:
         return
     from flash.envs.agents import load_agent
-    from flash.envs.gateway import is_loopback
+    from flash.envs.gateway_requests import is_loopback
 
     require(not (task_agent and a.fn), f"task {cfg.task['name']} runs its own episodes: leave agent.fn unset")
     try:

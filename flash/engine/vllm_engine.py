@@ -32,7 +32,7 @@ How the contract of ``flash.engine.base`` maps onto vLLM:
   submitted while paused are held here and start at ``resume``, after the interrupted ones.
 - **Weights** are pushed in place, never from disk: in a model-update group vLLM's worker itself is
   the member (the worker extension ``vllm_weights.WeightSync``; this actor forwards the group's
-  ``mu_*`` calls to it through ``collective_rpc``), receiving the trainer's buckets in the engine's
+  ``mu_*`` calls to it through ``collective_rpc``: ``vllm_updates.VLLMUpdates``), receiving the trainer's buckets in the engine's
   dtype over gloo or NCCL (or mapping the colocated buffer) and loading them with vLLM's in-place
   ``reload_weights`` (the model's own ``load_weights``, layer by layer) as they arrive;
   ``update_weights`` (the object-store path) sends its tensors on in buckets of whole layers, one
@@ -57,23 +57,17 @@ import asyncio
 import os
 import threading
 import time
-from collections.abc import Mapping
-
-import torch
 
 from flash.devices import actor_device
 from flash.engine.base import INTERRUPT_MODES, GenerationOutput, GenerationRequest, check_request, error_output
-from flash.engine.vllm_parts import FINISH, Req, device_args, memory_args, numel, sleep_mode_available
+from flash.engine.vllm_parts import VLLM_ENV, FINISH, Req, device_args, engine_args, memory_args, numel
 from flash.engine.vllm_parts import request_seeds as _request_seeds
-from flash.engine.vllm_weights import check_push, checkpoint_shapes, layer_buckets, weights_blob, wire_sent
-from flash.weights.group import UpdateReceiver
+from flash.engine.vllm_updates import VLLMUpdates
+from flash.engine.vllm_weights import checkpoint_shapes
 from flash.usage import process_tree_cpu_s
 
-# Set in this process before vLLM starts its children (which inherit them); a value already in the
-# environment wins.
-VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_WAIT_POLICY": "PASSIVE",
-            "VLLM_LOGGING_LEVEL": "ERROR", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
-class VLLMEngineWorker(UpdateReceiver):
+
+class VLLMEngineWorker(VLLMUpdates):
     """The engine actor over ``AsyncLLM``; see the module docstring for the design."""
 
     def __init__(self, model_path: str, max_num_seqs: int, seed: int, threads: int, *,
@@ -111,13 +105,9 @@ class VLLMEngineWorker(UpdateReceiver):
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="flash-vllm-loop", daemon=True)
         self._thread.start()
-        args = dict(model=model_path, dtype=dtype, max_model_len=self.max_context, max_num_seqs=max_num_seqs,
-                    seed=seed, enable_prefix_caching=True, logprobs_mode="processed_logprobs",
-                    skip_tokenizer_init=True, generation_config="vllm",
-                    disable_log_stats=True, worker_extension_cls="flash.engine.vllm_weights.WeightSync",
-                    enable_sleep_mode=sleep_mode and sleep_mode_available(),
-                    **device_args(kind, self.max_context, max_num_seqs, tensor_parallel_size),
-                    **memory_args(sum(numel(shape) for shape in self._shapes.values()), trainer_bytes_per_param))
+        args = engine_args(model_path, dtype, seed, self.max_context, max_num_seqs, sleep_mode)
+        args |= device_args(kind, self.max_context, max_num_seqs, tensor_parallel_size)
+        args |= memory_args(sum(numel(shape) for shape in self._shapes.values()), trainer_bytes_per_param)
         self._drained = asyncio.Condition()  # notified whenever a request leaves vLLM
         self._llm = self._call(self._start(args))
 
@@ -238,7 +228,7 @@ class VLLMEngineWorker(UpdateReceiver):
         reasons = await asyncio.gather(*(r.task for r in reqs))
         return [r for r, reason in zip(reqs, reasons) if reason == "abort"]
 
-    # ---- pause, resume, weights ------------------------------------------------------------------
+    # ---- pause, resume, sleep, abort -------------------------------------------------------------
     async def _pause(self, mode: str) -> None:
         self._paused = mode
         if mode == "wait":  # a concurrent continue/restart pause ends the wait too
@@ -290,44 +280,6 @@ class VLLMEngineWorker(UpdateReceiver):
         async with self._drained:
             self._drained.notify_all()
 
-    def _weights_ready(self) -> None:
-        """Raise unless weights may be written now: paused, awake, nothing running in vLLM."""
-        if self._paused is None:
-            raise RuntimeError("update_weights needs a paused engine; call pause(mode) first")
-        if self._asleep is not None:
-            raise RuntimeError("the engine is asleep; call wake_up() before update_weights()")
-        if self._reqs:
-            raise RuntimeError(f"update_weights with {len(self._reqs)} requests still running in vLLM")
-
-    async def _weights_loaded(self, version: int) -> None:
-        if not await self._llm.reset_prefix_cache():
-            raise RuntimeError("vLLM refused to reset its prefix cache after a weight update")
-        self._version = version
-
-    async def _update_weights(self, named_tensors, version: int) -> float:
-        """Bucket by bucket (whole layers, the engine's dtype): one blob per ``collective_rpc``.
-        A mapping is checked whole before anything is loaded."""
-        from flash.devices import torch_dtype
-
-        self._weights_ready()
-        if isinstance(named_tensors, Mapping):
-            check_push(named_tensors, self._shapes, self._tied)
-            named_tensors = named_tensors.items()
-        sent = 0
-        for bucket in layer_buckets(named_tensors, self._shapes, self._tied, self._rpc_bucket_bytes,
-                                    torch_dtype(self._dtype)):
-            blob = weights_blob(bucket, self._shapes)
-            await self._llm.collective_rpc("flash_load_weights", args=(blob,))
-            sent += len(blob)
-        await self._weights_loaded(version)
-        return float(sent)
-
-    async def _mu_receive(self, group: str, version: int, sent) -> dict:
-        self._weights_ready()
-        out = (await self._llm.collective_rpc("mu_receive", args=(group, version, sent)))[0]
-        await self._weights_loaded(version)
-        return out
-
     async def _abort(self, request_ids: list[str] | None) -> list[GenerationOutput]:
         hit = (lambda r: True) if request_ids is None else (lambda r, ids=set(request_ids): r.req.request_id in ids)
         stopped = await self._interrupt([r for r in self._reqs.values() if hit(r)])
@@ -359,67 +311,6 @@ class VLLMEngineWorker(UpdateReceiver):
     def resume(self) -> None:
         self._check()
         self._call(self._resume())
-
-    def _mu_device(self) -> torch.device:
-        """Where the weights live: the GPU the placement gave this actor (vLLM's worker process
-        inherits its ``CUDA_VISIBLE_DEVICES`` and loads the model there), else the CPU."""
-        return actor_device()
-
-    # ---- the model-update group: vLLM's worker is the member (vllm_weights.WeightSync) ------------
-    def _worker_rpc(self, method: str, *args):
-        """``method`` on vLLM's workers (one per tensor-parallel rank, each a member); the first's result."""
-        self._check()
-        return self._call(self._llm.collective_rpc(method, args=args))[0]
-
-    def mu_dtypes(self) -> dict[str, str]:
-        """The engine's dtype for every pushed name: the trainer casts to it before sending."""
-        return {name: self._dtype for name in self._mu_shapes()}
-
-    def _mu_shapes(self) -> dict:
-        """The checkpoint's shapes, plus a tied LM head's (trainers send it)."""
-        embed = self._shapes.get("model.embed_tokens.weight")
-        return {**self._shapes, **({n: embed for n in self._tied} if embed is not None else {})}
-
-    def mu_members(self) -> int:
-        return self._tp
-
-    def mu_join(self, group: str, backend: str, host: str, port: int, rank: int, world: int,
-                timeout_s: float) -> None:
-        self._worker_rpc("mu_join", group, backend, host, port, rank, world, timeout_s)
-
-    def mu_check(self, group: str, wire: list) -> int:
-        """The plan checked by vLLM's worker against its checkpoint, and this engine ready for it
-        (paused, awake), before any byte moves."""
-        self._check()
-        self._weights_ready()
-        return self._worker_rpc("mu_check", group, wire)
-
-    def engine_weights(self) -> dict:
-        """vLLM's parameters under its own (fused) names, CPU copies (on CPU, a linear layer's
-        weight lives packed in its oneDNN handle and reads back empty)."""
-        from safetensors.torch import load
-
-        return load(bytes(self._worker_rpc("flash_state")))
-
-    def mu_receive(self, group: str, version: int, sent: dict | None = None) -> dict[str, float]:
-        """vLLM's worker receives and loads the push; then the prefix cache is reset and the
-        engine takes ``version``."""
-        self._check()
-        return self._call(self._mu_receive(group, version, wire_sent(sent)))
-
-    def mu_close(self, group: str) -> None:
-        if not self._closed and not self._errored():
-            self._worker_rpc("mu_close", group)
-
-    def _mu_apply(self, items, version: int) -> None:
-        """Pushed ``(name, tensor)`` pairs loaded by the bucketed RPC path (``update_weights``);
-        a group's push goes to vLLM's worker directly instead (``mu_receive``)."""
-        self.update_weights(items, version)
-
-    def update_weights(self, named_tensors, version: int) -> float:
-        """Load weights in place (only while paused); returns the bytes sent to vLLM's worker."""
-        self._check()
-        return self._call(self._update_weights(named_tensors, version))
 
     def sleep(self, level: int = 1) -> dict:
         """Release memory for a colocated trainer while paused (level 1: weights offloaded, KV

@@ -1,6 +1,6 @@
 """The vLLM engine's parts that hold no engine state: a request's bookkeeping (``Req``), how vLLM's
-finish reasons map onto flash's, and the settings vLLM is started with (``device_args``,
-``request_seeds``, ``memory_args``).
+finish reasons map onto flash's, and the settings vLLM is started with (``VLLM_ENV``, ``engine_args``,
+``device_args``, ``request_seeds``, ``memory_args``).
 
 The device's settings are pure functions of (device kind, settings), so that what a CUDA engine
 gets is pinned on a CPU machine (``tests/unit/test_vllm_args.py``):
@@ -30,6 +30,10 @@ from flash.engine.base import GenerationOutput, GenerationRequest
 
 FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 CUDA_BATCHED_TOKENS = 8192  # tokens per engine step with chunked prefill (vLLM's serving default on H100s)
+# Set in this process before vLLM starts its children (which inherit them); a value already in the
+# environment wins.
+VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_WAIT_POLICY": "PASSIVE",
+            "VLLM_LOGGING_LEVEL": "ERROR", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
 
 
 @dataclass(eq=False)
@@ -60,6 +64,18 @@ def request_seeds(device_kind: str, asked: bool | None) -> bool:
     """Whether every request carries its own seed into vLLM: ``asked`` (``rollout.request_seeds``)
     when set, else on the CPU only (on CUDA the engine's one seed, and vLLM's fast sampling path)."""
     return asked if asked is not None else device_kind != "cuda"
+
+
+def engine_args(model_path: str, dtype: str, seed: int, max_context: int, max_num_seqs: int,
+                sleep_mode: bool) -> dict:
+    """The engine arguments of every device (``device_args`` and ``memory_args`` add the rest):
+    processed logprobs, no tokenizer, the checkpoint's generation config ignored, flash's worker
+    extension (``vllm_weights.WeightSync``), sleep mode where asked and vLLM's platform has it."""
+    return dict(model=model_path, dtype=dtype, max_model_len=max_context, max_num_seqs=max_num_seqs,
+                seed=seed, enable_prefix_caching=True, logprobs_mode="processed_logprobs",
+                skip_tokenizer_init=True, generation_config="vllm",
+                disable_log_stats=True, worker_extension_cls="flash.engine.vllm_weights.WeightSync",
+                enable_sleep_mode=sleep_mode and sleep_mode_available())
 
 
 def device_args(device_kind: str, max_context: int, max_num_seqs: int, tensor_parallel_size: int = 1) -> dict:

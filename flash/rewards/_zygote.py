@@ -1,48 +1,44 @@
 """Sandbox fork server: namespaces set up once, one forked interpreter per call (stdlib only).
 
-The parent (``flash.rewards.sandbox``) starts ``python -I -c <this source> CONFIG_JSON`` with one
-end of a SOCK_SEQPACKET socket pair. Setup, once:
+The parent (``flash.rewards.sandbox``) starts ``python -I -c <this source> CONFIG_JSON`` with one end of a
+SOCK_SEQPACKET socket pair. Setup, once:
 
-1. drop root to an unprivileged uid (root bypasses RLIMIT_NPROC and file permissions), then
-   join a new anonymous session keyring (none of the host's keys is possessed here);
+1. drop root to an unprivileged uid (root bypasses RLIMIT_NPROC and file permissions), then join a new
+   anonymous session keyring (none of the host's keys is possessed here);
 2. new user, network, ipc, uts and mount namespaces; the network has only a downed loopback;
-3. a new root built from an allow-list: read-only binds of the system directories and this
-   interpreter's prefix and import path, a synthesized /etc (the loader's cache and the time
-   zone from the host, a passwd and group naming only root and the code's user), a few device
-   nodes, the host's /proc (only as the "fully visible" proc the kernel wants before a nested
-   proc mount; every call covers it) and nothing else -- the host's /etc files, /tmp, /root,
-   home directories and the project are simply absent;
-4. pre-import the standard modules model-written code uses, so a call costs a fork, not an
-   interpreter start;
-5. check in a forked probe that the kernel applies the system-call filter (``syscall_filter.py``,
-   sent in CONFIG_JSON): a kernel without seccomp filters fails the setup;
+3. a new root built from an allow-list: read-only binds of the system directories and this interpreter's
+   prefix and import path, a synthesized /etc (the loader's cache and the time zone from the host, a passwd
+   and group naming only root and the code's user), a few device nodes, the host's /proc (only as the "fully
+   visible" proc the kernel wants before a nested proc mount; every call covers it) and nothing else -- the
+   host's /etc files, /tmp, /root, home directories and the project are simply absent;
+4. pre-import the standard modules model-written code uses, so a call costs a fork, not an interpreter start;
+5. check in a forked probe that the kernel applies the system-call filter (``syscall_filter.py``, sent in
+   CONFIG_JSON): a kernel without seccomp filters fails the setup;
 6. become the child subreaper of everything forked here.
 
-Per call the parent sends a small JSON header and four descriptors: a memfd holding the code and
-its files, the code's stdin (a read-only memfd) and the write ends of its stdout/stderr pipes;
-where the host gives cgroups, also the call's ``cgroup.procs`` files (``cgroups.py``).
-The payload never passes through this process, so a forked sandbox cannot find another call's
-hidden inputs in its inherited memory. Each call:
+Per call the parent sends a small JSON header and four descriptors: a memfd holding the code and its files,
+the code's stdin (a read-only memfd) and the write ends of its stdout/stderr pipes; where the host gives
+cgroups, also the call's ``cgroup.procs`` files (``cgroups.py``). The payload never passes through this
+process, so a forked sandbox cannot find another call's hidden inputs in its inherited memory. Each call:
 
-- ``C`` (forked here, stays in this pid namespace, dies with us): its own session and anonymous
-  session keyring (so no key of one call is seen by another), a new user, pid, mount, network
-  and ipc namespace of its own -- so RLIMIT_NPROC counts only this call's
-  processes and two concurrent calls share nothing -- then forks ``G`` and mirrors its exit
-  status;
-- ``G`` (pid 1 of the call's pid namespace): a session of its own (no signal of the code reaches
-  C), a fresh /proc (its lists of keys covered by /dev/null), a size-capped tmpfs on /tmp holding the working directory, nested user
-  namespaces refused (``user.max_user_namespaces = 0`` in the call's namespace: the kernel's own
-  limit, which the code cannot raise), every capability dropped with no_new_privs, rlimits, then
-  the code runs as ``__main__``.
+- ``C`` (forked here, stays in this pid namespace, dies with us): its own session and anonymous session
+  keyring (so no key of one call is seen by another), a new user, pid, mount, network and ipc namespace of
+  its own -- so RLIMIT_NPROC counts only this call's processes and two concurrent calls share nothing --
+  then forks ``G`` and mirrors its exit status;
+- ``G`` (pid 1 of the call's pid namespace): a session of its own (no signal of the code reaches C), a fresh
+  /proc (its lists of keys covered by /dev/null), a size-capped tmpfs on /tmp holding the working directory,
+  nested user namespaces refused (``user.max_user_namespaces = 0`` in the call's namespace: the kernel's own
+  limit, which the code cannot raise), every capability dropped with no_new_privs, rlimits, then the code
+  runs as ``__main__``.
 
-How a call ends, whatever its code does (a new session, a double fork, its death signal cleared,
-signals ignored): the namespace's processes live exactly as long as G, since the kernel kills
-everything in a pid namespace when its init exits and C's wait for G returns only once it is
-empty. The server ends a call by sending C ``KILL_SIGNAL``, on which C SIGKILLs G; a C that dies
-first (killed from outside) leaves G to this server, its subreaper, which SIGKILLs and reaps it.
+How a call ends, whatever its code does (a new session, a double fork, its death signal cleared, signals
+ignored): the namespace's processes live exactly as long as G, since the kernel kills everything in a pid
+namespace when its init exits and C's wait for G returns only once it is empty. The server ends a call by
+sending C ``KILL_SIGNAL``, on which C SIGKILLs G; a C that dies first (killed from outside) leaves G to this
+server, its subreaper, which SIGKILLs and reaps it.
 
-A setup step that fails exits 125 with a ``flash-sandbox-setup:`` line on the call's stderr (or,
-during the one-time setup, an ``error`` message on the socket).
+A setup step that fails exits 125 with a ``flash-sandbox-setup:`` line on the call's stderr (or, during the
+one-time setup, an ``error`` message on the socket).
 """
 
 import ctypes
@@ -73,10 +69,11 @@ ETC_FILES = ("ld.so.cache", "localtime")  # of the host's /etc, only what an int
 DEVICES = ("null", "zero", "full", "random", "urandom")
 NEWROOT = "/tmp"  # a tmpfs mounted here becomes the root; host paths under /tmp stay out
 WORKDIR = "/tmp/flash-sandbox-work"
-PRELOAD = ("json", "math", "re", "collections", "itertools", "functools", "heapq", "bisect",
-           "string", "random", "typing", "dataclasses", "fractions", "decimal", "statistics",
-           "copy", "operator", "io", "traceback", "runpy", "threading", "atexit", "time",
-           "datetime", "enum", "array", "struct", "textwrap", "unicodedata")
+PRELOAD = tuple(  # the standard modules imported once, before any call forks
+    "json math re collections itertools functools heapq bisect string random typing dataclasses fractions decimal"
+    " statistics copy operator io traceback runpy threading atexit time datetime enum array struct textwrap"
+    " unicodedata".split()
+)
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -96,14 +93,13 @@ def _mount(src, dst, fstype, flags, data=None, step="mount") -> None:
 
 
 class _MountAttr(ctypes.Structure):
-    _fields_ = [("attr_set", ctypes.c_uint64), ("attr_clr", ctypes.c_uint64),
-                ("propagation", ctypes.c_uint64), ("userns_fd", ctypes.c_uint64)]
+    _fields_ = [(name, ctypes.c_uint64) for name in ("attr_set", "attr_clr", "propagation", "userns_fd")]
 
 
 def _setattr(path: str, flags: int, attr_set: int, attr_clr: int, step: str) -> None:
     attr = _MountAttr(attr_set, attr_clr, 0, 0)
-    _check(_libc.syscall(SYS_MOUNT_SETATTR, AT_FDCWD, path.encode(), flags, ctypes.byref(attr),
-                         ctypes.sizeof(attr)), step)
+    rc = _libc.syscall(SYS_MOUNT_SETATTR, AT_FDCWD, path.encode(), flags, ctypes.byref(attr), ctypes.sizeof(attr))
+    _check(rc, step)
 
 
 class _SockFprog(ctypes.Structure):
@@ -196,8 +192,8 @@ def _make_etc() -> None:
             _bind(f"/etc/{name}", f"/etc/{name}")
     uid, gid = os.getuid(), os.getgid()
     user = "nobody" if uid == 65534 else "sandbox"
-    _write(NEWROOT + "/etc/passwd", "root:x:0:0:root:/root:/usr/sbin/nologin\n"
-           + f"{user}:x:{uid}:{gid}:{user}:{WORKDIR}:/usr/sbin/nologin\n" * (uid != 0))
+    own = f"{user}:x:{uid}:{gid}:{user}:{WORKDIR}:/usr/sbin/nologin\n" * (uid != 0)
+    _write(NEWROOT + "/etc/passwd", "root:x:0:0:root:/root:/usr/sbin/nologin\n" + own)
     _write(NEWROOT + "/etc/group", "root:x:0:\n" + f"{user}:x:{gid}:\n" * (gid != 0))
 
 
@@ -264,8 +260,8 @@ def _prepare_call(req: dict, payload_fd: int, prog: bytes) -> None:
     _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, step="mount")
     for path in filter(os.path.exists, ("/proc/keys", "/proc/key-users")):  # the host's keys
         _mount("/dev/null", path, None, MS_BIND, step="hide")
-    _mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV,
-           f"size={req['disk_mb']}m,nr_inodes={req['max_files']},mode=700", step="mount")
+    tmp = f"size={req['disk_mb']}m,nr_inodes={req['max_files']},mode=700"
+    _mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, tmp, step="mount")
     _write("/proc/sys/user/max_user_namespaces", "0")
     with os.fdopen(payload_fd, "rb") as f:
         payload = json.loads(f.read())
@@ -393,12 +389,6 @@ def _call(req: dict, fds: list[int], server_fd: int, cfg: dict) -> None:
     _mirror(pid)
 
 
-def _status(status: int) -> dict:
-    if os.WIFSIGNALED(status):
-        return {"signal": os.WTERMSIG(status)}
-    return {"exit": os.WEXITSTATUS(status)}
-
-
 def _children() -> list[int]:
     """This process's children (the kernel's list, else a scan of /proc)."""
     me = os.getpid()
@@ -453,9 +443,11 @@ def serve(sock: socket.socket, cfg: dict) -> None:
                 sel.unregister(pidfd)
                 os.close(pidfd)
                 _, status = os.waitpid(pid, 0)
+                end = {"exit": os.WEXITSTATUS(status)}
                 if os.WIFSIGNALED(status):  # C ended early: its G may be left, with its namespace
+                    end = {"signal": os.WTERMSIG(status)}
                     _reap_orphans({p for p, _ in running.values()})
-                sock.send(json.dumps({"id": cid, **_status(status)}).encode())
+                sock.send(json.dumps({"id": cid, **end}).encode())
                 continue
             msg, fds, _, _ = socket.recv_fds(sock, 1 << 16, 8)
             if not msg:

@@ -1,8 +1,9 @@
 """Training: the policy trainer and the roles around it.
 
 - ``base``: the trainer-role contract (typed protocols, as ``flash.engine.base`` for engines);
-- ``trainer`` (one process), ``trainer_group`` with ``fsdp`` and ``fsdp_checkpoint`` (an FSDP2
-  group of ranks), ``worker`` (the trainer as a Ray actor), ``critic`` (the value model for GAE);
+- ``trainer`` (one process), ``trainer_group`` with ``fsdp_rank``, ``fsdp`` and ``fsdp_checkpoint``
+  (an FSDP2 group of ranks), ``worker`` (the trainer as a Ray actor), ``critic`` (the value model
+  for GAE);
 - ``batch`` (collation of groups into tensors) and ``microbatch`` (length-grouped micro-batches);
 - ``sft``: the cached supervised warm start a recipe may ask for.
 

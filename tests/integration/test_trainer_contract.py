@@ -92,9 +92,9 @@ def model_shapes(model_dir) -> dict[str, tuple]:
 
 
 class LocalRay:
-    """The few Ray calls ``flash.train.trainer_group`` makes, run in this process: an actor is the
-    object itself, a call's result its own reference. A one-rank group then runs the group's and
-    the rank's real code without starting Ray (its two-rank form on Ray is the ``slow`` case)."""
+    """The few Ray calls ``flash.train.trainer_group`` and ``fsdp_rank`` make, run in this process:
+    an actor is the object itself, a call's result its own reference. A one-rank group then runs the
+    group's and the rank's real code without starting Ray (its two-rank form on Ray is the ``slow`` case)."""
 
     exceptions = ray.exceptions
 
@@ -132,11 +132,12 @@ def local_group(model_dir):
     import torch.distributed as dist
 
     from flash.cluster import pinned_threads
-    from flash.train import trainer_group
+    from flash.train import fsdp_rank, trainer_group
     from flash.train.fsdp import GroupSettings
 
     with pytest.MonkeyPatch.context() as mp, pinned_threads(torch.get_num_threads()):
         mp.setattr(trainer_group, "ray", LocalRay())
+        mp.setattr(fsdp_rank, "ray", LocalRay())
         try:
             yield trainer_group.TrainerGroup(model_dir, settings(), GroupSettings(workers=1), seed=0, threads=1,
                                              plugins=[])

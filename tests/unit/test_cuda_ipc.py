@@ -233,7 +233,7 @@ def fsdp_rank(tmp_path, one_torch_thread):
     import torch.distributed as dist
 
     from flash.train.fsdp import GroupSettings, free_port
-    from flash.train.trainer_group import FSDPRank
+    from flash.train.fsdp_rank import FSDPRank
 
     path = save_tiny(tmp_path / "tiny", TINY)
     rank = FSDPRank(0, 1, path, settings(), GroupSettings(), 0, 1, [], [])

@@ -20,7 +20,7 @@ from flash.app.recipe_files import recipe_paths
 from flash.engine.torch_worker import ENGINES, engine_class
 from flash.placement import plan_placement
 from flash.train.fsdp import pick_device
-from flash.train.trainer_group import FSDPRank
+from flash.train.fsdp_rank import FSDPRank
 from flash.weights.group import UpdateReceiver, choose_backend
 from tests.helpers.standins import gpu_recipe_overrides
 
