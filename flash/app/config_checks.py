@@ -205,6 +205,7 @@ def _check_resources(cfg: FlashConfig) -> None:
     for key in ("engine_threads", "trainer_threads"):
         require(getattr(res, key) >= 0, f"resources.{key} must be >= 0 (0 = auto), got {getattr(res, key)}")
     require(res.driver_threads >= 1, f"resources.driver_threads must be >= 1, got {res.driver_threads}")
+    require(res.ready_timeout_s > 0, f"resources.ready_timeout_s must be > 0 seconds, got {res.ready_timeout_s}")
     require(cfg.sft.threads >= 1, f"sft.threads must be >= 1, got {cfg.sft.threads}")
     from flash.app.cards import resolve_card
 

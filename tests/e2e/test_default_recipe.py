@@ -6,8 +6,10 @@ warm-start cache and the seeds. Seed 0 runs in the default suite; seeds 1 and 2 
 starts, ``sft.seed``) are marked ``margin`` and run with ``pytest -m margin``. The bars come from
 the measured spread (BENCHMARKS.md, "Default recipe over seeds"): TOPR with the cosine lr gained
 26-32 points synchronously and 23-32 at r = 2 from the three warm starts; a synchronous run is
-deterministic for its seeds, an asynchronous one depends on timing, hence on the machine's load,
-so its bar keeps 8 points below the least gain measured. Wall time
+deterministic for its seeds on one machine (another CPU's kernels round its gradients differently,
+so its warm start and run differ: BENCHMARKS.md, "Learning results across machines"), an asynchronous
+one depends on timing too, hence on the machine's load, so its bar keeps 8 points below the least
+gain measured. Wall time
 is recorded in BENCHMARKS.md by `python -m bench.async_speedup`, not asserted here (a shared CI
 machine makes timed asserts flaky).
 """

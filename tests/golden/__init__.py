@@ -24,8 +24,14 @@ STEPS = 3
 QUANTITIES = {"loss": "train/loss", "grad_norm": "train/grad_norm", "reward_mean": "reward/mean"}
 RESPONSES, TOKENS = 2, 24  # token ids pinned: the first TOKENS of the first RESPONSES of step 0
 # abs: a policy-gradient loss at step 1 is a cancellation of per-token terms of order 1 (each group's
-# advantages sum to 0), so its float32 rounding alone reaches ~1e-7; 1e-6 still pins any real change
+# advantages sum to 0), so its float32 rounding alone reaches ~1e-7; 1e-6 still pins any real change.
+# rel of the gradient norm: each parameter's gradient is a sum over tokens whose advantages cancel
+# (a group's sum to 0), reduced by backward in an order the CPU's kernels choose, so its rounding is
+# large next to the small norm left: on an AMD EPYC without AVX-512 the math recipe's three norms sit
+# rel 1.1-2.2e-5 and the code recipe's second 2.3e-4 off the blessing machine's, every loss, reward
+# and token bit for bit the same. Another sample, advantage or loss moves a norm by far more.
 REL, ABS = 1e-5, 1e-6
+REL_OF = {"grad_norm": 1e-3}
 
 # Every recipe: synchronous, three steps, one torch thread per role and for the warm start (the
 # sampled tokens then depend on no thread count), no evaluation beyond one prompt before and after,
@@ -122,8 +128,8 @@ class Moved:
         return f"{self.recipe}: {where}{self.quantity} moved: {self.old!r} -> {self.new!r}"
 
 
-def _close(old: float, new: float) -> bool:
-    return abs(new - old) <= max(REL * abs(old), ABS)  # pytest.approx(old, rel=REL, abs=ABS)
+def _close(old: float, new: float, rel: float = REL) -> bool:
+    return abs(new - old) <= max(rel * abs(old), ABS)  # pytest.approx(old, rel=rel, abs=ABS)
 
 
 def differences(golden: dict, measured: dict) -> list[Moved]:
@@ -135,7 +141,7 @@ def differences(golden: dict, measured: dict) -> list[Moved]:
     if len(golden["steps"]) != len(measured["steps"]):
         moved.append(Moved(recipe, None, "steps logged", len(golden["steps"]), len(measured["steps"])))
     for old, new in zip(golden["steps"], measured["steps"]):
-        moved += [Moved(recipe, old["step"], q, old[q], new[q]) for q in QUANTITIES if not _close(old[q], new[q])]
+        moved += [Moved(recipe, old["step"], q, old[q], new[q]) for q in QUANTITIES if not _close(old[q], new[q], REL_OF.get(q, REL))]
     if golden["tokens"] != measured["tokens"]:
         moved.append(Moved(recipe, 0, "first token ids", golden["tokens"], measured["tokens"]))
     if golden["step0_response_tokens"] != measured["step0_response_tokens"]:

@@ -224,6 +224,7 @@ def test_strict_data_rejects_the_first_bad_row_naming_it():
     (["data.max_prompt_tokens=250"], "raise model.tiny.max_positions"),
     (["train.max_consecutive_skips=0"], "train.max_consecutive_skips must be >= 1"),
     (["rollout.hang_timeout_s=0"], "rollout.hang_timeout_s must be > 0"),
+    (["resources.ready_timeout_s=0"], "resources.ready_timeout_s must be > 0 seconds"),
 ])
 def test_contradictory_settings_fail_validation_naming_the_fix(overrides, needle):
     with pytest.raises(ConfigError) as err:
