@@ -21,27 +21,79 @@ A leaf: imports nothing of the project; every layer above may import it.
 """
 
 from .aggregate import AGGREGATIONS, aggregate, masked_mean
-from .corrections import (CORRECTIONS, apply_corrections, describe_corrections,
-                          register_correction, validate_corrections)
+from .corrections import CORRECTIONS, apply_corrections, describe_corrections, register_correction, validate_corrections
 from .metrics import Metric, StepMetrics
 from .offpolicy import POLICIES, Ratio, mismatch_metrics, ratio_problem, reads, same_policies
-from .policy import (ADDON_KNOBS, LOSSES, LossFn, LossInputs, describe_aggregations,
-                     describe_losses, kl_coef, kl_penalty, loss_ratios, policy_loss, register_loss,
-                     resolve_loss, validate_loss)
+from .policy import (
+    ADDON_KNOBS,
+    LOSSES,
+    LossFn,
+    LossInputs,
+    describe_aggregations,
+    describe_losses,
+    kl_coef,
+    kl_penalty,
+    loss_ratios,
+    policy_loss,
+    register_loss,
+    resolve_loss,
+    validate_loss,
+)
 from . import losses as _builtin_losses  # noqa: F401  (registers the built-in losses)
-from .advantages import (ADV_ADDON_KNOBS, ADVANTAGES, AdvantageInputs, compute_advantages,
-                         describe_advantages, gae_advantages_and_returns, gae_returns,
-                         register_advantage, validate_advantage)
+from .advantages import (
+    ADV_ADDON_KNOBS,
+    ADVANTAGES,
+    AdvantageInputs,
+    compute_advantages,
+    describe_advantages,
+    gae_advantages_and_returns,
+    gae_returns,
+    register_advantage,
+    validate_advantage,
+)
 from .value import value_loss
 from .registry import Registry, load_plugins
 
 __all__ = [
-    "gae_returns", "CORRECTIONS", "LossFn", "Metric", "POLICIES", "Ratio", "StepMetrics", "mismatch_metrics",
-    "resolve_loss", "apply_corrections", "describe_corrections", "loss_ratios",
-    "ratio_problem", "reads", "register_correction", "same_policies", "validate_corrections",
-    "AGGREGATIONS", "ADDON_KNOBS", "ADV_ADDON_KNOBS", "ADVANTAGES", "AdvantageInputs", "LOSSES",
-    "LossInputs", "Registry", "aggregate", "compute_advantages", "describe_advantages",
-    "describe_aggregations", "describe_losses", "gae_advantages_and_returns", "kl_coef", "kl_penalty",
-    "load_plugins", "masked_mean", "policy_loss", "register_advantage", "register_loss",
-    "validate_advantage", "validate_loss", "value_loss",
+    "gae_returns",
+    "CORRECTIONS",
+    "LossFn",
+    "Metric",
+    "POLICIES",
+    "Ratio",
+    "StepMetrics",
+    "mismatch_metrics",
+    "resolve_loss",
+    "apply_corrections",
+    "describe_corrections",
+    "loss_ratios",
+    "ratio_problem",
+    "reads",
+    "register_correction",
+    "same_policies",
+    "validate_corrections",
+    "AGGREGATIONS",
+    "ADDON_KNOBS",
+    "ADV_ADDON_KNOBS",
+    "ADVANTAGES",
+    "AdvantageInputs",
+    "LOSSES",
+    "LossInputs",
+    "Registry",
+    "aggregate",
+    "compute_advantages",
+    "describe_advantages",
+    "describe_aggregations",
+    "describe_losses",
+    "gae_advantages_and_returns",
+    "kl_coef",
+    "kl_penalty",
+    "load_plugins",
+    "masked_mean",
+    "policy_loss",
+    "register_advantage",
+    "register_loss",
+    "validate_advantage",
+    "validate_loss",
+    "value_loss",
 ]

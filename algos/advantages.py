@@ -43,8 +43,9 @@ class AdvantageInputs:
     values: torch.Tensor | None = None
 
 
-def register_advantage(name: str, description: str | None = None, *,
-                       check: Callable[[dict], None] | None = None, aliases=()) -> Callable:
+def register_advantage(
+    name: str, description: str | None = None, *, check: Callable[[dict], None] | None = None, aliases=()
+) -> Callable:
     """Decorator registering ``fn(inputs: AdvantageInputs, *, knob=default) -> [B, T]``."""
     return ADVANTAGES.register(name, description, check=check, aliases=aliases)
 
@@ -54,8 +55,7 @@ def _resolve(name: str, knobs: dict[str, Any]):
     if full["clip"] is not None and not full["clip"] > 0:
         raise ValueError(f"advantage clip must be None or > 0, got {full['clip']}")
     if full["whiten_unbiased"] and not full["whiten"]:
-        raise ValueError("advantage whiten_unbiased chooses the std of whiten: set whiten: true "
-                         "with it, or drop it")
+        raise ValueError("advantage whiten_unbiased chooses the std of whiten: set whiten: true with it, or drop it")
     return entry, full
 
 
@@ -72,8 +72,7 @@ def describe_advantages() -> list[dict[str, Any]]:
     return rows
 
 
-def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8,
-                  unbiased: bool = False) -> torch.Tensor:
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8, unbiased: bool = False) -> torch.Tensor:
     """(x − mean) / (std + eps) with mean and std over ``mask`` (population std, or the
     Bessel-corrected one with ``unbiased``; 0 with one masked token), in float64, cast back."""
     x64, m64 = x.double(), mask.double()
@@ -84,23 +83,30 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8,
     return ((x64 - mean) / (std + eps)).to(x.dtype)
 
 
-def compute_advantages(name: str, rewards: torch.Tensor | Sequence[float],
-                       group_ids: torch.Tensor | Sequence[int], mask: torch.Tensor,
-                       values: torch.Tensor | None = None, **knobs: Any) -> torch.Tensor:
+def compute_advantages(
+    name: str,
+    rewards: torch.Tensor | Sequence[float],
+    group_ids: torch.Tensor | Sequence[int],
+    mask: torch.Tensor,
+    values: torch.Tensor | None = None,
+    **knobs: Any,
+) -> torch.Tensor:
     """Advantages ``[B, T]`` (0 on masked-out tokens, no gradient) from estimator ``name``."""
     entry, full = _resolve(name, knobs)
     mask = mask.detach()
     dtype = mask.dtype if mask.is_floating_point() else torch.float32
     mask = mask.to(dtype)
-    inputs = AdvantageInputs(torch.as_tensor(rewards, dtype=dtype).detach(),
-                             torch.as_tensor(group_ids, dtype=torch.long),
-                             mask, None if values is None else values.detach().to(dtype))
+    inputs = AdvantageInputs(
+        torch.as_tensor(rewards, dtype=dtype).detach(),
+        torch.as_tensor(group_ids, dtype=torch.long),
+        mask,
+        None if values is None else values.detach().to(dtype),
+    )
     _check_shapes(inputs)
     with torch.no_grad():
         adv = entry.fn(inputs, **{k: full[k] for k in entry.knobs})
         if tuple(adv.shape) != tuple(mask.shape):
-            raise ValueError(f"estimator {name!r} returned shape {list(adv.shape)}, "
-                             f"expected {list(mask.shape)}")
+            raise ValueError(f"estimator {name!r} returned shape {list(adv.shape)}, expected {list(mask.shape)}")
         if full["whiten"]:
             adv = masked_whiten(adv, mask, unbiased=full["whiten_unbiased"])
         if full["clip"] is not None:
@@ -113,8 +119,7 @@ def _check_shapes(x: AdvantageInputs) -> None:
         raise ValueError(f"mask must be [batch, tokens], got {list(x.mask.shape)}")
     batch = x.mask.shape[0]
     if tuple(x.rewards.shape) not in ((batch,), tuple(x.mask.shape)):
-        raise ValueError(f"rewards must be [batch]={[batch]} (gae: or [batch, tokens]), "
-                         f"got {list(x.rewards.shape)}")
+        raise ValueError(f"rewards must be [batch]={[batch]} (gae: or [batch, tokens]), got {list(x.rewards.shape)}")
     if tuple(x.group_ids.shape) != (batch,):
         raise ValueError(f"group_ids must be [batch]={[batch]}, got {list(x.group_ids.shape)}")
     if x.values is not None and x.values.shape != x.mask.shape:
@@ -123,8 +128,7 @@ def _check_shapes(x: AdvantageInputs) -> None:
 
 def _sample_rewards(inputs: AdvantageInputs, who: str) -> torch.Tensor:
     if inputs.rewards.dim() != 1:
-        raise ValueError(f"{who} takes one reward per sample ([batch]); token-level rewards "
-                         f"are for 'gae'")
+        raise ValueError(f"{who} takes one reward per sample ([batch]); token-level rewards are for 'gae'")
     return inputs.rewards
 
 
@@ -164,8 +168,7 @@ def _check_eps(k: dict) -> None:
         raise ValueError(f"eps must be >= 0, got {k['eps']}")
 
 
-@register_advantage("grpo", "group-normalised reward: (r - mean_g) / (std_g + eps)",
-                    check=_check_eps)
+@register_advantage("grpo", "group-normalised reward: (r - mean_g) / (std_g + eps)", check=_check_eps)
 def grpo(inputs: AdvantageInputs, *, eps: float = 1e-6) -> torch.Tensor:
     """GRPO (Shao et al., arXiv 2402.03300): A_i = (r_i − mean_g) / (std_g + eps), the same for
     every token of sample i. std_g is the unbiased (n−1) std, as in verl and TRL; a group whose
@@ -200,10 +203,15 @@ def _check_reinforce_pp(k: dict) -> None:
         raise ValueError(f"gamma must be in [0, 1], got {k['gamma']}")
 
 
-@register_advantage("reinforce_pp", "REINFORCE++: discounted return, normalised over the batch",
-                    aliases=("reinforce++",), check=_check_reinforce_pp)
-def reinforce_pp(inputs: AdvantageInputs, *, gamma: float = 1.0, eps: float = 1e-6,
-                 group_baseline: bool = False) -> torch.Tensor:
+@register_advantage(
+    "reinforce_pp",
+    "REINFORCE++: discounted return, normalised over the batch",
+    aliases=("reinforce++",),
+    check=_check_reinforce_pp,
+)
+def reinforce_pp(
+    inputs: AdvantageInputs, *, gamma: float = 1.0, eps: float = 1e-6, group_baseline: bool = False
+) -> torch.Tensor:
     """REINFORCE++ (Hu, arXiv 2501.03262). The reward sits on the last masked token; the return
     of token t is G_t = gamma^k_t · r (k_t = masked tokens after t); then
     A = (G − mean) / (std + eps) over all masked tokens of the batch (population std).
@@ -223,9 +231,9 @@ def reinforce_pp(inputs: AdvantageInputs, *, gamma: float = 1.0, eps: float = 1e
     return (returns - mean) / (std + eps) * m
 
 
-def gae_advantages_and_returns(token_rewards: torch.Tensor, values: torch.Tensor,
-                               mask: torch.Tensor, gamma: float = 1.0,
-                               lam: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+def gae_advantages_and_returns(
+    token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0, lam: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """GAE over ``[B, T]``; masked-out positions are skipped (the chain links masked tokens), and
     V after the last token is 0. Returns (advantages, returns = advantages + values), 0 off-mask;
     the critic regresses on ``returns``."""
@@ -247,16 +255,16 @@ def _check_gae(k: dict) -> None:
         raise ValueError(f"gamma and lam must be in [0, 1], got {k['gamma']}, {k['lam']}")
 
 
-@register_advantage("gae", "generalised advantage estimation with a critic's values",
-                    check=_check_gae)
+@register_advantage("gae", "generalised advantage estimation with a critic's values", check=_check_gae)
 def gae(inputs: AdvantageInputs, *, gamma: float = 1.0, lam: float = 1.0) -> torch.Tensor:
     """GAE (Schulman et al., arXiv 1506.02438): δ_t = r_t + γ·V_{t+1} − V_t,
     A_t = Σ_l (γλ)^l δ_{t+l}. A sample's reward ``[B]`` sits on its last masked token (or pass
     token-level rewards ``[B, T]``). Needs ``values``. Defaults: gamma 1.0, lam 1.0 (verl's PPO
     defaults for LLMs; InstructGPT-style)."""
     if inputs.values is None:
-        raise ValueError("estimator 'gae' needs values [batch, tokens] from a critic; "
-                         "pass compute_advantages(..., values=...)")
+        raise ValueError(
+            "estimator 'gae' needs values [batch, tokens] from a critic; pass compute_advantages(..., values=...)"
+        )
     token_rewards = _token_rewards(inputs.rewards, inputs.mask)
     return gae_advantages_and_returns(token_rewards, inputs.values, inputs.mask, gamma, lam)[0]
 
@@ -269,8 +277,9 @@ def _token_rewards(rewards: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     return rewards[:, None] * last.to(m.dtype)
 
 
-def gae_returns(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
-                gamma: float = 1.0, lam: float = 1.0) -> torch.Tensor:
+def gae_returns(
+    rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0, lam: float = 1.0
+) -> torch.Tensor:
     """The critic's regression targets for ``gae``: raw GAE advantages + values (before any
     ``whiten``/``clip`` of the policy's advantages, which must not move the value targets)."""
     mask = mask.detach().to(values.dtype)

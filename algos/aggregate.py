@@ -38,22 +38,26 @@ def check_agg(agg: str, knobs: dict[str, object]) -> None:
     allowed = AGG_KNOBS.get(agg, {})
     for key, value in knobs.items():
         if key not in allowed:
-            raise ValueError(f"knob {key!r} only applies to aggregation "
-                             f"'seq-mean-token-sum-norm', not {agg!r} (it would be ignored)")
-        if key == "max_len" and value is not None and (
-                isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(
+                f"knob {key!r} only applies to aggregation 'seq-mean-token-sum-norm', not {agg!r} (it would be ignored)"
+            )
+        if (
+            key == "max_len"
+            and value is not None
+            and (isinstance(value, bool) or not isinstance(value, int) or value < 1)
+        ):
             raise ValueError(f"max_len must be a positive int or None, got {value!r}")
 
 
-def aggregate(per_token: torch.Tensor, mask: torch.Tensor, agg: str = "token-mean",
-              max_len: int | None = None) -> torch.Tensor:
+def aggregate(
+    per_token: torch.Tensor, mask: torch.Tensor, agg: str = "token-mean", max_len: int | None = None
+) -> torch.Tensor:
     """Reduce ``per_token`` ``[B, T]`` to a scalar under ``mask`` ``[B, T]`` with mode ``agg``."""
     check_agg(agg, {"max_len": max_len} if max_len is not None else {})
     return reduce_tokens(per_token, mask, agg, max_len)
 
 
-def reduce_tokens(per_token: torch.Tensor, mask: torch.Tensor, agg: str,
-                  max_len: int | None = None) -> torch.Tensor:
+def reduce_tokens(per_token: torch.Tensor, mask: torch.Tensor, agg: str, max_len: int | None = None) -> torch.Tensor:
     """``aggregate`` without the check (``agg`` and ``max_len`` checked once by the caller)."""
     mask = mask.to(per_token.dtype)
     masked = per_token * mask
@@ -91,8 +95,11 @@ def masked_stats(prefix: str, x: torch.Tensor, mask: torch.Tensor) -> dict[str, 
     """``{prefix/mean, prefix/max, prefix/min}`` of ``x`` over the positions where ``mask > 0``,
     tagged (``flash.algos.metrics``): a mean, a max and a min; all read 0 when the mask is empty."""
     x, keep = x.detach(), mask > 0
-    return {f"{prefix}/mean": mean(masked_mean(x, keep)), f"{prefix}/max": maximum(masked_max(x, keep)),
-            f"{prefix}/min": minimum(masked_min(x, keep))}
+    return {
+        f"{prefix}/mean": mean(masked_mean(x, keep)),
+        f"{prefix}/max": maximum(masked_max(x, keep)),
+        f"{prefix}/min": minimum(masked_min(x, keep)),
+    }
 
 
 def masked_frac(flag: torch.Tensor, mask: torch.Tensor) -> Metric:

@@ -32,8 +32,9 @@ Out = tuple[torch.Tensor, torch.Tensor, dict[str, Metric]]
 Mode = Literal["truncate", "mask"]
 
 
-def register_correction(name: str, description: str | None = None, *,
-                        check: Callable[[dict], None] | None = None) -> Callable:
+def register_correction(
+    name: str, description: str | None = None, *, check: Callable[[dict], None] | None = None
+) -> Callable:
     """Decorator for a user's correction, as the built-ins below are registered:
     ``fn(inputs, *, knob=default, ...) -> (weight [B, T], keep mask [B, T] (bool), metrics)``
     (metrics: ``flash.algos.metrics`` tagged values, or bare tensors and numbers, which are means),
@@ -55,44 +56,58 @@ def _check_bounds(k: dict) -> None:
         raise ValueError(f"need 0 <= low <= high, got low={k['low']}, high={k['high']}")
 
 
-def _truncate_or_mask(rho: torch.Tensor, mask: torch.Tensor, mode: str, cap: float, low: float,
-                      high: float) -> Out:
+def _truncate_or_mask(rho: torch.Tensor, mask: torch.Tensor, mode: str, cap: float, low: float, high: float) -> Out:
     """``truncate``: weight min(ρ, cap), every token kept. ``mask``: weight ρ on the tokens with
     low ≤ ρ ≤ high, the rest rejected. ``rho`` may be per token or broadcast per sequence."""
     if mode == "truncate":
-        return rho.clamp(max=cap), torch.ones_like(mask, dtype=torch.bool), {
-            "truncated_frac": masked_frac(rho > cap, mask)}
+        return (
+            rho.clamp(max=cap),
+            torch.ones_like(mask, dtype=torch.bool),
+            {"truncated_frac": masked_frac(rho > cap, mask)},
+        )
     keep = (rho >= low) & (rho <= high)
     return rho, keep, {"masked_frac": masked_frac(~keep, mask)}
 
 
-@CORRECTIONS.register("token_is", "token-level importance weight ρ_t = π_prox/π_behav: truncated "
-                      "at cap (TIS) or rejected outside [low, high] (MIS)", check=_check_bounds,
-                      meta={"mode_knobs": {"truncate": ("cap",), "mask": ("low", "high")}})
-def token_is(inputs: LossInputs, *, mode: Mode = "truncate", cap: float = 2.0, low: float = 0.5,
-             high: float = 2.0) -> Out:
+@CORRECTIONS.register(
+    "token_is",
+    "token-level importance weight ρ_t = π_prox/π_behav: truncated at cap (TIS) or rejected outside [low, high] (MIS)",
+    check=_check_bounds,
+    meta={"mode_knobs": {"truncate": ("cap",), "mask": ("low", "high")}},
+)
+def token_is(
+    inputs: LossInputs, *, mode: Mode = "truncate", cap: float = 2.0, low: float = 0.5, high: float = 2.0
+) -> Out:
     """TIS (Yao et al., "Your efficient RL framework secretly brings you off-policy RL training",
     2025): w_t = min(ρ_t, cap). ``mode: mask`` is masked importance sampling (MIS, as in verl's
     rollout correction): w_t = ρ_t where low ≤ ρ_t ≤ high, the token rejected otherwise."""
     return _truncate_or_mask(_log_rho(inputs).exp(), inputs.mask, mode, cap, low, high)
 
 
-@CORRECTIONS.register("seq_is", "sequence-level importance weight Π_t ρ_t: truncated at cap or the "
-                      "whole sequence rejected outside [low, high]", check=_check_bounds,
-                      meta={"mode_knobs": {"truncate": ("cap",), "mask": ("low", "high")}})
-def seq_is(inputs: LossInputs, *, mode: Mode = "truncate", cap: float = 2.0, low: float = 0.5,
-           high: float = 2.0) -> Out:
+@CORRECTIONS.register(
+    "seq_is",
+    "sequence-level importance weight Π_t ρ_t: truncated at cap or the whole sequence rejected outside [low, high]",
+    check=_check_bounds,
+    meta={"mode_knobs": {"truncate": ("cap",), "mask": ("low", "high")}},
+)
+def seq_is(
+    inputs: LossInputs, *, mode: Mode = "truncate", cap: float = 2.0, low: float = 0.5, high: float = 2.0
+) -> Out:
     """The unbiased sequence-level weight ρ_i = Π_t ρ_t = exp(Σ_t log ρ_t), one per sample,
     broadcast to its tokens; truncated at ``cap`` or the sequence rejected outside [low, high]."""
     rho = _log_rho(inputs).sum(-1, keepdim=True).exp().expand_as(inputs.mask)
     return _truncate_or_mask(rho, inputs.mask, mode, cap, low, high)
 
 
-@CORRECTIONS.register("geo_is", "geometric mean of the token ratios per sequence: truncated at cap "
-                      "or the sequence rejected outside [low, high]", check=_check_bounds,
-                      meta={"mode_knobs": {"truncate": ("cap",), "mask": ("low", "high")}})
-def geo_is(inputs: LossInputs, *, mode: Mode = "truncate", cap: float = 2.0, low: float = 0.5,
-           high: float = 2.0) -> Out:
+@CORRECTIONS.register(
+    "geo_is",
+    "geometric mean of the token ratios per sequence: truncated at cap or the sequence rejected outside [low, high]",
+    check=_check_bounds,
+    meta={"mode_knobs": {"truncate": ("cap",), "mask": ("low", "high")}},
+)
+def geo_is(
+    inputs: LossInputs, *, mode: Mode = "truncate", cap: float = 2.0, low: float = 0.5, high: float = 2.0
+) -> Out:
     """ρ_i = exp(mean_t log ρ_t) (GSPO's length-normalised ratio; AReaL's sequence-level
     rejection with the ratio metric): a length-independent per-sample weight, broadcast to its
     tokens; truncated at ``cap`` or the sequence rejected outside [low, high]."""
@@ -101,8 +116,11 @@ def geo_is(inputs: LossInputs, *, mode: Mode = "truncate", cap: float = 2.0, low
     return _truncate_or_mask(rho.expand_as(m), m, mode, cap, low, high)
 
 
-@CORRECTIONS.register("icepop", "IcePop: weight ρ_t on the tokens with low ≤ ρ_t ≤ high, the rest "
-                      "rejected (two-sided)", check=_check_bounds)
+@CORRECTIONS.register(
+    "icepop",
+    "IcePop: weight ρ_t on the tokens with low ≤ ρ_t ≤ high, the rest rejected (two-sided)",
+    check=_check_bounds,
+)
 def icepop(inputs: LossInputs, *, low: float = 0.5, high: float = 2.0) -> Out:
     """IcePop (Ling team, Ring-1T, arXiv 2510.18855; AReaL): M(ρ_t) = ρ_t if low ≤ ρ_t ≤ high else
     0, a two-sided token mask that calibrates the kept tokens by ρ_t. Defaults 0.5 and 2.0.
@@ -115,8 +133,9 @@ def _check_tau(k: dict) -> None:
         raise ValueError(f"tau must be > 0, got {k['tau']}")
 
 
-@CORRECTIONS.register("m2po", "M2PO: reject the tokens of largest (log ρ)² until the batch's second "
-                      "moment is <= tau", check=_check_tau)
+@CORRECTIONS.register(
+    "m2po", "M2PO: reject the tokens of largest (log ρ)² until the batch's second moment is <= tau", check=_check_tau
+)
 def m2po(inputs: LossInputs, *, tau: float = 0.04) -> Out:
     """M2PO (Zheng et al., "Prosperity before Collapse", arXiv 2510.01161): with d_t = (log ρ_t)²
     over the batch's masked tokens, reject the k tokens of largest d_t for the smallest k whose
@@ -135,8 +154,11 @@ def m2po(inputs: LossInputs, *, tau: float = 0.04) -> Out:
     ok = torch.cat([ok, torch.ones(1, dtype=torch.bool, device=vals.device)])
     k = ok.to(torch.int32).argmax()  # the smallest k whose kept mean is <= tau (all rejected at worst)
     keep = torch.empty_like(m.flatten()).scatter_(0, order, rank >= k).view_as(m)
-    return torch.ones_like(d), keep, {"masked_frac": masked_frac(~keep, inputs.mask),
-                                      "m2": mean(masked_mean(d, inputs.mask * keep))}
+    return (
+        torch.ones_like(d),
+        keep,
+        {"masked_frac": masked_frac(~keep, inputs.mask), "m2": mean(masked_mean(d, inputs.mask * keep))},
+    )
 
 
 def validate_corrections(specs: list[dict[str, Any]]) -> None:
@@ -152,11 +174,12 @@ def validate_corrections(specs: list[dict[str, Any]]) -> None:
             raise ValueError(f"[{i}] correction {entry.name!r} is listed twice; merge its knobs")
         seen.add(entry.name)
         modes = entry.meta.get("mode_knobs", {})
-        unused = [k for k in knobs if any(k in names for mode, names in modes.items()
-                                          if mode != full.get("mode"))]
+        unused = [k for k in knobs if any(k in names for mode, names in modes.items() if mode != full.get("mode"))]
         if unused:
-            raise ValueError(f"[{i}] {entry.name}: knob(s) {unused} are unused with mode "
-                             f"{full['mode']!r}; remove them or change mode")
+            raise ValueError(
+                f"[{i}] {entry.name}: knob(s) {unused} are unused with mode "
+                f"{full['mode']!r}; remove them or change mode"
+            )
 
 
 def describe_corrections() -> list[dict[str, Any]]:
@@ -167,8 +190,7 @@ def describe_corrections() -> list[dict[str, Any]]:
     return rows
 
 
-def correction_metrics(inputs: LossInputs, weight: torch.Tensor,
-                       keep: torch.Tensor) -> dict[str, Metric]:
+def correction_metrics(inputs: LossInputs, weight: torch.Tensor, keep: torch.Tensor) -> dict[str, Metric]:
     """The behav-prox mismatch of the step and what the corrections made of it: KL(behav‖prox)
     by k1 = E[−log ρ] and k3 = E[ρ − 1 − log ρ] (``flash.algos.offpolicy.mismatch_metrics``; tokens
     sampled from behav), ρ's mean and max, and the effective sample size of the final weights,
@@ -178,11 +200,13 @@ def correction_metrics(inputs: LossInputs, weight: torch.Tensor,
     n = (m * keep).sum().clamp_min(1)
     rho = log_rho.exp()
     kl = mismatch_metrics(inputs.behav_logp, inputs.prox_logp, m)["mismatch_kl"]
-    return {"corrections/kl_k1": mean(masked_mean(-log_rho, m)),
-            "corrections/kl_k3": mean(kl.value),
-            "corrections/ratio_mean": mean(masked_mean(rho, m)),
-            "corrections/ratio_max": maximum(masked_max(rho, m)),
-            "corrections/ess": mean(w.sum().square() / (n * w.square().sum()).clamp_min(1e-30))}
+    return {
+        "corrections/kl_k1": mean(masked_mean(-log_rho, m)),
+        "corrections/kl_k3": mean(kl.value),
+        "corrections/ratio_mean": mean(masked_mean(rho, m)),
+        "corrections/ratio_max": maximum(masked_max(rho, m)),
+        "corrections/ess": mean(w.sum().square() / (n * w.square().sum()).clamp_min(1e-30)),
+    }
 
 
 Resolved = Sequence[tuple[str, Callable[..., Out], dict[str, Any]]]  # (name, fn, knobs) of each

@@ -43,16 +43,16 @@ class LossInputs:
         for name in (*_TOKEN_FIELDS, "versions", "ref_logp", "entropy"):
             value = getattr(self, name)
             if value is not None and tuple(value.shape) != shape:
-                raise ValueError(f"LossInputs.{name} has shape {list(value.shape)}, "
-                                 f"expected {list(shape)} like logp")
+                raise ValueError(f"LossInputs.{name} has shape {list(value.shape)}, expected {list(shape)} like logp")
         if self.rewards is not None and tuple(self.rewards.shape) != shape[:1]:
-            raise ValueError(f"LossInputs.rewards must be [batch]={[shape[0]]}, "
-                             f"got {list(self.rewards.shape)}")
+            raise ValueError(f"LossInputs.rewards must be [batch]={[shape[0]]}, got {list(self.rewards.shape)}")
 
     def require(self, name: str, who: str) -> torch.Tensor:
         """``getattr(self, name)``, or a ``ValueError`` saying that ``who`` needs it."""
         value = getattr(self, name)
         if value is None:
-            raise ValueError(f"{who} needs LossInputs.{name}, which is None; pass it when "
-                             f"building LossInputs (fields: {[f.name for f in fields(self)]})")
+            raise ValueError(
+                f"{who} needs LossInputs.{name}, which is None; pass it when "
+                f"building LossInputs (fields: {[f.name for f in fields(self)]})"
+            )
         return value

@@ -45,8 +45,14 @@ def _check_clip(k: dict) -> None:
     _require(cap is None or cap > 0, f"behav_cap must be None or > 0, got {cap}")
 
 
-def clipped_surrogate(ratio: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
-                      clip_low: float, clip_high: float, dual_clip: float | None = None) -> Out:
+def clipped_surrogate(
+    ratio: torch.Tensor,
+    adv: torch.Tensor,
+    mask: torch.Tensor,
+    clip_low: float,
+    clip_high: float,
+    dual_clip: float | None = None,
+) -> Out:
     """PPO's per-token term −min(r·A, clip(r, 1−clip_low, 1+clip_high)·A), with the dual clip
     min(·, −c·A) on A < 0 when ``dual_clip`` = c is set. A term counts as clipped (and gets no
     gradient) only when the clipped branch is strictly chosen, so clipping starts exactly at the
@@ -55,9 +61,11 @@ def clipped_surrogate(ratio: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor
     clipped = -adv * ratio.clamp(1 - clip_low, 1 + clip_high)
     is_clipped = clipped > unclipped
     loss = torch.where(is_clipped, clipped, unclipped)
-    metrics = {"clipfrac": masked_frac(is_clipped, mask),
-               "clipfrac_low": masked_frac(is_clipped & (ratio < 1 - clip_low), mask),
-               "clipfrac_high": masked_frac(is_clipped & (ratio > 1 + clip_high), mask)}
+    metrics = {
+        "clipfrac": masked_frac(is_clipped, mask),
+        "clipfrac_low": masked_frac(is_clipped & (ratio < 1 - clip_low), mask),
+        "clipfrac_high": masked_frac(is_clipped & (ratio > 1 + clip_high), mask),
+    }
     if dual_clip is not None:
         bound = -dual_clip * adv
         dual = (adv < 0) & (loss > bound)
@@ -66,18 +74,27 @@ def clipped_surrogate(ratio: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor
     return loss, metrics
 
 
-@register_loss("vanilla", "REINFORCE policy gradient: -A·logp (no off-policy correction)",
-               ratios=())
+@register_loss("vanilla", "REINFORCE policy gradient: -A·logp (no off-policy correction)", ratios=())
 def vanilla(inputs: LossInputs) -> Out:
     """REINFORCE (Williams 1992): −A·logp. No knobs. Off-policy samples are used uncorrected."""
     return -inputs.advantages * inputs.logp, {}
 
 
-@register_loss("ppo", "naive PPO: clipped surrogate on r = exp(logp - old_logp), old = behav "
-               "(old_policy: prox for the proximal policy), optional dual clip",
-               check=_check_clip, ratios=_against_old)
-def ppo(inputs: LossInputs, *, clip_low: float = 0.2, clip_high: float = 0.2,
-        dual_clip: float | None = None, old_policy: Old = "behav") -> Out:
+@register_loss(
+    "ppo",
+    "naive PPO: clipped surrogate on r = exp(logp - old_logp), old = behav "
+    "(old_policy: prox for the proximal policy), optional dual clip",
+    check=_check_clip,
+    ratios=_against_old,
+)
+def ppo(
+    inputs: LossInputs,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    dual_clip: float | None = None,
+    old_policy: Old = "behav",
+) -> Out:
     """PPO (Schulman et al., arXiv 1707.06347) with DAPO's asymmetric clip (arXiv 2503.14476):
 
         r = exp(logp − old_logp);  −min(r·A, clip(r, 1−clip_low, 1+clip_high)·A)
@@ -93,11 +110,20 @@ def ppo(inputs: LossInputs, *, clip_low: float = 0.2, clip_high: float = 0.2,
     return clipped_surrogate(ratio, inputs.advantages, inputs.mask, clip_low, clip_high, dual_clip)
 
 
-@register_loss("decoupled_ppo", "PPO on the proximal policy, weighted by sg(min(pi_prox/pi_behav, "
-               "behav_cap)) (AReaL)", check=_check_clip,
-               ratios=(Ratio("prox", "behav"), Ratio("current", "prox", "trust")))
-def decoupled_ppo(inputs: LossInputs, *, clip_low: float = 0.2, clip_high: float = 0.2,
-                  behav_cap: float | None = 5.0, dual_clip: float | None = None) -> Out:
+@register_loss(
+    "decoupled_ppo",
+    "PPO on the proximal policy, weighted by sg(min(pi_prox/pi_behav, behav_cap)) (AReaL)",
+    check=_check_clip,
+    ratios=(Ratio("prox", "behav"), Ratio("current", "prox", "trust")),
+)
+def decoupled_ppo(
+    inputs: LossInputs,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    behav_cap: float | None = 5.0,
+    dual_clip: float | None = None,
+) -> Out:
     """Decoupled PPO (AReaL, Fu et al., arXiv 2505.24298; Hilton et al., arXiv 2110.00641):
 
         w = sg(min(exp(prox_logp − behav_logp), behav_cap));  w · ppo_term(r_prox)
@@ -110,18 +136,19 @@ def decoupled_ppo(inputs: LossInputs, *, clip_low: float = 0.2, clip_high: float
     raw = torch.exp(inputs.prox_logp - inputs.behav_logp).detach()
     w = raw if behav_cap is None else raw.clamp(max=behav_cap)
     ratio = torch.exp(inputs.logp - inputs.prox_logp)
-    term, metrics = clipped_surrogate(ratio, inputs.advantages, inputs.mask,
-                                      clip_low, clip_high, dual_clip)
+    term, metrics = clipped_surrogate(ratio, inputs.advantages, inputs.mask, clip_low, clip_high, dual_clip)
     metrics.update(masked_stats("is_weight", w, inputs.mask))
     metrics["is_capfrac"] = masked_frac(raw > w, inputs.mask)
     return w * term, metrics
 
 
-@register_loss("tis", "truncated importance sampling: -sg(clip(r_behav, 0, cap))·A·logp",
-               check=lambda k: _require(k["cap"] > 0, f"cap must be > 0, got {k['cap']}"),
-               ratios=TO_BEHAV)
-def tis(inputs: LossInputs, *, cap: float = 2.0,
-        level: Literal["token", "sequence"] = "token") -> Out:
+@register_loss(
+    "tis",
+    "truncated importance sampling: -sg(clip(r_behav, 0, cap))·A·logp",
+    check=lambda k: _require(k["cap"] > 0, f"cap must be > 0, got {k['cap']}"),
+    ratios=TO_BEHAV,
+)
+def tis(inputs: LossInputs, *, cap: float = 2.0, level: Literal["token", "sequence"] = "token") -> Out:
     """Truncated importance sampling (Yao et al., "Your efficient RL framework secretly brings you
     off-policy RL training", 2025; Ionides 2008):
 
@@ -137,19 +164,23 @@ def tis(inputs: LossInputs, *, cap: float = 2.0,
         log_r = (log_r * inputs.mask).sum(-1, keepdim=True).expand_as(log_r)
     raw = torch.exp(log_r)
     w = raw.clamp(0, cap)
-    metrics = {**masked_stats("is_weight", w, inputs.mask),
-               "is_clipfrac": masked_frac(raw > cap, inputs.mask)}
+    metrics = {**masked_stats("is_weight", w, inputs.mask), "is_clipfrac": masked_frac(raw > cap, inputs.mask)}
     return -w * inputs.advantages * inputs.logp, metrics
 
 
 def _check_cispo(k: dict) -> None:
-    _require(k["eps_low"] >= 0 and k["eps_high"] >= 0,
-             f"eps_low and eps_high must be >= 0, got {k['eps_low']}, {k['eps_high']}")
+    _require(
+        k["eps_low"] >= 0 and k["eps_high"] >= 0,
+        f"eps_low and eps_high must be >= 0, got {k['eps_low']}, {k['eps_high']}",
+    )
 
 
-@register_loss("cispo", "clipped IS-weight policy optimisation: "
-               "-sg(clip(r_behav, 1-eps_low, 1+eps_high))·A·logp", check=_check_cispo,
-               ratios=TO_BEHAV)
+@register_loss(
+    "cispo",
+    "clipped IS-weight policy optimisation: -sg(clip(r_behav, 1-eps_low, 1+eps_high))·A·logp",
+    check=_check_cispo,
+    ratios=TO_BEHAV,
+)
 def cispo(inputs: LossInputs, *, eps_low: float = 1.0, eps_high: float = 4.0) -> Out:
     """CISPO (MiniMax-M1, arXiv 2506.13585):
 
@@ -162,24 +193,37 @@ def cispo(inputs: LossInputs, *, eps_low: float = 1.0, eps_high: float = 4.0) ->
     raw = torch.exp(inputs.logp - inputs.behav_logp).detach()
     w = raw.clamp(1 - eps_low, 1 + eps_high)
     m = inputs.mask
-    metrics = {**masked_stats("is_weight", w, m),
-               "clipfrac_low": masked_frac(raw < 1 - eps_low, m),
-               "clipfrac_high": masked_frac(raw > 1 + eps_high, m)}
+    metrics = {
+        **masked_stats("is_weight", w, m),
+        "clipfrac_low": masked_frac(raw < 1 - eps_low, m),
+        "clipfrac_high": masked_frac(raw > 1 + eps_high, m),
+    }
     metrics["clipfrac"] = mean(metrics["clipfrac_low"].value + metrics["clipfrac_high"].value)
     return -w * inputs.advantages * inputs.logp, metrics
 
 
 def _check_topr(k: dict) -> None:
-    _require(k["positive_weight"] >= 0 and k["negative_weight"] >= 0,
-             f"positive_weight and negative_weight must be >= 0, got {k['positive_weight']}, "
-             f"{k['negative_weight']}")
+    _require(
+        k["positive_weight"] >= 0 and k["negative_weight"] >= 0,
+        f"positive_weight and negative_weight must be >= 0, got {k['positive_weight']}, {k['negative_weight']}",
+    )
 
 
-@register_loss("topr", "tapered off-policy REINFORCE: reward > threshold -w+·A·logp, else "
-               "-w-·sg(min(pi/mu, 1))·A·logp, pi/mu per trajectory (level: token per token)",
-               check=_check_topr, ratios=TO_BEHAV)
-def topr(inputs: LossInputs, *, threshold: float = 0.0, positive_weight: float = 1.0,
-         negative_weight: float = 1.0, level: Literal["sequence", "token"] = "sequence") -> Out:
+@register_loss(
+    "topr",
+    "tapered off-policy REINFORCE: reward > threshold -w+·A·logp, else "
+    "-w-·sg(min(pi/mu, 1))·A·logp, pi/mu per trajectory (level: token per token)",
+    check=_check_topr,
+    ratios=TO_BEHAV,
+)
+def topr(
+    inputs: LossInputs,
+    *,
+    threshold: float = 0.0,
+    positive_weight: float = 1.0,
+    negative_weight: float = 1.0,
+    level: Literal["sequence", "token"] = "sequence",
+) -> Out:
     """TOPR (Le Roux et al., "Tapered Off-Policy REINFORCE", arXiv 2503.14286). The sign split is
     on the reward, not the advantage: a sample is positive when reward > ``threshold``.
 
@@ -201,17 +245,22 @@ def topr(inputs: LossInputs, *, threshold: float = 0.0, positive_weight: float =
         log_rho = log_rho.sum(-1, keepdim=True).expand_as(log_rho)
     neg_w = log_rho.exp().clamp(max=1.0)
     w = torch.where(positive, torch.full_like(neg_w, positive_weight), negative_weight * neg_w)
-    metrics = {"positive_frac": mean((rewards > threshold).float().mean() if len(rewards) else 0.0),
-               **masked_stats("is_weight", w, m * ~positive),
-               "is_clipfrac": masked_frac(log_rho > 0, m * ~positive)}
+    metrics = {
+        "positive_frac": mean((rewards > threshold).float().mean() if len(rewards) else 0.0),
+        **masked_stats("is_weight", w, m * ~positive),
+        "is_clipfrac": masked_frac(log_rho > 0, m * ~positive),
+    }
     return -w * inputs.advantages * inputs.logp, metrics
 
 
-@register_loss("gspo", "group sequence policy optimisation: PPO clip on the per-sample ratio "
-               "exp(mean_t(logp - old_logp)), old = behav (old_policy: prox)", check=_check_clip,
-               ratios=_against_old)
-def gspo(inputs: LossInputs, *, clip_low: float = 3e-4, clip_high: float = 4e-4,
-         old_policy: Old = "behav") -> Out:
+@register_loss(
+    "gspo",
+    "group sequence policy optimisation: PPO clip on the per-sample ratio "
+    "exp(mean_t(logp - old_logp)), old = behav (old_policy: prox)",
+    check=_check_clip,
+    ratios=_against_old,
+)
+def gspo(inputs: LossInputs, *, clip_low: float = 3e-4, clip_high: float = 4e-4, old_policy: Old = "behav") -> Out:
     """GSPO (Zheng et al., arXiv 2507.18071), in its GSPO-token form:
 
         s_i = exp( Σ_t m·(logp − old_logp) / Σ_t m )            (per-sample ratio)

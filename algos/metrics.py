@@ -155,8 +155,7 @@ class StepMetrics:
         (the gradient norm, ...) read in the same transfer; returns (partials, extra floats)."""
         names = list(self._value)
         own = list(self._own)
-        read = host([self.weight, *(self._value[n] for n in names), *(self._own[n] for n in own),
-                     *extra])
+        read = host([self.weight, *(self._value[n] for n in names), *(self._own[n] for n in own), *extra])
         weight, values = read[0], read[1 : 1 + len(names)]
         owned = dict(zip(own, read[1 + len(names) : 1 + len(names) + len(own)]))
         metrics = {n: Partial(self._reduce[n], v, owned.get(n)) for n, v in zip(names, values)}

@@ -70,30 +70,42 @@ def same_policies(prox_source: str, steps_per_batch: int) -> frozenset[str]:
     return frozenset()
 
 
-_WHY = {"behav": "prox is the behaviour policy (algo.recompute_prox {mode} at async_ratio {r:g})",
-        "fused": "prox is the detached current policy (algo.recompute_prox {mode} at async_ratio {r:g})",
-        "separate": "prox is recomputed with the weights of the batch's only optimizer step"}
-_FIX = {"behav": "set algo.recompute_prox: always",
-        "fused": "use a ratio against behav (ppo / gspo: old_policy: behav) or several optimizer "
-                   "steps per batch"}
+_WHY = {
+    "behav": "prox is the behaviour policy (algo.recompute_prox {mode} at async_ratio {r:g})",
+    "fused": "prox is the detached current policy (algo.recompute_prox {mode} at async_ratio {r:g})",
+    "separate": "prox is recomputed with the weights of the batch's only optimizer step",
+}
+_FIX = {
+    "behav": "set algo.recompute_prox: always",
+    "fused": "use a ratio against behav (ppo / gspo: old_policy: behav) or several optimizer steps per batch",
+}
 _FIX["separate"] = _FIX["fused"]
 
 
-def ratio_problem(who: str, ratio: Ratio, *, prox_source: str, mode: str, async_ratio: float,
-                  steps_per_batch: int = 1, explicit: bool = False) -> str | None:
+def ratio_problem(
+    who: str,
+    ratio: Ratio,
+    *,
+    prox_source: str,
+    mode: str,
+    async_ratio: float,
+    steps_per_batch: int = 1,
+    explicit: bool = False,
+) -> str | None:
     """One line saying why ``ratio`` of ``who`` is identically 1 and what to change, or None."""
     if ratio.role != "is" or {ratio.num, ratio.den} != same_policies(prox_source, steps_per_batch):
         return None
     on_policy_form = {ratio.num, ratio.den} == {"prox", "behav"} and async_ratio == 0
     if on_policy_form and not explicit:
         return None
-    return (f"{who}: its ratio pi_{ratio.num}/pi_{ratio.den} is identically 1 because "
-            f"{_WHY[prox_source].format(mode=mode, r=async_ratio)}, so the correction is a no-op; "
-            f"{_FIX[prox_source]}")
+    return (
+        f"{who}: its ratio pi_{ratio.num}/pi_{ratio.den} is identically 1 because "
+        f"{_WHY[prox_source].format(mode=mode, r=async_ratio)}, so the correction is a no-op; "
+        f"{_FIX[prox_source]}"
+    )
 
 
-def mismatch_metrics(behav_logp: torch.Tensor, prox_logp: torch.Tensor,
-                     mask: torch.Tensor) -> dict[str, Metric]:
+def mismatch_metrics(behav_logp: torch.Tensor, prox_logp: torch.Tensor, mask: torch.Tensor) -> dict[str, Metric]:
     """How far prox is from behav on the tokens of ``mask`` (all ``[B, T]``): ``mismatch_mean``
     (mean |behav − prox|), ``mismatch_max`` and ``mismatch_kl``, KL(behav‖prox) by the k3
     estimator E[ρ − 1 − log ρ] with log ρ = prox − behav (the tokens come from behav). Means over
@@ -102,6 +114,8 @@ def mismatch_metrics(behav_logp: torch.Tensor, prox_logp: torch.Tensor,
     m = mask.detach()
     log_rho = torch.where(m > 0, (prox_logp - behav_logp).detach(), torch.zeros_like(m))
     n = m.sum()
-    return {"mismatch_mean": mean(masked_mean(log_rho.abs(), m), n),
-            "mismatch_max": maximum(masked_max(log_rho.abs(), m), n),
-            "mismatch_kl": mean(masked_mean(torch.expm1(log_rho) - log_rho, m), n)}
+    return {
+        "mismatch_mean": mean(masked_mean(log_rho.abs(), m), n),
+        "mismatch_max": maximum(masked_max(log_rho.abs(), m), n),
+        "mismatch_kl": mean(masked_mean(torch.expm1(log_rho) - log_rho, m), n),
+    }

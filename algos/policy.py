@@ -34,13 +34,18 @@ ADDON_KNOBS: dict[str, Any] = {"kl_coef": 0.0, "kl_estimator": "k3", "entropy_co
 _ADDON_HINTS = {"kl_coef": float, "kl_estimator": Literal["k1", "k2", "k3"], "entropy_coef": float}
 _AGG_KNOB_NAMES = {k for knobs in AGG_KNOBS.values() for k in knobs}
 
-LOSSES = Registry("loss", "flash.losses",
-                  reserved={*ADDON_KNOBS, *_AGG_KNOB_NAMES, "agg", "corrections"})
+LOSSES = Registry("loss", "flash.losses", reserved={*ADDON_KNOBS, *_AGG_KNOB_NAMES, "agg", "corrections"})
 Ratios = tuple[Ratio, ...]
 
-def register_loss(name: str, description: str | None = None, *,
-                  check: Callable[[dict], None] | None = None, aliases=(),
-                  ratios: Ratios | Callable[[dict], Ratios] | None = None) -> Callable:
+
+def register_loss(
+    name: str,
+    description: str | None = None,
+    *,
+    check: Callable[[dict], None] | None = None,
+    aliases=(),
+    ratios: Ratios | Callable[[dict], Ratios] | None = None,
+) -> Callable:
     """Decorator registering ``fn(inputs, *, knob=default, ...) -> (per_token [B, T], metrics)``.
 
     Knobs and defaults come from the keyword-only parameters; ``description`` defaults to the
@@ -50,8 +55,7 @@ def register_loss(name: str, description: str | None = None, *,
     policies each loss reads, and the config refuses a ratio that a setting makes identically 1.
     None: undeclared (a plugin that says nothing is listed as such and never refused).
     """
-    return LOSSES.register(name, description, check=check, aliases=aliases,
-                           meta={"ratios": ratios})
+    return LOSSES.register(name, description, check=check, aliases=aliases, meta={"ratios": ratios})
 
 
 def loss_ratios(name: str, knobs: dict[str, Any] | None = None) -> Ratios | None:
@@ -59,8 +63,7 @@ def loss_ratios(name: str, knobs: dict[str, Any] | None = None) -> Ratios | None
     entry = LOSSES.get(name)
     declared = entry.meta.get("ratios")
     if callable(declared):
-        return tuple(declared({**entry.knobs, **{k: v for k, v in (knobs or {}).items()
-                                                  if k in entry.knobs}}))
+        return tuple(declared({**entry.knobs, **{k: v for k, v in (knobs or {}).items() if k in entry.knobs}}))
     return None if declared is None else tuple(declared)
 
 
@@ -98,8 +101,7 @@ def describe_losses() -> list[dict[str, Any]]:
 
 def describe_aggregations() -> list[dict[str, Any]]:
     """``[{name, description, knobs}]`` for every aggregation mode."""
-    return [{"name": n, "description": d, "knobs": dict(AGG_KNOBS.get(n, {}))}
-            for n, d in AGGREGATIONS.items()]
+    return [{"name": n, "description": d, "knobs": dict(AGG_KNOBS.get(n, {}))} for n, d in AGGREGATIONS.items()]
 
 
 def kl_coef(loss: dict[str, Any]) -> float:
@@ -128,11 +130,13 @@ def _common_metrics(inputs: LossInputs) -> dict[str, Metric]:
     with torch.no_grad():
         to_prox = inputs.logp - inputs.prox_logp
         to_behav = inputs.logp - inputs.behav_logp
-        out = {**masked_stats("ratio", to_prox.exp(), m),
-               **masked_stats("ratio_behav", to_behav.exp(), m),
-               "approx_kl/prox": mean(masked_mean(torch.expm1(to_prox) - to_prox, m)),
-               "approx_kl/behav": mean(masked_mean(torch.expm1(to_behav) - to_behav, m)),
-               "tokens": total(m.sum())}
+        out = {
+            **masked_stats("ratio", to_prox.exp(), m),
+            **masked_stats("ratio_behav", to_behav.exp(), m),
+            "approx_kl/prox": mean(masked_mean(torch.expm1(to_prox) - to_prox, m)),
+            "approx_kl/behav": mean(masked_mean(torch.expm1(to_behav) - to_behav, m)),
+            "tokens": total(m.sum()),
+        }
         if inputs.entropy is not None:
             out["entropy"] = mean(masked_mean(inputs.entropy, m))
     return out
@@ -161,16 +165,19 @@ class LossFn:
             inputs = replace(inputs, mask=inputs.mask * keep.to(inputs.mask.dtype))
         per_token, loss_metrics = self.fn(inputs, **self.knobs)
         if tuple(per_token.shape) != tuple(inputs.mask.shape):
-            raise ValueError(f"loss {self.name!r} returned per-token loss of shape "
-                             f"{list(per_token.shape)}, expected {list(inputs.mask.shape)}")
+            raise ValueError(
+                f"loss {self.name!r} returned per-token loss of shape "
+                f"{list(per_token.shape)}, expected {list(inputs.mask.shape)}"
+            )
         if weight is not None:
             per_token = per_token * weight
         loss, pg_loss = self._aggregate(per_token, inputs)
         metrics = {k: tagged(v) for k, v in {**loss_metrics, **correction_metrics}.items()}
         metrics.update(loss=mean(loss), pg_loss=mean(pg_loss), **_common_metrics(inputs))
         if inputs.ref_logp is not None:
-            metrics["kl_ref"] = mean(masked_mean(kl_penalty(
-                inputs.logp.detach(), inputs.ref_logp, self.addons["kl_estimator"]), inputs.mask))
+            metrics["kl_ref"] = mean(
+                masked_mean(kl_penalty(inputs.logp.detach(), inputs.ref_logp, self.addons["kl_estimator"]), inputs.mask)
+            )
         return loss, metrics
 
     def _aggregate(self, per_token: torch.Tensor, inputs: LossInputs):
@@ -195,13 +202,20 @@ def resolve_loss(name: str, agg: str = "token-mean", **knobs: Any) -> LossFn:
     correction or ``agg`` raises ``ValueError`` naming the closest one."""
     specs = list(knobs.get("corrections") or [])
     entry, full, agg_knobs = _resolve(name, knobs, agg)
-    return LossFn(entry.name, entry.fn, {k: full[k] for k in entry.knobs},
-                  {k: full[k] for k in ADDON_KNOBS}, agg, agg_knobs,
-                  tuple(resolve_corrections(specs)))
+    return LossFn(
+        entry.name,
+        entry.fn,
+        {k: full[k] for k in entry.knobs},
+        {k: full[k] for k in ADDON_KNOBS},
+        agg,
+        agg_knobs,
+        tuple(resolve_corrections(specs)),
+    )
 
 
-def policy_loss(name: str, inputs: LossInputs, agg: str = "token-mean",
-                **knobs: Any) -> tuple[torch.Tensor, dict[str, float]]:
+def policy_loss(
+    name: str, inputs: LossInputs, agg: str = "token-mean", **knobs: Any
+) -> tuple[torch.Tensor, dict[str, float]]:
     """Loss ``name`` on ``inputs``, plus the KL / entropy add-ons, aggregated with ``agg``
     (``resolve_loss(name, agg, **knobs)(inputs)`` with the metrics read as floats).
 

@@ -25,8 +25,9 @@ from __future__ import annotations
 import torch
 
 
-def approx_prox_logp(behav_logp: torch.Tensor, logp: torch.Tensor, versions: torch.Tensor,
-                     version: int) -> torch.Tensor:
+def approx_prox_logp(
+    behav_logp: torch.Tensor, logp: torch.Tensor, versions: torch.Tensor, version: int
+) -> torch.Tensor:
     """Log-linear interpolation of the proximal logprobs (formula above); all ``[B, T]``, ``logp``
     detached by the caller. Tokens with a negative version (none generated) keep ``behav_logp``."""
     v_b = versions.to(behav_logp.dtype)
@@ -38,8 +39,9 @@ def approx_prox_logp(behav_logp: torch.Tensor, logp: torch.Tensor, versions: tor
     return behav_logp + alpha * (logp - behav_logp)
 
 
-def prox_approx_error(behav_logp: torch.Tensor, recomputed: torch.Tensor, versions: torch.Tensor,
-                      mask: torch.Tensor, version: int) -> float:
+def prox_approx_error(
+    behav_logp: torch.Tensor, recomputed: torch.Tensor, versions: torch.Tensor, mask: torch.Tensor, version: int
+) -> float:
     """Mean |approx − recomputed| over masked tokens, the approximation taken with the current
     policy at the start of the batch (= ``recomputed``, the proximal weights themselves)."""
     approx = approx_prox_logp(behav_logp, recomputed, versions, version)

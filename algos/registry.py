@@ -52,8 +52,9 @@ def closest_error(kind: str, given: str, valid: Iterable[str], where: str = "") 
     """``ValueError`` for an unknown ``given`` of ``kind`` (``where``: e.g. " for loss 'ppo'"): the
     closest valid ones, then all. The one wording of every "unknown name" error in flash."""
     valid = sorted(valid)
-    return ValueError(f"unknown {kind} {given!r}{where}{did_you_mean(given, valid)} "
-                      f"(valid: {', '.join(valid) or 'none'})")
+    return ValueError(
+        f"unknown {kind} {given!r}{where}{did_you_mean(given, valid)} (valid: {', '.join(valid) or 'none'})"
+    )
 
 
 def _type_ok(value: Any, hint: Any) -> tuple[bool, tuple]:
@@ -125,9 +126,16 @@ def _option_knobs(cls: type) -> dict[str, Any]:
     options = getattr(cls, "Options", None)
     if not dataclasses.is_dataclass(options):
         return {}
-    return {f.name: (f.default if f.default is not dataclasses.MISSING else
-                     f.default_factory() if f.default_factory is not dataclasses.MISSING else _MISSING)
-            for f in dataclasses.fields(options)}
+    return {
+        f.name: (
+            f.default
+            if f.default is not dataclasses.MISSING
+            else f.default_factory()
+            if f.default_factory is not dataclasses.MISSING
+            else _MISSING
+        )
+        for f in dataclasses.fields(options)
+    }
 
 
 class Registry:
@@ -138,8 +146,13 @@ class Registry:
     decorators register the built-in entries, imported on the first lookup.
     """
 
-    def __init__(self, kind: str, entry_point_group: str | None = None, reserved: Iterable[str] = (),
-                 builtins: Iterable[str] = ()):
+    def __init__(
+        self,
+        kind: str,
+        entry_point_group: str | None = None,
+        reserved: Iterable[str] = (),
+        builtins: Iterable[str] = (),
+    ):
         self.kind = kind
         self.group = entry_point_group
         self.reserved = frozenset(reserved)
@@ -149,9 +162,16 @@ class Registry:
         self._entry_points_loaded = False
 
     # -- registration -----------------------------------------------------------------------
-    def register(self, name: str, description: str | None = None, *,
-                 check: Callable[[dict], None] | None = None, aliases: Iterable[str] = (),
-                 knobs: dict[str, Any] | None = None, meta: dict[str, Any] | None = None):
+    def register(
+        self,
+        name: str,
+        description: str | None = None,
+        *,
+        check: Callable[[dict], None] | None = None,
+        aliases: Iterable[str] = (),
+        knobs: dict[str, Any] | None = None,
+        meta: dict[str, Any] | None = None,
+    ):
         """Decorator: register ``fn`` (a function or a class) under ``name`` (and ``aliases``);
         returns it unchanged. ``knobs`` ({name: default}) replaces reading them from ``fn``;
         ``meta`` is kept on the entry for its registry's own use (e.g. a reward's ``builder``)."""
@@ -160,13 +180,16 @@ class Registry:
             own, hints = ({**knobs}, {}) if knobs is not None else _knobs_of(fn)
             clash = self.reserved & own.keys()
             if clash:
-                raise ValueError(f"{self.kind} {name!r}: knob(s) {sorted(clash)} are reserved for "
-                                 f"the add-ons every {self.kind} takes; rename them")
+                raise ValueError(
+                    f"{self.kind} {name!r}: knob(s) {sorted(clash)} are reserved for "
+                    f"the add-ons every {self.kind} takes; rename them"
+                )
             for key in (name, *aliases):
                 old = self._entries.get(self._aliases.get(key, key))
                 if old is not None and not _same_function(old.fn, fn):
-                    raise ValueError(f"{self.kind} {key!r} is already registered by "
-                                     f"{old.fn.__module__}.{old.fn.__qualname__}")
+                    raise ValueError(
+                        f"{self.kind} {key!r} is already registered by {old.fn.__module__}.{old.fn.__qualname__}"
+                    )
             doc = (inspect.getdoc(fn) or "").strip().splitlines()
             desc = description or (doc[0] if doc else "")
             self._entries[name] = Entry(name, fn, desc, own, hints, check, tuple(aliases), dict(meta or {}))
@@ -206,8 +229,13 @@ class Registry:
                 raise closest_error(what, key, entry.knobs, where=f" for {self.kind} {entry.name!r}")
         return entry
 
-    def resolve(self, name: str, knobs: dict[str, Any], extra: dict[str, Any] | None = None,
-                extra_hints: dict[str, Any] | None = None) -> tuple[Entry, dict[str, Any]]:
+    def resolve(
+        self,
+        name: str,
+        knobs: dict[str, Any],
+        extra: dict[str, Any] | None = None,
+        extra_hints: dict[str, Any] | None = None,
+    ) -> tuple[Entry, dict[str, Any]]:
         """Check ``knobs`` against ``name``'s knobs plus ``extra`` ({knob: default}) and return
         the entry and every knob with defaults filled in. Raises ``ValueError`` on any mismatch."""
         entry = self.get(name)
@@ -219,10 +247,10 @@ class Registry:
             ok, choices = _type_ok(value, hints.get(key, inspect.Parameter.empty))
             if not ok:
                 if choices and isinstance(value, str):
-                    raise closest_error(f"value of {self.kind} knob {key!r}:", value,
-                                        [str(c) for c in choices])
-                raise ValueError(f"{self.kind} {entry.name!r}: knob {key!r}={value!r} is not a "
-                                 f"{_hint_name(hints[key])}")
+                    raise closest_error(f"value of {self.kind} knob {key!r}:", value, [str(c) for c in choices])
+                raise ValueError(
+                    f"{self.kind} {entry.name!r}: knob {key!r}={value!r} is not a {_hint_name(hints[key])}"
+                )
         full = {**defaults, **knobs}
         if entry.check is not None:
             entry.check({k: full[k] for k in entry.knobs})
@@ -230,8 +258,10 @@ class Registry:
 
     def describe(self) -> list[dict[str, Any]]:
         """``[{name, description, knobs: {knob: default}, aliases}]``, sorted by name."""
-        return [{"name": e.name, "description": e.description, "knobs": dict(e.knobs),
-                 "aliases": list(e.aliases)} for e in (self.get(n) for n in self.names())]
+        return [
+            {"name": e.name, "description": e.description, "knobs": dict(e.knobs), "aliases": list(e.aliases)}
+            for e in (self.get(n) for n in self.names())
+        ]
 
     # -- plugins ----------------------------------------------------------------------------
     def _load_entry_points(self) -> None:
@@ -244,17 +274,24 @@ class Registry:
             try:
                 obj = ep.load()
             except Exception as exc:
-                raise RuntimeError(f"{self.kind} plugin entry point {ep.name!r} = {ep.value!r} "
-                                   f"(group {self.group!r}) failed to load: {exc}") from exc
-            if callable(obj) and not isinstance(obj, types.ModuleType) and not any(
-                    _same_function(e.fn, obj) for e in self._entries.values()):
+                raise RuntimeError(
+                    f"{self.kind} plugin entry point {ep.name!r} = {ep.value!r} "
+                    f"(group {self.group!r}) failed to load: {exc}"
+                ) from exc
+            if (
+                callable(obj)
+                and not isinstance(obj, types.ModuleType)
+                and not any(_same_function(e.fn, obj) for e in self._entries.values())
+            ):
                 self.register(ep.name)(obj)
 
 
 def _same_function(a: Callable, b: Callable) -> bool:
     """Same object, or the same module-level function re-imported (a reloaded plugin module)."""
-    return a is b or (getattr(a, "__module__", None) == getattr(b, "__module__", 0)
-                      and getattr(a, "__qualname__", None) == getattr(b, "__qualname__", 0))
+    return a is b or (
+        getattr(a, "__module__", None) == getattr(b, "__module__", 0)
+        and getattr(a, "__qualname__", None) == getattr(b, "__qualname__", 0)
+    )
 
 
 def _hint_name(hint: Any) -> str:
@@ -275,13 +312,16 @@ def import_path(path: str, what: str) -> Any:
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise ValueError(f"{what} {path!r}: cannot import module {module_name!r}: {exc} (searched: "
-                         f"{searched_paths()}); put it beside the recipe or add its folder to PYTHONPATH") from None
+        raise ValueError(
+            f"{what} {path!r}: cannot import module {module_name!r}: {exc} (searched: "
+            f"{searched_paths()}); put it beside the recipe or add its folder to PYTHONPATH"
+        ) from None
     fn = getattr(module, attr, None)
     if not callable(fn):
         public = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
-        raise ValueError(f"{what} {path!r}: module {module_name!r} has no function {attr!r}"
-                         f"{did_you_mean(attr, public, n=1)}")
+        raise ValueError(
+            f"{what} {path!r}: module {module_name!r} has no function {attr!r}{did_you_mean(attr, public, n=1)}"
+        )
     return fn
 
 
@@ -306,7 +346,9 @@ def load_plugins(modules: Iterable[str]) -> list[str]:
         try:
             importlib.import_module(module)
         except ImportError as exc:
-            raise ImportError(f"flash plugin module {name!r} could not be imported: {exc} (searched: {searched_paths()}); "
-                              f"put it beside the recipe, give its .py path, or add its folder to PYTHONPATH") from exc
+            raise ImportError(
+                f"flash plugin module {name!r} could not be imported: {exc} (searched: {searched_paths()}); "
+                f"put it beside the recipe, give its .py path, or add its folder to PYTHONPATH"
+            ) from exc
         done.append(name)
     return done

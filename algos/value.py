@@ -17,8 +17,9 @@ import torch
 from .aggregate import masked_mean
 
 
-def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
-               clip: float | None = 0.2) -> tuple[torch.Tensor, dict[str, float]]:
+def value_loss(
+    values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, clip: float | None = 0.2
+) -> tuple[torch.Tensor, dict[str, float]]:
     """Clipped value loss (token mean over ``mask``) and its metrics (clip fraction, explained variance)."""
     old_values, returns, mask = old_values.detach(), returns.detach(), mask.detach().to(values.dtype)
     err = (values - returns) ** 2
@@ -32,7 +33,10 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
     with torch.no_grad():
         resid = masked_mean((returns - values) ** 2, mask)
         var = masked_mean((returns - masked_mean(returns, mask)) ** 2, mask)
-        metrics = {"critic/value_loss": float(loss), "critic/clipfrac": float(masked_mean(clipped, mask)),
-                   "critic/explained_var": float(1 - resid / var) if float(var) > 0 else 0.0,
-                   "critic/values_mean": float(masked_mean(values, mask))}
+        metrics = {
+            "critic/value_loss": float(loss),
+            "critic/clipfrac": float(masked_mean(clipped, mask)),
+            "critic/explained_var": float(1 - resid / var) if float(var) > 0 else 0.0,
+            "critic/values_mean": float(masked_mean(values, mask)),
+        }
     return loss, metrics

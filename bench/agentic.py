@@ -26,14 +26,34 @@ import sys
 import tempfile
 from pathlib import Path
 
-BASE = ["train.prompts_per_step=8", "rollout.n=4", "task.env_workers=4", "eval.every_steps=0",
-        "task.eval_size=8", "tracking.tensorboard=false", "checkpoint.enabled=false"]
+BASE = [
+    "train.prompts_per_step=8",
+    "rollout.n=4",
+    "task.env_workers=4",
+    "eval.every_steps=0",
+    "task.eval_size=8",
+    "tracking.tensorboard=false",
+    "checkpoint.enabled=false",
+]
 
 
 def run_setting(ratio: float, redundancy: int, run_dir: Path, args, extra: list[str]) -> dict:
-    cmd = [sys.executable, "-m", "flash.app.cli", "run", "corridor", f"async_ratio={ratio}",
-           f"rollout.redundancy={redundancy}", f"train.steps={args.steps}", f"task.step_delay_s={args.delay}",
-           f"task.step_delay_sigma={args.sigma}", f"run_dir={run_dir}", "tracking.progress=false", *BASE, *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "flash.app.cli",
+        "run",
+        "corridor",
+        f"async_ratio={ratio}",
+        f"rollout.redundancy={redundancy}",
+        f"train.steps={args.steps}",
+        f"task.step_delay_s={args.delay}",
+        f"task.step_delay_sigma={args.sigma}",
+        f"run_dir={run_dir}",
+        "tracking.progress=false",
+        *BASE,
+        *extra,
+    ]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     return json.loads((run_dir / "summary.json").read_text())
 
@@ -54,22 +74,38 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         cache = [f"cache_dir={tmp}/cache"]
         for rep in range(args.repeats):
-            order = settings[rep % len(settings):] + settings[:rep % len(settings)]
-            got = {s: run_setting(*s, Path(tmp) / f"r{rep}-{s[0]}-{s[1]}", args, cache + args.overrides)
-                   for s in order}
+            order = settings[rep % len(settings) :] + settings[: rep % len(settings)]
+            got = {s: run_setting(*s, Path(tmp) / f"r{rep}-{s[0]}-{s[1]}", args, cache + args.overrides) for s in order}
             base = got[settings[0]]["seconds_per_step"]
             for s in settings:
                 per_step[s].append(got[s]["seconds_per_step"])
                 speedups[s].append(base / got[s]["seconds_per_step"])
-            print(f"repeat {rep}: " + ", ".join(f"r={s[0]:g} k={s[1]}: {got[s]['seconds_per_step']:.2f} s/step"
-                                               for s in settings), flush=True)
-    rows = {f"r={r:g},redundancy={k}": {"seconds_per_step": statistics.median(per_step[(r, k)]),
-                                       "speedup": statistics.median(speedups[(r, k)])} for r, k in settings}
+            print(
+                f"repeat {rep}: "
+                + ", ".join(f"r={s[0]:g} k={s[1]}: {got[s]['seconds_per_step']:.2f} s/step" for s in settings),
+                flush=True,
+            )
+    rows = {
+        f"r={r:g},redundancy={k}": {
+            "seconds_per_step": statistics.median(per_step[(r, k)]),
+            "speedup": statistics.median(speedups[(r, k)]),
+        }
+        for r, k in settings
+    }
     for name, row in rows.items():
         print(f"{name:<22} {row['seconds_per_step']:7.2f} s/step  speed-up {row['speedup']:.2f}x")
-    print(json.dumps({"delay_s": args.delay, "sigma": args.sigma, "steps": args.steps, "repeats": args.repeats,
-                      "speedup": {k: round(v["speedup"], 3) for k, v in rows.items()},
-                      "seconds_per_step": {k: round(v["seconds_per_step"], 3) for k, v in rows.items()}}))
+    print(
+        json.dumps(
+            {
+                "delay_s": args.delay,
+                "sigma": args.sigma,
+                "steps": args.steps,
+                "repeats": args.repeats,
+                "speedup": {k: round(v["speedup"], 3) for k, v in rows.items()},
+                "seconds_per_step": {k: round(v["seconds_per_step"], 3) for k, v in rows.items()},
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

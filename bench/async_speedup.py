@@ -29,8 +29,17 @@ from flash.app.replicates import Stat, fmt_stat, spread
 
 
 def run_once(recipe: str, ratio: float, run_dir: Path, overrides: list[str]) -> dict:
-    cmd = [sys.executable, "-m", "flash.app.cli", "run", recipe, f"async_ratio={ratio}", f"run_dir={run_dir}",
-           "tracking.progress=false", *overrides]
+    cmd = [
+        sys.executable,
+        "-m",
+        "flash.app.cli",
+        "run",
+        recipe,
+        f"async_ratio={ratio}",
+        f"run_dir={run_dir}",
+        "tracking.progress=false",
+        *overrides,
+    ]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     return json.loads((run_dir / "summary.json").read_text())
 
@@ -45,8 +54,10 @@ def summarize(runs: dict[float, list[dict]]) -> dict[str, dict]:
         ratios = [a["seconds_per_step"] / b["seconds_per_step"] for a, b in zip(runs[base], rs)]
         speedup = spread(ratios)
         acc = spread([s["eval_accuracy_final"] for s in rs])
-        phases = {k: statistics.median(s["phase_seconds_mean"].get(k, 0.0) for s in rs)
-                  for k in rs[0].get("phase_seconds_mean", {})}
+        phases = {
+            k: statistics.median(s["phase_seconds_mean"].get(k, 0.0) for s in rs)
+            for k in rs[0].get("phase_seconds_mean", {})
+        }
         out[str(r)] = {
             "n_pairs": len(rs),
             **{f"seconds_per_step_{k}": per_step[k] for k in ("median", "mean", "se")},
@@ -62,14 +73,17 @@ def summarize(runs: dict[float, list[dict]]) -> dict[str, dict]:
 
 def report_line(ratio: str, base: str, row: dict) -> str:
     """One human line per ratio: mean ± SE (and median) of s/step, paired speed-up and accuracy."""
+
     def stat(key: str, spec: str) -> str:
         return fmt_stat(Stat(row[f"{key}_mean"], row[f"{key}_se"], row["n_pairs"]), spec)
 
     pairs = ", ".join(f"{x:.2f}" for x in row["speedup_vs_first_per_pair"])
-    return (f"r={ratio} (n={row['n_pairs']}): {stat('seconds_per_step', '.3f')} s/step (median "
-            f"{row['seconds_per_step_median']:.3f}), speed-up vs r={base} {stat('speedup_vs_first', '.2f')}x "
-            f"(median {row['speedup_vs_first_median']:.2f}x; per pair {pairs}), "
-            f"final acc {stat('eval_accuracy_final', '.3f')}")
+    return (
+        f"r={ratio} (n={row['n_pairs']}): {stat('seconds_per_step', '.3f')} s/step (median "
+        f"{row['seconds_per_step_median']:.3f}), speed-up vs r={base} {stat('speedup_vs_first', '.2f')}x "
+        f"(median {row['speedup_vs_first_median']:.2f}x; per pair {pairs}), "
+        f"final acc {stat('eval_accuracy_final', '.3f')}"
+    )
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -90,14 +104,22 @@ def main(argv: list[str] | None = None) -> dict:
             for r in ratios:
                 s = run_once(args.recipe, r, out / f"r{r}-{rep}-s{seed}", [*args.overrides, *extra])
                 runs[r].append(s)
-                print(f"repeat {rep} seed {seed} r={r}: {s['seconds_per_step']:.3f} s/step, acc "
-                      f"{s['eval_accuracy_initial']:.3f}->{s['eval_accuracy_final']:.3f}, "
-                      f"wall {s['wall_seconds']:.0f}s, max staleness {s['max_staleness_observed']:.0f}", flush=True)
+                print(
+                    f"repeat {rep} seed {seed} r={r}: {s['seconds_per_step']:.3f} s/step, acc "
+                    f"{s['eval_accuracy_initial']:.3f}->{s['eval_accuracy_final']:.3f}, "
+                    f"wall {s['wall_seconds']:.0f}s, max staleness {s['max_staleness_observed']:.0f}",
+                    flush=True,
+                )
     per_ratio = summarize(runs)
     for r in ratios:
         print(report_line(str(r), str(ratios[0]), per_ratio[str(r)]), flush=True)
-    result = {"recipe": args.recipe, "repeats": args.repeats, "seeds": seeds, "overrides": args.overrides,
-              "per_ratio": per_ratio}
+    result = {
+        "recipe": args.recipe,
+        "repeats": args.repeats,
+        "seeds": seeds,
+        "overrides": args.overrides,
+        "per_ratio": per_ratio,
+    }
     print(json.dumps(result))
     return result
 

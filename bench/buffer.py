@@ -46,25 +46,43 @@ import zmq
 from flash.buffers.factory import BufferConfig
 from flash.buffers.types import Group, Sample
 
-SYSTEMS = ("service_local", "service_local_plain", "service_local_unchecked", "service_remote", "ray_queue",
-           "zmq_bare", "zmq_bare_curve")
+SYSTEMS = (
+    "service_local",
+    "service_local_plain",
+    "service_local_unchecked",
+    "service_remote",
+    "ray_queue",
+    "zmq_bare",
+    "zmq_bare_curve",
+)
 PRODUCERS = 4
 PROMPT = 16
 
 
 def trajectory(pid: int, length: int, arrays: dict) -> Group:
     """A Group of one sample sharing the template's arrays (building it costs nothing)."""
-    s = Sample(prompt_id=pid, sample_index=0, prompt_ids=arrays["prompt"], response_ids=arrays["ids"],
-               behav_logprobs=arrays["lp"], versions=arrays["vs"], reward=1.0, finish_reason="length")
+    s = Sample(
+        prompt_id=pid,
+        sample_index=0,
+        prompt_ids=arrays["prompt"],
+        response_ids=arrays["ids"],
+        behav_logprobs=arrays["lp"],
+        versions=arrays["vs"],
+        reward=1.0,
+        finish_reason="length",
+    )
     return Group(prompt_id=pid, samples=[s], data_index=pid)
 
 
 def template(length: int, lists: bool = False) -> dict:
     """A trajectory's arrays; ``lists``: as Python lists, the way the engines hand them over."""
     rng = np.random.default_rng(length)
-    arrays = {"prompt": rng.integers(0, 50_000, PROMPT).astype(np.int32),
-              "ids": rng.integers(0, 50_000, length).astype(np.int32),
-              "lp": -rng.random(length).astype(np.float32), "vs": np.full(length, 3, dtype=np.int32)}
+    arrays = {
+        "prompt": rng.integers(0, 50_000, PROMPT).astype(np.int32),
+        "ids": rng.integers(0, 50_000, length).astype(np.int32),
+        "lp": -rng.random(length).astype(np.float32),
+        "vs": np.full(length, 3, dtype=np.int32),
+    }
     return {k: v.tolist() for k, v in arrays.items()} if lists else arrays
 
 
@@ -73,6 +91,7 @@ def payload_bytes(length: int) -> int:
 
 
 # ------------------------------------------------------------------------------ producer processes
+
 
 def producer_main(commands, results) -> None:
     """A producer process: for each command, connect, report ready, wait for go, send, report done."""
@@ -125,7 +144,9 @@ class Pool:
         for p in self.procs:
             p.start()
 
-    def run(self, kind: str, address: str, length: int, n: int, consume, knobs: dict | None = None) -> tuple[float, float]:
+    def run(
+        self, kind: str, address: str, length: int, n: int, consume, knobs: dict | None = None
+    ) -> tuple[float, float]:
         """(seconds from 'go' until ``consume`` has taken all ``n`` items, CPU seconds of every process
         involved: the producers' send loops and this process -- with the service thread -- meanwhile)."""
         share = n // PRODUCERS
@@ -153,8 +174,18 @@ class Pool:
 
 # ------------------------------------------------------------------------------ systems
 
-def run_service(pool: Pool, length: int, n: int, capacity: int, batch: int, remote: bool,
-                knobs: dict, curve: bool = True, checked: bool = True) -> tuple[float, float]:
+
+def run_service(
+    pool: Pool,
+    length: int,
+    n: int,
+    capacity: int,
+    batch: int,
+    remote: bool,
+    knobs: dict,
+    curve: bool = True,
+    checked: bool = True,
+) -> tuple[float, float]:
     from flash import buffers
     import flash.buffers.service  # noqa: F401  (loads it for the name above)
     from flash.buffers.auth import ServiceKeys
@@ -178,7 +209,7 @@ def run_service(pool: Pool, length: int, n: int, capacity: int, batch: int, remo
             seen: set[int] = set()
             while len(seen) < total:
                 k = min(batch, total - len(seen))
-                fifo = (lambda gs, k=k: list(range(k)) if len(gs) >= k else None)
+                fifo = lambda gs, k=k: list(range(k)) if len(gs) >= k else None
                 for g in consumer.get_batch(k, select=fifo, timeout=60):
                     assert g.prompt_id not in seen and len(g.samples[0].response_ids) == length
                     seen.add(g.prompt_id)
@@ -189,8 +220,9 @@ def run_service(pool: Pool, length: int, n: int, capacity: int, batch: int, remo
     return secs
 
 
-def run_zmq_bare(pool: Pool, length: int, n: int, capacity: int, batch: int, curve: bool = False,
-                 lists: bool = False) -> tuple[float, float]:
+def run_zmq_bare(
+    pool: Pool, length: int, n: int, capacity: int, batch: int, curve: bool = False, lists: bool = False
+) -> tuple[float, float]:
     from flash.buffers.auth import ServiceKeys
 
     ctx = zmq.Context()
@@ -261,6 +293,7 @@ def ray_producers():
 
 # ------------------------------------------------------------------------------ main
 
+
 def parser() -> argparse.ArgumentParser:
     """The benchmark's options."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -269,14 +302,25 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--capacity", type=int, default=64)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--window", type=int, default=16, help="BufferProducer puts in flight (4 x 16 = capacity)")
-    ap.add_argument("--batch-groups", type=int, default=BufferConfig.batch_groups,
-                    help="BufferProducer: groups per put message (1: one message per group)")
-    ap.add_argument("--linger-ms", type=float, default=BufferConfig.linger_ms,
-                    help="BufferProducer: how long a batch waits to fill (0: send each put at once)")
+    ap.add_argument(
+        "--batch-groups",
+        type=int,
+        default=BufferConfig.batch_groups,
+        help="BufferProducer: groups per put message (1: one message per group)",
+    )
+    ap.add_argument(
+        "--linger-ms",
+        type=float,
+        default=BufferConfig.linger_ms,
+        help="BufferProducer: how long a batch waits to fill (0: send each put at once)",
+    )
     ap.add_argument("--mb", type=float, default=48.0, help="payload MB per run of the zmq systems")
     ap.add_argument("--ray-mb", type=float, default=4.0, help="payload MB per run of Ray's queue (slow)")
-    ap.add_argument("--lists", action="store_true",
-                    help="trajectories as Python lists (what the engines produce) instead of NumPy arrays")
+    ap.add_argument(
+        "--lists",
+        action="store_true",
+        help="trajectories as Python lists (what the engines produce) instead of NumPy arrays",
+    )
     ap.add_argument("--systems", default=",".join(SYSTEMS), help="which systems to run (ratios need both sides)")
     return ap
 
@@ -285,15 +329,18 @@ def system_runs(pool: Pool, actors, args, knobs: dict) -> dict:
     """Each system's run: (length, count) -> (seconds, CPU seconds)."""
     return {
         "service_local": lambda L, n: run_service(pool, L, n, args.capacity, args.batch, remote=False, knobs=knobs),
-        "service_local_plain": lambda L, n: run_service(pool, L, n, args.capacity, args.batch, remote=False,
-                                                        knobs=knobs, curve=False),
-        "service_local_unchecked": lambda L, n: run_service(pool, L, n, args.capacity, args.batch, remote=False,
-                                                            knobs=knobs, curve=False, checked=False),
+        "service_local_plain": lambda L, n: run_service(
+            pool, L, n, args.capacity, args.batch, remote=False, knobs=knobs, curve=False
+        ),
+        "service_local_unchecked": lambda L, n: run_service(
+            pool, L, n, args.capacity, args.batch, remote=False, knobs=knobs, curve=False, checked=False
+        ),
         "service_remote": lambda L, n: run_service(pool, L, n, args.capacity, args.batch, remote=True, knobs=knobs),
         "ray_queue": lambda L, n: run_ray_queue(actors, L, count_for(args.ray_mb, L), args.capacity, args.batch),
         "zmq_bare": lambda L, n: run_zmq_bare(pool, L, n, args.capacity, args.batch, lists=args.lists),
-        "zmq_bare_curve": lambda L, n: run_zmq_bare(pool, L, n, args.capacity, args.batch, curve=True,
-                                                    lists=args.lists),
+        "zmq_bare_curve": lambda L, n: run_zmq_bare(
+            pool, L, n, args.capacity, args.batch, curve=True, lists=args.lists
+        ),
     }
 
 
@@ -305,8 +352,7 @@ def main(argv: list[str] | None = None) -> dict:
     if unknown := set(args.systems.split(",")) - set(SYSTEMS):
         ap.error(f"unknown systems {sorted(unknown)}; choose from {', '.join(SYSTEMS)}")
     pool, actors = Pool(), ray_producers() if "ray_queue" in systems else None
-    knobs = {"window": args.window, "batch_groups": args.batch_groups, "linger_ms": args.linger_ms,
-             "lists": args.lists}
+    knobs = {"window": args.window, "batch_groups": args.batch_groups, "linger_ms": args.linger_ms, "lists": args.lists}
     runs = system_runs(pool, actors, args, knobs)
     rates: dict[int, dict[str, list[float]]] = {L: {s: [] for s in systems} for L in lengths}
     cpu_us: dict[int, dict[str, list[float]]] = {L: {s: [] for s in systems} for L in lengths}
@@ -314,15 +360,18 @@ def main(argv: list[str] | None = None) -> dict:
         for L in lengths:
             n = count_for(args.mb, L)
             for rep in range(args.repeats):
-                order = systems[rep % len(systems):] + systems[: rep % len(systems)]
+                order = systems[rep % len(systems) :] + systems[: rep % len(systems)]
                 for name in order:
                     count = count_for(args.ray_mb, L) if name == "ray_queue" else n
                     secs, cpu = runs[name](L, n)
                     rates[L][name].append(count / secs)
                     cpu_us[L][name].append(cpu / count * 1e6)
-                    print(f"L={L:5d} repeat {rep} {name:15s} {count:6d} samples in {secs:6.2f} s = "
-                          f"{count / secs:8.0f} samples/s {count * payload_bytes(L) / secs / 1e9:6.3f} GB/s "
-                          f"{cpu / count * 1e6:7.1f} CPU us/sample", flush=True)
+                    print(
+                        f"L={L:5d} repeat {rep} {name:15s} {count:6d} samples in {secs:6.2f} s = "
+                        f"{count / secs:8.0f} samples/s {count * payload_bytes(L) / secs / 1e9:6.3f} GB/s "
+                        f"{cpu / count * 1e6:7.1f} CPU us/sample",
+                        flush=True,
+                    )
     finally:
         pool.close()
     return report(rates, cpu_us, args)
@@ -334,10 +383,20 @@ def count_for(mb: float, length: int) -> int:
 
 
 def report(rates: dict[int, dict[str, list[float]]], cpu_us: dict[int, dict[str, list[float]]], args) -> dict:
-    result = {"bench": "buffer", "producers": PRODUCERS, "repeats": args.repeats, "capacity": args.capacity,
-              "batch": args.batch, "window": args.window, "batch_groups": args.batch_groups,
-              "linger_ms": args.linger_ms, "mb": args.mb, "ray_mb": args.ray_mb, "lists": args.lists,
-              "per_length": {}}
+    result = {
+        "bench": "buffer",
+        "producers": PRODUCERS,
+        "repeats": args.repeats,
+        "capacity": args.capacity,
+        "batch": args.batch,
+        "window": args.window,
+        "batch_groups": args.batch_groups,
+        "linger_ms": args.linger_ms,
+        "mb": args.mb,
+        "ray_mb": args.ray_mb,
+        "lists": args.lists,
+        "per_length": {},
+    }
     for L, per in rates.items():
         med = {s: statistics.median(r) for s, r in per.items()}
 
@@ -349,8 +408,7 @@ def report(rates: dict[int, dict[str, list[float]]], cpu_us: dict[int, dict[str,
         result["per_length"][str(L)] = {
             "samples_per_s": {s: round(v, 1) for s, v in med.items()},
             "gb_per_s": {s: round(v * payload_bytes(L) / 1e9, 4) for s, v in med.items()},
-            "cpu_us_per_sample": {s: round(statistics.median(v), 1) for s, v in cpu_us[L].items()
-                                  if s != "ray_queue"},
+            "cpu_us_per_sample": {s: round(statistics.median(v), 1) for s, v in cpu_us[L].items() if s != "ray_queue"},
             "service_local_vs_ray_queue": ratio("service_local", "ray_queue"),
             "service_remote_vs_ray_queue": ratio("service_remote", "ray_queue"),
             "zmq_bare_vs_service_local": ratio("zmq_bare", "service_local"),

@@ -40,8 +40,9 @@ MAX_FRAME = 64 << 20
 def old_wire(base: str):
     """``buffers/wire.py`` at commit ``base``, as a module of its own."""
     root = Path(__file__).resolve().parent.parent
-    source = subprocess.run(["git", "show", f"{base}:buffers/wire.py"], cwd=root, check=True,
-                            capture_output=True, text=True).stdout
+    source = subprocess.run(
+        ["git", "show", f"{base}:buffers/wire.py"], cwd=root, check=True, capture_output=True, text=True
+    ).stdout
     source = re.sub(r"^from buffers\.", "from .", source, flags=re.M)  # a commit's bare imports, as its own package's
     spec = importlib.util.spec_from_loader("old_wire", loader=None)
     module = importlib.util.module_from_spec(spec)
@@ -55,24 +56,38 @@ def frames() -> dict[str, bytes]:
     rng = np.random.default_rng(0)
 
     def sample(pid: int, k: int, length: int, prompt: int, lists: bool) -> Sample:
-        arrays = {"prompt_ids": rng.integers(0, 50_000, prompt).astype(np.int32),
-                  "response_ids": rng.integers(0, 50_000, length).astype(np.int32),
-                  "behav_logprobs": -rng.random(length).astype(np.float32),
-                  "versions": np.full(length, 3, dtype=np.int32)}
+        arrays = {
+            "prompt_ids": rng.integers(0, 50_000, prompt).astype(np.int32),
+            "response_ids": rng.integers(0, 50_000, length).astype(np.int32),
+            "behav_logprobs": -rng.random(length).astype(np.float32),
+            "versions": np.full(length, 3, dtype=np.int32),
+        }
         if lists:
             arrays = {name: a.tolist() for name, a in arrays.items()}
-        return Sample(prompt_id=pid, sample_index=k, reward=1.0, finish_reason="stop",
-                      meta={"data_index": pid, "request_id": f"r{pid}.{k}", "request": k}, **arrays)
+        return Sample(
+            prompt_id=pid,
+            sample_index=k,
+            reward=1.0,
+            finish_reason="stop",
+            meta={"data_index": pid, "request_id": f"r{pid}.{k}", "request": k},
+            **arrays,
+        )
 
     out = {}
     for length in (1024, 8192):
         for lists in (False, True):
             g = Group(prompt_id=1, samples=[sample(1, 0, length, 16, lists)], data_index=1)
             out[f"L={length} {'lists' if lists else 'arrays'}"] = wire.encode_group(g)
-    out["8 x 40 lists"] = wire.encode_group(Group(prompt_id=1, data_index=1,
-                                                  samples=[sample(1, k, 40, 24, True) for k in range(8)]))
-    out["16 x 8192 arrays"] = wire.encode_group(Group(prompt_id=1, data_index=1,  # over 1 MiB
-                                                      samples=[sample(1, k, 8192, 16, False) for k in range(16)]))
+    out["8 x 40 lists"] = wire.encode_group(
+        Group(prompt_id=1, data_index=1, samples=[sample(1, k, 40, 24, True) for k in range(8)])
+    )
+    out["16 x 8192 arrays"] = wire.encode_group(
+        Group(
+            prompt_id=1,
+            data_index=1,  # over 1 MiB
+            samples=[sample(1, k, 8192, 16, False) for k in range(16)],
+        )
+    )
     return out
 
 
@@ -117,10 +132,17 @@ def main() -> None:
             olds.append(pair[0])
             news.append(pair[1])
             ratios.append(pair[0] / pair[1])
-        report[name] = {"bytes": len(frame), "old_us": statistics.median(olds), "new_us": statistics.median(news),
-                        "old_over_new": statistics.median(ratios)}
-        print(f"{name:>16}: {len(frame):>8} B  old {report[name]['old_us']:8.1f} µs  new "
-              f"{report[name]['new_us']:8.1f} µs  old/new {report[name]['old_over_new']:.3f}", flush=True)
+        report[name] = {
+            "bytes": len(frame),
+            "old_us": statistics.median(olds),
+            "new_us": statistics.median(news),
+            "old_over_new": statistics.median(ratios),
+        }
+        print(
+            f"{name:>16}: {len(frame):>8} B  old {report[name]['old_us']:8.1f} µs  new "
+            f"{report[name]['new_us']:8.1f} µs  old/new {report[name]['old_over_new']:.3f}",
+            flush=True,
+        )
     print(json.dumps(report))
 
 

@@ -36,11 +36,13 @@ def write_parquet(path: str, rows: int) -> None:
 
     a = [(i * 7919) % 97 + 1 for i in range(rows)]
     b = [(i * 104729) % 89 + 1 for i in range(rows)]
-    table = pa.table({
-        "question": [f"tom has {x} apples and buys {y} more. how many apples now?" for x, y in zip(a, b)],
-        "answer": [f"{x}+{y}={x + y}\n#### {x + y}" for x, y in zip(a, b)],
-        "solution": [f"{x}+{y}={x + y}" for x, y in zip(a, b)],
-    })
+    table = pa.table(
+        {
+            "question": [f"tom has {x} apples and buys {y} more. how many apples now?" for x, y in zip(a, b)],
+            "answer": [f"{x}+{y}={x + y}\n#### {x + y}" for x, y in zip(a, b)],
+            "solution": [f"{x}+{y}={x + y}" for x, y in zip(a, b)],
+        }
+    )
     pq.write_table(table, path)
 
 
@@ -80,13 +82,23 @@ def child(path: str, steps: int, batch: int) -> dict:
     grown = rss_mb() - base
     data_us = take_cost(task, steps, batch)
     gen_us = take_cost(make_task("wordproblems", max_operand=99, ops="+"), steps, batch)
-    return {"startup_s": startup, "rss_mb": grown, "rows": task.rows_per_epoch, "dataset_us_per_prompt": data_us,
-            "generated_us_per_prompt": gen_us, "ratio": data_us / gen_us}
+    return {
+        "startup_s": startup,
+        "rss_mb": grown,
+        "rows": task.rows_per_epoch,
+        "dataset_us_per_prompt": data_us,
+        "generated_us_per_prompt": gen_us,
+        "ratio": data_us / gen_us,
+    }
 
 
 def run_child(path: str, steps: int, batch: int) -> dict:
-    out = subprocess.run([sys.executable, "-m", "bench.data", "--child", path, "--steps", str(steps),
-                          "--batch", str(batch)], capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "bench.data", "--child", path, "--steps", str(steps), "--batch", str(batch)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -110,13 +122,24 @@ def main() -> None:
         runs = [run_child(path, args.steps, args.batch) for _ in range(args.repeats)]
     med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
     print(f"{args.rows} rows, Parquet {size_mb:.1f} MB; first open (Arrow cache built) {first['startup_s']:.2f} s")
-    print(f"open {med['startup_s']:.2f} s, RSS +{med['rss_mb']:.0f} MB; per prompt: dataset "
-          f"{med['dataset_us_per_prompt']:.0f} us, generated {med['generated_us_per_prompt']:.0f} us "
-          f"(ratio {med['ratio']:.2f}); per step of {args.batch}: "
-          f"{med['dataset_us_per_prompt'] * args.batch / 1000:.1f} ms")
-    print(json.dumps({"rows": args.rows, "parquet_mb": size_mb, "startup_first_s": first["startup_s"],
-                      "rss_first_mb": first["rss_mb"], **{k: med[k] for k in med if k != "rows"},
-                      "repeats": args.repeats}))
+    print(
+        f"open {med['startup_s']:.2f} s, RSS +{med['rss_mb']:.0f} MB; per prompt: dataset "
+        f"{med['dataset_us_per_prompt']:.0f} us, generated {med['generated_us_per_prompt']:.0f} us "
+        f"(ratio {med['ratio']:.2f}); per step of {args.batch}: "
+        f"{med['dataset_us_per_prompt'] * args.batch / 1000:.1f} ms"
+    )
+    print(
+        json.dumps(
+            {
+                "rows": args.rows,
+                "parquet_mb": size_mb,
+                "startup_first_s": first["startup_s"],
+                "rss_first_mb": first["rss_mb"],
+                **{k: med[k] for k in med if k != "rows"},
+                "repeats": args.repeats,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

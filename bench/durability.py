@@ -37,9 +37,11 @@ import tempfile
 import time
 from pathlib import Path
 
-MODES = {"off": ["checkpoint.enabled=false"],
-         "sync": ["checkpoint.every_steps=1", "checkpoint.async_write=false"],
-         "async": ["checkpoint.every_steps=1", "checkpoint.async_write=true"]}
+MODES = {
+    "off": ["checkpoint.enabled=false"],
+    "sync": ["checkpoint.every_steps=1", "checkpoint.async_write=false"],
+    "async": ["checkpoint.every_steps=1", "checkpoint.async_write=true"],
+}
 
 
 def jsonl(path: Path) -> list[dict]:
@@ -47,8 +49,16 @@ def jsonl(path: Path) -> list[dict]:
 
 
 def start(recipe: str, run_dir: Path, overrides: list[str]) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "flash.app.cli", "run", recipe, f"run_dir={run_dir}", "tracking.progress=false",
-           *overrides]
+    cmd = [
+        sys.executable,
+        "-m",
+        "flash.app.cli",
+        "run",
+        recipe,
+        f"run_dir={run_dir}",
+        "tracking.progress=false",
+        *overrides,
+    ]
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
@@ -65,10 +75,12 @@ def checkpoint_run(recipe: str, mode: str, run_dir: Path, overrides: list[str]) 
     writes = [m["checkpoint/write_s"] for m in metrics if "checkpoint/write_s" in m]
     snaps = [m["checkpoint/snapshot_s"] for m in metrics if "checkpoint/snapshot_s" in m]
     summary = json.loads((run_dir / "summary.json").read_text())
-    return {"step_s": statistics.median(step_walls(metrics)),
-            "write_s": statistics.median(writes) if writes else 0.0,
-            "snapshot_s": statistics.median(snaps) if snaps else 0.0,
-            "bytes": summary["checkpoint"].get("bytes", 0.0)}
+    return {
+        "step_s": statistics.median(step_walls(metrics)),
+        "write_s": statistics.median(writes) if writes else 0.0,
+        "snapshot_s": statistics.median(snaps) if snaps else 0.0,
+        "bytes": summary["checkpoint"].get("bytes", 0.0),
+    }
 
 
 def fault_run(recipe: str, run_dir: Path, steps: int, overrides: list[str]) -> dict:
@@ -84,8 +96,11 @@ def fault_run(recipe: str, run_dir: Path, steps: int, overrides: list[str]) -> d
     if proc.wait() != 0:
         raise RuntimeError(f"run {run_dir} failed after the engine was killed")
     fault = next(e for e in jsonl(run_dir / "events.jsonl") if e["event"] == "engine_fault")
-    return {"recovery_s": fault["recovery_s"], "kill_to_recovered_s": fault["time"] + fault["recovery_s"] - killed,
-            "kill_to_full_throughput_s": time_to_full(run_dir, killed)}
+    return {
+        "recovery_s": fault["recovery_s"],
+        "kill_to_recovered_s": fault["time"] + fault["recovery_s"] - killed,
+        "kill_to_full_throughput_s": time_to_full(run_dir, killed),
+    }
 
 
 def time_to_full(run_dir: Path, killed: float, share: float = 0.9) -> float:
@@ -116,14 +131,20 @@ def reward_fault_run(calls: int = 24, seconds: float = 0.5) -> dict:
     from flash.tasks import TaskItem
 
     marks = Path(tempfile.mkdtemp(prefix="flash-bench-reward-"))
-    pool = RewardPool({"name": "bench.durability:marked_reward", "mark_dir": str(marks), "seconds": seconds},
-                      num_workers=2, concurrency=2, timeout_s=60)
+    pool = RewardPool(
+        {"name": "bench.durability:marked_reward", "mark_dir": str(marks), "seconds": seconds},
+        num_workers=2,
+        concurrency=2,
+        timeout_s=60,
+    )
     try:
         pids = set(pool.pids())
         done: list[float] = []
         with ThreadPoolExecutor(4) as ex:
-            futures = [ex.submit(lambda i=i: (pool.score(TaskItem(i, "p", ""), "x"), done.append(time.time())))
-                       for i in range(calls)]
+            futures = [
+                ex.submit(lambda i=i: (pool.score(TaskItem(i, "p", ""), "x"), done.append(time.time())))
+                for i in range(calls)
+            ]
             while len(list(marks.iterdir())) < 4:  # both workers busy
                 time.sleep(0.01)
             victim = int(max(marks.iterdir(), key=lambda p: int(p.name.split("-")[1])).name.split("-")[0])
@@ -133,8 +154,13 @@ def reward_fault_run(calls: int = 24, seconds: float = 0.5) -> dict:
                 f.result(timeout=600)
         fresh = [int(p.name.split("-")[1]) / 1e9 for p in marks.iterdir() if int(p.name.split("-")[0]) not in pids]
         event = pool.events[0]
-        return {"kill_to_call_running_again_s": min(fresh) - killed, "replacement_s": event["recovery_s"],
-                "faults": pool.faults, "reissued": pool.counters["reissued"], "calls_ok": len(done)}
+        return {
+            "kill_to_call_running_again_s": min(fresh) - killed,
+            "replacement_s": event["recovery_s"],
+            "faults": pool.faults,
+            "reissued": pool.counters["reissued"],
+            "calls_ok": len(done),
+        }
     finally:
         pool.close()
 
@@ -147,8 +173,11 @@ def reward_only(repeats: int) -> dict:
     for rep in range(repeats):
         rows.append(reward_fault_run())
         print(f"repeat {rep} reward worker kill: {rows[-1]}", flush=True)
-    result = {"repeats": repeats, "reward_fault": {k: statistics.median(r[k] for r in rows) for k in rows[0]},
-              "reward_fault_runs": rows}
+    result = {
+        "repeats": repeats,
+        "reward_fault": {k: statistics.median(r[k] for r in rows) for k in rows[0]},
+        "reward_fault_runs": rows,
+    }
     print(json.dumps(result))
     return result
 
@@ -158,8 +187,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--recipe", default="stutter")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--steps", type=int, default=12)
-    ap.add_argument("--no-fault", action="store_true", help="part 1 only (e.g. with train.workers=2: an FSDP2 "
-                    "group's checkpoints; engine faults do not depend on the trainer)")
+    ap.add_argument(
+        "--no-fault",
+        action="store_true",
+        help="part 1 only (e.g. with train.workers=2: an FSDP2 "
+        "group's checkpoints; engine faults do not depend on the trainer)",
+    )
     ap.add_argument("--reward-only", action="store_true", help="only part 3: a reward worker killed")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
@@ -179,11 +212,13 @@ def main(argv: list[str] | None = None) -> dict:
     result = {"recipe": args.recipe, "repeats": args.repeats, "overrides": overrides, "checkpoint": {}}
     for mode in MODES:
         ratios = [r["step_s"] / o["step_s"] for r, o in zip(runs[mode], runs["off"])]
-        result["checkpoint"][mode] = {"step_s_median": med(runs[mode], "step_s"),
-                                      "step_s_ratio_vs_off_median": statistics.median(ratios),
-                                      "write_s_median": med(runs[mode], "write_s"),
-                                      "snapshot_s_median": med(runs[mode], "snapshot_s"),
-                                      "bytes": med(runs[mode], "bytes")}
+        result["checkpoint"][mode] = {
+            "step_s_median": med(runs[mode], "step_s"),
+            "step_s_ratio_vs_off_median": statistics.median(ratios),
+            "write_s_median": med(runs[mode], "write_s"),
+            "snapshot_s_median": med(runs[mode], "snapshot_s"),
+            "bytes": med(runs[mode], "bytes"),
+        }
     if runs["fault"]:
         result["engine_fault"] = {k: med(runs["fault"], k) for k in runs["fault"][0]}
     print(json.dumps(result))

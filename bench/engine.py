@@ -67,8 +67,10 @@ def build_model(path: str) -> None:
 def requests(work, tag: str):
     from flash.engine.base import GenerationRequest, SamplingParams
 
-    return [GenerationRequest(f"{tag}/{i}", p, SamplingParams(max_new_tokens=n, temperature=1.0, seed=i))
-            for i, (p, n) in enumerate(work)]
+    return [
+        GenerationRequest(f"{tag}/{i}", p, SamplingParams(max_new_tokens=n, temperature=1.0, seed=i))
+        for i, (p, n) in enumerate(work)
+    ]
 
 
 @torch.inference_mode()
@@ -84,9 +86,19 @@ def run_hf(model, work, concurrency: int) -> int:
             ids[i, width - len(p) :] = torch.tensor(p)
             mask[i, width - len(p) :] = 1
         longest = max(n for _, n in batch)
-        out = model.generate(ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0,
-                             max_new_tokens=longest, min_new_tokens=longest, pad_token_id=0, eos_token_id=None,
-                             output_scores=True, return_dict_in_generate=True)
+        out = model.generate(
+            ids,
+            attention_mask=mask,
+            do_sample=True,
+            temperature=1.0,
+            top_k=0,
+            max_new_tokens=longest,
+            min_new_tokens=longest,
+            pad_token_id=0,
+            eos_token_id=None,
+            output_scores=True,
+            return_dict_in_generate=True,
+        )
         scores = torch.stack(out.scores, 1).log_softmax(-1)  # [batch, longest, vocab]
         logp = scores.gather(-1, out.sequences[:, width:, None]).squeeze(-1)
         useful += sum(min(n, logp.shape[1]) for _, n in batch)
@@ -112,8 +124,15 @@ def run_vllm_direct(worker, work, tag: str) -> int:
     from vllm.sampling_params import RequestOutputKind
 
     async def one(i, prompt, n):
-        params = SamplingParams(max_tokens=n, temperature=1.0, seed=i, ignore_eos=True, logprobs=0,
-                                detokenize=False, output_kind=RequestOutputKind.DELTA)
+        params = SamplingParams(
+            max_tokens=n,
+            temperature=1.0,
+            seed=i,
+            ignore_eos=True,
+            logprobs=0,
+            detokenize=False,
+            output_kind=RequestOutputKind.DELTA,
+        )
         count = 0
         async for out in worker._llm.generate({"prompt_token_ids": prompt}, params, request_id=f"{tag}/{i}"):
             c = out.outputs[0]
@@ -139,8 +158,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--systems", default=",".join(SYSTEMS),
-                    help="comma-separated subset, e.g. vllm,vllm_direct for the wrapper overhead alone")
+    ap.add_argument(
+        "--systems",
+        default=",".join(SYSTEMS),
+        help="comma-separated subset, e.g. vllm,vllm_direct for the wrapper overhead alone",
+    )
     args = ap.parse_args(argv)
     systems = tuple(s for s in SYSTEMS if s in args.systems.split(","))
 
@@ -167,12 +189,14 @@ def main(argv: list[str] | None = None) -> dict:
             fn(warm, f"warm-{name}")
         rates: dict[str, list[float]] = {s: [] for s in systems}
         for rep in range(args.repeats):
-            order = systems[rep % len(systems):] + systems[: rep % len(systems)]  # no system always last
+            order = systems[rep % len(systems) :] + systems[: rep % len(systems)]  # no system always last
             for name, fn in ((s, runs[s]) for s in order):
                 tokens, secs = measure(lambda fn=fn, tag=f"{name}-{rep}": fn(work, tag))
                 rates[name].append(tokens / secs)
-                print(f"repeat {rep} {name:12s} {tokens} tokens in {secs:6.2f} s = {tokens / secs:8.0f} tokens/s",
-                      flush=True)
+                print(
+                    f"repeat {rep} {name:12s} {tokens} tokens in {secs:6.2f} s = {tokens / secs:8.0f} tokens/s",
+                    flush=True,
+                )
     finally:
         for w in (torch_worker, vllm_worker):
             if w is not None:
@@ -184,12 +208,19 @@ def report(args, rates: dict[str, list[float]], useful_tokens: int) -> dict:
     """Medians per system, and ratios as medians of per-repeat pairs (the two ran side by side, so
     a noisy moment on the shared cores hits both; a ratio of medians would mix moments)."""
     med = {s: statistics.median(r) for s, r in rates.items()}
-    result = {"bench": "engine", "requests": args.requests, "concurrency": args.concurrency,
-              "repeats": args.repeats, "threads": args.threads, "useful_tokens": useful_tokens,
-              "tokens_per_s": {s: round(v, 1) for s, v in med.items()}}
+    result = {
+        "bench": "engine",
+        "requests": args.requests,
+        "concurrency": args.concurrency,
+        "repeats": args.repeats,
+        "threads": args.threads,
+        "useful_tokens": useful_tokens,
+        "tokens_per_s": {s: round(v, 1) for s, v in med.items()},
+    }
     if "hf_generate" in rates:
-        result["vs_hf_generate"] = {s: round(statistics.median(a / b for a, b in zip(r, rates["hf_generate"])), 3)
-                                    for s, r in rates.items()}
+        result["vs_hf_generate"] = {
+            s: round(statistics.median(a / b for a, b in zip(r, rates["hf_generate"])), 3) for s, r in rates.items()
+        }
     if "vllm" in rates and "vllm_direct" in rates:
         pairs = [1 - a / b for a, b in zip(rates["vllm"], rates["vllm_direct"])]
         result["vllm_wrapper_overhead"] = round(statistics.median(pairs), 4)

@@ -30,8 +30,10 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch
 
-MODELS = {"default": {}, "wide": {"hidden_size": 512, "num_layers": 4, "num_heads": 8, "num_kv_heads": 8,
-                                  "intermediate_size": 1536}}
+MODELS = {
+    "default": {},
+    "wide": {"hidden_size": 512, "num_layers": 4, "num_heads": 8, "num_kv_heads": 8, "intermediate_size": 1536},
+}
 
 
 def build(name: str):
@@ -86,9 +88,15 @@ def bench_model(name: str, repeats: int, rank: int, bucket_mib: float) -> dict |
         return None
     mb = sum(t.numel() * t.element_size() for t in {id(t): t for t in b.values()}.values()) / 1e6  # tied: once
     ratios = [p / f for p, f in zip(times["per_param"], times["flat"], strict=True)]
-    return {"model": name, "state_mb": round(mb, 2), "tensors": len(b), "bucket_mib": bucket_mib,
-            **{f"{k}_s": round(statistics.median(v), 5) for k, v in times.items()},
-            "ratio_median": round(statistics.median(ratios), 2), "ratios": [round(r, 2) for r in ratios]}
+    return {
+        "model": name,
+        "state_mb": round(mb, 2),
+        "tensors": len(b),
+        "bucket_mib": bucket_mib,
+        **{f"{k}_s": round(statistics.median(v), 5) for k, v in times.items()},
+        "ratio_median": round(statistics.median(ratios), 2),
+        "ratios": [round(r, 2) for r in ratios],
+    }
 
 
 def rank_main(rank: int, world: int, port: int, models: list[str], repeats: int, bucket_mib: float, out: str) -> None:
@@ -118,7 +126,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--models", default="default,wide")
-    ap.add_argument("--bucket-mib", type=float, default=BUCKET_BYTES / (1 << 20), help="gathered MiB per collective (flat)")
+    ap.add_argument(
+        "--bucket-mib", type=float, default=BUCKET_BYTES / (1 << 20), help="gathered MiB per collective (flat)"
+    )
     args = ap.parse_args()
     models = args.models.split(",")
     unknown = [m for m in models if m not in MODELS]
@@ -126,12 +136,16 @@ def main() -> None:
         ap.error(f"unknown model(s) {unknown}; choose from {', '.join(MODELS)}")
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
-        mp.spawn(rank_main, args=(args.world, free_port(), models, args.repeats, args.bucket_mib, out), nprocs=args.world)
+        mp.spawn(
+            rank_main, args=(args.world, free_port(), models, args.repeats, args.bucket_mib, out), nprocs=args.world
+        )
         with open(out) as f:
             results = json.load(f)
     for r in results:
-        print(f"{r['model']:8s} {r['state_mb']:7.2f} MB {r['tensors']:3d} tensors  per_param {r['per_param_s']:.4f} s  "
-              f"flat {r['flat_s']:.4f} s  per_param/flat {r['ratio_median']:.2f}x")
+        print(
+            f"{r['model']:8s} {r['state_mb']:7.2f} MB {r['tensors']:3d} tensors  per_param {r['per_param_s']:.4f} s  "
+            f"flat {r['flat_s']:.4f} s  per_param/flat {r['ratio_median']:.2f}x"
+        )
     print(json.dumps({"world": args.world, "repeats": args.repeats, "results": results}))
 
 

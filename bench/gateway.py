@@ -27,8 +27,10 @@ import statistics
 import threading
 import time
 
-CHATML = ("{% for m in messages %}<bos>{{ m['role'] }} {{ m['content'] }}<eos> {% endfor %}"
-          "{% if add_generation_prompt %}<bos>assistant {% endif %}")
+CHATML = (
+    "{% for m in messages %}<bos>{{ m['role'] }} {{ m['content'] }}<eos> {% endfor %}"
+    "{% if add_generation_prompt %}<bos>assistant {% endif %}"
+)
 
 
 def build(max_tokens: int):
@@ -69,8 +71,10 @@ async def via_gateway(gw, n: int, concurrency: int, max_tokens: int) -> tuple[fl
     slots = asyncio.Semaphore(concurrency)
     made = time.perf_counter()
     http = openai.DefaultAsyncHttpxClient()  # shared, as flash's agent runner shares it
-    clients = [openai.AsyncOpenAI(base_url=gw.url, api_key=gw.open_session(), max_retries=0, http_client=http)
-               for _ in range(n)]
+    clients = [
+        openai.AsyncOpenAI(base_url=gw.url, api_key=gw.open_session(), max_retries=0, http_client=http)
+        for _ in range(n)
+    ]
     per_client = (time.perf_counter() - made) / n
 
     async def one(i, messages):
@@ -98,20 +102,34 @@ def via_direct(direct, n: int, concurrency: int) -> float:
 def parse_bodies() -> dict[str, bytes]:
     """Request bodies as agents send them: one short turn; a conversation with tools and tool calls
     (~64 KiB); the largest body the gateway takes (1 MiB: one long message); a deep tool schema."""
-    tools = [{"type": "function", "function": {"name": f"tool{i}", "description": "does a thing " * 8,
-              "parameters": {"type": "object", "properties": {"x": {"type": "string"}, "n": {"type": "integer"}}}}}
-             for i in range(8)]
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": f"tool{i}",
+                "description": "does a thing " * 8,
+                "parameters": {"type": "object", "properties": {"x": {"type": "string"}, "n": {"type": "integer"}}},
+            },
+        }
+        for i in range(8)
+    ]
     call = {"id": "c", "type": "function", "function": {"name": "tool1", "arguments": json.dumps({"x": "a" * 40})}}
-    turns = [{"role": "user", "content": "what is 12 * 34? " * 4},
-             {"role": "assistant", "content": None, "tool_calls": [call]}, {"role": "tool", "content": "408"}]
+    turns = [
+        {"role": "user", "content": "what is 12 * 34? " * 4},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "content": "408"},
+    ]
     deep: dict = {"type": "string"}
     for _ in range(29):  # 59 levels, 63 in the body: within the bound
         deep = {"type": "object", "properties": {"x": deep}}
-    return {"short (1 turn)": json.dumps({"model": "p", "messages": turns[:1], "max_tokens": 16}).encode(),
-            "64 KiB (tools, 100 turns)": json.dumps({"messages": turns * 100, "tools": tools}).encode(),
-            "1 MiB (one message)": json.dumps({"messages": [{"role": "user", "content": "x" * ((1 << 20) - 64)}]}).encode(),
-            "deep schema (64 levels)": json.dumps({"messages": turns[:1], "tools": [
-                {"type": "function", "function": {"name": "f", "parameters": deep}}]}).encode()}
+    return {
+        "short (1 turn)": json.dumps({"model": "p", "messages": turns[:1], "max_tokens": 16}).encode(),
+        "64 KiB (tools, 100 turns)": json.dumps({"messages": turns * 100, "tools": tools}).encode(),
+        "1 MiB (one message)": json.dumps({"messages": [{"role": "user", "content": "x" * ((1 << 20) - 64)}]}).encode(),
+        "deep schema (64 levels)": json.dumps(
+            {"messages": turns[:1], "tools": [{"type": "function", "function": {"name": "f", "parameters": deep}}]}
+        ).encode(),
+    }
 
 
 def parse_costs(repeats: int) -> dict:
@@ -135,12 +153,19 @@ def parse_costs(repeats: int) -> dict:
             return 1e6 * (time.perf_counter() - start) / n
 
         runs = [(per_call(old), per_call(parse_body), per_call(json_depth)) for _ in range(repeats)]
-        rows[name] = {"bytes": len(body), "old_us": statistics.median(r[0] for r in runs),
-                      "new_us": statistics.median(r[1] for r in runs), "scan_us": statistics.median(r[2] for r in runs)}
+        rows[name] = {
+            "bytes": len(body),
+            "old_us": statistics.median(r[0] for r in runs),
+            "new_us": statistics.median(r[1] for r in runs),
+            "scan_us": statistics.median(r[2] for r in runs),
+        }
         r = rows[name]
-        print(f"{name}: {r['bytes']} bytes, before {r['old_us']:.1f} us, parse_body (scan + parse) "
-              f"{r['new_us']:.1f} us (+{100 * (r['new_us'] / r['old_us'] - 1):.0f}%), the scan alone "
-              f"{r['scan_us']:.1f} us", flush=True)
+        print(
+            f"{name}: {r['bytes']} bytes, before {r['old_us']:.1f} us, parse_body (scan + parse) "
+            f"{r['new_us']:.1f} us (+{100 * (r['new_us'] / r['old_us'] - 1):.0f}%), the scan alone "
+            f"{r['scan_us']:.1f} us",
+            flush=True,
+        )
     return rows
 
 
@@ -161,16 +186,26 @@ def main() -> None:
     rows = {}
     with Gateway(tok, generate, max_tokens_cap=args.max_tokens, stop_token_ids=[-1], workers=16) as gw:
         for c in (int(x) for x in args.concurrency.split(",")):
-            runs = [(via_direct(direct, args.calls, c), *asyncio.run(via_gateway(gw, args.calls, c, args.max_tokens)))
-                    for _ in range(args.repeats)]
-            rows[c] = {"direct_ms": 1000 * statistics.median(d for d, _, _ in runs),
-                       "gateway_ms": 1000 * statistics.median(g for _, g, _ in runs),
-                       "ratio": statistics.median(g / d for d, g, _ in runs),
-                       "client_ms": 1000 * statistics.median(m for _, _, m in runs)}
-            print(f"concurrency {c}: direct {rows[c]['direct_ms']:.1f} ms/call, gateway {rows[c]['gateway_ms']:.1f} "
-                  f"ms/call, ratio {rows[c]['ratio']:.2f} (making a client: {rows[c]['client_ms']:.1f} ms)", flush=True)
-    print(json.dumps({"calls": args.calls, "repeats": args.repeats, "max_tokens": args.max_tokens,
-                      "by_concurrency": rows}))
+            runs = [
+                (via_direct(direct, args.calls, c), *asyncio.run(via_gateway(gw, args.calls, c, args.max_tokens)))
+                for _ in range(args.repeats)
+            ]
+            rows[c] = {
+                "direct_ms": 1000 * statistics.median(d for d, _, _ in runs),
+                "gateway_ms": 1000 * statistics.median(g for _, g, _ in runs),
+                "ratio": statistics.median(g / d for d, g, _ in runs),
+                "client_ms": 1000 * statistics.median(m for _, _, m in runs),
+            }
+            print(
+                f"concurrency {c}: direct {rows[c]['direct_ms']:.1f} ms/call, gateway {rows[c]['gateway_ms']:.1f} "
+                f"ms/call, ratio {rows[c]['ratio']:.2f} (making a client: {rows[c]['client_ms']:.1f} ms)",
+                flush=True,
+            )
+    print(
+        json.dumps(
+            {"calls": args.calls, "repeats": args.repeats, "max_tokens": args.max_tokens, "by_concurrency": rows}
+        )
+    )
 
 
 if __name__ == "__main__":

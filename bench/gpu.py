@@ -38,19 +38,53 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 # Dense bf16 tensor-core peak FLOP/s (no sparsity), from the vendors' datasheets; the first key
 # found in ``torch.cuda.get_device_name()`` wins, so the more specific names come first.
 PEAK_BF16 = {
-    "H200": 989.4e12, "H100 PCIe": 756.0e12, "H100 NVL": 835.0e12, "H100": 989.4e12, "H800": 989.4e12,
-    "GH200": 989.4e12, "B200": 2250e12, "A100": 312e12, "A800": 312e12, "L40S": 362.05e12,
-    "L40": 181.05e12, "A6000": 154.8e12, "L4": 121e12, "A10G": 70e12, "A10": 125e12,
-    "RTX 4090": 165.2e12, "RTX 3090": 71e12,
+    "H200": 989.4e12,
+    "H100 PCIe": 756.0e12,
+    "H100 NVL": 835.0e12,
+    "H100": 989.4e12,
+    "H800": 989.4e12,
+    "GH200": 989.4e12,
+    "B200": 2250e12,
+    "A100": 312e12,
+    "A800": 312e12,
+    "L40S": 362.05e12,
+    "L40": 181.05e12,
+    "A6000": 154.8e12,
+    "L4": 121e12,
+    "A10G": 70e12,
+    "A10": 125e12,
+    "RTX 4090": 165.2e12,
+    "RTX 3090": 71e12,
 }
 # Qwen2.5-0.5B / 1.5B (their config.json); "smoke": a tiny shape for CPU.
 SHAPES = {
-    "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                 num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
-    "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
-                 num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
-    "smoke": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-                  num_key_value_heads=1, vocab_size=512, tie_word_embeddings=True),
+    "0.5b": dict(
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+    ),
+    "1.5b": dict(
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+    ),
+    "smoke": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=512,
+        tie_word_embeddings=True,
+    ),
 }
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -101,13 +135,16 @@ def synthetic_batch(rows: int, seq: int, vocab: int, prompt: int = 64):
 
     g = torch.Generator().manual_seed(0)
     mask = torch.zeros(rows, seq - 1)
-    mask[:, prompt - 1:] = 1.0
+    mask[:, prompt - 1 :] = 1.0
     return TrainBatch(
         input_ids=torch.randint(0, vocab, (rows, seq), generator=g),
         attention_mask=torch.ones(rows, seq, dtype=torch.long),
-        mask=mask, behav_logp=-torch.rand(rows, seq - 1, generator=g) * 5 * mask,
+        mask=mask,
+        behav_logp=-torch.rand(rows, seq - 1, generator=g) * 5 * mask,
         versions=torch.zeros(rows, seq - 1, dtype=torch.long),
-        rewards=torch.rand(rows, generator=g), group_ids=torch.arange(rows) // 2)
+        rewards=torch.rand(rows, generator=g),
+        group_ids=torch.arange(rows) // 2,
+    )
 
 
 def bench_trainer(shape: str, seq: int, micro: int, dtype: str, device: torch.device, repeats: int) -> dict:
@@ -117,17 +154,31 @@ def bench_trainer(shape: str, seq: int, micro: int, dtype: str, device: torch.de
     model = build_model(shape)
     params = n_params(model)
     enable_activation_checkpointing(model.model.layers)
-    settings = TrainerSettings(lr=1e-6, weight_decay=0.0, betas=(0.9, 0.999), grad_clip=1.0,
-                               micro_batch_size=micro, temperature=1.0, loss={"name": "decoupled_ppo"},
-                               agg="token-mean", dtype=dtype)
+    settings = TrainerSettings(
+        lr=1e-6,
+        weight_decay=0.0,
+        betas=(0.9, 0.999),
+        grad_clip=1.0,
+        micro_batch_size=micro,
+        temperature=1.0,
+        loss={"name": "decoupled_ppo"},
+        agg="token-mean",
+        dtype=dtype,
+    )
     trainer = Trainer(model.to(device), settings)  # fp32 master weights on the device, compute in dtype
     batch = synthetic_batch(micro, seq, model.config.vocab_size)
     adv = torch.randn(micro, seq - 1)
     seconds = timed(lambda: trainer.train_step(batch, adv, None), device, repeats)  # noqa: F821  (called before the del below)
     tokens_per_s = micro * seq / seconds
     del trainer, model
-    return {"params": params, "seq": seq, "rows": micro, "step_s": seconds, "tokens_per_s": tokens_per_s,
-            "mfu": mfu(tokens_per_s, params, peak_bf16(device_name(device)))}
+    return {
+        "params": params,
+        "seq": seq,
+        "rows": micro,
+        "step_s": seconds,
+        "tokens_per_s": tokens_per_s,
+        "mfu": mfu(tokens_per_s, params, peak_bf16(device_name(device))),
+    }
 
 
 # ---- decode -----------------------------------------------------------------------------------
@@ -148,14 +199,27 @@ def bench_decode(shape: str, seqs: int, new_tokens: int, dtype: str, device: tor
 
     def hf():
         with torch.inference_mode():
-            model.generate(prompts.to(device), attention_mask=torch.ones_like(prompts, device=device),
-                           max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=True,
-                           temperature=1.0, top_k=0, top_p=1.0, pad_token_id=0)
+            model.generate(
+                prompts.to(device),
+                attention_mask=torch.ones_like(prompts, device=device),
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=True,
+                temperature=1.0,
+                top_k=0,
+                top_p=1.0,
+                pad_token_id=0,
+            )
 
     tokens = seqs * new_tokens
     ours_s, hf_s = timed(ours, device, repeats), timed(hf, device, repeats)
-    return {"seqs": seqs, "new_tokens": new_tokens, "engine_tokens_per_s": tokens / ours_s,
-            "hf_generate_tokens_per_s": tokens / hf_s, "ratio": hf_s / ours_s}
+    return {
+        "seqs": seqs,
+        "new_tokens": new_tokens,
+        "engine_tokens_per_s": tokens / ours_s,
+        "hf_generate_tokens_per_s": tokens / hf_s,
+        "ratio": hf_s / ours_s,
+    }
 
 
 # ---- colocated push ---------------------------------------------------------------------------
@@ -174,8 +238,7 @@ def bench_push(shape: str, dtype: str, device: torch.device, repeats: int) -> di
         folder = save_model(shape, Path(tmp))
         init_ray(None, 2, num_gpus=1 if gpu else 0)
         try:
-            trainer = ray.remote(num_gpus=gpu)(TrainerWorker).remote(
-                str(folder), push_settings(dtype), 0, 1, [])
+            trainer = ray.remote(num_gpus=gpu)(TrainerWorker).remote(str(folder), push_settings(dtype), 0, 1, [])
             engine = ray.remote(num_gpus=gpu)(EngineWorker).remote(str(folder), 8, 0, 1, dtype=dtype)
             group = ModelUpdateGroup(trainer, [engine])
             backend = group.setup()
@@ -189,8 +252,13 @@ def bench_push(shape: str, dtype: str, device: torch.device, repeats: int) -> di
     src = torch.empty(int(nbytes), dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     copy_s = timed(lambda: dst.copy_(src), device, repeats)
-    return {"backend": backend, "bytes": nbytes, "push_gb_per_s": nbytes / push_s / 1e9,
-            "copy_gb_per_s": nbytes / copy_s / 1e9, "ratio": push_s / copy_s}
+    return {
+        "backend": backend,
+        "bytes": nbytes,
+        "push_gb_per_s": nbytes / push_s / 1e9,
+        "copy_gb_per_s": nbytes / copy_s / 1e9,
+        "ratio": push_s / copy_s,
+    }
 
 
 def save_model(shape: str, root: Path) -> Path:
@@ -206,8 +274,17 @@ def save_model(shape: str, root: Path) -> Path:
 def push_settings(dtype: str):
     from flash.train.trainer import TrainerSettings
 
-    return TrainerSettings(lr=1e-6, weight_decay=0.0, betas=(0.9, 0.999), grad_clip=1.0, micro_batch_size=1,
-                           temperature=1.0, loss={"name": "decoupled_ppo"}, agg="token-mean", dtype=dtype)
+    return TrainerSettings(
+        lr=1e-6,
+        weight_decay=0.0,
+        betas=(0.9, 0.999),
+        grad_clip=1.0,
+        micro_batch_size=1,
+        temperature=1.0,
+        loss={"name": "decoupled_ppo"},
+        agg="token-mean",
+        dtype=dtype,
+    )
 
 
 def device_name(device: torch.device) -> str:
@@ -232,9 +309,13 @@ def main(argv: list[str] | None = None) -> dict:
     name = device_name(device)
     out = {"device": name, "peak_bf16": peak_bf16(name), "dtype": a.dtype, "shapes": {}}
     for shape in a.shapes.split(","):
-        row = {"trainer": bench_trainer(shape, a.seq, a.micro, a.dtype, device, a.repeats),
-               "decode": [bench_decode(shape, int(n), a.decode_tokens, a.dtype, device, a.repeats)
-                          for n in a.decode_seqs.split(",")]}
+        row = {
+            "trainer": bench_trainer(shape, a.seq, a.micro, a.dtype, device, a.repeats),
+            "decode": [
+                bench_decode(shape, int(n), a.decode_tokens, a.dtype, device, a.repeats)
+                for n in a.decode_seqs.split(",")
+            ],
+        }
         if not a.no_push:
             row["push"] = bench_push(shape, a.dtype, device, a.repeats)
         out["shapes"][shape] = row

@@ -48,14 +48,29 @@ def unchunked_logprobs(model, batch, temperature, with_entropy=False, entropy_gr
 def stand_in_config(vocab: int, layers: int = 1):
     from transformers import Qwen2Config
 
-    return Qwen2Config(vocab_size=vocab, hidden_size=896, intermediate_size=4864, num_hidden_layers=layers,
-                       num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True,
-                       max_position_embeddings=32768)
+    return Qwen2Config(
+        vocab_size=vocab,
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=layers,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        max_position_embeddings=32768,
+    )
 
 
-def micro_batch_peak(rows: int = 8, length: int = 1024, prompt: int = 256, vocab: int = 151936,
-                     dtype: str = "float32", entropy: bool = True, unchunked: bool = False,
-                     layers: int = 1, activation_checkpointing: bool = False) -> float:
+def micro_batch_peak(
+    rows: int = 8,
+    length: int = 1024,
+    prompt: int = 256,
+    vocab: int = 151936,
+    dtype: str = "float32",
+    entropy: bool = True,
+    unchunked: bool = False,
+    layers: int = 1,
+    activation_checkpointing: bool = False,
+) -> float:
     """Peak bytes (every tracked device) of one micro-batch's forward, loss and backward, with
     ``layers`` decoder layers, each recomputed in backward under ``activation_checkpointing``."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -66,10 +81,19 @@ def micro_batch_peak(rows: int = 8, length: int = 1024, prompt: int = 256, vocab
     from flash.app.memory_trace import zero_batch
     from flash.train.trainer import Trainer, TrainerSettings
 
-    settings = TrainerSettings(lr=1e-6, weight_decay=0.0, betas=(0.9, 0.999), grad_clip=1.0, micro_batch_size=rows,
-                               temperature=1.0, loss={"name": "ppo", "old_policy": "prox"}, agg="token-mean",
-                               dtype=dtype, entropy_every_steps=1 if entropy else 0,
-                               activation_checkpointing=activation_checkpointing)
+    settings = TrainerSettings(
+        lr=1e-6,
+        weight_decay=0.0,
+        betas=(0.9, 0.999),
+        grad_clip=1.0,
+        micro_batch_size=rows,
+        temperature=1.0,
+        loss={"name": "ppo", "old_policy": "prox"},
+        agg="token-mean",
+        dtype=dtype,
+        entropy_every_steps=1 if entropy else 0,
+        activation_checkpointing=activation_checkpointing,
+    )
     with FakeTensorMode():
         model = Qwen2ForCausalLM(stand_in_config(vocab, layers))
         trainer = Trainer(model, settings)
@@ -94,8 +118,11 @@ def main() -> None:
     shape = {"rows": args.rows, "length": args.length, "prompt": args.prompt, "vocab": args.vocab}
     out = {"shape": shape, "gib": {}}
     for dtype in ("float32", "bfloat16"):
-        for name, kw in (("unchunked", {"unchunked": True}), ("chunked, entropy", {"entropy": True}),
-                         ("chunked, no entropy", {"entropy": False})):
+        for name, kw in (
+            ("unchunked", {"unchunked": True}),
+            ("chunked, entropy", {"entropy": True}),
+            ("chunked, no entropy", {"entropy": False}),
+        ):
             gib = micro_batch_peak(**shape, dtype=dtype, **kw) / GIB
             out["gib"][f"{dtype} {name}"] = round(gib, 2)
             print(f"{dtype:9s} {name:20s} {gib:6.2f} GiB")

@@ -21,18 +21,39 @@ from pathlib import Path
 
 # Fields of the published config.json of each model (Qwen2.5 technical report, Table 1).
 QWEN25 = {
-    "Qwen2.5-0.5B-Instruct": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                                  num_attention_heads=14, num_key_value_heads=2, vocab_size=151936,
-                                  tie_word_embeddings=True),
-    "Qwen2.5-1.5B-Instruct": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
-                                  num_attention_heads=12, num_key_value_heads=2, vocab_size=151936,
-                                  tie_word_embeddings=True),
-    "Qwen2.5-7B-Instruct": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-                                num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
-                                tie_word_embeddings=False),
+    "Qwen2.5-0.5B-Instruct": dict(
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+    ),
+    "Qwen2.5-1.5B-Instruct": dict(
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+    ),
+    "Qwen2.5-7B-Instruct": dict(
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        vocab_size=152064,
+        tie_word_embeddings=False,
+    ),
 }
-CASES = (("gsm8k_1gpu", "Qwen2.5-0.5B-Instruct"), ("gsm8k_8gpu", "Qwen2.5-7B-Instruct"),
-         ("gsm8k_1gpu", "Qwen2.5-1.5B-Instruct"))
+CASES = (
+    ("gsm8k_1gpu", "Qwen2.5-0.5B-Instruct"),
+    ("gsm8k_8gpu", "Qwen2.5-7B-Instruct"),
+    ("gsm8k_1gpu", "Qwen2.5-1.5B-Instruct"),
+)
 
 
 def config_folder(root: Path, name: str) -> Path:
@@ -40,8 +61,9 @@ def config_folder(root: Path, name: str) -> Path:
     from transformers import Qwen2Config
 
     folder = root / name
-    Qwen2Config(max_position_embeddings=32768, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
-                **QWEN25[name]).save_pretrained(folder)
+    Qwen2Config(
+        max_position_embeddings=32768, rope_theta=1_000_000.0, rms_norm_eps=1e-6, **QWEN25[name]
+    ).save_pretrained(folder)
     for empty in ("model.safetensors", "tokenizer.json"):
         (folder / empty).touch()
     return folder
@@ -55,8 +77,15 @@ def estimate(recipe: str, model: str, card: str, root: Path) -> tuple[list[str],
 
     data = root / "rows.jsonl"
     data.write_text(json.dumps({"question": "1+1?", "answer": "#### 2"}) + "\n")
-    cfg = load_config(recipe_paths()[recipe], [f"model.path={config_folder(root, model)}", f"data.train=[{data}]",
-                                               f"data.eval=[{data}]", f"resources.card={card}"])
+    cfg = load_config(
+        recipe_paths()[recipe],
+        [
+            f"model.path={config_folder(root, model)}",
+            f"data.train=[{data}]",
+            f"data.eval=[{data}]",
+            f"resources.card={card}",
+        ],
+    )
     start = time.process_time()
     try:
         lines = estimate_lines(cfg, model_config(cfg))

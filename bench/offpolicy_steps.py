@@ -39,10 +39,21 @@ VARIANTS = {
 
 
 def run_variant(name: str, run_dir: Path, steps: int, extra: list[str]) -> list[dict]:
-    cmd = [sys.executable, "-m", "flash.app.cli", "run", "stutter", f"run_dir={run_dir}", f"train.steps={steps}",
-           "tracking.progress=false", "tracking.tensorboard=false", "checkpoint.every_steps=0",
-           "algo.loss.name=decoupled_ppo",  # the loss that reads the proximal policy these variants vary
-           *VARIANTS[name], *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "flash.app.cli",
+        "run",
+        "stutter",
+        f"run_dir={run_dir}",
+        f"train.steps={steps}",
+        "tracking.progress=false",
+        "tracking.tensorboard=false",
+        "checkpoint.every_steps=0",
+        "algo.loss.name=decoupled_ppo",  # the loss that reads the proximal policy these variants vary
+        *VARIANTS[name],
+        *extra,
+    ]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
@@ -56,6 +67,7 @@ def trainer_seconds(name: str, m: dict) -> float:
 def summarize(runs: dict[str, list[list[dict]]]) -> dict[str, dict]:
     """Per variant, over repeats: medians of the per-run median step figures, and ratios to mb1
     paired by repeat."""
+
     def med(rows: list[dict], f) -> float:
         return statistics.median(f(m) for m in rows[1:] or rows)  # the first step also warms up
 
@@ -89,8 +101,10 @@ def main(argv: list[str] | None = None) -> dict:
     out = summarize(runs)
     for name, row in out.items():
         err = f", approx logprob error {row['prox_approx_error_mean']:.4f}" if "prox_approx_error_mean" in row else ""
-        print(f"{name}: trainer {row['trainer_seconds_per_step']:.3f} s/step ({row['trainer_ratio_to_mb1']:.2f}x mb1), "
-              f"step {row['seconds_per_step']:.3f} s, {row['optimizer_steps']:.0f} optimizer steps/batch{err}")
+        print(
+            f"{name}: trainer {row['trainer_seconds_per_step']:.3f} s/step ({row['trainer_ratio_to_mb1']:.2f}x mb1), "
+            f"step {row['seconds_per_step']:.3f} s, {row['optimizer_steps']:.0f} optimizer steps/batch{err}"
+        )
     print(json.dumps(out))
     return out
 

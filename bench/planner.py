@@ -31,9 +31,20 @@ from flash.app import plan as planner
 def run_once(recipe: str, overrides: list[str], run_dir: Path, steps: int) -> Path:
     """One ``flash run`` (short: ``steps`` steps, a small held-out set, no checkpoint)."""
     if not (run_dir / "summary.json").is_file():
-        cmd = [sys.executable, "-m", "flash.app.cli", "run", recipe, f"train.steps={steps}", "task.eval_size=32",
-               "checkpoint.enabled=false", "tracking.progress=false", "tracking.backends=[console]",
-               f"run_dir={run_dir}", *overrides]
+        cmd = [
+            sys.executable,
+            "-m",
+            "flash.app.cli",
+            "run",
+            recipe,
+            f"train.steps={steps}",
+            "task.eval_size=32",
+            "checkpoint.enabled=false",
+            "tracking.progress=false",
+            "tracking.backends=[console]",
+            f"run_dir={run_dir}",
+            *overrides,
+        ]
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     return run_dir
 
@@ -67,8 +78,11 @@ def main(argv: list[str] | None = None) -> dict:
             load = os.getloadavg()[0]
             d = run_once(args.recipe, [*args.overrides, *ov], out / f"s{i}-{rep}", args.steps)
             dirs[i].append(d)
-            print(f"repeat {rep} {' '.join(ov)}: {planner.measured_step_s(d):.3f} s/step "
-                  f"(load average {load:.1f} -> {os.getloadavg()[0]:.1f})", flush=True)
+            print(
+                f"repeat {rep} {' '.join(ov)}: {planner.measured_step_s(d):.3f} s/step "
+                f"(load average {load:.1f} -> {os.getloadavg()[0]:.1f})",
+                flush=True,
+            )
     measured = {i: [planner.measured_step_s(d) for d in dirs[i]] for i in dirs}
     base = planner.load_trace(dirs[0])  # every repeat of the first setting, pooled
     ps = {"default": planner.DEFAULT_P}
@@ -79,8 +93,11 @@ def main(argv: list[str] | None = None) -> dict:
     rows = []
     for i, ov in enumerate(settings):
         mean = statistics.fmean(measured[i])
-        row = {"setting": " ".join(ov), "measured_s_per_step": round(mean, 4),
-               "measured_repeats": [round(m, 4) for m in measured[i]]}
+        row = {
+            "setting": " ".join(ov),
+            "measured_s_per_step": round(mean, 4),
+            "measured_repeats": [round(m, 4) for m in measured[i]],
+        }
         for name, p in ps.items():
             pred = planner.predict(base, setting_of(ov, base), p).step_s
             row[f"predicted_{name}"] = round(pred, 4)
@@ -89,22 +106,36 @@ def main(argv: list[str] | None = None) -> dict:
         print("  ".join(f"{k}={v}" for k, v in row.items()), flush=True)
     if args.save_traces:
         save_traces(Path(args.save_traces), dirs[0], settings, rows, args)
-    result = {"recipe": args.recipe, "steps": args.steps, "repeats": args.repeats, "out": str(out),
-              "parallel_fraction": ps, "rows": rows}
+    result = {
+        "recipe": args.recipe,
+        "steps": args.steps,
+        "repeats": args.repeats,
+        "out": str(out),
+        "parallel_fraction": ps,
+        "rows": rows,
+    }
     print(json.dumps(result))
     return result
-
 
 
 def save_traces(save: Path, base_dirs: list[Path], settings: list[list[str]], rows: list[dict], args) -> None:
     """The base setting's traces (trimmed) and every setting's measured repeats (``traces.json``)."""
     for rep, d in enumerate(base_dirs):
         planner.trim_trace(d, save / f"base-{rep}")
-    manifest = {"base": [f"base-{rep}" for rep in range(len(base_dirs))], "steps": args.steps,
-                "settings": [{"overrides": ov, "measured_s_per_step": r["measured_repeats"],
-                              "calibrates": " ".join(ov) == args.calibrate}
-                             for ov, r in zip(settings, rows)]}
+    manifest = {
+        "base": [f"base-{rep}" for rep in range(len(base_dirs))],
+        "steps": args.steps,
+        "settings": [
+            {
+                "overrides": ov,
+                "measured_s_per_step": r["measured_repeats"],
+                "calibrates": " ".join(ov) == args.calibrate,
+            }
+            for ov, r in zip(settings, rows)
+        ],
+    }
     (save / "traces.json").write_text(json.dumps(manifest, indent=1) + "\n")
+
 
 if __name__ == "__main__":
     main()

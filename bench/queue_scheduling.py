@@ -40,8 +40,7 @@ COMMON = ["async_ratio=0", "train.steps=6", "task.eval_size=16", "tracking.tenso
 # the reward pool of 4 (0.8 s of reward time per step, about as long as generating the batch on 2
 # loaded cores). code: its own batch and reward (one sandbox process per response).
 RECIPE_DEFAULTS = {
-    "stutter": ["train.prompts_per_step=16", "rollout.n=8", "rollout.inject_delay_s=0.05",
-                "rollout.reward_workers=4"],
+    "stutter": ["train.prompts_per_step=16", "rollout.n=8", "rollout.inject_delay_s=0.05", "rollout.reward_workers=4"],
     "code": [],
 }
 MODES = {"queue": "true", "batch": "false"}
@@ -54,8 +53,18 @@ def defaults(recipe: str) -> list[str]:
 def run_once(recipe: str, mode: str, run_dir: Path, overrides: list[str], retries: int = 1) -> dict:
     """One ``flash run``; retried once if it fails (on a loaded shared machine a local Ray can time
     out starting), the failure printed so it is not hidden."""
-    cmd = [sys.executable, "-m", "flash.app.cli", "run", recipe, *defaults(recipe), *overrides,
-           f"rollout.queue_scheduling={MODES[mode]}", f"run_dir={run_dir}", "tracking.progress=false"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "flash.app.cli",
+        "run",
+        recipe,
+        *defaults(recipe),
+        *overrides,
+        f"rollout.queue_scheduling={MODES[mode]}",
+        f"run_dir={run_dir}",
+        "tracking.progress=false",
+    ]
     for attempt in range(retries + 1):
         proc = subprocess.run(cmd, check=False, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         if proc.returncode == 0:
@@ -67,13 +76,17 @@ def run_once(recipe: str, mode: str, run_dir: Path, overrides: list[str], retrie
 
 def summarize(runs: dict[str, list[dict]]) -> dict:
     ratios = [b["seconds_per_step"] / q["seconds_per_step"] for q, b in zip(runs["queue"], runs["batch"])]
-    waits = [b["phase_seconds_mean"]["get_batch"] / q["phase_seconds_mean"]["get_batch"]
-             for q, b in zip(runs["queue"], runs["batch"])]
-    out = {"batch_over_queue_step_time_median": statistics.median(ratios),
-           "batch_over_queue_step_time": [round(x, 3) for x in ratios],
-           # get_batch: the trainer waiting for rollout + reward, the part scheduling can change
-           "batch_over_queue_get_batch_median": statistics.median(waits),
-           "batch_over_queue_get_batch": [round(x, 3) for x in waits]}
+    waits = [
+        b["phase_seconds_mean"]["get_batch"] / q["phase_seconds_mean"]["get_batch"]
+        for q, b in zip(runs["queue"], runs["batch"])
+    ]
+    out = {
+        "batch_over_queue_step_time_median": statistics.median(ratios),
+        "batch_over_queue_step_time": [round(x, 3) for x in ratios],
+        # get_batch: the trainer waiting for rollout + reward, the part scheduling can change
+        "batch_over_queue_get_batch_median": statistics.median(waits),
+        "batch_over_queue_get_batch": [round(x, 3) for x in waits],
+    }
     for mode, rs in runs.items():
         out[mode] = {
             "seconds_per_step_median": statistics.median(s["seconds_per_step"] for s in rs),
@@ -81,7 +94,8 @@ def summarize(runs: dict[str, list[dict]]) -> dict:
             "get_batch_seconds_median": statistics.median(s["phase_seconds_mean"]["get_batch"] for s in rs),
             "train_seconds_median": statistics.median(s["phase_seconds_mean"]["train"] for s in rs),
             "reward_seconds_per_step_median": statistics.median(
-                s.get("reward_seconds", 0.0) / max(s["steps"], 1) for s in rs),
+                s.get("reward_seconds", 0.0) / max(s["steps"], 1) for s in rs
+            ),
         }
     return out
 
@@ -99,12 +113,19 @@ def main(argv: list[str] | None = None) -> dict:
         for mode in MODES:
             s = run_once(args.recipe, mode, out / f"{mode}-{rep}", args.overrides)
             runs[mode].append(s)
-            print(f"repeat {rep} {mode}: {s['seconds_per_step']:.3f} s/step, get_batch "
-                  f"{s['phase_seconds_mean']['get_batch']:.3f} s, reward {s.get('reward_seconds', 0):.1f} s total",
-                  flush=True)
-    result = {"bench": "queue_scheduling", "recipe": args.recipe, "repeats": args.repeats,
-              "overrides": [*defaults(args.recipe), *args.overrides], "wall_seconds": round(time.monotonic() - start, 1),
-              **summarize(runs)}
+            print(
+                f"repeat {rep} {mode}: {s['seconds_per_step']:.3f} s/step, get_batch "
+                f"{s['phase_seconds_mean']['get_batch']:.3f} s, reward {s.get('reward_seconds', 0):.1f} s total",
+                flush=True,
+            )
+    result = {
+        "bench": "queue_scheduling",
+        "recipe": args.recipe,
+        "repeats": args.repeats,
+        "overrides": [*defaults(args.recipe), *args.overrides],
+        "wall_seconds": round(time.monotonic() - start, 1),
+        **summarize(runs),
+    }
     print(json.dumps(result))
     return result
 

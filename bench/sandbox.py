@@ -32,17 +32,16 @@ from flash.rewards import sandbox
 
 PROGRAMS = {  # name -> (source, stdin, expected stdout)
     "print": ("print(1)", "", "1\n"),
-    "stdin_sum": ("import sys\nprint(sum(int(x) for x in sys.stdin.read().split()))", "1 2 3 4\n",
-                  "10\n"),
-    "json_re": ("import json, re\nprint(json.dumps(re.findall(r'\\d+', 'a1b22c333')))", "",
-                '["1", "22", "333"]\n'),
+    "stdin_sum": ("import sys\nprint(sum(int(x) for x in sys.stdin.read().split()))", "1 2 3 4\n", "10\n"),
+    "json_re": ("import json, re\nprint(json.dumps(re.findall(r'\\d+', 'a1b22c333')))", "", '["1", "22", "333"]\n'),
     "loop_1e5": ("print(sum(i * i for i in range(100000)))", "", f"{sum(i * i for i in range(100000))}\n"),
 }
 
 
 def _bare(source: str, stdin: str) -> str:
-    return subprocess.run([sandbox.sandbox_python(), "-S", "-c", source], input=stdin,
-                          capture_output=True, text=True, timeout=30).stdout
+    return subprocess.run(
+        [sandbox.sandbox_python(), "-S", "-c", source], input=stdin, capture_output=True, text=True, timeout=30
+    ).stdout
 
 
 def _boxed(source: str, stdin: str) -> str:
@@ -90,11 +89,15 @@ def _paired(zygote: str, pairs: int) -> dict:
                 for side in ("this", "other") if i % 2 == 0 else ("other", "this"):
                     sandbox.server = lambda *_, srv=servers[side]: srv
                     t[side].append(_per_call(_boxed, src, stdin, want, 1))
-            out[name] = {"this_ms": round(statistics.median(t["this"]) * 1e3, 2),
-                         "other_ms": round(statistics.median(t["other"]) * 1e3, 2),
-                         "paired": round(statistics.median(a / b for a, b in zip(t["this"], t["other"])), 3)}
-            print(f"  {name:10s} this {out[name]['this_ms']:6.2f}  other {out[name]['other_ms']:6.2f}  "
-                  f"paired {out[name]['paired']:.3f}x")
+            out[name] = {
+                "this_ms": round(statistics.median(t["this"]) * 1e3, 2),
+                "other_ms": round(statistics.median(t["other"]) * 1e3, 2),
+                "paired": round(statistics.median(a / b for a, b in zip(t["this"], t["other"])), 3),
+            }
+            print(
+                f"  {name:10s} this {out[name]['this_ms']:6.2f}  other {out[name]['other_ms']:6.2f}  "
+                f"paired {out[name]['paired']:.3f}x"
+            )
     finally:
         sandbox.server = route
         for srv in servers.values():
@@ -122,23 +125,26 @@ def main() -> None:
                 lat[name][side].append(_per_call(fn, src, stdin, want, args.calls))
             rates[side].append(_rate(fn, args.calls * len(PROGRAMS), args.threads))
     ratios = {}
-    print(f"isolation: {level}; {args.repeats} repeats x {args.calls} calls per program; "
-          f"medians (ms per call)")
+    print(f"isolation: {level}; {args.repeats} repeats x {args.calls} calls per program; medians (ms per call)")
     for name, sides in lat.items():
         bare, boxed = statistics.median(sides["bare"]), statistics.median(sides["sandbox"])
         ratios[name] = statistics.median(s / b for s, b in zip(sides["sandbox"], sides["bare"]))
-        print(f"  {name:10s} bare {bare * 1e3:6.2f}  sandbox {boxed * 1e3:6.2f}  "
-              f"ratio {ratios[name]:.2f}x")
+        print(f"  {name:10s} bare {bare * 1e3:6.2f}  sandbox {boxed * 1e3:6.2f}  ratio {ratios[name]:.2f}x")
     rate_bare, rate_box = statistics.median(rates["bare"]), statistics.median(rates["sandbox"])
     print(f"  {args.threads} threads: bare {rate_bare:.0f} calls/s, sandbox {rate_box:.0f} calls/s")
-    print(json.dumps({
-        "isolation": level, "sandbox_vs_bare": round(statistics.median(ratios.values()), 3),
-        "latency_ratio": {k: round(v, 3) for k, v in ratios.items()},
-        "ms_per_call": {k: {s: round(statistics.median(v) * 1e3, 2) for s, v in sides.items()}
-                        for k, sides in lat.items()},
-        "calls_per_s": {"bare": round(rate_bare, 1), "sandbox": round(rate_box, 1),
-                        "threads": args.threads},
-    }))
+    print(
+        json.dumps(
+            {
+                "isolation": level,
+                "sandbox_vs_bare": round(statistics.median(ratios.values()), 3),
+                "latency_ratio": {k: round(v, 3) for k, v in ratios.items()},
+                "ms_per_call": {
+                    k: {s: round(statistics.median(v) * 1e3, 2) for s, v in sides.items()} for k, sides in lat.items()
+                },
+                "calls_per_s": {"bare": round(rate_bare, 1), "sandbox": round(rate_box, 1), "threads": args.threads},
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -27,8 +27,7 @@ from flash.tasks import TaskItem
 TASKS = {  # entry point -> (reference solution, inputs)
     "add": ("def add(a, b):\n    return a + b", [[1, 2], [5, -3], [0, 0]]),
     "mul": ("def mul(a, b):\n    return a * b", [[2, 3], [7, 0], [-1, 4]]),
-    "fact": ("def fact(n):\n    r = 1\n    for k in range(2, n + 1):\n        r *= k\n    return r",
-             [[0], [5], [10]]),
+    "fact": ("def fact(n):\n    r = 1\n    for k in range(2, n + 1):\n        r *= k\n    return r", [[0], [5], [10]]),
     "rev": ("def rev(s):\n    return s[::-1]", [["abc"], [""], ["racecar!"]]),
 }
 
@@ -55,10 +54,12 @@ def make_batch(n: int, loops: int, seed: int) -> list[tuple[TaskItem, str, str]]
         tests = [{"input": a, "output": o} for a, o in zip(inputs, _expected(entry, source, inputs))]
         item = TaskItem(i, f"write {entry}", "", meta={"entry_point": entry, "tests": tests})
         head, _, body = source.partition("\n")
-        response = {"correct": source,
-                    "slow": f"{head}\n    import time; time.sleep(0.05)\n{body}",
-                    "wrong": f"{head}\n    return None",
-                    "loop": f"{head}\n    while True:\n        pass"}[kind]
+        response = {
+            "correct": source,
+            "slow": f"{head}\n    import time; time.sleep(0.05)\n{body}",
+            "wrong": f"{head}\n    return None",
+            "loop": f"{head}\n    while True:\n        pass",
+        }[kind]
         batch.append((item, response, kind))
     return batch
 
@@ -92,14 +93,20 @@ def main(argv: list[str] | None = None) -> dict:
             secs[arm].append(wall)
             if arm == "adaptive":
                 final_t.append(metrics["sandbox/timeout/T/default"])
-            print(f"repeat {rep} {arm:8s}: {wall:6.2f} s, reward sum {sum(rewards):.3f}, "
-                  f"statuses { {k[15:]: v for k, v in metrics.items() if k.startswith('sandbox/status/')} }",
-                  flush=True)
+            print(
+                f"repeat {rep} {arm:8s}: {wall:6.2f} s, reward sum {sum(rewards):.3f}, "
+                f"statuses { {k[15:]: v for k, v in metrics.items() if k.startswith('sandbox/status/')} }",
+                flush=True,
+            )
         same &= got["fixed"] == got["adaptive"]
         ratios.append(secs["fixed"][-1] / secs["adaptive"][-1])
     result = {
-        "responses": args.responses, "looping": args.loops, "repeats": args.repeats,
-        "t_min": args.t_min, "t_max": args.t_max, "lambda": args.lam,
+        "responses": args.responses,
+        "looping": args.loops,
+        "repeats": args.repeats,
+        "t_min": args.t_min,
+        "t_max": args.t_max,
+        "lambda": args.lam,
         "fixed_seconds_median": round(statistics.median(secs["fixed"]), 3),
         "adaptive_seconds_median": round(statistics.median(secs["adaptive"]), 3),
         "fixed_over_adaptive_median": round(statistics.median(ratios), 3),

@@ -43,22 +43,44 @@ def time_scale_for(gpus: int) -> float:
 
 def one_run(gpus: int, ratio: float, redundancy: int, steps: int, root: Path, args) -> dict:
     half = gpus // 2
-    cfg = load_config(f"recipes/{args.recipe}.yaml", [f"sim.time_scale={time_scale_for(gpus)}",
-        f"async_ratio={ratio}", f"rollout.redundancy={redundancy}", f"train.steps={steps}",
-        f"sim.rollout_gpus={half}", f"sim.train_gpus={half}", f"train.prompts_per_step={gpus}",
-        f"run_dir={root / f'g{gpus}-r{ratio}-k{redundancy}'}", "tracking.progress=false",
-        "checkpoint.enabled=false", *args.overrides])
+    cfg = load_config(
+        f"recipes/{args.recipe}.yaml",
+        [
+            f"sim.time_scale={time_scale_for(gpus)}",
+            f"async_ratio={ratio}",
+            f"rollout.redundancy={redundancy}",
+            f"train.steps={steps}",
+            f"sim.rollout_gpus={half}",
+            f"sim.train_gpus={half}",
+            f"train.prompts_per_step={gpus}",
+            f"run_dir={root / f'g{gpus}-r{ratio}-k{redundancy}'}",
+            "tracking.progress=false",
+            "checkpoint.enabled=false",
+            *args.overrides,
+        ],
+    )
     start = time.monotonic()
     summary = run(cfg, "sim")
     wall = time.monotonic() - start
     rows = [json.loads(x) for x in (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
-    later = rows[sim_skip(ratio):] or rows
-    mean = {k: sum(r.get(k, 0.0) for r in later) / len(later)
-            for k in ("sim/step_s", "sim/step_scaled_s", "sim/driver_s", "time/step", "rollout/sim_late_s")}
-    return {"gpus": gpus, "ratio": ratio, "redundancy": redundancy, "sim_s_per_step": mean["sim/step_s"],
-            "wall_s_per_step": mean["time/step"], "scaled_s_per_step": mean["sim/step_scaled_s"], "driver_s_per_step": mean["sim/driver_s"],
-            "run_wall_s": wall, "late_s_per_step": mean["rollout/sim_late_s"],
-            "max_staleness": summary["max_staleness_observed"], "time_scale": cfg.sim.time_scale}
+    later = rows[sim_skip(ratio) :] or rows
+    mean = {
+        k: sum(r.get(k, 0.0) for r in later) / len(later)
+        for k in ("sim/step_s", "sim/step_scaled_s", "sim/driver_s", "time/step", "rollout/sim_late_s")
+    }
+    return {
+        "gpus": gpus,
+        "ratio": ratio,
+        "redundancy": redundancy,
+        "sim_s_per_step": mean["sim/step_s"],
+        "wall_s_per_step": mean["time/step"],
+        "scaled_s_per_step": mean["sim/step_scaled_s"],
+        "driver_s_per_step": mean["sim/driver_s"],
+        "run_wall_s": wall,
+        "late_s_per_step": mean["rollout/sim_late_s"],
+        "max_staleness": summary["max_staleness_observed"],
+        "time_scale": cfg.sim.time_scale,
+    }
 
 
 def main() -> None:
@@ -80,11 +102,14 @@ def main() -> None:
                 base = base or r["sim_s_per_step"]
                 r["speedup_vs_first"] = base / r["sim_s_per_step"]
                 results.append(r)
-                print(f"{gpus:5d} GPUs  r={ratio:<4g} k={redundancy} {r['sim_s_per_step']:8.1f} sim s/step  "
-                      f"x{r['speedup_vs_first']:.2f}  (driver {r['driver_s_per_step']:.1f} s, "
-                      f"scaled {r['scaled_s_per_step']:.1f})  wall {r['wall_s_per_step']:.2f} s/step "
-                      f"(run {r['run_wall_s']:.0f} s, engine late {r['late_s_per_step']:.2f} s)  "
-                      f"staleness max {r['max_staleness']:.0f}", flush=True)
+                print(
+                    f"{gpus:5d} GPUs  r={ratio:<4g} k={redundancy} {r['sim_s_per_step']:8.1f} sim s/step  "
+                    f"x{r['speedup_vs_first']:.2f}  (driver {r['driver_s_per_step']:.1f} s, "
+                    f"scaled {r['scaled_s_per_step']:.1f})  wall {r['wall_s_per_step']:.2f} s/step "
+                    f"(run {r['run_wall_s']:.0f} s, engine late {r['late_s_per_step']:.2f} s)  "
+                    f"staleness max {r['max_staleness']:.0f}",
+                    flush=True,
+                )
     print(json.dumps({"runs": results}))
 
 

@@ -26,8 +26,9 @@ def ms_per_step(running: int, steps: int) -> float:
     settings.time_scale = 0.0
     b = SimBatcher(settings, vocab_size=50_000, max_num_seqs=running, seed=0)
     for i in range(running):
-        b.add_request(GenerationRequest(f"r{i}", list(range(50)),
-                                        SamplingParams(max_new_tokens=4096, stop_token_ids=[2], seed=i)))
+        b.add_request(
+            GenerationRequest(f"r{i}", list(range(50)), SamplingParams(max_new_tokens=4096, stop_token_ids=[2], seed=i))
+        )
     b.step()  # admission
     start = time.perf_counter()
     for _ in range(steps):
@@ -42,8 +43,13 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args(argv)
     runs = [ms_per_step(args.running, args.steps) for _ in range(args.repeats)]
-    result = {"bench": "sim_decode", "running": args.running, "steps": args.steps,
-              "ms_per_step": round(statistics.median(runs), 2), "runs": [round(r, 2) for r in runs]}
+    result = {
+        "bench": "sim_decode",
+        "running": args.running,
+        "steps": args.steps,
+        "ms_per_step": round(statistics.median(runs), 2),
+        "runs": [round(r, 2) for r in runs],
+    }
     print(json.dumps(result))
     return result
 

@@ -50,7 +50,7 @@ def roofline() -> tuple[float, float]:
     for _ in range(5):
         t = time.perf_counter()
         a @ b
-        gemm.append(2 * 1024 ** 3 / (time.perf_counter() - t))
+        gemm.append(2 * 1024**3 / (time.perf_counter() - t))
         t = time.perf_counter()
         y.copy_(x)
         copy.append(2 * x.numel() * 4 / (time.perf_counter() - t))
@@ -90,8 +90,16 @@ def train_points(model, rows_list: list[int], repeats: int = 3):
     from bench.trainer import make_batch
     from flash.train.trainer import Trainer, TrainerSettings
 
-    s = TrainerSettings(lr=1e-5, weight_decay=0.0, betas=(0.9, 0.999), grad_clip=1.0, micro_batch_size=64,
-                        temperature=1.0, loss={"name": "topr"}, agg="token-mean")
+    s = TrainerSettings(
+        lr=1e-5,
+        weight_decay=0.0,
+        betas=(0.9, 0.999),
+        grad_clip=1.0,
+        micro_batch_size=64,
+        temperature=1.0,
+        loss={"name": "topr"},
+        agg="token-mean",
+    )
     trainer = Trainer(model, s)
     out = []
     for rows in rows_list:
@@ -107,7 +115,7 @@ def train_points(model, rows_list: list[int], repeats: int = 3):
 def robust(points: list[tuple], chunk: int) -> list[tuple]:
     """Medians of each field over consecutive ``chunk``-sized runs of ``points``: a stall of the
     shared cores in one step moves a median little, a least-squares fit much."""
-    runs = [points[i:i + chunk] for i in range(0, len(points), chunk)]
+    runs = [points[i : i + chunk] for i in range(0, len(points), chunk)]
     return [tuple(statistics.median(p[j] for p in run) for j in range(len(run[0]))) for run in runs]
 
 
@@ -125,14 +133,21 @@ def fit(threads: int) -> dict:
     model, vocab = tiny_model()
     params = float(sum(p.numel() for p in model.parameters()))
     cfg = model.config
-    m = cost.Model("tiny-qwen2", params, cfg.num_hidden_layers, cfg.num_key_value_heads,
-                   cfg.hidden_size // cfg.num_attention_heads, bytes_per_param=4)
+    m = cost.Model(
+        "tiny-qwen2",
+        params,
+        cfg.num_hidden_layers,
+        cfg.num_key_value_heads,
+        cfg.hidden_size // cfg.num_attention_heads,
+        bytes_per_param=4,
+    )
     bare = cost.CostModel(m, cost.Gpu("cpu", peak, bw), cost.Efficiency(1.0, 1.0, 1.0, 1.0, 0.0, bw, 0.0))
     with torch.no_grad():
         points, admits = decode_points(model.eval(), vocab, [1, 8, 32, 96, 192, 256])
     points = robust(points, 13)  # 39 steps per batch size: 3 medians each
-    a, c, d = lstsq([[1.0, b, ctx] for b, ctx, _ in points],
-                    [t - cost.decode_step_s(bare, b, ctx) for b, ctx, t in points])
+    a, c, d = lstsq(
+        [[1.0, b, ctx] for b, ctx, _ in points], [t - cost.decode_step_s(bare, b, ctx) for b, ctx, t in points]
+    )
     step = lambda b, ctx: cost.decode_step_s(bare, b, ctx) + a + c * b + d * ctx  # noqa: E731
     prefill = [(b * 20, t - step(b, b * 20)) for b, t in admits if b >= 32]
     prefill_mfu = statistics.median(2 * params * n / (peak * max(t, 1e-6)) for n, t in prefill)
@@ -143,11 +158,24 @@ def fit(threads: int) -> dict:
 
     TorchEngine(model.eval(), max_num_seqs=1).update_weights(dict(model.state_dict()), 1)
     push = time.perf_counter() - start
-    return {"threads": threads, "params": params, "layers": m.layers, "kv_heads": m.kv_heads, "head_dim": m.head_dim,
-            "peak_flops": peak, "bytes_per_s": bw, "step_overhead_s": max(0.0, a), "seq_overhead_s": max(0.0, c),
-            "context_overhead_s": max(0.0, d), "prefill_mfu": min(1.0, prefill_mfu),
-            "train_mfu": min(1.0, 6 * params / (peak * u1)) if u1 > 0 else 1.0, "train_overhead_s": max(0.0, u0),
-            "sync_s": push, "decode_rmse_s": _rmse(points, step), "train_points": train}
+    return {
+        "threads": threads,
+        "params": params,
+        "layers": m.layers,
+        "kv_heads": m.kv_heads,
+        "head_dim": m.head_dim,
+        "peak_flops": peak,
+        "bytes_per_s": bw,
+        "step_overhead_s": max(0.0, a),
+        "seq_overhead_s": max(0.0, c),
+        "context_overhead_s": max(0.0, d),
+        "prefill_mfu": min(1.0, prefill_mfu),
+        "train_mfu": min(1.0, 6 * params / (peak * u1)) if u1 > 0 else 1.0,
+        "train_overhead_s": max(0.0, u0),
+        "sync_s": push,
+        "decode_rmse_s": _rmse(points, step),
+        "train_points": train,
+    }
 
 
 PRESET_FOR_RATIO = {0: "tiny-cpu-2t", 2: "tiny-cpu-1t"}  # the runner's thread split (resolve_threads)
@@ -160,10 +188,15 @@ def run_eff(fit: dict) -> dict[str, float]:
     from flash.sim.cost import preset
 
     e, ke, kt = preset(PRESET_FOR_RATIO[fit["ratio"]]).eff, fit["k_engine"], fit["k_train"]
-    return {"step_overhead_s": e.step_overhead_s * ke, "seq_overhead_s": e.seq_overhead_s * ke,
-            "context_overhead_s": e.context_overhead_s * ke, "prefill_mfu": e.prefill_mfu / ke,
-            "train_mfu": e.train_mfu / kt, "train_overhead_s": e.train_overhead_s * kt,
-            "sync_latency_s": fit["sync_s"]}
+    return {
+        "step_overhead_s": e.step_overhead_s * ke,
+        "seq_overhead_s": e.seq_overhead_s * ke,
+        "context_overhead_s": e.context_overhead_s * ke,
+        "prefill_mfu": e.prefill_mfu / ke,
+        "train_mfu": e.train_mfu / kt,
+        "train_overhead_s": e.train_overhead_s * kt,
+        "sync_latency_s": fit["sync_s"],
+    }
 
 
 def real_run(ratio: int, steps: int, seed: int, root: str):
@@ -174,10 +207,26 @@ def real_run(ratio: int, steps: int, seed: int, root: str):
 
     run_dir = Path(root) / f"r{ratio}"
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
-    subprocess.run([sys.executable, "-m", "flash.app.cli", "run", "recipes/stutter.yaml", f"async_ratio={ratio}",
-                    f"train.steps={steps}", f"seed={seed}", f"run_dir={run_dir}", "tracking.progress=false",
-                    "checkpoint.enabled=false", "task.eval_size=16"], env=env, check=True, stdout=subprocess.DEVNULL,
-                   start_new_session=True)  # the run cleans up its own session (flash._reaper), not ours
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "flash.app.cli",
+            "run",
+            "recipes/stutter.yaml",
+            f"async_ratio={ratio}",
+            f"train.steps={steps}",
+            f"seed={seed}",
+            f"run_dir={run_dir}",
+            "tracking.progress=false",
+            "checkpoint.enabled=false",
+            "task.eval_size=16",
+        ],
+        env=env,
+        check=True,
+        stdout=subprocess.DEVNULL,
+        start_new_session=True,
+    )  # the run cleans up its own session (flash._reaper), not ours
     return run_dir
 
 
@@ -193,20 +242,27 @@ def fit_dir(run_dir, ratio: int) -> dict:
     run_dir = Path(run_dir)
     cm = cost.preset(PRESET_FOR_RATIO[ratio])
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()][1:]
-    trained = [x for x in map(json.loads, (run_dir / "ledger.jsonl").read_text().splitlines())
-               if x.get("outcome") == "trained"]
+    trained = [
+        x for x in map(json.loads, (run_dir / "ledger.jsonl").read_text().splitlines()) if x.get("outcome") == "trained"
+    ]
     tokens = {r["step"] - 1: 0 for r in rows}
     for x in trained:
         if x["step"] in tokens:
             tokens[x["step"]] += x["plen"] + x["len"]
     ctx = statistics.fmean(x["plen"] + x["len"] / 2 for x in trained)  # a sequence's mean context
-    engine = sum(r["rollout/decode_steps"] * cost.decode_step_s(cm, b, b * ctx)
-                 for r in rows if (b := r["rollout/tokens_generated"] / max(1, r["rollout/decode_steps"])))
+    engine = sum(
+        r["rollout/decode_steps"] * cost.decode_step_s(cm, b, b * ctx)
+        for r in rows
+        if (b := r["rollout/tokens_generated"] / max(1, r["rollout/decode_steps"]))
+    )
     train = sum(cost.train_step_s(cm, n, 1) for n in tokens.values())
-    return {"ratio": ratio, "k_engine": sum(r["rollout/busy_s"] for r in rows) / max(engine, 1e-9),
-            "k_train": sum(r["train/busy_s"] for r in rows) / max(train, 1e-9),
-            "sync_s": statistics.median(r["time/push_weights"] for r in rows),
-            "real_s_per_step": statistics.fmean(r["time/step"] for r in rows)}
+    return {
+        "ratio": ratio,
+        "k_engine": sum(r["rollout/busy_s"] for r in rows) / max(engine, 1e-9),
+        "k_train": sum(r["train/busy_s"] for r in rows) / max(train, 1e-9),
+        "sync_s": statistics.median(r["time/push_weights"] for r in rows),
+        "real_s_per_step": statistics.fmean(r["time/step"] for r in rows),
+    }
 
 
 def fit_run(ratio: int, steps: int, seed: int, root: str) -> dict:
@@ -231,16 +287,22 @@ def main() -> None:
         with tempfile.TemporaryDirectory(prefix="flash-sim-fit-") as tmp:
             fits = [fit_run(r, args.steps, args.seed, tmp) for r in (0, 2)]
         for f in fits:
-            print(f"r={f['ratio']}: engine x{f['k_engine']:.2f}, trainer x{f['k_train']:.2f} the isolated "
-                  f"fit; push {f['sync_s'] * 1e3:.1f} ms; real {f['real_s_per_step']:.3f} s/step", flush=True)
+            print(
+                f"r={f['ratio']}: engine x{f['k_engine']:.2f}, trainer x{f['k_train']:.2f} the isolated "
+                f"fit; push {f['sync_s'] * 1e3:.1f} ms; real {f['real_s_per_step']:.3f} s/step",
+                flush=True,
+            )
             print("  " + " ".join(f"sim.eff.{k}={v:.4g}" for k, v in run_eff(f).items()), flush=True)
         print(json.dumps(fits))
         return
     fits = [fit(int(t)) for t in args.threads.split(",")]
     for f in fits:
-        print(f"threads {f['threads']}: decode {f['step_overhead_s'] * 1e3:.2f} ms + {f['seq_overhead_s'] * 1e6:.1f} us/seq "
-              f"+ {f['context_overhead_s'] * 1e9:.1f} ns/context token (rmse {f['decode_rmse_s'] * 1e3:.2f} ms); "
-              f"train {f['train_overhead_s']:.3f} s + MFU {f['train_mfu']:.3f}; push {f['sync_s'] * 1e3:.1f} ms", flush=True)
+        print(
+            f"threads {f['threads']}: decode {f['step_overhead_s'] * 1e3:.2f} ms + {f['seq_overhead_s'] * 1e6:.1f} us/seq "
+            f"+ {f['context_overhead_s'] * 1e9:.1f} ns/context token (rmse {f['decode_rmse_s'] * 1e3:.2f} ms); "
+            f"train {f['train_overhead_s']:.3f} s + MFU {f['train_mfu']:.3f}; push {f['sync_s'] * 1e3:.1f} ms",
+            flush=True,
+        )
     if args.out:
         with open(args.out, "w") as fh:
             json.dump(fits, fh, indent=2)

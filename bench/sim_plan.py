@@ -42,17 +42,32 @@ def parse_setting(text: str) -> tuple[int, float, int]:
 
 def overrides(gpus: int, ratio: float, prompts: int) -> list[str]:
     """The ``flash run`` keys of one setting (what the planner's candidates name too)."""
-    return [f"sim.rollout_gpus={gpus // 2}", f"sim.train_gpus={gpus - gpus // 2}",
-            f"train.prompts_per_step={prompts}", f"async_ratio={ratio:g}"]
+    return [
+        f"sim.rollout_gpus={gpus // 2}",
+        f"sim.train_gpus={gpus - gpus // 2}",
+        f"train.prompts_per_step={prompts}",
+        f"async_ratio={ratio:g}",
+    ]
 
 
 def run_once(setting: tuple[int, float, int], steps: int, time_scale: float, out: Path, extra: list[str]) -> Path:
     gpus, ratio, prompts = setting
     run_dir = out / f"g{gpus}-p{prompts}-r{ratio:g}-s{steps}"
     if not (run_dir / "summary.json").is_file():
-        cmd = [sys.executable, "-m", "flash.app.cli", "run", "sim_rlvr", f"train.steps={steps}",
-               f"sim.time_scale={time_scale}", "checkpoint.enabled=false", "tracking.progress=false",
-               f"run_dir={run_dir}", *overrides(gpus, ratio, prompts), *extra]
+        cmd = [
+            sys.executable,
+            "-m",
+            "flash.app.cli",
+            "run",
+            "sim_rlvr",
+            f"train.steps={steps}",
+            f"sim.time_scale={time_scale}",
+            "checkpoint.enabled=false",
+            "tracking.progress=false",
+            f"run_dir={run_dir}",
+            *overrides(gpus, ratio, prompts),
+            *extra,
+        ]
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     return run_dir
 
@@ -114,21 +129,34 @@ def main(argv: list[str] | None = None) -> dict:
         scale = plan_sim.parse_scales(overrides(*setting), trace)[0][1]
         pred = plan_sim.predict_sim(trace, scale, steps_of(setting))
         measured = plan_sim.measured_sim_step_s(d)
-        row = {"setting": text, "gpus": setting[0], "async_ratio": setting[1], "prompts": setting[2],
-               "steps": steps_of(setting), "predicted_sim_s": round(pred["step_s"], 2),
-               "measured_sim_s": round(measured, 2), "error": round(pred["step_s"] / measured - 1, 4),
-               "measured_contiguous_sim_s": round(contiguous_sim_step_s(d), 2),
-               "driver_s": round(driver_share(d), 3), "load": [round(load, 1), round(os.getloadavg()[0], 1)]}
+        row = {
+            "setting": text,
+            "gpus": setting[0],
+            "async_ratio": setting[1],
+            "prompts": setting[2],
+            "steps": steps_of(setting),
+            "predicted_sim_s": round(pred["step_s"], 2),
+            "measured_sim_s": round(measured, 2),
+            "error": round(pred["step_s"] / measured - 1, 4),
+            "measured_contiguous_sim_s": round(contiguous_sim_step_s(d), 2),
+            "driver_s": round(driver_share(d), 3),
+            "load": [round(load, 1), round(os.getloadavg()[0], 1)],
+        }
         rows.append(row)
         print("  ".join(f"{k}={v}" for k, v in row.items()), flush=True)
     if args.save_traces:
         save_traces(Path(args.save_traces), base_dir, base, rows, out, args, steps_of)
-    result = {"base": args.base, "base_measured_sim_s": round(trace.measured_step_s, 2),
-              "fit": vars(trace.costs), "time_scale": args.time_scale, "out": str(out),
-              "load_before": [round(x, 1) for x in load_before], "rows": rows}
+    result = {
+        "base": args.base,
+        "base_measured_sim_s": round(trace.measured_step_s, 2),
+        "fit": vars(trace.costs),
+        "time_scale": args.time_scale,
+        "out": str(out),
+        "load_before": [round(x, 1) for x in load_before],
+        "rows": rows,
+    }
     print(json.dumps(result))
     return result
-
 
 
 def save_traces(save: Path, base_dir: Path, base: tuple, rows: list[dict], out: Path, args, steps_of) -> None:
@@ -138,13 +166,22 @@ def save_traces(save: Path, base_dir: Path, base: tuple, rows: list[dict], out: 
     for text in args.targets.split(","):  # the base's scale at other ratios: async bases
         gpus, ratio, prompts = parse_setting(text)
         if (gpus, prompts) == (base[0], base[2]):
-            trim_trace(run_once((gpus, ratio, prompts), steps_of((gpus, ratio, prompts)), args.time_scale, out,
-                                args.overrides), save / f"base-r{ratio:g}")
-    manifest = {"base": args.base, "time_scale": args.time_scale,
-                "targets": [{k: r[k] for k in ("setting", "steps", "measured_sim_s", "measured_contiguous_sim_s",
-                                               "predicted_sim_s")}
-                            for r in rows]}
+            trim_trace(
+                run_once(
+                    (gpus, ratio, prompts), steps_of((gpus, ratio, prompts)), args.time_scale, out, args.overrides
+                ),
+                save / f"base-r{ratio:g}",
+            )
+    manifest = {
+        "base": args.base,
+        "time_scale": args.time_scale,
+        "targets": [
+            {k: r[k] for k in ("setting", "steps", "measured_sim_s", "measured_contiguous_sim_s", "predicted_sim_s")}
+            for r in rows
+        ],
+    }
     (save / "targets.json").write_text(json.dumps(manifest, indent=1) + "\n")
+
 
 if __name__ == "__main__":
     main()

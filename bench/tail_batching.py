@@ -36,14 +36,28 @@ SETTINGS = {
     "async2": ["async_ratio=2"],
     "async2_tail": ["async_ratio=2", "rollout.scheduler=tail_batching"],
 }
-TAIL_KEYS = ("rollout/tail/cut_groups", "rollout/tail/long_rounds", "rollout/tail/swaps",
-             "rollout/aborted/tail_cut", "rollout/tail/long_queue")
+TAIL_KEYS = (
+    "rollout/tail/cut_groups",
+    "rollout/tail/long_rounds",
+    "rollout/tail/swaps",
+    "rollout/aborted/tail_cut",
+    "rollout/tail/long_queue",
+)
 
 
 def run_once(recipe: str, setting: list[str], run_dir: Path, overrides: list[str]) -> dict:
     if not (run_dir / "summary.json").is_file():  # a re-run with the same --out reuses finished runs
-        cmd = [sys.executable, "-m", "flash.app.cli", "run", recipe, *setting, f"run_dir={run_dir}",
-               "tracking.progress=false", *overrides]
+        cmd = [
+            sys.executable,
+            "-m",
+            "flash.app.cli",
+            "run",
+            recipe,
+            *setting,
+            f"run_dir={run_dir}",
+            "tracking.progress=false",
+            *overrides,
+        ]
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     summary = json.loads((run_dir / "summary.json").read_text())
     summary["run_dir"] = str(run_dir)
@@ -71,8 +85,11 @@ def summarize_setting(rs: list[dict], base: list[dict]) -> dict:
         "samples_trained": rs[0]["samples_trained"],
         "engine_tokens_median": statistics.median(s["engine_tokens"] for s in rs),
         "max_staleness": max(s["max_staleness_observed"] for s in rs),
-        **({"tail_median": {k: statistics.median(s["tail"][k] for s in rs) for k in rs[0]["tail"]}}
-           if rs[0]["tail"] else {}),
+        **(
+            {"tail_median": {k: statistics.median(s["tail"][k] for s in rs) for k in rs[0]["tail"]}}
+            if rs[0]["tail"]
+            else {}
+        ),
     }
 
 
@@ -81,8 +98,10 @@ def summary_line(name: str, base: str, row: dict) -> str:
         se = row[f"{key}_se"]
         return f"{row[f'{key}_mean']:{spec}} ± {'—' if se is None else format(se, spec)}"
 
-    return (f"{name} (n={row['n_pairs']}): speed-up vs {base} {pm('speedup_vs_first', '.2f')}x (median "
-            f"{row['speedup_vs_first_median']:.2f}x), final acc {pm('eval_accuracy_final', '.3f')}")
+    return (
+        f"{name} (n={row['n_pairs']}): speed-up vs {base} {pm('speedup_vs_first', '.2f')}x (median "
+        f"{row['speedup_vs_first_median']:.2f}x), final acc {pm('eval_accuracy_final', '.3f')}"
+    )
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -107,11 +126,20 @@ def main(argv: list[str] | None = None) -> dict:
                 setting = SETTINGS[name] + (tail if name.endswith("_tail") else [])
                 s = run_once(args.recipe, setting, out / f"{name}-{tag}", [*args.overrides, *extra])
                 runs[name].append(s)
-                print(f"repeat {rep} seed {seed} {name}: {s['seconds_per_step']:.3f} s/step (median "
-                      f"{s['step_median_s']:.3f}), acc {s['eval_accuracy_initial']:.3f}->{s['eval_accuracy_final']:.3f}, "
-                      f"engine tokens {s['engine_tokens']:.0f}, {s['tail']}", flush=True)
-    result = {"recipe": args.recipe, "repeats": args.repeats, "seeds": seeds, "overrides": args.overrides,
-              "tail": tail, "per_setting": {name: summarize_setting(runs[name], runs[names[0]]) for name in names}}
+                print(
+                    f"repeat {rep} seed {seed} {name}: {s['seconds_per_step']:.3f} s/step (median "
+                    f"{s['step_median_s']:.3f}), acc {s['eval_accuracy_initial']:.3f}->{s['eval_accuracy_final']:.3f}, "
+                    f"engine tokens {s['engine_tokens']:.0f}, {s['tail']}",
+                    flush=True,
+                )
+    result = {
+        "recipe": args.recipe,
+        "repeats": args.repeats,
+        "seeds": seeds,
+        "overrides": args.overrides,
+        "tail": tail,
+        "per_setting": {name: summarize_setting(runs[name], runs[names[0]]) for name in names},
+    }
     for name, row in result["per_setting"].items():
         print(summary_line(name, names[0], row), flush=True)
     add_predictions(result, runs, names, tail)
@@ -128,10 +156,15 @@ def add_predictions(result: dict, runs: dict[str, list[dict]], names: list[str],
         pred = planner.predict(trace, planner.parse_candidates(setting, trace)[0][1]).step_s
         measured = statistics.median(s["planner_measured_s"] for s in runs[name])
         row = result["per_setting"][name]
-        row.update(planner_predicted_s=round(pred, 4), planner_measured_s=round(measured, 4),
-                   planner_error=round(pred / measured - 1, 4))
-        print(f"{name}: planner predicts {pred:.3f} s/step, measured {measured:.3f} ({pred / measured - 1:+.1%})",
-              flush=True)
+        row.update(
+            planner_predicted_s=round(pred, 4),
+            planner_measured_s=round(measured, 4),
+            planner_error=round(pred / measured - 1, 4),
+        )
+        print(
+            f"{name}: planner predicts {pred:.3f} s/step, measured {measured:.3f} ({pred / measured - 1:+.1%})",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -37,8 +37,17 @@ def make_batch(rows: int, vocab: int, seed: int = 0):
         p = torch.randint(4, vocab, (int(torch.randint(12, 29, (1,), generator=g)),), generator=g).tolist()
         n = min(48, 4 + int(-10.0 * torch.log1p(-torch.rand(1, generator=g))))  # exponential, mean 10
         r = torch.randint(4, vocab, (n,), generator=g).tolist()
-        samples.append(Sample(prompt_id=i // 8, sample_index=i % 8, prompt_ids=p, response_ids=r,
-                              behav_logprobs=[-2.0] * n, versions=[0] * n, reward=float(i % 3 == 0)))
+        samples.append(
+            Sample(
+                prompt_id=i // 8,
+                sample_index=i % 8,
+                prompt_ids=p,
+                response_ids=r,
+                behav_logprobs=[-2.0] * n,
+                versions=[0] * n,
+                reward=float(i % 3 == 0),
+            )
+        )
     batch = collate(samples)
     adv = torch.randn(batch.mask.shape, generator=g) * batch.mask
     return batch, adv
@@ -49,8 +58,12 @@ def build_model_dir(hidden: int, layers: int) -> str:
 
     tok = build_tokenizer()
     heads = max(1, hidden // 32)
-    model = build_tiny_model(tok, TinyModelConfig(hidden_size=hidden, num_layers=layers, num_heads=heads,
-                                                  num_kv_heads=heads, intermediate_size=3 * hidden))
+    model = build_tiny_model(
+        tok,
+        TinyModelConfig(
+            hidden_size=hidden, num_layers=layers, num_heads=heads, num_kv_heads=heads, intermediate_size=3 * hidden
+        ),
+    )
     path = tempfile.mkdtemp(prefix="flash-bench-trainer-")
     model.save_pretrained(path)
     tok.save_pretrained(path)
@@ -64,8 +77,16 @@ def start_variants(path: str, threads: int, names: list[str]) -> dict:
     from flash.cluster import wait_ready
     from flash.train.worker import start_trainer
 
-    s = TrainerSettings(lr=1e-5, weight_decay=0.0, betas=(0.9, 0.999), grad_clip=1.0, micro_batch_size=64,
-                        temperature=1.0, loss={"name": "decoupled_ppo"}, agg="token-mean")
+    s = TrainerSettings(
+        lr=1e-5,
+        weight_decay=0.0,
+        betas=(0.9, 0.999),
+        grad_clip=1.0,
+        micro_batch_size=64,
+        temperature=1.0,
+        loss={"name": "decoupled_ppo"},
+        agg="token-mean",
+    )
     variants = {"plain": start_trainer(path, s, 0, threads, [])}  # the ratios' denominator
     for name in names:
         workers, _, budget = name.removeprefix("fsdp").partition("_micro")
@@ -82,8 +103,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--groups", default="fsdp1,fsdp2",
-                    help="FSDP2 variants beside the plain trainer: fsdpN[_microT] (N ranks, T-token budget)")
+    ap.add_argument(
+        "--groups",
+        default="fsdp1,fsdp2",
+        help="FSDP2 variants beside the plain trainer: fsdpN[_microT] (N ranks, T-token budget)",
+    )
     args = ap.parse_args(argv)
     from flash.cluster import init_ray
 
@@ -101,13 +125,22 @@ def main(argv: list[str] | None = None) -> dict:
             ray.get(handle.train_step.remote(batch, adv, None))
             seconds[name].append(time.monotonic() - start)
         print(f"repeat {rep}: " + ", ".join(f"{k} {tokens / v[-1]:.0f} tok/s" for k, v in seconds.items()), flush=True)
-    result = {"rows": args.rows, "tokens_per_batch": tokens, "threads_total": args.threads,
-              "hidden": args.hidden, "layers": args.layers, "repeats": args.repeats, "variants": {}}
+    result = {
+        "rows": args.rows,
+        "tokens_per_batch": tokens,
+        "threads_total": args.threads,
+        "hidden": args.hidden,
+        "layers": args.layers,
+        "repeats": args.repeats,
+        "variants": {},
+    }
     for name, secs in seconds.items():
         ratios = [p / s for p, s in zip(seconds["plain"], secs, strict=True)]
-        result["variants"][name] = {"tokens_per_s_median": round(tokens / statistics.median(secs), 1),
-                                    "step_s_median": round(statistics.median(secs), 4),
-                                    "speed_vs_plain_median": round(statistics.median(ratios), 3)}
+        result["variants"][name] = {
+            "tokens_per_s_median": round(tokens / statistics.median(secs), 1),
+            "step_s_median": round(statistics.median(secs), 4),
+            "speed_vs_plain_median": round(statistics.median(ratios), 3),
+        }
     for handle in variants.values():
         ray.kill(handle)
     print(json.dumps(result))

@@ -34,8 +34,21 @@ _LIBC = ctypes.CDLL("libc.so.6")
 
 
 class _MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-                                                     "fsmblks", "uordblks", "fordblks", "keepcost")]
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
 
 
 _LIBC.mallinfo2.restype = _MallInfo2
@@ -89,6 +102,7 @@ class Parts:
             finally:
                 self.boundary()
                 self.stack.pop()
+
         return inner
 
 
@@ -109,8 +123,17 @@ def recipe_batch(cfg, model_path: str):
         prompt = source.encode(task.item(p).prompt)
         for k in range(cfg.rollout.n):
             response = torch.randint(0, len(tok), (new,), generator=gen).tolist()
-            samples.append(Sample(prompt_id=p, sample_index=k, prompt_ids=prompt, response_ids=response,
-                                  behav_logprobs=[-1.0] * new, versions=[0] * new, reward=0.0))
+            samples.append(
+                Sample(
+                    prompt_id=p,
+                    sample_index=k,
+                    prompt_ids=prompt,
+                    response_ids=response,
+                    behav_logprobs=[-1.0] * new,
+                    versions=[0] * new,
+                    reward=0.0,
+                )
+            )
     batch = collate(samples, tok.pad_token_id or 0)
     return batch, torch.randn(batch.mask.shape, generator=gen) * batch.mask
 
@@ -143,13 +166,15 @@ def patches(parts: Parts, trainer) -> list:
     import flash.train.logprobs as lp
 
     fwd, bwd = lp._SpanLogprobs.forward, lp._SpanLogprobs.backward
-    return [mock.patch.object(trainer.model, "forward", parts.wrap("forward", trainer.model.forward)),
-            mock.patch.object(lp._SpanLogprobs, "forward", staticmethod(parts.wrap("logprobs", fwd))),
-            mock.patch.object(lp._SpanLogprobs, "backward", staticmethod(parts.wrap("logprobs backward", bwd))),
-            mock.patch.object(trainer, "loss_fn", parts.wrap("loss", trainer.loss_fn)),
-            mock.patch.object(torch.Tensor, "backward", parts.wrap("backward", torch.Tensor.backward)),
-            mock.patch.object(torch.nn.utils, "clip_grad_norm_", parts.wrap("clip", torch.nn.utils.clip_grad_norm_)),
-            mock.patch.object(trainer.optimizer, "step", parts.wrap("optimizer step", trainer.optimizer.step))]
+    return [
+        mock.patch.object(trainer.model, "forward", parts.wrap("forward", trainer.model.forward)),
+        mock.patch.object(lp._SpanLogprobs, "forward", staticmethod(parts.wrap("logprobs", fwd))),
+        mock.patch.object(lp._SpanLogprobs, "backward", staticmethod(parts.wrap("logprobs backward", bwd))),
+        mock.patch.object(trainer, "loss_fn", parts.wrap("loss", trainer.loss_fn)),
+        mock.patch.object(torch.Tensor, "backward", parts.wrap("backward", torch.Tensor.backward)),
+        mock.patch.object(torch.nn.utils, "clip_grad_norm_", parts.wrap("clip", torch.nn.utils.clip_grad_norm_)),
+        mock.patch.object(trainer.optimizer, "step", parts.wrap("optimizer step", trainer.optimizer.step)),
+    ]
 
 
 def push(sender, state) -> None:
@@ -198,7 +223,9 @@ def run(recipe: str, steps: int, trim: bool, live: bool = True) -> dict:
         for step in range(1, steps + 1):
             parts.step = step
             reset_peak()
-            counter.add([t for s in trainer.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)])
+            counter.add(
+                [t for s in trainer.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+            )
             trainer.train_step(batch, adv, batch.behav_logp)
             parts.wrap("weight push (shm)", push)(sender, trainer.model.state_dict())
             parts.boundary()
@@ -206,10 +233,18 @@ def run(recipe: str, steps: int, trim: bool, live: bool = True) -> dict:
                 _LIBC.malloc_trim(0)
             ends.append({"step": step, **status(), **{f"heap_{k}": v for k, v in heap().items()}})
     sender.close()
-    shape = {"rows": len(batch), "length": int(batch.input_ids.shape[1]), "micro_batch": cfg.train.micro_batch_size,
-             "params_mib": sum(p.numel() * p.element_size() for p in trainer.model.parameters()) / MIB}
-    return {"shape": shape, "setup": setup, "parts": [{"step": s, "part": n, **v} for (s, n), v in parts.rows.items()],
-            "step_ends": ends}
+    shape = {
+        "rows": len(batch),
+        "length": int(batch.input_ids.shape[1]),
+        "micro_batch": cfg.train.micro_batch_size,
+        "params_mib": sum(p.numel() * p.element_size() for p in trainer.model.parameters()) / MIB,
+    }
+    return {
+        "shape": shape,
+        "setup": setup,
+        "parts": [{"step": s, "part": n, **v} for (s, n), v in parts.rows.items()],
+        "step_ends": ends,
+    }
 
 
 def main() -> None:
@@ -225,11 +260,15 @@ def main() -> None:
         print(f"{name:14s} RSS {s['VmRSS']:8.0f} MiB (anon {s['RssAnon']:.0f}, file {s['RssFile']:.0f})")
     print(f"{'step':>4} {'part':18s} {'peak RSS':>9} {'live':>8} {'heap used':>9} {'heap free':>9}  (MiB)")
     for r in out["parts"]:
-        print(f"{r['step']:4d} {r['part']:18s} {r['rss_peak']:9.0f} {r['live_peak']:8.0f} {r['heap_in_use']:9.0f} "
-              f"{r['heap_free_kept']:9.0f}")
+        print(
+            f"{r['step']:4d} {r['part']:18s} {r['rss_peak']:9.0f} {r['live_peak']:8.0f} {r['heap_in_use']:9.0f} "
+            f"{r['heap_free_kept']:9.0f}"
+        )
     for e in out["step_ends"]:
-        print(f"after step {e['step']}: RSS {e['VmRSS']:.0f} MiB, heap used {e['heap_in_use']:.0f}, "
-              f"free kept {e['heap_free_kept']:.0f}")
+        print(
+            f"after step {e['step']}: RSS {e['VmRSS']:.0f} MiB, heap used {e['heap_in_use']:.0f}, "
+            f"free kept {e['heap_free_kept']:.0f}"
+        )
     print(json.dumps(out))
 
 

@@ -50,14 +50,25 @@ from flash.train.worker import TrainerWorker
 
 METHODS = ("raw_broadcast", "ours_gloo", "ours_shm", "object_store")
 LIMIT_PHASE, NAIVE_PHASE = ("raw_broadcast", "ours_gloo", "ours_shm"), ("object_store", "ours_gloo")
-SMOLLM2_135M = dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
-                    intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True, max_position_embeddings=2048,
-                    rms_norm_eps=1e-5, rope_theta=100000.0)
+SMOLLM2_135M = dict(
+    hidden_size=576,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    intermediate_size=1536,
+    vocab_size=49152,
+    tie_word_embeddings=True,
+    max_position_embeddings=2048,
+    rms_norm_eps=1e-5,
+    rope_theta=100000.0,
+)
 
 
 def digest(state: dict) -> list[list[float]]:
     """Per tensor: float64 sum, first and last value (cheap to ship, fails on any misplaced bucket)."""
-    return [[float(t.double().sum()), float(t.reshape(-1)[0]), float(t.reshape(-1)[-1])] for _, t in sorted(state.items())]
+    return [
+        [float(t.double().sum()), float(t.reshape(-1)[0]), float(t.reshape(-1)[-1])] for _, t in sorted(state.items())
+    ]
 
 
 class RawMember:
@@ -73,10 +84,11 @@ class RawMember:
         self._raw_buf = torch.zeros(nbytes, dtype=torch.uint8)
         if rank == 0:  # the same bytes our push sends: the unique tensors end to end
             from flash.weights.model_update import unique_tensors
+
             at = 0
             for _, t in unique_tensors(self._mu_state()):
                 b = as_bytes(t.detach().contiguous())
-                self._raw_buf[at:at + b.numel()] = b
+                self._raw_buf[at : at + b.numel()] = b
                 at += b.numel()
 
     def raw_free(self) -> None:
@@ -106,9 +118,11 @@ class BenchEngine(EngineWorker, RawMember):
 
 def build(path: str, layers: int) -> int:
     """Save the random-init model in a child process (its 0.5 GB leaves with it); returns params."""
-    code = ("import sys, torch; from transformers import LlamaConfig, LlamaForCausalLM; "
-            f"torch.manual_seed(0); m = LlamaForCausalLM(LlamaConfig(**{dict(SMOLLM2_135M, num_hidden_layers=layers)!r})); "
-            "m.save_pretrained(sys.argv[1]); print(sum(p.numel() for p in m.parameters()))")
+    code = (
+        "import sys, torch; from transformers import LlamaConfig, LlamaForCausalLM; "
+        f"torch.manual_seed(0); m = LlamaForCausalLM(LlamaConfig(**{dict(SMOLLM2_135M, num_hidden_layers=layers)!r})); "
+        "m.save_pretrained(sys.argv[1]); print(sum(p.numel() for p in m.parameters()))"
+    )
     out = subprocess.run(["python", "-c", code, path], check=True, capture_output=True, text=True)
     return int(out.stdout.strip().splitlines()[-1])
 
@@ -116,8 +130,16 @@ def build(path: str, layers: int) -> int:
 def start(path: str):
     from flash.train.trainer import TrainerSettings
 
-    settings = TrainerSettings(lr=1e-5, weight_decay=0.0, betas=(0.9, 0.999), grad_clip=1.0, micro_batch_size=8,
-                               temperature=1.0, loss={"name": "ppo", "old_policy": "prox"}, agg="token-mean")
+    settings = TrainerSettings(
+        lr=1e-5,
+        weight_decay=0.0,
+        betas=(0.9, 0.999),
+        grad_clip=1.0,
+        micro_batch_size=8,
+        temperature=1.0,
+        loss={"name": "ppo", "old_policy": "prox"},
+        agg="token-mean",
+    )
     trainer = ray.remote(BenchTrainer).options(num_cpus=0, max_concurrency=4).remote(path, settings, 0, 1, [])
     engines = [ray.remote(BenchEngine).options(num_cpus=0, max_concurrency=8).remote(path, 4, 0, 1) for _ in range(2)]
     ray.get([trainer.stats.remote()] + [e.stats.remote() for e in engines])
@@ -129,8 +151,10 @@ class Runner:
 
     def __init__(self, trainer, engines, bucket_mb: float):
         self.trainer, self.engines = trainer, engines
-        self.groups = {b: ModelUpdateGroup(trainer, engines, backend=b, bucket_mb=bucket_mb, timeout_s=600)
-                       for b in ("gloo", "shm", "object_store")}
+        self.groups = {
+            b: ModelUpdateGroup(trainer, engines, backend=b, bucket_mb=bucket_mb, timeout_s=600)
+            for b in ("gloo", "shm", "object_store")
+        }
         for g in self.groups.values():
             g.setup()
         self.version = 0
@@ -139,8 +163,10 @@ class Runner:
         """The raw group and its full-size buffers (allocated only for the phase that uses them)."""
         nbytes = self._plan_bytes()
         port = ray.get(self.trainer.raw_open.remote())
-        ray.get([self.trainer.raw_join.remote("127.0.0.1", port, 0, 3, nbytes)]
-                + [e.raw_join.remote("127.0.0.1", port, i + 1, 3, nbytes) for i, e in enumerate(self.engines)])
+        ray.get(
+            [self.trainer.raw_join.remote("127.0.0.1", port, 0, 3, nbytes)]
+            + [e.raw_join.remote("127.0.0.1", port, i + 1, 3, nbytes) for i, e in enumerate(self.engines)]
+        )
 
     def _plan_bytes(self) -> int:
         wire = ray.get(self.trainer.mu_plan.remote(self.groups["gloo"].group, 1 << 26))
@@ -181,7 +207,7 @@ def measure(runner: Runner, methods: tuple[str, ...], repeats: int) -> tuple[dic
     for m in methods:  # warm-up: buffers allocated, pages touched
         runner.run(m)
     for r in range(repeats):
-        for m in methods[r % len(methods):] + methods[:r % len(methods)]:
+        for m in methods[r % len(methods) :] + methods[: r % len(methods)]:
             seconds, sizes[m] = runner.run(m)
             times[m].append(seconds)
     return times, sizes
@@ -189,8 +215,10 @@ def measure(runner: Runner, methods: tuple[str, ...], repeats: int) -> tuple[dic
 
 def report_line(m: str, times: list[float], nbytes: float, ratio: float) -> str:
     med = statistics.median(times)
-    return (f"{m:16s} median {med:7.3f} s  {nbytes / med / 1e9:6.2f} GB/s per replica  x{ratio:.2f} of "
-            f"raw_broadcast  (all: {', '.join(f'{t:.3f}' for t in times)})")
+    return (
+        f"{m:16s} median {med:7.3f} s  {nbytes / med / 1e9:6.2f} GB/s per replica  x{ratio:.2f} of "
+        f"raw_broadcast  (all: {', '.join(f'{t:.3f}' for t in times)})"
+    )
 
 
 def naive_phase(runner: Runner, repeats: int) -> dict:
@@ -211,11 +239,17 @@ def naive_report(naive: dict, gloo_ratio: float) -> dict:
     med = {m: statistics.median(v) for m, v in times.items()}
     ratio = med["object_store"] / med["ours_gloo"] * gloo_ratio
     print(report_line("object_store", times["object_store"], sizes["object_store"], ratio))
-    print(f"(naive phase: ours_gloo median {med['ours_gloo']:.3f} s; object_store / ours_gloo "
-          f"x{med['object_store'] / med['ours_gloo']:.2f})")
-    return {"median_s": {"object_store": med["object_store"], "ours_gloo_naive_phase": med["ours_gloo"]},
-            "ratio": ratio, "bytes": sizes["object_store"], "weights_equal": naive["ok"],
-            "times_s": {"object_store": times["object_store"], "ours_gloo_naive_phase": times["ours_gloo"]}}
+    print(
+        f"(naive phase: ours_gloo median {med['ours_gloo']:.3f} s; object_store / ours_gloo "
+        f"x{med['object_store'] / med['ours_gloo']:.2f})"
+    )
+    return {
+        "median_s": {"object_store": med["object_store"], "ours_gloo_naive_phase": med["ours_gloo"]},
+        "ratio": ratio,
+        "bytes": sizes["object_store"],
+        "weights_equal": naive["ok"],
+        "times_s": {"object_store": times["object_store"], "ours_gloo_naive_phase": times["ours_gloo"]},
+    }
 
 
 def main() -> None:
@@ -235,8 +269,11 @@ def main() -> None:
     runner.release(LIMIT_PHASE)
     med = {m: statistics.median(v) for m, v in times.items()}
     ratio = {m: med[m] / med["raw_broadcast"] for m in LIMIT_PHASE}
-    print(f"{params / 1e6:.1f} M parameters, {sizes['ours_gloo'] / 1e6:.0f} MB per push, 2 replicas, "
-          f"bucket {args.bucket_mb:g} MB, {args.repeats} repeats; load {os.getloadavg()[0]:.2f}", flush=True)
+    print(
+        f"{params / 1e6:.1f} M parameters, {sizes['ours_gloo'] / 1e6:.0f} MB per push, 2 replicas, "
+        f"bucket {args.bucket_mb:g} MB, {args.repeats} repeats; load {os.getloadavg()[0]:.2f}",
+        flush=True,
+    )
     for m in LIMIT_PHASE:
         print(report_line(m, times[m], sizes[m], ratio[m]), flush=True)
     second = naive_report(naive_phase(runner, args.repeats), ratio["ours_gloo"])
@@ -245,10 +282,24 @@ def main() -> None:
     if "ratio" in second:
         ratio["object_store"], sizes["object_store"] = second["ratio"], second["bytes"]
         correct["object_store"] = second["weights_equal"]
-    print(json.dumps({"bench": "weight_sync", "params": params, "bytes": sizes, "replicas": 2,
-                      "bucket_mb": args.bucket_mb, "repeats": args.repeats, "median_s": med,
-                      "ratio_to_raw_broadcast": ratio, "times_s": times, "weights_equal": correct,
-                      "object_store_error": second.get("object_store_error"), "load1": os.getloadavg()[0]}))
+    print(
+        json.dumps(
+            {
+                "bench": "weight_sync",
+                "params": params,
+                "bytes": sizes,
+                "replicas": 2,
+                "bucket_mb": args.bucket_mb,
+                "repeats": args.repeats,
+                "median_s": med,
+                "ratio_to_raw_broadcast": ratio,
+                "times_s": times,
+                "weights_equal": correct,
+                "object_store_error": second.get("object_store_error"),
+                "load1": os.getloadavg()[0],
+            }
+        )
+    )
     for group in runner.groups.values():
         group.close()
     ray.shutdown()

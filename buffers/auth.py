@@ -103,5 +103,7 @@ def check_bind(bind: str, auth: str) -> None:
     if auth not in AUTH_MODES:
         raise ValueError(f"buffer.auth must be one of: {', '.join(AUTH_MODES)} (got '{auth}')")
     if auth == "none" and not is_loopback(bind):
-        raise ValueError(f"buffer.bind={bind} listens beyond loopback with buffer.auth=none: any host could "
-                         "put, take or close; use buffer.auth=curve (the default) or a 127.0.0.1 / ipc:// bind")
+        raise ValueError(
+            f"buffer.bind={bind} listens beyond loopback with buffer.auth=none: any host could "
+            "put, take or close; use buffer.auth=curve (the default) or a 127.0.0.1 / ipc:// bind"
+        )

@@ -40,8 +40,15 @@ __all__ = ["BufferProducer", "BufferUnavailable", "RemoteSampleBuffer"]
 class RemoteSampleBuffer:
     """SampleBuffer's API over a BufferService (see the module docstring for ``select``)."""
 
-    def __init__(self, address: str, max_frame_mb: float = 64.0, rpc_timeout_s: float = 10.0,
-                 poll_ms: int = 1000, keys: ClientKeys | None = None, owner_token: bytes = b""):
+    def __init__(
+        self,
+        address: str,
+        max_frame_mb: float = 64.0,
+        rpc_timeout_s: float = 10.0,
+        poll_ms: int = 1000,
+        keys: ClientKeys | None = None,
+        owner_token: bytes = b"",
+    ):
         """``keys``: the run's CURVE client keys (``flash.buffers.auth``); ``owner_token``: the service
         owner's token, without which ``close`` and ``drain`` are refused."""
         self.address, self.max_frame_mb, self.keys, self._token = address, max_frame_mb, keys, owner_token
@@ -183,7 +190,11 @@ def _parse_meta(reply: dict) -> dict[str, Any]:
         if any(not isinstance(row, list) or len(row) != 7 for row in reply["groups"]):
             raise TypeError("rows of 7 ints expected")
         metas = [GroupMeta(*row) for row in reply["groups"]]
-        return {"epoch": int(reply["epoch"]), "closed": bool(reply["closed"]),
-                "capacity": int(reply["capacity"]), "metas": metas}
+        return {
+            "epoch": int(reply["epoch"]),
+            "closed": bool(reply["closed"]),
+            "capacity": int(reply["capacity"]),
+            "metas": metas,
+        }
     except (KeyError, TypeError, ValueError) as exc:
         raise WireError("bad_schema", f"malformed meta reply: {exc}") from None

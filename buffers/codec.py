@@ -43,6 +43,7 @@ class CodecError(ValueError):
 
 # ---------------------------------------------------------------------------------- lists <-> arrays
 
+
 def to_list(values: Any, field: TokenField) -> list:
     """Per-token values (a list or a 1-D NumPy array) as a list of Python numbers of the field's kind."""
     if isinstance(values, np.ndarray):
@@ -65,10 +66,15 @@ def to_array(values: Any, field: TokenField) -> np.ndarray:
 
 # ---------------------------------------------------------------------------------------- encoding
 
+
 def group_to_dict(g: Group, meta: bool = True) -> dict:
     """A group as JSON values (see the module docstring); ``meta=False`` leaves the samples' out."""
-    return {"prompt_id": int(g.prompt_id), "samples": [sample_to_dict(s, meta) for s in g.samples],
-            "admitted_version": int(g.admitted_version), "data_index": int(g.data_index)}
+    return {
+        "prompt_id": int(g.prompt_id),
+        "samples": [sample_to_dict(s, meta) for s in g.samples],
+        "admitted_version": int(g.admitted_version),
+        "data_index": int(g.data_index),
+    }
 
 
 def sample_to_dict(s: Sample, meta: bool = True) -> dict:
@@ -87,17 +93,23 @@ def sample_to_dict(s: Sample, meta: bool = True) -> dict:
 
 # ---------------------------------------------------------------------------------------- decoding
 
+
 def group_from_dict(d: Any, where: str = "group") -> Group:
     """A group's dict → the Group, every field checked (a CodecError names the first bad one)."""
     if not isinstance(d, dict):
         raise CodecError(f"{where}: not an object")
     prompt_id = _field(d, "prompt_id", int, where)
-    samples = [sample_from_dict(s, prompt_id, f"{where} sample {i}")
-               for i, s in enumerate(_field(d, "samples", list, where))]
+    samples = [
+        sample_from_dict(s, prompt_id, f"{where} sample {i}") for i, s in enumerate(_field(d, "samples", list, where))
+    ]
     if not samples:
         raise CodecError(f"{where}: no samples")
-    return Group(prompt_id=prompt_id, samples=samples, admitted_version=_field(d, "admitted_version", int, where),
-                 data_index=_field(d, "data_index", int, where))
+    return Group(
+        prompt_id=prompt_id,
+        samples=samples,
+        admitted_version=_field(d, "admitted_version", int, where),
+        data_index=_field(d, "data_index", int, where),
+    )
 
 
 def sample_from_dict(d: Any, prompt_id: int, where: str = "sample") -> Sample:
@@ -116,8 +128,12 @@ def sample_from_dict(d: Any, prompt_id: int, where: str = "sample") -> Sample:
     meta = d.get("meta", {})
     if not isinstance(meta, dict):
         raise CodecError(f"{where}: field 'meta' is not an object")
-    return Sample(prompt_id=prompt_id, meta=meta, **tokens,
-                  **{key: _scalar(d, key, where) for key in SCALARS if key != "prompt_id"})
+    return Sample(
+        prompt_id=prompt_id,
+        meta=meta,
+        **tokens,
+        **{key: _scalar(d, key, where) for key in SCALARS if key != "prompt_id"},
+    )
 
 
 def _scalar(d: dict, key: str, where: str) -> Any:

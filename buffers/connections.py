@@ -54,12 +54,22 @@ from zmq.utils.monitor import parse_monitor_message
 
 log = logging.getLogger(__name__)
 
-EVENTS = (zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_ACCEPT_FAILED
-          | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-          | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+EVENTS = (
+    zmq.EVENT_ACCEPTED
+    | zmq.EVENT_DISCONNECTED
+    | zmq.EVENT_ACCEPT_FAILED
+    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+)
 REFUSED = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH  # not ZMTP, wrong keys
-COUNTERS = ("connections_closed_cap", "connections_closed_idle", "connections_closed_handshake", "handshake_failed",
-            "accept_failed")
+COUNTERS = (
+    "connections_closed_cap",
+    "connections_closed_idle",
+    "connections_closed_handshake",
+    "handshake_failed",
+    "accept_failed",
+)
 MIN_CAP = 8
 
 
@@ -183,8 +193,7 @@ class Connections:
         conn = self._drop(fd)
         with _borrowed(fd) as sock:
             names = _names(sock)
-            if sock is None or conn is None or names is None or names[1] != conn.peer \
-                    or _local(names[0]) != self._port:
+            if sock is None or conn is None or names is None or names[1] != conn.peer or _local(names[0]) != self._port:
                 return  # closed meanwhile, maybe reused: not ours to shut down
             try:
                 sock.shutdown(socket.SHUT_RDWR)
@@ -251,8 +260,14 @@ def fit_caps(total: int, per_host: int) -> tuple[int, int]:
             pass
     room = total if soft == resource.RLIM_INFINITY else (soft - used) // 2
     if room < total:
-        log.warning("buffer service: %d open files allowed and %d in use: at most %d connections, not %d "
-                    "(raise the open-files limit, ulimit -n, to serve more)", soft, used, max(room, MIN_CAP), total)
+        log.warning(
+            "buffer service: %d open files allowed and %d in use: at most %d connections, not %d "
+            "(raise the open-files limit, ulimit -n, to serve more)",
+            soft,
+            used,
+            max(room, MIN_CAP),
+            total,
+        )
         total = max(room, MIN_CAP)
     return total, min(per_host, total)
 

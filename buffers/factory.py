@@ -59,14 +59,22 @@ class BufferConfig:
         if not self.max_frame_mb > 0:
             raise ValueError(f"buffer.max_frame_mb must be > 0, got {self.max_frame_mb}")
         if self.max_message_mb and not self.max_message_mb >= self.max_frame_mb:
-            raise ValueError(f"buffer.max_message_mb must be 0 (auto) or >= buffer.max_frame_mb "
-                             f"({self.max_frame_mb}), got {self.max_message_mb}")
+            raise ValueError(
+                f"buffer.max_message_mb must be 0 (auto) or >= buffer.max_frame_mb "
+                f"({self.max_frame_mb}), got {self.max_message_mb}"
+            )
         if not self.max_decoded_mb >= 0:
             raise ValueError(f"buffer.max_decoded_mb must be >= 0 (0 = auto), got {self.max_decoded_mb}")
         if self.capacity < 0:
             raise ValueError(f"buffer.capacity must be >= 0 (0 = auto), got {self.capacity}")
-        for key in ("window", "batch_groups", "batch_kb", "producers_per_client", "max_connections",
-                    "max_connections_per_host"):
+        for key in (
+            "window",
+            "batch_groups",
+            "batch_kb",
+            "producers_per_client",
+            "max_connections",
+            "max_connections_per_host",
+        ):
             if getattr(self, key) < 1:
                 raise ValueError(f"buffer.{key} must be >= 1, got {getattr(self, key)}")
         for key in ("connection_idle_s", "handshake_s"):
@@ -86,20 +94,41 @@ def make_buffer(cfg: BufferConfig, capacity: int) -> tuple[SampleBuffer | Remote
         return SampleBuffer(capacity=capacity), None
     keys, token = (ServiceKeys.new() if cfg.auth == "curve" else None), new_owner_token()
     frame = int(cfg.max_frame_mb * (1 << 20))
-    message, decoded = message_caps(frame, cfg.batch_kb << 10, int(cfg.max_message_mb * (1 << 20)),
-                                    int(cfg.max_decoded_mb * (1 << 20)))
-    limits = ConnectionLimits(total=cfg.max_connections, per_host=cfg.max_connections_per_host,
-                              idle_s=cfg.connection_idle_s, handshake_s=cfg.handshake_s)
-    service = BufferService(capacity, bind=cfg.bind, max_frame_bytes=frame, keys=keys, owner_token=token,
-                            max_message_bytes=message, max_decoded_bytes=decoded,
-                            producers_per_client=cfg.producers_per_client, connections=limits).start()
+    message, decoded = message_caps(
+        frame, cfg.batch_kb << 10, int(cfg.max_message_mb * (1 << 20)), int(cfg.max_decoded_mb * (1 << 20))
+    )
+    limits = ConnectionLimits(
+        total=cfg.max_connections,
+        per_host=cfg.max_connections_per_host,
+        idle_s=cfg.connection_idle_s,
+        handshake_s=cfg.handshake_s,
+    )
+    service = BufferService(
+        capacity,
+        bind=cfg.bind,
+        max_frame_bytes=frame,
+        keys=keys,
+        owner_token=token,
+        max_message_bytes=message,
+        max_decoded_bytes=decoded,
+        producers_per_client=cfg.producers_per_client,
+        connections=limits,
+    ).start()
     client_keys = keys.client if keys is not None else None
-    return RemoteSampleBuffer(service.address, max_frame_mb=cfg.max_frame_mb, keys=client_keys,
-                              owner_token=token), service
+    return RemoteSampleBuffer(
+        service.address, max_frame_mb=cfg.max_frame_mb, keys=client_keys, owner_token=token
+    ), service
 
 
 def make_producer(cfg: BufferConfig, address: str, keys: ClientKeys | None) -> BufferProducer:
     """A streaming producer for the service at ``address`` (a rollout worker in another process);
     ``keys``: the service's ``keys.client`` (``service.keys.client``), handed over by the driver."""
-    return BufferProducer(address, max_frame_mb=cfg.max_frame_mb, window=cfg.window,
-                          batch_groups=cfg.batch_groups, batch_kb=cfg.batch_kb, linger_ms=cfg.linger_ms, keys=keys)
+    return BufferProducer(
+        address,
+        max_frame_mb=cfg.max_frame_mb,
+        window=cfg.window,
+        batch_groups=cfg.batch_groups,
+        batch_kb=cfg.batch_kb,
+        linger_ms=cfg.linger_ms,
+        keys=keys,
+    )

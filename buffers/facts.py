@@ -26,8 +26,7 @@ FACTS = "facts"  # the sample meta key
 MAX_FACTS = 32
 MAX_KEY_CHARS = 64
 # the agent workflow's own agent/* metrics (flash.envs.agents outcomes and retries, untrained tokens)
-RESERVED = frozenset({"ok", "timeout", "crashed", "bad_return", "cancelled", "died", "retries",
-                      "untrained_tokens"})
+RESERVED = frozenset({"ok", "timeout", "crashed", "bad_return", "cancelled", "died", "retries", "untrained_tokens"})
 DROP_REASONS = ("bad_key", "reserved", "non_numeric", "non_finite", "too_many")
 _KEY = re.compile(r"[A-Za-z0-9_.\-]+")
 

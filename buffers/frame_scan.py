@@ -61,8 +61,18 @@ def _tables() -> tuple[bytes, bytes]:
         size[b] = 1  # fixints, nil, false, true
     for b in range(0xA0, 0xC0):
         size[b] = 1 + (b & 0x1F)  # fixstr
-    for b, n in ((0xCC, 2), (0xD0, 2), (0xCD, 3), (0xD1, 3), (0xCA, 5), (0xCE, 5), (0xD2, 5),
-                 (0xCB, 9), (0xCF, 9), (0xD3, 9)):
+    for b, n in (
+        (0xCC, 2),
+        (0xD0, 2),
+        (0xCD, 3),
+        (0xD1, 3),
+        (0xCA, 5),
+        (0xCE, 5),
+        (0xD2, 5),
+        (0xCB, 9),
+        (0xCF, 9),
+        (0xD3, 9),
+    ):
         size[b] = n  # float32/64, uint8..64, int8..64
     for b, width in ((0xC4, 1), (0xC5, 2), (0xC6, 4), (0xD9, 1), (0xDA, 2), (0xDB, 4)):
         kind[b] = _BIN | width
@@ -155,7 +165,7 @@ def scan(frame: bytes | memoryview, room: int) -> int:
         if k & _FIX:
             n, at = b & 0x0F, at + 1
         elif width:
-            n = int.from_bytes(frame[at + 1:at + 1 + width], "big")
+            n = int.from_bytes(frame[at + 1 : at + 1 + width], "big")
             at += 1 + width
         else:
             raise _bad(b)
@@ -178,15 +188,17 @@ def scan(frame: bytes | memoryview, room: int) -> int:
         if charge > room:
             raise _over(room)
     if at != end:
-        raise FrameRefused("truncated" if at > end else "extra_data",
-                           "the last value runs past the frame's end" if at > end else
-                           "bytes after the end of the message")
+        raise FrameRefused(
+            "truncated" if at > end else "extra_data",
+            "the last value runs past the frame's end" if at > end else "bytes after the end of the message",
+        )
     return charge
 
 
 def _over(room: int) -> FrameRefused:
-    return FrameRefused("oversized_decoded", f"the frame would decode past the {room} bytes of decoded "
-                                             "values left to its message")
+    return FrameRefused(
+        "oversized_decoded", f"the frame would decode past the {room} bytes of decoded values left to its message"
+    )
 
 
 def _bad(b: int) -> FrameRefused:

@@ -29,8 +29,9 @@ from .wire import WireError
 
 
 class ProducerTable:
-    def __init__(self, max_producers: int = 4096, expire_s: float = 600.0, per_client: int = 64,
-                 pressure_idle_s: float = 60.0):
+    def __init__(
+        self, max_producers: int = 4096, expire_s: float = 600.0, per_client: int = 64, pressure_idle_s: float = 60.0
+    ):
         self.max_producers, self.expire_s, self.per_client = max_producers, expire_s, per_client
         self.pressure_idle_s = pressure_idle_s
         # id -> [last decided seq, last request time, client], the longest silent first
@@ -44,8 +45,7 @@ class ProducerTable:
         now = time.monotonic() if now is None else now
         held = len(self._clients.get(client, ()))
         if held >= self.per_client:
-            raise WireError("producers_per_client", f"this client holds {held} producer ids, the most one "
-                                                    "client may")
+            raise WireError("producers_per_client", f"this client holds {held} producer ids, the most one client may")
         if len(self._table) >= self.max_producers:
             self._make_room(held, now)
         pid = secrets.token_hex(12)
@@ -68,8 +68,10 @@ class ProducerTable:
         if now - seen >= self.pressure_idle_s:
             self.evicted += 1
             return self._drop(oldest)
-        raise WireError("too_many_producers", f"{self.max_producers} producers of as many clients active in the "
-                                              f"last {self.pressure_idle_s:.0f}s")
+        raise WireError(
+            "too_many_producers",
+            f"{self.max_producers} producers of as many clients active in the last {self.pressure_idle_s:.0f}s",
+        )
 
     def _drop(self, pid: str) -> None:
         client = self._table.pop(pid)[2]
@@ -82,8 +84,9 @@ class ProducerTable:
         """The producer's last decided seq (touching it); ``unknown_producer`` if never issued here."""
         entry = self._table.get(producer)
         if entry is None:
-            raise WireError("unknown_producer", "producer ids come from the service's hello; this one is "
-                                                "unknown or expired")
+            raise WireError(
+                "unknown_producer", "producer ids come from the service's hello; this one is unknown or expired"
+            )
         entry[1] = time.monotonic() if now is None else now
         self._table.move_to_end(producer)
         return entry[0]
@@ -127,8 +130,10 @@ def check_values(group: Group, limits: ValueLimits, max_version: int) -> None:
     if len(group.samples) > limits.max_samples:
         raise WireError("bad_value", f"group {group.prompt_id}: {len(group.samples)} samples > {limits.max_samples}")
     if not 0 <= group.admitted_version <= max_version:
-        raise WireError("bad_value", f"group {group.prompt_id}: admitted_version {group.admitted_version} "
-                                     f"outside [0, {max_version}]")
+        raise WireError(
+            "bad_value",
+            f"group {group.prompt_id}: admitted_version {group.admitted_version} outside [0, {max_version}]",
+        )
     top = (limits.vocab_size - 1) if limits.vocab_size else None
     for s in group.samples:
         try:
@@ -138,8 +143,9 @@ def check_values(group: Group, limits: ValueLimits, max_version: int) -> None:
         if (tokens := len(s.prompt_ids) + len(s.response_ids)) > limits.max_tokens:
             raise WireError("bad_value", f"{_where(group, s)}: {tokens} tokens > {limits.max_tokens}")
         if not 0 <= s.admitted_version <= max_version:
-            raise WireError("bad_value", f"{_where(group, s)}: admitted_version {s.admitted_version} "
-                                         f"outside [0, {max_version}]")
+            raise WireError(
+                "bad_value", f"{_where(group, s)}: admitted_version {s.admitted_version} outside [0, {max_version}]"
+            )
         _finite(s.behav_logprobs, group, s, "behav_logprobs")
         _in_range(s.versions, max_version, group, s, "versions")
         _in_range(s.prompt_ids, top, group, s, "prompt_ids")
@@ -159,8 +165,10 @@ def _finite(values, group: Group, s, name: str) -> None:
 
 
 # an integer dtype -> (the unsigned dtype of its width, its largest value)
-_UNSIGNED = {np.dtype(t): (np.dtype(t.replace("i", "u")), np.iinfo(t).max)
-             for t in ("|i1", "<i2", "<i4", "<i8", "|u1", "<u2", "<u4", "<u8")}
+_UNSIGNED = {
+    np.dtype(t): (np.dtype(t.replace("i", "u")), np.iinfo(t).max)
+    for t in ("|i1", "<i2", "<i4", "<i8", "|u1", "<u2", "<u4", "<u8")
+}
 
 
 def _in_range(values, hi: int | None, group: Group, s, name: str) -> None:

@@ -74,8 +74,13 @@ class LongPolls:
             return {"status": "timeout"} if timed_out else None
         if epoch == p.since and not timed_out:
             return None
-        return {"status": "ok", "epoch": epoch, "closed": closed, "capacity": self.buffer.capacity,
-                "groups": [m.to_wire() for m in metas]}
+        return {
+            "status": "ok",
+            "epoch": epoch,
+            "closed": closed,
+            "capacity": self.buffer.capacity,
+            "groups": [m.to_wire() for m in metas],
+        }
 
     def due(self) -> list[tuple[bytes, dict]]:
         """(identity, reply) of every parked request due now, each no longer parked."""

@@ -52,12 +52,23 @@ class _Put:
 
 
 class BufferProducer:
-    def __init__(self, address: str, max_frame_mb: float = 64.0, rpc_timeout_s: float = 10.0,
-                 wait_ms: int = 500, window: int = 1, batch_groups: int = 16, batch_kb: int = 1024,
-                 linger_ms: float = 1.0, keys: ClientKeys | None = None):
+    def __init__(
+        self,
+        address: str,
+        max_frame_mb: float = 64.0,
+        rpc_timeout_s: float = 10.0,
+        wait_ms: int = 500,
+        window: int = 1,
+        batch_groups: int = 16,
+        batch_kb: int = 1024,
+        linger_ms: float = 1.0,
+        keys: ClientKeys | None = None,
+    ):
         if window < 1 or batch_groups < 1 or batch_kb < 1 or linger_ms < 0:
-            raise ValueError(f"need window >= 1, batch_groups >= 1, batch_kb >= 1, linger_ms >= 0; got "
-                             f"{window}, {batch_groups}, {batch_kb}, {linger_ms}")
+            raise ValueError(
+                f"need window >= 1, batch_groups >= 1, batch_kb >= 1, linger_ms >= 0; got "
+                f"{window}, {batch_groups}, {batch_kb}, {linger_ms}"
+            )
         self.max_frame_bytes = int(max_frame_mb * (1 << 20))
         self.rpc_timeout_s, self.wait_ms, self.window = rpc_timeout_s, wait_ms, window
         self.batch_groups, self.batch_bytes, self.linger_s = batch_groups, batch_kb << 10, linger_ms / 1000
@@ -77,8 +88,15 @@ class BufferProducer:
         self._flusher_idle = False  # waiting untimed: a new batch must notify it
         self._closing = False
         self._refused: list[WireError] = []  # groups the service rejected, raised at the end of a settle
-        self.counters = {"puts": 0.0, "duplicates": 0.0, "full": 0.0, "retries": 0.0, "blocked_s": 0.0,
-                         "batches": 0.0, "rejected": 0.0}
+        self.counters = {
+            "puts": 0.0,
+            "duplicates": 0.0,
+            "full": 0.0,
+            "retries": 0.0,
+            "blocked_s": 0.0,
+            "batches": 0.0,
+            "rejected": 0.0,
+        }
 
     def put(self, group: Group, timeout: float | None = None) -> None:
         """Hand ``group`` over; blocks while the window is full of unacknowledged puts.
@@ -114,8 +132,11 @@ class BufferProducer:
     def _enqueue(self, group: Group) -> None:
         frame = encode_group(group)
         if len(frame) > self.max_frame_bytes:
-            raise WireError("oversized", f"group {group.prompt_id} encodes to {len(frame)} bytes > "
-                                         f"{self.max_frame_bytes}; raise buffer.max_frame_mb")
+            raise WireError(
+                "oversized",
+                f"group {group.prompt_id} encodes to {len(frame)} bytes > "
+                f"{self.max_frame_bytes}; raise buffer.max_frame_mb",
+            )
         seq, self._next_seq = self._next_seq, self._next_seq + 1
         self._inflight[seq] = _Put(group, frame)
         self._held.add(id(group))
@@ -128,8 +149,7 @@ class BufferProducer:
         """Send the batch if it is full (or nothing lingers), else let it wait for more groups."""
         if self._stalled:
             return  # the next settle resends everything in flight, the batch included
-        if (self.linger_s == 0 or len(self._pending) >= self.batch_groups
-                or self._pending_bytes >= self.batch_bytes):
+        if self.linger_s == 0 or len(self._pending) >= self.batch_groups or self._pending_bytes >= self.batch_bytes:
             self._send_pending()
         elif len(self._pending) == 1:
             self._arm_linger()
@@ -142,8 +162,9 @@ class BufferProducer:
     def _send_batch(self, seqs: list[int]) -> None:
         """One message: the header names the first seq, the groups follow as parts (consecutive seqs)."""
         puts = [self._inflight[s] for s in seqs]
-        rid = self._rpc.send({"op": "put", "producer": self.producer_id, "seq": seqs[0]},
-                             payloads=[p.frame for p in puts])
+        rid = self._rpc.send(
+            {"op": "put", "producer": self.producer_id, "seq": seqs[0]}, payloads=[p.frame for p in puts]
+        )
         for p in puts:
             p.rid = rid
         self.counters["batches"] += 1
@@ -158,8 +179,9 @@ class BufferProducer:
         for seq, put in self._inflight.items():
             if seq < first:
                 continue
-            if batch and (len(batch) >= self.batch_groups or size + len(put.frame) > self.batch_bytes
-                          or seq != batch[-1] + 1):
+            if batch and (
+                len(batch) >= self.batch_groups or size + len(put.frame) > self.batch_bytes or seq != batch[-1] + 1
+            ):
                 self._send_batch(batch)
                 batch, size = [], 0
             batch.append(seq)
@@ -210,9 +232,11 @@ class BufferProducer:
             reply = self._rpc.recv(self.rpc_timeout_s, limit=1 << 16)
             if reply is None:
                 self._stalled = True
-                raise BufferUnavailable(f"no answer from the buffer service at {self._rpc.address} in "
-                                        f"{self.rpc_timeout_s}s; {len(self._inflight)} puts unacknowledged "
-                                        "(the next put or flush resends them)")
+                raise BufferUnavailable(
+                    f"no answer from the buffer service at {self._rpc.address} in "
+                    f"{self.rpc_timeout_s}s; {len(self._inflight)} puts unacknowledged "
+                    "(the next put or flush resends them)"
+                )
             self._on_reply(reply, deadline)
             while len(self._inflight) > most and (reply := self._rpc.recv_nowait(limit=1 << 16)) is not None:
                 self._on_reply(reply, deadline)
@@ -249,10 +273,14 @@ class BufferProducer:
         put = self._inflight.pop(seq)
         self._held.discard(id(put.group))
         if status.startswith("rejected_"):
-            reason = status[len("rejected_"):]
+            reason = status[len("rejected_") :]
             self.counters["rejected"] += 1
-            self._refused.append(WireError(reason if reason in REASONS else "malformed",
-                                           f"the service refused group {put.group.prompt_id} (seq {seq})"))
+            self._refused.append(
+                WireError(
+                    reason if reason in REASONS else "malformed",
+                    f"the service refused group {put.group.prompt_id} (seq {seq})",
+                )
+            )
             return
         self.counters["puts"] += 1
         self.counters["duplicates"] += status == "duplicate"

@@ -45,7 +45,7 @@ def error_text(exc: BaseException) -> str:
     ``ERROR_CHARS`` characters (a ``RewardRaised`` is the text it carries)."""
     text = str(exc) if isinstance(exc, RewardRaised) else f"{type(exc).__name__}: {exc}"
     text = " ".join(text.split())
-    return text if len(text) <= ERROR_CHARS else text[:ERROR_CHARS - 3] + "..."
+    return text if len(text) <= ERROR_CHARS else text[: ERROR_CHARS - 3] + "..."
 
 
 def reward_value(value: Any) -> float:

@@ -31,8 +31,7 @@ class Rpc:
     already retry on it (puts are idempotent, takes replayed).
     """
 
-    def __init__(self, address: str, max_frame_bytes: int, wake_fd: int | None = None,
-                 keys: ClientKeys | None = None):
+    def __init__(self, address: str, max_frame_bytes: int, wake_fd: int | None = None, keys: ClientKeys | None = None):
         self.address, self.max_frame_bytes, self.wake_fd = address, max_frame_bytes, wake_fd
         self._ctx = zmq.Context()
         self.sock = self._ctx.socket(zmq.DEALER)
@@ -59,8 +58,10 @@ class Rpc:
         try:  # only a message's first part can block: once it is queued its other parts follow it
             self.sock.send(header, zmq.SNDMORE if payloads else 0)
         except zmq.Again:
-            raise BufferUnavailable(f"the buffer service at {self.address} takes no messages from this client "
-                                    f"(dropped, or never connected) after {SEND_TIMEOUT_MS / 1000:.0f}s") from None
+            raise BufferUnavailable(
+                f"the buffer service at {self.address} takes no messages from this client "
+                f"(dropped, or never connected) after {SEND_TIMEOUT_MS / 1000:.0f}s"
+            ) from None
         last = len(payloads) - 1
         for i, part in enumerate(payloads):
             self.sock.send(part, zmq.SNDMORE if i < last else 0, copy=len(part) < (1 << 16))

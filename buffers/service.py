@@ -81,20 +81,44 @@ MAX_BATCH = 1024  # groups in one put message
 # frames decode to (an honest group sent as lists is charged ~20 bytes per byte of its frame)
 BATCH_BYTES = 1 << 20
 DECODED_PER_BYTE = 32
-COUNTERS = ("frames_in", "put_batches", "puts", "gets", "duplicates", "full_replies", "gap_replies", "bytes_in", "bytes_out",
-            "producer_blocked_s", "take_replays", "rejected", "internal_errors")
+COUNTERS = (
+    "frames_in",
+    "put_batches",
+    "puts",
+    "gets",
+    "duplicates",
+    "full_replies",
+    "gap_replies",
+    "bytes_in",
+    "bytes_out",
+    "producer_blocked_s",
+    "take_replays",
+    "rejected",
+    "internal_errors",
+)
 
 
 class BufferService:
-    def __init__(self, capacity: int, bind: str = "tcp://127.0.0.1:0", max_frame_bytes: int = 64 << 20,
-                 max_waiters: int = 1024, keys: ServiceKeys | None = None, owner_token: bytes | None = None,
-                 max_waiters_per_client: int = 16, limits: ValueLimits | None = None,
-                 max_message_bytes: int = 0, max_decoded_bytes: int = 0, producers_per_client: int = 64,
-                 connections: ConnectionLimits | None = None):
+    def __init__(
+        self,
+        capacity: int,
+        bind: str = "tcp://127.0.0.1:0",
+        max_frame_bytes: int = 64 << 20,
+        max_waiters: int = 1024,
+        keys: ServiceKeys | None = None,
+        owner_token: bytes | None = None,
+        max_waiters_per_client: int = 16,
+        limits: ValueLimits | None = None,
+        max_message_bytes: int = 0,
+        max_decoded_bytes: int = 0,
+        producers_per_client: int = 64,
+        connections: ConnectionLimits | None = None,
+    ):
         self.bind, self.max_frame_bytes, self.max_waiters = bind, max_frame_bytes, max_waiters
         # 0: derived from max_frame_bytes (``message_caps``)
         self.max_message_bytes, self.max_decoded_bytes = message_caps(
-            max_frame_bytes, max_message_bytes=max_message_bytes, max_decoded_bytes=max_decoded_bytes)
+            max_frame_bytes, max_message_bytes=max_message_bytes, max_decoded_bytes=max_decoded_bytes
+        )
         self.keys, self.max_waiters_per_client = keys, max_waiters_per_client
         self.limits = limits or ValueLimits()
         self.connection_limits = connections or ConnectionLimits()
@@ -113,7 +137,8 @@ class BufferService:
         self._ident = -1  # the service thread's id: its own changes need no wake-up
         self.address = ""
         self._counts: dict[str, float] = {k: 0.0 for k in COUNTERS + CONNECTION_COUNTERS} | {
-            f"rejected_{r}": 0.0 for r in REASONS}
+            f"rejected_{r}": 0.0 for r in REASONS
+        }
         self._lock = threading.Lock()
         self._producers = ProducerTable(per_client=producers_per_client)  # issued by hello, capped per client
         self._prompts = SeenPrompts()  # prompt ids stored: a replay is not a second group
@@ -270,11 +295,14 @@ class BufferService:
             rid = request_rid(msg)
             check_request(msg)
             if (len(parts) > 2) != (msg["op"] == "put"):
-                raise WireError("multipart", f"{msg['op']} with {len(parts) - 1} parts; a request is one "
-                                             "part, a put a header and its groups")
+                raise WireError(
+                    "multipart",
+                    f"{msg['op']} with {len(parts) - 1} parts; a request is one part, a put a header and its groups",
+                )
             if size > self.max_message_bytes:  # a put's groups are each refused by name, unparsed
-                refusal = WireError("oversized_message", f"{len(parts) - 1} parts of {size} bytes together "
-                                                         f"> {self.max_message_bytes}")
+                refusal = WireError(
+                    "oversized_message", f"{len(parts) - 1} parts of {size} bytes together > {self.max_message_bytes}"
+                )
                 if msg["op"] != "put":
                     raise refusal
                 msg["refusal"] = refusal
@@ -323,8 +351,9 @@ class BufferService:
                 break
         return {"seq": first, "statuses": statuses}
 
-    def _put_one(self, producer: str, seq: int, frame: memoryview, budget: Budget,
-                 refusal: WireError | None = None) -> str:
+    def _put_one(
+        self, producer: str, seq: int, frame: memoryview, budget: Budget, refusal: WireError | None = None
+    ) -> str:
         """Store one group exactly once; a refused one is decided (its seq used) and counted.
 
         The order checks come first: a refusal is only ever given to the next expected seq, so a
@@ -348,8 +377,9 @@ class BufferService:
             if len(frame) > self.max_frame_bytes:  # refused before it is parsed
                 raise WireError("oversized", f"group frame of {len(frame)} bytes > {self.max_frame_bytes}")
             top = self.max_version() if self.max_version else 1 << 62
-            group = decode_group(unpack(frame, self.max_frame_bytes, budget),
-                                 lambda g: check_values(g, self.limits, top), budget)
+            group = decode_group(
+                unpack(frame, self.max_frame_bytes, budget), lambda g: check_values(g, self.limits, top), budget
+            )
             if group.prompt_id in self._prompts:
                 raise WireError("duplicate_prompt", f"a group of prompt {group.prompt_id} was stored already")
         except WireError as exc:
@@ -433,8 +463,9 @@ class BufferService:
         return {"status": "ok", "groups": frames}
 
 
-def message_caps(max_frame_bytes: int, batch_bytes: int = BATCH_BYTES, max_message_bytes: int = 0,
-                 max_decoded_bytes: int = 0) -> tuple[int, int]:
+def message_caps(
+    max_frame_bytes: int, batch_bytes: int = BATCH_BYTES, max_message_bytes: int = 0, max_decoded_bytes: int = 0
+) -> tuple[int, int]:
     """(all parts of a message together, what they may decode to); a 0 is derived: the largest
     group beside a full batch of the producers' ``batch_bytes``, and ``DECODED_PER_BYTE`` times that."""
     message = max_message_bytes or max_frame_bytes + batch_bytes

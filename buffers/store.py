@@ -138,9 +138,15 @@ class KeyedSampleBuffer(SampleBuffer):
         return [(g, frame if frame is not None else encode_group(g)) for g, frame in out]
 
     def _register(self, group: Group, frame: bytes | memoryview | None) -> None:
-        meta = GroupMeta(key=next(self._keys), prompt_id=group.prompt_id, version=group.version,
-                         admitted_version=group.admitted_version, data_index=group.data_index,
-                         num_samples=len(group.samples), nbytes=len(frame) if frame else 0)
+        meta = GroupMeta(
+            key=next(self._keys),
+            prompt_id=group.prompt_id,
+            version=group.version,
+            admitted_version=group.admitted_version,
+            data_index=group.data_index,
+            num_samples=len(group.samples),
+            nbytes=len(frame) if frame else 0,
+        )
         self._entries[id(group)] = _Entry(meta, frame)
         self.epoch += 1
 

@@ -47,13 +47,29 @@ class TokenTrace:
         self.logprobs += [float(x) for x in logprobs]
         self.versions += list(versions)
 
-    def to_sample(self, *, prompt_id: int, sample_index: int, reward: float, finish_reason: str,
-                  admitted_version: int, meta: dict[str, Any], keep: int | None = None) -> Sample:
+    def to_sample(
+        self,
+        *,
+        prompt_id: int,
+        sample_index: int,
+        reward: float,
+        finish_reason: str,
+        admitted_version: int,
+        meta: dict[str, Any],
+        keep: int | None = None,
+    ) -> Sample:
         """The trace as a ``Sample``: its first ``keep`` response tokens (all of them by default)."""
         end = len(self.response_ids) if keep is None else keep
         return Sample(
-            prompt_id=prompt_id, sample_index=sample_index, prompt_ids=list(self.prompt_ids),
-            response_ids=self.response_ids[:end], behav_logprobs=self.logprobs[:end],
-            versions=self.versions[:end], reward=reward, finish_reason=finish_reason,
-            admitted_version=admitted_version, loss_mask=self.loss_mask[:end], meta=dict(meta),
+            prompt_id=prompt_id,
+            sample_index=sample_index,
+            prompt_ids=list(self.prompt_ids),
+            response_ids=self.response_ids[:end],
+            behav_logprobs=self.logprobs[:end],
+            versions=self.versions[:end],
+            reward=reward,
+            finish_reason=finish_reason,
+            admitted_version=admitted_version,
+            loss_mask=self.loss_mask[:end],
+            meta=dict(meta),
         )

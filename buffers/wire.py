@@ -48,10 +48,28 @@ from .frame_scan import MAX_ARRAY, FrameRefused, Tally, frame_cost
 from .types import TOKEN_FIELDS, Group, Sample, TokenField
 
 # Every way a frame can be refused; the service keeps a counter per name.
-REASONS = ("oversized", "multipart", "truncated", "malformed", "extra_data", "bad_type", "bad_schema",
-           "bad_dtype", "bad_shape", "length_mismatch", "unknown_op", "too_many_waiters", "bad_value",
-           "unknown_producer", "too_many_producers", "producers_per_client", "duplicate_prompt", "not_owner",
-           "oversized_message", "oversized_decoded")
+REASONS = (
+    "oversized",
+    "multipart",
+    "truncated",
+    "malformed",
+    "extra_data",
+    "bad_type",
+    "bad_schema",
+    "bad_dtype",
+    "bad_shape",
+    "length_mismatch",
+    "unknown_op",
+    "too_many_waiters",
+    "bad_value",
+    "unknown_producer",
+    "too_many_producers",
+    "producers_per_client",
+    "duplicate_prompt",
+    "not_owner",
+    "oversized_message",
+    "oversized_decoded",
+)
 
 # Little-endian only, so a frame means the same on every host.
 INT_DTYPES = {d: np.dtype(d) for d in ("<i4", "<i8")}
@@ -64,9 +82,14 @@ RUNS = "runs:"  # the dtype prefix of an array sent as runs
 RUN_ENDS = np.dtype("<i4")
 MIN_RUNS_LEN = 2048  # shorter arrays travel plain (expanding runs costs more than their bytes)
 GROUP_FIELDS = (("prompt_id", int), ("admitted_version", int), ("data_index", int), ("samples", list))
-SAMPLE_FIELDS = (("prompt_id", int), ("sample_index", int), ("reward", float), ("finish_reason", str),
-                 ("admitted_version", int), ("meta", dict)) + tuple(
-                 (f.name, (list, type(None)) if f.optional else list) for f in TOKEN_FIELDS)
+SAMPLE_FIELDS = (
+    ("prompt_id", int),
+    ("sample_index", int),
+    ("reward", float),
+    ("finish_reason", str),
+    ("admitted_version", int),
+    ("meta", dict),
+) + tuple((f.name, (list, type(None)) if f.optional else list) for f in TOKEN_FIELDS)
 ARRAY_PARTS = (("dtype", str), ("shape", list), ("data", bytes), ("was_list", bool))
 META_TYPES = (type(None), bool, int, float, str)  # JSON's: a checkpoint writes meta as JSON
 MAX_META_DEPTH = 8
@@ -89,8 +112,9 @@ class Budget:
     def charge(self, nbytes: int, what: str) -> None:
         self.spent += nbytes
         if self.spent > self.limit:
-            raise WireError("oversized_decoded", f"{what} would take the message past {self.limit} bytes "
-                                                 "of decoded values")
+            raise WireError(
+                "oversized_decoded", f"{what} would take the message past {self.limit} bytes of decoded values"
+            )
 
 
 class WireError(ValueError):
@@ -104,6 +128,7 @@ class WireError(ValueError):
 
 # ---------------------------------------------------------------------------------------- encoding
 
+
 def pack(message: dict | list) -> bytes:
     """A control message or a group (already plain msgpack types) → one frame."""
     return msgpack.packb(message, use_bin_type=True)
@@ -113,9 +138,14 @@ def encode_group(group: Group) -> bytes:
     """A Group → its frame. Checked on this side too, so a producer's bug fails in the producer."""
     if not group.samples:
         raise WireError("bad_schema", f"group {group.prompt_id} has no samples")
-    return pack([_int(group.prompt_id, "group.prompt_id"), _int(group.admitted_version, "group.admitted_version"),
-                 _int(group.data_index, "group.data_index"),
-                 [_encode_sample(s, group.prompt_id) for s in group.samples]])
+    return pack(
+        [
+            _int(group.prompt_id, "group.prompt_id"),
+            _int(group.admitted_version, "group.admitted_version"),
+            _int(group.data_index, "group.data_index"),
+            [_encode_sample(s, group.prompt_id) for s in group.samples],
+        ]
+    )
 
 
 def _encode_sample(s: Sample, prompt_id: int) -> list:
@@ -135,8 +165,15 @@ def _encode_sample(s: Sample, prompt_id: int) -> list:
     if not isinstance(s.meta, dict):
         raise WireError("bad_type", f"meta must be a dict, got {type(s.meta).__name__}")
     _check_meta(s.meta, "meta", 0)
-    return [_int(s.prompt_id, "prompt_id"), _int(s.sample_index, "sample_index"), float(s.reward),
-            str(s.finish_reason), _int(s.admitted_version, "admitted_version"), s.meta, *parts]
+    return [
+        _int(s.prompt_id, "prompt_id"),
+        _int(s.sample_index, "sample_index"),
+        float(s.reward),
+        str(s.finish_reason),
+        _int(s.admitted_version, "admitted_version"),
+        s.meta,
+        *parts,
+    ]
 
 
 def _encode_bits(value: Any, f: TokenField, prompt_id: int) -> list:
@@ -200,8 +237,10 @@ def _list_array(value: Any, f: TokenField) -> np.ndarray:
     try:
         return to_array(value, f)
     except (TypeError, ValueError, OverflowError) as exc:
-        raise WireError("bad_type", f"{f.name}: {exc}; expected a list of "
-                                    f"{'floats' if f.kind == 'float' else 'ints in the int64 range'}") from None
+        raise WireError(
+            "bad_type",
+            f"{f.name}: {exc}; expected a list of {'floats' if f.kind == 'float' else 'ints in the int64 range'}",
+        ) from None
 
 
 def _int(value: Any, name: str) -> int:
@@ -224,11 +263,15 @@ def _check_meta(value: Any, where: str, depth: int) -> None:
         for i, v in enumerate(value):
             _check_meta(v, f"{where}[{i}]", depth + 1)
     elif not isinstance(value, META_TYPES):
-        raise WireError("bad_type", f"{where} is a {type(value).__name__}; meta holds only "
-                                    "None/bool/int/float/str and lists/str-keyed dicts of them")
+        raise WireError(
+            "bad_type",
+            f"{where} is a {type(value).__name__}; meta holds only "
+            "None/bool/int/float/str and lists/str-keyed dicts of them",
+        )
 
 
 # ---------------------------------------------------------------------------------------- decoding
+
 
 def unpack(frame: bytes | memoryview, max_bytes: int, budget: Budget | None = None) -> Any:
     """One frame → plain msgpack values, or a WireError naming why not; ``budget``: charged with
@@ -245,17 +288,30 @@ def unpack(frame: bytes | memoryview, max_bytes: int, budget: Budget | None = No
     # the frame is whole and within the room (flash.buffers.frame_scan): msgpack's limits are a second line
     items = min(max(len(frame), 1), MAX_ARRAY)
     try:
-        value = msgpack.unpackb(frame, raw=False, strict_map_key=True, ext_hook=_refuse_ext,
-                                max_bin_len=max_bytes, max_str_len=max_bytes, max_array_len=items,
-                                max_map_len=items, **hooks)
+        value = msgpack.unpackb(
+            frame,
+            raw=False,
+            strict_map_key=True,
+            ext_hook=_refuse_ext,
+            max_bin_len=max_bytes,
+            max_str_len=max_bytes,
+            max_array_len=items,
+            max_map_len=items,
+            **hooks,
+        )
     except WireError:
         raise
     except msgpack.ExtraData:
         raise WireError("extra_data", "bytes after the end of the message") from None
     except ValueError as exc:
         text = str(exc)
-        reason = ("truncated" if "incomplete" in text or "exceeds max_" in text
-                  else "bad_type" if "map key" in text else "malformed")  # keys must be str
+        reason = (
+            "truncated"
+            if "incomplete" in text or "exceeds max_" in text
+            else "bad_type"
+            if "map key" in text
+            else "malformed"
+        )  # keys must be str
         raise WireError(reason, str(exc) or type(exc).__name__) from None
     except Exception as exc:  # noqa: BLE001 - msgpack may raise TypeError etc. on hostile input
         raise WireError("malformed", f"{type(exc).__name__}: {exc}") from None
@@ -280,8 +336,9 @@ def decode_group(raw: Any, check: Callable[[Group], None] | None = None, budget:
     if not samples:
         raise WireError("bad_schema", f"group {prompt_id} has no samples")
     decoded = [_decode_sample(s, prompt_id, budget) for s in samples]
-    group = Group(prompt_id=prompt_id, samples=[s for s, _ in decoded], admitted_version=admitted_version,
-                  data_index=data_index)
+    group = Group(
+        prompt_id=prompt_id, samples=[s for s, _ in decoded], admitted_version=admitted_version, data_index=data_index
+    )
     if check is not None:
         check(group)
     for sample, lists in decoded:
@@ -305,8 +362,15 @@ def _decode_sample(raw: Any, group_id: int, budget: Budget | None) -> tuple[Samp
         lists += [f] if part[3] else []
     _check_lengths({k: len(v) for k, v in values.items()}, prompt_id)
     _check_meta(meta, "meta", 0)
-    return Sample(prompt_id=prompt_id, sample_index=index, reward=reward, finish_reason=finish,
-                  admitted_version=admitted, meta=meta, **values), lists
+    return Sample(
+        prompt_id=prompt_id,
+        sample_index=index,
+        reward=reward,
+        finish_reason=finish,
+        admitted_version=admitted,
+        meta=meta,
+        **values,
+    ), lists
 
 
 def _decode_array(raw: Any, f: TokenField, runs_of: int | None = None, budget: Budget | None = None) -> np.ndarray:
@@ -315,7 +379,7 @@ def _decode_array(raw: Any, f: TokenField, runs_of: int | None = None, budget: B
     name, allowed = f.name, KIND_DTYPES[f.kind]
     dtype, shape, data, was_list = _fields(raw, ARRAY_PARTS, name)
     if runs_of is not None and dtype.startswith(RUNS):
-        dt = _dtype(dtype[len(RUNS):], name, allowed)
+        dt = _dtype(dtype[len(RUNS) :], name, allowed)
         if shape != [runs_of]:
             raise WireError("length_mismatch", f"{name}: runs of {shape!r} tokens for {runs_of} response tokens")
         if budget is not None:  # the expanded array, then the list it becomes
@@ -356,8 +420,11 @@ def _fields(raw: Any, schema: tuple[tuple[str, type | tuple[type, ...]], ...], w
     """Exactly the schema's fields, in order, each of its type (a bool is not an int, an int not a
     float: ``type(v) is t``, which is also the fast check)."""
     if type(raw) is not list or len(raw) != len(schema):
-        raise WireError("bad_schema", f"{where} must be an array of {len(schema)} fields "
-                                      f"({', '.join(n for n, _ in schema)}), got {_describe(raw)}")
+        raise WireError(
+            "bad_schema",
+            f"{where} must be an array of {len(schema)} fields "
+            f"({', '.join(n for n, _ in schema)}), got {_describe(raw)}",
+        )
     for value, (key, typ) in zip(raw, schema):
         if type(value) is not typ and not (type(typ) is tuple and type(value) in typ):
             names = " or ".join(t.__name__ for t in (typ if isinstance(typ, tuple) else (typ,)))
@@ -375,8 +442,11 @@ def _check_lengths(lengths: dict[str, int], prompt_id: int) -> None:
     n = lengths["response_ids"]
     per_token = {k: lengths[k] for k in ALONG_RESPONSE if k in lengths}
     if any(m != n for m in per_token.values()):
-        raise WireError("length_mismatch", f"prompt {prompt_id}: {n} response tokens, " + ", ".join(
-            f"{m} {_LABELS.get(k, k)}" for k, m in per_token.items()))
+        raise WireError(
+            "length_mismatch",
+            f"prompt {prompt_id}: {n} response tokens, "
+            + ", ".join(f"{m} {_LABELS.get(k, k)}" for k, m in per_token.items()),
+        )
 
 
 _LABELS = {"behav_logprobs": "logprobs", "loss_mask": "loss_mask entries"}

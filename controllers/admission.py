@@ -46,8 +46,9 @@ class PromptSource:
 class Admission:
     """The admission state (module doc): version, admissions, data position, waves, provisioning."""
 
-    def __init__(self, staleness: StalenessManager, source: PromptSource, max_additional: int = 0,
-                 start_index: int = 0):
+    def __init__(
+        self, staleness: StalenessManager, source: PromptSource, max_additional: int = 0, start_index: int = 0
+    ):
         self.prov = Provisioning(staleness, max_additional)
         self.source = source
         self.version = 0  # the policy version admission runs at
@@ -87,8 +88,13 @@ class Admission:
 
     def state_dict(self) -> dict:
         """Data position, admissions, version, waves and the admission accounting (counted groups)."""
-        return {"admitted": self.admitted, "next_index": self.next_index, "version": self.version,
-                "waves": self.waves, "provisioning": {"counted": self.prov.counted}}
+        return {
+            "admitted": self.admitted,
+            "next_index": self.next_index,
+            "version": self.version,
+            "waves": self.waves,
+            "provisioning": {"counted": self.prov.counted},
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.admitted, self.next_index = state["admitted"], state["next_index"]

@@ -80,9 +80,20 @@ class StepRecord:
 
 
 class AsyncController:
-    def __init__(self, engine, trainer, scheduler: RolloutCore, buffer: SampleBuffer,
-                 staleness: StalenessManager, settings: ControllerSettings, ledger=None, critic=None,
-                 model_update=None, supervisor: EngineClient | None = None, reference=None):
+    def __init__(
+        self,
+        engine,
+        trainer,
+        scheduler: RolloutCore,
+        buffer: SampleBuffer,
+        staleness: StalenessManager,
+        settings: ControllerSettings,
+        ledger=None,
+        critic=None,
+        model_update=None,
+        supervisor: EngineClient | None = None,
+        reference=None,
+    ):
         self.engine, self.trainer, self.critic = engine, trainer, critic
         # the placed reference role (flash.train.reference) for a KL penalty; None: the trainer's copy
         self.reference = reference
@@ -116,8 +127,7 @@ class AsyncController:
             self._times[name] = self._times.get(name, 0.0) + time.monotonic() - start
             self._spans[name] = [wall, time.time()]
 
-    def run(self, steps: int, on_step: Callable[[StepRecord], None] | None = None,
-            start: int = 0) -> list[StepRecord]:
+    def run(self, steps: int, on_step: Callable[[StepRecord], None] | None = None, start: int = 0) -> list[StepRecord]:
         """Steps ``start .. steps-1`` (``start > 0``: resumed from a checkpoint)."""
         records = []
         for t in range(start, steps):
@@ -157,8 +167,7 @@ class AsyncController:
     def _train_stream(self) -> tuple[list[Group], TrainBatch, StepOut]:
         """The stream trainer (``train_step.train_stream``): each group backpropagated as soon as it
         is in the buffer, while the rest of the batch still decodes; prox = behaviour."""
-        groups, train = train_stream(self._roles(), self._stream_groups(), self.s.advantage, self.s.pad_id,
-                                     self.phase)
+        groups, train = train_stream(self._roles(), self._stream_groups(), self.s.advantage, self.s.pad_id, self.phase)
         batch = collate(flatten(groups), pad_id=self.s.pad_id)
         return groups, batch, StepOut(train, batch.behav_logp)
 
@@ -236,8 +245,7 @@ class AsyncController:
             cycle()
             # with the model-update group nothing sits in the object store: a restarted engine
             # fetches the trainer's weights then (flash.engine.client.EngineClient.pushed)
-            self.supervisor.pushed(weights if weights is not None else self.trainer.get_weights.remote,
-                                   new_version)
+            self.supervisor.pushed(weights if weights is not None else self.trainer.get_weights.remote, new_version)
 
         # exclusive: no replica recovery loads older weights in the middle of this push
         # (behind a router the update goes on with the replicas in service meanwhile)
@@ -279,26 +287,43 @@ class AsyncController:
             self.ledger.write(json.dumps({**event, "step": t}) + "\n")
         for g in sorted(groups, key=lambda g: g.prompt_id):
             for s in g.samples:
-                self.ledger.write(json.dumps({
-                    "prompt_id": g.prompt_id, "data_index": g.data_index, "sample": s.sample_index,
-                    "request": s.meta.get("request", s.sample_index), "outcome": "trained", "step": t,
-                    "version": s.version, "reward": s.reward,
-                    # for `flash plan` (flash.app.plan): response and prompt tokens, how it ended
-                    "len": len(s.response_ids), "plen": len(s.prompt_ids), "finish": s.finish_reason,
-                    **{k: s.meta[k] for k in LEDGER_META if k in s.meta},
-                    **({"facts": s.facts} if s.facts else {}),  # what its agent reported (flash.buffers.facts)
-                }) + "\n")
+                self.ledger.write(
+                    json.dumps(
+                        {
+                            "prompt_id": g.prompt_id,
+                            "data_index": g.data_index,
+                            "sample": s.sample_index,
+                            "request": s.meta.get("request", s.sample_index),
+                            "outcome": "trained",
+                            "step": t,
+                            "version": s.version,
+                            "reward": s.reward,
+                            # for `flash plan` (flash.app.plan): response and prompt tokens, how it ended
+                            "len": len(s.response_ids),
+                            "plen": len(s.prompt_ids),
+                            "finish": s.finish_reason,
+                            **{k: s.meta[k] for k in LEDGER_META if k in s.meta},
+                            **({"facts": s.facts} if s.facts else {}),  # what its agent reported (flash.buffers.facts)
+                        }
+                    )
+                    + "\n"
+                )
         self.ledger.flush()
 
     def _metrics(self, t, samples, batch, prox, train_metrics, step_s) -> dict[str, float]:
         """The step's own metrics (flash.controllers.step_metrics names each source)."""
         return sm.assemble(
-            sm.trainer_metrics(train_metrics), sm.phase_metrics(self._times, step_s),
-            sm.batch_metrics(t, samples, batch), sm.facts_metrics(samples),
+            sm.trainer_metrics(train_metrics),
+            sm.phase_metrics(self._times, step_s),
+            sm.batch_metrics(t, samples, batch),
+            sm.facts_metrics(samples),
             sm.rollout_state(len(self.buffer), self.scheduler.admitted),
             self.scheduler.metrics(),  # lifecycle counts, filtered by rule, aborted by reason
-            sm.token_metrics(batch, step_s), sm.update_metrics(self._update_bytes, self._update_metrics),
-            self._mismatch(batch, prox), self._role_metrics(step_s))
+            sm.token_metrics(batch, step_s),
+            sm.update_metrics(self._update_bytes, self._update_metrics),
+            self._mismatch(batch, prox),
+            self._role_metrics(step_s),
+        )
 
     def _mismatch(self, batch, prox) -> dict[str, float]:
         """Train–inference mismatch (``flash.algos.mismatch_metrics``) on tokens generated by the current
@@ -327,8 +352,12 @@ class AsyncController:
     def _timeline(self) -> dict[str, Any]:
         """This step's spans; the trainer is busy in ``recompute_prox`` (when it runs) and ``train``."""
         busy = ["recompute_prox", "train"] if self.s.prox == "separate" else ["train"]
-        return {"phases": dict(self._spans), "engine_busy": self._engine_spans, "env_busy": self._env_spans,
-                "trainer_busy": [self._spans[p] for p in busy if p in self._spans]}
+        return {
+            "phases": dict(self._spans),
+            "engine_busy": self._engine_spans,
+            "env_busy": self._env_spans,
+            "trainer_busy": [self._spans[p] for p in busy if p in self._spans],
+        }
 
     def shutdown_rollout(self) -> dict[str, list[int]]:
         """Stop admitting, abort training requests in flight; return what was left unfinished."""
@@ -350,5 +379,3 @@ class AsyncController:
                 self.ledger.write(json.dumps(line) + "\n")
             self.ledger.flush()
         return {"in_flight": pending, "buffered": buffered}
-
-

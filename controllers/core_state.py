@@ -22,10 +22,15 @@ def core_state(core: RolloutCore) -> dict:
     """The core's state (under its lock): its parts' and the RNG's."""
     with core._lock:
         version, state, gauss = core._rng.getstate()
-        pending = core.inflight.state_dict(lambda rid: core.lifecycle.state(rid) is not None,
-                                           core.admission.prov.is_spare)
-        return {**core.admission.state_dict(), **core.outcomes.state_dict(),
-                "rng": [version, list(state), gauss], "pending": pending}
+        pending = core.inflight.state_dict(
+            lambda rid: core.lifecycle.state(rid) is not None, core.admission.prov.is_spare
+        )
+        return {
+            **core.admission.state_dict(),
+            **core.outcomes.state_dict(),
+            "rng": [version, list(state), gauss],
+            "pending": pending,
+        }
 
 
 def restore_core(core: RolloutCore, state: dict, buffered_groups: list[Group] | None = None) -> int:

@@ -16,15 +16,29 @@ if TYPE_CHECKING:
     from .scheduler import RolloutCore
 
 
-def evaluate_samples(core: RolloutCore, items: list, params: SamplingParams, tag: str, seed: int,
-                     on_progress: Callable[[int], None] | None = None,
-                     on_scored: Callable[[int], None] | None = None) -> list:
+def evaluate_samples(
+    core: RolloutCore,
+    items: list,
+    params: SamplingParams,
+    tag: str,
+    seed: int,
+    on_progress: Callable[[int], None] | None = None,
+    on_scored: Callable[[int], None] | None = None,
+) -> list:
     """The scored samples of ``items``, in item order. ``on_progress(done)``: the units answered so
     far, about once a second while they generate, and all of them before scoring;
     ``on_scored(done)``: the units scored so far, about once a second while they are scored."""
-    units = [Unit(f"eval/{tag}/{i}", -1, i, item, core.source.encode(item.prompt),
-                  SamplingParams(**{**params.__dict__, "seed": request_seed(seed, 10**6 + i, 0)}))
-             for i, item in enumerate(items)]
+    units = [
+        Unit(
+            f"eval/{tag}/{i}",
+            -1,
+            i,
+            item,
+            core.source.encode(item.prompt),
+            SamplingParams(**{**params.__dict__, "seed": request_seed(seed, 10**6 + i, 0)}),
+        )
+        for i, item in enumerate(items)
+    ]
     answers = core.inflight.answers
     with core._lock:
         core.inflight.eval_units.update((u.id, u) for u in units)

@@ -64,9 +64,13 @@ def check_filter(cfg: FilterConfig, n: int, max_new_tokens: int) -> str | None:
     if cfg.max_response_len < 0:
         return f"rollout.filter.max_response_len must be >= 0 (0 = off), got {cfg.max_response_len}"
     if cfg.max_response_len >= max_new_tokens:
-        return (f"rollout.filter.max_response_len ({cfg.max_response_len}) >= rollout.max_new_tokens "
-                f"({max_new_tokens}): no response can be longer, the rule never fires; lower it or set 0")
+        return (
+            f"rollout.filter.max_response_len ({cfg.max_response_len}) >= rollout.max_new_tokens "
+            f"({max_new_tokens}): no response can be longer, the rule never fires; lower it or set 0"
+        )
     if cfg.reads_rewards and n < 2:
-        return ("rollout.filter.all_same_reward / min_reward_std need rollout.n >= 2: a group of one "
-                "response always has equal rewards and every group would be filtered")
+        return (
+            "rollout.filter.all_same_reward / min_reward_std need rollout.n >= 2: a group of one "
+            "response always has equal rewards and every group would be filtered"
+        )
     return None

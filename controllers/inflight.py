@@ -39,8 +39,7 @@ class Pending:
         samples = [self.samples[k] for k in sorted(self.samples)]
         for i, s in enumerate(samples):
             s.sample_index = i
-        return Group(prompt_id=prompt_id, admitted_version=self.version, data_index=self.data_index,
-                     samples=samples)
+        return Group(prompt_id=prompt_id, admitted_version=self.version, data_index=self.data_index, samples=samples)
 
 
 class InFlight:
@@ -55,8 +54,9 @@ class InFlight:
         self.answers: dict[str, GenerationOutput] = {}
         self._received: set[str] = set()  # unit ids finished for pending prompts
 
-    def open(self, prompt_id: int, item: Any, data_index: int, version: int, wave: int, cap: int | None,
-             meta: dict) -> None:
+    def open(
+        self, prompt_id: int, item: Any, data_index: int, version: int, wave: int, cap: int | None, meta: dict
+    ) -> None:
         """Prompt ``prompt_id`` is in flight: its ``requests`` units start."""
         self.prompts[prompt_id] = Pending(item, data_index, version, wave, self.requests, cap=cap, meta=dict(meta))
 
@@ -65,10 +65,20 @@ class InFlight:
         batching) lowers max_new_tokens."""
         p = self.prompts[prompt_id]
         knobs = {**self.params.__dict__, **({"max_new_tokens": p.cap} if p.cap is not None else {})}
-        return [Unit(request_id(prompt_id, k), prompt_id, k, p.item, ids,
-                     SamplingParams(**{**knobs, "seed": request_seed(self.seed, prompt_id, k)}),
-                     version=p.version, data_index=p.data_index, meta=dict(p.meta))
-                for k in ks]
+        return [
+            Unit(
+                request_id(prompt_id, k),
+                prompt_id,
+                k,
+                p.item,
+                ids,
+                SamplingParams(**{**knobs, "seed": request_seed(self.seed, prompt_id, k)}),
+                version=p.version,
+                data_index=p.data_index,
+                meta=dict(p.meta),
+            )
+            for k in ks
+        ]
 
     def first_output(self, rid: str) -> bool:
         """True for the first finished output of unit ``rid`` of a pending prompt (it is taken);
@@ -82,14 +92,20 @@ class InFlight:
         """Drop the taken ids of prompts no longer pending (bounded memory)."""
         self._received = {r for r in self._received if parse_request_id(r)[0] in self.prompts}
 
-    def lost(self, generating: Callable[[str], bool], encode: Callable[[str], list[int]],
-             only: set[str] | None) -> list[Unit]:
+    def lost(
+        self, generating: Callable[[str], bool], encode: Callable[[str], list[int]], only: set[str] | None
+    ) -> list[Unit]:
         """Every unit still generating whose output was not taken yet, of an evaluation or of a
         pending prompt (of ``only`` when given): what an engine restart lost."""
         lost = [u for u in self.eval_units.values() if u.id not in self.answers and (only is None or u.id in only)]
         for pid, p in sorted(self.prompts.items()):
-            ks = [k for k in range(p.requests) if request_id(pid, k) not in self._received
-                  and generating(request_id(pid, k)) and (only is None or request_id(pid, k) in only)]
+            ks = [
+                k
+                for k in range(p.requests)
+                if request_id(pid, k) not in self._received
+                and generating(request_id(pid, k))
+                and (only is None or request_id(pid, k) in only)
+            ]
             if ks:
                 lost += self.units(pid, encode(p.item.prompt), ks)
         return lost
@@ -97,7 +113,15 @@ class InFlight:
     def state_dict(self, live: Callable[[str], bool], is_spare: Callable[[int], bool]) -> list[dict]:
         """The prompts in flight (regular or spare, generating, scoring, or a spare's parked
         group), each with the requests of it still ``live``."""
-        return [{"prompt_id": pid, "data_index": p.data_index, "version": p.version, "spare": is_spare(pid),
-                 "requests": [k for k in range(p.requests) if live(request_id(pid, k))],
-                 "cap": p.cap, "meta": dict(p.meta)}
-                for pid, p in sorted(self.prompts.items())]
+        return [
+            {
+                "prompt_id": pid,
+                "data_index": p.data_index,
+                "version": p.version,
+                "spare": is_spare(pid),
+                "requests": [k for k in range(p.requests) if live(request_id(pid, k))],
+                "cap": p.cap,
+                "meta": dict(p.meta),
+            }
+            for pid, p in sorted(self.prompts.items())
+        ]

@@ -120,8 +120,12 @@ class Lifecycle:
     def state_dict(self) -> dict[str, Any]:
         """Counters and undrained ledger events, for a checkpoint (flash.checkpoint)."""
         with self._lock:
-            return {"entered": dict(self._entered), "filtered": dict(self.filtered),
-                    "aborted": dict(self.aborted), "events": list(self._events)}
+            return {
+                "entered": dict(self._entered),
+                "filtered": dict(self.filtered),
+                "aborted": dict(self.aborted),
+                "events": list(self._events),
+            }
 
     def load_state_dict(self, state: dict[str, Any], live: dict[str, str], readmitted: int = 0) -> None:
         """Restore a checkpoint's counters with ``live`` (request id -> state: the restored buffer's
@@ -153,9 +157,15 @@ class Outcomes:
         self.lifecycle = Lifecycle()
         # late_outputs: a finished response of a request already aborted (it raced the abort);
         # reward_deadline: responses whose scoring passed reward.response_deadline_s (scored 0)
-        self.counters: dict[str, float] = {"samples_generated": 0, "tokens_generated": 0, "reward_errors": 0,
-                                           "request_errors": 0, "late_outputs": 0, "reward_seconds": 0.0,
-                                           "reward_deadline": 0}
+        self.counters: dict[str, float] = {
+            "samples_generated": 0,
+            "tokens_generated": 0,
+            "reward_errors": 0,
+            "request_errors": 0,
+            "late_outputs": 0,
+            "reward_seconds": 0.0,
+            "reward_deadline": 0,
+        }
 
     def metrics(self) -> dict[str, float]:
         """Lifecycle counts, filtered groups by rule, aborted samples by reason (every rule and
@@ -165,10 +175,14 @@ class Outcomes:
         m = {f"rollout/filtered/{rule}": 0.0 for rule in RULES}
         m.update({f"rollout/aborted/{reason}": 0.0 for reason in ABORT_REASONS})
         m.update(self.lifecycle.metrics())
-        m.update({"rollout/late_outputs": float(self.counters["late_outputs"]),
-                  "reward/seconds_total": float(self.counters["reward_seconds"]),
-                  "reward/errors": float(self.counters["reward_errors"]),
-                  "reward/deadline": float(self.counters["reward_deadline"])})
+        m.update(
+            {
+                "rollout/late_outputs": float(self.counters["late_outputs"]),
+                "reward/seconds_total": float(self.counters["reward_seconds"]),
+                "reward/errors": float(self.counters["reward_errors"]),
+                "reward/deadline": float(self.counters["reward_deadline"]),
+            }
+        )
         return m
 
     def state_dict(self) -> dict[str, Any]:
@@ -180,8 +194,9 @@ class Outcomes:
         (``Lifecycle.load_state_dict``)."""
         self.counters.update(state["counters"])
         if "lifecycle" in state:
-            self.lifecycle.load_state_dict(state["lifecycle"], {rid: "buffered" for rid in buffered},
-                                           readmitted=readmitted)
+            self.lifecycle.load_state_dict(
+                state["lifecycle"], {rid: "buffered" for rid in buffered}, readmitted=readmitted
+            )
 
 
 def unbalance(snap: dict[str, int]) -> int:

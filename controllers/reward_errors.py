@@ -50,10 +50,12 @@ class RewardErrors:
         if not self.limit or n < self.limit:
             return None
         name = f"reward {key!r}" if key is not None else self.name
-        return (f"{name} failed on {self.limit} training responses in a row, the run stopped "
-                f"(reward.max_consecutive_errors={self.limit}); its last error: {error}. Fix the reward "
-                "(`flash data RECIPE` scores each row's reference with it), or set "
-                "reward.max_consecutive_errors=0 to score such responses 0 and go on")
+        return (
+            f"{name} failed on {self.limit} training responses in a row, the run stopped "
+            f"(reward.max_consecutive_errors={self.limit}); its last error: {error}. Fix the reward "
+            "(`flash data RECIPE` scores each row's reference with it), or set "
+            "reward.max_consecutive_errors=0 to score such responses 0 and go on"
+        )
 
     def metrics(self) -> dict[str, float]:
         """``reward/errors_in_a_row``: the longest streak now (0 when none is running)."""

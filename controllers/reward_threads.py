@@ -18,8 +18,9 @@ from typing import Any, Callable, Iterable
 class RewardThreads:
     """``workers`` reward threads; ``busy``: jobs submitted and not yet done."""
 
-    def __init__(self, lock: threading.Condition, workers: int,
-                 guard: Callable[[Callable[[], None]], Callable[[], None]]):
+    def __init__(
+        self, lock: threading.Condition, workers: int, guard: Callable[[Callable[[], None]], Callable[[], None]]
+    ):
         self.busy = 0
         self._lock, self._guard = lock, guard
         self._pool = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="reward")
@@ -37,8 +38,13 @@ class RewardThreads:
                 self.busy -= 1
                 self._lock.notify_all()
 
-    def map(self, fn: Callable[..., Any], *args: Iterable, on_done: Callable[[int], None] | None = None,
-            every_s: float = 1.0) -> list:
+    def map(
+        self,
+        fn: Callable[..., Any],
+        *args: Iterable,
+        on_done: Callable[[int], None] | None = None,
+        every_s: float = 1.0,
+    ) -> list:
         """``fn`` over the zipped ``args`` concurrently; the results in order (an error re-raised).
         ``on_done(count)``: the calls done so far, every ``every_s`` seconds while they run and once
         when all are done."""

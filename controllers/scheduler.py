@@ -58,12 +58,28 @@ class RolloutCore:
     ``supervisor``: the ``EngineClient`` every engine call goes through (``client``, or a
     pass-through over ``engine``: a fault raises at once)."""
 
-    def __init__(self, engine, workflow: Workflow, source: PromptSource, buffer: SampleBuffer,
-                 staleness: StalenessManager, params: SamplingParams, n: int, seed: int,
-                 reward_workers: int = 4, inject_delay_s: float = 0.0, start_index: int = 0, *,
-                 queue_scheduling: bool = True, redundancy: int = 0, max_additional_prompts: int = 0,
-                 filters: FilterConfig | None = None, client: EngineClient | None = None,
-                 reward_deadline_s: float | None = None, reward_errors: RewardErrors | None = None):
+    def __init__(
+        self,
+        engine,
+        workflow: Workflow,
+        source: PromptSource,
+        buffer: SampleBuffer,
+        staleness: StalenessManager,
+        params: SamplingParams,
+        n: int,
+        seed: int,
+        reward_workers: int = 4,
+        inject_delay_s: float = 0.0,
+        start_index: int = 0,
+        *,
+        queue_scheduling: bool = True,
+        redundancy: int = 0,
+        max_additional_prompts: int = 0,
+        filters: FilterConfig | None = None,
+        client: EngineClient | None = None,
+        reward_deadline_s: float | None = None,
+        reward_errors: RewardErrors | None = None,
+    ):
         if redundancy < 0:
             raise ValueError(f"redundancy must be >= 0, got {redundancy}")
         if not isinstance(workflow, Workflow) or not isinstance(workflow, Service):
@@ -88,8 +104,10 @@ class RolloutCore:
         self._errors = ThreadErrors(lambda: self.buffer.wake())
         self._rewards = RewardThreads(self._lock, reward_workers, self._guard)  # responses not yet filed: busy
         self._later_aborts: list[str] = []  # unit ids a subclass's _group_done decided to cancel
-        self._threads = [threading.Thread(target=self._guard(f), daemon=True, name=f.__name__)
-                         for f in (self._admit_loop, self._collect_loop)]
+        self._threads = [
+            threading.Thread(target=self._guard(f), daemon=True, name=f.__name__)
+            for f in (self._admit_loop, self._collect_loop)
+        ]
         # last: the workflow may read the core's state (counters) when bound. The ignore: every
         # workflow has a ``core``; the Workflow protocol leaves it out, so isinstance above needs none
         workflow.core = self  # type: ignore[attr-defined]
@@ -168,8 +186,10 @@ class RolloutCore:
         """Wait until the collector has polled twice more and every response taken is filed."""
         with self._lock:
             polls = self._polls
-            ok = self._lock.wait_for(lambda: self._errors.error is not None or
-                                     (self._polls >= polls + 2 and self._rewards.busy == 0), timeout)
+            ok = self._lock.wait_for(
+                lambda: self._errors.error is not None or (self._polls >= polls + 2 and self._rewards.busy == 0),
+                timeout,
+            )
         self.check()
         if not ok:
             raise TimeoutError("rollout scheduler did not quiesce")
@@ -189,9 +209,15 @@ class RolloutCore:
         """The rewards of ``evaluate_samples``, in item order."""
         return [s.reward for s in self.evaluate_samples(items, params, tag, seed)]
 
-    def evaluate_samples(self, items: list, params: SamplingParams, tag: str, seed: int,
-                         on_progress: Callable[[int], None] | None = None,
-                         on_scored: Callable[[int], None] | None = None) -> list:
+    def evaluate_samples(
+        self,
+        items: list,
+        params: SamplingParams,
+        tag: str,
+        seed: int,
+        on_progress: Callable[[int], None] | None = None,
+        on_scored: Callable[[int], None] | None = None,
+    ) -> list:
         """One unit per item through the same engine; the scored samples in item order
         (``flash.controllers.evaluation.evaluate_samples``: ``on_progress``, ``on_scored``)."""
         return evaluate_samples(self, items, params, tag, seed, on_progress, on_scored)
@@ -215,8 +241,7 @@ class RolloutCore:
         recovery at worst lets a request run on)."""
         only = None if ids is None else set(ids)
         with self._lock:
-            lost = self.inflight.lost(lambda rid: self.lifecycle.state(rid) == "generating",
-                                      self.source.encode, only)
+            lost = self.inflight.lost(lambda rid: self.lifecycle.state(rid) == "generating", self.source.encode, only)
         return self.workflow.requeue(lost, ids)
 
     # ---- threads -------------------------------------------------------------------------
@@ -292,8 +317,9 @@ class RolloutCore:
         states = {r: self.lifecycle.state(r) for r in rids}
         live = [r for r in rids if states[r] is not None]
         generating = [r for r in live if states[r] == "generating"]
-        self.lifecycle.abort(live, reason, [{"prompt_id": pid, "data_index": p.data_index,
-                                             "samples": len(live), **event}])
+        self.lifecycle.abort(
+            live, reason, [{"prompt_id": pid, "data_index": p.data_index, "samples": len(live), **event}]
+        )
         self._dispatch(self._gate.resolved(p.wave, len(generating)))
         return generating
 
@@ -350,10 +376,14 @@ class RolloutCore:
         ready = self._gate.finished(p.wave, out)
         if len(p.finished) == self.n and p.requests > self.n:
             # still generating (after a restore, requests that had ended before the checkpoint are gone)
-            rest = [request_id(pid, j) for j in range(p.requests)
-                    if j not in p.finished and self.lifecycle.state(request_id(pid, j)) == "generating"]
-            self.lifecycle.abort(rest, "redundant", [{"prompt_id": pid, "request": parse_request_id(r)[1]}
-                                                     for r in rest])
+            rest = [
+                request_id(pid, j)
+                for j in range(p.requests)
+                if j not in p.finished and self.lifecycle.state(request_id(pid, j)) == "generating"
+            ]
+            self.lifecycle.abort(
+                rest, "redundant", [{"prompt_id": pid, "request": parse_request_id(r)[1]} for r in rest]
+            )
             to_abort.extend(rest)
             ready += self._gate.resolved(p.wave, len(rest))
         return ready
@@ -399,8 +429,11 @@ class RolloutCore:
         if self.filters.enabled:
             rule = filter_reason(group.rewards, [len(s.response_ids) for s in group.samples], self.filters)
         if rule is not None:
-            self.lifecycle.filter_group(rids, rule, {"prompt_id": pid, "data_index": p.data_index,
-                                                     "version": group.version, "rewards": group.rewards})
+            self.lifecycle.filter_group(
+                rids,
+                rule,
+                {"prompt_id": pid, "data_index": p.data_index, "version": group.version, "rewards": group.rewards},
+            )
             self.admission.prov.filtered(pid)
             del self.inflight.prompts[pid]
             self._lock.notify_all()  # a slot (or a spare's place) is free
@@ -428,6 +461,16 @@ class RolloutCore:
 class RolloutScheduler(RolloutCore):
     """The core running the single-turn workflow (``flash.controllers.workflows.single_turn``)."""
 
-    def __init__(self, engine, source: PromptSource, buffer: SampleBuffer, staleness: StalenessManager,
-                 params: SamplingParams, n: int, seed: int, *args, **kwargs):
+    def __init__(
+        self,
+        engine,
+        source: PromptSource,
+        buffer: SampleBuffer,
+        staleness: StalenessManager,
+        params: SamplingParams,
+        n: int,
+        seed: int,
+        *args,
+        **kwargs,
+    ):
         super().__init__(engine, SingleTurn(), source, buffer, staleness, params, n, seed, *args, **kwargs)

@@ -68,7 +68,7 @@ class StalenessManager:
         if len(finished) < self.batch:
             return None
         order = sorted(range(len(finished)), key=lambda i: (finished[i], i))
-        chosen, left = order[: self.batch], [finished[i] for i in order[self.batch:]]
+        chosen, left = order[: self.batch], [finished[i] for i in order[self.batch :]]
         left += list(pending)
         for s in range(step, step + self.max_staleness):
             due = sum(1 for v in left if v + self.max_staleness <= s)

@@ -143,33 +143,45 @@ class RoleUsage:
         # a restarted engine counts from zero again: its tokens since the restart, not a negative delta
         tokens = engine.get("tokens_generated", 0.0) - prev.get("tokens_generated", 0.0)
         tokens = tokens if tokens >= 0 else engine.get("tokens_generated", 0.0)
-        delta = {k: max(0.0, engine.get(k, 0.0) - prev.get(k, 0.0))
-                 for k in ("busy_s", "decode_steps", "cpu_s", "sim_late_s")}
+        delta = {
+            k: max(0.0, engine.get(k, 0.0) - prev.get(k, 0.0))
+            for k in ("busy_s", "decode_steps", "cpu_s", "sim_late_s")
+        }
         cpu = {"train": trainer.get("cpu_s", 0.0), "driver": self.clock()}
         cpu_prev, self.cpu = self.cpu, cpu
         return {
             # CPU seconds per step of each role's processes (engine: its tree, e.g. vLLM's core; the
             # driver: the controller's process alone): what bounds an overlapped step on shared cores
-            "rollout/cpu_s": delta["cpu_s"], "train/cpu_s": max(0.0, cpu["train"] - cpu_prev["train"]),
+            "rollout/cpu_s": delta["cpu_s"],
+            "train/cpu_s": max(0.0, cpu["train"] - cpu_prev["train"]),
             "driver/cpu_s": max(0.0, cpu["driver"] - cpu_prev["driver"]),
             # per-step deltas for `flash plan` (flash.app.plan): engine busy seconds, decode iterations,
             # trainer busy seconds
-            "rollout/busy_s": delta["busy_s"], "rollout/decode_steps": delta["decode_steps"],
+            "rollout/busy_s": delta["busy_s"],
+            "rollout/decode_steps": delta["decode_steps"],
             "train/busy_s": max(0.0, trainer.get("busy_s", 0.0) - trainer_prev),
             "rollout/idle_ratio": self.meters["rollout"].read(engine.get("busy_s", 0.0)),
             "train/idle_ratio": self.meters["train"].read(trainer.get("busy_s", 0.0)),
             "rollout/tokens_generated": tokens,
             "rollout/tokens_per_s": tokens / step_s if step_s > 0 else 0.0,
             # GPU memory: each role's peak since the previous step's read (colocated: its phase)
-            **{f"memory/{role}_peak_gb": s["mem_peak_gb"] for role, s in (("rollout", engine), ("train", trainer))
-               if "mem_peak_gb" in s},
+            **{
+                f"memory/{role}_peak_gb": s["mem_peak_gb"]
+                for role, s in (("rollout", engine), ("train", trainer))
+                if "mem_peak_gb" in s
+            },
             # a simulated engine: real seconds its bookkeeping ran past the scaled GPU time
             **({"rollout/sim_late_s": delta["sim_late_s"]} if "sim_late_s" in engine else {}),
         }
 
 
-def logged_metrics(step: Mapping[str, float], evaluated: Mapping[str, float], elapsed_s: float,
-                   sim: Callable[[Metrics], Metrics] | None, sources: Sequence[Mapping[str, float]]) -> Metrics:
+def logged_metrics(
+    step: Mapping[str, float],
+    evaluated: Mapping[str, float],
+    elapsed_s: float,
+    sim: Callable[[Metrics], Metrics] | None,
+    sources: Sequence[Mapping[str, float]],
+) -> Metrics:
     """What a run logs for a step: the controller's metrics (``step``), a periodic evaluation's
     (with its ``time/eval``; empty when none ran), ``time/elapsed`` since training began, the
     simulated seconds of every ``time/*`` so far (``sim``, a simulated run), then the run's

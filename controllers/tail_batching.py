@@ -52,8 +52,9 @@ class TailBatchingScheduler(RolloutScheduler):
         self.tail = tail or TailConfig()
         B = self.admission.prov.staleness.batch
         # the percentile is over groups' longest responses: the group rule cuts by the longest
-        self._threshold = LengthThreshold(self.tail.threshold, self.tail.window, self.inflight.params.max_new_tokens,
-                                          min_history=B)
+        self._threshold = LengthThreshold(
+            self.tail.threshold, self.tail.window, self.inflight.params.max_new_tokens, min_history=B
+        )
         self._extra = math.ceil((self.tail.over_provision - 1) * B - 1e-9)
         self._base_spares = self.admission.prov.max_additional
         self._trigger = self.tail.long_round_queue or B
@@ -143,22 +144,32 @@ class TailBatchingScheduler(RolloutScheduler):
         return to_buffer
 
     def _filtered(self, group: Group) -> bool:
-        return self.filters.enabled and filter_reason(
-            group.rewards, [len(s.response_ids) for s in group.samples], self.filters) is not None
+        return (
+            self.filters.enabled
+            and filter_reason(group.rewards, [len(s.response_ids) for s in group.samples], self.filters) is not None
+        )
 
     def _victim(self, pid: int, version: int) -> int | None:
         """The regular group of ``version`` still decoding that has the fewest responses in."""
-        running = [(len(q.finished), -qid) for qid, q in self.inflight.prompts.items()
-                   if qid != pid and not self.admission.prov.is_spare(qid) and q.version == version
-                   and len(q.finished) < self.n and "cut_from" not in q.meta]
+        running = [
+            (len(q.finished), -qid)
+            for qid, q in self.inflight.prompts.items()
+            if qid != pid
+            and not self.admission.prov.is_spare(qid)
+            and q.version == version
+            and len(q.finished) < self.n
+            and "cut_from" not in q.meta
+        ]
         return -min(running)[1] if running else None
 
     def _round_full(self, pid: int) -> bool:
         """Every slot holds a finished group and no regular group is still out: spares are useless."""
         if self.admission.prov.staleness.can_admit(self.admission.prov.counted, self.admission.version):
             return False
-        return not any(qid != pid and not self.admission.prov.is_spare(qid) and len(q.samples) < self.n
-                       for qid, q in self.inflight.prompts.items())
+        return not any(
+            qid != pid and not self.admission.prov.is_spare(qid) and len(q.samples) < self.n
+            for qid, q in self.inflight.prompts.items()
+        )
 
     # ---- controller-facing ---------------------------------------------------------------------
     def metrics(self) -> dict[str, float]:
@@ -166,31 +177,44 @@ class TailBatchingScheduler(RolloutScheduler):
         m.setdefault("rollout/aborted/tail_cut", 0.0)
         with self._lock:
             m.update({f"rollout/tail/{k}": float(v) for k, v in self.tail_counters.items()})
-            m.update({"rollout/tail/long_queue": float(len(self._long)),
-                      "rollout/tail/long_round": float(self._round == "long"),
-                      "rollout/tail/threshold": float(self._cap or self.inflight.params.max_new_tokens)})
+            m.update(
+                {
+                    "rollout/tail/long_queue": float(len(self._long)),
+                    "rollout/tail/long_round": float(self._round == "long"),
+                    "rollout/tail/threshold": float(self._cap or self.inflight.params.max_new_tokens),
+                }
+            )
         return m
 
     def leftover(self) -> list[dict]:
         """Ledger lines for the prompts still in the long-prompt queue (at the end of a run)."""
         with self._lock:
-            return [{"data_index": e["data_index"], "cut_prompt_id": e["prompt_id"], "outcome": "long_queue"}
-                    for e in self._long]
+            return [
+                {"data_index": e["data_index"], "cut_prompt_id": e["prompt_id"], "outcome": "long_queue"}
+                for e in self._long
+            ]
 
     def state_dict(self) -> dict:
         state = super().state_dict()
         with self._lock:
-            state["tail"] = {"long_queue": list(self._long), "round": self._round, "cap": self._cap,
-                             "round_version": self._round_version,
-                             "lengths": list(self._threshold.lengths), "counters": dict(self.tail_counters),
-                             "max_additional": self.admission.prov.max_additional}
+            state["tail"] = {
+                "long_queue": list(self._long),
+                "round": self._round,
+                "cap": self._cap,
+                "round_version": self._round_version,
+                "lengths": list(self._threshold.lengths),
+                "counters": dict(self.tail_counters),
+                "max_additional": self.admission.prov.max_additional,
+            }
         return state
 
     def load_state_dict(self, state: dict, buffered_groups=None) -> int:
         tail = state.get("tail")
         if tail is None:
-            raise ValueError("this checkpoint was written without tail batching (no long-prompt queue); "
-                             "resume it with rollout.scheduler: plain")
+            raise ValueError(
+                "this checkpoint was written without tail batching (no long-prompt queue); "
+                "resume it with rollout.scheduler: plain"
+            )
         with self._lock:
             self._long = deque(tail["long_queue"])
             self._round, self._cap, self._round_version = tail["round"], tail["cap"], tail["round_version"]

@@ -56,8 +56,10 @@ def parse_threshold(text: str) -> tuple[str, float]:
             return "tokens", float(int(float(s)))
     except ValueError:
         pass
-    raise ValueError(f"rollout.tail_batching.threshold must be 'p<percentile in (0, 100]>' (e.g. p90), "
-                     f"a token count >= 1 (e.g. 48) or 'inf'; got '{text}'")
+    raise ValueError(
+        f"rollout.tail_batching.threshold must be 'p<percentile in (0, 100]>' (e.g. p90), "
+        f"a token count >= 1 (e.g. 48) or 'inf'; got '{text}'"
+    )
 
 
 def check_tail(cfg: TailConfig, max_new_tokens: int) -> str | None:

@@ -26,6 +26,7 @@ class ThreadErrors:
 
     def guard(self, fn: Callable[[], None]) -> Callable[[], None]:
         """``fn`` as a thread's target: its error kept instead of lost with the thread."""
+
         def run():
             try:
                 fn()
@@ -34,6 +35,7 @@ class ThreadErrors:
             except BaseException as exc:  # surfaced to the controller by check()
                 self.error = exc
                 self._on_error()
+
         run.__name__ = fn.__name__
         return run
 

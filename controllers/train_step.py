@@ -61,8 +61,14 @@ class StepOut:
     rollout: dict[str, float] = field(default_factory=dict)  # rollout/prox_approx_error when measured
 
 
-def train_batch(roles: StepRoles, batch: TrainBatch, t: int, plan: StepPlan, phase: Phase = no_phase,
-                before_trainer: Callable[[], None] | None = None) -> StepOut:
+def train_batch(
+    roles: StepRoles,
+    batch: TrainBatch,
+    t: int,
+    plan: StepPlan,
+    phase: Phase = no_phase,
+    before_trainer: Callable[[], None] | None = None,
+) -> StepOut:
     """Train step ``t`` on ``batch``. The reference role's logprobs are asked for first, so they
     overlap the rest; ``before_trainer`` runs next (the controller's colocated engines go to sleep)."""
     ref_call = reference_call(roles.reference, batch)
@@ -81,8 +87,9 @@ def train_batch(roles: StepRoles, batch: TrainBatch, t: int, plan: StepPlan, pha
     return StepOut({**metrics, "no_update": no_update([adv])}, prox, measured)
 
 
-def train_stream(roles: StepRoles, parts: Iterable[list[Group]], advantage: dict[str, Any], pad_id: int,
-                 phase: Phase = no_phase) -> tuple[list[Group], dict[str, float]]:
+def train_stream(
+    roles: StepRoles, parts: Iterable[list[Group]], advantage: dict[str, Any], pad_id: int, phase: Phase = no_phase
+) -> tuple[list[Group], dict[str, float]]:
     """(groups trained, the trainer's metrics) of the stream trainer over ``parts`` (each a list of
     groups, in the order they finished). Each part is backpropagated as soon as it comes, one part
     in flight while the next is collated; ``Trainer.accumulate`` weights each by its share of the
@@ -133,8 +140,7 @@ def approx_error(plan: StepPlan, batch: TrainBatch, trainer, t: int) -> dict[str
     if not plan.measure_prox_error or plan.prox != "approx":
         return {}
     recomputed = ray.get(trainer.logprobs.remote(batch))
-    return {"rollout/prox_approx_error": prox_approx_error(
-        batch.behav_logp, recomputed, batch.versions, batch.mask, t)}
+    return {"rollout/prox_approx_error": prox_approx_error(batch.behav_logp, recomputed, batch.versions, batch.mask, t)}
 
 
 def reference_call(reference, batch: TrainBatch):
@@ -159,9 +165,9 @@ def advantages(advantage: dict[str, Any], batch: TrainBatch, critic=None):
     values = critic_step = None
     if critic is not None:
         values = ray.get(critic.values.remote(batch))
-        returns = algos.gae_returns(batch.rewards, values, batch.mask,
-                                    knobs.get("gamma", 1.0), knobs.get("lam", 1.0))
+        returns = algos.gae_returns(batch.rewards, values, batch.mask, knobs.get("gamma", 1.0), knobs.get("lam", 1.0))
         critic_step = critic.train_step.remote(batch, returns, values)
-    adv = algos.compute_advantages(advantage["name"], batch.rewards, batch.group_ids, batch.mask,
-                                   values=values, **knobs)
+    adv = algos.compute_advantages(
+        advantage["name"], batch.rewards, batch.group_ids, batch.mask, values=values, **knobs
+    )
     return adv, critic_step

@@ -41,8 +41,11 @@ from flash.chat_template import render_chat
 
 def special_tokens(tokenizer: Any) -> dict[str, tuple[int, bool, bool]]:
     """Each special token's spelling -> (id, strips whitespace on its left, on its right)."""
-    out = {t.content: (i, bool(t.lstrip), bool(t.rstrip))
-           for i, t in tokenizer.added_tokens_decoder.items() if t.special and t.content}
+    out = {
+        t.content: (i, bool(t.lstrip), bool(t.rstrip))
+        for i, t in tokenizer.added_tokens_decoder.items()
+        if t.special and t.content
+    }
     for name in tokenizer.all_special_tokens:
         if name and name not in out:
             out[name] = (tokenizer.convert_tokens_to_ids(name), False, False)
@@ -60,9 +63,11 @@ def _mask(value: Any, pattern: re.Pattern, mark: str, found: list[str]) -> Any:
     """``value`` with every spelling in its strings (dict keys too) replaced by ``mark + i + 'X'``,
     where ``found[i]`` is the spelling it stands for."""
     if isinstance(value, str):
+
         def swap(m: re.Match) -> str:
             found.append(m.group())
             return f"{mark}{len(found) - 1}X"
+
         return pattern.sub(swap, value)
     if isinstance(value, dict):
         return {_mask(k, pattern, mark, found): _mask(v, pattern, mark, found) for k, v in value.items()}
@@ -116,7 +121,8 @@ def text_ids(tokenizer: Any, text: str, wrap: bool = False) -> list[int]:
         raise SpecialTokenInText(
             f"the text {text[:60]!r} encodes to the special token {specials[forged]!r} (id {forged}) "
             "even with special tokens off (this tokenizer's normalizer and vocabulary make it one): "
-            "text from outside may not carry a special token")
+            "text from outside may not carry a special token"
+        )
     return list(wrapped)
 
 
@@ -124,8 +130,9 @@ def _as_ids(ids: Any) -> list[int]:
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
-def chat_template_ids(tokenizer: Any, messages: list[dict], tools: list[dict] | None = None,
-                      generation: bool = True) -> list[int]:
+def chat_template_ids(
+    tokenizer: Any, messages: list[dict], tools: list[dict] | None = None, generation: bool = True
+) -> list[int]:
     """``apply_chat_template(messages, tools=tools, add_generation_prompt=generation)`` ids, with
     every message's and tool's text tokenized as text (module docstring)."""
     specials = special_tokens(tokenizer)
@@ -137,8 +144,7 @@ def chat_template_ids(tokenizer: Any, messages: list[dict], tools: list[dict] | 
     text = render_chat(tokenizer, masked, masked_tools, generation)
     if not found:  # the template's own ids, if their special tokens are exactly the template's
         ids = _as_ids(tokenizer(text, add_special_tokens=False)["input_ids"])
-        if pattern is None or _specials_in(ids, specials) == [specials[m.group()][0]
-                                                              for m in pattern.finditer(text)]:
+        if pattern is None or _specials_in(ids, specials) == [specials[m.group()][0] for m in pattern.finditer(text)]:
             return ids
     restore = re.compile(re.escape(mark) + r"(\d+)X")
 
@@ -150,7 +156,7 @@ def chat_template_ids(tokenizer: Any, messages: list[dict], tools: list[dict] | 
     pos = 0
     for m in pattern.finditer(text):
         token, lstrip, rstrip = specials[m.group()]
-        run = text[pos:m.start()]
+        run = text[pos : m.start()]
         ids += as_text(run.rstrip() if lstrip else run) + [token]
         pos = m.end()
         while rstrip and pos < len(text) and text[pos].isspace():

@@ -57,8 +57,10 @@ class _Budget:
 
     def over(self, what: str) -> TemplateBudget:
         source = self.source() if callable(self.source) else self.source
-        return TemplateBudget(f"{source}: the chat template {what}; fix the template, or set model.chat_template "
-                              "to one that renders within the bounds (flash.chat_template)")
+        return TemplateBudget(
+            f"{source}: the chat template {what}; fix the template, or set model.chat_template "
+            "to one that renders within the bounds (flash.chat_template)"
+        )
 
     def tick(self) -> None:
         if time.monotonic() > self.deadline:
@@ -136,7 +138,7 @@ def _estimate(name: str, value: Any, args: tuple, kwargs: dict, budget: _Budget)
     """Characters the operation ``name`` on ``value`` may make, known before it runs (0: no more
     than its inputs and its width arguments, which are checked on their own)."""
     text = value if isinstance(value, str) else ""
-    arg = (list(args) + list(kwargs.values()) + [None, None])
+    arg = list(args) + list(kwargs.values()) + [None, None]
     if name == "replace" and isinstance(arg[0], str) and isinstance(arg[1], str):
         n = text.count(arg[0]) if arg[0] else len(text) + 1
         if isinstance(arg[2], int) and arg[2] >= 0:
@@ -188,8 +190,9 @@ def checked_call(name: str, fn, value: Any, args: tuple, kwargs: dict, own: bool
     else:
         n = _estimate(name, value, args[1:] if own else args, kwargs, budget)
     if n > MAX_RENDER_CHARS:
-        raise budget.over(f"would make a value of about {n:,} characters with {name}, over its bound of "
-                          f"{MAX_RENDER_CHARS:,}")
+        raise budget.over(
+            f"would make a value of about {n:,} characters with {name}, over its bound of {MAX_RENDER_CHARS:,}"
+        )
     return budget.made_value(fn(*args, **kwargs), (value, *args))
 
 
@@ -292,8 +295,13 @@ def _environment_class():
             owner = getattr(getattr(obj, "__wrapped__", obj), "__self__", None)  # str.format: a wrapper
             name = getattr(obj, "__name__", "")
             parent = super()
-            return checked_call(name, lambda *a, **k: parent.call(context, obj, *a, **k),
-                                owner if isinstance(owner, str) else None, args, kwargs)
+            return checked_call(
+                name,
+                lambda *a, **k: parent.call(context, obj, *a, **k),
+                owner if isinstance(owner, str) else None,
+                args,
+                kwargs,
+            )
 
         def call_binop(self, context, operator, left, right):
             budget = _budget()
@@ -302,8 +310,10 @@ def _environment_class():
             budget.check(right, "an operand")
             n = _binop_estimate(operator, left, right, budget)
             if n > MAX_RENDER_CHARS:
-                raise budget.over(f"would make a value of about {n:,} characters with {operator!r}, over its "
-                                  f"bound of {MAX_RENDER_CHARS:,}")
+                raise budget.over(
+                    f"would make a value of about {n:,} characters with {operator!r}, over its "
+                    f"bound of {MAX_RENDER_CHARS:,}"
+                )
             return budget.made_value(super().call_binop(context, operator, left, right), (left, right))
 
         def _parse(self, source, name, filename):
@@ -319,8 +329,12 @@ def _environment():
     from transformers.utils.chat_template_utils import _cached_compile_jinja_template
 
     theirs = _cached_compile_jinja_template("").environment
-    env = _environment_class()(trim_blocks=True, lstrip_blocks=True, finalize=_finalize,
-                               extensions=[type(e) for e in theirs.extensions.values()])
+    env = _environment_class()(
+        trim_blocks=True,
+        lstrip_blocks=True,
+        finalize=_finalize,
+        extensions=[type(e) for e in theirs.extensions.values()],
+    )
     env.globals.update({k: v for k, v in theirs.globals.items() if k in ("raise_exception", "strftime_now")})
     filters = {**env.filters, "tojson": theirs.filters["tojson"]}
     env.filters = {name: _bounded_filter(name, fn) for name, fn in filters.items()}
@@ -391,5 +405,12 @@ def render_chat(tokenizer: Any, messages: list, tools: list | None = None, gener
     """``tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=generation,
     tokenize=False)``, rendered within the module's bounds."""
     template = tokenizer.get_chat_template(None, tools)
-    return render(template, lambda: template_source(tokenizer), messages=messages, tools=tools, documents=None,
-                  add_generation_prompt=generation, **tokenizer.special_tokens_map)
+    return render(
+        template,
+        lambda: template_source(tokenizer),
+        messages=messages,
+        tools=tools,
+        documents=None,
+        add_generation_prompt=generation,
+        **tokenizer.special_tokens_map,
+    )

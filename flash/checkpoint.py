@@ -51,8 +51,18 @@ import ray
 import torch
 
 from flash.buffers.codec import group_to_dict
-from flash.checkpoint_trust import (INODE, RefusedCheckpoint, RunDir, RunKey, check_place, check_signature, inode,
-                                    listed_files_only, read_manifest, read_verified)
+from flash.checkpoint_trust import (
+    INODE,
+    RefusedCheckpoint,
+    RunDir,
+    RunKey,
+    check_place,
+    check_signature,
+    inode,
+    listed_files_only,
+    read_manifest,
+    read_verified,
+)
 from flash.errors import ConfigError
 from flash.run_files import open_run_file, run_subdir
 from flash.staging import HostStager
@@ -96,16 +106,25 @@ def write_json(path: Path, obj: Any) -> None:
 
 def file_table(directory: Path) -> dict[str, dict]:
     """Size and sha256 of every file under ``directory`` but the manifest, by relative name."""
-    return {p.relative_to(directory).as_posix(): {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
-            for p in sorted(directory.rglob("*")) if p.is_file() and p.name != MANIFEST}
+    return {
+        p.relative_to(directory).as_posix(): {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
+        for p in sorted(directory.rglob("*"))
+        if p.is_file() and p.name != MANIFEST
+    }
 
 
 def write_manifest(tmp: Path, step: int, key: RunKey, run_dir_inode: int | None = None) -> dict:
     """``file_table(tmp)``, the step and the run dir's inode (default: ``tmp``'s grandparent,
     ``RUN_DIR/checkpoints/ckpt-<step>.tmp``), signed with ``key``; written (and fsynced) last."""
     files = file_table(tmp)
-    manifest = key.sign({"step": step, "files": files, "bytes": sum(f["bytes"] for f in files.values()),
-                         INODE: inode(tmp.parent.parent) if run_dir_inode is None else run_dir_inode})
+    manifest = key.sign(
+        {
+            "step": step,
+            "files": files,
+            "bytes": sum(f["bytes"] for f in files.values()),
+            INODE: inode(tmp.parent.parent) if run_dir_inode is None else run_dir_inode,
+        }
+    )
     write_json(tmp / MANIFEST, manifest)
     return manifest
 
@@ -123,8 +142,10 @@ def checked(path: Path, trust: bool = False, run: RunDir | None = None) -> tuple
     run dir's record, default read from ``path``'s grandparent) or whose directory is a symlink, and
     ``UntrustedCheckpoint`` for one signed by no key held here, unless ``trust``."""
     if path.is_symlink():
-        raise RefusedCheckpoint("it is a symlink, not a directory of its own; move the directory it "
-                                "links to here in its place, or remove the link")
+        raise RefusedCheckpoint(
+            "it is a symlink, not a directory of its own; move the directory it "
+            "links to here in its place, or remove the link"
+        )
     try:
         manifest = read_manifest(path)
     except (OSError, ValueError) as exc:
@@ -149,7 +170,7 @@ def step_of(path: Path) -> int | None:
     if not name.startswith(PREFIX) or name.endswith(".tmp"):
         return None
     try:
-        return int(name[len(PREFIX):])
+        return int(name[len(PREFIX) :])
     except ValueError:
         return None
 
@@ -162,15 +183,17 @@ def complete_checkpoints(root: Path) -> list[Path]:
     return [p for s, p in sorted((x for x in found if x[0] is not None), reverse=True)]
 
 
-def latest_valid(root: Path, warn: Callable[[str], None] = log.warning,
-                 trust: bool = False) -> tuple[Path | None, list[str]]:
+def latest_valid(
+    root: Path, warn: Callable[[str], None] = log.warning, trust: bool = False
+) -> tuple[Path | None, list[str]]:
     """``latest_verified`` without the manifest."""
     path, _, skipped = latest_verified(root, warn, trust)
     return path, skipped
 
 
-def latest_verified(root: Path, warn: Callable[[str], None] = log.warning, trust: bool = False,
-                    run: RunDir | None = None) -> tuple[Path | None, dict | None, list[str]]:
+def latest_verified(
+    root: Path, warn: Callable[[str], None] = log.warning, trust: bool = False, run: RunDir | None = None
+) -> tuple[Path | None, dict | None, list[str]]:
     """The newest checkpoint that passes ``checked``, with its verified manifest; each one skipped
     (damaged) is reported and returned. An intact checkpoint that may not load here (from
     elsewhere, renamed, a symlink) stops the search with a ConfigError naming it and the fix
@@ -199,8 +222,12 @@ def own_checkpoints(root: Path, key: RunKey) -> list[Path]:
             manifest = read_manifest(path) if not path.is_symlink() else None
         except (OSError, ValueError):
             continue
-        if (manifest and manifest.get("step") == step_of(path) and manifest.get(INODE, here) == here
-                and key.signed_by_me(manifest)):
+        if (
+            manifest
+            and manifest.get("step") == step_of(path)
+            and manifest.get(INODE, here) == here
+            and key.signed_by_me(manifest)
+        ):
             own.append(path)
     return own
 
@@ -236,8 +263,9 @@ def commit(tmp: Path, final: Path) -> None:
 def trainer_state(trainer, stager: HostStager | None = None) -> dict:
     """A copy of everything the trainer needs to continue bit-for-bit (taken between steps), in
     host memory (``stager``: the trainer's own, whose buffers the next snapshot reuses)."""
-    state = (stager or HostStager()).stage({"model": dict(trainer.model.state_dict()),
-                                            "optimizer": trainer.optimizer.state_dict()})
+    state = (stager or HostStager()).stage(
+        {"model": dict(trainer.model.state_dict()), "optimizer": trainer.optimizer.state_dict()}
+    )
     return {
         **state,
         "rng": rng_state(),
@@ -249,8 +277,10 @@ def trainer_state(trainer, stager: HostStager | None = None) -> dict:
 def rng_state() -> dict:
     """The CPU generator and, where there are GPUs, each device's: dropout or sampling on a GPU
     draws from the latter, so a resume that restored only the CPU's would not continue bit-for-bit."""
-    return {"cpu": torch.get_rng_state(),
-            "cuda": list(torch.cuda.get_rng_state_all()) if torch.cuda.is_available() else []}
+    return {
+        "cpu": torch.get_rng_state(),
+        "cuda": list(torch.cuda.get_rng_state_all()) if torch.cuda.is_available() else [],
+    }
 
 
 def set_rng_state(state: Any) -> None:
@@ -285,11 +315,15 @@ def check_trainer_files(ckpt: Path, group: bool) -> None:
     ``trainer/`` (an FSDP2 group, any size). A mismatch names the setting to resume with."""
     has_dir, has_file = (ckpt / TRAINER_DIR).is_dir(), (ckpt / TRAINER).is_file()
     if group and not has_dir and has_file:
-        raise ConfigError(f"{ckpt} was written by a single trainer process (trainer.pt); an FSDP2 group "
-                          f"cannot load it: resume with train.workers=1 and no group knobs")
+        raise ConfigError(
+            f"{ckpt} was written by a single trainer process (trainer.pt); an FSDP2 group "
+            f"cannot load it: resume with train.workers=1 and no group knobs"
+        )
     if not group and not has_file and has_dir:
-        raise ConfigError(f"{ckpt} was written by an FSDP2 trainer group (trainer/, a torch distributed "
-                          f"checkpoint); resume with an FSDP2 group: train.workers > 1, any number (it reshards)")
+        raise ConfigError(
+            f"{ckpt} was written by an FSDP2 trainer group (trainer/, a torch distributed "
+            f"checkpoint); resume with an FSDP2 group: train.workers > 1, any number (it reshards)"
+        )
 
 
 def load_trainer_state(trainer, directory: str, files: dict[str, dict]) -> int:
@@ -335,8 +369,15 @@ def log_offsets(files: dict[str, Any]) -> dict[str, int]:
 class Checkpointer:
     """Takes snapshots in the step and writes them atomically, in the background when asked."""
 
-    def __init__(self, run_dir: Path, cfg, trainer, total_steps: int, key: RunKey,
-                 on_written: Callable[[dict], None] | None = None):
+    def __init__(
+        self,
+        run_dir: Path,
+        cfg,
+        trainer,
+        total_steps: int,
+        key: RunKey,
+        on_written: Callable[[dict], None] | None = None,
+    ):
         self.root = run_subdir(run_dir, "checkpoints")
         self.run_dir_inode = inode(Path(run_dir))
         self.cfg, self.trainer, self.total_steps, self.key = cfg, trainer, total_steps, key
@@ -368,8 +409,9 @@ class Checkpointer:
         self._pending = None
         state = {**state, "step": step, "logs": offsets}
         if self.cfg.async_write:
-            self._thread = threading.Thread(target=self._write_guarded, args=(step, state),
-                                            name="flash-checkpoint", daemon=True)
+            self._thread = threading.Thread(
+                target=self._write_guarded, args=(step, state), name="flash-checkpoint", daemon=True
+            )
             self._thread.start()
         else:
             self._write(step, state)
@@ -403,8 +445,12 @@ class Checkpointer:
             fsync_path(d)
         commit(tmp, self.root / f"{PREFIX}{step}")
         prune(self.root, self.cfg.keep_last, self.key)
-        self.last = {"step": float(step), "bytes": float(manifest["bytes"]),
-                     "write_s": time.monotonic() - start, "snapshot_s": state["snapshot_s"]}
+        self.last = {
+            "step": float(step),
+            "bytes": float(manifest["bytes"]),
+            "write_s": time.monotonic() - start,
+            "snapshot_s": state["snapshot_s"],
+        }
         if self.on_written:
             self.on_written(self.last)
 
@@ -412,6 +458,11 @@ class Checkpointer:
         m = {"checkpoint/snapshot_s": self.snapshot_s} if self.snapshot_s else {}
         self.snapshot_s = 0.0  # reported in the step that took it only
         if self.last:
-            m.update({"checkpoint/bytes": self.last["bytes"], "checkpoint/write_s": self.last["write_s"],
-                      "checkpoint/step": self.last["step"]})
+            m.update(
+                {
+                    "checkpoint/bytes": self.last["bytes"],
+                    "checkpoint/write_s": self.last["write_s"],
+                    "checkpoint/step": self.last["step"],
+                }
+            )
         return m

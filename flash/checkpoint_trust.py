@@ -186,7 +186,8 @@ def check_signature(manifest: dict, trust: bool) -> str | None:
             return None
         raise UntrustedCheckpoint(
             "it was not written by a run of this user on this machine (no key for its run id in "
-            f"{key_dir()}); if you trust where it came from, resume it with trust_checkpoint=true")
+            f"{key_dir()}); if you trust where it came from, resume it with trust_checkpoint=true"
+        )
     if not key.signed_by_me(manifest):
         return "its manifest's signature does not match (edited after it was written)"
     return None
@@ -222,8 +223,12 @@ class RunDir:
         run_id = record.get("run_id") if isinstance(record, dict) else None
         key = RunKey.find(run_id)
         if key is None:
-            return cls(str(run_id), now, None, f"it was made by a run of another user or machine (no key for "
-                                                f"run {str(run_id)[:40]!r} in {key_dir()})")
+            return cls(
+                str(run_id),
+                now,
+                None,
+                f"it was made by a run of another user or machine (no key for run {str(run_id)[:40]!r} in {key_dir()})",
+            )
         if not key.signed_by_me(record):
             return cls(run_id, now, None, f"its {RUN_FILE} was edited after it was written")
         if record.get(INODE) != now:
@@ -251,7 +256,8 @@ def check_place(manifest: dict, step: int, run: RunDir, trust: bool) -> None:
     if signed != step:
         raise RefusedCheckpoint(
             f"its manifest was signed for step {signed!r}, not {step} (renamed); rename it back to "
-            f"ckpt-{signed} or move it out of the checkpoints folder")
+            f"ckpt-{signed} or move it out of the checkpoints folder"
+        )
     if trust:
         return
     foreign = None
@@ -293,14 +299,20 @@ def read_verified(directory: Path, name: str, files: Mapping[str, dict]) -> byte
     manifest's ``files`` lists (size and sha256); else ``CheckpointChanged`` naming the file."""
     want = files.get(name)
     if want is None:
-        raise CheckpointChanged(f"checkpoint {directory}: {name} is not in its verified manifest; "
-                                "resume again (a changed checkpoint is refused or falls back)")
+        raise CheckpointChanged(
+            f"checkpoint {directory}: {name} is not in its verified manifest; "
+            "resume again (a changed checkpoint is refused or falls back)"
+        )
     try:
         data = read_regular(Path(directory) / name, int(want["bytes"]))
     except (OSError, ValueError) as exc:
-        raise CheckpointChanged(f"checkpoint {directory}: {name} cannot be read as it was verified ({exc}); "
-                                "resume again (a changed checkpoint is refused or falls back)") from None
+        raise CheckpointChanged(
+            f"checkpoint {directory}: {name} cannot be read as it was verified ({exc}); "
+            "resume again (a changed checkpoint is refused or falls back)"
+        ) from None
     if len(data) != want["bytes"] or hashlib.sha256(data).hexdigest() != want["sha256"]:
-        raise CheckpointChanged(f"checkpoint {directory}: {name} changed after it was verified (its bytes are not "
-                                "the manifest's); resume again (a changed checkpoint is refused or falls back)")
+        raise CheckpointChanged(
+            f"checkpoint {directory}: {name} changed after it was verified (its bytes are not "
+            "the manifest's); resume again (a changed checkpoint is refused or falls back)"
+        )
     return data

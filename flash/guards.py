@@ -52,14 +52,17 @@ class SkipGuard:
         self.total += 1
         self.consecutive += 1
         if self.total == 1:
-            self._warn(f"flash: step {step}: non-finite loss ({loss}) or grad norm ({grad_norm}); "
-                       f"optimizer step skipped (counted in train/skipped_nonfinite, logged once)")
+            self._warn(
+                f"flash: step {step}: non-finite loss ({loss}) or grad norm ({grad_norm}); "
+                f"optimizer step skipped (counted in train/skipped_nonfinite, logged once)"
+            )
         if self.consecutive >= self.max_consecutive:
             raise NonFiniteError(
                 f"{self.consecutive} optimizer steps in a row (up to step {step}) had a non-finite loss or "
                 f"gradient norm, the limit train.max_consecutive_skips={self.max_consecutive}; lower "
                 f"train.lr, set train.grad_clip, or check the loss and reward for NaN/inf "
-                f"(resume from the last checkpoint with resume=RUN_DIR)")
+                f"(resume from the last checkpoint with resume=RUN_DIR)"
+            )
         return {"train/skipped_nonfinite": float(self.total)}
 
 
@@ -82,9 +85,11 @@ class InputGuard:
                 return index, item, ids
             self._reject(index, why, item)
             index += 1
-        raise DataError(f"{self.max_consecutive} rows in a row up to data index {index - 1} were skipped "
-                        f"({self.metrics()}): the data has no usable prompt; see the first skip of each "
-                        f"kind in the log, or run `flash data RECIPE` to see the rows")
+        raise DataError(
+            f"{self.max_consecutive} rows in a row up to data index {index - 1} were skipped "
+            f"({self.metrics()}): the data has no usable prompt; see the first skip of each "
+            f"kind in the log, or run `flash data RECIPE` to see the rows"
+        )
 
     def _load(self, index, item_fn, encode):
         try:
@@ -108,14 +113,18 @@ class InputGuard:
     def _reject(self, index: int, why: str, item) -> None:
         kind = why.split(":", 1)[0]
         if self.strict:
-            raise DataError(f"prompt at data index {index} is {why}; fix or remove the row, or set "
-                            f"data.strict=false to skip such rows (counted in data/skipped_{kind})")
+            raise DataError(
+                f"prompt at data index {index} is {why}; fix or remove the row, or set "
+                f"data.strict=false to skip such rows (counted in data/skipped_{kind})"
+            )
         self.counts[kind] = self.counts.get(kind, 0) + 1
         if self.on_reject is not None:
             self.on_reject(index, why)
         if self.counts[kind] == 1:
-            self.warn(f"flash: skipping prompt at data index {index}: {why} (first of its kind; every "
-                      f"skip is counted in data/skipped_{kind}); example: {str(item)[:200]}")
+            self.warn(
+                f"flash: skipping prompt at data index {index}: {why} (first of its kind; every "
+                f"skip is counted in data/skipped_{kind}); example: {str(item)[:200]}"
+            )
 
     def metrics(self) -> dict[str, float]:
         return {f"data/skipped_{k}": float(v) for k, v in sorted(self.counts.items())}
@@ -180,28 +189,46 @@ def _contradictions(cfg):
     threads = cfg.resources.engine_threads + cfg.resources.trainer_threads
     both_set = cfg.resources.engine_threads and cfg.resources.trainer_threads
     ck = cfg.checkpoint
-    yield (cfg.async_ratio == 0 or not cores or cores >= 2,
-           (f"async_ratio={cfg.async_ratio} overlaps rollout and training, but ray.num_cpus={cores} leaves one "
-           f"core, so they could only take turns; set async_ratio=0 (synchronous) or ray.num_cpus>=2"))
-    yield (cfg.async_ratio == 0 or not cores or not both_set or threads <= cores,
-           (f"resources.engine_threads + resources.trainer_threads = {threads} > {cores} cores with "
-           f"async_ratio={cfg.async_ratio}: the overlapping roles would fight for cores; lower them so they "
-           f"sum to <= {cores}, or leave them 0 (auto split)"))
+    yield (
+        cfg.async_ratio == 0 or not cores or cores >= 2,
+        (
+            f"async_ratio={cfg.async_ratio} overlaps rollout and training, but ray.num_cpus={cores} leaves one "
+            f"core, so they could only take turns; set async_ratio=0 (synchronous) or ray.num_cpus>=2"
+        ),
+    )
+    yield (
+        cfg.async_ratio == 0 or not cores or not both_set or threads <= cores,
+        (
+            f"resources.engine_threads + resources.trainer_threads = {threads} > {cores} cores with "
+            f"async_ratio={cfg.async_ratio}: the overlapping roles would fight for cores; lower them so they "
+            f"sum to <= {cores}, or leave them 0 (auto split)"
+        ),
+    )
     yield ck.keep_last >= 1, f"checkpoint.keep_last must be >= 1, got {ck.keep_last}"
     yield ck.every_steps >= 0, f"checkpoint.every_steps must be >= 0 (0: only at the end), got {ck.every_steps}"
-    yield (ck.enabled or not ck.every_steps,
-           f"checkpoint.every_steps={ck.every_steps} but checkpoint.enabled=false; drop one of them")
+    yield (
+        ck.enabled or not ck.every_steps,
+        f"checkpoint.every_steps={ck.every_steps} but checkpoint.enabled=false; drop one of them",
+    )
     yield (ck.enabled or not cfg.resume, "resume needs checkpoints; remove checkpoint.enabled=false")
-    yield (not (cfg.resume and cfg.run_dir) or cfg.resume == cfg.run_dir,
-           (f"resume={cfg.resume} and run_dir={cfg.run_dir} name different run dirs; a resumed run continues "
-           f"in its own dir, so drop run_dir"))
+    yield (
+        not (cfg.resume and cfg.run_dir) or cfg.resume == cfg.run_dir,
+        (
+            f"resume={cfg.resume} and run_dir={cfg.run_dir} name different run dirs; a resumed run continues "
+            f"in its own dir, so drop run_dir"
+        ),
+    )
     yield cfg.rollout.hang_timeout_s > 0, f"rollout.hang_timeout_s must be > 0, got {cfg.rollout.hang_timeout_s}"
     yield cfg.rollout.max_engine_restarts >= 0, "rollout.max_engine_restarts must be >= 0"
     yield cfg.rollout.max_worker_restarts >= 0, "rollout.max_worker_restarts must be >= 0"
     yield cfg.train.max_consecutive_skips >= 1, "train.max_consecutive_skips must be >= 1"
     yield cfg.data.max_prompt_tokens >= 0, "data.max_prompt_tokens must be >= 0 (0: context minus max_new_tokens)"
     ctx = cfg.model.tiny.max_positions
-    yield (cfg.model.path or cfg.model.gguf or cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens <= ctx,
-           (f"data.max_prompt_tokens={cfg.data.max_prompt_tokens} + rollout.max_new_tokens="
-           f"{cfg.rollout.max_new_tokens} exceeds the tiny model's context model.tiny.max_positions={ctx}; "
-           f"lower one of them or raise model.tiny.max_positions"))
+    yield (
+        cfg.model.path or cfg.model.gguf or cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens <= ctx,
+        (
+            f"data.max_prompt_tokens={cfg.data.max_prompt_tokens} + rollout.max_new_tokens="
+            f"{cfg.rollout.max_new_tokens} exceeds the tiny model's context model.tiny.max_positions={ctx}; "
+            f"lower one of them or raise model.tiny.max_positions"
+        ),
+    )

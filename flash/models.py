@@ -59,7 +59,8 @@ CHAT_TEMPLATE = (
     "{% for c in m['tool_calls'] or [] %}<tool_call>"
     "{\"name\": \"{{ c['function']['name'] }}\", \"arguments\": {{ c['function']['arguments'] | tojson }}}"
     "</tool_call>{% endfor %}{{ eos_token }}"
-    "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
 
 
 def build_tokenizer(alphabet: str = DEFAULT_ALPHABET) -> PreTrainedTokenizerFast:
@@ -76,8 +77,15 @@ def build_tokenizer(alphabet: str = DEFAULT_ALPHABET) -> PreTrainedTokenizerFast
     for byte in [ord(c) for c in chars] + list(range(256)):
         vocab.setdefault(to_bytelevel[byte], len(vocab))
     tokenizer = Qwen2Tokenizer(
-        vocab=vocab, merges=[], unk_token=UNK, bos_token=BOS, eos_token=EOS, pad_token=PAD,
-        extra_special_tokens=list(ROLE_TOKENS), padding_side="left", model_max_length=1024,
+        vocab=vocab,
+        merges=[],
+        unk_token=UNK,
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
+        extra_special_tokens=list(ROLE_TOKENS),
+        padding_side="left",
+        model_max_length=1024,
     )
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
@@ -108,8 +116,10 @@ def encode_prompt(tokenizer: PreTrainedTokenizerFast, prompt: str | list[dict] |
     post-processor tokens (``flash.chat_encoding.text_ids``). No special token comes from text."""
     if isinstance(prompt, (list, dict)):
         if not tokenizer.chat_template:
-            raise ValueError("the prompt is a chat but the tokenizer has no chat template; set "
-                             "model.chat_template (a Jinja string or a file)")
+            raise ValueError(
+                "the prompt is a chat but the tokenizer has no chat template; set "
+                "model.chat_template (a Jinja string or a file)"
+            )
         if isinstance(prompt, dict):
             return chat_ids(tokenizer, prompt["messages"], prompt.get("tools"))
         return chat_ids(tokenizer, prompt)
@@ -157,13 +167,17 @@ def read_chat_template(template: str) -> str:
 
     if "{" in template:
         if len(template.encode()) > MAX_TEMPLATE_BYTES:
-            raise ValueError(f"model.chat_template: {len(template.encode())} bytes, more than a chat template "
-                             f"holds ({MAX_TEMPLATE_BYTES})")
+            raise ValueError(
+                f"model.chat_template: {len(template.encode())} bytes, more than a chat template "
+                f"holds ({MAX_TEMPLATE_BYTES})"
+            )
         return template
     path = Path(template).expanduser()
     if path.suffix.lower() not in TEMPLATE_SUFFIXES:
-        raise ValueError(f"model.chat_template {template[:200]!r} is neither a Jinja template nor a template file "
-                         f"({', '.join(TEMPLATE_SUFFIXES)})")
+        raise ValueError(
+            f"model.chat_template {template[:200]!r} is neither a Jinja template nor a template file "
+            f"({', '.join(TEMPLATE_SUFFIXES)})"
+        )
     if not path.is_file():
         raise ValueError(f"model.chat_template: no template file {path}")
     with open(path, "rb") as f:
@@ -171,15 +185,17 @@ def read_chat_template(template: str) -> str:
             raise ValueError(f"model.chat_template: {path} is not a regular file")
         data = f.read(MAX_TEMPLATE_BYTES + 1)
     if len(data) > MAX_TEMPLATE_BYTES:
-        raise ValueError(f"model.chat_template: {path} is over {MAX_TEMPLATE_BYTES} bytes, more than a chat "
-                         f"template holds")
+        raise ValueError(
+            f"model.chat_template: {path} is over {MAX_TEMPLATE_BYTES} bytes, more than a chat template holds"
+        )
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError:
         raise ValueError(f"model.chat_template: {path} is not UTF-8 text") from None
     if "\x00" in text or not ("{{" in text or "{%" in text):
-        raise ValueError(f"model.chat_template: {path} holds no Jinja ({{{{ ... }}}} or {{% ... %}}): not a "
-                         f"chat template")
+        raise ValueError(
+            f"model.chat_template: {path} holds no Jinja ({{{{ ... }}}} or {{% ... %}}): not a chat template"
+        )
     return text
 
 
@@ -223,9 +239,7 @@ class TinyModelConfig:
         if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
             raise ValueError("hidden_size must divide by num_heads, num_heads by num_kv_heads")
         if self.hidden_size // self.num_heads < 32:
-            raise ValueError(
-                f"head_dim {self.hidden_size // self.num_heads} < 32 (vLLM needs >= 32)"
-            )
+            raise ValueError(f"head_dim {self.hidden_size // self.num_heads} < 32 (vLLM needs >= 32)")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -274,8 +288,10 @@ def decoder_layers(model) -> list:
     names = set(getattr(model, "_no_split_modules", None) or [])
     layers = [m for m in model.modules() if any(c.__name__ in names for c in type(m).__mro__)]
     if not layers:
-        raise ValueError(f"{type(model).__name__} names no decoder-layer class in _no_split_modules; "
-                         "cannot choose its decoder layers (FSDP units, activation checkpointing)")
+        raise ValueError(
+            f"{type(model).__name__} names no decoder-layer class in _no_split_modules; "
+            "cannot choose its decoder layers (FSDP units, activation checkpointing)"
+        )
     return layers
 
 

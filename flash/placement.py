@@ -106,11 +106,11 @@ class Plan:
         for role, ws in self.workers.items():
             if not ws:
                 continue
-            where = ("CPU" if not ws[0].devices else
-                     " ".join(f"w{w.rank}:{list(w.devices)}" for w in ws))
+            where = "CPU" if not ws[0].devices else " ".join(f"w{w.rank}:{list(w.devices)}" for w in ws)
             mates = [r for g in self.groups if role in g for r in g if r != role]
-            lines.append(f"  {role}: {len(ws)} worker(s) {where}"
-                         + (f" colocated with {', '.join(mates)}" if mates else ""))
+            lines.append(
+                f"  {role}: {len(ws)} worker(s) {where}" + (f" colocated with {', '.join(mates)}" if mates else "")
+            )
         return "\n".join(lines)
 
 
@@ -124,35 +124,43 @@ def _role_workers(role: str, rc: RoleConfig, num_gpus: int) -> list[tuple[int, .
     if not mapping:
         return [()] * n
     if n == 0:
-        raise PlacementError(f"{where} maps devices {mapping} but num_workers is 0; "
-                             f"set num_workers or empty device_mapping")
+        raise PlacementError(
+            f"{where} maps devices {mapping} but num_workers is 0; set num_workers or empty device_mapping"
+        )
     dups = sorted({d for d in mapping if mapping.count(d) > 1})
     if dups:
-        raise PlacementError(f"{where}.device_mapping lists device(s) {dups} more than once; "
-                             f"a worker owns each of its devices, so list each index once")
+        raise PlacementError(
+            f"{where}.device_mapping lists device(s) {dups} more than once; "
+            f"a worker owns each of its devices, so list each index once"
+        )
     bad = [d for d in mapping if not 0 <= d < num_gpus]
     if bad:
-        raise PlacementError(f"{where}.device_mapping uses device {bad[0]}, outside the "
-                             f"{num_gpus} device(s) of placement.num_gpus={num_gpus} (valid: 0.."
-                             f"{num_gpus - 1}); raise placement.num_gpus or change the mapping")
+        raise PlacementError(
+            f"{where}.device_mapping uses device {bad[0]}, outside the "
+            f"{num_gpus} device(s) of placement.num_gpus={num_gpus} (valid: 0.."
+            f"{num_gpus - 1}); raise placement.num_gpus or change the mapping"
+        )
     if len(mapping) % n:
-        raise PlacementError(f"{where}: {len(mapping)} device(s) {mapping} do not divide among "
-                             f"num_workers={n}; use a worker count that divides {len(mapping)}")
+        raise PlacementError(
+            f"{where}: {len(mapping)} device(s) {mapping} do not divide among "
+            f"num_workers={n}; use a worker count that divides {len(mapping)}"
+        )
     d = len(mapping) // n
-    return [tuple(mapping[i * d:(i + 1) * d]) for i in range(n)]
+    return [tuple(mapping[i * d : (i + 1) * d]) for i in range(n)]
 
 
 def _colocation_groups(sets: dict[str, frozenset[int]]) -> tuple[tuple[str, ...], ...]:
     """Roles grouped by identical device sets; a partial overlap raises PlacementError."""
     roles = list(sets)
     for i, a in enumerate(roles):
-        for b in roles[i + 1:]:
+        for b in roles[i + 1 :]:
             shared = sets[a] & sets[b]
             if shared and sets[a] != sets[b]:
                 raise PlacementError(
                     f"{a} {sorted(sets[a])} and {b} {sorted(sets[b])} share device(s) {sorted(shared)} "
                     f"but not all: roles must map the same devices (colocated, taking turns) or "
-                    f"disjoint ones (disaggregated, running at once)")
+                    f"disjoint ones (disaggregated, running at once)"
+                )
     groups: dict[frozenset[int], list[str]] = {}
     for role in roles:
         groups.setdefault(sets[role], []).append(role)
@@ -169,8 +177,7 @@ def plan_placement(cfg: PlacementConfig, engine: str = "torch") -> Plan:
         raise PlacementError(f"placement.num_gpus must be >= 0, got {cfg.num_gpus}")
     if cfg.cpus_per_bundle < 0:
         raise PlacementError(f"placement.cpus_per_bundle must be >= 0, got {cfg.cpus_per_bundle}")
-    per_role = {f.name: _role_workers(f.name, getattr(cfg.roles, f.name), cfg.num_gpus)
-                for f in fields(RolesConfig)}
+    per_role = {f.name: _role_workers(f.name, getattr(cfg.roles, f.name), cfg.num_gpus) for f in fields(RolesConfig)}
     sets = {r: frozenset(d for w in ws for d in w) for r, ws in per_role.items() if ws and ws[0]}
     groups = _colocation_groups(sets)
     for group in groups:
@@ -179,11 +186,15 @@ def plan_placement(cfg: PlacementConfig, engine: str = "torch") -> Plan:
             raise PlacementError(
                 f"actor_infer shares devices {sorted(sets['actor_infer'])} with {others}, but engine "
                 f"'{engine}' cannot release its memory while they run (only {', '.join(SLEEPABLE_ENGINES)} "
-                f"can); use rollout.engine=torch or give actor_infer its own devices")
+                f"can); use rollout.engine=torch or give actor_infer its own devices"
+            )
     sharing = {d: sum(d in s for s in sets.values()) for d in range(cfg.num_gpus)}
-    workers = {role: tuple(Worker(role, i, devs, Fraction(1, sharing[devs[0]]) if devs else Fraction(0))
-                           for i, devs in enumerate(ws))
-               for role, ws in per_role.items()}
+    workers = {
+        role: tuple(
+            Worker(role, i, devs, Fraction(1, sharing[devs[0]]) if devs else Fraction(0)) for i, devs in enumerate(ws)
+        )
+        for role, ws in per_role.items()
+    }
     return Plan(num_gpus=cfg.num_gpus, workers=workers, groups=groups)
 
 
@@ -212,17 +223,25 @@ class Placement:
             return cls(plan)
         have = ray.cluster_resources().get("GPU", 0)
         if have < plan.num_gpus:
-            raise PlacementError(f"placement.num_gpus={plan.num_gpus} but the Ray cluster has {have:g} "
-                                 f"GPU(s); lower placement.num_gpus or join a larger cluster (ray.address)")
+            raise PlacementError(
+                f"placement.num_gpus={plan.num_gpus} but the Ray cluster has {have:g} "
+                f"GPU(s); lower placement.num_gpus or join a larger cluster (ray.address)"
+            )
         bundle = {"GPU": 1, **({"CPU": cpus_per_bundle} if cpus_per_bundle else {})}
         pg = placement_group([dict(bundle) for _ in range(plan.num_gpus)], strategy="PACK", name="flash-devices")
         if not ray.wait([pg.ready()], timeout=timeout)[0]:
             ray.util.remove_placement_group(pg)
-            raise PlacementError(f"could not reserve {plan.num_gpus} bundle(s) of {bundle} within {timeout:g} s; "
-                                 f"free resources: {ray.available_resources()}")
+            raise PlacementError(
+                f"could not reserve {plan.num_gpus} bundle(s) of {bundle} within {timeout:g} s; "
+                f"free resources: {ray.available_resources()}"
+            )
         probe = ray.remote(_probe_gpu)
-        found = ray.get([probe.options(num_cpus=0, num_gpus=1, scheduling_strategy=_strategy(pg, d)).remote()
-                         for d in range(plan.num_gpus)])
+        found = ray.get(
+            [
+                probe.options(num_cpus=0, num_gpus=1, scheduling_strategy=_strategy(pg, d)).remote()
+                for d in range(plan.num_gpus)
+            ]
+        )
         placement = cls(plan, pg, [g[0] for g, _ in found], [n for _, n in found])
         placement._check_nodes()
         return placement
@@ -232,8 +251,10 @@ class Placement:
             for w in ws:
                 nodes = {self.nodes[d] for d in w.devices}
                 if len(nodes) > 1:
-                    raise PlacementError(f"{w.role} worker {w.rank} maps devices {list(w.devices)} that Ray "
-                                         f"placed on {len(nodes)} nodes; one worker's devices must share a node")
+                    raise PlacementError(
+                        f"{w.role} worker {w.rank} maps devices {list(w.devices)} that Ray "
+                        f"placed on {len(nodes)} nodes; one worker's devices must share a node"
+                    )
 
     def options(self, role: str, rank: int) -> dict:
         """Keyword arguments for ``ray.remote(cls).options(...)`` that put this worker in place.
@@ -248,8 +269,11 @@ class Placement:
         env = {"FLASH_DEVICES": ",".join(str(d) for d in w.devices)}
         if len(w.devices) > 1:  # Ray would show only the first bundle's GPU: flash sets them all
             env.update({NOSET_ENV: "1", "CUDA_VISIBLE_DEVICES": ",".join(self.gpu_ids[d] for d in w.devices)})
-        return {"num_gpus": float(w.gpu_share), "scheduling_strategy": _strategy(self.pg, w.devices[0]),
-                "runtime_env": {"env_vars": env}}
+        return {
+            "num_gpus": float(w.gpu_share),
+            "scheduling_strategy": _strategy(self.pg, w.devices[0]),
+            "runtime_env": {"env_vars": env},
+        }
 
     def remove(self) -> None:
         if self.pg is not None:
@@ -278,13 +302,16 @@ def check_runnable(plan: Plan) -> None:
         if not ws:
             continue
         if role not in RUNNABLE:
-            raise PlacementError(f"placement.roles.{role} asks for {len(ws)} worker(s), but flash does not "
-                                 f"place {role} workers yet (any it runs are sized by their own config "
-                                 f"section, on CPU); set placement.roles.{role}.num_workers=0")
+            raise PlacementError(
+                f"placement.roles.{role} asks for {len(ws)} worker(s), but flash does not "
+                f"place {role} workers yet (any it runs are sized by their own config "
+                f"section, on CPU); set placement.roles.{role}.num_workers=0"
+            )
         limit = RUNNABLE[role]
         if limit is not None and len(ws) > limit:
-            raise PlacementError(f"placement.roles.{role}.num_workers={len(ws)}, but this runner starts at "
-                                 f"most {limit} {role} worker(s)")
+            raise PlacementError(
+                f"placement.roles.{role}.num_workers={len(ws)}, but this runner starts at most {limit} {role} worker(s)"
+            )
     if not plan.workers["actor_train"] or not plan.workers["actor_infer"]:
         raise PlacementError("placement.roles.actor_train and actor_infer each need num_workers >= 1")
 
@@ -299,10 +326,12 @@ def check_engine_devices(plan: Plan, engine: str) -> None:
     wide = [w for w in plan.workers["actor_infer"] if len(w.devices) > 1]
     if engine in SINGLE_DEVICE_ENGINES and wide:
         devices = plan.devices("actor_infer")
-        raise PlacementError(f"placement.roles.actor_infer gives each worker {len(wide[0].devices)} devices "
-                             f"(w{wide[0].rank}: {list(wide[0].devices)}), but the {engine} engine runs on one: set "
-                             f"placement.roles.actor_infer.num_workers={len(devices)} (one replica per device), "
-                             f"or rollout.engine=vllm (tensor parallel over a worker's devices)")
+        raise PlacementError(
+            f"placement.roles.actor_infer gives each worker {len(wide[0].devices)} devices "
+            f"(w{wide[0].rank}: {list(wide[0].devices)}), but the {engine} engine runs on one: set "
+            f"placement.roles.actor_infer.num_workers={len(devices)} (one replica per device), "
+            f"or rollout.engine=vllm (tensor parallel over a worker's devices)"
+        )
 
 
 def visible_devices() -> list[int]:

@@ -42,8 +42,7 @@ import numpy as np
 
 from flash.errors import FlashError
 
-_FLAGS = {"r": os.O_RDONLY, "w": os.O_WRONLY | os.O_CREAT, "a": os.O_WRONLY | os.O_CREAT | os.O_APPEND,
-          "r+": os.O_RDWR}
+_FLAGS = {"r": os.O_RDONLY, "w": os.O_WRONLY | os.O_CREAT, "a": os.O_WRONLY | os.O_CREAT | os.O_APPEND, "r+": os.O_RDWR}
 FIX = "a run dir holds only the files flash wrote there: remove it, or pick another run_dir"
 
 
@@ -200,13 +199,17 @@ def parse_json(data: bytes, where: str, depth: int = LOG_BOUNDS.depth) -> dict:
     nesting checked before it is parsed; ``RunFileError`` when it is deeper, not JSON or not an
     object."""
     if nesting_depth(data) > depth:
-        raise RunFileError(f"{where}: JSON nested more than {depth} deep (the limit for a run file); "
-                           "flash wrote no such line: pass a run dir flash wrote")
+        raise RunFileError(
+            f"{where}: JSON nested more than {depth} deep (the limit for a run file); "
+            "flash wrote no such line: pass a run dir flash wrote"
+        )
     try:
         value = json.loads(data)
     except (ValueError, RecursionError) as exc:
-        raise RunFileError(f"{where}: not JSON ({type(exc).__name__}: {str(exc)[:100]}); the file is damaged: "
-                           "pass a run dir flash wrote") from None
+        raise RunFileError(
+            f"{where}: not JSON ({type(exc).__name__}: {str(exc)[:100]}); the file is damaged: "
+            "pass a run dir flash wrote"
+        ) from None
     if not isinstance(value, dict):
         raise RunFileError(f"{where}: a {type(value).__name__}, not a JSON object (what flash writes there)")
     return value
@@ -214,8 +217,10 @@ def parse_json(data: bytes, where: str, depth: int = LOG_BOUNDS.depth) -> dict:
 
 def _checked_size(path: str | Path, size: int, bounds: ReadBounds) -> None:
     if size > bounds.file_bytes:
-        raise RunFileError(f"{path}: {size} bytes, over the {_size(bounds.file_bytes)} limit for this run file; "
-                           "flash wrote no such file: pass a run dir flash wrote")
+        raise RunFileError(
+            f"{path}: {size} bytes, over the {_size(bounds.file_bytes)} limit for this run file; "
+            "flash wrote no such file: pass a run dir flash wrote"
+        )
 
 
 def read_jsonl(path: str | Path, bounds: ReadBounds = LOG_BOUNDS) -> Iterator[tuple[int, dict]]:
@@ -235,8 +240,10 @@ def read_jsonl(path: str | Path, bounds: ReadBounds = LOG_BOUNDS) -> Iterator[tu
                 return
             total += len(line)
             if len(line) > bounds.line_bytes:
-                raise RunFileError(f"{path}:{n}: a line over {_size(bounds.line_bytes)} (the limit for this run "
-                                   "file); flash wrote no such line: pass a run dir flash wrote")
+                raise RunFileError(
+                    f"{path}:{n}: a line over {_size(bounds.line_bytes)} (the limit for this run "
+                    "file); flash wrote no such line: pass a run dir flash wrote"
+                )
             _checked_size(path, total, bounds)
             if line.strip():
                 yield n, parse_json(line, f"{path}:{n}", bounds.depth)

@@ -8,5 +8,8 @@ import ray
 
 class Probe:
     def seen(self) -> tuple:
-        return ([str(i) for i in ray.get_gpu_ids()], os.environ.get("CUDA_VISIBLE_DEVICES"),
-                os.environ.get("FLASH_DEVICES"))
+        return (
+            [str(i) for i in ray.get_gpu_ids()],
+            os.environ.get("CUDA_VISIBLE_DEVICES"),
+            os.environ.get("FLASH_DEVICES"),
+        )

@@ -18,8 +18,7 @@ from flash.engine.base import GenerationOutput, GenerationRequest
 
 
 class ScriptedEngine:
-    def __init__(self, delays: dict[str, float], default_delay: float = 0.05,
-                 lengths: dict[str, int] | None = None):
+    def __init__(self, delays: dict[str, float], default_delay: float = 0.05, lengths: dict[str, int] | None = None):
         self.delays, self.default_delay = delays, default_delay
         self.lengths = lengths or {}
         self._cv = threading.Condition()
@@ -65,8 +64,11 @@ class ScriptedEngine:
 
     def log(self) -> dict:
         with self._cv:
-            return {"submitted": [(r.request_id, r.params.seed) for r in self.submitted],
-                    "aborted": list(self.aborted), "delivered": list(self.delivered)}
+            return {
+                "submitted": [(r.request_id, r.params.seed) for r in self.submitted],
+                "aborted": list(self.aborted),
+                "delivered": list(self.delivered),
+            }
 
     # ---- the rest of the contract: recorded, not simulated (no model, nothing to load) ----------
     def pause(self, mode: str) -> None:
@@ -92,8 +94,14 @@ class ScriptedEngine:
 
     def stats(self) -> dict[str, float]:
         with self._cv:
-            return {"tokens_generated": 0.0, "busy_s": 0.0, "idle_s": 0.0, "num_running": float(len(self._due)),
-                    "num_waiting": 0.0, "version": float(self._version)}
+            return {
+                "tokens_generated": 0.0,
+                "busy_s": 0.0,
+                "idle_s": 0.0,
+                "num_running": float(len(self._due)),
+                "num_waiting": 0.0,
+                "version": float(self._version),
+            }
 
     def busy_spans(self) -> list[list[float]]:
         return []
@@ -114,8 +122,9 @@ class CorridorPlayer(ScriptedEngine):
     episode ends at once with reward 0), every other unit walks straight to the goal (reward 1).
     ``delays`` are per unit id (``"<prompt>:<k>"``) and apply to each of its turns."""
 
-    def __init__(self, delays: dict[str, float], bad: set[str] = frozenset(), default_delay: float = 0.02,
-                 width: int = 8):
+    def __init__(
+        self, delays: dict[str, float], bad: set[str] = frozenset(), default_delay: float = 0.02, width: int = 8
+    ):
         super().__init__(delays, default_delay)
         self.bad, self.width = set(bad), width
 
@@ -131,6 +140,6 @@ class CorridorPlayer(ScriptedEngine):
 
     def _output(self, r: GenerationRequest, reason: str) -> GenerationOutput:
         unit = r.request_id.rsplit("/", 1)[0]
-        board = "".join(map(chr, r.prompt_ids))[-(self.width + 1):-1]  # the latest observation's cells
+        board = "".join(map(chr, r.prompt_ids))[-(self.width + 1) : -1]  # the latest observation's cells
         action = "x" if unit in self.bad else ("r" if board.index("g") > board.index("a") else "l")
         return GenerationOutput(r.request_id, list(r.prompt_ids), [ord(action)], [-0.5], [self._version], reason)

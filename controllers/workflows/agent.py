@@ -32,6 +32,7 @@ from flash.buffers.facts import DROP_REASONS, FACTS, clean_facts
 from .base import Core, Unit, turn_seed
 from flash.engine.base import GenerationOutput, GenerationRequest, SamplingParams
 
+
 @dataclass
 class _Run:
     unit: Unit
@@ -64,8 +65,12 @@ class Agents:
             run = _Run(unit)
             with self._lock:
                 self._runs[unit.id] = run
-            run.future = self.runner.run(unit.item, lambda r=run: self._open(r), lambda key, outcome, r=run:
-                                         self._close(r, key, outcome), lambda result, r=run: self._finish(r, result))
+            run.future = self.runner.run(
+                unit.item,
+                lambda r=run: self._open(r),
+                lambda key, outcome, r=run: self._close(r, key, outcome),
+                lambda result, r=run: self._finish(r, result),
+            )
 
     def cancel(self, ids: list[str]) -> None:
         """Stop these runs: pending turns aborted in the engine (the waiting calls fail), the agents
@@ -109,8 +114,12 @@ class Agents:
     def requeue(self, lost: list[Unit], ids: list[str] | None) -> int:
         only = None if ids is None else set(ids)
         with self._lock:
-            reqs = [req for run in self._runs.values() for rid, (req, _) in run.waiting.items()
-                    if only is None or rid in only]
+            reqs = [
+                req
+                for run in self._runs.values()
+                for rid, (req, _) in run.waiting.items()
+                if only is None or rid in only
+            ]
         if reqs:
             assert self.core is not None
             self.core.supervisor.submit(reqs)
@@ -119,8 +128,12 @@ class Agents:
     # ---- Service -------------------------------------------------------------------------
     def metrics(self) -> dict[str, float]:
         dropped = {f"agent/facts_dropped_{k}": float(self.facts_dropped[k]) for k in DROP_REASONS}
-        return {**self.runner.metrics(), "agent/untrained_tokens": float(self.untrained_tokens), **dropped,
-                **{f"gateway/{k}": float(v) for k, v in self.gateway.metrics().items()}}
+        return {
+            **self.runner.metrics(),
+            "agent/untrained_tokens": float(self.untrained_tokens),
+            **dropped,
+            **{f"gateway/{k}": float(v) for k, v in self.gateway.metrics().items()},
+        }
 
     def stop(self) -> None:
         """End every run: waiting calls fail (their HTTP handlers return), agents are cancelled,
@@ -163,10 +176,17 @@ class Agents:
             if turn >= self.max_turns:
                 raise RuntimeError(f"the agent made more than {self.max_turns} calls in one episode")
             base = run.unit.params
-            req = GenerationRequest(f"{run.unit.id}/{turn}", list(prompt_ids), SamplingParams(
-                max_new_tokens=min(params.max_new_tokens, base.max_new_tokens), temperature=base.temperature,
-                top_p=base.top_p, stop_token_ids=list(base.stop_token_ids),
-                seed=turn_seed(base.seed, turn)))
+            req = GenerationRequest(
+                f"{run.unit.id}/{turn}",
+                list(prompt_ids),
+                SamplingParams(
+                    max_new_tokens=min(params.max_new_tokens, base.max_new_tokens),
+                    temperature=base.temperature,
+                    top_p=base.top_p,
+                    stop_token_ids=list(base.stop_token_ids),
+                    seed=turn_seed(base.seed, turn),
+                ),
+            )
             waiter: Future = Future()
             run.waiting[req.request_id] = (req, waiter)
             self._turns[req.request_id] = run
@@ -182,11 +202,23 @@ class Agents:
             record = getattr(run, "record", None)
             facts, dropped = clean_facts(result.info)
             self.facts_dropped.update(dropped)
-            sample = self.to_sample(record, prompt_id=u.prompt_id, sample_index=u.index,
-                                    admitted_version=u.version, reward=result.reward, outcome=result.outcome,
-                                    meta={**result.info, **u.meta, "data_index": u.data_index,
-                                          "attempts": result.attempts, "request_id": u.id, "request": u.index,
-                                          FACTS: facts})
+            sample = self.to_sample(
+                record,
+                prompt_id=u.prompt_id,
+                sample_index=u.index,
+                admitted_version=u.version,
+                reward=result.reward,
+                outcome=result.outcome,
+                meta={
+                    **result.info,
+                    **u.meta,
+                    "data_index": u.data_index,
+                    "attempts": result.attempts,
+                    "request_id": u.id,
+                    "request": u.index,
+                    FACTS: facts,
+                },
+            )
             self.untrained_tokens += sample.meta.get("untrained_tokens", 0)
             self._done[u.id] = sample
         assert self.core is not None

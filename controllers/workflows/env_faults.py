@@ -104,13 +104,26 @@ class EnvWorkerFaults:
                 self._pids[slot] = pid
             self.counters["faults_env"] = faults = self.faults + 1
         if faults > self.max_worker_restarts:
-            raise EnvFailed(f"environment workers died {faults} times (rollout.max_worker_restarts="
-                            f"{self.max_worker_restarts}); last: {exc!r}")
+            raise EnvFailed(
+                f"environment workers died {faults} times (rollout.max_worker_restarts="
+                f"{self.max_worker_restarts}); last: {exc!r}"
+            )
         if faults == 1:
-            log.warning("flash: an environment worker %s (%s); Ray restarted it and its episodes play again "
-                        "from their reset (faults counted in faults/env, logged once)", kind, type(exc).__name__)
-        event = {"event": "env_fault", "kind": kind, "error": type(exc).__name__, "time": wall, "worker": slot,
-                 "recovery_s": time.monotonic() - start, "pid": pid}
+            log.warning(
+                "flash: an environment worker %s (%s); Ray restarted it and its episodes play again "
+                "from their reset (faults counted in faults/env, logged once)",
+                kind,
+                type(exc).__name__,
+            )
+        event = {
+            "event": "env_fault",
+            "kind": kind,
+            "error": type(exc).__name__,
+            "time": wall,
+            "worker": slot,
+            "recovery_s": time.monotonic() - start,
+            "pid": pid,
+        }
         with self._lock:
             self.events.append(event)
         if self.on_event is not None:
@@ -126,7 +139,9 @@ class EnvWorkerFaults:
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as err:
                 restarting = isinstance(err, ray.exceptions.ActorUnavailableError)
                 if not restarting or time.monotonic() >= deadline:
-                    raise EnvFailed(f"environment worker {slot} did not come back after it {kind} ({exc!r}): "
-                                    f"{err!r}. It is restarted at most rollout.max_worker_restarts="
-                                    f"{self.max_worker_restarts} times") from err
+                    raise EnvFailed(
+                        f"environment worker {slot} did not come back after it {kind} ({exc!r}): "
+                        f"{err!r}. It is restarted at most rollout.max_worker_restarts="
+                        f"{self.max_worker_restarts} times"
+                    ) from err
                 time.sleep(0.2)

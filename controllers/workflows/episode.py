@@ -85,8 +85,16 @@ class _Episode:
 class Episodes(EnvWorkerFaults):
     """The episode workflow (``Workflow`` and ``Service``); ``core`` is set by the ``RolloutCore``."""
 
-    def __init__(self, workers: list, codec: EpisodeCodec, max_turns: int, env_threads: int = 16, *,
-                 hang_timeout_s: float = 120.0, max_worker_restarts: int = 0):
+    def __init__(
+        self,
+        workers: list,
+        codec: EpisodeCodec,
+        max_turns: int,
+        env_threads: int = 16,
+        *,
+        hang_timeout_s: float = 120.0,
+        max_worker_restarts: int = 0,
+    ):
         if not workers:
             raise ValueError("the episode workflow needs at least one EnvWorker")
         self.workers, self.codec, self.max_turns = workers, codec, max_turns
@@ -247,8 +255,13 @@ class Episodes(EnvWorkerFaults):
             elif out.finish_reason == "error":
                 self._count("request_errors")
             else:
-                add_turn(ep.transcript, list(out.token_ids), list(out.logprobs), list(out.versions),
-                         self.core.admission.version)
+                add_turn(
+                    ep.transcript,
+                    list(out.token_ids),
+                    list(out.logprobs),
+                    list(out.versions),
+                    self.core.admission.version,
+                )
                 ep.turns += 1
                 self._count("turns")
                 self._count("tokens_generated", len(out.token_ids))
@@ -303,8 +316,9 @@ class Episodes(EnvWorkerFaults):
         ep.worker.close.remote(ep.key)
         u = ep.unit
         assert ep.transcript is not None  # an episode ends after its reset
-        facts, dropped = clean_facts({k: v for k, v in info.items() if k != "outcome"}
-                                     if isinstance(info, dict) else {})
+        facts, dropped = clean_facts(
+            {k: v for k, v in info.items() if k != "outcome"} if isinstance(info, dict) else {}
+        )
         with self._lock:
             if ep.cancelled:
                 return
@@ -314,8 +328,18 @@ class Episodes(EnvWorkerFaults):
             for reason, n in dropped.items():
                 self._count(f"facts_dropped_{reason}", n)
             self._done[ep.key] = to_sample(
-                ep.transcript, prompt_id=u.prompt_id, sample_index=u.index, admitted_version=u.version,
-                outcome=outcome, meta={**u.meta, "data_index": u.data_index, "seed": u.item.meta["seed"],
-                                       "request_id": u.id, "request": u.index, FACTS: facts})
+                ep.transcript,
+                prompt_id=u.prompt_id,
+                sample_index=u.index,
+                admitted_version=u.version,
+                outcome=outcome,
+                meta={
+                    **u.meta,
+                    "data_index": u.data_index,
+                    "seed": u.item.meta["seed"],
+                    "request_id": u.id,
+                    "request": u.index,
+                    FACTS: facts,
+                },
+            )
         self.core.deliver([GenerationOutput(ep.key, list(ep.transcript.trace.prompt_ids), [], [], [], ENDED)])
-

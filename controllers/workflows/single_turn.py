@@ -30,9 +30,13 @@ class SingleTurn:
 
     def finish(self, unit: Unit, output: GenerationOutput) -> Sample:
         sample = Sample(
-            prompt_id=unit.prompt_id, sample_index=unit.index, prompt_ids=list(output.prompt_ids),
-            response_ids=list(output.token_ids), behav_logprobs=list(output.logprobs),
-            versions=list(output.versions), finish_reason=output.finish_reason,
+            prompt_id=unit.prompt_id,
+            sample_index=unit.index,
+            prompt_ids=list(output.prompt_ids),
+            response_ids=list(output.token_ids),
+            behav_logprobs=list(output.logprobs),
+            versions=list(output.versions),
+            finish_reason=output.finish_reason,
             admitted_version=unit.version,
             meta={**unit.meta, "data_index": unit.data_index, "request_id": unit.id, "request": unit.index},
         )

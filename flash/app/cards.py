@@ -31,7 +31,9 @@ def resolve_card(card: str, gpu_memory_gib: float) -> Card | None:
         return None
     known = {name.lower(): name for name in CARDS}
     if card.lower() not in known:
-        raise ConfigError(f"resources.card={card} is not a card flash knows ({', '.join(CARDS)}): set "
-                         f"resources.gpu_memory_gib to its memory in GiB instead")
+        raise ConfigError(
+            f"resources.card={card} is not a card flash knows ({', '.join(CARDS)}): set "
+            f"resources.gpu_memory_gib to its memory in GiB instead"
+        )
     name = known[card.lower()]
     return Card(name, int(CARDS[name] * GIB))

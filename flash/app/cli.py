@@ -50,8 +50,10 @@ def recipe_and_overrides(args: argparse.Namespace) -> tuple[Path, list[str], str
     if not eq:
         return resolve_recipe(args.recipe), list(args.overrides), args.recipe
     if key.strip() != "resume" or value.strip() in ("", "latest"):
-        raise FlashError(f"'{args.recipe}' is not a recipe: name one first (`flash ls`), e.g. flash "
-                         f"{args.verb} stutter {args.recipe}; only resume=RUN_DIR may stand alone")
+        raise FlashError(
+            f"'{args.recipe}' is not a recipe: name one first (`flash ls`), e.g. flash "
+            f"{args.verb} stutter {args.recipe}; only resume=RUN_DIR may stand alone"
+        )
     from flash.app.resume_dir import resolve_resume
 
     run_dir = resolve_resume(value.strip(), "")
@@ -65,8 +67,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     path, overrides, _ = recipe_and_overrides(args)
     cfg = load_config(path, overrides)
     checked = preflight(cfg, path.stem)  # the checks `flash run` makes before it starts (flash.app.preflight)
-    print(f"ok: {path} (async_ratio={cfg.async_ratio}, loss={cfg.algo.loss['name']}, "
-          f"steps={cfg.train.steps})")
+    print(f"ok: {path} (async_ratio={cfg.async_ratio}, loss={cfg.algo.loss['name']}, steps={cfg.train.steps})")
     from flash.app.config import base_differences
 
     changed = base_differences(path, cfg, overrides)
@@ -92,19 +93,22 @@ def cmd_run(args: argparse.Namespace) -> int:
     summary = run(cfg, recipe_name=path.stem, recipe_arg=named)
     best = summary.get("eval_best_step")
     best = f" (best {summary['eval_accuracy_best']:.3f} at step {best})" if best not in (None, summary["steps"]) else ""
-    print(f"flash: accuracy {summary['eval_accuracy_initial']:.3f} -> {summary['eval_accuracy_final']:.3f}{best} "
-          f"in {summary['steps']} steps, {summary['wall_seconds']:.0f}s; summary: "
-          f"{summary['run_dir']}/summary.json")
+    print(
+        f"flash: accuracy {summary['eval_accuracy_initial']:.3f} -> {summary['eval_accuracy_final']:.3f}{best} "
+        f"in {summary['steps']} steps, {summary['wall_seconds']:.0f}s; summary: "
+        f"{summary['run_dir']}/summary.json"
+    )
     return 0
 
 
 def cmd_losses(_: argparse.Namespace) -> int:
     from flash import algos
 
-    sections = (("losses", algos.describe_losses()),
-                ("corrections (algo.corrections; weight and mask by pi_prox/pi_behav)",
-                 algos.describe_corrections()),
-                ("advantage estimators", algos.describe_advantages()))
+    sections = (
+        ("losses", algos.describe_losses()),
+        ("corrections (algo.corrections; weight and mask by pi_prox/pi_behav)", algos.describe_corrections()),
+        ("advantage estimators", algos.describe_advantages()),
+    )
     for title, rows in sections:
         print(f"{title}:")
         for row in rows:
@@ -121,15 +125,17 @@ def _reads_line(row: dict) -> str:
     if row["reads"] is None:
         return "undeclared"
     ratios = row.get("ratios")
-    return ", ".join(row["reads"]) + (f" (ratios: {', '.join(ratios)})" if ratios else
-                                      " (no ratio)" if ratios == [] else "")
+    return ", ".join(row["reads"]) + (
+        f" (ratios: {', '.join(ratios)})" if ratios else " (no ratio)" if ratios == [] else ""
+    )
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
     from flash.app.sweep import sweep
 
-    points, _ = sweep(args.recipe, args.grid, out=args.out, tolerance=args.tolerance, parallel=args.parallel,
-                      repeats=args.repeats)
+    points, _ = sweep(
+        args.recipe, args.grid, out=args.out, tolerance=args.tolerance, parallel=args.parallel, repeats=args.repeats
+    )
     return 0 if all(p.row.get("status") == "ok" for p in points) else 1
 
 
@@ -153,8 +159,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
             raise FlashError("flash plan on a simulated run takes one run dir and no --calibrate/--p-* (no threads)")
         plan_sim(runs[0], [a for a in args.args if "=" in a])
         return 0
-    p = {"engine": DEFAULT_P["engine"] if args.p_engine is None else args.p_engine,
-         "trainer": DEFAULT_P["trainer"] if args.p_trainer is None else args.p_trainer}
+    p = {
+        "engine": DEFAULT_P["engine"] if args.p_engine is None else args.p_engine,
+        "trainer": DEFAULT_P["trainer"] if args.p_trainer is None else args.p_trainer,
+    }
     plan(runs, [a for a in args.args if "=" in a], p=p, calibrate=args.calibrate)
     return 0
 
@@ -176,8 +184,9 @@ def cmd_data(args: argparse.Namespace) -> int:
         preview(load_config(resolve_recipe(args.args[0]), args.args[1:]), rows=args.rows)
         return 0
     if len(args.args) < 2 or not args.output:
-        raise FlashError("usage: flash data export TASK [option=value ...] -o FILE (a .jsonl, .csv, .parquet "
-                         "or a directory)")
+        raise FlashError(
+            "usage: flash data export TASK [option=value ...] -o FILE (a .jsonl, .csv, .parquet or a directory)"
+        )
     options = {}
     for pair in args.args[2:]:
         key, sep, value = pair.partition("=")
@@ -191,8 +200,9 @@ def cmd_data(args: argparse.Namespace) -> int:
     except (ValueError, TypeError) as exc:
         raise FlashError(f"task {args.args[1]!r}: {exc}") from None
     except OSError as exc:  # a folder that does not exist, no permission, a full disk
-        raise FlashError(f"-o {args.output}: cannot write it: {exc.strerror or exc}"
-                         f"{f' ({exc.filename})' if exc.filename else ''}") from None
+        raise FlashError(
+            f"-o {args.output}: cannot write it: {exc.strerror or exc}{f' ({exc.filename})' if exc.filename else ''}"
+        ) from None
     print(f"flash: wrote {n} {args.split} rows of {args.args[1]} to {args.output}")
     return 0
 
@@ -228,14 +238,23 @@ def _add_replay(sub) -> None:
 
 def _add_plan(sub) -> None:
     p = sub.add_parser("plan", help="predict seconds per step of other settings from a finished run")
-    p.add_argument("args", nargs="+", metavar="RUN_DIR... key=v1,v2",
-                   help="a finished run dir (or repeats of one setting), then candidates, e.g. async_ratio=0,1,2 "
-                   "rollout.scheduler=plain,tail_batching rollout.tail_batching.threshold=24,p75; a simulated "
-                   "run (train.backend=sim) plans scales in simulated seconds: sim.rollout_gpus, sim.train_gpus, "
-                   "train.prompts_per_step, async_ratio")
-    p.add_argument("--calibrate", metavar="RUN_DIR2", action="append", help="a run with another thread split "
-                   "(e.g. async beside a sync RUN_DIR; repeatable for repeats): its measured time sets how "
-                   "threads scale on this machine")
+    p.add_argument(
+        "args",
+        nargs="+",
+        metavar="RUN_DIR... key=v1,v2",
+        help="a finished run dir (or repeats of one setting), then candidates, e.g. async_ratio=0,1,2 "
+        "rollout.scheduler=plain,tail_batching rollout.tail_batching.threshold=24,p75; a simulated "
+        "run (train.backend=sim) plans scales in simulated seconds: sim.rollout_gpus, sim.train_gpus, "
+        "train.prompts_per_step, async_ratio",
+    )
+    p.add_argument(
+        "--calibrate",
+        metavar="RUN_DIR2",
+        action="append",
+        help="a run with another thread split "
+        "(e.g. async beside a sync RUN_DIR; repeatable for repeats): its measured time sets how "
+        "threads scale on this machine",
+    )
     p.add_argument("--p-engine", type=float, help="engine's parallel fraction (Amdahl; default 0.35)")
     p.add_argument("--p-trainer", type=float, help="trainer's parallel fraction (Amdahl; default 0.35)")
     p.set_defaults(fn=cmd_plan)
@@ -246,12 +265,20 @@ def _add_sweep_plot(sub) -> None:
     p.add_argument("recipe", help="a name from `flash ls` or a path to a YAML recipe")
     p.add_argument("grid", nargs="*", help="key=v1,v2,... (swept) or key=value (fixed), e.g. async_ratio=0,1,2")
     p.add_argument("--out", help="sweep dir (default: sweeps/<recipe>-<hash of the arguments>, so a re-run resumes)")
-    p.add_argument("--tolerance", type=float, default=0.02,
-                   help="how far (absolute) below the synchronous setting's mean final accuracy a setting's "
-                   "may be, after one standard error against it")
+    p.add_argument(
+        "--tolerance",
+        type=float,
+        default=0.02,
+        help="how far (absolute) below the synchronous setting's mean final accuracy a setting's "
+        "may be, after one standard error against it",
+    )
     p.add_argument("--parallel", type=int, default=1, help="runs side by side, sharing the cores (default 1)")
-    p.add_argument("--repeats", type=int, default=1,
-                   help="run each setting N times (replicates, like a seed axis: reported as mean ± SE)")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="run each setting N times (replicates, like a seed axis: reported as mean ± SE)",
+    )
     p.set_defaults(fn=cmd_sweep)
     p = sub.add_parser("plot", help="plot one or more run dirs into a PNG")
     p.add_argument("run_dirs", nargs="+", help="run dirs (each holds metrics.jsonl)")
@@ -263,11 +290,16 @@ def _add_sweep_plot(sub) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flash", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="verb", required=True)
-    for verb, fn, help_ in (("run", cmd_run, "train with a recipe"),
-                            ("validate", cmd_validate, "check a recipe without running")):
+    for verb, fn, help_ in (
+        ("run", cmd_run, "train with a recipe"),
+        ("validate", cmd_validate, "check a recipe without running"),
+    ):
         p = sub.add_parser(verb, help=help_)
-        p.add_argument("recipe", help="a name from `flash ls` or a path to a YAML recipe (or resume=RUN_DIR "
-                       "alone: the run's recorded settings)")
+        p.add_argument(
+            "recipe",
+            help="a name from `flash ls` or a path to a YAML recipe (or resume=RUN_DIR "
+            "alone: the run's recorded settings)",
+        )
         p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. async_ratio=2")
         p.set_defaults(fn=fn)
     sub.add_parser("ls", help="list recipes").set_defaults(fn=cmd_ls)

@@ -44,15 +44,18 @@ def load_config(recipe_path: str | Path, overrides: list[str] = ()) -> FlashConf
     among the overrides names the environment variables the files may read (flash.app.interpolation)."""
     allow_env, overrides = split_allow_env(list(overrides))
     cli = _parse_overrides(_check_dotlist(overrides))
-    chain = (resumed_run(cli.get("resume"), Path(recipe_path), allow_env)
-             or recipe_chain(Path(recipe_path), allow_env))
+    chain = resumed_run(cli.get("resume"), Path(recipe_path), allow_env) or recipe_chain(Path(recipe_path), allow_env)
     for source in (*chain, cli):
         check_keys(OmegaConf.to_container(source), FlashConfig)
     empty = [o for o in overrides if o.partition("=")[2].strip() == "{}"]  # `key={}` empties, then the rest
     rest = [o for o in overrides if o not in empty]
-    merged_layers = merge_layers([OmegaConf.to_container(OmegaConf.structured(FlashConfig)),
-                                  *(OmegaConf.to_container(c) for c in chain),
-                                  *(OmegaConf.to_container(_parse_overrides(o)) for o in (empty, rest) if o)])
+    merged_layers = merge_layers(
+        [
+            OmegaConf.to_container(OmegaConf.structured(FlashConfig)),
+            *(OmegaConf.to_container(c) for c in chain),
+            *(OmegaConf.to_container(_parse_overrides(o)) for o in (empty, rest) if o),
+        ]
+    )
     for note in merged_layers.notes:
         print(f"flash: note: {note}", file=sys.stderr)
     settings = resolve(merged_layers.settings)  # every interpolation, bounded: none is left to OmegaConf
@@ -145,17 +148,24 @@ def read_recipe(path: str | Path, allow_env: tuple[str, ...] = ()):
         problem = getattr(exc, "problem", None) or type(exc).__name__
         raise ConfigError(f"cannot parse {path}{where}: {problem}") from None
     except (OmegaConfBaseException, OSError, UnicodeDecodeError, RecursionError) as exc:
-        why = ("not UTF-8 text" if isinstance(exc, UnicodeDecodeError) else
-               "its values or interpolations nest too deep" if isinstance(exc, RecursionError) else
-               exc.strerror if isinstance(exc, OSError) and exc.strerror else type(exc).__name__)
+        why = (
+            "not UTF-8 text"
+            if isinstance(exc, UnicodeDecodeError)
+            else "its values or interpolations nest too deep"
+            if isinstance(exc, RecursionError)
+            else exc.strerror
+            if isinstance(exc, OSError) and exc.strerror
+            else type(exc).__name__
+        )
         raise ConfigError(f"cannot read {path}: {why}") from None
     if not isinstance(recipe, DictConfig):
         kind = "a list" if isinstance(recipe, ListConfig) else type(recipe).__name__
-        raise ConfigError(f"{path}: a recipe is a mapping of sections (task:, rollout:, train:, ...),"
-                          f" not {kind}")
+        raise ConfigError(f"{path}: a recipe is a mapping of sections (task:, rollout:, train:, ...), not {kind}")
     if not recipe:
-        raise ConfigError(f"{path} is empty: a recipe names at least its task (task: {{name: ...}}); "
-                          f"`flash ls` lists recipes to start from")
+        raise ConfigError(
+            f"{path} is empty: a recipe names at least its task (task: {{name: ...}}); "
+            f"`flash ls` lists recipes to start from"
+        )
     layer = OmegaConf.to_container(recipe)
     check_file(layer, str(path), allow_env)
     try:
@@ -178,14 +188,14 @@ def migrate(recipe: DictConfig, path: str | Path) -> DictConfig:
         return recipe
     old = train.pop("mixed_precision")
     if old not in OLD_PRECISION:
-        raise ConfigError(f"{path}: train.mixed_precision={old!r} is now model.dtype "
-                          f"(float32 | bfloat16 | float16)")
+        raise ConfigError(f"{path}: train.mixed_precision={old!r} is now model.dtype (float32 | bfloat16 | float16)")
     if not isinstance(recipe.get("model"), DictConfig):
         recipe["model"] = {}
     model = recipe["model"]
     if model.get("dtype", OLD_PRECISION[old]) != OLD_PRECISION[old]:
-        raise ConfigError(f"{path}: train.mixed_precision={old} and model.dtype={model.get('dtype')} disagree; "
-                          f"set model.dtype alone")
+        raise ConfigError(
+            f"{path}: train.mixed_precision={old} and model.dtype={model.get('dtype')} disagree; set model.dtype alone"
+        )
     if old != "fp32":
         model["dtype"] = OLD_PRECISION[old]
     return recipe
@@ -212,8 +222,10 @@ def recipe_chain(path: Path, allow_env: tuple[str, ...] = ()) -> list:
             return chain
         path = base_path(path, base)
         if path.resolve() in seen or len(seen) > MAX_BASES:
-            raise ConfigError(f"recipe bases go round or deeper than {MAX_BASES}: "
-                              f"{' -> '.join(str(p) for p in [*seen, path.resolve()])}")
+            raise ConfigError(
+                f"recipe bases go round or deeper than {MAX_BASES}: "
+                f"{' -> '.join(str(p) for p in [*seen, path.resolve()])}"
+            )
 
 
 RECIPE_SUFFIXES = (".yaml", ".yml")
@@ -230,8 +242,10 @@ def base_path(recipe: Path, base) -> Path:
         near = recipe.parent / Path(base).expanduser()
         return near if near.is_file() else resolve_recipe(base)
     if "/" in base or "\\" in base or Path(base).suffix:
-        raise ConfigError(f"{recipe}: base: {base!r} is neither a recipe's name (`flash ls`) nor a "
-                          f"{'/'.join(RECIPE_SUFFIXES)} recipe file")
+        raise ConfigError(
+            f"{recipe}: base: {base!r} is neither a recipe's name (`flash ls`) nor a "
+            f"{'/'.join(RECIPE_SUFFIXES)} recipe file"
+        )
     return resolve_recipe(base)
 
 
@@ -240,8 +254,9 @@ def check_base(recipe: DictConfig, path: Path) -> None:
     its keys are not)."""
     known = {f.name for f in fields(FlashConfig)} | {"base"}
     if not all(isinstance(k, str) and k in known for k in recipe):
-        raise ConfigError(f"base: {path} is not a recipe (its top-level keys are not flash's sections: "
-                          f"task, rollout, train, ...)")
+        raise ConfigError(
+            f"base: {path} is not a recipe (its top-level keys are not flash's sections: task, rollout, train, ...)"
+        )
 
 
 def validate(cfg: FlashConfig) -> None:
@@ -303,11 +318,20 @@ def base_differences(recipe_path: str | Path, cfg: FlashConfig, overrides: list[
     chain = recipe_chain(Path(recipe_path), split_allow_env(list(overrides))[0])
     if len(chain) < 2:
         return []
-    base = flat_settings(merge_layers([OmegaConf.to_container(OmegaConf.structured(FlashConfig)),
-                                       *(OmegaConf.to_container(c) for c in chain[:-1])]).settings)
+    base = flat_settings(
+        merge_layers(
+            [
+                OmegaConf.to_container(OmegaConf.structured(FlashConfig)),
+                *(OmegaConf.to_container(c) for c in chain[:-1]),
+            ]
+        ).settings
+    )
     mine = flat_settings(to_dict(cfg))
-    return [f"{k}: {base.get(k, '(unset)')!r} -> {mine.get(k, '(unset)')!r}"
-            for k in sorted(set(base) | set(mine)) if base.get(k, "(unset)") != mine.get(k, "(unset)")]
+    return [
+        f"{k}: {base.get(k, '(unset)')!r} -> {mine.get(k, '(unset)')!r}"
+        for k in sorted(set(base) | set(mine))
+        if base.get(k, "(unset)") != mine.get(k, "(unset)")
+    ]
 
 
 def flat_settings(d: dict, prefix: str = "") -> dict:

@@ -61,8 +61,9 @@ def validate(cfg: FlashConfig) -> None:
     _check_ranges(cfg)
     _check_updates(cfg)
     _check_model_update(cfg.model_update)
-    _check_plugin_section("algo.loss", cfg.algo.loss,
-                          lambda name, knobs: algos.validate_loss(name, knobs, agg=cfg.algo.agg))
+    _check_plugin_section(
+        "algo.loss", cfg.algo.loss, lambda name, knobs: algos.validate_loss(name, knobs, agg=cfg.algo.agg)
+    )
     _check_plugin_section("algo.advantage", cfg.algo.advantage, algos.validate_advantage)
     _check_corrections(cfg)
     _check_task(cfg.task, task_class)
@@ -93,18 +94,25 @@ def _check_engine_and_backend(cfg: FlashConfig) -> None:
     from flash.sim.config import check_sim
 
     engine, backend = cfg.rollout.engine, cfg.train.backend
-    require((engine == "sim") == (backend == "sim"),
-             f"rollout.engine={engine} with train.backend={backend}: simulated roles run together; set both "
-             f"to sim, or neither")
+    require(
+        (engine == "sim") == (backend == "sim"),
+        f"rollout.engine={engine} with train.backend={backend}: simulated roles run together; set both "
+        f"to sim, or neither",
+    )
     if backend == "sim":
         require(check_sim(cfg.sim) is None, str(check_sim(cfg.sim)))
-        require(group_free(cfg.train) and not cfg.train.activation_checkpointing,
-                 "train.backend=sim simulates its GPUs with sim.train_gpus; leave "
-                 "train.workers, micro_tokens and activation_checkpointing unset")
+        require(
+            group_free(cfg.train) and not cfg.train.activation_checkpointing,
+            "train.backend=sim simulates its GPUs with sim.train_gpus; leave "
+            "train.workers, micro_tokens and activation_checkpointing unset",
+        )
     else:
         unread = sim_settings_set(cfg.sim)
-        require(not unread, f"{', '.join(f'sim.{k}' for k in unread)}: read only by simulated roles "
-                             f"(rollout.engine: sim and train.backend: sim); drop them, or set both to sim")
+        require(
+            not unread,
+            f"{', '.join(f'sim.{k}' for k in unread)}: read only by simulated roles "
+            f"(rollout.engine: sim and train.backend: sim); drop them, or set both to sim",
+        )
 
 
 def sim_settings_set(sim) -> list[str]:
@@ -129,17 +137,23 @@ def _check_placement(cfg: FlashConfig) -> None:
     check_runnable(plan)
     check_engine_devices(plan, cfg.rollout.engine)
     ranks = cfg.placement.roles.actor_train.num_workers
-    require(ranks == cfg.train.workers,
-             f"train.workers={cfg.train.workers} but placement.roles.actor_train.num_workers={ranks}: the "
-             f"trainer group runs one rank per actor_train worker; set both to the same count (or only one "
-             f"of them, the other follows)")
-    require(not (cfg.train.stream and plan.colocated("actor_infer", "actor_train")),
-             "train.stream trains while the engines generate, but placement colocates actor_train and "
-             "actor_infer (their engines sleep while training); give them disjoint devices or set "
-             "train.stream: false")
-    require(not plan.workers["reference"] or algos.kl_coef(cfg.algo.loss) != 0.0,
-             "placement.roles.reference places the frozen reference policy, but no loss reads it "
-             "(algo.loss.kl_coef is 0); set algo.loss.kl_coef > 0 or placement.roles.reference.num_workers: 0")
+    require(
+        ranks == cfg.train.workers,
+        f"train.workers={cfg.train.workers} but placement.roles.actor_train.num_workers={ranks}: the "
+        f"trainer group runs one rank per actor_train worker; set both to the same count (or only one "
+        f"of them, the other follows)",
+    )
+    require(
+        not (cfg.train.stream and plan.colocated("actor_infer", "actor_train")),
+        "train.stream trains while the engines generate, but placement colocates actor_train and "
+        "actor_infer (their engines sleep while training); give them disjoint devices or set "
+        "train.stream: false",
+    )
+    require(
+        not plan.workers["reference"] or algos.kl_coef(cfg.algo.loss) != 0.0,
+        "placement.roles.reference places the frozen reference policy, but no loss reads it "
+        "(algo.loss.kl_coef is 0); set algo.loss.kl_coef > 0 or placement.roles.reference.num_workers: 0",
+    )
 
 
 def _check_updates(cfg: FlashConfig) -> None:
@@ -147,18 +161,28 @@ def _check_updates(cfg: FlashConfig) -> None:
     t, rows = cfg.train, cfg.train.prompts_per_step * cfg.rollout.n
     for key in ("mini_batches", "update_epochs"):
         require(getattr(t, key) >= 1, f"train.{key} must be an integer >= 1, got {getattr(t, key)}")
-    require(t.mini_batches <= rows, f"train.mini_batches={t.mini_batches} exceeds the batch's rows "
-             f"(train.prompts_per_step × rollout.n = {rows}): a mini-batch would be empty")
+    require(
+        t.mini_batches <= rows,
+        f"train.mini_batches={t.mini_batches} exceeds the batch's rows "
+        f"(train.prompts_per_step × rollout.n = {rows}): a mini-batch would be empty",
+    )
     require(t.warmup_steps >= 0, f"train.warmup_steps must be >= 0 (optimizer steps), got {t.warmup_steps}")
-    require(t.entropy_every_steps >= 0, "train.entropy_every_steps must be >= 0 (0: never log the entropy), "
-             f"got {t.entropy_every_steps}")
+    require(
+        t.entropy_every_steps >= 0,
+        f"train.entropy_every_steps must be >= 0 (0: never log the entropy), got {t.entropy_every_steps}",
+    )
     require(0.0 <= t.min_lr_ratio <= 1.0, f"train.min_lr_ratio must be in [0, 1], got {t.min_lr_ratio}")
-    require(t.min_lr_ratio == 0.0 or t.lr_schedule == "cosine", "train.min_lr_ratio is the cosine "
-             "schedule's floor but train.lr_schedule is 'constant' (it would be unused); set "
-             "train.lr_schedule: cosine or remove it")
-    require(not cfg.algo.measure_prox_error or prox_mode(cfg.algo.recompute_prox, cfg.async_ratio) == "approx",
-             "algo.measure_prox_error measures the approximate proximal policy; set "
-             "algo.recompute_prox: approx or remove it")
+    require(
+        t.min_lr_ratio == 0.0 or t.lr_schedule == "cosine",
+        "train.min_lr_ratio is the cosine "
+        "schedule's floor but train.lr_schedule is 'constant' (it would be unused); set "
+        "train.lr_schedule: cosine or remove it",
+    )
+    require(
+        not cfg.algo.measure_prox_error or prox_mode(cfg.algo.recompute_prox, cfg.async_ratio) == "approx",
+        "algo.measure_prox_error measures the approximate proximal policy; set "
+        "algo.recompute_prox: approx or remove it",
+    )
 
 
 def _check_optimizers(cfg: FlashConfig) -> None:
@@ -167,8 +191,9 @@ def _check_optimizers(cfg: FlashConfig) -> None:
     or no step at all), a negative lr ascends, a negative weight_decay inflates the weights."""
     for section in ("train", "critic", "sft"):
         opt = getattr(cfg, section)
-        require(opt.grad_clip > 0, f"{section}.grad_clip must be > 0 (the largest gradient norm kept), "
-                 f"got {opt.grad_clip}")
+        require(
+            opt.grad_clip > 0, f"{section}.grad_clip must be > 0 (the largest gradient norm kept), got {opt.grad_clip}"
+        )
         require(opt.lr > 0, f"{section}.lr must be > 0, got {opt.lr}")
         require(opt.weight_decay >= 0, f"{section}.weight_decay must be >= 0 (0: none), got {opt.weight_decay}")
 
@@ -178,13 +203,26 @@ SEED_MAX = 2**32 - 1  # numpy's generators refuse a negative seed, torch's one o
 # (a negative seed or zero max_num_seqs fails only inside a role, after the run started; a negative
 # eval.every_steps evaluated every |k| steps)
 RANGES = (
-    ("seed", 0, SEED_MAX), ("model.tiny.seed", 0, SEED_MAX), ("sft.seed", 0, SEED_MAX), ("sft.eval_seed", 0, SEED_MAX),
-    ("rollout.max_num_seqs", 1, None), ("rollout.max_num_batched_tokens", 0, None),
-    ("sft.steps", 0, None), ("sft.batch_size", 1, None),
-    ("sft.pool_batches", 1, None), ("sft.warmup_steps", 0, None), ("sft.min_lr_ratio", 0, 1),
-    ("sft.first_index", 0, None), ("sft.eval_temperature", 0, None), ("critic.micro_batch_size", 1, None),
-    ("eval.every_steps", 0, None), ("eval.temperature", 0, None), ("eval.max_new_tokens", 0, None),
-    ("tracking.console_every", 0, None), ("tracking.heartbeat_s", 0, None), ("tracking.log_samples", 0, None),
+    ("seed", 0, SEED_MAX),
+    ("model.tiny.seed", 0, SEED_MAX),
+    ("sft.seed", 0, SEED_MAX),
+    ("sft.eval_seed", 0, SEED_MAX),
+    ("rollout.max_num_seqs", 1, None),
+    ("rollout.max_num_batched_tokens", 0, None),
+    ("sft.steps", 0, None),
+    ("sft.batch_size", 1, None),
+    ("sft.pool_batches", 1, None),
+    ("sft.warmup_steps", 0, None),
+    ("sft.min_lr_ratio", 0, 1),
+    ("sft.first_index", 0, None),
+    ("sft.eval_temperature", 0, None),
+    ("critic.micro_batch_size", 1, None),
+    ("eval.every_steps", 0, None),
+    ("eval.temperature", 0, None),
+    ("eval.max_new_tokens", 0, None),
+    ("tracking.console_every", 0, None),
+    ("tracking.heartbeat_s", 0, None),
+    ("tracking.log_samples", 0, None),
 )
 
 
@@ -193,8 +231,10 @@ def _check_ranges(cfg: FlashConfig) -> None:
         value = cfg
         for part in key.split("."):
             value = getattr(value, part)
-        require(low <= value and (high is None or value <= high),
-                 f"{key} must be " + (f"in [{low}, {high}]" if high is not None else f">= {low}") + f", got {value}")
+        require(
+            low <= value and (high is None or value <= high),
+            f"{key} must be " + (f"in [{low}, {high}]" if high is not None else f">= {low}") + f", got {value}",
+        )
 
 
 STREAM_ESTIMATORS = ("grpo", "dr_grpo", "rloo")  # advantages of a group need only that group
@@ -215,16 +255,28 @@ def _check_resources(cfg: FlashConfig) -> None:
 def _check_stream(cfg: FlashConfig) -> None:
     if not cfg.train.stream:
         return
-    require(cfg.async_ratio == 0, "train.stream trains the synchronous batch as it arrives: it needs "
-             f"async_ratio: 0 (got {cfg.async_ratio}); with async_ratio > 0 set train.stream: false")
+    require(
+        cfg.async_ratio == 0,
+        "train.stream trains the synchronous batch as it arrives: it needs "
+        f"async_ratio: 0 (got {cfg.async_ratio}); with async_ratio > 0 set train.stream: false",
+    )
     adv = dict(cfg.algo.advantage)
-    require(adv.get("name") in STREAM_ESTIMATORS and not adv.get("whiten"),
-             f"train.stream needs a group-local advantage estimator ({', '.join(STREAM_ESTIMATORS)}, "
-             f"whiten off): '{adv.get('name')}' normalises over the whole batch")
-    require(prox_mode(cfg.algo.recompute_prox, cfg.async_ratio) == "behav", "train.stream uses the behaviour logprobs "
-             "as the proximal policy (exact at async_ratio 0); set algo.recompute_prox: auto")
-    require(cfg.train.mini_batches * cfg.train.update_epochs == 1, "train.stream takes one optimizer step "
-             "per batch as its groups arrive; set train.mini_batches: 1 and train.update_epochs: 1")
+    require(
+        adv.get("name") in STREAM_ESTIMATORS and not adv.get("whiten"),
+        f"train.stream needs a group-local advantage estimator ({', '.join(STREAM_ESTIMATORS)}, "
+        f"whiten off): '{adv.get('name')}' normalises over the whole batch",
+    )
+    require(
+        prox_mode(cfg.algo.recompute_prox, cfg.async_ratio) == "behav",
+        "train.stream uses the behaviour logprobs "
+        "as the proximal policy (exact at async_ratio 0); set algo.recompute_prox: auto",
+    )
+    require(
+        cfg.train.mini_batches * cfg.train.update_epochs == 1,
+        "train.stream takes one optimizer step "
+        "per batch as its groups arrive; set train.mini_batches: 1 and train.update_epochs: 1",
+    )
+
 
 def _check_model_update(mu: ModelUpdateConfig) -> None:
     require(mu.bucket_mb > 0, f"model_update.bucket_mb must be > 0, got {mu.bucket_mb}")
@@ -232,20 +284,28 @@ def _check_model_update(mu: ModelUpdateConfig) -> None:
 
 
 def _check_lifecycle(rollout: RolloutConfig) -> None:
-    require(rollout.redundancy >= 0, f"rollout.redundancy must be >= 0 (extra requests per prompt), "
-             f"got {rollout.redundancy}")
-    require(rollout.max_additional_prompts >= 0,
-             f"rollout.max_additional_prompts must be >= 0, got {rollout.max_additional_prompts}")
-    require(rollout.max_additional_prompts == 0 or rollout.filter.enabled,
-             "rollout.max_additional_prompts only refills filtered groups; set a rollout.filter rule "
-             "(all_same_reward, min_reward_std, max_response_len) or set it to 0")
+    require(
+        rollout.redundancy >= 0,
+        f"rollout.redundancy must be >= 0 (extra requests per prompt), got {rollout.redundancy}",
+    )
+    require(
+        rollout.max_additional_prompts >= 0,
+        f"rollout.max_additional_prompts must be >= 0, got {rollout.max_additional_prompts}",
+    )
+    require(
+        rollout.max_additional_prompts == 0 or rollout.filter.enabled,
+        "rollout.max_additional_prompts only refills filtered groups; set a rollout.filter rule "
+        "(all_same_reward, min_reward_std, max_response_len) or set it to 0",
+    )
     problem = check_filter(rollout.filter, rollout.n, rollout.max_new_tokens)
     require(problem is None, problem or "")
     problem = check_tail(rollout.tail_batching, rollout.max_new_tokens)
     require(problem is None, problem or "")
-    require(rollout.scheduler == "tail_batching" or rollout.tail_batching == TailConfig(),
-             "rollout.tail_batching.* is set but rollout.scheduler is 'plain' (the knobs would be unused); "
-             "set rollout.scheduler: tail_batching or remove them")
+    require(
+        rollout.scheduler == "tail_batching" or rollout.tail_batching == TailConfig(),
+        "rollout.tail_batching.* is set but rollout.scheduler is 'plain' (the knobs would be unused); "
+        "set rollout.scheduler: tail_batching or remove them",
+    )
 
 
 def _check_plugin_section(where: str, section: dict, validator) -> None:
@@ -266,8 +326,9 @@ def _check_corrections(cfg: FlashConfig) -> None:
     try:
         algos.validate_corrections(list(cfg.algo.corrections))
     except ValueError as exc:
-        raise ConfigError(f"algo.corrections{exc}" if str(exc).startswith("[") else
-                          f"algo.corrections: {exc}") from None
+        raise ConfigError(
+            f"algo.corrections{exc}" if str(exc).startswith("[") else f"algo.corrections: {exc}"
+        ) from None
     problem = noop_problem(cfg)
     require(problem is None, problem or "")
 
@@ -284,12 +345,14 @@ def noop_problem(cfg: FlashConfig) -> str | None:
 
     loss = dict(cfg.algo.loss)
     name = loss.pop("name")
-    where = dict(prox_source=prox_mode(cfg.algo.recompute_prox, cfg.async_ratio),
-                 mode=cfg.algo.recompute_prox, async_ratio=cfg.async_ratio,
-                 steps_per_batch=steps_per_batch(cfg.train))
+    where = dict(
+        prox_source=prox_mode(cfg.algo.recompute_prox, cfg.async_ratio),
+        mode=cfg.algo.recompute_prox,
+        async_ratio=cfg.async_ratio,
+        steps_per_batch=steps_per_batch(cfg.train),
+    )
     checks = [(f"algo.loss '{name}'", r, False) for r in algos.loss_ratios(name, loss) or ()]
-    checks += [(f"algo.corrections '{c['name']}'", algos.corrections.RATIO, True)
-               for c in cfg.algo.corrections]
+    checks += [(f"algo.corrections '{c['name']}'", algos.corrections.RATIO, True) for c in cfg.algo.corrections]
     for who, ratio, explicit in checks:
         problem = algos.ratio_problem(who, ratio, explicit=explicit, **where)
         if problem:

@@ -15,8 +15,20 @@ from __future__ import annotations
 from flash.algos.registry import did_you_mean
 from flash.errors import ConfigError
 
-DATA_OPTIONS = ("train", "eval", "holdout", "prompt_key", "answer_key", "system_prompt", "template",
-                "reward_key", "reward", "rewards", "sft_key", "shuffle")
+DATA_OPTIONS = (
+    "train",
+    "eval",
+    "holdout",
+    "prompt_key",
+    "answer_key",
+    "system_prompt",
+    "template",
+    "reward_key",
+    "reward",
+    "rewards",
+    "sft_key",
+    "shuffle",
+)
 
 
 def uses_dataset(cfg) -> bool:
@@ -74,8 +86,10 @@ def check_data(cfg) -> None:
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
     if not (cfg.model.path or cfg.model.gguf) and cfg.sft.steps > 0 and not d.sft_key:
-        raise ConfigError("the tiny model warm-starts from demonstrations: set data.sft_key to a column "
-                          "holding them, or start from a model with model.path (or sft.steps=0)")
+        raise ConfigError(
+            "the tiny model warm-starts from demonstrations: set data.sft_key to a column "
+            "holding them, or start from a model with model.path (or sft.steps=0)"
+        )
     _check_data_rewards(d)
     task = build_task(cfg)
     _check_columns(cfg, task.columns("train"), d.train[0])
@@ -89,8 +103,10 @@ def _check_data_rewards(d) -> None:
     from flash.rewards.registry import validate_reward
 
     if d.rewards and d.reward_key is None and d.reward not in d.rewards:
-        raise ConfigError("data.rewards lists the rewards a data.reward_key column may name: set data.reward_key "
-                          "to that column, or drop data.rewards")
+        raise ConfigError(
+            "data.rewards lists the rewards a data.reward_key column may name: set data.reward_key "
+            "to that column, or drop data.rewards"
+        )
     named = {f"data.rewards.{name}": target for name, target in d.rewards.items()}
     if d.reward not in d.rewards:
         named["data.reward"] = d.reward
@@ -105,16 +121,21 @@ def _check_columns(cfg, columns: list[str], where: str, needs_sft: bool = True) 
     from flash.data.rows import template_fields
 
     d = cfg.data
-    named = {"data.answer_key": d.answer_key, "data.reward_key": d.reward_key,
-             "data.sft_key": d.sft_key if needs_sft else None}
+    named = {
+        "data.answer_key": d.answer_key,
+        "data.reward_key": d.reward_key,
+        "data.sft_key": d.sft_key if needs_sft else None,
+    }
     if d.template:
         named.update({f"data.template field {{{f}}}": f for f in template_fields(d.template)})
     else:
         named["data.prompt_key"] = d.prompt_key
     for key, column in named.items():
         if column is not None and column not in columns:
-            raise ConfigError(f"{key}: {where} has no column {column!r}{did_you_mean(column, columns, n=1)} "
-                              f"(columns: {', '.join(columns)})")
+            raise ConfigError(
+                f"{key}: {where} has no column {column!r}{did_you_mean(column, columns, n=1)} "
+                f"(columns: {', '.join(columns)})"
+            )
 
 
 def check_prompt_format(cfg, task, tokenizer) -> None:
@@ -128,8 +149,10 @@ def check_prompt_format(cfg, task, tokenizer) -> None:
     if not uses_dataset(cfg):
         return
     if not (tokenizer.chat_template or is_tiny_tokenizer(tokenizer) or cfg.data.template):
-        raise ConfigError("the tokenizer has no chat template and data.template is unset: set "
-                          "data.template (e.g. 'Question: {question}\\nAnswer:') or model.chat_template")
+        raise ConfigError(
+            "the tokenizer has no chat template and data.template is unset: set "
+            "data.template (e.g. 'Question: {question}\\nAnswer:') or model.chat_template"
+        )
     for index in range(min(task.rows_per_epoch, 16)):  # the first good row shows the format works
         try:
             item = task.item(index)

@@ -63,8 +63,12 @@ def scan(task, tokenizer, max_prompt_tokens: int, rows: int, scorer=None) -> dic
     from flash.models import encode_prompt
 
     rejects: list[tuple[int, str]] = []
-    guard = InputGuard(max_prompt_tokens=max_prompt_tokens, max_consecutive=1, warn=lambda _: None,
-                       on_reject=lambda index, why: rejects.append((index, why)))
+    guard = InputGuard(
+        max_prompt_tokens=max_prompt_tokens,
+        max_consecutive=1,
+        warn=lambda _: None,
+        on_reject=lambda index, why: rejects.append((index, why)),
+    )
     kept, end = [], min(rows, getattr(task, "rows_per_epoch", rows))
     for index in range(end):
         try:
@@ -183,8 +187,9 @@ def _arrow_table(ds_module, records: list[dict]):
         pass
     mixed = [k for k in records[0] if not _one_arrow_type(ds_module, [r.get(k) for r in records])]
     if mixed:
-        log.warning("flash: column(s) %s mix types Arrow cannot hold in one column; written as JSON text",
-                    ", ".join(mixed))
+        log.warning(
+            "flash: column(s) %s mix types Arrow cannot hold in one column; written as JSON text", ", ".join(mixed)
+        )
     return ds_module.Dataset.from_list([r | {k: json.dumps(r.get(k)) for k in mixed} for r in records])
 
 

@@ -40,9 +40,11 @@ def length_warning(what: str, lengths: list[int], cap: int) -> str | None:
     over = [n for n in lengths if n > cap]
     if not over:
         return None
-    return (f"{len(over)} of {len(lengths)} {what} are longer than rollout.max_new_tokens={cap} (longest "
-            f"{max(over)} tokens): responses like them are cut at {cap} tokens and score 0; set "
-            f"rollout.max_new_tokens={max(over)} or shorten them")
+    return (
+        f"{len(over)} of {len(lengths)} {what} are longer than rollout.max_new_tokens={cap} (longest "
+        f"{max(over)} tokens): responses like them are cut at {cap} tokens and score 0; set "
+        f"rollout.max_new_tokens={max(over)} or shorten them"
+    )
 
 
 def dropped_warning(scanned: int, kept: int, rejects: list[tuple[int, str]]) -> str | None:
@@ -50,8 +52,10 @@ def dropped_warning(scanned: int, kept: int, rejects: list[tuple[int, str]]) -> 
     if scanned == 0 or kept > 0 or not rejects:
         return None
     rows = "; ".join(f"row {i}: {why[:120]}" for i, why in rejects[:SHOW_ROWS])
-    return (f"every one of the first {scanned} rows is dropped ({rows}): the run would have no prompt; "
-            f"fix the rows or the data.* keys naming their columns (flash data RECIPE shows them)")
+    return (
+        f"every one of the first {scanned} rows is dropped ({rows}): the run would have no prompt; "
+        f"fix the rows or the data.* keys naming their columns (flash data RECIPE shows them)"
+    )
 
 
 def reward_name_warning(scanned: int, rejects: list[tuple[int, str]]) -> str | None:
@@ -61,8 +65,10 @@ def reward_name_warning(scanned: int, rejects: list[tuple[int, str]]) -> str | N
     if not bad:
         return None
     index, why = bad[0]
-    return (f"{len(bad)} of the first {scanned} rows name a reward the recipe does not allow and would be skipped "
-            f"(data/skipped_bad_reward_name), never trained; data index {index}: {why.split(': ', 2)[-1][:300]}")
+    return (
+        f"{len(bad)} of the first {scanned} rows name a reward the recipe does not allow and would be skipped "
+        f"(data/skipped_bad_reward_name), never trained; data index {index}: {why.split(': ', 2)[-1][:300]}"
+    )
 
 
 def reference_warning(scores: list[float | str]) -> str | None:
@@ -71,9 +77,11 @@ def reference_warning(scores: list[float | str]) -> str | None:
         return None
     errors = [s for s in scores if isinstance(s, str)]
     how = f"; e.g. {errors[0]}" if errors else ""
-    return (f"the reward scores every one of {len(scores)} references 0 when the reference itself is the "
-            f"response{how}: nothing can earn a reward; check data.answer_key / data.reward (or reward.fn) "
-            f"against the answer format")
+    return (
+        f"the reward scores every one of {len(scores)} references 0 when the reference itself is the "
+        f"response{how}: nothing can earn a reward; check data.answer_key / data.reward (or reward.fn) "
+        f"against the answer format"
+    )
 
 
 def run_scorer(cfg, task) -> Callable[[Any, str], Any] | None:
@@ -121,8 +129,11 @@ def data_warnings(cfg, task, tokenizer, scan: dict, scorer) -> list[str]:
     lines = [dropped_warning(scan["scanned"], len(items), rejects), reward_name_warning(scan["scanned"], rejects)]
     demos = demonstrations(cfg, task, items)
     refs = [item.answer for item in items if isinstance(item.answer, str)]
-    kinds = [("demonstrations (the references)", demos)] if demos == refs else \
-        [("demonstrations", demos), ("references", refs)]
+    kinds = (
+        [("demonstrations (the references)", demos)]
+        if demos == refs
+        else [("demonstrations", demos), ("references", refs)]
+    )
     for what, texts in kinds:
         lengths = [n for n in (token_count(tokenizer, t) for t in texts) if n is not None]
         lines.append(length_warning(what, lengths, cap))

@@ -82,13 +82,22 @@ def _set_task(cfg, name: str, spec):
         for f in files:
             check_path(str(f), f"eval.sets.{name}")
         options = {k: getattr(cfg.data, k) for k in DATA_OPTIONS if k not in ("train", "eval", "holdout")}
-        return make_task("dataset", **{**options, "train": files, "eval": (), "holdout": 0, "shuffle": False,
-                                       "sft_key": None, "seed": cfg.seed})
+        return make_task(
+            "dataset",
+            **{
+                **options,
+                "train": files,
+                "eval": (),
+                "holdout": 0,
+                "shuffle": False,
+                "sft_key": None,
+                "seed": cfg.seed,
+            },
+        )
     if isinstance(spec, dict) and isinstance(spec.get("task"), str):
         options = {k: v for k, v in spec.items() if k != "task"}
         return make_task(spec["task"], **options)
-    raise ConfigError(f"eval.sets.{name} must be a file, a list of files, or {{task: NAME, ...options}}; "
-                      f"got {spec!r}")
+    raise ConfigError(f"eval.sets.{name} must be a file, a list of files, or {{task: NAME, ...options}}; got {spec!r}")
 
 
 def build_eval_sets(cfg, task=None) -> list[EvalSet]:
@@ -145,9 +154,11 @@ def set_metrics(name: str, rewards: list[list[float]], lengths: list[int]) -> di
     """Metrics of one set from each prompt's ``n`` rewards (see the module docstring)."""
     n = len(rewards[0])
     solved = [sum(r >= 1.0 for r in row) for row in rewards]
-    out = {f"eval/{name}/mean@{n}": sum(solved) / (n * len(rewards)),
-           f"eval/{name}/reward_mean": sum(map(sum, rewards)) / (n * len(rewards)),
-           f"eval/{name}/response_tokens": sum(lengths) / max(1, len(lengths))}
+    out = {
+        f"eval/{name}/mean@{n}": sum(solved) / (n * len(rewards)),
+        f"eval/{name}/reward_mean": sum(map(sum, rewards)) / (n * len(rewards)),
+        f"eval/{name}/response_tokens": sum(lengths) / max(1, len(lengths)),
+    }
     for k in ks(n):
         out[f"eval/{name}/pass@{k}"] = sum(pass_at_k(n, c, k) for c in solved) / len(solved)
     return out
@@ -169,8 +180,11 @@ def headline(metrics: dict[str, float], sets: list[EvalSet], n: int) -> float | 
 def set_figures(metrics: dict[str, float], n: int) -> str:
     """``'eval mean@4 0.175 pass@4 0.312, dev mean@4 ...'``: each set's mean@n and pass@n."""
     names = dict.fromkeys(k.split("/")[1] for k in metrics if k.startswith("eval/") and k.count("/") == 2)
-    return ", ".join(f"{s} mean@{n} {metrics[f'eval/{s}/mean@{n}']:.3f} pass@{n} {metrics[f'eval/{s}/pass@{n}']:.3f}"
-                     for s in names if f"eval/{s}/mean@{n}" in metrics)
+    return ", ".join(
+        f"{s} mean@{n} {metrics[f'eval/{s}/mean@{n}']:.3f} pass@{n} {metrics[f'eval/{s}/pass@{n}']:.3f}"
+        for s in names
+        if f"eval/{s}/mean@{n}" in metrics
+    )
 
 
 class EvalCount:
@@ -197,8 +211,9 @@ class EvalCount:
 
     def scored(self, done: int) -> None:
         if self.on_progress is not None:
-            self.on_progress(scoring_note(self.before + self.of, self.total, done, self.of,
-                                          time.monotonic() - self.scoring_start))
+            self.on_progress(
+                scoring_note(self.before + self.of, self.total, done, self.of, time.monotonic() - self.scoring_start)
+            )
 
 
 def _rescored(reward, items: list, texts: list[str], count: EvalCount, every_s: float = 1.0) -> list[float]:
@@ -214,9 +229,19 @@ def _rescored(reward, items: list, texts: list[str], count: EvalCount, every_s: 
     return out
 
 
-def evaluate_sets(scheduler, sets: list[EvalSet], params, n: int, seed: int, run_dir: Path, step: int,
-                  decode: Callable[[list[int]], str], *, decode_prompt: Callable[[list[int]], str],
-                  on_progress: Callable[[str], None] | None = None) -> dict[str, float]:
+def evaluate_sets(
+    scheduler,
+    sets: list[EvalSet],
+    params,
+    n: int,
+    seed: int,
+    run_dir: Path,
+    step: int,
+    decode: Callable[[list[int]], str],
+    *,
+    decode_prompt: Callable[[list[int]], str],
+    on_progress: Callable[[str], None] | None = None,
+) -> dict[str, float]:
     """Sample every set's prompts ``n`` times, score, write the generations; the metrics.
 
     ``decode`` reads a response (cut at its end of sequence), ``decode_prompt`` a whole prompt (a
@@ -228,16 +253,32 @@ def evaluate_sets(scheduler, sets: list[EvalSet], params, n: int, seed: int, run
     for s in sets:
         items = [item for item in s.items for _ in range(n)]
         count.next_set(len(items))
-        samples = scheduler.evaluate_samples(items, params, tag=s.name, seed=seed, on_progress=count.generated,
-                                             on_scored=count.scored)
+        samples = scheduler.evaluate_samples(
+            items, params, tag=s.name, seed=seed, on_progress=count.generated, on_scored=count.scored
+        )
         texts = [decode(x.response_ids) for x in samples]
         rewards = _rescored(s.rescore, items, texts, count) if s.rescore else [x.reward for x in samples]
-        metrics.update(set_metrics(s.name, [rewards[i:i + n] for i in range(0, len(rewards), n)],
-                                   [len(x.response_ids) for x in samples]))
+        metrics.update(
+            set_metrics(
+                s.name, [rewards[i : i + n] for i in range(0, len(rewards), n)], [len(x.response_ids) for x in samples]
+            )
+        )
         out = run_subdir(run_dir, "eval", s.name)
         with open_run_file(out / f"step-{step}.jsonl", "w") as f:
             for i, (item, x, text, r) in enumerate(zip(items, samples, texts, rewards)):
-                f.write(json.dumps({"item": i // n, "sample": i % n, "prompt": decode_prompt(list(x.prompt_ids)),
-                                    "response": text, "answer": getattr(item, "answer", None), "reward": r,
-                                    "finish_reason": x.finish_reason, "tokens": len(x.response_ids)}) + "\n")
+                f.write(
+                    json.dumps(
+                        {
+                            "item": i // n,
+                            "sample": i % n,
+                            "prompt": decode_prompt(list(x.prompt_ids)),
+                            "response": text,
+                            "answer": getattr(item, "answer", None),
+                            "reward": r,
+                            "finish_reason": x.finish_reason,
+                            "tokens": len(x.response_ids),
+                        }
+                    )
+                    + "\n"
+                )
     return metrics

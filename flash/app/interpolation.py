@@ -54,8 +54,7 @@ def split_allow_env(overrides: list[str]) -> tuple[tuple[str, ...], list[str]]:
         names += [n.strip().strip("'\"") for n in value.strip().strip("[]").split(",") if n.strip()]
     bad = [n for n in names if not re.fullmatch(ENV_NAME, n)]
     if bad:
-        raise ConfigError(f"{ALLOW_ENV}: {bad[0]!r} is not an environment variable's name "
-                          f"(allow_env=[VAR,...])")
+        raise ConfigError(f"{ALLOW_ENV}: {bad[0]!r} is not an environment variable's name (allow_env=[VAR,...])")
     return tuple(dict.fromkeys(names)), rest
 
 
@@ -65,16 +64,21 @@ def check_file(layer: dict, where: str, allow_env: tuple[str, ...] = ()) -> None
     needs; ``allow_env`` itself is the command line's to give, never a file's, and so is trusting a
     checkpoint (``trust_checkpoint``: a recipe or run dir may not vouch for its own checkpoints)."""
     if ALLOW_ENV in layer:
-        raise ConfigError(f"{where}: {ALLOW_ENV} is the command line's to give, not a file's: remove it and "
-                          f"pass {ALLOW_ENV}=[VAR,...] after the recipe")
+        raise ConfigError(
+            f"{where}: {ALLOW_ENV} is the command line's to give, not a file's: remove it and "
+            f"pass {ALLOW_ENV}=[VAR,...] after the recipe"
+        )
     if layer.get(TRUST) not in (None, False):
-        raise ConfigError(f"{where}: {TRUST} is the command line's to give, not a file's: remove it and "
-                          f"pass {TRUST}=true after the recipe if you trust the checkpoint")
+        raise ConfigError(
+            f"{where}: {TRUST} is the command line's to give, not a file's: remove it and "
+            f"pass {TRUST}=true after the recipe if you trust the checkpoint"
+        )
     texts = [(key, text) for key, text in strings(layer) if "${" in text]
     count = sum(text.count("${") for _, text in texts)
     if count > MAX_INTERPOLATIONS:
-        raise ConfigError(f"{where}: {count} interpolations, more than a config holds ({MAX_INTERPOLATIONS}); "
-                          f"write the values out")
+        raise ConfigError(
+            f"{where}: {count} interpolations, more than a config holds ({MAX_INTERPOLATIONS}); write the values out"
+        )
     for key, text in texts:
         for name, arg in resolver_uses(_parsed(text, f"{where}: {key}")):
             _check_use(name, arg, f"{where}: {key}", allow_env)
@@ -82,16 +86,22 @@ def check_file(layer: dict, where: str, allow_env: tuple[str, ...] = ()) -> None
 
 def _check_use(name: str, arg: str, where: str, allow_env: tuple[str, ...]) -> None:
     if name not in FILE_RESOLVERS:
-        raise ConfigError(f"{where} uses the resolver {name}, which a recipe file may not (it may read the "
-                          f"environment, files or code); set that key on the command line instead")
+        raise ConfigError(
+            f"{where} uses the resolver {name}, which a recipe file may not (it may read the "
+            f"environment, files or code); set that key on the command line instead"
+        )
     if name != "oc.env":
         return
     if not re.fullmatch(ENV_NAME, arg):
-        raise ConfigError(f"{where}: oc.env names its variable by {arg!r}, not a plain name; a recipe file "
-                          f"names the variable it reads, so that allow_env=[VAR] can allow it")
+        raise ConfigError(
+            f"{where}: oc.env names its variable by {arg!r}, not a plain name; a recipe file "
+            f"names the variable it reads, so that allow_env=[VAR] can allow it"
+        )
     if arg not in allow_env:
-        raise ConfigError(f"{where} reads the environment variable {arg} (oc.env), which the command line does "
-                          f"not allow: pass {ALLOW_ENV}=[{arg}] to allow it, or set that key on the command line")
+        raise ConfigError(
+            f"{where} reads the environment variable {arg} (oc.env), which the command line does "
+            f"not allow: pass {ALLOW_ENV}=[{arg}] to allow it, or set that key on the command line"
+        )
 
 
 def strings(node: Any, prefix: str = "") -> Iterator[tuple[str, str]]:
@@ -175,7 +185,7 @@ class _Resolution:
         for i, part in enumerate(path):
             if not resolved and _interpolated(obj):
                 obj, resolved = self.node(path[:i]), True
-            obj = _child(obj, part, path[:i + 1])
+            obj = _child(obj, part, path[: i + 1])
         return obj, resolved
 
     def _value(self, raw: Any, path: tuple) -> Any:
@@ -188,18 +198,22 @@ class _Resolution:
         else:
             return raw
         if self.size(out) > (MAX_CHARS if isinstance(out, str) else MAX_TOTAL_CHARS):
-            raise ConfigError(f"'{_key(path)}': interpolations there build a value of {self.size(out)} characters, "
-                              f"more than a config holds ({MAX_CHARS} a value, {MAX_TOTAL_CHARS} in all); refer to "
-                              f"fewer values")
+            raise ConfigError(
+                f"'{_key(path)}': interpolations there build a value of {self.size(out)} characters, "
+                f"more than a config holds ({MAX_CHARS} a value, {MAX_TOTAL_CHARS} in all); refer to "
+                f"fewer values"
+            )
         return out
 
     def _text(self, raw: str, path: tuple) -> Any:
         if path in self.active:
-            loop = " -> ".join(_key(p) for p in self.active[self.active.index(path):])
+            loop = " -> ".join(_key(p) for p in self.active[self.active.index(path) :])
             raise ConfigError(f"'{_key(path)}': interpolations go round ({loop} -> {_key(path)}); break the loop")
         if len(self.active) >= MAX_DEPTH:
-            raise ConfigError(f"'{_key(self.active[0])}': interpolations refer through more than {MAX_DEPTH} "
-                              f"keys (to '{_key(path)}'); write the value out")
+            raise ConfigError(
+                f"'{_key(self.active[0])}': interpolations refer through more than {MAX_DEPTH} "
+                f"keys (to '{_key(path)}'); write the value out"
+            )
         self.active.append(path)
         try:
             return self.visit(_parsed(raw, f"'{_key(path)}'"), path)
@@ -214,8 +228,9 @@ class _Resolution:
         def counted(value: Any) -> Any:
             taken[0] += self.size(value)
             if taken[0] > MAX_CHARS:
-                raise ConfigError(f"'{_key(path)}': interpolations there take in over {MAX_CHARS} characters; "
-                                  f"refer to fewer values")
+                raise ConfigError(
+                    f"'{_key(path)}': interpolations there take in over {MAX_CHARS} characters; refer to fewer values"
+                )
             return value
 
         def on_node(key: Any, _memo: Any = None) -> Any:
@@ -224,15 +239,16 @@ class _Resolution:
         def on_resolver(name: str, args: tuple, args_str: tuple) -> Any:
             return counted(self.call(path, name, args))
 
-        return GrammarVisitor(node_interpolation_callback=on_node, resolver_interpolation_callback=on_resolver,
-                              memo=None).visit(tree)
+        return GrammarVisitor(
+            node_interpolation_callback=on_node, resolver_interpolation_callback=on_resolver, memo=None
+        ).visit(tree)
 
     def reference(self, here: tuple, key: Any, default: Any = None, has_default: bool = False) -> Any:
         """The resolved value that ``key`` (``a.b``, ``.sibling``, ``..uncle``) names from ``here``."""
         parts, dots = _key_parts(key)
         if dots > len(here):
             raise ConfigError(f"'{_key(here)}': interpolation {_raw_key(key)} goes above the config's top")
-        target = (*here[:len(here) - dots], *parts) if dots else tuple(parts)
+        target = (*here[: len(here) - dots], *parts) if dots else tuple(parts)
         try:
             return self.node(target)
         except KeyError:
@@ -240,14 +256,16 @@ class _Resolution:
                 return default
             if self.missing_ok:
                 return "${" + _raw_key(key) + "}"
-            raise ConfigError(f"'{_key(here)}': interpolation {_raw_key(key)}: no key {_key(target)} in the "
-                              f"config") from None
+            raise ConfigError(
+                f"'{_key(here)}': interpolation {_raw_key(key)}: no key {_key(target)} in the config"
+            ) from None
 
     def call(self, here: tuple, name: str, args: tuple) -> Any:
         resolver = _RESOLVERS.get(name) if name in USER_RESOLVERS else None
         if resolver is None:
-            raise ConfigError(f"'{_key(here)}': unknown or refused resolver {name} (flash configs take "
-                              f"{', '.join(USER_RESOLVERS)})")
+            raise ConfigError(
+                f"'{_key(here)}': unknown or refused resolver {name} (flash configs take {', '.join(USER_RESOLVERS)})"
+            )
         return resolver(self, here, args)
 
     def size(self, value: Any) -> int:
@@ -297,13 +315,16 @@ def _env(res: _Resolution, here: tuple, args: tuple) -> Any:
     if res.missing_ok:  # one file bounded alone: the variable is read when the config is built
         return "${oc.env:" + ",".join(map(str, args)) + "}"
     if not args or not isinstance(args[0], str):
-        raise ConfigError(f"'{_key(here)}': oc.env takes a variable's name (${{oc.env:VAR}} or ${{oc.env:VAR,default}})")
+        raise ConfigError(
+            f"'{_key(here)}': oc.env takes a variable's name (${{oc.env:VAR}} or ${{oc.env:VAR,default}})"
+        )
     if args[0] in os.environ:
         return os.environ[args[0]]
     if len(args) > 1:
         return None if args[1] is None else str(args[1])
-    raise ConfigError(f"'{_key(here)}': the environment variable {args[0]} is not set (give a default: "
-                      f"${{oc.env:{args[0]},default}})")
+    raise ConfigError(
+        f"'{_key(here)}': the environment variable {args[0]} is not set (give a default: ${{oc.env:{args[0]},default}})"
+    )
 
 
 def _select(res: _Resolution, here: tuple, args: tuple) -> Any:
@@ -330,7 +351,9 @@ def _decode(res: _Resolution, here: tuple, args: tuple) -> Any:
 
 
 _RESOLVERS: dict[str, Callable[[_Resolution, tuple, tuple], Any]] = {
-    "oc.env": _env, "oc.select": _select, "oc.decode": _decode,
+    "oc.env": _env,
+    "oc.select": _select,
+    "oc.decode": _decode,
     "oc.dict.keys": lambda res, here, args: list(_mapping(res, here, args)),
     "oc.dict.values": lambda res, here, args: list(_mapping(res, here, args).values()),
 }

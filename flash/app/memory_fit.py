@@ -87,15 +87,18 @@ def trainer_memory(cfg: FlashConfig, config, devices: tuple[int, ...], ranks: in
 
     length = sequence_budget(cfg, config)
     rows = max(1, cfg.train.micro_tokens // length) if cfg.train.micro_tokens else cfg.train.micro_batch_size
-    shape = TrainShape(rows, length, 0, cfg.model.dtype, cfg.train.activation_checkpointing,
-                       cfg.train.entropy_every_steps > 0)
+    shape = TrainShape(
+        rows, length, 0, cfg.model.dtype, cfg.train.activation_checkpointing, cfg.train.entropy_every_steps > 0
+    )
     phases = train_phases(config, shape, trainer_settings(cfg))
     b = torch_dtype(cfg.model.dtype).itemsize
     backward, step, kept = rank_bytes(phases, ranks, b)
-    detail = (f"{ranks} rank(s), {rows}×{length}-token micro-batch, {cfg.model.dtype}"
-              f"{', activation checkpointing' if shape.checkpointing else ''}: backward {gib(backward)}, "
-              f"AdamW step {gib(step)}; checkpoint snapshot: 0 on the GPU, {gib(phases.resident / ranks)} "
-              f"to pinned host")
+    detail = (
+        f"{ranks} rank(s), {rows}×{length}-token micro-batch, {cfg.model.dtype}"
+        f"{', activation checkpointing' if shape.checkpointing else ''}: backward {gib(backward)}, "
+        f"AdamW step {gib(step)}; checkpoint snapshot: 0 on the GPU, {gib(phases.resident / ranks)} "
+        f"to pinned host"
+    )
     return RoleMemory("actor_train", devices, max(backward, step), kept, detail)
 
 
@@ -134,17 +137,21 @@ def torch_engine_memory(cfg: FlashConfig, config, devices: tuple[int, ...]) -> R
 
     b = torch_dtype(cfg.model.dtype).itemsize
     rows, length = cfg.rollout.max_num_seqs, sequence_budget(cfg, config)
-    prefill = prefill_bytes(config, PrefillShape(rows, prompt_budget(cfg, config), cfg.rollout.max_num_batched_tokens,
-                                                 cfg.model.dtype))
+    prefill = prefill_bytes(
+        config, PrefillShape(rows, prompt_budget(cfg, config), cfg.rollout.max_num_batched_tokens, cfg.model.dtype)
+    )
     vocab = int(config.get_text_config(decoder=True).vocab_size)
     decode = weight_bytes(config, b) + decode_kv_bytes(cfg, config, b) + rows * vocab * 4 * 3
-    detail = (f"{rows} sequences of ≤ {length} tokens, {cfg.model.dtype}; prefill {gib(prefill)}, "
-              f"decode {gib(decode)} (KV buffers at their largest)")
+    detail = (
+        f"{rows} sequences of ≤ {length} tokens, {cfg.model.dtype}; prefill {gib(prefill)}, "
+        f"decode {gib(decode)} (KV buffers at their largest)"
+    )
     return RoleMemory("actor_infer", devices, max(prefill, decode), 0, detail, "prefill" if prefill > decode else "")
 
 
-def vllm_memory(cfg: FlashConfig, config, devices: tuple[int, ...], tp: int, card: Card | None,
-                trainer_kept: int | None) -> RoleMemory:
+def vllm_memory(
+    cfg: FlashConfig, config, devices: tuple[int, ...], tp: int, card: Card | None, trainer_kept: int | None
+) -> RoleMemory:
     from flash.devices import colocated_engine_fraction, torch_dtype
 
     b = torch_dtype(cfg.model.dtype).itemsize
@@ -153,8 +160,13 @@ def vllm_memory(cfg: FlashConfig, config, devices: tuple[int, ...], tp: int, car
     need = weights + int(text.max_position_embeddings) * kv_bytes_per_token(config, b) // tp
     if card is None:
         batch = cfg.rollout.max_num_seqs * sequence_budget(cfg, config) * kv_bytes_per_token(config, b) // tp
-        return RoleMemory("actor_infer", devices, weights + batch, 0,
-                          f"vLLM, {tp} rank(s): weights {gib(weights)} + a full batch's KV cache {gib(batch)}")
+        return RoleMemory(
+            "actor_infer",
+            devices,
+            weights + batch,
+            0,
+            f"vLLM, {tp} rank(s): weights {gib(weights)} + a full batch's KV cache {gib(batch)}",
+        )
     share = VLLM_UTILIZATION
     if trainer_kept is not None:
         try:
@@ -163,12 +175,19 @@ def vllm_memory(cfg: FlashConfig, config, devices: tuple[int, ...], tp: int, car
             raise FlashError(f"GPU {devices[0]} ({card.name}): {exc}") from None
     taken = int(share * card.bytes)
     if need > taken:
-        raise FlashError(f"actor_infer (vLLM) on GPU {devices[0]} needs an estimated {gib(need)} (weights and one "
-                         f"{text.max_position_embeddings}-token sequence's KV cache) but gets {share:.0%} of the "
-                         f"{card.name}'s {gib(card.bytes)}: give each replica more GPUs "
-                         f"(placement.roles.actor_infer) or a card with more memory")
-    return RoleMemory("actor_infer", devices, taken, 0,
-                      f"vLLM takes {share:.3f} of the card: weights {gib(weights)}, the rest KV cache")
+        raise FlashError(
+            f"actor_infer (vLLM) on GPU {devices[0]} needs an estimated {gib(need)} (weights and one "
+            f"{text.max_position_embeddings}-token sequence's KV cache) but gets {share:.0%} of the "
+            f"{card.name}'s {gib(card.bytes)}: give each replica more GPUs "
+            f"(placement.roles.actor_infer) or a card with more memory"
+        )
+    return RoleMemory(
+        "actor_infer",
+        devices,
+        taken,
+        0,
+        f"vLLM takes {share:.3f} of the card: weights {gib(weights)}, the rest KV cache",
+    )
 
 
 # ---- shapes ------------------------------------------------------------------------------------
@@ -198,8 +217,11 @@ def fix_for(cfg: FlashConfig, role: RoleMemory, colocated: bool) -> str:
             fix += ", set train.activation_checkpointing=true"
         fix += ", or shard the trainer over more GPUs (placement.roles.actor_train)"
     else:
-        other = (f"rollout.max_num_batched_tokens (now {cfg.rollout.max_num_batched_tokens or 'none'})"
-                 if role.phase == "prefill" else f"rollout.max_new_tokens (now {cfg.rollout.max_new_tokens})")
+        other = (
+            f"rollout.max_num_batched_tokens (now {cfg.rollout.max_num_batched_tokens or 'none'})"
+            if role.phase == "prefill"
+            else f"rollout.max_new_tokens (now {cfg.rollout.max_new_tokens})"
+        )
         fix = f"lower rollout.max_num_seqs (now {cfg.rollout.max_num_seqs}) or {other}"
     return fix + (", or give actor_infer its own GPUs" if colocated else "")
 
@@ -215,8 +237,10 @@ def check_cards(cfg: FlashConfig, roles: list[RoleMemory], card: Card | None) ->
         parts = f"{busy.role} {gib(busy.peak)}" + (f" + {others}" if others else "")
         name = f"GPU {','.join(map(str, devices))}"
         if card is not None and peak > card.bytes:
-            raise FlashError(f"{name} needs an estimated {gib(peak)} ({parts}) but the {card.name} has "
-                             f"{gib(card.bytes)}: {fix_for(cfg, busy, len(here) > 1)}")
+            raise FlashError(
+                f"{name} needs an estimated {gib(peak)} ({parts}) but the {card.name} has "
+                f"{gib(card.bytes)}: {fix_for(cfg, busy, len(here) > 1)}"
+            )
         on = f" ({card.name}, {gib(card.bytes)})" if card is not None else ""
         lines.append(f"{name}{on}: peak {gib(peak)} ({parts})")
     return lines
@@ -234,8 +258,10 @@ def model_config(cfg: FlashConfig):
         return None
     path = Path(cfg.model.path).expanduser() / "config.json"
     if path.stat().st_size > MAX_CONFIG_BYTES:
-        raise FlashError(f"{path} is over {MAX_CONFIG_BYTES >> 20} MiB: not a model config; point model.path at a "
-                         "Hugging Face model folder")
+        raise FlashError(
+            f"{path} is over {MAX_CONFIG_BYTES >> 20} MiB: not a model config; point model.path at a "
+            "Hugging Face model folder"
+        )
     return AutoConfig.from_pretrained(path.parent, trust_remote_code=False)
 
 

@@ -142,8 +142,12 @@ class Phases:
 
     def windows(self) -> list[tuple[int, int]]:
         """(peak, gradient bytes at it) of each of the four windows."""
-        return [(self.first, self.first_grads), (self.inner_top, self.inner_top_grads),
-                (self.inner_bottom, self.inner_bottom_grads), (self.last, self.last_grads)]
+        return [
+            (self.first, self.first_grads),
+            (self.inner_top, self.inner_top_grads),
+            (self.inner_bottom, self.inner_bottom_grads),
+            (self.last, self.last_grads),
+        ]
 
 
 def with_layers(config, layers: int):
@@ -204,8 +208,11 @@ def trace_train(config, shape: TrainShape, settings=None) -> Phases:
         part, adv = zero_batch(shape.rows, shape.length)
         counter = LiveBytes()
         reference = list(trainer.ref_model.parameters()) if trainer.ref_model is not None else []
-        counter.add(params + reference + [t for s in trainer.optimizer.state.values() for t in s.values()
-                                          if isinstance(t, torch.Tensor)])
+        counter.add(
+            params
+            + reference
+            + [t for s in trainer.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+        )
         layers = decoder_layers(model)
         counter.watch_grads(params, {id(p): i for i, m in enumerate(layers) for p in m.parameters()})
         resident = counter.live
@@ -218,19 +225,39 @@ def trace_train(config, shape: TrainShape, settings=None) -> Phases:
             trainer.optimizer.step()
     n, w = len(layers), counter.windows
     picked = [w.get(j, (0, 0)) for j in (0, 1, n - 1, n)] if n > 1 else [w[0], (0, 0), (0, 0), w.get(1, (0, 0))]
-    return Phases(resident, counter.peak, sum(p.numel() * p.element_size() for p in params),
-                  sum(p.numel() * p.element_size() for p in layers[0].parameters()), n,
-                  *(peak for peak, _ in picked), *(grads for _, grads in picked))
+    return Phases(
+        resident,
+        counter.peak,
+        sum(p.numel() * p.element_size() for p in params),
+        sum(p.numel() * p.element_size() for p in layers[0].parameters()),
+        n,
+        *(peak for peak, _ in picked),
+        *(grads for _, grads in picked),
+    )
 
 
 def _settings(shape: TrainShape, settings=None):
     from flash.train.trainer import TrainerSettings
 
     if settings is None:
-        settings = TrainerSettings(lr=1e-6, weight_decay=0.0, betas=(0.9, 0.999), grad_clip=1.0, micro_batch_size=1,
-                                   temperature=1.0, loss={"name": "ppo", "old_policy": "prox"}, agg="token-mean")
-    return replace(settings, micro_batch_size=shape.rows, dtype=shape.dtype, tf32=False, prox="fused",
-                   entropy_every_steps=1 if shape.entropy else 0)
+        settings = TrainerSettings(
+            lr=1e-6,
+            weight_decay=0.0,
+            betas=(0.9, 0.999),
+            grad_clip=1.0,
+            micro_batch_size=1,
+            temperature=1.0,
+            loss={"name": "ppo", "old_policy": "prox"},
+            agg="token-mean",
+        )
+    return replace(
+        settings,
+        micro_batch_size=shape.rows,
+        dtype=shape.dtype,
+        tf32=False,
+        prox="fused",
+        entropy_every_steps=1 if shape.entropy else 0,
+    )
 
 
 def zero_batch(rows: int, length: int):
@@ -238,10 +265,15 @@ def zero_batch(rows: int, length: int):
     from flash.train.batch import TrainBatch
 
     cols = length - 1
-    batch = TrainBatch(input_ids=torch.zeros(rows, length, dtype=torch.long),
-                       attention_mask=torch.ones(rows, length, dtype=torch.long), mask=torch.ones(rows, cols),
-                       behav_logp=torch.zeros(rows, cols), versions=torch.zeros(rows, cols, dtype=torch.long),
-                       rewards=torch.zeros(rows), group_ids=torch.zeros(rows, dtype=torch.long))
+    batch = TrainBatch(
+        input_ids=torch.zeros(rows, length, dtype=torch.long),
+        attention_mask=torch.ones(rows, length, dtype=torch.long),
+        mask=torch.ones(rows, cols),
+        behav_logp=torch.zeros(rows, cols),
+        versions=torch.zeros(rows, cols, dtype=torch.long),
+        rewards=torch.zeros(rows),
+        group_ids=torch.zeros(rows, dtype=torch.long),
+    )
     return batch, torch.zeros(rows, cols)
 
 

@@ -39,8 +39,10 @@ def _overlay(base: dict, top: dict, prefix: str, whole: list[str], notes: list[s
         elif isinstance(v, dict) and isinstance(old, dict) and _new_choice(old, v):
             dropped = [f"{key}.{x}" for x in old if x != "name" and x not in v]
             if dropped:
-                notes.append(f"{key}.name={v['name']} replaces {old['name']}: dropped {', '.join(dropped)} "
-                             f"(its keys; {v['name']} starts from its own defaults)")
+                notes.append(
+                    f"{key}.name={v['name']} replaces {old['name']}: dropped {', '.join(dropped)} "
+                    f"(its keys; {v['name']} starts from its own defaults)"
+                )
             out[k] = v
             whole.append(key)
         elif isinstance(v, dict) and isinstance(old, dict):

@@ -54,9 +54,16 @@ def _parse_value(key: str, raw: str, lengths: list[int]):
 
         hint = closest(raw, list(SCHEDULERS)) if key == "rollout.scheduler" else ""
         raise ConfigError(f"invalid value '{raw}' for '{key}'{hint}") from None
-    lows = {"async_ratio": 0, "resources.engine_threads": 0, "resources.trainer_threads": 0,
-            "placement.roles.actor_infer.num_workers": 1, TAIL + "threshold": 1,
-            TAIL + "over_provision": 1, TAIL + "long_round_queue": 0, TAIL + "long_round_every": 0}
+    lows = {
+        "async_ratio": 0,
+        "resources.engine_threads": 0,
+        "resources.trainer_threads": 0,
+        "placement.roles.actor_infer.num_workers": 1,
+        TAIL + "threshold": 1,
+        TAIL + "over_provision": 1,
+        TAIL + "long_round_queue": 0,
+        TAIL + "long_round_every": 0,
+    }
     if key in lows and not (value >= lows[key] and math.isfinite(value)):
         raise ConfigError(f"'{key}' must be a finite number >= {lows[key]}, got {raw}")
     return field_name, value
@@ -75,8 +82,10 @@ def parse_candidates(items: list[str], trace: Trace) -> list[tuple[dict[str, str
             raise ConfigError(f"unknown plan key '{key}'{closest(key, list(KEYS))}; valid: {', '.join(KEYS)}")
     tail_keys = [k for k in grid if k.startswith(TAIL)]
     if tail_keys and "tail_batching" not in grid.get("rollout.scheduler", []):
-        raise ConfigError(f"{tail_keys[0]} is a tail-batching knob: add rollout.scheduler=tail_batching "
-                          f"(or rollout.scheduler=plain,tail_batching to compare)")
+        raise ConfigError(
+            f"{tail_keys[0]} is a tail-batching knob: add rollout.scheduler=tail_batching "
+            f"(or rollout.scheduler=plain,tail_batching to compare)"
+        )
     lengths = [x for g in trace.groups for x in g]
     out, seen = [], set()
     for combo in itertools.product(*grid.values()):

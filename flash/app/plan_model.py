@@ -167,12 +167,17 @@ def cpu_bound_step(engine_ref_s: float, train_ref_s: float, update: float, other
 def sync_round(lengths: list[list[int]]) -> Round:
     """A plain round: every group runs to its end; ``I = L_max``, ``K = Σ L``."""
     flat = [x for g in lengths for x in g]
-    return Round(iterations=float(max(flat, default=0)), tokens=float(sum(flat)), rows=len(flat),
-                 max_len=float(max(flat, default=0)))
+    return Round(
+        iterations=float(max(flat, default=0)),
+        tokens=float(sum(flat)),
+        rows=len(flat),
+        max_len=float(max(flat, default=0)),
+    )
 
 
-def short_round(groups: list[list[int]], B: int, tau: float,
-                refill: Iterator[list[int]] | None = None) -> tuple[Round, list[list[int]], int]:
+def short_round(
+    groups: list[list[int]], B: int, tau: float, refill: Iterator[list[int]] | None = None
+) -> tuple[Round, list[list[int]], int]:
     """A short round (controllers/tail_batching.py) over the launched ``groups`` (``o·B`` of them),
     in decode iterations: a group whose responses all end within ``τ`` finishes at its longest
     one; a group with a longer response is cut when it reaches ``τ`` and, when ``refill`` is

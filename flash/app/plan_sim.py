@@ -33,8 +33,12 @@ from flash.errors import ConfigError
 from flash.sim.config import SimConfig, cost_model
 
 # candidate key -> (Scale field, lowest value); config keys, so a row can be pasted into `flash run`
-KEYS = {"sim.rollout_gpus": ("rollout_gpus", 1), "sim.train_gpus": ("train_gpus", 1),
-        "train.prompts_per_step": ("prompts", 1), "async_ratio": ("async_ratio", 0)}
+KEYS = {
+    "sim.rollout_gpus": ("rollout_gpus", 1),
+    "sim.train_gpus": ("train_gpus", 1),
+    "train.prompts_per_step": ("prompts", 1),
+    "async_ratio": ("async_ratio", 0),
+}
 SEEDS = 8  # draws of the trace's groups per prediction
 
 
@@ -84,27 +88,31 @@ def measured_sim_step_s(run_dir: str | Path, skip: int | None = None) -> float:
     return statistics.fmean(r["sim/step_s"] for r in rows)
 
 
-def fit_sim(rows: list[dict], steps: list[list[list[int]]], shape: sm.Shape, scale: sm.Scale,
-            time_scale: float) -> sm.SimCosts:
+def fit_sim(
+    rows: list[dict], steps: list[list[list[int]]], shape: sm.Shape, scale: sm.Scale, time_scale: float
+) -> sm.SimCosts:
     """The departures from the cost model on the steady ``rows`` and their steps' groups:
 
     ``k_e = Σ busy / Σ replayed engine seconds`` (the steps' own groups, in order, through
     ``simulate`` at the run's scale with ``k_e = 1``; an async replay admits ahead, so it cycles
     through them and skips its own warm-up), ``k_t = Σ (train + recompute_prox) / Σ train_step(tokens)``,
     ``W = mean push_weights`` (the first three over ``time_scale``), ``d = Σ sim/driver_s / Σ rows``."""
+
     def sim_s(key: str) -> float:
         return sum(float(r.get(key, 0.0)) for r in rows) / time_scale
 
-    train_model = sum(sm.train_s(shape, sum(sm.group_tokens(shape, g) for g in st), scale.train_gpus, sm.SimCosts())
-                      for st in steps)
+    train_model = sum(
+        sm.train_s(shape, sum(sm.group_tokens(shape, g) for g in st), scale.train_gpus, sm.SimCosts()) for st in steps
+    )
     flat = [g for st in steps for g in st]
     warm = sim_skip(scale.async_ratio) if scale.async_ratio > 0 else 0  # a synchronous replay is exact
     replay = sm.simulate(itertools.cycle(flat), shape, scale, sm.SimCosts(), warm + len(steps))
-    return sm.SimCosts(engine_factor=sim_s("rollout/busy_s") / max(sum(replay.engine_s[warm:]), 1e-9),
-                       train_factor=(sim_s("time/train") + sim_s("time/recompute_prox")) / max(train_model, 1e-9),
-                       push_s=sim_s("time/push_weights") / len(rows),
-                       driver_per_row_s=sum(float(r.get("sim/driver_s", 0.0)) for r in rows)
-                       / max(sum(len(g) for g in flat), 1))
+    return sm.SimCosts(
+        engine_factor=sim_s("rollout/busy_s") / max(sum(replay.engine_s[warm:]), 1e-9),
+        train_factor=(sim_s("time/train") + sim_s("time/recompute_prox")) / max(train_model, 1e-9),
+        push_s=sim_s("time/push_weights") / len(rows),
+        driver_per_row_s=sum(float(r.get("sim/driver_s", 0.0)) for r in rows) / max(sum(len(g) for g in flat), 1),
+    )
 
 
 def load_sim_trace(run_dir: str | Path) -> SimTrace:
@@ -122,11 +130,18 @@ def load_sim_trace(run_dir: str | Path) -> SimTrace:
     if any("sim/step_s" not in row for row in rows):
         raise ConfigError(f"{d}: metrics.jsonl has no sim/step_s (a run before simulated accounting); record a new run")
     if any("rollout/episodes/turns" in row for row in rows):  # the model's rounds are single responses
-        raise ConfigError(f"{d}: a multi-turn episode run; flash plan models single-turn rollouts (turns and "
-                          f"environment latency are not in its model)")
-    return SimTrace(shape=shape, costs=fit_sim(rows, steps, shape, scale, sim.time_scale), scale=scale,
-                    groups=[g for st in steps for g in st], steps=int(cfg.train.steps),
-                    measured_step_s=statistics.fmean(row["sim/step_s"] for row in rows))
+        raise ConfigError(
+            f"{d}: a multi-turn episode run; flash plan models single-turn rollouts (turns and "
+            f"environment latency are not in its model)"
+        )
+    return SimTrace(
+        shape=shape,
+        costs=fit_sim(rows, steps, shape, scale, sim.time_scale),
+        scale=scale,
+        groups=[g for st in steps for g in st],
+        steps=int(cfg.train.steps),
+        measured_step_s=statistics.fmean(row["sim/step_s"] for row in rows),
+    )
 
 
 def predict_sim(trace: SimTrace, scale: sm.Scale, steps: int | None = None, seeds: int = SEEDS) -> dict[str, float]:
@@ -154,8 +169,10 @@ def parse_scales(items: list[str], trace: SimTrace) -> list[tuple[dict[str, str]
     grid = {k: [v] for k, v in (f.split("=", 1) for f in fixed)} | swept
     for key in grid:
         if key not in KEYS:
-            raise ConfigError(f"unknown plan key '{key}' for a simulated run{closest(key, list(KEYS))}; "
-                              f"valid: {', '.join(KEYS)} (threads and tail batching apply to real runs)")
+            raise ConfigError(
+                f"unknown plan key '{key}' for a simulated run{closest(key, list(KEYS))}; "
+                f"valid: {', '.join(KEYS)} (threads and tail batching apply to real runs)"
+            )
     out = []
     for combo in itertools.product(*grid.values()):
         written = dict(zip(grid, combo))
@@ -184,25 +201,50 @@ def plan_sim(run_dir: str | Path, items: list[str], out=print, steps: int | None
     rows = []
     for written, scale in parse_scales(items, trace):
         pred = predict_sim(trace, scale, steps)
-        rows.append({"settings": written, "predicted_sim_s_per_step": round(pred["step_s"], 3),
-                     "engine_s": round(pred["engine_s"], 3), "train_s": round(pred["train_s"], 3)})
+        rows.append(
+            {
+                "settings": written,
+                "predicted_sim_s_per_step": round(pred["step_s"], 3),
+                "engine_s": round(pred["engine_s"], 3),
+                "train_s": round(pred["train_s"], 3),
+            }
+        )
     rows.sort(key=lambda r: r["predicted_sim_s_per_step"])
     k, s = trace.costs, trace.scale
-    out(f"flash plan: {run_dir}: simulated run ({s.rollout_gpus}+{s.train_gpus} GPUs, {s.prompts} prompts, "
+    out(
+        f"flash plan: {run_dir}: simulated run ({s.rollout_gpus}+{s.train_gpus} GPUs, {s.prompts} prompts, "
         f"r={s.async_ratio:g}); times in SIMULATED seconds (sim.time_scale scaled back); "
         f"measured {trace.measured_step_s:.2f} s/step "
         f"(the model reproduces {own['step_s']:.2f}); fit: engine x{k.engine_factor:.3f} and trainer "
         f"x{k.train_factor:.3f} of the cost model {trace.shape.cm.model.name}, push {k.push_s:.2f} s, driver "
-        f"{k.driver_per_row_s * 1e3:.3f} ms/row; no thread terms (simulated GPUs)")
+        f"{k.driver_per_row_s * 1e3:.3f} ms/row; no thread terms (simulated GPUs)"
+    )
     keys = list(rows[0]["settings"]) if rows else []
     header = ["#", *keys, "sim s/step", "vs run", "engine s", "train s"]
-    table = [[str(i + 1), *(r["settings"][key] for key in keys), f"{r['predicted_sim_s_per_step']:.2f}",
-              f"{trace.measured_step_s / r['predicted_sim_s_per_step']:.2f}x", f"{r['engine_s']:.2f}",
-              f"{r['train_s']:.2f}"] for i, r in enumerate(rows)]
+    table = [
+        [
+            str(i + 1),
+            *(r["settings"][key] for key in keys),
+            f"{r['predicted_sim_s_per_step']:.2f}",
+            f"{trace.measured_step_s / r['predicted_sim_s_per_step']:.2f}x",
+            f"{r['engine_s']:.2f}",
+            f"{r['train_s']:.2f}",
+        ]
+        for i, r in enumerate(rows)
+    ]
     widths = [max(len(h), *(len(row[j]) for row in table)) if table else len(h) for j, h in enumerate(header)]
     for line in [header, *table]:
         out("  ".join(cell.ljust(w) for cell, w in zip(line, widths)))
-    out(json.dumps({"run_dir": str(run_dir), "units": "simulated seconds", "measured_s_per_step":
-                    round(trace.measured_step_s, 3), "model_s_per_step": round(own["step_s"], 3),
-                    "fit": {f.name: round(getattr(k, f.name), 6) for f in fields(k)}, "candidates": rows}))
+    out(
+        json.dumps(
+            {
+                "run_dir": str(run_dir),
+                "units": "simulated seconds",
+                "measured_s_per_step": round(trace.measured_step_s, 3),
+                "model_s_per_step": round(own["step_s"], 3),
+                "fit": {f.name: round(getattr(k, f.name), 6) for f in fields(k)},
+                "candidates": rows,
+            }
+        )
+    )
     return rows

@@ -102,8 +102,7 @@ def decode_s(shape: Shape, inst: int, running: int, context: float) -> float:
     tokens in all, at one instance's share: ``decode_run(⌈R/I⌉, C / min(R, I), s)``."""
     if running <= 0:
         return 0.0
-    return costs.decode_run_s(shape.cm, math.ceil(running / inst), context / min(running, inst),
-                              shape.token_scale)
+    return costs.decode_run_s(shape.cm, math.ceil(running / inst), context / min(running, inst), shape.token_scale)
 
 
 def prefill_s(shape: Shape, inst: int, count: int, tokens: float) -> float:
@@ -240,8 +239,9 @@ class StepLoop:
         """One train step: (its end on the controller's clock, its train seconds)."""
         batch = self.get_batch(step)
         rows = sum(len(g.lengths) for g in batch)
-        train = train_s(self.shape, sum(group_tokens(self.shape, g.lengths) for g in batch),
-                        self.scale.train_gpus, self.k)
+        train = train_s(
+            self.shape, sum(group_tokens(self.shape, g.lengths) for g in batch), self.scale.train_gpus, self.k
+        )
         self.t_ctl += self.k.driver_per_row_s * rows + train
         self.overlap(self.t_ctl)
         self.t_ctl = self.t_eng = max(self.t_ctl, self.t_eng) + self.k.push_s

@@ -50,8 +50,13 @@ def run_label(path: Path) -> str:
 
 def load_run(path: str | Path, label: str | None = None) -> RunData:
     path = Path(path)
-    run = RunData(dir=path, label=label or run_label(path), metrics=load_jsonl(path / "metrics.jsonl"),
-                  timeline=load_jsonl(path / "timeline.jsonl"), summary=read_json(path / "summary.json", default={}))
+    run = RunData(
+        dir=path,
+        label=label or run_label(path),
+        metrics=load_jsonl(path / "metrics.jsonl"),
+        timeline=load_jsonl(path / "timeline.jsonl"),
+        summary=read_json(path / "summary.json", default={}),
+    )
     run.evals = load_jsonl(path / "eval.jsonl") or _fallback_evals(run)
     return run
 
@@ -65,8 +70,13 @@ def _fallback_evals(run: RunData) -> list[dict]:
         if "eval/accuracy" in m:
             evals.append({"step": m["step"], "elapsed": m.get("time/elapsed", 0.0), "accuracy": m["eval/accuracy"]})
     if "eval_accuracy_final" in run.summary:
-        evals.append({"step": run.summary.get("steps", len(run.metrics)),
-                      "elapsed": run.summary.get("train_seconds", 0.0), "accuracy": run.summary["eval_accuracy_final"]})
+        evals.append(
+            {
+                "step": run.summary.get("steps", len(run.metrics)),
+                "elapsed": run.summary.get("train_seconds", 0.0),
+                "accuracy": run.summary["eval_accuracy_final"],
+            }
+        )
     return evals
 
 
@@ -130,9 +140,17 @@ def plot_runs(runs: list[RunData], out: str | Path, window: tuple[int, int] | No
     fig = Figure(figsize=(16, 12), layout="constrained")
     FigureCanvasAgg(fig)
     grid = fig.add_gridspec(3, 3, height_ratios=[1, 1, 1.2])
-    ax = {name: fig.add_subplot(grid[r, c]) for name, (r, c) in {
-        "reward_vs_step": (0, 0), "reward_vs_time": (0, 1), "throughput": (0, 2),
-        "eval_vs_step": (1, 0), "eval_vs_time": (1, 1), "staleness": (1, 2)}.items()}
+    ax = {
+        name: fig.add_subplot(grid[r, c])
+        for name, (r, c) in {
+            "reward_vs_step": (0, 0),
+            "reward_vs_time": (0, 1),
+            "throughput": (0, 2),
+            "eval_vs_step": (1, 0),
+            "eval_vs_time": (1, 1),
+            "staleness": (1, 2),
+        }.items()
+    }
     ax["timeline"] = fig.add_subplot(grid[2, :])
     _reward_panels(ax["reward_vs_step"], ax["reward_vs_time"], runs)
     _eval_panels(ax["eval_vs_step"], ax["eval_vs_time"], runs)
@@ -181,8 +199,12 @@ def _staleness_panel(ax, runs: list[RunData]) -> None:
     width = 0.8 / max(len(runs), 1)
     for i, (run, hist) in enumerate(zip(runs, hists)):
         total = sum(hist.values()) or 1.0
-        ax.bar([k - 0.4 + width * (i + 0.5) for k in ks], [hist.get(k, 0.0) / total for k in ks],
-               width=width, label=run.label)
+        ax.bar(
+            [k - 0.4 + width * (i + 0.5) for k in ks],
+            [hist.get(k, 0.0) / total for k in ks],
+            width=width,
+            label=run.label,
+        )
     ax.set_xticks(ks)
     ax.set(title="staleness of trained samples", xlabel="policy versions behind", ylabel="fraction of samples")
     ax.legend(fontsize=8)
@@ -216,8 +238,10 @@ def _timeline_panel(ax, runs: list[RunData], window: tuple[int, int] | None) -> 
         ends = [t["phases"].get("resume", [t1, t1])[1] - t0 for t in rows]
         ax.vlines(ends, base, base + 2, color="grey", lw=0.5, linestyles="dotted")  # step ends
     ax.set_yticks(ticks, labels, fontsize=8)
-    ax.set(title="busy (colour) and idle (blank) per role, weight sync in red, one window of steps per run",
-           xlabel="seconds from the window's first step")
+    ax.set(
+        title="busy (colour) and idle (blank) per role, weight sync in red, one window of steps per run",
+        xlabel="seconds from the window's first step",
+    )
     return drawn
 
 
@@ -233,20 +257,42 @@ def plot_sweep(groups: list[Group], out: str | Path, tolerance: float) -> dict[s
     ax = fig.add_subplot()
     xs = list(range(len(groups)))
     speed = [g.stats["s_per_step"] for g in groups]
-    bars = ax.bar(xs, [s.mean for s in speed], yerr=[s.se or 0.0 for s in speed], capsize=4,
-                  color="tab:blue", alpha=0.7, label="s / step")
+    bars = ax.bar(
+        xs,
+        [s.mean for s in speed],
+        yerr=[s.se or 0.0 for s in speed],
+        capsize=4,
+        color="tab:blue",
+        alpha=0.7,
+        label="s / step",
+    )
     for bar, g, s in zip(bars, groups, speed):
         if "speedup" in g.stats:  # above the error bar, offset to clear its cap
-            ax.annotate(f"{g.stats['speedup'].mean:.2f}x", (bar.get_x() + bar.get_width() / 2, s.mean + (s.se or 0.0)),
-                        xytext=(0, 3), textcoords="offset points", ha="center", va="bottom", fontsize=9)
+            ax.annotate(
+                f"{g.stats['speedup'].mean:.2f}x",
+                (bar.get_x() + bar.get_width() / 2, s.mean + (s.se or 0.0)),
+                xytext=(0, 3),
+                textcoords="offset points",
+                ha="center",
+                va="bottom",
+                fontsize=9,
+            )
     ax.set_xticks(xs, [f"{g.label()}\nn={g.n}" for g in groups], rotation=15, ha="right", fontsize=9)
     ax.set_ylim(0, 1.15 * max(s.mean + (s.se or 0.0) for s in speed))  # room for the speed-up labels
-    ax.set(ylabel="training seconds per step (mean ± SE)",
-           title="sweep: speed (bars), held-out accuracy (line); mean ± SE")
+    ax.set(
+        ylabel="training seconds per step (mean ± SE)", title="sweep: speed (bars), held-out accuracy (line); mean ± SE"
+    )
     acc = ax.twinx()
     final = [g.stats["acc_final"] for g in groups]
-    acc.errorbar(xs, [a.mean for a in final], yerr=[a.se or 0.0 for a in final], capsize=4,
-                 color="tab:green", marker="o", label="final accuracy")
+    acc.errorbar(
+        xs,
+        [a.mean for a in final],
+        yerr=[a.se or 0.0 for a in final],
+        capsize=4,
+        color="tab:green",
+        marker="o",
+        label="final accuracy",
+    )
     sync = [g for g in groups if all(r.get("async_ratio_value") == 0 for r in g.rows)]
     if len(sync) == 1:
         top = sync[0].stats["acc_final"].mean
@@ -254,8 +300,11 @@ def plot_sweep(groups: list[Group], out: str | Path, tolerance: float) -> dict[s
     acc.set_ylim(0, max(0.05, 1.15 * max(a.mean + (a.se or 0.0) for a in final)))
     acc.set_ylabel("final held-out accuracy (mean ± SE)", color="tab:green")
     save_png(fig, out)
-    return {"seconds_per_step": len(bars), "accuracy": len(acc.containers),
-            "error_bars": sum(isinstance(c, ErrorbarContainer) for a in (ax, acc) for c in a.containers)}
+    return {
+        "seconds_per_step": len(bars),
+        "accuracy": len(acc.containers),
+        "error_bars": sum(isinstance(c, ErrorbarContainer) for a in (ax, acc) for c in a.containers),
+    }
 
 
 def main(run_dirs: list[str], out: str, window: str | None = None) -> dict[str, int]:

@@ -85,7 +85,7 @@ class TrainEta:
 
     def left(self, step: int) -> float | None:
         """Seconds left after ``step`` (None while settling)."""
-        steady = self.seconds[self.settle - 1:]
+        steady = self.seconds[self.settle - 1 :]
         if len(self.seconds) < self.settle or not steady:
             return None
         rate = statistics.median(steady[-ETA_WINDOW:])
@@ -212,15 +212,28 @@ class Progress:
     ``eta`` gives the time left; ``accuracy`` is the last held-out accuracy and its step, None when
     the run does not evaluate periodically (then train lines leave it out)."""
 
-    def __init__(self, total: int, enabled: bool, heartbeat: Heartbeat | None = None, start: int = 0,
-                 eta: TrainEta | None = None, accuracy: tuple[float, int] | None = None, streak: int = 0):
+    def __init__(
+        self,
+        total: int,
+        enabled: bool,
+        heartbeat: Heartbeat | None = None,
+        start: int = 0,
+        eta: TrainEta | None = None,
+        accuracy: tuple[float, int] | None = None,
+        streak: int = 0,
+    ):
         self.bar, self.heartbeat, self.total, self.done = None, heartbeat, total, start
         self.eta, self.accuracy, self.streak = eta, accuracy, streak
         if enabled and sys.stderr.isatty():
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True,
-                            bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt}{postfix}")
+            self.bar = tqdm(
+                total=total,
+                initial=start,
+                unit="step",
+                dynamic_ncols=True,
+                bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt}{postfix}",
+            )
 
     def update(self, metrics: dict[str, float]) -> None:
         self.done = int(metrics.get("step", self.done + 1))
@@ -233,12 +246,20 @@ class Progress:
         elapsed = metrics.get("time/elapsed", 0.0)
         acc = accuracy_mark(*self.accuracy) if self.accuracy is not None else None
         if self.heartbeat is not None:
-            self.heartbeat.set(phase="train", step=self.done, total=self.total, reward=metrics.get("reward/mean"),
-                               accuracy=acc, time=(elapsed, left), detail=None)
+            self.heartbeat.set(
+                phase="train",
+                step=self.done,
+                total=self.total,
+                reward=metrics.get("reward/mean"),
+                accuracy=acc,
+                time=(elapsed, left),
+                detail=None,
+            )
         if self.bar is not None:
             shown = [f"reward={metrics.get('reward/mean', 0):.3f}", f"stale={int(metrics.get('staleness/max', 0))}"]
-            self.bar.set_postfix_str(", ".join(shown + ([f"acc={acc}"] if acc else []) + [time_note(elapsed, left)[1:-1]]),
-                                     refresh=False)
+            self.bar.set_postfix_str(
+                ", ".join(shown + ([f"acc={acc}"] if acc else []) + [time_note(elapsed, left)[1:-1]]), refresh=False
+            )
             self.bar.update(self.done - self.bar.n)
 
     def _note_no_update(self, metrics: dict[str, float]) -> None:

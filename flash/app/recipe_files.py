@@ -28,5 +28,7 @@ def resolve_recipe(name: str) -> Path:
         return known[name]
     from flash.app.keys import closest
 
-    raise RecipeNotFound(f"no recipe named '{name}'{closest(name, list(known))}; "
-                         f"known recipes: {', '.join(known) or 'none'} (see `flash ls`)")
+    raise RecipeNotFound(
+        f"no recipe named '{name}'{closest(name, list(known))}; "
+        f"known recipes: {', '.join(known) or 'none'} (see `flash ls`)"
+    )

@@ -33,7 +33,6 @@ from flash.run_files import write_run_text
 from flash.train.batch import collate, flatten
 
 
-
 @dataclass
 class StepCheck:
     step: int
@@ -45,9 +44,12 @@ class StepCheck:
         return all(_same(self.recorded[k], self.replayed.get(k)) for k in self.recorded)
 
     def line(self) -> dict:
-        return {"step": self.step, "identical": self.identical,
-                **{f"{k}_recorded": v for k, v in self.recorded.items()},
-                **{f"{k}_replayed": self.replayed.get(k) for k in self.recorded}}
+        return {
+            "step": self.step,
+            "identical": self.identical,
+            **{f"{k}_recorded": v for k, v in self.recorded.items()},
+            **{f"{k}_replayed": self.replayed.get(k) for k in self.recorded},
+        }
 
 
 def _same(a: float, b: float | None) -> bool:
@@ -136,8 +138,11 @@ def _check(line: dict, replayed: dict[str, float]) -> StepCheck:
     bad = [k for k, v in recorded.items() if k not in CHECKED or not isinstance(v, (int, float))]
     if bad:
         raise FlashError(f"schedule step {line['step']}: train metric {bad[0]!r} is not one of {', '.join(CHECKED)}")
-    return StepCheck(line["step"], {k: float(v) for k, v in recorded.items()},
-                     {k: float(replayed[k]) for k in recorded if k in replayed})
+    return StepCheck(
+        line["step"],
+        {k: float(v) for k, v in recorded.items()},
+        {k: float(replayed[k]) for k in recorded if k in replayed},
+    )
 
 
 @dataclass
@@ -162,20 +167,26 @@ def _summary(run_dir: Path, tally: Tally, checks: list[StepCheck]) -> dict:
     """What the schedule decided and whether the replay found every step's numbers again."""
     mismatched = [c for c in checks if not c.identical]
     return {
-        "run_dir": str(run_dir), "steps": len(checks), "identical": len(checks) - len(mismatched),
+        "run_dir": str(run_dir),
+        "steps": len(checks),
+        "identical": len(checks) - len(mismatched),
         "first_mismatch": mismatched[0].line() if mismatched else None,
-        "samples": tally.samples, "interrupted_samples": tally.interrupted,
+        "samples": tally.samples,
+        "interrupted_samples": tally.interrupted,
         "staleness": {str(k): tally.stale[k] for k in sorted(tally.stale)},
     }
 
 
 def describe(summary: dict) -> str:
     """The replay's one-line verdict for the terminal."""
-    head = (f"flash replay: {summary['steps']} steps of {summary['run_dir']} ({summary['samples']} samples, "
-            f"{summary['interrupted_samples']} interrupted by a weight update, staleness {summary['staleness']})")
+    head = (
+        f"flash replay: {summary['steps']} steps of {summary['run_dir']} ({summary['samples']} samples, "
+        f"{summary['interrupted_samples']} interrupted by a weight update, staleness {summary['staleness']})"
+    )
     bad = summary["first_mismatch"]
     if bad is None:
         return f"{head}: every step's loss and gradient norm identical"
-    detail = ", ".join(f"{k[:-9]} recorded {bad[k]!r} replayed {bad[k[:-9] + '_replayed']!r}"
-                       for k in bad if k.endswith("_recorded"))
+    detail = ", ".join(
+        f"{k[:-9]} recorded {bad[k]!r} replayed {bad[k[:-9] + '_replayed']!r}" for k in bad if k.endswith("_recorded")
+    )
     return f"{head}: step {bad['step']} differs first ({detail}); {summary['identical']} steps identical"

@@ -93,8 +93,9 @@ class Group:
         return " ".join(f"{k}={v}" for k, v in self.settings.items()) or "base"
 
 
-def group_runs(runs: Sequence[tuple[dict[str, str], dict]], metrics: Sequence[str],
-               replicate_keys: Sequence[str] = REPLICATE_KEYS) -> list[Group]:
+def group_runs(
+    runs: Sequence[tuple[dict[str, str], dict]], metrics: Sequence[str], replicate_keys: Sequence[str] = REPLICATE_KEYS
+) -> list[Group]:
     """(settings, row) per run → one `Group` per setting, in first-seen order.
 
     A row counts when its ``status`` is ``ok``; each metric's `Stat` is over the finished rows that
@@ -132,8 +133,9 @@ def judge(acc: Stat, sync_acc: Stat, tolerance: float) -> Verdict:
     return Verdict(gap, se, gap + se <= edge, gap <= edge < gap + se)
 
 
-def choose(pairs: Sequence[tuple[Group, Group]], tolerance: float, acc: str = "acc_final",
-           speed: str = "s_per_step") -> tuple[Group | None, list[tuple[Group, Verdict]]]:
+def choose(
+    pairs: Sequence[tuple[Group, Group]], tolerance: float, acc: str = "acc_final", speed: str = "s_per_step"
+) -> tuple[Group | None, list[tuple[Group, Verdict]]]:
     """(setting, its synchronous setting) pairs → (recommended setting, faster undecided ones).
 
     Recommended: the lowest mean ``speed`` among settings that qualify (a synchronous setting, paired
@@ -145,17 +147,25 @@ def choose(pairs: Sequence[tuple[Group, Group]], tolerance: float, acc: str = "a
     if not ok:
         return None, []
     best = min(ok, key=lambda g: g.stats[speed].mean)
-    undecided = [(g, v) for g, b in done if g is not b
-                 and (v := judge(g.stats[acc], b.stats[acc], tolerance)).undecided
-                 and g.stats[speed].mean < best.stats[speed].mean]
+    undecided = [
+        (g, v)
+        for g, b in done
+        if g is not b
+        and (v := judge(g.stats[acc], b.stats[acc], tolerance)).undecided
+        and g.stats[speed].mean < best.stats[speed].mean
+    ]
     return best, sorted(undecided, key=lambda gv: gv[0].stats[speed].mean)
 
 
 def spread(values: Sequence[float], digits: int = 4) -> dict[str, float | int | None]:
     """Median, mean, SE and n of a benchmark's repeats, rounded for a JSON line (SE None for n = 1)."""
     s = mean_se(values)
-    return {"median": round(statistics.median(values), digits), "mean": round(s.mean, digits),
-            "se": None if s.se is None else round(s.se, digits), "n": s.n}
+    return {
+        "median": round(statistics.median(values), digits),
+        "mean": round(s.mean, digits),
+        "se": None if s.se is None else round(s.se, digits),
+        "n": s.n,
+    }
 
 
 def paired_ratios(base: dict[tuple, float], other: dict[tuple, float]) -> list[float]:

@@ -31,12 +31,29 @@ from flash.run_files import STATE_BOUNDS, RunFileError, open_run_file, parse_jso
 log = logging.getLogger(__name__)
 
 LOGS = ("ledger", "metrics", "timeline", "eval", "schedule", "samples")  # RUN_DIR/<name>.jsonl, cut back on resume
-MAY_CHANGE = ("train.steps", "train.max_consecutive_skips", "train.workers", "train.entropy_every_steps",
-              "placement.roles.actor_train.",
-              "checkpoint.", "tracking.", "resume", "run_dir", "overwrite", "trust_checkpoint",
-              "cache_dir", "description", "eval.every_steps", "rollout.hang_timeout_s",
-              "rollout.max_engine_restarts", "rollout.max_worker_restarts", "resources.", "ray.", "data.strict",
-              "reward.max_consecutive_errors")
+MAY_CHANGE = (
+    "train.steps",
+    "train.max_consecutive_skips",
+    "train.workers",
+    "train.entropy_every_steps",
+    "placement.roles.actor_train.",
+    "checkpoint.",
+    "tracking.",
+    "resume",
+    "run_dir",
+    "overwrite",
+    "trust_checkpoint",
+    "cache_dir",
+    "description",
+    "eval.every_steps",
+    "rollout.hang_timeout_s",
+    "rollout.max_engine_restarts",
+    "rollout.max_worker_restarts",
+    "resources.",
+    "ray.",
+    "data.strict",
+    "reward.max_consecutive_errors",
+)
 
 
 def config_differences(saved: dict, now: dict) -> list[str]:
@@ -55,9 +72,11 @@ def check_same_run(now: dict, run_dir: Path) -> None:
     saved = saved_config(run_dir)
     diffs = config_differences(saved, now)
     if diffs:
-        raise ConfigError(f"resume={run_dir}: settings differ from the checkpointed run ({'; '.join(diffs[:3])}"
-                          f"{'; ...' if len(diffs) > 3 else ''}); pass the same recipe and overrides (only "
-                          f"{', '.join(MAY_CHANGE[:4])}, ... may change), or start a new run without resume")
+        raise ConfigError(
+            f"resume={run_dir}: settings differ from the checkpointed run ({'; '.join(diffs[:3])}"
+            f"{'; ...' if len(diffs) > 3 else ''}); pass the same recipe and overrides (only "
+            f"{', '.join(MAY_CHANGE[:4])}, ... may change), or start a new run without resume"
+        )
 
 
 STATE_KEYS = ("step", "version", "logs", "buffer", "scheduler", "skips", "data_skipped", "faults")
@@ -80,20 +99,27 @@ def load_state(ckpt: Path, manifest: dict) -> dict:
 
     size = manifest["files"].get(STATE, {}).get("bytes", 0)
     if size > STATE_BOUNDS.file_bytes:
-        raise ConfigError(f"checkpoint {ckpt}: {STATE} is {size} bytes, over the {STATE_BOUNDS.file_bytes >> 30} GiB "
-                          "limit of a checkpoint's state; resume from another checkpoint or start a new run")
+        raise ConfigError(
+            f"checkpoint {ckpt}: {STATE} is {size} bytes, over the {STATE_BOUNDS.file_bytes >> 30} GiB "
+            "limit of a checkpoint's state; resume from another checkpoint or start a new run"
+        )
     try:
-        state = parse_json(read_verified(ckpt, STATE, manifest["files"]), f"checkpoint {ckpt}: {STATE}",
-                           STATE_BOUNDS.depth)
+        state = parse_json(
+            read_verified(ckpt, STATE, manifest["files"]), f"checkpoint {ckpt}: {STATE}", STATE_BOUNDS.depth
+        )
     except RunFileError as exc:
         raise ConfigError(f"{exc}; resume from another checkpoint or start a new run") from None
     missing = [k for k in STATE_KEYS if k not in state]
     if missing:
-        raise ConfigError(f"checkpoint {ckpt}: state.json lacks {missing[0]!r} (edited, or written by another "
-                          "flash version); resume from another checkpoint or start a new run")
+        raise ConfigError(
+            f"checkpoint {ckpt}: state.json lacks {missing[0]!r} (edited, or written by another "
+            "flash version); resume from another checkpoint or start a new run"
+        )
     if state["step"] != manifest["step"]:
-        raise ConfigError(f"checkpoint {ckpt}: state.json is of step {state['step']!r}, its manifest of step "
-                          f"{manifest['step']}; resume from another checkpoint or start a new run")
+        raise ConfigError(
+            f"checkpoint {ckpt}: state.json is of step {state['step']!r}, its manifest of step "
+            f"{manifest['step']}; resume from another checkpoint or start a new run"
+        )
     return state
 
 
@@ -113,8 +139,16 @@ def append_event(run_dir: Path, event: str, **fields) -> None:
 
 
 # what makes a directory hold a run (a sweep's sweep_point.json or a test's log do not)
-RUN_FILES = ("config.yaml", "run.json", "ledger.jsonl", "metrics.jsonl", "summary.json", "events.jsonl",
-             "samples.jsonl", "checkpoints")
+RUN_FILES = (
+    "config.yaml",
+    "run.json",
+    "ledger.jsonl",
+    "metrics.jsonl",
+    "summary.json",
+    "events.jsonl",
+    "samples.jsonl",
+    "checkpoints",
+)
 
 
 def held_run(path: Path) -> list[str]:
@@ -143,9 +177,11 @@ def check_run_dir(cfg, resuming: bool) -> None:
         refuse_links(cfg.run_dir, "run_dir")
     held = held_run(Path(cfg.run_dir)) if cfg.run_dir and not never_ran(Path(cfg.run_dir)) else []
     if held and not resuming and not cfg.overwrite:
-        raise FlashError(f"run_dir {cfg.run_dir} already holds a run ({', '.join(held)}): continue it "
-                         f"with resume={cfg.run_dir}, pick a new run_dir, or pass overwrite=true to "
-                         f"move it aside")
+        raise FlashError(
+            f"run_dir {cfg.run_dir} already holds a run ({', '.join(held)}): continue it "
+            f"with resume={cfg.run_dir}, pick a new run_dir, or pass overwrite=true to "
+            f"move it aside"
+        )
 
 
 def make_run_dir(cfg, recipe_name: str, resuming: bool = False) -> Path:
@@ -168,7 +204,8 @@ def make_run_dir(cfg, recipe_name: str, resuming: bool = False) -> Path:
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as exc:  # a file of that name, a folder that cannot be made, no permission
-        raise FlashError(f"run_dir {path}: cannot make it a folder ({exc.strerror or exc}); pick a run_dir "
-                         f"in a folder you can write") from None
+        raise FlashError(
+            f"run_dir {path}: cannot make it a folder ({exc.strerror or exc}); pick a run_dir in a folder you can write"
+        ) from None
     refuse_links(path, "run_dir")
     return path

@@ -19,18 +19,23 @@ def resolve_resume(resume: str | None, recipe_name: str, runs_root: Path = Path(
     if not resume:
         return None
     if resume == "latest":
-        runs = sorted((p for p in runs_root.glob(f"{recipe_name}-*") if (p / "config.yaml").is_file()),
-                      key=lambda p: (p / "config.yaml").stat().st_mtime)
+        runs = sorted(
+            (p for p in runs_root.glob(f"{recipe_name}-*") if (p / "config.yaml").is_file()),
+            key=lambda p: (p / "config.yaml").stat().st_mtime,
+        )
         if not runs:
-            raise ConfigError(f"resume=latest: no run of recipe '{recipe_name}' under {runs_root}/; "
-                              f"pass resume=RUN_DIR")
+            raise ConfigError(
+                f"resume=latest: no run of recipe '{recipe_name}' under {runs_root}/; pass resume=RUN_DIR"
+            )
         refuse_links(runs[-1], "resume=latest: the run dir")
         return runs[-1]
     path = Path(resume)
     refuse_links(path, f"resume={resume}: the run dir")
     if not (path / "config.yaml").is_file():
-        raise ConfigError(f"resume={resume}: not a run dir (no config.yaml there); pass the dir a run "
-                          f"printed as 'flash: run dir ...', or resume=latest")
+        raise ConfigError(
+            f"resume={resume}: not a run dir (no config.yaml there); pass the dir a run "
+            f"printed as 'flash: run dir ...', or resume=latest"
+        )
     return path
 
 
@@ -44,12 +49,17 @@ def saved_config(run_dir: Path) -> dict:
         check_yaml(text, str(path))  # its nesting, and no alias, before it is built
         saved = OmegaConf.to_container(OmegaConf.load(io.StringIO(text)))
     except RunFileError as exc:
-        raise ConfigError(f"resume={run_dir}: {exc}; pass a run dir that flash wrote, or start a new run "
-                          "without resume") from None
+        raise ConfigError(
+            f"resume={run_dir}: {exc}; pass a run dir that flash wrote, or start a new run without resume"
+        ) from None
     except (yaml.YAMLError, OmegaConfBaseException, OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"resume={run_dir}: cannot read {path} ({str(exc).splitlines()[0][:200]}); pass a run "
-                          f"dir that flash wrote, or start a new run without resume") from None
+        raise ConfigError(
+            f"resume={run_dir}: cannot read {path} ({str(exc).splitlines()[0][:200]}); pass a run "
+            f"dir that flash wrote, or start a new run without resume"
+        ) from None
     if not isinstance(saved, dict):
-        raise ConfigError(f"resume={run_dir}: {path} is not a run's config (a mapping of settings); pass a run "
-                          f"dir that flash wrote, or start a new run without resume")
+        raise ConfigError(
+            f"resume={run_dir}: {path} is not a run's config (a mapping of settings); pass a run "
+            f"dir that flash wrote, or start a new run without resume"
+        )
     return saved

@@ -59,15 +59,21 @@ class Roles:
     reference: Any | None = None  # the placed KL reference (flash.train.reference), else None
 
     def actors(self) -> list:
-        return [a for a in dict.fromkeys([self.engine, *self.replicas, self.trainer, self.critic, self.reference])
-                if a is not None]
+        return [
+            a
+            for a in dict.fromkeys([self.engine, *self.replicas, self.trainer, self.critic, self.reference])
+            if a is not None
+        ]
 
     def dead_role(self, exc: Exception) -> str:
         """Which of the run's actors a RayActorError names (the message a user acts on): the
         trainer unless the error's actor id is another role's."""
         dead = getattr(exc, "actor_id", None)
-        named = {"critic worker": [self.critic], "reference worker": [self.reference],
-                 "rollout engine": [self.engine, *self.replicas]}
+        named = {
+            "critic worker": [self.critic],
+            "reference worker": [self.reference],
+            "rollout engine": [self.engine, *self.replicas],
+        }
         for role, actors in named.items():
             if dead and any(a is not None and a._actor_id.hex() == dead for a in actors):
                 return role
@@ -165,8 +171,7 @@ class Guards:
     steps: SkipGuard  # non-finite losses or gradients
 
 
-def start_roles(cfg: FlashConfig, model_path: str, settings: TrainerSettings,
-                threads: tuple[int, int]) -> Roles:
+def start_roles(cfg: FlashConfig, model_path: str, settings: TrainerSettings, threads: tuple[int, int]) -> Roles:
     """Place and start every role, wait until each answers, form the model-update group."""
     engine_threads, trainer_threads = threads
     plan = plan_placement(cfg.placement, engine=cfg.rollout.engine)
@@ -187,23 +192,32 @@ def start_roles(cfg: FlashConfig, model_path: str, settings: TrainerSettings,
     return Roles(placement, replicas, engine, client, trainer, critic, model_update, colocated, reference)
 
 
-def _start_engines(cfg: FlashConfig, plan: Plan, placement: Placement, model_path: str,
-                   engine_threads: int, colocated: bool) -> tuple[list, Any, EngineClient]:
+def _start_engines(
+    cfg: FlashConfig, plan: Plan, placement: Placement, model_path: str, engine_threads: int, colocated: bool
+) -> tuple[list, Any, EngineClient]:
     """The actor_infer replicas (they share the role's threads), behind a router when several, and
     the engine client: restarts up to ``max_engine_restarts`` (0: a fault stops the run at once,
     naming the knob)."""
     n = len(plan.workers["actor_infer"])
-    replicas = [start_engine(model_path, cfg.rollout.max_num_seqs, cfg.seed, max(1, engine_threads // n),
-                             engine=cfg.rollout.engine,
-                             options=engine_options(cfg, plan, placement.options("actor_infer", i), i),
-                             sleep_mode=colocated,
-                             # Ray restarts a dead replica; flash.engine.client recovers its work
-                             max_restarts=cfg.rollout.max_engine_restarts,
-                             engine_kwargs=engine_kwargs(cfg, plan, i, colocated))
-                for i in range(n)]
+    replicas = [
+        start_engine(
+            model_path,
+            cfg.rollout.max_num_seqs,
+            cfg.seed,
+            max(1, engine_threads // n),
+            engine=cfg.rollout.engine,
+            options=engine_options(cfg, plan, placement.options("actor_infer", i), i),
+            sleep_mode=colocated,
+            # Ray restarts a dead replica; flash.engine.client recovers its work
+            max_restarts=cfg.rollout.max_engine_restarts,
+            engine_kwargs=engine_kwargs(cfg, plan, i, colocated),
+        )
+        for i in range(n)
+    ]
     engine = replicas[0] if n == 1 else start_router(replicas, cfg.rollout.prompt_affinity, cfg.rollout.hang_timeout_s)
-    client = EngineClient(engine, cfg.rollout.hang_timeout_s, cfg.rollout.max_engine_restarts,
-                          replicas=replicas if n > 1 else None)
+    client = EngineClient(
+        engine, cfg.rollout.hang_timeout_s, cfg.rollout.max_engine_restarts, replicas=replicas if n > 1 else None
+    )
     return replicas, engine, client
 
 
@@ -246,8 +260,13 @@ def colocated_trainer_bytes_per_param(cfg: FlashConfig, plan: Plan) -> float:
     return per_param / max(1, len(plan.workers["actor_train"]))
 
 
-def start_trainer_role(cfg: FlashConfig, model_path: str, settings: TrainerSettings, trainer_threads: int,
-                       placement: Placement | None = None):
+def start_trainer_role(
+    cfg: FlashConfig,
+    model_path: str,
+    settings: TrainerSettings,
+    trainer_threads: int,
+    placement: Placement | None = None,
+):
     """One trainer process, or an FSDP2 group when ``train.workers`` > 1 (or a group knob) is set:
     one rank per ``actor_train`` worker, each in its own devices' placement bundle (``None``: no
     placement, as `flash replay` starts it); or the simulated trainer (``train.backend: sim``)."""
@@ -261,8 +280,9 @@ def start_trainer_role(cfg: FlashConfig, model_path: str, settings: TrainerSetti
     if group is None:
         return start_trainer(model_path, settings, cfg.seed, trainer_threads, list(cfg.plugins), options=options(0))
     ranks = [options(i) for i in range(group.workers)] if placement is not None else None
-    return start_trainer_group(model_path, settings, group, cfg.seed, trainer_threads, list(cfg.plugins),
-                               rank_options=ranks)
+    return start_trainer_group(
+        model_path, settings, group, cfg.seed, trainer_threads, list(cfg.plugins), rank_options=ranks
+    )
 
 
 def start_critic_role(cfg: FlashConfig, model_path: str, trainer_threads: int):
@@ -283,8 +303,15 @@ def start_reference_role(cfg: FlashConfig, model_path: str, threads: int, placem
     if not reference_placed(cfg):
         return None
     options = placement.options("reference", 0) if placement is not None else None
-    return start_reference(model_path, cfg.rollout.temperature, cfg.train.micro_batch_size, threads, options,
-                           cfg.model.dtype, cfg.resources.tf32)
+    return start_reference(
+        model_path,
+        cfg.rollout.temperature,
+        cfg.train.micro_batch_size,
+        threads,
+        options,
+        cfg.model.dtype,
+        cfg.resources.tf32,
+    )
 
 
 def new_guards(cfg: FlashConfig, max_prompt_tokens: int, read_skipped: dict | None = None) -> Guards:
@@ -292,7 +319,9 @@ def new_guards(cfg: FlashConfig, max_prompt_tokens: int, read_skipped: dict | No
     input guard's own, in ``data/skipped_<reason>``; under ``data.strict`` they stop the run)."""
     inputs = InputGuard(max_prompt_tokens, strict=cfg.data.strict)
     if read_skipped and cfg.data.strict:
-        raise DataError(f"data rows over the size or nesting bounds ({dict(read_skipped)}); fix or remove them, "
-                        f"or set data.strict=false to skip such rows (counted in data/skipped_<reason>)")
+        raise DataError(
+            f"data rows over the size or nesting bounds ({dict(read_skipped)}); fix or remove them, "
+            f"or set data.strict=false to skip such rows (counted in data/skipped_<reason>)"
+        )
     inputs.counts.update(read_skipped or {})
     return Guards(inputs, SkipGuard(cfg.train.max_consecutive_skips))

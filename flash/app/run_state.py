@@ -62,15 +62,17 @@ def load_trainer(trainer, ckpt: Path, files: dict[str, dict]) -> int:
 def driver_state(d: Durable, version: int) -> dict:
     """Everything but the trainer's tensors, at the quiet point after the weight push of ``version``."""
     state = snapshot_rollout(d.buffer.store, d.scheduler)
-    state.update({
-        "version": version,
-        "eval_initial": d.clock.acc0,
-        "elapsed": d.clock.elapsed(),  # time/elapsed continues from here on resume
-        "wall": d.clock.wall(),  # summary.json's wall_seconds, too
-        "skips": {"total": d.guards.steps.total, "consecutive": d.guards.steps.consecutive},
-        "data_skipped": dict(d.guards.inputs.counts),
-        "faults": {"engine": d.client.faults, "reward": d.reward_pool.faults if d.reward_pool is not None else 0},
-    })
+    state.update(
+        {
+            "version": version,
+            "eval_initial": d.clock.acc0,
+            "elapsed": d.clock.elapsed(),  # time/elapsed continues from here on resume
+            "wall": d.clock.wall(),  # summary.json's wall_seconds, too
+            "skips": {"total": d.guards.steps.total, "consecutive": d.guards.steps.consecutive},
+            "data_skipped": dict(d.guards.inputs.counts),
+            "faults": {"engine": d.client.faults, "reward": d.reward_pool.faults if d.reward_pool is not None else 0},
+        }
+    )
     return state
 
 

@@ -31,8 +31,7 @@ from flash.controllers.staleness import StalenessManager
 from flash.controllers.tail_batching import TailBatchingScheduler
 from flash.controllers.workflows.episode import Episodes
 from flash.app import resume as resume_mod, run_state
-from flash.app.data import (build_source, check_prompt_format, data_steps, load_tokenizer, max_prompt_tokens,
-                            reward_name)
+from flash.app.data import build_source, check_prompt_format, data_steps, load_tokenizer, max_prompt_tokens, reward_name
 from flash.app.evaluation import build_eval_sets, evaluate_sets, headline, set_figures
 from flash.app.preflight import preflight
 from flash.app.schedule import step_line
@@ -56,15 +55,16 @@ from flash.train.fsdp import group_settings
 from flash.cluster import pinned_threads, quiet
 
 
-
-
 def prepare_model(cfg: FlashConfig, task, on_sft_step=None) -> str:
     """The policy's initial checkpoint: ``model.path``; ``model.gguf`` converted once (flash.gguf);
     else the tiny model warm-started on the task (flash.train.sft)."""
     if cfg.model.path:
         if cfg.sft != type(cfg.sft)():
-            print(f"flash: sft: is not run with model.path (it warm-starts the built-in tiny model); the "
-                  f"policy starts from {cfg.model.path} as it is", flush=True)
+            print(
+                f"flash: sft: is not run with model.path (it warm-starts the built-in tiny model); the "
+                f"policy starts from {cfg.model.path} as it is",
+                flush=True,
+            )
         return cfg.model.path
     if cfg.model.gguf:
         from flash.gguf import gguf_checkpoint
@@ -111,22 +111,33 @@ class Run:
         self.roles = start_roles(cfg, self.model_path, trainer_settings(cfg), resolve_threads(cfg))
         B = cfg.train.prompts_per_step
         # transport local: the in-process buffer; zmq: a BufferService here and a proxy on it
-        self.buffer = RolloutBuffer(*make_buffer(cfg.buffer, int(math.ceil((cfg.async_ratio + 2) * B))),
-                                    StalenessManager(cfg.async_ratio, B))
+        self.buffer = RolloutBuffer(
+            *make_buffer(cfg.buffer, int(math.ceil((cfg.async_ratio + 2) * B))), StalenessManager(cfg.async_ratio, B)
+        )
         self.guards = new_guards(cfg, max_prompt_tokens(cfg, self.model_path), getattr(self.task, "read_skipped", None))
         self.eval_sets = build_eval_sets(cfg, self.task)
         self.reward_pool, self.scheduler = self._make_scheduler()
         self.controller = AsyncController(
-            self.roles.engine, self.roles.trainer, self.scheduler, self.buffer.buffer, self.buffer.staleness,
+            self.roles.engine,
+            self.roles.trainer,
+            self.scheduler,
+            self.buffer.buffer,
+            self.buffer.staleness,
             ControllerSettings(
-                prompts_per_step=B, interrupt=cfg.rollout.interrupt, advantage=dict(cfg.algo.advantage),
+                prompts_per_step=B,
+                interrupt=cfg.rollout.interrupt,
+                advantage=dict(cfg.algo.advantage),
                 prox=prox_mode(cfg.algo.recompute_prox, cfg.async_ratio),
                 measure_prox_error=cfg.algo.measure_prox_error,
-                pad_id=self.tokenizer.pad_token_id or 0, stream=cfg.train.stream,
+                pad_id=self.tokenizer.pad_token_id or 0,
+                stream=cfg.train.stream,
                 colocated=self.roles.colocated,
             ),
-            ledger=self.files.ledger, critic=self.roles.critic, model_update=self.roles.model_update,
-            supervisor=self.roles.client, reference=self.roles.reference,
+            ledger=self.files.ledger,
+            critic=self.roles.critic,
+            model_update=self.roles.model_update,
+            supervisor=self.roles.client,
+            reference=self.roles.reference,
         )
         self.buffer.bound_values(self.model_path, lambda: self.controller.version + 1)
         self.checkpointer = Checkpointer(self.dir, cfg.checkpoint, self.roles.trainer, cfg.train.steps, self.key)
@@ -154,11 +165,27 @@ class Run:
         ``reward.fn`` is set. Every engine call goes through the roles' engine client."""
         cfg, params, client = self.cfg, sampling_params(self.cfg, self.tokenizer), self.roles.client
         if cfg.agent.fn or self.task.agent is not None:  # agents (the user's, or the task's) through the gateway
-            return None, build_agent_scheduler(cfg, self.task, self.tokenizer, self.roles.engine, self.buffer.buffer,
-                                               self.buffer.staleness, params, client)
+            return None, build_agent_scheduler(
+                cfg,
+                self.task,
+                self.tokenizer,
+                self.roles.engine,
+                self.buffer.buffer,
+                self.buffer.staleness,
+                params,
+                client,
+            )
         if isinstance(self.task, EnvTask):  # multi-turn episodes on EnvWorker actors
-            return None, build_episode_scheduler(cfg, self.task, self.tokenizer, self.roles.engine,
-                                                 self.buffer.buffer, self.buffer.staleness, params, client)
+            return None, build_episode_scheduler(
+                cfg,
+                self.task,
+                self.tokenizer,
+                self.roles.engine,
+                self.buffer.buffer,
+                self.buffer.staleness,
+                params,
+                client,
+            )
         from flash.rewards.judge import with_default_model
         from flash.rewards.workers import pool_from_config
 
@@ -169,13 +196,23 @@ class Run:
         tail = cfg.rollout.scheduler == "tail_batching"
         cls, extra = (TailBatchingScheduler, {"tail": cfg.rollout.tail_batching}) if tail else (RolloutScheduler, {})
         return pool, cls(
-            self.roles.engine, build_source(self.task, self.tokenizer, self.guards.inputs, reward_fn),
-            self.buffer.buffer, self.buffer.staleness, params, n=cfg.rollout.n, seed=cfg.seed,
-            reward_workers=cfg.rollout.reward_workers, inject_delay_s=cfg.rollout.inject_delay_s,
-            queue_scheduling=cfg.rollout.queue_scheduling, redundancy=cfg.rollout.redundancy,
-            max_additional_prompts=cfg.rollout.max_additional_prompts, filters=cfg.rollout.filter,
-            client=client, reward_deadline_s=cfg.reward.response_deadline_s,
-            reward_errors=RewardErrors(cfg.reward.max_consecutive_errors, reward_name(cfg)), **extra,
+            self.roles.engine,
+            build_source(self.task, self.tokenizer, self.guards.inputs, reward_fn),
+            self.buffer.buffer,
+            self.buffer.staleness,
+            params,
+            n=cfg.rollout.n,
+            seed=cfg.seed,
+            reward_workers=cfg.rollout.reward_workers,
+            inject_delay_s=cfg.rollout.inject_delay_s,
+            queue_scheduling=cfg.rollout.queue_scheduling,
+            redundancy=cfg.rollout.redundancy,
+            max_additional_prompts=cfg.rollout.max_additional_prompts,
+            filters=cfg.rollout.filter,
+            client=client,
+            reward_deadline_s=cfg.reward.response_deadline_s,
+            reward_errors=RewardErrors(cfg.reward.max_consecutive_errors, reward_name(cfg)),
+            **extra,
         )
 
     def _start_durability(self) -> None:
@@ -200,8 +237,17 @@ class Run:
 
     def durable(self) -> run_state.Durable:
         """What a checkpoint holds beside the trainer's tensors (flash.app.run_state)."""
-        return run_state.Durable(self.buffer, self.scheduler, self.clock, self.guards, self.roles.client,
-                                 self.reward_pool, self.checkpointer, self.files, self.cfg.train)
+        return run_state.Durable(
+            self.buffer,
+            self.scheduler,
+            self.clock,
+            self.guards,
+            self.roles.client,
+            self.reward_pool,
+            self.checkpointer,
+            self.files,
+            self.cfg.train,
+        )
 
     def evaluate(self, tag: str, step: int, progress: Progress) -> dict[str, float]:
         """Every evaluation set's metrics (flash.app.evaluation) and the headline held-out accuracy
@@ -211,17 +257,36 @@ class Run:
         params = sampling_params(self.cfg, self.tokenizer, eval_mode=True)
         n = self.cfg.eval.n
         try:
-            metrics = evaluate_sets(self.scheduler, self.eval_sets, params, n, self.cfg.seed + 991, self.dir, step,
-                                    self.scheduler.source.decode, decode_prompt=self.tokenizer.decode,
-                                    on_progress=progress.evaluating)
+            metrics = evaluate_sets(
+                self.scheduler,
+                self.eval_sets,
+                params,
+                n,
+                self.cfg.seed + 991,
+                self.dir,
+                step,
+                self.scheduler.source.decode,
+                decode_prompt=self.tokenizer.decode,
+                on_progress=progress.evaluating,
+            )
         finally:
             progress.evaluating(None)
         metrics["eval/accuracy"] = headline(metrics, self.eval_sets, n) or 0.0
         self.clock.last_eval_s = time.monotonic() - start
         elapsed = start - self.clock.train_start if self.clock.train_start is not None else 0.0
-        self.files.eval.write(json.dumps({"tag": tag, "step": step, "elapsed": elapsed,
-                                          "accuracy": metrics["eval/accuracy"], "seconds": self.clock.last_eval_s,
-                                          "sets": {k: v for k, v in metrics.items() if k != "eval/accuracy"}}) + "\n")
+        self.files.eval.write(
+            json.dumps(
+                {
+                    "tag": tag,
+                    "step": step,
+                    "elapsed": elapsed,
+                    "accuracy": metrics["eval/accuracy"],
+                    "seconds": self.clock.last_eval_s,
+                    "sets": {k: v for k, v in metrics.items() if k != "eval/accuracy"},
+                }
+            )
+            + "\n"
+        )
         self.files.eval.flush()
         return metrics
 
@@ -248,8 +313,9 @@ def _find_checkpoint(run_dir: Path, resuming: bool, trust: bool) -> resume_mod.R
     remove_partial(run_dir / "checkpoints")  # writes a kill interrupted: never read, now gone
     state = resume_mod.load_state(ckpt, manifest) if ckpt is not None else None
     resume_mod.restore_logs(run_dir, state["logs"] if state else None)
-    resume_mod.append_event(run_dir, "resume", checkpoint=str(ckpt) if ckpt else None,
-                            step=state["step"] if state else 0, skipped=skipped)
+    resume_mod.append_event(
+        run_dir, "resume", checkpoint=str(ckpt) if ckpt else None, step=state["step"] if state else 0, skipped=skipped
+    )
     return resume_mod.ResumePoint(ckpt, state, manifest) if ckpt is not None else None
 
 
@@ -282,10 +348,19 @@ def run(cfg: FlashConfig, recipe_name: str = "run", recipe_arg: str | None = Non
 def _run(cfg: FlashConfig, recipe_name: str, heartbeat: Heartbeat, recipe_arg: str) -> dict:
     r = Run(cfg, recipe_name, heartbeat)
     start = r.clock.start_step
-    tracker = make_tracker(cfg.tracking, str(r.dir), config=to_dict(cfg), purge_step=start + 1 if r.resume_point else None)
-    progress = Progress(cfg.train.steps, cfg.tracking.progress, heartbeat, start=start,
-                        streak=logged_no_update_streak(r.dir) if r.resume_point else 0)
-    progress.write(f"flash: run dir {r.dir}" + (f" (resumed at step {start} from {r.resume_point.path})" if r.resume_point else ""))
+    tracker = make_tracker(
+        cfg.tracking, str(r.dir), config=to_dict(cfg), purge_step=start + 1 if r.resume_point else None
+    )
+    progress = Progress(
+        cfg.train.steps,
+        cfg.tracking.progress,
+        heartbeat,
+        start=start,
+        streak=logged_no_update_streak(r.dir) if r.resume_point else 0,
+    )
+    progress.write(
+        f"flash: run dir {r.dir}" + (f" (resumed at step {start} from {r.resume_point.path})" if r.resume_point else "")
+    )
     if r.roles.placement.plan.num_gpus or len(r.roles.replicas) > 1:
         progress.write(f"flash: {r.roles.placement.plan.describe()}")
     try:
@@ -303,11 +378,14 @@ def _run(cfg: FlashConfig, recipe_name: str, heartbeat: Heartbeat, recipe_arg: s
         r.scheduler.start_admission()
         train_start = r.clock.train_start = time.monotonic() - r.clock.elapsed0
         try:
-            records = r.controller.run(cfg.train.steps, on_step=lambda rec: _on_step(r, rec, tracker, progress),
-                                       start=start)
+            records = r.controller.run(
+                cfg.train.steps, on_step=lambda rec: _on_step(r, rec, tracker, progress), start=start
+            )
         except RayActorError as exc:  # engine, reward and env faults are recovered (flash.engine.client, pools)
-            raise TrainerDied(f"the {r.roles.dead_role(exc)} died ({exc.__class__.__name__}); the run stopped. "
-                              f"Resume from its last checkpoint: {resume_command(recipe_arg, r.dir)}") from exc
+            raise TrainerDied(
+                f"the {r.roles.dead_role(exc)} died ({exc.__class__.__name__}); the run stopped. "
+                f"Resume from its last checkpoint: {resume_command(recipe_arg, r.dir)}"
+            ) from exc
         r.checkpointer.wait()
         train_s = time.monotonic() - train_start
         left = r.controller.shutdown_rollout()
@@ -335,10 +413,16 @@ def _train_progress(r: Run, progress: Progress, heartbeat: Heartbeat) -> None:
     last = last_eval(r.dir)
     progress.accuracy = (last["accuracy"], last["step"]) if cfg.eval.every_steps and last else None
     eval_s = r.clock.last_eval_s or (last["seconds"] if last else 0.0)
-    progress.eta = TrainEta(cfg.train.steps, settle_steps(cfg.async_ratio), cfg.eval.every_steps, eval_s,
-                            r.clock.elapsed0)
-    heartbeat.set(phase="train", step=start, total=cfg.train.steps, time=(r.clock.elapsed0, None),
-                  accuracy=accuracy_mark(*progress.accuracy) if progress.accuracy else None)
+    progress.eta = TrainEta(
+        cfg.train.steps, settle_steps(cfg.async_ratio), cfg.eval.every_steps, eval_s, r.clock.elapsed0
+    )
+    heartbeat.set(
+        phase="train",
+        step=start,
+        total=cfg.train.steps,
+        time=(r.clock.elapsed0, None),
+        accuracy=accuracy_mark(*progress.accuracy) if progress.accuracy else None,
+    )
 
 
 def _on_step(r: Run, rec, tracker, progress) -> None:
@@ -355,8 +439,9 @@ def _on_step(r: Run, rec, tracker, progress) -> None:
         evaluated = step_metrics.eval_metrics(r.evaluate(f"step{step}", step, progress), r.clock.last_eval_s)
         rec.metrics["eval/accuracy"] = evaluated["eval/accuracy"]
     sim = (lambda logged: r.sim_steps.metrics(step, logged, rec.timeline)) if r.cfg.train.backend == "sim" else None
-    logged = step_metrics.logged_metrics(rec.metrics, evaluated, time.monotonic() - r.clock.train_start, sim,
-                                         _run_sources(r, step, rec.metrics))
+    logged = step_metrics.logged_metrics(
+        rec.metrics, evaluated, time.monotonic() - r.clock.train_start, sim, _run_sources(r, step, rec.metrics)
+    )
     tracker.log(logged, step)
     r.files.metrics.write(json.dumps({"step": step, **logged}) + "\n")
     r.files.metrics.flush()
@@ -377,15 +462,25 @@ def _run_sources(r: Run, step: int, metrics: dict[str, float]) -> list[dict[str,
     m = [r.reward_cpu(r.reward_pool.metrics())] if r.reward_pool is not None else []  # reward/calls, sandbox/...
     if r.buffer.service is not None:  # zmq transport: puts, gets, bytes, rejected_<reason>, ...
         m.append(step_metrics.service_metrics(r.buffer.service.stats()))
-    m.append(r.guards.steps.update(step, metrics.get("train/skipped", 0.0) > 0, metrics.get("train/loss", 0.0),
-                                   metrics.get("train/grad_norm", 0.0)))
+    m.append(
+        r.guards.steps.update(
+            step,
+            metrics.get("train/skipped", 0.0) > 0,
+            metrics.get("train/loss", 0.0),
+            metrics.get("train/grad_norm", 0.0),
+        )
+    )
     return [*m, r.guards.inputs.metrics(), r.checkpointer.metrics(), r.roles.client.metrics()]
 
 
 def _record_schedule(r: Run, rec) -> None:
     """The step's line in ``schedule.jsonl`` (flash.app.schedule): what `flash replay` re-trains."""
-    train = {k[len("train/"):]: v for k, v in rec.metrics.items() if k.startswith("train/")}
-    context = {"version": rec.step, "trainer_threads": resolve_threads(r.cfg)[1], "prox": r.controller.s.prox,
-               "stream": r.controller.s.stream}
+    train = {k[len("train/") :]: v for k, v in rec.metrics.items() if k.startswith("train/")}
+    context = {
+        "version": rec.step,
+        "trainer_threads": resolve_threads(r.cfg)[1],
+        "prox": r.controller.s.prox,
+        "stream": r.controller.s.stream,
+    }
     r.files.schedule.write(json.dumps(step_line(rec.step, rec.groups, train, context)) + "\n")
     r.files.schedule.flush()

@@ -42,7 +42,8 @@ def step_line(step: int, groups: list[Group], train: dict[str, float], context: 
     """The record of train step ``step``: ``groups`` in the order the step collated them,
     ``train`` the trainer's metrics, ``context`` what else the replay needs (threads, prox mode)."""
     return {
-        "step": step, **context,
+        "step": step,
+        **context,
         "train": {k: float(train[k]) for k in CHECKED if k in train},
         "groups": [_group_record(g) for g in groups],
     }
@@ -62,16 +63,19 @@ def schedule_lines(run_dir: Path, steps: int | None = None) -> Iterator[dict]:
     read within ``SCHEDULE_BOUNDS`` (flash.run_files: size, line length, nesting)."""
     path = Path(run_dir) / SCHEDULE
     if not os.path.lexists(path):
-        raise FlashError(f"{path} not found: replay needs a run dir written by `flash run` "
-                         "(it records the schedule of every step)")
+        raise FlashError(
+            f"{path} not found: replay needs a run dir written by `flash run` (it records the schedule of every step)"
+        )
     for want, (n, line) in enumerate(read_jsonl(path, SCHEDULE_BOUNDS)):
         if steps is not None and want >= steps:
             return
         if not isinstance(line.get("step"), int):
             raise FlashError(f"{path}:{n}: a schedule line is an object with an integer 'step'")
         if line["step"] != want:
-            raise FlashError(f"{path}:{n}: step {line['step']!r} where step {want} is due: steps are not 0, 1, "
-                             "2, ...: the record is incomplete")
+            raise FlashError(
+                f"{path}:{n}: step {line['step']!r} where step {want} is due: steps are not 0, 1, "
+                "2, ...: the record is incomplete"
+            )
         yield line
 
 

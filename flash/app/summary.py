@@ -77,10 +77,11 @@ def run_totals(lines: list[dict], phase_keys: list[str]) -> dict[str, Any]:
     ``time/<phase>`` of ``phase_keys`` as a mean over the steps (0 where a step lacks it)."""
     steps = [m for m in lines if isinstance(m, dict) and "staleness/max" in m]
     samples = sum(v for m in steps for k, v in m.items() if k.startswith("staleness/count_"))
-    return {"samples_trained": int(samples),
-            "max_staleness_observed": max((float(m["staleness/max"]) for m in steps), default=0.0),
-            "phase_seconds_mean": {k[5:]: sum(m.get(k, 0.0) for m in steps) / max(len(steps), 1)
-                                   for k in phase_keys}}
+    return {
+        "samples_trained": int(samples),
+        "max_staleness_observed": max((float(m["staleness/max"]) for m in steps), default=0.0),
+        "phase_seconds_mean": {k[5:]: sum(m.get(k, 0.0) for m in steps) / max(len(steps), 1) for k in phase_keys},
+    }
 
 
 def last_eval(run_dir: Path | str) -> dict | None:
@@ -112,6 +113,7 @@ def eval_record(evals: list[dict]) -> dict:
     at the first and the last (``eval_sets_initial`` / ``_final``: ``{set: {mean@n, pass@k, ...}}``)
     and the best headline accuracy of the trained ones with its step (``eval_accuracy_best``,
     ``eval_best_step``; the earliest of equals; None before any)."""
+
     def by_set(line: dict) -> dict[str, dict[str, float]]:
         out: dict[str, dict[str, float]] = {}
         for key, value in line.get("sets", {}).items():
@@ -121,10 +123,12 @@ def eval_record(evals: list[dict]) -> dict:
 
     trained = [e for e in evals if e.get("step", 0) > 0]
     best = max(trained, key=lambda e: (e["accuracy"], -e["step"]), default=None)
-    return {"eval_sets_initial": by_set(evals[0]) if evals else {},
-            "eval_sets_final": by_set(evals[-1]) if trained else {},
-            "eval_accuracy_best": best["accuracy"] if best else None,
-            "eval_best_step": best["step"] if best else None}
+    return {
+        "eval_sets_initial": by_set(evals[0]) if evals else {},
+        "eval_sets_final": by_set(evals[-1]) if trained else {},
+        "eval_accuracy_best": best["accuracy"] if best else None,
+        "eval_best_step": best["step"] if best else None,
+    }
 
 
 def _sandbox_isolation() -> str:
@@ -154,5 +158,4 @@ def versions_record() -> dict[str, str]:
     import torch
     import transformers
 
-    return {"torch": torch.__version__, "transformers": transformers.__version__,
-            "python": platform.python_version()}
+    return {"torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version()}

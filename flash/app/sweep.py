@@ -50,6 +50,7 @@ from flash.app.sweep_results import METRICS, add_speedups, collect, recommend, w
 from flash.errors import ConfigError, raise_terminated
 from flash.run_files import open_run_file, read_json, refuse_links, run_subdir, write_run_text
 
+
 @dataclass
 class Point:
     settings: dict[str, str]  # swept key -> value, as written on the command line
@@ -203,8 +204,11 @@ def _reap(running: dict, out: Path, reporter: Reporter) -> None:
         if proc.poll() is not None:
             del running[slug]
             ok = proc.returncode == 0 and (out / slug / "summary.json").is_file()
-            status = f"done in {time.monotonic() - t0:.0f}s" if ok else \
-                f"FAILED (exit {proc.returncode}; see {out / slug / 'run.log'})"
+            status = (
+                f"done in {time.monotonic() - t0:.0f}s"
+                if ok
+                else f"FAILED (exit {proc.returncode}; see {out / slug / 'run.log'})"
+            )
             reporter.line(i, f"{slug}: {status}")
 
 
@@ -260,8 +264,17 @@ def _set_aside_partial(run_dir: Path) -> None:
 def _launch(recipe: Path, p: Point, out: Path, extra: list[str]) -> subprocess.Popen:
     run_dir = out / p.slug
     _set_aside_partial(run_dir)
-    cmd = [sys.executable, "-m", "flash.app.cli", "run", str(recipe), *p.overrides, *extra,
-           f"run_dir={run_dir}", "tracking.progress=false"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "flash.app.cli",
+        "run",
+        str(recipe),
+        *p.overrides,
+        *extra,
+        f"run_dir={run_dir}",
+        "tracking.progress=false",
+    ]
     root = str(Path(__file__).resolve().parent.parent)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
     with open_run_file(run_dir / "run.log", "w") as log:
@@ -279,8 +292,15 @@ def check_options(tolerance: float, parallel: int, repeats: int) -> None:
         raise ConfigError(f"--repeats {repeats}: must be at least 1")
 
 
-def sweep(recipe: str, items: list[str], out: str | None = None, tolerance: float = 0.02,
-          parallel: int = 1, stream=None, repeats: int = 1) -> tuple[list[Point], str]:
+def sweep(
+    recipe: str,
+    items: list[str],
+    out: str | None = None,
+    tolerance: float = 0.02,
+    parallel: int = 1,
+    stream=None,
+    repeats: int = 1,
+) -> tuple[list[Point], str]:
     """Run (or resume) the sweep, write results and plots; returns the points and recommendation."""
     from flash.app.recipe_files import resolve_recipe
     from flash.app.plot import load_run, plot_runs, plot_sweep
@@ -299,14 +319,19 @@ def sweep(recipe: str, items: list[str], out: str | None = None, tolerance: floa
     add_speedups(points)
     groups = group_runs([(p.settings, p.row) for p in points], METRICS)
     recommendation = recommend(groups, tolerance)
-    header = (f"# sweep: flash sweep {recipe} {' '.join(items)}{f' --repeats {repeats}' * (repeats > 1)}\n\n"
-              f"tolerance {tolerance}; dir {sweep_dir}")
+    header = (
+        f"# sweep: flash sweep {recipe} {' '.join(items)}{f' --repeats {repeats}' * (repeats > 1)}\n\n"
+        f"tolerance {tolerance}; dir {sweep_dir}"
+    )
     table = write_results(points, groups, sweep_dir, header, recommendation)
     done = [p for p in points if p.row.get("status") == "ok"]
     if done:
         run_subdir(sweep_dir, "plots")
         plot_runs([load_run(sweep_dir / p.slug) for p in done], sweep_dir / "plots" / "runs.png")
         plot_sweep([g for g in groups if g.n], sweep_dir / "plots" / "sweep.png", tolerance)
-    print(f"{table}\n\n{recommendation}\nflash: results in {sweep_dir}/results.md, plots in {sweep_dir}/plots",
-          file=stream, flush=True)
+    print(
+        f"{table}\n\n{recommendation}\nflash: results in {sweep_dir}/results.md, plots in {sweep_dir}/plots",
+        file=stream,
+        flush=True,
+    )
     return points, recommendation

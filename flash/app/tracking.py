@@ -19,7 +19,10 @@ from flash.run_files import run_subdir
 
 # backend name -> (python package, pip extra); None: ships with flash's own requirements
 BACKENDS: dict[str, tuple[str, str] | None] = {
-    "tensorboard": None, "console": None, "wandb": ("wandb", "wandb"), "swanlab": ("swanlab", "swanlab"),
+    "tensorboard": None,
+    "console": None,
+    "wandb": ("wandb", "wandb"),
+    "swanlab": ("swanlab", "swanlab"),
 }
 
 
@@ -118,16 +121,20 @@ def check_backends(backends: list[str]) -> None:
 
     for name in backends:
         if name not in BACKENDS:
-            raise ConfigError(f"unknown tracking backend '{name}'{closest(name, list(BACKENDS))}; "
-                              f"valid: {', '.join(BACKENDS)}")
+            raise ConfigError(
+                f"unknown tracking backend '{name}'{closest(name, list(BACKENDS))}; valid: {', '.join(BACKENDS)}"
+            )
         extra = BACKENDS[name]
         if extra is not None and not _installed(extra[0]):
-            raise ConfigError(f"tracking backend '{name}' needs the '{extra[0]}' package, which is not "
-                              f"installed: pip install 'flash-rl[{extra[1]}]' (or pip install {extra[0]})")
+            raise ConfigError(
+                f"tracking backend '{name}' needs the '{extra[0]}' package, which is not "
+                f"installed: pip install 'flash-rl[{extra[1]}]' (or pip install {extra[0]})"
+            )
 
 
-def make_tracker(cfg, run_dir: str, config: dict[str, Any] | None = None,
-                 purge_step: int | None = None) -> MultiTracker:
+def make_tracker(
+    cfg, run_dir: str, config: dict[str, Any] | None = None, purge_step: int | None = None
+) -> MultiTracker:
     """The trackers ``cfg`` (a ``TrackingConfig``) selects, behind one ``MultiTracker``."""
     names = [b for b in cfg.backends if b != "tensorboard" or cfg.tensorboard]
     check_backends(names)
@@ -145,7 +152,7 @@ def tag(key: str) -> str:
     """A metric's tag in the trackers: the task's own held-out set's metrics without its name
     doubled (``eval/eval/mean@4`` is ``eval/mean@4``; a named set keeps it: ``eval/dev/mean@4``)."""
     own = f"eval/{OWN_SET}/"
-    return "eval/" + key[len(own):] if key.startswith(own) else key
+    return "eval/" + key[len(own) :] if key.startswith(own) else key
 
 
 class MultiTracker:
@@ -181,12 +188,24 @@ def pick_samples(step: int, groups: list, n: int, decode) -> list[dict]:
     reward or format bug shows at the extremes), ties in trained order."""
     ranked = sorted((s for g in groups for s in g.samples), key=lambda s: -s.reward)
     picked = [ranked[i // 2] if i % 2 == 0 else ranked[-1 - i // 2] for i in range(min(n, len(ranked)))]
-    return [{"step": step, "prompt_id": s.prompt_id, "sample": s.sample_index, "reward": s.reward,
-             "finish_reason": s.finish_reason, "prompt": decode(list(s.prompt_ids)),
-             "response": decode(list(s.response_ids))} for s in picked]
+    return [
+        {
+            "step": step,
+            "prompt_id": s.prompt_id,
+            "sample": s.sample_index,
+            "reward": s.reward,
+            "finish_reason": s.finish_reason,
+            "prompt": decode(list(s.prompt_ids)),
+            "response": decode(list(s.response_ids)),
+        }
+        for s in picked
+    ]
 
 
 def samples_markdown(samples: list[dict]) -> str:
     """The picked samples as Markdown for a text panel (TensorBoard renders it)."""
-    return "\n\n".join(f"**prompt {x['prompt_id']} sample {x['sample']}**: reward {x['reward']:.3g} "
-                        f"({x['finish_reason']})\n\n    {x['prompt']!r}\n\n    {x['response']!r}" for x in samples)
+    return "\n\n".join(
+        f"**prompt {x['prompt_id']} sample {x['sample']}**: reward {x['reward']:.3g} "
+        f"({x['finish_reason']})\n\n    {x['prompt']!r}\n\n    {x['response']!r}"
+        for x in samples
+    )

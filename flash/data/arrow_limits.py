@@ -60,8 +60,12 @@ def row_sizes(batch) -> np.ndarray:
 def _is_text(kind) -> bool:
     import pyarrow as pa
 
-    return pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_binary(kind) \
+    return (
+        pa.types.is_string(kind)
+        or pa.types.is_large_string(kind)
+        or pa.types.is_binary(kind)
         or pa.types.is_large_binary(kind)
+    )
 
 
 def _group_plan(meta, g: int) -> tuple[int, int]:
@@ -88,8 +92,10 @@ def _open_parquet(path: Path, where: str):
         text = [f.name for f in probe.schema_arrow if _is_text(f.type)]
         return pq.ParquetFile(path, read_dictionary=text)
     except (OSError, ValueError, pa.ArrowException) as exc:
-        raise ConfigError(f"{where}: {path}: cannot read as parquet: {type(exc).__name__}: "
-                          f"{str(exc).splitlines()[0][:200] if str(exc) else ''}; fix the file") from None
+        raise ConfigError(
+            f"{where}: {path}: cannot read as parquet: {type(exc).__name__}: "
+            f"{str(exc).splitlines()[0][:200] if str(exc) else ''}; fix the file"
+        ) from None
 
 
 def _too_large(pf) -> tuple[set[int], set[int]]:
@@ -115,15 +121,18 @@ def bounded_parquet(path: Path, where: str, skipped: Counter) -> Path:
     try:
         groups, rows = _too_large(pf)
     except Exception as exc:  # a page that does not decode: the parser's words, one line
-        raise ConfigError(f"{where}: {path}: cannot read as parquet: {type(exc).__name__}: "
-                          f"{str(exc).splitlines()[0][:200] if str(exc) else ''}; fix the file") from None
+        raise ConfigError(
+            f"{where}: {path}: cannot read as parquet: {type(exc).__name__}: "
+            f"{str(exc).splitlines()[0][:200] if str(exc) else ''}; fix the file"
+        ) from None
     meta = pf.metadata
     count = len(rows) + sum(meta.row_group(g).num_rows for g in groups)
     if not count:
         return path
     if count >= meta.num_rows:
-        raise ConfigError(f"{where}: every row of {path} is over {MAX_ROW_BYTES >> 20} MiB decoded "
-                          f"({count} too_large); fix the file")
+        raise ConfigError(
+            f"{where}: every row of {path} is over {MAX_ROW_BYTES >> 20} MiB decoded ({count} too_large); fix the file"
+        )
     skipped["too_large"] += count
     return _kept_parquet(path, pf, groups, rows)
 
@@ -132,6 +141,7 @@ def _kept_parquet(path: Path, pf, groups: set[int], rows: set[int]) -> Path:
     """The rows of ``path`` within the bound, written once to the datasets cache."""
     import pyarrow as pa
     import pyarrow.parquet as pq
+
     out, tmp = kept_paths(path, ".parquet", MAX_ROW_BYTES)
     if out.is_file():
         return out
@@ -185,11 +195,15 @@ def check_uncompressed(arrow_file: Path, where: str) -> None:
         with pa.memory_map(str(arrow_file)) as source:
             for message in pa.ipc.MessageReader.open_stream(source):
                 if _compressed(message.metadata.to_pybytes()):
-                    raise ConfigError(f"{where}: {arrow_file} holds compressed Arrow buffers, which datasets' "
-                                      "save_to_disk never writes; save it again with Dataset.save_to_disk")
+                    raise ConfigError(
+                        f"{where}: {arrow_file} holds compressed Arrow buffers, which datasets' "
+                        "save_to_disk never writes; save it again with Dataset.save_to_disk"
+                    )
     except (OSError, ValueError, struct.error, pa.ArrowException) as exc:
-        raise ConfigError(f"{where}: {arrow_file.parent}: cannot load the save_to_disk directory: {arrow_file.name} "
-                          f"is not an Arrow stream ({type(exc).__name__}); save it again with Dataset.save_to_disk") from None
+        raise ConfigError(
+            f"{where}: {arrow_file.parent}: cannot load the save_to_disk directory: {arrow_file.name} "
+            f"is not an Arrow stream ({type(exc).__name__}); save it again with Dataset.save_to_disk"
+        ) from None
 
 
 def bounded_saved(ds, where: str, skipped: Counter):
@@ -202,8 +216,10 @@ def bounded_saved(ds, where: str, skipped: Counter):
     if not over:
         return ds
     if len(over) >= len(ds):
-        raise ConfigError(f"{where}: every row of the save_to_disk directory is over {MAX_ROW_BYTES >> 20} MiB "
-                          f"({len(over)} too_large); fix the data")
+        raise ConfigError(
+            f"{where}: every row of the save_to_disk directory is over {MAX_ROW_BYTES >> 20} MiB "
+            f"({len(over)} too_large); fix the data"
+        )
     skipped["too_large"] += len(over)
     dropped = set(over)
     return ds.select([i for i in range(len(ds)) if i not in dropped])

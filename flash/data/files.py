@@ -27,16 +27,26 @@ from flash.data.sources import gunzipped, local_path
 from flash.data.trust import check_regular, read_meta, saved_dataset
 from flash.errors import ConfigError
 
-FORMATS = {".jsonl": "json", ".jsonl.gz": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet",
-           ".pq": "parquet"}
+FORMATS = {
+    ".jsonl": "json",
+    ".jsonl.gz": "json",
+    ".json": "json",
+    ".csv": "csv",
+    ".parquet": "parquet",
+    ".pq": "parquet",
+}
 
 
 def file_format(p: Path) -> str | None:
     """The reader for ``p`` by its suffix (``.jsonl.gz`` included), or None."""
     name = p.name.lower()
     return next((kind for suffix, kind in FORMATS.items() if name.endswith(suffix)), None)
-_HUB_HINT = ("flash reads local files only: download it first, e.g. python -c \"import datasets; "
-             "datasets.load_dataset('{name}', split='train').to_json('data.jsonl')\", then name data.jsonl")
+
+
+_HUB_HINT = (
+    'flash reads local files only: download it first, e.g. python -c "import datasets; '
+    "datasets.load_dataset('{name}', split='train').to_json('data.jsonl')\", then name data.jsonl"
+)
 
 
 def datasets_module():
@@ -53,13 +63,17 @@ def check_path(path: str, where: str = "data.train") -> Path:
     p = local_path(path, where)
     if p.is_dir():
         if not (p / "dataset_info.json").exists() and not (p / "dataset_dict.json").exists():
-            raise ConfigError(f"{where}: {path} is a directory but not one written by datasets' save_to_disk "
-                              f"(no dataset_info.json); name its files instead")
+            raise ConfigError(
+                f"{where}: {path} is a directory but not one written by datasets' save_to_disk "
+                f"(no dataset_info.json); name its files instead"
+            )
         return p
     if p.exists() and not p.is_dir():
         if file_format(p) is None:
-            raise ConfigError(f"{where}: {path}: unknown file type {p.suffix!r}; use one of "
-                              f"{sorted(FORMATS)} or a save_to_disk directory")
+            raise ConfigError(
+                f"{where}: {path}: unknown file type {p.suffix!r}; use one of "
+                f"{sorted(FORMATS)} or a save_to_disk directory"
+            )
         check_regular(p, where)
         return p
     if not p.suffix and "/" in path and not path.startswith((".", "/", "~")) and path.count("/") == 1:
@@ -76,8 +90,10 @@ def _load_one(p: Path, where: str, skipped: Counter):
         try:
             saved = ds.Dataset.load_from_disk(str(root))
         except (OSError, ValueError, KeyError, TypeError) as exc:  # arrow files that do not read (or nest too deep)
-            raise ConfigError(f"{where}: {p}: cannot load the save_to_disk directory: {_parser_words(exc)}; "
-                              "save it again with Dataset.save_to_disk") from None
+            raise ConfigError(
+                f"{where}: {p}: cannot load the save_to_disk directory: {_parser_words(exc)}; "
+                "save it again with Dataset.save_to_disk"
+            ) from None
         return bounded_saved(saved, where, skipped)
     if p.stat().st_size == 0:
         raise ConfigError(f"{p} is empty: a data file needs at least one row")
@@ -118,8 +134,10 @@ def open_rows(paths: tuple[str, ...] | list[str], where: str = "data.train", ski
     first = set(parts[0].column_names)
     for path, part in zip(paths[1:], parts[1:]):
         if set(part.column_names) != first:
-            raise ConfigError(f"{where}: {path} has columns {sorted(part.column_names)} but {paths[0]} has "
-                              f"{sorted(first)}; the files of one set must share their columns")
+            raise ConfigError(
+                f"{where}: {path} has columns {sorted(part.column_names)} but {paths[0]} has "
+                f"{sorted(first)}; the files of one set must share their columns"
+            )
     try:
         return datasets_module().concatenate_datasets(parts)
     except ValueError as exc:  # same names, incompatible types (e.g. a string column vs an int one)

@@ -62,8 +62,10 @@ def bounded_json(path: Path, where: str, skipped: Counter) -> Path:
     reason); a one-document ``.json`` too deep is a ConfigError."""
     if _one_document(path):
         if path.stat().st_size > 0 and json_depth(path.read_bytes()) > MAX_DEPTH + 1:
-            raise ConfigError(f"{where}: {path} nests deeper than {MAX_DEPTH} levels; write it as JSONL (one "
-                              f"row a line) so that rows too deep are skipped, or flatten them")
+            raise ConfigError(
+                f"{where}: {path} nests deeper than {MAX_DEPTH} levels; write it as JSONL (one "
+                f"row a line) so that rows too deep are skipped, or flatten them"
+            )
         return path
     found: Counter = Counter()
     kept = 0
@@ -76,8 +78,10 @@ def bounded_json(path: Path, where: str, skipped: Counter) -> Path:
     if not found:
         return path
     if not kept:
-        raise ConfigError(f"{where}: every row of {path} is over the bounds ({dict(found)}: rows of at most "
-                          f"{MAX_ROW_BYTES >> 20} MiB nested at most {MAX_DEPTH} levels); fix the file")
+        raise ConfigError(
+            f"{where}: every row of {path} is over the bounds ({dict(found)}: rows of at most "
+            f"{MAX_ROW_BYTES >> 20} MiB nested at most {MAX_DEPTH} levels); fix the file"
+        )
     skipped.update(found)
     return _kept_copy(path)
 

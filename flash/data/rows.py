@@ -50,10 +50,15 @@ class RowSpec:
 
 
 MAX_TEMPLATE_WIDTH = 4096  # the largest width or precision a data.template field may ask for
-_SPEC = re.compile(r"(?:(?P<fill>.)?[<>=^])?[-+ ]?z?#?0?(?P<width>\d*)[,_]?(?:\.(?P<precision>\d*))?"
-                   r"[bcdeEfFgGnosxX%]?", re.DOTALL)
-_HOW = ("fields are plain column names with an optional format spec of bounded width, e.g. "
-        "'Question: {question}' or '{id:>6}'")
+_SPEC = re.compile(
+    r"(?:(?P<fill>.)?[<>=^])?[-+ ]?z?#?0?(?P<width>\d*)[,_]?(?:\.(?P<precision>\d*))?"
+    r"[bcdeEfFgGnosxX%]?",
+    re.DOTALL,
+)
+_HOW = (
+    "fields are plain column names with an optional format spec of bounded width, e.g. "
+    "'Question: {question}' or '{id:>6}'"
+)
 
 
 @dataclass(frozen=True)
@@ -73,8 +78,9 @@ def parse_template(template: str) -> tuple[str | TemplateField, ...]:
     try:
         parsed = list(string.Formatter().parse(template))
     except ValueError as exc:
-        raise ValueError(f"data.template is not a valid format string ({exc}); write literal braces as "
-                         f"'{{{{' and '}}}}'") from None
+        raise ValueError(
+            f"data.template is not a valid format string ({exc}); write literal braces as '{{{{' and '}}}}'"
+        ) from None
     pieces: list[str | TemplateField] = []
     for literal, name, spec, conversion in parsed:
         if literal:
@@ -84,8 +90,10 @@ def parse_template(template: str) -> tuple[str | TemplateField, ...]:
         shown = "{" + name + (f"!{conversion}" if conversion else "") + (f":{spec}" if spec else "") + "}"
         shown = shown if len(shown) <= 80 else shown[:77] + "..."
         if not name.isidentifier():
-            raise ValueError(f"data.template field {shown} must be a plain column name (no attribute, "
-                             f"index or positional fields); {_HOW}")
+            raise ValueError(
+                f"data.template field {shown} must be a plain column name (no attribute, "
+                f"index or positional fields); {_HOW}"
+            )
         if conversion:
             raise ValueError(f"data.template field {shown} has a conversion (!{conversion}); drop it: {_HOW}")
         pieces.append(TemplateField(name, _checked_spec(shown, spec or "")))
@@ -102,8 +110,10 @@ def _checked_spec(shown: str, spec: str) -> str:
         raise ValueError(f"data.template field {shown} has an invalid format spec {spec!r}; {_HOW}")
     for part in ("width", "precision"):
         if match[part] and (len(match[part]) > 6 or int(match[part]) > MAX_TEMPLATE_WIDTH):
-            raise ValueError(f"data.template field {shown} asks for {part} {match[part][:12]}, over "
-                             f"{MAX_TEMPLATE_WIDTH}; use a smaller {part}")
+            raise ValueError(
+                f"data.template field {shown} asks for {part} {match[part][:12]}, over "
+                f"{MAX_TEMPLATE_WIDTH}; use a smaller {part}"
+            )
     return spec
 
 
@@ -123,8 +133,10 @@ def render_template(template: str, row: dict) -> str:
         value = _column(row, piece.name)
         if not isinstance(value, (str, int, float)):
             if piece.spec:
-                raise BadRow("wrong_type", f"column {piece.name!r} is {type(value).__name__}; a format spec "
-                                           f"applies to text and numbers only")
+                raise BadRow(
+                    "wrong_type",
+                    f"column {piece.name!r} is {type(value).__name__}; a format spec applies to text and numbers only",
+                )
             value = str(value)
         try:
             out.append(format(value, piece.spec))
@@ -141,13 +153,15 @@ def _column(row: dict, key: str):
 
 def _messages(value) -> list[dict]:
     if not isinstance(value, list) or not value:
-        raise BadRow("wrong_type", f"a chat prompt must be a non-empty list of {{role, content}}, got "
-                                   f"{type(value).__name__}")
+        raise BadRow(
+            "wrong_type", f"a chat prompt must be a non-empty list of {{role, content}}, got {type(value).__name__}"
+        )
     out = []
     for turn in value:
         if not isinstance(turn, dict) or not isinstance(turn.get("content"), str) or turn.get("role") not in ROLES:
-            raise BadRow("wrong_type", f"a chat turn must be {{role: one of {list(ROLES)}, content: text}}, "
-                                       f"got {str(turn)[:80]}")
+            raise BadRow(
+                "wrong_type", f"a chat turn must be {{role: one of {list(ROLES)}, content: text}}, got {str(turn)[:80]}"
+            )
         out.append({"role": turn["role"], "content": turn["content"]})
     return out
 
@@ -165,8 +179,11 @@ def render_prompt(row: dict, spec: RowSpec) -> str | list[dict]:
     if isinstance(prompt, str):
         if not prompt.strip():
             raise BadRow("empty", f"column {spec.prompt_key!r} is empty")
-        return prompt if spec.system_prompt is None else [
-            {"role": "system", "content": spec.system_prompt}, {"role": "user", "content": prompt}]
+        return (
+            prompt
+            if spec.system_prompt is None
+            else [{"role": "system", "content": spec.system_prompt}, {"role": "user", "content": prompt}]
+        )
     if not any(t["content"].strip() for t in prompt if t["role"] != "system"):
         raise BadRow("empty", "the chat has no non-empty turn besides the system prompt")
     if spec.system_prompt is not None and prompt[0]["role"] != "system":
@@ -183,8 +200,12 @@ def answer_text(value) -> str:
 
 
 # what flash adds to a row's other columns in ``item.meta``, replacing columns of the same name
-OWN_META = {"row": "the row number", "epoch": "the pass over the data", "split": "train or eval",
-            "reward_fn": "the reward named by data.reward_key"}
+OWN_META = {
+    "row": "the row number",
+    "epoch": "the pass over the data",
+    "split": "train or eval",
+    "reward_fn": "the reward named by data.reward_key",
+}
 
 
 def row_item(row: dict, spec: RowSpec, index: int, meta: dict) -> TaskItem:
@@ -194,8 +215,9 @@ def row_item(row: dict, spec: RowSpec, index: int, meta: dict) -> TaskItem:
     answer = answer_text(_column(row, spec.answer_key))
     extra = {k: v for k, v in row.items() if k not in (spec.prompt_key, spec.answer_key, "reward_fn")}
     if spec.reward_key is not None:
-        extra["reward_fn"] = checked_reward_name(_column(row, spec.reward_key), spec.reward_names,
-                                                 f"column {spec.reward_key!r}")
+        extra["reward_fn"] = checked_reward_name(
+            _column(row, spec.reward_key), spec.reward_names, f"column {spec.reward_key!r}"
+        )
     return TaskItem(index=index, prompt=prompt, answer=answer, meta={**extra, **meta})
 
 
@@ -211,9 +233,12 @@ def checked_reward_name(name, names: frozenset[str], where: str) -> str:
         allowed = ", ".join(sorted(names)[:12]) + (", ..." if len(names) > 12 else "")
         near = closest_names(name[:80], names, n=1)
         guess = f"did you mean {near[0]!r}? " if near else ""
-        raise BadRow("bad_reward_name", f"{where} names reward {shown!r}, which the recipe does not list "
-                                        f"(a row may name {allowed or 'none'}): {guess}list it in data.rewards "
-                                        "to allow it")
+        raise BadRow(
+            "bad_reward_name",
+            f"{where} names reward {shown!r}, which the recipe does not list "
+            f"(a row may name {allowed or 'none'}): {guess}list it in data.rewards "
+            "to allow it",
+        )
     return name
 
 

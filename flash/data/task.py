@@ -78,11 +78,15 @@ def listed_rewards(rewards) -> tuple[tuple[str, str], ...]:
     out = []
     for pair in pairs:
         if not isinstance(pair, (tuple, list)) or len(pair) != 2:
-            raise ValueError(f"data.rewards maps names to rewards, e.g. {{exact: 'my_pkg.rewards:exact'}}; got {pair!r}")
+            raise ValueError(
+                f"data.rewards maps names to rewards, e.g. {{exact: 'my_pkg.rewards:exact'}}; got {pair!r}"
+            )
         for text in pair:
             if not isinstance(text, str) or not text.strip() or len(text) > MAX_REWARD_NAME:
-                raise ValueError(f"data.rewards: {str(text)[:80]!r} must be a non-empty name of at most "
-                                 f"{MAX_REWARD_NAME} characters: {{name: 'package.module:function' or a reward name}}")
+                raise ValueError(
+                    f"data.rewards: {str(text)[:80]!r} must be a non-empty name of at most "
+                    f"{MAX_REWARD_NAME} characters: {{name: 'package.module:function' or a reward name}}"
+                )
         out.append((pair[0], pair[1]))
     return tuple(sorted(out))
 
@@ -105,8 +109,9 @@ class DatasetTask(Task):
         self._eval_rows = open_rows(options.eval, "data.eval", eval_skipped) if options.eval else None
         for where, skipped in (("data.train", self.read_skipped), ("data.eval", eval_skipped)):
             if skipped:
-                log.warning("flash: %s: rows skipped before reading (over flash.data.limits' bounds): %s", where,
-                            dict(skipped))
+                log.warning(
+                    "flash: %s: rows skipped before reading (over flash.data.limits' bounds): %s", where, dict(skipped)
+                )
         self.train_ids, self.eval_ids = self._split(len(self._rows))
         if len(self.train_ids) == 0:
             raise ValueError(f"data.train has no rows ({', '.join(options.train)})")
@@ -227,8 +232,10 @@ class DatasetTask(Task):
 
     def sft_pair(self, index: int) -> tuple[str, str]:
         if not self.options.sft_key:
-            raise ValueError("the tiny model's warm start needs demonstrations: set data.sft_key to a "
-                             "column holding them, or start from a model (model.path)")
+            raise ValueError(
+                "the tiny model's warm start needs demonstrations: set data.sft_key to a "
+                "column holding them, or start from a model (model.path)"
+            )
         item = self.item(index, "train")
         if self.options.sft_key == self.options.answer_key:  # the reference column is the demonstration
             return item.prompt, item.answer
@@ -248,9 +255,12 @@ def _warn_hidden_columns(columns: list[str]) -> None:
     reading ``item.meta['split']`` gets flash's split, not the file's."""
     hidden = sorted(set(columns) & set(OWN_META))
     if hidden:
-        log.warning("flash: dataset column(s) %s are replaced in item.meta by flash's own (%s); rename them to "
-                    "keep their values", ", ".join(hidden), ", ".join(f"{k}: {v}" for k, v in OWN_META.items()
-                                                                    if k in hidden))
+        log.warning(
+            "flash: dataset column(s) %s are replaced in item.meta by flash's own (%s); rename them to "
+            "keep their values",
+            ", ".join(hidden),
+            ", ".join(f"{k}: {v}" for k, v in OWN_META.items() if k in hidden),
+        )
 
 
 def _number(value) -> float:

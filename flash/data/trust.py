@@ -58,19 +58,24 @@ def read_meta(root: Path, name: str, where: str):
     except FileNotFoundError:
         raise ConfigError(f"{where}: {root} has no {name}; save it again with Dataset.save_to_disk") from None
     if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_META_BYTES:
-        raise ConfigError(f"{where}: {root}/{name} is not a regular file of at most {MAX_META_BYTES >> 20} MiB; "
-                          f"save it again with Dataset.save_to_disk")
+        raise ConfigError(
+            f"{where}: {root}/{name} is not a regular file of at most {MAX_META_BYTES >> 20} MiB; "
+            f"save it again with Dataset.save_to_disk"
+        )
     try:
         return json.loads(f.read_bytes())
     except (ValueError, RecursionError) as exc:
-        raise ConfigError(f"{where}: {root}/{name} is not valid JSON ({type(exc).__name__}); save it again "
-                          f"with Dataset.save_to_disk") from None
+        raise ConfigError(
+            f"{where}: {root}/{name} is not valid JSON ({type(exc).__name__}); save it again with Dataset.save_to_disk"
+        ) from None
 
 
 def _inside(root: Path, name: object, what: str, where: str) -> Path:
     if not _plain_relative(name):
-        raise ConfigError(f"{where}: {root} names {what} {str(name)[:80]!r}, which is not a plain name inside "
-                          f"the directory; save it again with Dataset.save_to_disk")
+        raise ConfigError(
+            f"{where}: {root} names {what} {str(name)[:80]!r}, which is not a plain name inside "
+            f"the directory; save it again with Dataset.save_to_disk"
+        )
     return root / str(name)
 
 
@@ -79,19 +84,23 @@ def saved_dataset(root: Path, where: str) -> Path:
     the module docstring says; ConfigError naming the fix otherwise."""
     reason = only_regular(root)
     if reason is not None:
-        raise ConfigError(f"{where}: {root}: {reason}; a save_to_disk directory must hold only its own regular "
-                          f"files: {_COPY}")
+        raise ConfigError(
+            f"{where}: {root}: {reason}; a save_to_disk directory must hold only its own regular files: {_COPY}"
+        )
     if (root / "dataset_dict.json").exists() and not (root / "state.json").exists():
         splits = read_meta(root, "dataset_dict.json", where)
         splits = splits.get("splits") if isinstance(splits, dict) else None
         if not isinstance(splits, list):
-            raise ConfigError(f"{where}: {root}/dataset_dict.json has no 'splits' list; save it again with "
-                              f"DatasetDict.save_to_disk")
+            raise ConfigError(
+                f"{where}: {root}/dataset_dict.json has no 'splits' list; save it again with DatasetDict.save_to_disk"
+            )
         for split in splits:
             _inside(root, split, "split", where)
         if "train" not in splits:
-            raise ConfigError(f"{where}: {root}: a DatasetDict without a 'train' split (it has "
-                              f"{sorted(map(str, splits))}); save the split you want with Dataset.save_to_disk")
+            raise ConfigError(
+                f"{where}: {root}: a DatasetDict without a 'train' split (it has "
+                f"{sorted(map(str, splits))}); save the split you want with Dataset.save_to_disk"
+            )
         root = root / "train"
     state = read_meta(root, "state.json", where)
     read_meta(root, "dataset_info.json", where)
@@ -101,6 +110,7 @@ def saved_dataset(root: Path, where: str) -> Path:
     for entry in files:
         f = _inside(root, entry.get("filename") if isinstance(entry, dict) else entry, "data file", where)
         if not f.is_file():
-            raise ConfigError(f"{where}: {root}: data file {f.name} is missing; save it again with "
-                              f"Dataset.save_to_disk")
+            raise ConfigError(
+                f"{where}: {root}: data file {f.name} is missing; save it again with Dataset.save_to_disk"
+            )
     return root

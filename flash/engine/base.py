@@ -87,8 +87,7 @@ def check_request(req: GenerationRequest, *, vocab_size: int, max_context: int) 
     elif p.max_new_tokens <= 0:
         why = f"max_new_tokens must be >= 1, got {p.max_new_tokens}"
     elif n + p.max_new_tokens > max_context:
-        why = (f"prompt of {n} tokens + max_new_tokens {p.max_new_tokens} exceeds the context of "
-               f"{max_context} tokens")
+        why = f"prompt of {n} tokens + max_new_tokens {p.max_new_tokens} exceeds the context of {max_context} tokens"
     elif p.temperature < 0 or not 0.0 < p.top_p <= 1.0:
         why = f"need temperature >= 0 and 0 < top_p <= 1, got {p.temperature} and {p.top_p}"
     else:

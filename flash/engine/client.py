@@ -84,9 +84,15 @@ class EngineClient:
     with the ``requeue`` and ``on_event`` hooks. ``passthrough`` is one that recovers nothing.
     """
 
-    def __init__(self, engine, hang_timeout_s: float | None, max_restarts: int,
-                 warn: Callable[[str], None] = log.warning, start_timeout_s: float = 300.0,
-                 replicas: list | None = None):
+    def __init__(
+        self,
+        engine,
+        hang_timeout_s: float | None,
+        max_restarts: int,
+        warn: Callable[[str], None] = log.warning,
+        start_timeout_s: float = 300.0,
+        replicas: list | None = None,
+    ):
         self.engine = engine  # the engine, or the Router in front of ``replicas``
         self.router = engine if replicas else None
         self.replicas = list(replicas) if replicas else [engine]
@@ -165,8 +171,9 @@ class EngineClient:
             if i < 0 or self._exhausted():  # nothing to restart: raise here, not at the next poll
                 self.recover(epochs, exc)
             elif self._start_recovering(i):
-                threading.Thread(target=self._recover_in_background, args=(i, epochs, exc), daemon=True,
-                                 name=f"recover-replica{i}").start()
+                threading.Thread(
+                    target=self._recover_in_background, args=(i, epochs, exc), daemon=True, name=f"recover-replica{i}"
+                ).start()
             return []
         with self._rec_lock:
             for i in self._recovering:
@@ -302,7 +309,8 @@ class EngineClient:
         raise EngineFailed(
             f"{self._what(i)} {kind} again after {self.max_restarts} restarts "
             f"(rollout.max_engine_restarts={self.max_restarts}); last error: {exc!r}. Raise "
-            f"rollout.max_engine_restarts, or look for what kills it (memory, a bad request)") from exc
+            f"rollout.max_engine_restarts, or look for what kills it (memory, a bad request)"
+        ) from exc
 
     def _recover(self, i: int, kind: str, exc: BaseException) -> None:
         if self._exhausted():  # the budget went to a recovery that raced with this one
@@ -312,8 +320,10 @@ class EngineClient:
         self.restarts += 1
         what = self._what(i)
         if self.restarts == 1:
-            self._warn(f"flash: {what} {kind} ({type(exc).__name__}); restarting it and requeueing its "
-                       f"requests (faults counted in faults/engine, logged once)")
+            self._warn(
+                f"flash: {what} {kind} ({type(exc).__name__}); restarting it and requeueing its "
+                f"requests (faults counted in faults/engine, logged once)"
+            )
         lost = ray.get(self.router.replica_down.remote(i)) if self.router is not None else None
         replica = self.replicas[i]
         if kind == "broken":
@@ -332,9 +342,17 @@ class EngineClient:
         if self.requeue is not None:
             requeued = self.requeue() if lost is None else self.requeue(lost)
         self.epochs[i] += 1
-        event = {"event": "engine_fault", "kind": kind, "error": type(exc).__name__, "time": wall,
-                 "recovery_s": time.monotonic() - start, "requeued": requeued, "version": self._version,
-                 "replica": i, "pid": ray.get(replica.pid.remote())}
+        event = {
+            "event": "engine_fault",
+            "kind": kind,
+            "error": type(exc).__name__,
+            "time": wall,
+            "recovery_s": time.monotonic() - start,
+            "requeued": requeued,
+            "version": self._version,
+            "replica": i,
+            "pid": ray.get(replica.pid.remote()),
+        }
         if self.router is not None:
             with self._rec_lock:
                 event["outputs_meanwhile"] = self._recovering.get(i, 0)  # the live replicas served on
@@ -350,8 +368,10 @@ class EngineClient:
                 return
             except (RayActorError, GetTimeoutError) as err:
                 if time.monotonic() >= deadline:
-                    raise EngineFailed(f"rollout engine did not come back within {self.start_timeout_s:.0f}s "
-                                       f"after it failed ({exc!r}); last error: {err!r}") from err
+                    raise EngineFailed(
+                        f"rollout engine did not come back within {self.start_timeout_s:.0f}s "
+                        f"after it failed ({exc!r}); last error: {err!r}"
+                    ) from err
                 time.sleep(0.2)
 
     def metrics(self) -> dict[str, float]:

@@ -171,10 +171,17 @@ class EngineLoop:
         with self._cv:
             self._check()
             e = self._engine
-            return {"tokens_generated": float(e.tokens_generated), "busy_s": self._busy_s, "idle_s": self._idle_s,
-                    "num_running": float(e.num_running), "num_waiting": float(e.num_waiting),
-                    "version": float(e.version), "asleep": float(e.asleep),
-                    "decode_steps": float(getattr(e, "decode_steps", 0)), **read_peak_memory(getattr(e, "_device", None))}
+            return {
+                "tokens_generated": float(e.tokens_generated),
+                "busy_s": self._busy_s,
+                "idle_s": self._idle_s,
+                "num_running": float(e.num_running),
+                "num_waiting": float(e.num_waiting),
+                "version": float(e.version),
+                "asleep": float(e.asleep),
+                "decode_steps": float(getattr(e, "decode_steps", 0)),
+                **read_peak_memory(getattr(e, "_device", None)),
+            }
 
     def busy_spans(self) -> list[list[float]]:
         """Busy spans ``[start, end]`` (``time.time()`` s) since the previous call, merged."""

@@ -262,8 +262,12 @@ class Router:
             if i in self._polls and now - since > timeout + self.hang_timeout_s:
                 del self._polls[i], self._poll_since[i]
                 self._quarantine(i)
-                return ReplicaError(f"engine replica {i} failed in get_finished: no answer for {now - since:.0f} s "
-                                    f"(rollout.hang_timeout_s={self.hang_timeout_s:g})", i, "hung")
+                return ReplicaError(
+                    f"engine replica {i} failed in get_finished: no answer for {now - since:.0f} s "
+                    f"(rollout.hang_timeout_s={self.hang_timeout_s:g})",
+                    i,
+                    "hung",
+                )
         return None
 
     def abort(self, request_ids: list[str] | None = None) -> list[GenerationOutput]:
@@ -315,8 +319,10 @@ class Router:
         idle ratio is the pool's mean), version the smallest; plus per-replica routing figures."""
         parts = self._all("stats")
         n = len(parts)
-        out = {k: float(sum(p.get(k, 0.0) for p in parts)) for k in ("tokens_generated", "num_running", "num_waiting",
-                                                                  "decode_steps", "cpu_s")}
+        out = {
+            k: float(sum(p.get(k, 0.0) for p in parts))
+            for k in ("tokens_generated", "num_running", "num_waiting", "decode_steps", "cpu_s")
+        }
         out.update({k: sum(p.get(k, 0.0) for p in parts) / n for k in ("busy_s", "idle_s")})
         out["version"] = float(min(p.get("version", 0.0) for p in parts))
         out["replicas"] = float(n)  # in service

@@ -68,8 +68,9 @@ class SamplingPlan:
         return cls(upload(t, device), tuple(groups))
 
 
-def sample(logits: torch.Tensor, seqs: list[Sampled], plan: SamplingPlan | None = None
-           ) -> tuple[torch.Tensor, torch.Tensor]:
+def sample(
+    logits: torch.Tensor, seqs: list[Sampled], plan: SamplingPlan | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Next token and its logprob per row of ``logits`` ``[rows, vocab]`` (float32).
 
     The logprob is ``log_softmax(logits / T)`` at the chosen token over the *full* vocabulary, not

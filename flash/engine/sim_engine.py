@@ -61,9 +61,18 @@ class SimSettings:
 
     @classmethod
     def from_config(cls, sim: SimConfig, replicas: int = 1) -> SimSettings:
-        return cls(cost_model(sim), instances(sim, replicas), sim.time_scale, sim.token_scale, sim.prompt_tokens,
-                   sim.length_median, sim.length_sigma, sim.max_tokens_per_step, sim.prompt_sigma,
-                   load_lengths(sim.lengths) if sim.lengths else ())
+        return cls(
+            cost_model(sim),
+            instances(sim, replicas),
+            sim.time_scale,
+            sim.token_scale,
+            sim.prompt_tokens,
+            sim.length_median,
+            sim.length_sigma,
+            sim.max_tokens_per_step,
+            sim.prompt_sigma,
+            load_lengths(sim.lengths) if sim.lengths else (),
+        )
 
 
 @dataclass(eq=False)
@@ -91,8 +100,9 @@ class _Seq:
 
     def output(self, reason: str) -> GenerationOutput:
         r = self.req
-        return GenerationOutput(r.request_id, list(r.prompt_ids), list(self.tokens), list(self.logprobs),
-                                list(self.versions), reason)
+        return GenerationOutput(
+            r.request_id, list(r.prompt_ids), list(self.tokens), list(self.logprobs), list(self.versions), reason
+        )
 
 
 class SimBatcher(BatchState):
@@ -244,8 +254,12 @@ class SimBatcher(BatchState):
         """``k`` more ids for every running response, drawn at once (``draw_tokens``); an id that is
         one of its response's stop tokens moves to the next id, and a response that ends before
         the cap ends on its first stop token."""
-        ids, logprobs = draw_tokens(np.array([q.seed & _U64 for q in running], dtype=np.uint64),
-                                    np.array([len(q.tokens) for q in running]), k, self.vocab_size)
+        ids, logprobs = draw_tokens(
+            np.array([q.seed & _U64 for q in running], dtype=np.uint64),
+            np.array([len(q.tokens) for q in running]),
+            k,
+            self.vocab_size,
+        )
         stop_ids = {t for q in running for t in q.req.params.stop_token_ids}
         hit = np.isin(ids, list(stop_ids)).any(axis=1).tolist() if stop_ids else [False] * len(running)
         for q, row, lps, fix in zip(running, ids.tolist(), logprobs.tolist(), hit):
@@ -279,8 +293,15 @@ class SimEngineWorker(LoopActor, UpdateReceiver):
     """The simulated engine as an actor: the same methods as ``EngineWorker``; ``sim`` is a
     ``SimSettings`` (or the ``sim:`` config section and ``replicas``, the engine actors sharing it)."""
 
-    def __init__(self, model_path: str, max_num_seqs: int, seed: int, threads: int,
-                 sim: SimSettings | SimConfig | None = None, replicas: int = 1):
+    def __init__(
+        self,
+        model_path: str,
+        max_num_seqs: int,
+        seed: int,
+        threads: int,
+        sim: SimSettings | SimConfig | None = None,
+        replicas: int = 1,
+    ):
         settings = sim if isinstance(sim, SimSettings) else SimSettings.from_config(sim or SimConfig(), replicas)
         self.batcher = SimBatcher(settings, model_vocab(model_path), max_num_seqs, seed)
         self._start_loop(self.batcher, self.batcher.vocab_size, MAX_CONTEXT)
@@ -290,8 +311,13 @@ class SimEngineWorker(LoopActor, UpdateReceiver):
 
     def stats(self) -> dict:
         b = self.batcher
-        return {**super().stats(), "sim_busy_s": b.sim_busy_s, "sim_sync_s": b.sim_sync_s, "sim_late_s": b.late_s,
-                "sim_tokens": float(b.tokens_generated * b.s.token_scale)}
+        return {
+            **super().stats(),
+            "sim_busy_s": b.sim_busy_s,
+            "sim_sync_s": b.sim_sync_s,
+            "sim_late_s": b.late_s,
+            "sim_tokens": float(b.tokens_generated * b.s.token_scale),
+        }
 
     def busy_spans(self) -> list[list[float]]:
         """The scaled GPU time of the steps since the last call (the loop's spans, which hold the

@@ -87,8 +87,9 @@ class _Seq:
 
     def output(self, reason: str) -> GenerationOutput:
         r = self.req
-        return GenerationOutput(r.request_id, list(r.prompt_ids), list(self.tokens), list(self.logprobs),
-                                list(self.versions), reason)
+        return GenerationOutput(
+            r.request_id, list(r.prompt_ids), list(self.tokens), list(self.logprobs), list(self.versions), reason
+        )
 
 
 def prefill_chunks(lengths: list[int], budget: int) -> list[tuple[int, int]]:
@@ -146,8 +147,9 @@ class BatchState:
 class TorchEngine(BatchState):
     """Single-threaded continuous-batching engine; see the module docstring for the design."""
 
-    def __init__(self, model, *, max_num_seqs: int = 64, version: int = 0, seed: int = 0,
-                 max_num_batched_tokens: int = 0):
+    def __init__(
+        self, model, *, max_num_seqs: int = 64, version: int = 0, seed: int = 0, max_num_batched_tokens: int = 0
+    ):
         if max_num_seqs < 1 or max_num_batched_tokens < 0:
             raise ValueError("max_num_seqs must be >= 1 and max_num_batched_tokens >= 0 (0: no budget)")
         self.model = model.eval()
@@ -171,7 +173,6 @@ class TorchEngine(BatchState):
         self.tokens_generated = 0
         self.decode_steps = 0  # batched decode iterations (flash.app.plan fits time per iteration)
         self._arrivals = 0
-
 
     def has_unfinished(self) -> bool:
         return bool(self._running or self._waiting)
@@ -263,8 +264,10 @@ class TorchEngine(BatchState):
         if self._asleep is not None:
             raise RuntimeError("the engine is asleep; call wake_up() before resume()")
         if self._missing:
-            raise RuntimeError(f"a level-2 sleep discarded the weights; push all of them before resume() "
-                               f"({len(self._missing)} missing, e.g. {sorted(self._missing)[0]!r})")
+            raise RuntimeError(
+                f"a level-2 sleep discarded the weights; push all of them before resume() "
+                f"({len(self._missing)} missing, e.g. {sorted(self._missing)[0]!r})"
+            )
         self.admitting = True
 
     def sleep(self, level: int = 1) -> dict:
@@ -283,8 +286,16 @@ class TorchEngine(BatchState):
             raise ValueError(f"sleep level must be 1 or 2, got {level}")
         if self._asleep is not None:
             return self._asleep
-        kv = 0 if self._kv is None else sum(t.numel() * t.element_size() for layer in self._kv.layers
-                                            for t in (layer.k_buf, layer.v_buf) if t is not None)
+        kv = (
+            0
+            if self._kv is None
+            else sum(
+                t.numel() * t.element_size()
+                for layer in self._kv.layers
+                for t in (layer.k_buf, layer.v_buf)
+                if t is not None
+            )
+        )
         self._requeue_running()
         weights = "kept"
         if level == 2:
@@ -296,8 +307,13 @@ class TorchEngine(BatchState):
             self.model.to("cpu")
             weights = "offloaded"
         cache = release_cached_memory(self._device)
-        self._asleep = {"level": level, "kv_bytes_released": kv, "weights": weights, "device": str(self._device),
-                        "cache_released": cache}
+        self._asleep = {
+            "level": level,
+            "kv_bytes_released": kv,
+            "weights": weights,
+            "device": str(self._device),
+            "cache_released": cache,
+        }
         return self._asleep
 
     def wake_up(self) -> dict:
@@ -314,8 +330,9 @@ class TorchEngine(BatchState):
         return info
 
     @torch.no_grad()
-    def update_weights(self, named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
-                       version: int) -> None:
+    def update_weights(
+        self, named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], version: int
+    ) -> None:
         """Copy tensors into the model's parameters/buffers in place (names as in ``state_dict``).
 
         A partial set is fine (bucketed pushes). An unknown name or a shape mismatch raises before
@@ -386,13 +403,20 @@ class TorchEngine(BatchState):
         kv.mask[r0:r1] = 0
         if width:
             ids = upload(torch.tensor([[0] * (width - len(p)) + p for p in prefixes]), self._device)
-            kv.mask[r0:r1, c0 : kv.end] = upload(torch.tensor([[0] * (width - n) + [1] * n for n in lens]),
-                                                 self._device)
+            kv.mask[r0:r1, c0 : kv.end] = upload(
+                torch.tensor([[0] * (width - n) + [1] * n for n in lens]), self._device
+            )
             mask = kv.mask[r0:r1, c0 : kv.end]
             kv.set_window(r0, r1, c0, c0)
             attn = self._attention_mask(mask, ids.shape, padded=min(lens) < width)
-            self.model(input_ids=ids, attention_mask=attn, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
-                       past_key_values=kv.cache, use_cache=True, logits_to_keep=1)
+            self.model(
+                input_ids=ids,
+                attention_mask=attn,
+                position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+                past_key_values=kv.cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
             pad = (mask == 0)[:, None, :, None]
             for layer in kv.layers:  # padding rows attended to nothing: keep their K/V clean zeros
                 layer.keys.masked_fill_(pad, 0.0)
@@ -412,8 +436,13 @@ class TorchEngine(BatchState):
         if not self._full_attention:
             return mask
         embeds = torch.empty(*shape, 0, dtype=self._dtype, device=self._device)
-        return create_causal_mask(config=self.model.config, inputs_embeds=embeds, attention_mask=mask,
-                                  past_key_values=self._kv.cache, allow_is_causal_skip=False)
+        return create_causal_mask(
+            config=self.model.config,
+            inputs_embeds=embeds,
+            attention_mask=mask,
+            past_key_values=self._kv.cache,
+            allow_is_causal_skip=False,
+        )
 
     def _plan(self) -> SamplingPlan:
         """The running batch's ``SamplingPlan``, made again only when the batch changed."""
@@ -431,9 +460,18 @@ class TorchEngine(BatchState):
         n, start, end = kv.n, kv.start, kv.end
         kv.mask[:n, end] = 1
         mask, ids = kv.mask[:n, start : end + 1], kv.pending[:n, None]
-        logits = self.model(input_ids=ids, attention_mask=self._attention_mask(mask, ids.shape, kv.padded),
-                            position_ids=kv.pos[:n, None], past_key_values=kv.cache, use_cache=True,
-                            logits_to_keep=1).logits[:, -1].float()
+        logits = (
+            self.model(
+                input_ids=ids,
+                attention_mask=self._attention_mask(mask, ids.shape, kv.padded),
+                position_ids=kv.pos[:n, None],
+                past_key_values=kv.cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+            .logits[:, -1]
+            .float()
+        )
         kv.advance()
         tokens, logprobs = sample(logits, self._running, self._plan())
         kv.pending[:n] = tokens

@@ -25,8 +25,15 @@ from flash.weights.model_update import unique_tensors
 
 
 class EngineWorker(LoopActor, UpdateReceiver):
-    def __init__(self, model_path: str, max_num_seqs: int, seed: int, threads: int, dtype: str = "float32",
-                 max_num_batched_tokens: int = 0):
+    def __init__(
+        self,
+        model_path: str,
+        max_num_seqs: int,
+        seed: int,
+        threads: int,
+        dtype: str = "float32",
+        max_num_batched_tokens: int = 0,
+    ):
         from flash.engine.torch_engine import TorchEngine
 
         torch.set_num_threads(max(1, threads))
@@ -36,9 +43,11 @@ class EngineWorker(LoopActor, UpdateReceiver):
         self._shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}  # model-update check
         self._ties = [names for names, _ in unique_tensors(model.state_dict()) if len(names) > 1]
         self._model = model  # the model-update group receives large tensors straight into it
-        self._start_loop(TorchEngine(model, max_num_seqs=max_num_seqs, seed=seed,
-                                     max_num_batched_tokens=max_num_batched_tokens), text.vocab_size,
-                         text.max_position_embeddings)
+        self._start_loop(
+            TorchEngine(model, max_num_seqs=max_num_seqs, seed=seed, max_num_batched_tokens=max_num_batched_tokens),
+            text.vocab_size,
+            text.max_position_embeddings,
+        )
 
     def get_weights(self) -> dict:
         """The weights this replica serves (CPU copies): what a check against the trainer compares.
@@ -80,9 +89,17 @@ def engine_class(engine: str):
     raise ValueError(f"unknown rollout engine {engine!r}; expected one of {ENGINES}")
 
 
-def start_engine(model_path: str, max_num_seqs: int, seed: int, threads: int, engine: str = "torch",
-                 options: dict | None = None, sleep_mode: bool = False, max_restarts: int = 0,
-                 engine_kwargs: dict | None = None):
+def start_engine(
+    model_path: str,
+    max_num_seqs: int,
+    seed: int,
+    threads: int,
+    engine: str = "torch",
+    options: dict | None = None,
+    sleep_mode: bool = False,
+    max_restarts: int = 0,
+    engine_kwargs: dict | None = None,
+):
     """The engine actor: ``torch`` (embedded, ``EngineWorker``), ``vllm`` (``VLLMEngineWorker``) or
     ``sim`` (``flash.engine.sim_engine.SimEngineWorker``: GPU time from a cost model).
 
@@ -96,7 +113,6 @@ def start_engine(model_path: str, max_num_seqs: int, seed: int, threads: int, en
     the simulator's settings).
     """
     cls = engine_class(engine)
-    actor = ray.remote(cls).options(num_cpus=0, max_concurrency=8, max_restarts=max_restarts,
-                                    **(options or {}))
+    actor = ray.remote(cls).options(num_cpus=0, max_concurrency=8, max_restarts=max_restarts, **(options or {}))
     kwargs = {"sleep_mode": True} if sleep_mode and engine == "vllm" else {}
     return actor.remote(model_path, max_num_seqs, seed, threads, **kwargs, **(engine_kwargs or {}))

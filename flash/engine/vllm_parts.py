@@ -32,8 +32,14 @@ FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 CUDA_BATCHED_TOKENS = 8192  # tokens per engine step with chunked prefill (vLLM's serving default on H100s)
 # Set in this process before vLLM starts its children (which inherit them); a value already in the
 # environment wins.
-VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_WAIT_POLICY": "PASSIVE",
-            "VLLM_LOGGING_LEVEL": "ERROR", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+VLLM_ENV = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    "OMP_WAIT_POLICY": "PASSIVE",
+    "VLLM_LOGGING_LEVEL": "ERROR",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+}
 
 
 @dataclass(eq=False)
@@ -56,8 +62,9 @@ class Req:
 
     def output(self, reason: str, error: str | None = None) -> GenerationOutput:
         r = self.req
-        return GenerationOutput(r.request_id, list(r.prompt_ids), list(self.tokens), list(self.logprobs),
-                                list(self.versions), reason, error)
+        return GenerationOutput(
+            r.request_id, list(r.prompt_ids), list(self.tokens), list(self.logprobs), list(self.versions), reason, error
+        )
 
 
 def request_seeds(device_kind: str, asked: bool | None) -> bool:
@@ -66,16 +73,24 @@ def request_seeds(device_kind: str, asked: bool | None) -> bool:
     return asked if asked is not None else device_kind != "cuda"
 
 
-def engine_args(model_path: str, dtype: str, seed: int, max_context: int, max_num_seqs: int,
-                sleep_mode: bool) -> dict:
+def engine_args(model_path: str, dtype: str, seed: int, max_context: int, max_num_seqs: int, sleep_mode: bool) -> dict:
     """The engine arguments of every device (``device_args`` and ``memory_args`` add the rest):
     processed logprobs, no tokenizer, the checkpoint's generation config ignored, flash's worker
     extension (``vllm_weights.WeightSync``), sleep mode where asked and vLLM's platform has it."""
-    return dict(model=model_path, dtype=dtype, max_model_len=max_context, max_num_seqs=max_num_seqs,
-                seed=seed, enable_prefix_caching=True, logprobs_mode="processed_logprobs",
-                skip_tokenizer_init=True, generation_config="vllm",
-                disable_log_stats=True, worker_extension_cls="flash.engine.vllm_weights.WeightSync",
-                enable_sleep_mode=sleep_mode and sleep_mode_available())
+    return dict(
+        model=model_path,
+        dtype=dtype,
+        max_model_len=max_context,
+        max_num_seqs=max_num_seqs,
+        seed=seed,
+        enable_prefix_caching=True,
+        logprobs_mode="processed_logprobs",
+        skip_tokenizer_init=True,
+        generation_config="vllm",
+        disable_log_stats=True,
+        worker_extension_cls="flash.engine.vllm_weights.WeightSync",
+        enable_sleep_mode=sleep_mode and sleep_mode_available(),
+    )
 
 
 def device_args(device_kind: str, max_context: int, max_num_seqs: int, tensor_parallel_size: int = 1) -> dict:
@@ -83,9 +98,12 @@ def device_args(device_kind: str, max_context: int, max_num_seqs: int, tensor_pa
     parallelism on CUDA; eager, whole prefills and one rank on the CPU (simulated GPUs included:
     a CPU engine runs one rank whatever its placement; see the module docstring)."""
     if device_kind == "cuda":
-        args = dict(enforce_eager=False, enable_chunked_prefill=True,
-                    max_num_batched_tokens=max(CUDA_BATCHED_TOKENS, max_num_seqs),
-                    tensor_parallel_size=tensor_parallel_size)
+        args = dict(
+            enforce_eager=False,
+            enable_chunked_prefill=True,
+            max_num_batched_tokens=max(CUDA_BATCHED_TOKENS, max_num_seqs),
+            tensor_parallel_size=tensor_parallel_size,
+        )
         if tensor_parallel_size > 1:  # the ranks are this actor's child processes, on its devices
             args["distributed_executor_backend"] = "mp"
         return args

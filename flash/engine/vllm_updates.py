@@ -46,8 +46,9 @@ class VLLMUpdates(UpdateReceiver):
             check_push(named_tensors, self._shapes, self._tied)
             named_tensors = named_tensors.items()
         sent = 0
-        for bucket in layer_buckets(named_tensors, self._shapes, self._tied, self._rpc_bucket_bytes,
-                                    torch_dtype(self._dtype)):
+        for bucket in layer_buckets(
+            named_tensors, self._shapes, self._tied, self._rpc_bucket_bytes, torch_dtype(self._dtype)
+        ):
             blob = weights_blob(bucket, self._shapes)
             await self._llm.collective_rpc("flash_load_weights", args=(blob,))
             sent += len(blob)
@@ -82,8 +83,7 @@ class VLLMUpdates(UpdateReceiver):
     def mu_members(self) -> int:
         return self._tp
 
-    def mu_join(self, group: str, backend: str, host: str, port: int, rank: int, world: int,
-                timeout_s: float) -> None:
+    def mu_join(self, group: str, backend: str, host: str, port: int, rank: int, world: int, timeout_s: float) -> None:
         self._worker_rpc("mu_join", group, backend, host, port, rank, world, timeout_s)
 
     def mu_check(self, group: str, wire: list) -> int:

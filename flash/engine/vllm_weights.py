@@ -66,8 +66,9 @@ class WeightSync(UpdateReceiver):
         """The model's parameters under vLLM's own (fused) names, as safetensors bytes."""
         from safetensors.torch import save
 
-        return save({n: p.detach().to("cpu").contiguous().clone()
-                     for n, p in self.model_runner.get_model().named_parameters()})
+        return save(
+            {n: p.detach().to("cpu").contiguous().clone() for n, p in self.model_runner.get_model().named_parameters()}
+        )
 
     def _flash_reload(self, weights: Iterable) -> None:
         from vllm.config import set_current_vllm_config
@@ -96,8 +97,7 @@ class WeightSync(UpdateReceiver):
     def _mu_device(self) -> torch.device:
         return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
-    def mu_join(self, group: str, backend: str, host: str, port: int, rank: int, world: int,
-                timeout_s: float) -> None:
+    def mu_join(self, group: str, backend: str, host: str, port: int, rank: int, world: int, timeout_s: float) -> None:
         """Join as rank ``rank`` + this worker's tensor-parallel rank: every rank receives the
         whole tensors and the model's ``load_weights`` keeps its own shard of each."""
         super().mu_join(group, backend, host, port, rank + int(getattr(self, "rank", 0)), world, timeout_s)
@@ -152,8 +152,13 @@ def checkpoint_shapes(model_path: str) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def layer_buckets(items: Iterable, shapes: Mapping, tied: set[str] | frozenset[str] = frozenset(),
-                  bucket_bytes: int = 512 << 20, dtype: torch.dtype | None = None) -> Iterator[dict]:
+def layer_buckets(
+    items: Iterable,
+    shapes: Mapping,
+    tied: set[str] | frozenset[str] = frozenset(),
+    bucket_bytes: int = 512 << 20,
+    dtype: torch.dtype | None = None,
+) -> Iterator[dict]:
     """``(name, tensor)`` pairs as buckets of whole vLLM layers, each tensor copied to the host
     in ``dtype`` (None: its own) as it arrives: a bucket is yielded before it would pass
     ``bucket_bytes`` (a layer larger than that is a bucket of its own), so at most one bucket and
@@ -192,7 +197,9 @@ def _check_tensor(name: str, tensor: torch.Tensor, shapes: Mapping) -> None:
         raise ValueError(f"{name}: shape {tuple(tensor.shape)} != model's {shapes[name]}")
 
 
-def check_push(tensors: Mapping[str, torch.Tensor], shapes: Mapping, tied: set[str] | frozenset[str] = frozenset()) -> None:
+def check_push(
+    tensors: Mapping[str, torch.Tensor], shapes: Mapping, tied: set[str] | frozenset[str] = frozenset()
+) -> None:
     """Every name known, every shape the checkpoint's, every vLLM layer whole: before any load."""
     kept = {n: t for n, t in tensors.items() if n not in tied}
     for name, tensor in kept.items():

@@ -49,8 +49,9 @@ class AgentHost:
         return os.getpid()
 
 
-def start_agent_hosts(count: int, fn_path: str, base_url: str, timeout_s: float, concurrency: int,
-                      max_restarts: int) -> list:
+def start_agent_hosts(
+    count: int, fn_path: str, base_url: str, timeout_s: float, concurrency: int, max_restarts: int
+) -> list:
     """``count`` AgentHost actors (no CPU reserved: agents mostly wait on the policy and their
     tools); a host that dies is restarted by Ray up to ``max_restarts`` times."""
     import ray

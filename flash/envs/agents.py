@@ -49,7 +49,8 @@ TOOL_TEMPLATE = (
     "</tool_call>{% endfor %}{% else %}{{ m['content'] }}{% endif %}{{ eos_token }} "
     "{% elif m['role'] == 'tool' %}r: {{ m['content'] }} "
     "{% else %}q: {{ m['content'] }} {% endif %}"
-    "{% endfor %}{% if add_generation_prompt %}a: {% endif %}")
+    "{% endfor %}{% if add_generation_prompt %}a: {% endif %}"
+)
 
 
 @dataclass
@@ -77,7 +78,7 @@ class BadReturn(ValueError):
 
 def check_return(value: Any) -> tuple[float, dict]:
     """``(reward, info)`` from what an agent returned; ``BadReturn`` for anything else."""
-    reward, info = (value if isinstance(value, tuple) and len(value) == 2 else (value, {}))
+    reward, info = value if isinstance(value, tuple) and len(value) == 2 else (value, {})
     try:
         reward = reward_value(reward)
     except BadReward as exc:
@@ -106,15 +107,24 @@ def _plain(value: Any, where: str, depth: int) -> Any:
         if bad := [k for k in value if not isinstance(k, str)]:
             raise BadReturn(f"an agent's {where} has the key {bad[0]!r}; keys are strings")
         return {k: _plain(v, f"{where}[{k!r}]", depth + 1) for k, v in value.items()}
-    raise BadReturn(f"an agent's {where} is a {type(value).__name__}; info holds JSON data (None, bool, int, "
-                    "float, str, and lists and str-keyed dicts of them)")
+    raise BadReturn(
+        f"an agent's {where} is a {type(value).__name__}; info holds JSON data (None, bool, int, "
+        "float, str, and lists and str-keyed dicts of them)"
+    )
 
 
 class AgentRunner:
     """Agents on one asyncio loop thread (see the module docstring)."""
 
-    def __init__(self, fn: Callable, base_url: str, concurrency: int = 16, timeout_s: float = 300.0,
-                 retries: int = 1, hosts: list | None = None):
+    def __init__(
+        self,
+        fn: Callable,
+        base_url: str,
+        concurrency: int = 16,
+        timeout_s: float = 300.0,
+        retries: int = 1,
+        hosts: list | None = None,
+    ):
         self.fn, self.base_url, self.timeout_s, self.retries = fn, base_url, timeout_s, retries
         self.hosts, self._turn = list(hosts or []), 0
         self.loop = asyncio.new_event_loop()
@@ -126,8 +136,13 @@ class AgentRunner:
         self._lock = threading.Lock()
         self._http = None  # the agents' shared HTTP connection pool, made on the loop
 
-    def run(self, item, open_session: Callable[[], str], close_session: Callable[[str, str], None],
-            done: Callable[[AgentResult], None]) -> Future:
+    def run(
+        self,
+        item,
+        open_session: Callable[[], str],
+        close_session: Callable[[str, str], None],
+        done: Callable[[AgentResult], None],
+    ) -> Future:
         """Start one episode: ``open_session()`` gives a session key for each attempt,
         ``close_session(key, outcome)`` ends it, ``done(result)`` hears the final result. The
         returned future can be cancelled (the episode's outcome is then ``cancelled``)."""
@@ -165,7 +180,8 @@ class AgentRunner:
             self._http = openai.DefaultAsyncHttpxClient(timeout=self.timeout_s)
         try:
             outcome, reward, info, error = await asyncio.wait_for(
-                call_agent(self.fn, self._http, self.base_url, key, self.timeout_s, item), self.timeout_s)
+                call_agent(self.fn, self._http, self.base_url, key, self.timeout_s, item), self.timeout_s
+            )
         except asyncio.TimeoutError:
             outcome, reward, info, error = "timeout", 0.0, {}, f"ran past {self.timeout_s}s"
         return AgentResult(reward, outcome, attempt, info, error)
@@ -190,8 +206,9 @@ class AgentRunner:
         self._thread.join(timeout=10)
 
 
-async def call_agent(fn: Callable, http, base_url: str, key: str, timeout_s: float,
-                     item) -> tuple[str, float, dict, str]:
+async def call_agent(
+    fn: Callable, http, base_url: str, key: str, timeout_s: float, item
+) -> tuple[str, float, dict, str]:
     """(outcome, reward, info, error) of one run of ``fn`` on session ``key`` over the pool ``http``:
     ``ok``, ``bad_return`` or ``crashed`` (the caller applies the timeout). The driver's runner and
     an agent host (flash.envs.agent_host) both call it."""

@@ -87,5 +87,4 @@ def make_env(name: str, **options: Any) -> Env:
 
 def invalid_action(observation: str, action: str, actions: tuple[str, ...]) -> StepResult:
     """The step result of an action the game does not know: the episode ends, reward 0."""
-    return StepResult(observation, 0.0, True, {"outcome": "invalid_action", "action": action,
-                                               "valid": list(actions)})
+    return StepResult(observation, 0.0, True, {"outcome": "invalid_action", "action": action, "valid": list(actions)})

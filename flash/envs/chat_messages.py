@@ -59,8 +59,9 @@ def _text(content: Any, where: str) -> str:
     """A message's content as one string: a string, null (empty) or a list of text parts."""
     if content is None or isinstance(content, str):
         return content or ""
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
-                                         and isinstance(p.get("text"), str) for p in content):
+    if isinstance(content, list) and all(
+        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
+    ):
         return "".join(p["text"] for p in content)
     raise BadMessages(f"{where}.content must be a string or a list of text parts")
 
@@ -88,8 +89,11 @@ def parse_call(raw: Any, where: str) -> dict:
     call_id = raw.get("id") or ""
     if not isinstance(call_id, str):
         raise BadMessages(f"{where}.id must be a string")
-    return {"id": call_id, "type": "function",
-            "function": {"name": fn["name"], "arguments": _arguments(fn.get("arguments"), where)}}
+    return {
+        "id": call_id,
+        "type": "function",
+        "function": {"name": fn["name"], "arguments": _arguments(fn.get("arguments"), where)},
+    }
 
 
 def parse_message(m: Any, i: int) -> dict:
@@ -110,8 +114,9 @@ def parse_message(m: Any, i: int) -> dict:
     calls = m.get("tool_calls")
     if calls:
         if m["role"] != "assistant" or not isinstance(calls, list) or len(calls) > MAX_TOOL_CALLS:
-            raise BadMessages(f"{where}.tool_calls must be a list of at most {MAX_TOOL_CALLS} calls "
-                              "on an assistant message")
+            raise BadMessages(
+                f"{where}.tool_calls must be a list of at most {MAX_TOOL_CALLS} calls on an assistant message"
+            )
         out["tool_calls"] = [parse_call(c, f"{where}.tool_calls[{j}]") for j, c in enumerate(calls)]
     elif m.get("content") is None:
         raise BadMessages(f"{where}.content must be a string (null only beside tool_calls)")
@@ -136,8 +141,10 @@ def parse_tools(raw: Any) -> list[dict] | None:
 
 
 def _turn_key(m: dict) -> tuple:
-    calls = tuple((c["function"]["name"], json.dumps(c["function"]["arguments"], sort_keys=True))
-                  for c in m.get("tool_calls") or ())
+    calls = tuple(
+        (c["function"]["name"], json.dumps(c["function"]["arguments"], sort_keys=True))
+        for c in m.get("tool_calls") or ()
+    )
     return m["role"], m.get("content") or "", calls
 
 
@@ -150,15 +157,19 @@ def reply_message(content: str, calls: list[dict]) -> dict:
     """The model's reply as a history message (what a well-behaved agent sends back)."""
     out = {"role": "assistant", "content": content}
     if calls:
-        out["tool_calls"] = [{"id": c["id"], "type": "function",
-                              "function": {"name": c["name"], "arguments": c["arguments"]}} for c in calls]
+        out["tool_calls"] = [
+            {"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
+            for c in calls
+        ]
     return out
 
 
 def openai_calls(calls: list[dict]) -> list[dict]:
     """The reply's ``tool_calls`` as OpenAI sends them (``arguments`` a JSON string)."""
-    return [{"id": c["id"], "type": "function",
-             "function": {"name": c["name"], "arguments": json.dumps(c["arguments"])}} for c in calls]
+    return [
+        {"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": json.dumps(c["arguments"])}}
+        for c in calls
+    ]
 
 
 def _checked_calls(calls: Any) -> list[dict]:
@@ -194,8 +205,11 @@ def parse_stream(body: dict) -> tuple[bool, bool]:
     stream, options = body.get("stream"), body.get("stream_options")
     if stream not in (None, True, False):
         raise BadMessages("stream must be true or false")
-    if options is not None and (not isinstance(options, dict) or set(options) - {"include_usage"}
-                                or options.get("include_usage") not in (None, True, False)):
+    if options is not None and (
+        not isinstance(options, dict)
+        or set(options) - {"include_usage"}
+        or options.get("include_usage") not in (None, True, False)
+    ):
         raise BadMessages("stream_options may only hold include_usage (true or false)")
     return bool(stream), bool((options or {}).get("include_usage"))
 
@@ -205,8 +219,12 @@ def stream_chunks(body: dict, include_usage: bool) -> list[dict]:
     generated whole (one engine request per turn), then sent as a content chunk, a tool-calls
     chunk, a finish chunk and, when asked, a usage chunk."""
     choice, chat = body["choices"][0], body["object"] == "chat.completion"
-    head = {"id": body["id"], "object": "chat.completion.chunk" if chat else "text_completion",
-            "created": body["created"], "model": body["model"]}
+    head = {
+        "id": body["id"],
+        "object": "chat.completion.chunk" if chat else "text_completion",
+        "created": body["created"],
+        "model": body["model"],
+    }
     if chat:
         msg = choice["message"]
         deltas = [{"role": "assistant", "content": msg["content"] or ""}]
@@ -215,8 +233,10 @@ def stream_chunks(body: dict, include_usage: bool) -> list[dict]:
         parts = [{"index": 0, "delta": d, "finish_reason": None, "logprobs": None} for d in deltas]
         parts.append({"index": 0, "delta": {}, "finish_reason": choice["finish_reason"], "logprobs": None})
     else:
-        parts = [{"index": 0, "text": choice["text"], "finish_reason": None, "logprobs": None},
-                 {"index": 0, "text": "", "finish_reason": choice["finish_reason"], "logprobs": None}]
+        parts = [
+            {"index": 0, "text": choice["text"], "finish_reason": None, "logprobs": None},
+            {"index": 0, "text": "", "finish_reason": choice["finish_reason"], "logprobs": None},
+        ]
     chunks = [{**head, "choices": [p]} for p in parts]
     if include_usage:
         chunks.append({**head, "choices": [], "usage": body["usage"]})

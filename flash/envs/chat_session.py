@@ -89,17 +89,18 @@ def turn_tail(assistant_ids: list[int], response_ids: list[int], stop_ids: list[
         stop = response_ids[-1]
         if stop not in assistant_ids:
             return None
-        return assistant_ids[len(assistant_ids) - assistant_ids[::-1].index(stop):]
+        return assistant_ids[len(assistant_ids) - assistant_ids[::-1].index(stop) :]
     where = [i for i, t in enumerate(assistant_ids) if t in stop_ids]
-    return assistant_ids[where[-1]:] if where else None
+    return assistant_ids[where[-1] :] if where else None
 
 
 def _fresh(ids: list[int], mode: str, **state: Any) -> Turn:
     return Turn(prompt_ids=list(ids), context=list(ids), new_segment=True, mode=mode, **state)
 
 
-def plan_chat(session: ChatSession, tokenizer: Any, messages: list[dict], tools: list[dict] | None,
-              stop_ids: list[int]) -> Turn:
+def plan_chat(
+    session: ChatSession, tokenizer: Any, messages: list[dict], tools: list[dict] | None, stop_ids: list[int]
+) -> Turn:
     """The next chat call's prompt: the session extended when the template and the agent's
     history allow it (module docstring), else a new segment with the plain render N."""
     new = render(tokenizer, messages, tools, True)
@@ -114,10 +115,10 @@ def plan_chat(session: ChatSession, tokenizer: Any, messages: list[dict], tools:
     if full[: len(prev)] != prev or new[: len(full)] != full:
         return _fresh(new, "chat", **state)
     seg = session.segments[-1]
-    tail = turn_tail(full[len(prev):], seg.response_ids, stop_ids)
+    tail = turn_tail(full[len(prev) :], seg.response_ids, stop_ids)
     if tail is None:
         return _fresh(new, "chat", **state)
-    context = tail + new[len(full):]
+    context = tail + new[len(full) :]
     return Turn(prompt_ids=seg.tokens + context, context=context, new_segment=False, mode="chat", **state)
 
 
@@ -127,9 +128,8 @@ def plan_completion(session: ChatSession, tokenizer: Any, prompt: str, raw: bool
     said = session.text
     if session.segments and session.mode == "completion" and prompt.startswith(said) and prompt != said:
         seg = session.segments[-1]
-        context = _encode(tokenizer, prompt[len(said):], raw)
-        return Turn(prompt_ids=seg.tokens + context, context=context, new_segment=False,
-                    mode="completion", text=prompt)
+        context = _encode(tokenizer, prompt[len(said) :], raw)
+        return Turn(prompt_ids=seg.tokens + context, context=context, new_segment=False, mode="completion", text=prompt)
     return _fresh(_encode(tokenizer, prompt, raw), "completion", text=prompt)
 
 
@@ -139,8 +139,15 @@ def _encode(tokenizer: Any, text: str, raw: bool) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=False)) if raw else text_ids(tokenizer, text)
 
 
-def record(session: ChatSession, turn: Turn, response_ids: list[int], logprobs: list[float],
-           versions: list[int], reply: str, calls: list[dict] | None = None) -> None:
+def record(
+    session: ChatSession,
+    turn: Turn,
+    response_ids: list[int],
+    logprobs: list[float],
+    versions: list[int],
+    reply: str,
+    calls: list[dict] | None = None,
+) -> None:
     """Append one finished call: its context (mask 0, logprob 0.0, dated by the first sampled
     token's version) and its sampled tokens (mask 1, the engine's logprobs and versions).
     ``reply`` and ``calls``: what the agent was answered (content, parsed tool calls)."""

@@ -56,8 +56,10 @@ def demonstration_messages(demo: Any) -> list[dict]:
     if isinstance(demo, str):
         demo = [{"role": "assistant", "content": demo}]
     if not isinstance(demo, (list, tuple)) or not demo:
-        raise DemonstrationError("a demonstration is the reply (a string) or the turns after the prompt "
-                                 f"(a list of chat messages), got {type(demo).__name__}")
+        raise DemonstrationError(
+            "a demonstration is the reply (a string) or the turns after the prompt "
+            f"(a list of chat messages), got {type(demo).__name__}"
+        )
     if len(demo) > MAX_MESSAGES or _chars(demo) > MAX_CHARS:
         raise DemonstrationError(f"a demonstration holds at most {MAX_MESSAGES} messages and {MAX_CHARS} characters")
     try:
@@ -69,8 +71,9 @@ def demonstration_messages(demo: Any) -> list[dict]:
     return messages
 
 
-def assistant_text(template: str, messages: list[dict], message: dict, tools: list[dict] | None,
-                   bos: str, eos: str) -> str:
+def assistant_text(
+    template: str, messages: list[dict], message: dict, tools: list[dict] | None, bos: str, eos: str
+) -> str:
     """What the model writes for assistant turn ``message`` after ``messages``: the template's
     rendering of the chat with it, less the rendering up to its generation prompt, cut at the
     end-of-turn token ``eos``."""
@@ -80,24 +83,27 @@ def assistant_text(template: str, messages: list[dict], message: dict, tools: li
         return bounded_render(template, "the task's chat template", **context)
 
     head = render(messages=messages, tools=tools, add_generation_prompt=True, bos_token=bos, eos_token=eos)
-    full = render(messages=[*messages, message], tools=tools, add_generation_prompt=False, bos_token=bos,
-                  eos_token=eos)
+    full = render(messages=[*messages, message], tools=tools, add_generation_prompt=False, bos_token=bos, eos_token=eos)
     if not full.startswith(head):
-        raise DemonstrationError("the chat template renders an assistant turn that does not follow its generation "
-                                 "prompt; a demonstration cannot be cut out of it")
-    body = full[len(head):]
+        raise DemonstrationError(
+            "the chat template renders an assistant turn that does not follow its generation "
+            "prompt; a demonstration cannot be cut out of it"
+        )
+    body = full[len(head) :]
     cut = body.rfind(eos)
     return body[:cut] if cut >= 0 else body.rstrip()
 
 
-def demonstration_turns(prompt: Any, demo: Any, tools: list[dict] | None, template: str,
-                        bos: str = "<bos>", eos: str = "<eos>") -> list[tuple[dict, str]]:
+def demonstration_turns(
+    prompt: Any, demo: Any, tools: list[dict] | None, template: str, bos: str = "<bos>", eos: str = "<eos>"
+) -> list[tuple[dict, str]]:
     """Warm-start pairs ``({"messages", "tools"}, text)``, one per assistant turn of ``demo``."""
     context, turns = prompt_messages(prompt), demonstration_messages(demo)
     pairs = []
     for i, message in enumerate(turns):
         if message["role"] == "assistant":
             before = context + turns[:i]
-            pairs.append(({"messages": before, "tools": tools},
-                          assistant_text(template, before, message, tools, bos, eos)))
+            pairs.append(
+                ({"messages": before, "tools": tools}, assistant_text(template, before, message, tools, bos, eos))
+            )
     return pairs

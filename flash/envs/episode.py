@@ -37,12 +37,11 @@ class Transcript:
     reward: float = 0.0
 
 
-def add_turn(t: Transcript, token_ids: list[int], logprobs: list[float], versions: list[int],
-             version_now: int) -> None:
+def add_turn(t: Transcript, token_ids: list[int], logprobs: list[float], versions: list[int], version_now: int) -> None:
     """Append an LLM turn (trained on) and date the observation tokens before it with its version."""
     first = versions[0] if versions else version_now
     if t.unversioned:
-        t.trace.versions[-t.unversioned:] = [first] * t.unversioned
+        t.trace.versions[-t.unversioned :] = [first] * t.unversioned
         t.unversioned = 0
     t.trace.extend(token_ids, logprobs, versions, trained=True)
 
@@ -53,17 +52,27 @@ def add_observation(t: Transcript, obs_ids: list[int]) -> None:
     t.unversioned += len(obs_ids)
 
 
-def to_sample(t: Transcript, *, prompt_id: int, sample_index: int, admitted_version: int,
-              outcome: str, meta: dict) -> Sample:
+def to_sample(
+    t: Transcript, *, prompt_id: int, sample_index: int, admitted_version: int, outcome: str, meta: dict
+) -> Sample:
     """The finished episode as a ``Sample`` (reward = the episode's total reward).
 
     Observation tokens after the last LLM turn (an episode cut by a refused request) are dropped:
     no turn read them, so they are neither context nor trained on."""
     return t.trace.to_sample(
-        prompt_id=prompt_id, sample_index=sample_index, reward=t.reward, finish_reason=outcome,
-        admitted_version=admitted_version, keep=len(t.trace.response_ids) - t.unversioned,
-        meta={**meta, "outcome": outcome, "turns": len(t.actions), "actions": list(t.actions),
-              "observations": list(t.observations)},
+        prompt_id=prompt_id,
+        sample_index=sample_index,
+        reward=t.reward,
+        finish_reason=outcome,
+        admitted_version=admitted_version,
+        keep=len(t.trace.response_ids) - t.unversioned,
+        meta={
+            **meta,
+            "outcome": outcome,
+            "turns": len(t.actions),
+            "actions": list(t.actions),
+            "observations": list(t.observations),
+        },
     )
 
 

@@ -89,15 +89,31 @@ class _Entry:
 class Gateway:
     """The HTTP server and its sessions (module docstring); thread-safe public methods."""
 
-    def __init__(self, tokenizer: Any, generate: Generate, host: str = "127.0.0.1", port: int = 0, *,
-                 max_body_bytes: int = MiB, max_tokens_cap: int = 4096, default_max_tokens: int | None = None,
-                 stop_token_ids: list[int] | None = None, model_name: str = "flash-policy",
-                 allow_remote: bool = False, workers: int = 8, tool_parser: str | None = "hermes",
-                 header_timeout_s: float = 30.0, body_timeout_s: float = 60.0, max_connections: int = 16,
-                 raw_completion_prompts: bool = False):
+    def __init__(
+        self,
+        tokenizer: Any,
+        generate: Generate,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        max_body_bytes: int = MiB,
+        max_tokens_cap: int = 4096,
+        default_max_tokens: int | None = None,
+        stop_token_ids: list[int] | None = None,
+        model_name: str = "flash-policy",
+        allow_remote: bool = False,
+        workers: int = 8,
+        tool_parser: str | None = "hermes",
+        header_timeout_s: float = 30.0,
+        body_timeout_s: float = 60.0,
+        max_connections: int = 16,
+        raw_completion_prompts: bool = False,
+    ):
         if not allow_remote and not is_loopback(host):
-            raise ValueError(f"host {host!r} is not loopback: pass allow_remote=True to listen beyond this "
-                             "machine (every call still needs a session key)")
+            raise ValueError(
+                f"host {host!r} is not loopback: pass allow_remote=True to listen beyond this "
+                "machine (every call still needs a session key)"
+            )
         if max_tokens_cap < 1 or max_body_bytes < 1 or max_connections < 1:
             raise ValueError("max_tokens_cap, max_body_bytes and max_connections must be >= 1")
         if not (header_timeout_s > 0 and body_timeout_s > 0):
@@ -139,8 +155,13 @@ class Gateway:
 
     async def _listen(self) -> int:
         app = web.Application(client_max_size=self.max_body_bytes, middlewares=[self._guard])
-        app.add_routes([web.post("/v1/chat/completions", self._chat), web.post("/v1/completions", self._text),
-                        web.get("/v1/models", self._models)])
+        app.add_routes(
+            [
+                web.post("/v1/chat/completions", self._chat),
+                web.post("/v1/completions", self._text),
+                web.get("/v1/models", self._models),
+            ]
+        )
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
         family, kind, proto, _, addr = socket.getaddrinfo(self.host, self.port, type=socket.SOCK_STREAM)[0]
@@ -194,18 +215,31 @@ class Gateway:
         with self._lock:
             entry = self._sessions.pop(key)
         s = entry.state
-        return {"meta": entry.meta, "segments": list(s.segments), "calls": list(entry.calls),
-                "new_segments": s.new_segments, "tokens_in": sum(c["prompt_tokens"] for c in entry.calls),
-                "tokens_out": sum(c["completion_tokens"] for c in entry.calls)}
+        return {
+            "meta": entry.meta,
+            "segments": list(s.segments),
+            "calls": list(entry.calls),
+            "new_segments": s.new_segments,
+            "tokens_in": sum(c["prompt_tokens"] for c in entry.calls),
+            "tokens_out": sum(c["completion_tokens"] for c in entry.calls),
+        }
 
     def metrics(self) -> dict[str, int]:
         """Counters: ``calls``, ``refused/<reason>``, ``idle_closed`` (flash.envs.conn_guard),
         ``new_segments``, ``tokens_in``, ``tokens_out``, ``tool_calls`` (parsed from replies),
         ``tool_parse_errors`` (replies left as plain content); ``connections_open`` now."""
         with self._lock:
-            return {"calls": 0, "new_segments": 0, "tokens_in": 0, "tokens_out": 0, "tool_calls": 0,
-                    "tool_parse_errors": 0, **self._metrics,
-                    "sessions_open": len(self._sessions), "connections_open": self._conns.open_connections()}
+            return {
+                "calls": 0,
+                "new_segments": 0,
+                "tokens_in": 0,
+                "tokens_out": 0,
+                "tool_calls": 0,
+                "tool_parse_errors": 0,
+                **self._metrics,
+                "sessions_open": len(self._sessions),
+                "connections_open": self._conns.open_connections(),
+            }
 
     def _count(self, deltas: dict[str, int]) -> None:
         with self._lock:
@@ -240,8 +274,9 @@ class Gateway:
         with self._lock:
             entry = self._sessions.get(key) if key else None
         if entry is None:
-            raise Refused(401, "unauthorized", "unknown or closed session key: open a session and pass "
-                                               "its key as the API key")
+            raise Refused(
+                401, "unauthorized", "unknown or closed session key: open a session and pass its key as the API key"
+            )
         return key, entry
 
     async def _body(self, request: web.Request) -> dict:
@@ -252,16 +287,20 @@ class Gateway:
         except web.HTTPRequestEntityTooLarge:
             raise Refused(413, "too_large", f"the body is over {self.max_body_bytes} bytes") from None
         except asyncio.TimeoutError:
-            raise Refused(408, "body_timeout", f"the body did not arrive within {self.body_timeout_s:g} s: "
-                                               "send it whole, at once") from None
+            raise Refused(
+                408, "body_timeout", f"the body did not arrive within {self.body_timeout_s:g} s: send it whole, at once"
+            ) from None
         return parse_body(raw)
 
     @contextlib.contextmanager
     def _slot(self, entry: _Entry):
         """One of the session's ``max_connections`` requests in flight (each holds a connection), or 429."""
         if entry.open >= self.max_connections:
-            raise Refused(429, "too_many_connections", f"this session has {entry.open} requests open, the most "
-                                                       "one episode may: wait for an answer first")
+            raise Refused(
+                429,
+                "too_many_connections",
+                f"this session has {entry.open} requests open, the most one episode may: wait for an answer first",
+            )
         entry.open += 1
         try:
             yield
@@ -270,8 +309,9 @@ class Gateway:
 
     async def _models(self, request: web.Request) -> web.Response:
         self._entry(request)
-        return web.json_response({"object": "list", "data": [
-            {"id": self.model_name, "object": "model", "created": 0, "owned_by": "flash"}]})
+        return web.json_response(
+            {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0, "owned_by": "flash"}]}
+        )
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         key, entry = self._entry(request)
@@ -286,8 +326,19 @@ class Gateway:
             raise bad_request(str(exc), exc.reason) from None
         params, stream = self._params(body), self._stream(body)
         parser = self.tool_parser if tools and body.get("tool_choice") != "none" else None
-        response = await self._serve(key, entry, "chat", params, plan_chat, entry.state, self.tokenizer,
-                                     messages, tools, self.stop_token_ids, parser=parser)
+        response = await self._serve(
+            key,
+            entry,
+            "chat",
+            params,
+            plan_chat,
+            entry.state,
+            self.tokenizer,
+            messages,
+            tools,
+            self.stop_token_ids,
+            parser=parser,
+        )
         return await self._answer(request, response, stream)
 
     async def _text(self, request: web.Request) -> web.StreamResponse:
@@ -295,8 +346,9 @@ class Gateway:
         with self._slot(entry):
             body = await self._body(request)
             prompt, params, stream = parse_prompt(body.get("prompt")), self._params(body), self._stream(body)
-            response = await self._serve(key, entry, "text", params, plan_completion, entry.state, self.tokenizer,
-                                         prompt, self.raw)
+            response = await self._serve(
+                key, entry, "text", params, plan_completion, entry.state, self.tokenizer, prompt, self.raw
+            )
             return await self._answer(request, response, stream)
 
     @staticmethod
@@ -320,11 +372,20 @@ class Gateway:
         return out
 
     def _params(self, body: dict) -> SamplingParams:
-        return parse_sampling(body, cap=self.max_tokens_cap, default_max=self.default_max_tokens,
-                              stop_ids=self.stop_token_ids)
+        return parse_sampling(
+            body, cap=self.max_tokens_cap, default_max=self.default_max_tokens, stop_ids=self.stop_token_ids
+        )
 
-    async def _serve(self, key: str, entry: _Entry, route: str, params: SamplingParams,
-                     plan: Callable[..., Turn], *args: Any, parser: str | None = None) -> dict:
+    async def _serve(
+        self,
+        key: str,
+        entry: _Entry,
+        route: str,
+        params: SamplingParams,
+        plan: Callable[..., Turn],
+        *args: Any,
+        parser: str | None = None,
+    ) -> dict:
         """One call: plan the prompt, generate, record; the response body (one call per session at a time);
         ``parser`` splits a chat reply into content and tool calls (flash.envs.chat_messages)."""
         loop = asyncio.get_running_loop()
@@ -347,27 +408,45 @@ class Gateway:
                 return fn(*args)
             except Exception as exc:  # noqa: BLE001 - jinja and tokenizer errors are bad input
                 first = str(exc).splitlines()[0] if str(exc) else ""
-                raise bad_request(f"the tokenizer or chat template could not process the request: "
-                           f"{type(exc).__name__}: {first}"[:300],
-                           "special_token" if isinstance(exc, SpecialTokenInText) else "template") from None
+                raise bad_request(
+                    f"the tokenizer or chat template could not process the request: {type(exc).__name__}: {first}"[
+                        :300
+                    ],
+                    "special_token" if isinstance(exc, SpecialTokenInText) else "template",
+                ) from None
 
     def _reply_text(self, ids: list[int]) -> str:
         """The reply as text: the trailing stop token dropped, special tokens skipped."""
         ids = ids[:-1] if ids and ids[-1] in self.stop_token_ids else ids
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def _record(self, key: str, entry: _Entry, turn: Turn, out: GenerationOutput, text: str,
-                calls: list[dict], failed: bool) -> None:
+    def _record(
+        self, key: str, entry: _Entry, turn: Turn, out: GenerationOutput, text: str, calls: list[dict], failed: bool
+    ) -> None:
         with self._lock:
             if self._sessions.get(key) is not entry:
                 raise Refused(401, "unauthorized", "the session was closed during the call")
             segments = len(entry.state.segments)
             record(entry.state, turn, out.token_ids, out.logprobs, out.versions, text, calls)
             restarted = bool(turn.new_segment and segments)
-            entry.calls.append({"route": turn.mode, "prompt_tokens": len(turn.prompt_ids),
-                                "completion_tokens": len(out.token_ids), "finish_reason": out.finish_reason,
-                                "new_segment": turn.new_segment, "segment": len(entry.state.segments) - 1,
-                                "tool_calls": len(calls)})
-            self._metrics.update({"calls": 1, "new_segments": int(restarted), "tool_calls": len(calls),
-                                  "tool_parse_errors": int(failed),
-                                  "tokens_in": len(turn.prompt_ids), "tokens_out": len(out.token_ids)})
+            entry.calls.append(
+                {
+                    "route": turn.mode,
+                    "prompt_tokens": len(turn.prompt_ids),
+                    "completion_tokens": len(out.token_ids),
+                    "finish_reason": out.finish_reason,
+                    "new_segment": turn.new_segment,
+                    "segment": len(entry.state.segments) - 1,
+                    "tool_calls": len(calls),
+                }
+            )
+            self._metrics.update(
+                {
+                    "calls": 1,
+                    "new_segments": int(restarted),
+                    "tool_calls": len(calls),
+                    "tool_parse_errors": int(failed),
+                    "tokens_in": len(turn.prompt_ids),
+                    "tokens_out": len(out.token_ids),
+                }
+            )

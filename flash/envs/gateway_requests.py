@@ -98,8 +98,9 @@ def parse_sampling(body: dict, *, cap: int, default_max: int, stop_ids: list[int
     seed = body.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
         raise bad_request(f"seed must be an integer in [0, 2**63), got {_show(seed)}", "bad_params")
-    return SamplingParams(max_new_tokens=n, temperature=temperature, top_p=top_p,
-                          stop_token_ids=list(stop_ids), seed=seed)
+    return SamplingParams(
+        max_new_tokens=n, temperature=temperature, top_p=top_p, stop_token_ids=list(stop_ids), seed=seed
+    )
 
 
 def parse_prompt(raw: Any) -> str:
@@ -117,8 +118,9 @@ def check_output(out: GenerationOutput, prompt_ids: list[int]) -> None:
         raise Refused(503, "aborted", "generation was aborted (the engine is stopping); retry")
     n = len(out.token_ids)
     if out.finish_reason not in ("stop", "length") or n == 0 or not n == len(out.logprobs) == len(out.versions):
-        raise Refused(500, "engine_output", f"the engine returned a malformed output ({out.finish_reason!r}, "
-                                            f"{n} tokens)")
+        raise Refused(
+            500, "engine_output", f"the engine returned a malformed output ({out.finish_reason!r}, {n} tokens)"
+        )
     if list(out.prompt_ids) != prompt_ids:
         raise Refused(500, "engine_output", "the engine continued a different prompt than the session's")
 
@@ -133,12 +135,14 @@ def is_loopback(host: str) -> bool:
 def error_body(status: int, reason: str, message: str) -> web.Response:
     """An error in OpenAI's shape, which its clients raise as the matching exception type."""
     kind = "server_error" if status >= 500 else {401: "authentication_error"}.get(status, "invalid_request_error")
-    return web.json_response({"error": {"message": message, "type": kind, "param": None, "code": reason}},
-                             status=status)
+    return web.json_response(
+        {"error": {"message": message, "type": kind, "param": None, "code": reason}}, status=status
+    )
 
 
-def completion_body(route: str, model: str, text: str, out: GenerationOutput, prompt_tokens: int,
-                    calls: list[dict] | None = None) -> dict:
+def completion_body(
+    route: str, model: str, text: str, out: GenerationOutput, prompt_tokens: int, calls: list[dict] | None = None
+) -> dict:
     """The OpenAI response object for one served call (chat or text completion); a chat reply
     with tool calls has them in ``tool_calls``, its other text as ``content`` (null when none)."""
     n = len(out.token_ids)
@@ -153,5 +157,11 @@ def completion_body(route: str, model: str, text: str, out: GenerationOutput, pr
     else:
         choice = {"index": 0, "text": text, "finish_reason": out.finish_reason, "logprobs": None}
         kind, prefix = "text_completion", "cmpl-"
-    return {"id": prefix + secrets.token_hex(12), "object": kind, "created": int(time.time()),
-            "model": model, "choices": [choice], "usage": usage}
+    return {
+        "id": prefix + secrets.token_hex(12),
+        "object": kind,
+        "created": int(time.time()),
+        "model": model,
+        "choices": [choice],
+        "usage": usage,
+    }

@@ -112,8 +112,7 @@ class FrozenLake(GymTextEnv):
 
         o = self.options
         self.desc = generate_random_map(size=o.size, p=o.frozen_prob, seed=seed)
-        return gym.make("FrozenLake-v1", desc=self.desc, is_slippery=o.slippery,
-                        max_episode_steps=o.max_episode_steps)
+        return gym.make("FrozenLake-v1", desc=self.desc, is_slippery=o.slippery, max_episode_steps=o.max_episode_steps)
 
     def render_text(self) -> str:
         return lake_text(self.desc, int(self.state))

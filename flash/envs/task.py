@@ -52,8 +52,9 @@ class EpisodeOptions:
         if not 0.0 <= self.demo_noise < 1.0:
             raise ValueError(f"demo_noise must be in [0, 1), got {self.demo_noise}")
         if self.env_workers < 1 or self.env_concurrency < 1:
-            raise ValueError(f"env_workers and env_concurrency must be >= 1, got {self.env_workers}, "
-                             f"{self.env_concurrency}")
+            raise ValueError(
+                f"env_workers and env_concurrency must be >= 1, got {self.env_workers}, {self.env_concurrency}"
+            )
         if self.eval_size < 1:
             raise ValueError(f"eval_size must be >= 1, got {self.eval_size}")
 

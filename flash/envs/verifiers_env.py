@@ -93,8 +93,10 @@ def import_environment(env: str):
     try:
         return importlib.import_module(env.replace("-", "_"))
     except ImportError as exc:
-        raise ValueError(f"task.env {env!r}: cannot import it ({exc}); put {env}.py beside the recipe, name its "
-                         f".py path, or install the environment's package (pip install {env})") from None
+        raise ValueError(
+            f"task.env {env!r}: cannot import it ({exc}); put {env}.py beside the recipe, name its "
+            f".py path, or install the environment's package (pip install {env})"
+        ) from None
 
 
 def load_environment(env: str, args: dict):
@@ -103,19 +105,25 @@ def load_environment(env: str, args: dict):
     module = import_environment(env)
     fn = getattr(module, "load_environment", None)
     if not callable(fn):
-        raise ValueError(f"task.env {env!r} has no load_environment function: a verifiers environment module "
-                         "defines 'def load_environment(**kwargs) -> vf.Environment'")
+        raise ValueError(
+            f"task.env {env!r} has no load_environment function: a verifiers environment module "
+            "defines 'def load_environment(**kwargs) -> vf.Environment'"
+        )
     try:
         datasets_module()  # offline, and no progress bars when the environment maps its dataset
         environment = fn(**args)
     except Exception as exc:  # the user's code
-        raise ValueError(f"task.env {env!r}: load_environment(**task.args) failed: {type(exc).__name__}: "
-                         f"{str(exc)[:300]} (check task.args)") from None
+        raise ValueError(
+            f"task.env {env!r}: load_environment(**task.args) failed: {type(exc).__name__}: "
+            f"{str(exc)[:300]} (check task.args)"
+        ) from None
     from verifiers.legacy.envs.environment import Environment
 
     if not isinstance(environment, Environment):
-        raise ValueError(f"task.env {env!r}: load_environment returned a {type(environment).__name__}, not a "
-                         f"verifiers Environment (the classic API: vf.SingleTurnEnv, vf.MultiTurnEnv, vf.ToolEnv)")
+        raise ValueError(
+            f"task.env {env!r}: load_environment returned a {type(environment).__name__}, not a "
+            f"verifiers Environment (the classic API: vf.SingleTurnEnv, vf.MultiTurnEnv, vf.ToolEnv)"
+        )
     return environment
 
 
@@ -138,10 +146,16 @@ def episode_info(output: dict) -> dict:
     reward function's score, a multi-turn environment's ``num_turns``, a tool environment's
     ``total_tool_calls``), ``truncated`` and ``aborted`` (the rollout ended on an error, e.g. an
     empty reply: verifiers' ``has_error`` stop), each 0 or 1."""
-    metrics = {k: float(v) for k, v in (output.get("metrics") or {}).items()
-               if isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool)}
-    return {**metrics, "truncated": float(bool(output.get("is_truncated"))),
-            "aborted": float(bool(output.get("error")))}
+    metrics = {
+        k: float(v)
+        for k, v in (output.get("metrics") or {}).items()
+        if isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool)
+    }
+    return {
+        **metrics,
+        "truncated": float(bool(output.get("is_truncated"))),
+        "aborted": float(bool(output.get("error"))),
+    }
 
 
 class _AbortedOnce(logging.Filter):
@@ -178,8 +192,10 @@ class VerifiersTask(Task):
             logger.addFilter(_AbortedOnce())
         self.rows = {"train": plain_rows(self.env.get_dataset()), "eval": plain_rows(self.env.get_eval_dataset())}
         if not self.rows["train"]:
-            raise ValueError(f"task.env {options.env!r}: its environment has no dataset (load_environment must pass "
-                             "dataset= to the environment)")
+            raise ValueError(
+                f"task.env {options.env!r}: its environment has no dataset (load_environment must pass "
+                "dataset= to the environment)"
+            )
         self._orders: dict[int, list[int]] = {}
 
     @classmethod
@@ -201,8 +217,12 @@ class VerifiersTask(Task):
         row_index = self.row_index(index, split)
         row = self.rows[split][row_index]
         answer = row.get("answer")
-        return TaskItem(index=index, prompt=prompt_text(row.get("prompt")),
-                        answer=answer if isinstance(answer, str) else "", meta={"split": split, "row": row_index})
+        return TaskItem(
+            index=index,
+            prompt=prompt_text(row.get("prompt")),
+            answer=answer if isinstance(answer, str) else "",
+            meta={"split": split, "row": row_index},
+        )
 
     def first_request(self, item: TaskItem) -> dict | str:
         """The prompt of the item's first chat request as the gateway receives it: the row's
@@ -210,8 +230,7 @@ class VerifiersTask(Task):
         prompt = self.rows[item.meta["split"]][item.meta["row"]].get("prompt")
         if isinstance(prompt, str):
             return prompt
-        return {"messages": [{k: v for k, v in m.items() if v is not None} for m in prompt or []],
-                "tools": self.tools}
+        return {"messages": [{k: v for k, v in m.items() if v is not None} for m in prompt or []], "tools": self.tools}
 
     def eval_items(self) -> list[TaskItem]:
         return [self.item(i, "eval") for i in range(min(self.options.eval_size, len(self.rows["eval"])))]
@@ -226,16 +245,21 @@ class VerifiersTask(Task):
         """One assistant turn of train row ``index``'s demonstration (the ``task.sft_key`` column),
         with the chat before it (flash.envs.demonstrations)."""
         if not self.options.sft_key:
-            raise ValueError("a verifiers environment's rows hold no demonstrations unless task.sft_key names the "
-                             "column that does; or start from a model (model.path), or set sft.steps=0")
+            raise ValueError(
+                "a verifiers environment's rows hold no demonstrations unless task.sft_key names the "
+                "column that does; or start from a model (model.path), or set sft.steps=0"
+            )
         row_index = self.row_index(index, "train")
         row = self.rows["train"][row_index]
         if self.options.sft_key not in row:
-            raise ValueError(f"task.sft_key {self.options.sft_key!r}: the environment's dataset has no such column "
-                             f"(its columns: {', '.join(sorted(row))})")
+            raise ValueError(
+                f"task.sft_key {self.options.sft_key!r}: the environment's dataset has no such column "
+                f"(its columns: {', '.join(sorted(row))})"
+            )
         try:
-            turns = demonstration_turns(row.get("prompt"), row[self.options.sft_key], self.tools, self.chat_template,
-                                        BOS, EOS)
+            turns = demonstration_turns(
+                row.get("prompt"), row[self.options.sft_key], self.tools, self.chat_template, BOS, EOS
+            )
         except DemonstrationError as exc:
             raise ValueError(f"task.sft_key {self.options.sft_key!r}, row {row_index}: {exc}") from None
         return turns[self.rng(index, "train", stream="demo").randrange(len(turns))]
@@ -244,8 +268,10 @@ class VerifiersTask(Task):
     def tools(self) -> list[dict] | None:
         """The environment's tools as a chat request carries them (OpenAI function schemas)."""
         defs = getattr(self.env, "tool_defs", None) or []
-        return [{"type": "function", "function": {"name": t.name, "description": t.description,
-                                                  "parameters": t.parameters}} for t in defs] or None
+        return [
+            {"type": "function", "function": {"name": t.name, "description": t.description, "parameters": t.parameters}}
+            for t in defs
+        ] or None
 
     @property
     def data_fingerprint(self) -> str:
@@ -257,8 +283,9 @@ class VerifiersTask(Task):
         """One episode: the environment's rollout on the item's row over ``client`` (an
         ``openai.AsyncOpenAI`` on the episode's gateway session), scored by its rubric."""
         row = self.rows[item.meta["split"]][item.meta["row"]]
-        output = await self.env.run_rollout(dict(row), VerifiersClient.over(client), MODEL,
-                                            dict(self.env.sampling_args or {}))
+        output = await self.env.run_rollout(
+            dict(row), VerifiersClient.over(client), MODEL, dict(self.env.sampling_args or {})
+        )
         return output.get("reward") or 0.0, episode_info(output)
 
 

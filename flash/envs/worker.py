@@ -53,8 +53,10 @@ class EnvWorker:
     def step(self, key: str, action: str) -> tuple:
         with self._lock:
             if key not in self._envs:
-                raise EnvLost(f"no live environment for episode {key!r} in worker {os.getpid()} "
-                              f"(reset it first; a restarted worker holds none)")
+                raise EnvLost(
+                    f"no live environment for episode {key!r} in worker {os.getpid()} "
+                    f"(reset it first; a restarted worker holds none)"
+                )
             env = self._envs[key]
             self.counters["in_step"] += 1
             delay = step_delay(self.step_delay_s, self.step_delay_sigma, key, len(self._applied[key]))
@@ -98,8 +100,15 @@ def step_delay(median_s: float, sigma: float, key: str, step: int) -> float:
     return median_s * math.exp(sigma * rng.gauss(0.0, 1.0))
 
 
-def start_env_workers(count: int, task_name: str, task_options: dict, step_delay_s: float = 0.0,
-                      max_restarts: int = 0, step_delay_sigma: float = 0.0, concurrency: int = 16) -> list:
+def start_env_workers(
+    count: int,
+    task_name: str,
+    task_options: dict,
+    step_delay_s: float = 0.0,
+    max_restarts: int = 0,
+    step_delay_sigma: float = 0.0,
+    concurrency: int = 16,
+) -> list:
     """``count`` EnvWorker actors (no CPU reserved: they mostly wait on the engine), each running
     ``concurrency`` calls at once; Ray restarts one that dies up to ``max_restarts`` times."""
     import ray

@@ -39,8 +39,9 @@ def _confine(cfg: dict) -> None:
     buf = ctypes.create_string_buffer(prog, len(prog))
     fprog = _SockFprog(len(prog) // 8, ctypes.addressof(buf))
     _checked(_libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
-    _checked(_libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(fprog), 0, 0),
-             "system-call filter (seccomp)")
+    _checked(
+        _libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(fprog), 0, 0), "system-call filter (seccomp)"
+    )
 
 
 def main() -> None:
@@ -55,8 +56,10 @@ def main() -> None:
             os.setgid(gid)
             os.setuid(uid)
             _libc.prctl(PR_SET_DUMPABLE, 1, 0, 0, 0)
-        _checked(_libc.syscall(ctypes.c_long(cfg["keyctl"]),
-                               ctypes.c_long(KEYCTL_JOIN_SESSION_KEYRING), None), "session keyring")
+        _checked(
+            _libc.syscall(ctypes.c_long(cfg["keyctl"]), ctypes.c_long(KEYCTL_JOIN_SESSION_KEYRING), None),
+            "session keyring",
+        )
         os.chdir(cfg["workdir"])
         for name, (soft, hard) in cfg["limits"].items():
             resource.setrlimit(getattr(resource, name), (soft, hard))

@@ -117,8 +117,7 @@ def _install_filter(prog: bytes) -> None:
     buf = ctypes.create_string_buffer(prog, len(prog))
     fprog = _SockFprog(len(prog) // 8, ctypes.addressof(buf))
     _check(_libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
-    _check(_libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(fprog), 0, 0),
-           "system-call filter (seccomp)")
+    _check(_libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(fprog), 0, 0), "system-call filter (seccomp)")
 
 
 def _probe_filter(cfg: dict) -> None:
@@ -133,8 +132,7 @@ def _probe_filter(cfg: dict) -> None:
     code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
     if code != 0:
         why = {2: "refuses to install it", 3: "does not apply it"}.get(code, f"fails ({code})")
-        raise SetupError(f"this kernel {why}: the sandbox's system-call filter (seccomp) is "
-                         "required to run code")
+        raise SetupError(f"this kernel {why}: the sandbox's system-call filter (seccomp) is required to run code")
 
 
 def _write(path: str, text: str) -> None:
@@ -211,8 +209,7 @@ def _build_root() -> None:
     _bind("/proc", "/proc")
     os.makedirs(NEWROOT + "/tmp")
     os.makedirs(NEWROOT + "/.old")
-    _check(_libc.syscall(SYS_PIVOT_ROOT, NEWROOT.encode(), (NEWROOT + "/.old").encode()),
-           "pivot_root")
+    _check(_libc.syscall(SYS_PIVOT_ROOT, NEWROOT.encode(), (NEWROOT + "/.old").encode()), "pivot_root")
     os.chdir("/")
     _check(_libc.umount2(b"/.old", MNT_DETACH), "detach the host root")
     os.rmdir("/.old")
@@ -280,8 +277,7 @@ def _stdio() -> None:
     """Fresh text streams over fds 0-2, as a new interpreter would have them."""
     sys.stdin = sys.__stdin__ = open(0, encoding="utf-8", closefd=False)
     sys.stdout = sys.__stdout__ = open(1, "w", encoding="utf-8", closefd=False)
-    sys.stderr = sys.__stderr__ = open(2, "w", encoding="utf-8", errors="backslashreplace",
-                                       buffering=1, closefd=False)
+    sys.stderr = sys.__stderr__ = open(2, "w", encoding="utf-8", errors="backslashreplace", buffering=1, closefd=False)
 
 
 def _exit_code(exc: BaseException | None) -> int:

@@ -36,11 +36,12 @@ class AutoscaleConfig:
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_workers <= self.max_workers:
-            raise ValueError(f"reward autoscaling needs 1 <= min_workers <= max_workers, got "
-                             f"{self.min_workers} and {self.max_workers}")
+            raise ValueError(
+                f"reward autoscaling needs 1 <= min_workers <= max_workers, got "
+                f"{self.min_workers} and {self.max_workers}"
+            )
         if not (self.scale_up_queue > 0 and self.scale_down_idle_s >= 0 and self.interval_s > 0):
-            raise ValueError("reward autoscaling needs scale_up_queue > 0, scale_down_idle_s >= 0 and "
-                             "interval_s > 0")
+            raise ValueError("reward autoscaling needs scale_up_queue > 0, scale_down_idle_s >= 0 and interval_s > 0")
 
 
 def desired_workers(queue: int, workers: int, idle_s: float, cfg: AutoscaleConfig) -> int:

@@ -140,8 +140,11 @@ def hidden_tests(item) -> list:
 
 def count_assert_passes(stdout: str, n: int) -> int:
     """Asserts whose ``i<TAB>pass`` line was printed (each counted once)."""
-    seen = {int(i) for i, _, word in (line.partition("\t") for line in stdout.splitlines())
-            if i.isdigit() and word == "pass" and int(i) < n}
+    seen = {
+        int(i)
+        for i, _, word in (line.partition("\t") for line in stdout.splitlines())
+        if i.isdigit() and word == "pass" and int(i) < n
+    }
     return len(seen)
 
 
@@ -192,8 +195,11 @@ def extract_code(response: str) -> str:
 
 def _same(got, want) -> bool:
     if isinstance(want, float) or isinstance(got, float):
-        return (isinstance(got, (int, float)) and isinstance(want, (int, float))
-                and math.isclose(got, want, rel_tol=1e-6, abs_tol=1e-9))
+        return (
+            isinstance(got, (int, float))
+            and isinstance(want, (int, float))
+            and math.isclose(got, want, rel_tol=1e-6, abs_tol=1e-9)
+        )
     return got == want
 
 
@@ -221,8 +227,15 @@ class CodeReward:
     """Scorer for ``reward.name: code``: fraction of hidden tests passed (or 1/0 when
     ``all_or_nothing``). Keeps an AdaptiveTimeout per task family (``item.meta["family"]``)."""
 
-    def __init__(self, all_or_nothing: bool = False, adaptive: bool = True, t_min: float = 1.0,
-                 t_max: float = 10.0, lam: float = 3.0, memory_mb: int = 512) -> None:
+    def __init__(
+        self,
+        all_or_nothing: bool = False,
+        adaptive: bool = True,
+        t_min: float = 1.0,
+        t_max: float = 10.0,
+        lam: float = 3.0,
+        memory_mb: int = 512,
+    ) -> None:
         self.all_or_nothing, self.adaptive, self.memory_mb = all_or_nothing, adaptive, memory_mb
         self.timeouts = AdaptiveTimeout(t_min, t_max, lam)
         self._statuses: Counter[str] = Counter()
@@ -251,8 +264,9 @@ class CodeReward:
         if all(isinstance(t, str) for t in tests):
             passed, wall, ok = self._run_asserts(code, tests, timeout)
         else:
-            passed, wall, ok = (self._run_function(code, entry, tests, timeout) if entry
-                                else self._run_programs(code, tests, timeout))
+            passed, wall, ok = (
+                self._run_function(code, entry, tests, timeout) if entry else self._run_programs(code, tests, timeout)
+            )
         return passed, wall, ok, len(tests)
 
     def _execute(self, source: str, timeout: float, **kw) -> sandbox.SandboxResult:
@@ -262,8 +276,7 @@ class CodeReward:
             self._unisolated += res.isolation != "namespaces"
         return res
 
-    def _run_function(self, code: str, entry: str, tests: list[dict],
-                      timeout: float) -> tuple[int, float, bool]:
+    def _run_function(self, code: str, entry: str, tests: list[dict], timeout: float) -> tuple[int, float, bool]:
         files = {"solution.py": code, "inputs.json": json.dumps([t["input"] for t in tests])}
         res = self._execute(_HARNESS % entry, timeout, files=files)
         return count_function_passes(res.stdout, tests), res.wall_s, res.status == "ok"
@@ -274,8 +287,9 @@ class CodeReward:
 
     def _run_check(self, solution: str, test: str, entry: str, timeout: float) -> tuple[int, float, bool]:
         nonce = secrets.token_hex(16)
-        res = self._execute(_CHECK % entry, timeout, stdin=nonce + "\n",
-                            files={"solution.py": solution, "test.py": test})
+        res = self._execute(
+            _CHECK % entry, timeout, stdin=nonce + "\n", files={"solution.py": solution, "test.py": test}
+        )
         passed = f"check\t{nonce}" in res.stdout.splitlines()
         return int(passed), res.wall_s, res.status == "ok"
 
@@ -296,8 +310,14 @@ class CodeReward:
 
 
 @register_reward("code", builder=True)
-def code_reward(all_or_nothing: bool = False, adaptive: bool = True, t_min: float = 1.0,
-                t_max: float = 10.0, lam: float = 3.0, memory_mb: int = 512) -> CodeReward:
+def code_reward(
+    all_or_nothing: bool = False,
+    adaptive: bool = True,
+    t_min: float = 1.0,
+    t_max: float = 10.0,
+    lam: float = 3.0,
+    memory_mb: int = 512,
+) -> CodeReward:
     """Knobs: ``all_or_nothing`` (1/0 instead of the fraction passed), ``adaptive`` (RollPacker's
     T = min(max(t_min, lam * slowest correct run), t_max); off: always t_max), ``memory_mb``."""
     return CodeReward(all_or_nothing, adaptive, t_min, t_max, lam, memory_mb)

@@ -47,7 +47,7 @@ def memfd(data: bytes, readonly: bool = False) -> int:
     fd = os.memfd_create("flash-sandbox", os.MFD_CLOEXEC)
     view = memoryview(data)
     while view:
-        view = view[os.write(fd, view):]
+        view = view[os.write(fd, view) :]
     os.lseek(fd, 0, os.SEEK_SET)
     if not readonly:
         return fd
@@ -69,8 +69,10 @@ def confinement() -> dict:
     """The system-call filter and keyring settings every call gets (``syscall_filter``)."""
     confine = launcher_config()
     if not confine:
-        raise SandboxSetupError(f"the code sandbox has no system-call filter for this machine "
-                                f"({platform.machine()}); it runs on {', '.join(ARCHES)}")
+        raise SandboxSetupError(
+            f"the code sandbox has no system-call filter for this machine "
+            f"({platform.machine()}); it runs on {', '.join(ARCHES)}"
+        )
     return confine
 
 
@@ -78,15 +80,20 @@ class ForkServer:
     """A running ``_zygote.py`` and the calls in flight on it. ``confine``: the filter and
     keyring settings of its calls (default ``confinement()``)."""
 
-    def __init__(self, python: str, drop_to: tuple[int, int] | None,
-                 confine: dict | None = None) -> None:
+    def __init__(self, python: str, drop_to: tuple[int, int] | None, confine: dict | None = None) -> None:
         cfg = {"drop_to": drop_to, **(confine or confinement())}
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         cfg["fd"] = theirs.fileno()
         self.proc = subprocess.Popen(
-            [python, "-I", "-c", _zygote_source(), json.dumps(cfg)], pass_fds=[theirs.fileno()],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            env={}, cwd="/", start_new_session=True)
+            [python, "-I", "-c", _zygote_source(), json.dumps(cfg)],
+            pass_fds=[theirs.fileno()],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            env={},
+            cwd="/",
+            start_new_session=True,
+        )
         theirs.close()
         self.sock = ours
         ours.settimeout(_START_TIMEOUT_S)
@@ -131,8 +138,9 @@ class ForkServer:
             call.status = {"lost": reason}
             call.done.set()
 
-    def start(self, header: dict, payload: bytes, stdin: bytes,
-              extra_fds: list[int] = ()) -> tuple[int, _Call, int, int]:
+    def start(
+        self, header: dict, payload: bytes, stdin: bytes, extra_fds: list[int] = ()
+    ) -> tuple[int, _Call, int, int]:
         """Send one call; returns its id, its handle and the read ends of stdout and stderr.
         ``extra_fds`` (closed here): the call's cgroup.procs files, which it joins first."""
         sent = [memfd(payload), memfd(stdin, readonly=True)]
@@ -146,8 +154,7 @@ class ForkServer:
                     raise SandboxSetupError(self.lost)
                 cid = next(self._ids)
                 self._calls[cid] = call
-                socket.send_fds(self.sock, [json.dumps({**header, "op": "run", "id": cid}).encode()],
-                                sent)
+                socket.send_fds(self.sock, [json.dumps({**header, "op": "run", "id": cid}).encode()], sent)
         except OSError as exc:
             for fd in (out_r, err_r):
                 os.close(fd)

@@ -36,8 +36,10 @@ from collections import Counter
 from flash.engine.base import GenerationOutput, GenerationRequest, SamplingParams
 from flash.rewards.registry import register_reward
 
-DEFAULT_TEMPLATE = ("question: {prompt} reference answer: {answer} response: {response} "
-                    "is the response correct? answer yes or no. verdict:")
+DEFAULT_TEMPLATE = (
+    "question: {prompt} reference answer: {answer} response: {response} "
+    "is the response correct? answer yes or no. verdict:"
+)
 FIELDS = ("prompt", "response", "answer")
 
 
@@ -52,8 +54,7 @@ def check_template(template: str) -> None:
         raise ValueError(f"judge template has unknown fields {unknown}; valid: {list(FIELDS)}")
 
 
-def parse_verdict(text: str, pattern: re.Pattern, scores: dict[str, float] | None,
-                  scale: float) -> float | None:
+def parse_verdict(text: str, pattern: re.Pattern, scores: dict[str, float] | None, scale: float) -> float | None:
     """The reward the judge's ``text`` gives, or None when it does not parse."""
     m = pattern.search(text)
     if m is None:
@@ -70,8 +71,9 @@ def parse_verdict(text: str, pattern: re.Pattern, scores: dict[str, float] | Non
 class JudgeServer:
     """A judge model in a TorchEngine behind an EngineLoop; ``ask`` is thread-safe and blocking."""
 
-    def __init__(self, model_path: str, max_concurrent: int, seed: int = 0, threads: int = 1,
-                 max_num_seqs: int = 16) -> None:
+    def __init__(
+        self, model_path: str, max_concurrent: int, seed: int = 0, threads: int = 1, max_num_seqs: int = 16
+    ) -> None:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -134,16 +136,28 @@ class JudgeServer:
 class JudgeReward:
     """Scorer for ``reward.fn.name: judge`` (see the module docstring)."""
 
-    def __init__(self, model: str, template: str, pattern: str, scores: dict | None, scale: float,
-                 max_concurrent: int, timeout_s: float, max_new_tokens: int, temperature: float,
-                 threads: int, seed: int) -> None:
+    def __init__(
+        self,
+        model: str,
+        template: str,
+        pattern: str,
+        scores: dict | None,
+        scale: float,
+        max_concurrent: int,
+        timeout_s: float,
+        max_new_tokens: int,
+        temperature: float,
+        threads: int,
+        seed: int,
+    ) -> None:
         self.server = JudgeServer(model, max_concurrent, seed=seed, threads=threads)
         self.template, self.scale, self.timeout_s = template, scale, timeout_s
         self.pattern = re.compile(pattern, re.IGNORECASE)
         self.scores = {str(k).lower(): float(v) for k, v in scores.items()} if scores else None
         tok = self.server.tokenizer
-        self.params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature,
-                                     stop_token_ids=[tok.eos_token_id], seed=seed)
+        self.params = SamplingParams(
+            max_new_tokens=max_new_tokens, temperature=temperature, stop_token_ids=[tok.eos_token_id], seed=seed
+        )
         self.counters: Counter[str] = Counter()
         self._lock = threading.Lock()
 
@@ -160,8 +174,9 @@ class JudgeReward:
             return self._result(0.0, "judge:timeout", t0)
         if out.finish_reason == "error":
             return self._result(0.0, "judge:error", t0)
-        verdict = parse_verdict(decode_response(self.server.tokenizer, out.token_ids), self.pattern,
-                                self.scores, self.scale)
+        verdict = parse_verdict(
+            decode_response(self.server.tokenizer, out.token_ids), self.pattern, self.scores, self.scale
+        )
         if verdict is None:
             return self._result(0.0, "judge:unparseable", t0)
         return self._result(verdict, "ok", t0)
@@ -183,18 +198,28 @@ class JudgeReward:
 
 
 @register_reward("judge", builder=True)
-def judge_reward(model: str | None = None, template: str = DEFAULT_TEMPLATE, pattern: str = r"\b(yes|no)\b",
-                 scores: dict | None = None, scale: float = 1.0, max_concurrent: int = 4,
-                 timeout_s: float = 20.0, max_new_tokens: int = 8, temperature: float = 0.0,
-                 threads: int = 1, seed: int = 0) -> JudgeReward:
+def judge_reward(
+    model: str | None = None,
+    template: str = DEFAULT_TEMPLATE,
+    pattern: str = r"\b(yes|no)\b",
+    scores: dict | None = None,
+    scale: float = 1.0,
+    max_concurrent: int = 4,
+    timeout_s: float = 20.0,
+    max_new_tokens: int = 8,
+    temperature: float = 0.0,
+    threads: int = 1,
+    seed: int = 0,
+) -> JudgeReward:
     """Knobs: ``model`` (judge checkpoint dir; default in a run: the policy's initial checkpoint),
     ``template``, ``pattern`` + ``scores`` (default ``yes`` → 1, ``no`` → 0) or ``scale``,
     ``max_concurrent`` verdicts at once, ``timeout_s`` per verdict, sampling, torch ``threads``."""
     check_judge_knobs(model, template, pattern, max_concurrent, timeout_s, max_new_tokens, temperature)
     if scores is None and pattern == r"\b(yes|no)\b":
         scores = {"yes": 1.0, "no": 0.0}
-    return JudgeReward(model, template, pattern, scores, scale, max_concurrent, timeout_s,
-                       max_new_tokens, temperature, threads, seed)
+    return JudgeReward(
+        model, template, pattern, scores, scale, max_concurrent, timeout_s, max_new_tokens, temperature, threads, seed
+    )
 
 
 def check_section(section: dict) -> None:
@@ -206,8 +231,15 @@ def check_section(section: dict) -> None:
     bound = inspect.signature(judge_reward).bind(**knobs)
     bound.apply_defaults()
     a = bound.arguments
-    check_judge_knobs(a["model"] or "<policy>", a["template"], a["pattern"], a["max_concurrent"],
-                      a["timeout_s"], a["max_new_tokens"], a["temperature"])
+    check_judge_knobs(
+        a["model"] or "<policy>",
+        a["template"],
+        a["pattern"],
+        a["max_concurrent"],
+        a["timeout_s"],
+        a["max_new_tokens"],
+        a["temperature"],
+    )
 
 
 def with_default_model(section: dict, model_path: str) -> dict:
@@ -217,12 +249,13 @@ def with_default_model(section: dict, model_path: str) -> dict:
     return dict(section)
 
 
-def check_judge_knobs(model, template, pattern, max_concurrent, timeout_s, max_new_tokens,
-                      temperature) -> None:
+def check_judge_knobs(model, template, pattern, max_concurrent, timeout_s, max_new_tokens, temperature) -> None:
     """ValueError naming the first bad knob (the pool reports it as a config error)."""
     if not model:
-        raise ValueError("judge reward needs 'model' (a checkpoint directory); in a run it defaults "
-                         "to the policy's initial checkpoint")
+        raise ValueError(
+            "judge reward needs 'model' (a checkpoint directory); in a run it defaults "
+            "to the policy's initial checkpoint"
+        )
     check_template(template)
     try:
         re.compile(pattern)

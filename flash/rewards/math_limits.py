@@ -49,8 +49,11 @@ def paren_depth(text: str) -> int:
 def check_math_text(text: str, what: str = "reference") -> None:
     """MathTooComplex when ``text`` is over the bounds (see the module docstring)."""
     if len(text) > MAX_MATH_CHARS:
-        raise MathTooComplex("too_large", f"{what} answer of {len(text)} characters is over {MAX_MATH_CHARS}; "
-                                          f"keep only the final answer (e.g. after '####')")
+        raise MathTooComplex(
+            "too_large",
+            f"{what} answer of {len(text)} characters is over {MAX_MATH_CHARS}; "
+            f"keep only the final answer (e.g. after '####')",
+        )
     depth = paren_depth(text)
     if depth > MAX_PAREN_DEPTH:
         raise MathTooComplex("too_deep", f"{what} answer nests parentheses {depth} deep, over {MAX_PAREN_DEPTH}")
@@ -90,8 +93,14 @@ class MathChecker:
             return self._proc
         root = str(Path(__file__).resolve().parents[2])  # the flash checkout the driver runs
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
-        self._proc = subprocess.Popen([sys.executable, "-m", "flash.rewards._math_child"], stdin=subprocess.PIPE,
-                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "flash.rewards._math_child"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            env=env,
+        )
         if _read_line(self._proc, STARTUP_S) is None:
             self._stop()
             raise RuntimeError("the math-verify child process did not start")

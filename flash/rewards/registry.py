@@ -38,8 +38,11 @@ def _knob_defaults(fn: Callable, builder: bool) -> dict[str, Any]:
     params = list(inspect.signature(fn).parameters.values())
     if not builder:
         params = params[2:]
-    return {p.name: (None if p.default is p.empty else p.default) for p in params
-            if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}
+    return {
+        p.name: (None if p.default is p.empty else p.default)
+        for p in params
+        if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)
+    }
 
 
 def register_reward(name: str, builder: bool = False) -> Callable[[Callable], Callable]:
@@ -75,8 +78,7 @@ def validate_reward(section: dict) -> None:
     knobs = dict(section)
     name = knobs.pop("name", None)
     if not isinstance(name, str) or not name:
-        raise ValueError("reward.name is required: one of "
-                         f"{registered_rewards()} or 'package.module:function'")
+        raise ValueError(f"reward.name is required: one of {registered_rewards()} or 'package.module:function'")
     entry = _lookup(name)
     for key in knobs:
         if key not in entry.knobs:
@@ -93,8 +95,9 @@ def build_reward(section: dict) -> Scorer:
     return functools.partial(entry.fn, **knobs) if knobs else entry.fn
 
 
-def check_pool_args(section: dict, num_workers: int, concurrency: int, timeout_s: float,
-                    plugins: tuple[str, ...] = ()) -> None:
+def check_pool_args(
+    section: dict, num_workers: int, concurrency: int, timeout_s: float, plugins: tuple[str, ...] = ()
+) -> None:
     """ConfigError for anything that would make the pool fail later (checked in the driver)."""
     try:
         load_plugins(list(plugins))
@@ -105,7 +108,8 @@ def check_pool_args(section: dict, num_workers: int, concurrency: int, timeout_s
     except ValueError as exc:
         raise ConfigError(f"reward.fn: {exc}") from None
     if num_workers < 1 or concurrency < 1:
-        raise ConfigError(f"reward workers need num_workers >= 1 and concurrency >= 1, "
-                          f"got {num_workers} and {concurrency}")
+        raise ConfigError(
+            f"reward workers need num_workers >= 1 and concurrency >= 1, got {num_workers} and {concurrency}"
+        )
     if not (math.isfinite(timeout_s) and timeout_s > 0):
         raise ConfigError(f"reward timeout_s must be a finite number > 0, got {timeout_s}")

@@ -63,9 +63,21 @@ import flash.rewards.cgroups as cgroups
 from flash.rewards.deadline import sandbox_timeout
 from flash.rewards.forkserver import SandboxSetupError, confinement, memfd, server
 
-__all__ = ["STATUSES", "ISOLATION_LEVELS", "Limits", "SandboxResult", "SandboxSetupError",
-           "UnisolatedRefused", "allow_unisolated", "check_unisolated", "classify", "execute",
-           "isolation_level", "leaked", "sandbox_python"]
+__all__ = [
+    "STATUSES",
+    "ISOLATION_LEVELS",
+    "Limits",
+    "SandboxResult",
+    "SandboxSetupError",
+    "UnisolatedRefused",
+    "allow_unisolated",
+    "check_unisolated",
+    "classify",
+    "execute",
+    "isolation_level",
+    "leaked",
+    "sandbox_python",
+]
 
 log = logging.getLogger(__name__)
 
@@ -75,8 +87,7 @@ NOBODY = (65534, 65534)
 SETUP_FAILED = 125
 _SETUP_MARK = b"flash-sandbox-setup:"
 _MEMORY_MARKS = (b"MemoryError", b"Cannot allocate memory", b"[Errno 12]")
-_ENV = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHONIOENCODING": "utf-8",
-        "PYTHONDONTWRITEBYTECODE": "1"}
+_ENV = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHONIOENCODING": "utf-8", "PYTHONDONTWRITEBYTECODE": "1"}
 _WORKDIR = "/tmp/flash-sandbox-work"  # inside the call's own tmpfs (namespaces level)
 
 # Runs before the code in audit-hook mode; audit hooks cannot be removed once added.
@@ -119,8 +130,10 @@ def _end_group(group: cgroups.CallGroup | None) -> None:
     if group is not None and not group.end():
         with _LEAKS_LOCK:
             _LEAKS["calls"] += 1
-        log.error("flash sandbox: a finished call's processes or cgroups are still present: %s",
-                  ", ".join(str(d) for d in group.dirs.values()))
+        log.error(
+            "flash sandbox: a finished call's processes or cgroups are still present: %s",
+            ", ".join(str(d) for d in group.dirs.values()),
+        )
 
 
 def allow_unisolated(allow: bool) -> None:
@@ -162,15 +175,25 @@ class Limits:
     def rlimits(self) -> dict[str, tuple[int, int]]:
         cpu = math.ceil(self.timeout_s) + 1
         mb = 1 << 20
-        return {"RLIMIT_CPU": (cpu, cpu + 1), "RLIMIT_AS": (int(self.memory_mb * mb),) * 2,
-                "RLIMIT_NPROC": (int(self.max_procs),) * 2, "RLIMIT_CORE": (0, 0),
-                "RLIMIT_FSIZE": (int(self.max_file_mb * mb),) * 2,
-                "RLIMIT_NOFILE": (int(self.max_open_files),) * 2}
+        return {
+            "RLIMIT_CPU": (cpu, cpu + 1),
+            "RLIMIT_AS": (int(self.memory_mb * mb),) * 2,
+            "RLIMIT_NPROC": (int(self.max_procs),) * 2,
+            "RLIMIT_CORE": (0, 0),
+            "RLIMIT_FSIZE": (int(self.max_file_mb * mb),) * 2,
+            "RLIMIT_NOFILE": (int(self.max_open_files),) * 2,
+        }
 
 
-def execute(source: str, stdin: str = "", timeout_s: float = 5.0, memory_mb: int = 512,
-            isolation: str = "auto", files: dict[str, str] | None = None,
-            **limits) -> SandboxResult:
+def execute(
+    source: str,
+    stdin: str = "",
+    timeout_s: float = 5.0,
+    memory_mb: int = 512,
+    isolation: str = "auto",
+    files: dict[str, str] | None = None,
+    **limits,
+) -> SandboxResult:
     """Run ``source`` as ``main.py`` in a fresh sandbox; never raises for anything the code
     does. ``files``: more files for the working directory (name -> text; plain names only).
     ``limits``: the other fields of ``Limits``. ``isolation``: ``auto`` (the best this
@@ -226,11 +249,14 @@ def check_unisolated() -> None:
             f"off, or: {_POLICY['why'] or 'the namespaces level was not tried'}) and the "
             "audit-hook fallback is not a security boundary: enable user namespaces "
             "(sysctl kernel.unprivileged_userns_clone=1 / user.max_user_namespaces > 0), or set "
-            "reward.sandbox.allow_unisolated: true to run model-written code unisolated anyway")
+            "reward.sandbox.allow_unisolated: true to run model-written code unisolated anyway"
+        )
     if not _POLICY["warned"]:
         _POLICY["warned"] = True
-        log.warning("flash sandbox: running model-written code WITHOUT namespace isolation "
-                    "(reward.sandbox.allow_unisolated: true); only an audit hook guards the host")
+        log.warning(
+            "flash sandbox: running model-written code WITHOUT namespace isolation "
+            "(reward.sandbox.allow_unisolated: true); only an audit hook guards the host"
+        )
 
 
 def _checked_files(files: dict[str, str]) -> dict[str, str]:
@@ -268,25 +294,31 @@ def sandbox_python() -> str:
     for cand in candidates:
         if _world_executable(cand):
             return cand
-    raise SandboxSetupError(f"no python reachable by uid {NOBODY[0]} among {candidates}; "
-                            "install a system python3 or run the sandbox as a non-root user")
+    raise SandboxSetupError(
+        f"no python reachable by uid {NOBODY[0]} among {candidates}; "
+        "install a system python3 or run the sandbox as a non-root user"
+    )
 
 
 def _run_forked(files: dict[str, str], stdin: bytes, lim: Limits) -> SandboxResult:
     """One call on this process's fork server."""
     srv = server(sandbox_python(), _drop_to())
-    header = {"limits": lim.rlimits(), "disk_mb": int(lim.disk_mb),
-              "max_files": int(lim.max_files),
-              "env": {**_ENV, "HOME": _WORKDIR, "TMPDIR": _WORKDIR}}
+    header = {
+        "limits": lim.rlimits(),
+        "disk_mb": int(lim.disk_mb),
+        "max_files": int(lim.max_files),
+        "env": {**_ENV, "HOME": _WORKDIR, "TMPDIR": _WORKDIR},
+    }
     t0 = time.monotonic()
     group = _new_group(lim)
     try:
-        cid, call, out_r, err_r = srv.start(header, json.dumps({"files": files}).encode(), stdin,
-                                            group.open_procs() if group else [])
+        cid, call, out_r, err_r = srv.start(
+            header, json.dumps({"files": files}).encode(), stdin, group.open_procs() if group else []
+        )
         deadline = t0 + lim.timeout_s
         (out, err), timed_out, truncated = _collect(
-            (out_r, err_r), deadline, lim.max_output_bytes, kill=lambda: srv.kill(cid),
-            exited=call.done.is_set)
+            (out_r, err_r), deadline, lim.max_output_bytes, kill=lambda: srv.kill(cid), exited=call.done.is_set
+        )
         status = srv.finish(cid, call, deadline)
         oom = group is not None and group.oom_killed()
     finally:
@@ -296,15 +328,21 @@ def _run_forked(files: dict[str, str], stdin: bytes, lim: Limits) -> SandboxResu
     return _result(rc, out, err, timed_out, truncated, time.monotonic() - t0, "namespaces", oom)
 
 
-def _result(rc: int | None, out: bytes, err: bytes, timed_out: bool, truncated: bool,
-            wall: float, level: str, oom: bool = False) -> SandboxResult:
+def _result(
+    rc: int | None, out: bytes, err: bytes, timed_out: bool, truncated: bool, wall: float, level: str, oom: bool = False
+) -> SandboxResult:
     if rc == SETUP_FAILED and _SETUP_MARK in err:
         raise SandboxSetupError(err.decode(errors="replace").strip())
-    return SandboxResult(status=classify(rc, err, timed_out, oom), stdout=out.decode(errors="replace"),
-                         stderr=err.decode(errors="replace"),
-                         exit_code=rc if rc is not None and rc >= 0 else None, wall_s=wall,
-                         signal=-rc if rc is not None and rc < 0 else None,
-                         truncated=truncated, isolation=level)
+    return SandboxResult(
+        status=classify(rc, err, timed_out, oom),
+        stdout=out.decode(errors="replace"),
+        stderr=err.decode(errors="replace"),
+        exit_code=rc if rc is not None and rc >= 0 else None,
+        wall_s=wall,
+        signal=-rc if rc is not None and rc < 0 else None,
+        truncated=truncated,
+        isolation=level,
+    )
 
 
 def _make_workdir(files: dict[str, str]) -> str:
@@ -339,15 +377,28 @@ def _run_unisolated(workdir: str, stdin: bytes, lim: Limits) -> SandboxResult:
     if group is None:
         _warn_process_group_only()
     procs = group.open_procs() if group else []
-    cfg = {"drop_to": _drop_to(), "limits": lim.rlimits(), "env": env, "cgroup_fds": procs,
-           "argv": [sandbox_python(), "-I", "-c", _AUDIT_PRELUDE], "workdir": workdir,
-           **confinement()}
+    cfg = {
+        "drop_to": _drop_to(),
+        "limits": lim.rlimits(),
+        "env": env,
+        "cgroup_fds": procs,
+        "argv": [sandbox_python(), "-I", "-c", _AUDIT_PRELUDE],
+        "workdir": workdir,
+        **confinement(),
+    }
     t0 = time.monotonic()
     stdin_fd = memfd(stdin, readonly=True)
     try:
-        proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", _jail_source(), json.dumps(cfg)],
-                                stdin=stdin_fd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                env={}, cwd=workdir, start_new_session=True, pass_fds=procs)
+        proc = subprocess.Popen(
+            [sys.executable, "-I", "-S", "-c", _jail_source(), json.dumps(cfg)],
+            stdin=stdin_fd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env={},
+            cwd=workdir,
+            start_new_session=True,
+            pass_fds=procs,
+        )
     except BaseException:
         _end_group(group)
         raise
@@ -356,25 +407,30 @@ def _run_unisolated(workdir: str, stdin: bytes, lim: Limits) -> SandboxResult:
             os.close(fd)
     try:
         (out, err), timed_out, truncated = _collect(
-            (proc.stdout.fileno(), proc.stderr.fileno()), t0 + lim.timeout_s,
-            lim.max_output_bytes, kill=lambda: _kill_group(proc),
-            exited=lambda: proc.poll() is not None, close=False)
+            (proc.stdout.fileno(), proc.stderr.fileno()),
+            t0 + lim.timeout_s,
+            lim.max_output_bytes,
+            kill=lambda: _kill_group(proc),
+            exited=lambda: proc.poll() is not None,
+            close=False,
+        )
         oom = group is not None and group.oom_killed()
     finally:
         _kill_group(proc)
         _end_group(group)
         proc.stdout.close()
         proc.stderr.close()
-    return _result(proc.returncode, out, err, timed_out, truncated, time.monotonic() - t0,
-                   "audit-hook", oom)
+    return _result(proc.returncode, out, err, timed_out, truncated, time.monotonic() - t0, "audit-hook", oom)
 
 
 def _warn_process_group_only() -> None:
     if not _POLICY["warned_pgroup"]:
         _POLICY["warned_pgroup"] = True
-        log.warning("flash sandbox: no pid namespace and no cgroups on this host: at the end of a "
-                    "call only its process group is killed, so a process that leaves it (a new "
-                    "session) is not found")
+        log.warning(
+            "flash sandbox: no pid namespace and no cgroups on this host: at the end of a "
+            "call only its process group is killed, so a process that leaves it (a new "
+            "session) is not found"
+        )
 
 
 def classify(returncode: int | None, stderr: bytes, timed_out: bool, oom: bool = False) -> str:
@@ -392,8 +448,9 @@ def classify(returncode: int | None, stderr: bytes, timed_out: bool, oom: bool =
     return "error"
 
 
-def _collect(fds: tuple[int, int], deadline: float, cap: int, kill, exited,
-             close: bool = True) -> tuple[list[bytes], bool, bool]:
+def _collect(
+    fds: tuple[int, int], deadline: float, cap: int, kill, exited, close: bool = True
+) -> tuple[list[bytes], bool, bool]:
     """Read both streams, keeping at most ``cap`` bytes each, until both close or the deadline
     passes (then ``kill()``, drain for a second, stop). Once ``exited()`` turns true, ``kill()``
     ends whatever the code left behind, so its pipes close."""
@@ -421,7 +478,7 @@ def _collect(fds: tuple[int, int], deadline: float, cap: int, kill, exited,
             buf = bufs[key.fd]
             room = cap - len(buf)
             truncated |= len(chunk) > room
-            buf += chunk[:max(room, 0)]
+            buf += chunk[: max(room, 0)]
         if timed_out and time.monotonic() >= deadline:
             break
     sel.close()

@@ -49,8 +49,7 @@ class AdaptiveTimeout:
 
     def metrics(self, prefix: str = "sandbox/timeout") -> dict[str, float]:
         """The knobs and, per family seen, the anchor and the running T."""
-        out = {f"{prefix}/t_min": self.t_min, f"{prefix}/t_max": self.t_max,
-               f"{prefix}/lambda": self.lam}
+        out = {f"{prefix}/t_min": self.t_min, f"{prefix}/t_max": self.t_max, f"{prefix}/lambda": self.lam}
         with self._lock:
             families = dict(self._anchor)
         for family, anchor in sorted(families.items()):

@@ -84,8 +84,14 @@ class RewardScorer:
     """One worker's state: the built scorer, a per-call deadline, the stuck-call count.
     Plain class so it is testable without Ray; ``RewardWorker`` is its actor form."""
 
-    def __init__(self, section: dict, timeout_s: float, plugins: tuple[str, ...] = (),
-                 allow_unisolated: bool = False, response_deadline_s: float | None = None) -> None:
+    def __init__(
+        self,
+        section: dict,
+        timeout_s: float,
+        plugins: tuple[str, ...] = (),
+        allow_unisolated: bool = False,
+        response_deadline_s: float | None = None,
+    ) -> None:
         from flash.rewards.sandbox import allow_unisolated as set_policy
 
         set_policy(allow_unisolated)
@@ -133,7 +139,9 @@ class RewardScorer:
         if isinstance(box.get("error"), RewardDeadline):
             return RewardResult(0.0, DEADLINE, box["wall"]), stuck
         if "error" in box:
-            return RewardResult(0.0, f"error:{type(box['error']).__name__}", box["wall"], error_text(box["error"])), stuck
+            return RewardResult(
+                0.0, f"error:{type(box['error']).__name__}", box["wall"], error_text(box["error"])
+            ), stuck
         return _as_result(box["value"], box["wall"]), stuck
 
     def metrics(self) -> dict[str, float]:
@@ -162,10 +170,19 @@ class RewardPool:
     ``autoscale`` (flash.rewards.autoscale): the worker count follows the pool's queue within
     ``[min_workers, max_workers]``, starting at ``num_workers``; a worker leaves only when idle."""
 
-    def __init__(self, section: dict, num_workers: int = 2, concurrency: int = 4,
-                 timeout_s: float = 30.0, plugins: tuple[str, ...] = (), max_stuck: int = 4,
-                 max_restarts: int = 10, autoscale: AutoscaleConfig | None = None,
-                 allow_unisolated: bool = False, response_deadline_s: float | None = None) -> None:
+    def __init__(
+        self,
+        section: dict,
+        num_workers: int = 2,
+        concurrency: int = 4,
+        timeout_s: float = 30.0,
+        plugins: tuple[str, ...] = (),
+        max_stuck: int = 4,
+        max_restarts: int = 10,
+        autoscale: AutoscaleConfig | None = None,
+        allow_unisolated: bool = False,
+        response_deadline_s: float | None = None,
+    ) -> None:
         check_pool_args(section, num_workers, concurrency, timeout_s, plugins)
         self.section, self.plugins = dict(section), tuple(plugins)
         self.allow_unisolated, self.response_deadline_s = allow_unisolated, response_deadline_s
@@ -185,15 +202,19 @@ class RewardPool:
         self._wall_max = 0.0
         self._stop = threading.Event()
         if autoscale is not None:
-            threading.Thread(target=run_scaler, args=(self, Autoscaler(autoscale), self._stop),
-                             daemon=True, name="reward-autoscale").start()
+            threading.Thread(
+                target=run_scaler, args=(self, Autoscaler(autoscale), self._stop), daemon=True, name="reward-autoscale"
+            ).start()
 
     def _spawn(self, n: int) -> list:
         """Start ``n`` workers and wait until they are ready, so that a call's deadline never
         includes a worker's start (seconds on a loaded machine)."""
-        workers = [RewardWorker.options(max_concurrency=self.concurrency).remote(
-            self.section, self.timeout_s, self.plugins, self.allow_unisolated, self.response_deadline_s)
-            for _ in range(n)]
+        workers = [
+            RewardWorker.options(max_concurrency=self.concurrency).remote(
+                self.section, self.timeout_s, self.plugins, self.allow_unisolated, self.response_deadline_s
+            )
+            for _ in range(n)
+        ]
         try:
             ray.get([w.ready.remote() for w in workers], timeout=STARTUP_S)
         except ray.exceptions.GetTimeoutError:
@@ -274,15 +295,26 @@ class RewardPool:
                 self.faults += 1
                 faults = self.faults
             if faults > self.max_restarts:
-                raise RewardFailed(f"reward worker died again after {self.max_restarts} replacements "
-                                   f"(rollout.max_worker_restarts={self.max_restarts}); look for what kills "
-                                   f"it (memory, the reward function)") from exc
+                raise RewardFailed(
+                    f"reward worker died again after {self.max_restarts} replacements "
+                    f"(rollout.max_worker_restarts={self.max_restarts}); look for what kills "
+                    f"it (memory, the reward function)"
+                ) from exc
             if faults == 1:
-                log.warning("flash: a reward worker died (%s); replacing it and scoring its calls again "
-                            "(faults counted in faults/reward, logged once)", exc)
+                log.warning(
+                    "flash: a reward worker died (%s); replacing it and scoring its calls again "
+                    "(faults counted in faults/reward, logged once)",
+                    exc,
+                )
             self._replace(i, worker)
-        event = {"event": "reward_fault", "kind": "died", "error": str(exc), "time": wall,
-                 "recovery_s": time.monotonic() - start, "worker": i}
+        event = {
+            "event": "reward_fault",
+            "kind": "died",
+            "error": str(exc),
+            "time": wall,
+            "recovery_s": time.monotonic() - start,
+            "worker": i,
+        }
         with self._lock:
             self.events.append(event)
         if self.on_event is not None:
@@ -341,13 +373,15 @@ class RewardPool:
         """``(item, response) -> float`` for ``PromptSource.reward`` (reasons stay in metrics; a
         response past its deadline raises ``RewardDeadline``, an ``error:`` result ``RewardRaised``
         with its error's text: the scheduler counts both)."""
+
         def fn(item, response: str) -> float:
             result = self.score(item, response)
             if result.reason == DEADLINE:
                 raise RewardDeadline(f"reward worker: {result.wall_s:.1f}s")
             if result.reason.startswith("error:"):
-                raise RewardRaised(result.error or result.reason[len("error:"):])
+                raise RewardRaised(result.error or result.reason[len("error:") :])
             return result.reward
+
         return fn
 
     def metrics(self) -> dict[str, float]:
@@ -363,8 +397,7 @@ class RewardPool:
             workers = list(self._workers)
         for m in self._worker_metrics(workers):
             for key, value in m.items():
-                summed = key.startswith(("sandbox/status/", "sandbox/leaked", "reward/stuck",
-                                         "reward/cpu_s"))
+                summed = key.startswith(("sandbox/status/", "sandbox/leaked", "reward/stuck", "reward/cpu_s"))
                 out[key] = out.get(key, 0.0) + value if summed else max(out.get(key, value), value)
         return out
 
@@ -387,24 +420,32 @@ class RewardPool:
             ray.kill(worker, no_restart=True)
 
 
-
 def pool_from_config(reward_cfg, plugins: tuple[str, ...] = (), max_restarts: int = 10) -> RewardPool | None:
     """The pool for a recipe's ``reward`` section, or None when ``reward.fn`` is empty (the task's
     own reward then runs in the scheduler's threads)."""
     if not reward_cfg.fn:
         return None
-    return RewardPool(dict(reward_cfg.fn), num_workers=reward_cfg.num_workers,
-                      concurrency=reward_cfg.concurrency, timeout_s=reward_cfg.timeout_s,
-                      plugins=tuple(plugins), max_stuck=reward_cfg.max_stuck, max_restarts=max_restarts,
-                      autoscale=autoscale_config(reward_cfg),
-                      allow_unisolated=reward_cfg.sandbox.allow_unisolated,
-                      response_deadline_s=reward_cfg.response_deadline_s)
+    return RewardPool(
+        dict(reward_cfg.fn),
+        num_workers=reward_cfg.num_workers,
+        concurrency=reward_cfg.concurrency,
+        timeout_s=reward_cfg.timeout_s,
+        plugins=tuple(plugins),
+        max_stuck=reward_cfg.max_stuck,
+        max_restarts=max_restarts,
+        autoscale=autoscale_config(reward_cfg),
+        allow_unisolated=reward_cfg.sandbox.allow_unisolated,
+        response_deadline_s=reward_cfg.response_deadline_s,
+    )
 
 
 def autoscale_config(reward_cfg) -> AutoscaleConfig | None:
     """``reward.max_workers > 0`` turns autoscaling on (``reward.min_workers`` .. ``max_workers``)."""
     if not reward_cfg.max_workers:
         return None
-    return AutoscaleConfig(min_workers=reward_cfg.min_workers or 1, max_workers=reward_cfg.max_workers,
-                           scale_up_queue=reward_cfg.scale_up_queue,
-                           scale_down_idle_s=reward_cfg.scale_down_idle_s)
+    return AutoscaleConfig(
+        min_workers=reward_cfg.min_workers or 1,
+        max_workers=reward_cfg.max_workers,
+        scale_up_queue=reward_cfg.scale_up_queue,
+        scale_down_idle_s=reward_cfg.scale_down_idle_s,
+    )

@@ -46,8 +46,11 @@ def union_s(spans: Iterable[Sequence[float]], lo: float, hi: float) -> float:
 def gpu_spans(timeline: dict) -> list[Sequence[float]]:
     """The wall spans of one step's timeline in which a simulated GPU or environment worked (module doc)."""
     phases = timeline.get("phases", {})
-    return [*timeline.get("engine_busy", []), *timeline.get("env_busy", []),
-            *(phases[p] for p in GPU_PHASES if p in phases)]
+    return [
+        *timeline.get("engine_busy", []),
+        *timeline.get("env_busy", []),
+        *(phases[p] for p in GPU_PHASES if p in phases),
+    ]
 
 
 def split_step(step_s: float, timeline: dict, start: float | None = None) -> tuple[float, float]:
@@ -70,21 +73,26 @@ def window_end(timeline: dict) -> float | None:
     return max(b for _, b in phases) if phases else None
 
 
-def simulated_step_s(step_s: float, timeline: dict, time_scale: float,
-                     start: float | None = None) -> tuple[float, float]:
+def simulated_step_s(
+    step_s: float, timeline: dict, time_scale: float, start: float | None = None
+) -> tuple[float, float]:
     """(simulated seconds, unscaled driver seconds) of one step (``split_step``'s window)."""
     gpu, driver = split_step(step_s, timeline, start)
     return gpu / time_scale + driver, driver
 
 
-def simulated_metrics(metrics: dict[str, float], time_scale: float, timeline: dict | None = None,
-                      start: float | None = None) -> dict[str, float]:
+def simulated_metrics(
+    metrics: dict[str, float], time_scale: float, timeline: dict | None = None, start: float | None = None
+) -> dict[str, float]:
     """``sim/<name>_s``: each ``time/<name>`` of a step divided by ``time_scale``; with the step's
     ``timeline``, ``sim/step_s`` is GPU time scaled plus ``sim/driver_s`` unscaled over the step's
     window (from ``start``, see ``split_step``), and ``sim/step_scaled_s`` the plain division of the
     step's wall time (whose driver share is scaled up too)."""
-    out = {f"sim/{k[len('time/'):]}_s": v / time_scale for k, v in metrics.items()
-           if k.startswith("time/") and isinstance(v, (int, float))}
+    out = {
+        f"sim/{k[len('time/') :]}_s": v / time_scale
+        for k, v in metrics.items()
+        if k.startswith("time/") and isinstance(v, (int, float))
+    }
     if timeline is not None and "time/step" in metrics:
         out["sim/step_scaled_s"] = out["sim/step_s"]
         out["sim/step_s"], out["sim/driver_s"] = simulated_step_s(metrics["time/step"], timeline, time_scale, start)
@@ -103,9 +111,11 @@ def late_warning(step: int, late_s: float, step_s: float, time_scale: float) -> 
     simulated seconds then read high. A larger ``sim.time_scale`` gives the bookkeeping room."""
     if step_s <= 0 or late_s <= LATE_SHARE * step_s:
         return None
-    return (f"flash: warning: step {step}: the simulated engine ran {late_s:.2f} s behind real time "
-            f"({late_s / step_s:.0%} of the step): its bookkeeping outran the scaled GPU time, so simulated "
-            f"seconds read high; raise sim.time_scale (now {time_scale:g}) or run on a quieter machine")
+    return (
+        f"flash: warning: step {step}: the simulated engine ran {late_s:.2f} s behind real time "
+        f"({late_s / step_s:.0%} of the step): its bookkeeping outran the scaled GPU time, so simulated "
+        f"seconds read high; raise sim.time_scale (now {time_scale:g}) or run on a quieter machine"
+    )
 
 
 class SimSteps:

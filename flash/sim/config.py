@@ -48,14 +48,18 @@ def check_sim(sim: SimConfig) -> str | None:
     tp = sim.tp or cm.tp
     problems = [
         (sim.time_scale > 0, f"sim.time_scale must be > 0, got {sim.time_scale}"),
-        (sim.rollout_gpus >= 1 and sim.train_gpus >= 1,
-         f"sim.rollout_gpus and sim.train_gpus must be >= 1, got {sim.rollout_gpus} and {sim.train_gpus}"),
+        (
+            sim.rollout_gpus >= 1 and sim.train_gpus >= 1,
+            f"sim.rollout_gpus and sim.train_gpus must be >= 1, got {sim.rollout_gpus} and {sim.train_gpus}",
+        ),
         (sim.tp >= 0, f"sim.tp must be >= 0, got {sim.tp}"),
         (sim.rollout_gpus % tp == 0, f"sim.rollout_gpus={sim.rollout_gpus} is not a multiple of tp={tp}"),
         (sim.token_scale >= 1, f"sim.token_scale must be >= 1, got {sim.token_scale}"),
         (sim.prompt_tokens >= 0, f"sim.prompt_tokens must be >= 0, got {sim.prompt_tokens}"),
-        (sim.length_median >= 0 and sim.length_sigma >= 0,
-         f"sim.length_median and sim.length_sigma must be >= 0, got {sim.length_median} and {sim.length_sigma}"),
+        (
+            sim.length_median >= 0 and sim.length_sigma >= 0,
+            f"sim.length_median and sim.length_sigma must be >= 0, got {sim.length_median} and {sim.length_sigma}",
+        ),
         (sim.prompt_sigma >= 0, f"sim.prompt_sigma must be >= 0, got {sim.prompt_sigma}"),
         (sim.max_tokens_per_step >= 1, f"sim.max_tokens_per_step must be >= 1, got {sim.max_tokens_per_step}"),
     ]

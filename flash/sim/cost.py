@@ -162,12 +162,30 @@ H100_VLLM = Efficiency(
 TINY_QWEN2 = Model("tiny-qwen2", params=862_100, layers=4, kv_heads=4, head_dim=32, bytes_per_param=4)
 CPU_1T = Gpu("cpu-1-thread", peak_flops=77.0e9, hbm_bytes_per_s=21.4e9)  # fp32 1024² GEMM, 64 MB copy
 CPU_2T = Gpu("cpu-2-threads", peak_flops=79.7e9, hbm_bytes_per_s=17.0e9)
-TORCH_CPU_1T = Efficiency(hbm=1.0, decode_mfu=1.0, prefill_mfu=0.33, train_mfu=0.203, step_overhead_s=4.81e-3,
-                          sync_bytes_per_s=21.4e9, sync_latency_s=1.9e-3, seq_overhead_s=58.3e-6,
-                          context_overhead_s=0.438e-6, train_overhead_s=0.0)
-TORCH_CPU_2T = Efficiency(hbm=1.0, decode_mfu=1.0, prefill_mfu=0.40, train_mfu=0.203, step_overhead_s=5.79e-3,
-                          sync_bytes_per_s=17.0e9, sync_latency_s=2.5e-3, seq_overhead_s=52.1e-6,
-                          context_overhead_s=1.03e-6, train_overhead_s=0.060)
+TORCH_CPU_1T = Efficiency(
+    hbm=1.0,
+    decode_mfu=1.0,
+    prefill_mfu=0.33,
+    train_mfu=0.203,
+    step_overhead_s=4.81e-3,
+    sync_bytes_per_s=21.4e9,
+    sync_latency_s=1.9e-3,
+    seq_overhead_s=58.3e-6,
+    context_overhead_s=0.438e-6,
+    train_overhead_s=0.0,
+)
+TORCH_CPU_2T = Efficiency(
+    hbm=1.0,
+    decode_mfu=1.0,
+    prefill_mfu=0.40,
+    train_mfu=0.203,
+    step_overhead_s=5.79e-3,
+    sync_bytes_per_s=17.0e9,
+    sync_latency_s=2.5e-3,
+    seq_overhead_s=52.1e-6,
+    context_overhead_s=1.03e-6,
+    train_overhead_s=0.060,
+)
 
 PRESETS: dict[str, CostModel] = {
     "qwen2.5-7b-h100": CostModel(QWEN25_7B, H100_SXM, H100_VLLM, tp=1),

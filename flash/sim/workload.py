@@ -47,8 +47,9 @@ def prompt_rng(prompt_ids: list[int]) -> random.Random:
     return random.Random(zlib.crc32(",".join(map(str, prompt_ids)).encode()))
 
 
-def observed_length(rng: random.Random, groups: tuple[tuple[int, ...], ...], prompt_ids: list[int],
-                    factor: float, cap: int) -> int:
+def observed_length(
+    rng: random.Random, groups: tuple[tuple[int, ...], ...], prompt_ids: list[int], factor: float, cap: int
+) -> int:
     """One observed length times ``factor``, rounded up, in ``[1, cap]``: the prompt's ids pick one
     observed group (every sample of a prompt the same one: lengths stay correlated within a prompt,
     as in the run they came from), ``rng`` one of its lengths."""
@@ -122,7 +123,7 @@ def draw_tokens(seeds: np.ndarray, starts: np.ndarray, k: int, vocab_size: int) 
     draws the same ids again). Logprobs are -(1e-3 + Exp(2)), capped at -20."""
     pos = starts.astype(np.uint64)[:, None] + np.arange(1, k + 1, dtype=np.uint64)
     h = _mix(_mix(seeds.astype(np.uint64))[:, None] + pos * _GOLDEN)
-    u = (_mix(h ^ _SALT) >> np.uint64(11)).astype(np.float64) * 2.0 ** -53  # uniform in [0, 1)
+    u = (_mix(h ^ _SALT) >> np.uint64(11)).astype(np.float64) * 2.0**-53  # uniform in [0, 1)
     return (h % np.uint64(vocab_size)).astype(np.int64), -np.minimum(20.0, 1e-3 - np.log1p(-u) / 2.0)
 
 

@@ -23,8 +23,16 @@ import functools
 CAUSAL_SDPA = "causal_sdpa"  # no "flash" in the name: transformers reads that as a flash-attention kernel
 
 
-def causal_sdpa_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
-                     mask_function=None, local_size: int | None = None, **kwargs):
+def causal_sdpa_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: int = 0,
+    kv_offset: int = 0,
+    mask_function=None,
+    local_size: int | None = None,
+    **kwargs,
+):
     """None (SDPA's ``is_causal``) for a plain causal forward over fresh positions; else
     transformers' SDPA mask. Reads nothing from the device."""
     from transformers.masking_utils import causal_mask_function, sdpa_mask
@@ -33,8 +41,16 @@ def causal_sdpa_mask(batch_size: int, q_length: int, kv_length: int, q_offset: i
     plain = mask_function is causal_mask_function and local_size is None
     if plain and q_offset == 0 and kv_offset == 0 and q_length == kv_length:
         return None
-    return sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function=mask_function,
-                     local_size=local_size, **kwargs)
+    return sdpa_mask(
+        batch_size,
+        q_length,
+        kv_length,
+        q_offset,
+        kv_offset,
+        mask_function=mask_function,
+        local_size=local_size,
+        **kwargs,
+    )
 
 
 @functools.cache

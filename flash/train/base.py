@@ -44,8 +44,13 @@ class Forward(Protocol):
 
 @runtime_checkable
 class Stepping(Protocol):
-    def train_step(self, batch: TrainBatch, advantages: torch.Tensor, prox_logp: torch.Tensor | None,
-                   ref_logp: torch.Tensor | None = None) -> dict[str, float]:
+    def train_step(
+        self,
+        batch: TrainBatch,
+        advantages: torch.Tensor,
+        prox_logp: torch.Tensor | None,
+        ref_logp: torch.Tensor | None = None,
+    ) -> dict[str, float]:
         """Every optimizer step of one rollout batch; its metrics (``BATCH_METRICS``)."""
 
 
@@ -54,8 +59,13 @@ class Streaming(Protocol):
     def begin_step(self) -> None:
         """Open an optimizer step."""
 
-    def accumulate(self, batch: TrainBatch, advantages: torch.Tensor, prox_logp: torch.Tensor | None,
-                   ref_logp: torch.Tensor | None = None) -> float:
+    def accumulate(
+        self,
+        batch: TrainBatch,
+        advantages: torch.Tensor,
+        prox_logp: torch.Tensor | None,
+        ref_logp: torch.Tensor | None = None,
+    ) -> float:
         """Backward over ``batch`` into the open step; returns its weight."""
 
     def finish_step(self) -> dict[str, float]:

@@ -98,8 +98,10 @@ def collate(samples: list[Sample], pad_id: int = 0) -> TrainBatch:
 def _loss_mask(s: Sample) -> torch.Tensor:
     """The sample's per-response-token loss mask as floats; its length must match the response."""
     if len(s.loss_mask) != len(s.response_ids):
-        raise ValueError(f"sample {s.prompt_id}:{s.sample_index}: loss_mask has {len(s.loss_mask)} entries "
-                         f"for {len(s.response_ids)} response tokens")
+        raise ValueError(
+            f"sample {s.prompt_id}:{s.sample_index}: loss_mask has {len(s.loss_mask)} entries "
+            f"for {len(s.response_ids)} response tokens"
+        )
     return torch.tensor(s.loss_mask, dtype=torch.float32)
 
 

@@ -79,8 +79,9 @@ class Critic:
             hi = min(lo + self.s.micro_batch_size, len(batch))
             part = batch.rows(lo, hi)
             width = part.mask.shape[1]
-            loss, metrics = value_loss(self._forward(part), old_values[lo:hi, :width], returns[lo:hi, :width],
-                                       part.mask, self.s.value_clip)
+            loss, metrics = value_loss(
+                self._forward(part), old_values[lo:hi, :width], returns[lo:hi, :width], part.mask, self.s.value_clip
+            )
             w = micro_weight("token-mean", part, whole, len(batch))
             (loss * w).backward()
             for k, v in metrics.items():

@@ -32,8 +32,16 @@ from flash.devices import actor_device, torch_dtype
 from flash.models import decoder_layers
 from flash.train.batch import TrainBatch
 from flash.train.microbatch import Plan
-from flash.train.trainer import (Trainer, TrainerSettings, checkpoint_activations, needs_local_reference,
-                                 part_weight, row_index, row_spans_and_weight, token_logprobs)
+from flash.train.trainer import (
+    Trainer,
+    TrainerSettings,
+    checkpoint_activations,
+    needs_local_reference,
+    part_weight,
+    row_index,
+    row_spans_and_weight,
+    token_logprobs,
+)
 
 COLLECTIVE_TIMEOUT_S = 600  # a dead peer fails the step after this, instead of hanging forever
 
@@ -73,9 +81,12 @@ def take_rows(batch: TrainBatch, idx: list[int], lengths: list[int] | None = Non
         length = max(lengths[i] for i in idx)
     pick = lambda t, cols=None: t.index_select(0, index) if cols is None else t.index_select(0, index)[:, :cols]
     return TrainBatch(
-        input_ids=pick(batch.input_ids, length), attention_mask=pick(batch.attention_mask, length),
-        mask=pick(batch.mask, length - 1), behav_logp=pick(batch.behav_logp, length - 1),
-        versions=pick(batch.versions, length - 1), rewards=pick(batch.rewards),
+        input_ids=pick(batch.input_ids, length),
+        attention_mask=pick(batch.attention_mask, length),
+        mask=pick(batch.mask, length - 1),
+        behav_logp=pick(batch.behav_logp, length - 1),
+        versions=pick(batch.versions, length - 1),
+        rewards=pick(batch.rewards),
         group_ids=pick(batch.group_ids),
     )
 
@@ -91,8 +102,11 @@ def shard_model(model, mesh, dtype: str = "float32") -> None:
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
     compute = torch_dtype(dtype)
-    policy = (MixedPrecisionPolicy() if compute == torch.float32
-              else MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32))
+    policy = (
+        MixedPrecisionPolicy()
+        if compute == torch.float32
+        else MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
+    )
     for layer in decoder_layers(model):
         fully_shard(layer, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
@@ -132,8 +146,7 @@ class ShardedTrainer(Trainer):
         for mb in plan:
             idx = mb or self._pad_row(plan)
             part = take_rows(batch, idx, spans.lengths)
-            logp, _ = token_logprobs(model, part, self.s.temperature, start=spans.of(idx)[1],
-                                     span_head=self.span_head)
+            logp, _ = token_logprobs(model, part, self.s.temperature, start=spans.of(idx)[1], span_head=self.span_head)
             if mb is not None:  # a padding pass only keeps the collectives in step
                 out[row_index(mb, out.device), : logp.shape[1]] = logp * part.mask
         return out
@@ -160,8 +173,14 @@ class ShardedTrainer(Trainer):
             width = part.mask.shape[1]
             # a padding pass: prox given, so it adds nothing to the mismatch metrics either
             prox = _cut(prox_logp, idx, width) if mb is not None else part.behav_logp
-            self._backward_part(part, _cut(advantages, idx, width), prox, _cut(ref, idx, width),
-                                part_weight(self.s.agg, part) if mb is not None else 0.0, spans.of(idx)[1])
+            self._backward_part(
+                part,
+                _cut(advantages, idx, width),
+                prox,
+                _cut(ref, idx, width),
+                part_weight(self.s.agg, part) if mb is not None else 0.0,
+                spans.of(idx)[1],
+            )
         self._busy += time.monotonic() - start
         return weight
 
@@ -198,7 +217,6 @@ class ShardedTrainer(Trainer):
 def _cut(t: torch.Tensor | None, idx: list[int], width: int) -> torch.Tensor | None:
     """Rows ``idx`` of a token-level ``[N, L-1]`` tensor, trimmed to a micro-batch's width."""
     return None if t is None else t.index_select(0, row_index(idx, t.device))[:, :width]
-
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -53,8 +53,12 @@ class _MetadataUnpickler(pickle.Unpickler):
     """Resolves only what DCP metadata is made of; any other global is refused, never imported."""
 
     MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
-    GLOBALS = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
-               ("pathlib", "PurePosixPath")}
+    GLOBALS = {
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),
+        ("pathlib", "PosixPath"),
+        ("pathlib", "PurePosixPath"),
+    }
 
     def find_class(self, module: str, name: str):
         if module in self.MODULES and not name.startswith("__"):
@@ -127,8 +131,10 @@ def load_dcp(model, optimizer, path: str, files: Mapping[str, dict] | None = Non
     from flash.checkpoint_trust import CheckpointChanged
 
     if not (Path(path) / ".metadata").is_file():
-        raise FileNotFoundError(f"no torch distributed checkpoint at {path} (missing .metadata); "
-                                "pass the folder that TrainerGroup.save wrote")
+        raise FileNotFoundError(
+            f"no torch distributed checkpoint at {path} (missing .metadata); "
+            "pass the folder that TrainerGroup.save wrote"
+        )
     msd, osd = get_state_dict(model, optimizer)
     state = {"model": msd, "optim": osd}
     reader, planner = _safe_reader_and_planner(path, files)
@@ -176,8 +182,7 @@ def export_hf(model, path: str, tokenizer_source: str | None) -> dict | None:
         return None
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in sd.items()}, str(out / "model.safetensors"),
-              metadata={"format": "pt"})
+    save_file({k: v.contiguous() for k, v in sd.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
     model.config.save_pretrained(out)
     if getattr(model, "generation_config", None) is not None:
         model.generation_config.save_pretrained(out)

@@ -42,13 +42,22 @@ def read_dcp_file(directory: Path, name: str, files: dict[str, dict] | None) -> 
     return (directory / name).read_bytes() if files is None else read_verified(directory, name, files)
 
 
-
 class FSDPRank(UpdateSender):
     """One rank: a process-group member holding 1/N of the model and optimizer. Rank 0 is also the
     model-update group's sender, pushing the state dict the ranks gathered (``mu_gather``)."""
 
-    def __init__(self, rank: int, world: int, model_path: str, settings: TrainerSettings,
-                 group: GroupSettings, seed: int, threads: int, plugins: list[str], paths: list[str]):
+    def __init__(
+        self,
+        rank: int,
+        world: int,
+        model_path: str,
+        settings: TrainerSettings,
+        group: GroupSettings,
+        seed: int,
+        threads: int,
+        plugins: list[str],
+        paths: list[str],
+    ):
         from flash import algos
 
         torch.set_num_threads(max(1, threads))
@@ -82,10 +91,18 @@ class FSDPRank(UpdateSender):
         from flash.cluster import load_model
 
         # rank 0's store listens on ``addr`` only (loopback when the ranks share this host)
-        store = (open_store(addr, COLLECTIVE_TIMEOUT_S, port, self.world) if self.rank == 0
-                 else connect(addr, port, COLLECTIVE_TIMEOUT_S))
-        dist.init_process_group(self.backend, store=store, rank=self.rank, world_size=self.world,
-                                timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+        store = (
+            open_store(addr, COLLECTIVE_TIMEOUT_S, port, self.world)
+            if self.rank == 0
+            else connect(addr, port, COLLECTIVE_TIMEOUT_S)
+        )
+        dist.init_process_group(
+            self.backend,
+            store=store,
+            rank=self.rank,
+            world_size=self.world,
+            timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+        )
         mesh = init_device_mesh(self.device.type, (self.world,))
         self.ckpt_group = dist.new_group(backend="gloo")  # checkpoint writes beside training (flash.checkpoint)
         model = load_model(self.model_path)
@@ -93,8 +110,10 @@ class FSDPRank(UpdateSender):
         self.trainer = ShardedTrainer(model, self.settings, mesh, self.device, seed=self.seed)
         self._flat = FlatGather(self.trainer.model)
         if self._flat.reason is not None and self.rank == 0:
-            log.warning("weight push gathers per parameter (slower): the flat gather does not cover this "
-                        "model: %s", self._flat.reason)
+            log.warning(
+                "weight push gathers per parameter (slower): the flat gather does not cover this model: %s",
+                self._flat.reason,
+            )
         return self.backend
 
     def devices(self) -> list[int]:
@@ -114,8 +133,9 @@ class FSDPRank(UpdateSender):
         setup from metadata every rank shares, logged once) takes the per-parameter path, the one
         ``get_weights`` uses (``full_state_dict``). Tied
         names (a tied LM head) are tied again in the gathered dict, so the push sends them once."""
-        state = (self._flat(dst=0, cast=cast, on_device=on_device) if self._flat.reason is None
-                 else self.full_state_dict())
+        state = (
+            self._flat(dst=0, cast=cast, on_device=on_device) if self._flat.reason is None else self.full_state_dict()
+        )
         if self.rank == 0:
             for names in self._ties:
                 for alias in names[1:]:
@@ -127,8 +147,10 @@ class FSDPRank(UpdateSender):
 
     def _mu_state(self) -> dict[str, torch.Tensor]:
         if self._mu_full is None:
-            raise ModelUpdateError(f"trainer rank {self.rank} holds no gathered weights: only rank 0 sends, "
-                                   "after TrainerGroup.mu_plan gathered them")
+            raise ModelUpdateError(
+                f"trainer rank {self.rank} holds no gathered weights: only rank 0 sends, "
+                "after TrainerGroup.mu_plan gathered them"
+            )
         return self._mu_full
 
     def _mu_device(self) -> torch.device:
@@ -145,8 +167,9 @@ class FSDPRank(UpdateSender):
 
     def accumulate(self, batch: TrainBatch, advantages, prox_logp, ref_logp, plan) -> float:
         dev = lambda t: None if t is None else t.to(self.device)
-        return self.trainer.planned_accumulate(batch_to(batch, self.device), dev(advantages), dev(prox_logp), plan,
-                                               dev(ref_logp))
+        return self.trainer.planned_accumulate(
+            batch_to(batch, self.device), dev(advantages), dev(prox_logp), plan, dev(ref_logp)
+        )
 
     def finish_step(self, total: float, advance: bool = True) -> dict:
         return self.trainer.planned_finish(total, advance)
@@ -181,8 +204,10 @@ class FSDPRank(UpdateSender):
         from flash.checkpoint import rng_state
         from flash.train.fsdp_checkpoint import snapshot_dcp
 
-        self._snapshot = {"dcp": snapshot_dcp(self.trainer.model, self.trainer.optimizer, self._stager),
-                          "rng": rng_state()}
+        self._snapshot = {
+            "dcp": snapshot_dcp(self.trainer.model, self.trainer.optimizer, self._stager),
+            "rng": rng_state(),
+        }
 
     def checkpoint_write(self, path: str) -> None:
         from flash.checkpoint import save_trainer_state
@@ -201,8 +226,12 @@ class FSDPRank(UpdateSender):
 
     def stats(self) -> dict:
         t = self.trainer
-        return {"busy_s": t.busy_s if t else 0.0, "steps": float(t.steps) if t else 0.0, "cpu_s": process_tree_cpu_s(),
-                **read_peak_memory(self.device if t else None)}
+        return {
+            "busy_s": t.busy_s if t else 0.0,
+            "steps": float(t.steps) if t else 0.0,
+            "cpu_s": process_tree_cpu_s(),
+            **read_peak_memory(self.device if t else None),
+        }
 
     def pid(self) -> int:
         return os.getpid()

@@ -37,9 +37,17 @@ from flash.train.batch import TrainBatch
 CHUNK_BYTES = 1 << 28
 
 
-def token_logprobs(model, batch: TrainBatch, temperature: float, with_entropy: bool = False,
-                   entropy_grad: bool = True, dtype: torch.dtype | None = None, start: int = 0,
-                   span_head: bool = False, chunk_bytes: int = CHUNK_BYTES):
+def token_logprobs(
+    model,
+    batch: TrainBatch,
+    temperature: float,
+    with_entropy: bool = False,
+    entropy_grad: bool = True,
+    dtype: torch.dtype | None = None,
+    start: int = 0,
+    span_head: bool = False,
+    chunk_bytes: int = CHUNK_BYTES,
+):
     """Per-target-column logprob ``[N, L-1]`` (and entropy ``[N, L-1]`` when asked, else None)
     under ``model``, in float32 whatever the forward's precision (``dtype``: autocast to it; None:
     none). Columns before ``start`` (clamped to the last column) are 0, not computed.
@@ -50,12 +58,19 @@ def token_logprobs(model, batch: TrainBatch, temperature: float, with_entropy: b
     start = min(max(int(start), 0), width - 1)
     kwargs = {"logits_to_keep": width + 1 - start} if span_head and _takes_logits_to_keep(model) else {}
     with autocast(batch.input_ids.device, dtype):
-        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False,
-                       **kwargs).logits
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False, **kwargs).logits
     offset = width + 1 - logits.shape[1]  # the position of logits[:, 0]
     columns = chunk_columns(len(batch), logits.shape[-1], chunk_bytes)
-    logp, entropy = _SpanLogprobs.apply(logits, batch.input_ids[:, 1:], float(temperature), offset, start,
-                                        columns, with_entropy, with_entropy and entropy_grad)
+    logp, entropy = _SpanLogprobs.apply(
+        logits,
+        batch.input_ids[:, 1:],
+        float(temperature),
+        offset,
+        start,
+        columns,
+        with_entropy,
+        with_entropy and entropy_grad,
+    )
     logp = F.pad(logp, (start, 0))
     return logp, (F.pad(entropy, (start, 0)) if with_entropy else None)
 
@@ -93,7 +108,7 @@ class _SpanLogprobs(torch.autograd.Function):
         ctx.save_for_backward(logits, targets)
         logps, entropies = [], []
         for lo, hi in _spans(start, targets.shape[1], columns):
-            logp, entropy = _chunk(logits[:, lo - offset:hi - offset], targets[:, lo:hi], temperature, with_entropy)
+            logp, entropy = _chunk(logits[:, lo - offset : hi - offset], targets[:, lo:hi], temperature, with_entropy)
             logps.append(logp)
             entropies.append(entropy)
         entropy = torch.cat(entropies, dim=1) if with_entropy else logits.new_empty(0, dtype=torch.float32)
@@ -109,13 +124,12 @@ class _SpanLogprobs(torch.autograd.Function):
             return (None,) * 8
         grad = torch.zeros_like(logits)
         for lo, hi in _spans(start, targets.shape[1], columns):
-            x = logits[:, lo - offset:hi - offset].detach().requires_grad_(True)
+            x = logits[:, lo - offset : hi - offset].detach().requires_grad_(True)
             with torch.enable_grad():
                 logp, entropy = _chunk(x, targets[:, lo:hi], temperature, with_entropy)
             outs = [(logp, grad_logp), (entropy, grad_entropy if with_entropy else None)]
-            outs = [(o, g[:, lo - start:hi - start]) for o, g in outs if g is not None]
-            (grad[:, lo - offset:hi - offset],) = torch.autograd.grad([o for o, _ in outs], [x],
-                                                                     [g for _, g in outs])
+            outs = [(o, g[:, lo - start : hi - start]) for o, g in outs if g is not None]
+            (grad[:, lo - offset : hi - offset],) = torch.autograd.grad([o for o, _ in outs], [x], [g for _, g in outs])
         return grad, None, None, None, None, None, None, None
 
 

@@ -69,8 +69,11 @@ def micro_batches(rows: list[int], lengths: list[int], max_tokens: int, max_rows
     for i in order:
         cur = out[-1] if out else None
         # rows come longest first, so the micro-batch's padded width is its first row's length
-        fits = cur is not None and len(cur) < max_rows and (
-            max_tokens <= 0 or (len(cur) + 1) * lengths[cur[0]] <= max_tokens)
+        fits = (
+            cur is not None
+            and len(cur) < max_rows
+            and (max_tokens <= 0 or (len(cur) + 1) * lengths[cur[0]] <= max_tokens)
+        )
         if fits:
             cur.append(i)
             continue

@@ -29,11 +29,19 @@ from flash.train.attention import causal_attention
 from flash.train.batch import TrainBatch, batch_to
 from flash.train.trainer import batch_logprobs
 
+
 class Reference:
     """The frozen initial policy as an actor: ``logprobs(batch)`` only (it never trains)."""
 
-    def __init__(self, model_path: str, temperature: float, micro_batch_size: int, threads: int = 1,
-                 dtype: str = "float32", tf32: bool = True):
+    def __init__(
+        self,
+        model_path: str,
+        temperature: float,
+        micro_batch_size: int,
+        threads: int = 1,
+        dtype: str = "float32",
+        tf32: bool = True,
+    ):
         torch.set_num_threads(max(1, threads))
         self.device, self.autocast = actor_device(), autocast_dtype(dtype)
         use_tf32(self.device, dtype, tf32)  # the trainer's matmul precision, so both logprobs agree
@@ -46,8 +54,14 @@ class Reference:
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
         """``[N, L-1]`` reference logprobs of the batch's target tokens (0 off the response mask)."""
         start = time.monotonic()
-        out = batch_logprobs(self.model, batch_to(batch, self.device), self.temperature, self.micro_batch_size,
-                             dtype=self.autocast, span_head=self.autocast is not None).cpu()
+        out = batch_logprobs(
+            self.model,
+            batch_to(batch, self.device),
+            self.temperature,
+            self.micro_batch_size,
+            dtype=self.autocast,
+            span_head=self.autocast is not None,
+        ).cpu()
         self.busy_s += time.monotonic() - start
         self.calls += 1
         return out
@@ -57,8 +71,15 @@ class Reference:
         return {"busy_s": self.busy_s, "calls": float(self.calls)}
 
 
-def start_reference(model_path: str, temperature: float, micro_batch_size: int, threads: int,
-                    options: dict | None = None, dtype: str = "float32", tf32: bool = True):
+def start_reference(
+    model_path: str,
+    temperature: float,
+    micro_batch_size: int,
+    threads: int,
+    options: dict | None = None,
+    dtype: str = "float32",
+    tf32: bool = True,
+):
     """The reference role as its own Ray actor, placed by ``options`` (``Placement.options``)."""
     actor = ray.remote(Reference).options(num_cpus=0, **(options or {}))
     return actor.remote(model_path, temperature, micro_batch_size, threads, dtype, tf32)

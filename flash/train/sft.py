@@ -103,16 +103,26 @@ def task_tokenizer(task: Task):
 
 def cache_key(model_cfg: TinyModelConfig, sft_cfg: SFTConfig, task: Task) -> str:
     """Hex digest naming the checkpoint that these inputs produce."""
-    inputs = {"format": FORMAT_VERSION, "model": dataclasses.asdict(model_cfg), "sft": sft_cfg.to_dict(),
-              "task": task_fingerprint(task), "tokenizer": TOKENIZER_VERSION}
+    inputs = {
+        "format": FORMAT_VERSION,
+        "model": dataclasses.asdict(model_cfg),
+        "sft": sft_cfg.to_dict(),
+        "task": task_fingerprint(task),
+        "tokenizer": TOKENIZER_VERSION,
+    }
     if task.chat_template:
         inputs["chat_template"] = task.chat_template
     blob = json.dumps(inputs, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def warm_start(model_cfg: TinyModelConfig, sft_cfg: SFTConfig, task: Task,
-               cache_root: str | os.PathLike, on_step: Callable[[int], None] | None = None) -> str:
+def warm_start(
+    model_cfg: TinyModelConfig,
+    sft_cfg: SFTConfig,
+    task: Task,
+    cache_root: str | os.PathLike,
+    on_step: Callable[[int], None] | None = None,
+) -> str:
     """Directory of the warm-started model + tokenizer for these configs, training it if needed.
 
     Loadable with ``AutoModelForCausalLM.from_pretrained(dir)`` and
@@ -126,14 +136,21 @@ def warm_start(model_cfg: TinyModelConfig, sft_cfg: SFTConfig, task: Task,
     if meta is None:  # cached (or another process built it meanwhile)
         return final
     acc = meta.get("eval_accuracy")
-    log.info("warm start %s: %d SFT steps in %.1fs, final loss %.3f%s -> %s",
-             task.name, sft_cfg.steps, meta["train_seconds"], meta["final_loss"],
-             "" if acc is None else f", held-out sampled accuracy {acc:.1%}", final)
+    log.info(
+        "warm start %s: %d SFT steps in %.1fs, final loss %.3f%s -> %s",
+        task.name,
+        sft_cfg.steps,
+        meta["train_seconds"],
+        meta["final_loss"],
+        "" if acc is None else f", held-out sampled accuracy {acc:.1%}",
+        final,
+    )
     return final
 
 
-def _train_and_save(model_cfg: TinyModelConfig, sft_cfg: SFTConfig, task: Task, out: str,
-                    on_step: Callable[[int], None] | None = None) -> dict:
+def _train_and_save(
+    model_cfg: TinyModelConfig, sft_cfg: SFTConfig, task: Task, out: str, on_step: Callable[[int], None] | None = None
+) -> dict:
     tokenizer = task_tokenizer(task)
     model = build_tiny_model(tokenizer, model_cfg)
     start = time.perf_counter()
@@ -144,8 +161,8 @@ def _train_and_save(model_cfg: TinyModelConfig, sft_cfg: SFTConfig, task: Task, 
         meta = _meta(model_cfg, sft_cfg, task, final_loss, time.perf_counter() - start)
         if sft_cfg.eval_after:
             meta["eval_accuracy"] = sampled_accuracy(
-                model, tokenizer, task, task.eval_items(),
-                temperature=sft_cfg.eval_temperature, seed=sft_cfg.eval_seed)
+                model, tokenizer, task, task.eval_items(), temperature=sft_cfg.eval_temperature, seed=sft_cfg.eval_seed
+            )
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     with open(os.path.join(out, META_FILE), "w") as f:
@@ -154,9 +171,14 @@ def _train_and_save(model_cfg: TinyModelConfig, sft_cfg: SFTConfig, task: Task, 
 
 
 def _meta(model_cfg: TinyModelConfig, sft_cfg: SFTConfig, task: Task, final_loss: float, seconds: float) -> dict:
-    return {"model": dataclasses.asdict(model_cfg), "sft": sft_cfg.to_dict(),
-            "task": task_fingerprint(task), "format": FORMAT_VERSION,
-            "final_loss": final_loss, "train_seconds": round(seconds, 2)}
+    return {
+        "model": dataclasses.asdict(model_cfg),
+        "sft": sft_cfg.to_dict(),
+        "task": task_fingerprint(task),
+        "format": FORMAT_VERSION,
+        "final_loss": final_loss,
+        "train_seconds": round(seconds, 2),
+    }
 
 
 def sft_batch(tokenizer, pairs: list[tuple[str, str]]) -> dict[str, torch.Tensor]:
@@ -188,7 +210,7 @@ def _bucketed_batches(task: Task, cfg: SFTConfig, step: int) -> list[list[tuple[
     first = cfg.first_index + step * cfg.batch_size
     pairs = [task.sft_pair(i) for i in range(first, first + n * cfg.batch_size)]
     pairs.sort(key=lambda pr: _size(pr[0]) + len(pr[1]))
-    batches = [pairs[b * cfg.batch_size:(b + 1) * cfg.batch_size] for b in range(n)]
+    batches = [pairs[b * cfg.batch_size : (b + 1) * cfg.batch_size] for b in range(n)]
     order = torch.randperm(n).tolist()  # seeded by the caller
     return [batches[i] for i in order]
 
@@ -196,8 +218,7 @@ def _bucketed_batches(task: Task, cfg: SFTConfig, step: int) -> list[list[tuple[
 def train_sft(model, tokenizer, task: Task, cfg: SFTConfig, on_step: Callable[[int], None] | None = None) -> float:
     """AdamW with linear warmup and cosine decay; returns the mean loss of the last 20 steps."""
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.98),
-                            weight_decay=cfg.weight_decay)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.98), weight_decay=cfg.weight_decay)
 
     def lr_at(step: int) -> float:
         if step < cfg.warmup_steps:
@@ -227,8 +248,16 @@ def train_sft(model, tokenizer, task: Task, cfg: SFTConfig, on_step: Callable[[i
 
 
 @torch.no_grad()
-def sample_responses(model, tokenizer, prompts: list[str], *, temperature: float = 1.0,
-                     seed: int = 0, max_new_tokens: int = 64, batch_size: int = 256) -> list[str]:
+def sample_responses(
+    model,
+    tokenizer,
+    prompts: list[str],
+    *,
+    temperature: float = 1.0,
+    seed: int = 0,
+    max_new_tokens: int = 64,
+    batch_size: int = 256,
+) -> list[str]:
     """Sampled (or greedy at ``temperature == 0``) completions with Hugging Face ``generate``,
     seeded so the same model, prompts and seed give the same responses."""
     was_training, out = model.training, []
@@ -236,28 +265,43 @@ def sample_responses(model, tokenizer, prompts: list[str], *, temperature: float
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         for lo in range(0, len(prompts), batch_size):
-            enc = [encode_prompt(tokenizer, p) for p in prompts[lo: lo + batch_size]]
+            enc = [encode_prompt(tokenizer, p) for p in prompts[lo : lo + batch_size]]
             width = max(map(len, enc))
             pad = tokenizer.pad_token_id
             ids = torch.tensor([[pad] * (width - len(e)) + e for e in enc])  # left padding
             mask = torch.tensor([[0] * (width - len(e)) + [1] * len(e) for e in enc])
             # top_k=0: plain sampling at the temperature (generate's default top_k is 50)
-            knobs = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) \
-                if temperature > 0 else dict(do_sample=False)
-            gen = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
-                                 pad_token_id=pad, eos_token_id=tokenizer.eos_token_id, **knobs)
+            knobs = (
+                dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
+                if temperature > 0
+                else dict(do_sample=False)
+            )
+            gen = model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=max_new_tokens,
+                pad_token_id=pad,
+                eos_token_id=tokenizer.eos_token_id,
+                **knobs,
+            )
             out += [decode_response(tokenizer, row[width:].tolist()) for row in gen]
     model.train(was_training)
     return out
 
 
-def sampled_accuracy(model, tokenizer, task: Task, items: list[TaskItem], *,
-                     temperature: float = 1.0, seed: int = 0) -> float:
+def sampled_accuracy(
+    model, tokenizer, task: Task, items: list[TaskItem], *, temperature: float = 1.0, seed: int = 0
+) -> float:
     """Mean reward of one sampled response per item: the held-out metric of the recipes (a reward
     that fails scores 0, as in training: ``held_out_rewards``)."""
-    responses = sample_responses(model, tokenizer, [it.prompt for it in items],
-                                 temperature=temperature, seed=seed,
-                                 max_new_tokens=task.max_response_tokens())
+    responses = sample_responses(
+        model,
+        tokenizer,
+        [it.prompt for it in items],
+        temperature=temperature,
+        seed=seed,
+        max_new_tokens=task.max_response_tokens(),
+    )
     return sum(held_out_rewards(task.reward, items, responses)) / max(1, len(items))
 
 
@@ -273,7 +317,9 @@ def held_out_rewards(reward, items: list[TaskItem], responses: list[str]) -> lis
             scores.append(0.0)
             errors.append(error_text(exc))
     if errors and len(errors) == len(scores):
-        raise RewardsFailing(f"the reward failed on every one of the {len(scores)} held-out responses the warm "
-                             f"start sampled (sft.eval_after); its last error: {errors[-1]}. Fix the reward "
-                             "(`flash data RECIPE` scores each row's reference with it)")
+        raise RewardsFailing(
+            f"the reward failed on every one of the {len(scores)} held-out responses the warm "
+            f"start sampled (sft.eval_after); its last error: {errors[-1]}. Fix the reward "
+            "(`flash data RECIPE` scores each row's reference with it)"
+        )
     return scores

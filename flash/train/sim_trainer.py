@@ -92,8 +92,14 @@ class SimTrainer(UpdateSender):
 
     def _metrics(self, loss: float) -> dict:
         updates = float(self.settings.updates_per_batch)
-        return {"loss": loss, "grad_norm": 1.0 / (1.0 + self.steps), "skipped": 0.0, "lr": self.settings.lr,
-                "grad_norm_last": 1.0 / (1.0 + self.steps), "optimizer_steps": updates}
+        return {
+            "loss": loss,
+            "grad_norm": 1.0 / (1.0 + self.steps),
+            "skipped": 0.0,
+            "lr": self.settings.lr,
+            "grad_norm_last": 1.0 / (1.0 + self.steps),
+            "optimizer_steps": updates,
+        }
 
     # ---- weights and checkpoints ------------------------------------------------------------
     def get_weights(self) -> dict:
@@ -128,8 +134,12 @@ class SimTrainer(UpdateSender):
         return self.steps
 
     def stats(self) -> dict:
-        return {"busy_s": self.busy_s, "steps": float(self.steps), "cpu_s": process_tree_cpu_s(),
-                "sim_busy_s": self.sim_busy_s}
+        return {
+            "busy_s": self.busy_s,
+            "steps": float(self.steps),
+            "cpu_s": process_tree_cpu_s(),
+            "sim_busy_s": self.sim_busy_s,
+        }
 
     def pid(self) -> int:
         return os.getpid()

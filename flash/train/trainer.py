@@ -74,9 +74,15 @@ class TrainerSettings:
 
 
 @torch.no_grad()
-def batch_logprobs(model, batch: TrainBatch, temperature: float, micro_batch_size: int,
-                   spans: RowSpans | None = None, dtype: torch.dtype | None = None,
-                   span_head: bool = False) -> torch.Tensor:
+def batch_logprobs(
+    model,
+    batch: TrainBatch,
+    temperature: float,
+    micro_batch_size: int,
+    spans: RowSpans | None = None,
+    dtype: torch.dtype | None = None,
+    span_head: bool = False,
+) -> torch.Tensor:
     """``[N, L-1]`` logprobs of the batch's target tokens under ``model``, no gradient, in
     micro-batches of ``micro_batch_size`` rows (forward under autocast to ``dtype`` unless None;
     ``span_head``: see ``token_logprobs``); 0 off the response mask. ``spans``: the rows' spans
@@ -118,10 +124,11 @@ def row_spans_and_weight(agg: str, batch: TrainBatch, rows: list[int] | None = N
     read on the host together: one read, however many micro-batches are cut with these spans
     (their own weights stay on the device)."""
     mask = batch.mask if rows is None else batch.mask.index_select(0, row_index(rows, batch.mask.device))
-    counts = torch.cat([batch.attention_mask.sum(dim=1).double(), response_starts(batch.mask).double(),
-                        mask.sum().double().reshape(1)]).tolist()
+    counts = torch.cat(
+        [batch.attention_mask.sum(dim=1).double(), response_starts(batch.mask).double(), mask.sum().double().reshape(1)]
+    ).tolist()
     n, n_rows = len(batch), len(batch) if rows is None else len(rows)
-    spans = RowSpans([int(c) for c in counts[:n]], [int(c) for c in counts[n:2 * n]])
+    spans = RowSpans([int(c) for c in counts[:n]], [int(c) for c in counts[n : 2 * n]])
     return spans, counts[-1] if agg == "token-mean" else float(n_rows)
 
 
@@ -167,7 +174,9 @@ class Trainer:
             self.knobs["max_len"] = settings.max_len
         self.loss_fn = algos.resolve_loss(self.loss_name, agg=settings.agg, **self.knobs)  # checked once
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=settings.lr, weight_decay=settings.weight_decay,
+            self.model.parameters(),
+            lr=settings.lr,
+            weight_decay=settings.weight_decay,
             betas=tuple(settings.betas),
         )
         self.needs_entropy = float(self.knobs.get("entropy_coef", 0.0) or 0.0) != 0.0
@@ -186,13 +195,25 @@ class Trainer:
     def logprobs(self, batch: TrainBatch, model=None, spans: RowSpans | None = None) -> torch.Tensor:
         """Proximal logprobs: the current weights, no gradient, micro-batched; on the batch's device."""
         start = time.monotonic()
-        out = batch_logprobs(model or self.model, batch_to(batch, self.device), self.s.temperature,
-                             self.s.micro_batch_size, spans, self.autocast, self.span_head).to(batch.mask.device)
+        out = batch_logprobs(
+            model or self.model,
+            batch_to(batch, self.device),
+            self.s.temperature,
+            self.s.micro_batch_size,
+            spans,
+            self.autocast,
+            self.span_head,
+        ).to(batch.mask.device)
         self.busy_s += time.monotonic() - start
         return out
 
-    def train_step(self, batch: TrainBatch, advantages: torch.Tensor, prox_logp: torch.Tensor | None,
-                   ref_logp: torch.Tensor | None = None) -> dict:
+    def train_step(
+        self,
+        batch: TrainBatch,
+        advantages: torch.Tensor,
+        prox_logp: torch.Tensor | None,
+        ref_logp: torch.Tensor | None = None,
+    ) -> dict:
         """The batch's optimizer steps (``mini_batches × update_epochs``, ``flash.train.updates``);
         returns loss and metrics as floats, means over the steps.
 
@@ -221,14 +242,20 @@ class Trainer:
     def _set_lr(self) -> None:
         """The schedule's lr for the step now opening; counts it (its position survives a resume)."""
         s = self.s
-        self._lr = lr_at(self.optimizer_steps, s.total_optimizer_steps, s.lr, s.lr_schedule,
-                         s.warmup_steps, s.min_lr_ratio)
+        self._lr = lr_at(
+            self.optimizer_steps, s.total_optimizer_steps, s.lr, s.lr_schedule, s.warmup_steps, s.min_lr_ratio
+        )
         for group in self.optimizer.param_groups:
             group["lr"] = self._lr
         self.optimizer_steps += 1
 
-    def accumulate(self, batch: TrainBatch, advantages: torch.Tensor, prox_logp: torch.Tensor | None,
-                   ref_logp: torch.Tensor | None = None) -> float:
+    def accumulate(
+        self,
+        batch: TrainBatch,
+        advantages: torch.Tensor,
+        prox_logp: torch.Tensor | None,
+        ref_logp: torch.Tensor | None = None,
+    ) -> float:
         """Backward over ``batch`` (micro-batched) into the open step; returns its weight.
 
         Each micro-batch's aggregate is weighted by what it stands for in the step's aggregate
@@ -249,13 +276,20 @@ class Trainer:
             part = batch.rows(lo, hi, length)
             width = part.mask.shape[1]
             prox = None if prox_logp is None else prox_logp[lo:hi, :width]
-            self._backward_part(part, advantages[lo:hi, :width], prox,
-                                None if ref is None else ref[lo:hi, :width], part_weight(self.s.agg, part), first)
+            self._backward_part(
+                part,
+                advantages[lo:hi, :width],
+                prox,
+                None if ref is None else ref[lo:hi, :width],
+                part_weight(self.s.agg, part),
+                first,
+            )
         self._busy += time.monotonic() - start
         return weight
 
-    def _reference_logprobs(self, batch: TrainBatch, given: torch.Tensor | None,
-                            spans: RowSpans) -> torch.Tensor | None:
+    def _reference_logprobs(
+        self, batch: TrainBatch, given: torch.Tensor | None, spans: RowSpans
+    ) -> torch.Tensor | None:
         """The KL reference's logprobs: the reference role's (``given``) or the local copy's."""
         if given is not None:
             return given
@@ -310,8 +344,16 @@ class Trainer:
         return self.needs_entropy or (every > 0 and self.steps % every == 0)
 
     def _micro_loss(self, part: TrainBatch, adv, prox, ref, start: int = 0):
-        logp, entropy = token_logprobs(self.model, part, self.s.temperature, self.logs_entropy(), self.needs_entropy,
-                                       self.autocast, start, self.span_head)
+        logp, entropy = token_logprobs(
+            self.model,
+            part,
+            self.s.temperature,
+            self.logs_entropy(),
+            self.needs_entropy,
+            self.autocast,
+            start,
+            self.span_head,
+        )
         mismatch = {}
         if prox is None and self.s.prox == "approx":
             prox = approx_prox_logp(part.behav_logp, logp.detach(), part.versions, self.steps) * part.mask
@@ -319,9 +361,15 @@ class Trainer:
             prox = logp.detach() * part.mask
             mismatch = fresh_mismatch(part, prox, self.steps)
         inputs = algos.LossInputs(
-            logp=logp, prox_logp=prox, behav_logp=part.behav_logp, advantages=adv,
-            mask=part.mask, rewards=part.rewards, versions=part.versions,
-            ref_logp=ref, entropy=entropy,
+            logp=logp,
+            prox_logp=prox,
+            behav_logp=part.behav_logp,
+            advantages=adv,
+            mask=part.mask,
+            rewards=part.rewards,
+            versions=part.versions,
+            ref_logp=ref,
+            entropy=entropy,
         )
         loss, metrics = self.loss_fn(inputs)
         return loss, {**metrics, **mismatch}

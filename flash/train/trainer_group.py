@@ -61,15 +61,27 @@ def combine_steps(results: list[dict], counts: dict[str, float]) -> dict:
 
 
 def plan_counts(plan: MicroPlan) -> dict[str, float]:
-    return {"micro_batches": float(plan.count), "pad_micro_batches": float(plan.pad_micro_batches),
-            "over_budget_rows": float(plan.over_budget)}
+    return {
+        "micro_batches": float(plan.count),
+        "pad_micro_batches": float(plan.pad_micro_batches),
+        "over_budget_rows": float(plan.over_budget),
+    }
 
 
 class TrainerGroup:
     """The controller's trainer handle when ``train.workers`` > 1 (or FSDP knobs are set)."""
 
-    def __init__(self, model_path: str, settings: TrainerSettings, group: GroupSettings, seed: int,
-                 threads: int, plugins: list[str], paths: list[str] = (), rank_options: list[dict] | None = None):
+    def __init__(
+        self,
+        model_path: str,
+        settings: TrainerSettings,
+        group: GroupSettings,
+        seed: int,
+        threads: int,
+        plugins: list[str],
+        paths: list[str] = (),
+        rank_options: list[dict] | None = None,
+    ):
         n = group.workers
         opts = rank_options or [{} for _ in range(n)]
         if len(opts) != n:
@@ -77,8 +89,12 @@ class TrainerGroup:
         cls = ray.remote(FSDPRank)
         per_rank = max(1, threads // n)
         # max_concurrency 3: a checkpoint write runs beside a step's call (and a stats call)
-        self.ranks = [cls.options(**{"num_cpus": 0, "max_concurrency": 3, **o}).remote(
-            r, n, model_path, settings, group, seed, per_rank, list(plugins), list(paths)) for r, o in enumerate(opts)]
+        self.ranks = [
+            cls.options(**{"num_cpus": 0, "max_concurrency": 3, **o}).remote(
+                r, n, model_path, settings, group, seed, per_rank, list(plugins), list(paths)
+            )
+            for r, o in enumerate(opts)
+        ]
         spread = len(set(ray.get([r.node.remote() for r in self.ranks]))) > 1
         addr, port = ray.get(self.ranks[0].rendezvous.remote(spread))
         self.backend = ray.get([r.setup.remote(addr, port) for r in self.ranks])[0]
@@ -104,8 +120,9 @@ class TrainerGroup:
         peers would wait in a collective until the timeout); the group is then broken for good.
         """
         if self.failed:
-            raise TrainerGroupError(f"trainer group is broken ({self.failed}); start a new one and load "
-                                    "the last checkpoint")
+            raise TrainerGroupError(
+                f"trainer group is broken ({self.failed}); start a new one and load the last checkpoint"
+            )
         with self.lock:
             refs = [getattr(r, method).remote(*args) for r, args in zip(self.ranks, per_rank, strict=True)]
             pending = list(refs)
@@ -134,8 +151,13 @@ class TrainerGroup:
         self.busy_s += time.monotonic() - start
         return torch.stack(parts).sum(0)
 
-    def train_step(self, batch: TrainBatch, advantages: torch.Tensor, prox_logp: torch.Tensor | None,
-                   ref_logp: torch.Tensor | None = None) -> dict:
+    def train_step(
+        self,
+        batch: TrainBatch,
+        advantages: torch.Tensor,
+        prox_logp: torch.Tensor | None,
+        ref_logp: torch.Tensor | None = None,
+    ) -> dict:
         """The batch's optimizer steps, each sharded over the ranks (``Trainer.train_step``)."""
         return train_batch(self, batch, advantages, prox_logp, self.settings, self.steps, ref_logp)
 
@@ -144,8 +166,13 @@ class TrainerGroup:
         self._all("begin_step")
         self._open = {"weight": 0.0, "micro_batches": 0.0, "pad_micro_batches": 0.0, "over_budget_rows": 0.0}
 
-    def accumulate(self, batch: TrainBatch, advantages: torch.Tensor, prox_logp: torch.Tensor | None,
-                   ref_logp: torch.Tensor | None = None) -> float:
+    def accumulate(
+        self,
+        batch: TrainBatch,
+        advantages: torch.Tensor,
+        prox_logp: torch.Tensor | None,
+        ref_logp: torch.Tensor | None = None,
+    ) -> float:
         """Backward over ``batch``, its rows planned over the ranks; returns its weight."""
         self._require_open("accumulate")
         start = time.monotonic()
@@ -226,8 +253,9 @@ class TrainerGroup:
         from flash.checkpoint import TRAINER_DIR
 
         prefix = f"{TRAINER_DIR}/"
-        return self.load(str(Path(directory) / TRAINER_DIR),
-                         {n[len(prefix):]: v for n, v in files.items() if n.startswith(prefix)})
+        return self.load(
+            str(Path(directory) / TRAINER_DIR), {n[len(prefix) :]: v for n, v in files.items() if n.startswith(prefix)}
+        )
 
     def export_hf(self, path: str) -> dict:
         """A Hugging Face folder (safetensors, config, tokenizer) of the current weights."""
@@ -235,8 +263,12 @@ class TrainerGroup:
 
     def stats(self) -> dict:
         """Busy time and steps (as ``TrainerWorker``), plus ``failed`` (1.0 once a rank failed)."""
-        out = {"busy_s": self.busy_s, "steps": float(self.steps), "workers": float(len(self.ranks)),
-               "failed": float(self.failed is not None)}
+        out = {
+            "busy_s": self.busy_s,
+            "steps": float(self.steps),
+            "workers": float(len(self.ranks)),
+            "failed": float(self.failed is not None),
+        }
         if not self.failed:
             ranks = ray.get([r.stats.remote() for r in self.ranks])
             out["rank_busy_s_max"] = max(r["busy_s"] for r in ranks)
@@ -280,12 +312,18 @@ class TrainerGroup:
         ray.get(self.ranks[0].mu_close.remote(group))
 
 
-def start_trainer_group(model_path: str, settings: TrainerSettings, group: GroupSettings, seed: int,
-                        threads: int, plugins: list[str], rank_options: list[dict] | None = None):
+def start_trainer_group(
+    model_path: str,
+    settings: TrainerSettings,
+    group: GroupSettings,
+    seed: int,
+    threads: int,
+    plugins: list[str],
+    rank_options: list[dict] | None = None,
+):
     """The group actor (``threads`` torch threads split over its ranks); ``rank_options`` are Ray
     actor options per rank (e.g. a placement group bundle), for device mapping."""
     from flash.cluster import plugin_paths
 
     actor = ray.remote(TrainerGroup).options(num_cpus=0, max_concurrency=3)  # + a checkpoint write
-    return actor.remote(model_path, settings, group, seed, threads, list(plugins), plugin_paths(plugins),
-                        rank_options)
+    return actor.remote(model_path, settings, group, seed, threads, list(plugins), plugin_paths(plugins), rank_options)

@@ -57,8 +57,10 @@ def chunk_bounds(rows: int, parts: int) -> list[tuple[int, int]]:
     if parts < 1:
         raise ValueError(f"mini_batches must be >= 1, got {parts}")
     if parts > rows:
-        raise ValueError(f"train.mini_batches={parts} but the batch has only {rows} rows; set "
-                         f"train.mini_batches <= train.prompts_per_step × rollout.n")
+        raise ValueError(
+            f"train.mini_batches={parts} but the batch has only {rows} rows; set "
+            f"train.mini_batches <= train.prompts_per_step × rollout.n"
+        )
     size, extra = divmod(rows, parts)
     bounds, lo = [], 0
     for i in range(parts):
@@ -68,8 +70,15 @@ def chunk_bounds(rows: int, parts: int) -> list[tuple[int, int]]:
     return bounds
 
 
-def run_updates(trainer, batch: TrainBatch, advantages: torch.Tensor, prox_logp: torch.Tensor | None,
-                mini_batches: int, update_epochs: int, ref_logp: torch.Tensor | None = None) -> list[dict]:
+def run_updates(
+    trainer,
+    batch: TrainBatch,
+    advantages: torch.Tensor,
+    prox_logp: torch.Tensor | None,
+    mini_batches: int,
+    update_epochs: int,
+    ref_logp: torch.Tensor | None = None,
+) -> list[dict]:
     """``update_epochs`` passes over ``mini_batches`` chunks, one optimizer step each; each step's
     metrics. Only the last step advances the trainer's batch counter (its version)."""
 
@@ -83,8 +92,9 @@ def run_updates(trainer, batch: TrainBatch, advantages: torch.Tensor, prox_logp:
             whole = (lo, hi) == (0, len(batch))
             part = batch if whole else batch.rows(lo, hi)
             trainer.begin_step()
-            trainer.accumulate(part, rows(advantages, lo, hi, whole), rows(prox_logp, lo, hi, whole),
-                               rows(ref_logp, lo, hi, whole))
+            trainer.accumulate(
+                part, rows(advantages, lo, hi, whole), rows(prox_logp, lo, hi, whole), rows(ref_logp, lo, hi, whole)
+            )
             out.append(trainer.finish_step(advance=len(out) + 1 == total))
     return out
 
@@ -120,8 +130,15 @@ def fresh_mismatch(batch: TrainBatch, prox: torch.Tensor, version: int) -> dict[
     return algos.mismatch_metrics(batch.behav_logp, prox, fresh)
 
 
-def train_batch(trainer, batch: TrainBatch, advantages: torch.Tensor, prox_logp: torch.Tensor | None,
-                settings, version: int, ref_logp: torch.Tensor | None = None) -> dict:
+def train_batch(
+    trainer,
+    batch: TrainBatch,
+    advantages: torch.Tensor,
+    prox_logp: torch.Tensor | None,
+    settings,
+    version: int,
+    ref_logp: torch.Tensor | None = None,
+) -> dict:
     """All the optimizer steps of one batch (``settings``: the ``TrainerSettings``); metrics.
 
     ``prox_logp=None`` under the fused mode with several steps: the proximal logprobs are taken
@@ -132,6 +149,5 @@ def train_batch(trainer, batch: TrainBatch, advantages: torch.Tensor, prox_logp:
     if prox_logp is None and several and settings.prox == "fused":
         prox_logp = trainer.logprobs(batch)
         extra = to_floats(fresh_mismatch(batch, prox_logp, version))
-    steps = run_updates(trainer, batch, advantages, prox_logp, settings.mini_batches, settings.update_epochs,
-                        ref_logp)
+    steps = run_updates(trainer, batch, advantages, prox_logp, settings.mini_batches, settings.update_epochs, ref_logp)
     return {**combine_updates(steps, getattr(trainer, "metric_reductions", {})), **extra}

@@ -22,8 +22,7 @@ from flash.weights.group import UpdateSender
 
 
 class TrainerWorker(UpdateSender):
-    def __init__(self, model_path: str, settings, seed: int, threads: int, plugins: list[str],
-                 paths: list[str] = ()):
+    def __init__(self, model_path: str, settings, seed: int, threads: int, plugins: list[str], paths: list[str] = ()):
         from flash import algos
         from flash.train.trainer import Trainer
 
@@ -85,15 +84,18 @@ class TrainerWorker(UpdateSender):
         return path
 
     def stats(self) -> dict:
-        return {"busy_s": self.trainer.busy_s, "steps": float(self.trainer.steps), "cpu_s": process_tree_cpu_s(),
-                **read_peak_memory(self.trainer.device)}
+        return {
+            "busy_s": self.trainer.busy_s,
+            "steps": float(self.trainer.steps),
+            "cpu_s": process_tree_cpu_s(),
+            **read_peak_memory(self.trainer.device),
+        }
 
     def pid(self) -> int:
         return os.getpid()
 
 
-def start_trainer(model_path: str, settings, seed: int, threads: int, plugins: list[str],
-                  options: dict | None = None):
+def start_trainer(model_path: str, settings, seed: int, threads: int, plugins: list[str], options: dict | None = None):
     # max_concurrency 4: checkpoint snapshot/write and pid() run beside a train step (flash.checkpoint)
     actor = ray.remote(TrainerWorker).options(num_cpus=0, max_concurrency=4, **(options or {}))
     return actor.remote(model_path, settings, seed, threads, plugins, plugin_paths(plugins))

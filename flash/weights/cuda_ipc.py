@@ -45,8 +45,10 @@ DEVICE_ARG = 6
 def cuda_device() -> torch.device:
     """This process's current GPU; a named error where it has none."""
     if not torch.cuda.is_available():
-        raise ModelUpdateError("model_update.backend=cuda_ipc needs a GPU in every member, and this process "
-                               "sees none; use shm (colocated on CPU) or auto")
+        raise ModelUpdateError(
+            "model_update.backend=cuda_ipc needs a GPU in every member, and this process "
+            "sees none; use shm (colocated on CPU) or auto"
+        )
     return torch.device("cuda", torch.cuda.current_device())
 
 
@@ -68,7 +70,7 @@ def export_handle(flat: torch.Tensor) -> tuple:
 
 def on_device(args: tuple, index: int) -> tuple:
     """A handle's rebuild arguments with the storage's device index replaced by ``index``."""
-    return (*args[:DEVICE_ARG], index, *args[DEVICE_ARG + 1:])
+    return (*args[:DEVICE_ARG], index, *args[DEVICE_ARG + 1 :])
 
 
 def open_handle(args: tuple, device: torch.device) -> torch.Tensor:
@@ -80,12 +82,15 @@ def open_handle(args: tuple, device: torch.device) -> torch.Tensor:
 
 # The classes a CUDA IPC handle names (``reduce_tensor``'s tensor and storage classes), by name:
 # a handle that crosses a msgpack channel (vLLM's ``collective_rpc``) carries names, never code.
-_HANDLE_CLASSES = {f"{c.__module__}.{c.__qualname__}": c for c in (
-    torch.Tensor, torch.nn.Parameter, torch.UntypedStorage, torch.storage.TypedStorage)}
+_HANDLE_CLASSES = {
+    f"{c.__module__}.{c.__qualname__}": c
+    for c in (torch.Tensor, torch.nn.Parameter, torch.UntypedStorage, torch.storage.TypedStorage)
+}
 
 
 def handle_to_wire(handle: Mapping[str, Any]) -> dict[str, Any]:
     """``IpcSender.write``'s handle as plain values (classes and dtypes by name, sizes as lists)."""
+
     def plain(a):
         if isinstance(a, type):
             return ["class", f"{a.__module__}.{a.__qualname__}"]
@@ -98,6 +103,7 @@ def handle_to_wire(handle: Mapping[str, Any]) -> dict[str, Any]:
 
 def handle_from_wire(handle: Mapping[str, Any]) -> dict[str, Any]:
     """``handle_to_wire``'s inverse; a class or dtype outside the known few is refused."""
+
     def back(a):
         if isinstance(a, list) and len(a) == 2 and a[0] == "class":
             if a[1] not in _HANDLE_CLASSES:

@@ -146,8 +146,7 @@ def cast_entries(entries: list[Entry], cast: Mapping[str, str] | None) -> list[E
     from flash.weights.model_update import DTYPES
 
     cast = cast or {}
-    return [replace(e, dtype=DTYPES[cast[e.names[0]]], held=e.source) if e.names[0] in cast else e
-            for e in entries]
+    return [replace(e, dtype=DTYPES[cast[e.names[0]]], held=e.source) if e.names[0] in cast else e for e in entries]
 
 
 def plan_buckets(entries: list[Entry], world: int, bucket_bytes: int) -> list[list[Entry]]:
@@ -174,7 +173,7 @@ def pack(bucket: list[Entry], locals_: list[torch.Tensor], world: int) -> torch.
     flat = torch.empty(numel, dtype=bucket[0].dtype, device=locals_[0].device)  # a slot's unused tail is never read
     offset = 0
     for e, local in zip(bucket, locals_, strict=True):
-        flat[offset: offset + local.numel()].copy_(local.reshape(-1))
+        flat[offset : offset + local.numel()].copy_(local.reshape(-1))
         offset += e.slot_numel(world)
     return flat
 
@@ -190,7 +189,7 @@ def unpack(gathered: torch.Tensor, bucket: list[Entry], world: int) -> list[torc
         for r in range(world):
             n = rank_rows(e.shape[0], world, r) * row
             start = r * per_rank + offset
-            flat_full[r * rows * row: r * rows * row + n].copy_(gathered[start: start + n])
+            flat_full[r * rows * row : r * rows * row + n].copy_(gathered[start : start + n])
         out.append(full)
         offset += e.slot_numel(world)
     return out
@@ -202,9 +201,11 @@ def _local(value: torch.Tensor, entry: Entry, world: int, rank: int) -> torch.Te
     local = value.to_local()
     want = (rank_rows(entry.shape[0], world, rank), *entry.shape[1:])
     if tuple(local.shape) != want or local.dtype != entry.source:
-        raise RuntimeError(f"{entry.names[0]}: rank {rank} holds a {local.dtype} shard of shape "
-                           f"{tuple(local.shape)}; the plan's torch.chunk layout of {entry.source} {entry.shape} "
-                           f"over {world} ranks says {want}")
+        raise RuntimeError(
+            f"{entry.names[0]}: rank {rank} holds a {local.dtype} shard of shape "
+            f"{tuple(local.shape)}; the plan's torch.chunk layout of {entry.source} {entry.shape} "
+            f"over {world} ranks says {want}"
+        )
     return local
 
 
@@ -243,9 +244,10 @@ class HostLanding:
 
         buf = self._pinned.get(gathered.dtype)
         if buf is None or buf.numel() < gathered.numel():
-            buf = self._pinned[gathered.dtype] = torch.empty(gathered.numel(), dtype=gathered.dtype,
-                                                             **staging_kwargs(gathered.device))
-        host = buf[:gathered.numel()]
+            buf = self._pinned[gathered.dtype] = torch.empty(
+                gathered.numel(), dtype=gathered.dtype, **staging_kwargs(gathered.device)
+            )
+        host = buf[: gathered.numel()]
         host.copy_(gathered)  # waits for the copy: the unpack reads it next
         return host
 
@@ -284,8 +286,9 @@ class FlatGather:
         return self.model.state_dict() if self._plain_names else sharded_state(self.model)
 
     @torch.no_grad()
-    def __call__(self, dst: int = 0, cast: Mapping[str, str] | None = None,
-                 on_device: bool = False) -> dict[str, torch.Tensor] | None:
+    def __call__(
+        self, dst: int = 0, cast: Mapping[str, str] | None = None, on_device: bool = False
+    ) -> dict[str, torch.Tensor] | None:
         """Collective: the full state dict (state-dict order and names, tied names sharing one
         tensor) on rank ``dst``; None on the other ranks. ``cast``: ``{name: dtype}`` to gather in
         (``cast_entries``; the same on every rank). ``on_device``: the full tensors stay on the
@@ -319,8 +322,9 @@ class FlatGather:
         return full
 
 
-def gather_full_state(model, dst: int = 0, bucket_bytes: int = BUCKET_BYTES,
-                      group=None) -> dict[str, torch.Tensor] | None:
+def gather_full_state(
+    model, dst: int = 0, bucket_bytes: int = BUCKET_BYTES, group=None
+) -> dict[str, torch.Tensor] | None:
     """``FlatGather(model, bucket_bytes, group)(dst)``: a plan made and used once, its full
     tensors in host memory. Raises ValueError when ``unsupported`` names a tensor it cannot gather."""
     return FlatGather(model, bucket_bytes, group)(dst)

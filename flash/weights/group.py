@@ -67,14 +67,18 @@ def choose_backend(requested: str, where: list[dict[str, str]]) -> str:
             return "shm"
         return "nccl" if cuda else "gloo"
     if requested == "nccl" and not all(d.startswith("cuda") for d in devices):
-        raise ModelUpdateError("model_update.backend=nccl needs every member on a GPU; "
-                               f"members are on {sorted(devices)}: use gloo")
+        raise ModelUpdateError(
+            f"model_update.backend=nccl needs every member on a GPU; members are on {sorted(devices)}: use gloo"
+        )
     if requested == "nccl" and len(devices) < len(where):
-        raise ModelUpdateError("model_update.backend=nccl cannot join two members on one GPU "
-                               "(colocated): use shm or auto")
+        raise ModelUpdateError(
+            "model_update.backend=nccl cannot join two members on one GPU (colocated): use shm or auto"
+        )
     if requested == "cuda_ipc" and not one_gpu:
-        raise ModelUpdateError("model_update.backend=cuda_ipc needs every member on one GPU of one node; "
-                               f"members are on {sorted(devices)}: use shm, nccl or auto")
+        raise ModelUpdateError(
+            "model_update.backend=cuda_ipc needs every member on one GPU of one node; "
+            f"members are on {sorted(devices)}: use shm, nccl or auto"
+        )
     if requested == "shm" and len(nodes) > 1:
         raise ModelUpdateError("model_update.backend=shm needs every member on one node; use gloo or nccl")
     return requested
@@ -205,8 +209,7 @@ class UpdateReceiver:
         """The group ranks this replica takes, from ``rank`` on (a tensor-parallel engine: one per rank)."""
         return 1
 
-    def mu_join(self, group: str, backend: str, host: str, port: int, rank: int, world: int,
-                timeout_s: float) -> None:
+    def mu_join(self, group: str, backend: str, host: str, port: int, rank: int, world: int, timeout_s: float) -> None:
         m = _groups(self)[group] = _Member(backend)
         if backend == "cuda_ipc":
             m.ipc = IpcReceiver()
@@ -289,8 +292,16 @@ def member_ranks(members: list[int]) -> tuple[list[int], int]:
 class ModelUpdateGroup:
     """The controller's handle on trainer → engines weight pushes (see ``flash.weights.model_update``)."""
 
-    def __init__(self, trainer, engines: list, *, backend: str = "auto", bucket_mb: float = 64.0,
-                 host: str = "127.0.0.1", timeout_s: float = 300.0):
+    def __init__(
+        self,
+        trainer,
+        engines: list,
+        *,
+        backend: str = "auto",
+        bucket_mb: float = 64.0,
+        host: str = "127.0.0.1",
+        timeout_s: float = 300.0,
+    ):
         if not engines:
             raise ModelUpdateError("a model-update group needs at least one engine replica")
         if bucket_mb <= 0:
@@ -314,11 +325,14 @@ class ModelUpdateGroup:
         self.cast = agreed_dtypes(self._get([e.mu_dtypes.remote() for e in self.engines], "dtypes"))
         ranks, world = member_ranks(self._get([e.mu_members.remote() for e in self.engines], "members"))
         g = self.group
-        port = self._get([self.trainer.mu_open.remote(g, self.backend, self.host, self.timeout_s)], "rendezvous",
-                         ["trainer"])[0]
+        port = self._get(
+            [self.trainer.mu_open.remote(g, self.backend, self.host, self.timeout_s)], "rendezvous", ["trainer"]
+        )[0]
         refs = [self.trainer.mu_join.remote(g, world, self.timeout_s)]
-        refs += [e.mu_join.remote(g, self.backend, self.host, port, rank, world, self.timeout_s)
-                 for rank, e in zip(ranks, self.engines)]
+        refs += [
+            e.mu_join.remote(g, self.backend, self.host, port, rank, world, self.timeout_s)
+            for rank, e in zip(ranks, self.engines)
+        ]
         self._get(refs, "join")
         return self.backend
 
@@ -347,12 +361,16 @@ class ModelUpdateGroup:
             raise
         self.version = version
         self.counters["pushes"] += 1
-        return {"model_update/time_s": time.perf_counter() - start, **stats,
-                "model_update/failures": float(self.counters["failures"])}
+        return {
+            "model_update/time_s": time.perf_counter() - start,
+            **stats,
+            "model_update/failures": float(self.counters["failures"]),
+        }
 
     def _collective(self, version: int) -> dict[str, float]:
-        wire = self._get([self.trainer.mu_plan.remote(self.group, self.bucket_bytes, self.cast)], "plan",
-                         ["trainer"])[0]
+        wire = self._get([self.trainer.mu_plan.remote(self.group, self.bucket_bytes, self.cast)], "plan", ["trainer"])[
+            0
+        ]
         self._get([e.mu_check.remote(self.group, wire) for e in self.engines], "check")  # before any collective
         try:
             if self.backend in COLOCATED:  # write first, then the replicas read the same memory
@@ -366,15 +384,21 @@ class ModelUpdateGroup:
             exc.collective = True
             raise
         metas = [TensorMeta.from_wire(w) for w in wire]
-        return {"model_update/bytes": float(sent["bytes"]), "model_update/buckets": float(len(bucket_sizes(metas))),
-                "model_update/replicas": float(len(self.engines))}
+        return {
+            "model_update/bytes": float(sent["bytes"]),
+            "model_update/buckets": float(len(bucket_sizes(metas))),
+            "model_update/replicas": float(len(self.engines)),
+        }
 
     def _object_store(self, version: int) -> dict[str, float]:
         """The baseline path: the state dict through Ray's object store to each replica."""
         weights = self.trainer.get_weights.remote()
         acks = self._get([e.update_weights.remote(weights, version) for e in self.engines], "object store push")
-        return {"model_update/bytes": float(acks[0] or 0.0), "model_update/buckets": 1.0,
-                "model_update/replicas": float(len(self.engines))}
+        return {
+            "model_update/bytes": float(acks[0] or 0.0),
+            "model_update/buckets": 1.0,
+            "model_update/replicas": float(len(self.engines)),
+        }
 
     def _get(self, refs: list, what: str, members: list[str] | None = None) -> list:
         """``ray.get`` with the group's timeout; a failure or a timeout names the members concerned."""
@@ -383,8 +407,10 @@ class ModelUpdateGroup:
             return ray.get(refs, timeout=self.timeout_s)
         except ray.exceptions.GetTimeoutError:
             late = [m for m, r in zip(members, refs) if not ray.wait([r], timeout=0)[0]]
-            raise ModelUpdateError(f"model update: {what} timed out after {self.timeout_s:g} s; not done: "
-                                   f"{', '.join(late)} (raise model_update.timeout_s if the model is large)") from None
+            raise ModelUpdateError(
+                f"model update: {what} timed out after {self.timeout_s:g} s; not done: "
+                f"{', '.join(late)} (raise model_update.timeout_s if the model is large)"
+            ) from None
         except ray.exceptions.RayError as exc:
             failed = [m for m, r in zip(members, refs) if _failed(r)]
             raise ModelUpdateError(f"model update: {what} failed on {', '.join(failed)}: {_cause(exc)}") from exc

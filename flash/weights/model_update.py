@@ -56,9 +56,21 @@ ALIGN = 64  # byte alignment of every tensor in a bucket: views of any dtype sta
 # memcpy passes that cost as much as the loopback transfer itself (measured: ~1 GB/s per core under
 # load, like gloo); a broadcast of its own costs ~0.1 ms of latency, i.e. ~100 KB of memcpy.
 ALONE_BYTES = 1 << 20
-DTYPES = {str(d).removeprefix("torch."): d for d in (
-    torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
-    torch.int16, torch.int8, torch.uint8, torch.bool)}
+DTYPES = {
+    str(d).removeprefix("torch."): d
+    for d in (
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.float64,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+    )
+}
 ModelUpdateBackend = Literal["auto", "gloo", "nccl", "shm", "cuda_ipc", "object_store"]  # model_update.backend
 BACKENDS: tuple[str, ...] = get_args(ModelUpdateBackend)
 
@@ -130,8 +142,9 @@ def _aligned(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-def plan_buckets(entries: list[tuple[tuple[str, ...], tuple[int, ...], str]], bucket_bytes: int,
-                 alone_bytes: int = ALONE_BYTES) -> list[TensorMeta]:
+def plan_buckets(
+    entries: list[tuple[tuple[str, ...], tuple[int, ...], str]], bucket_bytes: int, alone_bytes: int = ALONE_BYTES
+) -> list[TensorMeta]:
     """Large tensors travel alone; all small ones share as few buckets of ``bucket_bytes`` as fit.
 
     A tensor of at least ``min(alone_bytes, bucket_bytes)`` gets a bucket of its own (never split):
@@ -158,8 +171,9 @@ def plan_buckets(entries: list[tuple[tuple[str, ...], tuple[int, ...], str]], bu
     return sorted(metas, key=lambda m: (m.bucket, m.offset))
 
 
-def plan_state(state: Mapping[str, torch.Tensor], bucket_bytes: int,
-               cast: Mapping[str, str] | None = None) -> list[TensorMeta]:
+def plan_state(
+    state: Mapping[str, torch.Tensor], bucket_bytes: int, cast: Mapping[str, str] | None = None
+) -> list[TensorMeta]:
     """The plan of a push of ``state``: aliases folded (``unique_tensors``), each tensor in the
     dtype ``cast`` names for it (the replicas', where the sender casts) or else its own."""
     cast = cast or {}
@@ -199,14 +213,14 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
 def pack(tensors: list[torch.Tensor], metas: list[TensorMeta], out: torch.Tensor) -> torch.Tensor:
     """Copy a bucket's tensors into ``out`` (uint8) at their offsets; returns the used prefix."""
     for t, m in zip(tensors, metas):
-        out[m.offset:m.offset + m.nbytes].copy_(as_bytes(t.contiguous()), non_blocking=True)
-    return out[:metas[-1].offset + metas[-1].nbytes]
+        out[m.offset : m.offset + m.nbytes].copy_(as_bytes(t.contiguous()), non_blocking=True)
+    return out[: metas[-1].offset + metas[-1].nbytes]
 
 
 def unpack(buf: torch.Tensor, metas: list[TensorMeta]) -> Iterator[tuple[str, torch.Tensor]]:
     """Views of a received bucket, one ``(name, tensor)`` per name (aliases share the view)."""
     for m in metas:
-        view = buf[m.offset:m.offset + m.nbytes].view(DTYPES[m.dtype]).view(m.shape)
+        view = buf[m.offset : m.offset + m.nbytes].view(DTYPES[m.dtype]).view(m.shape)
         for name in m.names:
             yield name, view
 
@@ -229,7 +243,7 @@ def pack_flat(state: Mapping[str, torch.Tensor], metas: list[TensorMeta], flat: 
     for k, group in enumerate(by_bucket(metas)):
         for m in group:
             at = starts[k] + m.offset
-            view = flat[at:at + m.nbytes].view(DTYPES[m.dtype]).view(m.shape)
+            view = flat[at : at + m.nbytes].view(DTYPES[m.dtype]).view(m.shape)
             view.copy_(state[m.names[0]].detach(), non_blocking=non_blocking)
     return starts[-1]
 
@@ -240,7 +254,7 @@ def unpack_flat(flat: torch.Tensor, metas: list[TensorMeta]) -> Iterator[tuple[s
     if flat.numel() < starts[-1]:
         raise ModelUpdateError(f"the pushed buffer holds {flat.numel()} bytes, the plan needs {starts[-1]}")
     for k, group in enumerate(by_bucket(metas)):
-        yield from unpack(flat[starts[k]:starts[k + 1]], group)
+        yield from unpack(flat[starts[k] : starts[k + 1]], group)
 
 
 def agreed_dtypes(per_replica: list[Mapping[str, str]]) -> dict[str, str]:
@@ -262,14 +276,18 @@ def check_plan(metas: list[TensorMeta], shapes: Mapping[str, tuple[int, ...]]) -
         for name in m.names:
             sent.add(name)
             if name not in shapes:
-                raise ModelUpdateError(f"the engine has no parameter {name!r}{did_you_mean(name, shapes, n=1)} "
-                                       "(trainer and engine must load the same architecture)")
+                raise ModelUpdateError(
+                    f"the engine has no parameter {name!r}{did_you_mean(name, shapes, n=1)} "
+                    "(trainer and engine must load the same architecture)"
+                )
             if tuple(shapes[name]) != m.shape:
                 raise ModelUpdateError(f"{name}: trainer shape {m.shape} != engine shape {tuple(shapes[name])}")
     missing = sorted(set(shapes) - sent)
     if missing:
-        raise ModelUpdateError(f"the trainer sends no value for {len(missing)} engine parameter(s), e.g. "
-                               f"{missing[:3]}; they would keep stale weights")
+        raise ModelUpdateError(
+            f"the trainer sends no value for {len(missing)} engine parameter(s), e.g. "
+            f"{missing[:3]}; they would keep stale weights"
+        )
 
 
 # ---- transport ---------------------------------------------------------------------------------
@@ -287,8 +305,15 @@ def open_store(host: str, timeout_s: float, port: int = 0, world: int | None = N
     sock.bind((host, port))
     sock.listen(1024)
     bound = sock.getsockname()[1]
-    return dist.TCPStore(host, bound, world_size=world, is_master=True, wait_for_workers=False,
-                         timeout=datetime.timedelta(seconds=timeout_s), master_listen_fd=sock.detach())
+    return dist.TCPStore(
+        host,
+        bound,
+        world_size=world,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        master_listen_fd=sock.detach(),
+    )
 
 
 def make_group(backend: str, store: dist.Store, prefix: str, rank: int, world: int, timeout_s: float):
@@ -367,8 +392,9 @@ def _landing(metas: list[TensorMeta], targets: Mapping[str, torch.Tensor] | None
     return t if t.device == device else None
 
 
-def receive(pg, metas: list[TensorMeta], buffers: _Buffers,
-            targets: Mapping[str, torch.Tensor] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def receive(
+    pg, metas: list[TensorMeta], buffers: _Buffers, targets: Mapping[str, torch.Tensor] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Ranks 1..N: yield ``(name, tensor)`` for every pushed tensor, bucket by bucket.
 
     A lone tensor whose live parameter is in ``targets`` (same shape, dtype, device, contiguous)
@@ -382,7 +408,7 @@ def receive(pg, metas: list[TensorMeta], buffers: _Buffers,
 
     def post(k: int):
         target = _landing(groups[k], targets, buffers.device)
-        dest = as_bytes(target) if target is not None else buffers.get(k % 2, sizes[k])[:sizes[k]]
+        dest = as_bytes(target) if target is not None else buffers.get(k % 2, sizes[k])[: sizes[k]]
         return dest, broadcast(pg, dest)
 
     pending = post(0) if groups else None

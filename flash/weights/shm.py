@@ -41,8 +41,10 @@ def _allocate(path: str, nbytes: int) -> None:
     except OSError as exc:
         os.close(fd)
         os.unlink(path)
-        raise ModelUpdateError(f"cannot reserve {nbytes / 2**20:.0f} MiB in {SHM_DIR} ({exc.strerror}): "
-                               "enlarge it (docker --shm-size) or set model_update.backend=gloo") from None
+        raise ModelUpdateError(
+            f"cannot reserve {nbytes / 2**20:.0f} MiB in {SHM_DIR} ({exc.strerror}): "
+            "enlarge it (docker --shm-size) or set model_update.backend=gloo"
+        ) from None
     os.close(fd)
 
 
@@ -85,8 +87,9 @@ class ShmSender:
         if self.seg is None or self.seg.numel() < total:
             self.close()
             if not os.path.isdir(SHM_DIR):
-                raise ModelUpdateError(f"{SHM_DIR} is missing: the shm backend needs Linux shared memory; "
-                                   "set model_update.backend=gloo")
+                raise ModelUpdateError(
+                    f"{SHM_DIR} is missing: the shm backend needs Linux shared memory; set model_update.backend=gloo"
+                )
             self.path = os.path.join(SHM_DIR, f"flash-mu-{os.getpid()}-{uuid.uuid4().hex[:8]}")
             _allocate(self.path, max(total, 1))
             self.seg = _map(self.path, max(total, 1))

@@ -24,15 +24,20 @@ def multiply(a: int, b: int) -> int:
 
 def row(rng: random.Random, skip_prob: float) -> dict:
     a, b = rng.randint(2, 9), rng.randint(2, 9)
-    call = {"id": "call_0", "type": "function",
-            "function": {"name": "multiply", "arguments": json.dumps({"a": a, "b": b})}}
+    call = {
+        "id": "call_0",
+        "type": "function",
+        "function": {"name": "multiply", "arguments": json.dumps({"a": a, "b": b})},
+    }
     if rng.random() < skip_prob:
         guess = a * b + rng.choice((-1, 1)) * rng.randint(1, 9)
         demo = [{"role": "assistant", "content": str(abs(guess)), "tool_calls": None, "tool_call_id": None}]
     else:
-        demo = [{"role": "assistant", "content": "", "tool_calls": [call], "tool_call_id": None},
-                {"role": "tool", "content": str(a * b), "tool_calls": None, "tool_call_id": "call_0"},
-                {"role": "assistant", "content": str(a * b), "tool_calls": None, "tool_call_id": None}]
+        demo = [
+            {"role": "assistant", "content": "", "tool_calls": [call], "tool_call_id": None},
+            {"role": "tool", "content": str(a * b), "tool_calls": None, "tool_call_id": "call_0"},
+            {"role": "assistant", "content": str(a * b), "tool_calls": None, "tool_call_id": None},
+        ]
     return {"question": f"What is {a} times {b}?", "answer": str(a * b), "demo": demo}
 
 
@@ -43,10 +48,12 @@ def correct(completion, answer, **kwargs) -> float:
     return 1.0 if isinstance(text, str) and text.strip() == answer else 0.0
 
 
-def load_environment(rows: int = 2000, eval_rows: int = 64, skip_prob: float = 0.5, seed: int = 0,
-                     max_turns: int = 3) -> vf.Environment:
+def load_environment(
+    rows: int = 2000, eval_rows: int = 64, skip_prob: float = 0.5, seed: int = 0, max_turns: int = 3
+) -> vf.Environment:
     rng = random.Random(seed)
     train = Dataset.from_list([row(rng, skip_prob) for _ in range(rows)])
     held_out = Dataset.from_list([row(rng, 0.0) for _ in range(eval_rows)])
-    return vf.ToolEnv(dataset=train, eval_dataset=held_out, tools=[multiply], rubric=vf.Rubric(funcs=[correct]),
-                      max_turns=max_turns)
+    return vf.ToolEnv(
+        dataset=train, eval_dataset=held_out, tools=[multiply], rubric=vf.Rubric(funcs=[correct]), max_turns=max_turns
+    )

@@ -35,9 +35,16 @@ from flash.envs.agents import TOOL_TEMPLATE as TEMPLATE
 from flash.tasks import Task, TaskItem, register_task
 from .wordproblems import NAMES, THINGS, evaluate, story
 
-TOOLS = [{"type": "function", "function": {
-    "name": "calc", "description": "the value of one arithmetic operation, e.g. 23*17",
-    "parameters": {"type": "object", "properties": {"expr": {"type": "string"}}, "required": ["expr"]}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "calc",
+            "description": "the value of one arithmetic operation, e.g. 23*17",
+            "parameters": {"type": "object", "properties": {"expr": {"type": "string"}}, "required": ["expr"]},
+        },
+    }
+]
 EXPR = re.compile(r"\s*(\d{1,6})\s*([+*-])\s*(\d{1,6})\s*")
 MAX_CALLS = 3
 
@@ -55,8 +62,7 @@ class CalculatorOptions:
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_operand <= self.max_operand <= 999:
-            raise ValueError(f"need 1 <= min_operand <= max_operand <= 999, got {self.min_operand}, "
-                             f"{self.max_operand}")
+            raise ValueError(f"need 1 <= min_operand <= max_operand <= 999, got {self.min_operand}, {self.max_operand}")
         if not self.ops or any(op not in "+-*" for op in self.ops):
             raise ValueError(f"ops must be a non-empty subset of '+-*', got {self.ops!r}")
         if not 0.0 <= self.skip_prob < 1.0:
@@ -79,8 +85,11 @@ def call_text(expr: str) -> str:
 
 
 def call_message(expr: str) -> dict:
-    return {"role": "assistant", "content": "", "tool_calls": [
-        {"id": "call_0", "type": "function", "function": {"name": "calc", "arguments": {"expr": expr}}}]}
+    return {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"id": "call_0", "type": "function", "function": {"name": "calc", "arguments": {"expr": expr}}}],
+    }
 
 
 @register_task("calculator")
@@ -97,8 +106,9 @@ class Calculator(Task):
         if op == "-" and b > a:
             a, b = b, a
         prompt = story(op, a, b, rng.choice(NAMES), rng.choice(THINGS), rng)
-        return TaskItem(index=index, prompt=prompt, answer=str(evaluate(op, a, b)),
-                        meta={"expr": f"{a}{op}{b}", "split": split})
+        return TaskItem(
+            index=index, prompt=prompt, answer=str(evaluate(op, a, b)), meta={"expr": f"{a}{op}{b}", "split": split}
+        )
 
     def max_response_tokens(self) -> int:
         top = self.options.max_operand

@@ -79,8 +79,7 @@ def geometric_length(rng: random.Random, mean: float, cap: int) -> int:
 
 def slip(word: str, rng: random.Random, prob: float) -> str:
     """``word`` with each letter replaced by its alphabet successor with probability ``prob``."""
-    return "".join(LETTERS[(LETTERS.index(c) + 1) % 26] if rng.random() < prob else c
-                   for c in word)
+    return "".join(LETTERS[(LETTERS.index(c) + 1) % 26] if rng.random() < prob else c for c in word)
 
 
 @register_task("echo")

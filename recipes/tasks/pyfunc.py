@@ -42,7 +42,10 @@ from flash.tasks import Task, TaskItem, register_task
 
 # name -> (operator, multiplicative?, smallest constant)
 OPS: dict[str, tuple[str, bool, int]] = {
-    "add": ("+", False, 1), "sub": ("-", False, 1), "mul": ("*", True, 2), "mod": ("%", True, 2),
+    "add": ("+", False, 1),
+    "sub": ("-", False, 1),
+    "mul": ("*", True, 2),
+    "mod": ("%", True, 2),
 }
 ADDITIVE = [n for n, (_, mult, _) in OPS.items() if not mult]
 MULTIPLICATIVE = [n for n, (_, mult, _) in OPS.items() if mult]
@@ -149,8 +152,15 @@ class PyFuncTask(Task):
         xs = rng.sample(TEST_INPUTS, o.num_tests)
         tests = [{"input": [x], "output": apply_chain(chain, x)} for x in xs]
         solution = HEADER + expression(chain)
-        meta = {"entry_point": "f", "tests": tests, "family": f"ops{k}", "chain": [list(s) for s in chain],
-                "needs_parens": needs_parens(chain), "solution": solution, "split": split}
+        meta = {
+            "entry_point": "f",
+            "tests": tests,
+            "family": f"ops{k}",
+            "chain": [list(s) for s in chain],
+            "needs_parens": needs_parens(chain),
+            "solution": solution,
+            "split": split,
+        }
         return TaskItem(index=index, prompt=spec_text(chain), answer=solution, meta=meta)
 
     def max_response_tokens(self) -> int:

@@ -63,8 +63,10 @@ def create(options: ReasoningGymOptions, split: str):
     if options.dataset not in DATASETS:
         from flash.algos.registry import did_you_mean
 
-        raise ValueError(f"task.dataset {options.dataset!r} is not a reasoning-gym dataset"
-                         f"{did_you_mean(options.dataset, sorted(DATASETS), n=1)}")
+        raise ValueError(
+            f"task.dataset {options.dataset!r} is not a reasoning-gym dataset"
+            f"{did_you_mean(options.dataset, sorted(DATASETS), n=1)}"
+        )
     seed = options.seed + (EVAL_SEED_OFFSET if split == "eval" else 0)
     size = options.eval_size if split == "eval" else options.size
     try:
@@ -96,8 +98,12 @@ class ReasoningGym(Task):
 
     def _make_item(self, index: int, split: str, rng: random.Random) -> TaskItem:
         entry = self.entry(index, split)
-        return TaskItem(index=index, prompt=self._text(entry["question"]), answer=self._text(str(entry["answer"])),
-                        meta={"split": split})
+        return TaskItem(
+            index=index,
+            prompt=self._text(entry["question"]),
+            answer=self._text(str(entry["answer"])),
+            meta={"split": split},
+        )
 
     def max_response_tokens(self) -> int:
         return max(len(self.entry(i, "eval")["answer"]) for i in range(min(16, self.options.eval_size))) + 1

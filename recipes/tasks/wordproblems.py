@@ -104,8 +104,7 @@ class WordProblems(Task):
         name, thing = rng.choice(NAMES), rng.choice(THINGS)
         value = evaluate(op, a, b)
         meta = {"op": op, "a": a, "b": b, "solution": equation(op, a, b, value), "split": split}
-        return TaskItem(index=index, prompt=story(op, a, b, name, thing, rng), answer=str(value),
-                        meta=meta)
+        return TaskItem(index=index, prompt=story(op, a, b, name, thing, rng), answer=str(value), meta=meta)
 
     def max_response_tokens(self) -> int:
         digits = len(str(self.options.max_operand))

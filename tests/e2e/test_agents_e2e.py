@@ -25,8 +25,14 @@ def cache(warm_cache):
 def agent_run(tmp_path, cache, fn: str, env: dict | None = None, extra: tuple = ()) -> tuple:
     run_dir, template = tmp_path / "run", tmp_path / "raw.jinja"
     template.write_text(RAW)
-    overrides = [f"run_dir={run_dir}", f"agent.fn=tests.agent_fns:{fn}", f"model.chat_template={template}",
-                 "checkpoint.every_steps=0", "async_ratio=1", *extra]
+    overrides = [
+        f"run_dir={run_dir}",
+        f"agent.fn=tests.agent_fns:{fn}",
+        f"model.chat_template={template}",
+        "checkpoint.every_steps=0",
+        "async_ratio=1",
+        *extra,
+    ]
     finish(launch(run_dir, cache, overrides, env), run_dir)
     return run_dir, json.loads((run_dir / "summary.json").read_text()), read_jsonl(run_dir / "metrics.jsonl")
 
@@ -39,8 +45,9 @@ def test_an_agent_run_trains_every_episode_once_through_the_gateway(tmp_path, ca
     and every other outcome are pinned without a run in test_agents.py.)"""
     marks = tmp_path / "marks"
     marks.mkdir()
-    run_dir, summary, metrics = agent_run(tmp_path, cache, "flaky_slow_answer", {"FLASH_TEST_MARKS": str(marks)},
-                                          ("rollout.redundancy=1",))
+    run_dir, summary, metrics = agent_run(
+        tmp_path, cache, "flaky_slow_answer", {"FLASH_TEST_MARKS": str(marks)}, ("rollout.redundancy=1",)
+    )
     assert summary["steps"] == STEPS and summary["samples_trained"] == STEPS * B * N
     pairs = trained_pairs(read_jsonl(run_dir / "ledger.jsonl"))
     assert set(pairs.values()) == {1} and len(pairs) == STEPS * B * N

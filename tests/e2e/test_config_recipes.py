@@ -13,17 +13,22 @@ from flash.app.config import load_config
 from flash.errors import ConfigError
 
 
-@pytest.mark.parametrize("text, message", [
-    ("- task\n- rollout\n", r"a recipe is a mapping of sections .*, not a list"),
-    ("just words\n", r"unknown config key 'just words'"),
-    ("task: !!python/object/apply:os.system ['touch /tmp/flash-pwned']\n",
-     r"line 1 column 7: could not determine a constructor for the tag"),
-    ("task: {name: stutter\nrollout: {n: 2}\n", r"line 2 column 8: "),
-    ("", r"is empty: a recipe names at least its task"),
-    ("# only a comment\n", r"is empty"),
-    ("task: {name: stutter}\nrollout: {temperature: .inf}\n", r"^rollout.temperature=inf is not a finite"),
-    ("task: {name: stutter}\ntrain: {lr: .nan}\n", r"^train.lr=nan is not a finite number"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("- task\n- rollout\n", r"a recipe is a mapping of sections .*, not a list"),
+        ("just words\n", r"unknown config key 'just words'"),
+        (
+            "task: !!python/object/apply:os.system ['touch /tmp/flash-pwned']\n",
+            r"line 1 column 7: could not determine a constructor for the tag",
+        ),
+        ("task: {name: stutter\nrollout: {n: 2}\n", r"line 2 column 8: "),
+        ("", r"is empty: a recipe names at least its task"),
+        ("# only a comment\n", r"is empty"),
+        ("task: {name: stutter}\nrollout: {temperature: .inf}\n", r"^rollout.temperature=inf is not a finite"),
+        ("task: {name: stutter}\ntrain: {lr: .nan}\n", r"^train.lr=nan is not a finite number"),
+    ],
+)
 def test_a_bad_recipe_file_is_one_line_naming_file_and_line(tmp_path, capsys, text, message):
     path = tmp_path / "bad.yaml"
     path.write_text(text)
@@ -40,7 +45,11 @@ def test_a_recipe_builds_on_another_with_base(tmp_path, capsys):
     (tmp_path / "mine.yaml").write_text("base: stutter\ndescription: mine\ntrain: {steps: 7}\n")
     mine = load_config(tmp_path / "mine.yaml")
     assert mine.train.steps == 7 and mine.description == "mine"
-    assert (mine.async_ratio, mine.algo.loss, mine.rollout.n) == (stutter.async_ratio, stutter.algo.loss, stutter.rollout.n)
+    assert (mine.async_ratio, mine.algo.loss, mine.rollout.n) == (
+        stutter.async_ratio,
+        stutter.algo.loss,
+        stutter.rollout.n,
+    )
     (tmp_path / "more.yaml").write_text("base: mine.yaml\nrollout: {n: 2}\n")  # a path beside it
     more = load_config(tmp_path / "more.yaml", ["train.steps=9"])
     assert (more.train.steps, more.rollout.n, more.algo.loss) == (9, 2, stutter.algo.loss)
@@ -67,12 +76,26 @@ def test_a_recipe_builds_on_another_with_base(tmp_path, capsys):
 def test_a_plugin_beside_the_recipe_is_found_without_pythonpath(tmp_path):
     (tmp_path / "my_losses.py").write_text(
         "from flash import algos\n\n@algos.register_loss('my_pg', description='scaled REINFORCE')\n"
-        "def my_pg(inputs, *, scale: float = 1.0):\n    return -scale * inputs.advantages * inputs.logp, {}\n")
+        "def my_pg(inputs, *, scale: float = 1.0):\n    return -scale * inputs.advantages * inputs.logp, {}\n"
+    )
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     flash = Path(sys.executable).with_name("flash")  # the console script: its sys.path lacks the cwd
-    out = subprocess.run([str(flash), "validate", str(Path(__file__).parents[2] / "recipes" / "stutter.yaml"),
-                          "plugins=[my_losses]", "algo.loss.name=my_pg", "algo.loss.scale=0.5"],
-                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120, check=False)
+    out = subprocess.run(
+        [
+            str(flash),
+            "validate",
+            str(Path(__file__).parents[2] / "recipes" / "stutter.yaml"),
+            "plugins=[my_losses]",
+            "algo.loss.name=my_pg",
+            "algo.loss.scale=0.5",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("ok: ") and "loss=my_pg" in out.stdout
 
@@ -86,18 +109,25 @@ def test_plugins_and_rewards_beside_a_recipe_in_another_folder_load_by_name_or_p
     (tmp_path / "lib").mkdir()
     (tmp_path / "lib" / "beside_losses.py").write_text(
         "from flash import algos\n\n@algos.register_loss('beside_pg', description='scaled REINFORCE')\n"
-        "def beside_pg(inputs, *, scale: float = 1.0):\n    return -scale * inputs.advantages * inputs.logp, {}\n")
+        "def beside_pg(inputs, *, scale: float = 1.0):\n    return -scale * inputs.advantages * inputs.logp, {}\n"
+    )
     (tmp_path / "beside_rewards.py").write_text("def length(item, response):\n    return float(len(response))\n")
-    (tmp_path / "mine.yaml").write_text("base: stutter\nplugins: [lib/beside_losses.py]\n"
-                                        "algo: {loss: {name: beside_pg}}\nreward: {fn: {name: 'beside_rewards:length'}}\n")
+    (tmp_path / "mine.yaml").write_text(
+        "base: stutter\nplugins: [lib/beside_losses.py]\n"
+        "algo: {loss: {name: beside_pg}}\nreward: {fn: {name: 'beside_rewards:length'}}\n"
+    )
     cfg = load_config(tmp_path / "mine.yaml")
     assert cfg.plugins == [str(tmp_path / "lib" / "beside_losses.py")] and cfg.algo.loss["name"] == "beside_pg"
-    (tmp_path / "lib" / "named.yaml").write_text("base: stutter\nplugins: [beside_losses]\n"
-                                                 "algo: {loss: {name: beside_pg}}\n")
+    (tmp_path / "lib" / "named.yaml").write_text(
+        "base: stutter\nplugins: [beside_losses]\nalgo: {loss: {name: beside_pg}}\n"
+    )
     assert load_config(tmp_path / "lib" / "named.yaml").plugins == [str(tmp_path / "lib" / "beside_losses.py")]
     (tmp_path / "bad.yaml").write_text("base: stutter\nplugins: [nowhere_losses]\n")
-    with pytest.raises(ConfigError, match=r"'nowhere_losses' could not be imported: .*\(searched: .*"
-                                          r"put it beside the recipe, give its .py path"):
+    with pytest.raises(
+        ConfigError,
+        match=r"'nowhere_losses' could not be imported: .*\(searched: .*"
+        r"put it beside the recipe, give its .py path",
+    ):
         load_config(tmp_path / "bad.yaml")
     (tmp_path / "bad2.yaml").write_text("base: stutter\nplugins: [lib/missing.py]\n")
     with pytest.raises(ConfigError, match=f"plugins: no such file {tmp_path}/lib/missing.py"):

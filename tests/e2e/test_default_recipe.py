@@ -54,14 +54,23 @@ def test_default_recipe_learns(tmp_path, cache, ratio, seed):
     assert s["max_staleness_observed"] <= math.ceil(ratio)
     if ratio > 0:
         assert s["max_staleness_observed"] >= 1  # it did train on older samples: truly async
-    for key in ("eval_accuracy_initial", "eval_accuracy_final", "steps", "wall_seconds",
-                "samples_trained", "max_staleness_observed", "async_ratio"):
+    for key in (
+        "eval_accuracy_initial",
+        "eval_accuracy_final",
+        "steps",
+        "wall_seconds",
+        "samples_trained",
+        "max_staleness_observed",
+        "async_ratio",
+    ):
         assert key in s
     assert (tmp_path / "summary.json").exists() and list((tmp_path / "tb").iterdir())
     samples = [json.loads(x) for x in (tmp_path / "samples.jsonl").read_text().splitlines()]
     assert [x["step"] for x in samples] == [t for t in range(1, cfg.train.steps + 1) for _ in range(2)]
-    assert all(a["reward"] >= b["reward"] and a["prompt"] and isinstance(b["response"], str)
-               for a, b in zip(samples[::2], samples[1::2]))  # the step's best, then its worst
+    assert all(
+        a["reward"] >= b["reward"] and a["prompt"] and isinstance(b["response"], str)
+        for a, b in zip(samples[::2], samples[1::2])
+    )  # the step's best, then its worst
 
 
 @pytest.mark.margin  # ~5 min: the seed-0 asynchronous run with a bfloat16 engine and trainer forward

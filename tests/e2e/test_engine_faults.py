@@ -43,6 +43,7 @@ class FakeEngine:
             if self.error is not None:
                 raise self.error
             return name
+
         return SimpleNamespace(remote=remote)
 
 
@@ -50,8 +51,11 @@ class FakeEngine:
 def no_ray(monkeypatch):
     """``ray.get`` in-process (its timeouts recorded); no ``ray.kill``: killing would fail the test."""
     timeouts = []
-    monkeypatch.setattr(engine_client, "ray", SimpleNamespace(
-        get=lambda x, timeout=None: timeouts.append(timeout) or x, ObjectRef=type(None)))
+    monkeypatch.setattr(
+        engine_client,
+        "ray",
+        SimpleNamespace(get=lambda x, timeout=None: timeouts.append(timeout) or x, ObjectRef=type(None)),
+    )
     return timeouts
 
 
@@ -67,8 +71,11 @@ def test_passthrough_fault_raises_at_once_naming_the_knob(no_ray, use):
     engine = FakeEngine(EngineLoopError("generation thread died"))
     client = EngineClient.passthrough(engine)
     with pytest.raises(EngineFailed, match=r"max_engine_restarts=0.*generation thread died") as info:
-        {"call": lambda: client.call("pause", "continue"), "poll": lambda: client.poll(0.2),
-         "submit": lambda: client.submit([])}[use]()
+        {
+            "call": lambda: client.call("pause", "continue"),
+            "poll": lambda: client.poll(0.2),
+            "submit": lambda: client.submit([]),
+        }[use]()
     assert isinstance(info.value.__cause__, EngineLoopError)
     assert len(engine.calls) == 1 and client.faults == 1 and client.epoch == 0  # no restart, no retry
 
@@ -118,8 +125,17 @@ def assert_ledger_complete(run_dir, summary) -> list[dict]:
 @pytest.mark.slow
 def test_engine_killed_then_hung_mid_run_is_restarted_and_nothing_is_lost(tmp_path, cache):
     run_dir = tmp_path / "faults"
-    proc = launch(run_dir, cache, [f"run_dir={run_dir}", "async_ratio=2", "rollout.hang_timeout_s=8",
-                                   "rollout.inject_delay_s=0.05", "checkpoint.every_steps=0"])
+    proc = launch(
+        run_dir,
+        cache,
+        [
+            f"run_dir={run_dir}",
+            "async_ratio=2",
+            "rollout.hang_timeout_s=8",
+            "rollout.inject_delay_s=0.05",
+            "checkpoint.every_steps=0",
+        ],
+    )
     assert wait_for(lambda: steps_done(run_dir) >= 1, proc)
     os.kill(events(run_dir, "roles_ready")[0]["engine_pid"], signal.SIGKILL)
     assert wait_for(lambda: events(run_dir, "engine_fault"), proc)
@@ -158,8 +174,12 @@ def test_trainer_death_stops_the_run_naming_the_resume_command(tmp_path, cache):
     assert not (run_dir / "summary.json").exists()
 
 
-TWO_REPLICAS = ["placement.num_gpus=4", "placement.roles.actor_train.device_mapping=[0]",
-                "placement.roles.actor_infer.device_mapping=[1,2]", "placement.roles.actor_infer.num_workers=2"]
+TWO_REPLICAS = [
+    "placement.num_gpus=4",
+    "placement.roles.actor_train.device_mapping=[0]",
+    "placement.roles.actor_infer.device_mapping=[1,2]",
+    "placement.roles.actor_infer.num_workers=2",
+]
 
 
 @pytest.mark.slow
@@ -169,8 +189,17 @@ def test_one_of_two_replicas_killed_mid_run_is_restarted_and_nothing_is_lost(tmp
     given the current weights, the requests it held are resubmitted, the run finishes with every
     admitted prompt ending exactly once, and the fault is counted once."""
     run_dir = tmp_path / "replicas"
-    proc = launch(run_dir, cache, [f"run_dir={run_dir}", "async_ratio=2", "rollout.inject_delay_s=0.05",
-                                   "checkpoint.every_steps=0", *TWO_REPLICAS])
+    proc = launch(
+        run_dir,
+        cache,
+        [
+            f"run_dir={run_dir}",
+            "async_ratio=2",
+            "rollout.inject_delay_s=0.05",
+            "checkpoint.every_steps=0",
+            *TWO_REPLICAS,
+        ],
+    )
     assert wait_for(lambda: steps_done(run_dir) >= 1, proc)
     pids = events(run_dir, "roles_ready")[0]["engine_pids"]
     assert len(pids) == 2

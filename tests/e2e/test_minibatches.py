@@ -73,9 +73,15 @@ def test_k_mini_batches_equal_k_hand_steps_with_the_start_of_batch_prox(model):
         w = part.mask.shape[1]
         opt.zero_grad()
         logp, _ = token_logprobs(hand, part, s.temperature)
-        inputs = algos.LossInputs(logp=logp, prox_logp=prox[lo:hi, :w], behav_logp=part.behav_logp,
-                                  advantages=adv[lo:hi, :w], mask=part.mask, rewards=part.rewards,
-                                  versions=part.versions)
+        inputs = algos.LossInputs(
+            logp=logp,
+            prox_logp=prox[lo:hi, :w],
+            behav_logp=part.behav_logp,
+            advantages=adv[lo:hi, :w],
+            mask=part.mask,
+            rewards=part.rewards,
+            versions=part.versions,
+        )
         loss, _ = algos.policy_loss("decoupled_ppo", inputs, agg="token-mean")
         # the trainer's micro-batch weighting, w·loss then ÷w: the same floats, so AdamW's
         # normalisation does not blow up float noise on gradients that are ~0 (k_proj's bias)
@@ -111,7 +117,9 @@ def test_epochs_and_mini_batches_keep_the_prox_of_the_start_of_the_batch(model):
     (nothing clipped), the later ones have moved away from it and a tight clip catches them."""
     batch = collate(samples())
     adv = torch.ones(batch.mask.shape) * batch.mask
-    s = settings(loss={"name": "ppo", "old_policy": "prox", "clip_low": 1e-3, "clip_high": 1e-3}, mini_batches=2, update_epochs=2)
+    s = settings(
+        loss={"name": "ppo", "old_policy": "prox", "clip_low": 1e-3, "clip_high": 1e-3}, mini_batches=2, update_epochs=2
+    )
     tr = Trainer(copy.deepcopy(model), s)
     start = tr.logprobs(batch)
     seen_prox = []
@@ -207,27 +215,40 @@ def test_prox_modes():
 def test_new_keys_reach_the_trainer_settings():
     from flash.app.settings import trainer_settings
 
-    cfg = load_config(STUTTER, ["train.mini_batches=4", "train.update_epochs=2", "train.steps=5",
-                                "train.lr_schedule=cosine", "train.warmup_steps=3", "train.min_lr_ratio=0.1",
-                                "algo.recompute_prox=approx", "algo.measure_prox_error=true"])
+    cfg = load_config(
+        STUTTER,
+        [
+            "train.mini_batches=4",
+            "train.update_epochs=2",
+            "train.steps=5",
+            "train.lr_schedule=cosine",
+            "train.warmup_steps=3",
+            "train.min_lr_ratio=0.1",
+            "algo.recompute_prox=approx",
+            "algo.measure_prox_error=true",
+        ],
+    )
     s = trainer_settings(cfg)
     assert (s.mini_batches, s.update_epochs, s.total_optimizer_steps) == (4, 2, 40)
     assert (s.lr_schedule, s.warmup_steps, s.min_lr_ratio, s.prox) == ("cosine", 3, 0.1, "approx")
 
 
-@pytest.mark.parametrize("overrides, needle", [
-    (["train.mini_batches=0"], "train.mini_batches must be an integer >= 1"),
-    (["train.update_epochs=0"], "train.update_epochs must be an integer >= 1"),
-    (["train.mini_batches=129"], "train.mini_batches=129 exceeds the batch's rows"),
-    (["train.mini_batches=1.5"], "train.mini_batches"),
-    (["train.lr_schedule=linear"], "train.lr_schedule must be one of constant, cosine"),
-    (["train.warmup_steps=-1"], "train.warmup_steps must be >= 0"),
-    (["train.lr_schedule=cosine", "train.min_lr_ratio=1.5"], "train.min_lr_ratio must be in [0, 1]"),
-    (["train.lr_schedule=constant", "train.min_lr_ratio=0.1"], "train.min_lr_ratio is the cosine schedule's floor"),
-    (["algo.recompute_prox=aprox"], "did you mean 'approx'"),
-    (["algo.measure_prox_error=true"], "algo.measure_prox_error"),
-    (["async_ratio=0", "train.stream=true", "train.mini_batches=2"], "train.mini_batches: 1"),
-])
+@pytest.mark.parametrize(
+    "overrides, needle",
+    [
+        (["train.mini_batches=0"], "train.mini_batches must be an integer >= 1"),
+        (["train.update_epochs=0"], "train.update_epochs must be an integer >= 1"),
+        (["train.mini_batches=129"], "train.mini_batches=129 exceeds the batch's rows"),
+        (["train.mini_batches=1.5"], "train.mini_batches"),
+        (["train.lr_schedule=linear"], "train.lr_schedule must be one of constant, cosine"),
+        (["train.warmup_steps=-1"], "train.warmup_steps must be >= 0"),
+        (["train.lr_schedule=cosine", "train.min_lr_ratio=1.5"], "train.min_lr_ratio must be in [0, 1]"),
+        (["train.lr_schedule=constant", "train.min_lr_ratio=0.1"], "train.min_lr_ratio is the cosine schedule's floor"),
+        (["algo.recompute_prox=aprox"], "did you mean 'approx'"),
+        (["algo.measure_prox_error=true"], "algo.measure_prox_error"),
+        (["async_ratio=0", "train.stream=true", "train.mini_batches=2"], "train.mini_batches: 1"),
+    ],
+)
 def test_bad_values_are_one_line_errors_naming_the_key(overrides, needle):
     with pytest.raises(ConfigError) as err:
         load_config(STUTTER, overrides)
@@ -243,8 +264,14 @@ def test_a_run_with_four_mini_batches_steps_four_times_per_batch_clips_and_repla
     from tests.helpers.processes import STEPS, finish, launch, read_jsonl, replay_run
 
     run_dir = tmp_path / "mb"
-    extra = ["async_ratio=1", "algo.loss.name=decoupled_ppo", "train.mini_batches=4", "train.lr=3e-3",
-             "checkpoint.every_steps=0", "sft.steps=120"]
+    extra = [
+        "async_ratio=1",
+        "algo.loss.name=decoupled_ppo",
+        "train.mini_batches=4",
+        "train.lr=3e-3",
+        "checkpoint.every_steps=0",
+        "sft.steps=120",
+    ]
     finish(launch(run_dir, str(tmp_path / "cache"), [f"run_dir={run_dir}", *extra]), run_dir)
     metrics = read_jsonl(run_dir / "metrics.jsonl")
     assert len(metrics) == STEPS
@@ -258,8 +285,10 @@ def test_a_run_with_four_mini_batches_steps_four_times_per_batch_clips_and_repla
 def test_a_max_over_several_optimizer_steps_stays_a_max():
     from flash.train.updates import combine_updates
 
-    steps = [{"ratio/max": 1.5, "ratio/min": 0.9, "tokens": 10.0, "clipfrac": 0.2, "grad_norm": 1.0, "skipped": 0.0},
-             {"ratio/max": 1.1, "ratio/min": 0.7, "tokens": 30.0, "clipfrac": 0.4, "grad_norm": 2.0, "skipped": 0.0}]
+    steps = [
+        {"ratio/max": 1.5, "ratio/min": 0.9, "tokens": 10.0, "clipfrac": 0.2, "grad_norm": 1.0, "skipped": 0.0},
+        {"ratio/max": 1.1, "ratio/min": 0.7, "tokens": 30.0, "clipfrac": 0.4, "grad_norm": 2.0, "skipped": 0.0},
+    ]
     out = combine_updates(steps, {"ratio/max": "max", "ratio/min": "min", "tokens": "sum", "clipfrac": "mean"})
     assert (out["ratio/max"], out["ratio/min"], out["tokens"]) == (1.5, 0.7, 40.0)
     assert out["clipfrac"] == pytest.approx(0.3) and out["grad_norm_last"] == 2.0 and out["optimizer_steps"] == 2.0

@@ -44,9 +44,16 @@ def node_of(actor) -> str:
 
 
 def test_trainer_and_engine_on_two_nodes_reproduce_the_synchronous_loop(tmp_path, warm_cache, cluster):
-    cfg = small_cfg(tmp_path, warm_cache, "async_ratio=0", "algo.loss.name=ppo", f"ray.address={cluster.address}",
-                    "placement.num_gpus=2", "placement.roles.actor_train.device_mapping=[0]",
-                    "placement.roles.actor_infer.device_mapping=[1]")
+    cfg = small_cfg(
+        tmp_path,
+        warm_cache,
+        "async_ratio=0",
+        "algo.loss.name=ppo",
+        f"ray.address={cluster.address}",
+        "placement.num_gpus=2",
+        "placement.roles.actor_train.device_mapping=[0]",
+        "placement.roles.actor_infer.device_mapping=[1]",
+    )
     r = Run(cfg, "two-nodes")
     nodes, driver = {node_of(r.roles.trainer), node_of(r.roles.replicas[0])}, ray.get_runtime_context().get_node_id()
     records, stats = run_steps(r, 3)
@@ -59,16 +66,31 @@ def test_trainer_and_engine_on_two_nodes_reproduce_the_synchronous_loop(tmp_path
 def test_a_local_run_starts_its_own_ray_beside_a_running_cluster(cluster):
     """A cluster registered on this machine (as `ray start` or ray.cluster_utils leaves it) is not
     joined by a run without ``ray.address``: plain ``ray.init()`` would join it."""
-    code = ("from flash.cluster import init_ray; import ray; init_ray(None, 1); "
-            "print(len(ray.nodes()), ray.cluster_resources().get('GPU', 0))")
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                         check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    code = (
+        "from flash.cluster import init_ray; import ray; init_ray(None, 1); "
+        "print(len(ray.nodes()), ray.cluster_resources().get('GPU', 0))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     assert out.stdout.split() == ["1", "0"]  # its own one node, not the cluster's four (3 GPUs)
 
 
 def test_an_engine_node_lost_mid_run_recovers_and_the_run_resumes_on_the_cluster(tmp_path, warm_cache, cluster):
-    layout = [f"ray.address={cluster.address}", "placement.num_gpus=2", "placement.roles.actor_train.device_mapping=[0]",
-              "placement.roles.actor_infer.device_mapping=[1]", "async_ratio=2", "buffer.transport=zmq"]
+    layout = [
+        f"ray.address={cluster.address}",
+        "placement.num_gpus=2",
+        "placement.roles.actor_train.device_mapping=[0]",
+        "placement.roles.actor_infer.device_mapping=[1]",
+        "async_ratio=2",
+        "buffer.transport=zmq",
+    ]
     cfg = small_cfg(tmp_path, warm_cache, *layout, "train.steps=6")
     result: dict = {}
     worker = threading.Thread(target=lambda: result.update(summary=run(cfg, "nodes")))
@@ -94,13 +116,15 @@ def test_an_engine_node_lost_mid_run_recovers_and_the_run_resumes_on_the_cluster
     assert [m["step"] for m in read_jsonl(tmp_path / "metrics.jsonl")] == list(range(1, 9))
 
 
-
 def engine_nodes() -> set[str]:
     """The nodes of the live engine actors (from the GCS's actor table)."""
     from ray._private import state
 
-    return {a["Address"]["NodeID"] for a in state.actors().values()
-            if a["State"] == "ALIVE" and a["ActorClassName"] == "EngineWorker"}
+    return {
+        a["Address"]["NodeID"]
+        for a in state.actors().values()
+        if a["State"] == "ALIVE" and a["ActorClassName"] == "EngineWorker"
+    }
 
 
 @pytest.mark.margin  # the whole default recipe on the cluster (~3 min on 2 cores): pytest -m margin
@@ -109,9 +133,16 @@ def test_the_default_recipe_learns_across_nodes(tmp_path, warm_cache, cluster):
     buffer: the single-node learning bar at its async ratio (tests/e2e/test_default_recipe.py)."""
     from flash.app.config import load_config
 
-    overrides = [f"ray.address={cluster.address}", "placement.num_gpus=2", "buffer.transport=zmq",
-                 "placement.roles.actor_train.device_mapping=[0]", "placement.roles.actor_infer.device_mapping=[1]",
-                 f"cache_dir={warm_cache}", f"run_dir={tmp_path}", "tracking.progress=false"]
+    overrides = [
+        f"ray.address={cluster.address}",
+        "placement.num_gpus=2",
+        "buffer.transport=zmq",
+        "placement.roles.actor_train.device_mapping=[0]",
+        "placement.roles.actor_infer.device_mapping=[1]",
+        f"cache_dir={warm_cache}",
+        f"run_dir={tmp_path}",
+        "tracking.progress=false",
+    ]
     cfg = load_config("recipes/stutter.yaml", overrides)
     s = run(cfg, "stutter")
     assert s["eval_accuracy_final"] - s["eval_accuracy_initial"] >= 0.15, s

@@ -32,16 +32,32 @@ def cache(warm_cache):
     ray.shutdown()
 
 
-DISAGGREGATED = ["placement.num_gpus=4", "placement.roles.actor_train.device_mapping=[0]",
-                 "placement.roles.actor_infer.device_mapping=[1,2]", "placement.roles.actor_infer.num_workers=2"]
-COLOCATED = ["placement.num_gpus=2", "placement.roles.actor_train.device_mapping=[0,1]",
-             "placement.roles.actor_infer.device_mapping=[0,1]", "placement.roles.actor_infer.num_workers=2"]
+DISAGGREGATED = [
+    "placement.num_gpus=4",
+    "placement.roles.actor_train.device_mapping=[0]",
+    "placement.roles.actor_infer.device_mapping=[1,2]",
+    "placement.roles.actor_infer.num_workers=2",
+]
+COLOCATED = [
+    "placement.num_gpus=2",
+    "placement.roles.actor_train.device_mapping=[0,1]",
+    "placement.roles.actor_infer.device_mapping=[0,1]",
+    "placement.roles.actor_infer.num_workers=2",
+]
 # 2 trainer ranks (train.workers=2 implies actor_train.num_workers=2) + 2 engine replicas
 GROUP_LAYOUTS = {
     # (overrides, each rank's devices, each replica's devices, the model-update backend)
-    "disaggregated": (["placement.num_gpus=4", "placement.roles.actor_train.device_mapping=[0,1]",
-                       "placement.roles.actor_infer.device_mapping=[2,3]", "placement.roles.actor_infer.num_workers=2",
-                       "model_update.backend=gloo"], [[0], [1]], "gloo"),
+    "disaggregated": (
+        [
+            "placement.num_gpus=4",
+            "placement.roles.actor_train.device_mapping=[0,1]",
+            "placement.roles.actor_infer.device_mapping=[2,3]",
+            "placement.roles.actor_infer.num_workers=2",
+            "model_update.backend=gloo",
+        ],
+        [[0], [1]],
+        "gloo",
+    ),
     "colocated": (COLOCATED, [[0], [1]], "shm"),  # auto: members share devices on one host
 }
 
@@ -60,8 +76,15 @@ def test_two_rank_group_pushes_exact_weights_to_two_replicas(tmp_path, tiny_mode
     ray.shutdown()
     extra, rank_devices, backend = GROUP_LAYOUTS[layout]
     # weight decay moves every weight at each step even where a random model's rewards are all 0
-    cfg = small_cfg(tmp_path, str(tmp_path / "cache"), f"model.path={tiny_model}", "train.weight_decay=0.1",
-                    "async_ratio=1", "train.workers=2", *extra)
+    cfg = small_cfg(
+        tmp_path,
+        str(tmp_path / "cache"),
+        f"model.path={tiny_model}",
+        "train.weight_decay=0.1",
+        "async_ratio=1",
+        "train.workers=2",
+        *extra,
+    )
     assert cfg.placement.roles.actor_train.num_workers == 2
     r = Run(cfg, f"group-{layout}")
     try:
@@ -106,8 +129,9 @@ def test_two_disaggregated_replicas_reproduce_the_synchronous_loop(tmp_path, cac
 def test_colocated_replicas_sleep_through_training_and_lose_nothing(tmp_path, cache):
     ray.shutdown()
     steps, ratio = 4, 1
-    cfg = small_cfg(tmp_path, cache, f"async_ratio={ratio}", f"train.steps={steps}", "rollout.prompt_affinity=true",
-                    *COLOCATED)
+    cfg = small_cfg(
+        tmp_path, cache, f"async_ratio={ratio}", f"train.steps={steps}", "rollout.prompt_affinity=true", *COLOCATED
+    )
     summary = run(cfg, "colocated")
     assert summary["steps"] == steps and summary["max_staleness_observed"] <= math.ceil(ratio)
     metrics = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -124,8 +148,12 @@ def test_colocated_replicas_sleep_through_training_and_lose_nothing(tmp_path, ca
 
 
 RECIPE_LAYOUTS = {  # the README's 2 + 2 commands: train.workers=2 implies actor_train.num_workers=2
-    "disaggregated": ["placement.num_gpus=4", "placement.roles.actor_train.device_mapping=[0,1]",
-                      "placement.roles.actor_infer.device_mapping=[2,3]", "placement.roles.actor_infer.num_workers=2"],
+    "disaggregated": [
+        "placement.num_gpus=4",
+        "placement.roles.actor_train.device_mapping=[0,1]",
+        "placement.roles.actor_infer.device_mapping=[2,3]",
+        "placement.roles.actor_infer.num_workers=2",
+    ],
     "colocated": COLOCATED,
 }
 

@@ -27,8 +27,14 @@ def test_a_local_ray_without_token_auth_is_refused_by_name():
 
 
 def _join(address: str, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", JOIN, address], env={**os.environ, **env}, capture_output=True,
-                          text=True, timeout=180, check=False)
+    return subprocess.run(
+        [sys.executable, "-c", JOIN, address],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
 
 
 @pytest.mark.slow  # ~15 s: a local Ray, a refused process and a joining one

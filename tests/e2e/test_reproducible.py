@@ -39,8 +39,9 @@ def test_run_in_a_one_thread_process_gives_the_cli_numbers(tmp_path, ray_local):
 
     here_dir, here_cache = tmp_path / "here", tmp_path / "here-cache"
     with pinned_threads(1):
-        cfg = load_config(str(ROOT / "recipes/stutter.yaml"),
-                          [*SMALL, *SYNC, f"run_dir={here_dir}", f"cache_dir={here_cache}"])
+        cfg = load_config(
+            str(ROOT / "recipes/stutter.yaml"), [*SMALL, *SYNC, f"run_dir={here_dir}", f"cache_dir={here_cache}"]
+        )
         here = run(cfg, "stutter")
         assert torch.get_num_threads() == 1  # the caller's count is given back
 

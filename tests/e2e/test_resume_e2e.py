@@ -19,8 +19,18 @@ import json
 import random
 
 import pytest
-from tests.helpers.processes import (B, N, STEPS, finish, kill_and_resume, launch, read_jsonl, recipe_warm_start_base,
-                                    replay_run, trained_pairs)
+from tests.helpers.processes import (
+    B,
+    N,
+    STEPS,
+    finish,
+    kill_and_resume,
+    launch,
+    read_jsonl,
+    recipe_warm_start_base,
+    replay_run,
+    trained_pairs,
+)
 
 from flash.app.config import load_config
 from flash.app.data import build_task
@@ -38,8 +48,14 @@ def stutter_rows(tmp_path) -> list[str]:
     options = {k: v for k, v in load_config("recipes/stutter.yaml").task.items() if k != "name"}
     export_task("stutter", options, str(tmp_path / "train.jsonl"), rows=STEPS * B)
     export_task("stutter", options, str(tmp_path / "eval.jsonl"), rows=8, split="eval")
-    return [f"data.train=[{tmp_path}/train.jsonl]", f"data.eval=[{tmp_path}/eval.jsonl]", "data.sft_key=solution",
-            "data.reward=tests.reward_fns:exact", "data.epochs=1", "train.steps=100"]
+    return [
+        f"data.train=[{tmp_path}/train.jsonl]",
+        f"data.eval=[{tmp_path}/eval.jsonl]",
+        "data.sft_key=solution",
+        "data.reward=tests.reward_fns:exact",
+        "data.epochs=1",
+        "train.steps=100",
+    ]
 
 
 @pytest.mark.slow
@@ -53,8 +69,9 @@ def test_sync_run_killed_and_resumed_trains_every_prompt_once_with_the_same_loss
     assert [e["step"] for e in evals] == [0, STEPS]
     for name, items in (("rows", 8), ("words", 6)):
         for e in evals:
-            assert {f"eval/{name}/{m}" for m in ("mean@2", "pass@1", "pass@2", "reward_mean",
-                                                   "response_tokens")} <= set(e["sets"])
+            assert {
+                f"eval/{name}/{m}" for m in ("mean@2", "pass@1", "pass@2", "reward_mean", "response_tokens")
+            } <= set(e["sets"])
             assert e["sets"][f"eval/{name}/pass@1"] <= e["sets"][f"eval/{name}/pass@2"]
             lines = read_jsonl(ref_dir / "eval" / name / f"step-{e['step']}.jsonl")
             assert [(x["item"], x["sample"]) for x in lines] == [(i, k) for i in range(items) for k in range(2)]
@@ -102,9 +119,16 @@ def test_async_run_killed_and_resumed_loses_and_repeats_no_prompt(tmp_path, cach
     # re-training from it finds every step's loss of the three processes again
     schedule = read_jsonl(run_dir / "schedule.jsonl")
     assert [line["step"] for line in schedule] == list(range(STEPS))
-    assert [line["train"]["loss"] for line in schedule] == [m["train/loss"] for m in read_jsonl(run_dir / "metrics.jsonl")]
-    stale = [line["step"] - min(s["versions"]) for line in schedule for g in line["groups"] for s in g["samples"]
-             if s["versions"]]
+    assert [line["train"]["loss"] for line in schedule] == [
+        m["train/loss"] for m in read_jsonl(run_dir / "metrics.jsonl")
+    ]
+    stale = [
+        line["step"] - min(s["versions"])
+        for line in schedule
+        for g in line["groups"]
+        for s in g["samples"]
+        if s["versions"]
+    ]
     assert max(stale) >= 1  # it trained on older samples: the schedule was truly asynchronous
     losses = [line["train"]["loss"] for line in schedule]
     assert sum(loss != 0 for loss in losses) >= 2, losses  # steps with a gradient to reproduce

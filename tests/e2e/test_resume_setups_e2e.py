@@ -77,8 +77,9 @@ def ends_once(run_dir: Path, ledger: list[dict], steps: int, prompts: int, n: in
 def test_zmq_buffer_run_killed_and_resumed_trains_the_saved_groups_as_saved(tmp_path, cache):
     run_dir = tmp_path / "zmq"
     extra = ["buffer.transport=zmq", "async_ratio=2", "rollout.interrupt=continue", "rollout.inject_delay_s=0.05"]
-    saved = kill_when(run_dir, launch(run_dir, cache, [f"run_dir={run_dir}", *extra]),
-                      lambda state: bool(state.get("buffer")), STEPS)
+    saved = kill_when(
+        run_dir, launch(run_dir, cache, [f"run_dir={run_dir}", *extra]), lambda state: bool(state.get("buffer")), STEPS
+    )
     assert saved["buffer"], "the checkpoint the resume uses holds none of the service's groups"
     finish(launch(run_dir, cache, [f"resume={run_dir}", *extra]), run_dir)
 
@@ -114,18 +115,34 @@ def test_fsdp2_group_run_killed_and_resumed_trains_every_prompt_once_with_the_sa
 
 
 EPISODE_STEPS, EPISODE_B, EPISODE_N = 4, 2, 2
-CORRIDOR = [*TINY_OVERRIDES, f"train.steps={EPISODE_STEPS}", f"train.prompts_per_step={EPISODE_B}",
-            f"rollout.n={EPISODE_N}", "async_ratio=1", "task.eval_size=4", "task.step_delay_s=0.05",
-            "tracking.tensorboard=false", "tracking.progress=false", "resources.engine_threads=1",
-            "resources.trainer_threads=1", "ray.num_cpus=2", "checkpoint.every_steps=1", "checkpoint.keep_last=2"]
+CORRIDOR = [
+    *TINY_OVERRIDES,
+    f"train.steps={EPISODE_STEPS}",
+    f"train.prompts_per_step={EPISODE_B}",
+    f"rollout.n={EPISODE_N}",
+    "async_ratio=1",
+    "task.eval_size=4",
+    "task.step_delay_s=0.05",
+    "tracking.tensorboard=false",
+    "tracking.progress=false",
+    "resources.engine_threads=1",
+    "resources.trainer_threads=1",
+    "ray.num_cpus=2",
+    "checkpoint.every_steps=1",
+    "checkpoint.keep_last=2",
+]
 
 
 @pytest.mark.slow
 def test_episode_run_killed_and_resumed_trains_every_episode_once(tmp_path, cache):
     run_dir = tmp_path / "corridor"
     corridor = {"recipe": "recipes/corridor.yaml", "base": CORRIDOR}
-    saved = kill_when(run_dir, launch(run_dir, cache, [f"run_dir={run_dir}"], **corridor),
-                      lambda state: bool(state.get("scheduler", {}).get("pending")), EPISODE_STEPS)
+    saved = kill_when(
+        run_dir,
+        launch(run_dir, cache, [f"run_dir={run_dir}"], **corridor),
+        lambda state: bool(state.get("scheduler", {}).get("pending")),
+        EPISODE_STEPS,
+    )
     in_flight = {p["prompt_id"] for p in saved["scheduler"]["pending"]}
     assert in_flight, "the checkpoint the resume uses holds no seed in flight"
     finish(launch(run_dir, cache, [f"resume={run_dir}"], **corridor), run_dir)

@@ -29,8 +29,16 @@ def test_sigterm_stops_with_a_resume_hint_and_a_copied_run_needs_the_trust_flag(
     copy = tmp_path / "copied"
     shutil.copytree(run_dir, copy)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "FLASH_KEY_DIR": str(tmp_path / "another-machine")}
-    cmd = [sys.executable, "-m", "flash.app.cli", "run", "recipes/stutter.yaml", *SMALL, f"resume={copy}",
-           f"cache_dir={warm_cache}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "flash.app.cli",
+        "run",
+        "recipes/stutter.yaml",
+        *SMALL,
+        f"resume={copy}",
+        f"cache_dir={warm_cache}",
+    ]
     out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert out.stderr.strip().splitlines()[-1].startswith(f"flash: error: checkpoint {copy}/checkpoints/ckpt-")

@@ -30,19 +30,50 @@ def fake_run(run_dir: Path, ratio: float, acc: float, s_per_step: float, steps: 
     t0 = 1000.0
     metrics, timeline = [], []
     for k in range(1, steps + 1):
-        metrics.append({"step": k, "reward/mean": 0.1 * k, "time/step": s_per_step, "time/elapsed": k * s_per_step,
-                        "staleness/mean": stale / 2, "staleness/max": float(stale), "staleness/count_0": 4.0,
-                        f"staleness/count_{stale}": 4.0, "rollout/idle_ratio": 0.5 - 0.1 * stale,
-                        "train/idle_ratio": 0.6, "rollout/tokens_generated": 100.0, "train/batch_tokens": 80.0})
+        metrics.append(
+            {
+                "step": k,
+                "reward/mean": 0.1 * k,
+                "time/step": s_per_step,
+                "time/elapsed": k * s_per_step,
+                "staleness/mean": stale / 2,
+                "staleness/max": float(stale),
+                "staleness/count_0": 4.0,
+                f"staleness/count_{stale}": 4.0,
+                "rollout/idle_ratio": 0.5 - 0.1 * stale,
+                "train/idle_ratio": 0.6,
+                "rollout/tokens_generated": 100.0,
+                "train/batch_tokens": 80.0,
+            }
+        )
         a = t0 + (k - 1) * s_per_step
-        timeline.append({"step": k, "phases": {"get_batch": [a, a + 0.3 * s_per_step],
-                                               "train": [a + 0.3 * s_per_step, a + 0.9 * s_per_step],
-                                               "push_weights": [a + 0.9 * s_per_step, a + s_per_step]},
-                         "engine_busy": [[a, a + 0.5 * s_per_step]], "trainer_busy": [[a + 0.3 * s_per_step, a + 0.9 * s_per_step]]})
-    evals = [{"step": 0, "elapsed": 0.0, "accuracy": 0.1}, {"step": steps, "elapsed": steps * s_per_step, "accuracy": acc}]
-    summary = {"eval_accuracy_initial": 0.1, "eval_accuracy_final": acc, "steps": steps, "wall_seconds": 10.0,
-               "train_seconds": steps * s_per_step, "seconds_per_step": s_per_step, "samples_trained": 8 * steps,
-               "max_staleness_observed": float(stale), "async_ratio": ratio}
+        timeline.append(
+            {
+                "step": k,
+                "phases": {
+                    "get_batch": [a, a + 0.3 * s_per_step],
+                    "train": [a + 0.3 * s_per_step, a + 0.9 * s_per_step],
+                    "push_weights": [a + 0.9 * s_per_step, a + s_per_step],
+                },
+                "engine_busy": [[a, a + 0.5 * s_per_step]],
+                "trainer_busy": [[a + 0.3 * s_per_step, a + 0.9 * s_per_step]],
+            }
+        )
+    evals = [
+        {"step": 0, "elapsed": 0.0, "accuracy": 0.1},
+        {"step": steps, "elapsed": steps * s_per_step, "accuracy": acc},
+    ]
+    summary = {
+        "eval_accuracy_initial": 0.1,
+        "eval_accuracy_final": acc,
+        "steps": steps,
+        "wall_seconds": 10.0,
+        "train_seconds": steps * s_per_step,
+        "seconds_per_step": s_per_step,
+        "samples_trained": 8 * steps,
+        "max_staleness_observed": float(stale),
+        "async_ratio": ratio,
+    }
     for name, rows in (("metrics", metrics), ("timeline", timeline), ("eval", evals)):
         (run_dir / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (run_dir / "summary.json").write_text(json.dumps(summary))
@@ -94,12 +125,15 @@ def test_bad_grids_fail_before_any_run(tmp_path, fake_launch):
     assert fake_launch == []
 
 
-@pytest.mark.parametrize("option, message", [
-    ({"tolerance": float("nan")}, "--tolerance nan: must be a finite number >= 0"),
-    ({"tolerance": -0.02}, "--tolerance -0.02: must be"),
-    ({"tolerance": float("inf")}, "--tolerance inf: must be"),
-    ({"parallel": 0}, "--parallel 0: must be at least 1"),
-])
+@pytest.mark.parametrize(
+    "option, message",
+    [
+        ({"tolerance": float("nan")}, "--tolerance nan: must be a finite number >= 0"),
+        ({"tolerance": -0.02}, "--tolerance -0.02: must be"),
+        ({"tolerance": float("inf")}, "--tolerance inf: must be"),
+        ({"parallel": 0}, "--parallel 0: must be at least 1"),
+    ],
+)
 def test_options_that_mean_nothing_fail_before_any_run(tmp_path, fake_launch, option, message):
     """A NaN tolerance ran the whole grid, then recommended nothing; --parallel 0 quietly became 1."""
     with pytest.raises(ConfigError, match=message):
@@ -110,12 +144,15 @@ def test_options_that_mean_nothing_fail_before_any_run(tmp_path, fake_launch, op
 def test_sweep_tables_plots_recommendation_and_resume(tmp_path, fake_launch):
     out = tmp_path / "sweep"
     log = io.StringIO()
-    points, rec = sw.sweep("stutter", ["async_ratio=0,1,2,4", "train.steps=4"], out=str(out),
-                           tolerance=0.025, stream=log)
+    points, rec = sw.sweep(
+        "stutter", ["async_ratio=0,1,2,4", "train.steps=4"], out=str(out), tolerance=0.025, stream=log
+    )
     assert fake_launch == ["async_ratio-0", "async_ratio-1", "async_ratio-2", "async_ratio-4"]
     # r=4 is fastest but 0.04 below sync; r=2 is the fastest within 0.025 (one run each: no SE)
-    assert rec.startswith("recommendation: async_ratio=2 (n=1) -- 2.00x ± — the synchronous speed "
-                          "(0.50 ± — vs 1.00 ± — s/step), final held-out accuracy 0.480 ± — vs 0.500 ± —")
+    assert rec.startswith(
+        "recommendation: async_ratio=2 (n=1) -- 2.00x ± — the synchronous speed "
+        "(0.50 ± — vs 1.00 ± — s/step), final held-out accuracy 0.480 ± — vs 0.500 ± —"
+    )
     rows = list(csv.DictReader(open(out / "results.csv")))
     assert [r["async_ratio"] for r in rows] == ["0", "1", "2", "4"]
     assert float(rows[3]["speedup"]) == pytest.approx(3.0) and float(rows[0]["idle_rollout"]) == pytest.approx(0.5)
@@ -130,8 +167,7 @@ def test_sweep_tables_plots_recommendation_and_resume(tmp_path, fake_launch):
     assert counts["throughput"] == 2  # generated and trained
 
     again = io.StringIO()
-    _, rec2 = sw.sweep("stutter", ["async_ratio=0,1,2,4", "train.steps=4"], out=str(out),
-                             tolerance=0.025, stream=again)
+    _, rec2 = sw.sweep("stutter", ["async_ratio=0,1,2,4", "train.steps=4"], out=str(out), tolerance=0.025, stream=again)
     assert len(fake_launch) == 4 and rec2 == rec  # nothing re-run
     assert again.getvalue().count("finished earlier, skipped") == 4
 
@@ -139,19 +175,34 @@ def test_sweep_tables_plots_recommendation_and_resume(tmp_path, fake_launch):
 def test_seeds_are_replicates_grouped_by_setting_with_mean_and_se(tmp_path, fake_launch):
     """Three seeds of three ratios: one row per setting with n = 3 and mean ± SE; the recommendation
     is made on the means and never names a seed (ratio 4's seed 0 alone would have passed)."""
-    fake_launch.table = {(0, 0): (0.50, 1.0), (0, 1): (0.50, 1.2), (0, 2): (0.50, 1.1),
-                         (2, 0): (0.49, 0.5), (2, 1): (0.50, 0.5), (2, 2): (0.48, 0.55),
-                         (4, 0): (0.52, 0.35), (4, 1): (0.40, 0.30), (4, 2): (0.42, 0.40)}
+    fake_launch.table = {
+        (0, 0): (0.50, 1.0),
+        (0, 1): (0.50, 1.2),
+        (0, 2): (0.50, 1.1),
+        (2, 0): (0.49, 0.5),
+        (2, 1): (0.50, 0.5),
+        (2, 2): (0.48, 0.55),
+        (4, 0): (0.52, 0.35),
+        (4, 1): (0.40, 0.30),
+        (4, 2): (0.42, 0.40),
+    }
     out = tmp_path / "sweep"
-    points, rec = sw.sweep("stutter", ["async_ratio=0,2,4", "seed=0,1,2", "train.steps=4"], out=str(out),
-                           tolerance=0.025, stream=io.StringIO())
+    points, rec = sw.sweep(
+        "stutter",
+        ["async_ratio=0,2,4", "seed=0,1,2", "train.steps=4"],
+        out=str(out),
+        tolerance=0.025,
+        stream=io.StringIO(),
+    )
     # replicates outermost: each seed runs every ratio back to back
     assert fake_launch == [f"async_ratio-{r}__seed-{s}" for s in (0, 1, 2) for r in (0, 2, 4)]
     # r=2: speed-ups paired by seed 1.0/0.5, 1.2/0.5, 1.1/0.55 = 2, 2.4, 2 → 2.133 ± 2/15;
     # s/step 0.5, 0.5, 0.55 → 0.517 ± 0.0167 vs 1.1 ± 0.1/√3; accuracy 0.49 ± 0.01/√3 vs 0.5 ± 0
-    assert rec == ("recommendation: async_ratio=2 (n=3) -- 2.13x ± 0.13 the synchronous speed (0.52 ± 0.02 vs "
-                   "1.10 ± 0.06 s/step), final held-out accuracy 0.490 ± 0.006 vs 0.500 ± 0.000 (synchronous n=3; "
-                   "tolerance 0.025, gap + SE within it)")
+    assert rec == (
+        "recommendation: async_ratio=2 (n=3) -- 2.13x ± 0.13 the synchronous speed (0.52 ± 0.02 vs "
+        "1.10 ± 0.06 s/step), final held-out accuracy 0.490 ± 0.006 vs 0.500 ± 0.000 (synchronous n=3; "
+        "tolerance 0.025, gap + SE within it)"
+    )
     rows = list(csv.DictReader(open(out / "results.csv")))  # one row per run, its seed kept
     assert [(r["async_ratio"], r["seed"]) for r in rows] == [(r, s) for s in "012" for r in "024"]
     assert float(rows[5]["speedup"]) == pytest.approx(1.2 / 0.3)  # ratio 4, seed 1: beside sync seed 1
@@ -194,12 +245,18 @@ def test_recommendation_names_a_faster_setting_left_undecided_by_its_error():
     sw.add_speedups(points)
     rec = sw.recommend(sw.group_runs([(p.settings, p.row) for p in points], sw.METRICS), 0.025)
     assert rec.startswith("recommendation: async_ratio=2 (n=2) -- 2.00x ± 0.00 the synchronous speed")
-    assert rec.endswith("; undecided: async_ratio=8 (n=2) is faster (0.25 ± 0.00 s/step) and its mean accuracy "
-                        "is within the tolerance, but not after its standard error (gap 0.020 ± 0.030): "
-                        "more seeds would tell")
+    assert rec.endswith(
+        "; undecided: async_ratio=8 (n=2) is faster (0.25 ± 0.00 s/step) and its mean accuracy "
+        "is within the tolerance, but not after its standard error (gap 0.020 ± 0.030): "
+        "more seeds would tell"
+    )
     # sync finished only for seed 0, ratio 2 only for seed 1: nothing to pair, said so
-    points = [_point("0", "0", 0.5, 1.0), _point("0", "1", 0, 0, "failed"),
-              _point("2", "0", 0, 0, "failed"), _point("2", "1", 0.5, 0.5)]
+    points = [
+        _point("0", "0", 0.5, 1.0),
+        _point("0", "1", 0, 0, "failed"),
+        _point("2", "0", 0, 0, "failed"),
+        _point("2", "1", 0.5, 0.5),
+    ]
     sw.add_speedups(points)
     rec = sw.recommend(sw.group_runs([(p.settings, p.row) for p in points], sw.METRICS), 0.025)
     assert rec.startswith("recommendation: async_ratio=2 (n=1) -- an unpaired speed")
@@ -240,7 +297,6 @@ def test_flash_plot_cli(tmp_path):
     assert main(["plot", str(tmp_path), "-o", str(out)]) == 2  # not a run dir: one-line error
 
 
-
 @pytest.mark.parametrize("steps", ["abc", "3:x", "0:2", "5:3"])
 def test_flash_plot_a_bad_steps_window_is_one_line(tmp_path, capsys, steps):
     """--steps abc was a ValueError traceback; 5:3 or 0:2 drew an empty timeline."""
@@ -253,9 +309,21 @@ def test_flash_plot_a_bad_steps_window_is_one_line(tmp_path, capsys, steps):
     assert len(err.splitlines()) == 1 and f"--steps {steps}" in err
     assert not (tmp_path / "p.png").exists()
 
-SMALL = ["sft.steps=40", "sft.eval_after=false", "model.tiny.num_layers=2", "train.prompts_per_step=4", "rollout.n=4",
-         "rollout.max_new_tokens=32", "task.eval_size=16", "resources.engine_threads=1",
-         "resources.trainer_threads=1", "ray.num_cpus=2", "train.steps=3", "eval.every_steps=2"]
+
+SMALL = [
+    "sft.steps=40",
+    "sft.eval_after=false",
+    "model.tiny.num_layers=2",
+    "train.prompts_per_step=4",
+    "rollout.n=4",
+    "rollout.max_new_tokens=32",
+    "task.eval_size=16",
+    "resources.engine_threads=1",
+    "resources.trainer_threads=1",
+    "ray.num_cpus=2",
+    "train.steps=3",
+    "eval.every_steps=2",
+]
 
 
 @pytest.mark.slow
@@ -264,8 +332,18 @@ def test_two_point_sweep_of_the_default_recipe(tmp_path, monkeypatch):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     out = tmp_path / "sweep"
-    args = [sys.executable, "-m", "flash.app.cli", "sweep", "stutter", "async_ratio=0,1", *SMALL,
-            f"cache_dir={tmp_path / 'cache'}", "--out", str(out)]
+    args = [
+        sys.executable,
+        "-m",
+        "flash.app.cli",
+        "sweep",
+        "stutter",
+        "async_ratio=0,1",
+        *SMALL,
+        f"cache_dir={tmp_path / 'cache'}",
+        "--out",
+        str(out),
+    ]
     first = subprocess.run(args, capture_output=True, text=True, timeout=900)
     assert first.returncode == 0, first.stdout + first.stderr
     assert "recommendation: " in first.stdout
@@ -283,9 +361,19 @@ def test_two_point_sweep_of_the_default_recipe(tmp_path, monkeypatch):
         assert "time/eval" in run.metrics[1] and len(run.timeline) == 3
         events = EventAccumulator(str(run.dir / "tb"))
         events.Reload()
-        assert {"rollout/idle_ratio", "train/idle_ratio", "time/push_weights", "time/eval", "staleness/max",
-                "staleness/count_0", "buffer/depth", "rollout/update_bytes", "train/tokens_per_s",
-                "eval/accuracy", "reward/mean"} <= set(events.Tags()["scalars"])
+        assert {
+            "rollout/idle_ratio",
+            "train/idle_ratio",
+            "time/push_weights",
+            "time/eval",
+            "staleness/max",
+            "staleness/count_0",
+            "buffer/depth",
+            "rollout/update_bytes",
+            "train/tokens_per_s",
+            "eval/accuracy",
+            "reward/mean",
+        } <= set(events.Tags()["scalars"])
     mtimes = [(out / s / "summary.json").stat().st_mtime for s in ("async_ratio-0", "async_ratio-1")]
     second = subprocess.run(args, capture_output=True, text=True, timeout=300)
     assert second.returncode == 0 and second.stdout.count("finished earlier, skipped") == 2
@@ -320,10 +408,12 @@ def test_a_sweep_stopped_by_sigterm_stops_its_running_points(tmp_path, monkeypat
     def launch(recipe, point, out, extra):
         mark = tmp_path / f"{point.slug}.stopped"
         marks.append(mark)
-        code = ("import signal, sys, time\n"
-                f"signal.signal(signal.SIGTERM, lambda *a: (open({str(mark)!r}, 'w').write('x'), sys.exit(0)))\n"
-                f"open({str(mark) + '.up'!r}, 'w').write('x')\n"
-                "time.sleep(120)\n")
+        code = (
+            "import signal, sys, time\n"
+            f"signal.signal(signal.SIGTERM, lambda *a: (open({str(mark)!r}, 'w').write('x'), sys.exit(0)))\n"
+            f"open({str(mark) + '.up'!r}, 'w').write('x')\n"
+            "time.sleep(120)\n"
+        )
         return subprocess.Popen([sys.executable, "-c", code])
 
     monkeypatch.setattr(sw, "_launch", launch)

@@ -75,15 +75,22 @@ def env_file(tmp_path):
     return path
 
 
-@pytest.mark.parametrize("source, args, error", [
-    ("no_such_env_module", {}, "cannot import it"),
-    ("missing.py", {}, "no such file"),
-    ("def load_environment(**kw):\n    raise RuntimeError('needs an API key')\n", {}, "load_environment(**task.args) failed: RuntimeError: needs an API key"),
-    ("x = 1\n", {}, "has no load_environment function"),
-    ("def load_environment(**kw):\n    return 3\n", {}, "returned a int, not a verifiers Environment"),
-    ("raise ImportError('no module named foo')\n", {}, "importing it failed: ImportError"),
-    (None, {"kind": "single", "colour": 1}, "unexpected keyword argument 'colour' (check task.args)"),
-])
+@pytest.mark.parametrize(
+    "source, args, error",
+    [
+        ("no_such_env_module", {}, "cannot import it"),
+        ("missing.py", {}, "no such file"),
+        (
+            "def load_environment(**kw):\n    raise RuntimeError('needs an API key')\n",
+            {},
+            "load_environment(**task.args) failed: RuntimeError: needs an API key",
+        ),
+        ("x = 1\n", {}, "has no load_environment function"),
+        ("def load_environment(**kw):\n    return 3\n", {}, "returned a int, not a verifiers Environment"),
+        ("raise ImportError('no module named foo')\n", {}, "importing it failed: ImportError"),
+        (None, {"kind": "single", "colour": 1}, "unexpected keyword argument 'colour' (check task.args)"),
+    ],
+)
 def test_a_module_that_cannot_give_an_environment_is_one_line_naming_the_fix(tmp_path, env_file, source, args, error):
     if source is None:
         env = str(env_file)
@@ -155,15 +162,19 @@ def scripted_gateway(replies: list[str]):
 CALL = '<tool_call>{"name": "add", "arguments": {"a": 3, "b": 4}}</tool_call>'
 
 
-@pytest.mark.parametrize("kind, replies, reward, facts", [
-    ("single", ["7"], 1.0, {"num_turns": 1.0}),
-    ("single", ["71"], 0.02, {"num_turns": 1.0}),
-    ("multi", ["9", "7"], 1.0, {"num_turns": 2.0}),
-    ("tool", [CALL, "7"], 1.0, {"total_tool_calls": 1.0, "add_calls": 1.0}),
-    ("tool", ["8"], 0.01, {"total_tool_calls": 0.0}),
-])
-def test_each_kind_of_environment_runs_through_the_gateway_scored_by_its_rubric(env_file, tmp_path, kind, replies,
-                                                                               reward, facts):
+@pytest.mark.parametrize(
+    "kind, replies, reward, facts",
+    [
+        ("single", ["7"], 1.0, {"num_turns": 1.0}),
+        ("single", ["71"], 0.02, {"num_turns": 1.0}),
+        ("multi", ["9", "7"], 1.0, {"num_turns": 2.0}),
+        ("tool", [CALL, "7"], 1.0, {"total_tool_calls": 1.0, "add_calls": 1.0}),
+        ("tool", ["8"], 0.01, {"total_tool_calls": 0.0}),
+    ],
+)
+def test_each_kind_of_environment_runs_through_the_gateway_scored_by_its_rubric(
+    env_file, tmp_path, kind, replies, reward, facts
+):
     """A rollout of item "3+4=" on one gateway session: the rubric's reward and metrics come back
     as the episode's, and the session's sample holds each sampled token once, trained, with its
     logprob; the tool's result (7) is context, not trained."""
@@ -229,23 +240,50 @@ def test_an_empty_reply_aborts_the_rollout_counted_as_a_fact_and_logged_once(env
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", [  # each kind's rollouts through a real gateway are the fast tests above
-    pytest.param("single", marks=pytest.mark.margin), pytest.param("multi", marks=pytest.mark.margin), "tool"])
+@pytest.mark.parametrize(
+    "kind",
+    [  # each kind's rollouts through a real gateway are the fast tests above
+        pytest.param("single", marks=pytest.mark.margin),
+        pytest.param("multi", marks=pytest.mark.margin),
+        "tool",
+    ],
+)
 def test_flash_run_trains_each_kind_of_environment_with_its_rubric(tmp_path, env_file, warm_cache, kind):
     """Two steps of ``flash run`` on the random tiny model: every planned sample is trained, each
     with the reward the rubric computed for it (the rubric's log holds every score)."""
     log, run_dir = tmp_path / "scores.jsonl", tmp_path / "run"
     recipe = tmp_path / "vf.yaml"
-    recipe.write_text(f"task:\n  name: verifiers\n  env: arith_env.py\n  eval_size: 4\n  args:\n    kind: {kind}\n"
-                      f"    log: {log}\n")
+    recipe.write_text(
+        f"task:\n  name: verifiers\n  env: arith_env.py\n  eval_size: 4\n  args:\n    kind: {kind}\n    log: {log}\n"
+    )
     steps, b, n = 2, 2, 2
-    finish(launch(run_dir, warm_cache, [f"run_dir={run_dir}", "sft.steps=0", "sft.eval_after=false",
-                                        "model.tiny.num_layers=1", f"train.prompts_per_step={b}", f"rollout.n={n}",
-                                        "rollout.max_new_tokens=8", f"train.steps={steps}", "tracking.progress=false",
-                                        "tracking.tensorboard=false", "tracking.log_samples=64", "ray.num_cpus=2",
-                                        "resources.engine_threads=1", "resources.trainer_threads=1",
-                                        "checkpoint.every_steps=0", "async_ratio=0"],
-                  recipe=str(recipe), base=[]), run_dir)
+    finish(
+        launch(
+            run_dir,
+            warm_cache,
+            [
+                f"run_dir={run_dir}",
+                "sft.steps=0",
+                "sft.eval_after=false",
+                "model.tiny.num_layers=1",
+                f"train.prompts_per_step={b}",
+                f"rollout.n={n}",
+                "rollout.max_new_tokens=8",
+                f"train.steps={steps}",
+                "tracking.progress=false",
+                "tracking.tensorboard=false",
+                "tracking.log_samples=64",
+                "ray.num_cpus=2",
+                "resources.engine_threads=1",
+                "resources.trainer_threads=1",
+                "checkpoint.every_steps=0",
+                "async_ratio=0",
+            ],
+            recipe=str(recipe),
+            base=[],
+        ),
+        run_dir,
+    )
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == steps and summary["samples_trained"] == steps * b * n
     scores = [json.loads(line)["reward"] for line in log.read_text().splitlines()]

@@ -78,9 +78,19 @@ def newest_marker(mark_dir: Path) -> int | None:
 def test_reward_worker_killed_mid_call_is_replaced_and_the_call_scored_again(tmp_path, cache):
     run_dir, marks = tmp_path / "reward", tmp_path / "marks"
     marks.mkdir()
-    proc = launch(run_dir, cache, [f"run_dir={run_dir}", "async_ratio=2", "checkpoint.every_steps=0",
-                                   "reward.fn.name=tests.reward_fns:marked_exact", f"reward.fn.mark_dir={marks}",
-                                   "reward.fn.seconds=0.3", "reward.num_workers=2"])
+    proc = launch(
+        run_dir,
+        cache,
+        [
+            f"run_dir={run_dir}",
+            "async_ratio=2",
+            "checkpoint.every_steps=0",
+            "reward.fn.name=tests.reward_fns:marked_exact",
+            f"reward.fn.mark_dir={marks}",
+            "reward.fn.seconds=0.3",
+            "reward.num_workers=2",
+        ],
+    )
     assert wait_for(lambda: steps_done(run_dir) >= 1 and newest_marker(marks), proc)
     pids = events(run_dir, "workers_ready")[0]["reward_pids"]
     pid = newest_marker(marks)
@@ -99,18 +109,39 @@ def test_reward_worker_killed_mid_call_is_replaced_and_the_call_scored_again(tmp
 
 
 CORRIDOR_STEPS, CORRIDOR_B, CORRIDOR_N = 4, 2, 2
-CORRIDOR = ["model.tiny.num_layers=1", "model.tiny.intermediate_size=64", "sft.steps=80", "sft.eval_after=false",
-            f"train.steps={CORRIDOR_STEPS}", f"train.prompts_per_step={CORRIDOR_B}", f"rollout.n={CORRIDOR_N}",
-            "async_ratio=1", "task.eval_size=4", "task.step_delay_s=0.2", "tracking.tensorboard=false",
-            "tracking.progress=false", "resources.engine_threads=1", "resources.trainer_threads=1",
-            "ray.num_cpus=2", "checkpoint.every_steps=0"]
+CORRIDOR = [
+    "model.tiny.num_layers=1",
+    "model.tiny.intermediate_size=64",
+    "sft.steps=80",
+    "sft.eval_after=false",
+    f"train.steps={CORRIDOR_STEPS}",
+    f"train.prompts_per_step={CORRIDOR_B}",
+    f"rollout.n={CORRIDOR_N}",
+    "async_ratio=1",
+    "task.eval_size=4",
+    "task.step_delay_s=0.2",
+    "tracking.tensorboard=false",
+    "tracking.progress=false",
+    "resources.engine_threads=1",
+    "resources.trainer_threads=1",
+    "ray.num_cpus=2",
+    "checkpoint.every_steps=0",
+]
 
 
 def launch_corridor(run_dir: Path, cache: str) -> tuple[subprocess.Popen, Path]:
     """The small corridor run as a `flash run` subprocess (its log beside ``run_dir``)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_USAGE_STATS_ENABLED": "0"}
-    cmd = [sys.executable, "-m", "flash.app.cli", "run", "recipes/corridor.yaml", *CORRIDOR, f"cache_dir={cache}",
-           f"run_dir={run_dir}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "flash.app.cli",
+        "run",
+        "recipes/corridor.yaml",
+        *CORRIDOR,
+        f"cache_dir={cache}",
+        f"run_dir={run_dir}",
+    ]
     with open(run_dir.parent / f"{run_dir.name}.log", "w") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     return proc, run_dir

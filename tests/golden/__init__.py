@@ -37,11 +37,25 @@ REL_OF = {"grad_norm": 1e-3}
 # sampled tokens then depend on no thread count), no evaluation beyond one prompt before and after,
 # no checkpoint, no trackers.
 COMMON = [
-    "async_ratio=0", f"train.steps={STEPS}", "train.prompts_per_step=2", "rollout.n=8",
-    "checkpoint.enabled=false", "checkpoint.every_steps=0", "eval.every_steps=0", "eval.n=1",
-    "task.eval_size=1", "tracking.tensorboard=false", "tracking.progress=false", "tracking.log_samples=0",
-    "resources.engine_threads=1", "resources.trainer_threads=1", "resources.driver_threads=1",
-    "sft.threads=1", "sft.eval_after=false", "sft.batch_size=32", "ray.num_cpus=2",
+    "async_ratio=0",
+    f"train.steps={STEPS}",
+    "train.prompts_per_step=2",
+    "rollout.n=8",
+    "checkpoint.enabled=false",
+    "checkpoint.every_steps=0",
+    "eval.every_steps=0",
+    "eval.n=1",
+    "task.eval_size=1",
+    "tracking.tensorboard=false",
+    "tracking.progress=false",
+    "tracking.log_samples=0",
+    "resources.engine_threads=1",
+    "resources.trainer_threads=1",
+    "resources.driver_threads=1",
+    "sft.threads=1",
+    "sft.eval_after=false",
+    "sft.batch_size=32",
+    "ray.num_cpus=2",
 ]
 
 # Per recipe: what shrinks it further. A short warm start gets some answers right (easier items
@@ -52,12 +66,24 @@ SHAPES: dict[str, list[str]] = {
     "stutter": ["sft.steps=40", "task.max_len=1", "rollout.max_new_tokens=4"],
     "math": ["sft.steps=40"],
     "reasoning_gym": ["sft.steps=40"],
-    "code": ["sft.steps=60", "task.min_ops=1", "task.max_ops=1", "task.paren_share=0", "reward.num_workers=1",
-             "reward.fn.adaptive=false"],
+    "code": [
+        "sft.steps=60",
+        "task.min_ops=1",
+        "task.max_ops=1",
+        "task.paren_share=0",
+        "reward.num_workers=1",
+        "reward.fn.adaptive=false",
+    ],
     "corridor": ["sft.steps=40", "task.env_workers=1"],
     "frozenlake": ["sft.steps=40", "task.env_workers=1"],
-    "calculator": ["sft.steps=40", "agent.processes=0", "task.min_operand=1", "task.max_operand=2", "task.ops=+",
-                   "task.skip_prob=0.9"],
+    "calculator": [
+        "sft.steps=40",
+        "agent.processes=0",
+        "task.min_operand=1",
+        "task.max_operand=2",
+        "task.ops=+",
+        "task.skip_prob=0.9",
+    ],
     "verifiers_tool": ["sft.steps=40", "task.args.skip_prob=0.9", "train.prompts_per_step=4", "rollout.n=16"],
 }
 
@@ -66,12 +92,12 @@ NOT_PINNED = {
     "gsm8k_1gpu": "a GPU recipe (a Qwen2.5 checkpoint on CUDA); tests/unit/test_gpu_recipes.py validates it",
     "gsm8k_8gpu": "an 8-GPU recipe; tests/unit/test_gpu_recipes.py validates it",
     "sim_rlvr": "simulated roles (train.backend: sim): no model is trained; the loss is synthetic and "
-                "the gradient norm 1 / (1 + step) by construction (tests/integration/test_sim.py pins the loss)",
+    "the gradient norm 1 / (1 + step) by construction (tests/integration/test_sim.py pins the loss)",
     "sim_agentic": "simulated roles, as sim_rlvr, with environment steps that sleep a drawn latency",
     "math_smollm2": "a 135 M-parameter model: its GGUF conversion alone takes ~30 s (the recipe's own "
-                    "figure) and its roles load 135 M weights, beyond the golden runs' budget",
+    "figure) and its roles load 135 M weights, beyond the golden runs' budget",
     "humaneval_smollm2": "SmolLM2-135M, as math_smollm2 (beyond the golden runs' budget); "
-                         "tests/unit/test_humaneval.py pins its rows' scores in the sandbox",
+    "tests/unit/test_humaneval.py pins its rows' scores in the sandbox",
 }
 
 
@@ -89,8 +115,9 @@ def run_golden(recipe: str, run_dir: Path, cache_dir: str) -> dict:
     from flash.app.config import load_config
     from flash.app.runner import run
 
-    cfg = load_config(str(ROOT / "recipes" / f"{recipe}.yaml"),
-                      [*overrides(recipe), f"run_dir={run_dir}", f"cache_dir={cache_dir}"])
+    cfg = load_config(
+        str(ROOT / "recipes" / f"{recipe}.yaml"), [*overrides(recipe), f"run_dir={run_dir}", f"cache_dir={cache_dir}"]
+    )
     run(cfg, recipe)
     return measure(recipe, run_dir)
 
@@ -101,8 +128,13 @@ def measure(recipe: str, run_dir: Path) -> dict:
     steps = [{"step": m["step"], **{q: float(m[key]) for q, key in QUANTITIES.items()}} for m in lines]
     first = json.loads((run_dir / "schedule.jsonl").read_text().splitlines()[0])
     sampled = sum(len(s["response_ids"]) for g in first["groups"] for s in g["samples"])
-    return {"recipe": recipe, "overrides": overrides(recipe), "steps": steps, "tokens": first_tokens(first),
-            "step0_response_tokens": sampled}
+    return {
+        "recipe": recipe,
+        "overrides": overrides(recipe),
+        "steps": steps,
+        "tokens": first_tokens(first),
+        "step0_response_tokens": sampled,
+    }
 
 
 def first_tokens(schedule_line: dict) -> list[list[int]]:
@@ -141,24 +173,33 @@ def differences(golden: dict, measured: dict) -> list[Moved]:
     if len(golden["steps"]) != len(measured["steps"]):
         moved.append(Moved(recipe, None, "steps logged", len(golden["steps"]), len(measured["steps"])))
     for old, new in zip(golden["steps"], measured["steps"]):
-        moved += [Moved(recipe, old["step"], q, old[q], new[q]) for q in QUANTITIES if not _close(old[q], new[q], REL_OF.get(q, REL))]
+        moved += [
+            Moved(recipe, old["step"], q, old[q], new[q])
+            for q in QUANTITIES
+            if not _close(old[q], new[q], REL_OF.get(q, REL))
+        ]
     if golden["tokens"] != measured["tokens"]:
         moved.append(Moved(recipe, 0, "first token ids", golden["tokens"], measured["tokens"]))
     if golden["step0_response_tokens"] != measured["step0_response_tokens"]:
-        moved.append(Moved(recipe, 0, "response tokens sampled", golden["step0_response_tokens"],
-                           measured["step0_response_tokens"]))
+        moved.append(
+            Moved(
+                recipe, 0, "response tokens sampled", golden["step0_response_tokens"], measured["step0_response_tokens"]
+            )
+        )
     return moved
 
 
 def failure_message(moved: list[Moved]) -> str:
     """What moved, old -> new, and the command that re-blesses the recipe."""
     recipe = moved[0].recipe
-    return "\n".join([
-        f"golden numerics of recipe {recipe!r} moved (tests/golden/{recipe}.json):",
-        *(f"  {m.line()}" for m in moved),
-        f"If the change is meant, re-bless: python -m tests.golden bless {recipe}",
-        "(it runs the recipe's learning test first and records the result in BENCHMARKS.md)",
-    ])
+    return "\n".join(
+        [
+            f"golden numerics of recipe {recipe!r} moved (tests/golden/{recipe}.json):",
+            *(f"  {m.line()}" for m in moved),
+            f"If the change is meant, re-bless: python -m tests.golden bless {recipe}",
+            "(it runs the recipe's learning test first and records the result in BENCHMARKS.md)",
+        ]
+    )
 
 
 def write_golden(record: dict, directory: Path = GOLDEN_DIR) -> Path:
@@ -170,10 +211,12 @@ def write_golden(record: dict, directory: Path = GOLDEN_DIR) -> Path:
 
 def golden_text(record: dict) -> str:
     """The record as JSON with one line per key, and per step (short diffs when a value moves)."""
+
     def value(v) -> str:
         if isinstance(v, list) and v and isinstance(v[0], dict):
             return "[\n" + ",\n".join(f"  {json.dumps(x)}" for x in v) + "\n ]"
         return json.dumps(v)
+
     return "{\n" + ",\n".join(f" {json.dumps(k)}: {value(v)}" for k, v in record.items()) + "\n}\n"
 
 

@@ -24,8 +24,10 @@ from tests import golden
 
 BENCHMARKS = golden.ROOT / "BENCHMARKS.md"
 SECTION = "## Learning results behind the golden values"
-HEADER = ["| commit | date | recipe | learning test | held-out before → after | bar (least gain) |",
-          "|---|---|---|---|---|---|"]
+HEADER = [
+    "| commit | date | recipe | learning test | held-out before → after | bar (least gain) |",
+    "|---|---|---|---|---|---|",
+]
 
 
 @dataclass(frozen=True)
@@ -37,15 +39,24 @@ class Learning:
 
 
 LEARNING: dict[str, list[Learning]] = {
-    "stutter": [Learning("tests/e2e/test_default_recipe.py::test_default_recipe_learns[0-0]", 0.20),
-                Learning("tests/e2e/test_default_recipe.py::test_default_recipe_learns[2-0]", 0.15)],
+    "stutter": [
+        Learning("tests/e2e/test_default_recipe.py::test_default_recipe_learns[0-0]", 0.20),
+        Learning("tests/e2e/test_default_recipe.py::test_default_recipe_learns[2-0]", 0.15),
+    ],
     "math": [Learning("tests/integration/test_wordproblems.py::test_math_recipe_learns", 0.10)],
     "reasoning_gym": [Learning("tests/integration/test_reasoning_gym.py::test_the_reasoning_gym_recipe_learns", 0.08)],
-    "code": [Learning("tests/learning/test_recipes_learn.py::test_code_recipe_learns_with_the_adaptive_sandbox_timeout", 0.25)],
+    "code": [
+        Learning(
+            "tests/learning/test_recipes_learn.py::test_code_recipe_learns_with_the_adaptive_sandbox_timeout", 0.25
+        )
+    ],
     "frozenlake": [Learning("tests/learning/test_recipes_learn.py::test_frozenlake_recipe_learns", 0.10)],
-    "calculator": [Learning("tests/learning/test_recipes_learn.py::test_calculator_agent_learns_to_call_its_tool", 0.20)],
-    "verifiers_tool": [Learning("tests/learning/test_verifiers_learns.py::test_a_verifiers_tool_env_learns_to_call_its_tool",
-                                0.40)],
+    "calculator": [
+        Learning("tests/learning/test_recipes_learn.py::test_calculator_agent_learns_to_call_its_tool", 0.20)
+    ],
+    "verifiers_tool": [
+        Learning("tests/learning/test_verifiers_learns.py::test_a_verifiers_tool_env_learns_to_call_its_tool", 0.40)
+    ],
 }
 
 
@@ -62,8 +73,18 @@ def run_learning(learning: Learning) -> LearningResult:
     """The learning test in a pytest process of its own (every marker selected); the held-out
     accuracies of the runs it made, read from the summary.json files under its temporary dir."""
     with tempfile.TemporaryDirectory(prefix="flash-bless-") as tmp:
-        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "", f"--basetemp={tmp}/t",
-               learning.node]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-m",
+            "",
+            f"--basetemp={tmp}/t",
+            learning.node,
+        ]
         env = {**os.environ, "PYTHONPATH": str(golden.ROOT)}
         print(f"bless: running the learning test {learning.node} (minutes)", flush=True)
         done = subprocess.run(cmd, cwd=golden.ROOT, env=env, check=False)
@@ -77,6 +98,7 @@ def summary_accuracies(summary: dict) -> tuple[float, float]:
 
 def commit_id(root: Path = golden.ROOT) -> str:
     """The checkout's short commit, ``+changes`` when its tracked files differ from it."""
+
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, check=False).stdout.strip()
 
@@ -112,26 +134,40 @@ def append_rows(text: str, rows: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def bless(recipe: str, learn: Callable[[Learning], LearningResult], measure: Callable[[str], dict],
-          golden_dir: Path = golden.GOLDEN_DIR, benchmarks: Path = BENCHMARKS,
-          commit: str | None = None, date: str | None = None) -> bool:
+def bless(
+    recipe: str,
+    learn: Callable[[Learning], LearningResult],
+    measure: Callable[[str], dict],
+    golden_dir: Path = golden.GOLDEN_DIR,
+    benchmarks: Path = BENCHMARKS,
+    commit: str | None = None,
+    date: str | None = None,
+) -> bool:
     """Bless one recipe: its learning tests, then (only if all pass) its golden file and its rows."""
     if recipe not in golden.SHAPES:
         known = ", ".join(sorted(golden.SHAPES))
-        print(f"bless: no golden values for recipe {recipe!r}: {golden.NOT_PINNED.get(recipe, 'not a shipped recipe')}"
-              f" (recipes with golden values: {known})", flush=True)
+        print(
+            f"bless: no golden values for recipe {recipe!r}: {golden.NOT_PINNED.get(recipe, 'not a shipped recipe')}"
+            f" (recipes with golden values: {known})",
+            flush=True,
+        )
         return False
     results = []
     for learning in LEARNING.get(recipe, []):
         result = learn(learning)
         if not result.passed:
-            print(f"bless: {recipe}: the learning test {learning.node} failed; the golden values stay as they are",
-                  flush=True)
+            print(
+                f"bless: {recipe}: the learning test {learning.node} failed; the golden values stay as they are",
+                flush=True,
+            )
             return False
         results.append(result)
     if not results:
-        print(f"bless: WARNING: recipe {recipe!r} has no learning test; its golden values are blessed without a "
-              f"learning record", flush=True)
+        print(
+            f"bless: WARNING: recipe {recipe!r} has no learning test; its golden values are blessed without a "
+            f"learning record",
+            flush=True,
+        )
     path = golden.write_golden(measure(recipe), golden_dir)
     rows = benchmarks_rows(commit or commit_id(), date or datetime.date.today().isoformat(), recipe, results)
     benchmarks.write_text(append_rows(benchmarks.read_text(), rows))

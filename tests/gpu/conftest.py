@@ -19,8 +19,11 @@ HERE = Path(__file__).resolve().parent
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    skip = None if torch.cuda.is_available() else pytest.mark.skip(
-        reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+    skip = (
+        None
+        if torch.cuda.is_available()
+        else pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+    )
     for item in items:
         if HERE in Path(item.path).resolve().parents:
             item.add_marker(pytest.mark.gpu)

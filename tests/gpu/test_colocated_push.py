@@ -48,8 +48,7 @@ def actors(tmp_path_factory):
     ray.shutdown()  # a Ray left by an earlier module may have been started without the GPU
     init_ray(None, num_cpus=4, num_gpus=1)
     path = save_tiny(tmp_path_factory.mktemp("tiny"), TINY)
-    trainer = ray.remote(GpuTrainer).options(num_cpus=0, num_gpus=TRAINER_GPU).remote(
-        path, settings(), 0, 1, [], [])
+    trainer = ray.remote(GpuTrainer).options(num_cpus=0, num_gpus=TRAINER_GPU).remote(path, settings(), 0, 1, [], [])
     # the torch engine on the GPU Ray gives it (flash.devices.actor_device), serving bf16
     engine = ray.remote(EngineWorker).options(num_cpus=0, num_gpus=ENGINE_GPU, max_concurrency=8)
     engines = [engine.remote(path, 8, 0, 1, "bfloat16") for _ in range(2)]
@@ -64,8 +63,9 @@ def assert_bf16_copies(trainer, engines):
         assert got.keys() == want.keys()
         for name, t in got.items():
             assert t.dtype == torch.bfloat16, f"replica {r}: {name} is {t.dtype}"
-            assert torch.equal(as_bytes(t.contiguous()), as_bytes(want[name].to(torch.bfloat16))), \
+            assert torch.equal(as_bytes(t.contiguous()), as_bytes(want[name].to(torch.bfloat16))), (
                 f"replica {r}: {name} differs from the trainer's weights cast to bf16"
+            )
 
 
 def test_cuda_ipc_push_is_the_trainers_weights_cast_to_bf16_bitwise(actors):

@@ -16,9 +16,16 @@ AIM = 0.15
 
 
 def qwen25_05b() -> Qwen2Config:
-    return Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                       num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True,
-                       max_position_embeddings=32768)
+    return Qwen2Config(
+        vocab_size=151936,
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        max_position_embeddings=32768,
+    )
 
 
 def _reserved_peak(work) -> int:
@@ -41,15 +48,28 @@ def test_trainer_step_estimate_is_within_15_percent_of_the_reserved_peak():
     estimate = train_phases(qwen25_05b(), shape).peak
     model = Qwen2ForCausalLM(qwen25_05b()).cuda()
     enable_activation_checkpointing(decoder_layers(model))
-    settings = TrainerSettings(lr=1e-6, weight_decay=0.0, betas=(0.9, 0.999), grad_clip=1.0, micro_batch_size=rows,
-                               temperature=1.0, loss={"name": "ppo", "old_policy": "prox"}, agg="token-mean",
-                               dtype="bfloat16")
+    settings = TrainerSettings(
+        lr=1e-6,
+        weight_decay=0.0,
+        betas=(0.9, 0.999),
+        grad_clip=1.0,
+        micro_batch_size=rows,
+        temperature=1.0,
+        loss={"name": "ppo", "old_policy": "prox"},
+        agg="token-mean",
+        dtype="bfloat16",
+    )
     trainer = Trainer(model, settings)
     cols = length - 1
-    batch = TrainBatch(input_ids=torch.randint(0, 151936, (rows, length)),
-                       attention_mask=torch.ones(rows, length, dtype=torch.long), mask=torch.ones(rows, cols),
-                       behav_logp=torch.full((rows, cols), -1.0), versions=torch.zeros(rows, cols, dtype=torch.long),
-                       rewards=torch.zeros(rows), group_ids=torch.zeros(rows, dtype=torch.long))
+    batch = TrainBatch(
+        input_ids=torch.randint(0, 151936, (rows, length)),
+        attention_mask=torch.ones(rows, length, dtype=torch.long),
+        mask=torch.ones(rows, cols),
+        behav_logp=torch.full((rows, cols), -1.0),
+        versions=torch.zeros(rows, cols, dtype=torch.long),
+        rewards=torch.zeros(rows),
+        group_ids=torch.zeros(rows, dtype=torch.long),
+    )
     adv = torch.randn(rows, cols)
 
     def step():
@@ -59,8 +79,10 @@ def test_trainer_step_estimate_is_within_15_percent_of_the_reserved_peak():
 
     step()  # the AdamW state now exists, as on every later step
     reserved = _reserved_peak(step)
-    print(f"trainer step at {rows}x{length}: estimate {estimate / GIB:.2f} GiB, reserved {reserved / GIB:.2f} GiB "
-          f"on {torch.cuda.get_device_name()}")
+    print(
+        f"trainer step at {rows}x{length}: estimate {estimate / GIB:.2f} GiB, reserved {reserved / GIB:.2f} GiB "
+        f"on {torch.cuda.get_device_name()}"
+    )
     assert abs(estimate - reserved) <= AIM * reserved
 
 
@@ -80,6 +102,8 @@ def test_torch_engine_prefill_estimate_is_within_15_percent_of_the_reserved_peak
             engine._admit()
 
     reserved = _reserved_peak(admit)
-    print(f"torch-engine prefill of {shape.rows}x{shape.prompt}: estimate {estimate / GIB:.2f} GiB, reserved "
-          f"{reserved / GIB:.2f} GiB on {torch.cuda.get_device_name()}")
+    print(
+        f"torch-engine prefill of {shape.rows}x{shape.prompt}: estimate {estimate / GIB:.2f} GiB, reserved "
+        f"{reserved / GIB:.2f} GiB on {torch.cuda.get_device_name()}"
+    )
     assert abs(estimate - reserved) <= AIM * reserved

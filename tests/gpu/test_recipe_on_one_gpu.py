@@ -17,8 +17,13 @@ from tests.helpers.processes import read_jsonl, recipe_summary
 RECIPE = "recipes/stutter.yaml"
 BAR = 0.20  # tests/e2e/test_default_recipe.py's bar(0): the least synchronous gain its measured spread supports
 RUN_TIMEOUT_S = 420  # the longest test of tests/gpu: SFT warm start, 100 steps, evaluations
-ONE_GPU = ["async_ratio=0", "placement.num_gpus=1", "placement.roles.actor_train.device_mapping=[0]",
-           "placement.roles.actor_infer.device_mapping=[0]", "model_update.backend=cuda_ipc"]
+ONE_GPU = [
+    "async_ratio=0",
+    "placement.num_gpus=1",
+    "placement.roles.actor_train.device_mapping=[0]",
+    "placement.roles.actor_infer.device_mapping=[0]",
+    "model_update.backend=cuda_ipc",
+]
 
 
 def test_default_recipe_colocated_on_one_gpu_learns(tmp_path, warm_cache):

@@ -37,7 +37,7 @@ class ScriptedActor:
                 return answer(*args) if callable(answer) else answer
             return {"pid": self.process, "health": True}.get(method, method)
 
-        return SimpleNamespace(remote=lambda *args: (lambda: resolve(*args)))
+        return SimpleNamespace(remote=lambda *args: lambda: resolve(*args))
 
     def names(self) -> list[str]:
         return [c[0] for c in self.calls]

@@ -63,14 +63,26 @@ BF16_MEAN_ABS, BF16_MAX_ABS = 0.05, 0.3
 def engine_samples(model) -> list[Sample]:
     """The engine's rollouts of PROMPTS as training samples (behaviour logprobs as reported)."""
     engine = TorchEngine(model, max_num_seqs=len(PROMPTS), seed=0)
-    reqs = [GenerationRequest(f"r{i}-{time.monotonic_ns()}", p,
-                              SamplingParams(max_new_tokens=NEW_TOKENS, temperature=TEMPERATURE, seed=i))
-            for i, p in enumerate(PROMPTS)]
+    reqs = [
+        GenerationRequest(
+            f"r{i}-{time.monotonic_ns()}", p, SamplingParams(max_new_tokens=NEW_TOKENS, temperature=TEMPERATURE, seed=i)
+        )
+        for i, p in enumerate(PROMPTS)
+    ]
     outs = engine.generate(reqs)
     assert all(len(o.token_ids) == NEW_TOKENS for o in outs)
-    return [Sample(prompt_id=i, sample_index=0, prompt_ids=o.prompt_ids, response_ids=o.token_ids,
-                   behav_logprobs=o.logprobs, versions=[0] * len(o.token_ids), reward=0.0)
-            for i, o in enumerate(outs)]
+    return [
+        Sample(
+            prompt_id=i,
+            sample_index=0,
+            prompt_ids=o.prompt_ids,
+            response_ids=o.token_ids,
+            behav_logprobs=o.logprobs,
+            versions=[0] * len(o.token_ids),
+            reward=0.0,
+        )
+        for i, o in enumerate(outs)
+    ]
 
 
 def mismatch(engine_model, trainer_model, autocast: torch.dtype | None, device: torch.device) -> torch.Tensor:

@@ -15,10 +15,20 @@ from flash.engine.torch_engine import TorchEngine
 from flash.train.batch import collate, flatten
 from flash.train.trainer import Trainer
 
-SMALL = ["sft.steps=40", "sft.eval_after=false", "model.tiny.num_layers=2", "train.prompts_per_step=4", "rollout.n=4",
-         "rollout.max_new_tokens=32", "task.eval_size=16", "tracking.tensorboard=false",
-         "tracking.progress=false", "resources.engine_threads=1", "resources.trainer_threads=1",
-         "ray.num_cpus=2"]
+SMALL = [
+    "sft.steps=40",
+    "sft.eval_after=false",
+    "model.tiny.num_layers=2",
+    "train.prompts_per_step=4",
+    "rollout.n=4",
+    "rollout.max_new_tokens=32",
+    "task.eval_size=16",
+    "tracking.tensorboard=false",
+    "tracking.progress=false",
+    "resources.engine_threads=1",
+    "resources.trainer_threads=1",
+    "ray.num_cpus=2",
+]
 
 
 def small_cfg(tmp_path, cache, *extra):
@@ -35,16 +45,28 @@ def plain_sync_loop(cfg, model_path, task, tokenizer, steps):
     out = []
     for t in range(steps):
         items = [task.item(t * B + i) for i in range(B)]
-        reqs = [GenerationRequest(f"{t * B + i}:{k}", _encode(tokenizer, items[i].prompt),
-                                  SamplingParams(**{**params.__dict__, "seed": request_seed(cfg.seed, t * B + i, k)}))
-                for i in range(B) for k in range(n)]
+        reqs = [
+            GenerationRequest(
+                f"{t * B + i}:{k}",
+                _encode(tokenizer, items[i].prompt),
+                SamplingParams(**{**params.__dict__, "seed": request_seed(cfg.seed, t * B + i, k)}),
+            )
+            for i in range(B)
+            for k in range(n)
+        ]
         outs = engine.generate(reqs)  # the whole batch at once, as the scheduler submits it
         groups = []
         for i in range(B):
             samples = []
-            for k, o in enumerate(outs[i * n:(i + 1) * n]):
-                s = Sample(prompt_id=t * B + i, sample_index=k, prompt_ids=o.prompt_ids, response_ids=o.token_ids,
-                           behav_logprobs=o.logprobs, versions=o.versions)
+            for k, o in enumerate(outs[i * n : (i + 1) * n]):
+                s = Sample(
+                    prompt_id=t * B + i,
+                    sample_index=k,
+                    prompt_ids=o.prompt_ids,
+                    response_ids=o.token_ids,
+                    behav_logprobs=o.logprobs,
+                    versions=o.versions,
+                )
                 s.reward = task.reward(items[i], _decode(tokenizer, o.token_ids))
                 samples.append(s)
             groups.append(Group(prompt_id=t * B + i, samples=samples))
@@ -58,11 +80,13 @@ def plain_sync_loop(cfg, model_path, task, tokenizer, steps):
 
 def _encode(tok, text):
     from flash.models import encode_prompt
+
     return encode_prompt(tok, text)
 
 
 def _decode(tok, ids):
     from flash.models import decode_response
+
     return decode_response(tok, ids)
 
 

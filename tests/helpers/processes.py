@@ -18,14 +18,33 @@ ROOT = Path(__file__).resolve().parents[2]  # the checkout: tests/helpers/ is tw
 STEPS, B, N = 6, 4, 4
 
 
-SMALL = ["sft.steps=40", "sft.eval_after=false", "model.tiny.num_layers=2", f"train.prompts_per_step={B}",
-         f"rollout.n={N}", "rollout.max_new_tokens=24", "task.eval_size=8", "tracking.tensorboard=false",
-         "tracking.progress=false", "resources.engine_threads=1", "resources.trainer_threads=1",
-         "ray.num_cpus=2", f"train.steps={STEPS}", "checkpoint.every_steps=1", "checkpoint.keep_last=2"]
+SMALL = [
+    "sft.steps=40",
+    "sft.eval_after=false",
+    "model.tiny.num_layers=2",
+    f"train.prompts_per_step={B}",
+    f"rollout.n={N}",
+    "rollout.max_new_tokens=24",
+    "task.eval_size=8",
+    "tracking.tensorboard=false",
+    "tracking.progress=false",
+    "resources.engine_threads=1",
+    "resources.trainer_threads=1",
+    "ray.num_cpus=2",
+    f"train.steps={STEPS}",
+    "checkpoint.every_steps=1",
+    "checkpoint.keep_last=2",
+]
 
 
-def launch(run_dir: Path, cache: str, extra: list[str], env_extra: dict | None = None,
-           recipe: str = "recipes/stutter.yaml", base: list[str] = SMALL) -> subprocess.Popen:
+def launch(
+    run_dir: Path,
+    cache: str,
+    extra: list[str],
+    env_extra: dict | None = None,
+    recipe: str = "recipes/stutter.yaml",
+    base: list[str] = SMALL,
+) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_USAGE_STATS_ENABLED": "0", **(env_extra or {})}
     cmd = [sys.executable, "-m", "flash.app.cli", "run", recipe, *base, f"cache_dir={cache}", *extra]
     with open(run_dir.parent / f"{run_dir.name}.log", "a") as log:  # the child keeps its own copy
@@ -90,16 +109,26 @@ def finish(proc: subprocess.Popen, run_dir: Path, timeout: float = 900) -> None:
 def recipe_summary(run_dir: Path, cache: str, recipe: str, overrides: list[str], timeout: float = 900) -> dict:
     """A whole recipe run by the CLI in a process of its own (nothing of the test session's state:
     threads, RNG, Ray, imported plugins), as a user runs it; its summary.json."""
-    finish(launch(run_dir, cache, [f"run_dir={run_dir}", "tracking.progress=false", *overrides],
-                  recipe=recipe, base=[]), run_dir, timeout)
+    finish(
+        launch(run_dir, cache, [f"run_dir={run_dir}", "tracking.progress=false", *overrides], recipe=recipe, base=[]),
+        run_dir,
+        timeout,
+    )
     return json.loads((run_dir / "summary.json").read_text())
 
 
 def replay_run(run_dir: Path, *args: str) -> tuple[int, str]:
     """``flash replay RUN_DIR ARGS`` in a process of its own: (exit code, its output)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_USAGE_STATS_ENABLED": "0"}
-    done = subprocess.run([sys.executable, "-m", "flash.app.cli", "replay", str(run_dir), *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=900, check=False)
+    done = subprocess.run(
+        [sys.executable, "-m", "flash.app.cli", "replay", str(run_dir), *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
     return done.returncode, done.stdout + done.stderr
 
 
@@ -126,8 +155,9 @@ def recipe_warm_start_base(recipe: str = "recipes/stutter.yaml") -> list[str]:
     return [o for o in SMALL if not o.startswith(own)] + ["eval.n=1"]
 
 
-def kill_and_resume(run_dir: Path, cache: str, extra: list[str], rng: random.Random,
-                    damage: str = "trainer.pt", base: list[str] = SMALL) -> list[dict]:
+def kill_and_resume(
+    run_dir: Path, cache: str, extra: list[str], rng: random.Random, damage: str = "trainer.pt", base: list[str] = SMALL
+) -> list[dict]:
     """Run and kill at a random moment (after 2-4 steps and two complete checkpoints, then up to
     1.5 s more; each checkpoint write held 1 s so steps last long enough to land anywhere in one),
     resume and kill inside a checkpoint write, truncate the newest checkpoint, resume to the end.
@@ -155,5 +185,4 @@ def trained_pairs(ledger: list[dict]) -> collections.Counter:
     return collections.Counter((e["prompt_id"], e["sample"]) for e in ledger if e["outcome"] == "trained")
 
 
-TINY_OVERRIDES = ["model.tiny.num_layers=1", "model.tiny.intermediate_size=64", "sft.steps=80",
-                  "sft.eval_after=false"]
+TINY_OVERRIDES = ["model.tiny.num_layers=1", "model.tiny.intermediate_size=64", "sft.steps=80", "sft.eval_after=false"]

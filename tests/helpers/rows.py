@@ -6,9 +6,16 @@ from flash.recipes.tasks import make_task
 
 
 def gsm_rows(n=30):
-    return [{"question": f"tom has {a} apples and buys {b} more. how many apples now?",
-             "answer": f"{a}+{b}={a + b}\n#### {a + b}", "solution": f"{a}+{b}={a + b}", "id": a * 10 + b}
-            for a in range(1, 7) for b in range(1, 6)][:n]
+    return [
+        {
+            "question": f"tom has {a} apples and buys {b} more. how many apples now?",
+            "answer": f"{a}+{b}={a + b}\n#### {a + b}",
+            "solution": f"{a}+{b}={a + b}",
+            "id": a * 10 + b,
+        }
+        for a in range(1, 7)
+        for b in range(1, 6)
+    ][:n]
 
 
 def write_jsonl(path, rows):

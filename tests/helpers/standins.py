@@ -17,18 +17,24 @@ ARCHITECTURES = {
     "Qwen2.5-7B-Instruct": dict(tie_word_embeddings=False, rope_theta=1_000_000.0),
 }
 GSM8K_ROWS = [
-    ("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
-     "How many clips did Natalia sell altogether in April and May?",
-     "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nNatalia sold 48+24 = <<48+24=72>>72 clips.\n#### 72"),
-    ("Weng earns $12 an hour for babysitting. Yesterday, she just did 50 minutes of babysitting. "
-     "How much did she earn?",
-     "Weng earns 12/60 = $<<12/60=0.2>>0.2 per minute.\nWorking 50 minutes, she earned 0.2 x 50 = "
-     "$<<0.2*50=10>>10.\n#### 10"),
+    (
+        "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+        "How many clips did Natalia sell altogether in April and May?",
+        "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nNatalia sold 48+24 = <<48+24=72>>72 clips.\n#### 72",
+    ),
+    (
+        "Weng earns $12 an hour for babysitting. Yesterday, she just did 50 minutes of babysitting. "
+        "How much did she earn?",
+        "Weng earns 12/60 = $<<12/60=0.2>>0.2 per minute.\nWorking 50 minutes, she earned 0.2 x 50 = "
+        "$<<0.2*50=10>>10.\n#### 10",
+    ),
 ]
 
 
-CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
 def byte_tokenizer() -> PreTrainedTokenizerFast:
@@ -40,8 +46,9 @@ def byte_tokenizer() -> PreTrainedTokenizerFast:
     core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     core.decoder = decoders.ByteLevel()
-    tok = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                  additional_special_tokens=specials[1:])
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=core, eos_token="<|im_end|>", pad_token="<|endoftext|>", additional_special_tokens=specials[1:]
+    )
     tok.chat_template = CHATML
     return tok
 
@@ -50,11 +57,18 @@ def model_folder(root: Path, name: str) -> Path:
     """A Hugging Face folder (config, safetensors weights, tokenizer) of ``name``'s architecture."""
     folder = root / name
     tokenizer = byte_tokenizer()
-    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                         max_position_embeddings=2048, pad_token_id=tokenizer.pad_token_id,
-                         eos_token_id=tokenizer.eos_token_id,
-                         **ARCHITECTURES[name])
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=2048,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        **ARCHITECTURES[name],
+    )
     Qwen2ForCausalLM(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder

@@ -23,8 +23,10 @@ def over_budget(nodeid: str, cpu_s: float, budget_s: float = UNIT_BUDGET_S) -> s
     """The failure message for a unit test that spent ``cpu_s`` CPU seconds, or None within budget."""
     if cpu_s <= budget_s:
         return None
-    return (f"{nodeid}: {cpu_s:.2f} s of CPU, over the unit tier's {budget_s:g} s budget: "
-            "make it smaller or move it to tests/integration")
+    return (
+        f"{nodeid}: {cpu_s:.2f} s of CPU, over the unit tier's {budget_s:g} s budget: "
+        "make it smaller or move it to tests/integration"
+    )
 
 
 def ray_started() -> bool:

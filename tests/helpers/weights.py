@@ -30,10 +30,19 @@ def vllm_start(tmp_path, dtype: str = "float32", **engine_kwargs):
         paths[seed] = str(tmp_path / f"m{seed}")
         model.save_pretrained(paths[seed])
         tok.save_pretrained(paths[seed])
-    settings = TrainerSettings(lr=0.05, weight_decay=0.0, betas=(0.9, 0.999), grad_clip=1.0, micro_batch_size=64,
-                               temperature=1.0, loss={"name": "ppo", "old_policy": "prox"}, agg="token-mean")
+    settings = TrainerSettings(
+        lr=0.05,
+        weight_decay=0.0,
+        betas=(0.9, 0.999),
+        grad_clip=1.0,
+        micro_batch_size=64,
+        temperature=1.0,
+        loss={"name": "ppo", "old_policy": "prox"},
+        agg="token-mean",
+    )
     trainer = start_trainer(paths[1], settings, seed=0, threads=1, plugins=[])
-    engine = start_engine(paths[0], max_num_seqs=16, seed=0, threads=1, engine="vllm",
-                          engine_kwargs={"dtype": dtype, **engine_kwargs})
+    engine = start_engine(
+        paths[0], max_num_seqs=16, seed=0, threads=1, engine="vllm", engine_kwargs={"dtype": dtype, **engine_kwargs}
+    )
     wait_ready(engine, trainer, timeout=600)
     return trainer, engine, paths[0]

@@ -23,16 +23,31 @@ def make_group(pid: int, n: int = 2, length: int = 5, version: int = 0, arrays: 
             ids, vs = ids.astype(np.int32), vs.astype(np.int32)
         else:
             ids, lp, vs = ids.tolist(), lp.tolist(), vs.tolist()
-        samples.append(Sample(prompt_id=pid, sample_index=k, prompt_ids=[7, pid % 1000], response_ids=ids,
-                              behav_logprobs=lp, versions=vs, reward=float(k), finish_reason="stop",
-                              admitted_version=version, meta={"data_index": pid, "tags": ["a", 1, None]}))
+        samples.append(
+            Sample(
+                prompt_id=pid,
+                sample_index=k,
+                prompt_ids=[7, pid % 1000],
+                response_ids=ids,
+                behav_logprobs=lp,
+                versions=vs,
+                reward=float(k),
+                finish_reason="stop",
+                admitted_version=version,
+                meta={"data_index": pid, "tags": ["a", 1, None]},
+            )
+        )
     return Group(prompt_id=pid, samples=samples, admitted_version=version, data_index=pid)
 
 
 def same(a: Group, b: Group) -> bool:
     """Exact equality, arrays included (dtype too)."""
-    if (a.prompt_id, a.admitted_version, a.data_index, len(a.samples)) != \
-            (b.prompt_id, b.admitted_version, b.data_index, len(b.samples)):
+    if (a.prompt_id, a.admitted_version, a.data_index, len(a.samples)) != (
+        b.prompt_id,
+        b.admitted_version,
+        b.data_index,
+        len(b.samples),
+    ):
         return False
     for x, y in zip(a.samples, b.samples):
         for name in ("prompt_ids", "response_ids", "behav_logprobs", "versions"):
@@ -45,8 +60,14 @@ def same(a: Group, b: Group) -> bool:
                 return False
         if _mask(x.loss_mask) != _mask(y.loss_mask):
             return False
-        if (x.prompt_id, x.sample_index, x.reward, x.finish_reason, x.admitted_version, x.meta) != \
-                (y.prompt_id, y.sample_index, y.reward, y.finish_reason, y.admitted_version, y.meta):
+        if (x.prompt_id, x.sample_index, x.reward, x.finish_reason, x.admitted_version, x.meta) != (
+            y.prompt_id,
+            y.sample_index,
+            y.reward,
+            y.finish_reason,
+            y.admitted_version,
+            y.meta,
+        ):
             return False
     return True
 
@@ -71,8 +92,11 @@ def answers(sock: zmq.Socket, n: int) -> list[dict]:
     while len(out) < n:
         reply = unpack(sock.recv(), MB)
         if reply["status"] == "acks":
-            out += [{"rid": rid, "seq": seq + i, "status": status.split("_")[0], "reason": status[9:]}
-                    for rid, seq, statuses in reply["acks"] for i, status in enumerate(statuses)]
+            out += [
+                {"rid": rid, "seq": seq + i, "status": status.split("_")[0], "reason": status[9:]}
+                for rid, seq, statuses in reply["acks"]
+                for i, status in enumerate(statuses)
+            ]
         else:
             out.append(reply)
     assert len(out) == n

@@ -79,9 +79,13 @@ def test_returns_and_paths_are_checked():
     # info becomes its samples' meta (checkpointed as JSON, sent as msgpack): plain data only
     info = {"p": np.float32(0.5), "steps": (1, np.int64(2)), "tools": {"calc": [True, None, "x"]}}
     assert check_return((1.0, info)) == (1.0, {"p": 0.5, "steps": [1, 2], "tools": {"calc": [True, None, "x"]}})
-    for bad, where in (({"raw": b"x"}, "info['raw'] is a bytes"), ({"s": {1, 2}}, "info['s'] is a set"),
-                       ({"t": [object()]}, "info['t'][0] is a object"), ({0: 1}, "has the key 0"),
-                       ({"deep": [[[[[[[[[1]]]]]]]]]}, "nests deeper than 8")):
+    for bad, where in (
+        ({"raw": b"x"}, "info['raw'] is a bytes"),
+        ({"s": {1, 2}}, "info['s'] is a set"),
+        ({"t": [object()]}, "info['t'][0] is a object"),
+        ({0: 1}, "has the key 0"),
+        ({"deep": [[[[[[[[[1]]]]]]]]]}, "nests deeper than 8"),
+    ):
         with pytest.raises(ValueError, match=re.escape(where)):
             check_return((1.0, bad))
     assert load_agent("tests.agent_fns:answer").__name__ == "answer"
@@ -106,8 +110,12 @@ def host_run(ray_local, tmp_path, fn, timeout_s, kill=False):
     pid = ray.get(host.pid.remote())
     runner = AgentRunner(None, "http://127.0.0.1:9/v1", timeout_s=timeout_s, hosts=[host])
     sessions, got, done = Sessions(), [], threading.Event()
-    runner.run(TaskItem(4, "p", "a", meta={"marks": str(tmp_path)}), sessions.open, sessions.close,
-               lambda r: (got.append(r), done.set()))
+    runner.run(
+        TaskItem(4, "p", "a", meta={"marks": str(tmp_path)}),
+        sessions.open,
+        sessions.close,
+        lambda r: (got.append(r), done.set()),
+    )
     if kill:
         for _ in range(300):
             if (tmp_path / "4").exists():
@@ -126,8 +134,9 @@ def test_a_killed_agent_process_ends_died_and_the_episode_runs_again(ray_local, 
     assert sessions.closed == [("k0", "died"), ("k1", "ok")] and m["agent/retries"] == 1.0
 
 
-def test_a_hung_agent_is_cancelled_and_one_blocking_its_process_gets_the_process_killed(ray_local, tmp_path,
-                                                                                       monkeypatch):
+def test_a_hung_agent_is_cancelled_and_one_blocking_its_process_gets_the_process_killed(
+    ray_local, tmp_path, monkeypatch
+):
     from flash.envs import agents
 
     (tmp_path / "a").mkdir()

@@ -17,9 +17,18 @@ def test_shapes_have_the_published_parameter_counts(shape, params):
         assert n_params(build_model(shape)) == params  # Qwen2.5-0.5B / 1.5B, tied embeddings once
 
 
-@pytest.mark.parametrize("name, peak", [("NVIDIA H100 80GB HBM3", 989.4e12), ("NVIDIA H100 PCIe", 756e12),
-                                        ("NVIDIA H200", 989.4e12), ("NVIDIA A100-SXM4-80GB", 312e12),
-                                        ("NVIDIA L40S", 362.05e12), ("cpu", None), ("Some Future GPU", None)])
+@pytest.mark.parametrize(
+    "name, peak",
+    [
+        ("NVIDIA H100 80GB HBM3", 989.4e12),
+        ("NVIDIA H100 PCIe", 756e12),
+        ("NVIDIA H200", 989.4e12),
+        ("NVIDIA A100-SXM4-80GB", 312e12),
+        ("NVIDIA L40S", 362.05e12),
+        ("cpu", None),
+        ("Some Future GPU", None),
+    ],
+)
 def test_peak_bf16_is_read_by_device_name(name, peak):
     assert peak_bf16(name) == peak
 

@@ -31,8 +31,11 @@ def test_codec_round_trip_is_exact_for_lists_and_arrays():
     arrays.samples[1].response_ids = arrays.samples[1].response_ids.astype(np.int64)
     vs = arrays.samples[1].versions
     arrays.samples[1].versions = np.stack([vs, vs + 1], axis=1)[:, 0]  # a strided view: still exact
-    empty = Group(prompt_id=9, samples=[Sample(prompt_id=9, sample_index=0, prompt_ids=[1], admitted_version=4)],
-                  admitted_version=4)
+    empty = Group(
+        prompt_id=9,
+        samples=[Sample(prompt_id=9, sample_index=0, prompt_ids=[1], admitted_version=4)],
+        admitted_version=4,
+    )
     for g in (lists, arrays, empty):
         back = decode_group(unpack(encode_group(g), MB))
         assert same(back, g) and back.version == g.version
@@ -56,16 +59,17 @@ def test_a_loss_mask_travels_and_a_bad_one_is_refused_by_name():
     assert same(back, g)
     assert back.samples[0].loss_mask == [1, 1, 0, 0, 0, 1]
     assert back.samples[1].loss_mask.dtype == np.uint8 and back.samples[1].loss_mask.tolist() == [1, 0, 1, 0, 1, 1]
-    for mask, reason in (([1, 0, 2, 1, 1, 1], "bad_value"), ([1, 0, 1], "length_mismatch"),
-                         ([0.5] * 6, "bad_type")):
+    for mask, reason in (([1, 0, 2, 1, 1, 1], "bad_value"), ([1, 0, 1], "length_mismatch"), ([0.5] * 6, "bad_type")):
         g.samples[0].loss_mask = mask
         with pytest.raises(WireError) as err:
             encode_group(g)
         assert err.value.reason == reason
     g.samples[0].loss_mask = [1] * 6
-    for spoil, reason in ((lambda m: m.__setitem__(0, "<i4"), "bad_dtype"),
-                          (lambda m: m.__setitem__(1, [5]), "bad_shape"),
-                          (lambda m: (m.__setitem__(1, [5]), m.__setitem__(2, b"\x01" * 5)), "length_mismatch")):
+    for spoil, reason in (
+        (lambda m: m.__setitem__(0, "<i4"), "bad_dtype"),
+        (lambda m: m.__setitem__(1, [5]), "bad_shape"),
+        (lambda m: (m.__setitem__(1, [5]), m.__setitem__(2, b"\x01" * 5)), "length_mismatch"),
+    ):
         raw = unpack(encode_group(g), MB)
         spoil(raw[3][0][LOSS_MASK])
         with pytest.raises(WireError) as err:
@@ -85,6 +89,7 @@ RESPONSE, LOGPROBS, VERSIONS, LOSS_MASK = 7, 8, 9, 10
 
 def _mutations():
     """(how to spoil a valid group frame, the reason the decoder must name)."""
+
     def arr(field, part, value):
         return lambda g: g[3][0][field].__setitem__(part, value)
 
@@ -128,9 +133,14 @@ def test_decoder_names_the_reason_for_each_bad_field():
 
 def test_frame_level_rejections_and_encoder_checks():
     frame = encode_group(make_group(6))
-    cases = [(frame[:len(frame) // 2], "truncated"), (frame[:1], "truncated"), (frame + b"\x00", "extra_data"),
-             (b"\xc1", "malformed"), (msgpack.packb(msgpack.ExtType(1, b"x")), "bad_type"),
-             (frame, "oversized")]
+    cases = [
+        (frame[: len(frame) // 2], "truncated"),
+        (frame[:1], "truncated"),
+        (frame + b"\x00", "extra_data"),
+        (b"\xc1", "malformed"),
+        (msgpack.packb(msgpack.ExtType(1, b"x")), "bad_type"),
+        (frame, "oversized"),
+    ]
     for bad, reason in cases:
         with pytest.raises(WireError) as err:
             unpack(bad, 100 if reason == "oversized" else MB)
@@ -179,12 +189,14 @@ def test_versions_and_masks_travel_as_runs_when_smaller_and_bad_runs_are_refused
 
     ends = np.array([n], dtype="<i4").tobytes()
     seven = np.array([7], dtype="<i4").tobytes()
-    for part, reason in ((["runs:<i4", [10**9], seven + ends, False], "length_mismatch"),  # asks for a huge array
-                         (["runs:<f4", [n], seven + ends, False], "bad_dtype"),
-                         (["runs:<i4", [n], seven + ends + b"\x00", False], "bad_shape"),
-                         (["runs:<i4", [n], seven + np.array([n - 1], "<i4").tobytes(), False], "bad_shape"),
-                         (["runs:<i4", [n], seven * 2 + np.array([9, 3], "<i4").tobytes(), False], "bad_shape"),
-                         (["runs:<i4", [n], b"", False], "bad_shape")):
+    for part, reason in (
+        (["runs:<i4", [10**9], seven + ends, False], "length_mismatch"),  # asks for a huge array
+        (["runs:<f4", [n], seven + ends, False], "bad_dtype"),
+        (["runs:<i4", [n], seven + ends + b"\x00", False], "bad_shape"),
+        (["runs:<i4", [n], seven + np.array([n - 1], "<i4").tobytes(), False], "bad_shape"),
+        (["runs:<i4", [n], seven * 2 + np.array([9, 3], "<i4").tobytes(), False], "bad_shape"),
+        (["runs:<i4", [n], b"", False], "bad_shape"),
+    ):
         with pytest.raises(WireError) as err:
             decode_group(unpack(spoiled(part), MB))
         assert err.value.reason == reason, (part, err.value)

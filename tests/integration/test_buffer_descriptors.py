@@ -44,8 +44,15 @@ def test_a_flood_of_idle_connections_leaves_a_producer_served():
     if soft < 3 * FLOOD + 256:  # this process holds the flood's client ends (a zmq socket: 2 descriptors)
         resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 3 * FLOOD + 512), hard))
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    proc = subprocess.Popen([sys.executable, "-c", SERVICE], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SERVICE],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=ROOT,
+    )
     ctx = zmq.Context()
     ctx.set(zmq.MAX_SOCKETS, 2 * FLOOD)
     flood: list[zmq.Socket] = []

@@ -54,14 +54,23 @@ def _fuzz_frames(rng: random.Random, sock, valid: dict) -> tuple[list[list[bytes
             elif kind == "truncated":  # the group cut short, or the header
                 cut = rng.choice([good, header])
                 part = cut[: rng.randint(1, len(cut) - 1)]
-                frames.append([pack({"op": "put", "rid": 0, "producer": next(bad), "seq": 0}), part]
-                              if cut is good else [part])
+                frames.append(
+                    [pack({"op": "put", "rid": 0, "producer": next(bad), "seq": 0}), part] if cut is good else [part]
+                )
             elif kind == "oversized":
-                frames.append([pack({"op": "put", "rid": 0, "producer": next(bad), "seq": 0}),
-                               good + b"\x00" * (64 * 1024)])  # its producer's next seq: refused unparsed
+                frames.append(
+                    [pack({"op": "put", "rid": 0, "producer": next(bad), "seq": 0}), good + b"\x00" * (64 * 1024)]
+                )  # its producer's next seq: refused unparsed
             elif kind == "multipart":
-                frames.append(rng.choice([[header], [pack({"op": "stats", "rid": 0}), good],
-                                          [pack({"op": "meta", "rid": 0, "since": 0, "wait_ms": 0}), good, good]]))
+                frames.append(
+                    rng.choice(
+                        [
+                            [header],
+                            [pack({"op": "stats", "rid": 0}), good],
+                            [pack({"op": "meta", "rid": 0, "since": 0, "wait_ms": 0}), good, good],
+                        ]
+                    )
+                )
             elif kind == "bad_type":
                 frames.append([pack({"op": "put", "rid": 0, "producer": "fuzz", "seq": "7"}), good])
             else:
@@ -192,6 +201,7 @@ def test_timeout_and_close_reach_remote_waiters():
 
 # ------------------------------------------------------------------------------------------ controller
 
+
 def test_a_pick_made_while_a_put_of_ours_landed_is_made_again():
     """The scheduler drops a group from pending once ``put`` returns; a select that ran on a view
     from before that put would see the group nowhere. The proxy re-runs select instead."""
@@ -232,9 +242,14 @@ def test_controller_select_runs_through_the_proxy_and_wake_reruns_it():
     with BufferService(capacity=16) as svc:
         buf = RemoteSampleBuffer(svc.address, poll_ms=10_000)  # only a put or a wake can end a wait
         scheduler = _Scheduler(pending=[])
-        ctl = AsyncController(None, None, scheduler, buf, StalenessManager(1.0, 2),
-                              ControllerSettings(prompts_per_step=2, interrupt="continue",
-                                                 advantage={"name": "grpo"}, prox="behav"))
+        ctl = AsyncController(
+            None,
+            None,
+            scheduler,
+            buf,
+            StalenessManager(1.0, 2),
+            ControllerSettings(prompts_per_step=2, interrupt="continue", advantage={"name": "grpo"}, prox="behav"),
+        )
         for pid, v in [(10, 1), (11, 0), (12, 1)]:
             buf.put(make_group(pid, version=v))
         # step 1 at r = 1, B = 2: the oldest two, versions 0 and 1 (the tie goes to arrival order)
@@ -257,6 +272,7 @@ def test_controller_select_runs_through_the_proxy_and_wake_reruns_it():
 
 # ------------------------------------------------------------------------------------------ end to end
 
+
 @pytest.mark.slow
 def test_a_run_through_the_zmq_buffer_loses_nothing(tmp_path):
     """``buffer.transport=zmq``: the scheduler's puts and the controller's batches cross the wire,
@@ -271,9 +287,18 @@ def test_a_run_through_the_zmq_buffer_loses_nothing(tmp_path):
     from tests.helpers.inproc import SMALL
 
     steps, ratio = 4, 1
-    cfg = load_config("recipes/stutter.yaml", [*SMALL, f"cache_dir={tmp_path / 'cache'}", f"run_dir={tmp_path}",
-                                               f"async_ratio={ratio}", f"train.steps={steps}",
-                                               "rollout.inject_delay_s=0.05", "buffer.transport=zmq"])
+    cfg = load_config(
+        "recipes/stutter.yaml",
+        [
+            *SMALL,
+            f"cache_dir={tmp_path / 'cache'}",
+            f"run_dir={tmp_path}",
+            f"async_ratio={ratio}",
+            f"train.steps={steps}",
+            "rollout.inject_delay_s=0.05",
+            "buffer.transport=zmq",
+        ],
+    )
     try:
         summary = run(cfg, "zmq")
     finally:

@@ -63,8 +63,13 @@ def test_a_client_without_the_run_keys_is_never_served(curve):
     ctx = zmq.Context()
     strangers = [_raw_socket(ctx, svc.address)]  # plaintext
     other = ServiceKeys.new()  # the right server key, a client key the run never made
-    strangers.append(_raw_socket(ctx, svc.address, type(keys.client)(keys.server_public, other.client.client_public,
-                                                                       other.client.client_secret)))
+    strangers.append(
+        _raw_socket(
+            ctx,
+            svc.address,
+            type(keys.client)(keys.server_public, other.client.client_public, other.client.client_secret),
+        )
+    )
     for s in strangers:
         try:  # a refused handshake may already have dropped the pipe: nothing to queue on
             s.send(pack({"op": "stats", "rid": 1}), zmq.DONTWAIT)
@@ -115,10 +120,14 @@ def test_producer_ids_come_from_the_service_and_a_replay_is_not_a_second_group(c
 def bad_groups():
     """Groups whose schema is fine and whose values no engine produces (name -> group)."""
     out = {}
-    for name, field, value in [("nan reward", "reward", float("nan")), ("inf logprob", "behav_logprobs", None),
-                               ("negative version", "versions", -100), ("future version", "versions", 4),
-                               ("token past the vocabulary", "response_ids", 50_000),
-                               ("negative token", "prompt_ids", -1)]:
+    for name, field, value in [
+        ("nan reward", "reward", float("nan")),
+        ("inf logprob", "behav_logprobs", None),
+        ("negative version", "versions", -100),
+        ("future version", "versions", 4),
+        ("token past the vocabulary", "response_ids", 50_000),
+        ("negative token", "prompt_ids", -1),
+    ]:
         g = make_group(len(out) + 10)
         s = g.samples[0]
         if field == "reward":
@@ -237,9 +246,11 @@ def test_value_checks_on_arrays_of_every_integer_width_and_float_dtype():
             s.response_ids = s.response_ids.astype(np.int64).clip(0, 100).astype(dtype)
             s.versions = s.versions.astype(dtype)
             check_values(g, limits, max_version=1)
-            for field, value, message in (("response_ids", -1, "response_ids holds -1 < 0"),
-                                          ("versions", -3, "versions holds -3 < 0"),
-                                          ("versions", 2, "versions holds 2 > 1")):
+            for field, value, message in (
+                ("response_ids", -1, "response_ids holds -1 < 0"),
+                ("versions", -3, "versions holds -3 < 0"),
+                ("versions", 2, "versions holds 2 > 1"),
+            ):
                 spoiled = getattr(s, field).copy()
                 spoiled[-1] = value
                 setattr(s, field, spoiled)

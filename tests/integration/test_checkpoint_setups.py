@@ -29,9 +29,17 @@ from flash.errors import ConfigError
 
 
 def _sample(pid, k, reward=1.0):
-    return Sample(prompt_id=pid, sample_index=k, prompt_ids=[1, 2, 3], response_ids=[4, 5 + k],
-                  behav_logprobs=[-0.5, -0.25], versions=[pid, pid], reward=reward, admitted_version=pid,
-                  meta={"request_id": f"{pid}:{k}", "request": k, "data_index": pid})
+    return Sample(
+        prompt_id=pid,
+        sample_index=k,
+        prompt_ids=[1, 2, 3],
+        response_ids=[4, 5 + k],
+        behav_logprobs=[-0.5, -0.25],
+        versions=[pid, pid],
+        reward=reward,
+        admitted_version=pid,
+        meta={"request_id": f"{pid}:{k}", "request": k, "data_index": pid},
+    )
 
 
 def _group(pid):
@@ -47,6 +55,7 @@ class _Sched:
 
 
 # ---------------------------------------------------------------- zmq buffer service
+
 
 def test_zmq_store_round_trips_through_a_checkpoint_and_new_puts_still_count_once():
     with BufferService(capacity=8) as old:
@@ -79,14 +88,17 @@ def test_zmq_store_round_trips_through_a_checkpoint_and_new_puts_still_count_onc
 
 
 @pytest.mark.slow
-def test_group_checkpoint_is_written_beside_training_covered_by_the_manifest_and_reshards(
-        ray_local, tmp_path):
+def test_group_checkpoint_is_written_beside_training_covered_by_the_manifest_and_reshards(ray_local, tmp_path):
     from flash.models import TinyModelConfig, build_tiny_model, build_tokenizer
     from tests.helpers.train import make_batch, settings, start_group
 
     tok = build_tokenizer()
-    model = build_tiny_model(tok, TinyModelConfig(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=2,
-                                                  intermediate_size=128, max_positions=64))
+    model = build_tiny_model(
+        tok,
+        TinyModelConfig(
+            hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=2, intermediate_size=128, max_positions=64
+        ),
+    )
     model.save_pretrained(tmp_path / "tiny")
     tok.save_pretrained(tmp_path / "tiny")
     s, (batch, adv) = settings(), make_batch(seed=5)
@@ -104,8 +116,13 @@ def test_group_checkpoint_is_written_beside_training_covered_by_the_manifest_and
         path = tmp_path / "run" / "checkpoints" / "ckpt-1"
         manifest = json.loads((path / "manifest.json").read_text())
         names = set(manifest["files"])
-        assert {"trainer/.metadata", "trainer/rng-0.pt", "trainer/rng-1.pt", "trainer/flash_trainer.json",
-                "state.json"} <= names and any(n.endswith(".distcp") for n in names)
+        assert {
+            "trainer/.metadata",
+            "trainer/rng-0.pt",
+            "trainer/rng-1.pt",
+            "trainer/flash_trainer.json",
+            "state.json",
+        } <= names and any(n.endswith(".distcp") for n in names)
         assert ck.verify(path) is None and not (tmp_path / "run" / "checkpoints" / "ckpt-1.tmp").exists()
         assert ray.get(group.load_checkpoint.remote(str(path), manifest["files"])) == 1
         back = ray.get(group.get_weights.remote())
@@ -152,11 +169,13 @@ def test_resume_may_change_the_worker_count_only():
 
     saved = resolved("train.workers=2")
     assert config_differences(saved, resolved("train.workers=3")) == []
-    assert config_differences(saved, resolved("train.workers=2", "train.micro_tokens=64")) == \
-        ["train.micro_tokens: 0 -> 64"]
+    assert config_differences(saved, resolved("train.workers=2", "train.micro_tokens=64")) == [
+        "train.micro_tokens: 0 -> 64"
+    ]
 
 
 # ---------------------------------------------------------------- environment episodes
+
 
 def _episodes(workers=("w0", "w1", "w2")):
     from flash.controllers.episode_runtime import EpisodeScheduler
@@ -164,8 +183,18 @@ def _episodes(workers=("w0", "w1", "w2")):
     from flash.engine.base import SamplingParams
 
     task = SimpleNamespace(item=lambda i, split: SimpleNamespace(prompt="", meta={"seed": 1000 + i}))
-    sched = EpisodeScheduler(None, list(workers), task, None, SampleBuffer(8), StalenessManager(1, 2),
-                             SamplingParams(max_new_tokens=1), n=3, seed=7, max_turns=4)
+    sched = EpisodeScheduler(
+        None,
+        list(workers),
+        task,
+        None,
+        SampleBuffer(8),
+        StalenessManager(1, 2),
+        SamplingParams(max_new_tokens=1),
+        n=3,
+        seed=7,
+        max_turns=4,
+    )
     launched = []
     sched.workflow._launch = launched.append  # record the environment resets instead of running them
     return sched, launched
@@ -173,8 +202,10 @@ def _episodes(workers=("w0", "w1", "w2")):
 
 def _played(launched):
     """(unit id, environment seed, worker, turn seed) of each recorded reset (``lambda ep=ep: ...``)."""
-    return [(ep.key, ep.unit.item.meta["seed"], ep.worker, ep.unit.params.seed)
-            for ep in (call.__defaults__[0] for call in launched)]
+    return [
+        (ep.key, ep.unit.item.meta["seed"], ep.worker, ep.unit.params.seed)
+        for ep in (call.__defaults__[0] for call in launched)
+    ]
 
 
 def test_episode_state_restarts_the_seeds_in_flight_with_the_same_environment_and_turn_seeds():
@@ -188,11 +219,22 @@ def test_episode_state_restarts_the_seeds_in_flight_with_the_same_environment_an
     a.counters["faults_env"] = 2  # env workers that died before the checkpoint: faults/env continues
     state = json.loads(json.dumps(a.state_dict()))
     # the format checkpoints have always had: old ones resume
-    assert sorted(state) == ["admitted", "counters", "lifecycle", "next_index", "pending", "provisioning", "rng",
-                             "version", "waves"]
+    assert sorted(state) == [
+        "admitted",
+        "counters",
+        "lifecycle",
+        "next_index",
+        "pending",
+        "provisioning",
+        "rng",
+        "version",
+        "waves",
+    ]
     assert sorted(state["pending"][0]) == ["cap", "data_index", "meta", "prompt_id", "requests", "spare", "version"]
-    assert [(p["prompt_id"], p["data_index"], p["requests"]) for p in state["pending"]] == [(0, 0, [0, 1, 2]),
-                                                                                           (1, 1, [0, 1, 2])]
+    assert [(p["prompt_id"], p["data_index"], p["requests"]) for p in state["pending"]] == [
+        (0, 0, [0, 1, 2]),
+        (1, 1, [0, 1, 2]),
+    ]
     b, launched = _episodes()
     assert b.load_state_dict(state, buffered_groups=[]) == 2
     assert (b.admitted, b.admission.next_index, b.counters["episodes"], b.workflow.faults) == (2, 2, 1, 2)

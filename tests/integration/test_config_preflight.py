@@ -43,7 +43,9 @@ def _chat_rows_and_a_model_without_template(tmp):
     _chat_rows(tmp)
     tok = build_tokenizer()
     tok.chat_template = None
-    build_tiny_model(tok, TinyModelConfig(hidden_size=64, num_layers=1, num_heads=2, num_kv_heads=2)).save_pretrained(tmp / "m")
+    build_tiny_model(tok, TinyModelConfig(hidden_size=64, num_layers=1, num_heads=2, num_kv_heads=2)).save_pretrained(
+        tmp / "m"
+    )
     tok.save_pretrained(tmp / "m")
 
 
@@ -60,19 +62,33 @@ REFUSALS = [  # (recipe, overrides ({tmp}: a fresh folder), setup, message fragm
     ("corridor", ["rollout.scheduler=tail_batching"], None, "works on single-turn tasks"),
     ("stutter", ["resume=latest"], None, "resume=latest: no run of recipe 'stutter'"),
     ("stutter", ["resume={tmp}/none"], None, "resume={tmp}/none: not a run dir"),
-    ("stutter", ["resume={tmp}/other", "seed=0"], _other_run, "settings differ from the checkpointed run (seed: 5 -> 0"),
+    (
+        "stutter",
+        ["resume={tmp}/other", "seed=0"],
+        _other_run,
+        "settings differ from the checkpointed run (seed: 5 -> 0",
+    ),
     ("stutter", ["run_dir={tmp}/held"], _held_run, "run_dir {tmp}/held already holds a run (ledger.jsonl)"),
-    ("stutter", ["run_dir={tmp}/linked"], _linked_run, "run_dir {tmp}/linked holds {tmp}/linked/metrics.jsonl, "
-     "a symbolic link to"),
-    ("math", ["data.train=[{tmp}/chat.jsonl]", "data.prompt_key=messages", "data.holdout=0", "model.path={tmp}/m"],
-     _chat_rows_and_a_model_without_template, "the tokenizer has no chat template"),
+    (
+        "stutter",
+        ["run_dir={tmp}/linked"],
+        _linked_run,
+        "run_dir {tmp}/linked holds {tmp}/linked/metrics.jsonl, a symbolic link to",
+    ),
+    (
+        "math",
+        ["data.train=[{tmp}/chat.jsonl]", "data.prompt_key=messages", "data.holdout=0", "model.path={tmp}/m"],
+        _chat_rows_and_a_model_without_template,
+        "the tokenizer has no chat template",
+    ),
     ("code", [], "no_namespaces", "this host gives the code sandbox no namespaces"),
 ]
 
 
 @pytest.mark.parametrize("recipe, overrides, setup, fragment", REFUSALS, ids=lambda v: str(v)[:40])
-def test_validate_refuses_what_run_refuses_before_it_starts(tmp_path, monkeypatch, capsys, recipe, overrides,
-                                                            setup, fragment):
+def test_validate_refuses_what_run_refuses_before_it_starts(
+    tmp_path, monkeypatch, capsys, recipe, overrides, setup, fragment
+):
     monkeypatch.chdir(tmp_path)  # resume=latest looks under ./runs
     if setup == "no_namespaces":
         _no_namespaces(monkeypatch)

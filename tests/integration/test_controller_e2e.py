@@ -53,8 +53,15 @@ def test_async_ratio_zero_is_the_plain_synchronous_loop(tmp_path, cache, stream)
 @pytest.mark.parametrize("ratio, interrupt", [(1, "continue"), (2, "restart"), (1.5, "wait"), (3, "continue")])
 def test_staleness_bound_and_nothing_lost_under_random_delays(tmp_path, cache, ratio, interrupt):
     steps = 8
-    cfg = small_cfg(tmp_path, cache, f"async_ratio={ratio}", f"rollout.interrupt={interrupt}",
-                    f"train.steps={steps}", "rollout.inject_delay_s=0.05", "rollout.reward_workers=8")
+    cfg = small_cfg(
+        tmp_path,
+        cache,
+        f"async_ratio={ratio}",
+        f"rollout.interrupt={interrupt}",
+        f"train.steps={steps}",
+        "rollout.inject_delay_s=0.05",
+        "rollout.reward_workers=8",
+    )
     summary = run(cfg, "bound")
     assert summary["steps"] == steps
     assert summary["max_staleness_observed"] <= math.ceil(ratio)
@@ -77,13 +84,15 @@ def test_staleness_bound_and_nothing_lost_under_random_delays(tmp_path, cache, r
 
 def _lifecycle_check(r, trained: list):
     """Per step: the lifecycle balances, its trained count matches the batches, the bound holds."""
+
     def check(rec):
         m = rec.metrics
-        snap = {k[len("rollout/lifecycle/"):]: int(v) for k, v in m.items() if k.startswith("rollout/lifecycle/")}
+        snap = {k[len("rollout/lifecycle/") :]: int(v) for k, v in m.items() if k.startswith("rollout/lifecycle/")}
         trained.append(sum(len(g.samples) for g in rec.groups))
         assert unbalance(snap) == 0, snap
         assert snap["trained"] == sum(trained)
         assert m["rollout/counted_admissions"] <= r.buffer.staleness.admission_limit(rec.step + 1)
+
     return check
 
 
@@ -93,10 +102,19 @@ def test_lifecycle_adds_up_with_filters_spares_and_redundancy(tmp_path, cache, r
     """Dynamic sampling, over-provisioning and redundant requests on, under random delays: the
     staleness bound holds, every admitted prompt ends exactly once, every request exactly once."""
     steps, extra = 5, 1
-    cfg = small_cfg(tmp_path, cache, f"async_ratio={ratio}", f"rollout.interrupt={interrupt}", f"train.steps={steps}",
-                    "rollout.inject_delay_s=0.05", "rollout.reward_workers=8", f"rollout.redundancy={extra}",
-                    "rollout.filter.all_same_reward=true", "rollout.max_additional_prompts=2",
-                    f"rollout.queue_scheduling={queue}")
+    cfg = small_cfg(
+        tmp_path,
+        cache,
+        f"async_ratio={ratio}",
+        f"rollout.interrupt={interrupt}",
+        f"train.steps={steps}",
+        "rollout.inject_delay_s=0.05",
+        "rollout.reward_workers=8",
+        f"rollout.redundancy={extra}",
+        "rollout.filter.all_same_reward=true",
+        "rollout.max_additional_prompts=2",
+        f"rollout.queue_scheduling={queue}",
+    )
     n, B = cfg.rollout.n, cfg.train.prompts_per_step
     r, trained_per_step = Run(cfg, "life"), []
     try:

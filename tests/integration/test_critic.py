@@ -51,8 +51,12 @@ def test_gae_returns_are_the_reward_to_go_whatever_the_values():
 @pytest.fixture(scope="module")
 def tiny_path(tmp_path_factory):
     tok = build_tokenizer()
-    model = build_tiny_model(tok, TinyModelConfig(hidden_size=64, num_layers=1, num_heads=2, num_kv_heads=1,
-                                                  intermediate_size=64, max_positions=64))
+    model = build_tiny_model(
+        tok,
+        TinyModelConfig(
+            hidden_size=64, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64, max_positions=64
+        ),
+    )
     path = tmp_path_factory.mktemp("critic-model")
     model.save_pretrained(path)
     tok.save_pretrained(path)
@@ -65,8 +69,17 @@ def _batch():
     for i in range(8):
         prompt = torch.randint(5, 30, (3,), generator=gen).tolist()
         resp = torch.randint(5, 30, (4 + i % 3,), generator=gen).tolist()
-        samples.append(Sample(prompt_id=i // 2, sample_index=i % 2, prompt_ids=prompt, response_ids=resp,
-                              behav_logprobs=[-1.0] * len(resp), versions=[0] * len(resp), reward=float(i % 2)))
+        samples.append(
+            Sample(
+                prompt_id=i // 2,
+                sample_index=i % 2,
+                prompt_ids=prompt,
+                response_ids=resp,
+                behav_logprobs=[-1.0] * len(resp),
+                versions=[0] * len(resp),
+                reward=float(i % 2),
+            )
+        )
     return collate(samples)
 
 
@@ -79,7 +92,7 @@ def test_critic_starts_at_zero_and_learns_the_returns(tiny_path):
     first = critic.train_step(batch, returns, v0)
     for _ in range(40):
         last = critic.train_step(batch, returns, critic.values(batch))
-    assert first["critic/value_loss"] == pytest.approx(0.5 * float((returns ** 2).sum() / batch.mask.sum()))
+    assert first["critic/value_loss"] == pytest.approx(0.5 * float((returns**2).sum() / batch.mask.sum()))
     assert last["critic/value_loss"] < 0.2 * first["critic/value_loss"]
     assert last["critic/explained_var"] > 0.5
 
@@ -89,7 +102,8 @@ def test_recipe_trains_with_gae_and_a_critic(tmp_path):
     from flash.app.runner import run
 
     recipe = tmp_path / "gae.yaml"
-    recipe.write_text(textwrap.dedent(f'''
+    recipe.write_text(
+        textwrap.dedent(f"""
         description: gae with a critic
         async_ratio: 1
         algo: {{advantage: {{name: gae, gamma: 1.0, lam: 0.95}}, loss: {{name: ppo}}}}
@@ -103,7 +117,8 @@ def test_recipe_trains_with_gae_and_a_critic(tmp_path):
         resources: {{engine_threads: 1, trainer_threads: 1}}
         cache_dir: {tmp_path / "cache"}
         run_dir: {tmp_path / "run"}
-    '''))
+    """)
+    )
     try:
         summary = run(load_config(recipe), "gae")
     finally:

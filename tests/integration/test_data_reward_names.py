@@ -21,14 +21,14 @@ from flash.models import build_tokenizer
 from flash.tasks import TaskItem
 from flash.recipes.tasks import make_task
 
-PLANTED = '''import pathlib
+PLANTED = """import pathlib
 pathlib.Path(__file__).with_suffix(".imported").write_text("imported")
 
 
 def fn(item, response):
     pathlib.Path(__file__).with_suffix(".called").write_text(response)
     return float(response.strip() == item.answer)
-'''
+"""
 
 
 @pytest.fixture
@@ -58,8 +58,14 @@ def write_rows(path, kinds):
 def test_a_row_naming_an_import_path_is_a_bad_reward_name_and_is_never_imported(tmp_path, planted, system_calls):
     name, imported, called = planted
     kinds = ["os:system", f"{name}:fn", name, "code", "builtins:eval", "x" * 10_000]
-    task = make_task("dataset", train=(write_rows(tmp_path / "d.jsonl", kinds),), prompt_key="q",
-                     reward_key="kind", holdout=0, shuffle=False)
+    task = make_task(
+        "dataset",
+        train=(write_rows(tmp_path / "d.jsonl", kinds),),
+        prompt_key="q",
+        reward_key="kind",
+        holdout=0,
+        shuffle=False,
+    )
     reasons = []
     for i in range(len(kinds)):
         try:
@@ -68,8 +74,14 @@ def test_a_row_naming_an_import_path_is_a_bad_reward_name_and_is_never_imported(
         except BadRow as exc:
             reasons.append(exc.reason)
             assert "\n" not in str(exc) and len(str(exc)) < 400 and "data.rewards" in str(exc)
-    assert reasons == ["bad_reward_name", "bad_reward_name", "bad_reward_name", "ok", "bad_reward_name",
-                       "bad_reward_name"]
+    assert reasons == [
+        "bad_reward_name",
+        "bad_reward_name",
+        "bad_reward_name",
+        "ok",
+        "bad_reward_name",
+        "bad_reward_name",
+    ]
     forged = TaskItem(0, "say 1.", "1", meta={"reward_fn": f"{name}:fn"})  # an item not made by task.item
     with pytest.raises(BadRow) as err:
         task.reward(forged, "1")
@@ -80,8 +92,15 @@ def test_a_row_naming_an_import_path_is_a_bad_reward_name_and_is_never_imported(
 def test_listed_rewards_and_registered_names_score_their_rows(tmp_path, planted):
     name, imported, called = planted
     kinds = ["exact", f"{name}:fn", "math", "m", "code"]
-    task = make_task("dataset", train=(write_rows(tmp_path / "d.jsonl", kinds),), prompt_key="q",
-                     reward_key="kind", holdout=0, shuffle=False, rewards={"exact": f"{name}:fn", "m": "math"})
+    task = make_task(
+        "dataset",
+        train=(write_rows(tmp_path / "d.jsonl", kinds),),
+        prompt_key="q",
+        reward_key="kind",
+        holdout=0,
+        shuffle=False,
+        rewards={"exact": f"{name}:fn", "m": "math"},
+    )
     items = [task.item(i) for i in range(len(kinds))]
     assert not imported.exists()  # listed code is imported when it first scores, not before
     assert [task.reward(items[0], "#### 0"), task.reward(items[0], "#### 9")] == [1.0, 0.0]
@@ -92,8 +111,14 @@ def test_listed_rewards_and_registered_names_score_their_rows(tmp_path, planted)
     with pytest.raises(ValueError, match="code reward: item 4 has no meta"):  # the built-in code reward
         task.reward(items[4], "no code here")
     (tmp_path / "b.jsonl").write_text(json.dumps({"q": "q", "answer": "no number", "kind": "m"}) + "\n")
-    bad = make_task("dataset", train=(str(tmp_path / "b.jsonl"),), prompt_key="q", reward_key="kind",
-                    holdout=0, rewards={"m": "math"})
+    bad = make_task(
+        "dataset",
+        train=(str(tmp_path / "b.jsonl"),),
+        prompt_key="q",
+        reward_key="kind",
+        holdout=0,
+        rewards={"m": "math"},
+    )
     with pytest.raises(BadRow) as err:
         bad.item(0)
     assert err.value.reason == "bad_answer"  # a name listed for math is checked as math
@@ -112,8 +137,14 @@ def test_bad_reward_names_are_counted_by_the_input_guard_and_flash_data(tmp_path
         except Exception:
             pass
     assert guard.metrics() == {"data/skipped_bad_reward_name": 2.0}
-    overrides = [f"data.train=[{path}]", "data.prompt_key=q", "data.sft_key=answer", "data.reward_key=kind",
-                 "reward.fn={}", "data.holdout=0"]
+    overrides = [
+        f"data.train=[{path}]",
+        "data.prompt_key=q",
+        "data.sft_key=answer",
+        "data.reward_key=kind",
+        "reward.fn={}",
+        "data.holdout=0",
+    ]
     cfg = load_config("recipes/math.yaml", overrides)
     lines = []
     assert preview(cfg, rows=4, out=lines.append)["dropped"] == {"bad_reward_name": 2}
@@ -126,10 +157,12 @@ def test_data_rewards_are_checked_at_validate_in_one_line(tmp_path, planted, cap
     name, imported, _ = planted
     path = write_rows(tmp_path / "d.jsonl", ["exact"])
     base = [f"data.train=[{path}]", "data.prompt_key=q", "data.sft_key=answer", "reward.fn={}"]
-    cases = [(["data.reward_key=kind", "data.rewards={exact: nosuch_mod_x:fn}"], "data.rewards.exact: reward"),
-             (["data.reward_key=kind", "data.rewards={exact: mth}"], "did you mean 'math'"),
-             ([f"data.rewards={{exact: '{name}:fn'}}"], "set data.reward_key"),
-             (["data.reward=nosuch_mod_x:fn"], "data.reward: reward")]
+    cases = [
+        (["data.reward_key=kind", "data.rewards={exact: nosuch_mod_x:fn}"], "data.rewards.exact: reward"),
+        (["data.reward_key=kind", "data.rewards={exact: mth}"], "did you mean 'math'"),
+        ([f"data.rewards={{exact: '{name}:fn'}}"], "set data.reward_key"),
+        (["data.reward=nosuch_mod_x:fn"], "data.reward: reward"),
+    ]
     for extra, words in cases:
         with pytest.raises(ConfigError, match=words) as err:
             load_config("recipes/math.yaml", base + extra)

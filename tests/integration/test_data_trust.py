@@ -28,8 +28,9 @@ def rows(n=6):
 
 
 def write_lines(path, lines):
-    path.write_bytes(b"".join((line if isinstance(line, bytes) else json.dumps(line).encode()) + b"\n"
-                              for line in lines))
+    path.write_bytes(
+        b"".join((line if isinstance(line, bytes) else json.dumps(line).encode()) + b"\n" for line in lines)
+    )
     return str(path)
 
 
@@ -42,25 +43,29 @@ def one_line_error(fn, *args, **kw) -> str:
 
 # ---- data.template ------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("template, words", [
-    ("{a:{b.__class__}}", "field inside its format spec"),
-    ("Q: {q:>{w}}", "field inside its format spec"),
-    ("{a.__class__}", "plain column name"),
-    ("{a.__init__.__globals__}", "plain column name"),
-    ("{a[0]}", "plain column name"),
-    ("{a[__class__]}", "plain column name"),
-    ("{0}", "plain column name"),
-    ("{}", "plain column name"),
-    ("{a!r}", "conversion (!r)"),
-    ("{a!s:>3}", "conversion (!s)"),
-    ("{q:>1000000000}", "width 1000000000, over 4096"),
-    ("{q:.999999999}", "precision 999999999, over 4096"),
-    ("{q:0" + "9" * 5000 + "}", "width 999999999999, over 4096"),
-    (f"{{q:^{MAX_TEMPLATE_WIDTH + 1}}}", f"width {MAX_TEMPLATE_WIDTH + 1}"),
-    ("{q:not a spec}", "invalid format spec"),
-    ("{q", "not a valid format string"),
-    ("plain text", "uses no column"),
-])
+
+@pytest.mark.parametrize(
+    "template, words",
+    [
+        ("{a:{b.__class__}}", "field inside its format spec"),
+        ("Q: {q:>{w}}", "field inside its format spec"),
+        ("{a.__class__}", "plain column name"),
+        ("{a.__init__.__globals__}", "plain column name"),
+        ("{a[0]}", "plain column name"),
+        ("{a[__class__]}", "plain column name"),
+        ("{0}", "plain column name"),
+        ("{}", "plain column name"),
+        ("{a!r}", "conversion (!r)"),
+        ("{a!s:>3}", "conversion (!s)"),
+        ("{q:>1000000000}", "width 1000000000, over 4096"),
+        ("{q:.999999999}", "precision 999999999, over 4096"),
+        ("{q:0" + "9" * 5000 + "}", "width 999999999999, over 4096"),
+        (f"{{q:^{MAX_TEMPLATE_WIDTH + 1}}}", f"width {MAX_TEMPLATE_WIDTH + 1}"),
+        ("{q:not a spec}", "invalid format spec"),
+        ("{q", "not a valid format string"),
+        ("plain text", "uses no column"),
+    ],
+)
 def test_a_template_field_that_is_not_a_plain_column_with_a_bounded_spec_is_one_line(template, words):
     with pytest.raises(ValueError, match=words.replace("(", r"\(").replace(")", r"\)")) as err:
         parse_template(template)
@@ -71,9 +76,13 @@ def test_a_template_renders_without_attribute_access_and_within_its_bounds():
     row = {"q": "two", "n": 7, "x": 0.125, "chat": [{"role": "user"}], "flag": True}
     text = render_template(f"{{q:>6}}|{{n:03d}}|{{x:.2f}}|{{chat}}|{{flag}}|{{{{q}}}}|{{q:>{MAX_TEMPLATE_WIDTH}}}", row)
     assert text == "   two|007|0.12|[{'role': 'user'}]|True|{q}|" + "two".rjust(MAX_TEMPLATE_WIDTH)
-    for template, bad_row, reason in (("{q:>4}", {"q": {"a": 1}}, "wrong_type"), ("{q:d}", {"q": "t"}, "wrong_type"),
-                                      ("{q}", {}, "missing_key"), ("{q}", {"q": None}, "missing_key"),
-                                      ("{q:c}", {"q": 10**30}, "wrong_type")):
+    for template, bad_row, reason in (
+        ("{q:>4}", {"q": {"a": 1}}, "wrong_type"),
+        ("{q:d}", {"q": "t"}, "wrong_type"),
+        ("{q}", {}, "missing_key"),
+        ("{q}", {"q": None}, "missing_key"),
+        ("{q:c}", {"q": 10**30}, "wrong_type"),
+    ):
         with pytest.raises(BadRow) as err:
             render_template(template, bad_row)
         assert err.value.reason == reason
@@ -92,19 +101,29 @@ def test_flash_validate_refuses_the_template_in_one_line(tmp_path, capsys, templ
         make_task("dataset", train=(path,), template=template)  # refused at run too, before any row
 
 
-@pytest.mark.parametrize("template, bound", [
-    ("{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}", "1,000,000 loop steps"),
-    ("{% set ns = namespace(s='ab') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s }}",
-     "over 33,554,432 characters"),
-])
+@pytest.mark.parametrize(
+    "template, bound",
+    [
+        ("{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}", "1,000,000 loop steps"),
+        (
+            "{% set ns = namespace(s='ab') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s }}",
+            "over 33,554,432 characters",
+        ),
+    ],
+)
 def test_flash_validate_ends_a_chat_template_over_its_bounds_in_one_line(tmp_path, capsys, template, bound):
     """Such a template held `flash validate` for hours, or ended it in a MemoryError traceback."""
     from flash.app.cli import main
 
     (tmp_path / "t.jinja").write_text(template)
     path = write_lines(tmp_path / "d.jsonl", rows())
-    override = [f"data.train=[{path}]", "data.sft_key=answer", "data.prompt_key=question",
-                "data.system_prompt=brief", f"model.chat_template={tmp_path / 't.jinja'}"]  # a chat: templated
+    override = [
+        f"data.train=[{path}]",
+        "data.sft_key=answer",
+        "data.prompt_key=question",
+        "data.system_prompt=brief",
+        f"model.chat_template={tmp_path / 't.jinja'}",
+    ]  # a chat: templated
     assert main(["validate", "recipes/math.yaml", *override]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and f"model.chat_template ({tmp_path / 't.jinja'}): the chat template" in err[0], err
@@ -112,6 +131,7 @@ def test_flash_validate_ends_a_chat_template_over_its_bounds_in_one_line(tmp_pat
 
 
 # ---- sizes and shapes of rows -------------------------------------------------------------------
+
 
 def test_json_depth_leaves_out_brackets_inside_strings():
     assert json_depth(b'{"a": "[[[[{{{{"}') == 1
@@ -121,13 +141,16 @@ def test_json_depth_leaves_out_brackets_inside_strings():
     assert json_depth(b"[" * 70 + b"]" * 70 + b"]" * 500) == 70  # a parser stops at the first unmatched closer
 
 
-@pytest.mark.parametrize("bad, reason", [
-    (b'{"question": "q", "answer": "1", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "too_deep"),
-    (b'{"question": "q", "answer": "1", "x": ' + b"{\"k\": " * 5000 + b"1" + b"}" * 5000 + b"}", "too_deep"),
-    (b'{"question": "q", "answer": "1", "x": ' + b"[" * MAX_DEPTH + b"]" * MAX_DEPTH + b"}", "too_deep"),
-    (json.dumps({"question": "q" * (MAX_ROW_BYTES + 10), "answer": "1"}).encode(), "too_large"),
-    (b'{"question": "' + b"[" * (MAX_ROW_BYTES + 10), "too_large"),  # no newline, no end
-])
+@pytest.mark.parametrize(
+    "bad, reason",
+    [
+        (b'{"question": "q", "answer": "1", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "too_deep"),
+        (b'{"question": "q", "answer": "1", "x": ' + b'{"k": ' * 5000 + b"1" + b"}" * 5000 + b"}", "too_deep"),
+        (b'{"question": "q", "answer": "1", "x": ' + b"[" * MAX_DEPTH + b"]" * MAX_DEPTH + b"}", "too_deep"),
+        (json.dumps({"question": "q" * (MAX_ROW_BYTES + 10), "answer": "1"}).encode(), "too_large"),
+        (b'{"question": "' + b"[" * (MAX_ROW_BYTES + 10), "too_large"),  # no newline, no end
+    ],
+)
 def test_a_row_over_the_bounds_is_skipped_and_counted_before_arrow_reads_it(tmp_path, bad, reason):
     """A row thousands of levels deep ended the process inside Arrow's JSON reader (segfault)."""
     good = rows()
@@ -159,29 +182,35 @@ def test_a_one_document_json_too_deep_and_a_save_to_disk_arrow_file_that_does_no
 def test_skipped_rows_reach_flash_data_and_the_run_metrics(tmp_path):
     deep = b'{"question": "q", "answer": "1", "x": ' + b"[" * 3000 + b"]" * 3000 + b"}"
     path = write_lines(tmp_path / "d.jsonl", rows(20) + [deep, deep])
-    task = make_task("dataset", train=(path,), prompt_key="question", holdout=0, shuffle=False,
-                     reward="tests.reward_fns:exact")
+    task = make_task(
+        "dataset", train=(path,), prompt_key="question", holdout=0, shuffle=False, reward="tests.reward_fns:exact"
+    )
     assert task.read_skipped == Counter({"too_deep": 2}) and task.rows_per_epoch == 20
     assert scan(task, build_tokenizer(), 0, 5)["dropped"] == {"too_deep": 2}
-    cfg = load_config("recipes/math.yaml", [f"data.train=[{path}]", "data.sft_key=answer",
-                                            "data.prompt_key=question"])
+    cfg = load_config("recipes/math.yaml", [f"data.train=[{path}]", "data.sft_key=answer", "data.prompt_key=question"])
     assert new_guards(cfg, 0, task.read_skipped).inputs.metrics() == {"data/skipped_too_deep": 2.0}
-    strict = load_config("recipes/math.yaml", [f"data.train=[{path}]", "data.sft_key=answer",
-                                               "data.prompt_key=question", "data.strict=true"])
+    strict = load_config(
+        "recipes/math.yaml",
+        [f"data.train=[{path}]", "data.sft_key=answer", "data.prompt_key=question", "data.strict=true"],
+    )
     with pytest.raises(DataError, match="data.strict=false"):
         new_guards(strict, 0, task.read_skipped)
 
 
 # ---- the math reference parser --------------------------------------------------------------
 
-@pytest.mark.parametrize("answer, reason", [
-    ("#### " + "(" * (MAX_PAREN_DEPTH + 1) + "1" + ")" * (MAX_PAREN_DEPTH + 1), "answer_too_deep"),
-    ("$" + "[" * 40 + "2" + "]" * 40 + "$", "answer_too_deep"),
-    ("\\left(" * 30 + "x" + "\\right)" * 30, "answer_too_deep"),
-    ("#### " + "1+" * MAX_MATH_CHARS + "1", "answer_too_large"),
-    ("x" * (5 << 20), "answer_too_large"),
-    ("no number here", "bad_answer"),
-])
+
+@pytest.mark.parametrize(
+    "answer, reason",
+    [
+        ("#### " + "(" * (MAX_PAREN_DEPTH + 1) + "1" + ")" * (MAX_PAREN_DEPTH + 1), "answer_too_deep"),
+        ("$" + "[" * 40 + "2" + "]" * 40 + "$", "answer_too_deep"),
+        ("\\left(" * 30 + "x" + "\\right)" * 30, "answer_too_deep"),
+        ("#### " + "1+" * MAX_MATH_CHARS + "1", "answer_too_large"),
+        ("x" * (5 << 20), "answer_too_large"),
+        ("no number here", "bad_answer"),
+    ],
+)
 def test_a_reference_over_the_bounds_is_a_bad_row_by_reason(tmp_path, answer, reason):
     """A short answer of nested parentheses held the driver for tens of seconds in math-verify."""
     path = write_lines(tmp_path / "d.jsonl", rows(3) + [{"question": "q?", "answer": answer, "id": 9}])
@@ -225,6 +254,7 @@ def test_the_reference_check_has_a_deadline_and_goes_on_after_it(checker):
 
 # ---- data paths -----------------------------------------------------------------------------
 
+
 def saved(tmp_path, name="s"):
     ds = datasets_module().Dataset.from_list(rows())
     ds.save_to_disk(str(tmp_path / name))
@@ -245,22 +275,27 @@ def _state(d, **change):
     (d / "state.json").write_text(json.dumps(state))
 
 
-@pytest.mark.parametrize("attack, words", [
-    (lambda d, o: _replace_by_link(d / _arrow(d), o / _arrow(o)), "is a symlink"),
-    (lambda d, o: os.symlink("/proc/self/environ", d / "extra.arrow"), "extra.arrow is a symlink"),
-    (lambda d, o: (os.rename(d / "state.json", o / "st.json"), os.symlink(o / "st.json", d / "state.json")),
-     "state.json is a symlink"),
-    (lambda d, o: os.symlink(o, d / "sub"), "sub is a symlink"),
-    (lambda d, o: os.mkfifo(d / "pipe.arrow"), "pipe.arrow is not a regular file"),
-    (lambda d, o: _state(d, _data_files=[{"filename": "../o/" + _arrow(o)}]), "not a plain name inside"),
-    (lambda d, o: _state(d, _data_files=[{"filename": str(o / _arrow(o))}]), "not a plain name inside"),
-    (lambda d, o: _state(d, _data_files=[{"filename": "x/../../o/" + _arrow(o)}]), "not a plain name inside"),
-    (lambda d, o: _state(d, _data_files=[{"filename": 7}]), "not a plain name inside"),
-    (lambda d, o: _state(d, _data_files=[]), "lists no data files"),
-    (lambda d, o: _state(d, _data_files=[{"filename": "gone.arrow"}]), "gone.arrow is missing"),
-    (lambda d, o: (d / "state.json").write_text("[" * 100_000 + "]" * 100_000), "not valid JSON"),
-    (lambda d, o: os.truncate(d / "dataset_info.json", 17 << 20), "at most 16 MiB"),
-])
+@pytest.mark.parametrize(
+    "attack, words",
+    [
+        (lambda d, o: _replace_by_link(d / _arrow(d), o / _arrow(o)), "is a symlink"),
+        (lambda d, o: os.symlink("/proc/self/environ", d / "extra.arrow"), "extra.arrow is a symlink"),
+        (
+            lambda d, o: (os.rename(d / "state.json", o / "st.json"), os.symlink(o / "st.json", d / "state.json")),
+            "state.json is a symlink",
+        ),
+        (lambda d, o: os.symlink(o, d / "sub"), "sub is a symlink"),
+        (lambda d, o: os.mkfifo(d / "pipe.arrow"), "pipe.arrow is not a regular file"),
+        (lambda d, o: _state(d, _data_files=[{"filename": "../o/" + _arrow(o)}]), "not a plain name inside"),
+        (lambda d, o: _state(d, _data_files=[{"filename": str(o / _arrow(o))}]), "not a plain name inside"),
+        (lambda d, o: _state(d, _data_files=[{"filename": "x/../../o/" + _arrow(o)}]), "not a plain name inside"),
+        (lambda d, o: _state(d, _data_files=[{"filename": 7}]), "not a plain name inside"),
+        (lambda d, o: _state(d, _data_files=[]), "lists no data files"),
+        (lambda d, o: _state(d, _data_files=[{"filename": "gone.arrow"}]), "gone.arrow is missing"),
+        (lambda d, o: (d / "state.json").write_text("[" * 100_000 + "]" * 100_000), "not valid JSON"),
+        (lambda d, o: os.truncate(d / "dataset_info.json", 17 << 20), "at most 16 MiB"),
+    ],
+)
 def test_a_save_to_disk_directory_that_points_outside_itself_is_refused(tmp_path, attack, words):
     d, other = saved(tmp_path, "s"), saved(tmp_path, "o")
     attack(d, other)
@@ -268,10 +303,15 @@ def test_a_save_to_disk_directory_that_points_outside_itself_is_refused(tmp_path
     assert words in message and "save_to_disk" in message
 
 
-@pytest.mark.parametrize("splits, words", [
-    (["train", "../o"], "names split '../o'"), (["/etc", "train"], "names split '/etc'"),
-    (["test"], "without a 'train' split"), ("train", "no 'splits' list"),
-])
+@pytest.mark.parametrize(
+    "splits, words",
+    [
+        (["train", "../o"], "names split '../o'"),
+        (["/etc", "train"], "names split '/etc'"),
+        (["test"], "without a 'train' split"),
+        ("train", "no 'splits' list"),
+    ],
+)
 def test_a_dataset_dict_naming_splits_outside_itself_is_refused(tmp_path, splits, words):
     ds = datasets_module()
     ds.DatasetDict({"train": ds.Dataset.from_list(rows())}).save_to_disk(str(tmp_path / "dd"))
@@ -281,12 +321,15 @@ def test_a_dataset_dict_naming_splits_outside_itself_is_refused(tmp_path, splits
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("make, words", [
-    (lambda p: os.mkfifo(p), "not a regular file"),
-    (lambda p: os.symlink("/dev/zero", p), "not a regular file"),
-    (lambda p: os.symlink("/proc/self/environ", p), "not a data file"),
-    (lambda p: os.symlink("/proc/self/status", p), "not a data file"),
-])
+@pytest.mark.parametrize(
+    "make, words",
+    [
+        (lambda p: os.mkfifo(p), "not a regular file"),
+        (lambda p: os.symlink("/dev/zero", p), "not a regular file"),
+        (lambda p: os.symlink("/proc/self/environ", p), "not a data file"),
+        (lambda p: os.symlink("/proc/self/status", p), "not a data file"),
+    ],
+)
 def test_a_named_data_file_that_is_not_a_regular_file_is_refused_without_opening_it(tmp_path, make, words):
     for suffix in (".jsonl", ".csv", ".parquet"):
         path = tmp_path / f"d{suffix}"

@@ -72,8 +72,13 @@ def engine_classes() -> dict:
     from flash.engine.vllm_engine import VLLMEngineWorker
     from tests.scripted_engine import ScriptedEngine
 
-    return {"torch": EngineWorker, "vllm": VLLMEngineWorker, "router": Router, "scripted": ScriptedEngine,
-            "sim": SimEngineWorker}
+    return {
+        "torch": EngineWorker,
+        "vllm": VLLMEngineWorker,
+        "router": Router,
+        "scripted": ScriptedEngine,
+        "sim": SimEngineWorker,
+    }
 
 
 REPLICAS = ("torch", "vllm", "sim")  # members of the model-update group: they receive weights themselves
@@ -88,8 +93,11 @@ def params(fn) -> list[tuple]:
     they are strings under ``from __future__ import annotations``). Ray's ``_ray_trace_ctx``, which
     ``ray.remote(cls)`` adds to a class's methods in place once an actor of it was started in this
     process, is not part of the contract."""
-    return [(p.name, p.kind, p.default) for p in list(inspect.signature(fn).parameters.values())[1:]
-            if p.name != "_ray_trace_ctx"]
+    return [
+        (p.name, p.kind, p.default)
+        for p in list(inspect.signature(fn).parameters.values())[1:]
+        if p.name != "_ray_trace_ctx"
+    ]
 
 
 @pytest.mark.parametrize("name", ["torch", "vllm", "router", "scripted", "sim"])
@@ -185,10 +193,17 @@ def test_logprobs_match_trainer_recompute(engine, models, request):
     for temp in (0.7, 1.0, 0.0):
         reqs = [req(f"lp{temp}-{i}", p, n=16, temperature=temp, seed=i) for i, p in enumerate(PROMPTS)]
         outs = run(engine, reqs)
-        samples = [Sample(prompt_id=i, sample_index=0, prompt_ids=r.prompt_ids,
-                          response_ids=outs[r.request_id].token_ids, behav_logprobs=outs[r.request_id].logprobs,
-                          versions=outs[r.request_id].versions)
-                   for i, r in enumerate(reqs)]
+        samples = [
+            Sample(
+                prompt_id=i,
+                sample_index=0,
+                prompt_ids=r.prompt_ids,
+                response_ids=outs[r.request_id].token_ids,
+                behav_logprobs=outs[r.request_id].logprobs,
+                versions=outs[r.request_id].versions,
+            )
+            for i, r in enumerate(reqs)
+        ]
         batch = collate(samples)
         with torch.no_grad():
             prox, _ = token_logprobs(a, batch, temperature=temp or 1.0)  # greedy reports T = 1
@@ -299,11 +314,21 @@ def test_pause_wait_drains_running_holds_new(engine, models):
 
 def test_bad_requests_error_cleanly_others_finish(engine, models):
     _, a, _ = models
-    reqs = [req("ok1", PROMPTS[0]), req("empty", []), req("long", [1] * 250, n=12), req("zero", PROMPTS[0], n=0),
-            req("stop?", PROMPTS[0], stop_token_ids=[10_000]), req("ok2", PROMPTS[1])]
+    reqs = [
+        req("ok1", PROMPTS[0]),
+        req("empty", []),
+        req("long", [1] * 250, n=12),
+        req("zero", PROMPTS[0], n=0),
+        req("stop?", PROMPTS[0], stop_token_ids=[10_000]),
+        req("ok2", PROMPTS[1]),
+    ]
     outs = run(engine, reqs)
-    expect = {"empty": "empty prompt", "long": "exceeds the context of 256", "zero": "max_new_tokens must be >= 1",
-              "stop?": "unknown stop token id 10000"}
+    expect = {
+        "empty": "empty prompt",
+        "long": "exceeds the context of 256",
+        "zero": "max_new_tokens must be >= 1",
+        "stop?": "unknown stop token id 10000",
+    }
     for rid, msg in expect.items():
         o = outs[rid]
         assert o.finish_reason == "error" and msg in o.error and rid in o.error and o.token_ids == [], o

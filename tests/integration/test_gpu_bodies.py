@@ -17,8 +17,13 @@ import pytest
 import torch
 
 from flash.train.fsdp import free_port
-from tests.helpers.gpu_bodies import (check_bf16_matches_fp32, check_bf16_within_bounds, check_fp32_agree,
-                                      check_push_stays_on_device, step_under)
+from tests.helpers.gpu_bodies import (
+    check_bf16_matches_fp32,
+    check_bf16_within_bounds,
+    check_fp32_agree,
+    check_push_stays_on_device,
+    step_under,
+)
 from tests.helpers.host_reads import READS, Counter, HostCopies
 from tests.helpers.models import TINY, save_tiny
 

@@ -30,8 +30,9 @@ def judge_dir(tmp_path_factory):
     """A seeded random tiny Qwen2 + the byte tokenizer: greedy decoding makes its text fixed."""
     out = tmp_path_factory.mktemp("judge")
     tok = build_tokenizer()
-    model = build_tiny_model(tok, TinyModelConfig(hidden_size=64, num_layers=2, num_heads=2,
-                                                  num_kv_heads=2, intermediate_size=128, seed=3))
+    model = build_tiny_model(
+        tok, TinyModelConfig(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=2, intermediate_size=128, seed=3)
+    )
     model.save_pretrained(out)
     tok.save_pretrained(out)
     return str(out)
@@ -45,10 +46,15 @@ def hf_greedy(model_dir: str, text: str, max_new_tokens: int) -> str:
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     ids = torch.tensor([encode_prompt(tok, text)])
     with torch.no_grad():
-        gen = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                             max_new_tokens=max_new_tokens, pad_token_id=tok.pad_token_id,
-                             eos_token_id=tok.eos_token_id)
-    return decode_response(tok, gen[0, ids.shape[1]:].tolist())
+        gen = model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            pad_token_id=tok.pad_token_id,
+            eos_token_id=tok.eos_token_id,
+        )
+    return decode_response(tok, gen[0, ids.shape[1] :].tolist())
 
 
 def make(judge_dir, **knobs) -> JudgeReward:
@@ -157,11 +163,23 @@ def test_math_recipe_runs_two_steps_with_the_judge(tmp_path):
     from flash.app.config import load_config
     from flash.app.runner import run
 
-    overrides = [f"run_dir={tmp_path / 'run'}", f"cache_dir={tmp_path / 'cache'}", "tracking.progress=false",
-                 "sft.steps=20", "sft.eval_after=false", "task.eval_size=4", "train.steps=2",
-                 "train.prompts_per_step=2", "rollout.n=2", "reward.fn.name=judge",
-                 "reward.fn.pattern='([0-9])'", "reward.fn.scale=0.1", "reward.fn.max_new_tokens=4",
-                 "reward.fn.template='q: {prompt} a: {response} score:'", "checkpoint.enabled=false"]
+    overrides = [
+        f"run_dir={tmp_path / 'run'}",
+        f"cache_dir={tmp_path / 'cache'}",
+        "tracking.progress=false",
+        "sft.steps=20",
+        "sft.eval_after=false",
+        "task.eval_size=4",
+        "train.steps=2",
+        "train.prompts_per_step=2",
+        "rollout.n=2",
+        "reward.fn.name=judge",
+        "reward.fn.pattern='([0-9])'",
+        "reward.fn.scale=0.1",
+        "reward.fn.max_new_tokens=4",
+        "reward.fn.template='q: {prompt} a: {response} score:'",
+        "checkpoint.enabled=false",
+    ]
     cfg = load_config("recipes/math.yaml", overrides)
     try:
         s = run(cfg, "math")

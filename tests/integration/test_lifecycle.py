@@ -42,9 +42,19 @@ def test_lifecycle_counts_and_rejects_illegal_moves():
     lc.move(ids[:2], "buffered")
     lc.move(ids[:1], "trained")
     snap = lc.snapshot()
-    assert snap == {"admitted": 3, "generating": 3, "scoring": 2, "buffered": 2, "trained": 1,
-                    "filtered": 0, "aborted": 1, "admitted_now": 0, "generating_now": 0,
-                    "scoring_now": 0, "buffered_now": 1}
+    assert snap == {
+        "admitted": 3,
+        "generating": 3,
+        "scoring": 2,
+        "buffered": 2,
+        "trained": 1,
+        "filtered": 0,
+        "aborted": 1,
+        "admitted_now": 0,
+        "generating_now": 0,
+        "scoring_now": 0,
+        "buffered_now": 1,
+    }
     assert unbalance(snap) == 0
     assert lc.metrics()["rollout/aborted/redundant"] == 1.0
     assert lc.drain_events() == [{"prompt_id": 0, "request": 2, "outcome": "aborted", "reason": "redundant"}]
@@ -110,8 +120,11 @@ def _simulate(r: float, B: int, spares: int, p_filter: float, steps: int, seed: 
 
     for t in range(steps):
         admit()
-        while (pick := st.select_batch(t, [versions[p] for p in buffer],
-                                       [versions[p] for p in inflight if not prov.is_spare(p)])) is None:
+        while (
+            pick := st.select_batch(
+                t, [versions[p] for p in buffer], [versions[p] for p in inflight if not prov.is_spare(p)]
+            )
+        ) is None:
             assert any(not prov.is_spare(p) for p in inflight), "no trainable group left: deadlock"
             pid = inflight.pop(rng.randrange(len(inflight)))
             if rng.random() < p_filter:
@@ -169,17 +182,24 @@ def make(engine, rewards=None, *, B=2, r=0.0, n=2, workers=4, sleep_s=0.0, **kw)
         time.sleep(sleep_s)
         return rewards.get((item.index, int(text.split(",")[0]) - 1), 0.0)
 
-    source = PromptSource(item=Item, encode=lambda s: [5, 6], decode=lambda ids: ",".join(map(str, ids)),
-                          reward=reward)
+    source = PromptSource(item=Item, encode=lambda s: [5, 6], decode=lambda ids: ",".join(map(str, ids)), reward=reward)
     buffer = SampleBuffer(capacity=16)
-    sched = RolloutScheduler(engine, source, buffer, StalenessManager(r, B), SamplingParams(max_new_tokens=8),
-                             n=n, seed=3, reward_workers=workers, **kw)
+    sched = RolloutScheduler(
+        engine,
+        source,
+        buffer,
+        StalenessManager(r, B),
+        SamplingParams(max_new_tokens=8),
+        n=n,
+        seed=3,
+        reward_workers=workers,
+        **kw,
+    )
     return sched, buffer
 
 
 def take(buffer, count, timeout=30.0):
-    return buffer.get_batch(count, select=lambda gs: list(range(count)) if len(gs) >= count else None,
-                            timeout=timeout)
+    return buffer.get_batch(count, select=lambda gs: list(range(count)) if len(gs) >= count else None, timeout=timeout)
 
 
 def _rollout_time(queue: bool, B: int, n: int, gap: float, sleep_s: float) -> tuple[float, float, float]:
@@ -258,13 +278,20 @@ def test_filters_count_by_rule_and_refill_the_batch():
     assert sorted(g.data_index for g in groups) == [1, 4]
     m = sched.metrics()
     assert {k: v for k, v in m.items() if k.startswith(("rollout/filtered/", "rollout/aborted/"))} == {
-        "rollout/filtered/all_same_reward": 1.0, "rollout/filtered/reward_std": 1.0,
-        "rollout/filtered/length": 1.0, "rollout/aborted/redundant": 0.0, "rollout/aborted/surplus": 0.0}
+        "rollout/filtered/all_same_reward": 1.0,
+        "rollout/filtered/reward_std": 1.0,
+        "rollout/filtered/length": 1.0,
+        "rollout/aborted/redundant": 0.0,
+        "rollout/aborted/surplus": 0.0,
+    }
     assert m["rollout/lifecycle/filtered"] == 6.0 and m["rollout/lifecycle/buffered"] == 4.0
     assert m["rollout/counted_admissions"] == 2.0  # filtered groups do not count: 2 = floor(1 * B)
     events = sorted(sched.drain_outcomes(), key=lambda e: e["prompt_id"])
     assert [(e["prompt_id"], e["rule"], e["rewards"]) for e in events] == [
-        (0, "all_same_reward", [1.0, 1.0]), (2, "reward_std", [0.4, 0.6]), (3, "length", [0.0, 1.0])]
+        (0, "all_same_reward", [1.0, 1.0]),
+        (2, "reward_std", [0.4, 0.6]),
+        (3, "length", [0.0, 1.0]),
+    ]
     time.sleep(0.3)
     assert sched.admitted == 5  # the bound is reached: nothing more is admitted at version 0
     sched.stop()
@@ -275,8 +302,9 @@ def test_spares_fill_a_filtered_slot_and_expire_at_the_next_version():
     # prompt 0 (regular) is slow and all-same; prompt 1 (spare) finishes first and waits, unseen
     engine = scripted({"0:0": 1.0, "0:1": 1.0, "1:0": 0.05, "1:1": 0.05}, default=30.0)
     rewards = {(0, 0): 1.0, (0, 1): 1.0, (1, 1): 1.0}
-    sched, buffer = make(engine, rewards, B=1, n=2, filters=FilterConfig(all_same_reward=True),
-                         max_additional_prompts=1)
+    sched, buffer = make(
+        engine, rewards, B=1, n=2, filters=FilterConfig(all_same_reward=True), max_additional_prompts=1
+    )
     sched.start()
     sched.start_admission()
     wait_until(lambda: sched.lifecycle.snapshot()["scoring_now"] == 2, timeout=30.0)
@@ -290,7 +318,9 @@ def test_spares_fill_a_filtered_slot_and_expire_at_the_next_version():
     assert sorted(ray.get(engine.log.remote())["aborted"]) == ["2:0", "2:1"]
     events = sched.drain_outcomes()
     assert [(e["prompt_id"], e["outcome"], e.get("rule") or e.get("reason")) for e in events] == [
-        (0, "filtered", "all_same_reward"), (2, "aborted", "surplus")]
+        (0, "filtered", "all_same_reward"),
+        (2, "aborted", "surplus"),
+    ]
     assert sched.lifecycle.aborted["surplus"] == 2
     wait_until(lambda: sched.admitted == 5, timeout=30.0)  # version 1: one regular (3) and one spare (4)
     assert sched.pending_versions() == [1]

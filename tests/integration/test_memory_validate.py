@@ -14,8 +14,15 @@ from tests.helpers.standins import gpu_recipe_overrides
 
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_two_and_three_layer_traces_extended_give_the_full_depth_trace(checkpointing):
-    config = Qwen2Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=5,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512)
+    config = Qwen2Config(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=5,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=512,
+    )
     shape = TrainShape(2, 32, 4, "bfloat16", checkpointing)
     full = trace_train(config, shape)
     assert train_phases(config, shape) == full
@@ -26,8 +33,11 @@ def test_validate_prints_the_estimates_and_refuses_a_card_too_small(tmp_path, ca
     stand_ins = gpu_recipe_overrides(tmp_path, "gsm8k_1gpu")
     assert main(["validate", "gsm8k_1gpu", *stand_ins, "resources.card=H100"]) == 0
     out = [line for line in capsys.readouterr().out.splitlines() if line.startswith("memory: ")]
-    assert [line.split(":")[1] for line in out] == [" actor_train on GPU 0", " actor_infer on GPU 0",
-                                                    " GPU 0 (H100, 79.60 GiB)"]
+    assert [line.split(":")[1] for line in out] == [
+        " actor_train on GPU 0",
+        " actor_infer on GPU 0",
+        " GPU 0 (H100, 79.60 GiB)",
+    ]
     assert main(["validate", "gsm8k_1gpu", *stand_ins, "resources.gpu_memory_gib=0.1"]) != 0
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "Traceback" not in err

@@ -49,8 +49,10 @@ class ProbeEngine(EngineWorker):
         return {k: v.clone() for k, v in self.loop._engine.model.state_dict().items()}
 
     def greedy(self, prompts: list[list[int]], n: int) -> list[list[int]]:
-        reqs = [GenerationRequest(f"g{time.monotonic_ns()}-{i}", p, SamplingParams(max_new_tokens=n, temperature=0.0))
-                for i, p in enumerate(prompts)]
+        reqs = [
+            GenerationRequest(f"g{time.monotonic_ns()}-{i}", p, SamplingParams(max_new_tokens=n, temperature=0.0))
+            for i, p in enumerate(prompts)
+        ]
         self.submit(reqs)
         done: dict = {}
         while len(done) < len(reqs):
@@ -72,8 +74,16 @@ class ProbeEngine(EngineWorker):
 def roles(tmp_path_factory):
     init_ray(None, num_cpus=2)
     path = save_tiny(tmp_path_factory.mktemp("tiny"), TINY)
-    settings = TrainerSettings(lr=0.05, weight_decay=0.0, betas=(0.9, 0.999), grad_clip=1.0, micro_batch_size=64,
-                               temperature=1.0, loss={"name": "ppo", "old_policy": "prox"}, agg="token-mean")
+    settings = TrainerSettings(
+        lr=0.05,
+        weight_decay=0.0,
+        betas=(0.9, 0.999),
+        grad_clip=1.0,
+        micro_batch_size=64,
+        temperature=1.0,
+        loss={"name": "ppo", "old_policy": "prox"},
+        agg="token-mean",
+    )
     trainer = start_trainer(path, settings, seed=0, threads=1, plugins=[])
     probe = ray.remote(ProbeEngine).options(num_cpus=0, max_concurrency=8)
     engines = [probe.remote(path, 16, 0, 1), probe.remote(path, 16, 0, 1, delay_s=1.0)]
@@ -96,8 +106,17 @@ def train_step(trainer, seed: int, favour: int | None = None, against: int | Non
             resp = [favour] * 6
         elif against is not None and not i % 2:
             resp = [against] * 6
-        samples.append(Sample(prompt_id=i // 4, sample_index=i % 4, prompt_ids=PROMPTS[i % 3], response_ids=resp,
-                              behav_logprobs=[-1.0] * 6, versions=[0] * 6, reward=float(i % 2)))
+        samples.append(
+            Sample(
+                prompt_id=i // 4,
+                sample_index=i % 4,
+                prompt_ids=PROMPTS[i % 3],
+                response_ids=resp,
+                behav_logprobs=[-1.0] * 6,
+                versions=[0] * 6,
+                reward=float(i % 2),
+            )
+        )
     batch = collate(samples)
     if policy is not None:
         logp = batch_logprobs(policy, batch, 1.0, 64)
@@ -117,8 +136,9 @@ def assert_replicas_equal_trainer(trainer, engines):
             assert torch.equal(got[name], t), f"replica {r}: {name} differs"
 
 
-@pytest.mark.parametrize("backend, bucket_mb", [("gloo", 0.01), ("gloo", 0.05), ("gloo", 64.0), ("shm", 0.01),
-                                                ("object_store", 64.0)])
+@pytest.mark.parametrize(
+    "backend, bucket_mb", [("gloo", 0.01), ("gloo", 0.05), ("gloo", 64.0), ("shm", 0.01), ("object_store", 64.0)]
+)
 def test_after_update_every_replica_equals_trainer_exactly(roles, backend, bucket_mb):
     trainer, engines = roles["trainer"], roles["engines"]
     largest = max(t.numel() * t.element_size() for t in ray.get(trainer.get_weights.remote()).values())
@@ -203,9 +223,15 @@ def test_greedy_outputs_change_to_those_of_the_new_weights(roles):
     def trainer_greedy() -> list[list[int]]:
         reference.load_state_dict(ray.get(trainer.get_weights.remote()))
         with pinned_threads(1):  # the engines' count
-            return [o.token_ids for o in TorchEngine(reference).generate(
-                [GenerationRequest(f"r{i}", p, SamplingParams(max_new_tokens=8, temperature=0.0))
-                 for i, p in enumerate(PROMPTS)])]
+            return [
+                o.token_ids
+                for o in TorchEngine(reference).generate(
+                    [
+                        GenerationRequest(f"r{i}", p, SamplingParams(max_new_tokens=8, temperature=0.0))
+                        for i, p in enumerate(PROMPTS)
+                    ]
+                )
+            ]
 
     # on-policy steps from the greedy token towards another, until the trainer's own greedy
     # outputs move (the module's earlier tests leave the shared model confident in that token)
@@ -273,8 +299,10 @@ def test_vllm_replica_loads_the_pushed_weights(tmp_path):
     try:
         assert group.setup() == "gloo"
         push(group, [engine], 1)
-        reqs = [GenerationRequest(f"v{i}", p, SamplingParams(max_new_tokens=12, temperature=0.0))
-                for i, p in enumerate(VPROMPTS)]
+        reqs = [
+            GenerationRequest(f"v{i}", p, SamplingParams(max_new_tokens=12, temperature=0.0))
+            for i, p in enumerate(VPROMPTS)
+        ]
         ray.get(engine.submit.remote(reqs))
         done: dict = {}
         deadline = time.monotonic() + 120
@@ -298,8 +326,11 @@ def test_rendezvous_stores_listen_on_their_host_only():
     from flash.weights.model_update import connect, open_store
 
     store = open_store("127.0.0.1", 10.0)
-    listening = {c.laddr.ip for c in psutil.Process().net_connections(kind="inet")
-                 if c.status == psutil.CONN_LISTEN and c.laddr.port == store.port}
+    listening = {
+        c.laddr.ip
+        for c in psutil.Process().net_connections(kind="inet")
+        if c.status == psutil.CONN_LISTEN and c.laddr.port == store.port
+    }
     assert listening == {"127.0.0.1"}
     peer = connect("127.0.0.1", store.port, 10.0)
     peer.set("k", "v")

@@ -29,12 +29,20 @@ from tests.helpers.models import TINY
 
 
 def test_plan_buckets_offsets_and_sizes_by_hand():
-    entries = [(("a",), (10,), "float32"), (("b",), (3,), "float16"), (("c",), (100,), "float32"),
-               (("d",), (4,), "int64")]
+    entries = [
+        (("a",), (10,), "float32"),
+        (("b",), (3,), "float16"),
+        (("c",), (100,), "float32"),
+        (("d",), (4,), "int64"),
+    ]
     metas = plan_buckets(entries, bucket_bytes=128)
     # a: 40 B at 0; b: 6 B at 64 (40 aligned up); c: 400 B > 128 -> its own bucket; d: 32 B -> next
     assert [(m.names, m.bucket, m.offset, m.nbytes) for m in metas] == [
-        (("a",), 0, 0, 40), (("b",), 0, 64, 6), (("c",), 1, 0, 400), (("d",), 2, 0, 32)]
+        (("a",), 0, 0, 40),
+        (("b",), 0, 64, 6),
+        (("c",), 1, 0, 400),
+        (("d",), 2, 0, 32),
+    ]
     assert bucket_sizes(metas) == [70, 400, 32]
     assert [m.bucket for m in plan_buckets(entries, bucket_bytes=10**6)] == [0, 0, 0, 0]
     # c (400 B) >= alone_bytes travels alone; d joins the still-open small bucket 0 after b (64+6 -> 128)
@@ -47,9 +55,13 @@ def test_plan_buckets_offsets_and_sizes_by_hand():
 
 def test_pack_unpack_round_trip_mixed_dtypes_is_exact():
     g = torch.Generator().manual_seed(0)
-    tensors = {"w": torch.randn(5, 7, generator=g), "h": torch.randn(9, generator=g).half(),
-               "b": torch.randn(3, 3, generator=g).bfloat16(), "i": torch.arange(-4, 7),
-               "t": torch.randn(6, 4, generator=g).t()}  # non-contiguous
+    tensors = {
+        "w": torch.randn(5, 7, generator=g),
+        "h": torch.randn(9, generator=g).half(),
+        "b": torch.randn(3, 3, generator=g).bfloat16(),
+        "i": torch.arange(-4, 7),
+        "t": torch.randn(6, 4, generator=g).t(),
+    }  # non-contiguous
     metas = plan_buckets([((k,), tuple(v.shape), str(v.dtype)[6:]) for k, v in tensors.items()], 1 << 20)
     buf = torch.empty(bucket_sizes(metas)[0], dtype=torch.uint8)
     pack([tensors[m.names[0]] for m in metas], metas, buf)

@@ -56,8 +56,9 @@ def test_disaggregated_mapping():
     assert plan.groups == (("actor_train",), ("actor_infer",))
     assert not plan.colocated("actor_train", "actor_infer")
     assert {w.gpu_share for ws in plan.workers.values() for w in ws} == {Fraction(1)}
-    assert plan.describe() == ("placement: 4 device(s)\n  actor_train: 1 worker(s) w0:[0, 1]\n"
-                               "  actor_infer: 2 worker(s) w0:[2] w1:[3]")
+    assert plan.describe() == (
+        "placement: 4 device(s)\n  actor_train: 1 worker(s) w0:[0, 1]\n  actor_infer: 2 worker(s) w0:[2] w1:[3]"
+    )
 
 
 def test_colocated_mapping_shares_each_device_between_roles():
@@ -67,13 +68,16 @@ def test_colocated_mapping_shares_each_device_between_roles():
     assert plan.groups == (("actor_train", "actor_infer"),)
     assert devices(plan, "actor_infer") == [(1,), (0,)]  # mapping order, not sorted
     assert [w.gpu_share for w in plan.workers["actor_infer"]] == [Fraction(1, 2)] * 2
-    assert plan.describe().splitlines()[1:] == ["  actor_train: 1 worker(s) w0:[0, 1] colocated with actor_infer",
-                                                "  actor_infer: 2 worker(s) w0:[1] w1:[0] colocated with actor_train"]
+    assert plan.describe().splitlines()[1:] == [
+        "  actor_train: 1 worker(s) w0:[0, 1] colocated with actor_infer",
+        "  actor_infer: 2 worker(s) w0:[1] w1:[0] colocated with actor_train",
+    ]
 
 
 def test_three_roles_on_one_device_set_and_a_tensor_parallel_engine():
-    plan = plan_placement(cfg(actor_train=([0, 1, 2, 3], 4), actor_infer=([0, 1, 2, 3], 2),
-                              reference=([0, 1, 2, 3], 1)))
+    plan = plan_placement(
+        cfg(actor_train=([0, 1, 2, 3], 4), actor_infer=([0, 1, 2, 3], 2), reference=([0, 1, 2, 3], 1))
+    )
     assert devices(plan, "actor_infer") == [(0, 1), (2, 3)] and devices(plan, "reference") == [(0, 1, 2, 3)]
     assert {w.gpu_share for ws in plan.workers.values() for w in ws} == {Fraction(1, 3)}
     assert plan.groups == (("actor_train", "actor_infer", "reference"),)
@@ -85,18 +89,27 @@ def test_cpu_roles_beside_mapped_ones():
     assert plan.workers["actor_infer"][0].gpu_share == 0
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"actor_train": ([0, 4], 1)},
-     "placement.roles.actor_train.device_mapping uses device 4, outside the 4 device(s) of placement.num_gpus=4"),
-    ({"actor_train": ([-1], 1)}, "uses device -1, outside the 4 device(s)"),
-    ({"actor_infer": ([0, 1, 2], 2)},
-     "placement.roles.actor_infer: 3 device(s) [0, 1, 2] do not divide among num_workers=2"),
-    ({"actor_train": ([0, 1, 1], 1)}, "lists device(s) [1] more than once"),
-    ({"actor_train": ([0, 1], 1), "actor_infer": ([1, 2], 2)},
-     "actor_train [0, 1] and actor_infer [1, 2] share device(s) [1] but not all"),
-    ({"actor_train": ([0], 0)}, "placement.roles.actor_train maps devices [0] but num_workers is 0"),
-    ({"actor_train": ([], -1)}, "placement.roles.actor_train.num_workers must be >= 0, got -1"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (
+            {"actor_train": ([0, 4], 1)},
+            "placement.roles.actor_train.device_mapping uses device 4, outside the 4 device(s) of placement.num_gpus=4",
+        ),
+        ({"actor_train": ([-1], 1)}, "uses device -1, outside the 4 device(s)"),
+        (
+            {"actor_infer": ([0, 1, 2], 2)},
+            "placement.roles.actor_infer: 3 device(s) [0, 1, 2] do not divide among num_workers=2",
+        ),
+        ({"actor_train": ([0, 1, 1], 1)}, "lists device(s) [1] more than once"),
+        (
+            {"actor_train": ([0, 1], 1), "actor_infer": ([1, 2], 2)},
+            "actor_train [0, 1] and actor_infer [1, 2] share device(s) [1] but not all",
+        ),
+        ({"actor_train": ([0], 0)}, "placement.roles.actor_train maps devices [0] but num_workers is 0"),
+        ({"actor_train": ([], -1)}, "placement.roles.actor_train.num_workers must be >= 0, got -1"),
+    ],
+)
 def test_planning_errors_name_the_conflict(kwargs, message):
     with pytest.raises(PlacementError) as err:
         plan_placement(cfg(**kwargs))
@@ -115,8 +128,9 @@ def test_mapping_without_gpus_and_engine_that_cannot_sleep():
 
 
 def test_runnable_roles():
-    with pytest.raises(PlacementError, match="flash does not place reward workers yet.*set "
-                                             "placement.roles.reward.num_workers=0"):
+    with pytest.raises(
+        PlacementError, match="flash does not place reward workers yet.*set placement.roles.reward.num_workers=0"
+    ):
         check_runnable(plan_placement(cfg(reward=([], 2))))
     check_runnable(plan_placement(cfg(actor_train=([0, 1], 2))))  # a 2-rank FSDP2 group, a rank per device
     with pytest.raises(PlacementError, match="need num_workers >= 1"):
@@ -131,39 +145,69 @@ def test_config_section_is_strict_and_checked():
     with pytest.raises(ConfigError, match=r"'placement.roles.actor_infer.num_worker' \(did you mean 'num_workers'\?\)"):
         load_config(base, ["placement.roles.actor_infer.num_worker=2"])
     with pytest.raises(ConfigError, match="share device"):
-        load_config(base, ["placement.num_gpus=3", "placement.roles.actor_train.device_mapping=[0,1]",
-                           "placement.roles.actor_infer.device_mapping=[1,2]"])
-    c = load_config(base, ["placement.num_gpus=4", "placement.roles.actor_train.device_mapping=[0,1]",
-                           "placement.roles.actor_infer.device_mapping=[2,3]",
-                           "placement.roles.actor_infer.num_workers=2", "rollout.prompt_affinity=true"])
+        load_config(
+            base,
+            [
+                "placement.num_gpus=3",
+                "placement.roles.actor_train.device_mapping=[0,1]",
+                "placement.roles.actor_infer.device_mapping=[1,2]",
+            ],
+        )
+    c = load_config(
+        base,
+        [
+            "placement.num_gpus=4",
+            "placement.roles.actor_train.device_mapping=[0,1]",
+            "placement.roles.actor_infer.device_mapping=[2,3]",
+            "placement.roles.actor_infer.num_workers=2",
+            "rollout.prompt_affinity=true",
+        ],
+    )
     assert c.placement.roles.actor_infer.device_mapping == [2, 3] and c.rollout.prompt_affinity
     assert load_config(base).placement == PlacementConfig()  # default: today's CPU engine + trainer
 
 
 def test_trainer_workers_and_actor_train_workers_are_one_number():
     base, gpus = "recipes/stutter.yaml", ["placement.num_gpus=4", "placement.roles.actor_train.device_mapping=[0,1]"]
-    for given in (["train.workers=2"], ["placement.roles.actor_train.num_workers=2"],
-                  ["train.workers=2", "placement.roles.actor_train.num_workers=2"]):
+    for given in (
+        ["train.workers=2"],
+        ["placement.roles.actor_train.num_workers=2"],
+        ["train.workers=2", "placement.roles.actor_train.num_workers=2"],
+    ):
         c = load_config(base, [*gpus, *given])  # either one alone implies the other
         assert c.train.workers == c.placement.roles.actor_train.num_workers == 2
         assert [w.devices for w in plan_placement(c.placement).workers["actor_train"]] == [(0,), (1,)]
     c = load_config(base, ["train.workers=2"])  # no devices: two CPU ranks
     assert c.placement.roles.actor_train.num_workers == 2
-    with pytest.raises(ConfigError, match=r"train.workers=2 but placement.roles.actor_train.num_workers=4: .*"
-                                          r"set both to the same count"):
-        load_config(base, ["placement.num_gpus=4", "placement.roles.actor_train.device_mapping=[0,1,2,3]",
-                           "placement.roles.actor_train.num_workers=4", "train.workers=2"])
+    with pytest.raises(
+        ConfigError,
+        match=r"train.workers=2 but placement.roles.actor_train.num_workers=4: .*"
+        r"set both to the same count",
+    ):
+        load_config(
+            base,
+            [
+                "placement.num_gpus=4",
+                "placement.roles.actor_train.device_mapping=[0,1,2,3]",
+                "placement.roles.actor_train.num_workers=4",
+                "train.workers=2",
+            ],
+        )
     with pytest.raises(ConfigError, match=r"1 device\(s\) \[0\] do not divide among num_workers=2"):
-        load_config(base, ["placement.num_gpus=2", "placement.roles.actor_train.device_mapping=[0]",
-                           "train.workers=2"])
+        load_config(base, ["placement.num_gpus=2", "placement.roles.actor_train.device_mapping=[0]", "train.workers=2"])
 
 
 # ---- on Ray, 4 simulated GPUs ------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def gpus4():
     ray.shutdown()
-    ray.init(num_cpus=2, num_gpus=4, include_dashboard=False, logging_level="ERROR",
-             runtime_env={"env_vars": {"PYTHONPATH": os.getcwd()}})
+    ray.init(
+        num_cpus=2,
+        num_gpus=4,
+        include_dashboard=False,
+        logging_level="ERROR",
+        runtime_env={"env_vars": {"PYTHONPATH": os.getcwd()}},
+    )
     yield
     ray.shutdown()
 
@@ -172,8 +216,9 @@ def start_probes(placement, role, keep: list | None = None):
     """What each worker of ``role`` sees; ``keep`` holds the actors alive (a dropped handle kills
     its actor, and the resources it held free up asynchronously)."""
     actor = ray.remote(Probe)
-    handles = [actor.options(num_cpus=0, **placement.options(role, w.rank)).remote()
-               for w in placement.plan.workers[role]]
+    handles = [
+        actor.options(num_cpus=0, **placement.options(role, w.rank)).remote() for w in placement.plan.workers[role]
+    ]
     if keep is not None:
         keep.extend(handles)
     return ray.get([h.seen.remote() for h in handles], timeout=60)
@@ -226,36 +271,55 @@ def test_created_placement_reserves_every_device_and_gives_each_worker_its_optio
         assert placement.gpu_ids == ["0", "1"] and len(set(placement.nodes)) == 1
         assert ray.available_resources().get("GPU", 0) == 2  # 2 of the 4 reserved
         train = placement.options("actor_train", 0)
-        assert train["num_gpus"] == 1.0 and train["runtime_env"] == {"env_vars": {
-            "FLASH_DEVICES": "1,0", "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1",
-            "CUDA_VISIBLE_DEVICES": "1,0"}}
+        assert train["num_gpus"] == 1.0 and train["runtime_env"] == {
+            "env_vars": {
+                "FLASH_DEVICES": "1,0",
+                "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1",
+                "CUDA_VISIBLE_DEVICES": "1,0",
+            }
+        }
         strategy = train["scheduling_strategy"]
         assert strategy.placement_group is placement.pg and strategy.placement_group_bundle_index == 1
-        assert placement.options("actor_infer", 0) == {"runtime_env": {"env_vars": {  # CPU only: no GPU
-            "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1", "CUDA_VISIBLE_DEVICES": ""}}}
+        assert placement.options("actor_infer", 0) == {
+            "runtime_env": {
+                "env_vars": {  # CPU only: no GPU
+                    "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1",
+                    "CUDA_VISIBLE_DEVICES": "",
+                }
+            }
+        }
         one = Placement(plan_placement(cfg(num_gpus=2, actor_infer=([1], 1))), placement.pg, ["0", "1"], ["n", "n"])
         assert one.options("actor_infer", 0)["runtime_env"] == {"env_vars": {"FLASH_DEVICES": "1"}}  # Ray sets it
     finally:
         placement.remove()
     assert placement.pg is None
     placement.remove()  # a second removal is a no-op
-    with pytest.raises(PlacementError, match=r"could not reserve 1 bundle\(s\) of \{'GPU': 1, 'CPU': 64\} "
-                                             r"within 0.5 s; free resources: "):
+    with pytest.raises(
+        PlacementError,
+        match=r"could not reserve 1 bundle\(s\) of \{'GPU': 1, 'CPU': 64\} "
+        r"within 0.5 s; free resources: ",
+    ):
         Placement.create(plan_placement(cfg(num_gpus=1, actor_train=([0], 1))), cpus_per_bundle=64, timeout=0.5)
 
 
 def test_a_worker_whose_devices_ray_put_on_two_nodes_is_refused():
     plan = plan_placement(cfg(num_gpus=2, actor_train=([0, 1], 1), actor_infer=([], 1)))
     Placement(plan, gpu_ids=["0", "0"], nodes=["n1", "n1"])._check_nodes()
-    with pytest.raises(PlacementError, match=r"actor_train worker 0 maps devices \[0, 1\] that Ray placed "
-                                             r"on 2 nodes; one worker's devices must share a node"):
+    with pytest.raises(
+        PlacementError,
+        match=r"actor_train worker 0 maps devices \[0, 1\] that Ray placed "
+        r"on 2 nodes; one worker's devices must share a node",
+    ):
         Placement(plan, gpu_ids=["0", "0"], nodes=["n1", "n2"])._check_nodes()
 
 
 def test_engine_devices_and_visible_devices(monkeypatch):
     wide = plan_placement(cfg(num_gpus=4, actor_infer=([0, 1, 2, 3], 2)))
-    with pytest.raises(PlacementError, match=r"gives each worker 2 devices \(w0: \[0, 1\]\), but the torch engine "
-                                             r"runs on one: set placement.roles.actor_infer.num_workers=4"):
+    with pytest.raises(
+        PlacementError,
+        match=r"gives each worker 2 devices \(w0: \[0, 1\]\), but the torch engine "
+        r"runs on one: set placement.roles.actor_infer.num_workers=4",
+    ):
         check_engine_devices(wide, "torch")
     check_engine_devices(wide, "vllm")  # tensor parallel over a worker's devices
     monkeypatch.setenv("FLASH_DEVICES", "2,3")
@@ -273,15 +337,25 @@ def test_engine_sleep_releases_kv_cache_and_keeps_partial_responses():
     from flash.engine.torch_engine import TorchEngine
 
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                         num_attention_heads=2, num_key_value_heads=2, head_dim=32,
-                                         max_position_embeddings=256)).eval()
+    model = Qwen2ForCausalLM(
+        Qwen2Config(
+            vocab_size=64,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            head_dim=32,
+            max_position_embeddings=256,
+        )
+    ).eval()
     engine = TorchEngine(model, max_num_seqs=4)
     loop = EngineLoop(engine)
     with pytest.raises(RuntimeError, match="sleep needs a paused engine"):
         loop.sleep()
-    loop.submit([GenerationRequest(f"r{i}", [1, 2, 3 + i], SamplingParams(max_new_tokens=60, temperature=0))
-                 for i in range(3)])
+    loop.submit(
+        [GenerationRequest(f"r{i}", [1, 2, 3 + i], SamplingParams(max_new_tokens=60, temperature=0)) for i in range(3)]
+    )
     while loop.stats()["tokens_generated"] < 6:
         time.sleep(0.005)
     loop.pause("continue")

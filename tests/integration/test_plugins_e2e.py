@@ -10,7 +10,7 @@ from flash.algos.policy import LOSSES
 from flash.app.config import load_config
 from flash.app.runner import run
 
-PLUGIN = textwrap.dedent('''
+PLUGIN = textwrap.dedent("""
     from flash import algos
 
     CALLS = []
@@ -18,7 +18,7 @@ PLUGIN = textwrap.dedent('''
     @algos.register_loss("scaled_pg_test", description="REINFORCE with a scale, from a test plugin")
     def scaled_pg_test(inputs, *, scale: float = 1.0):
         return -scale * inputs.advantages * inputs.logp, {"plugin_scale": scale}
-''')
+""")
 
 
 def test_plugin_loss_named_in_yaml_trains(tmp_path):
@@ -27,7 +27,8 @@ def test_plugin_loss_named_in_yaml_trains(tmp_path):
     (mod_dir / "my_flash_plugin.py").write_text(PLUGIN)
     sys.path.insert(0, str(mod_dir))
     recipe = tmp_path / "mine.yaml"
-    recipe.write_text(textwrap.dedent(f'''
+    recipe.write_text(
+        textwrap.dedent(f"""
         # flash run {recipe}
         description: plugin loss test
         plugins: [my_flash_plugin]
@@ -43,7 +44,8 @@ def test_plugin_loss_named_in_yaml_trains(tmp_path):
         resources: {{engine_threads: 1, trainer_threads: 1}}
         cache_dir: {tmp_path / "cache"}
         run_dir: {tmp_path / "run"}
-    '''))
+    """)
+    )
     try:
         cfg = load_config(recipe)
         summary = run(cfg, "plugin")

@@ -42,12 +42,15 @@ def test_slipped_demonstrations_are_one_too_high_at_the_rate_asked_and_items_are
         make_task("reasoning_gym", dataset="chain_sum", options=CHAIN, slip_prob=1.0)
 
 
-@pytest.mark.parametrize("options, error", [
-    ({"dataset": "chain_summ"}, "did you mean 'chain_sum'"),
-    ({"dataset": "chain_sum", "options": {"bogus": 1}}, "task.options for chain_sum: TypeError"),
-    ({"dataset": "chain_sum", "options": {"seed": 3}}, "set task.seed / task.size instead"),
-    ({"dataset": ""}, "task.dataset names a reasoning-gym dataset"),
-])
+@pytest.mark.parametrize(
+    "options, error",
+    [
+        ({"dataset": "chain_summ"}, "did you mean 'chain_sum'"),
+        ({"dataset": "chain_sum", "options": {"bogus": 1}}, "task.options for chain_sum: TypeError"),
+        ({"dataset": "chain_sum", "options": {"seed": 3}}, "set task.seed / task.size instead"),
+        ({"dataset": ""}, "task.dataset names a reasoning-gym dataset"),
+    ],
+)
 def test_a_bad_dataset_or_option_is_one_line_naming_the_fix(options, error):
     with pytest.raises(ValueError) as caught:
         make_task("reasoning_gym", **options)
@@ -59,8 +62,9 @@ def test_a_bad_dataset_or_option_is_one_line_naming_the_fix(options, error):
 def test_the_reasoning_gym_recipe_learns(tmp_path, warm_cache):
     from tests.helpers.processes import recipe_summary
 
-    s = recipe_summary(tmp_path / "run", warm_cache, "recipes/reasoning_gym.yaml", ["tracking.tensorboard=false"],
-                       timeout=3000)
+    s = recipe_summary(
+        tmp_path / "run", warm_cache, "recipes/reasoning_gym.yaml", ["tracking.tensorboard=false"], timeout=3000
+    )
     assert s["steps"] == 40
     # measured +0.139 (0.418 -> 0.557, BENCHMARKS.md); the difference's standard error is ~0.05
     assert s["eval_accuracy_final"] - s["eval_accuracy_initial"] >= 0.08, s

@@ -21,20 +21,23 @@ from flash.tasks import TaskItem
 CFG = AutoscaleConfig(min_workers=1, max_workers=4, scale_up_queue=2.0, scale_down_idle_s=5.0)
 
 
-@pytest.mark.parametrize("queue, workers, idle_s, want", [
-    (0, 1, 0.0, 1),    # nothing queued, not idle long enough: stay
-    (2, 1, 0.0, 1),    # 2 per worker is not above 2
-    (3, 1, 0.0, 2),    # 3 > 2: ceil(3 / 2) = 2
-    (7, 1, 0.0, 4),    # a burst: ceil(7 / 2) = 4 at once
-    (50, 2, 0.0, 4),   # capped at max_workers
-    (5, 2, 0.0, 3),    # 2.5 > 2: ceil(5 / 2) = 3
-    (4, 3, 0.0, 3),    # 1.33 per worker, not idle: stay
-    (0, 3, 5.0, 2),    # idle for scale_down_idle_s: one fewer
-    (0, 3, 60.0, 2),   # only one at a time, however long
-    (0, 1, 60.0, 1),   # never below min_workers
-    (0, 0, 0.0, 1),    # an empty pool comes back to min_workers
-    (9, 4, 99.0, 4),   # busy beats idle (queue 2.25 > 2), and max caps it
-])
+@pytest.mark.parametrize(
+    "queue, workers, idle_s, want",
+    [
+        (0, 1, 0.0, 1),  # nothing queued, not idle long enough: stay
+        (2, 1, 0.0, 1),  # 2 per worker is not above 2
+        (3, 1, 0.0, 2),  # 3 > 2: ceil(3 / 2) = 2
+        (7, 1, 0.0, 4),  # a burst: ceil(7 / 2) = 4 at once
+        (50, 2, 0.0, 4),  # capped at max_workers
+        (5, 2, 0.0, 3),  # 2.5 > 2: ceil(5 / 2) = 3
+        (4, 3, 0.0, 3),  # 1.33 per worker, not idle: stay
+        (0, 3, 5.0, 2),  # idle for scale_down_idle_s: one fewer
+        (0, 3, 60.0, 2),  # only one at a time, however long
+        (0, 1, 60.0, 1),  # never below min_workers
+        (0, 0, 0.0, 1),  # an empty pool comes back to min_workers
+        (9, 4, 99.0, 4),  # busy beats idle (queue 2.25 > 2), and max caps it
+    ],
+)
 def test_desired_workers_hand_computed(queue, workers, idle_s, want):
     assert desired_workers(queue, workers, idle_s, CFG) == want
 
@@ -105,10 +108,10 @@ def test_pool_grows_under_load_shrinks_after_within_budget_and_loses_no_call():
     from flash.rewards.workers import RewardPool
 
     init_ray(None, num_cpus=2)
-    cfg = AutoscaleConfig(min_workers=1, max_workers=3, scale_up_queue=1.0, scale_down_idle_s=1.0,
-                          interval_s=0.1)
-    pool = RewardPool({"name": "tests.reward_fns:slow", "seconds": 0.4}, num_workers=1, concurrency=1,
-                      timeout_s=30, autoscale=cfg)
+    cfg = AutoscaleConfig(min_workers=1, max_workers=3, scale_up_queue=1.0, scale_down_idle_s=1.0, interval_s=0.1)
+    pool = RewardPool(
+        {"name": "tests.reward_fns:slow", "seconds": 0.4}, num_workers=1, concurrency=1, timeout_s=30, autoscale=cfg
+    )
     sizes, stop = [], threading.Event()
 
     def watch():
@@ -120,6 +123,7 @@ def test_pool_grows_under_load_shrinks_after_within_budget_and_loses_no_call():
     watcher.start()
     results: list = [None] * 24
     try:
+
         def call(i):
             results[i] = pool.score(TaskItem(i, "p", ""), "x")
 

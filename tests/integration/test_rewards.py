@@ -32,10 +32,15 @@ def test_adaptive_timeout_formula_on_hand_computed_values():
     assert t.timeout() == 10.0  # 3 * 4 = 12, capped at T_max
     t.observe(0.1, correct=True, family="easy")
     assert (t.timeout("easy"), t.anchor("easy")) == (1.0, 0.1)  # 0.3 raised to T_min
-    assert t.metrics() == {"sandbox/timeout/t_min": 1.0, "sandbox/timeout/t_max": 10.0,
-                           "sandbox/timeout/lambda": 3.0,
-                           "sandbox/timeout/anchor/default": 4.0, "sandbox/timeout/T/default": 10.0,
-                           "sandbox/timeout/anchor/easy": 0.1, "sandbox/timeout/T/easy": 1.0}
+    assert t.metrics() == {
+        "sandbox/timeout/t_min": 1.0,
+        "sandbox/timeout/t_max": 10.0,
+        "sandbox/timeout/lambda": 3.0,
+        "sandbox/timeout/anchor/default": 4.0,
+        "sandbox/timeout/T/default": 10.0,
+        "sandbox/timeout/anchor/easy": 0.1,
+        "sandbox/timeout/T/easy": 1.0,
+    }
 
 
 def test_adaptive_timeout_rejects_bad_knobs():
@@ -56,8 +61,11 @@ def test_registry_names_valid_choices():
         validate_reward({"name": "no_such_pkg.mod:fn"})
     with pytest.raises(ValueError, match="has no function 'exakt'; did you mean 'exact'"):
         validate_reward({"name": "tests.reward_fns:exakt"})
-    with pytest.raises(ValueError, match=r"unknown knob 'all_or_none' for reward 'code'; "
-                                         r"did you mean 'all_or_nothing'"):
+    with pytest.raises(
+        ValueError,
+        match=r"unknown knob 'all_or_none' for reward 'code'; "
+        r"did you mean 'all_or_nothing'",
+    ):
         validate_reward({"name": "code", "all_or_none": True})
     with pytest.raises(ValueError, match="reward.name is required"):
         validate_reward({})
@@ -72,24 +80,31 @@ def test_user_function_by_import_path_with_knobs():
 # ---- math -----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("answer,response,expected", [
-    ("1/2", "0.5", 1.0),
-    ("0.5", "1/2", 1.0),
-    ("\\frac{1}{2}", "1/2", 1.0),
-    ("1/2", "The answer is $\\frac{1}{2}$.", 1.0),
-    ("1/2", "so we get \\boxed{0.5}", 1.0),
-    ("1/2", "0.6", 0.0),
-    ("12", "I think it is 13", 0.0),
-    ("12", "", 0.0),
-])
+@pytest.mark.parametrize(
+    "answer,response,expected",
+    [
+        ("1/2", "0.5", 1.0),
+        ("0.5", "1/2", 1.0),
+        ("\\frac{1}{2}", "1/2", 1.0),
+        ("1/2", "The answer is $\\frac{1}{2}$.", 1.0),
+        ("1/2", "so we get \\boxed{0.5}", 1.0),
+        ("1/2", "0.6", 0.0),
+        ("12", "I think it is 13", 0.0),
+        ("12", "", 0.0),
+    ],
+)
 def test_math_reward_equivalences(answer, response, expected):
     assert build_reward({"name": "math"})(TaskItem(0, "q", answer), response) == expected
 
 
 # ---- code -----------------------------------------------------------------------------------
 
-ADD_TESTS = [{"input": [1, 2], "output": 3}, {"input": [0, 5], "output": 5},
-             {"input": [-1, 1], "output": 0}, {"input": [0, 0], "output": 0}]
+ADD_TESTS = [
+    {"input": [1, 2], "output": 3},
+    {"input": [0, 5], "output": 5},
+    {"input": [-1, 1], "output": 0},
+    {"input": [0, 0], "output": 0},
+]
 ADD = TaskItem(0, "write add(a, b)", "", meta={"entry_point": "add", "tests": ADD_TESTS})
 
 
@@ -131,8 +146,12 @@ def test_code_reward_anchors_its_timeout_on_correct_runs():
 
 
 def test_code_reward_program_tests_over_stdin():
-    item = TaskItem(1, "reverse each line", "", meta={"tests": [
-        {"stdin": "abc\n", "stdout": "cba\n"}, {"stdin": "xy\n", "stdout": "yx"}]})
+    item = TaskItem(
+        1,
+        "reverse each line",
+        "",
+        meta={"tests": [{"stdin": "abc\n", "stdout": "cba\n"}, {"stdin": "xy\n", "stdout": "yx"}]},
+    )
     reward = CodeReward(t_min=1.0, t_max=5.0)
     assert reward(item, "print(input()[::-1])") == 1.0
     assert reward(item, "s = input()\nprint(s[::-1] if len(s) == 3 else s)") == 0.5
@@ -170,9 +189,13 @@ def test_a_non_finite_reward_scored_in_the_driver_is_a_counted_reward_error_as_i
     from flash.controllers.scheduler import RolloutCore
 
     rewards = iter([float("nan"), float("inf"), 0.5])
-    core = SimpleNamespace(source=SimpleNamespace(reward=lambda item, text: next(rewards), decode=str),
-                           _lock=threading.Lock(), counters={"reward_errors": 0}, reward_deadline_s=None,
-                           reward_errors=RewardErrors())
+    core = SimpleNamespace(
+        source=SimpleNamespace(reward=lambda item, text: next(rewards), decode=str),
+        _lock=threading.Lock(),
+        counters={"reward_errors": 0},
+        reward_deadline_s=None,
+        reward_errors=RewardErrors(),
+    )
     scores = [RolloutCore.score(core, TaskItem(0, "p", "1/2"), [1]) for _ in range(3)]
     assert scores == [0.0, 0.0, 0.5] and core.counters["reward_errors"] == 2  # never a NaN group
 
@@ -201,8 +224,7 @@ def test_pool_failures_are_named_counted_and_the_run_continues(ray_local):
 def test_pool_timeout_scores_zero_and_replaces_stuck_worker(ray_local):
     from flash.rewards.workers import RewardPool
 
-    pool = RewardPool({"name": "tests.reward_fns:slow", "seconds": 30.0}, num_workers=1,
-                      timeout_s=0.5, max_stuck=0)
+    pool = RewardPool({"name": "tests.reward_fns:slow", "seconds": 30.0}, num_workers=1, timeout_s=0.5, max_stuck=0)
     try:
         r = pool.score(TaskItem(0, "p", ""), "x")
         assert (r.reward, r.reason) == (0.0, "timeout") and 0.5 <= r.wall_s < 0.5 + GRACE_S
@@ -228,8 +250,9 @@ def test_pool_counts_its_workers_cpu_with_the_sandbox_children_they_reaped(ray_l
 
 
 def _max_overlap(intervals: list[tuple[float, float]]) -> int:
-    events = sorted([(s, 1) for s, _ in intervals] + [(e, -1) for _, e in intervals],
-                    key=lambda x: (x[0], x[1]))  # an end before a start at the same instant
+    events = sorted(
+        [(s, 1) for s, _ in intervals] + [(e, -1) for _, e in intervals], key=lambda x: (x[0], x[1])
+    )  # an end before a start at the same instant
     live = peak = 0
     for _, delta in events:
         live += delta
@@ -242,8 +265,12 @@ def test_pool_concurrency_limit_is_honoured(ray_local, tmp_path):
 
     from flash.rewards.workers import RewardPool
 
-    pool = RewardPool({"name": "tests.reward_fns:logged_sleep", "log_dir": str(tmp_path),
-                       "seconds": 0.4}, num_workers=2, concurrency=2, timeout_s=20)
+    pool = RewardPool(
+        {"name": "tests.reward_fns:logged_sleep", "log_dir": str(tmp_path), "seconds": 0.4},
+        num_workers=2,
+        concurrency=2,
+        timeout_s=20,
+    )
     try:
         with ThreadPoolExecutor(12) as ex:  # 12 callers at once, capacity 2 x 2
             results = list(ex.map(lambda i: pool.score(TaskItem(i, "p", ""), "x"), range(12)))
@@ -263,8 +290,7 @@ def test_reward_config_section_is_strict():
     from flash.app.config import load_config
 
     recipe = "recipes/stutter.yaml"
-    cfg = load_config(recipe, ["reward.fn.name=code", "reward.fn.all_or_nothing=true",
-                               "reward.num_workers=3"])
+    cfg = load_config(recipe, ["reward.fn.name=code", "reward.fn.all_or_nothing=true", "reward.num_workers=3"])
     assert (dict(cfg.reward.fn), cfg.reward.num_workers) == ({"name": "code", "all_or_nothing": True}, 3)
     assert load_config(recipe).reward.fn == {}  # unset: the task's own reward, no workers
     for overrides, message in [
@@ -282,15 +308,18 @@ def test_pool_from_config_scores_through_workers(ray_local):
     from flash.rewards.workers import pool_from_config
 
     assert pool_from_config(load_config("recipes/stutter.yaml").reward) is None
-    cfg = load_config("recipes/stutter.yaml", ["reward.fn.name=code", "reward.num_workers=1",
-                                               "reward.fn.t_max=5"])
+    cfg = load_config("recipes/stutter.yaml", ["reward.fn.name=code", "reward.num_workers=1", "reward.fn.t_max=5"])
     pool = pool_from_config(cfg.reward)
     try:
         fn = pool.reward_fn()
         assert fn(ADD, "def add(a, b):\n    return a + b if a else -1") == 0.5
         m = pool.metrics()
-        assert (m["reward/calls"], m["sandbox/status/ok"], m["sandbox/timeout/t_max"],
-                m["sandbox/leaked"]) == (1.0, 1.0, 5.0, 0.0)
+        assert (m["reward/calls"], m["sandbox/status/ok"], m["sandbox/timeout/t_max"], m["sandbox/leaked"]) == (
+            1.0,
+            1.0,
+            5.0,
+            0.0,
+        )
         assert "sandbox/timeout/T/default" not in m  # no correct run yet, so no anchor
     finally:
         pool.close()
@@ -313,8 +342,12 @@ def _kill_mid_call(mark_dir, timeout=60.0) -> int:
 def test_pool_worker_killed_mid_call_is_replaced_and_the_call_scored_again(ray_local, tmp_path):
     from flash.rewards.workers import RewardPool
 
-    pool = RewardPool({"name": "tests.reward_fns:marked_exact", "mark_dir": str(tmp_path), "seconds": 2.0},
-                      num_workers=1, concurrency=2, timeout_s=30)
+    pool = RewardPool(
+        {"name": "tests.reward_fns:marked_exact", "mark_dir": str(tmp_path), "seconds": 2.0},
+        num_workers=1,
+        concurrency=2,
+        timeout_s=30,
+    )
     events = []
     pool.on_event = events.append
     try:
@@ -326,8 +359,12 @@ def test_pool_worker_killed_mid_call_is_replaced_and_the_call_scored_again(ray_l
         assert killed == old[0] and pool.pids() != old
         assert [(r.reward, r.reason) for r in results] == [(1.0, "ok"), (1.0, "ok")]  # scored, not 0
         m = pool.metrics()
-        assert (m["faults/reward"], m["reward/reissued"], m["reward/worker_restarts"], m["reward/calls"]) == \
-            (1.0, 2.0, 1.0, 2.0)  # one death, counted once; both calls issued again; no failure outcome
+        assert (m["faults/reward"], m["reward/reissued"], m["reward/worker_restarts"], m["reward/calls"]) == (
+            1.0,
+            2.0,
+            1.0,
+            2.0,
+        )  # one death, counted once; both calls issued again; no failure outcome
         assert not [k for k in m if k.startswith("reward/failures/")]
         assert [e["event"] for e in events] == ["reward_fault"] and events[0]["recovery_s"] > 0
     finally:
@@ -337,8 +374,12 @@ def test_pool_worker_killed_mid_call_is_replaced_and_the_call_scored_again(ray_l
 def test_pool_stops_the_run_when_workers_keep_dying(ray_local, tmp_path):
     from flash.rewards.workers import RewardFailed, RewardPool
 
-    pool = RewardPool({"name": "tests.reward_fns:marked_exact", "mark_dir": str(tmp_path), "seconds": 2.0},
-                      num_workers=1, timeout_s=30, max_restarts=0)
+    pool = RewardPool(
+        {"name": "tests.reward_fns:marked_exact", "mark_dir": str(tmp_path), "seconds": 2.0},
+        num_workers=1,
+        timeout_s=30,
+        max_restarts=0,
+    )
     try:
         with ThreadPoolExecutor(1) as ex:
             future = ex.submit(pool.score, TaskItem(0, "p", "ab"), "ab")

@@ -88,9 +88,17 @@ def test_merge_spans_is_the_union():
 # ---- two real engine replicas behind a Router --------------------------------------------------
 def tiny_model(seed: int) -> Qwen2ForCausalLM:
     torch.manual_seed(seed)
-    cfg = Qwen2Config(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=2, head_dim=32, initializer_range=0.2,
-                      max_position_embeddings=256)
+    cfg = Qwen2Config(
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=32,
+        initializer_range=0.2,
+        max_position_embeddings=256,
+    )
     return Qwen2ForCausalLM(cfg).eval()
 
 
@@ -104,8 +112,12 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def replicas(model_dir):
     ray.shutdown()
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR",
-             runtime_env={"env_vars": {"PYTHONPATH": os.getcwd(), "OMP_WAIT_POLICY": "PASSIVE"}})
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        logging_level="ERROR",
+        runtime_env={"env_vars": {"PYTHONPATH": os.getcwd(), "OMP_WAIT_POLICY": "PASSIVE"}},
+    )
     engines = [start_engine(model_dir, max_num_seqs=8, seed=0, threads=1) for _ in range(2)]
     wait_ready(*engines)
     yield engines

@@ -22,16 +22,14 @@ LEVELS = ["namespaces", "audit-hook"] if isolation_level() == "namespaces" else 
 
 
 def test_normal_code_reads_stdin_and_passes():
-    res = execute("import sys\nprint(sum(int(x) for x in sys.stdin.read().split()))",
-                  stdin="1 2 3 4\n", timeout_s=5)
+    res = execute("import sys\nprint(sum(int(x) for x in sys.stdin.read().split()))", stdin="1 2 3 4\n", timeout_s=5)
     assert (res.status, res.stdout, res.stderr, res.exit_code, res.signal) == ("ok", "10\n", "", 0, None)
     assert res.isolation == isolation_level()
     assert 0 < res.wall_s < 5
 
 
 def test_error_exit_code_and_working_dir_removed():
-    res = execute("import os, sys\nprint(os.getcwd())\nopen('x.txt', 'w').write('hi')\n"
-                  "sys.exit(3)", timeout_s=5)
+    res = execute("import os, sys\nprint(os.getcwd())\nopen('x.txt', 'w').write('hi')\nsys.exit(3)", timeout_s=5)
     assert (res.status, res.exit_code) == ("error", 3)
     workdir = res.stdout.strip()
     assert "flash-sandbox-" in workdir and not os.path.exists(workdir)
@@ -55,8 +53,7 @@ def test_fork_bomb_is_refused_and_torn_down():
 
 
 def test_fork_bomb_that_swallows_errors_runs_to_the_deadline_and_is_killed_whole():
-    src = ("import os, time\nwhile True:\n    try:\n        os.fork()\n"
-           "    except OSError:\n        time.sleep(0.01)")
+    src = "import os, time\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        time.sleep(0.01)"
     res = execute(src, timeout_s=1.5, max_procs=16)
     assert res.status == "timeout"  # the autouse fixture checks none of the forks survived
 
@@ -67,13 +64,20 @@ def test_memory_bomb_is_memory():
 
 
 def test_limits_are_the_ones_asked_for():
-    src = ("import resource as r, json\nprint(json.dumps({n: r.getrlimit(getattr(r, n)) for n in "
-           "['RLIMIT_CPU', 'RLIMIT_AS', 'RLIMIT_NPROC', 'RLIMIT_FSIZE', 'RLIMIT_NOFILE']}))")
+    src = (
+        "import resource as r, json\nprint(json.dumps({n: r.getrlimit(getattr(r, n)) for n in "
+        "['RLIMIT_CPU', 'RLIMIT_AS', 'RLIMIT_NPROC', 'RLIMIT_FSIZE', 'RLIMIT_NOFILE']}))"
+    )
     res = execute(src, timeout_s=2.5, memory_mb=300, max_procs=7, max_file_mb=3, max_open_files=40)
     got = json.loads(res.stdout)
     # CPU: ceil(2.5) + 1 = 4 soft, 5 hard; sizes in bytes
-    assert got == {"RLIMIT_CPU": [4, 5], "RLIMIT_AS": [300 << 20] * 2, "RLIMIT_NPROC": [7, 7],
-                   "RLIMIT_FSIZE": [3 << 20] * 2, "RLIMIT_NOFILE": [40, 40]}
+    assert got == {
+        "RLIMIT_CPU": [4, 5],
+        "RLIMIT_AS": [300 << 20] * 2,
+        "RLIMIT_NPROC": [7, 7],
+        "RLIMIT_FSIZE": [3 << 20] * 2,
+        "RLIMIT_NOFILE": [40, 40],
+    }
 
 
 def test_big_file_is_refused_by_fsize():
@@ -88,9 +92,11 @@ def test_write_outside_its_directory_fails(tmp_path, level):
     victim.write_text("original")
     outside = Path("/tmp") / f"flash-sandbox-escape-{os.getpid()}"
     system = "/usr/flash-sandbox-escape"
-    src = (f"for p in [{str(victim)!r}, {str(outside)!r}, {system!r}]:\n"
-           "    try:\n        open(p, 'w').write('pwned')\n        print('wrote', p)\n"
-           "    except OSError as e:\n        print('refused', p, e.errno)")
+    src = (
+        f"for p in [{str(victim)!r}, {str(outside)!r}, {system!r}]:\n"
+        "    try:\n        open(p, 'w').write('pwned')\n        print('wrote', p)\n"
+        "    except OSError as e:\n        print('refused', p, e.errno)"
+    )
     res = execute(src, timeout_s=5, isolation=level)
     assert res.status == "ok" and f"refused {victim}" in res.stdout
     assert f"refused {system}" in res.stdout and not os.path.exists(system)
@@ -108,8 +114,10 @@ def test_network_connection_fails_and_reaches_nothing(level):
     server.listen(1)
     server.settimeout(0.5)
     port = server.getsockname()[1]
-    src = (f"import socket\ns = socket.create_connection(('127.0.0.1', {port}), timeout=2)\n"
-           "s.sendall(b'exfiltrated')\nprint('connected')")
+    src = (
+        f"import socket\ns = socket.create_connection(('127.0.0.1', {port}), timeout=2)\n"
+        "s.sendall(b'exfiltrated')\nprint('connected')"
+    )
     res = execute(src, timeout_s=5, isolation=level)
     assert res.status == "error" and "connected" not in res.stdout
     expect = "Network is unreachable" if level == "namespaces" else "flash sandbox: socket."
@@ -121,16 +129,17 @@ def test_network_connection_fails_and_reaches_nothing(level):
 
 def test_parent_environment_secrets_are_absent(monkeypatch):
     monkeypatch.setenv("FLASH_TEST_SECRET", "hunter2-token")
-    src = (f"import os, json\nleak = []\n"
-           f"for p in ['/proc/{os.getpid()}/environ', '/proc/1/environ', '/proc/self/environ']:\n"
-           "    try:\n        leak.append(open(p, 'rb').read().decode(errors='replace'))\n"
-           "    except OSError:\n        pass\n"
-           "print(json.dumps({'env': dict(os.environ), 'proc': leak}))")
+    src = (
+        f"import os, json\nleak = []\n"
+        f"for p in ['/proc/{os.getpid()}/environ', '/proc/1/environ', '/proc/self/environ']:\n"
+        "    try:\n        leak.append(open(p, 'rb').read().decode(errors='replace'))\n"
+        "    except OSError:\n        pass\n"
+        "print(json.dumps({'env': dict(os.environ), 'proc': leak}))"
+    )
     res = execute(src, timeout_s=5)
     assert res.status == "ok" and "hunter2-token" not in res.stdout
     env = json.loads(res.stdout)["env"]
-    assert set(env) == {"PATH", "HOME", "TMPDIR", "LANG", "PYTHONIOENCODING",
-                        "PYTHONDONTWRITEBYTECODE"}
+    assert set(env) == {"PATH", "HOME", "TMPDIR", "LANG", "PYTHONIOENCODING", "PYTHONDONTWRITEBYTECODE"}
 
 
 def test_killing_its_parent_kills_only_the_sandbox():
@@ -149,8 +158,9 @@ def test_signalling_the_host_by_pid_is_refused():
 
 
 def test_output_is_capped():
-    res = execute("import sys\nsys.stdout.write('x' * 500000)\nsys.stderr.write('e' * 500000)",
-                  timeout_s=5, max_output_bytes=1000)
+    res = execute(
+        "import sys\nsys.stdout.write('x' * 500000)\nsys.stderr.write('e' * 500000)", timeout_s=5, max_output_bytes=1000
+    )
     assert (res.status, len(res.stdout), len(res.stderr), res.truncated) == ("ok", 1000, 1000, True)
 
 
@@ -201,16 +211,24 @@ def _copy_sandbox_package(home: Path) -> None:
     for init in (home / "flash" / "__init__.py", package / "__init__.py"):
         init.write_text("")
     module = Path(sandbox.__file__)
-    for name in ("sandbox.py", "forkserver.py", "cgroups.py", "_jail.py", "_zygote.py",
-                 "syscall_filter.py", "deadline.py"):
+    for name in (
+        "sandbox.py",
+        "forkserver.py",
+        "cgroups.py",
+        "_jail.py",
+        "_zygote.py",
+        "syscall_filter.py",
+        "deadline.py",
+    ):
         shutil.copyfile(module.with_name(name), package / name)
     for p in home.rglob("*"):
         os.chmod(p, 0o755 if p.is_dir() else 0o644)
 
 
-@pytest.mark.skipif(os.geteuid() != 0 or not Path("/usr/bin/setpriv").exists()
-                    or isolation_level() != "namespaces",
-                    reason="needs root (to become an ordinary user) and namespaces")
+@pytest.mark.skipif(
+    os.geteuid() != 0 or not Path("/usr/bin/setpriv").exists() or isolation_level() != "namespaces",
+    reason="needs root (to become an ordinary user) and namespaces",
+)
 def test_as_an_ordinary_user_same_uid_files_and_parent_are_still_safe():
     """CI may run as a non-root user: then the code runs under the *same* uid as its parent, and
     only the namespaces (read-only mounts, own pid namespace) protect the parent's files and the
@@ -234,14 +252,29 @@ def test_as_an_ordinary_user_same_uid_files_and_parent_are_still_safe():
             f"w = execute({write_src!r}, timeout_s=5)\n"
             "k = execute('import os\\nos.kill(os.getppid(), 9)', timeout_s=5)\n"
             "p = execute('import os\\nos.kill(%d, 9)' % os.getpid(), timeout_s=5)\n"
-            "print(json.dumps([os.getuid(), w.status, w.isolation, k.status, p.status, p.stderr]))\n")
-        out = subprocess.run(["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups",
-                              "/usr/bin/python3", "-I", "-c", driver],
-                             capture_output=True, text=True, timeout=60, cwd="/")
+            "print(json.dumps([os.getuid(), w.status, w.isolation, k.status, p.status, p.stderr]))\n"
+        )
+        out = subprocess.run(
+            [
+                "setpriv",
+                "--reuid",
+                "65534",
+                "--regid",
+                "65534",
+                "--clear-groups",
+                "/usr/bin/python3",
+                "-I",
+                "-c",
+                driver,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd="/",
+        )
         assert out.returncode == 0, out.stderr
         uid, write, level, kill_parent, kill_driver, err = json.loads(out.stdout)
-        assert (uid, write, level, kill_parent, kill_driver) == (65534, "error", "namespaces",
-                                                                 "ok", "error")
+        assert (uid, write, level, kill_parent, kill_driver) == (65534, "error", "namespaces", "ok", "error")
         assert "ProcessLookupError" in err  # the driver's pid does not exist in its pid namespace
         assert victim.read_text() == "original"  # same uid, file writable by it: ro mount held
     finally:
@@ -270,7 +303,8 @@ def test_unisolated_host_refuses_code_unless_allowed_then_warns_and_counts(uniso
         assert reward(item, "print(int(input()) * 2)") == 1.0
     assert [r.message for r in caplog.records].count(
         "flash sandbox: running model-written code WITHOUT namespace isolation "
-        "(reward.sandbox.allow_unisolated: true); only an audit hook guards the host") == 1
+        "(reward.sandbox.allow_unisolated: true); only an audit hook guards the host"
+    ) == 1
     assert reward.metrics()["sandbox/unisolated_calls"] == 2.0
     # an explicit level is the caller's choice, not the fallback: never refused
     sandbox.allow_unisolated(False)

@@ -19,8 +19,7 @@ from flash.rewards import cgroups, forkserver, sandbox
 from flash.rewards.sandbox import execute, isolation_level
 from tests.helpers.sandbox import host_untouched  # noqa: F401 -- autouse: nothing outlives a call
 
-pytestmark = pytest.mark.skipif(isolation_level() != "namespaces",
-                                reason="this host gives no namespaces")
+pytestmark = pytest.mark.skipif(isolation_level() != "namespaces", reason="this host gives no namespaces")
 
 _SEQ = itertools.count()
 # Bound to the test's marker before each program: a child that runs ``sleep MARK`` and a wait
@@ -41,24 +40,33 @@ def ignore_signals():
 
 # name -> (program, status)
 DETACHING = {
-    "new session": ("pid = os.fork()\nif pid == 0:\n    os.setsid()\n    sleep_here()\n"
-                    "until_sleeping(pid)", "ok"),
-    "new process group": ("pid = os.fork()\nif pid == 0:\n    os.setpgid(0, 0)\n    sleep_here()\n"
-                          "until_sleeping(pid)", "ok"),
-    "double fork": ("pid = os.fork()\nif pid == 0:\n    grandchild = os.fork()\n"
-                    "    if grandchild == 0:\n        os.setsid()\n        sleep_here()\n"
-                    "    until_sleeping(grandchild)\n    os._exit(0)\nos.waitpid(pid, 0)\n"
-                    "time.sleep(60)", "timeout"),
-    "death signal cleared": ("clear_death_signal()\nos.write(1, b'detached\\n')\nsleep_here()",
-                             "timeout"),
-    "signals ignored": ("clear_death_signal()\nignore_signals()\npid = os.fork()\nif pid == 0:\n"
-                        "    os.setsid()\n    clear_death_signal()\n    sleep_here()\n"
-                        "until_sleeping(pid)\nwhile True:\n    pass", "timeout"),
-    "fork bomb at the pids limit": ("clear_death_signal()\nn = 0\nwhile True:\n    try:\n"
-                                    "        pid = os.fork()\n    except OSError:\n        break\n"
-                                    "    if pid == 0:\n        os.setsid()\n        sleep_here()\n"
-                                    "    n += 1\nuntil_sleeping(pid)\nprint(n, flush=True)\n"
-                                    "time.sleep(60)", "timeout"),
+    "new session": ("pid = os.fork()\nif pid == 0:\n    os.setsid()\n    sleep_here()\nuntil_sleeping(pid)", "ok"),
+    "new process group": (
+        "pid = os.fork()\nif pid == 0:\n    os.setpgid(0, 0)\n    sleep_here()\nuntil_sleeping(pid)",
+        "ok",
+    ),
+    "double fork": (
+        "pid = os.fork()\nif pid == 0:\n    grandchild = os.fork()\n"
+        "    if grandchild == 0:\n        os.setsid()\n        sleep_here()\n"
+        "    until_sleeping(grandchild)\n    os._exit(0)\nos.waitpid(pid, 0)\n"
+        "time.sleep(60)",
+        "timeout",
+    ),
+    "death signal cleared": ("clear_death_signal()\nos.write(1, b'detached\\n')\nsleep_here()", "timeout"),
+    "signals ignored": (
+        "clear_death_signal()\nignore_signals()\npid = os.fork()\nif pid == 0:\n"
+        "    os.setsid()\n    clear_death_signal()\n    sleep_here()\n"
+        "until_sleeping(pid)\nwhile True:\n    pass",
+        "timeout",
+    ),
+    "fork bomb at the pids limit": (
+        "clear_death_signal()\nn = 0\nwhile True:\n    try:\n"
+        "        pid = os.fork()\n    except OSError:\n        break\n"
+        "    if pid == 0:\n        os.setsid()\n        sleep_here()\n"
+        "    n += 1\nuntil_sleeping(pid)\nprint(n, flush=True)\n"
+        "time.sleep(60)",
+        "timeout",
+    ),
 }
 
 
@@ -85,8 +93,7 @@ def _with_marker(mark: str) -> set[int]:
 
 def _call_cgroups() -> list[Path]:
     """Cgroup directories of this process's sandbox calls that exist now."""
-    return [d for base in cgroups._bases().values()
-            for d in base.glob(f"flash-sandbox-{os.getpid()}-*")]
+    return [d for base in cgroups._bases().values() for d in base.glob(f"flash-sandbox-{os.getpid()}-*")]
 
 
 @pytest.fixture(params=["cgroups", "pid namespace only"])
@@ -155,16 +162,29 @@ def test_the_audit_hook_level_runs_in_the_call_cgroups_too():
     assert _call_cgroups() == []
 
 
-HOST_ETC = ("passwd", "shadow", "group", "hosts", "hostname", "resolv.conf", "os-release",
-            "machine-id", "fstab", "ssh", "environment")
+HOST_ETC = (
+    "passwd",
+    "shadow",
+    "group",
+    "hosts",
+    "hostname",
+    "resolv.conf",
+    "os-release",
+    "machine-id",
+    "fstab",
+    "ssh",
+    "environment",
+)
 
 
 def test_etc_is_synthesized_not_the_hosts():
-    probe = ("import json, os\nout = {'ls': sorted(os.listdir('/etc')), 'read': {}}\n"
-             f"for name in {list(HOST_ETC)!r}:\n"
-             "    try:\n        out['read'][name] = open('/etc/' + name).read()\n"
-             "    except OSError as exc:\n        out['read'][name] = type(exc).__name__\n"
-             "print(json.dumps(out))")
+    probe = (
+        "import json, os\nout = {'ls': sorted(os.listdir('/etc')), 'read': {}}\n"
+        f"for name in {list(HOST_ETC)!r}:\n"
+        "    try:\n        out['read'][name] = open('/etc/' + name).read()\n"
+        "    except OSError as exc:\n        out['read'][name] = type(exc).__name__\n"
+        "print(json.dumps(out))"
+    )
     res = execute(probe, timeout_s=10)
     assert res.status == "ok", res.stderr
     import json
@@ -182,11 +202,13 @@ def test_etc_is_synthesized_not_the_hosts():
 
 
 def test_python_runs_normally_on_the_synthesized_etc():
-    src = ("import getpass, os, pwd, time, ctypes.util, subprocess, sys\n"
-           "print(getpass.getuser(), pwd.getpwuid(os.getuid()).pw_dir == os.getcwd(),"
-           " time.strftime('%Z') != '', ctypes.util.find_library('c') is not None)\n"
-           "print(subprocess.run([sys.executable, '-c', 'import decimal, sqlite3; print(7)'],"
-           " capture_output=True, text=True).stdout.strip())")
+    src = (
+        "import getpass, os, pwd, time, ctypes.util, subprocess, sys\n"
+        "print(getpass.getuser(), pwd.getpwuid(os.getuid()).pw_dir == os.getcwd(),"
+        " time.strftime('%Z') != '', ctypes.util.find_library('c') is not None)\n"
+        "print(subprocess.run([sys.executable, '-c', 'import decimal, sqlite3; print(7)'],"
+        " capture_output=True, text=True).stdout.strip())"
+    )
     res = execute(src, timeout_s=10)
     user = "nobody" if os.geteuid() in (0, 65534) else "sandbox"
     assert (res.status, res.stdout) == ("ok", f"{user} True True True\n7\n"), res.stderr[-500:]
@@ -207,8 +229,7 @@ def test_a_call_left_behind_is_counted_and_removed_at_the_next_call(monkeypatch,
     assert (sandbox.leaked(), cgroups.left(), _call_cgroups()) == (leaked + 1, 0, [])
 
 
-def test_without_namespaces_or_cgroups_only_the_process_group_is_killed_and_it_says_so(
-        monkeypatch, caplog):
+def test_without_namespaces_or_cgroups_only_the_process_group_is_killed_and_it_says_so(monkeypatch, caplog):
     monkeypatch.setattr(cgroups, "create", lambda *a: None)
     monkeypatch.setitem(sandbox._POLICY, "warned_pgroup", False)
     res = execute("print('ok')", isolation="audit-hook")

@@ -94,8 +94,12 @@ def test_response_lengths_seeded_capped_and_long_tailed():
 
 # ---- the engine --------------------------------------------------------------------------------
 def _requests(n: int, max_new: int = 40, prefix: str = "r") -> list[GenerationRequest]:
-    return [GenerationRequest(f"{prefix}{i}", [1, 2, 3], SamplingParams(max_new_tokens=max_new, stop_token_ids=[STOP],
-                                                                         seed=i)) for i in range(n)]
+    return [
+        GenerationRequest(
+            f"{prefix}{i}", [1, 2, 3], SamplingParams(max_new_tokens=max_new, stop_token_ids=[STOP], seed=i)
+        )
+        for i in range(n)
+    ]
 
 
 def _settings(**kw) -> SimSettings:
@@ -150,8 +154,10 @@ def test_engine_keeps_the_contract(model_dir):
         done = _finish(w, {"bad", "ok0", "ok1"})
         assert done["bad"].finish_reason == "error" and "vocabulary" in done["bad"].error
         # continue: partial responses kept, later tokens carry the new version
-        long = [GenerationRequest("c", [1, 2], SamplingParams(max_new_tokens=400, seed=1)),
-                GenerationRequest("x", [1, 2], SamplingParams(max_new_tokens=400, seed=2))]
+        long = [
+            GenerationRequest("c", [1, 2], SamplingParams(max_new_tokens=400, seed=1)),
+            GenerationRequest("x", [1, 2], SamplingParams(max_new_tokens=400, seed=2)),
+        ]
         w.submit(long)
         time.sleep(0.2)
         w.pause("continue")
@@ -204,8 +210,18 @@ def _fed(b: SimBatcher) -> SimBatcher:
 
 # ---- the trainer -------------------------------------------------------------------------------
 def _batch():
-    samples = [Sample(prompt_id=0, sample_index=k, prompt_ids=[1, 2, 3], response_ids=[4] * (k + 2),
-                      behav_logprobs=[-0.5] * (k + 2), versions=[0] * (k + 2), reward=float(k)) for k in range(4)]
+    samples = [
+        Sample(
+            prompt_id=0,
+            sample_index=k,
+            prompt_ids=[1, 2, 3],
+            response_ids=[4] * (k + 2),
+            behav_logprobs=[-0.5] * (k + 2),
+            versions=[0] * (k + 2),
+            reward=float(k),
+        )
+        for k in range(4)
+    ]
     return collate(samples, pad_id=0)
 
 
@@ -238,9 +254,10 @@ def test_trainer_time_metrics_and_checkpoint(tmp_path):
 def test_bad_sim_config_is_one_clear_line():
     from flash.app.config import load_config
 
-    assert check_sim(SimConfig(model="qwen2.5-7b")) .startswith("unknown sim.model 'qwen2.5-7b'")
-    assert check_sim(SimConfig(rollout_gpus=6, model="qwen2.5-32b-h100")) == \
-        "sim.rollout_gpus=6 is not a multiple of tp=4"
+    assert check_sim(SimConfig(model="qwen2.5-7b")).startswith("unknown sim.model 'qwen2.5-7b'")
+    assert (
+        check_sim(SimConfig(rollout_gpus=6, model="qwen2.5-32b-h100")) == "sim.rollout_gpus=6 is not a multiple of tp=4"
+    )
     with pytest.raises(ConfigError, match="set both to sim, or neither"):
         load_config("recipes/stutter.yaml", ["rollout.engine=sim"])
     with pytest.raises(ConfigError, match="sim.time_scale must be > 0"):
@@ -274,8 +291,16 @@ def test_simulated_run_keeps_the_bound_and_loses_nothing(tmp_path, ray_session):
     from tests.helpers.inproc import small_cfg
 
     steps, ratio = 6, 2
-    cfg = small_cfg(tmp_path, str(tmp_path / "cache"), "rollout.engine=sim", "train.backend=sim",
-                    f"async_ratio={ratio}", f"train.steps={steps}", "sim.time_scale=0.01", "task.eval_size=4")
+    cfg = small_cfg(
+        tmp_path,
+        str(tmp_path / "cache"),
+        "rollout.engine=sim",
+        "train.backend=sim",
+        f"async_ratio={ratio}",
+        f"train.steps={steps}",
+        "sim.time_scale=0.01",
+        "task.eval_size=4",
+    )
     summary = run(cfg, "sim")
     assert summary["steps"] == steps and summary["max_staleness_observed"] <= ratio
     lines = _ledger(tmp_path)
@@ -302,8 +327,10 @@ def test_sim_eff_replaces_preset_fields_and_names_the_closest():
     fitted = cost_model(SimConfig(model="tiny-cpu-1t", eff={"step_overhead_s": 0.03}))
     assert fitted.eff.step_overhead_s == 0.03
     assert fitted.eff.seq_overhead_s == cost.PRESETS["tiny-cpu-1t"].eff.seq_overhead_s
-    assert check_sim(SimConfig(eff={"step_overhed_s": 1.0})) == \
-        "unknown key sim.eff.step_overhed_s; did you mean sim.eff.step_overhead_s?"
+    assert (
+        check_sim(SimConfig(eff={"step_overhed_s": 1.0}))
+        == "unknown key sim.eff.step_overhed_s; did you mean sim.eff.step_overhead_s?"
+    )
     assert check_sim(SimConfig(eff={"hbm": -1.0})) == "sim.eff.hbm must be >= 0, got -1.0"
 
 
@@ -324,17 +351,29 @@ def test_observed_lengths_from_a_ledger_or_a_list_and_their_errors(tmp_path):
 
     ledger = tmp_path / "run" / "ledger.jsonl"
     ledger.parent.mkdir()
-    rows = [(0, 1, "trained", 3), (0, 1, "dropped", 99), (0, 2, "trained", 30), (0, 1, "trained", 4),
-            (1, 1, "trained", 0), (0, 2, "trained", 33)]
-    ledger.write_text("".join(json.dumps({"step": st, "prompt_id": p, "outcome": o, "len": n}) + "\n"
-                              for st, p, o, n in rows))
+    rows = [
+        (0, 1, "trained", 3),
+        (0, 1, "dropped", 99),
+        (0, 2, "trained", 30),
+        (0, 1, "trained", 4),
+        (1, 1, "trained", 0),
+        (0, 2, "trained", 33),
+    ]
+    ledger.write_text(
+        "".join(json.dumps({"step": st, "prompt_id": p, "outcome": o, "len": n}) + "\n" for st, p, o, n in rows)
+    )
     assert load_lengths(str(tmp_path / "run")) == load_lengths(str(ledger)) == ((3, 4), (30, 33), (1,))
     (tmp_path / "list.json").write_text("[5, 9]\n12\n")
     assert load_lengths(str(tmp_path / "list.json")) == ((5,), (9,), (12,))
     groups = ((4, 5), (20, 21), (60,))
     b = SimBatcher(_settings(lengths=groups), VOCAB, max_num_seqs=8, seed=3)
-    requests = [GenerationRequest(f"p{p}-{i}", [1, p], SamplingParams(max_new_tokens=40, stop_token_ids=[STOP],
-                                                                      seed=10 * p + i)) for p in range(12) for i in range(6)]
+    requests = [
+        GenerationRequest(
+            f"p{p}-{i}", [1, p], SamplingParams(max_new_tokens=40, stop_token_ids=[STOP], seed=10 * p + i)
+        )
+        for p in range(12)
+        for i in range(6)
+    ]
     for r in requests:
         b.add_request(r)
     by_prompt: dict[str, set[int]] = {}
@@ -348,8 +387,11 @@ def test_observed_lengths_from_a_ledger_or_a_list_and_their_errors(tmp_path):
     assert [s.target for s in b._waiting] == [11]
     (tmp_path / "bad.txt").write_text("4\nfour\n")
     (tmp_path / "neg.txt").write_text("[4, -1]\n")
-    for name, needle in [("missing", "no file"), ("bad.txt", "bad.txt line 2 is neither JSON"),
-                         ("neg.txt", "line 1 has -1 where a length")]:
+    for name, needle in [
+        ("missing", "no file"),
+        ("bad.txt", "bad.txt line 2 is neither JSON"),
+        ("neg.txt", "line 1 has -1 where a length"),
+    ]:
         assert needle in check_sim(SimConfig(lengths=str(tmp_path / name)))
     (tmp_path / "empty").mkdir()
     (tmp_path / "empty" / "ledger.jsonl").write_text(json.dumps({"outcome": "dropped", "len": 5}) + "\n")

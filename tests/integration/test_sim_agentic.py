@@ -41,8 +41,15 @@ def test_synthetic_episodes_come_from_the_seed_whatever_the_actions():
         env.step("a")
 
 
-@pytest.mark.parametrize("bad, match", [({"turns_min": 0}, "turns_min"), ({"turns_min": 5, "turns_max": 4}, "turns_max"),
-                                        ({"obs_chars": 0}, "obs_chars"), ({"success_rate": 1.5}, "success_rate")])
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        ({"turns_min": 0}, "turns_min"),
+        ({"turns_min": 5, "turns_max": 4}, "turns_max"),
+        ({"obs_chars": 0}, "obs_chars"),
+        ({"success_rate": 1.5}, "success_rate"),
+    ],
+)
 def test_synthetic_options_are_checked(bad, match):
     with pytest.raises(ValueError, match=match):
         SyntheticOptions(**bad)
@@ -76,20 +83,37 @@ def _sim_run(tmp_path, name: str, *overrides: str) -> tuple[dict, list[dict], li
     from flash.app.runner import run
 
     d = tmp_path / name
-    cfg = load_config("recipes/sim_agentic.yaml", [
-        f"run_dir={d}", "train.steps=4", "train.prompts_per_step=8", "rollout.n=4", "sim.rollout_gpus=4",
-        "sim.train_gpus=4", "task.turns_min=2", "task.turns_max=4", "task.env_workers=2", "task.eval_size=2",
-        "tracking.progress=false", "checkpoint.enabled=false", *overrides])
+    cfg = load_config(
+        "recipes/sim_agentic.yaml",
+        [
+            f"run_dir={d}",
+            "train.steps=4",
+            "train.prompts_per_step=8",
+            "rollout.n=4",
+            "sim.rollout_gpus=4",
+            "sim.train_gpus=4",
+            "task.turns_min=2",
+            "task.turns_max=4",
+            "task.env_workers=2",
+            "task.eval_size=2",
+            "tracking.progress=false",
+            "checkpoint.enabled=false",
+            *overrides,
+        ],
+    )
     summary = run(cfg, "sim")
-    ledger, metrics = ([json.loads(x) for x in (d / f).read_text().splitlines()] for f in ("ledger.jsonl", "metrics.jsonl"))
+    ledger, metrics = (
+        [json.loads(x) for x in (d / f).read_text().splitlines()] for f in ("ledger.jsonl", "metrics.jsonl")
+    )
     return summary, ledger, metrics
 
 
 @pytest.mark.slow  # ~40 s on a loaded machine, Ray and actor start-up included
 def test_simulated_agentic_run_keeps_the_bound_loses_nothing_and_counts_the_environment(tmp_path, ray_session):
     ratio, steps, n, prompts = 2, 4, 4, 8
-    summary, ledger, metrics = _sim_run(tmp_path, "a", f"async_ratio={ratio}", "sim.time_scale=0.02",
-                                        "task.step_delay_s=5.0", "task.step_delay_sigma=0")
+    summary, ledger, metrics = _sim_run(
+        tmp_path, "a", f"async_ratio={ratio}", "sim.time_scale=0.02", "task.step_delay_s=5.0", "task.step_delay_sigma=0"
+    )
     assert summary["steps"] == steps and summary["max_staleness_observed"] <= ratio
     trained = [x for x in ledger if x["outcome"] == "trained"]
     assert len(trained) == steps * prompts * n and all(x["step"] - x["version"] <= ratio for x in trained)
@@ -113,10 +137,18 @@ def test_simulated_agentic_run_keeps_the_bound_loses_nothing_and_counts_the_envi
 @pytest.mark.margin  # ~30 s: two short runs (the engine's determinism is pinned in tests/integration/test_sim.py)
 def test_a_simulated_agentic_run_is_deterministic_for_a_seed(tmp_path, ray_session):
     """Same seed, same episodes: every trained sample's tokens, reward and outcome (times differ)."""
-    runs = [_sim_run(tmp_path, f"d{i}", "async_ratio=0", "train.steps=2", "sim.time_scale=0.005",
-                     "task.step_delay_s=0.5") for i in range(2)]
-    keys = [sorted((x["prompt_id"], x["sample"], x["reward"], x.get("len"), x["step"]) for x in ledger
-                   if x["outcome"] == "trained") for _, ledger, _ in runs]
+    runs = [
+        _sim_run(tmp_path, f"d{i}", "async_ratio=0", "train.steps=2", "sim.time_scale=0.005", "task.step_delay_s=0.5")
+        for i in range(2)
+    ]
+    keys = [
+        sorted(
+            (x["prompt_id"], x["sample"], x["reward"], x.get("len"), x["step"])
+            for x in ledger
+            if x["outcome"] == "trained"
+        )
+        for _, ledger, _ in runs
+    ]
     assert keys[0] == keys[1] and len(keys[0]) == 2 * 8 * 4
     assert not math.isclose(sum(k[2] for k in keys[0]), 0.0)  # rewards vary: episodes succeed and fail
 
@@ -126,9 +158,16 @@ def test_an_episode_whose_step_hangs_again_after_its_replay_ends_as_env_hung(tmp
     """Latency drawn from (episode, step) comes back on a replay: without a bound, an episode whose
     step outlasts the hang timeout would kill its worker for ever. Median 0.09 real s, sigma 1.5:
     about one step in 100 outlasts the 3 s timeout."""
-    summary, ledger, _ = _sim_run(tmp_path, "h", "async_ratio=1", "sim.time_scale=0.02", "task.step_delay_s=4.5",
-                                        "task.step_delay_sigma=1.5", "rollout.hang_timeout_s=3",
-                                        "rollout.max_worker_restarts=100")
+    summary, ledger, _ = _sim_run(
+        tmp_path,
+        "h",
+        "async_ratio=1",
+        "sim.time_scale=0.02",
+        "task.step_delay_s=4.5",
+        "task.step_delay_sigma=1.5",
+        "rollout.hang_timeout_s=3",
+        "rollout.max_worker_restarts=100",
+    )
     counters = summary["rollout_counters"]
     hung = counters.get("outcome/env_hung", 0)
     assert hung >= 1 and counters["episodes_restarted"] >= hung

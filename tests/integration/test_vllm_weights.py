@@ -9,9 +9,13 @@ from flash.engine.vllm_weights import check_whole_layers, layer_buckets, weights
 from flash.weights.cuda_ipc import handle_from_wire
 from flash.weights.model_update import ModelUpdateError
 
-SHAPES = {"model.layers.0.self_attn.q_proj.weight": (4, 4), "model.layers.0.self_attn.k_proj.weight": (2, 4),
-          "model.layers.0.self_attn.v_proj.weight": (2, 4), "model.layers.0.mlp.down_proj.weight": (4, 8),
-          "model.embed_tokens.weight": (10, 4)}
+SHAPES = {
+    "model.layers.0.self_attn.q_proj.weight": (4, 4),
+    "model.layers.0.self_attn.k_proj.weight": (2, 4),
+    "model.layers.0.self_attn.v_proj.weight": (2, 4),
+    "model.layers.0.mlp.down_proj.weight": (4, 8),
+    "model.embed_tokens.weight": (10, 4),
+}
 QKV = [n for n in SHAPES if "self_attn" in n]
 
 
@@ -38,8 +42,11 @@ def test_unknown_names_wrong_shapes_and_half_layers_are_refused_with_the_reason(
     check_whole_layers(tensors(["model.layers.0.mlp.down_proj.weight"]), SHAPES)  # a layer of its own
 
 
-LAYERS = {**{f"model.layers.{i}.self_attn.{p}_proj.weight": (4, 4) for i in range(2) for p in "qkv"},
-          **{f"model.layers.{i}.mlp.down_proj.weight": (4, 8) for i in range(2)}, "model.embed_tokens.weight": (10, 4)}
+LAYERS = {
+    **{f"model.layers.{i}.self_attn.{p}_proj.weight": (4, 4) for i in range(2) for p in "qkv"},
+    **{f"model.layers.{i}.mlp.down_proj.weight": (4, 8) for i in range(2)},
+    "model.embed_tokens.weight": (10, 4),
+}
 
 
 def test_layer_buckets_hold_whole_layers_in_the_engine_dtype_under_the_bound():
@@ -56,20 +63,51 @@ def test_layer_buckets_hold_whole_layers_in_the_engine_dtype_under_the_bound():
     # a layer larger than the bound is a bucket of its own; an incomplete one is refused
     assert [len(b) for b in layer_buckets(trainer.items(), LAYERS, bucket_bytes=1)] == [3, 3, 1, 1, 1]
     with pytest.raises(ValueError, match="whole layers: model.layers.1.self_attn.qkv lacks .*v_proj"):
-        list(layer_buckets([(n, t) for n, t in trainer.items() if n != "model.layers.1.self_attn.v_proj.weight"],
-                           LAYERS))
+        list(
+            layer_buckets([(n, t) for n, t in trainer.items() if n != "model.layers.1.self_attn.v_proj.weight"], LAYERS)
+        )
 
 
 def test_a_cuda_ipc_handle_crosses_msgpack_as_names_and_comes_back_whole():
     import msgpack
 
-    args = (torch.Tensor, torch.Size([64]), (1,), 0, torch.UntypedStorage, torch.uint8, 0, b"\x01handle", 64, 0,
-            False, b"ref", 0, b"event", True)
+    args = (
+        torch.Tensor,
+        torch.Size([64]),
+        (1,),
+        0,
+        torch.UntypedStorage,
+        torch.uint8,
+        0,
+        b"\x01handle",
+        64,
+        0,
+        False,
+        b"ref",
+        0,
+        b"event",
+        True,
+    )
     sent = {"bytes": 64, "path": None, "send_s": 0.1, "handle": {"key": "k", "args": args, "bytes": 64}}
     wire = msgpack.unpackb(msgpack.packb(wire_sent(sent)))
     back = handle_from_wire(wire["handle"])
-    assert back["args"] == (torch.Tensor, (64,), (1,), 0, torch.UntypedStorage, torch.uint8, 0, b"\x01handle", 64,
-                            0, False, b"ref", 0, b"event", True)
+    assert back["args"] == (
+        torch.Tensor,
+        (64,),
+        (1,),
+        0,
+        torch.UntypedStorage,
+        torch.uint8,
+        0,
+        b"\x01handle",
+        64,
+        0,
+        False,
+        b"ref",
+        0,
+        b"event",
+        True,
+    )
     assert wire_sent({**sent, "handle": None})["handle"] is None
     wire["handle"]["args"][0] = ["class", "os.system"]
     with pytest.raises(ModelUpdateError, match="unknown class 'os.system'"):

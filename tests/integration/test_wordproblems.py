@@ -73,8 +73,10 @@ def test_math_recipe_learns(tmp_path):
     from flash.app.config import load_config
     from flash.app.runner import run
 
-    cfg = load_config("recipes/math.yaml", [f"run_dir={tmp_path / 'run'}",
-                                            f"cache_dir={tmp_path / 'cache'}", "tracking.progress=false"])
+    cfg = load_config(
+        "recipes/math.yaml",
+        [f"run_dir={tmp_path / 'run'}", f"cache_dir={tmp_path / 'cache'}", "tracking.progress=false"],
+    )
     try:
         s = run(cfg, "math")
     finally:

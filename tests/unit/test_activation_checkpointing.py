@@ -19,8 +19,9 @@ ROWS, MICRO = 7, 3  # three micro-batches (3, 3, 1 rows) of the toy model's 2 de
 
 def one_step(dtype: str, checkpointing: bool):
     """One optimizer step; the decoder-layer calls (recomputes included), gradients and metrics."""
-    trainer = Trainer(toy_model(), settings(micro_batch_size=MICRO, dtype=dtype,
-                                            activation_checkpointing=checkpointing), seed=0)
+    trainer = Trainer(
+        toy_model(), settings(micro_batch_size=MICRO, dtype=dtype, activation_checkpointing=checkpointing), seed=0
+    )
     calls = []
     for layer in decoder_layers(trainer.model):  # a pre-hook: a recompute stops before forward hooks
         layer.register_forward_pre_hook(lambda *_: calls.append(1))

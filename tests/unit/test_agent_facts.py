@@ -18,14 +18,29 @@ from flash.controllers.workflows.base import Unit
 from flash.engine.base import SamplingParams
 
 
-@pytest.mark.parametrize("info, facts, dropped", [
-    ({"tool_calls": 3}, {"tool_calls": 3.0}, {}),
-    ({"solved": True, "turns": np.int64(4), "score": np.float32(0.5)}, {"solved": 1.0, "turns": 4.0, "score": 0.5}, {}),
-    ({"log": "text", "calls": [1, 2], "n": None, "d": {"a": 1}}, {}, {"non_numeric": 4}),
-    ({"nan": math.nan, "inf": -math.inf, "huge": 10 ** 400, "ok_value": 1e300}, {"ok_value": 1e300}, {"non_finite": 3}),
-    ({"a/b": 1, "": 2, "x" * 65: 3, "x" * 64: 4, "sp ace": 5}, {"x" * 64: 4.0}, {"bad_key": 4}),
-    ({"ok": 1, "retries": 2, "untrained_tokens": 3, "facts_dropped_x": 4, "okay": 5}, {"okay": 5.0}, {"reserved": 4}),
-])
+@pytest.mark.parametrize(
+    "info, facts, dropped",
+    [
+        ({"tool_calls": 3}, {"tool_calls": 3.0}, {}),
+        (
+            {"solved": True, "turns": np.int64(4), "score": np.float32(0.5)},
+            {"solved": 1.0, "turns": 4.0, "score": 0.5},
+            {},
+        ),
+        ({"log": "text", "calls": [1, 2], "n": None, "d": {"a": 1}}, {}, {"non_numeric": 4}),
+        (
+            {"nan": math.nan, "inf": -math.inf, "huge": 10**400, "ok_value": 1e300},
+            {"ok_value": 1e300},
+            {"non_finite": 3},
+        ),
+        ({"a/b": 1, "": 2, "x" * 65: 3, "x" * 64: 4, "sp ace": 5}, {"x" * 64: 4.0}, {"bad_key": 4}),
+        (
+            {"ok": 1, "retries": 2, "untrained_tokens": 3, "facts_dropped_x": 4, "okay": 5},
+            {"okay": 5.0},
+            {"reserved": 4},
+        ),
+    ],
+)
 def test_a_fact_is_a_finite_number_under_a_metric_safe_free_key(info, facts, dropped):
     got, counts = clean_facts(info)
     assert got == facts and dict(counts) == dropped
@@ -45,8 +60,17 @@ def test_each_fact_is_averaged_over_the_samples_that_report_it():
 
 
 def _sample(facts):
-    return Sample(7, 0, [1, 2], response_ids=[3, 4], behav_logprobs=[-0.5, -0.25], versions=[0, 0], reward=1.0,
-                  finish_reason="stop", meta={"facts": facts, "data_index": 3})
+    return Sample(
+        7,
+        0,
+        [1, 2],
+        response_ids=[3, 4],
+        behav_logprobs=[-0.5, -0.25],
+        versions=[0, 0],
+        reward=1.0,
+        finish_reason="stop",
+        meta={"facts": facts, "data_index": 3},
+    )
 
 
 def test_facts_round_trip_through_the_checkpoint_codec_and_the_wire():
@@ -70,8 +94,9 @@ class _Core:
 def _agents():
     gateway = SimpleNamespace(metrics=lambda: {})
     runner = SimpleNamespace(metrics=lambda: {"ok": 1})
-    to_sample = lambda record, **kw: Sample(kw["prompt_id"], kw["sample_index"], [1], reward=kw["reward"],
-                                            meta=kw["meta"])
+    to_sample = lambda record, **kw: Sample(
+        kw["prompt_id"], kw["sample_index"], [1], reward=kw["reward"], meta=kw["meta"]
+    )
     agents = Agents(gateway, runner, to_sample)
     agents.core = _Core()
     return agents
@@ -113,11 +138,21 @@ def test_an_environment_s_last_info_gives_its_episode_facts():
     from flash.envs.episode import Transcript
 
     counters = {}
-    host = SimpleNamespace(_lock=threading.Lock(), _live={}, _done={}, core=_Core(),
-                           _count=lambda k, by=1: counters.__setitem__(k, counters.get(k, 0) + by))
+    host = SimpleNamespace(
+        _lock=threading.Lock(),
+        _live={},
+        _done={},
+        core=_Core(),
+        _count=lambda k, by=1: counters.__setitem__(k, counters.get(k, 0) + by),
+    )
     unit = Unit("e0", 5, 0, SimpleNamespace(meta={"seed": 3}), [], SamplingParams(), data_index=2)
-    ep = SimpleNamespace(worker=SimpleNamespace(close=SimpleNamespace(remote=lambda key: None)), key="k0",
-                         unit=unit, cancelled=False, transcript=Transcript(TokenTrace([1, 2]), reward=1.0))
+    ep = SimpleNamespace(
+        worker=SimpleNamespace(close=SimpleNamespace(remote=lambda key: None)),
+        key="k0",
+        unit=unit,
+        cancelled=False,
+        transcript=Transcript(TokenTrace([1, 2]), reward=1.0),
+    )
     Episodes._finish(host, ep, "success", {"outcome": "success", "steps_left": np.int64(3), "map": "4x4"})
     sample = host._done["k0"]
     assert sample.facts == {"steps_left": 3.0} and sample.finish_reason == "success"

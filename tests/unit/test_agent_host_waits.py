@@ -40,7 +40,7 @@ def test_a_host_is_waited_for_while_it_restarts_and_counts_as_died_when_it_never
     back = ScriptedHost(down=2)
     assert asyncio.run(agents.wait_ready(back, within_s=5.0)) is True and back.pings == 3
     monkeypatch.setattr(agents, "RESTART_S", 0.05)
-    gone = ScriptedHost(down=10 ** 6)
+    gone = ScriptedHost(down=10**6)
     outcome, reward, info, error = asyncio.run(agents.run_on_host(gone, None, "k0", timeout_s=1.0))
     assert (outcome, reward, info) == ("died", 0.0, {}) and "did not come back within 0.05s" in error
     assert gone.pings >= 2  # pinged again after each 0.2 s pause until the deadline passed
@@ -59,8 +59,12 @@ def test_a_run_whose_host_process_dies_ends_died_naming_the_actor_error(monkeypa
     async def answers(item, key):
         return "ok", 1.0, {"turns": 2}, ""
 
-    assert asyncio.run(agents.run_on_host(ScriptedHost(down=0, run=answers), None, "k0", 1.0)) == \
-        ("ok", 1.0, {"turns": 2}, "")
+    assert asyncio.run(agents.run_on_host(ScriptedHost(down=0, run=answers), None, "k0", 1.0)) == (
+        "ok",
+        1.0,
+        {"turns": 2},
+        "",
+    )
 
 
 def test_an_agent_host_runs_its_agent_names_the_outcome_and_answers_pings():
@@ -87,8 +91,7 @@ class ScriptedPool:
 
 
 def test_the_scaling_loop_resizes_the_pool_to_what_the_scaler_wants_until_stopped():
-    cfg = AutoscaleConfig(min_workers=1, max_workers=3, scale_up_queue=1.0, scale_down_idle_s=0.0,
-                          interval_s=0.01)
+    cfg = AutoscaleConfig(min_workers=1, max_workers=3, scale_up_queue=1.0, scale_down_idle_s=0.0, interval_s=0.01)
     pool, stop = ScriptedPool(queued=5), threading.Event()
     thread = threading.Thread(target=run_scaler, args=(pool, Autoscaler(cfg), stop))
     thread.start()
@@ -129,8 +132,11 @@ def test_the_agent_workflow_asks_waiting_turns_again_and_stop_fails_them_and_can
     from flash.engine.base import GenerationRequest, SamplingParams
 
     submitted, closed = [], []
-    agents = Agents(SimpleNamespace(close=lambda: closed.append("gateway")),
-                    SimpleNamespace(close=lambda: closed.append("runner")), to_sample=None)
+    agents = Agents(
+        SimpleNamespace(close=lambda: closed.append("gateway")),
+        SimpleNamespace(close=lambda: closed.append("runner")),
+        to_sample=None,
+    )
     agents.core = SimpleNamespace(supervisor=SimpleNamespace(submit=submitted.append))
     runs = []
     for i in range(2):
@@ -170,22 +176,29 @@ def test_an_agent_s_call_is_an_engine_turn_of_its_unit_answered_by_route_and_can
     from flash.controllers.workflows.base import Unit
     from flash.engine.base import GenerationOutput, SamplingParams
 
-    gateway = SimpleNamespace(open_session=lambda meta: f"key-{meta['unit']}", metrics=lambda: {"calls": 2},
-                              close_session=lambda key: {"key": key})
+    gateway = SimpleNamespace(
+        open_session=lambda meta: f"key-{meta['unit']}",
+        metrics=lambda: {"calls": 2},
+        close_session=lambda key: {"key": key},
+    )
     submitted, aborted, delivered = [], [], []
-    agents = Agents(gateway, ScriptedRunner(), to_sample=lambda record, **kw: SimpleNamespace(record=record, meta={}),
-                    max_turns=1)
+    agents = Agents(
+        gateway, ScriptedRunner(), to_sample=lambda record, **kw: SimpleNamespace(record=record, meta={}), max_turns=1
+    )
     runner = agents.runner
-    agents.core = SimpleNamespace(supervisor=SimpleNamespace(submit=submitted.extend,
-                                                             call=lambda name, ids: aborted.append((name, ids))),
-                                  deliver=delivered.extend)
+    agents.core = SimpleNamespace(
+        supervisor=SimpleNamespace(submit=submitted.extend, call=lambda name, ids: aborted.append((name, ids))),
+        deliver=delivered.extend,
+    )
     params = SamplingParams(max_new_tokens=8, temperature=0.7, seed=11)
     agents.launch([Unit(f"u{i}", 5, i, SimpleNamespace(), [], params) for i in range(2)])
     keys = [episode[0]() for episode in runner.episodes]
     assert keys == ["key-u0", "key-u1"]
     replies: list = []
     answered = threading.Thread(target=lambda: replies.append(agents.generate([1, 2], SamplingParams(100), keys[0])))
-    failed = threading.Thread(target=lambda: replies.append(_raises(agents.generate, [3], SamplingParams(100), keys[1])))
+    failed = threading.Thread(
+        target=lambda: replies.append(_raises(agents.generate, [3], SamplingParams(100), keys[1]))
+    )
     answered.start(), failed.start()
     wait_until(lambda: len(submitted) == 2, what="both turns submitted")
     req = next(r for r in submitted if r.request_id == "u0/0")

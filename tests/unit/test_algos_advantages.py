@@ -74,21 +74,18 @@ def test_reinforce_pp_by_hand():
 def test_reinforce_pp_discount_by_hand():
     adv = compute_advantages("reinforce++", [1.0, 0.0], [0, 1], t(MASK_RAGGED), gamma=0.5)
     # returns [[0.5, 1, -], [0, 0, 0]]: mean 0.3, var (0.04 + 0.49 + 3 * 0.09) / 5 = 0.16
-    torch.testing.assert_close(adv, t([[0.5, 1.75, 0.0], [-0.75, -0.75, -0.75]]),
-                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(adv, t([[0.5, 1.75, 0.0], [-0.75, -0.75, -0.75]]), rtol=1e-5, atol=1e-5)
 
 
 def test_reinforce_pp_group_baseline_by_hand():
-    adv = compute_advantages("reinforce_pp", [1.0, 0.0], [0, 0], t(MASK_RAGGED),
-                             group_baseline=True)
+    adv = compute_advantages("reinforce_pp", [1.0, 0.0], [0, 0], t(MASK_RAGGED), group_baseline=True)
     # r - group mean = [0.5, -0.5]; returns [[.5, .5, -], [-.5, -.5, -.5]]: mean -0.1, var 0.24
     hi, lo = 0.6 / math.sqrt(0.24), -0.4 / math.sqrt(0.24)
     torch.testing.assert_close(adv, t([[hi, hi, 0.0], [lo, lo, lo]]), rtol=1e-5, atol=1e-6)
     # With one group, a common shift cancels in the batch normalisation; with two groups whose
     # means differ, the baseline changes the result.
     mask3 = t(MASK_RAGGED + [[1.0, 0.0, 0.0]])
-    shifted = compute_advantages("reinforce_pp", [1.0, 0.0, 5.0], [0, 0, 1], mask3,
-                                 group_baseline=True)
+    shifted = compute_advantages("reinforce_pp", [1.0, 0.0, 5.0], [0, 0, 1], mask3, group_baseline=True)
     unshifted = compute_advantages("reinforce_pp", [1.0, 0.0, 5.0], [0, 0, 1], mask3)
     assert not torch.allclose(shifted, unshifted)
 
@@ -103,8 +100,7 @@ def test_gae_by_hand():
     #        A0 = 0.06 + 0.72*1.6 = 1.212
     hand = t([[0.06736, 0.538, 0.9, 0.0], [1.212, 0.0, 1.6, 0.0]])
     torch.testing.assert_close(adv, hand)
-    _, returns = algos.gae_advantages_and_returns(
-        t([[0, 0, 1.0, 0], [0, 0, 2.0, 0]]), values, mask, gamma=0.9, lam=0.8)
+    _, returns = algos.gae_advantages_and_returns(t([[0, 0, 1.0, 0], [0, 0, 2.0, 0]]), values, mask, gamma=0.9, lam=0.8)
     torch.testing.assert_close(returns, t([[0.56736, 0.738, 1.0, 0], [1.512, 0, 2.0, 0]]))
 
 
@@ -150,8 +146,7 @@ def test_masked_tokens_are_zero():
 
 
 def test_every_builtin_estimator_is_tested():
-    assert {r["name"] for r in algos.describe_advantages()} == {
-        "grpo", "dr_grpo", "rloo", "reinforce_pp", "gae"}
+    assert {r["name"] for r in algos.describe_advantages()} == {"grpo", "dr_grpo", "rloo", "reinforce_pp", "gae"}
 
 
 def test_estimator_errors_name_the_closest():
@@ -178,8 +173,11 @@ def test_a_group_of_equal_rewards_gets_exactly_zero_in_any_dtype(dtype, value, n
     residue divided by a tiny std (float32 arithmetic gives up to ~0.1 here)."""
     mask = torch.ones(8, 3, dtype=dtype)
     rewards = torch.full((8,), value, dtype=dtype)
-    adv = compute_advantages(name, rewards, [0] * 5 + [1] * 3, mask, eps=1e-6) if name == "grpo" \
+    adv = (
+        compute_advantages(name, rewards, [0] * 5 + [1] * 3, mask, eps=1e-6)
+        if name == "grpo"
         else compute_advantages(name, rewards, [0] * 5 + [1] * 3, mask)
+    )
     assert adv.dtype == dtype
     assert torch.equal(adv, torch.zeros(8, 3, dtype=dtype))
 

@@ -30,8 +30,10 @@ R = [[1.5, 0.7, 2.0], [0.9, 1.1, 1.3]]
 A = [[1.0, -1.0, 2.0], [-2.0, 0.5, -1.0]]
 MASK = [[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]]
 # logp = behav + ln(Q * R), by hand
-LOGP = [[-1.0 + math.log(1.5), -2.0 + math.log(1.4), -0.5 + math.log(6.0)],
-        [-1.5 + math.log(0.45), -0.3 + math.log(1.1), -2.5 + math.log(10.4)]]
+LOGP = [
+    [-1.0 + math.log(1.5), -2.0 + math.log(1.4), -0.5 + math.log(6.0)],
+    [-1.5 + math.log(0.45), -0.3 + math.log(1.1), -2.5 + math.log(10.4)],
+]
 
 # d(aggregate)/d(per-token term), by hand, per mode (B = 2, n = [2, 3], N = 5, T = 3)
 AGG_WEIGHTS = {
@@ -72,8 +74,7 @@ CASES = {
     # -> unclipped 10.4 (no dual clip).
     "ppo": ({}, [[-1.2, 1.4, PAD], [1.6, -0.55, 10.4]], [[0.0, 1.4, PAD], [0.0, -0.55, 10.4]]),
     # w = min(Q, 5) = [[1, 2, -], [0.5, 1, 5]] times the ppo table
-    "decoupled_ppo": ({}, [[-1.2, 1.6, PAD], [0.9, -0.55, 6.5]],
-                      [[0.0, 0.0, PAD], [0.9, -0.55, 6.5]]),
+    "decoupled_ppo": ({}, [[-1.2, 1.6, PAD], [0.9, -0.55, 6.5]], [[0.0, 0.0, PAD], [0.9, -0.55, 6.5]]),
     # w = clip(R_behav, 0, 2)
     "tis": ({}, *reinforce_table([[1.5, 1.4, PAD], [0.45, 1.1, 2.0]])),
     # w = clip(R_behav, 0, 5) with the defaults eps_low 1, eps_high 4
@@ -82,9 +83,11 @@ CASES = {
     # 0.45 * 1.1 * 10.4 = 5.148 -> min(5.148, 1) = 1
     "topr": ({}, *reinforce_table([[1, 1, PAD], [1.0, 1.0, 1.0]])),
     # ratios S0 = 1.0247, S1 = 1.0877 lie inside [0.8, 1.2]: -s*A, gradient -s*A
-    "gspo": ({"clip_low": 0.2, "clip_high": 0.2, "old_policy": "prox"},
-             [[-S0 * 1.0, S0 * 1.0, PAD], [S1 * 2.0, -S1 * 0.5, S1 * 1.0]],
-             [[-S0 * 1.0, S0 * 1.0, PAD], [S1 * 2.0, -S1 * 0.5, S1 * 1.0]]),
+    "gspo": (
+        {"clip_low": 0.2, "clip_high": 0.2, "old_policy": "prox"},
+        [[-S0 * 1.0, S0 * 1.0, PAD], [S1 * 2.0, -S1 * 0.5, S1 * 1.0]],
+        [[-S0 * 1.0, S0 * 1.0, PAD], [S1 * 2.0, -S1 * 0.5, S1 * 1.0]],
+    ),
 }
 
 
@@ -116,13 +119,12 @@ def test_aggregation_modes_by_hand():
     per_token = t([[1.0, 2.0, 100.0], [3.0, 4.0, 5.0]])  # 100 is padding and must not count
     mask = t(MASK)
     assert algos.aggregate(per_token, mask, "token-mean").item() == pytest.approx(15 / 5)
-    assert algos.aggregate(per_token, mask, "seq-mean-token-mean").item() == pytest.approx(
-        (1.5 + 4.0) / 2)
+    assert algos.aggregate(per_token, mask, "seq-mean-token-mean").item() == pytest.approx((1.5 + 4.0) / 2)
     assert algos.aggregate(per_token, mask, "seq-mean-token-sum").item() == pytest.approx(15 / 2)
-    assert algos.aggregate(per_token, mask, "seq-mean-token-sum-norm").item() == pytest.approx(
-        15 / (2 * 3))
-    assert algos.aggregate(per_token, mask, "seq-mean-token-sum-norm", max_len=10).item() == \
-        pytest.approx(15 / (2 * 10))
+    assert algos.aggregate(per_token, mask, "seq-mean-token-sum-norm").item() == pytest.approx(15 / (2 * 3))
+    assert algos.aggregate(per_token, mask, "seq-mean-token-sum-norm", max_len=10).item() == pytest.approx(
+        15 / (2 * 10)
+    )
 
 
 def test_max_len_reaches_the_loss():
@@ -144,6 +146,7 @@ def test_empty_mask_gives_zero_not_nan():
 
 # -- identities --------------------------------------------------------------------------------
 
+
 def _random_on_policy(seed: int):
     g = torch.Generator().manual_seed(seed)
     lp = -torch.rand(4, 6, generator=g, dtype=F64) * 3
@@ -155,17 +158,25 @@ def _random_on_policy(seed: int):
 
 def _grad(name, lp, prox, behav, adv, mask, rewards, agg="token-mean", **knobs):
     logp = lp.clone().requires_grad_(True)
-    loss, _ = policy_loss(name, LossInputs(logp, prox, behav, adv, mask, rewards=rewards),
-                          agg=agg, **knobs)
+    loss, _ = policy_loss(name, LossInputs(logp, prox, behav, adv, mask, rewards=rewards), agg=agg, **knobs)
     loss.backward()
     return loss, logp.grad
 
 
 @pytest.mark.parametrize("agg", list(AGG_WEIGHTS))
-@pytest.mark.parametrize("name,knobs", [("ppo", {}), ("ppo", {"dual_clip": 3.0}),
-                                        ("decoupled_ppo", {}), ("tis", {}),
-                                        ("tis", {"level": "sequence"}), ("cispo", {}),
-                                        ("topr", {}), ("gspo", {})])
+@pytest.mark.parametrize(
+    "name,knobs",
+    [
+        ("ppo", {}),
+        ("ppo", {"dual_clip": 3.0}),
+        ("decoupled_ppo", {}),
+        ("tis", {}),
+        ("tis", {"level": "sequence"}),
+        ("cispo", {}),
+        ("topr", {}),
+        ("gspo", {}),
+    ],
+)
 def test_on_policy_gradient_equals_vanilla(name, knobs, agg):
     lp, adv, mask, rewards = _random_on_policy(0)
     _, g_vanilla = _grad("vanilla", lp, lp, lp, adv, mask, rewards, agg)
@@ -184,12 +195,10 @@ def test_off_policy_gradient_differs_from_vanilla():
         assert not torch.allclose(g, g_vanilla), name
 
 
-@pytest.mark.parametrize("knobs", [{}, {"clip_low": 0.1, "clip_high": 0.28},
-                                   {"dual_clip": 1.5}])
+@pytest.mark.parametrize("knobs", [{}, {"clip_low": 0.1, "clip_high": 0.28}, {"dual_clip": 1.5}])
 def test_decoupled_ppo_equals_ppo_when_prox_is_behav(knobs):
     lp, adv, mask, rewards = _random_on_policy(2)
-    prox = lp + 0.3 * torch.randn(lp.shape, generator=torch.Generator().manual_seed(3),
-                                  dtype=F64)
+    prox = lp + 0.3 * torch.randn(lp.shape, generator=torch.Generator().manual_seed(3), dtype=F64)
     l_ppo, g_ppo = _grad("ppo", lp, prox, prox, adv, mask, rewards, **knobs)
     l_dec, g_dec = _grad("decoupled_ppo", lp, prox, prox, adv, mask, rewards, **knobs)
     assert l_ppo.item() == pytest.approx(l_dec.item())
@@ -241,8 +250,7 @@ def test_dual_clip_bounds_negative_advantage_terms():
 def test_dual_clip_in_the_hand_fixture():
     # token (1,2): r = 1.3, A = -1 -> 1.3 > -c*A = 1.25: bounded, no gradient
     inputs = make_inputs()
-    loss, m = policy_loss("ppo", inputs, agg="seq-mean-token-sum", dual_clip=1.25,
-                          old_policy="prox")
+    loss, m = policy_loss("ppo", inputs, agg="seq-mean-token-sum", dual_clip=1.25, old_policy="prox")
     loss.backward()
     assert loss.item() == pytest.approx((-1.2 + 0.8 + 1.8 - 0.55 + 1.25) / 2)
     assert inputs.logp.grad[1, 2].item() == 0.0
@@ -264,8 +272,7 @@ def test_ppo_metrics_by_hand():
 def test_knob_changes_the_result():
     """A knob passed by name reaches the loss: clip_high 0.6 unclips token (0,0) (r = 1.5)."""
     inputs = make_inputs()
-    loss, _ = policy_loss("ppo", inputs, agg="seq-mean-token-sum", clip_high=0.6,
-                          old_policy="prox")
+    loss, _ = policy_loss("ppo", inputs, agg="seq-mean-token-sum", clip_high=0.6, old_policy="prox")
     assert loss.item() == pytest.approx((-1.5 + 0.8 + 1.8 - 0.55 + 1.3) / 2)
 
 
@@ -302,15 +309,25 @@ def test_cispo_clips_weights_but_keeps_gradients():
     assert m["clipfrac_high"] == pytest.approx(3 / 5) and m["clipfrac_low"] == pytest.approx(1 / 5)
 
 
-@pytest.mark.parametrize("threshold,weights", [
-    (0.0, [[2.0, 2.0, 2.0], [0.5 * 0.45, 0.5, 0.5]]),  # sample 0 (reward 1) positive
-    (1.0, [[0.5, 0.5, 0.5], [0.5 * 0.45, 0.5, 0.5]]),  # 1 > 1 is false: both negative
-    (-0.5, [[2.0, 2.0, 2.0], [2.0, 2.0, 2.0]]),        # both positive
-])
+@pytest.mark.parametrize(
+    "threshold,weights",
+    [
+        (0.0, [[2.0, 2.0, 2.0], [0.5 * 0.45, 0.5, 0.5]]),  # sample 0 (reward 1) positive
+        (1.0, [[0.5, 0.5, 0.5], [0.5 * 0.45, 0.5, 0.5]]),  # 1 > 1 is false: both negative
+        (-0.5, [[2.0, 2.0, 2.0], [2.0, 2.0, 2.0]]),  # both positive
+    ],
+)
 def test_topr_threshold_split(threshold, weights):
     inputs = make_inputs()
-    loss, m = policy_loss("topr", inputs, agg="seq-mean-token-sum", threshold=threshold,
-                          positive_weight=2.0, negative_weight=0.5, level="token")
+    loss, m = policy_loss(
+        "topr",
+        inputs,
+        agg="seq-mean-token-sum",
+        threshold=threshold,
+        positive_weight=2.0,
+        negative_weight=0.5,
+        level="token",
+    )
     loss.backward()
     _, grad = reinforce_table(weights)
     torch.testing.assert_close(inputs.logp.grad, t(grad) * t(MASK) / 2)
@@ -329,8 +346,9 @@ def test_gspo_per_sample_ratio_and_sequence_gradient():
     adv = [[1.0] * 3, [-2.0] * 3]
     for clip in (0.2, 0.02):  # S0 = 1.0247 is clipped at 0.02 with A > 0; S1 is never clipped
         inputs = make_inputs(adv=adv)
-        loss, m = policy_loss("gspo", inputs, agg="seq-mean-token-mean",
-                              clip_low=clip, clip_high=clip, old_policy="prox")
+        loss, m = policy_loss(
+            "gspo", inputs, agg="seq-mean-token-mean", clip_low=clip, clip_high=clip, old_policy="prox"
+        )
         loss.backward()
         assert m["seq_ratio/max"] == pytest.approx(S1) and m["seq_ratio/min"] == pytest.approx(S0)
         logp = inputs.logp.detach().clone().requires_grad_(True)
@@ -353,27 +371,24 @@ def test_gspo_default_clip_is_the_papers():
 
 # -- add-ons -----------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
 def test_kl_addon_by_hand(estimator):
     ref = t([[-1.0, -1.0, -1.0], [-1.0, -1.0, -1.0]])
     inputs = make_inputs(ref_logp=ref)
-    loss, m = policy_loss("vanilla", inputs, agg="seq-mean-token-sum", kl_coef=0.1,
-                          kl_estimator=estimator)
+    loss, m = policy_loss("vanilla", inputs, agg="seq-mean-token-sum", kl_coef=0.1, kl_estimator=estimator)
     loss.backward()
     x = [[-1.0 - LOGP[i][j] for j in range(3)] for i in range(2)]  # ref - logp
     k = {"k1": lambda v: -v, "k2": lambda v: 0.5 * v * v, "k3": lambda v: math.exp(v) - 1 - v}
     dk = {"k1": lambda v: 1.0, "k2": lambda v: -v, "k3": lambda v: 1 - math.exp(v)}  # d/dlogp
     table, grad = reinforce_table([[1] * 3] * 2)
-    hand = sum((table[i][j] + 0.1 * k[estimator](x[i][j])) * MASK[i][j]
-               for i in range(2) for j in range(3)) / 2
-    hand_grad = [[(grad[i][j] + 0.1 * dk[estimator](x[i][j])) * MASK[i][j] / 2
-                  for j in range(3)] for i in range(2)]
+    hand = sum((table[i][j] + 0.1 * k[estimator](x[i][j])) * MASK[i][j] for i in range(2) for j in range(3)) / 2
+    hand_grad = [[(grad[i][j] + 0.1 * dk[estimator](x[i][j])) * MASK[i][j] / 2 for j in range(3)] for i in range(2)]
     assert loss.item() == pytest.approx(hand)
     torch.testing.assert_close(inputs.logp.grad, t(hand_grad))
     kl_tokens = [k[estimator](x[i][j]) for i in range(2) for j in range(3) if MASK[i][j]]
     assert m["kl_ref"] == pytest.approx(sum(kl_tokens) / 5)
-    assert m["pg_loss"] == pytest.approx(sum(table[i][j] * MASK[i][j]
-                                             for i in range(2) for j in range(3)) / 2)
+    assert m["pg_loss"] == pytest.approx(sum(table[i][j] * MASK[i][j] for i in range(2) for j in range(3)) / 2)
 
 
 def test_entropy_bonus_by_hand():
@@ -413,8 +428,7 @@ TOPR_R = [[1.5, 0.7, 2.0], [0.9, 1.1, 0.125]]
 TOPR_LOGP1 = [-1.5 + math.log(0.45), -0.3 + math.log(1.1), -2.5]
 
 
-@pytest.mark.parametrize("level,w1", [("sequence", [0.495, 0.495, 0.495]),
-                                      ("token", [0.45, 1.0, 1.0])])
+@pytest.mark.parametrize("level,w1", [("sequence", [0.495, 0.495, 0.495]), ("token", [0.45, 1.0, 1.0])])
 def test_topr_levels_by_hand(level, w1):
     """Sample 0 (reward 1 > 0) is positive: weight 1 whatever its ratio (R_behav 1.5, 1.4 > 1).
     Sample 1 (reward 0) is negative: sequence level min(0.495, 1) on every token; token level
@@ -424,8 +438,7 @@ def test_topr_levels_by_hand(level, w1):
     loss, m = policy_loss("topr", inputs, agg="seq-mean-token-sum", **kw)
     loss.backward()
     a1 = A[1]
-    hand = (-(1.0 * LOGP[0][0]) - (-1.0 * LOGP[0][1])
-            - sum(w1[j] * a1[j] * TOPR_LOGP1[j] for j in range(3))) / 2
+    hand = (-(1.0 * LOGP[0][0]) - (-1.0 * LOGP[0][1]) - sum(w1[j] * a1[j] * TOPR_LOGP1[j] for j in range(3))) / 2
     assert loss.item() == pytest.approx(hand)
     grad = [[-A[0][0] / 2, -A[0][1] / 2, 0.0], [-w1[j] * a1[j] / 2 for j in range(3)]]
     torch.testing.assert_close(inputs.logp.grad, t(grad))

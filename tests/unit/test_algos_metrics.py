@@ -17,16 +17,51 @@ def t(x: float) -> torch.Tensor:
 
 def parts():
     """Three micro-batches: (metrics, weight). The second's own-weight metric measured nothing."""
-    return [({"loss": t(1.0), "r/max": maximum(t(3.0)), "r/min": minimum(t(0.5)), "tokens": total(t(4.0)),
-              "mm": mean(t(0.2), t(4.0)), "plain": 2.0}, t(4.0)),
-            ({"loss": t(4.0), "r/max": maximum(t(7.0)), "r/min": minimum(t(0.25)), "tokens": total(t(1.0)),
-              "mm": mean(t(9.0), t(0.0)), "plain": 5.0}, t(1.0)),
-            ({"loss": t(2.0), "r/max": maximum(t(1.0)), "r/min": minimum(t(math.inf)), "tokens": total(t(3.0)),
-              "mm": mean(t(0.6), t(2.0)), "plain": 1.0}, 3.0)]
+    return [
+        (
+            {
+                "loss": t(1.0),
+                "r/max": maximum(t(3.0)),
+                "r/min": minimum(t(0.5)),
+                "tokens": total(t(4.0)),
+                "mm": mean(t(0.2), t(4.0)),
+                "plain": 2.0,
+            },
+            t(4.0),
+        ),
+        (
+            {
+                "loss": t(4.0),
+                "r/max": maximum(t(7.0)),
+                "r/min": minimum(t(0.25)),
+                "tokens": total(t(1.0)),
+                "mm": mean(t(9.0), t(0.0)),
+                "plain": 5.0,
+            },
+            t(1.0),
+        ),
+        (
+            {
+                "loss": t(2.0),
+                "r/max": maximum(t(1.0)),
+                "r/min": minimum(t(math.inf)),
+                "tokens": total(t(3.0)),
+                "mm": mean(t(0.6), t(2.0)),
+                "plain": 1.0,
+            },
+            3.0,
+        ),
+    ]
 
 
-WANT = {"loss": (4 * 1 + 1 * 4 + 3 * 2) / 8, "r/max": 7.0, "r/min": 0.25, "tokens": 8.0,
-        "mm": (0.2 * 4 + 0.6 * 2) / 6, "plain": (4 * 2 + 5 + 3 * 1) / 8}
+WANT = {
+    "loss": (4 * 1 + 1 * 4 + 3 * 2) / 8,
+    "r/max": 7.0,
+    "r/min": 0.25,
+    "tokens": 8.0,
+    "mm": (0.2 * 4 + 0.6 * 2) / 6,
+    "plain": (4 * 2 + 5 + 3 * 1) / 8,
+}
 
 
 def test_micro_batches_combine_by_their_declared_reduction():
@@ -56,8 +91,9 @@ def test_ranks_combine_like_one_step_and_padding_passes_add_nothing():
 
 
 def test_empty_extremes_read_zero_and_unmeasured_own_means_are_left_out():
-    assert to_floats({"a/max": maximum(t(-math.inf)), "a/min": minimum(t(math.inf)),
-                      "m": mean(t(0.0), t(0.0)), "x": t(2.0)}) == {"a/max": 0.0, "a/min": 0.0, "x": 2.0}
+    assert to_floats(
+        {"a/max": maximum(t(-math.inf)), "a/min": minimum(t(math.inf)), "m": mean(t(0.0), t(0.0)), "x": t(2.0)}
+    ) == {"a/max": 0.0, "a/min": 0.0, "x": 2.0}
     acc = StepMetrics()
     acc.add({"a": maximum(t(1.0))}, 1.0)
     with pytest.raises(ValueError, match="is a max and a mean"):

@@ -14,20 +14,29 @@ from flash.algos import LossInputs, Registry, policy_loss, validate_loss
 
 def _inputs() -> LossInputs:
     logp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
-    return LossInputs(logp, logp.detach(), logp.detach(), torch.tensor([[1.0, 1.0]]),
-                      torch.tensor([[1.0, 1.0]]), rewards=torch.tensor([1.0]))
+    return LossInputs(
+        logp,
+        logp.detach(),
+        logp.detach(),
+        torch.tensor([[1.0, 1.0]]),
+        torch.tensor([[1.0, 1.0]]),
+        rewards=torch.tensor([1.0]),
+    )
 
 
-@pytest.mark.parametrize("name,knobs,agg,closest", [
-    ("ppp", {}, None, "'ppo'"),
-    ("decoupled-ppo", {}, None, "'decoupled_ppo'"),
-    ("ppo", {"clip_hihg": 0.3}, None, "'clip_high'"),
-    ("ppo", {"kl_coeff": 0.1}, None, "'kl_coef'"),
-    ("ppo", {}, "token_mean", "'token-mean'"),
-    ("ppo", {"agg": "seq-mean-token-summ"}, None, "'seq-mean-token-sum'"),
-    ("tis", {"level": "sequense"}, None, "'sequence'"),
-    ("ppo", {"kl_estimator": "k4"}, None, "'k3'"),
-])
+@pytest.mark.parametrize(
+    "name,knobs,agg,closest",
+    [
+        ("ppp", {}, None, "'ppo'"),
+        ("decoupled-ppo", {}, None, "'decoupled_ppo'"),
+        ("ppo", {"clip_hihg": 0.3}, None, "'clip_high'"),
+        ("ppo", {"kl_coeff": 0.1}, None, "'kl_coef'"),
+        ("ppo", {}, "token_mean", "'token-mean'"),
+        ("ppo", {"agg": "seq-mean-token-summ"}, None, "'seq-mean-token-sum'"),
+        ("tis", {"level": "sequense"}, None, "'sequence'"),
+        ("ppo", {"kl_estimator": "k4"}, None, "'k3'"),
+    ],
+)
 def test_errors_name_the_closest_and_list_all(name, knobs, agg, closest):
     with pytest.raises(ValueError, match=closest) as err:
         validate_loss(name, knobs, agg)
@@ -43,37 +52,54 @@ def test_unknown_loss_lists_every_loss():
         assert row["name"] in str(err.value)
 
 
-@pytest.mark.parametrize("name,knobs,match", [
-    ("ppo", {"clip_low": "0.2"}, "float"),
-    ("ppo", {"clip_low": True}, "float"),
-    ("ppo", {"clip_low": 1.5}, r"\[0, 1\)"),
-    ("ppo", {"dual_clip": 1.0}, "dual_clip"),
-    ("tis", {"cap": 0}, "cap"),
-    ("ppo", {"max_len": 512}, "seq-mean-token-sum-norm"),
-    ("ppo", {"agg": "seq-mean-token-sum-norm", "max_len": 0}, "max_len"),
-])
+@pytest.mark.parametrize(
+    "name,knobs,match",
+    [
+        ("ppo", {"clip_low": "0.2"}, "float"),
+        ("ppo", {"clip_low": True}, "float"),
+        ("ppo", {"clip_low": 1.5}, r"\[0, 1\)"),
+        ("ppo", {"dual_clip": 1.0}, "dual_clip"),
+        ("tis", {"cap": 0}, "cap"),
+        ("ppo", {"max_len": 512}, "seq-mean-token-sum-norm"),
+        ("ppo", {"agg": "seq-mean-token-sum-norm", "max_len": 0}, "max_len"),
+    ],
+)
 def test_bad_knob_values_are_errors(name, knobs, match):
     with pytest.raises(ValueError, match=match):
         validate_loss(name, knobs)
 
 
 def test_valid_knobs_pass():
-    validate_loss("ppo", {"clip_low": 0.2, "clip_high": 0.28, "dual_clip": 3, "kl_coef": 0.01,
-                          "kl_estimator": "k1", "entropy_coef": 0.001})
+    validate_loss(
+        "ppo",
+        {
+            "clip_low": 0.2,
+            "clip_high": 0.28,
+            "dual_clip": 3,
+            "kl_coef": 0.01,
+            "kl_estimator": "k1",
+            "entropy_coef": 0.001,
+        },
+    )
     validate_loss("vanilla", {"agg": "seq-mean-token-sum-norm", "max_len": 1024})
     validate_loss("decoupled_ppo", {"behav_cap": None})
 
 
 def test_describe_lists_knobs_with_defaults():
     rows = {r["name"]: r for r in algos.describe_losses()}
-    assert rows["ppo"]["knobs"] == {"clip_low": 0.2, "clip_high": 0.2, "dual_clip": None,
-                                    "old_policy": "behav",
-                                    "kl_coef": 0.0, "kl_estimator": "k3", "entropy_coef": 0.0}
+    assert rows["ppo"]["knobs"] == {
+        "clip_low": 0.2,
+        "clip_high": 0.2,
+        "dual_clip": None,
+        "old_policy": "behav",
+        "kl_coef": 0.0,
+        "kl_estimator": "k3",
+        "entropy_coef": 0.0,
+    }
     assert rows["tis"]["knobs"]["cap"] == 2.0 and rows["tis"]["knobs"]["level"] == "token"
     assert all(r["description"] for r in rows.values())
     adv = {r["name"]: r for r in algos.describe_advantages()}
-    assert adv["gae"]["knobs"] == {"gamma": 1.0, "lam": 1.0, "clip": None, "whiten": False,
-                                    "whiten_unbiased": False}
+    assert adv["gae"]["knobs"] == {"gamma": 1.0, "lam": 1.0, "clip": None, "whiten": False, "whiten_unbiased": False}
     assert "reinforce++" in adv["reinforce_pp"]["aliases"]
     aggs = {r["name"]: r["knobs"] for r in algos.describe_aggregations()}
     assert aggs["seq-mean-token-sum-norm"] == {"max_len": None} and aggs["token-mean"] == {}
@@ -101,8 +127,7 @@ def plugin_module(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     yield module, tag
     sys.modules.pop(module, None)
-    for reg, name in ((algos.LOSSES, f"scaled_vanilla_{tag}"),
-                      (algos.ADVANTAGES, f"constant_{tag}")):
+    for reg, name in ((algos.LOSSES, f"scaled_vanilla_{tag}"), (algos.ADVANTAGES, f"constant_{tag}")):
         if name in reg.names():
             reg.unregister(name)
 
@@ -135,11 +160,13 @@ def test_missing_plugin_module_is_an_error():
 
 def test_entry_point_loaded_lazily(tmp_path, monkeypatch):
     group = f"flash.test_losses_{tmp_path.name.replace('-', '_')}"
-    (tmp_path / "ep_plugin_mod.py").write_text(textwrap.dedent('''
+    (tmp_path / "ep_plugin_mod.py").write_text(
+        textwrap.dedent('''
         def my_loss(inputs, *, k: float = 1.5):
             """A loss from an entry point."""
             return -k * inputs.advantages * inputs.logp, {}
-    '''))
+    ''')
+    )
     dist = tmp_path / "flash_ep_plugin-0.1.dist-info"
     dist.mkdir()
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: flash-ep-plugin\nVersion: 0.1\n")
@@ -173,13 +200,17 @@ def test_registration_rules():
     with pytest.raises(ValueError, match="already registered"):
         reg.register("a")(lambda inputs: inputs)
     with pytest.raises(ValueError, match="reserved"):
+
         @reg.register("b")
         def b(inputs, *, kl_coef: float = 0.0):
             return inputs
+
     with pytest.raises(TypeError, match="default"):
+
         @reg.register("c")
         def c(inputs, *, y):
             return inputs
+
     _, full = reg.resolve("a", {"x": 3})
     assert full == {"x": 3}
     with pytest.raises(ValueError, match="int"):

@@ -23,8 +23,11 @@ BIG = "a" * (MAX_ROW_BYTES + (1 << 20))  # 17 MiB: over the bound by 1 MiB
 
 
 def rows(n: int, big_at: tuple[int, ...] = ()) -> dict:
-    return {"question": [BIG if i in big_at else f"what is {i} plus 1?" for i in range(n)],
-            "answer": [f"#### {i + 1}" for i in range(n)], "id": list(range(n))}
+    return {
+        "question": [BIG if i in big_at else f"what is {i} plus 1?" for i in range(n)],
+        "answer": [f"#### {i + 1}" for i in range(n)],
+        "id": list(range(n)),
+    }
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -82,8 +85,15 @@ def test_a_value_shared_by_many_rows_counts_once_per_row(tmp_path):
 
 
 def test_row_sizes_of_each_kind_of_column():
-    batch = pa.record_batch({"s": ["ab", None, "c" * 10], "i": [1, 2, 3], "f": [0.5, 1.5, None],
-                             "l": [[1, 2], [], [3]], "b": [True, False, True]})
+    batch = pa.record_batch(
+        {
+            "s": ["ab", None, "c" * 10],
+            "i": [1, 2, 3],
+            "f": [0.5, 1.5, None],
+            "l": [[1, 2], [], [3]],
+            "b": [True, False, True],
+        }
+    )
     sizes = row_sizes(batch)
     nested = batch.column("l").nbytes + batch.column("b").nbytes
     assert list(sizes) == [2 + 4 + 8 + 8 + nested, 0 + 4 + 8 + 8 + nested, 10 + 4 + 8 + 8 + nested]
@@ -116,11 +126,16 @@ def test_a_save_to_disk_stream_with_compressed_buffers_is_refused_before_loading
     with pa.memory_map(arrow) as source:
         table = pa.ipc.open_stream(source).read_all()
     os.remove(arrow)
-    with pa.OSFile(arrow, "wb") as sink, pa.ipc.new_stream(
-            sink, table.schema, options=pa.ipc.IpcWriteOptions(compression="zstd")) as writer:
+    with (
+        pa.OSFile(arrow, "wb") as sink,
+        pa.ipc.new_stream(sink, table.schema, options=pa.ipc.IpcWriteOptions(compression="zstd")) as writer,
+    ):
         writer.write_table(table)
     assert os.path.getsize(arrow) < 64 << 10
-    with pytest.raises(ConfigError, match="holds compressed Arrow buffers, which datasets' save_to_disk never "
-                                          "writes; save it again with Dataset.save_to_disk") as err:
+    with pytest.raises(
+        ConfigError,
+        match="holds compressed Arrow buffers, which datasets' save_to_disk never "
+        "writes; save it again with Dataset.save_to_disk",
+    ) as err:
         open_rows([str(tmp_path / "saved")])
     assert "\n" not in str(err.value)

@@ -9,8 +9,14 @@ from flash.buffers import BufferClosed, Group, Sample, SampleBuffer
 
 
 def group(pid: int, version: int) -> Group:
-    s = Sample(prompt_id=pid, sample_index=0, prompt_ids=[1], response_ids=[2, 3],
-               behav_logprobs=[-0.1, -0.2], versions=[version, version + 1])
+    s = Sample(
+        prompt_id=pid,
+        sample_index=0,
+        prompt_ids=[1],
+        response_ids=[2, 3],
+        behav_logprobs=[-0.1, -0.2],
+        versions=[version, version + 1],
+    )
     return Group(prompt_id=pid, samples=[s], admitted_version=version)
 
 

@@ -49,6 +49,7 @@ def _wait_for(cond, timeout: float = 10.0) -> float:
 
 # ------------------------------------------------------------------------------------------ service
 
+
 def test_a_bad_group_in_a_batch_is_rejected_by_name_and_the_others_stored():
     with BufferService(capacity=16) as svc:
         ctx = zmq.Context()
@@ -134,6 +135,7 @@ def test_a_batch_meeting_a_full_buffer_stores_what_fits_and_the_rest_waits():
 
 # ------------------------------------------------------------------------------------------ producer
 
+
 def test_a_full_batch_goes_out_at_once_and_a_lone_put_when_its_linger_ends():
     with BufferService(capacity=64) as svc:
         held = BufferProducer(svc.address, window=32, batch_groups=8, linger_ms=60_000)
@@ -182,6 +184,7 @@ def test_a_group_the_service_refuses_is_raised_by_name_and_its_batch_mates_store
 
 # ------------------------------------------------------------------------------------------ processes
 
+
 def _produce(address: str, pids: list[int], out, knobs: dict | None = None, pause_s: float = 0.0) -> None:
     """A producer process: put every group (array-typed, lengths vary) with random pauses of up to
     ``pause_s`` between puts (so batches go out both full and by their linger), report its counters."""
@@ -201,11 +204,16 @@ def test_producer_processes_exactly_once_under_backpressure():
     work = {p: [p * 1000 + i for i in range(25)] for p in range(3)}
     # window 1: each put acknowledged before the next; 3 and 8: go-back-N with puts in flight, sent
     # in batches of up to 2 and 4 groups (a batch of 4 meets a buffer of 4: stored in part, then full)
-    knobs = ({"window": 1}, {"window": 3, "batch_groups": 2, "linger_ms": 1},
-             {"window": 8, "batch_groups": 4, "linger_ms": 5})
+    knobs = (
+        {"window": 1},
+        {"window": 3, "batch_groups": 2, "linger_ms": 1},
+        {"window": 8, "batch_groups": 4, "linger_ms": 5},
+    )
     with BufferService(capacity=4) as svc:
-        procs = [ctx.Process(target=_produce, args=(svc.address, pids, out, k, 0.004))
-                 for pids, k in zip(work.values(), knobs)]
+        procs = [
+            ctx.Process(target=_produce, args=(svc.address, pids, out, k, 0.004))
+            for pids, k in zip(work.values(), knobs)
+        ]
         for p in procs:
             p.start()
         consumer = RemoteSampleBuffer(svc.address)
@@ -217,7 +225,7 @@ def test_producer_processes_exactly_once_under_backpressure():
         while len(got) < 75:
             time.sleep(rng.uniform(0, 0.02))
             k = min(rng.randint(1, 4), 75 - len(got))
-            fifo = (lambda gs, k=k: list(range(k)) if len(gs) >= k else None)  # arrival order
+            fifo = lambda gs, k=k: list(range(k)) if len(gs) >= k else None  # arrival order
             got += consumer.get_batch(k, select=fifo, timeout=30)
         for p in procs:
             p.join(30)
@@ -225,8 +233,9 @@ def test_producer_processes_exactly_once_under_backpressure():
         stats = [out.get(timeout=5) for _ in procs]
     ids = [g.prompt_id for g in got]
     assert sorted(ids) == sorted(pid for pids in work.values() for pid in pids)  # each exactly once
-    assert all(same(g, make_group(g.prompt_id, length=5 + g.prompt_id % 50, version=g.prompt_id % 3,
-                                  arrays=True)) for g in got)
+    assert all(
+        same(g, make_group(g.prompt_id, length=5 + g.prompt_id % 50, version=g.prompt_id % 3, arrays=True)) for g in got
+    )
     for pids in work.values():  # with a FIFO rule, one producer's groups keep their order
         mine = [i for i in ids if i in set(pids)]
         assert mine == pids
@@ -261,6 +270,7 @@ def test_a_blocked_producer_resumes_when_space_frees():
 
 
 # ------------------------------------------------------------------------------------------ lossy link
+
 
 class LossyLink:
     """A ROUTER/DEALER relay that drops and delays messages at random, both ways (seeded)."""
@@ -318,8 +328,7 @@ def test_exactly_once_in_order_through_a_lossy_link_with_batches():
     groups = [make_group(pid, length=3 + pid % 7) for pid in range(60)]
     with BufferService(capacity=6) as svc:
         link = LossyLink(svc.address, drop=0.15, seed=3)
-        producer = BufferProducer(link.address, rpc_timeout_s=0.15, wait_ms=50, window=8, batch_groups=4,
-                                  linger_ms=2)
+        producer = BufferProducer(link.address, rpc_timeout_s=0.15, wait_ms=50, window=8, batch_groups=4, linger_ms=2)
         got: list = []
         rng = random.Random(4)
 
@@ -350,6 +359,7 @@ def test_exactly_once_in_order_through_a_lossy_link_with_batches():
 
 
 # ------------------------------------------------------------------------------------------ config
+
 
 def test_batching_knobs_are_typed_config_and_misspellings_are_caught():
     from flash.app.config import ConfigError, load_config

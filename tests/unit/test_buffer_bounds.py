@@ -108,8 +108,14 @@ def _refused_group(raw, budget: Budget) -> None:
 def small():
     """A CURVE service with small caps: 64 KiB groups, 256 KiB messages, 512 KiB decoded."""
     keys = ServiceKeys.new()
-    svc = BufferService(capacity=64, keys=keys, max_frame_bytes=64 << 10, max_message_bytes=256 << 10,
-                        max_decoded_bytes=512 << 10, producers_per_client=4).start()
+    svc = BufferService(
+        capacity=64,
+        keys=keys,
+        max_frame_bytes=64 << 10,
+        max_message_bytes=256 << 10,
+        max_decoded_bytes=512 << 10,
+        producers_per_client=4,
+    ).start()
     ctx = zmq.Context()
     sock = _raw_socket(ctx, svc.address, keys.client)
     yield svc, keys, sock, ctx
@@ -160,7 +166,9 @@ def test_a_group_decoding_past_the_budget_is_refused_and_the_rest_of_its_put_sto
     svc, keys, sock, _ = small
     p = hello(sock)
     fat = make_group(2, length=5)
-    fat.samples[0].meta["ids"] = rng.integers(256, 65_536, 20_000).tolist()  # 60 KB of uint16s: 720 KB decoded, 2 MB charged
+    fat.samples[0].meta["ids"] = rng.integers(
+        256, 65_536, 20_000
+    ).tolist()  # 60 KB of uint16s: 720 KB decoded, 2 MB charged
     under = make_group(3, length=5)
     under.samples[0].meta["ids"] = fat.samples[0].meta["ids"][:2000]
     sock.send_multipart(put_parts(p, 0, make_group(1), fat, under, make_group(4)))

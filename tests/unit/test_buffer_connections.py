@@ -24,7 +24,7 @@ def _service(**limits) -> BufferService:
 
 def _flood(svc: BufferService, n: int, source: str = "127.0.0.1") -> list[socket.socket]:
     """``n`` raw TCP connections to ``svc`` that never send a byte."""
-    host, port = svc.address[len("tcp://"):].rsplit(":", 1)
+    host, port = svc.address[len("tcp://") :].rsplit(":", 1)
     return [socket.create_connection((host, int(port)), source_address=(source, 0)) for _ in range(n)]
 
 
@@ -157,4 +157,5 @@ def test_the_caps_fit_the_open_files_limit(monkeypatch, caplog):
     assert fit_caps(1024, 256) == (8, 8)  # never below 8
     with pytest.raises(ValueError, match="buffer.max_connections must be >= 1"):
         from flash.buffers.factory import BufferConfig
+
         BufferConfig(transport="zmq", max_connections=0)

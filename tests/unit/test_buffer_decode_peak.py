@@ -82,8 +82,9 @@ def test_the_walk_finds_a_cut_frame_and_bounds_its_own_work():
 @pytest.fixture
 def plain():
     """A plaintext service with small caps: 64 KiB groups, 256 KiB messages, 512 KiB decoded."""
-    svc = BufferService(capacity=8, max_frame_bytes=64 << 10, max_message_bytes=256 << 10,
-                        max_decoded_bytes=512 << 10).start()
+    svc = BufferService(
+        capacity=8, max_frame_bytes=64 << 10, max_message_bytes=256 << 10, max_decoded_bytes=512 << 10
+    ).start()
     ctx = zmq.Context()
     sock = _raw_socket(ctx, svc.address)
     yield svc, sock
@@ -95,9 +96,11 @@ def plain():
 def test_the_service_refuses_a_hostile_put_without_building_it(plain):
     svc, sock = plain
     p = hello(sock)
-    frames = {"malformed": b"\xc1",  # what any refused message costs the service: ~260 KB
-              "fixints": msgpack.packb([-20] * 60_000),  # 60 KB: 2.4 MB of ints and slots if built
-              "cut": _nested(1000, 4900)}  # 5 KB: 39 MB of list slots if msgpack is handed it
+    frames = {
+        "malformed": b"\xc1",  # what any refused message costs the service: ~260 KB
+        "fixints": msgpack.packb([-20] * 60_000),  # 60 KB: 2.4 MB of ints and slots if built
+        "cut": _nested(1000, 4900),
+    }  # 5 KB: 39 MB of list slots if msgpack is handed it
     got: list[dict] = []
 
     def put(frame: bytes, seq: int):

@@ -15,19 +15,28 @@ from flash.models import build_tokenizer, chat_ids, encode_prompt
 from tests.helpers.chat import CHATML, LLAMA3, bpe_tokenizer, train_bpe
 
 QWEN_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-QWEN = ("{% if tools %}<|im_start|>system\n# Tools\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}<|im_end|>\n"
-        "{% endif %}{% for m in messages %}<|im_start|>{{ m.role }}{% if m.name %} {{ m.name }}{% endif %}\n"
-        "{{ m.content }}{% for c in m.tool_calls or [] %}<tool_call>\n{\"name\": \"{{ c.function.name }}\", "
-        "\"arguments\": {{ c.function.arguments | tojson }}}\n</tool_call>{% endfor %}<|im_end|>\n{% endfor %}"
-        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-TOOL = {"type": "function", "function": {"name": "calc", "description": "adds", "parameters": {
-    "type": "object", "properties": {"expr": {"type": "string"}}}}}
+QWEN = (
+    "{% if tools %}<|im_start|>system\n# Tools\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}<|im_end|>\n"
+    "{% endif %}{% for m in messages %}<|im_start|>{{ m.role }}{% if m.name %} {{ m.name }}{% endif %}\n"
+    '{{ m.content }}{% for c in m.tool_calls or [] %}<tool_call>\n{"name": "{{ c.function.name }}", '
+    '"arguments": {{ c.function.arguments | tojson }}}\n</tool_call>{% endfor %}<|im_end|>\n{% endfor %}'
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "calc",
+        "description": "adds",
+        "parameters": {"type": "object", "properties": {"expr": {"type": "string"}}},
+    },
+}
 
 
 def qwen_tokenizer() -> PreTrainedTokenizerFast:
     tk = train_bpe(QWEN_SPECIAL)
-    tok = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                  additional_special_tokens=QWEN_SPECIAL)
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=tk, eos_token="<|im_end|>", pad_token="<|endoftext|>", additional_special_tokens=QWEN_SPECIAL
+    )
     tok.add_tokens(["<tool_call>", "</tool_call>"])  # added but not special, as Qwen's are
     tok.chat_template = QWEN
     return tok
@@ -52,12 +61,22 @@ def tok(request):
 
 def conversation(text: str, tools: bool) -> tuple[list[dict], list[dict] | None]:
     """Every place a string from outside reaches the template, each holding ``text``."""
-    messages = [{"role": "system", "content": f"be brief {text}"},
-                {"role": "user", "content": f"add {text} 2"},
-                {"role": "assistant", "content": "", "tool_calls": [
-                    {"id": "c1", "type": "function", "function": {"name": "calc", "arguments": {
-                        "expr": f"1+{text}", text: 1}}}]},
-                {"role": "tool", "name": f"calc{text}", "tool_call_id": "c1", "content": f"3 {text}"}]
+    messages = [
+        {"role": "system", "content": f"be brief {text}"},
+        {"role": "user", "content": f"add {text} 2"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {
+                    "id": "c1",
+                    "type": "function",
+                    "function": {"name": "calc", "arguments": {"expr": f"1+{text}", text: 1}},
+                }
+            ],
+        },
+        {"role": "tool", "name": f"calc{text}", "tool_call_id": "c1", "content": f"3 {text}"},
+    ]
     if not tools:
         return messages, None
     return messages, [{**TOOL, "function": {**TOOL["function"], "description": f"adds {text}"}}]
@@ -99,15 +118,16 @@ def test_spelled_special_tokens_stay_text_everywhere(tok):
             # the text is exactly the rendered text, the spelling kept as characters
             rendered = tok.apply_chat_template(messages, tools=schemas, add_generation_prompt=True, tokenize=False)
             assert tok.decode(ids) == rendered
-            blank_text = tok.apply_chat_template(conversation("", tools)[0], tools=conversation("", tools)[1],
-                                                 add_generation_prompt=True, tokenize=False)
+            blank_text = tok.apply_chat_template(
+                conversation("", tools)[0], tools=conversation("", tools)[1], add_generation_prompt=True, tokenize=False
+            )
             spelled = rendered.count(s) - blank_text.count(s)  # the messages' own, not the template's
             assert spelled >= 2 and tok.decode(ids, skip_special_tokens=True).count(s) == spelled, s
             vulnerable = plain(tok, messages, schemas)  # what apply_chat_template gives: forged controls
             assert sum(i in controls for i in vulnerable) > sum(i in controls for i in ids)
             content = tok.encode(f"add {s} 2", add_special_tokens=False, split_special_tokens=True)
             assert not controls & set(content)
-            assert any(ids[k:k + len(content)] == content for k in range(len(ids))), s  # one unbroken text span
+            assert any(ids[k : k + len(content)] == content for k in range(len(ids))), s  # one unbroken text span
 
 
 def test_the_prompt_encoders_use_it():

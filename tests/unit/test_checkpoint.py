@@ -61,8 +61,10 @@ def test_truncated_or_edited_checkpoint_falls_back_to_the_previous_one(tmp_path)
     data[10] ^= 1
     (older / "trainer.pt").write_bytes(bytes(data))
     assert ck.verify(older) == "trainer.pt does not match its sha256"
-    assert ck.latest_valid(tmp_path, warn=warnings.append) == (None, [
-        "ckpt-4: trainer.pt has 600 bytes, the manifest says 1000", "ckpt-2: trainer.pt does not match its sha256"])
+    assert ck.latest_valid(tmp_path, warn=warnings.append) == (
+        None,
+        ["ckpt-4: trainer.pt has 600 bytes, the manifest says 1000", "ckpt-2: trainer.pt does not match its sha256"],
+    )
 
 
 def test_unfinished_tmp_dirs_are_never_used_and_prune_keeps_the_newest(tmp_path):
@@ -83,9 +85,18 @@ def test_unfinished_tmp_dirs_are_never_used_and_prune_keeps_the_newest(tmp_path)
 
 
 def _sample(pid, k):
-    return Sample(prompt_id=pid, sample_index=k, prompt_ids=[1, 2], response_ids=[3, 4, 5],
-                  behav_logprobs=[-0.1234567890123, -1.5, -2.0], versions=[2, 2, 3], reward=1.0,
-                  finish_reason="stop", admitted_version=2, meta={"data_index": 7})
+    return Sample(
+        prompt_id=pid,
+        sample_index=k,
+        prompt_ids=[1, 2],
+        response_ids=[3, 4, 5],
+        behav_logprobs=[-0.1234567890123, -1.5, -2.0],
+        versions=[2, 2, 3],
+        reward=1.0,
+        finish_reason="stop",
+        admitted_version=2,
+        meta={"data_index": 7},
+    )
 
 
 def test_groups_survive_the_json_round_trip_exactly():
@@ -201,8 +212,7 @@ def test_input_guard_skips_bad_rows_with_a_count_and_one_log_line_each():
     assert guard.take(0, _item, encode)[0] == 0
     index, item, ids = guard.take(1, _item, encode)
     assert (index, item.prompt, ids) == (4, "ok", [0, 1])
-    assert guard.metrics() == {"data/skipped_empty": 1.0, "data/skipped_malformed": 1.0,
-                               "data/skipped_too_long": 1.0}
+    assert guard.metrics() == {"data/skipped_empty": 1.0, "data/skipped_malformed": 1.0, "data/skipped_too_long": 1.0}
     assert len(logged) == 3 and "data index 3" in logged[2] and "50 tokens > data.max_prompt_tokens=10" in logged[2]
     assert guard.take(5, _item, encode)[0] == 6  # a second malformed row: counted, not logged again
     assert guard.counts["malformed"] == 2 and len(logged) == 3
@@ -214,18 +224,23 @@ def test_strict_data_rejects_the_first_bad_row_naming_it():
         guard.take(1, _item, lambda t: list(t))
 
 
-@pytest.mark.parametrize("overrides, needle", [
-    (["async_ratio=2", "ray.num_cpus=1"], "set async_ratio=0 (synchronous) or ray.num_cpus>=2"),
-    (["async_ratio=1", "ray.num_cpus=2", "resources.engine_threads=2", "resources.trainer_threads=1"],
-     "lower them so they sum to <= 2"),
-    (["checkpoint.enabled=false", "checkpoint.every_steps=5"], "drop one of them"),
-    (["checkpoint.keep_last=0"], "checkpoint.keep_last must be >= 1"),
-    (["resume=runs/a", "run_dir=runs/b"], "drop run_dir"),
-    (["data.max_prompt_tokens=250"], "raise model.tiny.max_positions"),
-    (["train.max_consecutive_skips=0"], "train.max_consecutive_skips must be >= 1"),
-    (["rollout.hang_timeout_s=0"], "rollout.hang_timeout_s must be > 0"),
-    (["resources.ready_timeout_s=0"], "resources.ready_timeout_s must be > 0 seconds"),
-])
+@pytest.mark.parametrize(
+    "overrides, needle",
+    [
+        (["async_ratio=2", "ray.num_cpus=1"], "set async_ratio=0 (synchronous) or ray.num_cpus>=2"),
+        (
+            ["async_ratio=1", "ray.num_cpus=2", "resources.engine_threads=2", "resources.trainer_threads=1"],
+            "lower them so they sum to <= 2",
+        ),
+        (["checkpoint.enabled=false", "checkpoint.every_steps=5"], "drop one of them"),
+        (["checkpoint.keep_last=0"], "checkpoint.keep_last must be >= 1"),
+        (["resume=runs/a", "run_dir=runs/b"], "drop run_dir"),
+        (["data.max_prompt_tokens=250"], "raise model.tiny.max_positions"),
+        (["train.max_consecutive_skips=0"], "train.max_consecutive_skips must be >= 1"),
+        (["rollout.hang_timeout_s=0"], "rollout.hang_timeout_s must be > 0"),
+        (["resources.ready_timeout_s=0"], "resources.ready_timeout_s must be > 0 seconds"),
+    ],
+)
 def test_contradictory_settings_fail_validation_naming_the_fix(overrides, needle):
     with pytest.raises(ConfigError) as err:
         load_config("recipes/stutter.yaml", overrides)
@@ -239,13 +254,17 @@ def test_checkpoint_keys_are_strict():
     assert cfg.checkpoint.every_steps == 3 and cfg.checkpoint.keep_last == 2
 
 
-
 def test_the_scheduler_takes_prompts_through_the_guard_and_moves_past_skipped_rows():
     from flash.controllers.scheduler import PromptSource
 
     encode = lambda text: list(range(len(text)))
-    guarded = PromptSource(item=_item, encode=encode, decode=str, reward=lambda i, r: 0.0,
-                           guard=InputGuard(max_prompt_tokens=10, warn=lambda m: None))
+    guarded = PromptSource(
+        item=_item,
+        encode=encode,
+        decode=str,
+        reward=lambda i, r: 0.0,
+        guard=InputGuard(max_prompt_tokens=10, warn=lambda m: None),
+    )
     assert guarded.take(1)[0] == 4  # rows 1-3 skipped; the scheduler's next data position is 5
     plain = PromptSource(item=_item, encode=encode, decode=str, reward=lambda i, r: 0.0)
     assert plain.take(0)[0] == 0 and plain.take(0)[2] == [0, 1, 2]

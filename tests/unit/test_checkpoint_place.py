@@ -20,8 +20,16 @@ from flash import checkpoint as ck
 from flash.app import run_state
 from flash.app.resume import load_state
 from flash.app.runner import _find_checkpoint
-from flash.checkpoint_trust import (INODE, KEY_DIR_ENV, RUN_FILE, CheckpointChanged, RunDir, RunKey, bind_run,
-                                    read_verified)
+from flash.checkpoint_trust import (
+    INODE,
+    KEY_DIR_ENV,
+    RUN_FILE,
+    CheckpointChanged,
+    RunDir,
+    RunKey,
+    bind_run,
+    read_verified,
+)
 from flash.errors import ConfigError
 from flash.train.fsdp_checkpoint import load_dcp
 
@@ -34,8 +42,19 @@ def checkpoint(run_dir, step, key, files=None):
     for name, data in (files or {"trainer.pt": bytes([step]) * 100}).items():
         (tmp / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp / name).write_bytes(data)
-    ck.write_json(tmp / "state.json", {"step": step, "version": step, "logs": {"ledger": step}, "buffer": [],
-                                       "scheduler": {}, "skips": {}, "data_skipped": {}, "faults": {}})
+    ck.write_json(
+        tmp / "state.json",
+        {
+            "step": step,
+            "version": step,
+            "logs": {"ledger": step},
+            "buffer": [],
+            "scheduler": {},
+            "skips": {},
+            "data_skipped": {},
+            "faults": {},
+        },
+    )
     ck.write_manifest(tmp, step, key)
     ck.commit(tmp, root / f"ckpt-{step}")
     return root / f"ckpt-{step}"
@@ -64,12 +83,15 @@ def refused(run_dir, trust=False):
 # ---------------------------------------------------------------- rollback by rename
 
 
-@pytest.mark.parametrize("how, src, dst, left", [
-    ("rename", 1, 9, ["ckpt-3", "ckpt-9"]),  # an old one renamed past the newest
-    ("rename", 3, 4, ["ckpt-2", "ckpt-4"]),  # the newest renamed one step up
-    ("copy", 2, 10, ["ckpt-10", "ckpt-3"]),  # a copy of an old one under a higher name
-    ("rename", 2, 0, ["ckpt-0"]),  # one renamed down: found once the newer ones are gone
-])
+@pytest.mark.parametrize(
+    "how, src, dst, left",
+    [
+        ("rename", 1, 9, ["ckpt-3", "ckpt-9"]),  # an old one renamed past the newest
+        ("rename", 3, 4, ["ckpt-2", "ckpt-4"]),  # the newest renamed one step up
+        ("copy", 2, 10, ["ckpt-10", "ckpt-3"]),  # a copy of an old one under a higher name
+        ("rename", 2, 0, ["ckpt-0"]),  # one renamed down: found once the newer ones are gone
+    ],
+)
 def test_a_checkpoint_renamed_to_another_step_is_refused_by_name_and_never_pruned(tmp_path, how, src, dst, left):
     run_dir, key = new_run(tmp_path)
     root = run_dir / "checkpoints"
@@ -78,8 +100,10 @@ def test_a_checkpoint_renamed_to_another_step_is_refused_by_name_and_never_prune
         for s in (1, 3):
             shutil.rmtree(root / f"ckpt-{s}")
     why = refused(run_dir)
-    assert why == (f"checkpoint {root / f'ckpt-{dst}'} is refused: its manifest was signed for step {src}, "
-                   f"not {dst} (renamed); rename it back to ckpt-{src} or move it out of the checkpoints folder")
+    assert why == (
+        f"checkpoint {root / f'ckpt-{dst}'} is refused: its manifest was signed for step {src}, "
+        f"not {dst} (renamed); rename it back to ckpt-{src} or move it out of the checkpoints folder"
+    )
     assert refused(run_dir, trust=True) == why  # trust vouches for the origin, not for the step
     assert f"ckpt-{dst}" not in [p.name for p in ck.own_checkpoints(root, key)]
     ck.prune(root, keep_last=1, key=key)  # keeps the real newest; the refused one is left for the user
@@ -105,8 +129,10 @@ def test_a_checkpoint_of_another_run_is_refused_unless_trusted(tmp_path):
     run_a, key_a = new_run(tmp_path, "a", steps=(5, 7))
     run_b, key_b = new_run(tmp_path, "b", steps=(1, 2))
     shutil.copytree(run_a / "checkpoints" / "ckpt-7", run_b / "checkpoints" / "ckpt-7")
-    assert refused(run_b).endswith("ckpt-7 is refused: it was written in another run dir (moved or copied here); "
-                                   "if you trust where it came from, resume it with trust_checkpoint=true")
+    assert refused(run_b).endswith(
+        "ckpt-7 is refused: it was written in another run dir (moved or copied here); "
+        "if you trust where it came from, resume it with trust_checkpoint=true"
+    )
     point = _find_checkpoint(run_b, resuming=True, trust=True)
     assert point.path.name == "ckpt-7" and point.state["step"] == 7
     assert bind_run(run_b, point.manifest) == key_b  # b's own record: b's key signs on
@@ -133,8 +159,12 @@ def test_a_copied_or_forged_run_dir_is_refused_unless_trusted(tmp_path, monkeypa
     elif change == "unreadable":
         target = run_a
         (run_a / RUN_FILE).write_bytes(b"\xff{")
-    want = {"copy": f"it is a copy of run {key_a.run_id}'s dir", "edit": "its run.json was edited",
-            "other machine": "it was not written by a run of this user on this machine", "unreadable": "unreadable"}[change]
+    want = {
+        "copy": f"it is a copy of run {key_a.run_id}'s dir",
+        "edit": "its run.json was edited",
+        "other machine": "it was not written by a run of this user on this machine",
+        "unreadable": "unreadable",
+    }[change]
     why = refused(target)
     assert "is refused: " in why and want in why and why.endswith("trust_checkpoint=true")
     point = _find_checkpoint(target, resuming=True, trust=True)
@@ -186,8 +216,10 @@ def test_a_checkpoint_directory_that_is_a_symlink_is_refused(tmp_path, target):
         name = "ckpt-5"
         src = {"own newest": root / "ckpt-3", "dangling": tmp_path / "nothing", "older": root / "ckpt-1"}[target]
         os.symlink(src, root / name)
-    assert refused(run_dir) == (f"checkpoint {root / name} is refused: it is a symlink, not a directory of its "
-                                "own; move the directory it links to here in its place, or remove the link")
+    assert refused(run_dir) == (
+        f"checkpoint {root / name} is refused: it is a symlink, not a directory of its "
+        "own; move the directory it links to here in its place, or remove the link"
+    )
     assert refused(run_dir, trust=True).endswith("or remove the link")
     ck.prune(root, keep_last=1, key=key)
     assert (root / name).is_symlink() and (target != "copy outside" or (outside / "trainer.pt").is_file())
@@ -204,8 +236,11 @@ def test_links_and_special_files_anywhere_inside_are_refused(tmp_path, inside):
     else:
         os.symlink(tmp_path if inside == "nested dir" else path / "trainer" / "a.bin", victim)
     why = ck.verify(path)
-    assert why == ("trainer/sub/b.bin is not a regular file" if inside == "fifo" else
-                   "trainer/sub/b.bin is a symlink (a checkpoint holds only regular files)")
+    assert why == (
+        "trainer/sub/b.bin is not a regular file"
+        if inside == "fifo"
+        else "trainer/sub/b.bin is a symlink (a checkpoint holds only regular files)"
+    )
 
 
 # ---------------------------------------------------------------- verify, then load
@@ -214,8 +249,9 @@ def test_links_and_special_files_anywhere_inside_are_refused(tmp_path, inside):
 def _tiny_trainer(seed):
     torch.manual_seed(seed)
     model = torch.nn.Linear(4, 3)
-    return SimpleNamespace(model=model, optimizer=torch.optim.AdamW(model.parameters()), steps=seed,
-                           optimizer_steps=seed)
+    return SimpleNamespace(
+        model=model, optimizer=torch.optim.AdamW(model.parameters()), steps=seed, optimizer_steps=seed
+    )
 
 
 def _swap(path, how, other):
@@ -255,8 +291,11 @@ def test_a_trainer_file_replaced_after_verification_is_refused_by_name(tmp_path,
     ck.save_trainer_state(ck.trainer_state(b), str(tmp_path))  # a valid state of other weights
     _swap(path / "trainer.pt", how, tmp_path / "trainer.pt")
     before = b.model.weight.detach().clone()
-    with pytest.raises(CheckpointChanged, match=rf"^checkpoint {path}: trainer.pt (changed after it was verified|"
-                                                r"cannot be read as it was verified)"):
+    with pytest.raises(
+        CheckpointChanged,
+        match=rf"^checkpoint {path}: trainer.pt (changed after it was verified|"
+        r"cannot be read as it was verified)",
+    ):
         ck.load_trainer_state(b, str(path), point.manifest["files"])
     assert torch.equal(b.model.weight, before) and b.steps == 2  # nothing of it was loaded
 

@@ -38,8 +38,19 @@ def checkpoint(root, step, key, files=None):
     for name, data in (files or {"trainer.pt": b"x" * 100}).items():
         (tmp / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp / name).write_bytes(data)
-    ck.write_json(tmp / "state.json", {"step": step, "version": step, "logs": {}, "buffer": [], "scheduler": {},
-                                       "skips": {}, "data_skipped": {}, "faults": {}})
+    ck.write_json(
+        tmp / "state.json",
+        {
+            "step": step,
+            "version": step,
+            "logs": {},
+            "buffer": [],
+            "scheduler": {},
+            "skips": {},
+            "data_skipped": {},
+            "faults": {},
+        },
+    )
     ck.write_manifest(tmp, step, key)
     ck.commit(tmp, root / f"ckpt-{step}")
     return root / f"ckpt-{step}"
@@ -72,9 +83,17 @@ def test_links_and_unlisted_files_in_a_checkpoint_are_refused(tmp_path):
     path = checkpoint(tmp_path / "ckpts", 1, key)
     (path / "trainer.pt").unlink()
     os.symlink(outside, path / "trainer.pt")  # the manifest re-made over the link: sizes and hashes agree
-    resign(path, key, files={"trainer.pt": {"bytes": 50, "sha256": ck.sha256_file(outside)},
-                             "state.json": {"bytes": (path / "state.json").stat().st_size,
-                                            "sha256": ck.sha256_file(path / "state.json")}})
+    resign(
+        path,
+        key,
+        files={
+            "trainer.pt": {"bytes": 50, "sha256": ck.sha256_file(outside)},
+            "state.json": {
+                "bytes": (path / "state.json").stat().st_size,
+                "sha256": ck.sha256_file(path / "state.json"),
+            },
+        },
+    )
     assert ck.verify(path) == "trainer.pt is a symlink (a checkpoint holds only regular files)"
     path2 = checkpoint(tmp_path / "ckpts", 2, key)
     os.symlink(tmp_path, path2 / "linked-dir")
@@ -105,8 +124,14 @@ def test_a_checkpoint_from_elsewhere_needs_the_trust_flag_and_an_edited_one_fall
     point = _find_checkpoint(tmp_path / "run", resuming=True, trust=True)
     assert point.path == newest and point.state["step"] == 2
     ck.write_json(older / "state.json", {"step": 1})  # trusted, and malformed inside: named
-    resign(older, mine, files={n: {"bytes": (older / n).stat().st_size, "sha256": ck.sha256_file(older / n)}
-                               for n in ("trainer.pt", "state.json")})
+    resign(
+        older,
+        mine,
+        files={
+            n: {"bytes": (older / n).stat().st_size, "sha256": ck.sha256_file(older / n)}
+            for n in ("trainer.pt", "state.json")
+        },
+    )
     (newest / "extra").write_bytes(b"e")
     with pytest.raises(ConfigError, match="ckpt-1: state.json lacks 'version'"):
         _find_checkpoint(tmp_path / "run", resuming=True, trust=True)

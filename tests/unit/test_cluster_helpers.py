@@ -52,7 +52,9 @@ def test_roles_that_do_not_answer_in_time_are_named_with_the_knob(monkeypatch):
     fake_ray_wait(monkeypatch)
     engine, trainer, reference = ScriptedActor("e"), ScriptedActor("t"), ScriptedActor("r")
     trainer.answers["stats"] = reference.answers["stats"] = "late"
-    with pytest.raises(RolesNotReady, match=r"^trainer, reference did not answer within 90 s .*resources\.ready_timeout_s"):
+    with pytest.raises(
+        RolesNotReady, match=r"^trainer, reference did not answer within 90 s .*resources\.ready_timeout_s"
+    ):
         cluster.wait_ready(engine, trainer, reference, timeout=90, names=["engine", "trainer", "reference"])
     with pytest.raises(RolesNotReady, match=r"^actor 1 did not answer"):  # unnamed: by position
         cluster.wait_ready(engine, trainer, timeout=90)

@@ -17,15 +17,23 @@ from flash.errors import FlashError
 
 N = 5  # response tokens
 # per kind: values a lax encoding would change (ints beyond int32, floats that are not float32 values)
-VALUES = {"int": [70000, -3, 1 << 40, 0, 7], "float": [0.1, -2.5, 1e-300, -0.0, -1234.5678901234567],
-          "bit": [1, 0, 0, 1, 1]}
+VALUES = {
+    "int": [70000, -3, 1 << 40, 0, 7],
+    "float": [0.1, -2.5, 1e-300, -0.0, -1234.5678901234567],
+    "bit": [1, 0, 0, 1, 1],
+}
 
 
 def _group(**fields) -> Group:
-    tokens = {"prompt_ids": [1, 2, 3], "response_ids": list(range(10, 10 + N)), "behav_logprobs": [-0.5] * N,
-              "versions": [2] * N}
-    s = Sample(prompt_id=4, sample_index=1, reward=0.25, finish_reason="stop", admitted_version=2,
-               **{**tokens, **fields})
+    tokens = {
+        "prompt_ids": [1, 2, 3],
+        "response_ids": list(range(10, 10 + N)),
+        "behav_logprobs": [-0.5] * N,
+        "versions": [2] * N,
+    }
+    s = Sample(
+        prompt_id=4, sample_index=1, reward=0.25, finish_reason="stop", admitted_version=2, **{**tokens, **fields}
+    )
     return Group(prompt_id=4, samples=[s], admitted_version=2, data_index=9)
 
 
@@ -75,24 +83,28 @@ def test_numpy_arrays_are_written_as_the_same_values(field, encoding):
     assert isinstance(back, np.ndarray) == (encoding == "wire")  # the wire hands arrays back as arrays
 
 
-@pytest.mark.parametrize("field", [f for f in TOKEN_FIELDS if f.along == "response" and f.name != "response_ids"],
-                         ids=lambda f: f.name)
+@pytest.mark.parametrize(
+    "field", [f for f in TOKEN_FIELDS if f.along == "response" and f.name != "response_ids"], ids=lambda f: f.name
+)
 def test_a_per_token_field_of_another_length_is_refused_by_every_reader(field):
     d = group_to_dict(_group())
-    d["samples"][0][field.name] = VALUES[field.kind][:N - 1]
+    d["samples"][0][field.name] = VALUES[field.kind][: N - 1]
     with pytest.raises(CodecError, match=f"group sample 0: {field.name} has 4 entries for 5 response tokens"):
         group_from_dict(d)
 
 
-@pytest.mark.parametrize("key, value, message", [
-    ("loss_mask", [1, 0, 2, 1, 1], "loss_mask holds something other than 0 and 1"),
-    ("versions", [1, 1, 1.0, 1, 1], "versions holds something that is not an integer"),
-    ("prompt_ids", [1, True], "prompt_ids holds something that is not an integer"),
-    ("behav_logprobs", [0.0, "x", 0.0, 0.0, 0.0], "behav_logprobs holds something that is not a number"),
-    ("prompt_id", 5, "field 'prompt_id' is 5, not its group's 4"),
-    ("finish_reason", None, "field 'finish_reason' is missing or not str"),
-    ("meta", [], "field 'meta' is not an object"),
-])
+@pytest.mark.parametrize(
+    "key, value, message",
+    [
+        ("loss_mask", [1, 0, 2, 1, 1], "loss_mask holds something other than 0 and 1"),
+        ("versions", [1, 1, 1.0, 1, 1], "versions holds something that is not an integer"),
+        ("prompt_ids", [1, True], "prompt_ids holds something that is not an integer"),
+        ("behav_logprobs", [0.0, "x", 0.0, 0.0, 0.0], "behav_logprobs holds something that is not a number"),
+        ("prompt_id", 5, "field 'prompt_id' is 5, not its group's 4"),
+        ("finish_reason", None, "field 'finish_reason' is missing or not str"),
+        ("meta", [], "field 'meta' is not an object"),
+    ],
+)
 def test_a_bad_field_is_one_error_naming_it(key, value, message):
     d = group_to_dict(_group(loss_mask=[1] * N))
     d["samples"][0][key] = value
@@ -109,13 +121,24 @@ def test_a_checkpoint_holds_a_group_as_asdict_writes_it():
 
 def test_a_schedule_line_with_the_short_keys_reads_the_same():
     """A schedule sample written as {index, finish, ...} without prompt_id and meta."""
-    old = {"index": 1, "prompt_ids": [1, 2, 3], "response_ids": [10, 11, 12, 13, 14],
-           "behav_logprobs": [-0.5] * N, "versions": [2] * N, "reward": 0.25, "finish": "stop",
-           "admitted_version": 2, "loss_mask": None, "interrupts": []}
+    old = {
+        "index": 1,
+        "prompt_ids": [1, 2, 3],
+        "response_ids": [10, 11, 12, 13, 14],
+        "behav_logprobs": [-0.5] * N,
+        "versions": [2] * N,
+        "reward": 0.25,
+        "finish": "stop",
+        "admitted_version": 2,
+        "loss_mask": None,
+        "interrupts": [],
+    }
     line = {"step": 0, "groups": [{"prompt_id": 4, "data_index": 9, "admitted_version": 2, "samples": [old]}]}
     assert groups_from_line(line) == [_group()]
     line["groups"][0]["samples"][0]["reward"] = float("nan")
-    with pytest.raises(FlashError, match="schedule step 0 group 0 sample 0: reward nan: a reward is a finite number, not nan"):
+    with pytest.raises(
+        FlashError, match="schedule step 0 group 0 sample 0: reward nan: a reward is a finite number, not nan"
+    ):
         groups_from_line(line)
 
 

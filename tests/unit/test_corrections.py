@@ -55,23 +55,22 @@ G0, G1 = math.sqrt(1.6), 0.5 ** (1 / 3)
 # name, knobs -> weights on the masked tokens, kept, metrics
 CASES = [
     ("token_is", {}, [[2.0, 0.8], [2.0, 1.0, 0.125]], [[T, T], [T, T, T]], {"truncated_frac": 1 / 5}),
-    ("token_is", {"mode": "mask"}, [[2.0, 0.8], [4.0, 1.0, 0.125]], [[T, T], [F, T, F]],
-     {"masked_frac": 2 / 5}),
-    ("seq_is", {"cap": 1.0}, [[1.0, 1.0], [0.5, 0.5, 0.5]], [[T, T], [T, T, T]],
-     {"truncated_frac": 2 / 5}),
-    ("seq_is", {"mode": "mask", "low": 0.6}, [[1.6, 1.6], [0.5, 0.5, 0.5]], [[T, T], [F, F, F]],
-     {"masked_frac": 3 / 5}),
-    ("geo_is", {"cap": 1.0}, [[1.0, 1.0], [G1, G1, G1]], [[T, T], [T, T, T]],
-     {"truncated_frac": 2 / 5}),
-    ("geo_is", {"mode": "mask", "low": 0.8}, [[G0, G0], [G1, G1, G1]], [[T, T], [F, F, F]],
-     {"masked_frac": 3 / 5}),
+    ("token_is", {"mode": "mask"}, [[2.0, 0.8], [4.0, 1.0, 0.125]], [[T, T], [F, T, F]], {"masked_frac": 2 / 5}),
+    ("seq_is", {"cap": 1.0}, [[1.0, 1.0], [0.5, 0.5, 0.5]], [[T, T], [T, T, T]], {"truncated_frac": 2 / 5}),
+    (
+        "seq_is",
+        {"mode": "mask", "low": 0.6},
+        [[1.6, 1.6], [0.5, 0.5, 0.5]],
+        [[T, T], [F, F, F]],
+        {"masked_frac": 3 / 5},
+    ),
+    ("geo_is", {"cap": 1.0}, [[1.0, 1.0], [G1, G1, G1]], [[T, T], [T, T, T]], {"truncated_frac": 2 / 5}),
+    ("geo_is", {"mode": "mask", "low": 0.8}, [[G0, G0], [G1, G1, G1]], [[T, T], [F, F, F]], {"masked_frac": 3 / 5}),
     ("icepop", {}, [[2.0, 0.8], [4.0, 1.0, 0.125]], [[T, T], [F, T, F]], {"masked_frac": 2 / 5}),
     # kept mean of (ln ρ)² after rejecting the k largest: k=2 -> (0.480453 + 0.049793 + 0) / 3
     # = 0.176749 <= 0.2; at tau 0.04 k=3 -> 0.049793 / 2 = 0.024896
-    ("m2po", {"tau": 0.2}, [[1.0, 1.0], [1.0, 1.0, 1.0]], [[T, T], [F, T, F]],
-     {"masked_frac": 2 / 5, "m2": 0.176749}),
-    ("m2po", {}, [[1.0, 1.0], [1.0, 1.0, 1.0]], [[F, T], [F, T, F]],
-     {"masked_frac": 3 / 5, "m2": 0.024896}),
+    ("m2po", {"tau": 0.2}, [[1.0, 1.0], [1.0, 1.0, 1.0]], [[T, T], [F, T, F]], {"masked_frac": 2 / 5, "m2": 0.176749}),
+    ("m2po", {}, [[1.0, 1.0], [1.0, 1.0, 1.0]], [[F, T], [F, T, F]], {"masked_frac": 3 / 5, "m2": 0.024896}),
 ]
 
 
@@ -97,7 +96,7 @@ def test_step_metrics_by_hand():
     assert m["corrections/kl_k3"] == pytest.approx((2.925 - math.log(0.8)) / 5)
     assert m["corrections/ratio_mean"] == pytest.approx(7.925 / 5)
     assert m["corrections/ratio_max"] == pytest.approx(4.0)  # the padding's 9 does not count
-    assert m["corrections/ess"] == pytest.approx(5.925 ** 2 / (5 * 9.655625))
+    assert m["corrections/ess"] == pytest.approx(5.925**2 / (5 * 9.655625))
     assert m["corrections/token_is/truncated_frac"] == pytest.approx(1 / 5)
 
 
@@ -116,23 +115,27 @@ def test_corrections_weight_terms_and_and_the_mask():
 def test_corrections_compose_in_order():
     """token_is (cap 2) then icepop: weights multiply (2·2, 0.8·0.8, 1·1), masks AND."""
     inputs = make_inputs()
-    loss, m = policy_loss("vanilla", inputs, agg="seq-mean-token-sum",
-                          corrections=[{"name": "token_is"}, {"name": "icepop"}])
+    loss, m = policy_loss(
+        "vanilla", inputs, agg="seq-mean-token-sum", corrections=[{"name": "token_is"}, {"name": "icepop"}]
+    )
     loss.backward()
     torch.testing.assert_close(inputs.logp.grad, t([[-4 / 2, 0.64 / 2, 0], [0, -2 / 2, 0]]))
     assert m["corrections/token_is/truncated_frac"] == pytest.approx(1 / 5)
     assert m["corrections/icepop/masked_frac"] == pytest.approx(2 / 5)
 
 
-@pytest.mark.parametrize("specs,message", [
-    ([{"name": "tokn_is"}], "did you mean 'token_is'"),
-    ([{"name": "token_is", "cpa": 2.0}], "did you mean 'cap'"),
-    ([{"name": "token_is", "low": 0.1}], "unused with mode 'truncate'"),
-    ([{"name": "token_is", "mode": "mask", "cap": 3.0}], "unused with mode 'mask'"),
-    ([{"name": "icepop"}, {"name": "icepop"}], "listed twice"),
-    ([{"name": "m2po", "tau": 0.0}], "tau must be > 0"),
-    ([{"name": "seq_is", "low": 3.0, "mode": "mask"}], "low <= high"),
-])
+@pytest.mark.parametrize(
+    "specs,message",
+    [
+        ([{"name": "tokn_is"}], "did you mean 'token_is'"),
+        ([{"name": "token_is", "cpa": 2.0}], "did you mean 'cap'"),
+        ([{"name": "token_is", "low": 0.1}], "unused with mode 'truncate'"),
+        ([{"name": "token_is", "mode": "mask", "cap": 3.0}], "unused with mode 'mask'"),
+        ([{"name": "icepop"}, {"name": "icepop"}], "listed twice"),
+        ([{"name": "m2po", "tau": 0.0}], "tau must be > 0"),
+        ([{"name": "seq_is", "low": 3.0, "mode": "mask"}], "low <= high"),
+    ],
+)
 def test_bad_corrections_are_refused(specs, message):
     with pytest.raises(ValueError, match=message):
         algos.validate_corrections(specs)
@@ -144,49 +147,51 @@ PB, CP, CB = Ratio("prox", "behav"), Ratio("current", "prox"), Ratio("current", 
 TRUST = Ratio("current", "prox", "trust")
 # ratio, prox_source, async_ratio, steps per batch, explicit -> refused?
 RULE = [
-    (CB, "fused", 2.0, 1, False, False),     # naive ppo: behav is never the current policy
+    (CB, "fused", 2.0, 1, False, False),  # naive ppo: behav is never the current policy
     (CB, "behav", 0.0, 1, False, False),
-    (CP, "fused", 2.0, 1, False, True),      # ppo old_policy prox, prox fused: REINFORCE
-    (CP, "separate", 2.0, 1, False, True),   # a second forward of the same weights
+    (CP, "fused", 2.0, 1, False, True),  # ppo old_policy prox, prox fused: REINFORCE
+    (CP, "separate", 2.0, 1, False, True),  # a second forward of the same weights
     (CP, "separate", 2.0, 4, False, False),  # several optimizer steps: prox lags current
-    (CP, "behav", 2.0, 1, False, False),     # prox = behav: the ratio is current/behav
+    (CP, "behav", 2.0, 1, False, False),  # prox = behav: the ratio is current/behav
     (TRUST, "fused", 2.0, 1, False, False),  # decoupled_ppo's clip: a trust region, not a correction
-    (PB, "fused", 2.0, 1, False, False),     # decoupled_ppo's weight with prox fused: live
-    (PB, "behav", 2.0, 1, False, True),      # recompute_prox never at r > 0
-    (PB, "behav", 0.0, 1, False, False),     # on-policy form: decoupled_ppo is ppo at r = 0
-    (PB, "behav", 0.0, 1, True, True),       # a listed correction gets no exception
+    (PB, "fused", 2.0, 1, False, False),  # decoupled_ppo's weight with prox fused: live
+    (PB, "behav", 2.0, 1, False, True),  # recompute_prox never at r > 0
+    (PB, "behav", 0.0, 1, False, False),  # on-policy form: decoupled_ppo is ppo at r = 0
+    (PB, "behav", 0.0, 1, True, True),  # a listed correction gets no exception
     (PB, "separate", 0.0, 1, True, False),
 ]
 
 
 @pytest.mark.parametrize("ratio,source,r,steps,explicit,refused", RULE)
 def test_no_op_rule_table(ratio, source, r, steps, explicit, refused):
-    problem = ratio_problem("x", ratio, prox_source=source, mode="auto", async_ratio=r,
-                            steps_per_batch=steps, explicit=explicit)
+    problem = ratio_problem(
+        "x", ratio, prox_source=source, mode="auto", async_ratio=r, steps_per_batch=steps, explicit=explicit
+    )
     assert (problem is not None) == refused
     if refused:
         assert "identically 1" in problem and "\n" not in problem
 
 
-@pytest.mark.parametrize("overrides,message", [
-    ([], None),
-    (["async_ratio=0"], None),
-    (["algo.loss.name=ppo"], None),
-    (["algo.loss.name=gspo"], None),
-    (["algo.loss.name=ppo", "algo.loss.old_policy=prox"], "old_policy: behav"),
-    (["algo.loss.name=gspo", "algo.loss.old_policy=prox", "algo.recompute_prox=always"],
-     "several optimizer steps"),
-    (["async_ratio=0", "algo.loss.name=ppo", "algo.loss.old_policy=prox"], None),
-    (["algo.recompute_prox=never"], "decoupled_ppo'.*recompute_prox: always"),
-    (["algo.recompute_prox=always"], None),
-    (["algo.loss.name=tis", "algo.recompute_prox=never"], None),
-    (["algo.corrections=[{name: token_is, cap: 3.0}]"], None),
-    (["algo.loss.name=tis", "algo.corrections=[{name: m2po}]", "algo.recompute_prox=never"],
-     "corrections 'm2po'"),
-    (["async_ratio=0", "algo.corrections=[{name: icepop}]"], "recompute_prox: always"),
-    (["async_ratio=0", "algo.corrections=[{name: icepop}]", "algo.recompute_prox=always"], None),
-    (["algo.corrections=[{name: tokn_is}]"], "did you mean 'token_is'"),
-])
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        ([], None),
+        (["async_ratio=0"], None),
+        (["algo.loss.name=ppo"], None),
+        (["algo.loss.name=gspo"], None),
+        (["algo.loss.name=ppo", "algo.loss.old_policy=prox"], "old_policy: behav"),
+        (["algo.loss.name=gspo", "algo.loss.old_policy=prox", "algo.recompute_prox=always"], "several optimizer steps"),
+        (["async_ratio=0", "algo.loss.name=ppo", "algo.loss.old_policy=prox"], None),
+        (["algo.recompute_prox=never"], "decoupled_ppo'.*recompute_prox: always"),
+        (["algo.recompute_prox=always"], None),
+        (["algo.loss.name=tis", "algo.recompute_prox=never"], None),
+        (["algo.corrections=[{name: token_is, cap: 3.0}]"], None),
+        (["algo.loss.name=tis", "algo.corrections=[{name: m2po}]", "algo.recompute_prox=never"], "corrections 'm2po'"),
+        (["async_ratio=0", "algo.corrections=[{name: icepop}]"], "recompute_prox: always"),
+        (["async_ratio=0", "algo.corrections=[{name: icepop}]", "algo.recompute_prox=always"], None),
+        (["algo.corrections=[{name: tokn_is}]"], "did you mean 'token_is'"),
+    ],
+)
 def test_config_refuses_no_op_settings(overrides, message):
     if message is None:
         load_config(STUTTER, [*DPPO, *overrides])
@@ -200,16 +205,21 @@ def test_config_corrections_reach_the_loss_knobs():
     from flash.app.settings import loss_section
 
     cfg = load_config(STUTTER, [*DPPO, "algo.corrections=[{name: token_is, cap: 3.0}]"])
-    assert loss_section(cfg) == {"name": "decoupled_ppo",
-                                 "corrections": [{"name": "token_is", "cap": 3.0}]}
+    assert loss_section(cfg) == {"name": "decoupled_ppo", "corrections": [{"name": "token_is", "cap": 3.0}]}
     assert loss_section(load_config(STUTTER, [])) == {"name": "topr"}
 
 
 # -- the policy table ------------------------------------------------------------------------------
 
-READS = {"vanilla": ["current"], "ppo": ["behav", "current"], "gspo": ["behav", "current"],
-         "tis": ["behav", "current"], "cispo": ["behav", "current"], "topr": ["behav", "current"],
-         "decoupled_ppo": ["behav", "prox", "current"]}
+READS = {
+    "vanilla": ["current"],
+    "ppo": ["behav", "current"],
+    "gspo": ["behav", "current"],
+    "tis": ["behav", "current"],
+    "cispo": ["behav", "current"],
+    "topr": ["behav", "current"],
+    "decoupled_ppo": ["behav", "prox", "current"],
+}
 
 
 def test_every_loss_declares_what_it_reads():
@@ -278,12 +288,12 @@ def test_a_plugin_correction_is_named_in_a_recipe_and_weights_the_loss(tmp_path,
     monkeypatch.setattr(algos.CORRECTIONS, "_entries", dict(algos.CORRECTIONS._entries))
     monkeypatch.setitem(sys.modules, "my_corrections", None)
     del sys.modules["my_corrections"]
-    cfg = load_config(STUTTER, [*DPPO, "plugins=[my_corrections]",
-                                "algo.corrections=[{name: plugin_scale, scale: 0.25}]"])
+    cfg = load_config(
+        STUTTER, [*DPPO, "plugins=[my_corrections]", "algo.corrections=[{name: plugin_scale, scale: 0.25}]"]
+    )
     assert cfg.algo.corrections == [{"name": "plugin_scale", "scale": 0.25}]
     with pytest.raises(ConfigError, match="scale must be in"):
-        load_config(STUTTER, [*DPPO, "plugins=[my_corrections]",
-                              "algo.corrections=[{name: plugin_scale, scale: 2.0}]"])
+        load_config(STUTTER, [*DPPO, "plugins=[my_corrections]", "algo.corrections=[{name: plugin_scale, scale: 2.0}]"])
     plain, _ = policy_loss("vanilla", make_inputs())
     scaled, m = policy_loss("vanilla", make_inputs(), corrections=cfg.algo.corrections)
     assert scaled.item() == pytest.approx(0.25 * plain.item())

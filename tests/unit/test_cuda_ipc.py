@@ -245,7 +245,8 @@ def fsdp_rank(tmp_path, one_torch_thread):
 
 
 def test_an_fsdp_ranks_cuda_ipc_push_gathers_the_engines_dtype_and_keeps_it_on_its_device(
-        handles, monkeypatch, fsdp_rank):
+    handles, monkeypatch, fsdp_rank
+):
     from flash.cluster import load_model
     from flash.weights import gather
     from flash.weights.group import gathers_on_device

@@ -42,9 +42,18 @@ def test_preview_shows_prompts_lengths_drops_and_references_that_score_zero(tmp_
     rows = gsm_rows(10) + [{"question": "", "answer": "1", "solution": "1", "id": 0}]
     rows[3]["answer"] = " 4"  # `exact` strips the response, not the reference: its own answer scores 0
     path = write_jsonl(tmp_path / "a.jsonl", rows)
-    cfg = load_config("recipes/math.yaml", [f"data.train=[{path}]", "data.prompt_key=question",
-                                            "data.sft_key=solution", "data.holdout=0", "data.shuffle=false",
-                                            "data.reward=tests.reward_fns:exact", "reward.fn={}"])
+    cfg = load_config(
+        "recipes/math.yaml",
+        [
+            f"data.train=[{path}]",
+            "data.prompt_key=question",
+            "data.sft_key=solution",
+            "data.holdout=0",
+            "data.shuffle=false",
+            "data.reward=tests.reward_fns:exact",
+            "reward.fn={}",
+        ],
+    )
     lines = []
     result = preview(cfg, rows=100, out=lines.append)
     text = "\n".join(lines)
@@ -79,8 +88,10 @@ def test_eval_sets_are_files_or_builtin_tasks_and_a_bad_one_is_a_one_line_error(
     from flash.app.evaluation import build_eval_sets
 
     path = write_jsonl(tmp_path / "dev.jsonl", gsm_rows(12))
-    cfg = load_config("recipes/math.yaml", [f"eval.sets={{dev: {path}, words: {{task: wordproblems, eval_size: 5}}}}",
-                                            "data.prompt_key=question"])
+    cfg = load_config(
+        "recipes/math.yaml",
+        [f"eval.sets={{dev: {path}, words: {{task: wordproblems, eval_size: 5}}}}", "data.prompt_key=question"],
+    )
     sets = {s.name: s for s in build_eval_sets(cfg)}
     assert len(sets["dev"].items) == 12 and len(sets["words"].items) == 5
     assert sets["dev"].items[3].prompt == gsm_rows(12)[3]["question"]  # file order, nothing held out
@@ -104,7 +115,9 @@ def test_the_flash_data_verbs_export_and_preview_from_the_command_line(tmp_path,
     assert task.item(4).prompt == make_task("wordproblems", seed=5, max_operand=3).item(4).prompt
     assert main(["data", "recipes/math.yaml", f"data.train=[{out}]", "data.sft_key=solution"]) == 0
     text = capsys.readouterr().out
-    assert "--- data index 0 (" in text and "references scoring 0 (a data or reward bug): 0 of 11" in text  # one row held out
+    assert (
+        "--- data index 0 (" in text and "references scoring 0 (a data or reward bug): 0 of 11" in text
+    )  # one row held out
     assert main(["data", "export", "wordproblems", "max_operand=1", "-o", str(out)]) == 2
     assert "max_operand must be in [2, 99]" in capsys.readouterr().err
     assert main(["data", "export", "wordproblems", "-o", str(tmp_path / "x.txt")]) == 2

@@ -32,9 +32,13 @@ def imported_modules(tree: ast.AST) -> set[str]:
             names.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             names.add(node.module)
-        elif (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
-              and isinstance(node.args[0].value, str)
-              and getattr(node.func, "attr", getattr(node.func, "id", None)) in BY_NAME):
+        elif (
+            isinstance(node, ast.Call)
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)
+            and getattr(node.func, "attr", getattr(node.func, "id", None)) in BY_NAME
+        ):
             names.add(node.args[0].value)
     return {n.split(".")[0] for n in names}
 
@@ -55,13 +59,18 @@ def declared(*extras: str) -> set[str]:
     chosen = extras or tuple(cfg["options.extras_require"])
     lines = cfg["options"]["install_requires"].splitlines()
     lines += [line for e in chosen for line in cfg["options.extras_require"][e].splitlines()]
-    return {_norm(re.match(r"[A-Za-z0-9._-]+", line.strip()).group()) for line in lines
-            if line.strip() and not line.strip().startswith("#")}
+    return {
+        _norm(re.match(r"[A-Za-z0-9._-]+", line.strip()).group())
+        for line in lines
+        if line.strip() and not line.strip().startswith("#")
+    }
 
 
 def test_the_scan_sees_plain_from_and_string_named_imports():
-    tree = ast.parse("import a.b\nfrom c.d import e\nfrom . import f\nimportlib.util.find_spec('g')\n"
-                     "pytest.importorskip('h', reason='x')\nprint('i')\n")
+    tree = ast.parse(
+        "import a.b\nfrom c.d import e\nfrom . import f\nimportlib.util.find_spec('g')\n"
+        "pytest.importorskip('h', reason='x')\nprint('i')\n"
+    )
     assert imported_modules(tree) == {"a", "c", "g", "h"}
 
 

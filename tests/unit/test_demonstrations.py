@@ -13,18 +13,32 @@ from flash.envs.chat_messages import split_reply
 from flash.envs.demonstrations import MAX_MESSAGES, DemonstrationError, demonstration_turns
 from flash.models import build_tokenizer, encode_prompt
 
-TOOLS = [{"type": "function", "function": {"name": "multiply", "description": "a times b",
-                                           "parameters": {"type": "object", "properties": {}}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "multiply",
+            "description": "a times b",
+            "parameters": {"type": "object", "properties": {}},
+        },
+    }
+]
 PROMPT = [{"role": "system", "content": "Use the tool."}, {"role": "user", "content": "What is 7 times 8?"}]
 
 
 def call(args) -> dict:
-    return {"role": "assistant", "content": None, "tool_calls": [
-        {"id": "c0", "type": "function", "function": {"name": "multiply", "arguments": args}}]}
+    return {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [{"id": "c0", "type": "function", "function": {"name": "multiply", "arguments": args}}],
+    }
 
 
-EPISODE = [call(json.dumps({"a": 7, "b": 8})), {"role": "tool", "tool_call_id": "c0", "content": "56"},
-           {"role": "assistant", "content": "56"}]
+EPISODE = [
+    call(json.dumps({"a": 7, "b": 8})),
+    {"role": "tool", "tool_call_id": "c0", "content": "56"},
+    {"role": "assistant", "content": "56"},
+]
 
 
 def test_each_assistant_turn_is_one_pair_with_the_chat_before_it():
@@ -43,7 +57,11 @@ def test_each_assistant_turn_is_one_pair_with_the_chat_before_it():
 def test_a_demonstrated_call_is_what_the_gateway_parses_back_as_that_call():
     (_, text), _ = demonstration_turns(PROMPT, EPISODE, TOOLS, TOOL_TEMPLATE)
     content, calls, failed = split_reply("hermes", text)
-    assert not failed and content == "" and [(c["name"], c["arguments"]) for c in calls] == [("multiply", {"a": 7, "b": 8})]
+    assert (
+        not failed
+        and content == ""
+        and [(c["name"], c["arguments"]) for c in calls] == [("multiply", {"a": 7, "b": 8})]
+    )
 
 
 def test_the_pair_encodes_as_the_gateway_renders_the_chat():
@@ -53,26 +71,32 @@ def test_the_pair_encodes_as_the_gateway_renders_the_chat():
     tok.chat_template = TOOL_TEMPLATE
     _, (prompt, _) = demonstration_turns(PROMPT, EPISODE, TOOLS, TOOL_TEMPLATE)
     text = tok.decode(encode_prompt(tok, prompt))
-    assert text == ('<bos>tools: multiply. q: Use the tool. q: What is 7 times 8? a: <tool_call>{"name": "multiply", '
-                    '"arguments": {"a": 7, "b": 8}}</tool_call><eos> r: 56 a: ')
+    assert text == (
+        '<bos>tools: multiply. q: Use the tool. q: What is 7 times 8? a: <tool_call>{"name": "multiply", '
+        '"arguments": {"a": 7, "b": 8}}</tool_call><eos> r: 56 a: '
+    )
 
 
 def test_a_string_is_the_one_reply_and_a_string_prompt_one_user_turn():
     assert demonstration_turns("What is 2 times 3?", "6", None, TOOL_TEMPLATE) == [
-        ({"messages": [{"role": "user", "content": "What is 2 times 3?"}], "tools": None}, "6")]
+        ({"messages": [{"role": "user", "content": "What is 2 times 3?"}], "tools": None}, "6")
+    ]
 
 
-@pytest.mark.parametrize("demo, error", [
-    ([], "a demonstration is the reply"),
-    (7, "got int"),
-    ([{"role": "tool", "content": "56"}], "at least one assistant turn"),
-    ([{"role": "wizard", "content": "x"}], "role must be one of"),
-    ([call("{not json")], "arguments is not valid JSON"),
-    ([call("[" * 100 + "]" * 100)], "nest"),
-    ([{"role": "assistant", "content": "x", "audio": "y"}], "unsupported field"),
-    ([{"role": "assistant", "content": "x"}] * (MAX_MESSAGES + 1), f"at most {MAX_MESSAGES} messages"),
-    ([{"role": "assistant", "content": "x" * 70000}], "characters"),
-])
+@pytest.mark.parametrize(
+    "demo, error",
+    [
+        ([], "a demonstration is the reply"),
+        (7, "got int"),
+        ([{"role": "tool", "content": "56"}], "at least one assistant turn"),
+        ([{"role": "wizard", "content": "x"}], "role must be one of"),
+        ([call("{not json")], "arguments is not valid JSON"),
+        ([call("[" * 100 + "]" * 100)], "nest"),
+        ([{"role": "assistant", "content": "x", "audio": "y"}], "unsupported field"),
+        ([{"role": "assistant", "content": "x"}] * (MAX_MESSAGES + 1), f"at most {MAX_MESSAGES} messages"),
+        ([{"role": "assistant", "content": "x" * 70000}], "characters"),
+    ],
+)
 def test_a_bad_demonstration_is_refused_naming_what_is_wrong(demo, error):
     with pytest.raises(DemonstrationError, match=error):
         demonstration_turns(PROMPT, demo, TOOLS, TOOL_TEMPLATE)
@@ -91,8 +115,9 @@ class TestVerifiersRows:
     def task(self):
         from flash.envs.verifiers_env import VerifiersOptions, VerifiersTask
 
-        return VerifiersTask(VerifiersOptions(env="recipes/envs/vf_multiply.py", sft_key="demo",
-                                              args={"rows": 200, "skip_prob": 0.5}))
+        return VerifiersTask(
+            VerifiersOptions(env="recipes/envs/vf_multiply.py", sft_key="demo", args={"rows": 200, "skip_prob": 0.5})
+        )
 
     def test_rows_give_calls_answers_and_guesses_from_the_column(self, task):
         pairs = [task.sft_pair(i) for i in range(200)]
@@ -109,13 +134,18 @@ class TestVerifiersRows:
         from flash.envs.verifiers_env import VerifiersOptions, VerifiersTask
         from flash.tasks import task_fingerprint
 
-        other = VerifiersTask(VerifiersOptions(env="recipes/envs/vf_multiply.py", sft_key="demo",
-                                               args={"rows": 200, "skip_prob": 0.5, "seed": 1}))
+        other = VerifiersTask(
+            VerifiersOptions(
+                env="recipes/envs/vf_multiply.py", sft_key="demo", args={"rows": 200, "skip_prob": 0.5, "seed": 1}
+            )
+        )
         assert task_fingerprint(task) != task_fingerprint(other)
         assert task_fingerprint(task)["options"]["data"] == task.data_fingerprint
 
-    @pytest.mark.parametrize("key, error", [("", "task.sft_key names the column"),
-                                            ("solution", r"no such column \(its columns: answer, demo,")])
+    @pytest.mark.parametrize(
+        "key, error",
+        [("", "task.sft_key names the column"), ("solution", r"no such column \(its columns: answer, demo,")],
+    )
     def test_no_column_or_a_wrong_one_is_one_line_naming_the_fix(self, key, error):
         from flash.envs.verifiers_env import VerifiersOptions, VerifiersTask
 

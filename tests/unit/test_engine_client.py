@@ -55,8 +55,14 @@ def fake_ray(monkeypatch):
 
 def client_of(engine, max_restarts=2, replicas=None, **kw):
     warnings: list[str] = []
-    client = EngineClient(engine, hang_timeout_s=kw.pop("hang_timeout_s", 5.0), max_restarts=max_restarts,
-                          warn=warnings.append, replicas=replicas, **kw)
+    client = EngineClient(
+        engine,
+        hang_timeout_s=kw.pop("hang_timeout_s", 5.0),
+        max_restarts=max_restarts,
+        warn=warnings.append,
+        replicas=replicas,
+        **kw,
+    )
     client.events_seen = []
     client.on_event = client.events_seen.append
     return client, warnings
@@ -74,17 +80,31 @@ def test_a_dead_engine_is_waited_for_given_the_pushed_weights_and_its_requests_r
 
     assert engine.calls[4][1].name == "w7"  # the object ref last pushed, as it was
     assert [c if c[0] != "update_weights" else ("update_weights", "w", c[2]) for c in engine.calls] == [
-        ("stats",), ("health",), ("health",), *PUSH, ("pid",), ("stats",)]
+        ("stats",),
+        ("health",),
+        ("health",),
+        *PUSH,
+        ("pid",),
+        ("stats",),
+    ]
     assert fake_ray.killed == []  # a dead actor is restarted by Ray itself
     (event,) = client.events_seen
     assert event["recovery_s"] >= 0.2  # one wait for the restart between the two health probes
     assert {k: event[k] for k in ("event", "kind", "error", "requeued", "version", "replica", "pid")} == {
-        "event": "engine_fault", "kind": "died", "error": "RayActorError", "requeued": 3, "version": 7,
-        "replica": 0, "pid": 100}
+        "event": "engine_fault",
+        "kind": "died",
+        "error": "RayActorError",
+        "requeued": 3,
+        "version": 7,
+        "replica": 0,
+        "pid": 100,
+    }
     assert (client.epoch, client.faults, client.restarts) == (1, 1, 1)
     assert client.metrics() == {"faults/engine": 1.0, "faults/engine_recovery_s": event["recovery_s"]}
-    assert warnings == ["flash: rollout engine died (RayActorError); restarting it and requeueing its requests "
-                        "(faults counted in faults/engine, logged once)"]
+    assert warnings == [
+        "flash: rollout engine died (RayActorError); restarting it and requeueing its requests "
+        "(faults counted in faults/engine, logged once)"
+    ]
 
 
 def test_a_hung_then_a_broken_engine_are_killed_and_the_third_fault_names_the_knob(fake_ray):
@@ -102,14 +122,18 @@ def test_a_hung_then_a_broken_engine_are_killed_and_the_third_fault_names_the_kn
     assert len(warnings) == 1 and client.epoch == 2
 
     engine.fail("get_finished", RayActorError())
-    with pytest.raises(EngineFailed, match=r"rollout engine died again after 2 restarts "
-                                           r"\(rollout.max_engine_restarts=2\); last error: RayActorError"):
+    with pytest.raises(
+        EngineFailed,
+        match=r"rollout engine died again after 2 restarts "
+        r"\(rollout.max_engine_restarts=2\); last error: RayActorError",
+    ):
         client.poll(0.5)
     assert (client.faults, client.epoch, fake_ray.killed) == (3, 2, ["engine", "engine"])  # nothing killed
 
 
-@pytest.mark.parametrize("health, kind, killed", [(RayActorError(), "died", []),
-                                                  (ValueError("weights half loaded"), "broken", ["engine"])])
+@pytest.mark.parametrize(
+    "health, kind, killed", [(RayActorError(), "died", []), (ValueError("weights half loaded"), "broken", ["engine"])]
+)
 def test_a_failed_push_is_probed_died_or_broken(fake_ray, health, kind, killed):
     """An ``EngineFault`` names no kind: the engine's ``health`` tells a dead actor from a failing one."""
     engine = Actor("engine").fail("health", health)
@@ -140,8 +164,11 @@ def test_an_engine_that_does_not_come_back_stops_the_run(fake_ray):
     engine = Actor("engine").fail("stats", RayActorError())
     engine.always["health"] = RayActorError()
     client, _ = client_of(engine, start_timeout_s=0.3)
-    with pytest.raises(EngineFailed, match=r"rollout engine did not come back within 0s after it failed "
-                                           r"\(RayActorError.*last error: RayActorError"):
+    with pytest.raises(
+        EngineFailed,
+        match=r"rollout engine did not come back within 0s after it failed "
+        r"\(RayActorError.*last error: RayActorError",
+    ):
         client.call("stats")
     assert engine.names().count("health") >= 2 and client.epoch == 0
 
@@ -170,8 +197,11 @@ def recovery_threads(i: int) -> list[threading.Thread]:
 
 def test_a_dead_replica_recovers_in_the_background_while_the_others_serve_on(fake_ray):
     router, replicas = router_of()
-    router.fail("get_finished", ReplicaError("engine replica 1 failed in get_finished", 1, "died"),
-                ReplicaError("engine replica 1 failed in get_finished", 1, "died"))
+    router.fail(
+        "get_finished",
+        ReplicaError("engine replica 1 failed in get_finished", 1, "died"),
+        ReplicaError("engine replica 1 failed in get_finished", 1, "died"),
+    )
     router.answers["get_finished"] = lambda timeout: ["out-a", "out-b"]
     gate = threading.Event()
     replicas[1].answers["health"] = lambda: gate.wait(10.0)  # the new process starts up meanwhile
@@ -191,10 +221,20 @@ def test_a_dead_replica_recovers_in_the_background_while_the_others_serve_on(fak
     assert requeued == [["held1a", "held1b"]]  # only what replica 1 held, once
     assert [c for c in router.calls if c[0] != "get_finished"] == [("replica_down", 1), ("replica_up", 1)]
     assert replicas[0].calls == [] and [c[0] for c in replicas[1].calls] == [
-        "health", "pause", "update_weights", "resume", "pid"]
+        "health",
+        "pause",
+        "update_weights",
+        "resume",
+        "pid",
+    ]
     (event,) = client.events_seen
     assert (event["kind"], event["replica"], event["requeued"], event["pid"], event["outputs_meanwhile"]) == (
-        "died", 1, 2, 210, 2)
+        "died",
+        1,
+        2,
+        210,
+        2,
+    )
     assert client.epochs == [0, 1] and client.epoch == 1 and fake_ray.killed == []
 
 
@@ -228,23 +268,30 @@ def test_a_push_failure_behind_the_router_recovers_the_replica_that_does_not_ans
     assert client.run(push, exclusive=True) == "pushed"
     assert attempts == [[0, 0], [0, 1]]
     assert [(e["kind"], e["replica"], e["error"], e["requeued"]) for e in client.events_seen] == [
-        ("died", 1, "ReplicaError", 2)]
+        ("died", 1, "ReplicaError", 2)
+    ]
     assert router.calls == [("replica_down", 1), ("replica_up", 1)]
 
 
 def test_a_fault_no_replica_explains_stops_the_run(fake_ray):
     router, replicas = router_of()
     client, _ = client_of(router, replicas=replicas, hang_timeout_s=0.05)
-    with pytest.raises(EngineFailed, match=r"rollout engine fault \(EngineFault\('push failed'\)\) and every "
-                                           r"replica answers; stopping"):
+    with pytest.raises(
+        EngineFailed,
+        match=r"rollout engine fault \(EngineFault\('push failed'\)\) and every "
+        r"replica answers; stopping",
+    ):
         client.recover([0, 0], EngineFault("push failed"))
     assert [c[0] for r in replicas for c in r.calls] == ["health", "health"] and client.faults == 0
 
 
 def test_a_submit_fault_leaves_the_resubmission_to_the_recovery(fake_ray):
     router, replicas = router_of()
-    router.fail("submit", GetTimeoutError(),  # the router itself did not answer: submit again
-                ReplicaError("engine replica 0 failed in submit", 0, "died"))
+    router.fail(
+        "submit",
+        GetTimeoutError(),  # the router itself did not answer: submit again
+        ReplicaError("engine replica 0 failed in submit", 0, "died"),
+    )
     client, _ = client_of(router, replicas=replicas)
     requeued = []
     client.requeue = lambda ids: requeued.append(ids) or len(ids)

@@ -29,9 +29,9 @@ def run(model, budget: int) -> tuple[list, list[tuple[int, int]]]:
     and the (rows, width) of every prefill forward."""
     engine = TorchEngine(model, max_num_seqs=8, max_num_batched_tokens=budget)
     for i, p in enumerate(MIXED):
-        engine.add_request(req(f"r{i}", p, n=10, temperature=0.0 if i % 3 == 0 else 0.9,
-                               top_p=0.8 if i % 2 else 1.0))
+        engine.add_request(req(f"r{i}", p, n=10, temperature=0.0 if i % 3 == 0 else 0.9, top_p=0.8 if i % 2 else 1.0))
     shapes: list[tuple[int, int]] = []
+
     def record(module, args, kw):  # a prefill writes into an empty window of the cache
         if kw["past_key_values"].get_seq_length() == 0:
             shapes.append(tuple(kw["input_ids"].shape))
@@ -54,8 +54,20 @@ def test_prefill_forwards_stay_within_the_budget_and_outputs_hold():
     whole, big = run(model, 10**9)
     chunked, small = run(model, 16)
     assert big == [(7, 28), (7, 31)]  # one forward each: 196 tokens, then 217 after the interrupt
-    assert small == [(2, 2), (1, 6), (1, 11), (1, 19), (1, 28), (1, 1),
-                     (2, 5), (1, 9), (1, 14), (1, 22), (1, 31), (1, 4)]  # the re-prefill is chunked too
+    assert small == [
+        (2, 2),
+        (1, 6),
+        (1, 11),
+        (1, 19),
+        (1, 28),
+        (1, 1),
+        (2, 5),
+        (1, 9),
+        (1, 14),
+        (1, 22),
+        (1, 31),
+        (1, 4),
+    ]  # the re-prefill is chunked too
     assert all(rows * width <= 16 or rows == 1 for rows, width in small)
     assert [t for t, _ in chunked] == [t for t, _ in whole]  # every token, sampled ones included
     diff = max(abs(a - b) for (_, la), (_, lb) in zip(chunked, whole) for a, b in zip(la, lb))

@@ -202,11 +202,21 @@ def test_an_episode_ends_as_a_finished_unit_whatever_its_environment_calls_the_o
 
 def test_collate_honours_loss_mask_and_loss_equals_llm_tokens_alone():
     tok = build_tokenizer()
-    model = build_tiny_model(tok, TinyModelConfig(hidden_size=64, num_layers=1, num_heads=2, num_kv_heads=2,
-                                                  intermediate_size=64, max_positions=64))
+    model = build_tiny_model(
+        tok,
+        TinyModelConfig(
+            hidden_size=64, num_layers=1, num_heads=2, num_kv_heads=2, intermediate_size=64, max_positions=64
+        ),
+    )
     episode = to_sample(two_turn_transcript(), prompt_id=0, sample_index=0, admitted_version=0, outcome="s", meta={})
-    plain = Sample(prompt_id=1, sample_index=0, prompt_ids=[1, 20, 21], response_ids=[22, 23, 2],
-                   behav_logprobs=[-1.0, -1.0, -1.0], versions=[0, 0, 0])
+    plain = Sample(
+        prompt_id=1,
+        sample_index=0,
+        prompt_ids=[1, 20, 21],
+        response_ids=[22, 23, 2],
+        behav_logprobs=[-1.0, -1.0, -1.0],
+        versions=[0, 0, 0],
+    )
     batch = collate([episode, plain])
     assert batch.mask.tolist() == [[0, 0, 1, 0, 0, 1, 1], [0, 0, 1, 1, 1, 0, 0]]
     assert batch.versions[0].tolist() == [0, 0, 0, 1, 1, 1, 2]
@@ -227,8 +237,15 @@ def test_collate_honours_loss_mask_and_loss_equals_llm_tokens_alone():
 
 
 def test_collate_rejects_a_loss_mask_of_the_wrong_length():
-    s = Sample(prompt_id=0, sample_index=0, prompt_ids=[1], response_ids=[5, 6], behav_logprobs=[0, 0],
-               versions=[0, 0], loss_mask=[1])
+    s = Sample(
+        prompt_id=0,
+        sample_index=0,
+        prompt_ids=[1],
+        response_ids=[5, 6],
+        behav_logprobs=[0, 0],
+        versions=[0, 0],
+        loss_mask=[1],
+    )
     with pytest.raises(ValueError, match="loss_mask has 1 entries for 2 response tokens"):
         collate([s])
 

@@ -13,9 +13,11 @@ from flash.controllers.workflows.episode import EpisodeCodec, Episodes
 from flash.engine.base import GenerationOutput, SamplingParams
 from flash.envs.worker import EnvWorker
 
-CODEC = EpisodeCodec(encode_prompt=lambda text: [ord(c) for c in text],
-                     encode_observation=lambda text: [ord(c) for c in text],
-                     decode=lambda ids: "".join(map(chr, ids)))
+CODEC = EpisodeCodec(
+    encode_prompt=lambda text: [ord(c) for c in text],
+    encode_observation=lambda text: [ord(c) for c in text],
+    decode=lambda ids: "".join(map(chr, ids)),
+)
 
 
 class Core:
@@ -26,8 +28,7 @@ class Core:
     def __init__(self):
         self.counters: dict[str, float] = {}
         self.submitted, self.aborted, self.delivered = [], [], []
-        self.supervisor = SimpleNamespace(submit=self.submitted.extend,
-                                          call=lambda name, ids: self.aborted.extend(ids))
+        self.supervisor = SimpleNamespace(submit=self.submitted.extend, call=lambda name, ids: self.aborted.extend(ids))
         self.admission = SimpleNamespace(stopped=threading.Event(), version=0)
 
     def deliver(self, outputs):
@@ -132,7 +133,8 @@ def test_a_worker_death_is_counted_once_per_new_process_and_stops_the_run_past_t
     wf._worker_lost(0, "died", RuntimeError("killed"))  # a second episode of the same death
     assert wf.faults == 1 and wf._pids == [101] and wf.metrics()["faults/env"] == 1.0
     assert [(e["event"], e["kind"], e["error"], e["worker"], e["pid"]) for e in heard] == [
-        ("env_fault", "died", "RuntimeError", 0, 101)] and wf.events == heard
+        ("env_fault", "died", "RuntimeError", 0, 101)
+    ] and wf.events == heard
     wf._wait_restarted = lambda slot, kind, exc: 102
     with pytest.raises(EnvFailed, match=r"died 2 times \(rollout.max_worker_restarts=1\)"):
         wf._worker_lost(0, "hung", TimeoutError())

@@ -25,8 +25,9 @@ def _jsonl(path, rows):
 
 def test_the_task_s_own_held_out_set_is_one_more_set_after_the_named_ones(tmp_path):
     dev = _jsonl(tmp_path / "dev.jsonl", _rows(6))
-    cfg = load_config("recipes/stutter.yaml", [f"eval.sets={{dev: {dev}}}", "data.prompt_key=question",
-                                               "task.eval_size=5"])
+    cfg = load_config(
+        "recipes/stutter.yaml", [f"eval.sets={{dev: {dev}}}", "data.prompt_key=question", "task.eval_size=5"]
+    )
     task = make_task("stutter", eval_size=5)
     sets = build_eval_sets(cfg, task)
     assert [s.name for s in sets] == ["dev", OWN_SET]
@@ -52,8 +53,10 @@ def test_a_named_set_reading_data_eval_s_files_is_not_evaluated_twice(tmp_path):
 
 
 def test_the_headline_is_the_first_set_s_mean_at_n_and_the_figures_name_every_set():
-    m = {**set_metrics("dev", [[1.0, 0.0], [1.0, 1.0]], [3, 4, 5, 6]),
-         **set_metrics("eval", [[0.0, 0.0], [1.0, 0.0]], [3, 4, 5, 6])}
+    m = {
+        **set_metrics("dev", [[1.0, 0.0], [1.0, 1.0]], [3, 4, 5, 6]),
+        **set_metrics("eval", [[0.0, 0.0], [1.0, 0.0]], [3, 4, 5, 6]),
+    }
     sets = build_eval_sets.__globals__["EvalSet"]
     assert headline(m, [sets("dev", [], None), sets("eval", [], None)], 2) == pytest.approx(0.75)
     assert headline(m, [sets("eval", [], None)], 2) == pytest.approx(0.25)
@@ -62,8 +65,12 @@ def test_the_headline_is_the_first_set_s_mean_at_n_and_the_figures_name_every_se
 
 
 def _line(step, acc, dev):
-    return {"tag": "x", "step": step, "accuracy": acc, "sets": {"eval/eval/mean@4": acc, "eval/eval/pass@4": 1.0,
-                                                                 "eval/dev/mean@4": dev}}
+    return {
+        "tag": "x",
+        "step": step,
+        "accuracy": acc,
+        "sets": {"eval/eval/mean@4": acc, "eval/eval/pass@4": 1.0, "eval/dev/mean@4": dev},
+    }
 
 
 def test_the_summary_keeps_each_set_at_start_and_end_and_the_best_step_of_the_curve():
@@ -80,8 +87,9 @@ def test_the_summary_keeps_each_set_at_start_and_end_and_the_best_step_of_the_cu
 def test_a_new_phase_shows_no_figure_from_the_phase_before():
     hb = Heartbeat(0, enabled=False, stream=io.StringIO())
     hb.set(phase="train", step=30, total=30, reward=0.383, accuracy="0.125@20", detail="eval 8/16 samples, ~2s left")
-    assert hb.line().endswith("train step 30/30 (elapsed 0s, ~0s left) reward 0.383 accuracy 0.125@20 "
-                              "eval 8/16 samples, ~2s left"), hb.line()
+    assert hb.line().endswith(
+        "train step 30/30 (elapsed 0s, ~0s left) reward 0.383 accuracy 0.125@20 eval 8/16 samples, ~2s left"
+    ), hb.line()
     hb.set(phase="evaluation after training")
     assert hb.line().endswith("] evaluation after training"), hb.line()
 
@@ -89,9 +97,17 @@ def test_a_new_phase_shows_no_figure_from_the_phase_before():
 def test_a_sweep_row_takes_the_best_accuracy_and_its_step_from_the_curve(tmp_path):
     from flash.app.sweep import Point, collect
 
-    summary = {"train_seconds": 10.0, "seconds_per_step": 2.5, "wall_seconds": 20.0, "samples_trained": 64,
-               "async_ratio": 0.0, "eval_accuracy_initial": 0.2, "eval_accuracy_final": 0.45,
-               "max_staleness_observed": 0.0, "steps": 40}
+    summary = {
+        "train_seconds": 10.0,
+        "seconds_per_step": 2.5,
+        "wall_seconds": 20.0,
+        "samples_trained": 64,
+        "async_ratio": 0.0,
+        "eval_accuracy_initial": 0.2,
+        "eval_accuracy_final": 0.45,
+        "max_staleness_observed": 0.0,
+        "steps": 40,
+    }
     (tmp_path / "summary.json").write_text(json.dumps(summary))
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "time/step": 1.0}) + "\n" for s in (1, 2)))
     evals = [_line(0, 0.2, 0.1), _line(10, 0.5, 0.3), _line(20, 0.6, 0.4), _line(30, 0.6, 0.2), _line(40, 0.45, 0.5)]

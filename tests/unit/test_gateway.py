@@ -29,8 +29,11 @@ from tests.helpers.chat import CHATML, WINDOW, bpe_tokenizer
 from tests.helpers.models import make_model
 
 OPENING = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "what is the weather"}]
-FOLLOW_UPS = [{"role": "tool", "content": "sunny 21"}, {"role": "user", "content": "and tomorrow?"},
-              {"role": "user", "content": "thanks"}]
+FOLLOW_UPS = [
+    {"role": "tool", "content": "sunny 21"},
+    {"role": "user", "content": "and tomorrow?"},
+    {"role": "user", "content": "thanks"},
+]
 MAX_CONTEXT = 256
 MAX_TOKENS = (16, 1, 16, 3)  # per turn: long replies end on the stop token, short ones by length
 
@@ -41,8 +44,15 @@ def setup_parts(name: str):
     often as they run out of tokens: both ways of closing a turn are exercised."""
     if name == "llama3":
         tok = bpe_tokenizer()
-        cfg = TinyModelConfig(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128,
-                              max_positions=MAX_CONTEXT, seed=5)
+        cfg = TinyModelConfig(
+            hidden_size=64,
+            num_layers=2,
+            num_heads=2,
+            num_kv_heads=1,
+            intermediate_size=128,
+            max_positions=MAX_CONTEXT,
+            seed=5,
+        )
         model = build_tiny_model(tok, cfg).eval()
     else:
         tok, model = make_model(seed=7)
@@ -119,8 +129,8 @@ def assert_token_exact(rec: dict, calls: list[tuple[list[int], object]]) -> None
             n, end = len(prompt), len(prompt) + len(out.token_ids)
             assert tokens[:n] == prompt
             assert tokens[n:end] == out.token_ids
-            assert seg.logprobs[n - start:end - start] == out.logprobs
-            assert seg.versions[n - start:end - start] == out.versions
+            assert seg.logprobs[n - start : end - start] == out.logprobs
+            assert seg.versions[n - start : end - start] == out.versions
             sampled |= set(range(n - start, end - start))
         assert end == len(tokens)
         assert {i for i, m in enumerate(seg.loss_mask) if m} == sampled
@@ -133,8 +143,9 @@ def test_turns_are_token_exact_and_follow_the_template(served):
     api = client(gw, key)
 
     def ask(messages, turn):
-        r = api.chat.completions.create(model="policy", messages=messages, max_tokens=MAX_TOKENS[turn],
-                                        seed=100 + turn, temperature=1.5)
+        r = api.chat.completions.create(
+            model="policy", messages=messages, max_tokens=MAX_TOKENS[turn], seed=100 + turn, temperature=1.5
+        )
         out = policy.calls(key)[-1][1]
         assert (r.usage.completion_tokens, r.choices[0].finish_reason) == (len(out.token_ids), out.finish_reason)
         return r.choices[0].message.content
@@ -145,8 +156,9 @@ def test_turns_are_token_exact_and_follow_the_template(served):
     assert_token_exact(rec, calls)
     assert rec["meta"] == {"task": name} and rec["tokens_out"] == sum(len(o.token_ids) for _, o in calls)
     for messages, (prompt, _) in zip(sent, calls):  # what the engine saw reads as the template's text
-        assert tok.decode(prompt, skip_special_tokens=True) == \
-            tok.decode(render(tok, messages, None, True), skip_special_tokens=True)
+        assert tok.decode(prompt, skip_special_tokens=True) == tok.decode(
+            render(tok, messages, None, True), skip_special_tokens=True
+        )
     starts = [c["new_segment"] for c in rec["calls"]]
     if name == "window":  # 2, 4, 6, 8 messages: the last two calls see a slid window
         assert starts == [True, False, True, True] and rec["new_segments"] == 2
@@ -178,8 +190,9 @@ def test_context_tokens_take_the_version_of_the_next_sampled_token():
     (seg,) = session.segments
     assert seg.response_ids == [6, 2, 40, 9, 7] and seg.loss_mask == [1, 1, 0, 0, 1]
     assert seg.logprobs == [-0.5, -0.1, 0.0, 0.0, -0.3] and seg.versions == [2, 2, 3, 3, 3]
-    sample = seg.to_sample(prompt_id=4, sample_index=1, reward=1.0, finish_reason="length", admitted_version=2,
-                           meta={"k": 1})
+    sample = seg.to_sample(
+        prompt_id=4, sample_index=1, reward=1.0, finish_reason="length", admitted_version=2, meta={"k": 1}
+    )
     assert sample.prompt_ids == [1, 5] and sample.response_ids == seg.response_ids
     assert sample.loss_mask == seg.loss_mask and sample.behav_logprobs == seg.logprobs and sample.version == 2
     assert sample.meta == {"k": 1}
@@ -193,11 +206,15 @@ def test_an_edited_history_starts_a_new_segment(chatml):
     api = client(gw, key)
     messages = list(OPENING)
     r1 = api.chat.completions.create(model="p", messages=messages, max_tokens=8, seed=1)
-    messages += [{"role": "assistant", "content": r1.choices[0].message.content + "x"},  # edited reply
-                 {"role": "user", "content": "go on"}]
+    messages += [
+        {"role": "assistant", "content": r1.choices[0].message.content + "x"},  # edited reply
+        {"role": "user", "content": "go on"},
+    ]
     r2 = api.chat.completions.create(model="p", messages=messages, max_tokens=8, seed=2)
-    messages += [{"role": "assistant", "content": r2.choices[0].message.content},
-                 {"role": "user", "content": "use a tool"}]
+    messages += [
+        {"role": "assistant", "content": r2.choices[0].message.content},
+        {"role": "user", "content": "use a tool"},
+    ]
     tools = [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}]
     api.chat.completions.create(model="p", messages=messages, max_tokens=8, seed=3, tools=tools)  # new tools
     rec = gw.close_session(key)
@@ -214,14 +231,20 @@ def test_context_is_dated_by_the_call_after_a_weight_update(chatml):
     with policy.lock:  # between two calls, as the controller's weight push would land
         v = policy.engine.version
         policy.engine.update_weights({}, v + 1)
-    messages = OPENING + [{"role": "assistant", "content": first.choices[0].message.content},
-                          {"role": "user", "content": "go on"}]
+    messages = OPENING + [
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "go on"},
+    ]
     api.chat.completions.create(model="p", messages=messages, max_tokens=4, seed=7)
     (seg,) = gw.close_session(key)["segments"]
     n = first.usage.completion_tokens
     assert seg.versions == [v] * n + [v + 1] * (len(seg.versions) - n) and seg.loss_mask[n] == 0
-    assert seg.to_sample(prompt_id=0, sample_index=0, reward=0.0, finish_reason="stop", admitted_version=v,
-                         meta={}).version == v
+    assert (
+        seg.to_sample(
+            prompt_id=0, sample_index=0, reward=0.0, finish_reason="stop", admitted_version=v, meta={}
+        ).version
+        == v
+    )
 
 
 def test_text_completions_extend_only_an_exact_continuation(chatml):
@@ -278,8 +301,14 @@ def test_bad_requests_are_refused_and_the_server_keeps_serving(chatml):
     after = gw.metrics()
     counted = {k: after[k] - before.get(k, 0) for k in after if k.startswith("refused/")}
     assert {k: v for k, v in counted.items() if v} == {
-        "refused/unauthorized": 2, "refused/unsupported": 4, "refused/max_tokens": 2, "refused/bad_params": 1,
-        "refused/bad_json": 2, "refused/bad_messages": 4, "refused/too_large": 1}
+        "refused/unauthorized": 2,
+        "refused/unsupported": 4,
+        "refused/max_tokens": 2,
+        "refused/bad_params": 1,
+        "refused/bad_json": 2,
+        "refused/bad_messages": 4,
+        "refused/too_large": 1,
+    }
     assert after["calls"] == before["calls"] + 1
 
 
@@ -296,8 +325,10 @@ def test_engine_refusals_and_failures_are_answered_not_raised(chatml):
     def trimming(prompt_ids, params, session_key):  # a wiring bug: the engine sees another prompt
         return policy(prompt_ids[1:], params, session_key)
 
-    for generate, error, reason in ((broken, "engine down", "generate"), (trimming, "different prompt",
-                                                                          "engine_output")):
+    for generate, error, reason in (
+        (broken, "engine down", "generate"),
+        (trimming, "different prompt", "engine_output"),
+    ):
         with Gateway(tok, generate, max_tokens_cap=8) as down:
             with pytest.raises(openai.InternalServerError, match=error):
                 client(down, down.open_session()).chat.completions.create(model="p", messages=OPENING)
@@ -324,10 +355,13 @@ def test_concurrent_sessions_stay_separate(chatml):
         api = openai.AsyncOpenAI(base_url=gw.url, api_key=keys[i], max_retries=0, timeout=60)
         messages = [{"role": "user", "content": f"agent {i} here"}]
         for turn in range(3):
-            r = await api.chat.completions.create(model="p", messages=messages, max_tokens=6,
-                                                  seed=10 * i + turn, temperature=1.5)
-            messages += [{"role": "assistant", "content": r.choices[0].message.content},
-                         {"role": "user", "content": f"more {turn}"}]
+            r = await api.chat.completions.create(
+                model="p", messages=messages, max_tokens=6, seed=10 * i + turn, temperature=1.5
+            )
+            messages += [
+                {"role": "assistant", "content": r.choices[0].message.content},
+                {"role": "user", "content": f"more {turn}"},
+            ]
         await api.close()
         return messages
 

@@ -40,17 +40,38 @@ def post(gw: Gateway, key: str, body: bytes | dict, route: str = "chat/completio
     return httpx.post(f"{gw.url}/{route}", content=content, headers={"Authorization": f"Bearer {key}"}, timeout=30)
 
 
-@pytest.mark.parametrize("text, depth", [
-    ("1", 0), ('"[[{{"', 0), ("[]", 1), ("{}", 1), (arrays(64), 64), (objects(65), 65),
-    ('[{"a": [1, {"b": []}]}]', 5), ('["]]]]", [[]]]', 3), ('{"k\\"[[": [[]]}', 3), ('["\\\\", [[1]]]', 3),
-    ('["\\\\\\"[[[", []]', 2), ('[' + '"x",' * 5000 + "[[]]]", 3), (arrays(3000), 3000), (objects(3000), 3000), (arrays(511), 511), (objects(512), 512),
-    ('"' + arrays(5000) + '"', 0), ("]]][[", 0), ('["\u00e9[", {"\U0001f600": [[]]}]', 4)])
+@pytest.mark.parametrize(
+    "text, depth",
+    [
+        ("1", 0),
+        ('"[[{{"', 0),
+        ("[]", 1),
+        ("{}", 1),
+        (arrays(64), 64),
+        (objects(65), 65),
+        ('[{"a": [1, {"b": []}]}]', 5),
+        ('["]]]]", [[]]]', 3),
+        ('{"k\\"[[": [[]]}', 3),
+        ('["\\\\", [[1]]]', 3),
+        ('["\\\\\\"[[[", []]', 2),
+        ("[" + '"x",' * 5000 + "[[]]]", 3),
+        (arrays(3000), 3000),
+        (objects(3000), 3000),
+        (arrays(511), 511),
+        (objects(512), 512),
+        ('"' + arrays(5000) + '"', 0),
+        ("]]][[", 0),
+        ('["\u00e9[", {"\U0001f600": [[]]}]', 4),
+    ],
+)
 def test_json_depth_counts_brackets_outside_strings(text, depth):
     assert json_depth(text) == depth and json_depth(text.encode()) == depth
     if depth <= 500:  # what json itself parses agrees
+
         def deepest(x):
             kids = list(x.values()) if isinstance(x, dict) else x if isinstance(x, list) else None
             return 0 if kids is None else 1 + max(map(deepest, kids), default=0)
+
         try:
             assert deepest(json.loads(text)) == depth
         except json.JSONDecodeError:
@@ -67,8 +88,13 @@ def test_deep_json_from_the_client_is_refused_by_name(tok):
     with Gateway(tok, policy, max_tokens_cap=16) as gw:
         key = gw.open_session()
         for nest in (arrays, objects):
-            for d, ok in ((MAX_JSON_DEPTH - 5, True), (MAX_JSON_DEPTH - 4, True), (MAX_JSON_DEPTH - 3, False),
-                          (5000, False), (30_000, False)):  # the body's own levels: 4 above the schema
+            for d, ok in (
+                (MAX_JSON_DEPTH - 5, True),
+                (MAX_JSON_DEPTH - 4, True),
+                (MAX_JSON_DEPTH - 3, False),
+                (5000, False),
+                (30_000, False),
+            ):  # the body's own levels: 4 above the schema
                 tools = [{"type": "function", "function": {"name": "calc", "parameters": "SCHEMA"}}]
                 body = json.dumps({"messages": USER, "tools": tools}).replace('"SCHEMA"', nest(d)).encode()
                 r = post(gw, key, body)
@@ -77,8 +103,11 @@ def test_deep_json_from_the_client_is_refused_by_name(tok):
                     assert r.json()["error"]["code"] == "too_deep" and "levels deep" in r.json()["error"]["message"]
             for d, ok in ((MAX_JSON_DEPTH, True), (MAX_JSON_DEPTH + 1, False), (30_000, False)):
                 args = objects(d - 1, "[]") if nest is objects else '{"a": ' + arrays(d - 1) + "}"
-                said = {"role": "assistant", "content": None, "tool_calls": [
-                    {"id": "c1", "type": "function", "function": {"name": "calc", "arguments": args}}]}
+                said = {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "calc", "arguments": args}}],
+                }
                 r = post(gw, key, {"messages": USER + [said, {"role": "tool", "tool_call_id": "c1", "content": "2"}]})
                 assert r.status_code == (200 if ok else 400), (nest, d, r.text)
                 if not ok:
@@ -91,8 +120,11 @@ def test_deep_json_from_the_client_is_refused_by_name(tok):
 
 
 def reply(d: int, nest) -> str:
-    return 'checking <tool_call>{"name": "calc", "arguments": ' + (
-        objects(d - 2, "{}") if nest is objects else '{"a": ' + arrays(d - 2) + "}") + "}</tool_call>"
+    return (
+        'checking <tool_call>{"name": "calc", "arguments": '
+        + (objects(d - 2, "{}") if nest is objects else '{"a": ' + arrays(d - 2) + "}")
+        + "}</tool_call>"
+    )
 
 
 @pytest.mark.parametrize("nest", [arrays, objects])
@@ -102,13 +134,17 @@ def test_a_deep_policy_reply_is_a_recorded_turn_without_calls(tok, nest):
     policy = Scripted(tok, script)
     with Gateway(tok, policy, max_tokens_cap=16) as gw:
         key = gw.open_session()
-        answers = [post(gw, key, {"messages": [{"role": "user", "content": f"q{i}"}], "tools": TOOLS})
-                   for i in range(len(depths))]
+        answers = [
+            post(gw, key, {"messages": [{"role": "user", "content": f"q{i}"}], "tools": TOOLS})
+            for i in range(len(depths))
+        ]
         rec, metrics = gw.close_session(key), gw.metrics()
     assert [a.status_code for a in answers] == [200] * 4
     first = answers[0].json()["choices"][0]
-    assert first["finish_reason"] == "tool_calls" and json_depth(first["message"]["tool_calls"][0]["function"][
-        "arguments"]) == MAX_JSON_DEPTH - 1  # the arguments object sits one level inside the block
+    assert (
+        first["finish_reason"] == "tool_calls"
+        and json_depth(first["message"]["tool_calls"][0]["function"]["arguments"]) == MAX_JSON_DEPTH - 1
+    )  # the arguments object sits one level inside the block
     for a, text in zip(answers[1:], script[1:]):  # past the bound: plain content, the agent sees the text
         msg = a.json()["choices"][0]["message"]
         assert msg["content"] == text and msg.get("tool_calls") is None
@@ -159,10 +195,16 @@ def test_idle_and_slow_connections_are_closed_within_the_timeouts(tok):
     with Gateway(tok, policy, max_tokens_cap=16, header_timeout_s=0.6, body_timeout_s=0.6) as gw:
         key = gw.open_session()
         body = json.dumps({"messages": USER}).encode()
-        head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\n"
-                f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()
-        sends = {"nothing": b"", "partial head": head[:40], "head without its end": head[:-2],
-                 "partial body": head + body[:10]}
+        head = (
+            f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+        ).encode()
+        sends = {
+            "nothing": b"",
+            "partial head": head[:40],
+            "head without its end": head[:-2],
+            "partial body": head + body[:10],
+        }
         socks, start = {}, time.monotonic()
         for name, data in sends.items():
             socks[name] = raw(gw)
@@ -193,8 +235,10 @@ def test_requests_in_flight_are_capped_per_session(tok):
     with Gateway(tok, held, max_tokens_cap=16, max_connections=2) as gw:
         key, other = gw.open_session(), gw.open_session()
         codes: list[int] = []
-        threads = [threading.Thread(target=lambda: codes.append(post(gw, key, {"messages": USER}).status_code))
-                   for _ in range(2)]
+        threads = [
+            threading.Thread(target=lambda: codes.append(post(gw, key, {"messages": USER}).status_code))
+            for _ in range(2)
+        ]
         for t in threads:
             t.start()
         deadline = time.monotonic() + 10

@@ -37,6 +37,7 @@ def run_agent(gw: Gateway, item) -> tuple:
             return await solve(client, item), gw.close_session(key)
         finally:
             await client.close()
+
     return asyncio.run(go())
 
 
@@ -68,11 +69,14 @@ def test_the_reply_carries_openai_tool_calls(task_tok):
         api = openai.OpenAI(base_url=gw.url, api_key=gw.open_session(), max_retries=0)
         reply = api.chat.completions.create(model="p", messages=[{"role": "user", "content": "q"}], tools=TOOLS)
         plain = openai.OpenAI(base_url=gw.url, api_key=gw.open_session(), max_retries=0).chat.completions.create(
-            model="p", messages=[{"role": "user", "content": "q"}], tools=TOOLS, tool_choice="none")
+            model="p", messages=[{"role": "user", "content": "q"}], tools=TOOLS, tool_choice="none"
+        )
     choice = reply.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
     assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == [
-        ("calc", {"expr": "12*34"}), ("calc", {"expr": "5+6"})]
+        ("calc", {"expr": "12*34"}),
+        ("calc", {"expr": "5+6"}),
+    ]
     assert len({c.id for c in choice.message.tool_calls}) == 2
     assert plain.choices[0].message.tool_calls is None and plain.choices[0].message.content.startswith("<tool_call>")
 
@@ -91,44 +95,90 @@ def test_a_malformed_call_stays_content_and_is_counted(task_tok):
 def test_bad_tool_messages_and_options_are_refused_by_name(task_tok):
     _, tok = task_tok
     policy = Scripted(tok, ["7"] * 8)
-    bad_call = {"role": "assistant", "tool_calls": [{"id": "c", "type": "function",
-                                                     "function": {"name": "calc", "arguments": "{not json"}}]}
-    cases = [({"tool_choice": "required"}, "unsupported"), ({"tool_choice": {"type": "function",
-              "function": {"name": "calc"}}}, "unsupported"), ({"parallel_tool_calls": False}, "unsupported"),
-             ({"messages": [bad_call]}, "bad_messages"),
-             ({"messages": [{"role": "user", "tool_calls": bad_call["tool_calls"], "content": "x"}]}, "bad_messages"),
-             ({"messages": [{"role": "tool", "content": None}]}, "bad_messages"), ({"tools": "calc"}, "bad_messages")]
+    bad_call = {
+        "role": "assistant",
+        "tool_calls": [{"id": "c", "type": "function", "function": {"name": "calc", "arguments": "{not json"}}],
+    }
+    cases = [
+        ({"tool_choice": "required"}, "unsupported"),
+        ({"tool_choice": {"type": "function", "function": {"name": "calc"}}}, "unsupported"),
+        ({"parallel_tool_calls": False}, "unsupported"),
+        ({"messages": [bad_call]}, "bad_messages"),
+        ({"messages": [{"role": "user", "tool_calls": bad_call["tool_calls"], "content": "x"}]}, "bad_messages"),
+        ({"messages": [{"role": "tool", "content": None}]}, "bad_messages"),
+        ({"tools": "calc"}, "bad_messages"),
+    ]
     with Gateway(tok, policy, max_tokens_cap=16) as gw:
         api = openai.OpenAI(base_url=gw.url, api_key=gw.open_session(), max_retries=0)
         for change, reason in cases:
             with pytest.raises(openai.BadRequestError) as caught:
-                api.chat.completions.create(**{"model": "p", "messages": [{"role": "user", "content": "q"}],
-                                               "tools": TOOLS, **change})
+                api.chat.completions.create(
+                    **{"model": "p", "messages": [{"role": "user", "content": "q"}], "tools": TOOLS, **change}
+                )
             assert caught.value.body["code"] == reason, change
-        ok = api.chat.completions.create(model="p", messages=[{"role": "user", "content": [
-            {"type": "text", "text": "q"}]}], tools=TOOLS)  # text parts are one string
+        ok = api.chat.completions.create(
+            model="p", messages=[{"role": "user", "content": [{"type": "text", "text": "q"}]}], tools=TOOLS
+        )  # text parts are one string
         assert ok.choices[0].message.content == "7"
 
 
 def test_hermes_parser_and_history_comparison():
-    assert hermes('hi <tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call>') == ("hi", [
-        {"name": "f", "arguments": {"x": 1}}])
+    assert hermes('hi <tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call>') == (
+        "hi",
+        [{"name": "f", "arguments": {"x": 1}}],
+    )
     assert hermes("just text") == ("just text", [])
-    for bad in ('<tool_call>{"name": "f"', '<tool_call>[1]</tool_call>', '<tool_call>{"arguments": {}}</tool_call>',
-                '<tool_call>{"name": "f", "arguments": "x"}</tool_call>'):
+    for bad in (
+        '<tool_call>{"name": "f"',
+        "<tool_call>[1]</tool_call>",
+        '<tool_call>{"arguments": {}}</tool_call>',
+        '<tool_call>{"name": "f", "arguments": "x"}</tool_call>',
+    ):
         with pytest.raises(ToolCallError):
             hermes(bad)
-    sent = parse_messages([{"role": "assistant", "content": None, "tool_calls": [
-        {"id": "a", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}]}])
+    sent = parse_messages(
+        [
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [{"id": "a", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}],
+            }
+        ]
+    )
     assert sent[0]["tool_calls"][0]["function"]["arguments"] == {"x": 1} and sent[0]["content"] == ""
-    mine = [{"role": "assistant", "content": "", "tool_calls": [
-        {"id": "zz", "type": "function", "function": {"name": "f", "arguments": {"x": 1}}}]}]
+    mine = [
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"id": "zz", "type": "function", "function": {"name": "f", "arguments": {"x": 1}}}],
+        }
+    ]
     assert same_turns(mine, sent)  # call ids may differ
-    assert not same_turns(mine, parse_messages([{"role": "assistant", "content": None, "tool_calls": [
-        {"id": "a", "type": "function", "function": {"name": "f", "arguments": '{"x": 2}'}}]}]))
+    assert not same_turns(
+        mine,
+        parse_messages(
+            [
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [{"id": "a", "type": "function", "function": {"name": "f", "arguments": '{"x": 2}'}}],
+                }
+            ]
+        ),
+    )
     with pytest.raises(BadMessages, match="at most"):
-        parse_messages([{"role": "assistant", "content": None, "tool_calls": [
-            {"id": str(i), "type": "function", "function": {"name": "f", "arguments": "{}"}} for i in range(33)]}])
+        parse_messages(
+            [
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [
+                        {"id": str(i), "type": "function", "function": {"name": "f", "arguments": "{}"}}
+                        for i in range(33)
+                    ],
+                }
+            ]
+        )
     assert calc("23*17") == "391" and calc("__import__('os')") == "error" and calc("1+2+3") == "error"
 
 
@@ -139,17 +189,32 @@ def test_streamed_replies_carry_the_same_content_and_tool_calls(task_tok):
         key = gw.open_session()
         api = openai.OpenAI(base_url=gw.url, api_key=key, max_retries=0)
         ask = [{"role": "user", "content": "q"}]
-        chunks = list(api.chat.completions.create(model="p", messages=ask, tools=TOOLS, stream=True,
-                                                  stream_options={"include_usage": True}))
+        chunks = list(
+            api.chat.completions.create(
+                model="p", messages=ask, tools=TOOLS, stream=True, stream_options={"include_usage": True}
+            )
+        )
         calls = [c for ch in chunks if ch.choices for c in (ch.choices[0].delta.tool_calls or [])]
         assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [("calc", {"expr": "12*34"})]
         assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "tool_calls"
         assert chunks[-1].usage.completion_tokens == len(policy.log[0][2].token_ids)
-        said = {"role": "assistant", "content": None, "tool_calls": [
-            {"id": calls[0].id, "type": "function", "function": {"name": "calc", "arguments": calls[0].function.arguments}}]}
+        said = {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": calls[0].id,
+                    "type": "function",
+                    "function": {"name": "calc", "arguments": calls[0].function.arguments},
+                }
+            ],
+        }
         follow = ask + [said, {"role": "tool", "tool_call_id": calls[0].id, "content": "408"}]
-        text = "".join(ch.choices[0].delta.content or "" for ch in api.chat.completions.create(
-            model="p", messages=follow, tools=TOOLS, stream=True) if ch.choices)
+        text = "".join(
+            ch.choices[0].delta.content or ""
+            for ch in api.chat.completions.create(model="p", messages=follow, tools=TOOLS, stream=True)
+            if ch.choices
+        )
         assert text == "408" and gw.metrics()["new_segments"] == 0  # the streamed turn extended the session
         done = "".join(ch.choices[0].text for ch in api.completions.create(model="p", prompt="x", stream=True))
         assert done == "done"

@@ -48,34 +48,60 @@ def refusal(path) -> str:
 def test_a_six_million_entry_array_is_refused_before_conversion(tmp_path):
     path = gguf_file(tmp_path / "big.gguf", [u8_array(b"tokenizer.ggml.token_type", 6_000_000)])
     start = time.monotonic()
-    with pytest.raises(ConfigError, match=f"the array 'tokenizer.ggml.token_type' has 6,000,000 entries, over the "
-                                          f"bound of {MAX_ARRAY:,}"):
+    with pytest.raises(
+        ConfigError,
+        match=f"the array 'tokenizer.ggml.token_type' has 6,000,000 entries, over the bound of {MAX_ARRAY:,}",
+    ):
         gguf_checkpoint(str(path), tmp_path / "cache")
     assert time.monotonic() - start < 1.0
     assert [p.name for p in (tmp_path / "cache").iterdir()] == []  # nothing converted, nothing left
 
 
-@pytest.mark.parametrize("build, words", [
-    (lambda p: gguf_file(p, [string_pair(b"tokenizer.chat_template", b"x" * (MAX_STRING + 1))]),
-     f"the value of 'tokenizer.chat_template' is a string of {MAX_STRING + 1:,} bytes, over the bound of {MAX_STRING:,}"),
-    (lambda p: gguf_file(p, [text(b"tokenizer.ggml.tokens") + struct.pack("<IIQ", ARRAY, STRING, 2) + text(b"a")
-                             + struct.pack("<Q", 1 << 40)]),
-     "an entry of 'tokenizer.ggml.tokens' is a string of 1,099,511,627,776 bytes"),
-    (lambda p: gguf_file(p, [text(b"k" * (MAX_STRING + 1))]), f"a key is a string of {MAX_STRING + 1:,} bytes"),
-    (lambda p: gguf_file(p, [u8_array(b"a%d" % i, 800_000) for i in range(3)]),
-     "its arrays hold over 2,097,152 entries in all"),
-    (lambda p: gguf_file(p, [], kvs=10**9), "it claims 1,000,000,000 key-value pairs, over the bound of 4,096"),
-    (lambda p: gguf_file(p, [], tensors=10**9), "it claims 1,000,000,000 tensors"),
-    (lambda p: gguf_file(p, [text(b"tokenizer.ggml.tokens") + struct.pack("<IIQ", ARRAY, STRING, 1000) + text(b"a")]),
-     "its metadata runs past the end of the file"),
-    (lambda p: gguf_file(p, [text(b"nest") + struct.pack("<IIQIQIQ", ARRAY, ARRAY, 1, ARRAY, 1, ARRAY, 1)]),
-     "'nest' nests arrays over 2 deep"),
-    (lambda p: gguf_file(p, [text(b"k") + struct.pack("<I", 77)]), "'k' has the unknown value type 77"),
-    (lambda p: gguf_file(p, [], tensors=1, body=text(b"w") + struct.pack("<I", 4000)),
-     "the tensor 'w' claims 4000 dimensions"),
-    (lambda p: (p.write_bytes(b"GGUF" + struct.pack("<IQQ", 1, 0, 0)), p)[1], "GGUF version 1"),
-    (lambda p: (p.write_bytes(b"PK\3\4" + b"\0" * 40), p)[1], "does not start with the GGUF magic"),
-])
+@pytest.mark.parametrize(
+    "build, words",
+    [
+        (
+            lambda p: gguf_file(p, [string_pair(b"tokenizer.chat_template", b"x" * (MAX_STRING + 1))]),
+            f"the value of 'tokenizer.chat_template' is a string of {MAX_STRING + 1:,} bytes, over the bound of {MAX_STRING:,}",
+        ),
+        (
+            lambda p: gguf_file(
+                p,
+                [
+                    text(b"tokenizer.ggml.tokens")
+                    + struct.pack("<IIQ", ARRAY, STRING, 2)
+                    + text(b"a")
+                    + struct.pack("<Q", 1 << 40)
+                ],
+            ),
+            "an entry of 'tokenizer.ggml.tokens' is a string of 1,099,511,627,776 bytes",
+        ),
+        (lambda p: gguf_file(p, [text(b"k" * (MAX_STRING + 1))]), f"a key is a string of {MAX_STRING + 1:,} bytes"),
+        (
+            lambda p: gguf_file(p, [u8_array(b"a%d" % i, 800_000) for i in range(3)]),
+            "its arrays hold over 2,097,152 entries in all",
+        ),
+        (lambda p: gguf_file(p, [], kvs=10**9), "it claims 1,000,000,000 key-value pairs, over the bound of 4,096"),
+        (lambda p: gguf_file(p, [], tensors=10**9), "it claims 1,000,000,000 tensors"),
+        (
+            lambda p: gguf_file(
+                p, [text(b"tokenizer.ggml.tokens") + struct.pack("<IIQ", ARRAY, STRING, 1000) + text(b"a")]
+            ),
+            "its metadata runs past the end of the file",
+        ),
+        (
+            lambda p: gguf_file(p, [text(b"nest") + struct.pack("<IIQIQIQ", ARRAY, ARRAY, 1, ARRAY, 1, ARRAY, 1)]),
+            "'nest' nests arrays over 2 deep",
+        ),
+        (lambda p: gguf_file(p, [text(b"k") + struct.pack("<I", 77)]), "'k' has the unknown value type 77"),
+        (
+            lambda p: gguf_file(p, [], tensors=1, body=text(b"w") + struct.pack("<I", 4000)),
+            "the tensor 'w' claims 4000 dimensions",
+        ),
+        (lambda p: (p.write_bytes(b"GGUF" + struct.pack("<IQQ", 1, 0, 0)), p)[1], "GGUF version 1"),
+        (lambda p: (p.write_bytes(b"PK\3\4" + b"\0" * 40), p)[1], "does not start with the GGUF magic"),
+    ],
+)
 def test_metadata_over_a_bound_is_one_line_naming_it(tmp_path, build, words):
     assert words in refusal(build(tmp_path / "m.gguf"))
 

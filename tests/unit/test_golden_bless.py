@@ -13,8 +13,13 @@ BENCH = "# Benchmarks\n\n## Current\n\n| a | b |\n|---|---|\n| 1 | 2 |\n\n## His
 
 
 def record(recipe: str, loss: float = 0.5) -> dict:
-    return {"recipe": recipe, "overrides": golden.overrides(recipe), "tokens": [[1, 2, 3], [4]], "step0_response_tokens": 4,
-            "steps": [{"step": 1, "loss": loss, "grad_norm": 1.0, "reward_mean": 0.25}]}
+    return {
+        "recipe": recipe,
+        "overrides": golden.overrides(recipe),
+        "tokens": [[1, 2, 3], [4]],
+        "step0_response_tokens": 4,
+        "steps": [{"step": 1, "loss": loss, "grad_norm": 1.0, "reward_mean": 0.25}],
+    }
 
 
 @pytest.fixture
@@ -31,12 +36,14 @@ def fake_learning(passed: bool, accuracies=((0.708, 0.891),)):
     def learn(learning):
         calls.append(learning.node)
         return bless.LearningResult(learning, passed, list(accuracies))
+
     return learn, calls
 
 
 def run_bless(place, recipe, learn):
-    return bless.bless(recipe, learn, record, golden_dir=place, benchmarks=place / "BENCHMARKS.md",
-                       commit="abc1234", date="2026-12-01")
+    return bless.bless(
+        recipe, learn, record, golden_dir=place, benchmarks=place / "BENCHMARKS.md", commit="abc1234", date="2026-12-01"
+    )
 
 
 def test_a_passing_learning_test_rewrites_the_golden_file_and_appends_its_row(place):
@@ -45,8 +52,10 @@ def test_a_passing_learning_test_rewrites_the_golden_file_and_appends_its_row(pl
     assert calls == ["tests/integration/test_wordproblems.py::test_math_recipe_learns"]
     assert golden.read_golden("math", place)["steps"][0]["loss"] == 0.5
     text = (place / "BENCHMARKS.md").read_text()
-    row = ("| abc1234 | 2026-12-01 | math | `tests/integration/test_wordproblems.py::test_math_recipe_learns` | "
-           "0.708 → 0.891 (+0.183) | +0.10 |")
+    row = (
+        "| abc1234 | 2026-12-01 | math | `tests/integration/test_wordproblems.py::test_math_recipe_learns` | "
+        "0.708 → 0.891 (+0.183) | +0.10 |"
+    )
     assert text == BENCH.replace("## History", "\n".join([bless.SECTION, "", *bless.HEADER, row, "", "## History"]))
     assert run_bless(place, "math", learn)  # a second bless: its row after the first, in the same table
     lines = (place / "BENCHMARKS.md").read_text().splitlines()
@@ -59,7 +68,10 @@ def test_a_failing_learning_test_leaves_the_golden_file_and_benchmarks_as_they_w
     assert not run_bless(place, "math", learn)
     assert golden.read_golden("math", place)["steps"][0]["loss"] == 0.1
     assert (place / "BENCHMARKS.md").read_text() == BENCH
-    assert "learning test tests/integration/test_wordproblems.py::test_math_recipe_learns failed" in capsys.readouterr().out
+    assert (
+        "learning test tests/integration/test_wordproblems.py::test_math_recipe_learns failed"
+        in capsys.readouterr().out
+    )
 
 
 def test_every_learning_test_of_a_recipe_runs_and_each_gets_a_row(place):
@@ -77,8 +89,10 @@ def test_a_recipe_without_a_learning_test_is_blessed_with_a_warning_and_a_row_th
     assert run_bless(place, "corridor", learn)
     assert calls == []
     assert "WARNING: recipe 'corridor' has no learning test" in capsys.readouterr().out
-    assert "| abc1234 | 2026-12-01 | corridor | none (blessed without a learning test) | — | — |" in (
-        place / "BENCHMARKS.md").read_text()
+    assert (
+        "| abc1234 | 2026-12-01 | corridor | none (blessed without a learning test) | — | — |"
+        in (place / "BENCHMARKS.md").read_text()
+    )
     assert json.loads((place / "corridor.json").read_text())["steps"][0]["loss"] == 0.5
 
 

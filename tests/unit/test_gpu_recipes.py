@@ -67,7 +67,10 @@ def test_a_torch_engine_worker_given_two_gpus_is_refused_at_validate_naming_the_
     assert main(["validate", "gsm8k_8gpu", *stand_ins, *wide]) != 0
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "Traceback" not in err
-    assert ("placement.roles.actor_infer gives each worker 2 devices (w0: [4, 5]), but the torch engine runs on "
-            "one: set placement.roles.actor_infer.num_workers=4 (one replica per device), or rollout.engine=vllm"
-            in err)
-    assert main(["validate", "gsm8k_8gpu", *stand_ins, "placement.roles.actor_infer.num_workers=2"]) == 0  # vLLM: two tensor-parallel ranks each
+    assert (
+        "placement.roles.actor_infer gives each worker 2 devices (w0: [4, 5]), but the torch engine runs on "
+        "one: set placement.roles.actor_infer.num_workers=4 (one replica per device), or rollout.engine=vllm" in err
+    )
+    assert (
+        main(["validate", "gsm8k_8gpu", *stand_ins, "placement.roles.actor_infer.num_workers=2"]) == 0
+    )  # vLLM: two tensor-parallel ranks each

@@ -42,8 +42,9 @@ def reads_per_step(monkeypatch, engine: TorchEngine, late: list) -> list[list[st
 def test_one_host_read_per_step_over_padded_batches(monkeypatch):
     engine = TorchEngine(make_model(0), max_num_seqs=3, max_num_batched_tokens=8)
     for i, p in enumerate(PROMPTS):  # 3 run, 1 waits: rows finish, a newcomer fills the slot
-        engine.add_request(req(f"r{i}", p, n=4 + 2 * i, temperature=[0.0, 0.9, 1.0, 0.7][i],
-                               top_p=0.8 if i == 2 else 1.0))
+        engine.add_request(
+            req(f"r{i}", p, n=4 + 2 * i, temperature=[0.0, 0.9, 1.0, 0.7][i], top_p=0.8 if i == 2 else 1.0)
+        )
     steps = reads_per_step(monkeypatch, engine, [req("late", [2, 3, 4, 5, 6], n=5, temperature=1.2)])
     assert len(steps) == 14
     assert all(len(calls) == 1 and calls[0].startswith("tolist at ") for calls in steps), steps
@@ -62,9 +63,20 @@ def test_sliding_window_layers_keep_the_2d_mask(monkeypatch):
     layer type's mask, reading it): batched tokens are still those of each request alone, and a
     decode step reads 1 + 2 (the full and the sliding mask's padding checks)."""
     torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=2, head_dim=32, initializer_range=0.2,
-                      max_position_embeddings=256, use_sliding_window=True, sliding_window=512, max_window_layers=1)
+    cfg = Qwen2Config(
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=32,
+        initializer_range=0.2,
+        max_position_embeddings=256,
+        use_sliding_window=True,
+        sliding_window=512,
+        max_window_layers=1,
+    )
     model = Qwen2ForCausalLM(cfg).eval()
     assert cfg.layer_types == ["full_attention", "sliding_attention"]
     alone = [TorchEngine(model).generate([req("x", p, n=6)])[0].token_ids for p in PROMPTS]

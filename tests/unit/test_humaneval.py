@@ -30,8 +30,12 @@ def humaneval_rows() -> list[dict]:
 
 
 def item(row: dict, index: int = 0) -> TaskItem:
-    return TaskItem(index=index, prompt=row["prompt"], answer=row["canonical_solution"],
-                    meta={"test": row["test"], "entry_point": row["entry_point"], "task_id": row["task_id"]})
+    return TaskItem(
+        index=index,
+        prompt=row["prompt"],
+        answer=row["canonical_solution"],
+        meta={"test": row["test"], "entry_point": row["entry_point"], "task_id": row["task_id"]},
+    )
 
 
 def test_the_package_file_holds_164_problems_in_the_humaneval_shape():
@@ -54,7 +58,7 @@ def test_canonical_solutions_score_1_and_wrong_ones_0_in_the_sandbox():
 
 
 def test_a_whole_function_keeps_the_prompts_helpers_and_a_body_continues_the_prompt():
-    prompt = "import math\n\ndef helper(x):\n    return x + 1\n\n\ndef f(x):\n    \"\"\"doc\"\"\"\n"
+    prompt = 'import math\n\ndef helper(x):\n    return x + 1\n\n\ndef f(x):\n    """doc"""\n'
     assert humaneval_solution(prompt, "    return helper(x)\n", "f") == prompt + "    return helper(x)\n"
     whole = "```python\ndef f(x):\n    return helper(x)\n```"
     assert humaneval_solution(prompt, whole, "f") == prompt.rstrip() + "\n\n\ndef f(x):\n    return helper(x)\n"

@@ -36,7 +36,8 @@ def _type_checking(node: ast.AST) -> bool:
     test = getattr(node, "test", None)
     return isinstance(node, ast.If) and (
         (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING")
-        or (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"))
+        or (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+    )
 
 
 def _imports(tree: ast.AST):
@@ -131,8 +132,12 @@ def package_edges(mods: dict[str, Path], edges: dict[str, set[str]]) -> dict[str
 @pytest.mark.cpu_budget(6)  # parses every Python file of the project
 def test_imports_go_down_the_layers():
     mods = project_modules()
-    bad = [f"{m} -> {t}" for m, ts in import_edges(mods).items() for t in sorted(ts)
-           if layer(t) > layer(m) or (layer(m) == layer(t) == 0 and top_package(t) != top_package(m))]
+    bad = [
+        f"{m} -> {t}"
+        for m, ts in import_edges(mods).items()
+        for t in sorted(ts)
+        if layer(t) > layer(m) or (layer(m) == layer(t) == 0 and top_package(t) != top_package(m))
+    ]
     assert bad == [], "imports against the layer order:\n" + "\n".join(bad)
 
 
@@ -170,8 +175,11 @@ def is_test_module(name: str) -> bool:
 def test_no_test_module_imports_another():
     """Shared scaffolding lives in tests/helpers/ and tests/conftest.py, never in a test module."""
     tests = Path(__file__).resolve().parents[1]
-    bad = [f"{p.name} -> {a.name if isinstance(n, ast.Import) else n.module}"
-           for p in sorted(tests.rglob("*.py")) for n in _imports(ast.parse(p.read_text()))
-           for a in (n.names if isinstance(n, ast.Import) else [n])
-           if is_test_module((a.name if isinstance(n, ast.Import) else n.module) or "")]
+    bad = [
+        f"{p.name} -> {a.name if isinstance(n, ast.Import) else n.module}"
+        for p in sorted(tests.rglob("*.py"))
+        for n in _imports(ast.parse(p.read_text()))
+        for a in (n.names if isinstance(n, ast.Import) else [n])
+        if is_test_module((a.name if isinstance(n, ast.Import) else n.module) or "")
+    ]
     assert bad == []

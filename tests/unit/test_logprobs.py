@@ -30,9 +30,15 @@ def random_batch(vocab: int, rows: int = 4, length: int = 48, seed: int = 0) -> 
     lengths[1] = length
     cols = torch.arange(length - 1)[None]
     mask = ((cols >= prompt[:, None] - 1) & (cols < lengths[:, None] - 1)).float()
-    return TrainBatch(ids, (torch.arange(length)[None] < lengths[:, None]).long(), mask,
-                      torch.zeros(rows, length - 1), torch.zeros(rows, length - 1, dtype=torch.long),
-                      torch.zeros(rows), torch.zeros(rows, dtype=torch.long))
+    return TrainBatch(
+        ids,
+        (torch.arange(length)[None] < lengths[:, None]).long(),
+        mask,
+        torch.zeros(rows, length - 1),
+        torch.zeros(rows, length - 1, dtype=torch.long),
+        torch.zeros(rows),
+        torch.zeros(rows, dtype=torch.long),
+    )
 
 
 def test_chunks_equal_one_pass_bit_for_bit_logprobs_entropy_and_every_gradient():
@@ -52,8 +58,11 @@ def test_chunks_equal_one_pass_bit_for_bit_logprobs_entropy_and_every_gradient()
 
     want = run(lambda: unchunked_logprobs(model, batch, 0.7, True, True))
     for columns in (5, 1000):  # 5 does not divide the 47 - start columns
-        got = run(lambda c=columns: token_logprobs(model, batch, 0.7, True, True, start=start,
-                                                   chunk_bytes=c * len(batch) * vocab * 4))
+        got = run(
+            lambda c=columns: token_logprobs(
+                model, batch, 0.7, True, True, start=start, chunk_bytes=c * len(batch) * vocab * 4
+            )
+        )
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), columns
         assert [k for k in want[2] if not torch.equal(got[2][k], want[2][k])] == [], columns
 
@@ -71,11 +80,17 @@ def test_prompt_columns_are_zero_and_start_is_clamped():
 
 
 def test_row_spans_read_lengths_and_first_response_columns_by_hand():
-    mask = torch.tensor([[0, 0, 1, 1, 0], [0, 1, 1, 1, 1], [0, 0, 0, 0, 0.]])
+    mask = torch.tensor([[0, 0, 1, 1, 0], [0, 1, 1, 1, 1], [0, 0, 0, 0, 0.0]])
     assert response_starts(mask).tolist() == [2, 1, 5]
-    batch = TrainBatch(torch.zeros(3, 6, dtype=torch.long), torch.tensor([[1, 1, 1, 1, 1, 0], [1] * 6, [1, 1, 0, 0, 0, 0]]),
-                       mask, torch.zeros(3, 5), torch.zeros(3, 5, dtype=torch.long), torch.zeros(3),
-                       torch.zeros(3, dtype=torch.long))
+    batch = TrainBatch(
+        torch.zeros(3, 6, dtype=torch.long),
+        torch.tensor([[1, 1, 1, 1, 1, 0], [1] * 6, [1, 1, 0, 0, 0, 0]]),
+        mask,
+        torch.zeros(3, 5),
+        torch.zeros(3, 5, dtype=torch.long),
+        torch.zeros(3),
+        torch.zeros(3, dtype=torch.long),
+    )
     spans, weight = row_spans_and_weight("token-mean", batch, [0, 2])
     assert spans == RowSpans([5, 6, 2], [2, 1, 5]) and weight == 2.0
     assert spans.of([0, 2]) == (5, 2) and spans.of(range(3)) == (6, 1)
@@ -111,8 +126,11 @@ def test_entropy_only_on_logging_steps_or_where_a_loss_needs_it():
     batch = collate(toy_samples(n=4))
     adv = torch.ones(batch.mask.shape) * batch.mask
     seen = {}
-    for every, loss in ((2, {"name": "vanilla"}), (0, {"name": "vanilla"}),
-                        (0, {"name": "vanilla", "entropy_coef": 0.01})):
+    for every, loss in (
+        (2, {"name": "vanilla"}),
+        (0, {"name": "vanilla"}),
+        (0, {"name": "vanilla", "entropy_coef": 0.01}),
+    ):
         tr = Trainer(toy_model(), toy_settings(entropy_every_steps=every, loss=loss))
         seen[(every, "entropy_coef" in loss)] = ["entropy" in tr.train_step(batch, adv, None) for _ in range(3)]
     assert seen == {(2, False): [True, False, True], (0, False): [False] * 3, (0, True): [True] * 3}

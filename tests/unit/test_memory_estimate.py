@@ -18,9 +18,16 @@ GIB = 2**30
 
 def small(layers: int = 1, hidden: int = 64) -> Qwen2Config:
     """A one-layer Qwen2 (a fake op costs the same at any size; each layer adds hundreds of them)."""
-    return Qwen2Config(vocab_size=512, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                       num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
-                       tie_word_embeddings=True)
+    return Qwen2Config(
+        vocab_size=512,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+    )
 
 
 def numel(config) -> int:
@@ -67,9 +74,21 @@ def test_torch_engine_prefill_peak_follows_its_token_budget():
 
 
 def test_fsdp_rank_holds_a_quarter_of_the_states_plus_its_unsharded_units():
-    p = Phases(resident=12 * GIB, step=20 * GIB, params=4 * GIB, layer=GIB // 8, layers=24,
-               first=19 * GIB, inner_top=20 * GIB, inner_bottom=19 * GIB, last=18 * GIB,
-               first_grads=0, inner_top_grads=GIB, inner_bottom_grads=3 * GIB, last_grads=4 * GIB)
+    p = Phases(
+        resident=12 * GIB,
+        step=20 * GIB,
+        params=4 * GIB,
+        layer=GIB // 8,
+        layers=24,
+        first=19 * GIB,
+        inner_top=20 * GIB,
+        inner_bottom=19 * GIB,
+        last=18 * GIB,
+        first_grads=0,
+        inner_top_grads=GIB,
+        inner_bottom_grads=3 * GIB,
+        last_grads=4 * GIB,
+    )
     assert mf.rank_bytes(p, 1, 2) == (20 * GIB, 20 * GIB, 16 * GIB)
     root = 4 * GIB - 24 * (GIB // 8)  # 1 GiB of float32 weights outside the decoder layers
     unsharded = (root + 2 * (GIB // 8)) * 2 // 4 + root  # bf16 root + two layers, the root's fp32 gradient
@@ -91,13 +110,15 @@ def test_placement_over_the_card_is_refused_in_one_line_naming_the_fix(tmp_path)
     engine = mf.RoleMemory("actor_infer", (0,), peak=25 * GIB, kept=0, detail="")
     card = Card("H100", int(79.6 * GIB))
     assert mf.check_cards(cfg, [train, engine], card) == [
-        "GPU 0 (H100, 79.60 GiB): peak 32.00 GiB (actor_infer 25.00 GiB + actor_train 7.00 GiB kept)"]
+        "GPU 0 (H100, 79.60 GiB): peak 32.00 GiB (actor_infer 25.00 GiB + actor_train 7.00 GiB kept)"
+    ]
     with pytest.raises(FlashError) as err:
         mf.check_cards(cfg, [train, engine], Card("24 GiB card", 24 * GIB))
     assert str(err.value) == (
         "GPU 0 needs an estimated 32.00 GiB (actor_infer 25.00 GiB + actor_train 7.00 GiB kept) but the 24 GiB card "
         "has 24.00 GiB: lower rollout.max_num_seqs (now 512) or rollout.max_new_tokens (now 512), or give "
-        "actor_infer its own GPUs")
+        "actor_infer its own GPUs"
+    )
 
 
 def test_known_card_names_resolve_and_a_memory_size_wins():
@@ -111,5 +132,7 @@ def test_known_card_names_resolve_and_a_memory_size_wins():
 def test_an_unknown_card_name_is_refused_at_load_naming_the_known_ones():
     with pytest.raises(ConfigError) as err:
         load_config(recipe_paths()["stutter"], ["resources.card=A100"])
-    assert str(err.value) == ("resources.card=A100 is not a card flash knows (H100, H200): set "
-                              "resources.gpu_memory_gib to its memory in GiB instead")
+    assert str(err.value) == (
+        "resources.card=A100 is not a card flash knows (H100, H200): set "
+        "resources.gpu_memory_gib to its memory in GiB instead"
+    )

@@ -48,8 +48,9 @@ def test_release_cached_memory_empties_the_cuda_cache_only(allocator):
 
 def on_cuda(monkeypatch, module) -> None:
     """``module``'s ``release_cached_memory`` sees its CPU device as the GPU it would be."""
-    monkeypatch.setattr(module, "release_cached_memory",
-                        lambda device: devices.release_cached_memory(torch.device("cuda", 0)))
+    monkeypatch.setattr(
+        module, "release_cached_memory", lambda device: devices.release_cached_memory(torch.device("cuda", 0))
+    )
 
 
 def test_a_sleeping_engine_releases_the_cache_after_its_weights_and_kv(monkeypatch, allocator):
@@ -111,7 +112,13 @@ class StandInLLM:
 
 def test_vllm_wakes_its_weights_for_the_push_and_its_kv_cache_at_resume():
     worker = VLLMEngineWorker.__new__(VLLMEngineWorker)
-    worker._llm, worker._paused, worker._asleep, worker._kv_asleep, worker._held = StandInLLM(), "continue", None, False, []
+    worker._llm, worker._paused, worker._asleep, worker._kv_asleep, worker._held = (
+        StandInLLM(),
+        "continue",
+        None,
+        False,
+        [],
+    )
 
     async def cycle():
         worker._drained = asyncio.Condition()
@@ -157,6 +164,8 @@ def test_the_trainer_budget_of_gsm8k_8gpu_colocated_on_its_four_trainer_gpus(tmp
     plan = plan_placement(cfg.placement, cfg.rollout.engine)
     assert plan.colocated("actor_train", "actor_infer")
     assert colocated_trainer_bytes_per_param(cfg, plan) == 16 / 4  # no KL penalty: no local reference
-    kl = load_config(recipe_paths()["gsm8k_8gpu"], gpu_recipe_overrides(tmp_path, "gsm8k_8gpu") + overrides
-                     + ["algo.loss.kl_coef=0.01"])
+    kl = load_config(
+        recipe_paths()["gsm8k_8gpu"],
+        gpu_recipe_overrides(tmp_path, "gsm8k_8gpu") + overrides + ["algo.loss.kl_coef=0.01"],
+    )
     assert colocated_trainer_bytes_per_param(kl, plan) == 20 / 4

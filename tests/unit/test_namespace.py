@@ -18,10 +18,18 @@ FOLDERS = ("algos", "buffers", "controllers", "recipes")
 # every Python file of the project, the four folders by their own paths (flash/'s links not followed)
 SOURCES = ("flash", *FOLDERS, "tests", "bench")
 # what the CLI, the runner and Ray's workers import: the app, the controllers, the tasks, the roles
-ENTRY_POINTS = ("flash.app.cli", "flash.app.runner", "flash.app.replay", "flash.recipes.tasks",
-                "flash.controllers.async_controller", "flash.controllers.episode_runtime",
-                "flash.controllers.tail_batching", "flash.train.worker", "flash.buffers.service",
-                "flash.buffers.factory")
+ENTRY_POINTS = (
+    "flash.app.cli",
+    "flash.app.runner",
+    "flash.app.replay",
+    "flash.recipes.tasks",
+    "flash.controllers.async_controller",
+    "flash.controllers.episode_runtime",
+    "flash.controllers.tail_batching",
+    "flash.train.worker",
+    "flash.buffers.service",
+    "flash.buffers.factory",
+)
 
 
 def bare_imports(tree: ast.AST) -> list[str]:
@@ -48,28 +56,43 @@ def test_the_wheel_holds_only_flash():
     options = read_configuration(ROOT / "setup.cfg")["options"]
     packages = set(options["packages"])
     on_disk = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "flash").glob("**/__init__.py")}
-    on_disk |= {f"flash.{'.'.join(p.parent.relative_to(ROOT).parts)}"
-                for name in FOLDERS for p in (ROOT / name).glob("**/__init__.py")}
+    on_disk |= {
+        f"flash.{'.'.join(p.parent.relative_to(ROOT).parts)}"
+        for name in FOLDERS
+        for p in (ROOT / name).glob("**/__init__.py")
+    }
     assert packages == on_disk
     assert {p.split(".")[0] for p in packages} == {"flash"}
-    assert {"flash.algos", "flash.buffers", "flash.controllers", "flash.controllers.workflows",
-            "flash.recipes", "flash.recipes.tasks"} <= packages
+    assert {
+        "flash.algos",
+        "flash.buffers",
+        "flash.controllers",
+        "flash.controllers.workflows",
+        "flash.recipes",
+        "flash.recipes.tasks",
+    } <= packages
     assert not options.get("py_modules") and not options.get("package_dir")
     assert set(options["package_data"]) == {"flash.recipes"}
 
 
 @pytest.mark.cpu_budget(6)  # parses every Python file of the project
 def test_no_module_imports_a_bare_name():
-    found = [f"{p.relative_to(ROOT)}: {name}" for top in SOURCES for p in sorted((ROOT / top).rglob("*.py"))
-             for name in bare_imports(ast.parse(p.read_text(), str(p)))]
+    found = [
+        f"{p.relative_to(ROOT)}: {name}"
+        for top in SOURCES
+        for p in sorted((ROOT / top).rglob("*.py"))
+        for name in bare_imports(ast.parse(p.read_text(), str(p)))
+    ]
     assert found == []
 
 
 def test_the_scan_sees_every_form_of_a_bare_import():
     a, b, c, r = FOLDERS
-    tree = ast.parse(f"import {a}\nimport {b}.wire as w\nfrom {c}.x import y\nfrom {r} import t\n"
-                     f"def f():\n    import {a}.metrics\nfrom flash import {a}\nfrom .types import Sample\n"
-                     f"import flash.{b}.wire\nimport {a}x\n")
+    tree = ast.parse(
+        f"import {a}\nimport {b}.wire as w\nfrom {c}.x import y\nfrom {r} import t\n"
+        f"def f():\n    import {a}.metrics\nfrom flash import {a}\nfrom .types import Sample\n"
+        f"import flash.{b}.wire\nimport {a}x\n"
+    )
     assert bare_imports(tree) == [a, f"{b}.wire", f"{c}.x", r, f"{a}.metrics"]
 
 

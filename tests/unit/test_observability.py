@@ -96,8 +96,9 @@ def test_idle_ratios_per_role_on_a_controlled_case(monkeypatch):
     monkeypatch.setattr(engine_client, "ray", in_process)  # the controller's engine calls go through it
     loop = EngineLoop(SleepyEngine(0.03))
     trainer = SleepyTrainer()
-    ctrl = ac.AsyncController(Handle(loop), Handle(trainer), None, None, None,
-                              ac.ControllerSettings(1, "continue", {"name": "grpo"}, False))
+    ctrl = ac.AsyncController(
+        Handle(loop), Handle(trainer), None, None, None, ac.ControllerSettings(1, "continue", {"name": "grpo"}, False)
+    )
     try:
         start = time.monotonic()
         ctrl._start_usage()
@@ -125,8 +126,15 @@ def test_tensorboard_holds_the_namespaced_scalars(tmp_path):
 
     cfg = load_config(RECIPE, ["tracking.backends=[tensorboard]"]).tracking
     tracker = make_tracker(cfg, str(tmp_path))
-    metrics = {"rollout/idle_ratio": 0.4, "train/idle_ratio": 0.6, "time/push_weights": 0.01,
-               "staleness/max": 1.0, "buffer/depth": 3.0, "reward/mean": 0.5, "eval/accuracy": 0.25}
+    metrics = {
+        "rollout/idle_ratio": 0.4,
+        "train/idle_ratio": 0.6,
+        "time/push_weights": 0.01,
+        "staleness/max": 1.0,
+        "buffer/depth": 3.0,
+        "reward/mean": 0.5,
+        "eval/accuracy": 0.25,
+    }
     for step in (1, 2):
         tracker.log(metrics, step)
     tracker.close()
@@ -143,15 +151,34 @@ def test_a_step_keeps_its_best_and_worst_samples_as_text(tmp_path):
     from flash.app.tracking import pick_samples, samples_markdown
 
     def group(pid, rewards):
-        return Group(prompt_id=pid, samples=[Sample(prompt_id=pid, sample_index=k, prompt_ids=[pid], response_ids=[k, 9],
-                                                    behav_logprobs=[0.0, 0.0], versions=[0, 0], reward=r)
-                                             for k, r in enumerate(rewards)])
+        return Group(
+            prompt_id=pid,
+            samples=[
+                Sample(
+                    prompt_id=pid,
+                    sample_index=k,
+                    prompt_ids=[pid],
+                    response_ids=[k, 9],
+                    behav_logprobs=[0.0, 0.0],
+                    versions=[0, 0],
+                    reward=r,
+                )
+                for k, r in enumerate(rewards)
+            ],
+        )
 
     decode = lambda ids: "-".join(map(str, ids))  # noqa: E731
     picked = pick_samples(7, [group(1, [0.5, 0.0]), group(2, [1.0, 0.25])], 3, decode)
     assert [(x["prompt_id"], x["sample"], x["reward"]) for x in picked] == [(2, 0, 1.0), (1, 1, 0.0), (1, 0, 0.5)]
-    assert picked[0] == {"step": 7, "prompt_id": 2, "sample": 0, "reward": 1.0, "finish_reason": "",
-                         "prompt": "2", "response": "0-9"}
+    assert picked[0] == {
+        "step": 7,
+        "prompt_id": 2,
+        "sample": 0,
+        "reward": 1.0,
+        "finish_reason": "",
+        "prompt": "2",
+        "response": "0-9",
+    }
     assert len(pick_samples(1, [group(1, [0.5])], 4, decode)) == 1
     tracker = make_tracker(load_config(RECIPE, ["tracking.backends=[tensorboard]"]).tracking, str(tmp_path))
     tracker.samples("samples", picked, 7)  # TensorBoard has no table: the markdown text
@@ -174,15 +201,19 @@ def test_wandb_gets_each_steps_samples_as_a_table(monkeypatch, tmp_path):
     logged = []
     fake = types.SimpleNamespace(
         Table=lambda columns, data: ("table", columns, data),
-        init=lambda **kw: types.SimpleNamespace(log=lambda d, step: logged.append((d, step)), finish=lambda: None))
+        init=lambda **kw: types.SimpleNamespace(log=lambda d, step: logged.append((d, step)), finish=lambda: None),
+    )
     monkeypatch.setitem(sys.modules, "wandb", fake)
     tracker = WandbTracker("p", "n", str(tmp_path), {})
-    rows = [{"step": 3, "prompt": "a", "response": "b", "reward": 1.0}, {"step": 3, "prompt": "c", "response": "d",
-                                                                         "reward": 0.0}]
+    rows = [
+        {"step": 3, "prompt": "a", "response": "b", "reward": 1.0},
+        {"step": 3, "prompt": "c", "response": "d", "reward": 0.0},
+    ]
     tracker.samples("samples", rows, 3)
     tracker.samples("samples", [], 4)
-    assert logged == [({"samples": ("table", ["step", "prompt", "response", "reward"],
-                                    [[3, "a", "b", 1.0], [3, "c", "d", 0.0]])}, 3)]
+    assert logged == [
+        ({"samples": ("table", ["step", "prompt", "response", "reward"], [[3, "a", "b", 1.0], [3, "c", "d", 0.0]])}, 3)
+    ]
 
 
 @pytest.mark.parametrize("backend", ["wandb", "swanlab"])
@@ -230,13 +261,16 @@ def test_a_heartbeat_line_reaches_a_log_file_every_interval_with_phase_step_rewa
     assert quiet._thread is None
 
 
-@pytest.mark.parametrize("done, total, elapsed, want", [
-    (0, 400, 3.0, "(elapsed 3s, ~? left)"),
-    (100, 400, 60.0, "(elapsed 1m00s, ~3m00s left)"),
-    (120, 1000, 95.0, "(elapsed 1m35s, ~11m37s left)"),
-    (10, 1000, 400.0, "(elapsed 6m40s, ~11h00m left)"),
-    (400, 400, 59.6, "(elapsed 1m00s, ~0s left)"),
-])
+@pytest.mark.parametrize(
+    "done, total, elapsed, want",
+    [
+        (0, 400, 3.0, "(elapsed 3s, ~? left)"),
+        (100, 400, 60.0, "(elapsed 1m00s, ~3m00s left)"),
+        (120, 1000, 95.0, "(elapsed 1m35s, ~11m37s left)"),
+        (10, 1000, 400.0, "(elapsed 6m40s, ~11h00m left)"),
+        (400, 400, 59.6, "(elapsed 1m00s, ~0s left)"),
+    ],
+)
 def test_the_warm_start_progress_shows_elapsed_and_time_left_at_its_rate(done, total, elapsed, want):
     from flash.app.progress import step_eta
 

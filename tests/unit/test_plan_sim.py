@@ -66,8 +66,11 @@ def test_sync_round_is_the_sum_of_its_engine_steps_and_phases():
     k = sm.SimCosts(engine_factor=1.1, train_factor=1.0, push_s=1.0, driver_per_row_s=0.25)
     out = sm.simulate(iter([[2, 1]] * 4), SHAPE, sm.Scale(1, 8, 1, 0.0), k, steps=2)
     p = SHAPE.prompt_tokens
-    engine = 1.1 * (costs.prefill_s(SHAPE.cm, 2 * p) + costs.decode_run_s(SHAPE.cm, 2, 2 * p, 256)
-                    + costs.decode_run_s(SHAPE.cm, 1, p + 256, 256))
+    engine = 1.1 * (
+        costs.prefill_s(SHAPE.cm, 2 * p)
+        + costs.decode_run_s(SHAPE.cm, 2, 2 * p, 256)
+        + costs.decode_run_s(SHAPE.cm, 1, p + 256, 256)
+    )
     train = costs.train_step_s(SHAPE.cm, 2 * p + 3 * 256, 8)
     assert out.engine_s == pytest.approx([engine, engine])
     assert out.step_s == pytest.approx([engine + 0.5 + train + 1.0] * 2)
@@ -134,13 +137,16 @@ def test_plan_prints_simulated_seconds_and_ranks(trace):
     assert rows[0]["predicted_sim_s_per_step"] < 0.6 * rows[1]["predicted_sim_s_per_step"]
 
 
-@pytest.mark.parametrize("item, words", [
-    ("resources.engine_threads=2", "unknown plan key 'resources.engine_threads'"),
-    ("sim.rollout_gpu=64", "did you mean 'sim.rollout_gpus'"),
-    ("sim.train_gpus=0", "'sim.train_gpus' must be a finite number >= 1"),
-    ("train.prompts_per_step=many", "invalid value 'many'"),
-    ("async_ratio=inf", "'async_ratio' must be a finite number"),
-])
+@pytest.mark.parametrize(
+    "item, words",
+    [
+        ("resources.engine_threads=2", "unknown plan key 'resources.engine_threads'"),
+        ("sim.rollout_gpu=64", "did you mean 'sim.rollout_gpus'"),
+        ("sim.train_gpus=0", "'sim.train_gpus' must be a finite number >= 1"),
+        ("train.prompts_per_step=many", "invalid value 'many'"),
+        ("async_ratio=inf", "'async_ratio' must be a finite number"),
+    ],
+)
 def test_bad_scale_keys_are_one_line_errors(trace, item, words):
     with pytest.raises(ConfigError) as err:
         ps.parse_scales([item], trace)

@@ -39,8 +39,21 @@ def test_amdahl_scaling_and_auto_threads():
 
 
 def test_cpu_bound_step_hand_computed():
-    k = pm.Costs(a=0.0, c=0.0, u0=0.0, u1=0.0, update_s=0.0, other_s=0.0, g0=0.0, engine_threads=2,
-                 trainer_threads=2, cores=2, cpu_engine=1.5, cpu_train=1.8, cpu_driver_s=0.1)
+    k = pm.Costs(
+        a=0.0,
+        c=0.0,
+        u0=0.0,
+        u1=0.0,
+        update_s=0.0,
+        other_s=0.0,
+        g0=0.0,
+        engine_threads=2,
+        trainer_threads=2,
+        cores=2,
+        cpu_engine=1.5,
+        cpu_train=1.8,
+        cpu_driver_s=0.1,
+    )
     # E_ref = 0.2 s at 1.5 cores, U_ref = 0.3 s at 1.8 cores, 0.1 s driver: 0.94 CPU-s over 2 cores
     assert pm.cpu_bound_step(0.2, 0.3, 0.02, 0.01, k) == pytest.approx(0.01 + 0.02 + (0.3 + 0.54 + 0.1) / 2)
     no_counts = pm.Costs(**{**k.__dict__, "cpu_engine": 0.0, "cpu_train": 0.0})
@@ -99,15 +112,29 @@ def _synthetic_run(tmp_path: Path, steps: int = 12, B: int = 4, n: int = 2) -> P
         flat = [x for g in lens for x in g]
         busy = A * max(flat) + C * sum(flat)
         train = U1 * len(flat) * (6 + max(flat))
-        metrics.append({"step": t + 1, "time/step": OTHER + busy + G0 + train + UPD, "time/get_batch": busy + G0,
-                        "time/train": train, "time/push_weights": UPD, "rollout/busy_s": busy,
-                        "rollout/decode_steps": max(flat), "rollout/tokens_generated": sum(flat)})
-        ledger += [{"prompt_id": t * B + g, "step": t, "outcome": "trained", "len": x, "plen": 6}
-                   for g, gl in enumerate(lens) for x in gl]
+        metrics.append(
+            {
+                "step": t + 1,
+                "time/step": OTHER + busy + G0 + train + UPD,
+                "time/get_batch": busy + G0,
+                "time/train": train,
+                "time/push_weights": UPD,
+                "rollout/busy_s": busy,
+                "rollout/decode_steps": max(flat),
+                "rollout/tokens_generated": sum(flat),
+            }
+        )
+        ledger += [
+            {"prompt_id": t * B + g, "step": t, "outcome": "trained", "len": x, "plen": 6}
+            for g, gl in enumerate(lens)
+            for x in gl
+        ]
     (d / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
     (d / "ledger.jsonl").write_text("".join(json.dumps(e) + "\n" for e in ledger))
-    (d / "config.yaml").write_text(f"async_ratio: 0.0\ntrain:\n  prompts_per_step: {B}\nresources:\n"
-                                   f"  engine_threads: 0\n  trainer_threads: 0\nray:\n  num_cpus: 2\n")
+    (d / "config.yaml").write_text(
+        f"async_ratio: 0.0\ntrain:\n  prompts_per_step: {B}\nresources:\n"
+        f"  engine_threads: 0\n  trainer_threads: 0\nray:\n  num_cpus: 2\n"
+    )
     (d / "summary.json").write_text(json.dumps({"threads": {"engine": 2, "trainer": 2}, "cores": 2}))
     return d
 
@@ -116,16 +143,26 @@ def test_fit_recovers_the_costs_and_predicts_hand_computed_settings(tmp_path):
     trace = planner.load_trace(_synthetic_run(tmp_path))
     k = trace.costs
     assert (k.a, k.c, k.u1) == (pytest.approx(A), pytest.approx(C), pytest.approx(U1))
-    assert (k.update_s, k.other_s, k.g0, k.prompt_len) == (pytest.approx(UPD), pytest.approx(OTHER),
-                                                           pytest.approx(G0), 6.0)
+    assert (k.update_s, k.other_s, k.g0, k.prompt_len) == (
+        pytest.approx(UPD),
+        pytest.approx(OTHER),
+        pytest.approx(G0),
+        6.0,
+    )
     own = planner.predict(trace, trace.setting).step_s
     assert own == pytest.approx(trace.measured_step_s, rel=0.05)  # mean vs median of the same steps
     # r = 1 at the same threads (2 + 2 on 2 cores overlapped: both roles 2x slower): per step
     # T = O + max(U' + W, E' + g0) with E' = 2E, U' = 2U
     p = {"engine": 0.0, "trainer": 0.0}
     s = pm.Setting(async_ratio=1.0, engine_threads=2, trainer_threads=2)
-    want = sum(OTHER + max(2 * U1 * sum(map(len, st)) * (6 + max(map(max, st))) + UPD,
-                           2 * (A * max(map(max, st)) + C * sum(map(sum, st))) + G0) for st in trace.steps)
+    want = sum(
+        OTHER
+        + max(
+            2 * U1 * sum(map(len, st)) * (6 + max(map(max, st))) + UPD,
+            2 * (A * max(map(max, st)) + C * sum(map(sum, st))) + G0,
+        )
+        for st in trace.steps
+    )
     assert planner.predict(trace, s, p).step_s == pytest.approx(want / len(trace.steps))
 
 
@@ -140,13 +177,22 @@ def test_plan_candidates_are_strict(tmp_path):
     with pytest.raises(ConfigError, match="must be a finite number >= 0"):
         planner.plan(d, ["async_ratio=-1"], out=lambda _: None)
     lines: list[str] = []
-    rows = planner.plan(d, ["async_ratio=0,1,2", "rollout.scheduler=plain,tail_batching",
-                            "rollout.tail_batching.threshold=p50,inf"], out=lines.append)
+    rows = planner.plan(
+        d,
+        ["async_ratio=0,1,2", "rollout.scheduler=plain,tail_batching", "rollout.tail_batching.threshold=p50,inf"],
+        out=lines.append,
+    )
     assert len(rows) == 9  # plain once per ratio (its tail knobs are '-'), tail at p50 and inf
-    inf = {r["settings"]["async_ratio"]: r["predicted_s_per_step"] for r in rows
-           if r["settings"]["rollout.tail_batching.threshold"] == "inf"}
-    plain = {r["settings"]["async_ratio"]: r["predicted_s_per_step"] for r in rows
-             if r["settings"]["rollout.scheduler"] == "plain"}
+    inf = {
+        r["settings"]["async_ratio"]: r["predicted_s_per_step"]
+        for r in rows
+        if r["settings"]["rollout.tail_batching.threshold"] == "inf"
+    }
+    plain = {
+        r["settings"]["async_ratio"]: r["predicted_s_per_step"]
+        for r in rows
+        if r["settings"]["rollout.scheduler"] == "plain"
+    }
     # τ = ∞ cuts nothing; with the default over-provisioning 1.25 it still launches extra groups,
     # so it is never faster than plain
     assert all(inf[r] >= plain[r] * 0.98 for r in plain)
@@ -197,7 +243,9 @@ def test_the_cpu_bound_is_what_brings_tail_batching_at_r2_within_the_bar():
     manifest = json.loads(MANIFEST.read_text())
     base = planner.load_trace([DATA / d for d in manifest["base"]])
     blind = dataclasses.replace(base, costs=dataclasses.replace(base.costs, cpu_engine=0.0, cpu_train=0.0))
-    entry = next(e for e in manifest["settings"] if e["overrides"] == ["async_ratio=2", "rollout.scheduler=tail_batching"])
+    entry = next(
+        e for e in manifest["settings"] if e["overrides"] == ["async_ratio=2", "rollout.scheduler=tail_batching"]
+    )
     measured = statistics.fmean(entry["measured_s_per_step"])
     setting = planner.parse_candidates(entry["overrides"], base)[0][1]
     assert planner.predict(blind, setting).step_s < 0.85 * measured
@@ -233,8 +281,9 @@ def test_cli_plan_prints_a_table_and_json_and_rejects_bad_keys(tmp_path, capsys)
     assert main(["plan", "async_ratio=1"]) == 2  # no run dir
 
 
-@pytest.mark.parametrize("config", [bytes(range(128, 256)), b"seed: !!python/object/apply:os.system ['true']\n",
-                                    b"- 1\n"])
+@pytest.mark.parametrize(
+    "config", [bytes(range(128, 256)), b"seed: !!python/object/apply:os.system ['true']\n", b"- 1\n"]
+)
 @pytest.mark.parametrize("finished", [False, True])
 def test_a_run_dir_whose_config_is_not_a_runs_is_one_line(tmp_path, capsys, config, finished):
     """``flash plan`` reads the run's config.yaml as data: a file flash did not write was a traceback."""

@@ -33,7 +33,7 @@ def test_hidden_tests_match_the_solution_for_every_item():
     task = make_task("pyfunc")
     for i in range(300):
         item = task.item(i)
-        f = eval("lambda x: " + item.answer[len(HEADER):])
+        f = eval("lambda x: " + item.answer[len(HEADER) :])
         assert all(f(*t["input"]) == t["output"] for t in item.meta["tests"])
         assert len({t["input"][0] for t in item.meta["tests"]}) == 6
         assert set(item.prompt + item.answer) <= set(DEFAULT_ALPHABET)

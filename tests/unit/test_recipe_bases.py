@@ -27,7 +27,8 @@ def test_a_new_task_name_on_the_command_line_drops_the_base_task_s_keys(capsys):
     assert cfg.task == {"name": "reasoning_gym", "dataset": "leg_counting"}
     assert capsys.readouterr().err.strip() == (
         "flash: note: task.name=reasoning_gym replaces wordproblems: dropped task.ops, task.max_operand, "
-        "task.slip_prob, task.eval_size (its keys; reasoning_gym starts from its own defaults)")
+        "task.slip_prob, task.eval_size (its keys; reasoning_gym starts from its own defaults)"
+    )
 
 
 def test_a_new_task_block_under_base_starts_from_that_task_s_defaults(tmp_path):
@@ -39,9 +40,14 @@ def test_a_new_task_block_under_base_starts_from_that_task_s_defaults(tmp_path):
 
 
 def test_layers_merge_keep_and_replace_as_stated():
-    merged = merge_layers([{"task": {"name": "a", "x": 1}, "reward": {"fn": {"name": "m", "k": 2}}},
-                           {"task": {"x": 3}, "reward": {"fn": None}},
-                           {"task": {"name": "b", "y": 4}}])
+    merged = merge_layers(
+        [
+            {"task": {"name": "a", "x": 1}, "reward": {"fn": {"name": "m", "k": 2}}},
+            {"task": {"x": 3}, "reward": {"fn": None}},
+            {"task": {"name": "b", "y": 4}},
+        ]
+    )
     assert merged.settings == {"task": {"name": "b", "y": 4}, "reward": {"fn": {}}}
     assert merged.whole == ["reward.fn", "task"] and merged.notes == [
-        "task.name=b replaces a: dropped task.x (its keys; b starts from its own defaults)"]
+        "task.name=b replaces a: dropped task.x (its keys; b starts from its own defaults)"
+    ]

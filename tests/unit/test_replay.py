@@ -19,10 +19,20 @@ from flash.train.batch import collate, flatten
 
 
 def _group(pid: int, versions: list[list[int]]) -> Group:
-    samples = [Sample(prompt_id=pid, sample_index=i, prompt_ids=[1, 5, 6], response_ids=list(range(7, 7 + len(v))),
-                      behav_logprobs=np.array([-0.1 * (k + 1) / 3 for k in range(len(v))], dtype=np.float32),
-                      versions=np.array(v), reward=float(i % 2), finish_reason="stop", admitted_version=v[0])
-               for i, v in enumerate(versions)]
+    samples = [
+        Sample(
+            prompt_id=pid,
+            sample_index=i,
+            prompt_ids=[1, 5, 6],
+            response_ids=list(range(7, 7 + len(v))),
+            behav_logprobs=np.array([-0.1 * (k + 1) / 3 for k in range(len(v))], dtype=np.float32),
+            versions=np.array(v),
+            reward=float(i % 2),
+            finish_reason="stop",
+            admitted_version=v[0],
+        )
+        for i, v in enumerate(versions)
+    ]
     return Group(prompt_id=pid, samples=samples, admitted_version=versions[0][0], data_index=pid + 100)
 
 
@@ -34,8 +44,13 @@ def test_interrupts_are_where_the_version_changed_under_a_response():
 
 def test_a_step_line_gives_back_the_same_training_batch_through_json():
     groups = [_group(7, [[0, 0, 1], [0, 1]]), _group(3, [[1, 1], [1]])]
-    line = json.loads(json.dumps(step_line(4, groups, {"loss": 0.125, "grad_norm": 1.5, "other": 2.0},
-                                           {"prox": "fused", "trainer_threads": 1})))
+    line = json.loads(
+        json.dumps(
+            step_line(
+                4, groups, {"loss": 0.125, "grad_norm": 1.5, "other": 2.0}, {"prox": "fused", "trainer_threads": 1}
+            )
+        )
+    )
     assert line["train"] == {"loss": 0.125, "grad_norm": 1.5}
     assert line["groups"][0]["samples"][0]["interrupts"] == [[2, 1]]
     back = groups_from_line(line)
@@ -45,14 +60,23 @@ def test_a_step_line_gives_back_the_same_training_batch_through_json():
         assert torch.equal(getattr(a, field), getattr(b, field)), field
 
 
-@pytest.mark.parametrize("damage, message", [
-    (lambda line: line.pop("groups"), "field 'groups' is missing"),
-    (lambda line: line["groups"][0]["samples"][0]["versions"].pop(), "versions has 2 entries for 3 response tokens"),
-    (lambda line: line["groups"][0]["samples"][0].update(response_ids=[1, "x", 3]), "response_ids holds"),
-    (lambda line: line["groups"][0].update(prompt_id=True), "field 'prompt_id'"),
-    (lambda line: line["groups"][0]["samples"][0].update(reward=float("inf")), "reward inf: a reward is a finite number"),
-    (lambda line: line["groups"][0].update(samples=[]), "no samples"),
-])
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (lambda line: line.pop("groups"), "field 'groups' is missing"),
+        (
+            lambda line: line["groups"][0]["samples"][0]["versions"].pop(),
+            "versions has 2 entries for 3 response tokens",
+        ),
+        (lambda line: line["groups"][0]["samples"][0].update(response_ids=[1, "x", 3]), "response_ids holds"),
+        (lambda line: line["groups"][0].update(prompt_id=True), "field 'prompt_id'"),
+        (
+            lambda line: line["groups"][0]["samples"][0].update(reward=float("inf")),
+            "reward inf: a reward is a finite number",
+        ),
+        (lambda line: line["groups"][0].update(samples=[]), "no samples"),
+    ],
+)
 def test_a_damaged_step_line_is_one_error_naming_the_field(damage, message):
     line = json.loads(json.dumps(step_line(2, [_group(1, [[0, 0, 0]])], {"loss": 0.5}, {})))
     damage(line)

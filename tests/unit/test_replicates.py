@@ -31,11 +31,13 @@ def test_one_run_has_no_standard_error_not_a_zero_one():
 
 
 def test_group_runs_by_setting_with_seeds_and_repeats_as_replicates():
-    runs = [({"async_ratio": "0", "seed": "0"}, {"status": "ok", "acc": 0.50, "s": 1.0}),
-            ({"async_ratio": "2", "seed": "0"}, {"status": "ok", "acc": 0.48, "s": 0.5}),
-            ({"async_ratio": "0", "seed": "1"}, {"status": "ok", "acc": 0.54, "s": 1.2}),
-            ({"async_ratio": "2", "seed": "1"}, {"status": "failed"}),
-            ({"async_ratio": "0", "seed": "2", "repeat": "1"}, {"status": "ok", "acc": 0.52, "s": 1.1})]
+    runs = [
+        ({"async_ratio": "0", "seed": "0"}, {"status": "ok", "acc": 0.50, "s": 1.0}),
+        ({"async_ratio": "2", "seed": "0"}, {"status": "ok", "acc": 0.48, "s": 0.5}),
+        ({"async_ratio": "0", "seed": "1"}, {"status": "ok", "acc": 0.54, "s": 1.2}),
+        ({"async_ratio": "2", "seed": "1"}, {"status": "failed"}),
+        ({"async_ratio": "0", "seed": "2", "repeat": "1"}, {"status": "ok", "acc": 0.52, "s": 1.1}),
+    ]
     sync, fast = group_runs(runs, ["acc", "s", "missing"])
     assert sync.settings == {"async_ratio": "0"} and sync.label() == "async_ratio=0"
     assert (sync.n, sync.failed, fast.n, fast.failed) == (3, 0, 1, 1)
@@ -83,9 +85,14 @@ def test_paired_ratios_pair_by_replicate():
 
 
 def _summary(s_per_step: float, acc: float) -> dict:
-    return {"seconds_per_step": s_per_step, "eval_accuracy_final": acc, "eval_accuracy_initial": 0.281,
-            "wall_seconds": 100 * s_per_step, "max_staleness_observed": 0.0,
-            "phase_seconds_mean": {"train": s_per_step / 2}}
+    return {
+        "seconds_per_step": s_per_step,
+        "eval_accuracy_final": acc,
+        "eval_accuracy_initial": 0.281,
+        "wall_seconds": 100 * s_per_step,
+        "max_staleness_observed": 0.0,
+        "phase_seconds_mean": {"train": s_per_step / 2},
+    }
 
 
 def test_async_speedup_bench_pairs_runs_and_reports_mean_and_se():
@@ -99,16 +106,23 @@ def test_async_speedup_bench_pairs_runs_and_reports_mean_and_se():
     # per pair 0.546/0.419 = 1.3031, 0.600/0.417 = 1.4388, 0.579/0.398 = 1.4548: median 1.4388,
     # mean 1.3989; deviations -0.0958, 0.0399, 0.0559 → s = 0.0834, SE = 0.0481
     assert r2["speedup_vs_first_per_pair"] == [1.3031, 1.4388, 1.4548]
-    assert (r2["speedup_vs_first_median"], r2["speedup_vs_first_mean"], r2["speedup_vs_first_se"]) == \
-        (1.4388, 1.3989, 0.0481)
+    assert (r2["speedup_vs_first_median"], r2["speedup_vs_first_mean"], r2["speedup_vs_first_se"]) == (
+        1.4388,
+        1.3989,
+        0.0481,
+    )
     # accuracy 0.555, 0.578, 0.586: mean 0.573; deviations -0.018, 0.005, 0.013 → s = 0.01609, SE = 0.0093
-    assert (r2["eval_accuracy_final_median"], r2["eval_accuracy_final_mean"], r2["eval_accuracy_final_se"]) == \
-        (0.578, 0.573, 0.0093)
+    assert (r2["eval_accuracy_final_median"], r2["eval_accuracy_final_mean"], r2["eval_accuracy_final_se"]) == (
+        0.578,
+        0.573,
+        0.0093,
+    )
     assert r2["seconds_per_step_median"] == 0.417 and r2["n_pairs"] == 3
     assert rows["0.0"]["speedup_vs_first_mean"] == 1.0 and rows["0.0"]["eval_accuracy_final_se"] == 0.0
     assert report_line("2.0", "0.0", r2).startswith(
         "r=2.0 (n=3): 0.411 ± 0.007 s/step (median 0.417), speed-up vs r=0.0 1.40 ± 0.05x (median 1.44x; "
-        "per pair 1.30, 1.44, 1.45)")
+        "per pair 1.30, 1.44, 1.45)"
+    )
     one = summarize({0.0: sync[:1], 2.0: fast[:1]})["2.0"]
     assert one["speedup_vs_first_se"] is None and "1.30 ± —x" in report_line("2.0", "0.0", one)
 
@@ -137,16 +151,26 @@ def test_tail_batching_bench_reports_paired_ratios_with_their_error():
     from bench.tail_batching import summarize_setting, summary_line
 
     def run(s_per_step: float, acc: float) -> dict:
-        return {**_summary(s_per_step, acc), "step_median_s": s_per_step, "samples_trained": 2560,
-                "engine_tokens": 14000.0, "tail": {}}
+        return {
+            **_summary(s_per_step, acc),
+            "step_median_s": s_per_step,
+            "samples_trained": 2560,
+            "engine_tokens": 14000.0,
+            "tail": {},
+        }
 
     sync = [run(0.575, 0.465), run(0.537, 0.465), run(0.508, 0.465)]
     tail = [run(0.430, 0.480), run(0.458, 0.480), run(0.450, 0.480)]
     row = summarize_setting(tail, sync)
     # per pair 0.575/0.430 = 1.3372, 0.537/0.458 = 1.1725, 0.508/0.450 = 1.1289: median 1.1725,
     # mean 1.2129; deviations 0.1243, -0.0404, -0.0840 → s = 0.1098, SE = 0.0634
-    assert (row["speedup_vs_first_median"], row["speedup_vs_first_mean"], row["speedup_vs_first_se"]) == \
-        (1.1725, 1.2129, 0.0634)
+    assert (row["speedup_vs_first_median"], row["speedup_vs_first_mean"], row["speedup_vs_first_se"]) == (
+        1.1725,
+        1.2129,
+        0.0634,
+    )
     assert row["seconds_per_step_median"] == 0.450 and row["eval_accuracy_final_se"] == 0.0
-    assert summary_line("sync_tail", "sync", row) == \
-        "sync_tail (n=3): speed-up vs sync 1.21 ± 0.06x (median 1.17x), final acc 0.480 ± 0.000"
+    assert (
+        summary_line("sync_tail", "sync", row)
+        == "sync_tail (n=3): speed-up vs sync 1.21 ± 0.06x (median 1.17x), final acc 0.480 ± 0.000"
+    )

@@ -19,9 +19,11 @@ def _run_dir(tmp_path, overrides):
 
 def test_an_interrupt_names_its_cause_and_the_resume_command():
     assert interrupted(KeyboardInterrupt(), "stutter", "runs/a") == (
-        "ctrl-C; resume from the last checkpoint: flash run stutter resume=runs/a")
+        "ctrl-C; resume from the last checkpoint: flash run stutter resume=runs/a"
+    )
     assert interrupted(Terminated("SIGTERM"), "", "runs/a") == (
-        "SIGTERM; resume from the last checkpoint: flash run resume=runs/a")
+        "SIGTERM; resume from the last checkpoint: flash run resume=runs/a"
+    )
 
 
 def test_resume_keeps_the_overrides_the_run_started_with(tmp_path):
@@ -42,4 +44,5 @@ def test_resume_alone_is_the_run_dir_s_own_recipe(tmp_path, capsys):
     assert main(["validate", "seed=4"]) == 2
     assert capsys.readouterr().err.strip() == (
         "flash: error: 'seed=4' is not a recipe: name one first (`flash ls`), e.g. flash validate stutter "
-        "seed=4; only resume=RUN_DIR may stand alone")
+        "seed=4; only resume=RUN_DIR may stand alone"
+    )

@@ -65,9 +65,14 @@ def code_reward() -> CodeReward:
 def core(reward, deadline_s: float | None) -> SimpleNamespace:
     """The scheduler core's parts ``RolloutCore.score`` reads (its counters: the run's ``Outcomes``)."""
     outcomes = Outcomes()
-    return SimpleNamespace(source=SimpleNamespace(reward=reward, decode=lambda ids: LOOP), _lock=threading.Lock(),
-                           counters=outcomes.counters, reward_deadline_s=deadline_s, outcomes=outcomes,
-                           reward_errors=RewardErrors())
+    return SimpleNamespace(
+        source=SimpleNamespace(reward=reward, decode=lambda ids: LOOP),
+        _lock=threading.Lock(),
+        counters=outcomes.counters,
+        reward_deadline_s=deadline_s,
+        outcomes=outcomes,
+        reward_errors=RewardErrors(),
+    )
 
 
 def test_a_row_of_looping_tests_scores_zero_at_the_deadline_with_its_sandbox_run_killed(idle_tree):
@@ -113,8 +118,9 @@ def test_an_outer_deadline_that_ends_sooner_holds_and_no_deadline_leaves_the_tim
 
 
 def test_a_reward_worker_ends_the_call_at_the_deadline_with_nothing_stuck(idle_tree):
-    worker = RewardScorer({"name": "code", "adaptive": False, "t_min": 5.0, "t_max": 5.0}, timeout_s=60.0,
-                          response_deadline_s=1.0)
+    worker = RewardScorer(
+        {"name": "code", "adaptive": False, "t_min": 5.0, "t_max": 5.0}, timeout_s=60.0, response_deadline_s=1.0
+    )
     t0 = time.monotonic()
     result, stuck = worker.score(ROW, LOOP)
     assert result.reward == 0.0 and result.reason == "reward_deadline" and stuck == 0
@@ -126,8 +132,11 @@ def test_a_reward_worker_ends_the_call_at_the_deadline_with_nothing_stuck(idle_t
 
 def test_the_deadline_is_a_typed_setting_checked_when_the_recipe_loads():
     assert RewardConfig().response_deadline_s == 60.0
-    with pytest.raises(ConfigError, match=r"^reward.response_deadline_s must be a finite number of seconds > 0 "
-                                          r"\(one response's scoring, all its tests\), got 0.0$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^reward.response_deadline_s must be a finite number of seconds > 0 "
+        r"\(one response's scoring, all its tests\), got 0.0$",
+    ):
         load_config("recipes/code.yaml", ["reward.response_deadline_s=0"])
     with pytest.raises(ConfigError, match=r"^reward.response_deadline_s=nan is not a finite number"):
         load_config("recipes/code.yaml", ["reward.response_deadline_s=nan"])

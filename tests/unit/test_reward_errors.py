@@ -21,18 +21,25 @@ from flash.app.schema import RewardConfig
 from flash.errors import ConfigError, FlashError, RewardsFailing
 from flash.tasks import TaskItem
 
-STOP = ("reward 'he_score' failed on 3 training responses in a row, the run stopped "
-        "(reward.max_consecutive_errors=3); its last error: NameError: name 'x' is not defined. Fix the reward "
-        "(`flash data RECIPE` scores each row's reference with it), or set reward.max_consecutive_errors=0 to "
-        "score such responses 0 and go on")
+STOP = (
+    "reward 'he_score' failed on 3 training responses in a row, the run stopped "
+    "(reward.max_consecutive_errors=3); its last error: NameError: name 'x' is not defined. Fix the reward "
+    "(`flash data RECIPE` scores each row's reference with it), or set reward.max_consecutive_errors=0 to "
+    "score such responses 0 and go on"
+)
 
 
 def core(reward, limit: int, name: str = "reward 'he_score'") -> SimpleNamespace:
     """The parts of the scheduler core ``score_response`` reads (its counters: the run's ``Outcomes``)."""
     outcomes = Outcomes()
-    return SimpleNamespace(source=SimpleNamespace(reward=reward, decode=str), _lock=threading.Lock(),
-                           counters=outcomes.counters, reward_deadline_s=None, outcomes=outcomes,
-                           reward_errors=RewardErrors(limit, name))
+    return SimpleNamespace(
+        source=SimpleNamespace(reward=reward, decode=str),
+        _lock=threading.Lock(),
+        counters=outcomes.counters,
+        reward_deadline_s=None,
+        outcomes=outcomes,
+        reward_errors=RewardErrors(limit, name),
+    )
 
 
 def undefined(item, text):
@@ -78,8 +85,11 @@ def test_each_reward_a_data_reward_key_row_chooses_has_its_own_streak_and_name()
     c = core(by_row, limit=2, name="reward 'math'")
     exact, math = TaskItem(0, "p", "1", {"reward_fn": "exact"}), TaskItem(1, "p", "1", {"reward_fn": "math"})
     assert score_response(c, exact, [1]) == 0.0 and score_response(c, math, [1]) == 1.0  # math's ok: exact's goes on
-    with pytest.raises(RewardsFailing, match=r"^reward 'exact' failed on 2 training responses in a row, .*"
-                                             r"its last error: KeyError: 'tests'\. Fix"):
+    with pytest.raises(
+        RewardsFailing,
+        match=r"^reward 'exact' failed on 2 training responses in a row, .*"
+        r"its last error: KeyError: 'tests'\. Fix",
+    ):
         score_response(c, exact, [1])
 
 
@@ -88,8 +98,11 @@ def test_a_reward_worker_names_its_error_and_the_scheduler_counts_it_as_its_own(
 
     worker = RewardScorer({"name": "tests.reward_fns:divide_by_zero"}, timeout_s=10.0)
     result, _ = worker.score(TaskItem(0, "p", "1"), "x")
-    assert (result.reward, result.reason, result.error) == (0.0, "error:ZeroDivisionError",
-                                                           "ZeroDivisionError: division by zero")
+    assert (result.reward, result.reason, result.error) == (
+        0.0,
+        "error:ZeroDivisionError",
+        "ZeroDivisionError: division by zero",
+    )
     nan, _ = RewardScorer({"name": "tests.reward_fns:not_a_number"}, timeout_s=10.0).score(TaskItem(0, "p", "1"), "x")
     assert nan.reason == "error:BadReward" and nan.error == "BadReward: a reward is a finite number, not nan"
     pool_fn = RewardPool.reward_fn(SimpleNamespace(score=lambda item, text: result))  # the pool's reward_fn
@@ -97,8 +110,11 @@ def test_a_reward_worker_names_its_error_and_the_scheduler_counts_it_as_its_own(
         pool_fn(TaskItem(0, "p", "1"), "x")
     c = core(pool_fn, limit=2, name="reward 'code'")
     assert score_response(c, TaskItem(0, "p", "1"), [1]) == 0.0 and c.counters["reward_errors"] == 1
-    with pytest.raises(RewardsFailing, match=r"^reward 'code' failed on 2 .* its last error: ZeroDivisionError: "
-                                             r"division by zero\. Fix"):
+    with pytest.raises(
+        RewardsFailing,
+        match=r"^reward 'code' failed on 2 .* its last error: ZeroDivisionError: "
+        r"division by zero\. Fix",
+    ):
         score_response(c, TaskItem(0, "p", "1"), [1])
 
 
@@ -124,21 +140,30 @@ def test_a_run_stop_raised_in_a_scheduler_thread_reaches_the_controller_as_itsel
 def test_the_limit_is_a_stated_setting_checked_when_the_recipe_loads_and_may_change_on_resume():
     assert RewardConfig().max_consecutive_errors == 32
     assert load_config("recipes/math.yaml", ["reward.max_consecutive_errors=0"]).reward.max_consecutive_errors == 0
-    with pytest.raises(ConfigError, match=r"^reward.max_consecutive_errors must be >= 0 \(reward errors in a row "
-                                          r"that stop the run; 0: never\), got -1$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^reward.max_consecutive_errors must be >= 0 \(reward errors in a row "
+        r"that stop the run; 0: never\), got -1$",
+    ):
         load_config("recipes/math.yaml", ["reward.max_consecutive_errors=-1"])
-    assert config_differences({"reward": {"max_consecutive_errors": 32}}, {"reward": {"max_consecutive_errors": 0}}) == []
+    assert (
+        config_differences({"reward": {"max_consecutive_errors": 32}}, {"reward": {"max_consecutive_errors": 0}}) == []
+    )
 
 
 def test_the_stop_line_names_the_run_s_reward_as_the_recipe_chose_it():
     from flash.app.data import reward_name
 
     def cfg(fn=None, train=(), task="stutter"):
-        return SimpleNamespace(reward=SimpleNamespace(fn=fn or {}), data=SimpleNamespace(train=list(train), reward="math"),
-                               task={"name": task})
+        return SimpleNamespace(
+            reward=SimpleNamespace(fn=fn or {}),
+            data=SimpleNamespace(train=list(train), reward="math"),
+            task={"name": task},
+        )
 
-    assert [reward_name(c) for c in (cfg({"name": "code"}, ["h.jsonl"]), cfg(train=["d.jsonl"]), cfg(task="pyfunc"))] == [
-        "reward 'code'", "reward 'math'", "the pyfunc task's reward"]
+    assert [
+        reward_name(c) for c in (cfg({"name": "code"}, ["h.jsonl"]), cfg(train=["d.jsonl"]), cfg(task="pyfunc"))
+    ] == ["reward 'code'", "reward 'math'", "the pyfunc task's reward"]
 
 
 def test_only_a_training_response_of_the_single_turn_workflow_counts_in_a_streak():
@@ -162,9 +187,14 @@ def test_the_warm_start_s_held_out_check_scores_a_failure_0_and_stops_in_one_lin
     items = [TaskItem(i, "p", str(i)) for i in range(3)]
     assert held_out_rewards(lambda item, text: 1.0 if item.index else 1 / 0, items, ["a"] * 3) == [0.0, 1.0, 1.0]
     assert held_out_rewards(lambda item, text: float("nan") if item.index == 2 else 0.5, items, ["a"] * 3) == [
-        0.5, 0.5, 0.0]
+        0.5,
+        0.5,
+        0.0,
+    ]
     with pytest.raises(RewardsFailing) as err:
         held_out_rewards(undefined, items, ["a"] * 3)
-    assert str(err.value) == ("the reward failed on every one of the 3 held-out responses the warm start sampled "
-                              "(sft.eval_after); its last error: NameError: name 'x' is not defined. Fix the reward "
-                              "(`flash data RECIPE` scores each row's reference with it)")
+    assert str(err.value) == (
+        "the reward failed on every one of the 3 held-out responses the warm start sampled "
+        "(sft.eval_after); its last error: NameError: name 'x' is not defined. Fix the reward "
+        "(`flash data RECIPE` scores each row's reference with it)"
+    )

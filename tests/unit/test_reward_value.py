@@ -17,13 +17,31 @@ from flash.buffers.reward import BadReward, reward_value
 
 REFUSED = None
 TABLE = [  # (value, the reward it is, or REFUSED)
-    (1.5, 1.5), (-2.0, -2.0), (0, 0.0), (3, 3.0), (Fraction(1, 4), 0.25),
-    (np.float32(0.5), 0.5), (np.float64(0.25), 0.25), (np.int64(-3), -3.0), (np.uint8(7), 7.0),
-    (True, REFUSED), (False, REFUSED), (np.bool_(True), REFUSED),
-    (math.nan, REFUSED), (math.inf, REFUSED), (-math.inf, REFUSED), (np.float32("nan"), REFUSED),
-    (np.float64("-inf"), REFUSED), (10 ** 400, REFUSED),
-    ("1.0", REFUSED), (None, REFUSED), ([1.0], REFUSED), ((1.0,), REFUSED), (Decimal("0.5"), REFUSED),
-    (np.array(0.5), REFUSED), (np.array([0.5]), REFUSED),
+    (1.5, 1.5),
+    (-2.0, -2.0),
+    (0, 0.0),
+    (3, 3.0),
+    (Fraction(1, 4), 0.25),
+    (np.float32(0.5), 0.5),
+    (np.float64(0.25), 0.25),
+    (np.int64(-3), -3.0),
+    (np.uint8(7), 7.0),
+    (True, REFUSED),
+    (False, REFUSED),
+    (np.bool_(True), REFUSED),
+    (math.nan, REFUSED),
+    (math.inf, REFUSED),
+    (-math.inf, REFUSED),
+    (np.float32("nan"), REFUSED),
+    (np.float64("-inf"), REFUSED),
+    (10**400, REFUSED),
+    ("1.0", REFUSED),
+    (None, REFUSED),
+    ([1.0], REFUSED),
+    ((1.0,), REFUSED),
+    (Decimal("0.5"), REFUSED),
+    (np.array(0.5), REFUSED),
+    (np.array([0.5]), REFUSED),
 ]
 IDS = [f"{type(v).__name__}:{v!r}"[:40] for v, _ in TABLE]
 
@@ -40,9 +58,13 @@ def by_driver_score(value):
     from flash.controllers.reward_errors import RewardErrors
     from flash.controllers.scheduler import RolloutCore
 
-    core = SimpleNamespace(source=SimpleNamespace(reward=lambda item, text: value, decode=str),
-                           _lock=threading.Lock(), counters={"reward_errors": 0}, reward_deadline_s=None,
-                           reward_errors=RewardErrors())
+    core = SimpleNamespace(
+        source=SimpleNamespace(reward=lambda item, text: value, decode=str),
+        _lock=threading.Lock(),
+        counters={"reward_errors": 0},
+        reward_deadline_s=None,
+        reward_errors=RewardErrors(),
+    )
     score = RolloutCore.score(core, None, [1])
     return REFUSED if core.counters["reward_errors"] else score
 
@@ -100,8 +122,16 @@ def by_environment_step(value):
 
 
 def _group(value) -> Group:
-    s = Sample(prompt_id=1, sample_index=0, prompt_ids=[1], response_ids=[2], behav_logprobs=[-0.5],
-               versions=[0], reward=value, loss_mask=[1])
+    s = Sample(
+        prompt_id=1,
+        sample_index=0,
+        prompt_ids=[1],
+        response_ids=[2],
+        behav_logprobs=[-0.5],
+        versions=[0],
+        reward=value,
+        loss_mask=[1],
+    )
     return Group(prompt_id=1, samples=[s], admitted_version=0, data_index=0)
 
 
@@ -132,8 +162,7 @@ def by_schedule(value):
     return group.samples[0].reward
 
 
-ENTRY_POINTS = [by_check, by_driver_score, by_reward_pool, by_agent, by_environment_step, by_buffer_guard,
-                by_schedule]
+ENTRY_POINTS = [by_check, by_driver_score, by_reward_pool, by_agent, by_environment_step, by_buffer_guard, by_schedule]
 
 
 @pytest.mark.parametrize("value, want", TABLE, ids=IDS)

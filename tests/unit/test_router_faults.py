@@ -20,9 +20,16 @@ from tests.helpers.actors import ScriptedActor
 
 @pytest.fixture
 def fake_ray(monkeypatch):
-    monkeypatch.setattr(router_mod, "ray", SimpleNamespace(
-        get=lambda ref: ref(), wait=lambda refs, num_returns, timeout: (refs[:num_returns], refs[num_returns:]),
-        exceptions=real_ray.exceptions, ObjectRef=object))
+    monkeypatch.setattr(
+        router_mod,
+        "ray",
+        SimpleNamespace(
+            get=lambda ref: ref(),
+            wait=lambda refs, num_returns, timeout: (refs[:num_returns], refs[num_returns:]),
+            exceptions=real_ray.exceptions,
+            ObjectRef=object,
+        ),
+    )
 
 
 def test_failure_kinds():

@@ -39,10 +39,20 @@ def sparse(path, size: int) -> None:
         f.truncate(size)
 
 
-@pytest.mark.parametrize("text, depth", [
-    (b"{}", 1), (b"[[]]", 2), (b"1", 0), (b'"[[["', 0), (b'{"a": [1, {"b": "[[[{"}]}', 3),
-    (b'["\\\\", [[]]]', 3), (b'["a\\\\\\"[", {}]', 2), (b'{"k\\"]]": [[[0]]]}', 4), (DEEP, 100_000),
-])
+@pytest.mark.parametrize(
+    "text, depth",
+    [
+        (b"{}", 1),
+        (b"[[]]", 2),
+        (b"1", 0),
+        (b'"[[["', 0),
+        (b'{"a": [1, {"b": "[[[{"}]}', 3),
+        (b'["\\\\", [[]]]', 3),
+        (b'["a\\\\\\"[", {}]', 2),
+        (b'{"k\\"]]": [[[0]]]}', 4),
+        (DEEP, 100_000),
+    ],
+)
 def test_the_nesting_is_counted_on_the_bytes_brackets_in_strings_and_escapes_left_out(text, depth):
     if len(text) < 100:
         json.loads(text)  # each case is JSON
@@ -53,8 +63,10 @@ def test_plot_refuses_a_sparse_multi_gb_metrics_file_before_reading_it(tmp_path)
     sparse(tmp_path / "run" / "metrics.jsonl", 4 << 30)
     with pytest.raises(RunFileError) as err:
         load_run(tmp_path / "run")
-    assert one_line(err) == (f"{tmp_path}/run/metrics.jsonl: {4 << 30} bytes, over the 512 MiB limit for this run "
-                             "file; flash wrote no such file: pass a run dir flash wrote")
+    assert one_line(err) == (
+        f"{tmp_path}/run/metrics.jsonl: {4 << 30} bytes, over the 512 MiB limit for this run "
+        "file; flash wrote no such file: pass a run dir flash wrote"
+    )
 
 
 def test_plot_refuses_one_huge_line_at_its_limit_naming_file_and_line(tmp_path):
@@ -75,8 +87,10 @@ def test_plot_refuses_a_deeply_nested_line_without_a_recursion_error(tmp_path, n
         load_run(run)
     line = 2 if name.endswith(".jsonl") else None
     where = f"{run}/{name}" + (f":{line}" if line else "")
-    assert one_line(err) == (f"{where}: JSON nested more than 32 deep (the limit for a run file); flash wrote no "
-                             "such line: pass a run dir flash wrote")
+    assert one_line(err) == (
+        f"{where}: JSON nested more than 32 deep (the limit for a run file); flash wrote no "
+        "such line: pass a run dir flash wrote"
+    )
 
 
 def test_plot_refuses_a_line_that_is_not_an_object_or_not_json(tmp_path):
@@ -96,8 +110,10 @@ def test_flash_plot_says_it_in_one_line_with_no_traceback(tmp_path, capsys):
     (run / "metrics.jsonl").write_bytes(DEEP + b"\n")
     assert main(["plot", str(run), "-o", str(tmp_path / "out.png")]) != 0
     err = capsys.readouterr().err.strip()
-    assert err == (f"flash: error: {run}/metrics.jsonl:1: JSON nested more than 32 deep (the limit for a run file); flash "
-                   "wrote no such line: pass a run dir flash wrote")
+    assert err == (
+        f"flash: error: {run}/metrics.jsonl:1: JSON nested more than 32 deep (the limit for a run file); flash "
+        "wrote no such line: pass a run dir flash wrote"
+    )
     assert not (tmp_path / "out.png").exists()
 
 

@@ -9,8 +9,17 @@ from types import SimpleNamespace
 import pytest
 
 from flash.app.evaluation import EvalSet, evaluate_sets
-from flash.app.progress import (Heartbeat, Progress, TrainEta, eval_note, evals_left, no_update_note,
-                                settle_steps, step_eta, time_note)
+from flash.app.progress import (
+    Heartbeat,
+    Progress,
+    TrainEta,
+    eval_note,
+    evals_left,
+    no_update_note,
+    settle_steps,
+    step_eta,
+    time_note,
+)
 from flash.tasks import TaskItem
 
 
@@ -44,7 +53,8 @@ def test_a_step_with_every_advantage_zero_says_no_update_once_per_streak_step_th
         "flash: step 1: no update: all groups had equal reward (every advantage 0)",
         "flash: step 4: no update: all groups had equal reward (every advantage 0)",
         "flash: step 13: no update: all groups had equal reward (every advantage 0) (10 steps in a row)",
-        "flash: step 103: no update: all groups had equal reward (every advantage 0) (100 steps in a row)"]
+        "flash: step 103: no update: all groups had equal reward (every advantage 0) (100 steps in a row)",
+    ]
     assert no_update_note(7, 1, 0.5).endswith("(every advantage 0); only the loss's KL/entropy terms trained")
     assert [no_update_note(9, k, 0.0) is None for k in (3, 9, 11, 99, 1000)] == [True, True, True, True, False]
 
@@ -85,16 +95,28 @@ def test_an_evaluation_reports_its_samples_done_and_time_left_then_its_scoring_c
 
     sets = [EvalSet("a", [TaskItem(i, "q", "1") for i in range(2)], None), EvalSet("b", [TaskItem(0, "q", "1")], None)]
     notes: list[str] = []
-    evaluate_sets(SimpleNamespace(evaluate_samples=evaluate_samples), sets, None, 4, 0, tmp_path, 0, str,
-                  decode_prompt=str, on_progress=notes.append)
-    assert notes == ["eval 2/12 samples, ~20s left",  # 4 s for 2: 10 more at 2 s each
-                     "eval 8/12 samples, scoring 0/8, ~? left",  # set a generated (at 110 s), its scoring starts
-                     "eval 8/12 samples, scoring 3/8, ~3s left",  # 2 s for 3 of 8: 5 more at 0.67 s
-                     "eval 8/12 samples, scoring 8/8, ~0s left",
-                     "eval 10/12 samples, ~3s left",  # 15 s for 10 of all 12
-                     "eval 12/12 samples, scoring 0/4, ~? left",
-                     "eval 12/12 samples, scoring 3/4, ~2s left",  # 6 s for 3 of 4
-                     "eval 12/12 samples, scoring 4/4, ~0s left"]
+    evaluate_sets(
+        SimpleNamespace(evaluate_samples=evaluate_samples),
+        sets,
+        None,
+        4,
+        0,
+        tmp_path,
+        0,
+        str,
+        decode_prompt=str,
+        on_progress=notes.append,
+    )
+    assert notes == [
+        "eval 2/12 samples, ~20s left",  # 4 s for 2: 10 more at 2 s each
+        "eval 8/12 samples, scoring 0/8, ~? left",  # set a generated (at 110 s), its scoring starts
+        "eval 8/12 samples, scoring 3/8, ~3s left",  # 2 s for 3 of 8: 5 more at 0.67 s
+        "eval 8/12 samples, scoring 8/8, ~0s left",
+        "eval 10/12 samples, ~3s left",  # 15 s for 10 of all 12
+        "eval 12/12 samples, scoring 0/4, ~? left",
+        "eval 12/12 samples, scoring 3/4, ~2s left",  # 6 s for 3 of 4
+        "eval 12/12 samples, scoring 4/4, ~0s left",
+    ]
     assert eval_note(0, 64, 3.0) == "eval 0/64 samples, ~? left"
 
 
@@ -119,8 +141,9 @@ def test_the_reward_threads_tell_an_evaluation_how_many_of_its_calls_are_done_wh
     release, told = threading.Event(), []
     threading.Timer(0.3, release.set).start()
     try:
-        out = threads.map(lambda x: x * 2 if x < 2 else release.wait(5) and x * 2, [0, 1, 2], on_done=told.append,
-                          every_s=0.02)
+        out = threads.map(
+            lambda x: x * 2 if x < 2 else release.wait(5) and x * 2, [0, 1, 2], on_done=told.append, every_s=0.02
+        )
     finally:
         release.set()
         threads.shutdown()
@@ -137,8 +160,17 @@ def test_eval_records_hold_the_whole_prompt_not_only_the_system_turn(tmp_path):
     assert tok.eos_token_id in ids[:-3]  # the system turn ends in the end-of-sequence token
     sample = SimpleNamespace(response_ids=[tok.eos_token_id], prompt_ids=ids, reward=0.0, finish_reason="stop")
     scheduler = SimpleNamespace(evaluate_samples=lambda items, params, tag, seed, **_: [sample] * len(items))
-    evaluate_sets(scheduler, [EvalSet("eval", [TaskItem(0, prompt, "5")], None)], None, 1, 0, tmp_path, 3,
-                  lambda x: decode_response(tok, x), decode_prompt=tok.decode)
+    evaluate_sets(
+        scheduler,
+        [EvalSet("eval", [TaskItem(0, prompt, "5")], None)],
+        None,
+        1,
+        0,
+        tmp_path,
+        3,
+        lambda x: decode_response(tok, x),
+        decode_prompt=tok.decode,
+    )
     record = json.loads((tmp_path / "eval/eval/step-3.jsonl").read_text())
     assert "be brief" in record["prompt"] and "what is 2+3?" in record["prompt"], record["prompt"]
     assert "what is 2+3?" not in decode_response(tok, ids)  # a response's decoder stops at the first end of sequence
@@ -157,8 +189,11 @@ def test_the_train_eta_settles_through_the_head_start_then_never_grows_at_a_stea
         shown.append(eta.left(step))
     assert shown[:2] == [None, None]
     # 10 s per step left, plus the evaluations at 10, 15 and the final one
-    assert shown[2:] == [10.0 * (20 - s) + 6.0 * evals_left(s, 20, 5) for s in range(3, 9)] == \
-        [194.0, 184.0, 168.0, 158.0, 148.0, 138.0]
+    assert (
+        shown[2:]
+        == [10.0 * (20 - s) + 6.0 * evals_left(s, 20, 5) for s in range(3, 9)]
+        == [194.0, 184.0, 168.0, 158.0, 148.0, 138.0]
+    )
     # the mean rate since the start, over the same steps, grows
     mean_rate = [step_eta(s, 20, 2.0 + 10.0 * (s - 2)) for s in (2, 3, 4)]
     assert mean_rate == ["(elapsed 2s, ~18s left)", "(elapsed 12s, ~1m08s left)", "(elapsed 22s, ~1m28s left)"]
@@ -197,14 +232,29 @@ def test_a_resumed_run_summary_totals_count_every_step_of_the_run_once():
     from flash.app.summary import run_totals
 
     # metrics.jsonl of a run resumed at step 2: steps 1-2 before the interruption, 3-4 after
-    lines = [{"step": s, "staleness/max": float(m), "staleness/count_0": 6.0, "staleness/count_1": float(2 * m),
-              "time/train": t, "time/step": 2 * t} for s, m, t in ((1, 0, 1.0), (2, 1, 3.0), (3, 1, 2.0), (4, 0, 2.0))]
+    lines = [
+        {
+            "step": s,
+            "staleness/max": float(m),
+            "staleness/count_0": 6.0,
+            "staleness/count_1": float(2 * m),
+            "time/train": t,
+            "time/step": 2 * t,
+        }
+        for s, m, t in ((1, 0, 1.0), (2, 1, 3.0), (3, 1, 2.0), (4, 0, 2.0))
+    ]
     lines[2]["time/eval"] = 9.0
     totals = run_totals(lines, ["time/step", "time/train"])
-    assert totals == {"samples_trained": 28, "max_staleness_observed": 1.0,
-                      "phase_seconds_mean": {"step": 4.0, "train": 2.0}}
-    assert run_totals([], ["time/step"]) == {"samples_trained": 0, "max_staleness_observed": 0.0,
-                                             "phase_seconds_mean": {"step": 0.0}}
+    assert totals == {
+        "samples_trained": 28,
+        "max_staleness_observed": 1.0,
+        "phase_seconds_mean": {"step": 4.0, "train": 2.0},
+    }
+    assert run_totals([], ["time/step"]) == {
+        "samples_trained": 0,
+        "max_staleness_observed": 0.0,
+        "phase_seconds_mean": {"step": 0.0},
+    }
 
 
 def test_between_two_steps_the_heartbeat_counts_the_time_left_down_not_up(monkeypatch):
@@ -220,8 +270,11 @@ def test_between_two_steps_the_heartbeat_counts_the_time_left_down_not_up(monkey
     for t in (20.0, 26.0, 30.0):
         now[0] = t
         shown.append(hb.line().split("] ")[1])
-    assert shown == ["warm start step 5/40 (elapsed 20s, ~2m20s left)", "warm start step 5/40 (elapsed 26s, ~2m14s left)",
-                     "warm start step 5/40 (elapsed 30s, ~2m10s left)"]
+    assert shown == [
+        "warm start step 5/40 (elapsed 20s, ~2m20s left)",
+        "warm start step 5/40 (elapsed 26s, ~2m14s left)",
+        "warm start step 5/40 (elapsed 30s, ~2m10s left)",
+    ]
     # the train phase: elapsed and left as of the last step, carried on by the time since it
     progress = Progress(20, False, hb, eta=TrainEta(20, 1))
     progress.update({"step": 1, "reward/mean": 0.5, "time/elapsed": 10.0})

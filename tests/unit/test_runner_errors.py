@@ -18,8 +18,13 @@ class _Handle:
 
 def _run():
     engine = _Handle("e0")
-    return SimpleNamespace(trainer=_Handle("t0"), critic=_Handle("c0"), reference=_Handle("r0"), engine=engine,
-                           replicas=[engine, _Handle("e1")])
+    return SimpleNamespace(
+        trainer=_Handle("t0"),
+        critic=_Handle("c0"),
+        reference=_Handle("r0"),
+        engine=engine,
+        replicas=[engine, _Handle("e1")],
+    )
 
 
 def test_dead_role_names_the_actor_the_error_names():

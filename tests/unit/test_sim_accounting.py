@@ -61,8 +61,12 @@ def test_an_environment_step_in_flight_is_simulated_time_not_driver_time():
 def test_metrics_keep_the_plain_division_and_the_run_mean_adds_the_gaps():
     tl = _timeline([[0, 6]], get_batch=[0, 6.5], train=[7, 9], push_weights=[9, 10])
     m = simulated_metrics({"time/step": 10.0, "time/train": 2.0, "reward/mean": 1.0}, 0.01, tl)
-    assert m == {"sim/step_s": pytest.approx(901.0), "sim/driver_s": pytest.approx(1.0),
-                 "sim/step_scaled_s": pytest.approx(1000.0), "sim/train_s": pytest.approx(200.0)}
+    assert m == {
+        "sim/step_s": pytest.approx(901.0),
+        "sim/driver_s": pytest.approx(1.0),
+        "sim/step_scaled_s": pytest.approx(1000.0),
+        "sim/train_s": pytest.approx(200.0),
+    }
     later = _timeline([[11, 17]], get_batch=[11, 17.5], train=[18, 20], push_weights=[20, 21])  # 1 s idle before
     steps = SimSteps(0.01, out=lambda line: None)
     assert steps.seconds_per_step(3.0) == pytest.approx(300.0)  # no step seen: the train time scaled whole
@@ -80,8 +84,10 @@ def test_engine_sleeps_what_is_left_after_its_bookkeeping():
     b._pace((time.monotonic() - 0.5, wall + 1.0), 0.2)  # the bookkeeping ran 0.3 s past the step
     assert b.late_s == pytest.approx(0.3, abs=0.05)
     # the reported spans are the scaled GPU time only, not the late bookkeeping
-    assert b.spans.drain() == [[pytest.approx(wall - 0.05), pytest.approx(wall + 0.03)],
-                               [pytest.approx(wall + 1.0), pytest.approx(wall + 1.2)]]
+    assert b.spans.drain() == [
+        [pytest.approx(wall - 0.05), pytest.approx(wall + 0.03)],
+        [pytest.approx(wall + 1.0), pytest.approx(wall + 1.2)],
+    ]
 
 
 def test_a_late_engine_is_named_with_the_fix():

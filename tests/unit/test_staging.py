@@ -44,8 +44,10 @@ def test_host_tensors_are_cloned_fresh_each_snapshot():
 def test_a_cpu_trainers_checkpoint_bytes_are_the_clone_and_deepcopy_ones():
     tr = small_trainer()
     tr.train_step(*small_batch(1), None)
-    old = {"model": {k: v.detach().clone() for k, v in tr.model.state_dict().items()},
-           "optimizer": copy.deepcopy(tr.optimizer.state_dict())}
+    old = {
+        "model": {k: v.detach().clone() for k, v in tr.model.state_dict().items()},
+        "optimizer": copy.deepcopy(tr.optimizer.state_dict()),
+    }
     new = ck.trainer_state(tr)
 
     def saved(obj) -> bytes:
@@ -67,7 +69,9 @@ def test_an_fsdp_shard_stays_a_dtensor_whose_local_tensor_is_the_reused_host_buf
         stager = HostStager(host_kinds=())
         first = stager.stage({"w": live})["w"]
         assert isinstance(first, DTensor) and first.placements == (Shard(0),)
-        assert torch.equal(first.to_local(), live.to_local()) and first.to_local().data_ptr() != live.to_local().data_ptr()
+        assert (
+            torch.equal(first.to_local(), live.to_local()) and first.to_local().data_ptr() != live.to_local().data_ptr()
+        )
         live.to_local().add_(1.0)
         second = stager.stage({"w": live})["w"]
         assert second is first and torch.equal(second.to_local(), torch.arange(1.0, 13.0).reshape(3, 4))

@@ -23,20 +23,31 @@ def test_admission_admits_up_to_the_bound_then_spares_and_owns_its_checkpoint_st
 
     from flash.controllers.admission import Admission, PromptSource
 
-    source = PromptSource(item=lambda i: SimpleNamespace(prompt=str(i)), encode=lambda p: [int(p)], decode=str,
-                          reward=None)
+    source = PromptSource(
+        item=lambda i: SimpleNamespace(prompt=str(i)), encode=lambda p: [int(p)], decode=str, reward=None
+    )
     adm = Admission(StalenessManager(async_ratio=1, prompts_per_step=2), source, max_additional=1, start_index=5)
     taken = []
     while (action := adm.next_action()) is not None:
         index, _, ids = adm.take()
         taken.append((action[0], adm.new_prompt(spare=action[0] == "spare"), index, ids))
     # floor((0 + 1 + 1) * 2) = 4 counted prompts, then the one spare; ids and data positions in order
-    assert taken == [("admit", 0, 5, [5]), ("admit", 1, 6, [6]), ("admit", 2, 7, [7]), ("admit", 3, 8, [8]),
-                     ("spare", 4, 9, [9])]
+    assert taken == [
+        ("admit", 0, 5, [5]),
+        ("admit", 1, 6, [6]),
+        ("admit", 2, 7, [7]),
+        ("admit", 3, 8, [8]),
+        ("spare", 4, 9, [9]),
+    ]
     assert adm.move_to(1) == [4]  # the spare of version 0 ends
     assert adm.next_action() == ("admit", None)  # 4 < floor((1 + 1 + 1) * 2)
-    assert adm.state_dict() == {"admitted": 5, "next_index": 10, "version": 1, "waves": 0,
-                                "provisioning": {"counted": 4}}
+    assert adm.state_dict() == {
+        "admitted": 5,
+        "next_index": 10,
+        "version": 1,
+        "waves": 0,
+        "provisioning": {"counted": 4},
+    }
     old = Admission(StalenessManager(1, 2), source)
     old.load_state_dict({"admitted": 3, "next_index": 7, "version": 2})  # a checkpoint without waves
     assert (old.admitted, old.next_index, old.version, old.waves, old.prov.counted) == (3, 7, 2, 0, 3)

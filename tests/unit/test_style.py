@@ -35,8 +35,11 @@ def statements(nodes: list[ast.stmt]):
 
 def long_functions(source: str, limit: int = MAX_FUNC) -> list[tuple[str, int]]:
     """(name, lines) of every function or method longer than ``limit`` lines."""
-    return [(n.name, n.end_lineno - n.lineno + 1) for n in statements(ast.parse(source).body)
-            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.end_lineno - n.lineno + 1 > limit]
+    return [
+        (n.name, n.end_lineno - n.lineno + 1)
+        for n in statements(ast.parse(source).body)
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.end_lineno - n.lineno + 1 > limit
+    ]
 
 
 def history_mentions(source: str) -> list[str]:
@@ -44,13 +47,15 @@ def history_mentions(source: str) -> list[str]:
     if not HISTORY.search(source):  # no match anywhere, so none in a comment or string: skip tokenizing
         return []
     tokens = tokenize.generate_tokens(io.StringIO(source).readline)
-    return [t.string.strip()[:80] for t in tokens
-            if t.type in (tokenize.COMMENT, tokenize.STRING) and HISTORY.search(t.string)]
+    return [
+        t.string.strip()[:80]
+        for t in tokens
+        if t.type in (tokenize.COMMENT, tokenize.STRING) and HISTORY.search(t.string)
+    ]
 
 
 def test_files_stay_under_the_line_budget():
-    big = {str(p.relative_to(ROOT)): n for p in python_files()
-           if (n := len(p.read_text().splitlines())) > MAX_FILE}
+    big = {str(p.relative_to(ROOT)): n for p in python_files() if (n := len(p.read_text().splitlines())) > MAX_FILE}
     assert big == {}
 
 
@@ -61,8 +66,11 @@ def test_functions_stay_under_the_line_budget():
 
 
 def test_comments_describe_the_code_not_its_history():
-    found = {str(p.relative_to(ROOT)): hits for p in python_files()
-             if p.name != "test_style.py" and (hits := history_mentions(p.read_text()))}
+    found = {
+        str(p.relative_to(ROOT)): hits
+        for p in python_files()
+        if p.name != "test_style.py" and (hits := history_mentions(p.read_text()))
+    }
     assert found == {}
 
 

@@ -28,12 +28,14 @@ from flash.tasks import Task, TaskItem, register_task
 from flash.recipes.tasks.chainsum import ChainSumOptions, running_sums
 from flash.recipes.tasks.echo import slip
 
-SMALL_MODEL = TinyModelConfig(hidden_size=64, num_layers=1, num_heads=2, num_kv_heads=1,
-                              intermediate_size=64, max_positions=128)
+SMALL_MODEL = TinyModelConfig(
+    hidden_size=64, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64, max_positions=128
+)
 SMALL_SFT = SFTConfig(steps=3, batch_size=4, pool_batches=2, warmup_steps=1)
 
 
 # ---------------------------------------------------------------- registry and options
+
 
 def test_registry_and_unknown_options_name_the_closest():
     assert {"chainsum", "echo", "stutter"} <= set(registered_tasks())
@@ -48,12 +50,14 @@ def test_registry_and_unknown_options_name_the_closest():
 
 def test_register_task_rejects_a_second_class_under_a_taken_name():
     with pytest.raises(ValueError, match="already registered"):
+
         @register_task("chainsum")
         class Other(Task):  # noqa: F841
             Options = ChainSumOptions
 
 
 # ---------------------------------------------------------------- items and rewards
+
 
 def test_items_are_deterministic_and_the_splits_are_separate_streams():
     task = make_task("chainsum")
@@ -135,6 +139,7 @@ def test_echo_sft_noise_is_a_successor_slip_at_the_given_rate():
 
 # ---------------------------------------------------------------- tokenizer and model
 
+
 def test_tokenizer_round_trip_and_save_load(tmp_path):
     tok = build_tokenizer()
     assert (tok.pad_token_id, tok.bos_token_id, tok.eos_token_id) == (0, 1, 2)
@@ -158,18 +163,49 @@ def test_vocabulary_specials_then_the_alphabet_then_every_byte_then_the_roles():
 
     tok = build_tokenizer()
     assert len(tok) == 264 and (tok.pad_token_id, tok.bos_token_id, tok.eos_token_id, tok.unk_token_id) == (0, 1, 2, 3)
-    assert encode_response(tok, DEFAULT_ALPHABET) == [*range(4, 4 + len(DEFAULT_ALPHABET)), 2]  # ids of the symbolic tasks
+    assert encode_response(tok, DEFAULT_ALPHABET) == [
+        *range(4, 4 + len(DEFAULT_ALPHABET)),
+        2,
+    ]  # ids of the symbolic tasks
     vocab = tok.get_vocab()
     byte_ids = sorted(vocab[symbol] for symbol in bytes_to_unicode().values())
     assert byte_ids == list(range(4, 260))  # all 256 bytes, no merges
     assert [vocab[t] for t in ROLE_TOKENS] == [260, 261, 262, 263]
-    assert encode_prompt(tok, "tom has 3 apples.") == [1, 33, 28, 26, 40, 21, 14, 32, 40, 7, 40, 14, 29, 29, 25, 18, 32, 49]
+    assert encode_prompt(tok, "tom has 3 apples.") == [
+        1,
+        33,
+        28,
+        26,
+        40,
+        21,
+        14,
+        32,
+        40,
+        7,
+        40,
+        14,
+        29,
+        29,
+        25,
+        18,
+        32,
+        49,
+    ]
     with pytest.raises(ValueError, match="ASCII"):
         build_tokenizer("abcé")
 
 
-ANY_TEXT = ["A3", "Tom has 3 apples.\nHe buys 4 more.\n3 + 4 = 7\n#### 7", "a\tb\r\n", "emoji 😀!",
-            "中文 テキスト", "nul \x00 and \x7f", "café ÆØÅ ß", "<eos> <pad> <|user|> spelt out", "  lead and trail  "]
+ANY_TEXT = [
+    "A3",
+    "Tom has 3 apples.\nHe buys 4 more.\n3 + 4 = 7\n#### 7",
+    "a\tb\r\n",
+    "emoji 😀!",
+    "中文 テキスト",
+    "nul \x00 and \x7f",
+    "café ÆØÅ ß",
+    "<eos> <pad> <|user|> spelt out",
+    "  lead and trail  ",
+]
 
 
 @pytest.mark.parametrize("text", ANY_TEXT)
@@ -184,13 +220,21 @@ def test_any_text_encodes_one_id_per_byte_and_round_trips(text):
 
 def test_chat_template_renders_roles_tool_calls_and_the_generation_prompt():
     tok = build_tokenizer()
-    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2*3?\nThanks"},
-            {"role": "assistant", "content": "", "tool_calls": [
-                {"type": "function", "function": {"name": "calc", "arguments": {"expr": "2*3"}}}]},
-            {"role": "tool", "content": "6"}]
+    chat = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "What is 2*3?\nThanks"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"type": "function", "function": {"name": "calc", "arguments": {"expr": "2*3"}}}],
+        },
+        {"role": "tool", "content": "6"},
+    ]
     ids = encode_prompt(tok, chat)
-    assert tok.decode(ids) == ('<bos><|system|>Be brief.<eos><|user|>What is 2*3?\nThanks<eos><|assistant|><tool_call>'
-                               '{"name": "calc", "arguments": {"expr": "2*3"}}</tool_call><eos><|tool|>6<eos><|assistant|>')
+    assert tok.decode(ids) == (
+        "<bos><|system|>Be brief.<eos><|user|>What is 2*3?\nThanks<eos><|assistant|><tool_call>"
+        '{"name": "calc", "arguments": {"expr": "2*3"}}</tool_call><eos><|tool|>6<eos><|assistant|>'
+    )
     assert ids[-1] == 262 and ids.count(tok.eos_token_id) == 4
     tools = [{"type": "function", "function": {"name": "calc"}}]
     with_tools = tok.decode(encode_prompt(tok, {"messages": chat[1:2], "tools": tools}))
@@ -212,6 +256,7 @@ def test_tiny_model_shape_and_head_dim_guard():
 
 
 # ---------------------------------------------------------------- warm start
+
 
 def test_sft_batch_trains_on_response_tokens_only():
     tok = build_tokenizer()

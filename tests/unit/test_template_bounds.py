@@ -49,8 +49,12 @@ def test_an_endless_loop_ends_at_the_step_bound_naming_each_source(tmp_path, mon
     set_chat_template(recipe_file, str(tmp_path / "t.jinja"))
     folder = folder_tokenizer(tmp_path / "m", LOOPS)
     gguf = folder_tokenizer(tmp_path / "g", LOOPS, gguf="/models/evil.gguf")
-    for tok, source in ((recipe, "model.chat_template: "), (recipe_file, f"model.chat_template ({tmp_path}/t.jinja): "),
-                        (folder, f"{tmp_path}/m/chat_template.jinja: "), (gguf, "the GGUF file /models/evil.gguf: ")):
+    for tok, source in (
+        (recipe, "model.chat_template: "),
+        (recipe_file, f"model.chat_template ({tmp_path}/t.jinja): "),
+        (folder, f"{tmp_path}/m/chat_template.jinja: "),
+        (gguf, "the GGUF file /models/evil.gguf: "),
+    ):
         start = time.monotonic()
         line = budget_line(encode_prompt, tok, CHAT)
         assert line.startswith(source) and "its bound of 50,000 loop steps" in line, line
@@ -66,30 +70,38 @@ def test_a_slow_template_ends_at_the_time_bound(monkeypatch):
     assert 0.2 <= time.monotonic() - start < 1.0
 
 
-@pytest.mark.parametrize("template, words", [
-    ("{{ 'a' * 10**10 }}", "about 10,000,000,000 characters with '*'"),
-    ("{{ 7 ** (10 ** 10) }}", "about 3,750,000,000 characters with '**'"),
-    ("{% set ns = namespace(s='ab') %}{% for i in range(60) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}",
-     "makes a value of over 1,048,576 characters"),
-    ("{{ 'x'|center(10**9) }}", "a width or count of 1000000000"),
-    ("{{ 'x'.ljust(10**9) }}", "a width or count of 1000000000"),
-    ("{{ '{:>999999999}'.format(1) }}", "with format"),
-    ("{{ '%999999999d' % 1 }}", "with '%'"),
-    ("{{ '%s'|format(1) ~ ('{:>99999999}'|format(2)) }}", "with format"),
-    ("{{ ('a' * 100000)|replace('a', 'b' * 1000) }}", "about 100,000,000 characters with replace"),
-    ("{{ ('\n' * 100000)|indent('x' * 1000) }}", "with indent"),
-    ("{{ ('\n' * 100000)|indent(1000) }}", "with indent"),
-    ("{{ ('\t' * 1000).expandtabs(1000000) }}", "about 1,000,001,000 characters with expandtabs"),
-    ("{{ lipsum(1000000) }}", "with generate_lorem_ipsum"),
-    ("{{ range(1000)|join('x' * 100000) }}", "with join"),
-    ("{{ ('x' * 100000).join(range(1000)|list) }}", "with join"),
-    ("{% set l = ['a' * 1000] * 1000 %}{% set m = [l] * 1000 %}{{ m|tojson }}", "with '*'"),
-    ("{% set l = ['a' * 1000] * 1000 %}{% set m = [l, l] %}{{ m == m }}", "makes a value of over 1,048,576"),
-    ("{% for i in range(10000) %}{{ 'a' * 1000 }}{% endfor %}", "renders over 1,048,576 characters"),
-    ("{% for i in range(1000) %}{% set x = 'a' * 1000000 %}{% endfor %}", "values of over 8,388,608 characters in all"),
-    ("{% macro f(n) %}{{ f(n) }}{% endmacro %}{{ f(1) }}", "recurses deeper than Python's recursion limit"),
-    ("{{ x }}" * 20000, "is 140,000 characters, over its bound of 65,536"),
-])
+@pytest.mark.parametrize(
+    "template, words",
+    [
+        ("{{ 'a' * 10**10 }}", "about 10,000,000,000 characters with '*'"),
+        ("{{ 7 ** (10 ** 10) }}", "about 3,750,000,000 characters with '**'"),
+        (
+            "{% set ns = namespace(s='ab') %}{% for i in range(60) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}",
+            "makes a value of over 1,048,576 characters",
+        ),
+        ("{{ 'x'|center(10**9) }}", "a width or count of 1000000000"),
+        ("{{ 'x'.ljust(10**9) }}", "a width or count of 1000000000"),
+        ("{{ '{:>999999999}'.format(1) }}", "with format"),
+        ("{{ '%999999999d' % 1 }}", "with '%'"),
+        ("{{ '%s'|format(1) ~ ('{:>99999999}'|format(2)) }}", "with format"),
+        ("{{ ('a' * 100000)|replace('a', 'b' * 1000) }}", "about 100,000,000 characters with replace"),
+        ("{{ ('\n' * 100000)|indent('x' * 1000) }}", "with indent"),
+        ("{{ ('\n' * 100000)|indent(1000) }}", "with indent"),
+        ("{{ ('\t' * 1000).expandtabs(1000000) }}", "about 1,000,001,000 characters with expandtabs"),
+        ("{{ lipsum(1000000) }}", "with generate_lorem_ipsum"),
+        ("{{ range(1000)|join('x' * 100000) }}", "with join"),
+        ("{{ ('x' * 100000).join(range(1000)|list) }}", "with join"),
+        ("{% set l = ['a' * 1000] * 1000 %}{% set m = [l] * 1000 %}{{ m|tojson }}", "with '*'"),
+        ("{% set l = ['a' * 1000] * 1000 %}{% set m = [l, l] %}{{ m == m }}", "makes a value of over 1,048,576"),
+        ("{% for i in range(10000) %}{{ 'a' * 1000 }}{% endfor %}", "renders over 1,048,576 characters"),
+        (
+            "{% for i in range(1000) %}{% set x = 'a' * 1000000 %}{% endfor %}",
+            "values of over 8,388,608 characters in all",
+        ),
+        ("{% macro f(n) %}{{ f(n) }}{% endmacro %}{{ f(1) }}", "recurses deeper than Python's recursion limit"),
+        ("{{ x }}" * 20000, "is 140,000 characters, over its bound of 65,536"),
+    ],
+)
 def test_a_template_that_builds_a_huge_value_stops_before_it_is_built(template, words, monkeypatch):
     monkeypatch.setattr(ct, "MAX_RENDER_CHARS", 1 << 20)
     monkeypatch.setattr(ct, "MAX_MADE_CHARS", 8 << 20)
@@ -120,7 +132,8 @@ TOOLS_TEMPLATE = (
     "{% if m.role == 'assistant' %}{% generation %}{{ m.content|trim }}{% endgeneration %}{% else %}"
     "{{ m.content|replace('  ', ' ')|center(30) }}{% endif %}{{ eos_token }}{% endfor %}"
     "{{ '%-6s|' % 'x' }}{{ '{:>4}'.format(7) }}{{ (messages|map(attribute='role')|join(','))|upper }}"
-    "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
 
 
 @pytest.mark.parametrize("generation", [True, False])
@@ -128,8 +141,12 @@ def test_a_template_within_the_bounds_renders_as_transformers_does(generation):
     tok = build_tokenizer()
     tok.chat_template = TOOLS_TEMPLATE
     tools = [{"type": "function", "function": {"name": "calc", "parameters": {"type": "object"}}}]
-    messages = [{"role": "system", "content": "be  brief"}, {"role": "user", "content": "2  plus 2"},
-                {"role": "assistant", "content": " 4 "}, {"role": "user", "content": "and 3?"}]
+    messages = [
+        {"role": "system", "content": "be  brief"},
+        {"role": "user", "content": "2  plus 2"},
+        {"role": "assistant", "content": " 4 "},
+        {"role": "user", "content": "and 3?"},
+    ]
     ours = render_chat(tok, messages, tools, generation)
     assert ours == tok.apply_chat_template(messages, tools=tools, add_generation_prompt=generation, tokenize=False)
     assert ours.endswith("SYSTEM,USER,ASSISTANT,USER" + ("<|assistant|>" if generation else ""))

@@ -42,7 +42,7 @@ def test_a_tied_model_resumes_after_level_2_sleep_and_a_push():
     engine.resume()
     assert engine_model.lm_head.weight is engine_model.model.embed_tokens.weight  # still one tensor
     assert torch.equal(engine_model.lm_head.weight, trainer_model.lm_head.weight)
-    reqs = [GenerationRequest(f"r{i}", p, SamplingParams(max_new_tokens=6, temperature=0.0))
-            for i, p in enumerate(PROMPTS)]
+    reqs = [
+        GenerationRequest(f"r{i}", p, SamplingParams(max_new_tokens=6, temperature=0.0)) for i, p in enumerate(PROMPTS)
+    ]
     assert [o.token_ids for o in engine.generate(reqs)] == [hf_greedy(trainer_model, p, 6) for p in PROMPTS]
-

@@ -10,8 +10,11 @@ ROOT = EXTENDED_LIST.parents[1]
 
 def _functions(path: Path) -> set[str]:
     """The test functions a module defines."""
-    return {node.name for node in ast.walk(ast.parse(path.read_text()))
-            if isinstance(node, ast.FunctionDef) and node.name.startswith("test_")}
+    return {
+        node.name
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.FunctionDef) and node.name.startswith("test_")
+    }
 
 
 def test_every_listed_test_exists_once_outside_the_unit_tier():
@@ -22,8 +25,9 @@ def test_every_listed_test_exists_once_outside_the_unit_tier():
         file, _, name = nodeid.partition("::")
         assert not file.startswith("tests/unit/"), f"{nodeid}: the unit tier is all in the default run"
         assert (ROOT / file).is_file(), f"{nodeid}: no such file"
-        assert name.partition("[")[0] in modules.setdefault(file, _functions(ROOT / file)), \
+        assert name.partition("[")[0] in modules.setdefault(file, _functions(ROOT / file)), (
             f"{nodeid}: no such test in {file}"
+        )
 
 
 def test_the_list_reads_ids_and_skips_comments(tmp_path):

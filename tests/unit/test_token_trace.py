@@ -10,8 +10,19 @@ from flash.buffers.trace import TokenTrace
 from flash.envs.chat_session import ChatSession, Turn, record
 from flash.envs.episode import Transcript, add_observation, add_turn, to_sample
 
-SAMPLE_FIELDS = ("prompt_id", "sample_index", "prompt_ids", "response_ids", "behav_logprobs", "versions",
-                 "reward", "finish_reason", "admitted_version", "loss_mask", "version")
+SAMPLE_FIELDS = (
+    "prompt_id",
+    "sample_index",
+    "prompt_ids",
+    "response_ids",
+    "behav_logprobs",
+    "versions",
+    "reward",
+    "finish_reason",
+    "admitted_version",
+    "loss_mask",
+    "version",
+)
 
 
 def same_two_calls():
@@ -30,9 +41,17 @@ def same_two_calls():
 def test_an_episode_and_a_chat_session_build_the_same_trace():
     episode, session = same_two_calls()
     (segment,) = session.segments
-    assert episode.trace == segment == TokenTrace(
-        prompt_ids=[1, 5], response_ids=[6, 2, 40, 9, 7], loss_mask=[1, 1, 0, 0, 1],
-        logprobs=[-0.5, -0.1, 0.0, 0.0, -0.3], versions=[2, 2, 3, 3, 3])
+    assert (
+        episode.trace
+        == segment
+        == TokenTrace(
+            prompt_ids=[1, 5],
+            response_ids=[6, 2, 40, 9, 7],
+            loss_mask=[1, 1, 0, 0, 1],
+            logprobs=[-0.5, -0.1, 0.0, 0.0, -0.3],
+            versions=[2, 2, 3, 3, 3],
+        )
+    )
     assert segment.tokens == [1, 5, 6, 2, 40, 9, 7]
 
 
@@ -60,8 +79,9 @@ def test_both_paths_make_their_sample_through_the_one_conversion(monkeypatch):
 
 def test_a_sample_keeps_the_first_response_tokens_and_owns_its_lists():
     trace = TokenTrace([1], [2, 3, 4], [1, 0, 0], [-0.5, 0.0, 0.0], [0, 0, 0])
-    s = trace.to_sample(prompt_id=0, sample_index=0, reward=0.0, finish_reason="stop", admitted_version=0,
-                        meta={}, keep=1)
+    s = trace.to_sample(
+        prompt_id=0, sample_index=0, reward=0.0, finish_reason="stop", admitted_version=0, meta={}, keep=1
+    )
     assert (s.response_ids, s.loss_mask, s.behav_logprobs, s.versions) == ([2], [1], [-0.5], [0])
     s.prompt_ids.append(9)
     assert trace.prompt_ids == [1]

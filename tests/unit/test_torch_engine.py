@@ -33,9 +33,10 @@ def other():
 
 def hf_greedy(model, prompt, n) -> list[int]:
     ids = torch.tensor([prompt])
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n,
-                         min_new_tokens=n, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+    out = model.generate(
+        ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n, min_new_tokens=n, pad_token_id=0
+    )
+    return out[0, len(prompt) :].tolist()
 
 
 def solo(model, request) -> list[int]:
@@ -53,8 +54,11 @@ def test_greedy_matches_hf_generate_batched(model):
 
 
 def test_logprobs_match_teacher_forced_recompute(model):
-    reqs = [req("a", PROMPTS[0], n=10, temperature=0.7), req("b", PROMPTS[2], n=10, temperature=0.7, top_p=0.8),
-            req("g", PROMPTS[3], n=10)]
+    reqs = [
+        req("a", PROMPTS[0], n=10, temperature=0.7),
+        req("b", PROMPTS[2], n=10, temperature=0.7, top_p=0.8),
+        req("g", PROMPTS[3], n=10),
+    ]
     outs = TorchEngine(model).generate(reqs)
     for r, o in zip(reqs, outs):
         seq = torch.tensor([r.prompt_ids + o.token_ids])
@@ -163,7 +167,8 @@ def test_stop_tokens_and_max_new_tokens(model):
     ref = hf_greedy(model, PROMPTS[2], 12)
     k = next(i for i in range(2, 12) if ref[i] not in ref[:i])  # a token first seen at index k >= 2
     stop, length, empty = TorchEngine(model).generate(
-        [req("s", PROMPTS[2], n=12, stop_token_ids=[ref[k]]), req("l", PROMPTS[2], n=5), req("e", PROMPTS[2], n=0)])
+        [req("s", PROMPTS[2], n=12, stop_token_ids=[ref[k]]), req("l", PROMPTS[2], n=5), req("e", PROMPTS[2], n=0)]
+    )
     assert (stop.token_ids, stop.finish_reason) == (ref[: k + 1], "stop")
     assert (length.token_ids, length.finish_reason) == (ref[:5], "length")
     assert (empty.token_ids, empty.finish_reason) == ([], "length")
@@ -370,8 +375,12 @@ def test_level2_sleep_discards_weights_until_a_full_push():
     from flash.engine.torch_engine import TorchEngine
 
     tok = build_tokenizer()
-    model = build_tiny_model(tok, TinyModelConfig(hidden_size=64, num_layers=1, num_heads=2, num_kv_heads=1,
-                                                  intermediate_size=64, max_positions=64))
+    model = build_tiny_model(
+        tok,
+        TinyModelConfig(
+            hidden_size=64, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64, max_positions=64
+        ),
+    )
     state = {k: v.clone() for k, v in model.state_dict().items()}
     engine = TorchEngine(model, max_num_seqs=2)
     engine.preempt("continue")
@@ -385,7 +394,6 @@ def test_level2_sleep_discards_weights_until_a_full_push():
     engine.update_weights({names[-1]: state[names[-1]]}, 1)
     engine.resume()
     assert all(torch.equal(model.state_dict()[n], state[n]) for n in names)
-
 
 
 def test_kv_cache_is_sized_to_the_run_not_to_max_num_seqs(model):

@@ -27,8 +27,10 @@ def test_causal_attention_matches_the_padded_mask_forward_bitwise():
     causal = causal_attention(copy.deepcopy(model))
     assert causal.config._attn_implementation == CAUSAL_SDPA
     real = batch.attention_mask.bool()
-    want, got = logits(model, batch.input_ids, batch.attention_mask), logits(causal, batch.input_ids,
-                                                                              batch.attention_mask)
+    want, got = (
+        logits(model, batch.input_ids, batch.attention_mask),
+        logits(causal, batch.input_ids, batch.attention_mask),
+    )
     assert torch.equal(want[real], got[real])
     full = torch.ones_like(batch.input_ids[:, :4])  # no padding: transformers skips the mask too
     assert torch.equal(logits(model, batch.input_ids[:, :4], full), logits(causal, batch.input_ids[:, :4], full))

@@ -59,6 +59,7 @@ class Actor:
             if method in ROLE_CALLS:
                 self._log.append(f"launch {name}")
             return Ref(self._log, name, getattr(self._obj, method)(*args))
+
         return SimpleNamespace(remote=remote)
 
 
@@ -153,18 +154,30 @@ class Scheduler:
 def _groups(n=3):
     out = []
     for pid in range(n):
-        samples = [Sample(prompt_id=pid, sample_index=i, prompt_ids=[1, 5], response_ids=[7, 8, 9][: 2 + (i + pid) % 2],
-                          behav_logprobs=np.array([-0.5, -0.25, -0.125][: 2 + (i + pid) % 2], dtype=np.float32),
-                          versions=np.zeros(2 + (i + pid) % 2, dtype=np.int64), reward=float((i + pid) % 2),
-                          finish_reason="stop", admitted_version=0)
-                   for i in range(2)]
+        samples = [
+            Sample(
+                prompt_id=pid,
+                sample_index=i,
+                prompt_ids=[1, 5],
+                response_ids=[7, 8, 9][: 2 + (i + pid) % 2],
+                behav_logprobs=np.array([-0.5, -0.25, -0.125][: 2 + (i + pid) % 2], dtype=np.float32),
+                versions=np.zeros(2 + (i + pid) % 2, dtype=np.int64),
+                reward=float((i + pid) % 2),
+                finish_reason="stop",
+                admitted_version=0,
+            )
+            for i in range(2)
+        ]
         out.append(Group(prompt_id=pid, samples=samples, admitted_version=0, data_index=pid))
     return out
 
 
 def _roles(log, critic=False, reference=False):
-    return (Actor("trainer", log, Trainer()), Actor("critic", log, Critic()) if critic else None,
-            Actor("reference", log, Reference()) if reference else None)
+    return (
+        Actor("trainer", log, Trainer()),
+        Actor("critic", log, Critic()) if critic else None,
+        Actor("reference", log, Reference()) if reference else None,
+    )
 
 
 def _controller_step(monkeypatch, groups, advantage, prox, stream, critic, reference, log=None):
@@ -177,10 +190,17 @@ def _controller_step(monkeypatch, groups, advantage, prox, stream, critic, refer
         buffer.put(g)
     engine = Engine()
     trainer, critic_actor, reference_actor = _roles(log, critic, reference)
-    ctrl = ac.AsyncController(Actor("engine", log, engine), trainer, Scheduler(), buffer,
-                              StalenessManager(0.0, len(groups)),
-                              ac.ControllerSettings(len(groups), "continue", advantage, prox, stream=stream),
-                              critic=critic_actor, supervisor=Supervisor(engine), reference=reference_actor)
+    ctrl = ac.AsyncController(
+        Actor("engine", log, engine),
+        trainer,
+        Scheduler(),
+        buffer,
+        StalenessManager(0.0, len(groups)),
+        ac.ControllerSettings(len(groups), "continue", advantage, prox, stream=stream),
+        critic=critic_actor,
+        supervisor=Supervisor(engine),
+        reference=reference_actor,
+    )
     record = ctrl.step(0, admit_more=False)
     assert [g.prompt_id for g in record.groups] == [g.prompt_id for g in groups]
     return record.metrics, log
@@ -202,10 +222,16 @@ def test_replay_trains_a_critic_step_exactly_as_the_controller(monkeypatch, prox
     metrics, ctrl_log = _controller_step(monkeypatch, *args)
     train, replay_log = _replay_step(monkeypatch, *args)
     assert ctrl_log == replay_log
-    assert replay_log[:2] == ["launch reference.logprobs", *(["launch trainer.logprobs"] if prox == "separate"
-                                                              else ["launch critic.values"])]
-    assert replay_log[-4:] == ["wait reference.logprobs", "launch trainer.train_step", "wait trainer.train_step",
-                               "wait critic.train_step"]
+    assert replay_log[:2] == [
+        "launch reference.logprobs",
+        *(["launch trainer.logprobs"] if prox == "separate" else ["launch critic.values"]),
+    ]
+    assert replay_log[-4:] == [
+        "wait reference.logprobs",
+        "launch trainer.train_step",
+        "wait trainer.train_step",
+        "wait critic.train_step",
+    ]
     # the critic's metrics beside the trainer's, the same numbers in both
     assert set(train) == {"loss", "grad_norm", "critic/loss", "critic/grad_norm", "no_update"}
     assert {k: metrics[f"train/{k}"] for k in train} == train
@@ -229,26 +255,56 @@ def test_the_stream_replay_keeps_one_part_in_flight_as_the_controller(monkeypatc
     train, _ = _replay_step(monkeypatch, *args, log=logs[-1])
     # the call logs of the roles, with the advantage computations between them
     ctrl_log, replay_log = ([x for x in log if x == "advantages" or "trainer." in x] for log in logs)
-    assert ctrl_log == replay_log == [
-        "launch trainer.begin_step", "wait trainer.begin_step",
-        "advantages", "launch trainer.accumulate",
-        "advantages", "wait trainer.accumulate", "launch trainer.accumulate",
-        "advantages", "wait trainer.accumulate", "launch trainer.accumulate",
-        "wait trainer.accumulate", "launch trainer.finish_step", "wait trainer.finish_step"]
+    assert (
+        ctrl_log
+        == replay_log
+        == [
+            "launch trainer.begin_step",
+            "wait trainer.begin_step",
+            "advantages",
+            "launch trainer.accumulate",
+            "advantages",
+            "wait trainer.accumulate",
+            "launch trainer.accumulate",
+            "advantages",
+            "wait trainer.accumulate",
+            "launch trainer.accumulate",
+            "wait trainer.accumulate",
+            "launch trainer.finish_step",
+            "wait trainer.finish_step",
+        ]
+    )
     assert metrics["train/loss"] == train["loss"]
 
 
 def test_per_step_counters_and_the_logged_order():
     per_step = sm.PerStep("reward/cpu_s")
     # totals since the start -> per step; a retired worker's count leaves the sum: never negative
-    assert [per_step({"reward/cpu_s": v, "reward/calls": 4.0})["reward/cpu_s"] for v in (1.0, 2.5, 2.0, 3.0)] == \
-        [1.0, 1.5, 0.0, 1.0]
+    assert [per_step({"reward/cpu_s": v, "reward/calls": 4.0})["reward/cpu_s"] for v in (1.0, 2.5, 2.0, 3.0)] == [
+        1.0,
+        1.5,
+        0.0,
+        1.0,
+    ]
     assert sm.service_metrics({"depth": 3, "puts": 5}) == {"buffer/puts": 5}
     # the simulated seconds see the evaluation's and the elapsed time; the run's sources come last
-    logged = sm.logged_metrics({"time/step": 1.0, "buffer/depth": 3.0}, {"time/eval": 2.0}, 4.0,
-                               lambda m: simulated_metrics(m, 0.5), [{"faults/engine": 0.0}])
-    assert logged == {"time/step": 1.0, "buffer/depth": 3.0, "time/eval": 2.0, "time/elapsed": 4.0,
-                      "sim/step_s": 2.0, "sim/eval_s": 4.0, "sim/elapsed_s": 8.0, "faults/engine": 0.0}
+    logged = sm.logged_metrics(
+        {"time/step": 1.0, "buffer/depth": 3.0},
+        {"time/eval": 2.0},
+        4.0,
+        lambda m: simulated_metrics(m, 0.5),
+        [{"faults/engine": 0.0}],
+    )
+    assert logged == {
+        "time/step": 1.0,
+        "buffer/depth": 3.0,
+        "time/eval": 2.0,
+        "time/elapsed": 4.0,
+        "sim/step_s": 2.0,
+        "sim/eval_s": 4.0,
+        "sim/elapsed_s": 8.0,
+        "faults/engine": 0.0,
+    }
 
 
 def test_the_batch_sources():
@@ -298,9 +354,16 @@ def _controller(monkeypatch, groups, settings, log, scheduler=None, **kw):
         buffer.put(g)
     engine = CallLog(log)
     trainer, _, _ = _roles(log)
-    return ac.AsyncController(Actor("engine", log, engine), trainer, scheduler or Scheduler(), buffer,
-                              StalenessManager(0.0, settings.prompts_per_step), settings,
-                              supervisor=kw.pop("supervisor", None) or Supervisor(engine), **kw), buffer
+    return ac.AsyncController(
+        Actor("engine", log, engine),
+        trainer,
+        scheduler or Scheduler(),
+        buffer,
+        StalenessManager(0.0, settings.prompts_per_step),
+        settings,
+        supervisor=kw.pop("supervisor", None) or Supervisor(engine),
+        **kw,
+    ), buffer
 
 
 def test_colocated_engines_sleep_through_the_train_phase_and_wake_before_the_push(monkeypatch):
@@ -309,9 +372,16 @@ def test_colocated_engines_sleep_through_the_train_phase_and_wake_before_the_pus
     ctrl, _ = _controller(monkeypatch, _groups(), settings, log)
     record = ctrl.step(0, admit_more=False)
     engine = [x.split("(<")[0] for x in log if x.startswith("engine.") or "train_step" in x]
-    assert engine == ["engine.pause('restart',)", "engine.sleep(2,)", "launch trainer.train_step",
-                      "wait trainer.train_step", "engine.wake_up()", "engine.pause('restart',)",
-                      "engine.update_weights", "engine.resume()"]  # the weights: the trainer's object ref
+    assert engine == [
+        "engine.pause('restart',)",
+        "engine.sleep(2,)",
+        "launch trainer.train_step",
+        "wait trainer.train_step",
+        "engine.wake_up()",
+        "engine.pause('restart',)",
+        "engine.update_weights",
+        "engine.resume()",
+    ]  # the weights: the trainer's object ref
     assert {"time/sleep", "time/wake_up"} <= set(record.metrics)
 
 
@@ -325,8 +395,9 @@ def test_a_step_waits_past_the_buffer_poll_checking_the_scheduler(monkeypatch):
             self.checks += 1
 
     scheduler, late = Counting(), _groups(2)
-    ctrl, buffer = _controller(monkeypatch, [], ac.ControllerSettings(2, "continue", {"name": "grpo"}, "behav"),
-                               [], scheduler)
+    ctrl, buffer = _controller(
+        monkeypatch, [], ac.ControllerSettings(2, "continue", {"name": "grpo"}, "behav"), [], scheduler
+    )
     timer = threading.Timer(1.2, lambda: [buffer.put(g) for g in late])  # after the 1 s poll timed out
     timer.start()
     record = ctrl.step(0, admit_more=False)
@@ -349,8 +420,14 @@ def test_after_an_engine_restart_the_model_update_group_is_formed_again_before_t
     engine = CallLog(log)
     restarted = Supervisor(engine)
     restarted.epoch = 1  # the engine process was replaced since the group was formed
-    ctrl, _ = _controller(monkeypatch, _groups(), ac.ControllerSettings(3, "continue", {"name": "grpo"}, "behav"),
-                          log, model_update=Group(), supervisor=restarted)
+    ctrl, _ = _controller(
+        monkeypatch,
+        _groups(),
+        ac.ControllerSettings(3, "continue", {"name": "grpo"}, "behav"),
+        log,
+        model_update=Group(),
+        supervisor=restarted,
+    )
     m1 = ctrl.step(0).metrics
     restarted.epoch = 1  # no restart since: the group is used as it is
     for g in _groups(3):
@@ -365,8 +442,10 @@ def test_the_ledger_holds_the_schedulers_outcomes_and_what_shutdown_left(monkeyp
     import io
 
     class Ending(Scheduler):
-        events = [[{"prompt_id": 7, "outcome": "filtered", "rule": "all_same_reward"}],
-                  [{"prompt_id": 9, "request": 2, "outcome": "aborted", "reason": "redundant"}]]
+        events = [
+            [{"prompt_id": 7, "outcome": "filtered", "rule": "all_same_reward"}],
+            [{"prompt_id": 9, "request": 2, "outcome": "aborted", "reason": "redundant"}],
+        ]
 
         def drain_outcomes(self):
             return self.events.pop(0) if self.events else []
@@ -378,14 +457,27 @@ def test_the_ledger_holds_the_schedulers_outcomes_and_what_shutdown_left(monkeyp
             return [{"prompt_id": 13, "outcome": "queued"}]
 
     ledger, log = io.StringIO(), []
-    ctrl, buffer = _controller(monkeypatch, _groups(2), ac.ControllerSettings(1, "continue", {"name": "grpo"}, "behav"),
-                               log, Ending(), ledger=ledger)
+    ctrl, buffer = _controller(
+        monkeypatch,
+        _groups(2),
+        ac.ControllerSettings(1, "continue", {"name": "grpo"}, "behav"),
+        log,
+        Ending(),
+        ledger=ledger,
+    )
     ctrl.step(0, admit_more=False)  # trains group 0; group 1 stays buffered
     left = ctrl.shutdown_rollout()
     assert left == {"in_flight": [11, 12], "buffered": [1]} and len(buffer) == 0
     assert log[-3:] == ["engine.pause('continue',)", "engine.abort(None,)", "engine.resume()"]
     lines = [json.loads(x) for x in ledger.getvalue().splitlines()]
     assert [(x["prompt_id"], x["outcome"], x.get("step")) for x in lines] == [
-        (7, "filtered", 0), (0, "trained", 0), (0, "trained", 0), (9, "aborted", None),
-        (11, "in_flight", None), (12, "in_flight", None), (1, "buffered", None), (13, "queued", None)]
+        (7, "filtered", 0),
+        (0, "trained", 0),
+        (0, "trained", 0),
+        (9, "aborted", None),
+        (11, "in_flight", None),
+        (12, "in_flight", None),
+        (1, "buffered", None),
+        (13, "queued", None),
+    ]
     assert lines[0]["rule"] == "all_same_reward" and lines[3]["reason"] == "redundant"

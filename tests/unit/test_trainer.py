@@ -19,8 +19,14 @@ def model():
 
 
 def test_collate_aligns_response_tokens_with_target_columns():
-    s = Sample(prompt_id=0, sample_index=0, prompt_ids=[5, 6, 7], response_ids=[8, 9],
-               behav_logprobs=[-0.5, -0.25], versions=[1, 2])
+    s = Sample(
+        prompt_id=0,
+        sample_index=0,
+        prompt_ids=[5, 6, 7],
+        response_ids=[8, 9],
+        behav_logprobs=[-0.5, -0.25],
+        versions=[1, 2],
+    )
     b = collate([s])
     assert b.input_ids.tolist() == [[5, 6, 7, 8, 9]]
     assert b.mask.tolist() == [[0, 0, 1, 1]]  # column j predicts token j+1
@@ -37,7 +43,7 @@ def test_logprobs_match_manual_forward(model):
     logits = model(input_ids=seq).logits[0, :-1] / 0.7
     manual = torch.log_softmax(logits, -1).gather(-1, seq[0, 1:, None])[:, 0]
     first = len(s.prompt_ids) - 1
-    got = lp[3, first:first + len(s.response_ids)]
+    got = lp[3, first : first + len(s.response_ids)]
     assert torch.allclose(got, manual[first:], atol=1e-5)
     assert float(lp[3, :first].abs().sum()) == 0.0  # prompt columns are masked out
 
@@ -74,9 +80,11 @@ def test_loss_knobs_in_recipe_yaml_reach_the_loss(model, tmp_path):
     clipfrac = {}
     for clip in (0.2, 1e-4):
         recipe = tmp_path / f"r{clip}.yaml"
-        recipe.write_text(f"train: {{lr: 3.0e-4}}\nrollout: {{temperature: 0.7}}\n"
-                          f"algo:\n  loss: {{name: ppo, clip_low: {clip}, clip_high: {clip}, "
-                          f"old_policy: prox}}\n")
+        recipe.write_text(
+            f"train: {{lr: 3.0e-4}}\nrollout: {{temperature: 0.7}}\n"
+            f"algo:\n  loss: {{name: ppo, clip_low: {clip}, clip_high: {clip}, "
+            f"old_policy: prox}}\n"
+        )
         s = trainer_settings(load_config(recipe))
         assert s.loss == {"name": "ppo", "clip_low": clip, "clip_high": clip, "old_policy": "prox"}
         tr = Trainer(copy.deepcopy(model), s)
@@ -91,7 +99,7 @@ def test_loss_knobs_in_recipe_yaml_reach_the_loss(model, tmp_path):
 def test_fused_proximal_equals_a_separate_recompute(model):
     """prox_logp=None (sg(logp) of the step's own forward) == prox from a forward before the step."""
     batch = collate(samples())
-    batch.behav_logp = (batch.behav_logp - 0.3 * batch.mask)  # behaviour policy differs from current
+    batch.behav_logp = batch.behav_logp - 0.3 * batch.mask  # behaviour policy differs from current
     adv = torch.randn(batch.mask.shape, generator=torch.Generator().manual_seed(2)) * batch.mask
     grads = []
     for fused in (False, True):
@@ -120,15 +128,17 @@ def test_stream_parts_in_any_order_equal_the_full_batch_step(model, agg):
     # full step; SGD shows the update itself, which is what must be equal
     plain = Trainer(copy.deepcopy(model), settings(agg=agg, loss={"name": "ppo"}))
     plain.optimizer = torch.optim.SGD(plain.model.parameters(), lr=1.0)
-    m_plain = plain.train_step(whole, algos.compute_advantages("grpo", whole.rewards, whole.group_ids, whole.mask),
-                               whole.behav_logp)
+    m_plain = plain.train_step(
+        whole, algos.compute_advantages("grpo", whole.rewards, whole.group_ids, whole.mask), whole.behav_logp
+    )
     stream = Trainer(copy.deepcopy(model), settings(agg=agg, loss={"name": "ppo"}))
     stream.optimizer = torch.optim.SGD(stream.model.parameters(), lr=1.0)
     stream.begin_step()
     for g in (2, 0, 3, 1):  # the order groups happened to finish in
         part = collate(flatten([group_list[g]]))
-        stream.accumulate(part, algos.compute_advantages("grpo", part.rewards, part.group_ids, part.mask),
-                          part.behav_logp)
+        stream.accumulate(
+            part, algos.compute_advantages("grpo", part.rewards, part.group_ids, part.mask), part.behav_logp
+        )
     m_stream = stream.finish_step()
     assert m_stream["loss"] == pytest.approx(m_plain["loss"], rel=1e-5, abs=1e-7)
     assert m_stream["grad_norm"] == pytest.approx(m_plain["grad_norm"], rel=1e-5)
@@ -153,7 +163,9 @@ def test_bfloat16_trainer_computes_in_bfloat16_and_keeps_float32_weights_and_sta
     for dtype in ("float32", "bfloat16"):
         tr = Trainer(copy.deepcopy(model), settings(dtype=dtype))
         seen = []
-        tr.model.model.layers[0].mlp.down_proj.register_forward_hook(lambda m, i, out, seen=seen: seen.append(out.dtype))
+        tr.model.model.layers[0].mlp.down_proj.register_forward_hook(
+            lambda m, i, out, seen=seen: seen.append(out.dtype)
+        )
         lp = tr.logprobs(batch)
         m = tr.train_step(batch, adv, batch.behav_logp)
         runs[dtype] = (tr, set(seen), lp, m)

@@ -15,8 +15,9 @@ BURN = "import time\nt = time.process_time()\nwhile time.process_time() - t < {s
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc")
 def test_a_busy_child_counts_and_the_parent_alone_does_not():
     before_tree, before_own = process_tree_cpu_s(), time.process_time()
-    child = subprocess.Popen([sys.executable, "-c", BURN.format(s=0.6) + "import time; time.sleep(30)"],
-                             stdout=subprocess.PIPE, text=True)
+    child = subprocess.Popen(
+        [sys.executable, "-c", BURN.format(s=0.6) + "import time; time.sleep(30)"], stdout=subprocess.PIPE, text=True
+    )
     try:
         assert child.stdout.readline().strip() == "done"  # it burnt 0.6 CPU-s and is still alive
         grown = process_tree_cpu_s() - before_tree

@@ -24,8 +24,15 @@ print(int(before), int(tiles()))
 
 @pytest.mark.skipif(not torch.cpu._is_amx_tile_supported() or sys.platform != "linux", reason="no AMX tiles")
 def test_importing_the_worker_extension_grants_the_process_amx_tiles():
-    out = subprocess.run([sys.executable, "-c", PROBE], cwd=ROOT, capture_output=True, text=True, timeout=60,
-                         env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
+        check=True,
+    )
     assert out.stdout.split() == ["0", "1"]  # not granted by importing torch, granted by the extension
 
 

@@ -22,11 +22,19 @@ CPU_ARGS = {"enforce_eager": True, "enable_chunked_prefill": False, "max_num_bat
 
 
 def test_cuda_gets_graphs_chunked_prefill_and_tensor_parallel_ranks_the_cpu_eager_whole_prefills():
-    assert device_args("cuda", 4096, 256) == {"enforce_eager": False, "enable_chunked_prefill": True,
-                                              "max_num_batched_tokens": 8192, "tensor_parallel_size": 1}
-    assert device_args("cuda", 4096, 16384, 2) == {"enforce_eager": False, "enable_chunked_prefill": True,
-                                                   "max_num_batched_tokens": 16384, "tensor_parallel_size": 2,
-                                                   "distributed_executor_backend": "mp"}
+    assert device_args("cuda", 4096, 256) == {
+        "enforce_eager": False,
+        "enable_chunked_prefill": True,
+        "max_num_batched_tokens": 8192,
+        "tensor_parallel_size": 1,
+    }
+    assert device_args("cuda", 4096, 16384, 2) == {
+        "enforce_eager": False,
+        "enable_chunked_prefill": True,
+        "max_num_batched_tokens": 16384,
+        "tensor_parallel_size": 2,
+        "distributed_executor_backend": "mp",
+    }
     assert device_args("cpu", 4096, 256) == CPU_ARGS
     assert device_args("cpu", 4096, 256, 2) == CPU_ARGS  # a CPU engine (simulated GPUs) runs one rank
     assert device_args("cpu", 512, 8)["max_num_batched_tokens"] == 2048
@@ -67,7 +75,10 @@ def _worker(monkeypatch, tmp_path, kind: str, **kwargs):
 def test_the_cuda_worker_starts_vllm_with_graphs_and_samples_without_request_seeds(monkeypatch, tmp_path):
     seen = _worker(monkeypatch, tmp_path, "cuda", tensor_parallel_size=2)
     assert {k: seen["args"][k] for k in ("enforce_eager", "enable_chunked_prefill", "tensor_parallel_size")} == {
-        "enforce_eager": False, "enable_chunked_prefill": True, "tensor_parallel_size": 2}
+        "enforce_eager": False,
+        "enable_chunked_prefill": True,
+        "tensor_parallel_size": 2,
+    }
     assert seen["args"]["seed"] == 0 and seen["params"][0].seed is None
 
 
@@ -80,10 +91,11 @@ def test_the_cpu_worker_keeps_eager_whole_prefills_and_the_requests_seed(monkeyp
 
 
 def test_each_vllm_worker_gets_its_device_count_as_tensor_parallel_size(tmp_path):
-    cfg = load_config(recipe_paths()["gsm8k_8gpu"], gpu_recipe_overrides(tmp_path, "gsm8k_8gpu")
-                      + ["placement.roles.actor_infer.num_workers=2"])
+    cfg = load_config(
+        recipe_paths()["gsm8k_8gpu"],
+        gpu_recipe_overrides(tmp_path, "gsm8k_8gpu") + ["placement.roles.actor_infer.num_workers=2"],
+    )
     plan = plan_placement(cfg.placement, cfg.rollout.engine)
-    assert engine_kwargs(cfg, plan, 1, False) == {"dtype": "bfloat16", "tensor_parallel_size": 2,
-                                                  "request_seeds": None}
+    assert engine_kwargs(cfg, plan, 1, False) == {"dtype": "bfloat16", "tensor_parallel_size": 2, "request_seeds": None}
     cfg.placement.roles.actor_infer.num_workers = 4  # the recipe's own layout: one GPU each
     assert engine_kwargs(cfg, plan_placement(cfg.placement, "vllm"), 3, False)["tensor_parallel_size"] == 1
