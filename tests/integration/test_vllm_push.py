@@ -21,14 +21,23 @@ pytestmark = pytest.mark.skipif(
 )
 
 
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def checkpoint_parts(name: str) -> list[str]:
+    """The checkpoint tensors a vLLM tensor concatenates (its fused projections), else its own name."""
+    return next(([name.replace(f, p) for p in parts] for f, parts in FUSED.items() if f in name), [name])
+
+
 def assert_holds(engine, full: dict) -> None:
     """Every tensor vLLM keeps readable (embedding = tied head, norms, q/k/v biases; on CPU a linear
-    layer's weight lives packed in oneDNN) holds ``full``'s values in bf16."""
+    layer's weight lives packed in oneDNN and reads back empty, or unpacked, as on an AMD EPYC
+    without AVX-512) holds ``full``'s values in bf16."""
     kept = {n: t for n, t in ray.get(engine.engine_weights.remote()).items() if t.numel()}
     assert "model.embed_tokens.weight" in kept and any("qkv_proj.bias" in n for n in kept)
     assert kept["model.embed_tokens.weight"].dtype == torch.bfloat16
     for name, t in kept.items():
-        parts = [name.replace("qkv_proj", p) for p in ("q_proj", "k_proj", "v_proj")] if "qkv_proj" in name else [name]
+        parts = checkpoint_parts(name)
         want = torch.cat([full[p] for p in parts]).to(torch.bfloat16)  # held in bf16 (CPU biases: fp32 of it)
         assert torch.equal(t[: len(want)], want.to(t.dtype)) and not t[len(want) :].any(), name  # vocab padded
 
