@@ -34,7 +34,7 @@ from flash.run_files import read_json, read_jsonl, read_text
 SKIP_STEPS = 2
 
 # Amdahl parallel fraction of both roles (flash.app.plan_model.amdahl) when no second run calibrates it:
-# 0.35 from the issue-2 sweep on a lightly loaded machine (train 0.48 s at 2 threads vs about
+# 0.35 from the async-ratio sweep of the default recipe (BENCHMARKS.md) on a lightly loaded machine (train 0.48 s at 2 threads vs about
 # 0.58 s at 1); on a machine shared with other jobs it is lower, even negative (see
 # ``calibrate_p`` and BENCHMARKS.md, planner section)
 DEFAULT_P = {"engine": 0.35, "trainer": 0.35}

@@ -15,7 +15,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 DIRS = ("flash", "controllers", "buffers", "algos", "recipes", "bench", "tests")
 MAX_FILE, MAX_FUNC = 500, 60
-HISTORY = re.compile(r"\b(issue|session)\s*#?\d+|\bthe skeleton'?s?\b", re.IGNORECASE)
+HISTORY = re.compile(r"\b(issue|session)[\s-]*#?\d+|\bthe skeleton'?s?\b", re.IGNORECASE)
 
 
 def python_files() -> list[Path]:
@@ -78,6 +78,7 @@ def test_the_checks_can_fail():
     body = "\n".join(f"    x{i} = {i}" for i in range(61))
     assert long_functions(f"def f():\n{body}\n") == [("f", 62)]
     assert long_functions("def g():\n    return 1\n") == []
+    assert history_mentions("# from the issue-2 sweep\n") == ["# from the issue-2 sweep"]
     nested = f"class C:\n    def m(self):\n        if x:\n            def inner():\n{body}\n"
     assert [name for name, _ in long_functions(nested.replace("\n    x", "\n                x"))] == ["m", "inner"]
     assert history_mentions("x = 1  # see issue 6\n") == ["# see issue 6"]
