@@ -41,22 +41,13 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from flash.app.interpolation import ALLOW_ENV
 from flash.app.replicates import REPLICATE_KEYS, group_runs
-from flash.app.sweep_results import METRICS, add_speedups, collect, recommend, write_results
+from flash.app.sweep_results import METRICS, Point, add_speedups, collect, recommend, write_results
 from flash.errors import ConfigError, raise_terminated
 from flash.run_files import open_run_file, read_json, refuse_links, run_subdir, write_run_text
-
-
-@dataclass
-class Point:
-    settings: dict[str, str]  # swept key -> value, as written on the command line
-    overrides: list[str]  # every override of this run: fixed ones, then the swept ones
-    slug: str = ""
-    row: dict = field(default_factory=dict)
 
 
 def split_values(text: str) -> list[str]:

@@ -8,14 +8,22 @@ metric; then the runs).
 from __future__ import annotations
 
 import csv
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from flash.app.replicates import Group, Stat, choose, fmt_stat
 from flash.run_files import open_run_file, write_run_text
 
-if TYPE_CHECKING:
-    from flash.app.sweep import Point
+
+@dataclass
+class Point:
+    """One run of a sweep: its swept settings, all its overrides, its run dir's name, its results row."""
+
+    settings: dict[str, str]  # swept key -> value, as written on the command line
+    overrides: list[str]  # every override of this run: fixed ones, then the swept ones
+    slug: str = ""
+    row: dict = field(default_factory=dict)
+
 
 ROLES = ("rollout", "train")
 COLUMNS = [
