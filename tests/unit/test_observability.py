@@ -112,10 +112,15 @@ def test_idle_ratios_per_role_on_a_controlled_case(monkeypatch):
         wall = time.monotonic() - start
     finally:
         loop.shutdown()
-    assert 0.3 <= busy_engine < 0.36  # the stub's sleeps, measured by the loop
-    assert m["rollout/idle_ratio"] == pytest.approx(1 - 0.3 / 0.75, abs=0.07)
+    # the stub's sleeps, measured by the loop: never less than asked, overshoot bounded (a loaded
+    # machine oversleeps each of the ten steps by a few ms)
+    assert 0.3 <= busy_engine < 0.45
+    assert 0.25 <= trainer.busy_s < 0.35
+    # the ratios are the measured busy time over the measured window, whatever the load did to both
     assert m["rollout/idle_ratio"] == pytest.approx(1 - busy_engine / wall, abs=0.02)
-    assert m["train/idle_ratio"] == pytest.approx(1 - 0.25 / 0.75, abs=0.07)
+    assert m["train/idle_ratio"] == pytest.approx(1 - trainer.busy_s / wall, abs=0.02)
+    assert 0.75 <= wall < 1.2  # the window the test held open, not stretched by the reads
+    assert 0.3 < m["rollout/idle_ratio"] < 0.7 and 0.5 < m["train/idle_ratio"] < 0.8  # 0.6 and 0.67 unloaded
     assert m["rollout/tokens_generated"] == 10
     spans = ctrl._engine_spans  # the timeline agrees with the counters
     assert sum(b - a for a, b in spans) == pytest.approx(busy_engine, abs=0.03)
