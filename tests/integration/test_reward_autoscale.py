@@ -124,7 +124,10 @@ def test_pool_grows_under_load_shrinks_after_within_budget_and_loses_no_call():
     results: list = [None] * 24
     try:
 
+        together = threading.Barrier(24)  # the burst arrives at once, as a round's responses do
+
         def call(i):
+            together.wait(30)
             results[i] = pool.score(TaskItem(i, "p", ""), "x")
 
         callers = [threading.Thread(target=call, args=(i,)) for i in range(24)]
