@@ -49,7 +49,7 @@ def run_once(recipe: str, overrides: list[str], run_dir: Path, steps: int) -> Pa
     return run_dir
 
 
-def setting_of(overrides: list[str], trace: planner.Trace) -> pm.Setting:
+def setting_of(overrides: list[str], trace: pm.Trace) -> pm.Setting:
     """The planner's Setting for a list of ``key=value`` overrides (its strict keys only)."""
     return planner.parse_candidates(overrides, trace)[0][1]
 

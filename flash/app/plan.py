@@ -23,7 +23,6 @@ import gzip
 import json
 import os
 import statistics
-from dataclasses import dataclass
 from pathlib import Path
 
 from flash.app import plan_model as pm
@@ -39,18 +38,6 @@ SKIP_STEPS = 2
 # ``calibrate_p`` and BENCHMARKS.md, planner section)
 DEFAULT_P = {"engine": 0.35, "trainer": 0.35}
 P_GRID = [round(-0.9 + 0.01 * i, 2) for i in range(186)]  # -0.9 .. 0.95
-
-
-@dataclass
-class Trace:
-    """What a run dir says, reduced to what the model needs."""
-
-    costs: pm.Costs
-    groups: list[list[int]]  # every trained group's n response lengths
-    steps: list[list[list[int]]]  # per steady step: its groups' lengths
-    setting: pm.Setting  # the setting the run had (threads as configured: 0 = auto)
-    B: int
-    measured_step_s: float  # mean seconds per steady step
 
 
 def _jsonl(path: Path) -> list[dict]:
@@ -209,7 +196,7 @@ def _run_setting(cfg, summary) -> tuple[pm.Setting, tuple[int, int], int, int]:
     return setting, resolved, cores, int(cfg.train.prompts_per_step)
 
 
-def load_trace(run_dirs: str | Path | list, skip: int = SKIP_STEPS) -> Trace:
+def load_trace(run_dirs: str | Path | list, skip: int = SKIP_STEPS) -> pm.Trace:
     """Read and fit one finished run dir, or several runs of one setting (repeats: their steady
     steps are pooled, which halves the machine's noise in the fit twice as fast)."""
     dirs = [Path(d) for d in (run_dirs if isinstance(run_dirs, (list, tuple)) else [run_dirs])]
@@ -225,7 +212,7 @@ def load_trace(run_dirs: str | Path | list, skip: int = SKIP_STEPS) -> Trace:
         rows, steps, plens = rows + r, steps + st, plens + pl
     setting, resolved, cores, B = first
     costs = fit_costs(rows, steps, statistics.fmean(plens) if plens else 0.0, resolved, cores)
-    return Trace(
+    return pm.Trace(
         costs=costs,
         groups=[g for st in steps for g in st],
         steps=steps,
@@ -235,7 +222,7 @@ def load_trace(run_dirs: str | Path | list, skip: int = SKIP_STEPS) -> Trace:
     )
 
 
-def predict(trace: Trace, s: pm.Setting, p: dict[str, float] | None = None) -> pm.Prediction:
+def predict(trace: pm.Trace, s: pm.Setting, p: dict[str, float] | None = None) -> pm.Prediction:
     """Seconds per step of setting ``s``: the trace's costs moved to ``s``'s threads, replicas and
     overlap (``flash.app.plan_model``), averaged over its rounds (the trace's steps, or simulated
     tail-batching rounds)."""
@@ -274,7 +261,7 @@ def predict(trace: Trace, s: pm.Setting, p: dict[str, float] | None = None) -> p
     return pm.Prediction(parts["step_s"], parts)
 
 
-def calibrate_p(trace: Trace, target: pm.Setting, measured_s: float) -> float:
+def calibrate_p(trace: pm.Trace, target: pm.Setting, measured_s: float) -> float:
     """The parallel fraction ``p`` (both roles) with which ``trace`` best predicts ``measured_s``,
     the seconds per step measured at ``target``: a run at another thread split (e.g. an async run
     beside a sync one) is what measures how the cores split on this machine under its present
@@ -339,7 +326,7 @@ def plan(
     return rows
 
 
-def _ranked(trace: Trace, items: list[str], p: dict[str, float]) -> list[dict]:
+def _ranked(trace: pm.Trace, items: list[str], p: dict[str, float]) -> list[dict]:
     """The candidates' predictions as rows, fastest first."""
     rows = []
     for written, setting in parse_candidates(items, trace):
@@ -355,7 +342,7 @@ def _ranked(trace: Trace, items: list[str], p: dict[str, float]) -> list[dict]:
     return rows
 
 
-def _fit_line(trace: Trace, own: float) -> str:
+def _fit_line(trace: pm.Trace, own: float) -> str:
     """The measured step, the model's own (``own``) and the fitted costs, in one line."""
     k = trace.costs
     return (
@@ -368,7 +355,7 @@ def _fit_line(trace: Trace, own: float) -> str:
     )
 
 
-def _table(trace: Trace, rows: list[dict]) -> list[str]:
+def _table(trace: pm.Trace, rows: list[dict]) -> list[str]:
     """The ranked table's lines, header first, columns padded to their widest cell."""
     keys = list(rows[0]["settings"]) if rows else []
     header = ["#", *keys, "s/step", "vs run", "engine s", "train s", "CPU bound s", "threads e/t", "long rounds"]

@@ -10,14 +10,10 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
 from flash.app import plan_model as pm
 from flash.controllers.tail_policy import SCHEDULERS
 from flash.errors import ConfigError
-
-if TYPE_CHECKING:
-    from flash.app.plan import Trace
 
 # candidate key -> (Setting field, parser); config keys, so a row can be pasted into `flash run`
 KEYS = {
@@ -69,7 +65,7 @@ def _parse_value(key: str, raw: str, lengths: list[int]):
     return field_name, value
 
 
-def parse_candidates(items: list[str], trace: Trace) -> list[tuple[dict[str, str], pm.Setting]]:
+def parse_candidates(items: list[str], trace: pm.Trace) -> list[tuple[dict[str, str], pm.Setting]]:
     """``key=v1,v2`` items → every combination as (the values as written, its Setting); keys not
     given keep the run's values. Unknown keys name the closest valid one."""
     from flash.app.keys import closest

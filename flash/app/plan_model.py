@@ -89,6 +89,18 @@ class Setting:
 
 
 @dataclass
+class Trace:
+    """What a run dir says (``flash.app.plan.load_trace``), reduced to what the model needs."""
+
+    costs: Costs
+    groups: list[list[int]]  # every trained group's n response lengths
+    steps: list[list[list[int]]]  # per steady step: its groups' lengths
+    setting: Setting  # the setting the run had (threads as configured: 0 = auto)
+    B: int
+    measured_step_s: float  # mean seconds per steady step
+
+
+@dataclass
 class Round:
     """One simulated rollout round (= one train step): its engine iterations and tokens, and the
     trained rows' longest response."""
