@@ -123,7 +123,6 @@ def test_pool_grows_under_load_shrinks_after_within_budget_and_loses_no_call():
     watcher.start()
     results: list = [None] * 24
     try:
-
         together = threading.Barrier(24)  # the burst arrives at once, as a round's responses do
 
         def call(i):
