@@ -44,7 +44,7 @@ LEARNING: dict[str, list[Learning]] = {
         Learning("tests/e2e/test_default_recipe.py::test_default_recipe_learns[2-0]", 0.15),
     ],
     "math": [Learning("tests/integration/test_wordproblems.py::test_math_recipe_learns", 0.10)],
-    "reasoning_gym": [Learning("tests/integration/test_reasoning_gym.py::test_the_reasoning_gym_recipe_learns", 0.08)],
+    "reasoning_gym": [Learning("tests/integration/test_reasoning_gym.py::test_the_reasoning_gym_recipe_learns", 0.04)],
     "code": [
         Learning(
             "tests/learning/test_recipes_learn.py::test_code_recipe_learns_with_the_adaptive_sandbox_timeout", 0.25

@@ -57,14 +57,43 @@ def test_a_bad_dataset_or_option_is_one_line_naming_the_fix(options, error):
     assert error in str(caught.value) and "\n" not in str(caught.value)
 
 
+def one_too_high_share(lines: list[dict]) -> float:
+    """The share of held-out answers that are an integer one above the item's answer: the slip the
+    warm start was taught (``slip_prob``) and the reward teaches away."""
+    high = 0
+    for line in lines:
+        try:
+            high += int(line["response"].strip()) == int(line["answer"]) + 1
+        except ValueError:
+            pass
+    return high / len(lines)
+
+
+def test_the_one_too_high_share_counts_only_answers_one_above():
+    lines = [
+        {"response": " 7", "answer": "6"},
+        {"response": "6", "answer": "6"},
+        {"response": "-2", "answer": "-3"},
+        {"response": "5", "answer": "6"},
+        {"response": "x", "answer": "6"},
+    ]
+    assert one_too_high_share(lines) == 0.4
+
+
 @pytest.mark.slow
 @pytest.mark.margin  # the 800-step warm start and 40 steps: ~9 minutes on 2 quiet cores
 def test_the_reasoning_gym_recipe_learns(tmp_path, warm_cache):
-    from tests.helpers.processes import recipe_summary
+    from tests.helpers.processes import read_jsonl, recipe_summary
 
-    s = recipe_summary(
-        tmp_path / "run", warm_cache, "recipes/reasoning_gym.yaml", ["tracking.tensorboard=false"], timeout=3000
-    )
+    run_dir = tmp_path / "run"
+    s = recipe_summary(run_dir, warm_cache, "recipes/reasoning_gym.yaml", ["tracking.tensorboard=false"], timeout=3000)
     assert s["steps"] == 40
-    # measured +0.139 (0.418 -> 0.557, BENCHMARKS.md); the difference's standard error is ~0.05
-    assert s["eval_accuracy_final"] - s["eval_accuracy_initial"] >= 0.08, s
+    # Seven runs from one CPU's warm start (held-out 0.584; BENCHMARKS.md: the recipe at seeds 0 and 1,
+    # synchronous, groups of 16, 32 prompts) gained +0.043 to +0.120, +0.079 on average, against a
+    # paired standard error of ~0.025 over 128 items: the tiny model turns part of its one-too-high
+    # answers into one-too-low ones. Every run cut the one-too-high share by 39-60 % (lr 5e-4: +0.020
+    # and 29 %, below both bars). Another CPU's warm start (0.418) gained +0.139.
+    assert s["eval_accuracy_final"] - s["eval_accuracy_initial"] >= 0.04, s
+    before = one_too_high_share(read_jsonl(run_dir / "eval" / "eval" / "step-0.jsonl"))
+    after = one_too_high_share(read_jsonl(run_dir / "eval" / "eval" / "step-40.jsonl"))
+    assert after <= 2 / 3 * before, (before, after)
