@@ -50,6 +50,18 @@ def warm_cache(tmp_path_factory):
     return os.environ.get("FLASH_TEST_CACHE") or str(tmp_path_factory.mktemp("warm_cache"))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def prebuilt_warm_starts(request, warm_cache):
+    """The warm starts the selected tests use, built in the background while the unit tier runs
+    (``tests.helpers.prebuild``); each such test waits for its own."""
+    from tests.helpers import prebuild
+
+    selected = [(item.nodeid, getattr(getattr(item, "callspec", None), "params", {})) for item in request.session.items]
+    prebuild.start(warm_cache, prebuild.plan(selected))
+    yield
+    prebuild.stop()
+
+
 MARGIN_TIMEOUT_S = 3600  # a margin run may build a cold warm start first (the calculator's: ~20 min)
 
 

@@ -20,9 +20,10 @@ import math
 import pytest
 
 from flash.app.config import load_config
+from tests.helpers import prebuild
 from tests.helpers.processes import recipe_summary
 
-RECIPE = "recipes/stutter.yaml"
+RECIPE = prebuild.DEFAULT_RECIPE
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +45,8 @@ def bar(ratio: float) -> float:
 def test_default_recipe_learns(tmp_path, cache, ratio, seed):
     """Each run in a process of its own, as a user runs it (no state of the test session leaks in),
     from the warm start of its seed."""
-    overrides = [f"async_ratio={ratio}", f"seed={seed}", f"sft.seed={seed}"]
+    overrides = prebuild.default_recipe_overrides(ratio, seed)
+    prebuild.wait(cache, prebuild.default_recipe_entry(seed).name)
     cfg = load_config(RECIPE, overrides)
     s = recipe_summary(tmp_path, cache, RECIPE, overrides)
     gain = s["eval_accuracy_final"] - s["eval_accuracy_initial"]

@@ -5,13 +5,14 @@ norm and mean reward per step (within rel 1e-5, abs 1e-6, the norm rel 1e-3: ano
 reduce in another order, ``tests.golden.REL_OF``) and the same first sampled token ids (exactly: every role samples on one torch thread) as
 ``tests/golden/RECIPE.json``. A change that moves them is re-blessed by
 ``python -m tests.golden bless RECIPE``, which runs the recipe's learning test first. One Ray for
-the module; warm starts in the session's cache.
+the module; warm starts in the session's cache, built during the unit tier (``tests.helpers.prebuild``).
 """
 
 import pytest
 
 from tests import golden
 from tests.golden import bless
+from tests.helpers import prebuild
 
 RECIPES = sorted(golden.SHAPES)
 
@@ -24,6 +25,7 @@ def measured_dir(tmp_path_factory):
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_recipe_reproduces_its_golden_numerics(recipe, ray_local, warm_cache, measured_dir):
     expected = golden.read_golden(recipe)
+    prebuild.wait(warm_cache, prebuild.golden_entry(recipe).name)
     measured = golden.run_golden(recipe, measured_dir / recipe, warm_cache)
     moved = golden.differences(expected, measured)
     assert not moved, golden.failure_message(moved)
