@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -31,6 +32,9 @@ DONE_FILE = ".prebuilt"
 LOG_FILE = ".prebuild.log"
 DEFAULT_RECIPE = "recipes/stutter.yaml"
 WAIT_LIMIT_S = 900.0  # a builder stuck past this leaves the test to build its own
+# the tests whose warm starts the builder knows (node ids without their parameters)
+GOLDEN_TEST = "tests/integration/test_golden_numerics.py::test_recipe_reproduces_its_golden_numerics"
+DEFAULT_TEST = "tests/e2e/test_default_recipe.py::test_default_recipe_learns"
 
 
 @dataclass(frozen=True)
@@ -61,9 +65,9 @@ def default_recipe_entry(seed: int) -> Entry:
 def entry_of(nodeid: str, params: dict) -> Entry | None:
     """The warm start a selected test uses, if the builder knows it (its params: the test's
     parametrization)."""
-    if nodeid.startswith("tests/integration/test_golden_numerics.py::test_recipe_reproduces_its_golden_numerics["):
+    if nodeid.startswith(f"{GOLDEN_TEST}["):
         return golden_entry(params["recipe"])
-    if nodeid.startswith("tests/e2e/test_default_recipe.py::test_default_recipe_learns["):
+    if nodeid.startswith(f"{DEFAULT_TEST}["):
         return default_recipe_entry(params["seed"])
     return None
 
@@ -99,10 +103,11 @@ def start(cache_dir: str, entries: list[Entry]) -> None:
 
 
 def stop() -> None:
-    """End the builder if it is still running (the session is over)."""
+    """End the builder if it is still running (the session is over): SIGINT first, so the warm
+    start it was building leaves no temporary directory in the cache (``flash.cache.build_once``)."""
     global _builder
     if _builder is not None and _builder.poll() is None:
-        _builder.terminate()
+        _builder.send_signal(signal.SIGINT)
         try:
             _builder.wait(10)
         except subprocess.TimeoutExpired:

@@ -7,8 +7,15 @@ from flash.app.data import build_task
 from tests import golden
 from tests.helpers import prebuild
 
-GOLDEN = "tests/integration/test_golden_numerics.py::test_recipe_reproduces_its_golden_numerics"
-DEFAULT = "tests/e2e/test_default_recipe.py::test_default_recipe_learns"
+GOLDEN, DEFAULT = prebuild.GOLDEN_TEST, prebuild.DEFAULT_TEST
+
+
+def test_the_tests_the_builder_knows_exist_by_those_names():
+    for nodeid in (GOLDEN, DEFAULT):
+        path, name = nodeid.split("::")
+        assert f"def {name}(" in (prebuild.ROOT / path).read_text(), (
+            f"{nodeid} is not there: update tests.helpers.prebuild"
+        )
 
 
 def test_the_plan_holds_each_selected_tests_warm_start_once_in_test_order_and_only_beside_unit_tests():
@@ -58,7 +65,7 @@ def test_wait_returns_the_builders_outcome_or_not_prebuilt(tmp_path, monkeypatch
     assert prebuild.wait(cache, "default-seed0", limit_s=0.3) == "not prebuilt"  # past its limit
 
 
-def test_the_builder_records_a_failure_by_name_and_goes_on(tmp_path, capsys):
+def test_the_builder_records_a_failure_by_name_and_goes_on(tmp_path):
     bad = prebuild.Entry("broken", "recipes/no_such_recipe.yaml", ())
     stutter = prebuild.Entry("stutter", "recipes/stutter.yaml", ("sft.steps=0", "sft.eval_after=false"))
     prebuild.build(str(tmp_path), [bad, stutter])
